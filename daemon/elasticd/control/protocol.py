@@ -1,0 +1,219 @@
+"""The control protocol between ``elasticctl`` and ``elasticd`` (DESIGN §3).
+
+A stdlib-only leaf: the CLI imports this module and nothing else from the daemon.
+
+Every frame is one JSON object.  Request::
+
+    {"v": 1, "id": "…", "op": "status", "args": {"job": "j-7f3a21"}}
+
+Reply (one, or several with the same id for a stream, the last one ``{"end": true}``)::
+
+    {"v": 1, "id": "…", "ok": true, "result": …}
+    {"v": 1, "id": "…", "ok": false, "error": {"code": "not_found", "message": "…"}}
+    {"v": 1, "id": "…", "ok": true, "end": true}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+VERSION = 1
+MAX_FRAME = 4 * 1024 * 1024
+SOCKET_NAME = "control.sock"
+
+# op -> {arg: allowed python types}; every arg is optional unless listed in REQUIRED.
+OPS: dict[str, dict[str, tuple[type, ...]]] = {
+    "version": {},
+    "submit": {
+        "argv": (list,),
+        "kind": (str,),
+        "python": (str,),
+        "workdir": (str,),
+        "env": (dict,),
+        "nnodes": (str, int),
+        "nproc_per_node": (str, int),
+        "max_restarts": (int,),
+        "name": (str,),
+        "nodes": (list,),
+        "exclude": (list,),
+        "join_timeout": (int, float),
+        "last_call_timeout": (int, float),
+        "exit_barrier_timeout": (int, float),
+        "wait": (bool,),
+    },
+    "list": {"all": (bool,)},
+    "status": {"job": (str,)},
+    "logs": {"job": (str,), "rank": (int,), "follow": (bool,), "attempt": (int,), "tail": (int,)},
+    "cancel": {"job": (str,)},
+    "wait": {"job": (str,)},
+    "nodes": {},
+    "drain": {"node": (str,)},
+    "undrain": {"node": (str,)},
+}
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "submit": ("argv",),
+    "status": ("job",),
+    "logs": ("job",),
+    "cancel": ("job",),
+    "wait": ("job",),
+    "drain": ("node",),
+    "undrain": ("node",),
+}
+STREAMING_OPS = frozenset({"logs", "wait"})  # and "submit" with args.wait
+
+# Error codes a client can branch on (the daemon's ElasticdError.code values).
+E_BAD_REQUEST = "bad_request"
+E_UNKNOWN_OP = "unknown_op"
+E_TOO_LARGE = "too_large"
+E_NOT_FOUND = "not_found"
+E_PERMISSION = "permission_denied"
+E_INVALID_SPEC = "invalid_spec"
+E_INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A frame that does not follow the protocol; ``code`` is the wire error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def streaming(self) -> bool:
+        return self.op in STREAMING_OPS or (self.op == "submit" and bool(self.args.get("wait")))
+
+
+def encode_request(req: Request) -> bytes:
+    return _dump({"v": VERSION, "id": req.id, "op": req.op, "args": req.args})
+
+
+def decode_request(frame: bytes) -> Request:
+    """Parse and type-check one request frame; raises ProtocolError naming what is wrong.
+
+    The id is recovered first so that even a bad request gets a reply the client can match.
+    """
+    if len(frame) > MAX_FRAME:
+        raise ProtocolError(E_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME}")
+    doc = _load(frame)
+    if not isinstance(doc, dict):
+        raise ProtocolError(E_BAD_REQUEST, "request must be a JSON object")
+    if doc.get("v") != VERSION:
+        raise ProtocolError(E_BAD_REQUEST, f"unsupported protocol version {doc.get('v')!r}")
+    rid, op, args = doc.get("id"), doc.get("op"), doc.get("args", {})
+    if not isinstance(rid, str) or not rid:
+        raise ProtocolError(E_BAD_REQUEST, "'id' must be a non-empty string")
+    if not isinstance(op, str):
+        raise ProtocolError(E_BAD_REQUEST, "'op' must be a string")
+    if op not in OPS:
+        raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r}")
+    if not isinstance(args, dict):
+        raise ProtocolError(E_BAD_REQUEST, "'args' must be an object")
+    _check_args(op, args)
+    return Request(rid, op, args)
+
+
+def request_id(frame: bytes) -> str:
+    """Best-effort id of a frame that failed to decode ("" when there is none)."""
+    try:
+        doc = json.loads(frame)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return ""
+    rid = doc.get("id") if isinstance(doc, dict) else None
+    return rid if isinstance(rid, str) else ""
+
+
+def _check_args(op: str, args: dict[str, Any]) -> None:
+    schema = OPS[op]
+    for name, value in args.items():
+        if name not in schema:
+            raise ProtocolError(E_BAD_REQUEST, f"{op}: unknown argument {name!r}")
+        allowed = schema[name]
+        if isinstance(value, bool) and bool not in allowed:
+            raise ProtocolError(E_BAD_REQUEST, f"{op}: {name!r} must be {_names(allowed)}")
+        if not isinstance(value, allowed):
+            raise ProtocolError(E_BAD_REQUEST, f"{op}: {name!r} must be {_names(allowed)}")
+    for name in REQUIRED.get(op, ()):
+        if name not in args:
+            raise ProtocolError(E_BAD_REQUEST, f"{op}: missing argument {name!r}")
+
+
+def _names(types: tuple[type, ...]) -> str:
+    words = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+             list: "a list", dict: "an object"}
+    return " or ".join(words[t] for t in types)
+
+
+def ok(rid: str, result: Any) -> bytes:
+    return _dump({"v": VERSION, "id": rid, "ok": True, "result": result})
+
+
+def end(rid: str) -> bytes:
+    return _dump({"v": VERSION, "id": rid, "ok": True, "end": True})
+
+
+def error(rid: str, code: str, message: str) -> bytes:
+    return _dump({"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}})
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: str
+    ok: bool
+    result: Any = None
+    end: bool = False
+    code: str = ""
+    message: str = ""
+
+
+def decode_reply(frame: bytes) -> Reply:
+    doc = _load(frame)
+    if not isinstance(doc, dict) or doc.get("v") != VERSION or not isinstance(doc.get("id"), str):
+        raise ProtocolError(E_BAD_REQUEST, "malformed reply from daemon")
+    if doc.get("ok"):
+        return Reply(doc["id"], True, doc.get("result"), bool(doc.get("end")))
+    err = doc.get("error") or {}
+    return Reply(doc["id"], False, code=str(err.get("code", E_INTERNAL)),
+                 message=str(err.get("message", "")))
+
+
+def _dump(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _load(frame: bytes) -> Any:
+    try:
+        return json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(E_BAD_REQUEST, f"invalid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(E_BAD_REQUEST, "invalid JSON: nested too deeply") from None
+
+
+def default_runtime_dir(uid: int | None = None) -> str:
+    """Where a daemon started by ``uid`` keeps its socket when not told otherwise."""
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return "/run/elasticd"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(xdg, "elasticd") if xdg else f"/tmp/elasticd-{uid}"
+
+
+def default_socket_path() -> str:
+    """The socket elasticctl talks to: $ELASTICD_SOCKET, else the caller's own daemon's
+    socket if it exists, else the system daemon's."""
+    env = os.environ.get("ELASTICD_SOCKET")
+    if env:
+        return env
+    own = os.path.join(default_runtime_dir(), SOCKET_NAME)
+    system = os.path.join("/run/elasticd", SOCKET_NAME)
+    return own if os.path.exists(own) or not os.path.exists(system) else system

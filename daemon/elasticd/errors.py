@@ -1,0 +1,121 @@
+"""The ElasticdError tree. Each class has a stable ``code`` that travels on the wire
+(control replies, job records) so clients can branch on it without parsing messages."""
+
+from __future__ import annotations
+
+
+class ElasticdError(Exception):
+    code = "internal"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class ConfigError(ElasticdError):
+    """A configuration key or value is invalid."""
+
+    code = "config"
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"config key '{key}': {message}")
+
+
+class BadRequest(ElasticdError):
+    """The request is malformed."""
+
+    code = "bad_request"
+
+
+class UnknownOp(ElasticdError):
+    """The request names an operation the daemon does not have."""
+
+    code = "unknown_op"
+
+
+class TooLarge(ElasticdError):
+    """The frame is larger than the protocol allows."""
+
+    code = "too_large"
+
+
+class NotFound(ElasticdError):
+    """No such object."""
+
+    code = "not_found"
+
+
+class PermissionDenied(ElasticdError):
+    """The caller may not do this."""
+
+    code = "permission_denied"
+
+
+class InvalidSpec(ElasticdError):
+    """The job specification is invalid."""
+
+    code = "invalid_spec"
+
+
+class Conflict(ElasticdError):
+    """The object is not in a state that allows this."""
+
+    code = "conflict"
+
+
+class StoreError(ElasticdError):
+    """The store failed."""
+
+    code = "store"
+
+
+class StoreConnectionError(StoreError):
+    """The store cannot be reached."""
+
+    code = "store_unreachable"
+
+
+class StoreTimeout(StoreError):
+    """A store operation timed out."""
+
+    code = "store_timeout"
+
+
+class TamperedRecord(StoreError):
+    """A store record's MAC is missing or wrong."""
+
+    code = "tampered_record"
+
+
+class RendezvousError(ElasticdError):
+    """The rendezvous failed."""
+
+    code = "rendezvous"
+
+
+class RendezvousClosedError(RendezvousError):
+    """The rendezvous is closed."""
+
+    code = "rendezvous_closed"
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """The rendezvous did not complete in time."""
+
+    code = "rendezvous_timeout"
+
+
+class RendezvousStateError(RendezvousError):
+    """The rendezvous state in the store is unreadable or tampered with."""
+
+    code = "rendezvous_state"
+
+
+class WorkerSpawnError(ElasticdError):
+    """A worker process could not be started."""
+
+    code = "spawn_failed"
