@@ -1,0 +1,242 @@
+"""Pure rendering: control-protocol documents -> the text that elasticctl prints.
+
+Every function takes plain documents (dicts as the daemon sends them) and, where a
+relative time is shown, ``now`` in unix seconds; none of them reads a clock or writes.
+Missing or null fields render as ``-``; unknown extra keys are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+Doc = Mapping[str, Any]
+
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+WORKER_UP = frozenset({"HEALTHY", "RUNNING"})
+NONE = "-"
+
+
+# -- building blocks ------------------------------------------------------------------------
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Columns aligned on the widest cell, two spaces apart, no trailing blanks."""
+    cells = [list(headers)] + [[text(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in cells)
+
+
+def text(value: Any) -> str:
+    return NONE if value is None or value == "" else str(value)
+
+
+def duration(seconds: float) -> str:
+    """A short human duration: 42s, 3m12s, 2h5m, 3d4h."""
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours}h" if hours else f"{days}d"
+    if hours:
+        return f"{hours}h{minutes}m" if minutes else f"{hours}h"
+    if minutes:
+        return f"{minutes}m{secs}s" if secs else f"{minutes}m"
+    return f"{secs}s"
+
+
+def ago(then: float | None, now: float) -> str:
+    return NONE if then is None else f"{duration(now - then)} ago"
+
+
+def local_time(then: float | None) -> str:
+    return NONE if then is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(then))
+
+
+def ranks(numbers: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or NONE
+
+
+def fraction(part: Any, whole: Any) -> str:
+    return f"{text(part)}/{text(whole)}"
+
+
+# -- jobs -----------------------------------------------------------------------------------
+
+def node_count(nnodes: Any) -> str:
+    """'2:4' -> '2..4 nodes', '1:1' -> '1 node', '3' -> '3 nodes'."""
+    low, _, high = str(nnodes).partition(":")
+    if high and high != low:
+        return f"{low}..{high} nodes"
+    return "1 node" if low == "1" else f"{low} nodes"
+
+
+def submitted_line(job: Doc) -> str:
+    """'job j-7f3a21 submitted (waiting for 2..4 nodes)'."""
+    waiting = f" (waiting for {node_count(job['nnodes'])})" if job.get("nnodes") else ""
+    return f"job {job.get('id')} submitted{waiting}"
+
+
+def workers_up(job: Doc) -> str:
+    """'2/4': workers running out of the job's world size ('-' before the first round)."""
+    workers = job.get("workers") or []
+    total = job.get("world_size") or len(workers)
+    if not total:
+        return NONE
+    return fraction(sum(w.get("state") in WORKER_UP for w in workers), total)
+
+
+def barrier_progress(barrier: Doc | None, now: float) -> str | None:
+    """'3/4 nodes done, 212 s left', or None when no exit barrier is pending."""
+    if not barrier:
+        return None
+    progress = f"{text(barrier.get('done'))}/{text(barrier.get('total'))} nodes done"
+    deadline = barrier.get("deadline")
+    if deadline is None:
+        return progress
+    return f"{progress}, {max(0, round(deadline - now))} s left"
+
+
+def progress_line(job: Doc, now: float) -> str:
+    """One line of live progress: 'j-7f3a21  RUNNING  workers 2/2  restarts 0/1  round 0'."""
+    state = job.get("state")
+    fields = [text(job.get("id")), text(state)]
+    if state not in TERMINAL:
+        fields.append(f"workers {workers_up(job)}")
+    fields.append(f"restarts {fraction(job.get('restarts'), job.get('max_restarts'))}")
+    fields.append(f"round {text(job.get('round'))}")
+    barrier = barrier_progress(job.get("barrier"), now)
+    if barrier:
+        fields.append(f"exit barrier {barrier}")
+    if job.get("exit_code") is not None:
+        fields.append(f"exit {job['exit_code']}")
+    return "  ".join(fields)
+
+
+def error_summary(error: Doc | None) -> str | None:
+    """'error: <message> (rank 1 on node n1, exit code 1)', or None without an error."""
+    if not error:
+        return None
+    rank, node, code = error.get("rank"), error.get("node"), error.get("exit_code")
+    place = " ".join(filter(None, (rank is not None and f"rank {rank}", node and f"on node {node}")))
+    detail = ", ".join(filter(None, (place, code is not None and f"exit code {code}")))
+    return f"error: {text(error.get('message'))}" + (f" ({detail})" if detail else "")
+
+
+def cancelled_line(job: Doc | None, requested: str) -> str:
+    """'job j-7f3a21 cancelled', or that it had already ended some other way."""
+    job = job or {}
+    job_id, state = job.get("id") or requested, job.get("state")
+    if state in TERMINAL - {"CANCELLED"}:
+        return f"job {job_id} had already ended ({state})"
+    return f"job {job_id} cancelled"
+
+
+def job_age(job: Doc, now: float) -> str:
+    """Age of an active job ('3m12s'); for a finished one, how long ago it ended."""
+    if job.get("state") in TERMINAL and job.get("ended") is not None:
+        return ago(job["ended"], now)
+    created = job.get("created")
+    return NONE if created is None else duration(now - created)
+
+
+def jobs_table(jobs: Iterable[Doc], now: float) -> str:
+    headers = ("ID", "NAME", "USER", "STATE", "NODES", "WORKERS", "RESTARTS", "AGE/ENDED")
+    return table(headers, ([job.get("id"), job.get("name"), job.get("user"), job.get("state"),
+                            f"{len(job.get('nodes') or [])} ({text(job.get('nnodes'))})",
+                            workers_up(job),
+                            fraction(job.get("restarts"), job.get("max_restarts")),
+                            job_age(job, now)] for job in jobs))
+
+
+def status_block(job: Doc, now: float) -> str:
+    """Everything about one job: fields, root-cause error, exit barrier, nodes, workers."""
+    user = text(job.get("user")) + (f" (uid {job['uid']})" if job.get("uid") is not None else "")
+    fields = [
+        ("id", job.get("id")), ("name", job.get("name")), ("user", user),
+        ("state", job.get("state")), ("command", " ".join(job.get("argv") or []) or None),
+        ("workdir", job.get("workdir")), ("nnodes", job.get("nnodes")),
+        ("nproc", job.get("nproc_per_node")), ("world size", job.get("world_size")),
+        ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),
+        ("round", job.get("round")), ("created", local_time(job.get("created"))),
+        ("started", local_time(job.get("started"))), ("ended", local_time(job.get("ended"))),
+        ("exit code", job.get("exit_code")),
+    ]
+    barrier = barrier_progress(job.get("barrier"), now)
+    if barrier:
+        fields.append(("exit barrier", barrier))
+    lines = [f"{label + ':':<14}{text(value)}" for label, value in fields]
+    lines += _error_lines(job.get("error"))
+    if job.get("nodes"):
+        lines += ["", nodes_of_job_table(job["nodes"])]
+    if job.get("workers"):
+        lines += ["", workers_table(job["workers"])]
+    return "\n".join(lines)
+
+
+def _error_lines(error: Doc | None) -> list[str]:
+    summary = error_summary(error)
+    if summary is None:
+        return []
+    lines = [summary]
+    traceback = (error or {}).get("traceback")
+    if traceback:
+        lines.append("traceback:")
+        lines += ["    " + line for line in str(traceback).rstrip("\n").splitlines()]
+    return lines
+
+
+def nodes_of_job_table(parts: Iterable[Doc]) -> str:
+    """Each node's part of a job: which group rank, which global ranks, in what state."""
+    return table(("NODE", "GROUP RANK", "RANKS", "STATE"),
+                 ([p.get("node"), p.get("group_rank"), ranks(p.get("ranks") or []), p.get("state")]
+                  for p in parts))
+
+
+def workers_table(workers: Iterable[Doc]) -> str:
+    return table(("RANK", "LOCAL", "NODE", "PID", "STATE", "EXIT"),
+                 ([w.get("rank"), w.get("local_rank"), w.get("node"), w.get("pid"),
+                   w.get("state"), w.get("exit_code")] for w in workers))
+
+
+# -- nodes and logs -------------------------------------------------------------------------
+
+def nodes_table(nodes: Iterable[Doc], now: float) -> str:
+    headers = ("NAME", "ADDRESS", "STATE", "SLOTS", "GPUS", "JOBS", "LAST SEEN")
+    return table(headers, ([n.get("name"), n.get("address"), n.get("state"),
+                            fraction(n.get("slots_free"), n.get("slots_total")),
+                            fraction(n.get("gpus_free"), n.get("gpus_total")),
+                            ",".join(n.get("jobs") or []) or None,
+                            ago(n.get("last_seen"), now)] for n in nodes))
+
+
+def node_changed_line(node: Doc | None, name: str, op: str) -> str:
+    """'node n1 draining' from the node document, or that the change was requested."""
+    state = (node or {}).get("state")
+    return f"node {name} {state}" if state else f"node {name}: {op} requested"
+
+
+def daemon_version_line(version: Doc | None) -> str:
+    version = version or {}
+    return f"elasticd {text(version.get('version'))} on node {text(version.get('node'))}"
+
+
+def log_line(line: Doc) -> str:
+    """'[rank 0] text' for stdout, '[rank 0 err] text' for stderr; after a restart the
+    attempt shows too: '[rank 0 attempt 1] text'."""
+    tags = [f"rank {text(line.get('rank'))}"]
+    if line.get("attempt"):
+        tags.append(f"attempt {line['attempt']}")
+    if line.get("stream") == "err":
+        tags.append("err")
+    body = str(line.get("text", "")).removesuffix("\n")
+    return f"[{' '.join(tags)}] {body}"
