@@ -1,0 +1,280 @@
+"""DaemonConfig: the daemon's settings, from TOML and command-line overrides.
+
+Every key is declared once, in the section dataclasses below: its type, its default and a
+validator.  ``packaging/elasticd.toml`` documents the same keys and a test keeps the two in
+agreement.  A bad key or value raises ConfigError naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+AUTO = "auto"
+
+
+def _port(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a port number (0..65535)"
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be greater than 0"
+
+
+def _not_negative(value: float) -> str | None:
+    return None if value >= 0 else "must be 0 or more"
+
+
+def _endpoint(value: str) -> str | None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return "must be HOST:PORT (port 0: a free port, for the store host only)"
+    return None
+
+
+def _gpus(value: int | str) -> str | None:
+    if value == AUTO or (isinstance(value, int) and value >= 0):
+        return None
+    return f"must be '{AUTO}' or a GPU count (0 or more)"
+
+
+def _log_level(value: str) -> str | None:
+    levels = ("debug", "info", "warning", "error")
+    return None if value in levels else f"must be one of {', '.join(levels)}"
+
+
+def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str = "") -> Any:
+    """Declare a config key: its default, an optional validator and a one-line doc."""
+    kwargs: dict[str, Any] = {"metadata": {"check": check, "doc": doc}}
+    if isinstance(default, (dict, list)):
+        kwargs["default_factory"] = lambda: type(default)(default)
+    else:
+        kwargs["default"] = default
+    return field(**kwargs)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str = key("", doc="this node's name in the cluster; empty: the hostname")
+    address: str = key("", doc="address peers use to reach this node; empty: resolved from the name")
+    slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU")
+    gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto' to ask nvidia-smi")
+    labels: dict[str, str] = key({}, doc="labels published with this node (shown by elasticctl nodes)")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    name: str = key("default", doc="cluster name; namespaces every store key")
+    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    endpoint: str = key("127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT")
+    host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint is ours")
+    connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
+    timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    state_dir: str = key("/var/lib/elasticd", doc="job history, logs and the cluster key")
+    runtime_dir: str = key("/run/elasticd", doc="the control socket")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int = key(9464, _port, doc="Prometheus endpoint port; 0 disables it")
+    address: str = key("0.0.0.0", doc="address the Prometheus endpoint binds")
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    admin_group: str = key("elasticd-admin", doc="members act on every job, like root")
+
+
+@dataclass(frozen=True)
+class JobsConfig:
+    allow_root: bool = key(False, doc="run jobs submitted by root as root")
+    stop_grace: float = key(10.0, _not_negative, doc="seconds between SIGTERM and SIGKILL")
+    max_restarts: int = key(0, _not_negative, doc="default job-wide restart budget")
+    exit_barrier_timeout: float = key(300.0, _positive, doc="default exit barrier timeout, seconds")
+    join_timeout: float = key(600.0, _positive, doc="default seconds a job waits for min nodes")
+    last_call_timeout: float = key(1.0, _not_negative, doc="extra seconds for nodes after min joined")
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    keep_alive_interval: float = key(1.0, _positive, doc="heartbeat period, seconds")
+    keep_alive_max_attempt: int = key(3, _positive, doc="missed heartbeats before a node is lost")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = key("info", _log_level, doc="debug, info, warning or error")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    standalone: bool = False
+
+    @property
+    def node_name(self) -> str:
+        return self.node.name or socket.gethostname()
+
+    @property
+    def key_file(self) -> str:
+        return self.cluster.key_file or os.path.join(self.paths.state_dir, "cluster.key")
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.paths.runtime_dir, "control.sock")
+
+    @property
+    def store_host(self) -> str:
+        return self.store.endpoint.rpartition(":")[0]
+
+    @property
+    def store_port(self) -> int:
+        return int(self.store.endpoint.rpartition(":")[2])
+
+
+SECTIONS: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(DaemonConfig).items()
+                             if name != "standalone"}
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None,
+         *, standalone: bool = False) -> DaemonConfig:
+    """Read ``path`` (TOML), apply ``overrides`` (dotted keys, e.g. ``"node.slots"``), validate."""
+    tables: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        tables = _read_toml(path)
+    if standalone:
+        for dotted, value in standalone_defaults().items():
+            _put(tables, dotted, value, replace=False)
+    for dotted, value in (overrides or {}).items():
+        _put(tables, dotted, value, replace=True)
+    return from_tables(tables, standalone=standalone)
+
+
+def from_tables(tables: dict[str, Any], *, standalone: bool = False) -> DaemonConfig:
+    sections = {}
+    for name, value in tables.items():
+        if name not in SECTIONS:
+            raise ConfigError(name, f"unknown section (known: {', '.join(SECTIONS)})")
+        if not isinstance(value, dict):
+            raise ConfigError(name, "must be a table")
+        sections[name] = _section(name, SECTIONS[name], value)
+    return DaemonConfig(**sections, standalone=standalone)
+
+
+def _section(section: str, cls: type, table: dict[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in table.items():
+        dotted = f"{section}.{name}"
+        if name not in fields:
+            raise ConfigError(dotted, f"unknown key (known: {', '.join(fields)})")
+        value = _coerce(dotted, hints[name], value)
+        check = fields[name].metadata["check"]
+        problem = check(value) if check else None
+        if problem:
+            raise ConfigError(dotted, f"{problem}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def _coerce(dotted: str, hint: Any, value: Any) -> Any:
+    """Type-check one value against its annotation; ints are accepted where floats are."""
+    if hint is float and _is(value, int):
+        return float(value)
+    if hint == dict[str, str]:
+        ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in value.items())
+    elif hint in (int | str, bool | str):  # a value, or "auto"
+        ok = value == AUTO or _is(value, int if hint == int | str else bool)
+    else:
+        ok = _is(value, hint)
+    if not ok:
+        raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
+    return value
+
+
+def _is(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+_TYPE_WORDS: dict[Any, str] = {
+    int: "an integer", float: "a number", str: "a string", bool: "true or false",
+    dict[str, str]: "a table of strings", int | str: f"an integer or '{AUTO}'",
+    bool | str: f"true, false or '{AUTO}'",
+}
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+
+
+def _put(tables: dict[str, Any], dotted: str, value: Any, *, replace: bool) -> None:
+    section, _, name = dotted.partition(".")
+    table = tables.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(section, "must be a table")
+    if replace or name not in table:
+        table[name] = value
+
+
+def standalone_defaults(uid: int | None = None) -> dict[str, Any]:
+    """A one-host cluster that needs no config: its own store on 127.0.0.1 (a free port),
+    per-user state and runtime dirs when not root, jobs of the daemon's user allowed."""
+    uid = os.getuid() if uid is None else uid
+    home = os.path.expanduser("~")
+    if uid == 0:
+        state, runtime = "/var/lib/elasticd", "/run/elasticd"
+    else:
+        xdg_state = os.environ.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")
+        xdg_run = os.environ.get("XDG_RUNTIME_DIR")
+        state = os.path.join(xdg_state, "elasticd")
+        runtime = os.path.join(xdg_run, "elasticd") if xdg_run else f"/tmp/elasticd-{uid}"
+    return {
+        "cluster.name": "standalone",
+        "store.endpoint": "127.0.0.1:0",
+        "store.host": True,
+        "node.address": "127.0.0.1",
+        "paths.state_dir": state,
+        "paths.runtime_dir": runtime,
+        "jobs.allow_root": True,
+    }
+
+
+def documented_keys() -> dict[str, tuple[Any, str]]:
+    """Every dotted key with its default and doc line (for the default-config agreement test)."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            out[f"{section}.{f.name}"] = (default, f.metadata["doc"])
+    return out

@@ -1,0 +1,94 @@
+"""DaemonConfig: TOML + overrides, every bad key named; the shipped default file agrees."""
+
+import os
+import tomllib
+
+import pytest
+
+from elasticd import config
+from elasticd.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_defaults():
+    cfg = config.load()
+    assert cfg.store.endpoint == "127.0.0.1:29400"
+    assert cfg.metrics.port == 9464
+    assert cfg.jobs.stop_grace == 10.0
+    assert cfg.node.gpus == "auto"
+    assert cfg.rendezvous.keep_alive_interval == 1.0 and cfg.rendezvous.keep_alive_max_attempt == 3
+
+
+def test_toml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[node]\nname = "n7"\nslots = 4\nlabels = {rack = "a"}\n[jobs]\nstop_grace = 2\n')
+    cfg = config.load(str(path), {"node.slots": 8})
+    assert (cfg.node.name, cfg.node.slots, cfg.node.labels) == ("n7", 8, {"rack": "a"})
+    assert cfg.jobs.stop_grace == 2.0 and isinstance(cfg.jobs.stop_grace, float)
+
+
+@pytest.mark.parametrize("tables, key, words", [
+    ({"node": {"slots": "x"}}, "node.slots", "must be an integer"),
+    ({"node": {"slots": True}}, "node.slots", "must be an integer"),
+    ({"node": {"slots": -1}}, "node.slots", "0 or more"),
+    ({"node": {"gpus": "many"}}, "node.gpus", "an integer or 'auto'"),
+    ({"node": {"labels": {"a": 1}}}, "node.labels", "a table of strings"),
+    ({"node": {"bogus": 1}}, "node.bogus", "unknown key"),
+    ({"nodes": {"name": "x"}}, "nodes", "unknown section"),
+    ({"node": 3}, "node", "must be a table"),
+    ({"store": {"host": "yes"}}, "store.host", "true, false or 'auto'"),
+    ({"store": {"endpoint": "nohost"}}, "store.endpoint", "HOST:PORT"),
+    ({"store": {"endpoint": "h:99999"}}, "store.endpoint", "HOST:PORT"),
+    ({"metrics": {"port": 70000}}, "metrics.port", "port number"),
+    ({"jobs": {"stop_grace": "soon"}}, "jobs.stop_grace", "must be a number"),
+    ({"log": {"level": "loud"}}, "log.level", "one of"),
+    ({"rendezvous": {"keep_alive_interval": 0}}, "rendezvous.keep_alive_interval", "greater than 0"),
+])
+def test_bad_values_name_the_key(tables, key, words):
+    with pytest.raises(ConfigError) as info:
+        config.from_tables(tables)
+    assert info.value.key == key
+    assert f"'{key}'" in str(info.value) and words in str(info.value)
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(str(bad))
+
+
+def test_standalone_user_paths(monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", "/xs")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/xr")
+    d = config.standalone_defaults(uid=1000)
+    assert d["paths.state_dir"] == "/xs/elasticd" and d["paths.runtime_dir"] == "/xr/elasticd"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert config.standalone_defaults(uid=1000)["paths.runtime_dir"] == "/tmp/elasticd-1000"
+    root = config.standalone_defaults(uid=0)
+    assert root["paths.state_dir"] == "/var/lib/elasticd" and root["paths.runtime_dir"] == "/run/elasticd"
+
+
+def test_standalone_keeps_explicit_settings(tmp_path):
+    cfg = config.load(None, {"paths.state_dir": str(tmp_path)}, standalone=True)
+    assert cfg.paths.state_dir == str(tmp_path)
+    assert cfg.store.endpoint == "127.0.0.1:0" and cfg.standalone
+
+
+def test_shipped_default_config_agrees_with_the_daemon():
+    """packaging/elasticd.toml sets every key to the daemon's own default and documents it."""
+    path = os.path.join(ROOT, "packaging", "elasticd.toml")
+    with open(path, "rb") as f:
+        shipped = tomllib.load(f)
+    flat = {f"{section}.{k}": v for section, table in shipped.items() for k, v in table.items()}
+    documented = config.documented_keys()
+    assert set(flat) == set(documented)
+    for dotted, (default, _doc) in documented.items():
+        assert flat[dotted] == default, dotted
+    text = open(path).read()
+    for dotted, (_default, doc) in documented.items():
+        assert doc in text, f"{dotted}: its doc line is missing from {path}"
+    config.load(path)  # and it loads
