@@ -1,0 +1,304 @@
+"""Pure data: jobs, workers, nodes.  No I/O here; JSON in and out with a schema version."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
+
+from .errors import Conflict, InvalidSpec
+
+SCHEMA = 1
+GPU = "gpu"
+KINDS = ("script", "module", "exec")
+
+
+class JobState(str, enum.Enum):
+    PENDING = "PENDING"
+    RENDEZVOUS = "RENDEZVOUS"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+_END = {JobState.FAILED, JobState.CANCELLED}
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.RENDEZVOUS, *_END}),
+    JobState.RENDEZVOUS: frozenset({JobState.PENDING, JobState.RUNNING, *_END}),
+    JobState.RUNNING: frozenset({JobState.RESTARTING, JobState.SUCCEEDED, *_END}),
+    JobState.RESTARTING: frozenset({JobState.RUNNING, *_END}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+def check_transition(old: JobState, new: JobState) -> None:
+    """Raise Conflict unless ``old -> new`` is a legal job state change (same state is a no-op)."""
+    if old != new and new not in TRANSITIONS[old]:
+        raise Conflict(f"job cannot go from {old.value} to {new.value}")
+
+
+class WorkerState(str, enum.Enum):
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run, as whom, where and how elastically.  Fixed at submit."""
+
+    id: str
+    argv: tuple[str, ...]
+    python: str
+    workdir: str
+    uid: int
+    gid: int
+    user: str
+    name: str = ""
+    kind: str = "script"
+    env: Mapping[str, str] = field(default_factory=dict)
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int | str = 1
+    max_restarts: int = 0
+    join_timeout: float = 600.0
+    last_call_timeout: float = 1.0
+    exit_barrier_timeout: float = 300.0
+    nodes: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    submitted_on: str = ""
+    created: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def nnodes(self) -> str:
+        return f"{self.min_nodes}:{self.max_nodes}"
+
+    def command(self) -> list[str]:
+        """The argv a worker execs: what torchrun would run for the same arguments."""
+        if self.kind == "exec":
+            return list(self.argv)
+        if self.kind == "module":
+            return [self.python, "-m", *self.argv]
+        return [self.python, *self.argv]
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["env"] = dict(self.env)
+        doc["schema"] = SCHEMA
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> JobSpec:
+        if not isinstance(doc, Mapping) or doc.get("schema") != SCHEMA:
+            raise InvalidSpec("job spec has an unknown schema version")
+        fields = {k: v for k, v in doc.items() if k != "schema"}
+        for name in ("argv", "nodes", "exclude"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise InvalidSpec(f"job spec is malformed: {exc}") from None
+
+
+def validate(spec: JobSpec) -> None:
+    """Raise InvalidSpec naming the first field that is wrong.  Pure: no file-system checks."""
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise InvalidSpec(message)
+
+    need(bool(spec.argv) and all(isinstance(a, str) for a in spec.argv) and spec.argv[0] != "",
+         "argv must be a non-empty list of strings")
+    need(spec.kind in KINDS, f"kind must be one of {', '.join(KINDS)}")
+    need(spec.kind == "exec" or spec.python.startswith("/"), "python must be an absolute path")
+    need(spec.workdir.startswith("/"), "workdir must be an absolute path")
+    need(all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in v
+             for k, v in spec.env.items()), "env must map names to strings")
+    need(_is_int(spec.min_nodes) and _is_int(spec.max_nodes) and 1 <= spec.min_nodes <= spec.max_nodes,
+         f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {spec.min_nodes}:{spec.max_nodes}")
+    need(spec.nproc_per_node == GPU or (_is_int(spec.nproc_per_node) and spec.nproc_per_node >= 1),
+         f"nproc_per_node must be a positive integer or '{GPU}'")
+    need(_is_int(spec.max_restarts) and spec.max_restarts >= 0, "max_restarts must be 0 or more")
+    for name in ("join_timeout", "last_call_timeout", "exit_barrier_timeout"):
+        value = getattr(spec, name)
+        need(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+             f"{name} must be a number of seconds")
+    need(all(isinstance(n, str) and n for n in spec.nodes + spec.exclude),
+         "nodes and exclude must be node names")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_nnodes(text: str | int) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"2:4"`` -> (2, 4), as torchrun's ``--nnodes``."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text, text
+    low, sep, high = str(text).partition(":")
+    try:
+        pair = (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise InvalidSpec(f"nnodes must be N or MIN:MAX, got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise InvalidSpec(f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return pair
+
+
+def parse_nproc(value: str | int) -> int | str:
+    if value == GPU or (_is_int(value) and value >= 1):
+        return value
+    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise InvalidSpec(f"nproc_per_node must be a positive integer or '{GPU}', got {value!r}")
+
+
+@dataclass(frozen=True)
+class Worker:
+    local_rank: int
+    rank: int
+    world_size: int
+    node: str
+    pid: int | None = None
+    state: WorkerState = WorkerState.INIT
+    exit_code: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "local_rank": self.local_rank, "node": self.node,
+                "pid": self.pid, "state": self.state.value, "exit_code": self.exit_code}
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """This node's share of one round of a job: torchelastic's WorkerGroup."""
+
+    job_id: str
+    round: int
+    restart_count: int
+    group_rank: int
+    group_world_size: int
+    rank_base: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    workers: tuple[Worker, ...]
+    gpus: tuple[str, ...] = ()
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.workers)
+
+    def with_worker(self, worker: Worker) -> WorkerGroup:
+        workers = tuple(worker if w.local_rank == worker.local_rank else w for w in self.workers)
+        return replace(self, workers=workers)
+
+
+def assign_workers(job_id: str, node: str, *, round: int, restart_count: int, group_rank: int,
+                   group_world_size: int, rank_base: int, world_size: int, nproc: int,
+                   master_addr: str, master_port: int, gpus: tuple[str, ...] = ()) -> WorkerGroup:
+    """Global ranks of this node's workers: ``rank_base + local_rank`` (one role)."""
+    workers = tuple(Worker(local_rank=i, rank=rank_base + i, world_size=world_size, node=node)
+                    for i in range(nproc))
+    return WorkerGroup(job_id, round, restart_count, group_rank, group_world_size, rank_base,
+                       world_size, master_addr, master_port, workers, gpus)
+
+
+def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file: str) -> dict[str, str]:
+    """The environment torchrun gives a worker, on top of the submitter's environment."""
+    env = dict(spec.env)
+    env.update({
+        "LOCAL_RANK": str(worker.local_rank),
+        "RANK": str(worker.rank),
+        "GROUP_RANK": str(group.group_rank),
+        "ROLE_RANK": str(worker.rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(group.local_world_size),
+        "WORLD_SIZE": str(group.world_size),
+        "GROUP_WORLD_SIZE": str(group.group_world_size),
+        "ROLE_WORLD_SIZE": str(group.world_size),
+        "MASTER_ADDR": group.master_addr,
+        "MASTER_PORT": str(group.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(group.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    })
+    if "OMP_NUM_THREADS" not in spec.env and group.local_world_size > 1:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default: don't oversubscribe the CPUs
+    if group.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(group.gpus)
+    return env
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a worker failed: its exit and, if it used torch's @record, its error file."""
+
+    rank: int
+    local_rank: int
+    node: str
+    exit_code: int
+    message: str
+    traceback: str = ""
+    timestamp: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Failure:
+        return cls(**{k: doc[k] for k in cls.__dataclass_fields__ if k in doc})
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a worker group ended: SUCCEEDED when all workers did, else the failures by rank."""
+
+    state: WorkerState
+    failures: tuple[Failure, ...] = ()
+
+    @property
+    def root_cause(self) -> Failure | None:
+        """The first failure in time, as torchrun reports it."""
+        return min(self.failures, key=lambda f: (f.timestamp, f.rank)) if self.failures else None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node publishes about itself in the cluster."""
+
+    name: str
+    address: str
+    slots: int
+    gpus: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    version: str = ""
+    draining: bool = False
+    started: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["labels"] = dict(self.labels)
+        doc["gpus"] = list(self.gpus)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> NodeInfo:
+        fields = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc}
+        fields["gpus"] = tuple(fields.get("gpus", ()))
+        return cls(**fields)

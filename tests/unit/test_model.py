@@ -1,0 +1,130 @@
+"""Pure job model: state transitions, nnodes/nproc parsing, spec validation, ranks, worker env."""
+
+import pytest
+
+from elasticd.errors import Conflict, InvalidSpec
+from elasticd.model import (Failure, JobSpec, JobState, RunResult, WorkerState, assign_workers,
+                            check_transition, parse_nnodes, parse_nproc, worker_env)
+
+S = JobState
+
+
+def spec(**kw):
+    base = dict(id="j-1", argv=("train.py",), python="/usr/bin/python3", workdir="/w", uid=1000,
+                gid=1000, user="alice")
+    base.update(kw)
+    return JobSpec(**base)
+
+
+@pytest.mark.parametrize("old, new, legal", [
+    (S.PENDING, S.RENDEZVOUS, True), (S.PENDING, S.CANCELLED, True), (S.PENDING, S.RUNNING, False),
+    (S.RENDEZVOUS, S.RUNNING, True), (S.RENDEZVOUS, S.FAILED, True),
+    (S.RUNNING, S.RESTARTING, True), (S.RESTARTING, S.RUNNING, True),
+    (S.RUNNING, S.SUCCEEDED, True), (S.RESTARTING, S.SUCCEEDED, False),
+    (S.SUCCEEDED, S.RUNNING, False), (S.FAILED, S.CANCELLED, False), (S.CANCELLED, S.CANCELLED, True),
+])
+def test_transitions(old, new, legal):
+    if legal:
+        check_transition(old, new)
+    else:
+        with pytest.raises(Conflict):
+            check_transition(old, new)
+
+
+@pytest.mark.parametrize("text, pair", [("1", (1, 1)), ("2:4", (2, 4)), (3, (3, 3)), ("3:3", (3, 3))])
+def test_parse_nnodes(text, pair):
+    assert parse_nnodes(text) == pair
+
+
+@pytest.mark.parametrize("text", ["0", "4:2", "a", "1:b", "", "0:1"])
+def test_parse_nnodes_rejects(text):
+    with pytest.raises(InvalidSpec, match="nnodes"):
+        parse_nnodes(text)
+
+
+@pytest.mark.parametrize("value, out", [(2, 2), ("2", 2), ("gpu", "gpu")])
+def test_parse_nproc(value, out):
+    assert parse_nproc(value) == out
+
+
+@pytest.mark.parametrize("value", [0, "0", "auto", -1, True, "x"])
+def test_parse_nproc_rejects(value):
+    with pytest.raises(InvalidSpec):
+        parse_nproc(value)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"argv": ()}, "argv"), ({"argv": ("",)}, "argv"), ({"kind": "shell"}, "kind"),
+    ({"python": "python3"}, "python"), ({"workdir": "rel"}, "workdir"),
+    ({"env": {"A=B": "x"}}, "env"), ({"env": {"A": 1}}, "env"),
+    ({"min_nodes": 3, "max_nodes": 2}, "nnodes"), ({"nproc_per_node": 0}, "nproc_per_node"),
+    ({"max_restarts": -1}, "max_restarts"), ({"join_timeout": "x"}, "join_timeout"),
+    ({"nodes": ("",)}, "nodes"),
+])
+def test_spec_validation(change, words):
+    with pytest.raises(InvalidSpec, match=words):
+        spec(**change)
+
+
+def test_exec_kind_needs_no_python():
+    assert spec(kind="exec", python="", argv=("/bin/true", "-x")).command() == ["/bin/true", "-x"]
+
+
+def test_commands():
+    assert spec(argv=("t.py", "--lr", "1")).command() == ["/usr/bin/python3", "t.py", "--lr", "1"]
+    assert spec(kind="module", argv=("pkg.train",)).command() == ["/usr/bin/python3", "-m", "pkg.train"]
+
+
+def test_spec_json_round_trip_and_schema():
+    s = spec(env={"A": "1"}, nodes=("n1",), nproc_per_node="gpu", min_nodes=2, max_nodes=4)
+    assert JobSpec.from_json(s.to_json()) == s
+    doc = s.to_json()
+    doc["schema"] = 99
+    with pytest.raises(InvalidSpec, match="schema"):
+        JobSpec.from_json(doc)
+    doc = s.to_json()
+    doc["surprise"] = 1
+    with pytest.raises(InvalidSpec, match="malformed"):
+        JobSpec.from_json(doc)
+
+
+def test_rank_assignment_heterogeneous():
+    group = assign_workers("j", "n2", round=3, restart_count=1, group_rank=1, group_world_size=3,
+                           rank_base=4, world_size=9, nproc=2, master_addr="10.0.0.1",
+                           master_port=29500)
+    assert [(w.local_rank, w.rank, w.world_size) for w in group.workers] == [(0, 4, 9), (1, 5, 9)]
+    assert group.local_world_size == 2
+
+
+def test_worker_env_is_torchruns():
+    s = spec(env={"PATH": "/bin", "HOME": "/home/alice"}, max_restarts=3)
+    group = assign_workers("j-1", "n1", round=2, restart_count=1, group_rank=1, group_world_size=2,
+                           rank_base=2, world_size=4, nproc=2, master_addr="10.0.0.1",
+                           master_port=29500, gpus=("2", "3"))
+    env = worker_env(s, group, group.workers[1], error_file="/e.json")
+    assert {k: env[k] for k in env if k not in ("PATH", "HOME")} == {
+        "LOCAL_RANK": "1", "RANK": "3", "GROUP_RANK": "1", "ROLE_RANK": "3", "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "j-1",
+        "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_ERROR_FILE": "/e.json",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert env["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize("nproc, user_env, omp", [
+    (1, {}, None), (2, {}, "1"), (2, {"OMP_NUM_THREADS": "4"}, "4")])
+def test_omp_num_threads(nproc, user_env, omp):
+    group = assign_workers("j", "n", round=0, restart_count=0, group_rank=0, group_world_size=1,
+                           rank_base=0, world_size=nproc, nproc=nproc, master_addr="a", master_port=1)
+    env = worker_env(spec(env=user_env), group, group.workers[0], error_file="e")
+    assert env.get("OMP_NUM_THREADS") == omp
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_root_cause_is_the_first_failure():
+    late = Failure(rank=0, local_rank=0, node="a", exit_code=1, message="late", timestamp=20.0)
+    early = Failure(rank=3, local_rank=1, node="b", exit_code=2, message="early", timestamp=10.0)
+    assert RunResult(WorkerState.FAILED, (late, early)).root_cause is early
+    assert RunResult(WorkerState.SUCCEEDED).root_cause is None
