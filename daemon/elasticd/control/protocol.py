@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,8 +123,18 @@ def decode_request(frame: bytes) -> Request:
     return Request(rid, op, args)
 
 
+_ID_NEAR_START = re.compile(rb'"id"\s*:\s*"([^"\\]{1,128})"')
+
+
 def request_id(frame: bytes) -> str:
-    """Best-effort id of a frame that failed to decode ("" when there is none)."""
+    """Best-effort id of a frame that failed to decode ("" when there is none).
+
+    An oversized frame is not parsed: its id is looked for near the start, where
+    encode_request puts it.
+    """
+    if len(frame) > MAX_FRAME:
+        match = _ID_NEAR_START.search(frame[:1024])
+        return match.group(1).decode(errors="replace") if match else ""
     try:
         doc = json.loads(frame)
     except (ValueError, UnicodeDecodeError, RecursionError):
