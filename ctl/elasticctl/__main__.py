@@ -1,0 +1,5 @@
+import sys
+
+from elasticctl.cli import main
+
+sys.exit(main())

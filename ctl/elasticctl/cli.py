@@ -1,0 +1,489 @@
+"""elasticctl: the command line of elasticd (DESIGN §3).
+
+Exit status: 0 success; 1 the daemon refused the request (or, for ``submit --wait``, the job
+failed); 2 usage error or daemon not reachable; 130 interrupted, or the waited-for job was
+cancelled.  With --json stdout carries exactly one JSON document (streams: one per line)
+and an error is {"error": {"code": ..., "message": ...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TextIO
+
+from elasticd import __version__
+from elasticd.control import protocol
+from elasticctl import render
+from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
+
+EXIT_BY_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
+INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A command line that cannot be turned into a request (exit status 2)."""
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse the command line, applying submit's two rules for the script's own arguments.
+
+    With a bare ``--``, everything after it belongs to the script and elasticctl options may
+    come before or after SCRIPT.  Without one, torchrun's rule: the first positional is SCRIPT
+    and everything after it is passed to the script unchanged.
+    """
+    argv = list(argv)
+    if "--" not in argv or "submit" not in argv[:argv.index("--")]:
+        return build_parser(torchrun_rule=True).parse_args(argv)
+    split = argv.index("--")
+    args = build_parser(torchrun_rule=False).parse_args(argv[:split])
+    args.script_args = argv[split + 1:]
+    if args.script is None and args.script_args:
+        args.script = args.script_args.pop(0)
+    return args
+
+
+def build_parser(torchrun_rule: bool = True) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    add_common_options(common, default=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(
+        prog="elasticctl", description="Control elasticd, the elastic PyTorch job daemon.",
+        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_options(parser, default=None)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str,
+                **kwargs: Any) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help, parents=[common],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    add_submit_options(command("submit", cmd_submit, "submit a job to the cluster",
+                               epilog=SUBMIT_RULES, allow_abbrev=False), torchrun_rule)
+    listing = command("list", cmd_list, "list jobs", aliases=["ps"])
+    listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
+    command("status", cmd_status, "show one job in detail").add_argument("job", metavar="JOB")
+    add_logs_options(command("logs", cmd_logs, "show a job's worker output", epilog=LOGS_FORMAT))
+    command("cancel", cmd_cancel, "cancel a job").add_argument("job", metavar="JOB")
+    command("nodes", cmd_nodes, "list the cluster's nodes")
+    command("drain", cmd_drain, "stop placing jobs on a node; its jobs move off it").add_argument(
+        "node", metavar="NODE")
+    command("undrain", cmd_undrain, "let a drained node take jobs again").add_argument(
+        "node", metavar="NODE")
+    command("version", cmd_version, "show the client's and the daemon's versions")
+    return parser
+
+
+def add_common_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    """--socket and --json: accepted before the command and (as a convenience) after it."""
+    parser.add_argument("--socket", metavar="PATH", default=default,
+                        help="the daemon's control socket (default: $ELASTICD_SOCKET, else "
+                             "your own daemon's socket if it exists, else /run/elasticd/control.sock)")
+    parser.add_argument("--json", action="store_true", default=default,
+                        help="print JSON documents instead of text")
+
+
+def add_submit_options(sub: argparse.ArgumentParser, torchrun_rule: bool) -> None:
+    def option(*names: str, **kwargs: Any) -> None:
+        """Each --long-name also answers (silently) to torchrun's --long_name."""
+        sub.add_argument(*names, **kwargs)
+        for name in names:
+            if name.startswith("--") and "-" in name[2:]:
+                sub.add_argument("--" + name[2:].replace("-", "_"),
+                                 **{**kwargs, "help": argparse.SUPPRESS})
+
+    option("--nnodes", type=nnodes, default="1:1", metavar="N|MIN:MAX",
+           help="how many nodes the job runs on (default: 1)")
+    option("--nproc-per-node", type=nproc_per_node, default=1, metavar="N|gpu",
+           help="workers per node; 'gpu' = one per GPU the job gets on the node (default: 1)")
+    option("--max-restarts", type=non_negative_int, metavar="N",
+           help="job-wide restarts after a worker failure (default: the daemon's)")
+    option("--name", help="a name for the job (default: the script's)")
+    option("--env", type=env_pair, action="append", default=[], metavar="KEY=VAL",
+           help="set a variable in the workers' environment (repeatable)")
+    option("--workdir", metavar="DIR", help="the workers' working directory (default: here)")
+    option("--python", metavar="PATH",
+           help="the interpreter (default: python3 of the active venv, else of your PATH)")
+    option("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
+    option("--no-python", action="store_true", help="SCRIPT is an executable, run without python")
+    option("--nodes", type=names, action="extend", metavar="A,B", help="run only on these nodes")
+    option("--exclude", type=names, action="extend", metavar="C,D", help="never run on these nodes")
+    option("--join-timeout", type=seconds, metavar="S",
+           help="fail if too few nodes join within S seconds (default: the daemon's)")
+    option("--last-call-timeout", type=seconds, metavar="S",
+           help="after MIN nodes joined, wait S seconds for more before starting "
+                "(default: the daemon's)")
+    option("--exit-barrier-timeout", type=seconds, metavar="S",
+           help="after local success, wait up to S seconds for the other nodes "
+                "(default: the daemon's)")
+    option("--wait", action="store_true",
+           help="follow the job until it ends; exit 0 succeeded, 1 failed, 130 cancelled")
+    sub.add_argument("script", metavar="SCRIPT", nargs="?",
+                     help="the training script (module with -m, executable with --no-python)")
+    if torchrun_rule:
+        sub.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER,
+                         help="passed to the script; put them after '--' to give elasticctl "
+                              "options after SCRIPT")
+    else:
+        sub.set_defaults(script_args=[])
+
+
+SUBMIT_RULES = """\
+The script's arguments: without a bare '--', the first positional is SCRIPT and everything
+after it goes to the script unchanged (torchrun's rule).  With '--', everything after it goes
+to the script and elasticctl's options may come before or after SCRIPT:
+  elasticctl submit train.py --nnodes 2:4 --nproc-per-node gpu -- --epochs 10
+torchrun's spellings (--nproc_per_node, --max_restarts, --no_python, ...) work too."""
+
+
+def add_logs_options(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("job", metavar="JOB")
+    sub.add_argument("--rank", "-r", type=non_negative_int, metavar="R", help="only this rank")
+    sub.add_argument("--attempt", type=non_negative_int, metavar="N",
+                     help="only this attempt (0 = the first run, 1 = after the first restart, "
+                          "...; default: all)")
+    sub.add_argument("--follow", "-f", action="store_true",
+                     help="keep printing new output until the job ends")
+
+
+LOGS_FORMAT = """\
+output format:
+  [rank 3] text              a line that rank 3 wrote to stdout
+  [rank 3 err] text          a line that rank 3 wrote to stderr
+  [rank 3 attempt 1] text    the same after the job's first restart
+with --json: one JSON object per line, {"rank", "stream", "attempt", "node", "text"}"""
+
+
+# -- argument types (each raises ArgumentTypeError, which argparse reports as usage) ---------
+
+def nnodes(value: str) -> str:
+    """'N' or 'MIN:MAX' with 1 <= MIN <= MAX; sent to the daemon as typed."""
+    low, colon, high = value.partition(":")
+    try:
+        bounds = [int(low), int(high)] if colon else [int(low)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {value!r}") from None
+    if not 1 <= bounds[0] <= bounds[-1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {value!r}")
+    return value
+
+
+def nproc_per_node(value: str) -> int | str:
+    return "gpu" if value == "gpu" else positive_int(value)
+
+
+def positive_int(value: str) -> int:
+    number = non_negative_int(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError("expected a number of at least 1, got 0")
+    return number
+
+
+def non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value!r}")
+    return number
+
+
+def seconds(value: str) -> int | float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return int(number) if number.is_integer() else number
+
+
+def names(value: str) -> list[str]:
+    """'a,b' -> ['a', 'b']."""
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected node names separated by commas, got {value!r}")
+    return items
+
+
+def env_pair(value: str) -> tuple[str, str]:
+    key, equals, val = value.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VAL, got {value!r}")
+    return key, val
+
+
+# -- requests -------------------------------------------------------------------------------
+
+OPTIONAL_SUBMIT_ARGS = ("max_restarts", "name", "nodes", "exclude", "join_timeout",
+                        "last_call_timeout", "exit_barrier_timeout")
+
+
+def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> dict[str, Any]:
+    """The ``submit`` request's args: the job as the submitter sees it from here."""
+    if args.script is None:
+        raise UsageError("submit: SCRIPT is required")
+    if args.module and args.no_python:
+        raise UsageError("submit: -m and --no-python exclude each other")
+    kind = "module" if args.module else "exec" if args.no_python else "script"
+    request: dict[str, Any] = {
+        "argv": [args.script, *args.script_args], "kind": kind,
+        "workdir": absolute(args.workdir or cwd, cwd), "env": {**environ, **dict(args.env)},
+        "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node,
+    }
+    python = submitter_python(args.python, environ, cwd)
+    if python is None and kind != "exec":
+        raise UsageError("submit: no python3 found (no active venv, none on PATH); use --python")
+    if python is not None:
+        request["python"] = python
+    request.update(given(args, OPTIONAL_SUBMIT_ARGS))
+    if args.wait:
+        request["wait"] = True
+    return request
+
+
+def submitter_python(chosen: str | None, environ: Mapping[str, str], cwd: str) -> str | None:
+    """--python, else the active venv's python3, else the python3 on PATH: an absolute path.
+
+    Symlinks are kept as they are: a venv's python is a symlink to the base interpreter, and
+    only the link's own path makes it run with the venv's packages.
+    """
+    path = environ.get("PATH", os.defpath)
+    if chosen:
+        found = chosen if os.sep in chosen else shutil.which(chosen, path=path)
+        if found is None:
+            raise UsageError(f"submit: --python {chosen}: not found on PATH")
+        return absolute(found, cwd)
+    venv_python = os.path.join(environ.get("VIRTUAL_ENV", ""), "bin", "python3")
+    if environ.get("VIRTUAL_ENV") and os.path.exists(venv_python):
+        return absolute(venv_python, cwd)
+    found = shutil.which("python3", path=path)
+    return absolute(found, cwd) if found else None
+
+
+def absolute(path: str, cwd: str) -> str:
+    return os.path.normpath(os.path.join(cwd, path))
+
+
+def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
+    """The options among ``names`` that were given on the command line."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+# -- output ---------------------------------------------------------------------------------
+
+def emit(args: argparse.Namespace, doc: Any, human: Callable[[], str]) -> None:
+    """The command's one output: the document itself with --json, else its rendering."""
+    print(json.dumps(doc) if args.json else human(), flush=True)
+
+
+def error_doc(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+class ProgressLine:
+    """One line of progress: rewritten in place on a terminal (``width`` = its columns),
+    else printed anew whenever its text changes."""
+
+    def __init__(self, out: TextIO, width: int | None) -> None:
+        self._out = out
+        self._width = width
+        self._shown: str | None = None
+
+    def show(self, line: str) -> None:
+        if line == self._shown:
+            return
+        if self._width:
+            self._out.write("\r\x1b[K" + line[:self._width - 1])
+        else:
+            self._out.write(line + "\n")
+        self._out.flush()
+        self._shown = line
+
+    def close(self) -> None:
+        if self._width and self._shown is not None:
+            self._out.write("\n")
+            self._out.flush()
+            self._shown = None
+
+
+def terminal_width(out: TextIO) -> int | None:
+    return shutil.get_terminal_size().columns if out.isatty() else None
+
+
+# -- commands -------------------------------------------------------------------------------
+
+def connect(args: argparse.Namespace) -> Client:
+    return Client(args.socket or protocol.default_socket_path(), reply_timeout(os.environ))
+
+
+def reply_timeout(environ: Mapping[str, str]) -> float:
+    value = environ.get("ELASTICCTL_TIMEOUT")
+    if not value:
+        return DEFAULT_TIMEOUT
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout < float("inf"):
+        raise UsageError(f"ELASTICCTL_TIMEOUT={value!r}: expected a positive number of seconds")
+    return timeout
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    request = submit_request(args, os.environ, os.getcwd())
+    with connect(args) as daemon:
+        if args.wait:
+            return follow_job(args, daemon.stream("submit", request))
+        job = daemon.call("submit", request)
+    emit(args, job, lambda: render.submitted_line(job))
+    return 0
+
+
+def follow_job(args: argparse.Namespace, docs: Iterable[dict[str, Any]]) -> int:
+    """Show each job document as it comes; the exit status follows the job's final state."""
+    progress = ProgressLine(sys.stdout, None if args.json else terminal_width(sys.stdout))
+    job: dict[str, Any] | None = None
+    try:
+        for count, job in enumerate(docs):
+            if args.json:
+                print(json.dumps(job), flush=True)
+                continue
+            if count == 0:
+                print(render.submitted_line(job), flush=True)
+            progress.show(render.progress_line(job, time.time()))
+    except KeyboardInterrupt:
+        progress.close()
+        if job is not None:
+            print(f"stopped following; job {job.get('id')} goes on "
+                  f"(elasticctl cancel {job.get('id')} stops it)", file=sys.stderr)
+        return INTERRUPTED
+    progress.close()
+    return job_exit_status(args, job)
+
+
+def job_exit_status(args: argparse.Namespace, job: Mapping[str, Any] | None) -> int:
+    state = job.get("state") if job else None
+    if state not in EXIT_BY_STATE:
+        raise ClientError(f"elasticd ended the stream while the job was {state or 'unknown'}")
+    summary = render.error_summary(job.get("error")) if job else None
+    if state == "FAILED" and summary and not args.json:
+        print(summary, flush=True)
+    return EXIT_BY_STATE[state]
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with connect(args) as daemon:
+        result = daemon.call("list", {"all": args.all})
+    emit(args, result, lambda: render.jobs_table(items(result, "jobs"), time.time()))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with connect(args) as daemon:
+        job = daemon.call("status", {"job": args.job})
+    emit(args, job, lambda: render.status_block(job, time.time()))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    request = {"job": args.job, "follow": args.follow, **given(args, ("rank", "attempt"))}
+    with connect(args) as daemon:
+        for result in daemon.stream("logs", request):
+            for line in items(result, "lines"):
+                print(json.dumps(line) if args.json else render.log_line(line))
+            sys.stdout.flush()
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with connect(args) as daemon:
+        job = daemon.call("cancel", {"job": args.job})
+    emit(args, job, lambda: render.cancelled_line(job, args.job))
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    with connect(args) as daemon:
+        result = daemon.call("nodes")
+    emit(args, result, lambda: render.nodes_table(items(result, "nodes"), time.time()))
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    return change_node(args, "drain")
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    return change_node(args, "undrain")
+
+
+def change_node(args: argparse.Namespace, op: str) -> int:
+    with connect(args) as daemon:
+        node = daemon.call(op, {"node": args.node})
+    emit(args, node, lambda: render.node_changed_line(node, args.node, op))
+    return 0
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    """The client's version first (it needs no daemon), then the daemon's."""
+    if not args.json:
+        print(f"elasticctl {__version__}", flush=True)
+    try:
+        with connect(args) as daemon:
+            theirs = daemon.call("version")
+    except Unavailable as exc:
+        if args.json:
+            print(json.dumps({"elasticctl": __version__, "elasticd": None,
+                              **error_doc(exc.code, exc.message)}))
+        print(exc.message, file=sys.stderr)
+        return 2
+    emit(args, {"elasticctl": __version__, "elasticd": theirs},
+         lambda: render.daemon_version_line(theirs))
+    return 0
+
+
+def items(result: Any, key: str) -> list[Any]:
+    """A result's list: the result itself, or its ``key`` member when it is an object."""
+    if isinstance(result, Mapping):
+        result = result.get(key)
+    return list(result or [])
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already reported
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args.handler(args)
+    except UsageError as exc:
+        return fail(args, "usage", str(exc), 2)
+    except Unavailable as exc:
+        return fail(args, exc.code, exc.message, 2, prefix="")
+    except ClientError as exc:
+        return fail(args, exc.code, exc.message, 1)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except BrokenPipeError:  # e.g. `elasticctl logs j-1 | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def fail(args: argparse.Namespace, code: str, message: str, status: int,
+         prefix: str = "elasticctl: ") -> int:
+    print(prefix + message, file=sys.stderr)
+    if args.json:
+        print(json.dumps(error_doc(code, message)))
+    return status
