@@ -142,7 +142,7 @@ class Client:
             if not ready:
                 raise NoReply(f"elasticd did not answer within {timeout:g} s "
                               f"(socket {self.path}; ELASTICCTL_TIMEOUT sets the limit)")
-            if self._monitor in ready:
+            if self._socket not in ready:  # replies that came before a hang-up still count
                 raise self._lost()
             reply = _decode(self._socket.recv_multipart()[-1])
             if reply.id != request_id:

@@ -51,7 +51,7 @@ class StandIn:
                 self.requests.append(request)
                 for reply in self._answer(request):
                     if reply == HANG_UP:
-                        self._router.close()
+                        self._router.close(linger=1000)  # deliver what was sent, then drop
                         return
                     self._router.send_multipart([identity, reply])
         except zmq.ContextTerminated:
