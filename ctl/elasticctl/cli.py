@@ -372,10 +372,11 @@ def follow_job(args: argparse.Namespace, docs: Iterable[dict[str, Any]]) -> int:
 
 
 def job_exit_status(args: argparse.Namespace, job: Mapping[str, Any] | None) -> int:
-    state = job.get("state") if job else None
-    if state not in EXIT_BY_STATE:
+    """0 succeeded, 1 failed (after printing why), 130 cancelled."""
+    state = (job or {}).get("state")
+    if job is None or state not in EXIT_BY_STATE:
         raise ClientError(f"elasticd ended the stream while the job was {state or 'unknown'}")
-    summary = render.error_summary(job.get("error")) if job else None
+    summary = render.error_summary(job.get("error"))
     if state == "FAILED" and summary and not args.json:
         print(summary, flush=True)
     return EXIT_BY_STATE[state]
