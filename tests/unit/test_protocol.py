@@ -1,0 +1,74 @@
+"""The control protocol codec: every malformed frame named, ids recovered for replies."""
+
+import json
+
+import pytest
+
+from elasticd.control import protocol as p
+
+
+def frame(**doc):
+    return json.dumps(doc).encode()
+
+
+def test_round_trip():
+    req = p.Request("r1", "submit", {"argv": ["t.py"], "nproc_per_node": "gpu", "wait": True})
+    assert p.decode_request(p.encode_request(req)) == req
+    assert req.streaming and not p.Request("r", "submit", {"argv": ["a"]}).streaming
+    assert p.Request("r", "logs", {"job": "j"}).streaming
+
+
+@pytest.mark.parametrize("raw, code, words", [
+    (b"{", "bad_request", "invalid JSON"),
+    (b"\xff\xfe", "bad_request", "invalid JSON"),
+    (b"[" * 100000 + b"]" * 100000, "bad_request", "invalid JSON"),
+    (b"3", "bad_request", "JSON object"),
+    (frame(v=2, id="a", op="version"), "bad_request", "version"),
+    (frame(v=1, op="version"), "bad_request", "'id'"),
+    (frame(v=1, id="", op="version"), "bad_request", "'id'"),
+    (frame(v=1, id="a", op=5), "bad_request", "'op'"),
+    (frame(v=1, id="a", op="nuke"), "unknown_op", "nuke"),
+    (frame(v=1, id="a", op="list", args=[]), "bad_request", "'args'"),
+    (frame(v=1, id="a", op="list", args={"al": True}), "bad_request", "unknown argument"),
+    (frame(v=1, id="a", op="list", args={"all": 1}), "bad_request", "a boolean"),
+    (frame(v=1, id="a", op="logs", args={"job": "j", "rank": True}), "bad_request", "an integer"),
+    (frame(v=1, id="a", op="submit", args={"argv": "t.py"}), "bad_request", "a list"),
+    (frame(v=1, id="a", op="submit", args={}), "bad_request", "missing argument 'argv'"),
+    (frame(v=1, id="a", op="status"), "bad_request", "missing argument 'job'"),
+])
+def test_malformed(raw, code, words):
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_request(raw)
+    assert info.value.code == code and words in str(info.value)
+
+
+def test_too_large_keeps_its_id():
+    raw = p.encode_request(p.Request("big", "status", {"job": "x" * (p.MAX_FRAME + 1)}))
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_request(raw)
+    assert info.value.code == "too_large"
+    assert p.request_id(raw) == "big"
+
+
+@pytest.mark.parametrize("raw, rid", [(frame(id="q", op=1), "q"), (b"{", ""), (frame(id=3), ""),
+                                      (b"[]", "")])
+def test_request_id_best_effort(raw, rid):
+    assert p.request_id(raw) == rid
+
+
+def test_replies():
+    assert p.decode_reply(p.ok("a", {"x": 1})) == p.Reply("a", True, {"x": 1})
+    assert p.decode_reply(p.end("a")) == p.Reply("a", True, None, True)
+    assert p.decode_reply(p.error("a", "not_found", "no job")) == \
+        p.Reply("a", False, code="not_found", message="no job")
+    with pytest.raises(p.ProtocolError):
+        p.decode_reply(b'{"v":1}')
+
+
+def test_default_socket(monkeypatch, tmp_path):
+    monkeypatch.setenv("ELASTICD_SOCKET", "/x.sock")
+    assert p.default_socket_path() == "/x.sock"
+    monkeypatch.delenv("ELASTICD_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert p.default_runtime_dir(1000) == f"{tmp_path}/elasticd"
+    assert p.default_runtime_dir(0) == "/run/elasticd"
