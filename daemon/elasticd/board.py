@@ -1,0 +1,156 @@
+"""JobBoard: the cluster's job table in the store, and a change log to follow it.
+
+Keys under ``elasticd/<cluster>/jobs/``::
+
+    seq                 counter: submit order
+    by_seq/<n>          job id of the n-th submitted job
+    spec/<id>           signed {"seq", "spec"}
+    part/<id>/<node>    signed Part: that node's share of the job
+    outcome/<id>        signed Outcome, written once (compare-and-set: first writer wins)
+    log                 counter of changes
+    log/<n>             the n-th change: "spec/<id>", "part/<id>/<node>" or "outcome/<id>"
+
+A daemon follows the log by waiting for ``log/<n+1>`` (one store round trip of latency, no
+polling).  Every value is signed; a record whose MAC fails is refused and counted.  All
+methods block on the store: call them from a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .errors import ElasticdError, TamperedRecord
+from .jobs import Outcome, Part
+from .model import JobSpec
+from .store import StoreBackend
+from .store.signing import Signer
+
+log = logging.getLogger(__name__)
+
+_KEEP_LOG = 4096
+_BATCH = 64
+_ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str                    # "spec", "part" or "outcome"
+    job_id: str
+    value: object                # (seq, JobSpec) | Part | Outcome
+
+
+class BoardReset(ElasticdError):
+    """The store lost the board (its host restarted): resynchronise and republish."""
+
+    code = "store_reset"
+
+
+class JobBoard:
+    def __init__(self, store: StoreBackend, signer: Signer, cluster: str,
+                 on_refused: Callable[[str, str], None] | None = None) -> None:
+        self._store = store
+        self._signer = signer
+        self._prefix = f"elasticd/{cluster}/jobs"
+        self._on_refused = on_refused or (lambda key, why: None)
+
+    def _key(self, suffix: str) -> str:
+        return f"{self._prefix}/{suffix}"
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def publish_spec(self, spec: JobSpec, seq: int | None = None) -> int:
+        """Publish a job; returns its submit order.  Republishing keeps the given ``seq``."""
+        if seq is None:
+            seq = self._store.add(self._key("seq"), 1)
+        self._store.set(self._key(f"spec/{spec.id}"),
+                        self._signer.seal({"seq": seq, "spec": spec.to_json()}))
+        self._store.set(self._key(f"by_seq/{seq}"), spec.id.encode())
+        self._append(f"spec/{spec.id}")
+        return seq
+
+    def publish_part(self, job_id: str, part: Part) -> None:
+        self._store.set(self._key(f"part/{job_id}/{part.node}"), self._signer.seal(part.to_json()))
+        self._append(f"part/{job_id}/{part.node}")
+
+    def publish_outcome(self, job_id: str, outcome: Outcome) -> Outcome:
+        """Write the outcome unless one exists; returns the one that is now final."""
+        key = self._key(f"outcome/{job_id}")
+        swapped, current = self._store.compare_set(key, None, self._signer.seal(outcome.to_json()))
+        if swapped:
+            self._append(f"outcome/{job_id}")
+            return outcome
+        return Outcome.from_json(self._signer.open(current or b""))
+
+    def _append(self, entry: str) -> None:
+        n = self._store.add(self._key("log"), 1)
+        self._store.set(self._key(f"log/{n}"), entry.encode())
+        if n > _KEEP_LOG:
+            self._store.delete(self._key(f"log/{n - _KEEP_LOG}"))
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def head(self) -> int:
+        return self._store.add(self._key("log"), 0)
+
+    def snapshot(self, nodes: Iterable[str]) -> tuple[int, list[Change]]:
+        """Every job, its outcome and the parts of ``nodes``; and the log position to follow from."""
+        position = self.head()
+        count = self._store.add(self._key("seq"), 0)
+        raw_ids = self._store.get_many([self._key(f"by_seq/{n}") for n in range(1, count + 1)])
+        ids = sorted({raw.decode() for raw in raw_ids if raw})
+        entries = [f"spec/{i}" for i in ids] + [f"outcome/{i}" for i in ids]
+        entries += [f"part/{i}/{node}" for i in ids for node in nodes]
+        return position, self._read(entries)
+
+    def follow(self, position: int, timeout: float) -> tuple[int, list[Change]]:
+        """Wait up to ``timeout`` for changes after ``position``; returns the new position.
+
+        Raises BoardReset when the log went backwards (the store host restarted).  An entry
+        that never appears while later ones do (a writer died between its two steps) is
+        skipped after one timeout.
+        """
+        if not self._store.wait_for(self._key(f"log/{position + 1}"), timeout):
+            head = self.head()
+            if head < position:
+                raise BoardReset(f"change log went back from {position} to {head}")
+            if head > position + 1 and self._store.get(self._key(f"log/{position + 1}")) is None:
+                log.warning("change %d never appeared; skipping it", position + 1)
+                return position + 1, []
+            return position, []
+        keys = [self._key(f"log/{n}") for n in range(position + 1, position + 1 + _BATCH)]
+        entries = []
+        for raw in self._store.get_many(keys):
+            if raw is None:
+                break
+            entries.append(raw.decode(errors="replace"))
+        return position + len(entries), self._read(entries)
+
+    def _read(self, entries: list[str]) -> list[Change]:
+        wanted = list(dict.fromkeys(e for e in entries if _ENTRY.match(e)))
+        values = self._store.get_many([self._key(e) for e in wanted])
+        changes = []
+        for entry, raw in zip(wanted, values):
+            if raw is None:
+                continue
+            try:
+                changes.append(self._parse(entry, self._signer.open(raw)))
+            except TamperedRecord as exc:
+                self._on_refused(self._key(entry), str(exc))
+            except (ElasticdError, KeyError, TypeError, ValueError) as exc:
+                self._on_refused(self._key(entry), f"unreadable: {exc}")
+        return changes
+
+    @staticmethod
+    def _parse(entry: str, body: object) -> Change:
+        kind, _, rest = entry.partition("/")
+        if not isinstance(body, dict):
+            raise ValueError("record is not an object")
+        if kind == "spec":
+            return Change(kind, rest, (int(body["seq"]), JobSpec.from_json(body["spec"])))
+        if kind == "outcome":
+            return Change(kind, rest, Outcome.from_json(body))
+        job_id = rest.partition("/")[0]
+        return Change(kind, job_id, Part.from_json(body))

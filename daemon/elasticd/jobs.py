@@ -1,0 +1,271 @@
+"""The job registry: this daemon's view of every job in the cluster.
+
+A job is its spec, its submit order (``seq``), one *part* per node that takes part in it
+(reported by that node's agent) and, once decided, its *outcome*.  The job document that
+``elasticctl`` shows is derived from these by pure functions.  The registry is the only
+writer of local job records and of the history database; agents and the board watcher
+send it changes, and it wakes whoever waits on a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
+
+from .errors import NotFound
+from .history import History
+from .model import Failure, JobSpec, JobState
+
+log = logging.getLogger(__name__)
+
+
+class PartState(str, enum.Enum):
+    """One node's share of a job."""
+
+    RENDEZVOUS = "RENDEZVOUS"      # waiting for the job's nodes
+    RUNNING = "RUNNING"            # workers up
+    RESTARTING = "RESTARTING"      # stopping workers / re-forming after a failure or a membership change
+    BARRIER = "BARRIER"            # local workers succeeded, waiting for the other nodes
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"            # stopped because the job ended or the daemon shut down
+    LEFT = "LEFT"                  # the node left the job (drain) and the job went on without it
+
+    @property
+    def active(self) -> bool:
+        return self in (PartState.RENDEZVOUS, PartState.RUNNING, PartState.RESTARTING, PartState.BARRIER)
+
+
+@dataclass(frozen=True)
+class Part:
+    node: str
+    state: PartState
+    round: int | None = None
+    group_rank: int | None = None
+    restarts: int = 0
+    world_size: int | None = None
+    group_world_size: int | None = None
+    workers: tuple[dict[str, Any], ...] = ()
+    started: float | None = None
+    barrier: dict[str, Any] | None = None
+    updated: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["state"] = self.state.value
+        doc["workers"] = list(self.workers)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Part:
+        fields = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc}
+        fields["state"] = PartState(fields["state"])
+        fields["workers"] = tuple(fields.get("workers", ()))
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended; written once (the first writer wins)."""
+
+    state: JobState
+    ended: float
+    exit_code: int | None = None
+    message: str = ""
+    error: Failure | None = None
+    by: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"state": self.state.value, "ended": self.ended, "exit_code": self.exit_code,
+                "message": self.message, "by": self.by,
+                "error": self.error.to_json() if self.error else None}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Outcome:
+        state = JobState(doc["state"])
+        if not state.terminal:
+            raise ValueError(f"outcome state {state.value} is not terminal")
+        error = Failure.from_json(doc["error"]) if doc.get("error") else None
+        return cls(state, float(doc["ended"]), doc.get("exit_code"), str(doc.get("message", "")),
+                   error, str(doc.get("by", "")))
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    spec: JobSpec
+    seq: int
+    parts: Mapping[str, Part] = field(default_factory=dict)
+    outcome: Outcome | None = None
+    version: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def state(self) -> JobState:
+        return job_state(self.parts.values(), self.outcome)
+
+    def with_part(self, part: Part) -> JobRecord:
+        return replace(self, parts={**self.parts, part.node: part}, version=self.version + 1)
+
+
+def job_state(parts: Iterable[Part], outcome: Outcome | None) -> JobState:
+    """The job's state from its nodes' parts; an outcome, once written, is final."""
+    if outcome is not None:
+        return outcome.state
+    states = {p.state for p in parts}
+    if states & {PartState.RUNNING, PartState.BARRIER}:
+        return JobState.RUNNING
+    if PartState.RESTARTING in states:
+        return JobState.RESTARTING
+    if PartState.RENDEZVOUS in states:
+        return JobState.RENDEZVOUS
+    return JobState.PENDING
+
+
+def current_parts(record: JobRecord) -> list[Part]:
+    """The parts of the latest round (older rounds' workers are gone), by group rank."""
+    rounds = [p.round for p in record.parts.values() if p.round is not None]
+    latest = max(rounds, default=None)
+    parts = [p for p in record.parts.values() if p.round == latest and p.state != PartState.LEFT]
+    return sorted(parts, key=lambda p: (p.group_rank is None, p.group_rank or 0, p.node))
+
+
+def job_doc(record: JobRecord) -> dict[str, Any]:
+    """The job document of the control protocol (``status --json``)."""
+    spec, outcome = record.spec, record.outcome
+    parts = current_parts(record)
+    error = _error_doc(outcome)
+    started = [p.started for p in record.parts.values() if p.started is not None]
+    barrier = next((p.barrier for p in parts if p.barrier), None)
+    return {
+        "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
+        "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
+        "nproc_per_node": spec.nproc_per_node,
+        "restarts": max((p.restarts for p in record.parts.values()), default=0),
+        "max_restarts": spec.max_restarts, "created": spec.created,
+        "started": min(started, default=None), "ended": outcome.ended if outcome else None,
+        "exit_code": outcome.exit_code if outcome else None,
+        "round": parts[0].round if parts else None,
+        "world_size": parts[0].world_size if parts else None,
+        "argv": list(spec.argv), "kind": spec.kind, "workdir": spec.workdir,
+        "submitted_on": spec.submitted_on,
+        "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
+        "nodes": [_node_doc(p) for p in parts],
+        "error": error, "barrier": barrier if outcome is None else None,
+    }
+
+
+def _node_doc(part: Part) -> dict[str, Any]:
+    return {"node": part.node, "group_rank": part.group_rank, "state": part.state.value,
+            "ranks": [w["rank"] for w in part.workers]}
+
+
+def _error_doc(outcome: Outcome | None) -> dict[str, Any] | None:
+    if outcome is None or outcome.state == JobState.SUCCEEDED:
+        return None
+    if outcome.error is not None:
+        doc = outcome.error.to_json()
+        doc["message"] = doc["message"] or outcome.message
+        return doc
+    return {"message": outcome.message, "traceback": "", "rank": None, "node": outcome.by,
+            "exit_code": outcome.exit_code}
+
+
+class JobRegistry:
+    """Holds every known job; the single writer of local records and of the history.
+
+    All methods run on the event loop.  ``on_change`` subscribers (the scheduler, metrics)
+    are called after every change with the new record.
+    """
+
+    def __init__(self, history: History) -> None:
+        self._history = history
+        self._jobs: dict[str, JobRecord] = {}
+        self._changed = asyncio.Condition()
+        self._subscribers: list[Callable[[JobRecord], None]] = []
+
+    def subscribe(self, callback: Callable[[JobRecord], None]) -> None:
+        self._subscribers.append(callback)
+
+    def get(self, job_id: str) -> JobRecord:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise NotFound(f"no job {job_id!r}") from None
+
+    def find(self, job_id: str) -> JobRecord | None:
+        return self._jobs.get(job_id)
+
+    def jobs(self) -> list[JobRecord]:
+        return sorted(self._jobs.values(), key=lambda r: (r.spec.created, r.seq))
+
+    def restore(self, docs: Iterable[Mapping[str, Any]]) -> list[JobRecord]:
+        """Load the history; returns the records that were still active when we stopped."""
+        unfinished = []
+        for doc in docs:
+            try:
+                record = record_from_history(doc)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("skipping unreadable history row %s: %s", doc.get("id"), exc)
+                continue
+            self._jobs[record.id] = record
+            if record.outcome is None:
+                unfinished.append(record)
+        return unfinished
+
+    def add(self, spec: JobSpec, seq: int) -> JobRecord:
+        known = self._jobs.get(spec.id)
+        if known is not None:
+            return known
+        return self._put(JobRecord(spec, seq))
+
+    def set_part(self, job_id: str, part: Part) -> JobRecord | None:
+        record = self._jobs.get(job_id)
+        if record is None or record.parts.get(part.node) == part:
+            return record
+        return self._put(record.with_part(part))
+
+    def set_outcome(self, job_id: str, outcome: Outcome) -> JobRecord | None:
+        """Record the outcome unless one is already known (the first one is final)."""
+        record = self._jobs.get(job_id)
+        if record is None or record.outcome is not None:
+            return record
+        return self._put(replace(record, outcome=outcome, version=record.version + 1))
+
+    def _put(self, record: JobRecord) -> JobRecord:
+        self._jobs[record.id] = record
+        self._history.save(history_row(record))
+        for callback in self._subscribers:
+            callback(record)
+        asyncio.get_running_loop().create_task(self._notify())
+        return record
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_change(self, job_id: str, seen_version: int) -> JobRecord:
+        """Wait until the job's record is newer than ``seen_version``."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.get(job_id).version > seen_version)
+        return self.get(job_id)
+
+
+def history_row(record: JobRecord) -> dict[str, Any]:
+    return {"id": record.id, "seq": record.seq, "state": record.state.value,
+            "created": record.spec.created,
+            "ended": record.outcome.ended if record.outcome else None,
+            "spec": record.spec.to_json(),
+            "parts": {n: p.to_json() for n, p in record.parts.items()},
+            "outcome": record.outcome.to_json() if record.outcome else None}
+
+
+def record_from_history(doc: Mapping[str, Any]) -> JobRecord:
+    outcome = Outcome.from_json(doc["outcome"]) if doc.get("outcome") else None
+    parts = {n: Part.from_json(p) for n, p in (doc.get("parts") or {}).items()}
+    return JobRecord(JobSpec.from_json(doc["spec"]), int(doc["seq"]), parts, outcome)
