@@ -1,0 +1,371 @@
+"""JobAgent: one node's share of one job, torchelastic's SimpleElasticAgent with three fixes.
+
+rendezvous -> assign ranks -> start workers -> watch -> (restart | rejoin | scale | exit barrier)
+
+1. A worker failure anywhere opens a new round of the job's rendezvous, so every node
+   stops its workers and re-forms at once; nobody hangs in a collective.
+2. The restart budget is job-wide: it lives in the rendezvous state, and two nodes that
+   fail in the same round consume one restart.
+3. A dead node is seen by heartbeat in the rendezvous; the survivors re-form within seconds.
+
+What to do next is decided by ``decide``, a pure function of the event and the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .aio import first, in_thread
+from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
+from .jobs import Outcome, Part, PartState
+from .model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
+from .rendezvous import NextRound, RendezvousHandler, RendezvousInfo, RoundEvent
+from .workers import LocalWorkers
+
+log = logging.getLogger(__name__)
+
+_BARRIER_REFRESH = 2.0  # seconds between exit-barrier progress updates
+
+
+class Action(enum.Enum):
+    BARRIER = "barrier"      # local workers succeeded: wait for the other nodes
+    RESTART = "restart"      # a worker failed and restarts remain: open a new round ("failure")
+    FAIL = "fail"            # a worker failed and no restarts remain
+    REJOIN = "rejoin"        # the round was superseded: stop and join the next one
+    SCALE_UP = "scale_up"    # nodes are waiting and the job is below max: open a new round
+    WATCH = "watch"          # nothing to do: keep watching
+    STOP = "stop"            # the job ended: stop
+    LEAVE = "leave"          # this node leaves the job (drain, shutdown)
+
+
+@dataclass(frozen=True)
+class WorkersExited:
+    result: RunResult
+
+
+@dataclass(frozen=True)
+class RoundChanged:
+    event: RoundEvent
+
+
+@dataclass(frozen=True)
+class JobEnded:
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class Leaving:
+    reason: str
+
+
+Event = WorkersExited | RoundChanged | JobEnded | Leaving
+
+
+def describe(event: Event) -> str:
+    """One line for the daemon log."""
+    if isinstance(event, WorkersExited):
+        cause = event.result.root_cause
+        return f"rank {cause.rank} failed: {cause.message}" if cause else "workers succeeded"
+    if isinstance(event, RoundChanged):
+        detail = event.event.reason or (f"{event.event.waiting} waiting" if event.event.waiting else "")
+        return f"rendezvous: {event.event.kind}" + (f" ({detail})" if detail else "")
+    if isinstance(event, JobEnded):
+        return f"job ended: {event.outcome.state.value}"
+    return f"leaving: {event.reason}"
+
+
+def decide(event: Event, info: RendezvousInfo, spec: JobSpec) -> Action:
+    """The agent's policy: what to do about ``event`` in the round ``info``."""
+    if isinstance(event, JobEnded):
+        return Action.STOP
+    if isinstance(event, Leaving):
+        return Action.LEAVE
+    if isinstance(event, WorkersExited):
+        if event.result.state == WorkerState.SUCCEEDED:
+            return Action.BARRIER
+        return Action.RESTART if info.restart_count < spec.max_restarts else Action.FAIL
+    round_event = event.event
+    if round_event.kind == "closed":
+        return Action.STOP
+    if round_event.kind == "next_round":
+        return Action.REJOIN
+    if round_event.kind == "waiting" and info.group_world_size < spec.max_nodes:
+        return Action.SCALE_UP
+    return Action.WATCH
+
+
+class AgentPorts(Protocol):
+    """What an agent needs from its daemon."""
+
+    def report(self, job_id: str, part: Part) -> None: ...
+    async def finish(self, job_id: str, outcome: Outcome) -> Outcome: ...
+    def output(self, job_id: str, attempt: int, rank: int, stream: str, offset: int,
+               data: bytes) -> None: ...
+
+
+class AgentMetrics(Protocol):
+    def round_joined(self, reason: str, seconds: float) -> None: ...
+    def worker_exited(self, exit_code: int) -> None: ...
+    def restarted(self) -> None: ...
+    def barrier_waited(self, seconds: float) -> None: ...
+
+
+def free_port(address: str) -> int:
+    """A port that is free on ``address`` now (the master port this node offers if it is rank 0)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def failure_outcome(result: RunResult, spec: JobSpec, now: float, node: str) -> Outcome:
+    cause = result.root_cause
+    budget = f"(max restarts {spec.max_restarts} exhausted)" if spec.max_restarts else ""
+    message = f"rank {cause.rank} on {cause.node}: {cause.message} {budget}".strip() if cause else "failed"
+    return Outcome(JobState.FAILED, now, cause.exit_code if cause else 1, message, cause, node)
+
+
+class JobAgent:
+    def __init__(self, spec: JobSpec, *, node: str, address: str, rdzv: RendezvousHandler,
+                 ports: AgentPorts, metrics: AgentMetrics, log_root: str,
+                 gpus: tuple[str, ...] = (), slots: int = 1, stop_grace: float = 10.0,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.spec = spec
+        self.node = node
+        self.address = address
+        self.gpus = gpus
+        self.nproc = len(gpus) if spec.nproc_per_node == "gpu" else int(spec.nproc_per_node)
+        self._rdzv = rdzv
+        self._ports = ports
+        self._metrics = metrics
+        self._log_root = log_root
+        self._stop_grace = stop_grace
+        self._now = wall_clock
+        self._ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._leaving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._started: float | None = None
+        self._workers: LocalWorkers | None = None
+
+    # -- signals from the daemon ----------------------------------------------------------
+
+    def job_ended(self, outcome: Outcome) -> None:
+        if not self._ended.done():
+            self._ended.set_result(outcome)
+
+    def leave(self, reason: str) -> None:
+        if not self._leaving.done():
+            self._leaving.set_result(reason)
+
+    @property
+    def pids(self) -> list[int]:
+        return self._workers.pids if self._workers else []
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except Exception:
+            log.exception("agent for job %s failed", self.spec.id)
+            await self._finish(Outcome(JobState.FAILED, self._now(), None,
+                                       f"elasticd agent on {self.node} failed", None, self.node))
+            self._report(PartState.FAILED)
+        finally:
+            self._rdzv.shutdown()
+
+    async def _run(self) -> None:
+        state, info = PartState.RENDEZVOUS, None
+        while True:
+            self._report(state, info)
+            info = await self._join()
+            if info is None:
+                return
+            action = await self._run_round(info)
+            if action is None:
+                return
+            state = PartState.RESTARTING
+
+    async def _join(self) -> RendezvousInfo | None:
+        """Join the next round; None when the job ended or this node left meanwhile."""
+        started = time.monotonic()
+        joining = in_thread(self._rdzv.next_rendezvous, self.nproc, free_port(self.address),
+                            name=f"join-{self.spec.id}")
+        done = await first(joining, self._ended, self._leaving)
+        if done is self._leaving:
+            return await self._leave(None, None)
+        if done is self._ended:
+            self._report(PartState.STOPPED)
+            return None
+        try:
+            info = joining.result()
+        except RendezvousClosedError:
+            self._report(PartState.STOPPED)
+            return None
+        except RendezvousTimeoutError as exc:
+            await self._finish(Outcome(JobState.FAILED, self._now(), None, str(exc), None, self.node))
+            self._report(PartState.FAILED)
+            return None
+        self._metrics.round_joined(info.reason, time.monotonic() - started)
+        return info
+
+    async def _run_round(self, info: RendezvousInfo) -> Action | None:
+        """Run this node's workers for one round; returns REJOIN to go on, None when done."""
+        group = assign_workers(
+            self.spec.id, self.node, round=info.round, restart_count=info.restart_count,
+            group_rank=info.group_rank, group_world_size=info.group_world_size,
+            rank_base=info.rank_base, world_size=info.world_size, nproc=info.nproc,
+            master_addr=info.master_addr, master_port=info.master_port, gpus=self.gpus)
+        self._workers = workers = LocalWorkers(
+            self.spec, group, os.path.join(self._log_root, self.spec.id, f"attempt_{info.round}"),
+            on_output=lambda rank, stream, offset, data: self._ports.output(
+                self.spec.id, info.round, rank, stream, offset, data),
+            on_change=lambda g: self._report(PartState.RUNNING, info, g),
+            stop_grace=self._stop_grace)
+        self._started = self._started or self._now()
+        await workers.start()
+        self._report(PartState.RUNNING, info, workers.group)
+        exited = asyncio.ensure_future(workers.wait())
+        try:
+            return await self._watch(info, workers, exited)
+        finally:
+            exited.cancel()
+            await workers.stop()
+
+    async def _watch(self, info: RendezvousInfo, workers: LocalWorkers,
+                     exited: asyncio.Future[RunResult]) -> Action | None:
+        notice_waiting = True
+        while True:
+            event = await self._next_event(info, exited, notice_waiting)
+            action = decide(event, info, self.spec)
+            log.info("job %s round %d: %s -> %s", self.spec.id, info.round, describe(event), action.value)
+            if action is Action.WATCH:
+                notice_waiting = False  # the job is at its max: waiting nodes stay waiting
+                continue
+            if isinstance(event, WorkersExited):
+                self._count_exits(workers.group)
+            return await self._act(action, event, info, workers)
+
+    async def _next_event(self, info: RendezvousInfo, exited: asyncio.Future[RunResult],
+                          notice_waiting: bool) -> Event:
+        watching = asyncio.wrap_future(self._rdzv.watch(info.round, waiting=notice_waiting))
+        try:
+            done = await first(exited, watching, self._ended, self._leaving)
+        finally:
+            watching.cancel()
+        if done is exited:
+            return WorkersExited(exited.result())
+        if done is self._ended:
+            return JobEnded(self._ended.result())
+        if done is self._leaving:
+            return Leaving(self._leaving.result())
+        return RoundChanged(watching.result())
+
+    async def _act(self, action: Action, event: Event, info: RendezvousInfo,
+                   workers: LocalWorkers) -> Action | None:
+        if action in (Action.RESTART, Action.SCALE_UP, Action.REJOIN):
+            self._report(PartState.RESTARTING, info, workers.group)
+        await workers.stop()
+        group = workers.group
+        if action is Action.RESTART:
+            return await self._open_next_round(info, "failure", event)
+        if action is Action.SCALE_UP:
+            return await self._open_next_round(info, "scale_up", event)
+        if action is Action.REJOIN:
+            return Action.REJOIN
+        if action is Action.FAIL:
+            assert isinstance(event, WorkersExited)
+            await self._finish(failure_outcome(event.result, self.spec, self._now(), self.node))
+            self._report(PartState.FAILED, info, group)
+            return None
+        if action is Action.BARRIER:
+            return await self._exit_barrier(info, group)
+        if action is Action.LEAVE:
+            return await self._leave(info, group)
+        self._report(PartState.STOPPED, info, group)
+        return None
+
+    async def _leave(self, info: RendezvousInfo | None, group: WorkerGroup | None) -> None:
+        await in_thread(self._rdzv.leave, self._leaving.result())
+        self._report(PartState.LEFT, info, group)
+
+    async def _open_next_round(self, info: RendezvousInfo, reason: str, event: Event) -> Action | None:
+        result = await in_thread(self._rdzv.request_next_round, info.round, reason)
+        if result is NextRound.EXHAUSTED and isinstance(event, WorkersExited):
+            await self._finish(failure_outcome(event.result, self.spec, self._now(), self.node))
+            self._report(PartState.FAILED, info)
+            return None
+        if result is NextRound.CLOSED:
+            self._report(PartState.STOPPED, info)
+            return None
+        if reason == "failure":
+            self._metrics.restarted()
+        return Action.REJOIN
+
+    async def _exit_barrier(self, info: RendezvousInfo, group: WorkerGroup) -> Action | None:
+        """Wait for every member of the final round; the job succeeds only if all did.
+
+        Progress (``done/total``) is refreshed every ``_BARRIER_REFRESH`` seconds for
+        ``status``; a new round (a failure elsewhere) sends this node back to work.
+        """
+        started = time.monotonic()
+        deadline = started + self.spec.exit_barrier_timeout
+        await in_thread(self._rdzv.exit_barrier_arrive, info)
+        watching = asyncio.wrap_future(self._rdzv.watch(info.round, waiting=False))
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                done_nodes, total = await in_thread(self._rdzv.exit_barrier_progress, info)
+                self._report(PartState.BARRIER, info, group, barrier={
+                    "done": done_nodes, "total": total, "deadline": self._now() + left})
+                waiting = in_thread(self._rdzv.exit_barrier_wait, info, min(left, _BARRIER_REFRESH))
+                done = await first(waiting, watching, self._ended, self._leaving)
+                if done is waiting and waiting.result():
+                    self._metrics.barrier_waited(time.monotonic() - started)
+                    await self._finish(Outcome(JobState.SUCCEEDED, self._now(), 0, "", None, self.node))
+                    self._report(PartState.SUCCEEDED, info, group)
+                    return None
+                if done is watching and watching.result().kind == "next_round":
+                    return Action.REJOIN
+                if done is self._leaving:
+                    return await self._leave(info, group)
+                if done is not waiting:
+                    self._report(PartState.STOPPED, info, group)
+                    return None
+        finally:
+            watching.cancel()
+        self._metrics.barrier_waited(time.monotonic() - started)
+        done_nodes, total = await in_thread(self._rdzv.exit_barrier_progress, info)
+        await self._finish(Outcome(
+            JobState.FAILED, self._now(), None,
+            f"exit barrier timed out after {self.spec.exit_barrier_timeout:g} s: "
+            f"{done_nodes}/{total} nodes finished", None, self.node))
+        self._report(PartState.FAILED, info, group)
+        return None
+
+    async def _finish(self, outcome: Outcome) -> None:
+        final = await self._ports.finish(self.spec.id, outcome)
+        self.job_ended(final)
+
+    def _count_exits(self, group: WorkerGroup) -> None:
+        for worker in group.workers:
+            if worker.exit_code is not None:
+                self._metrics.worker_exited(worker.exit_code)
+
+    def _report(self, state: PartState, info: RendezvousInfo | None = None,
+                group: WorkerGroup | None = None, barrier: dict[str, Any] | None = None) -> None:
+        part = Part(
+            node=self.node, state=state,
+            round=info.round if info else None,
+            group_rank=info.group_rank if info else None,
+            restarts=info.restart_count if info else 0,
+            world_size=info.world_size if info else None,
+            group_world_size=info.group_world_size if info else None,
+            workers=tuple(w.to_json() for w in group.workers) if group else (),
+            started=self._started, barrier=barrier, updated=self._now())
+        self._ports.report(self.spec.id, part)
