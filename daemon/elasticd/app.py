@@ -1,0 +1,298 @@
+"""The composition root: parse argv, build every part, run them in one TaskGroup.
+
+Order of start-up: config -> dirs and cluster key -> store (hosted here or reached) ->
+history (jobs of a previous run that died are recorded as failed, their leftovers killed)
+-> control socket -> READY=1.  SIGTERM/SIGINT: STOPPING=1, stop every job's workers,
+exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import sdnotify
+import zmq.asyncio
+
+from . import __version__, config as config_mod
+from .board import JobBoard
+from .cluster import discover_gpus, slot_count
+from .config import DaemonConfig
+from .control.commands import Commands
+from .control.server import ControlServer
+from .errors import ConfigError, ElasticdError
+from .history import History
+from .jobs import JobRecord, JobRegistry, Outcome, PartState
+from .logs import LogBus
+from .metrics import Metrics
+from .model import JobState
+from .scheduler import JobService, Resources, reap_leftovers
+from .store import StoreBackend
+from .store.c10d import C10dServer, connect
+from .store.signing import Signer, load_key, load_or_create_key
+
+log = logging.getLogger("elasticd")
+
+DEFAULT_CONFIG = "/etc/elasticd/elasticd.toml"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="elasticd", description="Run elastic PyTorch jobs on this host.")
+    p.add_argument("--config", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)")
+    p.add_argument("--standalone", action="store_true",
+                   help="a one-host cluster that needs no config (hosts its own store)")
+    p.add_argument("--node-name", help="this node's name (default: the hostname)")
+    p.add_argument("--node-address", help="address peers use to reach this node")
+    p.add_argument("--state-dir", help="history, logs and cluster key")
+    p.add_argument("--runtime-dir", help="where the control socket lives")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
+    p.add_argument("--slots", type=int, help="workers this node runs at once")
+    p.add_argument("--gpus", type=int, help="GPU count (default: ask nvidia-smi)")
+    p.add_argument("--cluster", help="cluster name")
+    p.add_argument("--store", help="the cluster store endpoint, HOST:PORT")
+    p.add_argument("--store-host", action="store_true", default=None, help="host the store here")
+    p.add_argument("--cluster-key", help="HMAC key file for store records")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--version", action="version", version=f"elasticd {__version__}")
+    return p.parse_args(argv)
+
+
+_FLAG_KEYS = {
+    "node_name": "node.name", "node_address": "node.address", "state_dir": "paths.state_dir",
+    "runtime_dir": "paths.runtime_dir", "metrics_port": "metrics.port", "slots": "node.slots",
+    "gpus": "node.gpus", "cluster": "cluster.name", "store": "store.endpoint",
+    "store_host": "store.host", "cluster_key": "cluster.key_file", "log_level": "log.level",
+}
+
+
+def load_config(args: argparse.Namespace) -> DaemonConfig:
+    overrides = {key: getattr(args, flag) for flag, key in _FLAG_KEYS.items()
+                 if getattr(args, flag) is not None}
+    path = args.config
+    if path is None and not args.standalone and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
+    return config_mod.load(path, overrides, standalone=args.standalone)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args)
+    except ConfigError as exc:
+        print(f"elasticd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TCPStore wait timeouts are routine
+    try:
+        return asyncio.run(Daemon(config).run())
+    except ElasticdError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+class Notifier:
+    """sd_notify: READY, STATUS, WATCHDOG, STOPPING.  Silent when not under systemd."""
+
+    def __init__(self) -> None:
+        self._notifier = sdnotify.SystemdNotifier() if os.environ.get("NOTIFY_SOCKET") else None
+        self._status = ""
+
+    def send(self, message: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify(message)
+
+    def status(self, line: str) -> None:
+        if line != self._status:
+            self._status = line
+            self.send(f"STATUS={line}")
+
+    @staticmethod
+    def watchdog_interval() -> float | None:
+        """Half of WATCHDOG_USEC when the watchdog is meant for us."""
+        usec = os.environ.get("WATCHDOG_USEC")
+        pid = os.environ.get("WATCHDOG_PID")
+        if not usec or (pid and int(pid) != os.getpid()):
+            return None
+        return int(usec) / 2e6
+
+
+def status_line(records: list[JobRecord], node: str) -> str:
+    running = [r for r in records if r.state in (JobState.RUNNING, JobState.RESTARTING)]
+    workers = sum(len(r.parts[node].workers) for r in running
+                  if node in r.parts and r.parts[node].state.active)
+    pending = sum(1 for r in records if r.state in (JobState.PENDING, JobState.RENDEZVOUS))
+    jobs = f"{len(running)} job{'s' if len(running) != 1 else ''} running"
+    return f"{jobs}, {workers} worker{'s' if workers != 1 else ''}" + \
+        (f", {pending} waiting" if pending else "")
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.node = config.node_name
+        self.notify = Notifier()
+        self.metrics = Metrics()
+        self.stop = asyncio.Event()
+        self._server: C10dServer | None = None
+
+    async def run(self) -> int:
+        config = self.config
+        self._make_dirs()
+        signer = Signer(self._cluster_key())
+        store = await asyncio.to_thread(self._open_store)
+        history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
+        registry = JobRegistry(history)
+        self._restore(registry, history)
+        gpus = discover_gpus(config.node.gpus)
+        logs = LogBus()
+        board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
+        service = JobService(config, node=self.node, address=self._address(),
+                             resources=Resources(slot_count(config, gpus), gpus), store=store,
+                             signer=signer, board=board, registry=registry,
+                             metrics=self.metrics, logs=logs)
+        commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
+                            nodes=lambda: [self._node_doc(service, registry)])
+        ctx = zmq.asyncio.Context()
+        control = ControlServer(ctx, config.socket_path, commands,
+                                on_request=self._count_request,
+                                world_accessible=os.getuid() == 0)
+        control.bind()
+        http = self.metrics.serve(config.metrics.port, config.metrics.address) \
+            if config.metrics.port else None
+        registry.subscribe(lambda _: self.notify.status(status_line(registry.jobs(), self.node)))
+        self._install_signals()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                serving = tasks.create_task(control.serve())
+                beating = tasks.create_task(self._watchdog())
+                self.notify.status(status_line(registry.jobs(), self.node))
+                self.notify.send("READY=1")
+                log.info("elasticd %s ready: node %s, socket %s, store %s", __version__, self.node,
+                         config.socket_path, self._endpoint)
+                await service.run(self.stop)
+                serving.cancel()
+                beating.cancel()
+        finally:
+            control.close()
+            ctx.term()
+            if http is not None:
+                http.shutdown()
+            store.close()
+            if self._server is not None:
+                self._server.close()
+            history.close()
+        log.info("elasticd stopped")
+        return 0
+
+    def _make_dirs(self) -> None:
+        paths = self.config.paths
+        os.makedirs(paths.state_dir, mode=0o755, exist_ok=True)
+        os.makedirs(os.path.join(paths.state_dir, "logs"), mode=0o755, exist_ok=True)
+        os.makedirs(paths.runtime_dir, mode=0o755 if os.getuid() == 0 else 0o700, exist_ok=True)
+
+    def _cluster_key(self) -> bytes:
+        """Standalone daemons and the store host make a key if there is none; others need one."""
+        if self.config.standalone or self._hosts_store():
+            return load_or_create_key(self.config.key_file)
+        return load_key(self.config.key_file)
+
+    def _hosts_store(self) -> bool:
+        host = self.config.store.host
+        if host == config_mod.AUTO:
+            return self.config.store_host in _local_addresses()
+        return bool(host)
+
+    def _open_store(self) -> StoreBackend:
+        config = self.config
+        if self._hosts_store():
+            self._server = C10dServer(config.store_host, config.store_port, timeout=config.store.timeout)
+            self._endpoint = f"{config.store_host}:{self._server.port}"
+        else:
+            self._endpoint = config.store.endpoint
+        store = connect(self._endpoint, timeout=config.store.timeout,
+                        connect_timeout=config.store.connect_timeout)
+        store.add(f"elasticd/{config.cluster.name}/ping", 1)
+        self.metrics.store_up.set(1)
+        return store
+
+    def _address(self) -> str:
+        return self.config.node.address or _resolve(self.node)
+
+    def _restore(self, registry: JobRegistry, history: History) -> None:
+        """Jobs a previous run left unfinished: kill leftovers, record what happened."""
+        unfinished = registry.restore(history.load())
+        killed = reap_leftovers(unfinished, self.node)
+        if killed:
+            log.warning("killed %d leftover worker processes of a previous run", killed)
+        for record in unfinished:
+            self._mark_died(registry, record)
+
+    def _mark_died(self, registry: JobRegistry, record: JobRecord) -> None:
+        part = record.parts.get(self.node)
+        if self.config.standalone:
+            registry.set_outcome(record.id, Outcome(
+                JobState.FAILED, time.time(), None,
+                f"daemon died: elasticd on {self.node} stopped while the job ran", None, self.node))
+        elif part is not None and part.state.active:
+            registry.set_part(record.id, replace(part, state=PartState.LEFT, updated=time.time()))
+
+    def _node_doc(self, service: JobService, registry: JobRegistry) -> dict[str, Any]:
+        used = service.used()
+        return {"name": self.node, "address": self._address(), "state": "up",
+                "slots_total": service.resources.slots,
+                "slots_free": service.resources.slots - used.slots,
+                "gpus_total": len(service.resources.gpus),
+                "gpus_free": len(service.resources.gpus) - len(used.gpus),
+                "jobs": service.local_jobs(), "last_seen": time.time(),
+                "version": __version__, "labels": dict(self.config.node.labels)}
+
+    def _refused(self, key: str, why: str) -> None:
+        self.metrics.refused_records.inc()
+        log.warning("refused store record %s: %s", key, why)
+
+    def _count_request(self, op: str, result: str) -> None:
+        self.metrics.control_requests.labels(op, result).inc()
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if not self.stop.is_set():
+            log.info("%s: stopping", sig.name)
+            self.notify.send("STOPPING=1")
+            self.stop.set()
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 from the event loop itself, so a wedged loop gets us restarted."""
+        interval = self.notify.watchdog_interval()
+        if interval is None:
+            return
+        while True:
+            self.notify.send("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+
+def _local_addresses() -> set[str]:
+    import psutil
+    addresses = {"localhost"}
+    for entries in psutil.net_if_addrs().values():
+        addresses.update(e.address.split("%")[0] for e in entries)
+    return addresses
+
+
+def _resolve(name: str) -> str:
+    import socket
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,235 @@
+"""What each control op does: turn a checked request into calls on the daemon's services.
+
+Authorization (DESIGN §3, §6): root and members of the admin group act on every job;
+other users see every job but cancel only their own and read only their own logs, and their
+jobs run as themselves.  A daemon not run by root serves only its own user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import os
+import pwd
+import secrets
+import shutil
+import time
+from typing import Any, Awaitable, Callable, Mapping
+
+from .. import __version__
+from ..config import DaemonConfig
+from ..errors import InvalidSpec, NotFound, PermissionDenied
+from ..jobs import JobRecord, JobRegistry, job_doc
+from ..aio import first
+from ..logs import Chunk, LineSplitter, LogBus, log_files, read_file
+from ..model import JobSpec, parse_nnodes, parse_nproc
+from ..scheduler import JobService
+from .protocol import Request
+from .server import Caller, Reply
+
+RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
+
+
+def new_job_id() -> str:
+    return f"j-{secrets.token_hex(3)}"
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonConfig, *,
+                      job_id: str, node: str, now: float) -> JobSpec:
+    """The JobSpec a submit request asks for, with the daemon's defaults filled in (pure)."""
+    defaults = config.jobs
+    low, high = parse_nnodes(args.get("nnodes", 1))
+    return JobSpec(
+        id=job_id, argv=tuple(args["argv"]), python=args.get("python", ""),
+        workdir=args.get("workdir", ""), uid=caller.uid, gid=caller.gid,
+        user=user_name(caller.uid), name=args.get("name") or _default_name(args),
+        kind=args.get("kind", "script"), env=dict(args.get("env", {})),
+        min_nodes=low, max_nodes=high,
+        nproc_per_node=parse_nproc(args.get("nproc_per_node", 1)),
+        max_restarts=args.get("max_restarts", defaults.max_restarts),
+        join_timeout=args.get("join_timeout", defaults.join_timeout),
+        last_call_timeout=args.get("last_call_timeout", defaults.last_call_timeout),
+        exit_barrier_timeout=args.get("exit_barrier_timeout", defaults.exit_barrier_timeout),
+        nodes=tuple(args.get("nodes", ())), exclude=tuple(args.get("exclude", ())),
+        submitted_on=node, created=now)
+
+
+def _default_name(args: Mapping[str, Any]) -> str:
+    argv = args.get("argv") or [""]
+    return os.path.basename(str(argv[0])) or "job"
+
+
+def check_runnable(spec: JobSpec) -> None:
+    """Refuse at submit what could only crash a worker: a missing workdir, script or python."""
+    if not os.path.isdir(spec.workdir):
+        raise InvalidSpec(f"workdir {spec.workdir} does not exist")
+    if spec.kind == "exec":
+        found = shutil.which(spec.argv[0], path=spec.env.get("PATH", os.defpath)) \
+            if "/" not in spec.argv[0] else os.path.join(spec.workdir, spec.argv[0])
+        if not found or not os.access(found, os.X_OK) or not os.path.isfile(found):
+            raise InvalidSpec(f"executable {spec.argv[0]} not found")
+        return
+    if not (os.path.isfile(spec.python) and os.access(spec.python, os.X_OK)):
+        raise InvalidSpec(f"python {spec.python} not found or not executable")
+    if spec.kind == "script":
+        script = os.path.join(spec.workdir, spec.argv[0])
+        if not os.path.isfile(script):
+            raise InvalidSpec(f"script {spec.argv[0]} not found in {spec.workdir}")
+
+
+class Commands:
+    def __init__(self, config: DaemonConfig, *, node: str, registry: JobRegistry,
+                 jobs: JobService, logs: LogBus,
+                 nodes: Callable[[], list[dict[str, Any]]]) -> None:
+        self._config = config
+        self._node = node
+        self._registry = registry
+        self._jobs = jobs
+        self._logs = logs
+        self._nodes = nodes
+        self._ops: dict[str, Callable[[Caller, dict[str, Any], Reply], Awaitable[None]]] = {
+            "version": self.version, "submit": self.submit, "list": self.list,
+            "status": self.status, "logs": self.logs, "cancel": self.cancel,
+            "wait": self.wait, "nodes": self.nodes_list,
+        }
+
+    async def __call__(self, caller: Caller, request: Request, reply: Reply) -> None:
+        self._admit(caller)
+        handler = self._ops.get(request.op)
+        if handler is None:
+            raise InvalidSpec(f"{request.op} is not available on this daemon")
+        await handler(caller, request.args, reply)
+
+    def _admit(self, caller: Caller) -> None:
+        daemon_uid = os.getuid()
+        if daemon_uid != 0 and caller.uid != daemon_uid:
+            raise PermissionDenied(f"this elasticd serves {user_name(daemon_uid)} only")
+
+    def _is_admin(self, caller: Caller) -> bool:
+        if caller.uid == 0:
+            return True
+        try:
+            admin_gid = grp.getgrnam(self._config.control.admin_group).gr_gid
+            return admin_gid in os.getgrouplist(user_name(caller.uid), caller.gid)
+        except (KeyError, OSError):
+            return False
+
+    def _check_owner(self, caller: Caller, record: JobRecord, what: str) -> None:
+        if caller.uid != record.spec.uid and not self._is_admin(caller):
+            raise PermissionDenied(f"job {record.id} belongs to {record.spec.user}; "
+                                   f"you may not {what} it")
+
+    def _find(self, job: str) -> JobRecord:
+        """A job by id or by a unique prefix of its id."""
+        record = self._registry.find(job)
+        if record is not None:
+            return record
+        matches = [r for r in self._registry.jobs() if r.id.startswith(job)] if len(job) >= 3 else []
+        if len(matches) == 1:
+            return matches[0]
+        raise NotFound(f"no job {job!r}" if not matches else f"{job!r} matches several jobs")
+
+    # -- ops ----------------------------------------------------------------------------------
+
+    async def version(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        await reply.result({"version": __version__, "node": self._node})
+
+    async def submit(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        spec = spec_from_request(args, caller, self._config, job_id=new_job_id(),
+                                 node=self._node, now=time.time())
+        if spec.uid == 0 and os.getuid() == 0 and not self._config.jobs.allow_root:
+            raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = false)")
+        check_runnable(spec)
+        record = await self._jobs.submit(spec)
+        if args.get("wait"):
+            await self._stream_until_done(record, reply)
+        else:
+            await reply.result(job_doc(record))
+
+    async def list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        horizon = time.time() - RECENT
+        records = [r for r in self._registry.jobs()
+                   if args.get("all") or r.outcome is None or r.outcome.ended >= horizon]
+        await reply.result([job_doc(r) for r in records])
+
+    async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        await reply.result(job_doc(self._find(args["job"])))
+
+    async def wait(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        await self._stream_until_done(self._find(args["job"]), reply)
+
+    async def cancel(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        record = self._find(args["job"])
+        self._check_owner(caller, record, "cancel")
+        record = await self._jobs.cancel(record.id, by=user_name(caller.uid))
+        await reply.result(job_doc(record))
+
+    async def nodes_list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        await reply.result(self._nodes())
+
+    async def logs(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        record = self._find(args["job"])
+        self._check_owner(caller, record, "read the logs of")
+        wanted = _LogFilter(args.get("rank"), args.get("attempt"))
+        splitter = LineSplitter()
+        with self._logs.follow(record.id) as live:
+            for attempt, rank, stream, path in log_files(self._jobs.log_root, record.id):
+                await _send_chunk(reply, splitter, wanted,
+                                  Chunk(attempt, rank, stream, 0, read_file(path)))
+            if args.get("follow"):
+                await self._follow_logs(record, live, splitter, wanted, reply)
+        await _send_lines(reply, splitter.flush())
+        await reply.end()
+
+    async def _follow_logs(self, record: JobRecord, live: asyncio.Queue[Chunk],
+                           splitter: LineSplitter, wanted: _LogFilter, reply: Reply) -> None:
+        """Send live output until the job ended and its workers here are gone."""
+        gone = asyncio.ensure_future(self._job_gone(record))
+        try:
+            while True:
+                getting = asyncio.ensure_future(live.get())
+                if await first(getting, gone) is gone:
+                    getting.cancel()
+                    break
+                await _send_chunk(reply, splitter, wanted, getting.result())
+        finally:
+            gone.cancel()
+        while not live.empty():
+            await _send_chunk(reply, splitter, wanted, live.get_nowait())
+
+    async def _job_gone(self, record: JobRecord) -> None:
+        while record.outcome is None:
+            record = await self._registry.wait_change(record.id, record.version)
+        await self._jobs.settled(record.id)
+
+    async def _stream_until_done(self, record: JobRecord, reply: Reply) -> None:
+        await reply.result(job_doc(record))
+        while record.outcome is None:
+            record = await self._registry.wait_change(record.id, record.version)
+            await reply.result(job_doc(record))
+        await reply.end()
+
+
+class _LogFilter:
+    def __init__(self, rank: int | None, attempt: int | None) -> None:
+        self.rank, self.attempt = rank, attempt
+
+    def __call__(self, attempt: int, rank: int) -> bool:
+        return (self.rank is None or rank == self.rank) and (self.attempt is None or attempt == self.attempt)
+
+
+async def _send_lines(reply: Reply, lines: list[dict]) -> None:
+    if lines:
+        await reply.result({"lines": lines})
+
+
+async def _send_chunk(reply: Reply, splitter: LineSplitter, wanted: _LogFilter, chunk: Chunk) -> None:
+    if wanted(chunk.attempt, chunk.rank):
+        await _send_lines(reply, splitter.feed(chunk.source, chunk.offset, chunk.data))
