@@ -1,0 +1,178 @@
+"""The control socket, sd_notify, metrics, config errors and users, against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import stat
+import subprocess
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from conftest import PY, Control, free_port, worker_args
+from elasticd.control import protocol
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+@pytest.fixture
+def metered(daemon_factory):
+    port = free_port()
+    daemon = daemon_factory(args=("--slots", "4"), metrics_port=port).start()
+    daemon.metrics_url_port = port
+    return daemon
+
+
+@pytest.mark.parametrize("frame, code", [
+    (b"{not json", "bad_request"),
+    (b"[1, 2]", "bad_request"),
+    (json.dumps({"v": 1, "id": "x1", "op": "launch_missiles", "args": {}}).encode(), "unknown_op"),
+    (json.dumps({"v": 1, "id": "x2", "op": "status", "args": {"job": 7}}).encode(), "bad_request"),
+    (json.dumps({"v": 1, "id": "x3", "op": "status", "args": {}}).encode(), "bad_request"),
+    (json.dumps({"v": 1, "id": "x4", "op": "submit", "args": {"argv": "a.py"}}).encode(), "bad_request"),
+    (json.dumps({"v": 2, "id": "x5", "op": "version"}).encode(), "bad_request"),
+    (json.dumps({"v": 1, "id": "x6", "op": "status", "args": {"job": "j-nope"}}).encode(), "not_found"),
+    (json.dumps({"v": 1, "id": "x7", "op": "submit",
+                 "args": {"argv": ["a.py"], "nnodes": "3:1"}}).encode(), "invalid_spec"),
+])
+def test_malformed_requests_get_an_error_reply(metered, frame, code):
+    with Control(metered.socket) as control:
+        control.send_raw(frame)
+        reply = control.recv()
+        assert not reply.ok and reply.code == code, reply
+        assert control.call("version", {}).ok  # the same connection goes on working
+    text = _metrics(metered.metrics_url_port)
+    assert f'result="{code}"' in text
+
+
+def test_oversized_frame_is_refused_with_its_id(metered):
+    big = protocol.encode_request(protocol.Request("big-1", "status", {"job": "x" * (5 << 20)}))
+    with Control(metered.socket) as control:
+        control.send_raw(big)
+        reply = control.recv()
+        assert (reply.ok, reply.code, reply.id) == (False, "too_large", "big-1")
+        assert control.call("version", {}).ok
+
+
+def test_client_gone_mid_stream_does_not_hurt_the_daemon(metered):
+    job = metered.submit(*worker_args("--sleep", "0", "--print", "1"))
+    control = Control(metered.socket)
+    stream = control.stream("logs", {"job": job["id"], "follow": True}, timeout=30)
+    next(stream)  # the stream is open
+    control.close()  # and the client disappears
+    metered.ctl("cancel", job["id"])  # the job's end makes the daemon write to the gone client
+    assert metered.request("version").ok
+    assert metered.proc.poll() is None
+
+
+def test_sd_notify_ready_status_watchdog_stopping(daemon_factory):
+    daemon = daemon_factory(env={"WATCHDOG_USEC": "200000"}).start()
+    assert daemon.messages[daemon.messages.index("READY=1") - 1].startswith("STATUS=")
+    assert daemon.wait_notify("WATCHDOG=1", timeout=5)
+    job = daemon.submit("--nproc-per-node", "2", *worker_args("--sleep", "0"))
+    daemon.wait_running(job["id"], 2)
+    assert daemon.wait_notify("STATUS=1 job running, 2 workers", timeout=10)
+    daemon.signal(signal.SIGTERM)
+    daemon.wait_notify("STOPPING=1")
+    assert daemon.wait_exit() == 0
+
+
+def test_metrics_endpoint(metered):
+    metered.submit_wait(*worker_args())
+    text = _metrics(metered.metrics_url_port)
+    for needle in ('elasticd_jobs{state="SUCCEEDED"} 1.0', 'elasticd_workers{state="HEALTHY"} 0.0',
+                   'elasticd_worker_exits_total{exit_code="0"} 1.0', "elasticd_worker_restarts_total 0.0",
+                   'elasticd_control_requests_total{op="submit",result="ok"} 1.0',
+                   'elasticd_build_info{version="', "process_resident_memory_bytes",
+                   "elasticd_store_up 1.0"):
+        assert needle in text, needle
+
+
+def test_bad_config_key_stops_start_up_naming_it(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[node]\nslotz = 3\n")
+    done = subprocess.run([PY, "-m", "elasticd", "--config", str(config)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "node.slotz" in done.stderr and "unknown key" in done.stderr
+
+
+def test_second_daemon_on_the_same_socket_is_refused(daemon, daemon_factory):
+    twin = daemon_factory(name="n1")
+    twin.state_dir = daemon.state_dir.parent / "twin-state"
+    done = subprocess.run([PY, "-m", "elasticd", "--standalone", "--state-dir", str(twin.state_dir),
+                           "--runtime-dir", str(daemon.runtime_dir), "--metrics-port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "already serving" in done.stderr
+    assert daemon.request("version").ok
+
+
+def test_elasticctl_without_a_daemon(tmp_path):
+    started = time.monotonic()
+    done = subprocess.run([PY, "-m", "elasticctl", "--socket", str(tmp_path / "none.sock"), "list"],
+                          capture_output=True, text=True, timeout=10)
+    assert done.returncode == 2
+    assert f"elasticd is not running (no control socket at {tmp_path / 'none.sock'})" in done.stderr
+    assert time.monotonic() - started < 2
+
+
+def test_fake_nvidia_smi_gpus_are_partitioned(daemon_factory, shared_tmp):
+    bin_dir = shared_tmp / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n'\n")
+    smi.chmod(0o755)
+    daemon = daemon_factory(args=("--slots", "8"),
+                            env={"PATH": f"{bin_dir}:{os.environ['PATH']}"}).start()
+    out = shared_tmp / "env"
+    out.mkdir()
+    daemon.submit_wait("--nproc-per-node", "gpu", *worker_args("--env-out", str(out)))
+    envs = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(4)]
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0,1,2,3"}
+    assert sorted(e["LOCAL_RANK"] for e in envs) == ["0", "1", "2", "3"]
+    nodes = daemon.ctl("nodes")
+    assert nodes[0]["gpus_total"] == 4 and nodes[0]["slots_total"] == 8
+
+
+@needs_root
+def test_jobs_run_as_the_submitter_and_others_cannot_cancel(daemon, shared_tmp):
+    nobody = pwd.getpwnam("nobody")
+    pids_dir = shared_tmp / "pids"
+    pids_dir.mkdir()
+    pids_dir.chmod(0o777)
+    job = daemon.ctl("submit", *worker_args("--sleep", "0", "--pid-dir", str(pids_dir)),
+                     user="nobody", cwd=str(shared_tmp))
+    assert job["user"] == "nobody"
+    daemon.wait_output(job["id"], ["ready 0"])
+    worker = psutil.Process(int((pids_dir / "rank_0.pid").read_text().split()[0]))
+    assert worker.uids().real == nobody.pw_uid and worker.gids().real == nobody.pw_gid
+    log_dir = daemon.state_dir / "logs" / job["id"] / "attempt_0"
+    assert os.stat(log_dir / "rank_0.out").st_uid == nobody.pw_uid
+
+    root_job = daemon.submit(*worker_args("--sleep", "0"))
+    refused = daemon.ctl_run("cancel", root_job["id"], user="nobody")
+    assert refused.returncode == 1 and "you may not cancel" in refused.stderr
+    assert daemon.ctl("status", root_job["id"])["state"] in ("RENDEZVOUS", "RUNNING")
+    assert daemon.ctl_run("logs", root_job["id"], user="nobody").returncode == 1
+    assert daemon.ctl("cancel", job["id"], user="nobody")["state"] == "CANCELLED"
+    assert daemon.ctl("cancel", root_job["id"])["state"] == "CANCELLED"  # root cancels any
+
+
+@needs_root
+def test_root_jobs_refused_unless_allowed(daemon_factory, shared_tmp):
+    config = shared_tmp / "c.toml"
+    config.write_text("[jobs]\nallow_root = false\n")
+    daemon = daemon_factory(args=("--config", str(config), "--slots", "2"),
+                            standalone=True).start()
+    # --standalone allows root jobs unless the config says otherwise
+    done = daemon.ctl_run("submit", *worker_args())
+    assert done.returncode == 1 and "allow_root" in done.stderr
