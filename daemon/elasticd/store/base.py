@@ -1,0 +1,49 @@
+"""The store backend protocol that the rendezvous and the cluster registry are written against.
+
+Every backend object may be used from any thread. Failures surface as
+:class:`~elasticd.errors.StoreConnectionError` or :class:`~elasticd.errors.StoreTimeout`,
+never as a backend library's own exception.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class StoreBackend(Protocol):
+    def get(self, key: str) -> bytes | None:
+        """The value, or None when the key is missing. Never blocks for the store timeout."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        """Write ``desired`` if the key holds ``expected`` (None: the key must not exist).
+
+        Returns ``(swapped, value now in the store)``. ``swapped`` is True whenever the store
+        now holds ``desired``: a key that already held ``desired`` counts as swapped (TCPStore
+        cannot tell the two apart). Values compared here must be non-empty.
+        """
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to a counter (created at 0) and return the new value; ``add(key, 0)`` reads it."""
+
+    def append(self, key: str, value: bytes) -> None:
+        """Append atomically to the key's value (created empty)."""
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Like :meth:`get` for several keys, in one round trip where the backend can."""
+
+    def wait_for(self, key: str, timeout: float) -> bool:
+        """Block until the key exists (True) or ``timeout`` seconds passed (False)."""
+
+    def delete(self, key: str) -> bool:
+        """Delete the key; True if it existed."""
+
+    def close(self) -> None:
+        """Release the connection; later calls raise StoreConnectionError."""
+
+
+def check_compare_value(expected: bytes | None) -> None:
+    if expected == b"":
+        raise ValueError("compare_set cannot compare against an empty value; use None for 'missing'")

@@ -1,0 +1,77 @@
+"""c10d specifics of the contract: error mapping, connect back-off, reconnect after a restart."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from elasticd.errors import StoreConnectionError
+from elasticd.store.c10d import C10dServer, connect, parse_endpoint
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_connect_to_a_dead_endpoint_fails_within_connect_timeout_naming_it():
+    endpoint = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError) as raised:
+        connect(endpoint, connect_timeout=1.0)
+    assert endpoint in str(raised.value)
+    assert 0.9 <= time.monotonic() - started < 3.0
+
+
+def test_connect_retries_until_the_server_comes_up():
+    import threading
+
+    port = _free_port()
+    servers: list[C10dServer] = []
+    timer = threading.Timer(0.5, lambda: servers.append(C10dServer("127.0.0.1", port)))
+    timer.start()
+    try:
+        store = connect(f"127.0.0.1:{port}", connect_timeout=20.0)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        store.close()
+    finally:
+        timer.join()
+        for server in servers:
+            server.close()
+
+
+def test_a_restarted_server_raises_once_then_reconnects():
+    server = C10dServer("127.0.0.1", 0)
+    port = server.port
+    store = connect(server.endpoint, timeout=5.0, connect_timeout=5.0)
+    store.set("k", b"v")
+    server.close()
+    with pytest.raises(StoreConnectionError) as raised:
+        store.get("k")
+    assert server.endpoint in str(raised.value)
+    server = C10dServer("127.0.0.1", port)
+    try:
+        assert store.get("k") is None  # the data went with the old server
+        store.set("k", b"again")
+        assert store.get("k") == b"again"
+    finally:
+        store.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "parsed"),
+    [("10.0.0.1:29400", ("10.0.0.1", 29400)), ("[::1]:80", ("::1", 80)), ("host.example:1", ("host.example", 1))],
+)
+def test_parse_endpoint(endpoint, parsed):
+    assert parse_endpoint(endpoint) == parsed
+
+
+@pytest.mark.parametrize("endpoint", ["nohost", "host:", ":80", "host:port"])
+def test_parse_endpoint_refuses_garbage(endpoint):
+    with pytest.raises(ValueError):
+        parse_endpoint(endpoint)
