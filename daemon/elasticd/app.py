@@ -23,16 +23,17 @@ import zmq.asyncio
 
 from . import __version__, config as config_mod
 from .board import JobBoard
-from .cluster import discover_gpus, slot_count
+from .cluster import NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
 from .config import DaemonConfig
-from .control.commands import Commands
-from .control.server import ControlServer
+from .control.commands import Commands, PeerCommands
+from .control.server import ControlServer, RouterServer, Zap
 from .errors import ConfigError, ElasticdError
 from .history import History
 from .jobs import JobRecord, JobRegistry, Outcome, PartState
 from .logs import LogBus
 from .metrics import Metrics
-from .model import JobState
+from .model import JobState, NodeInfo
+from .peers import PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy, load_or_create_keys
 from .scheduler import JobService, Resources, reap_leftovers
 from .store import StoreBackend
 from .store.c10d import C10dServer, connect
@@ -142,6 +143,9 @@ class Daemon:
         self.metrics = Metrics()
         self.stop = asyncio.Event()
         self._server: C10dServer | None = None
+        self._store_ok = True
+        self._started = time.time()
+        self._peer = ("", "")
 
     async def run(self) -> int:
         config = self.config
@@ -153,35 +157,44 @@ class Daemon:
         self._restore(registry, history)
         gpus = discover_gpus(config.node.gpus)
         logs = LogBus()
-        board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
         service = JobService(config, node=self.node, address=self._address(),
                              resources=Resources(slot_count(config, gpus), gpus), store=store,
-                             signer=signer, board=board, registry=registry,
-                             metrics=self.metrics, logs=logs)
-        commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
-                            nodes=lambda: [self._node_doc(service, registry)])
+                             signer=signer, registry=registry, metrics=self.metrics, logs=logs,
+                             board=JobBoard(store, signer, config.cluster.name, on_refused=self._refused))
         ctx = zmq.asyncio.Context()
-        control = ControlServer(ctx, config.socket_path, commands,
-                                on_request=self._count_request,
+        zap = Zap(ctx)
+        keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
+        nodes = self._node_service(store, signer, service, registry)
+        peers = PeerLinks(PeerClient(ctx, keys), nodes.record, nodes.alive)
+        commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
+                            cluster=nodes, peers=peers)
+        control = ControlServer(ctx, zap, config.socket_path, commands, on_request=self._count_request,
                                 world_accessible=os.getuid() == 0)
         control.bind()
+        zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
+        peer_server = RouterServer(ctx, f"tcp://{self._address()}:{config.node.peer_port}",
+                                   PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
+                                   curve_secret=keys.secret)
+        self._peer = (peer_server.bind(), keys.public.decode())
         http = self.metrics.serve(config.metrics.port, config.metrics.address) \
             if config.metrics.port else None
-        registry.subscribe(lambda _: self.notify.status(status_line(registry.jobs(), self.node)))
+        registry.subscribe(lambda _: self._update_status(registry))
         self._install_signals()
         try:
             async with asyncio.TaskGroup() as tasks:
-                serving = tasks.create_task(control.serve())
-                beating = tasks.create_task(self._watchdog())
-                self.notify.status(status_line(registry.jobs(), self.node))
+                background = [tasks.create_task(coro) for coro in (
+                    zap.serve(), control.serve(), peer_server.serve(), self._watchdog(),
+                    nodes.run(self.stop))]
+                self._update_status(registry)
                 self.notify.send("READY=1")
                 log.info("elasticd %s ready: node %s, socket %s, store %s", __version__, self.node,
                          config.socket_path, self._endpoint)
                 await service.run(self.stop)
-                serving.cancel()
-                beating.cancel()
+                for task in background:
+                    task.cancel()
         finally:
-            control.close()
+            for closable in (control, peer_server, zap):
+                closable.close()
             ctx.term()
             if http is not None:
                 http.shutdown()
@@ -191,6 +204,45 @@ class Daemon:
             history.close()
         log.info("elasticd stopped")
         return 0
+
+    def _node_service(self, store: StoreBackend, signer: Signer, service: JobService,
+                      registry: JobRegistry) -> NodeService:
+        config = self.config
+        lost_after = config.rendezvous.keep_alive_interval * config.rendezvous.keep_alive_max_attempt
+        nodes = NodeRegistry(store, signer, config.cluster.name, self.node, lost_after=lost_after,
+                             on_refused=self._refused)
+        if self._server is not None:
+            nodes.create_epoch()
+
+        def on_store(ok: bool, problem: str) -> None:
+            self.metrics.store_up.set(1 if ok else 0)
+            if ok != self._store_ok:
+                self._store_ok = ok
+                (log.info if ok else log.warning)("store %s%s", self._endpoint,
+                                                  " reachable again" if ok else f" unreachable: {problem}")
+                self._update_status(registry)
+
+        def on_change() -> None:
+            self.metrics.count_nodes(service_nodes.states().values())
+
+        service_nodes = NodeService(
+            nodes, interval=config.rendezvous.keep_alive_interval,
+            local_record=lambda: self._local_record(service), on_drain=service.set_draining,
+            on_reset=service.store_reset, on_store=on_store, on_tick=on_change)
+        return service_nodes
+
+    def _local_record(self, service: JobService) -> NodeRecord:
+        used = service.used()
+        info = NodeInfo(self.node, self._address(), service.resources.slots, service.resources.gpus,
+                        dict(self.config.node.labels), __version__, service.draining, self._started)
+        return NodeRecord(info, service.draining, used.slots, len(used.gpus),
+                          tuple(service.local_jobs()), *self._peer)
+
+    def _update_status(self, registry: JobRegistry) -> None:
+        line = status_line(registry.jobs(), self.node)
+        if not self._store_ok:
+            line += f"; store {self._endpoint} unreachable"
+        self.notify.status(line)
 
     def _make_dirs(self) -> None:
         paths = self.config.paths
@@ -243,16 +295,6 @@ class Daemon:
                 f"daemon died: elasticd on {self.node} stopped while the job ran", None, self.node))
         elif part is not None and part.state.active:
             registry.set_part(record.id, replace(part, state=PartState.LEFT, updated=time.time()))
-
-    def _node_doc(self, service: JobService, registry: JobRegistry) -> dict[str, Any]:
-        used = service.used()
-        return {"name": self.node, "address": self._address(), "state": "up",
-                "slots_total": service.resources.slots,
-                "slots_free": service.resources.slots - used.slots,
-                "gpus_total": len(service.resources.gpus),
-                "gpus_free": len(service.resources.gpus) - len(used.gpus),
-                "jobs": service.local_jobs(), "last_seen": time.time(),
-                "version": __version__, "labels": dict(self.config.node.labels)}
 
     def _refused(self, key: str, why: str) -> None:
         self.metrics.refused_records.inc()

@@ -62,9 +62,14 @@ class JobBoard:
     # -- writes ---------------------------------------------------------------------------
 
     def publish_spec(self, spec: JobSpec, seq: int | None = None) -> int:
-        """Publish a job; returns its submit order.  Republishing keeps the given ``seq``."""
+        """Publish a job; returns its submit order.  Republishing (into a store that was reset)
+        keeps the given ``seq`` and moves the counter past it, so later jobs come after."""
         if seq is None:
             seq = self._store.add(self._key("seq"), 1)
+        else:
+            behind = seq - self._store.add(self._key("seq"), 0)
+            if behind > 0:
+                self._store.add(self._key("seq"), behind)
         self._store.set(self._key(f"spec/{spec.id}"),
                         self._signer.seal({"seq": seq, "spec": spec.to_json()}))
         self._store.set(self._key(f"by_seq/{seq}"), spec.id.encode())

@@ -3,12 +3,23 @@ node's signed record and heartbeat."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import os
+import secrets
 import shutil
 import subprocess
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Awaitable, Callable, Mapping
 
+from .aio import wait_or_timeout
 from .config import AUTO, DaemonConfig
+from .errors import NotFound, StoreError, TamperedRecord
+from .model import NodeInfo
+from .store import StoreBackend
+from .store.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +56,267 @@ def slot_count(config: DaemonConfig, gpus: tuple[str, ...]) -> int:
     if config.node.slots:
         return config.node.slots
     return max(os.cpu_count() or 1, len(gpus))
+
+
+# -- the node registry in the store -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node publishes about itself (signed), rewritten when it changes."""
+
+    info: NodeInfo
+    draining: bool = False
+    slots_used: int = 0
+    gpus_used: int = 0
+    jobs: tuple[str, ...] = ()
+    peer_endpoint: str = ""
+    peer_key: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"info": self.info.to_json(), "draining": self.draining,
+                "slots_used": self.slots_used, "gpus_used": self.gpus_used,
+                "jobs": list(self.jobs), "peer_endpoint": self.peer_endpoint,
+                "peer_key": self.peer_key}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> NodeRecord:
+        return cls(NodeInfo.from_json(doc["info"]), bool(doc.get("draining")),
+                   int(doc.get("slots_used", 0)), int(doc.get("gpus_used", 0)),
+                   tuple(doc.get("jobs", ())), str(doc.get("peer_endpoint", "")),
+                   str(doc.get("peer_key", "")))
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """What this node last saw of another: its record and when its heartbeat last moved."""
+
+    record: NodeRecord
+    beats: int
+    moved: float        # this node's monotonic clock
+    moved_wall: float   # this node's wall clock, for display only
+
+
+def node_state(sighting: Sighting, now: float, lost_after: float) -> str:
+    """up | draining | drained | lost, judged on the observer's own monotonic clock."""
+    if now - sighting.moved > lost_after:
+        return "lost"
+    if sighting.record.draining:
+        return "draining" if sighting.record.jobs else "drained"
+    return "up"
+
+
+def observe(previous: Sighting | None, record: NodeRecord, beats: int, now: float,
+            wall: float) -> Sighting:
+    """A heartbeat counter that changed (either way: a reset store restarts it) is a sign of life."""
+    if previous is None or beats != previous.beats:
+        return Sighting(record, beats, now, wall)
+    return replace(previous, record=record)
+
+
+def node_doc(sighting: Sighting, state: str) -> dict[str, Any]:
+    record = sighting.record
+    return {"name": record.info.name, "address": record.info.address, "state": state,
+            "slots_total": record.info.slots, "slots_free": record.info.slots - record.slots_used,
+            "gpus_total": len(record.info.gpus), "gpus_free": len(record.info.gpus) - record.gpus_used,
+            "jobs": list(record.jobs), "last_seen": sighting.moved_wall,
+            "version": record.info.version, "labels": dict(record.info.labels)}
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The result of one heartbeat duty."""
+
+    sightings: dict[str, Sighting]
+    drain: bool | None          # a drain request for this node, if any
+    epoch: str                  # the store's epoch (changes when the store host restarts)
+
+
+class NodeRegistry:
+    """This node's record and heartbeat in the store, and its view of every other node.
+
+    Keys under ``elasticd/<cluster>/nodes/``: ``seq`` and ``by_seq/<n>`` (every name that ever
+    registered, in order), ``<name>/record`` (signed NodeRecord), ``<name>/hb`` (heartbeat
+    counter), ``<name>/drain`` (signed drain request, written by whoever asked).  ``tick`` is
+    the heartbeat duty; it blocks on the store, so the daemon runs it in a thread.
+    """
+
+    def __init__(self, store: StoreBackend, signer: Signer, cluster: str, name: str, *,
+                 lost_after: float, on_refused: Callable[[str, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._signer = signer
+        self._root = f"elasticd/{cluster}"
+        self._prefix = f"elasticd/{cluster}/nodes"
+        self.name = name
+        self.lost_after = lost_after
+        self._on_refused = on_refused or (lambda key, why: None)
+        self._clock = clock
+        self._wall = wall_clock
+        self._names: list[str] = []
+        self._seen = 0
+        self._unread: list[int] = []
+        self._sightings: dict[str, Sighting] = {}
+        self._published: NodeRecord | None = None
+        self._registered_epoch = ""
+
+    def _key(self, suffix: str) -> str:
+        return f"{self._prefix}/{suffix}"
+
+    @property
+    def epoch_key(self) -> str:
+        return f"{self._root}/epoch"
+
+    def create_epoch(self) -> str:
+        """The store host marks a fresh store, so that others can tell it was reset."""
+        token = secrets.token_hex(8).encode()
+        _, current = self._store.compare_set(self.epoch_key, None, token)
+        return (current or token).decode()
+
+    def tick(self, record: NodeRecord) -> Tick:
+        epoch = (self._store.get(self.epoch_key) or b"").decode()
+        if epoch != self._registered_epoch or record != self._published:
+            self._publish(record, register=epoch != self._registered_epoch)
+            self._registered_epoch = epoch
+        self._store.add(self._key(f"{self.name}/hb"), 1)
+        self._learn_names()
+        keys = [self._key(f"{n}/{part}") for n in self._names for part in ("record", "hb")]
+        values = self._store.get_many(keys + [self._key(f"{self.name}/drain")])
+        now, wall = self._clock(), self._wall()
+        for i, name in enumerate(self._names):
+            record_raw, beats_raw = values[2 * i], values[2 * i + 1]
+            parsed = self._open_record(name, record_raw)
+            if parsed is not None and beats_raw is not None:
+                self._sightings[name] = observe(self._sightings.get(name), parsed,
+                                                int(beats_raw), now, wall)
+        return Tick(dict(self._sightings), self._open_drain(values[-1]), epoch)
+
+    def _publish(self, record: NodeRecord, *, register: bool) -> None:
+        self._store.set(self._key(f"{self.name}/record"), self._signer.seal(record.to_json()))
+        if register:
+            n = self._store.add(self._key("seq"), 1)
+            self._store.set(self._key(f"by_seq/{n}"), self.name.encode())
+            self._seen, self._unread, self._names = 0, [], []  # learn the names again
+        self._published = record
+
+    def _learn_names(self) -> None:
+        """Read the registrations added since the last tick (and retry any not yet written)."""
+        count = self._store.add(self._key("seq"), 0)
+        if count < self._seen:  # the store was reset under us
+            self._seen, self._unread, self._names = 0, [], []
+        wanted = self._unread + list(range(self._seen + 1, count + 1))
+        if not wanted:
+            return
+        values = self._store.get_many([self._key(f"by_seq/{n}") for n in wanted])
+        self._unread = [n for n, raw in zip(wanted, values) if raw is None]
+        for raw in values:
+            name = raw.decode(errors="replace") if raw else ""
+            if name and name not in self._names:
+                self._names.append(name)
+        self._seen = count
+
+    def _open_record(self, name: str, raw: bytes | None) -> NodeRecord | None:
+        if raw is None:
+            return None
+        try:
+            record = NodeRecord.from_json(self._signer.open(raw))
+        except TamperedRecord as exc:
+            self._on_refused(self._key(f"{name}/record"), str(exc))
+            return None
+        except (KeyError, TypeError, ValueError) as exc:
+            self._on_refused(self._key(f"{name}/record"), f"unreadable: {exc}")
+            return None
+        if record.info.name != name:
+            self._on_refused(self._key(f"{name}/record"), f"names another node ({record.info.name})")
+            return None
+        return record
+
+    def _open_drain(self, raw: bytes | None) -> bool | None:
+        if raw is None:
+            return None
+        try:
+            return bool(self._signer.open(raw)["drain"])
+        except (TamperedRecord, KeyError, TypeError, ValueError) as exc:
+            self._on_refused(self._key(f"{self.name}/drain"), str(exc))
+            return None
+
+    def request_drain(self, name: str, drain: bool, by: str) -> None:
+        self._store.set(self._key(f"{name}/drain"),
+                        self._signer.seal({"drain": drain, "by": by, "at": self._wall()}))
+
+    def states(self, sightings: Mapping[str, Sighting]) -> dict[str, str]:
+        now = self._clock()
+        return {name: node_state(s, now, self.lost_after) for name, s in sightings.items()}
+
+
+class NodeService:
+    """The heartbeat loop: one tick per keep-alive interval (a timer, not a poll), in a thread
+    of its own because the store blocks.  It publishes this node's record, watches the others,
+    notices a reset store and drain requests, and reports the store's health."""
+
+    def __init__(self, registry: NodeRegistry, *, interval: float,
+                 local_record: Callable[[], NodeRecord],
+                 on_drain: Callable[[bool], None], on_reset: Callable[[], Awaitable[None]],
+                 on_store: Callable[[bool, str], None],
+                 on_tick: Callable[[], None] = lambda: None) -> None:
+        self.registry = registry
+        self._interval = interval
+        self._local_record = local_record
+        self._on_drain = on_drain
+        self._on_reset = on_reset
+        self._on_store = on_store
+        self._on_tick = on_tick
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="node-heartbeat")
+        self._sightings: dict[str, Sighting] = {}
+        self._epoch: str | None = None
+        self._drain: bool | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not stop.is_set():
+                try:
+                    tick = await loop.run_in_executor(self._io, self.registry.tick, self._local_record())
+                except StoreError as exc:
+                    self._on_store(False, str(exc))
+                else:
+                    self._on_store(True, "")
+                    await self._apply(tick)
+                await wait_or_timeout(stop, self._interval)
+        finally:
+            self._io.shutdown(wait=False)
+
+    async def _apply(self, tick: Tick) -> None:
+        self._sightings = tick.sightings
+        self._on_tick()
+        if tick.drain is not None and tick.drain != self._drain:
+            self._drain = tick.drain
+            self._on_drain(tick.drain)
+        reset = self._epoch is not None and tick.epoch != self._epoch
+        self._epoch = tick.epoch
+        if reset:
+            log.warning("the store was reset (its host restarted): publishing this node's jobs again")
+            await self._on_reset()
+
+    def states(self) -> dict[str, str]:
+        return self.registry.states(self._sightings)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        states = self.states()
+        return [node_doc(s, states[name]) for name, s in sorted(self._sightings.items())]
+
+    def record(self, name: str) -> NodeRecord | None:
+        sighting = self._sightings.get(name)
+        return sighting.record if sighting else None
+
+    def alive(self, name: str) -> bool:
+        return self.states().get(name, "lost") != "lost"
+
+    def peer_keys(self) -> dict[bytes, str]:
+        return {s.record.peer_key.encode(): name for name, s in self._sightings.items() if s.record.peer_key}
+
+    async def request_drain(self, name: str, drain: bool, by: str) -> None:
+        if name not in self._sightings:
+            raise NotFound(f"no node {name!r}")
+        await asyncio.get_running_loop().run_in_executor(
+            self._io, self.registry.request_drain, name, drain, by)

@@ -83,7 +83,8 @@ def _listdir(path: str) -> list[str]:
 class LineSplitter:
     """Turns chunks of several sources into whole lines, keeping each source's partial line."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: str = "") -> None:
+        self.node = node
         self._partial: dict[tuple[int, int, str], bytes] = {}
         self.seen: dict[tuple[int, int, str], int] = {}
 
@@ -101,18 +102,17 @@ class LineSplitter:
             rest = b""
         if rest:
             self._partial[source] = rest
-        return [_line(source, line) for line in lines]
+        return [self._line(source, line) for line in lines]
 
     def flush(self) -> list[dict]:
-        lines = [_line(source, rest) for source, rest in sorted(self._partial.items())]
+        lines = [self._line(source, rest) for source, rest in sorted(self._partial.items())]
         self._partial.clear()
         return lines
 
-
-def _line(source: tuple[int, int, str], raw: bytes) -> dict:
-    attempt, rank, stream = source
-    return {"attempt": attempt, "rank": rank, "stream": stream,
-            "text": raw.decode("utf-8", errors="replace").rstrip("\r")}
+    def _line(self, source: tuple[int, int, str], raw: bytes) -> dict:
+        attempt, rank, stream = source
+        return {"node": self.node, "attempt": attempt, "rank": rank, "stream": stream,
+                "text": raw.decode("utf-8", errors="replace").rstrip("\r")}
 
 
 def read_file(path: str) -> bytes:

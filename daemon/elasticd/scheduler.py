@@ -112,6 +112,7 @@ class JobService:
         self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="board-write")
         self._placing = False
         self._stopping = False
+        self.draining = False
         self._tasks: asyncio.TaskGroup | None = None
         registry.subscribe(self._on_change)
 
@@ -222,8 +223,8 @@ class JobService:
         used = self.used()
         free = Resources(self.resources.slots - used.slots,
                          tuple(g for g in self.resources.gpus if g not in used.gpus))
-        for offer in place(self._registry.jobs(), self.node, free,
-                           has_gpus=bool(self.resources.gpus), busy=set(self._running)):
+        for offer in place(self._registry.jobs(), self.node, free, has_gpus=bool(self.resources.gpus),
+                           busy=set(self._running), draining=self.draining):
             self._start_agent(self._registry.get(offer.job_id).spec, offer)
 
     def _start_agent(self, spec: JobSpec, offer: Offer) -> None:
@@ -269,6 +270,29 @@ class JobService:
         running = self._running.get(job_id)
         if running is not None:
             await running.done.wait()
+
+    def set_draining(self, draining: bool) -> None:
+        """A draining node takes no new job and leaves its jobs through a clean new round."""
+        if draining == self.draining:
+            return
+        self.draining = draining
+        log.info("node %s %s", self.node, "draining" if draining else "takes jobs again")
+        if draining:
+            for running in self._running.values():
+                running.agent.leave("drain")
+        self._schedule_placement()
+
+    async def store_reset(self) -> None:
+        """The store lost its data (its host restarted): publish again what this node knows
+        (open jobs, and this node's parts), then read the board afresh."""
+        for record in self._registry.jobs():
+            if record.outcome is not None:
+                continue
+            await self._write(self._board.publish_spec, record.spec, record.seq)
+            part = record.parts.get(self.node)
+            if part is not None:
+                await self._write(self._publish_part, record.id, part)
+        await self._resync()
 
     # -- following the board ------------------------------------------------------------------
 

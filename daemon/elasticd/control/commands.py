@@ -18,11 +18,13 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from .. import __version__
 from ..config import DaemonConfig
-from ..errors import InvalidSpec, NotFound, PermissionDenied
+from ..errors import ElasticdError, InvalidSpec, NotFound, PermissionDenied
 from ..jobs import JobRecord, JobRegistry, job_doc
 from ..aio import first
 from ..logs import Chunk, LineSplitter, LogBus, log_files, read_file
 from ..model import JobSpec, parse_nnodes, parse_nproc
+from ..cluster import NodeService
+from ..peers import PeerCaller, PeerLinks
 from ..scheduler import JobService
 from .protocol import Request
 from .server import Caller, Reply
@@ -86,18 +88,19 @@ def check_runnable(spec: JobSpec) -> None:
 
 class Commands:
     def __init__(self, config: DaemonConfig, *, node: str, registry: JobRegistry,
-                 jobs: JobService, logs: LogBus,
-                 nodes: Callable[[], list[dict[str, Any]]]) -> None:
+                 jobs: JobService, logs: LogBus, cluster: NodeService, peers: PeerLinks) -> None:
         self._config = config
         self._node = node
         self._registry = registry
         self._jobs = jobs
         self._logs = logs
-        self._nodes = nodes
+        self._cluster = cluster
+        self._peers = peers
         self._ops: dict[str, Callable[[Caller, dict[str, Any], Reply], Awaitable[None]]] = {
             "version": self.version, "submit": self.submit, "list": self.list,
             "status": self.status, "logs": self.logs, "cancel": self.cancel,
-            "wait": self.wait, "nodes": self.nodes_list,
+            "wait": self.wait, "nodes": self.nodes_list, "drain": self.drain,
+            "undrain": self.undrain,
         }
 
     async def __call__(self, caller: Caller, request: Request, reply: Reply) -> None:
@@ -172,13 +175,35 @@ class Commands:
         await reply.result(job_doc(record))
 
     async def nodes_list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        await reply.result(self._nodes())
+        await reply.result(self._cluster.nodes())
+
+    async def drain(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        await self._set_drain(caller, args["node"], True, reply)
+
+    async def undrain(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        await self._set_drain(caller, args["node"], False, reply)
+
+    async def _set_drain(self, caller: Caller, node: str, drain: bool, reply: Reply) -> None:
+        if not self._is_admin(caller):
+            raise PermissionDenied("only root and the admin group may drain nodes")
+        await self._cluster.request_drain(node, drain, by=user_name(caller.uid))
+        await reply.result({"name": node, "drain": drain})
 
     async def logs(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        """Every node's logs of the job: this node's files and live output, and the other
+        nodes' fetched from their daemons, merged as they come."""
         record = self._find(args["job"])
         self._check_owner(caller, record, "read the logs of")
+        others = [node for node in record.parts if node != self._node]
+        await asyncio.gather(self.local_logs(record.id, args, reply),
+                             *(self._remote_logs(node, record.id, args, reply) for node in others))
+        await reply.end()
+
+    async def local_logs(self, job_id: str, args: dict[str, Any], reply: Reply) -> None:
+        """This node's logs of the job (no end marker: callers merge several sources)."""
+        record = self._registry.get(job_id)
         wanted = _LogFilter(args.get("rank"), args.get("attempt"))
-        splitter = LineSplitter()
+        splitter = LineSplitter(self._node)
         with self._logs.follow(record.id) as live:
             for attempt, rank, stream, path in log_files(self._jobs.log_root, record.id):
                 await _send_chunk(reply, splitter, wanted,
@@ -186,7 +211,14 @@ class Commands:
             if args.get("follow"):
                 await self._follow_logs(record, live, splitter, wanted, reply)
         await _send_lines(reply, splitter.flush())
-        await reply.end()
+
+    async def _remote_logs(self, node: str, job_id: str, args: dict[str, Any], reply: Reply) -> None:
+        try:
+            async for result in self._peers.logs(node, {**args, "job": job_id}):
+                await reply.result(result)
+        except ElasticdError as exc:
+            await _send_lines(reply, [{"node": node, "rank": None, "attempt": None, "stream": "err",
+                                       "text": f"elasticd: logs of node {node} unavailable: {exc}"}])
 
     async def _follow_logs(self, record: JobRecord, live: asyncio.Queue[Chunk],
                            splitter: LineSplitter, wanted: _LogFilter, reply: Reply) -> None:
@@ -214,6 +246,19 @@ class Commands:
         while record.outcome is None:
             record = await self._registry.wait_change(record.id, record.version)
             await reply.result(job_doc(record))
+        await reply.end()
+
+
+class PeerCommands:
+    """What another daemon may ask of this one (it is authenticated by its CURVE key)."""
+
+    def __init__(self, commands: Commands) -> None:
+        self._commands = commands
+
+    async def __call__(self, caller: PeerCaller, request: Request, reply: Reply) -> None:
+        if request.op != "logs":
+            raise InvalidSpec(f"{request.op} is not a peer operation")
+        await self._commands.local_logs(request.args["job"], request.args, reply)
         await reply.end()
 
 

@@ -84,55 +84,74 @@ class Reply:
             raise
 
 
-Handler = Callable[[Caller, Request, Reply], Awaitable[None]]
+Handler = Callable[[Any, Request, Reply], Awaitable[None]]
+ZapPolicy = Callable[[bytes, bytes, list[bytes]], bytes | None]  # (mechanism, address, credentials) -> user id
 
 
-class ControlServer:
-    def __init__(self, ctx: zmq.asyncio.Context, path: str, handler: Handler, *,
+def local_peer_policy(mechanism: bytes, address: bytes, credentials: list[bytes]) -> bytes | None:
+    """ipc control socket: admit every local peer, labelled with its SO_PEERCRED credentials."""
+    return zap_user_id(address)
+
+
+class Zap:
+    """The context's ZAP handler (RFC 27), one policy per ZAP domain."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self._socket = ctx.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(ZAP_ENDPOINT)
+        self._policies: dict[bytes, ZapPolicy] = {}
+
+    def add(self, domain: bytes, policy: ZapPolicy) -> None:
+        self._policies[domain] = policy
+
+    async def serve(self) -> None:
+        while True:
+            version, request_id, domain, address, _identity, mechanism, *credentials = \
+                await self._socket.recv_multipart()
+            policy = self._policies.get(domain)
+            user_id = policy(mechanism, address, credentials) if policy else None
+            status, text = (b"200", b"OK") if user_id else (b"400", b"not admitted")
+            if user_id is None:
+                log.warning("refused a %s connection from %s", domain.decode(errors="replace"),
+                            address.decode(errors="replace"))
+            await self._socket.send_multipart([version, request_id, status, text, user_id or b"", b""])
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class RouterServer:
+    """A ROUTER that runs ``handler(caller, request, reply)`` for each request in its own task.
+
+    ``identify`` turns a message's ZAP User-Id into the caller the handler sees.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, handler: Handler, *,
+                 domain: bytes, identify: Callable[[str], Any],
                  on_request: Callable[[str, str], None] | None = None,
-                 world_accessible: bool = False) -> None:
-        self.path = path
-        self._ctx = ctx
+                 curve_secret: bytes | None = None) -> None:
+        self.endpoint = endpoint
         self._handler = handler
+        self._identify = identify
         self._count = on_request or (lambda op, result: None)
-        self._world = world_accessible
-        self._router: zmq.asyncio.Socket | None = None
-        self._zap: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-
-    def bind(self) -> None:
-        """Bind the ZAP handler, then the socket (replacing a stale socket file)."""
-        self._zap = self._ctx.socket(zmq.REP)
-        self._zap.bind(ZAP_ENDPOINT)
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ZAP_DOMAIN, domain)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
         router.setsockopt(zmq.LINGER, 0)
-        _refuse_if_served(self.path)
-        _remove_stale_socket(self.path)
-        router.bind(f"ipc://{self.path}")
-        os.chmod(self.path, 0o666 if self._world else 0o600)
+        if curve_secret is not None:
+            router.curve_server = True
+            router.curve_secretkey = curve_secret
         self._router = router
 
+    def bind(self) -> str:
+        self._router.bind(self.endpoint)
+        self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
     async def serve(self) -> None:
-        assert self._router is not None and self._zap is not None
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._answer_zap())
-            group.create_task(self._receive())
-
-    async def _answer_zap(self) -> None:
-        """ZAP (RFC 27): admit every local peer and label it with its credentials."""
-        assert self._zap is not None
-        while True:
-            version, request_id, _domain, address, _identity, _mechanism, *_ = \
-                await self._zap.recv_multipart()
-            user_id = zap_user_id(address)
-            status, text = (b"200", b"OK") if user_id else (b"400", b"no peer credentials")
-            await self._zap.send_multipart([version, request_id, status, text, user_id or b"", b""])
-
-    async def _receive(self) -> None:
-        assert self._router is not None
         while True:
             frames = await self._router.recv_multipart(copy=False)
             if len(frames) != 2:
@@ -149,7 +168,7 @@ class ControlServer:
         reply = Reply(self._router, identity, protocol.request_id(raw))
         op = "invalid"
         try:
-            caller = parse_peer(frame.get("User-Id") or "")
+            caller = self._identify(frame.get("User-Id") or "")
             request = protocol.decode_request(raw)
             op, reply.id = request.op, request.id
             await self._handler(caller, request, reply)
@@ -176,9 +195,31 @@ class ControlServer:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for sock in (self._router, self._zap):
-            if sock is not None:
-                sock.close(linger=0)
+        self._router.close(linger=0)
+
+
+class ControlServer(RouterServer):
+    """The local control socket: ``ipc://<runtime dir>/control.sock``."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, zap: Zap, path: str, handler: Handler, *,
+                 on_request: Callable[[str, str], None] | None = None,
+                 world_accessible: bool = False) -> None:
+        super().__init__(ctx, f"ipc://{path}", handler, domain=ZAP_DOMAIN, identify=parse_peer,
+                         on_request=on_request)
+        zap.add(ZAP_DOMAIN, local_peer_policy)
+        self.path = path
+        self._world = world_accessible
+
+    def bind(self) -> str:
+        """Bind (replacing a stale socket file, refusing to steal a live one)."""
+        _refuse_if_served(self.path)
+        _remove_stale_socket(self.path)
+        endpoint = super().bind()
+        os.chmod(self.path, 0o666 if self._world else 0o600)
+        return endpoint
+
+    def close(self) -> None:
+        super().close()
         _remove_stale_socket(self.path)
 
 

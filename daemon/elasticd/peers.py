@@ -1,0 +1,122 @@
+"""Daemon-to-daemon requests (a remote node's logs) over ZeroMQ CURVE.
+
+Each daemon has a CURVE key pair (``<state>/peer.key``, 0600) and serves a ROUTER on
+``tcp://<node address>:<peer port>``.  Its public key and endpoint travel in its signed node
+record, so a daemon trusts exactly the keys that the cluster key vouches for: the ZAP
+policy admits a client only if its public key belongs to a known node, and a client pins
+the server key of the node it asks.  Traffic is encrypted and both ends are authenticated;
+no shared file system is assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from .control import protocol
+from .errors import ElasticdError
+
+PEER_DOMAIN = b"elasticd-peer"
+
+
+class PeerError(ElasticdError):
+    """Another daemon could not be asked."""
+
+    code = "peer_unreachable"
+
+
+@dataclass(frozen=True)
+class PeerKeys:
+    public: bytes   # Z85, 40 bytes
+    secret: bytes
+
+
+def load_or_create_keys(path: str) -> PeerKeys:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return PeerKeys(doc["public"].encode(), doc["secret"].encode())
+    except FileNotFoundError:
+        public, secret = zmq.curve_keypair()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"public": public.decode(), "secret": secret.decode()}, f)
+        return PeerKeys(public, secret)
+
+
+def curve_policy(known_keys: Callable[[], dict[bytes, str]]) -> Callable[[bytes, bytes, list[bytes]], bytes | None]:
+    """ZAP policy: admit a CURVE client whose public key is a known node's; its user id is
+    that node's name."""
+    def policy(mechanism: bytes, address: bytes, credentials: list[bytes]) -> bytes | None:
+        if mechanism != b"CURVE" or not credentials:
+            return None
+        node = known_keys().get(zmq.z85_encode(credentials[0]))
+        return node.encode() if node else None
+    return policy
+
+
+@dataclass(frozen=True)
+class PeerCaller:
+    node: str
+
+
+class PeerClient:
+    def __init__(self, ctx: zmq.asyncio.Context, keys: PeerKeys, timeout: float = 15.0) -> None:
+        self._ctx = ctx
+        self._keys = keys
+        self._timeout_ms = int(timeout * 1000)
+
+    async def stream(self, endpoint: str, server_key: str, op: str, args: dict[str, Any],
+                     alive: Callable[[], bool] = lambda: True) -> AsyncIterator[Any]:
+        """Results of a streaming request to the daemon at ``endpoint`` until its end.
+
+        The first reply must come within the timeout; after that the stream may be quiet
+        for as long as ``alive()`` (the node is not lost), checked once per timeout.
+        """
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_secretkey = self._keys.secret
+        sock.curve_publickey = self._keys.public
+        sock.curve_serverkey = server_key.encode()
+        sock.connect(endpoint)
+        try:
+            await sock.send(protocol.encode_request(protocol.Request(uuid.uuid4().hex, op, args)))
+            answered = False
+            while True:
+                if not await sock.poll(self._timeout_ms):
+                    if not answered or not alive():
+                        raise PeerError(f"no answer from {endpoint}")
+                    continue
+                answered = True
+                reply = protocol.decode_reply(await sock.recv())
+                if not reply.ok:
+                    raise PeerError(f"{endpoint}: {reply.message}")
+                if reply.end:
+                    return
+                yield reply.result
+        finally:
+            sock.close(linger=0)
+
+
+class PeerLinks:
+    """Requests to other nodes by name, with the endpoints and keys of their signed records."""
+
+    def __init__(self, client: PeerClient, record: Callable[[str], Any],
+                 alive: Callable[[str], bool]) -> None:
+        self._client = client
+        self._record = record
+        self._alive = alive
+
+    async def logs(self, node: str, args: dict[str, Any]) -> AsyncIterator[Any]:
+        record = self._record(node)
+        if record is None or not record.peer_endpoint:
+            raise PeerError(f"node {node} is not known")
+        async for result in self._client.stream(record.peer_endpoint, record.peer_key, "logs",
+                                                args, alive=lambda: self._alive(node)):
+            yield result
