@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, help="GPU count (default: ask nvidia-smi)")
     p.add_argument("--cluster", help="cluster name")
     p.add_argument("--store", help="the cluster store endpoint, HOST:PORT")
-    p.add_argument("--store-host", action="store_true", default=None, help="host the store here")
+    p.add_argument("--store-host", action=argparse.BooleanOptionalAction, default=None,
+                   help="host the store here (default: when the endpoint is this host's)")
     p.add_argument("--cluster-key", help="HMAC key file for store records")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")

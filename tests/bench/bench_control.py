@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from conftest import PY, WORKER, Control, Daemon  # noqa: E402
+from harness import PY, WORKER, Control, Daemon  # noqa: E402
 from elasticd.control import protocol  # noqa: E402
 
 

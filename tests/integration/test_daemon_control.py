@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-from conftest import PY, Control, free_port, worker_args
+from harness import PY, Control, free_port, worker_args
 from elasticd.control import protocol
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")

@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from conftest import PY, ROOT, WORKER, alive, wait_gone, worker_args
+from harness import PY, ROOT, WORKER, alive, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 

@@ -1,0 +1,283 @@
+"""Test harness: real elasticd daemons in temporary directories, driven by the real
+elasticctl and by a small control-protocol client.
+
+Nothing here sleeps and hopes: a daemon is ready when its sd_notify READY=1 datagram
+arrives on a real NOTIFY_SOCKET; a job reaches a state when the daemon's own ``wait``
+stream says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import zmq
+
+from elasticd.control import protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+WORKER = FIXTURES / "worker.py"
+PY = sys.executable
+START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """One elasticd process (standalone unless told otherwise) and ways to talk to it."""
+
+    def __init__(self, base: Path, name: str = "n1", args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, standalone: bool = True,
+                 metrics_port: int = 0) -> None:
+        self.base = base
+        self.name = name
+        self.state_dir = base / f"{name}-state"
+        self.runtime_dir = base / f"{name}-run"
+        self.socket = str(self.runtime_dir / "control.sock")
+        self.log_path = base / f"{name}.log"
+        self.notify_path = str(base / f"{name}-notify.sock")
+        self.args = args
+        self.env = env or {}
+        self.standalone = standalone
+        self.metrics_port = metrics_port
+        self.messages: list[str] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._notify: socket.socket | None = None
+
+    # -- process ---------------------------------------------------------------------------
+
+    def start(self, timeout: float = START_TIMEOUT) -> Daemon:
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if os.path.exists(self.notify_path):
+            os.unlink(self.notify_path)
+        self._notify.bind(self.notify_path)
+        self.messages = []
+        argv = [PY, "-m", "elasticd", "--node-name", self.name, "--state-dir", str(self.state_dir),
+                "--runtime-dir", str(self.runtime_dir), "--metrics-port", str(self.metrics_port),
+                *self.args]
+        if self.standalone:
+            argv.insert(3, "--standalone")
+        env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, **self.env}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=str(self.base))
+        self.wait_notify("READY=1", timeout)
+        return self
+
+    def wait_notify(self, wanted: str, timeout: float = 30.0) -> str:
+        """Block until a notification starting with ``wanted`` arrives; returns it."""
+        assert self._notify is not None
+        deadline = time.monotonic() + timeout
+        for message in self.messages:
+            if message.startswith(wanted):
+                return message
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.name}: no {wanted!r} in {timeout}s; got {self.messages}\n"
+                                     f"{self.log_text()}")
+            self._notify.settimeout(min(left, 0.5))
+            try:
+                data = self._notify.recv(4096).decode()
+            except socket.timeout:
+                if self.proc is not None and self.proc.poll() is not None and wanted != "":
+                    raise AssertionError(f"{self.name} exited with {self.proc.returncode} before "
+                                         f"{wanted!r}:\n{self.log_text()}") from None
+                continue
+            for message in data.split("\n"):
+                self.messages.append(message)
+                if message.startswith(wanted):
+                    return message
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            if self._notify is not None:
+                self._notify.close()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    # -- elasticctl ------------------------------------------------------------------------
+
+    def ctl_run(self, *args: str, user: str | None = None, timeout: float = 180.0,
+                env: dict[str, str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run elasticctl, as ``user`` if given (with a Python that user can execute)."""
+        python, extra, as_user = PY, {}, {}
+        if user is not None:
+            import pwd
+            venv = python_for_everyone()
+            python, extra = f"{venv}/bin/python3", {"VIRTUAL_ENV": venv, "HOME": "/"}
+            account = pwd.getpwnam(user)
+            as_user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+        argv = [python, "-m", "elasticctl", "--socket", self.socket, *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **extra, **(env or {})}, cwd=cwd or str(self.base),
+                              **as_user)
+
+    def ctl(self, *args: str, expect: int = 0, **kw: Any) -> Any:
+        """Run ``elasticctl --json ARGS``; check the exit code; parse stdout (NDJSON -> list)."""
+        done = self.ctl_run("--json", *args, **kw)
+        assert done.returncode == expect, (
+            f"elasticctl {' '.join(args)} exited {done.returncode}, wanted {expect}\n"
+            f"stdout: {done.stdout}\nstderr: {done.stderr}\n--- daemon log ---\n{self.log_text()}")
+        try:
+            return json.loads(done.stdout)
+        except ValueError:  # a stream: one document per line
+            return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+    def submit_wait(self, *args: str, **kw: Any) -> dict[str, Any]:
+        """``submit --wait``; returns the final job document."""
+        docs = self.ctl("submit", "--wait", *args, **kw)
+        return docs[-1] if isinstance(docs, list) else docs
+
+    def submit(self, *args: str, **kw: Any) -> dict[str, Any]:
+        return self.ctl("submit", *args, **kw)
+
+    # -- protocol client (for streams a test needs to stop early, and malformed input) -------
+
+    def request(self, op: str, **args: Any) -> protocol.Reply:
+        with Control(self.socket) as control:
+            return control.call(op, args)
+
+    def wait_job(self, job_id: str, predicate: Callable[[dict[str, Any]], bool],
+                 timeout: float = 120.0) -> dict[str, Any]:
+        """Follow the job's ``wait`` stream until ``predicate(doc)``; returns that doc."""
+        with Control(self.socket) as control:
+            last = None
+            for doc in control.stream("wait", {"job": job_id}, timeout):
+                last = doc
+                if predicate(doc):
+                    return doc
+        raise AssertionError(f"job {job_id} ended without meeting the condition: {last}\n{self.log_text()}")
+
+    def wait_output(self, job_id: str, needles: list[str], timeout: float = 120.0) -> None:
+        """Follow the job's logs until every needle appeared in some line."""
+        missing = set(needles)
+        with Control(self.socket) as control:
+            for doc in control.stream("logs", {"job": job_id, "follow": True}, timeout):
+                for line in doc.get("lines", []):
+                    missing = {n for n in missing if n not in line["text"]}
+                if not missing:
+                    return
+        raise AssertionError(f"job {job_id} ended before printing {missing}\n{self.log_text()}")
+
+    def wait_running(self, job_id: str, workers: int, timeout: float = 120.0) -> dict[str, Any]:
+        return self.wait_job(job_id, lambda d: d["state"] == "RUNNING" and sum(
+            1 for w in d["workers"] if w["state"] == "HEALTHY" and w["pid"]) == workers, timeout)
+
+
+class Control:
+    """A minimal real client of the control protocol."""
+
+    def __init__(self, path: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{path}")
+
+    def __enter__(self) -> Control:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def recv(self, timeout: float = 30.0) -> protocol.Reply:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no reply in {timeout}s")
+        return protocol.decode_reply(self.sock.recv())
+
+    def call(self, op: str, args: dict[str, Any], timeout: float = 30.0) -> protocol.Reply:
+        self.send_raw(protocol.encode_request(protocol.Request(uuid.uuid4().hex, op, args)))
+        return self.recv(timeout)
+
+    def stream(self, op: str, args: dict[str, Any], timeout: float) -> Iterator[Any]:
+        self.send_raw(protocol.encode_request(protocol.Request(uuid.uuid4().hex, op, args)))
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.recv(max(0.1, deadline - time.monotonic()))
+            assert reply.ok, f"{reply.code}: {reply.message}"
+            if reply.end:
+                return
+            yield reply.result
+
+
+_EVERYONE_VENV = "/tmp/elasticd-test-python"
+
+
+def python_for_everyone() -> str:
+    """A venv on the system's python3 that any user can run, seeing this checkout's packages.
+
+    The project's own venv may sit on an interpreter under /root, which other users cannot
+    execute; the packages themselves (pyzmq, elasticd) are readable, so a .pth adds them.
+    """
+    if not os.path.exists(f"{_EVERYONE_VENV}/bin/python3"):
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", _EVERYONE_VENV], check=True)
+        site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+        lib = next(Path(_EVERYONE_VENV, "lib").glob("python3*/site-packages"))
+        (lib / "elasticd-checkout.pth").write_text(f"import site; site.addsitedir({site!r})\n")
+    return _EVERYONE_VENV
+
+
+def worker_args(*args: str) -> list[str]:
+    return [str(WORKER), *args]
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie."""
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    """Wait (on the kernel, not a sleep loop) until the processes are gone; returns survivors."""
+    import psutil
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, survivors = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in survivors if alive(p.pid)]
