@@ -77,12 +77,16 @@ class Daemon:
         self.wait_notify("READY=1", timeout)
         return self
 
-    def wait_notify(self, wanted: str, timeout: float = 30.0) -> str:
-        """Block until a notification starting with ``wanted`` arrives; returns it."""
+    def wait_notify(self, wanted: str, timeout: float = 30.0, contains: str = "") -> str:
+        """Block until a notification starting with ``wanted`` (and containing ``contains``)
+        arrives; returns it."""
         assert self._notify is not None
         deadline = time.monotonic() + timeout
+
+        def matches(message: str) -> bool:
+            return message.startswith(wanted) and contains in message
         for message in self.messages:
-            if message.startswith(wanted):
+            if matches(message):
                 return message
         while True:
             left = deadline - time.monotonic()
@@ -99,7 +103,7 @@ class Daemon:
                 continue
             for message in data.split("\n"):
                 self.messages.append(message)
-                if message.startswith(wanted):
+                if matches(message):
                     return message
 
     def signal(self, sig: int) -> None:
