@@ -31,7 +31,7 @@ from .errors import ConfigError, ElasticdError
 from .history import History
 from .jobs import JobRecord, JobRegistry, Outcome, PartState
 from .logs import LogBus
-from .metrics import Metrics
+from .metrics import InstrumentedStore, Metrics
 from .model import JobState, NodeInfo
 from .peers import PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy, load_or_create_keys
 from .scheduler import JobService, Resources, reap_leftovers
@@ -274,7 +274,7 @@ class Daemon:
                         connect_timeout=config.store.connect_timeout)
         store.add(f"elasticd/{config.cluster.name}/ping", 1)
         self.metrics.store_up.set(1)
-        return store
+        return InstrumentedStore(store, self.metrics)
 
     def _address(self) -> str:
         return self.config.node.address or _resolve(self.node)
@@ -282,6 +282,7 @@ class Daemon:
     def _restore(self, registry: JobRegistry, history: History) -> None:
         """Jobs a previous run left unfinished: kill leftovers, record what happened."""
         unfinished = registry.restore(history.load())
+        self.metrics.known_finished(registry.jobs())
         killed = reap_leftovers(unfinished, self.node)
         if killed:
             log.warning("killed %d leftover worker processes of a previous run", killed)

@@ -29,6 +29,10 @@ class Metrics:
         Gauge("elasticd_build_info", "Build information", ["version"], registry=reg) \
             .labels(__version__).set(1)
         self.jobs = Gauge("elasticd_jobs", "Jobs known to this daemon, by state", ["state"], registry=reg)
+        self.jobs_finished = Counter("elasticd_jobs_finished_total",
+                                     "Jobs this daemon saw finish since it started, by final state",
+                                     ["state"], registry=reg)
+        self._finished: set[str] = set()
         self.workers = Gauge("elasticd_workers", "Worker processes on this node, by state",
                              ["state"], registry=reg)
         self.worker_restarts = Counter("elasticd_worker_restarts_total",
@@ -57,6 +61,8 @@ class Metrics:
                                       registry=reg)
         for state in JobState:
             self.jobs.labels(state.value)
+            if state.terminal:
+                self.jobs_finished.labels(state.value)
         for state in WorkerState:
             self.workers.labels(state.value)
 
@@ -77,12 +83,19 @@ class Metrics:
 
     # -- gauges recomputed from the registry ------------------------------------------------
 
+    def known_finished(self, records: Iterable[JobRecord]) -> None:
+        """Jobs that had ended before this daemon started (not counted as finishing now)."""
+        self._finished.update(r.id for r in records if r.outcome is not None)
+
     def count_jobs(self, records: Iterable[JobRecord], node: str) -> None:
-        """Set the job and local worker gauges from the registry's records."""
+        """Set the job and local worker gauges from the registry's records; count new endings."""
         jobs: Tally[str] = Tally()
         workers: Tally[str] = Tally()
         for record in records:
             jobs[record.state.value] += 1
+            if record.outcome is not None and record.id not in self._finished:
+                self._finished.add(record.id)
+                self.jobs_finished.labels(record.state.value).inc()
             part = record.parts.get(node)
             if part is not None and part.state.active:
                 workers.update(w["state"] for w in part.workers)
@@ -97,17 +110,54 @@ class Metrics:
             self.nodes.labels(state).set(tally[state])
 
     def store_call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call a store operation, counting its latency (failures included) and errors."""
         started = time.perf_counter()
         try:
-            result = fn(*args)
+            return fn(*args)
         except Exception:
             self.store_errors.labels(op).inc()
             raise
-        self.store_latency.labels(op).observe(time.perf_counter() - started)
-        return result
+        finally:
+            if op != "wait_for":  # a wait blocks on purpose: its duration is not latency
+                self.store_latency.labels(op).observe(time.perf_counter() - started)
 
     def serve(self, port: int, address: str) -> Any:
         """Start the HTTP endpoint (a thread of prometheus_client's); returns the server."""
         server, _thread = start_http_server(port, address, registry=self.registry)
         return server
 
+
+
+class InstrumentedStore:
+    """A StoreBackend that measures every call of the one it wraps."""
+
+    def __init__(self, store: Any, metrics: Metrics) -> None:
+        self._store = store
+        self._metrics = metrics
+
+    def get(self, key: str) -> bytes | None:
+        return self._metrics.store_call("get", self._store.get, key)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._metrics.store_call("set", self._store.set, key, value)
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        return self._metrics.store_call("compare_set", self._store.compare_set, key, expected, desired)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._metrics.store_call("add", self._store.add, key, amount)
+
+    def append(self, key: str, value: bytes) -> None:
+        self._metrics.store_call("append", self._store.append, key, value)
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return self._metrics.store_call("get_many", self._store.get_many, keys)
+
+    def wait_for(self, key: str, timeout: float) -> bool:
+        return self._metrics.store_call("wait_for", self._store.wait_for, key, timeout)
+
+    def delete(self, key: str) -> bool:
+        return self._metrics.store_call("delete", self._store.delete, key)
+
+    def close(self) -> None:
+        self._store.close()
