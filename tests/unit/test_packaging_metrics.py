@@ -273,7 +273,7 @@ def test_rules_are_complete() -> None:
     used = {name for rule in rules for name in _names(rule["expr"])}
     assert any('up{job="elasticd"}' in r["expr"] for r in rules)
     for name in ("elasticd_store_up", "elasticd_store_refused_records_total", "elasticd_nodes",
-                 "elasticd_jobs", "elasticd_worker_restarts_total",
+                 "elasticd_jobs_finished_total", "elasticd_worker_restarts_total",
                  "elasticd_rendezvous_duration_seconds_bucket",
                  "elasticd_exit_barrier_wait_seconds_bucket"):
         assert name in used, f"no alert on {name}"
