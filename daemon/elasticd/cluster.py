@@ -180,6 +180,7 @@ class NodeRegistry:
             self._registered_epoch = epoch
         self._store.add(self._key(f"{self.name}/hb"), 1)
         self._learn_names()
+        self._sightings = {n: s for n, s in self._sightings.items() if n in self._names}
         keys = [self._key(f"{n}/{part}") for n in self._names for part in ("record", "hb")]
         values = self._store.get_many(keys + [self._key(f"{self.name}/drain")])
         now, wall = self._clock(), self._wall()
