@@ -1,0 +1,14 @@
+"""One job's rendezvous (DESIGN §4): torchelastic's dynamic rendezvous semantics on a store,
+event-driven, signed, with stable ranks. ``state`` holds the data and its codec, ``ops`` the
+pure decisions, ``handler`` the executor that applies them."""
+
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous.state import (
+    Member,
+    NextRound,
+    RendezvousInfo,
+    RendezvousSettings,
+    RoundEvent,
+)
+
+__all__ = ["Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent"]

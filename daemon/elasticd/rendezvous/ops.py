@@ -1,0 +1,330 @@
+"""Pure rendezvous decisions: ``(state, node, settings, view, now) -> Action``.
+
+Nothing here reads a clock or a store. ``now`` and every time in a :class:`View` are on the
+deciding node's own monotonic clock, and only differences of them are compared, so a node
+whose clocks are skewed decides exactly like the others.
+
+Joining is batched. A node joins an open round by appending a signed record to the round's
+join log (one store round trip, no contention); whoever writes the state next folds every
+logged record into ``participants`` (``state.folded`` counts the records consumed). When N
+nodes arrive at once that is O(N) work in total, where a compare-and-set per joiner would
+make them retry O(N²) times.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from elasticd.rendezvous.state import (
+    Announcement,
+    Member,
+    Participant,
+    RendezvousInfo,
+    RendezvousSettings,
+    RendezvousState,
+    RoundEvent,
+)
+
+
+class Act(enum.Enum):
+    # Writes: Action.state is the state to compare-and-set.
+    JOIN_WAIT_LIST = "join_wait_list"
+    COMPLETE = "complete"
+    REMOVE = "remove"  # drop nodes from an open round or from the wait list
+    OPEN_ROUND = "open_round"
+    CLOSE = "close"
+    RESTORE = "restore"  # the state vanished: write back our copy
+    # I/O that is not a state write.
+    ANNOUNCE = "announce"  # append this node's record to the round's join log
+    WAIT = "wait"  # until Action.until or the next state revision
+    # Outcomes.
+    DONE = "done"
+    NOTHING = "nothing"
+    CLOSED = "closed"
+    TIMED_OUT = "timed_out"
+    ALREADY = "already"
+    EXHAUSTED = "exhausted"
+
+
+@dataclass(frozen=True)
+class Action:
+    act: Act
+    state: RendezvousState | None = None
+    until: float = math.inf
+
+
+class LastCall(NamedTuple):
+    round: int
+    since: float  # when this node first saw min_nodes joined in `round`
+
+
+class Beat(NamedTuple):
+    count: int | None  # the heartbeat counter as last read (None: no counter yet)
+    since: float  # when this observer saw it change
+
+
+@dataclass(frozen=True)
+class View:
+    """This node's own observations, beside the shared state."""
+
+    record: Participant | None = None  # what this node declares when it joins
+    announced: tuple[Announcement, ...] = ()  # join-log records of state.round not folded yet
+    log_end: int | None = None  # join-log records read (default: folded + announced)
+    last_call: LastCall | None = None
+    deadline: float = math.inf  # join deadline
+    beats: Mapping[str, Beat] = field(default_factory=dict)
+
+
+# -- joining -------------------------------------------------------------------------------
+
+
+def decide_join(state: RendezvousState, node: str, settings: RendezvousSettings, view: View, now: float) -> Action:
+    """The next step of ``next_rendezvous`` for ``node``."""
+    if state.closed:
+        return Action(Act.CLOSED)
+    if state.complete and node in state.participants:
+        return Action(Act.DONE)
+    if now >= view.deadline:
+        return Action(Act.TIMED_OUT, without(state, {node}, view) if involved(state, node, view) else None)
+    if state.complete:
+        if node in state.wait_list:
+            return Action(Act.WAIT, until=_next_duty(state, settings, view, now))
+        assert view.record is not None, "a joining node declares its record"
+        return Action(Act.JOIN_WAIT_LIST, state.next(wait_list={**state.wait_list, node: view.record}))
+    nodes = joined(state, view)
+    if node not in nodes:
+        return Action(Act.ANNOUNCE)
+    if barrier_reached(state, nodes, settings, view, now):
+        return Action(Act.COMPLETE, complete(state, nodes, settings, view))
+    return Action(Act.WAIT, until=_next_duty(state, settings, view, now))
+
+
+def joined(state: RendezvousState, view: View) -> dict[str, Participant]:
+    """The open round's participants with the logged joiners folded in (later records win)."""
+    nodes = dict(state.participants)
+    if not state.complete:
+        nodes.update((a.node, a.participant) for a in view.announced)
+    return nodes
+
+
+def barrier_reached(
+    state: RendezvousState, nodes: Mapping[str, Participant], settings: RendezvousSettings, view: View, now: float
+) -> bool:
+    """At least min_nodes joined and: every expected node is in; or max_nodes are in and no
+    member of the previous round is missing; or last call is over."""
+    if len(nodes) < settings.min_nodes:
+        return False
+    expected = set(state.expected)
+    if expected and expected <= nodes.keys():
+        return True
+    survivors = expected & set(state.order)
+    if len(nodes) >= settings.max_nodes and survivors <= nodes.keys():
+        return True
+    end = _last_call_end(state, settings, view)
+    return end is not None and now >= end
+
+
+def track_last_call(state: RendezvousState, settings: RendezvousSettings, view: View, now: float) -> View:
+    """Start this node's last-call window when it first sees min_nodes joined in a round."""
+    if state.complete or len(joined(state, view)) < settings.min_nodes:
+        return replace(view, last_call=None)
+    if view.last_call is not None and view.last_call.round == state.round:
+        return view
+    return replace(view, last_call=LastCall(state.round, now))
+
+
+def complete(
+    state: RendezvousState, nodes: Mapping[str, Participant], settings: RendezvousSettings, view: View
+) -> RendezvousState:
+    """Fix the ranks: survivors first in their old order, then new nodes by name; nodes
+    beyond max_nodes go to the wait list."""
+    ranked = rank_order(state.order, nodes)
+    members, spares = ranked[: settings.max_nodes], ranked[settings.max_nodes :]
+    return state.next(
+        complete=True,
+        participants={n: nodes[n] for n in members},
+        wait_list={n: nodes[n] for n in spares},
+        order=tuple(members),
+        expected=(),
+        folded=_log_end(state, view),
+    )
+
+
+def rank_order(order: Iterable[str], nodes: Iterable[str]) -> list[str]:
+    nodes = set(nodes)
+    survivors = [n for n in order if n in nodes]
+    return survivors + sorted(nodes.difference(survivors))
+
+
+def _next_duty(state: RendezvousState, settings: RendezvousSettings, view: View, now: float) -> float:
+    end = _last_call_end(state, settings, view)
+    return min(view.deadline, now + settings.keep_alive_interval, math.inf if end is None else end)
+
+
+def _last_call_end(state: RendezvousState, settings: RendezvousSettings, view: View) -> float | None:
+    if view.last_call is None or view.last_call.round != state.round:
+        return None
+    return view.last_call.since + settings.last_call_timeout
+
+
+def _log_end(state: RendezvousState, view: View) -> int:
+    return state.folded + len(view.announced) if view.log_end is None else view.log_end
+
+
+# -- liveness ------------------------------------------------------------------------------
+
+
+def observe_beats(beats: Mapping[str, Beat], counts: Mapping[str, int | None], now: float) -> dict[str, Beat]:
+    """Fold freshly read heartbeat counters into the observations (only ``counts``' nodes stay)."""
+    return {
+        node: beats[node] if node in beats and beats[node].count == count else Beat(count, now)
+        for node, count in counts.items()
+    }
+
+
+def watched(state: RendezvousState, view: View) -> set[str]:
+    """Every node the rendezvous is waiting on or counting on."""
+    nodes = set(state.participants) | set(state.wait_list) | set(state.expected)
+    return nodes | set(joined(state, view))
+
+
+def involved(state: RendezvousState, node: str, view: View) -> bool:
+    return node in watched(state, view)
+
+
+def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSettings, view: View, now: float) -> Action:
+    """Drop nodes whose heartbeat stood still for ``settings.dead_after`` of this node's clock.
+
+    A dead member of a complete round opens the next round ("node_lost"); elsewhere the dead
+    are just removed (from an open round or from the wait list).
+    """
+    if state.closed or not involved(state, node, view):
+        return Action(Act.NOTHING)
+    dead = {n for n in watched(state, view) - {node} if _silent(view.beats.get(n), settings, now)}
+    if not dead:
+        return Action(Act.NOTHING)
+    if state.complete and dead & state.participants.keys():
+        return Action(Act.OPEN_ROUND, open_round(state, "node_lost", leaving=dead))
+    return Action(Act.REMOVE, without(state, dead, view))
+
+
+def _silent(beat: Beat | None, settings: RendezvousSettings, now: float) -> bool:
+    return beat is not None and now - beat.since >= settings.dead_after
+
+
+# -- rounds, leaving, closing ----------------------------------------------------------------
+
+
+def decide_next_round(state: RendezvousState, round: int, reason: str, settings: RendezvousSettings) -> Action:
+    """Open round ``round + 1``, once: later requests for the same round get ALREADY."""
+    if state.closed:
+        return Action(Act.CLOSED)
+    if state.round != round or not state.complete:
+        return Action(Act.ALREADY)
+    if reason == "failure" and state.restarts_used >= settings.max_restarts:
+        return Action(Act.EXHAUSTED)
+    return Action(Act.OPEN_ROUND, open_round(state, reason))
+
+
+def open_round(state: RendezvousState, reason: str, leaving: Iterable[str] = ()) -> RendezvousState:
+    """The next round, expecting the current members and the wait list, minus ``leaving``."""
+    expected = (set(state.participants) | set(state.wait_list)).difference(leaving)
+    return state.next(
+        round=state.round + 1,
+        complete=False,
+        reason=reason,
+        restarts_used=state.restarts_used + (reason == "failure"),
+        participants={},
+        wait_list={},
+        expected=tuple(sorted(expected)),
+        folded=0,
+    )
+
+
+def without(state: RendezvousState, nodes: Iterable[str], view: View) -> RendezvousState:
+    """``nodes`` removed from the open round (logged joiners folded in) or from the wait list."""
+    nodes = set(nodes)
+    if state.complete:
+        return state.next(wait_list=_drop(state.wait_list, nodes))
+    return state.next(
+        participants=_drop(joined(state, view), nodes),
+        expected=tuple(n for n in state.expected if n not in nodes),
+        folded=_log_end(state, view),
+    )
+
+
+def decide_leave(state: RendezvousState, node: str, reason: str, view: View) -> Action:
+    if state.closed:
+        return Action(Act.NOTHING)
+    if state.complete and node in state.participants:
+        return Action(Act.OPEN_ROUND, open_round(state, reason, leaving={node}))
+    if involved(state, node, view):
+        return Action(Act.REMOVE, without(state, {node}, view))
+    return Action(Act.NOTHING)
+
+
+def decide_close(state: RendezvousState) -> Action:
+    return Action(Act.NOTHING) if state.closed else Action(Act.CLOSE, state.next(closed=True))
+
+
+def decide_restore(copy: RendezvousState, node: str) -> Action:
+    """The state key is gone (the store lost its data): a node of the rendezvous writes back
+    the newest state it saw, so that every node converges on one state again."""
+    if copy.version == 0 or not involved(copy, node, View()):
+        return Action(Act.NOTHING)
+    return Action(Act.RESTORE, copy.next(folded=copy.folded if copy.complete else 0))
+
+
+def _drop(nodes: Mapping[str, Participant], drop: set[str]) -> dict[str, Participant]:
+    return {n: p for n, p in nodes.items() if n not in drop}
+
+
+# -- what the handler reports --------------------------------------------------------------
+
+
+def num_waiting(state: RendezvousState, settings: RendezvousSettings) -> int:
+    """Wait-listed nodes that would fit: spares beyond max_nodes do not count."""
+    if not state.complete or len(state.participants) >= settings.max_nodes:
+        return 0
+    return len(state.wait_list)
+
+
+def round_event(
+    state: RendezvousState, round: int, settings: RendezvousSettings, *, waiting: bool = True
+) -> RoundEvent | None:
+    """What a watcher of ``round`` should hear about, if anything."""
+    if state.closed:
+        return RoundEvent("closed")
+    if state.round > round:
+        return RoundEvent("next_round", reason=state.reason)
+    count = num_waiting(state, settings) if waiting and state.round == round else 0
+    return RoundEvent("waiting", waiting=count) if count else None
+
+
+def info_for(state: RendezvousState, node: str, run_id: str, store_prefix: str) -> RendezvousInfo:
+    """This node's view of a complete round: ranks follow ``state.order``."""
+    members, base = [], 0
+    for rank, name in enumerate(state.order):
+        participant = state.participants[name]
+        members.append(Member(name, participant.addr, participant.nproc, rank, base))
+        base += participant.nproc
+    me = members[state.order.index(node)]
+    return RendezvousInfo(
+        run_id=run_id,
+        round=state.round,
+        reason=state.reason,
+        restart_count=state.restarts_used,
+        group_rank=me.group_rank,
+        group_world_size=len(members),
+        nproc=me.nproc,
+        rank_base=me.rank_base,
+        world_size=base,
+        master_addr=members[0].addr,
+        master_port=state.participants[members[0].node].master_port,
+        store_prefix=store_prefix,
+        members=tuple(members),
+    )

@@ -1,0 +1,217 @@
+"""Rendezvous data: the shared state of one job's rendezvous, its JSON codec, and the
+values the handler hands out. Pure data; nothing here touches a store or a clock."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from elasticd.errors import RendezvousStateError
+
+SCHEMA = 1
+REASONS = ("initial", "failure", "scale_up", "node_lost", "drain")
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int = 0  # job-wide restart budget, consumed by "failure" rounds
+    join_timeout: float = 600.0
+    last_call_timeout: float = 1.0
+    keep_alive_interval: float = 1.0
+    keep_alive_max_attempt: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("run_id must not be empty")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}:{self.max_nodes}")
+        if self.max_restarts < 0 or self.keep_alive_max_attempt < 1:
+            raise ValueError("max_restarts must be >= 0 and keep_alive_max_attempt >= 1")
+        if min(self.join_timeout, self.keep_alive_interval) <= 0 or self.last_call_timeout < 0:
+            raise ValueError("timeouts and intervals must be positive")
+
+    @property
+    def dead_after(self) -> float:
+        """How long a heartbeat counter may stand still before its node counts as dead."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True)
+class Participant:
+    """What a node declares when it joins a round."""
+
+    addr: str
+    nproc: int
+    master_port: int
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One record of a round's join log: a node asking to be folded into the round."""
+
+    node: str
+    participant: Participant
+
+
+@dataclass(frozen=True)
+class RendezvousState:
+    """The shared state, written only by compare-and-set.
+
+    ``order`` is the rank order of the last completed round (oldest node first) and carries
+    across rounds. ``expected`` lists the nodes whose arrival completes a newly opened round
+    without waiting for last call. ``folded`` counts the records of this round's join log
+    already folded into ``participants`` (see ``elasticd.rendezvous.ops``).
+    """
+
+    version: int = 0
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    reason: str = "initial"
+    restarts_used: int = 0
+    participants: Mapping[str, Participant] = field(default_factory=dict)
+    wait_list: Mapping[str, Participant] = field(default_factory=dict)
+    order: tuple[str, ...] = ()
+    expected: tuple[str, ...] = ()
+    folded: int = 0
+
+    def next(self, **changes: Any) -> RendezvousState:
+        """The successor state: ``changes`` applied and the version bumped."""
+        return replace(self, version=self.version + 1, **changes)
+
+
+@dataclass(frozen=True)
+class Member:
+    node: str
+    addr: str
+    nproc: int
+    group_rank: int
+    rank_base: int
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    run_id: str
+    round: int
+    reason: str  # why this round was opened
+    restart_count: int  # failures consumed so far, job-wide (TORCHELASTIC_RESTART_COUNT)
+    group_rank: int
+    group_world_size: int
+    nproc: int  # this node's local world size
+    rank_base: int  # global rank of this node's local rank 0
+    world_size: int
+    master_addr: str
+    master_port: int
+    store_prefix: str  # unique to this run and round
+    members: tuple[Member, ...]  # in group-rank order
+
+
+class NextRound(enum.Enum):
+    OPENED = "opened"
+    ALREADY = "already"  # the round was superseded already (by this or another request)
+    EXHAUSTED = "exhausted"  # a failure restart was asked for, but the budget is used up
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    kind: str  # "next_round", "waiting" or "closed"
+    reason: str = ""
+    waiting: int = 0
+
+
+# -- codec ---------------------------------------------------------------------------------
+
+
+def encode(state: RendezvousState) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "version": state.version,
+        "round": state.round,
+        "complete": state.complete,
+        "closed": state.closed,
+        "reason": state.reason,
+        "restarts_used": state.restarts_used,
+        "participants": {node: _encode_participant(p) for node, p in state.participants.items()},
+        "wait_list": {node: _encode_participant(p) for node, p in state.wait_list.items()},
+        "order": list(state.order),
+        "expected": list(state.expected),
+        "folded": state.folded,
+    }
+
+
+def decode(body: Any) -> RendezvousState:
+    """A state from its JSON body; RendezvousStateError for anything else."""
+    fields = _object(body, "state")
+    if fields.get("schema") != SCHEMA:
+        raise RendezvousStateError(f"rendezvous state has schema {fields.get('schema')!r}; this elasticd reads {SCHEMA}")
+    return RendezvousState(
+        version=_int(fields, "version"),
+        round=_int(fields, "round"),
+        complete=_typed(fields, "complete", bool),
+        closed=_typed(fields, "closed", bool),
+        reason=_typed(fields, "reason", str),
+        restarts_used=_int(fields, "restarts_used"),
+        participants=_participants(fields, "participants"),
+        wait_list=_participants(fields, "wait_list"),
+        order=_names(fields, "order"),
+        expected=_names(fields, "expected"),
+        folded=_int(fields, "folded"),
+    )
+
+
+def encode_announcement(announcement: Announcement) -> dict[str, Any]:
+    return {"schema": SCHEMA, "node": announcement.node, **_encode_participant(announcement.participant)}
+
+
+def decode_announcement(body: Any) -> Announcement:
+    fields = _object(body, "join record")
+    if fields.get("schema") != SCHEMA:
+        raise RendezvousStateError(f"join record has schema {fields.get('schema')!r}")
+    return Announcement(_typed(fields, "node", str), _decode_participant(fields))
+
+
+def _encode_participant(participant: Participant) -> dict[str, Any]:
+    return {"addr": participant.addr, "nproc": participant.nproc, "master_port": participant.master_port}
+
+
+def _decode_participant(body: Any) -> Participant:
+    fields = _object(body, "participant")
+    return Participant(_typed(fields, "addr", str), _int(fields, "nproc"), _int(fields, "master_port"))
+
+
+def _participants(fields: Mapping[str, Any], name: str) -> dict[str, Participant]:
+    return {node: _decode_participant(p) for node, p in _object(fields.get(name), name).items()}
+
+
+def _names(fields: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    value = fields.get(name)
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise RendezvousStateError(f"rendezvous state field {name!r} is not a list of names")
+    return tuple(value)
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise RendezvousStateError(f"rendezvous {what} is not a JSON object")
+    return value
+
+
+def _int(fields: Mapping[str, Any], name: str) -> int:
+    value = _typed(fields, name, int)
+    if isinstance(value, bool) or value < 0:
+        raise RendezvousStateError(f"rendezvous state field {name!r} is not a count")
+    return value
+
+
+def _typed(fields: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = fields.get(name)
+    if not isinstance(value, kind):
+        raise RendezvousStateError(f"rendezvous state field {name!r} is not a {kind.__name__}")
+    return value
+

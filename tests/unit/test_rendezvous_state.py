@@ -1,0 +1,111 @@
+"""The rendezvous state codec: round trips, schema versions, malformed and tampered records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd.errors import RendezvousStateError, TamperedRecord
+from elasticd.rendezvous.state import (
+    Announcement,
+    Participant,
+    RendezvousSettings,
+    RendezvousState,
+    decode,
+    decode_announcement,
+    encode,
+    encode_announcement,
+)
+from elasticd.store.signing import Signer
+
+STATE = RendezvousState(
+    version=12, round=3, complete=True, closed=False, reason="node_lost", restarts_used=2,
+    participants={"b": Participant("10.0.0.2", 8, 29500), "a": Participant("10.0.0.1", 4, 0)},
+    wait_list={"c": Participant("10.0.0.3", 1, 0)}, order=("b", "a"), expected=(), folded=5)
+
+
+def test_round_trip_through_json_and_the_signer():
+    signer = Signer(b"k" * 32)
+    raw = signer.seal(encode(STATE))
+    assert decode(signer.open(raw)) == STATE
+    assert decode(json.loads(json.dumps(encode(RendezvousState())))) == RendezvousState()
+
+
+def test_encoding_is_plain_json_with_a_schema_version():
+    body = encode(STATE)
+    assert body["schema"] == 1
+    assert body["participants"]["b"] == {"addr": "10.0.0.2", "nproc": 8, "master_port": 29500}
+    assert json.loads(json.dumps(body)) == body
+
+
+def test_unknown_schema_version_is_refused():
+    body = encode(STATE) | {"schema": 2}
+    with pytest.raises(RendezvousStateError, match="schema"):
+        decode(body)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b.pop("round"),
+        lambda b: b.update(round="3"),
+        lambda b: b.update(round=-1),
+        lambda b: b.update(complete=1),
+        lambda b: b.update(order="ba"),
+        lambda b: b.update(order=[1, 2]),
+        lambda b: b.update(participants=[]),
+        lambda b: b["participants"].update(b={"addr": "x", "nproc": "8", "master_port": 1}),
+        lambda b: b["participants"].update(b={"addr": "x", "nproc": 8}),
+        lambda b: b.update(version=True),
+    ],
+)
+def test_malformed_state_is_refused(damage):
+    body = encode(STATE)
+    damage(body)
+    with pytest.raises(RendezvousStateError):
+        decode(body)
+
+
+@pytest.mark.parametrize("body", [None, [], "state", 7])
+def test_non_objects_are_refused(body):
+    with pytest.raises(RendezvousStateError):
+        decode(body)
+
+
+def test_tampered_state_is_refused_by_the_signer():
+    signer = Signer(b"k" * 32)
+    raw = signer.seal(encode(STATE)).replace(b'"restarts_used":2', b'"restarts_used":0')
+    with pytest.raises(TamperedRecord):
+        signer.open(raw)
+
+
+def test_announcement_round_trip_and_schema():
+    announcement = Announcement("node-1", Participant("10.0.0.1", 2, 29400))
+    assert decode_announcement(encode_announcement(announcement)) == announcement
+    with pytest.raises(RendezvousStateError):
+        decode_announcement(encode_announcement(announcement) | {"schema": 99})
+
+
+def test_next_bumps_the_version_only():
+    assert STATE.next(closed=True) == RendezvousState(**{**STATE.__dict__, "version": 13, "closed": True})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_nodes": 0, "max_nodes": 1},
+        {"min_nodes": 3, "max_nodes": 2},
+        {"min_nodes": 1, "max_nodes": 1, "keep_alive_interval": 0},
+        {"min_nodes": 1, "max_nodes": 1, "max_restarts": -1},
+        {"min_nodes": 1, "max_nodes": 1, "keep_alive_max_attempt": 0},
+    ],
+)
+def test_settings_refuse_nonsense(kwargs):
+    with pytest.raises(ValueError):
+        RendezvousSettings("job", **kwargs)
+
+
+def test_settings_defaults_match_the_design():
+    settings = RendezvousSettings("job", 1, 2)
+    assert (settings.keep_alive_interval, settings.keep_alive_max_attempt, settings.dead_after) == (1.0, 3, 3.0)
