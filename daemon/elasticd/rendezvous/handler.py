@@ -25,6 +25,7 @@ recreated as the nodes go on.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -403,6 +404,7 @@ class RendezvousHandler:
         return self._snapshot(self._store.get(self._keys.state))
 
     def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[_Snapshot, bool]:
+        new = replace(new, nonce=secrets.token_hex(8))
         won, raw = self._compare_set(snap, new)
         return (self._remember(_Snapshot(new, raw)), True) if won else (self._snapshot(raw), False)
 
@@ -438,14 +440,12 @@ class RendezvousHandler:
         with self._lock:
             copy = self._newest.state
         action = decide_restore(copy, self.node)
-        if action.state is not None:
-            won, raw = self._compare_set(_Snapshot(RendezvousState(), None), action.state)
-            if won:
-                log.warning("rendezvous %s: the state vanished; %s restored round %d", self._settings.run_id, self.node, copy.round)
-                return self._remember(_Snapshot(action.state, raw))
-            if raw is not None:
-                return self._remember(_Snapshot(self._open(raw), raw))
-        return _Snapshot(RendezvousState(), None)
+        if action.state is None:
+            return _Snapshot(RendezvousState(), None)
+        snap, won = self._write(_Snapshot(RendezvousState(), None), action.state)
+        if won:
+            log.warning("rendezvous %s: the state vanished; %s restored round %d", self._settings.run_id, self.node, copy.round)
+        return snap
 
     def _open(self, raw: bytes) -> RendezvousState:
         try:

@@ -65,7 +65,10 @@ class RendezvousState:
     ``order`` is the rank order of the last completed round (oldest node first) and carries
     across rounds. ``expected`` lists the nodes whose arrival completes a newly opened round
     without waiting for last call. ``folded`` counts the records of this round's join log
-    already folded into ``participants`` (see ``elasticd.rendezvous.ops``).
+    already folded into ``participants`` (see ``elasticd.rendezvous.ops``). ``nonce`` is
+    random per write: two nodes that decide the same successor state still write different
+    bytes, so compare_set tells the winner from the loser (TCPStore reports a swap whenever
+    the key already holds the desired bytes).
     """
 
     version: int = 0
@@ -79,6 +82,7 @@ class RendezvousState:
     order: tuple[str, ...] = ()
     expected: tuple[str, ...] = ()
     folded: int = 0
+    nonce: str = ""
 
     def next(self, **changes: Any) -> RendezvousState:
         """The successor state: ``changes`` applied and the version bumped."""
@@ -142,6 +146,7 @@ def encode(state: RendezvousState) -> dict[str, Any]:
         "order": list(state.order),
         "expected": list(state.expected),
         "folded": state.folded,
+        "nonce": state.nonce,
     }
 
 
@@ -162,6 +167,7 @@ def decode(body: Any) -> RendezvousState:
         order=_names(fields, "order"),
         expected=_names(fields, "expected"),
         folded=_int(fields, "folded"),
+        nonce=_typed(fields, "nonce", str),
     )
 
 

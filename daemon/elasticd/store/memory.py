@@ -63,6 +63,11 @@ class MemoryStore:
             self._check_open()
             return self._data.pop(key, None) is not None
 
+    def keys(self, prefix: str = "") -> list[str]:
+        """The keys under ``prefix`` (tests use it to play a store that lost its data)."""
+        with self._changed:
+            return sorted(key for key in self._data if key.startswith(prefix))
+
     def close(self) -> None:
         with self._changed:
             self._closed = True
