@@ -14,7 +14,8 @@ Threads: ``next_rendezvous``, ``request_next_round``, ``leave`` and ``set_closed
 caller's thread. One background thread per handler, the *keeper*, bumps this node's
 heartbeat, watches the other nodes' counters, drops the silent ones and resolves
 ``watch()`` futures. Nobody sleeps between syncs: a thread that holds version v blocks in
-``wait_for("rev/<v+1>")`` with a timeout equal to its next duty.
+``wait_for("rev/<v+1>")`` with a timeout equal to its next duty (the keeper does so only
+while someone watches a round; otherwise it sleeps until its next heartbeat).
 
 If the state key vanishes (the store host restarted and lost its data), a node of the
 rendezvous writes back the newest state it saw (compare-and-set against "missing"); the
@@ -188,6 +189,7 @@ class RendezvousHandler:
         self._newest = _Snapshot(RendezvousState(), None)  # the newest state any of our threads saw
         self._watches: list[_Watch] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by shutdown() and by a new watch()
         self._left = False
         self._keeper: threading.Thread | None = None
 
@@ -280,6 +282,7 @@ class RendezvousHandler:
             self._watches.append(_Watch(round, waiting, future))
             newest = self._newest.state
         self._resolve_watches(newest)
+        self._wake.set()  # the keeper now follows every revision
         return future
 
     # -- exit barrier ----------------------------------------------------------------------
@@ -312,6 +315,7 @@ class RendezvousHandler:
         """Stop the keeper and cancel pending watches; does not leave the rendezvous. The
         keeper notices within one keep-alive interval (``wait`` blocks until it did)."""
         self._stop.set()
+        self._wake.set()
         with self._lock:
             watches, self._watches = self._watches, []
             keeper = self._keeper
@@ -331,7 +335,7 @@ class RendezvousHandler:
                     due = self._clock() + self._settings.keep_alive_interval
                     snap, beats = self._tick(beats)
                 self._resolve_watches(snap.state)
-                snap = self._wait(snap, due)
+                snap = self._idle(snap, due)
             except RendezvousStateError as err:
                 log.error("rendezvous %s: %s", self._settings.run_id, err)
                 self._fail_watches(err)
@@ -339,6 +343,17 @@ class RendezvousHandler:
             except StoreError as err:
                 log.warning("rendezvous %s: store error in the keeper of %s: %s", self._settings.run_id, self.node, err)
                 self._stop.wait(self._settings.keep_alive_interval)
+
+    def _idle(self, snap: _Snapshot, due: float) -> _Snapshot:
+        """Until the next tick: follow every state revision while someone watches; otherwise
+        sleep on a local event that a new watch() or shutdown() sets."""
+        self._wake.clear()
+        with self._lock:
+            watching = bool(self._watches)
+        if watching:
+            return self._wait(snap, due)
+        self._wake.wait(max(due - self._clock(), 0.0))
+        return snap
 
     def _tick(self, beats: dict[str, Beat]) -> tuple[_Snapshot, dict[str, Beat]]:
         """Heartbeat, read the others' counters, drop the silent ones."""

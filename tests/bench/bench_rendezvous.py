@@ -1,0 +1,255 @@
+"""Rendezvous benchmark: elasticd's handler vs torch's DynamicRendezvousHandler.
+
+Usage: python tests/bench/bench_rendezvous.py [--json] [--quick]
+
+Harness (identical for both handlers): one TCPStore server (libuv) in this process and a
+pool of N participant threads, each with its own pre-connected TCPStore client, so that no
+connection is made while a clock runs. For each repetition every participant builds its
+handler (fresh run id), waits on a barrier, records its arrival time and calls
+``next_rendezvous``; with min = max = N the *formation latency* is the time from the last
+arrival until the last participant returned. Torch's handler is
+``DynamicRendezvousHandler.from_backend`` over ``C10dRendezvousBackend`` on the same store
+(its own random 0-0.3 s first-round delay included, as a user would get it); its runs are
+capped by their join timeout.
+
+Also measured for elasticd: *re-rendezvous* (every member watches the round; one requests
+the next round; time from the request until all rejoined) and *dead-member detection*
+with the default keep-alive (1 s x 3): one member's keeper stops; time until every other
+member's ``watch()`` fired.
+
+``--json`` prints one JSON list of {"n", "elasticd_s", "torch_s", "ratio"} (medians of the
+formation latency; torch_s and ratio are null when torch hit its cap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see elasticd.store.c10d
+os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # torch's rank 0 would host another store
+
+import logging  # noqa: E402
+
+logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+logging.getLogger("elasticd").setLevel(logging.ERROR)  # the dead-member run logs a warning by design
+
+from elasticd.rendezvous import RendezvousHandler, RendezvousSettings  # noqa: E402
+from elasticd.rendezvous.handler import Keys  # noqa: E402
+from elasticd.store.c10d import C10dServer, connect  # noqa: E402
+from elasticd.store.signing import Signer  # noqa: E402
+
+FULL = {"sizes": (2, 8, 32, 128), "elasticd_reps": 5, "torch_reps": {2: 3, 8: 3, 32: 2, 128: 1}, "torch_cap": 60.0}
+QUICK = {"sizes": (2, 8), "elasticd_reps": 3, "torch_reps": {2: 2, 8: 2}, "torch_cap": 30.0}
+SIGNER = Signer(b"bench-key-0123456789abcdef012345")
+
+
+class Harness:
+    """A store server, an elasticd store and a pool of threads with a torch client each."""
+
+    def __init__(self, max_n: int) -> None:
+        self.server = C10dServer("127.0.0.1", 0, timeout=120.0)
+        self.store = connect(self.server.endpoint, timeout=120.0)
+        self.pool = ThreadPoolExecutor(max_workers=max_n)
+        self._local = threading.local()
+        self.simultaneously(max_n, self._warm, lambda _: None)  # every pool thread connects now
+
+    def _warm(self, _: int) -> None:
+        self.store.add("bench/warm", 1)
+        self.torch_client()
+
+    def torch_client(self):
+        from torch.distributed import TCPStore
+
+        if getattr(self._local, "client", None) is None:
+            self._local.client = TCPStore("127.0.0.1", self.server.port, None, False, timedelta(seconds=120),
+                                          use_libuv=True)
+        return self._local.client
+
+    def simultaneously(self, n: int, prepare: Callable[[int], Any], act: Callable[[Any], Any]) -> list[tuple]:
+        """Run ``act(prepare(i))`` in n threads released together; (arrived, returned, result)."""
+        barrier = threading.Barrier(n)
+
+        def participant(i: int) -> tuple:
+            prepared = prepare(i)
+            barrier.wait()
+            arrived = time.perf_counter()
+            try:
+                result = act(prepared)
+            except Exception as err:  # a capped torch run
+                result = err
+            return arrived, time.perf_counter(), result
+
+        return [f.result() for f in [self.pool.submit(participant, i) for i in range(n)]]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.store.close()
+        self.server.close()
+
+
+def formation_latency(timings: list[tuple]) -> float | None:
+    if any(isinstance(result, Exception) for _, _, result in timings):
+        return None
+    return max(t[1] for t in timings) - max(t[0] for t in timings)
+
+
+# -- elasticd ------------------------------------------------------------------------------
+
+
+def elasticd_handlers(harness: Harness, n: int, run_id: str, **settings: Any) -> list[RendezvousHandler]:
+    config = RendezvousSettings(run_id, n, n, **settings)
+    handlers = [RendezvousHandler(harness.store, SIGNER, config, f"node{i:03d}", "127.0.0.1",
+                                  prefix=f"bench/rdzv/{run_id}") for i in range(n)]
+    for handler in handlers:
+        handler.start()
+    keys = Keys(f"bench/rdzv/{run_id}")
+    for handler in handlers:  # every keeper is connected and beating before the clock starts
+        harness.store.wait_for(keys.heartbeat(handler.node), 60.0)
+    return handlers
+
+
+def stop(handlers: list[RendezvousHandler]) -> None:
+    for handler in handlers:
+        handler.shutdown()
+    for handler in handlers:
+        handler.shutdown(wait=True)
+
+
+def elasticd_formation(harness: Harness, n: int, run_id: str, **settings: Any) -> tuple[float, list, list]:
+    handlers = elasticd_handlers(harness, n, run_id, **settings)
+    timings = harness.simultaneously(n, lambda i: handlers[i], lambda h: h.next_rendezvous(1, 29500))
+    return formation_latency(timings), handlers, [t[2] for t in timings]
+
+
+def rerendezvous(harness: Harness, handlers: list[RendezvousHandler], round: int) -> float:
+    """Every member watches ``round``; the first requests the next one; all rejoin."""
+    watches = [h.watch(round) for h in handlers]
+
+    def rejoin(i: int):
+        watches[i].result(timeout=60)
+        return handlers[i].next_rendezvous(1, 29500), time.perf_counter()
+
+    futures = [harness.pool.submit(rejoin, i) for i in range(len(handlers))]
+    requested = time.perf_counter()
+    handlers[0].request_next_round(round, "scale_up")
+    return max(f.result(timeout=120)[1] for f in futures) - requested
+
+
+def dead_member_detection(harness: Harness, n: int) -> float:
+    """Default keep-alive (1 s x 3): one member's keeper stops; all others must hear of it."""
+    _, handlers, infos = elasticd_formation(harness, n, f"dead-{n}")
+    victim, others = handlers[-1], handlers[:-1]
+    watches = [h.watch(infos[0].round, waiting=False) for h in others]
+    silenced = time.perf_counter()
+    victim.shutdown()
+    for watch in watches:
+        assert watch.result(timeout=60).reason == "node_lost"
+    detected = time.perf_counter() - silenced
+    stop(handlers)
+    return detected
+
+
+# -- torch ---------------------------------------------------------------------------------
+
+
+def torch_formation(harness: Harness, n: int, run_id: str, cap: float) -> float | None:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    def prepare(_: int):
+        store = harness.torch_client()
+        return DynamicRendezvousHandler.from_backend(
+            run_id, store, C10dRendezvousBackend(store, run_id), n, n, local_addr="127.0.0.1",
+            timeout=RendezvousTimeout(join=timedelta(seconds=cap)))
+
+    handlers: list = []
+
+    def act(handler):
+        handlers.append(handler)
+        return handler.next_rendezvous()
+
+    timings = harness.simultaneously(n, prepare, act)
+    for handler in handlers:
+        try:
+            handler.shutdown()
+        except Exception:  # noqa: BLE001 - a capped run may leave a handler half-joined
+            pass
+    return formation_latency(timings)
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def measure(profile: dict, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
+    harness = Harness(max(profile["sizes"]))
+    rows, extra = [], {"rerendezvous_s": {}, "detection_s": {}}
+    try:
+        for n in profile["sizes"]:
+            ours, again = [], []
+            for rep in range(profile["elasticd_reps"]):
+                latency, handlers, infos = elasticd_formation(harness, n, f"e{n}-{rep}")
+                ours.append(latency)
+                again.append(rerendezvous(harness, handlers, infos[0].round))
+                stop(handlers)
+            progress(f"n={n}: elasticd {median(ours):.4f}s")
+            theirs = [torch_formation(harness, n, f"t{n}-{rep}", profile["torch_cap"])
+                      for rep in range(profile["torch_reps"][n])]
+            progress(f"n={n}: torch {median(theirs)}")
+            elasticd_s, torch_s = median(ours), median(theirs)
+            rows.append({"n": n, "elasticd_s": round(elasticd_s, 4),
+                         "torch_s": None if torch_s is None else round(torch_s, 4),
+                         "ratio": None if torch_s is None else round(torch_s / elasticd_s, 1)})
+            extra["rerendezvous_s"][n] = median(again)
+            extra["detection_s"][n] = dead_member_detection(harness, n)
+            progress(f"n={n}: re-rendezvous {median(again):.4f}s, detection {extra['detection_s'][n]:.2f}s")
+    finally:
+        harness.close()
+    return rows, extra
+
+
+def table(rows: list[dict], extra: dict, profile: dict) -> str:
+    cap = profile["torch_cap"]
+    lines = [
+        "formation latency, min = max = N, threads over one TCPStore (medians)",
+        f"{'N':>5} {'elasticd':>11} {'torch':>11} {'ratio':>8} {'re-rdzv':>10} {'dead->seen':>11}",
+    ]
+    for row in rows:
+        torch_s = f"{row['torch_s']:.4f}s" if row["torch_s"] is not None else f">{cap:g}s"
+        ratio = f"{row['ratio']:.1f}x" if row["ratio"] is not None else "-"
+        lines.append(f"{row['n']:>5} {row['elasticd_s']:>10.4f}s {torch_s:>11} {ratio:>8} "
+                     f"{extra['rerendezvous_s'][row['n']]:>9.4f}s {extra['detection_s'][row['n']]:>10.2f}s")
+    lines.append("re-rdzv: one member requests the next round -> all rejoined (elasticd); "
+                 "dead->seen: keep-alive 1 s x 3, a member goes silent -> every other member's watch() fired")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON list of formation medians")
+    parser.add_argument("--quick", action="store_true", help="N = 2, 8 only, fewer repetitions")
+    args = parser.parse_args()
+    profile = QUICK if args.quick else FULL
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)
+    rows, extra = measure(profile, progress)
+    print(json.dumps(rows) if args.json else table(rows, extra, profile))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
