@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elasticd.errors import RendezvousClosedError
+from elasticd.errors import RendezvousClosedError, RendezvousTimeoutError
 from elasticd.rendezvous import NextRound, RendezvousHandler, RendezvousSettings
 from elasticd.rendezvous.handler import Keys
 from elasticd.rendezvous.state import decode
@@ -108,3 +108,12 @@ def test_unknown_reasons_are_refused(store, handlers):
     (a,) = handlers(["a"], RendezvousSettings("job", 1, 1))
     with pytest.raises(ValueError, match="unknown reason"):
         a.request_next_round(0, "because")
+
+
+def test_a_wait_listed_node_times_out_and_leaves_the_wait_list(store, handlers):
+    a, b = handlers(["a", "b"], RendezvousSettings("job", 1, 1, join_timeout=0.3, keep_alive_interval=0.1))
+    a.next_rendezvous(1, 1)
+    with pytest.raises(RendezvousTimeoutError, match="wait list of round 0 .1 members, max_nodes is 1"):
+        b.next_rendezvous(1, 1)
+    state = decode(SIGNER.open(store.get(Keys(PREFIX).state)))
+    assert state.complete and not state.wait_list

@@ -228,15 +228,20 @@ class RendezvousHandler:
 
     def _time_out(self, snap: _Snapshot, action: Action, view: View) -> _Snapshot:
         """Leave the round (best effort: a lost race decides again), then raise."""
+        message = self._timeout_message(snap.state, view)
         if action.state is not None:
             snap, won = self._write(snap, action.state)
             if not won:
                 return snap
-        nodes = len(joined(snap.state, view)) if not snap.state.complete else len(snap.state.participants)
-        raise RendezvousTimeoutError(
-            f"rendezvous '{self._settings.run_id}' did not complete within {self._settings.join_timeout:g}s: "
-            f"{nodes} node(s) joined round {snap.state.round}, min_nodes is {self._settings.min_nodes}"
-        )
+        raise RendezvousTimeoutError(message)
+
+    def _timeout_message(self, state: RendezvousState, view: View) -> str:
+        settings = self._settings
+        waited = f"rendezvous '{settings.run_id}': {self.node} waited {settings.join_timeout:g}s"
+        if state.complete:
+            return f"{waited} on the wait list of round {state.round} ({len(state.participants)} members, " \
+                   f"max_nodes is {settings.max_nodes})"
+        return f"{waited}: {len(joined(state, view))} node(s) joined round {state.round}, min_nodes is {settings.min_nodes}"
 
     def _check_running(self) -> None:
         if self._stop.is_set():

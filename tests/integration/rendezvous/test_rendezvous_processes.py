@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import join, results, settings
+from rendezvous_support import join, results, settings
 
 from elasticd.rendezvous.handler import Keys
 

@@ -6,7 +6,7 @@ import time
 from concurrent.futures import wait as wait_futures
 
 import pytest
-from conftest import INTERVAL, join, results, settings
+from rendezvous_support import INTERVAL, join, results, settings
 
 from elasticd.errors import RendezvousClosedError, RendezvousStateError, RendezvousTimeoutError
 from elasticd.rendezvous import NextRound, RoundEvent
