@@ -317,8 +317,13 @@ class RendezvousHandler:
                 self._keeper.start()
 
     def shutdown(self, wait: bool = False) -> None:
-        """Stop the keeper and cancel pending watches; does not leave the rendezvous. The
-        keeper notices within one keep-alive interval (``wait`` blocks until it did)."""
+        """Stop the keeper and cancel pending watches; does not leave the rendezvous.
+
+        The keeper stops at once, or within one keep-alive interval if it is blocked in a
+        store wait (it is while a round is watched); ``wait`` blocks until it stopped. Wait
+        before the process exits: a thread still inside TCPStore's wait when the interpreter
+        exits aborts the process ("terminate called without an active exception").
+        """
         self._stop.set()
         self._wake.set()
         with self._lock:
@@ -348,6 +353,10 @@ class RendezvousHandler:
             except StoreError as err:
                 log.warning("rendezvous %s: store error in the keeper of %s: %s", self._settings.run_id, self.node, err)
                 self._stop.wait(self._settings.keep_alive_interval)
+            except Exception as err:  # a bug must not silence this node's heartbeat for good
+                log.exception("rendezvous %s: the keeper of %s failed", self._settings.run_id, self.node)
+                self._fail_watches(err)
+                self._stop.wait(self._settings.keep_alive_interval)
 
     def _idle(self, snap: _Snapshot, due: float) -> _Snapshot:
         """Until the next tick: follow every state revision while someone watches; otherwise
@@ -364,19 +373,19 @@ class RendezvousHandler:
         """Heartbeat, read the others' counters, drop the silent ones."""
         now = self._clock()
         self._store.add(self._keys.heartbeat(self.node), 1)
+        others: set[str] = set()
 
         def decide(state: RendezvousState, view: View) -> Action:
-            nonlocal beats
-            others = sorted(watched(state, view) - {self.node})
-            beats = observe_beats(beats, self._heartbeats(others), now)
+            nonlocal beats, others
+            others = watched(state, view) - {self.node}
+            beats = observe_beats(beats, self._heartbeats(sorted(others)), now)
             return decide_liveness(state, self.node, self._settings, replace(view, beats=beats), now)
 
         snap, action = self._apply(decide)
         if action.state is not None:
-            log.warning(
-                "rendezvous %s: %s found silent nodes (%s -> round %d%s)", self._settings.run_id, self.node,
-                action.act.value, action.state.round, ", complete" if action.state.complete else "",
-            )
+            silent = sorted(others - watched(action.state, View()))
+            log.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
+                        self.node, ", ".join(silent), action.act.value, action.state.round)
         return snap, beats
 
     def _heartbeats(self, nodes: list[str]) -> dict[str, int | None]:
