@@ -40,3 +40,14 @@ def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory(args=("--slots", "4")).start()
 
 
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """When a test fails, show the tail of every daemon log it produced."""
+    outcome = yield
+    report = outcome.get_result()
+    base = getattr(item, "funcargs", {}).get("shared_tmp")
+    if report.failed and base is not None:
+        for log in sorted(Path(base).glob("*.log")):
+            report.sections.append((f"daemon log {log.name}", log.read_text(errors="replace")[-5000:]))

@@ -14,6 +14,7 @@ What to do next is decided by ``decide``, a pure function of the event and the r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
 import os
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from .aio import first, in_thread
+from .aio import first
 from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
 from .jobs import Outcome, Part, PartState
 from .model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
@@ -37,6 +38,7 @@ _BARRIER_REFRESH = 2.0  # seconds between exit-barrier progress updates
 class Action(enum.Enum):
     BARRIER = "barrier"      # local workers succeeded: wait for the other nodes
     RESTART = "restart"      # a worker failed and restarts remain: open a new round ("failure")
+    NODE_LOST = "node_lost"  # workers failed because a member node died: re-form without it
     FAIL = "fail"            # a worker failed and no restarts remain
     REJOIN = "rejoin"        # the round was superseded: stop and join the next one
     SCALE_UP = "scale_up"    # nodes are waiting and the job is below max: open a new round
@@ -48,6 +50,7 @@ class Action(enum.Enum):
 @dataclass(frozen=True)
 class WorkersExited:
     result: RunResult
+    lost: tuple[str, ...] = ()   # members whose daemon was found dead when the workers failed
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ def describe(event: Event) -> str:
     """One line for the daemon log."""
     if isinstance(event, WorkersExited):
         cause = event.result.root_cause
-        return f"rank {cause.rank} failed: {cause.message}" if cause else "workers succeeded"
+        lost = f" (node {', '.join(event.lost)} is gone)" if event.lost else ""
+        return f"rank {cause.rank} failed: {cause.message}{lost}" if cause else "workers succeeded"
     if isinstance(event, RoundChanged):
         detail = event.event.reason or (f"{event.event.waiting} waiting" if event.event.waiting else "")
         return f"rendezvous: {event.event.kind}" + (f" ({detail})" if detail else "")
@@ -90,6 +94,8 @@ def decide(event: Event, info: RendezvousInfo, spec: JobSpec) -> Action:
     if isinstance(event, WorkersExited):
         if event.result.state == WorkerState.SUCCEEDED:
             return Action.BARRIER
+        if event.lost:
+            return Action.NODE_LOST  # a membership change: no restart is charged
         return Action.RESTART if info.restart_count < spec.max_restarts else Action.FAIL
     round_event = event.event
     if round_event.kind == "closed":
@@ -106,6 +112,7 @@ class AgentPorts(Protocol):
 
     def report(self, job_id: str, part: Part) -> None: ...
     async def finish(self, job_id: str, outcome: Outcome) -> Outcome: ...
+    async def unreachable(self, nodes: list[str]) -> list[str]: ...
     def output(self, job_id: str, attempt: int, rank: int, stream: str, offset: int,
                data: bytes) -> None: ...
 
@@ -152,6 +159,12 @@ class JobAgent:
         self._leaving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._started: float | None = None
         self._workers: LocalWorkers | None = None
+        # Rendezvous calls block on the store: two long-lived threads (a join or a barrier
+        # wait can block one), each with its own store connection.
+        self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"agent-{spec.id}")
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     # -- signals from the daemon ----------------------------------------------------------
 
@@ -178,7 +191,9 @@ class JobAgent:
                                        f"elasticd agent on {self.node} failed", None, self.node))
             self._report(PartState.FAILED)
         finally:
-            self._rdzv.shutdown()
+            # wait for the keeper: a thread left inside a TCPStore call aborts the process at exit
+            await asyncio.to_thread(self._rdzv.shutdown, True)
+            self._io.shutdown(wait=False)
 
     async def _run(self) -> None:
         state, info = PartState.RENDEZVOUS, None
@@ -195,8 +210,7 @@ class JobAgent:
     async def _join(self) -> RendezvousInfo | None:
         """Join the next round; None when the job ended or this node left meanwhile."""
         started = time.monotonic()
-        joining = in_thread(self._rdzv.next_rendezvous, self.nproc, free_port(self.address),
-                            name=f"join-{self.spec.id}")
+        joining = self._call(self._rdzv.next_rendezvous, self.nproc, free_port(self.address))
         done = await first(joining, self._ended, self._leaving)
         if done is self._leaving:
             return await self._leave(None, None)
@@ -260,16 +274,24 @@ class JobAgent:
         finally:
             watching.cancel()
         if done is exited:
-            return WorkersExited(exited.result())
+            return await self._workers_exited(info, exited.result())
         if done is self._ended:
             return JobEnded(self._ended.result())
         if done is self._leaving:
             return Leaving(self._leaving.result())
         return RoundChanged(watching.result())
 
+    async def _workers_exited(self, info: RendezvousInfo, result: RunResult) -> WorkersExited:
+        """A failure caused by a member node's death is a membership change, not a worker
+        failure: ask the other members' daemons (one round trip) before charging a restart."""
+        if result.state == WorkerState.SUCCEEDED:
+            return WorkersExited(result)
+        others = [m.node for m in info.members if m.node != self.node]
+        return WorkersExited(result, tuple(await self._ports.unreachable(others)) if others else ())
+
     async def _act(self, action: Action, event: Event, info: RendezvousInfo,
                    workers: LocalWorkers) -> Action | None:
-        if action in (Action.RESTART, Action.SCALE_UP, Action.REJOIN):
+        if action in (Action.RESTART, Action.NODE_LOST, Action.SCALE_UP, Action.REJOIN):
             self._report(PartState.RESTARTING, info, workers.group)
         await workers.stop()
         group = workers.group
@@ -277,6 +299,8 @@ class JobAgent:
             return await self._open_next_round(info, "failure", event)
         if action is Action.SCALE_UP:
             return await self._open_next_round(info, "scale_up", event)
+        if action is Action.NODE_LOST:
+            return await self._open_next_round(info, "node_lost", event)
         if action is Action.REJOIN:
             return Action.REJOIN
         if action is Action.FAIL:
@@ -292,11 +316,11 @@ class JobAgent:
         return None
 
     async def _leave(self, info: RendezvousInfo | None, group: WorkerGroup | None) -> None:
-        await in_thread(self._rdzv.leave, self._leaving.result())
+        await self._call(self._rdzv.leave, self._leaving.result())
         self._report(PartState.LEFT, info, group)
 
     async def _open_next_round(self, info: RendezvousInfo, reason: str, event: Event) -> Action | None:
-        result = await in_thread(self._rdzv.request_next_round, info.round, reason)
+        result = await self._call(self._rdzv.request_next_round, info.round, reason)
         if result is NextRound.EXHAUSTED and isinstance(event, WorkersExited):
             await self._finish(failure_outcome(event.result, self.spec, self._now(), self.node))
             self._report(PartState.FAILED, info)
@@ -316,31 +340,34 @@ class JobAgent:
         """
         started = time.monotonic()
         deadline = started + self.spec.exit_barrier_timeout
-        await in_thread(self._rdzv.exit_barrier_arrive, info)
+        await self._call(self._rdzv.exit_barrier_arrive, info)
         watching = asyncio.wrap_future(self._rdzv.watch(info.round, waiting=False))
         try:
             while (left := deadline - time.monotonic()) > 0:
-                done_nodes, total = await in_thread(self._rdzv.exit_barrier_progress, info)
+                done_nodes, total = await self._call(self._rdzv.exit_barrier_progress, info)
                 self._report(PartState.BARRIER, info, group, barrier={
                     "done": done_nodes, "total": total, "deadline": self._now() + left})
-                waiting = in_thread(self._rdzv.exit_barrier_wait, info, min(left, _BARRIER_REFRESH))
+                waiting = self._call(self._rdzv.exit_barrier_wait, info, min(left, _BARRIER_REFRESH))
                 done = await first(waiting, watching, self._ended, self._leaving)
-                if done is waiting and waiting.result():
-                    self._metrics.barrier_waited(time.monotonic() - started)
-                    await self._finish(Outcome(JobState.SUCCEEDED, self._now(), 0, "", None, self.node))
-                    self._report(PartState.SUCCEEDED, info, group)
-                    return None
                 if done is watching and watching.result().kind == "next_round":
                     return Action.REJOIN
                 if done is self._leaving:
                     return await self._leave(info, group)
-                if done is not waiting:
+                ended = done is not waiting  # the rendezvous closed or the job's outcome came
+                arrived = await self._call(self._rdzv.exit_barrier_wait, info, 0) if ended \
+                    else waiting.result()
+                if arrived:
+                    self._metrics.barrier_waited(time.monotonic() - started)
+                    await self._finish(Outcome(JobState.SUCCEEDED, self._now(), 0, "", None, self.node))
+                    self._report(PartState.SUCCEEDED, info, group)
+                    return None
+                if ended:
                     self._report(PartState.STOPPED, info, group)
                     return None
         finally:
             watching.cancel()
         self._metrics.barrier_waited(time.monotonic() - started)
-        done_nodes, total = await in_thread(self._rdzv.exit_barrier_progress, info)
+        done_nodes, total = await self._call(self._rdzv.exit_barrier_progress, info)
         await self._finish(Outcome(
             JobState.FAILED, self._now(), None,
             f"exit barrier timed out after {self.spec.exit_barrier_timeout:g} s: "

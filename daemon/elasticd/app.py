@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TCPStore wait timeouts are routine
+    # TCPStore looks up every peer's name; a lost DNS query must not stall the store for the
+    # resolver's default 5 s x 2 (longer than a node's heartbeat timeout).
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
     try:
         return asyncio.run(Daemon(config).run())
     except ElasticdError as exc:
@@ -105,6 +110,9 @@ class Notifier:
 
     def __init__(self) -> None:
         self._notifier = sdnotify.SystemdNotifier() if os.environ.get("NOTIFY_SOCKET") else None
+        if self._notifier is not None and self._notifier.socket is not None:
+            # a reader that falls behind must never stall the event loop: drop instead
+            self._notifier.socket.setblocking(False)
         self._status = ""
 
     def send(self, message: str) -> None:
@@ -166,7 +174,7 @@ class Daemon:
         zap = Zap(ctx)
         keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
         nodes = self._node_service(store, signer, service, registry)
-        peers = PeerLinks(PeerClient(ctx, keys), nodes.record, nodes.alive)
+        peers = service.peers = PeerLinks(PeerClient(ctx, keys), nodes.record, nodes.alive)
         commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                             cluster=nodes, peers=peers)
         control = ControlServer(ctx, zap, config.socket_path, commands, on_request=self._count_request,

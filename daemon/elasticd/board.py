@@ -55,6 +55,7 @@ class JobBoard:
         self._signer = signer
         self._prefix = f"elasticd/{cluster}/jobs"
         self._on_refused = on_refused or (lambda key, why: None)
+        self._indexed: set[tuple[str, str]] = set()
 
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
@@ -77,8 +78,15 @@ class JobBoard:
         return seq
 
     def publish_part(self, job_id: str, part: Part) -> None:
+        if (job_id, part.node) not in self._indexed:  # so that a snapshot finds every part
+            self._store.append(self._key(f"part_nodes/{job_id}"), f"{part.node}\n".encode())
+            self._indexed.add((job_id, part.node))
         self._store.set(self._key(f"part/{job_id}/{part.node}"), self._signer.seal(part.to_json()))
         self._append(f"part/{job_id}/{part.node}")
+
+    def forget_index(self) -> None:
+        """After a store reset this node's parts must be indexed again."""
+        self._indexed = set()
 
     def publish_outcome(self, job_id: str, outcome: Outcome) -> Outcome:
         """Write the outcome unless one exists; returns the one that is now final."""
@@ -100,15 +108,22 @@ class JobBoard:
     def head(self) -> int:
         return self._store.add(self._key("log"), 0)
 
-    def snapshot(self, nodes: Iterable[str]) -> tuple[int, list[Change]]:
-        """Every job, its outcome and the parts of ``nodes``; and the log position to follow from."""
+    def snapshot(self) -> tuple[int, list[Change]]:
+        """Every job with its outcome and parts; and the log position to follow from."""
         position = self.head()
         count = self._store.add(self._key("seq"), 0)
         raw_ids = self._store.get_many([self._key(f"by_seq/{n}") for n in range(1, count + 1)])
         ids = sorted({raw.decode() for raw in raw_ids if raw})
-        entries = [f"spec/{i}" for i in ids] + [f"outcome/{i}" for i in ids]
-        entries += [f"part/{i}/{node}" for i in ids for node in nodes]
-        return position, self._read(entries)
+        return position, self._read([entry for i in ids for entry in self._job_entries(i)])
+
+    def read_job(self, job_id: str) -> list[Change]:
+        """One job's spec, outcome and parts, read now."""
+        return self._read(self._job_entries(job_id))
+
+    def _job_entries(self, job_id: str) -> list[str]:
+        raw = self._store.get(self._key(f"part_nodes/{job_id}")) or b""
+        nodes = dict.fromkeys(n for n in raw.decode(errors="replace").split("\n") if n)
+        return [f"spec/{job_id}", f"outcome/{job_id}", *(f"part/{job_id}/{n}" for n in nodes)]
 
     def follow(self, position: int, timeout: float) -> tuple[int, list[Change]]:
         """Wait up to ``timeout`` for changes after ``position``; returns the new position.

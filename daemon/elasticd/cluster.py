@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from .aio import wait_or_timeout
 from .config import AUTO, DaemonConfig
@@ -241,7 +241,13 @@ class NodeRegistry:
             self._on_refused(self._key(f"{self.name}/drain"), str(exc))
             return None
 
+    def read_record(self, name: str) -> NodeRecord | None:
+        """One node's record straight from the store (for a node not seen by a tick yet)."""
+        return self._open_record(name, self._store.get(self._key(f"{name}/record")))
+
     def request_drain(self, name: str, drain: bool, by: str) -> None:
+        if self.read_record(name) is None:
+            raise NotFound(f"no node {name!r}")
         self._store.set(self._key(f"{name}/drain"),
                         self._signer.seal({"drain": drain, "by": by, "at": self._wall()}))
 
@@ -271,6 +277,8 @@ class NodeService:
         self._sightings: dict[str, Sighting] = {}
         self._epoch: str | None = None
         self._drain: bool | None = None
+        self._ticked = asyncio.Condition()
+        self._ticks = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -290,6 +298,9 @@ class NodeService:
     async def _apply(self, tick: Tick) -> None:
         self._sightings = tick.sightings
         self._on_tick()
+        async with self._ticked:
+            self._ticks += 1
+            self._ticked.notify_all()
         if tick.drain is not None and tick.drain != self._drain:
             self._drain = tick.drain
             self._on_drain(tick.drain)
@@ -303,12 +314,35 @@ class NodeService:
         return self.registry.states(self._sightings)
 
     def nodes(self) -> list[dict[str, Any]]:
+        """Every node as last seen; this node with its usage as of now."""
         states = self.states()
-        return [node_doc(s, states[name]) for name, s in sorted(self._sightings.items())]
+        sightings = dict(self._sightings)
+        me = self.registry.name
+        if me in sightings:
+            sightings[me] = replace(sightings[me], record=self._local_record())
+            states[me] = node_state(sightings[me], sightings[me].moved, self.registry.lost_after)
+        return [node_doc(s, states[name]) for name, s in sorted(sightings.items())]
 
-    def record(self, name: str) -> NodeRecord | None:
+    async def watch(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """The node list now, then again after every heartbeat duty that changed it."""
+        last: list[dict[str, Any]] | None = None
+        seen = -1
+        while True:
+            async with self._ticked:
+                await self._ticked.wait_for(lambda: self._ticks != seen)
+                seen = self._ticks
+            nodes = self.nodes()
+            if _without_times(nodes) != _without_times(last):
+                last = nodes
+                yield nodes
+
+    async def record(self, name: str) -> NodeRecord | None:
+        """A node's record: as last seen, else read from the store now."""
         sighting = self._sightings.get(name)
-        return sighting.record if sighting else None
+        if sighting is not None:
+            return sighting.record
+        return await asyncio.get_running_loop().run_in_executor(
+            self._io, self.registry.read_record, name)
 
     def alive(self, name: str) -> bool:
         return self.states().get(name, "lost") != "lost"
@@ -317,7 +351,10 @@ class NodeService:
         return {s.record.peer_key.encode(): name for name, s in self._sightings.items() if s.record.peer_key}
 
     async def request_drain(self, name: str, drain: bool, by: str) -> None:
-        if name not in self._sightings:
-            raise NotFound(f"no node {name!r}")
         await asyncio.get_running_loop().run_in_executor(
             self._io, self.registry.request_drain, name, drain, by)
+
+
+def _without_times(nodes: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Node docs minus their ever-changing 'last seen' (for change detection)."""
+    return None if nodes is None else [{k: v for k, v in n.items() if k != "last_seen"} for n in nodes]

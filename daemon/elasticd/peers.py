@@ -10,14 +10,16 @@ no shared file system is assumed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
 from .control import protocol
 from .errors import ElasticdError
@@ -56,7 +58,7 @@ def curve_policy(known_keys: Callable[[], dict[bytes, str]]) -> Callable[[bytes,
     def policy(mechanism: bytes, address: bytes, credentials: list[bytes]) -> bytes | None:
         if mechanism != b"CURVE" or not credentials:
             return None
-        node = known_keys().get(zmq.z85_encode(credentials[0]))
+        node = known_keys().get(z85.encode(credentials[0]))
         return node.encode() if node else None
     return policy
 
@@ -104,17 +106,39 @@ class PeerClient:
             sock.close(linger=0)
 
 
+async def reachable(endpoint: str, timeout: float) -> bool:
+    """Does a daemon still listen at ``tcp://host:port``?  One TCP handshake, no ZMTP.
+
+    A killed daemon's port answers with a reset at once, so a node that died is told from a
+    node whose workers failed in one round trip, long before its heartbeat is missed.
+    """
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    writer.close()
+    return True
+
+
 class PeerLinks:
     """Requests to other nodes by name, with the endpoints and keys of their signed records."""
 
-    def __init__(self, client: PeerClient, record: Callable[[str], Any],
+    def __init__(self, client: PeerClient, record: Callable[[str], Awaitable[Any]],
                  alive: Callable[[str], bool]) -> None:
         self._client = client
         self._record = record
         self._alive = alive
 
+    async def unreachable(self, nodes: list[str], timeout: float) -> list[str]:
+        """The nodes among ``nodes`` whose daemon does not answer (unknown nodes count as up)."""
+        records = [(node, await self._record(node)) for node in nodes]
+        known = [(node, r.peer_endpoint) for node, r in records if r is not None and r.peer_endpoint]
+        answers = await asyncio.gather(*(reachable(endpoint, timeout) for _, endpoint in known))
+        return [node for (node, _), up in zip(known, answers) if not up]
+
     async def logs(self, node: str, args: dict[str, Any]) -> AsyncIterator[Any]:
-        record = self._record(node)
+        record = await self._record(node)
         if record is None or not record.peer_endpoint:
             raise PeerError(f"node {node} is not known")
         async for result in self._client.stream(record.peer_endpoint, record.peer_key, "logs",

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterable
 import psutil
 
 from .agent import JobAgent
-from .aio import in_thread, wait_or_timeout
+from .aio import wait_or_timeout
 from .board import BoardReset, Change, JobBoard
 from .config import DaemonConfig
 from .errors import Conflict, ElasticdError, StoreError
@@ -28,6 +29,7 @@ from .jobs import JobRecord, JobRegistry, Outcome, Part, PartState
 from .logs import LogBus
 from .metrics import Metrics
 from .model import GPU, JobSpec, JobState
+from .peers import PeerLinks
 from .rendezvous import RendezvousHandler, RendezvousSettings
 from .store import StoreBackend
 from .store.signing import Signer
@@ -35,6 +37,10 @@ from .store.signing import Signer
 log = logging.getLogger(__name__)
 
 _FOLLOW_TIMEOUT = 1.0
+_JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
+
+
+_DONE_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED})
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,8 @@ def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bo
     for record in sorted(jobs, key=lambda r: r.seq):
         if record.outcome is not None or record.id in busy or not eligible(record.spec, node):
             continue
+        if node in record.parts and record.parts[node].state in _DONE_HERE:
+            continue  # this node's share ended; the job's end is on its way
         members = [p for p in record.parts.values() if p.state.active]
         if len(members) >= record.spec.max_nodes:
             continue
@@ -109,7 +117,10 @@ class JobService:
         self._metrics = metrics
         self._logs = logs
         self._running: dict[str, _Running] = {}
+        self.peers: PeerLinks | None = None  # set once the peer channel exists
+        # one long-lived thread (and store connection) each for writing and following the board
         self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="board-write")
+        self._follow_io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="board-follow")
         self._placing = False
         self._stopping = False
         self.draining = False
@@ -127,6 +138,7 @@ class JobService:
             self._schedule_placement()
             await stop.wait()
             await self.shutdown()
+        self._tasks = None
 
     async def shutdown(self) -> None:
         """Stop every local job: a one-node cluster cancels them, a node of a larger one leaves."""
@@ -139,6 +151,7 @@ class JobService:
                 running.agent.leave("shutdown")
         await asyncio.gather(*(r.done.wait() for r in self._running.values()))
         self._writes.shutdown(wait=False)
+        self._follow_io.shutdown(wait=False)
 
     # -- submit, finish, cancel -------------------------------------------------------------
 
@@ -181,6 +194,14 @@ class JobService:
         if record is not None:
             self._writes.submit(self._publish_part, job_id, part)
 
+    async def unreachable(self, nodes: list[str]) -> list[str]:
+        return await self.peers.unreachable(nodes, self.lost_after)
+
+    @property
+    def lost_after(self) -> float:
+        settings = self.config.rendezvous
+        return settings.keep_alive_interval * settings.keep_alive_max_attempt
+
     def output(self, job_id: str, attempt: int, rank: int, stream: str, offset: int,
                data: bytes) -> None:
         self._logs.publish(job_id, attempt, rank, stream, offset, data)
@@ -218,7 +239,7 @@ class JobService:
 
     def _place(self) -> None:
         self._placing = False
-        if self._stopping:
+        if self._stopping or self._tasks is None:
             return
         used = self.used()
         free = Resources(self.resources.slots - used.slots,
@@ -255,7 +276,12 @@ class JobService:
             keep_alive_interval=self.config.rendezvous.keep_alive_interval,
             keep_alive_max_attempt=self.config.rendezvous.keep_alive_max_attempt)
         return RendezvousHandler(self._store, self._signer, settings, self.node, self.address,
-                                 prefix=f"elasticd/{self.config.cluster.name}/rdzv/{spec.id}")
+                                 prefix=f"elasticd/{self.config.cluster.name}/rdzv/{spec.id}",
+                                 on_refused=self._refused)
+
+    def _refused(self, what: str) -> None:
+        self._metrics.refused_records.inc()
+        log.warning("refused rendezvous record: %s", what)
 
     @property
     def log_root(self) -> str:
@@ -285,6 +311,7 @@ class JobService:
     async def store_reset(self) -> None:
         """The store lost its data (its host restarted): publish again what this node knows
         (open jobs, and this node's parts), then read the board afresh."""
+        await self._write(self._board.forget_index)
         for record in self._registry.jobs():
             if record.outcome is not None:
                 continue
@@ -294,10 +321,17 @@ class JobService:
                 await self._write(self._publish_part, record.id, part)
         await self._resync()
 
+    async def fetch(self, job_id: str) -> JobRecord | None:
+        """Read one job from the board now (ahead of the change log); None if it has none."""
+        if not _JOB_ID.match(job_id):
+            return None
+        self._apply(await self._write(self._board.read_job, job_id))
+        return self._registry.find(job_id)
+
     # -- following the board ------------------------------------------------------------------
 
     async def _resync(self) -> None:
-        position, changes = await self._write(self._board.snapshot, [self.node])
+        position, changes = await self._write(self._board.snapshot)
         self._position = position
         self._apply(changes)
 
@@ -305,8 +339,8 @@ class JobService:
         """One loop: wait for the next board changes (in a thread) and apply them."""
         while not stop.is_set():
             try:
-                self._position, changes = await in_thread(
-                    self._board.follow, self._position, _FOLLOW_TIMEOUT, name="board-follow")
+                self._position, changes = await asyncio.get_running_loop().run_in_executor(
+                    self._follow_io, self._board.follow, self._position, _FOLLOW_TIMEOUT)
             except BoardReset as exc:
                 log.warning("%s; resynchronising", exc)
                 await self._resync()

@@ -38,6 +38,7 @@ def test_formation_across_two_nodes(cluster_factory, shared_tmp):
     assert [e["GROUP_RANK"] for e in found] == ["0", "0", "1", "1"]
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in found}) == 1
     status = cluster[1].ctl("status", job["id"])  # any node shows any job
+    print(json.dumps(status, indent=1))
     assert sorted(n["node"] for n in status["nodes"]) == ["n1", "n2"]
     assert [w["node"] for w in status["workers"]] == [status["nodes"][0]["node"]] * 2 + \
         [status["nodes"][1]["node"]] * 2
@@ -156,7 +157,7 @@ def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
         jobs.append(cluster[0].submit("--nnodes", "2", "--nproc-per-node", "2",
                                       *worker_args("--env-out", str(out), "--sleep", "0")))
     for job in jobs:
-        cluster[0].wait_running(job["id"], 4)
+        cluster[0].wait_output(job["id"], [f"ready {r}" for r in range(4)])
     for node_rank in (0, 1):
         devices = []
         for out in outs:
@@ -165,8 +166,8 @@ def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
         assert all(len(d) == 1 for d in devices)
         first, second = (set(next(iter(d)).split(",")) for d in devices)
         assert len(first) == 2 and len(second) == 2 and not first & second
-    nodes = cluster[1].ctl("nodes")
-    assert {(n["name"], n["gpus_free"], n["gpus_total"]) for n in nodes} == {("n1", 0, 4), ("n2", 0, 4)}
+    _nodes_when(cluster[1], lambda ns: {(n["name"], n["gpus_free"], n["gpus_total"]) for n in ns}
+                == {("n1", 0, 4), ("n2", 0, 4)})
     for job in jobs:
         cluster[1].ctl("cancel", job["id"])
 
@@ -179,31 +180,32 @@ def test_drain_moves_a_job_off_a_node(cluster_factory):
     doc = cluster[0].wait_job(job["id"], lambda d: d["state"] == "RUNNING" and d["world_size"] == 1
                               and [n["node"] for n in d["nodes"]] == ["n1"])
     assert doc["restarts"] == 0
-    nodes = {n["name"]: n["state"] for n in _nodes_when(cluster[0], lambda ns: ns.get("n2") == "drained")}
-    assert nodes == {"n1": "up", "n2": "drained"}
+    _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "drained"})
     cluster[0].ctl("undrain", "n2")
     cluster[0].wait_job(job["id"], lambda d: d["state"] == "RUNNING" and d["world_size"] == 2)
     cluster[0].ctl("cancel", job["id"])
 
 
+def _states(nodes):
+    return {n["name"]: n["state"] for n in nodes}
+
+
 def _nodes_when(daemon, predicate, timeout=30.0):
-    """Node states change on heartbeats: follow them with one request per heartbeat duty."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        nodes = daemon.ctl("nodes")
-        if predicate({n["name"]: n["state"] for n in nodes}):
-            return nodes
-        time.sleep(0.5)  # one heartbeat interval between looks; bounded by the deadline
-    raise AssertionError(f"nodes never matched: {nodes}")
+    """Follow the daemon's node list (it changes on heartbeats) until it matches."""
+    with Control(daemon.socket) as control:
+        for nodes in control.stream("nodes", {"watch": True}, timeout):
+            if predicate(nodes):
+                return nodes
+    raise AssertionError("the node stream ended")
 
 
 def test_lost_node_shows_as_lost(cluster_factory):
     cluster = cluster_factory(3).start()
-    _nodes_when(cluster[0], lambda ns: ns == {"n1": "up", "n2": "up", "n3": "up"})
+    _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up", "n3": "up"})
     cluster[2].signal(signal.SIGKILL)
     cluster[2].wait_exit()
     started = time.monotonic()
-    _nodes_when(cluster[0], lambda ns: ns.get("n3") == "lost")
+    _nodes_when(cluster[0], lambda ns: _states(ns).get("n3") == "lost")
     assert time.monotonic() - started < 10
 
 

@@ -161,11 +161,19 @@ def test_rank_order_keeps_survivors_first_then_new_nodes_by_name(order, joined, 
 def test_observe_beats_records_when_a_counter_changed():
     beats = {"a": Beat(5, 10.0), "b": Beat(3, 10.0), "gone": Beat(1, 1.0)}
     assert observe_beats(beats, {"a": 5, "b": 4, "new": None}, 20.0) == {
-        "a": Beat(5, 10.0), "b": Beat(4, 20.0), "new": Beat(None, 20.0)}
+        "a": Beat(5, 10.0, reads=1), "b": Beat(4, 20.0), "new": Beat(None, 20.0)}
+
+
+def test_a_stalled_store_does_not_kill_anyone():
+    """One read after a long stall finds every counter unchanged: not enough to call it dead."""
+    settings = RendezvousSettings("r", 1, 3)
+    stalled = {"a": Beat(1, NOW - 10, reads=1)}
+    state = st("a", "me", complete=True)
+    assert decide_liveness(state, "me", settings, View(beats=stalled), NOW).act is Act.NOTHING
 
 
 def beats(**since: float) -> dict[str, Beat]:
-    return {n: Beat(1, t) for n, t in since.items()}
+    return {n: Beat(1, t, reads=3) for n, t in since.items()}
 
 
 LIVENESS_TABLE = [

@@ -129,9 +129,10 @@ class Commands:
             raise PermissionDenied(f"job {record.id} belongs to {record.spec.user}; "
                                    f"you may not {what} it")
 
-    def _find(self, job: str) -> JobRecord:
-        """A job by id or by a unique prefix of its id."""
-        record = self._registry.find(job)
+    async def _find(self, job: str) -> JobRecord:
+        """A job by id or by a unique prefix of its id; a full id not seen here yet (it was
+        submitted elsewhere a moment ago) is read from the cluster's board."""
+        record = self._registry.find(job) or await self._jobs.fetch(job)
         if record is not None:
             return record
         matches = [r for r in self._registry.jobs() if r.id.startswith(job)] if len(job) >= 3 else []
@@ -163,19 +164,23 @@ class Commands:
         await reply.result([job_doc(r) for r in records])
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        await reply.result(job_doc(self._find(args["job"])))
+        await reply.result(job_doc(await self._find(args["job"])))
 
     async def wait(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        await self._stream_until_done(self._find(args["job"]), reply)
+        await self._stream_until_done(await self._find(args["job"]), reply)
 
     async def cancel(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        record = self._find(args["job"])
+        record = await self._find(args["job"])
         self._check_owner(caller, record, "cancel")
         record = await self._jobs.cancel(record.id, by=user_name(caller.uid))
         await reply.result(job_doc(record))
 
     async def nodes_list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        await reply.result(self._cluster.nodes())
+        if not args.get("watch"):
+            await reply.result(self._cluster.nodes())
+            return
+        async for nodes in self._cluster.watch():  # until the client goes away
+            await reply.result(nodes)
 
     async def drain(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         await self._set_drain(caller, args["node"], True, reply)
@@ -192,7 +197,7 @@ class Commands:
     async def logs(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         """Every node's logs of the job: this node's files and live output, and the other
         nodes' fetched from their daemons, merged as they come."""
-        record = self._find(args["job"])
+        record = await self._find(args["job"])
         self._check_owner(caller, record, "read the logs of")
         others = [node for node in record.parts if node != self._node]
         await asyncio.gather(self.local_logs(record.id, args, reply),

@@ -50,7 +50,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "logs": {"job": (str,), "rank": (int,), "follow": (bool,), "attempt": (int,), "tail": (int,)},
     "cancel": {"job": (str,)},
     "wait": {"job": (str,)},
-    "nodes": {},
+    "nodes": {"watch": (bool,)},
     "drain": {"node": (str,)},
     "undrain": {"node": (str,)},
 }
@@ -63,7 +63,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "drain": ("node",),
     "undrain": ("node",),
 }
-STREAMING_OPS = frozenset({"logs", "wait"})  # and "submit" with args.wait
+STREAMING_OPS = frozenset({"logs", "wait"})  # and "submit" with args.wait, "nodes" with args.watch
 
 # Error codes a client can branch on (the daemon's ElasticdError.code values).
 E_BAD_REQUEST = "bad_request"
@@ -91,7 +91,8 @@ class Request:
 
     @property
     def streaming(self) -> bool:
-        return self.op in STREAMING_OPS or (self.op == "submit" and bool(self.args.get("wait")))
+        return self.op in STREAMING_OPS or (self.op == "submit" and bool(self.args.get("wait"))) \
+            or (self.op == "nodes" and bool(self.args.get("watch")))
 
 
 def encode_request(req: Request) -> bytes:

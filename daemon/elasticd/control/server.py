@@ -109,13 +109,21 @@ class Zap:
         while True:
             version, request_id, domain, address, _identity, mechanism, *credentials = \
                 await self._socket.recv_multipart()
-            policy = self._policies.get(domain)
-            user_id = policy(mechanism, address, credentials) if policy else None
+            user_id = self._admit(domain, mechanism, address, credentials)
             status, text = (b"200", b"OK") if user_id else (b"400", b"not admitted")
             if user_id is None:
                 log.warning("refused a %s connection from %s", domain.decode(errors="replace"),
                             address.decode(errors="replace"))
             await self._socket.send_multipart([version, request_id, status, text, user_id or b"", b""])
+
+    def _admit(self, domain: bytes, mechanism: bytes, address: bytes,
+               credentials: list[bytes]) -> bytes | None:
+        policy = self._policies.get(domain)
+        try:
+            return policy(mechanism, address, credentials) if policy else None
+        except Exception:  # a policy bug refuses one connection; it must not stop the daemon
+            log.exception("ZAP policy for %s failed", domain.decode(errors="replace"))
+            return None
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -65,6 +65,7 @@ class LastCall(NamedTuple):
 class Beat(NamedTuple):
     count: int | None  # the heartbeat counter as last read (None: no counter yet)
     since: float  # when this observer saw it change
+    reads: int = 0  # this observer's reads since then that found it unchanged
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ def _log_end(state: RendezvousState, view: View) -> int:
 def observe_beats(beats: Mapping[str, Beat], counts: Mapping[str, int | None], now: float) -> dict[str, Beat]:
     """Fold freshly read heartbeat counters into the observations (only ``counts``' nodes stay)."""
     return {
-        node: beats[node] if node in beats and beats[node].count == count else Beat(count, now)
+        node: beats[node]._replace(reads=beats[node].reads + 1)
+        if node in beats and beats[node].count == count else Beat(count, now)
         for node, count in counts.items()
     }
 
@@ -213,7 +215,11 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
 
 
 def _silent(beat: Beat | None, settings: RendezvousSettings, now: float) -> bool:
-    return beat is not None and now - beat.since >= settings.dead_after
+    """Still for ``dead_after`` of this node's clock *and* across ``keep_alive_max_attempt``
+    of its reads: a store that stalled (or an observer that was descheduled) for longer than
+    ``dead_after`` makes every counter look still for one read, and must not kill anyone."""
+    return (beat is not None and now - beat.since >= settings.dead_after
+            and beat.reads >= settings.keep_alive_max_attempt)
 
 
 # -- rounds, leaving, closing ----------------------------------------------------------------
