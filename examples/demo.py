@@ -110,7 +110,8 @@ def run(work: Path, epochs: int) -> int:
         victim = None
         assert follow.stdout is not None
         for line in follow.stdout:
-            print(line, end="", flush=True)
+            if " err] " not in line:  # the workers' stderr: `elasticctl logs` shows it all
+                print(line, end="", flush=True)
             progress = EPOCH.search(line)
             if progress is None:
                 continue

@@ -73,7 +73,8 @@ def build_parser(torchrun_rule: bool = True) -> argparse.ArgumentParser:
     command("status", cmd_status, "show one job in detail").add_argument("job", metavar="JOB")
     add_logs_options(command("logs", cmd_logs, "show a job's worker output", epilog=LOGS_FORMAT))
     command("cancel", cmd_cancel, "cancel a job").add_argument("job", metavar="JOB")
-    command("nodes", cmd_nodes, "list the cluster's nodes")
+    command("nodes", cmd_nodes, "list the cluster's nodes").add_argument(
+        "--watch", "-w", action="store_true", help="print the list again whenever it changes")
     command("drain", cmd_drain, "stop placing jobs on a node; its jobs move off it").add_argument(
         "node", metavar="NODE")
     command("undrain", cmd_undrain, "let a drained node take jobs again").add_argument(
@@ -415,8 +416,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     with connect(args) as daemon:
-        result = daemon.call("nodes")
-    emit(args, result, lambda: render.nodes_table(items(result, "nodes"), time.time()))
+        if not args.watch:
+            result = daemon.call("nodes")
+            emit(args, result, lambda: render.nodes_table(items(result, "nodes"), time.time()))
+            return 0
+        for result in daemon.stream("nodes", {"watch": True}):
+            print(json.dumps(result) if args.json else
+                  render.nodes_table(items(result, "nodes"), time.time()) + "\n", flush=True)
     return 0
 
 
