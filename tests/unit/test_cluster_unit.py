@@ -1,0 +1,48 @@
+"""Node liveness on the observer's own clock, node records, nvidia-smi parsing (pure)."""
+
+import pytest
+
+from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, observe, parse_nvidia_smi
+from elasticd.model import NodeInfo
+
+INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0)
+
+
+def sighting(moved, draining=False, jobs=()):
+    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"), 7, moved, 100.0)
+
+
+@pytest.mark.parametrize("moved, draining, jobs, state", [
+    (9.0, False, (), "up"), (7.0, False, (), "up"), (6.9, False, (), "lost"), (6.9, True, ("j",), "lost"),
+    (9.0, True, ("j",), "draining"), (9.0, True, (), "drained"),
+])
+def test_node_state(moved, draining, jobs, state):
+    assert node_state(sighting(moved, draining, jobs), now=10.0, lost_after=3.0) == state
+
+
+def test_a_changed_counter_is_life_either_way():
+    record = sighting(0).record
+    first = observe(None, record, 5, now=1.0, wall=11.0)
+    assert (first.beats, first.moved) == (5, 1.0)
+    same = observe(first, record, 5, now=2.0, wall=12.0)
+    assert same.moved == 1.0
+    assert observe(same, record, 6, now=3.0, wall=13.0).moved == 3.0
+    assert observe(same, record, 1, now=3.0, wall=13.0).moved == 3.0  # a reset store restarts it
+
+
+def test_wall_clock_never_decides_liveness():
+    """A node whose clock is an hour off is judged only by its counter moving."""
+    record = sighting(0).record
+    seen = observe(None, record, 1, now=1.0, wall=1.0 + 3600)
+    assert node_state(seen, now=2.0, lost_after=3.0) == "up"
+
+
+def test_record_round_trip_and_doc():
+    record = sighting(0, jobs=("j-1",)).record
+    assert NodeRecord.from_json(record.to_json()) == record
+    doc = node_doc(sighting(9.0, jobs=("j-1",)), "up")
+    assert (doc["slots_free"], doc["gpus_free"], doc["gpus_total"], doc["jobs"]) == (6, 1, 2, ["j-1"])
+
+
+def test_parse_nvidia_smi():
+    assert parse_nvidia_smi("0\n1\n\n2\nNo devices were found\n") == ("0", "1", "2")
