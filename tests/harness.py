@@ -27,6 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 WORKER = FIXTURES / "worker.py"
 PY = sys.executable
+# What a user with this checkout's venv activated has: elasticctl then submits jobs with the
+# venv's python3 (the one with torch), whether or not the test runner activated it.
+CLIENT_ENV = {**os.environ, "VIRTUAL_ENV": sys.prefix,
+              "PATH": f"{os.path.dirname(PY)}:{os.environ.get('PATH', os.defpath)}"}
 START_TIMEOUT = 60.0
 
 
@@ -59,7 +63,8 @@ class Daemon:
 
     # -- process ---------------------------------------------------------------------------
 
-    def start(self, timeout: float = START_TIMEOUT) -> Daemon:
+    def start(self, timeout: float = START_TIMEOUT, *, wait: bool = True) -> Daemon:
+        """Start the daemon; unless told not to, wait for its READY=1."""
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         if os.path.exists(self.notify_path):
             os.unlink(self.notify_path)
@@ -74,8 +79,22 @@ class Daemon:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=str(self.base))
-        self.wait_notify("READY=1", timeout)
+        if wait:
+            self.wait_notify("READY=1", timeout)
         return self
+
+    def ready(self) -> bool:
+        """Whether READY=1 has arrived (reads what is queued, never blocks)."""
+        assert self._notify is not None
+        self._notify.setblocking(False)
+        try:
+            while True:
+                self.messages.extend(self._notify.recv(4096).decode().split("\n"))
+        except BlockingIOError:
+            pass
+        finally:
+            self._notify.setblocking(True)
+        return "READY=1" in self.messages
 
     def wait_notify(self, wanted: str, timeout: float = 30.0, contains: str = "") -> str:
         """Block until a notification starting with ``wanted`` (and containing ``contains``)
@@ -147,7 +166,7 @@ class Daemon:
             as_user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
         argv = [python, "-m", "elasticctl", "--socket", self.socket, *args]
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **extra, **(env or {})}, cwd=cwd or str(self.base),
+                              env={**CLIENT_ENV, **extra, **(env or {})}, cwd=cwd or str(self.base),
                               **as_user)
 
     def ctl(self, *args: str, expect: int = 0, **kw: Any) -> Any:

@@ -187,6 +187,8 @@ class NodeRegistry:
         for i, name in enumerate(self._names):
             record_raw, beats_raw = values[2 * i], values[2 * i + 1]
             parsed = self._open_record(name, record_raw)
+            if name == self.name and parsed != self._published:
+                self._published = None  # lost or tampered with: publish it again next time
             if parsed is not None and beats_raw is not None:
                 self._sightings[name] = observe(self._sightings.get(name), parsed,
                                                 int(beats_raw), now, wall)

@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from harness import PY, ROOT, WORKER, alive, wait_gone, worker_args
+from harness import CLIENT_ENV, PY, ROOT, WORKER, alive, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 
@@ -46,7 +46,7 @@ def test_workers_get_the_torchrun_environment(daemon, shared_tmp):
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/rank_{rank}.error.json")
         assert env["OMP_NUM_THREADS"] == "1" and env["EXTRA"] == "1"
         assert env["MASTER_ADDR"] == "127.0.0.1" and 0 < int(env["MASTER_PORT"]) < 65536
-        assert env["PATH"] == os.environ["PATH"]  # the submitter's environment
+        assert env["PATH"] == CLIENT_ENV["PATH"]  # the submitter's environment
         assert "CUDA_VISIBLE_DEVICES" not in env
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
 

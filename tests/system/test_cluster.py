@@ -232,3 +232,45 @@ def test_store_host_restart_while_a_job_runs(cluster_factory):
     assert [w["pid"] for w in again["workers"]] == pids  # no restart was needed
     assert cluster[0].ctl("status", job["id"])["state"] == "RUNNING"  # republished to the new store
     cluster[0].ctl("cancel", job["id"])
+
+
+def test_a_daemon_started_before_the_store_host_waits_for_it(cluster_factory):
+    cluster = cluster_factory(2)
+    early = cluster[1].start(wait=False)
+    assert not early.ready()  # it cannot be: there is no store to reach yet
+    cluster[0].start()  # the store host comes up...
+    early.wait_notify("READY=1", timeout=60)  # ...and only then is the early daemon ready
+    assert not any(m.startswith("READY=1") for m in early.messages[:-1])
+    _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
+
+
+def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
+    import urllib.request
+
+    from elasticd.store.c10d import connect
+
+    cluster = cluster_factory(2).start()
+    _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
+    store = connect(f"127.0.0.1:{cluster.port}", connect_timeout=10)
+    key = "elasticd/test/nodes/n2/record"
+    forged = json.loads(store.get(key))
+    forged["body"]["info"]["slots"] = 999  # the MAC no longer matches
+    store.set(key, json.dumps(forged).encode())
+    store.close()
+
+    def refused() -> float:
+        url = f"http://127.0.0.1:{cluster[0].metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return float(next(l.split()[1] for l in text.splitlines()
+                          if l.startswith("elasticd_store_refused_records_total ")))
+
+    # The refusal happens on n1's next heartbeat duty and has no event of its own: look once
+    # per heartbeat interval, with a deadline.
+    deadline = time.monotonic() + 15
+    while refused() < 1 and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert refused() >= 1  # counted...
+    assert "refused store record elasticd/test/nodes/n2/record" in cluster[0].log_text()  # ...logged
+    nodes = _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
+    assert all(n["slots_total"] != 999 for n in nodes)  # ...and never used
+    assert cluster[1].request("version").ok  # n2 put its own record right again
