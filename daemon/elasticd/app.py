@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     # TCPStore looks up every peer's name; a lost DNS query must not stall the store for the
     # resolver's default 5 s x 2 (longer than a node's heartbeat timeout).
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here  # `kill -USR1`: every thread's stack
     try:
         return asyncio.run(Daemon(config).run())
     except ElasticdError as exc:
