@@ -168,15 +168,18 @@ class Daemon:
         self._restore(registry, history)
         gpus = discover_gpus(config.node.gpus)
         logs = LogBus()
-        service = JobService(config, node=self.node, address=self._address(),
-                             resources=Resources(slot_count(config, gpus), gpus), store=store,
-                             signer=signer, registry=registry, metrics=self.metrics, logs=logs,
-                             board=JobBoard(store, signer, config.cluster.name, on_refused=self._refused))
         ctx = zmq.asyncio.Context()
         zap = Zap(ctx)
         keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
+        # the node service (built below: it needs the job service) tells where peers are
+        peers = PeerLinks(PeerClient(ctx, keys), lambda name: nodes.record(name),
+                          lambda name: nodes.alive(name))
+        service = JobService(config, node=self.node, address=self._address(),
+                             resources=Resources(slot_count(config, gpus), gpus), store=store,
+                             signer=signer, registry=registry, metrics=self.metrics, logs=logs,
+                             peers=peers,
+                             board=JobBoard(store, signer, config.cluster.name, on_refused=self._refused))
         nodes = self._node_service(store, signer, service, registry)
-        peers = service.peers = PeerLinks(PeerClient(ctx, keys), nodes.record, nodes.alive)
         commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                             cluster=nodes, peers=peers)
         control = ControlServer(ctx, zap, config.socket_path, commands, on_request=self._count_request,

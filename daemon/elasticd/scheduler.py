@@ -105,7 +105,7 @@ class _Running:
 class JobService:
     def __init__(self, config: DaemonConfig, *, node: str, address: str, resources: Resources,
                  store: StoreBackend, signer: Signer, board: JobBoard, registry: JobRegistry,
-                 metrics: Metrics, logs: LogBus) -> None:
+                 metrics: Metrics, logs: LogBus, peers: PeerLinks) -> None:
         self.config = config
         self.node = node
         self.address = address
@@ -117,7 +117,7 @@ class JobService:
         self._metrics = metrics
         self._logs = logs
         self._running: dict[str, _Running] = {}
-        self.peers: PeerLinks | None = None  # set once the peer channel exists
+        self._peers = peers
         # one long-lived thread (and store connection) each for writing and following the board
         self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="board-write")
         self._follow_io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="board-follow")
@@ -195,7 +195,7 @@ class JobService:
             self._writes.submit(self._publish_part, job_id, part)
 
     async def unreachable(self, nodes: list[str]) -> list[str]:
-        return await self.peers.unreachable(nodes, self.lost_after)
+        return await self._peers.unreachable(nodes, self.lost_after)
 
     @property
     def lost_after(self) -> float:

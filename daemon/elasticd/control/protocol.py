@@ -47,7 +47,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "list": {"all": (bool,)},
     "status": {"job": (str,)},
-    "logs": {"job": (str,), "rank": (int,), "follow": (bool,), "attempt": (int,), "tail": (int,)},
+    "logs": {"job": (str,), "rank": (int,), "follow": (bool,), "attempt": (int,)},
     "cancel": {"job": (str,)},
     "wait": {"job": (str,)},
     "nodes": {"watch": (bool,)},
