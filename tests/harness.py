@@ -280,6 +280,16 @@ def python_for_everyone() -> str:
     return _EVERYONE_VENV
 
 
+def fake_nvidia_smi(directory: Path, gpus: int) -> dict[str, str]:
+    """Put an ``nvidia-smi`` that reports ``gpus`` GPUs in ``directory``; returns the env
+    (PATH) under which a daemon finds it."""
+    directory.mkdir(exist_ok=True)
+    smi = directory / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '" + "".join(f"{i}\\n" for i in range(gpus)) + "'\n")
+    smi.chmod(0o755)
+    return {"PATH": f"{directory}:{os.environ['PATH']}"}
+
+
 def worker_args(*args: str) -> list[str]:
     return [str(WORKER), *args]
 

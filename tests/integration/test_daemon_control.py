@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-from harness import PY, Control, free_port, worker_args
+from harness import PY, Control, fake_nvidia_smi, free_port, worker_args
 from elasticd.control import protocol
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
@@ -126,13 +126,8 @@ def test_elasticctl_without_a_daemon(tmp_path):
 
 
 def test_fake_nvidia_smi_gpus_are_partitioned(daemon_factory, shared_tmp):
-    bin_dir = shared_tmp / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n'\n")
-    smi.chmod(0o755)
     daemon = daemon_factory(args=("--slots", "8"),
-                            env={"PATH": f"{bin_dir}:{os.environ['PATH']}"}).start()
+                            env=fake_nvidia_smi(shared_tmp / "bin", 4)).start()
     out = shared_tmp / "env"
     out.mkdir()
     daemon.submit_wait("--nproc-per-node", "gpu", *worker_args("--env-out", str(out)))

@@ -75,60 +75,52 @@ def test_exhausted_restarts_fail_with_the_root_cause(daemon):
     assert "boom from rank 1" in human and "FAILED" in human
 
 
-def test_cancel_stops_every_process_of_the_job(daemon, shared_tmp):
+def _sleeping_job(daemon, shared_tmp, nproc, *extra):
+    """A job whose workers (each with a grandchild) sleep; returns its id and every pid."""
     pids_dir = shared_tmp / "pids"
     pids_dir.mkdir()
-    job = daemon.submit("--nproc-per-node", "2",
-                        *worker_args("--sleep", "0", "--child", "--pid-dir", str(pids_dir)))
-    daemon.wait_running(job["id"], 2)
-    pids = _wait_pid_files(daemon, job["id"], pids_dir, 2)
-    cancelled = daemon.ctl("cancel", job["id"])
-    assert cancelled["state"] == "CANCELLED"
+    job = daemon.submit("--nproc-per-node", str(nproc),
+                        *worker_args("--sleep", "0", "--pid-dir", str(pids_dir), *extra))
+    daemon.wait_running(job["id"], nproc)
+    return job["id"], _wait_pid_files(daemon, job["id"], pids_dir, nproc)
+
+
+def test_cancel_stops_every_process_of_the_job(daemon, shared_tmp):
+    job_id, pids = _sleeping_job(daemon, shared_tmp, 2, "--child")
+    assert daemon.ctl("cancel", job_id)["state"] == "CANCELLED"
     assert wait_gone(pids, timeout=5) == []  # cancel returns once this node's workers are gone
-    assert daemon.ctl("status", job["id"])["state"] == "CANCELLED"
+    assert daemon.ctl("status", job_id)["state"] == "CANCELLED"
 
 
 def test_sigkill_escalation_for_workers_ignoring_sigterm(daemon_factory, shared_tmp):
-    daemon = daemon_factory(args=("--slots", "2")).start()
-    pids_dir = shared_tmp / "pids"
-    pids_dir.mkdir()
-    job = daemon.submit(*worker_args("--sleep", "0", "--ignore-term", "--pid-dir", str(pids_dir)))
-    daemon.wait_running(job["id"], 1)
-    pids = _wait_pid_files(daemon, job["id"], pids_dir, 1)
-    daemon.ctl("cancel", job["id"])
+    config = shared_tmp / "grace.toml"
+    config.write_text("[jobs]\nstop_grace = 1\n")
+    daemon = daemon_factory(args=("--slots", "2", "--config", str(config))).start()
+    job_id, pids = _sleeping_job(daemon, shared_tmp, 1, "--ignore-term")
+    daemon.ctl("cancel", job_id)
     assert wait_gone(pids, timeout=5) == []
 
 
 def test_daemon_sigterm_cancels_jobs_and_exits_zero(daemon, shared_tmp):
-    pids_dir = shared_tmp / "pids"
-    pids_dir.mkdir()
-    job = daemon.submit("--nproc-per-node", "2",
-                        *worker_args("--sleep", "0", "--child", "--pid-dir", str(pids_dir)))
-    daemon.wait_running(job["id"], 2)
-    pids = _wait_pid_files(daemon, job["id"], pids_dir, 2)
+    job_id, pids = _sleeping_job(daemon, shared_tmp, 2, "--child")
     daemon.signal(signal.SIGTERM)
     daemon.wait_notify("STOPPING=1")
     assert daemon.wait_exit() == 0
     assert wait_gone(pids, timeout=1) == []
     daemon.start()
-    status = daemon.ctl("status", job["id"])
+    status = daemon.ctl("status", job_id)
     assert status["state"] == "CANCELLED" and "shut down" in status["error"]["message"]
 
 
 def test_daemon_sigkill_leaves_no_worker_and_next_start_marks_failed(daemon, shared_tmp):
-    pids_dir = shared_tmp / "pids"
-    pids_dir.mkdir()
-    job = daemon.submit("--nproc-per-node", "2",
-                        *worker_args("--sleep", "0", "--child", "--pid-dir", str(pids_dir)))
-    daemon.wait_running(job["id"], 2)
-    pids = _wait_pid_files(daemon, job["id"], pids_dir, 2)
-    workers = [w["pid"] for w in daemon.ctl("status", job["id"])["workers"]]
+    job_id, pids = _sleeping_job(daemon, shared_tmp, 2, "--child")
+    workers = [w["pid"] for w in daemon.ctl("status", job_id)["workers"]]
     daemon.signal(signal.SIGKILL)
     daemon.wait_exit()
     assert wait_gone(workers, timeout=5) == []  # PR_SET_PDEATHSIG
     daemon.start()  # the next start kills what stayed in the workers' process groups
     assert wait_gone(pids, timeout=5) == []
-    status = daemon.ctl("status", job["id"])
+    status = daemon.ctl("status", job_id)
     assert status["state"] == "FAILED" and "daemon died" in status["error"]["message"]
 
 

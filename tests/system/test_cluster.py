@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from harness import PY, ROOT, Control, alive, wait_gone, worker_args
+from harness import PY, ROOT, Control, alive, fake_nvidia_smi, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 
@@ -142,12 +142,7 @@ def test_cancel_from_a_node_that_runs_none_of_the_job(cluster_factory, shared_tm
 
 
 def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
-    bin_dir = shared_tmp / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n'\n")
-    smi.chmod(0o755)
-    cluster = cluster_factory(2, slots=8, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"}).start()
+    cluster = cluster_factory(2, slots=8, env=fake_nvidia_smi(shared_tmp / "bin", 4)).start()
     outs = []
     jobs = []
     for i in range(2):
