@@ -227,7 +227,11 @@ def node_changed_line(node: Doc | None, name: str, op: str) -> str:
 
 def daemon_version_line(version: Doc | None) -> str:
     version = version or {}
-    return f"elasticd {text(version.get('version'))} on node {text(version.get('node'))}"
+    line = f"elasticd {text(version.get('version'))} on node {text(version.get('node'))}"
+    if version.get("store"):
+        state = "reachable" if version.get("store_up") else "UNREACHABLE"
+        line += f", cluster {text(version.get('cluster'))}, store {version['store']} {state}"
+    return line
 
 
 def log_line(line: Doc) -> str:

@@ -224,7 +224,7 @@ class Daemon:
         config = self.config
         lost_after = config.rendezvous.keep_alive_interval * config.rendezvous.keep_alive_max_attempt
         nodes = NodeRegistry(store, signer, config.cluster.name, self.node, lost_after=lost_after,
-                             on_refused=self._refused)
+                             endpoint=self._endpoint, on_refused=self._refused)
         if self._server is not None:
             nodes.create_epoch()
 

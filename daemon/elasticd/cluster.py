@@ -141,7 +141,7 @@ class NodeRegistry:
     """
 
     def __init__(self, store: StoreBackend, signer: Signer, cluster: str, name: str, *,
-                 lost_after: float, on_refused: Callable[[str, str], None] | None = None,
+                 lost_after: float, endpoint: str = "", on_refused: Callable[[str, str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self._store = store
@@ -149,6 +149,7 @@ class NodeRegistry:
         self._root = f"elasticd/{cluster}"
         self._prefix = f"elasticd/{cluster}/nodes"
         self.name = name
+        self.endpoint = endpoint
         self.lost_after = lost_after
         self._on_refused = on_refused or (lambda key, why: None)
         self._clock = clock
@@ -279,6 +280,7 @@ class NodeService:
         self._sightings: dict[str, Sighting] = {}
         self._epoch: str | None = None
         self._drain: bool | None = None
+        self._store_up = True
         self._ticked = asyncio.Condition()
         self._ticks = 0
 
@@ -289,8 +291,10 @@ class NodeService:
                 try:
                     tick = await loop.run_in_executor(self._io, self.registry.tick, self._local_record())
                 except StoreError as exc:
+                    self._store_up = False
                     self._on_store(False, str(exc))
                 else:
+                    self._store_up = True
                     self._on_store(True, "")
                     await self._apply(tick)
                 await wait_or_timeout(stop, self._interval)
@@ -314,6 +318,9 @@ class NodeService:
 
     def states(self) -> dict[str, str]:
         return self.registry.states(self._sightings)
+
+    def store_health(self) -> dict[str, Any]:
+        return {"store": self.registry.endpoint, "store_up": self._store_up}
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node as last seen; this node with its usage as of now."""

@@ -220,6 +220,8 @@ def test_store_host_restart_while_a_job_runs(cluster_factory):
     pids = [w["pid"] for w in doc["workers"]]
     cluster[0].stop()
     cluster[1].wait_notify("STATUS=", timeout=10, contains="unreachable")
+    assert "store 127.0.0.1" in cluster[1].ctl_run("version").stdout and \
+        "UNREACHABLE" in cluster[1].ctl_run("version").stdout
     assert cluster[1].ctl("status", job["id"])["state"] == "RUNNING"  # answered from its registry
     assert all(alive(pid) for pid in pids)  # workers keep running without the store
     cluster[0].start()

@@ -143,7 +143,8 @@ class Commands:
     # -- ops ----------------------------------------------------------------------------------
 
     async def version(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        await reply.result({"version": __version__, "node": self._node})
+        await reply.result({"version": __version__, "node": self._node,
+                            "cluster": self._config.cluster.name, **self._cluster.store_health()})
 
     async def submit(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         spec = spec_from_request(args, caller, self._config, job_id=new_job_id(),
