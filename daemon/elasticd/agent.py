@@ -158,6 +158,7 @@ class JobAgent:
         self._ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._leaving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._started: float | None = None
+        self._phase = PartState.RENDEZVOUS  # as last reported
         self._workers: LocalWorkers | None = None
         # Rendezvous calls block on the store: two long-lived threads (a join or a barrier
         # wait can block one), each with its own store connection.
@@ -240,11 +241,11 @@ class JobAgent:
             self.spec, group, os.path.join(self._log_root, self.spec.id, f"attempt_{info.round}"),
             on_output=lambda rank, stream, offset, data: self._ports.output(
                 self.spec.id, info.round, rank, stream, offset, data),
-            on_change=lambda g: self._report(PartState.RUNNING, info, g),
+            on_change=lambda g: self._report(self._phase, info, g),
             stop_grace=self._stop_grace)
         self._started = self._started or self._now()
-        await workers.start()
         self._report(PartState.RUNNING, info, workers.group)
+        await workers.start()
         exited = asyncio.ensure_future(workers.wait())
         try:
             return await self._watch(info, workers, exited)
@@ -386,6 +387,7 @@ class JobAgent:
 
     def _report(self, state: PartState, info: RendezvousInfo | None = None,
                 group: WorkerGroup | None = None, barrier: dict[str, Any] | None = None) -> None:
+        self._phase = state
         part = Part(
             node=self.node, state=state,
             round=info.round if info else None,
