@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Debian packages that the root-only system tests need: iproute2 (`ip netns`, for
+# tests/system/test_partition.py) and systemd-container (`systemd-nspawn`, for
+# tests/system/test_systemd.py).  Idempotent and quiet; does nothing (exit 0) when not
+# root or when both are already installed.  The tests skip themselves without them.
+set -euo pipefail
+packages=(iproute2 systemd-container)
+[ "$(id -u)" -eq 0 ] || exit 0
+command -v apt-get >/dev/null 2>&1 || exit 0
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+export DEBIAN_FRONTEND=noninteractive
+log=$(mktemp); trap 'rm -f "$log"' EXIT
+# quiet unless something fails; then show apt's own words
+if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+  cat "$log" >&2; exit 1
+fi

@@ -1,0 +1,169 @@
+"""A throwaway real systemd (PID 1) in a container, to run ``systemctl start elasticd`` for real.
+
+``Box`` boots this host's own /usr with ``systemd-nspawn --volatile=yes`` (the root is a
+tmpfs: nothing is written to the host), with a private network (only ``lo``, so ports
+never clash with the host's) and the given directories bind-mounted.  ``run`` executes a
+command inside it (``nsenter`` into every namespace of the container's PID 1).
+
+Booting is awaited, not polled: nspawn runs with ``--notify-ready=yes`` and a
+``NOTIFY_SOCKET`` of ours, so its ``READY=1`` arrives when the container's systemd has
+finished starting up.
+
+How the container is isolated from the host (this host runs no systemd):
+- nspawn runs in a fresh mount namespace where /run/systemd is an empty tmpfs, so neither
+  it nor anything in the container sees the host's /run/systemd;
+- it runs in cgroups of its own, ``sdbox-NAME`` (one per hierarchy), which ``down`` removes.
+
+Needs root and ``systemd-nspawn`` (Debian: systemd-container, see .ci/setup-root.sh).
+Keep bind-mounted host paths away from the container's /tmp: systemd-tmpfiles cleans it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+CGROUP_HIERARCHIES = ("systemd", "unified")  # named v1 + v2 (hybrid); whichever exist
+
+
+def usable() -> str | None:
+    """Why a container cannot be booted here, or None if it can."""
+    if os.geteuid() != 0:
+        return "needs root (systemd-nspawn)"
+    for tool in ("systemd-nspawn", "nsenter", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}; see .ci/setup-root.sh"
+    return None
+
+
+def _cgroups(name: str) -> list[Path]:
+    return [Path("/sys/fs/cgroup", h, f"sdbox-{name}") for h in CGROUP_HIERARCHIES
+            if Path("/sys/fs/cgroup", h).is_dir()]
+
+
+class Box:
+    def __init__(self, name: str, work: Path, *, binds: list[str] = (), binds_ro: list[str] = ()) -> None:
+        """``work``: a host directory for the box's notify socket and console log.
+        ``binds``/``binds_ro``: nspawn's ``SRC[:DST]`` specifications."""
+        self.name = name
+        self.work = work
+        self.log_path = work / f"{name}-console.log"
+        self.options = [*(f"--bind={b}" for b in binds), *(f"--bind-ro={b}" for b in binds_ro)]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.init_pid = 0
+
+    def up(self, timeout: float = 60.0) -> Box:
+        notify_path = str(self.work / f"{self.name}-nspawn-notify.sock")
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(notify_path)
+        argv = ["systemd-nspawn", "--register=no", "--keep-unit", "--machine", self.name,
+                "--directory=/", "--volatile=yes", "--private-network", "--console=passive",
+                "--notify-ready=yes", *self.options,
+                "--boot", "--", "systemd.firstboot=off", "systemd.unit=multi-user.target"]
+        with open(self.log_path, "ab") as log:
+            # unshare execs this file's main() (see below), which execs nspawn: one PID
+            self.proc = subprocess.Popen(
+                ["unshare", "--mount", "--propagation", "private", "--",
+                 sys.executable, __file__, self.name, *argv],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "NOTIFY_SOCKET": notify_path}, start_new_session=True)
+        try:
+            self._wait_ready(notify, timeout)
+        finally:
+            notify.close()
+            os.unlink(notify_path)
+        children = [p for p in psutil.Process(self.proc.pid).children() if p.name() == "systemd"]
+        assert children, f"no systemd under nspawn\n{self.console()}"
+        self.init_pid = children[0].pid
+        return self
+
+    def _wait_ready(self, notify: socket.socket, timeout: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"container {self.name} not ready in {timeout}s\n{self.console()}")
+            notify.settimeout(min(left, 1.0))
+            try:
+                if "READY=1" in notify.recv(4096).decode().split("\n"):
+                    return
+            except socket.timeout:  # only to notice an nspawn that died
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"nspawn exited with {self.proc.returncode}\n{self.console()}") from None
+
+    def run(self, *argv: str, check: bool = True, timeout: float = 120.0,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` inside the container (its namespaces, root and working directory)."""
+        assert self.init_pid, "the box is not up"
+        done = subprocess.run(["nsenter", "-t", str(self.init_pid), "-a", "-r", "-w", *argv],
+                              capture_output=True, text=True, timeout=timeout, input=input)
+        if check and done.returncode != 0:
+            raise AssertionError(f"in {self.name}: {' '.join(argv)} exited {done.returncode}\n"
+                                 f"stdout: {done.stdout}\nstderr: {done.stderr}")
+        return done
+
+    def path(self, inside: str) -> str:
+        """A path inside the container as the host can reach it (through its PID 1's root)."""
+        return f"/proc/{self.init_pid}/root{inside}"
+
+    def console(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def down(self) -> None:
+        """Power off: SIGTERM to nspawn (the container shuts down), SIGKILL if it lingers,
+        then remove the box's cgroups.  Safe to call twice."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        for group in _cgroups(self.name):
+            if group.exists():
+                _kill_cgroup(group)
+                for path in sorted(group.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                    if path.is_dir():
+                        path.rmdir()
+                group.rmdir()
+        self.init_pid = 0
+
+
+def _kill_cgroup(group: Path) -> None:
+    """SIGKILL (by PID) whatever is still in the box's cgroup tree; wait for it to go."""
+    procs = []
+    for procs_file in group.rglob("cgroup.procs"):
+        for pid in procs_file.read_text().split():
+            try:
+                proc = psutil.Process(int(pid))
+                proc.kill()
+                procs.append(proc)
+            except psutil.NoSuchProcess:
+                pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def main(name: str, argv: list[str]) -> None:
+    """Inside the fresh mount namespace made by ``unshare``: join the box's cgroups, hide
+    the host's /run/systemd, become nspawn."""
+    for group in _cgroups(name):
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "tmpfs", "/run/systemd"], check=True)
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
