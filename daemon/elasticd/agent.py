@@ -14,7 +14,6 @@ What to do next is decided by ``decide``, a pure function of the event and the r
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import enum
 import logging
 import os
@@ -23,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from .aio import first
-from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
+from .aio import Lane, first
+from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from .jobs import Outcome, Part, PartState
 from .model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
 from .rendezvous import NextRound, RendezvousHandler, RendezvousInfo, RoundEvent
@@ -33,6 +32,7 @@ from .workers import LocalWorkers
 log = logging.getLogger(__name__)
 
 _BARRIER_REFRESH = 2.0  # seconds between exit-barrier progress updates
+_LEAVE_TIMEOUT = 5.0  # telling the rendezvous we leave is a courtesy: heartbeats tell it anyway
 
 
 class Action(enum.Enum):
@@ -142,7 +142,8 @@ def failure_outcome(result: RunResult, spec: JobSpec, now: float, node: str) -> 
 class JobAgent:
     def __init__(self, spec: JobSpec, *, node: str, address: str, rdzv: RendezvousHandler,
                  ports: AgentPorts, metrics: AgentMetrics, log_root: str,
-                 gpus: tuple[str, ...] = (), slots: int = 1, stop_grace: float = 10.0,
+                 gpus: tuple[str, ...] = (), stop_grace: float = 10.0,
+                 store_timeout: float = 30.0,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.node = node
@@ -160,12 +161,19 @@ class JobAgent:
         self._started: float | None = None
         self._phase = PartState.RENDEZVOUS  # as last reported
         self._workers: LocalWorkers | None = None
-        # Rendezvous calls block on the store: two long-lived threads (a join or a barrier
-        # wait can block one), each with its own store connection.
-        self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"agent-{spec.id}")
+        # Rendezvous calls block on the store: one lane for the calls that wait on purpose
+        # (join, exit barrier), one for the quick ones, each with its own store connection.
+        self._store_timeout = store_timeout
+        self._waits = Lane(f"rdzv-wait-{spec.id}")
+        self._calls = Lane(f"rdzv-call-{spec.id}")
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        return asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+    def _call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> asyncio.Future[Any]:
+        """A quick rendezvous call, bounded by the store timeout."""
+        return asyncio.ensure_future(self._calls.call(fn, *args, timeout=timeout or self._store_timeout))
+
+    def _wait(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> asyncio.Future[Any]:
+        """A rendezvous call that blocks on purpose (its own deadline, if any, is ``timeout``)."""
+        return asyncio.ensure_future(self._waits.call(fn, *args, timeout=timeout))
 
     # -- signals from the daemon ----------------------------------------------------------
 
@@ -186,15 +194,30 @@ class JobAgent:
     async def run(self) -> None:
         try:
             await self._run()
+        except StoreError as exc:
+            # This node lost the store: its share ends here (the others re-form without it,
+            # and it can join again once the store answers); the job's fate is not ours to write.
+            log.warning("job %s: leaving, the store does not answer: %s", self.spec.id, exc)
+            self._report(PartState.LEFT)
         except Exception:
             log.exception("agent for job %s failed", self.spec.id)
             await self._finish(Outcome(JobState.FAILED, self._now(), None,
                                        f"elasticd agent on {self.node} failed", None, self.node))
             self._report(PartState.FAILED)
         finally:
-            # wait for the keeper: a thread left inside a TCPStore call aborts the process at exit
-            await asyncio.to_thread(self._rdzv.shutdown, True)
-            self._io.shutdown(wait=False)
+            await self._stop_keeper()
+
+    async def _stop_keeper(self) -> None:
+        """Let the rendezvous keeper end (a thread left inside a TCPStore call can abort the
+        process at exit), but never wait on a store that does not answer."""
+        try:
+            await self._call(self._rdzv.shutdown, True,
+                             timeout=2 * self._rdzv.settings.keep_alive_interval + 1)
+        except StoreError:
+            log.warning("job %s: the rendezvous keeper is stuck in a store call", self.spec.id)
+        finally:
+            self._waits.close()
+            self._calls.close()
 
     async def _run(self) -> None:
         state, info = PartState.RENDEZVOUS, None
@@ -211,8 +234,10 @@ class JobAgent:
     async def _join(self) -> RendezvousInfo | None:
         """Join the next round; None when the job ended or this node left meanwhile."""
         started = time.monotonic()
-        joining = self._call(self._rdzv.next_rendezvous, self.nproc, free_port(self.address))
+        joining = self._wait(self._rdzv.next_rendezvous, self.nproc, free_port(self.address))
         done = await first(joining, self._ended, self._leaving)
+        if done is not joining:
+            joining.cancel()  # the join itself ends when the rendezvous closes or we leave it
         if done is self._leaving:
             return await self._leave(None, None)
         if done is self._ended:
@@ -317,7 +342,7 @@ class JobAgent:
         return None
 
     async def _leave(self, info: RendezvousInfo | None, group: WorkerGroup | None) -> None:
-        await self._call(self._rdzv.leave, self._leaving.result())
+        await self._call(self._rdzv.leave, self._leaving.result(), timeout=_LEAVE_TIMEOUT)
         self._report(PartState.LEFT, info, group)
 
     async def _open_next_round(self, info: RendezvousInfo, reason: str, event: Event) -> Action | None:
@@ -348,8 +373,12 @@ class JobAgent:
                 done_nodes, total = await self._call(self._rdzv.exit_barrier_progress, info)
                 self._report(PartState.BARRIER, info, group, barrier={
                     "done": done_nodes, "total": total, "deadline": self._now() + left})
-                waiting = self._call(self._rdzv.exit_barrier_wait, info, min(left, _BARRIER_REFRESH))
+                step = min(left, _BARRIER_REFRESH)
+                waiting = self._wait(self._rdzv.exit_barrier_wait, info, step,
+                                     timeout=step + self._store_timeout)
                 done = await first(waiting, watching, self._ended, self._leaving)
+                if done is not waiting:
+                    waiting.cancel()
                 if done is watching and watching.result().kind == "next_round":
                     return Action.REJOIN
                 if done is self._leaving:

@@ -101,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here  # `kill -USR1`: every thread's stack
     try:
-        return asyncio.run(Daemon(config).run())
+        code = asyncio.run(Daemon(config).run())
     except ElasticdError as exc:
         log.error("%s", exc)
-        return 1
+        code = 1
+    # Threads abandoned inside a TCPStore call (a store that stopped answering) would make the
+    # interpreter's teardown abort; everything that matters is closed by now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class Notifier:
@@ -240,7 +246,7 @@ class Daemon:
             self.metrics.count_nodes(service_nodes.states().values())
 
         service_nodes = NodeService(
-            nodes, interval=config.rendezvous.keep_alive_interval,
+            nodes, interval=config.rendezvous.keep_alive_interval, call_timeout=config.store.timeout,
             local_record=lambda: self._local_record(service), on_drain=service.set_draining,
             on_reset=service.store_reset, on_store=on_store, on_tick=on_change)
         return service_nodes

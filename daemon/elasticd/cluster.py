@@ -4,7 +4,6 @@ node's signed record and heartbeat."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import secrets
@@ -14,7 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
-from .aio import wait_or_timeout
+from .aio import Lane, wait_or_timeout
 from .config import AUTO, DaemonConfig
 from .errors import NotFound, StoreError, TamperedRecord
 from .model import NodeInfo
@@ -264,7 +263,7 @@ class NodeService:
     of its own because the store blocks.  It publishes this node's record, watches the others,
     notices a reset store and drain requests, and reports the store's health."""
 
-    def __init__(self, registry: NodeRegistry, *, interval: float,
+    def __init__(self, registry: NodeRegistry, *, interval: float, call_timeout: float,
                  local_record: Callable[[], NodeRecord],
                  on_drain: Callable[[bool], None], on_reset: Callable[[], Awaitable[None]],
                  on_store: Callable[[bool, str], None],
@@ -276,7 +275,8 @@ class NodeService:
         self._on_reset = on_reset
         self._on_store = on_store
         self._on_tick = on_tick
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="node-heartbeat")
+        self._io = Lane("node-heartbeat")
+        self._call_timeout = call_timeout
         self._sightings: dict[str, Sighting] = {}
         self._epoch: str | None = None
         self._drain: bool | None = None
@@ -285,11 +285,11 @@ class NodeService:
         self._ticks = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while not stop.is_set():
                 try:
-                    tick = await loop.run_in_executor(self._io, self.registry.tick, self._local_record())
+                    tick = await self._io.call(self.registry.tick, self._local_record(),
+                                               timeout=self._call_timeout)
                 except StoreError as exc:
                     self._store_up = False
                     self._on_store(False, str(exc))
@@ -299,7 +299,7 @@ class NodeService:
                     await self._apply(tick)
                 await wait_or_timeout(stop, self._interval)
         finally:
-            self._io.shutdown(wait=False)
+            self._io.close()
 
     async def _apply(self, tick: Tick) -> None:
         self._sightings = tick.sightings
@@ -350,8 +350,7 @@ class NodeService:
         sighting = self._sightings.get(name)
         if sighting is not None:
             return sighting.record
-        return await asyncio.get_running_loop().run_in_executor(
-            self._io, self.registry.read_record, name)
+        return await self._io.call(self.registry.read_record, name, timeout=self._call_timeout)
 
     def alive(self, name: str) -> bool:
         return self.states().get(name, "lost") != "lost"
@@ -360,8 +359,7 @@ class NodeService:
         return {s.record.peer_key.encode(): name for name, s in self._sightings.items() if s.record.peer_key}
 
     async def request_drain(self, name: str, drain: bool, by: str) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            self._io, self.registry.request_drain, name, drain, by)
+        await self._io.call(self.registry.request_drain, name, drain, by, timeout=self._call_timeout)
 
 
 def _without_times(nodes: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

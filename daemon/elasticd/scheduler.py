@@ -9,7 +9,6 @@ order, so two jobs cannot each hold half of the nodes forever.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import re
@@ -21,7 +20,7 @@ from typing import Any, Callable, Iterable
 import psutil
 
 from .agent import JobAgent
-from .aio import wait_or_timeout
+from .aio import Lane, wait_or_timeout
 from .board import BoardReset, Change, JobBoard
 from .config import DaemonConfig
 from .errors import Conflict, ElasticdError, StoreError
@@ -119,8 +118,8 @@ class JobService:
         self._running: dict[str, _Running] = {}
         self._peers = peers
         # one long-lived thread (and store connection) each for writing and following the board
-        self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="board-write")
-        self._follow_io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="board-follow")
+        self._writes = Lane("board-write")
+        self._follow_lane = Lane("board-follow")
         self._placing = False
         self._stopping = False
         self.draining = False
@@ -134,9 +133,10 @@ class JobService:
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             await self._resync()
-            tasks.create_task(self._follow(stop))
+            following = tasks.create_task(self._follow(stop))
             self._schedule_placement()
             await stop.wait()
+            following.cancel()  # it may be waiting on a store that does not answer
             await self.shutdown()
         self._tasks = None
 
@@ -150,8 +150,8 @@ class JobService:
             else:
                 running.agent.leave("shutdown")
         await asyncio.gather(*(r.done.wait() for r in self._running.values()))
-        self._writes.shutdown(wait=False)
-        self._follow_io.shutdown(wait=False)
+        self._writes.close()
+        self._follow_lane.close()
 
     # -- submit, finish, cancel -------------------------------------------------------------
 
@@ -192,7 +192,7 @@ class JobService:
     def report(self, job_id: str, part: Part) -> None:
         record = self._registry.set_part(job_id, part)
         if record is not None:
-            self._writes.submit(self._publish_part, job_id, part)
+            self._writes.post(self._publish_part, job_id, part)
 
     async def unreachable(self, nodes: list[str]) -> list[str]:
         return await self._peers.unreachable(nodes, self.lost_after)
@@ -213,7 +213,7 @@ class JobService:
             log.warning("could not publish %s's part of %s: %s", part.node, job_id, exc)
 
     async def _write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._writes, fn, *args)
+        return await self._writes.call(fn, *args, timeout=self.config.store.timeout)
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -253,7 +253,8 @@ class JobService:
         agent = JobAgent(spec, node=self.node, address=self.address,
                          rdzv=self._rendezvous(spec), ports=self, metrics=self._metrics,
                          log_root=self.log_root, gpus=offer.gpus,
-                         stop_grace=self.config.jobs.stop_grace)
+                         stop_grace=self.config.jobs.stop_grace,
+                         store_timeout=self.config.store.timeout)
         running = _Running(agent, offer)
         self._running[spec.id] = running
         running.task = self._tasks.create_task(self._run_agent(running))
@@ -339,8 +340,9 @@ class JobService:
         """One loop: wait for the next board changes (in a thread) and apply them."""
         while not stop.is_set():
             try:
-                self._position, changes = await asyncio.get_running_loop().run_in_executor(
-                    self._follow_io, self._board.follow, self._position, _FOLLOW_TIMEOUT)
+                self._position, changes = await self._follow_lane.call(
+                    self._board.follow, self._position, _FOLLOW_TIMEOUT,
+                    timeout=_FOLLOW_TIMEOUT + self.config.store.timeout)
             except BoardReset as exc:
                 log.warning("%s; resynchronising", exc)
                 await self._resync()

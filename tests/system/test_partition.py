@@ -209,8 +209,6 @@ def test_partition_below_min_waits_then_fails_clearly(netns_cluster):
                           and "unreachable" not in line, timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="daemon bug: a TCPStore call on a silent (partitioned) "
-                   "connection blocks far past store.timeout, so the heartbeat never fails")
 def test_a_partitioned_daemon_reports_the_store_unreachable(netns_cluster):
     """Issue 4: a daemon that cannot reach the store says so (STATUS=, metric) and rejoins."""
     cluster = netns_cluster(2, config="[store]\ntimeout = 5.0\n")
@@ -224,8 +222,6 @@ def test_a_partitioned_daemon_reports_the_store_unreachable(netns_cluster):
     node_states(n1, lambda s: s == {"n1": "up", "n2": "up"}, timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="daemon bug: the workers stop, but the daemon never exits: "
-                   "the agent's rendezvous leave() blocks in a store call that never returns")
 def test_a_partitioned_daemon_still_stops_on_sigterm(netns_cluster):
     """DESIGN §7 / issue 2: SIGTERM stops the workers (grace 10 s) and exits 0, store or not."""
     cluster = netns_cluster(2)
