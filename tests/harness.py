@@ -57,6 +57,7 @@ class Daemon:
         self.env = env or {}
         self.standalone = standalone
         self.metrics_port = metrics_port
+        self.program: tuple[str, ...] = (PY, "-m", "elasticd")
         self.messages: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self._notify: socket.socket | None = None
@@ -70,18 +71,19 @@ class Daemon:
             os.unlink(self.notify_path)
         self._notify.bind(self.notify_path)
         self.messages = []
-        argv = [PY, "-m", "elasticd", "--node-name", self.name, "--state-dir", str(self.state_dir),
-                "--runtime-dir", str(self.runtime_dir), "--metrics-port", str(self.metrics_port),
-                *self.args]
-        if self.standalone:
-            argv.insert(3, "--standalone")
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, **self.env}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=str(self.base))
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, cwd=str(self.base))
         if wait:
             self.wait_notify("READY=1", timeout)
         return self
+
+    def argv(self) -> list[str]:
+        """The daemon's command line (``program`` runs ``python -m elasticd`` unless changed)."""
+        return [*self.program, "--node-name", self.name, "--state-dir", str(self.state_dir),
+                "--runtime-dir", str(self.runtime_dir), "--metrics-port", str(self.metrics_port),
+                *(("--standalone",) if self.standalone else ()), *self.args]
 
     def ready(self) -> bool:
         """Whether READY=1 has arrived (reads what is queued, never blocks)."""

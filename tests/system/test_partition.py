@@ -8,7 +8,6 @@ test-host address.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from harness import PY, Control, Daemon, alive, wait_gone, worker_args
+from harness import Control, Daemon, alive, wait_gone, worker_args
 from elasticd.store.signing import create_key
 
 import netns
@@ -36,21 +35,10 @@ class NetnsDaemon(Daemon):
         self.hosts, self.index = hosts, index
 
     def start(self, timeout: float = 60.0, *, wait: bool = True) -> NetnsDaemon:
-        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        if os.path.exists(self.notify_path):
-            os.unlink(self.notify_path)
-        self._notify.bind(self.notify_path)
-        self.messages = []
-        argv = self.hosts.exec_argv(self.index, [
-            PY, "-m", "elasticd", "--node-name", self.name, "--state-dir", str(self.state_dir),
-            "--runtime-dir", str(self.runtime_dir), "--metrics-port", "0", *self.args])
-        env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, **self.env}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=str(self.base))
-        if wait:
-            self.wait_notify("READY=1", timeout)
-        return self
+        return super().start(timeout, wait=wait)
+
+    def argv(self) -> list[str]:
+        return self.hosts.exec_argv(self.index, super().argv())
 
     def wait_status(self, predicate: Callable[[str], bool], timeout: float = 30.0) -> str:
         """Wait until the daemon's current STATUS= line (it sends one on every change)

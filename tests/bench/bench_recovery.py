@@ -1,0 +1,330 @@
+"""Recovery figures of elasticd side by side with torch's torchrun, on the same worker.
+
+    python tests/bench/bench_recovery.py [--runs 3] [--quick] [--json]
+
+Every "node" is a process on this host with its own 127.0.0.x address: an elasticd daemon
+(node 1 hosts the store) or a torchrun agent (c10d rendezvous on node 1,
+``--monitor-interval 0.1``, ``last_call_timeout=1`` like elasticd's default), one worker
+per node (tests/bench/recovery_worker.py), fresh for every run.  The worker appends a
+``start`` event as its first action, carrying the time the process was exec'd, so each
+figure is given twice: to the last worker's ``start`` (everything), and to the last
+worker's exec (the control plane alone: the workers' own Python start-up excluded).
+
+1. worker failure: SIGKILL of rank 1's worker (2 nodes, max restarts 3) -> both workers of
+   the next attempt started;
+2. scale-up 2 -> 3: the third node's process started -> 3 workers started with
+   WORLD_SIZE=3; the control figure starts once that process has loaded Python and torch
+   (tests/bench/node_launcher.py runs both programs), which takes ~1.3 s here for both;
+3. node loss 3 -> 2: SIGKILL of node 3 (daemon or agent, with its worker) -> 2 workers
+   started with WORLD_SIZE=2, or nothing within 120 s;
+4. formation: 2 nodes up, the job accepted by the daemon (elasticd) / the agents started
+   (torchrun: its start-up is its formation) -> both workers exec'd.
+
+torchrun runs twice: as shipped, and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
+TorchrunUnshared).  The worker runs an all_reduce every 100 ms, so a dead peer breaks the
+survivors' collectives as it would in training.
+
+The bench polls the event file every 10 ms (benchmarks may; tests may not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "system"))
+from conftest import Cluster  # noqa: E402  (tests/system/conftest.py)
+from harness import PY, free_port  # noqa: E402
+
+WORKER = str(HERE / "recovery_worker.py")
+LAUNCHER = str(HERE / "node_launcher.py")
+ENV = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+LOSS_CAP = 120.0
+
+
+class Events:
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "events.jsonl"
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        except FileNotFoundError:
+            return []
+
+    def wait(self, found: Callable[[list[dict[str, Any]]], Any], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = found(self.read())
+            if result is not None:
+                return result
+            time.sleep(0.01)
+        return None
+
+
+def starts_after(t0: float, count: int, world: int | None = None):
+    """The ``start`` events after t0, one per rank, once ``count`` ranks started."""
+    def found(events):
+        latest = {e["rank"]: e for e in events if e["event"] == "start" and e["t"] > t0
+                  and (world is None or e["world"] == world)}
+        return list(latest.values()) if len(latest) >= count else None
+    return found
+
+
+def ready(count: int, world: int):
+    def found(events):
+        ranks = {e["rank"] for e in events if e["event"] == "ready" and e["world"] == world}
+        return ranks if len(ranks) >= count else None
+    return found
+
+
+def worker_pid(events: Events, rank: int) -> int:
+    return [e for e in events.read() if e["event"] == "start" and e["rank"] == rank][-1]["pid"]
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+class Elasticd:
+    name = "elasticd"
+
+    def __init__(self, base: Path, nodes: int) -> None:
+        self.events = Events(base)
+        self.base = base
+        self.cluster = Cluster(base, nodes, slots=1, env={"RES_OPTIONS": ENV["RES_OPTIONS"]})
+        for daemon in self.cluster.daemons:
+            daemon.program = (PY, LAUNCHER, str(base), "elasticd")
+
+    def launch(self, count: int, nnodes: str) -> float:
+        """Start ``count`` daemons, then submit the job; returns when the daemon accepted it
+        (the CLI's own start-up, ~80 ms, is bench_control.py's figure)."""
+        for daemon in self.cluster.daemons[:count]:
+            daemon.start()
+        job = self.cluster[0].submit("--nnodes", nnodes, "--max-restarts", "3", "--python", PY,
+                                     WORKER, "--", str(self.base))
+        return float(job["created"])
+
+    def add_node(self) -> tuple[float, int]:
+        """Start the next daemon; returns when, and its pid."""
+        daemon = self.cluster.daemons[len([d for d in self.cluster.daemons if d.proc])]
+        started = time.time()
+        daemon.start(wait=False)
+        assert daemon.proc is not None
+        return started, daemon.proc.pid
+
+    def kill_node(self, index: int) -> float:
+        daemon = self.cluster[index]
+        started = time.time()
+        daemon.signal(signal.SIGKILL)
+        daemon.wait_exit()
+        return started
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+class Torchrun:
+    """torchrun as shipped: the agents share the rendezvous TCPStore with the workers."""
+    name = "torchrun"
+    env = ENV
+
+    def __init__(self, base: Path, nodes: int) -> None:
+        self.events = Events(base)
+        self.base = base
+        self.port = free_port()
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.nnodes = "2:2"
+
+    def launch(self, count: int, nnodes: str) -> float:
+        """Start ``count`` agents (they are the job); returns when the first one started."""
+        self.nnodes = nnodes
+        return min(self.add_node()[0] for _ in range(count))
+
+    def add_node(self) -> tuple[float, int]:
+        """Start the next agent; returns when, and its pid."""
+        index = len(self.agents) + 1
+        argv = [PY, LAUNCHER, str(self.base), "torch.distributed.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,join_timeout=120",
+                "--max-restarts", "3", "--monitor-interval", "0.1", "--local-addr", f"127.0.0.{index}",
+                WORKER, str(self.base)]
+        started = time.time()
+        log = open(self.base / f"torchrun{index}.log", "wb")
+        self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True))
+        return started, self.agents[-1].pid
+
+    def kill_node(self, index: int) -> float:
+        started = time.time()
+        kill_tree(self.agents[index].pid)
+        return started
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM)
+        for agent in self.agents:
+            try:
+                agent.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+            kill_tree(agent.pid)
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class TorchrunUnshared(Torchrun):
+    """torchrun with its documented opt-out of the shared store: in torch 2.13 a node that
+    joins after the first round waits forever for a MASTER_ADDR that rank 0 only publishes
+    in the first round, so scale-up needs this."""
+    name = "torchrun-unshared"
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+SYSTEMS = (Elasticd, Torchrun, TorchrunUnshared)
+
+
+def figure(t0: float, starts: list[dict[str, Any]] | None,
+           control_t0: float | None = None) -> dict[str, float] | None:
+    """From t0 to the last worker's start (total), and from control_t0 (default t0) to its
+    exec (control)."""
+    if starts is None:
+        return None
+    return {"total": max(e["t"] for e in starts) - t0,
+            "control": max(e["exec"] for e in starts) - (control_t0 or t0)}
+
+
+def node_up(base: Path, pid: int) -> float:
+    """When node ``pid`` had Python and torch loaded (node_launcher.py)."""
+    return float((base / f"up-{pid}").read_text())
+
+
+def worker_failure(system) -> dict[str, float] | None:
+    system.launch(2, "2:2")
+    assert system.events.wait(ready(2, 2), 120), "no formation"
+    t0 = time.time()
+    os.kill(worker_pid(system.events, 1), signal.SIGKILL)
+    return figure(t0, system.events.wait(starts_after(t0, 2), 120))
+
+
+def scale_up(system) -> dict[str, float] | None:
+    system.launch(2, "2:3")
+    assert system.events.wait(ready(2, 2), 120), "no formation"
+    t0, pid = system.add_node()
+    starts = system.events.wait(starts_after(t0, 3, world=3), 120)
+    return figure(t0, starts, node_up(system.base, pid) if starts else None)
+
+
+def node_loss(system) -> dict[str, float] | None:
+    system.launch(3, "2:3")
+    assert system.events.wait(ready(3, 3), 120), "no formation"
+    t0 = system.kill_node(2)
+    return figure(t0, system.events.wait(starts_after(t0, 2, world=2), LOSS_CAP))
+
+
+def formation(system) -> dict[str, float] | None:
+    t0 = system.launch(2, "2:2")
+    return figure(t0, system.events.wait(starts_after(t0, 2), 120))
+
+
+SCENARIOS = {"failure": ("worker failure -> group running", worker_failure, 2),
+             "scale-up": ("scale-up 2->3", scale_up, 3),
+             "node-loss": ("node loss 3->2", node_loss, 3),
+             "formation": ("formation", formation, 2)}
+
+
+def measure(kind, scenario, nodes: int) -> dict[str, float] | None:
+    with tempfile.TemporaryDirectory(prefix="elasticd-recovery-") as tmp:
+        base = Path(tmp)
+        base.chmod(0o755)
+        system = kind(base, nodes)
+        try:
+            return scenario(system)
+        finally:
+            system.stop()
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="one run each")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--only", choices=list(SCENARIOS), action="append", help="these figures only")
+    args = p.parse_args()
+    runs = 1 if args.quick else args.runs
+    report: dict[str, Any] = {}
+    for title, scenario, nodes in (SCENARIOS[key] for key in args.only or SCENARIOS):
+        report[title] = {}
+        for kind in SYSTEMS:
+            results = []
+            for _ in range(runs):
+                result = measure(kind, scenario, nodes)
+                results.append(result)
+                if result is None:
+                    break  # it did not recover: once is enough to say so
+            report[title][kind.name] = results
+            print(f"{title:34} {kind.name:9} {results}", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+
+
+def cell(results: list[dict[str, float] | None], key: str) -> tuple[str, float | None]:
+    if not results or any(r is None for r in results):
+        return f"none in {LOSS_CAP:g} s", None
+    s = summary([r[key] for r in results])
+    return f"{s['median']:.3f} ({s['min']:.3f}..{s['max']:.3f})", s["median"]
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """One row per figure: each system's median (min..max) in seconds, and elasticd's time
+    as a fraction of each torchrun's."""
+    others = [kind.name for kind in SYSTEMS[1:]]
+    print(f"{'figure (s)':36} " + " ".join(f"{name:24}" for name in ("elasticd", *others))
+          + " " + " ".join(f"{'/' + name:18}" for name in others))
+    for title, by_system in report.items():
+        for key, label in (("total", title), ("control", "  control plane only")):
+            ours, ours_median = cell(by_system["elasticd"], key)
+            row, ratios = [ours], []
+            for name in others:
+                theirs, theirs_median = cell(by_system[name], key)
+                row.append(theirs)
+                ratios.append(f"{ours_median / theirs_median:.2f}x"
+                              if ours_median and theirs_median else "-")
+            print(f"{label:36} " + " ".join(f"{c:24}" for c in row) + " "
+                  + " ".join(f"{r:18}" for r in ratios))
+
+
+if __name__ == "__main__":
+    main()
