@@ -326,7 +326,8 @@ class JobAgent:
         if action is Action.SCALE_UP:
             return await self._open_next_round(info, "scale_up", event)
         if action is Action.NODE_LOST:
-            return await self._open_next_round(info, "node_lost", event)
+            assert isinstance(event, WorkersExited)
+            return await self._open_next_round(info, "node_lost", event, lost=event.lost)
         if action is Action.REJOIN:
             return Action.REJOIN
         if action is Action.FAIL:
@@ -345,8 +346,9 @@ class JobAgent:
         await self._call(self._rdzv.leave, self._leaving.result(), timeout=_LEAVE_TIMEOUT)
         self._report(PartState.LEFT, info, group)
 
-    async def _open_next_round(self, info: RendezvousInfo, reason: str, event: Event) -> Action | None:
-        result = await self._call(self._rdzv.request_next_round, info.round, reason)
+    async def _open_next_round(self, info: RendezvousInfo, reason: str, event: Event,
+                               lost: tuple[str, ...] = ()) -> Action | None:
+        result = await self._call(self._rdzv.request_next_round, info.round, reason, lost)
         if result is NextRound.EXHAUSTED and isinstance(event, WorkersExited):
             await self._finish(failure_outcome(event.result, self.spec, self._now(), self.node))
             self._report(PartState.FAILED, info)

@@ -16,7 +16,8 @@ worker's exec (the control plane alone: the workers' own Python start-up exclude
    WORLD_SIZE=3; the control figure starts once that process has loaded Python and torch
    (tests/bench/node_launcher.py runs both programs), which takes ~1.3 s here for both;
 3. node loss 3 -> 2: SIGKILL of node 3 (daemon or agent, with its worker) -> 2 workers
-   started with WORLD_SIZE=2, or nothing within 120 s;
+   started with WORLD_SIZE=2, or nothing within 120 s; once with training workers (their
+   collectives break), once with idle ones (only the control plane can notice);
 4. formation: 2 nodes up, the job accepted by the daemon (elasticd) / the agents started
    (torchrun: its start-up is its formation) -> both workers exec'd.
 
@@ -33,6 +34,8 @@ import argparse
 import json
 import os
 import signal
+import socket
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,12 +112,24 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def wait_listening(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
 class Elasticd:
     name = "elasticd"
 
     def __init__(self, base: Path, nodes: int) -> None:
         self.events = Events(base)
         self.base = base
+        self.worker_mode: tuple[str, ...] = ()
         self.cluster = Cluster(base, nodes, slots=1, env={"RES_OPTIONS": ENV["RES_OPTIONS"]})
         for daemon in self.cluster.daemons:
             daemon.program = (PY, LAUNCHER, str(base), "elasticd")
@@ -125,7 +140,7 @@ class Elasticd:
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
         job = self.cluster[0].submit("--nnodes", nnodes, "--max-restarts", "3", "--python", PY,
-                                     WORKER, "--", str(self.base))
+                                     WORKER, "--", str(self.base), *self.worker_mode)
         return float(job["created"])
 
     def add_node(self) -> tuple[float, int]:
@@ -155,14 +170,23 @@ class Torchrun:
     def __init__(self, base: Path, nodes: int) -> None:
         self.events = Events(base)
         self.base = base
+        self.worker_mode: tuple[str, ...] = ()
         self.port = free_port()
         self.agents: list[subprocess.Popen[bytes]] = []
         self.nnodes = "2:2"
 
     def launch(self, count: int, nnodes: str) -> float:
-        """Start ``count`` agents (they are the job); returns when the first one started."""
+        """Start ``count`` agents (they are the job); returns when the first one started.
+
+        The others start once the first listens on the rendezvous endpoint: on one host every
+        agent finds 127.0.0.1 its own and the first to bind it hosts the store; on real hosts
+        only node 1 would, as with elasticd here."""
         self.nnodes = nnodes
-        return min(self.add_node()[0] for _ in range(count))
+        started, _ = self.add_node()
+        wait_listening(self.port, 60)
+        for _ in range(count - 1):
+            self.add_node()
+        return started
 
     def add_node(self) -> tuple[float, int]:
         """Start the next agent; returns when, and its pid."""
@@ -171,7 +195,7 @@ class Torchrun:
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                 "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,join_timeout=120",
                 "--max-restarts", "3", "--monitor-interval", "0.1", "--local-addr", f"127.0.0.{index}",
-                WORKER, str(self.base)]
+                WORKER, str(self.base), *self.worker_mode]
         started = time.time()
         log = open(self.base / f"torchrun{index}.log", "wb")
         self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
@@ -248,6 +272,12 @@ def node_loss(system) -> dict[str, float] | None:
     return figure(t0, system.events.wait(starts_after(t0, 2, world=2), LOSS_CAP))
 
 
+def node_loss_idle(system) -> dict[str, float] | None:
+    """Node loss noticed by the control plane alone: the workers do no collectives."""
+    system.worker_mode = ("idle",)
+    return node_loss(system)
+
+
 def formation(system) -> dict[str, float] | None:
     t0 = system.launch(2, "2:2")
     return figure(t0, system.events.wait(starts_after(t0, 2), 120))
@@ -256,18 +286,24 @@ def formation(system) -> dict[str, float] | None:
 SCENARIOS = {"failure": ("worker failure -> group running", worker_failure, 2),
              "scale-up": ("scale-up 2->3", scale_up, 3),
              "node-loss": ("node loss 3->2", node_loss, 3),
+             "node-loss-idle": ("node loss 3->2, idle workers", node_loss_idle, 3),
              "formation": ("formation", formation, 2)}
 
 
 def measure(kind, scenario, nodes: int) -> dict[str, float] | None:
-    with tempfile.TemporaryDirectory(prefix="elasticd-recovery-") as tmp:
-        base = Path(tmp)
-        base.chmod(0o755)
-        system = kind(base, nodes)
-        try:
-            return scenario(system)
-        finally:
-            system.stop()
+    """One run in a fresh directory; kept (and named on stderr) when it did not recover."""
+    base = Path(tempfile.mkdtemp(prefix="elasticd-recovery-"))
+    base.chmod(0o755)
+    system = kind(base, nodes)
+    try:
+        result = scenario(system)
+    finally:
+        system.stop()
+    if result is None:
+        print(f"{kind.name} did not recover; its logs: {base}", file=sys.stderr)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+    return result
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -280,20 +316,22 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one run each")
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", choices=list(SCENARIOS), action="append", help="these figures only")
+    p.add_argument("--system", choices=[kind.name for kind in SYSTEMS], action="append",
+                   help="these systems only")
     args = p.parse_args()
     runs = 1 if args.quick else args.runs
     report: dict[str, Any] = {}
     for title, scenario, nodes in (SCENARIOS[key] for key in args.only or SCENARIOS):
         report[title] = {}
-        for kind in SYSTEMS:
+        for kind in (k for k in SYSTEMS if not args.system or k.name in args.system):
             results = []
             for _ in range(runs):
                 result = measure(kind, scenario, nodes)
                 results.append(result)
-                if result is None:
-                    break  # it did not recover: once is enough to say so
+                if not any(results):
+                    break  # the first run did not recover: taken as what it does
             report[title][kind.name] = results
-            print(f"{title:34} {kind.name:9} {results}", file=sys.stderr, flush=True)
+            print(f"{title:34} {kind.name:17} {results}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(report))
     else:
@@ -301,28 +339,33 @@ def main() -> None:
 
 
 def cell(results: list[dict[str, float] | None], key: str) -> tuple[str, float | None]:
-    if not results or any(r is None for r in results):
+    """``median (min..max)`` of the runs that recovered, and how many did not."""
+    if not results:
+        return "not run", None
+    done = [r[key] for r in results if r is not None]
+    failed = f" {len(results) - len(done)}/{len(results)} none" if len(done) < len(results) else ""
+    if not done:
         return f"none in {LOSS_CAP:g} s", None
-    s = summary([r[key] for r in results])
-    return f"{s['median']:.3f} ({s['min']:.3f}..{s['max']:.3f})", s["median"]
+    s = summary(done)
+    return f"{s['median']:.3f} ({s['min']:.3f}..{s['max']:.3f}){failed}", s["median"]
 
 
 def print_table(report: dict[str, Any]) -> None:
     """One row per figure: each system's median (min..max) in seconds, and elasticd's time
     as a fraction of each torchrun's."""
     others = [kind.name for kind in SYSTEMS[1:]]
-    print(f"{'figure (s)':36} " + " ".join(f"{name:24}" for name in ("elasticd", *others))
+    print(f"{'figure (s)':36} " + " ".join(f"{name:30}" for name in ("elasticd", *others))
           + " " + " ".join(f"{'/' + name:18}" for name in others))
     for title, by_system in report.items():
         for key, label in (("total", title), ("control", "  control plane only")):
-            ours, ours_median = cell(by_system["elasticd"], key)
+            ours, ours_median = cell(by_system.get("elasticd", []), key)
             row, ratios = [ours], []
             for name in others:
-                theirs, theirs_median = cell(by_system[name], key)
+                theirs, theirs_median = cell(by_system.get(name, []), key)
                 row.append(theirs)
                 ratios.append(f"{ours_median / theirs_median:.2f}x"
                               if ours_median and theirs_median else "-")
-            print(f"{label:36} " + " ".join(f"{c:24}" for c in row) + " "
+            print(f"{label:36} " + " ".join(f"{c:30}" for c in row) + " "
                   + " ".join(f"{r:18}" for r in ratios))
 
 

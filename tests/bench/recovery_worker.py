@@ -5,7 +5,7 @@ It appends one JSON line per event to ``<dir>/events.jsonl`` (O_APPEND: lines ne
 that the workers' own Python start-up can be told apart), then ``ready`` once a gloo
 process group formed and an all_reduce went through.  Then it goes on like a training loop,
 an all_reduce every 100 ms, so that a peer's death breaks its collectives (as it would in
-training) until the bench stops it.
+training) until the bench stops it; or, given ``idle``, it sleeps.
 """
 
 import json
@@ -45,9 +45,11 @@ def main() -> None:
     t = torch.ones(1)
     dist.all_reduce(t)
     record(directory, "ready")
+    idle = sys.argv[2:] == ["idle"]
     while True:
-        time.sleep(0.1)  # a training step
-        dist.all_reduce(t)
+        time.sleep(3600 if idle else 0.1)  # a training step
+        if not idle:
+            dist.all_reduce(t)
 
 
 if __name__ == "__main__":

@@ -243,6 +243,14 @@ def test_next_round_expects_members_and_wait_list_and_keeps_order():
     assert not new.participants and not new.wait_list and not new.complete and new.folded == 0
 
 
+def test_next_round_for_lost_nodes_does_not_wait_for_them():
+    state = st("b", "a", "dead", complete=True)
+    new = decide_next_round(state, 0, "node_lost", SETTINGS, lost=["dead"]).state
+    assert new.expected == ("a", "b") and new.restarts_used == 0
+    survivors_in = View(record=p("a"), announced=logged("a", "b"))
+    assert decide_join(new, "a", SETTINGS, survivors_in, now=0.0).act is Act.COMPLETE  # no last call
+
+
 LEAVE_TABLE = [
     ("member of a complete round: next round without us",
      st("a", "me", complete=True), (), Act.OPEN_ROUND, lambda s: s.reason == "drain" and s.expected == ("a",)),

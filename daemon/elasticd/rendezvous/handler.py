@@ -29,7 +29,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 
@@ -251,12 +251,15 @@ class RendezvousHandler:
 
     # -- rounds ----------------------------------------------------------------------------
 
-    def request_next_round(self, round: int, reason: str) -> NextRound:
+    def request_next_round(self, round: int, reason: str, lost: Iterable[str] = ()) -> NextRound:
         """Supersede ``round`` (once, whoever asks first). "failure" uses one restart of the
-        job-wide budget: EXHAUSTED, and no new round, when none is left."""
+        job-wide budget: EXHAUSTED, and no new round, when none is left. The new round
+        completes without waiting for the ``lost`` members (known dead by the caller)."""
         if reason not in REASONS[1:]:
             raise ValueError(f"unknown reason {reason!r}; one of {', '.join(REASONS[1:])}")
-        _, action = self._apply(lambda state, view: decide_next_round(state, round, reason, self._settings))
+        lost = tuple(lost)
+        _, action = self._apply(
+            lambda state, view: decide_next_round(state, round, reason, self._settings, lost))
         if action.act is Act.OPEN_ROUND:
             log.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node, round + 1, reason)
         return _NEXT_ROUND[action.act]

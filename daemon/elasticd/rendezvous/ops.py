@@ -225,15 +225,18 @@ def _silent(beat: Beat | None, settings: RendezvousSettings, now: float) -> bool
 # -- rounds, leaving, closing ----------------------------------------------------------------
 
 
-def decide_next_round(state: RendezvousState, round: int, reason: str, settings: RendezvousSettings) -> Action:
-    """Open round ``round + 1``, once: later requests for the same round get ALREADY."""
+def decide_next_round(
+    state: RendezvousState, round: int, reason: str, settings: RendezvousSettings, lost: Iterable[str] = ()
+) -> Action:
+    """Open round ``round + 1``, once: later requests for the same round get ALREADY.
+    The new round does not wait for the ``lost`` nodes (they may still join it)."""
     if state.closed:
         return Action(Act.CLOSED)
     if state.round != round or not state.complete:
         return Action(Act.ALREADY)
     if reason == "failure" and state.restarts_used >= settings.max_restarts:
         return Action(Act.EXHAUSTED)
-    return Action(Act.OPEN_ROUND, open_round(state, reason))
+    return Action(Act.OPEN_ROUND, open_round(state, reason, leaving=lost))
 
 
 def open_round(state: RendezvousState, reason: str, leaving: Iterable[str] = ()) -> RendezvousState:
