@@ -64,7 +64,7 @@ def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str
 class NodeConfig:
     name: str = key("", doc="this node's name in the cluster; empty: the hostname")
     address: str = key("", doc="address peers use to reach this node; empty: resolved from the name")
-    peer_port: int = key(29401, _port, doc="port other daemons fetch this node's logs from (CURVE); 0: any")
+    peer_port: int = key(29401, _port, doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any")
     slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU")
     gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto' to ask nvidia-smi")
     labels: dict[str, str] = key({}, doc="labels published with this node (shown by elasticctl nodes)")
