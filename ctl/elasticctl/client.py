@@ -4,12 +4,16 @@ One request frame out, one reply frame back (or several, for a stream, until ``e
 Nothing here ever waits without a bound it chose: the socket is probed with a plain
 ``connect()`` first (so a missing daemon is reported at once), the first reply must come
 within ``timeout`` seconds, and a dropped connection is seen through a socket monitor.
+A signal (Ctrl-C) wakes the poll through Python's wakeup fd: one that lands just before
+``zmq_poll`` blocks would otherwise wait for the next reply, perhaps forever.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -94,6 +98,9 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._wakeup = SignalWakeup()
+        if self._wakeup.fd is not None:
+            self._poller.register(self._wakeup.fd, zmq.POLLIN)
 
     def __enter__(self) -> Client:
         return self
@@ -102,6 +109,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self._wakeup.close()
         self._context.destroy(linger=0)
 
     def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
@@ -139,6 +147,9 @@ class Client:
         while True:
             wait_ms = None if deadline is None else max(0, (deadline - time.monotonic()) * 1000)
             ready = dict(self._poller.poll(wait_ms))
+            if self._wakeup.fd in ready:
+                self._wakeup.drain()  # the signal's handler runs as this returns
+                continue
             if not ready:
                 raise NoReply(f"elasticd did not answer within {timeout:g} s "
                               f"(socket {self.path}; ELASTICCTL_TIMEOUT sets the limit)")
@@ -156,6 +167,35 @@ class Client:
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return Unavailable(f"elasticd at {self.path} refused this client")
         return Unavailable(f"lost the connection to elasticd at {self.path}", "connection_lost")
+
+
+class SignalWakeup:
+    """A socket pair installed as Python's signal wakeup fd (main thread only; elsewhere
+    ``fd`` is None and nothing changes)."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._read, self._write = socket.socketpair()
+        for end in (self._read, self._write):
+            end.setblocking(False)
+        self._previous = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self.fd = self._read.fileno()
+
+    def drain(self) -> None:
+        try:
+            while self._read.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.fd is not None:
+            signal.set_wakeup_fd(self._previous)
+            self._read.close()
+            self._write.close()
+            self.fd = None
 
 
 def monitor_event(frames: list[bytes]) -> int:
