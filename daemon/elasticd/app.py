@@ -24,6 +24,7 @@ import sdnotify
 import zmq.asyncio
 
 from . import __version__, config as config_mod
+from .aio import first
 from .board import JobBoard
 from .cluster import NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
 from .config import DaemonConfig
@@ -206,9 +207,10 @@ class Daemon:
                     zap.serve(), control.serve(), peer_server.serve(), self._watchdog(),
                     nodes.run(self.stop))]
                 self._update_status(registry)
-                self.notify.send("READY=1")
-                log.info("elasticd %s ready: node %s, socket %s, store %s", __version__, self.node,
-                         config.socket_path, self._endpoint)
+                if await self._registered(nodes):
+                    self.notify.send("READY=1")
+                    log.info("elasticd %s ready: node %s, socket %s, store %s", __version__,
+                             self.node, config.socket_path, self._endpoint)
                 await service.run(self.stop)
                 for task in background:
                     task.cancel()
@@ -224,6 +226,16 @@ class Daemon:
             history.close()
         log.info("elasticd stopped")
         return 0
+
+    async def _registered(self, nodes: NodeService) -> bool:
+        """Wait until this node's record is in the store (READY=1 means it joined the
+        cluster); False if told to stop first."""
+        joined = asyncio.ensure_future(nodes.registered.wait())
+        stopping = asyncio.ensure_future(self.stop.wait())
+        done = await first(joined, stopping)
+        for waiting in (joined, stopping):
+            waiting.cancel()
+        return done is joined
 
     def _node_service(self, store: StoreBackend, signer: Signer, service: JobService,
                       registry: JobRegistry) -> NodeService:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
-from .aio import Lane, wait_or_timeout
+from .aio import Lane
 from .config import AUTO, DaemonConfig
 from .errors import NotFound, StoreError, TamperedRecord
 from .model import NodeInfo
@@ -282,11 +282,17 @@ class NodeService:
         self._drain: bool | None = None
         self._store_up = True
         self._ticked = asyncio.Condition()
-        self._ticks = 0
+        self._ticks = 0      # successful duties
+        self._begun = 0      # duties begun
+        self._ended = 0      # duties ended, successful or not
+        self._wake = asyncio.Event()  # someone wants a duty now (see fresh())
+        self.registered = asyncio.Event()  # this node's record is in the store
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
             while not stop.is_set():
+                self._wake.clear()
+                self._begun += 1
                 try:
                     tick = await self._io.call(self.registry.tick, self._local_record(),
                                                timeout=self._call_timeout)
@@ -297,9 +303,22 @@ class NodeService:
                     self._store_up = True
                     self._on_store(True, "")
                     await self._apply(tick)
-                await wait_or_timeout(stop, self._interval)
+                    self.registered.set()
+                async with self._ticked:
+                    self._ended += 1
+                    self._ticked.notify_all()
+                await self._pause(stop)
         finally:
             self._io.close()
+
+    async def _pause(self, stop: asyncio.Event) -> None:
+        """Until the next duty: one heartbeat interval, or less if ``fresh()`` asks for one."""
+        waits = [asyncio.ensure_future(event.wait()) for event in (stop, self._wake)]
+        try:
+            await asyncio.wait(waits, timeout=self._interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
 
     async def _apply(self, tick: Tick) -> None:
         self._sightings = tick.sightings
@@ -331,6 +350,19 @@ class NodeService:
             sightings[me] = replace(sightings[me], record=self._local_record())
             states[me] = node_state(sightings[me], sightings[me].moved, self.registry.lost_after)
         return [node_doc(s, states[name]) for name, s in sorted(sightings.items())]
+
+    async def fresh(self) -> list[dict[str, Any]]:
+        """The node list after a heartbeat duty done now, so that a node that just registered
+        shows; the list as last seen if that duty does not end within one interval."""
+        wanted = self._begun + 1  # a duty that begins after this request
+        self._wake.set()
+        async with self._ticked:
+            try:
+                await asyncio.wait_for(self._ticked.wait_for(lambda: self._ended >= wanted),
+                                       timeout=self._interval)
+            except TimeoutError:
+                pass
+        return self.nodes()
 
     async def watch(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The node list now, then again after every heartbeat duty that changed it."""

@@ -194,6 +194,13 @@ def _nodes_when(daemon, predicate, timeout=30.0):
     raise AssertionError("the node stream ended")
 
 
+def test_a_ready_node_is_listed_at_once_by_every_node(cluster_factory):
+    """READY=1 means the node has joined: right after it, a one-shot `nodes` anywhere lists it."""
+    cluster = cluster_factory(3).start()
+    for daemon in (cluster[0], cluster[2]):
+        assert _states(daemon.ctl("nodes")) == {"n1": "up", "n2": "up", "n3": "up"}
+
+
 def test_lost_node_shows_as_lost(cluster_factory):
     cluster = cluster_factory(3).start()
     _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up", "n3": "up"})

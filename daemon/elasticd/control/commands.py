@@ -178,7 +178,7 @@ class Commands:
 
     async def nodes_list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         if not args.get("watch"):
-            await reply.result(self._cluster.nodes())
+            await reply.result(await self._cluster.fresh())
             return
         async for nodes in self._cluster.watch():  # until the client goes away
             await reply.result(nodes)
