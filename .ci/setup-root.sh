@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Debian packages that the root-only system tests need: iproute2 (`ip netns`, for
-# tests/system/test_partition.py) and systemd-container (`systemd-nspawn`, for
-# tests/system/test_systemd.py).  Idempotent and quiet; does nothing (exit 0) when not
-# root or when both are already installed.  The tests skip themselves without them.
+# tests/system/test_partition.py), systemd-container (`systemd-nspawn`, for
+# tests/system/test_systemd.py) and prometheus (for its `promtool`, which checks the shipped
+# alert rules and the dashboard's queries in tests/unit/test_packaging_metrics.py).
+# Idempotent and quiet; does nothing (exit 0) when not root or when all are installed.
+# The tests skip themselves without them.
 set -euo pipefail
-packages=(iproute2 systemd-container)
+packages=(iproute2 systemd-container prometheus)
 [ "$(id -u)" -eq 0 ] || exit 0
 command -v apt-get >/dev/null 2>&1 || exit 0
 missing=()
@@ -13,7 +15,15 @@ for p in "${packages[@]}"; do
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 export DEBIAN_FRONTEND=noninteractive
-log=$(mktemp); trap 'rm -f "$log"' EXIT
+log=$(mktemp)
+# Only promtool is wanted: no package may start its service while being installed.
+guard=
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  guard=/usr/sbin/policy-rc.d
+  printf '#!/bin/sh\nexit 101\n' > "$guard"
+  chmod +x "$guard"
+fi
+trap 'rm -f "$log" ${guard:+"$guard"}' EXIT
 # quiet unless something fails; then show apt's own words
 if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
   cat "$log" >&2; exit 1
