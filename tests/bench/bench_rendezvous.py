@@ -40,6 +40,9 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see elasticd.sto
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # torch's rank 0 would host another store
 
 import logging  # noqa: E402
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # no NumPy needed here
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 logging.getLogger("elasticd").setLevel(logging.ERROR)  # the dead-member run logs a warning by design
@@ -210,7 +213,9 @@ def measure(profile: dict, progress: Callable[[str], None]) -> tuple[list[dict],
             progress(f"n={n}: elasticd {median(ours):.4f}s")
             theirs = [torch_formation(harness, n, f"t{n}-{rep}", profile["torch_cap"])
                       for rep in range(profile["torch_reps"][n])]
-            progress(f"n={n}: torch {median(theirs)}")
+            torch_median = median(theirs)
+            progress(f"n={n}: torch " + (f"{torch_median:.4f}s" if torch_median is not None
+                                         else f"none within {profile['torch_cap']:g}s"))
             elasticd_s, torch_s = median(ours), median(theirs)
             rows.append({"n": n, "elasticd_s": round(elasticd_s, 4),
                          "torch_s": None if torch_s is None else round(torch_s, 4),
