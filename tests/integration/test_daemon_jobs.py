@@ -135,7 +135,9 @@ def test_history_survives_a_restart(daemon):
 
 def test_missing_script_is_refused_at_submit(daemon):
     done = daemon.ctl_run("submit", "no_such_script.py")
-    assert done.returncode == 1 and "no_such_script.py not found" in done.stderr
+    assert done.returncode == 1 and "no_such_script.py not found in " in done.stderr
+    done = daemon.ctl_run("submit", "/no/such/script.py")
+    assert done.returncode == 1 and done.stderr.endswith("script /no/such/script.py not found\n")
     assert daemon.ctl("list") == []
     assert daemon.request("version").ok  # and the daemon goes on
 

@@ -83,7 +83,8 @@ def check_runnable(spec: JobSpec) -> None:
     if spec.kind == "script":
         script = os.path.join(spec.workdir, spec.argv[0])
         if not os.path.isfile(script):
-            raise InvalidSpec(f"script {spec.argv[0]} not found in {spec.workdir}")
+            where = "" if os.path.isabs(spec.argv[0]) else f" in {spec.workdir}"
+            raise InvalidSpec(f"script {spec.argv[0]} not found{where}")
 
 
 class Commands:
