@@ -373,8 +373,9 @@ class JobAgent:
         try:
             while (left := deadline - time.monotonic()) > 0:
                 done_nodes, total = await self._call(self._rdzv.exit_barrier_progress, info)
-                self._report(PartState.BARRIER, info, group, barrier={
-                    "done": done_nodes, "total": total, "deadline": self._now() + left})
+                if done_nodes < total:  # the last node to arrive does not wait: no progress to show
+                    self._report(PartState.BARRIER, info, group, barrier={
+                        "done": done_nodes, "total": total, "deadline": self._now() + left})
                 step = min(left, _BARRIER_REFRESH)
                 waiting = self._wait(self._rdzv.exit_barrier_wait, info, step,
                                      timeout=step + self._store_timeout)
