@@ -117,12 +117,12 @@ def add_submit_options(sub: argparse.ArgumentParser, torchrun_rule: bool) -> Non
     option("--no-python", action="store_true", help="SCRIPT is an executable, run without python")
     option("--nodes", type=names, action="extend", metavar="A,B", help="run only on these nodes")
     option("--exclude", type=names, action="extend", metavar="C,D", help="never run on these nodes")
-    option("--join-timeout", type=seconds, metavar="S",
+    option("--join-timeout", type=positive_seconds, metavar="S",
            help="fail if too few nodes join within S seconds (default: the daemon's)")
     option("--last-call-timeout", type=seconds, metavar="S",
            help="after MIN nodes joined, wait S seconds for more before starting "
                 "(default: the daemon's)")
-    option("--exit-barrier-timeout", type=seconds, metavar="S",
+    option("--exit-barrier-timeout", type=positive_seconds, metavar="S",
            help="after local success, wait up to S seconds for the other nodes "
                 "(default: the daemon's)")
     option("--wait", action="store_true",
@@ -204,8 +204,15 @@ def seconds(value: str) -> int | float:
     except ValueError:
         number = -1.0
     if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}")
     return int(number) if number.is_integer() else number
+
+
+def positive_seconds(value: str) -> int | float:
+    number = seconds(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError("expected more than 0 seconds, got 0")
+    return number
 
 
 def names(value: str) -> list[str]:

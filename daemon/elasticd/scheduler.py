@@ -116,6 +116,7 @@ class JobService:
         self._metrics = metrics
         self._logs = logs
         self._running: dict[str, _Running] = {}
+        self._unstartable: set[str] = set()  # jobs whose agent failed to start here
         self._peers = peers
         # one long-lived thread (and store connection) each for writing and following the board
         self._writes = Lane("board-write")
@@ -245,8 +246,12 @@ class JobService:
         free = Resources(self.resources.slots - used.slots,
                          tuple(g for g in self.resources.gpus if g not in used.gpus))
         for offer in place(self._registry.jobs(), self.node, free, has_gpus=bool(self.resources.gpus),
-                           busy=set(self._running), draining=self.draining):
-            self._start_agent(self._registry.get(offer.job_id).spec, offer)
+                           busy=set(self._running) | self._unstartable, draining=self.draining):
+            try:
+                self._start_agent(self._registry.get(offer.job_id).spec, offer)
+            except Exception:  # one job that cannot start must not hold up the jobs behind it
+                log.exception("job %s: cannot start its agent on %s", offer.job_id, self.node)
+                self._unstartable.add(offer.job_id)
 
     def _start_agent(self, spec: JobSpec, offer: Offer) -> None:
         assert self._tasks is not None

@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-from harness import PY, Control, fake_nvidia_smi, free_port, worker_args
+from harness import PY, WORKER, Control, fake_nvidia_smi, free_port, worker_args
 from elasticd.control import protocol
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
@@ -53,6 +53,15 @@ def test_malformed_requests_get_an_error_reply(metered, frame, code):
         assert control.call("version", {}).ok  # the same connection goes on working
     text = _metrics(metered.metrics_url_port)
     assert f'result="{code}"' in text
+
+
+def test_a_zero_join_timeout_is_refused_at_submit_and_later_jobs_still_run(metered):
+    """What the rendezvous cannot take is refused at submit, never left to stall placement."""
+    reply = metered.request("submit", argv=[str(WORKER)], python=PY, workdir=str(metered.base),
+                            join_timeout=0)
+    assert (reply.ok, reply.code) == (False, "invalid_spec") and "join_timeout" in reply.message
+    job = metered.submit(*worker_args())
+    assert metered.wait_job(job["id"], lambda d: d["state"] == "SUCCEEDED")
 
 
 def test_oversized_frame_is_refused_with_its_id(metered):

@@ -59,6 +59,7 @@ def test_submit_parsing(line, script, script_args, options):
     "submit --nproc-per-node cpu x.py", "submit --max-restarts -1 x.py",
     "submit --env NOEQUALS x.py", "submit --env =v x.py", "submit --join-timeout soon x.py",
     "submit --exit-barrier-timeout -3 x.py", "submit --nodes , x.py", "submit --bogus x.py",
+    "submit --join-timeout 0 x.py", "submit --exit-barrier-timeout 0 x.py",
     "submit --nproc x.py",  # no abbreviations: a script argument must never be eaten
     "frobnicate", "", "status",
 ])

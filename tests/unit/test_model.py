@@ -59,6 +59,8 @@ def test_parse_nproc_rejects(value):
     ({"env": {"A=B": "x"}}, "env"), ({"env": {"A": 1}}, "env"),
     ({"min_nodes": 3, "max_nodes": 2}, "nnodes"), ({"nproc_per_node": 0}, "nproc_per_node"),
     ({"max_restarts": -1}, "max_restarts"), ({"join_timeout": "x"}, "join_timeout"),
+    ({"join_timeout": 0}, "join_timeout"), ({"exit_barrier_timeout": 0}, "exit_barrier_timeout"),
+    ({"last_call_timeout": -1}, "last_call_timeout"), ({"join_timeout": True}, "join_timeout"),
     ({"nodes": ("",)}, "nodes"),
 ])
 def test_spec_validation(change, words):
