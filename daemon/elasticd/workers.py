@@ -3,7 +3,8 @@
 Each worker is exec'd directly (no shell, no wrapper) as the submitting user, in its own
 session and process group, with ``PR_SET_PDEATHSIG=SIGKILL`` so that no worker outlives a
 daemon killed with SIGKILL.  Its stdout and stderr are pipes that the daemon copies, chunk by
-chunk, to ``<log_dir>/rank_<r>.out|.err`` (owned by the user) and to live ``logs -f`` readers.
+chunk, to ``<log_dir>/rank_<r>.out|.err`` and to live ``logs -f`` readers.  The directories
+are the daemon's; the files in them (logs, torch's error file) are the user's.
 Stop is SIGTERM to every process group, a grace period, then SIGKILL to the groups.
 """
 
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -66,7 +68,7 @@ def read_error_file(path: str) -> tuple[str, str, float] | None:
     The file is written by user code, so it is read with a size cap and parsed defensively.
     """
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
             doc = json.loads(f.read(_MAX_ERROR_FILE))
         message = doc["message"]
         if isinstance(message, str):
@@ -119,9 +121,10 @@ class LocalWorkers:
     async def start(self) -> None:
         """Spawn every worker.  A worker that cannot be exec'd counts as failed (exit 127)."""
         credentials = run_as(self.spec)
-        self._make_log_dir(credentials)
+        self._make_log_dir()
         for worker in self.group.workers:
             try:
+                os.close(self._create_for_user(self.error_file(worker), credentials))
                 proc = await self._spawn(worker, credentials)
             except OSError as exc:
                 self._record_failure(worker, 127, f"cannot start worker: {exc}")
@@ -132,11 +135,24 @@ class LocalWorkers:
                             asyncio.ensure_future(self._pump(proc.stderr, worker, "err", credentials))]
             self._set(replace(worker, pid=proc.pid, state=WorkerState.HEALTHY))
 
-    def _make_log_dir(self, credentials: RunAs | None) -> None:
-        os.makedirs(self.log_dir, mode=0o750, exist_ok=True)
+    def _make_log_dir(self) -> None:
+        """The job's and the attempt's directories stay the daemon's: a worker that could write
+        in them could plant a symlink where the daemon (maybe root) is about to write."""
+        os.makedirs(self.log_dir, mode=0o755, exist_ok=True)
+        for path in (os.path.dirname(self.log_dir), self.log_dir):
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+                raise PermissionError(f"refusing log directory {path}: not a directory of "
+                                      f"elasticd's own that only it can write")
+
+    @staticmethod
+    def _create_for_user(path: str, credentials: RunAs | None) -> int:
+        """A new file (never through a symlink) that belongs to the job's user; its fd."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o640)
         if credentials:
-            os.chown(self.log_dir, credentials.uid, credentials.gid)
-            os.chown(os.path.dirname(self.log_dir), credentials.uid, credentials.gid)
+            os.fchown(fd, credentials.uid, credentials.gid)
+        return fd
 
     async def _spawn(self, worker: Worker, credentials: RunAs | None) -> asyncio.subprocess.Process:
         env = worker_env(self.spec, self.group, worker, error_file=self.error_file(worker))
@@ -153,10 +169,7 @@ class LocalWorkers:
     async def _pump(self, stream: asyncio.StreamReader | None, worker: Worker, name: str,
                     credentials: RunAs | None) -> None:
         """Copy one pipe to its log file and to live readers until EOF."""
-        path = self.log_file(worker, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
-        if credentials:
-            os.fchown(fd, credentials.uid, credentials.gid)
+        fd = self._create_for_user(self.log_file(worker, name), credentials)
         offset = 0
         try:
             while stream is not None and (data := await stream.read(_CHUNK)):

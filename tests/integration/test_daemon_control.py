@@ -172,6 +172,52 @@ def test_jobs_run_as_the_submitter_and_others_cannot_cancel(daemon, shared_tmp):
     assert daemon.ctl("cancel", root_job["id"])["state"] == "CANCELLED"  # root cancels any
 
 
+_PLANTER = """
+import json, os, sys
+error_file = os.environ["TORCHELASTIC_ERROR_FILE"]
+attempt_dir = os.path.dirname(error_file)
+job_dir = os.path.dirname(attempt_dir)
+target, mode = sys.argv[1], sys.argv[2]
+if mode == "fail":  # what torch's @record does: write the error file, then exit non-zero
+    with open(error_file, "w") as f:
+        json.dump({"message": {"message": "planted root cause", "extraInfo": {}}}, f)
+    sys.exit(3)
+tries = {"next attempt": lambda: os.symlink(target, os.path.join(job_dir, "attempt_1")),
+         "own attempt": lambda: os.symlink(target, os.path.join(attempt_dir, "rank_9.out"))}
+for what, plant in tries.items():
+    try:
+        plant()
+        print(what, "planted", flush=True)
+    except OSError as exc:
+        print(what, "refused", type(exc).__name__, flush=True)
+sys.exit(1 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+"""
+
+
+@needs_root
+def test_a_job_cannot_make_the_daemon_write_or_read_through_its_symlinks(daemon, shared_tmp):
+    """Log and error-file directories stay the daemon's; the user owns only its own files."""
+    target = shared_tmp / "precious"
+    target.write_text("root's own\n")
+    target.chmod(0o600)
+    script = shared_tmp / "planter.py"
+    script.write_text(_PLANTER)
+    script.chmod(0o644)
+    job = daemon.ctl("submit", "--wait", "--max-restarts", "1", str(script), str(target), "plant",
+                     user="nobody", cwd=str(shared_tmp))[-1]
+    assert job["state"] == "SUCCEEDED" and job["restarts"] == 1, job
+    logs = daemon.ctl_run("logs", job["id"]).stdout
+    assert "planted" not in logs and logs.count(" refused ") == 4, logs
+    assert target.read_text() == "root's own\n" and target.stat().st_uid == 0
+    attempt = daemon.state_dir / "logs" / job["id"] / "attempt_1"
+    assert attempt.stat().st_uid == 0 and attempt.parent.stat().st_uid == 0
+    assert (attempt / "rank_0.out").stat().st_uid == pwd.getpwnam("nobody").pw_uid
+
+    failed = daemon.ctl("submit", "--wait", str(script), str(target), "fail",
+                        user="nobody", cwd=str(shared_tmp), expect=1)[-1]
+    assert failed["error"]["message"] == "planted root cause", failed
+
+
 @needs_root
 def test_root_jobs_refused_unless_allowed(daemon_factory, shared_tmp):
     config = shared_tmp / "c.toml"
