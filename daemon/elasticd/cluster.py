@@ -296,13 +296,13 @@ class NodeService:
                 try:
                     tick = await self._io.call(self.registry.tick, self._local_record(),
                                                timeout=self._call_timeout)
+                    await self._apply(tick)
                 except StoreError as exc:
                     self._store_up = False
                     self._on_store(False, str(exc))
                 else:
                     self._store_up = True
                     self._on_store(True, "")
-                    await self._apply(tick)
                     self.registered.set()
                 async with self._ticked:
                     self._ended += 1
@@ -329,11 +329,10 @@ class NodeService:
         if tick.drain is not None and tick.drain != self._drain:
             self._drain = tick.drain
             self._on_drain(tick.drain)
-        reset = self._epoch is not None and tick.epoch != self._epoch
-        self._epoch = tick.epoch
-        if reset:
+        if self._epoch is not None and tick.epoch != self._epoch:
             log.warning("the store was reset (its host restarted): publishing this node's jobs again")
-            await self._on_reset()
+            await self._on_reset()  # a StoreError leaves the old epoch: the next duty tries again
+        self._epoch = tick.epoch
 
     def states(self) -> dict[str, str]:
         return self.registry.states(self._sightings)

@@ -46,3 +46,46 @@ def test_record_round_trip_and_doc():
 
 def test_parse_nvidia_smi():
     assert parse_nvidia_smi("0\n1\n\n2\nNo devices were found\n") == ("0", "1", "2")
+
+
+def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
+    """The heartbeat loop survives a failed republish and tries again on its next duty."""
+    import asyncio
+
+    from elasticd.cluster import NodeRegistry, NodeService
+    from elasticd.errors import StoreConnectionError
+    from elasticd.store.memory import MemoryStore
+    from elasticd.store.signing import Signer
+
+    store = MemoryStore()
+    registry = NodeRegistry(store, Signer(b"k" * 32), "c", "n2", lost_after=3.0)
+    registry.create_epoch()
+    record = sighting(0).record
+    resets: list[str] = []
+    store_states: list[bool] = []
+
+    async def scenario() -> None:
+        stop, retried = asyncio.Event(), asyncio.Event()
+
+        async def on_reset() -> None:
+            resets.append("tried")
+            if len(resets) == 1:
+                raise StoreConnectionError("the first call on a stale connection fails")
+            retried.set()
+
+        def on_tick() -> None:  # after the first duty: the store host restarts with a new epoch
+            if not resets:
+                store.delete(registry.epoch_key)
+                registry.create_epoch()
+
+        service = NodeService(registry, interval=0.01, call_timeout=5.0, local_record=lambda: record,
+                              on_drain=lambda drain: None, on_reset=on_reset,
+                              on_store=lambda ok, why: store_states.append(ok), on_tick=on_tick)
+        running = asyncio.ensure_future(service.run(stop))
+        await asyncio.wait_for(retried.wait(), timeout=10)
+        stop.set()
+        await running
+
+    asyncio.run(scenario())
+    assert resets == ["tried", "tried"]
+    assert False in store_states and store_states[-1] is True
