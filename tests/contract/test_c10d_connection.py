@@ -63,6 +63,27 @@ def test_a_restarted_server_raises_once_then_reconnects():
         server.close()
 
 
+def test_the_server_listens_on_its_host_address_only():
+    """A store hosted on 127.0.0.1 (standalone) must not be reachable on any other address."""
+    server = C10dServer("127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5):
+            pass
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", server.port), timeout=5).close()
+    finally:
+        server.close()
+
+
+def test_a_port_in_use_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(StoreConnectionError, match=f"cannot host the store on 127.0.0.1:{port}"):
+            C10dServer("127.0.0.1", port)
+
+
 @pytest.mark.parametrize(
     ("endpoint", "parsed"),
     [("10.0.0.1:29400", ("10.0.0.1", 29400)), ("[::1]:80", ("::1", 80)), ("host.example:1", ("host.example", 1))],

@@ -30,7 +30,7 @@ _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 
 
-def _tcp_store(host: str, port: int, *, master: bool, timeout: float):
+def _tcp_store(host: str, port: int, *, master: bool, timeout: float, listen_fd: int | None = None):
     from torch.distributed import TCPStore  # torch is heavy: import it only when a store is used
 
     return TCPStore(
@@ -40,8 +40,21 @@ def _tcp_store(host: str, port: int, *, master: bool, timeout: float):
         master,
         timedelta(seconds=timeout),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
         use_libuv=True,
     )
+
+
+def _listen(host: str, port: int) -> int:
+    """A socket listening on ``host`` only (TCPStore alone would listen on every address);
+    its fd, which the TCPStore takes over and closes."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+        return sock.detach()
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -53,12 +66,17 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 class C10dServer:
-    """Hosts the cluster's TCPStore in this process (the daemon whose config says so)."""
+    """Hosts the cluster's TCPStore in this process (the daemon whose config says so),
+    listening on ``host`` only: a standalone daemon's store is not reachable from the network."""
 
     def __init__(self, host: str, port: int = 0, timeout: float = 30.0) -> None:
         self.host = host
         try:
-            self._store = _tcp_store(host, port, master=True, timeout=timeout)
+            fd = _listen(host, port)
+        except OSError as err:
+            raise StoreConnectionError(f"cannot host the store on {host}:{port}: {err}") from err
+        try:
+            self._store = _tcp_store(host, port, master=True, timeout=timeout, listen_fd=fd)
         except RuntimeError as err:
             raise StoreConnectionError(f"cannot host the store on {host}:{port}: {err}") from err
         self.port: int = self._store.port
