@@ -14,6 +14,7 @@ import faulthandler
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 import warnings
@@ -277,10 +278,19 @@ class Daemon:
         self.notify.status(line)
 
     def _make_dirs(self) -> None:
+        """State and runtime dirs of our own that nobody else can write (the state dir holds
+        the cluster key; /tmp/elasticd-UID could have been made first by somebody else)."""
         paths = self.config.paths
-        os.makedirs(paths.state_dir, mode=0o755, exist_ok=True)
-        os.makedirs(os.path.join(paths.state_dir, "logs"), mode=0o755, exist_ok=True)
-        os.makedirs(paths.runtime_dir, mode=0o755 if os.getuid() == 0 else 0o700, exist_ok=True)
+        for key, path, mode in (
+                ("paths.state_dir", paths.state_dir, 0o755),
+                ("paths.state_dir", os.path.join(paths.state_dir, "logs"), 0o755),
+                ("paths.runtime_dir", paths.runtime_dir, 0o755 if os.getuid() == 0 else 0o700)):
+            os.makedirs(path, mode=mode, exist_ok=True)
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+                raise ConfigError(key, f"refusing {path}: it must be a directory owned by uid "
+                                  f"{os.geteuid()} that nobody else can write (it is uid "
+                                  f"{info.st_uid}, mode {stat.filemode(info.st_mode)})")
 
     def _cluster_key(self) -> bytes:
         """Standalone daemons and the store host make a key if there is none; others need one."""

@@ -116,6 +116,18 @@ def test_bad_config_key_stops_start_up_naming_it(tmp_path):
     assert done.returncode == 2 and "node.slotz" in done.stderr and "unknown key" in done.stderr
 
 
+def test_a_runtime_dir_that_others_can_write_is_refused(tmp_path):
+    """Somebody who made /tmp/elasticd-UID first could swap the control socket."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    runtime.chmod(0o777)
+    done = subprocess.run([PY, "-m", "elasticd", "--standalone", "--state-dir", str(tmp_path / "state"),
+                           "--runtime-dir", str(runtime), "--metrics-port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"refusing {runtime}" in done.stderr, done.stderr
+    assert not (runtime / "control.sock").exists()
+
+
 def test_second_daemon_on_the_same_socket_is_refused(daemon, daemon_factory):
     twin = daemon_factory(name="n1")
     twin.state_dir = daemon.state_dir.parent / "twin-state"

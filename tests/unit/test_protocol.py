@@ -1,6 +1,7 @@
 """The control protocol codec: every malformed frame named, ids recovered for replies."""
 
 import json
+import os
 
 import pytest
 
@@ -72,3 +73,19 @@ def test_default_socket(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert p.default_runtime_dir(1000) == f"{tmp_path}/elasticd"
     assert p.default_runtime_dir(0) == "/run/elasticd"
+
+
+def test_a_socket_in_a_directory_that_others_own_or_can_write_is_never_chosen(monkeypatch, tmp_path):
+    monkeypatch.delenv("ELASTICD_SOCKET", raising=False)
+    own_dir = tmp_path / "elasticd"
+    own_dir.mkdir(mode=0o700)
+    (own_dir / p.SOCKET_NAME).touch()
+    monkeypatch.setattr(p, "default_runtime_dir", lambda uid=None: str(own_dir))
+    system = os.path.join("/run/elasticd", p.SOCKET_NAME)
+    assert p.default_socket_path() == str(own_dir / p.SOCKET_NAME)
+    own_dir.chmod(0o777)  # anyone could have swapped the socket
+    assert p.default_socket_path() == system
+    if os.getuid() == 0:
+        own_dir.chmod(0o700)
+        os.chown(own_dir, 65534, 65534)  # created first by somebody else
+        assert p.default_socket_path() == system

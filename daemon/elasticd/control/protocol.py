@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,6 +227,21 @@ def default_socket_path() -> str:
     env = os.environ.get("ELASTICD_SOCKET")
     if env:
         return env
-    own = os.path.join(default_runtime_dir(), SOCKET_NAME)
+    own_dir = default_runtime_dir()
+    own = os.path.join(own_dir, SOCKET_NAME)
     system = os.path.join("/run/elasticd", SOCKET_NAME)
-    return own if os.path.exists(own) or not os.path.exists(system) else system
+    if os.path.exists(own) and _is_own_dir(own_dir):
+        return own
+    if os.path.exists(system) or (os.path.lexists(own_dir) and not _is_own_dir(own_dir)):
+        return system
+    return own
+
+
+def _is_own_dir(path: str) -> bool:
+    """A directory of the caller's that only the caller can write: anyone can create
+    /tmp/elasticd-UID first and listen there for a user's requests (environments included)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
