@@ -14,6 +14,7 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import stat
 import sys
 import time
@@ -165,6 +166,7 @@ class Daemon:
         self._store_ok = True
         self._started = time.time()
         self._peer = ("", "")
+        self._default_address = ""
 
     async def run(self) -> int:
         config = self.config
@@ -301,7 +303,7 @@ class Daemon:
     def _hosts_store(self) -> bool:
         host = self.config.store.host
         if host == config_mod.AUTO:
-            return self.config.store_host in _local_addresses()
+            return is_local(self.config.store_host)
         return bool(host)
 
     def _open_store(self) -> StoreBackend:
@@ -318,7 +320,9 @@ class Daemon:
         return InstrumentedStore(store, self.metrics)
 
     def _address(self) -> str:
-        return self.config.node.address or _resolve(self.node)
+        if not self._default_address:
+            self._default_address = self.config.node.address or route_address(self.config.store_host)
+        return self._default_address
 
     def _restore(self, registry: JobRegistry, history: History) -> None:
         """Jobs a previous run left unfinished: kill leftovers, record what happened."""
@@ -367,17 +371,27 @@ class Daemon:
             await asyncio.sleep(interval)
 
 
-def _local_addresses() -> set[str]:
+def is_local(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this host: loopback, or an interface's."""
+    import ipaddress
     import psutil
-    addresses = {"localhost"}
-    for entries in psutil.net_if_addrs().values():
-        addresses.update(e.address.split("%")[0] for e in entries)
-    return addresses
-
-
-def _resolve(name: str) -> str:
-    import socket
     try:
-        return socket.gethostbyname(name)
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
+        return False
+    mine = {e.address.split("%")[0] for entries in psutil.net_if_addrs().values() for e in entries}
+    return any(ipaddress.ip_address(a).is_loopback or a in mine for a in resolved)
+
+
+def route_address(host: str) -> str:
+    """This host's address on the route to ``host`` (the store): what the other nodes, which
+    reach the same store, can use to reach this node.  No packet is sent."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:
+        log.warning("no route to the store host %s: this node's address is 127.0.0.1 "
+                    "(set node.address)", host)
         return "127.0.0.1"

@@ -63,7 +63,7 @@ def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str
 @dataclass(frozen=True)
 class NodeConfig:
     name: str = key("", doc="this node's name in the cluster; empty: the hostname")
-    address: str = key("", doc="address peers use to reach this node; empty: resolved from the name")
+    address: str = key("", doc="address peers use to reach this node; empty: this host's address on the route to the store")
     peer_port: int = key(29401, _port, doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any")
     slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU")
     gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto' to ask nvidia-smi")

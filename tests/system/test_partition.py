@@ -72,10 +72,11 @@ class NetnsCluster:
         path.write_text("[jobs]\nallow_root = true\n" + config)  # the tests run as root
         self.daemons = []
         for i in range(1, hosts.count + 1):
+            # No --node-address, no --store-host: each daemon finds, inside its own network
+            # namespace, that the endpoint is its own address (host 1) and which address of
+            # its own routes to the store.
             args = ("--cluster", "test", "--store", f"{hosts.addr(1)}:{STORE_PORT}",
-                    "--store-host" if i == 1 else "--no-store-host",
-                    "--node-address", hosts.addr(i), "--cluster-key", str(key),
-                    "--config", str(path), "--slots", "1")
+                    "--cluster-key", str(key), "--config", str(path), "--slots", "1")
             self.daemons.append(NetnsDaemon(hosts, i, base, f"n{i}", args=args, standalone=False))
 
     def __getitem__(self, index: int) -> NetnsDaemon:
@@ -140,7 +141,11 @@ def test_survivors_reform_when_a_node_is_partitioned_and_it_rejoins_when_healed(
     cluster = netns_cluster(3)
     n1 = cluster[0]
     node_states(n1, lambda s: s == {"n1": "up", "n2": "up", "n3": "up"})
-    job = n1.submit("--nnodes", "2:3", *worker_args("--sleep", "0"))["id"]
+    # each found its own address (the route to the store) without --node-address
+    assert {n["name"]: n["address"] for n in n1.ctl("nodes")} == \
+        {f"n{i}": cluster.hosts.addr(i) for i in (1, 2, 3)}
+    # --ddp: the workers meet at rank 0's MASTER_ADDR, across the namespaces, each round
+    job = n1.submit("--nnodes", "2:3", *worker_args("--ddp", "--sleep", "0"))["id"]
     doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3
                       and healthy(d) == 3)
     victim = cluster.by_name(next(n["node"] for n in doc["nodes"]
