@@ -183,7 +183,7 @@ class Daemon:
         keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
         # the node service (built below: it needs the job service) tells where peers are
         peers = PeerLinks(PeerClient(ctx, keys), lambda name: nodes.record(name),
-                          lambda name: nodes.alive(name))
+                          lambda name: nodes.alive(name), lambda name, t: nodes.heard_since(name, t))
         service = JobService(config, node=self.node, address=self._address(),
                              resources=Resources(slot_count(config, gpus), gpus), store=store,
                              signer=signer, registry=registry, metrics=self.metrics, logs=logs,

@@ -383,6 +383,13 @@ class NodeService:
             return sighting.record
         return await self._io.call(self.registry.read_record, name, timeout=self._call_timeout)
 
+    def heard_since(self, name: str, moment: float) -> bool:
+        """Whether ``name`` beat after ``moment`` (this node's monotonic clock).  Counters are
+        read once per interval, so a move seen within one interval of ``moment`` may be a
+        beat from before it: only a later one counts."""
+        sighting = self._sightings.get(name)
+        return sighting is not None and sighting.moved > moment + self._interval
+
     def alive(self, name: str) -> bool:
         return self.states().get(name, "lost") != "lost"
 

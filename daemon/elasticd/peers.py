@@ -11,8 +11,10 @@ no shared file system is assumed.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -106,7 +108,13 @@ class PeerClient:
             sock.close(linger=0)
 
 
-async def reachable(endpoint: str, timeout: float) -> bool:
+class Probe(enum.Enum):
+    UP = "up"            # the daemon accepted a connection
+    REFUSED = "refused"  # its host answered with a reset: nothing listens there any more
+    SILENT = "silent"    # no answer at all: a partition, a host gone, or a dropping firewall
+
+
+async def probe(endpoint: str, timeout: float) -> Probe:
     """Does a daemon still listen at ``tcp://host:port``?  One TCP handshake, no ZMTP.
 
     A killed daemon's port answers with a reset at once, so a node that died is told from a
@@ -115,27 +123,38 @@ async def reachable(endpoint: str, timeout: float) -> bool:
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except ConnectionRefusedError:
+        return Probe.REFUSED
     except (OSError, asyncio.TimeoutError, ValueError):
-        return False
+        return Probe.SILENT
     writer.close()
-    return True
+    return Probe.UP
+
+
+def judged_lost(answer: Probe, heard_meanwhile: bool) -> bool:
+    """Silence alone proves nothing (a firewall that drops the peer port looks the same):
+    a silent node is lost only if its heartbeat also stood still while we waited for it."""
+    return answer is Probe.REFUSED or (answer is Probe.SILENT and not heard_meanwhile)
 
 
 class PeerLinks:
     """Requests to other nodes by name, with the endpoints and keys of their signed records."""
 
     def __init__(self, client: PeerClient, record: Callable[[str], Awaitable[Any]],
-                 alive: Callable[[str], bool]) -> None:
+                 alive: Callable[[str], bool], heard_since: Callable[[str, float], bool]) -> None:
         self._client = client
         self._record = record
         self._alive = alive
+        self._heard_since = heard_since  # (node, monotonic time): its heartbeat moved after it
 
     async def unreachable(self, nodes: list[str], timeout: float) -> list[str]:
-        """The nodes among ``nodes`` whose daemon does not answer (unknown nodes count as up)."""
+        """The nodes among ``nodes`` whose daemon is gone (unknown nodes count as up)."""
         records = [(node, await self._record(node)) for node in nodes]
         known = [(node, r.peer_endpoint) for node, r in records if r is not None and r.peer_endpoint]
-        answers = await asyncio.gather(*(reachable(endpoint, timeout) for _, endpoint in known))
-        return [node for (node, _), up in zip(known, answers) if not up]
+        asked = time.monotonic()
+        answers = await asyncio.gather(*(probe(endpoint, timeout) for _, endpoint in known))
+        return [node for (node, _), answer in zip(known, answers)
+                if judged_lost(answer, self._heard_since(node, asked))]
 
     async def logs(self, node: str, args: dict[str, Any]) -> AsyncIterator[Any]:
         record = await self._record(node)

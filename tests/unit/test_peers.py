@@ -1,0 +1,62 @@
+"""Telling a dead node from a node whose peer port is merely silent (peers.probe/judged_lost)."""
+
+import asyncio
+import socket
+
+import pytest
+
+from elasticd.peers import PeerLinks, Probe, judged_lost, probe
+
+
+@pytest.mark.parametrize("answer, heard_meanwhile, lost", [
+    (Probe.UP, False, False), (Probe.UP, True, False),
+    (Probe.REFUSED, False, True), (Probe.REFUSED, True, True),  # nothing listens: the daemon died
+    (Probe.SILENT, False, True),   # a partition or a host gone: it stopped beating too
+    (Probe.SILENT, True, False),   # a firewall dropping the port: it still beats, the failure is real
+])
+def test_judged_lost(answer, heard_meanwhile, lost):
+    assert judged_lost(answer, heard_meanwhile) is lost
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A port whose SYNs are dropped, as a firewall would: a listener with a full accept queue."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(0)
+        port = listening.getsockname()[1]
+        queued = [socket.socket() for _ in range(3)]
+        for sock in queued:
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+        yield f"tcp://127.0.0.1:{port}"
+        for sock in queued:
+            sock.close()
+
+
+def test_probe_on_real_sockets(silent_endpoint):
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: the kernel answers with a reset
+        up = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        refused = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+        assert asyncio.run(probe(up, 5.0)) is Probe.UP
+        assert asyncio.run(probe(refused, 5.0)) is Probe.REFUSED
+    assert asyncio.run(probe(silent_endpoint, 0.3)) is Probe.SILENT
+
+
+class _Record:
+    def __init__(self, endpoint):
+        self.peer_endpoint = endpoint
+
+
+@pytest.mark.parametrize("heard, expected", [(False, ["n2"]), (True, [])])
+def test_a_silent_node_that_still_beats_is_not_lost(silent_endpoint, heard, expected):
+    """A worker failure is not free because a firewall drops the peer port of a living node."""
+    async def record(name):
+        return _Record(silent_endpoint)
+
+    links = PeerLinks(client=None, record=record, alive=lambda name: True,
+                      heard_since=lambda name, moment: heard)
+    assert asyncio.run(links.unreachable(["n2"], 0.3)) == expected
