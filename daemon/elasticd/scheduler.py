@@ -71,6 +71,28 @@ def eligible(spec: JobSpec, node: str) -> bool:
     return node not in spec.exclude and (not spec.nodes or node in spec.nodes)
 
 
+def never_fits(spec: JobSpec, nodes: Iterable[dict[str, Any]]) -> str | None:
+    """Why no node of the cluster could ever run a share of ``spec``, even idle; None if
+    one could.  (Too few such nodes is for the join timeout: nodes may still come.)"""
+    nodes = list(nodes)
+    if not nodes:
+        return None  # nothing seen yet: no grounds to refuse
+    unknown = sorted(set(spec.nodes) - {n["name"] for n in nodes})
+    if unknown:
+        return f"no node named {', '.join(unknown)}"
+    candidates = [n for n in nodes if eligible(spec, n["name"])]
+    if not candidates:
+        return "every node is excluded"
+    for node in candidates:
+        whole = Resources(node["slots_total"], tuple(str(i) for i in range(node["gpus_total"])))
+        if fit(spec, whole, has_gpus=bool(whole.gpus)) is not None:
+            return None
+    wanted = "one worker per GPU" if spec.nproc_per_node == GPU else f"{spec.nproc_per_node} workers"
+    sizes = ", ".join(f"{n['name']} has {n['slots_total']} slots and {n['gpus_total']} GPUs"
+                      for n in candidates[:5])
+    return f"no node can run {wanted} on its own: {sizes}"
+
+
 def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bool,
           busy: set[str], draining: bool = False) -> list[Offer]:
     """Offers this node makes, oldest job first: open jobs it fits and is not already in."""

@@ -64,6 +64,17 @@ def test_a_zero_join_timeout_is_refused_at_submit_and_later_jobs_still_run(meter
     assert metered.wait_job(job["id"], lambda d: d["state"] == "SUCCEEDED")
 
 
+def test_a_job_no_node_could_ever_run_is_refused_at_submit(metered):
+    """Slurm's "Requested node configuration is not available": no PENDING forever."""
+    for args, words in ((("--nproc-per-node", "5"), "no node can run 5 workers on its own: n1 has 4 slots"),
+                        (("--nproc-per-node", "gpu"), "one worker per GPU"),
+                        (("--nodes", "elsewhere"), "no node named elsewhere")):
+        done = metered.ctl_run("submit", *args, *worker_args())
+        assert done.returncode == 1 and words in done.stderr, done.stderr
+    assert metered.ctl("list", "--all") == []
+    assert metered.submit("--nproc-per-node", "4", *worker_args())["state"] == "PENDING"
+
+
 def test_oversized_frame_is_refused_with_its_id(metered):
     big = protocol.encode_request(protocol.Request("big-1", "status", {"job": "x" * (5 << 20)}))
     with Control(metered.socket) as control:

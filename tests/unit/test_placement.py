@@ -60,3 +60,29 @@ def test_busy_draining_and_left():
     assert place([job], "n1", Resources(8), has_gpus=False, busy=set()) == [Offer("j", 1, ())]
     assert place([job], "n1", Resources(8), has_gpus=False, busy={"j"}) == []
     assert place([job], "n1", Resources(8), has_gpus=False, busy=set(), draining=True) == []
+
+
+def _node(name, slots, gpus=0):
+    return {"name": name, "slots_total": slots, "gpus_total": gpus}
+
+
+@pytest.mark.parametrize("nproc, nodes, exclude, words", [
+    (2, [_node("a", 4)], (), None),
+    (8, [_node("a", 4), _node("b", 8)], (), None),                 # b could
+    (8, [_node("a", 4), _node("b", 8)], ("b",), "no node can run 8 workers on its own: a has 4 slots"),
+    ("gpu", [_node("a", 4)], (), "no node can run one worker per GPU"),
+    ("gpu", [_node("a", 4, 2)], (), None),
+    (3, [_node("a", 8, 2)], (), "a has 8 slots and 2 GPUs"),       # a GPU node: one GPU a worker
+    (1, [_node("a", 1)], ("a",), "every node is excluded"),
+    (9, [], (), None),                                              # nothing seen yet: no verdict
+])
+def test_never_fits(nproc, nodes, exclude, words):
+    from elasticd.scheduler import never_fits
+    problem = never_fits(record("j", 1, nproc=nproc, exclude=exclude).spec, nodes)
+    assert problem is None if words is None else words in problem
+
+
+def test_never_fits_names_unknown_nodes():
+    from elasticd.scheduler import never_fits
+    spec = record("j", 1, nodes=("a", "zz", "yy")).spec
+    assert never_fits(spec, [_node("a", 4)]) == "no node named yy, zz"
