@@ -220,6 +220,22 @@ def test_logs_of_another_node_come_over_the_peer_channel(cluster_factory):
     assert "out 0 1" in text and "err 0 1" in text
 
 
+def test_logs_follow_takes_in_a_node_that_joins_later(cluster_factory):
+    """`logs -f` asked before a node joined the job still shows that node's ranks."""
+    cluster = cluster_factory(2)
+    cluster[0].start()
+    job = cluster[0].submit("--nnodes", "1:2", *worker_args("--print", "1", "--sleep", "0"))["id"]
+    with Control(cluster[0].socket) as control:
+        stream = control.stream("logs", {"job": job, "follow": True}, 60)
+        texts = set()
+        while "out 0 0" not in texts:  # the stream is live, and n2 not started yet
+            texts |= {line["text"] for line in next(stream).get("lines", [])}
+        cluster[1].start()
+        while "out 1 0" not in texts:  # rank 1 runs on n2 once the job scaled up
+            texts |= {line["text"] for line in next(stream).get("lines", [])}
+    cluster[0].ctl("cancel", job)
+
+
 def test_store_host_restart_while_a_job_runs(cluster_factory):
     cluster = cluster_factory(3).start()
     job = cluster[1].submit("--nnodes", "2", "--nodes", "n2,n3", *worker_args("--sleep", "0"))

@@ -25,7 +25,7 @@ from ..logs import Chunk, LineSplitter, LogBus, log_files, read_file
 from ..model import JobSpec, parse_nnodes, parse_nproc
 from ..cluster import NodeService
 from ..peers import PeerCaller, PeerLinks
-from ..scheduler import JobService
+from ..scheduler import JobService, never_fits
 from .protocol import Request
 from .server import Caller, Reply
 
@@ -153,6 +153,9 @@ class Commands:
         if spec.uid == 0 and os.getuid() == 0 and not self._config.jobs.allow_root:
             raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = false)")
         check_runnable(spec)
+        problem = never_fits(spec, self._cluster.nodes())
+        if problem:
+            raise InvalidSpec(f"{problem}; the job could never start")
         record = await self._jobs.submit(spec)
         if args.get("wait"):
             await self._stream_until_done(record, reply)
@@ -201,9 +204,18 @@ class Commands:
         nodes' fetched from their daemons, merged as they come."""
         record = await self._find(args["job"])
         self._check_owner(caller, record, "read the logs of")
-        others = [node for node in record.parts if node != self._node]
-        await asyncio.gather(self.local_logs(record.id, args, reply),
-                             *(self._remote_logs(node, record.id, args, reply) for node in others))
+        sources = {self._node: asyncio.ensure_future(self.local_logs(record.id, args, reply))}
+        try:
+            while True:  # with --follow, nodes that join the job later are followed too
+                for node in record.parts.keys() - sources.keys():
+                    sources[node] = asyncio.ensure_future(self._remote_logs(node, record.id, args, reply))
+                if record.outcome is not None or not args.get("follow"):
+                    break
+                record = await self._registry.wait_change(record.id, record.version)
+            await asyncio.gather(*sources.values())
+        finally:
+            for source in sources.values():
+                source.cancel()
         await reply.end()
 
     async def local_logs(self, job_id: str, args: dict[str, Any], reply: Reply) -> None:
