@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
@@ -20,9 +21,10 @@ import sys
 import time
 import warnings
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 import sdnotify
+import zmq
 import zmq.asyncio
 
 from . import __version__, config as config_mod
@@ -192,16 +194,19 @@ class Daemon:
         nodes = self._node_service(store, signer, service, registry)
         commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                             cluster=nodes, peers=peers)
-        control = ControlServer(ctx, zap, config.socket_path, commands, on_request=self._count_request,
-                                world_accessible=os.getuid() == 0)
-        control.bind()
         zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
         peer_server = RouterServer(ctx, f"tcp://{self._address()}:{config.node.peer_port}",
                                    PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
                                    curve_secret=keys.secret)
-        self._peer = (peer_server.bind(), keys.public.decode())
-        http = self.metrics.serve(config.metrics.port, config.metrics.address) \
-            if config.metrics.port else None
+        # the TCP ports first: a port in use stops start-up before the control socket exists
+        with _listening("node.peer_port", f"{self._address()}:{config.node.peer_port}"):
+            self._peer = (peer_server.bind(), keys.public.decode())
+        with _listening("metrics.port", f"{config.metrics.address}:{config.metrics.port}"):
+            http = self.metrics.serve(config.metrics.port, config.metrics.address) \
+                if config.metrics.port else None
+        control = ControlServer(ctx, zap, config.socket_path, commands, on_request=self._count_request,
+                                world_accessible=os.getuid() == 0)
+        control.bind()
         registry.subscribe(lambda _: self._update_status(registry))
         self._install_signals()
         try:
@@ -369,6 +374,15 @@ class Daemon:
         while True:
             self.notify.send("WATCHDOG=1")
             await asyncio.sleep(interval)
+
+
+@contextlib.contextmanager
+def _listening(key: str, where: str) -> Iterator[None]:
+    """A port that cannot be bound is a configuration error naming its key, not a traceback."""
+    try:
+        yield
+    except (OSError, zmq.ZMQError) as exc:
+        raise ConfigError(key, f"cannot listen on {where}: {exc}") from exc
 
 
 def is_local(host: str) -> bool:

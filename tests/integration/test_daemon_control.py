@@ -139,6 +139,20 @@ def test_a_runtime_dir_that_others_can_write_is_refused(tmp_path):
     assert not (runtime / "control.sock").exists()
 
 
+def test_a_metrics_port_in_use_stops_start_up_naming_the_key(tmp_path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([PY, "-m", "elasticd", "--standalone", "--state-dir", str(tmp_path / "s"),
+                               "--runtime-dir", str(tmp_path / "r"), "--metrics-port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"config key 'metrics.port': cannot listen on 0.0.0.0:{port}" in done.stderr
+    assert not (tmp_path / "r" / "control.sock").exists()
+
+
 def test_second_daemon_on_the_same_socket_is_refused(daemon, daemon_factory):
     twin = daemon_factory(name="n1")
     twin.state_dir = daemon.state_dir.parent / "twin-state"
