@@ -149,8 +149,8 @@ def add_logs_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("job", metavar="JOB")
     sub.add_argument("--rank", "-r", type=non_negative_int, metavar="R", help="only this rank")
     sub.add_argument("--attempt", type=non_negative_int, metavar="N",
-                     help="only this attempt (0 = the first run, 1 = after the first restart, "
-                          "...; default: all)")
+                     help="only this attempt: the job's rendezvous round (0 = the first run; each "
+                          "restart, scale-up or lost node starts the next; default: all)")
     sub.add_argument("--follow", "-f", action="store_true",
                      help="keep printing new output until the job ends")
 
@@ -159,7 +159,7 @@ LOGS_FORMAT = """\
 output format:
   [rank 3] text              a line that rank 3 wrote to stdout
   [rank 3 err] text          a line that rank 3 wrote to stderr
-  [rank 3 attempt 1] text    the same after the job's first restart
+  [rank 3 attempt 1] text    the same in the job's next round (a restart or a membership change)
 with --json: one JSON object per line, {"rank", "stream", "attempt", "node", "text"}"""
 
 
