@@ -154,6 +154,8 @@ class Commands:
             raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = false)")
         check_runnable(spec)
         problem = never_fits(spec, self._cluster.nodes())
+        if problem:  # the view may be a heartbeat old: judge again on a fresh one
+            problem = never_fits(spec, await self._cluster.fresh())
         if problem:
             raise InvalidSpec(f"{problem}; the job could never start")
         record = await self._jobs.submit(spec)
