@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from .board import JobBoard
 from .cluster import NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
 from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
+from .control.protocol import is_own_dir
 from .control.server import ControlServer, RouterServer, Zap
 from .errors import ConfigError, ElasticdError
 from .history import History
@@ -168,7 +170,6 @@ class Daemon:
         self._store_ok = True
         self._started = time.time()
         self._peer = ("", "")
-        self._default_address = ""
 
     async def run(self) -> int:
         config = self.config
@@ -186,7 +187,7 @@ class Daemon:
         # the node service (built below: it needs the job service) tells where peers are
         peers = PeerLinks(PeerClient(ctx, keys), lambda name: nodes.record(name),
                           lambda name: nodes.alive(name), lambda name, t: nodes.heard_since(name, t))
-        service = JobService(config, node=self.node, address=self._address(),
+        service = JobService(config, node=self.node, address=self._address,
                              resources=Resources(slot_count(config, gpus), gpus), store=store,
                              signer=signer, registry=registry, metrics=self.metrics, logs=logs,
                              peers=peers,
@@ -195,11 +196,11 @@ class Daemon:
         commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                             cluster=nodes, peers=peers)
         zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
-        peer_server = RouterServer(ctx, f"tcp://{self._address()}:{config.node.peer_port}",
+        peer_server = RouterServer(ctx, f"tcp://{self._address}:{config.node.peer_port}",
                                    PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
                                    curve_secret=keys.secret)
         # the TCP ports first: a port in use stops start-up before the control socket exists
-        with _listening("node.peer_port", f"{self._address()}:{config.node.peer_port}"):
+        with _listening("node.peer_port", f"{self._address}:{config.node.peer_port}"):
             self._peer = (peer_server.bind(), keys.public.decode())
         with _listening("metrics.port", f"{config.metrics.address}:{config.metrics.port}"):
             http = self.metrics.serve(config.metrics.port, config.metrics.address) \
@@ -273,7 +274,7 @@ class Daemon:
 
     def _local_record(self, service: JobService) -> NodeRecord:
         used = service.used()
-        info = NodeInfo(self.node, self._address(), service.resources.slots, service.resources.gpus,
+        info = NodeInfo(self.node, self._address, service.resources.slots, service.resources.gpus,
                         dict(self.config.node.labels), __version__, service.draining, self._started)
         return NodeRecord(info, service.draining, used.slots, len(used.gpus),
                           tuple(service.local_jobs()), *self._peer)
@@ -293,8 +294,8 @@ class Daemon:
                 ("paths.state_dir", os.path.join(paths.state_dir, "logs"), 0o755),
                 ("paths.runtime_dir", paths.runtime_dir, 0o755 if os.getuid() == 0 else 0o700)):
             os.makedirs(path, mode=mode, exist_ok=True)
-            info = os.lstat(path)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            if not is_own_dir(path):
+                info = os.lstat(path)
                 raise ConfigError(key, f"refusing {path}: it must be a directory owned by uid "
                                   f"{os.geteuid()} that nobody else can write (it is uid "
                                   f"{info.st_uid}, mode {stat.filemode(info.st_mode)})")
@@ -324,10 +325,9 @@ class Daemon:
         self.metrics.store_up.set(1)
         return InstrumentedStore(store, self.metrics)
 
+    @functools.cached_property
     def _address(self) -> str:
-        if not self._default_address:
-            self._default_address = self.config.node.address or route_address(self.config.store_host)
-        return self._default_address
+        return self.config.node.address or route_address(self.config.store_host)
 
     def _restore(self, registry: JobRegistry, history: History) -> None:
         """Jobs a previous run left unfinished: kill leftovers, record what happened."""

@@ -281,8 +281,7 @@ class NodeService:
         self._epoch: str | None = None
         self._drain: bool | None = None
         self._store_up = True
-        self._ticked = asyncio.Condition()
-        self._ticks = 0      # successful duties
+        self._ticked = asyncio.Condition()  # notified when a duty ends
         self._begun = 0      # duties begun
         self._ended = 0      # duties ended, successful or not
         self._wake = asyncio.Event()  # someone wants a duty now (see fresh())
@@ -323,9 +322,6 @@ class NodeService:
     async def _apply(self, tick: Tick) -> None:
         self._sightings = tick.sightings
         self._on_tick()
-        async with self._ticked:
-            self._ticks += 1
-            self._ticked.notify_all()
         if tick.drain is not None and tick.drain != self._drain:
             self._drain = tick.drain
             self._on_drain(tick.drain)
@@ -364,13 +360,14 @@ class NodeService:
         return self.nodes()
 
     async def watch(self) -> AsyncIterator[list[dict[str, Any]]]:
-        """The node list now, then again after every heartbeat duty that changed it."""
+        """The node list now, then again after every heartbeat duty that changed it (a failed
+        duty too: with the store gone, nodes turn lost as time passes)."""
         last: list[dict[str, Any]] | None = None
         seen = -1
         while True:
             async with self._ticked:
-                await self._ticked.wait_for(lambda: self._ticks != seen)
-                seen = self._ticks
+                await self._ticked.wait_for(lambda: self._ended != seen)
+                seen = self._ended
             nodes = self.nodes()
             if _without_times(nodes) != _without_times(last):
                 last = nodes

@@ -132,12 +132,12 @@ def validate(spec: JobSpec) -> None:
     need(spec.nproc_per_node == GPU or (_is_int(spec.nproc_per_node) and spec.nproc_per_node >= 1),
          f"nproc_per_node must be a positive integer or '{GPU}'")
     need(_is_int(spec.max_restarts) and spec.max_restarts >= 0, "max_restarts must be 0 or more")
-    for name, least in (("join_timeout", "more than 0"), ("exit_barrier_timeout", "more than 0"),
-                        ("last_call_timeout", "0 or more")):
+    for name, positive in (("join_timeout", True), ("exit_barrier_timeout", True),
+                           ("last_call_timeout", False)):
         value = getattr(spec, name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        need(number and (value > 0 if least == "more than 0" else value >= 0),
-             f"{name} must be {least} seconds, got {value!r}")
+        need(number and (value > 0 if positive else value >= 0),
+             f"{name} must be {'more than 0' if positive else '0 or more'} seconds, got {value!r}")
     need(all(isinstance(n, str) and n for n in spec.nodes + spec.exclude),
          "nodes and exclude must be node names")
 

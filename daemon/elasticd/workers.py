@@ -16,11 +16,11 @@ import json
 import logging
 import os
 import signal
-import stat
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from .control.protocol import is_own_dir
 from .model import Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState, worker_env
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,7 @@ class LocalWorkers:
         in them could plant a symlink where the daemon (maybe root) is about to write."""
         os.makedirs(self.log_dir, mode=0o755, exist_ok=True)
         for path in (os.path.dirname(self.log_dir), self.log_dir):
-            info = os.lstat(path)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            if not is_own_dir(path):
                 raise PermissionError(f"refusing log directory {path}: not a directory of "
                                       f"elasticd's own that only it can write")
 

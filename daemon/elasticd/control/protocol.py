@@ -230,18 +230,19 @@ def default_socket_path() -> str:
     own_dir = default_runtime_dir()
     own = os.path.join(own_dir, SOCKET_NAME)
     system = os.path.join("/run/elasticd", SOCKET_NAME)
-    if os.path.exists(own) and _is_own_dir(own_dir):
+    if os.path.exists(own) and is_own_dir(own_dir):
         return own
-    if os.path.exists(system) or (os.path.lexists(own_dir) and not _is_own_dir(own_dir)):
+    if os.path.exists(system) or (os.path.lexists(own_dir) and not is_own_dir(own_dir)):
         return system
     return own
 
 
-def _is_own_dir(path: str) -> bool:
-    """A directory of the caller's that only the caller can write: anyone can create
-    /tmp/elasticd-UID first and listen there for a user's requests (environments included)."""
+def is_own_dir(path: str) -> bool:
+    """A directory (not a link to one) of this process's user that nobody else can write.
+    Anything else could be swapped under us: /tmp/elasticd-UID made first by another user, a
+    log directory where a job plants a link for a root daemon to follow."""
     try:
         info = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
