@@ -19,8 +19,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import zmq
-
 from elasticd.control import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,13 +222,14 @@ class Daemon:
 
 
 class Control:
-    """A minimal real client of the control protocol."""
+    """A minimal real client of the control protocol (frames written and read by hand, so
+    that tests can send what elasticctl never would)."""
 
     def __init__(self, path: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"ipc://{path}")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self._frames = protocol.FrameReader()
+        self._ready: list[bytes] = []
 
     def __enter__(self) -> Control:
         return self
@@ -239,16 +238,24 @@ class Control:
         self.close()
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        self.sock.close()
 
-    def send_raw(self, frame: bytes) -> None:
-        self.sock.send(frame)
+    def send_raw(self, payload: bytes) -> None:
+        """One frame with ``payload`` as its body (any bytes)."""
+        self.sock.sendall(protocol.framed(payload))
 
     def recv(self, timeout: float = 30.0) -> protocol.Reply:
-        if not self.sock.poll(int(timeout * 1000)):
-            raise AssertionError(f"no reply in {timeout}s")
-        return protocol.decode_reply(self.sock.recv())
+        deadline = time.monotonic() + timeout
+        while not self._ready:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(1 << 20)
+            except socket.timeout:
+                raise AssertionError(f"no reply in {timeout}s") from None
+            if not data:
+                raise AssertionError("the daemon closed the connection")
+            self._ready.extend(self._frames.feed(data))
+        return protocol.decode_reply(self._ready.pop(0))
 
     def call(self, op: str, args: dict[str, Any], timeout: float = 30.0) -> protocol.Reply:
         self.send_raw(protocol.encode_request(protocol.Request(uuid.uuid4().hex, op, args)))

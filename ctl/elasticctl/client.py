@@ -1,31 +1,31 @@
-"""A ZeroMQ DEALER client for elasticd's control socket (DESIGN §3).
+"""A client for elasticd's control socket (DESIGN §3): a Unix stream socket carrying
+length-prefixed JSON frames.
 
 One request frame out, one reply frame back (or several, for a stream, until ``end``).
-Nothing here ever waits without a bound it chose: the socket is probed with a plain
-``connect()`` first (so a missing daemon is reported at once), the first reply must come
-within ``timeout`` seconds, and a dropped connection is seen through a socket monitor.
-A signal (Ctrl-C) wakes the poll through Python's wakeup fd: one that lands just before
-``zmq_poll`` blocks would otherwise wait for the next reply, perhaps forever.
+Nothing here ever waits without a bound it chose: connecting takes at most a second (so a
+missing daemon is reported at once), the first reply must come within ``timeout`` seconds,
+and a dropped connection is seen as the end of the byte stream.  A signal (Ctrl-C) wakes
+the wait through Python's wakeup fd: one that lands just before ``select`` blocks would
+otherwise wait for the next reply, perhaps forever.
 """
 
 from __future__ import annotations
 
+import select
 import signal
 import socket
-import struct
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
-
-import zmq
 
 from elasticd.control import protocol
 
 DEFAULT_TIMEOUT = 15.0
-PROBE_TIMEOUT = 1.0
-LOST_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+CONNECT_TIMEOUT = 1.0
+_RECEIVE = 256 * 1024
 
 
 class ClientError(Exception):
@@ -68,39 +68,16 @@ class RequestTooLarge(ClientError):
     code = protocol.E_TOO_LARGE
 
 
-def probe(path: str) -> None:
-    """Raise NotRunning unless something listens on the unix socket at ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(PROBE_TIMEOUT)
-        try:
-            sock.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise NotRunning(path) from None
-        except TimeoutError:
-            raise NoReply(f"elasticd does not accept connections at {path}") from None
-        except OSError as exc:
-            raise Unavailable(f"cannot connect to {path}: {exc.strerror or exc}") from None
-
-
 class Client:
     """A connection to one daemon; use as a context manager."""
 
     def __init__(self, path: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-        probe(path)
         self.path = path
         self.timeout = timeout
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.linger = 0
-        self._monitor = self._socket.get_monitor_socket(LOST_EVENTS)
-        self._monitor.linger = 0
-        self._socket.connect(f"ipc://{path}")
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._sock = _connect(path)
+        self._frames = protocol.FrameReader(protocol.MAX_REPLY)
+        self._ready: deque[bytes] = deque()
         self._wakeup = SignalWakeup()
-        if self._wakeup.fd is not None:
-            self._poller.register(self._wakeup.fd, zmq.POLLIN)
 
     def __enter__(self) -> Client:
         return self
@@ -110,7 +87,7 @@ class Client:
 
     def close(self) -> None:
         self._wakeup.close()
-        self._context.destroy(linger=0)
+        self._sock.close()
 
     def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
         """One request, one reply: its result (RemoteError for an error reply)."""
@@ -132,41 +109,85 @@ class Client:
 
     def _send(self, op: str, args: dict[str, Any] | None) -> str:
         request = protocol.Request(uuid.uuid4().hex, op, args or {})
-        frame = protocol.encode_request(request)
+        try:
+            frame = protocol.encode_request(request)
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start:exc.end].encode("utf-8", "surrogateescape")
+            raise ClientError(f"the {op} request holds text that is not UTF-8 (bytes {bad!r}); "
+                              "the control protocol carries UTF-8 only", protocol.E_BAD_REQUEST) from None
         if len(frame) > protocol.MAX_FRAME:
             raise RequestTooLarge(f"the {op} request is {len(frame)} bytes, over the "
                                   f"{protocol.MAX_FRAME}-byte limit of the control protocol")
+        self._sock.settimeout(self.timeout)
         try:
-            self._socket.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
+            self._sock.sendall(protocol.framed(frame))
+        except TimeoutError:
             raise NoReply(f"elasticd at {self.path} does not take requests") from None
+        except OSError:
+            raise self._lost() from None
+        finally:
+            self._sock.setblocking(False)
         return request.id
 
     def _receive(self, request_id: str, timeout: float | None) -> protocol.Reply:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            wait_ms = None if deadline is None else max(0, (deadline - time.monotonic()) * 1000)
-            ready = dict(self._poller.poll(wait_ms))
-            if self._wakeup.fd in ready:
-                self._wakeup.drain()  # the signal's handler runs as this returns
-                continue
-            if not ready:
-                raise NoReply(f"elasticd did not answer within {timeout:g} s "
-                              f"(socket {self.path}; ELASTICCTL_TIMEOUT sets the limit)")
-            if self._socket not in ready:  # replies that came before a hang-up still count
-                raise self._lost()
-            reply = _decode(self._socket.recv_multipart()[-1])
-            if reply.id != request_id:
-                continue  # a late reply to some earlier request: not ours
-            if not reply.ok:
-                raise RemoteError(reply.message, reply.code)
-            return reply
+            while self._ready:
+                reply = _decode(self._ready.popleft())
+                if not reply.ok and not reply.id:
+                    raise RemoteError(reply.message, reply.code)  # about the connection itself
+                if reply.id != request_id:
+                    continue  # a late reply to some earlier request: not ours
+                if not reply.ok:
+                    raise RemoteError(reply.message, reply.code)
+                return reply
+            self._fill(deadline, timeout)
+
+    def _fill(self, deadline: float | None, timeout: float | None) -> None:
+        """Wait for bytes from the daemon and add the frames they complete."""
+        waiting = [self._sock] + ([self._wakeup.fd] if self._wakeup.fd is not None else [])
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        readable, _, _ = select.select(waiting, [], [], left)
+        if self._wakeup.fd in readable:
+            self._wakeup.drain()  # the signal's handler runs as this returns
+            return
+        if not readable:
+            raise NoReply(f"elasticd did not answer within {timeout:g} s "
+                          f"(socket {self.path}; ELASTICCTL_TIMEOUT sets the limit)")
+        try:
+            data = self._sock.recv(_RECEIVE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            raise self._lost()
+        try:
+            self._ready.extend(self._frames.feed(data))
+        except protocol.ProtocolError as exc:
+            raise ClientError(f"bad reply from elasticd: {exc}", exc.code) from None
 
     def _lost(self) -> Unavailable:
-        event = monitor_event(self._monitor.recv_multipart())
-        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return Unavailable(f"elasticd at {self.path} refused this client")
         return Unavailable(f"lost the connection to elasticd at {self.path}", "connection_lost")
+
+
+def _connect(path: str) -> socket.socket:
+    """A connected socket, or NotRunning/Unavailable at once."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(CONNECT_TIMEOUT)
+    try:
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        raise NotRunning(path) from None
+    except TimeoutError:
+        sock.close()
+        raise NoReply(f"elasticd does not accept connections at {path}") from None
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"cannot connect to {path}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
 
 
 class SignalWakeup:
@@ -196,12 +217,6 @@ class SignalWakeup:
             self._read.close()
             self._write.close()
             self.fd = None
-
-
-def monitor_event(frames: list[bytes]) -> int:
-    """The event number of a libzmq monitor message (uint16 event, uint32 value; endpoint)."""
-    event, _value = struct.unpack("=HI", frames[0][:6])
-    return event
 
 
 def _decode(frame: bytes) -> protocol.Reply:

@@ -15,6 +15,7 @@ import faulthandler
 import functools
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -35,7 +36,7 @@ from .cluster import NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_
 from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
 from .control.protocol import is_own_dir
-from .control.server import ControlServer, RouterServer, Zap
+from .control.server import ControlServer, Limits, RouterServer, Zap
 from .errors import ConfigError, ElasticdError
 from .history import History
 from .jobs import JobRecord, JobRegistry, Outcome, PartState
@@ -203,9 +204,11 @@ class Daemon:
         with _listening("node.peer_port", f"{self._address}:{config.node.peer_port}"):
             self._peer = (peer_server.bind(), keys.public.decode())
         with _listening("metrics.port", f"{config.metrics.address}:{config.metrics.port}"):
-            http = self.metrics.serve(config.metrics.port, config.metrics.address) \
+            http = await self.metrics.serve(config.metrics.port, config.metrics.address) \
                 if config.metrics.port else None
-        control = ControlServer(ctx, zap, config.socket_path, commands, on_request=self._count_request,
+        control = ControlServer(config.socket_path, commands, limits=self._control_limits(),
+                                on_request=self._count_request,
+                                on_connections=self.metrics.control_connections.set,
                                 world_accessible=os.getuid() == 0)
         control.bind()
         registry.subscribe(lambda _: self._update_status(registry))
@@ -228,7 +231,7 @@ class Daemon:
                 closable.close()
             ctx.term()
             if http is not None:
-                http.shutdown()
+                http.close()
             store.close()
             if self._server is not None:
                 self._server.close()
@@ -352,6 +355,17 @@ class Daemon:
         self.metrics.refused_records.inc()
         log.warning("refused store record %s: %s", key, why)
 
+    def _control_limits(self) -> Limits:
+        """The configured connection limits, kept well inside the file-descriptor limit (the
+        rest is for workers' pipes and logs, store connections and peers)."""
+        control = self.config.control
+        budget = max(16, raise_fd_limit() // 4)
+        if control.max_connections > budget:
+            log.warning("control.max_connections = %d lowered to %d: the file-descriptor limit "
+                        "is %d (raise LimitNOFILE)", control.max_connections, budget, budget * 4)
+        return Limits(connections=min(control.max_connections, budget),
+                      connections_per_user=control.max_connections_per_user)
+
     def _count_request(self, op: str, result: str) -> None:
         self.metrics.control_requests.labels(op, result).inc()
 
@@ -374,6 +388,19 @@ class Daemon:
         while True:
             self.notify.send("WATCHDOG=1")
             await asyncio.sleep(interval)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard one; returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 @contextlib.contextmanager

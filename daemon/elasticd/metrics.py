@@ -6,12 +6,14 @@ The names here are the contract with ``packaging/grafana-dashboard.json`` and
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter as Tally
 from typing import Any, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client import start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import ProcessCollector, generate_latest
 
 from . import __version__
 from .jobs import JobRecord
@@ -42,6 +44,8 @@ class Metrics:
         self.control_requests = Counter("elasticd_control_requests_total",
                                         "Control requests, by op and result", ["op", "result"],
                                         registry=reg)
+        self.control_connections = Gauge("elasticd_control_connections",
+                                         "Open control-socket connections", registry=reg)
         self.refused_records = Counter("elasticd_store_refused_records_total",
                                        "Store records refused (bad MAC or unreadable)", registry=reg)
         self.store_up = Gauge("elasticd_store_up", "1 when the store answers", registry=reg)
@@ -121,10 +125,60 @@ class Metrics:
             if op != "wait_for":  # a wait blocks on purpose: its duration is not latency
                 self.store_latency.labels(op).observe(time.perf_counter() - started)
 
-    def serve(self, port: int, address: str) -> Any:
-        """Start the HTTP endpoint (a thread of prometheus_client's); returns the server."""
-        server, _thread = start_http_server(port, address, registry=self.registry)
-        return server
+    async def serve(self, port: int, address: str) -> asyncio.Server:
+        """Start the HTTP endpoint on the event loop; returns the listening server."""
+        return await asyncio.start_server(MetricsEndpoint(self.registry).handle, address, port,
+                                          limit=_MAX_REQUEST_HEAD)
+
+
+log = logging.getLogger(__name__)
+
+_MAX_REQUEST_HEAD = 16 * 1024
+_MAX_SCRAPERS = 32
+_REQUEST_TIMEOUT = 10.0
+
+
+class MetricsEndpoint:
+    """``GET /metrics`` on the event loop.  prometheus_client's own server starts a thread per
+    connection and waits for a request forever: anyone who reaches the port could exhaust the
+    daemon's threads and descriptors.  Here a few scrapes run at once, each with a deadline."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._open = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= _MAX_SCRAPERS:
+            writer.close()
+            return
+        self._open += 1
+        try:
+            async with asyncio.timeout(_REQUEST_TIMEOUT):
+                head = await reader.readuntil(b"\r\n\r\n")
+                writer.write(self._response(head))
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("metrics: a scrape failed")
+        finally:
+            self._open -= 1
+            writer.close()
+
+    def _response(self, head: bytes) -> bytes:
+        method, _, rest = head.partition(b" ")
+        path = rest.partition(b" ")[0].partition(b"?")[0]
+        if method != b"GET":
+            return _http(405, b"text/plain", b"only GET\n")
+        if path not in (b"/metrics", b"/"):
+            return _http(404, b"text/plain", b"try /metrics\n")
+        return _http(200, CONTENT_TYPE_LATEST.encode(), generate_latest(self._registry))
+
+
+def _http(status: int, content_type: bytes, body: bytes) -> bytes:
+    reason = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}[status]
+    return (b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n" % (status, reason, content_type, len(body))) + body
 
 
 

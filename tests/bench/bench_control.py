@@ -2,7 +2,7 @@
 
     python tests/bench/bench_control.py [--requests 1000] [--json]
 
-- ``status`` round trip over the ZeroMQ control socket: p50/p99 of N requests, one client;
+- ``status`` round trip over the control socket: p50/p99 of N requests, one client;
 - ``elasticctl version`` wall time (a fresh process each time: interpreter start included);
 - the daemon's idle RSS and CPU% (sampled over 5 s with no job).
 

@@ -1,11 +1,12 @@
 """Pieces of the worker and control layers that are pure: error files, exit text, peers."""
 
 import json
+import os
+import socket
 
 import pytest
 
-from elasticd.control.server import parse_peer, zap_user_id
-from elasticd.errors import PermissionDenied
+from elasticd.control.server import Admission, Limits, peer_credentials
 from elasticd.workers import describe_exit, read_error_file
 
 
@@ -38,16 +39,23 @@ def test_describe_exit(code, text):
     assert describe_exit(code) == text
 
 
-@pytest.mark.parametrize("address, user_id", [(b"localhost:0:0:1858", b"0:0:1858"),
-                                              (b":1000:100:42", b"1000:100:42"),
-                                              (b"127.0.0.1:5555", None), (b"", None),
-                                              (b"h:a:b:c", None)])
-def test_zap_address(address, user_id):
-    assert zap_user_id(address) == user_id
+def test_peer_credentials_come_from_the_kernel():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        caller = peer_credentials(ours)
+    assert (caller.uid, caller.gid, caller.pid) == (os.getuid(), os.getgid(), os.getpid())
 
 
-def test_parse_peer():
-    peer = parse_peer("1000:100:42")
-    assert (peer.uid, peer.gid, peer.pid) == (1000, 100, 42)
-    with pytest.raises(PermissionDenied):
-        parse_peer("")
+def test_admission_limits_connections_per_user_and_in_all():
+    admission = Admission(Limits(connections=3, connections_per_user=2))
+    for uid in (1000, 1000):
+        assert admission.refusal(uid) is None
+        admission.opened(uid)
+    assert "uid 1000" in admission.refusal(1000) and "max_connections_per_user = 2" in admission.refusal(1000)
+    assert admission.refusal(65534) is None
+    admission.opened(65534)
+    assert "control.max_connections = 3" in admission.refusal(0)
+    admission.closed(1000)
+    assert admission.refusal(1000) is None and admission.open == {1000: 1, 65534: 1}
+    admission.closed(1000)
+    assert 1000 not in admission.open

@@ -2,7 +2,8 @@
 
 A stdlib-only leaf: the CLI imports this module and nothing else from the daemon.
 
-Every frame is one JSON object.  Request::
+The transport is a Unix stream socket; each frame is a 4-byte big-endian length and then
+that many bytes of UTF-8 JSON, one object.  Request::
 
     {"v": 1, "id": "…", "op": "status", "args": {"job": "j-7f3a21"}}
 
@@ -16,15 +17,19 @@ Reply (one, or several with the same id for a stream, the last one ``{"end": tru
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
+import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 VERSION = 1
-MAX_FRAME = 4 * 1024 * 1024
+MAX_FRAME = 4 * 1024 * 1024      # a request
+MAX_REPLY = 256 * 1024 * 1024    # a reply (a `list` of many jobs is larger than any request)
 SOCKET_NAME = "control.sock"
+HEADER = struct.Struct(">I")
 
 # op -> {arg: allowed python types}; every arg is optional unless listed in REQUIRED.
 OPS: dict[str, dict[str, tuple[type, ...]]] = {
@@ -74,6 +79,7 @@ E_NOT_FOUND = "not_found"
 E_PERMISSION = "permission_denied"
 E_INVALID_SPEC = "invalid_spec"
 E_INTERNAL = "internal"
+E_TOO_MANY = "too_many_connections"
 
 
 class ProtocolError(Exception):
@@ -97,7 +103,10 @@ class Request:
 
 
 def encode_request(req: Request) -> bytes:
-    return _dump({"v": VERSION, "id": req.id, "op": req.op, "args": req.args})
+    """Raises UnicodeEncodeError for text that is not valid Unicode (e.g. a command-line
+    argument that was not UTF-8): better refused by the client than changed."""
+    return json.dumps({"v": VERSION, "id": req.id, "op": req.op, "args": req.args},
+                      separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def decode_request(frame: bytes) -> Request:
@@ -107,7 +116,7 @@ def decode_request(frame: bytes) -> Request:
     """
     if len(frame) > MAX_FRAME:
         raise ProtocolError(E_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME}")
-    doc = _load(frame)
+    doc = _load(frame, strict=True)
     if not isinstance(doc, dict):
         raise ProtocolError(E_BAD_REQUEST, "request must be a JSON object")
     if doc.get("v") != VERSION:
@@ -135,14 +144,19 @@ def request_id(frame: bytes) -> str:
     encode_request puts it.
     """
     if len(frame) > MAX_FRAME:
-        match = _ID_NEAR_START.search(frame[:1024])
-        return match.group(1).decode(errors="replace") if match else ""
+        return id_near_start(frame)
     try:
         doc = json.loads(frame)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return ""
     rid = doc.get("id") if isinstance(doc, dict) else None
-    return rid if isinstance(rid, str) else ""
+    return rid if isinstance(rid, str) and is_text(rid) else ""
+
+
+def id_near_start(frame: bytes) -> str:
+    """The id of a frame too large to parse, if encode_request put it near the start."""
+    match = _ID_NEAR_START.search(frame[:1024])
+    return match.group(1).decode(errors="replace") if match else ""
 
 
 def _check_args(op: str, args: dict[str, Any]) -> None:
@@ -200,16 +214,89 @@ def decode_reply(frame: bytes) -> Reply:
 
 
 def _dump(doc: Any) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    # A lone surrogate cannot be UTF-8: it becomes "?" rather than failing the whole reply
+    # (requests carrying one are refused; this guards text that came from elsewhere).
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode(errors="replace")
 
 
-def _load(frame: bytes) -> Any:
+def _load(frame: bytes, strict: bool = False) -> Any:
+    """JSON; ``strict`` also refuses what no valid request holds: NaN, Infinity, a number
+    too large for a float (1e309), and strings with lone surrogates ("\\ud800")."""
     try:
-        return json.loads(frame)
+        if not strict:
+            return json.loads(frame)
+        doc = json.loads(frame, parse_constant=_no_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(E_BAD_REQUEST, f"invalid JSON: {exc}") from None
     except RecursionError:
         raise ProtocolError(E_BAD_REQUEST, "invalid JSON: nested too deeply") from None
+    bad = _first_bad_text(doc)
+    if bad is not None:
+        raise ProtocolError(E_BAD_REQUEST, f"invalid text {bad!r}: not valid Unicode (a lone surrogate)")
+    return doc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def is_text(value: str) -> bool:
+    """Whether ``value`` can be encoded as UTF-8 (no lone surrogates)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_bad_text(doc: Any) -> str | None:
+    """The first string (key or value) in ``doc`` that is not valid Unicode, if any."""
+    stack = [doc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not is_text(item):
+                return item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+# -- framing ---------------------------------------------------------------------------------
+
+def framed(payload: bytes) -> bytes:
+    """One frame on the wire: its length, then the payload."""
+    return HEADER.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Turns bytes received from a stream into whole frames (for a blocking client)."""
+
+    def __init__(self, limit: int = MAX_REPLY) -> None:
+        self._limit = limit
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        self._buffer += data
+        while len(self._buffer) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._buffer)
+            if size > self._limit:
+                raise ProtocolError(E_TOO_LARGE, f"a frame of {size} bytes exceeds {self._limit}")
+            if len(self._buffer) < HEADER.size + size:
+                return
+            payload = bytes(self._buffer[HEADER.size:HEADER.size + size])
+            del self._buffer[:HEADER.size + size]
+            yield payload
 
 
 def default_runtime_dir(uid: int | None = None) -> str:

@@ -1,18 +1,25 @@
-"""The control socket: a ZeroMQ ROUTER on ``ipc://<runtime dir>/control.sock`` (DESIGN §3).
+"""Request servers: the control socket (a Unix stream socket at
+``<runtime dir>/control.sock``, DESIGN §3) and the ZeroMQ ROUTER of the peer channel.
 
-Who is calling is known, not claimed: the daemon answers ZAP requests, in which libzmq puts
-the peer's ``uid:gid:pid`` (SO_PEERCRED) for ipc connections, and sets that as the
-connection's User-Id, which every message then carries.  Each request runs in its own task;
-a bad frame gets an error reply, a log line and a counter, and the server goes on.
+Who is calling is known, not claimed: the control server reads the caller's uid, gid and
+pid from the kernel (SO_PEERCRED) when it accepts the connection.  It owns ``accept()``, so
+that no local user can exhaust the daemon's file descriptors or memory: connections are
+limited per user and in all, a connection has a few requests open at a time (beyond that
+its bytes stay unread in the kernel), a user has a few requests being worked on at a time,
+and a reply waits for the client to read the previous one.  A bad frame gets an error reply,
+a log line and a counter, and the server goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
 import stat
+import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -26,8 +33,9 @@ from .protocol import ProtocolError, Request
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-ZAP_DOMAIN = b"elasticd"
 HARD_FRAME_LIMIT = 64 * 1024 * 1024  # beyond this libzmq drops the connection unread
+PEER_HWM = 64  # messages queued per peer connection, each way (a stream's chunks are <= ~1 MB)
+PEER_HANDSHAKE = 5.0  # seconds a peer connection may take to authenticate before it is dropped
 
 
 @dataclass(frozen=True)
@@ -37,23 +45,6 @@ class Caller:
     pid: int
 
 
-def parse_peer(user_id: str) -> Caller:
-    """``"uid:gid:pid"`` (as our ZAP handler sets it) -> Caller."""
-    try:
-        uid, gid, pid = (int(part) for part in user_id.split(":"))
-    except ValueError:
-        raise PermissionDenied("the caller's credentials are unknown") from None
-    return Caller(uid, gid, pid)
-
-
-def zap_user_id(address: bytes) -> bytes | None:
-    """The ZAP request's address for ipc is ``<host>:<uid>:<gid>:<pid>``; keep the last three."""
-    parts = address.decode(errors="replace").rsplit(":", 3)
-    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
-        return None
-    return ":".join(parts[1:]).encode()
-
-
 class PeerGone(Exception):
     """The client disconnected; a stream to it ends."""
 
@@ -61,9 +52,7 @@ class PeerGone(Exception):
 class Reply:
     """Sends the replies of one request to the client that made it."""
 
-    def __init__(self, socket: zmq.asyncio.Socket, identity: bytes, request_id: str) -> None:
-        self._socket = socket
-        self._identity = identity
+    def __init__(self, request_id: str) -> None:
         self.id = request_id
 
     async def result(self, value: Any) -> None:
@@ -76,6 +65,16 @@ class Reply:
         await self._send(protocol.error(self.id, code, message))
 
     async def _send(self, frame: bytes) -> None:
+        raise NotImplementedError
+
+
+class RouterReply(Reply):
+    def __init__(self, socket: zmq.asyncio.Socket, identity: bytes, request_id: str) -> None:
+        super().__init__(request_id)
+        self._socket = socket
+        self._identity = identity
+
+    async def _send(self, frame: bytes) -> None:
         try:
             await self._socket.send_multipart([self._identity, frame])
         except zmq.ZMQError as exc:
@@ -86,11 +85,6 @@ class Reply:
 
 Handler = Callable[[Any, Request, Reply], Awaitable[None]]
 ZapPolicy = Callable[[bytes, bytes, list[bytes]], bytes | None]  # (mechanism, address, credentials) -> user id
-
-
-def local_peer_policy(mechanism: bytes, address: bytes, credentials: list[bytes]) -> bytes | None:
-    """ipc control socket: admit every local peer, labelled with its SO_PEERCRED credentials."""
-    return zap_user_id(address)
 
 
 class Zap:
@@ -149,6 +143,9 @@ class RouterServer:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
         router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.SNDHWM, PEER_HWM)
+        router.setsockopt(zmq.RCVHWM, PEER_HWM)
+        router.setsockopt(zmq.HANDSHAKE_IVL, int(PEER_HANDSHAKE * 1000))
         if curve_secret is not None:
             router.curve_server = True
             router.curve_secretkey = curve_secret
@@ -173,32 +170,13 @@ class RouterServer:
 
     async def _dispatch(self, identity: bytes, frame: zmq.Frame) -> None:
         raw = frame.bytes
-        reply = Reply(self._router, identity, protocol.request_id(raw))
-        op = "invalid"
+        reply = RouterReply(self._router, identity, protocol.request_id(raw))
         try:
             caller = self._identify(frame.get("User-Id") or "")
-            request = protocol.decode_request(raw)
-            op, reply.id = request.op, request.id
-            await self._handler(caller, request, reply)
-            self._count(op, "ok")
-        except ProtocolError as exc:
-            await self._refuse(reply, op, exc.code, str(exc))
         except ElasticdError as exc:
-            await self._refuse(reply, op, exc.code, exc.message)
-        except PeerGone:
-            self._count(op, "peer_gone")
-            log.info("control: client went away during %s", op)
-        except Exception:
-            log.exception("control: %s failed", op)
-            await self._refuse(reply, op, protocol.E_INTERNAL, "internal error (see the daemon log)")
-
-    async def _refuse(self, reply: Reply, op: str, code: str, message: str) -> None:
-        self._count(op, code)
-        log.info("control: %s refused: %s: %s", op, code, message)
-        try:
-            await reply.error(code, message)
-        except PeerGone:
-            pass
+            await _refuse(reply, "invalid", exc.code, exc.message, self._count)
+            return
+        await answer(self._handler, caller, raw, reply, self._count)
 
     def close(self) -> None:
         for task in self._tasks:
@@ -206,29 +184,38 @@ class RouterServer:
         self._router.close(linger=0)
 
 
-class ControlServer(RouterServer):
-    """The local control socket: ``ipc://<runtime dir>/control.sock``."""
+async def answer(handler: Handler, caller: Any, raw: bytes, reply: Reply,
+                 count: Callable[[str, str], None]) -> None:
+    """Decode one request, run its handler, and turn every failure into an error reply.
+    Never raises (but for cancellation): one bad request must not touch any other."""
+    op = "invalid"
+    try:
+        request = protocol.decode_request(raw)
+        op, reply.id = request.op, request.id
+        await handler(caller, request, reply)
+        count(op, "ok")
+    except ProtocolError as exc:
+        await _refuse(reply, op, exc.code, str(exc), count)
+    except ElasticdError as exc:
+        await _refuse(reply, op, exc.code, exc.message, count)
+    except PeerGone:
+        count(op, "peer_gone")
+        log.info("control: client went away during %s", op)
+    except Exception:
+        log.exception("control: %s failed", op)
+        await _refuse(reply, op, protocol.E_INTERNAL, "internal error (see the daemon log)", count)
 
-    def __init__(self, ctx: zmq.asyncio.Context, zap: Zap, path: str, handler: Handler, *,
-                 on_request: Callable[[str, str], None] | None = None,
-                 world_accessible: bool = False) -> None:
-        super().__init__(ctx, f"ipc://{path}", handler, domain=ZAP_DOMAIN, identify=parse_peer,
-                         on_request=on_request)
-        zap.add(ZAP_DOMAIN, local_peer_policy)
-        self.path = path
-        self._world = world_accessible
 
-    def bind(self) -> str:
-        """Bind (replacing a stale socket file, refusing to steal a live one)."""
-        _refuse_if_served(self.path)
-        _remove_stale_socket(self.path)
-        endpoint = super().bind()
-        os.chmod(self.path, 0o666 if self._world else 0o600)
-        return endpoint
-
-    def close(self) -> None:
-        super().close()
-        _remove_stale_socket(self.path)
+async def _refuse(reply: Reply, op: str, code: str, message: str,
+                  count: Callable[[str, str], None]) -> None:
+    count(op, code)
+    log.info("control: %s refused: %s: %s", op, code, message)
+    try:
+        await reply.error(code, message)
+    except PeerGone:
+        pass
+    except Exception:  # the reply itself cannot be sent (e.g. the connection broke)
+        log.exception("control: could not send the error reply of %s", op)
 
 
 def _refuse_if_served(path: str) -> None:
@@ -249,3 +236,267 @@ def _remove_stale_socket(path: str) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+# -- the control socket ----------------------------------------------------------------------
+
+_BACKLOG = 512
+_READ_LIMIT = 64 * 1024
+_WRITE_HIGH = 256 * 1024
+_ACCEPT_BACKOFF = 0.1  # seconds: out of fds or memory, try again soon (the listener stays)
+_OVERSIZED_HEAD = 1024  # of a frame over the limit, this much is read to find its id
+
+
+@dataclass(frozen=True)
+class Limits:
+    connections: int = 1024          # open control connections, all users together
+    connections_per_user: int = 32   # open control connections of one uid
+    in_flight: int = 8               # requests one connection has open (reading waits beyond)
+    work_per_user: int = 4           # requests of one uid being worked on before their first reply
+
+
+def peer_credentials(sock: socket.socket) -> Caller:
+    """The connecting process's credentials, from the kernel (taken at its connect())."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return Caller(uid, gid, pid)
+
+
+class Admission:
+    """Open connections by uid, and whether one more may open (pure bookkeeping)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+        self.open: collections.Counter[int] = collections.Counter()
+
+    def refusal(self, uid: int) -> str | None:
+        if self.open[uid] >= self._limits.connections_per_user:
+            return (f"too many connections from uid {uid} "
+                    f"(control.max_connections_per_user = {self._limits.connections_per_user})")
+        if self.open.total() >= self._limits.connections:
+            return f"too many connections (control.max_connections = {self._limits.connections})"
+        return None
+
+    def opened(self, uid: int) -> None:
+        self.open[uid] += 1
+
+    def closed(self, uid: int) -> None:
+        self.open[uid] -= 1
+        if self.open[uid] <= 0:
+            del self.open[uid]
+
+
+class _Token:
+    """A user's permit to work on one request; given back at the request's first reply."""
+
+    def __init__(self, semaphore: asyncio.Semaphore) -> None:
+        self._semaphore: asyncio.Semaphore | None = semaphore
+
+    def release(self) -> None:
+        if self._semaphore is not None:
+            self._semaphore.release()
+            self._semaphore = None
+
+
+class _Link:
+    """One client connection: its writer, its open requests, its user's work permits."""
+
+    def __init__(self, writer: asyncio.StreamWriter, caller: Caller, in_flight: int,
+                 work: asyncio.Semaphore) -> None:
+        self.writer = writer
+        self.caller = caller
+        self.slots = asyncio.Semaphore(in_flight)
+        self.requests: set[asyncio.Task[None]] = set()
+        self._work = work
+        self._writing = asyncio.Lock()
+        writer.transport.set_write_buffer_limits(high=_WRITE_HIGH)
+
+    async def permit(self) -> _Token:
+        await self._work.acquire()
+        return _Token(self._work)
+
+    async def send(self, payload: bytes) -> None:
+        """One frame; returns once the client has taken most of what was sent before
+        (a client that never reads holds only its own request, never the daemon's memory)."""
+        async with self._writing:
+            if self.writer.is_closing():
+                raise PeerGone()
+            self.writer.write(protocol.framed(payload))
+            try:
+                await self.writer.drain()
+            except (ConnectionError, RuntimeError):
+                raise PeerGone() from None
+
+
+class StreamReply(Reply):
+    def __init__(self, link: _Link, token: _Token, request_id: str) -> None:
+        super().__init__(request_id)
+        self._link = link
+        self._token = token
+
+    async def _send(self, frame: bytes) -> None:
+        self._token.release()  # the work is done; a slow reader waits on its own
+        await self._link.send(frame)
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """A request frame over the limit, skipped unread but for its id."""
+
+    size: int
+    id: str
+
+
+class ControlServer:
+    """The local control socket.  ``handler(caller, request, reply)`` answers each request."""
+
+    def __init__(self, path: str, handler: Handler, *, limits: Limits = Limits(),
+                 on_request: Callable[[str, str], None] | None = None,
+                 on_connections: Callable[[int], None] | None = None,
+                 world_accessible: bool = False) -> None:
+        self.path = path
+        self._handler = handler
+        self._limits = limits
+        self._count = on_request or (lambda op, result: None)
+        self._on_connections = on_connections or (lambda n: None)
+        self._world = world_accessible
+        self._admission = Admission(limits)
+        self._work: dict[int, asyncio.Semaphore] = {}
+        self._sock: socket.socket | None = None
+        self._accept_failed_at = 0.0
+
+    def bind(self) -> str:
+        """Listen (replacing a stale socket file, refusing to steal a live one)."""
+        _refuse_if_served(self.path)
+        _remove_stale_socket(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, 0o666 if self._world else 0o600)
+            sock.listen(_BACKLOG)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self._sock = sock
+        return self.path
+
+    async def serve(self) -> None:
+        """Accept connections until cancelled; each is served by a task of this one group."""
+        assert self._sock is not None, "bind() first"
+        loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as connections:
+            while True:
+                try:
+                    conn, _ = await loop.sock_accept(self._sock)
+                except OSError as exc:  # out of fds or memory: never stop listening
+                    self._accept_failed(exc)
+                    await asyncio.sleep(_ACCEPT_BACKOFF)
+                    continue
+                self._admit(conn, connections)
+
+    def _admit(self, conn: socket.socket, connections: asyncio.TaskGroup) -> None:
+        try:
+            caller = peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        refusal = self._admission.refusal(caller.uid)
+        if refusal is not None:
+            self._count("connect", protocol.E_TOO_MANY)
+            _say_and_close(conn, protocol.error("", protocol.E_TOO_MANY, refusal))
+            return
+        self._admission.opened(caller.uid)
+        self._on_connections(self._admission.open.total())
+        connections.create_task(self._connection(conn, caller))
+
+    def _accept_failed(self, exc: OSError) -> None:
+        now = time.monotonic()
+        if now - self._accept_failed_at > 60:
+            self._accept_failed_at = now
+            log.error("control: cannot accept connections: %s (retrying)", exc)
+
+    async def _connection(self, conn: socket.socket, caller: Caller) -> None:
+        work = self._work.setdefault(caller.uid, asyncio.Semaphore(self._limits.work_per_user))
+        writer = None
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=_READ_LIMIT)
+            link = _Link(writer, caller, self._limits.in_flight, work)
+            await self._read_requests(reader, link)
+        except Exception:  # one connection must never take the server down
+            log.exception("control: connection of uid %d failed", caller.uid)
+        finally:
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
+            self._admission.closed(caller.uid)
+            if caller.uid not in self._admission.open:
+                self._work.pop(caller.uid, None)
+            self._on_connections(self._admission.open.total())
+
+    async def _read_requests(self, reader: asyncio.StreamReader, link: _Link) -> None:
+        """Read frames while the connection has free request slots; at EOF (the client is
+        gone) its requests are cancelled."""
+        async with asyncio.TaskGroup() as group:
+            try:
+                while True:
+                    await link.slots.acquire()
+                    frame = await read_frame(reader)
+                    task = group.create_task(self._request(link, frame))
+                    link.requests.add(task)
+                    task.add_done_callback(link.requests.discard)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                for task in list(link.requests):
+                    task.cancel()
+
+    async def _request(self, link: _Link, frame: bytes | Oversized) -> None:
+        try:
+            token = await link.permit()
+            try:
+                if isinstance(frame, Oversized):
+                    reply = StreamReply(link, token, frame.id)
+                    await _refuse(reply, "invalid", protocol.E_TOO_LARGE,
+                                  f"frame of {frame.size} bytes exceeds {protocol.MAX_FRAME}",
+                                  self._count)
+                else:
+                    reply = StreamReply(link, token, protocol.request_id(frame))
+                    await answer(self._handler, link.caller, frame, reply, self._count)
+            finally:
+                token.release()
+        finally:
+            link.slots.release()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            _remove_stale_socket(self.path)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | Oversized:
+    """The next request frame; one over the limit is read past (its id kept), never held."""
+    (size,) = protocol.HEADER.unpack(await reader.readexactly(protocol.HEADER.size))
+    if size <= protocol.MAX_FRAME:
+        return await reader.readexactly(size)
+    head = await reader.readexactly(_OVERSIZED_HEAD)
+    left = size - len(head)
+    while left:
+        chunk = await reader.read(min(left, _READ_LIMIT))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", left)
+        left -= len(chunk)
+    return Oversized(size, protocol.id_near_start(head))
+
+
+def _say_and_close(conn: socket.socket, payload: bytes) -> None:
+    """Tell a refused client why (if its socket takes it now), then hang up."""
+    try:
+        conn.setblocking(False)
+        conn.send(protocol.framed(payload))
+    except OSError:
+        pass
+    finally:
+        conn.close()

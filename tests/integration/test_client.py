@@ -1,4 +1,5 @@
-"""elasticctl against a real ZeroMQ ROUTER on an ipc socket (a stand-in daemon written here).
+"""elasticctl against a stand-in daemon written here: a Unix stream socket speaking the
+control protocol's frames.
 
 The stand-in answers each request from a script (op -> replies), so these tests pin the
 client's side of the wire: unary replies, streams ending at ``end``, error replies, no reply
@@ -18,47 +19,59 @@ import time
 from collections.abc import Callable
 
 import pytest
-import zmq
 
 from elasticd import __version__
 from elasticd.control import protocol
 from elasticctl import cli
 
 Answer = Callable[[protocol.Request], list[bytes]]
-HANG_UP = b"hang up"  # not a reply: the stand-in closes its socket instead
+HANG_UP = b"hang up"  # not a reply: the stand-in closes the connection instead
 QUICK = 2.0  # seconds within which "not running" must be reported
 
 
 class StandIn:
-    """A ROUTER bound to ``ipc://path`` whose thread answers requests with ``answer``."""
+    """A listening Unix socket whose thread answers each request with ``answer``."""
 
     def __init__(self, path: str, answer: Answer) -> None:
         self.path = path
         self.requests: list[protocol.Request] = []
         self._answer = answer
-        self._context = zmq.Context()
-        self._router = self._context.socket(zmq.ROUTER)
-        self._router.linger = 0
-        self._router.bind(f"ipc://{path}")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen()
+        self._connections: list[socket.socket] = []
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # stopped
+            self._connections.append(conn)
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        frames = protocol.FrameReader(protocol.MAX_FRAME)
         try:
-            while True:
-                identity, frame = self._router.recv_multipart()
-                request = protocol.decode_request(frame)
-                self.requests.append(request)
-                for reply in self._answer(request):
-                    if reply == HANG_UP:
-                        self._router.close(linger=1000)  # deliver what was sent, then drop
-                        return
-                    self._router.send_multipart([identity, reply])
-        except zmq.ContextTerminated:
-            self._router.close()
+            while data := conn.recv(1 << 16):
+                for frame in frames.feed(data):
+                    request = protocol.decode_request(frame)
+                    self.requests.append(request)
+                    for reply in self._answer(request):
+                        if reply == HANG_UP:
+                            conn.close()
+                            return
+                        conn.sendall(protocol.framed(reply))
+        except OSError:
+            pass
 
     def stop(self) -> None:
-        self._context.term()  # wakes the thread's recv with ContextTerminated
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in self._connections:
+            conn.close()
         self._thread.join()
 
 
@@ -204,6 +217,21 @@ def test_daemon_hanging_up_is_reported_at_once(daemon, sock_path, capsys, monkey
     assert run(sock_path, "status", "j-1") == 2
     assert time.monotonic() - started < QUICK
     assert "lost the connection to elasticd" in capsys.readouterr().err
+
+
+def test_a_refused_connection_shows_why(daemon, sock_path, capsys):
+    """A daemon over its connection limits says so before it hangs up (no request id)."""
+    daemon(lambda req: [protocol.error("", protocol.E_TOO_MANY, "too many connections from uid 0"),
+                        HANG_UP])
+    assert run(sock_path, "status", "j-1") == 1
+    assert capsys.readouterr().err == "elasticctl: too many connections from uid 0\n"
+
+
+def test_an_argument_that_is_not_utf8_is_refused_by_the_client(daemon, sock_path, capsys):
+    stand_in = daemon(lambda req: [protocol.ok(req.id, job_doc("PENDING"))])
+    name = b"bad\xff".decode(errors="surrogateescape")  # as Python decodes such an argv
+    assert run(sock_path, "submit", "--name", name, "train.py") == 1
+    assert "not UTF-8" in capsys.readouterr().err and stand_in.requests == []
 
 
 def test_daemon_hanging_up_mid_stream(daemon, sock_path, capsys):
