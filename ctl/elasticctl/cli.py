@@ -290,7 +290,8 @@ def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
 # -- output ---------------------------------------------------------------------------------
 
 def emit(args: argparse.Namespace, doc: Any, human: Callable[[], str]) -> None:
-    """The command's one output: the document itself with --json, else its rendering."""
+    """The command's one output: the document itself with --json (exact: json.dumps escapes
+    control characters), else its rendering (render escapes them)."""
     print(json.dumps(doc) if args.json else human(), flush=True)
 
 
@@ -372,8 +373,8 @@ def follow_job(args: argparse.Namespace, docs: Iterable[dict[str, Any]]) -> int:
     except KeyboardInterrupt:
         progress.close()
         if job is not None:
-            print(f"stopped following; job {job.get('id')} goes on "
-                  f"(elasticctl cancel {job.get('id')} stops it)", file=sys.stderr)
+            print(render.clean(f"stopped following; job {job.get('id')} goes on "
+                               f"(elasticctl cancel {job.get('id')} stops it)"), file=sys.stderr)
         return INTERRUPTED
     progress.close()
     return job_exit_status(args, job)
@@ -459,7 +460,7 @@ def cmd_version(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"elasticctl": __version__, "elasticd": None,
                               **error_doc(exc.code, exc.message)}))
-        print(exc.message, file=sys.stderr)
+        print(render.clean(exc.message), file=sys.stderr)
         return 2
     emit(args, {"elasticctl": __version__, "elasticd": theirs},
          lambda: render.daemon_version_line(theirs))
@@ -497,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def fail(args: argparse.Namespace, code: str, message: str, status: int,
          prefix: str = "elasticctl: ") -> int:
-    print(prefix + message, file=sys.stderr)
+    print(prefix + render.clean(message), file=sys.stderr)
     if args.json:
         print(json.dumps(error_doc(code, message)))
     return status

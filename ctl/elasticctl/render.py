@@ -3,10 +3,16 @@
 Every function takes plain documents (dicts as the daemon sends them) and, where a
 relative time is shown, ``now`` in unix seconds; none of them reads a clock or writes.
 Missing or null fields render as ``-``; unknown extra keys are ignored.
+
+Every string that a renderer returns is safe to print on a terminal: the documents carry
+text that other users and their jobs control (names, argv, errors, tracebacks, log lines),
+so each value goes through ``clean`` (table cells and fields through ``text``, one-line
+renderers on the whole line) and control characters show as visible escapes.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -17,8 +23,30 @@ TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 WORKER_UP = frozenset({"HEALTHY", "RUNNING"})
 NONE = "-"
 
+# What clean() escapes besides tabs: C0 controls, DEL, C1 controls, bidi controls, and lone
+# surrogates (from invalid UTF-8 or JSON \ud800 escapes; print() raises on them).
+_UNSAFE = r"\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_UNSAFE_CHARS = re.compile(f"[\t{_UNSAFE}]")
+_UNSAFE_BUT_TABS = re.compile(f"[{_UNSAFE}]")
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
 
 # -- building blocks ------------------------------------------------------------------------
+
+def clean(value: str, *, keep_tabs: bool = False) -> str:
+    """``value`` safe to print on a terminal and still readable: control characters, bidi
+    controls and lone surrogates become visible escapes (``\\n``, ``\\x1b``, ``\\u202e``);
+    a backslash stays as it is (this is for display, not a codec)."""
+    if value.isprintable():  # none of the escaped characters is printable
+        return value
+    return (_UNSAFE_BUT_TABS if keep_tabs else _UNSAFE_CHARS).sub(_escape, value)
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """Columns aligned on the widest cell, two spaces apart, no trailing blanks."""
@@ -29,7 +57,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 def text(value: Any) -> str:
-    return NONE if value is None or value == "" else str(value)
+    """A cell or field for display: ``-`` when missing, else the value cleaned."""
+    return NONE if value is None or value == "" else clean(str(value))
 
 
 def duration(seconds: float) -> str:
@@ -83,7 +112,7 @@ def node_count(nnodes: Any) -> str:
 def submitted_line(job: Doc) -> str:
     """'job j-7f3a21 submitted (waiting for 2..4 nodes)'."""
     waiting = f" (waiting for {node_count(job['nnodes'])})" if job.get("nnodes") else ""
-    return f"job {job.get('id')} submitted{waiting}"
+    return clean(f"job {job.get('id')} submitted{waiting}")
 
 
 def workers_up(job: Doc) -> str:
@@ -119,7 +148,7 @@ def progress_line(job: Doc, now: float) -> str:
         fields.append(f"exit barrier {barrier}")
     if job.get("exit_code") is not None:
         fields.append(f"exit {job['exit_code']}")
-    return "  ".join(fields)
+    return clean("  ".join(fields))
 
 
 def error_summary(error: Doc | None) -> str | None:
@@ -129,7 +158,7 @@ def error_summary(error: Doc | None) -> str | None:
     rank, node, code = error.get("rank"), error.get("node"), error.get("exit_code")
     place = " ".join(filter(None, (rank is not None and f"rank {rank}", node and f"on node {node}")))
     detail = ", ".join(filter(None, (place, code is not None and f"exit code {code}")))
-    return f"error: {text(error.get('message'))}" + (f" ({detail})" if detail else "")
+    return clean(f"error: {text(error.get('message'))}" + (f" ({detail})" if detail else ""))
 
 
 def cancelled_line(job: Doc | None, requested: str) -> str:
@@ -137,8 +166,8 @@ def cancelled_line(job: Doc | None, requested: str) -> str:
     job = job or {}
     job_id, state = job.get("id") or requested, job.get("state")
     if state in TERMINAL - {"CANCELLED"}:
-        return f"job {job_id} had already ended ({state})"
-    return f"job {job_id} cancelled"
+        return clean(f"job {job_id} had already ended ({state})")
+    return clean(f"job {job_id} cancelled")
 
 
 def job_age(job: Doc, now: float) -> str:
@@ -191,7 +220,8 @@ def _error_lines(error: Doc | None) -> list[str]:
     traceback = (error or {}).get("traceback")
     if traceback:
         lines.append("traceback:")
-        lines += ["    " + line for line in str(traceback).rstrip("\n").splitlines()]
+        lines += ["    " + clean(line)
+                  for line in str(traceback).replace("\r\n", "\n").rstrip("\n").split("\n")]
     return lines
 
 
@@ -222,7 +252,7 @@ def nodes_table(nodes: Iterable[Doc], now: float) -> str:
 def node_changed_line(node: Doc | None, name: str, op: str) -> str:
     """'node n1 draining' from the node document, or that the change was requested."""
     state = (node or {}).get("state")
-    return f"node {name} {state}" if state else f"node {name}: {op} requested"
+    return clean(f"node {name} {state}" if state else f"node {name}: {op} requested")
 
 
 def daemon_version_line(version: Doc | None) -> str:
@@ -231,16 +261,16 @@ def daemon_version_line(version: Doc | None) -> str:
     if version.get("store"):
         state = "reachable" if version.get("store_up") else "UNREACHABLE"
         line += f", cluster {text(version.get('cluster'))}, store {version['store']} {state}"
-    return line
+    return clean(line)
 
 
 def log_line(line: Doc) -> str:
     """'[rank 0] text' for stdout, '[rank 0 err] text' for stderr; after a restart the
-    attempt shows too: '[rank 0 attempt 1] text'."""
+    attempt shows too: '[rank 0 attempt 1] text'.  Tabs in the text are kept."""
     tags = [f"rank {text(line.get('rank'))}"]
     if line.get("attempt"):
         tags.append(f"attempt {line['attempt']}")
     if line.get("stream") == "err":
         tags.append("err")
     body = str(line.get("text", "")).removesuffix("\n")
-    return f"[{' '.join(tags)}] {body}"
+    return clean(f"[{' '.join(tags)}] ") + clean(body, keep_tabs=True)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
-from elasticctl import render
+from elasticctl import cli, render
+from elasticctl.client import Unavailable
 
 NOW = 1_700_000_000.0
 
@@ -211,3 +215,143 @@ def test_node_changed_line(doc, op, expected):
 
 def test_daemon_version_line():
     assert render.daemon_version_line({"version": "0.1.0", "node": "n1"}) == "elasticd 0.1.0 on node n1"
+
+
+# -- terminal safety: every value is data that other users or their jobs control ------------
+
+HOSTILE = "evil\x1b]0;pwned\x07\r\nj-000000  fake  row\x9b31m\u202eabc\ud800"
+ESCAPED = r"evil\x1b]0;pwned\x07\r\nj-000000  fake  row\x9b31m\u202eabc\ud800"
+UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def assert_safe(out, lines):
+    """``out`` has ``lines`` lines, none with a character that a terminal would act on."""
+    assert len(out.split("\n")) == lines
+    for line in out.split("\n"):
+        assert not UNSAFE.search(line), line
+
+
+@pytest.mark.parametrize("char,expected", [
+    ("\x00", r"\x00"), ("\x07", r"\x07"), ("\t", r"\t"), ("\n", r"\n"), ("\r", r"\r"),
+    ("\x1b", r"\x1b"), ("\x1f", r"\x1f"), ("\x7f", r"\x7f"), ("\x80", r"\x80"), ("\x9b", r"\x9b"),
+    ("\x9f", r"\x9f"), ("\u061c", r"\u061c"), ("\u200e", r"\u200e"), ("\u200f", r"\u200f"),
+    ("\u202a", r"\u202a"), ("\u202e", r"\u202e"), ("\u2066", r"\u2066"), ("\u2069", r"\u2069"),
+    ("\ud800", r"\ud800"), ("\udfff", r"\udfff"),
+    # kept: printable text, a backslash (display, not a codec), other non-printables
+    (" ", " "), ("\\", "\\"), ("\xa0", "\xa0"), ("é", "é"), ("\u4e2d", "\u4e2d"), ("\u2028", "\u2028"),
+])
+def test_clean_escapes_each_control_character(char, expected):
+    assert render.clean(f"a{char}b") == f"a{expected}b"
+
+
+def test_clean_leaves_safe_text_alone():
+    value = "train.py --lr=1e-3 C:\\x1b ünïcødé"
+    assert render.clean(value) is value
+    assert render.clean("a\tb", keep_tabs=True) == "a\tb"
+    assert render.clean("a\tb\x1b", keep_tabs=True) == "a\tb" r"\x1b"
+    assert render.clean(HOSTILE) == ESCAPED
+    assert render.clean(ESCAPED) == ESCAPED
+
+
+def hostile_job(v):
+    return job(id=v, name=v, user=v, uid=v, state=v, argv=[v, v], workdir=v, nnodes=v,
+               nproc_per_node=v, world_size=v, restarts=v, max_restarts=v, round=v, exit_code=v,
+               barrier={"done": v, "total": v, "deadline": NOW + 5},
+               error={"message": v, "rank": v, "node": v, "exit_code": v},
+               nodes=[{"node": v, "group_rank": v, "ranks": [v], "state": v}],
+               workers=[{"rank": v, "local_rank": v, "node": v, "pid": v, "state": v, "exit_code": v}])
+
+
+NODE_FIELDS = ("name", "address", "state", "slots_total", "slots_free", "gpus_total", "gpus_free")
+
+RENDERERS = {
+    "table": lambda v: render.table(("A", "B"), [(v, v)]),
+    "text": render.text,
+    "jobs_table": lambda v: render.jobs_table([hostile_job(v), job()], NOW),
+    "status_block": lambda v: render.status_block(hostile_job(v), NOW),
+    "nodes_table": lambda v: render.nodes_table(
+        [dict.fromkeys(NODE_FIELDS, v) | {"jobs": [v, v], "last_seen": NOW - 2}], NOW),
+    "nodes_of_job_table": lambda v: render.nodes_of_job_table(hostile_job(v)["nodes"]),
+    "workers_table": lambda v: render.workers_table(hostile_job(v)["workers"]),
+    "error_summary": lambda v: render.error_summary({"message": v, "rank": v, "node": v, "exit_code": v}),
+    "log_line": lambda v: render.log_line({"rank": v, "attempt": v, "stream": "err", "text": v}),
+    "progress_line": lambda v: render.progress_line(hostile_job(v), NOW),
+    "progress_line ended": lambda v: render.progress_line(hostile_job(v) | {"state": "FAILED"}, NOW),
+    "submitted_line": lambda v: render.submitted_line({"id": v, "nnodes": v}),
+    "cancelled_line": lambda v: render.cancelled_line({"id": v, "state": v}, v),
+    "cancelled_line without a job": lambda v: render.cancelled_line(None, v),
+    "node_changed_line": lambda v: render.node_changed_line({"state": v}, v, v),
+    "node_changed_line requested": lambda v: render.node_changed_line(None, v, v),
+    "daemon_version_line": lambda v: render.daemon_version_line(
+        {"version": v, "node": v, "store": v, "cluster": v}),
+    "barrier_progress": lambda v: render.barrier_progress({"done": v, "total": v, "deadline": NOW}, NOW),
+}
+
+
+@pytest.mark.parametrize("name", RENDERERS)
+def test_hostile_values_show_escaped_and_forge_no_line(name):
+    rendered = RENDERERS[name]
+    out = rendered(HOSTILE)
+    assert_safe(out, lines=len(rendered("x").split("\n")))
+    assert ESCAPED in out
+    assert r"\x1b]0;pwned\x07" in out
+
+
+def test_log_line_keeps_tabs_and_escapes_the_rest():
+    line = {"rank": 0, "stream": "out", "text": "step\t1\tloss\r\x1b[2Kfake\n"}
+    assert render.log_line(line) == "[rank 0] step\t1\tloss" r"\r\x1b[2Kfake"
+    assert render.log_line({"rank": "0\t1", "text": ""}) == r"[rank 0\t1] "
+
+
+def test_traceback_lines_stay_lines_each_escaped():
+    error = {"message": "ValueError: \x1b[2Jboom", "traceback": "Traceback (most recent call last):\r\n"
+             "  File \"x\x1b]0;t\x07.py\", line 3\n\x1b[1A\x1b[2K\rforged\nValueError: \u202eboom\n"}
+    lines = render.status_block({"id": "j-1", "error": error}, NOW).split("\n")
+    cause = lines.index(r"error: ValueError: \x1b[2Jboom")
+    assert lines[cause + 1:] == [
+        "traceback:",
+        "    Traceback (most recent call last):",
+        r'      File "x\x1b]0;t\x07.py", line 3',
+        r"    \x1b[1A\x1b[2K\rforged",
+        r"    ValueError: \u202eboom",
+    ]
+
+
+def test_table_aligns_on_the_escaped_width():
+    assert render.table(("A", "B"), [("\x1b", 1), ("ab", "\u202e")]) == (
+        "A     B\n"
+        r"\x1b  1" "\n"
+        r"ab    \u202e")
+
+
+def test_json_output_is_the_exact_document(capsys):
+    doc = {"jobs": [{"id": "j-1", "name": HOSTILE, "argv": ["\t", "\\x1b", "\u202e"]}]}
+    cli.emit(cli.parse_args(["--json", "list"]), doc, lambda: pytest.fail("rendered with --json"))
+    out = capsys.readouterr().out
+    assert out.isascii() and out.count("\n") == 1
+    assert json.loads(out) == doc
+
+
+def test_human_messages_of_the_cli_are_escaped(monkeypatch, capsys):
+    def docs():
+        yield {"id": HOSTILE, "state": "RUNNING"}
+        raise KeyboardInterrupt
+
+    def unreachable(args):
+        raise Unavailable(HOSTILE)
+
+    assert cli.follow_job(cli.parse_args(["submit", "x.py"]), docs()) == 130
+    assert cli.fail(cli.parse_args(["list"]), "not_found", HOSTILE, 1) == 1
+    monkeypatch.setattr(cli, "connect", unreachable)
+    assert cli.cmd_version(cli.parse_args(["version"])) == 2
+    out, err = capsys.readouterr()
+    assert_safe(out.rstrip("\n"), lines=3)
+    assert_safe(err.rstrip("\n"), lines=3)
+    assert err.count(ESCAPED) == 4
+
+
+def test_cli_errors_with_json_keep_the_message_exact(capsys):
+    assert cli.fail(cli.parse_args(["--json", "list"]), "not_found", HOSTILE, 1) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": {"code": "not_found", "message": HOSTILE}}
+    assert err == f"elasticctl: {ESCAPED}\n"
