@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from .aio import Lane, first
+from .cgroups import JobCgroup, JobCgroups
 from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from .jobs import Outcome, Part, PartState
 from .model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
@@ -113,8 +114,8 @@ class AgentPorts(Protocol):
     def report(self, job_id: str, part: Part) -> None: ...
     async def finish(self, job_id: str, outcome: Outcome) -> Outcome: ...
     async def unreachable(self, nodes: list[str]) -> list[str]: ...
-    def output(self, job_id: str, attempt: int, rank: int, stream: str, offset: int,
-               data: bytes) -> None: ...
+    def output(self, job_id: str) -> None: ...
+    def output_dropped(self, job_id: str, nbytes: int, why: str) -> None: ...
 
 
 class AgentMetrics(Protocol):
@@ -143,7 +144,7 @@ class JobAgent:
     def __init__(self, spec: JobSpec, *, node: str, address: str, rdzv: RendezvousHandler,
                  ports: AgentPorts, metrics: AgentMetrics, log_root: str,
                  gpus: tuple[str, ...] = (), stop_grace: float = 10.0,
-                 store_timeout: float = 30.0,
+                 store_timeout: float = 30.0, cgroups: JobCgroups | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.node = node
@@ -161,6 +162,8 @@ class JobAgent:
         self._started: float | None = None
         self._phase = PartState.RENDEZVOUS  # as last reported
         self._workers: LocalWorkers | None = None
+        self._cgroups = cgroups
+        self._cgroup: JobCgroup | None = None  # made with the first round, gone with the agent
         # Rendezvous calls block on the store: one lane for the calls that wait on purpose
         # (join, exit barrier), one for the quick ones, each with its own store connection.
         self._store_timeout = store_timeout
@@ -193,6 +196,8 @@ class JobAgent:
 
     async def run(self) -> None:
         try:
+            if self._cgroups is not None:
+                self._cgroup = self._cgroups.create(self.spec.id)
             await self._run()
         except StoreError as exc:
             # This node lost the store: its share ends here (the others re-form without it,
@@ -206,6 +211,21 @@ class JobAgent:
             self._report(PartState.FAILED)
         finally:
             await self._stop_keeper()
+            await self._remove_cgroup()
+
+    async def _remove_cgroup(self) -> None:
+        """Every round stopped its workers and waited for the cgroup to empty; this catches
+        a round that never started (and a process that got away from its round's stop)."""
+        if self._cgroup is None:
+            return
+        if self._cgroup.populated():
+            self._cgroup.kill()
+            await self._cgroup.wait_empty(10.0)
+        self._cgroup.remove()
+
+    def usage(self) -> dict[str, Any] | None:
+        """CPU time, memory peak and OOM kills of the job's processes here, from its cgroup."""
+        return self._cgroup.usage().to_json() if self._cgroup is not None else None
 
     async def _stop_keeper(self) -> None:
         """Let the rendezvous keeper end (a thread left inside a TCPStore call can abort the
@@ -264,8 +284,8 @@ class JobAgent:
             master_addr=info.master_addr, master_port=info.master_port, gpus=self.gpus)
         self._workers = workers = LocalWorkers(
             self.spec, group, os.path.join(self._log_root, self.spec.id, f"attempt_{info.round}"),
-            on_output=lambda rank, stream, offset, data: self._ports.output(
-                self.spec.id, info.round, rank, stream, offset, data),
+            cgroup=self._cgroup, on_output=lambda: self._ports.output(self.spec.id),
+            on_dropped=lambda nbytes, why: self._ports.output_dropped(self.spec.id, nbytes, why),
             on_change=lambda g: self._report(self._phase, info, g),
             stop_grace=self._stop_grace)
         self._started = self._started or self._now()
@@ -428,5 +448,5 @@ class JobAgent:
             world_size=info.world_size if info else None,
             group_world_size=info.group_world_size if info else None,
             workers=tuple(w.to_json() for w in group.workers) if group else (),
-            started=self._started, barrier=barrier, updated=self._now())
+            started=self._started, barrier=barrier, updated=self._now(), usage=self.usage())
         self._ports.report(self.spec.id, part)

@@ -52,6 +52,7 @@ class Part:
     started: float | None = None
     barrier: dict[str, Any] | None = None
     updated: float = 0.0
+    usage: dict[str, Any] | None = None   # the job's cgroup on this node: cgroups.Usage.to_json()
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -135,10 +136,14 @@ def current_parts(record: JobRecord) -> list[Part]:
     return sorted(parts, key=lambda p: (p.group_rank is None, p.group_rank or 0, p.node))
 
 
-def job_doc(record: JobRecord) -> dict[str, Any]:
-    """The job document of the control protocol (``status --json``)."""
+def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The job document of the control protocol (``status --json``).  ``live_usage`` is
+    this node's usage of the job read now, fresher than its last reported part."""
     spec, outcome = record.spec, record.outcome
     parts = current_parts(record)
+    usage = {p.node: p.usage for p in record.parts.values() if p.usage}
+    if live_usage:
+        usage.update(live_usage)
     error = _error_doc(outcome)
     started = [p.started for p in record.parts.values() if p.started is not None]
     barrier = next((p.barrier for p in parts if p.barrier), None)
@@ -155,14 +160,30 @@ def job_doc(record: JobRecord) -> dict[str, Any]:
         "argv": list(spec.argv), "kind": spec.kind, "workdir": spec.workdir,
         "submitted_on": spec.submitted_on,
         "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
-        "nodes": [_node_doc(p) for p in parts],
+        "nodes": [_node_doc(p, usage.get(p.node)) for p in parts],
+        "usage": total_usage(usage.values()),
         "error": error, "barrier": barrier if outcome is None else None,
     }
 
 
-def _node_doc(part: Part) -> dict[str, Any]:
+def _node_doc(part: Part, usage: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"node": part.node, "group_rank": part.group_rank, "state": part.state.value,
-            "ranks": [w["rank"] for w in part.workers]}
+            "ranks": [w["rank"] for w in part.workers], "usage": dict(usage) if usage else None}
+
+
+def total_usage(usages: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """A job's usage over its nodes: CPU time and OOM kills add up, the memory peak is the
+    largest node's (peaks on different nodes need not coincide)."""
+    usages = list(usages)
+    if not usages:
+        return None
+
+    def values(key: str) -> list[Any]:
+        return [u[key] for u in usages if u.get(key) is not None]
+    total = {"cpu_seconds": sum(values("cpu_seconds")) if values("cpu_seconds") else None,
+             "memory_peak": max(values("memory_peak"), default=None),
+             "oom_kills": sum(values("oom_kills")) if values("oom_kills") else None}
+    return {key: value for key, value in total.items() if value is not None}
 
 
 def _error_doc(outcome: Outcome | None) -> dict[str, Any] | None:

@@ -1,9 +1,9 @@
-"""Worker logs: the files under ``<state>/logs/<job>/attempt_<n>/rank_<r>.{out,err}`` and
-the live bus that ``logs -f`` follows.
+"""Worker logs: the files under ``<state>/logs/<job>/attempt_<n>/rank_<r>.{out,err}``, the
+bus that wakes ``logs -f`` followers, and the reader that turns the files into lines.
 
-A follower subscribes to the bus *before* reading the files, remembers how many bytes it
-read from each, and drops the part of any live chunk it already saw, so that nothing is
-lost or shown twice between the two.
+Followers read the files, never a copy of the output kept in memory: each remembers how far
+it read every file, wakes when the job wrote something, and reads on from there at the pace
+its client takes the lines.  A client that never reads holds one chunk, not the job's output.
 """
 
 from __future__ import annotations
@@ -12,49 +12,89 @@ import asyncio
 import os
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 _FILE = re.compile(r"^rank_(\d+)\.(out|err)$")
 _ATTEMPT = re.compile(r"^attempt_(\d+)$")
 MAX_PARTIAL = 64 * 1024  # a "line" longer than this is cut
+READ_CHUNK = 64 * 1024   # bytes a follower reads from one file at a time
 
-
-@dataclass(frozen=True)
-class Chunk:
-    attempt: int
-    rank: int
-    stream: str
-    offset: int
-    data: bytes
-
-    @property
-    def source(self) -> tuple[int, int, str]:
-        return self.attempt, self.rank, self.stream
+Source = tuple[int, int, str]  # (attempt, rank, stream)
 
 
 class LogBus:
-    """Live worker output, by job, for followers.  Runs on the event loop."""
+    """Wakes the followers of a job when it wrote output.  Runs on the event loop."""
 
     def __init__(self) -> None:
-        self._followers: dict[str, set[asyncio.Queue[Chunk]]] = {}
+        self._followers: dict[str, set[asyncio.Event]] = {}
 
-    def publish(self, job_id: str, attempt: int, rank: int, stream: str, offset: int,
-                data: bytes) -> None:
-        for queue in self._followers.get(job_id, ()):
-            queue.put_nowait(Chunk(attempt, rank, stream, offset, data))
+    def publish(self, job_id: str) -> None:
+        for wake in self._followers.get(job_id, ()):
+            wake.set()
 
     @contextmanager
-    def follow(self, job_id: str) -> Iterator[asyncio.Queue[Chunk]]:
-        queue: asyncio.Queue[Chunk] = asyncio.Queue()
-        self._followers.setdefault(job_id, set()).add(queue)
+    def follow(self, job_id: str) -> Iterator[asyncio.Event]:
+        wake = asyncio.Event()
+        self._followers.setdefault(job_id, set()).add(wake)
         try:
-            yield queue
+            yield wake
         finally:
             followers = self._followers[job_id]
-            followers.discard(queue)
+            followers.discard(wake)
             if not followers:
                 del self._followers[job_id]
+
+
+class LogReader:
+    """Reads a job's log files from where it left off, as lines of the wanted sources."""
+
+    def __init__(self, root: str, job_id: str, node: str,
+                 wanted: Callable[[int, int], bool] = lambda attempt, rank: True) -> None:
+        self._root = root
+        self._job_id = job_id
+        self._wanted = wanted
+        self._splitter = LineSplitter(node)
+
+    def new_lines(self, snapshot: bool = False) -> Iterator[list[dict]]:
+        """Batches of the lines written since the last call: a chunk of each file in turn
+        until none has more.  With ``snapshot``, only what the files held at the start."""
+        files = [(path, (attempt, rank, stream))
+                 for attempt, rank, stream, path in log_files(self._root, self._job_id)
+                 if self._wanted(attempt, rank)]
+        ends = {path: _size(path) for path, _ in files} if snapshot else {}
+        progressed = True
+        while progressed:
+            progressed = False
+            for path, source in files:
+                offset = self._splitter.seen.get(source, 0)
+                chunk = _read_at(path, offset, min(READ_CHUNK, ends.get(path, offset + READ_CHUNK) - offset))
+                if chunk:
+                    progressed = True
+                    lines = self._splitter.feed(source, chunk)
+                    if lines:
+                        yield lines
+
+    def flush(self) -> list[dict]:
+        """The partial last lines (at the end of a stream)."""
+        return self._splitter.flush()
+
+
+def _read_at(path: str, offset: int, size: int) -> bytes:
+    if size <= 0:
+        return b""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+    except OSError:
+        return b""
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def log_files(root: str, job_id: str) -> list[tuple[int, int, str, str]]:
@@ -85,16 +125,12 @@ class LineSplitter:
 
     def __init__(self, node: str = "") -> None:
         self.node = node
-        self._partial: dict[tuple[int, int, str], bytes] = {}
-        self.seen: dict[tuple[int, int, str], int] = {}
+        self._partial: dict[Source, bytes] = {}
+        self.seen: dict[Source, int] = {}  # bytes of each source fed so far
 
-    def feed(self, source: tuple[int, int, str], offset: int, data: bytes) -> list[dict]:
-        """Lines completed by ``data`` (which starts at ``offset`` of its file); repeats dropped."""
-        seen = self.seen.get(source, 0)
-        if offset + len(data) <= seen:
-            return []
-        data = data[max(0, seen - offset):]
-        self.seen[source] = max(seen, offset) + len(data)
+    def feed(self, source: Source, data: bytes) -> list[dict]:
+        """The lines that ``data``, the next bytes of ``source``, completes."""
+        self.seen[source] = self.seen.get(source, 0) + len(data)
         text = self._partial.pop(source, b"") + data
         *lines, rest = text.split(b"\n")
         if len(rest) > MAX_PARTIAL:
@@ -109,15 +145,7 @@ class LineSplitter:
         self._partial.clear()
         return lines
 
-    def _line(self, source: tuple[int, int, str], raw: bytes) -> dict:
+    def _line(self, source: Source, raw: bytes) -> dict:
         attempt, rank, stream = source
         return {"node": self.node, "attempt": attempt, "rank": rank, "stream": stream,
                 "text": raw.decode("utf-8", errors="replace").rstrip("\r")}
-
-
-def read_file(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return b""

@@ -22,6 +22,7 @@ import psutil
 from .agent import JobAgent
 from .aio import Lane, wait_or_timeout
 from .board import BoardReset, Change, JobBoard
+from .cgroups import JobCgroups
 from .config import DaemonConfig
 from .errors import Conflict, ElasticdError, StoreError
 from .jobs import JobRecord, JobRegistry, Outcome, Part, PartState
@@ -126,7 +127,8 @@ class _Running:
 class JobService:
     def __init__(self, config: DaemonConfig, *, node: str, address: str, resources: Resources,
                  store: StoreBackend, signer: Signer, board: JobBoard, registry: JobRegistry,
-                 metrics: Metrics, logs: LogBus, peers: PeerLinks) -> None:
+                 metrics: Metrics, logs: LogBus, peers: PeerLinks,
+                 cgroups: JobCgroups | None = None) -> None:
         self.config = config
         self.node = node
         self.address = address
@@ -140,6 +142,7 @@ class JobService:
         self._running: dict[str, _Running] = {}
         self._unstartable: set[str] = set()  # jobs whose agent failed to start here
         self._peers = peers
+        self._cgroups = cgroups
         # one long-lived thread (and store connection) each for writing and following the board
         self._writes = Lane("board-write")
         self._follow_lane = Lane("board-follow")
@@ -225,9 +228,11 @@ class JobService:
         settings = self.config.rendezvous
         return settings.keep_alive_interval * settings.keep_alive_max_attempt
 
-    def output(self, job_id: str, attempt: int, rank: int, stream: str, offset: int,
-               data: bytes) -> None:
-        self._logs.publish(job_id, attempt, rank, stream, offset, data)
+    def output(self, job_id: str) -> None:
+        self._logs.publish(job_id)
+
+    def output_dropped(self, job_id: str, nbytes: int, why: str) -> None:
+        self._metrics.output_dropped(nbytes, why)
 
     def _publish_part(self, job_id: str, part: Part) -> None:
         try:
@@ -281,7 +286,7 @@ class JobService:
                          rdzv=self._rendezvous(spec), ports=self, metrics=self._metrics,
                          log_root=self.log_root, gpus=offer.gpus,
                          stop_grace=self.config.jobs.stop_grace,
-                         store_timeout=self.config.store.timeout)
+                         store_timeout=self.config.store.timeout, cgroups=self._cgroups)
         running = _Running(agent, offer)
         self._running[spec.id] = running
         running.task = self._tasks.create_task(self._run_agent(running))
@@ -314,6 +319,11 @@ class JobService:
     @property
     def log_root(self) -> str:
         return os.path.join(self.config.paths.state_dir, "logs")
+
+    def usage(self) -> dict[str, dict[str, Any]]:
+        """The live usage of every job running here, by job id (jobs without a cgroup left out)."""
+        return {job_id: usage for job_id, running in self._running.items()
+                if (usage := running.agent.usage()) is not None}
 
     def local_pids(self, job_id: str) -> list[int]:
         running = self._running.get(job_id)

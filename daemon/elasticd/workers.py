@@ -1,25 +1,38 @@
 """LocalWorkers: one node's worker processes for one round of a job.
 
-Each worker is exec'd directly (no shell, no wrapper) as the submitting user, in its own
-session and process group, with ``PR_SET_PDEATHSIG=SIGKILL`` so that no worker outlives a
-daemon killed with SIGKILL.  Its stdout and stderr are pipes that the daemon copies, chunk by
-chunk, to ``<log_dir>/rank_<r>.out|.err`` and to live ``logs -f`` readers.  The directories
-are the daemon's; the files in them (logs, torch's error file) are the user's.
-Stop is SIGTERM to every process group, a grace period, then SIGKILL to the groups.
+Each worker is exec'd directly (no shell, no wrapper) in its own session and process group.
+Between fork and exec the child joins the job's cgroup (while still root), takes the
+submitting user's credentials, asks for ``PR_SET_PDEATHSIG=SIGKILL`` (no worker outlives a
+daemon killed with SIGKILL) and only then enters the working directory, with the user's
+rights: a root daemon never opens a directory for a user who could not.
+
+A worker's exit is seen from the process itself (a pidfd), never from its pipes closing: a
+worker killed by the OOM killer while its DataLoader children hold its stdout is a failure
+at once.  Its stdout and stderr are pipes that the event loop copies to
+``<log_dir>/rank_<r>.out|.err``; output that cannot be written (a full disk) is dropped and
+counted, so a worker never blocks on its pipe.  The directories are the daemon's; the files
+in them (logs, torch's error file) are the user's.
+
+Stop is SIGTERM to every process of the job (its cgroup, or each worker's process group
+without one), a grace period, then SIGKILL to all of them (``cgroup.kill``): what a worker
+started, even with ``setsid``, dies with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import json
 import logging
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from .cgroups import JobCgroup
 from .control.protocol import is_own_dir
 from .model import Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState, worker_env
 
@@ -30,8 +43,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
 _CHUNK = 64 * 1024
 _MAX_ERROR_FILE = 1024 * 1024
+_EMPTY_TIMEOUT = 10.0  # seconds for a killed cgroup to empty (processes in D state may lag)
+_DRAIN_TIMEOUT = 2.0   # seconds for the pipes to reach EOF once every worker is gone
+EXEC_FAILED = 127      # a worker that could not be started counts as this exit code
+NO_WORKDIR = 126       # the working directory could not be entered (as the user)
 
-OutputSink = Callable[[int, str, int, bytes], None]  # (rank, "out"|"err", file offset, data)
+OutputSink = Callable[[], None]          # a worker wrote output (followers read the files)
+DropSink = Callable[[int, str], None]    # (bytes dropped, why): output that could not be written
 
 
 @dataclass(frozen=True)
@@ -53,13 +71,28 @@ def run_as(spec: JobSpec) -> RunAs | None:
     return RunAs(spec.uid, spec.gid, groups)
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: runs in the child after setuid (which clears PDEATHSIG), before exec."""
-    def preexec() -> None:
+def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
+                 parent_pid: int) -> Callable[[], None]:
+    """preexec_fn: in the child, before exec.  Only thin system calls (the daemon has
+    threads): join the cgroup while root, drop to the user, then enter the workdir as the
+    user.  PDEATHSIG is set after the uid change, which would clear it."""
+    def setup() -> None:
+        for fd in join_fds:
+            os.write(fd, b"0")
+        if credentials is not None:
+            os.setgroups(list(credentials.groups))
+            os.setresgid(credentials.gid, credentials.gid, credentials.gid)
+            os.setresuid(credentials.uid, credentials.uid, credentials.uid)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the daemon died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
-    return preexec
+        try:
+            os.chdir(workdir)
+        except OSError as exc:
+            os.write(2, f"elasticd: cannot enter the working directory {workdir}: "
+                        f"{exc.strerror}\n".encode(errors="replace"))
+            os._exit(NO_WORKDIR)
+    return setup
 
 
 def read_error_file(path: str) -> tuple[str, str, float] | None:
@@ -80,33 +113,92 @@ def read_error_file(path: str) -> tuple[str, str, float] | None:
         return None
 
 
-def describe_exit(code: int) -> str:
+def describe_exit(code: int, oom_killed: bool = False) -> str:
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            text = f"killed by {signal.Signals(-code).name}"
         except ValueError:
-            return f"killed by signal {-code}"
+            text = f"killed by signal {-code}"
+        return text + (" (out of memory: the kernel's OOM killer)" if oom_killed else "")
+    if code == NO_WORKDIR:
+        return f"exited with code {code} (the working directory could not be entered)"
     return f"exited with code {code}"
+
+
+def exit_code(status: os.waitid_result) -> int:
+    """A waitid result as Popen.returncode: the exit status, or minus the signal."""
+    if status.si_code == os.CLD_EXITED:
+        return status.si_status
+    return -status.si_status
+
+
+class OutputFile:
+    """One worker stream's log file.  A write that fails (a full disk, a quota) drops the
+    data and counts it; once writes succeed again a line in the file says what was lost."""
+
+    def __init__(self, fd: int, on_dropped: DropSink) -> None:
+        self.fd = fd
+        self._on_dropped = on_dropped
+        self._dropped = 0
+        self._why = ""
+
+    def write(self, data: bytes) -> None:
+        if self._dropped and self._write(self._gap_notice()):
+            self._dropped = 0
+        if self._dropped or not self._write(data):
+            self._dropped += len(data)
+            self._on_dropped(len(data), self._why)
+
+    def _write(self, data: bytes) -> bool:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except OSError as exc:
+                self._why = exc.strerror or str(exc)
+                return False
+        return True
+
+    def _gap_notice(self) -> bytes:
+        return f"\n[elasticd: {self._dropped} bytes of output dropped here: {self._why}]\n".encode()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Pipe:
+    """A worker's stdout or stderr: non-blocking, read by the event loop until EOF."""
+
+    def __init__(self, fd: int, sink: OutputFile) -> None:
+        self.fd = fd
+        self.sink = sink
+        self.closed = asyncio.get_running_loop().create_future()
 
 
 class LocalWorkers:
     """Start, watch and stop one WorkerGroup.  ``group`` always reflects the latest states."""
 
     def __init__(self, spec: JobSpec, group: WorkerGroup, log_dir: str, *,
+                 cgroup: JobCgroup | None = None,
                  on_output: OutputSink | None = None,
+                 on_dropped: DropSink | None = None,
                  on_change: Callable[[WorkerGroup], None] | None = None,
                  stop_grace: float = 10.0) -> None:
         self.spec = spec
         self.group = group
         self.log_dir = log_dir
-        self._on_output = on_output or (lambda *a: None)
+        self._cgroup = cgroup
+        self._on_output = on_output or (lambda: None)
+        self._on_dropped = on_dropped or (lambda n, why: None)
         self._on_change = on_change or (lambda g: None)
         self._stop_grace = stop_grace
-        self._procs: dict[int, asyncio.subprocess.Process] = {}
-        self._exits: dict[int, asyncio.Task[int]] = {}
-        self._pumps: list[asyncio.Task[None]] = []
+        self._loop = asyncio.get_running_loop()
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._exits: dict[int, asyncio.Future[int]] = {}
+        self._pipes: list[_Pipe] = []
         self._failures: dict[int, Failure] = {}
         self._stopping = False
+        self._oom_before = self._oom_kills()
 
     def error_file(self, worker: Worker) -> str:
         return os.path.join(self.log_dir, f"rank_{worker.rank}.error.json")
@@ -119,21 +211,32 @@ class LocalWorkers:
         return [p.pid for p in self._procs.values()]
 
     async def start(self) -> None:
-        """Spawn every worker.  A worker that cannot be exec'd counts as failed (exit 127)."""
+        """Spawn every worker.  A worker that cannot be started counts as failed (exit 127)."""
         credentials = run_as(self.spec)
         self._make_log_dir()
         for worker in self.group.workers:
             try:
-                os.close(self._create_for_user(self.error_file(worker), credentials))
-                proc = await self._spawn(worker, credentials)
-            except OSError as exc:
-                self._record_failure(worker, 127, f"cannot start worker: {exc}")
-                continue
-            self._procs[worker.local_rank] = proc
-            self._exits[worker.local_rank] = asyncio.ensure_future(proc.wait())
-            self._pumps += [asyncio.ensure_future(self._pump(proc.stdout, worker, "out", credentials)),
-                            asyncio.ensure_future(self._pump(proc.stderr, worker, "err", credentials))]
-            self._set(replace(worker, pid=proc.pid, state=WorkerState.HEALTHY))
+                self._start(worker, credentials)
+            except (OSError, subprocess.SubprocessError) as exc:
+                self._record_failure(worker, EXEC_FAILED, f"cannot start worker: {exc}")
+
+    def _start(self, worker: Worker, credentials: RunAs | None) -> None:
+        os.close(self._create_for_user(self.error_file(worker), credentials))
+        files = [OutputFile(self._create_for_user(self.log_file(worker, s), credentials),
+                            self._on_dropped) for s in ("out", "err")]
+        try:
+            proc = self._spawn(worker, credentials)
+        except BaseException:
+            for file in files:
+                file.close()
+            raise
+        self._procs[worker.local_rank] = proc
+        self._watch_exit(worker.local_rank, proc)
+        for stream, file in zip((proc.stdout, proc.stderr), files):
+            assert stream is not None
+            self._watch_pipe(os.dup(stream.fileno()), file)
+            stream.close()
+        self._set(replace(worker, pid=proc.pid, state=WorkerState.HEALTHY))
 
     def _make_log_dir(self) -> None:
         """The job's and the attempt's directories stay the daemon's: a worker that could write
@@ -153,43 +256,67 @@ class LocalWorkers:
             os.fchown(fd, credentials.uid, credentials.gid)
         return fd
 
-    async def _spawn(self, worker: Worker, credentials: RunAs | None) -> asyncio.subprocess.Process:
+    def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
         env = worker_env(self.spec, self.group, worker, error_file=self.error_file(worker))
-        kwargs = {}
-        if credentials:
-            kwargs = {"user": credentials.uid, "group": credentials.gid,
-                      "extra_groups": list(credentials.groups)}
-        return await asyncio.create_subprocess_exec(
-            *self.spec.command(), env=env, cwd=self.spec.workdir,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()), **kwargs)
-
-    async def _pump(self, stream: asyncio.StreamReader | None, worker: Worker, name: str,
-                    credentials: RunAs | None) -> None:
-        """Copy one pipe to its log file and to live readers until EOF."""
-        fd = self._create_for_user(self.log_file(worker, name), credentials)
-        offset = 0
+        join_fds = self._cgroup.join_fds() if self._cgroup is not None else []
         try:
-            while stream is not None and (data := await stream.read(_CHUNK)):
-                os.write(fd, data)
-                self._on_output(worker.rank, name, offset, data)
-                offset += len(data)
+            return subprocess.Popen(
+                self.spec.command(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                preexec_fn=_child_setup(join_fds, credentials, self.spec.workdir, os.getpid()))
         finally:
-            os.close(fd)
+            for fd in join_fds:
+                os.close(fd)
+
+    def _watch_exit(self, local_rank: int, proc: subprocess.Popen[bytes]) -> None:
+        pidfd = os.pidfd_open(proc.pid)
+        exited: asyncio.Future[int] = self._loop.create_future()
+        self._exits[local_rank] = exited
+
+        def reap() -> None:
+            status = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+            if status is None:
+                return  # woken early; the pidfd stays readable until the exit is reaped
+            self._loop.remove_reader(pidfd)
+            os.close(pidfd)
+            proc.returncode = exit_code(status)
+            exited.set_result(proc.returncode)
+            self._record_exit(local_rank, proc.returncode)
+
+        self._loop.add_reader(pidfd, reap)
+
+    def _watch_pipe(self, fd: int, sink: OutputFile) -> None:
+        os.set_blocking(fd, False)
+        pipe = _Pipe(fd, sink)
+        self._pipes.append(pipe)
+        self._loop.add_reader(fd, self._copy, pipe)
+
+    def _copy(self, pipe: _Pipe) -> None:
+        try:
+            data = os.read(pipe.fd, _CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_pipe(pipe)
+            return
+        pipe.sink.write(data)
+        self._on_output()
+
+    def _close_pipe(self, pipe: _Pipe) -> None:
+        if pipe.closed.done():
+            return
+        self._loop.remove_reader(pipe.fd)
+        os.close(pipe.fd)
+        pipe.sink.close()
+        pipe.closed.set_result(None)
 
     async def wait(self) -> RunResult:
         """Return when every worker succeeded, or as soon as one failed."""
-        if self._failures:
-            return self._result()
         pending = set(self._exits.values())
-        by_task = {task: rank for rank, task in self._exits.items()}
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                self._record_exit(by_task[task], task.result())
-            if self._failures:
-                return self._result()
+        while pending and not self._failures:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         return self._result()
 
     def _result(self) -> RunResult:
@@ -206,7 +333,12 @@ class LocalWorkers:
         elif self._stopping:
             self._set(replace(worker, state=WorkerState.STOPPED, exit_code=code))
         else:
-            self._record_failure(worker, code, describe_exit(code))
+            oom = code == -signal.SIGKILL and self._oom_kills() > self._oom_before
+            self._record_failure(worker, code, describe_exit(code, oom_killed=oom))
+
+    def _oom_kills(self) -> int:
+        count = self._cgroup.usage().oom_kills if self._cgroup is not None else None
+        return count or 0
 
     def _record_failure(self, worker: Worker, code: int, message: str) -> None:
         recorded = read_error_file(self.error_file(worker))
@@ -221,33 +353,45 @@ class LocalWorkers:
         self._on_change(self.group)
 
     async def stop(self) -> None:
-        """SIGTERM every process group, wait up to the grace period, then SIGKILL the groups.
-
-        The groups are killed even when their leader already exited, so that nothing a
-        worker started outlives it.  Returns once every worker has been reaped.
-        """
+        """SIGTERM every process of the job, wait up to the grace period for the workers,
+        then SIGKILL whatever is left.  Returns once every worker is reaped and its output
+        copied (idempotent)."""
         self._stopping = True
-        alive = [rank for rank, task in self._exits.items() if not task.done()]
-        self._signal_groups(signal.SIGTERM, alive)
-        if alive:
-            await asyncio.wait([self._exits[r] for r in alive], timeout=self._stop_grace)
-        self._signal_groups(signal.SIGKILL, list(self._procs))
+        alive = [exited for exited in self._exits.values() if not exited.done()]
+        if alive or self._cgroup_populated():
+            self._signal_all(signal.SIGTERM)
+            if alive:
+                await asyncio.wait(alive, timeout=self._stop_grace)
+        self._signal_all(signal.SIGKILL)
         if self._exits:
             await asyncio.wait(list(self._exits.values()))
-        for rank, task in self._exits.items():
-            self._record_exit(rank, task.result())
-        await self._drain_pumps()
+        if self._cgroup is not None and not await self._cgroup.wait_empty(_EMPTY_TIMEOUT):
+            log.warning("job %s: processes left in %s after SIGKILL: %s", self.spec.id,
+                        self._cgroup.path, self._cgroup.pids())
+        await self._drain_pipes()
 
-    def _signal_groups(self, sig: signal.Signals, local_ranks: list[int]) -> None:
-        for rank in local_ranks:
+    def _cgroup_populated(self) -> bool:
+        return self._cgroup is not None and self._cgroup.populated()
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        """Every process in the job's cgroup; without one, every worker's process group."""
+        if self._cgroup is not None:
+            if sig == signal.SIGKILL:
+                self._cgroup.kill()
+            else:
+                self._cgroup.signal(sig)
+            return
+        for proc in self._procs.values():
             try:
-                os.killpg(self._procs[rank].pid, sig)
-            except ProcessLookupError:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
 
-    async def _drain_pumps(self) -> None:
-        """Let the pipes reach EOF; a descendant that escaped its group cannot hold us."""
-        if self._pumps:
-            _, stuck = await asyncio.wait(self._pumps, timeout=2.0)
-            for task in stuck:
-                task.cancel()
+    async def _drain_pipes(self) -> None:
+        """Copy what is left in the pipes.  Without a cgroup a process that left its group
+        (setsid) may still hold one: it is closed after a short wait."""
+        open_pipes = [p.closed for p in self._pipes if not p.closed.done()]
+        if open_pipes:
+            await asyncio.wait(open_pipes, timeout=_DRAIN_TIMEOUT)
+        for pipe in self._pipes:
+            self._close_pipe(pipe)

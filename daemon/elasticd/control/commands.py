@@ -14,14 +14,14 @@ import pwd
 import secrets
 import shutil
 import time
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from .. import __version__
 from ..config import DaemonConfig
 from ..errors import ElasticdError, InvalidSpec, NotFound, PermissionDenied
 from ..jobs import JobRecord, JobRegistry, job_doc
 from ..aio import first
-from ..logs import Chunk, LineSplitter, LogBus, log_files, read_file
+from ..logs import LogBus, LogReader
 from ..model import JobSpec, parse_nnodes, parse_nproc
 from ..cluster import NodeService
 from ..peers import PeerCaller, PeerLinks
@@ -171,7 +171,9 @@ class Commands:
         await reply.result([job_doc(r) for r in records])
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        await reply.result(job_doc(await self._find(args["job"])))
+        record = await self._find(args["job"])
+        usage = self._jobs.usage().get(record.id)
+        await reply.result(job_doc(record, {self._node: usage} if usage else None))
 
     async def wait(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         await self._stream_until_done(await self._find(args["job"]), reply)
@@ -221,17 +223,31 @@ class Commands:
         await reply.end()
 
     async def local_logs(self, job_id: str, args: dict[str, Any], reply: Reply) -> None:
-        """This node's logs of the job (no end marker: callers merge several sources)."""
+        """This node's logs of the job (no end marker: callers merge several sources).
+
+        Read from the files at the pace the client takes them; with ``follow``, woken by
+        new output until the job ended and its workers here are gone."""
         record = self._registry.get(job_id)
-        wanted = _LogFilter(args.get("rank"), args.get("attempt"))
-        splitter = LineSplitter(self._node)
-        with self._logs.follow(record.id) as live:
-            for attempt, rank, stream, path in log_files(self._jobs.log_root, record.id):
-                await _send_chunk(reply, splitter, wanted,
-                                  Chunk(attempt, rank, stream, 0, read_file(path)))
-            if args.get("follow"):
-                await self._follow_logs(record, live, splitter, wanted, reply)
-        await _send_lines(reply, splitter.flush())
+        reader = LogReader(self._jobs.log_root, record.id, self._node,
+                           _LogFilter(args.get("rank"), args.get("attempt")))
+        if not args.get("follow"):
+            await _send_all(reply, reader.new_lines(snapshot=True))
+        else:
+            with self._logs.follow(record.id) as wake:
+                gone = asyncio.ensure_future(self._job_gone(record))
+                try:
+                    while not gone.done():
+                        wake.clear()
+                        await _send_all(reply, reader.new_lines())
+                        waking = asyncio.ensure_future(wake.wait())
+                        try:
+                            await first(waking, gone)
+                        finally:
+                            waking.cancel()
+                finally:
+                    gone.cancel()
+                await _send_all(reply, reader.new_lines())
+        await _send_lines(reply, reader.flush())
 
     async def _remote_logs(self, node: str, job_id: str, args: dict[str, Any], reply: Reply) -> None:
         try:
@@ -240,22 +256,6 @@ class Commands:
         except ElasticdError as exc:
             await _send_lines(reply, [{"node": node, "rank": None, "attempt": None, "stream": "err",
                                        "text": f"elasticd: logs of node {node} unavailable: {exc}"}])
-
-    async def _follow_logs(self, record: JobRecord, live: asyncio.Queue[Chunk],
-                           splitter: LineSplitter, wanted: _LogFilter, reply: Reply) -> None:
-        """Send live output until the job ended and its workers here are gone."""
-        gone = asyncio.ensure_future(self._job_gone(record))
-        try:
-            while True:
-                getting = asyncio.ensure_future(live.get())
-                if await first(getting, gone) is gone:
-                    getting.cancel()
-                    break
-                await _send_chunk(reply, splitter, wanted, getting.result())
-        finally:
-            gone.cancel()
-        while not live.empty():
-            await _send_chunk(reply, splitter, wanted, live.get_nowait())
 
     async def _job_gone(self, record: JobRecord) -> None:
         while record.outcome is None:
@@ -296,6 +296,6 @@ async def _send_lines(reply: Reply, lines: list[dict]) -> None:
         await reply.result({"lines": lines})
 
 
-async def _send_chunk(reply: Reply, splitter: LineSplitter, wanted: _LogFilter, chunk: Chunk) -> None:
-    if wanted(chunk.attempt, chunk.rank):
-        await _send_lines(reply, splitter.feed(chunk.source, chunk.offset, chunk.data))
+async def _send_all(reply: Reply, batches: Iterable[list[dict]]) -> None:
+    for lines in batches:
+        await _send_lines(reply, lines)

@@ -1,0 +1,615 @@
+"""Job cgroups: one cgroup v2 per job on this node, as Slurm's proctrack/cgroup keeps them.
+
+Every process a job starts stays in the job's cgroup whatever it does with sessions and
+forks, so stopping a job is ``cgroup.kill`` and nothing escapes, and the cgroup's files give
+the job's CPU time, memory peak and OOM kills.  A forked worker joins before exec by writing
+``0`` to ``cgroup.procs`` fds that the daemon opened: the kernel checks the credentials of
+the opener, not of the writer, so this still works after the worker switched to the job's user.
+
+Where the job cgroups go (``JobCgroups.setup``):
+- under systemd, our own unit's cgroup, only if it is delegated (``Delegate=yes``); the
+  daemon then moves itself into the leaf ``<unit>/daemon`` (cgroup v2 allows processes only
+  in leaves of a subtree that has controllers enabled);
+- otherwise ``<our cgroup>/elasticd-<node>``, or the path that ``jobs.cgroup`` names.
+A hybrid host's v2 tree may lack the memory controller; memory is then accounted in a
+parallel cgroup v1 memory tree, when there is one.  Without usable cgroups ``available`` is
+False, ``reason`` says why, and the daemon falls back to process groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import math
+import os
+import re
+import select
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Mapping
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+OFF = "off"
+_NAME = re.compile(r"[\w.-]+", re.ASCII)
+_CONTROLLERS = ("memory", "cpu", "pids", "io")
+_DISABLED = f"disabled by jobs.cgroup = {OFF}"
+_DAEMON_LEAF = "daemon"
+_JOB_PREFIX = "job-"
+_REAP_TIMEOUT = 5.0
+_SIGKILL_ROUNDS = 12  # back-off 1 ms .. 100 ms: about a second in all
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a job used on this node, as far as the cgroup files tell (None: not known)."""
+
+    cpu_seconds: float | None = None
+    memory_peak: int | None = None
+    oom_kills: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Usage:
+        if not isinstance(doc, Mapping):
+            return cls()
+
+        def number(name: str, kind: type) -> Any:
+            value = doc.get(name)
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value))
+            return kind(value) if ok else None
+
+        return cls(number("cpu_seconds", float), number("memory_peak", int),
+                   number("oom_kills", int))
+
+
+# --- Where things are: pure functions of /proc/self/mountinfo, /proc/self/cgroup, environ ---
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """This process's cgroups, as paths in their hierarchies, and where those are mounted."""
+
+    v2_mount: str | None = None   # mount point of cgroup2
+    v2_root: str = "/"            # the cgroup that is the mount's root
+    own: str | None = None        # our v2 cgroup, e.g. "/system.slice/elasticd.service"
+    v1_memory: str | None = None  # directory of our cgroup v1 memory cgroup
+
+    def v2_dir(self, cgroup: str) -> str | None:
+        """The directory of a v2 cgroup, or None when the mount does not show it."""
+        return _dir_under(self.v2_mount, self.v2_root, cgroup)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The decision of ``setup``: a base directory for job cgroups, or why there is none."""
+
+    base: str | None = None
+    reason: str = ""
+    systemd: bool = False          # base is our delegated unit: move into <base>/daemon, never remove it
+    v1_base: str | None = None     # where v1 memory cgroups go, if v2 cannot count memory
+
+
+def find_hierarchy(mountinfo: str, proc_cgroup: str) -> Hierarchy:
+    v2 = v1 = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        sep = fields.index("-", 6)
+        fstype, options = fields[sep + 1], fields[sep + 3].split(",")
+        if fstype == "cgroup2" and v2 is None:
+            v2 = (_unescape(fields[4]), _unescape(fields[3]))
+        elif fstype == "cgroup" and "memory" in options and v1 is None:
+            v1 = (_unescape(fields[4]), _unescape(fields[3]))
+    own = own_v1 = None
+    for line in proc_cgroup.splitlines():
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and not controllers:
+            own = path
+        elif "memory" in controllers.split(","):
+            own_v1 = path
+    return Hierarchy(v2_mount=v2[0] if v2 else None, v2_root=v2[1] if v2 else "/", own=own,
+                     v1_memory=_dir_under(*v1, own_v1) if v1 and own_v1 else None)
+
+
+def home_cgroup(hierarchy: Hierarchy, environ: Mapping[str, str]) -> tuple[str | None, bool]:
+    """(the v2 cgroup we work in, whether it is our systemd unit's).
+
+    A daemon that already moved into ``<unit>/daemon`` still counts its unit as home.
+    """
+    own = hierarchy.own
+    if own is None:
+        return None, False
+    if "INVOCATION_ID" in environ and own.strip("/"):
+        parent, leaf = own.rstrip("/").rsplit("/", 1)
+        if leaf == _DAEMON_LEAF and parent.endswith(".service"):
+            return parent, True
+        if leaf.endswith(".service"):
+            return own, True
+    return own, False
+
+
+def choose_placement(hierarchy: Hierarchy, setting: str, node: str, environ: Mapping[str, str],
+                     *, delegated: bool, writable: bool) -> Placement:
+    """Where job cgroups go.  ``delegated`` and ``writable`` are facts about the home cgroup
+    (see ``home_cgroup``): systemd delegated it to us; we may create cgroups in it."""
+    if setting == OFF:
+        return Placement(reason=_DISABLED)
+    if not _NAME.fullmatch(node):
+        return Placement(reason=f"node name {node!r} cannot name a cgroup")
+    mount = hierarchy.v2_mount
+    if mount is None:
+        return Placement(reason="no cgroup2 mount")
+    v1_base = os.path.join(hierarchy.v1_memory, f"elasticd-{node}") if hierarchy.v1_memory else None
+    if setting != AUTO:
+        if not setting.startswith("/") or ".." in setting.split("/"):
+            return Placement(reason=f"jobs.cgroup = {setting!r}: must be '{AUTO}', '{OFF}' or "
+                                    f"an absolute cgroup path such as /elasticd")
+        return Placement(base=_join_cgroup(mount, setting), v1_base=v1_base)
+    cgroup, systemd = home_cgroup(hierarchy, environ)
+    home = hierarchy.v2_dir(cgroup) if cgroup is not None else None
+    if home is None:
+        return Placement(reason=f"our cgroup {cgroup or '(none)'} is not visible under the "
+                                f"cgroup2 mount {mount}")
+    if systemd:
+        if not delegated:
+            return Placement(reason=f"{home} is not delegated to elasticd: under systemd, "
+                                    f"set Delegate=yes")
+        return Placement(base=home, systemd=True, v1_base=v1_base)
+    if not writable:
+        return Placement(reason=f"{home} is not writable: run elasticd as root, or under "
+                                f"systemd with Delegate=yes")
+    return Placement(base=os.path.join(home, f"elasticd-{node}"), v1_base=v1_base)
+
+
+def _dir_under(mount: str | None, mount_root: str, cgroup: str) -> str | None:
+    if mount is None:
+        return None
+    root = mount_root.rstrip("/")
+    if cgroup != root and not cgroup.startswith(root + "/"):
+        return None
+    return _join_cgroup(mount, cgroup[len(root):])
+
+
+def _join_cgroup(mount: str, cgroup: str) -> str:
+    return os.path.normpath(mount + "/" + cgroup.strip("/")) if cgroup.strip("/") else mount
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+# --- The daemon's subtree ---
+
+class JobCgroups:
+    """The daemon's subtree: where job cgroups are made."""
+
+    def __init__(self, base: str | None = None, *, reason: str = "", description: str = "",
+                 v1_base: str | None = None, owned: tuple[str, ...] = ()) -> None:
+        self.base = base
+        self.v1_base = v1_base
+        self.available = base is not None
+        self.reason = reason
+        self.description = description
+        self._owned = owned  # what close() removes, innermost last
+
+    @classmethod
+    def setup(cls, node: str, setting: str = AUTO, *, environ: Mapping[str, str] = os.environ,
+              proc: str = "/proc") -> JobCgroups:
+        if setting == OFF:
+            return cls(reason=_DISABLED)
+        try:
+            hierarchy = find_hierarchy(_read(f"{proc}/self/mountinfo"), _read(f"{proc}/self/cgroup"))
+        except OSError as exc:
+            return cls(reason=f"cannot read {proc}/self: {exc.strerror}")
+        cgroup, _ = home_cgroup(hierarchy, environ)
+        home = hierarchy.v2_dir(cgroup) if cgroup is not None else None
+        placement = choose_placement(
+            hierarchy, setting, node, environ,
+            delegated=home is not None and _is_delegated(home),
+            writable=home is not None and os.access(home, os.W_OK))
+        if placement.base is None:
+            return cls(reason=placement.reason)
+        try:
+            return cls._build(placement, setting)
+        except OSError as exc:
+            return cls(reason=f"cannot set up job cgroups in {placement.base}: {exc.strerror}")
+
+    @classmethod
+    def _build(cls, placement: Placement, setting: str) -> JobCgroups:
+        base = placement.base
+        assert base is not None
+        if placement.systemd:
+            _make_dirs(os.path.join(base, _DAEMON_LEAF))
+            _write(os.path.join(base, _DAEMON_LEAF, "cgroup.procs"), str(os.getpid()))
+            owned: list[str] = []
+        else:
+            made = _make_dirs(base)
+            owned = [base] if setting == AUTO else made
+        enabled = _enable_controllers(base)
+        v1_base = None if "memory" in enabled else _make_v1_base(placement.v1_base)
+        owned += [v1_base] if v1_base else []
+        description = (f"job cgroups in {base} (controllers: {' '.join(enabled) or 'none'})"
+                       + (f"; elasticd moved to {base}/{_DAEMON_LEAF}" if placement.systemd else "")
+                       + (f"; memory accounted in {v1_base} (cgroup v1)" if v1_base else ""))
+        return cls(base, description=description, v1_base=v1_base, owned=tuple(owned))
+
+    def create(self, job_id: str) -> JobCgroup | None:
+        """The job's cgroup (an existing empty one is reused).  Raises FileExistsError when
+        one with processes exists, OSError when it cannot be made."""
+        if self.base is None:
+            return None
+        if not _NAME.fullmatch(job_id):
+            raise ValueError(f"job id {job_id!r} cannot name a cgroup")
+        path = os.path.join(self.base, _JOB_PREFIX + job_id)
+        _make_dirs(path)
+        job = JobCgroup(path, self._v1_job_dir(job_id))
+        if job.populated():
+            raise FileExistsError(errno.EEXIST, "job cgroup still has processes", path)
+        return job
+
+    def _v1_job_dir(self, job_id: str) -> str | None:
+        if self.v1_base is None:
+            return None
+        path = os.path.join(self.v1_base, _JOB_PREFIX + job_id)
+        try:
+            _make_dirs(path)
+        except OSError as exc:
+            log.warning("no memory accounting for job %s: cannot make %s: %s", job_id, path,
+                        exc.strerror)
+            return None
+        return path
+
+    def reap_leftovers(self) -> int:
+        """Kill and remove the job cgroups that a previous run of this daemon left behind;
+        the number of processes killed."""
+        killed = 0
+        for path in _job_dirs(self.base):
+            job = JobCgroup(path)
+            killed += len(job.pids())
+            job.kill()
+            if not _wait_empty_blocking(path, _REAP_TIMEOUT):
+                log.warning("processes in %s survived SIGKILL for %g s", path, _REAP_TIMEOUT)
+            job.remove()
+        for path in _job_dirs(self.v1_base):  # normally emptied above: the same processes
+            killed += _kill_until_empty(path)
+            _remove_tree(path)
+        if killed:
+            log.warning("killed %d processes left by a previous run in %s", killed, self.base)
+        return killed
+
+    def close(self) -> None:
+        """Remove the directories we made, if empty (never a systemd-delegated unit)."""
+        for path in reversed(self._owned):
+            try:
+                os.rmdir(path)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    log.info("leaving %s: %s", path, exc.strerror)
+
+
+class JobCgroup:
+    """One job's cgroup on this node (and its v1 memory twin, on a hybrid host)."""
+
+    def __init__(self, path: str, v1_path: str | None = None) -> None:
+        self.path = path
+        self.v1_path = v1_path
+
+    def __repr__(self) -> str:
+        return f"JobCgroup({self.path!r})"
+
+    def join_fds(self) -> list[int]:
+        """Fresh fds on ``cgroup.procs``: a forked child writes b"0" to each before exec to
+        join.  The caller closes them once the child is spawned."""
+        fds = [_open_procs(self.path)]
+        if self.v1_path:
+            try:
+                fds.append(_open_procs(self.v1_path))
+            except OSError as exc:
+                log.warning("no memory accounting in %s: %s", self.v1_path, exc.strerror)
+        return fds
+
+    def pids(self) -> list[int]:
+        return [pid for procs in _procs_files(self.path) for pid in _read_pids(procs)]
+
+    def signal(self, sig: int) -> int:
+        """Send ``sig`` to every process in the job; how many got it."""
+        return sum(_signal_listed(procs, sig) for procs in _procs_files(self.path))
+
+    def kill(self) -> None:
+        """SIGKILL every process in the job, those forking right now included."""
+        kill_file = os.path.join(self.path, "cgroup.kill")
+        if os.path.exists(kill_file):
+            try:
+                _write(kill_file, "1")
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ENODEV):  # not removed meanwhile
+                    raise
+        elif os.path.isdir(self.path):  # a kernel before 5.14
+            _kill_until_empty(self.path)
+
+    def populated(self) -> bool:
+        try:
+            return _keyed(_read(os.path.join(self.path, "cgroup.events"))).get("populated") == 1
+        except OSError:
+            return False
+
+    async def wait_empty(self, timeout: float) -> bool:
+        """True once no process is left in the job, False after ``timeout`` seconds."""
+        try:
+            watch = _EventsWatch(self.path)
+        except FileNotFoundError:
+            return True
+        with watch:
+            if not watch.populated():
+                return True
+            loop = asyncio.get_running_loop()
+            emptied: asyncio.Future[bool] = loop.create_future()
+
+            def on_change() -> None:
+                if not watch.populated() and not emptied.done():
+                    emptied.set_result(True)
+
+            loop.add_reader(watch.fileno(), on_change)
+            try:
+                return await asyncio.wait_for(emptied, timeout)
+            except TimeoutError:
+                return False
+            finally:
+                loop.remove_reader(watch.fileno())
+
+    def usage(self) -> Usage:
+        cpu = _keyed_file(os.path.join(self.path, "cpu.stat")).get("usage_usec")
+        peak = _int_file(os.path.join(self.path, "memory.peak"))
+        if peak is not None:
+            oom = _keyed_file(os.path.join(self.path, "memory.events")).get("oom_kill")
+        elif self.v1_path:
+            peak = _int_file(os.path.join(self.v1_path, "memory.max_usage_in_bytes"))
+            oom = _keyed_file(os.path.join(self.v1_path, "memory.oom_control")).get("oom_kill")
+        else:
+            oom = None
+        return Usage(cpu_seconds=None if cpu is None else cpu / 1e6, memory_peak=peak,
+                     oom_kills=oom)
+
+    def remove(self) -> None:
+        """Remove the job's directories (and any cgroups the job made inside)."""
+        for path in (self.path, self.v1_path):
+            if path:
+                _remove_tree(path)
+
+
+class _EventsWatch:
+    """``cgroup.events``, and an epoll fd that turns readable when the file changes.
+
+    kernfs reports a change as POLLPRI; POLLIN is always set on its files, so an event loop
+    cannot wait on the file itself.  It waits on the epoll fd instead, in which the file is
+    registered for EPOLLPRI alone.  Reading the file re-arms the notification.
+    """
+
+    def __init__(self, cgroup_dir: str) -> None:
+        self._fd = os.open(os.path.join(cgroup_dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._epoll = select.epoll()
+            self._epoll.register(self._fd, select.EPOLLPRI)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def fileno(self) -> int:
+        return self._epoll.fileno()
+
+    def populated(self) -> bool:
+        try:
+            return _keyed(os.pread(self._fd, 4096, 0).decode()).get("populated") == 1
+        except OSError:  # ENODEV: the cgroup was removed, so it is empty
+            return False
+
+    def wait(self, timeout: float) -> None:
+        self._epoll.poll(max(timeout, 0))
+
+    def __enter__(self) -> _EventsWatch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._epoll.close()
+        os.close(self._fd)
+
+
+def _wait_empty_blocking(cgroup_dir: str, timeout: float) -> bool:
+    """``wait_empty`` for start-up, before the event loop runs."""
+    deadline = time.monotonic() + timeout
+    try:
+        watch = _EventsWatch(cgroup_dir)
+    except FileNotFoundError:
+        return True
+    with watch:
+        while watch.populated():
+            if time.monotonic() >= deadline:
+                return False
+            watch.wait(deadline - time.monotonic())
+    return True
+
+
+# --- Processes ---
+
+def _procs_files(cgroup_dir: str) -> Iterator[str]:
+    """``cgroup.procs`` of the cgroup and of every cgroup below it."""
+    for parent, _, _ in os.walk(cgroup_dir):
+        yield os.path.join(parent, "cgroup.procs")
+
+
+def _read_pids(procs_file: str) -> list[int]:
+    try:
+        return [int(line) for line in _read(procs_file).split()]
+    except OSError:
+        return []
+
+
+def _signal_listed(procs_file: str, sig: int) -> int:
+    """Signal the processes listed in ``procs_file``; how many got it.
+
+    Each pid is pinned with a pidfd and must still be listed afterwards, so that a pid
+    reused by a process outside the cgroup in between never gets the signal.
+    """
+    pidfds: dict[int, int] = {}
+    try:
+        for pid in _read_pids(procs_file):
+            try:
+                pidfds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                pass
+        listed = set(_read_pids(procs_file))
+        return sum(_send(fd, sig) for pid, fd in pidfds.items() if pid in listed)
+    finally:
+        for fd in pidfds.values():
+            os.close(fd)
+
+
+def _send(pidfd: int, sig: int) -> bool:
+    try:
+        signal.pidfd_send_signal(pidfd, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_until_empty(cgroup_dir: str) -> int:
+    """SIGKILL by pid until nothing is left, for cgroups without ``cgroup.kill`` (v1, or a
+    kernel before 5.14).  A process forking meanwhile needs another round; the rounds back
+    off and are bounded.  How many processes were there at first."""
+    first = len([pid for procs in _procs_files(cgroup_dir) for pid in _read_pids(procs)])
+    delay = 0.001
+    for _ in range(_SIGKILL_ROUNDS):
+        if not sum(_signal_listed(procs, signal.SIGKILL) for procs in _procs_files(cgroup_dir)):
+            return first
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+    log.warning("processes in %s survive SIGKILL", cgroup_dir)
+    return first
+
+
+# --- Files and directories ---
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _write(path: str, text: str) -> None:
+    """One write(2), so that the kernel's answer to it is the error raised."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _open_procs(cgroup_dir: str) -> int:
+    return os.open(os.path.join(cgroup_dir, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+
+
+def _keyed(text: str) -> dict[str, int]:
+    """``key value`` lines (cgroup.events, cpu.stat, memory.events, memory.oom_control)."""
+    pairs = (line.split() for line in text.splitlines())
+    return {fields[0]: int(fields[1]) for fields in pairs
+            if len(fields) == 2 and fields[1].isdigit()}
+
+
+def _keyed_file(path: str) -> dict[str, int]:
+    try:
+        return _keyed(_read(path))
+    except OSError:
+        return {}
+
+
+def _int_file(path: str) -> int | None:
+    try:
+        return int(_read(path))
+    except (OSError, ValueError):
+        return None
+
+
+def _is_delegated(cgroup_dir: str) -> bool:
+    """systemd marks a delegated cgroup with an xattr; where cgroupfs has no xattrs, the
+    best sign left is that we may enable controllers in it."""
+    xattrs_work = False
+    for name in ("trusted.delegate", "user.delegate"):
+        try:
+            if os.getxattr(cgroup_dir, name) == b"1":
+                return True
+            xattrs_work = True
+        except OSError as exc:
+            xattrs_work |= exc.errno == errno.ENODATA
+    subtree_control = os.path.join(cgroup_dir, "cgroup.subtree_control")
+    return not xattrs_work and os.access(subtree_control, os.W_OK)
+
+
+def _make_dirs(path: str) -> list[str]:
+    """mkdir -p; the directories it made, outermost first."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+    return missing[::-1]
+
+
+def _enable_controllers(base: str) -> list[str]:
+    """Enable for job cgroups what ``base`` offers of memory, cpu, pids and io (each may
+    fail alone, e.g. while processes sit in ``base``); the controllers enabled."""
+    subtree_control = os.path.join(base, "cgroup.subtree_control")
+    offered = _read(os.path.join(base, "cgroup.controllers")).split()
+    for name in _CONTROLLERS:
+        if name in offered:
+            try:
+                _write(subtree_control, f"+{name}")
+            except OSError as exc:
+                log.info("cannot enable the %s controller in %s: %s", name, base, exc.strerror)
+    return _read(subtree_control).split()
+
+
+def _make_v1_base(v1_base: str | None) -> str | None:
+    if v1_base is None:
+        return None
+    try:
+        _make_dirs(v1_base)
+    except OSError as exc:
+        log.info("no memory accounting for jobs: cannot make %s: %s", v1_base, exc.strerror)
+        return None
+    return v1_base
+
+
+def _job_dirs(base: str | None) -> list[str]:
+    if base is None:
+        return []
+    try:
+        with os.scandir(base) as entries:
+            return [entry.path for entry in entries
+                    if entry.name.startswith(_JOB_PREFIX) and entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _remove_tree(cgroup_dir: str) -> None:
+    """rmdir a cgroup and the cgroups below it, innermost first.  One that still has
+    processes stays, with a warning."""
+    for path, _, _ in os.walk(cgroup_dir, topdown=False):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", path, exc.strerror)
+            return
