@@ -303,6 +303,19 @@ def worker_args(*args: str) -> list[str]:
     return [str(WORKER), *args]
 
 
+def sleeping_job(daemon: Daemon, directory: Path, nproc: int, *extra: str) -> tuple[str, list[int]]:
+    """A job whose workers sleep (with what ``extra`` asks of worker.py); returns its id and
+    every pid the workers wrote (theirs and their children's), once all are written."""
+    pids_dir = directory / "pids"
+    pids_dir.mkdir(exist_ok=True)
+    job = daemon.submit("--nproc-per-node", str(nproc),
+                        *worker_args("--sleep", "0", "--pid-dir", str(pids_dir), *extra))
+    daemon.wait_running(job["id"], nproc)
+    daemon.wait_output(job["id"], [f"ready {r}" for r in range(nproc)], timeout=60)
+    return job["id"], [int(p) for r in range(nproc)
+                       for p in (pids_dir / f"rank_{r}.pid").read_text().split()]
+
+
 def alive(pid: int) -> bool:
     """True if ``pid`` runs and is not a zombie."""
     import psutil

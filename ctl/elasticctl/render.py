@@ -203,6 +203,8 @@ def status_block(job: Doc, now: float) -> str:
     barrier = barrier_progress(job.get("barrier"), now)
     if barrier:
         fields.append(("exit barrier", barrier))
+    if job.get("usage"):
+        fields.append(("usage", usage_line(job["usage"])))
     lines = [f"{label + ':':<14}{text(value)}" for label, value in fields]
     lines += _error_lines(job.get("error"))
     if job.get("nodes"):
@@ -226,10 +228,44 @@ def _error_lines(error: Doc | None) -> list[str]:
 
 
 def nodes_of_job_table(parts: Iterable[Doc]) -> str:
-    """Each node's part of a job: which group rank, which global ranks, in what state."""
-    return table(("NODE", "GROUP RANK", "RANKS", "STATE"),
-                 ([p.get("node"), p.get("group_rank"), ranks(p.get("ranks") or []), p.get("state")]
-                  for p in parts))
+    """Each node's part of a job: which group rank, which global ranks, in what state, and
+    what its processes there used."""
+    return table(("NODE", "GROUP RANK", "RANKS", "STATE", "CPU", "MEM PEAK"),
+                 ([p.get("node"), p.get("group_rank"), ranks(p.get("ranks") or []), p.get("state"),
+                   cpu_time((p.get("usage") or {}).get("cpu_seconds")),
+                   size((p.get("usage") or {}).get("memory_peak"))] for p in parts))
+
+
+def usage_line(usage: Doc) -> str:
+    """'cpu 1m30s, memory peak 1.2 GiB (largest node), 1 OOM kill'."""
+    parts = []
+    if usage.get("cpu_seconds") is not None:
+        parts.append(f"cpu {cpu_time(usage['cpu_seconds'])}")
+    if usage.get("memory_peak") is not None:
+        parts.append(f"memory peak {size(usage['memory_peak'])} (largest node)")
+    if usage.get("oom_kills"):
+        kills = usage["oom_kills"]
+        parts.append(f"{kills} OOM kill{'s' if kills != 1 else ''}")
+    return ", ".join(parts) or NONE
+
+
+def cpu_time(seconds: Any) -> str:
+    """CPU seconds: '0.42s' under a minute, else as a duration ('1m30s')."""
+    if not isinstance(seconds, (int, float)):
+        return NONE
+    return f"{seconds:.2f}s" if seconds < 60 else duration(seconds)
+
+
+def size(nbytes: Any) -> str:
+    """Bytes in binary units: '512 B', '1.2 GiB'."""
+    if not isinstance(nbytes, (int, float)):
+        return NONE
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return NONE
 
 
 def workers_table(workers: Iterable[Doc]) -> str:

@@ -32,6 +32,7 @@ import zmq.asyncio
 from . import __version__, config as config_mod
 from .aio import first
 from .board import JobBoard
+from .cgroups import JobCgroups
 from .cluster import NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
 from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
@@ -165,7 +166,7 @@ class Daemon:
         self.config = config
         self.node = config.node_name
         self.notify = Notifier()
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.paths.state_dir)
         self.stop = asyncio.Event()
         self._server: C10dServer | None = None
         self._store_ok = True
@@ -181,6 +182,7 @@ class Daemon:
         registry = JobRegistry(history)
         self._restore(registry, history)
         gpus = discover_gpus(config.node.gpus)
+        cgroups = self._cgroups()
         logs = LogBus()
         ctx = zmq.asyncio.Context()
         zap = Zap(ctx)
@@ -191,8 +193,9 @@ class Daemon:
         service = JobService(config, node=self.node, address=self._address,
                              resources=Resources(slot_count(config, gpus), gpus), store=store,
                              signer=signer, registry=registry, metrics=self.metrics, logs=logs,
-                             peers=peers,
+                             peers=peers, cgroups=cgroups if cgroups.available else None,
                              board=JobBoard(store, signer, config.cluster.name, on_refused=self._refused))
+        self.metrics.job_usage.source = service.usage
         nodes = self._node_service(store, signer, service, registry)
         commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                             cluster=nodes, peers=peers)
@@ -211,6 +214,7 @@ class Daemon:
                                 on_connections=self.metrics.control_connections.set,
                                 world_accessible=os.getuid() == 0)
         control.bind()
+        await asyncio.to_thread(cgroups.reap_leftovers)  # the socket says no other daemon runs here
         registry.subscribe(lambda _: self._update_status(registry))
         self._install_signals()
         try:
@@ -233,6 +237,7 @@ class Daemon:
             if http is not None:
                 http.close()
             store.close()
+            cgroups.close()  # only what is empty (a twin refused at bind takes nothing away)
             if self._server is not None:
                 self._server.close()
             history.close()
@@ -248,6 +253,16 @@ class Daemon:
         for waiting in (joined, stopping):
             waiting.cancel()
         return done is joined
+
+    def _cgroups(self) -> JobCgroups:
+        cgroups = JobCgroups.setup(self.node, self.config.jobs.cgroup)
+        if cgroups.available:
+            log.info("%s", cgroups.description)
+        else:
+            log.warning("no cgroups for jobs (%s): a job's processes are tracked by process "
+                        "group only, and one that leaves its group (setsid) outlives the job",
+                        cgroups.reason)
+        return cgroups
 
     def _node_service(self, store: StoreBackend, signer: Signer, service: JobService,
                       registry: JobRegistry) -> NodeService:

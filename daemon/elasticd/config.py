@@ -45,6 +45,12 @@ def _gpus(value: int | str) -> str | None:
     return f"must be '{AUTO}' or a GPU count (0 or more)"
 
 
+def _cgroup_setting(value: str) -> str | None:
+    if value in (AUTO, "off") or (value.startswith("/") and ".." not in value.split("/")):
+        return None
+    return f"must be '{AUTO}', 'off' or an absolute cgroup path such as /elasticd"
+
+
 def _log_level(value: str) -> str | None:
     levels = ("debug", "info", "warning", "error")
     return None if value in levels else f"must be one of {', '.join(levels)}"
@@ -111,6 +117,7 @@ class JobsConfig:
     exit_barrier_timeout: float = key(300.0, _positive, doc="default exit barrier timeout, seconds")
     join_timeout: float = key(600.0, _positive, doc="default seconds a job waits for min nodes")
     last_call_timeout: float = key(1.0, _not_negative, doc="extra seconds for nodes after min joined")
+    cgroup: str = key("auto", _cgroup_setting, doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path")
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter as Tally
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from . import __version__
 from .jobs import JobRecord
@@ -24,10 +27,19 @@ _STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1
 _BARRIER_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 900)
 
 
+_FULL_BELOW = 1 << 20     # bytes: a state dir with less free space counts as full
+_FULL_RECENTLY = 60.0     # seconds a failed write for lack of space keeps it counted as full
+_NO_SPACE = ("No space left on device", "Disk quota exceeded")
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, state_dir: str = "/") -> None:
         self.registry = reg = CollectorRegistry()
         ProcessCollector(registry=reg)
+        self.disk = DiskCollector(state_dir)
+        self.job_usage = JobUsageCollector()
+        reg.register(self.disk)
+        reg.register(self.job_usage)
         Gauge("elasticd_build_info", "Build information", ["version"], registry=reg) \
             .labels(__version__).set(1)
         self.jobs = Gauge("elasticd_jobs", "Jobs known to this daemon, by state", ["state"], registry=reg)
@@ -48,6 +60,19 @@ class Metrics:
                                          "Open control-socket connections", registry=reg)
         self.refused_records = Counter("elasticd_store_refused_records_total",
                                        "Store records refused (bad MAC or unreadable)", registry=reg)
+        self.output_dropped_bytes = Counter(
+            "elasticd_log_dropped_bytes_total",
+            "Worker output that could not be written to its log file (a full disk), by reason",
+            ["reason"], registry=reg)
+        self.state_write_errors = Counter(
+            "elasticd_state_dir_write_errors_total",
+            "Writes to the state dir that failed, by what was written", ["what"], registry=reg)
+        self.history_quarantined = Counter(
+            "elasticd_history_quarantined_total",
+            "Corrupt history databases renamed aside (a fresh one was started)", registry=reg)
+        self.history_skipped = Counter(
+            "elasticd_history_skipped_rows_total", "History rows skipped because they did not parse",
+            registry=reg)
         self.store_up = Gauge("elasticd_store_up", "1 when the store answers", registry=reg)
         self.store_latency = Histogram("elasticd_store_latency_seconds", "Store operation latency",
                                        ["op"], buckets=_STORE_BUCKETS, registry=reg)
@@ -107,6 +132,15 @@ class Metrics:
             self.jobs.labels(state.value).set(jobs[state.value])
         for state in WorkerState:
             self.workers.labels(state.value).set(workers[state.value])
+
+    def output_dropped(self, nbytes: int, why: str) -> None:
+        self.output_dropped_bytes.labels(why).inc(nbytes)
+        self.state_write_failed("logs", why)
+
+    def state_write_failed(self, what: str, why: str) -> None:
+        self.state_write_errors.labels(what).inc()
+        if any(reason in why for reason in _NO_SPACE):
+            self.disk.out_of_space()
 
     def count_nodes(self, states: Iterable[str]) -> None:
         tally = Tally(states)
@@ -180,6 +214,64 @@ def _http(status: int, content_type: bytes, body: bytes) -> bytes:
     return (b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
             b"Connection: close\r\n\r\n" % (status, reason, content_type, len(body))) + body
 
+
+
+class DiskCollector(Collector):
+    """Free space of the state dir (history, logs, keys), read at each scrape, and whether it
+    is full: under 1 MiB or no inode left, or a write failed for lack of space (a quota, which
+    statvfs does not show) in the last minute."""
+
+    def __init__(self, state_dir: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._state_dir = state_dir
+        self._clock = clock
+        self._failed_at: float | None = None
+
+    def out_of_space(self) -> None:
+        self._failed_at = self._clock()
+
+    def free(self) -> tuple[int, int] | None:
+        """(bytes, inodes) this daemon may still use, or None if the dir cannot be read."""
+        try:
+            info = os.statvfs(self._state_dir)
+        except OSError:
+            return None
+        blocks, inodes = (info.f_bfree, info.f_ffree) if os.geteuid() == 0 else \
+            (info.f_bavail, info.f_favail)
+        return blocks * info.f_frsize, inodes
+
+    def full(self) -> bool:
+        free = self.free()
+        recently = self._failed_at is not None and self._clock() - self._failed_at < _FULL_RECENTLY
+        return recently or (free is not None and (free[0] < _FULL_BELOW or free[1] == 0))
+
+    def collect(self) -> Iterable[Any]:
+        free = self.free()
+        if free is not None:
+            yield GaugeMetricFamily("elasticd_state_dir_free_bytes",
+                                    "Free space in the state dir this daemon may use", value=free[0])
+        yield GaugeMetricFamily("elasticd_disk_full",
+                                "1 when the state dir is full (worker output is being dropped)",
+                                value=1 if self.full() else 0)
+
+
+class JobUsageCollector(Collector):
+    """CPU time, memory peak and OOM kills of each job running here, from its cgroup."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[str, dict[str, Any]]] = dict
+
+    def collect(self) -> Iterable[Any]:
+        cpu = CounterMetricFamily("elasticd_job_cpu_seconds", "CPU time of a job's processes "
+                                  "on this node (its cgroup)", labels=["job"])
+        peak = GaugeMetricFamily("elasticd_job_memory_peak_bytes", "Memory peak of a job's "
+                                 "processes on this node (its cgroup)", labels=["job"])
+        ooms = CounterMetricFamily("elasticd_job_oom_kills", "Processes of a job killed by the "
+                                   "OOM killer on this node", labels=["job"])
+        for job, usage in sorted(self.source().items()):
+            for family, key in ((cpu, "cpu_seconds"), (peak, "memory_peak"), (ooms, "oom_kills")):
+                if usage.get(key) is not None:
+                    family.add_metric([job], usage[key])
+        yield from (cpu, peak, ooms)
 
 
 class InstrumentedStore:

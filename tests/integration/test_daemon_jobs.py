@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from harness import CLIENT_ENV, PY, ROOT, WORKER, alive, wait_gone, worker_args
+from harness import CLIENT_ENV, PY, ROOT, WORKER, alive, sleeping_job, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 
@@ -76,18 +76,8 @@ def test_exhausted_restarts_fail_with_the_root_cause(daemon):
     assert "boom from rank 1" in human and "FAILED" in human
 
 
-def _sleeping_job(daemon, shared_tmp, nproc, *extra):
-    """A job whose workers (each with a grandchild) sleep; returns its id and every pid."""
-    pids_dir = shared_tmp / "pids"
-    pids_dir.mkdir()
-    job = daemon.submit("--nproc-per-node", str(nproc),
-                        *worker_args("--sleep", "0", "--pid-dir", str(pids_dir), *extra))
-    daemon.wait_running(job["id"], nproc)
-    return job["id"], _wait_pid_files(daemon, job["id"], pids_dir, nproc)
-
-
 def test_cancel_stops_every_process_of_the_job(daemon, shared_tmp):
-    job_id, pids = _sleeping_job(daemon, shared_tmp, 2, "--child")
+    job_id, pids = sleeping_job(daemon, shared_tmp, 2, "--child")
     assert daemon.ctl("cancel", job_id)["state"] == "CANCELLED"
     assert wait_gone(pids, timeout=5) == []  # cancel returns once this node's workers are gone
     assert daemon.ctl("status", job_id)["state"] == "CANCELLED"
@@ -97,13 +87,13 @@ def test_sigkill_escalation_for_workers_ignoring_sigterm(daemon_factory, shared_
     config = shared_tmp / "grace.toml"
     config.write_text("[jobs]\nstop_grace = 1\n")
     daemon = daemon_factory(args=("--slots", "2", "--config", str(config))).start()
-    job_id, pids = _sleeping_job(daemon, shared_tmp, 1, "--ignore-term")
+    job_id, pids = sleeping_job(daemon, shared_tmp, 1, "--ignore-term")
     daemon.ctl("cancel", job_id)
     assert wait_gone(pids, timeout=5) == []
 
 
 def test_daemon_sigterm_cancels_jobs_and_exits_zero(daemon, shared_tmp):
-    job_id, pids = _sleeping_job(daemon, shared_tmp, 2, "--child")
+    job_id, pids = sleeping_job(daemon, shared_tmp, 2, "--child")
     daemon.signal(signal.SIGTERM)
     daemon.wait_notify("STOPPING=1")
     assert daemon.wait_exit() == 0
@@ -114,7 +104,7 @@ def test_daemon_sigterm_cancels_jobs_and_exits_zero(daemon, shared_tmp):
 
 
 def test_daemon_sigkill_leaves_no_worker_and_next_start_marks_failed(daemon, shared_tmp):
-    job_id, pids = _sleeping_job(daemon, shared_tmp, 2, "--child")
+    job_id, pids = sleeping_job(daemon, shared_tmp, 2, "--child")
     workers = [w["pid"] for w in daemon.ctl("status", job_id)["workers"]]
     daemon.signal(signal.SIGKILL)
     daemon.wait_exit()
@@ -163,9 +153,3 @@ def test_logs_follow_streams_until_the_job_ends(daemon):
     for rank in (0, 1):
         assert f"out {rank} 4" in done.stdout
     assert done.stdout.count(f"out 0 0") == 1  # nothing repeated between file and live stream
-
-
-def _wait_pid_files(daemon, job_id, pids_dir, ranks):
-    """The workers print 'ready' once their pid files are written."""
-    daemon.wait_output(job_id, [f"ready {r}" for r in range(ranks)], timeout=60)
-    return [int(p) for r in range(ranks) for p in (pids_dir / f"rank_{r}.pid").read_text().split()]

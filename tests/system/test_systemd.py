@@ -138,12 +138,18 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
     assert done["state"] == "SUCCEEDED", done
 
     job = elasticd.ctl("submit", "--nproc-per-node", "2", "--python", f"{VENV}/bin/python",
-                       str(WORKER), "--sleep", "0", "--child")["id"]
+                       str(WORKER), "--sleep", "0", "--child", "--escape")["id"]
     running = elasticd.wait_job(job, lambda d: d["state"] == "RUNNING" and sum(
         w["state"] == "HEALTHY" and bool(w["pid"]) for w in d["workers"]) == 2)
-    for worker in running["workers"]:  # the workers live in the unit's cgroup
-        assert "/elasticd.service" in elasticd.box.run("cat", f"/proc/{worker['pid']}/cgroup").stdout
+    main = elasticd.show("MainPID")["MainPID"]
+    # Delegate=yes: the daemon moved into <unit>/daemon, each job has <unit>/job-<id>
+    assert cgroup_of(elasticd, main).endswith("/elasticd.service/daemon")
+    for worker in running["workers"]:
+        assert cgroup_of(elasticd, worker["pid"]).endswith(f"/elasticd.service/job-{job}")
+    base = re.search(r"job cgroups in (\S+)", elasticd.journal()).group(1)
     elasticd.until(lambda u: u["StatusText"] == "1 job running, 2 workers", "StatusText")
+    in_job = elasticd.box.run("cat", f"{base}/job-{job}/cgroup.procs").stdout.split()
+    assert len(in_job) >= 6  # two workers, each with a child and a setsid escapee
 
     elasticd.systemctl("stop", "elasticd")  # returns once the unit is down
     assert elasticd.systemctl("is-active", "elasticd", check=False) == "inactive"
@@ -153,8 +159,8 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
     assert "Main process exited" not in journal, journal  # logged for a non-zero exit or a signal
     # the daemon stopped its workers (and their children) itself: systemd had nothing to kill
     assert "left-over process" not in journal and "Killing process" not in journal, journal
-    for worker in running["workers"]:
-        assert elasticd.box.run("kill", "-0", str(worker["pid"]), check=False).returncode != 0
+    for pid in in_job:  # the escapees too: the daemon killed the job's cgroup
+        assert elasticd.box.run("kill", "-0", pid, check=False).returncode != 0
 
     # A clean stop is no crash: the next start does not record the job as failed ("daemon
     # died").  (This node is a cluster member, not --standalone: on shutdown it leaves the
@@ -165,6 +171,12 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
     if doc["state"] not in ("CANCELLED", "SUCCEEDED"):
         elasticd.ctl("cancel", job)
     elasticd.systemctl("stop", "elasticd")
+
+
+def cgroup_of(elasticd: Elasticd, pid: object) -> str:
+    """A process's cgroup v2 path, as the box sees it."""
+    lines = elasticd.box.run("cat", f"/proc/{pid}/cgroup").stdout.splitlines()
+    return next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
 
 
 def test_the_watchdog_restarts_a_wedged_daemon(elasticd):

@@ -57,6 +57,12 @@ def _exercised() -> Metrics:
         m.store_call("get", unreachable)
     m.control_requests.labels("submit", "ok").inc()
     m.refused_records.inc()
+    m.output_dropped(4096, "No space left on device")
+    m.state_write_failed("history", "database or disk is full")
+    m.history_quarantined.inc()
+    m.history_skipped.inc()
+    m.job_usage.source = lambda: {"j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20,
+                                               "oom_kills": 0}}
     return m
 
 

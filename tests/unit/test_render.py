@@ -143,8 +143,8 @@ def test_status_block_of_a_running_job():
     assert f"created:      {render.local_time(NOW - 192)}" in lines
     assert "ended:        -" in lines
     assert "exit barrier: 1/2 nodes done, 30 s left" in lines
-    assert "NODE  GROUP RANK  RANKS  STATE" in lines
-    assert "n1    0           0-1    RUNNING" in lines
+    assert "NODE  GROUP RANK  RANKS  STATE    CPU  MEM PEAK" in lines
+    assert "n1    0           0-1    RUNNING  -    -" in lines
     assert "RANK  LOCAL  NODE  PID   STATE    EXIT" in lines
     assert "1     1      n1    4243  HEALTHY  -" in lines
 
@@ -355,3 +355,26 @@ def test_cli_errors_with_json_keep_the_message_exact(capsys):
     out, err = capsys.readouterr()
     assert json.loads(out) == {"error": {"code": "not_found", "message": HOSTILE}}
     assert err == f"elasticctl: {ESCAPED}\n"
+
+
+@pytest.mark.parametrize("usage, expected", [
+    ({"cpu_seconds": 0.4231, "memory_peak": 1288490189, "oom_kills": 0},
+     "cpu 0.42s, memory peak 1.2 GiB (largest node)"),
+    ({"cpu_seconds": 90.5, "oom_kills": 2}, "cpu 1m30s, 2 OOM kills"),
+    ({"memory_peak": 512, "oom_kills": 1}, "memory peak 512 B (largest node), 1 OOM kill"),
+    ({}, "-"),
+])
+def test_usage_line(usage, expected):
+    assert render.usage_line(usage) == expected
+
+
+def test_status_shows_usage_per_node_and_in_all():
+    usage = {"cpu_seconds": 3.0, "memory_peak": 2 << 20}
+    block = render.status_block(job(usage=usage, nodes=[
+        {"node": "n1", "group_rank": 0, "ranks": [0, 1], "state": "RUNNING", "usage": usage},
+        {"node": "n2", "group_rank": 1, "ranks": [2, 3], "state": "RUNNING", "usage": None}]), NOW)
+    assert "usage:        cpu 3.00s, memory peak 2.0 MiB (largest node)" in block
+    rows = [line.split() for line in block.splitlines() if line.startswith(("NODE", "n1", "n2"))]
+    assert rows == [["NODE", "GROUP", "RANK", "RANKS", "STATE", "CPU", "MEM", "PEAK"],
+                    ["n1", "0", "0-1", "RUNNING", "3.00s", "2.0", "MiB"],
+                    ["n2", "1", "2-3", "RUNNING", "-", "-"]]
