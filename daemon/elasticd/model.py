@@ -11,6 +11,10 @@ from .errors import Conflict, InvalidSpec
 SCHEMA = 1
 GPU = "gpu"
 KINDS = ("script", "module", "exec")
+MAX_TIMEOUT = 365 * 24 * 3600.0  # a year: longer than any job waits, shorter than any clock overflows
+MAX_COUNT = 1_000_000            # restarts, nodes: beyond any cluster
+MAX_NPROC = 4096
+MAX_NAME = 256
 
 
 class JobState(str, enum.Enum):
@@ -120,30 +124,51 @@ def validate(spec: JobSpec) -> None:
         if not ok:
             raise InvalidSpec(message)
 
-    need(bool(spec.argv) and all(isinstance(a, str) for a in spec.argv) and spec.argv[0] != "",
-         "argv must be a non-empty list of strings")
+    need(bool(spec.argv) and all(_is_text(a) for a in spec.argv) and spec.argv[0] != "",
+         "argv must be a non-empty list of strings without NUL bytes")
     need(spec.kind in KINDS, f"kind must be one of {', '.join(KINDS)}")
-    need(spec.kind == "exec" or spec.python.startswith("/"), "python must be an absolute path")
-    need(spec.workdir.startswith("/"), "workdir must be an absolute path")
-    need(all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in v
-             for k, v in spec.env.items()), "env must map names to strings")
-    need(_is_int(spec.min_nodes) and _is_int(spec.max_nodes) and 1 <= spec.min_nodes <= spec.max_nodes,
-         f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {spec.min_nodes}:{spec.max_nodes}")
-    need(spec.nproc_per_node == GPU or (_is_int(spec.nproc_per_node) and spec.nproc_per_node >= 1),
-         f"nproc_per_node must be a positive integer or '{GPU}'")
-    need(_is_int(spec.max_restarts) and spec.max_restarts >= 0, "max_restarts must be 0 or more")
+    need(_is_text(spec.python) and (spec.kind == "exec" or spec.python.startswith("/")),
+         "python must be an absolute path")
+    need(_is_text(spec.workdir) and spec.workdir.startswith("/"), "workdir must be an absolute path")
+    need(isinstance(spec.env, Mapping) and all(
+        _is_text(k) and _is_text(v) and k and "=" not in k for k, v in spec.env.items()),
+        "env must map names (without '=' or NUL) to strings without NUL bytes")
+    need(_is_text(spec.name) and len(spec.name) <= MAX_NAME and _is_text(spec.user),
+         f"name must be text of at most {MAX_NAME} characters")
+    need(_is_int(spec.min_nodes) and _is_int(spec.max_nodes)
+         and 1 <= spec.min_nodes <= spec.max_nodes <= MAX_COUNT,
+         f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX <= {MAX_COUNT}, "
+         f"got {spec.min_nodes}:{spec.max_nodes}")
+    need(spec.nproc_per_node == GPU or (_is_int(spec.nproc_per_node)
+                                        and 1 <= spec.nproc_per_node <= MAX_NPROC),
+         f"nproc_per_node must be an integer from 1 to {MAX_NPROC} or '{GPU}'")
+    need(_is_int(spec.max_restarts) and 0 <= spec.max_restarts <= MAX_COUNT,
+         f"max_restarts must be from 0 to {MAX_COUNT}")
     for name, positive in (("join_timeout", True), ("exit_barrier_timeout", True),
                            ("last_call_timeout", False)):
         value = getattr(spec, name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        need(number and (value > 0 if positive else value >= 0),
-             f"{name} must be {'more than 0' if positive else '0 or more'} seconds, got {value!r}")
-    need(all(isinstance(n, str) and n for n in spec.nodes + spec.exclude),
+        need(number and (value > 0 if positive else value >= 0) and value <= MAX_TIMEOUT,
+             f"{name} must be {'more than 0' if positive else '0 or more'} and at most "
+             f"{MAX_TIMEOUT:.0f} seconds, got {value!r}")
+    need(all(_is_text(n) and n for n in spec.nodes + spec.exclude),
          "nodes and exclude must be node names")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_text(value: Any) -> bool:
+    """A string that can reach an argv, an environment or a file name: valid Unicode
+    (no lone surrogate) and no NUL byte."""
+    if not isinstance(value, str) or "\0" in value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_nnodes(text: str | int) -> tuple[int, int]:

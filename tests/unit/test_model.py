@@ -62,10 +62,26 @@ def test_parse_nproc_rejects(value):
     ({"join_timeout": 0}, "join_timeout"), ({"exit_barrier_timeout": 0}, "exit_barrier_timeout"),
     ({"last_call_timeout": -1}, "last_call_timeout"), ({"join_timeout": True}, "join_timeout"),
     ({"nodes": ("",)}, "nodes"),
+    # what the wire can carry but no argv, environment or file name can
+    ({"argv": ("train.py", "a\0b")}, "argv"), ({"env": {"A\0B": "1"}}, "env"),
+    ({"env": {"A": "1\0"}}, "env"), ({"workdir": "/w\0"}, "workdir"),
+    ({"python": "/usr/bin/python3\0"}, "python"), ({"name": "evil\ud800"}, "name"),
+    ({"argv": ("\udc80.py",)}, "argv"), ({"nodes": ("n\ud800",)}, "nodes"),
+    ({"name": "x" * 257}, "name"),
+    # numbers JSON can carry but no timer or counter should take
+    ({"join_timeout": float("inf")}, "join_timeout"), ({"join_timeout": float("nan")}, "join_timeout"),
+    ({"exit_barrier_timeout": 1e300}, "exit_barrier_timeout"),
+    ({"last_call_timeout": 10 ** 400}, "last_call_timeout"),
+    ({"max_restarts": 10 ** 100}, "max_restarts"), ({"nproc_per_node": 10 ** 6}, "nproc_per_node"),
+    ({"min_nodes": 1, "max_nodes": 10 ** 9}, "nnodes"),
 ])
 def test_spec_validation(change, words):
     with pytest.raises(InvalidSpec, match=words):
         spec(**change)
+
+
+def test_control_characters_in_a_name_are_kept_for_the_client_to_escape():
+    assert spec(name="evil\x1b]0;x\x07\r\n").name == "evil\x1b]0;x\x07\r\n"
 
 
 def test_exec_kind_needs_no_python():
