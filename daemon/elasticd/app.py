@@ -179,7 +179,10 @@ class Daemon:
         signer = Signer(self._cluster_key())
         store = await asyncio.to_thread(self._open_store)
         history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
-        registry = JobRegistry(history)
+        if history.quarantined:
+            self.metrics.history_quarantined.inc()
+        registry = JobRegistry(history, on_unsaved=lambda why: self.metrics.state_write_failed(
+            "history", why))
         self._restore(registry, history)
         gpus = discover_gpus(config.node.gpus)
         cgroups = self._cgroups()
@@ -238,6 +241,7 @@ class Daemon:
                 http.close()
             store.close()
             cgroups.close()  # only what is empty (a twin refused at bind takes nothing away)
+            registry.close()
             if self._server is not None:
                 self._server.close()
             history.close()
@@ -350,6 +354,7 @@ class Daemon:
     def _restore(self, registry: JobRegistry, history: History) -> None:
         """Jobs a previous run left unfinished: kill leftovers, record what happened."""
         unfinished = registry.restore(history.load())
+        self.metrics.history_skipped.inc(registry.skipped)
         self.metrics.known_finished(registry.jobs())
         killed = reap_leftovers(unfinished, self.node)
         if killed:

@@ -62,6 +62,10 @@ class JobBoard:
 
     # -- writes ---------------------------------------------------------------------------
 
+    def next_seq(self) -> int:
+        """The submit order of a new job (publish it with this seq)."""
+        return self._store.add(self._key("seq"), 1)
+
     def publish_spec(self, spec: JobSpec, seq: int | None = None) -> int:
         """Publish a job; returns its submit order.  Republishing (into a store that was reset)
         keeps the given ``seq`` and moves the counter past it, so later jobs come after."""

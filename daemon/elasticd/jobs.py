@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from .errors import NotFound
-from .history import History
+from .history import History, HistoryError
 from .model import Failure, JobSpec, JobState
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,17 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
     }
 
 
+def listed_doc(record: JobRecord) -> dict[str, Any]:
+    """job_doc for `list`: a record that cannot be rendered still shows, marked, and never
+    fails the whole list for everyone."""
+    try:
+        return job_doc(record)
+    except Exception as exc:
+        log.exception("job %s cannot be shown", record.id)
+        return {"id": record.id, "name": "?", "state": "UNKNOWN", "user": "?", "nnodes": None,
+                "workers": [], "nodes": [], "error": {"message": f"unreadable record: {exc}"}}
+
+
 def _node_doc(part: Part, usage: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"node": part.node, "group_rank": part.group_rank, "state": part.state.value,
             "ranks": [w["rank"] for w in part.workers], "usage": dict(usage) if usage else None}
@@ -202,13 +213,24 @@ class JobRegistry:
 
     All methods run on the event loop.  ``on_change`` subscribers (the scheduler, metrics)
     are called after every change with the new record.
+
+    The history is this node's journal, not the cluster's truth (that is the store): a
+    change it cannot take (a full disk) still happens, and its row is kept and written
+    again every ``retry`` seconds until it fits.  Only a new job needs the history first
+    (``reserve``): one that could not be recorded is refused, with nothing left behind.
     """
 
-    def __init__(self, history: History) -> None:
+    def __init__(self, history: History, *, on_unsaved: Callable[[str], None] | None = None,
+                 retry: float = 5.0) -> None:
         self._history = history
         self._jobs: dict[str, JobRecord] = {}
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # set and replaced at every change
         self._subscribers: list[Callable[[JobRecord], None]] = []
+        self._unsaved: dict[str, dict[str, Any]] = {}  # job id -> row the history did not take
+        self._on_unsaved = on_unsaved or (lambda why: None)
+        self._retry = retry
+        self._retrying: asyncio.TimerHandle | None = None
+        self.skipped = 0  # history rows that restore() could not read
 
     def subscribe(self, callback: Callable[[JobRecord], None]) -> None:
         self._subscribers.append(callback)
@@ -225,19 +247,37 @@ class JobRegistry:
     def jobs(self) -> list[JobRecord]:
         return sorted(self._jobs.values(), key=lambda r: (r.spec.created, r.seq))
 
-    def restore(self, docs: Iterable[Mapping[str, Any]]) -> list[JobRecord]:
-        """Load the history; returns the records that were still active when we stopped."""
+    def restore(self, rows: Iterable[tuple[str, Any]]) -> list[JobRecord]:
+        """Load the history; returns the records that were still active when we stopped.
+        A row that does not make a whole job (a spec that fails validation, a part or an
+        outcome of the wrong shape) is skipped with a warning and counted."""
         unfinished = []
-        for doc in docs:
+        for job_id, doc in rows:
             try:
                 record = record_from_history(doc)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("skipping unreadable history row %s: %s", doc.get("id"), exc)
+                job_doc(record)  # it must render: `list` shows every job to everyone
+            except Exception as exc:
+                self.skipped += 1
+                log.warning("job history %s: skipping the row of job %s: %s",
+                            self._history.path, job_id, exc)
                 continue
             self._jobs[record.id] = record
             if record.outcome is None:
                 unfinished.append(record)
         return unfinished
+
+    def reserve(self, spec: JobSpec, seq: int) -> None:
+        """Record a new job in the history before it exists anywhere else; raises
+        HistoryError (and nothing changed) when the history cannot take it."""
+        self._history.save(history_row(JobRecord(spec, seq)))
+
+    def unreserve(self, job_id: str) -> None:
+        """Take back a reservation whose job could not be published (best effort)."""
+        if job_id not in self._jobs:
+            try:
+                self._history.forget(job_id)
+            except HistoryError as exc:
+                log.warning("%s", exc)
 
     def add(self, spec: JobSpec, seq: int) -> JobRecord:
         known = self._jobs.get(spec.id)
@@ -260,21 +300,47 @@ class JobRegistry:
 
     def _put(self, record: JobRecord) -> JobRecord:
         self._jobs[record.id] = record
-        self._history.save(history_row(record))
+        self._unsaved[record.id] = history_row(record)
+        self.flush()
         for callback in self._subscribers:
             callback(record)
-        asyncio.get_running_loop().create_task(self._notify())
+        self._changed.set()
+        self._changed = asyncio.Event()
         return record
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def flush(self) -> bool:
+        """Write the rows the history has not taken yet; True when none is left."""
+        for job_id, row in list(self._unsaved.items()):
+            try:
+                self._history.save(row)
+            except HistoryError as exc:
+                self._on_unsaved(str(exc))
+                self._retry_later()
+                return False
+            del self._unsaved[job_id]
+        return True
+
+    def _retry_later(self) -> None:
+        if self._retrying is None or self._retrying.cancelled() or \
+                self._retrying.when() <= asyncio.get_running_loop().time():
+            self._retrying = asyncio.get_running_loop().call_later(self._retry, self.flush)
+
+    def close(self) -> None:
+        """A last attempt at the rows not written yet; what still does not fit is named in
+        the daemon's log (id, state, outcome: no environment), the one record left of it."""
+        if self._retrying is not None:
+            self._retrying.cancel()
+        if self._unsaved and not self.flush():
+            for row in self._unsaved.values():
+                outcome = row.get("outcome") or {}
+                log.error("job history: unsaved record of job %s: state %s, ended %s, %s",
+                          row["id"], row["state"], row.get("ended"), outcome.get("message", ""))
 
     async def wait_change(self, job_id: str, seen_version: int) -> JobRecord:
         """Wait until the job's record is newer than ``seen_version``."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.get(job_id).version > seen_version)
-        return self.get(job_id)
+        while (record := self.get(job_id)).version <= seen_version:
+            await self._changed.wait()
+        return record
 
 
 def history_row(record: JobRecord) -> dict[str, Any]:
@@ -287,6 +353,8 @@ def history_row(record: JobRecord) -> dict[str, Any]:
 
 
 def record_from_history(doc: Mapping[str, Any]) -> JobRecord:
+    if not isinstance(doc, Mapping):
+        raise ValueError("the row is not a JSON object")
     outcome = Outcome.from_json(doc["outcome"]) if doc.get("outcome") else None
     parts = {n: Part.from_json(p) for n, p in (doc.get("parts") or {}).items()}
     return JobRecord(JobSpec.from_json(doc["spec"]), int(doc["seq"]), parts, outcome)

@@ -29,7 +29,7 @@ _BARRIER_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 900)
 
 _FULL_BELOW = 1 << 20     # bytes: a state dir with less free space counts as full
 _FULL_RECENTLY = 60.0     # seconds a failed write for lack of space keeps it counted as full
-_NO_SPACE = ("No space left on device", "Disk quota exceeded")
+_NO_SPACE = ("No space left on device", "Disk quota exceeded", "database or disk is full")
 
 
 class Metrics:

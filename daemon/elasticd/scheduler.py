@@ -182,7 +182,15 @@ class JobService:
     # -- submit, finish, cancel -------------------------------------------------------------
 
     async def submit(self, spec: JobSpec) -> JobRecord:
-        seq = await self._write(self._board.publish_spec, spec)
+        """Publish a new job.  It is in this node's history first: a job that could not be
+        recorded (a full disk) is refused before any node could take it."""
+        seq = await self._write(self._board.next_seq)
+        self._registry.reserve(spec, seq)
+        try:
+            await self._write(self._board.publish_spec, spec, seq)
+        except BaseException:
+            self._registry.unreserve(spec.id)
+            raise
         return self._registry.add(spec, seq)
 
     async def finish(self, job_id: str, outcome: Outcome) -> Outcome:

@@ -213,7 +213,12 @@ class LocalWorkers:
     async def start(self) -> None:
         """Spawn every worker.  A worker that cannot be started counts as failed (exit 127)."""
         credentials = run_as(self.spec)
-        self._make_log_dir()
+        try:
+            self._make_log_dir()
+        except OSError as exc:  # e.g. a full disk: every worker fails, saying why
+            for worker in self.group.workers:
+                self._record_failure(worker, EXEC_FAILED, f"cannot start worker: {exc}")
+            return
         for worker in self.group.workers:
             try:
                 self._start(worker, credentials)
