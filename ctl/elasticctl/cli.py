@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -259,6 +260,42 @@ def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: st
     return request
 
 
+def check_runnable(request: Mapping[str, Any]) -> None:
+    """Refuse what could only fail every worker: a missing workdir, script, python or
+    executable.  Checked here, with the submitter's own rights (the daemon never looks:
+    as root it would tell a user about files that user cannot see)."""
+    workdir, first = request["workdir"], request["argv"][0]
+    _need(workdir, "workdir", is_dir=True)
+    if request["kind"] == "exec":
+        path = first if "/" in first else shutil.which(first, path=request["env"].get("PATH", os.defpath))
+        if path is None:
+            raise ClientError(f"submit: executable {first} not found on PATH", "invalid_spec")
+        _need(absolute(path, workdir), "executable", executable=True)
+        return
+    _need(request["python"], "python", executable=True)
+    if request["kind"] == "script":
+        where = "" if os.path.isabs(first) else f" in {workdir}"
+        _need(absolute(first, workdir), "script", readable=True, where=where, named=first)
+
+
+def _need(path: str, what: str, *, is_dir: bool = False, executable: bool = False,
+          readable: bool = False, where: str = "", named: str | None = None) -> None:
+    named = named or path
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ClientError(f"submit: {what} {named} not found{where}", "invalid_spec") from None
+    except OSError as exc:
+        raise ClientError(f"submit: {what} {named}: {exc.strerror}", "invalid_spec") from None
+    kind_ok = stat.S_ISDIR(info.st_mode) if is_dir else stat.S_ISREG(info.st_mode)
+    if not kind_ok:
+        raise ClientError(f"submit: {what} {named} is not a {'directory' if is_dir else 'file'}",
+                          "invalid_spec")
+    mode = (os.X_OK if is_dir or executable else 0) | (os.R_OK if readable else 0)
+    if mode and not os.access(path, mode):
+        raise ClientError(f"submit: {what} {named}: Permission denied", "invalid_spec")
+
+
 def submitter_python(chosen: str | None, environ: Mapping[str, str], cwd: str) -> str | None:
     """--python, else the active venv's python3, else the python3 on PATH: an absolute path.
 
@@ -350,6 +387,7 @@ def reply_timeout(environ: Mapping[str, str]) -> float:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     request = submit_request(args, os.environ, os.getcwd())
+    check_runnable(request)
     with connect(args) as daemon:
         if args.wait:
             return follow_job(args, daemon.stream("submit", request))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -172,15 +173,20 @@ class Client:
 
 
 def _connect(path: str) -> socket.socket:
-    """A connected socket, or NotRunning/Unavailable at once."""
+    """A connected socket, or NotRunning/Unavailable at once.
+
+    A blocking connect waits (up to SO_SNDTIMEO) while the daemon's accept queue is full,
+    as it may be for a moment while somebody floods it; a non-blocking one would fail."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(CONNECT_TIMEOUT)
+    seconds = int(CONNECT_TIMEOUT)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", seconds, int((CONNECT_TIMEOUT - seconds) * 1e6)))
     try:
         sock.connect(path)
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         raise NotRunning(path) from None
-    except TimeoutError:
+    except (TimeoutError, BlockingIOError):
         sock.close()
         raise NoReply(f"elasticd does not accept connections at {path}") from None
     except OSError as exc:

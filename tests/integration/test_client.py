@@ -76,7 +76,10 @@ class StandIn:
 
 
 @pytest.fixture
-def sock_path(tmp_path):
+def sock_path(tmp_path, monkeypatch):
+    """The stand-in's socket; the tests run in a directory with a train.py to submit."""
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
     return str(tmp_path / "control.sock")
 
 

@@ -227,3 +227,36 @@ def test_reply_timeout(value, expected):
 def test_bad_reply_timeout(value):
     with pytest.raises(cli.UsageError, match="ELASTICCTL_TIMEOUT"):
         cli.reply_timeout({"ELASTICCTL_TIMEOUT": value})
+
+
+# -- the submitter's own checks (the daemon never stats a user's files) -----------------------
+
+def _request(tmp_path, **kw):
+    base = {"workdir": str(tmp_path), "argv": ["train.py"], "kind": "script",
+            "python": cli.sys.executable, "env": {"PATH": os.defpath}}
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"workdir": "/no/such/dir"}, "workdir /no/such/dir not found"),
+    ({"argv": ["missing.py"]}, "script missing.py not found in "),
+    ({"argv": ["/no/such.py"]}, "script /no/such.py not found"),
+    ({"argv": ["sub"]}, "script sub is not a file"),
+    ({"python": "/no/python3"}, "python /no/python3 not found"),
+    ({"kind": "exec", "argv": ["no-such-program-xyz"]}, "executable no-such-program-xyz not found on PATH"),
+    ({"kind": "exec", "argv": ["./train.py"]}, "Permission denied"),  # not executable
+])
+def test_check_runnable_refuses_what_could_only_fail(tmp_path, change, words):
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(cli.ClientError, match=words) as info:
+        cli.check_runnable(_request(tmp_path, **change))
+    assert info.value.code == "invalid_spec"
+
+
+def test_check_runnable_takes_a_runnable_job(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    cli.check_runnable(_request(tmp_path))
+    cli.check_runnable(_request(tmp_path, kind="module", argv=["pkg.mod"]))
+    cli.check_runnable(_request(tmp_path, kind="exec", argv=["true"], python=""))
