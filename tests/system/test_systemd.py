@@ -88,6 +88,15 @@ class Elasticd:
                     return doc
         raise AssertionError(f"job {job} ended without meeting the condition\n{self.journal()}")
 
+    def wait_output(self, job: str, needles: list[str], timeout: float = 60.0) -> None:
+        missing = set(needles)
+        with Control(self.box.path("/run/elasticd/control.sock")) as control:
+            for doc in control.stream("logs", {"job": job, "follow": True}, timeout):
+                missing -= {n for n in missing for line in doc.get("lines", []) if n in line["text"]}
+                if not missing:
+                    return
+        raise AssertionError(f"job {job} never printed {missing}\n{self.journal()}")
+
     def journal(self) -> str:
         return self.box.run("journalctl", "--no-pager", "-o", "cat", "-u", "elasticd",
                             check=False).stdout[-6000:]
@@ -138,7 +147,7 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
     assert done["state"] == "SUCCEEDED", done
 
     job = elasticd.ctl("submit", "--nproc-per-node", "2", "--python", f"{VENV}/bin/python",
-                       str(WORKER), "--sleep", "0", "--child", "--escape")["id"]
+                       str(WORKER), "--sleep", "0", "--child", "--escape", "--pid-dir", "/tmp")["id"]
     running = elasticd.wait_job(job, lambda d: d["state"] == "RUNNING" and sum(
         w["state"] == "HEALTHY" and bool(w["pid"]) for w in d["workers"]) == 2)
     main = elasticd.show("MainPID")["MainPID"]
@@ -148,6 +157,7 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
         assert cgroup_of(elasticd, worker["pid"]).endswith(f"/elasticd.service/job-{job}")
     base = re.search(r"job cgroups in (\S+)", elasticd.journal()).group(1)
     elasticd.until(lambda u: u["StatusText"] == "1 job running, 2 workers", "StatusText")
+    elasticd.wait_output(job, ["ready 0", "ready 1"])  # each worker started both children
     in_job = elasticd.box.run("cat", f"{base}/job-{job}/cgroup.procs").stdout.split()
     assert len(in_job) >= 6  # two workers, each with a child and a setsid escapee
 
