@@ -26,7 +26,7 @@ from .aio import Lane, first
 from .cgroups import JobCgroup, JobCgroups
 from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from .jobs import Outcome, Part, PartState
-from .model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
+from .model import JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
 from .rendezvous import NextRound, RendezvousHandler, RendezvousInfo, RoundEvent
 from .workers import LocalWorkers
 

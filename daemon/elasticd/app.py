@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Iterator
 
 import sdnotify
 import zmq

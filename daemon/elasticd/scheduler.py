@@ -24,7 +24,7 @@ from .aio import Lane, wait_or_timeout
 from .board import BoardReset, Change, JobBoard
 from .cgroups import JobCgroups
 from .config import DaemonConfig
-from .errors import Conflict, ElasticdError, StoreError
+from .errors import Conflict, StoreError
 from .jobs import JobRecord, JobRegistry, Outcome, Part, PartState
 from .logs import LogBus
 from .metrics import Metrics

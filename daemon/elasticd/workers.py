@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import errno
 import json
 import logging
 import os

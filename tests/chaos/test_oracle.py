@@ -5,7 +5,6 @@ a directory the user could not enter."""
 from __future__ import annotations
 
 import json
-import os
 import pwd
 import subprocess
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
-import subprocess
-import sys
 
-import psutil
-import pytest
 
-from harness import CLIENT_ENV, PY, ROOT, WORKER, alive, sleeping_job, wait_gone, worker_args
+from harness import CLIENT_ENV, ROOT, sleeping_job, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 
@@ -152,4 +147,4 @@ def test_logs_follow_streams_until_the_job_ends(daemon):
     assert done.returncode == 0
     for rank in (0, 1):
         assert f"out {rank} 4" in done.stdout
-    assert done.stdout.count(f"out 0 0") == 1  # nothing repeated between file and live stream
+    assert done.stdout.count("out 0 0") == 1  # nothing repeated between file and live stream

@@ -7,15 +7,12 @@ streams (job documents, logs), never on a sleep.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import threading
 import time
 
 import pytest
 
-from harness import PY, ROOT, Control, alive, fake_nvidia_smi, wait_gone, worker_args
+from harness import ROOT, Control, alive, fake_nvidia_smi, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from ..errors import ElasticdError, PermissionDenied
+from ..errors import ElasticdError
 from . import protocol
 from .protocol import ProtocolError, Request
 
