@@ -330,8 +330,13 @@ class JobService:
 
     def usage(self) -> dict[str, dict[str, Any]]:
         """The live usage of every job running here, by job id (jobs without a cgroup left out)."""
-        return {job_id: usage for job_id, running in self._running.items()
-                if (usage := running.agent.usage()) is not None}
+        return {job_id: usage for job_id in self._running
+                if (usage := self.usage_of(job_id)) is not None}
+
+    def usage_of(self, job_id: str) -> dict[str, Any] | None:
+        """The live usage of one job here (None: not running here, or no cgroup)."""
+        running = self._running.get(job_id)
+        return running.agent.usage() if running is not None else None
 
     def local_pids(self, job_id: str) -> list[int]:
         running = self._running.get(job_id)

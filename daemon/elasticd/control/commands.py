@@ -154,7 +154,7 @@ class Commands:
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         record = await self._find(args["job"])
-        usage = self._jobs.usage().get(record.id)
+        usage = self._jobs.usage_of(record.id)
         await reply.result(job_doc(record, {self._node: usage} if usage else None))
 
     async def wait(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
