@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from elasticd.control import protocol
+from elasticd import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from elasticd import __version__
-from elasticd.control import protocol
+from elasticd import paths
 from elasticctl import render
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 
@@ -369,7 +369,7 @@ def terminal_width(out: TextIO) -> int | None:
 # -- commands -------------------------------------------------------------------------------
 
 def connect(args: argparse.Namespace) -> Client:
-    return Client(args.socket or protocol.default_socket_path(), reply_timeout(os.environ))
+    return Client(args.socket or paths.default_socket_path(), reply_timeout(os.environ))
 
 
 def reply_timeout(environ: Mapping[str, str]) -> float:

@@ -36,10 +36,12 @@ from .cgroups import JobCgroups
 from .cluster import NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
 from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
-from .control.protocol import is_own_dir
+from .paths import is_own_dir
 from .control.server import ControlServer, Limits, RouterServer, Zap
+from .endpoint import join_endpoint
 from .errors import ConfigError, ElasticdError
 from .history import History
+from .keyspace import Keyspace
 from .jobs import JobRecord, JobRegistry, Outcome, PartState
 from .logs import LogBus
 from .metrics import InstrumentedStore, Metrics
@@ -203,13 +205,13 @@ class Daemon:
         commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                             cluster=nodes, peers=peers)
         zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
-        peer_server = RouterServer(ctx, f"tcp://{self._address}:{config.node.peer_port}",
+        peer_server = RouterServer(ctx, f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
                                    PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
                                    curve_secret=keys.secret)
         # the TCP ports first: a port in use stops start-up before the control socket exists
-        with _listening("node.peer_port", f"{self._address}:{config.node.peer_port}"):
+        with _listening("node.peer_port", join_endpoint(self._address, config.node.peer_port)):
             self._peer = (peer_server.bind(), keys.public.decode())
-        with _listening("metrics.port", f"{config.metrics.address}:{config.metrics.port}"):
+        with _listening("metrics.port", join_endpoint(config.metrics.address, config.metrics.port)):
             http = await self.metrics.serve(config.metrics.port, config.metrics.address) \
                 if config.metrics.port else None
         control = ControlServer(config.socket_path, commands, limits=self._control_limits(),
@@ -338,12 +340,12 @@ class Daemon:
         config = self.config
         if self._hosts_store():
             self._server = C10dServer(config.store_host, config.store_port, timeout=config.store.timeout)
-            self._endpoint = f"{config.store_host}:{self._server.port}"
+            self._endpoint = join_endpoint(config.store_host, self._server.port)
         else:
             self._endpoint = config.store.endpoint
         store = connect(self._endpoint, timeout=config.store.timeout,
                         connect_timeout=config.store.connect_timeout)
-        store.add(f"elasticd/{config.cluster.name}/ping", 1)
+        store.add(Keyspace(config.cluster.name).ping, 1)
         self.metrics.store_up.set(1)
         return InstrumentedStore(store, self.metrics)
 

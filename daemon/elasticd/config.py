@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import paths
+from .endpoint import split_endpoint
 from .errors import ConfigError
 
 AUTO = "auto"
@@ -33,9 +35,10 @@ def _not_negative(value: float) -> str | None:
 
 
 def _endpoint(value: str) -> str | None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        return "must be HOST:PORT (port 0: a free port, for the store host only)"
+    try:
+        split_endpoint(value)
+    except ValueError:
+        return "must be HOST:PORT or [IPV6]:PORT (port 0: a free port, for the store host only)"
     return None
 
 
@@ -92,8 +95,8 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class PathsConfig:
-    state_dir: str = key("/var/lib/elasticd", doc="job history, logs and the cluster key")
-    runtime_dir: str = key("/run/elasticd", doc="the control socket")
+    state_dir: str = key(paths.SYSTEM_STATE_DIR, doc="job history, logs and the cluster key")
+    runtime_dir: str = key(paths.SYSTEM_RUNTIME_DIR, doc="the control socket")
 
 
 @dataclass(frozen=True)
@@ -154,15 +157,15 @@ class DaemonConfig:
 
     @property
     def socket_path(self) -> str:
-        return os.path.join(self.paths.runtime_dir, "control.sock")
+        return os.path.join(self.paths.runtime_dir, paths.SOCKET_NAME)
 
     @property
     def store_host(self) -> str:
-        return self.store.endpoint.rpartition(":")[0]
+        return split_endpoint(self.store.endpoint)[0]
 
     @property
     def store_port(self) -> int:
-        return int(self.store.endpoint.rpartition(":")[2])
+        return split_endpoint(self.store.endpoint)[1]
 
 
 SECTIONS: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(DaemonConfig).items()
@@ -260,23 +263,14 @@ def _put(tables: dict[str, Any], dotted: str, value: Any, *, replace: bool) -> N
 def standalone_defaults(uid: int | None = None) -> dict[str, Any]:
     """A one-host cluster that needs no config: its own store on 127.0.0.1 (a free port),
     per-user state and runtime dirs when not root, jobs of the daemon's user allowed."""
-    uid = os.getuid() if uid is None else uid
-    home = os.path.expanduser("~")
-    if uid == 0:
-        state, runtime = "/var/lib/elasticd", "/run/elasticd"
-    else:
-        xdg_state = os.environ.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")
-        xdg_run = os.environ.get("XDG_RUNTIME_DIR")
-        state = os.path.join(xdg_state, "elasticd")
-        runtime = os.path.join(xdg_run, "elasticd") if xdg_run else f"/tmp/elasticd-{uid}"
     return {
         "cluster.name": "standalone",
         "store.endpoint": "127.0.0.1:0",
         "store.host": True,
         "node.address": "127.0.0.1",
         "node.peer_port": 0,
-        "paths.state_dir": state,
-        "paths.runtime_dir": runtime,
+        "paths.state_dir": paths.default_state_dir(uid),
+        "paths.runtime_dir": paths.default_runtime_dir(uid),
         "jobs.allow_root": True,
     }
 

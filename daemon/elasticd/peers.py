@@ -23,7 +23,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from .control import protocol
+from . import protocol
+from .endpoint import split_endpoint
 from .errors import ElasticdError
 
 PEER_DOMAIN = b"elasticd-peer"
@@ -120,9 +121,9 @@ async def probe(endpoint: str, timeout: float) -> Probe:
     A killed daemon's port answers with a reset at once, so a node that died is told from a
     node whose workers failed in one round trip, long before its heartbeat is missed.
     """
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        host, port = split_endpoint(endpoint)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except ConnectionRefusedError:
         return Probe.REFUSED
     except (OSError, asyncio.TimeoutError, ValueError):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .cgroups import JobCgroup
-from .control.protocol import is_own_dir
+from .paths import is_own_dir
 from .model import Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState, worker_env
 
 log = logging.getLogger(__name__)
@@ -204,10 +204,6 @@ class LocalWorkers:
 
     def log_file(self, worker: Worker, stream: str) -> str:
         return os.path.join(self.log_dir, f"rank_{worker.rank}.{stream}")
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs.values()]
 
     async def start(self) -> None:
         """Spawn every worker.  A worker that cannot be started counts as failed (exit 127)."""

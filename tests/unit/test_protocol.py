@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from elasticd.control import protocol as p
+from elasticd import paths
+from elasticd import protocol as p
 
 
 def frame(**doc):
@@ -68,24 +69,24 @@ def test_replies():
 
 def test_default_socket(monkeypatch, tmp_path):
     monkeypatch.setenv("ELASTICD_SOCKET", "/x.sock")
-    assert p.default_socket_path() == "/x.sock"
+    assert paths.default_socket_path() == "/x.sock"
     monkeypatch.delenv("ELASTICD_SOCKET")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    assert p.default_runtime_dir(1000) == f"{tmp_path}/elasticd"
-    assert p.default_runtime_dir(0) == "/run/elasticd"
+    assert paths.default_runtime_dir(1000) == f"{tmp_path}/elasticd"
+    assert paths.default_runtime_dir(0) == "/run/elasticd"
 
 
 def test_a_socket_in_a_directory_that_others_own_or_can_write_is_never_chosen(monkeypatch, tmp_path):
     monkeypatch.delenv("ELASTICD_SOCKET", raising=False)
     own_dir = tmp_path / "elasticd"
     own_dir.mkdir(mode=0o700)
-    (own_dir / p.SOCKET_NAME).touch()
-    monkeypatch.setattr(p, "default_runtime_dir", lambda uid=None: str(own_dir))
-    system = os.path.join("/run/elasticd", p.SOCKET_NAME)
-    assert p.default_socket_path() == str(own_dir / p.SOCKET_NAME)
+    (own_dir / paths.SOCKET_NAME).touch()
+    monkeypatch.setattr(paths, "default_runtime_dir", lambda uid=None: str(own_dir))
+    system = os.path.join("/run/elasticd", paths.SOCKET_NAME)
+    assert paths.default_socket_path() == str(own_dir / paths.SOCKET_NAME)
     own_dir.chmod(0o777)  # anyone could have swapped the socket
-    assert p.default_socket_path() == system
+    assert paths.default_socket_path() == system
     if os.getuid() == 0:
         own_dir.chmod(0o700)
         os.chown(own_dir, 65534, 65534)  # created first by somebody else
-        assert p.default_socket_path() == system
+        assert paths.default_socket_path() == system

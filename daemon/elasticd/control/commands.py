@@ -25,7 +25,7 @@ from ..model import JobSpec, parse_nnodes, parse_nproc
 from ..cluster import NodeService
 from ..peers import PeerCaller, PeerLinks
 from ..scheduler import JobService, never_fits
-from .protocol import Request
+from ..protocol import Request
 from .server import Caller, Reply
 
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds

@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from ..errors import ElasticdError
-from . import protocol
-from .protocol import ProtocolError, Request
+from .. import protocol
+from ..protocol import ProtocolError, Request
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -28,7 +26,6 @@ from typing import Any, Iterator
 VERSION = 1
 MAX_FRAME = 4 * 1024 * 1024      # a request
 MAX_REPLY = 256 * 1024 * 1024    # a reply (a `list` of many jobs is larger than any request)
-SOCKET_NAME = "control.sock"
 HEADER = struct.Struct(">I")
 
 # op -> {arg: allowed python types}; every arg is optional unless listed in REQUIRED.
@@ -297,39 +294,3 @@ class FrameReader:
             payload = bytes(self._buffer[HEADER.size:HEADER.size + size])
             del self._buffer[:HEADER.size + size]
             yield payload
-
-
-def default_runtime_dir(uid: int | None = None) -> str:
-    """Where a daemon started by ``uid`` keeps its socket when not told otherwise."""
-    uid = os.getuid() if uid is None else uid
-    if uid == 0:
-        return "/run/elasticd"
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return os.path.join(xdg, "elasticd") if xdg else f"/tmp/elasticd-{uid}"
-
-
-def default_socket_path() -> str:
-    """The socket elasticctl talks to: $ELASTICD_SOCKET, else the caller's own daemon's
-    socket if it exists, else the system daemon's."""
-    env = os.environ.get("ELASTICD_SOCKET")
-    if env:
-        return env
-    own_dir = default_runtime_dir()
-    own = os.path.join(own_dir, SOCKET_NAME)
-    system = os.path.join("/run/elasticd", SOCKET_NAME)
-    if os.path.exists(own) and is_own_dir(own_dir):
-        return own
-    if os.path.exists(system) or (os.path.lexists(own_dir) and not is_own_dir(own_dir)):
-        return system
-    return own
-
-
-def is_own_dir(path: str) -> bool:
-    """A directory (not a link to one) of this process's user that nobody else can write.
-    Anything else could be swapped under us: /tmp/elasticd-UID made first by another user, a
-    log directory where a job plants a link for a root daemon to follow."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
