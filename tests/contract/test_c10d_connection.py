@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elasticd.errors import StoreConnectionError
-from elasticd.store.c10d import C10dServer, connect, parse_endpoint
+from elasticd.store.c10d import C10dServer, connect
 
 
 def _free_port() -> int:
@@ -82,17 +82,3 @@ def test_a_port_in_use_is_a_clear_error():
         port = taken.getsockname()[1]
         with pytest.raises(StoreConnectionError, match=f"cannot host the store on 127.0.0.1:{port}"):
             C10dServer("127.0.0.1", port)
-
-
-@pytest.mark.parametrize(
-    ("endpoint", "parsed"),
-    [("10.0.0.1:29400", ("10.0.0.1", 29400)), ("[::1]:80", ("::1", 80)), ("host.example:1", ("host.example", 1))],
-)
-def test_parse_endpoint(endpoint, parsed):
-    assert parse_endpoint(endpoint) == parsed
-
-
-@pytest.mark.parametrize("endpoint", ["nohost", "host:", ":80", "host:port"])
-def test_parse_endpoint_refuses_garbage(endpoint):
-    with pytest.raises(ValueError):
-        parse_endpoint(endpoint)

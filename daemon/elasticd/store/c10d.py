@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+from elasticd.endpoint import join_endpoint, split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.base import check_compare_value
 
@@ -57,14 +58,6 @@ def _listen(host: str, port: int) -> int:
         return sock.detach()
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6addr]:port`` -> (host, port)."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"store endpoint {endpoint!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
 class C10dServer:
     """Hosts the cluster's TCPStore in this process (the daemon whose config says so),
     listening on ``host`` only: a standalone daemon's store is not reachable from the network."""
@@ -83,8 +76,7 @@ class C10dServer:
 
     @property
     def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return join_endpoint(self.host, self.port)
 
     def close(self) -> None:
         """Stop serving: dropping the master TCPStore object stops its server."""
@@ -108,7 +100,7 @@ class C10dStore:
     def __init__(self, endpoint: str, *, timeout: float = 30.0) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        self._host, self._port = parse_endpoint(endpoint)
+        self._host, self._port = split_endpoint(endpoint)
         self._local = threading.local()
         self._closed = False
 
