@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Callable
 
-from .errors import ElasticdError, TamperedRecord
+from .errors import ElasticdError
 from .jobs import Outcome, Part
+from .keyspace import Keyspace
 from .model import JobSpec
 from .store import StoreBackend
-from .store.signing import Signer
+from .store.signing import Refused, Signer, open_or_refuse
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,11 @@ class BoardReset(ElasticdError):
 
 class JobBoard:
     def __init__(self, store: StoreBackend, signer: Signer, cluster: str,
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+                 on_refused: Refused | None = None) -> None:
         self._store = store
         self._signer = signer
-        self._prefix = f"elasticd/{cluster}/jobs"
-        self._on_refused = on_refused or (lambda key, why: None)
+        self._prefix = Keyspace(cluster).jobs
+        self.refused: Refused = on_refused or (lambda key, why: None)
         self._indexed: set[tuple[str, str]] = set()
 
     def _key(self, suffix: str) -> str:
@@ -155,17 +155,10 @@ class JobBoard:
     def _read(self, entries: list[str]) -> list[Change]:
         wanted = list(dict.fromkeys(e for e in entries if _ENTRY.match(e)))
         values = self._store.get_many([self._key(e) for e in wanted])
-        changes = []
-        for entry, raw in zip(wanted, values):
-            if raw is None:
-                continue
-            try:
-                changes.append(self._parse(entry, self._signer.open(raw)))
-            except TamperedRecord as exc:
-                self._on_refused(self._key(entry), str(exc))
-            except (ElasticdError, KeyError, TypeError, ValueError) as exc:
-                self._on_refused(self._key(entry), f"unreadable: {exc}")
-        return changes
+        changes = (open_or_refuse(self._signer, self._key(entry), raw,
+                                  lambda body, entry=entry: self._parse(entry, body), self.refused)
+                   for entry, raw in zip(wanted, values))
+        return [change for change in changes if change is not None]
 
     @staticmethod
     def _parse(entry: str, body: object) -> Change:

@@ -15,10 +15,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from .aio import Lane
 from .config import AUTO, DaemonConfig
-from .errors import NotFound, StoreError, TamperedRecord
+from .errors import NotFound, StoreError
+from .keyspace import Keyspace
 from .model import NodeInfo
 from .store import StoreBackend
-from .store.signing import Signer
+from .store.signing import Refused, Signer, open_or_refuse
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +141,13 @@ class NodeRegistry:
     """
 
     def __init__(self, store: StoreBackend, signer: Signer, cluster: str, name: str, *,
-                 lost_after: float, endpoint: str = "", on_refused: Callable[[str, str], None] | None = None,
+                 lost_after: float, endpoint: str = "", on_refused: Refused | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._signer = signer
-        self._root = f"elasticd/{cluster}"
-        self._prefix = f"elasticd/{cluster}/nodes"
+        self._keyspace = Keyspace(cluster)
+        self._prefix = self._keyspace.nodes
         self.name = name
         self.endpoint = endpoint
         self.lost_after = lost_after
@@ -165,7 +166,7 @@ class NodeRegistry:
 
     @property
     def epoch_key(self) -> str:
-        return f"{self._root}/epoch"
+        return self._keyspace.epoch
 
     def create_epoch(self) -> str:
         """The store host marks a fresh store, so that others can tell it was reset."""
@@ -219,29 +220,16 @@ class NodeRegistry:
         self._seen = count
 
     def _open_record(self, name: str, raw: bytes | None) -> NodeRecord | None:
-        if raw is None:
-            return None
-        try:
-            record = NodeRecord.from_json(self._signer.open(raw))
-        except TamperedRecord as exc:
-            self._on_refused(self._key(f"{name}/record"), str(exc))
-            return None
-        except (KeyError, TypeError, ValueError) as exc:
-            self._on_refused(self._key(f"{name}/record"), f"unreadable: {exc}")
-            return None
-        if record.info.name != name:
+        record = open_or_refuse(self._signer, self._key(f"{name}/record"), raw,
+                                NodeRecord.from_json, self._on_refused)
+        if record is not None and record.info.name != name:
             self._on_refused(self._key(f"{name}/record"), f"names another node ({record.info.name})")
             return None
         return record
 
     def _open_drain(self, raw: bytes | None) -> bool | None:
-        if raw is None:
-            return None
-        try:
-            return bool(self._signer.open(raw)["drain"])
-        except (TamperedRecord, KeyError, TypeError, ValueError) as exc:
-            self._on_refused(self._key(f"{self.name}/drain"), str(exc))
-            return None
+        return open_or_refuse(self._signer, self._key(f"{self.name}/drain"), raw,
+                              lambda body: bool(body["drain"]), self._on_refused)
 
     def read_record(self, name: str) -> NodeRecord | None:
         """One node's record straight from the store (for a node not seen by a tick yet)."""

@@ -19,17 +19,17 @@ from typing import Any, Callable, Iterable
 
 import psutil
 
-from .agent import JobAgent
+from .agent import DeadNodeProbe, JobAgent
 from .aio import Lane, wait_or_timeout
 from .board import BoardReset, Change, JobBoard
 from .cgroups import JobCgroups
 from .config import DaemonConfig
 from .errors import Conflict, StoreError
 from .jobs import JobRecord, JobRegistry, Outcome, Part, PartState
+from .keyspace import Keyspace
 from .logs import LogBus
 from .metrics import Metrics
 from .model import GPU, JobSpec, JobState
-from .peers import PeerLinks
 from .rendezvous import RendezvousHandler, RendezvousSettings
 from .store import StoreBackend
 from .store.signing import Signer
@@ -127,7 +127,7 @@ class _Running:
 class JobService:
     def __init__(self, config: DaemonConfig, *, node: str, address: str, resources: Resources,
                  store: StoreBackend, signer: Signer, board: JobBoard, registry: JobRegistry,
-                 metrics: Metrics, logs: LogBus, peers: PeerLinks,
+                 metrics: Metrics, logs: LogBus, peers: DeadNodeProbe,
                  cgroups: JobCgroups | None = None) -> None:
         self.config = config
         self.node = node
@@ -317,12 +317,8 @@ class JobService:
             keep_alive_interval=self.config.rendezvous.keep_alive_interval,
             keep_alive_max_attempt=self.config.rendezvous.keep_alive_max_attempt)
         return RendezvousHandler(self._store, self._signer, settings, self.node, self.address,
-                                 prefix=f"elasticd/{self.config.cluster.name}/rdzv/{spec.id}",
-                                 on_refused=self._refused)
-
-    def _refused(self, what: str) -> None:
-        self._metrics.refused_records.inc()
-        log.warning("refused rendezvous record: %s", what)
+                                 prefix=Keyspace(self.config.cluster.name).rendezvous(spec.id),
+                                 on_refused=self._board.refused)
 
     @property
     def log_root(self) -> str:
@@ -337,10 +333,6 @@ class JobService:
         """The live usage of one job here (None: not running here, or no cgroup)."""
         running = self._running.get(job_id)
         return running.agent.usage() if running is not None else None
-
-    def local_pids(self, job_id: str) -> list[int]:
-        running = self._running.get(job_id)
-        return running.agent.pids if running else []
 
     async def settled(self, job_id: str) -> None:
         """Return once this node runs nothing of the job (its workers stopped, logs drained)."""

@@ -38,7 +38,6 @@ from elasticd.errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
     StoreError,
-    TamperedRecord,
 )
 from elasticd.rendezvous.ops import (
     Act,
@@ -74,7 +73,7 @@ from elasticd.rendezvous.state import (
     encode_announcement,
 )
 from elasticd.store.base import StoreBackend
-from elasticd.store.signing import Signer
+from elasticd.store.signing import Refused, Signer, open_or_refuse
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +135,7 @@ class _JoinLog:
     A record that fails its MAC is refused (reported, and treated as absent), not fatal.
     """
 
-    def __init__(self, store: StoreBackend, signer: Signer, keys: Keys, refused: Callable[[str], None]) -> None:
+    def __init__(self, store: StoreBackend, signer: Signer, keys: Keys, refused: Refused) -> None:
         self._store, self._signer, self._keys, self._refused = store, signer, keys, refused
         self._lock = threading.Lock()
         self._round, self._raw, self._records = -1, b"", []
@@ -156,11 +155,8 @@ class _JoinLog:
         self._store.append(self._keys.joins(round), line)
 
     def _parse(self, line: bytes) -> Announcement | None:
-        try:
-            return decode_announcement(self._signer.open(line))
-        except (TamperedRecord, RendezvousStateError) as err:
-            self._refused(f"join record in {self._keys.joins(self._round)}: {err}")
-            return None
+        return open_or_refuse(self._signer, self._keys.joins(self._round), line,
+                              decode_announcement, self._refused)
 
 
 class RendezvousHandler:
@@ -177,13 +173,13 @@ class RendezvousHandler:
         *,
         prefix: str,
         clock: Callable[[], float] = time.monotonic,
-        on_refused: Callable[[str], None] | None = None,
+        on_refused: Refused | None = None,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
         self.node, self.addr = node, addr
         self._keys = Keys(prefix)
         self._clock = clock
-        self._on_refused = on_refused
+        self._refused = on_refused or _log_refused
         self._log = _JoinLog(store, signer, self._keys, self._refused)
         self._lock = threading.Lock()
         self._newest = _Snapshot(RendezvousState(), None)  # the newest state any of our threads saw
@@ -480,13 +476,13 @@ class RendezvousHandler:
         return snap
 
     def _open(self, raw: bytes) -> RendezvousState:
-        try:
-            return decode(self._signer.open(raw))
-        except TamperedRecord as err:
-            self._refused(f"rendezvous state {self._keys.state}: {err}")
-            raise RendezvousStateError(f"refusing the rendezvous state at {self._keys.state}: {err}") from err
-        except RendezvousStateError as err:
-            raise RendezvousStateError(f"refusing the rendezvous state at {self._keys.state}: {err}") from err
+        problems: list[str] = []
+        state = open_or_refuse(self._signer, self._keys.state, raw, decode,
+                               lambda key, why: (problems.append(why), self._refused(key, why)))
+        if state is None:
+            raise RendezvousStateError(f"refusing the rendezvous state at {self._keys.state}: "
+                                       f"{problems[0]}")
+        return state
 
     def _remember(self, snap: _Snapshot) -> _Snapshot:
         with self._lock:
@@ -494,10 +490,10 @@ class RendezvousHandler:
                 self._newest = snap
         return snap
 
-    def _refused(self, what: str) -> None:
-        log.error("refused a tampered record: %s", what)
-        if self._on_refused is not None:
-            self._on_refused(what)
+
+
+def _log_refused(key: str, why: str) -> None:
+    log.error("refused store record %s: %s", key, why)
 
 
 def _settle(future: Future, outcome: RoundEvent | Exception) -> None:

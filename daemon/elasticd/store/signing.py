@@ -12,9 +12,12 @@ import json
 import os
 import secrets
 import stat
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from elasticd.errors import ConfigError, TamperedRecord
+from elasticd.errors import ConfigError, ElasticdError, TamperedRecord
+
+T = TypeVar("T")
+Refused = Callable[[str, str], None]  # (key, why): a record no daemon acts on; logged and counted
 
 ENVELOPE_VERSION = 1
 KEY_CONFIG = "cluster.key_file"
@@ -55,6 +58,21 @@ class Signer:
 
     def _mac(self, canonical: bytes) -> str:
         return hmac.new(self._key, canonical, hashlib.sha256).hexdigest()
+
+
+def open_or_refuse(signer: Signer, key: str, raw: bytes | None, parse: Callable[[Any], T],
+                   refused: Refused) -> T | None:
+    """The record stored at ``key``, opened and parsed; None when there is none, and None
+    (reported to ``refused``) when it fails its MAC or does not parse."""
+    if raw is None:
+        return None
+    try:
+        return parse(signer.open(raw))
+    except TamperedRecord as exc:
+        refused(key, str(exc))
+    except (ElasticdError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        refused(key, f"unreadable: {exc}")
+    return None
 
 
 def load_key(path: str) -> bytes:

@@ -155,7 +155,7 @@ def test_two_run_ids_in_one_store_do_not_interfere(make_handler, pool, prefix):
 def test_tampered_state_is_refused_never_reset(make_handler, pool, store, prefix):
     refused: list[str] = []
     config = settings(2, 2)
-    a, b = (make_handler(n, config, on_refused=refused.append) for n in ("a", "b"))
+    a, b = (make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b"))
     form(pool, [a, b])
     watching = a.watch(0)
     key = Keys(prefix).state
@@ -177,7 +177,7 @@ def test_a_tampered_join_record_is_refused_and_skipped(make_handler, pool, store
     store.append(Keys(prefix).joins(0), b'{"v":1,"body":{"schema":1,"node":"evil","addr":"x","nproc":1,'
                                          b'"master_port":1},"mac":"00"}\n')
     config = settings(2, 3, last_call_timeout=0.3)
-    infos = form(pool, [make_handler(n, config, on_refused=refused.append) for n in ("a", "b")])
+    infos = form(pool, [make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b")])
     assert [m.node for m in infos[0].members] == ["a", "b"] and refused
 
 
