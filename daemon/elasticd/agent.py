@@ -118,6 +118,12 @@ class AgentPorts(Protocol):
     def output_dropped(self, job_id: str, nbytes: int, why: str) -> None: ...
 
 
+class DeadNodeProbe(Protocol):
+    """Which of some nodes' daemons are gone (peers.PeerLinks)."""
+
+    async def unreachable(self, nodes: list[str], timeout: float) -> list[str]: ...
+
+
 class AgentMetrics(Protocol):
     def round_joined(self, reason: str, seconds: float) -> None: ...
     def worker_exited(self, exit_code: int) -> None: ...
@@ -187,10 +193,6 @@ class JobAgent:
     def leave(self, reason: str) -> None:
         if not self._leaving.done():
             self._leaving.set_result(reason)
-
-    @property
-    def pids(self) -> list[int]:
-        return self._workers.pids if self._workers else []
 
     # -- the loop -------------------------------------------------------------------------
 

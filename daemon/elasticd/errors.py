@@ -25,24 +25,6 @@ class ConfigError(ElasticdError):
         super().__init__(f"config key '{key}': {message}")
 
 
-class BadRequest(ElasticdError):
-    """The request is malformed."""
-
-    code = "bad_request"
-
-
-class UnknownOp(ElasticdError):
-    """The request names an operation the daemon does not have."""
-
-    code = "unknown_op"
-
-
-class TooLarge(ElasticdError):
-    """The frame is larger than the protocol allows."""
-
-    code = "too_large"
-
-
 class NotFound(ElasticdError):
     """No such object."""
 
@@ -113,9 +95,3 @@ class RendezvousStateError(RendezvousError):
     """The rendezvous state in the store is unreadable or tampered with."""
 
     code = "rendezvous_state"
-
-
-class WorkerSpawnError(ElasticdError):
-    """A worker process could not be started."""
-
-    code = "spawn_failed"
