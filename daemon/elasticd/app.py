@@ -273,8 +273,8 @@ class Daemon:
     def _node_service(self, store: StoreBackend, signer: Signer, service: JobService,
                       registry: JobRegistry) -> NodeService:
         config = self.config
-        lost_after = config.rendezvous.keep_alive_interval * config.rendezvous.keep_alive_max_attempt
-        nodes = NodeRegistry(store, signer, config.cluster.name, self.node, lost_after=lost_after,
+        nodes = NodeRegistry(store, signer, config.cluster.name, self.node,
+                             keep_alive=config.rendezvous.keep_alive,
                              endpoint=self._endpoint, on_refused=self._refused)
         if self._server is not None:
             nodes.create_epoch()

@@ -17,6 +17,7 @@ from .aio import Lane
 from .config import AUTO, DaemonConfig
 from .errors import NotFound, StoreError
 from .keyspace import Keyspace
+from .liveness import Beat, KeepAlive, observe, silent
 from .model import NodeInfo
 from .store import StoreBackend
 from .store.signing import Refused, Signer, open_or_refuse
@@ -88,29 +89,27 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class Sighting:
-    """What this node last saw of another: its record and when its heartbeat last moved."""
+    """What this node last saw of another: its record and its heartbeat counter."""
 
     record: NodeRecord
-    beats: int
-    moved: float        # this node's monotonic clock
-    moved_wall: float   # this node's wall clock, for display only
+    beat: Beat
+    moved_wall: float   # this node's wall clock when the counter last moved, for display only
 
 
-def node_state(sighting: Sighting, now: float, lost_after: float) -> str:
-    """up | draining | drained | lost, judged on the observer's own monotonic clock."""
-    if now - sighting.moved > lost_after:
+def node_state(sighting: Sighting, now: float, keep_alive: KeepAlive) -> str:
+    """up | draining | drained | lost: lost by the same rule as in every rendezvous."""
+    if silent(sighting.beat, keep_alive, now):
         return "lost"
     if sighting.record.draining:
         return "draining" if sighting.record.jobs else "drained"
     return "up"
 
 
-def observe(previous: Sighting | None, record: NodeRecord, beats: int, now: float,
-            wall: float) -> Sighting:
-    """A heartbeat counter that changed (either way: a reset store restarts it) is a sign of life."""
-    if previous is None or beats != previous.beats:
-        return Sighting(record, beats, now, wall)
-    return replace(previous, record=record)
+def sight(previous: Sighting | None, record: NodeRecord, count: int, now: float,
+          wall: float) -> Sighting:
+    beat = observe(previous.beat if previous else None, count, now)
+    moved = previous is None or beat.since != previous.beat.since
+    return Sighting(record, beat, wall if moved else previous.moved_wall)
 
 
 def node_doc(sighting: Sighting, state: str) -> dict[str, Any]:
@@ -141,7 +140,7 @@ class NodeRegistry:
     """
 
     def __init__(self, store: StoreBackend, signer: Signer, cluster: str, name: str, *,
-                 lost_after: float, endpoint: str = "", on_refused: Refused | None = None,
+                 keep_alive: KeepAlive, endpoint: str = "", on_refused: Refused | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self._store = store
@@ -150,7 +149,7 @@ class NodeRegistry:
         self._prefix = self._keyspace.nodes
         self.name = name
         self.endpoint = endpoint
-        self.lost_after = lost_after
+        self.keep_alive = keep_alive
         self._on_refused = on_refused or (lambda key, why: None)
         self._clock = clock
         self._wall = wall_clock
@@ -191,8 +190,8 @@ class NodeRegistry:
             if name == self.name and parsed != self._published:
                 self._published = None  # lost or tampered with: publish it again next time
             if parsed is not None and beats_raw is not None:
-                self._sightings[name] = observe(self._sightings.get(name), parsed,
-                                                int(beats_raw), now, wall)
+                self._sightings[name] = sight(self._sightings.get(name), parsed,
+                                              int(beats_raw), now, wall)
         return Tick(dict(self._sightings), self._open_drain(values[-1]), epoch)
 
     def _publish(self, record: NodeRecord, *, register: bool) -> None:
@@ -243,7 +242,7 @@ class NodeRegistry:
 
     def states(self, sightings: Mapping[str, Sighting]) -> dict[str, str]:
         now = self._clock()
-        return {name: node_state(s, now, self.lost_after) for name, s in sightings.items()}
+        return {name: node_state(s, now, self.keep_alive) for name, s in sightings.items()}
 
 
 class NodeService:
@@ -331,7 +330,7 @@ class NodeService:
         me = self.registry.name
         if me in sightings:
             sightings[me] = replace(sightings[me], record=self._local_record())
-            states[me] = node_state(sightings[me], sightings[me].moved, self.registry.lost_after)
+            states[me] = node_state(sightings[me], sightings[me].beat.since, self.registry.keep_alive)
         return [node_doc(s, states[name]) for name, s in sorted(sightings.items())]
 
     async def fresh(self) -> list[dict[str, Any]]:
@@ -373,7 +372,7 @@ class NodeService:
         read once per interval, so a move seen within one interval of ``moment`` may be a
         beat from before it: only a later one counts."""
         sighting = self._sightings.get(name)
-        return sighting is not None and sighting.moved > moment + self._interval
+        return sighting is not None and sighting.beat.since > moment + self._interval
 
     def alive(self, name: str) -> bool:
         return self.states().get(name, "lost") != "lost"

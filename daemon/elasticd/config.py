@@ -18,6 +18,7 @@ from typing import Any, Callable
 from . import paths
 from .endpoint import split_endpoint
 from .errors import ConfigError
+from .liveness import KeepAlive
 
 AUTO = "auto"
 
@@ -127,6 +128,10 @@ class JobsConfig:
 class RendezvousConfig:
     keep_alive_interval: float = key(1.0, _positive, doc="heartbeat period, seconds")
     keep_alive_max_attempt: int = key(3, _positive, doc="missed heartbeats before a node is lost")
+
+    @property
+    def keep_alive(self) -> KeepAlive:
+        return KeepAlive(self.keep_alive_interval, self.keep_alive_max_attempt)
 
 
 @dataclass(frozen=True)

@@ -229,12 +229,7 @@ class JobService:
             self._writes.post(self._publish_part, job_id, part)
 
     async def unreachable(self, nodes: list[str]) -> list[str]:
-        return await self._peers.unreachable(nodes, self.lost_after)
-
-    @property
-    def lost_after(self) -> float:
-        settings = self.config.rendezvous
-        return settings.keep_alive_interval * settings.keep_alive_max_attempt
+        return await self._peers.unreachable(nodes, self.config.rendezvous.keep_alive.dead_after)
 
     def output(self, job_id: str) -> None:
         self._logs.publish(job_id)

@@ -2,39 +2,43 @@
 
 import pytest
 
-from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, observe, parse_nvidia_smi
+from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi, sight
+from elasticd.liveness import Beat, KeepAlive
 from elasticd.model import NodeInfo
 
 INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0)
+KEEP_ALIVE = KeepAlive(1.0, 3)
 
 
-def sighting(moved, draining=False, jobs=()):
-    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"), 7, moved, 100.0)
+def sighting(moved, draining=False, jobs=(), reads=3):
+    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"),
+                    Beat(7, moved, reads), 100.0)
 
 
-@pytest.mark.parametrize("moved, draining, jobs, state", [
-    (9.0, False, (), "up"), (7.0, False, (), "up"), (6.9, False, (), "lost"), (6.9, True, ("j",), "lost"),
-    (9.0, True, ("j",), "draining"), (9.0, True, (), "drained"),
+@pytest.mark.parametrize("moved, reads, draining, jobs, state", [
+    (9.0, 3, False, (), "up"), (7.1, 3, False, (), "up"), (7.0, 3, False, (), "lost"),
+    (6.9, 3, True, ("j",), "lost"), (9.0, 3, True, ("j",), "draining"), (9.0, 3, True, (), "drained"),
+    (0.0, 2, False, (), "up"),  # still for long, but read fewer times: a stalled store kills nobody
 ])
-def test_node_state(moved, draining, jobs, state):
-    assert node_state(sighting(moved, draining, jobs), now=10.0, lost_after=3.0) == state
+def test_node_state(moved, reads, draining, jobs, state):
+    assert node_state(sighting(moved, draining, jobs, reads), now=10.0, keep_alive=KEEP_ALIVE) == state
 
 
 def test_a_changed_counter_is_life_either_way():
     record = sighting(0).record
-    first = observe(None, record, 5, now=1.0, wall=11.0)
-    assert (first.beats, first.moved) == (5, 1.0)
-    same = observe(first, record, 5, now=2.0, wall=12.0)
-    assert same.moved == 1.0
-    assert observe(same, record, 6, now=3.0, wall=13.0).moved == 3.0
-    assert observe(same, record, 1, now=3.0, wall=13.0).moved == 3.0  # a reset store restarts it
+    first = sight(None, record, 5, now=1.0, wall=11.0)
+    assert (first.beat.count, first.beat.since, first.moved_wall) == (5, 1.0, 11.0)
+    same = sight(first, record, 5, now=2.0, wall=12.0)
+    assert (same.beat.since, same.beat.reads, same.moved_wall) == (1.0, 1, 11.0)
+    assert sight(same, record, 6, now=3.0, wall=13.0).beat.since == 3.0
+    assert sight(same, record, 1, now=3.0, wall=13.0).beat.since == 3.0  # a reset store restarts it
 
 
 def test_wall_clock_never_decides_liveness():
     """A node whose clock is an hour off is judged only by its counter moving."""
     record = sighting(0).record
-    seen = observe(None, record, 1, now=1.0, wall=1.0 + 3600)
-    assert node_state(seen, now=2.0, lost_after=3.0) == "up"
+    seen = sight(None, record, 1, now=1.0, wall=1.0 + 3600)
+    assert node_state(seen, now=2.0, keep_alive=KEEP_ALIVE) == "up"
 
 
 def test_record_round_trip_and_doc():
@@ -58,7 +62,7 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     from elasticd.store.signing import Signer
 
     store = MemoryStore()
-    registry = NodeRegistry(store, Signer(b"k" * 32), "c", "n2", lost_after=3.0)
+    registry = NodeRegistry(store, Signer(b"k" * 32), "c", "n2", keep_alive=KEEP_ALIVE)
     registry.create_epoch()
     record = sighting(0).record
     resets: list[str] = []

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from elasticd.liveness import Beat, observe, silent
 from elasticd.rendezvous.state import (
     Announcement,
     Member,
@@ -60,12 +61,6 @@ class Action:
 class LastCall(NamedTuple):
     round: int
     since: float  # when this node first saw min_nodes joined in `round`
-
-
-class Beat(NamedTuple):
-    count: int | None  # the heartbeat counter as last read (None: no counter yet)
-    since: float  # when this observer saw it change
-    reads: int = 0  # this observer's reads since then that found it unchanged
 
 
 @dataclass(frozen=True)
@@ -181,11 +176,7 @@ def _log_end(state: RendezvousState, view: View) -> int:
 
 def observe_beats(beats: Mapping[str, Beat], counts: Mapping[str, int | None], now: float) -> dict[str, Beat]:
     """Fold freshly read heartbeat counters into the observations (only ``counts``' nodes stay)."""
-    return {
-        node: beats[node]._replace(reads=beats[node].reads + 1)
-        if node in beats and beats[node].count == count else Beat(count, now)
-        for node, count in counts.items()
-    }
+    return {node: observe(beats.get(node), count, now) for node, count in counts.items()}
 
 
 def watched(state: RendezvousState, view: View) -> set[str]:
@@ -206,20 +197,12 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
     """
     if state.closed or not involved(state, node, view):
         return Action(Act.NOTHING)
-    dead = {n for n in watched(state, view) - {node} if _silent(view.beats.get(n), settings, now)}
+    dead = {n for n in watched(state, view) - {node} if silent(view.beats.get(n), settings.keep_alive, now)}
     if not dead:
         return Action(Act.NOTHING)
     if state.complete and dead & state.participants.keys():
         return Action(Act.OPEN_ROUND, open_round(state, "node_lost", leaving=dead))
     return Action(Act.REMOVE, without(state, dead, view))
-
-
-def _silent(beat: Beat | None, settings: RendezvousSettings, now: float) -> bool:
-    """Still for ``dead_after`` of this node's clock *and* across ``keep_alive_max_attempt``
-    of its reads: a store that stalled (or an observer that was descheduled) for longer than
-    ``dead_after`` makes every counter look still for one read, and must not kill anyone."""
-    return (beat is not None and now - beat.since >= settings.dead_after
-            and beat.reads >= settings.keep_alive_max_attempt)
 
 
 # -- rounds, leaving, closing ----------------------------------------------------------------

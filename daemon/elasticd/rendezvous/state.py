@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elasticd.errors import RendezvousStateError
+from elasticd.liveness import KeepAlive
 
 SCHEMA = 1
 REASONS = ("initial", "failure", "scale_up", "node_lost", "drain")
@@ -36,9 +37,13 @@ class RendezvousSettings:
             raise ValueError("timeouts and intervals must be positive")
 
     @property
+    def keep_alive(self) -> KeepAlive:
+        return KeepAlive(self.keep_alive_interval, self.keep_alive_max_attempt)
+
+    @property
     def dead_after(self) -> float:
         """How long a heartbeat counter may stand still before its node counts as dead."""
-        return self.keep_alive_interval * self.keep_alive_max_attempt
+        return self.keep_alive.dead_after
 
 
 @dataclass(frozen=True)
