@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from elasticd import __version__
-from elasticd import paths
+from elasticd import paths, protocol
 from elasticctl import render
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 
@@ -168,18 +168,18 @@ with --json: one JSON object per line, {"rank", "stream", "attempt", "node", "te
 
 def nnodes(value: str) -> str:
     """'N' or 'MIN:MAX' with 1 <= MIN <= MAX; sent to the daemon as typed."""
-    low, colon, high = value.partition(":")
     try:
-        bounds = [int(low), int(high)] if colon else [int(low)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {value!r}") from None
-    if not 1 <= bounds[0] <= bounds[-1]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {value!r}")
+        protocol.parse_nnodes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
 def nproc_per_node(value: str) -> int | str:
-    return "gpu" if value == "gpu" else positive_int(value)
+    try:
+        return protocol.parse_nproc(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int(value: str) -> int:

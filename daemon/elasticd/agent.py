@@ -27,7 +27,7 @@ from .cgroups import JobCgroup, JobCgroups
 from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from .jobs import Outcome, Part, PartState
 from .model import JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
-from .rendezvous import NextRound, RendezvousHandler, RendezvousInfo, RoundEvent
+from .rendezvous import NextRound, RendezvousHandler, RendezvousInfo, RoundEvent, may_restart
 from .workers import LocalWorkers
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def decide(event: Event, info: RendezvousInfo, spec: JobSpec) -> Action:
             return Action.BARRIER
         if event.lost:
             return Action.NODE_LOST  # a membership change: no restart is charged
-        return Action.RESTART if info.restart_count < spec.max_restarts else Action.FAIL
+        return Action.RESTART if may_restart(info.restart_count, spec.max_restarts) else Action.FAIL
     round_event = event.event
     if round_event.kind == "closed":
         return Action.STOP

@@ -59,37 +59,21 @@ DEFAULT_CONFIG = "/etc/elasticd/elasticd.toml"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="elasticd", description="Run elastic PyTorch jobs on this host.")
-    p.add_argument("--config", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)")
+    p.add_argument("--config", metavar="FILE", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)")
     p.add_argument("--standalone", action="store_true",
                    help="a one-host cluster that needs no config (hosts its own store)")
-    p.add_argument("--node-name", help="this node's name (default: the hostname)")
-    p.add_argument("--node-address", help="address peers use to reach this node")
-    p.add_argument("--state-dir", help="history, logs and cluster key")
-    p.add_argument("--runtime-dir", help="where the control socket lives")
-    p.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
-    p.add_argument("--slots", type=int, help="workers this node runs at once")
-    p.add_argument("--gpus", type=int, help="GPU count (default: ask nvidia-smi)")
-    p.add_argument("--cluster", help="cluster name")
-    p.add_argument("--store", help="the cluster store endpoint, HOST:PORT")
-    p.add_argument("--store-host", action=argparse.BooleanOptionalAction, default=None,
-                   help="host the store here (default: when the endpoint is this host's)")
-    p.add_argument("--cluster-key", help="HMAC key file for store records")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    for flag, (dotted, kind, doc) in config_mod.flags().items():  # declared with their keys
+        if kind is bool:
+            p.add_argument(flag, dest=dotted, action=argparse.BooleanOptionalAction, help=doc)
+        else:
+            p.add_argument(flag, dest=dotted, type=kind, metavar=flag.rsplit("-", 1)[-1].upper(), help=doc)
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     return p.parse_args(argv)
 
 
-_FLAG_KEYS = {
-    "node_name": "node.name", "node_address": "node.address", "state_dir": "paths.state_dir",
-    "runtime_dir": "paths.runtime_dir", "metrics_port": "metrics.port", "slots": "node.slots",
-    "gpus": "node.gpus", "cluster": "cluster.name", "store": "store.endpoint",
-    "store_host": "store.host", "cluster_key": "cluster.key_file", "log_level": "log.level",
-}
-
-
 def load_config(args: argparse.Namespace) -> DaemonConfig:
-    overrides = {key: getattr(args, flag) for flag, key in _FLAG_KEYS.items()
-                 if getattr(args, flag) is not None}
+    overrides = {dotted: getattr(args, dotted) for dotted, _, _ in config_mod.flags().values()
+                 if getattr(args, dotted) is not None}
     path = args.config
     if path is None and not args.standalone and os.path.exists(DEFAULT_CONFIG):
         path = DEFAULT_CONFIG

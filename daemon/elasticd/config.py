@@ -19,6 +19,7 @@ from . import paths
 from .endpoint import split_endpoint
 from .errors import ConfigError
 from .liveness import KeepAlive
+from .model import JobSpec
 
 AUTO = "auto"
 
@@ -60,9 +61,11 @@ def _log_level(value: str) -> str | None:
     return None if value in levels else f"must be one of {', '.join(levels)}"
 
 
-def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str = "") -> Any:
-    """Declare a config key: its default, an optional validator and a one-line doc."""
-    kwargs: dict[str, Any] = {"metadata": {"check": check, "doc": doc}}
+def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str = "",
+        flag: str = "") -> Any:
+    """Declare a config key: its default, an optional validator, a one-line doc and the
+    elasticd command-line flag that sets it, if any."""
+    kwargs: dict[str, Any] = {"metadata": {"check": check, "doc": doc, "flag": flag}}
     if isinstance(default, (dict, list)):
         kwargs["default_factory"] = lambda: type(default)(default)
     else:
@@ -72,37 +75,37 @@ def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str
 
 @dataclass(frozen=True)
 class NodeConfig:
-    name: str = key("", doc="this node's name in the cluster; empty: the hostname")
-    address: str = key("", doc="address peers use to reach this node; empty: this host's address on the route to the store")
+    name: str = key("", doc="this node's name in the cluster; empty: the hostname", flag="--node-name")
+    address: str = key("", doc="address peers use to reach this node; empty: this host's address on the route to the store", flag="--node-address")
     peer_port: int = key(29401, _port, doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any")
-    slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU")
-    gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto' to ask nvidia-smi")
+    slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU", flag="--slots")
+    gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto' to ask nvidia-smi", flag="--gpus")
     labels: dict[str, str] = key({}, doc="labels published with this node (shown by elasticctl nodes)")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    name: str = key("default", doc="cluster name; namespaces every store key")
-    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key")
+    name: str = key("default", doc="cluster name; namespaces every store key", flag="--cluster")
+    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key", flag="--cluster-key")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    endpoint: str = key("127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT")
-    host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint is ours")
+    endpoint: str = key("127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT", flag="--store")
+    host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint is ours", flag="--store-host")
     connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
     timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
 
 
 @dataclass(frozen=True)
 class PathsConfig:
-    state_dir: str = key(paths.SYSTEM_STATE_DIR, doc="job history, logs and the cluster key")
-    runtime_dir: str = key(paths.SYSTEM_RUNTIME_DIR, doc="the control socket")
+    state_dir: str = key(paths.SYSTEM_STATE_DIR, doc="job history, logs and the cluster key", flag="--state-dir")
+    runtime_dir: str = key(paths.SYSTEM_RUNTIME_DIR, doc="the control socket", flag="--runtime-dir")
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    port: int = key(9464, _port, doc="Prometheus endpoint port; 0 disables it")
+    port: int = key(9464, _port, doc="Prometheus endpoint port; 0 disables it", flag="--metrics-port")
     address: str = key("0.0.0.0", doc="address the Prometheus endpoint binds")
 
 
@@ -117,17 +120,17 @@ class ControlConfig:
 class JobsConfig:
     allow_root: bool = key(False, doc="run jobs submitted by root as root")
     stop_grace: float = key(10.0, _not_negative, doc="seconds between SIGTERM and SIGKILL")
-    max_restarts: int = key(0, _not_negative, doc="default job-wide restart budget")
-    exit_barrier_timeout: float = key(300.0, _positive, doc="default exit barrier timeout, seconds")
-    join_timeout: float = key(600.0, _positive, doc="default seconds a job waits for min nodes")
-    last_call_timeout: float = key(1.0, _not_negative, doc="extra seconds for nodes after min joined")
+    max_restarts: int = key(JobSpec.max_restarts, _not_negative, doc="default job-wide restart budget")
+    exit_barrier_timeout: float = key(JobSpec.exit_barrier_timeout, _positive, doc="default exit barrier timeout, seconds")
+    join_timeout: float = key(JobSpec.join_timeout, _positive, doc="default seconds a job waits for min nodes")
+    last_call_timeout: float = key(JobSpec.last_call_timeout, _not_negative, doc="extra seconds for nodes after min joined")
     cgroup: str = key("auto", _cgroup_setting, doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path")
 
 
 @dataclass(frozen=True)
 class RendezvousConfig:
-    keep_alive_interval: float = key(1.0, _positive, doc="heartbeat period, seconds")
-    keep_alive_max_attempt: int = key(3, _positive, doc="missed heartbeats before a node is lost")
+    keep_alive_interval: float = key(KeepAlive.interval, _positive, doc="heartbeat period, seconds")
+    keep_alive_max_attempt: int = key(KeepAlive.attempts, _positive, doc="missed heartbeats before a node is lost")
 
     @property
     def keep_alive(self) -> KeepAlive:
@@ -136,7 +139,7 @@ class RendezvousConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    level: str = key("info", _log_level, doc="debug, info, warning or error")
+    level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
 
 
 @dataclass(frozen=True)
@@ -278,6 +281,18 @@ def standalone_defaults(uid: int | None = None) -> dict[str, Any]:
         "paths.runtime_dir": paths.default_runtime_dir(uid),
         "jobs.allow_root": True,
     }
+
+
+def flags() -> dict[str, tuple[str, type, str]]:
+    """elasticd's command-line flags: flag -> (dotted key, value type, doc line)."""
+    found = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata["flag"]:
+                kind = {int | str: int, bool | str: bool}.get(hints[f.name], hints[f.name])
+                found[f.metadata["flag"]] = (f"{section}.{f.name}", kind, f.metadata["doc"])
+    return found
 
 
 def documented_keys() -> dict[str, tuple[Any, str]]:

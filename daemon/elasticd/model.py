@@ -6,10 +6,12 @@ import enum
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
+from . import protocol
 from .errors import Conflict, InvalidSpec
+from .rendezvous.state import RendezvousSettings
 
 SCHEMA = 1
-GPU = "gpu"
+GPU = protocol.GPU
 KINDS = ("script", "module", "exec")
 MAX_TIMEOUT = 365 * 24 * 3600.0  # a year: longer than any job waits, shorter than any clock overflows
 MAX_COUNT = 1_000_000            # restarts, nodes: beyond any cluster
@@ -74,9 +76,9 @@ class JobSpec:
     min_nodes: int = 1
     max_nodes: int = 1
     nproc_per_node: int | str = 1
-    max_restarts: int = 0
-    join_timeout: float = 600.0
-    last_call_timeout: float = 1.0
+    max_restarts: int = RendezvousSettings.max_restarts
+    join_timeout: float = RendezvousSettings.join_timeout
+    last_call_timeout: float = RendezvousSettings.last_call_timeout
     exit_barrier_timeout: float = 300.0
     nodes: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -171,26 +173,18 @@ def _is_text(value: Any) -> bool:
     return True
 
 
-def parse_nnodes(text: str | int) -> tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"2:4"`` -> (2, 4), as torchrun's ``--nnodes``."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text, text
-    low, sep, high = str(text).partition(":")
+def parse_nnodes(value: str | int) -> tuple[int, int]:
     try:
-        pair = (int(low), int(high)) if sep else (int(low), int(low))
-    except ValueError:
-        raise InvalidSpec(f"nnodes must be N or MIN:MAX, got {text!r}") from None
-    if not 1 <= pair[0] <= pair[1]:
-        raise InvalidSpec(f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
-    return pair
+        return protocol.parse_nnodes(value)
+    except ValueError as exc:
+        raise InvalidSpec(str(exc)) from None
 
 
 def parse_nproc(value: str | int) -> int | str:
-    if value == GPU or (_is_int(value) and value >= 1):
-        return value
-    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
-        return int(value)
-    raise InvalidSpec(f"nproc_per_node must be a positive integer or '{GPU}', got {value!r}")
+    try:
+        return protocol.parse_nproc(value)
+    except ValueError as exc:
+        raise InvalidSpec(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,36 @@ E_INTERNAL = "internal"
 E_TOO_MANY = "too_many_connections"
 
 
+GPU = "gpu"  # nproc_per_node: one worker per GPU the job gets on a node
+
+
+def parse_nnodes(value: str | int) -> tuple[int, int]:
+    """``"2"`` or 2 -> (2, 2); ``"2:4"`` -> (2, 4), as torchrun's ``--nnodes``; ValueError
+    naming what is wrong otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        pair = (value, value)
+    else:
+        low, sep, high = str(value).partition(":")
+        try:
+            pair = (int(low), int(high)) if sep else (int(low), int(low))
+        except ValueError:
+            raise ValueError(f"nnodes must be N or MIN:MAX, got {value!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise ValueError(f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    return pair
+
+
+def parse_nproc(value: str | int) -> int | str:
+    """A positive worker count (an int or its digits) or ``"gpu"``; ValueError otherwise."""
+    if value == GPU:
+        return GPU
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise ValueError(f"nproc_per_node must be a positive integer or '{GPU}', got {value!r}")
+
+
 class ProtocolError(Exception):
     """A frame that does not follow the protocol; ``code`` is the wire error code."""
 

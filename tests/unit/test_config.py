@@ -92,3 +92,14 @@ def test_shipped_default_config_agrees_with_the_daemon():
     for dotted, (_default, doc) in documented.items():
         assert doc in text, f"{dotted}: its doc line is missing from {path}"
     config.load(path)  # and it loads
+
+
+def test_flags_are_declared_with_their_keys():
+    from elasticd.app import load_config, parse_args
+    found = config.flags()
+    assert found["--slots"] == ("node.slots", int, config.documented_keys()["node.slots"][1])
+    assert found["--store-host"][1] is bool and found["--gpus"][1] is int
+    loaded = load_config(parse_args(["--standalone", "--slots", "3", "--no-store-host",
+                                     "--store", "[::1]:29400", "--log-level", "debug"]))
+    assert (loaded.node.slots, loaded.store.host, loaded.store_host, loaded.log.level) == \
+        (3, False, "::1", "debug")

@@ -9,6 +9,8 @@ from elasticd.rendezvous.state import (
     RendezvousInfo,
     RendezvousSettings,
     RoundEvent,
+    may_restart,
 )
 
-__all__ = ["Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent"]
+__all__ = ["Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
+           "may_restart"]

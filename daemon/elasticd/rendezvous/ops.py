@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from elasticd.liveness import Beat, observe, silent
 from elasticd.rendezvous.state import (
+    may_restart,
     Announcement,
     Member,
     Participant,
@@ -217,7 +218,7 @@ def decide_next_round(
         return Action(Act.CLOSED)
     if state.round != round or not state.complete:
         return Action(Act.ALREADY)
-    if reason == "failure" and state.restarts_used >= settings.max_restarts:
+    if reason == "failure" and not may_restart(state.restarts_used, settings.max_restarts):
         return Action(Act.EXHAUSTED)
     return Action(Act.OPEN_ROUND, open_round(state, reason, leaving=lost))
 

@@ -23,8 +23,8 @@ class RendezvousSettings:
     max_restarts: int = 0  # job-wide restart budget, consumed by "failure" rounds
     join_timeout: float = 600.0
     last_call_timeout: float = 1.0
-    keep_alive_interval: float = 1.0
-    keep_alive_max_attempt: int = 3
+    keep_alive_interval: float = KeepAlive.interval
+    keep_alive_max_attempt: int = KeepAlive.attempts
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -44,6 +44,11 @@ class RendezvousSettings:
     def dead_after(self) -> float:
         """How long a heartbeat counter may stand still before its node counts as dead."""
         return self.keep_alive.dead_after
+
+
+def may_restart(restarts_used: int, max_restarts: int) -> bool:
+    """Whether a worker failure may restart the job: the job-wide budget is not spent."""
+    return restarts_used < max_restarts
 
 
 @dataclass(frozen=True)
