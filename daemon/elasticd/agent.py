@@ -208,8 +208,11 @@ class JobAgent:
             self._report(PartState.LEFT)
         except Exception:
             log.exception("agent for job %s failed", self.spec.id)
-            await self._finish(Outcome(JobState.FAILED, self._now(), None,
-                                       f"elasticd agent on {self.node} failed", None, self.node))
+            try:
+                await self._finish(Outcome(JobState.FAILED, self._now(), None,
+                                           f"elasticd agent on {self.node} failed", None, self.node))
+            except StoreError as exc:  # the job's end is then for the other nodes to record
+                log.warning("job %s: could not record that its agent failed: %s", self.spec.id, exc)
             self._report(PartState.FAILED)
         finally:
             await self._stop_keeper()

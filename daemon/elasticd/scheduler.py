@@ -299,6 +299,8 @@ class JobService:
     async def _run_agent(self, running: _Running) -> None:
         try:
             await running.agent.run()
+        except Exception:  # whatever one job's agent does, it never reaches the task group
+            log.exception("job %s: its agent on %s ended with an error", running.agent.spec.id, self.node)
         finally:
             del self._running[running.agent.spec.id]
             running.done.set()

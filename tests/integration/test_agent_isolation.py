@@ -1,0 +1,84 @@
+"""One job's agent must never take the daemon down (issue 10, item 7).
+
+In-process, with the real job service, agents, rendezvous and workers over an in-memory
+store that fails every write of one job's outcome: that job's rendezvous state is tampered
+with, so its agent takes the path for an unexpected error, which records the job's failure
+in the store, which fails.  That StoreError used to escape the agent into the job service's
+task group, which then cancelled every other job and ended the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from harness import WORKER
+from elasticd.board import JobBoard
+from elasticd.config import DaemonConfig, JobsConfig, PathsConfig
+from elasticd.errors import StoreConnectionError
+from elasticd.history import History
+from elasticd.jobs import JobRegistry, PartState
+from elasticd.keyspace import Keyspace
+from elasticd.logs import LogBus
+from elasticd.metrics import Metrics
+from elasticd.model import JobSpec
+from elasticd.scheduler import JobService, Resources
+from elasticd.store.memory import MemoryStore
+from elasticd.store.signing import Signer
+
+
+class FailingWrites(MemoryStore):
+    """A memory store whose compare-and-set fails on keys containing ``broken``."""
+
+    def __init__(self, broken: str) -> None:
+        super().__init__()
+        self.broken = broken
+        self.failed = 0
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        if self.broken in key:
+            self.failed += 1
+            raise StoreConnectionError(f"injected: cannot write {key}")
+        return super().compare_set(key, expected, desired)
+
+
+class NoPeers:
+    async def unreachable(self, nodes: list[str], timeout: float) -> list[str]:
+        return []
+
+
+def spec(job_id: str, workdir: Path) -> JobSpec:
+    return JobSpec(id=job_id, argv=(str(WORKER), "--sleep", "0"), python=sys.executable,
+                   workdir=str(workdir), uid=os.getuid(), gid=os.getgid(), user="tester",
+                   env={"PATH": os.environ["PATH"]}, join_timeout=60.0, created=1.0)
+
+
+def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tmp_path):
+    store = FailingWrites(broken="outcome/j-bad000")
+    signer = Signer(b"k" * 32)
+    config = DaemonConfig(paths=PathsConfig(state_dir=str(tmp_path), runtime_dir=str(tmp_path)),
+                          jobs=JobsConfig(allow_root=True, stop_grace=1.0, cgroup="off"))
+    os.makedirs(tmp_path / "logs", mode=0o755)
+    registry = JobRegistry(History(str(tmp_path / "history.sqlite")))
+    service = JobService(config, node="n1", address="127.0.0.1", resources=Resources(4),
+                         store=store, signer=signer, board=JobBoard(store, signer, "default"),
+                         registry=registry, metrics=Metrics(), logs=LogBus(), peers=NoPeers())
+    store.set(f"{Keyspace('default').rendezvous('j-bad000')}/state", b"tampered")
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        running = asyncio.create_task(service.run(stop))
+        await asyncio.sleep(0)
+        await service.submit(spec("j-bad000", tmp_path))
+        await service.submit(spec("j-good00", tmp_path))
+        good = registry.get("j-good00")
+        while not (PartState.RUNNING == getattr(good.parts.get("n1"), "state", None)
+                   and store.failed and "j-bad000" not in service.local_jobs()):
+            good = await asyncio.wait_for(registry.wait_change("j-good00", good.version), 30)
+        assert not running.done(), "the job service ended with the bad job's agent"
+        assert service.local_jobs() == ["j-good00"]  # the good job runs on
+        stop.set()
+        await asyncio.wait_for(running, 30)  # and the service ends normally when told to
+
+    asyncio.run(scenario())
