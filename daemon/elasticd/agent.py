@@ -26,8 +26,10 @@ from .aio import Lane, first
 from .cgroups import JobCgroup, JobCgroups
 from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from .jobs import Outcome, Part, PartState
-from .model import JobSpec, JobState, RunResult, WorkerGroup, WorkerState, assign_workers
-from .rendezvous import NextRound, RendezvousHandler, RendezvousInfo, RoundEvent, may_restart
+from .model import (PART_STATES, JobSpec, JobState, RunResult, WorkerGroup, WorkerState,
+                    assign_workers)
+from .rendezvous import (EventKind, NextRound, Reason, RendezvousHandler, RendezvousInfo,
+                         RoundEvent, may_restart)
 from .workers import LocalWorkers
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ class JobEnded:
 
 @dataclass(frozen=True)
 class Leaving:
-    reason: str
+    reason: Reason
 
 
 Event = WorkersExited | RoundChanged | JobEnded | Leaving
@@ -99,11 +101,11 @@ def decide(event: Event, info: RendezvousInfo, spec: JobSpec) -> Action:
             return Action.NODE_LOST  # a membership change: no restart is charged
         return Action.RESTART if may_restart(info.restart_count, spec.max_restarts) else Action.FAIL
     round_event = event.event
-    if round_event.kind == "closed":
+    if round_event.kind is EventKind.CLOSED:
         return Action.STOP
-    if round_event.kind == "next_round":
+    if round_event.kind is EventKind.NEXT_ROUND:
         return Action.REJOIN
-    if round_event.kind == "waiting" and info.group_world_size < spec.max_nodes:
+    if round_event.kind is EventKind.WAITING and info.group_world_size < spec.max_nodes:
         return Action.SCALE_UP
     return Action.WATCH
 
@@ -151,6 +153,7 @@ class JobAgent:
                  ports: AgentPorts, metrics: AgentMetrics, log_root: str,
                  gpus: tuple[str, ...] = (), stop_grace: float = 10.0,
                  store_timeout: float = 30.0, cgroups: JobCgroups | None = None,
+                 started: float | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.node = node
@@ -164,9 +167,10 @@ class JobAgent:
         self._stop_grace = stop_grace
         self._now = wall_clock
         self._ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._leaving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._started: float | None = None
-        self._phase = PartState.RENDEZVOUS  # as last reported
+        self._leaving: asyncio.Future[Reason] = asyncio.get_running_loop().create_future()
+        self._started = started  # when the job first ran, on any node (None: not yet)
+        self._phase = PartState.RENDEZVOUS  # the state the next report is in
+        self._reported: PartState | None = None  # as last reported (PART_STATES)
         self._workers: LocalWorkers | None = None
         self._cgroups = cgroups
         self._cgroup: JobCgroup | None = None  # made with the first round, gone with the agent
@@ -190,7 +194,7 @@ class JobAgent:
         if not self._ended.done():
             self._ended.set_result(outcome)
 
-    def leave(self, reason: str) -> None:
+    def leave(self, reason: Reason) -> None:
         if not self._leaving.done():
             self._leaving.set_result(reason)
 
@@ -347,12 +351,12 @@ class JobAgent:
         await workers.stop()
         group = workers.group
         if action is Action.RESTART:
-            return await self._open_next_round(info, "failure", event)
+            return await self._open_next_round(info, Reason.FAILURE, event)
         if action is Action.SCALE_UP:
-            return await self._open_next_round(info, "scale_up", event)
+            return await self._open_next_round(info, Reason.SCALE_UP, event)
         if action is Action.NODE_LOST:
             assert isinstance(event, WorkersExited)
-            return await self._open_next_round(info, "node_lost", event, lost=event.lost)
+            return await self._open_next_round(info, Reason.NODE_LOST, event, lost=event.lost)
         if action is Action.REJOIN:
             return Action.REJOIN
         if action is Action.FAIL:
@@ -371,7 +375,7 @@ class JobAgent:
         await self._call(self._rdzv.leave, self._leaving.result(), timeout=_LEAVE_TIMEOUT)
         self._report(PartState.LEFT, info, group)
 
-    async def _open_next_round(self, info: RendezvousInfo, reason: str, event: Event,
+    async def _open_next_round(self, info: RendezvousInfo, reason: Reason, event: Event,
                                lost: tuple[str, ...] = ()) -> Action | None:
         result = await self._call(self._rdzv.request_next_round, info.round, reason, lost)
         if result is NextRound.EXHAUSTED and isinstance(event, WorkersExited):
@@ -381,7 +385,7 @@ class JobAgent:
         if result is NextRound.CLOSED:
             self._report(PartState.STOPPED, info)
             return None
-        if reason == "failure":
+        if reason is Reason.FAILURE:
             self._metrics.restarted()
         return Action.REJOIN
 
@@ -407,7 +411,7 @@ class JobAgent:
                 done = await first(waiting, watching, self._ended, self._leaving)
                 if done is not waiting:
                     waiting.cancel()
-                if done is watching and watching.result().kind == "next_round":
+                if done is watching and watching.result().kind is EventKind.NEXT_ROUND:
                     return Action.REJOIN
                 if done is self._leaving:
                     return await self._leave(info, group)
@@ -444,7 +448,8 @@ class JobAgent:
 
     def _report(self, state: PartState, info: RendezvousInfo | None = None,
                 group: WorkerGroup | None = None, barrier: dict[str, Any] | None = None) -> None:
-        self._phase = state
+        self._phase = PART_STATES.check(self._reported, state)
+        self._reported = state
         part = Part(
             node=self.node, state=state,
             round=info.round if info else None,

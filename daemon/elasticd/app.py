@@ -355,7 +355,8 @@ class Daemon:
                 JobState.FAILED, time.time(), None,
                 f"daemon died: elasticd on {self.node} stopped while the job ran", None, self.node))
         elif part is not None and part.state.active:
-            registry.set_part(record.id, replace(part, state=PartState.LEFT, updated=time.time()))
+            registry.set_part(record.id, replace(part, state=PartState.LEFT, updated=time.time()),
+                              own=True)
 
     def _refused(self, key: str, why: str) -> None:
         self.metrics.refused_records.inc()

@@ -18,7 +18,7 @@ from .config import AUTO, DaemonConfig
 from .errors import NotFound, StoreError
 from .keyspace import Keyspace
 from .liveness import Beat, KeepAlive, observe, silent
-from .model import NodeInfo
+from .model import NODE_STATES, IllegalTransition, NodeInfo, NodeState
 from .store import StoreBackend
 from .store.signing import Refused, Signer, open_or_refuse
 
@@ -96,13 +96,13 @@ class Sighting:
     moved_wall: float   # this node's wall clock when the counter last moved, for display only
 
 
-def node_state(sighting: Sighting, now: float, keep_alive: KeepAlive) -> str:
-    """up | draining | drained | lost: lost by the same rule as in every rendezvous."""
+def node_state(sighting: Sighting, now: float, keep_alive: KeepAlive) -> NodeState:
+    """Lost by the same rule as in every rendezvous; else what the node's record says."""
     if silent(sighting.beat, keep_alive, now):
-        return "lost"
+        return NodeState.LOST
     if sighting.record.draining:
-        return "draining" if sighting.record.jobs else "drained"
-    return "up"
+        return NodeState.DRAINING if sighting.record.jobs else NodeState.DRAINED
+    return NodeState.UP
 
 
 def sight(previous: Sighting | None, record: NodeRecord, count: int, now: float,
@@ -112,9 +112,9 @@ def sight(previous: Sighting | None, record: NodeRecord, count: int, now: float,
     return Sighting(record, beat, wall if moved else previous.moved_wall)
 
 
-def node_doc(sighting: Sighting, state: str) -> dict[str, Any]:
+def node_doc(sighting: Sighting, state: NodeState) -> dict[str, Any]:
     record = sighting.record
-    return {"name": record.info.name, "address": record.info.address, "state": state,
+    return {"name": record.info.name, "address": record.info.address, "state": state.value,
             "slots_total": record.info.slots, "slots_free": record.info.slots - record.slots_used,
             "gpus_total": len(record.info.gpus), "gpus_free": len(record.info.gpus) - record.gpus_used,
             "jobs": list(record.jobs), "last_seen": sighting.moved_wall,
@@ -240,7 +240,7 @@ class NodeRegistry:
         self._store.set(self._key(f"{name}/drain"),
                         self._signer.seal({"drain": drain, "by": by, "at": self._wall()}))
 
-    def states(self, sightings: Mapping[str, Sighting]) -> dict[str, str]:
+    def states(self, sightings: Mapping[str, Sighting]) -> dict[str, NodeState]:
         now = self._clock()
         return {name: node_state(s, now, self.keep_alive) for name, s in sightings.items()}
 
@@ -265,6 +265,7 @@ class NodeService:
         self._io = Lane("node-heartbeat")
         self._call_timeout = call_timeout
         self._sightings: dict[str, Sighting] = {}
+        self._states: dict[str, NodeState] = {}
         self._epoch: str | None = None
         self._drain: bool | None = None
         self._store_up = True
@@ -308,6 +309,7 @@ class NodeService:
 
     async def _apply(self, tick: Tick) -> None:
         self._sightings = tick.sightings
+        self._follow_states()
         self._on_tick()
         if tick.drain is not None and tick.drain != self._drain:
             self._drain = tick.drain
@@ -317,8 +319,20 @@ class NodeService:
             await self._on_reset()  # a StoreError leaves the old epoch: the next duty tries again
         self._epoch = tick.epoch
 
-    def states(self) -> dict[str, str]:
-        return self.registry.states(self._sightings)
+    def states(self) -> dict[str, NodeState]:
+        return dict(self._states)
+
+    def _follow_states(self) -> None:
+        """Every node's state as of this duty, each change checked by NODE_STATES (a change
+        the table refuses is logged and the node keeps its state)."""
+        states = {}
+        for name, state in self.registry.states(self._sightings).items():
+            try:
+                states[name] = NODE_STATES.check(self._states.get(name), state)
+            except IllegalTransition as exc:
+                log.warning("node %s: %s", name, exc)
+                states[name] = self._states[name]
+        self._states = states
 
     def store_health(self) -> dict[str, Any]:
         return {"store": self.registry.endpoint, "store_up": self._store_up}
@@ -375,7 +389,7 @@ class NodeService:
         return sighting is not None and sighting.beat.since > moment + self._interval
 
     def alive(self, name: str) -> bool:
-        return self.states().get(name, "lost") != "lost"
+        return self.states().get(name, NodeState.LOST) is not NodeState.LOST
 
     def peer_keys(self) -> dict[bytes, str]:
         return {s.record.peer_key.encode(): name for name, s in self._sightings.items() if s.record.peer_key}

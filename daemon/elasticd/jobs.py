@@ -10,33 +10,17 @@ send it changes, and it wakes whoever waits on a job.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from .errors import NotFound
 from .history import History, HistoryError
-from .model import Failure, JobSpec, JobState
+from .model import (JOB_STATES, NEW_PART, PART_STATES, Failure, JobSpec, JobState, PartState)
+
+_ENDED = frozenset(state for state in PartState if not state.active)
 
 log = logging.getLogger(__name__)
-
-
-class PartState(str, enum.Enum):
-    """One node's share of a job."""
-
-    RENDEZVOUS = "RENDEZVOUS"      # waiting for the job's nodes
-    RUNNING = "RUNNING"            # workers up
-    RESTARTING = "RESTARTING"      # stopping workers / re-forming after a failure or a membership change
-    BARRIER = "BARRIER"            # local workers succeeded, waiting for the other nodes
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    STOPPED = "STOPPED"            # stopped because the job ended or the daemon shut down
-    LEFT = "LEFT"                  # the node left the job (drain) and the job went on without it
-
-    @property
-    def active(self) -> bool:
-        return self in (PartState.RENDEZVOUS, PartState.RUNNING, PartState.RESTARTING, PartState.BARRIER)
 
 
 @dataclass(frozen=True)
@@ -115,17 +99,25 @@ class JobRecord:
 
 
 def job_state(parts: Iterable[Part], outcome: Outcome | None) -> JobState:
-    """The job's state from its nodes' parts; an outcome, once written, is final."""
+    """The job's state from its nodes' parts; an outcome, once written, is final.  A job that
+    ran and has no running node is RESTARTING, even while no node holds it (JOB_STATES)."""
     if outcome is not None:
         return outcome.state
+    parts = list(parts)
     states = {p.state for p in parts}
     if states & {PartState.RUNNING, PartState.BARRIER}:
         return JobState.RUNNING
-    if PartState.RESTARTING in states:
+    if PartState.RESTARTING in states or started(parts) is not None:
         return JobState.RESTARTING
     if PartState.RENDEZVOUS in states:
         return JobState.RENDEZVOUS
     return JobState.PENDING
+
+
+def started(parts_or_record: Iterable[Part] | JobRecord) -> float | None:
+    """When the job first ran, on any node (None: it has not)."""
+    parts = parts_or_record.parts.values() if isinstance(parts_or_record, JobRecord) else parts_or_record
+    return min((p.started for p in parts if p.started is not None), default=None)
 
 
 def current_parts(record: JobRecord) -> list[Part]:
@@ -145,7 +137,6 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
     if live_usage:
         usage.update(live_usage)
     error = _error_doc(outcome)
-    started = [p.started for p in record.parts.values() if p.started is not None]
     barrier = next((p.barrier for p in parts if p.barrier), None)
     return {
         "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
@@ -153,7 +144,7 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
         "nproc_per_node": spec.nproc_per_node,
         "restarts": max((p.restarts for p in record.parts.values()), default=0),
         "max_restarts": spec.max_restarts, "created": spec.created,
-        "started": min(started, default=None), "ended": outcome.ended if outcome else None,
+        "started": started(record), "ended": outcome.ended if outcome else None,
         "exit_code": outcome.exit_code if outcome else None,
         "round": parts[0].round if parts else None,
         "world_size": parts[0].world_size if parts else None,
@@ -285,10 +276,16 @@ class JobRegistry:
             return known
         return self._put(JobRecord(spec, seq))
 
-    def set_part(self, job_id: str, part: Part) -> JobRecord | None:
+    def set_part(self, job_id: str, part: Part, *, own: bool = False) -> JobRecord | None:
+        """A node's part changed; ``own``: this node's (its agent's moves are checked: a
+        new agent's part starts again at RENDEZVOUS)."""
         record = self._jobs.get(job_id)
         if record is None or record.parts.get(part.node) == part:
             return record
+        if own:
+            old = record.parts.get(part.node)
+            if old is not None and not (old.state in _ENDED and part.state is NEW_PART):
+                PART_STATES.check(old.state, part.state)
         return self._put(record.with_part(part))
 
     def set_outcome(self, job_id: str, outcome: Outcome) -> JobRecord | None:
@@ -299,6 +296,10 @@ class JobRegistry:
         return self._put(replace(record, outcome=outcome, version=record.version + 1))
 
     def _put(self, record: JobRecord) -> JobRecord:
+        """The one place a record changes: its job state moves by JOB_STATES, or nothing
+        changes (IllegalTransition)."""
+        old = self._jobs.get(record.id)
+        JOB_STATES.check(old.state if old else None, record.state)
         self._jobs[record.id] = record
         self._unsaved[record.id] = history_row(record)
         self.flush()

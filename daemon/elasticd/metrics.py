@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from . import __version__
 from .jobs import JobRecord
-from .model import JobState, WorkerState
+from .model import JobState, NodeState, WorkerState
 
 _ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
@@ -142,10 +142,10 @@ class Metrics:
         if any(reason in why for reason in _NO_SPACE):
             self.disk.out_of_space()
 
-    def count_nodes(self, states: Iterable[str]) -> None:
-        tally = Tally(states)
-        for state in ("up", "draining", "drained", "lost"):
-            self.nodes.labels(state).set(tally[state])
+    def count_nodes(self, states: Iterable[NodeState | str]) -> None:
+        tally = Tally(NodeState(state) for state in states)
+        for state in NodeState:
+            self.nodes.labels(state.value).set(tally[state])
 
     def store_call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Call a store operation, counting its latency (failures included) and errors."""

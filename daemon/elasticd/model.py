@@ -1,10 +1,16 @@
-"""Pure data: jobs, workers, nodes.  No I/O here; JSON in and out with a schema version."""
+"""Pure data: jobs, workers, nodes, and the state tables they change by.  No I/O here; JSON
+in and out with a schema version.
+
+Every state change of a job, a node's part of a job, a worker and a node goes through its
+table (h11's ``_state.py`` in small): a move the table does not list raises
+IllegalTransition and the caller changes nothing.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Generic, Iterable, Mapping, TypeVar
 
 from . import protocol
 from .errors import Conflict, InvalidSpec
@@ -19,11 +25,40 @@ MAX_NPROC = 4096
 MAX_NAME = 256
 
 
-class JobState(str, enum.Enum):
-    PENDING = "PENDING"
-    RENDEZVOUS = "RENDEZVOUS"
+class IllegalTransition(Conflict):
+    """A state change that its table does not allow (nothing was changed)."""
+
+
+S = TypeVar("S", bound=enum.Enum)
+
+
+class StateTable(Generic[S]):
+    """The legal moves of one kind of state.  Staying in a state is always legal."""
+
+    def __init__(self, name: str, moves: Mapping[S, Iterable[S]]) -> None:
+        self.name = name
+        self._moves = {state: frozenset(targets) for state, targets in moves.items()}
+        kind = type(next(iter(self._moves)))
+        missing = [state.value for state in kind if state not in self._moves]
+        if missing:
+            raise ValueError(f"the table of {name} has no row for {', '.join(missing)}")
+
+    def allows(self, old: S | None, new: S) -> bool:
+        return old is None or old == new or new in self._moves[old]
+
+    def check(self, old: S | None, new: S) -> S:
+        """``new``, if ``old -> new`` is legal (``old`` None: the first state); else raise."""
+        if not self.allows(old, new):
+            raise IllegalTransition(f"{self.name} cannot go from {old.value} to {new.value}")
+        return new
+
+
+class JobState(enum.StrEnum):
+    PENDING = "PENDING"          # no node has joined yet
+    RENDEZVOUS = "RENDEZVOUS"    # nodes are forming its first round
     RUNNING = "RUNNING"
-    RESTARTING = "RESTARTING"
+    RESTARTING = "RESTARTING"    # it ran, and a new round is forming (after a failure, a
+    #                              membership change, or while every node it had is gone)
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -33,30 +68,83 @@ class JobState(str, enum.Enum):
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
-_END = {JobState.FAILED, JobState.CANCELLED}
-TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RENDEZVOUS, *_END}),
-    JobState.RENDEZVOUS: frozenset({JobState.PENDING, JobState.RUNNING, *_END}),
-    JobState.RUNNING: frozenset({JobState.RESTARTING, JobState.SUCCEEDED, *_END}),
-    JobState.RESTARTING: frozenset({JobState.RUNNING, *_END}),
-    JobState.SUCCEEDED: frozenset(),
-    JobState.FAILED: frozenset(),
-    JobState.CANCELLED: frozenset(),
-}
+_JOB_ENDS = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+# A daemon sees other nodes' parts when the board delivers them, so it may skip states (a
+# daemon that starts while a job restarts sees it PENDING, then RESTARTING); what it never
+# sees is a job that ran going back to PENDING or RENDEZVOUS, or a job that ended going on.
+JOB_STATES = StateTable("a job", {
+    JobState.PENDING: (JobState.RENDEZVOUS, JobState.RUNNING, JobState.RESTARTING, *_JOB_ENDS),
+    JobState.RENDEZVOUS: (JobState.PENDING, JobState.RUNNING, JobState.RESTARTING, *_JOB_ENDS),
+    JobState.RUNNING: (JobState.RESTARTING, *_JOB_ENDS),
+    JobState.RESTARTING: (JobState.RUNNING, *_JOB_ENDS),
+    **{end: () for end in _JOB_ENDS},
+})
 
 
-def check_transition(old: JobState, new: JobState) -> None:
-    """Raise Conflict unless ``old -> new`` is a legal job state change (same state is a no-op)."""
-    if old != new and new not in TRANSITIONS[old]:
-        raise Conflict(f"job cannot go from {old.value} to {new.value}")
+class PartState(enum.StrEnum):
+    """One node's share of a job (written by that node's agent)."""
+
+    RENDEZVOUS = "RENDEZVOUS"      # waiting for the job's nodes
+    RUNNING = "RUNNING"            # workers up
+    RESTARTING = "RESTARTING"      # stopping workers / re-forming after a failure or a membership change
+    BARRIER = "BARRIER"            # local workers succeeded, waiting for the other nodes
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"            # stopped because the job ended or the daemon shut down
+    LEFT = "LEFT"                  # the node left the job (drain) and the job went on without it
+
+    @property
+    def active(self) -> bool:
+        return self in (PartState.RENDEZVOUS, PartState.RUNNING, PartState.RESTARTING, PartState.BARRIER)
 
 
-class WorkerState(str, enum.Enum):
+_PART_ENDS = (PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED, PartState.LEFT)
+PART_STATES = StateTable("a node's part of a job", {
+    PartState.RENDEZVOUS: (PartState.RUNNING, PartState.FAILED, PartState.STOPPED, PartState.LEFT),
+    PartState.RUNNING: (PartState.RESTARTING, PartState.BARRIER, PartState.FAILED,
+                        PartState.STOPPED, PartState.LEFT,
+                        PartState.SUCCEEDED),  # the last node at the exit barrier waits for nobody
+    PartState.RESTARTING: (PartState.RUNNING, PartState.FAILED, PartState.STOPPED, PartState.LEFT),
+    PartState.BARRIER: (PartState.RESTARTING, *_PART_ENDS),
+    **{end: () for end in _PART_ENDS},
+})
+# A node whose part ended may take the job again later (it left, or stopped with its
+# daemon, and the job went on): that is a new agent's part, which starts at RENDEZVOUS.
+NEW_PART = PartState.RENDEZVOUS
+
+
+class WorkerState(enum.StrEnum):
     INIT = "INIT"
     HEALTHY = "HEALTHY"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     STOPPED = "STOPPED"
+
+
+WORKER_STATES = StateTable("a worker", {
+    WorkerState.INIT: (WorkerState.HEALTHY, WorkerState.FAILED),  # FAILED: it could not start
+    WorkerState.HEALTHY: (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED),
+    WorkerState.SUCCEEDED: (), WorkerState.FAILED: (), WorkerState.STOPPED: (),
+})
+
+
+class NodeState(enum.StrEnum):
+    """A node as another node sees it (its record and its heartbeat)."""
+
+    UP = "up"
+    DRAINING = "draining"  # takes no new job; its jobs move off it through new rounds
+    DRAINED = "drained"    # draining, and no job left
+    LOST = "lost"          # its heartbeat stood still (liveness.silent)
+
+
+# Observed once per heartbeat duty, so a short stay in a state may go unseen; any state may
+# turn LOST and come back from it.
+NODE_STATES = StateTable("a node", {
+    NodeState.UP: (NodeState.DRAINING, NodeState.DRAINED, NodeState.LOST),
+    NodeState.DRAINING: (NodeState.DRAINED, NodeState.UP, NodeState.LOST),
+    NodeState.DRAINED: (NodeState.UP, NodeState.LOST),  # it takes no job: never draining again first
+    NodeState.LOST: (NodeState.UP, NodeState.DRAINING, NodeState.DRAINED),
+})
 
 
 @dataclass(frozen=True)

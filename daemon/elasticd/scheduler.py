@@ -25,12 +25,12 @@ from .board import BoardReset, Change, JobBoard
 from .cgroups import JobCgroups
 from .config import DaemonConfig
 from .errors import Conflict, StoreError
-from .jobs import JobRecord, JobRegistry, Outcome, Part, PartState
+from .jobs import JobRecord, JobRegistry, Outcome, Part, PartState, started
 from .keyspace import Keyspace
 from .logs import LogBus
 from .metrics import Metrics
-from .model import GPU, JobSpec, JobState
-from .rendezvous import RendezvousHandler, RendezvousSettings
+from .model import GPU, IllegalTransition, JobSpec, JobState
+from .rendezvous import Reason, RendezvousHandler, RendezvousSettings
 from .store import StoreBackend
 from .store.signing import Signer
 
@@ -174,7 +174,7 @@ class JobService:
                 await self.finish(job_id, Outcome(JobState.CANCELLED, time.time(), None,
                                                   "cancelled: elasticd shut down", None, self.node))
             else:
-                running.agent.leave("shutdown")
+                running.agent.leave(Reason.SHUTDOWN)
         await asyncio.gather(*(r.done.wait() for r in self._running.values()))
         self._writes.close()
         self._follow_lane.close()
@@ -224,7 +224,7 @@ class JobService:
     # -- AgentPorts ---------------------------------------------------------------------------
 
     def report(self, job_id: str, part: Part) -> None:
-        record = self._registry.set_part(job_id, part)
+        record = self._registry.set_part(job_id, part, own=True)
         if record is not None:
             self._writes.post(self._publish_part, job_id, part)
 
@@ -286,6 +286,7 @@ class JobService:
     def _start_agent(self, spec: JobSpec, offer: Offer) -> None:
         assert self._tasks is not None
         agent = JobAgent(spec, node=self.node, address=self.address,
+                         started=started(self._registry.get(spec.id)),
                          rdzv=self._rendezvous(spec), ports=self, metrics=self._metrics,
                          log_root=self.log_root, gpus=offer.gpus,
                          stop_grace=self.config.jobs.stop_grace,
@@ -345,7 +346,7 @@ class JobService:
         log.info("node %s %s", self.node, "draining" if draining else "takes jobs again")
         if draining:
             for running in self._running.values():
-                running.agent.leave("drain")
+                running.agent.leave(Reason.DRAIN)
         self._schedule_placement()
 
     async def store_reset(self) -> None:
@@ -396,14 +397,20 @@ class JobService:
 
     def _apply(self, changes: Iterable[Change]) -> None:
         for change in changes:
-            if change.kind == "spec":
-                seq, spec = change.value
-                self._registry.add(spec, seq)
-            elif change.kind == "part":
-                if change.value.node != self.node:  # our own parts are ours to write
-                    self._registry.set_part(change.job_id, change.value)
-            elif change.kind == "outcome":
-                self._registry.set_outcome(change.job_id, change.value)
+            try:
+                self._apply_one(change)
+            except IllegalTransition as exc:  # the record stays as it was
+                log.warning("job %s: ignored a change from the board: %s", change.job_id, exc)
+
+    def _apply_one(self, change: Change) -> None:
+        if change.kind == "spec":
+            seq, spec = change.value
+            self._registry.add(spec, seq)
+        elif change.kind == "part":
+            if change.value.node != self.node:  # our own parts are ours to write
+                self._registry.set_part(change.job_id, change.value)
+        elif change.kind == "outcome":
+            self._registry.set_outcome(change.job_id, change.value)
 
 
 def reap_leftovers(records: Iterable[JobRecord], node: str) -> int:

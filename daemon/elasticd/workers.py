@@ -33,7 +33,8 @@ from typing import Callable
 
 from .cgroups import JobCgroup
 from .paths import is_own_dir
-from .model import Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState, worker_env
+from .model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState,
+                    worker_env)
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +350,7 @@ class LocalWorkers:
         self._set(replace(worker, state=WorkerState.FAILED, exit_code=code))
 
     def _set(self, worker: Worker) -> None:
+        WORKER_STATES.check(self.group.workers[worker.local_rank].state, worker.state)
         self.group = self.group.with_worker(worker)
         self._on_change(self.group)
 

@@ -5,14 +5,14 @@ import pytest
 from elasticd.agent import Action, JobEnded, Leaving, RoundChanged, WorkersExited, decide
 from elasticd.jobs import Outcome
 from elasticd.model import Failure, JobSpec, JobState, RunResult, WorkerState
-from elasticd.rendezvous import RendezvousInfo, RoundEvent
+from elasticd.rendezvous import EventKind as K, Reason as R, RendezvousInfo, RoundEvent
 
 SPEC = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
                min_nodes=1, max_nodes=3, max_restarts=2)
 
 
 def info(restart_count=0, nodes=2):
-    return RendezvousInfo(run_id="j-1", round=4, reason="initial", restart_count=restart_count,
+    return RendezvousInfo(run_id="j-1", round=4, reason=R.INITIAL, restart_count=restart_count,
                           group_rank=0, group_world_size=nodes, nproc=1, rank_base=0,
                           world_size=nodes, master_addr="a", master_port=1, store_prefix="p",
                           members=())
@@ -29,14 +29,14 @@ OK = RunResult(WorkerState.SUCCEEDED)
     (WorkersExited(FAILED), info(restart_count=2), Action.FAIL),
     (WorkersExited(FAILED, lost=("n3",)), info(restart_count=2), Action.NODE_LOST),
     (WorkersExited(FAILED, lost=("n3",)), info(restart_count=0), Action.NODE_LOST),
-    (RoundChanged(RoundEvent("next_round", "failure")), info(), Action.REJOIN),
-    (RoundChanged(RoundEvent("next_round", "node_lost")), info(), Action.REJOIN),
-    (RoundChanged(RoundEvent("closed")), info(), Action.STOP),
-    (RoundChanged(RoundEvent("waiting", waiting=1)), info(nodes=2), Action.SCALE_UP),
-    (RoundChanged(RoundEvent("waiting", waiting=1)), info(nodes=3), Action.WATCH),
+    (RoundChanged(RoundEvent(K.NEXT_ROUND, R.FAILURE)), info(), Action.REJOIN),
+    (RoundChanged(RoundEvent(K.NEXT_ROUND, R.NODE_LOST)), info(), Action.REJOIN),
+    (RoundChanged(RoundEvent(K.CLOSED)), info(), Action.STOP),
+    (RoundChanged(RoundEvent(K.WAITING, waiting=1)), info(nodes=2), Action.SCALE_UP),
+    (RoundChanged(RoundEvent(K.WAITING, waiting=1)), info(nodes=3), Action.WATCH),
     (JobEnded(Outcome(JobState.CANCELLED, 1.0)), info(), Action.STOP),
-    (Leaving("drain"), info(), Action.LEAVE),
-    (Leaving("shutdown"), info(), Action.LEAVE),
+    (Leaving(R.DRAIN), info(), Action.LEAVE),
+    (Leaving(R.SHUTDOWN), info(), Action.LEAVE),
 ])
 def test_decide(event, round_info, action):
     assert decide(event, round_info, SPEC) is action

@@ -4,7 +4,7 @@ import pytest
 
 from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi, sight
 from elasticd.liveness import Beat, KeepAlive
-from elasticd.model import NodeInfo
+from elasticd.model import NodeInfo, NodeState
 
 INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0)
 KEEP_ALIVE = KeepAlive(1.0, 3)
@@ -44,7 +44,7 @@ def test_wall_clock_never_decides_liveness():
 def test_record_round_trip_and_doc():
     record = sighting(0, jobs=("j-1",)).record
     assert NodeRecord.from_json(record.to_json()) == record
-    doc = node_doc(sighting(9.0, jobs=("j-1",)), "up")
+    doc = node_doc(sighting(9.0, jobs=("j-1",)), NodeState.UP)
     assert (doc["slots_free"], doc["gpus_free"], doc["gpus_total"], doc["jobs"]) == (6, 1, 2, ["j-1"])
 
 

@@ -2,9 +2,11 @@
 
 import pytest
 
-from elasticd.errors import Conflict, InvalidSpec
-from elasticd.model import (Failure, JobSpec, JobState, RunResult, WorkerState, assign_workers,
-                            check_transition, parse_nnodes, parse_nproc, worker_env)
+from elasticd.errors import InvalidSpec
+from elasticd.model import (JOB_STATES, NODE_STATES, PART_STATES, WORKER_STATES, Failure,
+                            IllegalTransition, JobSpec, JobState, NodeState, PartState,
+                            RunResult, StateTable, WorkerState, assign_workers, parse_nnodes,
+                            parse_nproc, worker_env)
 
 S = JobState
 
@@ -16,19 +18,54 @@ def spec(**kw):
     return JobSpec(**base)
 
 
-@pytest.mark.parametrize("old, new, legal", [
-    (S.PENDING, S.RENDEZVOUS, True), (S.PENDING, S.CANCELLED, True), (S.PENDING, S.RUNNING, False),
-    (S.RENDEZVOUS, S.RUNNING, True), (S.RENDEZVOUS, S.FAILED, True),
-    (S.RUNNING, S.RESTARTING, True), (S.RESTARTING, S.RUNNING, True),
-    (S.RUNNING, S.SUCCEEDED, True), (S.RESTARTING, S.SUCCEEDED, False),
-    (S.SUCCEEDED, S.RUNNING, False), (S.FAILED, S.CANCELLED, False), (S.CANCELLED, S.CANCELLED, True),
+P = PartState
+W = WorkerState
+N = NodeState
+
+
+@pytest.mark.parametrize("table, old, new, legal", [
+    # jobs: a job that ran never goes back to waiting for its first round; an end is final
+    (JOB_STATES, None, S.PENDING, True), (JOB_STATES, S.PENDING, S.RENDEZVOUS, True),
+    (JOB_STATES, S.PENDING, S.RESTARTING, True),  # a daemon that started while it restarted
+    (JOB_STATES, S.RENDEZVOUS, S.PENDING, True),  # its only joiner left before the round
+    (JOB_STATES, S.RENDEZVOUS, S.RUNNING, True), (JOB_STATES, S.RUNNING, S.RESTARTING, True),
+    (JOB_STATES, S.RESTARTING, S.RUNNING, True), (JOB_STATES, S.RUNNING, S.SUCCEEDED, True),
+    (JOB_STATES, S.PENDING, S.CANCELLED, True), (JOB_STATES, S.CANCELLED, S.CANCELLED, True),
+    (JOB_STATES, S.RUNNING, S.PENDING, False), (JOB_STATES, S.RUNNING, S.RENDEZVOUS, False),
+    (JOB_STATES, S.RESTARTING, S.PENDING, False), (JOB_STATES, S.SUCCEEDED, S.RUNNING, False),
+    (JOB_STATES, S.FAILED, S.CANCELLED, False),
+    # a node's part, as its agent reports it
+    (PART_STATES, None, P.RENDEZVOUS, True), (PART_STATES, P.RENDEZVOUS, P.RUNNING, True),
+    (PART_STATES, P.RUNNING, P.RESTARTING, True), (PART_STATES, P.RESTARTING, P.RUNNING, True),
+    (PART_STATES, P.RUNNING, P.BARRIER, True), (PART_STATES, P.BARRIER, P.SUCCEEDED, True),
+    (PART_STATES, P.BARRIER, P.RESTARTING, True),  # a failure elsewhere sends it back to work
+    (PART_STATES, P.RENDEZVOUS, P.LEFT, True), (PART_STATES, P.RUNNING, P.FAILED, True),
+    (PART_STATES, P.RUNNING, P.SUCCEEDED, True),  # the last one at the exit barrier
+    (PART_STATES, P.RENDEZVOUS, P.SUCCEEDED, False), (PART_STATES, P.RENDEZVOUS, P.BARRIER, False),
+    (PART_STATES, P.SUCCEEDED, P.RUNNING, False), (PART_STATES, P.LEFT, P.RUNNING, False),
+    (PART_STATES, P.STOPPED, P.FAILED, False),
+    # a worker
+    (WORKER_STATES, W.INIT, W.HEALTHY, True), (WORKER_STATES, W.INIT, W.FAILED, True),
+    (WORKER_STATES, W.HEALTHY, W.STOPPED, True), (WORKER_STATES, W.HEALTHY, W.SUCCEEDED, True),
+    (WORKER_STATES, W.INIT, W.SUCCEEDED, False), (WORKER_STATES, W.FAILED, W.HEALTHY, False),
+    (WORKER_STATES, W.SUCCEEDED, W.FAILED, False),
+    # a node, as another one sees it
+    (NODE_STATES, N.UP, N.DRAINING, True), (NODE_STATES, N.DRAINING, N.DRAINED, True),
+    (NODE_STATES, N.DRAINED, N.UP, True), (NODE_STATES, N.LOST, N.UP, True),
+    (NODE_STATES, N.DRAINED, N.DRAINING, False),
 ])
-def test_transitions(old, new, legal):
+def test_state_tables(table, old, new, legal):
+    assert table.allows(old, new) is legal
     if legal:
-        check_transition(old, new)
+        assert table.check(old, new) is new
     else:
-        with pytest.raises(Conflict):
-            check_transition(old, new)
+        with pytest.raises(IllegalTransition, match=f"cannot go from {old.value} to {new.value}"):
+            table.check(old, new)
+
+
+def test_a_table_without_a_row_for_every_state_is_refused():
+    with pytest.raises(ValueError, match="no row for STOPPED"):
+        StateTable("a worker", {w: () for w in W if w is not W.STOPPED})
 
 
 @pytest.mark.parametrize("text, pair", [("1", (1, 1)), ("2:4", (2, 4)), (3, (3, 3)), ("3:3", (3, 3))])

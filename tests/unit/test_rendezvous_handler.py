@@ -106,7 +106,7 @@ def test_shutdown_ends_a_pending_join_and_cancels_watches(store, handlers):
 
 def test_unknown_reasons_are_refused(store, handlers):
     (a,) = handlers(["a"], RendezvousSettings("job", 1, 1))
-    with pytest.raises(ValueError, match="unknown reason"):
+    with pytest.raises(ValueError, match="is not a valid Reason"):
         a.request_next_round(0, "because")
 
 

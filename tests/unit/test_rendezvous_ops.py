@@ -24,6 +24,7 @@ from elasticd.rendezvous.ops import (
 )
 from elasticd.rendezvous.state import (
     Announcement,
+    Reason,
     Member,
     Participant,
     RendezvousSettings,
@@ -230,7 +231,7 @@ NEXT_ROUND_TABLE = [
 @pytest.mark.parametrize(("case", "state", "round", "reason", "act", "check"), NEXT_ROUND_TABLE,
                          ids=[row[0] for row in NEXT_ROUND_TABLE])
 def test_decide_next_round(case, state, round, reason, act, check):
-    action = decide_next_round(state, round, reason, SETTINGS)
+    action = decide_next_round(state, round, Reason(reason), SETTINGS)
     assert action.act is act
     if check is not None:
         assert check(action.state)
@@ -238,14 +239,14 @@ def test_decide_next_round(case, state, round, reason, act, check):
 
 def test_next_round_expects_members_and_wait_list_and_keeps_order():
     state = st("b", "a", complete=True, wait_list=nodes("w"))
-    new = decide_next_round(state, 0, "scale_up", SETTINGS).state
+    new = decide_next_round(state, 0, Reason.SCALE_UP, SETTINGS).state
     assert new.expected == ("a", "b", "w") and new.order == ("b", "a")
     assert not new.participants and not new.wait_list and not new.complete and new.folded == 0
 
 
 def test_next_round_for_lost_nodes_does_not_wait_for_them():
     state = st("b", "a", "dead", complete=True)
-    new = decide_next_round(state, 0, "node_lost", SETTINGS, lost=["dead"]).state
+    new = decide_next_round(state, 0, Reason.NODE_LOST, SETTINGS, lost=["dead"]).state
     assert new.expected == ("a", "b") and new.restarts_used == 0
     survivors_in = View(record=p("a"), announced=logged("a", "b"))
     assert decide_join(new, "a", SETTINGS, survivors_in, now=0.0).act is Act.COMPLETE  # no last call
@@ -266,7 +267,7 @@ LEAVE_TABLE = [
 @pytest.mark.parametrize(("case", "state", "announced", "act", "check"), LEAVE_TABLE,
                          ids=[row[0] for row in LEAVE_TABLE])
 def test_decide_leave(case, state, announced, act, check):
-    action = decide_leave(state, "me", "drain", View(announced=logged(*announced)))
+    action = decide_leave(state, "me", Reason.DRAIN, View(announced=logged(*announced)))
     assert action.act is act
     assert (action.state is None) if check is None else check(action.state)
 

@@ -4,6 +4,8 @@ pure decisions, ``handler`` the executor that applies them."""
 
 from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.state import (
+    EventKind,
+    Reason,
     Member,
     NextRound,
     RendezvousInfo,
@@ -12,5 +14,5 @@ from elasticd.rendezvous.state import (
     may_restart,
 )
 
-__all__ = ["Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
+__all__ = ["EventKind", "Reason", "Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
            "may_restart"]

@@ -59,7 +59,7 @@ from elasticd.rendezvous.ops import (
     watched,
 )
 from elasticd.rendezvous.state import (
-    REASONS,
+    Reason,
     Announcement,
     NextRound,
     Participant,
@@ -247,12 +247,13 @@ class RendezvousHandler:
 
     # -- rounds ----------------------------------------------------------------------------
 
-    def request_next_round(self, round: int, reason: str, lost: Iterable[str] = ()) -> NextRound:
+    def request_next_round(self, round: int, reason: Reason, lost: Iterable[str] = ()) -> NextRound:
         """Supersede ``round`` (once, whoever asks first). "failure" uses one restart of the
         job-wide budget: EXHAUSTED, and no new round, when none is left. The new round
         completes without waiting for the ``lost`` members (known dead by the caller)."""
-        if reason not in REASONS[1:]:
-            raise ValueError(f"unknown reason {reason!r}; one of {', '.join(REASONS[1:])}")
+        reason = Reason(reason)  # ValueError for an unknown one
+        if reason is Reason.INITIAL:
+            raise ValueError("the initial round is not requested: it is the first")
         lost = tuple(lost)
         _, action = self._apply(
             lambda state, view: decide_next_round(state, round, reason, self._settings, lost))
@@ -260,10 +261,10 @@ class RendezvousHandler:
             log.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node, round + 1, reason)
         return _NEXT_ROUND[action.act]
 
-    def leave(self, reason: str = "drain") -> None:
+    def leave(self, reason: Reason = Reason.DRAIN) -> None:
         """Leave for good; a complete round that had this node is superseded with ``reason``."""
         self._left = True
-        self._apply(lambda state, view: decide_leave(state, self.node, reason, view))
+        self._apply(lambda state, view: decide_leave(state, self.node, Reason(reason), view))
 
     def set_closed(self) -> None:
         self._apply(lambda state, view: decide_close(state))

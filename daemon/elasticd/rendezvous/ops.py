@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 from elasticd.liveness import Beat, observe, silent
 from elasticd.rendezvous.state import (
+    EventKind,
+    Reason,
     may_restart,
     Announcement,
     Member,
@@ -202,7 +204,7 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
     if not dead:
         return Action(Act.NOTHING)
     if state.complete and dead & state.participants.keys():
-        return Action(Act.OPEN_ROUND, open_round(state, "node_lost", leaving=dead))
+        return Action(Act.OPEN_ROUND, open_round(state, Reason.NODE_LOST, leaving=dead))
     return Action(Act.REMOVE, without(state, dead, view))
 
 
@@ -210,7 +212,7 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
 
 
 def decide_next_round(
-    state: RendezvousState, round: int, reason: str, settings: RendezvousSettings, lost: Iterable[str] = ()
+    state: RendezvousState, round: int, reason: Reason, settings: RendezvousSettings, lost: Iterable[str] = ()
 ) -> Action:
     """Open round ``round + 1``, once: later requests for the same round get ALREADY.
     The new round does not wait for the ``lost`` nodes (they may still join it)."""
@@ -218,19 +220,19 @@ def decide_next_round(
         return Action(Act.CLOSED)
     if state.round != round or not state.complete:
         return Action(Act.ALREADY)
-    if reason == "failure" and not may_restart(state.restarts_used, settings.max_restarts):
+    if reason is Reason.FAILURE and not may_restart(state.restarts_used, settings.max_restarts):
         return Action(Act.EXHAUSTED)
     return Action(Act.OPEN_ROUND, open_round(state, reason, leaving=lost))
 
 
-def open_round(state: RendezvousState, reason: str, leaving: Iterable[str] = ()) -> RendezvousState:
+def open_round(state: RendezvousState, reason: Reason, leaving: Iterable[str] = ()) -> RendezvousState:
     """The next round, expecting the current members and the wait list, minus ``leaving``."""
     expected = (set(state.participants) | set(state.wait_list)).difference(leaving)
     return state.next(
         round=state.round + 1,
         complete=False,
         reason=reason,
-        restarts_used=state.restarts_used + (reason == "failure"),
+        restarts_used=state.restarts_used + (reason is Reason.FAILURE),
         participants={},
         wait_list={},
         expected=tuple(sorted(expected)),
@@ -250,7 +252,7 @@ def without(state: RendezvousState, nodes: Iterable[str], view: View) -> Rendezv
     )
 
 
-def decide_leave(state: RendezvousState, node: str, reason: str, view: View) -> Action:
+def decide_leave(state: RendezvousState, node: str, reason: Reason, view: View) -> Action:
     if state.closed:
         return Action(Act.NOTHING)
     if state.complete and node in state.participants:
@@ -291,11 +293,11 @@ def round_event(
 ) -> RoundEvent | None:
     """What a watcher of ``round`` should hear about, if anything."""
     if state.closed:
-        return RoundEvent("closed")
+        return RoundEvent(EventKind.CLOSED)
     if state.round > round:
-        return RoundEvent("next_round", reason=state.reason)
+        return RoundEvent(EventKind.NEXT_ROUND, reason=state.reason)
     count = num_waiting(state, settings) if waiting and state.round == round else 0
-    return RoundEvent("waiting", waiting=count) if count else None
+    return RoundEvent(EventKind.WAITING, waiting=count) if count else None
 
 
 def info_for(state: RendezvousState, node: str, run_id: str, store_prefix: str) -> RendezvousInfo:

@@ -12,7 +12,25 @@ from elasticd.errors import RendezvousStateError
 from elasticd.liveness import KeepAlive
 
 SCHEMA = 1
-REASONS = ("initial", "failure", "scale_up", "node_lost", "drain")
+
+
+class Reason(enum.StrEnum):
+    """Why a round was opened."""
+
+    INITIAL = "initial"      # the job's first round
+    FAILURE = "failure"      # a worker failed: spends one restart of the job-wide budget
+    SCALE_UP = "scale_up"    # nodes are waiting and the job is below its max
+    NODE_LOST = "node_lost"  # a member's daemon died
+    DRAIN = "drain"          # a member leaves because it is being drained
+    SHUTDOWN = "shutdown"    # a member leaves because its daemon stops
+
+
+class EventKind(enum.StrEnum):
+    """What a watched round learned."""
+
+    NEXT_ROUND = "next_round"  # it was superseded: stop and join the next one
+    WAITING = "waiting"        # nodes wait to join (a chance to scale up)
+    CLOSED = "closed"          # the job ended
 
 
 @dataclass(frozen=True)
@@ -85,7 +103,7 @@ class RendezvousState:
     round: int = 0
     complete: bool = False
     closed: bool = False
-    reason: str = "initial"
+    reason: Reason = Reason.INITIAL
     restarts_used: int = 0
     participants: Mapping[str, Participant] = field(default_factory=dict)
     wait_list: Mapping[str, Participant] = field(default_factory=dict)
@@ -112,7 +130,7 @@ class Member:
 class RendezvousInfo:
     run_id: str
     round: int
-    reason: str  # why this round was opened
+    reason: Reason  # why this round was opened
     restart_count: int  # failures consumed so far, job-wide (TORCHELASTIC_RESTART_COUNT)
     group_rank: int
     group_world_size: int
@@ -134,8 +152,8 @@ class NextRound(enum.Enum):
 
 @dataclass(frozen=True)
 class RoundEvent:
-    kind: str  # "next_round", "waiting" or "closed"
-    reason: str = ""
+    kind: EventKind
+    reason: Reason | None = None  # of the next round
     waiting: int = 0
 
 
@@ -170,7 +188,7 @@ def decode(body: Any) -> RendezvousState:
         round=_int(fields, "round"),
         complete=_typed(fields, "complete", bool),
         closed=_typed(fields, "closed", bool),
-        reason=_typed(fields, "reason", str),
+        reason=_reason(fields),
         restarts_used=_int(fields, "restarts_used"),
         participants=_participants(fields, "participants"),
         wait_list=_participants(fields, "wait_list"),
@@ -210,6 +228,13 @@ def _names(fields: Mapping[str, Any], name: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise RendezvousStateError(f"rendezvous state field {name!r} is not a list of names")
     return tuple(value)
+
+
+def _reason(fields: Mapping[str, Any]) -> Reason:
+    try:
+        return Reason(_typed(fields, "reason", str))
+    except ValueError:
+        raise RendezvousStateError(f"rendezvous state has an unknown reason {fields.get('reason')!r}") from None
 
 
 def _object(value: Any, what: str) -> Mapping[str, Any]:
