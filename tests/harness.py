@@ -32,6 +32,14 @@ CLIENT_ENV = {**os.environ, "VIRTUAL_ENV": sys.prefix,
 START_TIMEOUT = 60.0
 
 
+def _needs_root():
+    import pytest
+    return pytest.mark.skipif(os.getuid() != 0, reason="needs root (another user, cgroups, mounts)")
+
+
+needs_root = _needs_root()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

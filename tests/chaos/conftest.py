@@ -8,15 +8,11 @@ of the run; they are reports, never pass/fail thresholds.
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import pytest
 
 _FIGURES: list[tuple[str, str]] = []
-
-needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root (another user, cgroups, mounts)")
-
 
 class Figures:
     def add(self, name: str, value: str) -> None:

@@ -17,8 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from conftest import needs_root
-from harness import FIXTURES, PY, Control, python_for_everyone, sleeping_job, worker_args
+from harness import Control, FIXTURES, PY, needs_root, python_for_everyone, sleeping_job, worker_args
 
 FLOOD = FIXTURES / "flood.py"
 MiB = 1 << 20

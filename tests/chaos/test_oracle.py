@@ -8,8 +8,7 @@ import json
 import pwd
 import subprocess
 
-from conftest import needs_root
-from harness import FIXTURES, python_for_everyone
+from harness import FIXTURES, needs_root, python_for_everyone
 
 
 def as_nobody(socket_path: str, op: str, args: dict) -> dict:

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from conftest import needs_root
-from harness import alive, sleeping_job, wait_gone, worker_args
+from harness import alive, needs_root, sleeping_job, wait_gone, worker_args
 
 
 def _job_cgroups(daemon) -> list[str]:

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_root
-from harness import free_port, sleeping_job, wait_gone, worker_args
+from harness import free_port, needs_root, sleeping_job, wait_gone, worker_args
 
 
 def metric(daemon, name: str) -> float:
