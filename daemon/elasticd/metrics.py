@@ -307,3 +307,8 @@ class InstrumentedStore:
 
     def close(self) -> None:
         self._store.close()
+
+    def abort(self) -> None:
+        abort = getattr(self._store, "abort", None)
+        if abort is not None:
+            abort()

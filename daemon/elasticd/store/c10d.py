@@ -15,6 +15,7 @@ Facts about TCPStore that shape this module:
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -44,6 +45,20 @@ def _tcp_store(host: str, port: int, *, master: bool, timeout: float, listen_fd:
         master_listen_fd=listen_fd,
         use_libuv=True,
     )
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return []
+
+
+def _unmapped(peer: tuple) -> tuple[str, int]:
+    """(host, port) of a socket's peer, an IPv4-mapped IPv6 address (TCPStore's client
+    sockets are AF_INET6) as the IPv4 address it is."""
+    host, port = peer[:2]
+    return host.removeprefix("::ffff:") if "." in host else host, port
 
 
 def _listen(host: str, port: int) -> int:
@@ -165,6 +180,29 @@ class C10dStore:
     def close(self) -> None:
         self._closed = True
         self._local = threading.local()  # the clients go with the old thread-local map
+
+    def abort(self) -> None:
+        """Shut down every connection of this process to the store, so that a call blocked on
+        one (a silent connection, in a partition) returns with an error.  For a daemon about
+        to exit: TCPStore offers no way to interrupt a call, nor to reach its socket."""
+        try:
+            peers = {info[4][:2] for info in socket.getaddrinfo(self._host, self._port,
+                                                                type=socket.SOCK_STREAM)}
+        except OSError:
+            return
+        for fd in _open_fds():
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue  # not a socket
+            try:
+                if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                        and _unmapped(sock.getpeername()) in peers):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                sock.detach()  # the fd stays TCPStore's
 
     # -- clients -------------------------------------------------------------------------
 

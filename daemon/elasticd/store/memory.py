@@ -15,6 +15,7 @@ class MemoryStore:
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
         self._closed = False
+        self._aborts = 0  # bumped by abort(): waits in progress end
 
     def get(self, key: str) -> bytes | None:
         with self._changed:
@@ -54,7 +55,9 @@ class MemoryStore:
 
     def wait_for(self, key: str, timeout: float) -> bool:
         with self._changed:
-            self._changed.wait_for(lambda: self._closed or key in self._data, timeout=max(timeout, 0.0))
+            aborts = self._aborts
+            self._changed.wait_for(lambda: self._closed or key in self._data or self._aborts != aborts,
+                                   timeout=max(timeout, 0.0))
             self._check_open()
             return key in self._data
 
@@ -71,6 +74,12 @@ class MemoryStore:
     def close(self) -> None:
         with self._changed:
             self._closed = True
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        """End the waits in progress now (they return as if timed out)."""
+        with self._changed:
+            self._aborts += 1
             self._changed.notify_all()
 
     def _write(self, key: str, value: bytes) -> None:
