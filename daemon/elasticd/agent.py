@@ -22,19 +22,23 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from .aio import Lane, first
+from .aio import race
 from .cgroups import JobCgroup, JobCgroups
 from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from .jobs import Outcome, Part, PartState
+from .keyspace import Keyspace
+from .liveness import KeepAlive
+from .logs import LogBus
 from .model import (PART_STATES, JobSpec, JobState, RunResult, WorkerGroup, WorkerState,
                     assign_workers)
 from .rendezvous import (EventKind, NextRound, Reason, RendezvousHandler, RendezvousInfo,
-                         RoundEvent, may_restart)
+                         RendezvousSettings, RoundEvent, may_restart)
+from .store.aio import AsyncStore
+from .store.signing import Refused, Signer
 from .workers import LocalWorkers
 
 log = logging.getLogger(__name__)
 
-_BARRIER_REFRESH = 2.0  # seconds between exit-barrier progress updates
 _LEAVE_TIMEOUT = 5.0  # telling the rendezvous we leave is a courtesy: heartbeats tell it anyway
 
 
@@ -111,13 +115,10 @@ def decide(event: Event, info: RendezvousInfo, spec: JobSpec) -> Action:
 
 
 class AgentPorts(Protocol):
-    """What an agent needs from its daemon."""
+    """What an agent tells its daemon's job service: how its part goes, and how the job ended."""
 
     def report(self, job_id: str, part: Part) -> None: ...
     async def finish(self, job_id: str, outcome: Outcome) -> Outcome: ...
-    async def unreachable(self, nodes: list[str]) -> list[str]: ...
-    def output(self, job_id: str) -> None: ...
-    def output_dropped(self, job_id: str, nbytes: int, why: str) -> None: ...
 
 
 class DeadNodeProbe(Protocol):
@@ -128,6 +129,7 @@ class DeadNodeProbe(Protocol):
 
 class AgentMetrics(Protocol):
     def round_joined(self, reason: str, seconds: float) -> None: ...
+    def output_dropped(self, nbytes: int, why: str) -> None: ...
     def worker_exited(self, exit_code: int) -> None: ...
     def restarted(self) -> None: ...
     def barrier_waited(self, seconds: float) -> None: ...
@@ -148,11 +150,48 @@ def failure_outcome(result: RunResult, spec: JobSpec, now: float, node: str) -> 
     return Outcome(JobState.FAILED, now, cause.exit_code if cause else 1, message, cause, node)
 
 
+@dataclass(frozen=True)
+class AgentFactory:
+    """What every agent of this node shares; makes the agent (and its rendezvous handler) of
+    each job placed here."""
+
+    node: str
+    address: str
+    store: AsyncStore
+    signer: Signer
+    keyspace: Keyspace
+    keep_alive: KeepAlive
+    log_root: str
+    metrics: AgentMetrics
+    logs: LogBus
+    probe: DeadNodeProbe
+    refused: Refused
+    stop_grace: float = 10.0
+    cgroups: JobCgroups | None = None
+
+    def rendezvous(self, spec: JobSpec) -> RendezvousHandler:
+        settings = RendezvousSettings(
+            run_id=spec.id, min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+            max_restarts=spec.max_restarts, join_timeout=spec.join_timeout,
+            last_call_timeout=spec.last_call_timeout,
+            keep_alive_interval=self.keep_alive.interval,
+            keep_alive_max_attempt=self.keep_alive.attempts)
+        return RendezvousHandler(self.store, self.signer, settings, self.node, self.address,
+                                 prefix=self.keyspace.rendezvous(spec.id), on_refused=self.refused)
+
+    def agent(self, spec: JobSpec, gpus: tuple[str, ...], ports: AgentPorts,
+              started: float | None) -> JobAgent:
+        return JobAgent(spec, node=self.node, address=self.address, rdzv=self.rendezvous(spec),
+                        ports=ports, metrics=self.metrics, logs=self.logs, probe=self.probe,
+                        dead_after=self.keep_alive.dead_after, log_root=self.log_root, gpus=gpus,
+                        stop_grace=self.stop_grace, cgroups=self.cgroups, started=started)
+
+
 class JobAgent:
     def __init__(self, spec: JobSpec, *, node: str, address: str, rdzv: RendezvousHandler,
-                 ports: AgentPorts, metrics: AgentMetrics, log_root: str,
-                 gpus: tuple[str, ...] = (), stop_grace: float = 10.0,
-                 store_timeout: float = 30.0, cgroups: JobCgroups | None = None,
+                 ports: AgentPorts, metrics: AgentMetrics, logs: LogBus, probe: DeadNodeProbe,
+                 dead_after: float, log_root: str, gpus: tuple[str, ...] = (),
+                 stop_grace: float = 10.0, cgroups: JobCgroups | None = None,
                  started: float | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
@@ -163,6 +202,9 @@ class JobAgent:
         self._rdzv = rdzv
         self._ports = ports
         self._metrics = metrics
+        self._logs = logs
+        self._probe = probe
+        self._dead_after = dead_after
         self._log_root = log_root
         self._stop_grace = stop_grace
         self._now = wall_clock
@@ -174,19 +216,6 @@ class JobAgent:
         self._workers: LocalWorkers | None = None
         self._cgroups = cgroups
         self._cgroup: JobCgroup | None = None  # made with the first round, gone with the agent
-        # Rendezvous calls block on the store: one lane for the calls that wait on purpose
-        # (join, exit barrier), one for the quick ones, each with its own store connection.
-        self._store_timeout = store_timeout
-        self._waits = Lane(f"rdzv-wait-{spec.id}")
-        self._calls = Lane(f"rdzv-call-{spec.id}")
-
-    def _call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> asyncio.Future[Any]:
-        """A quick rendezvous call, bounded by the store timeout."""
-        return asyncio.ensure_future(self._calls.call(fn, *args, timeout=timeout or self._store_timeout))
-
-    def _wait(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> asyncio.Future[Any]:
-        """A rendezvous call that blocks on purpose (its own deadline, if any, is ``timeout``)."""
-        return asyncio.ensure_future(self._waits.call(fn, *args, timeout=timeout))
 
     # -- signals from the daemon ----------------------------------------------------------
 
@@ -201,6 +230,7 @@ class JobAgent:
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        keeper = asyncio.create_task(self._rdzv.keep(), name=f"keeper-{self.spec.id}")
         try:
             if self._cgroups is not None:
                 self._cgroup = self._cgroups.create(self.spec.id)
@@ -219,7 +249,9 @@ class JobAgent:
                 log.warning("job %s: could not record that its agent failed: %s", self.spec.id, exc)
             self._report(PartState.FAILED)
         finally:
-            await self._stop_keeper()
+            self._rdzv.shutdown()
+            keeper.cancel()
+            await asyncio.wait([keeper])
             await self._remove_cgroup()
 
     async def _remove_cgroup(self) -> None:
@@ -236,18 +268,6 @@ class JobAgent:
         """CPU time, memory peak and OOM kills of the job's processes here, from its cgroup."""
         return self._cgroup.usage().to_json() if self._cgroup is not None else None
 
-    async def _stop_keeper(self) -> None:
-        """Let the rendezvous keeper end (a thread left inside a TCPStore call can abort the
-        process at exit), but never wait on a store that does not answer."""
-        try:
-            await self._call(self._rdzv.shutdown, True,
-                             timeout=2 * self._rdzv.settings.keep_alive_interval + 1)
-        except StoreError:
-            log.warning("job %s: the rendezvous keeper is stuck in a store call", self.spec.id)
-        finally:
-            self._waits.close()
-            self._calls.close()
-
     async def _run(self) -> None:
         state, info = PartState.RENDEZVOUS, None
         while True:
@@ -263,13 +283,12 @@ class JobAgent:
     async def _join(self) -> RendezvousInfo | None:
         """Join the next round; None when the job ended or this node left meanwhile."""
         started = time.monotonic()
-        joining = self._wait(self._rdzv.next_rendezvous, self.nproc, free_port(self.address))
-        done = await first(joining, self._ended, self._leaving)
-        if done is not joining:
-            joining.cancel()  # the join itself ends when the rendezvous closes or we leave it
-        if done is self._leaving:
+        name, joining = await race(
+            joined=self._rdzv.next_rendezvous(self.nproc, free_port(self.address)),
+            ended=self._ended, leaving=self._leaving)
+        if name == "leaving":
             return await self._leave(None, None)
-        if done is self._ended:
+        if name == "ended":
             self._report(PartState.STOPPED)
             return None
         try:
@@ -293,25 +312,22 @@ class JobAgent:
             master_addr=info.master_addr, master_port=info.master_port, gpus=self.gpus)
         self._workers = workers = LocalWorkers(
             self.spec, group, os.path.join(self._log_root, self.spec.id, f"attempt_{info.round}"),
-            cgroup=self._cgroup, on_output=lambda: self._ports.output(self.spec.id),
-            on_dropped=lambda nbytes, why: self._ports.output_dropped(self.spec.id, nbytes, why),
+            cgroup=self._cgroup, on_output=lambda: self._logs.publish(self.spec.id),
+            on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, info, g),
             stop_grace=self._stop_grace)
         self._started = self._started or self._now()
         self._report(PartState.RUNNING, info, workers.group)
         await workers.start()
-        exited = asyncio.ensure_future(workers.wait())
         try:
-            return await self._watch(info, workers, exited)
+            return await self._watch(info, workers)
         finally:
-            exited.cancel()
             await workers.stop()
 
-    async def _watch(self, info: RendezvousInfo, workers: LocalWorkers,
-                     exited: asyncio.Future[RunResult]) -> Action | None:
+    async def _watch(self, info: RendezvousInfo, workers: LocalWorkers) -> Action | None:
         notice_waiting = True
         while True:
-            event = await self._next_event(info, exited, notice_waiting)
+            event = await self._next_event(info, workers, notice_waiting)
             action = decide(event, info, self.spec)
             log.info("job %s round %d: %s -> %s", self.spec.id, info.round, describe(event), action.value)
             if action is Action.WATCH:
@@ -321,20 +337,21 @@ class JobAgent:
                 self._count_exits(workers.group)
             return await self._act(action, event, info, workers)
 
-    async def _next_event(self, info: RendezvousInfo, exited: asyncio.Future[RunResult],
+    async def _next_event(self, info: RendezvousInfo, workers: LocalWorkers,
                           notice_waiting: bool) -> Event:
-        watching = asyncio.wrap_future(self._rdzv.watch(info.round, waiting=notice_waiting))
+        watching = self._rdzv.watch(info.round, waiting=notice_waiting)
         try:
-            done = await first(exited, watching, self._ended, self._leaving)
+            name, done = await race(exited=workers.wait(), round=watching, ended=self._ended,
+                                    leaving=self._leaving)
         finally:
             watching.cancel()
-        if done is exited:
-            return await self._workers_exited(info, exited.result())
-        if done is self._ended:
-            return JobEnded(self._ended.result())
-        if done is self._leaving:
-            return Leaving(self._leaving.result())
-        return RoundChanged(watching.result())
+        if name == "exited":
+            return await self._workers_exited(info, done.result())
+        if name == "ended":
+            return JobEnded(done.result())
+        if name == "leaving":
+            return Leaving(done.result())
+        return RoundChanged(done.result())
 
     async def _workers_exited(self, info: RendezvousInfo, result: RunResult) -> WorkersExited:
         """A failure caused by a member node's death is a membership change, not a worker
@@ -342,7 +359,8 @@ class JobAgent:
         if result.state == WorkerState.SUCCEEDED:
             return WorkersExited(result)
         others = [m.node for m in info.members if m.node != self.node]
-        return WorkersExited(result, tuple(await self._ports.unreachable(others)) if others else ())
+        lost = await self._probe.unreachable(others, self._dead_after) if others else []
+        return WorkersExited(result, tuple(lost))
 
     async def _act(self, action: Action, event: Event, info: RendezvousInfo,
                    workers: LocalWorkers) -> Action | None:
@@ -372,12 +390,18 @@ class JobAgent:
         return None
 
     async def _leave(self, info: RendezvousInfo | None, group: WorkerGroup | None) -> None:
-        await self._call(self._rdzv.leave, self._leaving.result(), timeout=_LEAVE_TIMEOUT)
+        """Tell the rendezvous (a courtesy, with a deadline: heartbeats tell it anyway)."""
+        try:
+            async with asyncio.timeout(_LEAVE_TIMEOUT):
+                await self._rdzv.leave(self._leaving.result())
+        except (TimeoutError, StoreError) as exc:
+            log.warning("job %s: could not tell the rendezvous that %s leaves: %s",
+                        self.spec.id, self.node, exc or "no answer")
         self._report(PartState.LEFT, info, group)
 
     async def _open_next_round(self, info: RendezvousInfo, reason: Reason, event: Event,
                                lost: tuple[str, ...] = ()) -> Action | None:
-        result = await self._call(self._rdzv.request_next_round, info.round, reason, lost)
+        result = await self._rdzv.request_next_round(info.round, reason, lost)
         if result is NextRound.EXHAUSTED and isinstance(event, WorkersExited):
             await self._finish(failure_outcome(event.result, self.spec, self._now(), self.node))
             self._report(PartState.FAILED, info)
@@ -392,48 +416,41 @@ class JobAgent:
     async def _exit_barrier(self, info: RendezvousInfo, group: WorkerGroup) -> Action | None:
         """Wait for every member of the final round; the job succeeds only if all did.
 
-        Progress (``done/total``) is refreshed every ``_BARRIER_REFRESH`` seconds for
-        ``status``; a new round (a failure elsewhere) sends this node back to work.
+        Each arrival updates the progress (``done/total``) that ``status`` shows; a new round
+        (a failure elsewhere) sends this node back to work.
         """
         started = time.monotonic()
-        deadline = started + self.spec.exit_barrier_timeout
-        await self._call(self._rdzv.exit_barrier_arrive, info)
-        watching = asyncio.wrap_future(self._rdzv.watch(info.round, waiting=False))
+        deadline = self._now() + self.spec.exit_barrier_timeout
+        await self._rdzv.exit_barrier_arrive(info)
+
+        def progress(done: int, total: int) -> None:
+            self._report(PartState.BARRIER, info, group,
+                         barrier={"done": done, "total": total, "deadline": deadline})
+
+        watching = self._rdzv.watch(info.round, waiting=False)
         try:
-            while (left := deadline - time.monotonic()) > 0:
-                done_nodes, total = await self._call(self._rdzv.exit_barrier_progress, info)
-                if done_nodes < total:  # the last node to arrive does not wait: no progress to show
-                    self._report(PartState.BARRIER, info, group, barrier={
-                        "done": done_nodes, "total": total, "deadline": self._now() + left})
-                step = min(left, _BARRIER_REFRESH)
-                waiting = self._wait(self._rdzv.exit_barrier_wait, info, step,
-                                     timeout=step + self._store_timeout)
-                done = await first(waiting, watching, self._ended, self._leaving)
-                if done is not waiting:
-                    waiting.cancel()
-                if done is watching and watching.result().kind is EventKind.NEXT_ROUND:
-                    return Action.REJOIN
-                if done is self._leaving:
-                    return await self._leave(info, group)
-                ended = done is not waiting  # the rendezvous closed or the job's outcome came
-                arrived = await self._call(self._rdzv.exit_barrier_wait, info, 0) if ended \
-                    else waiting.result()
-                if arrived:
-                    self._metrics.barrier_waited(time.monotonic() - started)
-                    await self._finish(Outcome(JobState.SUCCEEDED, self._now(), 0, "", None, self.node))
-                    self._report(PartState.SUCCEEDED, info, group)
-                    return None
-                if ended:
-                    self._report(PartState.STOPPED, info, group)
-                    return None
+            name, done = await race(
+                arrived=self._rdzv.exit_barrier_wait(info, self.spec.exit_barrier_timeout, progress),
+                round=watching, ended=self._ended, leaving=self._leaving)
         finally:
             watching.cancel()
+        if name == "round" and done.result().kind is EventKind.NEXT_ROUND:
+            return Action.REJOIN
+        if name == "leaving":
+            return await self._leave(info, group)
         self._metrics.barrier_waited(time.monotonic() - started)
-        done_nodes, total = await self._call(self._rdzv.exit_barrier_progress, info)
+        arrived, total = await self._rdzv.exit_barrier_progress(info)
+        if arrived >= total:
+            await self._finish(Outcome(JobState.SUCCEEDED, self._now(), 0, "", None, self.node))
+            self._report(PartState.SUCCEEDED, info, group)
+            return None
+        if name != "arrived":  # the rendezvous closed or the job's outcome came
+            self._report(PartState.STOPPED, info, group)
+            return None
         await self._finish(Outcome(
             JobState.FAILED, self._now(), None,
             f"exit barrier timed out after {self.spec.exit_barrier_timeout:g} s: "
-            f"{done_nodes}/{total} nodes finished", None, self.node))
+            f"{arrived}/{total} nodes finished", None, self.node))
         self._report(PartState.FAILED, info, group)
         return None
 

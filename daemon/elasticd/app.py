@@ -30,10 +30,11 @@ import zmq
 import zmq.asyncio
 
 from . import __version__, config as config_mod
-from .aio import first
-from .board import JobBoard
+from .agent import AgentFactory
+from .aio import race
+from .board import BoardFollower, JobBoard
 from .cgroups import JobCgroups
-from .cluster import NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
+from .cluster import NodeDuties, NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
 from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
 from .paths import is_own_dir
@@ -42,13 +43,16 @@ from .endpoint import join_endpoint
 from .errors import ConfigError, ElasticdError
 from .history import History
 from .keyspace import Keyspace
-from .jobs import JobRecord, JobRegistry, Outcome, PartState
+from .jobs import JobRecord, JobRegistry, Outcome, PartState, worker_groups
 from .logs import LogBus
+from .workers import reap_leftovers
 from .metrics import InstrumentedStore, Metrics
 from .model import JobState, NodeInfo
 from .peers import PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy, load_or_create_keys
-from .scheduler import JobService, Resources, reap_leftovers
+from .placement import Resources
+from .scheduler import JobService
 from .store import StoreBackend
+from .store.aio import AsyncStore
 from .store.c10d import C10dServer, connect
 from .store.signing import Signer, load_key, load_or_create_key
 
@@ -96,16 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here  # `kill -USR1`: every thread's stack
     try:
-        code = asyncio.run(Daemon(config).run())
+        return asyncio.run(Daemon(config).run())
     except ElasticdError as exc:
         log.error("%s", exc)
-        code = 1
-    # Threads abandoned inside a TCPStore call (a store that stopped answering) would make the
-    # interpreter's teardown abort; everything that matters is closed by now.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        return 1
 
 
 class Notifier:
@@ -160,58 +158,79 @@ class Daemon:
         self._peer = ("", "")
 
     async def run(self) -> int:
+        """Build every part in dependency order, run them as one task group until SIGTERM,
+        then close them in reverse."""
         config = self.config
         self._make_dirs()
         signer = Signer(self._cluster_key())
-        store = await asyncio.to_thread(self._open_store)
-        history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
-        if history.quarantined:
-            self.metrics.history_quarantined.inc()
-        registry = JobRegistry(history, on_unsaved=lambda why: self.metrics.state_write_failed(
-            "history", why))
-        self._restore(registry, history)
-        gpus = discover_gpus(config.node.gpus)
-        cgroups = self._cgroups()
-        logs = LogBus()
-        ctx = zmq.asyncio.Context()
-        zap = Zap(ctx)
-        keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
-        # the node service (built below: it needs the job service) tells where peers are
-        peers = PeerLinks(PeerClient(ctx, keys), lambda name: nodes.record(name),
-                          lambda name: nodes.alive(name), lambda name, t: nodes.heard_since(name, t))
-        service = JobService(config, node=self.node, address=self._address,
-                             resources=Resources(slot_count(config, gpus), gpus), store=store,
-                             signer=signer, registry=registry, metrics=self.metrics, logs=logs,
-                             peers=peers, cgroups=cgroups if cgroups.available else None,
-                             board=JobBoard(store, signer, config.cluster.name, on_refused=self._refused))
-        self.metrics.job_usage.source = service.usage
-        nodes = self._node_service(store, signer, service, registry)
-        commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
-                            cluster=nodes, peers=peers)
-        zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
-        peer_server = RouterServer(ctx, f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
-                                   PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
-                                   curve_secret=keys.secret)
-        # the TCP ports first: a port in use stops start-up before the control socket exists
-        with _listening("node.peer_port", join_endpoint(self._address, config.node.peer_port)):
-            self._peer = (peer_server.bind(), keys.public.decode())
-        with _listening("metrics.port", join_endpoint(config.metrics.address, config.metrics.port)):
-            http = await self.metrics.serve(config.metrics.port, config.metrics.address) \
-                if config.metrics.port else None
-        control = ControlServer(config.socket_path, commands, limits=self._control_limits(),
-                                on_request=self._count_request,
-                                on_connections=self.metrics.control_connections.set,
-                                world_accessible=os.getuid() == 0)
-        control.bind()
-        await asyncio.to_thread(cgroups.reap_leftovers)  # the socket says no other daemon runs here
-        registry.subscribe(lambda _: self._update_status(registry))
-        self._install_signals()
-        try:
+        store = AsyncStore(InstrumentedStore(await asyncio.to_thread(self._connect), self.metrics),
+                           timeout=config.store.timeout)
+        async with contextlib.AsyncExitStack() as closing:
+            closing.push_async_callback(store.close)
+            await store.add(Keyspace(config.cluster.name).ping, 1)
+            history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
+            closing.callback(history.close)
+            if history.quarantined:
+                self.metrics.history_quarantined.inc()
+            registry = JobRegistry(history, on_unsaved=lambda why: self.metrics.state_write_failed(
+                "history", why))
+            closing.callback(registry.close)
+            self._restore(registry, history)
+            gpus = discover_gpus(config.node.gpus)
+            cgroups = self._cgroups()
+            closing.callback(cgroups.close)  # only what is empty (a twin refused at bind takes nothing)
+            logs = LogBus()
+            ctx = zmq.asyncio.Context()
+            closing.callback(ctx.term)
+            zap = Zap(ctx)
+            closing.callback(zap.close)
+            keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
+            nodes = NodeService(await self._node_registry(store, signer),
+                                interval=config.rendezvous.keep_alive_interval)
+            peers = PeerLinks(PeerClient(ctx, keys), nodes)
+            board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
+            service = JobService(
+                node=self.node, resources=Resources(slot_count(config, gpus), gpus), board=board,
+                follower=BoardFollower(board, registry, self.node, on_store=self._board_store),
+                registry=registry, standalone=config.standalone,
+                agents=AgentFactory(
+                    node=self.node, address=self._address, store=store, signer=signer,
+                    keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
+                    log_root=config.log_dir, metrics=self.metrics,
+                    logs=logs, probe=peers, refused=self._refused, stop_grace=config.jobs.stop_grace,
+                    cgroups=cgroups if cgroups.available else None))
+            self.metrics.job_usage.source = service.usage
+            commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
+                                cluster=nodes, peers=peers)
+            zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
+            peer_server = RouterServer(ctx, f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
+                                       PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
+                                       curve_secret=keys.secret)
+            closing.callback(peer_server.close)
+            # the TCP ports first: a port in use stops start-up before the control socket exists
+            with _listening("node.peer_port", join_endpoint(self._address, config.node.peer_port)):
+                self._peer = (peer_server.bind(), keys.public.decode())
+            if config.metrics.port:
+                with _listening("metrics.port", join_endpoint(config.metrics.address, config.metrics.port)):
+                    closing.callback((await self.metrics.serve(config.metrics.port, config.metrics.address)).close)
+            control = ControlServer(config.socket_path, commands, limits=self._control_limits(),
+                                    on_request=self._count_request,
+                                    on_connections=self.metrics.control_connections.set,
+                                    world_accessible=os.getuid() == 0)
+            control.bind()
+            closing.callback(control.close)
+            await asyncio.to_thread(cgroups.reap_leftovers)  # the socket says no other daemon runs here
+            registry.subscribe(lambda record: self._jobs_changed(registry))
+            duties = NodeDuties(local_record=functools.partial(self._local_record, service),
+                                on_drain=service.set_draining, on_reset=service.store_reset,
+                                on_store=functools.partial(self._store_health, registry),
+                                on_tick=lambda: self.metrics.count_nodes(nodes.states().values()))
+            self._install_signals()
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(coro) for coro in (
                     zap.serve(), control.serve(), peer_server.serve(), self._watchdog(),
-                    nodes.run(self.stop))]
-                self._update_status(registry)
+                    nodes.run(self.stop, duties))]
+                self._jobs_changed(registry)
                 if await self._registered(nodes):
                     self.notify.send("READY=1")
                     log.info("elasticd %s ready: node %s, socket %s, store %s", __version__,
@@ -219,30 +238,16 @@ class Daemon:
                 await service.run(self.stop)
                 for task in background:
                     task.cancel()
-        finally:
-            for closable in (control, peer_server, zap):
-                closable.close()
-            ctx.term()
-            if http is not None:
-                http.close()
-            store.close()
-            cgroups.close()  # only what is empty (a twin refused at bind takes nothing away)
-            registry.close()
-            if self._server is not None:
-                self._server.close()
-            history.close()
+        if self._server is not None:
+            self._server.close()
         log.info("elasticd stopped")
         return 0
 
     async def _registered(self, nodes: NodeService) -> bool:
         """Wait until this node's record is in the store (READY=1 means it joined the
         cluster); False if told to stop first."""
-        joined = asyncio.ensure_future(nodes.registered.wait())
-        stopping = asyncio.ensure_future(self.stop.wait())
-        done = await first(joined, stopping)
-        for waiting in (joined, stopping):
-            waiting.cancel()
-        return done is joined
+        name, _ = await race(joined=nodes.registered.wait(), stopping=self.stop.wait())
+        return name == "joined"
 
     def _cgroups(self) -> JobCgroups:
         cgroups = JobCgroups.setup(self.node, self.config.jobs.cgroup)
@@ -254,31 +259,29 @@ class Daemon:
                         cgroups.reason)
         return cgroups
 
-    def _node_service(self, store: StoreBackend, signer: Signer, service: JobService,
-                      registry: JobRegistry) -> NodeService:
-        config = self.config
-        nodes = NodeRegistry(store, signer, config.cluster.name, self.node,
-                             keep_alive=config.rendezvous.keep_alive,
-                             endpoint=self._endpoint, on_refused=self._refused)
+    async def _node_registry(self, store: AsyncStore, signer: Signer) -> NodeRegistry:
+        registry = NodeRegistry(store, signer, self.config.cluster.name, self.node,
+                                keep_alive=self.config.rendezvous.keep_alive,
+                                endpoint=self._endpoint, on_refused=self._refused)
         if self._server is not None:
-            nodes.create_epoch()
+            await registry.create_epoch()
+        return registry
 
-        def on_store(ok: bool, problem: str) -> None:
-            self.metrics.store_up.set(1 if ok else 0)
-            if ok != self._store_ok:
-                self._store_ok = ok
-                (log.info if ok else log.warning)("store %s%s", self._endpoint,
-                                                  " reachable again" if ok else f" unreachable: {problem}")
-                self._update_status(registry)
+    def _store_health(self, registry: JobRegistry, ok: bool, problem: str) -> None:
+        self.metrics.store_up.set(1 if ok else 0)
+        if ok != self._store_ok:
+            self._store_ok = ok
+            (log.info if ok else log.warning)("store %s%s", self._endpoint,
+                                              " reachable again" if ok else f" unreachable: {problem}")
+            self._jobs_changed(registry)
 
-        def on_change() -> None:
-            self.metrics.count_nodes(service_nodes.states().values())
+    def _board_store(self, ok: bool) -> None:
+        self.metrics.store_up.set(1 if ok else 0)
 
-        service_nodes = NodeService(
-            nodes, interval=config.rendezvous.keep_alive_interval, call_timeout=config.store.timeout,
-            local_record=lambda: self._local_record(service), on_drain=service.set_draining,
-            on_reset=service.store_reset, on_store=on_store, on_tick=on_change)
-        return service_nodes
+    def _jobs_changed(self, registry: JobRegistry) -> None:
+        """Every change of a job: the job gauges and the STATUS= line."""
+        self.metrics.count_jobs(registry.jobs(), self.node)
+        self._update_status(registry)
 
     def _local_record(self, service: JobService) -> NodeRecord:
         used = service.used()
@@ -299,7 +302,7 @@ class Daemon:
         paths = self.config.paths
         for key, path, mode in (
                 ("paths.state_dir", paths.state_dir, 0o755),
-                ("paths.state_dir", os.path.join(paths.state_dir, "logs"), 0o755),
+                ("paths.state_dir", self.config.log_dir, 0o755),
                 ("paths.runtime_dir", paths.runtime_dir, 0o755 if os.getuid() == 0 else 0o700)):
             os.makedirs(path, mode=mode, exist_ok=True)
             if not is_own_dir(path):
@@ -320,7 +323,8 @@ class Daemon:
             return is_local(self.config.store_host)
         return bool(host)
 
-    def _open_store(self) -> StoreBackend:
+    def _connect(self) -> StoreBackend:
+        """The store's blocking backend (hosted here first, when this node hosts it)."""
         config = self.config
         if self._hosts_store():
             self._server = C10dServer(config.store_host, config.store_port, timeout=config.store.timeout)
@@ -329,9 +333,8 @@ class Daemon:
             self._endpoint = config.store.endpoint
         store = connect(self._endpoint, timeout=config.store.timeout,
                         connect_timeout=config.store.connect_timeout)
-        store.add(Keyspace(config.cluster.name).ping, 1)
         self.metrics.store_up.set(1)
-        return InstrumentedStore(store, self.metrics)
+        return store
 
     @functools.cached_property
     def _address(self) -> str:
@@ -342,7 +345,7 @@ class Daemon:
         unfinished = registry.restore(history.load())
         self.metrics.history_skipped.inc(registry.skipped)
         self.metrics.known_finished(registry.jobs())
-        killed = reap_leftovers(unfinished, self.node)
+        killed = reap_leftovers(worker_groups(unfinished, self.node))
         if killed:
             log.warning("killed %d leftover worker processes of a previous run", killed)
         for record in unfinished:

@@ -360,7 +360,8 @@ class JobCgroup:
 
             loop.add_reader(watch.fileno(), on_change)
             try:
-                return await asyncio.wait_for(emptied, timeout)
+                async with asyncio.timeout(timeout):
+                    return await emptied
             except TimeoutError:
                 return False
             finally:

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
-from .aio import Lane
+from .aio import race
 from .config import AUTO, DaemonConfig
 from .errors import NotFound, StoreError
 from .keyspace import Keyspace
 from .liveness import Beat, KeepAlive, observe, silent
 from .model import NODE_STATES, IllegalTransition, NodeInfo, NodeState
-from .store import StoreBackend
+from .store.aio import AsyncStore
 from .store.signing import Refused, Signer, open_or_refuse
 
 log = logging.getLogger(__name__)
@@ -136,10 +136,10 @@ class NodeRegistry:
     Keys under ``elasticd/<cluster>/nodes/``: ``seq`` and ``by_seq/<n>`` (every name that ever
     registered, in order), ``<name>/record`` (signed NodeRecord), ``<name>/hb`` (heartbeat
     counter), ``<name>/drain`` (signed drain request, written by whoever asked).  ``tick`` is
-    the heartbeat duty; it blocks on the store, so the daemon runs it in a thread.
+    the heartbeat duty.  Store I/O goes through the AsyncStore.
     """
 
-    def __init__(self, store: StoreBackend, signer: Signer, cluster: str, name: str, *,
+    def __init__(self, store: AsyncStore, signer: Signer, cluster: str, name: str, *,
                  keep_alive: KeepAlive, endpoint: str = "", on_refused: Refused | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
@@ -167,22 +167,22 @@ class NodeRegistry:
     def epoch_key(self) -> str:
         return self._keyspace.epoch
 
-    def create_epoch(self) -> str:
+    async def create_epoch(self) -> str:
         """The store host marks a fresh store, so that others can tell it was reset."""
         token = secrets.token_hex(8).encode()
-        _, current = self._store.compare_set(self.epoch_key, None, token)
+        _, current = await self._store.compare_set(self.epoch_key, None, token)
         return (current or token).decode()
 
-    def tick(self, record: NodeRecord) -> Tick:
-        epoch = (self._store.get(self.epoch_key) or b"").decode()
+    async def tick(self, record: NodeRecord) -> Tick:
+        epoch = (await self._store.get(self.epoch_key) or b"").decode()
         if epoch != self._registered_epoch or record != self._published:
-            self._publish(record, register=epoch != self._registered_epoch)
+            await self._publish(record, register=epoch != self._registered_epoch)
             self._registered_epoch = epoch
-        self._store.add(self._key(f"{self.name}/hb"), 1)
-        self._learn_names()
+        await self._store.add(self._key(f"{self.name}/hb"), 1)
+        await self._learn_names()
         self._sightings = {n: s for n, s in self._sightings.items() if n in self._names}
         keys = [self._key(f"{n}/{part}") for n in self._names for part in ("record", "hb")]
-        values = self._store.get_many(keys + [self._key(f"{self.name}/drain")])
+        values = await self._store.get_many(keys + [self._key(f"{self.name}/drain")])
         now, wall = self._clock(), self._wall()
         for i, name in enumerate(self._names):
             record_raw, beats_raw = values[2 * i], values[2 * i + 1]
@@ -194,23 +194,23 @@ class NodeRegistry:
                                               int(beats_raw), now, wall)
         return Tick(dict(self._sightings), self._open_drain(values[-1]), epoch)
 
-    def _publish(self, record: NodeRecord, *, register: bool) -> None:
-        self._store.set(self._key(f"{self.name}/record"), self._signer.seal(record.to_json()))
+    async def _publish(self, record: NodeRecord, *, register: bool) -> None:
+        await self._store.set(self._key(f"{self.name}/record"), self._signer.seal(record.to_json()))
         if register:
-            n = self._store.add(self._key("seq"), 1)
-            self._store.set(self._key(f"by_seq/{n}"), self.name.encode())
+            n = await self._store.add(self._key("seq"), 1)
+            await self._store.set(self._key(f"by_seq/{n}"), self.name.encode())
             self._seen, self._unread, self._names = 0, [], []  # learn the names again
         self._published = record
 
-    def _learn_names(self) -> None:
+    async def _learn_names(self) -> None:
         """Read the registrations added since the last tick (and retry any not yet written)."""
-        count = self._store.add(self._key("seq"), 0)
+        count = await self._store.add(self._key("seq"), 0)
         if count < self._seen:  # the store was reset under us
             self._seen, self._unread, self._names = 0, [], []
         wanted = self._unread + list(range(self._seen + 1, count + 1))
         if not wanted:
             return
-        values = self._store.get_many([self._key(f"by_seq/{n}") for n in wanted])
+        values = await self._store.get_many([self._key(f"by_seq/{n}") for n in wanted])
         self._unread = [n for n, raw in zip(wanted, values) if raw is None]
         for raw in values:
             name = raw.decode(errors="replace") if raw else ""
@@ -230,40 +230,41 @@ class NodeRegistry:
         return open_or_refuse(self._signer, self._key(f"{self.name}/drain"), raw,
                               lambda body: bool(body["drain"]), self._on_refused)
 
-    def read_record(self, name: str) -> NodeRecord | None:
+    async def read_record(self, name: str) -> NodeRecord | None:
         """One node's record straight from the store (for a node not seen by a tick yet)."""
-        return self._open_record(name, self._store.get(self._key(f"{name}/record")))
+        return self._open_record(name, await self._store.get(self._key(f"{name}/record")))
 
-    def request_drain(self, name: str, drain: bool, by: str) -> None:
+    async def request_drain(self, name: str, drain: bool, by: str) -> None:
         if self.read_record(name) is None:
             raise NotFound(f"no node {name!r}")
-        self._store.set(self._key(f"{name}/drain"),
-                        self._signer.seal({"drain": drain, "by": by, "at": self._wall()}))
+        await self._store.set(self._key(f"{name}/drain"),
+                              self._signer.seal({"drain": drain, "by": by, "at": self._wall()}))
 
     def states(self, sightings: Mapping[str, Sighting]) -> dict[str, NodeState]:
         now = self._clock()
         return {name: node_state(s, now, self.keep_alive) for name, s in sightings.items()}
 
 
-class NodeService:
-    """The heartbeat loop: one tick per keep-alive interval (a timer, not a poll), in a thread
-    of its own because the store blocks.  It publishes this node's record, watches the others,
-    notices a reset store and drain requests, and reports the store's health."""
+@dataclass(frozen=True)
+class NodeDuties:
+    """What the heartbeat loop reads from its daemon and tells it, every duty."""
 
-    def __init__(self, registry: NodeRegistry, *, interval: float, call_timeout: float,
-                 local_record: Callable[[], NodeRecord],
-                 on_drain: Callable[[bool], None], on_reset: Callable[[], Awaitable[None]],
-                 on_store: Callable[[bool, str], None],
-                 on_tick: Callable[[], None] = lambda: None) -> None:
+    local_record: Callable[[], NodeRecord]            # this node's record as of now
+    on_drain: Callable[[bool], None]                  # a drain (or undrain) was requested
+    on_reset: Callable[[], Awaitable[None]]           # the store lost its data: publish again
+    on_store: Callable[[bool, str], None] = lambda ok, problem: None  # the store (un)reachable
+    on_tick: Callable[[], None] = lambda: None        # a duty ended
+
+
+class NodeService:
+    """The heartbeat loop: one tick per keep-alive interval (a timer, not a poll).  It
+    publishes this node's record, watches the others, notices a reset store and drain
+    requests, and reports the store's health."""
+
+    def __init__(self, registry: NodeRegistry, *, interval: float) -> None:
         self.registry = registry
         self._interval = interval
-        self._local_record = local_record
-        self._on_drain = on_drain
-        self._on_reset = on_reset
-        self._on_store = on_store
-        self._on_tick = on_tick
-        self._io = Lane("node-heartbeat")
-        self._call_timeout = call_timeout
+        self._duties: NodeDuties | None = None  # given to run()
         self._sightings: dict[str, Sighting] = {}
         self._states: dict[str, NodeState] = {}
         self._epoch: str | None = None
@@ -275,48 +276,45 @@ class NodeService:
         self._wake = asyncio.Event()  # someone wants a duty now (see fresh())
         self.registered = asyncio.Event()  # this node's record is in the store
 
-    async def run(self, stop: asyncio.Event) -> None:
-        try:
-            while not stop.is_set():
-                self._wake.clear()
-                self._begun += 1
-                try:
-                    tick = await self._io.call(self.registry.tick, self._local_record(),
-                                               timeout=self._call_timeout)
-                    await self._apply(tick)
-                except StoreError as exc:
-                    self._store_up = False
-                    self._on_store(False, str(exc))
-                else:
-                    self._store_up = True
-                    self._on_store(True, "")
-                    self.registered.set()
-                async with self._ticked:
-                    self._ended += 1
-                    self._ticked.notify_all()
-                await self._pause(stop)
-        finally:
-            self._io.close()
+    async def run(self, stop: asyncio.Event, duties: NodeDuties) -> None:
+        self._duties = duties
+        while not stop.is_set():
+            self._wake.clear()
+            self._begun += 1
+            try:
+                tick = await self.registry.tick(duties.local_record())
+                await self._apply(tick)
+            except StoreError as exc:
+                self._store_up = False
+                duties.on_store(False, str(exc))
+            else:
+                self._store_up = True
+                duties.on_store(True, "")
+                self.registered.set()
+            async with self._ticked:
+                self._ended += 1
+                self._ticked.notify_all()
+            await self._pause(stop)
 
     async def _pause(self, stop: asyncio.Event) -> None:
         """Until the next duty: one heartbeat interval, or less if ``fresh()`` asks for one."""
-        waits = [asyncio.ensure_future(event.wait()) for event in (stop, self._wake)]
         try:
-            await asyncio.wait(waits, timeout=self._interval, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiting in waits:
-                waiting.cancel()
+            async with asyncio.timeout(self._interval):
+                await race(stop=stop.wait(), wake=self._wake.wait())
+        except TimeoutError:
+            pass
 
     async def _apply(self, tick: Tick) -> None:
+        assert self._duties is not None
         self._sightings = tick.sightings
         self._follow_states()
-        self._on_tick()
+        self._duties.on_tick()
         if tick.drain is not None and tick.drain != self._drain:
             self._drain = tick.drain
-            self._on_drain(tick.drain)
+            self._duties.on_drain(tick.drain)
         if self._epoch is not None and tick.epoch != self._epoch:
             log.warning("the store was reset (its host restarted): publishing this node's jobs again")
-            await self._on_reset()  # a StoreError leaves the old epoch: the next duty tries again
+            await self._duties.on_reset()  # a StoreError leaves the old epoch: the next duty tries again
         self._epoch = tick.epoch
 
     def states(self) -> dict[str, NodeState]:
@@ -342,8 +340,8 @@ class NodeService:
         states = self.states()
         sightings = dict(self._sightings)
         me = self.registry.name
-        if me in sightings:
-            sightings[me] = replace(sightings[me], record=self._local_record())
+        if me in sightings and self._duties is not None:
+            sightings[me] = replace(sightings[me], record=self._duties.local_record())
             states[me] = node_state(sightings[me], sightings[me].beat.since, self.registry.keep_alive)
         return [node_doc(s, states[name]) for name, s in sorted(sightings.items())]
 
@@ -354,8 +352,8 @@ class NodeService:
         self._wake.set()
         async with self._ticked:
             try:
-                await asyncio.wait_for(self._ticked.wait_for(lambda: self._ended >= wanted),
-                                       timeout=self._interval)
+                async with asyncio.timeout(self._interval):
+                    await self._ticked.wait_for(lambda: self._ended >= wanted)
             except TimeoutError:
                 pass
         return self.nodes()
@@ -379,7 +377,7 @@ class NodeService:
         sighting = self._sightings.get(name)
         if sighting is not None:
             return sighting.record
-        return await self._io.call(self.registry.read_record, name, timeout=self._call_timeout)
+        return await self.registry.read_record(name)
 
     def heard_since(self, name: str, moment: float) -> bool:
         """Whether ``name`` beat after ``moment`` (this node's monotonic clock).  Counters are
@@ -395,7 +393,7 @@ class NodeService:
         return {s.record.peer_key.encode(): name for name, s in self._sightings.items() if s.record.peer_key}
 
     async def request_drain(self, name: str, drain: bool, by: str) -> None:
-        await self._io.call(self.registry.request_drain, name, drain, by, timeout=self._call_timeout)
+        await self.registry.request_drain(name, drain, by)
 
 
 def _without_times(nodes: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -164,6 +164,11 @@ class DaemonConfig:
         return self.cluster.key_file or os.path.join(self.paths.state_dir, "cluster.key")
 
     @property
+    def log_dir(self) -> str:
+        """Where workers' output goes: <log_dir>/<job>/attempt_<n>/rank_<r>.{out,err}."""
+        return os.path.join(self.paths.state_dir, "logs")
+
+    @property
     def socket_path(self) -> str:
         return os.path.join(self.paths.runtime_dir, paths.SOCKET_NAME)
 

@@ -120,6 +120,14 @@ def started(parts_or_record: Iterable[Part] | JobRecord) -> float | None:
     return min((p.started for p in parts if p.started is not None), default=None)
 
 
+def worker_groups(records: Iterable[JobRecord], node: str) -> dict[int, float]:
+    """The process groups of the workers ``node`` ran for these jobs (a worker's pid -> when
+    its part started), for reaping what a daemon that died left behind."""
+    return {int(worker["pid"]): part.started
+            for record in records if (part := record.parts.get(node)) is not None and part.started
+            for worker in part.workers if worker.get("pid")}
+
+
 def current_parts(record: JobRecord) -> list[Part]:
     """The parts of the latest round (older rounds' workers are gone), by group rank."""
     rounds = [p.round for p in record.parts.values() if p.round is not None]

@@ -17,7 +17,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 import zmq
 import zmq.asyncio
@@ -123,7 +123,8 @@ async def probe(endpoint: str, timeout: float) -> Probe:
     """
     try:
         host, port = split_endpoint(endpoint)
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port)
     except ConnectionRefusedError:
         return Probe.REFUSED
     except (OSError, asyncio.TimeoutError, ValueError):
@@ -138,29 +139,34 @@ def judged_lost(answer: Probe, heard_meanwhile: bool) -> bool:
     return answer is Probe.REFUSED or (answer is Probe.SILENT and not heard_meanwhile)
 
 
+class NodeView(Protocol):
+    """What peers need to know of the other nodes (cluster.NodeService)."""
+
+    async def record(self, name: str) -> Any: ...          # its signed record, or None
+    def alive(self, name: str) -> bool: ...
+    def heard_since(self, name: str, moment: float) -> bool: ...  # its heartbeat moved after it
+
+
 class PeerLinks:
     """Requests to other nodes by name, with the endpoints and keys of their signed records."""
 
-    def __init__(self, client: PeerClient, record: Callable[[str], Awaitable[Any]],
-                 alive: Callable[[str], bool], heard_since: Callable[[str, float], bool]) -> None:
+    def __init__(self, client: PeerClient, nodes: NodeView) -> None:
         self._client = client
-        self._record = record
-        self._alive = alive
-        self._heard_since = heard_since  # (node, monotonic time): its heartbeat moved after it
+        self._nodes = nodes
 
     async def unreachable(self, nodes: list[str], timeout: float) -> list[str]:
         """The nodes among ``nodes`` whose daemon is gone (unknown nodes count as up)."""
-        records = [(node, await self._record(node)) for node in nodes]
+        records = [(node, await self._nodes.record(node)) for node in nodes]
         known = [(node, r.peer_endpoint) for node, r in records if r is not None and r.peer_endpoint]
         asked = time.monotonic()
         answers = await asyncio.gather(*(probe(endpoint, timeout) for _, endpoint in known))
         return [node for (node, _), answer in zip(known, answers)
-                if judged_lost(answer, self._heard_since(node, asked))]
+                if judged_lost(answer, self._nodes.heard_since(node, asked))]
 
     async def logs(self, node: str, args: dict[str, Any]) -> AsyncIterator[Any]:
-        record = await self._record(node)
+        record = await self._nodes.record(node)
         if record is None or not record.peer_endpoint:
             raise PeerError(f"node {node} is not known")
         async for result in self._client.stream(record.peer_endpoint, record.peer_key, "logs",
-                                                args, alive=lambda: self._alive(node)):
+                                                args, alive=lambda: self._nodes.alive(node)):
             yield result

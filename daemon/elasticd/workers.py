@@ -29,7 +29,9 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Mapping
+
+import psutil
 
 from .cgroups import JobCgroup
 from .paths import is_own_dir
@@ -130,6 +132,30 @@ def exit_code(status: os.waitid_result) -> int:
     if status.si_code == os.CLD_EXITED:
         return status.si_status
     return -status.si_status
+
+
+def reap_leftovers(groups: Mapping[int, float]) -> int:
+    """Kill what is left in the process groups of workers that a previous daemon ran here
+    (``groups``: a worker's pid, which is its group's id -> when its job's workers started);
+    how many processes were killed.
+
+    Workers die with their daemon (PDEATHSIG); this catches descendants that stayed in a
+    worker's process group when the job had no cgroup.  A process is taken for ours only if
+    it started after that job's workers did (the pid may have been reused since).
+    """
+    killed = 0
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        try:
+            started = groups.get(os.getpgid(proc.info["pid"]))
+        except OSError:
+            continue
+        if started is not None and proc.info["create_time"] >= started - 1:
+            try:
+                os.kill(proc.info["pid"], signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    return killed
 
 
 class OutputFile:

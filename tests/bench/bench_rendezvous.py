@@ -12,6 +12,11 @@ arrival until the last participant returned. Torch's handler is
 (its own random 0-0.3 s first-round delay included, as a user would get it); its runs are
 capped by their join timeout.
 
+Each elasticd participant is a node as in a daemon: its own event loop thread, its own
+AsyncStore (store threads and connections) and its keeper task.  Its times are taken on its
+loop, where a daemon's agent awaits the handler: the hand-off from the participant thread
+to the loop and back is the harness's, not the handler's.
+
 Also measured for elasticd: *re-rendezvous* (every member watches the round; one requests
 the next round; time from the request until all rejoined) and *dead-member detection*
 with the default keep-alive (1 s x 3): one member's keeper stops; time until every other
@@ -47,7 +52,9 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # no Nu
 logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 logging.getLogger("elasticd").setLevel(logging.ERROR)  # the dead-member run logs a warning by design
 
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from blocking_rendezvous import BlockingRendezvous  # noqa: E402
+from elasticd.rendezvous import RendezvousSettings  # noqa: E402
 from elasticd.rendezvous.handler import Keys  # noqa: E402
 from elasticd.store.c10d import C10dServer, connect  # noqa: E402
 from elasticd.store.signing import Signer  # noqa: E402
@@ -110,19 +117,19 @@ def formation_latency(timings: list[tuple]) -> float | None:
 # -- elasticd ------------------------------------------------------------------------------
 
 
-def elasticd_handlers(harness: Harness, n: int, run_id: str, **settings: Any) -> list[RendezvousHandler]:
+def elasticd_handlers(harness: Harness, n: int, run_id: str, **settings: Any) -> list[BlockingRendezvous]:
+    """One node each: its own event loop and AsyncStore (its own store connections), as in a
+    daemon, with its keeper task running."""
     config = RendezvousSettings(run_id, n, n, **settings)
-    handlers = [RendezvousHandler(harness.store, SIGNER, config, f"node{i:03d}", "127.0.0.1",
-                                  prefix=f"bench/rdzv/{run_id}") for i in range(n)]
-    for handler in handlers:
-        handler.start()
+    handlers = [BlockingRendezvous(harness.store, SIGNER, config, f"node{i:03d}", "127.0.0.1",
+                                   prefix=f"bench/rdzv/{run_id}") for i in range(n)]
     keys = Keys(f"bench/rdzv/{run_id}")
     for handler in handlers:  # every keeper is connected and beating before the clock starts
         harness.store.wait_for(keys.heartbeat(handler.node), 60.0)
     return handlers
 
 
-def stop(handlers: list[RendezvousHandler]) -> None:
+def stop(handlers: list[BlockingRendezvous]) -> None:
     for handler in handlers:
         handler.shutdown()
     for handler in handlers:
@@ -131,22 +138,22 @@ def stop(handlers: list[RendezvousHandler]) -> None:
 
 def elasticd_formation(harness: Harness, n: int, run_id: str, **settings: Any) -> tuple[float, list, list]:
     handlers = elasticd_handlers(harness, n, run_id, **settings)
-    timings = harness.simultaneously(n, lambda i: handlers[i], lambda h: h.next_rendezvous(1, 29500))
+    timed = harness.simultaneously(n, lambda i: handlers[i], lambda h: h.timed("next_rendezvous", 1, 29500))
+    timings = [result for _, _, result in timed]  # (started, returned, info), on each node's loop
     return formation_latency(timings), handlers, [t[2] for t in timings]
 
 
-def rerendezvous(harness: Harness, handlers: list[RendezvousHandler], round: int) -> float:
+def rerendezvous(harness: Harness, handlers: list[BlockingRendezvous], round: int) -> float:
     """Every member watches ``round``; the first requests the next one; all rejoin."""
     watches = [h.watch(round) for h in handlers]
 
     def rejoin(i: int):
         watches[i].result(timeout=60)
-        return handlers[i].next_rendezvous(1, 29500), time.perf_counter()
+        return handlers[i].timed("next_rendezvous", 1, 29500)[1]
 
     futures = [harness.pool.submit(rejoin, i) for i in range(len(handlers))]
-    requested = time.perf_counter()
-    handlers[0].request_next_round(round, "scale_up")
-    return max(f.result(timeout=120)[1] for f in futures) - requested
+    requested, _, _ = handlers[0].timed("request_next_round", round, "scale_up")
+    return max(f.result(timeout=120) for f in futures) - requested
 
 
 def dead_member_detection(harness: Harness, n: int) -> float:

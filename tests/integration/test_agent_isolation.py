@@ -14,16 +14,19 @@ import sys
 from pathlib import Path
 
 from harness import WORKER
-from elasticd.board import JobBoard
-from elasticd.config import DaemonConfig, JobsConfig, PathsConfig
+from elasticd.agent import AgentFactory
+from elasticd.board import BoardFollower, JobBoard
 from elasticd.errors import StoreConnectionError
 from elasticd.history import History
 from elasticd.jobs import JobRegistry, PartState
 from elasticd.keyspace import Keyspace
+from elasticd.liveness import KeepAlive
 from elasticd.logs import LogBus
 from elasticd.metrics import Metrics
 from elasticd.model import JobSpec
-from elasticd.scheduler import JobService, Resources
+from elasticd.placement import Resources
+from elasticd.scheduler import JobService
+from elasticd.store.aio import AsyncStore
 from elasticd.store.memory import MemoryStore
 from elasticd.store.signing import Signer
 
@@ -56,17 +59,24 @@ def spec(job_id: str, workdir: Path) -> JobSpec:
 
 def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tmp_path):
     store = FailingWrites(broken="outcome/j-bad000")
-    signer = Signer(b"k" * 32)
-    config = DaemonConfig(paths=PathsConfig(state_dir=str(tmp_path), runtime_dir=str(tmp_path)),
-                          jobs=JobsConfig(allow_root=True, stop_grace=1.0, cgroup="off"))
-    os.makedirs(tmp_path / "logs", mode=0o755)
-    registry = JobRegistry(History(str(tmp_path / "history.sqlite")))
-    service = JobService(config, node="n1", address="127.0.0.1", resources=Resources(4),
-                         store=store, signer=signer, board=JobBoard(store, signer, "default"),
-                         registry=registry, metrics=Metrics(), logs=LogBus(), peers=NoPeers())
     store.set(f"{Keyspace('default').rendezvous('j-bad000')}/state", b"tampered")
+    registry = JobRegistry(History(str(tmp_path / "history.sqlite")))
+    os.makedirs(tmp_path / "logs", mode=0o755)
+
+    def job_service(shared: AsyncStore) -> JobService:
+        signer = Signer(b"k" * 32)
+        board = JobBoard(shared, signer, "default")
+        agents = AgentFactory(node="n1", address="127.0.0.1", store=shared, signer=signer,
+                              keyspace=Keyspace("default"), keep_alive=KeepAlive(),
+                              log_root=str(tmp_path / "logs"), metrics=Metrics(), logs=LogBus(),
+                              probe=NoPeers(), refused=lambda key, why: None, stop_grace=1.0)
+        return JobService(node="n1", resources=Resources(4), board=board,
+                          follower=BoardFollower(board, registry, "n1"), registry=registry,
+                          agents=agents)
 
     async def scenario() -> None:
+        shared = AsyncStore(store)
+        service = job_service(shared)
         stop = asyncio.Event()
         running = asyncio.create_task(service.run(stop))
         await asyncio.sleep(0)
@@ -75,10 +85,13 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
         good = registry.get("j-good00")
         while not (PartState.RUNNING == getattr(good.parts.get("n1"), "state", None)
                    and store.failed and "j-bad000" not in service.local_jobs()):
-            good = await asyncio.wait_for(registry.wait_change("j-good00", good.version), 30)
+            async with asyncio.timeout(30):
+                good = await registry.wait_change("j-good00", good.version)
         assert not running.done(), "the job service ended with the bad job's agent"
         assert service.local_jobs() == ["j-good00"]  # the good job runs on
         stop.set()
-        await asyncio.wait_for(running, 30)  # and the service ends normally when told to
+        async with asyncio.timeout(30):
+            await running  # and the service ends normally when told to
+        await shared.close()
 
     asyncio.run(scenario())

@@ -14,7 +14,7 @@ SPEC = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1
 def info(restart_count=0, nodes=2):
     return RendezvousInfo(run_id="j-1", round=4, reason=R.INITIAL, restart_count=restart_count,
                           group_rank=0, group_world_size=nodes, nproc=1, rank_base=0,
-                          world_size=nodes, master_addr="a", master_port=1, store_prefix="p",
+                          world_size=nodes, master_addr="a", master_port=1,
                           members=())
 
 

@@ -56,20 +56,21 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     """The heartbeat loop survives a failed republish and tries again on its next duty."""
     import asyncio
 
-    from elasticd.cluster import NodeRegistry, NodeService
+    from elasticd.cluster import NodeDuties, NodeRegistry, NodeService
     from elasticd.errors import StoreConnectionError
+    from elasticd.store.aio import AsyncStore
     from elasticd.store.memory import MemoryStore
     from elasticd.store.signing import Signer
 
     store = MemoryStore()
-    registry = NodeRegistry(store, Signer(b"k" * 32), "c", "n2", keep_alive=KEEP_ALIVE)
-    registry.create_epoch()
     record = sighting(0).record
     resets: list[str] = []
     store_states: list[bool] = []
 
     async def scenario() -> None:
         stop, retried = asyncio.Event(), asyncio.Event()
+        registry = NodeRegistry(AsyncStore(store), Signer(b"k" * 32), "c", "n2", keep_alive=KEEP_ALIVE)
+        await registry.create_epoch()
 
         async def on_reset() -> None:
             resets.append("tried")
@@ -80,13 +81,14 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
         def on_tick() -> None:  # after the first duty: the store host restarts with a new epoch
             if not resets:
                 store.delete(registry.epoch_key)
-                registry.create_epoch()
+                store.compare_set(registry.epoch_key, None, b"new epoch")
 
-        service = NodeService(registry, interval=0.01, call_timeout=5.0, local_record=lambda: record,
-                              on_drain=lambda drain: None, on_reset=on_reset,
-                              on_store=lambda ok, why: store_states.append(ok), on_tick=on_tick)
-        running = asyncio.ensure_future(service.run(stop))
-        await asyncio.wait_for(retried.wait(), timeout=10)
+        service = NodeService(registry, interval=0.01)
+        running = asyncio.create_task(service.run(stop, NodeDuties(
+            local_record=lambda: record, on_drain=lambda drain: None, on_reset=on_reset,
+            on_store=lambda ok, why: store_states.append(ok), on_tick=on_tick)))
+        async with asyncio.timeout(10):
+            await retried.wait()
         stop.set()
         await running
 

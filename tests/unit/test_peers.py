@@ -54,9 +54,15 @@ class _Record:
 @pytest.mark.parametrize("heard, expected", [(False, ["n2"]), (True, [])])
 def test_a_silent_node_that_still_beats_is_not_lost(silent_endpoint, heard, expected):
     """A worker failure is not free because a firewall drops the peer port of a living node."""
-    async def record(name):
-        return _Record(silent_endpoint)
+    class Nodes:
+        async def record(self, name):
+            return _Record(silent_endpoint)
 
-    links = PeerLinks(client=None, record=record, alive=lambda name: True,
-                      heard_since=lambda name, moment: heard)
+        def alive(self, name):
+            return True
+
+        def heard_since(self, name, moment):
+            return heard
+
+    links = PeerLinks(client=None, nodes=Nodes())
     assert asyncio.run(links.unreachable(["n2"], 0.3)) == expected

@@ -4,7 +4,7 @@ import pytest
 
 from elasticd.jobs import JobRecord, Outcome, Part, PartState
 from elasticd.model import JobSpec, JobState
-from elasticd.scheduler import Offer, Resources, fit, place
+from elasticd.placement import Offer, Resources, fit, place
 
 
 def record(job_id, seq, nproc=1, nnodes=(1, 1), nodes=(), exclude=(), parts=(), outcome=None):
@@ -77,12 +77,12 @@ def _node(name, slots, gpus=0):
     (9, [], (), None),                                              # nothing seen yet: no verdict
 ])
 def test_never_fits(nproc, nodes, exclude, words):
-    from elasticd.scheduler import never_fits
+    from elasticd.placement import never_fits
     problem = never_fits(record("j", 1, nproc=nproc, exclude=exclude).spec, nodes)
     assert problem is None if words is None else words in problem
 
 
 def test_never_fits_names_unknown_nodes():
-    from elasticd.scheduler import never_fits
+    from elasticd.placement import never_fits
     spec = record("j", 1, nodes=("a", "zz", "yy")).spec
     assert never_fits(spec, [_node("a", 4)]) == "no node named yy, zz"

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from elasticd.errors import RendezvousClosedError, RendezvousTimeoutError
-from elasticd.rendezvous import NextRound, RendezvousHandler, RendezvousSettings
+from blocking_rendezvous import BlockingRendezvous
+from elasticd.rendezvous import NextRound, RendezvousSettings
 from elasticd.rendezvous.handler import Keys
 from elasticd.rendezvous.state import decode
 from elasticd.store.memory import MemoryStore
@@ -28,16 +29,15 @@ def store():
 
 @pytest.fixture
 def handlers(store):
-    made: list[RendezvousHandler] = []
+    made: list[BlockingRendezvous] = []
 
     def make(nodes, settings):
-        made.extend(RendezvousHandler(store, SIGNER, settings, n, f"{n}.addr", prefix=PREFIX) for n in nodes)
+        made.extend(BlockingRendezvous(store, SIGNER, settings, n, f"{n}.addr", prefix=PREFIX) for n in nodes)
         return made[-len(nodes):]
 
     yield make
     for handler in made:
         handler.shutdown()
-    store.close()  # wakes keepers blocked in wait_for at once
     for handler in made:
         handler.shutdown(wait=True)
 

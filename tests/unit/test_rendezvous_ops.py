@@ -325,9 +325,9 @@ def test_info_for_heterogeneous_nodes():
         version=9, round=2, complete=True, reason="scale_up", restarts_used=1, order=("b", "a", "c"),
         participants={"a": Participant("10.0.0.1", 4, 1), "b": Participant("10.0.0.2", 2, 29400),
                       "c": Participant("10.0.0.3", 8, 3)})
-    info = info_for(state, "c", "job", "pfx/round/2/job/")
+    info = info_for(state, "c", "job")
     assert (info.group_rank, info.rank_base, info.nproc, info.world_size, info.group_world_size) == (2, 6, 8, 14, 3)
     assert (info.master_addr, info.master_port, info.restart_count, info.reason) == ("10.0.0.2", 29400, 1, "scale_up")
     assert info.members == (Member("b", "10.0.0.2", 2, 0, 0), Member("a", "10.0.0.1", 4, 1, 2),
                             Member("c", "10.0.0.3", 8, 2, 6))
-    assert info.store_prefix == "pfx/round/2/job/" and info.round == 2 and info.run_id == "job"
+    assert info.round == 2 and info.run_id == "job"

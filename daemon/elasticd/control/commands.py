@@ -19,14 +19,15 @@ from .. import __version__
 from ..config import DaemonConfig
 from ..errors import ElasticdError, InvalidSpec, NotFound, PermissionDenied
 from ..jobs import JobRecord, JobRegistry, job_doc, listed_doc
-from ..aio import first
+from ..aio import race
 from ..logs import LogBus, LogReader
 from ..model import JobSpec, parse_nnodes, parse_nproc
 from ..cluster import NodeService
 from ..peers import PeerCaller, PeerLinks
-from ..scheduler import JobService, never_fits
+from ..placement import never_fits
+from ..scheduler import JobService
 from ..protocol import Request
-from .server import Caller, Reply
+from .server import Caller, PeerGone, Reply
 
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
 
@@ -190,18 +191,19 @@ class Commands:
         nodes' fetched from their daemons, merged as they come."""
         record = await self._find(args["job"])
         self._check_owner(caller, record, "read the logs of")
-        sources = {self._node: asyncio.ensure_future(self.local_logs(record.id, args, reply))}
         try:
-            while True:  # with --follow, nodes that join the job later are followed too
-                for node in record.parts.keys() - sources.keys():
-                    sources[node] = asyncio.ensure_future(self._remote_logs(node, record.id, args, reply))
-                if record.outcome is not None or not args.get("follow"):
-                    break
-                record = await self._registry.wait_change(record.id, record.version)
-            await asyncio.gather(*sources.values())
-        finally:
-            for source in sources.values():
-                source.cancel()
+            async with asyncio.TaskGroup() as sources:
+                sources.create_task(self.local_logs(record.id, args, reply))
+                followed = {self._node}
+                while True:  # with --follow, nodes that join the job later are followed too
+                    for node in record.parts.keys() - followed:
+                        followed.add(node)
+                        sources.create_task(self._remote_logs(node, record.id, args, reply))
+                    if record.outcome is not None or not args.get("follow"):
+                        break
+                    record = await self._registry.wait_change(record.id, record.version)
+        except* PeerGone:  # the client went away: every source stopped with it
+            raise PeerGone() from None
         await reply.end()
 
     async def local_logs(self, job_id: str, args: dict[str, Any], reply: Reply) -> None:
@@ -210,22 +212,18 @@ class Commands:
         Read from the files at the pace the client takes them; with ``follow``, woken by
         new output until the job ended and its workers here are gone."""
         record = self._registry.get(job_id)
-        reader = LogReader(self._jobs.log_root, record.id, self._node,
+        reader = LogReader(self._config.log_dir, record.id, self._node,
                            _LogFilter(args.get("rank"), args.get("attempt")))
         if not args.get("follow"):
             await _send_all(reply, reader.new_lines(snapshot=True))
         else:
             with self._logs.follow(record.id) as wake:
-                gone = asyncio.ensure_future(self._job_gone(record))
+                gone = asyncio.create_task(self._job_gone(record))
                 try:
                     while not gone.done():
                         wake.clear()
                         await _send_all(reply, reader.new_lines())
-                        waking = asyncio.ensure_future(wake.wait())
-                        try:
-                            await first(waking, gone)
-                        finally:
-                            waking.cancel()
+                        await race(output=wake.wait(), gone=gone)
                 finally:
                     gone.cancel()
                 await _send_all(reply, reader.new_lines())

@@ -7,38 +7,36 @@ Keys, all under the handler's ``prefix``::
     rev/<v>                 set when version v was written; waiters block on the next one
     hb/<node>               heartbeat counter
     round/<r>/joins         the round's join log: signed records, one per line (append only)
-    round/<r>/exit/...      the exit barrier of round r
-    round/<r>/job/          handed to the job as RendezvousInfo.store_prefix
+    round/<r>/exit/...      the exit barrier of round r: who arrived, how many, and one key
+                            per arrival (``exit/<n>``, set by the n-th) for waiters to block on
 
-Threads: ``next_rendezvous``, ``request_next_round``, ``leave`` and ``set_closed`` run in the
-caller's thread. One background thread per handler, the *keeper*, bumps this node's
-heartbeat, watches the other nodes' counters, drops the silent ones and resolves
-``watch()`` futures. Nobody sleeps between syncs: a thread that holds version v blocks in
-``wait_for("rev/<v+1>")`` with a timeout equal to its next duty (the keeper does so only
-while someone watches a round; otherwise it sleeps until its next heartbeat).
+One executor, ``_execute`` (torchelastic's _DistributedRendezvousOpExecutor): read the state
+and the open round's join log, decide with a pure function of ``ops``, act (compare-and-set
+the decided state, append to the join log, or wait for the next revision) until the
+decision is an outcome.  A state that vanished (the store host restarted and lost its data)
+is restored first, as an action of its own: RESTORE writes back the newest state this node
+saw, compare-and-set against "missing", so that the first such write wins and every node
+converges on it.  Heartbeat counters and join logs are recreated as the nodes go on.
 
-If the state key vanishes (the store host restarted and lost its data), a node of the
-rendezvous writes back the newest state it saw (compare-and-set against "missing"); the
-first such write wins and every node converges on it. Heartbeat counters and join logs are
-recreated as the nodes go on.
+The keeper (``keep``, a task its owner runs) beats this node's heartbeat, reads the others'
+counters, drops the silent ones through the executor, and resolves ``watch()`` futures:
+while a round is watched it follows every revision (a wait for ``rev/<v+1>`` until its next
+duty), otherwise it sleeps until its next duty.  Nobody polls.  Every store operation goes
+through the AsyncStore, and each act is one trip there (``AsyncStore.batch``: the write, then
+the reads the next decision needs; a trip costs a thread hand-off each way); everything
+else runs on the caller's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 
-from elasticd.errors import (
-    RendezvousClosedError,
-    RendezvousStateError,
-    RendezvousTimeoutError,
-    StoreError,
-)
+from elasticd.errors import RendezvousClosedError, RendezvousStateError, RendezvousTimeoutError, StoreError
 from elasticd.rendezvous.ops import (
     Act,
     Action,
@@ -52,17 +50,16 @@ from elasticd.rendezvous.ops import (
     decide_restore,
     info_for,
     joined,
-    num_waiting,
     observe_beats,
     round_event,
     track_last_call,
     watched,
 )
 from elasticd.rendezvous.state import (
-    Reason,
     Announcement,
     NextRound,
     Participant,
+    Reason,
     RendezvousInfo,
     RendezvousSettings,
     RendezvousState,
@@ -72,6 +69,7 @@ from elasticd.rendezvous.state import (
     encode,
     encode_announcement,
 )
+from elasticd.store.aio import AsyncStore
 from elasticd.store.base import StoreBackend
 from elasticd.store.signing import Refused, Signer, open_or_refuse
 
@@ -85,6 +83,11 @@ _NEXT_ROUND = {
     Act.EXHAUSTED: NextRound.EXHAUSTED,
     Act.CLOSED: NextRound.CLOSED,
 }
+# Outcomes that may come with a state to write first (leaving the round on a join timeout).
+_FINAL = frozenset({Act.DONE, Act.NOTHING, Act.CLOSED, Act.TIMED_OUT, Act.ALREADY, Act.EXHAUSTED})
+
+Decide = Callable[[RendezvousState, View, float], Action]  # (state, join-log view, now)
+Write = Callable[[StoreBackend], object]  # store calls made in a trip, before its reads
 
 
 class Keys:
@@ -103,56 +106,51 @@ class Keys:
     def joins(self, round: int) -> str:
         return f"{self.prefix}/round/{round}/joins"
 
-    def job(self, round: int) -> str:
-        return f"{self.prefix}/round/{round}/job/"
-
     def exit_arrived(self, round: int, node: str) -> str:
         return f"{self.prefix}/round/{round}/exit/arrived/{node}"
 
     def exit_count(self, round: int) -> str:
         return f"{self.prefix}/round/{round}/exit/count"
 
-    def exit_done(self, round: int) -> str:
-        return f"{self.prefix}/round/{round}/exit/done"
+    def exit_nth(self, round: int, n: int) -> str:
+        return f"{self.prefix}/round/{round}/exit/{n}"
 
 
 @dataclass(frozen=True)
 class _Snapshot:
     state: RendezvousState
-    raw: bytes | None  # the sealed bytes in the store; None: there is no state yet
+    raw: bytes | None  # the sealed bytes in the store; None: there is no state (yet, or any more)
 
 
 @dataclass(frozen=True)
 class _Watch:
     round: int
     waiting: bool
-    future: Future
+    future: asyncio.Future[RoundEvent]
 
 
 class _JoinLog:
-    """Reads a round's join log, parsing only the records appended since the last read.
+    """A round's join log as read, parsing only the records appended since the last read.
 
     A record that fails its MAC is refused (reported, and treated as absent), not fatal.
     """
 
-    def __init__(self, store: StoreBackend, signer: Signer, keys: Keys, refused: Refused) -> None:
-        self._store, self._signer, self._keys, self._refused = store, signer, keys, refused
-        self._lock = threading.Lock()
+    def __init__(self, signer: Signer, keys: Keys, refused: Refused) -> None:
+        self._signer, self._keys, self._refused = signer, keys, refused
         self._round, self._raw, self._records = -1, b"", []
 
-    def read(self, round: int) -> list[Announcement | None]:
-        raw = self._store.get(self._keys.joins(round)) or b""
-        with self._lock:
-            if round != self._round or not raw.startswith(self._raw):
-                self._round, self._raw, self._records = round, b"", []
-            tail = raw[len(self._raw) : raw.rfind(b"\n") + 1]
-            self._records.extend(self._parse(line) for line in tail.splitlines())
-            self._raw += tail
-            return list(self._records)
+    def fold(self, round: int, raw: bytes | None) -> list[Announcement | None]:
+        """Every record of ``round``'s log, given its value just read."""
+        raw = raw or b""
+        if round != self._round or not raw.startswith(self._raw):
+            self._round, self._raw, self._records = round, b"", []
+        tail = raw[len(self._raw) : raw.rfind(b"\n") + 1]
+        self._records.extend(self._parse(line) for line in tail.splitlines())
+        self._raw += tail
+        return list(self._records)
 
-    def append(self, round: int, announcement: Announcement) -> None:
-        line = self._signer.seal(encode_announcement(announcement)) + b"\n"
-        self._store.append(self._keys.joins(round), line)
+    def line(self, announcement: Announcement) -> bytes:
+        return self._signer.seal(encode_announcement(announcement)) + b"\n"
 
     def _parse(self, line: bytes) -> Announcement | None:
         return open_or_refuse(self._signer, self._keys.joins(self._round), line,
@@ -161,11 +159,11 @@ class _JoinLog:
 
 class RendezvousHandler:
     """One node's handle on one job's rendezvous (torchelastic's DynamicRendezvousHandler,
-    event-driven and with stable ranks). Safe to call from several threads."""
+    event-driven and with stable ranks).  Its coroutines run on one event loop."""
 
     def __init__(
         self,
-        store: StoreBackend,
+        store: AsyncStore,
         signer: Signer,
         settings: RendezvousSettings,
         node: str,
@@ -180,14 +178,12 @@ class RendezvousHandler:
         self._keys = Keys(prefix)
         self._clock = clock
         self._refused = on_refused or _log_refused
-        self._log = _JoinLog(store, signer, self._keys, self._refused)
-        self._lock = threading.Lock()
-        self._newest = _Snapshot(RendezvousState(), None)  # the newest state any of our threads saw
+        self._log = _JoinLog(signer, self._keys, self._refused)
+        self._newest = _Snapshot(RendezvousState(), None)  # the newest state this node saw
         self._watches: list[_Watch] = []
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # set by shutdown() and by a new watch()
+        self._watched = asyncio.Event()  # set by a new watch(): the keeper follows revisions
         self._left = False
-        self._keeper: threading.Thread | None = None
+        self._shut = False
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -195,41 +191,31 @@ class RendezvousHandler:
 
     # -- joining ---------------------------------------------------------------------------
 
-    def next_rendezvous(self, nproc: int, master_port: int) -> RendezvousInfo:
+    async def next_rendezvous(self, nproc: int, master_port: int) -> RendezvousInfo:
         """Join the current round (or the next one) and return once a round that includes this
-        node is complete. To leave a complete round for the next one, first call
+        node is complete.  To leave a complete round for the next one, first call
         :meth:`request_next_round`; calling this again in a complete round that includes this
         node returns that round again."""
-        self.start()
-        self._store.add(self._keys.heartbeat(self.node), 1)  # observers find a counter first
-        view = View(record=Participant(self.addr, nproc, master_port), deadline=self._clock() + self._settings.join_timeout)
-        snap = self._read()
-        while True:
-            self._check_running()
-            now = self._clock()
-            view = track_last_call(snap.state, self._settings, self._with_log(view, snap.state), now)
-            action = decide_join(snap.state, self.node, self._settings, view, now)
-            if action.act is Act.DONE:
-                return info_for(snap.state, self.node, self._settings.run_id, self._keys.job(snap.state.round))
-            if action.act is Act.CLOSED:
-                raise RendezvousClosedError(f"rendezvous '{self._settings.run_id}' is closed")
-            if action.act is Act.ANNOUNCE:
-                self._log.append(snap.state.round, Announcement(self.node, view.record))
-            elif action.act is Act.WAIT:
-                snap = self._wait(snap, action.until)
-            elif action.act is Act.TIMED_OUT:
-                snap = self._time_out(snap, action, view)
-            else:
-                snap, _ = self._write(snap, action.state)
+        self._check_running()
+        heartbeat = self._keys.heartbeat(self.node)
+        view = View(record=Participant(self.addr, nproc, master_port),
+                    deadline=self._clock() + self._settings.join_timeout)
 
-    def _time_out(self, snap: _Snapshot, action: Action, view: View) -> _Snapshot:
-        """Leave the round (best effort: a lost race decides again), then raise."""
-        message = self._timeout_message(snap.state, view)
-        if action.state is not None:
-            snap, won = self._write(snap, action.state)
-            if not won:
-                return snap
-        raise RendezvousTimeoutError(message)
+        def step(state: RendezvousState, logged: View, now: float) -> Action:
+            nonlocal view
+            self._check_running()
+            view = track_last_call(state, self._settings, replace(
+                view, announced=logged.announced, log_end=logged.log_end), now)
+            return decide_join(state, self.node, self._settings, view, now)
+
+        # observers find a counter first
+        snap, action = await self._execute(step, until_outcome=True,
+                                           first=lambda store: store.add(heartbeat, 1))
+        if action.act is Act.DONE:
+            return info_for(snap.state, self.node, self._settings.run_id)
+        if action.act is Act.CLOSED:
+            raise RendezvousClosedError(f"rendezvous '{self._settings.run_id}' is closed")
+        raise RendezvousTimeoutError(self._timeout_message(snap.state, view))
 
     def _timeout_message(self, state: RendezvousState, view: View) -> str:
         settings = self._settings
@@ -240,241 +226,272 @@ class RendezvousHandler:
         return f"{waited}: {len(joined(state, view))} node(s) joined round {state.round}, min_nodes is {settings.min_nodes}"
 
     def _check_running(self) -> None:
-        if self._stop.is_set():
+        if self._shut:
             raise RendezvousClosedError(f"the rendezvous handler of {self.node} was shut down")
         if self._left:
             raise RendezvousClosedError(f"{self.node} left rendezvous '{self._settings.run_id}'")
 
     # -- rounds ----------------------------------------------------------------------------
 
-    def request_next_round(self, round: int, reason: Reason, lost: Iterable[str] = ()) -> NextRound:
-        """Supersede ``round`` (once, whoever asks first). "failure" uses one restart of the
-        job-wide budget: EXHAUSTED, and no new round, when none is left. The new round
+    async def request_next_round(self, round: int, reason: Reason, lost: Iterable[str] = ()) -> NextRound:
+        """Supersede ``round`` (once, whoever asks first).  FAILURE uses one restart of the
+        job-wide budget: EXHAUSTED, and no new round, when none is left.  The new round
         completes without waiting for the ``lost`` members (known dead by the caller)."""
         reason = Reason(reason)  # ValueError for an unknown one
         if reason is Reason.INITIAL:
             raise ValueError("the initial round is not requested: it is the first")
         lost = tuple(lost)
-        _, action = self._apply(
-            lambda state, view: decide_next_round(state, round, reason, self._settings, lost))
+        _, action = await self._execute(
+            lambda state, view, now: decide_next_round(state, round, reason, self._settings, lost))
         if action.act is Act.OPEN_ROUND:
-            log.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node, round + 1, reason)
+            log.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node,
+                     round + 1, reason)
         return _NEXT_ROUND[action.act]
 
-    def leave(self, reason: Reason = Reason.DRAIN) -> None:
+    async def leave(self, reason: Reason = Reason.DRAIN) -> None:
         """Leave for good; a complete round that had this node is superseded with ``reason``."""
         self._left = True
-        self._apply(lambda state, view: decide_leave(state, self.node, Reason(reason), view))
+        await self._execute(lambda state, view, now: decide_leave(state, self.node, Reason(reason), view))
 
-    def set_closed(self) -> None:
-        self._apply(lambda state, view: decide_close(state))
+    async def set_closed(self) -> None:
+        await self._execute(lambda state, view, now: decide_close(state))
 
-    def is_closed(self) -> bool:
-        return self._read().state.closed
-
-    def num_nodes_waiting(self) -> int:
-        return num_waiting(self._read().state, self._settings)
-
-    def watch(self, round: int, *, waiting: bool = True) -> Future[RoundEvent]:
+    def watch(self, round: int, *, waiting: bool = True) -> asyncio.Future[RoundEvent]:
         """A future that resolves when ``round`` is superseded, the rendezvous is closed, or
-        (with ``waiting``) nodes are waiting to join. Does no I/O in the caller's thread."""
-        future: Future[RoundEvent] = Future()
-        if self._stop.is_set():
+        (with ``waiting``) nodes are waiting to join.  The keeper resolves it."""
+        future: asyncio.Future[RoundEvent] = asyncio.get_running_loop().create_future()
+        if self._shut:
             future.cancel()
             return future
-        self.start()
-        with self._lock:
-            self._watches.append(_Watch(round, waiting, future))
-            newest = self._newest.state
-        self._resolve_watches(newest)
-        self._wake.set()  # the keeper now follows every revision
+        self._watches.append(_Watch(round, waiting, future))
+        self._resolve_watches(self._newest.state)
+        self._watched.set()  # the keeper now follows every revision
         return future
 
     # -- exit barrier ----------------------------------------------------------------------
 
-    def exit_barrier_arrive(self, info: RendezvousInfo) -> None:
+    async def exit_barrier_arrive(self, info: RendezvousInfo) -> None:
         """This node's workers all succeeded in ``info.round`` (idempotent)."""
-        if self._store.add(self._keys.exit_arrived(info.round, self.node), 1) != 1:
-            return
-        if self._store.add(self._keys.exit_count(info.round), 1) >= info.group_world_size:
-            self._store.set(self._keys.exit_done(info.round), b"1")
+        keys, round = self._keys, info.round
 
-    def exit_barrier_progress(self, info: RendezvousInfo) -> tuple[int, int]:
-        return self._store.add(self._keys.exit_count(info.round), 0), info.group_world_size
+        def arrive(store: StoreBackend) -> None:
+            if store.add(keys.exit_arrived(round, self.node), 1) == 1:
+                store.set(keys.exit_nth(round, store.add(keys.exit_count(round), 1)), b"1")
 
-    def exit_barrier_wait(self, info: RendezvousInfo, timeout: float) -> bool:
-        return self._store.wait_for(self._keys.exit_done(info.round), timeout)
+        await self._store.batch(arrive)
+
+    async def exit_barrier_wait(self, info: RendezvousInfo, timeout: float,
+                                progress: Callable[[int, int], None] = lambda done, total: None) -> bool:
+        """True once every member of ``info.round`` arrived, False after ``timeout`` seconds.
+        ``progress(done, total)`` hears of each arrival while it waits (it waits on the next
+        arrival's key, never on a timer)."""
+        deadline = self._clock() + timeout
+        total = info.group_world_size
+        done = await self._store.add(self._keys.exit_count(info.round), 0)
+        while done < total:
+            progress(done, total)
+            left = deadline - self._clock()
+            if left <= 0 or not await self._store.wait_for(self._keys.exit_nth(info.round, done + 1), left):
+                return False
+            done = await self._store.add(self._keys.exit_count(info.round), 0)
+        return True
+
+    async def exit_barrier_progress(self, info: RendezvousInfo) -> tuple[int, int]:
+        return await self._store.add(self._keys.exit_count(info.round), 0), info.group_world_size
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the keeper (heartbeats); joining and watching do it implicitly."""
-        with self._lock:
-            if self._keeper is None and not self._stop.is_set():
-                self._keeper = threading.Thread(
-                    target=self._keep, name=f"rdzv-keeper-{self._settings.run_id}-{self.node}", daemon=True
-                )
-                self._keeper.start()
-
-    def shutdown(self, wait: bool = False) -> None:
-        """Stop the keeper and cancel pending watches; does not leave the rendezvous.
-
-        The keeper stops at once, or within one keep-alive interval if it is blocked in a
-        store wait (it is while a round is watched); ``wait`` blocks until it stopped. Wait
-        before the process exits: a thread still inside TCPStore's wait when the interpreter
-        exits aborts the process ("terminate called without an active exception").
-        """
-        self._stop.set()
-        self._wake.set()
-        with self._lock:
-            watches, self._watches = self._watches, []
-            keeper = self._keeper
+    def shutdown(self) -> None:
+        """Cancel pending watches; later joins fail.  Does not leave the rendezvous (its owner
+        stops the keeper task)."""
+        self._shut = True
+        watches, self._watches = self._watches, []
         for w in watches:
             w.future.cancel()
-        if wait and keeper is not None and keeper is not threading.current_thread():
-            keeper.join()
 
     # -- the keeper ------------------------------------------------------------------------
 
-    def _keep(self) -> None:
+    async def keep(self) -> None:
+        """Heartbeats, liveness and watches, until cancelled."""
         beats: dict[str, Beat] = {}
-        snap, due = self._newest, self._clock()
-        while not self._stop.is_set():
+        due = self._clock()
+        while True:
             try:
                 if self._clock() >= due:
                     due = self._clock() + self._settings.keep_alive_interval
-                    snap, beats = self._tick(beats)
-                self._resolve_watches(snap.state)
-                snap = self._idle(snap, due)
+                    beats = await self._tick(beats)
+                self._resolve_watches(self._newest.state)
+                await self._idle(due)
             except RendezvousStateError as err:
                 log.error("rendezvous %s: %s", self._settings.run_id, err)
                 self._fail_watches(err)
-                self._stop.wait(self._settings.keep_alive_interval)
+                await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
             except StoreError as err:
-                log.warning("rendezvous %s: store error in the keeper of %s: %s", self._settings.run_id, self.node, err)
-                self._stop.wait(self._settings.keep_alive_interval)
+                log.warning("rendezvous %s: store error in the keeper of %s: %s",
+                            self._settings.run_id, self.node, err)
+                await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
             except Exception as err:  # a bug must not silence this node's heartbeat for good
                 log.exception("rendezvous %s: the keeper of %s failed", self._settings.run_id, self.node)
                 self._fail_watches(err)
-                self._stop.wait(self._settings.keep_alive_interval)
+                await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
 
-    def _idle(self, snap: _Snapshot, due: float) -> _Snapshot:
-        """Until the next tick: follow every state revision while someone watches; otherwise
-        sleep on a local event that a new watch() or shutdown() sets."""
-        self._wake.clear()
-        with self._lock:
-            watching = bool(self._watches)
-        if watching:
-            return self._wait(snap, due)
-        self._wake.wait(max(due - self._clock(), 0.0))
-        return snap
+    async def _idle(self, due: float) -> None:
+        """Until the next duty: follow every state revision while someone watches; otherwise
+        wait for a new watch()."""
+        self._watched.clear()
+        left = max(due - self._clock(), 0.0)
+        if self._watches:
+            await self._next_revision(self._newest, left)
+            return
+        try:
+            async with asyncio.timeout(left):  # not wait_for: see elasticd.aio
+                await self._watched.wait()
+        except TimeoutError:
+            pass
 
-    def _tick(self, beats: dict[str, Beat]) -> tuple[_Snapshot, dict[str, Beat]]:
-        """Heartbeat, read the others' counters, drop the silent ones."""
+    async def _tick(self, beats: dict[str, Beat]) -> dict[str, Beat]:
+        """Heartbeat; read the counters of every node the state and its join log involve (a
+        logged joiner too); drop the silent ones."""
+        heartbeat = self._keys.heartbeat(self.node)
+        seen = await self._observe(lambda store: store.add(heartbeat, 1))
+        others = watched(seen[0].state, seen[1]) - {self.node}
+        counts = await self._heartbeats(sorted(others))
         now = self._clock()
-        self._store.add(self._keys.heartbeat(self.node), 1)
-        others: set[str] = set()
-
-        def decide(state: RendezvousState, view: View) -> Action:
-            nonlocal beats, others
-            others = watched(state, view) - {self.node}
-            beats = observe_beats(beats, self._heartbeats(sorted(others)), now)
-            return decide_liveness(state, self.node, self._settings, replace(view, beats=beats), now)
-
-        snap, action = self._apply(decide)
-        if action.state is not None:
+        beats = observe_beats(beats, counts, now)
+        snap, action = await self._execute(
+            lambda state, view, _: decide_liveness(state, self.node, self._settings,
+                                                   replace(view, beats=beats), now), seen=seen)
+        if action.state is not None and action.act in (Act.OPEN_ROUND, Act.REMOVE):
             silent = sorted(others - watched(action.state, View()))
             log.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
                         self.node, ", ".join(silent), action.act.value, action.state.round)
-        return snap, beats
+        return beats
 
-    def _heartbeats(self, nodes: list[str]) -> dict[str, int | None]:
-        values = self._store.get_many([self._keys.heartbeat(n) for n in nodes])
+    async def _heartbeats(self, nodes: list[str]) -> dict[str, int | None]:
+        values = await self._store.get_many([self._keys.heartbeat(n) for n in nodes])
         return {n: None if v is None else int(v) for n, v in zip(nodes, values)}
 
     def _resolve_watches(self, state: RendezvousState) -> None:
-        """Settle the watches that ``state`` answers (outside the lock: callbacks run inline)."""
-        with self._lock:
-            events = [(w, round_event(state, w.round, self._settings, waiting=w.waiting)) for w in self._watches]
-            self._watches = [w for w, event in events if event is None and not w.future.done()]
-        for w, event in events:
-            if event is not None:
-                _settle(w.future, event)
+        """Settle the watches that ``state`` answers."""
+        kept = []
+        for w in self._watches:
+            event = round_event(state, w.round, self._settings, waiting=w.waiting)
+            if w.future.done():
+                continue
+            if event is None:
+                kept.append(w)
+            else:
+                w.future.set_result(event)
+        self._watches = kept
 
     def _fail_watches(self, err: Exception) -> None:
-        with self._lock:
-            watches, self._watches = self._watches, []
+        watches, self._watches = self._watches, []
         for w in watches:
-            _settle(w.future, err)
+            if not w.future.done():
+                w.future.set_exception(err)
 
-    # -- state I/O -------------------------------------------------------------------------
+    # -- the executor ----------------------------------------------------------------------
 
-    def _apply(self, decide: Callable[[RendezvousState, View], Action]) -> tuple[_Snapshot, Action]:
-        """Decide on the current state and write the result; on a lost race decide again on
-        the state that won (compare_set returns it: no extra read)."""
-        snap = self._read()
+    async def _execute(self, decide: Decide, *, until_outcome: bool = False, first: Write | None = None,
+                       seen: tuple[_Snapshot, View] | None = None) -> tuple[_Snapshot, Action]:
+        """Read, decide, act until the decision is an outcome (with ``until_outcome``) or a
+        decided state was written (without).  ``first``: a write to make before the first
+        read; ``seen``: that first read, made by the caller.  Each act is one trip to the
+        store: it writes, then reads the state and the join log again (a lost
+        compare-and-set returns the state that won)."""
+        snap, logged = seen or await self._observe(first)
         while True:
-            action = decide(snap.state, self._with_log(View(), snap.state))
-            if action.state is None:
-                return snap, action
-            snap, won = self._write(snap, action.state)
-            if won:
+            if snap.raw is None:
+                restore = decide_restore(self._newest.state, self.node)
+                if restore.act is Act.RESTORE:
+                    (snap, logged), won = await self._write(snap, restore.state)
+                    if won:
+                        log.warning("rendezvous %s: the state vanished; %s restored round %d",
+                                    self._settings.run_id, self.node, restore.state.round)
+                    continue
+            action = decide(snap.state, logged, self._clock())
+            if action.state is not None:
+                (snap, logged), won = await self._write(snap, action.state)
+                if won and (action.act in _FINAL or not until_outcome):
+                    return snap, action
+            elif action.act is Act.ANNOUNCE:
+                assert action.record is not None, "an announcement carries the joiner's record"
+                key, line = self._keys.joins(snap.state.round), self._log.line(
+                    Announcement(self.node, action.record))
+                snap, logged = await self._observe(lambda store: store.append(key, line))
+            elif action.act is Act.WAIT:  # mostly for the round to complete: no log then
+                snap = await self._next_revision(snap, action.until - self._clock())
+                logged = await self._logged(snap.state)
+            else:
                 return snap, action
 
-    def _with_log(self, view: View, state: RendezvousState) -> View:
-        """``view`` with the open round's join-log records that the state has not folded yet."""
+    async def _observe(self, first: Write | None = None) -> tuple[_Snapshot, View]:
+        """The state and the join log of its open round (the round this node saw last is
+        read with it, in the same trip), after the write ``first``."""
+        state_key, guess = self._keys.state, self._newest.state.round
+        log_key = self._keys.joins(guess)
+
+        def trip(store: StoreBackend) -> tuple[bytes | None, bytes | None]:
+            if first is not None:
+                first(store)
+            return store.get(state_key), store.get(log_key) or b""
+
+        raw, log_raw = await self._store.batch(trip)
+        snap = self._snapshot(raw)
+        return snap, await self._logged(snap.state, log_raw if snap.state.round == guess else None)
+
+    async def _logged(self, state: RendezvousState, raw: bytes | None = None) -> View:
+        """The open round's join-log records that the state has not folded yet (its log as
+        ``raw``, b"" if there is none; None: read it now)."""
         if state.complete or state.closed:
-            return replace(view, announced=(), log_end=None)
-        records = self._log.read(state.round)
+            return View(announced=(), log_end=None)
+        if raw is None:
+            raw = await self._store.get(self._keys.joins(state.round))
+        records = self._log.fold(state.round, raw)
         fresh = records[state.folded :]
-        return replace(view, announced=tuple(r for r in fresh if r), log_end=max(len(records), state.folded))
+        return View(announced=tuple(r for r in fresh if r), log_end=max(len(records), state.folded))
 
-    def _read(self) -> _Snapshot:
-        return self._snapshot(self._store.get(self._keys.state))
-
-    def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[_Snapshot, bool]:
-        new = replace(new, nonce=secrets.token_hex(8))
-        won, raw = self._compare_set(snap, new)
-        return (self._remember(_Snapshot(new, raw)), True) if won else (self._snapshot(raw), False)
-
-    def _compare_set(self, snap: _Snapshot, new: RendezvousState) -> tuple[bool, bytes | None]:
-        sealed = self._signer.seal(encode(new))
-        won, current = self._store.compare_set(self._keys.state, snap.raw, sealed)
-        if won:
-            self._store.set(self._keys.rev(new.version), b"1")
-            self._forget(snap.state, new)
-        return won, sealed if won else current
-
-    def _forget(self, old: RendezvousState, new: RendezvousState) -> None:
-        """Delete what nobody will wait on or read again."""
-        if new.version > REV_KEEP:
-            self._store.delete(self._keys.rev(new.version - REV_KEEP))
-        if new.round > old.round:
-            self._store.delete(self._keys.joins(old.round))
-
-    def _wait(self, snap: _Snapshot, until: float) -> _Snapshot:
-        """Block until the next state revision or ``until``; then read the state."""
-        timeout = until - self._clock()
-        if timeout > 0:
-            self._store.wait_for(self._keys.rev(snap.state.version + 1), timeout)
-        return self._read()
+    async def _read(self) -> _Snapshot:
+        return self._snapshot(await self._store.get(self._keys.state))
 
     def _snapshot(self, raw: bytes | None) -> _Snapshot:
         if raw is None:
-            return self._absent()
+            return _Snapshot(RendezvousState(), None)
         return self._remember(_Snapshot(self._open(raw), raw))
 
-    def _absent(self) -> _Snapshot:
-        """No state in the store: a new rendezvous, or a store that lost its data (restore)."""
-        with self._lock:
-            copy = self._newest.state
-        action = decide_restore(copy, self.node)
-        if action.state is None:
-            return _Snapshot(RendezvousState(), None)
-        snap, won = self._write(_Snapshot(RendezvousState(), None), action.state)
-        if won:
-            log.warning("rendezvous %s: the state vanished; %s restored round %d", self._settings.run_id, self.node, copy.round)
-        return snap
+    async def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[tuple[_Snapshot, View], bool]:
+        """Compare-and-set ``new`` over ``snap``; then the state and its join log as after
+        :meth:`_observe`, and whether this write won.  The winner marks the revision and
+        deletes what nobody will wait on or read again, in the same trip."""
+        new = replace(new, nonce=secrets.token_hex(8))
+        sealed = self._signer.seal(encode(new))
+        keys = self._keys
+        stale = [keys.rev(new.version - REV_KEEP)] if new.version > REV_KEEP else []
+        if new.round > snap.state.round:
+            stale.append(keys.joins(snap.state.round))
+        log_key = None if new.complete or new.closed else keys.joins(new.round)
+
+        def trip(store: StoreBackend) -> tuple[bool, bytes | None, bytes | None]:
+            won, current = store.compare_set(keys.state, snap.raw, sealed)
+            if won:
+                store.set(keys.rev(new.version), b"1")
+                for key in stale:
+                    store.delete(key)
+            return won, current, (store.get(log_key) or b"") if log_key else None
+
+        won, current, log_raw = await self._store.batch(trip)
+        after = self._remember(_Snapshot(new, sealed)) if won else self._snapshot(current)
+        return (after, await self._logged(after.state, log_raw if after.state.round == new.round else None)), won
+
+    async def _next_revision(self, snap: _Snapshot, timeout: float) -> _Snapshot:
+        """The state once the one after ``snap`` is written, or after ``timeout`` seconds (one
+        trip: the wait and the read)."""
+        if timeout <= 0:
+            return await self._read()
+        state_key = self._keys.state
+        _, raw = await self._store.wait_then(self._keys.rev(snap.state.version + 1),
+                                             min(timeout, _LONGEST_WAIT), lambda store: store.get(state_key))
+        return self._snapshot(raw)
 
     def _open(self, raw: bytes) -> RendezvousState:
         problems: list[str] = []
@@ -486,22 +503,13 @@ class RendezvousHandler:
         return state
 
     def _remember(self, snap: _Snapshot) -> _Snapshot:
-        with self._lock:
-            if snap.state.version >= self._newest.state.version:
-                self._newest = snap
+        if snap.state.version >= self._newest.state.version:
+            self._newest = snap
         return snap
 
+
+_LONGEST_WAIT = 3600.0  # a wait with no deadline of its own still returns now and then
 
 
 def _log_refused(key: str, why: str) -> None:
     log.error("refused store record %s: %s", key, why)
-
-
-def _settle(future: Future, outcome: RoundEvent | Exception) -> None:
-    try:
-        if isinstance(outcome, Exception):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-    except InvalidStateError:  # cancelled by its owner meanwhile
-        pass

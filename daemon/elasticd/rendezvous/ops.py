@@ -59,6 +59,7 @@ class Action:
     act: Act
     state: RendezvousState | None = None
     until: float = math.inf
+    record: Participant | None = None  # ANNOUNCE: what this node declares in the join log
 
 
 class LastCall(NamedTuple):
@@ -96,7 +97,8 @@ def decide_join(state: RendezvousState, node: str, settings: RendezvousSettings,
         return Action(Act.JOIN_WAIT_LIST, state.next(wait_list={**state.wait_list, node: view.record}))
     nodes = joined(state, view)
     if node not in nodes:
-        return Action(Act.ANNOUNCE)
+        assert view.record is not None, "a joining node declares its record"
+        return Action(Act.ANNOUNCE, record=view.record)
     if barrier_reached(state, nodes, settings, view, now):
         return Action(Act.COMPLETE, complete(state, nodes, settings, view))
     return Action(Act.WAIT, until=_next_duty(state, settings, view, now))
@@ -300,7 +302,7 @@ def round_event(
     return RoundEvent(EventKind.WAITING, waiting=count) if count else None
 
 
-def info_for(state: RendezvousState, node: str, run_id: str, store_prefix: str) -> RendezvousInfo:
+def info_for(state: RendezvousState, node: str, run_id: str) -> RendezvousInfo:
     """This node's view of a complete round: ranks follow ``state.order``."""
     members, base = [], 0
     for rank, name in enumerate(state.order):
@@ -320,6 +322,5 @@ def info_for(state: RendezvousState, node: str, run_id: str, store_prefix: str) 
         world_size=base,
         master_addr=members[0].addr,
         master_port=state.participants[members[0].node].master_port,
-        store_prefix=store_prefix,
         members=tuple(members),
     )

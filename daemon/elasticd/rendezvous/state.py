@@ -139,7 +139,6 @@ class RendezvousInfo:
     world_size: int
     master_addr: str
     master_port: int
-    store_prefix: str  # unique to this run and round
     members: tuple[Member, ...]  # in group-rank order
 
 

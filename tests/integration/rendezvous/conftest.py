@@ -15,7 +15,8 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 from rendezvous_support import INTERVAL, Participant  # noqa: E402
 
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings  # noqa: E402
+from blocking_rendezvous import BlockingRendezvous  # noqa: E402
+from elasticd.rendezvous import RendezvousSettings  # noqa: E402
 from elasticd.store.c10d import C10dServer, C10dStore, connect  # noqa: E402
 from elasticd.store.signing import Signer, create_key, load_key  # noqa: E402
 
@@ -52,13 +53,13 @@ def prefix(request) -> str:
 
 
 @pytest.fixture
-def make_handler(store, signer, prefix) -> Iterator[Callable[..., RendezvousHandler]]:
+def make_handler(store, signer, prefix) -> Iterator[Callable[..., BlockingRendezvous]]:
     """``make_handler(node, settings, **kwargs)``; every handler is shut down afterwards."""
-    made: list[RendezvousHandler] = []
+    made: list[BlockingRendezvous] = []
 
-    def make(node: str, config: RendezvousSettings, **kwargs) -> RendezvousHandler:
+    def make(node: str, config: RendezvousSettings, **kwargs) -> BlockingRendezvous:
         kwargs.setdefault("prefix", prefix)
-        handler = RendezvousHandler(kwargs.pop("store", store), signer, config, node, f"{node}.addr", **kwargs)
+        handler = BlockingRendezvous(kwargs.pop("store", store), signer, config, node, f"{node}.addr", **kwargs)
         made.append(handler)
         return handler
 

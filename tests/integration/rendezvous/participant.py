@@ -10,7 +10,11 @@ import argparse
 import json
 import sys
 
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the blocking adapter
+from blocking_rendezvous import BlockingRendezvous  # noqa: E402
+from elasticd.rendezvous import RendezvousSettings  # noqa: E402
 from elasticd.store.c10d import connect
 from elasticd.store.signing import Signer, load_key
 
@@ -33,8 +37,8 @@ def main() -> int:
     settings = RendezvousSettings("job", args.min_nodes, args.max_nodes, join_timeout=60.0,
                                   last_call_timeout=args.last_call, keep_alive_interval=args.interval)
     store = connect(args.endpoint, connect_timeout=30.0)
-    handler = RendezvousHandler(store, Signer(load_key(args.key_file)), settings, args.node, f"{args.node}.addr",
-                                prefix=args.prefix)
+    handler = BlockingRendezvous(store, Signer(load_key(args.key_file)), settings, args.node,
+                                 f"{args.node}.addr", prefix=args.prefix)
     while True:
         info = handler.next_rendezvous(args.nproc, 29400)
         say(event="formed", round=info.round, reason=info.reason, group_rank=info.group_rank,

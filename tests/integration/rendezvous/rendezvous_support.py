@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
+from elasticd.rendezvous import RendezvousSettings
 
 INTERVAL = 0.2  # keep-alive interval in these tests: a silent node is dead after 0.6 s
 PARTICIPANT = Path(__file__).with_name("participant.py")
@@ -25,7 +25,7 @@ def settings(min_nodes: int, max_nodes: int, **overrides) -> RendezvousSettings:
     return RendezvousSettings(run_id="job", min_nodes=min_nodes, max_nodes=max_nodes, **fields)
 
 
-def join(pool: ThreadPoolExecutor, handlers: list[RendezvousHandler], nproc: int = 1) -> list[Future]:
+def join(pool: ThreadPoolExecutor, handlers: list, nproc: int = 1) -> list[Future]:
     """Every handler calls next_rendezvous in its own thread; master_port = 29400 + index."""
     return [pool.submit(h.next_rendezvous, nproc, 29400 + i) for i, h in enumerate(handlers)]
 
