@@ -97,32 +97,55 @@ def test_wait_then_reads_after_the_wait_in_one_trip(server):
     assert timed_out == (False, b"s1")
 
 
-def test_a_silent_store_times_out_and_the_next_call_gets_a_fresh_thread():
-    """The store host is SIGSTOPped (a partition as the client sees it: the connection is up,
-    nothing answers); the call ends with StoreTimeout at the AsyncStore deadline, and once the
-    host answers again the next call on the same AsyncStore succeeds."""
+@pytest.fixture
+def store_host():
+    """A TCPStore hosted by another process, to be SIGSTOPped: a partition as a client sees
+    it (the connection is up, nothing answers)."""
     host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
     try:
-        endpoint = host.stdout.readline().strip()
-
-        async def scenario():
-            store = AsyncStore(connect(endpoint, timeout=30.0), timeout=1.0, quick=1, name="t")
-            try:
-                await store.set("k", b"before")
-                os.kill(host.pid, signal.SIGSTOP)
-                with pytest.raises(StoreTimeout):
-                    await store.get("k")
-                os.kill(host.pid, signal.SIGCONT)
-                return await store.get("k")
-            finally:
-                await store.close()
-
-        assert run(scenario()) == b"before"
+        yield host, host.stdout.readline().strip()
     finally:
         os.kill(host.pid, signal.SIGCONT)
         host.kill()
         host.wait()
+
+
+def test_a_silent_store_times_out_and_the_next_call_gets_a_fresh_thread(store_host):
+    """The call ends with StoreTimeout at the AsyncStore deadline, and once the host answers
+    again the next call on the same AsyncStore succeeds."""
+    host, endpoint = store_host
+
+    async def scenario():
+        store = AsyncStore(connect(endpoint, timeout=30.0), timeout=1.0, quick=1, name="t")
+        try:
+            await store.set("k", b"before")
+            os.kill(host.pid, signal.SIGSTOP)
+            with pytest.raises(StoreTimeout):
+                await store.get("k")
+            os.kill(host.pid, signal.SIGCONT)
+            return await store.get("k")
+        finally:
+            await store.close()
+
+    assert run(scenario()) == b"before"
+
+
+def test_close_aborts_a_call_stuck_on_a_silent_store(store_host):
+    """A call given up at its deadline still sits in TCPStore (its own timeout is 30 s);
+    close ends it and returns with no thread left."""
+    host, endpoint = store_host
+
+    async def scenario():
+        store = AsyncStore(connect(endpoint, timeout=30.0), timeout=0.5, quick=1, name="t")
+        await store.set("k", b"v")
+        os.kill(host.pid, signal.SIGSTOP)
+        with pytest.raises(StoreTimeout):
+            await store.get("k")
+        await store.close()
+        return store_threads()
+
+    assert run(scenario()) == []
 
 
 def test_close_ends_a_blocked_wait_and_leaves_no_thread(server):

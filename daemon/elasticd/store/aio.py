@@ -16,9 +16,12 @@ wake-ups): ``batch`` and ``wait_then`` make several calls in one trip.
 Each operation has a deadline seen from the event loop: the store timeout (a wait: its own
 timeout plus that).  A call on a connection that went silent (a partition) can block far
 longer than the backend's own timeout; past the deadline the caller gets StoreTimeout and
-the thread is given up and replaced.  ``close`` ends the calls still in progress (the
-backend's ``abort``: nobody awaits them any more), and returns once no thread is left in the
-backend: a thread that returned into a finalizing interpreter would abort the process.
+the thread is given up and replaced.  ``close`` gives up every call still awaited (a wait
+ends at its next slice) and returns once no thread is left in the backend: a thread that
+returned into a finalizing interpreter would abort the process.  A thread still in a call
+after ``_CLOSE_GRACE`` is stuck on a silent store, and only then the backend's ``abort``
+ends it (it shuts down every connection of the process to that store: all of them are as
+silent).
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class AsyncStore:
         self._idle_waiters = [self._new_waiter()]  # the first wait starts no thread
         self._wait_slots = asyncio.Semaphore(waits)
         self._given_up: list[threading.Thread] = []
+        self._awaited: set[asyncio.Future[Any]] = set()
         self._closed = False
 
     # -- the StoreBackend operations ------------------------------------------------------
@@ -187,6 +191,7 @@ class AsyncStore:
                 done()
             raise StoreConnectionError("the store connection is closed")
         lane.put(future, fn, args, done)
+        self._awaited.add(future)
         try:
             async with asyncio.timeout(deadline):  # not wait_for: see elasticd.aio
                 return await future
@@ -195,6 +200,7 @@ class AsyncStore:
                                f"within {deadline:g} s") from None
         finally:
             future.cancel()  # a call not started yet is skipped; a wait ends at its next slice
+            self._awaited.discard(future)
 
     def _waited(self, lane: _Lane) -> None:
         """A wait lane's call returned: its slot and the lane are free again."""
@@ -230,6 +236,8 @@ class AsyncStore:
         if self._closed:
             return
         self._closed = True
+        for future in self._awaited:
+            future.cancel()
         lanes = self._quick + list(self._waiters)
         for lane in lanes:
             lane.stop()
@@ -237,12 +245,17 @@ class AsyncStore:
 
 
 def _close(threads: list[threading.Thread], backend: StoreBackend) -> None:
-    """End the calls in progress (a wait whose caller gave up, a call stuck on a silent
-    connection: nobody awaits them any more), let the threads finish, close the backend."""
+    """Let the threads finish their calls (nobody awaits them any more), abort the ones
+    stuck on a silent store, close the backend."""
+    _join(threads, _CLOSE_GRACE)
     abort = getattr(backend, "abort", None)
-    if abort is not None:
+    if abort is not None and any(thread.is_alive() for thread in threads):
         abort()
-    deadline = time.monotonic() + _CLOSE_GRACE
+        _join(threads, _CLOSE_GRACE)
+    backend.close()
+
+
+def _join(threads: list[threading.Thread], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    backend.close()
