@@ -77,7 +77,12 @@ def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
                  parent_pid: int) -> Callable[[], None]:
     """preexec_fn: in the child, before exec.  Only thin system calls (the daemon has
     threads): join the cgroup while root, drop to the user, then enter the workdir as the
-    user.  PDEATHSIG is set after the uid change, which would clear it."""
+    user.  PDEATHSIG is set after the uid change, which would clear it.
+
+    subprocess's own ``user``/``group``/``extra_groups``/``cwd`` do not cover it: its child
+    enters ``cwd`` while still root (a directory the user may not enter would be entered),
+    it has no way to join a cgroup before user code runs (no CLONE_INTO_CGROUP), and none to
+    set PDEATHSIG."""
     def setup() -> None:
         for fd in join_fds:
             os.write(fd, b"0")

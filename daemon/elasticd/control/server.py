@@ -88,7 +88,12 @@ ZapPolicy = Callable[[bytes, bytes, list[bytes]], bytes | None]  # (mechanism, a
 
 
 class Zap:
-    """The context's ZAP handler (RFC 27), one policy per ZAP domain."""
+    """The context's ZAP handler (RFC 27), one policy per ZAP domain.
+
+    Not ``zmq.auth``'s AsyncioAuthenticator: it serves from a task of its own that no task
+    group owns (``ensure_future``), and a credentials callback that raises ends that task,
+    after which every peer handshake hangs unanswered; here a failing policy refuses one
+    connection, and ``serve`` runs in the daemon's task group."""
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self._socket = ctx.socket(zmq.REP)
