@@ -25,11 +25,11 @@ from typing import Any, Callable, Protocol
 from .aio import race
 from .cgroups import JobCgroup, JobCgroups
 from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
-from .jobs import Outcome, Part, PartState
+from .records import Outcome, Part
 from .keyspace import Keyspace
 from .liveness import KeepAlive
 from .logs import LogBus
-from .model import (PART_STATES, JobSpec, JobState, RunResult, WorkerGroup, WorkerState,
+from .model import (PART_STATES, JobSpec, PartState, JobState, RunResult, WorkerGroup, WorkerState,
                     assign_workers)
 from .rendezvous import (EventKind, NextRound, Reason, RendezvousHandler, RendezvousInfo,
                          RendezvousSettings, RoundEvent, may_restart)

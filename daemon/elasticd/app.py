@@ -43,11 +43,12 @@ from .endpoint import join_endpoint
 from .errors import ConfigError, ElasticdError
 from .history import History
 from .keyspace import Keyspace
-from .jobs import JobRecord, JobRegistry, Outcome, PartState, worker_groups
+from .jobs import JobRegistry
+from .records import JobRecord, Outcome, worker_groups
 from .logs import LogBus
 from .workers import reap_leftovers
 from .metrics import InstrumentedStore, Metrics
-from .model import JobState, NodeInfo
+from .model import JobState, NodeInfo, PartState
 from .peers import PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy, load_or_create_keys
 from .placement import Resources
 from .scheduler import JobService

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
 from .errors import ElasticdError, StoreError
-from .jobs import JobRegistry, Outcome, Part
+from .jobs import JobRegistry
+from .records import Outcome, Part
 from .keyspace import Keyspace
 from .model import IllegalTransition, JobSpec
 from .store.aio import AsyncStore

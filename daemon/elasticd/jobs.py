@@ -1,210 +1,22 @@
-"""The job registry: this daemon's view of every job in the cluster.
-
-A job is its spec, its submit order (``seq``), one *part* per node that takes part in it
-(reported by that node's agent) and, once decided, its *outcome*.  The job document that
-``elasticctl`` shows is derived from these by pure functions.  The registry is the only
-writer of local job records and of the history database; agents and the board watcher
-send it changes, and it wakes whoever waits on a job.
+"""The job registry: this daemon's view of every job in the cluster (the records of
+:mod:`elasticd.records`).  The registry is the only writer of local job records and of the
+history database; agents and the board watcher send it changes, and it wakes whoever waits
+on a job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any, Callable, Iterable
 
 from .errors import NotFound
 from .history import History, HistoryError
-from .model import (JOB_STATES, NEW_PART, PART_STATES, Failure, JobSpec, JobState, PartState)
-
-_ENDED = frozenset(state for state in PartState if not state.active)
+from .model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
+from .records import JobRecord, Outcome, Part, history_row, job_doc, record_from_history
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Part:
-    node: str
-    state: PartState
-    round: int | None = None
-    group_rank: int | None = None
-    restarts: int = 0
-    world_size: int | None = None
-    group_world_size: int | None = None
-    workers: tuple[dict[str, Any], ...] = ()
-    started: float | None = None
-    barrier: dict[str, Any] | None = None
-    updated: float = 0.0
-    usage: dict[str, Any] | None = None   # the job's cgroup on this node: cgroups.Usage.to_json()
-
-    def to_json(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["state"] = self.state.value
-        doc["workers"] = list(self.workers)
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Part:
-        fields = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc}
-        fields["state"] = PartState(fields["state"])
-        fields["workers"] = tuple(fields.get("workers", ()))
-        return cls(**fields)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a job ended; written once (the first writer wins)."""
-
-    state: JobState
-    ended: float
-    exit_code: int | None = None
-    message: str = ""
-    error: Failure | None = None
-    by: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"state": self.state.value, "ended": self.ended, "exit_code": self.exit_code,
-                "message": self.message, "by": self.by,
-                "error": self.error.to_json() if self.error else None}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Outcome:
-        state = JobState(doc["state"])
-        if not state.terminal:
-            raise ValueError(f"outcome state {state.value} is not terminal")
-        error = Failure.from_json(doc["error"]) if doc.get("error") else None
-        return cls(state, float(doc["ended"]), doc.get("exit_code"), str(doc.get("message", "")),
-                   error, str(doc.get("by", "")))
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    spec: JobSpec
-    seq: int
-    parts: Mapping[str, Part] = field(default_factory=dict)
-    outcome: Outcome | None = None
-    version: int = 0
-
-    @property
-    def id(self) -> str:
-        return self.spec.id
-
-    @property
-    def state(self) -> JobState:
-        return job_state(self.parts.values(), self.outcome)
-
-    def with_part(self, part: Part) -> JobRecord:
-        return replace(self, parts={**self.parts, part.node: part}, version=self.version + 1)
-
-
-def job_state(parts: Iterable[Part], outcome: Outcome | None) -> JobState:
-    """The job's state from its nodes' parts; an outcome, once written, is final.  A job that
-    ran and has no running node is RESTARTING, even while no node holds it (JOB_STATES)."""
-    if outcome is not None:
-        return outcome.state
-    parts = list(parts)
-    states = {p.state for p in parts}
-    if states & {PartState.RUNNING, PartState.BARRIER}:
-        return JobState.RUNNING
-    if PartState.RESTARTING in states or started(parts) is not None:
-        return JobState.RESTARTING
-    if PartState.RENDEZVOUS in states:
-        return JobState.RENDEZVOUS
-    return JobState.PENDING
-
-
-def started(parts_or_record: Iterable[Part] | JobRecord) -> float | None:
-    """When the job first ran, on any node (None: it has not)."""
-    parts = parts_or_record.parts.values() if isinstance(parts_or_record, JobRecord) else parts_or_record
-    return min((p.started for p in parts if p.started is not None), default=None)
-
-
-def worker_groups(records: Iterable[JobRecord], node: str) -> dict[int, float]:
-    """The process groups of the workers ``node`` ran for these jobs (a worker's pid -> when
-    its part started), for reaping what a daemon that died left behind."""
-    return {int(worker["pid"]): part.started
-            for record in records if (part := record.parts.get(node)) is not None and part.started
-            for worker in part.workers if worker.get("pid")}
-
-
-def current_parts(record: JobRecord) -> list[Part]:
-    """The parts of the latest round (older rounds' workers are gone), by group rank."""
-    rounds = [p.round for p in record.parts.values() if p.round is not None]
-    latest = max(rounds, default=None)
-    parts = [p for p in record.parts.values() if p.round == latest and p.state != PartState.LEFT]
-    return sorted(parts, key=lambda p: (p.group_rank is None, p.group_rank or 0, p.node))
-
-
-def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The job document of the control protocol (``status --json``).  ``live_usage`` is
-    this node's usage of the job read now, fresher than its last reported part."""
-    spec, outcome = record.spec, record.outcome
-    parts = current_parts(record)
-    usage = {p.node: p.usage for p in record.parts.values() if p.usage}
-    if live_usage:
-        usage.update(live_usage)
-    error = _error_doc(outcome)
-    barrier = next((p.barrier for p in parts if p.barrier), None)
-    return {
-        "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
-        "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
-        "nproc_per_node": spec.nproc_per_node,
-        "restarts": max((p.restarts for p in record.parts.values()), default=0),
-        "max_restarts": spec.max_restarts, "created": spec.created,
-        "started": started(record), "ended": outcome.ended if outcome else None,
-        "exit_code": outcome.exit_code if outcome else None,
-        "round": parts[0].round if parts else None,
-        "world_size": parts[0].world_size if parts else None,
-        "argv": list(spec.argv), "kind": spec.kind, "workdir": spec.workdir,
-        "submitted_on": spec.submitted_on,
-        "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
-        "nodes": [_node_doc(p, usage.get(p.node)) for p in parts],
-        "usage": total_usage(usage.values()),
-        "error": error, "barrier": barrier if outcome is None else None,
-    }
-
-
-def listed_doc(record: JobRecord) -> dict[str, Any]:
-    """job_doc for `list`: a record that cannot be rendered still shows, marked, and never
-    fails the whole list for everyone."""
-    try:
-        return job_doc(record)
-    except Exception as exc:
-        log.exception("job %s cannot be shown", record.id)
-        return {"id": record.id, "name": "?", "state": "UNKNOWN", "user": "?", "nnodes": None,
-                "workers": [], "nodes": [], "error": {"message": f"unreadable record: {exc}"}}
-
-
-def _node_doc(part: Part, usage: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {"node": part.node, "group_rank": part.group_rank, "state": part.state.value,
-            "ranks": [w["rank"] for w in part.workers], "usage": dict(usage) if usage else None}
-
-
-def total_usage(usages: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """A job's usage over its nodes: CPU time and OOM kills add up, the memory peak is the
-    largest node's (peaks on different nodes need not coincide)."""
-    usages = list(usages)
-    if not usages:
-        return None
-
-    def values(key: str) -> list[Any]:
-        return [u[key] for u in usages if u.get(key) is not None]
-    total = {"cpu_seconds": sum(values("cpu_seconds")) if values("cpu_seconds") else None,
-             "memory_peak": max(values("memory_peak"), default=None),
-             "oom_kills": sum(values("oom_kills")) if values("oom_kills") else None}
-    return {key: value for key, value in total.items() if value is not None}
-
-
-def _error_doc(outcome: Outcome | None) -> dict[str, Any] | None:
-    if outcome is None or outcome.state == JobState.SUCCEEDED:
-        return None
-    if outcome.error is not None:
-        doc = outcome.error.to_json()
-        doc["message"] = doc["message"] or outcome.message
-        return doc
-    return {"message": outcome.message, "traceback": "", "rank": None, "node": outcome.by,
-            "exit_code": outcome.exit_code}
 
 
 class JobRegistry:
@@ -292,7 +104,7 @@ class JobRegistry:
             return record
         if own:
             old = record.parts.get(part.node)
-            if old is not None and not (old.state in _ENDED and part.state is NEW_PART):
+            if old is not None and not (not old.state.active and part.state is NEW_PART):
                 PART_STATES.check(old.state, part.state)
         return self._put(record.with_part(part))
 
@@ -350,20 +162,3 @@ class JobRegistry:
         while (record := self.get(job_id)).version <= seen_version:
             await self._changed.wait()
         return record
-
-
-def history_row(record: JobRecord) -> dict[str, Any]:
-    return {"id": record.id, "seq": record.seq, "state": record.state.value,
-            "created": record.spec.created,
-            "ended": record.outcome.ended if record.outcome else None,
-            "spec": record.spec.to_json(),
-            "parts": {n: p.to_json() for n, p in record.parts.items()},
-            "outcome": record.outcome.to_json() if record.outcome else None}
-
-
-def record_from_history(doc: Mapping[str, Any]) -> JobRecord:
-    if not isinstance(doc, Mapping):
-        raise ValueError("the row is not a JSON object")
-    outcome = Outcome.from_json(doc["outcome"]) if doc.get("outcome") else None
-    parts = {n: Part.from_json(p) for n, p in (doc.get("parts") or {}).items()}
-    return JobRecord(JobSpec.from_json(doc["spec"]), int(doc["seq"]), parts, outcome)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .jobs import JobRecord
+from .records import JobRecord
 from .model import GPU, JobSpec, PartState
 
 _DONE_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED})

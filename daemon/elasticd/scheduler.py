@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from .agent import AgentFactory, JobAgent
 from .board import BoardFollower, JobBoard
 from .errors import Conflict, StoreError
-from .jobs import JobRecord, JobRegistry, Outcome, Part, started
+from .jobs import JobRegistry
+from .records import JobRecord, Outcome, Part, started
 from .model import JobSpec, JobState
 from .placement import Offer, Resources, place
 from .rendezvous import Reason

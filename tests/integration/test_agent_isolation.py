@@ -18,12 +18,12 @@ from elasticd.agent import AgentFactory
 from elasticd.board import BoardFollower, JobBoard
 from elasticd.errors import StoreConnectionError
 from elasticd.history import History
-from elasticd.jobs import JobRegistry, PartState
+from elasticd.jobs import JobRegistry
 from elasticd.keyspace import Keyspace
 from elasticd.liveness import KeepAlive
 from elasticd.logs import LogBus
 from elasticd.metrics import Metrics
-from elasticd.model import JobSpec
+from elasticd.model import JobSpec, PartState
 from elasticd.placement import Resources
 from elasticd.scheduler import JobService
 from elasticd.store.aio import AsyncStore

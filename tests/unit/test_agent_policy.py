@@ -3,7 +3,7 @@
 import pytest
 
 from elasticd.agent import Action, JobEnded, Leaving, RoundChanged, WorkersExited, decide
-from elasticd.jobs import Outcome
+from elasticd.records import Outcome
 from elasticd.model import Failure, JobSpec, JobState, RunResult, WorkerState
 from elasticd.rendezvous import EventKind as K, Reason as R, RendezvousInfo, RoundEvent
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from elasticd.jobs import JobRecord, Outcome, Part, PartState
-from elasticd.model import JobSpec, JobState
+from elasticd.records import JobRecord, Outcome, Part
+from elasticd.model import JobSpec, JobState, PartState
 from elasticd.placement import Offer, Resources, fit, place
 
 

@@ -18,7 +18,8 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 from .. import __version__
 from ..config import DaemonConfig
 from ..errors import ElasticdError, InvalidSpec, NotFound, PermissionDenied
-from ..jobs import JobRecord, JobRegistry, job_doc, listed_doc
+from ..jobs import JobRegistry
+from ..records import JobRecord, job_doc, listed_doc
 from ..aio import race
 from ..logs import LogBus, LogReader
 from ..model import JobSpec, parse_nnodes, parse_nproc
