@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 
 import pytest
 
@@ -34,7 +36,32 @@ def _c10d_store(request):
     return connect(server.endpoint, timeout=10.0, connect_timeout=10.0)
 
 
-BACKENDS = {"memory": _memory_store, "c10d": _c10d_store}
+class OnALoop:
+    """A TCPStoreClient's coroutines called from any thread (the contract is written for
+    blocking backends): the client runs on a loop of its own."""
+
+    def __init__(self, endpoint: str, timeout: float = 10.0) -> None:
+        from elasticd.store.tcpstore import TCPStoreClient
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._client = TCPStoreClient(endpoint, timeout=timeout)
+
+    def __getattr__(self, name: str):
+        method = getattr(self._client, name)
+        return lambda *args: asyncio.run_coroutine_threadsafe(method(*args), self._loop).result()
+
+    def close(self) -> None:
+        """Closes the client; the loop stays for calls after close (they must fail)."""
+        asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
+
+
+def _tcpstore_client(request):
+    return OnALoop(request.getfixturevalue("c10d_server").endpoint)
+
+
+BACKENDS = {"memory": _memory_store, "c10d": _c10d_store, "tcpstore": _tcpstore_client}
 
 
 @pytest.fixture(params=sorted(BACKENDS))

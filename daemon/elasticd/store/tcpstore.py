@@ -1,0 +1,290 @@
+"""TCPStoreClient: the c10d TCPStore's wire protocol, spoken from the event loop.
+
+torch's TCPStore client blocks, cannot cancel a wait and cannot be interrupted, so calling it
+from a daemon meant a thread per call in flight, two thread wake-ups per call (measured here:
+120 us a call through a thread, 50 us on the loop), and a wait nobody awaits any more
+holding its thread until its timeout.  This client needs neither threads nor torch: each
+call is a write and a read on a connection of its own from a small pool; a call given up
+(its deadline passed, its task cancelled) closes its connection, and a wait that timed out
+is cancelled on the wire (CANCEL_WAIT) so that its connection is reused.
+
+The protocol is torch's (``torch/csrc/distributed/c10d/TCPStore.cpp`` and
+``TCPStoreBackend.hpp``, checked against torch 2.13's libuv server by the contract suite):
+a request is a one-byte query type and its arguments; byte strings are a little-endian
+uint64 length and the bytes, integers little-endian; every key carries the client prefix
+``/`` that torch's client adds, so torch's own clients see the same keys.  A connection
+opens with VALIDATE (a magic number) and a PING that the server echoes.  Writes that the
+server does not answer (SET, APPEND) are followed by a PING in the same packet: a call
+returns once the store applied it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import struct
+from typing import Any, Awaitable, Callable
+
+from elasticd.endpoint import split_endpoint
+from elasticd.errors import StoreConnectionError, StoreTimeout
+from elasticd.store.base import check_compare_value
+
+MISSING = b"\x00elasticd:missing\x00"  # compare_set(k, MISSING, MISSING) reads k without blocking
+_MAGIC = 0x3C85F7CE
+_FIRST_BACKOFF = 0.05
+_MAX_BACKOFF = 2.0
+
+
+class _Query(enum.IntEnum):  # TCPStoreBackend.hpp's QueryType, in its order
+    VALIDATE = 0
+    SET = 1
+    COMPARE_SET = 2
+    GET = 3
+    ADD = 4
+    CHECK = 5
+    WAIT = 6
+    GETNUMKEYS = 7
+    DELETE_KEY = 8
+    APPEND = 9
+    MULTI_GET = 10
+    MULTI_SET = 11
+    CANCEL_WAIT = 12
+    PING = 13
+
+
+_READY = 0          # CheckResponseType
+_STOP_WAITING = 0   # WaitResponseType
+_WAIT_CANCELED = 1
+
+
+def _blob(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def _key(key: str) -> bytes:
+    return _blob(("/" + key).encode())
+
+
+def _query(query: _Query, *args: bytes) -> bytes:
+    return bytes([query]) + b"".join(args)
+
+
+class ProtocolError(StoreConnectionError):
+    """The peer answered something TCPStore never sends: not a TCPStore, or out of step."""
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._nonce = os.getpid() & 0xFFFFFFFF
+
+    def send(self, *frames: bytes) -> None:
+        self._writer.write(b"".join(frames))
+
+    def ping(self) -> bytes:
+        return _query(_Query.PING, struct.pack("<I", self._nonce))
+
+    async def pong(self) -> None:
+        (nonce,) = struct.unpack("<I", await self._reader.readexactly(4))
+        if nonce != self._nonce:
+            raise ProtocolError(f"the store echoed {nonce:#x} to a ping of {self._nonce:#x}")
+
+    async def byte(self) -> int:
+        return (await self._reader.readexactly(1))[0]
+
+    async def int64(self) -> int:
+        return struct.unpack("<q", await self._reader.readexactly(8))[0]
+
+    async def blob(self) -> bytes:
+        (size,) = struct.unpack("<Q", await self._reader.readexactly(8))
+        return await self._reader.readexactly(size)
+
+    @property
+    def usable(self) -> bool:
+        return not self._writer.is_closing() and not self._reader.at_eof()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+Exchange = Callable[[_Connection], Awaitable[Any]]
+
+
+class TCPStoreClient:
+    """The store operations as coroutines over a TCPStore server (see the module docstring).
+
+    At most ``connections`` calls and ``waits`` waits are on the wire at once; each call has a
+    deadline of ``timeout`` seconds (a wait: its own timeout plus that), past which it raises
+    StoreTimeout.  A call fails at once with StoreConnectionError when the store refuses
+    connections (its callers retry on their own schedule and report the store down
+    meanwhile); only :meth:`connect` waits for a store to come up.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = 30.0, connections: int = 4,
+                 waits: int = 64) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._host, self._port = split_endpoint(endpoint)
+        self._calls = asyncio.Semaphore(connections)
+        self._waits = asyncio.Semaphore(waits)
+        self._idle: list[_Connection] = []
+        self._open: set[_Connection] = set()
+        self._unreachable: Exception | None = None  # why the last connect failed
+        self._closed = False
+
+    # -- the store operations -------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        value = await self._call(_cas(key, MISSING, MISSING), _Connection.blob)
+        return None if value == MISSING else value
+
+    async def set(self, key: str, value: bytes) -> None:
+        await self._call(_query(_Query.SET, _key(key), _blob(value)), _Connection.pong, ping=True)
+
+    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        check_compare_value(expected)
+        if expected == desired:  # TCPStore's answer would be ambiguous; a no-op swap is a read
+            current = await self.get(key)
+            return current == desired, current
+        value = await self._call(_cas(key, expected or b"", desired), _Connection.blob)
+        if value == desired:
+            return True, value
+        if expected is not None and value == expected:  # TCPStore echoes `expected` on a missing key
+            return False, None
+        return False, value
+
+    async def add(self, key: str, amount: int) -> int:
+        return await self._call(_query(_Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64)
+
+    async def append(self, key: str, value: bytes) -> None:
+        await self._call(_query(_Query.APPEND, _key(key), _blob(value)), _Connection.pong, ping=True)
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Every key's value in one round trip (the reads are pipelined)."""
+        if not keys:
+            return []
+
+        async def answers(conn: _Connection) -> list[bytes | None]:
+            values = [await conn.blob() for _ in keys]
+            return [None if value == MISSING else value for value in values]
+
+        return await self._call(b"".join(_cas(key, MISSING, MISSING) for key in keys), answers)
+
+    async def delete(self, key: str) -> bool:
+        return await self._call(_query(_Query.DELETE_KEY, _key(key)), _Connection.int64) > 0
+
+    async def wait_for(self, key: str, timeout: float) -> bool:
+        """True once ``key`` exists, False after ``timeout`` seconds."""
+        if timeout <= 0:
+            check = _query(_Query.CHECK, struct.pack("<Q", 1), _key(key))
+            return await self._call(check, _Connection.byte) == _READY
+
+        async def answer(conn: _Connection) -> bool:
+            try:
+                async with asyncio.timeout(timeout):
+                    response = await conn.byte()
+            except TimeoutError:
+                conn.send(_query(_Query.CANCEL_WAIT))
+                response = await conn.byte()
+                if response == _STOP_WAITING:  # the key came as we cancelled
+                    response = await conn.byte()
+                if response != _WAIT_CANCELED:
+                    raise ProtocolError(f"unexpected answer {response} to CANCEL_WAIT") from None
+                return False
+            if response != _STOP_WAITING:
+                raise ProtocolError(f"unexpected answer {response} to WAIT")
+            return True
+
+        wait = _query(_Query.WAIT, struct.pack("<Q", 1), _key(key))
+        return await self._call(wait, answer, limit=self._waits, deadline=timeout + self.timeout)
+
+    async def connect(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the store to answer (a daemon may start before
+        its store host does)."""
+        try:
+            async with asyncio.timeout(timeout):
+                self._idle.append(await self._connect(retry=True))
+        except TimeoutError:
+            raise StoreConnectionError(f"the store at {self.endpoint} did not answer within "
+                                       f"{timeout:g}s: {self._unreachable or 'no answer'}") from None
+
+    async def close(self) -> None:
+        """Close every connection; calls in flight fail with StoreConnectionError."""
+        self._closed = True
+        for conn in list(self._open):
+            conn.close()
+        self._open.clear()
+        self._idle.clear()
+
+    # -- connections ----------------------------------------------------------------------
+
+    async def _call(self, request: bytes, exchange: Exchange, *, ping: bool = False,
+                    limit: asyncio.Semaphore | None = None, deadline: float | None = None) -> Any:
+        """Send ``request`` on a free connection and read its answer with ``exchange``.  A
+        connection whose exchange did not complete is closed: its state is unknown."""
+        deadline = self.timeout if deadline is None else deadline
+        conn = None
+        async with limit or self._calls:
+            try:
+                async with asyncio.timeout(deadline):
+                    conn = await self._take()
+                    conn.send(request, conn.ping() if ping else b"")
+                    result = await exchange(conn)
+            except TimeoutError:
+                self._discard(conn)
+                raise StoreTimeout(f"store {self.endpoint}: no answer within {deadline:g}s") from None
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                self._discard(conn)
+                raise StoreConnectionError(f"lost the store at {self.endpoint}: "
+                                           f"{exc or type(exc).__name__}") from exc
+            except BaseException:
+                self._discard(conn)
+                raise
+        self._idle.append(conn)
+        return result
+
+    async def _take(self) -> _Connection:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable:
+                return conn
+            self._discard(conn)
+        return await self._connect()
+
+    async def _connect(self, retry: bool = False) -> _Connection:
+        """A new validated connection; with ``retry``, tried again with back-off until the
+        caller's deadline ends it."""
+        backoff = _FIRST_BACKOFF
+        while True:
+            if self._closed:
+                raise StoreConnectionError(f"the store client for {self.endpoint} is closed")
+            try:
+                reader, writer = await asyncio.open_connection(self._host, self._port)
+            except OSError as exc:
+                self._unreachable = exc
+                if not retry:
+                    raise StoreConnectionError(f"cannot reach the store at {self.endpoint}: {exc}") from exc
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                continue
+            conn = _Connection(reader, writer)
+            self._open.add(conn)
+            try:
+                conn.send(_query(_Query.VALIDATE, struct.pack("<I", _MAGIC)), conn.ping())
+                await conn.pong()
+            except BaseException:
+                self._discard(conn)
+                raise
+            self._unreachable = None
+            return conn
+
+    def _discard(self, conn: _Connection | None) -> None:
+        if conn is not None:
+            conn.close()
+            self._open.discard(conn)
+
+
+def _cas(key: str, expected: bytes, desired: bytes) -> bytes:
+    return _query(_Query.COMPARE_SET, _key(key), _blob(expected), _blob(desired))

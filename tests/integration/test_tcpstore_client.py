@@ -1,0 +1,254 @@
+"""TCPStoreClient against torch's TCPStore server: what the contract suite does not show.
+
+The contract suite (tests/contract) runs every store operation against it; here: torch's own
+clients see the same keys, a timed-out wait is cancelled on the wire and its connection kept,
+a wait whose caller gave up frees its place, a silent store gives StoreTimeout and no hang,
+close ends a blocked wait at once, the store coming up late or restarting, and a peer that
+is not a TCPStore.  No thread is ever started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from elasticd.errors import StoreConnectionError, StoreTimeout
+from elasticd.store.c10d import C10dServer, connect
+from elasticd.store.tcpstore import TCPStoreClient
+
+STORE_HOST = """
+import time
+from elasticd.store.c10d import C10dServer
+server = C10dServer("127.0.0.1", 0)
+print(server.endpoint, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def server():
+    server = C10dServer("127.0.0.1", 0, timeout=30.0)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def store_host():
+    """A TCPStore hosted by another process, to be SIGSTOPped: a partition as a client sees
+    it (the connection is up, nothing answers)."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    try:
+        yield host, host.stdout.readline().strip()
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+
+
+def run(coro):
+    threads = threading.active_count()
+    result = asyncio.run(asyncio.wait_for(coro, 60))
+    assert threading.active_count() == threads  # the client starts no thread
+    return result
+
+
+def connections_to(port: int) -> set[int]:
+    """The local ports of this process's open connections to ``port``."""
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torch_clients_see_the_same_keys(server):
+    torch_side = connect(server.endpoint)
+
+    async def scenario():
+        client = TCPStoreClient(server.endpoint)
+        try:
+            await client.set("ours", b"1")
+            torch_side.set("theirs", b"2")
+            torch_side.add("count", 5)
+            return await client.get("theirs"), await client.add("count", 1), torch_side.get("ours")
+        finally:
+            await client.close()
+
+    assert run(scenario()) == (b"2", 6, b"1")
+    torch_side.close()
+
+
+def test_a_timed_out_wait_is_cancelled_on_the_wire_and_its_connection_kept(server):
+    async def scenario():
+        client = TCPStoreClient(server.endpoint, connections=1, waits=1)
+        try:
+            assert await client.wait_for("never", 0.05) is False
+            first = connections_to(server.port) - others
+            for _ in range(5):
+                assert await client.wait_for("never", 0.05) is False
+            asyncio.get_running_loop().call_later(0.1, server_side.set, "later", b"x")
+            found = await client.wait_for("later", 5.0)
+            return found, first, connections_to(server.port) - others
+        finally:
+            await client.close()
+
+    server_side = connect(server.endpoint)
+    server_side.get("warm")  # its connection is open before the count
+    others = connections_to(server.port)
+    found, first, last = run(scenario())
+    server_side.close()
+    assert found is True
+    assert len(first) == 1 and last == first  # one connection, the same one throughout
+
+
+def test_a_wait_whose_caller_gave_up_frees_its_place(server):
+    """One wait at a time: the abandoned 60 s wait must not hold up the second."""
+    async def scenario():
+        client = TCPStoreClient(server.endpoint, waits=1)
+        try:
+            abandoned = asyncio.create_task(client.wait_for("never", 60.0))
+            await asyncio.sleep(0.1)
+            abandoned.cancel()
+            second = asyncio.create_task(client.wait_for("later", 5.0))
+            await client.set("later", b"1")
+            return await second
+        finally:
+            await client.close()
+
+    assert run(scenario()) is True
+
+
+def test_a_silent_store_times_out_and_the_next_call_reconnects(store_host):
+    host, endpoint = store_host
+
+    async def scenario():
+        client = TCPStoreClient(endpoint, timeout=0.5)
+        try:
+            await client.set("k", b"before")
+            os.kill(host.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(StoreTimeout):
+                await client.get("k")
+            gave_up = time.monotonic() - started
+            os.kill(host.pid, signal.SIGCONT)
+            return gave_up, await client.get("k")
+        finally:
+            await client.close()
+
+    gave_up, value = run(scenario())
+    assert value == b"before"
+    assert gave_up < 5  # the client's deadline (0.5 s), not TCPStore's 30 s or a hang
+
+
+def test_close_ends_a_blocked_wait_at_once(store_host):
+    host, endpoint = store_host
+
+    async def scenario():
+        client = TCPStoreClient(endpoint)
+        await client.set("k", b"v")
+        os.kill(host.pid, signal.SIGSTOP)  # nothing will ever answer the wait
+        blocked = asyncio.create_task(client.wait_for("never", 60.0))
+        await asyncio.sleep(0.1)
+        await client.close()
+        with pytest.raises(StoreConnectionError):
+            await blocked
+        with pytest.raises(StoreConnectionError):
+            await client.get("k")
+
+    run(scenario())
+
+
+def test_a_dead_endpoint_is_named_after_the_connect_timeout():
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    async def scenario():
+        client = TCPStoreClient(endpoint)
+        with pytest.raises(StoreConnectionError) as raised:
+            await client.connect(1.0)
+        return str(raised.value)
+
+    message = run(scenario())
+    assert endpoint in message and "did not answer within 1s" in message
+
+
+def test_the_client_waits_for_a_store_that_comes_up_late():
+    port = free_port()
+    servers: list[C10dServer] = []
+    timer = threading.Timer(0.5, lambda: servers.append(C10dServer("127.0.0.1", port)))
+    timer.start()
+
+    async def scenario():
+        client = TCPStoreClient(f"127.0.0.1:{port}")
+        try:
+            await client.connect(20.0)
+            await client.set("k", b"v")
+            return await client.get("k")
+        finally:
+            await client.close()
+
+    try:
+        assert asyncio.run(scenario()) == b"v"
+    finally:
+        timer.join()
+        for server in servers:
+            server.close()
+
+
+def test_a_restarted_store_fails_one_call_then_the_client_reconnects():
+    server = C10dServer("127.0.0.1", 0)
+    port = server.port
+
+    async def scenario():
+        nonlocal server
+        client = TCPStoreClient(server.endpoint, timeout=5.0)
+        try:
+            await client.set("k", b"v")
+            server.close()
+            with pytest.raises(StoreConnectionError) as raised:
+                await client.get("k")
+            assert server.endpoint in str(raised.value)
+            server = C10dServer("127.0.0.1", port)
+            assert await client.get("k") is None  # the data went with the old server
+            await client.set("k", b"again")
+            return await client.get("k")
+        finally:
+            await client.close()
+
+    try:
+        assert asyncio.run(scenario()) == b"again"
+    finally:
+        server.close()
+
+
+def test_a_peer_that_is_not_a_tcpstore_is_an_error_not_a_hang():
+    """An HTTP-ish server that answers the handshake with text."""
+    async def scenario():
+        async def liar(reader, writer):
+            await reader.read(64)
+            writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            await writer.drain()
+
+        fake = await asyncio.start_server(liar, "127.0.0.1", 0)
+        port = fake.sockets[0].getsockname()[1]
+        client = TCPStoreClient(f"127.0.0.1:{port}", timeout=2.0)
+        try:
+            with pytest.raises(StoreConnectionError):
+                await client.get("k")
+        finally:
+            await client.close()
+            fake.close()
+
+    run(scenario())
