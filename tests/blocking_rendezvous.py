@@ -2,7 +2,8 @@
 processes and bench_rendezvous do.
 
 Each BlockingRendezvous is one node: its own event loop in a thread of its own (as in a
-daemon), its own AsyncStore over the shared blocking backend, and its keeper task running.
+daemon), its own store client (a TCPStoreClient to a TCPStore's endpoint, as in a daemon;
+an AsyncStore over any other backend), and its keeper task running.
 Its methods block the calling thread until the handler's coroutine is done; ``watch``
 returns a concurrent Future.  ``is_closed`` and ``num_nodes_waiting`` read the state straight
 from the backend: the daemon never needs them, the tests do.
@@ -22,6 +23,8 @@ from elasticd.rendezvous.ops import num_waiting
 from elasticd.rendezvous.state import RendezvousState, decode
 from elasticd.store.aio import AsyncStore
 from elasticd.store.base import StoreBackend
+from elasticd.store.c10d import C10dStore
+from elasticd.store.tcpstore import TCPStoreClient
 from elasticd.store.signing import Signer
 
 
@@ -49,7 +52,8 @@ class BlockingRendezvous:
         self._thread.start()
 
         async def build() -> None:
-            self.store = AsyncStore(_Shared(store), timeout=30.0, quick=2, waits=8, name=f"{node}-store")
+            self.store = TCPStoreClient(store.endpoint, timeout=store.timeout) if isinstance(store, C10dStore) \
+                else AsyncStore(_Shared(store), timeout=30.0, quick=2, waits=8, name=f"{node}-store")
             self.handler = RendezvousHandler(self.store, signer, settings, node, addr, **kwargs)
             self._keeper = asyncio.create_task(self.handler.keep())
 

@@ -33,7 +33,7 @@ from .model import (PART_STATES, JobSpec, PartState, JobState, RunResult, Worker
                     assign_workers)
 from .rendezvous import (EventKind, NextRound, Reason, RendezvousHandler, RendezvousInfo,
                          RendezvousSettings, RoundEvent, may_restart)
-from .store.aio import AsyncStore
+from .store.base import Store
 from .store.signing import Refused, Signer
 from .workers import LocalWorkers
 
@@ -157,7 +157,7 @@ class AgentFactory:
 
     node: str
     address: str
-    store: AsyncStore
+    store: Store
     signer: Signer
     keyspace: Keyspace
     keep_alive: KeepAlive

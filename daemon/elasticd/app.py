@@ -52,9 +52,9 @@ from .model import JobState, NodeInfo, PartState
 from .peers import PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy, load_or_create_keys
 from .placement import Resources
 from .scheduler import JobService
-from .store import StoreBackend
-from .store.aio import AsyncStore
-from .store.c10d import C10dServer, connect
+from .store.base import Store
+from .store.c10d import C10dServer
+from .store.tcpstore import TCPStoreClient
 from .store.signing import Signer, load_key, load_or_create_key
 
 log = logging.getLogger("elasticd")
@@ -164,10 +164,15 @@ class Daemon:
         config = self.config
         self._make_dirs()
         signer = Signer(self._cluster_key())
-        store = AsyncStore(InstrumentedStore(await asyncio.to_thread(self._connect), self.metrics),
-                           timeout=config.store.timeout)
         async with contextlib.AsyncExitStack() as closing:
+            await asyncio.to_thread(self._host_store)
+            if self._server is not None:
+                closing.callback(self._server.close)
+            client = TCPStoreClient(self._endpoint, timeout=config.store.timeout)
+            store = InstrumentedStore(client, self.metrics)
             closing.push_async_callback(store.close)
+            await client.connect(config.store.connect_timeout)
+            self.metrics.store_up.set(1)
             await store.add(Keyspace(config.cluster.name).ping, 1)
             history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
             closing.callback(history.close)
@@ -239,8 +244,6 @@ class Daemon:
                 await service.run(self.stop)
                 for task in background:
                     task.cancel()
-        if self._server is not None:
-            self._server.close()
         log.info("elasticd stopped")
         return 0
 
@@ -260,7 +263,7 @@ class Daemon:
                         cgroups.reason)
         return cgroups
 
-    async def _node_registry(self, store: AsyncStore, signer: Signer) -> NodeRegistry:
+    async def _node_registry(self, store: Store, signer: Signer) -> NodeRegistry:
         registry = NodeRegistry(store, signer, self.config.cluster.name, self.node,
                                 keep_alive=self.config.rendezvous.keep_alive,
                                 endpoint=self._endpoint, on_refused=self._refused)
@@ -324,18 +327,14 @@ class Daemon:
             return is_local(self.config.store_host)
         return bool(host)
 
-    def _connect(self) -> StoreBackend:
-        """The store's blocking backend (hosted here first, when this node hosts it)."""
+    def _host_store(self) -> None:
+        """Host the cluster's store here when this node is its host; where it is."""
         config = self.config
         if self._hosts_store():
             self._server = C10dServer(config.store_host, config.store_port, timeout=config.store.timeout)
             self._endpoint = join_endpoint(config.store_host, self._server.port)
         else:
             self._endpoint = config.store.endpoint
-        store = connect(self._endpoint, timeout=config.store.timeout,
-                        connect_timeout=config.store.connect_timeout)
-        self.metrics.store_up.set(1)
-        return store
 
     @functools.cached_property
     def _address(self) -> str:

@@ -12,7 +12,7 @@ Keys under ``elasticd/<cluster>/jobs/``::
 
 A daemon follows the log by waiting for ``log/<n+1>`` (one store round trip of latency, no
 polling).  Every value is signed; a record whose MAC fails is refused and counted.  Store
-I/O goes through the AsyncStore.
+I/O is awaited on the event loop.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .jobs import JobRegistry
 from .records import Outcome, Part
 from .keyspace import Keyspace
 from .model import IllegalTransition, JobSpec
-from .store.aio import AsyncStore
+from .store.base import Store
 from .store.signing import Refused, Signer, open_or_refuse
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class BoardReset(ElasticdError):
 
 
 class JobBoard:
-    def __init__(self, store: AsyncStore, signer: Signer, cluster: str,
+    def __init__(self, store: Store, signer: Signer, cluster: str,
                  on_refused: Refused | None = None) -> None:
         self._store = store
         self._signer = signer

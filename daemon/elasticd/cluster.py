@@ -19,7 +19,7 @@ from .errors import NotFound, StoreError
 from .keyspace import Keyspace
 from .liveness import Beat, KeepAlive, observe, silent
 from .model import NODE_STATES, IllegalTransition, NodeInfo, NodeState
-from .store.aio import AsyncStore
+from .store.base import Store
 from .store.signing import Refused, Signer, open_or_refuse
 
 log = logging.getLogger(__name__)
@@ -136,10 +136,10 @@ class NodeRegistry:
     Keys under ``elasticd/<cluster>/nodes/``: ``seq`` and ``by_seq/<n>`` (every name that ever
     registered, in order), ``<name>/record`` (signed NodeRecord), ``<name>/hb`` (heartbeat
     counter), ``<name>/drain`` (signed drain request, written by whoever asked).  ``tick`` is
-    the heartbeat duty.  Store I/O goes through the AsyncStore.
+    the heartbeat duty.  Store I/O is awaited on the event loop.
     """
 
-    def __init__(self, store: AsyncStore, signer: Signer, cluster: str, name: str, *,
+    def __init__(self, store: Store, signer: Signer, cluster: str, name: str, *,
                  keep_alive: KeepAlive, endpoint: str = "", on_refused: Refused | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:

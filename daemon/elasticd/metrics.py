@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections import Counter as Tally
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import ProcessCollector, generate_latest
@@ -147,11 +147,11 @@ class Metrics:
         for state in NodeState:
             self.nodes.labels(state.value).set(tally[state])
 
-    def store_call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call a store operation, counting its latency (failures included) and errors."""
+    async def store_call(self, op: str, call: Awaitable[Any]) -> Any:
+        """Await a store operation, counting its latency (failures included) and errors."""
         started = time.perf_counter()
         try:
-            return fn(*args)
+            return await call
         except Exception:
             self.store_errors.labels(op).inc()
             raise
@@ -275,40 +275,35 @@ class JobUsageCollector(Collector):
 
 
 class InstrumentedStore:
-    """A StoreBackend that measures every call of the one it wraps."""
+    """A Store that measures every call of the one it wraps."""
 
     def __init__(self, store: Any, metrics: Metrics) -> None:
         self._store = store
         self._metrics = metrics
 
-    def get(self, key: str) -> bytes | None:
-        return self._metrics.store_call("get", self._store.get, key)
+    async def get(self, key: str) -> bytes | None:
+        return await self._metrics.store_call("get", self._store.get(key))
 
-    def set(self, key: str, value: bytes) -> None:
-        self._metrics.store_call("set", self._store.set, key, value)
+    async def set(self, key: str, value: bytes) -> None:
+        await self._metrics.store_call("set", self._store.set(key, value))
 
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        return self._metrics.store_call("compare_set", self._store.compare_set, key, expected, desired)
+    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        return await self._metrics.store_call("compare_set", self._store.compare_set(key, expected, desired))
 
-    def add(self, key: str, amount: int) -> int:
-        return self._metrics.store_call("add", self._store.add, key, amount)
+    async def add(self, key: str, amount: int) -> int:
+        return await self._metrics.store_call("add", self._store.add(key, amount))
 
-    def append(self, key: str, value: bytes) -> None:
-        self._metrics.store_call("append", self._store.append, key, value)
+    async def append(self, key: str, value: bytes) -> None:
+        await self._metrics.store_call("append", self._store.append(key, value))
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        return self._metrics.store_call("get_many", self._store.get_many, keys)
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return await self._metrics.store_call("get_many", self._store.get_many(keys))
 
-    def wait_for(self, key: str, timeout: float) -> bool:
-        return self._metrics.store_call("wait_for", self._store.wait_for, key, timeout)
+    async def wait_for(self, key: str, timeout: float) -> bool:
+        return await self._metrics.store_call("wait_for", self._store.wait_for(key, timeout))
 
-    def delete(self, key: str) -> bool:
-        return self._metrics.store_call("delete", self._store.delete, key)
+    async def delete(self, key: str) -> bool:
+        return await self._metrics.store_call("delete", self._store.delete(key))
 
-    def close(self) -> None:
-        self._store.close()
-
-    def abort(self) -> None:
-        abort = getattr(self._store, "abort", None)
-        if abort is not None:
-            abort()
+    async def close(self) -> None:
+        await self._store.close()

@@ -1,18 +1,13 @@
-"""AsyncStore against a real TCPStore: the event loop's one path to the blocking store.
+"""AsyncStore, the thread adapter for blocking backends, against a real TCPStore client.
 
 What is proven here: waits are bounded and a wait whose caller gave up frees its thread for
-the next one; ``wait_then`` reads after the wait in the same trip; a store that went silent
-gives the caller StoreTimeout, not a hang, and the next call gets a fresh thread; ``close``
-ends blocked calls and leaves no thread in the backend.
+the next one; a call stuck in a backend is ended at close (the backend's abort) and no
+thread is left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -20,15 +15,7 @@ import pytest
 from elasticd.errors import StoreTimeout
 from elasticd.store.aio import AsyncStore
 from elasticd.store.c10d import C10dServer, connect
-
-STORE_HOST = """
-import sys, time
-from elasticd.store.c10d import C10dServer
-server = C10dServer("127.0.0.1", 0)
-print(server.endpoint, flush=True)
-time.sleep(3600)
-"""
-
+from elasticd.store.memory import MemoryStore
 
 @pytest.fixture
 def server():
@@ -81,65 +68,25 @@ def test_waits_are_bounded_and_each_is_answered(server):
     assert found == [True] * 6
 
 
-def test_wait_then_reads_after_the_wait_in_one_trip(server):
+class Stuck(MemoryStore):
+    """A backend whose get blocks until abort(): a call on a silent connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = threading.Event()
+
+    def get(self, key: str) -> bytes | None:
+        self.aborted.wait(60)
+        return super().get(key)
+
+    def abort(self) -> None:
+        self.aborted.set()
+        super().abort()
+
+
+def test_close_aborts_a_call_stuck_in_the_backend():
     async def scenario():
-        store = AsyncStore(connect(server.endpoint), timeout=5.0, name="t")
-        try:
-            waiting = asyncio.create_task(store.wait_then("rev", 5.0, lambda b: (b.get("state"), b.get("rev"))))
-            await store.batch(lambda b: (b.set("state", b"s1"), b.set("rev", b"1")))
-            timed_out = await store.wait_then("absent", 0.2, lambda b: b.get("state"))
-            return await waiting, timed_out
-        finally:
-            await store.close()
-
-    (found, read), timed_out = run(scenario())
-    assert found and read == (b"s1", b"1")
-    assert timed_out == (False, b"s1")
-
-
-@pytest.fixture
-def store_host():
-    """A TCPStore hosted by another process, to be SIGSTOPped: a partition as a client sees
-    it (the connection is up, nothing answers)."""
-    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
-    try:
-        yield host, host.stdout.readline().strip()
-    finally:
-        os.kill(host.pid, signal.SIGCONT)
-        host.kill()
-        host.wait()
-
-
-def test_a_silent_store_times_out_and_the_next_call_gets_a_fresh_thread(store_host):
-    """The call ends with StoreTimeout at the AsyncStore deadline, and once the host answers
-    again the next call on the same AsyncStore succeeds."""
-    host, endpoint = store_host
-
-    async def scenario():
-        store = AsyncStore(connect(endpoint, timeout=30.0), timeout=1.0, quick=1, name="t")
-        try:
-            await store.set("k", b"before")
-            os.kill(host.pid, signal.SIGSTOP)
-            with pytest.raises(StoreTimeout):
-                await store.get("k")
-            os.kill(host.pid, signal.SIGCONT)
-            return await store.get("k")
-        finally:
-            await store.close()
-
-    assert run(scenario()) == b"before"
-
-
-def test_close_aborts_a_call_stuck_on_a_silent_store(store_host):
-    """A call given up at its deadline still sits in TCPStore (its own timeout is 30 s);
-    close ends it and returns with no thread left."""
-    host, endpoint = store_host
-
-    async def scenario():
-        store = AsyncStore(connect(endpoint, timeout=30.0), timeout=0.5, quick=1, name="t")
-        await store.set("k", b"v")
-        os.kill(host.pid, signal.SIGSTOP)
+        store = AsyncStore(Stuck(), timeout=0.3, quick=1, name="t")
         with pytest.raises(StoreTimeout):
             await store.get("k")
         await store.close()

@@ -39,6 +39,14 @@ def test_formation_across_two_nodes(cluster_factory, shared_tmp):
     assert sorted(n["node"] for n in status["nodes"]) == ["n1", "n2"]
     assert [w["node"] for w in status["workers"]] == [status["nodes"][0]["node"]] * 2 + \
         [status["nodes"][1]["node"]] * 2
+    # torch is the store host's alone (it runs torch's TCPStore server); a member daemon
+    # speaks the store's protocol itself and never loads it
+    assert [loads_torch(d.proc.pid) for d in cluster] == [True, False]
+
+
+def loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch" in maps.read()
 
 
 def test_a_failure_restarts_every_node_and_the_budget_is_job_wide(cluster_factory, shared_tmp):

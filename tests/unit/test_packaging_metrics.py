@@ -18,6 +18,8 @@ import shutil
 import subprocess
 from typing import Any, Iterator
 
+import asyncio
+
 import pytest
 from prometheus_client import generate_latest
 
@@ -48,13 +50,15 @@ def _exercised() -> Metrics:
     m.restarted()
     m.barrier_waited(1.5)
     m.count_nodes(["up", "up", "lost"])
-    m.store_call("get", lambda: b"value")
+    async def value() -> bytes:
+        return b"value"
 
-    def unreachable() -> None:
+    async def unreachable() -> None:
         raise ConnectionError("store down")
 
+    asyncio.run(m.store_call("get", value()))
     with pytest.raises(ConnectionError):
-        m.store_call("get", unreachable)
+        asyncio.run(m.store_call("get", unreachable()))
     m.control_requests.labels("submit", "ok").inc()
     m.refused_records.inc()
     m.output_dropped(4096, "No space left on device")

@@ -21,10 +21,8 @@ converges on it.  Heartbeat counters and join logs are recreated as the nodes go
 The keeper (``keep``, a task its owner runs) beats this node's heartbeat, reads the others'
 counters, drops the silent ones through the executor, and resolves ``watch()`` futures:
 while a round is watched it follows every revision (a wait for ``rev/<v+1>`` until its next
-duty), otherwise it sleeps until its next duty.  Nobody polls.  Every store operation goes
-through the AsyncStore, and each act is one trip there (``AsyncStore.batch``: the write, then
-the reads the next decision needs; a trip costs a thread hand-off each way); everything
-else runs on the caller's event loop.
+duty), otherwise it sleeps until its next duty.  Nobody polls.  Everything runs on the
+caller's event loop; each act is its write followed by the reads the next decision needs.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
 from elasticd.errors import RendezvousClosedError, RendezvousStateError, RendezvousTimeoutError, StoreError
@@ -69,8 +67,7 @@ from elasticd.rendezvous.state import (
     encode,
     encode_announcement,
 )
-from elasticd.store.aio import AsyncStore
-from elasticd.store.base import StoreBackend
+from elasticd.store.base import Store
 from elasticd.store.signing import Refused, Signer, open_or_refuse
 
 log = logging.getLogger(__name__)
@@ -87,7 +84,7 @@ _NEXT_ROUND = {
 _FINAL = frozenset({Act.DONE, Act.NOTHING, Act.CLOSED, Act.TIMED_OUT, Act.ALREADY, Act.EXHAUSTED})
 
 Decide = Callable[[RendezvousState, View, float], Action]  # (state, join-log view, now)
-Write = Callable[[StoreBackend], object]  # store calls made in a trip, before its reads
+Write = Callable[[Store], Awaitable[object]]  # a write to make before a read of the state
 
 
 class Keys:
@@ -163,7 +160,7 @@ class RendezvousHandler:
 
     def __init__(
         self,
-        store: AsyncStore,
+        store: Store,
         signer: Signer,
         settings: RendezvousSettings,
         node: str,
@@ -272,13 +269,9 @@ class RendezvousHandler:
 
     async def exit_barrier_arrive(self, info: RendezvousInfo) -> None:
         """This node's workers all succeeded in ``info.round`` (idempotent)."""
-        keys, round = self._keys, info.round
-
-        def arrive(store: StoreBackend) -> None:
-            if store.add(keys.exit_arrived(round, self.node), 1) == 1:
-                store.set(keys.exit_nth(round, store.add(keys.exit_count(round), 1)), b"1")
-
-        await self._store.batch(arrive)
+        keys, round, store = self._keys, info.round, self._store
+        if await store.add(keys.exit_arrived(round, self.node), 1) == 1:
+            await store.set(keys.exit_nth(round, await store.add(keys.exit_count(round), 1)), b"1")
 
     async def exit_barrier_wait(self, info: RendezvousInfo, timeout: float,
                                 progress: Callable[[int, int], None] = lambda done, total: None) -> bool:
@@ -396,9 +389,8 @@ class RendezvousHandler:
                        seen: tuple[_Snapshot, View] | None = None) -> tuple[_Snapshot, Action]:
         """Read, decide, act until the decision is an outcome (with ``until_outcome``) or a
         decided state was written (without).  ``first``: a write to make before the first
-        read; ``seen``: that first read, made by the caller.  Each act is one trip to the
-        store: it writes, then reads the state and the join log again (a lost
-        compare-and-set returns the state that won)."""
+        read; ``seen``: that first read, made by the caller.  Each act writes, then reads the
+        state and the join log again (a lost compare-and-set returns the state that won)."""
         snap, logged = seen or await self._observe(first)
         while True:
             if snap.raw is None:
@@ -427,18 +419,13 @@ class RendezvousHandler:
 
     async def _observe(self, first: Write | None = None) -> tuple[_Snapshot, View]:
         """The state and the join log of its open round (the round this node saw last is
-        read with it, in the same trip), after the write ``first``."""
-        state_key, guess = self._keys.state, self._newest.state.round
-        log_key = self._keys.joins(guess)
-
-        def trip(store: StoreBackend) -> tuple[bytes | None, bytes | None]:
-            if first is not None:
-                first(store)
-            return store.get(state_key), store.get(log_key) or b""
-
-        raw, log_raw = await self._store.batch(trip)
+        read with it, in one round trip), after the write ``first``."""
+        guess = self._newest.state.round
+        if first is not None:
+            await first(self._store)
+        raw, log_raw = await self._store.get_many([self._keys.state, self._keys.joins(guess)])
         snap = self._snapshot(raw)
-        return snap, await self._logged(snap.state, log_raw if snap.state.round == guess else None)
+        return snap, await self._logged(snap.state, (log_raw or b"") if snap.state.round == guess else None)
 
     async def _logged(self, state: RendezvousState, raw: bytes | None = None) -> View:
         """The open round's join-log records that the state has not folded yet (its log as
@@ -462,36 +449,26 @@ class RendezvousHandler:
     async def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[tuple[_Snapshot, View], bool]:
         """Compare-and-set ``new`` over ``snap``; then the state and its join log as after
         :meth:`_observe`, and whether this write won.  The winner marks the revision and
-        deletes what nobody will wait on or read again, in the same trip."""
+        deletes what nobody will wait on or read again."""
         new = replace(new, nonce=secrets.token_hex(8))
         sealed = self._signer.seal(encode(new))
-        keys = self._keys
-        stale = [keys.rev(new.version - REV_KEEP)] if new.version > REV_KEEP else []
-        if new.round > snap.state.round:
-            stale.append(keys.joins(snap.state.round))
-        log_key = None if new.complete or new.closed else keys.joins(new.round)
-
-        def trip(store: StoreBackend) -> tuple[bool, bytes | None, bytes | None]:
-            won, current = store.compare_set(keys.state, snap.raw, sealed)
-            if won:
-                store.set(keys.rev(new.version), b"1")
-                for key in stale:
-                    store.delete(key)
-            return won, current, (store.get(log_key) or b"") if log_key else None
-
-        won, current, log_raw = await self._store.batch(trip)
+        keys, store = self._keys, self._store
+        won, current = await store.compare_set(keys.state, snap.raw, sealed)
+        if won:
+            await store.set(keys.rev(new.version), b"1")
+            stale = [keys.rev(new.version - REV_KEEP)] if new.version > REV_KEEP else []
+            if new.round > snap.state.round:
+                stale.append(keys.joins(snap.state.round))
+            for key in stale:
+                await store.delete(key)
         after = self._remember(_Snapshot(new, sealed)) if won else self._snapshot(current)
-        return (after, await self._logged(after.state, log_raw if after.state.round == new.round else None)), won
+        return (after, await self._logged(after.state)), won
 
     async def _next_revision(self, snap: _Snapshot, timeout: float) -> _Snapshot:
-        """The state once the one after ``snap`` is written, or after ``timeout`` seconds (one
-        trip: the wait and the read)."""
-        if timeout <= 0:
-            return await self._read()
-        state_key = self._keys.state
-        _, raw = await self._store.wait_then(self._keys.rev(snap.state.version + 1),
-                                             min(timeout, _LONGEST_WAIT), lambda store: store.get(state_key))
-        return self._snapshot(raw)
+        """The state once the one after ``snap`` is written, or after ``timeout`` seconds."""
+        if timeout > 0:
+            await self._store.wait_for(self._keys.rev(snap.state.version + 1), min(timeout, _LONGEST_WAIT))
+        return await self._read()
 
     def _open(self, raw: bytes) -> RendezvousState:
         problems: list[str] = []

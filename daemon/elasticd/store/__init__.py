@@ -1,6 +1,8 @@
-"""Store backends (DESIGN §4): the protocol, an in-memory store, the c10d TCPStore, signing.
+"""Store backends (DESIGN §4): the protocols, the daemon's TCPStore client, the c10d
+TCPStore server, an in-memory store, signing.
 
-``elasticd.store.c10d`` imports torch lazily, so importing this package stays cheap.
+Only ``elasticd.store.c10d`` uses torch (the server a store host runs, and torch's blocking
+client), and imports it lazily: a daemon that does not host the store never loads torch.
 """
 
 from elasticd.store.base import StoreBackend

@@ -1,17 +1,15 @@
-"""AsyncStore: the event loop's one way to a blocking store backend.
+"""AsyncStore: any blocking StoreBackend (the in-memory store, torch's TCPStore client) as
+the coroutines of :class:`~elasticd.store.base.Store`.  The daemon speaks to its TCPStore
+without threads (:mod:`elasticd.store.tcpstore`); this adapter is for the rest.
 
-Store backends block (TCPStore is a C++ client), so every operation runs on a thread; this is
-the only place that hands store calls to threads.  The threads are few and long-lived, each
-with its own connection (a TCPStore client is not shared between threads):
+Every operation runs on a thread; the threads are few and long-lived, each with its own
+connection (a TCPStore client is not shared between threads):
 
 - ``quick`` threads take every operation but waits, each queued on the least busy one;
 - a wait (``wait_for``) blocks on purpose and gets a thread of its own, at most ``waits`` of
   them at once (a further wait queues for one; its own timeout still counts from its call).
   A wait whose caller gave up (a lost race, a cancelled task) ends within ``_WAIT_SLICE``
   (TCPStore cannot cancel one), and only then is its thread free for the next.
-
-A trip to a thread and back costs about as much as a round trip to the store (two thread
-wake-ups): ``batch`` and ``wait_then`` make several calls in one trip.
 
 Each operation has a deadline seen from the event loop: the store timeout (a wait: its own
 timeout plus that).  A call on a connection that went silent (a partition) can block far
@@ -30,13 +28,10 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.base import StoreBackend
-
-T = TypeVar("T")
-Script = Callable[[StoreBackend], T]
 
 _CLOSE_GRACE = 2.0  # seconds threads get to finish their calls at close, before an abort
 _WAIT_SLICE = 1.0  # seconds a wait blocks in the backend before it checks that it is still awaited
@@ -92,16 +87,14 @@ def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None)
         future.set_exception(exc)
 
 
-def _wait(backend: StoreBackend, key: str, timeout: float, then: Script[T] | None,
-          future: asyncio.Future[Any]) -> tuple[bool, T | None]:
-    """The blocking side of ``wait_then``, in slices: it ends soon once nobody awaits it."""
+def _wait(backend: StoreBackend, key: str, timeout: float, future: asyncio.Future[Any]) -> bool:
+    """The blocking side of ``wait_for``, in slices: it ends soon once nobody awaits it."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         found = backend.wait_for(key, max(0.0, min(left, _WAIT_SLICE)))
         if found or left <= _WAIT_SLICE or future.done():
-            break
-    return found, (then(backend) if then is not None and not future.done() else None)
+            return found
 
 
 class AsyncStore:
@@ -143,18 +136,8 @@ class AsyncStore:
     async def delete(self, key: str) -> bool:
         return await self._call(self.backend.delete, key)
 
-    async def batch(self, script: Script[T]) -> T:
-        """``script(backend)`` on a store thread: several calls in one trip.  The script only
-        calls the backend; deciding stays on the event loop."""
-        return await self._call(script, self.backend)
-
     async def wait_for(self, key: str, timeout: float) -> bool:
         """True once ``key`` exists, False after ``timeout`` seconds."""
-        found, _ = await self.wait_then(key, timeout, None)
-        return found
-
-    async def wait_then(self, key: str, timeout: float, then: Script[T] | None) -> tuple[bool, T | None]:
-        """``wait_for(key, timeout)``, then ``then(backend)`` in the same trip."""
         started = time.monotonic()
         await self._wait_slots.acquire()  # released once the lane's call returned (_waited)
         lane = self._idle_waiters.pop() if self._idle_waiters else self._new_waiter()
@@ -162,7 +145,7 @@ class AsyncStore:
         left = max(0.0, timeout - (time.monotonic() - started))
         future = asyncio.get_running_loop().create_future()
         try:
-            return await self._on(lane, future, _wait, self.backend, key, left, then, future,
+            return await self._on(lane, future, _wait, self.backend, key, left, future,
                                   deadline=left + self.timeout, done=lambda: self._waited(lane))
         except StoreTimeout:
             if lane.busy:  # stuck: given up, never reused

@@ -1,4 +1,5 @@
-"""The c10d backend: a ``torch.distributed.TCPStore`` (libuv) hosted by one daemon.
+"""The c10d backend: the ``torch.distributed.TCPStore`` (libuv) server that one daemon hosts,
+and torch's blocking client (tests and tools; the daemon uses :mod:`elasticd.store.tcpstore`).
 
 Facts about TCPStore that shape this module:
 
@@ -15,7 +16,6 @@ Facts about TCPStore that shape this module:
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -26,8 +26,8 @@ from datetime import timedelta
 from elasticd.endpoint import join_endpoint, split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.base import check_compare_value
+from elasticd.store.tcpstore import MISSING as _MISSING  # the same sentinel on both clients
 
-_MISSING = b"\x00elasticd:missing\x00"
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 
@@ -45,20 +45,6 @@ def _tcp_store(host: str, port: int, *, master: bool, timeout: float, listen_fd:
         master_listen_fd=listen_fd,
         use_libuv=True,
     )
-
-
-def _open_fds() -> list[int]:
-    try:
-        return [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        return []
-
-
-def _unmapped(peer: tuple) -> tuple[str, int]:
-    """(host, port) of a socket's peer, an IPv4-mapped IPv6 address (TCPStore's client
-    sockets are AF_INET6) as the IPv4 address it is."""
-    host, port = peer[:2]
-    return host.removeprefix("::ffff:") if "." in host else host, port
 
 
 def _listen(host: str, port: int) -> int:
@@ -180,29 +166,6 @@ class C10dStore:
     def close(self) -> None:
         self._closed = True
         self._local = threading.local()  # the clients go with the old thread-local map
-
-    def abort(self) -> None:
-        """Shut down every connection of this process to the store, so that a call blocked on
-        one (a silent connection, in a partition) returns with an error.  For a daemon about
-        to exit: TCPStore offers no way to interrupt a call, nor to reach its socket."""
-        try:
-            peers = {info[4][:2] for info in socket.getaddrinfo(self._host, self._port,
-                                                                type=socket.SOCK_STREAM)}
-        except OSError:
-            return
-        for fd in _open_fds():
-            try:
-                sock = socket.socket(fileno=fd)
-            except OSError:
-                continue  # not a socket
-            try:
-                if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-                        and _unmapped(sock.getpeername()) in peers):
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            finally:
-                sock.detach()  # the fd stays TCPStore's
 
     # -- clients -------------------------------------------------------------------------
 
