@@ -73,6 +73,16 @@ class BlockingRendezvous:
             return started, time.perf_counter(), result
         return self._call(run())
 
+    def when_superseded(self, round: int, method: str, *args: Any) -> concurrent.futures.Future:
+        """Once ``round`` is superseded, ``timed(method, *args)`` on this node's loop, as a
+        daemon's agent rejoins: the watch and the call stay on the loop."""
+        async def run() -> tuple[float, float, Any]:
+            await self.handler.watch(round)
+            started = time.perf_counter()
+            result = await getattr(self.handler, method)(*args)
+            return started, time.perf_counter(), result
+        return asyncio.run_coroutine_threadsafe(run(), self._loop)
+
     def next_rendezvous(self, nproc: int, master_port: int) -> RendezvousInfo:
         return self._call(self.handler.next_rendezvous(nproc, master_port))
 

@@ -17,13 +17,18 @@ AsyncStore (store threads and connections) and its keeper task.  Its times are t
 loop, where a daemon's agent awaits the handler: the hand-off from the participant thread
 to the loop and back is the harness's, not the handler's.
 
-Also measured for elasticd: *re-rendezvous* (every member watches the round; one requests
+Also measured for elasticd: formation with *one process per node*, as deployed (each daemon
+is a process of its own; nodes in one process share one interpreter lock, which no cluster
+does): each process has a TCPStoreClient, its handler and keeper on its own loop; once all
+are ready and beating, one key releases them together; perf_counter is CLOCK_MONOTONIC, one
+clock for every process.  And *re-rendezvous* (every member watches the round; one requests
 the next round; time from the request until all rejoined) and *dead-member detection*
 with the default keep-alive (1 s x 3): one member's keeper stops; time until every other
 member's ``watch()`` fired.
 
-``--json`` prints one JSON list of {"n", "elasticd_s", "torch_s", "ratio"} (medians of the
-formation latency; torch_s and ratio are null when torch hit its cap).
+``--json`` prints one JSON list of {"n", "elasticd_s", "torch_s", "ratio",
+"elasticd_processes_s"} (medians of the formation latency; torch_s and ratio are null when
+torch hit its cap).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -59,9 +65,10 @@ from elasticd.rendezvous.handler import Keys  # noqa: E402
 from elasticd.store.c10d import C10dServer, connect  # noqa: E402
 from elasticd.store.signing import Signer  # noqa: E402
 
-FULL = {"sizes": (2, 8, 32, 128), "elasticd_reps": 5, "torch_reps": {2: 3, 8: 3, 32: 2, 128: 1}, "torch_cap": 60.0}
-QUICK = {"sizes": (2, 8), "elasticd_reps": 3, "torch_reps": {2: 2, 8: 2}, "torch_cap": 30.0}
-SIGNER = Signer(b"bench-key-0123456789abcdef012345")
+FULL = {"sizes": (2, 8, 32, 128), "elasticd_reps": 5, "process_reps": 3, "torch_reps": {2: 3, 8: 3, 32: 2, 128: 1}, "torch_cap": 60.0}
+QUICK = {"sizes": (2, 8), "elasticd_reps": 3, "process_reps": 2, "torch_reps": {2: 2, 8: 2}, "torch_cap": 30.0}
+SIGNER_KEY = b"bench-key-0123456789abcdef012345"
+SIGNER = Signer(SIGNER_KEY)
 
 
 class Harness:
@@ -144,16 +151,11 @@ def elasticd_formation(harness: Harness, n: int, run_id: str, **settings: Any) -
 
 
 def rerendezvous(harness: Harness, handlers: list[BlockingRendezvous], round: int) -> float:
-    """Every member watches ``round``; the first requests the next one; all rejoin."""
-    watches = [h.watch(round) for h in handlers]
-
-    def rejoin(i: int):
-        watches[i].result(timeout=60)
-        return handlers[i].timed("next_rendezvous", 1, 29500)[1]
-
-    futures = [harness.pool.submit(rejoin, i) for i in range(len(handlers))]
+    """Every member watches ``round`` and rejoins when it is superseded (on its own loop, as
+    its agent would); the first requests the next round; until all rejoined."""
+    rejoined = [h.when_superseded(round, "next_rendezvous", 1, 29500) for h in handlers]
     requested, _, _ = handlers[0].timed("request_next_round", round, "scale_up")
-    return max(f.result(timeout=120) for f in futures) - requested
+    return max(f.result(timeout=120)[1] for f in rejoined) - requested
 
 
 def dead_member_detection(harness: Harness, n: int) -> float:
@@ -168,6 +170,55 @@ def dead_member_detection(harness: Harness, n: int) -> float:
     detected = time.perf_counter() - silenced
     stop(handlers)
     return detected
+
+
+PARTICIPANT = r"""
+import asyncio, json, sys, time
+from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
+from elasticd.store.signing import Signer
+from elasticd.store.tcpstore import TCPStoreClient
+
+endpoint, node, run_id, n, key = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+prefix = f"bench/proc/{run_id}"
+
+async def main():
+    store = TCPStoreClient(endpoint)
+    await store.connect(60)
+    handler = RendezvousHandler(store, Signer(bytes.fromhex(key)), RendezvousSettings(run_id, n, n),
+                                node, "127.0.0.1", prefix=prefix)
+    keeper = asyncio.create_task(handler.keep())
+    await store.wait_for(f"{prefix}/hb/{node}", 60)
+    await store.add(f"{prefix}/ready", 1)
+    await store.wait_for(f"{prefix}/go", 120)
+    started = time.perf_counter()
+    await handler.next_rendezvous(1, 29500)
+    print(json.dumps([started, time.perf_counter()]), flush=True)
+    await store.wait_for(f"{prefix}/end", 120)
+    keeper.cancel()
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+def process_formation(harness: Harness, n: int, run_id: str) -> float:
+    """Formation with one process per node (see the module docstring)."""
+    prefix = f"bench/proc/{run_id}"
+    procs = [subprocess.Popen([sys.executable, "-c", PARTICIPANT, harness.server.endpoint, f"node{i:03d}",
+                               run_id, str(n), SIGNER_KEY.hex()], stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
+    try:
+        if not harness.store.wait_for(f"{prefix}/ready", 120):
+            raise RuntimeError("no participant started")
+        while harness.store.add(f"{prefix}/ready", 0) < n:
+            harness.store.wait_for(f"{prefix}/never", 0.05)  # a short pause between counts
+        harness.store.set(f"{prefix}/go", b"1")
+        timings = [tuple(json.loads(p.stdout.readline())) + (None,) for p in procs]
+    finally:
+        harness.store.set(f"{prefix}/end", b"1")
+        for p in procs:
+            p.wait(60)
+    return formation_latency(timings)
 
 
 # -- torch ---------------------------------------------------------------------------------
@@ -208,7 +259,7 @@ def median(values: list[float | None]) -> float | None:
 
 def measure(profile: dict, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
     harness = Harness(max(profile["sizes"]))
-    rows, extra = [], {"rerendezvous_s": {}, "detection_s": {}}
+    rows, extra = [], {"rerendezvous_s": {}, "detection_s": {}, "processes_s": {}}
     try:
         for n in profile["sizes"]:
             ours, again = [], []
@@ -218,6 +269,9 @@ def measure(profile: dict, progress: Callable[[str], None]) -> tuple[list[dict],
                 again.append(rerendezvous(harness, handlers, infos[0].round))
                 stop(handlers)
             progress(f"n={n}: elasticd {median(ours):.4f}s")
+            apart = [process_formation(harness, n, f"p{n}-{rep}") for rep in range(profile["process_reps"])]
+            extra["processes_s"][n] = median(apart)
+            progress(f"n={n}: elasticd, one process per node {median(apart):.4f}s")
             theirs = [torch_formation(harness, n, f"t{n}-{rep}", profile["torch_cap"])
                       for rep in range(profile["torch_reps"][n])]
             torch_median = median(theirs)
@@ -226,7 +280,8 @@ def measure(profile: dict, progress: Callable[[str], None]) -> tuple[list[dict],
             elasticd_s, torch_s = median(ours), median(theirs)
             rows.append({"n": n, "elasticd_s": round(elasticd_s, 4),
                          "torch_s": None if torch_s is None else round(torch_s, 4),
-                         "ratio": None if torch_s is None else round(torch_s / elasticd_s, 1)})
+                         "ratio": None if torch_s is None else round(torch_s / elasticd_s, 1),
+                         "elasticd_processes_s": round(median(apart), 4)})
             extra["rerendezvous_s"][n] = median(again)
             extra["detection_s"][n] = dead_member_detection(harness, n)
             progress(f"n={n}: re-rendezvous {median(again):.4f}s, detection {extra['detection_s'][n]:.2f}s")
@@ -238,14 +293,16 @@ def measure(profile: dict, progress: Callable[[str], None]) -> tuple[list[dict],
 def table(rows: list[dict], extra: dict, profile: dict) -> str:
     cap = profile["torch_cap"]
     lines = [
-        "formation latency, min = max = N, threads over one TCPStore (medians)",
-        f"{'N':>5} {'elasticd':>11} {'torch':>11} {'ratio':>8} {'re-rdzv':>10} {'dead->seen':>11}",
+        "formation latency, min = max = N, nodes as threads of one process over one TCPStore (medians)",
+        f"{'N':>5} {'elasticd':>11} {'torch':>11} {'ratio':>8} {'re-rdzv':>10} {'dead->seen':>11} "
+        f"{'elasticd, 1 process/node':>25}",
     ]
     for row in rows:
         torch_s = f"{row['torch_s']:.4f}s" if row["torch_s"] is not None else f">{cap:g}s"
         ratio = f"{row['ratio']:.1f}x" if row["ratio"] is not None else "-"
         lines.append(f"{row['n']:>5} {row['elasticd_s']:>10.4f}s {torch_s:>11} {ratio:>8} "
-                     f"{extra['rerendezvous_s'][row['n']]:>9.4f}s {extra['detection_s'][row['n']]:>10.2f}s")
+                     f"{extra['rerendezvous_s'][row['n']]:>9.4f}s {extra['detection_s'][row['n']]:>10.2f}s "
+                     f"{extra['processes_s'][row['n']]:>24.4f}s")
     lines.append("re-rdzv: one member requests the next round -> all rejoined (elasticd); "
                  "dead->seen: keep-alive 1 s x 3, a member goes silent -> every other member's watch() fired")
     return "\n".join(lines)
