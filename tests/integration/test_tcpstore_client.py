@@ -252,3 +252,24 @@ def test_a_peer_that_is_not_a_tcpstore_is_an_error_not_a_hang():
             fake.close()
 
     run(scenario())
+
+
+def test_calls_queued_behind_a_stuck_one_keep_their_own_deadlines(store_host):
+    """One connection, stuck on a silent store: three calls queue for it, and each ends at
+    its own 1 s deadline (all within about 1 s), not one after the other (3 s)."""
+    host, endpoint = store_host
+
+    async def scenario():
+        client = TCPStoreClient(endpoint, timeout=1.0, connections=1)
+        try:
+            await client.set("k", b"v")
+            os.kill(host.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            results = await asyncio.gather(*(client.get("k") for _ in range(3)), return_exceptions=True)
+            return time.monotonic() - started, results
+        finally:
+            await client.close()
+
+    took, results = run(scenario())
+    assert all(isinstance(r, StoreTimeout) for r in results), results
+    assert took < 2.0

@@ -222,26 +222,26 @@ class TCPStoreClient:
 
     async def _call(self, request: bytes, exchange: Exchange, *, ping: bool = False,
                     limit: asyncio.Semaphore | None = None, deadline: float | None = None) -> Any:
-        """Send ``request`` on a free connection and read its answer with ``exchange``.  A
-        connection whose exchange did not complete is closed: its state is unknown."""
+        """Send ``request`` on a free connection and read its answer with ``exchange``, all
+        within ``deadline`` (the wait for a free connection too).  A connection whose
+        exchange did not complete is closed: its state is unknown."""
         deadline = self.timeout if deadline is None else deadline
         conn = None
-        async with limit or self._calls:
-            try:
-                async with asyncio.timeout(deadline):
-                    conn = await self._take()
-                    conn.send(request, conn.ping() if ping else b"")
-                    result = await exchange(conn)
-            except TimeoutError:
-                self._discard(conn)
-                raise StoreTimeout(f"store {self.endpoint}: no answer within {deadline:g}s") from None
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                self._discard(conn)
-                raise StoreConnectionError(f"lost the store at {self.endpoint}: "
-                                           f"{exc or type(exc).__name__}") from exc
-            except BaseException:
-                self._discard(conn)
-                raise
+        try:
+            async with asyncio.timeout(deadline), limit or self._calls:
+                conn = await self._take()
+                conn.send(request, conn.ping() if ping else b"")
+                result = await exchange(conn)
+        except TimeoutError:
+            self._discard(conn)
+            raise StoreTimeout(f"store {self.endpoint}: no answer within {deadline:g}s") from None
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            self._discard(conn)
+            raise StoreConnectionError(f"lost the store at {self.endpoint}: "
+                                       f"{exc or type(exc).__name__}") from exc
+        except BaseException:
+            self._discard(conn)
+            raise
         self._idle.append(conn)
         return result
 
