@@ -1,8 +1,8 @@
 """AsyncStore, the thread adapter for blocking backends, against a real TCPStore client.
 
-What is proven here: waits are bounded and a wait whose caller gave up frees its thread for
-the next one; a call stuck in a backend is ended at close (the backend's abort) and no
-thread is left.
+What is proven here: waits are bounded; a call stuck in a backend is ended at close (the
+backend's abort) and no thread is left.  A wait whose caller gave up frees its thread: in
+test_tcpstore_client.py, with the same test for both.
 """
 
 from __future__ import annotations
@@ -30,24 +30,6 @@ def store_threads() -> list[str]:
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-def test_a_wait_whose_caller_gave_up_frees_its_thread_for_the_next(server):
-    """One wait thread: the abandoned 60 s wait must not hold the second wait behind it
-    (the second would time out after its 5 s instead of seeing its key)."""
-    async def scenario():
-        store = AsyncStore(connect(server.endpoint), timeout=5.0, waits=1, name="t")
-        try:
-            abandoned = asyncio.create_task(store.wait_for("never", 60.0))
-            await asyncio.sleep(0.1)
-            abandoned.cancel()
-            second = asyncio.create_task(store.wait_for("later", 5.0))
-            await store.set("later", b"1")
-            return await second
-        finally:
-            await store.close()
-
-    assert run(scenario()) is True
 
 
 def test_waits_are_bounded_and_each_is_answered(server):

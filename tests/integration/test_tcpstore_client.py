@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from elasticd.errors import StoreConnectionError, StoreTimeout
+from elasticd.store.aio import AsyncStore
 from elasticd.store.c10d import C10dServer, connect
 from elasticd.store.tcpstore import TCPStoreClient
 
@@ -114,21 +115,25 @@ def test_a_timed_out_wait_is_cancelled_on_the_wire_and_its_connection_kept(serve
     assert len(first) == 1 and last == first  # one connection, the same one throughout
 
 
-def test_a_wait_whose_caller_gave_up_frees_its_place(server):
-    """One wait at a time: the abandoned 60 s wait must not hold up the second."""
+@pytest.mark.parametrize("kind", ["TCPStoreClient", "AsyncStore"])
+def test_a_wait_whose_caller_gave_up_frees_its_place(server, kind):
+    """One wait at a time: the abandoned 60 s wait must not hold the second one behind it
+    (the second would time out after its 5 s instead of seeing its key).  AsyncStore (a
+    thread per wait) must get its thread back within a wait slice."""
     async def scenario():
-        client = TCPStoreClient(server.endpoint, waits=1)
+        store = TCPStoreClient(server.endpoint, waits=1) if kind == "TCPStoreClient" else \
+            AsyncStore(connect(server.endpoint), timeout=5.0, waits=1, name="t")
         try:
-            abandoned = asyncio.create_task(client.wait_for("never", 60.0))
+            abandoned = asyncio.create_task(store.wait_for("never", 60.0))
             await asyncio.sleep(0.1)
             abandoned.cancel()
-            second = asyncio.create_task(client.wait_for("later", 5.0))
-            await client.set("later", b"1")
+            second = asyncio.create_task(store.wait_for("later", 5.0))
+            await store.set("later", b"1")
             return await second
         finally:
-            await client.close()
+            await store.close()
 
-    assert run(scenario()) is True
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) is True
 
 
 def test_a_silent_store_times_out_and_the_next_call_reconnects(store_host):
