@@ -444,6 +444,8 @@ class RendezvousHandler:
     def _snapshot(self, raw: bytes | None) -> _Snapshot:
         if raw is None:
             return _Snapshot(RendezvousState(), None)
+        if raw == self._newest.raw:  # the same sealed bytes: checked and decoded already
+            return self._newest
         return self._remember(_Snapshot(self._open(raw), raw))
 
     async def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[tuple[_Snapshot, View], bool]:
