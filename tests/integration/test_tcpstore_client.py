@@ -13,6 +13,7 @@ import asyncio
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ import pytest
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.aio import AsyncStore
 from elasticd.store.c10d import C10dServer, connect
-from elasticd.store.tcpstore import TCPStoreClient
+from elasticd.store.tcpstore import ProtocolError, TCPStoreClient
 
 STORE_HOST = """
 import time
@@ -278,3 +279,135 @@ def test_calls_queued_behind_a_stuck_one_keep_their_own_deadlines(store_host):
     took, results = run(scenario())
     assert all(isinstance(r, StoreTimeout) for r in results), results
     assert took < 2.0
+
+
+def test_a_write_given_up_never_lands_later_over_a_newer_one(store_host):
+    """A 7 MiB set times out on a silent store with most of it still in the client's buffer;
+    once the store answers again, a newer set must stay (the given-up bytes are dropped, not
+    flushed behind the caller's back)."""
+    host, endpoint = store_host
+
+    async def scenario():
+        client = TCPStoreClient(endpoint, timeout=1.0)
+        try:
+            await client.set("k", b"0")
+            os.kill(host.pid, signal.SIGSTOP)
+            with pytest.raises(StoreTimeout):
+                await client.set("k", b"A" * (7 << 20))
+            os.kill(host.pid, signal.SIGCONT)
+            await client.set("k", b"B")
+            await asyncio.sleep(1.0)  # time for a late write to land, if one were coming
+            return await client.get("k")
+        finally:
+            await client.close()
+
+    assert run(scenario()) == b"B"
+
+
+def test_close_ends_a_call_whose_write_is_still_buffered(store_host):
+    host, endpoint = store_host
+
+    async def scenario():
+        client = TCPStoreClient(endpoint, timeout=30.0)
+        await client.set("k", b"0")
+        os.kill(host.pid, signal.SIGSTOP)
+        writing = asyncio.create_task(client.set("k", b"A" * (7 << 20)))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await client.close()
+        with pytest.raises(StoreConnectionError):
+            await writing
+        return time.monotonic() - started
+
+    assert run(scenario()) < 5  # at once, not at the call's 30 s deadline
+
+
+def test_a_call_racing_close_fails_and_leaves_no_connection(server):
+    async def scenario():
+        client = TCPStoreClient(server.endpoint)
+        racing = asyncio.create_task(client.set("k", b"v"))  # inside its connect
+        await asyncio.sleep(0)
+        await client.close()
+        with pytest.raises(StoreConnectionError):
+            await racing
+        with pytest.raises(StoreConnectionError):
+            await client.get("k")
+        return client._open
+
+    assert run(scenario()) == set()
+
+
+def test_connect_retries_a_peer_that_breaks_off_the_handshake():
+    """A store host that accepts and drops connections while it starts: connect keeps trying
+    until a TCPStore answers there."""
+    async def scenario():
+        dropped = []
+
+        async def drop(reader, writer):
+            dropped.append(1)
+            writer.close()
+
+        fake = await asyncio.start_server(drop, "127.0.0.1", 0)
+        port = fake.sockets[0].getsockname()[1]
+        client = TCPStoreClient(f"127.0.0.1:{port}")
+
+        async def then_a_real_store():
+            async with asyncio.timeout(20):
+                while len(dropped) < 2:
+                    await asyncio.sleep(0.05)
+            fake.close()
+            await fake.wait_closed()
+            return await asyncio.to_thread(C10dServer, "127.0.0.1", port)
+
+        swap = asyncio.create_task(then_a_real_store())
+        try:
+            await client.connect(20.0)
+            await client.set("k", b"v")
+            return len(dropped) >= 2, await client.get("k")
+        finally:
+            await client.close()
+            swap.cancel()
+            if not swap.cancelled() and swap.done() and swap.exception() is None:
+                swap.result().close()
+
+    assert asyncio.run(scenario()) == (True, b"v")
+
+
+def test_a_peer_announcing_a_huge_value_is_refused_before_buffering_it():
+    """A peer that passes the handshake, then announces a 8 EiB value and streams zeros."""
+    async def scenario():
+        async def hostile(reader, writer):
+            await reader.readexactly(1 + 4 + 1 + 4)  # VALIDATE and PING
+            writer.write(struct.pack("<I", os.getpid() & 0xFFFFFFFF))
+            await reader.read(1 << 16)  # the request
+            writer.write(struct.pack("<Q", 2 ** 63))
+            try:
+                while True:
+                    writer.write(b"\0" * (1 << 20))
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+
+        fake = await asyncio.start_server(hostile, "127.0.0.1", 0)
+        client = TCPStoreClient(f"127.0.0.1:{fake.sockets[0].getsockname()[1]}", timeout=3.0)
+        try:
+            with pytest.raises(ProtocolError, match="announced a value"):
+                await client.get("k")
+        finally:
+            await client.close()
+            fake.close()
+
+    run(scenario())
+
+
+def test_a_wait_queued_for_a_slot_still_ends_false_at_its_timeout(server):
+    """One wait slot, two 1 s waits for a key that never comes: both return False (the second
+    one's time in the queue counts against its own timeout, not against the store's)."""
+    async def scenario():
+        client = TCPStoreClient(server.endpoint, timeout=1.0, waits=1)
+        try:
+            return await asyncio.gather(client.wait_for("never", 1.0), client.wait_for("never", 1.0))
+        finally:
+            await client.close()
+
+    assert run(scenario()) == [False, False]

@@ -32,6 +32,7 @@ from elasticd.store.base import check_compare_value
 
 MISSING = b"\x00elasticd:missing\x00"  # compare_set(k, MISSING, MISSING) reads k without blocking
 _MAGIC = 0x3C85F7CE
+_MAX_VALUE = 16 << 20  # bytes: more than any record of ours; torch's server resets bigger values
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 
@@ -53,7 +54,7 @@ class _Query(enum.IntEnum):  # TCPStoreBackend.hpp's QueryType, in its order
     PING = 13
 
 
-_READY = 0          # CheckResponseType
+_READY, _NOT_READY = 0, 1  # CheckResponseType
 _STOP_WAITING = 0   # WaitResponseType
 _WAIT_CANCELED = 1
 
@@ -99,6 +100,8 @@ class _Connection:
 
     async def blob(self) -> bytes:
         (size,) = struct.unpack("<Q", await self._reader.readexactly(8))
+        if size > _MAX_VALUE:  # a hostile peer would have us buffer whatever it sends
+            raise ProtocolError(f"the store announced a value of {size} bytes (at most {_MAX_VALUE})")
         return await self._reader.readexactly(size)
 
     @property
@@ -106,7 +109,9 @@ class _Connection:
         return not self._writer.is_closing() and not self._reader.at_eof()
 
     def close(self) -> None:
-        self._writer.close()
+        """At once, unsent bytes dropped: a write whose caller gave up must not land later,
+        over a newer one."""
+        self._writer.transport.abort()
 
 
 Exchange = Callable[[_Connection], Awaitable[Any]]
@@ -179,11 +184,12 @@ class TCPStoreClient:
         """True once ``key`` exists, False after ``timeout`` seconds."""
         if timeout <= 0:
             check = _query(_Query.CHECK, struct.pack("<Q", 1), _key(key))
-            return await self._call(check, _Connection.byte) == _READY
+            return await self._call(check, _check_answer)
+        ends = asyncio.get_running_loop().time() + timeout  # a wait for a free slot counts
 
         async def answer(conn: _Connection) -> bool:
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout_at(ends):
                     response = await conn.byte()
             except TimeoutError:
                 conn.send(_query(_Query.CANCEL_WAIT))
@@ -242,10 +248,15 @@ class TCPStoreClient:
         except BaseException:
             self._discard(conn)
             raise
-        self._idle.append(conn)
+        if self._closed:  # closed while this call ran: its connection goes with the rest
+            self._discard(conn)
+        else:
+            self._idle.append(conn)
         return result
 
     async def _take(self) -> _Connection:
+        if self._closed:
+            raise StoreConnectionError(f"the store client for {self.endpoint} is closed")
         while self._idle:
             conn = self._idle.pop()
             if conn.usable:
@@ -258,32 +269,51 @@ class TCPStoreClient:
         caller's deadline ends it."""
         backoff = _FIRST_BACKOFF
         while True:
-            if self._closed:
-                raise StoreConnectionError(f"the store client for {self.endpoint} is closed")
             try:
-                reader, writer = await asyncio.open_connection(self._host, self._port)
-            except OSError as exc:
-                self._unreachable = exc
-                if not retry:
-                    raise StoreConnectionError(f"cannot reach the store at {self.endpoint}: {exc}") from exc
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                continue
-            conn = _Connection(reader, writer)
-            self._open.add(conn)
-            try:
-                conn.send(_query(_Query.VALIDATE, struct.pack("<I", _MAGIC)), conn.ping())
-                await conn.pong()
-            except BaseException:
-                self._discard(conn)
-                raise
-            self._unreachable = None
-            return conn
+                return await self._handshake()
+            except StoreConnectionError as exc:
+                self._unreachable = exc.__cause__ or exc
+                if not retry or self._closed:
+                    raise
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF)
+
+    async def _handshake(self) -> _Connection:
+        if self._closed:
+            raise StoreConnectionError(f"the store client for {self.endpoint} is closed")
+        try:
+            reader, writer = await asyncio.open_connection(self._host, self._port)
+        except OSError as exc:
+            raise StoreConnectionError(f"cannot reach the store at {self.endpoint}: {exc}") from exc
+        conn = _Connection(reader, writer)
+        self._open.add(conn)
+        try:
+            conn.send(_query(_Query.VALIDATE, struct.pack("<I", _MAGIC)), conn.ping())
+            await conn.pong()
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            self._discard(conn)
+            raise StoreConnectionError(f"the store at {self.endpoint} broke off the handshake: "
+                                       f"{exc or type(exc).__name__}") from exc
+        except BaseException:
+            self._discard(conn)
+            raise
+        if self._closed:  # closed during the handshake
+            self._discard(conn)
+            raise StoreConnectionError(f"the store client for {self.endpoint} is closed")
+        self._unreachable = None
+        return conn
 
     def _discard(self, conn: _Connection | None) -> None:
         if conn is not None:
             conn.close()
             self._open.discard(conn)
+
+
+async def _check_answer(conn: _Connection) -> bool:
+    response = await conn.byte()
+    if response not in (_READY, _NOT_READY):
+        raise ProtocolError(f"unexpected answer {response} to CHECK")
+    return response == _READY
 
 
 def _cas(key: str, expected: bytes, desired: bytes) -> bytes:
