@@ -3,7 +3,7 @@ processes and bench_rendezvous do.
 
 Each BlockingRendezvous is one node: its own event loop in a thread of its own (as in a
 daemon), its own store client (a TCPStoreClient to a TCPStore's endpoint, as in a daemon;
-an AsyncStore over any other backend), and its keeper task running.
+an AsyncMemoryStore over a shared MemoryStore), and its keeper task running.
 Its methods block the calling thread until the handler's coroutine is done; ``watch``
 returns a concurrent Future.  ``is_closed`` and ``num_nodes_waiting`` read the state straight
 from the backend: the daemon never needs them, the tests do.
@@ -21,24 +21,20 @@ from elasticd.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousSet
 from elasticd.rendezvous.handler import Keys
 from elasticd.rendezvous.ops import num_waiting
 from elasticd.rendezvous.state import RendezvousState, decode
-from elasticd.store.aio import AsyncStore
-from elasticd.store.base import StoreBackend
+from elasticd.store.base import Store, StoreBackend
 from elasticd.store.c10d import C10dStore
-from elasticd.store.tcpstore import TCPStoreClient
+from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
+from elasticd.store.tcpstore import TCPStoreClient
 
 
-class _Shared:
-    """The backend, which the other nodes share: closing one node's AsyncStore leaves it open."""
-
-    def __init__(self, backend: StoreBackend) -> None:
-        self._backend = backend
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
-    def close(self) -> None:
-        pass
+def _client(store: StoreBackend) -> Store:
+    """This node's own client of the store the nodes share."""
+    if isinstance(store, C10dStore):
+        return TCPStoreClient(store.endpoint, timeout=store.timeout)
+    if isinstance(store, MemoryStore):
+        return AsyncMemoryStore(store)
+    raise TypeError(f"no async client for {type(store).__name__}")
 
 
 class BlockingRendezvous:
@@ -52,8 +48,7 @@ class BlockingRendezvous:
         self._thread.start()
 
         async def build() -> None:
-            self.store = TCPStoreClient(store.endpoint, timeout=store.timeout) if isinstance(store, C10dStore) \
-                else AsyncStore(_Shared(store), timeout=30.0, quick=2, waits=8, name=f"{node}-store")
+            self.store = _client(store)
             self.handler = RendezvousHandler(self.store, signer, settings, node, addr, **kwargs)
             self._keeper = asyncio.create_task(self.handler.keep())
 

@@ -13,7 +13,7 @@ arrival until the last participant returned. Torch's handler is
 capped by their join timeout.
 
 Each elasticd participant is a node as in a daemon: its own event loop thread, its own
-AsyncStore (store threads and connections) and its keeper task.  Its times are taken on its
+TCPStoreClient (its own connections) and its keeper task.  Its times are taken on its
 loop, where a daemon's agent awaits the handler: the hand-off from the participant thread
 to the loop and back is the harness's, not the handler's.
 
@@ -125,7 +125,7 @@ def formation_latency(timings: list[tuple]) -> float | None:
 
 
 def elasticd_handlers(harness: Harness, n: int, run_id: str, **settings: Any) -> list[BlockingRendezvous]:
-    """One node each: its own event loop and AsyncStore (its own store connections), as in a
+    """One node each: its own event loop and TCPStoreClient (its own store connections), as in a
     daemon, with its keeper task running."""
     config = RendezvousSettings(run_id, n, n, **settings)
     handlers = [BlockingRendezvous(harness.store, SIGNER, config, f"node{i:03d}", "127.0.0.1",

@@ -26,8 +26,7 @@ from elasticd.metrics import Metrics
 from elasticd.model import JobSpec, PartState
 from elasticd.placement import Resources
 from elasticd.scheduler import JobService
-from elasticd.store.aio import AsyncStore
-from elasticd.store.memory import MemoryStore
+from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 
 
@@ -63,7 +62,7 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
     registry = JobRegistry(History(str(tmp_path / "history.sqlite")))
     os.makedirs(tmp_path / "logs", mode=0o755)
 
-    def job_service(shared: AsyncStore) -> JobService:
+    def job_service(shared: AsyncMemoryStore) -> JobService:
         signer = Signer(b"k" * 32)
         board = JobBoard(shared, signer, "default")
         agents = AgentFactory(node="n1", address="127.0.0.1", store=shared, signer=signer,
@@ -75,7 +74,7 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
                           agents=agents)
 
     async def scenario() -> None:
-        shared = AsyncStore(store)
+        shared = AsyncMemoryStore(store)
         service = job_service(shared)
         stop = asyncio.Event()
         running = asyncio.create_task(service.run(stop))

@@ -23,7 +23,6 @@ import psutil
 import pytest
 
 from elasticd.errors import StoreConnectionError, StoreTimeout
-from elasticd.store.aio import AsyncStore
 from elasticd.store.c10d import C10dServer, connect
 from elasticd.store.tcpstore import ProtocolError, TCPStoreClient
 
@@ -116,14 +115,11 @@ def test_a_timed_out_wait_is_cancelled_on_the_wire_and_its_connection_kept(serve
     assert len(first) == 1 and last == first  # one connection, the same one throughout
 
 
-@pytest.mark.parametrize("kind", ["TCPStoreClient", "AsyncStore"])
-def test_a_wait_whose_caller_gave_up_frees_its_place(server, kind):
+def test_a_wait_whose_caller_gave_up_frees_its_place(server):
     """One wait at a time: the abandoned 60 s wait must not hold the second one behind it
-    (the second would time out after its 5 s instead of seeing its key).  AsyncStore (a
-    thread per wait) must get its thread back within a wait slice."""
+    (the second would time out after its 5 s instead of seeing its key)."""
     async def scenario():
-        store = TCPStoreClient(server.endpoint, waits=1) if kind == "TCPStoreClient" else \
-            AsyncStore(connect(server.endpoint), timeout=5.0, waits=1, name="t")
+        store = TCPStoreClient(server.endpoint, waits=1)
         try:
             abandoned = asyncio.create_task(store.wait_for("never", 60.0))
             await asyncio.sleep(0.1)
@@ -134,7 +130,7 @@ def test_a_wait_whose_caller_gave_up_frees_its_place(server, kind):
         finally:
             await store.close()
 
-    assert asyncio.run(asyncio.wait_for(scenario(), 60)) is True
+    assert run(scenario()) is True
 
 
 def test_a_silent_store_times_out_and_the_next_call_reconnects(store_host):

@@ -58,8 +58,7 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
 
     from elasticd.cluster import NodeDuties, NodeRegistry, NodeService
     from elasticd.errors import StoreConnectionError
-    from elasticd.store.aio import AsyncStore
-    from elasticd.store.memory import MemoryStore
+    from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
 
     store = MemoryStore()
@@ -69,7 +68,7 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
 
     async def scenario() -> None:
         stop, retried = asyncio.Event(), asyncio.Event()
-        registry = NodeRegistry(AsyncStore(store), Signer(b"k" * 32), "c", "n2", keep_alive=KEEP_ALIVE)
+        registry = NodeRegistry(AsyncMemoryStore(store), Signer(b"k" * 32), "c", "n2", keep_alive=KEEP_ALIVE)
         await registry.create_epoch()
 
         async def on_reset() -> None:

@@ -52,8 +52,8 @@ def check_compare_value(expected: bytes | None) -> None:
 class Store(Protocol):
     """The same operations as coroutines, for the event loop: what the daemon's parts are
     written against.  :class:`~elasticd.store.tcpstore.TCPStoreClient` speaks to a TCPStore
-    without threads; :class:`~elasticd.store.aio.AsyncStore` runs any StoreBackend on a few
-    threads of its own."""
+    without threads; :class:`~elasticd.store.memory.AsyncMemoryStore` is the in-memory one
+    of the tests."""
 
     async def get(self, key: str) -> bytes | None: ...
 

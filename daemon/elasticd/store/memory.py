@@ -1,8 +1,11 @@
-"""An in-process store with the same semantics as the c10d one, for tests and standalone use."""
+"""An in-process store with the same semantics as the c10d one, for tests: blocking
+(MemoryStore) and as the coroutines of :class:`~elasticd.store.base.Store` (AsyncMemoryStore)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from typing import Callable
 
 from elasticd.errors import StoreConnectionError
 from elasticd.store.base import check_compare_value
@@ -15,7 +18,7 @@ class MemoryStore:
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
         self._closed = False
-        self._aborts = 0  # bumped by abort(): waits in progress end
+        self._listeners: set[Callable[[], None]] = set()
 
     def get(self, key: str) -> bytes | None:
         with self._changed:
@@ -55,9 +58,7 @@ class MemoryStore:
 
     def wait_for(self, key: str, timeout: float) -> bool:
         with self._changed:
-            aborts = self._aborts
-            self._changed.wait_for(lambda: self._closed or key in self._data or self._aborts != aborts,
-                                   timeout=max(timeout, 0.0))
+            self._changed.wait_for(lambda: self._closed or key in self._data, timeout=max(timeout, 0.0))
             self._check_open()
             return key in self._data
 
@@ -74,19 +75,92 @@ class MemoryStore:
     def close(self) -> None:
         with self._changed:
             self._closed = True
-            self._changed.notify_all()
+            self._notify()
 
-    def abort(self) -> None:
-        """End the waits in progress now (they return as if timed out)."""
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` after every write and at close, in the writer's thread (it
+        must not block); returns the function that stops it."""
         with self._changed:
-            self._aborts += 1
-            self._changed.notify_all()
+            self._listeners.add(callback)
+        return lambda: self._listeners.discard(callback)
 
     def _write(self, key: str, value: bytes) -> None:
         self._check_open()
         self._data[key] = value
+        self._notify()
+
+    def _notify(self) -> None:
         self._changed.notify_all()
+        for callback in list(self._listeners):
+            callback()
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreConnectionError("the in-memory store is closed")
+
+
+class AsyncMemoryStore:
+    """A MemoryStore as the coroutines of Store, on any event loop; several loops may share
+    one MemoryStore (one per node in the rendezvous tests).  Its operations never block, so
+    they run on the caller's loop, each after a turn of it (as a network call would give one:
+    a caller that retries in a loop must not starve the others); a wait is woken by the
+    write it waits for.  ``close`` closes this view only: the MemoryStore is its owner's."""
+
+    def __init__(self, backend: MemoryStore) -> None:
+        self.backend = backend
+
+    async def get(self, key: str) -> bytes | None:
+        await asyncio.sleep(0)
+        return self.backend.get(key)
+
+    async def set(self, key: str, value: bytes) -> None:
+        await asyncio.sleep(0)
+        self.backend.set(key, value)
+
+    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        await asyncio.sleep(0)
+        return self.backend.compare_set(key, expected, desired)
+
+    async def add(self, key: str, amount: int) -> int:
+        await asyncio.sleep(0)
+        return self.backend.add(key, amount)
+
+    async def append(self, key: str, value: bytes) -> None:
+        await asyncio.sleep(0)
+        self.backend.append(key, value)
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        await asyncio.sleep(0)
+        return self.backend.get_many(keys)
+
+    async def delete(self, key: str) -> bool:
+        await asyncio.sleep(0)
+        return self.backend.delete(key)
+
+    async def wait_for(self, key: str, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        written = asyncio.Event()
+        deadline = loop.time() + timeout
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(written.set)
+            except RuntimeError:  # that loop is closed: nobody waits there
+                pass
+
+        stop = self.backend.listen(wake)
+        try:
+            while True:
+                written.clear()
+                if self.backend.wait_for(key, 0) or loop.time() >= deadline:  # a check: no wait
+                    return self.backend.wait_for(key, 0)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await written.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            stop()
+
+    async def close(self) -> None:
+        pass
