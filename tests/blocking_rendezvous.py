@@ -116,8 +116,9 @@ class BlockingRendezvous:
         return num_waiting(self._state(), self.settings)
 
     def _state(self) -> Any:
-        raw = self._backend.get(Keys(self._prefix).state)
-        return decode(self._signer.open(raw)) if raw is not None else RendezvousState()
+        key = Keys(self._prefix).state
+        raw = self._backend.get(key)
+        return decode(self._signer.open(key, raw).body) if raw is not None else RendezvousState()
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop the node: its keeper ends (no more heartbeats), pending joins and watches end.

@@ -178,9 +178,14 @@ def job_age(job: Doc, now: float) -> str:
     return NONE if created is None else duration(now - created)
 
 
+def job_state(job: Doc) -> Any:
+    """A held job (its outcome record was refused) shows as HELD whatever its parts say."""
+    return f"HELD ({job.get('state')})" if job.get("held") else job.get("state")
+
+
 def jobs_table(jobs: Iterable[Doc], now: float) -> str:
     headers = ("ID", "NAME", "USER", "STATE", "NODES", "WORKERS", "RESTARTS", "AGE/ENDED")
-    return table(headers, ([job.get("id"), job.get("name"), job.get("user"), job.get("state"),
+    return table(headers, ([job.get("id"), job.get("name"), job.get("user"), job_state(job),
                             f"{len(job.get('nodes') or [])} ({text(job.get('nnodes'))})",
                             workers_up(job),
                             fraction(job.get("restarts"), job.get("max_restarts")),
@@ -192,7 +197,8 @@ def status_block(job: Doc, now: float) -> str:
     user = text(job.get("user")) + (f" (uid {job['uid']})" if job.get("uid") is not None else "")
     fields = [
         ("id", job.get("id")), ("name", job.get("name")), ("user", user),
-        ("state", job.get("state")), ("command", " ".join(job.get("argv") or []) or None),
+        ("state", job_state(job)), *([("held", job["held"])] if job.get("held") else []),
+        ("command", " ".join(job.get("argv") or []) or None),
         ("workdir", job.get("workdir")), ("nnodes", job.get("nnodes")),
         ("nproc", job.get("nproc_per_node")), ("world size", job.get("world_size")),
         ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),

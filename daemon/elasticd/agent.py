@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 
 from .aio import race
 from .cgroups import JobCgroup, JobCgroups
-from .errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
+from .errors import RendezvousClosedError, RendezvousGone, RendezvousTimeoutError, StoreError
 from .records import Outcome, Part
 from .keyspace import Keyspace
 from .liveness import KeepAlive
@@ -169,7 +169,9 @@ class AgentFactory:
     stop_grace: float = 10.0
     cgroups: JobCgroups | None = None
 
-    def rendezvous(self, spec: JobSpec) -> RendezvousHandler:
+    def rendezvous(self, spec: JobSpec, *, may_create: bool = True) -> RendezvousHandler:
+        """The job's rendezvous; ``may_create`` False for a job that already ran (its state
+        is joined or restored, never started afresh)."""
         settings = RendezvousSettings(
             run_id=spec.id, min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
             max_restarts=spec.max_restarts, join_timeout=spec.join_timeout,
@@ -177,11 +179,13 @@ class AgentFactory:
             keep_alive_interval=self.keep_alive.interval,
             keep_alive_max_attempt=self.keep_alive.attempts)
         return RendezvousHandler(self.store, self.signer, settings, self.node, self.address,
-                                 prefix=self.keyspace.rendezvous(spec.id), on_refused=self.refused)
+                                 prefix=self.keyspace.rendezvous(spec.id), on_refused=self.refused,
+                                 may_create=may_create)
 
     def agent(self, spec: JobSpec, gpus: tuple[str, ...], ports: AgentPorts,
               started: float | None) -> JobAgent:
-        return JobAgent(spec, node=self.node, address=self.address, rdzv=self.rendezvous(spec),
+        return JobAgent(spec, node=self.node, address=self.address,
+                        rdzv=self.rendezvous(spec, may_create=started is None),
                         ports=ports, metrics=self.metrics, logs=self.logs, probe=self.probe,
                         dead_after=self.keep_alive.dead_after, log_root=self.log_root, gpus=gpus,
                         stop_grace=self.stop_grace, cgroups=self.cgroups, started=started)
@@ -216,6 +220,7 @@ class JobAgent:
         self._workers: LocalWorkers | None = None
         self._cgroups = cgroups
         self._cgroup: JobCgroup | None = None  # made with the first round, gone with the agent
+        self.declined = ""  # why this node left the job on its own (not placed again until it changes)
 
     # -- signals from the daemon ----------------------------------------------------------
 
@@ -239,6 +244,7 @@ class JobAgent:
             # This node lost the store: its share ends here (the others re-form without it,
             # and it can join again once the store answers); the job's fate is not ours to write.
             log.warning("job %s: leaving, the store does not answer: %s", self.spec.id, exc)
+            self.declined = str(exc)
             self._report(PartState.LEFT)
         except Exception:
             log.exception("agent for job %s failed", self.spec.id)
@@ -293,6 +299,11 @@ class JobAgent:
             return None
         try:
             info = joining.result()
+        except RendezvousGone as exc:
+            log.warning("job %s: not starting it on %s: %s", self.spec.id, self.node, exc)
+            self.declined = str(exc)
+            self._report(PartState.LEFT)
+            return None
         except RendezvousClosedError:
             self._report(PartState.STOPPED)
             return None

@@ -39,8 +39,9 @@ from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
 from .paths import is_own_dir
 from .control.server import ControlServer, Limits, RouterServer, Zap
-from .endpoint import join_endpoint
+from .endpoint import join_endpoint, split_endpoint
 from .errors import ConfigError, ElasticdError
+from .firewall import StoreFirewall
 from .history import History
 from .keyspace import Keyspace
 from .jobs import JobRegistry
@@ -54,6 +55,7 @@ from .placement import Resources
 from .scheduler import JobService
 from .store.base import Store
 from .store.c10d import C10dServer
+from .store.memory import AsyncMemoryStore, MemoryStore
 from .store.tcpstore import TCPStoreClient
 from .store.signing import Signer, load_key, load_or_create_key
 
@@ -163,15 +165,9 @@ class Daemon:
         then close them in reverse."""
         config = self.config
         self._make_dirs()
-        signer = Signer(self._cluster_key())
+        signer = Signer(self._cluster_key(), config.cluster.name)
         async with contextlib.AsyncExitStack() as closing:
-            await asyncio.to_thread(self._host_store)
-            if self._server is not None:
-                closing.callback(self._server.close)
-            client = TCPStoreClient(self._endpoint, timeout=config.store.timeout)
-            store = InstrumentedStore(client, self.metrics)
-            closing.push_async_callback(store.close)
-            await client.connect(config.store.connect_timeout)
+            store = await self._open_store(closing)
             self.metrics.store_up.set(1)
             await store.add(Keyspace(config.cluster.name).ping, 1)
             history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
@@ -198,7 +194,7 @@ class Daemon:
             service = JobService(
                 node=self.node, resources=Resources(slot_count(config, gpus), gpus), board=board,
                 follower=BoardFollower(board, registry, self.node, on_store=self._board_store),
-                registry=registry, standalone=config.standalone,
+                registry=registry, standalone=config.standalone, allow_root=config.jobs.allow_root,
                 agents=AgentFactory(
                     node=self.node, address=self._address, store=store, signer=signer,
                     keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
@@ -247,6 +243,36 @@ class Daemon:
         log.info("elasticd stopped")
         return 0
 
+    async def _open_store(self, closing: contextlib.AsyncExitStack) -> Store:
+        """The cluster's store: hosted here or reached over TCP; a standalone daemon's lives
+        in its own memory (no port that any local user could reach)."""
+        if self.config.standalone:
+            self._endpoint = "memory (standalone)"
+            return InstrumentedStore(AsyncMemoryStore(MemoryStore()), self.metrics)
+        await asyncio.to_thread(self._host_store)
+        if self._server is not None:
+            closing.callback(self._server.close)
+        firewall = await asyncio.to_thread(self._store_firewall)
+        if firewall is not None:
+            closing.callback(firewall.close)
+        client = TCPStoreClient(self._endpoint, timeout=self.config.store.timeout)
+        store = InstrumentedStore(client, self.metrics)
+        closing.push_async_callback(store.close)
+        await client.connect(self.config.store.connect_timeout)
+        return store
+
+    def _store_firewall(self) -> StoreFirewall | None:
+        """Only this daemon's user may reach the store's port from this host (firewall.py)."""
+        host, port = split_endpoint(self._endpoint)
+        address = None
+        if self._server is None:
+            try:
+                address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            except OSError as exc:
+                raise ConfigError("store.endpoint", f"cannot resolve {host}: {exc}") from exc
+        return StoreFirewall.setup(self.config.store.firewall, cluster=self.config.cluster.name,
+                                   node=self.node, port=port, uid=os.getuid(), store_address=address)
+
     async def _registered(self, nodes: NodeService) -> bool:
         """Wait until this node's record is in the store (READY=1 means it joined the
         cluster); False if told to stop first."""
@@ -267,7 +293,7 @@ class Daemon:
         registry = NodeRegistry(store, signer, self.config.cluster.name, self.node,
                                 keep_alive=self.config.rendezvous.keep_alive,
                                 endpoint=self._endpoint, on_refused=self._refused)
-        if self._server is not None:
+        if self._server is not None or self.config.standalone:
             await registry.create_epoch()
         return registry
 

@@ -3,16 +3,21 @@
 Keys under ``elasticd/<cluster>/jobs/``::
 
     seq                 counter: submit order
-    by_seq/<n>          job id of the n-th submitted job
-    spec/<id>           signed {"seq", "spec"}
-    part/<id>/<node>    signed Part: that node's share of the job
+    index               every job id ever submitted: sealed lines, appended
+    spec/<id>           {"seq", "spec"}, encrypted: a job's environment is nobody else's
+    part/<id>/<node>    signed Part: that node's share of the job (versioned)
+    parts/<id>          the nodes that wrote a part of the job: sealed lines, appended
     outcome/<id>        signed Outcome, written once (compare-and-set: first writer wins)
     log                 counter of changes
-    log/<n>             the n-th change: "spec/<id>", "part/<id>/<node>" or "outcome/<id>"
+    log/<n>             the n-th change, signed: "spec/<id>", "part/<id>/<node>" or "outcome/<id>"
 
 A daemon follows the log by waiting for ``log/<n+1>`` (one store round trip of latency, no
-polling).  Every value is signed; a record whose MAC fails is refused and counted.  Store
-I/O is awaited on the event loop.
+polling).  Every record is sealed for its key; one that does not open is refused and
+counted.  The counters and the log are not trusted to be complete: an entry that is
+missing while later ones exist, refused, or a counter that went back, makes the follower
+read every job again from the signed records (at most once per ``_RESYNC_PAUSE``).  An
+outcome that does not open holds its job: it is reported, never placed again, and a valid
+outcome (a cancel) may replace it.  Store I/O is awaited on the event loop.
 """
 
 from __future__ import annotations
@@ -20,36 +25,54 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
-from .errors import ElasticdError, StoreError
+from .errors import ElasticdError, StoreError, TamperedRecord
 from .jobs import JobRegistry
 from .records import Outcome, Part
 from .keyspace import Keyspace
 from .model import IllegalTransition, JobSpec
 from .store.base import Store
-from .store.signing import Refused, Signer, open_or_refuse
+from .store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse
 
 log = logging.getLogger(__name__)
 
 _KEEP_LOG = 4096
 _FOLLOW_TIMEOUT = 1.0  # seconds a follow waits for the next change before it looks again
+_RESYNC_PAUSE = 5.0    # seconds between two reads of the whole board that a broken log asks for
+_OUTCOME_TRIES = 3     # an outcome that does not open is replaced; a store that keeps garbling it wins
 _BATCH = 64
 _ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
+_NAME = re.compile(r"^[\w.-]+$")
 
 
 @dataclass(frozen=True)
 class Change:
-    kind: str                    # "spec", "part" or "outcome"
+    kind: str                    # "spec", "part", "outcome" or "held"
     job_id: str
-    value: object                # (seq, JobSpec) | Part | Outcome
+    value: object                # (seq, JobSpec) | Part | Outcome | str (why the job is held)
 
 
 class BoardReset(ElasticdError):
-    """The store lost the board (its host restarted): resynchronise and republish."""
+    """The change log cannot be followed from here (its counter went back: the store's host
+    restarted; an entry is missing or refused): read the whole board again."""
 
     code = "store_reset"
+
+
+def _entry(body: object) -> str:
+    if not isinstance(body, str) or not _ENTRY.match(body):
+        raise ValueError(f"not a change: {body!r}")
+    return body
+
+
+def _name(body: object) -> str:
+    name = body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"not a name: {name!r}")
+    return name
 
 
 class JobBoard:
@@ -60,9 +83,17 @@ class JobBoard:
         self._prefix = Keyspace(cluster).jobs
         self.refused: Refused = on_refused or (lambda key, why: None)
         self._indexed: set[tuple[str, str]] = set()
+        self._versions = VersionClock()
+        self._fresh = Freshness()  # parts: an older one written back is refused
 
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
+
+    def _seal(self, suffix: str, body: object, **how: object) -> bytes:
+        return self._signer.seal(self._key(suffix), body, **how)
+
+    def _line(self, suffix: str, name: str) -> bytes:
+        return self._seal(suffix, {"name": name}) + b"\n"
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -80,34 +111,43 @@ class JobBoard:
             if behind > 0:
                 await self._store.add(self._key("seq"), behind)
         await self._store.set(self._key(f"spec/{spec.id}"),
-                        self._signer.seal({"seq": seq, "spec": spec.to_json()}))
-        await self._store.set(self._key(f"by_seq/{seq}"), spec.id.encode())
+                              self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True))
+        await self._store.append(self._key("index"), self._line("index", spec.id))
         await self._append(f"spec/{spec.id}")
         return seq
 
     async def publish_part(self, job_id: str, part: Part) -> None:
         if (job_id, part.node) not in self._indexed:  # so that a snapshot finds every part
-            await self._store.append(self._key(f"part_nodes/{job_id}"), f"{part.node}\n".encode())
+            await self._store.append(self._key(f"parts/{job_id}"), self._line(f"parts/{job_id}", part.node))
             self._indexed.add((job_id, part.node))
-        await self._store.set(self._key(f"part/{job_id}/{part.node}"), self._signer.seal(part.to_json()))
-        await self._append(f"part/{job_id}/{part.node}")
+        suffix = f"part/{job_id}/{part.node}"
+        await self._store.set(self._key(suffix), self._seal(suffix, part.to_json(), version=self._versions.next()))
+        await self._append(suffix)
 
     def forget_index(self) -> None:
         """After a store reset this node's parts must be indexed again."""
         self._indexed = set()
 
     async def publish_outcome(self, job_id: str, outcome: Outcome) -> Outcome:
-        """Write the outcome unless one exists; returns the one that is now final."""
-        key = self._key(f"outcome/{job_id}")
-        swapped, current = await self._store.compare_set(key, None, self._signer.seal(outcome.to_json()))
-        if swapped:
-            await self._append(f"outcome/{job_id}")
-            return outcome
-        return Outcome.from_json(self._signer.open(current or b""))
+        """Write the outcome unless a valid one exists; returns the one that is now final.
+        One that does not open (tampered with) is replaced."""
+        suffix = f"outcome/{job_id}"
+        key, sealed = self._key(suffix), self._seal(suffix, outcome.to_json(), version=1)
+        expected = None
+        for _ in range(_OUTCOME_TRIES):
+            swapped, current = await self._store.compare_set(key, expected, sealed)
+            if swapped:
+                await self._append(suffix)
+                return outcome
+            final = open_or_refuse(self._signer, key, current, Outcome.from_json, self.refused)
+            if final is not None:
+                return final
+            expected = current  # refused: replace exactly those bytes
+        raise TamperedRecord(f"{key} was overwritten {_OUTCOME_TRIES} times while this node wrote it")
 
     async def _append(self, entry: str) -> None:
         n = await self._store.add(self._key("log"), 1)
-        await self._store.set(self._key(f"log/{n}"), entry.encode())
+        await self._store.set(self._key(f"log/{n}"), self._seal(f"log/{n}", entry))
         if n > _KEEP_LOG:
             await self._store.delete(self._key(f"log/{n - _KEEP_LOG}"))
 
@@ -119,9 +159,9 @@ class JobBoard:
     async def snapshot(self) -> tuple[int, list[Change]]:
         """Every job with its outcome and parts; and the log position to follow from."""
         position = await self.head()
-        count = await self._store.add(self._key("seq"), 0)
-        raw_ids = await self._store.get_many([self._key(f"by_seq/{n}") for n in range(1, count + 1)])
-        return position, await self._read(await self._entries(sorted({r.decode() for r in raw_ids if r})))
+        index = SignedLines(self._signer, self._key("index"), _name, self.refused)
+        ids = dict.fromkeys(i for i in index.fold(await self._store.get(self._key("index"))) if i)
+        return position, await self._read(await self._entries(list(ids)))
 
     async def read_job(self, job_id: str) -> list[Change]:
         """One job's spec, outcome and parts, read now."""
@@ -129,43 +169,59 @@ class JobBoard:
 
     async def _entries(self, job_ids: list[str]) -> list[str]:
         """The entries of these jobs' spec, outcome and every part (one round trip)."""
-        raws = await self._store.get_many([self._key(f"part_nodes/{job_id}") for job_id in job_ids])
+        raws = await self._store.get_many([self._key(f"parts/{job_id}") for job_id in job_ids])
         entries = []
         for job_id, raw in zip(job_ids, raws):
-            nodes = dict.fromkeys(n for n in (raw or b"").decode(errors="replace").split("\n") if n)
+            lines = SignedLines(self._signer, self._key(f"parts/{job_id}"), _name, self.refused)
+            nodes = dict.fromkeys(n for n in lines.fold(raw) if n)
             entries += [f"spec/{job_id}", f"outcome/{job_id}", *(f"part/{job_id}/{n}" for n in nodes)]
         return entries
 
     async def follow(self, position: int, timeout: float) -> tuple[int, list[Change]]:
         """Wait up to ``timeout`` for changes after ``position``; returns the new position.
 
-        Raises BoardReset when the log went backwards (the store host restarted).  An entry
-        that never appears while later ones do (a writer died between its two steps) is
-        skipped after one timeout.
+        Raises BoardReset when the log cannot be followed from ``position``: it went
+        backwards, or the next entry is refused, or missing while later ones exist (its
+        writer died between its two steps, or someone bumped the counter).
         """
         if not await self._store.wait_for(self._key(f"log/{position + 1}"), timeout):
             head = await self.head()
             if head < position:
                 raise BoardReset(f"change log went back from {position} to {head}")
             if head > position + 1 and await self._store.get(self._key(f"log/{position + 1}")) is None:
-                log.warning("change %d never appeared; skipping it", position + 1)
-                return position + 1, []
+                raise BoardReset(f"change {position + 1} is missing and the log is at {head}")
             return position, []
         keys = [self._key(f"log/{n}") for n in range(position + 1, position + 1 + _BATCH)]
         entries = []
-        for raw in await self._store.get_many(keys):
+        for key, raw in zip(keys, await self._store.get_many(keys)):
             if raw is None:
                 break
-            entries.append(raw.decode(errors="replace"))
+            entry = open_or_refuse(self._signer, key, raw, _entry, self.refused)
+            if entry is None:
+                if not entries:
+                    raise BoardReset(f"change {position + 1} was refused")
+                break
+            entries.append(entry)
         return position + len(entries), await self._read(entries)
 
     async def _read(self, entries: list[str]) -> list[Change]:
         wanted = list(dict.fromkeys(e for e in entries if _ENTRY.match(e)))
         values = await self._store.get_many([self._key(e) for e in wanted])
-        changes = (open_or_refuse(self._signer, self._key(entry), raw,
-                                  lambda body, entry=entry: self._parse(entry, body), self.refused)
-                   for entry, raw in zip(wanted, values))
-        return [change for change in changes if change is not None]
+        changes = []
+        for entry, raw in zip(wanted, values):
+            why: list[str] = []
+
+            def refused(key: str, reason: str) -> None:
+                why.append(reason)
+                self.refused(key, reason)
+            change = open_or_refuse(self._signer, self._key(entry), raw,
+                                    lambda body, entry=entry: self._parse(entry, body), refused,
+                                    self._fresh if entry.startswith("part/") else None)
+            if change is not None:
+                changes.append(change)
+            elif why and entry.startswith("outcome/"):
+                changes.append(Change("held", entry.partition("/")[2], f"its outcome record was refused: {why[0]}"))
+        return changes
 
     @staticmethod
     def _parse(entry: str, body: object) -> Change:
@@ -173,11 +229,17 @@ class JobBoard:
         if not isinstance(body, dict):
             raise ValueError("record is not an object")
         if kind == "spec":
-            return Change(kind, rest, (int(body["seq"]), JobSpec.from_json(body["spec"])))
+            spec = JobSpec.from_json(body["spec"])
+            if spec.id != rest:
+                raise ValueError(f"the spec is job {spec.id}'s")
+            return Change(kind, rest, (int(body["seq"]), spec))
         if kind == "outcome":
             return Change(kind, rest, Outcome.from_json(body))
-        job_id = rest.partition("/")[0]
-        return Change(kind, job_id, Part.from_json(body))
+        job_id, _, node = rest.partition("/")
+        part = Part.from_json(body)
+        if part.node != node:
+            raise ValueError(f"the part is node {part.node}'s")
+        return Change(kind, job_id, part)
 
 
 class BoardFollower:
@@ -191,8 +253,10 @@ class BoardFollower:
         self._node = node
         self._on_store = on_store
         self._position = 0
+        self._resynced = -_RESYNC_PAUSE  # when the board was last read whole (monotonic)
 
     async def resync(self) -> None:
+        self._resynced = time.monotonic()
         self._position, changes = await self._board.snapshot()
         self.apply(changes)
 
@@ -203,7 +267,10 @@ class BoardFollower:
             try:
                 self._position, changes = await self._board.follow(self._position, _FOLLOW_TIMEOUT)
             except BoardReset as exc:
-                log.warning("%s; resynchronising", exc)
+                log.warning("%s; reading the whole board again", exc)
+                pause = self._resynced + _RESYNC_PAUSE - time.monotonic()
+                if pause > 0:  # a log broken again and again costs one read per pause
+                    await asyncio.sleep(pause)  # a back-off
                 await self._retrying(self.resync)
                 continue
             except StoreError as exc:
@@ -242,3 +309,5 @@ class BoardFollower:
                 self._registry.set_part(change.job_id, change.value)
         elif change.kind == "outcome":
             self._registry.set_outcome(change.job_id, change.value)
+        elif change.kind == "held":
+            self._registry.hold(change.job_id, change.value)

@@ -20,7 +20,7 @@ from .keyspace import Keyspace
 from .liveness import Beat, KeepAlive, observe, silent
 from .model import NODE_STATES, IllegalTransition, NodeInfo, NodeState
 from .store.base import Store
-from .store.signing import Refused, Signer, open_or_refuse
+from .store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse, open_version
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,13 @@ def slot_count(config: DaemonConfig, gpus: tuple[str, ...]) -> int:
 
 
 # -- the node registry in the store -------------------------------------------------------------
+
+def _registered_name(body: Any) -> str:
+    name = body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"not a node name: {name!r}")
+    return name
+
 
 @dataclass(frozen=True)
 class NodeRecord:
@@ -133,10 +140,12 @@ class Tick:
 class NodeRegistry:
     """This node's record and heartbeat in the store, and its view of every other node.
 
-    Keys under ``elasticd/<cluster>/nodes/``: ``seq`` and ``by_seq/<n>`` (every name that ever
-    registered, in order), ``<name>/record`` (signed NodeRecord), ``<name>/hb`` (heartbeat
-    counter), ``<name>/drain`` (signed drain request, written by whoever asked).  ``tick`` is
-    the heartbeat duty.  Store I/O is awaited on the event loop.
+    Keys under ``elasticd/<cluster>/nodes/``: ``names`` (every name that ever registered:
+    sealed lines, appended), ``<name>/record`` (signed NodeRecord), ``<name>/hb`` (signed
+    heartbeat: its version goes up at every beat), ``<name>/drain`` (signed drain request,
+    written by whoever asked).  Records are versioned: an older one written back is refused,
+    like a forged one, and this node publishes its own again.  ``tick`` is the heartbeat
+    duty.  Store I/O is awaited on the event loop.
     """
 
     def __init__(self, store: Store, signer: Signer, cluster: str, name: str, *,
@@ -154,8 +163,10 @@ class NodeRegistry:
         self._clock = clock
         self._wall = wall_clock
         self._names: list[str] = []
-        self._seen = 0
-        self._unread: list[int] = []
+        self._index = SignedLines(signer, self._key("names"), _registered_name, self._on_refused)
+        self._versions = VersionClock(wall_clock)
+        self._fresh = Freshness()
+        self._epoch = ""  # the store's epoch as last read valid
         self._sightings: dict[str, Sighting] = {}
         self._published: NodeRecord | None = None
         self._registered_epoch = ""
@@ -169,76 +180,86 @@ class NodeRegistry:
 
     async def create_epoch(self) -> str:
         """The store host marks a fresh store, so that others can tell it was reset."""
-        token = secrets.token_hex(8).encode()
-        _, current = await self._store.compare_set(self.epoch_key, None, token)
-        return (current or token).decode()
+        token = secrets.token_hex(8)
+        sealed = self._signer.seal(self.epoch_key, {"epoch": token}, version=self._versions.next())
+        _, current = await self._store.compare_set(self.epoch_key, None, sealed)
+        return self._open_epoch(current) or token
+
+    def _open_epoch(self, raw: bytes | None) -> str:
+        """The store's epoch; "" if there is none; the last valid one if it was refused."""
+        if raw is None:
+            return ""
+        epoch = open_or_refuse(self._signer, self.epoch_key, raw, lambda body: str(body["epoch"]),
+                               self._on_refused, self._fresh)
+        self._epoch = epoch if epoch is not None else self._epoch
+        return self._epoch
 
     async def tick(self, record: NodeRecord) -> Tick:
-        epoch = (await self._store.get(self.epoch_key) or b"").decode()
+        epoch = self._open_epoch(await self._store.get(self.epoch_key))
         if epoch != self._registered_epoch or record != self._published:
             await self._publish(record, register=epoch != self._registered_epoch)
             self._registered_epoch = epoch
-        await self._store.add(self._key(f"{self.name}/hb"), 1)
-        await self._learn_names()
+        beat = self._key(f"{self.name}/hb")
+        await self._store.set(beat, self._signer.seal(beat, {}, version=self._versions.next()))
+        self._learn_names(await self._store.get(self._key("names")))
         self._sightings = {n: s for n, s in self._sightings.items() if n in self._names}
         keys = [self._key(f"{n}/{part}") for n in self._names for part in ("record", "hb")]
         values = await self._store.get_many(keys + [self._key(f"{self.name}/drain")])
         now, wall = self._clock(), self._wall()
         for i, name in enumerate(self._names):
-            record_raw, beats_raw = values[2 * i], values[2 * i + 1]
+            record_raw, beat_raw = values[2 * i], values[2 * i + 1]
             parsed = self._open_record(name, record_raw)
             if name == self.name and parsed != self._published:
                 self._published = None  # lost or tampered with: publish it again next time
-            if parsed is not None and beats_raw is not None:
-                self._sightings[name] = sight(self._sightings.get(name), parsed,
-                                              int(beats_raw), now, wall)
+            count = self._beat_count(name, beat_raw)
+            if parsed is not None and count is not None:
+                self._sightings[name] = sight(self._sightings.get(name), parsed, count, now, wall)
         return Tick(dict(self._sightings), self._open_drain(values[-1]), epoch)
 
     async def _publish(self, record: NodeRecord, *, register: bool) -> None:
-        await self._store.set(self._key(f"{self.name}/record"), self._signer.seal(record.to_json()))
+        key = self._key(f"{self.name}/record")
+        await self._store.set(key, self._signer.seal(key, record.to_json(), version=self._versions.next()))
         if register:
-            n = await self._store.add(self._key("seq"), 1)
-            await self._store.set(self._key(f"by_seq/{n}"), self.name.encode())
-            self._seen, self._unread, self._names = 0, [], []  # learn the names again
+            index = self._key("names")
+            await self._store.append(index, self._signer.seal(index, {"name": self.name}) + b"\n")
         self._published = record
 
-    async def _learn_names(self) -> None:
-        """Read the registrations added since the last tick (and retry any not yet written)."""
-        count = await self._store.add(self._key("seq"), 0)
-        if count < self._seen:  # the store was reset under us
-            self._seen, self._unread, self._names = 0, [], []
-        wanted = self._unread + list(range(self._seen + 1, count + 1))
-        if not wanted:
-            return
-        values = await self._store.get_many([self._key(f"by_seq/{n}") for n in wanted])
-        self._unread = [n for n, raw in zip(wanted, values) if raw is None]
-        for raw in values:
-            name = raw.decode(errors="replace") if raw else ""
-            if name and name not in self._names:
-                self._names.append(name)
-        self._seen = count
+    def _learn_names(self, raw: bytes | None) -> None:
+        """Every registered name, in order (the index is parsed from where it was last read)."""
+        self._names = list(dict.fromkeys(n for n in self._index.fold(raw) if n))
+
+    def _beat_count(self, name: str, raw: bytes | None) -> int | None:
+        """A node's heartbeat as a count that moves; a refused one has not moved."""
+        opened = open_version(self._signer, self._key(f"{name}/hb"), raw, self._on_refused, self._fresh)
+        if opened is not None:
+            return opened.version
+        previous = self._sightings.get(name)
+        return previous.beat.count if previous is not None and raw is not None else None
 
     def _open_record(self, name: str, raw: bytes | None) -> NodeRecord | None:
-        record = open_or_refuse(self._signer, self._key(f"{name}/record"), raw,
-                                NodeRecord.from_json, self._on_refused)
+        key = self._key(f"{name}/record")
+        record = open_or_refuse(self._signer, key, raw, NodeRecord.from_json, self._on_refused, self._fresh)
         if record is not None and record.info.name != name:
-            self._on_refused(self._key(f"{name}/record"), f"names another node ({record.info.name})")
+            self._on_refused(key, f"names another node ({record.info.name})")
             return None
         return record
 
     def _open_drain(self, raw: bytes | None) -> bool | None:
         return open_or_refuse(self._signer, self._key(f"{self.name}/drain"), raw,
-                              lambda body: bool(body["drain"]), self._on_refused)
+                              lambda body: bool(body["drain"]), self._on_refused, self._fresh)
 
     async def read_record(self, name: str) -> NodeRecord | None:
         """One node's record straight from the store (for a node not seen by a tick yet)."""
         return self._open_record(name, await self._store.get(self._key(f"{name}/record")))
 
     async def request_drain(self, name: str, drain: bool, by: str) -> None:
-        if self.read_record(name) is None:
+        if await self.read_record(name) is None:
             raise NotFound(f"no node {name!r}")
-        await self._store.set(self._key(f"{name}/drain"),
-                              self._signer.seal({"drain": drain, "by": by, "at": self._wall()}))
+        key = self._key(f"{name}/drain")
+        current = open_version(self._signer, key, await self._store.get(key), self._on_refused)
+        version = max(self._versions.next(), current.version + 1 if current else 0)  # past it, whatever our clock says
+        await self._store.set(key, self._signer.seal(key, {"drain": drain, "by": by, "at": self._wall()},
+                                                     version=version))
 
     def states(self, sightings: Mapping[str, Sighting]) -> dict[str, NodeState]:
         now = self._clock()

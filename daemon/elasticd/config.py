@@ -93,6 +93,7 @@ class ClusterConfig:
 class StoreConfig:
     endpoint: str = key("127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT", flag="--store")
     host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint is ours", flag="--store-host")
+    firewall: bool | str = key(AUTO, doc="let only this daemon's user reach the store port from this host (an nftables rule); 'auto': when root and nft is installed")
     connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
     timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
 

@@ -68,7 +68,8 @@ class StoreTimeout(StoreError):
 
 
 class TamperedRecord(StoreError):
-    """A store record's MAC is missing or wrong."""
+    """A store record does not open: no or a wrong MAC, sealed for another key, or older
+    than one seen before."""
 
     code = "tampered_record"
 
@@ -95,3 +96,10 @@ class RendezvousStateError(RendezvousError):
     """The rendezvous state in the store is unreadable or tampered with."""
 
     code = "rendezvous_state"
+
+
+class RendezvousGone(RendezvousError):
+    """The state of a job that already ran is missing or refused, and this node never saw it:
+    it does not start the job again (that is for a node that holds the state to restore)."""
+
+    code = "rendezvous_gone"

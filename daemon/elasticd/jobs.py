@@ -113,7 +113,16 @@ class JobRegistry:
         record = self._jobs.get(job_id)
         if record is None or record.outcome is not None:
             return record
-        return self._put(replace(record, outcome=outcome, version=record.version + 1))
+        return self._put(replace(record, outcome=outcome, held="", version=record.version + 1))
+
+    def hold(self, job_id: str, why: str) -> JobRecord | None:
+        """The job's outcome record was refused: no node may place it until a valid outcome
+        (a cancel) replaces it.  A job whose outcome is known here stays as it ended."""
+        record = self._jobs.get(job_id)
+        if record is None or record.outcome is not None or record.held == why:
+            return record
+        log.warning("job %s is held: %s", job_id, why)
+        return self._put(replace(record, held=why, version=record.version + 1))
 
     def _put(self, record: JobRecord) -> JobRecord:
         """The one place a record changes: its job state moves by JOB_STATES, or nothing

@@ -47,6 +47,19 @@ def eligible(spec: JobSpec, node: str) -> bool:
     return node not in spec.exclude and (not spec.nodes or node in spec.nodes)
 
 
+def refusal(spec: JobSpec, *, allow_root: bool, local_user: str | None) -> str | None:
+    """Why this node's own rules forbid running ``spec`` here (None: they allow it).  Every
+    node judges for itself before it starts workers, whichever node took the submit.
+    ``local_user``: the name of the job's uid on this node (None: no such user)."""
+    if spec.uid == 0:
+        return None if allow_root else "jobs submitted by root do not run here (jobs.allow_root = false)"
+    if local_user is None:
+        return f"user {spec.user} (uid {spec.uid}) does not exist here"
+    if local_user != spec.user and spec.user != str(spec.uid):
+        return f"uid {spec.uid} is {local_user} here, not {spec.user}"
+    return None
+
+
 def never_fits(spec: JobSpec, nodes: Iterable[dict[str, Any]]) -> str | None:
     """Why no node of the cluster could ever run a share of ``spec``, even idle; None if
     one could.  (Too few such nodes is for the join timeout: nodes may still come.)"""
@@ -76,7 +89,7 @@ def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bo
         return []
     offers = []
     for record in sorted(jobs, key=lambda r: r.seq):
-        if record.outcome is not None or record.id in busy or not eligible(record.spec, node):
+        if record.outcome is not None or record.held or record.id in busy or not eligible(record.spec, node):
             continue
         if node in record.parts and record.parts[node].state in _DONE_HERE:
             continue  # this node's share ended; the job's end is on its way

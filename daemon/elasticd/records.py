@@ -77,6 +77,7 @@ class JobRecord:
     parts: Mapping[str, Part] = field(default_factory=dict)
     outcome: Outcome | None = None
     version: int = 0
+    held: str = ""  # why no node may place the job (its outcome record was refused)
 
     @property
     def id(self) -> str:
@@ -154,6 +155,7 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
         "nodes": [_node_doc(p, usage.get(p.node)) for p in parts],
         "usage": total_usage(usage.values()),
         "error": error, "barrier": barrier if outcome is None else None,
+        "held": record.held or None,
     }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import pwd
 import re
 import time
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from .errors import Conflict, StoreError
 from .jobs import JobRegistry
 from .records import JobRecord, Outcome, Part, started
 from .model import JobSpec, JobState
-from .placement import Offer, Resources, place
+from .placement import Offer, Resources, place, refusal
 from .rendezvous import Reason
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class _Running:
 class JobService:
     def __init__(self, *, node: str, resources: Resources, board: JobBoard,
                  follower: BoardFollower, registry: JobRegistry, agents: AgentFactory,
-                 standalone: bool = False) -> None:
+                 standalone: bool = False, allow_root: bool = False) -> None:
         self.node = node
         self.resources = resources
         self._board = board
@@ -49,6 +51,9 @@ class JobService:
         self._standalone = standalone
         self._running: dict[str, _Running] = {}
         self._unstartable: set[str] = set()  # jobs whose agent failed to start here
+        self._refused: dict[str, str] = {}  # job id -> why this node's rules forbid it
+        self._declined: dict[str, int] = {}  # job id -> its record's version when its agent declined
+        self._allow_root = allow_root
         self._unpublished: dict[str, Part] = {}  # job id -> this node's newest part, for the board
         self._publish = asyncio.Event()
         self._placing = False
@@ -184,13 +189,35 @@ class JobService:
         used = self.used()
         free = Resources(self.resources.slots - used.slots,
                          tuple(g for g in self.resources.gpus if g not in used.gpus))
-        for offer in place(self._registry.jobs(), self.node, free, has_gpus=bool(self.resources.gpus),
-                           busy=set(self._running) | self._unstartable, draining=self.draining):
+        jobs = self._registry.jobs()
+        busy = set(self._running) | self._unstartable | self._refused_here(jobs) | {
+            r.id for r in jobs if self._declined.get(r.id) == r.version}
+        for offer in place(jobs, self.node, free, has_gpus=bool(self.resources.gpus),
+                           busy=busy, draining=self.draining):
             try:
                 self._start_agent(self._registry.get(offer.job_id), offer)
             except Exception:  # one job that cannot start must not hold up the jobs behind it
                 log.exception("job %s: cannot start its agent on %s", offer.job_id, self.node)
                 self._unstartable.add(offer.job_id)
+
+    def _refused_here(self, jobs: list[JobRecord]) -> set[str]:
+        """The open jobs that this node's own rules forbid (each judged once, and logged)."""
+        for record in jobs:
+            if record.outcome is None and record.id not in self._refused:
+                why = self._refusal(record)
+                if why:
+                    log.warning("job %s: not run on %s: %s", record.id, self.node, why)
+                self._refused[record.id] = why
+        return {job_id for job_id, why in self._refused.items() if why}
+
+    def _refusal(self, record: JobRecord) -> str:
+        if os.getuid() != 0:  # a user's own daemon runs every job as that user
+            return ""
+        try:
+            local_user: str | None = pwd.getpwuid(record.spec.uid).pw_name
+        except KeyError:
+            local_user = None
+        return refusal(record.spec, allow_root=self._allow_root, local_user=local_user) or ""
 
     def _start_agent(self, record: JobRecord, offer: Offer) -> None:
         assert self._tasks is not None
@@ -206,7 +233,10 @@ class JobService:
         except Exception:  # whatever one job's agent does, it never reaches the task group
             log.exception("job %s: its agent on %s ended with an error", running.agent.spec.id, self.node)
         finally:
-            del self._running[running.agent.spec.id]
+            job_id = running.agent.spec.id
+            del self._running[job_id]
+            if running.agent.declined and (record := self._registry.find(job_id)) is not None:
+                self._declined[job_id] = record.version  # not again until the job changes
             running.done.set()
             self._schedule_placement()
 

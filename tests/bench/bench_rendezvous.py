@@ -68,7 +68,7 @@ from elasticd.store.signing import Signer  # noqa: E402
 FULL = {"sizes": (2, 8, 32, 128), "elasticd_reps": 5, "process_reps": 3, "torch_reps": {2: 3, 8: 3, 32: 2, 128: 1}, "torch_cap": 60.0}
 QUICK = {"sizes": (2, 8), "elasticd_reps": 3, "process_reps": 2, "torch_reps": {2: 2, 8: 2}, "torch_cap": 30.0}
 SIGNER_KEY = b"bench-key-0123456789abcdef012345"
-SIGNER = Signer(SIGNER_KEY)
+SIGNER = Signer(SIGNER_KEY, "bench")
 
 
 class Harness:
@@ -184,7 +184,7 @@ prefix = f"bench/proc/{run_id}"
 async def main():
     store = TCPStoreClient(endpoint)
     await store.connect(60)
-    handler = RendezvousHandler(store, Signer(bytes.fromhex(key)), RendezvousSettings(run_id, n, n),
+    handler = RendezvousHandler(store, Signer(bytes.fromhex(key), "bench"), RendezvousSettings(run_id, n, n),
                                 node, "127.0.0.1", prefix=prefix)
     keeper = asyncio.create_task(handler.keep())
     await store.wait_for(f"{prefix}/hb/{node}", 60)

@@ -57,13 +57,12 @@ def spec(job_id: str, workdir: Path) -> JobSpec:
 
 
 def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tmp_path):
-    store = FailingWrites(broken="outcome/j-bad000")
-    store.set(f"{Keyspace('default').rendezvous('j-bad000')}/state", b"tampered")
+    store = FailingWrites(broken=f"{Keyspace('default').rendezvous('j-bad000')}/state")
     registry = JobRegistry(History(str(tmp_path / "history.sqlite")))
     os.makedirs(tmp_path / "logs", mode=0o755)
 
     def job_service(shared: AsyncMemoryStore) -> JobService:
-        signer = Signer(b"k" * 32)
+        signer = Signer(b"k" * 32, "c")
         board = JobBoard(shared, signer, "default")
         agents = AgentFactory(node="n1", address="127.0.0.1", store=shared, signer=signer,
                               keyspace=Keyspace("default"), keep_alive=KeepAlive(),
@@ -71,7 +70,7 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
                               probe=NoPeers(), refused=lambda key, why: None, stop_grace=1.0)
         return JobService(node="n1", resources=Resources(4), board=board,
                           follower=BoardFollower(board, registry, "n1"), registry=registry,
-                          agents=agents)
+                          agents=agents, allow_root=True)
 
     async def scenario() -> None:
         shared = AsyncMemoryStore(store)

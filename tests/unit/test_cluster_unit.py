@@ -68,7 +68,7 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
 
     async def scenario() -> None:
         stop, retried = asyncio.Event(), asyncio.Event()
-        registry = NodeRegistry(AsyncMemoryStore(store), Signer(b"k" * 32), "c", "n2", keep_alive=KEEP_ALIVE)
+        registry = NodeRegistry(AsyncMemoryStore(store), Signer(b"k" * 32, "c"), "c", "n2", keep_alive=KEEP_ALIVE)
         await registry.create_epoch()
 
         async def on_reset() -> None:
@@ -80,7 +80,8 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
         def on_tick() -> None:  # after the first duty: the store host restarts with a new epoch
             if not resets:
                 store.delete(registry.epoch_key)
-                store.compare_set(registry.epoch_key, None, b"new epoch")
+                store.compare_set(registry.epoch_key, None, Signer(b"k" * 32, "c").seal(
+                    registry.epoch_key, {"epoch": "new"}, version=2**62))
 
         service = NodeService(registry, interval=0.01)
         running = asyncio.create_task(service.run(stop, NodeDuties(

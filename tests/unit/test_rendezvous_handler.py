@@ -17,7 +17,7 @@ from elasticd.store.memory import MemoryStore
 from elasticd.store.signing import Signer
 
 PREFIX = "elasticd/test/rdzv/job"
-SIGNER = Signer(b"k" * 32)
+SIGNER = Signer(b"k" * 32, "c")
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_a_vanished_state_is_restored_by_a_member_and_everyone_converges(store, 
     for key in store.keys(PREFIX):  # the store host restarted: everything is gone
         store.delete(key)
     assert store.wait_for(state_key, 10.0)  # a keeper wrote its copy back
-    restored = decode(SIGNER.open(store.get(state_key)))
+    restored = decode(SIGNER.open(state_key, store.get(state_key)).body)
     assert (restored.round, restored.complete, restored.order) == (0, True, ("a", "b", "c"))
     assert not watching.done()  # nothing happened to the round
     assert [h.num_nodes_waiting() for h in nodes] == [0, 0, 0]
@@ -115,5 +115,5 @@ def test_a_wait_listed_node_times_out_and_leaves_the_wait_list(store, handlers):
     a.next_rendezvous(1, 1)
     with pytest.raises(RendezvousTimeoutError, match="wait list of round 0 .1 members, max_nodes is 1"):
         b.next_rendezvous(1, 1)
-    state = decode(SIGNER.open(store.get(Keys(PREFIX).state)))
+    state = decode(SIGNER.open(Keys(PREFIX).state, store.get(Keys(PREFIX).state)).body)
     assert state.complete and not state.wait_list

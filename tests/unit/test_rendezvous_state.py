@@ -26,9 +26,9 @@ STATE = RendezvousState(
 
 
 def test_round_trip_through_json_and_the_signer():
-    signer = Signer(b"k" * 32)
-    raw = signer.seal(encode(STATE))
-    assert decode(signer.open(raw)) == STATE
+    signer = Signer(b"k" * 32, "c")
+    raw = signer.seal("k", encode(STATE))
+    assert decode(signer.open("k", raw).body) == STATE
     assert decode(json.loads(json.dumps(encode(RendezvousState())))) == RendezvousState()
 
 
@@ -74,10 +74,10 @@ def test_non_objects_are_refused(body):
 
 
 def test_tampered_state_is_refused_by_the_signer():
-    signer = Signer(b"k" * 32)
-    raw = signer.seal(encode(STATE)).replace(b'"restarts_used":2', b'"restarts_used":0')
+    signer = Signer(b"k" * 32, "c")
+    raw = signer.seal("k", encode(STATE)).replace(b'"restarts_used":2', b'"restarts_used":0')
     with pytest.raises(TamperedRecord):
-        signer.open(raw)
+        signer.open("k", raw)
 
 
 def test_announcement_round_trip_and_schema():

@@ -5,18 +5,24 @@ Keys, all under the handler's ``prefix``::
 
     state                   the signed RendezvousState (compare-and-set only)
     rev/<v>                 set when version v was written; waiters block on the next one
-    hb/<node>               heartbeat counter
+    hb/<node>               signed heartbeat: its version goes up at every beat
     round/<r>/joins         the round's join log: signed records, one per line (append only)
-    round/<r>/exit/...      the exit barrier of round r: who arrived, how many, and one key
-                            per arrival (``exit/<n>``, set by the n-th) for waiters to block on
+    round/<r>/exit/<node>   a member's signed arrival at the exit barrier of round r
+
+Every record is signed for its key (store/signing.py); the unsigned ``rev`` keys only wake
+waiters, who read the signed state and go back to sleep if it did not change.  A state
+that does not open, or is older than one this node saw, is refused and counted, and the
+newest state this node saw is written back over it (as after a store reset).
 
 One executor, ``_execute`` (torchelastic's _DistributedRendezvousOpExecutor): read the state
 and the open round's join log, decide with a pure function of ``ops``, act (compare-and-set
 the decided state, append to the join log, or wait for the next revision) until the
 decision is an outcome.  A state that vanished (the store host restarted and lost its data)
 is restored first, as an action of its own: RESTORE writes back the newest state this node
-saw, compare-and-set against "missing", so that the first such write wins and every node
-converges on it.  Heartbeat counters and join logs are recreated as the nodes go on.
+saw, compare-and-set against "missing" (or against the refused bytes), so that the first
+such write wins and every node converges on it.  A node that never saw the state of a job
+that already ran does not start a new one (``may_create``): that would run a job again
+whose state was deleted.  Heartbeat counters and join logs are recreated as the nodes go on.
 
 The keeper (``keep``, a task its owner runs) beats this node's heartbeat, reads the others'
 counters, drops the silent ones through the executor, and resolves ``watch()`` futures:
@@ -34,7 +40,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
-from elasticd.errors import RendezvousClosedError, RendezvousStateError, RendezvousTimeoutError, StoreError
+from elasticd.errors import (RendezvousClosedError, RendezvousGone, RendezvousStateError,
+                             RendezvousTimeoutError, StoreError)
 from elasticd.rendezvous.ops import (
     Act,
     Action,
@@ -68,7 +75,8 @@ from elasticd.rendezvous.state import (
     encode_announcement,
 )
 from elasticd.store.base import Store
-from elasticd.store.signing import Refused, Signer, open_or_refuse
+from elasticd.store.signing import (Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse,
+                                   open_version)
 
 log = logging.getLogger(__name__)
 
@@ -104,19 +112,19 @@ class Keys:
         return f"{self.prefix}/round/{round}/joins"
 
     def exit_arrived(self, round: int, node: str) -> str:
-        return f"{self.prefix}/round/{round}/exit/arrived/{node}"
-
-    def exit_count(self, round: int) -> str:
-        return f"{self.prefix}/round/{round}/exit/count"
-
-    def exit_nth(self, round: int, n: int) -> str:
-        return f"{self.prefix}/round/{round}/exit/{n}"
+        return f"{self.prefix}/round/{round}/exit/{node}"
 
 
 @dataclass(frozen=True)
 class _Snapshot:
     state: RendezvousState
     raw: bytes | None  # the sealed bytes in the store; None: there is no state (yet, or any more)
+    valid: bool = True  # False: the bytes were refused (the state is read as missing)
+
+    @property
+    def missing(self) -> bool:
+        """No state this node may act on: none in the store, or a refused one."""
+        return self.raw is None or not self.valid
 
 
 @dataclass(frozen=True)
@@ -127,31 +135,21 @@ class _Watch:
 
 
 class _JoinLog:
-    """A round's join log as read, parsing only the records appended since the last read.
-
-    A record that fails its MAC is refused (reported, and treated as absent), not fatal.
-    """
+    """The open round's join log as read (a new round starts a new log)."""
 
     def __init__(self, signer: Signer, keys: Keys, refused: Refused) -> None:
         self._signer, self._keys, self._refused = signer, keys, refused
-        self._round, self._raw, self._records = -1, b"", []
+        self._round, self._lines = -1, SignedLines(signer, keys.joins(-1), decode_announcement, refused)
 
     def fold(self, round: int, raw: bytes | None) -> list[Announcement | None]:
         """Every record of ``round``'s log, given its value just read."""
-        raw = raw or b""
-        if round != self._round or not raw.startswith(self._raw):
-            self._round, self._raw, self._records = round, b"", []
-        tail = raw[len(self._raw) : raw.rfind(b"\n") + 1]
-        self._records.extend(self._parse(line) for line in tail.splitlines())
-        self._raw += tail
-        return list(self._records)
+        if round != self._round:
+            self._round = round
+            self._lines = SignedLines(self._signer, self._keys.joins(round), decode_announcement, self._refused)
+        return self._lines.fold(raw)
 
-    def line(self, announcement: Announcement) -> bytes:
-        return self._signer.seal(encode_announcement(announcement)) + b"\n"
-
-    def _parse(self, line: bytes) -> Announcement | None:
-        return open_or_refuse(self._signer, self._keys.joins(self._round), line,
-                              decode_announcement, self._refused)
+    def line(self, round: int, announcement: Announcement) -> bytes:
+        return self._signer.seal(self._keys.joins(round), encode_announcement(announcement)) + b"\n"
 
 
 class RendezvousHandler:
@@ -169,8 +167,12 @@ class RendezvousHandler:
         prefix: str,
         clock: Callable[[], float] = time.monotonic,
         on_refused: Refused | None = None,
+        may_create: bool = True,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
+        self._may_create = may_create  # False: the job ran; never start a fresh state for it
+        self._beat_versions = VersionClock()
+        self._fresh = Freshness()  # heartbeats: an older beat written back is no beat
         self.node, self.addr = node, addr
         self._keys = Keys(prefix)
         self._clock = clock
@@ -194,7 +196,6 @@ class RendezvousHandler:
         :meth:`request_next_round`; calling this again in a complete round that includes this
         node returns that round again."""
         self._check_running()
-        heartbeat = self._keys.heartbeat(self.node)
         view = View(record=Participant(self.addr, nproc, master_port),
                     deadline=self._clock() + self._settings.join_timeout)
 
@@ -206,8 +207,7 @@ class RendezvousHandler:
             return decide_join(state, self.node, self._settings, view, now)
 
         # observers find a counter first
-        snap, action = await self._execute(step, until_outcome=True,
-                                           first=lambda store: store.add(heartbeat, 1))
+        snap, action = await self._execute(step, until_outcome=True, first=self._beat)
         if action.act is Act.DONE:
             return info_for(snap.state, self.node, self._settings.run_id)
         if action.act is Act.CLOSED:
@@ -269,28 +269,42 @@ class RendezvousHandler:
 
     async def exit_barrier_arrive(self, info: RendezvousInfo) -> None:
         """This node's workers all succeeded in ``info.round`` (idempotent)."""
-        keys, round, store = self._keys, info.round, self._store
-        if await store.add(keys.exit_arrived(round, self.node), 1) == 1:
-            await store.set(keys.exit_nth(round, await store.add(keys.exit_count(round), 1)), b"1")
+        key = self._keys.exit_arrived(info.round, self.node)
+        await self._store.set(key, self._signer.seal(key, {"node": self.node}))
 
     async def exit_barrier_wait(self, info: RendezvousInfo, timeout: float,
                                 progress: Callable[[int, int], None] = lambda done, total: None) -> bool:
         """True once every member of ``info.round`` arrived, False after ``timeout`` seconds.
-        ``progress(done, total)`` hears of each arrival while it waits (it waits on the next
-        arrival's key, never on a timer)."""
+        ``progress(done, total)`` hears of each arrival while it waits (it waits on the key of
+        a member still missing, never on a timer; a forged key there costs a back-off)."""
         deadline = self._clock() + timeout
         total = info.group_world_size
-        done = await self._store.add(self._keys.exit_count(info.round), 0)
-        while done < total:
-            progress(done, total)
+        awaited = None
+        while True:
+            arrived = await self._arrivals(info)
+            missing = [m.node for m in info.members if m.node not in arrived]
+            if not missing:
+                return True
+            progress(len(arrived), total)
             left = deadline - self._clock()
-            if left <= 0 or not await self._store.wait_for(self._keys.exit_nth(info.round, done + 1), left):
+            if left <= 0:
                 return False
-            done = await self._store.add(self._keys.exit_count(info.round), 0)
-        return True
+            if awaited in missing:  # its key is there but its record was refused
+                await asyncio.sleep(min(self._settings.keep_alive_interval, left))  # a back-off
+            awaited = missing[0]
+            if not await self._store.wait_for(self._keys.exit_arrived(info.round, awaited), left):
+                awaited = None
 
     async def exit_barrier_progress(self, info: RendezvousInfo) -> tuple[int, int]:
-        return await self._store.add(self._keys.exit_count(info.round), 0), info.group_world_size
+        return len(await self._arrivals(info)), info.group_world_size
+
+    async def _arrivals(self, info: RendezvousInfo) -> set[str]:
+        """The members of ``info.round`` whose signed arrival is in the store."""
+        keys = [self._keys.exit_arrived(info.round, m.node) for m in info.members]
+        values = await self._store.get_many(keys)
+        return {m.node for m, key, raw in zip(info.members, keys, values)
+                if open_or_refuse(self._signer, key, raw, lambda body, n=m.node: body["node"] == n or None,
+                                  self._refused)}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -345,10 +359,9 @@ class RendezvousHandler:
     async def _tick(self, beats: dict[str, Beat]) -> dict[str, Beat]:
         """Heartbeat; read the counters of every node the state and its join log involve (a
         logged joiner too); drop the silent ones."""
-        heartbeat = self._keys.heartbeat(self.node)
-        seen = await self._observe(lambda store: store.add(heartbeat, 1))
+        seen = await self._observe(self._beat)
         others = watched(seen[0].state, seen[1]) - {self.node}
-        counts = await self._heartbeats(sorted(others))
+        counts = await self._heartbeats(sorted(others), beats)
         now = self._clock()
         beats = observe_beats(beats, counts, now)
         snap, action = await self._execute(
@@ -360,9 +373,20 @@ class RendezvousHandler:
                         self.node, ", ".join(silent), action.act.value, action.state.round)
         return beats
 
-    async def _heartbeats(self, nodes: list[str]) -> dict[str, int | None]:
+    async def _beat(self, store: Store) -> None:
+        """This node's heartbeat: a signed record whose version goes up."""
+        key = self._keys.heartbeat(self.node)
+        await store.set(key, self._signer.seal(key, {}, version=self._beat_versions.next()))
+
+    async def _heartbeats(self, nodes: list[str], beats: dict[str, Beat]) -> dict[str, int | None]:
+        """Each node's heartbeat version; one that is refused counts as not moved."""
         values = await self._store.get_many([self._keys.heartbeat(n) for n in nodes])
-        return {n: None if v is None else int(v) for n, v in zip(nodes, values)}
+        counts = {}
+        for node, raw in zip(nodes, values):
+            opened = open_version(self._signer, self._keys.heartbeat(node), raw, self._refused, self._fresh)
+            previous = beats.get(node)
+            counts[node] = opened.version if opened else (previous.count if previous and raw else None)
+        return counts
 
     def _resolve_watches(self, state: RendezvousState) -> None:
         """Settle the watches that ``state`` answers."""
@@ -393,14 +417,19 @@ class RendezvousHandler:
         state and the join log again (a lost compare-and-set returns the state that won)."""
         snap, logged = seen or await self._observe(first)
         while True:
-            if snap.raw is None:
+            if snap.missing:
                 restore = decide_restore(self._newest.state, self.node)
                 if restore.act is Act.RESTORE:
+                    why = "vanished" if snap.raw is None else "was refused"
                     (snap, logged), won = await self._write(snap, restore.state)
                     if won:
-                        log.warning("rendezvous %s: the state vanished; %s restored round %d",
-                                    self._settings.run_id, self.node, restore.state.round)
+                        log.warning("rendezvous %s: the state %s; %s restored round %d",
+                                    self._settings.run_id, why, self.node, restore.state.round)
                     continue
+                if not self._may_create:
+                    raise RendezvousGone(
+                        f"rendezvous '{self._settings.run_id}': the job ran before and its state is "
+                        f"gone or refused; {self.node} does not start it again")
             action = decide(snap.state, logged, self._clock())
             if action.state is not None:
                 (snap, logged), won = await self._write(snap, action.state)
@@ -408,8 +437,8 @@ class RendezvousHandler:
                     return snap, action
             elif action.act is Act.ANNOUNCE:
                 assert action.record is not None, "an announcement carries the joiner's record"
-                key, line = self._keys.joins(snap.state.round), self._log.line(
-                    Announcement(self.node, action.record))
+                round = snap.state.round
+                key, line = self._keys.joins(round), self._log.line(round, Announcement(self.node, action.record))
                 snap, logged = await self._observe(lambda store: store.append(key, line))
             elif action.act is Act.WAIT:  # mostly for the round to complete: no log then
                 snap = await self._next_revision(snap, action.until - self._clock())
@@ -446,15 +475,18 @@ class RendezvousHandler:
             return _Snapshot(RendezvousState(), None)
         if raw == self._newest.raw:  # the same sealed bytes: checked and decoded already
             return self._newest
-        return self._remember(_Snapshot(self._open(raw), raw))
+        state = self._open(raw)
+        if state is None:
+            return _Snapshot(RendezvousState(), raw, valid=False)
+        return self._remember(_Snapshot(state, raw))
 
     async def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[tuple[_Snapshot, View], bool]:
         """Compare-and-set ``new`` over ``snap``; then the state and its join log as after
         :meth:`_observe`, and whether this write won.  The winner marks the revision and
         deletes what nobody will wait on or read again."""
         new = replace(new, nonce=secrets.token_hex(8))
-        sealed = self._signer.seal(encode(new))
         keys, store = self._keys, self._store
+        sealed = self._signer.seal(keys.state, encode(new), version=new.version)
         won, current = await store.compare_set(keys.state, snap.raw, sealed)
         if won:
             await store.set(keys.rev(new.version), b"1")
@@ -467,18 +499,37 @@ class RendezvousHandler:
         return (after, await self._logged(after.state)), won
 
     async def _next_revision(self, snap: _Snapshot, timeout: float) -> _Snapshot:
-        """The state once the one after ``snap`` is written, or after ``timeout`` seconds."""
-        if timeout > 0:
-            await self._store.wait_for(self._keys.rev(snap.state.version + 1), min(timeout, _LONGEST_WAIT))
-        return await self._read()
+        """The state once the one after ``snap`` is written, or after ``timeout`` seconds.
+        A revision key with no new state behind it (anyone can set one) is refused: this
+        node then sleeps until ``timeout`` instead of waking again and again."""
+        if timeout <= 0:
+            return await self._read()
+        key = self._keys.rev(snap.state.version + 1)
+        woke = await self._store.wait_for(key, min(timeout, _LONGEST_WAIT))
+        after = await self._read()
+        if woke and after.raw == snap.raw:
+            self._refused(key, "a revision key with no new state behind it")
+            await asyncio.sleep(timeout)  # a back-off
+            after = await self._read()
+        return after
 
-    def _open(self, raw: bytes) -> RendezvousState:
-        problems: list[str] = []
-        state = open_or_refuse(self._signer, self._keys.state, raw, decode,
-                               lambda key, why: (problems.append(why), self._refused(key, why)))
-        if state is None:
-            raise RendezvousStateError(f"refusing the rendezvous state at {self._keys.state}: "
-                                       f"{problems[0]}")
+    def _open(self, raw: bytes) -> RendezvousState | None:
+        """The state in ``raw``; None (refused and counted) if it does not open for this
+        key, or is older than the newest this node saw (a state written back)."""
+        key = self._keys.state
+        opened = open_version(self._signer, key, raw, self._refused)
+        if opened is None:
+            return None
+        try:
+            state = decode(opened.body)
+        except RendezvousStateError as exc:
+            self._refused(key, f"unreadable: {exc}")
+            return None
+        newest = self._newest.state.version
+        if state.version != opened.version or state.version < newest:
+            self._refused(key, f"state version {state.version} (sealed as {opened.version}) is older "
+                               f"than version {newest} seen before (written back)")
+            return None
         return state
 
     def _remember(self, snap: _Snapshot) -> _Snapshot:

@@ -1,78 +1,200 @@
-"""Signed store records: ``{"v":1,"body":...,"mac":"<hex HMAC-SHA256(key, canonical body)>"}``.
+"""Sealed store records: authenticated, bound to the key they are stored under, versioned,
+and encrypted when they hold secrets.
 
+    {"v":2,"ver":<n>,"body":<body>,"mac":"<hex HMAC-SHA256>"}   a signed record
+    {"v":2,"ver":<n>,"enc":"<base64 nonce + AES-GCM ciphertext>"} a secret one
+
+The MAC (or the AEAD's associated data) covers the store key and the version, so a record
+copied under another key, or into another cluster, does not open; readers that keep the
+newest version of a key (:class:`Freshness`) refuse an older one written back.  Both keys
+are derived from the cluster key (HKDF, with the cluster's name), which lives in a 0600 file.
 The canonical form of a body is compact JSON with sorted keys and ASCII escapes, so every
-daemon computes the same MAC for the same body. The cluster key lives in a 0600 file.
+daemon computes the same MAC for the same body.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import json
 import os
 import secrets
 import stat
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from elasticd.errors import ConfigError, ElasticdError, TamperedRecord
 
 T = TypeVar("T")
 Refused = Callable[[str, str], None]  # (key, why): a record no daemon acts on; logged and counted
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2
 KEY_CONFIG = "cluster.key_file"
 _KEY_BYTES = 32
+_NONCE_BYTES = 12
 
 
 def canonical_json(body: Any) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-class Signer:
-    """Seals bodies into signed envelopes and opens them again, refusing tampered ones."""
+def _derive(key: bytes, purpose: str, cluster: str) -> bytes:
+    info = f"elasticd/{ENVELOPE_VERSION}/{purpose}/{cluster}".encode()
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(key)
 
-    def __init__(self, key: bytes) -> None:
+
+@dataclass(frozen=True)
+class Opened:
+    body: Any
+    version: int
+
+
+class Signer:
+    """Seals bodies into records for one cluster and opens them again, refusing any that
+    was not sealed for the key it is read from."""
+
+    def __init__(self, key: bytes, cluster: str) -> None:
         if not key:
             raise ValueError("the signing key is empty")
-        self._key = bytes(key)
+        self._mac_key = _derive(bytes(key), "mac", cluster)
+        self._aead = AESGCM(_derive(bytes(key), "aead", cluster))
 
-    def seal(self, body: Any) -> bytes:
+    def seal(self, key: str, body: Any, *, version: int = 0, secret: bool = False) -> bytes:
+        """The record for ``body`` at ``key``; ``secret``: encrypted, not only signed."""
         canonical = canonical_json(body)
-        return b'{"v":%d,"body":%s,"mac":"%s"}' % (ENVELOPE_VERSION, canonical, self._mac(canonical).encode())
+        context = canonical_json([key, version])
+        if secret:
+            nonce = os.urandom(_NONCE_BYTES)
+            sealed = base64.b64encode(nonce + self._aead.encrypt(nonce, canonical, context))
+            return b'{"v":%d,"ver":%d,"enc":"%s"}' % (ENVELOPE_VERSION, version, sealed)
+        return b'{"v":%d,"ver":%d,"body":%s,"mac":"%s"}' % (
+            ENVELOPE_VERSION, version, canonical, self._mac(context, canonical).encode())
 
-    def open(self, raw: bytes) -> Any:
-        """The body of a sealed record; TamperedRecord if it is not one we sealed."""
+    def open(self, key: str, raw: bytes) -> Opened:
+        """The body and version of the record read at ``key``; TamperedRecord if it is not
+        one we sealed for that key."""
         try:
             envelope = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as err:
             raise TamperedRecord(f"record is not JSON: {err}") from None
         if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
-            raise TamperedRecord("record is not a version 1 envelope")
+            raise TamperedRecord(f"record is not a version {ENVELOPE_VERSION} envelope")
+        version = envelope.get("ver")
+        if type(version) is not int or version < 0:
+            raise TamperedRecord("record has no version")
+        context = canonical_json([key, version])
+        if "enc" in envelope:
+            return Opened(self._decrypt(envelope["enc"], context), version)
         mac = envelope.get("mac")
         if not isinstance(mac, str) or "body" not in envelope:
             raise TamperedRecord("record has no MAC")
         body = envelope["body"]
-        if not hmac.compare_digest(mac, self._mac(canonical_json(body))):
-            raise TamperedRecord("record MAC does not match")
-        return body
+        if not hmac.compare_digest(mac, self._mac(context, canonical_json(body))):
+            raise TamperedRecord("record MAC does not match (forged, or copied from another key)")
+        return Opened(body, version)
 
-    def _mac(self, canonical: bytes) -> str:
-        return hmac.new(self._key, canonical, hashlib.sha256).hexdigest()
+    def _decrypt(self, sealed: Any, context: bytes) -> Any:
+        try:
+            blob = base64.b64decode(sealed, validate=True)
+            plain = self._aead.decrypt(blob[:_NONCE_BYTES], blob[_NONCE_BYTES:], context)
+        except (TypeError, ValueError, binascii.Error, InvalidTag):
+            raise TamperedRecord("encrypted record does not open (forged, or copied from another key)") from None
+        return json.loads(plain)
+
+    def _mac(self, context: bytes, canonical: bytes) -> str:
+        return hmac.new(self._mac_key, context + b"\n" + canonical, hashlib.sha256).hexdigest()
+
+
+class Freshness:
+    """The newest version of each key that a reader accepted: an older one is a replay."""
+
+    def __init__(self) -> None:
+        self._newest: dict[str, int] = {}
+
+    def check(self, key: str, version: int) -> None:
+        newest = self._newest.get(key, -1)
+        if version < newest:
+            raise TamperedRecord(f"record is version {version}, older than version {newest} "
+                                 "seen before (written back)")
+        self._newest[key] = version
+
+    def forget(self, key: str) -> None:
+        self._newest.pop(key, None)
+
+
+class VersionClock:
+    """Versions for a record this daemon rewrites: strictly increasing, and past what an
+    earlier run of the daemon wrote (microseconds of the wall clock at the least)."""
+
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self._wall = wall
+        self._last = 0
+
+    def next(self) -> int:
+        self._last = max(self._last + 1, int(self._wall() * 1_000_000))
+        return self._last
 
 
 def open_or_refuse(signer: Signer, key: str, raw: bytes | None, parse: Callable[[Any], T],
-                   refused: Refused) -> T | None:
+                   refused: Refused, fresh: Freshness | None = None) -> T | None:
     """The record stored at ``key``, opened and parsed; None when there is none, and None
-    (reported to ``refused``) when it fails its MAC or does not parse."""
-    if raw is None:
+    (reported to ``refused``) when it fails its MAC, is older than one ``fresh`` saw, or
+    does not parse."""
+    opened = open_version(signer, key, raw, refused, fresh)
+    if opened is None:
         return None
     try:
-        return parse(signer.open(raw))
-    except TamperedRecord as exc:
-        refused(key, str(exc))
+        return parse(opened.body)
     except (ElasticdError, KeyError, TypeError, ValueError, AttributeError) as exc:
         refused(key, f"unreadable: {exc}")
     return None
+
+
+def open_version(signer: Signer, key: str, raw: bytes | None, refused: Refused,
+                 fresh: Freshness | None = None) -> Opened | None:
+    """Like :func:`open_or_refuse`, unparsed: the body and its version."""
+    if raw is None:
+        return None
+    try:
+        opened = signer.open(key, raw)
+        if fresh is not None:
+            fresh.check(key, opened.version)
+        return opened
+    except TamperedRecord as exc:
+        refused(key, str(exc))
+    return None
+
+
+class SignedLines:
+    """An append-only log of sealed records, one per line, at one key (join logs, indexes),
+    read incrementally: each read parses only the lines appended since the last one.  A
+    line that does not open is refused (reported once) and read as None."""
+
+    def __init__(self, signer: Signer, key: str, parse: Callable[[Any], T], refused: Refused) -> None:
+        self._signer, self.key, self._parse, self._refused = signer, key, parse, refused
+        self._raw, self._records = b"", []
+
+    def line(self, body: Any) -> bytes:
+        return self._signer.seal(self.key, body) + b"\n"
+
+    def fold(self, raw: bytes | None) -> list:
+        """Every record of the log, given its value just read."""
+        raw = raw or b""
+        if not raw.startswith(self._raw):  # rewritten (a reset store, or tampering): read it all
+            self._raw, self._records = b"", []
+        tail = raw[len(self._raw) : raw.rfind(b"\n") + 1]
+        self._records.extend(open_or_refuse(self._signer, self.key, line, self._parse, self._refused)
+                             for line in tail.splitlines())
+        self._raw += tail
+        return list(self._records)
 
 
 def load_key(path: str) -> bytes:

@@ -44,7 +44,7 @@ def key_file(tmp_path_factory) -> str:
 
 @pytest.fixture
 def signer(key_file: str) -> Signer:
-    return Signer(load_key(key_file))
+    return Signer(load_key(key_file), "c")
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ def main() -> int:
     settings = RendezvousSettings("job", args.min_nodes, args.max_nodes, join_timeout=60.0,
                                   last_call_timeout=args.last_call, keep_alive_interval=args.interval)
     store = connect(args.endpoint, connect_timeout=30.0)
-    handler = BlockingRendezvous(store, Signer(load_key(args.key_file)), settings, args.node,
+    handler = BlockingRendezvous(store, Signer(load_key(args.key_file), "c"), settings, args.node,
                                  f"{args.node}.addr", prefix=args.prefix)
     while True:
         info = handler.next_rendezvous(args.nproc, 29400)

@@ -8,9 +8,10 @@ from concurrent.futures import wait as wait_futures
 import pytest
 from rendezvous_support import INTERVAL, join, results, settings
 
-from elasticd.errors import RendezvousClosedError, RendezvousStateError, RendezvousTimeoutError
+from elasticd.errors import RendezvousClosedError, RendezvousGone, RendezvousTimeoutError
 from elasticd.rendezvous import NextRound, RoundEvent
 from elasticd.rendezvous.handler import Keys
+from elasticd.rendezvous.state import decode
 
 DEAD_AFTER = 3 * INTERVAL
 
@@ -151,29 +152,52 @@ def test_two_run_ids_in_one_store_do_not_interfere(make_handler, pool, prefix):
     assert not job2[0].is_closed() and not watching.done()
 
 
-def test_tampered_state_is_refused_never_reset(make_handler, pool, store, prefix):
+def test_a_tampered_state_is_refused_and_the_newest_one_seen_is_restored(make_handler, pool, store, prefix, signer):
     refused: list[str] = []
-    config = settings(2, 2)
+    config = settings(2, 2, max_restarts=1)
     a, b = (make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b"))
     form(pool, [a, b])
     watching = a.watch(0)
     key = Keys(prefix).state
     tampered = store.get(key).replace(b'"restarts_used":0', b'"restarts_used":9')
     store.set(key, tampered)
-    with pytest.raises(RendezvousStateError, match="refusing"):
-        b.request_next_round(0, "failure")
-    with pytest.raises(RendezvousStateError):
-        b.next_rendezvous(1, 1)
-    assert isinstance(watching.exception(timeout=10), RendezvousStateError)  # the keeper refused it too
-    assert store.get(key) == tampered and refused
+    assert b.request_next_round(0, "failure") is NextRound.OPENED  # the budget is the real one
+    state = decode(signer.open(key, store.get(key)).body)
+    assert (state.round, state.restarts_used) == (1, 1) and any("MAC" in why for why in refused)
+    assert watching.result(timeout=10).kind == "next_round"  # the keeper was not fooled either
     store.set(key, b"\x80 not json")
-    with pytest.raises(RendezvousStateError):
-        a.set_closed()
+    a.set_closed()
+    assert decode(signer.open(key, store.get(key)).body).closed
+
+
+def test_an_older_state_written_back_is_refused_and_the_newest_restored(make_handler, pool, store, prefix, signer):
+    refused: list[str] = []
+    config = settings(2, 2, max_restarts=3)
+    a, b = (make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b"))
+    form(pool, [a, b])
+    key = Keys(prefix).state
+    round_0 = store.get(key)
+    assert b.request_next_round(0, "failure") is NextRound.OPENED
+    form(pool, [a, b])
+    store.set(key, round_0)  # a replay of round 0's complete state
+    assert a.request_next_round(1, "failure") is NextRound.OPENED
+    state = decode(signer.open(key, store.get(key)).body)
+    assert (state.round, state.restarts_used) == (2, 2)
+    assert any("older than version" in why for why in refused)
+
+
+def test_a_node_that_never_saw_a_ran_jobs_state_does_not_start_it_again(make_handler, store, prefix):
+    late = make_handler("late", settings(1, 2), may_create=False)
+    with pytest.raises(RendezvousGone):
+        late.next_rendezvous(1, 1)
+    store.set(Keys(prefix).state, b"forged")
+    with pytest.raises(RendezvousGone):
+        late.next_rendezvous(1, 1)
 
 
 def test_a_tampered_join_record_is_refused_and_skipped(make_handler, pool, store, prefix):
     refused: list[str] = []
-    store.append(Keys(prefix).joins(0), b'{"v":1,"body":{"schema":1,"node":"evil","addr":"x","nproc":1,'
+    store.append(Keys(prefix).joins(0), b'{"v":2,"ver":0,"body":{"schema":1,"node":"evil","addr":"x","nproc":1,'
                                          b'"master_port":1},"mac":"00"}\n')
     config = settings(2, 3, last_call_timeout=0.3)
     infos = form(pool, [make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b")])
