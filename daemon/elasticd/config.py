@@ -275,7 +275,8 @@ def _put(tables: dict[str, Any], dotted: str, value: Any, *, replace: bool) -> N
 
 
 def standalone_defaults(uid: int | None = None) -> dict[str, Any]:
-    """A one-host cluster that needs no config: its own store on 127.0.0.1 (a free port),
+    """A one-host cluster that needs no config: its store in its own memory (app.py; the
+    store keys below only say that this node is the store's host),
     per-user state and runtime dirs when not root, jobs of the daemon's user allowed."""
     return {
         "cluster.name": "standalone",

@@ -59,7 +59,7 @@ class Metrics:
         self.control_connections = Gauge("elasticd_control_connections",
                                          "Open control-socket connections", registry=reg)
         self.refused_records = Counter("elasticd_store_refused_records_total",
-                                       "Store records refused (bad MAC or unreadable)", registry=reg)
+                                       "Store records refused (forged, copied from another key, older than one seen, or unreadable)", registry=reg)
         self.output_dropped_bytes = Counter(
             "elasticd_log_dropped_bytes_total",
             "Worker output that could not be written to its log file (a full disk), by reason",

@@ -1,0 +1,178 @@
+"""What the board, the node registry and each node's own rules make of a store that someone
+else writes to (issue 11): the pure rules and the store-facing classes over the in-memory
+store.  The same attacks against real daemons are in tests/chaos/test_store_*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from elasticd.board import BoardReset, JobBoard
+from elasticd.cluster import NodeRecord, NodeRegistry
+from elasticd.firewall import ruleset, table_name
+from elasticd.liveness import KeepAlive
+from elasticd.model import JobSpec, JobState, NodeInfo
+from elasticd.placement import refusal
+from elasticd.records import Outcome
+from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+from elasticd.store.signing import Signer
+
+SIGNER = Signer(b"k" * 32, "c")
+JOBS = "elasticd/c/jobs"
+NODES = "elasticd/c/nodes"
+
+
+def spec(job_id: str = "j-000001", **kw) -> JobSpec:
+    fields = dict(id=job_id, argv=("train.py",), python="/usr/bin/python3", workdir="/", uid=1000, gid=1000,
+                  user="alice", env={"SECRET_TOKEN": "hunter2"}, created=1.0)
+    return JobSpec(**{**fields, **kw})
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Board:
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.refused: list[tuple[str, str]] = []
+        self.board = JobBoard(AsyncMemoryStore(self.store), SIGNER, "c",
+                              on_refused=lambda key, why: self.refused.append((key, why)))
+
+
+def test_a_spec_in_the_store_shows_no_secret_and_does_not_open_under_another_job():
+    b = Board()
+    run(b.board.publish_spec(spec("j-000001")))
+    raw = b.store.get(f"{JOBS}/spec/j-000001")
+    assert b"hunter2" not in raw and b"SECRET_TOKEN" not in raw and b"alice" not in raw
+    b.store.set(f"{JOBS}/spec/j-000002", raw)
+    assert run(b.board.read_job("j-000002")) == [] and b.refused
+    [change] = run(b.board.read_job("j-000001"))
+    assert change.value[1].env == {"SECRET_TOKEN": "hunter2"}
+
+
+def test_an_outcome_copied_from_another_job_holds_the_job_and_a_cancel_replaces_it():
+    b = Board()
+    for job_id in ("j-000001", "j-000002"):
+        run(b.board.publish_spec(spec(job_id)))
+    run(b.board.publish_outcome("j-000001", Outcome(JobState.SUCCEEDED, 1.0, 0)))
+    b.store.set(f"{JOBS}/outcome/j-000002", b.store.get(f"{JOBS}/outcome/j-000001"))
+    kinds = {c.kind: c.value for c in run(b.board.read_job("j-000002"))}
+    assert "outcome" not in kinds and "another key" in kinds["held"]
+    cancelled = Outcome(JobState.CANCELLED, 2.0, None, "cancelled by alice")
+    assert run(b.board.publish_outcome("j-000002", cancelled)) == cancelled
+    kinds = {c.kind: c.value for c in run(b.board.read_job("j-000002"))}
+    assert kinds["outcome"] == cancelled and "held" not in kinds
+
+
+def test_a_valid_outcome_is_never_replaced():
+    b = Board()
+    first = Outcome(JobState.SUCCEEDED, 1.0, 0)
+    assert run(b.board.publish_outcome("j-000001", first)) == first
+    assert run(b.board.publish_outcome("j-000001", Outcome(JobState.CANCELLED, 2.0))) == first
+
+
+@pytest.mark.parametrize("attack", ["forged entry", "bumped counter", "counter went back"])
+def test_a_broken_change_log_asks_for_a_resync_instead_of_skipping(attack):
+    b = Board()
+    run(b.board.publish_spec(spec("j-000001")))
+    position = run(b.board.head())
+    if attack == "forged entry":
+        b.store.set(f"{JOBS}/log/{position + 1}", b"spec/j-000009")
+    elif attack == "bumped counter":
+        b.store.add(f"{JOBS}/log", 1_000_000)
+    else:
+        b.store.add(f"{JOBS}/log", -1)
+        position += 5
+    with pytest.raises(BoardReset):
+        run(b.board.follow(position, 0.05))
+    # the resync reads the signed records whatever the counters say
+    head, changes = run(b.board.snapshot())
+    assert [c.job_id for c in changes if c.kind == "spec"] == ["j-000001"]
+
+
+def test_a_snapshot_does_not_walk_a_bumped_counter_and_skips_forged_index_lines():
+    b = Board()
+    run(b.board.publish_spec(spec("j-000001")))
+    b.store.add(f"{JOBS}/seq", 10**9)
+    b.store.append(f"{JOBS}/index", b"j-999999\n" * 1000)
+    started = time.monotonic()
+    _, changes = run(b.board.snapshot())
+    assert [c.job_id for c in changes] == ["j-000001"] and time.monotonic() - started < 1.0
+    assert len(b.refused) == 1000
+
+
+def registry(store: MemoryStore, name: str, refused: list) -> NodeRegistry:
+    return NodeRegistry(AsyncMemoryStore(store), SIGNER, "c", name, keep_alive=KeepAlive(1.0, 3),
+                        on_refused=lambda key, why: refused.append(key))
+
+
+def record(name: str, draining: bool = False) -> NodeRecord:
+    return NodeRecord(NodeInfo(name, "127.0.0.1", 4), draining=draining)
+
+
+def test_a_replayed_heartbeat_is_no_sign_of_life_and_a_replayed_drain_is_refused():
+    store, refused = MemoryStore(), []
+    n1, n2 = registry(store, "n1", refused), registry(store, "n2", refused)
+
+    async def scenario() -> None:
+        await n1.create_epoch()
+        await n1.tick(record("n1"))
+        old_beat = store.get(f"{NODES}/n1/hb")
+        await n2.tick(record("n2"))
+        await n1.tick(record("n1"))
+        seen = (await n2.tick(record("n2"))).sightings["n1"].beat
+        store.set(f"{NODES}/n1/hb", old_beat)  # n1 died; someone writes back an old beat
+        again = (await n2.tick(record("n2"))).sightings["n1"].beat
+        assert again.count == seen.count and again.since == seen.since  # it did not move
+        assert f"{NODES}/n1/hb" in refused
+        await n1.request_drain("n2", True, "root")
+        drain = store.get(f"{NODES}/n2/drain")
+        assert (await n2.tick(record("n2"))).drain is True
+        await n1.request_drain("n2", False, "root")
+        assert (await n2.tick(record("n2"))).drain is False
+        store.set(f"{NODES}/n2/drain", drain)  # the old request written back
+        assert (await n2.tick(record("n2"))).drain is None
+        store.set(f"{NODES}/n1/drain", drain)  # or copied to another node
+        assert (await n1.tick(record("n1"))).drain is None
+        assert refused.count(f"{NODES}/n2/drain") == 1 and f"{NODES}/n1/drain" in refused
+
+    run(scenario())
+
+
+def test_the_node_list_ignores_a_bumped_counter_and_forged_names():
+    store, refused = MemoryStore(), []
+    n1 = registry(store, "n1", refused)
+
+    async def scenario() -> None:
+        await n1.create_epoch()
+        store.add(f"{NODES}/seq", 300_000)
+        store.append(f"{NODES}/names", b"evil\n" * 100)
+        tick = await n1.tick(record("n1"))
+        assert list(tick.sightings) == ["n1"] and len(refused) == 100
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("job, allow_root, local_user, refused", [
+    (spec(uid=0, user="root"), False, "root", "jobs.allow_root = false"),
+    (spec(uid=0, user="root"), True, "root", None),
+    (spec(), False, None, "does not exist here"),
+    (spec(), False, "bob", "uid 1000 is bob here, not alice"),
+    (spec(), False, "alice", None),
+    (spec(user="1000"), False, "bob", None),  # the submitting node knew no name for the uid
+])
+def test_each_node_applies_its_own_rules(job, allow_root, local_user, refused):
+    why = refusal(job, allow_root=allow_root, local_user=local_user)
+    assert (why is None) if refused is None else (refused in why)
+
+
+def test_the_store_rule_rejects_every_other_user():
+    member = ruleset(table_name("default", "gpu-01.lan"), port=29400, uid=0, store_address="10.0.0.1")
+    assert "table inet elasticd_default_gpu_01_lan {" in member
+    assert "tcp dport 29400 ip daddr 10.0.0.1 meta skuid != 0 reject with tcp reset" in member
+    host = ruleset("t", port=29400, uid=0, store_address=None)
+    assert "tcp dport 29400 fib daddr type local meta skuid != 0 reject" in host
+    assert "ip6 daddr fd00::1" in ruleset("t", port=1, uid=0, store_address="fd00::1")
