@@ -4,7 +4,9 @@ Keys under ``elasticd/<cluster>/jobs/``::
 
     seq                 counter: submit order
     index               every job id ever submitted: sealed lines, appended
-    spec/<id>           {"seq", "spec"}, encrypted: a job's environment is nobody else's
+    spec/<id>           {"seq", "spec"}, encrypted: a job's environment is nobody else's;
+                        once the job ended, version 1 adds its "outcome" (so that deleting
+                        the outcome alone does not make the job look new)
     part/<id>/<node>    signed Part: that node's share of the job (versioned)
     parts/<id>          the nodes that wrote a part of the job: sealed lines, appended
     outcome/<id>        signed Outcome, written once (compare-and-set: first writer wins)
@@ -52,7 +54,7 @@ _NAME = re.compile(r"^[\w.-]+$")
 class Change:
     kind: str                    # "spec", "part", "outcome" or "held"
     job_id: str
-    value: object                # (seq, JobSpec) | Part | Outcome | str (why the job is held)
+    value: object                # (seq, JobSpec, Outcome | None) | Part | Outcome | str (why held)
 
 
 class BoardReset(ElasticdError):
@@ -115,6 +117,12 @@ class JobBoard:
         await self._store.append(self._key("index"), self._line("index", spec.id))
         await self._append(f"spec/{spec.id}")
         return seq
+
+    async def publish_ended(self, spec: JobSpec, seq: int, outcome: Outcome) -> None:
+        """Seal the job's outcome into its spec record too (version 1, after the first)."""
+        suffix = f"spec/{spec.id}"
+        await self._store.set(self._key(suffix), self._seal(
+            suffix, {"seq": seq, "spec": spec.to_json(), "outcome": outcome.to_json()}, version=1, secret=True))
 
     async def publish_part(self, job_id: str, part: Part) -> None:
         if (job_id, part.node) not in self._indexed:  # so that a snapshot finds every part
@@ -216,7 +224,7 @@ class JobBoard:
                 self.refused(key, reason)
             change = open_or_refuse(self._signer, self._key(entry), raw,
                                     lambda body, entry=entry: self._parse(entry, body), refused,
-                                    self._fresh if entry.startswith("part/") else None)
+                                    self._fresh if not entry.startswith("outcome/") else None)
             if change is not None:
                 changes.append(change)
             elif why and entry.startswith("outcome/"):
@@ -232,7 +240,8 @@ class JobBoard:
             spec = JobSpec.from_json(body["spec"])
             if spec.id != rest:
                 raise ValueError(f"the spec is job {spec.id}'s")
-            return Change(kind, rest, (int(body["seq"]), spec))
+            ended = Outcome.from_json(body["outcome"]) if body.get("outcome") else None
+            return Change(kind, rest, (int(body["seq"]), spec, ended))
         if kind == "outcome":
             return Change(kind, rest, Outcome.from_json(body))
         job_id, _, node = rest.partition("/")
@@ -302,8 +311,10 @@ class BoardFollower:
 
     def _apply(self, change: Change) -> None:
         if change.kind == "spec":
-            seq, spec = change.value
+            seq, spec, ended = change.value
             self._registry.add(spec, seq)
+            if ended is not None:
+                self._registry.set_outcome(change.job_id, ended)
         elif change.kind == "part":
             if change.value.node != self._node:  # this node's parts are its agents' to write
                 self._registry.set_part(change.job_id, change.value)

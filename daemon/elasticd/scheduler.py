@@ -110,6 +110,8 @@ class JobService:
         if record.outcome is not None:
             return record.outcome
         final = await self._board.publish_outcome(job_id, outcome)
+        if final is outcome:  # this node's outcome won: its spec record says so too
+            await self._board.publish_ended(record.spec, record.seq, final)
         self._registry.set_outcome(job_id, final)
         await self._agents.rendezvous(record.spec).set_closed()
         return final

@@ -50,7 +50,7 @@ def test_a_spec_in_the_store_shows_no_secret_and_does_not_open_under_another_job
     b.store.set(f"{JOBS}/spec/j-000002", raw)
     assert run(b.board.read_job("j-000002")) == [] and b.refused
     [change] = run(b.board.read_job("j-000001"))
-    assert change.value[1].env == {"SECRET_TOKEN": "hunter2"}
+    assert change.value[1].env == {"SECRET_TOKEN": "hunter2"} and change.value[2] is None
 
 
 def test_an_outcome_copied_from_another_job_holds_the_job_and_a_cancel_replaces_it():
@@ -176,3 +176,18 @@ def test_the_store_rule_rejects_every_other_user():
     host = ruleset("t", port=29400, uid=0, store_address=None)
     assert "tcp dport 29400 fib daddr type local meta skuid != 0 reject" in host
     assert "ip6 daddr fd00::1" in ruleset("t", port=1, uid=0, store_address="fd00::1")
+
+
+def test_an_ended_job_stays_ended_when_its_outcome_is_deleted_and_an_older_spec_is_refused():
+    b = Board()
+    job = spec("j-000001")
+    seq = run(b.board.publish_spec(job))
+    submitted = b.store.get(f"{JOBS}/spec/j-000001")
+    outcome = Outcome(JobState.SUCCEEDED, 1.0, 0)
+    run(b.board.publish_outcome(job.id, outcome))
+    run(b.board.publish_ended(job, seq, outcome))
+    b.store.delete(f"{JOBS}/outcome/j-000001")
+    [change] = run(b.board.read_job(job.id))
+    assert change.value == (seq, job, outcome)
+    b.store.set(f"{JOBS}/spec/j-000001", submitted)  # written back by someone who kept it
+    assert run(b.board.read_job(job.id)) == [] and "older than version 1" in b.refused[-1][1]
