@@ -2,11 +2,12 @@
 # Debian packages that the root-only system tests need: iproute2 (`ip netns`, for
 # tests/system/test_partition.py), systemd-container (`systemd-nspawn`, for
 # tests/system/test_systemd.py) and prometheus (for its `promtool`, which checks the shipped
-# alert rules and the dashboard's queries in tests/unit/test_packaging_metrics.py).
+# alert rules and the dashboard's queries in tests/unit/test_packaging_metrics.py) and
+# nftables (`nft`, for the store's owner rule in tests/chaos/test_store_freeze.py).
 # Idempotent and quiet; does nothing (exit 0) when not root or when all are installed.
 # The tests skip themselves without them.
 set -euo pipefail
-packages=(iproute2 systemd-container prometheus)
+packages=(iproute2 systemd-container prometheus nftables)
 [ "$(id -u)" -eq 0 ] || exit 0
 command -v apt-get >/dev/null 2>&1 || exit 0
 missing=()
