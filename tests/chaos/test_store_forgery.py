@@ -436,7 +436,8 @@ def test_c5_replayed_drain_request_drains_no_node(cluster, shared_tmp, figures):
 
 @pytest.mark.slow
 def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp, figures):
-    n1, n2 = cluster.add("n1"), cluster.add("n2")
+    n1 = cluster.add("n1")
+    cluster.add("n2")
     cluster.start()
     attacker = Attacker(cluster)
     script = shared_tmp / "slow_member.py"
@@ -474,7 +475,10 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
     def not_over() -> None:
         for daemon in cluster:
             state = status(daemon, job_id)["state"]
-            assert state not in ENDED, f"{daemon.name}: {job_id} {state} before its member finished"
+            # the marker is written before the member exits, so before the job can end: read
+            # after the state, it tells whether the job ended before its member finished
+            assert state not in ENDED or marker.exists(), \
+                f"{daemon.name}: {job_id} {state} before its member finished"
         assert alive(slow_pid) or marker.exists(), f"the working member (pid {slow_pid}) was killed"
     deadline = time.monotonic() + work + 20
     while not marker.exists():
@@ -485,6 +489,8 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
     for daemon in cluster:
         final = daemon.wait_job(job_id, lambda d: d["state"] in ENDED, timeout=30)
         assert final["state"] == "SUCCEEDED", (daemon.name, final)
+        # and it ended after the member finished, by the outcome's own clock (this host's)
+        assert final["ended"] >= marker.stat().st_mtime, (daemon.name, final["ended"], marker.stat().st_mtime)
     after = refused_counts(cluster)
     figures.add("C6: refusals of the forged/copied exit arrivals (n1 / n2)",
                 " / ".join(f"{c - b0:.0f}" for c, b0 in zip(after, before)))

@@ -500,15 +500,16 @@ class RendezvousHandler:
 
     async def _next_revision(self, snap: _Snapshot, timeout: float) -> _Snapshot:
         """The state once the one after ``snap`` is written, or after ``timeout`` seconds.
-        A revision key with no new state behind it (anyone can set one) is refused: this
-        node then sleeps until ``timeout`` instead of waking again and again."""
+        A revision key with no new state behind it (anyone can set one), or with a refused
+        state, makes this node sleep until ``timeout`` instead of waking again and again."""
         if timeout <= 0:
             return await self._read()
         key = self._keys.rev(snap.state.version + 1)
         woke = await self._store.wait_for(key, min(timeout, _LONGEST_WAIT))
         after = await self._read()
-        if woke and after.raw == snap.raw:
-            self._refused(key, "a revision key with no new state behind it")
+        if woke and (after.raw == snap.raw or not after.valid):  # a refused one is restored at the duty
+            if after.raw == snap.raw:
+                self._refused(key, "a revision key with no new state behind it")
             await asyncio.sleep(timeout)  # a back-off
             after = await self._read()
         return after
