@@ -40,18 +40,15 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 import uuid
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-from harness import Daemon, alive, free_port, wait_gone, worker_args
-from elasticd.store.signing import create_key
+from harness import Daemon, alive, wait_gone, worker_args
+from store_attack import REFUSED, Attacker, Cluster, metric, node_states, wait_for
 
-REFUSED = "elasticd_store_refused_records_total"
 HEARTBEAT = 1.0            # rendezvous.keep_alive_interval (the default): one heartbeat duty
 OBSERVE = 3 * HEARTBEAT + 0.5  # "never" is watched for 3 heartbeat intervals (and a margin)
 ENDED = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -76,103 +73,23 @@ if os.environ["GROUP_RANK"] == "1":
 """
 
 
-# -- a cluster of real daemons -----------------------------------------------------------------
-
-class Cluster:
-    """Daemons of one cluster on this host: the first hosts the store on 127.0.0.1, node i has
-    the address 127.0.0.i, a free peer port and 2 slots.  store.firewall is off: the attacker
-    played here is one the nftables rule does not stop (root, or a host outside the cluster;
-    C9 in test_store_freeze.py tests the rule itself)."""
-
-    def __init__(self, factory: Callable[..., Daemon], base: Path) -> None:
-        self.factory = factory
-        self.base = base
-        self.tag = uuid.uuid4().hex[:6]
-        self.name = f"frg{self.tag}"
-        self.port = free_port()
-        self.key = base / f"{self.name}.key"
-        create_key(str(self.key))
-        self.daemons: list[Daemon] = []
-
-    def add(self, role: str) -> Daemon:
-        index = len(self.daemons) + 1
-        node = f"{role}-{self.tag}"
-        config = self.base / f"{self.name}-{node}.toml"
-        config.write_text("[jobs]\nallow_root = true\n"  # the tests run as root
-                          f"[node]\npeer_port = {free_port()}\n[store]\nfirewall = false\n")
-        args = ("--cluster", self.name, "--store", f"127.0.0.1:{self.port}",
-                "--node-address", f"127.0.0.{index}", "--cluster-key", str(self.key),
-                "--slots", "2", "--store-host" if index == 1 else "--no-store-host",
-                "--config", str(config))
-        daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
-        self.daemons.append(daemon)
-        return daemon
-
-    def start(self) -> Cluster:
-        """The store host first, then the others together; then until every node sees all."""
-        self.daemons[0].start()
-        for daemon in self.daemons[1:]:
-            daemon.start(wait=False)
-        for daemon in self.daemons[1:]:
-            daemon.wait_notify("READY=1", 60)
-        names = sorted(d.name for d in self.daemons)
-        wait_for(lambda: all(node_states(d) == {n: "up" for n in names} for d in self.daemons),
-                 20, "every node sees every node up")
-        return self
-
-    def __iter__(self):
-        return iter(self.daemons)
-
-
 @pytest.fixture
 def cluster(daemon_factory, shared_tmp) -> Cluster:
-    return Cluster(daemon_factory, shared_tmp)
+    """store.firewall is off: the attacker played here is one the nftables rule does not stop
+    (root, or a host outside the cluster; C9 in test_store_freeze.py tests the rule itself)."""
+    return Cluster(daemon_factory, shared_tmp, prefix="frg", firewall=False)
 
 
-class Attacker:
-    """torch's TCPStore client, keyless, connected to the cluster's store."""
-
-    def __init__(self, cluster: Cluster, timeout: float = 10.0) -> None:
-        from torch.distributed import TCPStore
-        self.prefix = f"elasticd/{cluster.name}/"
-        self.store = TCPStore("127.0.0.1", cluster.port, is_master=False, use_libuv=True,
-                              timeout=timedelta(seconds=timeout))
-
-    def key(self, suffix: str) -> str:
-        return self.prefix + suffix
-
-    def read(self, suffix: str) -> bytes | None:
-        key = self.key(suffix)
-        return self.store.get(key) if self.store.check([key]) else None
-
-    def write(self, suffix: str, data: bytes) -> None:
-        self.store.set(self.key(suffix), data)
-
-    def add(self, suffix: str, amount: int) -> int:
-        return self.store.add(self.key(suffix), amount)
-
-    def forge_change(self, entry: str) -> int:
-        """Bump the change-log counter and write an unsigned entry naming ``entry`` at the new
-        head, so that every daemon's board follower wakes up and looks; returns its number."""
-        n = self.add("jobs/log", 1)
-        self.write(f"jobs/log/{n}", b'{"v":2,"ver":0,"body":%s,"mac":"%s"}'
+def forge_change(attacker: Attacker, entry: str) -> int:
+    """Bump the change-log counter and write an unsigned entry naming ``entry`` at the new
+    head, so that every daemon's board follower wakes up and looks; returns its number."""
+    n = attacker.add("jobs/log", 1)
+    attacker.write(f"jobs/log/{n}", b'{"v":2,"ver":0,"body":%s,"mac":"%s"}'
                    % (json.dumps(entry).encode(), b"0" * 64))
-        return n
+    return n
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    """Poll ``condition`` until it returns something true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s (last: {value!r})")
-        time.sleep(interval)
-
 
 def observe(seconds: float, check: Callable[[], None], interval: float = 0.25) -> int:
     """Run ``check`` (which asserts) again and again for ``seconds``, at least twice; returns
@@ -183,13 +100,6 @@ def observe(seconds: float, check: Callable[[], None], interval: float = 0.25) -
         rounds += 1
         time.sleep(interval)
     return rounds
-
-
-def metric(daemon: Daemon, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def refused_counts(cluster: Cluster) -> list[float]:
@@ -218,10 +128,6 @@ def wait_refused(cluster: Cluster, before: list[float], key: str, *, every: bool
         return [line for _, line in found]
     return wait_for(seen, timeout, f"the refusal of {key} counted and logged by "
                                    f"{'every daemon' if every else 'a daemon'}")
-
-
-def node_states(daemon: Daemon) -> dict[str, str]:
-    return {n["name"]: n["state"] for n in daemon.ctl("nodes")}
 
 
 def status(daemon: Daemon, job_id: str) -> dict[str, Any]:
@@ -284,7 +190,7 @@ def test_c3_copied_outcome_does_not_end_a_running_job(cluster, shared_tmp, figur
 
     before = refused_counts(cluster)
     attacker.write(f"jobs/outcome/{b}", outcome_a)
-    attacker.forge_change(f"outcome/{b}")
+    forge_change(attacker, f"outcome/{b}")
     key = attacker.key(f"jobs/outcome/{b}")
     lines = wait_refused(cluster, before, key, every=True)
     assert all("MAC" in line for line in lines), lines
@@ -519,7 +425,7 @@ def test_c2_unsigned_outcome_holds_a_job_and_never_reruns_one(cluster, shared_tm
         {"state": "SUCCEEDED", "ended": time.time(), "exit_code": 0, "message": "", "by": n1.name,
          "error": None}).encode())
     attacker.write(f"jobs/outcome/{f_id}", b"garbage over a finished job's outcome")
-    attacker.forge_change(f"outcome/{unsigned}")
+    forge_change(attacker, f"outcome/{unsigned}")
     for job in (garbled, unsigned, f_id):
         wait_refused(cluster, before, attacker.key(f"jobs/outcome/{job}"), every=True)
     wait_for(lambda: all(status(d, j)["held"] for d in cluster for j in (garbled, unsigned)), 15,

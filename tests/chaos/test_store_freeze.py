@@ -36,23 +36,20 @@ import os
 import shutil
 import subprocess
 import time
-import urllib.request
 import uuid
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import pytest
 
 from harness import PY, Daemon, free_port, needs_root, python_for_everyone, worker_args
+from store_attack import REFUSED, Attacker, Cluster, metric, wait_for
 from elasticd.firewall import table_name
-from elasticd.store.signing import create_key
 
 NFT = shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
 needs_nft = pytest.mark.skipif(NFT is None, reason="needs nft (nftables)")
 SETPRIV = shutil.which("setpriv")
-REFUSED = "elasticd_store_refused_records_total"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 SECRETS = (b"hunter2", b"SECRET_TOKEN", b"AWS_SECRET_ACCESS_KEY", AWS_SECRET.encode())
 
@@ -95,107 +92,12 @@ with open(sys.argv[2], "rb") as fifo:
 """
 
 
-# -- a cluster of real daemons -----------------------------------------------------------------
-
-class Cluster:
-    """Daemons of one cluster on this host: the first hosts the store on 127.0.0.1, node i has
-    the address 127.0.0.i; each has its own TOML config (jobs.allow_root, store.firewall, a
-    free peer port).  Node names carry a random tag ("n2" is n2-<tag>): a daemon's job
-    cgroups are named after its node and it kills what it finds in them at start, so two
-    test runs on one host must not share node names."""
-
-    def __init__(self, factory: Callable[..., Daemon], base: Path) -> None:
-        self.factory = factory
-        self.base = base
-        self.tag = uuid.uuid4().hex[:6]
-        self.name = f"frz{self.tag}"
-        self.port = free_port()
-        self.key = base / f"{self.name}.key"
-        create_key(str(self.key))
-        self.daemons: list[Daemon] = []
-
-    def add(self, role: str, *, allow_root: bool = True, firewall: bool | str = "auto") -> Daemon:
-        index = len(self.daemons) + 1
-        node = f"{role}-{self.tag}"
-        config = self.base / f"{self.name}-{node}.toml"
-        fw = json.dumps(firewall)  # "auto", true or false: the same in TOML
-        config.write_text(f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
-                          f"[node]\npeer_port = {free_port()}\n[store]\nfirewall = {fw}\n")
-        args = ("--cluster", self.name, "--store", f"127.0.0.1:{self.port}",
-                "--node-address", f"127.0.0.{index}", "--cluster-key", str(self.key),
-                "--slots", "2", "--store-host" if index == 1 else "--no-store-host",
-                "--config", str(config))
-        daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
-        self.daemons.append(daemon)
-        return daemon
-
-    def start(self) -> Cluster:
-        """The store host first, then the others together."""
-        self.daemons[0].start()
-        for daemon in self.daemons[1:]:
-            daemon.start(wait=False)
-        for daemon in self.daemons[1:]:
-            daemon.wait_notify("READY=1", 60)
-        return self
-
-    def __getitem__(self, index: int) -> Daemon:
-        return self.daemons[index]
-
-
 @pytest.fixture
 def cluster(daemon_factory, shared_tmp) -> Cluster:
-    return Cluster(daemon_factory, shared_tmp)
-
-
-class Attacker:
-    """torch's TCPStore client, keyless, connected to the cluster's store."""
-
-    def __init__(self, cluster: Cluster, timeout: float = 10.0) -> None:
-        from torch.distributed import TCPStore
-        self.prefix = f"elasticd/{cluster.name}/"
-        self.store = TCPStore("127.0.0.1", cluster.port, is_master=False, use_libuv=True,
-                              timeout=timedelta(seconds=timeout))
-
-    def key(self, suffix: str) -> str:
-        return self.prefix + suffix
-
-    def read(self, suffix: str) -> bytes | None:
-        key = self.key(suffix)
-        return self.store.get(key) if self.store.check([key]) else None
-
-    def exists(self, suffix: str) -> bool:
-        return self.store.check([self.key(suffix)])
-
-    def delete(self, suffix: str) -> bool:
-        return self.store.delete_key(self.key(suffix))
-
-    def add(self, suffix: str, amount: int) -> int:
-        return self.store.add(self.key(suffix), amount)
-
-    def append(self, suffix: str, data: bytes) -> None:
-        self.store.append(self.key(suffix), data)
+    return Cluster(daemon_factory, shared_tmp, prefix="frz")
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    """Poll ``condition`` until it returns something true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s (last: {value!r})")
-        time.sleep(interval)
-
-
-def metric(daemon: Daemon, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
 
 def listed(daemon: Daemon, job_id: str) -> dict[str, Any] | None:
     """The job as ``elasticctl list --all`` shows it on ``daemon`` (its registry only: list
