@@ -78,7 +78,7 @@ def build_parser(torchrun_rule: bool = True) -> argparse.ArgumentParser:
         "--watch", "-w", action="store_true", help="print the list again whenever it changes")
     command("drain", cmd_drain, "stop placing jobs on a node; its jobs move off it").add_argument(
         "node", metavar="NODE")
-    command("undrain", cmd_undrain, "let a drained node take jobs again").add_argument(
+    command("undrain", cmd_undrain, "let a drained or blacklisted node take jobs again").add_argument(
         "node", metavar="NODE")
     command("version", cmd_version, "show the client's and the daemon's versions")
     return parser
@@ -126,6 +126,12 @@ def add_submit_options(sub: argparse.ArgumentParser, torchrun_rule: bool) -> Non
     option("--exit-barrier-timeout", type=positive_seconds, metavar="S",
            help="after local success, wait up to S seconds for the other nodes "
                 "(default: the daemon's)")
+    option("--in-place", action="store_true",
+           help="survivors keep their processes when the job re-forms (the script uses "
+                "elasticd.elastic: State, commit, @run); only missing workers are started")
+    option("--rejoin-timeout", type=positive_seconds, metavar="S",
+           help="in place: a survivor that has not asked for its new place S seconds after a "
+                "change is stopped and the job restarts every worker (default 60)")
     option("--wait", action="store_true",
            help="follow the job until it ends; exit 0 succeeded, 1 failed, 130 cancelled")
     sub.add_argument("script", metavar="SCRIPT", nargs="?",
@@ -234,7 +240,7 @@ def env_pair(value: str) -> tuple[str, str]:
 # -- requests -------------------------------------------------------------------------------
 
 OPTIONAL_SUBMIT_ARGS = ("max_restarts", "name", "nodes", "exclude", "join_timeout",
-                        "last_call_timeout", "exit_barrier_timeout")
+                        "last_call_timeout", "exit_barrier_timeout", "rejoin_timeout")
 
 
 def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> dict[str, Any]:
@@ -255,6 +261,8 @@ def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: st
     if python is not None:
         request["python"] = python
     request.update(given(args, OPTIONAL_SUBMIT_ARGS))
+    if args.in_place:
+        request["in_place"] = True
     if args.wait:
         request["wait"] = True
     return request

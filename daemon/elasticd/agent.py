@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from .aio import race
 from .cgroups import JobCgroup, JobCgroups
@@ -29,13 +29,16 @@ from .records import Outcome, Part
 from .keyspace import Keyspace
 from .liveness import KeepAlive
 from .logs import LogBus
-from .model import (PART_STATES, JobSpec, PartState, JobState, RunResult, WorkerGroup, WorkerState,
-                    assign_workers)
-from .rendezvous import (EventKind, NextRound, Reason, RendezvousHandler, RendezvousInfo,
+from .model import (PART_STATES, Failure, JobSpec, PartState, JobState, RunResult, WorkerGroup,
+                    WorkerState, assign_workers, placement_env)
+from .rendezvous import (CHARGED, EventKind, NextRound, Reason, RendezvousHandler, RendezvousInfo,
                          RendezvousSettings, RoundEvent, may_restart)
 from .store.base import Store
 from .store.signing import Refused, Signer
-from .workers import LocalWorkers
+from .workers import SOCKET_ENV, LocalWorkers
+from .worker_library import python_path
+from .workerlink import Ready, WorkerLink
+from . import inplace
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +55,27 @@ class Action(enum.Enum):
     WATCH = "watch"          # nothing to do: keep watching
     STOP = "stop"            # the job ended: stop
     LEAVE = "leave"          # this node leaves the job (drain, shutdown)
+    STALL = "stall"          # in place: a survivor did not rejoin in time; restart every worker
 
 
 @dataclass(frozen=True)
 class WorkersExited:
     result: RunResult
     lost: tuple[str, ...] = ()   # members whose daemon was found dead when the workers failed
+
+
+@dataclass(frozen=True)
+class WorkersReady:
+    """In place: this node's new workers warmed up and asked for a place."""
+
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RejoinStalled:
+    """In place: survivors that did not ask for their place in time."""
+
+    slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -75,7 +93,7 @@ class Leaving:
     reason: Reason
 
 
-Event = WorkersExited | RoundChanged | JobEnded | Leaving
+Event = WorkersExited | RoundChanged | JobEnded | Leaving | WorkersReady | RejoinStalled
 
 
 def describe(event: Event) -> str:
@@ -89,6 +107,10 @@ def describe(event: Event) -> str:
         return f"rendezvous: {event.event.kind}" + (f" ({detail})" if detail else "")
     if isinstance(event, JobEnded):
         return f"job ended: {event.outcome.state.value}"
+    if isinstance(event, WorkersReady):
+        return f"workers in slots {list(event.slots)} are ready"
+    if isinstance(event, RejoinStalled):
+        return f"workers in slots {list(event.slots)} did not rejoin"
     return f"leaving: {event.reason}"
 
 
@@ -98,6 +120,10 @@ def decide(event: Event, info: RendezvousInfo, spec: JobSpec) -> Action:
         return Action.STOP
     if isinstance(event, Leaving):
         return Action.LEAVE
+    if isinstance(event, WorkersReady):
+        return Action.SCALE_UP
+    if isinstance(event, RejoinStalled):
+        return Action.STALL
     if isinstance(event, WorkersExited):
         if event.result.state == WorkerState.SUCCEEDED:
             return Action.BARRIER
@@ -135,6 +161,10 @@ class AgentMetrics(Protocol):
     def barrier_waited(self, seconds: float) -> None: ...
 
 
+_ROUND_FOR = {Action.RESTART: Reason.FAILURE, Action.NODE_LOST: Reason.NODE_LOST,
+              Action.SCALE_UP: Reason.SCALE_UP, Action.STALL: Reason.STALLED}
+
+
 def free_port(address: str) -> int:
     """A port that is free on ``address`` now (the master port this node offers if it is rank 0)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -168,6 +198,8 @@ class AgentFactory:
     refused: Refused
     stop_grace: float = 10.0
     cgroups: JobCgroups | None = None
+    runtime_dir: str = ""     # where in-place jobs' worker channels live
+    worker_library: str = ""  # the directory holding elasticd.elastic for workers
 
     def rendezvous(self, spec: JobSpec, *, may_create: bool = True) -> RendezvousHandler:
         """The job's rendezvous; ``may_create`` False for a job that already ran (its state
@@ -188,7 +220,20 @@ class AgentFactory:
                         rdzv=self.rendezvous(spec, may_create=started is None),
                         ports=ports, metrics=self.metrics, logs=self.logs, probe=self.probe,
                         dead_after=self.keep_alive.dead_after, log_root=self.log_root, gpus=gpus,
-                        stop_grace=self.stop_grace, cgroups=self.cgroups, started=started)
+                        stop_grace=self.stop_grace, cgroups=self.cgroups, started=started,
+                        link_path=self._link_path(spec), worker_env=self._worker_env(spec))
+
+    def _link_path(self, spec: JobSpec) -> str:
+        if not spec.in_place or not self.runtime_dir:
+            return ""
+        directory = os.path.join(self.runtime_dir, "agents")
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        return os.path.join(directory, f"{spec.id}.sock")
+
+    def _worker_env(self, spec: JobSpec) -> dict[str, str]:
+        env = {"PYTHONPATH": python_path(self.worker_library, dict(spec.env))} if self.worker_library else {}
+        link = self._link_path(spec)
+        return {**env, SOCKET_ENV: link} if link else env
 
 
 class JobAgent:
@@ -196,7 +241,8 @@ class JobAgent:
                  ports: AgentPorts, metrics: AgentMetrics, logs: LogBus, probe: DeadNodeProbe,
                  dead_after: float, log_root: str, gpus: tuple[str, ...] = (),
                  stop_grace: float = 10.0, cgroups: JobCgroups | None = None,
-                 started: float | None = None,
+                 started: float | None = None, link_path: str = "",
+                 worker_env: dict[str, str] | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.node = node
@@ -221,6 +267,15 @@ class JobAgent:
         self._cgroups = cgroups
         self._cgroup: JobCgroup | None = None  # made with the first round, gone with the agent
         self.declined = ""  # why this node left the job on its own (not placed again until it changes)
+        self._link_path = link_path
+        self._worker_env = worker_env or {}
+        self._link: WorkerLink | None = None
+        self._news: asyncio.Queue[Ready] = asyncio.Queue()
+        self._aborted = -1  # the newest round whose coming the in-place workers were told to abort for
+        self._rejoin: tuple[float, dict[int, int]] | None = None  # deadline; survivor slot -> its old round
+        self._placed: dict[int, int] = {}  # in place: slot -> the round its worker was last placed in
+        self._info: RendezvousInfo | None = None  # the round the in-place workers are in
+        self._suspect: tuple[float, Failure] | None = None  # a collective failed: act if nothing else does by then
 
     # -- signals from the daemon ----------------------------------------------------------
 
@@ -239,7 +294,10 @@ class JobAgent:
         try:
             if self._cgroups is not None:
                 self._cgroup = self._cgroups.create(self.spec.id)
-            await self._run()
+            if self._link_path:
+                await self._run_in_place()
+            else:
+                await self._run()
         except StoreError as exc:
             # This node lost the store: its share ends here (the others re-form without it,
             # and it can join again once the store answers); the job's fate is not ours to write.
@@ -286,11 +344,200 @@ class JobAgent:
                 return
             state = PartState.RESTARTING
 
-    async def _join(self) -> RendezvousInfo | None:
+    # -- in place (elasticd.inplace) ----------------------------------------------------------
+
+    async def _run_in_place(self) -> None:
+        """Rounds whose survivors keep their processes: only missing workers are started, and
+        they warm up before their node offers them to a round."""
+        self._link = WorkerLink(self._link_path, uid=self.spec.uid, gid=self.spec.gid,
+                                slots=self.nproc, on_ready=self._news.put_nowait)
+        await self._link.open()
+        self._workers = self._new_pool()
+        info: RendezvousInfo | None = None
+        state = PartState.RENDEZVOUS
+        try:
+            while True:
+                self._report(state, info, self._workers.group)
+                joined = await self._join_in_place(info)
+                if joined is None:
+                    return
+                info = joined
+                if await self._watch(info, self._workers) is None:
+                    return
+                state = PartState.RESTARTING
+        finally:
+            await self._workers.stop()
+            await self._link.close()
+
+    def _new_pool(self) -> LocalWorkers:
+        return LocalWorkers(
+            self.spec, inplace.standby(self.spec.id, self.node, self.nproc, self.gpus),
+            self._attempt_dir(0), cgroup=self._cgroup,
+            on_output=lambda: self._logs.publish(self.spec.id), on_dropped=self._metrics.output_dropped,
+            on_change=lambda g: self._report(self._phase, self._info, g) if self._reported else None,
+            stop_grace=self._stop_grace, extra_env=self._worker_env)
+
+    def _attempt_dir(self, round: int) -> str:
+        return os.path.join(self._log_root, self.spec.id, f"attempt_{round}")
+
+    async def _join_in_place(self, previous: RendezvousInfo | None) -> RendezvousInfo | None:
+        pool, link = self._workers, self._link
+        assert pool is not None and link is not None
+        if previous is None and self._started is None:  # the job's first round: start after it
+            info = await self._join()
+            if info is not None:
+                pool.log_dir = self._attempt_dir(info.round)
+                self._place(info, previous, range(self.nproc))
+                await pool.start()
+            return info
+        missing = [slot for slot in range(self.nproc) if slot not in pool.alive()]
+        if missing:
+            for slot in missing:
+                link.forget(slot)
+                self._placed.pop(slot, None)
+            pool.log_dir = self._attempt_dir(previous.round + 1 if previous else 0)
+            await pool.warm(missing)
+        ready = [slot for slot in pool.alive() if link.asked(slot) >= -1]
+        if not ready:
+            if previous is not None:
+                await self._rdzv.step_aside()  # the survivors re-form without waiting for us
+            ready = await self._warm_up(pool)
+            if ready is None:
+                return None
+        info = await self._join(len(ready))
+        if info is not None:
+            self._place(info, previous, ready)
+        return info
+
+    async def _warm_up(self, pool: LocalWorkers) -> list[int] | None:
+        """Wait until every worker asked for a place; None when one failed (this node then
+        leaves the job: it goes on elsewhere), the job ended or this node leaves."""
+        name, done = await race(ready=self._all_asked(pool), exited=pool.wait(),
+                                ended=self._ended, leaving=self._leaving)
+        if name == "ready":
+            return done.result()
+        if name == "leaving":
+            return await self._leave(None, pool.group)
+        if name == "ended":
+            self._report(PartState.STOPPED)
+            return None
+        cause = done.result().root_cause
+        self.declined = f"a worker failed while warming up: {cause.message if cause else 'no cause'}"
+        log.warning("job %s: %s leaves the job: %s", self.spec.id, self.node, self.declined)
+        self._report(PartState.LEFT, None, pool.group)
+        return None
+
+    async def _all_asked(self, pool: LocalWorkers) -> list[int]:
+        link = self._link
+        assert link is not None
+        while not all(link.asked(slot) >= -1 for slot in pool.alive()):
+            await self._news.get()
+        return pool.alive()
+
+    def _place(self, info: RendezvousInfo, previous: RendezvousInfo | None, slots: Iterable[int]) -> None:
+        """Tell each kept worker its place in ``info``; survivors hear of the change."""
+        pool, link = self._workers, self._link
+        assert pool is not None and link is not None
+        group = inplace.place(info, self.node, self.spec.id, slots, self.gpus)
+        pool.place(group, self._attempt_dir(info.round))
+        for worker in group.workers:
+            link.place(worker.local_rank, info.round,
+                       {**placement_env(group, worker), "ELASTICD_ROUND": str(info.round)})
+        change = inplace.notice(previous, info)
+        if change.abort and self._aborted < info.round:
+            self._abort_workers(info.round)
+        link.announce(info.round, change.added)
+        survivors = {w.local_rank: self._placed[w.local_rank] for w in group.workers
+                      if w.local_rank in self._placed}
+        self._rejoin = (time.monotonic() + self.spec.rejoin_timeout, survivors) \
+            if self._aborted >= info.round and survivors else None
+        self._placed.update((w.local_rank, info.round) for w in group.workers)
+        self._info, self._suspect = info, None
+        self._started = self._started or self._now()
+        self._report(PartState.RUNNING, info, pool.group)
+
+    def _abort_workers(self, round: int) -> None:
+        assert self._link is not None
+        self._link.abort(round)
+        self._aborted = round
+
+    async def _rejoin_stalled(self, info: RendezvousInfo) -> RejoinStalled:
+        """A timer: survivors told to abort must ask for their new place within the rejoin
+        timeout; those who did not are reported (never resolves when all did)."""
+        if self._rejoin is not None and self._workers is not None and self._link is not None:
+            deadline, survivors = self._rejoin
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            late = tuple(slot for slot, old in survivors.items()
+                         if slot in self._workers.alive() and self._link.asked(slot) < old)
+            if late:
+                return RejoinStalled(late)
+        await asyncio.Future()  # nothing to report, ever
+        raise AssertionError("unreachable")
+
+    async def _worker_news(self, info: RendezvousInfo, pool: LocalWorkers) -> Event:
+        """What workers say over the channel that needs the agent: a collective of this round
+        failed (and nothing re-forms yet), or new workers are ready to be added."""
+        link = self._link
+        assert link is not None
+        placed = {w.local_rank for w in pool.group.workers if w.rank >= 0}
+        while True:
+            try:
+                async with asyncio.timeout_at(self._suspect[0] if self._suspect else None):
+                    ready = await self._news.get()
+            except TimeoutError:
+                assert self._suspect is not None
+                return WorkersExited(RunResult(WorkerState.FAILED, (self._suspect[1],)))
+            if ready.why == "failure" and ready.after >= info.round and ready.slot in placed:
+                event = await self._collective_failed(info, pool, ready)
+                if event is not None:
+                    return event
+                continue
+            warming = [slot for slot in pool.alive() if slot not in placed]
+            if warming and all(link.asked(slot) >= -1 for slot in warming):
+                return WorkersReady(tuple(warming))
+
+    async def _collective_failed(self, info: RendezvousInfo, pool: LocalWorkers,
+                                 ready: Ready) -> WorkersExited | None:
+        """A worker's collective of this round failed. A dead member node re-forms the job at
+        once (one probe); a dead worker shows itself (its exit here, its node's new round
+        elsewhere). Only when nothing does within ``dead_after`` is it a failure of its own."""
+        worker = pool.group.workers[ready.slot]
+        failure = Failure(rank=worker.rank, local_rank=ready.slot, node=self.node, exit_code=1,
+                          message=f"a collective failed: {ready.error}", timestamp=self._now())
+        event = await self._workers_exited(info, RunResult(WorkerState.FAILED, (failure,)))
+        if event.lost:
+            return event
+        if self._suspect is None:
+            loop = asyncio.get_running_loop()
+            self._suspect = (loop.time() + self._dead_after, failure)
+        return None
+
+    async def _act_in_place(self, action: Action, event: Event, info: RendezvousInfo,
+                            workers: LocalWorkers) -> Action | None:
+        """Membership changes keep the workers (they are told); the rest is as in ``_act``."""
+        if action is Action.REJOIN:
+            assert isinstance(event, RoundChanged) and event.event.reason is not None
+            reason: Reason | None = event.event.reason
+        else:
+            reason = _ROUND_FOR.get(action)
+        if reason is None:
+            return await self._act(action, event, info, workers)
+        self._report(PartState.RESTARTING, info, workers.group)
+        if not inplace.keeps_workers(True, reason):
+            await workers.stop()
+            self._workers = self._new_pool()
+        elif inplace.aborts(reason):
+            self._abort_workers(info.round + 1)
+        if action is Action.REJOIN:
+            return Action.REJOIN
+        lost = event.lost if isinstance(event, WorkersExited) else ()
+        return await self._open_next_round(info, reason, event, lost=lost)
+
+    async def _join(self, nproc: int | None = None) -> RendezvousInfo | None:
         """Join the next round; None when the job ended or this node left meanwhile."""
         started = time.monotonic()
         name, joining = await race(
-            joined=self._rdzv.next_rendezvous(self.nproc, free_port(self.address)),
+            joined=self._rdzv.next_rendezvous(nproc or self.nproc, free_port(self.address)),
             ended=self._ended, leaving=self._leaving)
         if name == "leaving":
             return await self._leave(None, None)
@@ -326,7 +573,7 @@ class JobAgent:
             cgroup=self._cgroup, on_output=lambda: self._logs.publish(self.spec.id),
             on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, info, g),
-            stop_grace=self._stop_grace)
+            stop_grace=self._stop_grace, extra_env=self._worker_env)
         self._started = self._started or self._now()
         self._report(PartState.RUNNING, info, workers.group)
         await workers.start()
@@ -346,16 +593,22 @@ class JobAgent:
                 continue
             if isinstance(event, WorkersExited):
                 self._count_exits(workers.group)
+            if self._link is not None:
+                return await self._act_in_place(action, event, info, workers)
             return await self._act(action, event, info, workers)
 
     async def _next_event(self, info: RendezvousInfo, workers: LocalWorkers,
                           notice_waiting: bool) -> Event:
         watching = self._rdzv.watch(info.round, waiting=notice_waiting)
+        in_place = {"news": self._worker_news(info, workers),
+                    "stalled": self._rejoin_stalled(info)} if self._link is not None else {}
         try:
             name, done = await race(exited=workers.wait(), round=watching, ended=self._ended,
-                                    leaving=self._leaving)
+                                    leaving=self._leaving, **in_place)
         finally:
             watching.cancel()
+        if name in in_place:
+            return done.result()
         if name == "exited":
             return await self._workers_exited(info, done.result())
         if name == "ended":
@@ -413,16 +666,25 @@ class JobAgent:
     async def _open_next_round(self, info: RendezvousInfo, reason: Reason, event: Event,
                                lost: tuple[str, ...] = ()) -> Action | None:
         result = await self._rdzv.request_next_round(info.round, reason, lost)
-        if result is NextRound.EXHAUSTED and isinstance(event, WorkersExited):
-            await self._finish(failure_outcome(event.result, self.spec, self._now(), self.node))
+        if result is NextRound.EXHAUSTED:
+            await self._finish(self._exhausted(event))
             self._report(PartState.FAILED, info)
             return None
         if result is NextRound.CLOSED:
             self._report(PartState.STOPPED, info)
             return None
-        if reason is Reason.FAILURE:
+        if reason in CHARGED:
             self._metrics.restarted()
         return Action.REJOIN
+
+    def _exhausted(self, event: Event) -> Outcome:
+        if isinstance(event, WorkersExited):
+            return failure_outcome(event.result, self.spec, self._now(), self.node)
+        slots = event.slots if isinstance(event, RejoinStalled) else ()
+        return Outcome(JobState.FAILED, self._now(), 1,
+                       f"workers in slots {list(slots)} on {self.node} did not rejoin within "
+                       f"{self.spec.rejoin_timeout:g} s (max restarts {self.spec.max_restarts} exhausted)",
+                       None, self.node)
 
     async def _exit_barrier(self, info: RendezvousInfo, group: WorkerGroup) -> Action | None:
         """Wait for every member of the final round; the job succeeds only if all did.

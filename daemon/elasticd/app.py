@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from . import __version__, config as config_mod
+from . import worker_library
 from .agent import AgentFactory
 from .aio import race
 from .board import BoardFollower, JobBoard
@@ -200,7 +201,9 @@ class Daemon:
                     keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
                     log_root=config.log_dir, metrics=self.metrics,
                     logs=logs, probe=peers, refused=self._refused, stop_grace=config.jobs.stop_grace,
-                    cgroups=cgroups if cgroups.available else None))
+                    cgroups=cgroups if cgroups.available else None,
+                    runtime_dir=config.paths.runtime_dir,
+                    worker_library=worker_library.install(config.paths.runtime_dir)))
             self.metrics.job_usage.source = service.usage
             commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                                 cluster=nodes, peers=peers)

@@ -134,16 +134,19 @@ class NodeState(enum.StrEnum):
     UP = "up"
     DRAINING = "draining"  # takes no new job; its jobs move off it through new rounds
     DRAINED = "drained"    # draining, and no job left
+    BLACKLISTED = "blacklisted"  # its workers kept failing: out of new rounds until its cooldown ends
     LOST = "lost"          # its heartbeat stood still (liveness.silent)
 
 
 # Observed once per heartbeat duty, so a short stay in a state may go unseen; any state may
-# turn LOST and come back from it.
+# turn LOST and come back from it, and any may be blacklisted (a drained node's last failure
+# may be seen late) and come back to what it was.
 NODE_STATES = StateTable("a node", {
-    NodeState.UP: (NodeState.DRAINING, NodeState.DRAINED, NodeState.LOST),
-    NodeState.DRAINING: (NodeState.DRAINED, NodeState.UP, NodeState.LOST),
-    NodeState.DRAINED: (NodeState.UP, NodeState.LOST),  # it takes no job: never draining again first
-    NodeState.LOST: (NodeState.UP, NodeState.DRAINING, NodeState.DRAINED),
+    NodeState.UP: (NodeState.DRAINING, NodeState.DRAINED, NodeState.BLACKLISTED, NodeState.LOST),
+    NodeState.DRAINING: (NodeState.DRAINED, NodeState.UP, NodeState.BLACKLISTED, NodeState.LOST),
+    NodeState.DRAINED: (NodeState.UP, NodeState.BLACKLISTED, NodeState.LOST),  # it takes no job: never draining again first
+    NodeState.BLACKLISTED: (NodeState.UP, NodeState.DRAINING, NodeState.DRAINED, NodeState.LOST),
+    NodeState.LOST: (NodeState.UP, NodeState.DRAINING, NodeState.DRAINED, NodeState.BLACKLISTED),
 })
 
 
@@ -168,6 +171,8 @@ class JobSpec:
     join_timeout: float = RendezvousSettings.join_timeout
     last_call_timeout: float = RendezvousSettings.last_call_timeout
     exit_barrier_timeout: float = 300.0
+    in_place: bool = False          # survivors keep their processes across rounds (elasticd.elastic)
+    rejoin_timeout: float = 60.0    # in place: how long a survivor may take to ask for its new place
     nodes: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     submitted_on: str = ""
@@ -234,8 +239,9 @@ def validate(spec: JobSpec) -> None:
          f"nproc_per_node must be an integer from 1 to {MAX_NPROC} or '{GPU}'")
     need(_is_int(spec.max_restarts) and 0 <= spec.max_restarts <= MAX_COUNT,
          f"max_restarts must be from 0 to {MAX_COUNT}")
+    need(isinstance(spec.in_place, bool), "in_place must be true or false")
     for name, positive in (("join_timeout", True), ("exit_barrier_timeout", True),
-                           ("last_call_timeout", False)):
+                           ("rejoin_timeout", True), ("last_call_timeout", False)):
         value = getattr(spec, name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         need(number and (value > 0 if positive else value >= 0) and value <= MAX_TIMEOUT,
@@ -325,28 +331,38 @@ def assign_workers(job_id: str, node: str, *, round: int, restart_count: int, gr
                        world_size, master_addr, master_port, workers, gpus)
 
 
-def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file: str) -> dict[str, str]:
-    """The environment torchrun gives a worker, on top of the submitter's environment."""
-    env = dict(spec.env)
-    env.update({
-        "LOCAL_RANK": str(worker.local_rank),
+def placement_env(group: WorkerGroup, worker: Worker) -> dict[str, str]:
+    """What a worker's place in a round sets: all an in-place survivor gets anew."""
+    return {
         "RANK": str(worker.rank),
         "GROUP_RANK": str(group.group_rank),
         "ROLE_RANK": str(worker.rank),
-        "ROLE_NAME": "default",
-        "LOCAL_WORLD_SIZE": str(group.local_world_size),
         "WORLD_SIZE": str(group.world_size),
         "GROUP_WORLD_SIZE": str(group.group_world_size),
         "ROLE_WORLD_SIZE": str(group.world_size),
+        "LOCAL_WORLD_SIZE": str(group.local_world_size),
         "MASTER_ADDR": group.master_addr,
         "MASTER_PORT": str(group.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(group.restart_count),
+    }
+
+
+def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file: str) -> dict[str, str]:
+    """The environment torchrun gives a worker, on top of the submitter's environment.  A
+    worker warming up for an in-place job (``group.round < 0``) has no rank yet."""
+    env = dict(spec.env)
+    env.update({
+        "LOCAL_RANK": str(worker.local_rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(group.local_world_size),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": spec.id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCHELASTIC_ERROR_FILE": error_file,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     })
+    if group.round >= 0:
+        env.update(placement_env(group, worker))
     if "OMP_NUM_THREADS" not in spec.env and group.local_world_size > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default: don't oversubscribe the CPUs
     if group.gpus:

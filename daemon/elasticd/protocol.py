@@ -46,6 +46,8 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "join_timeout": (int, float),
         "last_call_timeout": (int, float),
         "exit_barrier_timeout": (int, float),
+        "in_place": (bool,),
+        "rejoin_timeout": (int, float),
         "wait": (bool,),
     },
     "list": {"all": (bool,)},

@@ -50,6 +50,9 @@ _DRAIN_TIMEOUT = 2.0   # seconds for the pipes to reach EOF once every worker is
 EXEC_FAILED = 127      # a worker that could not be started counts as this exit code
 NO_WORKDIR = 126       # the working directory could not be entered (as the user)
 
+SOCKET_ENV = "ELASTICD_AGENT_SOCKET"  # an in-place worker's channel to its agent (elastic.runtime)
+SLOT_ENV = "ELASTICD_SLOT"
+
 OutputSink = Callable[[], None]          # a worker wrote output (followers read the files)
 DropSink = Callable[[int, str], None]    # (bytes dropped, why): output that could not be written
 
@@ -214,7 +217,7 @@ class LocalWorkers:
                  on_output: OutputSink | None = None,
                  on_dropped: DropSink | None = None,
                  on_change: Callable[[WorkerGroup], None] | None = None,
-                 stop_grace: float = 10.0) -> None:
+                 stop_grace: float = 10.0, extra_env: Mapping[str, str] | None = None) -> None:
         self.spec = spec
         self.group = group
         self.log_dir = log_dir
@@ -223,19 +226,87 @@ class LocalWorkers:
         self._on_dropped = on_dropped or (lambda n, why: None)
         self._on_change = on_change or (lambda g: None)
         self._stop_grace = stop_grace
+        self._extra_env = dict(extra_env or {})
         self._loop = asyncio.get_running_loop()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._pipes: list[_Pipe] = []
         self._failures: dict[int, Failure] = {}
+        self._files: dict[int, dict[str, str]] = {}  # slot -> its worker's out, err, error files
+        self._spawned = 0
         self._stopping = False
         self._oom_before = self._oom_kills()
 
     def error_file(self, worker: Worker) -> str:
-        return os.path.join(self.log_dir, f"rank_{worker.rank}.error.json")
+        return self._files.get(worker.local_rank, {}).get("error") or \
+            os.path.join(self.log_dir, f"rank_{worker.rank}.error.json")
 
     def log_file(self, worker: Worker, stream: str) -> str:
         return os.path.join(self.log_dir, f"rank_{worker.rank}.{stream}")
+
+    # -- in place: workers that outlive rounds ----------------------------------------------
+
+    async def warm(self, slots: list[int]) -> None:
+        """Start new workers in ``slots`` before they have a rank (their old ones are gone).
+        Their output goes to ``<log_dir>/slot_<s>-<n>.*`` until ``place`` names it."""
+        credentials = run_as(self.spec)
+        try:
+            self._make_log_dir()
+        except OSError as exc:
+            for slot in slots:
+                self._record_failure(self._renew(slot), EXEC_FAILED, f"cannot start worker: {exc}")
+            return
+        for slot in slots:
+            worker = self._renew(slot)
+            self._spawned += 1
+            stem = os.path.join(self.log_dir, f"slot_{slot}-{self._spawned}")
+            self._files[slot] = {"out": f"{stem}.out", "err": f"{stem}.err", "error": f"{stem}.error.json"}
+            try:
+                self._start(worker, credentials)
+            except (OSError, subprocess.SubprocessError) as exc:
+                self._record_failure(worker, EXEC_FAILED, f"cannot start worker: {exc}")
+
+    def _renew(self, slot: int) -> Worker:
+        """A fresh (INIT) worker in ``slot``: a new process, not a state change of the old one."""
+        worker = Worker(local_rank=slot, rank=-1, world_size=0, node=self.group.workers[slot].node)
+        self.group = self.group.with_worker(worker)
+        self._failures.pop(slot, None)
+        self._exits.pop(slot, None)
+        return worker
+
+    def place(self, group: WorkerGroup, attempt_dir: str) -> None:
+        """Show ``group`` (this round's ranks; workers keep pid and state).  A worker placed
+        for the first time has its output files moved to ``attempt_dir/rank_<r>.*``."""
+        by_slot = {w.local_rank: w for w in group.workers}
+        workers = []
+        for old in self.group.workers:
+            new = by_slot.get(old.local_rank)
+            if new is not None and old.rank < 0 and old.local_rank in self._files:
+                self._move_output(old.local_rank, attempt_dir, new.rank)
+            workers.append(replace(old, rank=new.rank, world_size=new.world_size) if new else old)
+        self.group = replace(group, workers=tuple(workers))
+        self._on_change(self.group)
+
+    def _move_output(self, slot: int, attempt_dir: str, rank: int) -> None:
+        try:
+            os.makedirs(attempt_dir, mode=0o755, exist_ok=True)
+            if not is_own_dir(attempt_dir):
+                return
+            for stream in ("out", "err"):
+                target = os.path.join(attempt_dir, f"rank_{rank}.{stream}")
+                if not os.path.lexists(target):
+                    os.rename(self._files[slot][stream], target)
+                    self._files[slot][stream] = target
+        except OSError as exc:
+            log.warning("job %s: output of slot %d stays in %s: %s", self.spec.id, slot,
+                        self._files[slot]["out"], exc)
+
+    def alive(self) -> list[int]:
+        """Slots whose worker runs."""
+        return [slot for slot, exited in self._exits.items() if not exited.done()]
+
+    def forget_failures(self) -> None:
+        self._failures.clear()
 
     async def start(self) -> None:
         """Spawn every worker.  A worker that cannot be started counts as failed (exit 127)."""
@@ -254,8 +325,9 @@ class LocalWorkers:
 
     def _start(self, worker: Worker, credentials: RunAs | None) -> None:
         os.close(self._create_for_user(self.error_file(worker), credentials))
-        files = [OutputFile(self._create_for_user(self.log_file(worker, s), credentials),
-                            self._on_dropped) for s in ("out", "err")]
+        names = self._files.get(worker.local_rank) or {s: self.log_file(worker, s) for s in ("out", "err")}
+        files = [OutputFile(self._create_for_user(names[s], credentials), self._on_dropped)
+                 for s in ("out", "err")]
         try:
             proc = self._spawn(worker, credentials)
         except BaseException:
@@ -289,7 +361,13 @@ class LocalWorkers:
         return fd
 
     def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
-        env = worker_env(self.spec, self.group, worker, error_file=self.error_file(worker))
+        group = self.group if worker.rank >= 0 else replace(self.group, round=-1)  # warming: no rank
+        env = worker_env(self.spec, group, worker, error_file=self.error_file(worker))
+        for inherited in (SOCKET_ENV, SLOT_ENV):  # a job submitted from inside another job
+            env.pop(inherited, None)
+        env.update(self._extra_env)
+        if SOCKET_ENV in self._extra_env:
+            env[SLOT_ENV] = str(worker.local_rank)
         join_fds = self._cgroup.join_fds() if self._cgroup is not None else []
         try:
             return subprocess.Popen(

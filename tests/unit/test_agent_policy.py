@@ -2,7 +2,8 @@
 
 import pytest
 
-from elasticd.agent import Action, JobEnded, Leaving, RoundChanged, WorkersExited, decide
+from elasticd.agent import (Action, JobEnded, Leaving, RejoinStalled, RoundChanged, WorkersExited,
+                            WorkersReady, decide)
 from elasticd.records import Outcome
 from elasticd.model import Failure, JobSpec, JobState, RunResult, WorkerState
 from elasticd.rendezvous import EventKind as K, Reason as R, RendezvousInfo, RoundEvent
@@ -37,6 +38,8 @@ OK = RunResult(WorkerState.SUCCEEDED)
     (JobEnded(Outcome(JobState.CANCELLED, 1.0)), info(), Action.STOP),
     (Leaving(R.DRAIN), info(), Action.LEAVE),
     (Leaving(R.SHUTDOWN), info(), Action.LEAVE),
+    (WorkersReady((1,)), info(nodes=3), Action.SCALE_UP),  # in place: more workers, not more nodes
+    (RejoinStalled((0,)), info(), Action.STALL),
 ])
 def test_decide(event, round_info, action):
     assert decide(event, round_info, SPEC) is action

@@ -12,6 +12,7 @@ from elasticd.rendezvous.ops import (
     decide_close,
     decide_join,
     decide_leave,
+    decide_step_aside,
     decide_liveness,
     decide_next_round,
     decide_restore,
@@ -220,6 +221,10 @@ NEXT_ROUND_TABLE = [
     ("failure uses the budget", st("a", complete=True, round=2), 2, "failure", Act.OPEN_ROUND,
      lambda s: s.restarts_used == 1 and s.reason == "failure"),
     ("budget used up", st("a", complete=True, round=2, restarts_used=1), 2, "failure", Act.EXHAUSTED, None),
+    ("a stalled in-place round uses the budget too", st("a", complete=True, round=2), 2, "stalled",
+     Act.OPEN_ROUND, lambda s: s.restarts_used == 1 and s.reason == "stalled"),
+    ("no budget, no stalled round", st("a", complete=True, round=2, restarts_used=1), 2, "stalled",
+     Act.EXHAUSTED, None),
     ("used-up budget does not stop scale up", st("a", complete=True, restarts_used=1), 0, "scale_up",
      Act.OPEN_ROUND, None),
     ("someone else was first", st(round=3), 2, "failure", Act.ALREADY, None),
@@ -268,6 +273,26 @@ LEAVE_TABLE = [
                          ids=[row[0] for row in LEAVE_TABLE])
 def test_decide_leave(case, state, announced, act, check):
     action = decide_leave(state, "me", Reason.DRAIN, View(announced=logged(*announced)))
+    assert action.act is act
+    assert (action.state is None) if check is None else check(action.state)
+
+
+STEP_ASIDE_TABLE = [
+    ("expected in an open round: the others complete without it", st("a", expected=("a", "me")), (),
+     Act.REMOVE, lambda s: s.expected == ("a",) and not s.complete),
+    ("already joined the open round", st("a", "me"), (), Act.REMOVE, lambda s: set(s.participants) == {"a"}),
+    ("the round completed: nothing to step out of", st("a", complete=True), (), Act.NOTHING, None),
+    ("not in it", st("a", expected=("a",)), (), Act.NOTHING, None),
+    ("closed", st("a", "me", closed=True), (), Act.NOTHING, None),
+]
+
+
+@pytest.mark.parametrize(("case", "state", "announced", "act", "check"), STEP_ASIDE_TABLE,
+                         ids=[row[0] for row in STEP_ASIDE_TABLE])
+def test_decide_step_aside(case, state, announced, act, check):
+    """Stepping aside is not leaving: the node may join the next round (in place: its
+    workers warm up while the survivors re-form without it)."""
+    action = decide_step_aside(state, "me", View(announced=logged(*announced)))
     assert action.act is act
     assert (action.state is None) if check is None else check(action.state)
 

@@ -60,6 +60,8 @@ def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonCon
         join_timeout=args.get("join_timeout", defaults.join_timeout),
         last_call_timeout=args.get("last_call_timeout", defaults.last_call_timeout),
         exit_barrier_timeout=args.get("exit_barrier_timeout", defaults.exit_barrier_timeout),
+        in_place=args.get("in_place", False),
+        rejoin_timeout=args.get("rejoin_timeout", JobSpec.rejoin_timeout),
         nodes=tuple(args.get("nodes", ())), exclude=tuple(args.get("exclude", ())),
         submitted_on=node, created=now)
 

@@ -4,6 +4,7 @@ pure decisions, ``handler`` the executor that applies them."""
 
 from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.state import (
+    CHARGED,
     EventKind,
     Reason,
     Member,
@@ -14,5 +15,5 @@ from elasticd.rendezvous.state import (
     may_restart,
 )
 
-__all__ = ["EventKind", "Reason", "Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
+__all__ = ["CHARGED", "EventKind", "Reason", "Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
            "may_restart"]

@@ -50,6 +50,7 @@ from elasticd.rendezvous.ops import (
     decide_close,
     decide_join,
     decide_leave,
+    decide_step_aside,
     decide_liveness,
     decide_next_round,
     decide_restore,
@@ -249,6 +250,11 @@ class RendezvousHandler:
         """Leave for good; a complete round that had this node is superseded with ``reason``."""
         self._left = True
         await self._execute(lambda state, view, now: decide_leave(state, self.node, Reason(reason), view))
+
+    async def step_aside(self) -> None:
+        """Not in the forming round for now (an in-place node whose workers are all warming
+        up): the round completes without waiting for this node, which may join later."""
+        await self._execute(lambda state, view, now: decide_step_aside(state, self.node, view))
 
     async def set_closed(self) -> None:
         await self._execute(lambda state, view, now: decide_close(state))

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from elasticd.liveness import Beat, observe, silent
 from elasticd.rendezvous.state import (
+    CHARGED,
     EventKind,
     Reason,
     may_restart,
@@ -222,7 +223,7 @@ def decide_next_round(
         return Action(Act.CLOSED)
     if state.round != round or not state.complete:
         return Action(Act.ALREADY)
-    if reason is Reason.FAILURE and not may_restart(state.restarts_used, settings.max_restarts):
+    if reason in CHARGED and not may_restart(state.restarts_used, settings.max_restarts):
         return Action(Act.EXHAUSTED)
     return Action(Act.OPEN_ROUND, open_round(state, reason, leaving=lost))
 
@@ -234,7 +235,7 @@ def open_round(state: RendezvousState, reason: Reason, leaving: Iterable[str] = 
         round=state.round + 1,
         complete=False,
         reason=reason,
-        restarts_used=state.restarts_used + (reason is Reason.FAILURE),
+        restarts_used=state.restarts_used + (reason in CHARGED),
         participants={},
         wait_list={},
         expected=tuple(sorted(expected)),
@@ -262,6 +263,13 @@ def decide_leave(state: RendezvousState, node: str, reason: Reason, view: View) 
     if involved(state, node, view):
         return Action(Act.REMOVE, without(state, {node}, view))
     return Action(Act.NOTHING)
+
+
+def decide_step_aside(state: RendezvousState, node: str, view: View) -> Action:
+    """Out of an open round (not for good: the node joins a later one)."""
+    if state.closed or state.complete or not involved(state, node, view):
+        return Action(Act.NOTHING)
+    return Action(Act.REMOVE, without(state, {node}, view))
 
 
 def decide_close(state: RendezvousState) -> Action:

@@ -23,6 +23,11 @@ class Reason(enum.StrEnum):
     NODE_LOST = "node_lost"  # a member's daemon died
     DRAIN = "drain"          # a member leaves because it is being drained
     SHUTDOWN = "shutdown"    # a member leaves because its daemon stops
+    STALLED = "stalled"      # in place: a survivor did not rejoin in time; every worker
+    #                          restarts (spends a restart, like a failure)
+
+
+CHARGED = frozenset({Reason.FAILURE, Reason.STALLED})  # rounds that spend the restart budget
 
 
 class EventKind(enum.StrEnum):

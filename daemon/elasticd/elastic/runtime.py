@@ -1,0 +1,290 @@
+"""The worker's side of in-place elasticity: the channel to the local agent, the process
+group's life, and the membership checks. Torch and the standard library only.
+
+The agent listens on a per-job Unix socket (``$ELASTICD_AGENT_SOCKET``, owned by the job's
+user) and speaks JSON lines:
+
+- worker -> agent: ``{"op": "hello", "slot": S}`` once; ``{"op": "ready", "round": R,
+  "why": "start"|"interrupt"|"failure", "error": "..."}``: give me my place in a round
+  after R (R = -1: any round).
+- agent -> worker: ``{"op": "place", "round": R, "env": {...}}``: this worker's rank, world
+  size, master address and port in round R; ``{"op": "update", "round": R, "added": bool}``:
+  round R is formed, stop at the next ``commit``; ``{"op": "abort", "round": R}``: a member
+  is gone, abort the process group now.
+
+An abort must end a collective that is blocked on a dead peer. NCCL's ``abort`` does that
+(``ncclCommAbort``; written for NCCL, verified only on gloo). Gloo's ``abort`` in torch 2.13
+does not wake a blocked ``all_reduce``, so the sockets that the group opened are also shut
+down (never its listening socket: gloo's listener dies on that), which makes the blocked
+call raise "Connection closed by peer" at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import stat
+import threading
+from typing import Any, Callable
+
+from .errors import GroupAborted, HostsUpdatedInterrupt
+
+SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
+SLOT_ENV = "ELASTICD_SLOT"
+ROUND_ENV = "ELASTICD_ROUND"
+_MAX_LINE = 64 * 1024
+# Text of errors that a broken process group raises (gloo and NCCL put them in plain
+# RuntimeErrors): such a failure re-forms the group; anything else is the script's own.
+_GROUP_ERRORS = ("gloo", "nccl", "connection closed by peer", "connection reset", "broken pipe",
+                 "timed out", "socket", "process group")
+
+
+class Channel:
+    """The connection to the agent; a thread reads its notices."""
+
+    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None]) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._on_abort = on_abort
+        self._lock = threading.Condition()
+        self._places: dict[int, dict[str, str]] = {}
+        self.announced = -1   # newest round the agent announced
+        self.added = False    # whether that round brings new workers (they need sync)
+        self.aborted = -1     # newest round the agent said the old group cannot reach
+        self.closed = False
+        self._send({"op": "hello", "slot": slot})
+        threading.Thread(target=self._read, name="elasticd-agent", daemon=True).start()
+
+    def _send(self, doc: dict[str, Any]) -> None:
+        self._sock.sendall(json.dumps(doc).encode() + b"\n")
+
+    def _read(self) -> None:
+        buffered = b""
+        try:
+            while True:
+                data = self._sock.recv(_MAX_LINE)
+                if not data:
+                    break
+                buffered += data
+                *lines, buffered = buffered.split(b"\n")
+                for line in lines:
+                    self._handle(json.loads(line))
+        except (OSError, ValueError):
+            pass
+        with self._lock:
+            self.closed = True
+            self._lock.notify_all()
+
+    def _handle(self, doc: dict[str, Any]) -> None:
+        op, round = doc.get("op"), int(doc.get("round", -1))
+        with self._lock:
+            if op == "place":
+                self._places[round] = {str(k): str(v) for k, v in doc["env"].items()}
+            elif op == "update" and round > self.announced:
+                self.announced, self.added = round, bool(doc.get("added"))
+            elif op == "abort":
+                self.aborted = max(self.aborted, round)
+            self._lock.notify_all()
+        if op == "abort":
+            self._on_abort(round)
+
+    def place_after(self, round: int, why: str, error: str = "") -> tuple[int, dict[str, str]]:
+        """Ask for this worker's place in a round after ``round``; blocks until the agent has one."""
+        self._send({"op": "ready", "round": round, "why": why, "error": error[:2000]})
+        with self._lock:
+            while True:
+                newer = [r for r in self._places if r > round]
+                if newer:
+                    newest = max(newer)
+                    return newest, self._places[newest]
+                if self.closed:
+                    raise ConnectionError("the elasticd agent closed the channel")
+                self._lock.wait()
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's sockets: fd -> inode (the inode tells a reused fd number apart)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            info = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if stat.S_ISSOCK(info.st_mode):
+            found[int(name)] = info.st_ino
+    return found
+
+
+def _shut_down(fds: dict[int, int]) -> None:
+    """Shut down the connected TCP sockets among ``fds`` (still the same sockets)."""
+    for fd, inode in fds.items():
+        try:
+            if os.fstat(fd).st_ino != inode:
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            try:
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                if not listening and sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class Runtime:
+    """This worker's membership: its round, its process group, the agent's notices."""
+
+    def __init__(self, path: str, slot: int, backend: str | None) -> None:
+        self.slot = slot
+        self.round = -1
+        self.backend = backend
+        self._group_lock = threading.Lock()
+        self._group_sockets: dict[int, int] = {}
+        self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
+        self.channel = Channel(path, slot, self._abort)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """At exit: leave the group cleanly (a gloo group left to the interpreter's teardown
+        aborts the process: "terminate called without an active exception")."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    # -- notices ------------------------------------------------------------------------
+
+    def _abort(self, round: int) -> None:
+        """On the reader thread: the group of our round cannot complete; make it fail now."""
+        if round <= self.round:
+            return
+        import torch.distributed as dist
+        with self._group_lock:
+            if dist.is_initialized():
+                try:
+                    dist.distributed_c10d._abort_process_group()  # NCCL: ncclCommAbort
+                except Exception:  # gloo may not implement it; the sockets below do the work
+                    pass
+            if self._forming_since is not None:
+                now = _socket_fds()
+                _shut_down({fd: ino for fd, ino in now.items() if self._forming_since.get(fd) != ino})
+            _shut_down(self._group_sockets)
+
+    @property
+    def aborted(self) -> bool:
+        return self.channel.aborted > self.round
+
+    def check_host_updates(self) -> None:
+        """One collective: every rank learns the newest announcement any rank has seen."""
+        import torch
+        import torch.distributed as dist
+        if self.aborted:
+            raise GroupAborted("a member of the job is gone")
+        with self.channel._lock:
+            mine = [self.channel.announced, int(self.channel.added)]
+        agreed = torch.tensor(mine, dtype=torch.int64, device=_device(self.backend))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        newest, added = int(agreed[0]), bool(agreed[1])
+        if newest > self.round:
+            raise HostsUpdatedInterrupt(skip_sync=not added)
+
+    def is_group_failure(self, exc: BaseException) -> bool:
+        """Whether ``exc`` came from the process group breaking (re-form), not from the script."""
+        import torch.distributed as dist
+        if isinstance(exc, GroupAborted) or isinstance(exc, getattr(dist, "DistError", ())):
+            return True
+        if not isinstance(exc, RuntimeError):
+            return False
+        text = str(exc).lower()
+        return self.aborted or any(word in text for word in _GROUP_ERRORS)
+
+    # -- the process group ----------------------------------------------------------------
+
+    def join(self, why: str, error: str = "") -> None:
+        """Leave the old group (if any), get a place in a newer round, form its group."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            self.backend = self.backend or str(dist.get_backend())
+            with self._group_lock:
+                self._group_sockets = {}
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        round, env = self.channel.place_after(self.round, why, error)
+        os.environ.update(env)
+        self.round = round
+        self._init_group()
+
+    def _init_group(self) -> None:
+        import torch.distributed as dist
+        with self._group_lock:
+            self._forming_since = _socket_fds()
+        try:
+            if self.aborted:
+                raise GroupAborted("a member of the job left before its group formed")
+            dist.init_process_group(self.backend or _default_backend(), init_method="env://")
+        finally:
+            with self._group_lock:
+                before, self._forming_since = self._forming_since, None
+                self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
+                                       if before.get(fd) != ino}
+
+    def note_group_sockets(self) -> None:
+        """After the first collectives: gloo may connect its pairs lazily."""
+        with self._group_lock:
+            base = self._group_sockets
+            now = _socket_fds()
+            self._group_sockets = {**base, **{fd: ino for fd, ino in now.items() if fd not in base}}
+
+
+def _default_backend() -> str:
+    import torch
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _device(backend: str | None) -> Any:
+    import torch
+    if (backend or "").lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_current: Runtime | None = None
+_backend: str | None = None
+
+
+def current() -> Runtime | None:
+    """This worker's runtime when it runs in an in-place job (connects on first use)."""
+    global _current
+    path = os.environ.get(SOCKET_ENV)
+    if _current is None and path:
+        _current = Runtime(path, int(os.environ.get(SLOT_ENV, os.environ.get("LOCAL_RANK", "0"))),
+                           _backend)
+    return _current
+
+
+def init(backend: str | None = None) -> None:
+    """Choose the backend. In an in-place job the group is formed by ``run`` (a worker may be
+    warming up before it has a rank); elsewhere this is ``init_process_group(backend)``."""
+    global _backend
+    _backend = backend
+    if os.environ.get(SOCKET_ENV):
+        return
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group(backend or _default_backend())
+
+
+def check_host_updates() -> None:
+    """Raise HostsUpdatedInterrupt on every rank at the same step when the daemon announced
+    a membership change; a no-op outside an in-place job."""
+    runtime = current()
+    if runtime is not None:
+        runtime.check_host_updates()

@@ -1,0 +1,161 @@
+"""The agent's end of the channel to an in-place job's workers (the worker's end is
+``elasticd.elastic.runtime``): a Unix socket per job in the daemon's runtime directory,
+owned by the job's user and no one else (0600), JSON lines.
+
+Workers never reach the cluster store through it: all they learn is their own place in a
+round and notices. A line over 64 KiB, bad JSON or a peer that does not read closes that
+connection, never the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_MAX_LINE = 64 * 1024
+_MAX_BUFFERED = 256 * 1024  # unread notices a worker may hold before it is cut off
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A worker asked for its place in a round after ``after``."""
+
+    slot: int
+    after: int
+    why: str    # start | interrupt | failure
+    error: str  # what broke, for "failure"
+
+
+class WorkerLink:
+    def __init__(self, path: str, *, uid: int, gid: int, slots: int,
+                 on_ready: Callable[[Ready], None]) -> None:
+        self.path = path
+        self._uid, self._gid, self._slots = uid, gid, slots
+        self._on_ready = on_ready
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._places: dict[int, tuple[int, dict[str, str]]] = {}
+        self._asked: dict[int, int] = {}  # slot -> the round it last asked to leave behind
+        self._connections = 0
+        self._server: asyncio.AbstractServer | None = None
+
+    async def open(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path,
+                                                       limit=_MAX_LINE)
+        os.chmod(self.path, 0o600)
+        if os.getuid() == 0:
+            os.chown(self.path, self._uid, self._gid)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in self._writers.values():
+                writer.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    # -- what the agent tells its workers --------------------------------------------------
+
+    def place(self, slot: int, round: int, env: dict[str, str]) -> None:
+        """``slot``'s place in ``round``; sent now if it is connected, else when it says hello."""
+        self._places[slot] = (round, env)
+        self._send(slot, {"op": "place", "round": round, "env": env})
+
+    def announce(self, round: int, added: bool) -> None:
+        self._broadcast({"op": "update", "round": round, "added": added})
+
+    def abort(self, round: int) -> None:
+        self._broadcast({"op": "abort", "round": round})
+
+    def asked(self, slot: int) -> int:
+        """The round that ``slot``'s worker last asked to leave behind (-1: it asked for its
+        first place; -2: it never asked)."""
+        return self._asked.get(slot, -2)
+
+    def forget(self, slot: int) -> None:
+        """A new worker takes ``slot``: what the old one asked or was told is void."""
+        self._asked.pop(slot, None)
+        self._places.pop(slot, None)
+        writer = self._writers.pop(slot, None)
+        if writer is not None:
+            writer.close()
+
+    def _broadcast(self, doc: dict[str, Any]) -> None:
+        for slot in list(self._writers):
+            self._send(slot, doc)
+
+    def _send(self, slot: int, doc: dict[str, Any]) -> None:
+        writer = self._writers.get(slot)
+        if writer is None:
+            return
+        if writer.transport.get_write_buffer_size() > _MAX_BUFFERED:
+            log.warning("worker in slot %d does not read its notices; closing its channel", slot)
+            self._writers.pop(slot, None)
+            writer.close()
+            return
+        writer.write(json.dumps(doc).encode() + b"\n")
+
+    # -- what workers tell the agent ---------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        slot = None
+        self._connections += 1
+        try:
+            if self._connections > 2 * self._slots + 4 or not self._trusted(writer):
+                return
+            while line := await reader.readline():
+                doc = json.loads(line)
+                if not isinstance(doc, dict):
+                    return
+                if doc.get("op") == "hello" and slot is None:
+                    slot = self._hello(doc.get("slot"), writer)
+                    if slot is None:
+                        return
+                elif doc.get("op") == "ready" and slot is not None:
+                    self._ready(slot, doc)
+                else:
+                    return
+        except (ValueError, asyncio.LimitOverrunError, ConnectionError, OSError) as exc:
+            log.debug("worker channel closed: %s", exc)
+        finally:
+            self._connections -= 1
+            if slot is not None and self._writers.get(slot) is writer:
+                del self._writers[slot]
+            writer.close()
+
+    def _trusted(self, writer: asyncio.StreamWriter) -> bool:
+        """The job's user (or root); the socket's mode says so too, this is belt and braces."""
+        sock = writer.get_extra_info("socket")
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        return uid in (self._uid, 0, os.getuid())
+
+    def _hello(self, slot: Any, writer: asyncio.StreamWriter) -> int | None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self._slots:
+            return None
+        old = self._writers.get(slot)
+        if old is not None:
+            old.close()
+        self._writers[slot] = writer
+        if slot in self._places:
+            round, env = self._places[slot]
+            self._send(slot, {"op": "place", "round": round, "env": env})
+        return slot
+
+    def _ready(self, slot: int, doc: dict[str, Any]) -> None:
+        after, why, error = doc.get("round"), doc.get("why"), doc.get("error", "")
+        if not isinstance(after, int) or why not in ("start", "interrupt", "failure") \
+                or not isinstance(error, str):
+            raise ValueError("malformed ready")
+        self._asked[slot] = max(self._asked.get(slot, -2), after)
+        self._on_ready(Ready(slot, after, why, error[:2000]))

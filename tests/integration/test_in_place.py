@@ -1,0 +1,230 @@
+"""In-place elasticity end to end: real daemons on 127.0.0.x, real workers running
+examples/elastic_train.py (gloo, DDP, TorchState), real elasticctl.
+
+What each test holds the product to: survivors keep their processes through a node loss, a
+node coming back and a worker failure; after every change all ranks hold equal parameters
+and train on from the committed batch (no checkpoint file exists); a survivor blocked in a
+collective on a frozen peer is freed by the daemon's notice, long before gloo's timeout; a
+survivor that never rejoins is stopped and the job falls back to a group restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import ROOT
+from store_attack import Cluster, wait_for
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = str(ROOT / "examples" / "elastic_train.py")
+
+
+def events(report: Path) -> list[dict[str, Any]]:
+    path = report / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def starts(report: Path, world: int, since: float = 0.0) -> dict[int, dict[str, Any]]:
+    """The newest ``start`` event of each pid in a world of ``world`` ranks after ``since``."""
+    found: dict[int, dict[str, Any]] = {}
+    for event in events(report):
+        if event["event"] == "start" and event["world"] == world and event["time"] >= since:
+            found[event["pid"]] = event
+    return found
+
+
+def formed(report: Path, world: int, since: float = 0.0) -> dict[int, dict[str, Any]] | None:
+    """``world`` ranks started in one round after ``since`` (by pid), else None."""
+    by_round: dict[int, dict[int, dict[str, Any]]] = {}
+    for pid, event in starts(report, world, since).items():
+        by_round.setdefault(event["round"], {})[pid] = event
+    full = [group for group in by_round.values() if len(group) == world]
+    return full[-1] if full else None
+
+
+def committed(report: Path, pids: set[int], after: float, batch_past: int) -> bool:
+    """Every one of ``pids`` committed a batch past ``batch_past`` since ``after``."""
+    seen = {e["pid"] for e in events(report)
+            if e["event"] == "commit" and e["time"] >= after and e["batch"] > batch_past}
+    return pids <= seen
+
+
+def assert_equal_state(group: dict[int, dict[str, Any]]) -> None:
+    """All ranks of a formed round start from the same batch and the same parameters."""
+    batches = {e["batch"] for e in group.values()}
+    sums = {e["checksum"] for e in group.values()}
+    assert len(batches) == 1 and len(sums) == 1, group
+
+
+def commits_agree(report: Path) -> None:
+    """At every (round, batch) every rank that committed holds the same parameters."""
+    seen: dict[tuple[int, int], set[float]] = {}
+    for e in events(report):
+        if e["event"] == "commit":
+            seen.setdefault((e["round"], e["batch"]), set()).add(e["checksum"])
+    assert seen and all(len(sums) == 1 for sums in seen.values()), \
+        {k: v for k, v in seen.items() if len(v) > 1}
+
+
+def submit(daemon: Any, report: Path, *extra: str, nnodes: str = "2:3",
+           restarts: int = 3, args: tuple[str, ...] = ()) -> str:
+    doc = daemon.submit("--in-place", "--nnodes", nnodes, "--nproc-per-node", "1",
+                        "--max-restarts", str(restarts), "--last-call-timeout", "1", *extra,
+                        EXAMPLE, "--", "--batches", "100000", "--commit-every", "5",
+                        "--step-time", "0.02", "--report", str(report), *args)
+    return doc["id"]
+
+
+@pytest.fixture
+def cluster(daemon_factory: Any, shared_tmp: Path) -> Cluster:
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="inplace")
+    for role in ("a", "b", "c"):
+        cluster.add(role)
+    return cluster.start()
+
+
+@pytest.fixture
+def report(shared_tmp: Path) -> Path:
+    path = shared_tmp / "report"
+    path.mkdir(mode=0o777)
+    return path
+
+
+def test_survivors_keep_their_processes_through_node_loss_and_return(cluster: Cluster, report: Path) -> None:
+    a, b, c = cluster
+    job = submit(a, report)
+    three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
+    assert_equal_state(three)
+    since = time.time()
+    wait_for(lambda: committed(report, set(three), since, 0), 60, "every rank committed")
+    survivors = {pid for pid, e in three.items() if e["rank"] in (0, 1)}  # a and b, oldest first
+    lost = (set(three) - survivors).pop()
+
+    killed_at = time.time()
+    c.signal(signal.SIGKILL)  # the node dies: its daemon, and with it its worker
+    c.wait_exit(30)
+    two = wait_for(lambda: formed(report, 2, killed_at), 60, "the survivors re-formed as 2")
+    assert set(two) == survivors, "the survivors kept their processes"
+    assert_equal_state(two)
+    resumed = next(iter(two.values()))["batch"]
+    last_commit = max(e["batch"] for e in events(report)
+                      if e["event"] == "commit" and e["time"] < killed_at and e["rank"] == 0)
+    assert resumed >= last_commit and resumed % 5 == 0, (resumed, last_commit)
+    wait_for(lambda: committed(report, survivors, killed_at, resumed), 60, "training went on")
+
+    back_at = time.time()
+    c.start()
+    three_again = wait_for(lambda: formed(report, 3, back_at), 120, "the job grew back to 3")
+    assert survivors < set(three_again) and lost not in three_again
+    assert_equal_state(three_again)
+    assert next(iter(three_again.values()))["batch"] > resumed
+    wait_for(lambda: committed(report, set(three_again), back_at, 0), 60, "3 ranks train on")
+    commits_agree(report)
+    assert not list(report.glob("*.pt")), "no checkpoint file was ever written or read"
+    a.ctl("cancel", job)
+
+
+def test_a_rank_that_raises_mid_step_makes_every_rank_restore_the_last_commit(
+        cluster: Cluster, report: Path) -> None:
+    a, b, c = cluster
+    job = submit(a, report, nnodes="3", args=("--fail-at-batch", "23", "--fail-rank", "1"))
+    three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
+    survivors = {pid for pid, e in three.items() if e["rank"] != 1}
+    wait_for(lambda: (report / "failed-once").exists(), 60, "rank 1 raised")
+    failed_at = os.stat(report / "failed-once").st_mtime
+    again = wait_for(lambda: formed(report, 3, failed_at), 120, "3 ranks again")
+    assert survivors < set(again), "the ranks that did not fail kept their processes"
+    assert_equal_state(again)
+    assert next(iter(again.values()))["batch"] == 20, "every rank went back to the commit at 20"
+    doc = a.ctl("status", job)
+    assert doc["restarts"] == 1
+    a.ctl("cancel", job)
+
+
+def test_a_survivor_blocked_on_a_frozen_peer_is_freed_by_the_daemon(cluster: Cluster, report: Path) -> None:
+    """Node c freezes (SIGSTOP: its daemon and worker hold their sockets open and answer
+    nothing, as a host that hangs or drops off the network): a and b sit in all_reduce.
+    gloo would wait for its 30-minute timeout; the daemons see c's heartbeat stop and tell
+    their workers, which abort the group and re-form without c."""
+    a, b, c = cluster
+    submit(a, report)
+    three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
+    since = time.time()
+    wait_for(lambda: committed(report, set(three), since, 0), 60, "every rank committed")
+    frozen = [pid for pid, e in three.items() if e["rank"] == 2]
+    frozen_at = time.time()
+    for pid in [c.proc.pid, *frozen]:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        two = wait_for(lambda: formed(report, 2, frozen_at), 30, "a and b re-formed without c")
+        took = min(e["time"] for e in two.values()) - frozen_at
+        assert took < 15, f"freed after {took:.1f} s"
+        assert set(two) <= set(three)
+    finally:
+        for pid in [c.proc.pid, *frozen]:
+            os.kill(pid, signal.SIGCONT)
+
+
+STUBBORN = """
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
+from elasticd import elastic
+report = sys.argv[1]
+elastic.init("gloo")
+state = elastic.ObjectState(batch=0)
+
+def note(event):
+    with open(os.path.join(report, "events.jsonl"), "a") as f:
+        f.write(json.dumps({"event": event, "pid": os.getpid(), "rank": dist.get_rank(),
+                            "world": dist.get_world_size(), "round": int(os.environ["ELASTICD_ROUND"]),
+                            "time": time.time()}) + "\\n")
+
+@elastic.run
+def train(state):
+    note("start")
+    while True:
+        if dist.get_rank() == 1 and os.path.exists(os.path.join(report, "freeze")):
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+            note("frozen")
+            while True:  # never calls into the group again, never asks for its place
+                time.sleep(1)
+        dist.all_reduce(torch.ones(1))
+        state.batch += 1
+        state.commit()
+        time.sleep(0.02)
+
+train(state)
+"""
+
+
+def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_worker(
+        cluster: Cluster, report: Path, shared_tmp: Path) -> None:
+    a, b, c = cluster
+    script = shared_tmp / "stubborn.py"
+    script.write_text(STUBBORN)
+    job = a.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",
+                   "--rejoin-timeout", "3", "--last-call-timeout", "1", str(script), "--",
+                   str(report))["id"]
+    first = wait_for(lambda: formed(report, 3), 120, "3 ranks")
+    (report / "freeze").touch()
+    wait_for(lambda: [e for e in events(report) if e["event"] == "frozen"], 30, "rank 1 froze")
+    (report / "freeze").unlink()
+    changed_at = time.time()
+    c.signal(signal.SIGKILL)  # a change: a and b are told to abort and take their new places
+    # b's worker never asks for its place: after 3 s b stops it, and every worker restarts
+    fresh = wait_for(lambda: formed(report, 2, changed_at), 90, "2 fresh ranks")
+    assert not set(fresh) & set(first), "every worker was restarted, none kept"
+    status = a.ctl("status", job)
+    assert status["restarts"] == 1, "the fallback spends one restart"
+    assert "did not rejoin" in b.log_text() or "stalled" in b.log_text()
+    a.ctl("cancel", job)
