@@ -101,7 +101,7 @@ class WorkerLink:
         if writer.transport.get_write_buffer_size() > _MAX_BUFFERED:
             log.warning("worker in slot %d does not read its notices; closing its channel", slot)
             self._writers.pop(slot, None)
-            writer.close()
+            writer.transport.abort()  # close() would wait for the worker to read what is queued
             return
         writer.write(json.dumps(doc).encode() + b"\n")
 
@@ -125,7 +125,8 @@ class WorkerLink:
                     self._ready(slot, doc)
                 else:
                     return
-        except (ValueError, asyncio.LimitOverrunError, ConnectionError, OSError) as exc:
+        except (ValueError, RecursionError, asyncio.LimitOverrunError, ConnectionError,
+                OSError) as exc:  # RecursionError: JSON nested too deep
             log.debug("worker channel closed: %s", exc)
         finally:
             self._connections -= 1
@@ -154,7 +155,7 @@ class WorkerLink:
 
     def _ready(self, slot: int, doc: dict[str, Any]) -> None:
         after, why, error = doc.get("round"), doc.get("why"), doc.get("error", "")
-        if not isinstance(after, int) or why not in ("start", "interrupt", "failure") \
+        if not isinstance(after, int) or isinstance(after, bool) or why not in ("start", "interrupt", "failure") \
                 or not isinstance(error, str):
             raise ValueError("malformed ready")
         self._asked[slot] = max(self._asked.get(slot, -2), after)
