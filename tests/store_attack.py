@@ -36,17 +36,19 @@ class Cluster:
         create_key(str(self.key))
         self.daemons: list[Daemon] = []
 
-    def add(self, role: str, *, allow_root: bool = True, firewall: bool | str | None = None) -> Daemon:
+    def add(self, role: str, *, allow_root: bool = True, firewall: bool | str | None = None,
+            config: str = "") -> Daemon:
+        """A node named ``<role>-<tag>``; ``config``: more TOML (other sections than these)."""
         index = len(self.daemons) + 1
         node = f"{role}-{self.tag}"
-        config = self.base / f"{self.name}-{node}.toml"
+        path = self.base / f"{self.name}-{node}.toml"
         fw = json.dumps(self.firewall if firewall is None else firewall)  # "auto", true, false: as in TOML
-        config.write_text(f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
-                          f"[node]\npeer_port = {free_port()}\n[store]\nfirewall = {fw}\n")
+        path.write_text(f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
+                        f"[node]\npeer_port = {free_port()}\n[store]\nfirewall = {fw}\n{config}")
         args = ("--cluster", self.name, "--store", f"127.0.0.1:{self.port}",
                 "--node-address", f"127.0.0.{index}", "--cluster-key", str(self.key),
                 "--slots", "2", "--store-host" if index == 1 else "--no-store-host",
-                "--config", str(config))
+                "--config", str(path))
         daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
         self.daemons.append(daemon)
         return daemon

@@ -12,6 +12,7 @@ renderers on the whole line) and control characters show as visible escapes.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -284,11 +285,24 @@ def workers_table(workers: Iterable[Doc]) -> str:
 
 def nodes_table(nodes: Iterable[Doc], now: float) -> str:
     headers = ("NAME", "ADDRESS", "STATE", "SLOTS", "GPUS", "JOBS", "LAST SEEN")
-    return table(headers, ([n.get("name"), n.get("address"), n.get("state"),
+    return table(headers, ([n.get("name"), n.get("address"), node_state(n, now),
                             fraction(n.get("slots_free"), n.get("slots_total")),
                             fraction(n.get("gpus_free"), n.get("gpus_total")),
                             ",".join(n.get("jobs") or []) or None,
                             ago(n.get("last_seen"), now)] for n in nodes))
+
+
+def node_state(node: Doc, now: float) -> str | None:
+    """'up'; 'blacklisted (42s left)' (by the node's clock, so roughly); 'drained (not
+    listed)' for a node that the discovery script does not list."""
+    state = node.get("state")
+    until = node.get("blacklisted_until")
+    if state == "blacklisted" and isinstance(until, (int, float)) and not isinstance(until, bool) \
+            and math.isfinite(until):
+        return f"{state} ({duration(until - now)} left)"
+    if state in ("draining", "drained") and node.get("listed") is False:
+        return f"{state} (not listed)"
+    return state
 
 
 def node_changed_line(node: Doc | None, name: str, op: str) -> str:

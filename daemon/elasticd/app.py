@@ -34,10 +34,13 @@ from . import worker_library
 from .agent import AgentFactory
 from .aio import race
 from .board import BoardFollower, JobBoard
+from .blacklist import Blacklist
 from .cgroups import JobCgroups
-from .cluster import NodeDuties, NodeRecord, NodeRegistry, NodeService, discover_gpus, slot_count
+from .cluster import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
+                      NodeService, discover_gpus, slot_count)
 from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
+from .discovery import EVERYONE, Listing
 from .paths import is_own_dir
 from .control.server import ControlServer, Limits, RouterServer, Zap
 from .endpoint import join_endpoint, split_endpoint
@@ -166,6 +169,8 @@ class Daemon:
         then close them in reverse."""
         config = self.config
         self._make_dirs()
+        discovery = self._host_discovery()
+        listing = await self._discover_first(discovery)
         signer = Signer(self._cluster_key(), config.cluster.name)
         async with contextlib.AsyncExitStack() as closing:
             store = await self._open_store(closing)
@@ -196,6 +201,8 @@ class Daemon:
                 node=self.node, resources=Resources(slot_count(config, gpus), gpus), board=board,
                 follower=BoardFollower(board, registry, self.node, on_store=self._board_store),
                 registry=registry, standalone=config.standalone, allow_root=config.jobs.allow_root,
+                blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None,
+                on_blacklist=self.metrics.blacklisted,
                 agents=AgentFactory(
                     node=self.node, address=self._address, store=store, signer=signer,
                     keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
@@ -205,6 +212,7 @@ class Daemon:
                     runtime_dir=config.paths.runtime_dir,
                     worker_library=worker_library.install(config.paths.runtime_dir)))
             self.metrics.job_usage.source = service.usage
+            self._listed(service, listing)
             commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                                 cluster=nodes, peers=peers)
             zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
@@ -235,6 +243,9 @@ class Daemon:
                 background = [tasks.create_task(coro) for coro in (
                     zap.serve(), control.serve(), peer_server.serve(), self._watchdog(),
                     nodes.run(self.stop, duties))]
+                if discovery is not None:
+                    background.append(tasks.create_task(discovery.run(
+                        self.stop, functools.partial(self._listed, service))))
                 self._jobs_changed(registry)
                 if await self._registered(nodes):
                     self.notify.send("READY=1")
@@ -321,7 +332,37 @@ class Daemon:
         info = NodeInfo(self.node, self._address, service.resources.slots, service.resources.gpus,
                         dict(self.config.node.labels), __version__, service.draining, self._started)
         return NodeRecord(info, service.draining, used.slots, len(used.gpus),
-                          tuple(service.local_jobs()), *self._peer)
+                          tuple(service.local_jobs()), *self._peer,
+                          blacklisted_until=service.blacklisted_until, listed=service.listed)
+
+    def _host_discovery(self) -> HostDiscovery | None:
+        """The discovery script's runner (None: no script); it matches this node by its name
+        or its address."""
+        settings = self.config.discovery
+        if not settings.script:
+            return None
+        return HostDiscovery(settings.script, interval=settings.interval, timeout=settings.timeout,
+                             names=(self.node, self._address),
+                             on_failure=lambda why: self.metrics.discovery_failures.inc())
+
+    async def _discover_first(self, discovery: HostDiscovery | None) -> Listing:
+        """The first run of the discovery script, before this node joins: one that fails
+        stops start-up."""
+        if discovery is None:
+            return EVERYONE
+        try:
+            listing = await discovery.first()
+        except DiscoveryFailed as exc:
+            self.metrics.discovery_failures.inc()
+            raise ConfigError("discovery.script", f"the first run failed: {exc}") from None
+        log.info("host discovery: node %s is %s", self.node,
+                 "not listed (it takes no job)" if not listing.listed else
+                 f"listed with {listing.slots} slots" if listing.slots else "listed")
+        return listing
+
+    def _listed(self, service: JobService, listing: Listing) -> None:
+        self.metrics.node_listed.set(1 if listing.listed else 0)
+        service.set_listed(listing)
 
     def _update_status(self, registry: JobRegistry) -> None:
         line = status_line(registry.jobs(), self.node)

@@ -8,11 +8,13 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
+from . import discovery
 from .aio import race
 from .config import AUTO, DaemonConfig
 from .errors import NotFound, StoreError
@@ -70,7 +72,12 @@ def _registered_name(body: Any) -> str:
 
 @dataclass(frozen=True)
 class NodeRecord:
-    """What a node publishes about itself (signed), rewritten when it changes."""
+    """What a node publishes about itself (signed), rewritten when it changes.
+
+    ``draining``: it takes no new job, for any reason (drained by an operator, not listed by
+    the discovery script, blacklisted); ``blacklisted_until``: when its cooldown ends, by its
+    own wall clock (0: not blacklisted; for display only, no other node acts on it);
+    ``listed``: whether the discovery script lists it (True when there is none)."""
 
     info: NodeInfo
     draining: bool = False
@@ -79,19 +86,23 @@ class NodeRecord:
     jobs: tuple[str, ...] = ()
     peer_endpoint: str = ""
     peer_key: str = ""
+    blacklisted_until: float = 0.0
+    listed: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"info": self.info.to_json(), "draining": self.draining,
                 "slots_used": self.slots_used, "gpus_used": self.gpus_used,
                 "jobs": list(self.jobs), "peer_endpoint": self.peer_endpoint,
-                "peer_key": self.peer_key}
+                "peer_key": self.peer_key, "blacklisted_until": self.blacklisted_until,
+                "listed": self.listed}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> NodeRecord:
         return cls(NodeInfo.from_json(doc["info"]), bool(doc.get("draining")),
                    int(doc.get("slots_used", 0)), int(doc.get("gpus_used", 0)),
                    tuple(doc.get("jobs", ())), str(doc.get("peer_endpoint", "")),
-                   str(doc.get("peer_key", "")))
+                   str(doc.get("peer_key", "")), float(doc.get("blacklisted_until", 0.0)),
+                   bool(doc.get("listed", True)))
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,8 @@ def node_state(sighting: Sighting, now: float, keep_alive: KeepAlive) -> NodeSta
     """Lost by the same rule as in every rendezvous; else what the node's record says."""
     if silent(sighting.beat, keep_alive, now):
         return NodeState.LOST
+    if sighting.record.blacklisted_until:
+        return NodeState.BLACKLISTED
     if sighting.record.draining:
         return NodeState.DRAINING if sighting.record.jobs else NodeState.DRAINED
     return NodeState.UP
@@ -125,7 +138,8 @@ def node_doc(sighting: Sighting, state: NodeState) -> dict[str, Any]:
             "slots_total": record.info.slots, "slots_free": record.info.slots - record.slots_used,
             "gpus_total": len(record.info.gpus), "gpus_free": len(record.info.gpus) - record.gpus_used,
             "jobs": list(record.jobs), "last_seen": sighting.moved_wall,
-            "version": record.info.version, "labels": dict(record.info.labels)}
+            "version": record.info.version, "labels": dict(record.info.labels),
+            "blacklisted_until": record.blacklisted_until or None, "listed": record.listed}
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,7 @@ class Tick:
     sightings: dict[str, Sighting]
     drain: bool | None          # a drain request for this node, if any
     epoch: str                  # the store's epoch (changes when the store host restarts)
+    drain_version: int = 0      # the drain request's version (each request has a new one)
 
 
 class NodeRegistry:
@@ -214,7 +229,8 @@ class NodeRegistry:
             count = self._beat_count(name, beat_raw)
             if parsed is not None and count is not None:
                 self._sightings[name] = sight(self._sightings.get(name), parsed, count, now, wall)
-        return Tick(dict(self._sightings), self._open_drain(values[-1]), epoch)
+        drain, drain_version = self._open_drain(values[-1])
+        return Tick(dict(self._sightings), drain, epoch, drain_version)
 
     async def _publish(self, record: NodeRecord, *, register: bool) -> None:
         key = self._key(f"{self.name}/record")
@@ -244,9 +260,17 @@ class NodeRegistry:
             return None
         return record
 
-    def _open_drain(self, raw: bytes | None) -> bool | None:
-        return open_or_refuse(self._signer, self._key(f"{self.name}/drain"), raw,
-                              lambda body: bool(body["drain"]), self._on_refused, self._fresh)
+    def _open_drain(self, raw: bytes | None) -> tuple[bool | None, int]:
+        """The drain request for this node and its version; (None, 0) if there is none."""
+        key = self._key(f"{self.name}/drain")
+        opened = open_version(self._signer, key, raw, self._on_refused, self._fresh)
+        if opened is None:
+            return None, 0
+        try:
+            return bool(opened.body["drain"]), opened.version
+        except (KeyError, TypeError) as exc:
+            self._on_refused(key, f"unreadable: {exc}")
+        return None, 0
 
     async def read_record(self, name: str) -> NodeRecord | None:
         """One node's record straight from the store (for a node not seen by a tick yet)."""
@@ -271,7 +295,7 @@ class NodeDuties:
     """What the heartbeat loop reads from its daemon and tells it, every duty."""
 
     local_record: Callable[[], NodeRecord]            # this node's record as of now
-    on_drain: Callable[[bool], None]                  # a drain (or undrain) was requested
+    on_drain: Callable[[bool], None]                  # a drain (or undrain) was requested (each request once)
     on_reset: Callable[[], Awaitable[None]]           # the store lost its data: publish again
     on_store: Callable[[bool, str], None] = lambda ok, problem: None  # the store (un)reachable
     on_tick: Callable[[], None] = lambda: None        # a duty ended
@@ -289,7 +313,7 @@ class NodeService:
         self._sightings: dict[str, Sighting] = {}
         self._states: dict[str, NodeState] = {}
         self._epoch: str | None = None
-        self._drain: bool | None = None
+        self._drain: tuple[bool, int] | None = None  # the last drain request: (drain, version)
         self._store_up = True
         self._ticked = asyncio.Condition()  # notified when a duty ends
         self._begun = 0      # duties begun
@@ -330,8 +354,10 @@ class NodeService:
         self._sightings = tick.sightings
         self._follow_states()
         self._duties.on_tick()
-        if tick.drain is not None and tick.drain != self._drain:
-            self._drain = tick.drain
+        # every new request counts, the same twice too: an undrain also lifts a blacklisting
+        # that began after the previous undrain
+        if tick.drain is not None and (tick.drain, tick.drain_version) != self._drain:
+            self._drain = (tick.drain, tick.drain_version)
             self._duties.on_drain(tick.drain)
         if self._epoch is not None and tick.epoch != self._epoch:
             log.warning("the store was reset (its host restarted): publishing this node's jobs again")
@@ -420,3 +446,128 @@ class NodeService:
 def _without_times(nodes: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Node docs minus their ever-changing 'last seen' (for change detection)."""
     return None if nodes is None else [{k: v for k, v in n.items() if k != "last_seen"} for n in nodes]
+
+
+# -- host discovery: the script that says which nodes may take work ------------------------------
+
+class DiscoveryFailed(Exception):
+    """A run of the discovery script failed (the message says why)."""
+
+
+_STDERR_TAIL = 512  # bytes of a failed script's stderr that its error message quotes
+
+
+async def run_discovery_script(script: str, timeout: float, limit: int = discovery.MAX_OUTPUT) -> str:
+    """What ``script`` printed (no shell, no arguments, stdin closed, in its own session);
+    DiscoveryFailed if it cannot be run, exits non-zero, takes longer than ``timeout`` or
+    prints more than ``limit`` bytes (its process group is killed then) or no UTF-8."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            script, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
+    except OSError as exc:
+        raise DiscoveryFailed(f"cannot run {script}: {exc.strerror or exc}") from None
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        async with asyncio.timeout(timeout):
+            out, err, _ = await asyncio.gather(_read_capped(proc, proc.stdout, limit),
+                                               _read_capped(proc, proc.stderr, None), proc.wait())
+    except TimeoutError:
+        raise DiscoveryFailed(f"{script} did not finish within {timeout:g} s") from None
+    finally:
+        _kill_group(proc)
+        await proc.wait()
+    if out is None:
+        raise DiscoveryFailed(f"{script} printed more than {limit} bytes")
+    if proc.returncode != 0:
+        why = f"exit status {proc.returncode}" if proc.returncode > 0 else \
+            f"killed by signal {-proc.returncode}"
+        last = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
+        raise DiscoveryFailed(f"{script} failed ({why})" + (f": {last[0]!r}" if last else ""))
+    try:
+        return out.decode()
+    except UnicodeDecodeError:
+        raise DiscoveryFailed(f"{script} printed something that is not UTF-8") from None
+
+
+async def _read_capped(proc: asyncio.subprocess.Process, stream: asyncio.StreamReader,
+                       limit: int | None) -> bytes | None:
+    """Everything until EOF.  More than ``limit`` bytes: None, and the script's process group
+    is killed (the rest is read and dropped).  ``limit`` None: only the last _STDERR_TAIL
+    bytes are kept (for an error message)."""
+    data: bytes | None = b""
+    while chunk := await stream.read(65536):
+        if data is None:
+            continue
+        data += chunk
+        if limit is None:
+            data = data[-_STDERR_TAIL:]
+        elif len(data) > limit:
+            data = None
+            _kill_group(proc)
+    return data
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL to the script's process group, while its leader is not reaped (so that the
+    group id cannot belong to anybody else)."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class HostDiscovery:
+    """Runs the discovery script once per interval (a timer after each run ends) and tells
+    this node whether it is listed, each time that changes.  A failed run is reported to
+    ``on_failure`` and changes nothing: the last good list stays in force.  The first run is
+    the caller's (``first``), at start-up, where a failure stops the daemon."""
+
+    def __init__(self, script: str, *, interval: float, timeout: float, names: tuple[str, ...],
+                 on_failure: Callable[[str], None] = lambda why: None) -> None:
+        self.script = script
+        self._interval = interval
+        self._timeout = timeout
+        self._names = names
+        self._on_failure = on_failure
+        self._listing: discovery.Listing | None = None
+        self._failing = ""  # why the runs fail, while they do (logged when it changes)
+
+    async def discover(self) -> discovery.Listing:
+        """One run: this node's listing; DiscoveryFailed if the run failed."""
+        output = await run_discovery_script(self.script, self._timeout)
+        try:
+            hosts = discovery.parse_hosts(output)
+        except ValueError as exc:
+            raise DiscoveryFailed(f"{self.script} printed {exc}") from None
+        return discovery.listing(hosts, self._names)
+
+    async def first(self) -> discovery.Listing:
+        """The run at start-up (DiscoveryFailed passes to the caller)."""
+        self._listing = await self.discover()
+        return self._listing
+
+    async def run(self, stop: asyncio.Event, on_listing: Callable[[discovery.Listing], None]) -> None:
+        """Until ``stop``: a run per interval; ``on_listing`` when this node's listing changed."""
+        while not stop.is_set():
+            try:
+                async with asyncio.timeout(self._interval):
+                    await stop.wait()
+                return
+            except TimeoutError:
+                pass
+            try:
+                listing = await self.discover()
+            except DiscoveryFailed as exc:
+                if str(exc) != self._failing:
+                    log.warning("host discovery failed, the last list stays in force: %s", exc)
+                self._failing = str(exc)
+                self._on_failure(str(exc))
+                continue
+            if self._failing:
+                log.info("host discovery works again")
+                self._failing = ""
+            if listing != self._listing:
+                self._listing = listing
+                on_listing(listing)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import paths
+from .blacklist import BlacklistPolicy
 from .endpoint import split_endpoint
 from .errors import ConfigError
 from .liveness import KeepAlive
@@ -54,6 +55,17 @@ def _cgroup_setting(value: str) -> str | None:
     if value in (AUTO, "off") or (value.startswith("/") and ".." not in value.split("/")):
         return None
     return f"must be '{AUTO}', 'off' or an absolute cgroup path such as /elasticd"
+
+
+def _script(value: str) -> str | None:
+    return None if value == "" or value.startswith("/") else \
+        "must be empty (no discovery) or the absolute path of an executable"
+
+
+def _cooldown_range(value: list[float]) -> str | None:
+    if len(value) == 2 and 0 < value[0] <= value[1]:
+        return None
+    return "must be [MIN, MAX] seconds with 0 < MIN <= MAX"
 
 
 def _log_level(value: str) -> str | None:
@@ -139,6 +151,24 @@ class RendezvousConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    script: str = key("", _script, doc="an executable that prints the nodes that may take work, one host[:slots] a line (a node not listed is drained); empty: no discovery")
+    interval: float = key(1.0, _positive, doc="seconds between runs of the discovery script")
+    timeout: float = key(10.0, _positive, doc="seconds one run of the discovery script may take")
+
+
+@dataclass(frozen=True)
+class BlacklistConfig:
+    failures: int = key(BlacklistPolicy.failures, _not_negative, doc="worker failures on this node within the window that blacklist it; 0: no blacklist")
+    window: float = key(BlacklistPolicy.window, _positive, doc="seconds within which those failures count")
+    cooldown_range: list[float] = key([BlacklistPolicy.cooldown_min, BlacklistPolicy.cooldown_max], _cooldown_range, doc="[min, max] seconds a blacklisted node takes no work: min, doubled each time in a row, with jitter")
+
+    @property
+    def policy(self) -> BlacklistPolicy:
+        return BlacklistPolicy(self.failures, self.window, *self.cooldown_range)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
 
@@ -153,6 +183,8 @@ class DaemonConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    blacklist: BlacklistConfig = field(default_factory=BlacklistConfig)
     log: LogConfig = field(default_factory=LogConfig)
     standalone: bool = False
 
@@ -232,6 +264,10 @@ def _coerce(dotted: str, hint: Any, value: Any) -> Any:
     """Type-check one value against its annotation; ints are accepted where floats are."""
     if hint is float and _is(value, int):
         return float(value)
+    if hint == list[float]:
+        if not (isinstance(value, list) and all(_is(v, int) or _is(v, float) for v in value)):
+            raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
+        return [float(v) for v in value]
     if hint == dict[str, str]:
         ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
                                              for k, v in value.items())
@@ -251,7 +287,7 @@ def _is(value: Any, kind: type) -> bool:
 _TYPE_WORDS: dict[Any, str] = {
     int: "an integer", float: "a number", str: "a string", bool: "true or false",
     dict[str, str]: "a table of strings", int | str: f"an integer or '{AUTO}'",
-    bool | str: f"true, false or '{AUTO}'",
+    bool | str: f"true, false or '{AUTO}'", list[float]: "a list of numbers",
 }
 
 

@@ -79,6 +79,20 @@ class Metrics:
         self.store_errors = Counter("elasticd_store_errors_total", "Failed store operations",
                                     ["op"], registry=reg)
         self.nodes = Gauge("elasticd_nodes", "Nodes of the cluster, by state", ["state"], registry=reg)
+        self.node_blacklisted = Gauge(
+            "elasticd_node_blacklisted",
+            "1 while this node is blacklisted (its workers kept failing: it takes no new job)",
+            registry=reg)
+        self.node_blacklistings = Counter(
+            "elasticd_node_blacklistings_total", "Times this node was blacklisted", registry=reg)
+        self.node_listed = Gauge(
+            "elasticd_node_listed",
+            "1 while the discovery script lists this node (always 1 without a script)", registry=reg)
+        self.node_listed.set(1)
+        self.discovery_failures = Counter(
+            "elasticd_discovery_failures_total",
+            "Runs of the discovery script that failed (the last good list stayed in force)",
+            registry=reg)
         self.rounds = Counter("elasticd_rendezvous_rounds_total",
                               "Rendezvous rounds this node joined, by why the round opened",
                               ["reason"], registry=reg)
@@ -141,6 +155,12 @@ class Metrics:
         self.state_write_errors.labels(what).inc()
         if any(reason in why for reason in _NO_SPACE):
             self.disk.out_of_space()
+
+    def blacklisted(self, on: bool) -> None:
+        """This node was blacklisted (on) or readmitted."""
+        self.node_blacklisted.set(1 if on else 0)
+        if on:
+            self.node_blacklistings.inc()
 
     def count_nodes(self, states: Iterable[NodeState | str]) -> None:
         tally = Tally(NodeState(state) for state in states)

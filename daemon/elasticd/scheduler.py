@@ -9,15 +9,19 @@ board.  Following the board is the BoardFollower's, building agents the AgentFac
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import pwd
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from .agent import AgentFactory, JobAgent
+from .blacklist import Blacklist, worker_failures
 from .board import BoardFollower, JobBoard
+from .discovery import Listing
 from .errors import Conflict, StoreError
 from .jobs import JobRegistry
 from .records import JobRecord, Outcome, Part, started
@@ -38,12 +42,25 @@ class _Running:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+class Hold(enum.StrEnum):
+    """Why this node takes no new job and leaves its jobs (any one of them is enough)."""
+
+    DRAINED = "drained by an operator"
+    UNLISTED = "not listed by the discovery script"
+    BLACKLISTED = "blacklisted"
+
+
 class JobService:
     def __init__(self, *, node: str, resources: Resources, board: JobBoard,
                  follower: BoardFollower, registry: JobRegistry, agents: AgentFactory,
-                 standalone: bool = False, allow_root: bool = False) -> None:
+                 standalone: bool = False, allow_root: bool = False,
+                 blacklist: Blacklist | None = None,
+                 on_blacklist: Callable[[bool], None] = lambda blacklisted: None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.node = node
         self.resources = resources
+        self._configured = resources  # what the config gives (discovery may say other slots)
         self._board = board
         self._follower = follower
         self._registry = registry
@@ -58,7 +75,14 @@ class JobService:
         self._publish = asyncio.Event()
         self._placing = False
         self._stopping = False
-        self.draining = False
+        self._holds: set[Hold] = set()
+        self.listed = True
+        self._blacklist = blacklist
+        self._on_blacklist = on_blacklist
+        self._cooldown: asyncio.TimerHandle | None = None
+        self.blacklisted_until = 0.0  # wall clock, for display (0: not blacklisted)
+        self._clock = clock
+        self._wall = wall_clock
         self._tasks: asyncio.TaskGroup | None = None
         registry.subscribe(self._on_change)
 
@@ -73,6 +97,8 @@ class JobService:
             publishing = tasks.create_task(self._publish_parts())
             self._schedule_placement()
             await stop.wait()
+            if self._cooldown is not None:
+                self._cooldown.cancel()
             following.cancel()  # it may be waiting on a store that does not answer
             await self._shutdown()
             await self._flush_parts()
@@ -142,6 +168,7 @@ class JobService:
     # -- AgentPorts ---------------------------------------------------------------------------
 
     def report(self, job_id: str, part: Part) -> None:
+        self._count_failures(job_id, part)
         if self._registry.set_part(job_id, part, own=True) is not None:
             self._unpublished[job_id] = part  # a newer part replaces one not published yet
             self._publish.set()
@@ -254,16 +281,83 @@ class JobService:
         running = self._running.get(job_id)
         return running.agent.usage() if running is not None else None
 
+    @property
+    def draining(self) -> bool:
+        """Whether this node takes no new job and leaves its jobs, for any reason."""
+        return bool(self._holds)
+
     def set_draining(self, draining: bool) -> None:
+        """An operator's drain, or undrain: undrain also lifts a blacklisting (not what the
+        discovery script says)."""
+        if not draining and self._blacklist is not None and self._blacklist.lift():
+            log.info("node %s: blacklisting lifted by an operator", self.node)
+            self._readmit()
+        self._hold(Hold.DRAINED, draining)
+
+    def set_listed(self, listing: Listing) -> None:
+        """What the discovery script says of this node: not listed, it is drained; listed
+        with slots, it has that many."""
+        self.listed = listing.listed
+        slots = listing.slots if listing.listed and listing.slots else self._configured.slots
+        if slots != self.resources.slots:
+            log.info("node %s: %d slots (%s)", self.node, slots,
+                     "from the discovery script" if slots != self._configured.slots else "configured")
+            self.resources = replace(self._configured, slots=slots)
+        self._hold(Hold.UNLISTED, not listing.listed)
+        self._schedule_placement()
+
+    def _hold(self, why: Hold, on: bool) -> None:
         """A draining node takes no new job and leaves its jobs through a clean new round."""
-        if draining == self.draining:
+        if (why in self._holds) == on:
             return
-        self.draining = draining
-        log.info("node %s %s", self.node, "draining" if draining else "takes jobs again")
-        if draining:
+        was = self.draining
+        (self._holds.add if on else self._holds.discard)(why)
+        if on:
+            log.info("node %s: %s%s", self.node, why.value,
+                     ": it takes no new job" + (" and leaves its jobs" if self._running else "")
+                     if not was else "")
+        elif not self.draining:
+            log.info("node %s takes jobs again", self.node)
+        if self.draining and not was:
             for running in self._running.values():
                 running.agent.leave(Reason.DRAIN)
         self._schedule_placement()
+
+    # -- the blacklist: this node's own worker failures ------------------------------------------
+
+    def _count_failures(self, job_id: str, part: Part) -> None:
+        if self._blacklist is None or part.node != self.node:
+            return
+        for key in worker_failures(job_id, part):
+            now = self._clock()
+            until = self._blacklist.failed(key, now)
+            if until is not None:
+                self.blacklisted_until = self._wall() + (until - now)
+                log.warning("node %s blacklisted for %.0f s: %d worker failures within %g s "
+                            "(%d in a row)", self.node, until - now, self._blacklist.policy.failures,
+                            self._blacklist.policy.window, self._blacklist.strikes)
+                self._on_blacklist(True)
+                self._hold(Hold.BLACKLISTED, True)
+                self._cooldown = asyncio.get_running_loop().call_later(until - now, self._cooldown_over)
+
+    def _cooldown_over(self) -> None:
+        """The timer of the cooldown's end (it goes again if it fired a moment early)."""
+        assert self._blacklist is not None and self._blacklist.until is not None
+        now = self._clock()
+        if not self._blacklist.expire(now):
+            self._cooldown = asyncio.get_running_loop().call_later(
+                self._blacklist.until - now, self._cooldown_over)
+            return
+        log.info("node %s: its blacklisting cooldown is over", self.node)
+        self._readmit()
+
+    def _readmit(self) -> None:
+        if self._cooldown is not None:
+            self._cooldown.cancel()
+            self._cooldown = None
+        self.blacklisted_until = 0.0
+        self._on_blacklist(False)
+        self._hold(Hold.BLACKLISTED, False)
 
     async def store_reset(self) -> None:
         """The store lost its data (its host restarted): publish again what this node knows

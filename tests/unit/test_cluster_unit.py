@@ -95,3 +95,64 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     asyncio.run(scenario())
     assert resets == ["tried", "tried"]
     assert False in store_states and store_states[-1] is True
+
+
+def test_a_blacklisted_node_says_so_whatever_else_it_is():
+    blacklisted = NodeRecord(INFO, True, 0, 0, (), "", "", blacklisted_until=1e9)
+    seen = Sighting(blacklisted, Beat(7, 9.0, 3), 100.0)
+    assert node_state(seen, now=10.0, keep_alive=KEEP_ALIVE) == "blacklisted"
+    assert node_state(seen, now=20.0, keep_alive=KEEP_ALIVE) == "lost"  # lost comes first
+    assert NodeRecord.from_json(blacklisted.to_json()) == blacklisted
+    doc = node_doc(seen, NodeState.BLACKLISTED)
+    assert (doc["state"], doc["blacklisted_until"], doc["listed"]) == ("blacklisted", 1e9, True)
+    unlisted = Sighting(NodeRecord(INFO, True, listed=False), Beat(7, 9.0, 3), 100.0)
+    assert node_state(unlisted, now=10.0, keep_alive=KEEP_ALIVE) == "drained"
+    assert node_doc(unlisted, NodeState.DRAINED)["listed"] is False
+    assert node_doc(unlisted, NodeState.DRAINED)["blacklisted_until"] is None
+
+
+def test_a_record_of_an_older_daemon_reads_as_listed_and_not_blacklisted():
+    doc = sighting(0).record.to_json()
+    del doc["blacklisted_until"], doc["listed"]
+    record = NodeRecord.from_json(doc)
+    assert (record.blacklisted_until, record.listed) == (0.0, True)
+
+
+def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
+    """An undrain after an undrain is a new request: it lifts a blacklisting that began in
+    between.  A request read again (same version) is not delivered again."""
+    import asyncio
+
+    from elasticd.cluster import NodeDuties, NodeRegistry, NodeService
+    from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+    from elasticd.store.signing import Signer
+
+    requests: list[bool] = []
+
+    async def scenario() -> None:
+        store = AsyncMemoryStore(MemoryStore())
+        registry = NodeRegistry(store, Signer(b"k" * 32, "c"), "c", "n2", keep_alive=KEEP_ALIVE)
+        await registry.create_epoch()
+        service = NodeService(registry, interval=0.01)
+        stop = asyncio.Event()
+        ticked = asyncio.Event()
+        record = sighting(0).record
+        running = asyncio.create_task(service.run(stop, NodeDuties(
+            local_record=lambda: record, on_drain=requests.append,
+            on_reset=lambda: asyncio.sleep(0), on_tick=ticked.set)))
+
+        async def ticks(n: int) -> None:
+            for _ in range(n):
+                ticked.clear()
+                async with asyncio.timeout(5):
+                    await ticked.wait()
+
+        await ticks(2)
+        for drain in (False, False, True, True, False):
+            await registry.request_drain("n2", drain, "root")
+            await ticks(3)
+        stop.set()
+        await running
+
+    asyncio.run(scenario())
+    assert requests == [False, False, True, True, False]

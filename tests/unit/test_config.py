@@ -44,12 +44,36 @@ def test_toml_file_and_overrides(tmp_path):
     ({"jobs": {"stop_grace": "soon"}}, "jobs.stop_grace", "must be a number"),
     ({"log": {"level": "loud"}}, "log.level", "one of"),
     ({"rendezvous": {"keep_alive_interval": 0}}, "rendezvous.keep_alive_interval", "greater than 0"),
+    ({"discovery": {"script": "discover.sh"}}, "discovery.script", "absolute path"),
+    ({"discovery": {"script": ["/bin/discover"]}}, "discovery.script", "must be a string"),
+    ({"discovery": {"interval": 0}}, "discovery.interval", "greater than 0"),
+    ({"discovery": {"timeout": -1}}, "discovery.timeout", "greater than 0"),
+    ({"blacklist": {"failures": -1}}, "blacklist.failures", "0 or more"),
+    ({"blacklist": {"failures": 1.5}}, "blacklist.failures", "must be an integer"),
+    ({"blacklist": {"window": 0}}, "blacklist.window", "greater than 0"),
+    ({"blacklist": {"cooldown_range": [10]}}, "blacklist.cooldown_range", "[MIN, MAX]"),
+    ({"blacklist": {"cooldown_range": [10, 5]}}, "blacklist.cooldown_range", "[MIN, MAX]"),
+    ({"blacklist": {"cooldown_range": [0, 5]}}, "blacklist.cooldown_range", "[MIN, MAX]"),
+    ({"blacklist": {"cooldown_range": [1, "x"]}}, "blacklist.cooldown_range", "a list of numbers"),
+    ({"blacklist": {"cooldown_range": 5}}, "blacklist.cooldown_range", "a list of numbers"),
 ])
 def test_bad_values_name_the_key(tables, key, words):
     with pytest.raises(ConfigError) as info:
         config.from_tables(tables)
     assert info.value.key == key
     assert f"'{key}'" in str(info.value) and words in str(info.value)
+
+
+def test_discovery_and_blacklist_keys(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[discovery]\nscript = "/usr/local/bin/hosts"\ninterval = 2\n'
+                    '[blacklist]\nfailures = 2\nwindow = 30\ncooldown_range = [2, 4.5]\n')
+    cfg = config.load(str(path))
+    assert (cfg.discovery.script, cfg.discovery.interval, cfg.discovery.timeout) == \
+        ("/usr/local/bin/hosts", 2.0, 10.0)
+    policy = cfg.blacklist.policy
+    assert (policy.failures, policy.window, policy.cooldown_min, policy.cooldown_max) == (2, 30.0, 2.0, 4.5)
+    assert policy.enabled and not config.load().blacklist.policy.enabled  # off by default
 
 
 def test_unreadable_and_invalid_files(tmp_path):

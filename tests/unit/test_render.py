@@ -183,6 +183,21 @@ def test_nodes_table():
     ]
 
 
+def test_nodes_table_shows_the_blacklist_and_discovery():
+    base = {"address": "127.0.0.1", "slots_total": 2, "slots_free": 2, "gpus_total": 0,
+            "gpus_free": 0, "jobs": [], "last_seen": NOW}
+    nodes = [base | {"name": "a", "state": "blacklisted", "blacklisted_until": NOW + 75.4},
+             base | {"name": "b", "state": "drained", "listed": False},
+             base | {"name": "c", "state": "draining", "listed": True},
+             base | {"name": "d", "state": "blacklisted", "blacklisted_until": NOW - 3},
+             base | {"name": "e", "state": "blacklisted", "blacklisted_until": float("inf")}]
+    states = ["blacklisted (1m15s left)", "drained (not listed)", "draining",
+              "blacklisted (0s left)", "blacklisted"]
+    assert [render.node_state(n, NOW) for n in nodes] == states
+    lines = render.nodes_table(nodes, NOW).splitlines()[1:]
+    assert all(f"  {state}  " in line for line, state in zip(lines, states))
+
+
 @pytest.mark.parametrize("line,expected", [
     ({"rank": 0, "stream": "out", "attempt": 0, "node": "n1", "text": "epoch 1 loss 0.5"},
      "[rank 0] epoch 1 loss 0.5"),
