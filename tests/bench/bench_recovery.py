@@ -162,6 +162,23 @@ class Elasticd:
         self.cluster.stop()
 
 
+class ElasticdInPlace(Elasticd):
+    """The same cluster, the job submitted with --in-place and the worker's loop under
+    elasticd.elastic: survivors keep their processes."""
+    name = "elasticd-inplace"
+
+    def __init__(self, base: Path, nodes: int) -> None:
+        super().__init__(base, nodes)
+        self.worker_mode = ("inplace",)
+
+    def launch(self, count: int, nnodes: str) -> float:
+        for daemon in self.cluster.daemons[:count]:
+            daemon.start()
+        job = self.cluster[0].submit("--in-place", "--nnodes", nnodes, "--max-restarts", "3",
+                                     "--python", PY, WORKER, "--", str(self.base), *self.worker_mode)
+        return float(job["created"])
+
+
 class Torchrun:
     """torchrun as shipped: the agents share the rendezvous TCPStore with the workers."""
     name = "torchrun"
@@ -231,7 +248,8 @@ class TorchrunUnshared(Torchrun):
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-SYSTEMS = (Elasticd, Torchrun, TorchrunUnshared)
+SYSTEMS = (Elasticd, ElasticdInPlace, Torchrun, TorchrunUnshared)
+BASELINES = ("torchrun", "torchrun-unshared")
 
 
 def figure(t0: float, starts: list[dict[str, Any]] | None,
@@ -244,32 +262,69 @@ def figure(t0: float, starts: list[dict[str, Any]] | None,
             "control": max(e["exec"] for e in starts) - (control_t0 or t0)}
 
 
+def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, float] | None:
+    """What users feel, from the workers' steps (an all_reduce each): ``resumed``, from t0 to
+    the first step of a world that did not step before t0 (a new process, or a survivor in
+    its new world); ``stall``, the longest time in which no rank finished a step, from the
+    last step before t0 until 2 s after training resumed."""
+    if figures is None:
+        return None
+    old = {(e["pid"], e["world"]) for e in system.events.read() if e["event"] == "step" and e["t"] <= t0}
+
+    def first_new(events):
+        new = [e["t"] for e in events if e["event"] == "step" and e["t"] > t0
+               and (e["pid"], e["world"]) not in old]
+        return min(new) if new else None
+    resumed = system.events.wait(first_new, 60)
+    if resumed is None:
+        return figures
+    system.events.wait(lambda events: True if time.time() > resumed + 2 else None, 10)
+    steps = sorted(e["t"] for e in system.events.read() if e["event"] == "step")
+    last = max((t for t in steps if t <= t0), default=t0)
+    window = [last] + [t for t in steps if last < t <= resumed + 2]
+    stall = max((b - a for a, b in zip(window, window[1:])), default=resumed - last)
+    if system.name == "elasticd-inplace":  # survivors were exec'd long ago: no control figure
+        figures = {k: v for k, v in figures.items() if k != "control"}
+    return {**figures, "resumed": resumed - t0, "stall": stall}
+
+
 def node_up(base: Path, pid: int) -> float:
     """When node ``pid`` had Python and torch loaded (node_launcher.py)."""
     return float((base / f"up-{pid}").read_text())
 
 
+def training_steps(count: int):
+    def found(events):
+        return True if sum(e["event"] == "step" for e in events) >= count else None
+    return found
+
+
 def worker_failure(system) -> dict[str, float] | None:
     system.launch(2, "2:2")
     assert system.events.wait(ready(2, 2), 120), "no formation"
+    system.events.wait(training_steps(10), 30)  # a steady step rhythm before the event
     t0 = time.time()
     os.kill(worker_pid(system.events, 1), signal.SIGKILL)
-    return figure(t0, system.events.wait(starts_after(t0, 2), 120))
+    return training(system, t0, figure(t0, system.events.wait(starts_after(t0, 2), 120)))
 
 
 def scale_up(system) -> dict[str, float] | None:
     system.launch(2, "2:3")
     assert system.events.wait(ready(2, 2), 120), "no formation"
+    system.events.wait(training_steps(10), 30)
     t0, pid = system.add_node()
     starts = system.events.wait(starts_after(t0, 3, world=3), 120)
-    return figure(t0, starts, node_up(system.base, pid) if starts else None)
+    return training(system, t0, figure(t0, starts, node_up(system.base, pid) if starts else None))
 
 
 def node_loss(system) -> dict[str, float] | None:
     system.launch(3, "2:3")
     assert system.events.wait(ready(3, 3), 120), "no formation"
+    if system.worker_mode != ("idle",):
+        system.events.wait(training_steps(15), 30)
     t0 = system.kill_node(2)
-    return figure(t0, system.events.wait(starts_after(t0, 2, world=2), LOSS_CAP))
+    found = figure(t0, system.events.wait(starts_after(t0, 2, world=2), LOSS_CAP))
+    return found if system.worker_mode == ("idle",) else training(system, t0, found)
 
 
 def node_loss_idle(system) -> dict[str, float] | None:
@@ -342,7 +397,7 @@ def cell(results: list[dict[str, float] | None], key: str) -> tuple[str, float |
     """``median (min..max)`` of the runs that recovered, and how many did not."""
     if not results:
         return "not run", None
-    done = [r[key] for r in results if r is not None]
+    done = [r[key] for r in results if r is not None and key in r]
     failed = f" {len(results) - len(done)}/{len(results)} none" if len(done) < len(results) else ""
     if not done:
         return f"none in {LOSS_CAP:g} s", None
@@ -353,18 +408,21 @@ def cell(results: list[dict[str, float] | None], key: str) -> tuple[str, float |
 def print_table(report: dict[str, Any]) -> None:
     """One row per figure: each system's median (min..max) in seconds, and elasticd's time
     as a fraction of each torchrun's."""
-    others = [kind.name for kind in SYSTEMS[1:]]
-    print(f"{'figure (s)':36} " + " ".join(f"{name:30}" for name in ("elasticd", *others))
-          + " " + " ".join(f"{'/' + name:18}" for name in others))
+    ours = [kind.name for kind in SYSTEMS if kind.name not in BASELINES]
+    print(f"{'figure (s)':36} " + " ".join(f"{name:30}" for name in (*ours, *BASELINES))
+          + " " + " ".join(f"{'in-place/' + name:26}" for name in BASELINES))
     for title, by_system in report.items():
-        for key, label in (("total", title), ("control", "  control plane only")):
-            ours, ours_median = cell(by_system.get("elasticd", []), key)
-            row, ratios = [ours], []
-            for name in others:
-                theirs, theirs_median = cell(by_system.get(name, []), key)
-                row.append(theirs)
-                ratios.append(f"{ours_median / theirs_median:.2f}x"
-                              if ours_median and theirs_median else "-")
+        for key, label in (("total", title), ("control", "  control plane only"),
+                           ("resumed", "  training resumed (first step)"),
+                           ("stall", "  stall (longest gap in steps)")):
+            row = [cell(by_system.get(name, []), key)[0] for name in (*ours, *BASELINES)]
+            if all(text == "not run" or text.startswith("none") for text in row):
+                continue
+            _, inplace = cell(by_system.get("elasticd-inplace", []), key)
+            ratios = []
+            for name in BASELINES:
+                _, theirs = cell(by_system.get(name, []), key)
+                ratios.append(f"{inplace / theirs:.2f}x" if inplace and theirs else "-")
             print(f"{label:36} " + " ".join(f"{c:30}" for c in row) + " "
                   + " ".join(f"{r:18}" for r in ratios))
 

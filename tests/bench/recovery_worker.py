@@ -36,6 +36,9 @@ def record(directory: str, event: str, **extra: object) -> None:
 
 def main() -> None:
     directory = sys.argv[1]
+    mode = sys.argv[2:3]
+    if mode == ["inplace"]:
+        return in_place(directory)
     record(directory, "start", exec=exec_time())
     import warnings
     warnings.filterwarnings("ignore")
@@ -45,11 +48,41 @@ def main() -> None:
     t = torch.ones(1)
     dist.all_reduce(t)
     record(directory, "ready")
-    idle = sys.argv[2:] == ["idle"]
+    idle = mode == ["idle"]
     while True:
         time.sleep(3600 if idle else 0.1)  # a training step
         if not idle:
             dist.all_reduce(t)
+            record(directory, "step")
+
+
+def in_place(directory: str) -> None:
+    """The same loop as an in-place job (elasticd.elastic): survivors keep this process."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    from elasticd import elastic
+    os.environ.setdefault("RANK", "-1")
+    os.environ.setdefault("WORLD_SIZE", "0")
+    record(directory, "warm", exec=exec_time())
+    elastic.init("gloo")
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def train(state: elastic.ObjectState) -> None:
+        t = torch.ones(1)
+        record(directory, "start", exec=exec_time())
+        dist.all_reduce(t)
+        record(directory, "ready")
+        while True:
+            time.sleep(0.1)  # a training step
+            dist.all_reduce(t)
+            state.step += 1
+            record(directory, "step")
+            state.commit()
+
+    train(state)
 
 
 if __name__ == "__main__":

@@ -166,10 +166,10 @@ class Runtime:
             return
         import torch.distributed as dist
         with self._group_lock:
-            if dist.is_initialized():
-                try:
-                    dist.distributed_c10d._abort_process_group()  # NCCL: ncclCommAbort
-                except Exception:  # gloo may not implement it; the sockets below do the work
+            if dist.is_initialized() and str(dist.get_backend()) != "gloo":
+                try:  # NCCL: ncclCommAbort (this also unregisters the default group)
+                    dist.distributed_c10d._abort_process_group()
+                except Exception:
                     pass
             if self._forming_since is not None:
                 now = _socket_fds()
@@ -199,10 +199,12 @@ class Runtime:
         import torch.distributed as dist
         if isinstance(exc, GroupAborted) or isinstance(exc, getattr(dist, "DistError", ())):
             return True
+        if self.aborted:  # the daemon said the group is gone: what broke is a consequence
+            return True
         if not isinstance(exc, RuntimeError):
             return False
         text = str(exc).lower()
-        return self.aborted or any(word in text for word in _GROUP_ERRORS)
+        return any(word in text for word in _GROUP_ERRORS)
 
     # -- the process group ----------------------------------------------------------------
 
