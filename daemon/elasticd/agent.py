@@ -216,12 +216,13 @@ class AgentFactory:
 
     def agent(self, spec: JobSpec, gpus: tuple[str, ...], ports: AgentPorts,
               started: float | None) -> JobAgent:
+        link = self._link_path(spec)
         return JobAgent(spec, node=self.node, address=self.address,
                         rdzv=self.rendezvous(spec, may_create=started is None),
                         ports=ports, metrics=self.metrics, logs=self.logs, probe=self.probe,
                         dead_after=self.keep_alive.dead_after, log_root=self.log_root, gpus=gpus,
                         stop_grace=self.stop_grace, cgroups=self.cgroups, started=started,
-                        link_path=self._link_path(spec), worker_env=self._worker_env(spec))
+                        link_path=link, worker_env=self._worker_env(spec, link))
 
     def _link_path(self, spec: JobSpec) -> str:
         if not spec.in_place or not self.runtime_dir:
@@ -230,9 +231,9 @@ class AgentFactory:
         os.makedirs(directory, mode=0o755, exist_ok=True)
         return os.path.join(directory, f"{spec.id}.sock")
 
-    def _worker_env(self, spec: JobSpec) -> dict[str, str]:
-        env = {"PYTHONPATH": python_path(self.worker_library, dict(spec.env))} if self.worker_library else {}
-        link = self._link_path(spec)
+    def _worker_env(self, spec: JobSpec, link: str) -> dict[str, str]:
+        """On top of worker_env: the library on PYTHONPATH, and an in-place job's channel."""
+        env = {"PYTHONPATH": python_path(self.worker_library, spec.env)} if self.worker_library else {}
         return {**env, SOCKET_ENV: link} if link else env
 
 
@@ -523,7 +524,7 @@ class JobAgent:
         if reason is None:
             return await self._act(action, event, info, workers)
         self._report(PartState.RESTARTING, info, workers.group)
-        if not inplace.keeps_workers(True, reason):
+        if not inplace.keeps_workers(reason):
             await workers.stop()
             self._workers = self._new_pool()
         elif inplace.aborts(reason):

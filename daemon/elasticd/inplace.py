@@ -19,9 +19,9 @@ ABORTING = frozenset({Reason.FAILURE, Reason.NODE_LOST, Reason.DRAIN, Reason.SHU
                       Reason.STALLED})  # rounds whose old group has lost a member
 
 
-def keeps_workers(in_place: bool, reason: Reason) -> bool:
-    """Whether this node's workers live on into a round opened for ``reason``."""
-    return in_place and reason is not Reason.STALLED
+def keeps_workers(reason: Reason) -> bool:
+    """Whether an in-place job's workers live on into a round opened for ``reason``."""
+    return reason is not Reason.STALLED
 
 
 def aborts(reason: Reason) -> bool:

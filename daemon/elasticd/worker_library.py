@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 
 _INIT = '"""elasticd, as a worker sees it: only the elastic package."""\n'
 
@@ -33,6 +34,6 @@ def install(runtime_dir: str) -> str:
     return root
 
 
-def python_path(library: str, env: dict[str, str]) -> str:
+def python_path(library: str, env: Mapping[str, str]) -> str:
     """PYTHONPATH for a worker: the library first, then what the submitter had."""
     return os.pathsep.join(p for p in (library, env.get("PYTHONPATH", "")) if p)

@@ -305,9 +305,6 @@ class LocalWorkers:
         """Slots whose worker runs."""
         return [slot for slot, exited in self._exits.items() if not exited.done()]
 
-    def forget_failures(self) -> None:
-        self._failures.clear()
-
     async def start(self) -> None:
         """Spawn every worker.  A worker that cannot be started counts as failed (exit 127)."""
         credentials = run_as(self.spec)

@@ -25,8 +25,7 @@ def round_of(round: int, **nproc: int) -> RendezvousInfo:
     (R.SHUTDOWN, True, True), (R.SCALE_UP, True, False), (R.STALLED, False, True),
 ])
 def test_which_rounds_keep_the_workers_and_which_abort_the_old_group(reason, keeps, abort):
-    assert keeps_workers(True, reason) is keeps
-    assert keeps_workers(False, reason) is False  # a job without --in-place restarts as always
+    assert keeps_workers(reason) is keeps
     assert aborts(reason) is abort
 
 

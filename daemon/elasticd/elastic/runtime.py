@@ -29,6 +29,10 @@ import stat
 import threading
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
+from .broadcast import default_device
 from .errors import GroupAborted, HostsUpdatedInterrupt
 
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
@@ -90,6 +94,11 @@ class Channel:
         if op == "abort":
             self._on_abort(round)
 
+    def newest(self) -> list[int]:
+        """[the newest announced round, whether it adds workers] (one all_reduce's payload)."""
+        with self._lock:
+            return [self.announced, int(self.added)]
+
     def place_after(self, round: int, why: str, error: str = "") -> tuple[int, dict[str, str]]:
         """Ask for this worker's place in a round after ``round``; blocks until the agent has one."""
         self._send({"op": "ready", "round": round, "why": why, "error": error[:2000]})
@@ -144,6 +153,7 @@ class Runtime:
         self.backend = backend
         self._group_lock = threading.Lock()
         self._group_sockets: dict[int, int] = {}
+        self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
         self.channel = Channel(path, slot, self._abort)
         atexit.register(self.close)
@@ -151,7 +161,6 @@ class Runtime:
     def close(self) -> None:
         """At exit: leave the group cleanly (a gloo group left to the interpreter's teardown
         aborts the process: "terminate called without an active exception")."""
-        import torch.distributed as dist
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -164,7 +173,6 @@ class Runtime:
         """On the reader thread: the group of our round cannot complete; make it fail now."""
         if round <= self.round:
             return
-        import torch.distributed as dist
         with self._group_lock:
             if dist.is_initialized() and str(dist.get_backend()) != "gloo":
                 try:  # NCCL: ncclCommAbort (this also unregisters the default group)
@@ -182,13 +190,9 @@ class Runtime:
 
     def check_host_updates(self) -> None:
         """One collective: every rank learns the newest announcement any rank has seen."""
-        import torch
-        import torch.distributed as dist
         if self.aborted:
             raise GroupAborted("a member of the job is gone")
-        with self.channel._lock:
-            mine = [self.channel.announced, int(self.channel.added)]
-        agreed = torch.tensor(mine, dtype=torch.int64, device=_device(self.backend))
+        agreed = torch.tensor(self.channel.newest(), dtype=torch.int64, device=default_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         newest, added = int(agreed[0]), bool(agreed[1])
         if newest > self.round:
@@ -196,7 +200,6 @@ class Runtime:
 
     def is_group_failure(self, exc: BaseException) -> bool:
         """Whether ``exc`` came from the process group breaking (re-form), not from the script."""
-        import torch.distributed as dist
         if isinstance(exc, GroupAborted) or isinstance(exc, getattr(dist, "DistError", ())):
             return True
         if self.aborted:  # the daemon said the group is gone: what broke is a consequence
@@ -210,7 +213,6 @@ class Runtime:
 
     def join(self, why: str, error: str = "") -> None:
         """Leave the old group (if any), get a place in a newer round, form its group."""
-        import torch.distributed as dist
         if dist.is_initialized():
             self.backend = self.backend or str(dist.get_backend())
             with self._group_lock:
@@ -225,7 +227,6 @@ class Runtime:
         self._init_group()
 
     def _init_group(self) -> None:
-        import torch.distributed as dist
         with self._group_lock:
             self._forming_since = _socket_fds()
         try:
@@ -234,28 +235,20 @@ class Runtime:
             dist.init_process_group(self.backend or _default_backend(), init_method="env://")
         finally:
             with self._group_lock:
-                before, self._forming_since = self._forming_since, None
-                self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
-                                       if before.get(fd) != ino}
+                self._before_group, self._forming_since = self._forming_since, None
+            self.note_group_sockets()
 
     def note_group_sockets(self) -> None:
-        """After the first collectives: gloo may connect its pairs lazily."""
+        """The group's sockets: those opened since just before it formed (``run`` calls this
+        again after the first collectives: gloo may connect its pairs lazily)."""
         with self._group_lock:
-            base = self._group_sockets
-            now = _socket_fds()
-            self._group_sockets = {**base, **{fd: ino for fd, ino in now.items() if fd not in base}}
+            before = self._before_group
+            self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
+                                   if before.get(fd) != ino}
 
 
 def _default_backend() -> str:
-    import torch
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _device(backend: str | None) -> Any:
-    import torch
-    if (backend or "").lower() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 _current: Runtime | None = None
@@ -279,7 +272,6 @@ def init(backend: str | None = None) -> None:
     _backend = backend
     if os.environ.get(SOCKET_ENV):
         return
-    import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group(backend or _default_backend())
 
