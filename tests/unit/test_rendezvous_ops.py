@@ -356,3 +356,32 @@ def test_info_for_heterogeneous_nodes():
     assert info.members == (Member("b", "10.0.0.2", 2, 0, 0), Member("a", "10.0.0.1", 4, 1, 2),
                             Member("c", "10.0.0.3", 8, 2, 6))
     assert info.round == 2 and info.run_id == "job"
+
+
+# -- the heartbeat ring (issue 13): O(1) reads per node, every node read by two ------------------
+
+def test_ring_watch_reads_two_neighbours_and_covers_everyone():
+    from elasticd.rendezvous.ops import ring_watch
+
+    nodes = {f"n{i:02d}" for i in range(10)}
+    assert ring_watch(nodes, "n05") == {"n04", "n03"}
+    assert ring_watch(nodes, "n00") == {"n09", "n08"}  # around the ring
+    readers = [w for n in nodes for w in ring_watch(nodes, n)]
+    assert all(readers.count(n) == 2 for n in nodes)  # each node read by exactly two others
+    assert ring_watch({"a", "b"}, "a") == {"b"} and ring_watch(set(), "a") == set()
+    assert ring_watch({"a", "b", "c"}, "z") == {"c", "b"}  # a node not (yet) in the set
+
+
+def test_a_dead_node_whose_watchers_died_too_is_dropped_once_the_ring_closes():
+    from elasticd.rendezvous.ops import ring_watch
+
+    nodes = {"a", "b", "c", "d", "e"}
+    dead = {"b", "c", "d"}  # d's watchers (b, c) died with it
+    seen = set()
+    while True:
+        found = {w for n in nodes - dead for w in ring_watch(nodes, n) if w in dead}
+        if not found:
+            break
+        seen |= found
+        nodes -= found
+    assert seen == dead

@@ -24,10 +24,11 @@ such write wins and every node converges on it.  A node that never saw the state
 that already ran does not start a new one (``may_create``): that would run a job again
 whose state was deleted.  Heartbeat counters and join logs are recreated as the nodes go on.
 
-The keeper (``keep``, a task its owner runs) beats this node's heartbeat, reads the others'
-counters, drops the silent ones through the executor, and resolves ``watch()`` futures:
-while a round is watched it follows every revision (a wait for ``rev/<v+1>`` until its next
-duty), otherwise it sleeps until its next duty.  Nobody polls.  Everything runs on the
+The keeper (``keep``, a task its owner runs) beats this node's heartbeat, reads the counters
+of its two neighbours on a ring of the nodes involved (``ops.ring_watch``: O(1) per node),
+drops the silent ones through the executor, and resolves ``watch()`` futures: while a round
+is watched it follows every revision (a wait for ``rev/<v+1>`` until its next duty),
+otherwise it sleeps until its next duty.  Nobody polls.  Everything runs on the
 caller's event loop; each act is its write followed by the reads the next decision needs.
 """
 
@@ -57,6 +58,7 @@ from elasticd.rendezvous.ops import (
     info_for,
     joined,
     observe_beats,
+    ring_watch,
     round_event,
     track_last_call,
     watched,
@@ -363,10 +365,10 @@ class RendezvousHandler:
             pass
 
     async def _tick(self, beats: dict[str, Beat]) -> dict[str, Beat]:
-        """Heartbeat; read the counters of every node the state and its join log involve (a
-        logged joiner too); drop the silent ones."""
+        """Heartbeat; read the counters of this node's neighbours on the ring of every node
+        the state and its join log involve (a logged joiner too); drop the silent ones."""
         seen = await self._observe(self._beat)
-        others = watched(seen[0].state, seen[1]) - {self.node}
+        others = ring_watch(watched(seen[0].state, seen[1]), self.node)
         counts = await self._heartbeats(sorted(others), beats)
         now = self._clock()
         beats = observe_beats(beats, counts, now)

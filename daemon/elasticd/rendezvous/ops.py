@@ -191,6 +191,21 @@ def watched(state: RendezvousState, view: View) -> set[str]:
     return nodes | set(joined(state, view))
 
 
+RING_WIDTH = 2  # each node reads the heartbeats of this many others
+
+
+def ring_watch(nodes: set[str], node: str, width: int = RING_WIDTH) -> set[str]:
+    """The nodes whose heartbeats ``node`` reads: the ``width`` before it in name order,
+    around a ring.  Every node is then read by ``width`` others: O(1) reads per node per
+    interval instead of O(N), with a watcher to spare.  A dead node whose watchers all died
+    too is read once the ring closes over them (every removal moves the ring)."""
+    ring = sorted(nodes | {node})
+    if len(ring) <= width + 1:
+        return set(ring) - {node}
+    at = ring.index(node)
+    return {ring[(at - k) % len(ring)] for k in range(1, width + 1)}
+
+
 def involved(state: RendezvousState, node: str, view: View) -> bool:
     return node in watched(state, view)
 
