@@ -19,7 +19,8 @@ from .aio import race
 from .config import AUTO, DaemonConfig
 from .errors import NotFound, StoreError
 from .keyspace import Keyspace
-from .liveness import Beat, KeepAlive, observe, silent
+from .liveness import Beat, KeepAlive, observe
+from .membership import Catch, Head, Member, catch_up, judge, members_json, parse_members, takes_over
 from .model import NODE_STATES, IllegalTransition, NodeInfo, NodeState
 from .store.base import Store
 from .store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse, open_version
@@ -63,13 +64,6 @@ def slot_count(config: DaemonConfig, gpus: tuple[str, ...]) -> int:
 
 # -- the node registry in the store -------------------------------------------------------------
 
-def _registered_name(body: Any) -> str:
-    name = body.get("name") if isinstance(body, dict) else None
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"not a node name: {name!r}")
-    return name
-
-
 @dataclass(frozen=True)
 class NodeRecord:
     """What a node publishes about itself (signed), rewritten when it changes.
@@ -107,16 +101,15 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class Sighting:
-    """What this node last saw of another: its record and its heartbeat counter."""
+    """What this node knows of another: its record and its membership."""
 
     record: NodeRecord
-    beat: Beat
-    moved_wall: float   # this node's wall clock when the counter last moved, for display only
+    member: Member
 
 
-def node_state(sighting: Sighting, now: float, keep_alive: KeepAlive) -> NodeState:
-    """Lost by the same rule as in every rendezvous; else what the node's record says."""
-    if silent(sighting.beat, keep_alive, now):
+def node_state(sighting: Sighting) -> NodeState:
+    """Lost as the observer judged it; else what the node's record says."""
+    if sighting.member.lost:
         return NodeState.LOST
     if sighting.record.blacklisted_until:
         return NodeState.BLACKLISTED
@@ -125,19 +118,14 @@ def node_state(sighting: Sighting, now: float, keep_alive: KeepAlive) -> NodeSta
     return NodeState.UP
 
 
-def sight(previous: Sighting | None, record: NodeRecord, count: int, now: float,
-          wall: float) -> Sighting:
-    beat = observe(previous.beat if previous else None, count, now)
-    moved = previous is None or beat.since != previous.beat.since
-    return Sighting(record, beat, wall if moved else previous.moved_wall)
-
-
-def node_doc(sighting: Sighting, state: NodeState) -> dict[str, Any]:
+def node_doc(sighting: Sighting, state: NodeState, seen: float) -> dict[str, Any]:
+    """A node as `elasticctl nodes` shows it; ``seen``: this node's wall clock when it last
+    knew it alive (when it was judged lost, for a lost one)."""
     record = sighting.record
     return {"name": record.info.name, "address": record.info.address, "state": state.value,
             "slots_total": record.info.slots, "slots_free": record.info.slots - record.slots_used,
             "gpus_total": len(record.info.gpus), "gpus_free": len(record.info.gpus) - record.gpus_used,
-            "jobs": list(record.jobs), "last_seen": sighting.moved_wall,
+            "jobs": list(record.jobs), "last_seen": sighting.member.since if sighting.member.lost else seen,
             "version": record.info.version, "labels": dict(record.info.labels),
             "blacklisted_until": record.blacklisted_until or None, "listed": record.listed}
 
@@ -152,15 +140,28 @@ class Tick:
     drain_version: int = 0      # the drain request's version (each request has a new one)
 
 
+FEED_KEEP = 64  # feed entries kept behind the newest one (a follower further behind reads the snapshot)
+
+
 class NodeRegistry:
     """This node's record and heartbeat in the store, and its view of every other node.
 
-    Keys under ``elasticd/<cluster>/nodes/``: ``names`` (every name that ever registered:
-    sealed lines, appended), ``<name>/record`` (signed NodeRecord), ``<name>/hb`` (signed
-    heartbeat: its version goes up at every beat), ``<name>/drain`` (signed drain request,
-    written by whoever asked).  Records are versioned: an older one written back is refused,
-    like a forged one, and this node publishes its own again.  ``tick`` is the heartbeat
-    duty.  Store I/O is awaited on the event loop.
+    Keys under ``elasticd/<cluster>/nodes/``::
+
+        names               every name that ever registered: sealed lines, appended
+        <name>/record       signed NodeRecord, versioned
+        <name>/hb           signed heartbeat {"record": version}: its version goes up every beat
+        <name>/drain        signed drain request, written by whoever asked
+        observer            signed {"name"}: the elected observer; its version is the term
+        feed/head           signed Head, rewritten by the observer every duty
+        feed/<n>            signed entry n: {"term", "changes": {name: Member}}
+        feed/snapshot       signed {"term", "number", "members"}: every member as of entry n
+
+    ``tick`` is the heartbeat duty: beat, read one batch of small keys (epoch, drain,
+    observer, head, this node's own record), follow the feed, read the records that
+    changed; the observer also judges every heartbeat (membership.py says why).  An older
+    record written back is refused, like a forged one, and its node publishes its own
+    again.  Store I/O is awaited on the event loop.
     """
 
     def __init__(self, store: Store, signer: Signer, cluster: str, name: str, *,
@@ -177,14 +178,21 @@ class NodeRegistry:
         self._on_refused = on_refused or (lambda key, why: None)
         self._clock = clock
         self._wall = wall_clock
-        self._names: list[str] = []
-        self._index = SignedLines(signer, self._key("names"), _registered_name, self._on_refused)
         self._versions = VersionClock(wall_clock)
         self._fresh = Freshness()
         self._epoch = ""  # the store's epoch as last read valid
-        self._sightings: dict[str, Sighting] = {}
         self._published: NodeRecord | None = None
-        self._registered_epoch = ""
+        self._published_version = 0
+        self._registered_epoch: str | None = None  # the epoch this node registered in (None: not yet)
+        self._members: dict[str, Member] = {}      # the feed as followed
+        self._records: dict[str, tuple[int, NodeRecord]] = {}  # (version, record) as read
+        self._term, self._number = 0, 0            # where this node is in the feed
+        self._observer: tuple[str, int] | None = None  # (name, term) as last read
+        self._head_beat: Beat | None = None            # the observer's head, as a heartbeat
+        self._head_version: int | None = None          # the head's version as last read valid
+        self._observing: Observer | None = None
+        self._index = SignedLines(signer, self._key("names"), _registered_name, self._on_refused)
+        self._newcomers: dict[str, float] = {}  # census: name -> when first read (monotonic)
 
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
@@ -193,8 +201,13 @@ class NodeRegistry:
     def epoch_key(self) -> str:
         return self._keyspace.epoch
 
+    @property
+    def observing(self) -> bool:
+        """Whether this node is the cluster's observer now."""
+        return self._observing is not None
+
     async def create_epoch(self) -> str:
-        """The store host marks a fresh store, so that others can tell it was reset."""
+        """Mark a fresh store, so that others can tell it was reset (the first writer wins)."""
         token = secrets.token_hex(8)
         sealed = self._signer.seal(self.epoch_key, {"epoch": token}, version=self._versions.next())
         _, current = await self._store.compare_set(self.epoch_key, None, sealed)
@@ -209,56 +222,178 @@ class NodeRegistry:
         self._epoch = epoch if epoch is not None else self._epoch
         return self._epoch
 
-    async def tick(self, record: NodeRecord) -> Tick:
-        epoch = self._open_epoch(await self._store.get(self.epoch_key))
+    async def tick(self, record: NodeRecord, *, census: bool = False) -> Tick:
+        """The heartbeat duty.  ``census``: also read the records of nodes that registered
+        but are not members yet (O(N): for a request that must see a node that just came,
+        never for the duty itself)."""
+        small = [self.epoch_key, self._key(f"{self.name}/drain"), self._key("observer"),
+                 self._key("feed/head"), self._key(f"{self.name}/record")]
+        epoch_raw, drain_raw, observer_raw, head_raw, own_raw = await self._store.get_many(small)
+        epoch = self._open_epoch(epoch_raw)
+        if self._open_record(self.name, own_raw) != self._published:
+            self._published = None  # lost or tampered with: publish it again
         if epoch != self._registered_epoch or record != self._published:
             await self._publish(record, register=epoch != self._registered_epoch)
             self._registered_epoch = epoch
         beat = self._key(f"{self.name}/hb")
-        await self._store.set(beat, self._signer.seal(beat, {}, version=self._versions.next()))
-        self._learn_names(await self._store.get(self._key("names")))
-        self._sightings = {n: s for n, s in self._sightings.items() if n in self._names}
-        keys = [self._key(f"{n}/{part}") for n in self._names for part in ("record", "hb")]
-        values = await self._store.get_many(keys + [self._key(f"{self.name}/drain")])
-        now, wall = self._clock(), self._wall()
-        for i, name in enumerate(self._names):
-            record_raw, beat_raw = values[2 * i], values[2 * i + 1]
-            parsed = self._open_record(name, record_raw)
-            if name == self.name and parsed != self._published:
-                self._published = None  # lost or tampered with: publish it again next time
-            count = self._beat_count(name, beat_raw)
-            if parsed is not None and count is not None:
-                self._sightings[name] = sight(self._sightings.get(name), parsed, count, now, wall)
-        drain, drain_version = self._open_drain(values[-1])
-        return Tick(dict(self._sightings), drain, epoch, drain_version)
+        await self._store.set(beat, self._signer.seal(beat, {"record": self._published_version},
+                                                      version=self._versions.next()))
+        head = self._open_head(head_raw)
+        await self._elect(observer_raw)
+        await self._follow(head)
+        if self._observing is not None:
+            self._term, self._number, self._members = await self._observing.duty(self._members, self._number)
+            await self._read_records()
+        if census:
+            await self._census()
+        now = self._clock()
+        self._newcomers = {n: since for n, since in self._newcomers.items()
+                           if n not in self._members and now - since < self.keep_alive.dead_after}
+        drain, drain_version = self._open_drain(drain_raw)
+        return Tick(self.sightings(), drain, epoch, drain_version)
+
+    async def _census(self) -> None:
+        """Newcomers: registered nodes that the observer has not admitted yet, counted as up
+        for ``keep_alive.dead_after`` (then the observer's word decides)."""
+        names = self._index.fold(await self._store.get(self._key("names")))
+        now = self._clock()
+        unknown = [n for n in dict.fromkeys(names) if n and n not in self._members and n != self.name]
+        if not unknown:
+            return
+        for name, raw in zip(unknown, await self._store.get_many([self._key(f"{n}/record") for n in unknown])):
+            opened = self._open_record_version(name, raw)
+            if opened is not None:
+                self._records[name] = opened
+                self._newcomers.setdefault(name, now)
 
     async def _publish(self, record: NodeRecord, *, register: bool) -> None:
         key = self._key(f"{self.name}/record")
-        await self._store.set(key, self._signer.seal(key, record.to_json(), version=self._versions.next()))
+        version = self._versions.next()
+        await self._store.set(key, self._signer.seal(key, record.to_json(), version=version))
         if register:
             index = self._key("names")
             await self._store.append(index, self._signer.seal(index, {"name": self.name}) + b"\n")
-        self._published = record
+        self._published, self._published_version = record, version
+        self._records[self.name] = (version, record)
 
-    def _learn_names(self, raw: bytes | None) -> None:
-        """Every registered name, in order (the index is parsed from where it was last read)."""
-        self._names = list(dict.fromkeys(n for n in self._index.fold(raw) if n))
+    def sightings(self) -> dict[str, Sighting]:
+        """Every member whose record this node holds; this node itself as soon as it published."""
+        members = {n: Member(self._records[n][0]) for n in self._newcomers if n in self._records}
+        members.update(self._members)
+        if self.name not in members and self._published is not None:
+            members[self.name] = Member(self._published_version)
+        return {name: Sighting(self._records[name][1], member)
+                for name, member in members.items() if name in self._records}
 
-    def _beat_count(self, name: str, raw: bytes | None) -> int | None:
-        """A node's heartbeat as a count that moves; a refused one has not moved."""
-        opened = open_version(self._signer, self._key(f"{name}/hb"), raw, self._on_refused, self._fresh)
+    # -- the observer's election ------------------------------------------------------------
+
+    async def _elect(self, observer_raw: bytes | None) -> None:
+        """Follow who observes; take over when there is none (or a refused record) or its
+        head stood still."""
+        key = self._key("observer")
+        opened = open_or_refuse(self._signer, key, observer_raw, _registered_name, self._on_refused, self._fresh)
+        term = self._fresh_version(key)
         if opened is not None:
-            return opened.version
-        previous = self._sightings.get(name)
-        return previous.beat.count if previous is not None and raw is not None else None
+            if self._observer != (opened, term):
+                self._head_beat = None  # a new observer: watch its head afresh
+            self._observer = (opened, term)
+        self._head_beat = observe(self._head_beat, self._head_version, self._clock())
+        if opened == self.name:
+            self._start_observing(term)
+        elif opened is not None:
+            self._observing = None
+        if self._observing is None and takes_over(opened is not None, self._head_beat, self.keep_alive,
+                                                  self._clock()):
+            await self._take_over(observer_raw)
 
-    def _open_record(self, name: str, raw: bytes | None) -> NodeRecord | None:
+    def _fresh_version(self, key: str) -> int:
+        return self._fresh.newest(key)
+
+    async def _take_over(self, observer_raw: bytes | None) -> None:
+        term = max(self._observer[1] if self._observer else 0, self._term) + 1
+        key = self._key("observer")
+        sealed = self._signer.seal(key, {"name": self.name}, version=term)
+        won, _ = await self._store.compare_set(key, observer_raw, sealed)
+        if won:
+            log.info("node %s observes the cluster's heartbeats now (term %d)", self.name, term)
+            self._observer = (self.name, term)
+            self._start_observing(term)
+
+    def _start_observing(self, term: int) -> None:
+        if self._observing is None or self._observing.term != term:
+            self._observing = Observer(self, term)
+
+    # -- following the feed -------------------------------------------------------------------
+
+    def _open_head(self, raw: bytes | None) -> Head | None:
+        """The feed's head; a refused one (forged, or an old one written back) has not moved."""
+        opened = open_version(self._signer, self._key("feed/head"), raw, self._on_refused, self._fresh)
+        if opened is None:
+            self._head_version = self._head_version if raw is not None else None
+            return None
+        self._head_version = opened.version
+        try:
+            return Head.from_json(opened.body)
+        except (KeyError, TypeError, ValueError) as exc:
+            self._on_refused(self._key("feed/head"), f"unreadable: {exc}")
+        return None
+
+    async def _follow(self, head: Head | None) -> None:
+        """Read what changed up to ``head``; then the records whose version moved."""
+        catch = catch_up(self._term, self._number, head, FEED_KEEP)
+        if catch.entries:
+            keys = [self._key(f"feed/{n}") for n in catch.entries]
+            entries = [self._open_entry(n, raw) for n, raw in zip(catch.entries, await self._store.get_many(keys))]
+            if all(e is not None and e[0] == head.term for e in entries):
+                for _, changes in entries:
+                    self._members.update(changes)
+                self._number = head.number
+            else:
+                catch = Catch(snapshot=True)  # an entry missing, refused or of another term
+        if catch.snapshot:
+            await self._read_snapshot()
+        await self._read_records()
+
+    async def _read_snapshot(self) -> None:
+        key = self._key("feed/snapshot")
+        snapshot = open_or_refuse(self._signer, key, await self._store.get(key), _parse_snapshot,
+                                  self._on_refused)
+        if snapshot is not None:
+            self._term, self._number, self._members = snapshot
+
+    def _open_entry(self, number: int, raw: bytes | None) -> tuple[int, dict[str, Member]] | None:
+        return open_or_refuse(self._signer, self._key(f"feed/{number}"), raw, _parse_entry, self._on_refused)
+
+    async def _read_records(self) -> None:
+        """The record of every member whose announced version is past the one held."""
+        stale = [name for name, member in self._members.items()
+                 if member.record > self._records.get(name, (0, None))[0] and name != self.name]
+        if not stale:
+            return
+        values = await self._store.get_many([self._key(f"{name}/record") for name in stale])
+        for name, raw in zip(stale, values):
+            opened = self._open_record_version(name, raw)
+            if opened is not None:
+                self._records[name] = opened
+
+    def _open_record_version(self, name: str, raw: bytes | None) -> tuple[int, NodeRecord] | None:
         key = self._key(f"{name}/record")
-        record = open_or_refuse(self._signer, key, raw, NodeRecord.from_json, self._on_refused, self._fresh)
-        if record is not None and record.info.name != name:
+        opened = open_version(self._signer, key, raw, self._on_refused, self._fresh)
+        if opened is None:
+            return None
+        try:
+            record = NodeRecord.from_json(opened.body)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._on_refused(key, f"unreadable: {exc}")
+            return None
+        if record.info.name != name:
             self._on_refused(key, f"names another node ({record.info.name})")
             return None
-        return record
+        return opened.version, record
+
+    def _open_record(self, name: str, raw: bytes | None) -> NodeRecord | None:
+        opened = self._open_record_version(name, raw)
+        return None if opened is None else opened[1]
 
     def _open_drain(self, raw: bytes | None) -> tuple[bool | None, int]:
         """The drain request for this node and its version; (None, 0) if there is none."""
@@ -272,9 +407,20 @@ class NodeRegistry:
             self._on_refused(key, f"unreadable: {exc}")
         return None, 0
 
+    async def wait_for_change(self, timeout: float) -> bool:
+        """Block until the observer publishes the feed's next entry (True) or ``timeout``."""
+        return await self._store.wait_for(self._key(f"feed/{self._number + 1}"), timeout)
+
     async def read_record(self, name: str) -> NodeRecord | None:
         """One node's record straight from the store (for a node not seen by a tick yet)."""
         return self._open_record(name, await self._store.get(self._key(f"{name}/record")))
+
+    async def beats(self, names: list[str]) -> dict[str, int | None]:
+        """Each node's heartbeat version as of now (None: none, or refused)."""
+        keys = [self._key(f"{name}/hb") for name in names]
+        values = await self._store.get_many(keys)
+        opened = [open_version(self._signer, key, raw, self._on_refused) for key, raw in zip(keys, values)]
+        return {name: o.version if o is not None else None for name, o in zip(names, opened)}
 
     async def request_drain(self, name: str, drain: bool, by: str) -> None:
         if await self.read_record(name) is None:
@@ -286,8 +432,81 @@ class NodeRegistry:
                                                      version=version))
 
     def states(self, sightings: Mapping[str, Sighting]) -> dict[str, NodeState]:
-        now = self._clock()
-        return {name: node_state(s, now, self.keep_alive) for name, s in sightings.items()}
+        return {name: node_state(s) for name, s in sightings.items()}
+
+
+def _parse_entry(body: Any) -> tuple[int, dict[str, Member]]:
+    return int(body["term"]), parse_members(body["changes"])
+
+
+def _parse_snapshot(body: Any) -> tuple[int, int, dict[str, Member]]:
+    return int(body["term"]), int(body["number"]), parse_members(body["members"])
+
+
+def _registered_name(body: Any) -> str:
+    name = body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"not a node name: {name!r}")
+    return name
+
+
+class Observer:
+    """The observer's duty, run by the elected node inside its heartbeat duty: read every
+    registered node's heartbeat (one batch), judge them (membership.judge) and publish the
+    changes as the feed's next entry, then the snapshot, then the head (every duty: the
+    head is the observer's own heartbeat)."""
+
+    def __init__(self, registry: NodeRegistry, term: int) -> None:
+        self.term = term
+        self._registry = registry
+        self._index = SignedLines(registry._signer, registry._key("names"), _registered_name,
+                                  registry._on_refused)
+        self._beats: dict[str, Beat] = {}
+        self._counts: dict[str, int] = {}
+        self._fresh = Freshness()  # heartbeats: an older beat written back is no beat
+        self._head_version = registry._head_version or 0  # past every head written before
+        self._started = False
+
+    async def duty(self, members: Mapping[str, Member], number: int) -> tuple[int, int, dict[str, Member]]:
+        """Judge and publish; the feed as it is now: (term, number, members)."""
+        registry, store = self._registry, self._registry._store
+        names = list(dict.fromkeys(n for n in self._index.fold(await store.get(registry._key("names"))) if n))
+        values = await store.get_many([registry._key(f"{n}/hb") for n in names])
+        now, records = registry._clock(), {}
+        for name, raw in zip(names, values):
+            count, records[name] = self._read_beat(name, raw)
+            self._beats[name] = observe(self._beats.get(name), count, now)
+        self._beats.pop(registry.name, None)  # the observer never judges itself lost...
+        changes = judge(members, self._beats, records, registry.keep_alive, now, registry._wall())
+        old = members.get(registry.name)
+        if registry._published is not None and (old is None or old.lost or old.record != registry._published_version):
+            changes[registry.name] = Member(registry._published_version, False, registry._wall())  # ...its record
+        members = {**members, **changes}
+        if changes or not self._started:  # a new term starts with a snapshot
+            number += 1
+            await self._write(f"feed/{number}", {"term": self.term, "changes": members_json(changes)}, number)
+            await self._write("feed/snapshot", {"term": self.term, "number": number,
+                                                "members": members_json(members)}, number)
+            if number > FEED_KEEP:
+                await store.delete(registry._key(f"feed/{number - FEED_KEEP}"))
+            self._started = True
+        self._head_version = max(self._head_version + 1, registry._versions.next())
+        await self._write("feed/head", Head(self.term, number).to_json(), self._head_version)
+        return self.term, number, members
+
+    def _read_beat(self, name: str, raw: bytes | None) -> tuple[int | None, int | None]:
+        """(its heartbeat count, the record version it names); a refused beat has not moved."""
+        registry = self._registry
+        opened = open_version(registry._signer, registry._key(f"{name}/hb"), raw, registry._on_refused, self._fresh)
+        if opened is None:
+            return (self._counts.get(name) if raw is not None else None), None
+        self._counts[name] = opened.version
+        record = opened.body.get("record") if isinstance(opened.body, dict) else None
+        return opened.version, record if isinstance(record, int) else None
+
+    async def _write(self, suffix: str, body: Any, version: int) -> None:
+        key = self._registry._key(suffix)
+        await self._registry._store.set(key, self._registry._signer.seal(key, body, version=version))
 
 
 @dataclass(frozen=True)
@@ -311,6 +530,7 @@ class NodeService:
         self._interval = interval
         self._duties: NodeDuties | None = None  # given to run()
         self._sightings: dict[str, Sighting] = {}
+        self._seen = 0.0  # wall clock of the last duty that read the store
         self._states: dict[str, NodeState] = {}
         self._epoch: str | None = None
         self._drain: tuple[bool, int] | None = None  # the last drain request: (drain, version)
@@ -319,6 +539,7 @@ class NodeService:
         self._begun = 0      # duties begun
         self._ended = 0      # duties ended, successful or not
         self._wake = asyncio.Event()  # someone wants a duty now (see fresh())
+        self._census = False  # the next duty also reads the nodes that registered since the feed said
         self.registered = asyncio.Event()  # this node's record is in the store
 
     async def run(self, stop: asyncio.Event, duties: NodeDuties) -> None:
@@ -327,7 +548,8 @@ class NodeService:
             self._wake.clear()
             self._begun += 1
             try:
-                tick = await self.registry.tick(duties.local_record())
+                census, self._census = self._census, False
+                tick = await self.registry.tick(duties.local_record(), census=census)
                 await self._apply(tick)
             except StoreError as exc:
                 self._store_up = False
@@ -342,16 +564,28 @@ class NodeService:
             await self._pause(stop)
 
     async def _pause(self, stop: asyncio.Event) -> None:
-        """Until the next duty: one heartbeat interval, or less if ``fresh()`` asks for one."""
+        """Until the next duty: one heartbeat interval, or less if ``fresh()`` asks for one
+        or the observer published a change (a wait on the feed's next entry, not a poll)."""
         try:
             async with asyncio.timeout(self._interval):
-                await race(stop=stop.wait(), wake=self._wake.wait())
+                await race(stop=stop.wait(), wake=self._wake.wait(), change=self._change())
         except TimeoutError:
             pass
+
+    async def _change(self) -> None:
+        """Returns when the feed moved; never when the store is away (the pause ends it)."""
+        try:
+            if self._store_up and not self.registry.observing \
+                    and await self.registry.wait_for_change(self._interval):
+                return
+        except StoreError:
+            pass
+        await asyncio.Event().wait()
 
     async def _apply(self, tick: Tick) -> None:
         assert self._duties is not None
         self._sightings = tick.sightings
+        self._seen = time.time()
         self._follow_states()
         self._duties.on_tick()
         # every new request counts, the same twice too: an undrain also lifts a blacklisting
@@ -389,13 +623,14 @@ class NodeService:
         me = self.registry.name
         if me in sightings and self._duties is not None:
             sightings[me] = replace(sightings[me], record=self._duties.local_record())
-            states[me] = node_state(sightings[me], sightings[me].beat.since, self.registry.keep_alive)
-        return [node_doc(s, states[name]) for name, s in sorted(sightings.items())]
+            states[me] = node_state(sightings[me])
+        return [node_doc(s, states[name], self._seen) for name, s in sorted(sightings.items())]
 
     async def fresh(self) -> list[dict[str, Any]]:
         """The node list after a heartbeat duty done now, so that a node that just registered
         shows; the list as last seen if that duty does not end within one interval."""
         wanted = self._begun + 1  # a duty that begins after this request
+        self._census = True
         self._wake.set()
         async with self._ticked:
             try:
@@ -426,12 +661,13 @@ class NodeService:
             return sighting.record
         return await self.registry.read_record(name)
 
-    def heard_since(self, name: str, moment: float) -> bool:
-        """Whether ``name`` beat after ``moment`` (this node's monotonic clock).  Counters are
-        read once per interval, so a move seen within one interval of ``moment`` may be a
-        beat from before it: only a later one counts."""
-        sighting = self._sightings.get(name)
-        return sighting is not None and sighting.beat.since > moment + self._interval
+    async def beats(self, names: list[str]) -> dict[str, int | None]:
+        """Each node's heartbeat version, read now (for a probe's verdict)."""
+        return await self.registry.beats(names)
+
+    @property
+    def interval(self) -> float:
+        return self._interval
 
     def alive(self, name: str) -> bool:
         return self.states().get(name, NodeState.LOST) is not NodeState.LOST

@@ -25,7 +25,7 @@ from zmq.utils import z85
 
 from . import protocol
 from .endpoint import split_endpoint
-from .errors import ElasticdError
+from .errors import ElasticdError, StoreError
 
 PEER_DOMAIN = b"elasticd-peer"
 
@@ -144,7 +144,9 @@ class NodeView(Protocol):
 
     async def record(self, name: str) -> Any: ...          # its signed record, or None
     def alive(self, name: str) -> bool: ...
-    def heard_since(self, name: str, moment: float) -> bool: ...  # its heartbeat moved after it
+    async def beats(self, names: list[str]) -> dict[str, int | None]: ...  # heartbeat versions now
+    @property
+    def interval(self) -> float: ...                          # seconds between two heartbeats
 
 
 class PeerLinks:
@@ -158,10 +160,22 @@ class PeerLinks:
         """The nodes among ``nodes`` whose daemon is gone (unknown nodes count as up)."""
         records = [(node, await self._nodes.record(node)) for node in nodes]
         known = [(node, r.peer_endpoint) for node, r in records if r is not None and r.peer_endpoint]
-        asked = time.monotonic()
+        names = [node for node, _ in known]
+        before, asked = await self._beats(names), time.monotonic()
         answers = await asyncio.gather(*(probe(endpoint, timeout) for _, endpoint in known))
-        return [node for (node, _), answer in zip(known, answers)
-                if judged_lost(answer, self._nodes.heard_since(node, asked))]
+        after: dict[str, int | None] = {}
+        if Probe.SILENT in answers:  # a heartbeat moves once per interval: give it one
+            await asyncio.sleep(max(0.0, asked + self._nodes.interval - time.monotonic()))
+            after = await self._beats(names)
+        return [node for node, answer in zip(names, answers)
+                if judged_lost(answer, after.get(node) not in (None, before.get(node)))]
+
+    async def _beats(self, names: list[str]) -> dict[str, int | None]:
+        """Heartbeat versions; none known when the store does not answer."""
+        try:
+            return await self._nodes.beats(names)
+        except StoreError:
+            return {}
 
     async def logs(self, node: str, args: dict[str, Any]) -> AsyncIterator[Any]:
         record = await self._nodes.record(node)

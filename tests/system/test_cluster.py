@@ -284,18 +284,22 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     store.close()
 
     def refused() -> float:
-        url = f"http://127.0.0.1:{cluster[0].metrics_port}/metrics"
+        url = f"http://127.0.0.1:{cluster[1].metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         return float(next(l.split()[1] for l in text.splitlines()
                           if l.startswith("elasticd_store_refused_records_total ")))
 
-    # The refusal happens on n1's next heartbeat duty and has no event of its own: look once
-    # per heartbeat interval, with a deadline.
+    # n1 reads n2's record only when n2 announces a new version; n2 checks its own record
+    # on every heartbeat duty, refuses the forgery and publishes its record again.  That
+    # has no event of its own: look once per heartbeat interval, with a deadline.
     deadline = time.monotonic() + 15
     while refused() < 1 and time.monotonic() < deadline:
         time.sleep(1.0)
     assert refused() >= 1  # counted...
-    assert "refused store record elasticd/test/nodes/n2/record" in cluster[0].log_text()  # ...logged
+    assert "refused store record elasticd/test/nodes/n2/record" in cluster[1].log_text()  # ...logged
     nodes = _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
     assert all(n["slots_total"] != 999 for n in nodes)  # ...and never used
+    store = connect(f"127.0.0.1:{cluster.port}", connect_timeout=10)
+    assert json.loads(store.get(key))["body"]["info"]["slots"] != 999  # replaced by n2's own
+    store.close()
     assert cluster[1].request("version").ok  # n2 put its own record right again

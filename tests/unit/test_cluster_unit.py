@@ -1,51 +1,36 @@
-"""Node liveness on the observer's own clock, node records, nvidia-smi parsing (pure)."""
+"""Node states from the observer's membership and the node's record; records; nvidia-smi
+parsing (pure).  Liveness itself: test_liveness.py and test_membership.py."""
 
 import pytest
 
-from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi, sight
-from elasticd.liveness import Beat, KeepAlive
+from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi
+from elasticd.liveness import KeepAlive
+from elasticd.membership import Member
 from elasticd.model import NodeInfo, NodeState
 
 INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0)
 KEEP_ALIVE = KeepAlive(1.0, 3)
 
 
-def sighting(moved, draining=False, jobs=(), reads=3):
-    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"),
-                    Beat(7, moved, reads), 100.0)
+def sighting(lost=False, draining=False, jobs=()):
+    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"), Member(1, lost, 50.0))
 
 
-@pytest.mark.parametrize("moved, reads, draining, jobs, state", [
-    (9.0, 3, False, (), "up"), (7.1, 3, False, (), "up"), (7.0, 3, False, (), "lost"),
-    (6.9, 3, True, ("j",), "lost"), (9.0, 3, True, ("j",), "draining"), (9.0, 3, True, (), "drained"),
-    (0.0, 2, False, (), "up"),  # still for long, but read fewer times: a stalled store kills nobody
+@pytest.mark.parametrize("lost, draining, jobs, state", [
+    (False, False, (), "up"), (True, False, (), "lost"), (True, True, ("j",), "lost"),
+    (False, True, ("j",), "draining"), (False, True, (), "drained"),
 ])
-def test_node_state(moved, reads, draining, jobs, state):
-    assert node_state(sighting(moved, draining, jobs, reads), now=10.0, keep_alive=KEEP_ALIVE) == state
-
-
-def test_a_changed_counter_is_life_either_way():
-    record = sighting(0).record
-    first = sight(None, record, 5, now=1.0, wall=11.0)
-    assert (first.beat.count, first.beat.since, first.moved_wall) == (5, 1.0, 11.0)
-    same = sight(first, record, 5, now=2.0, wall=12.0)
-    assert (same.beat.since, same.beat.reads, same.moved_wall) == (1.0, 1, 11.0)
-    assert sight(same, record, 6, now=3.0, wall=13.0).beat.since == 3.0
-    assert sight(same, record, 1, now=3.0, wall=13.0).beat.since == 3.0  # a reset store restarts it
-
-
-def test_wall_clock_never_decides_liveness():
-    """A node whose clock is an hour off is judged only by its counter moving."""
-    record = sighting(0).record
-    seen = sight(None, record, 1, now=1.0, wall=1.0 + 3600)
-    assert node_state(seen, now=2.0, keep_alive=KEEP_ALIVE) == "up"
+def test_node_state(lost, draining, jobs, state):
+    assert node_state(sighting(lost, draining, jobs)) == state
 
 
 def test_record_round_trip_and_doc():
-    record = sighting(0, jobs=("j-1",)).record
+    record = sighting(jobs=("j-1",)).record
     assert NodeRecord.from_json(record.to_json()) == record
-    doc = node_doc(sighting(9.0, jobs=("j-1",)), NodeState.UP)
+    doc = node_doc(sighting(jobs=("j-1",)), NodeState.UP, seen=99.0)
     assert (doc["slots_free"], doc["gpus_free"], doc["gpus_total"], doc["jobs"]) == (6, 1, 2, ["j-1"])
+    assert doc["last_seen"] == 99.0
+    assert node_doc(sighting(lost=True), NodeState.LOST, seen=99.0)["last_seen"] == 50.0  # when judged lost
 
 
 def test_parse_nvidia_smi():
@@ -62,7 +47,7 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     from elasticd.store.signing import Signer
 
     store = MemoryStore()
-    record = sighting(0).record
+    record = sighting().record
     resets: list[str] = []
     store_states: list[bool] = []
 
@@ -99,20 +84,20 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
 
 def test_a_blacklisted_node_says_so_whatever_else_it_is():
     blacklisted = NodeRecord(INFO, True, 0, 0, (), "", "", blacklisted_until=1e9)
-    seen = Sighting(blacklisted, Beat(7, 9.0, 3), 100.0)
-    assert node_state(seen, now=10.0, keep_alive=KEEP_ALIVE) == "blacklisted"
-    assert node_state(seen, now=20.0, keep_alive=KEEP_ALIVE) == "lost"  # lost comes first
+    seen = Sighting(blacklisted, Member(1))
+    assert node_state(seen) == "blacklisted"
+    assert node_state(Sighting(blacklisted, Member(1, lost=True))) == "lost"  # lost comes first
     assert NodeRecord.from_json(blacklisted.to_json()) == blacklisted
-    doc = node_doc(seen, NodeState.BLACKLISTED)
+    doc = node_doc(seen, NodeState.BLACKLISTED, seen=1.0)
     assert (doc["state"], doc["blacklisted_until"], doc["listed"]) == ("blacklisted", 1e9, True)
-    unlisted = Sighting(NodeRecord(INFO, True, listed=False), Beat(7, 9.0, 3), 100.0)
-    assert node_state(unlisted, now=10.0, keep_alive=KEEP_ALIVE) == "drained"
-    assert node_doc(unlisted, NodeState.DRAINED)["listed"] is False
-    assert node_doc(unlisted, NodeState.DRAINED)["blacklisted_until"] is None
+    unlisted = Sighting(NodeRecord(INFO, True, listed=False), Member(1))
+    assert node_state(unlisted) == "drained"
+    assert node_doc(unlisted, NodeState.DRAINED, seen=1.0)["listed"] is False
+    assert node_doc(unlisted, NodeState.DRAINED, seen=1.0)["blacklisted_until"] is None
 
 
 def test_a_record_of_an_older_daemon_reads_as_listed_and_not_blacklisted():
-    doc = sighting(0).record.to_json()
+    doc = sighting().record.to_json()
     del doc["blacklisted_until"], doc["listed"]
     record = NodeRecord.from_json(doc)
     assert (record.blacklisted_until, record.listed) == (0.0, True)
@@ -136,7 +121,7 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
         service = NodeService(registry, interval=0.01)
         stop = asyncio.Event()
         ticked = asyncio.Event()
-        record = sighting(0).record
+        record = sighting().record
         running = asyncio.create_task(service.run(stop, NodeDuties(
             local_record=lambda: record, on_drain=requests.append,
             on_reset=lambda: asyncio.sleep(0), on_tick=ticked.set)))

@@ -1,6 +1,7 @@
 """Telling a dead node from a node whose peer port is merely silent (peers.probe/judged_lost)."""
 
 import asyncio
+import time
 import socket
 
 import pytest
@@ -53,16 +54,23 @@ class _Record:
 
 @pytest.mark.parametrize("heard, expected", [(False, ["n2"]), (True, [])])
 def test_a_silent_node_that_still_beats_is_not_lost(silent_endpoint, heard, expected):
-    """A worker failure is not free because a firewall drops the peer port of a living node."""
+    """A worker failure is not free because a firewall drops the peer port of a living node:
+    its heartbeat is read before the probe and again one interval after it was sent."""
     class Nodes:
+        interval = 0.5
+        reads: list[float] = []
+
         async def record(self, name):
             return _Record(silent_endpoint)
 
         def alive(self, name):
             return True
 
-        def heard_since(self, name, moment):
-            return heard
+        async def beats(self, names):
+            self.reads.append(time.monotonic())
+            return {name: 7 + (len(self.reads) - 1) * heard for name in names}
 
-    links = PeerLinks(client=None, nodes=Nodes())
+    nodes = Nodes()
+    links = PeerLinks(client=None, nodes=nodes)
     assert asyncio.run(links.unreachable(["n2"], 0.3)) == expected
+    assert len(nodes.reads) == 2 and nodes.reads[1] - nodes.reads[0] >= nodes.interval

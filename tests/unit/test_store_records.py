@@ -10,10 +10,8 @@ import time
 import pytest
 
 from elasticd.board import BoardReset, JobBoard
-from elasticd.cluster import NodeRecord, NodeRegistry
 from elasticd.firewall import ruleset, table_name
-from elasticd.liveness import KeepAlive
-from elasticd.model import JobSpec, JobState, NodeInfo
+from elasticd.model import JobSpec, JobState
 from elasticd.placement import refusal
 from elasticd.records import Outcome
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
@@ -21,7 +19,6 @@ from elasticd.store.signing import Signer
 
 SIGNER = Signer(b"k" * 32, "c")
 JOBS = "elasticd/c/jobs"
-NODES = "elasticd/c/nodes"
 
 
 def spec(job_id: str = "j-000001", **kw) -> JobSpec:
@@ -102,58 +99,6 @@ def test_a_snapshot_does_not_walk_a_bumped_counter_and_skips_forged_index_lines(
     _, changes = run(b.board.snapshot())
     assert [c.job_id for c in changes] == ["j-000001"] and time.monotonic() - started < 1.0
     assert len(b.refused) == 1000
-
-
-def registry(store: MemoryStore, name: str, refused: list) -> NodeRegistry:
-    return NodeRegistry(AsyncMemoryStore(store), SIGNER, "c", name, keep_alive=KeepAlive(1.0, 3),
-                        on_refused=lambda key, why: refused.append(key))
-
-
-def record(name: str, draining: bool = False) -> NodeRecord:
-    return NodeRecord(NodeInfo(name, "127.0.0.1", 4), draining=draining)
-
-
-def test_a_replayed_heartbeat_is_no_sign_of_life_and_a_replayed_drain_is_refused():
-    store, refused = MemoryStore(), []
-    n1, n2 = registry(store, "n1", refused), registry(store, "n2", refused)
-
-    async def scenario() -> None:
-        await n1.create_epoch()
-        await n1.tick(record("n1"))
-        old_beat = store.get(f"{NODES}/n1/hb")
-        await n2.tick(record("n2"))
-        await n1.tick(record("n1"))
-        seen = (await n2.tick(record("n2"))).sightings["n1"].beat
-        store.set(f"{NODES}/n1/hb", old_beat)  # n1 died; someone writes back an old beat
-        again = (await n2.tick(record("n2"))).sightings["n1"].beat
-        assert again.count == seen.count and again.since == seen.since  # it did not move
-        assert f"{NODES}/n1/hb" in refused
-        await n1.request_drain("n2", True, "root")
-        drain = store.get(f"{NODES}/n2/drain")
-        assert (await n2.tick(record("n2"))).drain is True
-        await n1.request_drain("n2", False, "root")
-        assert (await n2.tick(record("n2"))).drain is False
-        store.set(f"{NODES}/n2/drain", drain)  # the old request written back
-        assert (await n2.tick(record("n2"))).drain is None
-        store.set(f"{NODES}/n1/drain", drain)  # or copied to another node
-        assert (await n1.tick(record("n1"))).drain is None
-        assert refused.count(f"{NODES}/n2/drain") == 1 and f"{NODES}/n1/drain" in refused
-
-    run(scenario())
-
-
-def test_the_node_list_ignores_a_bumped_counter_and_forged_names():
-    store, refused = MemoryStore(), []
-    n1 = registry(store, "n1", refused)
-
-    async def scenario() -> None:
-        await n1.create_epoch()
-        store.add(f"{NODES}/seq", 300_000)
-        store.append(f"{NODES}/names", b"evil\n" * 100)
-        tick = await n1.tick(record("n1"))
-        assert list(tick.sightings) == ["n1"] and len(refused) == 100
-
-    run(scenario())
 
 
 @pytest.mark.parametrize("job, allow_root, local_user, refused", [

@@ -129,6 +129,10 @@ class Freshness:
     def forget(self, key: str) -> None:
         self._newest.pop(key, None)
 
+    def newest(self, key: str) -> int:
+        """The newest version accepted for ``key`` (-1: none yet)."""
+        return self._newest.get(key, -1)
+
 
 class VersionClock:
     """Versions for a record this daemon rewrites: strictly increasing, and past what an
