@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Debian packages that the root-only system tests need: iproute2 (`ip netns`, for
-# tests/system/test_partition.py), systemd-container (`systemd-nspawn`, for
-# tests/system/test_systemd.py) and prometheus (for its `promtool`, which checks the shipped
-# alert rules and the dashboard's queries in tests/unit/test_packaging_metrics.py) and
-# nftables (`nft`, for the store's owner rule in tests/chaos/test_store_freeze.py).
+# Debian packages that tests need: iproute2 (`ip netns`, for tests/system/test_partition.py),
+# systemd-container (`systemd-nspawn`, for tests/system/test_systemd.py), prometheus (for its
+# `promtool`, which checks the shipped alert rules and the dashboard's queries in
+# tests/unit/test_packaging_metrics.py), nftables (`nft`, for the store's owner rule in
+# tests/chaos/test_store_freeze.py) and etcd-server (/usr/bin/etcd, which the etcd store's
+# tests start themselves: tests/fixtures/etcd.py).
 # Idempotent and quiet; does nothing (exit 0) when not root or when all are installed.
-# The tests skip themselves without them.
+# The tests skip themselves without them (the etcd ones fail instead when CI is set).
 set -euo pipefail
-packages=(iproute2 systemd-container prometheus nftables)
+packages=(iproute2 systemd-container prometheus nftables etcd-server)
 [ "$(id -u)" -eq 0 ] || exit 0
 command -v apt-get >/dev/null 2>&1 || exit 0
 missing=()
@@ -17,7 +18,8 @@ done
 [ ${#missing[@]} -eq 0 ] && exit 0
 export DEBIAN_FRONTEND=noninteractive
 log=$(mktemp)
-# Only promtool is wanted: no package may start its service while being installed.
+# Only their programs are wanted (promtool, etcd): no package may start its service while
+# being installed.
 guard=
 if [ ! -e /usr/sbin/policy-rc.d ]; then
   guard=/usr/sbin/policy-rc.d

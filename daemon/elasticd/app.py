@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 from dataclasses import replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import sdnotify
 import zmq
@@ -62,6 +62,9 @@ from .store.c10d import C10dServer
 from .store.memory import AsyncMemoryStore, MemoryStore
 from .store.tcpstore import TCPStoreClient
 from .store.signing import Signer, load_key, load_or_create_key
+
+if TYPE_CHECKING:
+    from .store.etcd import EtcdStore
 
 log = logging.getLogger("elasticd")
 
@@ -104,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     # TCPStore looks up every peer's name; a lost DNS query must not stall the store for the
     # resolver's default 5 s x 2 (longer than a node's heartbeat timeout).
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    # gRPC (etcd's client) would run fork handlers at every worker spawn: ours fork to exec
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here  # `kill -USR1`: every thread's stack
     try:
@@ -258,22 +263,36 @@ class Daemon:
         return 0
 
     async def _open_store(self, closing: contextlib.AsyncExitStack) -> Store:
-        """The cluster's store: hosted here or reached over TCP; a standalone daemon's lives
-        in its own memory (no port that any local user could reach)."""
+        """The cluster's store: a TCPStore hosted here or reached over TCP, or an etcd
+        cluster; a standalone daemon's lives in its own memory (no port that any local user
+        could reach)."""
         if self.config.standalone:
             self._endpoint = "memory (standalone)"
             return InstrumentedStore(AsyncMemoryStore(MemoryStore()), self.metrics)
+        client = self._etcd_client() if self.config.etcd else await self._tcpstore_client(closing)
+        store = InstrumentedStore(client, self.metrics)
+        closing.push_async_callback(store.close)
+        await client.connect(self.config.store.connect_timeout)
+        return store
+
+    async def _tcpstore_client(self, closing: contextlib.AsyncExitStack) -> TCPStoreClient:
         await asyncio.to_thread(self._host_store)
         if self._server is not None:
             closing.callback(self._server.close)
         firewall = await asyncio.to_thread(self._store_firewall)
         if firewall is not None:
             closing.callback(firewall.close)
-        client = TCPStoreClient(self._endpoint, timeout=self.config.store.timeout)
-        store = InstrumentedStore(client, self.metrics)
-        closing.push_async_callback(store.close)
-        await client.connect(self.config.store.connect_timeout)
-        return store
+        return TCPStoreClient(self._endpoint, timeout=self.config.store.timeout)
+
+    def _etcd_client(self) -> EtcdStore:
+        """An etcd cluster's client: no store host, no firewall (etcd's TLS and users guard it)."""
+        from .store.etcd import EtcdStore  # grpc is loaded by the daemons of an etcd cluster only
+
+        settings = self.config.store
+        self._endpoint = ",".join(settings.endpoints)
+        return EtcdStore(settings.endpoints, timeout=settings.timeout, ca_file=settings.ca_file,
+                         cert_file=settings.cert_file, key_file=settings.key_file,
+                         user=settings.user, password=settings.password())
 
     def _store_firewall(self) -> StoreFirewall | None:
         """Only this daemon's user may reach the store's port from this host (firewall.py)."""
@@ -307,7 +326,9 @@ class Daemon:
         registry = NodeRegistry(store, signer, self.config.cluster.name, self.node,
                                 keep_alive=self.config.rendezvous.keep_alive,
                                 endpoint=self._endpoint, on_refused=self._refused)
-        if self._server is not None or self.config.standalone:
+        # a fresh store is marked by its host; etcd has none, so every daemon offers the mark
+        # (a compare-and-set on a missing key: the first one wins)
+        if self._server is not None or self.config.standalone or self.config.etcd:
             await registry.create_epoch()
         return registry
 
@@ -392,6 +413,8 @@ class Daemon:
         return load_key(self.config.key_file)
 
     def _hosts_store(self) -> bool:
+        if self.config.etcd:
+            return False
         host = self.config.store.host
         if host == config_mod.AUTO:
             return is_local(self.config.store_host)

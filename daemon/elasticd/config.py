@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import stat
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from .liveness import KeepAlive
 from .model import JobSpec
 
 AUTO = "auto"
+ETCD = "etcd"
+BACKENDS = ("c10d", ETCD)
 
 
 def _port(value: int) -> str | None:
@@ -42,6 +45,17 @@ def _endpoint(value: str) -> str | None:
         split_endpoint(value)
     except ValueError:
         return "must be HOST:PORT or [IPV6]:PORT (port 0: a free port, for the store host only)"
+    return None
+
+
+def _backend(value: str) -> str | None:
+    return None if value in BACKENDS else f"must be one of {', '.join(BACKENDS)}"
+
+
+def _members(value: list[str]) -> str | None:
+    for endpoint in value:
+        if _endpoint(endpoint) or split_endpoint(endpoint)[1] == 0:
+            return f"must list HOST:PORT or [IPV6]:PORT addresses; {endpoint!r} is not one"
     return None
 
 
@@ -98,16 +112,58 @@ class NodeConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str = key("default", doc="cluster name; namespaces every store key", flag="--cluster")
-    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key", flag="--cluster-key")
+    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key (made by the store host; with etcd, copy the same file to every node first)", flag="--cluster-key")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
+    backend: str = key("c10d", _backend, doc="'c10d' (a TCPStore that one daemon hosts) or 'etcd'")
     endpoint: str = key("127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT", flag="--store")
     host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint is ours", flag="--store-host")
     firewall: bool | str = key(AUTO, doc="let only this daemon's user reach the store port from this host (an nftables rule); 'auto': when root and nft is installed")
     connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
     timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
+    endpoints: list[str] = key([], _members, doc="etcd: the members' client addresses, HOST:PORT each")
+    ca_file: str = key("", doc="etcd: the CA of the members' certificates (PEM); set: TLS")
+    cert_file: str = key("", doc="etcd: this daemon's client certificate (PEM), for members that want one")
+    key_file: str = key("", doc="etcd: the client certificate's private key (PEM, 0600)")
+    user: str = key("", doc="etcd: the user to authenticate as; empty: none (or the client certificate's)")
+    password_file: str = key("", doc="etcd: a 0600 file holding the user's password")
+
+    def __post_init__(self) -> None:
+        if self.backend != ETCD:
+            return
+        if not self.endpoints:
+            raise ConfigError("store.endpoints", "must list the etcd members when store.backend is 'etcd'")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("store.key_file" if self.cert_file else "store.cert_file",
+                              "store.cert_file and store.key_file go together")
+        if bool(self.user) != bool(self.password_file):
+            raise ConfigError("store.password_file" if self.user else "store.user",
+                              "store.user and store.password_file go together")
+
+    def password(self) -> str:
+        """The etcd user's password, read from password_file (which only its owner may
+        read); "" without one."""
+        if not self.password_file:
+            return ""
+        path, dotted = self.password_file, "store.password_file"
+        try:
+            with open(path, "rb") as file:
+                mode = os.fstat(file.fileno()).st_mode
+                text = file.read().rstrip(b"\r\n")
+        except OSError as exc:
+            raise ConfigError(dotted, f"cannot read {path}: {exc.strerror}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(dotted, f"{path} is accessible by group or others "
+                                      f"(mode {mode & 0o777:o}); chmod 600 it")
+        try:
+            password = text.decode()
+        except UnicodeDecodeError:
+            raise ConfigError(dotted, f"{path} is not UTF-8 text") from None
+        if not password:
+            raise ConfigError(dotted, f"{path} is empty")
+        return password
 
 
 @dataclass(frozen=True)
@@ -207,7 +263,12 @@ class DaemonConfig:
 
     @property
     def store_host(self) -> str:
-        return split_endpoint(self.store.endpoint)[0]
+        """The store's host (with etcd: the first member's)."""
+        return split_endpoint(self.store.endpoints[0] if self.etcd else self.store.endpoint)[0]
+
+    @property
+    def etcd(self) -> bool:
+        return self.store.backend == ETCD and not self.standalone
 
     @property
     def store_port(self) -> int:
@@ -264,6 +325,10 @@ def _coerce(dotted: str, hint: Any, value: Any) -> Any:
     """Type-check one value against its annotation; ints are accepted where floats are."""
     if hint is float and _is(value, int):
         return float(value)
+    if hint == list[str]:
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
+        return list(value)
     if hint == list[float]:
         if not (isinstance(value, list) and all(_is(v, int) or _is(v, float) for v in value)):
             raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
@@ -287,7 +352,7 @@ def _is(value: Any, kind: type) -> bool:
 _TYPE_WORDS: dict[Any, str] = {
     int: "an integer", float: "a number", str: "a string", bool: "true or false",
     dict[str, str]: "a table of strings", int | str: f"an integer or '{AUTO}'",
-    bool | str: f"true, false or '{AUTO}'", list[float]: "a list of numbers",
+    bool | str: f"true, false or '{AUTO}'", list[float]: "a list of numbers", list[str]: "a list of strings",
 }
 
 

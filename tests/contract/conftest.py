@@ -36,17 +36,35 @@ def _c10d_store(request):
     return connect(server.endpoint, timeout=10.0, connect_timeout=10.0)
 
 
+@pytest.fixture(scope="module")
+def etcd_cluster(tmp_path_factory):
+    """A one-member etcd cluster, plain TCP, no authentication."""
+    from fixtures.etcd import EtcdCluster, require_etcd
+
+    require_etcd()
+    with EtcdCluster(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def etcd_tls_cluster(tmp_path_factory):
+    """A one-member etcd cluster that wants TLS with a client certificate, and a password."""
+    from fixtures.etcd import EtcdCluster, require_etcd
+
+    require_etcd()
+    with EtcdCluster(tmp_path_factory.mktemp("etcd-tls"), tls=True, password="s3cret") as cluster:
+        yield cluster
+
+
 class OnALoop:
-    """A TCPStoreClient's coroutines called from any thread (the contract is written for
-    blocking backends): the client runs on a loop of its own."""
+    """A Store's coroutines (TCPStoreClient, EtcdStore) called from any thread (the contract
+    is written for blocking backends): the client runs on a loop of its own."""
 
-    def __init__(self, endpoint: str, timeout: float = 10.0) -> None:
-        from elasticd.store.tcpstore import TCPStoreClient
-
+    def __init__(self, client) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._client = TCPStoreClient(endpoint, timeout=timeout)
+        self._client = client
 
     def __getattr__(self, name: str):
         method = getattr(self._client, name)
@@ -58,10 +76,30 @@ class OnALoop:
 
 
 def _tcpstore_client(request):
-    return OnALoop(request.getfixturevalue("c10d_server").endpoint)
+    from elasticd.store.tcpstore import TCPStoreClient
+
+    return OnALoop(TCPStoreClient(request.getfixturevalue("c10d_server").endpoint, timeout=10.0))
 
 
-BACKENDS = {"memory": _memory_store, "c10d": _c10d_store, "tcpstore": _tcpstore_client}
+def _on_etcd(cluster) -> OnALoop:
+    """An EtcdStore for the cluster (its TLS files and user), connected."""
+    from elasticd.store.etcd import EtcdStore
+
+    store = OnALoop(EtcdStore(cluster.endpoints, timeout=10.0, **cluster.store_options()))
+    store.connect(10.0)
+    return store
+
+
+def _etcd_store(request):
+    return _on_etcd(request.getfixturevalue("etcd_cluster"))
+
+
+def _etcd_tls_store(request):
+    return _on_etcd(request.getfixturevalue("etcd_tls_cluster"))
+
+
+BACKENDS = {"memory": _memory_store, "c10d": _c10d_store, "tcpstore": _tcpstore_client,
+            "etcd": _etcd_store, "etcd-tls": _etcd_tls_store}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -73,5 +111,5 @@ def store(request):
 
 @pytest.fixture
 def key(request) -> str:
-    """A key no other test uses (the c10d server is shared by the module)."""
+    """A key no other test uses (the c10d server and the etcd clusters are shared by the module)."""
     return f"contract/{request.node.name}"

@@ -56,6 +56,15 @@ def test_toml_file_and_overrides(tmp_path):
     ({"blacklist": {"cooldown_range": [0, 5]}}, "blacklist.cooldown_range", "[MIN, MAX]"),
     ({"blacklist": {"cooldown_range": [1, "x"]}}, "blacklist.cooldown_range", "a list of numbers"),
     ({"blacklist": {"cooldown_range": 5}}, "blacklist.cooldown_range", "a list of numbers"),
+    ({"store": {"backend": "zookeeper"}}, "store.backend", "one of c10d, etcd"),
+    ({"store": {"backend": "etcd"}}, "store.endpoints", "must list the etcd members"),
+    ({"store": {"endpoints": "h:2379"}}, "store.endpoints", "a list of strings"),
+    ({"store": {"endpoints": ["h:2379", "nohost"]}}, "store.endpoints", "'nohost' is not one"),
+    ({"store": {"endpoints": ["h:0"]}}, "store.endpoints", "'h:0' is not one"),
+    ({"store": {"backend": "etcd", "endpoints": ["h:2379"], "cert_file": "/c.pem"}},
+     "store.key_file", "go together"),
+    ({"store": {"backend": "etcd", "endpoints": ["h:2379"], "user": "elasticd"}},
+     "store.password_file", "go together"),
 ])
 def test_bad_values_name_the_key(tables, key, words):
     with pytest.raises(ConfigError) as info:
@@ -74,6 +83,38 @@ def test_discovery_and_blacklist_keys(tmp_path):
     policy = cfg.blacklist.policy
     assert (policy.failures, policy.window, policy.cooldown_min, policy.cooldown_max) == (2, 30.0, 2.0, 4.5)
     assert policy.enabled and not config.load().blacklist.policy.enabled  # off by default
+
+
+def test_etcd_store_keys(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[store]\nbackend = "etcd"\nendpoints = ["10.0.0.5:2379", "[fd00::6]:2379"]\n'
+                    'ca_file = "/etc/elasticd/etcd-ca.pem"\n')
+    cfg = config.load(str(path))
+    assert cfg.etcd and cfg.store.endpoints == ["10.0.0.5:2379", "[fd00::6]:2379"]
+    assert cfg.store_host == "10.0.0.5"  # this node's address is the one on the route to it
+    assert not config.load().etcd and not config.load(str(path), standalone=True).etcd
+
+
+def test_the_etcd_password_is_read_from_an_owner_only_file(tmp_path):
+    secret = tmp_path / "etcd.password"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    store = config.from_tables({"store": {"backend": "etcd", "endpoints": ["h:2379"], "user": "u",
+                                          "password_file": str(secret)}}).store
+    assert store.password() == "s3cret"
+    secret.chmod(0o640)
+    with pytest.raises(ConfigError, match="chmod 600") as info:
+        store.password()
+    assert info.value.key == "store.password_file"
+    secret.write_text("\n")
+    secret.chmod(0o600)
+    with pytest.raises(ConfigError, match="is empty"):
+        store.password()
+    secret.unlink()
+    with pytest.raises(ConfigError, match="cannot read") as info:
+        store.password()
+    assert info.value.key == "store.password_file"
+    assert config.load().store.password() == ""
 
 
 def test_unreadable_and_invalid_files(tmp_path):

@@ -1,8 +1,10 @@
 """Store backends (DESIGN §4): the protocols, the daemon's TCPStore client, the c10d
-TCPStore server, an in-memory store, signing.
+TCPStore server, the etcd client, an in-memory store, signing.
 
 Only ``elasticd.store.c10d`` uses torch (the server a store host runs, and torch's blocking
 client), and imports it lazily: a daemon that does not host the store never loads torch.
+Only ``elasticd.store.etcd`` uses gRPC; it is not imported here, so that only the daemons of
+an etcd cluster load it.
 """
 
 from elasticd.store.base import StoreBackend

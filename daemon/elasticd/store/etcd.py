@@ -1,0 +1,470 @@
+"""EtcdStore: the store operations as coroutines over an etcd v3 cluster (DESIGN §4).
+
+How each operation maps onto etcd: ``get``/``set``/``delete`` are Range, Put and
+DeleteRange.  ``compare_set`` is one Txn (the value equals ``expected``, or the key was never
+created) whose failure branch reads the key.  ``add`` and ``append`` read the key, then write
+the new value in a Txn that holds only if the key's mod revision is still the one read, and
+start again from what a lost race read.  ``get_many`` is Txns of up to 128 Range ops (etcd's
+default ``--max-txn-ops``).  ``wait_for`` reads the key and the store's revision, then
+watches the key from the next revision: one round trip when it is written, no polling.
+Counters are ASCII decimal, as TCPStore stores them.
+
+gRPC is spoken over aetcd's generated stubs; aetcd's own client has no TLS, uses one
+endpoint and never renews its auth token.  Calls go to one member at a time.  A member that
+cannot be reached (or that lost its cluster's leader) is left for the next one, each tried
+once per call; so is a member whose connection broke during a call, and the call is then
+sent again, except an ``add`` or ``append``: it may have been applied, so it fails with
+StoreConnectionError (as a TCPStore call whose connection broke does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+import grpc.aio
+from aetcd import rpc
+
+from elasticd.endpoint import split_endpoint
+from elasticd.errors import StoreConnectionError, StoreError, StoreTimeout
+from elasticd.store.base import check_compare_value
+
+MAX_TXN_OPS = 128       # etcd's default --max-txn-ops
+_FIRST_BACKOFF = 0.05
+_MAX_BACKOFF = 2.0
+_REACH = 2.0            # seconds one member may take to accept a connection before the next is tried
+_QUIET_RACES = 3        # lost compare-and-set races retried at once; then with a random pause
+_RACE_PAUSE = 0.02
+_HAS_LEADER = (("hasleader", "true"),)  # etcd ends a watch on a member that lost its leader
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),     # a member gone silent is noticed by calls in flight
+    ("grpc.keepalive_timeout_ms", 5_000),
+)
+_MOVE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}  # the member, not the call, failed
+_REFUSALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+             grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
+_READY = grpc.ChannelConnectivity.READY
+
+Send = Callable[["_Member", float], Awaitable[Any]]
+
+
+class _Refused(StoreConnectionError):
+    """etcd refused who we are (user, password, permissions) or what we asked: sending it
+    again will not help."""
+
+
+class _Member:
+    """A channel to one endpoint, with its stubs and auth token."""
+
+    def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None) -> None:
+        self.endpoint = endpoint
+        self.channel = (grpc.aio.insecure_channel(endpoint, _CHANNEL_OPTIONS) if credentials is None
+                        else grpc.aio.secure_channel(endpoint, credentials, _CHANNEL_OPTIONS))
+        self.kv = rpc.KVStub(self.channel)
+        self.watch = rpc.WatchStub(self.channel)
+        self.lease = rpc.LeaseStub(self.channel)
+        self.auth = rpc.AuthStub(self.channel)
+        self.maintenance = rpc.MaintenanceStub(self.channel)
+        self.metadata: tuple[tuple[str, str], ...] | None = None  # None: not authenticated yet
+
+    @property
+    def ready(self) -> bool:
+        return self.metadata is not None and self.channel.get_state() == _READY
+
+    async def connected(self, budget: float) -> str | None:
+        """None once the channel is up; why not, when it failed or took ``budget`` seconds."""
+        state = self.channel.get_state(try_to_connect=True)
+        try:
+            async with asyncio.timeout(budget):
+                while state != _READY:
+                    if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                        return await self._why_down()
+                    await self.channel.wait_for_state_change(state)
+                    state = self.channel.get_state(try_to_connect=True)
+        except TimeoutError:
+            return f"no connection within {budget:g}s"
+        except grpc.aio.UsageError:  # closed meanwhile: a call that failed on it left it
+            return "connection closed"
+        return None
+
+    async def _why_down(self) -> str:
+        """A call on a channel that is down fails at once with the reason (it is not sent)."""
+        try:
+            await self.maintenance.Status(rpc.StatusRequest(), timeout=_REACH)
+        except grpc.aio.AioRpcError as exc:
+            return exc.details() or exc.code().name
+        return "connection failed"
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class EtcdStore:
+    """The :class:`~elasticd.store.base.Store` coroutines over an etcd v3 cluster.
+
+    ``endpoints`` are the members' client addresses (HOST:PORT).  TLS when ``ca_file`` (the
+    CA that signed the members' certificates) or ``cert_file``/``key_file`` (this client's)
+    are given; ``user``/``password`` for etcd's authentication.  Each call has a deadline of
+    ``timeout`` seconds (a wait: its own timeout plus that), past which it raises
+    StoreTimeout.  A call fails at once with StoreConnectionError when no member can be
+    reached; only :meth:`connect` waits for one.
+    """
+
+    def __init__(self, endpoints: list[str], *, timeout: float, ca_file: str = "",
+                 cert_file: str = "", key_file: str = "", user: str = "", password: str = "") -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoint")
+        for endpoint in endpoints:
+            split_endpoint(endpoint)
+        if bool(cert_file) != bool(key_file):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self.revision = 0  # the newest store revision any reply showed
+        self._credentials = _credentials(ca_file, cert_file, key_file)
+        self._user, self._password = user, password
+        self._index = 0  # the endpoint calls go to
+        self._member: _Member | None = None
+        self._choosing = asyncio.Lock()
+        self._unreachable = ""  # why the last member tried could not be used
+        self._closed = False
+
+    # -- the store operations -------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        return _value(await self._kv("Range", _range(key)))
+
+    async def set(self, key: str, value: bytes) -> None:
+        await self._kv("Put", rpc.PutRequest(key=_key(key), value=value))
+
+    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        check_compare_value(expected)
+        compare = _compare(key, rpc.Compare.CREATE, create_revision=0) if expected is None \
+            else _compare(key, rpc.Compare.VALUE, value=expected)
+        reply = await self._txn([compare], [_put(key, desired)], [_op(_range(key))])
+        if reply.succeeded:
+            return True, desired
+        current = _value(reply.responses[0].response_range)
+        return current == desired, current
+
+    async def add(self, key: str, amount: int) -> int:
+        async with self._deadline(self.timeout):
+            current = await self._kv("Range", _range(key))
+            if amount == 0 and current.kvs:  # a read: no write, no new revision
+                return _counter(key, current.kvs[0].value)
+            new = await self._update(key, current, lambda value: b"%d" % (_counter(key, value) + amount))
+            return int(new)
+
+    async def append(self, key: str, value: bytes) -> None:
+        async with self._deadline(self.timeout):
+            current = await self._kv("Range", _range(key))
+            await self._update(key, current, lambda old: (old or b"") + value)
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """The values in one Txn per 128 keys, sent together."""
+        chunks = [keys[i:i + MAX_TXN_OPS] for i in range(0, len(keys), MAX_TXN_OPS)]
+        replies = await asyncio.gather(*(self._txn([], [_op(_range(k)) for k in chunk], [])
+                                         for chunk in chunks))
+        return [_value(op.response_range) for reply in replies for op in reply.responses]
+
+    async def delete(self, key: str) -> bool:
+        return (await self._kv("DeleteRange", rpc.DeleteRangeRequest(key=_key(key)))).deleted > 0
+
+    async def wait_for(self, key: str, timeout: float) -> bool:
+        """True once ``key`` exists, False after ``timeout`` seconds: a read, then a watch
+        from the revision after it (started again there on another member if one fails)."""
+        ends = asyncio.get_running_loop().time() + max(timeout, 0.0)
+        while True:
+            current = await self._kv("Range", _range(key))
+            if current.kvs:
+                return True
+            if timeout <= 0:
+                return False
+            watched = await self._watch(key, current.header.revision + 1, ends)
+            if watched is not None:
+                return watched
+            # None: the revisions to watch from were compacted away; read again
+
+    async def close(self) -> None:
+        """Close the connection; calls in flight and later fail with StoreConnectionError."""
+        self._closed = True
+        if self._member is not None:
+            member, self._member = self._member, None
+            await member.close()
+
+    # -- extras: leases -------------------------------------------------------------------
+
+    async def lease_grant(self, ttl: float) -> int:
+        """A new lease of ``ttl`` seconds (etcd counts whole seconds, and may raise it to its
+        minimum); its id."""
+        async def send(member: _Member, timeout: float) -> Any:
+            return await member.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl))),
+                                                 timeout=timeout, metadata=member.metadata)
+        reply = await self._call(send)
+        if reply.error:
+            raise StoreConnectionError(f"etcd did not grant a lease: {reply.error}")
+        return reply.ID
+
+    async def lease_keep_alive(self, lease: int) -> bool:
+        """Renew the lease for its TTL; False when it is gone (expired or revoked)."""
+        async def send(member: _Member, timeout: float) -> Any:
+            call = member.lease.LeaseKeepAlive(timeout=timeout, metadata=member.metadata)
+            try:
+                await call.write(rpc.LeaseKeepAliveRequest(ID=lease))
+                return await call.read()
+            finally:
+                call.cancel()
+
+        reply = await self._call(send)
+        return reply is not grpc.aio.EOF and reply.TTL > 0
+
+    async def put_with_lease(self, key: str, value: bytes, lease: int) -> None:
+        """``set``, the key deleted when the lease ends (StoreConnectionError if it has)."""
+        await self._kv("Put", rpc.PutRequest(key=_key(key), value=value, lease=lease))
+
+    # -- connecting -----------------------------------------------------------------------
+
+    async def connect(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a member that serves reads (a daemon may start
+        before its etcd cluster has a leader).  A refused user fails at once."""
+        backoff = _FIRST_BACKOFF
+        problem = ""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        await self._kv("Range", rpc.RangeRequest(key=b"elasticd", count_only=True))
+                        return
+                    except _Refused:
+                        raise
+                    except StoreError as exc:
+                        problem = str(exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, _MAX_BACKOFF)
+        except TimeoutError:
+            raise StoreConnectionError(f"no etcd member of {', '.join(self.endpoints)} answered "
+                                       f"within {timeout:g}s: {problem or 'no answer'}") from None
+
+    # -- calls ----------------------------------------------------------------------------
+
+    async def _kv(self, method: str, request: Any, *, retry: bool = True) -> Any:
+        async def send(member: _Member, timeout: float) -> Any:
+            return await getattr(member.kv, method)(request, timeout=timeout, metadata=member.metadata)
+
+        reply = await self._call(send, retry=retry)
+        self.revision = max(self.revision, reply.header.revision)
+        return reply
+
+    async def _txn(self, compare: list, success: list, failure: list, *, retry: bool = True) -> Any:
+        return await self._kv("Txn", rpc.TxnRequest(compare=compare, success=success, failure=failure),
+                              retry=retry)
+
+    async def _update(self, key: str, current: Any, change: Callable[[bytes | None], bytes]) -> bytes:
+        """Write ``change(value)`` if the key was not written since ``current`` (a Range
+        reply) was read; after a lost race, again from the value the Txn read.  Never sent
+        twice after a broken connection: it may have been applied."""
+        races = 0
+        while True:
+            kv = current.kvs[0] if current.kvs else None
+            new = change(kv.value if kv else None)
+            unchanged = _compare(key, rpc.Compare.MOD, mod_revision=kv.mod_revision if kv else 0)
+            reply = await self._txn([unchanged], [_put(key, new)], [_op(_range(key))], retry=False)
+            if reply.succeeded:
+                return new
+            current = reply.responses[0].response_range
+            races += 1
+            if races > _QUIET_RACES:  # crowded: spread the writers out
+                await asyncio.sleep(random.uniform(0, _RACE_PAUSE))
+
+    async def _watch(self, key: str, start: int, ends: float) -> bool | None:
+        """True when the key is put at or after revision ``start``, False at ``ends`` (the
+        loop's clock), None when ``start`` was compacted away."""
+        create = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+            key=_key(key), start_revision=start, filters=[rpc.WatchCreateRequest.NODELETE]))
+
+        async def send(member: _Member, _: float) -> bool | None:
+            call = member.watch.Watch(metadata=member.metadata + _HAS_LEADER)
+            try:
+                await call.write(create)
+                async with asyncio.timeout_at(ends):
+                    while (reply := await call.read()) is not grpc.aio.EOF:
+                        if reply.canceled:
+                            return _watch_canceled(member, reply)
+                        if any(event.type == rpc.Event.PUT for event in reply.events):
+                            return True
+            except TimeoutError:
+                return False
+            finally:
+                call.cancel()
+            raise StoreConnectionError(f"etcd at {member.endpoint} ended a watch")
+
+        left = ends - asyncio.get_running_loop().time()
+        return await self._call(send, deadline=max(left, 0.0) + self.timeout)
+
+    async def _call(self, send: Send, *, retry: bool = True, deadline: float | None = None) -> Any:
+        """``send(member, seconds left)`` to a member that answers, within ``deadline``
+        seconds; again to the next member when the one it went to failed, if ``retry``."""
+        deadline = self.timeout if deadline is None else deadline
+        async with self._deadline(deadline):
+            ends = asyncio.get_running_loop().time() + deadline
+            for _ in range(len(self.endpoints) + 1):  # every member, and a renewed auth token
+                member = await self._chosen()
+                try:
+                    return await send(member, ends - asyncio.get_running_loop().time())
+                except grpc.aio.AioRpcError as exc:
+                    await self._failed(member, exc.code(), exc.details() or exc.code().name, retry)
+                except asyncio.CancelledError:
+                    if _cancelled():
+                        raise
+                    await self._failed(member, grpc.StatusCode.CANCELLED, "connection closed", retry)
+        raise StoreConnectionError(f"no etcd member of {', '.join(self.endpoints)} could serve "
+                                   f"the call: {self._unreachable}")
+
+    async def _failed(self, member: _Member, code: grpc.StatusCode, details: str, retry: bool) -> None:
+        """Returns when the call may be sent again (to the next member, or after a new auth
+        token); raises the StoreError it means otherwise."""
+        if self._closed:
+            raise StoreConnectionError(f"the etcd client for {', '.join(self.endpoints)} is closed")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise StoreTimeout(f"etcd at {member.endpoint}: {details}")
+        self._unreachable = f"{member.endpoint}: {details}"
+        if code == grpc.StatusCode.UNAUTHENTICATED and self._user:
+            member.metadata = None  # the token expired, or the member restarted: a new one
+            return
+        if code in _REFUSALS:
+            raise _Refused(f"etcd at {member.endpoint} refused the call: {details}")
+        if code not in _MOVE_ON:
+            raise StoreConnectionError(f"etcd at {member.endpoint} failed the call: {details}")
+        await self._leave(member)
+        if not retry:
+            raise StoreConnectionError(f"lost etcd at {member.endpoint} during a write that may "
+                                       f"have been applied: {details}")
+
+    async def _chosen(self) -> _Member:
+        """The member calls go to: the current one, or the next that accepts a connection
+        (and this client's user), each tried once."""
+        member = self._member
+        if member is not None and member.ready and not self._closed:
+            return member
+        async with self._choosing:
+            for _ in range(len(self.endpoints)):
+                if self._closed:
+                    raise StoreConnectionError(f"the etcd client for {', '.join(self.endpoints)} is closed")
+                if self._member is None:
+                    self._member = _Member(self.endpoints[self._index], self._credentials)
+                member = self._member
+                try:
+                    problem = await member.connected(_REACH)
+                    if problem is None and member.metadata is None:
+                        problem = await self._authenticate(member)
+                except asyncio.CancelledError:
+                    if _cancelled():
+                        raise
+                    problem = "connection closed"  # by a call that failed on it meanwhile
+                if problem is None:
+                    return member
+                self._unreachable = f"{member.endpoint}: {problem}"
+                await self._leave(member)
+        raise StoreConnectionError(f"cannot reach etcd ({self._unreachable})")
+
+    async def _authenticate(self, member: _Member) -> str | None:
+        """Get a token for this client's user (none needed without one); why not, when the
+        member could not answer; _Refused when it refused the user."""
+        if not self._user:
+            member.metadata = ()
+            return None
+        request = rpc.AuthenticateRequest(name=self._user, password=self._password)
+        try:
+            reply = await member.auth.Authenticate(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _MOVE_ON or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return exc.details() or exc.code().name
+            raise _Refused(f"etcd at {member.endpoint} refused user {self._user!r}: "
+                           f"{exc.details()}") from None
+        member.metadata = (("token", reply.token),)
+        return None
+
+    async def _leave(self, member: _Member) -> None:
+        """Calls go to the next member from now on (unless another failed call moved them
+        already); the channel closes, failing its other calls, which move on too."""
+        if self._member is member:
+            self._member = None
+            self._index = (self._index + 1) % len(self.endpoints)
+        await member.close()
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self, seconds: float) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(seconds):
+                yield
+        except TimeoutError:
+            raise StoreTimeout(f"etcd ({', '.join(self.endpoints)}): no answer within {seconds:g}s") from None
+
+
+def _cancelled() -> bool:
+    """Whether this task is being cancelled (or timed out); grpc.aio also raises
+    CancelledError in the calls of a channel that closes, which is not that."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _watch_canceled(member: _Member, reply: Any) -> None:
+    """None for a watch that etcd canceled because its start was compacted; raises otherwise."""
+    if reply.compact_revision:
+        return None
+    raise StoreConnectionError(f"etcd at {member.endpoint} canceled a watch: "
+                               f"{reply.cancel_reason or 'no reason given'}")
+
+
+def _credentials(ca_file: str, cert_file: str, key_file: str) -> grpc.ChannelCredentials | None:
+    if not (ca_file or cert_file):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file), private_key=_read(key_file),
+                                        certificate_chain=_read(cert_file))
+
+
+def _read(path: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise StoreConnectionError(f"cannot read {path} (for TLS to etcd): {exc.strerror}") from None
+
+
+def _key(key: str) -> bytes:
+    return key.encode()
+
+
+def _range(key: str) -> Any:
+    return rpc.RangeRequest(key=_key(key))
+
+
+def _put(key: str, value: bytes) -> Any:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=_key(key), value=value))
+
+
+def _op(request: Any) -> Any:
+    return rpc.RequestOp(request_range=request)
+
+
+def _compare(key: str, target: int, **value: Any) -> Any:
+    return rpc.Compare(key=_key(key), target=target, result=rpc.Compare.EQUAL, **value)
+
+
+def _value(reply: Any) -> bytes | None:
+    """The value in a Range reply; None when the key is missing."""
+    return reply.kvs[0].value if reply.kvs else None
+
+
+def _counter(key: str, value: bytes | None) -> int:
+    try:
+        return int(value or b"0")
+    except ValueError:
+        raise StoreError(f"store key {key} holds {value[:40]!r}, not a counter") from None

@@ -1,0 +1,225 @@
+"""etcd specifics of the store (elasticd.store.etcd), against real etcd processes: TLS and
+users refused, connecting, fail-over between members, large reads, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from elasticd.errors import StoreConnectionError, StoreError, StoreTimeout
+from elasticd.store.etcd import MAX_TXN_OPS, EtcdStore
+from fixtures.etcd import EtcdCluster, require_etcd
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def connected(cluster: EtcdCluster, endpoints: list[str] | None = None, timeout: float = 5.0,
+                    **options) -> EtcdStore:
+    store = EtcdStore(endpoints or cluster.endpoints,
+                      **{"timeout": timeout, **cluster.store_options(), **options})
+    await store.connect(10.0)
+    return store
+
+
+def test_tls_without_a_client_certificate_is_refused(etcd_tls_cluster):
+    endpoint = etcd_tls_cluster.endpoints[0]
+    store = EtcdStore([endpoint], timeout=2.0, ca_file=etcd_tls_cluster.tls.ca, user="root",
+                      password=etcd_tls_cluster.password)
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError) as raised:
+        run(store.connect(1.0))
+    assert endpoint in str(raised.value)
+    assert time.monotonic() - started < 5.0
+
+
+def test_plain_tcp_to_a_tls_member_is_refused(etcd_tls_cluster):
+    store = EtcdStore(etcd_tls_cluster.endpoints, timeout=2.0)
+    with pytest.raises(StoreConnectionError):
+        run(store.connect(1.0))
+
+
+def test_a_wrong_password_is_refused_at_once_naming_the_endpoint_and_user(etcd_tls_cluster):
+    endpoint = etcd_tls_cluster.endpoints[0]
+    store = EtcdStore([endpoint], timeout=2.0, **{**etcd_tls_cluster.store_options(), "password": "wrong"})
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError, match="refused user 'root'") as raised:
+        run(store.connect(20.0))
+    assert endpoint in str(raised.value) and "authentication failed" in str(raised.value)
+    assert time.monotonic() - started < 5.0  # not retried until the connect timeout
+
+
+def test_the_client_certificate_alone_names_the_user(etcd_tls_cluster):
+    """With authentication on and no password, etcd takes the user from the certificate."""
+    async def scenario():
+        store = await connected(etcd_tls_cluster, user="", password="")
+        await store.set("cert-only", b"x")
+        assert await store.get("cert-only") == b"x"
+        await store.close()
+    run(scenario())
+
+
+def test_connect_to_dead_endpoints_fails_within_its_timeout_naming_them():
+    from harness import free_port
+
+    endpoints = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    store = EtcdStore(endpoints, timeout=5.0)
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError) as raised:
+        run(store.connect(1.0))
+    assert all(endpoint in str(raised.value) for endpoint in endpoints)
+    assert 0.9 <= time.monotonic() - started < 3.0
+
+
+def test_a_call_fails_at_once_when_no_member_answers():
+    from harness import free_port
+
+    store = EtcdStore([f"127.0.0.1:{free_port()}"], timeout=10.0)
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError, match="cannot reach etcd"):
+        run(store.get("k"))
+    assert time.monotonic() - started < 3.0
+
+
+def test_connect_waits_for_a_member_that_comes_up_later(tmp_path):
+    require_etcd()
+    with EtcdCluster(tmp_path) as cluster:
+        cluster.kill(0)
+
+        async def scenario():
+            store = EtcdStore(cluster.endpoints, timeout=5.0)
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.5, cluster.start, 0)
+            await store.connect(30.0)
+            await store.set("k", b"v")
+            assert await store.get("k") == b"v"
+            await store.close()
+        run(scenario())
+
+
+def test_an_expired_auth_token_is_renewed(tmp_path):
+    require_etcd()
+    with EtcdCluster(tmp_path, password="pw", token_ttl=1) as cluster:
+        async def scenario():
+            store = await connected(cluster)
+            await store.set("k", b"v")
+            await asyncio.sleep(2.5)  # unused for longer than its TTL: etcd forgets the token
+            assert await store.get("k") == b"v"
+            await store.close()
+        run(scenario())
+
+
+def test_a_restarted_member_is_reached_again(tmp_path):
+    require_etcd()
+    with EtcdCluster(tmp_path, password="pw") as cluster:
+        async def scenario():
+            store = await connected(cluster)
+            await store.set("k", b"v")
+            cluster.kill(0)
+            cluster.start(0)
+            cluster.wait_healthy(0)
+            assert await store.get("k") == b"v"
+            await store.close()
+        run(scenario())
+
+
+def test_get_many_reads_more_keys_than_one_transaction_takes(etcd_cluster):
+    keys = [f"many/{i}" for i in range(MAX_TXN_OPS * 2 + 5)]
+
+    async def scenario():
+        store = await connected(etcd_cluster)
+        await asyncio.gather(*(store.set(key, key.encode()) for key in keys[::2]))
+        values = await store.get_many(keys)
+        assert values == [key.encode() if i % 2 == 0 else None for i, key in enumerate(keys)]
+        await store.close()
+    run(scenario())
+
+
+def test_add_on_a_value_that_is_no_counter_is_a_store_error(etcd_cluster):
+    async def scenario():
+        store = await connected(etcd_cluster)
+        await store.set("not-a-counter", b"abc")
+        with pytest.raises(StoreError, match="not a counter"):
+            await store.add("not-a-counter", 1)
+        await store.close()
+    run(scenario())
+
+
+def test_a_wait_in_flight_when_the_store_closes_raises_connection_error(etcd_cluster):
+    async def scenario():
+        store = await connected(etcd_cluster)
+        waiting = asyncio.create_task(store.wait_for("never-set", 30.0))
+        await asyncio.sleep(0.3)
+        await store.close()
+        with pytest.raises(StoreConnectionError):
+            await waiting
+    run(scenario())
+
+
+def test_revision_follows_the_writes(etcd_cluster):
+    async def scenario():
+        store = await connected(etcd_cluster)
+        await store.set("rev", b"1")
+        before = store.revision
+        await store.set("rev", b"2")
+        assert store.revision == before + 1
+        await store.close()
+    run(scenario())
+
+
+def test_a_leased_key_goes_with_its_lease(etcd_cluster):
+    async def scenario():
+        store = await connected(etcd_cluster)
+        lease = await store.lease_grant(1)
+        await store.put_with_lease("leased", b"x", lease)
+        assert await store.lease_keep_alive(lease) is True
+        assert await store.get("leased") == b"x"
+        deadline = time.monotonic() + 10
+        while await store.get("leased") is not None:  # expires within its TTL (1 s) and a tick
+            assert time.monotonic() < deadline, "the leased key outlived its lease"
+            await asyncio.sleep(0.1)
+        assert await store.lease_keep_alive(lease) is False
+        with pytest.raises(StoreConnectionError, match="lease not found"):
+            await store.put_with_lease("leased", b"y", lease)
+        await store.close()
+    run(scenario())
+
+
+def test_calls_and_waits_move_to_another_member_when_theirs_dies(tmp_path):
+    require_etcd()
+    with EtcdCluster(tmp_path, members=3) as cluster:
+        async def scenario():
+            store = await connected(cluster)
+            writer = await connected(cluster, endpoints=cluster.endpoints[1:])
+            await store.set("before", b"1")
+            assert await store.add("counter", 1) == 1
+            waiting = asyncio.create_task(store.wait_for("later", 30.0))
+            await asyncio.sleep(0.3)  # the watch is on member 0
+            cluster.kill(0)
+            assert await store.get("before") == b"1"
+            await store.set("after", b"2")
+            assert await store.compare_set("after", b"2", b"3") == (True, b"3")
+            assert await store.add("counter", 1) == 2
+            await writer.set("later", b"x")
+            assert await asyncio.wait_for(waiting, 10) is True
+            await store.close()
+            await writer.close()
+        run(scenario())
+
+
+def test_a_cluster_without_quorum_times_out(tmp_path):
+    require_etcd()
+    with EtcdCluster(tmp_path, members=3) as cluster:
+        async def scenario():
+            store = await connected(cluster, timeout=1.0)
+            cluster.kill(1)
+            cluster.kill(2)
+            started = time.monotonic()
+            with pytest.raises((StoreTimeout, StoreConnectionError)):
+                await store.get("k")
+            assert time.monotonic() - started < 5.0
+            await store.close()
+        run(scenario())
