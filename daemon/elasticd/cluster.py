@@ -11,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from . import discovery
@@ -190,7 +190,7 @@ class NodeRegistry:
         self._observer: tuple[str, int] | None = None  # (name, term) as last read
         self._head_beat: Beat | None = None            # the observer's head, as a heartbeat
         self._head_version: int | None = None          # the head's version as last read valid
-        self._observing: Observer | None = None
+        self._observing: Observing | None = None
         self._index = SignedLines(signer, self._key("names"), _registered_name, self._on_refused)
         self._newcomers: dict[str, float] = {}  # census: name -> when first read (monotonic)
 
@@ -242,8 +242,7 @@ class NodeRegistry:
         await self._elect(observer_raw)
         await self._follow(head)
         if self._observing is not None:
-            self._term, self._number, self._members = await self._observing.duty(self._members, self._number)
-            await self._read_records()
+            await self._observe(self._observing)
         if census:
             await self._census()
         now = self._clock()
@@ -321,7 +320,54 @@ class NodeRegistry:
 
     def _start_observing(self, term: int) -> None:
         if self._observing is None or self._observing.term != term:
-            self._observing = Observer(self, term)
+            self._observing = Observing(term, self._head_version or 0)
+
+    # -- the observer's duty -------------------------------------------------------------------
+
+    async def _observe(self, duty: Observing) -> None:
+        """Read every registered node's heartbeat (one batch), judge them (membership.judge),
+        publish the changes as the feed's next entry, then the snapshot, then the head
+        (every duty: the head is the observer's own heartbeat)."""
+        names = list(dict.fromkeys(n for n in self._index.fold(await self._store.get(self._key("names"))) if n))
+        values = await self._store.get_many([self._key(f"{n}/hb") for n in names])
+        now, records = self._clock(), {}
+        for name, raw in zip(names, values):
+            count, records[name] = self._read_beat(duty, name, raw)
+            duty.beats[name] = observe(duty.beats.get(name), count, now)
+        duty.beats.pop(self.name, None)  # the observer never judges itself lost...
+        changes = judge(self._members, duty.beats, records, self.keep_alive, now, self._wall())
+        old = self._members.get(self.name)
+        if self._published is not None and (old is None or old.lost or old.record != self._published_version):
+            changes[self.name] = Member(self._published_version, False, self._wall())  # ...its record
+        if changes or not duty.started:
+            await self._publish_entry(duty.term, changes)
+            duty.started = True
+        duty.head_version = max(duty.head_version + 1, self._versions.next())
+        await self._write("feed/head", Head(duty.term, self._number).to_json(), duty.head_version)
+        await self._read_records()
+
+    async def _publish_entry(self, term: int, changes: dict[str, Member]) -> None:
+        self._term, self._number = term, self._number + 1
+        self._members.update(changes)
+        number = self._number
+        await self._write(f"feed/{number}", {"term": term, "changes": members_json(changes)}, number)
+        await self._write("feed/snapshot", {"term": term, "number": number,
+                                            "members": members_json(self._members)}, number)
+        if number > FEED_KEEP:
+            await self._store.delete(self._key(f"feed/{number - FEED_KEEP}"))
+
+    def _read_beat(self, duty: Observing, name: str, raw: bytes | None) -> tuple[int | None, int | None]:
+        """(its heartbeat count, the record version it names); a refused beat has not moved."""
+        opened = open_version(self._signer, self._key(f"{name}/hb"), raw, self._on_refused, duty.fresh)
+        if opened is None:
+            return (duty.counts.get(name) if raw is not None else None), None
+        duty.counts[name] = opened.version
+        record = opened.body.get("record") if isinstance(opened.body, dict) else None
+        return opened.version, record if isinstance(record, int) else None
+
+    async def _write(self, suffix: str, body: Any, version: int) -> None:
+        key = self._key(suffix)
+        await self._store.set(key, self._signer.seal(key, body, version=version))
 
     # -- following the feed -------------------------------------------------------------------
 
@@ -450,63 +496,16 @@ def _registered_name(body: Any) -> str:
     return name
 
 
-class Observer:
-    """The observer's duty, run by the elected node inside its heartbeat duty: read every
-    registered node's heartbeat (one batch), judge them (membership.judge) and publish the
-    changes as the feed's next entry, then the snapshot, then the head (every duty: the
-    head is the observer's own heartbeat)."""
+@dataclass
+class Observing:
+    """The observer's memory, for its term: every heartbeat as it saw it."""
 
-    def __init__(self, registry: NodeRegistry, term: int) -> None:
-        self.term = term
-        self._registry = registry
-        self._index = SignedLines(registry._signer, registry._key("names"), _registered_name,
-                                  registry._on_refused)
-        self._beats: dict[str, Beat] = {}
-        self._counts: dict[str, int] = {}
-        self._fresh = Freshness()  # heartbeats: an older beat written back is no beat
-        self._head_version = registry._head_version or 0  # past every head written before
-        self._started = False
-
-    async def duty(self, members: Mapping[str, Member], number: int) -> tuple[int, int, dict[str, Member]]:
-        """Judge and publish; the feed as it is now: (term, number, members)."""
-        registry, store = self._registry, self._registry._store
-        names = list(dict.fromkeys(n for n in self._index.fold(await store.get(registry._key("names"))) if n))
-        values = await store.get_many([registry._key(f"{n}/hb") for n in names])
-        now, records = registry._clock(), {}
-        for name, raw in zip(names, values):
-            count, records[name] = self._read_beat(name, raw)
-            self._beats[name] = observe(self._beats.get(name), count, now)
-        self._beats.pop(registry.name, None)  # the observer never judges itself lost...
-        changes = judge(members, self._beats, records, registry.keep_alive, now, registry._wall())
-        old = members.get(registry.name)
-        if registry._published is not None and (old is None or old.lost or old.record != registry._published_version):
-            changes[registry.name] = Member(registry._published_version, False, registry._wall())  # ...its record
-        members = {**members, **changes}
-        if changes or not self._started:  # a new term starts with a snapshot
-            number += 1
-            await self._write(f"feed/{number}", {"term": self.term, "changes": members_json(changes)}, number)
-            await self._write("feed/snapshot", {"term": self.term, "number": number,
-                                                "members": members_json(members)}, number)
-            if number > FEED_KEEP:
-                await store.delete(registry._key(f"feed/{number - FEED_KEEP}"))
-            self._started = True
-        self._head_version = max(self._head_version + 1, registry._versions.next())
-        await self._write("feed/head", Head(self.term, number).to_json(), self._head_version)
-        return self.term, number, members
-
-    def _read_beat(self, name: str, raw: bytes | None) -> tuple[int | None, int | None]:
-        """(its heartbeat count, the record version it names); a refused beat has not moved."""
-        registry = self._registry
-        opened = open_version(registry._signer, registry._key(f"{name}/hb"), raw, registry._on_refused, self._fresh)
-        if opened is None:
-            return (self._counts.get(name) if raw is not None else None), None
-        self._counts[name] = opened.version
-        record = opened.body.get("record") if isinstance(opened.body, dict) else None
-        return opened.version, record if isinstance(record, int) else None
-
-    async def _write(self, suffix: str, body: Any, version: int) -> None:
-        key = self._registry._key(suffix)
-        await self._registry._store.set(key, self._registry._signer.seal(key, body, version=version))
+    term: int
+    head_version: int   # past every head written before (whoever wrote it)
+    beats: dict[str, Beat] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # the last valid beat version of each
+    fresh: Freshness = field(default_factory=Freshness)   # an older beat written back is no beat
+    started: bool = False  # a term starts with a snapshot
 
 
 @dataclass(frozen=True)
