@@ -242,7 +242,7 @@ class Daemon:
             duties = NodeDuties(local_record=functools.partial(self._local_record, service),
                                 on_drain=service.set_draining, on_reset=service.store_reset,
                                 on_store=functools.partial(self._store_health, registry),
-                                on_tick=lambda: self.metrics.count_nodes(nodes.states().values()))
+                                on_tick=lambda: self.metrics.count_nodes(nodes.tally()))
             self._install_signals()
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(coro) for coro in (

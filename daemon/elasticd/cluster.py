@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -193,6 +194,7 @@ class NodeRegistry:
         self._observing: Observing | None = None
         self._index = SignedLines(signer, self._key("names"), _registered_name, self._on_refused)
         self._newcomers: dict[str, float] = {}  # census: name -> when first read (monotonic)
+        self._sightings: dict[str, Sighting] | None = None  # as of the last change (None: changed)
 
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
@@ -245,9 +247,11 @@ class NodeRegistry:
             await self._observe(self._observing)
         if census:
             await self._census()
-        now = self._clock()
-        self._newcomers = {n: since for n, since in self._newcomers.items()
-                           if n not in self._members and now - since < self.keep_alive.dead_after}
+        if self._newcomers:
+            now = self._clock()
+            self._newcomers = {n: since for n, since in self._newcomers.items()
+                               if n not in self._members and now - since < self.keep_alive.dead_after}
+            self._sightings = None
         drain, drain_version = self._open_drain(drain_raw)
         return Tick(self.sightings(), drain, epoch, drain_version)
 
@@ -264,6 +268,7 @@ class NodeRegistry:
             if opened is not None:
                 self._records[name] = opened
                 self._newcomers.setdefault(name, now)
+                self._sightings = None
 
     async def _publish(self, record: NodeRecord, *, register: bool) -> None:
         key = self._key(f"{self.name}/record")
@@ -274,9 +279,16 @@ class NodeRegistry:
             await self._store.append(index, self._signer.seal(index, {"name": self.name}) + b"\n")
         self._published, self._published_version = record, version
         self._records[self.name] = (version, record)
+        self._sightings = None
 
     def sightings(self) -> dict[str, Sighting]:
-        """Every member whose record this node holds; this node itself as soon as it published."""
+        """Every member whose record this node holds; this node itself as soon as it published.
+        The same object until something changed (a duty that changed nothing costs O(1))."""
+        if self._sightings is None:
+            self._sightings = self._sight()
+        return self._sightings
+
+    def _sight(self) -> dict[str, Sighting]:
         members = {n: Member(self._records[n][0]) for n in self._newcomers if n in self._records}
         members.update(self._members)
         if self.name not in members and self._published is not None:
@@ -349,6 +361,7 @@ class NodeRegistry:
     async def _publish_entry(self, term: int, changes: dict[str, Member]) -> None:
         self._term, self._number = term, self._number + 1
         self._members.update(changes)
+        self._sightings = None
         number = self._number
         await self._write(f"feed/{number}", {"term": term, "changes": members_json(changes)}, number)
         await self._write("feed/snapshot", {"term": term, "number": number,
@@ -394,6 +407,7 @@ class NodeRegistry:
                 for _, changes in entries:
                     self._members.update(changes)
                 self._number = head.number
+                self._sightings = None
             else:
                 catch = Catch(snapshot=True)  # an entry missing, refused or of another term
         if catch.snapshot:
@@ -406,6 +420,7 @@ class NodeRegistry:
                                   self._on_refused)
         if snapshot is not None:
             self._term, self._number, self._members = snapshot
+            self._sightings = None
 
     def _open_entry(self, number: int, raw: bytes | None) -> tuple[int, dict[str, Member]] | None:
         return open_or_refuse(self._signer, self._key(f"feed/{number}"), raw, _parse_entry, self._on_refused)
@@ -421,6 +436,7 @@ class NodeRegistry:
             opened = self._open_record_version(name, raw)
             if opened is not None:
                 self._records[name] = opened
+                self._sightings = None
 
     def _open_record_version(self, name: str, raw: bytes | None) -> tuple[int, NodeRecord] | None:
         key = self._key(f"{name}/record")
@@ -531,6 +547,7 @@ class NodeService:
         self._sightings: dict[str, Sighting] = {}
         self._seen = 0.0  # wall clock of the last duty that read the store
         self._states: dict[str, NodeState] = {}
+        self._tally: Counter[NodeState] = Counter()
         self._epoch: str | None = None
         self._drain: tuple[bool, int] | None = None  # the last drain request: (drain, version)
         self._store_up = True
@@ -546,6 +563,7 @@ class NodeService:
         while not stop.is_set():
             self._wake.clear()
             self._begun += 1
+            began = time.monotonic()
             try:
                 census, self._census = self._census, False
                 tick = await self.registry.tick(duties.local_record(), census=census)
@@ -560,13 +578,14 @@ class NodeService:
             async with self._ticked:
                 self._ended += 1
                 self._ticked.notify_all()
-            await self._pause(stop)
+            await self._pause(stop, began + self._interval - time.monotonic())
 
-    async def _pause(self, stop: asyncio.Event) -> None:
-        """Until the next duty: one heartbeat interval, or less if ``fresh()`` asks for one
-        or the observer published a change (a wait on the feed's next entry, not a poll)."""
+    async def _pause(self, stop: asyncio.Event, left: float) -> None:
+        """Until the next duty: one heartbeat interval after this one began (so that the
+        observer's O(N) duty does not stretch it), or less if ``fresh()`` asks for one or
+        the observer published a change (a wait on the feed's next entry, not a poll)."""
         try:
-            async with asyncio.timeout(self._interval):
+            async with asyncio.timeout(max(left, 0.0)):
                 await race(stop=stop.wait(), wake=self._wake.wait(), change=self._change())
         except TimeoutError:
             pass
@@ -583,9 +602,10 @@ class NodeService:
 
     async def _apply(self, tick: Tick) -> None:
         assert self._duties is not None
-        self._sightings = tick.sightings
+        if tick.sightings is not self._sightings:
+            self._sightings = tick.sightings
+            self._follow_states()
         self._seen = time.time()
-        self._follow_states()
         self._duties.on_tick()
         # every new request counts, the same twice too: an undrain also lifts a blacklisting
         # that began after the previous undrain
@@ -611,6 +631,11 @@ class NodeService:
                 log.warning("node %s: %s", name, exc)
                 states[name] = self._states[name]
         self._states = states
+        self._tally = Counter(states.values())
+
+    def tally(self) -> Counter[NodeState]:
+        """How many nodes are in each state (kept with the states: O(1) to read)."""
+        return self._tally
 
     def store_health(self) -> dict[str, Any]:
         return {"store": self.registry.endpoint, "store_up": self._store_up}

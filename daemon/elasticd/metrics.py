@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections import Counter as Tally
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import ProcessCollector, generate_latest
@@ -162,8 +162,9 @@ class Metrics:
         if on:
             self.node_blacklistings.inc()
 
-    def count_nodes(self, states: Iterable[NodeState | str]) -> None:
-        tally = Tally(NodeState(state) for state in states)
+    def count_nodes(self, states: Iterable[NodeState | str] | Mapping[NodeState, int]) -> None:
+        """Nodes by state: the states, or how many are in each."""
+        tally = states if isinstance(states, Mapping) else Tally(NodeState(state) for state in states)
         for state in NodeState:
             self.nodes.labels(state.value).set(tally[state])
 
