@@ -3,6 +3,7 @@ recovery when the store loses the state."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,10 +11,10 @@ import pytest
 
 from elasticd.errors import RendezvousClosedError, RendezvousTimeoutError
 from blocking_rendezvous import BlockingRendezvous
-from elasticd.rendezvous import NextRound, RendezvousSettings
+from elasticd.rendezvous import NextRound, RendezvousHandler, RendezvousSettings
 from elasticd.rendezvous.handler import Keys
-from elasticd.rendezvous.state import decode
-from elasticd.store.memory import MemoryStore
+from elasticd.rendezvous.state import Announcement, Participant, decode, encode_announcement
+from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 
 PREFIX = "elasticd/test/rdzv/job"
@@ -117,3 +118,119 @@ def test_a_wait_listed_node_times_out_and_leaves_the_wait_list(store, handlers):
         b.next_rendezvous(1, 1)
     state = decode(SIGNER.open(Keys(PREFIX).state, store.get(Keys(PREFIX).state)).body)
     assert state.complete and not state.wait_list
+
+
+# -- the join log and the reads (issue 13), on one event loop -----------------------------------
+
+class Recording(AsyncMemoryStore):
+    """Counts the bytes of join log read; may hold the answer of the next state read."""
+
+    def __init__(self, backend: MemoryStore) -> None:
+        super().__init__(backend)
+        self.log_bytes = 0
+        self.hold: asyncio.Event | None = None
+
+    async def get(self, key: str) -> bytes | None:
+        value = await super().get(key)
+        self.log_bytes += len(value or b"") if "/round/" in key else 0
+        return value
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        values = await super().get_many(keys)
+        self.log_bytes += sum(len(v or b"") for k, v in zip(keys, values) if "/round/" in k)
+        if self.hold is not None and keys[0].endswith("/state"):
+            hold, self.hold = self.hold, None
+            await hold.wait()  # answered late: another read of this node's returns first
+        return values
+
+
+def handler(store, node: str, settings: RendezvousSettings, **kwargs) -> RendezvousHandler:
+    return RendezvousHandler(store, SIGNER, settings, node, f"{node}.addr", prefix=PREFIX, **kwargs)
+
+
+async def formed(handlers: list[RendezvousHandler]) -> list:
+    keepers = [asyncio.create_task(h.keep()) for h in handlers]
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(h.next_rendezvous(1, 1) for h in handlers)), 30)
+    finally:
+        for h in handlers:
+            h.shutdown()
+        for k in keepers:
+            k.cancel()
+        await asyncio.gather(*keepers, return_exceptions=True)
+
+
+def test_joiners_read_each_entry_about_once_in_all_not_each_the_whole_log(store):
+    """N joiners at once: the newest reads the entries (each node writes one and reads the
+    state and the counter); before, every read of every node carried the whole log."""
+    n = 64
+    stores = [Recording(store) for _ in range(n)]
+    settings = RendezvousSettings("job", n, n, keep_alive_interval=5.0)
+    infos = asyncio.run(formed([handler(s, f"n{i:02d}", settings) for i, s in enumerate(stores)]))
+    assert sorted(i.group_rank for i in infos) == list(range(n))
+    record = encode_announcement(Announcement("n10", Participant("n10.addr", 1, 1)))
+    entry = len(SIGNER.seal(f"{PREFIX}/round/0/join/10", record))  # before: 680 kB in all at 64
+    assert sum(s.log_bytes for s in stores) <= 3 * n * entry
+
+
+def test_a_number_taken_but_not_written_yet_is_read_again_once_written(store):
+    """The hole is waited on (its key), not skipped: the round completes when it is written."""
+    keys, settings = Keys(PREFIX), RendezvousSettings("job", 2, 2, keep_alive_interval=5.0)
+    store.add(keys.joins(0), 1)  # "b" took number 1 and is slow to write it
+
+    async def run() -> list:
+        a = handler(AsyncMemoryStore(store), "a", settings)
+        joining = asyncio.create_task(formed([a]))
+        await asyncio.sleep(0.2)
+        assert not joining.done()
+        late = keys.join(0, 1)
+        store.set(late, SIGNER.seal(late, encode_announcement(Announcement("b", Participant("b.addr", 1, 1)))))
+        return await joining
+
+    started = time.monotonic()
+    (info,) = asyncio.run(run())
+    assert [m.node for m in info.members] == ["a", "b"] and time.monotonic() - started < 2.0
+
+
+def test_a_read_that_crossed_a_newer_one_of_this_node_is_not_tampering(store):
+    """Two reads of one node in flight (its keeper and its join, say): the one answered
+    last may carry the older state.  That is no write-back: nothing is refused, nothing
+    restored.  (A state really written back stays refused: test_rendezvous_threads.)"""
+    refused: list[str] = []
+    settings = RendezvousSettings("job", 1, 2, keep_alive_interval=5.0, last_call_timeout=0.0, max_restarts=2)
+
+    async def run() -> NextRound:
+        slow = Recording(store)
+        a = handler(slow, "a", settings, on_refused=lambda key, why: refused.append(why))
+        b = handler(AsyncMemoryStore(store), "b", settings)
+        await a.next_rendezvous(1, 1)  # round 0 complete: version 1
+        slow.hold = hold = asyncio.Event()
+        held = asyncio.create_task(a.request_next_round(0, "scale_up"))  # its read of version 1 is held
+        await asyncio.sleep(0.05)
+        assert await b.request_next_round(0, "failure") is NextRound.OPENED  # version 2
+        assert await a.request_next_round(0, "failure") is NextRound.ALREADY  # a read version 2
+        hold.set()
+        return await held
+
+    assert asyncio.run(run()) is NextRound.ALREADY and refused == []
+    state = decode(SIGNER.open(Keys(PREFIX).state, store.get(Keys(PREFIX).state)).body)
+    assert (state.version, state.round, state.restarts_used) == (2, 1, 1)  # nothing written over it
+
+
+def test_the_writer_that_completes_a_round_deletes_its_join_log(store):
+    settings = RendezvousSettings("job", 3, 3, keep_alive_interval=5.0)
+
+    async def run() -> None:
+        handlers = [handler(AsyncMemoryStore(store), n, settings) for n in "abc"]
+        keepers = [asyncio.create_task(h.keep()) for h in handlers]
+        await asyncio.gather(*(h.next_rendezvous(1, 1) for h in handlers))
+        for _ in range(100):
+            if not store.keys(f"{PREFIX}/round/"):
+                break
+            await asyncio.sleep(0.01)
+        for k in keepers:
+            k.cancel()
+        await asyncio.gather(*keepers, return_exceptions=True)
+
+    asyncio.run(run())
+    assert store.keys(f"{PREFIX}/round/") == []

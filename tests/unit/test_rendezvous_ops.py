@@ -9,6 +9,7 @@ from elasticd.rendezvous.ops import (
     Beat,
     LastCall,
     View,
+    claim,
     decide_close,
     decide_join,
     decide_leave,
@@ -16,10 +17,14 @@ from elasticd.rendezvous.ops import (
     decide_liveness,
     decide_next_round,
     decide_restore,
+    ends_joining,
     info_for,
+    log_upper,
+    log_window,
     num_waiting,
     observe_beats,
     rank_order,
+    reads_log,
     round_event,
     track_last_call,
 )
@@ -112,6 +117,22 @@ def test_join_wait_is_bounded_by_the_next_duty():
     assert decide_join(st(), "me", SETTINGS, view("me", deadline=NOW + 0.1), NOW).until == NOW + 0.1
 
 
+def test_an_own_entry_not_read_yet_is_waited_for_an_interval_then_written_again():
+    """Its reading may lag its writing (numbers taken but not written yet before it); past an
+    interval the entry lies beyond a gap nobody reads (a bumped counter): announce again."""
+    pending = view(pending=NOW - 0.5)
+    action = decide_join(st("a"), "me", SETTINGS, pending, NOW)
+    assert action.act is Act.WAIT and action.until == NOW + 0.5
+    assert decide_join(st("a"), "me", SETTINGS, view(pending=NOW - 1.0), NOW).act is Act.ANNOUNCE
+
+
+def test_a_node_whose_entry_is_pending_is_involved_and_leaves_past_it():
+    state = st("a", folded=3)
+    action = decide_step_aside(state, "me", View(pending=NOW, log_end=7))
+    assert action.act is Act.REMOVE and action.state.folded == 7
+    assert decide_leave(state, "me", Reason.DRAIN, View(pending=NOW, log_end=7)).state.folded == 7
+
+
 def test_join_timeout_leaves_the_open_round():
     action = decide_join(st("a", "me", expected=("me", "x")), "me", SETTINGS, view("b", deadline=NOW), NOW)
     assert action.act is Act.TIMED_OUT
@@ -155,6 +176,62 @@ def test_track_last_call(case, state, announced, before, after):
 )
 def test_rank_order_keeps_survivors_first_then_new_nodes_by_name(order, joined, ranked):
     assert rank_order(order, joined) == ranked
+
+
+# -- reading the join log (issue 13): O(new entries) a read ---------------------------------------
+
+LOG_WINDOW_TABLE = [
+    # (case, read, low, upper, batch, numbers)
+    ("nothing new", {1, 2, 3}, 4, 3, 128, []),
+    ("new ones up to the counter", {1, 2}, 3, 6, 128, [3, 4, 5, 6]),
+    ("a taken number not written yet is read again", {1, 3, 4}, 2, 5, 128, [2, 5]),
+    ("a batch at most", set(), 1, 10**12, 3, [1, 2, 3]),
+    ("numbers read are skipped, not counted", {2, 3}, 1, 10**12, 3, [1, 4, 5]),
+]
+
+
+@pytest.mark.parametrize(("case", "read", "low", "upper", "batch", "numbers"), LOG_WINDOW_TABLE,
+                         ids=[row[0] for row in LOG_WINDOW_TABLE])
+def test_log_window(case, read, low, upper, batch, numbers):
+    assert log_window(read, low, upper, batch) == numbers
+
+
+def test_log_upper_follows_the_counter_or_looks_one_batch_past_the_last_record():
+    assert log_upper(7, 3) == 7
+    assert log_upper(None, 3, batch=128) == 131  # a counter that is not a count
+
+
+def test_claim_takes_a_missing_number_spread_by_name_or_the_next_one():
+    missing = list(range(10, 20))
+    picks = {claim(missing, 0, f"n{i}") for i in range(50)}
+    assert picks <= set(missing) and len(picks) > 5
+    assert claim(missing, 0, "a") == claim(missing, 0, "a")  # the same everywhere
+    assert claim([], 41, "a") == 42
+
+
+READS_LOG_TABLE = [
+    # (case, own, count, since, read)
+    ("the newest entry is this node's", 9, 9, NOW, True),
+    ("others joined since: their newest reads", 9, 12, NOW, False),
+    ("no entry, the counter moving", 0, 12, NOW - 2.9, False),
+    ("the counter stood still for dead_after: the newest may be dead", 0, 12, NOW - 3.0, True),
+    ("a counter that is not a count", 3, None, NOW, True),
+    ("an empty log", 0, 0, NOW, False),
+]
+
+
+@pytest.mark.parametrize(("case", "own", "count", "since", "read"), READS_LOG_TABLE,
+                         ids=[row[0] for row in READS_LOG_TABLE])
+def test_reads_log(case, own, count, since, read):
+    assert reads_log(own, count, since, NOW, SETTINGS) is read
+
+
+def test_ends_joining():
+    open_ = st("a")
+    assert ends_joining(open_, open_.next(complete=True)) and ends_joining(open_, open_.next(closed=True))
+    assert not ends_joining(open_, open_.next(participants={}))  # a removal: joining goes on
+    done = st("a", complete=True)
+    assert not ends_joining(done, done.next(closed=True)) and not ends_joining(done, done.next(round=1))
 
 
 # -- liveness --------------------------------------------------------------------------------

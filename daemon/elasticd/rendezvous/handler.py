@@ -6,17 +6,32 @@ Keys, all under the handler's ``prefix``::
     state                   the signed RendezvousState (compare-and-set only)
     rev/<v>                 set when version v was written; waiters block on the next one
     hb/<node>               signed heartbeat: its version goes up at every beat
-    round/<r>/joins         the round's join log: signed records, one per line (append only)
+    round/<r>/joins         the round's join counter (add): how many numbers were taken
+    round/<r>/join/<n>      the n-th record of round r's join log, signed (written once)
     round/<r>/exit/<node>   a member's signed arrival at the exit barrier of round r
 
 Every record is signed for its key (store/signing.py); the unsigned ``rev`` keys only wake
-waiters, who read the signed state and go back to sleep if it did not change.  A state
-that does not open, or is older than one this node saw, is refused and counted, and the
-newest state this node saw is written back over it (as after a store reset).
+waiters, who read the signed state and go back to sleep if it did not change, and the
+unsigned counter only says how far to read the log.  A state that does not open, or is
+older than the newest this node saw before it asked (a read that crossed a newer one of its
+own is not), is refused and counted, and the newest state this node saw is written back
+over it (as after a store reset).
+
+The join log costs O(new entries) a read, and O(N) in all for N joiners: a read is the
+state and the counter, in one round trip; the entries (only the numbers not read yet, a
+batch at a time while batches bring records: ``_JoinLog``, ``ops.log_window``) are read by
+the node whose entry is the newest, by every node once the counter stood still for
+``dead_after``, and by any node before a write that folds them (``ops.reads_log``);
+meanwhile a node's own entry stands for itself.  A number taken but not written yet is read again (the
+newest waits for its key once).  A node whose own entry a full read has not reached within
+an interval (numbers an attacker took by bumping the counter lie before it) writes it again
+under a number read as missing (``ops.claim``), as when the counter is not a count.  The
+writer of the state that ends a round's joining deletes the counter and the entries it
+knows of (a task beside its keeper: never in the way of a heartbeat).
 
 One executor, ``_execute`` (torchelastic's _DistributedRendezvousOpExecutor): read the state
 and the open round's join log, decide with a pure function of ``ops``, act (compare-and-set
-the decided state, append to the join log, or wait for the next revision) until the
+the decided state, write an entry of the join log, or wait for the next revision) until the
 decision is an outcome.  A state that vanished (the store host restarted and lost its data)
 is restored first, as an action of its own: RESTORE writes back the newest state this node
 saw, compare-and-set against "missing" (or against the refused bytes), so that the first
@@ -48,6 +63,7 @@ from elasticd.rendezvous.ops import (
     Action,
     Beat,
     View,
+    claim,
     decide_close,
     decide_join,
     decide_leave,
@@ -55,8 +71,13 @@ from elasticd.rendezvous.ops import (
     decide_liveness,
     decide_next_round,
     decide_restore,
+    ends_joining,
+    LOG_BATCH,
     info_for,
     joined,
+    log_upper,
+    log_window,
+    reads_log,
     observe_beats,
     ring_watch,
     round_event,
@@ -78,12 +99,12 @@ from elasticd.rendezvous.state import (
     encode_announcement,
 )
 from elasticd.store.base import Store
-from elasticd.store.signing import (Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse,
-                                   open_version)
+from elasticd.store.signing import Freshness, Refused, Signer, VersionClock, open_or_refuse, open_version
 
 log = logging.getLogger(__name__)
 
 REV_KEEP = 32  # revision keys kept behind the newest one
+SWEEP = 64  # stale keys deleted at once, at most
 
 _NEXT_ROUND = {
     Act.OPEN_ROUND: NextRound.OPENED,
@@ -114,6 +135,9 @@ class Keys:
     def joins(self, round: int) -> str:
         return f"{self.prefix}/round/{round}/joins"
 
+    def join(self, round: int, number: int) -> str:
+        return f"{self.prefix}/round/{round}/join/{number}"
+
     def exit_arrived(self, round: int, node: str) -> str:
         return f"{self.prefix}/round/{round}/exit/{node}"
 
@@ -137,22 +161,102 @@ class _Watch:
     future: asyncio.Future[RoundEvent]
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """This node's own newest entry in a join log."""
+
+    round: int
+    number: int
+    at: float  # when it was written (this node's clock)
+    record: Announcement
+
+
 class _JoinLog:
-    """The open round's join log as read (a new round starts a new log)."""
+    """This node's reading of the open round's join log (a new round starts a new one): the
+    entries read, by number (a refused one as None), and this node's own newest entry."""
 
-    def __init__(self, signer: Signer, keys: Keys, refused: Refused) -> None:
-        self._signer, self._keys, self._refused = signer, keys, refused
-        self._round, self._lines = -1, SignedLines(signer, keys.joins(-1), decode_announcement, refused)
+    def __init__(self, signer: Signer, keys: Keys, refused: Refused, settings: RendezvousSettings) -> None:
+        self._signer, self._keys, self._refused, self._settings = signer, keys, refused, settings
+        self.mine: _Entry | None = None
+        self._start(-1, 0.0)
 
-    def fold(self, round: int, raw: bytes | None) -> list[Announcement | None]:
-        """Every record of ``round``'s log, given its value just read."""
-        if round != self._round:
-            self._round = round
-            self._lines = SignedLines(self._signer, self._keys.joins(round), decode_announcement, self._refused)
-        return self._lines.fold(raw)
+    def _start(self, round: int, now: float) -> None:
+        self.round, self.records, self.count, self.since = round, {}, 0, now  # since: the counter moved
+        self.low, self.top, self.missing = 1, 0, []  # lowest unread; highest record; read as missing
+        self.full, self.waited = False, 0  # the last fetch read the entries; the hole waited on last
 
-    def line(self, round: int, announcement: Announcement) -> bytes:
-        return self._signer.seal(self._keys.joins(round), encode_announcement(announcement)) + b"\n"
+    async def fetch(self, store: Store, state: RendezvousState, count: int | None, now: float,
+                    full: bool = False) -> None:
+        """Read the numbers not read yet up to the counter (``count``; None: not a count), a
+        batch at a time while batches bring records: when ``full`` or ``ops.reads_log``."""
+        if state.round != self.round or (count is not None and count < self.top):
+            if state.round == self.round:  # the counter went back (a store reset): so did this node's entry
+                self.mine = None
+            self._start(state.round, now)
+        if count != self.count:
+            self.count, self.since = count, now
+        self.full = full or reads_log(self._own(state.round), count, self.since, now, self._settings)
+        upper = log_upper(count, self.top) if self.full else 0
+        self.low = max(self.low, state.folded + 1)
+        while numbers := log_window(self.records, self.low, upper):
+            values = await store.get_many([self._keys.join(self.round, n) for n in numbers])
+            if not self._fold(numbers, values):
+                return
+
+    def _fold(self, numbers: list[int], values: list[bytes | None]) -> int:
+        """Open the entries read; how many are records."""
+        self.missing = [n for n, raw in zip(numbers, values) if raw is None]
+        opened = 0
+        for n, raw in zip(numbers, values):
+            if raw is not None:
+                record = open_or_refuse(self._signer, self._keys.join(self.round, n), raw,
+                                        decode_announcement, self._refused)
+                self.records[n] = record
+                if record is not None:
+                    self.top, opened = max(self.top, n), opened + 1
+        while self.low in self.records:
+            self.low += 1
+        return opened
+
+    def view(self, state: RendezvousState) -> View:
+        """The records past ``state.folded``, with this node's own entry where it was not
+        read (as written); ``pending`` when a full read did not reach it, or refused it.  A
+        write folds to the highest record read, and past this node's own entry when that
+        lies within reach (not beyond a bumped counter)."""
+        fresh = sorted(n for n in self.records if n > state.folded)
+        announced = tuple(r for r in (self.records[n] for n in fresh) if r is not None)
+        own, pending = self._own(state.round), None
+        if self.mine is not None and own > state.folded and self.records.get(own) is None:
+            if self.full or own in self.records:
+                pending = self.mine.at
+            else:
+                announced += (self.mine.record,)
+        return View(announced=announced, log_end=self._end(state.round, state.folded), pending=pending,
+                    whole=self.full)
+
+    def hole(self) -> int | None:
+        """A number below the counter that a full read found taken but not written yet, once."""
+        if not self.full or self.count is None or self.low > self.count or self.low == self.waited:
+            return None
+        self.waited = self.low
+        return self.low
+
+    def _own(self, round: int) -> int:
+        return self.mine.number if self.mine is not None and self.mine.round == round else 0
+
+    def _end(self, round: int, folded: int) -> int:
+        top = self.top if round == self.round else 0
+        own = self._own(round)
+        return max(folded, top, own if own <= top + LOG_BATCH else 0)
+
+    def known(self, round: int, folded: int) -> list[int]:
+        """The numbers of ``round``'s entries this node knows of (to delete once its joining
+        ended): never more than the records read and its own entry account for."""
+        return list(range(1, self._end(round, folded) + 1))
+
+    def entry(self, round: int, number: int, announcement: Announcement) -> tuple[str, bytes]:
+        key = self._keys.join(round, number)
+        return key, self._signer.seal(key, encode_announcement(announcement))
 
 
 class RendezvousHandler:
@@ -180,8 +284,10 @@ class RendezvousHandler:
         self._keys = Keys(prefix)
         self._clock = clock
         self._refused = on_refused or _log_refused
-        self._log = _JoinLog(signer, self._keys, self._refused)
+        self._log = _JoinLog(signer, self._keys, self._refused, settings)
         self._newest = _Snapshot(RendezvousState(), None)  # the newest state this node saw
+        self._stale: list[str] = []  # keys nobody reads any more: the sweeper deletes them
+        self._swept = asyncio.Event()  # set when keys were added to _stale
         self._watches: list[_Watch] = []
         self._watched = asyncio.Event()  # set by a new watch(): the keeper follows revisions
         self._left = False
@@ -206,7 +312,7 @@ class RendezvousHandler:
             nonlocal view
             self._check_running()
             view = track_last_call(state, self._settings, replace(
-                view, announced=logged.announced, log_end=logged.log_end), now)
+                view, announced=logged.announced, log_end=logged.log_end, pending=logged.pending), now)
             return decide_join(state, self.node, self._settings, view, now)
 
         # observers find a counter first
@@ -327,7 +433,13 @@ class RendezvousHandler:
     # -- the keeper ------------------------------------------------------------------------
 
     async def keep(self) -> None:
-        """Heartbeats, liveness and watches, until cancelled."""
+        """Heartbeats, liveness and watches, until cancelled; beside them (never in the way
+        of a heartbeat), the deletion of keys nobody reads any more."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._sweeper())
+            await self._keep()
+
+    async def _keep(self) -> None:
         beats: dict[str, Beat] = {}
         due = self._clock()
         while True:
@@ -380,6 +492,24 @@ class RendezvousHandler:
             log.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
                         self.node, ", ".join(silent), action.act.value, action.state.round)
         return beats
+
+    async def _sweeper(self) -> None:
+        """Delete the stale keys, a batch at a time, as they come (a key it fails to delete
+        stays behind: it is never read again)."""
+        while True:
+            await self._swept.wait()
+            self._swept.clear()
+            while self._stale:
+                batch, self._stale = self._stale[:SWEEP], self._stale[SWEEP:]
+                try:
+                    await asyncio.gather(*(self._store.delete(key) for key in batch))
+                except Exception as err:  # best effort: the heartbeat beside it must go on
+                    log.warning("rendezvous %s: %s could not delete stale keys: %s", self._settings.run_id,
+                                self.node, err)
+
+    def _sweep(self, keys: Iterable[str]) -> None:
+        self._stale.extend(keys)
+        self._swept.set()
 
     async def _beat(self, store: Store) -> None:
         """This node's heartbeat: a signed record whose version goes up."""
@@ -439,53 +569,79 @@ class RendezvousHandler:
                         f"rendezvous '{self._settings.run_id}': the job ran before and its state is "
                         f"gone or refused; {self.node} does not start it again")
             action = decide(snap.state, logged, self._clock())
+            if action.state is not None and not logged.whole:
+                logged = await self._logged(snap.state, full=True)  # a write folds the log: read it first
+                continue
             if action.state is not None:
                 (snap, logged), won = await self._write(snap, action.state)
                 if won and (action.act in _FINAL or not until_outcome):
                     return snap, action
             elif action.act is Act.ANNOUNCE:
                 assert action.record is not None, "an announcement carries the joiner's record"
-                round = snap.state.round
-                key, line = self._keys.joins(round), self._log.line(round, Announcement(self.node, action.record))
-                snap, logged = await self._observe(lambda store: store.append(key, line))
-            elif action.act is Act.WAIT:  # mostly for the round to complete: no log then
-                snap = await self._next_revision(snap, action.until - self._clock())
-                logged = await self._logged(snap.state)
+                await self._announce(snap.state, action.record, logged)
+                snap, logged = await self._observe()
+            elif action.act is Act.WAIT and (hole := self._log.hole()) is not None:
+                await self._store.wait_for(self._keys.join(snap.state.round, hole), action.until - self._clock())
+                snap, logged = await self._observe()  # its writer is on its way: no revision to wait for
+            elif action.act is Act.WAIT:
+                snap, logged = await self._next_revision(snap, action.until - self._clock())
             else:
                 return snap, action
 
+    async def _announce(self, state: RendezvousState, record: Participant, logged: View) -> None:
+        """Write this node's entry in the open round's join log, under a number taken from the
+        counter; or, when the counter is not a count or the entry written last stayed out of
+        reach, under one read as missing (and the stranded one is deleted).  Written once
+        (compare-and-set): a number that is taken already is given up (the next step
+        announces again)."""
+        joins, round, mine = self._log, state.round, Announcement(self.node, record)
+        stranded = joins.mine if logged.pending is not None else None
+        if joins.count is None or stranded:
+            number = claim(joins.missing, joins.top, self.node)
+        else:
+            number = await self._store.add(self._keys.joins(round), 1)
+        key, sealed = joins.entry(round, number, mine)
+        if not (await self._store.compare_set(key, None, sealed))[0]:
+            return
+        if stranded:
+            self._sweep([self._keys.join(stranded.round, stranded.number)])
+        joins.mine = _Entry(round, number, self._clock(), mine)
+
     async def _observe(self, first: Write | None = None) -> tuple[_Snapshot, View]:
-        """The state and the join log of its open round (the round this node saw last is
-        read with it, in one round trip), after the write ``first``."""
-        guess = self._newest.state.round
+        """The state and the join log of its open round (the counter of the round this node
+        saw last is read with the state, in one round trip), after the write ``first``."""
+        guess = self._newest.state
         if first is not None:
             await first(self._store)
-        raw, log_raw = await self._store.get_many([self._keys.state, self._keys.joins(guess)])
-        snap = self._snapshot(raw)
-        return snap, await self._logged(snap.state, (log_raw or b"") if snap.state.round == guess else None)
+        counted = not (guess.complete or guess.closed)
+        keys = [self._keys.state] + ([self._keys.joins(guess.round)] if counted else [])
+        raw, *count = await self._store.get_many(keys)
+        snap = self._snapshot(raw, guess.version)
+        same = counted and snap.state.round == guess.round
+        return snap, await self._logged(snap.state, (count[0] or b"0") if same else None)
 
-    async def _logged(self, state: RendezvousState, raw: bytes | None = None) -> View:
-        """The open round's join-log records that the state has not folded yet (its log as
-        ``raw``, b"" if there is none; None: read it now)."""
+    async def _logged(self, state: RendezvousState, count: bytes | None = None, full: bool = False) -> View:
+        """The open round's join-log records that the state has not folded yet, reading what
+        is new (``count``: its counter as read; None: read it now)."""
         if state.complete or state.closed:
-            return View(announced=(), log_end=None)
-        if raw is None:
-            raw = await self._store.get(self._keys.joins(state.round))
-        records = self._log.fold(state.round, raw)
-        fresh = records[state.folded :]
-        return View(announced=tuple(r for r in fresh if r), log_end=max(len(records), state.folded))
+            return View()
+        if count is None:
+            count = await self._store.get(self._keys.joins(state.round)) or b"0"
+        await self._log.fetch(self._store, state, _count(count), self._clock(), full)
+        return self._log.view(state)
 
-    async def _read(self) -> _Snapshot:
-        return self._snapshot(await self._store.get(self._keys.state))
-
-    def _snapshot(self, raw: bytes | None) -> _Snapshot:
+    def _snapshot(self, raw: bytes | None, known: int) -> _Snapshot:
+        """The state read as ``raw`` by a read made when this node knew version ``known``.
+        A read that crossed a newer state of this node's own reads as that newer state."""
         if raw is None:
             return _Snapshot(RendezvousState(), None)
         if raw == self._newest.raw:  # the same sealed bytes: checked and decoded already
             return self._newest
-        state = self._open(raw)
+        state = self._open(raw, known)
         if state is None:
             return _Snapshot(RendezvousState(), raw, valid=False)
+        if state.version < self._newest.state.version:
+            return self._newest
         return self._remember(_Snapshot(state, raw))
 
     async def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[tuple[_Snapshot, View], bool]:
@@ -493,38 +649,40 @@ class RendezvousHandler:
         :meth:`_observe`, and whether this write won.  The winner marks the revision and
         deletes what nobody will wait on or read again."""
         new = replace(new, nonce=secrets.token_hex(8))
-        keys, store = self._keys, self._store
+        keys, store, known = self._keys, self._store, self._newest.state.version
         sealed = self._signer.seal(keys.state, encode(new), version=new.version)
         won, current = await store.compare_set(keys.state, snap.raw, sealed)
         if won:
             await store.set(keys.rev(new.version), b"1")
-            stale = [keys.rev(new.version - REV_KEEP)] if new.version > REV_KEEP else []
-            if new.round > snap.state.round:
-                stale.append(keys.joins(snap.state.round))
-            for key in stale:
-                await store.delete(key)
-        after = self._remember(_Snapshot(new, sealed)) if won else self._snapshot(current)
+            if new.version > REV_KEEP:
+                await store.delete(keys.rev(new.version - REV_KEEP))
+            if snap.valid and ends_joining(snap.state, new):
+                round = new.round
+                self._sweep([keys.joins(round), *(keys.join(round, n) for n in self._log.known(round, new.folded))])
+        after = self._remember(_Snapshot(new, sealed)) if won else self._snapshot(current, known)
         return (after, await self._logged(after.state)), won
 
-    async def _next_revision(self, snap: _Snapshot, timeout: float) -> _Snapshot:
-        """The state once the one after ``snap`` is written, or after ``timeout`` seconds.
-        A revision key with no new state behind it (anyone can set one), or with a refused
-        state, makes this node sleep until ``timeout`` instead of waking again and again."""
+    async def _next_revision(self, snap: _Snapshot, timeout: float) -> tuple[_Snapshot, View]:
+        """The state (and its join log) once the one after ``snap`` is written, or after
+        ``timeout`` seconds.  A revision key with no new state behind it (anyone can set one),
+        or with a refused state, makes this node sleep until ``timeout`` instead of waking
+        again and again."""
         if timeout <= 0:
-            return await self._read()
+            return await self._observe()
         key = self._keys.rev(snap.state.version + 1)
         woke = await self._store.wait_for(key, min(timeout, _LONGEST_WAIT))
-        after = await self._read()
-        if woke and (after.raw == snap.raw or not after.valid):  # a refused one is restored at the duty
-            if after.raw == snap.raw:
+        after = await self._observe()
+        if woke and (after[0].raw == snap.raw or not after[0].valid):  # a refused one is restored at the duty
+            if after[0].raw == snap.raw:
                 self._refused(key, "a revision key with no new state behind it")
             await asyncio.sleep(timeout)  # a back-off
-            after = await self._read()
+            after = await self._observe()
         return after
 
-    def _open(self, raw: bytes) -> RendezvousState | None:
+    def _open(self, raw: bytes, known: int) -> RendezvousState | None:
         """The state in ``raw``; None (refused and counted) if it does not open for this
-        key, or is older than the newest this node saw (a state written back)."""
+        key, or is older than ``known``, the newest this node saw before it read (a state
+        written back: the store held a newer one before)."""
         key = self._keys.state
         opened = open_version(self._signer, key, raw, self._refused)
         if opened is None:
@@ -534,10 +692,9 @@ class RendezvousHandler:
         except RendezvousStateError as exc:
             self._refused(key, f"unreadable: {exc}")
             return None
-        newest = self._newest.state.version
-        if state.version != opened.version or state.version < newest:
+        if state.version != opened.version or state.version < known:
             self._refused(key, f"state version {state.version} (sealed as {opened.version}) is older "
-                               f"than version {newest} seen before (written back)")
+                               f"than version {known} seen before (written back)")
             return None
         return state
 
@@ -552,3 +709,8 @@ _LONGEST_WAIT = 3600.0  # a wait with no deadline of its own still returns now a
 
 def _log_refused(key: str, why: str) -> None:
     log.error("refused store record %s: %s", key, why)
+
+
+def _count(raw: bytes) -> int | None:
+    """A counter's value; None when it is not a count (tampered with)."""
+    return int(raw) if raw.isdigit() and len(raw) < 19 else None

@@ -4,18 +4,23 @@ Nothing here reads a clock or a store. ``now`` and every time in a :class:`View`
 deciding node's own monotonic clock, and only differences of them are compared, so a node
 whose clocks are skewed decides exactly like the others.
 
-Joining is batched. A node joins an open round by appending a signed record to the round's
-join log (one store round trip, no contention); whoever writes the state next folds every
-logged record into ``participants`` (``state.folded`` counts the records consumed). When N
-nodes arrive at once that is O(N) work in total, where a compare-and-set per joiner would
-make them retry O(N²) times.
+Joining is batched. A node joins an open round by taking a number from the round's join
+counter and writing its signed record under that number (two store round trips, no
+contention); whoever writes the state next folds the records read into ``participants``
+(``state.folded``: every number up to it is consumed; a joiner whose number was consumed
+before its record was written announces again). When N nodes arrive at once that is
+O(N) work in total, where a compare-and-set per joiner would make them retry O(N²) times.
+A node reads each record at most once (:func:`log_window`), and only when it has to
+(:func:`reads_log`): N joiners read O(N) records in all, not the whole log at every step.
+The counter is unsigned: it says how far to look, never who joined.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping
+import zlib
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -74,7 +79,9 @@ class View:
 
     record: Participant | None = None  # what this node declares when it joins
     announced: tuple[Announcement, ...] = ()  # join-log records of state.round not folded yet
-    log_end: int | None = None  # join-log records read (default: folded + announced)
+    log_end: int | None = None  # where a write folds the join log to (default: folded + announced)
+    pending: float | None = None  # when this node wrote its own entry, while its reading has not reached it
+    whole: bool = True  # False: the join log was read no further than this node's own entry
     last_call: LastCall | None = None
     deadline: float = math.inf  # join deadline
     beats: Mapping[str, Beat] = field(default_factory=dict)
@@ -99,6 +106,9 @@ def decide_join(state: RendezvousState, node: str, settings: RendezvousSettings,
     nodes = joined(state, view)
     if node not in nodes:
         assert view.record is not None, "a joining node declares its record"
+        if view.pending is not None and now < view.pending + settings.keep_alive_interval:
+            return Action(Act.WAIT, until=min(view.pending + settings.keep_alive_interval,
+                                              _next_duty(state, settings, view, now)))
         return Action(Act.ANNOUNCE, record=view.record)
     if barrier_reached(state, nodes, settings, view, now):
         return Action(Act.COMPLETE, complete(state, nodes, settings, view))
@@ -177,6 +187,51 @@ def _log_end(state: RendezvousState, view: View) -> int:
     return state.folded + len(view.announced) if view.log_end is None else view.log_end
 
 
+# -- reading the join log --------------------------------------------------------------------
+
+LOG_BATCH = 128  # join-log entries read in one round trip, at most
+
+
+def log_window(read: Container[int], low: int, upper: int, batch: int = LOG_BATCH) -> list[int]:
+    """The next join-log numbers to read: the first ``batch`` from ``low`` to ``upper`` not
+    read yet.  A number taken but not written yet stays unread: it is read again next time."""
+    numbers: list[int] = []
+    while low <= upper and len(numbers) < batch:
+        if low not in read:
+            numbers.append(low)
+        low += 1
+    return numbers
+
+
+def reads_log(own: int, count: int | None, since: float, now: float, settings: RendezvousSettings) -> bool:
+    """Whether a node reads the new entries of the join log, or only the state and the
+    counter (its own entry stands for itself): when its entry is the newest (it is the one to
+    find the barrier reached), when the counter has not moved for as long as a node takes to
+    count as dead (the newest may be: everyone reads, and watches the joiners), or when the
+    counter is not a count.  So N joiners read O(N) entries in all, not N each.  (Before a
+    write that folds the log, a node reads it whatever this says.)"""
+    return count is None or 0 < count <= own or now - since >= settings.dead_after
+
+
+def log_upper(count: int | None, top: int, batch: int = LOG_BATCH) -> int:
+    """How far to read: up to the counter; a batch past the highest number read when the
+    counter is not a count.  (Unsigned, it only says where to look; a bumped one costs a
+    batch of missing keys per read: reading goes on only while a batch brings records.)"""
+    return top + batch if count is None else count
+
+
+def claim(missing: Sequence[int], top: int, node: str) -> int:
+    """The number a node writes its entry under without the counter: one that was read as
+    missing (spread by name), or the next after the highest read.  For a counter that is not
+    a count, or an entry the reading never reached (beyond numbers an attacker took)."""
+    return missing[zlib.crc32(node.encode()) % len(missing)] if missing else top + 1
+
+
+def ends_joining(old: RendezvousState, new: RendezvousState) -> bool:
+    """Whether writing ``new`` over ``old`` ends the open round's joining (its log is stale)."""
+    return not (old.complete or old.closed) and old.round == new.round and (new.complete or new.closed)
+
+
 # -- liveness ------------------------------------------------------------------------------
 
 
@@ -207,7 +262,7 @@ def ring_watch(nodes: set[str], node: str, width: int = RING_WIDTH) -> set[str]:
 
 
 def involved(state: RendezvousState, node: str, view: View) -> bool:
-    return node in watched(state, view)
+    return node in watched(state, view) or view.pending is not None
 
 
 def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSettings, view: View, now: float) -> Action:
@@ -218,7 +273,8 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
     """
     if state.closed or not involved(state, node, view):
         return Action(Act.NOTHING)
-    dead = {n for n in watched(state, view) - {node} if silent(view.beats.get(n), settings.keep_alive, now)}
+    keep_alive = settings.keep_alive
+    dead = {n for n, beat in view.beats.items() if silent(beat, keep_alive, now)} & watched(state, view) - {node}
     if not dead:
         return Action(Act.NOTHING)
     if state.complete and dead & state.participants.keys():

@@ -97,8 +97,8 @@ class RendezvousState:
 
     ``order`` is the rank order of the last completed round (oldest node first) and carries
     across rounds. ``expected`` lists the nodes whose arrival completes a newly opened round
-    without waiting for last call. ``folded`` counts the records of this round's join log
-    already folded into ``participants`` (see ``elasticd.rendezvous.ops``). ``nonce`` is
+    without waiting for last call. ``folded``: the records of this round's join log numbered
+    up to it are folded into ``participants`` (see ``elasticd.rendezvous.ops``). ``nonce`` is
     random per write: two nodes that decide the same successor state still write different
     bytes, so compare_set tells the winner from the loser (TCPStore reports a swap whenever
     the key already holds the desired bytes).
@@ -219,7 +219,11 @@ def _encode_participant(participant: Participant) -> dict[str, Any]:
 
 
 def _decode_participant(body: Any) -> Participant:
-    fields = _object(body, "participant")
+    if type(body) is dict:  # the common case first: a state names every node of a round
+        addr, nproc, port = body.get("addr"), body.get("nproc"), body.get("master_port")
+        if type(addr) is str and type(nproc) is int and type(port) is int and nproc >= 0 and port >= 0:
+            return Participant(addr, nproc, port)
+    fields = _object(body, "participant")  # raises, naming what is wrong
     return Participant(_typed(fields, "addr", str), _int(fields, "nproc"), _int(fields, "master_port"))
 
 

@@ -197,11 +197,28 @@ def test_a_node_that_never_saw_a_ran_jobs_state_does_not_start_it_again(make_han
 
 def test_a_tampered_join_record_is_refused_and_skipped(make_handler, pool, store, prefix):
     refused: list[str] = []
-    store.append(Keys(prefix).joins(0), b'{"v":2,"ver":0,"body":{"schema":1,"node":"evil","addr":"x","nproc":1,'
-                                         b'"master_port":1},"mac":"00"}\n')
+    keys = Keys(prefix)
+    store.add(keys.joins(0), 1)
+    store.set(keys.join(0, 1), b'{"v":2,"ver":0,"body":{"schema":1,"node":"evil","addr":"x","nproc":1,'
+                               b'"master_port":1},"mac":"00"}')
     config = settings(2, 3, last_call_timeout=0.3)
     infos = form(pool, [make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b")])
     assert [m.node for m in infos[0].members] == ["a", "b"] and refused
+
+
+@pytest.mark.parametrize("tamper", ["not a count", "bumped"])
+def test_a_tampered_join_counter_freezes_nobody(make_handler, pool, store, prefix, tamper):
+    """The counter is unsigned: one that is not a count, or that an attacker bumped past a
+    gap nobody reads, costs the joiners an interval, not the round."""
+    counter = Keys(prefix).joins(0)
+    if tamper == "bumped":
+        store.add(counter, 10**12)
+    else:
+        store.set(counter, b"garbage")
+    started = time.monotonic()
+    infos = form(pool, [make_handler(n, settings(3, 3)) for n in ("a", "b", "c")])
+    assert [m.node for m in infos[0].members] == ["a", "b", "c"]
+    assert time.monotonic() - started < 10 * INTERVAL
 
 
 def test_a_clock_skewed_by_an_hour_changes_nothing(make_handler, pool):
