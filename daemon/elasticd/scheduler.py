@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 _JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
 _SHUTDOWN_PUBLISH = 5.0  # seconds the last parts get to reach the board at shutdown
+_REPUBLISH_PAUSE = 2.0  # seconds between tries to publish a part while the store is away
 
 
 @dataclass
@@ -178,9 +179,15 @@ class JobService:
         while True:
             await self._publish.wait()
             self._publish.clear()
-            await self._flush_parts()
+            if not await self._flush_parts():  # the store is away: try again after a pause
+                await asyncio.sleep(_REPUBLISH_PAUSE)
+                self._publish.set()
 
-    async def _flush_parts(self) -> None:
+    async def _flush_parts(self) -> bool:
+        """Publish every pending part once; False if some failed (they stay pending, unless
+        a newer part of the same job came meanwhile): a store that was away and came back
+        with its data (etcd, or a TCPStore whose host did not restart) must still learn them."""
+        failed: dict[str, Part] = {}
         while self._unpublished:
             job_id = next(iter(self._unpublished))
             part = self._unpublished.pop(job_id)
@@ -189,6 +196,10 @@ class JobService:
                     await self._board.publish_part(job_id, part)
             except (StoreError, TimeoutError) as exc:
                 log.warning("could not publish %s's part of %s: %s", part.node, job_id, exc or "timed out")
+                failed[job_id] = part
+        for job_id, part in failed.items():
+            self._unpublished.setdefault(job_id, part)
+        return not failed
 
     # -- placement ----------------------------------------------------------------------------
 
