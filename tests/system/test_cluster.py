@@ -1,4 +1,5 @@
-"""Several real daemons on this host as one cluster (issue 4).
+"""Several real daemons on this host as one cluster (issue 4), each test on both store
+backends (issue 13): a TCPStore that n1 hosts, and an etcd that no daemon hosts (conftest).
 
 Every test drives real daemons through the real elasticctl and waits on the daemons' own
 streams (job documents, logs), never on a sleep.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 
 import pytest
@@ -22,7 +24,7 @@ def envs(out, ranks, attempt=None):
     return [json.loads((out / f"rank_{r}{suffix}.json").read_text()) for r in range(ranks)]
 
 
-def test_formation_across_two_nodes(cluster_factory, shared_tmp):
+def test_formation_across_two_nodes(cluster_factory, shared_tmp, store_backend):
     cluster = cluster_factory(2).start()
     out = shared_tmp / "env"
     out.mkdir()
@@ -40,8 +42,8 @@ def test_formation_across_two_nodes(cluster_factory, shared_tmp):
     assert [w["node"] for w in status["workers"]] == [status["nodes"][0]["node"]] * 2 + \
         [status["nodes"][1]["node"]] * 2
     # torch is the store host's alone (it runs torch's TCPStore server); a member daemon
-    # speaks the store's protocol itself and never loads it
-    assert [loads_torch(d.proc.pid) for d in cluster] == [True, False]
+    # speaks the store's protocol itself and never loads it; with etcd nobody hosts a store
+    assert [loads_torch(d.proc.pid) for d in cluster] == [store_backend == "c10d", False]
 
 
 def loads_torch(pid: int) -> bool:
@@ -241,29 +243,66 @@ def test_logs_follow_takes_in_a_node_that_joins_later(cluster_factory):
     cluster[0].ctl("cancel", job)
 
 
-def test_store_host_restart_while_a_job_runs(cluster_factory):
+def test_store_host_restart_while_a_job_runs(cluster_factory, store_backend):
+    """The store goes away and comes back while a job runs on n2 and n3.  c10d: its host n1
+    restarts, and the new store is empty (the daemons publish everything again); etcd: the
+    one member restarts and keeps its data."""
     cluster = cluster_factory(3).start()
     job = cluster[1].submit("--nnodes", "2", "--nodes", "n2,n3", *worker_args("--sleep", "0"))
     doc = cluster[1].wait_running(job["id"], 2)
     pids = [w["pid"] for w in doc["workers"]]
-    cluster[0].stop()
+    cluster[0].wait_running(job["id"], 2)  # both parts are in the store (n1 read them there)
+    if store_backend == "etcd":
+        cluster.etcd.kill(0)
+    else:
+        cluster[0].stop()
     cluster[1].wait_notify("STATUS=", timeout=10, contains="unreachable")
     assert "store 127.0.0.1" in cluster[1].ctl_run("version").stdout and \
         "UNREACHABLE" in cluster[1].ctl_run("version").stdout
     assert cluster[1].ctl("status", job["id"])["state"] == "RUNNING"  # answered from its registry
     assert all(alive(pid) for pid in pids)  # workers keep running without the store
-    cluster[0].start()
+    if store_backend == "etcd":
+        cluster.etcd.start(0)
+    else:
+        cluster[0].start()
+    _status_when(cluster[1], lambda line: "unreachable" not in line, timeout=60)  # reached again
     again = cluster[1].wait_running(job["id"], 2, timeout=60)
     assert [w["pid"] for w in again["workers"]] == pids  # no restart was needed
-    assert cluster[0].ctl("status", job["id"])["state"] == "RUNNING"  # republished to the new store
-    cluster[0].ctl("cancel", job["id"])
+    # (c10d: republished to the new store; etcd: kept)
+    assert [w["pid"] for w in cluster[0].wait_running(job["id"], 2, timeout=30)["workers"]] == pids
+    cluster[0].ctl("cancel", job["id"])  # n1 runs none of the job: the cancel goes through the store
+    assert wait_gone(pids, timeout=30) == []
 
 
-def test_a_daemon_started_before_the_store_host_waits_for_it(cluster_factory):
+def _status_when(daemon, predicate, timeout=30.0):
+    """Wait until the daemon's latest STATUS= line (it sends one on every change) meets
+    ``predicate``; blocks on its notify socket between lines."""
+    deadline = time.monotonic() + timeout
+    while True:
+        daemon.ready()  # takes in what is queued, without blocking
+        lines = [m for m in daemon.messages if m.startswith("STATUS=")]
+        if lines and predicate(lines[-1]):
+            return lines[-1]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"{daemon.name}: status never matched; last {lines[-1:]}\n"
+                                 f"{daemon.log_text()}")
+        daemon._notify.settimeout(left)
+        try:
+            daemon.messages.extend(daemon._notify.recv(4096).decode().split("\n"))
+        except socket.timeout:
+            pass
+
+
+def test_a_daemon_started_before_the_store_host_waits_for_it(cluster_factory, store_backend):
     cluster = cluster_factory(2)
+    if store_backend == "etcd":
+        cluster.etcd.kill(0)  # the etcd cluster is down
     early = cluster[1].start(wait=False)
     assert not early.ready()  # it cannot be: there is no store to reach yet
-    cluster[0].start()  # the store host comes up...
+    if store_backend == "etcd":
+        cluster.etcd.start(0)  # the store comes up...
+    cluster[0].start()  # (c10d: the store host comes up...)
     early.wait_notify("READY=1", timeout=60)  # ...and only then is the early daemon ready
     assert not any(m.startswith("READY=1") for m in early.messages[:-1])
     _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
@@ -272,11 +311,9 @@ def test_a_daemon_started_before_the_store_host_waits_for_it(cluster_factory):
 def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     import urllib.request
 
-    from elasticd.store.c10d import connect
-
     cluster = cluster_factory(2).start()
     _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
-    store = connect(f"127.0.0.1:{cluster.port}", connect_timeout=10)
+    store = cluster.store_client()  # a TCPStore client, or an etcd client, with no key
     key = "elasticd/test/nodes/n2/record"
     forged = json.loads(store.get(key))
     forged["body"]["info"]["slots"] = 999  # the MAC no longer matches
@@ -299,7 +336,7 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     assert "refused store record elasticd/test/nodes/n2/record" in cluster[1].log_text()  # ...logged
     nodes = _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
     assert all(n["slots_total"] != 999 for n in nodes)  # ...and never used
-    store = connect(f"127.0.0.1:{cluster.port}", connect_timeout=10)
+    store = cluster.store_client()
     assert json.loads(store.get(key))["body"]["info"]["slots"] != 999  # replaced by n2's own
     store.close()
     assert cluster[1].request("version").ok  # n2 put its own record right again

@@ -4,6 +4,10 @@ network namespace (see netns.py) and one host's switch port goes down.
 The tests reach the daemons only through their control sockets and sd_notify sockets (Unix
 sockets work across network namespaces); nothing in the root namespace ever connects to a
 test-host address.
+
+Each test runs on both store backends (issue 13): c10d, the TCPStore that n1 hosts on host 1,
+and etcd, a one-member etcd cluster that runs on host 1 beside n1 (which does not host it):
+either way a partitioned host is cut off from the store and from its peers.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 
 from harness import Control, Daemon, alive, wait_gone, worker_args
 from elasticd.store.signing import create_key
+from store_backends import ETCD, etcd_store_lines, with_store
 
 import netns
 
@@ -62,20 +67,24 @@ class NetnsDaemon(Daemon):
 
 
 class NetnsCluster:
-    """The system tests' Cluster, one daemon per test host; n1 (host 1) hosts the store."""
+    """The system tests' Cluster, one daemon per test host; n1 (host 1) hosts the store, or
+    with ``etcd`` (an EtcdCluster on host 1) every daemon is a client of that."""
 
-    def __init__(self, hosts: netns.Hosts, base: Path, config: str = "") -> None:
+    def __init__(self, hosts: netns.Hosts, base: Path, config: str = "", etcd: Any = None) -> None:
         self.hosts = hosts
         key = base / "cluster.key"
         create_key(str(key))
         path = base / "cluster.toml"
+        if etcd is not None:
+            config = with_store(config, etcd_store_lines(etcd.endpoints))
         path.write_text("[jobs]\nallow_root = true\n" + config)  # the tests run as root
+        store = () if etcd is not None else ("--store", f"{hosts.addr(1)}:{STORE_PORT}")
         self.daemons = []
         for i in range(1, hosts.count + 1):
             # No --node-address, no --store-host: each daemon finds, inside its own network
             # namespace, that the endpoint is its own address (host 1) and which address of
-            # its own routes to the store.
-            args = ("--cluster", "test", "--store", f"{hosts.addr(1)}:{STORE_PORT}",
+            # its own routes to the store (with etcd: to the first member, on host 1).
+            args = ("--cluster", "test", *store,
                     "--cluster-key", str(key), "--config", str(path), "--slots", "1")
             self.daemons.append(NetnsDaemon(hosts, i, base, f"n{i}", args=args, standalone=False))
 
@@ -107,15 +116,24 @@ def subnet() -> Iterator[netns.Subnet]:
 
 
 @pytest.fixture
-def netns_cluster(subnet: netns.Subnet, shared_tmp: Path,
+def netns_cluster(subnet: netns.Subnet, shared_tmp: Path, store_backend: str,
                   request: pytest.FixtureRequest) -> Callable[..., NetnsCluster]:
-    """Make N namespaced hosts with one daemon each; everything goes on failure too."""
+    """Make N namespaced hosts with one daemon each (and with etcd, its member on host 1);
+    everything goes on failure too."""
 
     def make(count: int, config: str = "") -> NetnsCluster:
         hosts = subnet.hosts(count)
         request.addfinalizer(hosts.down)  # runs last: kills leftovers by PID, deletes namespaces
         hosts.up()
-        cluster = NetnsCluster(hosts, shared_tmp, config)
+        etcd = None
+        if store_backend == ETCD:
+            from fixtures.etcd import EtcdCluster, require_etcd
+
+            require_etcd()
+            etcd = EtcdCluster(shared_tmp / "etcd-data", host=hosts.addr(1),
+                               wrap=lambda argv: hosts.exec_argv(1, argv))
+            request.addfinalizer(etcd.stop)  # after the daemons stopped
+        cluster = NetnsCluster(hosts, shared_tmp, config, etcd)
         request.addfinalizer(cluster.stop)  # then a clean SIGTERM of each daemon...
         request.addfinalizer(hosts.heal_all)  # ...once a failed test's partition is healed
         return cluster.start()
@@ -144,8 +162,11 @@ def test_survivors_reform_when_a_node_is_partitioned_and_it_rejoins_when_healed(
     # each found its own address (the route to the store) without --node-address
     assert {n["name"]: n["address"] for n in n1.ctl("nodes")} == \
         {f"n{i}": cluster.hosts.addr(i) for i in (1, 2, 3)}
-    # --ddp: the workers meet at rank 0's MASTER_ADDR, across the namespaces, each round
-    job = n1.submit("--nnodes", "2:3", *worker_args("--ddp", "--sleep", "0"))["id"]
+    # --ddp: the workers meet at rank 0's MASTER_ADDR, across the namespaces, each round.
+    # gloo's pairs bind to the address of the hostname, 127.0.0.1 here in every namespace
+    # (each rank would then connect to itself and fail a few seconds into the round): eth0.
+    job = n1.submit("--nnodes", "2:3", "--env", "GLOO_SOCKET_IFNAME=eth0",
+                    *worker_args("--ddp", "--sleep", "0"))["id"]
     doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3
                       and healthy(d) == 3)
     victim = cluster.by_name(next(n["node"] for n in doc["nodes"]

@@ -1,0 +1,167 @@
+"""A cluster whose store is a three-member etcd cluster on loopback (issue 13): no daemon
+hosts any store, every daemon knows every member, so neither an etcd member nor any one
+daemon is a single point of failure.
+
+(a) An etcd member (the leader) and a daemon are SIGKILLed together while a 2:3-node job
+    runs on three nodes: the job re-forms on the two survivors and succeeds, the survivors
+    still show every job and its outcome, and a job submitted afterwards runs.
+(b) The daemon that submitted the job and runs its rank 0 (n1, the one that would host the
+    TCPStore in a c10d cluster) is SIGKILLed: there is no store host to lose, the others
+    carry on and run the next job.
+
+Everything waits on the daemons' own streams (job documents, node lists) with deadlines.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from harness import Control, Daemon, worker_args
+from fixtures.etcd import EtcdCluster, require_etcd
+
+pytestmark = [pytest.mark.slow]
+
+# Each round's workers meet once (gloo) and then sleep this long: long enough that the kills
+# land while the three-node round runs; the re-formed round sleeps it again, then succeeds.
+SLEEP = "15"
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+@pytest.fixture
+def ha(etcd_cluster_factory: Callable[..., Any], shared_tmp: Path) -> Iterator[tuple[Any, EtcdCluster]]:
+    """Three daemons (not started), clients of a three-member etcd cluster; the daemons stop
+    before the members do."""
+    require_etcd()
+    etcd = EtcdCluster(shared_tmp / "etcd-data", members=3)
+    cluster = None
+    try:
+        cluster = etcd_cluster_factory(3, etcd)
+        yield cluster, etcd
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        etcd.stop()
+
+
+def states(daemon: Daemon) -> dict[str, str]:
+    return {n["name"]: n["state"] for n in daemon.ctl("nodes")}
+
+
+def nodes_when(daemon: Daemon, predicate: Callable[[dict[str, str]], bool],
+               timeout: float = 30.0) -> dict[str, str]:
+    """Follow the daemon's node list (it changes on heartbeats) until it matches."""
+    with Control(daemon.socket) as control:
+        for nodes in control.stream("nodes", {"watch": True}, timeout):
+            found = {n["name"]: n["state"] for n in nodes}
+            if predicate(found):
+                return found
+    raise AssertionError(f"{daemon.name}: the node stream ended")
+
+
+def healthy(doc: dict[str, Any]) -> int:
+    return sum(1 for w in doc["workers"] if w["state"] == "HEALTHY" and w["pid"])
+
+
+def loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch" in maps.read()
+
+
+def kill(daemon: Daemon) -> None:
+    daemon.signal(signal.SIGKILL)
+    daemon.wait_exit()
+
+
+def assert_nothing_lost(survivors: list[Daemon], jobs: dict[str, str], nodes: list[str]) -> None:
+    """Every survivor shows every job (``list --all``, ``status``) in its final state, the
+    finished ones as run by ``nodes`` in a later round than the first."""
+    for daemon in survivors:
+        listed = {j["id"]: j["state"] for j in daemon.ctl("list", "--all")}
+        assert {job: listed.get(job) for job in jobs} == jobs, (daemon.name, listed)
+        for job, state in jobs.items():
+            doc = daemon.ctl("status", job)
+            assert doc["state"] == state and doc["ended"] is not None, (daemon.name, doc)
+            assert sorted(n["node"] for n in doc["nodes"]) == nodes, (daemon.name, doc)
+
+
+def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha):
+    cluster, etcd = ha
+    cluster.start()
+    n1 = cluster[0]
+    assert states(n1) == {"n1": "up", "n2": "up", "n3": "up"}
+    job = n1.submit("--nnodes", "2:3", *worker_args("--ddp", "--sleep", SLEEP))["id"]
+    doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3)
+    first_round = doc["round"]
+    victim_name = next(n["node"] for n in doc["nodes"] if n["group_rank"] != 0 and n["node"] != "n1")
+    victim = next(d for d in cluster if d.name == victim_name)
+    survivors = [d for d in cluster if d is not victim]
+    names = sorted(d.name for d in survivors)
+
+    leader = etcd.leader()
+    member = 0 if leader is None else leader
+    etcd.kill(member)  # the leader (etcd elects another in about a second)...
+    kill(victim)  # ...and a node, together
+    killed = time.monotonic()
+    print(f"killed etcd member m{member} (leader: {leader is not None}) and {victim_name}")
+
+    reformed = n1.wait_job(job, lambda d: d["state"] in TERMINAL or (
+        d["world_size"] == 2 and d["state"] == "RUNNING" and healthy(d) == 2), timeout=60)
+    print(f"re-formed on {[n['node'] for n in reformed['nodes']]} {time.monotonic() - killed:.1f} s "
+          f"after the kills")
+    assert reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == names, reformed
+    final = n1.wait_job(job, lambda d: d["state"] in TERMINAL, timeout=120)
+    assert final["state"] == "SUCCEEDED", final
+    assert final["world_size"] == 2 and final["round"] > first_round, final
+    assert final["restarts"] == 0, final  # losing a node is not a worker failure
+    for daemon in survivors:  # both survivors see the outcome, and the lost node
+        daemon.wait_job(job, lambda d: d["state"] == "SUCCEEDED", timeout=30)
+        assert nodes_when(daemon, lambda s: s.get(victim_name) == "lost") == \
+            {**{name: "up" for name in names}, victim_name: "lost"}
+
+    # a job submitted after the member died, from the other survivor, runs on both survivors
+    other = next(d for d in survivors if d is not n1)
+    after = other.submit_wait("--nnodes", "2", *worker_args("--ddp"))
+    assert after["state"] == "SUCCEEDED", after
+    assert_nothing_lost(survivors, {job: "SUCCEEDED", after["id"]: "SUCCEEDED"}, names)
+    assert "UNREACHABLE" not in other.ctl_run("version").stdout  # two members of three serve
+
+
+def test_losing_the_first_daemon_loses_no_store(ha):
+    """n1 submits a 1:3-node job and starts it alone (group rank 0; ranks stay oldest
+    first), the others join it; then n1 is SIGKILLed."""
+    cluster, _ = ha
+    n1, n2, n3 = cluster
+    n1.start()
+    job = n1.submit("--nnodes", "1:3", *worker_args("--ddp", "--sleep", SLEEP))["id"]
+    n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 1 and healthy(d) == 1)
+    n2.start(wait=False)
+    n3.start(wait=False)
+    for daemon in (n2, n3):
+        daemon.wait_notify("READY=1", 60)
+    doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3)
+    first_round = doc["round"]
+    assert {n["node"]: n["group_rank"] for n in doc["nodes"]}["n1"] == 0
+    # nobody hosts a store: no daemon runs torch's TCPStore server (nor loads torch at all)
+    assert not any(loads_torch(d.proc.pid) for d in cluster)
+
+    kill(n1)
+    killed = time.monotonic()
+    reformed = n2.wait_job(job, lambda d: d["state"] in TERMINAL or (
+        d["world_size"] == 2 and d["state"] == "RUNNING" and healthy(d) == 2), timeout=60)
+    print(f"re-formed on {[n['node'] for n in reformed['nodes']]} {time.monotonic() - killed:.1f} s "
+          f"after n1 died")
+    assert reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == ["n2", "n3"]
+    assert 0 in [n["group_rank"] for n in reformed["nodes"]]  # somebody took rank 0 over
+    final = n3.wait_job(job, lambda d: d["state"] in TERMINAL, timeout=120)
+    assert final["state"] == "SUCCEEDED" and final["round"] > first_round, final
+    for daemon in (n2, n3):
+        assert nodes_when(daemon, lambda s: s.get("n1") == "lost") == {"n1": "lost", "n2": "up", "n3": "up"}
+
+    after = n3.submit_wait("--nnodes", "2", *worker_args("--ddp"))
+    assert after["state"] == "SUCCEEDED", after
+    assert_nothing_lost([n2, n3], {job: "SUCCEEDED", after["id"]: "SUCCEEDED"}, ["n2", "n3"])
