@@ -104,6 +104,26 @@ class Daemon:
             self._notify.setblocking(True)
         return "READY=1" in self.messages
 
+    def wait_status(self, predicate: Callable[[str], bool], timeout: float = 30.0) -> str:
+        """Wait until the daemon's current STATUS= line (it sends one on every change)
+        meets ``predicate``; returns it.  Blocks on the notify socket between lines."""
+        assert self._notify is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            self.ready()  # take in what is queued, without blocking
+            lines = [m for m in self.messages if m.startswith("STATUS=")]
+            if lines and predicate(lines[-1]):
+                return lines[-1]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.name}: status never matched; last {lines[-1:]}\n"
+                                     f"{self.log_text()}")
+            self._notify.settimeout(left)
+            try:  # block until the next notification arrives (then look again)
+                self.messages.extend(self._notify.recv(4096).decode().split("\n"))
+            except socket.timeout:
+                pass
+
     def wait_notify(self, wanted: str, timeout: float = 30.0, contains: str = "") -> str:
         """Block until a notification starting with ``wanted`` (and containing ``contains``)
         arrives; returns it."""

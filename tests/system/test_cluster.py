@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 
 import pytest
@@ -265,33 +264,13 @@ def test_store_host_restart_while_a_job_runs(cluster_factory, store_backend):
         cluster.etcd.start(0)
     else:
         cluster[0].start()
-    _status_when(cluster[1], lambda line: "unreachable" not in line, timeout=60)  # reached again
+    cluster[1].wait_status(lambda line: "unreachable" not in line, timeout=60)  # reached again
     again = cluster[1].wait_running(job["id"], 2, timeout=60)
     assert [w["pid"] for w in again["workers"]] == pids  # no restart was needed
     # (c10d: republished to the new store; etcd: kept)
     assert [w["pid"] for w in cluster[0].wait_running(job["id"], 2, timeout=30)["workers"]] == pids
     cluster[0].ctl("cancel", job["id"])  # n1 runs none of the job: the cancel goes through the store
     assert wait_gone(pids, timeout=30) == []
-
-
-def _status_when(daemon, predicate, timeout=30.0):
-    """Wait until the daemon's latest STATUS= line (it sends one on every change) meets
-    ``predicate``; blocks on its notify socket between lines."""
-    deadline = time.monotonic() + timeout
-    while True:
-        daemon.ready()  # takes in what is queued, without blocking
-        lines = [m for m in daemon.messages if m.startswith("STATUS=")]
-        if lines and predicate(lines[-1]):
-            return lines[-1]
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"{daemon.name}: status never matched; last {lines[-1:]}\n"
-                                 f"{daemon.log_text()}")
-        daemon._notify.settimeout(left)
-        try:
-            daemon.messages.extend(daemon._notify.recv(4096).decode().split("\n"))
-        except socket.timeout:
-            pass
 
 
 def test_a_daemon_started_before_the_store_host_waits_for_it(cluster_factory, store_backend):

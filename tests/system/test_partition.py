@@ -13,7 +13,6 @@ either way a partitioned host is cut off from the store and from its peers.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -44,26 +43,6 @@ class NetnsDaemon(Daemon):
 
     def argv(self) -> list[str]:
         return self.hosts.exec_argv(self.index, super().argv())
-
-    def wait_status(self, predicate: Callable[[str], bool], timeout: float = 30.0) -> str:
-        """Wait until the daemon's current STATUS= line (it sends one on every change)
-        meets ``predicate``; returns it."""
-        assert self._notify is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            self.ready()  # take in what is queued, without blocking
-            lines = [m for m in self.messages if m.startswith("STATUS=")]
-            if lines and predicate(lines[-1]):
-                return lines[-1]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{self.name}: status never matched; last {lines[-1:]}\n"
-                                     f"{self.log_text()}")
-            self._notify.settimeout(left)
-            try:  # block until the next notification arrives (then look again)
-                self.messages.extend(self._notify.recv(4096).decode().split("\n"))
-            except socket.timeout:
-                pass
 
 
 class NetnsCluster:
