@@ -364,3 +364,14 @@ def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
             pass
     _, survivors = psutil.wait_procs(procs, timeout=timeout)
     return [p.pid for p in survivors if alive(p.pid)]
+
+
+def node_states(daemon: Daemon, predicate: Callable[[dict[str, str]], bool],
+                timeout: float = 30.0) -> dict[str, str]:
+    """Follow the daemon's node list (it changes on heartbeats) until its states match."""
+    with Control(daemon.socket) as control:
+        for nodes in control.stream("nodes", {"watch": True}, timeout):
+            states = {n["name"]: n["state"] for n in nodes}
+            if predicate(states):
+                return states
+    raise AssertionError(f"{daemon.name}: the node stream ended")

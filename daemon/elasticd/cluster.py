@@ -303,7 +303,7 @@ class NodeRegistry:
         head stood still."""
         key = self._key("observer")
         opened = open_or_refuse(self._signer, key, observer_raw, _registered_name, self._on_refused, self._fresh)
-        term = self._fresh_version(key)
+        term = self._fresh.newest(key)
         if opened is not None:
             if self._observer != (opened, term):
                 self._head_beat = None  # a new observer: watch its head afresh
@@ -316,9 +316,6 @@ class NodeRegistry:
         if self._observing is None and takes_over(opened is not None, self._head_beat, self.keep_alive,
                                                   self._clock()):
             await self._take_over(observer_raw)
-
-    def _fresh_version(self, key: str) -> int:
-        return self._fresh.newest(key)
 
     async def _take_over(self, observer_raw: bytes | None) -> None:
         term = max(self._observer[1] if self._observer else 0, self._term) + 1

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from harness import Control, Daemon, worker_args
+from harness import Daemon, node_states, worker_args
 from fixtures.etcd import EtcdCluster, require_etcd
 
 pytestmark = [pytest.mark.slow]
@@ -50,17 +50,6 @@ def ha(etcd_cluster_factory: Callable[..., Any], shared_tmp: Path) -> Iterator[t
 
 def states(daemon: Daemon) -> dict[str, str]:
     return {n["name"]: n["state"] for n in daemon.ctl("nodes")}
-
-
-def nodes_when(daemon: Daemon, predicate: Callable[[dict[str, str]], bool],
-               timeout: float = 30.0) -> dict[str, str]:
-    """Follow the daemon's node list (it changes on heartbeats) until it matches."""
-    with Control(daemon.socket) as control:
-        for nodes in control.stream("nodes", {"watch": True}, timeout):
-            found = {n["name"]: n["state"] for n in nodes}
-            if predicate(found):
-                return found
-    raise AssertionError(f"{daemon.name}: the node stream ended")
 
 
 def healthy(doc: dict[str, Any]) -> int:
@@ -120,7 +109,7 @@ def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha):
     assert final["restarts"] == 0, final  # losing a node is not a worker failure
     for daemon in survivors:  # both survivors see the outcome, and the lost node
         daemon.wait_job(job, lambda d: d["state"] == "SUCCEEDED", timeout=30)
-        assert nodes_when(daemon, lambda s: s.get(victim_name) == "lost") == \
+        assert node_states(daemon, lambda s: s.get(victim_name) == "lost") == \
             {**{name: "up" for name in names}, victim_name: "lost"}
 
     # a job submitted after the member died, from the other survivor, runs on both survivors
@@ -160,7 +149,7 @@ def test_losing_the_first_daemon_loses_no_store(ha):
     final = n3.wait_job(job, lambda d: d["state"] in TERMINAL, timeout=120)
     assert final["state"] == "SUCCEEDED" and final["round"] > first_round, final
     for daemon in (n2, n3):
-        assert nodes_when(daemon, lambda s: s.get("n1") == "lost") == {"n1": "lost", "n2": "up", "n3": "up"}
+        assert node_states(daemon, lambda s: s.get("n1") == "lost") == {"n1": "lost", "n2": "up", "n3": "up"}
 
     after = n3.submit_wait("--nnodes", "2", *worker_args("--ddp"))
     assert after["state"] == "SUCCEEDED", after

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from harness import Control, Daemon, alive, wait_gone, worker_args
+from harness import Daemon, alive, node_states, wait_gone, worker_args
 from elasticd.store.signing import create_key
 from store_backends import ETCD, etcd_store_lines, with_store
 
@@ -117,17 +117,6 @@ def netns_cluster(subnet: netns.Subnet, shared_tmp: Path, store_backend: str,
         request.addfinalizer(hosts.heal_all)  # ...once a failed test's partition is healed
         return cluster.start()
     return make
-
-
-def node_states(daemon: Daemon, predicate: Callable[[dict[str, str]], bool],
-                timeout: float = 30.0) -> dict[str, str]:
-    """Follow the daemon's node list (it changes on heartbeats) until it matches."""
-    with Control(daemon.socket) as control:
-        for nodes in control.stream("nodes", {"watch": True}, timeout):
-            states = {n["name"]: n["state"] for n in nodes}
-            if predicate(states):
-                return states
-    raise AssertionError("the node stream ended")
 
 
 def healthy(doc: dict[str, Any]) -> int:
