@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
 import time
@@ -20,7 +21,7 @@ from typing import Any, TextIO
 
 from elasticd import __version__
 from elasticd import paths, protocol
-from elasticctl import render
+from elasticctl import follow, render, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 
 EXIT_BY_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
@@ -33,25 +34,37 @@ class UsageError(Exception):
 
 # -- parsing --------------------------------------------------------------------------------
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """Parse the command line, applying submit's two rules for the script's own arguments.
 
     With a bare ``--``, everything after it belongs to the script and elasticctl options may
     come before or after SCRIPT.  Without one, torchrun's rule: the first positional is SCRIPT
-    and everything after it is passed to the script unchanged.
+    and everything after it is passed to the script unchanged.  ``environ``: where torchrun's
+    PET_* variables are read (default: this process's environment).
     """
-    argv = list(argv)
-    if "--" not in argv or "submit" not in argv[:argv.index("--")]:
-        return build_parser(torchrun_rule=True).parse_args(argv)
+    argv, environ = list(argv), os.environ if environ is None else environ
+    if "--" not in argv or not set(JOB_COMMANDS) & set(argv[:argv.index("--")]):
+        return _parse(build_parser(environ, torchrun_rule=True), argv)
     split = argv.index("--")
-    args = build_parser(torchrun_rule=False).parse_args(argv[:split])
+    args = _parse(build_parser(environ, torchrun_rule=False), argv[:split])
     args.script_args = argv[split + 1:]
     if args.script is None and args.script_args:
         args.script = args.script_args.pop(0)
     return args
 
 
-def build_parser(torchrun_rule: bool = True) -> argparse.ArgumentParser:
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, but an unknown option is reported with its command's usage."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+JOB_COMMANDS = ("submit", "run")
+
+
+def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     add_common_options(common, default=argparse.SUPPRESS)
     parser = argparse.ArgumentParser(
@@ -64,11 +77,14 @@ def build_parser(torchrun_rule: bool = True) -> argparse.ArgumentParser:
                 **kwargs: Any) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help, parents=[common],
                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-        sub.set_defaults(handler=handler)
+        sub.set_defaults(handler=handler, command_parser=sub)
         return sub
 
-    add_submit_options(command("submit", cmd_submit, "submit a job to the cluster",
-                               epilog=SUBMIT_RULES, allow_abbrev=False), torchrun_rule)
+    add_submit_options(command("submit", cmd_submit, "submit a job to the cluster", usage=JOB_USAGE,
+                               epilog=SUBMIT_RULES, allow_abbrev=False), environ, torchrun_rule)
+    add_submit_options(command("run", cmd_run, RUN_HELP, usage=JOB_USAGE, epilog=SUBMIT_RULES,
+                               allow_abbrev=False),
+                       environ, torchrun_rule, following=True)
     listing = command("list", cmd_list, "list jobs", aliases=["ps"])
     listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
     command("status", cmd_status, "show one job in detail").add_argument("job", metavar="JOB")
@@ -84,6 +100,11 @@ def build_parser(torchrun_rule: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+JOB_USAGE = "%(prog)s [options] SCRIPT [ARGS ...]   (--help lists every option)"
+RUN_HELP = ("submit a job and show its output until it ends, as torchrun does; exit with its "
+            "result (Ctrl-C cancels it)")
+
+
 def add_common_options(parser: argparse.ArgumentParser, default: Any) -> None:
     """--socket and --json: accepted before the command and (as a convenience) after it."""
     parser.add_argument("--socket", metavar="PATH", default=default,
@@ -93,7 +114,9 @@ def add_common_options(parser: argparse.ArgumentParser, default: Any) -> None:
                         help="print JSON documents instead of text")
 
 
-def add_submit_options(sub: argparse.ArgumentParser, torchrun_rule: bool) -> None:
+def add_submit_options(sub: argparse.ArgumentParser, environ: Mapping[str, str],
+                       torchrun_rule: bool, following: bool = False) -> None:
+    """The job's options; ``following``: the command follows the job anyway (run)."""
     def option(*names: str, **kwargs: Any) -> None:
         """Each --long-name also answers (silently) to torchrun's --long_name."""
         sub.add_argument(*names, **kwargs)
@@ -102,20 +125,13 @@ def add_submit_options(sub: argparse.ArgumentParser, torchrun_rule: bool) -> Non
                 sub.add_argument("--" + name[2:].replace("-", "_"),
                                  **{**kwargs, "help": argparse.SUPPRESS})
 
-    option("--nnodes", type=nnodes, default="1:1", metavar="N|MIN:MAX",
-           help="how many nodes the job runs on (default: 1)")
-    option("--nproc-per-node", type=nproc_per_node, default=1, metavar="N|gpu",
-           help="workers per node; 'gpu' = one per GPU the job gets on the node (default: 1)")
-    option("--max-restarts", type=non_negative_int, metavar="N",
-           help="job-wide restarts after a worker failure (default: the daemon's)")
     option("--name", help="a name for the job (default: the script's)")
     option("--env", type=env_pair, action="append", default=[], metavar="KEY=VAL",
            help="set a variable in the workers' environment (repeatable)")
     option("--workdir", metavar="DIR", help="the workers' working directory (default: here)")
     option("--python", metavar="PATH",
-           help="the interpreter (default: python3 of the active venv, else of your PATH)")
-    option("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
-    option("--no-python", action="store_true", help="SCRIPT is an executable, run without python")
+           help="the interpreter (default: the active venv's python3, else the venv elasticctl "
+                "runs from if it has torch, else python3 on your PATH)")
     option("--nodes", type=names, action="extend", metavar="A,B", help="run only on these nodes")
     option("--exclude", type=names, action="extend", metavar="C,D", help="never run on these nodes")
     option("--join-timeout", type=positive_seconds, metavar="S",
@@ -132,8 +148,16 @@ def add_submit_options(sub: argparse.ArgumentParser, torchrun_rule: bool) -> Non
     option("--rejoin-timeout", type=positive_seconds, metavar="S",
            help="in place: a survivor that has not asked for its new place S seconds after a "
                 "change is stopped and the job restarts every worker (default 60)")
-    option("--wait", action="store_true",
-           help="follow the job until it ends; exit 0 succeeded, 1 failed, 130 cancelled")
+    if following:
+        sub.set_defaults(wait=False)
+    else:
+        option("--wait", action="store_true",
+               help="follow the job until it ends; exit 0 succeeded, 1 failed, 130 cancelled")
+    torchrun_options = sub.add_argument_group(
+        "torchrun's options", "every torchrun option, in both spellings, also read from PET_* "
+        "as torchrun reads it; each one's treatment under elasticd:")
+    torchrun.add_options(torchrun_options, environ, {
+        "nnodes": nnodes, "nproc_per_node": nproc_per_node, "max_restarts": non_negative_int})
     sub.add_argument("script", metavar="SCRIPT", nargs="?",
                      help="the training script (module with -m, executable with --no-python)")
     if torchrun_rule:
@@ -246,10 +270,15 @@ OPTIONAL_SUBMIT_ARGS = ("max_restarts", "name", "nodes", "exclude", "join_timeou
 def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> dict[str, Any]:
     """The ``submit`` request's args: the job as the submitter sees it from here."""
     if args.script is None:
-        raise UsageError("submit: SCRIPT is required")
-    if args.module and args.no_python:
-        raise UsageError("submit: -m and --no-python exclude each other")
-    kind = "module" if args.module else "exec" if args.no_python else "script"
+        raise UsageError(f"{args.command}: SCRIPT is required")
+    if args.module and args.no_python and not args.run_path:
+        raise UsageError(f"{args.command}: -m and --no-python exclude each other")
+    kind = torchrun.kind(args)
+    one_node = protocol.parse_nnodes(args.nnodes)[1] == 1
+    try:
+        from_torchrun = torchrun.job_options(args, one_node)
+    except torchrun.TorchrunError as exc:
+        raise UsageError(str(exc)) from None
     request: dict[str, Any] = {
         "argv": [args.script, *args.script_args], "kind": kind,
         "workdir": absolute(args.workdir or cwd, cwd), "env": {**environ, **dict(args.env)},
@@ -257,15 +286,29 @@ def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: st
     }
     python = submitter_python(args.python, environ, cwd)
     if python is None and kind != "exec":
-        raise UsageError("submit: no python3 found (no active venv, none on PATH); use --python")
+        raise UsageError(f"{args.command}: no python3 found (no active venv, none on PATH); use --python")
     if python is not None:
         request["python"] = python
     request.update(given(args, OPTIONAL_SUBMIT_ARGS))
+    request.update({key: value for key, value in from_torchrun.items() if key not in request})
     if args.in_place:
         request["in_place"] = True
     if args.wait:
         request["wait"] = True
     return request
+
+
+def output_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> torchrun.Output:
+    """How the workers' output is shown by a following client (run, or submit --wait)."""
+    try:
+        plan = torchrun.output(args, environ)
+    except torchrun.TorchrunError as exc:
+        raise UsageError(str(exc)) from None
+    if plan.needs_follower and args.command == "submit" and not args.wait:
+        raise UsageError("--log-dir, --redirects, --tee and --local-ranks-filter act on the output "
+                         "as it is followed: add --wait, or use `elasticctl run` or elasticrun "
+                         "(`elasticctl logs JOB` shows a job's output at any time)")
+    return plan
 
 
 def check_runnable(request: Mapping[str, Any]) -> None:
@@ -283,7 +326,13 @@ def check_runnable(request: Mapping[str, Any]) -> None:
     _need(request["python"], "python", executable=True)
     if request["kind"] == "script":
         where = "" if os.path.isabs(first) else f" in {workdir}"
-        _need(absolute(first, workdir), "script", readable=True, where=where, named=first)
+        script = absolute(first, workdir)
+        if os.path.isdir(script):  # python runs a directory's __main__.py, as torchrun does
+            if not os.path.exists(os.path.join(script, "__main__.py")):
+                raise ClientError(f"submit: script {first}{where} is a directory without a "
+                                  "__main__.py; name the script in it", "invalid_spec")
+            script = os.path.join(script, "__main__.py")
+        _need(script, "script", readable=True, where=where, named=first)
 
 
 def _need(path: str, what: str, *, is_dir: bool = False, executable: bool = False,
@@ -304,8 +353,11 @@ def _need(path: str, what: str, *, is_dir: bool = False, executable: bool = Fals
         raise ClientError(f"submit: {what} {named}: Permission denied", "invalid_spec")
 
 
-def submitter_python(chosen: str | None, environ: Mapping[str, str], cwd: str) -> str | None:
-    """--python, else the active venv's python3, else the python3 on PATH: an absolute path.
+def submitter_python(chosen: str | None, environ: Mapping[str, str], cwd: str,
+                     own_venv: str | None = None) -> str | None:
+    """The interpreter a user means, as an absolute path: --python, else the active venv's
+    python3, else the venv elasticctl runs from when torch is installed there (a user who ran
+    .venv/bin/elasticctl without activating it), else the python3 on PATH.
 
     Symlinks are kept as they are: a venv's python is a symlink to the base interpreter, and
     only the link's own path makes it run with the venv's packages.
@@ -314,13 +366,28 @@ def submitter_python(chosen: str | None, environ: Mapping[str, str], cwd: str) -
     if chosen:
         found = chosen if os.sep in chosen else shutil.which(chosen, path=path)
         if found is None:
-            raise UsageError(f"submit: --python {chosen}: not found on PATH")
+            raise UsageError(f"--python {chosen}: not found on PATH")
         return absolute(found, cwd)
     venv_python = os.path.join(environ.get("VIRTUAL_ENV", ""), "bin", "python3")
     if environ.get("VIRTUAL_ENV") and os.path.exists(venv_python):
         return absolute(venv_python, cwd)
+    own = own_venv_python() if own_venv is None else own_venv
+    if own:
+        return own
     found = shutil.which("python3", path=path)
     return absolute(found, cwd) if found else None
+
+
+def own_venv_python() -> str:
+    """This interpreter's venv python3 when it is a venv with torch installed, else ''.
+    (Finding torch's spec does not import it.)"""
+    if sys.prefix == sys.base_prefix:
+        return ""
+    import importlib.util
+    python = os.path.join(sys.prefix, "bin", "python3")
+    if not os.path.exists(python) or importlib.util.find_spec("torch") is None:
+        return ""
+    return python
 
 
 def absolute(path: str, cwd: str) -> str:
@@ -395,13 +462,23 @@ def reply_timeout(environ: Mapping[str, str]) -> float:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     request = submit_request(args, os.environ, os.getcwd())
+    plan = output_plan(args, os.environ)
     check_runnable(request)
+    if args.wait and plan.needs_follower:
+        return run_job(args, request, plan)
     with connect(args) as daemon:
         if args.wait:
             return follow_job(args, daemon.stream("submit", request))
         job = daemon.call("submit", request)
     emit(args, job, lambda: render.submitted_line(job))
     return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    request = submit_request(args, os.environ, os.getcwd())
+    plan = output_plan(args, os.environ)
+    check_runnable(request)
+    return run_job(args, request, plan)
 
 
 def follow_job(args: argparse.Namespace, docs: Iterable[dict[str, Any]]) -> int:
@@ -426,15 +503,91 @@ def follow_job(args: argparse.Namespace, docs: Iterable[dict[str, Any]]) -> int:
     return job_exit_status(args, job)
 
 
+def run_job(args: argparse.Namespace, request: dict[str, Any], plan: torchrun.Output) -> int:
+    """Submit, show the workers' output as torchrun does until the job ends, and exit with
+    its result.  Ctrl-C (and the other signals torchrun handles) cancels the job: torchrun
+    stops its workers when it is stopped."""
+    with connect(args) as daemon:
+        job = daemon.call("submit", {k: v for k, v in request.items() if k != "wait"})
+    job_id = str(job.get("id"))
+    if args.json:
+        print(json.dumps(job), flush=True)
+    print(render.clean(f"{PROG}: {render.submitted_line(job)}"), file=sys.stderr, flush=True)
+    places = follow.RankPlaces(lambda: status_of(args, job_id))
+    console = follow.Console(job_id, plan, places, sys.stdout, sys.stderr)
+    try:
+        with cancelling_signals(args.signals_to_handle):
+            follow.stream_output(lambda: connect(args), job_id, console)
+            job = status_of(args, job_id)
+    except KeyboardInterrupt:
+        return cancel_followed(args, job_id)
+    finally:
+        console.close()
+    if args.json:
+        print(json.dumps(job), flush=True)
+    return job_exit_status(args, job)
+
+
+PROG = "elasticctl"
+
+
+class cancelling_signals:
+    """While following: the signals torchrun forwards to its workers (SIGTERM, SIGHUP,
+    SIGQUIT; SIGINT already does) interrupt like Ctrl-C, which cancels the job."""
+
+    def __init__(self, names: str) -> None:
+        self._signals = [getattr(signal, name) for name in torchrun.handled_signals(names)
+                         if name != "SIGINT"]
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> None:
+        for number in self._signals:
+            self._previous[number] = signal.signal(number, _interrupt)
+
+    def __exit__(self, *exc: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def cancel_followed(args: argparse.Namespace, job_id: str) -> int:
+    try:
+        with connect(args) as daemon:
+            job = daemon.call("cancel", {"job": job_id})
+        print(render.clean(f"{PROG}: {render.cancelled_line(job, job_id)}"), file=sys.stderr)
+    except ClientError as exc:
+        print(render.clean(f"{PROG}: could not cancel job {job_id}: {exc.message}"), file=sys.stderr)
+    return INTERRUPTED
+
+
+def status_of(args: argparse.Namespace, job_id: str) -> dict[str, Any]:
+    with connect(args) as daemon:
+        return daemon.call("status", {"job": job_id})
+
+
 def job_exit_status(args: argparse.Namespace, job: Mapping[str, Any] | None) -> int:
-    """0 succeeded, 1 failed (after printing why), 130 cancelled."""
+    """0 succeeded, 1 failed (after printing why: the root cause and the tail of the failing
+    rank's stderr), 130 cancelled."""
     state = (job or {}).get("state")
     if job is None or state not in EXIT_BY_STATE:
         raise ClientError(f"elasticd ended the stream while the job was {state or 'unknown'}")
     summary = render.error_summary(job.get("error"))
     if state == "FAILED" and summary and not args.json:
-        print(summary, flush=True)
+        if args.command == "submit":
+            print(summary, flush=True)
+        print(render.failure_report(job, failing_stderr(args, job)), file=sys.stderr, flush=True)
     return EXIT_BY_STATE[state]
+
+
+def failing_stderr(args: argparse.Namespace, job: Mapping[str, Any]) -> list[str]:
+    """The tail of the failing rank's stderr; [] when it cannot be had (the report goes on)."""
+    try:
+        return follow.stderr_tail(lambda: connect(args), job)
+    except ClientError:
+        return []
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -527,14 +680,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help, or a usage error argparse already reported
         return exc.code if isinstance(exc.code, int) else 2
+    except torchrun.TorchrunError as exc:  # a PET_* variable torchrun could not read either
+        return fail(argparse.Namespace(json=False), "usage", str(exc), 2)
+    return dispatch(args)
+
+
+def elasticrun(argv: Sequence[str] | None = None) -> int:
+    """``elasticrun``: a torchrun command line, verbatim, run as a job of the local daemon
+    (``elasticctl run`` with torchrun's defaults: no restarts unless asked for)."""
+    try:
+        parser = argparse.ArgumentParser(prog="elasticrun", description=ELASTICRUN_HELP, usage=JOB_USAGE,
+                                         allow_abbrev=False,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_common_options(parser, default=None)
+        add_submit_options(parser, os.environ, torchrun_rule=True, following=True)
+        parser.set_defaults(handler=cmd_run, command="run", command_parser=parser)
+        args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    except torchrun.TorchrunError as exc:
+        return fail(argparse.Namespace(json=False), "usage", str(exc), 2, prefix="elasticrun: ")
+    if args.max_restarts is None:
+        args.max_restarts = 0
+    global PROG
+    PROG = "elasticrun"
+    return dispatch(args)
+
+
+ELASTICRUN_HELP = """\
+Run a torchrun command line as a job of the local elasticd: submit it, show the workers'
+output as torchrun does, and exit with the job's result (0 succeeded, 1 failed, 130 after
+Ctrl-C, which cancels the job).  `alias torchrun=elasticrun` works for existing scripts.
+Every torchrun option is accepted; what each one does here is listed below."""
+
+
+def dispatch(args: argparse.Namespace) -> int:
     try:
         return args.handler(args)
-    except UsageError as exc:
-        return fail(args, "usage", str(exc), 2)
+    except UsageError as exc:  # our own words: one line per refusal
+        for line in str(exc).split("\n")[:-1]:
+            print(render.clean(f"{PROG}: {line}"), file=sys.stderr)
+        return fail(args, "usage", str(exc).split("\n")[-1], 2, prefix=f"{PROG}: ")
     except Unavailable as exc:
         return fail(args, exc.code, exc.message, 2, prefix="")
     except ClientError as exc:
-        return fail(args, exc.code, exc.message, 1)
+        return fail(args, exc.code, exc.message, 1, prefix=f"{PROG}: ")
     except KeyboardInterrupt:
         return INTERRUPTED
     except BrokenPipeError:  # e.g. `elasticctl logs j-1 | head`

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -162,6 +163,40 @@ def error_summary(error: Doc | None) -> str | None:
     return clean(f"error: {text(error.get('message'))}" + (f" ({detail})" if detail else ""))
 
 
+def failure_report(job: Doc, stderr_tail: Sequence[str]) -> str:
+    """torchrun's kind of failure summary: the job, its root cause (time, node, rank, exit
+    code or signal, message), the @record traceback, and the tail of the rank's stderr."""
+    error = job.get("error") or {}
+    rule, thin = "=" * 60, "-" * 60
+    rank = error.get("rank")
+    lines = [rule, f"{text(job.get('name') or job.get('id'))} FAILED (job {text(job.get('id'))})",
+             thin, "Root Cause (first observed failure):",
+             f"  time      : {local_time(error.get('timestamp') or job.get('ended'))}",
+             f"  node      : {text(error.get('node'))}",
+             f"  rank      : {text(rank)}" + (f" (local_rank: {error['local_rank']})"
+                                                if error.get("local_rank") is not None else ""),
+             f"  exitcode  : {exit_code_text(error.get('exit_code'))}",
+             f"  error     : {text(error.get('message'))}"]
+    traceback = str(error.get("traceback") or "").rstrip("\n")
+    if traceback:
+        lines += ["  traceback :"] + ["    " + clean(line) for line in traceback.split("\n")]
+    if stderr_tail:
+        lines += [thin, f"stderr of rank {text(rank)} (last {len(stderr_tail)} lines):"]
+        lines += ["  " + clean(line, keep_tabs=True) for line in stderr_tail]
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+def exit_code_text(code: Any) -> str:
+    """'1', or '-9 (SIGKILL)' for a worker killed by a signal."""
+    if isinstance(code, int) and code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"{code} (signal {-code})"
+    return text(code)
+
+
 def cancelled_line(job: Doc | None, requested: str) -> str:
     """'job j-7f3a21 cancelled', or that it had already ended some other way."""
     job = job or {}
@@ -200,6 +235,7 @@ def status_block(job: Doc, now: float) -> str:
         ("id", job.get("id")), ("name", job.get("name")), ("user", user),
         ("state", job_state(job)), *([("held", job["held"])] if job.get("held") else []),
         ("command", " ".join(job.get("argv") or []) or None),
+        ("python", job.get("python") if job.get("kind") != "exec" else None),
         ("workdir", job.get("workdir")), ("nnodes", job.get("nnodes")),
         ("nproc", job.get("nproc_per_node")), ("world size", job.get("world_size")),
         ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),

@@ -56,7 +56,7 @@ def test_submit_parsing(line, script, script_args, options):
 @pytest.mark.parametrize("line", [
     "submit --nnodes 0 x.py", "submit --nnodes 3:2 x.py", "submit --nnodes two x.py",
     "submit --nnodes 1:2:3 x.py", "submit --nproc-per-node 0 x.py",
-    "submit --nproc-per-node cpu x.py", "submit --max-restarts -1 x.py",
+    "submit --nproc-per-node xpu x.py", "submit --max-restarts -1 x.py",
     "submit --env NOEQUALS x.py", "submit --env =v x.py", "submit --join-timeout soon x.py",
     "submit --exit-barrier-timeout -3 x.py", "submit --nodes , x.py", "submit --bogus x.py",
     "submit --join-timeout 0 x.py", "submit --exit-barrier-timeout 0 x.py",
@@ -101,7 +101,13 @@ def python_on_path(tmp_path):
 
 
 def request(line, environ, cwd="/work"):
-    return cli.submit_request(cli.parse_args(line.split()), environ, cwd)
+    return cli.submit_request(cli.parse_args(line.split(), environ), environ, cwd)
+
+
+@pytest.fixture(autouse=True)
+def no_own_venv(monkeypatch):
+    """These tests run in the repo's venv, which has torch: elasticctl would choose it."""
+    monkeypatch.setattr(cli, "own_venv_python", lambda: "")
 
 
 def test_submit_request_has_everything_the_daemon_needs(python_on_path):
@@ -242,7 +248,7 @@ def _request(tmp_path, **kw):
     ({"workdir": "/no/such/dir"}, "workdir /no/such/dir not found"),
     ({"argv": ["missing.py"]}, "script missing.py not found in "),
     ({"argv": ["/no/such.py"]}, "script /no/such.py not found"),
-    ({"argv": ["sub"]}, "script sub is not a file"),
+    ({"argv": ["sub"]}, "script sub in .* is a directory without a __main__.py"),
     ({"python": "/no/python3"}, "python /no/python3 not found"),
     ({"kind": "exec", "argv": ["no-such-program-xyz"]}, "executable no-such-program-xyz not found on PATH"),
     ({"kind": "exec", "argv": ["./train.py"]}, "Permission denied"),  # not executable

@@ -128,14 +128,16 @@ def test_jobs_table():
 
 
 def test_status_block_of_a_running_job():
-    text = render.status_block(job(barrier={"done": 1, "total": 2, "deadline": NOW + 30}), NOW)
+    text = render.status_block(job(barrier={"done": 1, "total": 2, "deadline": NOW + 30},
+                                   python="/home/alice/venv/bin/python3"), NOW)
     lines = text.splitlines()
-    assert lines[:6] == [
+    assert lines[:7] == [
         "id:           j-7f3a21",
         "name:         train.py",
         "user:         alice (uid 1000)",
         "state:        RUNNING",
         "command:      train.py --epochs 10",
+        "python:       /home/alice/venv/bin/python3",
         "workdir:      /w",
     ]
     assert "restarts:     0/1" in lines

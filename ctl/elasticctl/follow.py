@@ -1,0 +1,115 @@
+"""Following a job as torchrun shows one: the workers' output on this console as they write
+it (stdout to stdout, stderr to stderr, plain or with torchrun's tee prefix), a copy under
+``--log-dir``, and at the end the job's outcome.  The console gets the workers' bytes as
+they wrote them, as torchrun's inherited console does: the job is the caller's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TextIO
+
+from elasticctl.client import Client
+from elasticctl.torchrun import Output
+
+Doc = Mapping[str, Any]
+TAIL_LINES = 20
+
+
+class RankPlaces:
+    """A rank's local rank in a round, learnt from the job's documents (asked again when a
+    round's rank is new: ranks and local ranks change from round to round)."""
+
+    def __init__(self, status: Callable[[], Doc]) -> None:
+        self._status = status
+        self._places: dict[tuple[int, int], int] = {}
+        self._asked_round: int | None = None
+
+    def local_rank(self, attempt: int | None, rank: int | None) -> int | None:
+        if rank is None or attempt is None:
+            return None
+        if (attempt, rank) not in self._places and attempt != self._asked_round:
+            self.learn(self._status())
+            self._asked_round = attempt
+        return self._places.get((attempt, rank), rank)
+
+    def learn(self, job: Doc) -> None:
+        round_ = job.get("round")
+        for worker in job.get("workers") or []:
+            if round_ is not None and worker.get("rank") is not None:
+                self._places[(round_, worker["rank"])] = worker.get("local_rank", worker["rank"])
+
+
+class Console:
+    """Where each output line goes, by the plan (torchrun's --redirects, --tee,
+    --local-ranks-filter and --log-dir)."""
+
+    def __init__(self, job_id: str, plan: Output, places: RankPlaces,
+                 out: TextIO, err: TextIO) -> None:
+        self._job_id, self._plan, self._places = job_id, plan, places
+        self._streams = {"out": out, "err": err}
+        self._copies: dict[tuple[int, int, str], TextIO] = {}
+
+    def write(self, line: Doc) -> None:
+        stream, text = line.get("stream", "out"), str(line.get("text", ""))
+        rank, attempt = line.get("rank"), line.get("attempt")
+        if self._plan.log_dir and rank is not None and attempt is not None:
+            self._copy(attempt, rank, stream).write(text)
+        local_rank = self._places.local_rank(attempt, rank)
+        shown = "plain" if local_rank is None else self._plan.shown(stream, local_rank)
+        if shown is None:
+            return
+        console = self._streams["err" if stream == "err" else "out"]
+        if shown == "prefixed":
+            text = self._plan.prefix(rank, local_rank) + text
+        console.write(text if text.endswith("\n") else text + "\n")
+
+    def flush(self) -> None:
+        for handle in (*self._streams.values(), *self._copies.values()):
+            handle.flush()
+
+    def close(self) -> None:
+        for handle in self._copies.values():
+            handle.close()
+        self._copies.clear()
+
+    def _copy(self, attempt: int, rank: int, stream: str) -> TextIO:
+        """torchrun's layout: <log dir>/<run>/attempt_<n>/<rank>/{stdout,stderr}.log (a
+        directory per global rank: the local rank on a one-node job, as torchrun names it)."""
+        key = (attempt, rank, stream)
+        if key not in self._copies:
+            directory = os.path.join(self._plan.log_dir or ".", self._job_id, f"attempt_{attempt}", str(rank))
+            os.makedirs(directory, exist_ok=True)
+            name = "stderr.log" if stream == "err" else "stdout.log"
+            self._copies[key] = open(os.path.join(directory, name), "a", encoding="utf-8",
+                                     errors="surrogateescape")
+        return self._copies[key]
+
+
+def stream_output(connect: Callable[[], Client], job_id: str, console: Console) -> None:
+    """Show the job's output until it ends (the daemon ends the stream then)."""
+    with connect() as daemon:
+        for result in daemon.stream("logs", {"job": job_id, "follow": True}):
+            for line in _lines(result):
+                console.write(line)
+            console.flush()
+
+
+def stderr_tail(connect: Callable[[], Client], job: Doc, lines: int = TAIL_LINES) -> list[str]:
+    """The last lines the failing rank wrote to stderr in the job's last round."""
+    error = job.get("error") or {}
+    if error.get("rank") is None or job.get("round") is None:
+        return []
+    request = {"job": job["id"], "rank": error["rank"], "attempt": job["round"]}
+    tail: list[str] = []
+    with connect() as daemon:
+        for result in daemon.stream("logs", request):
+            tail.extend(str(line.get("text", "")).rstrip("\n") for line in _lines(result)
+                        if line.get("stream") == "err")
+            del tail[:-lines]
+    return tail
+
+
+def _lines(result: Any) -> Iterable[Doc]:
+    return (result.get("lines") if isinstance(result, Mapping) else result) or []
