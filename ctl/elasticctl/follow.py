@@ -43,7 +43,7 @@ class RankPlaces:
 
 class Console:
     """Where each output line goes, by the plan (torchrun's --redirects, --tee,
-    --local-ranks-filter and --log-dir)."""
+    --local-ranks-filter and --log-dir).  A line comes without its newline."""
 
     def __init__(self, job_id: str, plan: Output, places: RankPlaces,
                  out: TextIO, err: TextIO) -> None:
@@ -52,7 +52,7 @@ class Console:
         self._copies: dict[tuple[int, int, str], TextIO] = {}
 
     def write(self, line: Doc) -> None:
-        stream, text = line.get("stream", "out"), str(line.get("text", ""))
+        stream, text = line.get("stream", "out"), str(line.get("text", "")) + "\n"
         rank, attempt = line.get("rank"), line.get("attempt")
         if self._plan.log_dir and rank is not None and attempt is not None:
             self._copy(attempt, rank, stream).write(text)
@@ -63,7 +63,7 @@ class Console:
         console = self._streams["err" if stream == "err" else "out"]
         if shown == "prefixed":
             text = self._plan.prefix(rank, local_rank) + text
-        console.write(text if text.endswith("\n") else text + "\n")
+        console.write(text)
 
     def flush(self) -> None:
         for handle in (*self._streams.values(), *self._copies.values()):
