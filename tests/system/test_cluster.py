@@ -319,3 +319,16 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     assert json.loads(store.get(key))["body"]["info"]["slots"] != 999  # replaced by n2's own
     store.close()
     assert cluster[1].request("version").ok  # n2 put its own record right again
+
+
+@pytest.mark.c10d_only("how a client shows output; the store plays no part")
+def test_run_shows_every_nodes_output_with_torchruns_local_rank_prefix(cluster_factory):
+    """`elasticctl run --tee 3` on a two-node job: each node's ranks prefixed by their local
+    rank, as each node's torchrun would show them; stderr to stderr; exit 0."""
+    cluster = cluster_factory(2).start()
+    done = cluster[0].ctl_run("run", "--nnodes", "2", "--nproc-per-node", "2", "--tee", "3",
+                              *worker_args("--print", "1"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        "[default0]:out 0 0", "[default0]:out 2 0", "[default1]:out 1 0", "[default1]:out 3 0"]
+    assert {"[default0]:err 0 0", "[default1]:err 3 0"} <= set(done.stderr.splitlines())

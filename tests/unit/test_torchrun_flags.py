@@ -225,3 +225,14 @@ def test_elasticrun_defaults_to_torchruns_no_restarts(monkeypatch):
     seen.clear()
     cli.elasticrun(["--max_restarts", "3", "x.py"])
     assert seen["args"].max_restarts == 3
+
+
+def test_the_readme_lists_every_option_as_treated():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        if line.startswith("| `-"):
+            flag, treatment = (cell.strip() for cell in line.strip("|").split("|", 1))
+            rows[flag.strip("`").split(", ")[-1].lstrip("-").replace("-", "_")] = treatment
+    assert rows == {dest: text.replace("|", "/") for dest, text in torchrun.TREATMENT.items()}
