@@ -149,7 +149,7 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
         "exit_code": outcome.exit_code if outcome else None,
         "round": parts[0].round if parts else None,
         "world_size": parts[0].world_size if parts else None,
-        "argv": list(spec.argv), "kind": spec.kind, "workdir": spec.workdir,
+        "argv": list(spec.argv), "kind": spec.kind, "python": spec.python, "workdir": spec.workdir,
         "submitted_on": spec.submitted_on,
         "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
         "nodes": [_node_doc(p, usage.get(p.node)) for p in parts],
