@@ -29,8 +29,9 @@ from .records import Outcome, Part
 from .keyspace import Keyspace
 from .liveness import KeepAlive
 from .logs import LogBus
+from .cluster import cpu_count
 from .model import (PART_STATES, Failure, JobSpec, PartState, JobState, RunResult, WorkerGroup,
-                    WorkerState, assign_workers, placement_env)
+                    WorkerState, assign_workers, local_nproc, placement_env)
 from .rendezvous import (CHARGED, EventKind, NextRound, Reason, RendezvousHandler, RendezvousInfo,
                          RendezvousSettings, RoundEvent, may_restart)
 from .store.base import Store
@@ -249,7 +250,7 @@ class JobAgent:
         self.node = node
         self.address = address
         self.gpus = gpus
-        self.nproc = len(gpus) if spec.nproc_per_node == "gpu" else int(spec.nproc_per_node)
+        self.nproc = local_nproc(spec.nproc_per_node, gpus=len(gpus), cpus=cpu_count())
         self._rdzv = rdzv
         self._ports = ports
         self._metrics = metrics
@@ -538,7 +539,7 @@ class JobAgent:
         """Join the next round; None when the job ended or this node left meanwhile."""
         started = time.monotonic()
         name, joining = await race(
-            joined=self._rdzv.next_rendezvous(nproc or self.nproc, free_port(self.address)),
+            joined=self._rdzv.next_rendezvous(nproc or self.nproc, self._master_port()),
             ended=self._ended, leaving=self._leaving)
         if name == "leaving":
             return await self._leave(None, None)
@@ -561,6 +562,11 @@ class JobAgent:
             return None
         self._metrics.round_joined(info.reason, time.monotonic() - started)
         return info
+
+    def _master_port(self) -> int:
+        """The MASTER_PORT this node offers for the round (used if it gets group rank 0):
+        the job's fixed one, else a port free here now."""
+        return self.spec.master_port or free_port(self.address)
 
     async def _run_round(self, info: RendezvousInfo) -> Action | None:
         """Run this node's workers for one round; returns REJOIN to go on, None when done."""

@@ -1,4 +1,5 @@
-"""The composition root: parse argv, build every part, run them in one TaskGroup.
+"""The composition root: parse argv, build every part, run them in one TaskGroup (or, for
+``elasticd keygen FILE``, write a new cluster key and exit).
 
 Order of start-up: config -> dirs and cluster key -> store (hosted here or reached) ->
 history (jobs of a previous run that died are recorded as failed, their leftovers killed)
@@ -37,7 +38,7 @@ from .board import BoardFollower, JobBoard
 from .blacklist import Blacklist
 from .cgroups import JobCgroups
 from .cluster import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
-                      NodeService, discover_gpus, slot_count)
+                      NodeService, cpu_count, discover_gpus, slot_count)
 from .config import DaemonConfig
 from .control.commands import Commands, PeerCommands
 from .discovery import EVERYONE, Listing
@@ -61,7 +62,7 @@ from .store.base import Store
 from .store.c10d import C10dServer
 from .store.memory import AsyncMemoryStore, MemoryStore
 from .store.tcpstore import TCPStoreClient
-from .store.signing import Signer, load_key, load_or_create_key
+from .store.signing import Signer, create_key, load_key, load_or_create_key
 
 if TYPE_CHECKING:
     from .store.etcd import EtcdStore
@@ -69,10 +70,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("elasticd")
 
 DEFAULT_CONFIG = "/etc/elasticd/elasticd.toml"
+KEYGEN = "keygen"
+COMMANDS = f"""commands:
+  elasticd {KEYGEN} FILE   write a new cluster key to FILE, to copy to every node
+                         (elasticd {KEYGEN} --help)"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="elasticd", description="Run elastic PyTorch jobs on this host.")
+    p = argparse.ArgumentParser(prog="elasticd", description="Run elastic PyTorch jobs on this host.",
+                                usage=f"%(prog)s [options]\n       %(prog)s {KEYGEN} FILE",
+                                epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)")
     p.add_argument("--standalone", action="store_true",
                    help="a one-host cluster that needs no config (hosts its own store)")
@@ -94,7 +101,43 @@ def load_config(args: argparse.Namespace) -> DaemonConfig:
     return config_mod.load(path, overrides, standalone=args.standalone)
 
 
+def parse_keygen_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=f"elasticd {KEYGEN}",
+        description="Write a new random cluster key to FILE (mode 0600), in the form the store "
+                    "host makes one.  An existing FILE is never overwritten.  Copy the file to "
+                    "every node of the cluster and point cluster.key_file (or elasticd "
+                    "--cluster-key) at it.")
+    p.add_argument("file", metavar="FILE", help="where to write the key (its directory must exist)")
+    return p.parse_args(argv)
+
+
+def keygen(path: str) -> int:
+    """``elasticd keygen FILE``: a new cluster key in a new 0600 file; 1 if it cannot be made."""
+    try:
+        create_key(path)
+    except FileExistsError:
+        return _keygen_failed(f"{path} already exists; not overwriting it (a cluster's nodes "
+                              "must share one key: copy that file, or remove it first)")
+    except FileNotFoundError:
+        return _keygen_failed(f"cannot create {path}: the directory "
+                              f"{os.path.dirname(os.path.abspath(path))} does not exist")
+    except OSError as exc:
+        return _keygen_failed(f"cannot create {path}: {exc.strerror}")
+    print(f"wrote a new cluster key to {path} (mode 0600); copy it to every node of the cluster "
+          "(elasticd --cluster-key FILE, or cluster.key_file in the config)")
+    return 0
+
+
+def _keygen_failed(message: str) -> int:
+    print(f"elasticd {KEYGEN}: {message}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [KEYGEN]:
+        return keygen(parse_keygen_args(argv[1:]).file)
     args = parse_args(argv)
     try:
         config = load_config(args)
@@ -203,7 +246,8 @@ class Daemon:
             peers = PeerLinks(PeerClient(ctx, keys), nodes)
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
             service = JobService(
-                node=self.node, resources=Resources(slot_count(config, gpus), gpus), board=board,
+                node=self.node, resources=Resources(slot_count(config, gpus), gpus, cpus=cpu_count()),
+                board=board,
                 follower=BoardFollower(board, registry, self.node, on_store=self._board_store),
                 registry=registry, standalone=config.standalone, allow_root=config.jobs.allow_root,
                 blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None,
@@ -351,7 +395,8 @@ class Daemon:
     def _local_record(self, service: JobService) -> NodeRecord:
         used = service.used()
         info = NodeInfo(self.node, self._address, service.resources.slots, service.resources.gpus,
-                        dict(self.config.node.labels), __version__, service.draining, self._started)
+                        dict(self.config.node.labels), __version__, service.draining, self._started,
+                        cpus=service.resources.cpus)
         return NodeRecord(info, service.draining, used.slots, len(used.gpus),
                           tuple(service.local_jobs()), *self._peer,
                           blacklisted_until=service.blacklisted_until, listed=service.listed)
@@ -408,26 +453,22 @@ class Daemon:
 
     def _cluster_key(self) -> bytes:
         """Standalone daemons and the store host make a key if there is none; others need one."""
-        if self.config.standalone or self._hosts_store():
+        if self.config.standalone or hosts_store(self.config):
             return load_or_create_key(self.config.key_file)
         return load_key(self.config.key_file)
-
-    def _hosts_store(self) -> bool:
-        if self.config.etcd:
-            return False
-        host = self.config.store.host
-        if host == config_mod.AUTO:
-            return is_local(self.config.store_host)
-        return bool(host)
 
     def _host_store(self) -> None:
         """Host the cluster's store here when this node is its host; where it is."""
         config = self.config
-        if self._hosts_store():
+        if hosts_store(config):
             self._server = C10dServer(config.store_host, config.store_port, timeout=config.store.timeout)
             self._endpoint = join_endpoint(config.store_host, self._server.port)
-        else:
-            self._endpoint = config.store.endpoint
+            return
+        self._endpoint = config.store.endpoint
+        if config.store.host == config_mod.AUTO:
+            log.info("the store at %s is another node's (store.host = auto, and %s); connecting",
+                     self._endpoint, f"node.address is {config.node.address}" if config.node.address
+                     else "its host is none of this host's addresses")
 
     @functools.cached_property
     def _address(self) -> str:
@@ -515,16 +556,34 @@ def _listening(key: str, where: str) -> Iterator[None]:
         raise ConfigError(key, f"cannot listen on {where}: {exc}") from exc
 
 
+def hosts_store(config: DaemonConfig) -> bool:
+    """Whether this daemon hosts the cluster's TCPStore.  ``store.host = auto``: when the
+    endpoint's host resolves to node.address (so that of several daemons on one host, each
+    with its own address, one hosts it); without node.address, when it is this host's."""
+    if config.etcd:
+        return False
+    setting = config.store.host
+    if setting != config_mod.AUTO:
+        return bool(setting)
+    if config.node.address:
+        return bool(addresses(config.store_host) & addresses(config.node.address))
+    return is_local(config.store_host)
+
+
+def addresses(host: str) -> set[str]:
+    """The addresses ``host`` (a name or an address) resolves to; none if it does not."""
+    try:
+        return {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return set()
+
+
 def is_local(host: str) -> bool:
     """Whether ``host`` (a name or an address) is this host: loopback, or an interface's."""
     import ipaddress
     import psutil
-    try:
-        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
     mine = {e.address.split("%")[0] for entries in psutil.net_if_addrs().values() for e in entries}
-    return any(ipaddress.ip_address(a).is_loopback or a in mine for a in resolved)
+    return any(ipaddress.ip_address(a).is_loopback or a in mine for a in addresses(host))
 
 
 def route_address(host: str) -> str:

@@ -56,11 +56,16 @@ def discover_gpus(setting: int | str, path: str | None = None) -> tuple[str, ...
     return parse_nvidia_smi(done.stdout)
 
 
+def cpu_count() -> int:
+    """This host's CPUs, as torchrun counts them for ``--nproc-per-node cpu``."""
+    return os.cpu_count() or 1
+
+
 def slot_count(config: DaemonConfig, gpus: tuple[str, ...]) -> int:
     """Workers this node runs at once: configured, else one per CPU (at least one per GPU)."""
     if config.node.slots:
         return config.node.slots
-    return max(os.cpu_count() or 1, len(gpus))
+    return max(cpu_count(), len(gpus))
 
 
 # -- the node registry in the store -------------------------------------------------------------
@@ -126,6 +131,7 @@ def node_doc(sighting: Sighting, state: NodeState, seen: float) -> dict[str, Any
     return {"name": record.info.name, "address": record.info.address, "state": state.value,
             "slots_total": record.info.slots, "slots_free": record.info.slots - record.slots_used,
             "gpus_total": len(record.info.gpus), "gpus_free": len(record.info.gpus) - record.gpus_used,
+            "cpus_total": record.info.cpus,
             "jobs": list(record.jobs), "last_seen": sighting.member.since if sighting.member.lost else seen,
             "version": record.info.version, "labels": dict(record.info.labels),
             "blacklisted_until": record.blacklisted_until or None, "listed": record.listed}

@@ -112,14 +112,14 @@ class NodeConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str = key("default", doc="cluster name; namespaces every store key", flag="--cluster")
-    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key (made by the store host; with etcd, copy the same file to every node first)", flag="--cluster-key")
+    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key (made by the store host, or by `elasticd keygen FILE`; copy the same file to every node)", flag="--cluster-key")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     backend: str = key("c10d", _backend, doc="'c10d' (a TCPStore that one daemon hosts) or 'etcd'")
     endpoint: str = key("127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT", flag="--store")
-    host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint is ours", flag="--store-host")
+    host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint's host is node.address (node.address unset: any address of this host)", flag="--store-host")
     firewall: bool | str = key(AUTO, doc="let only this daemon's user reach the store port from this host (an nftables rule); 'auto': when root and nft is installed")
     connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
     timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
@@ -187,7 +187,7 @@ class ControlConfig:
 
 @dataclass(frozen=True)
 class JobsConfig:
-    allow_root: bool = key(False, doc="run jobs submitted by root as root")
+    allow_root: bool = key(False, doc="run jobs submitted by root as root", flag="--allow-root")
     stop_grace: float = key(10.0, _not_negative, doc="seconds between SIGTERM and SIGKILL")
     max_restarts: int = key(JobSpec.max_restarts, _not_negative, doc="default job-wide restart budget")
     exit_barrier_timeout: float = key(JobSpec.exit_barrier_timeout, _positive, doc="default exit barrier timeout, seconds")

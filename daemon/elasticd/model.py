@@ -18,11 +18,18 @@ from .rendezvous.state import RendezvousSettings
 
 SCHEMA = 1
 GPU = protocol.GPU
+CPU = protocol.CPU
+AUTO = protocol.AUTO
 KINDS = ("script", "module", "exec")
 MAX_TIMEOUT = 365 * 24 * 3600.0  # a year: longer than any job waits, shorter than any clock overflows
 MAX_COUNT = 1_000_000            # restarts, nodes: beyond any cluster
 MAX_NPROC = 4096
 MAX_NAME = 256
+MAX_ROLE = 64
+DEFAULT_ROLE = "default"  # torchrun's --role
+# Fields a daemon of the previous version does not know: left out of a spec's JSON while
+# they hold their default, so that it can still read every ordinary job.
+_OMITTED_AT_DEFAULT = ("role", "master_port")
 
 
 class IllegalTransition(Conflict):
@@ -177,6 +184,8 @@ class JobSpec:
     exclude: tuple[str, ...] = ()
     submitted_on: str = ""
     created: float = 0.0
+    role: str = DEFAULT_ROLE        # the workers' ROLE_NAME
+    master_port: int = 0            # MASTER_PORT of every round; 0: a free port on group rank 0's node
 
     def __post_init__(self) -> None:
         validate(self)
@@ -197,6 +206,9 @@ class JobSpec:
         doc = asdict(self)
         doc["env"] = dict(self.env)
         doc["schema"] = SCHEMA
+        for name in _OMITTED_AT_DEFAULT:
+            if doc[name] == JobSpec.__dataclass_fields__[name].default:
+                del doc[name]
         return doc
 
     @classmethod
@@ -234,9 +246,10 @@ def validate(spec: JobSpec) -> None:
          and 1 <= spec.min_nodes <= spec.max_nodes <= MAX_COUNT,
          f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX <= {MAX_COUNT}, "
          f"got {spec.min_nodes}:{spec.max_nodes}")
-    need(spec.nproc_per_node == GPU or (_is_int(spec.nproc_per_node)
-                                        and 1 <= spec.nproc_per_node <= MAX_NPROC),
-         f"nproc_per_node must be an integer from 1 to {MAX_NPROC} or '{GPU}'")
+    need(spec.nproc_per_node in protocol.NPROC_WORDS or (_is_int(spec.nproc_per_node)
+                                                         and 1 <= spec.nproc_per_node <= MAX_NPROC),
+         f"nproc_per_node must be one of N, {', '.join(protocol.NPROC_WORDS)} "
+         f"(N an integer from 1 to {MAX_NPROC})")
     need(_is_int(spec.max_restarts) and 0 <= spec.max_restarts <= MAX_COUNT,
          f"max_restarts must be from 0 to {MAX_COUNT}")
     need(isinstance(spec.in_place, bool), "in_place must be true or false")
@@ -249,6 +262,10 @@ def validate(spec: JobSpec) -> None:
              f"{MAX_TIMEOUT:.0f} seconds, got {value!r}")
     need(all(_is_text(n) and n for n in spec.nodes + spec.exclude),
          "nodes and exclude must be node names")
+    need(_is_text(spec.role) and 0 < len(spec.role) <= MAX_ROLE,
+         f"role must be non-empty text of at most {MAX_ROLE} characters")
+    need(_is_int(spec.master_port) and 0 <= spec.master_port <= 65535,
+         f"master_port must be from 0 (a free port every round) to 65535, got {spec.master_port!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -279,6 +296,16 @@ def parse_nproc(value: str | int) -> int | str:
         return protocol.parse_nproc(value)
     except ValueError as exc:
         raise InvalidSpec(str(exc)) from None
+
+
+def local_nproc(nproc_per_node: int | str, *, gpus: int, cpus: int) -> int:
+    """How many workers ``nproc_per_node`` means on a node with ``gpus`` GPUs (free for the
+    job) and ``cpus`` CPUs, as torchrun resolves it on its own host."""
+    if nproc_per_node == GPU or (nproc_per_node == AUTO and gpus):
+        return gpus
+    if nproc_per_node in (CPU, AUTO):
+        return cpus
+    return int(nproc_per_node)
 
 
 @dataclass(frozen=True)
@@ -353,7 +380,7 @@ def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file:
     env = dict(spec.env)
     env.update({
         "LOCAL_RANK": str(worker.local_rank),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": spec.role,
         "LOCAL_WORLD_SIZE": str(group.local_world_size),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": spec.id,
@@ -367,6 +394,8 @@ def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default: don't oversubscribe the CPUs
     if group.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(group.gpus)
+    elif spec.nproc_per_node == CPU:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU workers: the node's GPUs belong to other jobs
     return env
 
 
@@ -415,6 +444,7 @@ class NodeInfo:
     version: str = ""
     draining: bool = False
     started: float = 0.0
+    cpus: int = 0  # 0: not published (a daemon of an older version)
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)

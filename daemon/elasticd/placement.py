@@ -9,11 +9,11 @@ the nodes forever.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from .records import JobRecord
-from .model import GPU, JobSpec, PartState
+from .model import AUTO, CPU, GPU, JobSpec, PartState
 
 _DONE_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED})
 
@@ -22,6 +22,7 @@ _DONE_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED
 class Resources:
     slots: int
     gpus: tuple[str, ...] = ()
+    cpus: int = 0  # the node's CPU count (what ``cpu`` and ``auto`` mean); 0: unknown
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,16 @@ class Offer:
 
 
 def fit(spec: JobSpec, free: Resources, has_gpus: bool) -> Offer | None:
-    """The share of this node a job would take, or None if it does not fit now."""
-    if spec.nproc_per_node == GPU:
+    """The share of this node a job would take, or None if it does not fit now.  ``auto``
+    is ``gpu`` on a node with GPUs, else ``cpu``; ``cpu`` workers take no GPU."""
+    if spec.nproc_per_node == GPU or (spec.nproc_per_node == AUTO and has_gpus):
         if not free.gpus or len(free.gpus) > free.slots:
             return None
         return Offer(spec.id, len(free.gpus), free.gpus)
+    if spec.nproc_per_node in (CPU, AUTO):
+        if not 0 < free.cpus <= free.slots:
+            return None
+        return Offer(spec.id, free.cpus, ())
     nproc = int(spec.nproc_per_node)
     if nproc > free.slots or (has_gpus and nproc > len(free.gpus)):
         return None
@@ -60,6 +66,18 @@ def refusal(spec: JobSpec, *, allow_root: bool, local_user: str | None) -> str |
     return None
 
 
+def beyond_standalone(spec: JobSpec) -> str | None:
+    """Why a standalone daemon (a cluster of one node) could never start ``spec``."""
+    if spec.min_nodes <= 1:
+        return None
+    return (f"the daemon is standalone (a one-node cluster), so a job needing {spec.min_nodes} "
+            "nodes can never start; use --nnodes 1 or run a cluster")
+
+
+_SLOTS_HINT = ("a node's slots default to its CPU count; `elasticd --slots N` or node.slots "
+               "in the config raises them")
+
+
 def never_fits(spec: JobSpec, nodes: Iterable[dict[str, Any]]) -> str | None:
     """Why no node of the cluster could ever run a share of ``spec``, even idle; None if
     one could.  (Too few such nodes is for the join timeout: nodes may still come.)"""
@@ -68,18 +86,42 @@ def never_fits(spec: JobSpec, nodes: Iterable[dict[str, Any]]) -> str | None:
         return None  # nothing seen yet: no grounds to refuse
     unknown = sorted(set(spec.nodes) - {n["name"] for n in nodes})
     if unknown:
-        return f"no node named {', '.join(unknown)}"
+        return f"no node named {', '.join(unknown)}; the job could never start"
     candidates = [n for n in nodes if eligible(spec, n["name"])]
     if not candidates:
-        return "every node is excluded"
-    for node in candidates:
-        whole = Resources(node["slots_total"], tuple(str(i) for i in range(node["gpus_total"])))
-        if fit(spec, whole, has_gpus=bool(whole.gpus)) is not None:
-            return None
-    wanted = "one worker per GPU" if spec.nproc_per_node == GPU else f"{spec.nproc_per_node} workers"
-    sizes = ", ".join(f"{n['name']} has {n['slots_total']} slots and {n['gpus_total']} GPUs"
-                      for n in candidates[:5])
-    return f"no node can run {wanted} on its own: {sizes}"
+        return "every node is excluded; the job could never start"
+    if any(_fits_whole(spec, n) for n in candidates):
+        return None
+    sizes = ", ".join(_size(n) for n in candidates[:5])
+    problem = f"no node can run {_wanted(spec)} on its own: {sizes}; the job could never start"
+    short_of_slots = any(_fits_whole(spec, n, slots=1 << 30) for n in candidates)
+    return f"{problem} ({_SLOTS_HINT})" if short_of_slots else problem
+
+
+def _whole(node: dict[str, Any]) -> Resources:
+    """A node as if idle, from its entry in the node list."""
+    return Resources(node["slots_total"], tuple(str(i) for i in range(node["gpus_total"])),
+                     node.get("cpus_total", 0))
+
+
+def _fits_whole(spec: JobSpec, node: dict[str, Any], *, slots: int | None = None) -> bool:
+    whole = _whole(node)
+    if slots is not None:
+        whole = replace(whole, slots=slots)
+    return fit(spec, whole, has_gpus=bool(whole.gpus)) is not None
+
+
+_WANTED = {GPU: "one worker per GPU", CPU: "one worker per CPU",
+           AUTO: "one worker per GPU (per CPU on a node without GPUs)"}
+
+
+def _wanted(spec: JobSpec) -> str:
+    return _WANTED.get(str(spec.nproc_per_node), f"{spec.nproc_per_node} workers")
+
+
+def _size(node: dict[str, Any]) -> str:
+    cpus = f", {node['cpus_total']} CPUs" if node.get("cpus_total") else ""
+    return f"{node['name']} has {node['slots_total']} slots{cpus} and {node['gpus_total']} GPUs"
 
 
 def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bool,
@@ -100,5 +142,6 @@ def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bo
         if offer is None:
             continue
         offers.append(offer)
-        free = Resources(free.slots - offer.nproc, tuple(g for g in free.gpus if g not in offer.gpus))
+        free = replace(free, slots=free.slots - offer.nproc,
+                       gpus=tuple(g for g in free.gpus if g not in offer.gpus))
     return offers

@@ -48,6 +48,8 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "exit_barrier_timeout": (int, float),
         "in_place": (bool,),
         "rejoin_timeout": (int, float),
+        "role": (str,),
+        "master_port": (int,),
         "wait": (bool,),
     },
     "list": {"all": (bool,)},
@@ -81,7 +83,10 @@ E_INTERNAL = "internal"
 E_TOO_MANY = "too_many_connections"
 
 
-GPU = "gpu"  # nproc_per_node: one worker per GPU the job gets on a node
+GPU = "gpu"    # nproc_per_node: one worker per GPU the job gets on a node
+CPU = "cpu"    # one worker per CPU of the node (torchrun: os.cpu_count())
+AUTO = "auto"  # one per GPU on a node with GPUs, else one per CPU
+NPROC_WORDS = (GPU, CPU, AUTO)
 
 
 def parse_nnodes(value: str | int) -> tuple[int, int]:
@@ -101,14 +106,16 @@ def parse_nnodes(value: str | int) -> tuple[int, int]:
 
 
 def parse_nproc(value: str | int) -> int | str:
-    """A positive worker count (an int or its digits) or ``"gpu"``; ValueError otherwise."""
-    if value == GPU:
-        return GPU
+    """A positive worker count (an int or its digits), or one of torchrun's words ``gpu``,
+    ``cpu``, ``auto`` (each node resolves it for itself); ValueError otherwise."""
+    if value in NPROC_WORDS:
+        return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+    if isinstance(value, str) and value.isascii() and value.isdigit() and int(value) >= 1:
         return int(value)
-    raise ValueError(f"nproc_per_node must be a positive integer or '{GPU}', got {value!r}")
+    raise ValueError(f"nproc_per_node must be one of N, {', '.join(NPROC_WORDS)} "
+                     f"(N a positive integer), got {value!r}")
 
 
 class ProtocolError(Exception):

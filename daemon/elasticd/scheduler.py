@@ -227,8 +227,8 @@ class JobService:
         if self._stopping or self._tasks is None:
             return
         used = self.used()
-        free = Resources(self.resources.slots - used.slots,
-                         tuple(g for g in self.resources.gpus if g not in used.gpus))
+        free = replace(self.resources, slots=self.resources.slots - used.slots,
+                       gpus=tuple(g for g in self.resources.gpus if g not in used.gpus))
         jobs = self._registry.jobs()
         busy = set(self._running) | self._unstartable | self._refused_here(jobs) | {
             r.id for r in jobs if self._declined.get(r.id) == r.version}

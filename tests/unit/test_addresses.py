@@ -3,7 +3,8 @@
 import psutil
 import pytest
 
-from elasticd.app import is_local, route_address
+from elasticd import config
+from elasticd.app import hosts_store, is_local, route_address
 
 
 def _an_interface_address() -> str | None:
@@ -37,3 +38,30 @@ def test_route_address():
     address = _an_interface_address()
     if address is not None:
         assert route_address(address) == address
+
+
+@pytest.mark.parametrize("store, host, address, hosts", [
+    # store.host = auto, node.address set: the address decides (two daemons on one host)
+    ("127.0.0.1:29400", "auto", "127.0.0.1", True),
+    ("127.0.0.1:29400", "auto", "127.0.0.2", False),
+    ("localhost:29400", "auto", "127.0.0.1", True),
+    ("192.0.2.1:29400", "auto", "192.0.2.1", True),   # not an address of this host, but ours by config
+    ("[::1]:29400", "auto", "::1", True),
+    ("no-such-host.invalid:29400", "auto", "127.0.0.1", False),
+    # node.address unset: any address of this host
+    ("127.0.0.1:29400", "auto", "", True),
+    ("127.0.0.2:29400", "auto", "", True),
+    ("192.0.2.1:29400", "auto", "", False),
+    # said outright: as said
+    ("127.0.0.1:29400", True, "127.0.0.2", True),
+    ("127.0.0.1:29400", False, "127.0.0.1", False),
+])
+def test_which_daemon_hosts_the_store(store, host, address, hosts):
+    settings = config.load(None, {"store.endpoint": store, "store.host": host, "node.address": address})
+    assert hosts_store(settings) is hosts
+
+
+def test_with_etcd_no_daemon_hosts_the_store():
+    settings = config.load(None, {"store.backend": "etcd", "store.endpoints": ["127.0.0.1:2379"],
+                                  "store.host": True, "node.address": "127.0.0.1"})
+    assert hosts_store(settings) is False

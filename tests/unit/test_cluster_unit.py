@@ -8,7 +8,7 @@ from elasticd.liveness import KeepAlive
 from elasticd.membership import Member
 from elasticd.model import NodeInfo, NodeState
 
-INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0)
+INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0, cpus=16)
 KEEP_ALIVE = KeepAlive(1.0, 3)
 
 
@@ -29,8 +29,14 @@ def test_record_round_trip_and_doc():
     assert NodeRecord.from_json(record.to_json()) == record
     doc = node_doc(sighting(jobs=("j-1",)), NodeState.UP, seen=99.0)
     assert (doc["slots_free"], doc["gpus_free"], doc["gpus_total"], doc["jobs"]) == (6, 1, 2, ["j-1"])
-    assert doc["last_seen"] == 99.0
+    assert doc["last_seen"] == 99.0 and doc["cpus_total"] == 16
     assert node_doc(sighting(lost=True), NodeState.LOST, seen=99.0)["last_seen"] == 50.0  # when judged lost
+
+
+def test_node_info_of_older_and_newer_daemons_reads():
+    older = {k: v for k, v in INFO.to_json().items() if k != "cpus"}
+    assert NodeInfo.from_json(older).cpus == 0  # not published: unknown
+    assert NodeInfo.from_json({**INFO.to_json(), "from_a_later_version": 1}) == INFO
 
 
 def test_parse_nvidia_smi():

@@ -168,3 +168,14 @@ def test_flags_are_declared_with_their_keys():
                                      "--store", "[::1]:29400", "--log-level", "debug"]))
     assert (loaded.node.slots, loaded.store.host, loaded.store_host, loaded.log.level) == \
         (3, False, "::1", "debug")
+
+
+@pytest.mark.parametrize("argv, allowed", [
+    ([], False), (["--allow-root"], True), (["--no-allow-root"], False),
+    (["--standalone"], True),                       # standalone allows root jobs by default
+    (["--standalone", "--no-allow-root"], False),   # unless told otherwise
+])
+def test_allow_root_flag(argv, allowed):
+    from elasticd.app import load_config, parse_args
+    assert config.flags()["--allow-root"][:2] == ("jobs.allow_root", bool)
+    assert load_config(parse_args(["--config", os.devnull, *argv])).jobs.allow_root is allowed

@@ -5,8 +5,8 @@ import pytest
 from elasticd.errors import InvalidSpec
 from elasticd.model import (JOB_STATES, NODE_STATES, PART_STATES, WORKER_STATES, Failure,
                             IllegalTransition, JobSpec, JobState, NodeState, PartState,
-                            RunResult, StateTable, WorkerState, assign_workers, parse_nnodes,
-                            parse_nproc, worker_env)
+                            RunResult, StateTable, WorkerState, assign_workers, local_nproc,
+                            parse_nnodes, parse_nproc, worker_env)
 
 S = JobState
 
@@ -79,15 +79,26 @@ def test_parse_nnodes_rejects(text):
         parse_nnodes(text)
 
 
-@pytest.mark.parametrize("value, out", [(2, 2), ("2", 2), ("gpu", "gpu")])
+@pytest.mark.parametrize("value, out", [(2, 2), ("2", 2), ("gpu", "gpu"), ("cpu", "cpu"),
+                                        ("auto", "auto")])
 def test_parse_nproc(value, out):
     assert parse_nproc(value) == out
 
 
-@pytest.mark.parametrize("value", [0, "0", "auto", -1, True, "x"])
+@pytest.mark.parametrize("value", [0, "0", -1, True, "x", "xpu", "GPU", "\u00b2", " 2"])
 def test_parse_nproc_rejects(value):
-    with pytest.raises(InvalidSpec):
+    with pytest.raises(InvalidSpec, match="must be one of N, gpu, cpu, auto"):
         parse_nproc(value)
+
+
+@pytest.mark.parametrize("nproc, gpus, cpus, workers", [
+    (3, 8, 2, 3), (3, 0, 2, 3),
+    ("gpu", 4, 2, 4),
+    ("cpu", 4, 16, 16), ("cpu", 0, 2, 2),      # cpu: every CPU, GPUs or not
+    ("auto", 4, 16, 4), ("auto", 0, 16, 16),   # auto: GPUs if any, else CPUs
+])
+def test_local_nproc_resolves_per_node(nproc, gpus, cpus, workers):
+    assert local_nproc(nproc, gpus=gpus, cpus=cpus) == workers
 
 
 @pytest.mark.parametrize("change, words", [
@@ -111,6 +122,11 @@ def test_parse_nproc_rejects(value):
     ({"last_call_timeout": 10 ** 400}, "last_call_timeout"),
     ({"max_restarts": 10 ** 100}, "max_restarts"), ({"nproc_per_node": 10 ** 6}, "nproc_per_node"),
     ({"min_nodes": 1, "max_nodes": 10 ** 9}, "nnodes"),
+    ({"nproc_per_node": "xpu"}, "nproc_per_node must be one of N, gpu, cpu, auto"),
+    ({"role": ""}, "role"), ({"role": "r" * 65}, "role"), ({"role": 3}, "role"),
+    ({"role": "a\0b"}, "role"), ({"role": "\ud800"}, "role"),
+    ({"master_port": -1}, "master_port"), ({"master_port": 65536}, "master_port"),
+    ({"master_port": "29500"}, "master_port"), ({"master_port": True}, "master_port"),
 ])
 def test_spec_validation(change, words):
     with pytest.raises(InvalidSpec, match=words):
@@ -141,6 +157,16 @@ def test_spec_json_round_trip_and_schema():
     doc["surprise"] = 1
     with pytest.raises(InvalidSpec, match="malformed"):
         JobSpec.from_json(doc)
+
+
+def test_role_and_master_port_round_trip_and_are_left_out_at_their_default():
+    s = spec(role="trainer", master_port=29555, nproc_per_node="cpu")
+    assert s.to_json()["role"] == "trainer" and s.to_json()["master_port"] == 29555
+    assert JobSpec.from_json(s.to_json()) == s
+    plain = spec(role="default", master_port=0).to_json()
+    assert "role" not in plain and "master_port" not in plain  # a daemon of the last version reads it
+    assert JobSpec.from_json(plain) == spec()
+    assert spec(role="r" * 64, master_port=65535).master_port == 65535
 
 
 def test_rank_assignment_heterogeneous():
@@ -176,6 +202,15 @@ def test_omp_num_threads(nproc, user_env, omp):
     env = worker_env(spec(env=user_env), group, group.workers[0], error_file="e")
     assert env.get("OMP_NUM_THREADS") == omp
     assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_worker_env_role_and_cpu_workers():
+    group = assign_workers("j", "n", round=0, restart_count=0, group_rank=0, group_world_size=1,
+                           rank_base=0, world_size=2, nproc=2, master_addr="a", master_port=1)
+    env = worker_env(spec(role="trainer", nproc_per_node="cpu", env={"CUDA_VISIBLE_DEVICES": "0"}),
+                     group, group.workers[1], error_file="e")
+    assert env["ROLE_NAME"] == "trainer"
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # the node's GPUs are not a cpu job's
 
 
 def test_root_cause_is_the_first_failure():

@@ -4,7 +4,7 @@ import pytest
 
 from elasticd.records import JobRecord, Outcome, Part
 from elasticd.model import JobSpec, JobState, PartState
-from elasticd.placement import Offer, Resources, fit, place
+from elasticd.placement import Offer, Resources, beyond_standalone, fit, never_fits, place
 
 
 def record(job_id, seq, nproc=1, nnodes=(1, 1), nodes=(), exclude=(), parts=(), outcome=None):
@@ -25,6 +25,16 @@ GPUS = ("0", "1", "2", "3")
     ("gpu", Resources(2, GPUS), True, None),
     (2, Resources(8, ("2", "3")), True, (2, ("2", "3"))),
     (3, Resources(8, ("2", "3")), True, None),
+    # cpu: one worker per CPU of the node, no GPU taken (GPUs or not)
+    ("cpu", Resources(8, (), cpus=2), False, (2, ())),
+    ("cpu", Resources(8, GPUS, cpus=6), True, (6, ())),
+    ("cpu", Resources(4, (), cpus=6), False, None),       # more CPUs than slots
+    ("cpu", Resources(8, ()), False, None),               # CPU count unknown (an older daemon)
+    # auto: gpu on a node with GPUs, cpu on one without
+    ("auto", Resources(8, GPUS, cpus=16), True, (4, GPUS)),
+    ("auto", Resources(8, (), cpus=16), True, None),      # a GPU node whose GPUs are all taken
+    ("auto", Resources(8, (), cpus=2), False, (2, ())),
+    ("auto", Resources(1, (), cpus=2), False, None),
 ])
 def test_fit(nproc, free, has_gpus, offer):
     got = fit(record("j", 1, nproc=nproc).spec, free, has_gpus)
@@ -35,6 +45,12 @@ def test_oldest_first_and_resources_are_used_up():
     jobs = [record("j-b", 2, nproc=2), record("j-a", 1, nproc=2), record("j-c", 3, nproc=1)]
     assert place(jobs, "n1", Resources(3), has_gpus=False, busy=set()) == [
         Offer("j-a", 2, ()), Offer("j-c", 1, ())]
+
+
+def test_a_cpu_job_leaves_the_gpus_and_the_cpu_count_to_the_jobs_behind_it():
+    jobs = [record("j-a", 1, nproc="cpu"), record("j-b", 2, nproc="gpu"), record("j-c", 3, nproc="auto")]
+    offers = place(jobs, "n1", Resources(12, GPUS, cpus=4), has_gpus=True, busy=set())
+    assert offers == [Offer("j-a", 4, ()), Offer("j-b", 4, GPUS)]  # j-c: no GPU left
 
 
 def test_gpus_are_split_between_jobs():
@@ -62,8 +78,9 @@ def test_busy_draining_and_left():
     assert place([job], "n1", Resources(8), has_gpus=False, busy=set(), draining=True) == []
 
 
-def _node(name, slots, gpus=0):
-    return {"name": name, "slots_total": slots, "gpus_total": gpus}
+def _node(name, slots, gpus=0, cpus=None):
+    node = {"name": name, "slots_total": slots, "gpus_total": gpus}
+    return node if cpus is None else {**node, "cpus_total": cpus}  # None: an older daemon's entry
 
 
 @pytest.mark.parametrize("nproc, nodes, exclude, words", [
@@ -75,14 +92,50 @@ def _node(name, slots, gpus=0):
     (3, [_node("a", 8, 2)], (), "a has 8 slots and 2 GPUs"),       # a GPU node: one GPU a worker
     (1, [_node("a", 1)], ("a",), "every node is excluded"),
     (9, [], (), None),                                              # nothing seen yet: no verdict
+    ("cpu", [_node("a", 2, cpus=2)], (), None),
+    ("cpu", [_node("a", 8, 4, cpus=8)], (), None),                 # a GPU node runs CPU workers too
+    ("cpu", [_node("a", 2, cpus=4)], (), "no node can run one worker per CPU on its own: a has 2 slots, 4 CPUs"),
+    ("cpu", [_node("a", 2)], (), "no node can run one worker per CPU"),  # an older daemon: CPUs unknown
+    ("auto", [_node("a", 2, cpus=2)], (), None),
+    ("auto", [_node("a", 8, 2, cpus=8)], (), None),
+    ("auto", [_node("a", 1, 2, cpus=8)], (), "no node can run one worker per GPU (per CPU on a node without GPUs)"),
 ])
 def test_never_fits(nproc, nodes, exclude, words):
-    from elasticd.placement import never_fits
     problem = never_fits(record("j", 1, nproc=nproc, exclude=exclude).spec, nodes)
     assert problem is None if words is None else words in problem
 
 
 def test_never_fits_names_unknown_nodes():
-    from elasticd.placement import never_fits
     spec = record("j", 1, nodes=("a", "zz", "yy")).spec
-    assert never_fits(spec, [_node("a", 4)]) == "no node named yy, zz"
+    assert never_fits(spec, [_node("a", 4)]) == "no node named yy, zz; the job could never start"
+
+
+SLOTS_HINT = "a node's slots default to its CPU count; `elasticd --slots N` or node.slots in the config raises them"
+
+
+@pytest.mark.parametrize("nproc, node, hint", [
+    (4, _node("n1", 2, cpus=2), True),          # more slots would do
+    ("cpu", _node("n1", 2, cpus=4), True),
+    (3, _node("n1", 8, 2, cpus=8), False),      # a GPU node: one GPU a worker, slots are not short
+    ("gpu", _node("n1", 8, cpus=8), False),     # no GPU at all
+])
+def test_never_fits_says_how_to_raise_slots_when_slots_are_short(nproc, node, hint):
+    problem = never_fits(record("j", 1, nproc=nproc).spec, [node])
+    assert problem.startswith("no node can run ") and "; the job could never start" in problem
+    assert (SLOTS_HINT in problem) is hint
+
+
+def test_never_fits_the_first_hour_message():
+    problem = never_fits(record("j", 1, nproc=4).spec, [_node("n1", 2, cpus=2)])
+    assert problem == ("no node can run 4 workers on its own: n1 has 2 slots, 2 CPUs and 0 GPUs; "
+                       f"the job could never start ({SLOTS_HINT})")
+
+
+@pytest.mark.parametrize("nnodes, refused", [((1, 1), False), ((1, 3), False), ((2, 2), True), ((3, 4), True)])
+def test_a_standalone_daemon_refuses_only_jobs_whose_min_needs_more_nodes(nnodes, refused):
+    problem = beyond_standalone(record("j", 1, nnodes=nnodes).spec)
+    if not refused:
+        assert problem is None
+    else:
+        assert problem == (f"the daemon is standalone (a one-node cluster), so a job needing "
+                           f"{nnodes[0]} nodes can never start; use --nnodes 1 or run a cluster")

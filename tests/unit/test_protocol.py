@@ -14,7 +14,8 @@ def frame(**doc):
 
 
 def test_round_trip():
-    req = p.Request("r1", "submit", {"argv": ["t.py"], "nproc_per_node": "gpu", "wait": True})
+    req = p.Request("r1", "submit", {"argv": ["t.py"], "nproc_per_node": "gpu", "wait": True,
+                                     "role": "trainer", "master_port": 29500})
     assert p.decode_request(p.encode_request(req)) == req
     assert req.streaming and not p.Request("r", "submit", {"argv": ["a"]}).streaming
     assert p.Request("r", "logs", {"job": "j"}).streaming
@@ -36,6 +37,9 @@ def test_round_trip():
     (frame(v=1, id="a", op="logs", args={"job": "j", "rank": True}), "bad_request", "an integer"),
     (frame(v=1, id="a", op="submit", args={"argv": "t.py"}), "bad_request", "a list"),
     (frame(v=1, id="a", op="submit", args={}), "bad_request", "missing argument 'argv'"),
+    (frame(v=1, id="a", op="submit", args={"argv": ["t"], "role": 1}), "bad_request", "'role' must be a string"),
+    (frame(v=1, id="a", op="submit", args={"argv": ["t"], "master_port": "1"}), "bad_request",
+     "'master_port' must be an integer"),
     (frame(v=1, id="a", op="status"), "bad_request", "missing argument 'job'"),
 ])
 def test_malformed(raw, code, words):
@@ -90,3 +94,14 @@ def test_a_socket_in_a_directory_that_others_own_or_can_write_is_never_chosen(mo
         own_dir.chmod(0o700)
         os.chown(own_dir, 65534, 65534)  # created first by somebody else
         assert paths.default_socket_path() == system
+
+
+@pytest.mark.parametrize("value, out", [(1, 1), ("12", 12), ("gpu", "gpu"), ("cpu", "cpu"), ("auto", "auto")])
+def test_parse_nproc_takes_torchruns_words(value, out):
+    assert p.parse_nproc(value) == out
+
+
+@pytest.mark.parametrize("value", ["xpu", "mps", "", "0", 0, "1.5", "\u0663"])  # \u0663: an Arabic-Indic 3
+def test_parse_nproc_names_the_accepted_values(value):
+    with pytest.raises(ValueError, match=r"must be one of N, gpu, cpu, auto \(N a positive integer\), got"):
+        p.parse_nproc(value)

@@ -25,7 +25,7 @@ from ..logs import LogBus, LogReader
 from ..model import JobSpec, parse_nnodes, parse_nproc
 from ..cluster import NodeService
 from ..peers import PeerCaller, PeerLinks
-from ..placement import never_fits
+from ..placement import beyond_standalone, never_fits
 from ..scheduler import JobService
 from ..protocol import Request
 from .server import Caller, PeerGone, Reply
@@ -63,6 +63,7 @@ def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonCon
         in_place=args.get("in_place", False),
         rejoin_timeout=args.get("rejoin_timeout", JobSpec.rejoin_timeout),
         nodes=tuple(args.get("nodes", ())), exclude=tuple(args.get("exclude", ())),
+        role=args.get("role", JobSpec.role), master_port=args.get("master_port", JobSpec.master_port),
         submitted_on=node, created=now)
 
 
@@ -135,20 +136,27 @@ class Commands:
         spec = spec_from_request(args, caller, self._config, job_id=new_job_id(),
                                  node=self._node, now=time.time())
         if spec.uid == 0 and os.getuid() == 0 and not self._config.jobs.allow_root:
-            raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = false)")
+            raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = "
+                                   "false; `elasticd --allow-root` allows them)")
         # The script, python and workdir are not looked at here: a root daemon would answer
         # with its own rights (an oracle for files the user cannot see).  elasticctl checks
         # them as the user; a worker that cannot find them fails as the user would.
-        problem = never_fits(spec, self._cluster.nodes())
-        if problem:  # the view may be a heartbeat old: judge again on a fresh one
-            problem = never_fits(spec, await self._cluster.fresh())
+        problem = await self._never_starts(spec)
         if problem:
-            raise InvalidSpec(f"{problem}; the job could never start")
+            raise InvalidSpec(problem)
         record = await self._jobs.submit(spec)
         if args.get("wait"):
             await self._stream_until_done(record, reply)
         else:
             await reply.result(job_doc(record))
+
+    async def _never_starts(self, spec: JobSpec) -> str | None:
+        """Why the job could never start here (None: it may)."""
+        if self._config.standalone and (problem := beyond_standalone(spec)):
+            return problem
+        if never_fits(spec, self._cluster.nodes()) is None:
+            return None
+        return never_fits(spec, await self._cluster.fresh())  # the view may be a heartbeat old
 
     async def list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         horizon = time.time() - RECENT
@@ -194,6 +202,8 @@ class Commands:
         nodes' fetched from their daemons, merged as they come."""
         record = await self._find(args["job"])
         self._check_owner(caller, record, "read the logs of")
+        if args.get("follow"):
+            await reply.result({"lines": []})  # the client's first-reply bound: a job may be silent
         try:
             async with asyncio.TaskGroup() as sources:
                 sources.create_task(self.local_logs(record.id, args, reply))
