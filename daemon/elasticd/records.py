@@ -142,7 +142,8 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
     return {
         "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
         "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
-        "nproc_per_node": spec.nproc_per_node,
+        "nproc_per_node": spec.nproc_per_node, "role": spec.role,
+        "master_port": spec.master_port or None,
         "restarts": max((p.restarts for p in record.parts.values()), default=0),
         "max_restarts": spec.max_restarts, "created": spec.created,
         "started": started(record), "ended": outcome.ended if outcome else None,

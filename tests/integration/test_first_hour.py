@@ -138,13 +138,11 @@ def test_role_and_a_fixed_master_port_reach_the_workers_every_round(daemon_facto
     out = shared_tmp / "env"
     out.mkdir()
     port = free_port()
-    reply = daemon.request("submit", argv=[*worker_args("--env-out", str(out), "--fail-rank", "1",
-                                                        "--fail-attempts", "1")],
-                           python=PY, workdir=str(shared_tmp), env=dict(CLIENT_ENV),
-                           nproc_per_node=2, max_restarts=1, role="trainer", master_port=port)
-    assert reply.ok, reply.message
-    job = daemon.wait_job(reply.result["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"))
+    job = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "1", "--role", "trainer",
+                             "--master-port", str(port),
+                             *worker_args("--env-out", str(out), "--fail-rank", "1", "--fail-attempts", "1"))
     assert job["state"] == "SUCCEEDED" and job["restarts"] == 1, job
+    assert (job["role"], job["master_port"]) == ("trainer", port)
     for attempt in (0, 1):
         for rank in (0, 1):
             env = json.loads((out / f"rank_{rank}_attempt_{attempt}.json").read_text())
