@@ -127,8 +127,8 @@ def test_a_user_hammering_the_socket_does_not_starve_the_others(daemon, shared_t
     """nobody sends `list` as fast as the daemon answers, on 8 connections; root's requests
     meanwhile wait behind at most a few of nobody's (a user has 4 being worked on at a time)."""
     job_id, _ = sleeping_job(daemon, shared_tmp, 1)
-    for _ in range(20):  # a list worth computing
-        daemon.submit("--nnodes", "2", *worker_args())
+    for _ in range(20):  # a list worth computing: jobs queued behind the sleeper for slots
+        daemon.submit("--nproc-per-node", "4", *worker_args())
     hammer = attackers(daemon.socket, "hammer", "6")
     latencies = []
     with Control(daemon.socket) as control:
