@@ -374,6 +374,9 @@ def placement_env(group: WorkerGroup, worker: Worker) -> dict[str, str]:
     }
 
 
+TORCHRUN_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
 def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file: str) -> dict[str, str]:
     """The environment torchrun gives a worker, on top of the submitter's environment.  A
     worker warming up for an in-place job (``group.round < 0``) has no rank yet."""
@@ -387,6 +390,9 @@ def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file:
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCHELASTIC_ERROR_FILE": error_file,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        # torchrun's launcher process sets it (its --signals-to-handle) and workers inherit it
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": spec.env.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                                       TORCHRUN_HANDLED_SIGNALS),
     })
     if group.round >= 0:
         env.update(placement_env(group, worker))

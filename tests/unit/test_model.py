@@ -190,6 +190,7 @@ def test_worker_env_is_torchruns():
         "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "j-1",
         "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_ERROR_FILE": "/e.json",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "CUDA_VISIBLE_DEVICES": "2,3"}
     assert env["PATH"] == "/bin"
 
