@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     # gRPC (etcd's client) would run fork handlers at every worker spawn: ours fork to exec
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here  # `kill -USR1`: every thread's stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here
     try:
         return asyncio.run(Daemon(config).run())
     except ElasticdError as exc:
