@@ -15,14 +15,11 @@ up to floating-point summation order.
 import argparse
 import os
 import time
-import warnings
 
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
 
 FEATURES = 16
 
