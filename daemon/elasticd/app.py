@@ -50,6 +50,7 @@ from .firewall import StoreFirewall
 from .history import History
 from .keyspace import Keyspace
 from .jobs import JobRegistry
+from .journal import log_handler
 from .records import JobRecord, Outcome, worker_groups
 from .logs import LogBus
 from .workers import reap_leftovers
@@ -144,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log.level.upper(), handlers=[log_handler(config.node_name)])
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TCPStore wait timeouts are routine
     # TCPStore looks up every peer's name; a lost DNS query must not stall the store for the
     # resolver's default 5 s x 2 (longer than a node's heartbeat timeout).

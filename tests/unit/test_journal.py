@@ -1,0 +1,152 @@
+"""The daemon's log to journald: the native protocol's encoding, the fields of a record, when
+stderr is the journal stream, and that a record the journal cannot take goes to stderr."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import socket
+import struct
+
+import pytest
+
+from elasticd import journal
+from fixtures.journald import decode
+
+
+def record(message: str, *args: object, level: int = logging.INFO, **extra: object) -> logging.LogRecord:
+    made = logging.LogRecord("elasticd.scheduler", level, "/x/scheduler.py", 42, message, args, None,
+                             func="take")
+    made.__dict__.update(extra)
+    return made
+
+
+def test_a_plain_field_is_name_equals_value():
+    assert journal.encode_field("MESSAGE", "job j-0a1b2c: joining") == b"MESSAGE=job j-0a1b2c: joining\n"
+
+
+def test_a_value_with_a_newline_takes_the_binary_form():
+    value = "failed\nTraceback (most recent call last):\n  boom"
+    encoded = journal.encode_field("MESSAGE", value)
+    assert encoded == b"MESSAGE\n" + struct.pack("<Q", len(value)) + value.encode() + b"\n"
+    assert encoded[8:16] == len(value).to_bytes(8, "little")
+
+
+def test_the_length_counts_bytes_not_characters():
+    encoded = journal.encode_field("MESSAGE", "é\n")
+    assert encoded == b"MESSAGE\n" + (3).to_bytes(8, "little") + "é\n".encode() + b"\n"
+
+
+def test_a_value_that_is_not_utf8_still_encodes():
+    assert journal.encode_field("MESSAGE", "bad \udcff byte") == b"MESSAGE=bad \\udcff byte\n"
+
+
+def test_encode_then_decode_is_the_identity():
+    fields = {"MESSAGE": "two\nlines", "PRIORITY": "3", "EMPTY": "", "EQUALS": "a=b"}
+    assert decode(journal.encode(fields)) == fields
+
+
+@pytest.mark.parametrize("level, expected", [
+    (logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6),
+    (logging.DEBUG, 7), (logging.INFO + 5, 6), (logging.NOTSET, 7)])
+def test_syslog_priorities(level, expected):
+    assert journal.priority(level) == expected
+
+
+def test_the_fields_of_a_record():
+    fields = journal.record_fields(record("job %s: joining with %d workers", "j-0a1b2c", 2,
+                                          level=logging.WARNING), "the text", "node7")
+    assert fields == {"MESSAGE": "the text", "PRIORITY": "4", "SYSLOG_IDENTIFIER": "elasticd",
+                      "ELASTICD_LOGGER": "elasticd.scheduler", "ELASTICD_NODE": "node7",
+                      "CODE_FILE": "/x/scheduler.py", "CODE_LINE": "42", "CODE_FUNC": "take",
+                      "ELASTICD_JOB": "j-0a1b2c"}
+
+
+@pytest.mark.parametrize("made, job", [
+    (record("job %s round %d: restart", "j-00ff11", 1), "j-00ff11"),
+    (record("node n1: drained"), None),
+    (record("store up", job="j-123456"), "j-123456"),  # extra={"job": ...} wins
+    (record("job j-abcdef: x", job="j-123456"), "j-123456"),
+    (record("no job in xj-abcdef or j-abcdefg or j-ABCDEF"), None),
+])
+def test_the_job_a_record_concerns(made, job):
+    assert journal.job_of(made) == job
+
+
+@pytest.mark.parametrize("value, parsed", [
+    ("8:1234", (8, 1234)), ("", None), ("8", None), ("a:1", None), ("8:", None), ("-1:2", None)])
+def test_journal_stream_parsing(value, parsed):
+    assert journal.journal_stream(value) == parsed
+
+
+def test_stderr_is_the_journal_only_when_device_and_inode_match(tmp_path):
+    with open(tmp_path / "stderr", "w") as stream, open(tmp_path / "other", "w") as other:
+        info, elsewhere = os.fstat(stream.fileno()), os.fstat(other.fileno())
+        assert journal.is_journal(stream, {"JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}"})
+        assert not journal.is_journal(stream, {"JOURNAL_STREAM": f"{elsewhere.st_dev}:{elsewhere.st_ino}"})
+        assert not journal.is_journal(stream, {})
+        assert isinstance(journal.log_handler("n", {}, stream), logging.StreamHandler)
+        chosen = journal.log_handler("n", {"JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}",
+                                           journal.SOCKET_ENV: "/nowhere"}, stream)
+        assert isinstance(chosen, journal.JournalHandler) and chosen.path == "/nowhere"
+        chosen.close()
+        assert journal.JournalHandler("n", logging.NullHandler()).path == "/run/systemd/journal/socket"
+    assert not journal.is_journal(io.StringIO(), {"JOURNAL_STREAM": "1:2"})  # no file descriptor
+
+
+@pytest.fixture
+def journald(tmp_path):
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(tmp_path / "journal.sock"))
+    server.settimeout(5)
+    yield server
+    server.close()
+
+
+def handler_to(path: str, stderr: io.StringIO) -> journal.JournalHandler:
+    return journal.JournalHandler("n1", journal.plain_handler(stderr), path)
+
+
+def test_one_datagram_per_record_with_the_traceback_in_the_message(journald):
+    stderr = io.StringIO()
+    handler = handler_to(journald.getsockname(), stderr)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+        failed = logging.LogRecord("elasticd.agent", logging.ERROR, __file__, 7,
+                                   "agent for job %s failed", ("j-abc123",), sys.exc_info(), func="run")
+    handler.handle(failed)
+    fields = decode(journald.recv(1 << 20))
+    assert fields["MESSAGE"].startswith("agent for job j-abc123 failed\nTraceback")
+    assert "ValueError: boom" in fields["MESSAGE"]
+    assert (fields["PRIORITY"], fields["ELASTICD_JOB"], fields["ELASTICD_NODE"]) == ("3", "j-abc123", "n1")
+    assert stderr.getvalue() == ""
+    handler.close()
+
+
+def test_without_the_socket_the_record_goes_to_stderr(tmp_path):
+    stderr = io.StringIO()
+    handler = handler_to(str(tmp_path / "gone.sock"), stderr)
+    handler.handle(record("job %s: joining", "j-0a1b2c", level=logging.WARNING))
+    assert stderr.getvalue().endswith(" WARNING elasticd.scheduler: job j-0a1b2c: joining\n")
+    handler.close()
+
+
+def test_a_record_too_large_for_a_datagram_goes_to_stderr(journald):
+    stderr = io.StringIO()
+    handler = handler_to(journald.getsockname(), stderr)
+    handler.handle(record("huge %s", "x" * (64 << 20)))
+    handler.handle(record("small"))
+    assert stderr.getvalue().count("\n") == 1 and "INFO elasticd.scheduler: huge xxx" in stderr.getvalue()
+    assert decode(journald.recv(1 << 20))["MESSAGE"] == "small"
+    handler.close()
+
+
+def test_emit_never_raises_even_when_stderr_fails_too(tmp_path):
+    stderr = io.StringIO()
+    stderr.close()
+    handler = handler_to(str(tmp_path / "gone.sock"), stderr)
+    handler.handle(record("lost in every way"))
+    handler.close()
