@@ -1,5 +1,6 @@
 """The composition root: parse argv, build every part, run them in one TaskGroup (or, for
-``elasticd keygen FILE``, write a new cluster key and exit).
+``elasticd keygen FILE``, write a new cluster key and exit; for ``elasticd --check-config
+FILE``, check a config file and exit).
 
 Order of start-up: config -> dirs and cluster key -> store (hosted here or reached) ->
 history (jobs of a previous run that died are recorded as failed, their leftovers killed)
@@ -79,9 +80,13 @@ COMMANDS = f"""commands:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="elasticd", description="Run elastic PyTorch jobs on this host.",
-                                usage=f"%(prog)s [options]\n       %(prog)s {KEYGEN} FILE",
+                                usage=f"%(prog)s [options]\n       %(prog)s --check-config FILE [options]"
+                                      f"\n       %(prog)s {KEYGEN} FILE",
                                 epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)")
+    p.add_argument("--check-config", metavar="FILE",
+                   help="check FILE (with the options given) as start-up would and print every "
+                        "error; start nothing; exit 0 if it is good, 2 if not")
     p.add_argument("--standalone", action="store_true",
                    help="a one-host cluster that needs no config (hosts its own store)")
     for flag, (dotted, kind, doc) in config_mod.flags().items():  # declared with their keys
@@ -90,16 +95,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         else:
             p.add_argument(flag, dest=dotted, type=kind, metavar=flag.rsplit("-", 1)[-1].upper(), help=doc)
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.check_config is not None and args.config is not None:
+        p.error("--check-config FILE checks FILE: leave out --config")
+    return args
 
 
 def load_config(args: argparse.Namespace) -> DaemonConfig:
-    overrides = {dotted: getattr(args, dotted) for dotted, _, _ in config_mod.flags().values()
-                 if getattr(args, dotted) is not None}
     path = args.config
     if path is None and not args.standalone and os.path.exists(DEFAULT_CONFIG):
         path = DEFAULT_CONFIG
-    return config_mod.load(path, overrides, standalone=args.standalone)
+    return config_mod.load(path, flag_overrides(args), standalone=args.standalone)
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The config keys set on the command line (dotted key -> value)."""
+    return {dotted: getattr(args, dotted) for dotted, _, _ in config_mod.flags().values()
+            if getattr(args, dotted) is not None}
+
+
+def check_config(args: argparse.Namespace) -> int:
+    """``elasticd --check-config FILE``: the file and the options given, validated as start-up
+    does (the same messages); 0 if good, 2 if not.  Opens nothing that the file names."""
+    problems = config_mod.problems(args.check_config, flag_overrides(args), standalone=args.standalone)
+    for problem in problems:
+        print(f"elasticd: {problem}", file=sys.stderr)
+    if problems:
+        count = len(problems)
+        print(f"{args.check_config}: {count} error{'s' if count != 1 else ''}", file=sys.stderr)
+        return 2
+    print(f"{args.check_config}: OK")
+    return 0
 
 
 def parse_keygen_args(argv: list[str]) -> argparse.Namespace:
@@ -140,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == [KEYGEN]:
         return keygen(parse_keygen_args(argv[1:]).file)
     args = parse_args(argv)
+    if args.check_config is not None:
+        return check_config(args)
     try:
         config = load_config(args)
     except ConfigError as exc:

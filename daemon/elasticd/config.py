@@ -282,7 +282,30 @@ SECTIONS: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(
 def load(path: str | None = None, overrides: dict[str, Any] | None = None,
          *, standalone: bool = False) -> DaemonConfig:
     """Read ``path`` (TOML), apply ``overrides`` (dotted keys, e.g. ``"node.slots"``), validate."""
-    tables: dict[str, dict[str, Any]] = {}
+    return from_tables(_tables(path, overrides, standalone), standalone=standalone)
+
+
+def problems(path: str | None = None, overrides: dict[str, Any] | None = None,
+             *, standalone: bool = False) -> list[ConfigError]:
+    """Every error ``load`` would raise, in its order (``elasticd --check-config``): after
+    each one the key it names (else its section) is set aside and the rest checked again."""
+    try:
+        tables = _tables(path, overrides, standalone)
+    except ConfigError as exc:
+        return [exc]
+    found = []
+    while True:
+        try:
+            from_tables(tables, standalone=standalone)
+            return found
+        except ConfigError as exc:
+            found.append(exc)
+            if not _set_aside(tables, exc.key):
+                return found
+
+
+def _tables(path: str | None, overrides: dict[str, Any] | None, standalone: bool) -> dict[str, Any]:
+    tables: dict[str, Any] = {}
     if path is not None:
         tables = _read_toml(path)
     if standalone:
@@ -290,7 +313,17 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
             _put(tables, dotted, value, replace=False)
     for dotted, value in (overrides or {}).items():
         _put(tables, dotted, value, replace=True)
-    return from_tables(tables, standalone=standalone)
+    return tables
+
+
+def _set_aside(tables: dict[str, Any], dotted: str) -> bool:
+    """Remove the key ``dotted`` from ``tables``, else its whole section; False if neither is there."""
+    section, _, name = dotted.partition(".")
+    table = tables.get(section)
+    if isinstance(table, dict) and name in table:
+        del table[name]
+        return True
+    return tables.pop(section, None) is not None
 
 
 def from_tables(tables: dict[str, Any], *, standalone: bool = False) -> DaemonConfig:
@@ -364,6 +397,9 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # tomllib decodes before it parses
+        raise ConfigError("--config", f"{path} is not valid TOML: not UTF-8 text ({exc.reason} "
+                                      f"at byte {exc.start})") from None
 
 
 def _put(tables: dict[str, Any], dotted: str, value: Any, *, replace: bool) -> None:
