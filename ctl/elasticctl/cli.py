@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -74,16 +75,17 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, handler: Callable[[argparse.Namespace], int], help: str,
-                **kwargs: Any) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help, description=help, parents=[common],
+                description: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
+        """A command; ``help`` is its one line in elasticctl --help."""
+        sub = commands.add_parser(name, help=help, description=description or help, parents=[common],
                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
         sub.set_defaults(handler=handler, command_parser=sub)
         return sub
 
     add_submit_options(command("submit", cmd_submit, "submit a job to the cluster", usage=JOB_USAGE,
                                epilog=SUBMIT_RULES, allow_abbrev=False), environ, torchrun_rule)
-    add_submit_options(command("run", cmd_run, RUN_HELP, usage=JOB_USAGE, epilog=SUBMIT_RULES,
-                               allow_abbrev=False),
+    add_submit_options(command("run", cmd_run, "submit a job and show its output until it ends",
+                               RUN_HELP, usage=JOB_USAGE, epilog=SUBMIT_RULES, allow_abbrev=False),
                        environ, torchrun_rule, following=True)
     listing = command("list", cmd_list, "list jobs", aliases=["ps"])
     listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
@@ -97,9 +99,20 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
     command("undrain", cmd_undrain, "let a drained or blacklisted node take jobs again").add_argument(
         "node", metavar="NODE")
     command("version", cmd_version, "show the client's and the daemon's versions")
+    completion = command("completion", cmd_completion, "print the shell completion script for bash or zsh",
+                         COMPLETION_HELP)
+    completion.add_argument("shell", metavar="SHELL", nargs="?", choices=("bash", "zsh"))
+    completion.add_argument("--words", choices=COMPLETED_WORDS, help=argparse.SUPPRESS)  # the scripts'
     return parser
 
 
+COMPLETED_WORDS = ("jobs", "all-jobs", "nodes")  # what `completion --words` lists for the scripts
+COMPLETION_HELP = """\
+Print elasticctl's completion script for SHELL: commands, options, job ids and node names.
+  bash: source <(elasticctl completion bash)       (or install it as
+        /usr/share/bash-completion/completions/elasticctl)
+  zsh:  elasticctl completion zsh > ~/.zfunc/_elasticctl, with ~/.zfunc in $fpath before
+        compinit (or install it as /usr/share/zsh/vendor-completions/_elasticctl)"""
 JOB_USAGE = "%(prog)s [options] SCRIPT [ARGS ...]   (--help lists every option)"
 RUN_HELP = ("submit a job and show its output until it ends, as torchrun does; exit with its "
             "result (Ctrl-C cancels it)")
@@ -663,6 +676,38 @@ def cmd_version(args: argparse.Namespace) -> int:
         return 2
     emit(args, {"elasticctl": __version__, "elasticd": theirs},
          lambda: render.daemon_version_line(theirs))
+    return 0
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    if args.words:
+        return completion_words(args)
+    if args.shell is None:
+        raise UsageError("completion: SHELL is required (bash or zsh)")
+    from elasticctl import completion  # only here: every other command starts without it
+    print(completion.script(args.shell, completion.describe(build_parser({}))), end="")
+    return 0
+
+
+COMPLETION_TIMEOUT = 2.0  # seconds a completion may wait for the daemon
+
+
+def completion_words(args: argparse.Namespace) -> int:
+    """``completion --words jobs|all-jobs|nodes``, for the completion scripts: the ids of the
+    jobs that have not ended (or of every job), or the nodes' names, one a line; nothing at
+    all, and exit 0, when the daemon does not answer in time."""
+    try:
+        with Client(args.socket or paths.default_socket_path(), COMPLETION_TIMEOUT) as daemon:
+            if args.words == "nodes":
+                found = [node.get("name") for node in items(daemon.call("nodes"), "nodes")]
+            else:
+                jobs = items(daemon.call("list", {"all": args.words == "all-jobs"}), "jobs")
+                found = [job.get("id") for job in jobs
+                         if args.words == "all-jobs" or job.get("state") not in render.TERMINAL]
+    except (ClientError, OSError):
+        return 0
+    words = [word for word in found if isinstance(word, str) and re.fullmatch(r"[\w.:@+-]+", word)]
+    print("\n".join(words), end="\n" if words else "")
     return 0
 
 

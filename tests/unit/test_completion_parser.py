@@ -1,0 +1,116 @@
+"""elasticctl's shell completion, as described from its own parser, and its --help: every
+command has a help line, and each fits on one line."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+from contextlib import redirect_stdout
+
+import pytest
+
+from elasticctl import cli, completion
+
+
+@pytest.fixture(scope="module")
+def line() -> completion.CommandLine:
+    return completion.describe(cli.build_parser({}))
+
+
+def subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def test_every_subcommand_has_a_help_line():
+    commands = subparsers(cli.build_parser({}))
+    helped = {action.dest: action.help for action in commands._choices_actions}
+    primary = {name for name, sub in commands.choices.items() if sub.prog.endswith(" " + name)}
+    assert primary == set(helped)  # an alias (ps) shares its command's line
+    assert all(helped[name] and helped[name].strip() == helped[name] for name in primary), helped
+
+
+def test_elasticctl_help_lists_every_command_on_one_line(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        cli.build_parser({}).parse_args(["--help"])
+    block = out.getvalue().split("  COMMAND\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    shown = [re.match(r"^    (\S+)(?: \((\S+)\))? +\S", row) for row in block]
+    assert all(shown), f"a command's help is not on one line:\n{out.getvalue()}"
+    listed = {m.group(1) for m in shown} | {m.group(2) for m in shown if m.group(2)}
+    assert listed == set(subparsers(cli.build_parser({})).choices)
+    assert "completion" in listed
+
+
+def test_the_commands_and_their_aliases(line):
+    names = [command.names for command in line.commands]
+    assert ("list", "ps") in names and ("completion",) in names
+    assert [n for command in line.commands for n in command.names] == \
+        list(subparsers(cli.build_parser({})).choices)
+    assert all(command.help for command in line.commands)
+
+
+def command(line: completion.CommandLine, name: str) -> completion.Command:
+    return next(c for c in line.commands if name in c.names)
+
+
+def option(owner: completion.Command | completion.CommandLine, name: str) -> completion.Option:
+    return next(o for o in owner.options if name in o.names + o.aliases)
+
+
+def test_torchrun_spellings_are_understood_not_offered(line):
+    submit = command(line, "submit")
+    offered = [name for o in submit.options for name in o.names]
+    assert "--nproc-per-node" in offered and "--join-timeout" in offered
+    assert not [name for name in offered if "_" in name]
+    assert option(submit, "--nproc_per_node").names == ("--nproc-per-node",)
+    assert option(submit, "--join_timeout").aliases == ("--join_timeout",)
+
+
+def test_what_values_and_operands_are(line):
+    submit = command(line, "submit")
+    assert option(submit, "--workdir").value == completion.DIRS
+    assert option(submit, "--python").value == completion.FILES
+    assert option(submit, "--log-dir").value == completion.DIRS
+    assert option(submit, "--start-method").value == "spawn fork forkserver"
+    assert option(submit, "--nnodes").value == completion.ANY
+    assert option(submit, "--wait").value is None and option(submit, "--env").repeatable
+    assert option(line, "--socket").value == completion.FILES
+    assert (submit.operand, submit.operand_name, submit.remainder) == (completion.FILES, "script", True)
+    assert command(line, "status").operand == completion.ALL_JOBS
+    assert command(line, "logs").operand == completion.ALL_JOBS
+    assert command(line, "cancel").operand == completion.JOBS  # only jobs that can be cancelled
+    assert command(line, "drain").operand == completion.NODES
+    assert command(line, "completion").operand == "bash zsh"
+    assert command(line, "version").operand is None and not command(line, "list").remainder
+
+
+def test_one_line():
+    assert completion.one_line("a  b\n c") == "a b c"
+    cut = completion.one_line("word " * 30, width=20)
+    assert cut == "word word word word..." and len(cut) <= 23
+
+
+def test_the_bash_script_tables(line):
+    text = completion.bash(line)
+    assert text.startswith("# bash completion for elasticctl")
+    assert "['submit --nproc_per_node']=@any" in text  # understood, so its value is skipped
+    assert "[cancel]=@jobs" in text and "[completion]='bash zsh'" in text
+    assert "declare -gA _elasticctl_options=(" in text  # -g: bash-completion sources it in a function
+    assert text.rstrip().endswith("complete -F _elasticctl elasticctl")
+
+
+def test_the_zsh_script(line):
+    text = completion.zsh(line)
+    assert text.startswith("#compdef elasticctl\n") and text.rstrip().endswith('_elasticctl "$@"')
+    assert "'!(--nproc-per-node --nproc_per_node)--nproc_per_node=[" in text
+    assert "'1:job:{_elasticctl_list @jobs}'" in text and "'1:shell:(bash zsh)'" in text
+    assert "'*--env=[" in text  # repeatable
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_elasticctl_completion_prints_the_script(shell, capsys):
+    assert cli.main(["completion", shell]) == 0
+    assert capsys.readouterr().out == completion.script(shell, completion.describe(cli.build_parser({})))
+
