@@ -221,7 +221,7 @@ _elasticctl() {
             i=$next
             continue
         fi
-        if [[ $word == -- && -n ${_elasticctl_remainder[$command]+set} ]]; then
+        if [[ $word == -- && -n ${_elasticctl_remainder[${command:-elasticctl}]+set} ]]; then
             rest=1
             continue
         fi

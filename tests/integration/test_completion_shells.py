@@ -100,6 +100,8 @@ def test_bash_the_command_word(bash_script):
     assert complete_bash(bash_script, "elasticctl su") == ["submit"]
     assert complete_bash(bash_script, "elasticctl ")[:3] == ["submit", "run", "list"]
     assert complete_bash(bash_script, "elasticctl --socket /x --j") == ["--json"]
+    assert complete_bash(bash_script, "elasticctl -- s") == ["submit", "status"]
+    assert complete_bash(bash_script, "elasticctl bogus --x") == []
 
 
 def test_bash_options_and_their_values(bash_script):
