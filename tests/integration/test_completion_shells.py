@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,7 @@ from harness import CLIENT_ENV, PY, Daemon, worker_args
 
 NO_DAEMON = "/nonexistent/control.sock"
 
-BASH_DRIVER = r"""
-source "$1" || exit 3
+BASH_COMPLETE = r"""
 COMP_LINE=$2
 COMP_POINT=${#COMP_LINE}
 read -ra COMP_WORDS <<< "$COMP_LINE"
@@ -32,6 +32,7 @@ _elasticctl
 (( ${#COMPREPLY[@]} )) && printf '%s\n' "${COMPREPLY[@]}"
 exit 0
 """
+BASH_DRIVER = 'source "$1" || exit 3' + BASH_COMPLETE
 
 # An interactive zsh on a pty, with compinit and elasticctl's function on $fpath: LINE and a
 # TAB are typed; every match that completion adds is printed as <hit>match -- description</hit>,
@@ -104,6 +105,15 @@ def test_bash_the_command_word(bash_script):
     assert complete_bash(bash_script, "elasticctl bogus --x") == []
 
 
+def test_bash_loads_it_from_inside_a_function_as_bash_completion_does(bash_script):
+    # bash-completion's loader sources the file in a function: its tables must be global
+    load_then_complete = '_load() { source "$1" || exit 3; }; _load "$1"' + BASH_COMPLETE
+    done = subprocess.run(["bash", "--norc", "--noprofile", "-c", load_then_complete, "bash",
+                           str(bash_script), "elasticctl submit --nproc"], capture_output=True, text=True,
+                          timeout=30, env=shell_env(NO_DAEMON))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "--nproc-per-node\n", "")
+
+
 def test_bash_options_and_their_values(bash_script):
     assert complete_bash(bash_script, "elasticctl submit --nproc") == ["--nproc-per-node"]
     assert complete_bash(bash_script, "elasticctl logs --fo") == ["--follow"]
@@ -144,6 +154,13 @@ def test_a_daemon_that_does_not_answer_costs_a_completion_two_seconds(tmp_path):
         took = time.monotonic() - started
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
     assert 2 <= took < 6, took
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> Daemon:
+    """A daemon with a node name of its own: daemons of one name on a host share a job cgroup
+    (elasticd-<node>), and one that starts kills what another left in it."""
+    return daemon_factory(f"cpl-{uuid.uuid4().hex[:6]}", args=("--slots", "4")).start()
 
 
 def jobs_of_every_kind(daemon: Daemon) -> tuple[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 
 from fixtures.journald import FakeJournal
 from harness import Daemon, worker_args
@@ -26,19 +27,19 @@ def as_journal_stream(daemon: Daemon, socket_path: str) -> None:
 def test_records_reach_the_journal_with_their_fields(daemon_factory, shared_tmp):
     journal = FakeJournal(shared_tmp / "journal.sock")
     try:
-        daemon = daemon_factory("jn1", args=("--slots", "2"))
+        daemon = daemon_factory(f"jn1-{uuid.uuid4().hex[:6]}", args=("--slots", "2"))
         as_journal_stream(daemon, journal.path)
         daemon.start()
-        ready = journal.wait_for(lambda r: "ready: node jn1" in r["MESSAGE"])
+        ready = journal.wait_for(lambda r: f"ready: node {daemon.name}" in r["MESSAGE"])
         assert ready["PRIORITY"] == "6" and ready["SYSLOG_IDENTIFIER"] == "elasticd"
-        assert ready["ELASTICD_NODE"] == "jn1" and ready["ELASTICD_LOGGER"] == "elasticd"
+        assert ready["ELASTICD_NODE"] == daemon.name and ready["ELASTICD_LOGGER"] == "elasticd"
         assert ready["CODE_FILE"].endswith("elasticd/app.py") and ready["CODE_LINE"].isdigit()
         assert ready["CODE_FUNC"] == "run" and "ELASTICD_JOB" not in ready
 
         job = daemon.submit_wait("--nproc-per-node", "1", *worker_args())
         assert job["state"] == "SUCCEEDED"
         record = journal.wait_for(lambda r: r.get("ELASTICD_JOB") == job["id"])
-        assert record["ELASTICD_NODE"] == "jn1" and record["PRIORITY"] in {"4", "6"}
+        assert record["ELASTICD_NODE"] == daemon.name and record["PRIORITY"] in {"4", "6"}
         assert job["id"] in record["MESSAGE"]
         daemon.stop()
         journal.wait_for(lambda r: r["MESSAGE"] == "elasticd stopped")
@@ -48,10 +49,10 @@ def test_records_reach_the_journal_with_their_fields(daemon_factory, shared_tmp)
 
 
 def test_without_the_journal_socket_records_go_to_stderr(daemon_factory, shared_tmp):
-    daemon = daemon_factory("jn2")
+    daemon = daemon_factory(f"jn2-{uuid.uuid4().hex[:6]}")
     as_journal_stream(daemon, str(shared_tmp / "no-journal.sock"))
     daemon.start()
     daemon.stop()
     lines = PLAIN.findall(daemon.log_text())
     assert "INFO elasticd: elasticd stopped" in lines[-1] and len(lines) > 2
-    assert [line for line in lines if "ready: node jn2" in line]
+    assert [line for line in lines if f"ready: node {daemon.name}" in line]
