@@ -137,3 +137,13 @@ def _clusters(base: Path, **defaults: Any) -> Iterator[Callable[..., Cluster]]:
     finally:
         for cluster in made:
             cluster.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """test_deb.py's timeline (the three-host systemd cluster), when it ran."""
+    import sys
+    deb = sys.modules.get("test_deb")
+    if deb is not None and deb.REPORT:
+        terminalreporter.section("debian package on three systemd hosts")
+        for line in deb.REPORT:
+            terminalreporter.write_line(line)

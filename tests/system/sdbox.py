@@ -1,8 +1,9 @@
 """A throwaway real systemd (PID 1) in a container, to run ``systemctl start elasticd`` for real.
 
 ``Box`` boots this host's own /usr with ``systemd-nspawn --volatile=yes`` (the root is a
-tmpfs: nothing is written to the host), with a private network (only ``lo``, so ports
-never clash with the host's) and the given directories bind-mounted.  ``run`` executes a
+tmpfs: nothing is written to the host), or a root directory of the test's, with a private
+network (only ``lo``, so ports never clash with the host's) or a network namespace of the
+test's (netns.py), and the given directories bind-mounted.  ``run`` executes a
 command inside it (``nsenter`` into every namespace of the container's PID 1).
 
 Booting is awaited, not polled: nspawn runs with ``--notify-ready=yes`` and a
@@ -50,13 +51,18 @@ def _cgroups(name: str) -> list[Path]:
 
 
 class Box:
-    def __init__(self, name: str, work: Path, *, binds: list[str] = (), binds_ro: list[str] = ()) -> None:
+    def __init__(self, name: str, work: Path, *, binds: list[str] = (), binds_ro: list[str] = (),
+                 root: Path | None = None, netns: str | None = None) -> None:
         """``work``: a host directory for the box's notify socket and console log.
-        ``binds``/``binds_ro``: nspawn's ``SRC[:DST]`` specifications."""
+        ``binds``/``binds_ro``: nspawn's ``SRC[:DST]`` specifications.  ``root``: a
+        directory to boot, kept as the box leaves it (default: this host's /, volatile).
+        ``netns``: a network namespace (/run/netns/NAME) instead of a private network."""
         self.name = name
         self.work = work
         self.log_path = work / f"{name}-console.log"
-        self.options = [*(f"--bind={b}" for b in binds), *(f"--bind-ro={b}" for b in binds_ro)]
+        self.options = [*(f"--bind={b}" for b in binds), *(f"--bind-ro={b}" for b in binds_ro),
+                        *(["--directory=/", "--volatile=yes"] if root is None else [f"--directory={root}"]),
+                        "--private-network" if netns is None else f"--network-namespace-path=/run/netns/{netns}"]
         self.proc: subprocess.Popen[bytes] | None = None
         self.init_pid = 0
 
@@ -65,8 +71,7 @@ class Box:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(notify_path)
         argv = ["systemd-nspawn", "--register=no", "--keep-unit", "--machine", self.name,
-                "--directory=/", "--volatile=yes", "--private-network", "--console=passive",
-                "--notify-ready=yes", *self.options,
+                "--console=passive", "--notify-ready=yes", *self.options,
                 "--boot", "--", "systemd.firstboot=off", "systemd.unit=multi-user.target"]
         with open(self.log_path, "ab") as log:
             # unshare execs this file's main() (see below), which execs nspawn: one PID
@@ -120,6 +125,14 @@ class Box:
             return self.log_path.read_text(errors="replace")[-4000:]
         except OSError:
             return ""
+
+    def pull_the_plug(self) -> None:
+        """Power loss: SIGKILL to every process of the box at once (its disk, a ``root``
+        directory, stays as it was)."""
+        for group in _cgroups(self.name):
+            if group.exists():
+                _kill_cgroup(group)
+        self.down()
 
     def down(self) -> None:
         """Power off: SIGTERM to nspawn (the container shuts down), SIGKILL if it lingers,

@@ -17,6 +17,7 @@ Facts about TCPStore that shape this module:
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +34,13 @@ _MAX_BACKOFF = 2.0
 
 
 def _tcp_store(host: str, port: int, *, master: bool, timeout: float, listen_fd: int | None = None):
-    from torch.distributed import TCPStore  # torch is heavy: import it only when a store is used
+    try:  # torch is heavy: import it only when a store is used
+        from torch.distributed import TCPStore
+    except ImportError as err:
+        raise RuntimeError(
+            f"hosting the c10d store needs torch, which {sys.executable} cannot import ({err}); "
+            "run elasticd with a Python that has torch (the Debian package: ELASTICD_PYTHON in "
+            "/etc/default/elasticd), or use store.backend = etcd") from err
 
     return TCPStore(
         host,
@@ -47,16 +54,17 @@ def _tcp_store(host: str, port: int, *, master: bool, timeout: float, listen_fd:
     )
 
 
-def _listen(host: str, port: int) -> int:
+def _listen(host: str, port: int) -> tuple[int, int]:
     """A socket listening on ``host`` only (TCPStore alone would listen on every address);
-    its fd, which the TCPStore takes over and closes."""
+    its fd, which the TCPStore takes over and closes, and its port."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(1024)
-        return sock.detach()
+        bound = sock.getsockname()[1]
+        return sock.detach(), bound
 
 
 class C10dServer:
@@ -66,7 +74,7 @@ class C10dServer:
     def __init__(self, host: str, port: int = 0, timeout: float = 30.0) -> None:
         self.host = host
         try:
-            fd = _listen(host, port)
+            fd, port = _listen(host, port)
         except OSError as err:
             raise StoreConnectionError(f"cannot host the store on {host}:{port}: {err}") from err
         try:
