@@ -18,20 +18,21 @@ TAIL_LINES = 20
 
 
 class RankPlaces:
-    """A rank's local rank in a round, learnt from the job's documents (asked again when a
-    round's rank is new: ranks and local ranks change from round to round)."""
+    """A rank's local rank in a round, learnt from the job's documents: asked once for each
+    rank of a round not known yet (ranks and local ranks change from round to round, and
+    a node's part of a round can reach the answering daemon after another's)."""
 
     def __init__(self, status: Callable[[], Doc]) -> None:
         self._status = status
         self._places: dict[tuple[int, int], int] = {}
-        self._asked_round: int | None = None
+        self._asked: set[tuple[int, int]] = set()
 
     def local_rank(self, attempt: int | None, rank: int | None) -> int | None:
         if rank is None or attempt is None:
             return None
-        if (attempt, rank) not in self._places and attempt != self._asked_round:
+        if (attempt, rank) not in self._places and (attempt, rank) not in self._asked:
+            self._asked.add((attempt, rank))
             self.learn(self._status())
-            self._asked_round = attempt
         return self._places.get((attempt, rank), rank)
 
     def learn(self, job: Doc) -> None:
