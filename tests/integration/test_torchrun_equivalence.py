@@ -86,6 +86,8 @@ PRESENT = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ER
 # what the launchers' own environment must not bring in
 SCRUBBED = re.compile(r"^(PET_|TORCHELASTIC_|ELASTICD_|PYTEST_)|^(OMP_NUM_THREADS|LOGLEVEL|"
                       r"PYTHONPATH|MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE)$")
+# what bash sets itself in probe.sh (whether "_" is new depends on who started the test)
+SHELL_OWN = {"_", "PWD", "OLDPWD", "SHLVL", "PS1"}
 WORKER_LINE = re.compile(r"probe (out|err) \d+$")
 
 
@@ -251,10 +253,10 @@ def worker_env(env: dict[str, str], given: dict[str, str]) -> dict[str, Any]:
     given_path = given.get("PYTHONPATH", "").split(os.pathsep)
     seen["PYTHONPATH"] = [p if p in given_path else "<added>"
                           for p in env.get("PYTHONPATH", "").split(os.pathsep)]
-    compared = set(VALUES) | set(PRESENT) | {"PYTHONPATH"}
+    compared = set(VALUES) | set(PRESENT) | {"PYTHONPATH"} | SHELL_OWN
     seen["added"] = sorted(set(env) - set(given) - compared)
     seen["changed"] = sorted(k for k in set(given) - compared if k in env and env[k] != given[k])
-    seen["removed"] = sorted(set(given) - set(env))
+    seen["removed"] = sorted(set(given) - set(env) - SHELL_OWN)
     return seen
 
 
