@@ -4,12 +4,13 @@
 # `promtool`, which checks the shipped alert rules and the dashboard's queries in
 # tests/unit/test_packaging_metrics.py), nftables (`nft`, for the store's owner rule in
 # tests/chaos/test_store_freeze.py), etcd-server (/usr/bin/etcd, which the etcd store's
-# tests start themselves: tests/fixtures/etcd.py) and zsh (elasticctl's zsh completion,
-# driven in tests/integration/test_completion_shells.py).
+# tests start themselves: tests/fixtures/etcd.py), zsh (elasticctl's zsh completion,
+# driven in tests/integration/test_completion_shells.py) and debootstrap (the fresh Debian 13
+# host of tests/system/test_deb.py).
 # Idempotent and quiet; does nothing (exit 0) when not root or when all are installed.
 # The tests skip themselves without them (the etcd and zsh ones fail instead when CI is set).
 set -euo pipefail
-packages=(iproute2 systemd-container prometheus nftables etcd-server zsh)
+packages=(iproute2 systemd-container prometheus nftables etcd-server zsh debootstrap)
 [ "$(id -u)" -eq 0 ] || exit 0
 command -v apt-get >/dev/null 2>&1 || exit 0
 missing=()

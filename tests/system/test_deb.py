@@ -87,16 +87,19 @@ def torch_venv() -> Path:
 class Host:
     """One machine: an overlay root (its disk) booted by systemd-nspawn in netns host i."""
 
-    def __init__(self, i: int, hosts: netns.Hosts, work: Path, binds_ro: list[str]) -> None:
-        self.i, self.name, self.addr = i, f"n{i}", hosts.addr(i)
-        self.netns = hosts.ns(i)
+    def __init__(self, i: int, hosts: netns.Hosts | None, work: Path, binds_ro: list[str],
+                 image: Path = Path("/")) -> None:
+        """Host i of ``hosts`` (None: alone, on a private network), booting ``image``."""
+        self.i, self.name = i, f"n{i}"
+        self.addr = hosts.addr(i) if hosts else "127.0.0.1"
+        self.netns = hosts.ns(i) if hosts else None
         self.work, self.binds_ro = work, binds_ro
         disk = work / self.name
         self.root = disk / "root"
         for part in ("upper", "work", "root"):
             (disk / part).mkdir(parents=True)
         subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                        f"lowerdir=/,upperdir={disk / 'upper'},workdir={disk / 'work'}",
+                        f"lowerdir={image},upperdir={disk / 'upper'},workdir={disk / 'work'}",
                         str(self.root)], check=True)
         self.box: sdbox.Box | None = None
 
@@ -146,10 +149,8 @@ class Host:
         subprocess.run(["umount", "-l", str(self.root)], check=False)
 
 
-@pytest.fixture(scope="module")
-def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("deb")
-    done = subprocess.run(["bash", str(ROOT / "packaging" / "build-deb"), str(out)],
+def build_deb(out: Path, *options: str) -> Path:
+    done = subprocess.run(["bash", str(ROOT / "packaging" / "build-deb"), *options, str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     path = Path(done.stdout.strip().splitlines()[-1])
@@ -158,6 +159,11 @@ def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     note(f"built {path.name}: {path.stat().st_size / 2**20:.1f} MiB, "
          f"{sum(1 for line in listing.splitlines() if not line.startswith('d'))} files")
     return path
+
+
+@pytest.fixture(scope="module")
+def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_deb(tmp_path_factory.mktemp("deb"))
 
 
 @pytest.fixture(scope="module")
@@ -337,3 +343,57 @@ def remove_and_purge(host: Host, deb: Path) -> None:
     for gone in ("/etc/elasticd", "/var/lib/elasticd", "/etc/default/elasticd", "/usr/bin/elasticd",
                  "/usr/lib/elasticd"):
         assert not host.file(gone).exists(), f"{gone} left after purge"
+
+
+TRIXIE = Path("/var/tmp/elasticd-test-debian13")  # debootstrap's, kept between runs (40 s)
+
+
+def debian13() -> Path:
+    """A minimal Debian 13 with systemd and python3 (what a fresh server has), made once."""
+    if not (TRIXIE / ".complete").exists():
+        shutil.rmtree(TRIXIE, ignore_errors=True)
+        done = subprocess.run(["debootstrap", "--variant=minbase",
+                               "--include=systemd,systemd-sysv,dbus,python3", "trixie",
+                               str(TRIXIE), "http://deb.debian.org/debian"],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"debootstrap failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        (TRIXIE / ".complete").touch()
+    return TRIXIE
+
+
+def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Offline (no network in the container) on a fresh Debian 13: dpkg -i, the unit
+    active (standalone, no torch anywhere), a job of `nobody` succeeds, dpkg -r leaves no
+    process, dpkg -P leaves no configuration, key or state."""
+    if sdbox.usable():
+        pytest.skip(sdbox.usable())
+    if shutil.which("debootstrap") is None:
+        pytest.skip("needs debootstrap; see .ci/setup-root.sh")
+    image = debian13()
+    deb = build_deb(tmp_path_factory.mktemp("deb13"), "--python-version", "3.13")
+    work = Path(tempfile.mkdtemp(prefix="elasticd-deb13-", dir="/var/tmp"))
+    host = Host(1, None, work, [f"{deb.parent}:/pkg"], image=image)
+    try:
+        host.file("/opt/hello.py").write_text("import os\nprint('hello from rank', os.environ['RANK'])\n")
+        host.boot()
+        assert "Debian GNU/Linux 13" in host.file("/etc/os-release").read_text()
+        done = host.run("dpkg", "-i", f"/pkg/{deb.name}")
+        note(f"debian 13: dpkg -i -> {done.stdout.strip().splitlines()[-1]}")
+        until("elasticd active", lambda: host.systemctl("is-active", "elasticd", check=False) == "active")
+        assert host.systemctl("is-enabled", "elasticd") == "enabled"
+        job = host.ctl("submit", "--nproc-per-node", "2", "--wait", "/opt/hello.py")
+        assert job["state"] == "SUCCEEDED", job
+        logs = host.run("elasticctl", "logs", job["id"], user="nobody").stdout
+        assert "hello from rank 1" in logs, logs
+        note("debian 13: unit active (standalone, no torch), a job of nobody SUCCEEDED")
+        host.run("dpkg", "-r", "elasticd")
+        left = host.run("pgrep", "-a", "-f", "elasticd", check=False).stdout.strip()
+        assert not left, f"processes left after dpkg -r: {left}"
+        assert host.file("/var/lib/elasticd").exists()
+        host.run("dpkg", "-P", "elasticd")
+        for gone in ("/etc/elasticd", "/var/lib/elasticd", "/etc/default/elasticd", "/usr/lib/elasticd"):
+            assert not host.file(gone).exists(), f"{gone} left after purge"
+        note("debian 13: dpkg -r left no process; dpkg -P removed configuration and state")
+    finally:
+        host.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
