@@ -28,7 +28,7 @@ from .errors import RendezvousClosedError, RendezvousGone, RendezvousTimeoutErro
 from .records import Outcome, Part
 from .keyspace import Keyspace
 from .liveness import KeepAlive
-from .logs import LogBus
+from .logs import LogBus, OutputLimit
 from .cluster import cpu_count
 from .model import (PART_STATES, Failure, JobSpec, PartState, JobState, RunResult, WorkerGroup,
                     WorkerState, assign_workers, local_nproc, placement_env)
@@ -201,6 +201,7 @@ class AgentFactory:
     cgroups: JobCgroups | None = None
     runtime_dir: str = ""     # where in-place jobs' worker channels live
     worker_library: str = ""  # the directory holding elasticd.elastic for workers
+    output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated
 
     def rendezvous(self, spec: JobSpec, *, may_create: bool = True) -> RendezvousHandler:
         """The job's rendezvous; ``may_create`` False for a job that already ran (its state
@@ -223,7 +224,8 @@ class AgentFactory:
                         ports=ports, metrics=self.metrics, logs=self.logs, probe=self.probe,
                         dead_after=self.keep_alive.dead_after, log_root=self.log_root, gpus=gpus,
                         stop_grace=self.stop_grace, cgroups=self.cgroups, started=started,
-                        link_path=link, worker_env=self._worker_env(spec, link))
+                        link_path=link, worker_env=self._worker_env(spec, link),
+                        output_limit=self.output_limit)
 
     def _link_path(self, spec: JobSpec) -> str:
         if not spec.in_place or not self.runtime_dir:
@@ -245,6 +247,7 @@ class JobAgent:
                  stop_grace: float = 10.0, cgroups: JobCgroups | None = None,
                  started: float | None = None, link_path: str = "",
                  worker_env: dict[str, str] | None = None,
+                 output_limit: OutputLimit = OutputLimit(),
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.node = node
@@ -258,6 +261,7 @@ class JobAgent:
         self._probe = probe
         self._dead_after = dead_after
         self._log_root = log_root
+        self._output_limit = output_limit
         self._stop_grace = stop_grace
         self._now = wall_clock
         self._ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
@@ -377,7 +381,7 @@ class JobAgent:
             self._attempt_dir(0), cgroup=self._cgroup,
             on_output=lambda: self._logs.publish(self.spec.id), on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, self._info, g) if self._reported else None,
-            stop_grace=self._stop_grace, extra_env=self._worker_env)
+            stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit)
 
     def _attempt_dir(self, round: int) -> str:
         return os.path.join(self._log_root, self.spec.id, f"attempt_{round}")
@@ -580,7 +584,7 @@ class JobAgent:
             cgroup=self._cgroup, on_output=lambda: self._logs.publish(self.spec.id),
             on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, info, g),
-            stop_grace=self._stop_grace, extra_env=self._worker_env)
+            stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit)
         self._started = self._started or self._now()
         self._report(PartState.RUNNING, info, workers.group)
         await workers.start()

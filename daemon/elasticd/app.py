@@ -286,7 +286,7 @@ class Daemon:
                     log_root=config.log_dir, metrics=self.metrics,
                     logs=logs, probe=peers, refused=self._refused, stop_grace=config.jobs.stop_grace,
                     cgroups=cgroups if cgroups.available else None,
-                    runtime_dir=config.paths.runtime_dir,
+                    runtime_dir=config.paths.runtime_dir, output_limit=config.output.limit,
                     worker_library=worker_library.install(config.paths.runtime_dir)))
             self.metrics.job_usage.source = service.usage
             self._listed(service, listing)

@@ -21,6 +21,7 @@ from .blacklist import BlacklistPolicy
 from .endpoint import split_endpoint
 from .errors import ConfigError
 from .liveness import KeepAlive
+from .logs import MAX_BACKUPS, MIN_MAX_BYTES, OutputLimit
 from .model import JobSpec
 
 AUTO = "auto"
@@ -80,6 +81,16 @@ def _cooldown_range(value: list[float]) -> str | None:
     if len(value) == 2 and 0 < value[0] <= value[1]:
         return None
     return "must be [MIN, MAX] seconds with 0 < MIN <= MAX"
+
+
+def _max_bytes(value: int) -> str | None:
+    if value == 0 or value >= MIN_MAX_BYTES:
+        return None
+    return f"must be 0 (no limit) or at least {MIN_MAX_BYTES} bytes (64 KiB)"
+
+
+def _backups(value: int) -> str | None:
+    return None if 0 <= value <= MAX_BACKUPS else f"must be 0..{MAX_BACKUPS}"
 
 
 def _log_level(value: str) -> str | None:
@@ -225,6 +236,16 @@ class BlacklistConfig:
 
 
 @dataclass(frozen=True)
+class OutputConfig:
+    max_bytes: int = key(100 * 1024 * 1024, _max_bytes, doc="bytes at which a worker's stdout or stderr file (rank_<r>.out|.err) is rotated; 0: never (no limit)")
+    backups: int = key(3, _backups, doc="rotated files kept of each (rank_<r>.out.1 the newest); the oldest is deleted")
+
+    @property
+    def limit(self) -> OutputLimit:
+        return OutputLimit(self.max_bytes, self.backups)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
 
@@ -241,6 +262,7 @@ class DaemonConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     blacklist: BlacklistConfig = field(default_factory=BlacklistConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)
     standalone: bool = False
 

@@ -9,9 +9,10 @@ rights: a root daemon never opens a directory for a user who could not.
 A worker's exit is seen from the process itself (a pidfd), never from its pipes closing: a
 worker killed by the OOM killer while its DataLoader children hold its stdout is a failure
 at once.  Its stdout and stderr are pipes that the event loop copies to
-``<log_dir>/rank_<r>.out|.err``; output that cannot be written (a full disk) is dropped and
-counted, so a worker never blocks on its pipe.  The directories are the daemon's; the files
-in them (logs, torch's error file) are the user's.
+``<log_dir>/rank_<r>.out|.err``, rotated at a size limit (``logs.OutputLimit``); output that
+cannot be written (a full disk) is dropped and counted, so a worker never blocks on its
+pipe.  The directories are the daemon's; the files in them (logs, torch's error file) are
+the user's.
 
 Stop is SIGTERM to every process of the job (its cgroup, or each worker's process group
 without one), a grace period, then SIGKILL to all of them (``cgroup.kill``): what a worker
@@ -34,6 +35,7 @@ from typing import Callable, Mapping
 import psutil
 
 from .cgroups import JobCgroup
+from .logs import OutputLimit, Rotations, move_stream, rotate
 from .paths import is_own_dir
 from .model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState,
                     worker_env)
@@ -167,11 +169,19 @@ def reap_leftovers(groups: Mapping[int, float]) -> int:
 
 
 class OutputFile:
-    """One worker stream's log file.  A write that fails (a full disk, a quota) drops the
-    data and counts it; once writes succeed again a line in the file says what was lost."""
+    """One worker stream's log file, rotated where ``limit`` says (the new file is made by
+    ``create``).  A write that fails (a full disk, a quota, a rotation that cannot be done)
+    drops the data and counts it; once writes succeed again a line in the file says what was
+    lost."""
 
-    def __init__(self, fd: int, on_dropped: DropSink) -> None:
-        self.fd = fd
+    def __init__(self, path: str, create: Callable[[str], int], on_dropped: DropSink,
+                 limit: OutputLimit = OutputLimit()) -> None:
+        self.path = path  # the live file's name (an in-place worker's moves once)
+        self.fd = create(path)
+        self._create = create
+        self._limit = limit
+        self._size = 0
+        self._rotations = Rotations()
         self._on_dropped = on_dropped
         self._dropped = 0
         self._why = ""
@@ -184,13 +194,37 @@ class OutputFile:
             self._on_dropped(len(data), self._why)
 
     def _write(self, data: bytes) -> bool:
+        """Write all of ``data``, rotating the file where the limit cuts it."""
+        while data:
+            cut = self._limit.cut(self._size, data)
+            if cut and not self._write_all(data[:cut]):
+                return False
+            data = data[cut:]
+            if data and not self._rotate():
+                return False
+        return True
+
+    def _write_all(self, data: bytes) -> bool:
         view = memoryview(data)
         while view:
             try:
-                view = view[os.write(self.fd, view):]
+                written = os.write(self.fd, view)
             except OSError as exc:
                 self._why = exc.strerror or str(exc)
                 return False
+            self._size += written
+            view = view[written:]
+        return True
+
+    def _rotate(self) -> bool:
+        try:
+            self._rotations = rotate(self.path, self._limit.backups, self._rotations)
+            fd = self._create(self.path)
+        except OSError as exc:
+            self._why = f"cannot rotate: {exc.strerror or exc}"
+            return False
+        os.close(self.fd)
+        self.fd, self._size = fd, 0
         return True
 
     def _gap_notice(self) -> bytes:
@@ -217,7 +251,8 @@ class LocalWorkers:
                  on_output: OutputSink | None = None,
                  on_dropped: DropSink | None = None,
                  on_change: Callable[[WorkerGroup], None] | None = None,
-                 stop_grace: float = 10.0, extra_env: Mapping[str, str] | None = None) -> None:
+                 stop_grace: float = 10.0, extra_env: Mapping[str, str] | None = None,
+                 output_limit: OutputLimit = OutputLimit()) -> None:
         self.spec = spec
         self.group = group
         self.log_dir = log_dir
@@ -227,12 +262,14 @@ class LocalWorkers:
         self._on_change = on_change or (lambda g: None)
         self._stop_grace = stop_grace
         self._extra_env = dict(extra_env or {})
+        self._output_limit = output_limit
         self._loop = asyncio.get_running_loop()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._pipes: list[_Pipe] = []
         self._failures: dict[int, Failure] = {}
         self._files: dict[int, dict[str, str]] = {}  # slot -> its worker's out, err, error files
+        self._outputs: dict[int, dict[str, OutputFile]] = {}  # slot -> its worker's out and err writers
         self._spawned = 0
         self._stopping = False
         self._oom_before = self._oom_kills()
@@ -295,8 +332,10 @@ class LocalWorkers:
             for stream in ("out", "err"):
                 target = os.path.join(attempt_dir, f"rank_{rank}.{stream}")
                 if not os.path.lexists(target):
-                    os.rename(self._files[slot][stream], target)
+                    move_stream(self._files[slot][stream], target)
                     self._files[slot][stream] = target
+                    if stream in self._outputs.get(slot, {}):
+                        self._outputs[slot][stream].path = target
         except OSError as exc:
             log.warning("job %s: output of slot %d stays in %s: %s", self.spec.id, slot,
                         self._files[slot]["out"], exc)
@@ -323,8 +362,9 @@ class LocalWorkers:
     def _start(self, worker: Worker, credentials: RunAs | None) -> None:
         os.close(self._create_for_user(self.error_file(worker), credentials))
         names = self._files.get(worker.local_rank) or {s: self.log_file(worker, s) for s in ("out", "err")}
-        files = [OutputFile(self._create_for_user(names[s], credentials), self._on_dropped)
-                 for s in ("out", "err")]
+        files = [OutputFile(names[s], lambda path: self._create_for_user(path, credentials),
+                            self._on_dropped, self._output_limit) for s in ("out", "err")]
+        self._outputs[worker.local_rank] = dict(zip(("out", "err"), files))
         try:
             proc = self._spawn(worker, credentials)
         except BaseException:

@@ -165,10 +165,14 @@ def test_a_log_follower_that_never_reads_holds_none_of_the_output(daemon, shared
     done = daemon.wait_job(job["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"), timeout=300)
     seconds = time.monotonic() - started
     grown = peak_rss(daemon) - peak_before
-    written = (daemon.state_dir / "logs" / job["id"] / "attempt_0" / "rank_0.out").stat().st_size
+    logs = daemon.state_dir / "logs" / job["id"] / "attempt_0"  # rotated (output.max_bytes)
+    kept = sum(p.stat().st_size for p in logs.glob("rank_0.out*") if p.suffix != ".rotated")
+    written = kept + int((logs / "rank_0.out.rotated").read_text().split()[1])  # + rotated away
     figures.add("item 2: 1 GiB of output, follower never reads: daemon peak RSS growth",
-                f"{grown / MiB:.1f} MiB ({written / MiB:.0f} MiB logged in {seconds:.1f} s)")
+                f"{grown / MiB:.1f} MiB ({written / MiB:.0f} MiB written in {seconds:.1f} s, "
+                f"{kept / MiB:.0f} MiB of it kept on disk)")
     assert done["state"] == "SUCCEEDED" and written == 1 << 30  # the worker never blocked
+    assert kept <= 4 * 100 * MiB  # output.max_bytes x (output.backups + 1), the defaults
     assert grown < 64 * MiB
     follower.stop()
     assert daemon.request("version").ok
