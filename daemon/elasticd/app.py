@@ -53,6 +53,7 @@ from .keyspace import Keyspace
 from .jobs import JobRegistry
 from .journal import log_handler
 from .records import JobRecord, Outcome, worker_groups
+from .retention import Pruner
 from .logs import LogBus
 from .workers import reap_leftovers
 from .metrics import InstrumentedStore, Metrics
@@ -257,7 +258,7 @@ class Daemon:
             if history.quarantined:
                 self.metrics.history_quarantined.inc()
             registry = JobRegistry(history, on_unsaved=lambda why: self.metrics.state_write_failed(
-                "history", why))
+                "history", why), retention=config.history.retention)
             closing.callback(registry.close)
             self._restore(registry, history)
             gpus = discover_gpus(config.node.gpus)
@@ -315,11 +316,13 @@ class Daemon:
                                 on_drain=service.set_draining, on_reset=service.store_reset,
                                 on_store=functools.partial(self._store_health, registry),
                                 on_tick=lambda: self.metrics.count_nodes(nodes.tally()))
+            pruner = Pruner(registry, config.log_dir, busy=service.local_jobs,
+                            on_pruned=lambda job_ids: self._jobs_changed(registry))
             self._install_signals()
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(coro) for coro in (
                     zap.serve(), control.serve(), peer_server.serve(), self._watchdog(),
-                    nodes.run(self.stop, duties))]
+                    nodes.run(self.stop, duties), pruner.run())]
                 if discovery is not None:
                     background.append(tasks.create_task(discovery.run(
                         self.stop, functools.partial(self._listed, service))))

@@ -312,6 +312,8 @@ class BoardFollower:
     def _apply(self, change: Change) -> None:
         if change.kind == "spec":
             seq, spec, ended = change.value
+            if ended is not None and self._registry.find(spec.id) is None and self._registry.expired(ended):
+                return  # forgotten here by retention: the store keeps every job, this node does not
             self._registry.add(spec, seq)
             if ended is not None:
                 self._registry.set_outcome(change.job_id, ended)

@@ -246,6 +246,11 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class HistoryConfig:
+    retention: float = key(30 * 24 * 3600.0, _not_negative, doc="seconds after its end that a job's history row and output are deleted (2592000: 30 days); 0: kept forever")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
 
@@ -263,6 +268,7 @@ class DaemonConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     blacklist: BlacklistConfig = field(default_factory=BlacklistConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
     log: LogConfig = field(default_factory=LogConfig)
     standalone: bool = False
 

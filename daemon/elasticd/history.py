@@ -85,8 +85,14 @@ class History:
             raise HistoryError(f"cannot write the job history {self.path}: {exc}") from None
 
     def forget(self, job_id: str) -> None:
+        self.forget_all([job_id])
+
+    def forget_all(self, job_ids: list[str]) -> None:
+        """Delete the rows of these jobs, all or none (one transaction)."""
         try:
-            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            with self._db:  # commits, or rolls back on an error
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in job_ids])
         except sqlite3.Error as exc:
             raise HistoryError(f"cannot write the job history {self.path}: {exc}") from None
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from .errors import NotFound
 from .history import History, HistoryError
 from .model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
-from .records import JobRecord, Outcome, Part, history_row, job_doc, record_from_history
+from .records import JobRecord, Outcome, Part, expired, history_row, job_doc, record_from_history
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,17 @@ class JobRegistry:
     change it cannot take (a full disk) still happens, and its row is kept and written
     again every ``retry`` seconds until it fits.  Only a new job needs the history first
     (``reserve``): one that could not be recorded is refused, with nothing left behind.
+
+    A job that ended ``retention`` seconds ago is forgotten (``forget``, by the retention
+    pruner) and not taken back from the board (``expired``).
     """
 
     def __init__(self, history: History, *, on_unsaved: Callable[[str], None] | None = None,
-                 retry: float = 5.0) -> None:
+                 retry: float = 5.0, retention: float = 0.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self._history = history
+        self.retention = retention
+        self._clock = clock
         self._jobs: dict[str, JobRecord] = {}
         self._changed = asyncio.Event()  # set and replaced at every change
         self._subscribers: list[Callable[[JobRecord], None]] = []
@@ -89,6 +96,19 @@ class JobRegistry:
                 self._history.forget(job_id)
             except HistoryError as exc:
                 log.warning("%s", exc)
+
+    def expired(self, outcome: Outcome) -> bool:
+        """Whether a job that ended so is past the retention: forgotten here, or soon."""
+        return expired(outcome, self._clock(), self.retention)
+
+    def forget(self, job_ids: list[str]) -> None:
+        """Drop these jobs' records and history rows, all or none (HistoryError)."""
+        self._history.forget_all(job_ids)
+        for job_id in job_ids:
+            self._jobs.pop(job_id, None)
+            self._unsaved.pop(job_id, None)
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def add(self, spec: JobSpec, seq: int) -> JobRecord:
         known = self._jobs.get(spec.id)

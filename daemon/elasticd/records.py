@@ -91,6 +91,12 @@ class JobRecord:
         return replace(self, parts={**self.parts, part.node: part}, version=self.version + 1)
 
 
+def expired(outcome: Outcome | None, now: float, retention: float) -> bool:
+    """Whether a job that ended with ``outcome`` ended ``retention`` seconds ago or more
+    (retention 0: never; a job without an outcome never)."""
+    return retention > 0 and outcome is not None and outcome.ended <= now - retention
+
+
 def job_state(parts: Iterable[Part], outcome: Outcome | None) -> JobState:
     """The job's state from its nodes' parts; an outcome, once written, is final.  A job that
     ran and has no running node is RESTARTING, even while no node holds it (JOB_STATES)."""

@@ -1,17 +1,20 @@
 """Issue 15 with real daemons and workers: `elasticctl logs -f` across rotations of the file
-it follows, and history read after them."""
+it follows, history read after them, and retention forgetting an ended job (its history row
+and output) while a running one stays."""
 
 from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from harness import CLIENT_ENV, PY, Daemon
+from harness import CLIENT_ENV, PY, Daemon, worker_args
 
 LINES = 200_000  # 64 bytes each: 12.2 MiB through 64 KiB files, about 190 rotations
 WRITER = f"""
@@ -69,3 +72,44 @@ def test_a_follower_keeps_up_across_rotations_and_ends_with_the_job(daemon_facto
     kept = numbers(history)
     assert history[0].startswith("[elasticd: ") and "bytes of earlier output were rotated away" in history[0]
     assert kept == list(range(LINES - len(kept), LINES)) and 2048 < len(kept) <= 3 * 1024
+
+
+def history_ids(state_dir: Path) -> set[str]:
+    db = sqlite3.connect(f"file:{state_dir / 'history.sqlite'}?mode=ro", uri=True)
+    try:
+        return {job_id for (job_id,) in db.execute("SELECT id FROM jobs")}
+    finally:
+        db.close()
+
+
+def wait_forgotten(daemon: Daemon, job: str, timeout: float = 20.0) -> None:
+    """Until `elasticctl status JOB` says there is no such job."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = daemon.ctl_run("status", job)
+        if done.returncode == 1 and f"no job '{job}'" in done.stderr:
+            return
+        assert time.monotonic() < deadline, f"{job} was never forgotten:\n{daemon.log_text()}"
+        time.sleep(0.2)  # between two looks (the daemon's pass is a timer of its own)
+
+
+@pytest.mark.slow
+def test_retention_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, shared_tmp):
+    daemon = configured(daemon_factory, shared_tmp, "[history]\nretention = 2\n")
+    running = daemon.submit(*worker_args("--print", "2", "--sleep", "0"))["id"]
+    daemon.wait_output(running, ["out 0 1"])
+    ended = daemon.submit_wait(*worker_args("--print", "2"))
+    assert ended["state"] == "SUCCEEDED"
+    wait_forgotten(daemon, ended["id"])
+    logs = daemon.state_dir / "logs"
+    assert not (logs / ended["id"]).exists() and ended["id"] not in history_ids(daemon.state_dir)
+    assert [d["id"] for d in daemon.ctl("list", "--all")] == [running]
+    # the running job is older than the retention, and kept whole
+    assert daemon.ctl("status", running)["state"] == "RUNNING"
+    assert (logs / running / "attempt_0" / "rank_0.out").read_text() == "out 0 0\nout 0 1\n"
+    assert running in history_ids(daemon.state_dir)
+
+    daemon.ctl("cancel", running)  # once it ended, it goes too
+    wait_forgotten(daemon, running)
+    assert not (logs / running).exists() and history_ids(daemon.state_dir) == set()
+    assert daemon.ctl("list", "--all") == []

@@ -1,0 +1,133 @@
+"""Retention: a job that ended ``history.retention`` seconds ago is forgotten on this node,
+its history row and its output (``<log_dir>/<job>``) deleted.  A job without an outcome,
+or whose agent still runs here (stopping its workers, draining their output), is kept.
+
+The pruner looks at start, then when the next ended job is due, and at least once per
+``min(retention, 1 h)`` (a job that ends meanwhile is due no sooner): a timer, not a poll.
+Directories are deleted in a thread; rows in one transaction per batch of jobs, on the
+event loop (the registry is their one writer).  A log directory of a job this node does not
+know (its row was lost with a corrupt history) goes once it has not changed for the
+retention.  The decisions are pure functions of the records and ``now``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import stat
+import time
+from typing import Callable, Iterable
+
+from .history import HistoryError
+from .jobs import JobRegistry
+from .records import JobRecord, expired
+
+log = logging.getLogger(__name__)
+
+MOST = 3600.0  # seconds between two passes at most
+LEAST = 1.0    # and at least (a due job whose agent still runs is looked at again soon)
+AFTER_ERROR = 60.0  # seconds before a pass that the history refused is tried again
+BATCH = 256    # jobs forgotten per transaction
+
+
+def prunable(records: Iterable[JobRecord], now: float, retention: float,
+             busy: set[str]) -> list[str]:
+    """The jobs to forget now: past the retention and not running here."""
+    return [r.id for r in records if expired(r.outcome, now, retention) and r.id not in busy]
+
+
+def next_pass(records: Iterable[JobRecord], now: float, retention: float) -> float:
+    """Seconds until the next pass: when the next ended job is due, at most
+    ``min(retention, MOST)`` from now, at least LEAST."""
+    due = min((r.outcome.ended + retention for r in records if r.outcome is not None),
+              default=float("inf"))
+    return max(LEAST, min(due - now, retention, MOST))
+
+
+def stale_dirs(entries: Iterable[tuple[str, float]], known: set[str], now: float,
+               retention: float) -> list[str]:
+    """Of the log directories (name, last change), those of jobs this node does not know
+    that did not change for the retention."""
+    return [name for name, changed in entries
+            if name not in known and retention > 0 and changed <= now - retention]
+
+
+class Pruner:
+    def __init__(self, registry: JobRegistry, log_root: str, *, busy: Callable[[], Iterable[str]],
+                 on_pruned: Callable[[list[str]], None] = lambda job_ids: None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._registry = registry
+        self._log_root = log_root
+        self._busy = busy
+        self._on_pruned = on_pruned
+        self._clock = clock
+        self._refused = False  # the last pass could not delete rows
+
+    async def run(self) -> None:
+        """Prune now and whenever the next job is due, until cancelled (retention 0: never)."""
+        retention = self._registry.retention
+        if not retention:
+            return
+        while True:
+            try:
+                await self.prune()
+            except Exception:  # whatever went wrong, the daemon goes on and so does retention
+                log.exception("retention: the pass failed")
+                self._refused = True
+            delay = next_pass(self._registry.jobs(), self._clock(), retention)
+            await asyncio.sleep(max(delay, AFTER_ERROR) if self._refused else delay)
+
+    async def prune(self) -> list[str]:
+        """One pass; returns the jobs forgotten."""
+        now, retention = self._clock(), self._registry.retention
+        due = prunable(self._registry.jobs(), now, retention, set(self._busy()))
+        pruned: list[str] = []
+        self._refused = False
+        for start in range(0, len(due), BATCH):
+            batch = due[start:start + BATCH]
+            await asyncio.to_thread(self._remove, batch)
+            try:
+                self._registry.forget(batch)
+            except HistoryError as exc:
+                log.warning("retention: %s (tried again in %.0f s)", exc, AFTER_ERROR)
+                self._refused = True
+                break
+            pruned += batch
+        known = {r.id for r in self._registry.jobs()}
+        stale = await asyncio.to_thread(self._stale, known, now, retention)
+        await asyncio.to_thread(self._remove, stale)
+        if pruned or stale:
+            log.info("retention: forgot %d jobs that ended %.0f s ago or more%s", len(pruned),
+                     retention, f", and the output of {len(stale)} unknown ones" if stale else "")
+        if pruned:
+            self._on_pruned(pruned)
+        return pruned
+
+    def _stale(self, known: set[str], now: float, retention: float) -> list[str]:
+        entries = []
+        for name in _listdir(self._log_root):
+            try:
+                info = os.lstat(os.path.join(self._log_root, name))
+            except OSError:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                entries.append((name, info.st_mtime))
+        return stale_dirs(entries, known, now, retention)
+
+    def _remove(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            if job_id in ("", ".", "..") or os.sep in job_id:
+                continue  # not a name in the log directory
+            path = os.path.join(self._log_root, job_id)
+            shutil.rmtree(path, ignore_errors=True)
+            if os.path.lexists(path):
+                log.warning("retention: could not delete all of %s", path)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

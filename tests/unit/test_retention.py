@@ -1,0 +1,172 @@
+"""Issue 15: the settings of bounded output and retention, and retention's decisions (pure);
+the pruner on a real history file and a real board in memory, with a clock of the test's."""
+
+import asyncio
+import os
+
+import pytest
+
+from elasticd import config
+from elasticd.board import BoardFollower, JobBoard
+from elasticd.errors import ConfigError
+from elasticd.history import History
+from elasticd.jobs import JobRegistry
+from elasticd.logs import OutputLimit
+from elasticd.model import JobSpec, JobState
+from elasticd.records import JobRecord, Outcome, expired
+from elasticd.retention import LEAST, MOST, Pruner, next_pass, prunable, stale_dirs
+from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+from elasticd.store.signing import Signer
+
+DAY = 86400.0
+
+
+def spec(job_id: str) -> JobSpec:
+    return JobSpec(id=job_id, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
+                   name="t", created=1.0)
+
+
+def record(job_id: str, ended: float | None) -> JobRecord:
+    outcome = Outcome(JobState.SUCCEEDED, ended) if ended is not None else None
+    return JobRecord(spec(job_id), 1, outcome=outcome)
+
+
+# -- the config keys ------------------------------------------------------------------------------
+
+def test_output_and_history_defaults():
+    cfg = config.load()
+    assert cfg.output.limit == OutputLimit(100 * 1024 * 1024, 3)
+    assert cfg.history.retention == 30 * DAY
+
+
+@pytest.mark.parametrize("tables, key, words", [
+    ({"output": {"max_bytes": -1}}, "output.max_bytes", "must be 0 (no limit) or at least 65536 bytes"),
+    ({"output": {"max_bytes": 1000}}, "output.max_bytes", "must be 0 (no limit) or at least 65536 bytes"),
+    ({"output": {"max_bytes": "100MiB"}}, "output.max_bytes", "must be an integer"),
+    ({"output": {"max_bytes": 1.5e6}}, "output.max_bytes", "must be an integer"),
+    ({"output": {"backups": -1}}, "output.backups", "must be 0..100"),
+    ({"output": {"backups": 101}}, "output.backups", "must be 0..100"),
+    ({"output": {"backups": True}}, "output.backups", "must be an integer"),
+    ({"output": {"rotate": 1}}, "output.rotate", "unknown key (known: max_bytes, backups)"),
+    ({"history": {"retention": -1}}, "history.retention", "must be 0 or more"),
+    ({"history": {"retention": "30d"}}, "history.retention", "must be a number"),
+    ({"history": {"retention": float("nan")}}, "history.retention", "must be 0 or more"),
+])
+def test_bad_values_are_named(tables, key, words):
+    with pytest.raises(ConfigError) as caught:
+        config.from_tables(tables)
+    assert caught.value.key == key and words in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("tables, limit, retention", [
+    ({"output": {"max_bytes": 0, "backups": 0}}, OutputLimit(0, 0), 30 * DAY),
+    ({"output": {"max_bytes": 65536, "backups": 100}}, OutputLimit(65536, 100), 30 * DAY),
+    ({"history": {"retention": 0}}, OutputLimit(100 << 20, 3), 0.0),
+    ({"history": {"retention": 2}}, OutputLimit(100 << 20, 3), 2.0),
+])
+def test_good_values(tables, limit, retention):
+    cfg = config.from_tables(tables)
+    assert cfg.output.limit == limit and cfg.history.retention == retention
+    assert isinstance(cfg.history.retention, float)
+
+
+# -- the decisions ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ended, now, retention, want", [
+    (None, 1e9, 1.0, False),     # running: never
+    (100.0, 200.0, 100.0, True),  # exactly due
+    (100.0, 199.0, 100.0, False),
+    (100.0, 1e12, 0.0, False),    # 0: forever
+])
+def test_expired(ended, now, retention, want):
+    outcome = Outcome(JobState.FAILED, ended) if ended is not None else None
+    assert expired(outcome, now, retention) is want
+
+
+def test_prunable_leaves_running_jobs_and_jobs_busy_here():
+    records = [record("old", 10.0), record("busy", 10.0), record("new", 95.0), record("run", None)]
+    assert prunable(records, now=100.0, retention=50.0, busy={"busy"}) == ["old"]
+    assert prunable(records, now=100.0, retention=0.0, busy=set()) == []
+
+
+@pytest.mark.parametrize("ended, now, retention, want", [
+    ([], 0.0, 30 * DAY, MOST),               # nothing ended: an hour (a job may end meanwhile)
+    ([], 0.0, 10.0, 10.0),                    # a short retention: no later than it
+    ([100.0], 120.0, 30.0, 10.0),            # the next job is due in 10 s
+    ([100.0], 500.0, 30.0, LEAST),           # due, but still running here: soon again
+    ([None, 100.0], 100.0, 30 * DAY, MOST),   # due in a month: an hour
+])
+def test_next_pass(ended, now, retention, want):
+    records = [record(f"j{i}", e) for i, e in enumerate(ended)]
+    assert next_pass(records, now, retention) == want
+
+
+def test_stale_dirs_are_old_directories_of_unknown_jobs():
+    entries = [("known", 0.0), ("lost", 0.0), ("fresh", 95.0)]
+    assert stale_dirs(entries, {"known"}, now=100.0, retention=10.0) == ["lost"]
+    assert stale_dirs(entries, set(), now=100.0, retention=0.0) == []
+
+
+# -- the pruner, the registry and the board -----------------------------------------------------------
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def logs_of(root, job_id: str) -> str:
+    path = os.path.join(root, job_id, "attempt_0")
+    os.makedirs(path)
+    with open(os.path.join(path, "rank_0.out"), "w") as f:
+        f.write("hello\n")
+    return os.path.join(root, job_id)
+
+
+def test_the_pruner_forgets_ended_jobs_with_their_output_and_keeps_the_rest(tmp_path):
+    clock = Clock(1000.0)
+    history = History(str(tmp_path / "history.sqlite"))
+    registry = JobRegistry(history, retention=100.0, clock=clock)
+    root = str(tmp_path / "logs")
+    ended = {"j-old": 800.0, "j-busy": 800.0, "j-new": 950.0, "j-run": None}
+    for job_id, when in ended.items():
+        registry.add(spec(job_id), 1)
+        if when is not None:
+            registry.set_outcome(job_id, Outcome(JobState.SUCCEEDED, when))
+        logs_of(root, job_id)
+    lost = logs_of(root, "j-lost")  # a job whose row went with a corrupt history
+    os.utime(lost, (0, 0))
+    pruned: list[list[str]] = []
+    pruner = Pruner(registry, root, busy=lambda: ["j-busy"], on_pruned=pruned.append, clock=clock)
+
+    assert asyncio.run(pruner.prune()) == ["j-old"]
+    assert pruned == [["j-old"]] and registry.find("j-old") is None
+    assert sorted(os.listdir(root)) == ["j-busy", "j-new", "j-run"]
+    assert sorted(job_id for job_id, _ in history.load()) == ["j-busy", "j-new", "j-run"]
+
+    clock.now = 2000.0  # later: the one that was busy is done, the running one still runs
+    assert asyncio.run(Pruner(registry, root, busy=list, clock=clock).prune()) == ["j-busy", "j-new"]
+    assert os.listdir(root) == ["j-run"] and [r.id for r in registry.jobs()] == ["j-run"]
+    history.close()
+
+
+def test_a_forgotten_job_is_not_taken_back_from_the_board(tmp_path):
+    clock = Clock(1000.0)
+    registry = JobRegistry(History(str(tmp_path / "history.sqlite")), retention=100.0, clock=clock)
+    board = JobBoard(AsyncMemoryStore(MemoryStore()), Signer(b"k" * 32, "c"), "c")
+    follower = BoardFollower(board, registry, "n1")
+
+    async def scenario() -> None:
+        for job_id, ended in (("j-old", 800.0), ("j-new", 950.0)):
+            seq = await board.publish_spec(spec(job_id))
+            outcome = Outcome(JobState.SUCCEEDED, ended)
+            await board.publish_outcome(job_id, outcome)
+            await board.publish_ended(spec(job_id), seq, outcome)
+        await follower.resync()  # as at start, or after a store reset
+        assert [r.id for r in registry.jobs()] == ["j-new"]
+        await follower.fetch("j-old")  # `elasticctl status j-old`
+        assert registry.find("j-old") is None
+
+    asyncio.run(scenario())
