@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from harness import ROOT, WORKER
+from store_attack import wait_for
 
 import netns
 import sdbox
@@ -58,18 +59,11 @@ def note(line: str) -> None:
     REPORT.append(f"{time.monotonic() - STARTED:7.1f} s  {line}")
 
 
-def until(what: str, probe: Callable[[], Any], timeout: float = 90.0, every: float = 0.25) -> Any:
+def until(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
     """Re-run ``probe`` until it returns something true.  What these wait for (a unit's
     state, a job's round seen through another daemon) gives no event to block on from
     outside the container, so this is a bounded poll."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
+    return wait_for(probe, timeout, what, interval=0.25)
 
 
 def torch_venv() -> Path:
