@@ -81,8 +81,10 @@ class PeerClient:
                      alive: Callable[[], bool] = lambda: True) -> AsyncIterator[Any]:
         """Results of a streaming request to the daemon at ``endpoint`` until its end.
 
-        The first reply must come within the timeout; after that the stream may be quiet
-        for as long as ``alive()`` (the node is not lost), checked once per timeout.
+        The first reply must come within the timeout, and while the node is not lost
+        (``alive()``, checked every second: a request to a node that lost power must not
+        wait out the timeout once the cluster knows); after that the stream may be quiet
+        for as long as ``alive()``, checked once per timeout.
         """
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -92,10 +94,13 @@ class PeerClient:
         sock.connect(endpoint)
         try:
             await sock.send(protocol.encode_request(protocol.Request(uuid.uuid4().hex, op, args)))
-            answered = False
+            answered, quiet_since = False, time.monotonic()
             while True:
-                if not await sock.poll(self._timeout_ms):
-                    if not answered or not alive():
+                slice_ms = self._timeout_ms if answered else min(self._timeout_ms, 1000)
+                if not await sock.poll(slice_ms):
+                    if not alive():
+                        raise PeerError(f"no answer from {endpoint} (its node is lost)")
+                    if not answered and time.monotonic() - quiet_since >= self._timeout_ms / 1000:
                         raise PeerError(f"no answer from {endpoint}")
                     continue
                 answered = True

@@ -226,6 +226,20 @@ def test_logs_of_another_node_come_over_the_peer_channel(cluster_factory):
     assert "out 0 1" in text and "err 0 1" in text
 
 
+def test_logs_of_a_job_whose_node_is_lost_answer_at_once(cluster_factory):
+    """n2 dies with a job's rank on it: `logs` on n1 shows its own ranks and says n2's are
+    unavailable, without waiting out the peer timeout (15 s) for a node known lost."""
+    cluster = cluster_factory(2).start()
+    job = cluster[0].submit("--nnodes", "1:2", *worker_args("--print", "1", "--sleep", "0"))["id"]
+    cluster[0].wait_running(job, 2)
+    cluster[1].signal(signal.SIGKILL)
+    cluster[1].wait_exit()
+    _nodes_when(cluster[0], lambda ns: _states(ns).get("n2") == "lost")
+    done = cluster[0].ctl_run("logs", job, timeout=10)  # TimeoutExpired: it waited on n2
+    assert "out 0 0" in done.stdout and "logs of node n2 unavailable" in done.stdout, done
+    cluster[0].ctl("cancel", job)
+
+
 def test_logs_follow_takes_in_a_node_that_joins_later(cluster_factory):
     """`logs -f` asked before a node joined the job still shows that node's ranks."""
     cluster = cluster_factory(2)
