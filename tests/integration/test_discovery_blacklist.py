@@ -130,10 +130,11 @@ def test_a_node_whose_workers_keep_failing_is_kept_out_until_its_cooldown_ends(
     pinned = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))["id"]
     assert node_states(b)[b.name] == "blacklisted"  # still, after the submit
 
-    def readmitted() -> bool:
+    def readmitted() -> bool:  # the job's state first: b may be readmitted between the two
+        state = a.ctl("status", pinned)["state"]
         up = node_states(b)[b.name] == "up"
         if not up:
-            assert a.ctl("status", pinned)["state"] == "PENDING", "a blacklisted node took work"
+            assert state == "PENDING", "a blacklisted node took work"
         return up
     wait_for(readmitted, 30, "b readmitted when its cooldown ended")
 
