@@ -49,7 +49,11 @@ import sdbox
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 TORCH_VENV = Path("/var/tmp/elasticd-test-torch-2.13.0")  # 1 GB, 30 s to make: kept between runs
-TRAIN = ROOT / "examples" / "ddp_train.py"
+# the job's scripts, mounted at the same place on every host (the checkout may be under
+# /tmp, which each host's systemd mounts anew)
+JOBS = "/opt/elasticd-test"
+TRAIN = f"{JOBS}/examples/ddp_train.py"
+WORKER_SCRIPT = f"{JOBS}/fixtures/worker.py"
 CLEAN_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8")
 REPORT: list[str] = []  # the timeline and the transcript's highlights, printed by conftest
 STARTED = time.monotonic()
@@ -57,6 +61,11 @@ STARTED = time.monotonic()
 
 def note(line: str) -> None:
     REPORT.append(f"{time.monotonic() - STARTED:7.1f} s  {line}")
+
+
+def transcript(done: subprocess.CompletedProcess[str]) -> str:
+    """What a command printed, on one line."""
+    return " | ".join(line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip())
 
 
 def until(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
@@ -169,7 +178,8 @@ def cluster(deb: Path) -> Iterator[list[Host]]:
     work = Path(tempfile.mkdtemp(prefix="elasticd-deb-", dir="/var/tmp"))  # not /tmp: tmpfiles
     subnet = netns.Subnet.claim()
     hosts = subnet.hosts(3).up()
-    binds = [f"{deb.parent}:/pkg", f"{venv}:/opt/torch"]
+    binds = [f"{deb.parent}:/pkg", f"{venv}:/opt/torch", f"{ROOT / 'examples'}:{JOBS}/examples",
+             f"{WORKER.parent}:{JOBS}/fixtures"]
     machines: list[Host] = []
     try:
         for i in (1, 2, 3):
@@ -214,7 +224,7 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(cluster: list[Host
     for m in cluster:
         assert m.run("python3", "-c", "import torch", check=False).returncode != 0  # no torch
         done = m.run("dpkg", "-i", f"/pkg/{deb.name}")
-        note(f"{m.name}: dpkg -i -> {done.stdout.strip().splitlines()[-1]}")
+        note(f"{m.name}: dpkg -i -> {transcript(done)}")
         assert m.systemctl("is-enabled", "elasticd") == "enabled"
         until(f"{m.name}: elasticd active", lambda: m.systemctl("is-active", "elasticd", check=False) == "active")
         assert m.run("getent", "group", "elasticd-admin").returncode == 0
@@ -250,7 +260,7 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(cluster: list[Host
 def node_loss_and_return(cluster: list[Host]) -> None:
     n1, n2, n3 = cluster
     job = n2.ctl("submit", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
-                 "--python", "/opt/torch/bin/python3", str(TRAIN), "--",
+                 "--python", "/opt/torch/bin/python3", TRAIN, "--",
                  "--epochs", "100000", "--epoch-seconds", "0.2")["id"]
     note(f"{job}: submitted by nobody on n2 (--nnodes 2:3, ddp_train.py with gloo)")
     until(f"{job} on 3 nodes", lambda: world(n2, job)[1:] == (3, ["n1", "n2", "n3"], "RUNNING"), 180)
@@ -288,7 +298,7 @@ def wait_for_training(host: Host, job: str, text: str, starts: int) -> int:
 def store_host_stop(cluster: list[Host]) -> None:
     n1, n2, n3 = cluster
     job = n2.ctl("submit", "--nnodes", "2", "--nodes", "n2,n3", "--nproc-per-node", "1",
-                 "--python", "/opt/torch/bin/python3", str(WORKER), "--", "--sleep", "0")["id"]
+                 "--python", "/opt/torch/bin/python3", WORKER_SCRIPT, "--", "--sleep", "0")["id"]
     pids = until(f"{job} running", lambda: world(n2, job)[1:] == (2, ["n2", "n3"], "RUNNING")
                  and len(healthy_pids(n2, job)) == 2 and healthy_pids(n2, job), 120)
     note(f"{job}: running on n2, n3; systemctl stop elasticd on n1 (the store host)")
@@ -326,14 +336,14 @@ def journal_fields(host: Host) -> None:
 
 def remove_and_purge(host: Host, deb: Path) -> None:
     done = host.run("dpkg", "-r", "elasticd")
-    note(f"{host.name}: dpkg -r -> {done.stdout.strip().splitlines()[-1]}")
+    note(f"{host.name}: dpkg -r -> {transcript(done)}")
     assert host.unit("ActiveState", "LoadState")["ActiveState"] in ("inactive", "failed")
     left = host.run("pgrep", "-a", "-f", "elasticd", check=False).stdout.strip()
     assert not left, f"processes left after dpkg -r: {left}"
     assert host.file("/etc/elasticd/elasticd.toml").exists()  # a conffile stays until purge
     assert host.file("/var/lib/elasticd/cluster.key").exists()
     done = host.run("dpkg", "-P", "elasticd")
-    note(f"{host.name}: dpkg -P -> {done.stdout.strip().splitlines()[-1]}")
+    note(f"{host.name}: dpkg -P -> {transcript(done)}")
     for gone in ("/etc/elasticd", "/var/lib/elasticd", "/etc/default/elasticd", "/usr/bin/elasticd",
                  "/usr/lib/elasticd"):
         assert not host.file(gone).exists(), f"{gone} left after purge"
@@ -372,7 +382,7 @@ def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(tmp_path_factor
         host.boot()
         assert "Debian GNU/Linux 13" in host.file("/etc/os-release").read_text()
         done = host.run("dpkg", "-i", f"/pkg/{deb.name}")
-        note(f"debian 13: dpkg -i -> {done.stdout.strip().splitlines()[-1]}")
+        note(f"debian 13: dpkg -i -> {transcript(done)}")
         until("elasticd active", lambda: host.systemctl("is-active", "elasticd", check=False) == "active")
         assert host.systemctl("is-enabled", "elasticd") == "enabled"
         job = host.ctl("submit", "--nproc-per-node", "2", "--wait", "/opt/hello.py")
@@ -380,11 +390,11 @@ def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(tmp_path_factor
         logs = host.run("elasticctl", "logs", job["id"], user="nobody").stdout
         assert "hello from rank 1" in logs, logs
         note("debian 13: unit active (standalone, no torch), a job of nobody SUCCEEDED")
-        host.run("dpkg", "-r", "elasticd")
+        note(f"debian 13: dpkg -r -> {transcript(host.run('dpkg', '-r', 'elasticd'))}")
         left = host.run("pgrep", "-a", "-f", "elasticd", check=False).stdout.strip()
         assert not left, f"processes left after dpkg -r: {left}"
         assert host.file("/var/lib/elasticd").exists()
-        host.run("dpkg", "-P", "elasticd")
+        note(f"debian 13: dpkg -P -> {transcript(host.run('dpkg', '-P', 'elasticd'))}")
         for gone in ("/etc/elasticd", "/var/lib/elasticd", "/etc/default/elasticd", "/usr/lib/elasticd"):
             assert not host.file(gone).exists(), f"{gone} left after purge"
         note("debian 13: dpkg -r left no process; dpkg -P removed configuration and state")
