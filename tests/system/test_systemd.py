@@ -189,6 +189,18 @@ def cgroup_of(elasticd: Elasticd, pid: object) -> str:
     return next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
 
 
+def test_a_config_the_daemon_refuses_fails_the_start_once_with_the_reason(elasticd):
+    """A bad key: `systemctl start` fails, the journal names the key, and systemd does not
+    restart it in a loop (RestartPreventExitStatus=2)."""
+    (elasticd.units.parent / "etc" / "elasticd.toml").write_text(CONFIG + "\n[metrics]\nno_such_key = 1\n")
+    assert elasticd.box.run("systemctl", "start", "elasticd", check=False).returncode != 0
+    found = elasticd.show("ActiveState", "Result", "ExecMainStatus", "NRestarts")
+    assert found == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "2",
+                     "NRestarts": "0"}, found
+    journal = elasticd.journal()
+    assert "no_such_key" in journal, journal
+
+
 def test_the_watchdog_restarts_a_wedged_daemon(elasticd):
     elasticd.set_watchdog(2)
     elasticd.systemctl("start", "elasticd")
