@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import psutil
 import pytest
 
 from harness import CLIENT_ENV, FIXTURES, PY, Daemon, free_port
@@ -209,9 +210,20 @@ def launch(launcher: str, scenario: Scenario, cwd: Path, env: dict[str, str]) ->
     out.mkdir()
     args = [a.format(out=out, logs=logs) for a in scenario.args]
     argv = [*LAUNCHERS[launcher], *args]
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
-    return Run(launcher, argv, done.returncode, done.stdout, done.stderr)
+    with subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, stdin=subprocess.DEVNULL) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            # every process it started first: torchrun's workers have sessions of their own
+            # and outlive a killed torchrun
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"{launcher} did not end in {TIMEOUT} s: {' '.join(argv)}\n"
+                        f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}")
+    return Run(launcher, argv, proc.returncode, stdout, stderr)
 
 
 def observe(run: Run, scenario: Scenario, cwd: Path, env: dict[str, str]) -> dict[str, Any]:
