@@ -362,7 +362,7 @@ class LocalWorkers:
     def _start(self, worker: Worker, credentials: RunAs | None) -> None:
         os.close(self._create_for_user(self.error_file(worker), credentials))
         names = self._files.get(worker.local_rank) or {s: self.log_file(worker, s) for s in ("out", "err")}
-        files = [OutputFile(names[s], lambda path: self._create_for_user(path, credentials),
+        files = [OutputFile(names[s], lambda path: self._create_output(path, credentials),
                             self._on_dropped, self._output_limit) for s in ("out", "err")]
         self._outputs[worker.local_rank] = dict(zip(("out", "err"), files))
         try:
@@ -390,11 +390,23 @@ class LocalWorkers:
 
     @staticmethod
     def _create_for_user(path: str, credentials: RunAs | None) -> int:
-        """A new file (never through a symlink) that belongs to the job's user; its fd."""
+        """A new file (never through a symlink) that belongs to the job's user (the error
+        file, which torch's @record in the worker writes); its fd."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o640)
         if credentials:
             os.fchown(fd, credentials.uid, credentials.gid)
+        return fd
+
+    @staticmethod
+    def _create_output(path: str, credentials: RunAs | None) -> int:
+        """A new output file (never through a symlink) that stays the daemon's, readable by
+        the job's group: a user who owned it could write past output.max_bytes, truncate it
+        to a sparse terabyte, or chmod it; its fd."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o640)
+        if credentials:
+            os.fchown(fd, -1, credentials.gid)
         return fd
 
     def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:

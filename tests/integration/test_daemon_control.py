@@ -197,7 +197,13 @@ def test_jobs_run_as_the_submitter_and_others_cannot_cancel(daemon, shared_tmp):
     worker = psutil.Process(int((pids_dir / "rank_0.pid").read_text().split()[0]))
     assert worker.uids().real == nobody.pw_uid and worker.gids().real == nobody.pw_gid
     log_dir = daemon.state_dir / "logs" / job["id"] / "attempt_0"
-    assert os.stat(log_dir / "rank_0.out").st_uid == nobody.pw_uid
+    out = os.stat(log_dir / "rank_0.out")  # the daemon's: the job reads it, cannot write it
+    assert (out.st_uid, out.st_gid, out.st_mode & 0o777) == (0, nobody.pw_gid, 0o640)
+    appended = subprocess.run(["runuser", "-u", "nobody", "--", "sh", "-c",
+                               f"echo more >> {log_dir / 'rank_0.out'}"], capture_output=True)
+    assert appended.returncode != 0 and b"denied" in appended.stderr
+    assert subprocess.run(["runuser", "-u", "nobody", "--", "cat", str(log_dir / "rank_0.out")],
+                          capture_output=True).returncode == 0
 
     root_job = daemon.submit(*worker_args("--sleep", "0"))
     refused = daemon.ctl_run("cancel", root_job["id"], user="nobody")
@@ -232,7 +238,8 @@ sys.exit(1 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
 
 @needs_root
 def test_a_job_cannot_make_the_daemon_write_or_read_through_its_symlinks(daemon, shared_tmp):
-    """Log and error-file directories stay the daemon's; the user owns only its own files."""
+    """Log and error-file directories stay the daemon's, and so do the output files; the
+    user owns only its error file (torch's @record in the worker writes it)."""
     target = shared_tmp / "precious"
     target.write_text("root's own\n")
     target.chmod(0o600)
@@ -247,7 +254,8 @@ def test_a_job_cannot_make_the_daemon_write_or_read_through_its_symlinks(daemon,
     assert target.read_text() == "root's own\n" and target.stat().st_uid == 0
     attempt = daemon.state_dir / "logs" / job["id"] / "attempt_1"
     assert attempt.stat().st_uid == 0 and attempt.parent.stat().st_uid == 0
-    assert (attempt / "rank_0.out").stat().st_uid == pwd.getpwnam("nobody").pw_uid
+    assert (attempt / "rank_0.out").stat().st_uid == 0  # its output files are the daemon's
+    assert (attempt / "rank_0.error.json").stat().st_uid == pwd.getpwnam("nobody").pw_uid
 
     failed = daemon.ctl("submit", "--wait", str(script), str(target), "fail",
                         user="nobody", cwd=str(shared_tmp), expect=1)[-1]
