@@ -32,6 +32,18 @@ def metered(daemon_factory):
     return daemon
 
 
+def test_a_refusal_of_a_huge_request_is_one_short_line_in_the_daemon_log(daemon):
+    """A client's text in a refusal (here a 1 MB op name with newlines) is cut short in the
+    log: a user cannot flood the journal with megabyte records, nor forge lines."""
+    with Control(daemon.socket) as control:
+        reply = control.call("j-1a2b3c\nforged line " + "x" * 1_000_000, {})
+        assert not reply.ok and reply.code == "unknown_op", reply
+        assert control.call("version", {}).ok
+    lines = [line for line in daemon.log_text().splitlines() if "refused: unknown_op" in line]
+    assert lines and all(len(line) < 800 for line in lines), [len(line) for line in lines]
+    assert not any(line.startswith("forged line") for line in daemon.log_text().splitlines())
+
+
 @pytest.mark.parametrize("frame, code", [
     (b"{not json", "bad_request"),
     (b"[1, 2]", "bad_request"),

@@ -211,10 +211,19 @@ async def answer(handler: Handler, caller: Any, raw: bytes, reply: Reply,
         await _refuse(reply, op, protocol.E_INTERNAL, "internal error (see the daemon log)", count)
 
 
+_LOGGED_MESSAGE = 300  # characters of a refusal's message in the daemon's log
+
+
+def _shortened(text: str, limit: int = _LOGGED_MESSAGE) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 async def _refuse(reply: Reply, op: str, code: str, message: str,
                   count: Callable[[str, str], None]) -> None:
     count(op, code)
-    log.info("control: %s refused: %s: %s", op, code, message)
+    # the op and message may carry a client's text: a line, never a 4 MiB record per request
+    log.info("control: %s refused: %s: %s", _shortened(str(op), 40), code, _shortened(message))
     try:
         await reply.error(code, message)
     except PeerGone:
