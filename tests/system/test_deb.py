@@ -390,6 +390,7 @@ def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(tmp_path_factor
         logs = host.run("elasticctl", "logs", job["id"], user="nobody").stdout
         assert "hello from rank 1" in logs, logs
         note("debian 13: unit active (standalone, no torch), a job of nobody SUCCEEDED")
+        refuses_a_python_others_can_change(host)
         note(f"debian 13: dpkg -r -> {transcript(host.run('dpkg', '-r', 'elasticd'))}")
         left = host.run("pgrep", "-a", "-f", "elasticd", check=False).stdout.strip()
         assert not left, f"processes left after dpkg -r: {left}"
@@ -401,3 +402,23 @@ def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(tmp_path_factor
     finally:
         host.shutdown()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def refuses_a_python_others_can_change(host: Host) -> None:
+    """ELASTICD_PYTHON naming a venv that a user can write to: the daemon (root) would run
+    that user's code; the launcher refuses to start, and says why."""
+    venv = host.file("/opt/loose")
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python3").symlink_to("/usr/bin/python3")
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (venv / "lib").mkdir()
+    (venv / "lib" / "planted.pth").write_text("")
+    (venv / "lib" / "planted.pth").chmod(0o666)
+    default = host.file("/etc/default/elasticd")
+    kept = default.read_text()
+    default.write_text(kept + "ELASTICD_PYTHON=/opt/loose/bin/python3\n")
+    assert host.run("systemctl", "restart", "elasticd", check=False).returncode != 0
+    assert "/opt/loose/lib/planted.pth is not root's alone" in host.journal(), host.journal()
+    default.write_text(kept)
+    host.systemctl("restart", "elasticd")
+    note("debian 13: ELASTICD_PYTHON in a venv others can write to: refused, with the reason")
