@@ -132,8 +132,16 @@ class Commands:
         await reply.result({"version": __version__, "node": self._node,
                             "cluster": self._config.cluster.name, **self._cluster.store_health()})
 
+    def _unused_job_id(self) -> str:
+        """A new id that no job this node knows has: ids are 24 bits, and a few thousand
+        kept jobs make a collision likely (the new job would have been the old one)."""
+        while True:
+            job_id = new_job_id()
+            if self._registry.find(job_id) is None:
+                return job_id
+
     async def submit(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        spec = spec_from_request(args, caller, self._config, job_id=new_job_id(),
+        spec = spec_from_request(args, caller, self._config, job_id=self._unused_job_id(),
                                  node=self._node, now=time.time())
         if spec.uid == 0 and os.getuid() == 0 and not self._config.jobs.allow_root:
             raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = "
