@@ -27,7 +27,7 @@ from .records import JobRecord, expired
 log = logging.getLogger(__name__)
 
 MOST = 3600.0  # seconds between two passes at most
-LEAST = 1.0    # and at least (a due job whose agent still runs is looked at again soon)
+LEAST = 1.0    # and at least
 AFTER_ERROR = 60.0  # seconds before a pass that the history refused is tried again
 BATCH = 256    # jobs forgotten per transaction
 
@@ -38,11 +38,15 @@ def prunable(records: Iterable[JobRecord], now: float, retention: float,
     return [r.id for r in records if expired(r.outcome, now, retention) and r.id not in busy]
 
 
-def next_pass(records: Iterable[JobRecord], now: float, retention: float) -> float:
+def next_pass(records: Iterable[JobRecord], now: float, retention: float,
+              busy: Iterable[str] = ()) -> float:
     """Seconds until the next pass: when the next ended job is due, at most
-    ``min(retention, MOST)`` from now, at least LEAST."""
-    due = min((r.outcome.ended + retention for r in records if r.outcome is not None),
-              default=float("inf"))
+    ``min(retention, MOST)`` from now, at least LEAST.  A due job still busy here does not
+    count (it is looked at again within MOST): a worker stuck in the kernel must not turn
+    the timer into a poll every LEAST."""
+    busy = set(busy)
+    due = min((r.outcome.ended + retention for r in records
+               if r.outcome is not None and r.id not in busy), default=float("inf"))
     return max(LEAST, min(due - now, retention, MOST))
 
 
@@ -76,7 +80,7 @@ class Pruner:
             except Exception:  # whatever went wrong, the daemon goes on and so does retention
                 log.exception("retention: the pass failed")
                 self._refused = True
-            delay = next_pass(self._registry.jobs(), self._clock(), retention)
+            delay = next_pass(self._registry.jobs(), self._clock(), retention, self._busy())
             await asyncio.sleep(max(delay, AFTER_ERROR) if self._refused else delay)
 
     async def prune(self) -> list[str]:

@@ -93,12 +93,18 @@ def test_prunable_leaves_running_jobs_and_jobs_busy_here():
     ([], 0.0, 30 * DAY, MOST),               # nothing ended: an hour (a job may end meanwhile)
     ([], 0.0, 10.0, 10.0),                    # a short retention: no later than it
     ([100.0], 120.0, 30.0, 10.0),            # the next job is due in 10 s
-    ([100.0], 500.0, 30.0, LEAST),           # due, but still running here: soon again
+    ([100.0], 500.0, 30.0, LEAST),           # due and not pruned (the pass could not): soon
     ([None, 100.0], 100.0, 30 * DAY, MOST),   # due in a month: an hour
 ])
 def test_next_pass(ended, now, retention, want):
     records = [record(f"j{i}", e) for i, e in enumerate(ended)]
     assert next_pass(records, now, retention) == want
+
+
+def test_a_due_job_still_busy_here_does_not_make_the_timer_a_poll():
+    records = [record("stuck", 100.0), record("later", 400.0)]
+    assert next_pass(records, 500.0, 200.0, busy={"stuck"}) == 100.0  # "later" is due then
+    assert next_pass(records[:1], 500.0, 200.0, busy={"stuck"}) == 200.0  # min(retention, MOST)
 
 
 def test_stale_dirs_are_old_directories_of_unknown_jobs():
