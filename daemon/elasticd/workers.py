@@ -11,8 +11,8 @@ worker killed by the OOM killer while its DataLoader children hold its stdout is
 at once.  Its stdout and stderr are pipes that the event loop copies to
 ``<log_dir>/rank_<r>.out|.err``, rotated at a size limit (``logs.OutputLimit``); output that
 cannot be written (a full disk) is dropped and counted, so a worker never blocks on its
-pipe.  The directories are the daemon's; the files in them (logs, torch's error file) are
-the user's.
+pipe.  The directories and the output files are the daemon's (readable by the job's
+group); torch's error file is the user's.
 
 Stop is SIGTERM to every process of the job (its cgroup, or each worker's process group
 without one), a grace period, then SIGKILL to all of them (``cgroup.kill``): what a worker
@@ -360,9 +360,9 @@ class LocalWorkers:
                 self._record_failure(worker, EXEC_FAILED, f"cannot start worker: {exc}")
 
     def _start(self, worker: Worker, credentials: RunAs | None) -> None:
-        os.close(self._create_for_user(self.error_file(worker), credentials))
+        os.close(self._create(self.error_file(worker), credentials, users=True))
         names = self._files.get(worker.local_rank) or {s: self.log_file(worker, s) for s in ("out", "err")}
-        files = [OutputFile(names[s], lambda path: self._create_output(path, credentials),
+        files = [OutputFile(names[s], lambda path: self._create(path, credentials, users=False),
                             self._on_dropped, self._output_limit) for s in ("out", "err")]
         self._outputs[worker.local_rank] = dict(zip(("out", "err"), files))
         try:
@@ -389,24 +389,15 @@ class LocalWorkers:
                                       f"elasticd's own that only it can write")
 
     @staticmethod
-    def _create_for_user(path: str, credentials: RunAs | None) -> int:
-        """A new file (never through a symlink) that belongs to the job's user (the error
-        file, which torch's @record in the worker writes); its fd."""
+    def _create(path: str, credentials: RunAs | None, *, users: bool) -> int:
+        """A new file (never through a symlink), readable by the job's group; its fd.  The
+        error file is the user's (``users``: torch's @record in the worker writes it); the
+        output files stay the daemon's, since a user who owned one could write past
+        output.max_bytes, truncate it to a sparse terabyte, or chmod it."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o640)
         if credentials:
-            os.fchown(fd, credentials.uid, credentials.gid)
-        return fd
-
-    @staticmethod
-    def _create_output(path: str, credentials: RunAs | None) -> int:
-        """A new output file (never through a symlink) that stays the daemon's, readable by
-        the job's group: a user who owned it could write past output.max_bytes, truncate it
-        to a sparse terabyte, or chmod it; its fd."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o640)
-        if credentials:
-            os.fchown(fd, -1, credentials.gid)
+            os.fchown(fd, credentials.uid if users else -1, credentials.gid)
         return fd
 
     def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
