@@ -545,12 +545,13 @@ PROG = "elasticctl"
 
 
 class cancelling_signals:
-    """While following: the signals torchrun forwards to its workers (SIGTERM, SIGHUP,
-    SIGQUIT; SIGINT already does) interrupt like Ctrl-C, which cancels the job."""
+    """While following: the signals torchrun handles (``--signals-to-handle``; SIGTERM,
+    SIGINT, SIGHUP, SIGQUIT) interrupt like Ctrl-C, which cancels the job.  SIGINT too, as
+    torchrun does: a launcher started by a script in the background inherits SIGINT ignored,
+    and Python then installs no handler of its own (Ctrl-C, or ``kill -INT``, was lost)."""
 
     def __init__(self, names: str) -> None:
-        self._signals = [getattr(signal, name) for name in torchrun.handled_signals(names)
-                         if name != "SIGINT"]
+        self._signals = [getattr(signal, name) for name in torchrun.handled_signals(names)]
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> None:

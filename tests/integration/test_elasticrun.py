@@ -32,12 +32,14 @@ def daemon(tmp_path_factory):
 
 
 def elasticrun(daemon: Daemon, *argv: str, cwd: Path, env: dict[str, str] | None = None,
-               program: str = "elasticrun") -> subprocess.Popen[str]:
+               program: str = "elasticrun", sigint: object = signal.SIG_DFL) -> subprocess.Popen[str]:
     """Start .venv/bin/elasticrun (or elasticctl) as a user would: by its path, the venv
-    not activated."""
+    not activated, SIGINT as a terminal leaves it (``sigint``: SIG_IGN as a script's
+    background job inherits it; whatever ran this test does not decide)."""
     environ = {**NOT_ACTIVATED, "ELASTICD_SOCKET": daemon.socket, **(env or {})}
     return subprocess.Popen([os.path.join(VENV_BIN, program), *argv], cwd=cwd, env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:
@@ -56,12 +58,16 @@ def script(directory: Path, name: str, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("sig, how", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
-def test_a_signal_cancels_the_job_and_exits_130(daemon, tmp_path, sig, how):
+@pytest.mark.parametrize("sig, how, inherited", [
+    (signal.SIGINT, "Ctrl-C", signal.SIG_DFL), (signal.SIGTERM, "SIGTERM", signal.SIG_DFL),
+    # started by a script in the background (bash ignores SIGINT for it): torchrun still
+    # handles SIGINT, and so does elasticrun (CI ran the suite so, and Ctrl-C was lost)
+    (signal.SIGINT, "kill -INT", signal.SIG_IGN)], ids=["Ctrl-C", "SIGTERM", "SIGINT-ignored-before"])
+def test_a_signal_cancels_the_job_and_exits_130(daemon, tmp_path, sig, how, inherited):
     script(tmp_path, "sleeper.py", "import os, time\n"
            "open(f'pid_{os.environ[\"RANK\"]}', 'w').write(str(os.getpid()))\n"
            "print('ready', os.environ['RANK'], flush=True)\ntime.sleep(600)\n")
-    proc = elasticrun(daemon, "--nproc-per-node", "2", "sleeper.py", cwd=tmp_path)
+    proc = elasticrun(daemon, "--nproc-per-node", "2", "sleeper.py", cwd=tmp_path, sigint=inherited)
     seen = [proc.stdout.readline(), proc.stdout.readline()]  # both workers run
     assert sorted(seen) == ["ready 0\n", "ready 1\n"], (seen, daemon.log_text())
     pids = [int((tmp_path / f"pid_{r}").read_text()) for r in range(2)]
