@@ -11,9 +11,14 @@ Where the job cgroups go (``JobCgroups.setup``):
   daemon then moves itself into the leaf ``<unit>/daemon`` (cgroup v2 allows processes only
   in leaves of a subtree that has controllers enabled);
 - otherwise ``<our cgroup>/elasticd-<node>``, or the path that ``jobs.cgroup`` names.
-A hybrid host's v2 tree may lack the memory controller; memory is then accounted in a
-parallel cgroup v1 memory tree, when there is one.  Without usable cgroups ``available`` is
-False, ``reason`` says why, and the daemon falls back to process groups.
+The daemon enables in its subtree (``cgroup.subtree_control``, from the top of what it owns
+down to the base) the controllers it needs.  A hybrid host's v2 tree may lack the memory
+and pids controllers (bound to cgroup v1); each is then used in a parallel cgroup v1 tree,
+when there is one: a "twin" of the job's cgroup that its workers join too.  What each job
+may use (``Limits``: its tasks, its memory) is written into its cgroup when it is made;
+``controls`` says where each limit is enforced and ``lacking`` why one is not.  Without
+usable cgroups ``available`` is False, ``reason`` says why, and the daemon falls back to
+process groups.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import re
 import select
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Mapping
+
+from .containment import V1, V2, Limits
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,7 @@ AUTO = "auto"
 OFF = "off"
 _NAME = re.compile(r"[\w.-]+", re.ASCII)
 _CONTROLLERS = ("memory", "cpu", "pids", "io")
+_TWINS = ("memory", "pids")  # a hybrid host may have these in cgroup v1 only
 _DISABLED = f"disabled by jobs.cgroup = {OFF}"
 _DAEMON_LEAF = "daemon"
 _JOB_PREFIX = "job-"
@@ -79,6 +87,12 @@ class Hierarchy:
     v2_root: str = "/"            # the cgroup that is the mount's root
     own: str | None = None        # our v2 cgroup, e.g. "/system.slice/elasticd.service"
     v1_memory: str | None = None  # directory of our cgroup v1 memory cgroup
+    v1_pids: str | None = None    # directory of our cgroup v1 pids cgroup
+
+    def v1_dirs(self) -> dict[str, str]:
+        """Our cgroup v1 directory of each controller a job cgroup may need a twin for."""
+        return {name: path for name, path in (("memory", self.v1_memory), ("pids", self.v1_pids))
+                if path}
 
     def v2_dir(self, cgroup: str) -> str | None:
         """The directory of a v2 cgroup, or None when the mount does not show it."""
@@ -92,11 +106,13 @@ class Placement:
     base: str | None = None
     reason: str = ""
     systemd: bool = False          # base is our delegated unit: move into <base>/daemon, never remove it
-    v1_base: str | None = None     # where v1 memory cgroups go, if v2 cannot count memory
+    v1_bases: Mapping[str, str] = field(default_factory=dict)  # controller -> where its v1 twins go, if v2 lacks it
+    top: str | None = None         # the outermost cgroup whose subtree_control we may write (base: the same)
 
 
 def find_hierarchy(mountinfo: str, proc_cgroup: str) -> Hierarchy:
-    v2 = v1 = None
+    v2 = None
+    v1: dict[str, tuple[str, str]] = {}  # controller -> (mount point, the cgroup it shows)
     for line in mountinfo.splitlines():
         fields = line.split()
         if "-" not in fields[6:]:
@@ -105,18 +121,24 @@ def find_hierarchy(mountinfo: str, proc_cgroup: str) -> Hierarchy:
         fstype, options = fields[sep + 1], fields[sep + 3].split(",")
         if fstype == "cgroup2" and v2 is None:
             v2 = (_unescape(fields[4]), _unescape(fields[3]))
-        elif fstype == "cgroup" and "memory" in options and v1 is None:
-            v1 = (_unescape(fields[4]), _unescape(fields[3]))
-    own = own_v1 = None
+        elif fstype == "cgroup":
+            for name in _TWINS:
+                if name in options:
+                    v1.setdefault(name, (_unescape(fields[4]), _unescape(fields[3])))
+    own = None
+    own_v1: dict[str, str] = {}
     for line in proc_cgroup.splitlines():
         number, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if number == "0" and not controllers:
             own = path
-        elif "memory" in controllers.split(","):
-            own_v1 = path
+        for name in controllers.split(","):
+            if name in _TWINS:
+                own_v1[name] = path
+    dirs = {name: _dir_under(*v1[name], own_v1[name]) for name in _TWINS
+            if name in v1 and name in own_v1}
     return Hierarchy(v2_mount=v2[0] if v2 else None, v2_root=v2[1] if v2 else "/", own=own,
-                     v1_memory=_dir_under(*v1, own_v1) if v1 and own_v1 else None)
+                     v1_memory=dirs.get("memory"), v1_pids=dirs.get("pids"))
 
 
 def home_cgroup(hierarchy: Hierarchy, environ: Mapping[str, str]) -> tuple[str | None, bool]:
@@ -147,12 +169,13 @@ def choose_placement(hierarchy: Hierarchy, setting: str, node: str, environ: Map
     mount = hierarchy.v2_mount
     if mount is None:
         return Placement(reason="no cgroup2 mount")
-    v1_base = os.path.join(hierarchy.v1_memory, f"elasticd-{node}") if hierarchy.v1_memory else None
+    v1_bases = {name: os.path.join(path, f"elasticd-{node}")
+                for name, path in hierarchy.v1_dirs().items()}
     if setting != AUTO:
         if not setting.startswith("/") or ".." in setting.split("/"):
             return Placement(reason=f"jobs.cgroup = {setting!r}: must be '{AUTO}', '{OFF}' or "
                                     f"an absolute cgroup path such as /elasticd")
-        return Placement(base=_join_cgroup(mount, setting), v1_base=v1_base)
+        return Placement(base=_join_cgroup(mount, setting), v1_bases=v1_bases, top=mount)
     cgroup, systemd = home_cgroup(hierarchy, environ)
     home = hierarchy.v2_dir(cgroup) if cgroup is not None else None
     if home is None:
@@ -162,11 +185,11 @@ def choose_placement(hierarchy: Hierarchy, setting: str, node: str, environ: Map
         if not delegated:
             return Placement(reason=f"{home} is not delegated to elasticd: under systemd, "
                                     f"set Delegate=yes")
-        return Placement(base=home, systemd=True, v1_base=v1_base)
+        return Placement(base=home, systemd=True, v1_bases=v1_bases, top=home)
     if not writable:
         return Placement(reason=f"{home} is not writable: run elasticd as root, or under "
                                 f"systemd with Delegate=yes")
-    return Placement(base=os.path.join(home, f"elasticd-{node}"), v1_base=v1_base)
+    return Placement(base=os.path.join(home, f"elasticd-{node}"), v1_bases=v1_bases, top=home)
 
 
 def _dir_under(mount: str | None, mount_root: str, cgroup: str) -> str | None:
@@ -190,16 +213,25 @@ def _unescape(field: str) -> str:
 # --- The daemon's subtree ---
 
 class JobCgroups:
-    """The daemon's subtree: where job cgroups are made."""
+    """The daemon's subtree: where job cgroups are made, and what they can bound."""
 
     def __init__(self, base: str | None = None, *, reason: str = "", description: str = "",
-                 v1_base: str | None = None, owned: tuple[str, ...] = ()) -> None:
+                 v1_bases: Mapping[str, str] | None = None, owned: tuple[str, ...] = (),
+                 enabled: tuple[str, ...] = (), lacking: Mapping[str, str] | None = None) -> None:
         self.base = base
-        self.v1_base = v1_base
+        self.v1_bases = dict(v1_bases or {})  # controller -> the base of its v1 twins
         self.available = base is not None
         self.reason = reason
         self.description = description
+        self.enabled = enabled                # v2 controllers that job cgroups have
+        self.lacking = dict(lacking or {})    # memory or pids -> why job cgroups cannot use it
         self._owned = owned  # what close() removes, innermost last
+
+    @property
+    def controls(self) -> dict[str, str]:
+        """memory and pids -> where job cgroups have it (V2, or V1: a twin)."""
+        return {name: V2 if name in self.enabled else V1 for name in _TWINS
+                if name in self.enabled or name in self.v1_bases}
 
     @classmethod
     def setup(cls, node: str, setting: str = AUTO, *, environ: Mapping[str, str] = os.environ,
@@ -234,39 +266,58 @@ class JobCgroups:
         else:
             made = _make_dirs(base)
             owned = [base] if setting == AUTO else made
-        enabled = _enable_controllers(base)
-        v1_base = None if "memory" in enabled else _make_v1_base(placement.v1_base)
-        owned += [v1_base] if v1_base else []
+        enabled, why = _enable_controllers(_chain(placement.top or base, base))
+        v1_bases: dict[str, str] = {}
+        for name in (name for name in _TWINS if name not in enabled):
+            twin_base, problem = _make_v1_base(placement.v1_bases.get(name))
+            if twin_base:
+                v1_bases[name] = twin_base
+            else:
+                why[name] = f"{why.get(name, 'not enabled')}; {problem}"
+        owned += list(v1_bases.values())
         description = (f"job cgroups in {base} (controllers: {' '.join(enabled) or 'none'})"
                        + (f"; elasticd moved to {base}/{_DAEMON_LEAF}" if placement.systemd else "")
-                       + (f"; memory accounted in {v1_base} (cgroup v1)" if v1_base else ""))
-        return cls(base, description=description, v1_base=v1_base, owned=tuple(owned))
+                       + "".join(f"; {name} in {path} (cgroup v1)" for name, path in v1_bases.items()))
+        lacking = {name: why[name] for name in _TWINS if name not in enabled and name not in v1_bases}
+        return cls(base, description=description, v1_bases=v1_bases, owned=tuple(owned),
+                   enabled=tuple(enabled), lacking=lacking)
 
-    def create(self, job_id: str) -> JobCgroup | None:
-        """The job's cgroup (an existing empty one is reused).  Raises FileExistsError when
-        one with processes exists, OSError when it cannot be made."""
+    def create(self, job_id: str, limits: Limits = Limits()) -> JobCgroup | None:
+        """The job's cgroup (an existing empty one is reused), with ``limits`` written where
+        the controllers are (no limit: "max").  Raises FileExistsError when one with
+        processes exists, OSError when it cannot be made or limited."""
         if self.base is None:
             return None
         if not _NAME.fullmatch(job_id):
             raise ValueError(f"job id {job_id!r} cannot name a cgroup")
         path = os.path.join(self.base, _JOB_PREFIX + job_id)
         _make_dirs(path)
-        job = JobCgroup(path, self._v1_job_dir(job_id))
+        job = JobCgroup(path, self._twins(job_id, limits))
         if job.populated():
             raise FileExistsError(errno.EEXIST, "job cgroup still has processes", path)
+        try:
+            job.set_limits(limits, self.enabled)
+        except OSError:
+            job.remove()
+            raise
         return job
 
-    def _v1_job_dir(self, job_id: str) -> str | None:
-        if self.v1_base is None:
-            return None
-        path = os.path.join(self.v1_base, _JOB_PREFIX + job_id)
-        try:
-            _make_dirs(path)
-        except OSError as exc:
-            log.warning("no memory accounting for job %s: cannot make %s: %s", job_id, path,
-                        exc.strerror)
-            return None
-        return path
+    def _twins(self, job_id: str, limits: Limits) -> dict[str, str]:
+        """The job's v1 twins.  One that cannot be made is left out with a warning, unless
+        it has a limit to enforce (then OSError)."""
+        twins = {}
+        for name, base in self.v1_bases.items():
+            path = os.path.join(base, _JOB_PREFIX + job_id)
+            try:
+                _make_dirs(path)
+            except OSError as exc:
+                if getattr(limits, name):
+                    raise
+                log.warning("no %s accounting for job %s: cannot make %s: %s", name, job_id,
+                            path, exc.strerror)
+                continue
+            twins[name] = path
+        return twins
 
     def reap_leftovers(self) -> int:
         """Kill and remove the job cgroups that a previous run of this daemon left behind;
@@ -279,9 +330,10 @@ class JobCgroups:
             if not _wait_empty_blocking(path, _REAP_TIMEOUT):
                 log.warning("processes in %s survived SIGKILL for %g s", path, _REAP_TIMEOUT)
             job.remove()
-        for path in _job_dirs(self.v1_base):  # normally emptied above: the same processes
-            killed += _kill_until_empty(path)
-            _remove_tree(path)
+        for base in self.v1_bases.values():
+            for path in _job_dirs(base):  # normally emptied above: the same processes
+                killed += _kill_until_empty(path)
+                _remove_tree(path)
         if killed:
             log.warning("killed %d processes left by a previous run in %s", killed, self.base)
         return killed
@@ -296,25 +348,59 @@ class JobCgroups:
                     log.info("leaving %s: %s", path, exc.strerror)
 
 
-class JobCgroup:
-    """One job's cgroup on this node (and its v1 memory twin, on a hybrid host)."""
+def limit_writes(path: str, enabled: tuple[str, ...] | list[str], twins: Mapping[str, str],
+                 limits: Limits) -> list[tuple[str, str, bool]]:
+    """(file, value, required) to write, in this order, for a job cgroup at ``path`` whose
+    v2 controllers are ``enabled`` and whose v1 twins are ``twins``.  Every value is written,
+    "max" included, so that a reused cgroup keeps nothing of an earlier job.  An optional
+    file may be missing: memory.oom.group (kernel 4.19), swap accounting (off or no swap)."""
+    pids = str(limits.pids) if limits.pids else "max"
+    writes: list[tuple[str, str, bool]] = []
+    if "pids" in enabled:
+        writes.append((os.path.join(path, "pids.max"), pids, True))
+    elif "pids" in twins:
+        writes.append((os.path.join(twins["pids"], "pids.max"), pids, True))
+    if "memory" in enabled:
+        memory = str(limits.memory) if limits.memory else "max"
+        writes += [(os.path.join(path, "memory.oom.group"), "1", False),  # one OOM kill takes the job
+                   (os.path.join(path, "memory.max"), memory, True),
+                   (os.path.join(path, "memory.swap.max"), "0" if limits.memory else "max", False)]
+    elif "memory" in twins:
+        memory = str(limits.memory) if limits.memory else "-1"
+        memsw = os.path.join(twins["memory"], "memory.memsw.limit_in_bytes")
+        writes += [(memsw, "-1", False),  # memsw may never be below the limit: lift it first
+                   (os.path.join(twins["memory"], "memory.limit_in_bytes"), memory, True),
+                   (memsw, memory, False)]
+    return writes
 
-    def __init__(self, path: str, v1_path: str | None = None) -> None:
+
+class JobCgroup:
+    """One job's cgroup on this node (and its v1 twins, on a hybrid host)."""
+
+    def __init__(self, path: str, v1: Mapping[str, str] | None = None) -> None:
         self.path = path
-        self.v1_path = v1_path
+        self.v1 = dict(v1 or {})  # controller -> the job's v1 twin of it
+
+    def set_limits(self, limits: Limits, enabled: tuple[str, ...] | list[str]) -> None:
+        for path, value, required in limit_writes(self.path, enabled, self.v1, limits):
+            if required or os.path.exists(path):
+                _write(path, value)
 
     def __repr__(self) -> str:
         return f"JobCgroup({self.path!r})"
 
     def join_fds(self) -> list[int]:
-        """Fresh fds on ``cgroup.procs``: a forked child writes b"0" to each before exec to
-        join.  The caller closes them once the child is spawned."""
+        """Fresh fds on ``cgroup.procs`` (the job's and its twins'): a forked child writes
+        b"0" to each before exec to join.  The caller closes them once the child is spawned.
+        A twin that cannot be opened raises: a worker outside its limits is not started."""
         fds = [_open_procs(self.path)]
-        if self.v1_path:
-            try:
-                fds.append(_open_procs(self.v1_path))
-            except OSError as exc:
-                log.warning("no memory accounting in %s: %s", self.v1_path, exc.strerror)
+        try:
+            for path in self.v1.values():
+                fds.append(_open_procs(path))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
         return fds
 
     def pids(self) -> list[int]:
@@ -372,9 +458,9 @@ class JobCgroup:
         peak = _int_file(os.path.join(self.path, "memory.peak"))
         if peak is not None:
             oom = _keyed_file(os.path.join(self.path, "memory.events")).get("oom_kill")
-        elif self.v1_path:
-            peak = _int_file(os.path.join(self.v1_path, "memory.max_usage_in_bytes"))
-            oom = _keyed_file(os.path.join(self.v1_path, "memory.oom_control")).get("oom_kill")
+        elif "memory" in self.v1:
+            peak = _int_file(os.path.join(self.v1["memory"], "memory.max_usage_in_bytes"))
+            oom = _keyed_file(os.path.join(self.v1["memory"], "memory.oom_control")).get("oom_kill")
         else:
             oom = None
         return Usage(cpu_seconds=None if cpu is None else cpu / 1e6, memory_peak=peak,
@@ -382,9 +468,8 @@ class JobCgroup:
 
     def remove(self) -> None:
         """Remove the job's directories (and any cgroups the job made inside)."""
-        for path in (self.path, self.v1_path):
-            if path:
-                _remove_tree(path)
+        for path in (self.path, *self.v1.values()):
+            _remove_tree(path)
 
 
 class _EventsWatch:
@@ -567,29 +652,47 @@ def _make_dirs(path: str) -> list[str]:
     return missing[::-1]
 
 
-def _enable_controllers(base: str) -> list[str]:
-    """Enable for job cgroups what ``base`` offers of memory, cpu, pids and io (each may
-    fail alone, e.g. while processes sit in ``base``); the controllers enabled."""
-    subtree_control = os.path.join(base, "cgroup.subtree_control")
-    offered = _read(os.path.join(base, "cgroup.controllers")).split()
-    for name in _CONTROLLERS:
-        if name in offered:
+def _chain(top: str, base: str) -> list[str]:
+    """The cgroup directories from ``top`` down to ``base`` (which is in it), both included."""
+    parts = [part for part in os.path.relpath(base, top).split("/") if part not in ("", ".")]
+    return [top] + [os.path.join(top, *parts[:i + 1]) for i in range(len(parts))]
+
+
+def _enable_controllers(chain: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Enable memory, cpu, pids and io for job cgroups: in each cgroup of ``chain``, from the
+    outermost one we may write down to the base, as far as each is offered (each may fail
+    alone: a non-root cgroup with processes of its own refuses).  The controllers enabled in
+    the base, and why each of the others is not."""
+    why: dict[str, str] = {}
+    for directory in chain:
+        offered = _read(os.path.join(directory, "cgroup.controllers")).split()
+        subtree_control = os.path.join(directory, "cgroup.subtree_control")
+        on = _read(subtree_control).split()
+        for name in _CONTROLLERS:
+            if name in why or name in on:
+                continue
+            if name not in offered:
+                why[name] = (f"{directory} does not offer it (cgroup.controllers: "
+                             f"{' '.join(offered) or 'none'})")
+                continue
             try:
                 _write(subtree_control, f"+{name}")
             except OSError as exc:
-                log.info("cannot enable the %s controller in %s: %s", name, base, exc.strerror)
-    return _read(subtree_control).split()
+                why[name] = f"cannot enable it in {subtree_control}: {exc.strerror}"
+                log.info("cannot enable the %s controller in %s: %s", name, directory, exc.strerror)
+    enabled = _read(os.path.join(chain[-1], "cgroup.subtree_control")).split()
+    return enabled, {name: text for name, text in why.items() if name not in enabled}
 
 
-def _make_v1_base(v1_base: str | None) -> str | None:
+def _make_v1_base(v1_base: str | None) -> tuple[str | None, str]:
+    """The base of a controller's v1 twins, made; or None and why not."""
     if v1_base is None:
-        return None
+        return None, "no cgroup v1 hierarchy has it either"
     try:
         _make_dirs(v1_base)
     except OSError as exc:
-        log.info("no memory accounting for jobs: cannot make %s: %s", v1_base, exc.strerror)
-        return None
-    return v1_base
+        return None, f"cannot make {v1_base} (cgroup v1): {exc.strerror}"
+    return v1_base, ""
 
 
 def _job_dirs(base: str | None) -> list[str]:

@@ -5,6 +5,7 @@ can run next to a daemon and next to each other.
 """
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -17,12 +18,15 @@ from uuid import uuid4
 import psutil
 import pytest
 
+from elasticd import cgroups as cgroups_mod
 from elasticd.cgroups import (Hierarchy, JobCgroup, JobCgroups, Usage, choose_placement,
-                              find_hierarchy, home_cgroup)
+                              find_hierarchy, home_cgroup, limit_writes)
+from elasticd.containment import V1, V2, Limits
 
 HYBRID_MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
 35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
 40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 """
@@ -32,12 +36,15 @@ BIND_MOUNTINFO = "41 31 0:38 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 
 SPACE_MOUNTINFO = r"41 31 0:38 / /mnt/my\040cgroups rw - cgroup2 cgroup2 rw" + "\n"
 
 SERVICE = "0::/system.slice/elasticd.service\n"
-HYBRID_SELF = "9:name=systemd:/\n4:memory:/process_api/af62\n0::/\n"
+HYBRID_SELF = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/af62\n0::/\n"
 SYSTEMD = {"INVOCATION_ID": "0123"}
 
 
 @pytest.mark.parametrize("mountinfo, proc_cgroup, expected", [
     (HYBRID_MOUNTINFO, HYBRID_SELF,
+     Hierarchy("/sys/fs/cgroup/unified", "/", "/", "/sys/fs/cgroup/memory/process_api/af62",
+               "/sys/fs/cgroup/pids")),
+    (HYBRID_MOUNTINFO, "4:memory:/process_api/af62\n0::/\n",  # no pids line: no pids twin
      Hierarchy("/sys/fs/cgroup/unified", "/", "/", "/sys/fs/cgroup/memory/process_api/af62")),
     (PURE_V2_MOUNTINFO, SERVICE, Hierarchy("/sys/fs/cgroup", "/", "/system.slice/elasticd.service")),
     (NO_CGROUP_MOUNTINFO, "0::/\n", Hierarchy(None, "/", "/")),
@@ -98,10 +105,14 @@ def test_choose_placement(hierarchy, setting, environ, delegated, writable, base
 
 
 def test_placement_details():
-    assert choose_placement(HYBRID, "auto", "n1", {}, delegated=False, writable=True).v1_base \
-        == "/sys/fs/cgroup/memory/process_api/af62/elasticd-n1"
-    assert choose_placement(UNDER_SYSTEMD, "auto", "n1", SYSTEMD, delegated=True,
-                            writable=True).v1_base is None  # pure v2: no v1 memory tree
+    hybrid = choose_placement(HYBRID, "auto", "n1", {}, delegated=False, writable=True)
+    assert hybrid.v1_bases == {"memory": "/sys/fs/cgroup/memory/process_api/af62/elasticd-n1",
+                               "pids": "/sys/fs/cgroup/pids/elasticd-n1"}
+    assert hybrid.top == "/sys/fs/cgroup/unified"  # our own cgroup: enable controllers from there
+    unit = choose_placement(UNDER_SYSTEMD, "auto", "n1", SYSTEMD, delegated=True, writable=True)
+    assert unit.v1_bases == {} and unit.top == UNIT  # pure v2; nothing above the unit is ours
+    explicit = choose_placement(UNDER_SYSTEMD, "/a/b", "n1", {}, delegated=False, writable=False)
+    assert explicit.top == "/sys/fs/cgroup"  # the administrator's path, from the root down
     assert "cannot name a cgroup" in choose_placement(HYBRID, "auto", "a/b", {}, delegated=True,
                                                        writable=True).reason
     assert home_cgroup(MOVED_TO_LEAF, SYSTEMD) == ("/system.slice/elasticd.service", True)
@@ -162,6 +173,98 @@ def test_setup_that_fails_says_where(tmp_path):
     cgroups = JobCgroups.setup("n1", "/elasticd", proc=_fake_proc(tmp_path, mountinfo, "0::/\n"))
     assert not cgroups.available
     assert cgroups.reason.startswith(f"cannot set up job cgroups in {tmp_path}/cg/elasticd: ")
+
+
+class FakeKernel:
+    """cgroup v2's rules for ``cgroup.subtree_control``, over plain directories: a cgroup is
+    offered what its parent enabled (the root: what the kernel has), and a non-root cgroup
+    with processes of its own refuses to enable any (EBUSY)."""
+
+    def __init__(self, root: Path, offered: str, busy: tuple[str, ...] = (),
+                 on: dict[str, str] | None = None) -> None:
+        self.root = str(root)
+        self.offered = offered.split()
+        self.busy = {f"{root}{cgroup}" for cgroup in busy}
+        self.on = {f"{root}{cgroup}".rstrip("/"): names.split() for cgroup, names in (on or {}).items()}
+        self.real_read = cgroups_mod._read
+
+    def read(self, path: str) -> str:
+        directory, name = os.path.split(path)
+        if not directory.startswith(self.root):
+            return self.real_read(path)
+        if name == "cgroup.controllers":
+            offered = self.offered if directory == self.root else self.on.get(os.path.dirname(directory), [])
+            return " ".join(offered) + "\n"
+        assert name == "cgroup.subtree_control", path
+        return " ".join(self.on.get(directory, [])) + "\n"
+
+    def write(self, path: str, text: str) -> None:
+        directory, name = os.path.split(path)
+        assert name == "cgroup.subtree_control" and text.startswith("+"), (path, text)
+        if text[1:] not in self.read(f"{directory}/cgroup.controllers").split():
+            raise OSError(errno.ENOENT, os.strerror(errno.ENOENT))
+        if directory in self.busy:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        self.on.setdefault(directory, []).append(text[1:])
+
+
+@pytest.mark.parametrize("own, setting, offered, busy, on, controls, lacking", [
+    # the root cgroup may enable anything: every controller reaches the job cgroups
+    ("/", "auto", "cpu io memory pids", (), {}, {"memory": V2, "pids": V2}, {}),
+    # our own cgroup has processes (ours): the kernel refuses to enable controllers in it
+    ("/svc", "auto", "cpu io memory pids", ("/svc",), {"/": "memory pids"}, {},
+     {"memory": "cannot enable it in {root}/svc/cgroup.subtree_control: Device or resource busy",
+      "pids": "cannot enable it in {root}/svc/cgroup.subtree_control: Device or resource busy"}),
+    # ... unless someone enabled them there before it had processes
+    ("/svc", "auto", "cpu io memory pids", ("/svc",), {"/": "memory pids", "/svc": "pids"},
+     {"pids": V2}, {"memory": "cannot enable it in {root}/svc/cgroup.subtree_control"}),
+    # a hybrid host: the controllers are bound to cgroup v1, and no v1 tree is mounted here
+    ("/", "auto", "hugetlb", (), {}, {},
+     {"pids": "{root} does not offer it (cgroup.controllers: hugetlb); no cgroup v1 "
+              "hierarchy has it either"}),
+    # an administrator's path: enabled from the root down, past our busy cgroup
+    ("/svc", "/jobs/elasticd", "memory pids", ("/svc",), {}, {"memory": V2, "pids": V2}, {}),
+])
+def test_controllers_are_enabled_down_to_the_job_cgroups(tmp_path, monkeypatch, own, setting,
+                                                         offered, busy, on, controls, lacking):
+    root = tmp_path / "cg"
+    (root / own.strip("/")).mkdir(parents=True)
+    kernel = FakeKernel(root, offered, busy, on)
+    monkeypatch.setattr(cgroups_mod, "_read", kernel.read)
+    monkeypatch.setattr(cgroups_mod, "_write", kernel.write)
+    mountinfo = f"41 31 0:38 / {root} rw,relatime - cgroup2 cgroup2 rw\n"
+    cgroups = JobCgroups.setup("n1", setting, proc=_fake_proc(tmp_path, mountinfo, f"0::{own}\n"))
+    assert cgroups.available, cgroups.reason
+    assert cgroups.controls == controls
+    assert set(cgroups.lacking) == set(lacking) | ({"memory", "pids"} - set(controls) - set(lacking))
+    for name, why in lacking.items():
+        assert cgroups.lacking[name].startswith(why.format(root=root)), cgroups.lacking[name]
+
+
+def test_chain():
+    assert cgroups_mod._chain("/cg", "/cg") == ["/cg"]
+    assert cgroups_mod._chain("/cg", "/cg/a/b") == ["/cg", "/cg/a", "/cg/a/b"]
+
+
+@pytest.mark.parametrize("enabled, twins, limits, writes", [
+    (("cpu", "memory", "pids"), {}, Limits(pids=64, memory=1 << 30), [
+        ("/j/pids.max", "64", True), ("/j/memory.oom.group", "1", False),
+        ("/j/memory.max", str(1 << 30), True), ("/j/memory.swap.max", "0", False)]),
+    (("memory", "pids"), {}, Limits(), [  # no limit: "max", so that a reused cgroup keeps none
+        ("/j/pids.max", "max", True), ("/j/memory.oom.group", "1", False),
+        ("/j/memory.max", "max", True), ("/j/memory.swap.max", "max", False)]),
+    ((), {"pids": "/v1p/j", "memory": "/v1m/j"}, Limits(pids=64, memory=1 << 30), [
+        ("/v1p/j/pids.max", "64", True),
+        ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
+        ("/v1m/j/memory.limit_in_bytes", str(1 << 30), True),
+        ("/v1m/j/memory.memsw.limit_in_bytes", str(1 << 30), False)]),
+    (("pids",), {"memory": "/v1m/j"}, Limits(pids=64), [
+        ("/j/pids.max", "64", True), ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
+        ("/v1m/j/memory.limit_in_bytes", "-1", True), ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False)]),
+    ((), {}, Limits(pids=64, memory=1 << 30), []),  # nothing to write with: containment.py says so
+])
+def test_limit_writes(enabled, twins, limits, writes):
+    assert limit_writes("/j", enabled, twins, limits) == writes
 
 
 # --- the real cgroupfs ---
@@ -237,6 +340,25 @@ def _gone(pid: int) -> bool:
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
+# forks until a fork fails (or 200 succeed), prints how many and why, then waits for its end
+FORK_BOMB = """
+import errno, os, signal, sys
+forked = 0
+failed = "none"
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        failed = errno.errorcode.get(exc.errno, str(exc.errno))
+        break
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    forked += 1
+print(forked, failed, flush=True)
+signal.pause()
+"""
+
 DOUBLE_FORK = """
 import os, sys, time
 if os.fork() == 0:
@@ -260,8 +382,8 @@ def test_a_spawned_child_is_in_the_job(box):
     child = box.spawn(job, SLEEP)
     assert job.pids() == [child.pid]
     assert job.populated()
-    if job.v1_path:
-        assert open(f"{job.v1_path}/cgroup.procs").read().split() == [str(child.pid)]
+    for twin in job.v1.values():  # a hybrid host: the v1 twins (memory, pids) too
+        assert open(f"{twin}/cgroup.procs").read().split() == [str(child.pid)]
 
 
 @needs_cgroupfs
@@ -289,7 +411,7 @@ def test_kill_reaches_a_double_forked_setsid_grandchild(box):
     assert job.pids() == [] and not job.populated()
     job.remove()
     assert not os.path.exists(job.path)
-    assert job.v1_path is None or not os.path.exists(job.v1_path)
+    assert not any(os.path.exists(twin) for twin in job.v1.values())
     job.remove()  # twice is fine
 
 
@@ -310,24 +432,54 @@ def test_usage(box):
     assert box.python(job, burn).wait(30) == 0
     usage = job.usage()
     assert usage.cpu_seconds is not None and usage.cpu_seconds >= 0.2
-    if job.v1_path or os.path.exists(f"{job.path}/memory.peak"):
+    if "memory" in job.v1 or os.path.exists(f"{job.path}/memory.peak"):
         assert usage.memory_peak is not None and usage.memory_peak >= 100 << 20
     assert usage.oom_kills is None or usage.oom_kills == 0
     assert Usage.from_json(usage.to_json()) == usage
 
 
 @needs_cgroupfs
-def test_oom_kills_are_counted(box):
-    job = box.setup().create("j-oom")
-    if job.v1_path:
-        Path(job.v1_path, "memory.limit_in_bytes").write_text(str(64 << 20))
-    elif os.path.exists(f"{job.path}/memory.max"):
-        Path(job.path, "memory.max").write_text(str(64 << 20))
-        Path(job.path, "memory.swap.max").write_text("0")
-    else:
-        pytest.skip("no memory controller for job cgroups here")
+def test_a_memory_limit_kills_and_counts(box):
+    """Limits.memory: past it the kernel's OOM killer ends the job's process, and the
+    cgroup counts the kill (what the daemon reports as out of memory)."""
+    cgroups = box.setup()
+    if "memory" not in cgroups.controls:
+        pytest.skip(f"no memory controller for job cgroups here: {cgroups.lacking.get('memory')}")
+    job = cgroups.create("j-oom", Limits(memory=64 << 20))
     assert box.python(job, "memory = b'x' * (300 << 20)").wait(30) == -signal.SIGKILL
     assert job.usage().oom_kills == 1
+    if cgroups.controls["memory"] == V2:
+        assert Path(job.path, "memory.oom.group").read_text().strip() == "1"
+
+
+@needs_cgroupfs
+def test_a_pids_limit_stops_a_fork_bomb(box):
+    """Limits.pids: forks past it fail with EAGAIN in the job; kill takes every process."""
+    cgroups = box.setup()
+    if "pids" not in cgroups.controls:
+        pytest.skip(f"no pids controller for job cgroups here: {cgroups.lacking.get('pids')}")
+    job = cgroups.create("j-forks", Limits(pids=16))
+    child = box.python(job, FORK_BOMB, stdout=subprocess.PIPE, text=True)
+    forked, failed = child.stdout.readline().split()
+    assert int(forked) < 16 and failed == "EAGAIN"  # 15 children and the forker: the limit
+    assert 1 < len(job.pids()) <= 16
+    job.kill()
+    assert asyncio.run(job.wait_empty(10.0))
+    assert child.wait(5) == -signal.SIGKILL and job.pids() == []
+
+
+@needs_cgroupfs
+def test_a_reused_cgroup_keeps_no_earlier_limits(box):
+    cgroups = box.setup()
+    if not cgroups.controls:
+        pytest.skip("neither memory nor pids controller for job cgroups here")
+    job = cgroups.create("j-again", Limits(pids=32, memory=64 << 20))
+    again = cgroups.create("j-again")  # empty: reused, with no limits
+    for path, value, _ in limit_writes(again.path, cgroups.enabled, again.v1, Limits()):
+        if os.path.exists(path):
+            written = Path(path).read_text().strip()
+            assert written == value or (value == "-1" and int(written) > 1 << 60), path
+    assert job.path == again.path
 
 
 @needs_cgroupfs
@@ -387,7 +539,7 @@ def test_reap_leftovers_of_a_previous_run(box):
     assert second.reap_leftovers() == 1
     assert child.wait(5) == -signal.SIGKILL
     assert not os.path.exists(job.path)
-    assert job.v1_path is None or not os.path.exists(job.v1_path)
+    assert not any(os.path.exists(twin) for twin in job.v1.values())
     assert second.reap_leftovers() == 0
 
 
@@ -397,7 +549,7 @@ def test_close_removes_the_subtree(box):
     cgroups.create("j-1").remove()
     cgroups.close()
     assert not os.path.exists(cgroups.base)
-    assert cgroups.v1_base is None or not os.path.exists(cgroups.v1_base)
+    assert not any(os.path.exists(base) for base in cgroups.v1_bases.values())
 
 
 @needs_cgroupfs
