@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from .aio import race
 from .cgroups import JobCgroup, JobCgroups
+from .containment import Containment
 from .errors import RendezvousClosedError, RendezvousGone, RendezvousTimeoutError, StoreError
 from .records import Outcome, Part
 from .keyspace import Keyspace
@@ -199,6 +200,7 @@ class AgentFactory:
     refused: Refused
     stop_grace: float = 10.0
     cgroups: JobCgroups | None = None
+    containment: Containment = Containment()  # what bounds a job here (its limits)
     runtime_dir: str = ""     # where in-place jobs' worker channels live
     worker_library: str = ""  # the directory holding elasticd.elastic for workers
     output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated
@@ -225,7 +227,7 @@ class AgentFactory:
                         dead_after=self.keep_alive.dead_after, log_root=self.log_root, gpus=gpus,
                         stop_grace=self.stop_grace, cgroups=self.cgroups, started=started,
                         link_path=link, worker_env=self._worker_env(spec, link),
-                        output_limit=self.output_limit)
+                        output_limit=self.output_limit, containment=self.containment)
 
     def _link_path(self, spec: JobSpec) -> str:
         if not spec.in_place or not self.runtime_dir:
@@ -248,6 +250,7 @@ class JobAgent:
                  started: float | None = None, link_path: str = "",
                  worker_env: dict[str, str] | None = None,
                  output_limit: OutputLimit = OutputLimit(),
+                 containment: Containment = Containment(),
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.node = node
@@ -272,6 +275,8 @@ class JobAgent:
         self._workers: LocalWorkers | None = None
         self._cgroups = cgroups
         self._cgroup: JobCgroup | None = None  # made with the first round, gone with the agent
+        self._limits = containment.job_limits(self.nproc)  # for its cgroup
+        self._nproc_limit = containment.rlimit_nproc(self.nproc)  # for each worker, without one
         self.declined = ""  # why this node left the job on its own (not placed again until it changes)
         self._link_path = link_path
         self._worker_env = worker_env or {}
@@ -299,7 +304,7 @@ class JobAgent:
         keeper = asyncio.create_task(self._rdzv.keep(), name=f"keeper-{self.spec.id}")
         try:
             if self._cgroups is not None:
-                self._cgroup = self._cgroups.create(self.spec.id)
+                self._cgroup = self._cgroups.create(self.spec.id, self._limits)
             if self._link_path:
                 await self._run_in_place()
             else:
@@ -381,7 +386,8 @@ class JobAgent:
             self._attempt_dir(0), cgroup=self._cgroup,
             on_output=lambda: self._logs.publish(self.spec.id), on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, self._info, g) if self._reported else None,
-            stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit)
+            stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit,
+            nproc_limit=self._nproc_limit)
 
     def _attempt_dir(self, round: int) -> str:
         return os.path.join(self._log_root, self.spec.id, f"attempt_{round}")
@@ -584,7 +590,8 @@ class JobAgent:
             cgroup=self._cgroup, on_output=lambda: self._logs.publish(self.spec.id),
             on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, info, g),
-            stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit)
+            stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit,
+            nproc_limit=self._nproc_limit)
         self._started = self._started or self._now()
         self._report(PartState.RUNNING, info, workers.group)
         await workers.start()

@@ -41,6 +41,7 @@ from .cgroups import JobCgroups
 from .cluster import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
                       NodeService, cpu_count, discover_gpus, slot_count)
 from .config import DaemonConfig
+from .containment import MIN_MEMORY, Containment, decide, parse_memory, summary
 from .control.commands import Commands, PeerCommands
 from .discovery import EVERYONE, Listing
 from .paths import is_own_dir
@@ -240,6 +241,7 @@ class Daemon:
         self._store_ok = True
         self._started = time.time()
         self._peer = ("", "")
+        self._containment: Containment | None = None
 
     async def run(self) -> int:
         """Build every part in dependency order, run them as one task group until SIGTERM,
@@ -262,8 +264,10 @@ class Daemon:
             closing.callback(registry.close)
             self._restore(registry, history)
             gpus = discover_gpus(config.node.gpus)
+            slots = slot_count(config, gpus)
             cgroups = self._cgroups()
             closing.callback(cgroups.close)  # only what is empty (a twin refused at bind takes nothing)
+            self._containment = containment = self._contain(cgroups, slots)
             logs = LogBus()
             ctx = zmq.asyncio.Context()
             closing.callback(ctx.term)
@@ -275,7 +279,7 @@ class Daemon:
             peers = PeerLinks(PeerClient(ctx, keys), nodes)
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
             service = JobService(
-                node=self.node, resources=Resources(slot_count(config, gpus), gpus, cpus=cpu_count()),
+                node=self.node, resources=Resources(slots, gpus, cpus=cpu_count()),
                 board=board,
                 follower=BoardFollower(board, registry, self.node, on_store=self._board_store),
                 registry=registry, standalone=config.standalone, allow_root=config.jobs.allow_root,
@@ -286,7 +290,7 @@ class Daemon:
                     keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
                     log_root=config.log_dir, metrics=self.metrics,
                     logs=logs, probe=peers, refused=self._refused, stop_grace=config.jobs.stop_grace,
-                    cgroups=cgroups if cgroups.available else None,
+                    cgroups=cgroups if cgroups.available else None, containment=containment,
                     runtime_dir=config.paths.runtime_dir, output_limit=config.output.limit,
                     worker_library=worker_library.install(config.paths.runtime_dir)))
             self.metrics.job_usage.source = service.usage
@@ -391,11 +395,26 @@ class Daemon:
         cgroups = JobCgroups.setup(self.node, self.config.jobs.cgroup)
         if cgroups.available:
             log.info("%s", cgroups.description)
-        else:
-            log.warning("no cgroups for jobs (%s): a job's processes are tracked by process "
-                        "group only, and one that leaves its group (setsid) outlives the job",
-                        cgroups.reason)
         return cgroups
+
+    def _contain(self, cgroups: JobCgroups, slots: int) -> Containment:
+        """What bounds a job here (published in the node record); what cannot is said once."""
+        jobs = self.config.jobs
+        try:
+            memory = parse_memory(jobs.max_memory, _memory_total())
+        except ValueError as exc:  # checked at load; a percentage of an unknown total
+            raise ConfigError("jobs.max_memory", str(exc)) from None
+        if jobs.max_memory.strip().endswith("%") and memory < MIN_MEMORY:
+            raise ConfigError("jobs.max_memory", f"{jobs.max_memory} of this node's memory is "
+                                                 f"{memory} bytes, less than {MIN_MEMORY >> 20} MiB")
+        containment = decide(cgroup_reason=cgroups.reason if not cgroups.available else "",
+                             controls=cgroups.controls, lacking=cgroups.lacking,
+                             pids_per_worker=jobs.max_pids_per_worker, memory=memory,
+                             slots=slots, pid_max=_int_from("/proc/sys/kernel/pid_max"))
+        for missing in containment.missing:
+            log.warning("%s", missing)
+        log.info("%s", summary(containment))
+        return containment
 
     async def _node_registry(self, store: Store, signer: Signer) -> NodeRegistry:
         registry = NodeRegistry(store, signer, self.config.cluster.name, self.node,
@@ -430,7 +449,8 @@ class Daemon:
                         cpus=service.resources.cpus)
         return NodeRecord(info, service.draining, used.slots, len(used.gpus),
                           tuple(service.local_jobs()), *self._peer,
-                          blacklisted_until=service.blacklisted_until, listed=service.listed)
+                          blacklisted_until=service.blacklisted_until, listed=service.listed,
+                          containment=self._containment)
 
     def _host_discovery(self) -> HostDiscovery | None:
         """The discovery script's runner (None: no script); it matches this node by its name
@@ -563,6 +583,27 @@ class Daemon:
         while True:
             self.notify.send("WATCHDOG=1")
             await asyncio.sleep(interval)
+
+
+def _memory_total() -> int:
+    """This node's memory in bytes (MemTotal), 0 when /proc does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _int_from(path: str) -> int:
+    """A number that a /proc file holds, 0 when it cannot be read."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 def raise_fd_limit() -> int:

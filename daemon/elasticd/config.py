@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from . import paths
 from .blacklist import BlacklistPolicy
+from .containment import MIN_MEMORY, MIN_PIDS, parse_memory
 from .endpoint import split_endpoint
 from .errors import ConfigError
 from .liveness import KeepAlive
@@ -70,6 +71,22 @@ def _cgroup_setting(value: str) -> str | None:
     if value in (AUTO, "off") or (value.startswith("/") and ".." not in value.split("/")):
         return None
     return f"must be '{AUTO}', 'off' or an absolute cgroup path such as /elasticd"
+
+
+def _max_pids(value: int) -> str | None:
+    if value == 0 or value >= MIN_PIDS:
+        return None
+    return f"must be 0 (no limit) or at least {MIN_PIDS}"
+
+
+def _max_memory(value: str) -> str | None:
+    try:
+        size = parse_memory(value, 1 << 40)
+    except ValueError as exc:
+        return str(exc)
+    if size == 0 or size >= MIN_MEMORY:
+        return None
+    return f"must be 0 (no limit) or at least {MIN_MEMORY >> 20} MiB"
 
 
 def _script(value: str) -> str | None:
@@ -205,6 +222,8 @@ class JobsConfig:
     join_timeout: float = key(JobSpec.join_timeout, _positive, doc="default seconds a job waits for min nodes")
     last_call_timeout: float = key(JobSpec.last_call_timeout, _not_negative, doc="extra seconds for nodes after min joined")
     cgroup: str = key("auto", _cgroup_setting, doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path")
+    max_pids_per_worker: int = key(1024, _max_pids, doc="processes and threads one job may have on this node, per worker it runs here (its cgroup's pids.max; without the pids controller, each worker's RLIMIT_NPROC); 0: no limit")
+    max_memory: str = key("0", _max_memory, doc="memory (RAM and swap together) one job may use on this node, in its cgroup: bytes, a size such as 64G, or a share of this node's memory such as 90%; past it the OOM killer ends the job; 0: no limit")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Each worker is exec'd directly (no shell, no wrapper) in its own session and pro
 Between fork and exec the child joins the job's cgroup (while still root), takes the
 submitting user's credentials, asks for ``PR_SET_PDEATHSIG=SIGKILL`` (no worker outlives a
 daemon killed with SIGKILL) and only then enters the working directory, with the user's
-rights: a root daemon never opens a directory for a user who could not.
+rights: a root daemon never opens a directory for a user who could not.  Where no pids
+controller bounds the job, the child also takes ``RLIMIT_NPROC`` (containment.py).
 
 A worker's exit is seen from the process itself (a pidfd), never from its pipes closing: a
 worker killed by the OOM killer while its DataLoader children hold its stdout is a failure
@@ -26,6 +27,7 @@ import ctypes
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -79,10 +81,12 @@ def run_as(spec: JobSpec) -> RunAs | None:
 
 
 def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
-                 parent_pid: int) -> Callable[[], None]:
+                 parent_pid: int, nproc_limit: int = 0) -> Callable[[], None]:
     """preexec_fn: in the child, before exec.  Only thin system calls (the daemon has
     threads): join the cgroup while root, drop to the user, then enter the workdir as the
-    user.  PDEATHSIG is set after the uid change, which would clear it.
+    user.  PDEATHSIG is set after the uid change, which would clear it.  ``nproc_limit``
+    (RLIMIT_NPROC, 0: leave it) is lowered after the uid change: set before it, a user who
+    already runs that many tasks would have the exec itself fail (PF_NPROC_EXCEEDED).
 
     subprocess's own ``user``/``group``/``extra_groups``/``cwd`` do not cover it: its child
     enters ``cwd`` while still root (a directory the user may not enter would be entered),
@@ -95,6 +99,8 @@ def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
             os.setgroups(list(credentials.groups))
             os.setresgid(credentials.gid, credentials.gid, credentials.gid)
             os.setresuid(credentials.uid, credentials.uid, credentials.uid)
+        if nproc_limit:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc_limit, nproc_limit))
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the daemon died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
@@ -105,6 +111,12 @@ def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
                         f"{exc.strerror}\n".encode(errors="replace"))
             os._exit(NO_WORKDIR)
     return setup
+
+
+def nproc_rlimit(limit: int) -> int:
+    """``limit`` as a child may set it: a daemon that is not root cannot raise its hard limit."""
+    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    return limit if not limit or hard == resource.RLIM_INFINITY else min(limit, hard)
 
 
 def read_error_file(path: str) -> tuple[str, str, float] | None:
@@ -252,7 +264,7 @@ class LocalWorkers:
                  on_dropped: DropSink | None = None,
                  on_change: Callable[[WorkerGroup], None] | None = None,
                  stop_grace: float = 10.0, extra_env: Mapping[str, str] | None = None,
-                 output_limit: OutputLimit = OutputLimit()) -> None:
+                 output_limit: OutputLimit = OutputLimit(), nproc_limit: int = 0) -> None:
         self.spec = spec
         self.group = group
         self.log_dir = log_dir
@@ -263,6 +275,7 @@ class LocalWorkers:
         self._stop_grace = stop_grace
         self._extra_env = dict(extra_env or {})
         self._output_limit = output_limit
+        self._nproc_limit = nproc_rlimit(nproc_limit)  # RLIMIT_NPROC of each worker (0: inherited)
         self._loop = asyncio.get_running_loop()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
@@ -413,7 +426,8 @@ class LocalWorkers:
             return subprocess.Popen(
                 self.spec.command(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-                preexec_fn=_child_setup(join_fds, credentials, self.spec.workdir, os.getpid()))
+                preexec_fn=_child_setup(join_fds, credentials, self.spec.workdir, os.getpid(),
+                                        self._nproc_limit))
         finally:
             for fd in join_fds:
                 os.close(fd)
