@@ -322,12 +322,41 @@ def workers_table(workers: Iterable[Doc]) -> str:
 # -- nodes and logs -------------------------------------------------------------------------
 
 def nodes_table(nodes: Iterable[Doc], now: float) -> str:
-    headers = ("NAME", "ADDRESS", "STATE", "SLOTS", "GPUS", "JOBS", "LAST SEEN")
-    return table(headers, ([n.get("name"), n.get("address"), node_state(n, now),
-                            fraction(n.get("slots_free"), n.get("slots_total")),
-                            fraction(n.get("gpus_free"), n.get("gpus_total")),
-                            ",".join(n.get("jobs") or []) or None,
-                            ago(n.get("last_seen"), now)] for n in nodes))
+    """The nodes, then one line for each thing a node cannot bound of a job (why, and what
+    it does instead)."""
+    nodes = list(nodes)
+    headers = ("NAME", "ADDRESS", "STATE", "SLOTS", "GPUS", "JOBS", "LAST SEEN", "CGROUP",
+               "PIDS", "MEMORY")
+    lines = table(headers, ([n.get("name"), n.get("address"), node_state(n, now),
+                             fraction(n.get("slots_free"), n.get("slots_total")),
+                             fraction(n.get("gpus_free"), n.get("gpus_total")),
+                             ",".join(n.get("jobs") or []) or None,
+                             ago(n.get("last_seen"), now), *containment_cells(n.get("containment"))]
+                            for n in nodes))
+    notes = [clean(f"{text(n.get('name'))}: {note}") for n in nodes
+             for note in _notes(n.get("containment"))]
+    return "\n".join([lines, "", *notes]) if notes else lines
+
+
+def containment_cells(containment: Any) -> list[str]:
+    """CGROUP, PIDS and MEMORY of a node: 'yes', '1024/worker', '8.0 GiB'; what bounds a
+    limit when it is not the job's cgroup ('(RLIMIT_NPROC)'), or that nothing does."""
+    if not isinstance(containment, Mapping):
+        return [NONE] * 3  # a daemon that does not publish it
+    pids, memory = containment.get("pids_per_worker"), containment.get("memory")
+    pids_by, memory_by = containment.get("pids_by"), containment.get("memory_by")
+    pids_cell = f"{text(pids)}/worker" if pids else "no limit"
+    if pids and pids_by not in ("cgroup v2", "cgroup v1"):
+        pids_cell += f" ({text(pids_by)})" if pids_by else " (not enforced)"
+    memory_cell = size(memory) if memory else "no limit"
+    if memory and not memory_by:
+        memory_cell += " (not enforced)"
+    return ["yes" if containment.get("cgroup") is True else "no", pids_cell, memory_cell]
+
+
+def _notes(containment: Any) -> list[str]:
+    notes = containment.get("missing") if isinstance(containment, Mapping) else None
+    return [text(note) for note in notes if isinstance(note, str)] if isinstance(notes, list) else []
 
 
 def node_state(node: Doc, now: float) -> str | None:

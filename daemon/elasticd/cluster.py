@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 from . import discovery
 from .aio import race
 from .config import AUTO, DaemonConfig
+from .containment import Containment
 from .errors import NotFound, StoreError
 from .keyspace import Keyspace
 from .liveness import Beat, KeepAlive, observe
@@ -77,7 +78,8 @@ class NodeRecord:
     ``draining``: it takes no new job, for any reason (drained by an operator, not listed by
     the discovery script, blacklisted); ``blacklisted_until``: when its cooldown ends, by its
     own wall clock (0: not blacklisted; for display only, no other node acts on it);
-    ``listed``: whether the discovery script lists it (True when there is none)."""
+    ``listed``: whether the discovery script lists it (True when there is none);
+    ``containment``: what bounds a job there (None: not published, an older daemon)."""
 
     info: NodeInfo
     draining: bool = False
@@ -88,13 +90,15 @@ class NodeRecord:
     peer_key: str = ""
     blacklisted_until: float = 0.0
     listed: bool = True
+    containment: Containment | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"info": self.info.to_json(), "draining": self.draining,
                 "slots_used": self.slots_used, "gpus_used": self.gpus_used,
                 "jobs": list(self.jobs), "peer_endpoint": self.peer_endpoint,
                 "peer_key": self.peer_key, "blacklisted_until": self.blacklisted_until,
-                "listed": self.listed}
+                "listed": self.listed,
+                "containment": self.containment.to_json() if self.containment else None}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> NodeRecord:
@@ -102,7 +106,8 @@ class NodeRecord:
                    int(doc.get("slots_used", 0)), int(doc.get("gpus_used", 0)),
                    tuple(doc.get("jobs", ())), str(doc.get("peer_endpoint", "")),
                    str(doc.get("peer_key", "")), float(doc.get("blacklisted_until", 0.0)),
-                   bool(doc.get("listed", True)))
+                   bool(doc.get("listed", True)),
+                   containment=Containment.from_json(doc.get("containment")))
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ def node_doc(sighting: Sighting, state: NodeState, seen: float) -> dict[str, Any
             "cpus_total": record.info.cpus,
             "jobs": list(record.jobs), "last_seen": sighting.member.since if sighting.member.lost else seen,
             "version": record.info.version, "labels": dict(record.info.labels),
-            "blacklisted_until": record.blacklisted_until or None, "listed": record.listed}
+            "blacklisted_until": record.blacklisted_until or None, "listed": record.listed,
+            "containment": record.containment.to_json() if record.containment else None}
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ parsing (pure).  Liveness itself: test_liveness.py and test_membership.py."""
 import pytest
 
 from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi
+from elasticd.containment import Containment
 from elasticd.liveness import KeepAlive
 from elasticd.membership import Member
 from elasticd.model import NodeInfo, NodeState
@@ -147,3 +148,21 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
 
     asyncio.run(scenario())
     assert requests == [False, False, True, True, False]
+
+
+def test_a_record_says_what_bounds_a_job_there():
+    """The containment a node publishes reaches `elasticctl nodes` of every node; an older
+    daemon's record has none (None, shown as '-'), and a wrong one decodes to 'not known'."""
+    contained = Containment(cgroup=False, pids_per_worker=64, pids_by="RLIMIT_NPROC",
+                            missing=("no cgroups for jobs (off): ...",))
+    record = NodeRecord(INFO, containment=contained)
+    assert NodeRecord.from_json(record.to_json()) == record
+    assert node_doc(Sighting(record, Member(1)), NodeState.UP, seen=1.0)["containment"] == \
+        contained.to_json()
+    older = record.to_json()
+    del older["containment"]
+    assert NodeRecord.from_json(older).containment is None
+    assert node_doc(Sighting(NodeRecord.from_json(older), Member(1)), NodeState.UP,
+                    seen=1.0)["containment"] is None
+    assert NodeRecord.from_json({**older, "containment": {"cgroup": "yes", "missing": 3}}).containment \
+        == Containment()

@@ -171,18 +171,41 @@ def test_status_block_of_a_sparse_document():
 
 
 def test_nodes_table():
+    full = {"cgroup": True, "pids_per_worker": 1024, "pids_by": "cgroup v2", "memory": 8 << 30,
+            "memory_by": "cgroup v2", "missing": []}
     nodes = [
         {"name": "n1", "address": "127.0.0.1", "state": "up", "slots_total": 8, "slots_free": 6,
          "gpus_total": 4, "gpus_free": 0, "jobs": ["j-7f3a21", "j-000002"], "last_seen": NOW - 2,
-         "version": "0.1.0", "labels": {}},
+         "version": "0.1.0", "labels": {}, "containment": full},
         {"name": "node-two", "address": "127.0.0.2", "state": "draining", "slots_total": 8,
          "slots_free": 8, "gpus_total": 0, "gpus_free": 0, "jobs": [], "last_seen": None},
     ]
     assert render.nodes_table(nodes, NOW).splitlines() == [
-        "NAME      ADDRESS    STATE     SLOTS  GPUS  JOBS               LAST SEEN",
-        "n1        127.0.0.1  up        6/8    0/4   j-7f3a21,j-000002  2s ago",
-        "node-two  127.0.0.2  draining  8/8    0/0   -                  -",
+        "NAME      ADDRESS    STATE     SLOTS  GPUS  JOBS               LAST SEEN  CGROUP  PIDS         MEMORY",
+        "n1        127.0.0.1  up        6/8    0/4   j-7f3a21,j-000002  2s ago     yes     1024/worker  8.0 GiB",
+        "node-two  127.0.0.2  draining  8/8    0/0   -                  -          -       -            -",
     ]
+
+
+def test_nodes_table_says_what_a_node_cannot_bound():
+    """CGROUP, PIDS and MEMORY say what bounds a job there; each thing missing gets a line."""
+    base = {"address": "127.0.0.1", "state": "up", "slots_total": 2, "slots_free": 2,
+            "gpus_total": 0, "gpus_free": 0, "jobs": [], "last_seen": NOW}
+    nodes = [
+        base | {"name": "a", "containment": {
+            "cgroup": False, "pids_per_worker": 64, "pids_by": "RLIMIT_NPROC", "memory": 1 << 30,
+            "memory_by": "", "missing": ["no cgroups for jobs (off)", "no pids \x1b[31mcontroller"]}},
+        base | {"name": "b", "containment": {
+            "cgroup": True, "pids_per_worker": 0, "pids_by": "", "memory": 0, "memory_by": "cgroup v1",
+            "missing": "not a list"}},
+        base | {"name": "c", "containment": {"pids_per_worker": 8, "pids_by": ""}},
+    ]
+    lines = render.nodes_table(nodes, NOW).splitlines()
+    assert [re.split(r"\s{2,}", line)[-3:] for line in lines[1:4]] == [
+        ["no", "64/worker (RLIMIT_NPROC)", "1.0 GiB (not enforced)"],
+        ["yes", "no limit", "no limit"],
+        ["no", "8/worker (not enforced)", "no limit"]]
+    assert lines[4:] == ["", "a: no cgroups for jobs (off)", "a: no pids \\x1b[31mcontroller"]
 
 
 def test_nodes_table_shows_the_blacklist_and_discovery():
@@ -288,6 +311,10 @@ RENDERERS = {
     "status_block": lambda v: render.status_block(hostile_job(v), NOW),
     "nodes_table": lambda v: render.nodes_table(
         [dict.fromkeys(NODE_FIELDS, v) | {"jobs": [v, v], "last_seen": NOW - 2}], NOW),
+    "nodes_table containment": lambda v: render.nodes_table(
+        [dict.fromkeys(NODE_FIELDS, v) | {"jobs": [], "last_seen": NOW, "containment": dict.fromkeys(
+            ("cgroup", "pids_per_worker", "pids_by", "memory", "memory_by"), v) | {"missing": [v, v]}}],
+        NOW),
     "nodes_of_job_table": lambda v: render.nodes_of_job_table(hostile_job(v)["nodes"]),
     "workers_table": lambda v: render.workers_table(hostile_job(v)["workers"]),
     "error_summary": lambda v: render.error_summary({"message": v, "rank": v, "node": v, "exit_code": v}),
