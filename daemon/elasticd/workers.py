@@ -13,7 +13,8 @@ at once.  Its stdout and stderr are pipes that the event loop copies to
 ``<log_dir>/rank_<r>.out|.err``, rotated at a size limit (``logs.OutputLimit``); output that
 cannot be written (a full disk) is dropped and counted, so a worker never blocks on its
 pipe.  The directories and the output files are the daemon's (readable by the job's
-group); torch's error file is the user's.
+group); torch's error file is the user's while the worker runs, and the daemon's capped copy
+of it from the worker's exit (``errorfile``).
 
 Stop is SIGTERM to every process of the job (its cgroup, or each worker's process group
 without one), a grace period, then SIGKILL to all of them (``cgroup.kill``): what a worker
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
 import logging
 import os
 import resource
@@ -36,7 +36,9 @@ from typing import Callable, Mapping
 
 import psutil
 
+from . import errorfile
 from .cgroups import JobCgroup
+from .errorfile import Recorded
 from .logs import OutputLimit, Rotations, move_stream, rotate
 from .paths import is_own_dir
 from .model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState,
@@ -48,7 +50,6 @@ _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
 _CHUNK = 64 * 1024
-_MAX_ERROR_FILE = 1024 * 1024
 _EMPTY_TIMEOUT = 10.0  # seconds for a killed cgroup to empty (processes in D state may lag)
 _DRAIN_TIMEOUT = 2.0   # seconds for the pipes to reach EOF once every worker is gone
 EXEC_FAILED = 127      # a worker that could not be started counts as this exit code
@@ -117,24 +118,6 @@ def nproc_rlimit(limit: int) -> int:
     """``limit`` as a child may set it: a daemon that is not root cannot raise its hard limit."""
     hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
     return limit if not limit or hard == resource.RLIM_INFINITY else min(limit, hard)
-
-
-def read_error_file(path: str) -> tuple[str, str, float] | None:
-    """(message, traceback, timestamp) from torch's ``@record`` error file, or None.
-
-    The file is written by user code, so it is read with a size cap and parsed defensively.
-    """
-    try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
-            doc = json.loads(f.read(_MAX_ERROR_FILE))
-        message = doc["message"]
-        if isinstance(message, str):
-            return message, "", float(doc.get("timestamp", 0) or 0)
-        extra = message.get("extraInfo", {})
-        return (str(message.get("message", "")), str(extra.get("py_callstack", "")),
-                float(extra.get("timestamp", 0) or 0))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 def describe_exit(code: int, oom_killed: bool = False) -> str:
@@ -445,7 +428,7 @@ class LocalWorkers:
             os.close(pidfd)
             proc.returncode = exit_code(status)
             exited.set_result(proc.returncode)
-            self._record_exit(local_rank, proc.returncode)
+            self._record_exit(local_rank, proc.returncode, self._keep_error_file(local_rank))
 
         self._loop.add_reader(pidfd, reap)
 
@@ -488,7 +471,17 @@ class LocalWorkers:
             return RunResult(WorkerState.FAILED, tuple(self._failures.values()))
         return RunResult(WorkerState.SUCCEEDED)
 
-    def _record_exit(self, local_rank: int, code: int) -> None:
+    def _keep_error_file(self, local_rank: int) -> Recorded | None:
+        """At a worker's exit: the daemon's copy of its error file, and what it said."""
+        credentials = run_as(self.spec)
+        try:
+            return errorfile.keep(self.error_file(self.group.workers[local_rank]),
+                                  lambda path: self._create(path, credentials, users=False))
+        except Exception as exc:  # a fault here must not change the outcome: the exit decides it
+            log.exception("job %s: the error file of local rank %d", self.spec.id, local_rank)
+            return Recorded(unreadable=f"elasticd failed to read it: {exc!r}")
+
+    def _record_exit(self, local_rank: int, code: int, recorded: Recorded | None = None) -> None:
         worker = self.group.workers[local_rank]
         if worker.state not in (WorkerState.INIT, WorkerState.HEALTHY):
             return
@@ -498,18 +491,24 @@ class LocalWorkers:
             self._set(replace(worker, state=WorkerState.STOPPED, exit_code=code))
         else:
             oom = code == -signal.SIGKILL and self._oom_kills() > self._oom_before
-            self._record_failure(worker, code, describe_exit(code, oom_killed=oom))
+            self._record_failure(worker, code, describe_exit(code, oom_killed=oom), recorded)
 
     def _oom_kills(self) -> int:
         count = self._cgroup.usage().oom_kills if self._cgroup is not None else None
         return count or 0
 
-    def _record_failure(self, worker: Worker, code: int, message: str) -> None:
-        recorded = read_error_file(self.error_file(worker))
-        text, trace, stamp = recorded if recorded else (message, "", time.time())
+    def _record_failure(self, worker: Worker, code: int, message: str,
+                        recorded: Recorded | None = None) -> None:
+        """``message`` says how it ended; the error file (``recorded``), where there is one,
+        says why."""
+        text, trace, stamp = message, "", 0.0
+        if recorded is not None and recorded.unreadable:
+            text = f"{message}; its error file was unreadable ({recorded.unreadable})"
+        elif recorded is not None:
+            text, trace, stamp = recorded.message or message, recorded.traceback, recorded.timestamp
         self._failures[worker.local_rank] = Failure(
             rank=worker.rank, local_rank=worker.local_rank, node=worker.node, exit_code=code,
-            message=text or message, traceback=trace, timestamp=stamp or time.time())
+            message=text, traceback=trace, timestamp=stamp or time.time())
         self._set(replace(worker, state=WorkerState.FAILED, exit_code=code))
 
     def _set(self, worker: Worker) -> None:

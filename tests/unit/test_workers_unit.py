@@ -1,36 +1,12 @@
-"""Pieces of the worker and control layers that are pure: error files, exit text, peers."""
+"""Pieces of the worker and control layers that are pure: exit text, peers."""
 
-import json
 import os
 import socket
 
 import pytest
 
 from elasticd.control.server import Admission, Limits, peer_credentials
-from elasticd.workers import describe_exit, read_error_file
-
-
-def test_torch_record_error_file(tmp_path):
-    path = tmp_path / "e.json"
-    path.write_text(json.dumps({"message": {"message": "ValueError: boom", "extraInfo": {
-        "py_callstack": "Traceback (most recent call last):\n...", "timestamp": "1700000000"}}}))
-    assert read_error_file(str(path)) == ("ValueError: boom", "Traceback (most recent call last):\n...",
-                                          1700000000.0)
-
-
-@pytest.mark.parametrize("content", ["", "{", "[]", '{"message": 3}', '{"nope": 1}',
-                                     '{"message": {"extraInfo": {"timestamp": "x"}}}'])
-def test_bad_error_files_are_ignored(tmp_path, content):
-    path = tmp_path / "e.json"
-    path.write_text(content)
-    assert read_error_file(str(path)) is None
-    assert read_error_file(str(tmp_path / "missing.json")) is None
-
-
-def test_new_style_error_file(tmp_path):
-    path = tmp_path / "e.json"
-    path.write_text(json.dumps({"message": "plain", "timestamp": 5}))
-    assert read_error_file(str(path)) == ("plain", "", 5.0)
+from elasticd.workers import describe_exit
 
 
 @pytest.mark.parametrize("code, text", [(1, "exited with code 1"), (-9, "killed by SIGKILL"),
