@@ -19,13 +19,14 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from .aio import race
 from .cgroups import JobCgroup, JobCgroups
 from .containment import Containment
 from .errors import RendezvousClosedError, RendezvousGone, RendezvousTimeoutError, StoreError
+from .fileaccess import FileAccess
 from .records import Outcome, Part
 from .keyspace import Keyspace
 from .liveness import KeepAlive
@@ -204,6 +205,7 @@ class AgentFactory:
     runtime_dir: str = ""     # where in-place jobs' worker channels live
     worker_library: str = ""  # the directory holding elasticd.elastic for workers
     output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated
+    access: FileAccess = field(default_factory=FileAccess)  # who reads jobs' files on disk
 
     def rendezvous(self, spec: JobSpec, *, may_create: bool = True) -> RendezvousHandler:
         """The job's rendezvous; ``may_create`` False for a job that already ran (its state
@@ -227,7 +229,8 @@ class AgentFactory:
                         dead_after=self.keep_alive.dead_after, log_root=self.log_root, gpus=gpus,
                         stop_grace=self.stop_grace, cgroups=self.cgroups, started=started,
                         link_path=link, worker_env=self._worker_env(spec, link),
-                        output_limit=self.output_limit, containment=self.containment)
+                        output_limit=self.output_limit, containment=self.containment,
+                        access=self.access)
 
     def _link_path(self, spec: JobSpec) -> str:
         if not spec.in_place or not self.runtime_dir:
@@ -250,7 +253,7 @@ class JobAgent:
                  started: float | None = None, link_path: str = "",
                  worker_env: dict[str, str] | None = None,
                  output_limit: OutputLimit = OutputLimit(),
-                 containment: Containment = Containment(),
+                 containment: Containment = Containment(), access: FileAccess | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.node = node
@@ -265,6 +268,7 @@ class JobAgent:
         self._dead_after = dead_after
         self._log_root = log_root
         self._output_limit = output_limit
+        self._access = access
         self._stop_grace = stop_grace
         self._now = wall_clock
         self._ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
@@ -387,7 +391,7 @@ class JobAgent:
             on_output=lambda: self._logs.publish(self.spec.id), on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, self._info, g) if self._reported else None,
             stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit,
-            nproc_limit=self._nproc_limit)
+            nproc_limit=self._nproc_limit, access=self._access)
 
     def _attempt_dir(self, round: int) -> str:
         return os.path.join(self._log_root, self.spec.id, f"attempt_{round}")
@@ -591,7 +595,7 @@ class JobAgent:
             on_dropped=self._metrics.output_dropped,
             on_change=lambda g: self._report(self._phase, info, g),
             stop_grace=self._stop_grace, extra_env=self._worker_env, output_limit=self._output_limit,
-            nproc_limit=self._nproc_limit)
+            nproc_limit=self._nproc_limit, access=self._access)
         self._started = self._started or self._now()
         self._report(PartState.RUNNING, info, workers.group)
         await workers.start()

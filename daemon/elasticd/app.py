@@ -48,6 +48,7 @@ from .paths import is_own_dir
 from .control.server import ControlServer, Limits, RouterServer, Zap
 from .endpoint import join_endpoint, split_endpoint
 from .errors import ConfigError, ElasticdError
+from .fileaccess import FileAccess
 from .firewall import StoreFirewall
 from .history import History
 from .keyspace import Keyspace
@@ -292,6 +293,7 @@ class Daemon:
                     logs=logs, probe=peers, refused=self._refused, stop_grace=config.jobs.stop_grace,
                     cgroups=cgroups if cgroups.available else None, containment=containment,
                     runtime_dir=config.paths.runtime_dir, output_limit=config.output.limit,
+                    access=FileAccess(config.control.admin_group),
                     worker_library=worker_library.install(config.paths.runtime_dir)))
             self.metrics.job_usage.source = service.usage
             self._listed(service, listing)

@@ -78,7 +78,7 @@ def read_rotations(path: str) -> Rotations:
 
 def _save_rotations(path: str, rotations: Rotations) -> None:
     record = f"{rotations.count} {rotations.dropped}".ljust(_RECORD - 1).encode() + b"\n"
-    fd = os.open(path + ROTATED, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(path + ROTATED, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.pwrite(fd, record, 0)
     finally:

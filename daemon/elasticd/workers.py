@@ -12,9 +12,9 @@ worker killed by the OOM killer while its DataLoader children hold its stdout is
 at once.  Its stdout and stderr are pipes that the event loop copies to
 ``<log_dir>/rank_<r>.out|.err``, rotated at a size limit (``logs.OutputLimit``); output that
 cannot be written (a full disk) is dropped and counted, so a worker never blocks on its
-pipe.  The directories and the output files are the daemon's (readable by the job's
-group); torch's error file is the user's while the worker runs, and the daemon's capped copy
-of it from the worker's exit (``errorfile``).
+pipe.  The directories and the output files are the daemon's, readable by the job's user
+and the admin group only (``fileaccess``); torch's error file is the user's while the worker
+runs, and the daemon's capped copy of it from the worker's exit (``errorfile``).
 
 Stop is SIGTERM to every process of the job (its cgroup, or each worker's process group
 without one), a grace period, then SIGKILL to all of them (``cgroup.kill``): what a worker
@@ -39,6 +39,7 @@ import psutil
 from . import errorfile
 from .cgroups import JobCgroup
 from .errorfile import Recorded
+from .fileaccess import DIR_MODE, FILE_MODE, FileAccess, Readers
 from .logs import OutputLimit, Rotations, move_stream, rotate
 from .paths import is_own_dir
 from .model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState,
@@ -247,7 +248,8 @@ class LocalWorkers:
                  on_dropped: DropSink | None = None,
                  on_change: Callable[[WorkerGroup], None] | None = None,
                  stop_grace: float = 10.0, extra_env: Mapping[str, str] | None = None,
-                 output_limit: OutputLimit = OutputLimit(), nproc_limit: int = 0) -> None:
+                 output_limit: OutputLimit = OutputLimit(), nproc_limit: int = 0,
+                 access: FileAccess | None = None) -> None:
         self.spec = spec
         self.group = group
         self.log_dir = log_dir
@@ -259,6 +261,8 @@ class LocalWorkers:
         self._extra_env = dict(extra_env or {})
         self._output_limit = output_limit
         self._nproc_limit = nproc_rlimit(nproc_limit)  # RLIMIT_NPROC of each worker (0: inherited)
+        self._access = access or FileAccess()
+        self._readers: Readers | None = self._access.readers(spec.uid)  # of its files on disk
         self._loop = asyncio.get_running_loop()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
@@ -322,9 +326,7 @@ class LocalWorkers:
 
     def _move_output(self, slot: int, attempt_dir: str, rank: int) -> None:
         try:
-            os.makedirs(attempt_dir, mode=0o755, exist_ok=True)
-            if not is_own_dir(attempt_dir):
-                return
+            self._make_log_dir(attempt_dir)
             for stream in ("out", "err"):
                 target = os.path.join(attempt_dir, f"rank_{rank}.{stream}")
                 if not os.path.lexists(target):
@@ -356,10 +358,10 @@ class LocalWorkers:
                 self._record_failure(worker, EXEC_FAILED, f"cannot start worker: {exc}")
 
     def _start(self, worker: Worker, credentials: RunAs | None) -> None:
-        os.close(self._create(self.error_file(worker), credentials, users=True))
+        os.close(self._create(self.error_file(worker), credentials))
         names = self._files.get(worker.local_rank) or {s: self.log_file(worker, s) for s in ("out", "err")}
-        files = [OutputFile(names[s], lambda path: self._create(path, credentials, users=False),
-                            self._on_dropped, self._output_limit) for s in ("out", "err")]
+        files = [OutputFile(names[s], self._create, self._on_dropped, self._output_limit)
+                 for s in ("out", "err")]
         self._outputs[worker.local_rank] = dict(zip(("out", "err"), files))
         try:
             proc = self._spawn(worker, credentials)
@@ -375,25 +377,38 @@ class LocalWorkers:
             stream.close()
         self._set(replace(worker, pid=proc.pid, state=WorkerState.HEALTHY))
 
-    def _make_log_dir(self) -> None:
-        """The job's and the attempt's directories stay the daemon's: a worker that could write
-        in them could plant a symlink where the daemon (maybe root) is about to write."""
-        os.makedirs(self.log_dir, mode=0o755, exist_ok=True)
-        for path in (os.path.dirname(self.log_dir), self.log_dir):
-            if not is_own_dir(path):
-                raise PermissionError(f"refusing log directory {path}: not a directory of "
+    def _make_log_dir(self, path: str = "") -> None:
+        """The job's and the attempt's (``path``, else ``log_dir``) directories stay the
+        daemon's: a worker that could write in them could plant a symlink where the daemon
+        (maybe root) is about to write.  Only the job's readers may search them."""
+        path = path or self.log_dir
+        os.makedirs(os.path.dirname(os.path.dirname(path)), mode=0o755, exist_ok=True)
+        for directory in (os.path.dirname(path), path):
+            try:
+                os.mkdir(directory, DIR_MODE)
+            except FileExistsError:
+                pass
+            if not is_own_dir(directory):
+                raise PermissionError(f"refusing log directory {directory}: not a directory of "
                                       f"elasticd's own that only it can write")
+            self._access.grant_dir(directory, self._readers)
 
-    @staticmethod
-    def _create(path: str, credentials: RunAs | None, *, users: bool) -> int:
-        """A new file (never through a symlink), readable by the job's group; its fd.  The
-        error file is the user's (``users``: torch's @record in the worker writes it); the
-        output files stay the daemon's, since a user who owned one could write past
+    def _create(self, path: str, credentials: RunAs | None = None) -> int:
+        """A new file in place of any at ``path`` (never through a symlink); its fd.  With
+        ``credentials`` it is the worker's error file, the user's alone (torch's @record in
+        the worker writes it); else it is the daemon's (output files, the error file's copy),
+        readable by the job's readers only: a user who owned one could write past
         output.max_bytes, truncate it to a sparse terabyte, or chmod it."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o640)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     FILE_MODE)
         if credentials:
-            os.fchown(fd, credentials.uid if users else -1, credentials.gid)
+            os.fchown(fd, credentials.uid, credentials.gid)
+        else:
+            self._access.grant_file(fd, self._readers)
         return fd
 
     def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
@@ -473,10 +488,8 @@ class LocalWorkers:
 
     def _keep_error_file(self, local_rank: int) -> Recorded | None:
         """At a worker's exit: the daemon's copy of its error file, and what it said."""
-        credentials = run_as(self.spec)
         try:
-            return errorfile.keep(self.error_file(self.group.workers[local_rank]),
-                                  lambda path: self._create(path, credentials, users=False))
+            return errorfile.keep(self.error_file(self.group.workers[local_rank]), self._create)
         except Exception as exc:  # a fault here must not change the outcome: the exit decides it
             log.exception("job %s: the error file of local rank %d", self.spec.id, local_rank)
             return Recorded(unreadable=f"elasticd failed to read it: {exc!r}")

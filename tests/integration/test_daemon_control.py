@@ -209,8 +209,8 @@ def test_jobs_run_as_the_submitter_and_others_cannot_cancel(daemon, shared_tmp):
     worker = psutil.Process(int((pids_dir / "rank_0.pid").read_text().split()[0]))
     assert worker.uids().real == nobody.pw_uid and worker.gids().real == nobody.pw_gid
     log_dir = daemon.state_dir / "logs" / job["id"] / "attempt_0"
-    out = os.stat(log_dir / "rank_0.out")  # the daemon's: the job reads it, cannot write it
-    assert (out.st_uid, out.st_gid, out.st_mode & 0o777) == (0, nobody.pw_gid, 0o640)
+    out = os.stat(log_dir / "rank_0.out")  # the daemon's: the job reads it (an ACL), cannot write it
+    assert (out.st_uid, out.st_gid, out.st_mode & 0o777) == (0, 0, 0o640)
     appended = subprocess.run(["runuser", "-u", "nobody", "--", "sh", "-c",
                                f"echo more >> {log_dir / 'rank_0.out'}"], capture_output=True)
     assert appended.returncode != 0 and b"denied" in appended.stderr
