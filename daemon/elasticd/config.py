@@ -208,7 +208,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ControlConfig:
-    admin_group: str = key("elasticd-admin", doc="members act on every job, like root")
+    admin_group: str = key("elasticd-admin", doc="members act on every job, like root, and read every job's files on disk")
     max_connections: int = key(1024, _positive, doc="open control-socket connections, all users together")
     max_connections_per_user: int = key(32, _positive, doc="open control-socket connections of one user")
 
