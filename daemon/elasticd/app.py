@@ -48,7 +48,7 @@ from .paths import is_own_dir
 from .control.server import ControlServer, Limits, RouterServer, Zap
 from .endpoint import join_endpoint, split_endpoint
 from .errors import ConfigError, ElasticdError
-from .fileaccess import FileAccess
+from .fileaccess import FileAccess, restrict_earlier
 from .firewall import StoreFirewall
 from .history import History
 from .keyspace import Keyspace
@@ -249,6 +249,7 @@ class Daemon:
         then close them in reverse."""
         config = self.config
         self._make_dirs()
+        self._restrict_earlier_logs()
         discovery = self._host_discovery()
         listing = await self._discover_first(discovery)
         signer = Signer(self._cluster_key(), config.cluster.name)
@@ -503,6 +504,14 @@ class Daemon:
                 raise ConfigError(key, f"refusing {path}: it must be a directory owned by uid "
                                   f"{os.geteuid()} that nobody else can write (it is uid "
                                   f"{info.st_uid}, mode {stat.filemode(info.st_mode)})")
+
+    def _restrict_earlier_logs(self) -> None:
+        """Jobs' files that an earlier version left readable by their group (0640) are no
+        longer: that group may be other users' too."""
+        restricted = restrict_earlier(self.config.log_dir)
+        if restricted:
+            log.info("%d files of earlier jobs in %s that the job's group could read are "
+                     "0600 now (elasticctl logs serves them)", restricted, self.config.log_dir)
 
     def _cluster_key(self) -> bytes:
         """Standalone daemons and the store host make a key if there is none; others need one."""

@@ -13,9 +13,12 @@ logs``, and the daemon says so once.
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
+import re
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -30,6 +33,7 @@ _R, _W, _X = 4, 2, 1
 FILE_MODE = 0o600      # what a file is created with, and stays without an ACL
 DIR_MODE = 0o700       # what a directory is created with
 DIR_FALLBACK = 0o711   # a directory without an ACL: the worker passes, nobody lists it
+_ATTEMPT = re.compile(r"^attempt_\d+$")
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,50 @@ class FileAccess:
                             "output and error files are root's alone (0600); their users read "
                             "them with elasticctl logs and status", exc.strerror or exc)
             return False
+
+
+def restrict_earlier(root: str) -> int:
+    """Files in ``<root>/<job>/attempt_<n>/`` that an earlier elasticd left readable by the
+    job's group (``0640``, no ACL) become their owner's alone (``0600``); how many.  Run at
+    start: what it finds is what was there before this version, until retention deletes it."""
+    changed = 0
+    for job in _entries(root):
+        if not job.is_dir(follow_symlinks=False):
+            continue
+        for attempt in _entries(job.path):
+            if _ATTEMPT.match(attempt.name) and attempt.is_dir(follow_symlinks=False):
+                changed += sum(_restrict(entry) for entry in _entries(attempt.path))
+    return changed
+
+
+def _restrict(entry: os.DirEntry[str]) -> bool:
+    try:
+        info = entry.stat(follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode) or not info.st_mode & 0o077 or _has_acl(entry.path):
+            return False
+        fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        os.fchmod(fd, FILE_MODE)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _has_acl(path: str) -> bool:
+    try:
+        os.getxattr(path, XATTR, follow_symlinks=False)
+        return True
+    except OSError as exc:
+        return exc.errno not in (errno.ENODATA, errno.EOPNOTSUPP)
+
+
+def _entries(path: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:
+        return []

@@ -81,10 +81,11 @@ def writes(user: str, path: Path) -> bool:
     return as_user(user, "sh", "-c", f"echo forged >> '{path}'").returncode == 0
 
 
-def start(daemon_factory: Callable[..., Daemon], shared_tmp: Path, people: People, *,
-          acl: bool, unmount: list[Daemon]) -> Daemon:
-    """A daemon whose admin group is C's and whose output rotates at 64 KiB; without ``acl``
-    its log directory is a ramfs, a file system that takes no ACL (unmounted after the test)."""
+def configured(daemon_factory: Callable[..., Daemon], shared_tmp: Path, people: People, *,
+               acl: bool, unmount: list[Daemon]) -> Daemon:
+    """A daemon (not started) whose admin group is C's and whose output rotates at 64 KiB;
+    without ``acl`` its log directory is a ramfs, a file system that takes no ACL (unmounted
+    after the test)."""
     name = f"files-{uuid.uuid4().hex[:6]}"
     config = shared_tmp / f"{name}.toml"
     config.write_text(f'[control]\nadmin_group = "{people.admins}"\n'
@@ -96,7 +97,11 @@ def start(daemon_factory: Callable[..., Daemon], shared_tmp: Path, people: Peopl
         daemon.state_dir.chmod(0o755)
         subprocess.run(["mount", "-t", "ramfs", "-o", "mode=755", "ramfs", str(logs)], check=True)
         unmount.append(daemon)
-    return daemon.start()
+    return daemon
+
+
+def start(*args, **kw) -> Daemon:
+    return configured(*args, **kw).start()
 
 
 @pytest.fixture
@@ -139,8 +144,18 @@ def loud_job(daemon: Daemon, shared_tmp: Path, people: People) -> tuple[dict, Pa
 def test_a_group_mate_reads_nothing_of_a_job_on_disk_or_through_elasticctl(
         people, daemon_factory, shared_tmp):
     """Row 1: B shares A's primary group and reads nothing of A's job; A and the admin C read
-    all of it, on disk as through elasticctl logs, rotated files included."""
-    daemon = start(daemon_factory, shared_tmp, people, acl=True, unmount=[])
+    all of it, on disk as through elasticctl logs, rotated files included.  A file that an
+    earlier version left 0640 root:<A's group> is A's group's no more once the daemon started."""
+    daemon = configured(daemon_factory, shared_tmp, people, acl=True, unmount=[])
+    earlier = daemon.state_dir / "logs" / "j-e24old" / "attempt_0" / "rank_0.out"
+    earlier.parent.mkdir(parents=True)
+    daemon.state_dir.chmod(0o755)
+    earlier.write_text("A's secret of an earlier version\n")
+    os.chown(earlier, 0, people.gid(people.group))
+    earlier.chmod(0o640)
+    assert reads(people.b, earlier)
+    daemon.start()
+    assert not reads(people.b, earlier) and stat.S_IMODE(earlier.stat().st_mode) == 0o600
     job, job_dir = loud_job(daemon, shared_tmp, people)
     attempt = job_dir / "attempt_0"
     files = sorted(p for p in attempt.iterdir() if not p.name.endswith(".rotated"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.fileaccess import XATTR, FileAccess, Readers, acl_value
+from elasticd.fileaccess import XATTR, FileAccess, Readers, acl_value, restrict_earlier
 
 U = 0xFFFFFFFF
 
@@ -85,3 +85,35 @@ def test_without_acls_files_stay_roots_and_directories_cannot_be_listed(no_acl_f
     assert {stat.S_IMODE((directory / n).stat().st_mode) for n in "ab"} == {0o600}
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "takes no POSIX ACL" in said[0] and "elasticctl logs" in said[0]
+
+
+def test_files_an_earlier_version_left_to_the_jobs_group_become_the_owners_alone(tmp_path):
+    """Before issue 24 a job's files were 0640 root:<the user's group>; at start they are
+    made 0600, and nothing else is touched: files with an ACL, links, FIFOs, other folders."""
+    attempt = tmp_path / "j-1" / "attempt_0"
+    attempt.mkdir(parents=True)
+    for name, mode in (("rank_0.out", 0o640), ("rank_0.error.json", 0o664), ("rank_0.out.rotated", 0o644),
+                       ("rank_1.out", 0o600)):
+        (attempt / name).write_text("x")
+        (attempt / name).chmod(mode)
+    outside = tmp_path / "outside"
+    outside.write_text("x")
+    outside.chmod(0o644)
+    (attempt / "link").symlink_to(outside)
+    os.mkfifo(attempt / "fifo", 0o644)
+    other = tmp_path / "j-1" / "notes"
+    other.mkdir()
+    (other / "n").write_text("x")
+    (other / "n").chmod(0o644)
+    acl = attempt / "rank_2.out"
+    fd = os.open(acl, os.O_WRONLY | os.O_CREAT, 0o600)
+    FileAccess().grant_file(fd, Readers(65534, None))
+    os.close(fd)
+
+    assert restrict_earlier(str(tmp_path)) == 3
+    modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in attempt.iterdir() if not p.is_symlink()}
+    assert modes == {"rank_0.out": 0o600, "rank_0.error.json": 0o600, "rank_0.out.rotated": 0o600,
+                     "rank_1.out": 0o600, "fifo": 0o644, "rank_2.out": 0o640}
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o644 and stat.S_IMODE((other / "n").stat().st_mode) == 0o644
+    assert restrict_earlier(str(tmp_path)) == 0
+    assert restrict_earlier(str(tmp_path / "missing")) == 0
