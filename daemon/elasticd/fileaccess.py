@@ -61,11 +61,11 @@ def acl_value(readers: Readers, *, directory: bool) -> bytes:
 
 class FileAccess:
     """Gives a job's files and directories to their readers (see the module's docstring).
-    One per daemon: it says once that the file system refuses ACLs."""
+    One per daemon: it says once that the file system refuses ACLs (once per other reason)."""
 
     def __init__(self, admin_group: str = "") -> None:
         self._admin_group = admin_group
-        self._refused = False
+        self._said: set[int | None] = set()  # errnos of the refusals logged
 
     def readers(self, uid: int) -> Readers | None:
         """The job's readers now (the admin group may have been made since); None when the
@@ -97,12 +97,22 @@ class FileAccess:
                 os.setxattr(target, XATTR, value)
             return True
         except OSError as exc:
-            if not self._refused:
-                self._refused = True
-                log.warning("the log directory's file system takes no POSIX ACL (%s): a job's "
-                            "output and error files are root's alone (0600); their users read "
-                            "them with elasticctl logs and status", exc.strerror or exc)
+            self._refused(exc)
             return False
+
+    def _refused(self, exc: OSError) -> None:
+        """Said once for each reason: a file system without ACLs refuses every one."""
+        if exc.errno in self._said:
+            return
+        self._said.add(exc.errno)
+        if exc.errno == errno.EOPNOTSUPP:
+            log.warning("the log directory's file system takes no POSIX ACL: jobs' output and "
+                        "error files are root's alone (0600, directories 0711); their users read "
+                        "them with elasticctl logs and status")
+        else:
+            log.warning("a job's file could not be given its ACL (%s): it stays root's alone "
+                        "(0600, a directory 0711); its user reads it with elasticctl logs",
+                        exc.strerror or exc)
 
 
 def restrict_earlier(root: str) -> int:

@@ -117,3 +117,12 @@ def test_files_an_earlier_version_left_to_the_jobs_group_become_the_owners_alone
     assert stat.S_IMODE(outside.stat().st_mode) == 0o644 and stat.S_IMODE((other / "n").stat().st_mode) == 0o644
     assert restrict_earlier(str(tmp_path)) == 0
     assert restrict_earlier(str(tmp_path / "missing")) == 0
+
+
+def test_another_refusal_is_said_once_for_its_own_reason(caplog):
+    access = FileAccess()
+    with caplog.at_level(logging.WARNING, logger="elasticd.fileaccess"):
+        for _ in range(2):
+            access.grant_file(-1, Readers(65534, None))  # no such fd
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "could not be given its ACL (" in said[0]
