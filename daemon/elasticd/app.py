@@ -37,7 +37,7 @@ from .agent import AgentFactory
 from .aio import race
 from .board import BoardFollower, JobBoard
 from .blacklist import Blacklist
-from .cgroups import JobCgroups
+from .cgroups import JobCgroups, instance_name
 from .cluster import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
                       NodeService, cpu_count, discover_gpus, slot_count)
 from .config import DaemonConfig
@@ -395,7 +395,8 @@ class Daemon:
         return name == "joined"
 
     def _cgroups(self) -> JobCgroups:
-        cgroups = JobCgroups.setup(self.node, self.config.jobs.cgroup)
+        cgroups = JobCgroups.setup(instance_name(self.node, self.config.paths.state_dir),
+                                   self.config.jobs.cgroup)
         if cgroups.available:
             log.info("%s", cgroups.description)
         return cgroups

@@ -10,7 +10,8 @@ Where the job cgroups go (``JobCgroups.setup``):
 - under systemd, our own unit's cgroup, only if it is delegated (``Delegate=yes``); the
   daemon then moves itself into the leaf ``<unit>/daemon`` (cgroup v2 allows processes only
   in leaves of a subtree that has controllers enabled);
-- otherwise ``<our cgroup>/elasticd-<node>``, or the path that ``jobs.cgroup`` names.
+- otherwise ``<our cgroup>/elasticd-<instance>``, or the path that ``jobs.cgroup`` names
+  (``instance_name``: the node's name and a digest of the daemon's state directory).
 The daemon enables in its subtree (``cgroup.subtree_control``, from the top of what it owns
 down to the base) the controllers it needs.  A hybrid host's v2 tree may lack the memory
 and pids controllers (bound to cgroup v1); each is then used in a parallel cgroup v1 tree,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import logging
 import math
 import os
@@ -108,6 +110,15 @@ class Placement:
     systemd: bool = False          # base is our delegated unit: move into <base>/daemon, never remove it
     v1_bases: Mapping[str, str] = field(default_factory=dict)  # controller -> where its v1 twins go, if v2 lacks it
     top: str | None = None         # the outermost cgroup whose subtree_control we may write (base: the same)
+
+
+def instance_name(node: str, state_dir: str) -> str:
+    """What names this daemon's job cgroups: its node and a digest of its state directory.
+    Two daemons of one node name on a host (root's ``--standalone`` beside the system
+    daemon, concurrent test runs) never share one, whose start would kill the other's jobs;
+    a restarted daemon, same state directory, finds what it left."""
+    digest = hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:6]
+    return f"{node}-{digest}"
 
 
 def find_hierarchy(mountinfo: str, proc_cgroup: str) -> Hierarchy:

@@ -257,19 +257,19 @@ def describe(pids: list[int]) -> str:
 
 
 def remove_cgroups(node: str) -> list[str]:
-    """Remove what is left of the cgroups ``elasticd-<node>`` that a root daemon named ``node``
-    makes in its own cgroup (this process's: v2, and v1 memory on a hybrid host); returns
-    those it could not remove."""
+    """Remove what is left of the cgroups ``elasticd-<node>-<digest>`` that a root daemon
+    named ``node`` makes in its own cgroup (this process's: v2, and v1 memory and pids on a
+    hybrid host); returns those it could not remove."""
     made = []
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             mounts = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
-        elif "memory" in controllers.split(","):
-            mounts = ["/sys/fs/cgroup/memory"]
+        elif {"memory", "pids"} & set(controllers.split(",")):
+            mounts = [f"/sys/fs/cgroup/{c}" for c in ("memory", "pids") if c in controllers.split(",")]
         else:
             continue
-        made += [Path(mount + path.rstrip("/")) / f"elasticd-{node}" for mount in mounts]
+        made += [c for mount in mounts for c in Path(mount + path.rstrip("/")).glob(f"elasticd-{node}-??????")]
     stuck = []
     for cgroup in (c for c in made if c.is_dir()):
         for child in sorted((p for p in cgroup.rglob("*") if p.is_dir()), reverse=True) + [cgroup]:
