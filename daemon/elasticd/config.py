@@ -245,9 +245,9 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True)
 class BlacklistConfig:
-    failures: int = key(BlacklistPolicy.failures, _not_negative, doc="worker failures on this node within the window that blacklist it; 0: no blacklist")
+    failures: int = key(BlacklistPolicy.failures, _not_negative, doc="failures of one user's workers on this node within the window that keep that user's jobs off it (two such users: the node is blacklisted); 0: no blacklist")
     window: float = key(BlacklistPolicy.window, _positive, doc="seconds within which those failures count")
-    cooldown_range: list[float] = key([BlacklistPolicy.cooldown_min, BlacklistPolicy.cooldown_max], _cooldown_range, doc="[min, max] seconds a blacklisted node takes no work: min, doubled each time in a row, with jitter")
+    cooldown_range: list[float] = key([BlacklistPolicy.cooldown_min, BlacklistPolicy.cooldown_max], _cooldown_range, doc="[min, max] seconds a cooldown lasts (a user's jobs kept off, or a blacklisted node): min, doubled each time in a row, with jitter")
 
     @property
     def policy(self) -> BlacklistPolicy:

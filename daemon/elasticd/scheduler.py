@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .agent import AgentFactory, JobAgent
-from .blacklist import Blacklist, worker_failures
+from .blacklist import USERS_FOR_NODE, Blacklist, worker_failures
 from .board import BoardFollower, JobBoard
 from .discovery import Listing
 from .errors import Conflict, StoreError
@@ -81,6 +81,7 @@ class JobService:
         self._blacklist = blacklist
         self._on_blacklist = on_blacklist
         self._cooldown: asyncio.TimerHandle | None = None
+        self._user_cooldowns: dict[int, asyncio.TimerHandle] = {}  # uid -> the end of its cooldown here
         self.blacklisted_until = 0.0  # wall clock, for display (0: not blacklisted)
         self._clock = clock
         self._wall = wall_clock
@@ -100,6 +101,8 @@ class JobService:
             await stop.wait()
             if self._cooldown is not None:
                 self._cooldown.cancel()
+            for timer in self._user_cooldowns.values():
+                timer.cancel()
             following.cancel()  # it may be waiting on a store that does not answer
             await self._shutdown()
             await self._flush_parts()
@@ -230,8 +233,9 @@ class JobService:
         free = replace(self.resources, slots=self.resources.slots - used.slots,
                        gpus=tuple(g for g in self.resources.gpus if g not in used.gpus))
         jobs = self._registry.jobs()
+        kept_off = self._blacklist.kept_off() if self._blacklist is not None else set()
         busy = set(self._running) | self._unstartable | self._refused_here(jobs) | {
-            r.id for r in jobs if self._declined.get(r.id) == r.version}
+            r.id for r in jobs if self._declined.get(r.id) == r.version or r.spec.uid in kept_off}
         for offer in place(jobs, self.node, free, has_gpus=bool(self.resources.gpus),
                            busy=busy, draining=self.draining):
             try:
@@ -302,7 +306,11 @@ class JobService:
         discovery script says)."""
         if not draining and self._blacklist is not None and self._blacklist.lift():
             log.info("node %s: blacklisting lifted by an operator", self.node)
+            for timer in self._user_cooldowns.values():
+                timer.cancel()
+            self._user_cooldowns.clear()
             self._readmit()
+            self._schedule_placement()
         self._hold(Hold.DRAINED, draining)
 
     def set_listed(self, listing: Listing) -> None:
@@ -334,22 +342,61 @@ class JobService:
                 running.agent.leave(Reason.DRAIN)
         self._schedule_placement()
 
-    # -- the blacklist: this node's own worker failures ------------------------------------------
+    # -- the blacklist: failures of workers on this node, by user -------------------------------
 
     def _count_failures(self, job_id: str, part: Part) -> None:
-        if self._blacklist is None or part.node != self.node:
+        record = self._registry.find(job_id)
+        if self._blacklist is None or part.node != self.node or record is None:
             return
+        spec = record.spec
         for key in worker_failures(job_id, part):
             now = self._clock()
-            until = self._blacklist.failed(key, now)
-            if until is not None:
-                self.blacklisted_until = self._wall() + (until - now)
-                log.warning("node %s blacklisted for %.0f s: %d worker failures within %g s "
-                            "(%d in a row)", self.node, until - now, self._blacklist.policy.failures,
-                            self._blacklist.policy.window, self._blacklist.strikes)
-                self._on_blacklist(True)
-                self._hold(Hold.BLACKLISTED, True)
-                self._cooldown = asyncio.get_running_loop().call_later(until - now, self._cooldown_over)
+            verdict = self._blacklist.failed(key, spec.uid, now)
+            if verdict.node_until is not None:
+                self._blacklist_node(verdict.node_until, now)
+            if verdict.user_until is not None:
+                self._keep_off(spec.uid, spec.user, verdict.user_until, now)
+
+    def _keep_off(self, uid: int, user: str, until: float, now: float) -> None:
+        """One user's jobs failed here too often: they leave this node and are not placed here
+        until the cooldown ends; other users' jobs stay."""
+        assert self._blacklist is not None
+        log.warning("node %s: jobs of %s kept off it for %.0f s: %d failures of their workers "
+                    "within %g s (%d in a row)", self.node, user, until - now,
+                    self._blacklist.policy.failures, self._blacklist.policy.window,
+                    self._blacklist.user_strikes(uid))
+        if not self.draining:  # a draining node told every job to leave already
+            for running in self._running.values():
+                if running.agent.spec.uid == uid:
+                    running.agent.leave(Reason.DRAIN)
+        self._user_cooldowns[uid] = asyncio.get_running_loop().call_later(
+            until - now, self._user_cooldown_over, uid, user)
+        self._schedule_placement()
+
+    def _user_cooldown_over(self, uid: int, user: str) -> None:
+        """The timer of a user's cooldown's end (it goes again if it fired a moment early)."""
+        assert self._blacklist is not None
+        now = self._clock()
+        until = self._blacklist.user_until(uid)
+        if until is not None and not self._blacklist.expire_user(uid, now):
+            self._user_cooldowns[uid] = asyncio.get_running_loop().call_later(
+                until - now, self._user_cooldown_over, uid, user)
+            return
+        self._user_cooldowns.pop(uid, None)
+        log.info("node %s: jobs of %s may run here again", self.node, user)
+        self._schedule_placement()
+
+    def _blacklist_node(self, until: float, now: float) -> None:
+        """The jobs of several users failed here: the node takes no job for the cooldown."""
+        assert self._blacklist is not None
+        self.blacklisted_until = self._wall() + (until - now)
+        log.warning("node %s blacklisted for %.0f s: the workers of %d or more users' jobs failed "
+                    "%d times each within %g s (%d in a row)", self.node, until - now,
+                    USERS_FOR_NODE, self._blacklist.policy.failures, self._blacklist.policy.window,
+                    self._blacklist.strikes)
+        self._on_blacklist(True)
+        self._hold(Hold.BLACKLISTED, True)
+        self._cooldown = asyncio.get_running_loop().call_later(until - now, self._cooldown_over)
 
     def _cooldown_over(self) -> None:
         """The timer of the cooldown's end (it goes again if it fired a moment early)."""

@@ -1,9 +1,11 @@
 """Host discovery and the blacklist, with real daemons of one cluster and real workers.
 
 Discovery: a script that prints a file the test rewrites; a node it adds takes a share of a
-running job (which grows), a node it removes leaves it (which shrinks).  Blacklist: a node
-whose workers keep failing is kept out of new work, shown as blacklisted with the time left
-on every node, and readmitted when its cooldown ends, or at once by `elasticctl undrain`.
+running job (which grows), a node it removes leaves it (which shrinks).  Blacklist: the jobs
+of a user whose workers keep failing on a node are kept off it, the other users' stay; a
+node where several users' jobs keep failing is kept out of new work, shown as blacklisted
+with the time left on every node, and readmitted when its cooldown ends, or at once by
+`elasticctl undrain`.
 
 Waits are on the daemons' own job streams, or polls of `elasticctl nodes` with a deadline.
 """
@@ -14,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness import Daemon, worker_args
+from harness import Daemon, needs_root, worker_args
+from local_users import local_users
 from store_attack import Cluster, metric, node_states, wait_for
 
 # A worker that fails at once on the node whose state dir is given, while the marker file
@@ -104,60 +107,96 @@ def blacklisting_cluster(daemon_factory, shared_tmp, prefix: str, blacklist: str
     return cluster.start()
 
 
-def test_a_node_whose_workers_keep_failing_is_kept_out_until_its_cooldown_ends(
+def pid_of(doc: dict[str, Any]) -> int:
+    (worker,) = doc["workers"]
+    return worker["pid"]
+
+
+def kept_off(daemon: Daemon, user: str) -> int:
+    """How many times ``daemon`` kept ``user``'s jobs off its node (its log says so)."""
+    return daemon.log_path.read_text(errors="replace").count(f"jobs of {user} kept off it")
+
+
+@needs_root
+def test_one_users_failing_job_does_not_drain_anothers_but_two_users_failing_blacklist_the_node(
         daemon_factory, shared_tmp):
+    """Issue 24, 0d: a job of X that keeps failing on b is kept off b (again at the end of each
+    cooldown), while Y's job on b runs on untouched; when Y's jobs fail on b too, b is
+    blacklisted: everyone leaves it, it takes no job, and it is readmitted when its cooldown
+    ends."""
     a, b = blacklisting_cluster(daemon_factory, shared_tmp, "blk",
                                 "failures = 2\nwindow = 60\ncooldown_range = [6, 12]\n")
     marker = shared_tmp / "fail-on-b"
     marker.touch()
     worker = executable(shared_tmp / "worker.py", FAILING_WORKER)
-    job = a.submit("--nnodes", "1:2", "--max-restarts", "10", worker, marker, str(b.state_dir))["id"]
+    with local_users("x", "y") as users:
+        x, y = users["x"], users["y"]
+        quiet = a.submit("--nodes", b.name, *worker_args("--sleep", "0"), user=y)["id"]
+        before = a.wait_job(quiet, lambda d: running_on(d, [b.name]))
+        failing = a.submit("--nnodes", "1:2", "--max-restarts", "20", worker, marker,
+                           str(b.state_dir), user=x)["id"]
 
-    # b's worker fails twice: b is blacklisted and leaves; the job goes on without it
-    seen = wait_for(lambda: (lambda n: n if n["state"] == "blacklisted" else None)(node(b, b.name)),
-                    60, "b blacklisted")
-    assert 0 < seen["blacklisted_until"] - seen["last_seen"] <= 12.5
-    marker.unlink()  # from now on b's workers would run
-    wait_for(lambda: "blacklisted (" in next(line for line in a.ctl_run("nodes").stdout.splitlines()
-                                             if line.startswith(b.name)), 10,
-             "a shows b blacklisted with the time left")
-    assert metric(b, "elasticd_node_blacklisted") == 1
-    assert metric(b, "elasticd_node_blacklistings_total") == 1
-    doc = a.wait_job(job, lambda d: running_on(d, [a.name]))
-    assert doc["restarts"] >= 1
+        # x's workers fail on b twice: x's job is kept off b and goes on on a; y's stays
+        wait_for(lambda: kept_off(b, x) >= 1, 60, "x's jobs kept off b")
+        a.wait_job(failing, lambda d: running_on(d, [a.name]))
+        # and again when the cooldown ends: x's job rejoins b, fails there, is kept off again
+        wait_for(lambda: kept_off(b, x) >= 2, 90, "x's jobs kept off b a second time")
+        after = a.ctl("status", quiet)
+        assert running_on(after, [b.name]) and pid_of(after) == pid_of(before), after
+        assert (after["round"], after["restarts"]) == (before["round"], 0)  # never drained
+        assert node_states(a)[b.name] == "up" and metric(b, "elasticd_node_blacklistings_total") == 0
 
-    # a job only b may run is not taken while b is blacklisted
-    pinned = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))["id"]
-    assert node_states(b)[b.name] == "blacklisted"  # still, after the submit
+        # now y's jobs fail on b as well: two users' jobs failing there blacklist the node
+        also = a.submit("--nodes", b.name, "--max-restarts", "20", worker, marker, str(b.state_dir),
+                        user=y)["id"]
+        seen = wait_for(lambda: (lambda n: n if n["state"] == "blacklisted" else None)(node(b, b.name)),
+                        60, "b blacklisted")
+        assert 0 < seen["blacklisted_until"] - seen["last_seen"] <= 12.5
+        assert kept_off(b, y) == 1
+        marker.unlink()  # from now on b's workers would run
+        for job_id in (failing, also):  # (and take b's slots)
+            a.ctl("cancel", job_id)
+        wait_for(lambda: "blacklisted (" in next(line for line in a.ctl_run("nodes").stdout.splitlines()
+                                                 if line.startswith(b.name)), 10,
+                 "a shows b blacklisted with the time left")
+        assert metric(b, "elasticd_node_blacklisted") == 1
+        assert metric(b, "elasticd_node_blacklistings_total") == 1
+        a.wait_job(quiet, lambda d: d["state"] != "RUNNING" or b.name not in
+                   [n["node"] for n in d["nodes"] if n["state"] == "RUNNING"])  # y's job left b
 
-    def readmitted() -> bool:  # the job's state first: b may be readmitted between the two
-        state = a.ctl("status", pinned)["state"]
-        up = node_states(b)[b.name] == "up"
-        if not up:
-            assert state == "PENDING", "a blacklisted node took work"
-        return up
-    wait_for(readmitted, 30, "b readmitted when its cooldown ended")
+        # a job only b may run (root's) is not taken while b is blacklisted
+        pinned = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))["id"]
+        assert node_states(b)[b.name] == "blacklisted"  # still, after the submit
 
-    a.wait_job(pinned, lambda d: running_on(d, [b.name]))  # b takes work again
-    a.wait_job(job, lambda d: running_on(d, [a.name, b.name]))  # and rejoins the job
-    assert metric(b, "elasticd_node_blacklisted") == 0
-    wait_for(lambda: node_states(a)[b.name] == "up", 10, "a sees b up")
-    for job_id in (job, pinned):
-        a.ctl("cancel", job_id)
+        def readmitted() -> bool:  # the job's state first: b may be readmitted between the two
+            state = a.ctl("status", pinned)["state"]
+            up = node_states(b)[b.name] == "up"
+            if not up:
+                assert state == "PENDING", "a blacklisted node took work"
+            return up
+        wait_for(readmitted, 30, "b readmitted when its cooldown ended")
+
+        a.wait_job(pinned, lambda d: running_on(d, [b.name]))  # b takes work again
+        a.wait_job(quiet, lambda d: running_on(d, [b.name]))  # y's job too, once y's cooldown ended
+        assert metric(b, "elasticd_node_blacklisted") == 0
+        wait_for(lambda: node_states(a)[b.name] == "up", 10, "a sees b up")
+        for job_id in (quiet, pinned):
+            a.ctl("cancel", job_id)
 
 
 def test_undrain_lifts_a_blacklisting_at_once(daemon_factory, shared_tmp):
     a, b = blacklisting_cluster(daemon_factory, shared_tmp, "bku",
                                 "failures = 1\nwindow = 60\ncooldown_range = [300, 300]\n")
-    failed = a.ctl("submit", "--wait", "--nodes", b.name, *worker_args("--fail-rank", "0"),
-                   expect=1)[-1]
-    assert failed["state"] == "FAILED"
+    for user in ("root", "nobody"):  # two users' jobs fail on b: it is blacklisted
+        failed = a.ctl("submit", "--wait", "--nodes", b.name, *worker_args("--fail-rank", "0"),
+                       expect=1, user=None if user == "root" else user)[-1]
+        assert failed["state"] == "FAILED"
     wait_for(lambda: node_states(a)[b.name] == "blacklisted", 20, "a sees b blacklisted")
     assert "blacklisted (4m" in a.ctl_run("nodes").stdout  # some 300 s left
 
     assert a.ctl("undrain", b.name) == {"name": b.name, "drain": False}
     wait_for(lambda: node_states(a)[b.name] == "up", 20, "b readmitted by undrain")
     assert metric(b, "elasticd_node_blacklisted") == 0
-    job = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))["id"]
+    job = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))["id"]  # root's, kept off no more
     a.wait_job(job, lambda d: running_on(d, [b.name]))
     a.ctl("cancel", job)
