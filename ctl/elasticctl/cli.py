@@ -604,10 +604,21 @@ def failing_stderr(args: argparse.Namespace, job: Mapping[str, Any]) -> list[str
         return []
 
 
+def list_jobs(daemon: Client, all_jobs: bool) -> list[Any]:
+    """Every row of the daemon's `list` stream (it sends the jobs in batches, never one
+    frame of every job); --json prints them as one list, as before the stream."""
+    jobs: list[Any] = []
+    for result in daemon.stream("list", {"all": all_jobs}):
+        if not isinstance(result, Mapping):  # a daemon from before the stream: every job, no end
+            return list(result or [])
+        jobs.extend(items(result, "jobs"))
+    return jobs
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     with connect(args) as daemon:
-        result = daemon.call("list", {"all": args.all})
-    emit(args, result, lambda: render.jobs_table(items(result, "jobs"), time.time()))
+        jobs = list_jobs(daemon, args.all)
+    emit(args, jobs, lambda: render.jobs_table(jobs, time.time()))
     return 0
 
 
@@ -702,7 +713,7 @@ def completion_words(args: argparse.Namespace) -> int:
             if args.words == "nodes":
                 found = [node.get("name") for node in items(daemon.call("nodes"), "nodes")]
             else:
-                jobs = items(daemon.call("list", {"all": args.words == "all-jobs"}), "jobs")
+                jobs = list_jobs(daemon, args.words == "all-jobs")
                 found = [job.get("id") for job in jobs
                          if args.words == "all-jobs" or job.get("state") not in render.TERMINAL]
     except (ClientError, OSError):

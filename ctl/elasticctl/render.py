@@ -118,12 +118,19 @@ def submitted_line(job: Doc) -> str:
 
 
 def workers_up(job: Doc) -> str:
-    """'2/4': workers running out of the job's world size ('-' before the first round)."""
+    """'2/4': workers running out of the job's world size ('-' before the first round).
+    A `list` row has the counts; a job document, every worker."""
     workers = job.get("workers") or []
-    total = job.get("world_size") or len(workers)
+    total = job.get("world_size") or job.get("workers_total") or len(workers)
     if not total:
         return NONE
-    return fraction(sum(w.get("state") in WORKER_UP for w in workers), total)
+    up = job["workers_up"] if "workers_up" in job else sum(w.get("state") in WORKER_UP for w in workers)
+    return fraction(up, total)
+
+
+def node_total(job: Doc) -> int:
+    """How many nodes the job's current round has (a `list` row has the count)."""
+    return job["node_count"] if "node_count" in job else len(job.get("nodes") or [])
 
 
 def barrier_progress(barrier: Doc | None, now: float) -> str | None:
@@ -222,7 +229,7 @@ def job_state(job: Doc) -> Any:
 def jobs_table(jobs: Iterable[Doc], now: float) -> str:
     headers = ("ID", "NAME", "USER", "STATE", "NODES", "WORKERS", "RESTARTS", "AGE/ENDED")
     return table(headers, ([job.get("id"), job.get("name"), job.get("user"), job_state(job),
-                            f"{len(job.get('nodes') or [])} ({text(job.get('nnodes'))})",
+                            f"{node_total(job)} ({text(job.get('nnodes'))})",
                             workers_up(job),
                             fraction(job.get("restarts"), job.get("max_restarts")),
                             job_age(job, now)] for job in jobs))

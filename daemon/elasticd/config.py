@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .liveness import KeepAlive
 from .logs import MAX_BACKUPS, MIN_MAX_BYTES, OutputLimit
 from .model import JobSpec
+from .quotas import SubmitLimits
 
 AUTO = "auto"
 ETCD = "etcd"
@@ -224,6 +225,13 @@ class JobsConfig:
     cgroup: str = key("auto", _cgroup_setting, doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path")
     max_pids_per_worker: int = key(1024, _max_pids, doc="processes and threads one job may have on this node, per worker it runs here (its cgroup's pids.max; without the pids controller, each worker's RLIMIT_NPROC); 0: no limit")
     max_memory: str = key("0", _max_memory, doc="memory (RAM and swap together) one job may use on this node, in its cgroup: bytes, a size such as 64G, or a share of this node's memory such as 90%; past it the OOM killer ends the job; 0: no limit")
+    max_argv_bytes: int = key(SubmitLimits.argv_bytes, _positive, doc="bytes of a job's command line (its arguments, as execve counts them); a larger submit is refused")
+    max_env_bytes: int = key(SubmitLimits.env_bytes, _positive, doc="bytes of a job's environment (the submitter's, with --env, as execve counts it); a larger submit is refused")
+    max_per_user: int = key(SubmitLimits.per_user, _not_negative, doc="jobs of one user that have not ended (pending or running, in the whole cluster as this node sees it); root and the admin group are exempt; 0: no limit")
+
+    @property
+    def limits(self) -> SubmitLimits:
+        return SubmitLimits(self.max_argv_bytes, self.max_env_bytes, self.max_per_user)
 
 
 @dataclass(frozen=True)

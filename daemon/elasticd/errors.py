@@ -49,6 +49,18 @@ class Conflict(ElasticdError):
     code = "conflict"
 
 
+class LimitExceeded(ElasticdError):
+    """A request over one of the daemon's limits (the message names the config key)."""
+
+    code = "limit_exceeded"
+
+
+class TooLarge(ElasticdError):
+    """A reply too large for the control protocol."""
+
+    code = "too_large"
+
+
 class StoreError(ElasticdError):
     """The store failed."""
 

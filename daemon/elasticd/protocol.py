@@ -21,7 +21,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 VERSION = 1
 MAX_FRAME = 4 * 1024 * 1024      # a request
@@ -70,7 +70,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "drain": ("node",),
     "undrain": ("node",),
 }
-STREAMING_OPS = frozenset({"logs", "wait"})  # and "submit" with args.wait, "nodes" with args.watch
+STREAMING_OPS = frozenset({"logs", "wait", "list"})  # and "submit" with args.wait, "nodes" with args.watch
+LIST_BATCH = 256 * 1024  # bytes of rows in one reply of the `list` stream (some 600 jobs)
 
 # Error codes a client can branch on (the daemon's ElasticdError.code values).
 E_BAD_REQUEST = "bad_request"
@@ -81,6 +82,7 @@ E_PERMISSION = "permission_denied"
 E_INVALID_SPEC = "invalid_spec"
 E_INTERNAL = "internal"
 E_TOO_MANY = "too_many_connections"
+E_LIMIT = "limit_exceeded"  # a submit over a cap of the daemon's (the message names its key)
 
 
 GPU = "gpu"    # nproc_per_node: one worker per GPU the job gets on a node
@@ -247,6 +249,22 @@ def decode_reply(frame: bytes) -> Reply:
     err = doc.get("error") or {}
     return Reply(doc["id"], False, code=str(err.get("code", E_INTERNAL)),
                  message=str(err.get("message", "")))
+
+
+def batches(docs: Iterable[Any], max_bytes: int) -> Iterator[list[Any]]:
+    """``docs`` in lists of about ``max_bytes`` of JSON each at most (a document larger than
+    that goes alone in its list), taken from ``docs`` as each list is asked for; at least
+    one list, empty when ``docs`` is."""
+    batch: list[Any] = []
+    size = 0
+    for doc in docs:
+        doc_size = len(_dump(doc))
+        if batch and size + doc_size > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(doc)
+        size += doc_size + 1
+    yield batch
 
 
 def _dump(doc: Any) -> bytes:

@@ -10,7 +10,7 @@ import logging
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from .model import Failure, JobSpec, JobState, PartState
+from .model import Failure, JobSpec, JobState, PartState, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +166,37 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
     }
 
 
+def list_row(record: JobRecord) -> dict[str, Any]:
+    """One job's row in ``list``, the same for every caller: what the table shows and no
+    more (no arguments, environment, error text or per-worker detail), so a row's size does
+    not grow with what a user submitted or with the job's size."""
+    spec, outcome = record.spec, record.outcome
+    parts = current_parts(record)
+    workers = [w for p in parts for w in p.workers]
+    return {
+        "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
+        "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
+        "nproc_per_node": spec.nproc_per_node, "kind": spec.kind,
+        "restarts": max((p.restarts for p in record.parts.values()), default=0),
+        "max_restarts": spec.max_restarts, "created": spec.created,
+        "started": started(record), "ended": outcome.ended if outcome else None,
+        "exit_code": outcome.exit_code if outcome else None,
+        "round": parts[0].round if parts else None,
+        "world_size": parts[0].world_size if parts else None,
+        "node_count": len(parts), "workers_up": sum(w.get("state") == WorkerState.HEALTHY for w in workers),
+        "workers_total": len(workers), "held": record.held or None,
+    }
+
+
 def listed_doc(record: JobRecord) -> dict[str, Any]:
-    """job_doc for `list`: a record that cannot be rendered still shows, marked, and never
+    """list_row for `list`: a record that cannot be rendered still shows, marked, and never
     fails the whole list for everyone."""
     try:
-        return job_doc(record)
-    except Exception as exc:
+        return list_row(record)
+    except Exception:
         log.exception("job %s cannot be shown", record.id)
         return {"id": record.id, "name": "?", "state": "UNKNOWN", "user": "?", "nnodes": None,
-                "workers": [], "nodes": [], "error": {"message": f"unreadable record: {exc}"}}
+                "node_count": 0, "workers_up": 0, "workers_total": 0, "unreadable": True}
 
 
 def _node_doc(part: Part, usage: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -131,13 +131,34 @@ def test_replies_to_other_requests_are_ignored(daemon, sock_path, capsys):
     assert "elasticd 9.9 on node n1" in capsys.readouterr().out
 
 
-def test_list_sends_all_and_renders_a_table(daemon, sock_path, capsys):
-    stand_in = daemon(lambda req: [protocol.ok(req.id, [job_doc("RUNNING", name="demo")])])
+def listed(req, *batches):
+    """The `list` stream: a reply per batch of rows, then the end."""
+    return [protocol.ok(req.id, {"jobs": rows}) for rows in batches] + [protocol.end(req.id)]
+
+
+def test_list_sends_all_and_renders_one_table_of_every_batch(daemon, sock_path, capsys):
+    stand_in = daemon(lambda req: listed(req, [job_doc("RUNNING", name="demo")],
+                                         [job_doc("PENDING", id="j-000002", name="next")]))
     assert run(sock_path, "ps", "--all") == 0
     assert stand_in.requests[0].args == {"all": True}
-    header, row = capsys.readouterr().out.splitlines()
+    header, row, second = capsys.readouterr().out.splitlines()
     assert header.split() == ["ID", "NAME", "USER", "STATE", "NODES", "WORKERS", "RESTARTS", "AGE/ENDED"]
     assert row.split()[:4] == ["j-7f3a21", "demo", "-", "RUNNING"]
+    assert second.split()[:4] == ["j-000002", "next", "-", "PENDING"]
+
+
+def test_list_json_is_one_list_of_every_batch(daemon, sock_path, capsys):
+    rows = [job_doc("RUNNING"), job_doc("PENDING", id="j-000002")]
+    daemon(lambda req: listed(req, rows[:1], rows[1:], []))
+    assert run(sock_path, "list", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == rows
+
+
+def test_list_from_a_daemon_that_answers_in_one_reply(daemon, sock_path, capsys):
+    """A daemon from before the `list` stream sends every job in one reply, with no end."""
+    daemon(lambda req: [protocol.ok(req.id, [job_doc("RUNNING")])])
+    assert run(sock_path, "list", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == [job_doc("RUNNING")]
 
 
 @pytest.mark.parametrize("argv,op,args", [
@@ -146,7 +167,6 @@ def test_list_sends_all_and_renders_a_table(daemon, sock_path, capsys):
     (["nodes"], "nodes", {}),
     (["drain", "n1"], "drain", {"node": "n1"}),
     (["undrain", "n1"], "undrain", {"node": "n1"}),
-    (["list"], "list", {"all": False}),
 ])
 def test_json_prints_the_result_document(daemon, sock_path, capsys, argv, op, args):
     result = [{"name": "n1"}] if op == "nodes" else job_doc("CANCELLED")

@@ -105,3 +105,28 @@ def test_parse_nproc_takes_torchruns_words(value, out):
 def test_parse_nproc_names_the_accepted_values(value):
     with pytest.raises(ValueError, match=r"must be one of N, gpu, cpu, auto \(N a positive integer\), got"):
         p.parse_nproc(value)
+
+
+@pytest.mark.parametrize("sizes, max_bytes, want", [
+    ([], 100, [[]]),                          # always one reply, empty when there is nothing
+    ([10, 10, 10], 100, [[0, 1, 2]]),
+    ([40, 40, 40], 100, [[0, 1], [2]]),
+    ([500, 10, 10], 100, [[0], [1, 2]]),     # one larger than a batch goes alone
+    ([10, 500, 10], 100, [[0], [1], [2]]),
+])
+def test_batches(sizes, max_bytes, want):
+    docs = [{"i": i, "pad": "x" * (size - len(json.dumps({"i": i, "pad": ""}, separators=(",", ":"))))}
+            for i, size in enumerate(sizes)]
+    got = [[doc["i"] for doc in batch] for batch in p.batches(iter(docs), max_bytes)]
+    assert got == want
+
+
+def test_batches_take_their_documents_as_each_is_asked_for():
+    taken = []
+
+    def docs():
+        for i in range(10):
+            taken.append(i)
+            yield {"i": i}
+    batches = p.batches(docs(), 20)  # two small documents a batch
+    assert next(batches) == [{"i": 0}, {"i": 1}] and taken == [0, 1, 2]

@@ -164,6 +164,14 @@ def test_status_block_of_a_failed_job_shows_the_root_cause_indented():
     ]
 
 
+def test_jobs_table_of_list_rows_uses_their_counts():
+    row = {"id": "j-7f3a21", "name": "train.py", "user": "alice", "state": "RUNNING",
+           "nnodes": "2:4", "node_count": 2, "workers_up": 3, "workers_total": 4, "world_size": 4,
+           "restarts": 0, "max_restarts": 1, "created": NOW - 5, "ended": None}
+    assert render.jobs_table([row], NOW).splitlines()[1] == \
+        "j-7f3a21  train.py  alice  RUNNING  2 (2:4)  3/4      0/1       5s"
+
+
 def test_status_block_of_a_sparse_document():
     lines = render.status_block({"id": "j-1"}, NOW).splitlines()
     assert lines[0] == "id:           j-1"

@@ -2,12 +2,14 @@
 
 Authorization (DESIGN §3, §6): root and members of the admin group act on every job;
 other users see every job but cancel only their own and read only their own logs, and their
-jobs run as themselves.  A daemon not run by root serves only its own user.
+jobs run as themselves.  A daemon not run by root serves only its own user.  `list` rows
+carry no arguments or error text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import grp
 import os
 import pwd
@@ -17,7 +19,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from .. import __version__
 from ..config import DaemonConfig
-from ..errors import ElasticdError, InvalidSpec, NotFound, PermissionDenied
+from ..errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
 from ..jobs import JobRegistry
 from ..records import JobRecord, job_doc, listed_doc
 from ..aio import race
@@ -26,8 +28,9 @@ from ..model import JobSpec, parse_nnodes, parse_nproc
 from ..cluster import NodeService
 from ..peers import PeerCaller, PeerLinks
 from ..placement import beyond_standalone, never_fits
+from ..quotas import count_refusal, spec_refusal
 from ..scheduler import JobService
-from ..protocol import Request
+from ..protocol import LIST_BATCH, Request, batches
 from .server import Caller, PeerGone, Reply
 
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
@@ -82,6 +85,7 @@ class Commands:
         self._logs = logs
         self._cluster = cluster
         self._peers = peers
+        self._submitting: collections.Counter[int] = collections.Counter()  # uid -> submits under way
         self._ops: dict[str, Callable[[Caller, dict[str, Any], Reply], Awaitable[None]]] = {
             "version": self.version, "submit": self.submit, "list": self.list,
             "status": self.status, "logs": self.logs, "cancel": self.cancel,
@@ -146,17 +150,35 @@ class Commands:
         if spec.uid == 0 and os.getuid() == 0 and not self._config.jobs.allow_root:
             raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = "
                                    "false; `elasticd --allow-root` allows them)")
+        problem = spec_refusal(spec, self._config.jobs.limits) or self._over_quota(caller, spec)
+        if problem:
+            raise LimitExceeded(problem)
         # The script, python and workdir are not looked at here: a root daemon would answer
         # with its own rights (an oracle for files the user cannot see).  elasticctl checks
         # them as the user; a worker that cannot find them fails as the user would.
-        problem = await self._never_starts(spec)
-        if problem:
-            raise InvalidSpec(problem)
-        record = await self._jobs.submit(spec)
+        self._submitting[spec.uid] += 1  # counted from the check until the registry has the job
+        try:
+            problem = await self._never_starts(spec)
+            if problem:
+                raise InvalidSpec(problem)
+            record = await self._jobs.submit(spec)
+        finally:
+            self._submitting[spec.uid] -= 1
+            if not self._submitting[spec.uid]:
+                del self._submitting[spec.uid]
         if args.get("wait"):
             await self._stream_until_done(record, reply)
         else:
             await reply.result(job_doc(record))
+
+    def _over_quota(self, caller: Caller, spec: JobSpec) -> str | None:
+        """Why the caller may not have one more job that has not ended (root and the admin
+        group may).  Counted over every job this node knows, the cluster's board included,
+        and this node's submits under way."""
+        if self._is_admin(caller):
+            return None
+        open_jobs = sum(1 for r in self._registry.jobs() if r.spec.uid == spec.uid and r.outcome is None)
+        return count_refusal(spec.user, open_jobs + self._submitting[spec.uid], self._config.jobs.limits)
 
     async def _never_starts(self, spec: JobSpec) -> str | None:
         """Why the job could never start here (None: it may)."""
@@ -167,10 +189,15 @@ class Commands:
         return never_fits(spec, await self._cluster.fresh())  # the view may be a heartbeat old
 
     async def list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        """A stream of ``{"jobs": [row, ...]}`` replies, each at most about LIST_BATCH bytes,
+        then the end: never one frame of every job.  The rows are of the jobs as they were
+        when the request came, built as the client takes them."""
         horizon = time.time() - RECENT
         records = [r for r in self._registry.jobs()
                    if args.get("all") or r.outcome is None or r.outcome.ended >= horizon]
-        await reply.result([listed_doc(r) for r in records])
+        for rows in batches(map(listed_doc, records), LIST_BATCH):
+            await reply.result({"jobs": rows})
+        await reply.end()
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         record = await self._find(args["job"])

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from ..errors import ElasticdError
+from ..errors import ElasticdError, TooLarge
 from .. import protocol
 from ..protocol import ProtocolError, Request
 
@@ -56,7 +56,12 @@ class Reply:
         self.id = request_id
 
     async def result(self, value: Any) -> None:
-        await self._send(protocol.ok(self.id, value))
+        """One result; TooLarge (an error reply instead) for one the client would refuse."""
+        frame = protocol.ok(self.id, value)
+        if len(frame) > protocol.MAX_REPLY:
+            raise TooLarge(f"the reply would be {len(frame)} bytes, over the control "
+                           f"protocol's {protocol.MAX_REPLY}")
+        await self._send(frame)
 
     async def end(self) -> None:
         await self._send(protocol.end(self.id))

@@ -1,0 +1,69 @@
+"""What one submit may hold and how many jobs one user may have, pure.
+
+Every daemon of the cluster keeps every job in memory, the store and the history keep its
+spec, and ``list`` shows it to everyone: without bounds one user fills them all (80 submits
+of 3.6 MiB of arguments each made every user's ``elasticctl list`` fail, and the daemon
+hold 1.4 GB, until retention; issue 24).  So a job's command line and environment are
+capped (config keys, counted as ``execve`` counts them), the rest of its spec by fixed
+bounds that no real job comes near (name and role: model.validate), and the jobs of one
+user that have not ended by ``jobs.max_per_user``.  Each refusal names the limit and the
+key that sets it.  The spec's text is valid Unicode (model.validate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .model import JobSpec
+
+KiB = 1024
+PATH_BYTES = 4096      # python, workdir (PATH_MAX: the kernel refuses a longer path anyway)
+NODE_NAMES = 4096      # names in --nodes or --exclude (the largest cluster designed for)
+NODE_NAME_BYTES = 255  # a host name is at most 253
+
+
+@dataclass(frozen=True)
+class SubmitLimits:
+    argv_bytes: int = 128 * KiB   # jobs.max_argv_bytes
+    env_bytes: int = 128 * KiB    # jobs.max_env_bytes
+    per_user: int = 100           # jobs.max_per_user: jobs not ended, per user; 0: no limit
+
+
+def argv_size(argv: Iterable[str]) -> int:
+    """Bytes of a command line as ``execve`` counts them: each argument and its NUL."""
+    return sum(len(arg.encode()) + 1 for arg in argv)
+
+
+def env_size(env: Mapping[str, str]) -> int:
+    """Bytes of an environment as ``execve`` counts them: ``NAME=VALUE`` and a NUL each."""
+    return sum(len(name.encode()) + len(value.encode()) + 2 for name, value in env.items())
+
+
+def spec_refusal(spec: JobSpec, limits: SubmitLimits) -> str | None:
+    """Why ``spec`` is too large to submit (None: it is not)."""
+    size = argv_size(spec.argv)
+    if size > limits.argv_bytes:
+        return (f"the job's command line is {size} bytes, over the limit "
+                f"(jobs.max_argv_bytes = {limits.argv_bytes}): pass large inputs in a file")
+    size = env_size(spec.env)
+    if size > limits.env_bytes:
+        return (f"the job's environment (yours, with --env) is {size} bytes, over the limit "
+                f"(jobs.max_env_bytes = {limits.env_bytes}): unset what the job does not need "
+                "(env -u NAME elasticctl submit ...)")
+    for what, path in (("python", spec.python), ("workdir", spec.workdir)):
+        if len(path.encode()) > PATH_BYTES:
+            return f"the job's {what} is longer than {PATH_BYTES} bytes"
+    for what, names in (("--nodes", spec.nodes), ("--exclude", spec.exclude)):
+        if len(names) > NODE_NAMES or any(len(n.encode()) > NODE_NAME_BYTES for n in names):
+            return f"{what} may name at most {NODE_NAMES} nodes of at most {NODE_NAME_BYTES} bytes each"
+    return None
+
+
+def count_refusal(user: str, open_jobs: int, limits: SubmitLimits) -> str | None:
+    """Why ``user``, who has ``open_jobs`` jobs that have not ended, may not submit another
+    (None: they may)."""
+    if limits.per_user and open_jobs >= limits.per_user:
+        return (f"{user} has {open_jobs} jobs that have not ended, the most one user may have "
+                f"(jobs.max_per_user = {limits.per_user}): wait for some to end or cancel some")
+    return None

@@ -1,0 +1,120 @@
+"""Users against each other through the control socket (issue 24, row 0c): a local user
+(nobody) floods the daemon with huge submits and with as many allowed ones as it may have,
+and another user's `elasticctl list` and `status` keep working, before and after a restart.
+Real daemons, real elasticctl, a user made by the test."""
+
+from __future__ import annotations
+
+import json
+import pwd
+import subprocess
+import uuid
+from typing import Any
+
+import psutil
+
+from elasticd import protocol
+from harness import CLIENT_ENV, FIXTURES, Control, needs_root, python_for_everyone
+from local_users import local_users
+
+KiB, MiB = 1 << 10, 1 << 20
+SUBMIT_MANY = FIXTURES / "submit_many.py"
+SLEEPER = ["--no-python", "/bin/sh", "-c", "sleep 3600"]  # then the padding, as $0 $1 ...
+
+
+def padding(total: int, piece: int = 30 * KiB) -> list[str]:
+    """Arguments of ``total`` bytes or so, each small enough for execve (128 KiB at most)."""
+    return [chr(ord("a") + i % 26) * piece for i in range(max(1, total // piece))]
+
+
+def flood(daemon, user: str, count: int, pad: int, *submit: str) -> dict[str, Any]:
+    """submit_many.py as ``user``: ``count`` submits of one job, with ``pad`` bytes of more
+    arguments, over one connection."""
+    account = pwd.getpwnam(user)
+    done = subprocess.run([f"{python_for_everyone()}/bin/python3", str(SUBMIT_MANY), daemon.socket,
+                           str(count), str(pad), *submit], capture_output=True, text=True, timeout=600,
+                          env={**CLIENT_ENV, "HOME": "/"}, cwd=str(daemon.base),
+                          user=account.pw_uid, group=account.pw_gid, extra_groups=[])
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def unique(name: str) -> str:
+    """A node name of this run alone: a daemon kills what it finds in its node's job cgroups
+    at start, so daemons of tests that run at once on one host must not share names."""
+    return f"{name}-{uuid.uuid4().hex[:6]}"
+
+
+def rss(daemon) -> int:
+    return psutil.Process(daemon.proc.pid).memory_info().rss
+
+
+def list_frames(daemon) -> list[int]:
+    """The size of each reply of the `list --all` stream (read by hand, as bytes)."""
+    with Control(daemon.socket) as control:
+        return [len(json.dumps(result)) for result in control.stream("list", {"all": True}, 60)]
+
+
+@needs_root
+def test_a_flood_of_submits_is_refused_early_and_everyone_can_still_list(daemon_factory, figures):
+    daemon = daemon_factory(unique("flood"), args=("--slots", "1")).start()
+    with local_users("other") as users:
+        other = users["other"]
+        before = rss(daemon)
+
+        # 0c as it was done: 80 submits of ~3.6 MiB of arguments each, refused one by one
+        huge = flood(daemon, "nobody", 80, int(3.6 * MiB), *SLEEPER)
+        assert huge["accepted"] == [] and sum(huge["refused"].values()) == 80, huge
+        (refusal,) = huge["refused"]
+        assert refusal.startswith("limit_exceeded: the job's command line is ")
+        assert "(jobs.max_argv_bytes = 131072)" in refusal
+        figures.add("0c: 80 submits of 3.6 MiB refused in (s)", str(huge["seconds"]))
+        grown = rss(daemon) - before
+        figures.add("0c: daemon memory after them (MiB more)", f"{grown / MiB:.0f}")
+        assert grown < 200 * MiB  # was 1.4 GB
+
+        # through elasticctl (whose own command line must fit execve): arguments and an
+        # environment over their caps
+        done = daemon.ctl_run("submit", *SLEEPER, *padding(200 * KiB), user="nobody")
+        assert done.returncode == 1 and "jobs.max_argv_bytes" in done.stderr, done.stderr
+        big = {f"BIG{i}": "x" * (60 * KiB) for i in range(3)}
+        done = daemon.ctl_run("submit", *SLEEPER, user="nobody", env=big)
+        assert done.returncode == 1, done.stderr
+        assert "environment (yours, with --env) is " in done.stderr and "jobs.max_env_bytes" in done.stderr
+        assert daemon.ctl("list", "--all") == []  # nothing of them was kept
+
+        # as many allowed jobs as nobody may have (100, of ~120 KiB each), then one more;
+        # root's job holds the one slot, so theirs wait (no process of theirs that anything
+        # else on this host could end)
+        blocker = daemon.submit(*SLEEPER)["id"]
+        allowed = flood(daemon, "nobody", 101, 120 * KiB, *SLEEPER)
+        assert len(allowed["accepted"]) == 100, allowed
+        assert list(allowed["refused"]) == [
+            "limit_exceeded: nobody has 100 jobs that have not ended, the most one user may have "
+            "(jobs.max_per_user = 100): wait for some to end or cancel some"]
+        figures.add("0c: 101 allowed submits (s)", str(allowed["seconds"]))
+
+        def everyone_can_list() -> list[dict[str, Any]]:
+            rows = daemon.ctl("list", "--all", user=other)
+            assert {r["id"] for r in rows if r["user"] == "nobody"} == set(allowed["accepted"])
+            assert not any("argv" in row for row in rows)
+            table = daemon.ctl_run("list", "--all", user=other)
+            assert table.returncode == 0 and len(table.stdout.splitlines()) == len(rows) + 1, table.stderr
+            status = daemon.ctl("status", allowed["accepted"][-1], user=other)
+            assert status["argv"][0] == "/bin/sh"
+            frames = list_frames(daemon)  # the jobs hold 12 MiB of arguments; the replies do not
+            assert max(frames) <= protocol.LIST_BATCH and sum(frames) < 100 * KiB, frames
+            return rows
+
+        assert len(everyone_can_list()) == 101  # and root's
+        assert daemon.ctl("submit", *SLEEPER, user=other)["id"]  # the cap is nobody's alone
+        assert daemon.ctl("submit", *SLEEPER)["id"]  # root is exempt (so is the admin group)
+        for job in daemon.ctl("list"):
+            if job["user"] != "nobody" and job["id"] != blocker:
+                daemon.ctl("cancel", job["id"])
+
+        daemon.stop()  # the jobs are in the history: a restart reads them all back
+        daemon.start()
+        rows = everyone_can_list()
+        assert {r["state"] for r in rows if r["user"] == "nobody"} <= {"CANCELLED", "FAILED"}  # all ended
+        assert daemon.request("version").ok
