@@ -241,7 +241,7 @@ def status_block(job: Doc, now: float) -> str:
     fields = [
         ("id", job.get("id")), ("name", job.get("name")), ("user", user),
         ("state", job_state(job)), *([("held", job["held"])] if job.get("held") else []),
-        ("command", " ".join(job.get("argv") or []) or None),
+        ("command", command_text(job)),
         ("python", job.get("python") if job.get("kind") != "exec" else None),
         ("workdir", job.get("workdir")), ("nnodes", job.get("nnodes")),
         ("nproc", job.get("nproc_per_node")), ("role", job.get("role")),
@@ -258,7 +258,7 @@ def status_block(job: Doc, now: float) -> str:
     if job.get("usage"):
         fields.append(("usage", usage_line(job["usage"])))
     lines = [f"{label + ':':<14}{text(value)}" for label, value in fields]
-    lines += _error_lines(job.get("error"))
+    lines += _error_lines(job.get("error"), hidden=bool(job.get("redacted")))
     if job.get("nodes"):
         lines += ["", nodes_of_job_table(job["nodes"])]
     if job.get("workers"):
@@ -266,7 +266,20 @@ def status_block(job: Doc, now: float) -> str:
     return "\n".join(lines)
 
 
-def _error_lines(error: Doc | None) -> list[str]:
+HIDDEN = "(shown to the job's owner and admins only)"
+
+
+def command_text(job: Doc) -> str | None:
+    """The command line; another user's job shows its program only (the daemon sent no more)."""
+    command = " ".join(job.get("argv") or [])
+    if job.get("redacted") and command:
+        return f"{command} ... {HIDDEN}"
+    return command or None
+
+
+def _error_lines(error: Doc | None, *, hidden: bool = False) -> list[str]:
+    if hidden and error:
+        error = {**error, "message": f"{error.get('message') or ''}{HIDDEN}"}
     summary = error_summary(error)
     if summary is None:
         return []

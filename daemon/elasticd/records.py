@@ -162,8 +162,21 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
         "nodes": [_node_doc(p, usage.get(p.node)) for p in parts],
         "usage": total_usage(usage.values()),
         "error": error, "barrier": barrier if outcome is None else None,
-        "held": record.held or None,
+        "held": record.held or None, "redacted": False,
     }
+
+
+def others_view(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A job document as users other than its owner, root and the admin group see it: the
+    program (``argv[0]``) without its arguments, no environment, and where and how the job
+    failed (rank, node, exit code) without the error's text or traceback, which may hold
+    what the owner did not mean to show (a password in a command line or an exception)."""
+    shown = {name: value for name, value in doc.items() if name != "env"}
+    shown["argv"] = list(doc.get("argv") or [])[:1]
+    if doc.get("error"):
+        shown["error"] = {**doc["error"], "message": "", "traceback": ""}
+    shown["redacted"] = True
+    return shown
 
 
 def list_row(record: JobRecord) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""Users against each other through the control socket (issue 24, row 0c): a local user
-(nobody) floods the daemon with huge submits and with as many allowed ones as it may have,
-and another user's `elasticctl list` and `status` keep working, before and after a restart.
-Real daemons, real elasticctl, a user made by the test."""
+"""Users against each other through the control socket (issue 24, rows 0c and 2): a local
+user (nobody) floods the daemon with huge submits and with as many allowed ones as it may
+have, and another user's `elasticctl list` and `status` keep working, before and after a
+restart; a job's arguments, error text and traceback are shown to its owner, root and the
+admin group, not to other users.  Real daemons, real elasticctl, users made by the test."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def test_a_flood_of_submits_is_refused_early_and_everyone_can_still_list(daemon_
             table = daemon.ctl_run("list", "--all", user=other)
             assert table.returncode == 0 and len(table.stdout.splitlines()) == len(rows) + 1, table.stderr
             status = daemon.ctl("status", allowed["accepted"][-1], user=other)
-            assert status["argv"][0] == "/bin/sh"
+            assert status["argv"] == ["/bin/sh"] and status["redacted"]  # nobody's arguments stay theirs
             frames = list_frames(daemon)  # the jobs hold 12 MiB of arguments; the replies do not
             assert max(frames) <= protocol.LIST_BATCH and sum(frames) < 100 * KiB, frames
             return rows
@@ -118,3 +119,72 @@ def test_a_flood_of_submits_is_refused_early_and_everyone_can_still_list(daemon_
         rows = everyone_can_list()
         assert {r["state"] for r in rows if r["user"] == "nobody"} <= {"CANCELLED", "FAILED"}  # all ended
         assert daemon.request("version").ok
+
+
+SECRET_JOB = """\
+import sys
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    raise RuntimeError(f"db password {sys.argv[1]} refused")
+
+
+main()
+"""
+SECRET = "hunter2-s3cret"
+HIDDEN = "(shown to the job's owner and admins only)"
+
+
+@needs_root
+def test_another_users_job_is_shown_without_its_arguments_or_error(daemon_factory, shared_tmp):
+    script = shared_tmp / "secret_job.py"
+    script.write_text(SECRET_JOB)
+    with local_users("alice", "bob", "admin", admin_group=True) as users:
+        config = shared_tmp / "admins.toml"
+        config.write_text(f'[control]\nadmin_group = "{users["admins"]}"\n')
+        daemon = daemon_factory(unique("views"), args=("--slots", "2", "--config", str(config))).start()
+        alice, bob, admin = users["alice"], users["bob"], users["admin"]
+        docs = daemon.ctl("submit", "--wait", str(script), SECRET, user=alice, expect=1)
+        job = docs[-1]["id"]
+        assert docs[-1]["state"] == "FAILED" and SECRET in docs[-1]["error"]["message"]
+
+        for viewer in (bob, "nobody"):
+            shown = daemon.ctl("status", job, user=viewer)
+            assert shown["argv"] == [str(script)] and shown["redacted"] is True
+            assert (shown["error"]["message"], shown["error"]["traceback"]) == ("", "")
+            assert (shown["error"]["rank"], shown["error"]["exit_code"], shown["state"]) == (0, 1, "FAILED")
+            human = daemon.ctl_run("status", job, user=viewer)
+            assert human.returncode == 0 and f"command:      {script} ... {HIDDEN}" in human.stdout
+            assert f"error: {HIDDEN} (rank 0 on node" in human.stdout
+            for out in (json.dumps(shown), human.stdout, daemon.ctl_run("list", user=viewer).stdout,
+                        json.dumps(daemon.ctl("list", user=viewer)), wait_as(daemon, viewer, job)):
+                assert SECRET not in out and "RuntimeError" not in out
+            assert daemon.ctl_run("logs", job, user=viewer).returncode == 1  # as before
+
+        for viewer in (alice, admin, None):  # the owner, the admin group, root
+            shown = daemon.ctl("status", job, user=viewer)
+            assert shown["argv"] == [str(script), SECRET] and shown["redacted"] is False
+            assert f"RuntimeError: db password {SECRET} refused" in shown["error"]["message"]
+            assert SECRET in shown["error"]["traceback"]
+            human = daemon.ctl_run("status", job, user=viewer).stdout
+            assert f"command:      {script} {SECRET}" in human and HIDDEN not in human
+
+
+WAIT = """\
+import json, sys
+from elasticctl.client import Client
+with Client(sys.argv[1]) as daemon:
+    print(json.dumps(list(daemon.stream("wait", {"job": sys.argv[2]}))))
+"""
+
+
+def wait_as(daemon, user: str, job: str) -> str:
+    """The `wait` stream of ``job`` as ``user`` sees it (elasticctl has no command for it)."""
+    account = pwd.getpwnam(user)
+    done = subprocess.run([f"{python_for_everyone()}/bin/python3", "-c", WAIT, daemon.socket, job],
+                          capture_output=True, text=True, timeout=60, env={**CLIENT_ENV, "HOME": "/"},
+                          cwd="/", user=account.pw_uid, group=account.pw_gid, extra_groups=[])
+    assert done.returncode == 0 and json.loads(done.stdout)[-1]["redacted"], done.stderr
+    return done.stdout

@@ -172,6 +172,16 @@ def test_jobs_table_of_list_rows_uses_their_counts():
         "j-7f3a21  train.py  alice  RUNNING  2 (2:4)  3/4      0/1       5s"
 
 
+def test_another_users_job_says_what_is_hidden():
+    doc = job(state="FAILED", exit_code=1, ended=NOW, argv=["train.py"], redacted=True,
+              error={**FAILURE, "message": "", "traceback": ""}, workers=[], nodes=[])
+    lines = render.status_block(doc, NOW).splitlines()
+    assert "command:      train.py ... (shown to the job's owner and admins only)" in lines
+    assert lines[-1] == ("error: (shown to the job's owner and admins only) "
+                         "(rank 1 on node n1, exit code 1)")
+    assert "traceback:" not in lines
+
+
 def test_status_block_of_a_sparse_document():
     lines = render.status_block({"id": "j-1"}, NOW).splitlines()
     assert lines[0] == "id:           j-1"

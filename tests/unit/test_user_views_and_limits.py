@@ -1,7 +1,7 @@
-"""What one user may submit (quotas, pure) and what `list` shows of a job (records, pure):
+"""What one user may submit (quotas, pure) and what a reply shows of a job (records, pure):
 the caps on a command line, an environment and the jobs a user has not ended, each refusal
-naming its config key; `list` rows that carry no arguments or error text and stay small
-whatever was submitted."""
+naming its config key; another user's job without its arguments or error text; `list` rows
+that carry neither for anyone and stay small whatever was submitted."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from elasticd import config
 from elasticd.model import Failure, JobSpec, JobState
 from elasticd.quotas import SubmitLimits, argv_size, count_refusal, env_size, spec_refusal
-from elasticd.records import JobRecord, Outcome, Part, list_row, listed_doc
+from elasticd.records import JobRecord, Outcome, Part, job_doc, list_row, listed_doc, others_view
 from elasticd.model import PartState
 
 KiB = 1024
@@ -75,6 +75,19 @@ def failed_record() -> JobRecord:
     return JobRecord(SPEC, 1, {"n1": Part("n1", PartState.FAILED, round=0, group_rank=0,
                                           world_size=1, workers=workers)},
                      Outcome(JobState.FAILED, 160.0, 1, "worker failed", failure, "n1"))
+
+
+def test_others_see_the_program_and_where_it_failed_not_the_arguments_or_the_error():
+    full = job_doc(failed_record())
+    assert full["argv"] == list(SPEC.argv) and "hunter2" in full["error"]["message"]
+    assert full["redacted"] is False
+    shown = others_view(full)
+    assert "hunter2" not in json.dumps(shown)
+    assert shown["argv"] == ["train.py"] and shown["redacted"] is True
+    assert shown["error"] == {**full["error"], "message": "", "traceback": ""}
+    assert {k: v for k, v in shown.items() if k not in ("argv", "error", "redacted")} == \
+        {k: v for k, v in full.items() if k not in ("argv", "error", "redacted")}
+    assert others_view({**full, "env": {"DB_PASSWORD": "hunter2"}}).get("env") is None
 
 
 def test_a_list_row_carries_no_arguments_environment_or_error_and_stays_small():

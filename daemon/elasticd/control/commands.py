@@ -2,8 +2,9 @@
 
 Authorization (DESIGN §3, §6): root and members of the admin group act on every job;
 other users see every job but cancel only their own and read only their own logs, and their
-jobs run as themselves.  A daemon not run by root serves only its own user.  `list` rows
-carry no arguments or error text.
+jobs run as themselves.  A daemon not run by root serves only its own user.  What a reply
+shows is built for its caller: another user's job comes without its arguments or error
+text (records.others_view), and `list` rows carry neither for anyone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .. import __version__
 from ..config import DaemonConfig
 from ..errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
 from ..jobs import JobRegistry
-from ..records import JobRecord, job_doc, listed_doc
+from ..records import JobRecord, job_doc, listed_doc, others_view
 from ..aio import race
 from ..logs import LogBus, LogReader
 from ..model import JobSpec, parse_nnodes, parse_nproc
@@ -114,6 +115,10 @@ class Commands:
         except (KeyError, OSError):
             return False
 
+    def _sees_all(self, caller: Caller, record: JobRecord) -> bool:
+        """Whether ``caller`` sees the whole job: its owner, root and the admin group."""
+        return caller.uid == record.spec.uid or self._is_admin(caller)
+
     def _check_owner(self, caller: Caller, record: JobRecord, what: str) -> None:
         if caller.uid != record.spec.uid and not self._is_admin(caller):
             raise PermissionDenied(f"job {record.id} belongs to {record.spec.user}; "
@@ -167,7 +172,7 @@ class Commands:
             if not self._submitting[spec.uid]:
                 del self._submitting[spec.uid]
         if args.get("wait"):
-            await self._stream_until_done(record, reply)
+            await self._stream_until_done(record, reply, full=True)
         else:
             await reply.result(job_doc(record))
 
@@ -202,10 +207,12 @@ class Commands:
     async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         record = await self._find(args["job"])
         usage = self._jobs.usage_of(record.id)
-        await reply.result(job_doc(record, {self._node: usage} if usage else None))
+        doc = job_doc(record, {self._node: usage} if usage else None)
+        await reply.result(doc if self._sees_all(caller, record) else others_view(doc))
 
     async def wait(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
-        await self._stream_until_done(await self._find(args["job"]), reply)
+        record = await self._find(args["job"])
+        await self._stream_until_done(record, reply, full=self._sees_all(caller, record))
 
     async def cancel(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         record = await self._find(args["job"])
@@ -290,11 +297,15 @@ class Commands:
             record = await self._registry.wait_change(record.id, record.version)
         await self._jobs.settled(record.id)
 
-    async def _stream_until_done(self, record: JobRecord, reply: Reply) -> None:
-        await reply.result(job_doc(record))
+    async def _stream_until_done(self, record: JobRecord, reply: Reply, *, full: bool) -> None:
+        """The job's document at every change until it ended (``full``: all of it, else
+        as others see it)."""
+        def shown(record: JobRecord) -> dict[str, Any]:
+            return job_doc(record) if full else others_view(job_doc(record))
+        await reply.result(shown(record))
         while record.outcome is None:
             record = await self._registry.wait_change(record.id, record.version)
-            await reply.result(job_doc(record))
+            await reply.result(shown(record))
         await reply.end()
 
 
