@@ -5,12 +5,14 @@ that carry neither for anyone and stay small whatever was submitted."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
 import pytest
 
-from elasticd import config
+from elasticd import config, protocol
+from elasticd.control import server
 from elasticd.model import Failure, JobSpec, JobState
 from elasticd.quotas import SubmitLimits, argv_size, count_refusal, env_size, spec_refusal
 from elasticd.records import JobRecord, Outcome, Part, job_doc, list_row, listed_doc, others_view
@@ -100,3 +102,24 @@ def test_a_list_row_carries_no_arguments_environment_or_error_and_stays_small():
     assert (row["state"], row["exit_code"], row["node_count"], row["workers_up"],
             row["workers_total"], row["world_size"]) == ("FAILED", 1, 1, 0, 1, 1)
     assert listed_doc(record) == row
+
+
+def test_a_reply_too_large_for_the_client_becomes_an_error_reply(monkeypatch):
+    """The server's guard behind the caps: a result over MAX_REPLY is never sent as a frame
+    the client would refuse; the request gets a too_large error instead."""
+    sent: list[bytes] = []
+
+    class Captured(server.Reply):
+        async def _send(self, frame: bytes) -> None:
+            sent.append(frame)
+
+    async def handler(caller, request, reply) -> None:
+        await reply.result({"jobs": ["x" * 2000]})
+
+    monkeypatch.setattr(protocol, "MAX_REPLY", 1000)
+    raw = protocol.encode_request(protocol.Request("r1", "list", {}))
+    asyncio.run(server.answer(handler, None, raw, Captured(""), lambda op, result: None))
+    (frame,) = sent
+    reply = protocol.decode_reply(frame)
+    assert (reply.id, reply.ok, reply.code) == ("r1", False, "too_large")
+    assert "over the control protocol's 1000" in reply.message
