@@ -1,5 +1,6 @@
 """Why a node takes no new job (JobService): an operator's drain, the discovery script, the
-blacklist (a user's failures keep only that user's jobs off; several users' blacklist the node).  Each is its own reason: undrain lifts a drain and a blacklisting, never what the
+blacklist (a user's failures keep only that user's jobs off; several users' blacklist the
+node).  Each is its own reason: undrain lifts a drain and a blacklisting, never what the
 discovery script says; the node's jobs are told to leave once, when the first reason comes."""
 
 from __future__ import annotations
