@@ -28,8 +28,8 @@ def local_users(*roles: str, admin_group: bool = False) -> Iterator[dict[str, st
             subprocess.run(["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", *extra, name], check=True)
             made.append(name)
         yield {**names, **({"admins": group} if admin_group else {})}
-    finally:
+    finally:  # -f: a test that failed may leave their jobs running until its daemons stop
         for name in made:
-            subprocess.run(["userdel", name], check=False)
+            subprocess.run(["userdel", "-f", name], check=False)
         if admin_group:
             subprocess.run(["groupdel", group], check=False)
