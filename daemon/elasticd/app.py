@@ -39,7 +39,7 @@ from .board import BoardFollower, JobBoard
 from .blacklist import Blacklist
 from .cgroups import JobCgroups, instance_name
 from .cluster import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
-                      NodeService, cpu_count, discover_gpus, slot_count)
+                      NodeService, UntrustedScript, cpu_count, discover_gpus, slot_count)
 from .config import DaemonConfig
 from .containment import MIN_MEMORY, Containment, decide, parse_memory, summary
 from .control.commands import Commands, PeerCommands
@@ -473,6 +473,9 @@ class Daemon:
             return EVERYONE
         try:
             listing = await discovery.first()
+        except UntrustedScript as exc:  # refused before it ran: not root's alone
+            self.metrics.discovery_failures.inc()
+            raise ConfigError("discovery.script", str(exc)) from None
         except DiscoveryFailed as exc:
             self.metrics.discovery_failures.inc()
             raise ConfigError("discovery.script", f"the first run failed: {exc}") from None

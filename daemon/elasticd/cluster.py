@@ -7,15 +7,13 @@ import asyncio
 import logging
 import os
 import secrets
-import shutil
-import signal
 import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
-from . import discovery
+from . import discovery, procgroup, trust
 from .aio import race
 from .config import AUTO, DaemonConfig
 from .containment import Containment
@@ -41,12 +39,18 @@ def discover_gpus(setting: int | str, path: str | None = None) -> tuple[str, ...
     """This node's GPUs as CUDA device indices.
 
     An integer setting is taken as is (devices 0..n-1).  ``auto`` asks ``nvidia-smi`` when
-    it is on PATH, and finds none when it is not or when it fails.
+    it is on PATH (and root's alone: the daemon would run it as root), and finds none when it
+    is not or when it fails.
     """
     if setting != AUTO:
         return tuple(str(i) for i in range(int(setting)))
-    smi = shutil.which("nvidia-smi", path=path)
+    smi = trust.which("nvidia-smi", path=path)
     if smi is None:
+        return ()
+    try:
+        trust.check_program(smi)
+    except trust.Untrusted as exc:
+        log.warning("not running %s; assuming no GPUs (set node.gpus)", exc)
         return ()
     try:
         done = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"],
@@ -726,65 +730,41 @@ class DiscoveryFailed(Exception):
 _STDERR_TAIL = 512  # bytes of a failed script's stderr that its error message quotes
 
 
-async def run_discovery_script(script: str, timeout: float, limit: int = discovery.MAX_OUTPUT) -> str:
-    """What ``script`` printed (no shell, no arguments, stdin closed, in its own session);
-    DiscoveryFailed if it cannot be run, exits non-zero, takes longer than ``timeout`` or
-    prints more than ``limit`` bytes (its process group is killed then) or no UTF-8."""
+class UntrustedScript(DiscoveryFailed):
+    """The script (or a directory above it, a link on the way, its interpreter) is not root's
+    alone: the daemon would run someone else's code, as root."""
+
+
+def check_script(script: str) -> None:
+    """UntrustedScript unless the script is root's alone (trust.check_program)."""
     try:
-        proc = await asyncio.create_subprocess_exec(
-            script, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True)
+        trust.check_program(script)
+    except trust.Untrusted as exc:
+        raise UntrustedScript(f"refusing to run {exc}") from None
+
+
+async def run_discovery_script(script: str, timeout: float, limit: int = discovery.MAX_OUTPUT) -> str:
+    """What ``script`` printed (no shell, no arguments, stdin closed, in a process group of
+    its own that is killed when it ends: nothing it started outlives the run);
+    DiscoveryFailed if it cannot be run, exits non-zero, takes longer than ``timeout``,
+    prints more than ``limit`` bytes or no UTF-8."""
+    try:
+        done = await procgroup.run([script], timeout=timeout, limit=limit, tail=_STDERR_TAIL)
+    except TimeoutError:  # an OSError too: first
+        raise DiscoveryFailed(f"{script} did not finish within {timeout:g} s") from None
     except OSError as exc:
         raise DiscoveryFailed(f"cannot run {script}: {exc.strerror or exc}") from None
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        async with asyncio.timeout(timeout):
-            out, err, _ = await asyncio.gather(_read_capped(proc, proc.stdout, limit),
-                                               _read_capped(proc, proc.stderr, None), proc.wait())
-    except TimeoutError:
-        raise DiscoveryFailed(f"{script} did not finish within {timeout:g} s") from None
-    finally:
-        _kill_group(proc)
-        await proc.wait()
-    if out is None:
+    if done.out is None:
         raise DiscoveryFailed(f"{script} printed more than {limit} bytes")
-    if proc.returncode != 0:
-        why = f"exit status {proc.returncode}" if proc.returncode > 0 else \
-            f"killed by signal {-proc.returncode}"
-        last = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
+    if done.returncode != 0:
+        why = f"exit status {done.returncode}" if done.returncode > 0 else \
+            f"killed by signal {-done.returncode}"
+        last = done.err.decode(errors="replace").strip().splitlines()[-1:]
         raise DiscoveryFailed(f"{script} failed ({why})" + (f": {last[0]!r}" if last else ""))
     try:
-        return out.decode()
+        return done.out.decode()
     except UnicodeDecodeError:
         raise DiscoveryFailed(f"{script} printed something that is not UTF-8") from None
-
-
-async def _read_capped(proc: asyncio.subprocess.Process, stream: asyncio.StreamReader,
-                       limit: int | None) -> bytes | None:
-    """Everything until EOF.  More than ``limit`` bytes: None, and the script's process group
-    is killed (the rest is read and dropped).  ``limit`` None: only the last _STDERR_TAIL
-    bytes are kept (for an error message)."""
-    data: bytes | None = b""
-    while chunk := await stream.read(65536):
-        if data is None:
-            continue
-        data += chunk
-        if limit is None:
-            data = data[-_STDERR_TAIL:]
-        elif len(data) > limit:
-            data = None
-            _kill_group(proc)
-    return data
-
-
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL to the script's process group, while its leader is not reaped (so that the
-    group id cannot belong to anybody else)."""
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class HostDiscovery:
@@ -804,7 +784,9 @@ class HostDiscovery:
         self._failing = ""  # why the runs fail, while they do (logged when it changes)
 
     async def discover(self) -> discovery.Listing:
-        """One run: this node's listing; DiscoveryFailed if the run failed."""
+        """One run: this node's listing; DiscoveryFailed if the run failed, UntrustedScript
+        (before it runs) if the script is no longer root's alone."""
+        check_script(self.script)
         output = await run_discovery_script(self.script, self._timeout)
         try:
             hosts = discovery.parse_hosts(output)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
-import shutil
 import subprocess
 
+from . import trust
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,15 @@ def ruleset(table: str, *, port: int, uid: int, store_address: str | None) -> st
             f"}}\n")
 
 
+def _untrusted(program: str) -> str:
+    """Why the daemon (root) must not run ``program``; empty when it is root's alone."""
+    try:
+        trust.check_program(program)
+    except trust.Untrusted as exc:
+        return f"not running {exc}"
+    return ""
+
+
 class StoreFirewall:
     """The rule of one daemon: installed at start, removed at stop."""
 
@@ -61,9 +70,9 @@ class StoreFirewall:
         """Install the rule (None when it is off, or 'auto' and not possible here)."""
         if setting is False:
             return None
-        nft = shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
+        nft = trust.which("nft") or trust.which("nft", path="/usr/sbin:/sbin")
         problem = ("the daemon does not run as root" if uid != 0 else
-                   "nft is not installed" if nft is None else "")
+                   "nft is not installed" if nft is None else _untrusted(nft))
         if problem:
             if setting is True:
                 raise ConfigError(KEY, f"cannot install the store's nftables rule: {problem}")

@@ -4,12 +4,14 @@ script (a real process: no shell, a timeout, an output cap, the last good list k
 from __future__ import annotations
 
 import asyncio
+import os
+import pwd
 from pathlib import Path
 
 import pytest
 
 from harness import wait_gone
-from elasticd.cluster import DiscoveryFailed, HostDiscovery, run_discovery_script
+from elasticd.cluster import DiscoveryFailed, HostDiscovery, UntrustedScript, run_discovery_script
 from elasticd.discovery import EVERYONE, Listing, listing, parse_hosts
 
 
@@ -98,6 +100,39 @@ def test_a_timeout_kills_the_scripts_whole_process_group(tmp_path):
     with pytest.raises(DiscoveryFailed, match="did not finish"):
         run(run_discovery_script(path, 0.5))
     assert wait_gone([int(pid_file.read_text())], timeout=5) == []
+
+
+def test_children_left_in_the_background_die_with_the_run(tmp_path):
+    """Row 0e: a script that exits 0 and leaves background children (their output elsewhere,
+    so the pipes close) has its whole process group killed when it ends."""
+    pid_file = tmp_path / "children.pid"
+    path = script(tmp_path, f'for i in 1 2 3; do sleep 300 </dev/null >/dev/null 2>&1 & '
+                            f'echo $! >> {pid_file}; done\necho n1\n')
+    for _ in range(3):
+        assert run(run_discovery_script(path, 10)) == "n1\n"
+    children = [int(pid) for pid in pid_file.read_text().split()]
+    assert len(children) == 9 and wait_gone(children, timeout=10) == []
+
+
+def test_a_child_that_holds_the_output_pipe_is_killed_and_the_output_kept(tmp_path):
+    path = script(tmp_path, 'echo n1; sleep 300 &\necho n2\n')
+    assert run(asyncio.wait_for(run_discovery_script(path, 30), 10)) == "n1\nn2\n"
+
+
+def test_a_script_that_is_not_roots_alone_is_not_run(tmp_path):
+    """Checked before every run: a script handed to nobody after start-up is refused, and
+    the refusal is a failed run (the last good list stays in force)."""
+    tmp_path.chmod(0o755)
+    ran = tmp_path / "ran"
+    path = script(tmp_path, f'echo n1; touch {ran}\n')
+    discovery = HostDiscovery(path, interval=0.01, timeout=5, names=("n1",))
+    assert run(discovery.first()) == Listing(True)
+    ran.unlink()
+    os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+    with pytest.raises(UntrustedScript, match=f"refusing to run {path} is not root's alone: "
+                                              f"{path} belongs to nobody"):
+        run(discovery.discover())
+    assert not ran.exists()
 
 
 def test_unparsable_output_fails_the_run(tmp_path):
