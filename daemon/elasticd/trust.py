@@ -68,14 +68,14 @@ def loose_step(path: str, allowed: frozenset[int]) -> str | None:
         return "not an absolute path"
     todo = [part for part in reversed(path.split("/")) if part]
     here, links = "/", 0
-    problem = _loose("/", allowed)
+    problem = loose_entry("/", allowed)
     while problem is None and todo:
         name = todo.pop()
         if name in (".", ".."):
             here = here if name == "." else os.path.dirname(here)  # ``here`` has no links
             continue
         step = os.path.join(here, name)
-        problem = _loose(step, allowed)
+        problem = loose_entry(step, allowed)
         if problem is None and os.path.islink(step):
             links += 1
             if links > _MAX_LINKS:
@@ -88,7 +88,7 @@ def loose_step(path: str, allowed: frozenset[int]) -> str | None:
     return problem
 
 
-def _loose(path: str, allowed: frozenset[int]) -> str | None:
+def loose_entry(path: str, allowed: frozenset[int]) -> str | None:
     """Why someone else could change this one file, directory or link; None if nobody."""
     try:
         info = os.lstat(path)

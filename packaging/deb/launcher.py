@@ -7,10 +7,14 @@ when that names another Python @PYVER@ (a venv with torch: the c10d store host n
 """
 
 import os
+import re
 import sys
 
 LIB = "/usr/lib/elasticd"
 PYVER = "@PYVER@"
+SYSTEM = ("/usr", "/usr/local")  # the system's own Python: root's by construction
+_PATH_LITERAL = re.compile(r"""['"](/[^'"\n]*)['"]""")  # an absolute path in Python source
+_IMPORTED = re.compile(r"""(?:^|;)\s*(?:import|from)\s+([\w.]+)|__import__\(\s*['"]([\w.]+)['"]""")
 
 
 def refuse(message: str) -> None:
@@ -19,27 +23,112 @@ def refuse(message: str) -> None:
     sys.exit(2)
 
 
-def writable_by_others(top: str) -> str | None:
-    """A path under ``top`` (the interpreter's prefix: a venv) or above it that someone
-    other than root could change, or None.  Run as root, the daemon executes what is there:
-    a venv that a job's user can write to would hand that user root."""
-    def loose(path: str) -> bool:
-        st = os.lstat(path)
-        return st.st_uid != 0 or bool(st.st_mode & 0o022 and not os.path.islink(path))
-    path = top
-    while True:  # the prefix and every directory above it
-        if loose(path):
-            return path
-        if path == "/":
-            break
-        path = os.path.dirname(path)
-    if top in ("/usr", "/usr/local"):  # the system's own Python: root's by construction
+class Scan:
+    """What someone other than root could change, among a Python prefix (a venv), the
+    directories above it, everything under it, and what its symlinks lead to and its .pth
+    files name (the directories they add, and the absolute paths in their ``import`` lines
+    and in the modules those import from the same directory).  Run as root, the daemon
+    executes what is there: a venv that a job's user can write to would hand that user root.
+    Each step is judged by elasticd.trust (root's, and writable by nobody else)."""
+
+    def __init__(self, trust) -> None:
+        self._trust = trust
+        self._seen: set[str] = set()
+
+    def prefix(self, top: str) -> str | None:
+        return self.path(top)
+
+    def path(self, path: str) -> str | None:
+        """``path`` (every step from /, links followed) and, if a directory, all under it."""
+        walk = True
+        while not os.path.lexists(path):  # a missing one: whoever may make it there
+            path = os.path.dirname(path)
+            walk = False
+        problem = self._trust.loose_step(path, frozenset({0}))
+        real = os.path.realpath(path)
+        if problem or not walk or real in SYSTEM + ("/",) or real in self._seen:
+            return problem
+        self._seen.add(real)
+        if not os.path.isdir(real):
+            return None
+        problem = _shared_dir(real)
+        for folder, dirs, files in os.walk(real):
+            problem = problem or next(filter(None, (self._entry(os.path.join(folder, name))
+                                                    for name in dirs + files)), None)
+            if problem:
+                return problem
+            dirs[:] = [name for name in dirs if os.path.join(folder, name) not in self._seen]
+            self._seen.update(os.path.join(folder, name) for name in dirs)  # walked once
         return None
-    for folder, dirs, files in os.walk(top):
-        for name in dirs + files:
-            if loose(os.path.join(folder, name)):
-                return os.path.join(folder, name)
+
+    def _entry(self, path: str) -> str | None:
+        folder, name = os.path.split(path)
+        problem = self._trust.loose_entry(path, frozenset({0})) or _shared_dir(path)
+        if problem is None and os.path.islink(path):
+            problem = self.path(path)
+        if problem is None and name.endswith(".pth"):  # site.py reads it as if it were here
+            problem = self._pth(folder, path)
+        if problem is None and name == "sitecustomize.py":  # imported at every start
+            problem = self._source(folder, path)
+        return problem
+
+    def _pth(self, folder: str, pth: str) -> str | None:
+        """A .pth file's directories (site.py adds those that exist) and import lines."""
+        try:
+            with open(pth, encoding="utf-8", errors="replace") as file:
+                lines = file.read().splitlines()
+        except OSError as err:
+            return f"{pth}: {err.strerror}"
+        for line in lines:
+            if line.startswith(("import ", "import\t")):
+                problem = self._code(folder, line, follow=True)
+            elif line.strip() and not line.startswith("#"):
+                problem = self.path(os.path.join(folder, line.rstrip()))
+            else:
+                problem = None
+            if problem:
+                return f"{problem} (named by {pth})"
+        return None
+
+    def _code(self, folder: str, code: str, follow: bool) -> str | None:
+        """The absolute paths in ``code``, and those of the modules it imports from ``folder``."""
+        for literal in _PATH_LITERAL.findall(code):
+            problem = self.path(literal)
+            if problem:
+                return problem
+        modules = {a or b for a, b in _IMPORTED.findall(code)} if follow else set()
+        for module in sorted(modules):
+            source = os.path.join(folder, module.split(".")[0] + ".py")
+            problem = self._source(folder, source) if os.path.isfile(source) else None
+            if problem:  # not a module of this directory: a package (walked) or the stdlib
+                return problem
+        return None
+
+    def _source(self, folder: str, source: str) -> str | None:
+        try:
+            with open(source, encoding="utf-8", errors="replace") as file:
+                return self._code(folder, file.read(), follow=False)
+        except OSError as err:
+            return f"{source}: {err.strerror}"
+
+
+def _shared_dir(path: str) -> str | None:
+    """A directory whose entries count may not be writable even with the sticky bit (which
+    elasticd.trust allows only on the way: anyone may add a module to a sticky directory)."""
+    if os.path.isdir(path) and not os.path.islink(path) and os.lstat(path).st_mode & 0o022:
+        return f"{path} is a directory others can add files to"
     return None
+
+
+def writable_by_others(top: str) -> str | None:
+    """The first thing under, above or named from ``top`` that someone other than root could
+    change, and how (see Scan); None if there is none."""
+    sys.path.insert(0, f"{LIB}/lib")
+    try:
+        from elasticd import trust
+    finally:
+        del sys.path[0]
+    return Scan(trust).prefix(top)
 
 
 python = os.environ.get("ELASTICD_PYTHON", "") if @HONOURS_PYTHON@ else ""
@@ -48,11 +137,11 @@ if python and os.environ.pop("ELASTICD_LAUNCHED_BY", "") != python:  # once, not
     if os.geteuid() == 0:
         venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
         real = os.path.realpath(python)  # the interpreter a venv's bin/python3 links to
-        unsafe = writable_by_others(venv) or writable_by_others(os.path.dirname(real))
+        unsafe = (writable_by_others(venv)
+                  or writable_by_others(os.path.dirname(os.path.dirname(real))))
         if unsafe:
-            refuse(f"ELASTICD_PYTHON={python}: {unsafe} is not root's alone (another owner, "
-                   f"or group/world-writable); the daemon runs as root, so its Python must be "
-                   f"a venv only root can change")
+            refuse(f"ELASTICD_PYTHON={python} is not root's alone: {unsafe}; the daemon runs "
+                   f"as root, so its Python must be a venv only root can change")
     try:
         os.execv(python, [python, "-I", __file__, *sys.argv[1:]])
     except OSError as err:
