@@ -29,6 +29,7 @@ from .errors import RendezvousClosedError, RendezvousGone, RendezvousTimeoutErro
 from .fileaccess import FileAccess
 from .records import Outcome, Part
 from .keyspace import Keyspace
+from .journal import about, excerpt
 from .liveness import KeepAlive
 from .logs import LogBus, OutputLimit
 from .cluster import cpu_count
@@ -104,7 +105,7 @@ def describe(event: Event) -> str:
     if isinstance(event, WorkersExited):
         cause = event.result.root_cause
         lost = f" (node {', '.join(event.lost)} is gone)" if event.lost else ""
-        return f"rank {cause.rank} failed: {cause.message}{lost}" if cause else "workers succeeded"
+        return f"rank {cause.rank} failed: {excerpt(cause.message)}{lost}" if cause else "workers succeeded"
     if isinstance(event, RoundChanged):
         detail = event.event.reason or (f"{event.event.waiting} waiting" if event.event.waiting else "")
         return f"rendezvous: {event.event.kind}" + (f" ({detail})" if detail else "")
@@ -316,16 +317,18 @@ class JobAgent:
         except StoreError as exc:
             # This node lost the store: its share ends here (the others re-form without it,
             # and it can join again once the store answers); the job's fate is not ours to write.
-            log.warning("job %s: leaving, the store does not answer: %s", self.spec.id, exc)
+            log.warning("job %s: leaving, the store does not answer: %s", self.spec.id, exc,
+                        extra=about(self.spec.id))
             self.declined = str(exc)
             self._report(PartState.LEFT)
         except Exception:
-            log.exception("agent for job %s failed", self.spec.id)
+            log.exception("agent for job %s failed", self.spec.id, extra=about(self.spec.id))
             try:
                 await self._finish(Outcome(JobState.FAILED, self._now(), None,
                                            f"elasticd agent on {self.node} failed", None, self.node))
             except StoreError as exc:  # the job's end is then for the other nodes to record
-                log.warning("job %s: could not record that its agent failed: %s", self.spec.id, exc)
+                log.warning("job %s: could not record that its agent failed: %s", self.spec.id, exc,
+                            extra=about(self.spec.id))
             self._report(PartState.FAILED)
         finally:
             self._rdzv.shutdown()
@@ -439,7 +442,8 @@ class JobAgent:
             return None
         cause = done.result().root_cause
         self.declined = f"a worker failed while warming up: {cause.message if cause else 'no cause'}"
-        log.warning("job %s: %s leaves the job: %s", self.spec.id, self.node, self.declined)
+        log.warning("job %s: %s leaves the job: %s", self.spec.id, self.node, excerpt(self.declined),
+                    extra=about(self.spec.id))
         self._report(PartState.LEFT, None, pool.group)
         return None
 
@@ -563,7 +567,8 @@ class JobAgent:
         try:
             info = joining.result()
         except RendezvousGone as exc:
-            log.warning("job %s: not starting it on %s: %s", self.spec.id, self.node, exc)
+            log.warning("job %s: not starting it on %s: %s", self.spec.id, self.node, exc,
+                        extra=about(self.spec.id))
             self.declined = str(exc)
             self._report(PartState.LEFT)
             return None
@@ -609,7 +614,8 @@ class JobAgent:
         while True:
             event = await self._next_event(info, workers, notice_waiting)
             action = decide(event, info, self.spec)
-            log.info("job %s round %d: %s -> %s", self.spec.id, info.round, describe(event), action.value)
+            log.info("job %s round %d: %s -> %s", self.spec.id, info.round, describe(event), action.value,
+                     extra=about(self.spec.id))
             if action is Action.WATCH:
                 notice_waiting = False  # the job is at its max: waiting nodes stay waiting
                 continue
@@ -682,7 +688,7 @@ class JobAgent:
                 await self._rdzv.leave(self._leaving.result())
         except (TimeoutError, StoreError) as exc:
             log.warning("job %s: could not tell the rendezvous that %s leaves: %s",
-                        self.spec.id, self.node, exc or "no answer")
+                        self.spec.id, self.node, exc or "no answer", extra=about(self.spec.id))
         self._report(PartState.LEFT, info, group)
 
     async def _open_next_round(self, info: RendezvousInfo, reason: Reason, event: Event,

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 from .errors import NotFound
 from .history import History, HistoryError
+from .journal import about, excerpt
 from .model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
 from .records import JobRecord, Outcome, Part, expired, history_row, job_doc, record_from_history
 
@@ -141,7 +142,7 @@ class JobRegistry:
         record = self._jobs.get(job_id)
         if record is None or record.outcome is not None or record.held == why:
             return record
-        log.warning("job %s is held: %s", job_id, why)
+        log.warning("job %s is held: %s", job_id, why, extra=about(job_id))
         return self._put(replace(record, held=why, version=record.version + 1))
 
     def _put(self, record: JobRecord) -> JobRecord:
@@ -184,7 +185,8 @@ class JobRegistry:
             for row in self._unsaved.values():
                 outcome = row.get("outcome") or {}
                 log.error("job history: unsaved record of job %s: state %s, ended %s, %s",
-                          row["id"], row["state"], row.get("ended"), outcome.get("message", ""))
+                          row["id"], row["state"], row.get("ended"),
+                          excerpt(outcome.get("message", "")), extra=about(row["id"]))
 
     async def wait_change(self, job_id: str, seen_version: int) -> JobRecord:
         """Wait until the job's record is newer than ``seen_version``."""

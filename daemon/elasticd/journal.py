@@ -8,6 +8,18 @@ sd_journal_send): MESSAGE, PRIORITY, SYSLOG_IDENTIFIER, CODE_*, and our own ELAS
 ELASTICD_NODE and ELASTICD_JOB (``journalctl -u elasticd ELASTICD_JOB=j-7f3a21``).  A record
 that cannot be sent goes to stderr instead, so none is lost.
 
+A record concerns a job (ELASTICD_JOB) only when the daemon says so, with
+``extra=about(job_id)``: never because its text names a job, since that text may be a
+caller's (a request for another user's job) or a job's own.
+
+Every record's message is one line, escaped and capped, on stderr and in the journal alike
+(``LogFormatter``): control characters, bidi controls and lone surrogates become visible
+escapes as elasticctl shows them (``\\n``, ``\\x1b``, ``\\u202e``), and a message longer than
+``MAX_MESSAGE`` characters is cut with a marker.  A job's text (its error message) cannot
+start a line of its own, forge a field or move a terminal's cursor.  The daemon's own
+tracebacks stay multi-line (escaped but for their newlines, and capped to their last
+``MAX_TRACEBACK`` characters).
+
 ``ELASTICD_JOURNAL_SOCKET`` names another socket than journald's: for tests only.
 """
 
@@ -26,8 +38,43 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SOCKET_ENV = "ELASTICD_JOURNAL_SOCKET"
 IDENTIFIER = "elasticd"
 STDERR_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_JOB_ID = re.compile(r"\bj-[0-9a-f]{6}\b")  # what control.commands hands out
+MAX_MESSAGE = 1000     # characters of one record's message (the marker comes on top)
+MAX_TRACEBACK = 16384  # characters of a traceback: its end, where the error is
+JOB_TEXT = 300         # characters of a job's own text (its error message) in one record
 _SEND_BUFFER = 8 << 20  # as sd_journal_send asks; the kernel caps it at wmem_max
+# What is escaped (as elasticctl's render.clean does): C0 controls, DEL, C1 controls, bidi
+# controls and lone surrogates; newlines too, but in a traceback.
+_UNSAFE = r"\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_UNSAFE_IN_LINE = re.compile(f"[\n{_UNSAFE}]")
+_UNSAFE_IN_TRACEBACK = re.compile(f"[{_UNSAFE}]")
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` as one line: escaped, and cut after ``limit`` characters with a marker that
+    says how long it was."""
+    line = text if text.isprintable() else _UNSAFE_IN_LINE.sub(_escape, text[:limit])
+    if len(text) <= limit and len(line) <= limit:
+        return line
+    return f"{line[:limit]}… [cut: {len(text)} characters]"
+
+
+def excerpt(text: object) -> str:
+    """A job's own text (its error message, a reason it gave) for a log call: one line,
+    escaped, at most JOB_TEXT characters and a marker."""
+    return one_line(str(text), JOB_TEXT)
+
+
+def about(job_id: str) -> dict[str, str]:
+    """``extra=about(job_id)``: the record concerns this job (ELASTICD_JOB in the journal).
+    Only for a job id the daemon itself holds, never one read from a request's text."""
+    return {"job": job_id}
 
 
 def priority(level: int) -> int:
@@ -53,12 +100,32 @@ def encode(fields: Mapping[str, str]) -> bytes:
 
 
 def job_of(record: logging.LogRecord) -> str | None:
-    """The job a record concerns: its ``extra={"job": ...}``, else a job id its message names."""
+    """The job a record concerns, as the daemon said (``extra=about(job_id)``), or None."""
     job = getattr(record, "job", None)
-    if job:
-        return str(job)
-    found = _JOB_ID.search(record.getMessage())
-    return found.group() if found else None
+    return str(job) if job else None
+
+
+class LogFormatter(logging.Formatter):
+    """The message as one line (escaped, capped: see the module's docstring), then the
+    traceback, if any, with its newlines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = one_line(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        text = self.formatMessage(record)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        for more in (record.exc_text, record.stack_info and self.formatStack(record.stack_info)):
+            if more:
+                text += "\n" + _traceback(more)
+        return text
+
+
+def _traceback(text: str) -> str:
+    if len(text) > MAX_TRACEBACK:
+        text = f"[cut: the last {MAX_TRACEBACK} of {len(text)} characters]\n" + text[-MAX_TRACEBACK:]
+    return text if text.isprintable() else _UNSAFE_IN_TRACEBACK.sub(_escape, text)
 
 
 def record_fields(record: logging.LogRecord, message: str, node: str) -> dict[str, str]:
@@ -104,7 +171,7 @@ class JournalHandler(logging.Handler):
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
         except OSError:
             pass
-        self.setFormatter(logging.Formatter("%(message)s"))  # adds the traceback, if any
+        self.setFormatter(LogFormatter("%(message)s"))  # adds the traceback, if any
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -120,7 +187,7 @@ class JournalHandler(logging.Handler):
 
 def plain_handler(stream: TextIO) -> logging.Handler:
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter(STDERR_FORMAT))
+    handler.setFormatter(LogFormatter(STDERR_FORMAT))
     return handler
 
 

@@ -24,6 +24,7 @@ from .board import BoardFollower, JobBoard
 from .discovery import Listing
 from .errors import Conflict, StoreError
 from .jobs import JobRegistry
+from .journal import about
 from .records import JobRecord, Outcome, Part, started
 from .model import JobSpec, JobState
 from .placement import Offer, Resources, place, refusal
@@ -198,7 +199,8 @@ class JobService:
                 async with asyncio.timeout(_SHUTDOWN_PUBLISH):
                     await self._board.publish_part(job_id, part)
             except (StoreError, TimeoutError) as exc:
-                log.warning("could not publish %s's part of %s: %s", part.node, job_id, exc or "timed out")
+                log.warning("could not publish %s's part of %s: %s", part.node, job_id, exc or "timed out",
+                            extra=about(job_id))
                 failed[job_id] = part
         for job_id, part in failed.items():
             self._unpublished.setdefault(job_id, part)
@@ -241,7 +243,8 @@ class JobService:
             try:
                 self._start_agent(self._registry.get(offer.job_id), offer)
             except Exception:  # one job that cannot start must not hold up the jobs behind it
-                log.exception("job %s: cannot start its agent on %s", offer.job_id, self.node)
+                log.exception("job %s: cannot start its agent on %s", offer.job_id, self.node,
+                              extra=about(offer.job_id))
                 self._unstartable.add(offer.job_id)
 
     def _refused_here(self, jobs: list[JobRecord]) -> set[str]:
@@ -250,7 +253,8 @@ class JobService:
             if record.outcome is None and record.id not in self._refused:
                 why = self._refusal(record)
                 if why:
-                    log.warning("job %s: not run on %s: %s", record.id, self.node, why)
+                    log.warning("job %s: not run on %s: %s", record.id, self.node, why,
+                                extra=about(record.id))
                 self._refused[record.id] = why
         return {job_id for job_id, why in self._refused.items() if why}
 
@@ -269,13 +273,14 @@ class JobService:
         running = self._running[record.id] = _Running(agent, offer)
         self._tasks.create_task(self._run_agent(running))
         log.info("job %s: joining with %d workers%s", record.id, offer.nproc,
-                 f" on GPUs {','.join(offer.gpus)}" if offer.gpus else "")
+                 f" on GPUs {','.join(offer.gpus)}" if offer.gpus else "", extra=about(record.id))
 
     async def _run_agent(self, running: _Running) -> None:
         try:
             await running.agent.run()
         except Exception:  # whatever one job's agent does, it never reaches the task group
-            log.exception("job %s: its agent on %s ended with an error", running.agent.spec.id, self.node)
+            log.exception("job %s: its agent on %s ended with an error", running.agent.spec.id, self.node,
+                          extra=about(running.agent.spec.id))
         finally:
             job_id = running.agent.spec.id
             del self._running[job_id]

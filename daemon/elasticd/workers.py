@@ -40,6 +40,7 @@ from . import errorfile
 from .cgroups import JobCgroup
 from .errorfile import Recorded
 from .fileaccess import DIR_MODE, FILE_MODE, FileAccess, Readers
+from .journal import about
 from .logs import OutputLimit, Rotations, move_stream, rotate
 from .paths import is_own_dir
 from .model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState,
@@ -336,7 +337,7 @@ class LocalWorkers:
                         self._outputs[slot][stream].path = target
         except OSError as exc:
             log.warning("job %s: output of slot %d stays in %s: %s", self.spec.id, slot,
-                        self._files[slot]["out"], exc)
+                        self._files[slot]["out"], exc, extra=about(self.spec.id))
 
     def alive(self) -> list[int]:
         """Slots whose worker runs."""
@@ -491,7 +492,8 @@ class LocalWorkers:
         try:
             return errorfile.keep(self.error_file(self.group.workers[local_rank]), self._create)
         except Exception as exc:  # a fault here must not change the outcome: the exit decides it
-            log.exception("job %s: the error file of local rank %d", self.spec.id, local_rank)
+            log.exception("job %s: the error file of local rank %d", self.spec.id, local_rank,
+                          extra=about(self.spec.id))
             return Recorded(unreadable=f"elasticd failed to read it: {exc!r}")
 
     def _record_exit(self, local_rank: int, code: int, recorded: Recorded | None = None) -> None:
@@ -544,7 +546,7 @@ class LocalWorkers:
             await asyncio.wait(list(self._exits.values()))
         if self._cgroup is not None and not await self._cgroup.wait_empty(_EMPTY_TIMEOUT):
             log.warning("job %s: processes left in %s after SIGKILL: %s", self.spec.id,
-                        self._cgroup.path, self._cgroup.pids())
+                        self._cgroup.path, self._cgroup.pids(), extra=about(self.spec.id))
         await self._drain_pipes()
 
     def _cgroup_populated(self) -> bool:

@@ -56,7 +56,8 @@ def test_syslog_priorities(level, expected):
 
 def test_the_fields_of_a_record():
     fields = journal.record_fields(record("job %s: joining with %d workers", "j-0a1b2c", 2,
-                                          level=logging.WARNING), "the text", "node7")
+                                          level=logging.WARNING, **journal.about("j-0a1b2c")),
+                                   "the text", "node7")
     assert fields == {"MESSAGE": "the text", "PRIORITY": "4", "SYSLOG_IDENTIFIER": "elasticd",
                       "ELASTICD_LOGGER": "elasticd.scheduler", "ELASTICD_NODE": "node7",
                       "CODE_FILE": "/x/scheduler.py", "CODE_LINE": "42", "CODE_FUNC": "take",
@@ -64,14 +65,62 @@ def test_the_fields_of_a_record():
 
 
 @pytest.mark.parametrize("made, job", [
-    (record("job %s round %d: restart", "j-00ff11", 1), "j-00ff11"),
+    (record("store up", **journal.about("j-123456")), "j-123456"),
+    (record("job j-abcdef: x", **journal.about("j-123456")), "j-123456"),
+    # Row 0h: a job id in the text is nobody's word for it (a request's op, a job's error)
+    (record("job %s round %d: restart", "j-00ff11", 1), None),
+    (record("control: %s refused: %s: %s", "j-00ff11", "not_found", "no such op"), None),
     (record("node n1: drained"), None),
-    (record("store up", job="j-123456"), "j-123456"),  # extra={"job": ...} wins
-    (record("job j-abcdef: x", job="j-123456"), "j-123456"),
-    (record("no job in xj-abcdef or j-abcdefg or j-ABCDEF"), None),
 ])
-def test_the_job_a_record_concerns(made, job):
+def test_the_job_a_record_concerns_is_the_daemons_word_only(made, job):
     assert journal.job_of(made) == job
+
+
+@pytest.mark.parametrize("text, line", [
+    ("plain", "plain"),
+    ("two\nlines\r\tand a tab", "two\\nlines\\r\\tand a tab"),
+    ("\x1b[2J\x1b]0;title\x07 \x7f\x9b", "\\x1b[2J\\x1b]0;title\\x07 \\x7f\\x9b"),
+    ("bidi \u202e and \u2066, a lone \udcff", "bidi \\u202e and \\u2066, a lone \\udcff"),
+    ("x\nPRIORITY=0\nELASTICD_JOB=j-000000", "x\\nPRIORITY=0\\nELASTICD_JOB=j-000000"),
+    ("é ✓ 中文", "é ✓ 中文"),  # printable text stays as it is
+])
+def test_one_line_escapes_as_elasticctl_shows_text(text, line):
+    assert journal.one_line(text) == line
+
+
+def test_one_line_caps_with_a_marker_that_says_how_long_it_was():
+    assert journal.one_line("x" * 20, 10) == "x" * 10 + "… [cut: 20 characters]"
+    assert journal.one_line("\n" * 8, 10) == "\\n" * 5 + "… [cut: 8 characters]"  # escapes count
+    assert journal.one_line("x" * 10, 10) == "x" * 10
+    assert journal.excerpt(ValueError("y" * 5000)) == "y" * journal.JOB_TEXT + "… [cut: 5000 characters]"
+
+
+def formatted(fmt: str, made: logging.LogRecord) -> str:
+    return journal.LogFormatter(fmt).format(made)
+
+
+def test_the_formatter_makes_the_message_one_line_and_keeps_a_traceback_multi_line():
+    try:
+        raise RuntimeError("bad\x1b[31m\nthing")
+    except RuntimeError:
+        import sys
+        failed = logging.LogRecord("elasticd.agent", logging.ERROR, __file__, 7,
+                                   "job %s failed: %s", ("j-abc123", "a\nPRIORITY=0\x1b[2J"),
+                                   sys.exc_info(), func="run")
+    text = formatted("%(levelname)s %(name)s: %(message)s", failed)
+    first, *rest = text.split("\n")
+    assert first == "ERROR elasticd.agent: job j-abc123 failed: a\\nPRIORITY=0\\x1b[2J"
+    assert rest[0] == "Traceback (most recent call last):" and len(rest) > 3
+    assert rest[-2:] == ["RuntimeError: bad\\x1b[31m", "thing"]  # escaped, but for its newlines
+    assert "\x1b" not in text
+
+
+def test_a_long_traceback_keeps_its_end():
+    made = record("failed")
+    made.exc_text = "Traceback\n" + "  frame\n" * 10000 + "ValueError: the end"
+    text = formatted("%(message)s", made)
+    assert len(text) < journal.MAX_TRACEBACK + 200 and text.endswith("ValueError: the end")
+    assert text.split("\n")[1].startswith("[cut: the last 16384 of ")
 
 
 @pytest.mark.parametrize("value, parsed", [
@@ -117,6 +166,7 @@ def test_one_datagram_per_record_with_the_traceback_in_the_message(journald):
         import sys
         failed = logging.LogRecord("elasticd.agent", logging.ERROR, __file__, 7,
                                    "agent for job %s failed", ("j-abc123",), sys.exc_info(), func="run")
+    failed.__dict__.update(journal.about("j-abc123"))
     handler.handle(failed)
     fields = decode(journald.recv(1 << 20))
     assert fields["MESSAGE"].startswith("agent for job j-abc123 failed\nTraceback")
@@ -134,13 +184,27 @@ def test_without_the_socket_the_record_goes_to_stderr(tmp_path):
     handler.close()
 
 
-def test_a_record_too_large_for_a_datagram_goes_to_stderr(journald):
+def test_a_huge_message_reaches_the_journal_cut_to_one_line(journald):
+    """Row 4: a job's error of 64 MiB with newlines and forged fields is one capped line."""
     stderr = io.StringIO()
     handler = handler_to(journald.getsockname(), stderr)
-    handler.handle(record("huge %s", "x" * (64 << 20)))
-    handler.handle(record("small"))
-    assert stderr.getvalue().count("\n") == 1 and "INFO elasticd.scheduler: huge xxx" in stderr.getvalue()
-    assert decode(journald.recv(1 << 20))["MESSAGE"] == "small"
+    handler.handle(record("failed: %s", "x\nPRIORITY=0\nELASTICD_JOB=j-000000\n" * (2 << 20)))
+    fields = decode(journald.recv(1 << 20))
+    assert fields["MESSAGE"].startswith("failed: x\\nPRIORITY=0\\nELASTICD_JOB=j-000000\\nx")
+    assert fields["MESSAGE"].endswith(f"… [cut: {8 + 35 * (2 << 20)} characters]")
+    assert len(fields["MESSAGE"]) < journal.MAX_MESSAGE + 40 and "\n" not in fields["MESSAGE"]
+    assert fields["PRIORITY"] == "6" and "ELASTICD_JOB" not in fields
+    assert stderr.getvalue() == ""
+    handler.close()
+
+
+def test_a_record_the_journal_refuses_goes_to_stderr_as_one_line(tmp_path):
+    stderr = io.StringIO()
+    handler = handler_to(str(tmp_path / "gone.sock"), stderr)
+    handler.handle(record("failed: %s", "a\n2026-01-01 00:00:00,000 ERROR elasticd: forged\x1b[2J"))
+    assert stderr.getvalue().count("\n") == 1
+    assert stderr.getvalue().endswith(
+        " INFO elasticd.scheduler: failed: a\\n2026-01-01 00:00:00,000 ERROR elasticd: forged\\x1b[2J\n")
     handler.close()
 
 

@@ -56,6 +56,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
+from elasticd.journal import about
 from elasticd.errors import (RendezvousClosedError, RendezvousGone, RendezvousStateError,
                              RendezvousTimeoutError, StoreError)
 from elasticd.rendezvous.ops import (
@@ -277,6 +278,7 @@ class RendezvousHandler:
         may_create: bool = True,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
+        self._logger = logging.LoggerAdapter(log, about(settings.run_id))  # its records concern the job
         self._may_create = may_create  # False: the job ran; never start a fresh state for it
         self._beat_versions = VersionClock()
         self._fresh = Freshness()  # heartbeats: an older beat written back is no beat
@@ -350,7 +352,7 @@ class RendezvousHandler:
         _, action = await self._execute(
             lambda state, view, now: decide_next_round(state, round, reason, self._settings, lost))
         if action.act is Act.OPEN_ROUND:
-            log.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node,
+            self._logger.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node,
                      round + 1, reason)
         return _NEXT_ROUND[action.act]
 
@@ -450,15 +452,15 @@ class RendezvousHandler:
                 self._resolve_watches(self._newest.state)
                 await self._idle(due)
             except RendezvousStateError as err:
-                log.error("rendezvous %s: %s", self._settings.run_id, err)
+                self._logger.error("rendezvous %s: %s", self._settings.run_id, err)
                 self._fail_watches(err)
                 await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
             except StoreError as err:
-                log.warning("rendezvous %s: store error in the keeper of %s: %s",
+                self._logger.warning("rendezvous %s: store error in the keeper of %s: %s",
                             self._settings.run_id, self.node, err)
                 await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
             except Exception as err:  # a bug must not silence this node's heartbeat for good
-                log.exception("rendezvous %s: the keeper of %s failed", self._settings.run_id, self.node)
+                self._logger.exception("rendezvous %s: the keeper of %s failed", self._settings.run_id, self.node)
                 self._fail_watches(err)
                 await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
 
@@ -489,7 +491,7 @@ class RendezvousHandler:
                                                    replace(view, beats=beats), now), seen=seen)
         if action.state is not None and action.act in (Act.OPEN_ROUND, Act.REMOVE):
             silent = sorted(others - watched(action.state, View()))
-            log.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
+            self._logger.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
                         self.node, ", ".join(silent), action.act.value, action.state.round)
         return beats
 
@@ -561,7 +563,7 @@ class RendezvousHandler:
                     why = "vanished" if snap.raw is None else "was refused"
                     (snap, logged), won = await self._write(snap, restore.state)
                     if won:
-                        log.warning("rendezvous %s: the state %s; %s restored round %d",
+                        self._logger.warning("rendezvous %s: the state %s; %s restored round %d",
                                     self._settings.run_id, why, self.node, restore.state.round)
                     continue
                 if not self._may_create:
