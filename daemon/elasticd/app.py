@@ -273,7 +273,7 @@ class Daemon:
             logs = LogBus()
             ctx = zmq.asyncio.Context()
             closing.callback(ctx.term)
-            zap = Zap(ctx)
+            zap = Zap(ctx, on_refused=lambda domain: self.metrics.peer_refused.inc())
             closing.callback(zap.close)
             keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
             nodes = NodeService(await self._node_registry(store, signer),

@@ -58,6 +58,10 @@ class Metrics:
                                         registry=reg)
         self.control_connections = Gauge("elasticd_control_connections",
                                          "Open control-socket connections", registry=reg)
+        self.peer_refused = Counter(
+            "elasticd_peer_refused_total",
+            "Connections to the peer port refused at the CURVE handshake (a key that is no node's)",
+            registry=reg)
         self.refused_records = Counter("elasticd_store_refused_records_total",
                                        "Store records refused (forged, copied from another key, older than one seen, or unreadable)", registry=reg)
         self.output_dropped_bytes = Counter(

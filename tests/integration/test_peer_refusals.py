@@ -1,0 +1,75 @@
+"""Refused handshakes on the peer port are counted, and logged in a few lines (issue 24 row
+0g): 1500 CURVE handshakes with the node's public key (it is in its node record) and keys
+that are no node's gave 1500 WARNING lines.  Now: the first is logged, every one is counted
+(elasticd_peer_refused_total), and one line per interval sums up the rest."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+
+import psutil
+import zmq
+
+from harness import Daemon, free_port
+from store_attack import metric, wait_for
+
+HANDSHAKES = 1500
+BATCH = 100
+REFUSED = "elasticd_peer_refused_total"
+
+
+def peer_port(daemon: Daemon) -> int:
+    """The daemon's listening TCP port that is not its metrics port."""
+    assert daemon.proc is not None
+    ports = {c.laddr.port for c in psutil.Process(daemon.proc.pid).net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN}
+    (port,) = ports - {daemon.metrics_port}
+    return port
+
+
+def handshake_flood(port: int, server_key: bytes, count: int, daemon: Daemon) -> None:
+    """``count`` CURVE handshakes, each with a fresh key pair that is no node's, a batch of
+    sockets at a time (each batch waits until the daemon has refused all of it)."""
+    ctx = zmq.Context()
+    try:
+        for start in range(0, count, BATCH):
+            sockets = []
+            for _ in range(min(BATCH, count - start)):
+                public, secret = zmq.curve_keypair()
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one handshake per socket
+                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, public, secret
+                sock.connect(f"tcp://127.0.0.1:{port}")
+                sockets.append(sock)
+            wanted = start + len(sockets)
+            wait_for(lambda: metric(daemon, REFUSED) >= wanted, 120, f"{wanted} refused handshakes")
+            for sock in sockets:
+                sock.close()
+    finally:
+        ctx.term()
+
+
+def test_a_flood_of_refused_handshakes_is_counted_and_summed_up(daemon_factory):
+    daemon = daemon_factory(f"pr-{uuid.uuid4().hex[:6]}", metrics_port=free_port()).start()
+    server_key = json.loads((daemon.state_dir / "peer.key").read_text())["public"].encode()
+    started = time.monotonic()
+    handshake_flood(peer_port(daemon), server_key, HANDSHAKES, daemon)
+    assert metric(daemon, REFUSED) == HANDSHAKES  # every one counted
+    lines = [line for line in daemon.log_text().splitlines() if "refused" in line and "peer" in line]
+    if time.monotonic() - started < 55:  # within the first interval: the first alone is logged
+        assert len(lines) == 1, lines
+    assert re.search(r"WARNING .*: refused a elasticd-peer connection from 127\.0\.0\.1 ", lines[0])
+
+    def summed_up() -> int:
+        text = daemon.log_text()
+        return sum(int(n) for n in re.findall(r"refused (\d+) more elasticd-peer connections "
+                                              r"in the last 60 s \(the newest from 127\.0\.0\.1\)", text))
+
+    wait_for(lambda: summed_up() == HANDSHAKES - 1, 150, "the summary of the other refusals")
+    lines = [line for line in daemon.log_text().splitlines() if "refused" in line and "peer" in line]
+    assert 2 <= len(lines) <= 4, lines  # the first, then one line per 60 s
+    assert daemon.ctl("nodes")[0]["state"] == "up"  # and the daemon serves on
