@@ -89,9 +89,10 @@ class GroupRun:
     def _on_exit(self) -> None:
         """The leader exited: seen, not reaped (WNOWAIT)."""
         status = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        if status is not None and not self.exited.done():
+        if status is not None:
             self._loop.remove_reader(self._pidfd)
-            self.exited.set_result(None)
+            if not self.exited.done():
+                self.exited.set_result(None)
 
     def kill(self) -> None:
         """SIGKILL to the whole group; the leader is not reaped yet, so the group is ours."""
@@ -112,11 +113,13 @@ class GroupRun:
     async def close(self) -> None:
         """End the run whatever its state (idempotent): kill the group, reap the leader."""
         self.kill()
-        if not self._reaped:
-            await self.exited
+        try:
+            if not self._reaped:
+                await asyncio.shield(self.exited)
+        finally:  # cancelled again meanwhile: the SIGKILLed leader is reaped all the same
             self._reap()
-        self._out.close()
-        self._err.close()
+            self._out.close()
+            self._err.close()
 
     def _reap(self) -> int:
         if not self._reaped:

@@ -8,6 +8,7 @@ import os
 import pwd
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness import wait_gone
@@ -117,6 +118,26 @@ def test_children_left_in_the_background_die_with_the_run(tmp_path):
 def test_a_child_that_holds_the_output_pipe_is_killed_and_the_output_kept(tmp_path):
     path = script(tmp_path, 'echo n1; sleep 300 &\necho n2\n')
     assert run(asyncio.wait_for(run_discovery_script(path, 30), 10)) == "n1\nn2\n"
+
+
+def test_a_cancelled_run_leaves_no_process_and_no_zombie(tmp_path):
+    """The daemon stops while a run is under way: the group is killed, the leader reaped."""
+    pid_file = tmp_path / "pids"
+    path = script(tmp_path, f'sleep 300 </dev/null >/dev/null 2>&1 & echo $$ $! > {pid_file}; sleep 300\n')
+
+    async def scenario() -> None:
+        running = asyncio.create_task(run_discovery_script(path, 60))
+        async with asyncio.timeout(10):
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                await asyncio.sleep(0.01)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+    run(scenario())
+    leader, child = map(int, pid_file.read_text().split())
+    assert wait_gone([leader, child], timeout=10) == []
+    assert not [p for p in psutil.Process().children() if p.pid == leader]  # reaped: no zombie
 
 
 def test_a_script_that_is_not_roots_alone_is_not_run(tmp_path):
