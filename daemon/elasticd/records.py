@@ -119,10 +119,19 @@ def started(parts_or_record: Iterable[Part] | JobRecord) -> float | None:
     return min((p.started for p in parts if p.started is not None), default=None)
 
 
-def worker_groups(records: Iterable[JobRecord], node: str) -> dict[int, float]:
-    """The process groups of the workers ``node`` ran for these jobs (a worker's pid -> when
-    its part started), for reaping what a daemon that died left behind."""
-    return {int(worker["pid"]): part.started
+@dataclass(frozen=True)
+class WorkerGroupLeft:
+    """A process group a worker of a daemon that died may have left: whose it is."""
+
+    job_id: str
+    uid: int
+    started: float  # when the job's part started here (wall clock)
+
+
+def worker_groups(records: Iterable[JobRecord], node: str) -> dict[int, WorkerGroupLeft]:
+    """The process groups of the workers ``node`` ran for these jobs (a worker's pid, its
+    group's id -> whose), for reaping what a daemon that died left behind."""
+    return {int(worker["pid"]): WorkerGroupLeft(record.id, record.spec.uid, part.started)
             for record in records if (part := record.parts.get(node)) is not None and part.started
             for worker in part.workers if worker.get("pid")}
 

@@ -43,6 +43,7 @@ from .fileaccess import DIR_MODE, FILE_MODE, FileAccess, Readers
 from .journal import about
 from .logs import OutputLimit, Rotations, move_stream, rotate
 from .paths import is_own_dir
+from .records import WorkerGroupLeft
 from .model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState,
                     worker_env)
 
@@ -141,27 +142,30 @@ def exit_code(status: os.waitid_result) -> int:
     return -status.si_status
 
 
-def reap_leftovers(groups: Mapping[int, float]) -> int:
+def reap_leftovers(groups: Mapping[int, WorkerGroupLeft], boot_time: float | None = None) -> int:
     """Kill what is left in the process groups of workers that a previous daemon ran here
-    (``groups``: a worker's pid, which is its group's id -> when its job's workers started);
-    how many processes were killed.
+    (``groups``: a worker's pid, which is its group's id -> whose); how many were killed.
 
     Workers die with their daemon (PDEATHSIG); this catches descendants that stayed in a
-    worker's process group when the job had no cgroup.  A process is taken for ours only if
-    it started after that job's workers did (the pid may have been reused since).
+    worker's process group when the job had no cgroup.  Pids are reused, so a process is
+    taken for the job's only if all of this holds: the host has not rebooted since the job
+    started here, the process started after it, runs as the job's user, and carries the
+    job's id in its environment (TORCHELASTIC_RUN_ID, which workers pass on).  Anything
+    else (a user's shell that got a dead worker's pid as its group) is left alone.
     """
+    booted = psutil.boot_time() if boot_time is None else boot_time
     killed = 0
     for proc in psutil.process_iter(["pid", "create_time"]):
         try:
-            started = groups.get(os.getpgid(proc.info["pid"]))
-        except OSError:
+            left = groups.get(os.getpgid(proc.info["pid"]))
+            if left is None or booted > left.started or proc.info["create_time"] < left.started - 1:
+                continue
+            if proc.uids().real != left.uid or proc.environ().get("TORCHELASTIC_RUN_ID") != left.job_id:
+                continue
+            os.kill(proc.info["pid"], signal.SIGKILL)
+            killed += 1
+        except (OSError, psutil.Error):
             continue
-        if started is not None and proc.info["create_time"] >= started - 1:
-            try:
-                os.kill(proc.info["pid"], signal.SIGKILL)
-                killed += 1
-            except OSError:
-                pass
     return killed
 
 
