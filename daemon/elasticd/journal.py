@@ -159,14 +159,19 @@ def is_journal(stream: TextIO, environ: Mapping[str, str]) -> bool:
 
 
 class JournalHandler(logging.Handler):
-    """One datagram per record to journald; a record it cannot send goes to ``fallback``."""
+    """One datagram per record to journald; a record it cannot send goes to ``fallback``.
+    The socket never blocks: while journald does not keep up (its queue is full) records
+    are dropped and counted, and the next one that goes through is preceded by a line
+    saying how many were lost, for the daemon's event loop must never wait on its log."""
 
     def __init__(self, node: str, fallback: logging.Handler, path: str = JOURNAL_SOCKET) -> None:
         super().__init__()
         self.node = node
         self.path = path
         self._fallback = fallback
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                                     | socket.SOCK_NONBLOCK)
+        self.dropped = 0  # records dropped since the last one journald took
         try:
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
         except OSError:
@@ -175,10 +180,22 @@ class JournalHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            datagram = encode(record_fields(record, self.format(record), self.node))
-            self._socket.sendto(datagram, self.path)
+            if self.dropped:
+                self._send(self._dropped_notice())
+                self.dropped = 0
+            self._send(record)
+        except BlockingIOError:  # journald is behind
+            self.dropped += 1
         except Exception:  # gone, refused, too large: this record goes to stderr instead
             self._fallback.handle(record)
+
+    def _send(self, record: logging.LogRecord) -> None:
+        self._socket.sendto(encode(record_fields(record, self.format(record), self.node)), self.path)
+
+    def _dropped_notice(self) -> logging.LogRecord:
+        return logging.LogRecord(__name__, logging.WARNING, __file__, 0,
+                                 "%d log records were dropped: journald did not keep up",
+                                 (self.dropped,), None, func="emit")
 
     def close(self) -> None:
         self._socket.close()

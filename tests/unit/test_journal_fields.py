@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 import os
 import socket
 import struct
@@ -213,4 +214,30 @@ def test_emit_never_raises_even_when_stderr_fails_too(tmp_path):
     stderr.close()
     handler = handler_to(str(tmp_path / "gone.sock"), stderr)
     handler.handle(record("lost in every way"))
+    handler.close()
+
+
+def test_a_journald_that_does_not_read_never_blocks_the_daemon(journald):
+    """Its queue full, records are dropped and counted (a blocking send would stall the
+    event loop); once it reads again, a line says how many were lost, then the record."""
+    stderr = io.StringIO()
+    handler = handler_to(journald.getsockname(), stderr)
+    started = time.monotonic()
+    for n in range(2000):  # far past the kernel's queue of unread datagrams
+        handler.handle(record("job %s: line %d", "j-0a1b2c", n))
+    assert time.monotonic() - started < 30  # it returned: no send waited for journald
+    assert handler.dropped > 0 and stderr.getvalue() == ""
+    dropped = handler.dropped
+    journald.setblocking(False)
+    while True:  # journald catches up
+        try:
+            journald.recv(1 << 20)
+        except BlockingIOError:
+            break
+    handler.handle(record("job %s: after", "j-0a1b2c"))
+    journald.setblocking(True)
+    notice, after = decode(journald.recv(1 << 20)), decode(journald.recv(1 << 20))
+    assert notice["MESSAGE"] == f"{dropped} log records were dropped: journald did not keep up"
+    assert notice["PRIORITY"] == "4"
+    assert after["MESSAGE"] == "job j-0a1b2c: after" and handler.dropped == 0
     handler.close()
