@@ -525,7 +525,7 @@ def run_job(args: argparse.Namespace, request: dict[str, Any], plan: torchrun.Ou
     job_id = str(job.get("id"))
     if args.json:
         print(json.dumps(job), flush=True)
-    print(render.clean(f"{PROG}: {render.submitted_line(job)}"), file=sys.stderr, flush=True)
+    print(render.clean(f"{prog(args)}: {render.submitted_line(job)}"), file=sys.stderr, flush=True)
     places = follow.RankPlaces(lambda: status_of(args, job_id))
     console = follow.Console(job_id, plan, places, sys.stdout, sys.stderr)
     try:
@@ -541,7 +541,9 @@ def run_job(args: argparse.Namespace, request: dict[str, Any], plan: torchrun.Ou
     return job_exit_status(args, job)
 
 
-PROG = "elasticctl"
+def prog(args: argparse.Namespace) -> str:
+    """The command's name in its messages: elasticctl, or elasticrun (``args.prog``)."""
+    return getattr(args, "prog", "elasticctl")
 
 
 class cancelling_signals:
@@ -571,9 +573,9 @@ def cancel_followed(args: argparse.Namespace, job_id: str) -> int:
     try:
         with connect(args) as daemon:
             job = daemon.call("cancel", {"job": job_id})
-        print(render.clean(f"{PROG}: {render.cancelled_line(job, job_id)}"), file=sys.stderr)
+        print(render.clean(f"{prog(args)}: {render.cancelled_line(job, job_id)}"), file=sys.stderr)
     except ClientError as exc:
-        print(render.clean(f"{PROG}: could not cancel job {job_id}: {exc.message}"), file=sys.stderr)
+        print(render.clean(f"{prog(args)}: could not cancel job {job_id}: {exc.message}"), file=sys.stderr)
     return INTERRUPTED
 
 
@@ -759,8 +761,7 @@ def elasticrun(argv: Sequence[str] | None = None) -> int:
         return fail(argparse.Namespace(json=False), "usage", str(exc), 2, prefix="elasticrun: ")
     if args.max_restarts is None:
         args.max_restarts = 0
-    global PROG
-    PROG = "elasticrun"
+    args.prog = "elasticrun"
     return dispatch(args)
 
 
@@ -776,12 +777,12 @@ def dispatch(args: argparse.Namespace) -> int:
         return args.handler(args)
     except UsageError as exc:  # our own words: one line per refusal
         for line in str(exc).split("\n")[:-1]:
-            print(render.clean(f"{PROG}: {line}"), file=sys.stderr)
-        return fail(args, "usage", str(exc).split("\n")[-1], 2, prefix=f"{PROG}: ")
+            print(render.clean(f"{prog(args)}: {line}"), file=sys.stderr)
+        return fail(args, "usage", str(exc).split("\n")[-1], 2, prefix=f"{prog(args)}: ")
     except Unavailable as exc:
         return fail(args, exc.code, exc.message, 2, prefix="")
     except ClientError as exc:
-        return fail(args, exc.code, exc.message, 1, prefix=f"{PROG}: ")
+        return fail(args, exc.code, exc.message, 1, prefix=f"{prog(args)}: ")
     except KeyboardInterrupt:
         return INTERRUPTED
     except BrokenPipeError:  # e.g. `elasticctl logs j-1 | head`
