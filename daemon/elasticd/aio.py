@@ -3,6 +3,14 @@
 Deadlines are ``asyncio.timeout`` blocks, never ``asyncio.wait_for``: in Python 3.11
 ``wait_for`` swallows a cancellation that arrives as its inner future completes (CPython
 gh-86296), and a task that lost its cancellation runs on (a keeper that never stops).
+
+A cancellation can also arrive as another exception: ``asyncio.gather`` ends with the first
+error of a child, even one that failed as the caller's cancellation reached it (a store
+client closed under it), and the caller then gets that error instead of CancelledError.
+A loop that handles the error and waits again has lost its cancellation for good (issue 24:
+a rendezvous keeper that never ended).  So the daemon gathers with :func:`gather`, and a
+loop that handled an error pauses with :func:`back_off`, which stops a task that was asked
+to.
 """
 
 from __future__ import annotations
@@ -29,6 +37,26 @@ async def race(**contenders: Awaitable[Any]) -> tuple[str, asyncio.Future[Any]]:
             await asyncio.wait(losers)
     name = next(name for name, future in futures.items() if future in done)
     return name, futures[name]
+
+
+async def gather(*awaitables: Awaitable[Any]) -> list[Any]:
+    """Every result, in order, once all are done; else the first error (in order), raised
+    once all are done (none is left running).  A cancellation of the caller arrives as
+    CancelledError, whatever the children ended with."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+async def back_off(seconds: float) -> None:
+    """The pause of a loop that handled an error and goes on; CancelledError instead when
+    this task was asked to stop meanwhile (the error may be how its cancellation came)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    await asyncio.sleep(seconds)
 
 
 async def wait_or_timeout(event: asyncio.Event, seconds: float) -> bool:

@@ -20,6 +20,7 @@ import stat
 import time
 from typing import Callable, Iterable
 
+from .aio import back_off
 from .history import HistoryError
 from .jobs import JobRegistry
 from .records import JobRecord, expired
@@ -81,7 +82,8 @@ class Pruner:
                 log.exception("retention: the pass failed")
                 self._refused = True
             delay = next_pass(self._registry.jobs(), self._clock(), retention, self._busy())
-            await asyncio.sleep(max(delay, AFTER_ERROR) if self._refused else delay)
+            # back_off: a cancellation that came as the pass's error ends the loop (elasticd.aio)
+            await back_off(max(delay, AFTER_ERROR) if self._refused else delay)
 
     async def prune(self) -> list[str]:
         """One pass; returns the jobs forgotten."""

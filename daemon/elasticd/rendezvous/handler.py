@@ -56,6 +56,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
+from elasticd.aio import back_off
 from elasticd.journal import about
 from elasticd.errors import (RendezvousClosedError, RendezvousGone, RendezvousStateError,
                              RendezvousTimeoutError, StoreError)
@@ -454,15 +455,15 @@ class RendezvousHandler:
             except RendezvousStateError as err:
                 self._logger.error("rendezvous %s: %s", self._settings.run_id, err)
                 self._fail_watches(err)
-                await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
+                await back_off(self._settings.keep_alive_interval)
             except StoreError as err:
                 self._logger.warning("rendezvous %s: store error in the keeper of %s: %s",
                             self._settings.run_id, self.node, err)
-                await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
+                await back_off(self._settings.keep_alive_interval)
             except Exception as err:  # a bug must not silence this node's heartbeat for good
                 self._logger.exception("rendezvous %s: the keeper of %s failed", self._settings.run_id, self.node)
                 self._fail_watches(err)
-                await asyncio.sleep(self._settings.keep_alive_interval)  # a back-off
+                await back_off(self._settings.keep_alive_interval)
 
     async def _idle(self, due: float) -> None:
         """Until the next duty: follow every state revision while someone watches; otherwise
@@ -497,17 +498,20 @@ class RendezvousHandler:
 
     async def _sweeper(self) -> None:
         """Delete the stale keys, a batch at a time, as they come (a key it fails to delete
-        stays behind: it is never read again)."""
+        stays behind: it is never read again).  Every delete of a batch ends before the
+        next: a failed one is logged, and a cancellation always ends the sweeper (see
+        elasticd.aio: the first error of a plain gather can stand in for it)."""
         while True:
             await self._swept.wait()
             self._swept.clear()
             while self._stale:
                 batch, self._stale = self._stale[:SWEEP], self._stale[SWEEP:]
-                try:
-                    await asyncio.gather(*(self._store.delete(key) for key in batch))
-                except Exception as err:  # best effort: the heartbeat beside it must go on
-                    log.warning("rendezvous %s: %s could not delete stale keys: %s", self._settings.run_id,
-                                self.node, err)
+                results = await asyncio.gather(*(self._store.delete(key) for key in batch),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, Exception)]
+                if failed:  # best effort: the heartbeat beside it must go on
+                    log.warning("rendezvous %s: %s could not delete %d stale key(s): %s", self._settings.run_id,
+                                self.node, len(failed), failed[0])
 
     def _sweep(self, keys: Iterable[str]) -> None:
         self._stale.extend(keys)

@@ -29,6 +29,7 @@ import grpc
 import grpc.aio
 from aetcd import rpc
 
+from elasticd.aio import gather
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreError, StoreTimeout
 from elasticd.store.base import check_compare_value
@@ -168,8 +169,7 @@ class EtcdStore:
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         """The values in one Txn per 128 keys, sent together."""
         chunks = [keys[i:i + MAX_TXN_OPS] for i in range(0, len(keys), MAX_TXN_OPS)]
-        replies = await asyncio.gather(*(self._txn([], [_op(_range(k)) for k in chunk], [])
-                                         for chunk in chunks))
+        replies = await gather(*(self._txn([], [_op(_range(k)) for k in chunk], []) for chunk in chunks))
         return [_value(op.response_range) for reply in replies for op in reply.responses]
 
     async def delete(self, key: str) -> bool:
