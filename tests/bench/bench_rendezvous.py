@@ -1,6 +1,6 @@
 """Rendezvous benchmark: elasticd's handler vs torch's DynamicRendezvousHandler.
 
-Usage: python tests/bench/bench_rendezvous.py [--json] [--quick]
+Usage: python tests/bench/bench_rendezvous.py [--json] [--quick] [--sizes N,N,...]
 
 Harness (identical for both handlers): one TCPStore server (libuv) in this process and a
 pool of N participant threads, each with its own pre-connected TCPStore client, so that no
@@ -26,6 +26,10 @@ the next round; time from the request until all rejoined) and *dead-member detec
 with the default keep-alive (1 s x 3): one member's keeper stops; time until every other
 member's ``watch()`` fired.
 
+A run that fails kills every process it started (so does Ctrl-C; a participant whose bench
+is gone exits): a node that does not form within PROCESS_BOUND, or exit within EXIT_BOUND,
+fails it, named with its stacks (SIGUSR1: faulthandler's thread dump, every asyncio task's).
+
 ``--json`` prints one JSON list of {"n", "elasticd_s", "torch_s", "ratio",
 "elasticd_processes_s"} (medians of the formation latency; torch_s and ratio are null when
 torch hit its cap).
@@ -36,9 +40,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -110,7 +117,7 @@ class Harness:
         return [f.result() for f in [self.pool.submit(participant, i) for i in range(n)]]
 
     def close(self) -> None:
-        self.pool.shutdown()
+        self.pool.shutdown(wait=False, cancel_futures=True)  # after Ctrl-C a thread may wait on for good
         self.store.close()
         self.server.close()
 
@@ -173,7 +180,7 @@ def dead_member_detection(harness: Harness, n: int) -> float:
 
 
 PARTICIPANT = r"""
-import asyncio, json, sys, time
+import asyncio, faulthandler, json, os, signal, sys, threading, time
 from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
 from elasticd.store.signing import Signer
 from elasticd.store.tcpstore import TCPStoreClient
@@ -181,7 +188,23 @@ from elasticd.store.tcpstore import TCPStoreClient
 endpoint, node, run_id, n, key = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 prefix = f"bench/proc/{run_id}"
 
+def orphaned():
+    while os.read(0, 4096):  # the raw fd: a buffered stdin's lock would hold up the exit
+        pass
+    os._exit(70)  # EOF: the bench is gone (killed, or Ctrl-C): so is this node
+
+def dump():
+    for task in asyncio.all_tasks():
+        print(f"task {task.get_name()} (cancelling {task.cancelling()}): {task!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    print("end of dump", file=sys.stderr, flush=True)
+
 async def main():
+    threading.Thread(target=orphaned, daemon=True).start()
+    # SIGUSR1, from the bench before it kills a node that hangs: every thread's stack at once
+    # (faulthandler), then every task's from the loop (if the loop still turns)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     store = TCPStoreClient(endpoint)
     await store.connect(60)
     handler = RendezvousHandler(store, Signer(bytes.fromhex(key), "bench"), RendezvousSettings(run_id, n, n),
@@ -195,29 +218,127 @@ async def main():
     print(json.dumps([started, time.perf_counter()]), flush=True)
     await store.wait_for(f"{prefix}/end", 120)
     keeper.cancel()
-    await store.close()
+    await store.close()  # while the keeper ends (its sweeper may be deleting): as a daemon that stops
 
 asyncio.run(main())
 """
+PROCESS_BOUND = 120.0  # seconds for every node to start, then to form (a loaded 2-core host, N=128)
+EXIT_BOUND = 30.0      # seconds for every node to exit once told to (it cancels its keeper: a moment)
+DUMP_WAIT = 3.0        # seconds a hung node gets to print its stacks
+
+
+class Hung(RuntimeError):
+    """Nodes did not do what they had to within the bound: which, and where each one was."""
+
+
+class Participants:
+    """The processes of one formation, one node each (``with``: every one of them is killed
+    on the way out, whatever happened: a failure, a hang, Ctrl-C).  Each one's stderr goes
+    to a file of its own; SIGUSR1 makes it print its stacks there."""
+
+    def __init__(self, endpoint: str, n: int, run_id: str, directory: str) -> None:
+        self.names = [f"node{i:03d}" for i in range(n)]
+        self.errs = [os.path.join(directory, f"{run_id}-{name}.err") for name in self.names]
+        self.procs: list[subprocess.Popen] = []
+        self._argv = [endpoint, run_id, str(n), SIGNER_KEY.hex()]
+
+    def __enter__(self) -> Participants:
+        try:
+            for name, err in zip(self.names, self.errs):
+                with open(err, "wb") as sink:
+                    self.procs.append(subprocess.Popen(
+                        [sys.executable, "-c", PARTICIPANT, self._argv[0], name, *self._argv[1:]],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink))
+        except BaseException:  # Ctrl-C among the starts: the ones started go too
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+    def lines(self, timeout: float) -> list[str]:
+        """One line from each node's stdout, within ``timeout`` seconds in all."""
+        got: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as waiting:
+            for i, proc in enumerate(self.procs):
+                waiting.register(proc.stdout, selectors.EVENT_READ, i)
+            while len(got) < len(self.procs):
+                left = deadline - time.monotonic()
+                ready = waiting.select(max(left, 0.0)) if left > 0 else []
+                if not ready:
+                    missing = [i for i in range(len(self.procs)) if i not in got]
+                    raise Hung(f"{len(missing)} of {len(self.procs)} nodes did not form within "
+                               f"{timeout:g}s\n" + self.report(missing))
+                for key, _ in ready:
+                    got[key.data] = key.fileobj.readline()
+                    waiting.unregister(key.fileobj)
+                    if not got[key.data]:
+                        raise Hung(f"{self.names[key.data]} ended before it formed\n" + self.report([key.data]))
+        return [got[i] for i in range(len(self.procs))]
+
+    def wait(self, timeout: float) -> None:
+        """Until every node exited (0), within ``timeout`` seconds in all."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+        stuck = [i for i, proc in enumerate(self.procs) if proc.poll() is None]
+        if stuck:
+            raise Hung(f"{len(stuck)} of {len(self.procs)} nodes did not exit within {timeout:g}s "
+                       f"of the end\n" + self.report(stuck))
+        failed = [i for i, proc in enumerate(self.procs) if proc.returncode != 0]
+        if failed:
+            raise Hung(f"{len(failed)} nodes exited with an error\n" + self.report(failed))
+
+    def report(self, indices: list[int]) -> str:
+        """Each node's name, pid and stderr; a node still running prints its stacks first."""
+        running = [i for i in indices if self.procs[i].poll() is None]
+        for i in running:
+            self.procs[i].send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + DUMP_WAIT
+        while running and time.monotonic() < deadline and not all(
+                b"end of dump" in _read(self.errs[i]) for i in running):
+            time.sleep(0.1)
+        return "\n".join(f"--- {self.names[i]} (pid {self.procs[i].pid}, "
+                         f"{'running' if self.procs[i].poll() is None else f'exit {self.procs[i].returncode}'}):\n"
+                         + _read(self.errs[i]).decode(errors="replace")[-20000:] for i in indices)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def process_formation(harness: Harness, n: int, run_id: str) -> float:
-    """Formation with one process per node (see the module docstring)."""
+    """Formation with one process per node (see the module docstring).  A node that does not
+    form, or does not exit once told to, fails the run (Hung, with its stacks); every
+    process is gone when this returns or raises."""
     prefix = f"bench/proc/{run_id}"
-    procs = [subprocess.Popen([sys.executable, "-c", PARTICIPANT, harness.server.endpoint, f"node{i:03d}",
-                               run_id, str(n), SIGNER_KEY.hex()], stdout=subprocess.PIPE, text=True)
-             for i in range(n)]
-    try:
-        if not harness.store.wait_for(f"{prefix}/ready", 120):
-            raise RuntimeError("no participant started")
+    with tempfile.TemporaryDirectory(prefix="bench-rdzv-") as directory, \
+            Participants(harness.server.endpoint, n, run_id, directory) as nodes:
+        deadline = time.monotonic() + PROCESS_BOUND
         while harness.store.add(f"{prefix}/ready", 0) < n:
+            if time.monotonic() > deadline:
+                ready = harness.store.add(f"{prefix}/ready", 0)
+                raise Hung(f"{ready} of {n} nodes started within {PROCESS_BOUND:g}s")
             harness.store.wait_for(f"{prefix}/never", 0.05)  # a short pause between counts
         harness.store.set(f"{prefix}/go", b"1")
-        timings = [tuple(json.loads(p.stdout.readline())) + (None,) for p in procs]
-    finally:
-        harness.store.set(f"{prefix}/end", b"1")
-        for p in procs:
-            p.wait(60)
+        try:
+            timings = [tuple(json.loads(line)) + (None,) for line in nodes.lines(PROCESS_BOUND)]
+        finally:
+            harness.store.set(f"{prefix}/end", b"1")
+        nodes.wait(EXIT_BOUND)
     return formation_latency(timings)
 
 
@@ -273,7 +394,7 @@ def measure(profile: dict, progress: Callable[[str], None]) -> tuple[list[dict],
             extra["processes_s"][n] = median(apart)
             progress(f"n={n}: elasticd, one process per node {median(apart):.4f}s")
             theirs = [torch_formation(harness, n, f"t{n}-{rep}", profile["torch_cap"])
-                      for rep in range(profile["torch_reps"][n])]
+                      for rep in range(profile["torch_reps"].get(n, 1))]
             torch_median = median(theirs)
             progress(f"n={n}: torch " + (f"{torch_median:.4f}s" if torch_median is not None
                                          else f"none within {profile['torch_cap']:g}s"))
@@ -308,14 +429,34 @@ def table(rows: list[dict], extra: dict, profile: dict) -> str:
     return "\n".join(lines)
 
 
+def sizes(text: str) -> tuple[int, ...]:
+    values = tuple(int(n) for n in text.split(","))
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"not a list of node counts: {text!r}")
+    return values
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON list of formation medians")
     parser.add_argument("--quick", action="store_true", help="N = 2, 8 only, fewer repetitions")
+    parser.add_argument("--sizes", type=sizes, metavar="N,N,...",
+                        help=f"the node counts (default {','.join(map(str, FULL['sizes']))}; "
+                             f"--quick: {','.join(map(str, QUICK['sizes']))})")
     args = parser.parse_args()
     profile = QUICK if args.quick else FULL
+    if args.sizes:
+        profile = {**profile, "sizes": args.sizes}
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)
-    rows, extra = measure(profile, progress)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cleans up as Ctrl-C does
+    try:
+        rows, extra = measure(profile, progress)
+    except Hung as exc:  # every process it started is gone already
+        print(f"bench_rendezvous: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_rendezvous: interrupted (every process it started was killed)", file=sys.stderr, flush=True)
+        os._exit(130)  # the harness's threads may still wait on a rendezvous: nothing joins them
     print(json.dumps(rows) if args.json else table(rows, extra, profile))
     return 0
 
