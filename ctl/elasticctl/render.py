@@ -222,7 +222,8 @@ def job_age(job: Doc, now: float) -> str:
 
 
 def job_state(job: Doc) -> Any:
-    """A held job (its outcome record was refused) shows as HELD whatever its parts say."""
+    """A held job (a node refuses a record it needs: `held` says which and why) shows as
+    HELD, with the state its parts give."""
     return f"HELD ({job.get('state')})" if job.get("held") else job.get("state")
 
 

@@ -283,6 +283,7 @@ class JobAgent:
         self._limits = containment.job_limits(self.nproc)  # for its cgroup
         self._nproc_limit = containment.rlimit_nproc(self.nproc)  # for each worker, without one
         self.declined = ""  # why this node left the job on its own (not placed again until it changes)
+        self.held = ""  # why this node can never run the job (a record it needs was refused or lost)
         self._link_path = link_path
         self._worker_env = worker_env or {}
         self._link: WorkerLink | None = None
@@ -569,7 +570,7 @@ class JobAgent:
         except RendezvousGone as exc:
             log.warning("job %s: not starting it on %s: %s", self.spec.id, self.node, exc,
                         extra=about(self.spec.id))
-            self.declined = str(exc)
+            self.declined = self.held = "its rendezvous state is gone or was refused, and no member restored it"
             self._report(PartState.LEFT)
             return None
         except RendezvousClosedError:

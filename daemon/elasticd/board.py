@@ -19,7 +19,8 @@ counted.  The counters and the log are not trusted to be complete: an entry that
 missing while later ones exist, refused, or a counter that went back, makes the follower
 read every job again from the signed records (at most once per ``_RESYNC_PAUSE``).  An
 outcome that does not open holds its job: it is reported, never placed again, and a valid
-outcome (a cancel) may replace it.  Store I/O is awaited on the event loop.
+outcome (a cancel) may replace it.  A snapshot also reads the jobs and parts that the
+follower knows of, whatever the indexes say.  Store I/O is awaited on the event loop.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Mapping
 
 from .errors import ElasticdError, StoreError, TamperedRecord
 from .jobs import JobRegistry
@@ -164,24 +165,27 @@ class JobBoard:
     async def head(self) -> int:
         return await self._store.add(self._key("log"), 0)
 
-    async def snapshot(self) -> tuple[int, list[Change]]:
-        """Every job with its outcome and parts; and the log position to follow from."""
+    async def snapshot(self, known: Mapping[str, Iterable[str]] | None = None) -> tuple[int, list[Change]]:
+        """Every job with its outcome and parts; and the log position to follow from.
+        ``known``: jobs, with the nodes of their parts, that the caller knows already: read
+        too, whatever the indexes say (anyone who reaches the store can overwrite an index)."""
+        known = known or {}
         position = await self.head()
         index = SignedLines(self._signer, self._key("index"), _name, self.refused)
-        ids = dict.fromkeys(i for i in index.fold(await self._store.get(self._key("index"))) if i)
-        return position, await self._read(await self._entries(list(ids)))
+        ids = dict.fromkeys([*(i for i in index.fold(await self._store.get(self._key("index"))) if i), *known])
+        return position, await self._read(await self._entries(list(ids), known))
 
     async def read_job(self, job_id: str) -> list[Change]:
         """One job's spec, outcome and parts, read now."""
         return await self._read(await self._entries([job_id]))
 
-    async def _entries(self, job_ids: list[str]) -> list[str]:
+    async def _entries(self, job_ids: list[str], known: Mapping[str, Iterable[str]] | None = None) -> list[str]:
         """The entries of these jobs' spec, outcome and every part (one round trip)."""
         raws = await self._store.get_many([self._key(f"parts/{job_id}") for job_id in job_ids])
         entries = []
         for job_id, raw in zip(job_ids, raws):
             lines = SignedLines(self._signer, self._key(f"parts/{job_id}"), _name, self.refused)
-            nodes = dict.fromkeys(n for n in lines.fold(raw) if n)
+            nodes = dict.fromkeys([*(n for n in lines.fold(raw) if n), *(known or {}).get(job_id, ())])
             entries += [f"spec/{job_id}", f"outcome/{job_id}", *(f"part/{job_id}/{n}" for n in nodes)]
         return entries
 
@@ -266,7 +270,8 @@ class BoardFollower:
 
     async def resync(self) -> None:
         self._resynced = time.monotonic()
-        self._position, changes = await self._board.snapshot()
+        known = {r.id: list(r.parts) for r in self._registry.jobs() if r.outcome is None}
+        self._position, changes = await self._board.snapshot(known)
         self.apply(changes)
 
     async def run(self) -> None:

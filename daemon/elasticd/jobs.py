@@ -119,8 +119,11 @@ class JobRegistry:
 
     def set_part(self, job_id: str, part: Part, *, own: bool = False) -> JobRecord | None:
         """A node's part changed; ``own``: this node's (its agent's moves are checked: a
-        new agent's part starts again at RENDEZVOUS)."""
+        new agent's part starts again at RENDEZVOUS; while this node holds the job, the
+        part says why)."""
         record = self._jobs.get(job_id)
+        if record is not None and own and record.held and record.outcome is None:
+            part = replace(part, held=record.held)
         if record is None or record.parts.get(part.node) == part:
             return record
         if own:
@@ -137,8 +140,9 @@ class JobRegistry:
         return self._put(replace(record, outcome=outcome, held="", version=record.version + 1))
 
     def hold(self, job_id: str, why: str) -> JobRecord | None:
-        """The job's outcome record was refused: no node may place it until a valid outcome
-        (a cancel) replaces it.  A job whose outcome is known here stays as it ended."""
+        """This node refuses a record the job needs (its outcome; its rendezvous state, which
+        no member restored): it never places the job again, until a valid outcome (a cancel)
+        replaces what was refused.  A job whose outcome is known here stays as it ended."""
         record = self._jobs.get(job_id)
         if record is None or record.outcome is not None or record.held == why:
             return record

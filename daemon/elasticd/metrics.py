@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from . import __version__
-from .records import JobRecord
+from .records import JobRecord, hold_reason
 from .model import JobState, NodeState, WorkerState
 
 _ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -43,6 +43,10 @@ class Metrics:
         Gauge("elasticd_build_info", "Build information", ["version"], registry=reg) \
             .labels(__version__).set(1)
         self.jobs = Gauge("elasticd_jobs", "Jobs known to this daemon, by state", ["state"], registry=reg)
+        self.jobs_held = Gauge(
+            "elasticd_jobs_held",
+            "Jobs held: a node refuses a record the job needs (elasticctl status says which and why)",
+            registry=reg)
         self.jobs_finished = Counter("elasticd_jobs_finished_total",
                                      "Jobs this daemon saw finish since it started, by final state",
                                      ["state"], registry=reg)
@@ -138,8 +142,10 @@ class Metrics:
         """Set the job and local worker gauges from the registry's records; count new endings."""
         jobs: Tally[str] = Tally()
         workers: Tally[str] = Tally()
+        held = 0
         for record in records:
             jobs[record.state.value] += 1
+            held += bool(hold_reason(record))
             if record.outcome is not None and record.id not in self._finished:
                 self._finished.add(record.id)
                 self.jobs_finished.labels(record.state.value).inc()
@@ -148,6 +154,7 @@ class Metrics:
                 workers.update(w["state"] for w in part.workers)
         for state in JobState:
             self.jobs.labels(state.value).set(jobs[state.value])
+        self.jobs_held.set(held)
         for state in WorkerState:
             self.workers.labels(state.value).set(workers[state.value])
 

@@ -29,6 +29,7 @@ class Part:
     barrier: dict[str, Any] | None = None
     updated: float = 0.0
     usage: dict[str, Any] | None = None   # the job's cgroup on this node: cgroups.Usage.to_json()
+    held: str = ""  # why this node holds the job (it refuses a record the job needs): every node shows it
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -77,7 +78,7 @@ class JobRecord:
     parts: Mapping[str, Part] = field(default_factory=dict)
     outcome: Outcome | None = None
     version: int = 0
-    held: str = ""  # why no node may place the job (its outcome record was refused)
+    held: str = ""  # why this node never places the job again (it refuses a record the job needs)
 
     @property
     def id(self) -> str:
@@ -111,6 +112,17 @@ def job_state(parts: Iterable[Part], outcome: Outcome | None) -> JobState:
     if PartState.RENDEZVOUS in states:
         return JobState.RENDEZVOUS
     return JobState.PENDING
+
+
+def hold_reason(record: JobRecord) -> str:
+    """Why the job is held ("": it is not): each node that refuses a record the job needs
+    (its outcome, or a rendezvous state nobody could restore) says why in its part, so every
+    node shows it; this node's own reason stands until its part says it.  An ended job is not
+    held (a valid outcome, a cancel, replaced what was refused)."""
+    if record.outcome is not None:
+        return ""
+    reasons = sorted((p.node, p.held) for p in record.parts.values() if p.held)
+    return "; ".join(f"{node}: {why}" for node, why in reasons) or record.held
 
 
 def started(parts_or_record: Iterable[Part] | JobRecord) -> float | None:
@@ -171,7 +183,7 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
         "nodes": [_node_doc(p, usage.get(p.node)) for p in parts],
         "usage": total_usage(usage.values()),
         "error": error, "barrier": barrier if outcome is None else None,
-        "held": record.held or None, "redacted": False,
+        "held": hold_reason(record) or None, "redacted": False,
     }
 
 
@@ -206,7 +218,7 @@ def list_row(record: JobRecord) -> dict[str, Any]:
         "round": parts[0].round if parts else None,
         "world_size": parts[0].world_size if parts else None,
         "node_count": len(parts), "workers_up": sum(w.get("state") == WorkerState.HEALTHY for w in workers),
-        "workers_total": len(workers), "held": record.held or None,
+        "workers_total": len(workers), "held": hold_reason(record) or None,
     }
 
 

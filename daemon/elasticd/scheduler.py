@@ -26,7 +26,7 @@ from .errors import Conflict, StoreError
 from .jobs import JobRegistry
 from .journal import about
 from .records import JobRecord, Outcome, Part, started
-from .model import JobSpec, JobState
+from .model import JobSpec, JobState, PartState
 from .placement import Offer, Resources, place, refusal
 from .rendezvous import Reason
 
@@ -96,6 +96,7 @@ class JobService:
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             await self._follower.resync()
+            self._republish_parts()
             following = tasks.create_task(self._follower.run())
             publishing = tasks.create_task(self._publish_parts())
             self._schedule_placement()
@@ -174,9 +175,30 @@ class JobService:
 
     def report(self, job_id: str, part: Part) -> None:
         self._count_failures(job_id, part)
-        if self._registry.set_part(job_id, part, own=True) is not None:
-            self._unpublished[job_id] = part  # a newer part replaces one not published yet
+        record = self._registry.set_part(job_id, part, own=True)
+        if record is not None:  # as recorded: with why this node holds the job, if it does
+            self._unpublished[job_id] = record.parts.get(part.node, part)  # replaces one not published yet
             self._publish.set()
+
+    def _republish_parts(self) -> None:
+        """At start: this node's part of every job that has not ended, as this node knows it
+        last (a part its restart ended is LEFT now), so that no node goes on showing a part
+        of this one that no agent runs any more."""
+        for record in self._registry.jobs():
+            part = record.parts.get(self.node)
+            if record.outcome is None and part is not None:
+                self._unpublished[record.id] = part
+                self._publish.set()
+
+    def _publish_hold(self, job_id: str) -> None:
+        """Every node shows a job that this node holds, and why: this node's part says so
+        (a LEFT part when it has none: it never takes the job)."""
+        record = self._registry.find(job_id)
+        if record is None or record.outcome is not None or not record.held:
+            return
+        own = record.parts.get(self.node)
+        if own is None or own.held != record.held:
+            self.report(job_id, own or Part(self.node, PartState.LEFT, updated=self._wall()))
 
     async def _publish_parts(self) -> None:
         """This node's parts onto the board, in order, the newest of each job only."""
@@ -212,6 +234,8 @@ class JobService:
         running = self._running.get(record.id)
         if record.outcome is not None and running is not None:
             running.agent.job_ended(record.outcome)
+        if record.held and record.outcome is None:  # after this change has reached everyone
+            asyncio.get_running_loop().call_soon(self._publish_hold, record.id)
         self._schedule_placement()
 
     def _schedule_placement(self) -> None:
@@ -284,6 +308,8 @@ class JobService:
         finally:
             job_id = running.agent.spec.id
             del self._running[job_id]
+            if running.agent.held:
+                self._registry.hold(job_id, running.agent.held)  # never again here
             if running.agent.declined and (record := self._registry.find(job_id)) is not None:
                 self._declined[job_id] = record.version  # not again until the job changes
             running.done.set()

@@ -29,6 +29,12 @@ Rows -> tests:
     C2  garbage and unsigned outcomes over running jobs (held; the owner's cancel replaces
         them) and garbage over a finished job's outcome (never runs again; cancel says it
         ended) ............................................ test_c2_unsigned_outcome_holds_a_job_and_never_reruns_one
+    C12 a finished job's signed records (spec, outcome, parts and their index, rendezvous
+        state) copied onto a running job's keys, then a member restarted (SIGKILL, SIGTERM):
+        held on every node, saying who refuses what, never RUNNING with nothing running,
+        counted, and the owner's cancel ends it ......... test_c12_copied_records_and_a_restarted_member_hold_the_job_everywhere
+    C13 a finished job's rendezvous state copied onto a job whose every member was down: no
+        member can restore it, so each holds the job ..... test_c13_a_rendezvous_state_no_member_can_restore_holds_the_job
 
 Each test asserts the safe outcome and that a daemon counted the refusal
 (``elasticd_store_refused_records_total``) and logged it ("refused store record <key>: ...").
@@ -139,12 +145,13 @@ def worker_pids(doc: dict[str, Any]) -> dict[int, int]:
     return {w["rank"]: w["pid"] for w in doc["workers"]}
 
 
-def two_node_job(submitter: Daemon, directory: Path) -> tuple[str, dict[int, int]]:
-    """A job on both nodes, one sleeping worker each; returns its id and rank -> pid, once
+def two_node_job(submitter: Daemon, directory: Path, *options: str) -> tuple[str, dict[int, int]]:
+    """A job on two nodes, one sleeping worker each; returns its id and rank -> pid, once
     every worker wrote its pid file."""
     pids_dir = directory / f"pids-{uuid.uuid4().hex[:6]}"
     pids_dir.mkdir()
-    job_id = submitter.submit("--nnodes", "2", *worker_args("--sleep", "0", "--pid-dir", str(pids_dir)))["id"]
+    job_id = submitter.submit("--nnodes", "2", *options,
+                              *worker_args("--sleep", "0", "--pid-dir", str(pids_dir)))["id"]
     doc = submitter.wait_running(job_id, 2, timeout=60)
     wait_for(lambda: all((pids_dir / f"rank_{r}.pid").exists() for r in range(2)), 30,
              f"{job_id}'s workers wrote their pid files")
@@ -455,3 +462,109 @@ def test_c2_unsigned_outcome_holds_a_job_and_never_reruns_one(cluster, shared_tm
         assert error["code"] == "conflict" and "already ended" in error["message"], error
         assert "MAC" not in error["message"] and "record" not in error["message"], error
     assert len(runs.read_text().splitlines()) == 1
+
+
+# -- C12, C13: a job whose records a member refuses is held, on every node -----------------------
+
+HELD = "elasticd_jobs_held"
+JOB_RECORDS = ("jobs/spec/{}", "jobs/outcome/{}", "jobs/parts/{}", "rdzv/{}/state")
+
+
+def copy_records(attacker: Attacker, suffixes: list[str], source: str, target: str) -> None:
+    """Each of job ``source``'s records (``suffixes`` with "{}" for the job id) copied onto
+    the same key of job ``target``."""
+    for suffix in suffixes:
+        raw = attacker.read(suffix.format(source))
+        assert raw is not None, suffix.format(source)
+        attacker.write(suffix.format(target), raw)
+
+
+def held_and_idle(daemons: list[Daemon], job_id: str, why: str) -> list[str]:
+    """What is wrong with the job on these daemons (nothing, once every one shows it held,
+    naming ``why``, and not RUNNING: in `status` and in `list`, and counts it held)."""
+    wrong = []
+    for daemon in daemons:
+        doc = status(daemon, job_id)
+        listed = next(j for j in daemon.ctl("list", "--all") if j["id"] == job_id)
+        if not (doc["held"] and why in doc["held"] and doc["state"] != "RUNNING"):
+            wrong.append(f"{daemon.name}: {doc['state']} held={doc['held']!r}")
+        elif listed["held"] != doc["held"] or listed["state"] != doc["state"]:
+            wrong.append(f"{daemon.name} lists it {listed['state']} held={listed['held']!r}")
+        elif metric(daemon, HELD) != 1:
+            wrong.append(f"{daemon.name} counts {metric(daemon, HELD)} held jobs")
+    return wrong
+
+
+def assert_held_and_idle(cluster: Cluster, job_id: str, why: str) -> None:
+    wrong = held_and_idle(list(cluster), job_id, why)
+    assert not wrong, "; ".join(wrong)
+
+
+def wait_held_and_idle(cluster: Cluster, job_id: str, why: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while wrong := held_and_idle(list(cluster), job_id, why):
+        assert time.monotonic() < deadline, \
+            f"{job_id} not held (naming {why!r}) and idle on every node within {timeout:g} s: {'; '.join(wrong)}"
+        time.sleep(0.25)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", ["SIGKILL", "SIGTERM"])
+def test_c12_copied_records_and_a_restarted_member_hold_the_job_everywhere(cluster, shared_tmp, figures,
+                                                                           restart):
+    n1, n2 = cluster.add("n1"), cluster.add("n2")
+    cluster.start()
+    attacker = Attacker(cluster)
+    a = n1.submit_wait("--nnodes", "2", *worker_args())
+    assert a["state"] == "SUCCEEDED", a
+    b, pids = two_node_job(n1, shared_tmp)
+    copy_records(attacker, [*JOB_RECORDS, *(f"jobs/part/{{}}/{d.name}" for d in cluster)], a["id"], b)
+    if restart == "SIGKILL":
+        n2.proc.kill()
+        n2.proc.wait()
+    else:
+        n2.stop()
+    n2.start()
+    wait_for(lambda: refusal_logged(n2, attacker.key(f"jobs/outcome/{b}")), 15,
+             f"{n2.name} refused the copied outcome of {b}")
+
+    # the restarted member refuses B's outcome: it holds B, and every node shows it held and
+    # why; nothing of B runs, and no node shows it RUNNING (n1 did, from n2's part before its
+    # restart, for good)
+    why = f"{n2.name}: its outcome record was refused"
+    wait_held_and_idle(cluster, b, why)
+    assert wait_gone(list(pids.values()), timeout=30) == [], f"{b}'s workers run on"
+    observe(OBSERVE, lambda: assert_held_and_idle(cluster, b, why))
+    figures.add(f"C12 ({restart}): the job's state on n1 / n2", " / ".join(status(d, b)["state"] for d in cluster))
+
+    # its owner's cancel ends it everywhere (it replaces the refused outcome)
+    cancel_and_check(cluster, n1, b, pids)
+    assert all(metric(d, HELD) == 0 for d in cluster)
+
+
+@pytest.mark.slow
+def test_c13_a_rendezvous_state_no_member_can_restore_holds_the_job(cluster, shared_tmp, figures):
+    n1, n2, n3 = cluster.add("n1"), cluster.add("n2"), cluster.add("n3")
+    cluster.start()
+    attacker = Attacker(cluster)
+    a = n1.submit_wait("--nnodes", "2", *worker_args())
+    assert a["state"] == "SUCCEEDED", a
+    b, pids = two_node_job(n1, shared_tmp, "--nodes", f"{n2.name},{n3.name}")  # not the store's host
+    for daemon in (n2, n3):  # every member down: none keeps B's state in mind
+        daemon.proc.kill()
+        daemon.proc.wait()
+    copy_records(attacker, ["rdzv/{}/state"], a["id"], b)
+    for daemon in (n2, n3):
+        daemon.start(wait=False)
+    for daemon in (n2, n3):
+        daemon.wait_notify("READY=1", 60)
+
+    # each member refuses the state and never starts B afresh: held, on every node, not RUNNING
+    wait_held_and_idle(cluster, b, "its rendezvous state")
+    doc = status(n1, b)
+    assert all(f"{d.name}: its rendezvous state" in doc["held"] for d in (n2, n3)), doc["held"]
+    assert wait_gone(list(pids.values()), timeout=30) == [], f"{b}'s workers run on"
+    observe(OBSERVE, lambda: assert_held_and_idle(cluster, b, "its rendezvous state"))
+    assert attacker.read(f"rdzv/{b}/state") == attacker.read(f"rdzv/{a['id']}/state")  # not started afresh
+    figures.add("C13: held by", doc["held"])
+    cancel_and_check(cluster, n2, b, pids)
