@@ -1,5 +1,7 @@
 """The store attacker of tests/chaos/test_store_*.py and the cluster it attacks: real
-daemons of one cluster on this host, and torch's own TCPStore client with no key."""
+daemons of one cluster on this host, and a client of their store with no key: torch's own
+TCPStore client, or etcd's gRPC API spoken directly (an etcd without users: anyone who
+reaches it may write)."""
 
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ class Cluster:
     test runs on one host must not share node names."""
 
     def __init__(self, factory: Callable[..., Daemon], base: Path, *, prefix: str,
-                 firewall: bool | str = "auto") -> None:
+                 firewall: bool | str = "auto", etcd: Any = None) -> None:
+        """``etcd``: an EtcdCluster without TLS or users (tests/fixtures/etcd.py) that every
+        daemon is a client of; no daemon hosts a store then."""
         self.factory = factory
+        self.etcd = etcd
         self.base = base
         self.tag = uuid.uuid4().hex[:6]
         self.name = f"{prefix}{self.tag}"
@@ -43,22 +48,27 @@ class Cluster:
         node = f"{role}-{self.tag}"
         path = self.base / f"{self.name}-{node}.toml"
         fw = json.dumps(self.firewall if firewall is None else firewall)  # "auto", true, false: as in TOML
+        store = f"firewall = {fw}\n" if self.etcd is None else \
+            f'backend = "etcd"\nendpoints = {json.dumps(self.etcd.endpoints)}\n'
         path.write_text(f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
-                        f"[node]\npeer_port = {free_port()}\n[store]\nfirewall = {fw}\n{config}")
-        args = ("--cluster", self.name, "--store", f"127.0.0.1:{self.port}",
-                "--node-address", f"127.0.0.{index}", "--cluster-key", str(self.key),
-                "--slots", "2", "--store-host" if index == 1 else "--no-store-host",
-                "--config", str(path))
+                        f"[node]\npeer_port = {free_port()}\n[store]\n{store}{config}")
+        where = () if self.etcd is not None else (
+            "--store", f"127.0.0.1:{self.port}", "--store-host" if index == 1 else "--no-store-host")
+        args = ("--cluster", self.name, *where, "--node-address", f"127.0.0.{index}",
+                "--cluster-key", str(self.key), "--slots", "2", "--config", str(path))
         daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
         self.daemons.append(daemon)
         return daemon
 
     def start(self) -> Cluster:
-        """The store host first, then the others together; then until every node sees all."""
-        self.daemons[0].start()
-        for daemon in self.daemons[1:]:
+        """The store host first (with etcd there is none), then the others together; then
+        until every node sees all."""
+        first = 0 if self.etcd is not None else 1
+        if first:
+            self.daemons[0].start()
+        for daemon in self.daemons[first:]:
             daemon.start(wait=False)
-        for daemon in self.daemons[1:]:
+        for daemon in self.daemons[first:]:
             daemon.wait_notify("READY=1", 60)
         names = sorted(d.name for d in self.daemons)
         wait_for(lambda: all(node_states(d) == {n: "up" for n in names} for d in self.daemons),
@@ -102,6 +112,45 @@ class Attacker:
 
     def append(self, suffix: str, data: bytes) -> None:
         self.store.append(self.key(suffix), data)
+
+
+class EtcdAttacker:
+    """etcd's KV API over plain gRPC, as anyone who reaches an etcd without users could use
+    it: the same reads and writes as :class:`Attacker` (no elasticd code, no key)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        import grpc
+        from aetcd import rpc
+
+        self._rpc = rpc
+        self.prefix = f"elasticd/{cluster.name}/"
+        self._channel = grpc.insecure_channel(cluster.etcd.endpoints[0])
+        self._kv = rpc.KVStub(self._channel)
+
+    def key(self, suffix: str) -> str:
+        return self.prefix + suffix
+
+    def read(self, suffix: str) -> bytes | None:
+        found = self._kv.Range(self._rpc.RangeRequest(key=self.key(suffix).encode()), timeout=10).kvs
+        return found[0].value if found else None
+
+    def exists(self, suffix: str) -> bool:
+        return self.read(suffix) is not None
+
+    def write(self, suffix: str, data: bytes) -> None:
+        self._kv.Put(self._rpc.PutRequest(key=self.key(suffix).encode(), value=data), timeout=10)
+
+    def delete(self, suffix: str) -> bool:
+        done = self._kv.DeleteRange(self._rpc.DeleteRangeRequest(key=self.key(suffix).encode()), timeout=10)
+        return done.deleted > 0
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def attacker(cluster: Cluster) -> Attacker | EtcdAttacker:
+    """A keyless client of the cluster's store, whichever it is."""
+    return EtcdAttacker(cluster) if cluster.etcd is not None else Attacker(cluster)
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
