@@ -9,7 +9,9 @@ copied under another key, or into another cluster, does not open; readers that k
 newest version of a key (:class:`Freshness`) refuse an older one written back.  Both keys
 are derived from the cluster key (HKDF, with the cluster's name), which lives in a 0600 file.
 The canonical form of a body is compact JSON with sorted keys and ASCII escapes, so every
-daemon computes the same MAC for the same body.
+daemon computes the same MAC for the same body.  A record is decoded within bounds
+(``safejson``: at most :data:`MAX_RECORD` bytes, nested at most 64 deep), so whatever a
+store holds opens or raises TamperedRecord, never anything else.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from elasticd import safejson
 from elasticd.errors import ConfigError, ElasticdError, TamperedRecord
 
 T = TypeVar("T")
@@ -38,6 +41,7 @@ Refused = Callable[[str, str], None]  # (key, why): a record no daemon acts on; 
 
 ENVELOPE_VERSION = 2
 KEY_CONFIG = "cluster.key_file"
+MAX_RECORD = 16 << 20  # bytes: a job's spec (a 4 MiB request at most) encrypted, and room to spare
 _KEY_BYTES = 32
 _NONCE_BYTES = 12
 
@@ -81,10 +85,7 @@ class Signer:
     def open(self, key: str, raw: bytes) -> Opened:
         """The body and version of the record read at ``key``; TamperedRecord if it is not
         one we sealed for that key."""
-        try:
-            envelope = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise TamperedRecord(f"record is not JSON: {err}") from None
+        envelope = _decoded(raw, "record")
         if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
             raise TamperedRecord(f"record is not a version {ENVELOPE_VERSION} envelope")
         version = envelope.get("ver")
@@ -107,10 +108,17 @@ class Signer:
             plain = self._aead.decrypt(blob[:_NONCE_BYTES], blob[_NONCE_BYTES:], context)
         except (TypeError, ValueError, binascii.Error, InvalidTag):
             raise TamperedRecord("encrypted record does not open (forged, or copied from another key)") from None
-        return json.loads(plain)
+        return _decoded(plain, "encrypted record")
 
     def _mac(self, context: bytes, canonical: bytes) -> str:
         return hmac.new(self._mac_key, context + b"\n" + canonical, hashlib.sha256).hexdigest()
+
+
+def _decoded(raw: bytes, what: str) -> Any:
+    try:
+        return safejson.loads(raw, max_bytes=MAX_RECORD)
+    except safejson.Undecodable as err:
+        raise TamperedRecord(f"{what} is not JSON within bounds: {err}") from None
 
 
 class Freshness:
@@ -159,6 +167,8 @@ def open_or_refuse(signer: Signer, key: str, raw: bytes | None, parse: Callable[
         return parse(opened.body)
     except (ElasticdError, KeyError, TypeError, ValueError, AttributeError) as exc:
         refused(key, f"unreadable: {exc}")
+    except Exception as exc:  # whatever a body makes a parser raise, it is the body's refusal
+        refused(key, f"unreadable: {type(exc).__name__}: {exc}")
     return None
 
 
