@@ -198,6 +198,7 @@ class NodeRegistry:
         self._versions = VersionClock(wall_clock)
         self._fresh = Freshness()
         self._epoch = ""  # the store's epoch as last read valid
+        self._replaced = False  # the last read of the epoch replaced a refused one
         self._published: NodeRecord | None = None
         self._published_version = 0
         self._registered_epoch: str | None = None  # the epoch this node registered in (None: not yet)
@@ -225,20 +226,40 @@ class NodeRegistry:
         return self._observing is not None
 
     async def create_epoch(self) -> str:
-        """Mark a fresh store, so that others can tell it was reset (the first writer wins)."""
+        """Mark a fresh store, so that others can tell it was reset (the first writer wins).
+        An epoch that is there but refused (garbage, or not sealed for it) is replaced."""
         token = secrets.token_hex(8)
-        sealed = self._signer.seal(self.epoch_key, {"epoch": token}, version=self._versions.next())
-        _, current = await self._store.compare_set(self.epoch_key, None, sealed)
-        return self._open_epoch(current) or token
+        won, current = await self._store.compare_set(self.epoch_key, None, self._seal_epoch(token))
+        if won:
+            self._epoch = token
+            return token
+        epoch = await self._read_epoch(current)
+        if self._replaced:
+            log.warning("the store's epoch was refused (see above): this node wrote a new one")
+        return epoch
 
-    def _open_epoch(self, raw: bytes | None) -> str:
-        """The store's epoch; "" if there is none; the last valid one if it was refused."""
+    def _seal_epoch(self, token: str) -> bytes:
+        return self._signer.seal(self.epoch_key, {"epoch": token}, version=self._versions.next())
+
+    async def _read_epoch(self, raw: bytes | None) -> str:
+        """The store's epoch; "" if there is none.  A refused one (reported) is replaced by
+        the last valid epoch this node read, so that no node takes it for a reset store, or
+        by a new one when it read none (a store whose epoch nobody can read counts as
+        reset): one compare-and-set, whose loser reads the winner's.  While it stays
+        refused, the last valid epoch."""
+        self._replaced = False
         if raw is None:
             return ""
-        epoch = open_or_refuse(self._signer, self.epoch_key, raw, lambda body: str(body["epoch"]),
-                               self._on_refused, self._fresh)
+        epoch = self._open_epoch(raw)
+        if epoch is None:
+            token = self._epoch or secrets.token_hex(8)
+            self._replaced, current = await self._store.compare_set(self.epoch_key, raw, self._seal_epoch(token))
+            epoch = token if self._replaced else self._open_epoch(current) if current is not None else None
         self._epoch = epoch if epoch is not None else self._epoch
         return self._epoch
+
+    def _open_epoch(self, raw: bytes) -> str | None:
+        return open_or_refuse(self._signer, self.epoch_key, raw, _epoch_token, self._on_refused, self._fresh)
 
     async def tick(self, record: NodeRecord, *, census: bool = False) -> Tick:
         """The heartbeat duty.  ``census``: also read the records of nodes that registered
@@ -247,7 +268,7 @@ class NodeRegistry:
         small = [self.epoch_key, self._key(f"{self.name}/drain"), self._key("observer"),
                  self._key("feed/head"), self._key(f"{self.name}/record")]
         epoch_raw, drain_raw, observer_raw, head_raw, own_raw = await self._store.get_many(small)
-        epoch = self._open_epoch(epoch_raw)
+        epoch = await self._read_epoch(epoch_raw)
         if self._open_record(self.name, own_raw) != self._published:
             self._published = None  # lost or tampered with: publish it again
         if epoch != self._registered_epoch or record != self._published:
@@ -316,7 +337,9 @@ class NodeRegistry:
 
     async def _elect(self, observer_raw: bytes | None) -> None:
         """Follow who observes; take over when there is none (or a refused record) or its
-        head stood still."""
+        head stood still.  The observer that finds none (or a refused one) writes its own
+        again: else a node that took over meanwhile, whose record this one never read
+        valid, would observe beside it for good."""
         key = self._key("observer")
         opened = open_or_refuse(self._signer, key, observer_raw, _registered_name, self._on_refused, self._fresh)
         term = self._fresh.newest(key)
@@ -332,6 +355,9 @@ class NodeRegistry:
         if self._observing is None and takes_over(opened is not None, self._head_beat, self.keep_alive,
                                                   self._clock()):
             await self._take_over(observer_raw)
+        elif self._observing is not None and opened is None:
+            sealed = self._signer.seal(key, {"name": self.name}, version=self._observing.term)
+            await self._store.compare_set(key, observer_raw, sealed)  # a lost race: the next duty reads the winner
 
     async def _take_over(self, observer_raw: bytes | None) -> None:
         term = max(self._observer[1] if self._observer else 0, self._term) + 1
@@ -518,6 +544,13 @@ def _parse_snapshot(body: Any) -> tuple[int, int, dict[str, Member]]:
     return int(body["term"]), int(body["number"]), parse_members(body["members"])
 
 
+def _epoch_token(body: Any) -> str:
+    token = body.get("epoch") if isinstance(body, dict) else None
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"not an epoch: {token!r}")
+    return token
+
+
 def _registered_name(body: Any) -> str:
     name = body.get("name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
@@ -577,21 +610,24 @@ class NodeService:
             self._wake.clear()
             self._begun += 1
             began = time.monotonic()
-            try:
-                census, self._census = self._census, False
-                tick = await self.registry.tick(duties.local_record(), census=census)
-                await self._apply(tick)
-            except StoreError as exc:
-                self._store_up = False
-                duties.on_store(False, str(exc))
-            else:
-                self._store_up = True
-                duties.on_store(True, "")
-                self.registered.set()
+            await self._duty(duties)
             async with self._ticked:
                 self._ended += 1
                 self._ticked.notify_all()
             await self._pause(stop, began + self._interval - time.monotonic())
+
+    async def _duty(self, duties: NodeDuties) -> None:
+        try:
+            census, self._census = self._census, False
+            tick = await self.registry.tick(duties.local_record(), census=census)
+            await self._apply(tick)
+        except StoreError as exc:
+            self._store_up = False
+            duties.on_store(False, str(exc))
+        else:
+            self._store_up = True
+            duties.on_store(True, "")
+            self.registered.set()
 
     async def _pause(self, stop: asyncio.Event, left: float) -> None:
         """Until the next duty: one heartbeat interval after this one began (so that the

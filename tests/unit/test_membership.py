@@ -224,6 +224,23 @@ def test_a_forged_observer_record_or_head_does_not_hold_the_cluster():
     assert c.nodes[other].observing
 
 
+def test_junk_written_again_before_the_observer_reads_who_took_over_leaves_one_observer():
+    """Found by tests/chaos/test_store_poison.py: n2 took over the junk, and new junk covered
+    its record before n1, the observer, read it; both then observed for good."""
+    c = Cluster(["n1", "n2"])
+    for _ in range(3):
+        c.round()
+    assert c.observer() == "n1"
+    c.store.set(f"{NODES}/observer", b"junk")
+    c.round(["n2"])  # n2 takes over (term 2)
+    assert c.nodes["n2"].observing and c.nodes["n1"].observing
+    c.store.set(f"{NODES}/observer", b"[1,2,3]")  # before n1 reads n2's record
+    for _ in range(3):
+        c.round()
+    assert sum(node.observing for node in c.nodes.values()) == 1
+    assert b"junk" not in c.store.get(f"{NODES}/observer") and b"[1,2,3]" != c.store.get(f"{NODES}/observer")
+
+
 def test_the_feed_keeps_a_bounded_number_of_entries():
     c = Cluster(["n1", "n2"])
     for i in range(FEED_KEEP + 10):
