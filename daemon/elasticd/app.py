@@ -48,6 +48,7 @@ from .paths import is_own_dir
 from .control.server import ControlServer, Limits, RouterServer, Zap
 from .endpoint import join_endpoint, split_endpoint
 from .errors import ConfigError, ElasticdError
+from .faults import Faults, Throttle, held_back
 from .fileaccess import FileAccess, restrict_earlier
 from .firewall import StoreFirewall
 from .history import History
@@ -237,6 +238,8 @@ class Daemon:
         self.node = config.node_name
         self.notify = Notifier()
         self.metrics = Metrics(config.paths.state_dir)
+        self.faults = Faults(on_fault=self.metrics.loop_fault)
+        self._refusals = Throttle()  # a refused key is logged once a minute, counted every time
         self.stop = asyncio.Event()
         self._server: C10dServer | None = None
         self._store_ok = True
@@ -277,16 +280,17 @@ class Daemon:
             closing.callback(zap.close)
             keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
             nodes = NodeService(await self._node_registry(store, signer),
-                                interval=config.rendezvous.keep_alive_interval)
+                                interval=config.rendezvous.keep_alive_interval, faults=self.faults)
             peers = PeerLinks(PeerClient(ctx, keys), nodes)
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
             service = JobService(
                 node=self.node, resources=Resources(slots, gpus, cpus=cpu_count()),
                 board=board,
-                follower=BoardFollower(board, registry, self.node, on_store=self._board_store),
+                follower=BoardFollower(board, registry, self.node, on_store=self._board_store,
+                                       faults=self.faults),
                 registry=registry, standalone=config.standalone, allow_root=config.jobs.allow_root,
                 blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None,
-                on_blacklist=self.metrics.blacklisted,
+                on_blacklist=self.metrics.blacklisted, faults=self.faults,
                 agents=AgentFactory(
                     node=self.node, address=self._address, store=store, signer=signer,
                     keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
@@ -327,12 +331,14 @@ class Daemon:
                             on_pruned=lambda job_ids: self._jobs_changed(registry))
             self._install_signals()
             async with asyncio.TaskGroup() as tasks:
-                background = [tasks.create_task(coro) for coro in (
-                    zap.serve(), control.serve(), peer_server.serve(), self._watchdog(),
-                    nodes.run(self.stop, duties), pruner.run())]
+                loops = {"zap": zap.serve, "control": control.serve, "peers": peer_server.serve,
+                         "watchdog": self._watchdog, "heartbeat": functools.partial(nodes.run, self.stop, duties),
+                         "retention": pruner.run}
                 if discovery is not None:
-                    background.append(tasks.create_task(discovery.run(
-                        self.stop, functools.partial(self._listed, service))))
+                    loops["discovery"] = functools.partial(discovery.run, self.stop,
+                                                           functools.partial(self._listed, service))
+                # none of them ends the task group: one that raises is logged, counted, started again
+                background = [tasks.create_task(self.faults.supervise(name, run)) for name, run in loops.items()]
                 self._jobs_changed(registry)
                 if await self._registered(nodes):
                     self.notify.send("READY=1")
@@ -562,8 +568,12 @@ class Daemon:
                               own=True)
 
     def _refused(self, key: str, why: str) -> None:
+        """A store record no daemon acts on: counted every time, logged once a minute per key
+        (a poisoned key is read at every heartbeat)."""
         self.metrics.refused_records.inc()
-        log.warning("refused store record %s: %s", key, why)
+        held = self._refusals.check(key, time.monotonic())
+        if held is not None:
+            log.warning("refused store record %s: %s%s", key, why, held_back(held))
 
     def _control_limits(self) -> Limits:
         """The configured connection limits, kept well inside the file-descriptor limit (the

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Mapping
 
 from .errors import ElasticdError, StoreError, TamperedRecord
+from .faults import Faults
 from .jobs import JobRegistry
 from .records import Outcome, Part
 from .keyspace import Keyspace
@@ -260,11 +261,12 @@ class BoardFollower:
     lost its data), then the change log, waiting for each next change in the store."""
 
     def __init__(self, board: JobBoard, registry: JobRegistry, node: str, *,
-                 on_store: Callable[[bool], None] = lambda up: None) -> None:
+                 on_store: Callable[[bool], None] = lambda up: None, faults: Faults | None = None) -> None:
         self._board = board
         self._registry = registry
         self._node = node
         self._on_store = on_store
+        self._faults = faults or Faults()
         self._position = 0
         self._resynced = -_RESYNC_PAUSE  # when the board was last read whole (monotonic)
 
@@ -275,25 +277,29 @@ class BoardFollower:
         self.apply(changes)
 
     async def run(self) -> None:
-        """Follow the log until cancelled; a store that does not answer is retried after a
-        back-off of one follow period."""
+        """Follow the log until cancelled; a store that does not answer, or a step that
+        failed unexpectedly, is retried after a back-off of one follow period."""
         while True:
-            try:
-                self._position, changes = await self._board.follow(self._position, _FOLLOW_TIMEOUT)
-            except BoardReset as exc:
-                log.warning("%s; reading the whole board again", exc)
-                pause = self._resynced + _RESYNC_PAUSE - time.monotonic()
-                if pause > 0:  # a log broken again and again costs one read per pause
-                    await asyncio.sleep(pause)  # a back-off
-                await self._retrying(self.resync)
-                continue
-            except StoreError as exc:
-                log.warning("store unreachable while following the board: %s", exc)
-                self._on_store(False)
-                await asyncio.sleep(_FOLLOW_TIMEOUT)  # a back-off
-                continue
-            self._on_store(True)
-            self.apply(changes)
+            async with self._faults.contained("board_follower", _FOLLOW_TIMEOUT):
+                await self._step()
+
+    async def _step(self) -> None:
+        try:
+            self._position, changes = await self._board.follow(self._position, _FOLLOW_TIMEOUT)
+        except BoardReset as exc:
+            log.warning("%s; reading the whole board again", exc)
+            pause = self._resynced + _RESYNC_PAUSE - time.monotonic()
+            if pause > 0:  # a log broken again and again costs one read per pause
+                await asyncio.sleep(pause)  # a back-off
+            await self._retrying(self.resync)
+            return
+        except StoreError as exc:
+            log.warning("store unreachable while following the board: %s", exc)
+            self._on_store(False)
+            await asyncio.sleep(_FOLLOW_TIMEOUT)  # a back-off
+            return
+        self._on_store(True)
+        self.apply(changes)
 
     async def _retrying(self, step: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -313,6 +319,8 @@ class BoardFollower:
                 self._apply(change)
             except IllegalTransition as exc:  # the record stays as it was
                 log.warning("job %s: ignored a change from the board: %s", change.job_id, exc)
+            except Exception:  # one change must not cost the others, nor the follower
+                self._faults.report("board_changes", f"job {change.job_id}")
 
     def _apply(self, change: Change) -> None:
         if change.kind == "spec":

@@ -18,6 +18,7 @@ from .aio import race
 from .config import AUTO, DaemonConfig
 from .containment import Containment
 from .errors import NotFound, StoreError
+from .faults import Faults
 from .keyspace import Keyspace
 from .liveness import Beat, KeepAlive, observe
 from .membership import Catch, Head, Member, catch_up, judge, members_json, parse_members, takes_over
@@ -586,9 +587,10 @@ class NodeService:
     publishes this node's record, watches the others, notices a reset store and drain
     requests, and reports the store's health."""
 
-    def __init__(self, registry: NodeRegistry, *, interval: float) -> None:
+    def __init__(self, registry: NodeRegistry, *, interval: float, faults: Faults | None = None) -> None:
         self.registry = registry
         self._interval = interval
+        self._faults = faults or Faults()
         self._duties: NodeDuties | None = None  # given to run()
         self._sightings: dict[str, Sighting] = {}
         self._seen = 0.0  # wall clock of the last duty that read the store
@@ -610,7 +612,8 @@ class NodeService:
             self._wake.clear()
             self._begun += 1
             began = time.monotonic()
-            await self._duty(duties)
+            async with self._faults.contained("heartbeat"):  # then the next duty, as usual
+                await self._duty(duties)
             async with self._ticked:
                 self._ended += 1
                 self._ticked.notify_all()

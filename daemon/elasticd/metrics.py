@@ -68,6 +68,10 @@ class Metrics:
             registry=reg)
         self.refused_records = Counter("elasticd_store_refused_records_total",
                                        "Store records refused (forged, copied from another key, older than one seen, or unreadable)", registry=reg)
+        self.loop_faults = Counter(
+            "elasticd_loop_faults_total",
+            "Unexpected errors in the daemon's long-lived loops, by loop (each logged with its "
+            "traceback, once a minute per loop; the loop went on)", ["loop"], registry=reg)
         self.output_dropped_bytes = Counter(
             "elasticd_log_dropped_bytes_total",
             "Worker output that could not be written to its log file (a full disk), by reason",
@@ -125,6 +129,9 @@ class Metrics:
 
     def worker_exited(self, exit_code: int) -> None:
         self.worker_exits.labels(str(exit_code)).inc()
+
+    def loop_fault(self, loop: str) -> None:
+        self.loop_faults.labels(loop).inc()
 
     def restarted(self) -> None:
         self.worker_restarts.inc()

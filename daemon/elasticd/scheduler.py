@@ -23,6 +23,7 @@ from .blacklist import USERS_FOR_NODE, Blacklist, worker_failures
 from .board import BoardFollower, JobBoard
 from .discovery import Listing
 from .errors import Conflict, StoreError
+from .faults import Faults
 from .jobs import JobRegistry
 from .journal import about
 from .records import JobRecord, Outcome, Part, started
@@ -58,9 +59,11 @@ class JobService:
                  standalone: bool = False, allow_root: bool = False,
                  blacklist: Blacklist | None = None,
                  on_blacklist: Callable[[bool], None] = lambda blacklisted: None,
+                 faults: Faults | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.node = node
+        self._faults = faults or Faults()
         self.resources = resources
         self._configured = resources  # what the config gives (discovery may say other slots)
         self._board = board
@@ -224,6 +227,8 @@ class JobService:
                 log.warning("could not publish %s's part of %s: %s", part.node, job_id, exc or "timed out",
                             extra=about(job_id))
                 failed[job_id] = part
+            except Exception:  # this part is lost, the others and the loop go on
+                self._faults.report("parts", f"job {job_id}")
         for job_id, part in failed.items():
             self._unpublished.setdefault(job_id, part)
         return not failed

@@ -92,7 +92,7 @@ def envelope(raw: bytes | None) -> dict[str, Any] | None:
     """The record as JSON when it is a version-2 envelope with a body and a MAC."""
     try:
         doc = json.loads(raw) if raw is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) and doc.get("v") == 2 and "mac" in doc else None
 
@@ -228,8 +228,15 @@ def test_any_value_on_the_keys_read_every_duty_ends_no_daemon(cluster, shared_tm
     for suffix in ("epoch", "nodes/observer", f"nodes/{n1.name}/drain"):
         assert any(refusal_lines(d, store.key(suffix)) for d in cluster), f"{suffix}'s refusals not logged"
     # the epoch and the observer are repaired, the drain request stays refused: no drain
-    wait_for(lambda: envelope(store.read("epoch")) and envelope(store.read("nodes/observer")), 15,
-             "the epoch and the observer repaired")
+    last: dict[str, bytes | None] = {}
+
+    def repaired() -> bool:
+        last.update((k, store.read(k)) for k in ("epoch", "nodes/observer"))
+        return all(envelope(raw) for raw in last.values())
+    try:
+        wait_for(repaired, 15, "the epoch and the observer repaired")
+    except AssertionError:
+        raise AssertionError(f"not repaired: {({k: (v or b'')[:100] for k, v in last.items()})}") from None
     assert states(n1) == {n1.name: "up", n2.name: "up"}, n1.ctl("nodes")
     figures.add(f"poison x {len(POISONS)} values x {len(keys)} keys in {took:.0f} s "
                 f"({'etcd' if cluster.etcd else 'c10d'}): refusals counted (n1 / n2)",

@@ -61,6 +61,7 @@ def _exercised() -> Metrics:
         asyncio.run(m.store_call("get", unreachable()))
     m.control_requests.labels("submit", "ok").inc()
     m.refused_records.inc()
+    m.loop_fault("heartbeat")
     m.output_dropped(4096, "No space left on device")
     m.state_write_failed("history", "database or disk is full")
     m.history_quarantined.inc()
