@@ -16,7 +16,8 @@ Rows -> tests:
         them restarts (before the fix: a crash loop in create_epoch)
         ........................................... test_row0_poisoned_epoch_at_start_up_is_worked_around
     0   deep nesting (bare and inside an envelope), a non-finite number, a 5000-digit
-        version, bytes that are not UTF-8, a lone surrogate and values of the wrong types,
+        version, bytes that are not UTF-8, a lone surrogate, a MAC that is not ASCII
+        (before the fix a TypeError in compare_digest) and values of the wrong types,
         each on every key a daemon reads at every heartbeat duty (epoch, the observer, the
         feed's head, a node's record, heartbeat and drain request, the node index, the
         next change-log entry, a running job's rendezvous state)
@@ -53,6 +54,7 @@ POISONS = {
     "not UTF-8": b'{"v":2,"ver":1,"body":"\xff\xfe","mac":' + MAC + b"}",
     "lone surrogate": b'{"v":2,"ver":1,"body":{"\\ud800":"\\udfff"},"mac":' + MAC + b"}",
     "wrong types": b'{"v":2,"ver":1,"enc":[1,{"a":null}],"mac":{}}',
+    "a MAC that is not ASCII": b'{"v":2,"ver":1,"body":{},"mac":"\xc3\xa9"}',
     "a list": b"[1,2,3]",
 }
 WATCH = 10.0  # seconds "never" is observed while poison is written: past the 8 s it took to end every daemon

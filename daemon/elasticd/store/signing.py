@@ -98,7 +98,8 @@ class Signer:
         if not isinstance(mac, str) or "body" not in envelope:
             raise TamperedRecord("record has no MAC")
         body = envelope["body"]
-        if not hmac.compare_digest(mac, self._mac(context, canonical_json(body))):
+        # bytes: compare_digest refuses a str that is not ASCII with a TypeError
+        if not hmac.compare_digest(mac.encode(), self._mac(context, canonical_json(body)).encode()):
             raise TamperedRecord("record MAC does not match (forged, or copied from another key)")
         return Opened(body, version)
 
