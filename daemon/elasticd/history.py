@@ -20,6 +20,7 @@ import sqlite3
 import time
 from typing import Any, Iterator
 
+from . import safejson
 from .errors import ElasticdError
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state);
 """
 _COLUMNS = ("id", "seq", "state", "created", "ended", "doc")
+MAX_ROW = 64 << 20  # bytes of one job's document (a spec comes from a request of 4 MiB at most)
 
 
 class HistoryError(ElasticdError):
@@ -199,8 +201,11 @@ def _last_rowid(db: sqlite3.Connection) -> int:
 
 
 def _document(raw: Any) -> Any:
+    """The row's document: a JSON object within bounds, else None (a damaged row)."""
+    if not isinstance(raw, (str, bytes)):
+        return None
     try:
-        doc = json.loads(raw)
-    except (TypeError, ValueError, RecursionError):
+        doc = safejson.loads(raw, max_bytes=MAX_ROW)
+    except safejson.Undecodable:
         return None
     return doc if isinstance(doc, dict) else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import logging
 import os
 import time
 import uuid
@@ -23,11 +24,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from . import protocol
+from . import protocol, safejson
 from .endpoint import split_endpoint
 from .errors import ElasticdError, StoreError
 
 PEER_DOMAIN = b"elasticd-peer"
+_KEY_FILE_BYTES = 4096  # {"public": 40 characters, "secret": 40 characters}
+
+log = logging.getLogger(__name__)
 
 
 class PeerError(ElasticdError):
@@ -43,16 +47,39 @@ class PeerKeys:
 
 
 def load_or_create_keys(path: str) -> PeerKeys:
+    """This daemon's CURVE key pair from ``path`` (0600), made there first if there is none.
+    A file that is not a key pair (damaged) is moved aside, named in the log, and a new pair
+    is made: others learn the public key from this node's signed record anyway."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
-        return PeerKeys(doc["public"].encode(), doc["secret"].encode())
+        with open(path, "rb") as f:
+            keys = _parse_keys(f.read(_KEY_FILE_BYTES + 1))
+        if keys is not None:
+            return keys
+        aside = f"{path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+        os.replace(path, aside)
+        log.error("%s is not a CURVE key pair: moved it to %s and made a new one", path, aside)
     except FileNotFoundError:
-        public, secret = zmq.curve_keypair()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"public": public.decode(), "secret": secret.decode()}, f)
-        return PeerKeys(public, secret)
+        pass
+    return _create_keys(path)
+
+
+def _parse_keys(raw: bytes) -> PeerKeys | None:
+    try:
+        doc = safejson.loads(raw, max_bytes=_KEY_FILE_BYTES)
+    except safejson.Undecodable:
+        return None
+    public, secret = (doc.get("public"), doc.get("secret")) if isinstance(doc, dict) else (None, None)
+    if not all(isinstance(k, str) and len(k) == 40 and k.isascii() for k in (public, secret)):
+        return None
+    return PeerKeys(public.encode(), secret.encode())
+
+
+def _create_keys(path: str) -> PeerKeys:
+    public, secret = zmq.curve_keypair()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"public": public.decode(), "secret": secret.decode()}, f)
+    return PeerKeys(public, secret)
 
 
 def curve_policy(known_keys: Callable[[], dict[bytes, str]]) -> Callable[[bytes, bytes, list[bytes]], bytes | None]:

@@ -1,6 +1,7 @@
 """The control protocol between ``elasticctl`` and ``elasticd`` (DESIGN §3).
 
-A stdlib-only leaf: the CLI imports this module and nothing else from the daemon.
+A stdlib-only leaf: the CLI imports this module (and with it ``safejson``, the bounded
+decoder every frame goes through) and nothing else from the daemon.
 
 The transport is a Unix stream socket; each frame is a 4-byte big-endian length and then
 that many bytes of UTF-8 JSON, one object.  Request::
@@ -22,6 +23,8 @@ import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
+
+from . import safejson
 
 VERSION = 1
 MAX_FRAME = 4 * 1024 * 1024      # a request
@@ -154,7 +157,7 @@ def decode_request(frame: bytes) -> Request:
     """
     if len(frame) > MAX_FRAME:
         raise ProtocolError(E_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME}")
-    doc = _load(frame, strict=True)
+    doc = _load(frame, MAX_FRAME)
     if not isinstance(doc, dict):
         raise ProtocolError(E_BAD_REQUEST, "request must be a JSON object")
     if doc.get("v") != VERSION:
@@ -184,11 +187,11 @@ def request_id(frame: bytes) -> str:
     if len(frame) > MAX_FRAME:
         return id_near_start(frame)
     try:
-        doc = json.loads(frame)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        doc = safejson.loads(frame, max_bytes=MAX_FRAME)
+    except safejson.Undecodable:
         return ""
     rid = doc.get("id") if isinstance(doc, dict) else None
-    return rid if isinstance(rid, str) and is_text(rid) else ""
+    return rid if isinstance(rid, str) else ""
 
 
 def id_near_start(frame: bytes) -> str:
@@ -241,12 +244,14 @@ class Reply:
 
 
 def decode_reply(frame: bytes) -> Reply:
-    doc = _load(frame)
+    """One reply frame; ProtocolError (bad_request) for anything that is not a reply."""
+    doc = _load(frame, MAX_REPLY)
     if not isinstance(doc, dict) or doc.get("v") != VERSION or not isinstance(doc.get("id"), str):
         raise ProtocolError(E_BAD_REQUEST, "malformed reply from daemon")
     if doc.get("ok"):
         return Reply(doc["id"], True, doc.get("result"), bool(doc.get("end")))
-    err = doc.get("error") or {}
+    err = doc.get("error")
+    err = err if isinstance(err, dict) else {}
     return Reply(doc["id"], False, code=str(err.get("code", E_INTERNAL)),
                  message=str(err.get("message", "")))
 
@@ -269,61 +274,33 @@ def batches(docs: Iterable[Any], max_bytes: int) -> Iterator[list[Any]]:
 
 def _dump(doc: Any) -> bytes:
     # A lone surrogate cannot be UTF-8: it becomes "?" rather than failing the whole reply
-    # (requests carrying one are refused; this guards text that came from elsewhere).
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode(errors="replace")
-
-
-def _load(frame: bytes, strict: bool = False) -> Any:
-    """JSON; ``strict`` also refuses what no valid request holds: NaN, Infinity, a number
-    too large for a float (1e309), and strings with lone surrogates ("\\ud800")."""
+    # (requests carrying one are refused; this guards text that came from elsewhere).  A
+    # number JSON has no word for (NaN, infinity) becomes null: a reply is always what
+    # the client's bounded decoder reads.
     try:
-        if not strict:
-            return json.loads(frame)
-        doc = json.loads(frame, parse_constant=_no_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(E_BAD_REQUEST, f"invalid JSON: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(E_BAD_REQUEST, "invalid JSON: nested too deeply") from None
-    bad = _first_bad_text(doc)
-    if bad is not None:
-        raise ProtocolError(E_BAD_REQUEST, f"invalid text {bad!r}: not valid Unicode (a lone surrogate)")
-    return doc
+        text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(doc), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode(errors="replace")
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
     return value
 
 
-def is_text(value: str) -> bool:
-    """Whether ``value`` can be encoded as UTF-8 (no lone surrogates)."""
+def _load(frame: bytes, limit: int) -> Any:
+    """JSON within bounds (safejson: no NaN, Infinity or 1e309, no integer past 64 bits, no
+    lone surrogate ("\\ud800"), nested at most 64 deep); ProtocolError otherwise."""
     try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _first_bad_text(doc: Any) -> str | None:
-    """The first string (key or value) in ``doc`` that is not valid Unicode, if any."""
-    stack = [doc]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if not is_text(item):
-                return item
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return None
+        return safejson.loads(frame, max_bytes=limit)
+    except safejson.Undecodable as exc:
+        raise ProtocolError(E_BAD_REQUEST, f"invalid JSON: {exc}") from None
 
 
 # -- framing ---------------------------------------------------------------------------------

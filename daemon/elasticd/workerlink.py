@@ -3,7 +3,8 @@
 owned by the job's user and no one else (0600), JSON lines.
 
 Workers never reach the cluster store through it: all they learn is their own place in a
-round and notices. A line over 64 KiB, bad JSON or a peer that does not read closes that
+round and notices. A line over 64 KiB, one that is not a message (:func:`decode`: bounded
+JSON of the right shape, or :class:`Malformed`) or a peer that does not read closes that
 connection, never the agent.
 """
 
@@ -19,10 +20,25 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import safejson
+
 log = logging.getLogger(__name__)
 
 _MAX_LINE = 64 * 1024
 _MAX_BUFFERED = 256 * 1024  # unread notices a worker may hold before it is cut off
+_MAX_DEPTH = 4              # {"op": ...} holds scalars only
+_WHY = ("start", "interrupt", "failure")
+
+
+class Malformed(ValueError):
+    """A line from a worker that is no message of the channel (its connection is closed)."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A worker says which slot it is."""
+
+    slot: int
 
 
 @dataclass(frozen=True)
@@ -114,19 +130,16 @@ class WorkerLink:
             if self._connections > 2 * self._slots + 4 or not self._trusted(writer):
                 return
             while line := await reader.readline():
-                doc = json.loads(line)
-                if not isinstance(doc, dict):
-                    return
-                if doc.get("op") == "hello" and slot is None:
-                    slot = self._hello(doc.get("slot"), writer)
+                message = decode(line)
+                if isinstance(message, Hello) and slot is None:
+                    slot = self._hello(message.slot, writer)
                     if slot is None:
                         return
-                elif doc.get("op") == "ready" and slot is not None:
-                    self._ready(slot, doc)
+                elif isinstance(message, Ready) and slot is not None:
+                    self._ready(slot, message)
                 else:
                     return
-        except (ValueError, RecursionError, asyncio.LimitOverrunError, ConnectionError,
-                OSError) as exc:  # RecursionError: JSON nested too deep
+        except (Malformed, ValueError, asyncio.LimitOverrunError, ConnectionError, OSError) as exc:
             log.debug("worker channel closed: %s", exc)
         finally:
             self._connections -= 1
@@ -141,8 +154,8 @@ class WorkerLink:
         _, uid, _ = struct.unpack("3i", creds)
         return uid in (self._uid, 0, os.getuid())
 
-    def _hello(self, slot: Any, writer: asyncio.StreamWriter) -> int | None:
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self._slots:
+    def _hello(self, slot: int, writer: asyncio.StreamWriter) -> int | None:
+        if not 0 <= slot < self._slots:
             return None
         old = self._writers.get(slot)
         if old is not None:
@@ -153,10 +166,32 @@ class WorkerLink:
             self._send(slot, {"op": "place", "round": round, "env": env})
         return slot
 
-    def _ready(self, slot: int, doc: dict[str, Any]) -> None:
-        after, why, error = doc.get("round"), doc.get("why"), doc.get("error", "")
-        if not isinstance(after, int) or isinstance(after, bool) or why not in ("start", "interrupt", "failure") \
-                or not isinstance(error, str):
-            raise ValueError("malformed ready")
-        self._asked[slot] = max(self._asked.get(slot, -2), after)
-        self._on_ready(Ready(slot, after, why, error[:2000]))
+    def _ready(self, slot: int, asked: Ready) -> None:
+        self._asked[slot] = max(self._asked.get(slot, -2), asked.after)
+        self._on_ready(Ready(slot, asked.after, asked.why, asked.error))
+
+
+def decode(line: bytes) -> Hello | Ready:
+    """One line from a worker: ``{"op": "hello", "slot": N}`` or ``{"op": "ready", "round": N,
+    "why": ..., "error": ...}`` (a Ready whose slot, -1, is the connection's to say); anything
+    else, whatever its bytes, is Malformed."""
+    try:
+        doc = safejson.loads(line, max_bytes=_MAX_LINE, max_depth=_MAX_DEPTH)
+    except safejson.Undecodable as exc:
+        raise Malformed(f"not JSON: {exc}") from None
+    op = doc.get("op") if isinstance(doc, dict) else None
+    if op == "hello":
+        return Hello(_count(doc, "slot"))
+    if op == "ready":
+        why, error = doc.get("why"), doc.get("error", "")
+        if why not in _WHY or not isinstance(error, str):
+            raise Malformed("a ready needs why (start, interrupt, failure) and a text error")
+        return Ready(-1, _count(doc, "round", low=-1), why, error[:2000])
+    raise Malformed("not a message: no known op")
+
+
+def _count(doc: dict[str, Any], name: str, low: int = 0) -> int:
+    value = doc.get(name)
+    if type(value) is not int or value < low:
+        raise Malformed(f"{name} is not a whole number")
+    return value

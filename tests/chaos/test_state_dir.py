@@ -163,14 +163,22 @@ def test_bad_history_rows_are_skipped_and_never_break_list(daemon_factory, figur
     row("j-bad004", lambda d: d.update(outcome={"state": "SUCCEEDED", "ended": "soon"}))
     db.execute("INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES "
                "('j-bad005', 1, 'X', 0, NULL, 'not json')")
+    infinite = json.loads(json.dumps(template))
+    infinite["id"] = infinite["spec"]["id"] = "j-bad007"
+    infinite = json.dumps(infinite).replace(f'"created": {json.dumps(template["created"])}', '"created": 1e999')
+    assert "1e999" in infinite
+    for job_id, doc in (("j-bad006", "[" * 100000 + "]" * 100000),  # beyond safejson's bounds
+                        ("j-bad007", infinite)):
+        db.execute("INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES (?, 1, 'X', 0, NULL, ?)",
+                   (job_id, doc))
     db.commit()
     db.close()
     daemon.start()
     listed = {j["id"] for j in daemon.ctl("list", "--all")}
-    assert good in listed and not {f"j-bad00{i}" for i in range(1, 6)} & listed
+    assert good in listed and not {f"j-bad00{i}" for i in range(1, 8)} & listed
     skipped = metric(daemon, "elasticd_history_skipped_rows_total")
-    figures.add("item 7: bad history rows skipped (of 5)", f"{skipped:.0f}")
-    assert skipped == 5
+    figures.add("item 7: bad history rows skipped (of 7)", f"{skipped:.0f}")
+    assert skipped == 7
     log = daemon.log_text()
     assert "history" in log and "j-bad001" in log
     assert daemon.ctl_run("list", "--all").returncode == 0  # human output too

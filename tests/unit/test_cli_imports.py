@@ -10,7 +10,7 @@ import sys
 import elasticctl.cli
 daemon_modules = sorted(m for m in sys.modules
                         if m.startswith("elasticd.")
-                        and m not in ("elasticd.protocol", "elasticd.paths"))
+                        and m not in ("elasticd.protocol", "elasticd.paths", "elasticd.safejson"))
 assert "torch" not in sys.modules, "elasticctl imported torch"
 assert not daemon_modules, f"elasticctl imported daemon modules: {daemon_modules}"
 """

@@ -74,3 +74,19 @@ def test_a_silent_node_that_still_beats_is_not_lost(silent_endpoint, heard, expe
     links = PeerLinks(client=None, nodes=nodes)
     assert asyncio.run(links.unreachable(["n2"], 0.3)) == expected
     assert len(nodes.reads) == 2 and nodes.reads[1] - nodes.reads[0] >= nodes.interval
+
+
+@pytest.mark.parametrize("damage", [b"", b"[" * 100000, b'{"public": 1, "secret": []}', b"\xff" * 80,
+                                    b'{"public": "short", "secret": "short"}'])
+def test_a_damaged_peer_key_file_is_moved_aside_and_a_new_pair_made(tmp_path, damage):
+    from elasticd.peers import load_or_create_keys
+
+    path = tmp_path / "peer.key"
+    made = load_or_create_keys(str(path))
+    assert load_or_create_keys(str(path)) == made  # read back as written
+    path.write_bytes(damage)
+    fresh = load_or_create_keys(str(path))
+    assert len(fresh.public) == len(fresh.secret) == 40 and fresh != made
+    assert load_or_create_keys(str(path)) == fresh and path.stat().st_mode & 0o777 == 0o600
+    (aside,) = tmp_path.glob("peer.key.corrupt-*")
+    assert aside.read_bytes() == damage  # kept for a look
