@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Mapping
 
 from .errors import ElasticdError, StoreError, TamperedRecord
-from .faults import Faults
+from .faults import Faults, Throttle, held_back
 from .jobs import JobRegistry
 from .records import Outcome, Part
 from .keyspace import Keyspace
@@ -267,6 +267,7 @@ class BoardFollower:
         self._node = node
         self._on_store = on_store
         self._faults = faults or Faults()
+        self._resets = Throttle()  # a log kept broken (a forged next entry) is read again every 5 s
         self._position = 0
         self._resynced = -_RESYNC_PAUSE  # when the board was last read whole (monotonic)
 
@@ -287,7 +288,8 @@ class BoardFollower:
         try:
             self._position, changes = await self._board.follow(self._position, _FOLLOW_TIMEOUT)
         except BoardReset as exc:
-            log.warning("%s; reading the whole board again", exc)
+            if (held := self._resets.check("reset", time.monotonic())) is not None:
+                log.warning("%s; reading the whole board again%s", exc, held_back(held))
             pause = self._resynced + _RESYNC_PAUSE - time.monotonic()
             if pause > 0:  # a log broken again and again costs one read per pause
                 await asyncio.sleep(pause)  # a back-off

@@ -22,6 +22,8 @@ Rows -> tests:
         feed's head, a node's record, heartbeat and drain request, the node index, the
         next change-log entry, a running job's rendezvous state)
         ........................................... test_any_value_on_the_keys_read_every_duty_ends_no_daemon
+        the board's counters (change log, submit order) not numbers
+        ........................................... test_a_counter_that_is_no_number_ends_no_daemon
 
 Each asserts the safe outcome: every daemon keeps running (its process and its answers),
 the job keeps its workers, RUNNING with no restart, the refusals are counted
@@ -243,4 +245,29 @@ def test_any_value_on_the_keys_read_every_duty_ends_no_daemon(cluster, shared_tm
     figures.add(f"poison x {len(POISONS)} values x {len(keys)} keys in {took:.0f} s "
                 f"({'etcd' if cluster.etcd else 'c10d'}): refusals counted (n1 / n2)",
                 " / ".join(f"{c:.0f}" for c in counts))
+    cancel_and_check(cluster, n2, job, pids)
+
+
+@pytest.mark.slow
+def test_a_counter_that_is_no_number_ends_no_daemon(cluster, shared_tmp):
+    """The board's counters hold junk, a 5000-digit number, deep nesting, 3 s each: a denial
+    of service (the board does not move meanwhile; on c10d the store server drops the
+    connection of an add on junk, which a daemon reports as the store unreachable), never
+    an end of a daemon or of the job; once they are numbers again the owner cancels it."""
+    n1, n2 = cluster.add("n1"), cluster.add("n2")
+    cluster.start()
+    store = attacker(cluster)
+    job, pids = two_node_job(n1, shared_tmp)
+    counters = ["jobs/log", "jobs/seq"]
+    kept = {c: store.read(c) for c in counters}
+
+    def safe() -> None:
+        alive(cluster)
+        assert_still_running(cluster, job, pids)
+    for value in (b"junk", b"9" * 5000, DEEP):
+        for counter in counters:
+            store.write(counter, value)
+        observe(3.0, safe)
+    for counter, value in kept.items():
+        store.write(counter, value or b"0")
     cancel_and_check(cluster, n2, job, pids)
