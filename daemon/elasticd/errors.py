@@ -79,6 +79,18 @@ class StoreTimeout(StoreError):
     code = "store_timeout"
 
 
+class NotACounter(StoreError):
+    """A store key that should hold a counter holds something else (anyone who reaches the
+    store may write one): ``value`` is what it holds, for a compare-and-set that repairs it."""
+
+    code = "store_not_a_counter"
+
+    def __init__(self, key: str, value: bytes) -> None:
+        self.key, self.value = key, value
+        self.shown = repr(value[:40]) + (f" and {len(value) - 40} more bytes" if len(value) > 40 else "")
+        super().__init__(f"store key {key} holds {self.shown}, not a counter")
+
+
 class TamperedRecord(StoreError):
     """A store record does not open: no or a wrong MAC, sealed for another key, or older
     than one seen before."""

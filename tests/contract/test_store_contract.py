@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elasticd.errors import StoreConnectionError
+from elasticd.errors import NotACounter, StoreConnectionError
 from elasticd.store.base import StoreBackend
 
 
@@ -107,6 +107,33 @@ def test_add_is_atomic_across_threads(store, key):
     for thread in threads:
         thread.join(timeout=30)
     assert store.add(key, 0) == 200
+
+
+@pytest.mark.parametrize("junk", [b"junk", b"9" * 5000, b"[" * 10000 + b"]" * 10000])
+def test_an_add_over_a_value_that_is_no_count_raises_not_a_counter_and_writes_nothing(store, key, junk):
+    """Anyone who reaches the store may write junk to a counter: the add says so with what is
+    there (for a compare-and-set that repairs it), the client goes on, and the junk can be
+    replaced by a count that the next add counts on from."""
+    store.set(key, junk)
+    with pytest.raises(NotACounter) as raised:
+        store.add(key, 1)
+    assert raised.value.value == junk and raised.value.key == key
+    assert store.get(key) == junk
+    assert store.compare_set(key, junk, b"41") == (True, b"41")
+    assert store.add(key, 1) == 42
+
+
+def test_an_empty_counter_is_repaired_by_a_compare_set_against_none(store, key):
+    """An empty value is no count to TCPStore (NotACounter), and etcd reads it as 0; either
+    way a compare-and-set against None ("missing": TCPStore cannot tell it from empty)
+    gives the repair, or the add counts from 0."""
+    store.set(key, b"")
+    try:
+        assert store.add(key, 1) == 1
+    except NotACounter as junk:
+        assert junk.value == b""
+        assert store.compare_set(key, None, b"41") == (True, b"41")
+        assert store.add(key, 1) == 42
 
 
 def test_append_creates_and_extends(store, key):

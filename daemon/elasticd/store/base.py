@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from elasticd.errors import NotACounter
+
 
 @runtime_checkable
 class StoreBackend(Protocol):
@@ -26,7 +28,8 @@ class StoreBackend(Protocol):
         """
 
     def add(self, key: str, amount: int) -> int:
-        """Add to a counter (created at 0) and return the new value; ``add(key, 0)`` reads it."""
+        """Add to a counter (created at 0) and return the new value; ``add(key, 0)`` reads it.
+        NotACounter (a StoreError) when the key holds no count."""
 
     def append(self, key: str, value: bytes) -> None:
         """Append atomically to the key's value (created empty)."""
@@ -42,6 +45,19 @@ class StoreBackend(Protocol):
 
     def close(self) -> None:
         """Release the connection; later calls raise StoreConnectionError."""
+
+
+def counter_value(raw: bytes) -> int | None:
+    """A counter's value as the store holds it (ASCII decimal, as TCPStore writes it); None
+    when it is no plain non-negative count of an int64 (anyone who reaches the store may write
+    one)."""
+    return int(raw) if raw.isdigit() and len(raw) < 19 else None
+
+
+def junk_counter(key: str, held: bytes | None) -> NotACounter | None:
+    """The error for a counter key that holds ``held`` (None: nothing): NotACounter when that
+    is no count, else None."""
+    return None if held is None or counter_value(held) is not None else NotACounter(key, held)
 
 
 def check_compare_value(expected: bytes | None) -> None:

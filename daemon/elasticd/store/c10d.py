@@ -26,7 +26,7 @@ from datetime import timedelta
 
 from elasticd.endpoint import join_endpoint, split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
-from elasticd.store.base import check_compare_value
+from elasticd.store.base import check_compare_value, junk_counter
 from elasticd.store.tcpstore import MISSING as _MISSING  # the same sentinel on both clients
 
 _FIRST_BACKOFF = 0.05
@@ -138,8 +138,14 @@ class C10dStore:
         return False, value
 
     def add(self, key: str, amount: int) -> int:
-        with self._client() as client:
-            return client.add(key, amount)
+        """NotACounter when the key holds no count (the server drops the connection of an
+        add over one: see TCPStoreClient.add)."""
+        try:
+            with self._client() as client:
+                return client.add(key, amount)
+        except StoreConnectionError as lost:
+            junk = junk_counter(key, self.get(key))  # a store that is gone fails this read too
+            raise junk or lost
 
     def append(self, key: str, value: bytes) -> None:
         with self._client() as client:

@@ -7,7 +7,8 @@ the new value in a Txn that holds only if the key's mod revision is still the on
 start again from what a lost race read.  ``get_many`` is Txns of up to 128 Range ops (etcd's
 default ``--max-txn-ops``).  ``wait_for`` reads the key and the store's revision, then
 watches the key from the next revision: one round trip when it is written, no polling.
-Counters are ASCII decimal, as TCPStore stores them.
+Counters are ASCII decimal, as TCPStore stores them; an add over anything else (junk, a
+sign, more than 18 digits) raises NotACounter and writes nothing.
 
 gRPC is spoken over aetcd's generated stubs; aetcd's own client has no TLS, uses one
 endpoint and never renews its auth token.  Calls go to one member at a time.  A member that
@@ -32,7 +33,7 @@ from aetcd import rpc
 from elasticd.aio import gather
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreError, StoreTimeout
-from elasticd.store.base import check_compare_value
+from elasticd.store.base import check_compare_value, junk_counter
 
 MAX_TXN_OPS = 128       # etcd's default --max-txn-ops
 _FIRST_BACKOFF = 0.05
@@ -464,7 +465,12 @@ def _value(reply: Any) -> bytes | None:
 
 
 def _counter(key: str, value: bytes | None) -> int:
-    try:
-        return int(value or b"0")
-    except ValueError:
-        raise StoreError(f"store key {key} holds {value[:40]!r}, not a counter") from None
+    """The count a counter key holds: 0 when it is missing or empty (etcd, unlike TCPStore,
+    tells an empty value from none, and an add writes a number over it); NotACounter when it
+    holds anything but a plain count."""
+    if not value:
+        return 0
+    junk = junk_counter(key, value)
+    if junk is not None:
+        raise junk
+    return int(value)

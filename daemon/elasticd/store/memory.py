@@ -8,7 +8,7 @@ import threading
 from typing import Callable
 
 from elasticd.errors import StoreConnectionError
-from elasticd.store.base import check_compare_value
+from elasticd.store.base import check_compare_value, junk_counter
 
 
 class MemoryStore:
@@ -34,7 +34,7 @@ class MemoryStore:
         with self._changed:
             self._check_open()
             current = self._data.get(key)
-            if current == expected or current == desired:
+            if current in (expected, desired) or (expected is None and current == b""):  # as TCPStore
                 self._write(key, bytes(desired))
                 return True, bytes(desired)
             return False, current
@@ -42,6 +42,9 @@ class MemoryStore:
     def add(self, key: str, amount: int) -> int:
         with self._changed:
             self._check_open()
+            junk = junk_counter(key, self._data.get(key))
+            if junk is not None:
+                raise junk
             value = int(self._data.get(key, b"0")) + amount
             self._write(key, str(value).encode())
             return value

@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable
 
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
-from elasticd.store.base import check_compare_value
+from elasticd.store.base import check_compare_value, junk_counter
 
 MISSING = b"\x00elasticd:missing\x00"  # compare_set(k, MISSING, MISSING) reads k without blocking
 _MAGIC = 0x3C85F7CE
@@ -161,7 +161,15 @@ class TCPStoreClient:
         return False, value
 
     async def add(self, key: str, amount: int) -> int:
-        return await self._call(_query(_Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64)
+        """NotACounter when the key holds no count: torch's server answers an ADD over a value
+        that ``std::stoll`` does not take (junk, a number past int64, nothing) by dropping
+        the connection, which a lost connection does too; a read on a new one tells them
+        apart (a count there: the connection was lost, and the add may have been applied)."""
+        try:
+            return await self._call(_query(_Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64)
+        except StoreConnectionError as lost:
+            junk = junk_counter(key, await self.get(key))  # a store that is gone fails this read too
+            raise junk or lost
 
     async def append(self, key: str, value: bytes) -> None:
         await self._call(_query(_Query.APPEND, _key(key), _blob(value)), _Connection.pong, ping=True)
