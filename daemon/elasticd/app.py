@@ -259,7 +259,7 @@ class Daemon:
         async with contextlib.AsyncExitStack() as closing:
             store = await self._open_store(closing)
             self.metrics.store_up.set(1)
-            await store.add(Keyspace(config.cluster.name).ping, 1)
+            await store.set(Keyspace(config.cluster.name).ping, b"1")  # not an add: junk there must not stop a start
             history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
             closing.callback(history.close)
             if history.quarantined:

@@ -17,7 +17,14 @@ A daemon follows the log by waiting for ``log/<n+1>`` (one store round trip of l
 polling).  Every record is sealed for its key; one that does not open is refused and
 counted.  The counters and the log are not trusted to be complete: an entry that is
 missing while later ones exist, refused, or a counter that went back, makes the follower
-read every job again from the signed records (at most once per ``_RESYNC_PAUSE``).  An
+read every job again from the signed records (at most once per ``_RESYNC_PAUSE``).  A
+counter that holds no count is written back (store/counter.py) by the first daemon that
+needs it: ``seq`` past every seq that daemon has seen, with room for submits it has not read
+yet (a seq too high costs nothing, one taken twice is two jobs with one number); ``log`` to
+the last valid entry it finds from the last one it read or wrote on, and no further (a
+number skipped costs every follower a read of the whole board; one taken twice would
+overwrite an entry that followers behind have not read).  A new number is never one this
+daemon has seen taken.  An
 outcome that does not open holds its job: it is reported, never placed again, and a valid
 outcome (a cancel) may replace it.  A snapshot also reads the jobs and parts that the
 follower knows of, whatever the indexes say.  Store I/O is awaited on the event loop.
@@ -32,13 +39,14 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Mapping
 
-from .errors import ElasticdError, StoreError, TamperedRecord
+from .errors import ElasticdError, NotACounter, StoreError, TamperedRecord
 from .faults import Faults, Throttle, held_back
 from .jobs import JobRegistry
 from .records import Outcome, Part
 from .keyspace import Keyspace
 from .model import IllegalTransition, JobSpec
 from .store.base import Store
+from .store.counter import StoreCounter
 from .store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,7 @@ _FOLLOW_TIMEOUT = 1.0  # seconds a follow waits for the next change before it lo
 _RESYNC_PAUSE = 5.0    # seconds between two reads of the whole board that a broken log asks for
 _OUTCOME_TRIES = 3     # an outcome that does not open is replaced; a store that keeps garbling it wins
 _BATCH = 64
+_SEQ_ROOM = 1024       # seqs written back past the highest seen: submits elsewhere not read here yet
 _ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
 _NAME = re.compile(r"^[\w.-]+$")
 
@@ -72,6 +81,10 @@ def _entry(body: object) -> str:
     return body
 
 
+def _unheard(key: str, why: str) -> None:
+    """A refusal not reported here: the follower reports it when it reads the entry."""
+
+
 def _name(body: object) -> str:
     name = body.get("name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not _NAME.match(name):
@@ -89,6 +102,8 @@ class JobBoard:
         self._indexed: set[tuple[str, str]] = set()
         self._versions = VersionClock()
         self._fresh = Freshness()  # parts: an older one written back is refused
+        self._seq = StoreCounter(store, self._key("seq"), self._seq_end, self.refused)
+        self._log = StoreCounter(store, self._key("log"), self._log_end, self.refused)
 
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
@@ -103,17 +118,15 @@ class JobBoard:
 
     async def next_seq(self) -> int:
         """The submit order of a new job (publish it with this seq)."""
-        return await self._store.add(self._key("seq"), 1)
+        return await self._seq.take()
 
     async def publish_spec(self, spec: JobSpec, seq: int | None = None) -> int:
         """Publish a job; returns its submit order.  Republishing (into a store that was reset)
         keeps the given ``seq`` and moves the counter past it, so later jobs come after."""
         if seq is None:
-            seq = await self._store.add(self._key("seq"), 1)
+            seq = await self._seq.take()
         else:
-            behind = seq - await self._store.add(self._key("seq"), 0)
-            if behind > 0:
-                await self._store.add(self._key("seq"), behind)
+            await self._seq.at_least(seq)
         await self._store.set(self._key(f"spec/{spec.id}"),
                               self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True))
         await self._store.append(self._key("index"), self._line("index", spec.id))
@@ -156,7 +169,7 @@ class JobBoard:
         raise TamperedRecord(f"{key} was overwritten {_OUTCOME_TRIES} times while this node wrote it")
 
     async def _append(self, entry: str) -> None:
-        n = await self._store.add(self._key("log"), 1)
+        n = await self._log.take()
         await self._store.set(self._key(f"log/{n}"), self._seal(f"log/{n}", entry))
         if n > _KEEP_LOG:
             await self._store.delete(self._key(f"log/{n - _KEEP_LOG}"))
@@ -164,7 +177,24 @@ class JobBoard:
     # -- reads ----------------------------------------------------------------------------
 
     async def head(self) -> int:
-        return await self._store.add(self._key("log"), 0)
+        return await self._log.read()
+
+    async def _seq_end(self, seen: int) -> int:
+        return seen + _SEQ_ROOM
+
+    async def _log_end(self, seen: int) -> int:
+        """The last valid entry of the change log from ``seen`` on, a batch at a time while
+        batches bring some (bounded: what lies past ``_KEEP_LOG`` entries is not looked for)."""
+        end = seen
+        for _ in range(_KEEP_LOG // _BATCH):
+            numbers = range(end + 1, end + 1 + _BATCH)
+            keys = [self._key(f"log/{n}") for n in numbers]
+            found = [n for n, key, raw in zip(numbers, keys, await self._store.get_many(keys))
+                     if open_or_refuse(self._signer, key, raw, _entry, _unheard) is not None]
+            if not found:
+                break
+            end = found[-1]
+        return end
 
     async def snapshot(self, known: Mapping[str, Iterable[str]] | None = None) -> tuple[int, list[Change]]:
         """Every job with its outcome and parts; and the log position to follow from.
@@ -172,6 +202,7 @@ class JobBoard:
         too, whatever the indexes say (anyone who reaches the store can overwrite an index)."""
         known = known or {}
         position = await self.head()
+        self._log.saw(position)
         index = SignedLines(self._signer, self._key("index"), _name, self.refused)
         ids = dict.fromkeys([*(i for i in index.fold(await self._store.get(self._key("index"))) if i), *known])
         return position, await self._read(await self._entries(list(ids), known))
@@ -215,6 +246,7 @@ class JobBoard:
                     raise BoardReset(f"change {position + 1} was refused")
                 break
             entries.append(entry)
+        self._log.saw(position + len(entries))
         return position + len(entries), await self._read(entries)
 
     async def _read(self, entries: list[str]) -> list[Change]:
@@ -232,6 +264,8 @@ class JobBoard:
                                     self._fresh if not entry.startswith("outcome/") else None)
             if change is not None:
                 changes.append(change)
+                if change.kind == "spec":
+                    self._seq.saw(change.value[0])
             elif why and entry.startswith("outcome/"):
                 changes.append(Change("held", entry.partition("/")[2], f"its outcome record was refused: {why[0]}"))
         return changes
@@ -295,6 +329,9 @@ class BoardFollower:
                 await asyncio.sleep(pause)  # a back-off
             await self._retrying(self.resync)
             return
+        except NotACounter:  # junk written again as fast as it was repaired: reported as refused
+            await asyncio.sleep(_FOLLOW_TIMEOUT)  # a back-off
+            return
         except StoreError as exc:
             log.warning("store unreachable while following the board: %s", exc)
             self._on_store(False)
@@ -307,9 +344,11 @@ class BoardFollower:
         while True:
             try:
                 return await step()
+            except NotACounter:
+                pass  # reported as refused
             except StoreError as exc:
                 log.warning("store unreachable while resynchronising the board: %s", exc)
-                await asyncio.sleep(_FOLLOW_TIMEOUT)  # a back-off
+            await asyncio.sleep(_FOLLOW_TIMEOUT)  # a back-off
 
     async def fetch(self, job_id: str) -> None:
         """Read one job now, ahead of the log (a job submitted elsewhere a moment ago)."""

@@ -31,7 +31,7 @@ class Keyspace:
 
     @property
     def ping(self) -> str:
-        """A counter a daemon bumps at start to see that the store answers."""
+        """A key a daemon writes at start to see that the store answers and takes writes."""
         return f"{self.root}/ping"
 
     def rendezvous(self, job_id: str) -> str:

@@ -22,8 +22,9 @@ Rows -> tests:
         feed's head, a node's record, heartbeat and drain request, the node index, the
         next change-log entry, a running job's rendezvous state)
         ........................................... test_any_value_on_the_keys_read_every_duty_ends_no_daemon
-        the board's counters (change log, submit order) not numbers
-        ........................................... test_a_counter_that_is_no_number_ends_no_daemon
+        the board's counters (change log, submit order) not numbers: a daemon writes a
+        count back, the board moves .............. test_a_counter_that_is_no_number_freezes_nothing
+        junk in the key a daemon writes at start .. test_junk_in_the_ping_key_stops_no_start
 
 Each asserts the safe outcome: every daemon keeps running (its process and its answers),
 the job keeps its workers, RUNNING with no restart, the refusals are counted
@@ -41,6 +42,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from elasticd.store.base import counter_value
 from harness import Daemon, worker_args
 from store_attack import Cluster, attacker, metric, wait_for
 from test_store_forgery import (assert_still_running, cancel_and_check, observe, refused_counts,
@@ -249,25 +251,79 @@ def test_any_value_on_the_keys_read_every_duty_ends_no_daemon(cluster, shared_tm
 
 
 @pytest.mark.slow
-def test_a_counter_that_is_no_number_ends_no_daemon(cluster, shared_tmp):
-    """The board's counters hold junk, a 5000-digit number, deep nesting, 3 s each: a denial
-    of service (the board does not move meanwhile; on c10d the store server drops the
-    connection of an add on junk, which a daemon reports as the store unreachable), never
-    an end of a daemon or of the job; once they are numbers again the owner cancels it."""
+def test_a_counter_that_is_no_number_freezes_nothing(cluster, shared_tmp, figures):
+    """The board's counters hold junk, a 5000-digit number, deep nesting, nothing (each
+    written once, and nobody writes a number back): every daemon and the job go on, and the
+    board moves: a job submitted then succeeds and reaches the other node (its follower
+    reads the change log), with a seq no other job has.  The daemon that meets the junk
+    writes a count back over it (refused, counted, logged once per interval), and no
+    daemon reports the store unreachable (nothing was: it is one value).  Before the fix
+    the board stood still until someone wrote a number back; on c10d, where the store
+    server drops the connection of an add over junk, each daemon said "store unreachable"
+    every 2 s meanwhile."""
     n1, n2 = cluster.add("n1"), cluster.add("n2")
     cluster.start()
     store = attacker(cluster)
     job, pids = two_node_job(n1, shared_tmp)
     counters = ["jobs/log", "jobs/seq"]
-    kept = {c: store.read(c) for c in counters}
+    before = refused_counts(cluster)
+    unreachable = [unreachable_lines(d) for d in cluster]
 
     def safe() -> None:
         alive(cluster)
         assert_still_running(cluster, job, pids)
-    for value in (b"junk", b"9" * 5000, DEEP):
+        for daemon in cluster:
+            assert daemon.ctl("version")["elasticd"]["store_up"], f"{daemon.name}: store down"
+    started = time.monotonic()
+    for turn, value in enumerate((b"junk", b"9" * 5000, DEEP, b"")):
         for counter in counters:
             store.write(counter, value)
-        observe(3.0, safe)
-    for counter, value in kept.items():
-        store.write(counter, value or b"0")
+        submitter, other = (n2, n1) if turn % 2 == 0 else (n1, n2)
+        done = submitter.submit_wait("--nnodes", "1", *worker_args())
+        assert done["state"] == "SUCCEEDED", done
+        wait_for(lambda: (listed(other, done["id"]) or {}).get("state") == "SUCCEEDED", 15,
+                 f"{done['id']}, submitted on {submitter.name} after {value[:10]!r}..., SUCCEEDED on {other.name}")
+        for counter in counters:  # a count again, written by a daemon
+            assert counter_value(store.read(counter) or b"0") is not None, (counter, store.read(counter)[:40])
+        safe()
+    took = time.monotonic() - started
+    seqs = [j["seq"] for j in n1.ctl("list", "--all")]
+    assert len(seqs) == 5 and len(set(seqs)) == 5, f"a seq taken twice: {seqs}"
+    counts = [c - b for c, b in zip(refused_counts(cluster), before)]
+    assert sum(counts) >= 3, f"the junk counters were refused {counts} times"
+    for counter in counters:
+        key = store.key(counter)
+        lines = [line for d in cluster for line in refusal_lines(d, key)]
+        assert lines and all("is no count" in line for line in lines), (counter, lines)
+    assert [unreachable_lines(d) for d in cluster] == unreachable, [d.log_text() for d in cluster]
+    figures.add(f"counters poisoned x 4 values ({'etcd' if cluster.etcd else 'c10d'}): a 1-node job "
+                f"submitted and seen SUCCEEDED on the other node after each, in all; refusals (n1 / n2)",
+                f"{took:.1f} s; " + " / ".join(f"{c:.0f}" for c in counts))
     cancel_and_check(cluster, n2, job, pids)
+
+
+@pytest.mark.slow
+def test_junk_in_the_ping_key_stops_no_start(cluster):
+    """A daemon writes elasticd/<cluster>/ping at start, to see that the store takes writes.
+    It was an add: junk there (before any daemon starts on etcd; once its host runs on c10d)
+    ended each daemon that started (a crash loop under systemd)."""
+    n1, n2 = cluster.add("n1"), cluster.add("n2")
+    if cluster.etcd is not None:
+        attacker(cluster).write("ping", b"junk")
+    else:
+        n1.start()
+        attacker(cluster).write("ping", b"junk")
+    for daemon in cluster:
+        if daemon.proc is None:
+            daemon.start()
+    wait_for(lambda: all(states(d) == {n1.name: "up", n2.name: "up"} for d in cluster), 30, "both nodes up")
+    alive(cluster)
+
+
+def listed(daemon: Daemon, job_id: str) -> dict[str, Any] | None:
+    """The job as ``list --all`` shows it on ``daemon``: what its board follower has seen."""
+    return next((j for j in daemon.ctl("list", "--all") if j["id"] == job_id), None)
+
+
+def unreachable_lines(daemon: Daemon) -> list[str]:
+    return [line for line in daemon.log_path.read_text(errors="replace").splitlines() if "unreachable" in line]
