@@ -234,3 +234,24 @@ def test_the_writer_that_completes_a_round_deletes_its_join_log(store):
 
     asyncio.run(run())
     assert store.keys(f"{PREFIX}/round/") == []
+
+
+def test_a_join_counter_that_turns_to_junk_before_the_add_costs_a_claimed_number(store):
+    """Read as a count, junk by the time of the add (NotACounter; on c10d the server drops
+    the connection): the entry goes under a number claimed without the counter, and the
+    round forms."""
+    keys, settings = Keys(PREFIX), RendezvousSettings("job", 2, 2, keep_alive_interval=0.2)
+    added: list[str] = []
+
+    class Junked(AsyncMemoryStore):
+        async def add(self, key: str, amount: int) -> int:
+            if key == keys.joins(0) and amount and not added:
+                added.append(key)
+                self.backend.set(key, b"junk")
+            return await super().add(key, amount)
+
+    async def run() -> list:
+        return await formed([handler(Junked(store), node, settings) for node in ("a", "b")])
+
+    infos = asyncio.run(run())
+    assert added and [m.node for m in infos[0].members] == ["a", "b"]

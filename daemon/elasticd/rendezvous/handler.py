@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 
 from elasticd.aio import back_off
 from elasticd.journal import about
-from elasticd.errors import (RendezvousClosedError, RendezvousGone, RendezvousStateError,
+from elasticd.errors import (NotACounter, RendezvousClosedError, RendezvousGone, RendezvousStateError,
                              RendezvousTimeoutError, StoreError)
 from elasticd.rendezvous.ops import (
     Act,
@@ -100,7 +100,7 @@ from elasticd.rendezvous.state import (
     encode,
     encode_announcement,
 )
-from elasticd.store.base import Store
+from elasticd.store.base import Store, counter_value
 from elasticd.store.signing import Freshness, Refused, Signer, VersionClock, open_or_refuse, open_version
 
 log = logging.getLogger(__name__)
@@ -596,16 +596,19 @@ class RendezvousHandler:
 
     async def _announce(self, state: RendezvousState, record: Participant, logged: View) -> None:
         """Write this node's entry in the open round's join log, under a number taken from the
-        counter; or, when the counter is not a count or the entry written last stayed out of
-        reach, under one read as missing (and the stranded one is deleted).  Written once
+        counter; or, when the counter is not a count (read so, or met so by the add) or the
+        entry written last stayed out of reach, under one read as missing (and the stranded
+        one is deleted).  Written once
         (compare-and-set): a number that is taken already is given up (the next step
         announces again)."""
         joins, round, mine = self._log, state.round, Announcement(self.node, record)
         stranded = joins.mine if logged.pending is not None else None
-        if joins.count is None or stranded:
-            number = claim(joins.missing, joins.top, self.node)
-        else:
-            number = await self._store.add(self._keys.joins(round), 1)
+        number = claim(joins.missing, joins.top, self.node)
+        if joins.count is not None and not stranded:
+            try:
+                number = await self._store.add(self._keys.joins(round), 1)
+            except NotACounter:  # since it was read: the claimed number stands
+                pass
         key, sealed = joins.entry(round, number, mine)
         if not (await self._store.compare_set(key, None, sealed))[0]:
             return
@@ -624,7 +627,7 @@ class RendezvousHandler:
         raw, *count = await self._store.get_many(keys)
         snap = self._snapshot(raw, guess.version)
         same = counted and snap.state.round == guess.round
-        return snap, await self._logged(snap.state, (count[0] or b"0") if same else None)
+        return snap, await self._logged(snap.state, _held(count[0]) if same else None)
 
     async def _logged(self, state: RendezvousState, count: bytes | None = None, full: bool = False) -> View:
         """The open round's join-log records that the state has not folded yet, reading what
@@ -632,8 +635,8 @@ class RendezvousHandler:
         if state.complete or state.closed:
             return View()
         if count is None:
-            count = await self._store.get(self._keys.joins(state.round)) or b"0"
-        await self._log.fetch(self._store, state, _count(count), self._clock(), full)
+            count = _held(await self._store.get(self._keys.joins(state.round)))
+        await self._log.fetch(self._store, state, counter_value(count), self._clock(), full)
         return self._log.view(state)
 
     def _snapshot(self, raw: bytes | None, known: int) -> _Snapshot:
@@ -717,6 +720,6 @@ def _log_refused(key: str, why: str) -> None:
     log.error("refused store record %s: %s", key, why)
 
 
-def _count(raw: bytes) -> int | None:
-    """A counter's value; None when it is not a count (tampered with)."""
-    return int(raw) if raw.isdigit() and len(raw) < 19 else None
+def _held(raw: bytes | None) -> bytes:
+    """What a counter key holds: a missing one counts 0 (an empty one is no count)."""
+    return b"0" if raw is None else raw
