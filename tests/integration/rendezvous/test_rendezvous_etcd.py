@@ -1,6 +1,6 @@
 """The rendezvous on a real etcd (the store protocol is the same; etcd maps ``add`` and a
 compare-and-set against "missing" to transactions): a round forms, a counter an attacker
-bumped freezes nobody, and the completer deletes the round's join log."""
+bumped or filled with junk freezes nobody, and the completer deletes the round's join log."""
 
 from __future__ import annotations
 
@@ -63,11 +63,17 @@ def test_a_round_forms_on_etcd_and_its_join_log_is_deleted(etcd, request):
     assert left == []
 
 
-def test_a_bumped_counter_on_etcd_freezes_nobody(etcd, request):
+@pytest.mark.parametrize("tamper", ["bumped", "junk", "empty"])
+def test_a_tampered_counter_on_etcd_freezes_nobody(etcd, request, tamper):
+    """Bumped past a gap nobody reads, not a count, or empty (etcd's add reads that as 0;
+    the handler reads it as no count): the round forms."""
     prefix = f"elasticd/test/{request.node.name}"
 
     async def bump(store) -> None:
-        await store.add(Keys(prefix).joins(0), 10**12)
+        if tamper == "bumped":
+            await store.add(Keys(prefix).joins(0), 10**12)
+        else:
+            await store.set(Keys(prefix).joins(0), b"junk" if tamper == "junk" else b"")
 
     started = time.monotonic()
     infos, _ = asyncio.run(form(etcd, prefix, ["a", "b", "c"], bump))
