@@ -4,12 +4,14 @@ recovery when the store loses the state."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from elasticd.errors import RendezvousClosedError, RendezvousTimeoutError
+from elasticd.faults import Faults
 from blocking_rendezvous import BlockingRendezvous
 from elasticd.rendezvous import NextRound, RendezvousHandler, RendezvousSettings
 from elasticd.rendezvous.handler import Keys
@@ -255,3 +257,45 @@ def test_a_join_counter_that_turns_to_junk_before_the_add_costs_a_claimed_number
 
     infos = asyncio.run(run())
     assert added and [m.node for m in infos[0].members] == ["a", "b"]
+
+
+def keeper_runs(store, settings: RendezvousSettings, seconds: float, **kwargs) -> None:
+    """Run a handler's keeper for ``seconds``; it must still run, and end when cancelled."""
+    async def run() -> None:
+        keeper = asyncio.create_task(handler(store, "a", settings, **kwargs).keep())
+        await asyncio.sleep(seconds)
+        assert not keeper.done(), keeper
+        keeper.cancel()
+        done, _ = await asyncio.wait([keeper], timeout=5.0)
+        assert keeper in done and keeper.cancelled()
+
+    asyncio.run(run())
+
+
+def test_an_unexpected_error_of_the_keeper_is_a_counted_fault_logged_once_per_interval(store, caplog):
+    """Not a traceback at every duty: counted (elasticd_loop_faults_total), logged with its
+    traceback once per interval, and the keeper goes on."""
+    class Broken(AsyncMemoryStore):
+        async def get_many(self, keys):
+            raise KeyError("a bug one record brought out")
+
+    counted: list[str] = []
+    settings = RendezvousSettings("job", 1, 1, keep_alive_interval=0.02)
+    with caplog.at_level(logging.WARNING, logger="elasticd"):
+        keeper_runs(Broken(store), settings, 0.5, faults=Faults(counted.append))
+    assert len(counted) >= 3 and set(counted) == {"rendezvous_keeper"}
+    lines = [r for r in caplog.records if "rendezvous_keeper" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info and "(job job)" in lines[0].getMessage()
+
+
+def test_a_keeper_whose_job_state_is_gone_warns_once_without_a_traceback(store, caplog):
+    """A job that ran, whose state is gone, on a node that never saw it (may_create False):
+    RendezvousGone at every duty is an expected condition, not a fault."""
+    counted: list[str] = []
+    settings = RendezvousSettings("job", 1, 1, keep_alive_interval=0.02)
+    with caplog.at_level(logging.WARNING, logger="elasticd"):
+        keeper_runs(AsyncMemoryStore(store), settings, 0.5, may_create=False, faults=Faults(counted.append))
+    lines = [r for r in caplog.records if r.name.startswith("elasticd")]
+    assert counted == [] and len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].levelno == logging.WARNING and not lines[0].exc_info
+    assert "its state is gone or refused" in lines[0].getMessage()

@@ -57,6 +57,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
 from elasticd.aio import back_off
+from elasticd.faults import Faults, Throttle, held_back
 from elasticd.journal import about
 from elasticd.errors import (NotACounter, RendezvousClosedError, RendezvousGone, RendezvousStateError,
                              RendezvousTimeoutError, StoreError)
@@ -263,7 +264,10 @@ class _JoinLog:
 
 class RendezvousHandler:
     """One node's handle on one job's rendezvous (torchelastic's DynamicRendezvousHandler,
-    event-driven and with stable ranks).  Its coroutines run on one event loop."""
+    event-driven and with stable ranks).  Its coroutines run on one event loop.  ``faults``:
+    the daemon's, where an unexpected error of the keeper is counted (loop
+    ``rendezvous_keeper``) and logged with its traceback once per interval; what the keeper
+    expects (the store failing, the job's state gone) is a warning once per interval."""
 
     def __init__(
         self,
@@ -277,6 +281,7 @@ class RendezvousHandler:
         clock: Callable[[], float] = time.monotonic,
         on_refused: Refused | None = None,
         may_create: bool = True,
+        faults: Faults | None = None,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
         self._logger = logging.LoggerAdapter(log, about(settings.run_id))  # its records concern the job
@@ -295,6 +300,8 @@ class RendezvousHandler:
         self._watched = asyncio.Event()  # set by a new watch(): the keeper follows revisions
         self._left = False
         self._shut = False
+        self._faults = faults or Faults()  # the keeper's unexpected errors: counted, logged once per interval
+        self._told = Throttle()  # the keeper's expected troubles, once per interval each
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -452,18 +459,24 @@ class RendezvousHandler:
                     beats = await self._tick(beats)
                 self._resolve_watches(self._newest.state)
                 await self._idle(due)
-            except RendezvousStateError as err:
-                self._logger.error("rendezvous %s: %s", self._settings.run_id, err)
+            except (RendezvousGone, RendezvousStateError) as err:  # the state is gone, refused or unusable
                 self._fail_watches(err)
+                self._tell(type(err).__name__, "rendezvous %s: %s", self._settings.run_id, err)
                 await back_off(self._settings.keep_alive_interval)
             except StoreError as err:
-                self._logger.warning("rendezvous %s: store error in the keeper of %s: %s",
-                            self._settings.run_id, self.node, err)
+                self._tell("store", "rendezvous %s: store error in the keeper of %s: %s",
+                           self._settings.run_id, self.node, err)
                 await back_off(self._settings.keep_alive_interval)
             except Exception as err:  # a bug must not silence this node's heartbeat for good
-                self._logger.exception("rendezvous %s: the keeper of %s failed", self._settings.run_id, self.node)
+                self._faults.report("rendezvous_keeper", f"job {self._settings.run_id}")
                 self._fail_watches(err)
                 await back_off(self._settings.keep_alive_interval)
+
+    def _tell(self, kind: str, message: str, *args: object) -> None:
+        """A warning of the keeper's: what it meets at every duty is told once per interval."""
+        held = self._told.check(kind, self._clock())
+        if held is not None:
+            self._logger.warning(message + "%s", *args, held_back(held))
 
     async def _idle(self, due: float) -> None:
         """Until the next duty: follow every state revision while someone watches; otherwise
