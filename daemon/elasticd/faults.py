@@ -21,28 +21,45 @@ _OTHERS = "(other keys)"
 
 class Throttle:
     """Whether to log an event of ``key`` now: the first one, then one per ``interval``; the
-    ones held back in between are counted and told with the next line.  It remembers at
-    most ``max_keys`` keys at once (anyone may make new keys: a store key per forged
-    entry); past that, the keys it cannot remember share one allowance."""
+    ones held back in between are counted, and told with the key's next line, or, where
+    they may stop coming (a caller that asks when one is ``due``), in a line of their own
+    once the interval is over (``flush``).  It remembers at most ``max_keys`` keys at once
+    (anyone may make new keys: a store key per forged entry); past that, the keys it cannot
+    remember share one allowance.  Pure: the caller gives the time."""
 
     def __init__(self, interval: float = LOG_INTERVAL, max_keys: int = 1024) -> None:
         self.interval = interval
         self._max_keys = max_keys
-        self._seen: dict[str, tuple[float, int]] = {}  # key -> (when last logged, held back since)
+        # key -> (when last logged, held back since, the newest one's detail)
+        self._seen: dict[str, tuple[float, int, str]] = {}
 
-    def check(self, key: str, now: float) -> int | None:
+    def check(self, key: str, now: float, detail: str = "") -> int | None:
         """None: do not log this one; else log it, saying that this many were held back
-        since the last line of ``key``."""
+        since the last line of ``key``.  ``detail``: what the newest held back was (an
+        address), for :meth:`flush`."""
         seen = self._seen.get(key)
         if seen is not None and now - seen[0] < self.interval:
-            self._seen[key] = (seen[0], seen[1] + 1)
+            self._seen[key] = (seen[0], seen[1] + 1, detail)
             return None
         if seen is None and len(self._seen) >= self._max_keys:
             self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.interval}
             if len(self._seen) >= self._max_keys and key != _OTHERS:
-                return self.check(_OTHERS, now)
-        self._seen[key] = (now, 0)
+                return self.check(_OTHERS, now, detail)
+        self._seen[key] = (now, 0, detail)
         return seen[1] if seen is not None else 0
+
+    def due(self) -> float | None:
+        """When the first count held back may be told (None: nothing is held back)."""
+        return min((when + self.interval for when, held, _ in self._seen.values() if held), default=None)
+
+    def flush(self, now: float) -> list[tuple[str, int, str]]:
+        """(key, how many were held back, the newest one's detail) for each key whose interval
+        is over: told now, they open the key's next interval."""
+        done = [(key, held, detail) for key, (when, held, detail) in self._seen.items()
+                if held and when + self.interval <= now]
+        for key, _, detail in done:
+            self._seen[key] = (now, 0, detail)
+        return done
 
 
 def held_back(count: int) -> str:

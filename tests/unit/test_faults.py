@@ -1,5 +1,6 @@
-"""faults.py: a key logged once per interval (pure, with ``now`` passed in), and loops that
-outlive an unexpected exception without swallowing a cancellation."""
+"""faults.py: a key logged once per interval, what was held back told with its next line or
+summed up once the interval is over (pure, with ``now`` passed in), and loops that outlive
+an unexpected exception without swallowing a cancellation."""
 
 from __future__ import annotations
 
@@ -36,6 +37,40 @@ def test_the_keys_remembered_are_bounded():
     for i in range(10_000):  # any number of keys: still bounded
         throttle.check(f"x{i}", 200.0 + i * 0.001)
     assert len(throttle._seen) <= 5
+
+
+def test_counts_that_may_stop_coming_are_told_once_their_interval_is_over():
+    """Refused peer handshakes (issue 24 row 0g): the first is logged, the rest counted and
+    summed up by a line of their own (``flush``) once the interval is over, with the newest
+    one's detail, even if no other comes."""
+    throttle = Throttle(interval=60.0)
+    assert throttle.check("peer", 0.0, "a") == 0
+    assert [throttle.check("peer", 1.0 + i * 0.01, f"b{i}") for i in range(1499)] == [None] * 1499
+    assert throttle.due() == 60.0
+    assert throttle.flush(59.9) == []
+    assert throttle.flush(60.0) == [("peer", 1499, "b1498")]
+    assert throttle.due() is None and throttle.flush(200.0) == []  # nothing since
+    assert throttle.check("peer", 70.0, "c") is None  # within the interval the summary opened
+    assert throttle.flush(120.0) == [("peer", 1, "c")]
+
+
+def test_after_a_quiet_interval_the_next_one_is_logged_itself():
+    throttle = Throttle(interval=60.0)
+    assert throttle.check("peer", 0.0, "a") == 0
+    assert throttle.check("peer", 30.0, "b") is None
+    assert throttle.flush(60.0) == [("peer", 1, "b")]
+    assert throttle.check("peer", 130.0, "c") == 0  # a whole quiet interval since the last line
+    assert throttle.due() is None
+
+
+def test_each_key_is_summed_up_when_its_own_interval_is_over():
+    throttle = Throttle(interval=60.0)
+    for key, at in (("x", 0.0), ("y", 30.0)):
+        throttle.check(key, at)
+        throttle.check(key, at + 1.0, "newest")
+    assert throttle.due() == 60.0
+    assert throttle.flush(60.0) == [("x", 1, "newest")]
+    assert throttle.due() == 90.0 and throttle.flush(90.0) == [("y", 1, "newest")]
 
 
 class Clock:

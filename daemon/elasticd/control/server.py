@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from ..errors import ElasticdError, TooLarge
+from ..faults import LOG_INTERVAL, Throttle, held_back
 from .. import protocol
 from ..protocol import ProtocolError, Request
 
@@ -92,42 +93,6 @@ Handler = Callable[[Any, Request, Reply], Awaitable[None]]
 ZapPolicy = Callable[[bytes, bytes, list[bytes]], bytes | None]  # (mechanism, address, credentials) -> user id
 
 
-REFUSALS_LOGGED_EVERY = 60.0  # seconds: after the first refused handshake, one summary per interval
-
-
-class Summary:
-    """A kind of event that anyone may cause as often as they like (a refused handshake):
-    the first is logged, the rest are counted and summed up in one line per interval,
-    once the interval is over (``flush``).  Pure: the caller gives the time."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self.counted = 0       # events since the last line
-        self.last = ""         # the newest of them (its address)
-        self._logged_at: float | None = None
-
-    def note(self, what: str, now: float) -> bool:
-        """One event; True when it is to be logged itself (the first of a quiet spell)."""
-        if self._logged_at is None or (not self.counted and now - self._logged_at >= self.interval):
-            self._logged_at = now
-            return True
-        self.counted += 1
-        self.last = what
-        return False
-
-    def due(self) -> float | None:
-        """When the next summary is due (None: nothing to sum up)."""
-        return None if not self.counted or self._logged_at is None else self._logged_at + self.interval
-
-    def flush(self, now: float) -> tuple[int, str] | None:
-        """(count, newest) for a summary line when one is due, and start a new interval."""
-        due = self.due()
-        if due is None or now < due:
-            return None
-        counted, self.counted, self._logged_at = self.counted, 0, now
-        return counted, self.last
-
-
 class Zap:
     """The context's ZAP handler (RFC 27), one policy per ZAP domain.
 
@@ -137,20 +102,18 @@ class Zap:
     connection, and ``serve`` runs in the daemon's task group.
 
     A refused handshake is counted (``on_refused``) and logged, but anyone who reaches the
-    port can make thousands: after the first, one line per ``REFUSALS_LOGGED_EVERY`` seconds
-    says how many more there were."""
+    port can make thousands: after the first, one line per ``interval`` seconds says how
+    many more there were."""
 
     def __init__(self, ctx: zmq.asyncio.Context, *, on_refused: Callable[[str], None] = lambda domain: None,
-                 clock: Callable[[], float] = time.monotonic,
-                 interval: float = REFUSALS_LOGGED_EVERY) -> None:
+                 clock: Callable[[], float] = time.monotonic, interval: float = LOG_INTERVAL) -> None:
         self._socket = ctx.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(ZAP_ENDPOINT)
         self._policies: dict[bytes, ZapPolicy] = {}
         self._on_refused = on_refused
         self._clock = clock
-        self._refusals: dict[str, Summary] = {}
-        self._interval = interval
+        self._refusals = Throttle(interval)  # per domain
         self._summing: asyncio.TimerHandle | None = None
 
     def add(self, domain: bytes, policy: ZapPolicy) -> None:
@@ -168,28 +131,26 @@ class Zap:
 
     def _refused(self, domain: str, address: str) -> None:
         self._on_refused(domain)
-        summary = self._refusals.setdefault(domain, Summary(self._interval))
-        if summary.note(address, self._clock()):
+        held = self._refusals.check(domain, self._clock(), address)
+        if held is not None:
             log.warning("refused a %s connection from %s (more are counted: "
-                        "elasticd_peer_refused_total; one line per %g s sums them up)",
-                        domain, address, summary.interval)
+                        "elasticd_peer_refused_total; one line per %g s sums them up)%s",
+                        domain, address, self._refusals.interval, held_back(held))
         elif self._summing is None:
-            self._summing = asyncio.get_running_loop().call_later(
-                max(0.0, (summary.due() or 0.0) - self._clock()), self._sum_up)
+            self._sum_up_later()
 
     def _sum_up(self) -> None:
         """The summary lines that are due; again later while some are not."""
         self._summing = None
-        now = self._clock()
-        for domain, summary in self._refusals.items():
-            done = summary.flush(now)
-            if done:
-                log.warning("refused %d more %s connections in the last %g s (the newest from %s)",
-                            done[0], domain, summary.interval, done[1])
-        pending = [due for summary in self._refusals.values() if (due := summary.due()) is not None]
-        if pending:
-            self._summing = asyncio.get_running_loop().call_later(max(0.0, min(pending) - now),
-                                                                  self._sum_up)
+        for domain, held, newest in self._refusals.flush(self._clock()):
+            log.warning("refused %d more %s connections in the last %g s (the newest from %s)",
+                        held, domain, self._refusals.interval, newest)
+        self._sum_up_later()
+
+    def _sum_up_later(self) -> None:
+        due = self._refusals.due()
+        if due is not None:
+            self._summing = asyncio.get_running_loop().call_later(max(0.0, due - self._clock()), self._sum_up)
 
     def _admit(self, domain: bytes, mechanism: bytes, address: bytes,
                credentials: list[bytes]) -> bytes | None:
