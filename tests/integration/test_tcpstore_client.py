@@ -56,6 +56,26 @@ def store_host():
         host.wait()
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped: the signal is
+    delivered asynchronously, and the store's server thread, running on the other core,
+    could still answer a request sent right after os.kill (a test that saw b'v' from a
+    "silent" store)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all(_thread_state(pid, tid) in ("T", "t") for tid in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
+def _thread_state(pid: int, tid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "T"  # gone: it answers nothing either
+
+
 def run(coro):
     threads = threading.active_count()
     result = asyncio.run(asyncio.wait_for(coro, 60))
@@ -140,7 +160,7 @@ def test_a_silent_store_times_out_and_the_next_call_reconnects(store_host):
         client = TCPStoreClient(endpoint, timeout=0.5)
         try:
             await client.set("k", b"before")
-            os.kill(host.pid, signal.SIGSTOP)
+            freeze(host.pid)
             started = time.monotonic()
             with pytest.raises(StoreTimeout):
                 await client.get("k")
@@ -161,7 +181,7 @@ def test_close_ends_a_blocked_wait_at_once(store_host):
     async def scenario():
         client = TCPStoreClient(endpoint)
         await client.set("k", b"v")
-        os.kill(host.pid, signal.SIGSTOP)  # nothing will ever answer the wait
+        freeze(host.pid)  # nothing will ever answer the wait
         blocked = asyncio.create_task(client.wait_for("never", 60.0))
         await asyncio.sleep(0.1)
         await client.close()
@@ -265,7 +285,7 @@ def test_calls_queued_behind_a_stuck_one_keep_their_own_deadlines(store_host):
         client = TCPStoreClient(endpoint, timeout=1.0, connections=1)
         try:
             await client.set("k", b"v")
-            os.kill(host.pid, signal.SIGSTOP)
+            freeze(host.pid)
             started = time.monotonic()
             results = await asyncio.gather(*(client.get("k") for _ in range(3)), return_exceptions=True)
             return time.monotonic() - started, results
@@ -287,7 +307,7 @@ def test_a_write_given_up_never_lands_later_over_a_newer_one(store_host):
         client = TCPStoreClient(endpoint, timeout=1.0)
         try:
             await client.set("k", b"0")
-            os.kill(host.pid, signal.SIGSTOP)
+            freeze(host.pid)
             with pytest.raises(StoreTimeout):
                 await client.set("k", b"A" * (7 << 20))
             os.kill(host.pid, signal.SIGCONT)
@@ -306,7 +326,7 @@ def test_close_ends_a_call_whose_write_is_still_buffered(store_host):
     async def scenario():
         client = TCPStoreClient(endpoint, timeout=30.0)
         await client.set("k", b"0")
-        os.kill(host.pid, signal.SIGSTOP)
+        freeze(host.pid)
         writing = asyncio.create_task(client.set("k", b"A" * (7 << 20)))
         await asyncio.sleep(0.3)
         started = time.monotonic()
