@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Generic, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Mapping
 
 from . import protocol
-from .errors import Conflict, InvalidSpec
+from .errors import InvalidSpec
 from .rendezvous.state import RendezvousSettings
+from .tables import IllegalTransition, StateTable  # noqa: F401  (the tables' home; re-exported)
 
 SCHEMA = 1
 GPU = protocol.GPU
@@ -30,34 +31,6 @@ DEFAULT_ROLE = "default"  # torchrun's --role
 # Fields a daemon of the previous version does not know: left out of a spec's JSON while
 # they hold their default, so that it can still read every ordinary job.
 _OMITTED_AT_DEFAULT = ("role", "master_port")
-
-
-class IllegalTransition(Conflict):
-    """A state change that its table does not allow (nothing was changed)."""
-
-
-S = TypeVar("S", bound=enum.Enum)
-
-
-class StateTable(Generic[S]):
-    """The legal moves of one kind of state.  Staying in a state is always legal."""
-
-    def __init__(self, name: str, moves: Mapping[S, Iterable[S]]) -> None:
-        self.name = name
-        self._moves = {state: frozenset(targets) for state, targets in moves.items()}
-        kind = type(next(iter(self._moves)))
-        missing = [state.value for state in kind if state not in self._moves]
-        if missing:
-            raise ValueError(f"the table of {name} has no row for {', '.join(missing)}")
-
-    def allows(self, old: S | None, new: S) -> bool:
-        return old is None or old == new or new in self._moves[old]
-
-    def check(self, old: S | None, new: S) -> S:
-        """``new``, if ``old -> new`` is legal (``old`` None: the first state); else raise."""
-        if not self.allows(old, new):
-            raise IllegalTransition(f"{self.name} cannot go from {old.value} to {new.value}")
-        return new
 
 
 class JobState(enum.StrEnum):

@@ -231,7 +231,7 @@ def test_ends_joining():
     assert ends_joining(open_, open_.next(complete=True)) and ends_joining(open_, open_.next(closed=True))
     assert not ends_joining(open_, open_.next(participants={}))  # a removal: joining goes on
     done = st("a", complete=True)
-    assert not ends_joining(done, done.next(closed=True)) and not ends_joining(done, done.next(round=1))
+    assert not ends_joining(done, done.next(closed=True)) and not ends_joining(done, done.next(round=1, complete=False))
 
 
 # -- liveness --------------------------------------------------------------------------------

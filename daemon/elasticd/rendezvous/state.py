@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elasticd.errors import RendezvousStateError
+from elasticd.tables import IllegalTransition, StateTable
 from elasticd.liveness import KeepAlive
 
 SCHEMA = 1
@@ -91,6 +92,21 @@ class Announcement:
     participant: Participant
 
 
+class RoundState(enum.StrEnum):
+    """Where a round stands (``RendezvousState.phase``, from its two flags)."""
+
+    FORMING = "forming"    # nodes join it
+    COMPLETE = "complete"  # its ranks are fixed; latecomers wait for the next round
+    CLOSED = "closed"      # the job ended: nobody joins again
+
+
+ROUND_STATES = StateTable("a rendezvous round", {
+    RoundState.FORMING: (RoundState.COMPLETE, RoundState.CLOSED),
+    RoundState.COMPLETE: (RoundState.CLOSED,),  # a complete round is superseded, never reopened
+    RoundState.CLOSED: (),
+})
+
+
 @dataclass(frozen=True)
 class RendezvousState:
     """The shared state, written only by compare-and-set.
@@ -117,9 +133,20 @@ class RendezvousState:
     folded: int = 0
     nonce: str = ""
 
+    @property
+    def phase(self) -> RoundState:
+        return RoundState.CLOSED if self.closed else RoundState.COMPLETE if self.complete else RoundState.FORMING
+
     def next(self, **changes: Any) -> RendezvousState:
-        """The successor state: ``changes`` applied and the version bumped."""
-        return replace(self, version=self.version + 1, **changes)
+        """The successor state: ``changes`` applied and the version bumped.  Within a round
+        its phase moves by ROUND_STATES; a new round (the next number) begins FORMING."""
+        new = replace(self, version=self.version + 1, **changes)
+        if new.round == self.round:
+            ROUND_STATES.check(self.phase, new.phase)
+        elif new.round != self.round + 1 or new.phase is not RoundState.FORMING:
+            raise IllegalTransition(f"a rendezvous cannot go from round {self.round} ({self.phase}) "
+                                    f"to round {new.round} ({new.phase})")
+        return new
 
 
 @dataclass(frozen=True)
