@@ -1,9 +1,9 @@
-"""The agent's policy (pure): what to do about an event in a round."""
+"""The part's policy (pure): what to do about an event in a round."""
 
 import pytest
 
-from elasticd.agent import (Action, JobEnded, Leaving, RejoinStalled, RoundChanged, WorkersExited,
-                            WorkersReady, decide)
+from elasticd.core.policy import (Decision as Action, JobEnded, Leaving, RejoinStalled, WorkersExited,
+                                  WorkersReady, decide)
 from elasticd.records import Outcome
 from elasticd.model import Failure, JobSpec, JobState, RunResult, WorkerState
 from elasticd.rendezvous import EventKind as K, Reason as R, RendezvousInfo, RoundEvent
@@ -30,11 +30,11 @@ OK = RunResult(WorkerState.SUCCEEDED)
     (WorkersExited(FAILED), info(restart_count=2), Action.FAIL),
     (WorkersExited(FAILED, lost=("n3",)), info(restart_count=2), Action.NODE_LOST),
     (WorkersExited(FAILED, lost=("n3",)), info(restart_count=0), Action.NODE_LOST),
-    (RoundChanged(RoundEvent(K.NEXT_ROUND, R.FAILURE)), info(), Action.REJOIN),
-    (RoundChanged(RoundEvent(K.NEXT_ROUND, R.NODE_LOST)), info(), Action.REJOIN),
-    (RoundChanged(RoundEvent(K.CLOSED)), info(), Action.STOP),
-    (RoundChanged(RoundEvent(K.WAITING, waiting=1)), info(nodes=2), Action.SCALE_UP),
-    (RoundChanged(RoundEvent(K.WAITING, waiting=1)), info(nodes=3), Action.WATCH),
+    (RoundEvent(K.NEXT_ROUND, R.FAILURE), info(), Action.REJOIN),
+    (RoundEvent(K.NEXT_ROUND, R.NODE_LOST), info(), Action.REJOIN),
+    (RoundEvent(K.CLOSED), info(), Action.STOP),
+    (RoundEvent(K.WAITING, waiting=1), info(nodes=2), Action.SCALE_UP),
+    (RoundEvent(K.WAITING, waiting=1), info(nodes=3), Action.WATCH),
     (JobEnded(Outcome(JobState.CANCELLED, 1.0)), info(), Action.STOP),
     (Leaving(R.DRAIN), info(), Action.LEAVE),
     (Leaving(R.SHUTDOWN), info(), Action.LEAVE),

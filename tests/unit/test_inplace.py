@@ -2,7 +2,7 @@
 
 import pytest
 
-from elasticd.inplace import Notice, aborts, keeps_workers, notice, place, standby
+from elasticd.core.inplace import Notice, aborts, keeps_workers, notice, place, standby
 from elasticd.model import JobSpec, worker_env
 from elasticd.rendezvous import Member, Reason as R, RendezvousInfo
 

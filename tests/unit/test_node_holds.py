@@ -1,159 +1,130 @@
-"""Why a node takes no new job (JobService): an operator's drain, the discovery script, the
-blacklist (a user's failures keep only that user's jobs off; several users' blacklist the
-node).  Each is its own reason: undrain lifts a drain and a blacklisting, never what the
-discovery script says; the node's jobs are told to leave once, when the first reason comes."""
+"""Why a node takes no new job (the node core): an operator's drain, the discovery script,
+the blacklist (a user's failures keep only that user's jobs off; several users' blacklist
+the node).  Each is its own reason: undrain lifts a drain and a blacklisting, never what the
+discovery script says; the node's jobs are told to leave once, when the first reason comes.
+Driven by stimuli, as the shell feeds them; the answers are the core's instructions."""
 
 from __future__ import annotations
 
-import asyncio
-from types import SimpleNamespace
-
 from elasticd.blacklist import Blacklist, BlacklistPolicy
-from elasticd.discovery import Listing
-from elasticd.model import PartState
-from elasticd.placement import Offer, Resources
-from elasticd.records import Part
-from elasticd.rendezvous import Reason
-from elasticd.scheduler import JobService, _Running
+from elasticd.core import events as ev
+from elasticd.core import instructions as do
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.model import JobSpec, Worker, WorkerState, assign_workers
+from elasticd.placement import Resources
+from elasticd.records import JobRecord
+from elasticd.rendezvous import Member, Reason, RendezvousInfo
+
+USERS = {"j-000001": (1001, "alice"), "j-000002": (1002, "bob")}
+NODE = "n2"
 
 
-USERS = {"j-1": (1001, "alice"), "j-2": (1002, "bob")}
+def spec(job: str) -> JobSpec:
+    uid, user = USERS[job]
+    return JobSpec(id=job, argv=("t.py",), python="/p", workdir="/w", uid=uid, gid=uid, user=user)
 
 
-class Registry:
-    def subscribe(self, callback) -> None:
-        pass
-
-    def set_part(self, job_id, part, own):
-        return None
-
-    def find(self, job_id):
-        uid, user = USERS[job_id]
-        return SimpleNamespace(id=job_id, spec=SimpleNamespace(id=job_id, uid=uid, user=user))
+def at(mono: float, wall: float | None = None) -> ev.Now:
+    return ev.Now(mono, 1000.0 + mono if wall is None else wall)
 
 
-class Agent:
-    def __init__(self, job_id: str) -> None:
-        self.left: list[Reason] = []
-        self.spec = Registry().find(job_id).spec
-
-    def leave(self, reason: Reason) -> None:
-        self.left.append(reason)
-
-
-def service(**kw) -> tuple[JobService, Agent]:
-    jobs, agents = services(**kw)
-    return jobs, agents["j-1"]
-
-
-def services(**kw) -> tuple[JobService, dict[str, Agent]]:
-    """A JobService running j-1 (alice's) and j-2 (bob's)."""
-    jobs = JobService(node="n2", resources=Resources(4, ("0",)), board=None, follower=None,
-                      registry=Registry(), agents=None, **kw)
-    agents = {job_id: Agent(job_id) for job_id in USERS}
-    for job_id, agent in agents.items():
-        jobs._running[job_id] = _Running(agent, Offer(job_id, 1, ()))
-    return jobs, agents
+def node(blacklist: Blacklist | None = None) -> tuple[NodeCore, list[do.Instruction]]:
+    """A node core running j-000001 (alice's) and j-000002 (bob's), each in a round."""
+    core = NodeCore(NodeSettings(NODE, Resources(4, ("0", "1")), dead_after=3.0, judge_users=False),
+                    blacklist=blacklist)
+    records = tuple(JobRecord(spec(job), seq) for seq, job in enumerate(USERS, 1))
+    out = core.handle(ev.JobsChanged(records), at(0))
+    for job in USERS:
+        join = next(i for i in out if isinstance(i, do.Join) and i.job == job)
+        info = RendezvousInfo(job, 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "a", 1, (Member(NODE, "a", 1, 0, 0),))
+        out += core.handle(ev.RoundJoined(job, join.op, info), at(0))
+    return core, out
 
 
-def failed(round: int, pid: int) -> Part:
-    return Part(node="n2", state=PartState.RUNNING, round=round, workers=(
-        {"rank": 0, "local_rank": 0, "node": "n2", "pid": pid, "state": "FAILED", "exit_code": 1},))
+def fail(core: NodeCore, job: str, round: int, pid: int, now: ev.Now) -> list[do.Instruction]:
+    """A worker of ``job`` here failed (the part publishes it; the node counts it)."""
+    group = assign_workers(job, NODE, round=round, restart_count=0, group_rank=0, group_world_size=1,
+                           rank_base=0, world_size=1, nproc=1, master_addr="a", master_port=1)
+    failed = Worker(0, 0, 1, NODE, pid=pid, state=WorkerState.FAILED, exit_code=1)
+    return core.handle(ev.WorkersChanged(job, group.with_worker(failed)), now)
+
+
+def left(core: NodeCore, job: str) -> Reason | None:
+    """Why the part of ``job`` here was told to leave (it is told once), if it was."""
+    return core.parts[job].leaving
+
+
+def blacklisted(out: list[do.Instruction]) -> list[bool]:
+    return [bool(i.value) for i in out if isinstance(i, do.Count) and i.what == "blacklisted"]
 
 
 def test_discovery_and_the_operator_are_separate_reasons():
-    jobs, agent = service()
-    assert not jobs.draining and jobs.listed
-    jobs.set_listed(Listing(False))
-    assert jobs.draining and not jobs.listed and agent.left == [Reason.DRAIN]
-    jobs.set_draining(True)
-    jobs.set_draining(False)  # the operator's undrain does not override the script
-    assert jobs.draining and agent.left == [Reason.DRAIN]
-    jobs.set_listed(Listing(True, 2))
-    assert not jobs.draining and jobs.resources == Resources(2, ("0",))
-    jobs.set_listed(Listing(True))
-    assert jobs.resources == Resources(4, ("0",))
-    jobs.set_draining(True)
-    assert jobs.draining and agent.left == [Reason.DRAIN, Reason.DRAIN]
+    core, _ = node()
+    job = "j-000001"
+    assert not core.draining and core.listed
+    out = core.handle(ev.Listed(False), at(1))
+    assert core.draining and not core.listed and left(core, job) is Reason.DRAIN
+    core.handle(ev.HoldChanged("drained by an operator", True), at(2))
+    core.handle(ev.HoldChanged("drained by an operator", False), at(3))  # no override of the script
+    assert core.draining
+    core.handle(ev.Listed(True, 2), at(4))
+    assert not core.draining and core.resources == Resources(2, ("0", "1"))
+    core.handle(ev.Listed(True), at(5))
+    assert core.resources == Resources(4, ("0", "1"))
 
 
 def test_one_users_failures_keep_their_jobs_off_and_leave_the_others_running():
-    now = [100.0]
-    events: list[bool] = []
-
-    async def scenario() -> None:
-        jobs, agents = services(blacklist=Blacklist(BlacklistPolicy(2, 60.0, 30.0, 30.0)),
-                                on_blacklist=events.append, clock=lambda: now[0])
-        jobs.report("j-1", failed(0, 10))
-        jobs.report("j-1", failed(0, 10))  # the same failure again
-        assert agents["j-1"].left == [] and jobs._blacklist.kept_off() == set()
-        jobs.report("j-1", failed(1, 11))
-        assert agents["j-1"].left == [Reason.DRAIN] and agents["j-2"].left == []  # bob's job stays
-        assert jobs._blacklist.kept_off() == {1001} and not jobs.draining and events == []
-        assert 1001 in jobs._user_cooldowns
-        jobs.set_draining(False)  # an operator's undrain lifts it too
-        assert jobs._blacklist.kept_off() == set() and not jobs._user_cooldowns
-
-    asyncio.run(scenario())
+    core, _ = node(Blacklist(BlacklistPolicy(2, 60.0, 30.0, 30.0), rand=lambda: 0.0))
+    out = fail(core, "j-000001", 0, 10, at(100))
+    out += fail(core, "j-000001", 0, 10, at(100))  # the same failure again
+    assert left(core, "j-000001") is None and core.blacklist.kept_off() == set()
+    out = fail(core, "j-000001", 1, 11, at(100))
+    assert left(core, "j-000001") is Reason.DRAIN and left(core, "j-000002") is None  # bob's job stays
+    assert core.blacklist.kept_off() == {1001} and not core.draining and blacklisted(out) == []
+    assert 1001 in core.cooling_users
+    assert do.SetTimer("user-cooldown", 130.0, key=1001) in out
+    out = core.handle(ev.HoldChanged("drained by an operator", False), at(101))  # an undrain lifts it too
+    assert core.blacklist.kept_off() == set() and not core.cooling_users
+    assert do.ClearTimer("user-cooldown", key=1001) in out
 
 
 def test_failures_of_two_users_blacklist_the_node_and_undrain_lifts_it():
-    now = [100.0]
-    events: list[bool] = []
-
-    async def scenario() -> None:
-        jobs, agents = services(blacklist=Blacklist(BlacklistPolicy(2, 60.0, 30.0, 30.0)),
-                                on_blacklist=events.append, clock=lambda: now[0],
-                                wall_clock=lambda: now[0] + 1000.0)
-        jobs.set_draining(True)
-        for pid in (10, 11):
-            jobs.report("j-1", failed(pid, pid))
-        assert events == [] and jobs.blacklisted_until == 0.0
-        jobs.report("j-2", failed(0, 20))
-        jobs.report("j-2", failed(1, 21))
-        assert events == [True] and jobs.blacklisted_until == 1130.0 and jobs.draining
-        assert agents["j-2"].left == [Reason.DRAIN]  # drained already: told to leave once
-        jobs.set_draining(False)  # lifts both
-        assert events == [True, False] and jobs.blacklisted_until == 0.0 and not jobs.draining
-        assert jobs._cooldown is None or jobs._cooldown.cancelled()
-        assert jobs._blacklist.kept_off() == set()
-
-    asyncio.run(scenario())
+    core, _ = node(Blacklist(BlacklistPolicy(2, 60.0, 30.0, 30.0), rand=lambda: 0.0))
+    out = core.handle(ev.HoldChanged("drained by an operator", True), at(100))
+    assert left(core, "j-000002") is Reason.DRAIN
+    for pid in (10, 11):
+        out += fail(core, "j-000001", pid, pid, at(100))
+    assert blacklisted(out) == [] and core.blacklisted_until == 0.0
+    out = fail(core, "j-000002", 0, 20, at(100))
+    out += fail(core, "j-000002", 1, 21, at(100))
+    assert blacklisted(out) == [True] and core.blacklisted_until == 1130.0 and core.draining
+    assert left(core, "j-000002") is Reason.DRAIN  # drained already: told to leave once
+    out = core.handle(ev.HoldChanged("drained by an operator", False), at(101))  # lifts both
+    assert blacklisted(out) == [False] and core.blacklisted_until == 0.0 and not core.draining
+    assert do.ClearTimer("cooldown") in out and core.blacklist.kept_off() == set()
 
 
 def test_the_node_is_readmitted_when_its_cooldown_ends_and_a_user_when_theirs_does():
-    events: list[bool] = []
-
-    async def scenario() -> None:
-        readmitted = asyncio.Event()
-
-        def on_blacklist(on: bool) -> None:
-            events.append(on)
-            if not on:
-                readmitted.set()
-
-        jobs, agents = services(blacklist=Blacklist(BlacklistPolicy(1, 60.0, 0.05, 0.05)),
-                                on_blacklist=on_blacklist)
-        jobs.report("j-1", failed(0, 10))
-        assert not jobs.draining and jobs._blacklist.kept_off() == {1001}
-        jobs.report("j-2", failed(0, 20))
-        assert jobs.draining and jobs.blacklisted_until > 0 and agents["j-2"].left == [Reason.DRAIN]
-        async with asyncio.timeout(5):
-            await readmitted.wait()
-            while jobs._user_cooldowns:  # the users' timers end at the same time
-                await asyncio.sleep(0.01)
-        assert not jobs.draining and jobs.blacklisted_until == 0.0
-        assert jobs._blacklist.kept_off() == set()
-
-    asyncio.run(scenario())
-    assert events == [True, False]
+    core, _ = node(Blacklist(BlacklistPolicy(1, 60.0, 5.0, 5.0), rand=lambda: 0.0))
+    out = fail(core, "j-000001", 0, 10, at(100))
+    assert not core.draining and core.blacklist.kept_off() == {1001}
+    out += fail(core, "j-000002", 0, 20, at(100))
+    assert core.draining and core.blacklisted_until > 0 and left(core, "j-000002") is Reason.DRAIN
+    timers = [i for i in out if isinstance(i, do.SetTimer)]
+    assert {(t.name, t.key, t.at) for t in timers} == {("user-cooldown", 1001, 105.0),
+                                                        ("user-cooldown", 1002, 105.0), ("cooldown", None, 105.0)}
+    early = core.handle(ev.NodeTimerFired("cooldown"), at(104.9))  # a moment early: again
+    assert early == [do.SetTimer("cooldown", 105.0)] and core.draining
+    out = core.handle(ev.NodeTimerFired("cooldown"), at(105))
+    assert blacklisted(out) == [False] and not core.draining and core.blacklisted_until == 0.0
+    for uid in (1001, 1002):
+        core.handle(ev.NodeTimerFired("user-cooldown", uid), at(105))
+    assert core.blacklist.kept_off() == set() and not core.cooling_users
 
 
 def test_no_blacklist_when_it_is_off():
-    async def scenario() -> None:
-        jobs, agents = services()
-        for pid in range(10):
-            jobs.report("j-1", failed(pid, pid))
-        assert not jobs.draining and agents["j-1"].left == []
-
-    asyncio.run(scenario())
+    core, _ = node()
+    out = []
+    for pid in range(10):
+        out += fail(core, "j-000001", pid, pid, at(100))
+    assert not core.draining and left(core, "j-000001") is None

@@ -1,0 +1,250 @@
+"""Stimuli: what happened, as the node core hears it.  Frozen data, nothing else.
+
+Each event names the job it is about (``job``), or none for a node-wide one.  The
+completion of an operation the core asked for carries that operation's number (``op``): a
+completion whose number is not the one the part waits for is stale (an abandoned join, a
+watch of an old round) and is dropped, never acted on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple
+
+from ..model import Failure, JobSpec, WorkerGroup
+from ..records import JobRecord, Outcome
+from ..rendezvous import NextRound, Reason, RendezvousInfo, RoundEvent
+
+
+class Now(NamedTuple):
+    """The time an event is handled: monotonic seconds for deadlines and durations, the
+    wall clock for what is shown and stored."""
+
+    mono: float
+    wall: float
+
+
+# -- one job on this node (a part) --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoundJoined:
+    job: str
+    op: int
+    info: RendezvousInfo
+
+
+class JoinFailure:
+    """Why a join ended without a round (JoinFailed.kind)."""
+
+    CLOSED = "closed"    # the job ended: its rendezvous is closed
+    GONE = "gone"        # its state is gone or refused and this node may not start it afresh
+    TIMEOUT = "timeout"  # the join timeout passed
+
+
+@dataclass(frozen=True)
+class JoinFailed:
+    job: str
+    op: int
+    kind: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class RoundChanged:
+    """The watched round was superseded or closed, or nodes wait to join it."""
+
+    job: str
+    op: int
+    event: RoundEvent
+
+
+@dataclass(frozen=True)
+class WorkersChanged:
+    """A worker of the part changed state (started, exited, placed); ``failures``: why each
+    failed worker of ``group`` failed."""
+
+    job: str
+    group: WorkerGroup
+    failures: tuple[Failure, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkersStopped:
+    job: str
+    op: int
+
+
+@dataclass(frozen=True)
+class PeersProbed:
+    """The members whose daemons were found gone when the workers failed."""
+
+    job: str
+    op: int
+    lost: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RoundRequested:
+    job: str
+    op: int
+    result: NextRound
+
+
+@dataclass(frozen=True)
+class BarrierProgress:
+    job: str
+    op: int
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class BarrierDone:
+    """The exit barrier's wait ended: everyone arrived, or its timeout passed."""
+
+    job: str
+    op: int
+    arrived: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The outcome that won (this node's, or one another node wrote first)."""
+
+    job: str
+    op: int
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class Left:
+    """The rendezvous was told that this node leaves (or the telling gave up)."""
+
+    job: str
+    op: int
+
+
+@dataclass(frozen=True)
+class WorkerAsked:
+    """In place: the worker in ``slot`` asked for its place in a round after ``after``
+    (``why``: start, interrupt or failure; ``error``: what broke, for a failure)."""
+
+    job: str
+    slot: int
+    after: int
+    why: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    job: str
+    name: str
+
+
+@dataclass(frozen=True)
+class OpFailed:
+    """An operation of the part failed: the store did not answer (``store``), or something
+    no rule foresaw (a bug: ``store`` False)."""
+
+    job: str
+    op: int | None  # None: an effect that has no operation of its own
+    store: bool
+    message: str
+
+
+@dataclass(frozen=True)
+class PartClosed:
+    """Everything of the part is gone: workers, channel, keeper, cgroup."""
+
+    job: str
+
+
+# -- this node --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobsChanged:
+    """The node's job table after a change: every job it knows (``users``: the local name
+    of each uid of an open job, None where there is none, for the node's own rules)."""
+
+    jobs: tuple[JobRecord, ...]
+    users: Mapping[int, str | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """At start: the jobs that a previous run of this daemon left unfinished."""
+
+    jobs: tuple[JobRecord, ...]
+
+
+@dataclass(frozen=True)
+class HoldChanged:
+    """An operator drained or undrained this node, or the discovery script (un)listed it."""
+
+    hold: str       # core.node.Hold's value
+    on: bool
+
+
+@dataclass(frozen=True)
+class Listed:
+    """What the discovery script says of this node: listed or not, and its slots (0: the
+    configured number)."""
+
+    listed: bool
+    slots: int = 0
+
+
+@dataclass(frozen=True)
+class NodesLost:
+    """The one word that nodes are gone, whoever found out: the cluster's observer, a
+    rendezvous keeper that dropped silent members, or a probe of the peers' daemons."""
+
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CancelAsked:
+    job: str
+    by: str
+    spec: JobSpec | None = None  # the job, for one this node runs nothing of
+
+
+@dataclass(frozen=True)
+class ShutdownAsked:
+    """The daemon stops: a one-node cluster cancels its jobs, a node of a larger one leaves."""
+
+    standalone: bool
+
+
+@dataclass(frozen=True)
+class NodeTimerFired:
+    name: str
+    key: object = None
+
+
+@dataclass(frozen=True)
+class PartStartFailed:
+    """The part's effectors could not be made (its cgroup, its channel)."""
+
+    job: str
+    message: str
+
+
+@dataclass(frozen=True)
+class LeaveAsked:
+    """This node leaves the job (or, without one, every job here)."""
+
+    reason: Reason
+    job: str | None = None
+
+
+PART_ONLY = (RoundJoined, JoinFailed, RoundChanged, WorkersChanged, WorkersStopped, PeersProbed,
+             RoundRequested, BarrierProgress, BarrierDone, Left, WorkerAsked, TimerFired)
+PartEvent = (RoundJoined | JoinFailed | RoundChanged | WorkersChanged | WorkersStopped
+             | PeersProbed | RoundRequested | BarrierProgress | BarrierDone | Finished | Left
+             | WorkerAsked | TimerFired | OpFailed)
+NodeEvent = (JobsChanged | Restored | HoldChanged | Listed | NodesLost | CancelAsked
+             | ShutdownAsked | NodeTimerFired | PartClosed | PartStartFailed | LeaveAsked)
+Event = PartEvent | NodeEvent

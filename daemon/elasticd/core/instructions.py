@@ -1,0 +1,252 @@
+"""Instructions: what the node core wants done.  Frozen data; the shell carries them out.
+
+An instruction with an ``op`` starts an operation whose completion comes back as an event
+with the same number; ``Cancel`` drops one that is no longer wanted (its completion, if it
+still comes, is stale).  The others are done at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..model import JobSpec, WorkerGroup
+from ..records import Outcome, Part
+from ..rendezvous import Reason, RendezvousInfo
+
+
+# -- the rendezvous -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Join:
+    """Join the job's current (or next) round with ``nproc`` workers; ``master_port`` 0: a
+    port free here now."""
+
+    job: str
+    op: int
+    nproc: int
+    master_port: int
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Until ``round`` is superseded or closed (or, with ``waiting``, nodes wait to join)."""
+
+    job: str
+    op: int
+    round: int
+    waiting: bool
+
+
+@dataclass(frozen=True)
+class RequestRound:
+    job: str
+    op: int
+    round: int
+    reason: Reason
+    lost: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepAside:
+    """The forming round completes without this node (its workers all warm up)."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class ArriveAtBarrier:
+    """Arrive at the exit barrier of ``info``'s round and wait (at most ``timeout``) for
+    every member, telling the progress as it goes."""
+
+    job: str
+    op: int
+    info: RendezvousInfo
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Tell the rendezvous that this node leaves (a courtesy with a deadline)."""
+
+    job: str
+    op: int
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Which of ``nodes`` have a daemon that is gone (one round trip, at most ``timeout``)."""
+
+    job: str
+    op: int
+    nodes: tuple[str, ...]
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The operation ``op`` is no longer wanted."""
+
+    job: str
+    op: int
+
+
+# -- the workers --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StartWorkers:
+    """A new group of workers (its ranks in ``group``), its output in the round's folder.
+    In place (``pool``): the part's one pool starts them all, kept across rounds."""
+
+    job: str
+    group: WorkerGroup
+    round: int
+    pool: bool = False
+
+
+@dataclass(frozen=True)
+class NewPool:
+    """In place: a pool of standby workers (every slot, none started), replacing any."""
+
+    job: str
+    group: WorkerGroup
+
+
+@dataclass(frozen=True)
+class WarmWorkers:
+    """In place: start new workers in ``slots`` (their old ones are gone); they have no rank
+    until placed.  ``round``: the folder their output goes to until then."""
+
+    job: str
+    slots: tuple[int, ...]
+    round: int
+
+
+@dataclass(frozen=True)
+class PlaceWorkers:
+    """In place: ``group`` is the workers' place in its round; each hears its environment."""
+
+    job: str
+    group: WorkerGroup
+    envs: Mapping[int, Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class Notify:
+    """In place: tell the workers that ``round`` is coming: ``abort`` their collectives (a
+    member is gone), or that it ``added`` members (they need the state)."""
+
+    job: str
+    round: int
+    abort: bool = False
+    added: bool | None = None
+
+
+@dataclass(frozen=True)
+class ForgetSlots:
+    """In place: new workers take ``slots``; what the old ones asked or were told is void."""
+
+    job: str
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    """SIGTERM, grace, SIGKILL to every worker of the part; done once all are reaped."""
+
+    job: str
+    op: int
+
+
+# -- records ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Publish:
+    """This node's part of the job, for the job table and the board (the shell adds its
+    live usage and the time)."""
+
+    job: str
+    part: Part
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Make ``outcome`` the job's outcome unless another was first; close its rendezvous."""
+
+    job: str
+    op: int
+    outcome: Outcome
+    spec: JobSpec | None = None  # for a job this node runs nothing of
+    board: bool = True           # False: this node's record only (a one-node cluster's old job)
+
+
+@dataclass(frozen=True)
+class HoldJob:
+    """This node never places the job again: a record it needs was refused or lost."""
+
+    job: str
+    why: str
+
+
+# -- life cycle, time, what is said -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StartPart:
+    """Make the part's effectors (its rendezvous and keeper, cgroup, in-place channel)."""
+
+    job: str
+    spec: JobSpec
+    nproc: int
+    gpus: tuple[str, ...]
+    started: float | None  # when the job first ran, on any node (None: it has not)
+
+
+@dataclass(frozen=True)
+class ClosePart:
+    """Stop the keeper, close the channel, remove the cgroup; then PartClosed."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class SetTimer:
+    """A TimerFired(job, name) (or, without a job, NodeTimerFired) at monotonic ``at``."""
+
+    name: str
+    at: float
+    job: str | None = None
+    key: Any = None
+
+
+@dataclass(frozen=True)
+class ClearTimer:
+    name: str
+    job: str | None = None
+    key: Any = None
+
+
+@dataclass(frozen=True)
+class Count:
+    """A metric: ``what`` (round_joined, restarted, worker_exited, barrier_waited,
+    blacklisted ...), with a label and a value where it has them."""
+
+    what: str
+    label: str = ""
+    value: float = 1.0
+
+
+@dataclass(frozen=True)
+class Say:
+    """A line for the daemon's log, about ``job`` (None: the node)."""
+
+    level: str
+    message: str
+    job: str | None = None
+    args: tuple[Any, ...] = field(default_factory=tuple)
+
+
+Instruction = (Join | Watch | RequestRound | StepAside | ArriveAtBarrier | Leave | Probe | Cancel
+               | StartWorkers | NewPool | WarmWorkers | PlaceWorkers | Notify | ForgetSlots
+               | StopWorkers | Publish | Finish | HoldJob | StartPart | ClosePart | SetTimer
+               | ClearTimer | Count | Say)

@@ -1,0 +1,414 @@
+"""The part's machine (core/part.py, core/inplace.py) driven by stimulus tables, as dask's
+tests drive WorkerState.handle_stimulus: every path of a job on a node, each stimulus
+answered by the instructions asserted here.  No process, no store, no clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from elasticd.core import events as ev
+from elasticd.core import instructions as do
+from elasticd.core.inplace import Places
+from elasticd.core.part import Phase, PartCore, Settings
+from elasticd.model import IllegalTransition, JobSpec, JobState, PartState, Worker, WorkerGroup, WorkerState
+from elasticd.records import Outcome
+from elasticd.rendezvous import EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
+
+ME, OTHER = "n1", "n2"
+JOB = "j-000001"
+
+
+def spec(**kw: Any) -> JobSpec:
+    fields = dict(id=JOB, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
+                  min_nodes=1, max_nodes=2, max_restarts=1, rejoin_timeout=10.0)
+    return JobSpec(**{**fields, **kw})
+
+
+def info(round: int = 0, nodes: tuple[str, ...] = (ME, OTHER), nproc: int = 2, restarts: int = 0,
+         reason: Reason = Reason.INITIAL) -> RendezvousInfo:
+    members = tuple(Member(n, f"{n}.host", nproc, i, i * nproc) for i, n in enumerate(nodes))
+    me = next(m for m in members if m.node == ME)
+    return RendezvousInfo(JOB, round, reason, restarts, me.group_rank, len(members), nproc,
+                          me.rank_base, nproc * len(members), members[0].addr, 1234, members)
+
+
+class Drive:
+    """A part and the time: feed stimuli, keep what it said."""
+
+    def __init__(self, in_place: bool = False, started: float | None = None, **kw: Any) -> None:
+        self.part = PartCore(spec(in_place=in_place, **kw), 2, (), Settings(ME, 3.0), started=started,
+                             place=Places() if in_place else None)
+        self.mono = 100.0
+        self.said: list[do.Instruction] = []
+
+    def now(self) -> ev.Now:
+        return ev.Now(self.mono, 1000.0 + self.mono)
+
+    def start(self) -> list[do.Instruction]:
+        return self._keep(self.part.start(self.now()))
+
+    def __call__(self, event: ev.PartEvent) -> list[do.Instruction]:
+        return self._keep(self.part.handle(event, self.now()))
+
+    def ended(self, state: JobState = JobState.CANCELLED) -> list[do.Instruction]:
+        return self._keep(self.part.job_ended(Outcome(state, 1.0), self.now()))
+
+    def leave(self, reason: Reason) -> list[do.Instruction]:
+        return self._keep(self.part.leave(reason, self.now()))
+
+    def _keep(self, out: list[do.Instruction]) -> list[do.Instruction]:
+        self.said += out
+        return out
+
+    def op(self, kind: type) -> int:
+        """The operation of the newest instruction of ``kind``."""
+        return next(i.op for i in reversed(self.said) if isinstance(i, kind))
+
+    def workers(self, *states: WorkerState, round: int = 0, failed_code: int = 1) -> list[do.Instruction]:
+        group = self.part.group
+        assert group is not None
+        workers = tuple(Worker(w.local_rank, w.rank, w.world_size, w.node, 100 + w.local_rank, state,
+                               None if state in (WorkerState.INIT, WorkerState.HEALTHY) else
+                               0 if state is WorkerState.SUCCEEDED else failed_code)
+                        for w, state in zip(group.workers, states))
+        return self(ev.WorkersChanged(JOB, WorkerGroup(**{**group.__dict__, "workers": workers})))
+
+    def joined(self, round_info: RendezvousInfo) -> list[do.Instruction]:
+        return self(ev.RoundJoined(JOB, self.op(do.Join), round_info))
+
+
+def acts(out: list[do.Instruction]) -> list[do.Instruction]:
+    """What is done (what is said and counted left out)."""
+    return [i for i in out if not isinstance(i, (do.Say, do.Count))]
+
+
+def kinds(out: list[do.Instruction]) -> list[str]:
+    return [type(i).__name__ for i in acts(out)]
+
+
+def states(out: list[do.Instruction]) -> list[str]:
+    return [i.part.state.value for i in out if isinstance(i, do.Publish)]
+
+
+def running(drive: Drive, round_info: RendezvousInfo | None = None) -> None:
+    drive.start()
+    drive.joined(round_info or info())
+    drive.workers(WorkerState.HEALTHY, WorkerState.HEALTHY)
+    assert drive.part.phase is Phase.RUNNING
+
+
+# -- classic jobs -----------------------------------------------------------------------------------
+
+def test_a_round_runs_to_the_exit_barrier_and_succeeds():
+    d = Drive()
+    assert kinds(d.start()) == ["Publish", "Join"] and states(d.said) == ["RENDEZVOUS"]
+    out = d.joined(info())
+    assert kinds(out) == ["Publish", "StartWorkers", "Watch"] and states(out) == ["RUNNING"]
+    assert [i.what for i in out if isinstance(i, do.Count)] == ["round_joined"]
+    out = d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY)
+    assert kinds(out) == ["Publish"]
+    out = d.workers(WorkerState.SUCCEEDED, WorkerState.SUCCEEDED)
+    assert kinds(out) == ["Publish", "Cancel", "StopWorkers"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert kinds(out) == ["ArriveAtBarrier", "Watch"]
+    out = d(ev.BarrierProgress(JOB, d.op(do.ArriveAtBarrier), 1, 2))
+    assert states(out) == ["BARRIER"] and out[0].part.barrier["done"] == 1
+    out = d(ev.BarrierDone(JOB, d.op(do.ArriveAtBarrier), 2, 2))
+    assert kinds(out) == ["Cancel", "Finish"] and out[-1].outcome.state is JobState.SUCCEEDED
+    out = d(ev.Finished(JOB, d.op(do.Finish), out[-1].outcome))
+    assert kinds(out) == ["Publish", "ClosePart"] and states(out) == ["SUCCEEDED"]
+    assert d.part.phase is Phase.CLOSING
+
+
+@pytest.mark.parametrize("restarts, lost, asked_for, counted", [
+    (0, (), Reason.FAILURE, ["restarted"]),       # a failure, a restart left: everyone re-forms
+    (1, (OTHER,), Reason.NODE_LOST, []),          # the peer's daemon is gone: no restart spent
+])
+def test_a_worker_failure_re_forms_the_round(restarts, lost, asked_for, counted):
+    d = Drive()
+    running(d, info(restarts=restarts))
+    out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    assert kinds(out) == ["Publish", "Cancel", "Probe"] and out[-1].nodes == (OTHER,)
+    out = d(ev.PeersProbed(JOB, d.op(do.Probe), lost))
+    assert kinds(out) == ["Publish", "StopWorkers"] and states(out) == ["RESTARTING"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert kinds(out) == ["RequestRound"] and (out[0].reason, out[0].lost) == (asked_for, lost)
+    out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    assert kinds(out) == ["Publish", "Join"] and states(out) == ["RESTARTING"]
+    assert [i.what for i in out if isinstance(i, do.Count)] == counted
+
+
+def test_a_failure_without_restarts_left_fails_the_job_with_its_root_cause():
+    d = Drive()
+    running(d, info(restarts=1))
+    d.workers(WorkerState.FAILED, WorkerState.HEALTHY, failed_code=7)
+    out = d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    assert kinds(out) == ["StopWorkers"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    finish = out[-1]
+    assert isinstance(finish, do.Finish) and finish.outcome.state is JobState.FAILED
+    assert finish.outcome.exit_code == 7 and "max restarts 1 exhausted" in finish.outcome.message
+    out = d(ev.Finished(JOB, finish.op, finish.outcome))
+    assert states(out) == ["FAILED"] and kinds(out)[-1] == "ClosePart"
+
+
+def test_a_restart_the_rendezvous_refuses_as_exhausted_fails_the_job():
+    d = Drive()
+    running(d)
+    d.workers(WorkerState.FAILED, WorkerState.HEALTHY)
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.EXHAUSTED))
+    assert kinds(out) == ["Finish"] and out[0].outcome.state is JobState.FAILED
+
+
+def test_a_lost_node_re_forms_a_running_round_at_once():
+    d = Drive()
+    running(d)
+    out = d._keep(d.part.nodes_lost((OTHER, "n9"), d.now()))
+    assert kinds(out) == ["Cancel", "Publish", "StopWorkers"] and states(out) == ["RESTARTING"]
+    out = acts(d(ev.WorkersStopped(JOB, d.op(do.StopWorkers))))
+    assert out[0] == do.RequestRound(JOB, d.op(do.RequestRound), 0, Reason.NODE_LOST, (OTHER,))
+    assert d.part.nodes_lost(("n9",), d.now()) == []  # not a member: nothing to do
+
+
+@pytest.mark.parametrize("members, decision", [((ME,), "SCALE_UP"), ((ME, OTHER), "WATCH")])
+def test_waiting_nodes_scale_the_job_up_below_its_max(members, decision):
+    d = Drive()
+    running(d, info(nodes=members))
+    out = acts(d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.WAITING, waiting=1))))
+    if decision == "WATCH":
+        assert kinds(out) == ["Watch"] and out[0].waiting is False  # at max: stop listening
+        return
+    assert kinds(out) == ["Publish", "StopWorkers"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert out[0].reason is Reason.SCALE_UP
+
+
+def test_a_superseded_round_is_left_for_the_next_one():
+    d = Drive()
+    running(d)
+    out = d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.NEXT_ROUND, Reason.FAILURE)))
+    assert kinds(out) == ["Publish", "StopWorkers"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert kinds(out) == ["Publish", "Join"]
+
+
+@pytest.mark.parametrize("reason", [Reason.DRAIN, Reason.SHUTDOWN])
+def test_a_node_that_leaves_stops_its_workers_then_tells_the_rendezvous(reason):
+    d = Drive()
+    running(d)
+    out = d.leave(reason)
+    assert kinds(out) == ["Cancel", "StopWorkers"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert out == [do.Leave(JOB, d.op(do.Leave), reason)]
+    out = d(ev.Left(JOB, d.op(do.Leave)))
+    assert states(out) == ["LEFT"] and kinds(out)[-1] == "ClosePart"
+    assert d.leave(reason) == []  # once
+
+
+def test_leaving_while_joining_gives_the_join_up():
+    d = Drive()
+    d.start()
+    join = d.op(do.Join)
+    out = d.leave(Reason.SHUTDOWN)
+    assert out[0] == do.Cancel(JOB, join) and isinstance(out[1], do.Leave)
+    assert d(ev.RoundJoined(JOB, join, info())) == []  # the join came anyway: stale, dropped
+
+
+def test_a_job_that_ends_while_joining_stops():
+    d = Drive()
+    d.start()
+    out = d.ended()
+    assert kinds(out) == ["Cancel", "Publish", "ClosePart"] and states(out) == ["STOPPED"]
+
+
+def test_a_job_that_ends_while_running_stops_its_workers():
+    d = Drive()
+    running(d)
+    out = d.ended()
+    assert kinds(out) == ["Cancel", "StopWorkers"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert states(out) == ["STOPPED"]
+
+
+def test_an_ending_heard_while_stopping_waits_for_the_next_look():
+    d = Drive()
+    running(d)
+    d.workers(WorkerState.FAILED, WorkerState.HEALTHY)
+    assert d.ended() == [] and d.part.phase is Phase.PROBING
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    assert states(out) == ["RESTARTING", "STOPPED"] and kinds(out)[-1] == "ClosePart"
+
+
+def test_a_new_round_while_at_the_barrier_sends_the_node_back_to_work():
+    d = Drive()
+    running(d)
+    d.workers(WorkerState.SUCCEEDED, WorkerState.SUCCEEDED)
+    d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    barrier = d.op(do.ArriveAtBarrier)
+    out = d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.NEXT_ROUND, Reason.FAILURE)))
+    assert do.Cancel(JOB, barrier) in out and kinds(out)[-1] == "Join"
+
+
+@pytest.mark.parametrize("outcome, state", [(JobState.SUCCEEDED, "SUCCEEDED"), (JobState.CANCELLED, "STOPPED")])
+def test_a_job_that_ends_at_the_barrier(outcome, state):
+    d = Drive()
+    running(d)
+    d.workers(WorkerState.SUCCEEDED, WorkerState.SUCCEEDED)
+    d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert states(d.ended(outcome)) == [state]
+
+
+def test_the_exit_barrier_times_out():
+    d = Drive()
+    running(d)
+    d.workers(WorkerState.SUCCEEDED, WorkerState.SUCCEEDED)
+    d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    out = d(ev.BarrierDone(JOB, d.op(do.ArriveAtBarrier), 1, 2))
+    assert out[-1].outcome.state is JobState.FAILED and "1/2 nodes finished" in out[-1].outcome.message
+
+
+@pytest.mark.parametrize("kind, state, held", [
+    (ev.JoinFailure.CLOSED, "STOPPED", ""), (ev.JoinFailure.GONE, "LEFT", "its rendezvous state is gone"),
+])
+def test_a_join_that_fails(kind, state, held):
+    d = Drive()
+    d.start()
+    out = d(ev.JoinFailed(JOB, d.op(do.Join), kind, "why"))
+    assert states(out) == [state] and out[-1] == do.ClosePart(JOB)
+    assert d.part.held.startswith(held) and any(isinstance(i, do.HoldJob) for i in out) == bool(held)
+
+
+def test_a_join_timeout_fails_the_job():
+    d = Drive()
+    d.start()
+    out = d(ev.JoinFailed(JOB, d.op(do.Join), ev.JoinFailure.TIMEOUT, "waited 600s"))
+    assert kinds(out) == ["Finish"] and out[0].outcome.message == "waited 600s"
+
+
+def test_a_store_that_does_not_answer_ends_this_nodes_share():
+    d = Drive()
+    running(d)
+    out = d(ev.OpFailed(JOB, d.op(do.Watch), True, "connection refused"))
+    assert states(out) == ["LEFT"] and d.part.declined == "connection refused"
+
+
+def test_a_bug_in_an_operation_fails_the_job_saying_so():
+    d = Drive()
+    running(d)
+    out = d(ev.OpFailed(JOB, d.op(do.Watch), False, "KeyError('x')"))
+    assert out[-1].outcome.message == "elasticd agent on n1 failed"
+    out = d(ev.OpFailed(JOB, d.op(do.Finish), True, "store gone"))  # and that cannot be recorded
+    assert states(out) == ["FAILED"]
+
+
+def test_an_event_a_phase_does_not_take_raises_and_changes_nothing():
+    d = Drive()
+    d.start()
+    before = (d.part.phase, dict(d.part.ops), d.part.reported)
+    with pytest.raises(IllegalTransition):
+        d(ev.BarrierProgress(JOB, d.op(do.Join), 1, 2))  # a join is no barrier
+    assert (d.part.phase, dict(d.part.ops), d.part.reported) == before
+
+
+# -- in place -------------------------------------------------------------------------------------
+
+def ask(d: Drive, slot: int, after: int = -1, why: str = "start", error: str = "") -> list[do.Instruction]:
+    return d(ev.WorkerAsked(JOB, slot, after, why, error))
+
+
+def test_in_place_a_first_round_is_formed_before_its_workers_start():
+    d = Drive(in_place=True)
+    out = d.start()
+    assert kinds(out) == ["NewPool", "Publish", "Join"] and out[-1].nproc == 2
+    out = acts(d.joined(info()))
+    assert kinds(out) == ["PlaceWorkers", "Notify", "Publish", "StartWorkers", "Watch"]
+    assert out[0].envs[1]["RANK"] == "1" and out[0].envs[1]["ELASTICD_ROUND"] == "0"
+    assert out[3].pool
+
+
+def in_place_running(d: Drive) -> None:
+    d.start()
+    d.joined(info())
+    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY)
+    ask(d, 0)
+    ask(d, 1)
+
+
+def test_in_place_a_failed_worker_is_replaced_while_the_survivor_trains_on():
+    d = Drive(in_place=True)
+    in_place_running(d)
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    out = acts(d(ev.PeersProbed(JOB, d.op(do.Probe), ())))
+    assert kinds(out) == ["Publish", "Notify", "RequestRound"] and out[1].abort  # no StopWorkers
+    out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
+    assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"]
+    assert out[1].slots == (1,) and out[-1].nproc == 1  # the survivor joins alone
+    out = d.joined(info(round=1, nproc=1, restarts=1))
+    assert kinds(out) == ["PlaceWorkers", "Notify", "SetTimer", "Publish", "Watch"]
+    ask(d, 0, after=0, why="interrupt")  # the survivor rejoined
+    out = ask(d, 1)  # the replacement warmed up: a scale-up round adds it
+    assert kinds(out) == ["Cancel", "ClearTimer", "Publish", "RequestRound"] and out[-1].reason is Reason.SCALE_UP
+
+
+def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():
+    d = Drive(in_place=True)
+    in_place_running(d)
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    out = d.joined(info(round=1, nproc=1, restarts=1))
+    timer = next(i for i in out if isinstance(i, do.SetTimer))
+    d.mono += 10.0
+    out = d(ev.TimerFired(JOB, timer.name))
+    assert kinds(out) == ["Cancel", "Publish", "StopWorkers"]
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert kinds(out) == ["NewPool", "RequestRound"] and out[-1].reason is Reason.STALLED
+
+
+def test_in_place_a_collective_failure_with_no_dead_peer_fails_after_dead_after():
+    d = Drive(in_place=True)
+    d.start()
+    d.joined(info(nodes=(ME,)))
+    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY)
+    out = ask(d, 0, after=0, why="failure", error="gloo timeout")
+    assert kinds(out) == ["SetTimer"] and out[0].at == d.mono + 3.0
+    out = d(ev.TimerFired(JOB, out[0].name))
+    assert kinds(out) == ["Cancel", "Publish", "Notify", "RequestRound"] and out[-1].reason is Reason.FAILURE
+
+
+def test_in_place_a_collective_failure_and_a_dead_peer_re_form_without_it():
+    d = Drive(in_place=True)
+    in_place_running(d)
+    out = ask(d, 0, after=0, why="failure", error="connection reset")
+    assert kinds(out) == ["Probe"]
+    out = d(ev.PeersProbed(JOB, d.op(do.Probe), (OTHER,)))
+    assert out[-1] == do.RequestRound(JOB, d.op(do.RequestRound), 0, Reason.NODE_LOST, (OTHER,))
+
+
+def test_in_place_a_node_rejoining_a_job_warms_up_before_it_joins():
+    d = Drive(in_place=True, started=5.0)
+    out = d.start()
+    assert kinds(out) == ["NewPool", "Publish", "ForgetSlots", "WarmWorkers"] and d.part.phase is Phase.WARMING
+    assert ask(d, 0) == []
+    out = ask(d, 1)
+    assert kinds(out) == ["Join"] and out[0].nproc == 2
+
+
+def test_in_place_a_worker_that_fails_while_warming_up_makes_the_node_leave():
+    d = Drive(in_place=True, started=5.0)
+    d.start()
+    out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    assert states(out)[-1] == "LEFT" and d.part.declined.startswith("a worker failed while warming up")
+
+
+def test_in_place_a_late_ask_of_a_dead_worker_changes_nothing():
+    d = Drive(in_place=True, started=5.0)
+    d.start()
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    assert ask(d, 1) == []  # the part is closing
