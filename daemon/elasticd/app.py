@@ -33,9 +33,10 @@ import zmq.asyncio
 
 from . import __version__, config as config_mod
 from . import worker_library
-from .agent import AgentFactory
 from .aio import race
 from .board import BoardFollower, JobBoard
+from .core import events
+from .core.node import NodeCore, NodeSettings
 from .blacklist import Blacklist
 from .cgroups import JobCgroups, instance_name
 from .cluster import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
@@ -63,7 +64,8 @@ from .metrics import InstrumentedStore, Metrics
 from .model import JobState, NodeInfo, PartState
 from .peers import PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy, load_or_create_keys
 from .placement import Resources
-from .scheduler import JobService
+from .shell.effectors import Effectors
+from .shell.node import NodeShell
 from .store.base import Store
 from .store.c10d import C10dServer
 from .store.memory import AsyncMemoryStore, MemoryStore
@@ -267,7 +269,7 @@ class Daemon:
             registry = JobRegistry(history, on_unsaved=lambda why: self.metrics.state_write_failed(
                 "history", why), retention=config.history.retention)
             closing.callback(registry.close)
-            self._restore(registry, history)
+            unfinished = self._restore(registry, history)
             gpus = discover_gpus(config.node.gpus)
             slots = slot_count(config, gpus)
             cgroups = self._cgroups()
@@ -283,23 +285,27 @@ class Daemon:
                                 interval=config.rendezvous.keep_alive_interval, faults=self.faults)
             peers = PeerLinks(PeerClient(ctx, keys), nodes)
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
-            service = JobService(
-                node=self.node, resources=Resources(slots, gpus, cpus=cpu_count()),
-                board=board,
+            core = NodeCore(
+                NodeSettings(self.node, Resources(slots, gpus, cpus=cpu_count()),
+                             dead_after=config.rendezvous.keep_alive.dead_after,
+                             standalone=config.standalone, allow_root=config.jobs.allow_root,
+                             judge_users=os.getuid() == 0),
+                blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None)
+            service = NodeShell(
+                core, board=board, registry=registry, metrics=self.metrics, faults=self.faults,
+                standalone=config.standalone,
                 follower=BoardFollower(board, registry, self.node, on_store=self._board_store,
                                        faults=self.faults),
-                registry=registry, standalone=config.standalone, allow_root=config.jobs.allow_root,
-                blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None,
-                on_blacklist=self.metrics.blacklisted, faults=self.faults,
-                agents=AgentFactory(
+                effectors=Effectors(
                     node=self.node, address=self._address, store=store, signer=signer,
                     keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
                     log_root=config.log_dir, metrics=self.metrics,
                     logs=logs, probe=peers, refused=self._refused, stop_grace=config.jobs.stop_grace,
                     cgroups=cgroups if cgroups.available else None, containment=containment,
                     runtime_dir=config.paths.runtime_dir, output_limit=config.output.limit,
-                    access=FileAccess(config.control.admin_group),
+                    access=FileAccess(config.control.admin_group), faults=self.faults,
                     worker_library=worker_library.install(config.paths.runtime_dir)))
+            service.post(events.Restored(tuple(unfinished)))
             self.metrics.job_usage.source = service.usage
             self._listed(service, listing)
             commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
@@ -326,7 +332,8 @@ class Daemon:
             duties = NodeDuties(local_record=functools.partial(self._local_record, service),
                                 on_drain=service.set_draining, on_reset=service.store_reset,
                                 on_store=functools.partial(self._store_health, registry),
-                                on_tick=lambda: self.metrics.count_nodes(nodes.tally()))
+                                on_tick=lambda: self.metrics.count_nodes(nodes.tally()),
+                                on_lost=lambda lost: service.post(events.NodesLost(lost)))
             pruner = Pruner(registry, config.log_dir, busy=service.local_jobs,
                             on_pruned=lambda job_ids: self._jobs_changed(registry))
             self._install_signals()
@@ -452,7 +459,7 @@ class Daemon:
         self.metrics.count_jobs(registry.jobs(), self.node)
         self._update_status(registry)
 
-    def _local_record(self, service: JobService) -> NodeRecord:
+    def _local_record(self, service: NodeShell) -> NodeRecord:
         used = service.used()
         info = NodeInfo(self.node, self._address, service.resources.slots, service.resources.gpus,
                         dict(self.config.node.labels), __version__, service.draining, self._started,
@@ -490,7 +497,7 @@ class Daemon:
                  f"listed with {listing.slots} slots" if listing.slots else "listed")
         return listing
 
-    def _listed(self, service: JobService, listing: Listing) -> None:
+    def _listed(self, service: NodeShell, listing: Listing) -> None:
         self.metrics.node_listed.set(1 if listing.listed else 0)
         service.set_listed(listing)
 
@@ -546,26 +553,16 @@ class Daemon:
     def _address(self) -> str:
         return self.config.node.address or route_address(self.config.store_host)
 
-    def _restore(self, registry: JobRegistry, history: History) -> None:
-        """Jobs a previous run left unfinished: kill leftovers, record what happened."""
+    def _restore(self, registry: JobRegistry, history: History) -> list[JobRecord]:
+        """Jobs a previous run left unfinished: their leftovers killed (what happened to them
+        is the node core's to say: events.Restored)."""
         unfinished = registry.restore(history.load())
         self.metrics.history_skipped.inc(registry.skipped)
         self.metrics.known_finished(registry.jobs())
         killed = reap_leftovers(worker_groups(unfinished, self.node))
         if killed:
             log.warning("killed %d leftover worker processes of a previous run", killed)
-        for record in unfinished:
-            self._mark_died(registry, record)
-
-    def _mark_died(self, registry: JobRegistry, record: JobRecord) -> None:
-        part = record.parts.get(self.node)
-        if self.config.standalone:
-            registry.set_outcome(record.id, Outcome(
-                JobState.FAILED, time.time(), None,
-                f"daemon died: elasticd on {self.node} stopped while the job ran", None, self.node))
-        elif part is not None and part.state.active:
-            registry.set_part(record.id, replace(part, state=PartState.LEFT, updated=time.time()),
-                              own=True)
+        return unfinished
 
     def _refused(self, key: str, why: str) -> None:
         """A store record no daemon acts on: counted every time, logged once a minute per key

@@ -580,6 +580,7 @@ class NodeDuties:
     on_reset: Callable[[], Awaitable[None]]           # the store lost its data: publish again
     on_store: Callable[[bool, str], None] = lambda ok, problem: None  # the store (un)reachable
     on_tick: Callable[[], None] = lambda: None        # a duty ended
+    on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None  # nodes the observer judged lost
 
 
 class NodeService:
@@ -656,7 +657,12 @@ class NodeService:
         assert self._duties is not None
         if tick.sightings is not self._sightings:
             self._sightings = tick.sightings
+            before = self._states
             self._follow_states()
+            lost = tuple(name for name, state in self._states.items()
+                         if state is NodeState.LOST and before.get(name, NodeState.LOST) is not NodeState.LOST)
+            if lost:
+                self._duties.on_lost(lost)
         self._seen = time.time()
         self._duties.on_tick()
         # every new request counts, the same twice too: an undrain also lifts a blacklisting

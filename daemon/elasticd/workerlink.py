@@ -62,21 +62,38 @@ class WorkerLink:
         self._asked: dict[int, int] = {}  # slot -> the round it last asked to leave behind
         self._connections = 0
         self._server: asyncio.AbstractServer | None = None
+        self._sock: socket.socket | None = None
 
-    async def open(self) -> None:
+    def bind(self) -> None:
+        """Listen on the job's socket now (0600, the job's user's): a worker that connects
+        before ``open`` serves it waits in the backlog."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path,
-                                                       limit=_MAX_LINE)
-        os.chmod(self.path, 0o600)
-        if os.getuid() == 0:
-            os.chown(self.path, self._uid, self._gid)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(self.path)
+            os.chmod(self.path, 0o600)
+            if os.getuid() == 0:
+                os.chown(self.path, self._uid, self._gid)
+            self._sock.listen(2 * self._slots + 4)
+        except OSError:
+            self._sock.close()
+            raise
+
+    async def open(self) -> None:
+        """Serve the socket (bound first, if ``bind`` was not called)."""
+        if self._sock is None:
+            self.bind()
+        self._server = await asyncio.start_unix_server(self._serve, sock=self._sock, limit=_MAX_LINE)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
             for writer in self._writers.values():
                 writer.close()
+        elif self._sock is not None:
+            self._sock.close()
+        if self._sock is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 

@@ -311,7 +311,7 @@ class LocalWorkers:
     def _renew(self, slot: int) -> Worker:
         """A fresh (INIT) worker in ``slot``: a new process, not a state change of the old one."""
         worker = Worker(local_rank=slot, rank=-1, world_size=0, node=self.group.workers[slot].node)
-        self.group = self.group.with_worker(worker)
+        self._change(self.group.with_worker(worker), renewed=slot)
         self._failures.pop(slot, None)
         self._exits.pop(slot, None)
         return worker
@@ -326,7 +326,7 @@ class LocalWorkers:
             if new is not None and old.rank < 0 and old.local_rank in self._files:
                 self._move_output(old.local_rank, attempt_dir, new.rank)
             workers.append(replace(old, rank=new.rank, world_size=new.world_size) if new else old)
-        self.group = replace(group, workers=tuple(workers))
+        self._change(replace(group, workers=tuple(workers)))
         self._on_change(self.group)
 
     def _move_output(self, slot: int, attempt_dir: str, rank: int) -> None:
@@ -342,6 +342,11 @@ class LocalWorkers:
         except OSError as exc:
             log.warning("job %s: output of slot %d stays in %s: %s", self.spec.id, slot,
                         self._files[slot]["out"], exc, extra=about(self.spec.id))
+
+    @property
+    def failures(self) -> tuple[Failure, ...]:
+        """Why each failed worker failed (its exit, and its error file's words)."""
+        return tuple(self._failures.values())
 
     def alive(self) -> list[int]:
         """Slots whose worker runs."""
@@ -531,9 +536,15 @@ class LocalWorkers:
         self._set(replace(worker, state=WorkerState.FAILED, exit_code=code))
 
     def _set(self, worker: Worker) -> None:
-        WORKER_STATES.check(self.group.workers[worker.local_rank].state, worker.state)
-        self.group = self.group.with_worker(worker)
+        self._change(self.group.with_worker(worker))
         self._on_change(self.group)
+
+    def _change(self, group: WorkerGroup, renewed: int | None = None) -> None:
+        """The one place the workers change: each worker's state moves by WORKER_STATES (a
+        ``renewed`` slot holds a new worker, whose first state is INIT), or nothing changes."""
+        for old, new in zip(self.group.workers, group.workers):
+            WORKER_STATES.check(None if old.local_rank == renewed else old.state, new.state)
+        self.group = group
 
     async def stop(self) -> None:
         """SIGTERM every process of the job, wait up to the grace period for the workers,

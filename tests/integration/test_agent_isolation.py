@@ -1,6 +1,6 @@
 """One job's agent must never take the daemon down (issue 10, item 7).
 
-In-process, with the real job service, agents, rendezvous and workers over an in-memory
+In-process, with the real node core and shell, rendezvous and workers over an in-memory
 store that fails every write of one job's outcome: that job's rendezvous state is tampered
 with, so its agent takes the path for an unexpected error, which records the job's failure
 in the store, which fails.  That StoreError used to escape the agent into the job service's
@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from harness import WORKER
-from elasticd.agent import AgentFactory
 from elasticd.board import BoardFollower, JobBoard
 from elasticd.errors import StoreConnectionError
 from elasticd.history import History
@@ -25,7 +24,9 @@ from elasticd.logs import LogBus
 from elasticd.metrics import Metrics
 from elasticd.model import JobSpec, PartState
 from elasticd.placement import Resources
-from elasticd.scheduler import JobService
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.shell.effectors import Effectors
+from elasticd.shell.node import NodeShell
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 
@@ -61,16 +62,17 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
     registry = JobRegistry(History(str(tmp_path / "history.sqlite")))
     os.makedirs(tmp_path / "logs", mode=0o755)
 
-    def job_service(shared: AsyncMemoryStore) -> JobService:
+    def job_service(shared: AsyncMemoryStore) -> NodeShell:
         signer = Signer(b"k" * 32, "c")
         board = JobBoard(shared, signer, "default")
-        agents = AgentFactory(node="n1", address="127.0.0.1", store=shared, signer=signer,
+        effectors = Effectors(node="n1", address="127.0.0.1", store=shared, signer=signer,
                               keyspace=Keyspace("default"), keep_alive=KeepAlive(),
                               log_root=str(tmp_path / "logs"), metrics=Metrics(), logs=LogBus(),
                               probe=NoPeers(), refused=lambda key, why: None, stop_grace=1.0)
-        return JobService(node="n1", resources=Resources(4), board=board,
-                          follower=BoardFollower(board, registry, "n1"), registry=registry,
-                          agents=agents, allow_root=True)
+        core = NodeCore(NodeSettings("n1", Resources(4), dead_after=KeepAlive().dead_after,
+                                     allow_root=True, judge_users=False))
+        return NodeShell(core, effectors=effectors, board=board, registry=registry, metrics=Metrics(),
+                         follower=BoardFollower(board, registry, "n1"))
 
     async def scenario() -> None:
         shared = AsyncMemoryStore(store)
@@ -85,7 +87,7 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
                    and store.failed and "j-bad000" not in service.local_jobs()):
             async with asyncio.timeout(30):
                 good = await registry.wait_change("j-good00", good.version)
-        assert not running.done(), "the job service ended with the bad job's agent"
+        assert not running.done(), "the node's service ended with the bad job's part"
         assert service.local_jobs() == ["j-good00"]  # the good job runs on
         stop.set()
         async with asyncio.timeout(30):

@@ -17,7 +17,9 @@ from elasticd.metrics import Metrics
 from elasticd.model import JobSpec, JobState, PartState
 from elasticd.placement import Resources
 from elasticd.records import JobRecord, Outcome, Part, hold_reason, job_doc
-from elasticd.scheduler import JobService
+from elasticd.core import instructions as do
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.shell.node import NodeShell
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 
@@ -77,8 +79,21 @@ class Node:
         self.registry = JobRegistry(History(str(tmp_path / f"{name}.sqlite")))
         self.board = JobBoard(AsyncMemoryStore(store), SIGNER, "c")
         self.follower = BoardFollower(self.board, self.registry, name)
-        self.service = JobService(node=name, resources=Resources(2, ()), board=self.board,
-                                  follower=self.follower, registry=self.registry, agents=None)
+        core = NodeCore(NodeSettings(name, Resources(2, ()), dead_after=3.0, judge_users=False))
+        self.service = NodeShell(core, effectors=None, board=self.board, follower=self.follower,
+                                 registry=self.registry, metrics=None)
+
+    def settle(self) -> None:
+        """What the shell's loop does: every queued event to the core, its instructions done."""
+        while not self.service._queue.empty():
+            self.service._dispatch(self.service._queue.get_nowait())
+
+    def report(self, job_id: str, part: Part) -> None:
+        """A part of this node's, published (the core's Publish instruction, carried out)."""
+        self.service._execute(do.Publish(job_id, part))
+
+    async def flush(self) -> bool:
+        return await self.service._publisher.flush()
 
 
 def test_a_node_that_holds_a_job_says_why_in_its_part_and_the_others_show_it(tmp_path):
@@ -90,15 +105,15 @@ def test_a_node_that_holds_a_job_says_why_in_its_part_and_the_others_show_it(tmp
         await n2.follower.resync()
         await n1.follower.resync()
         n2.registry.hold("j-000001", REFUSED)  # its outcome was refused on n2
-        await asyncio.sleep(0)  # the hold reaches n2's part after the change
+        n2.settle()  # the hold reaches n2's part after the change
         own = n2.registry.get("j-000001").parts["n2"]
         assert (own.state, own.held) == (PartState.LEFT, REFUSED)  # it never takes the job
-        assert await n2.service._flush_parts()
+        assert await n2.flush()
         await n1.follower.resync()
         assert job_doc(n1.registry.get("j-000001"))["held"] == f"n2: {REFUSED}"
         assert n1.registry.get("j-000001").held == ""  # n1 refused nothing: it may still place it
         # n2's later parts (an agent's report) keep saying why, while it holds the job
-        n2.service.report("j-000001", part("n2", PartState.RENDEZVOUS))
+        n2.report("j-000001", part("n2", PartState.RENDEZVOUS))
         assert n2.registry.get("j-000001").parts["n2"].held == REFUSED
 
     asyncio.run(scenario())
@@ -113,15 +128,15 @@ def test_a_restarted_node_republishes_the_parts_its_restart_ended(tmp_path):
             await n2.board.publish_spec(spec(job_id), 1)
         await n2.follower.resync()
         for job_id in ("j-000001", "j-000002"):
-            n2.service.report(job_id, part("n2", PartState.RUNNING))
-        assert await n2.service._flush_parts()
+            n2.report(job_id, part("n2", PartState.RUNNING))
+        assert await n2.flush()
         n2.registry.set_outcome("j-000002", Outcome(JobState.SUCCEEDED, 2.0, 0))
-        # n2 was killed and started again: its agents are gone, its parts LEFT (app._mark_died)
+        # n2 was killed and started again: its agents are gone, its parts LEFT (events.Restored)
         ran = n2.registry.get("j-000001").parts["n2"]
         n2.registry.set_part("j-000001", replace(ran, state=PartState.LEFT), own=True)
         n2.service._republish_parts()
-        assert list(n2.service._unpublished) == ["j-000001"]  # not the job that ended
-        assert await n2.service._flush_parts()
+        assert list(n2.service._publisher._unpublished) == ["j-000001"]  # not the job that ended
+        assert await n2.flush()
         await n1.follower.resync()
         assert n1.registry.get("j-000001").parts["n2"].state is PartState.LEFT
         assert n1.registry.get("j-000001").state is JobState.RESTARTING  # not RUNNING: nothing runs

@@ -16,7 +16,7 @@ import os
 import pwd
 import secrets
 import time
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 
 from .. import __version__
 from ..config import DaemonConfig
@@ -30,11 +30,21 @@ from ..cluster import NodeService
 from ..peers import PeerCaller, PeerLinks
 from ..placement import beyond_standalone, never_fits
 from ..quotas import count_refusal, spec_refusal
-from ..scheduler import JobService
 from ..protocol import LIST_BATCH, Request, batches
 from .server import Caller, PeerGone, Reply
 
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
+
+
+class JobService(Protocol):
+    """What the commands ask of this node's job service (shell.node.NodeShell)."""
+
+    async def submit(self, spec: JobSpec) -> JobRecord: ...
+    async def cancel(self, job_id: str, by: str) -> JobRecord: ...
+    async def fetch(self, job_id: str) -> JobRecord | None: ...
+    async def settled(self, job_id: str) -> None: ...
+    def usage_of(self, job_id: str) -> dict | None: ...
+    def story(self, job_id: str) -> list[str]: ...
 
 
 def new_job_id() -> str:
@@ -205,10 +215,17 @@ class Commands:
         await reply.end()
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+        """A job's document; with ``debug``, for its owner and admins, also its story on this
+        node (the part's stimuli and instructions: its own text is in them)."""
         record = await self._find(args["job"])
         usage = self._jobs.usage_of(record.id)
         doc = job_doc(record, {self._node: usage} if usage else None)
-        await reply.result(doc if self._sees_all(caller, record) else others_view(doc))
+        if not self._sees_all(caller, record):
+            await reply.result(others_view(doc))
+            return
+        if args.get("debug"):
+            doc["story"] = {self._node: self._jobs.story(record.id)}
+        await reply.result(doc)
 
     async def wait(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
         record = await self._find(args["job"])

@@ -282,10 +282,12 @@ class RendezvousHandler:
         on_refused: Refused | None = None,
         may_create: bool = True,
         faults: Faults | None = None,
+        on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
         self._logger = logging.LoggerAdapter(log, about(settings.run_id))  # its records concern the job
         self._may_create = may_create  # False: the job ran; never start a fresh state for it
+        self._on_lost = on_lost  # silent members this node dropped: the node's one word that they are gone
         self._beat_versions = VersionClock()
         self._fresh = Freshness()  # heartbeats: an older beat written back is no beat
         self.node, self.addr = node, addr
@@ -505,6 +507,7 @@ class RendezvousHandler:
                                                    replace(view, beats=beats), now), seen=seen)
         if action.state is not None and action.act in (Act.OPEN_ROUND, Act.REMOVE):
             silent = sorted(others - watched(action.state, View()))
+            self._on_lost(tuple(silent))
             self._logger.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
                         self.node, ", ".join(silent), action.act.value, action.state.round)
         return beats

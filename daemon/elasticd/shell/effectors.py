@@ -1,0 +1,190 @@
+"""What carries out a part's instructions on this node: its rendezvous (and the keeper that
+beats for it), its cgroup, its workers, and an in-place job's channel to them.
+
+``Effectors`` holds what every part of this node shares and makes each part's
+``PartEffectors``; NodeShell (shell/node.py) drives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from ..cgroups import JobCgroup, JobCgroups
+from ..containment import Containment
+from ..faults import Faults
+from ..fileaccess import FileAccess
+from ..journal import about
+from ..keyspace import Keyspace
+from ..liveness import KeepAlive
+from ..logs import LogBus, OutputLimit
+from ..model import JobSpec, WorkerGroup
+from ..rendezvous import RendezvousHandler, RendezvousSettings
+from ..store.base import Store
+from ..store.signing import Refused, Signer
+from ..worker_library import python_path
+from ..workerlink import Ready, WorkerLink
+from ..workers import SOCKET_ENV, LocalWorkers
+
+log = logging.getLogger(__name__)
+
+_EMPTY_WAIT = 10.0  # seconds a job's cgroup gets to empty when the part closes
+
+
+class DeadNodeProbe(Protocol):
+    """Which of some nodes' daemons are gone (peers.PeerLinks)."""
+
+    async def unreachable(self, nodes: list[str], timeout: float) -> list[str]: ...
+
+
+class OutputMetrics(Protocol):
+    def output_dropped(self, nbytes: int, why: str) -> None: ...
+
+
+def free_port(address: str) -> int:
+    """A port that is free on ``address`` now (the master port this node offers if it is rank 0)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Effectors:
+    """What every part of this node shares."""
+
+    node: str
+    address: str
+    store: Store
+    signer: Signer
+    keyspace: Keyspace
+    keep_alive: KeepAlive
+    log_root: str
+    metrics: OutputMetrics
+    logs: LogBus
+    probe: DeadNodeProbe
+    refused: Refused
+    stop_grace: float = 10.0
+    cgroups: JobCgroups | None = None
+    containment: Containment = Containment()  # what bounds a job here (its limits)
+    runtime_dir: str = ""     # where in-place jobs' worker channels live
+    worker_library: str = ""  # the directory holding elasticd.elastic for workers
+    output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated
+    access: FileAccess = field(default_factory=FileAccess)  # who reads jobs' files on disk
+    faults: Faults | None = None  # where the rendezvous keepers' unexpected errors are counted
+
+    def rendezvous(self, spec: JobSpec, *, may_create: bool = True,
+                   on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None) -> RendezvousHandler:
+        """The job's rendezvous; ``may_create`` False for a job that already ran (its state
+        is joined or restored, never started afresh)."""
+        settings = RendezvousSettings(
+            run_id=spec.id, min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+            max_restarts=spec.max_restarts, join_timeout=spec.join_timeout,
+            last_call_timeout=spec.last_call_timeout,
+            keep_alive_interval=self.keep_alive.interval,
+            keep_alive_max_attempt=self.keep_alive.attempts)
+        return RendezvousHandler(self.store, self.signer, settings, self.node, self.address,
+                                 prefix=self.keyspace.rendezvous(spec.id), on_refused=self.refused,
+                                 may_create=may_create, on_lost=on_lost, faults=self.faults)
+
+    def part(self, spec: JobSpec, nproc: int, started: float | None,
+             on_ready: Callable[[Ready], None],
+             on_lost: Callable[[tuple[str, ...]], None]) -> PartEffectors:
+        """A part's effectors: its cgroup made and its channel listening now (a failure
+        raises: the part cannot start here)."""
+        cgroup = None
+        if self.cgroups is not None:
+            cgroup = self.cgroups.create(spec.id, self.containment.job_limits(nproc))
+        link = None
+        try:
+            if spec.in_place and self.runtime_dir:
+                directory = os.path.join(self.runtime_dir, "agents")
+                os.makedirs(directory, mode=0o755, exist_ok=True)
+                link = WorkerLink(os.path.join(directory, f"{spec.id}.sock"), uid=spec.uid,
+                                  gid=spec.gid, slots=nproc, on_ready=on_ready)
+                link.bind()
+        except Exception:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        rdzv = self.rendezvous(spec, may_create=started is None, on_lost=on_lost)
+        return PartEffectors(self, spec, nproc, rdzv, cgroup, link)
+
+    def worker_env(self, spec: JobSpec, link: WorkerLink | None) -> dict[str, str]:
+        """On top of worker_env: the library on PYTHONPATH, and an in-place job's channel."""
+        env = {"PYTHONPATH": python_path(self.worker_library, spec.env)} if self.worker_library else {}
+        return {**env, SOCKET_ENV: link.path} if link is not None else env
+
+
+@dataclass
+class PartEffectors:
+    """One part's effectors; ``workers`` is the round's group (classic) or the pool
+    (in place)."""
+
+    shared: Effectors
+    spec: JobSpec
+    nproc: int
+    rdzv: RendezvousHandler
+    cgroup: JobCgroup | None
+    link: WorkerLink | None
+    workers: LocalWorkers | None = None
+    keeper: asyncio.Task[None] | None = None
+    ops: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
+    watches: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+    timers: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+
+    def attempt_dir(self, round: int) -> str:
+        return os.path.join(self.shared.log_root, self.spec.id, f"attempt_{round}")
+
+    def new_workers(self, group: WorkerGroup, round: int,
+                    on_change: Callable[[WorkerGroup], None]) -> LocalWorkers:
+        """A group of workers (not started yet): this round's, or an in-place pool."""
+        shared = self.shared
+        self.workers = LocalWorkers(
+            self.spec, group, self.attempt_dir(round), cgroup=self.cgroup,
+            on_output=lambda: shared.logs.publish(self.spec.id),
+            on_dropped=shared.metrics.output_dropped, on_change=on_change,
+            stop_grace=shared.stop_grace, extra_env=shared.worker_env(self.spec, self.link),
+            output_limit=shared.output_limit,
+            nproc_limit=shared.containment.rlimit_nproc(self.nproc), access=shared.access)
+        return self.workers
+
+    def usage(self) -> dict[str, Any] | None:
+        """CPU time, memory peak and OOM kills of the job's processes here, from its cgroup."""
+        return self.cgroup.usage().to_json() if self.cgroup is not None else None
+
+    async def close(self) -> None:
+        """Stop everything the part has here: its operations and timers, its workers, its
+        channel, its keeper; then its cgroup (killing what escaped a round's stop)."""
+        for task in self.ops.values():
+            task.cancel()
+        for timer in self.timers.values():
+            timer.cancel()
+        if self.ops:
+            await asyncio.wait(list(self.ops.values()))
+        self.ops.clear()
+        if self.workers is not None:
+            await self.workers.stop()
+        if self.link is not None:
+            await self.link.close()
+        self.rdzv.shutdown()
+        if self.keeper is not None:
+            self.keeper.cancel()
+            await asyncio.wait([self.keeper])
+        await self._remove_cgroup()
+
+    async def _remove_cgroup(self) -> None:
+        if self.cgroup is None:
+            return
+        try:
+            if self.cgroup.populated():
+                self.cgroup.kill()
+                await self.cgroup.wait_empty(_EMPTY_WAIT)
+            self.cgroup.remove()
+        except OSError as exc:
+            log.warning("job %s: could not remove its cgroup: %s", self.spec.id, exc,
+                        extra=about(self.spec.id))

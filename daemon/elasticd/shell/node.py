@@ -1,0 +1,591 @@
+"""NodeShell: this node's side of every job, around the pure node core (core/node.py).
+
+One loop takes each event (from the rendezvous, the workers and their channel, the job
+table, timers, the heartbeat duty, the control socket), hands it to the core with the time,
+and carries out the instructions the core returns: a quick effect at once, an operation as
+a task of the shell's one task group whose result comes back as an event.  Nothing here
+decides anything about a job: what to do is the core's; how is this file's and
+effectors.py's.  Submits, cancels and look-ups of the control socket come in here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pwd
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..board import BoardFollower, JobBoard
+from ..core import events as ev
+from ..core import instructions as do
+from ..core.node import Hold, NodeCore
+from ..discovery import Listing
+from ..errors import (Conflict, RendezvousClosedError, RendezvousGone, RendezvousTimeoutError,
+                      StoreError)
+from ..faults import Faults
+from ..jobs import JobRegistry
+from ..journal import about
+from ..model import JobSpec
+from ..placement import Resources
+from ..records import JobRecord, Outcome
+from .effectors import Effectors, PartEffectors, free_port
+from .publisher import PartPublisher
+
+log = logging.getLogger(__name__)
+said = logging.getLogger("elasticd.core")  # what the node core says (instructions.Say)
+
+_JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
+_LEAVE_TIMEOUT = 5.0  # telling the rendezvous we leave is a courtesy: heartbeats tell it anyway
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+class NodeShell:
+    def __init__(self, core: NodeCore, *, effectors: Effectors, board: JobBoard,
+                 follower: BoardFollower, registry: JobRegistry, metrics: Any,
+                 faults: Faults | None = None, standalone: bool = False,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.core = core
+        self._effectors = effectors
+        self._board = board
+        self._follower = follower
+        self._registry = registry
+        self._metrics = metrics
+        self._faults = faults or Faults()
+        self._standalone = standalone
+        self._clock, self._wall = clock, wall_clock
+        self._publisher = PartPublisher(board, self._faults)
+        self._queue: asyncio.Queue[ev.Event] = asyncio.Queue()
+        self._parts: dict[str, PartEffectors] = {}
+        self._settled: dict[str, asyncio.Event] = {}   # job -> set once nothing of it runs here
+        self._finishes: dict[str, list[asyncio.Future[Outcome]]] = {}  # cancels awaiting an outcome
+        self._node_ops: dict[int, asyncio.Task[Any]] = {}
+        self._node_timers: dict[tuple[str, Any], asyncio.TimerHandle] = {}
+        self._failed_start: set[str] = set()
+        self._jobs_posted = False
+        self._tasks: asyncio.TaskGroup | None = None
+        registry.subscribe(lambda record: self._jobs_changed())
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def post(self, event: ev.Event) -> None:
+        self._queue.put_nowait(event)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the board and serve the core until ``stop`` is set; then every job here
+        stops (a one-node cluster's are cancelled, a larger one's left) and the last parts
+        reach the board."""
+        async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
+            await self._follower.resync()
+            while not self._queue.empty():  # what start-up found (events.Restored), first
+                self._dispatch(self._queue.get_nowait())
+            self._republish_parts()
+            following = tasks.create_task(self._follower.run())
+            publishing = tasks.create_task(self._publisher.run())
+            stopping = tasks.create_task(self._stop_on(stop, following))
+            self._jobs_changed()
+            await self._serve()
+            stopping.cancel()
+            for timer in self._node_timers.values():
+                timer.cancel()
+            await self._publisher.flush()
+            publishing.cancel()
+        self._tasks = None
+
+    async def _stop_on(self, stop: asyncio.Event, following: asyncio.Task[None]) -> None:
+        await stop.wait()
+        following.cancel()  # it may be waiting on a store that does not answer
+        self.post(ev.ShutdownAsked(self._standalone))
+
+    async def _serve(self) -> None:
+        while not (self.core.stopping and self._idle()):
+            self._dispatch(await self._queue.get())
+
+    def _idle(self) -> bool:
+        return not (self.core.parts or self.core.finishing or self._parts or self._node_ops)
+
+    def _dispatch(self, event: ev.Event) -> None:
+        fresh = self._refresh(event)
+        if fresh is None:
+            return
+        now = ev.Now(self._clock(), self._wall())
+        try:
+            instructions = self.core.handle(fresh, now)
+        except Exception as exc:
+            self._refused(fresh, exc)
+            return
+        self._failed_start.clear()
+        for instruction in instructions:
+            self._execute(instruction)
+
+    def _refused(self, event: ev.Event, exc: Exception) -> None:
+        """The core raised (an event a state does not take: a bug): it is logged with the
+        job's story and counted; the job's part, if it has one here, fails saying so (once)."""
+        job = getattr(event, "job", None)
+        story = "\n".join(self.core.story(job)[-30:]) if job else ""
+        self._faults.report("core", f"{type(event).__name__}" + (f" of job {job}; its story:\n{story}" if job else ""))
+        if job in self.core.parts and not isinstance(event, ev.OpFailed):
+            self.post(ev.OpFailed(job, None, False, f"the node core refused {type(event).__name__}: {exc}"))
+
+    def _refresh(self, event: ev.Event) -> ev.Event | None:
+        """What an effector's news is at the moment the core hears it: the workers as they
+        are now; a worker's ask only while its slot is still its own; the job table now."""
+        if isinstance(event, ev.WorkersChanged):
+            part = self._parts.get(event.job)
+            if part is None or part.workers is None:
+                return None
+            return ev.WorkersChanged(event.job, part.workers.group, part.workers.failures)
+        if isinstance(event, ev.WorkerAsked):
+            part = self._parts.get(event.job)
+            if part is None or part.link is None or part.link.asked(event.slot) < event.after:
+                return None
+            return event
+        if isinstance(event, ev.JobsChanged):
+            self._jobs_posted = False
+            jobs = tuple(self._registry.jobs())
+            return ev.JobsChanged(jobs, self._users(jobs))
+        return event
+
+    def _jobs_changed(self) -> None:
+        """The job table changed: the core hears of it once, however many changes came."""
+        if not self._jobs_posted:
+            self._jobs_posted = True
+            self.post(ev.JobsChanged(()))
+
+    def _users(self, jobs: tuple[JobRecord, ...]) -> dict[int, str | None]:
+        """The local name of each uid of an open job (a root daemon judges who runs what)."""
+        if os.getuid() != 0:
+            return {}
+        names: dict[int, str | None] = {}
+        for record in jobs:
+            uid = record.spec.uid
+            if record.outcome is None and uid not in names and uid not in self.core.users:
+                try:
+                    names[uid] = pwd.getpwuid(uid).pw_name
+                except KeyError:
+                    names[uid] = None
+        return names
+
+    # -- carrying out instructions ----------------------------------------------------------------
+
+    def _execute(self, instruction: do.Instruction) -> None:
+        job = getattr(instruction, "job", None)
+        if job in self._failed_start:
+            return  # its part could not start: what it asked for has nothing to act on
+        try:
+            _EXECUTE[type(instruction)](self, instruction)
+        except Exception as exc:
+            self._faults.report("shell", f"{type(instruction).__name__}" + (f" of job {job}" if job else ""))
+            op = getattr(instruction, "op", None)
+            if job is not None and job in self._parts:
+                self.post(ev.OpFailed(job, op, False, f"{type(instruction).__name__}: {exc!r}"))
+
+    def _op(self, job: str, op: int, work: Awaitable[Any], done: Callable[[Any], ev.Event],
+            fail: Callable[[Exception], ev.Event | None] = lambda exc: None) -> None:
+        """Run ``work`` as the part's operation ``op``; its result (``done``), or its error
+        (``fail``, else a store error or a bug), comes back as an event."""
+        part = self._parts[job]
+
+        async def run() -> None:
+            try:
+                result = await work
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                event = fail(exc)
+                if event is None and isinstance(exc, StoreError):
+                    event = ev.OpFailed(job, op, True, str(exc))
+                elif event is None:
+                    log.exception("job %s: operation %d failed", job, op, extra=about(job))
+                    event = ev.OpFailed(job, op, False, repr(exc))
+                self.post(event)
+            else:
+                self.post(done(result))
+            finally:
+                part.ops.pop(op, None)
+
+        assert self._tasks is not None
+        part.ops[op] = self._tasks.create_task(run(), name=f"{job}-op{op}")
+
+    # rendezvous
+
+    def _join(self, i: do.Join) -> None:
+        part = self._parts[i.job]
+        port = i.master_port or free_port(self._effectors.address)
+
+        def fail(exc: Exception) -> ev.Event | None:
+            kind = {RendezvousClosedError: ev.JoinFailure.CLOSED, RendezvousGone: ev.JoinFailure.GONE,
+                    RendezvousTimeoutError: ev.JoinFailure.TIMEOUT}.get(type(exc))
+            return ev.JoinFailed(i.job, i.op, kind, str(exc)) if kind else None
+        self._op(i.job, i.op, part.rdzv.next_rendezvous(i.nproc, port),
+                 lambda info: ev.RoundJoined(i.job, i.op, info), fail)
+
+    def _watch(self, i: do.Watch) -> None:
+        part = self._parts[i.job]
+        watching = part.rdzv.watch(i.round, waiting=i.waiting)
+        self._op(i.job, i.op, watching, lambda event: ev.RoundChanged(i.job, i.op, event))
+
+    def _request_round(self, i: do.RequestRound) -> None:
+        part = self._parts[i.job]
+        self._op(i.job, i.op, part.rdzv.request_next_round(i.round, i.reason, i.lost),
+                 lambda result: ev.RoundRequested(i.job, i.op, result))
+
+    def _step_aside(self, i: do.StepAside) -> None:
+        self._quiet(i.job, self._parts[i.job].rdzv.step_aside())
+
+    def _arrive(self, i: do.ArriveAtBarrier) -> None:
+        rdzv = self._parts[i.job].rdzv
+
+        async def barrier() -> tuple[int, int]:
+            await rdzv.exit_barrier_arrive(i.info)
+            await rdzv.exit_barrier_wait(i.info, i.timeout, lambda done, total: self.post(
+                ev.BarrierProgress(i.job, i.op, done, total)))
+            return await rdzv.exit_barrier_progress(i.info)
+        self._op(i.job, i.op, barrier(), lambda counts: ev.BarrierDone(i.job, i.op, *counts))
+
+    def _leave(self, i: do.Leave) -> None:
+        rdzv = self._parts[i.job].rdzv
+
+        async def leave() -> None:
+            try:
+                async with asyncio.timeout(_LEAVE_TIMEOUT):
+                    await rdzv.leave(i.reason)
+            except TimeoutError:
+                raise StoreError("no answer") from None
+        self._op(i.job, i.op, leave(), lambda _: ev.Left(i.job, i.op))
+
+    def _probe(self, i: do.Probe) -> None:
+        probe = self._effectors.probe.unreachable(list(i.nodes), i.timeout)
+        self._op(i.job, i.op, probe, lambda lost: ev.PeersProbed(i.job, i.op, tuple(lost)))
+
+    def _cancel(self, i: do.Cancel) -> None:
+        part = self._parts.get(i.job)
+        task = part.ops.pop(i.op, None) if part is not None else self._node_ops.pop(i.op, None)
+        if task is not None:
+            task.cancel()
+
+    # workers
+
+    def _start_workers(self, i: do.StartWorkers) -> None:
+        part = self._parts[i.job]
+        if i.pool:
+            assert part.workers is not None
+            part.workers.log_dir = part.attempt_dir(i.round)
+        else:
+            part.new_workers(i.group, i.round, lambda g: self.post(ev.WorkersChanged(i.job, g)))
+        assert part.workers is not None
+        self._quiet(i.job, part.workers.start())
+
+    def _new_pool(self, i: do.NewPool) -> None:
+        self._parts[i.job].new_workers(i.group, 0, lambda g: self.post(ev.WorkersChanged(i.job, g)))
+
+    def _warm(self, i: do.WarmWorkers) -> None:
+        part = self._parts[i.job]
+        assert part.workers is not None
+        part.workers.log_dir = part.attempt_dir(i.round)
+        self._quiet(i.job, part.workers.warm(list(i.slots)))
+
+    def _place(self, i: do.PlaceWorkers) -> None:
+        part = self._parts[i.job]
+        assert part.workers is not None and part.link is not None
+        part.workers.place(i.group, part.attempt_dir(i.group.round))
+        for slot, env in i.envs.items():
+            part.link.place(slot, i.group.round, dict(env))
+
+    def _notify(self, i: do.Notify) -> None:
+        link = self._parts[i.job].link
+        assert link is not None
+        if i.abort:
+            link.abort(i.round)
+        if i.added is not None:
+            link.announce(i.round, i.added)
+
+    def _forget(self, i: do.ForgetSlots) -> None:
+        link = self._parts[i.job].link
+        assert link is not None
+        for slot in i.slots:
+            link.forget(slot)
+
+    def _stop_workers(self, i: do.StopWorkers) -> None:
+        workers = self._parts[i.job].workers
+
+        async def stop() -> None:
+            if workers is not None:
+                await workers.stop()
+        self._op(i.job, i.op, stop(), lambda _: ev.WorkersStopped(i.job, i.op))
+
+    def _quiet(self, job: str, work: Awaitable[Any]) -> None:
+        """A part's effect whose only news is a failure (as a store error or a bug)."""
+        part = self._parts[job]
+
+        async def run() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except StoreError as exc:
+                self.post(ev.OpFailed(job, None, True, str(exc)))
+            except Exception as exc:
+                log.exception("job %s: an effect failed", job, extra=about(job))
+                self.post(ev.OpFailed(job, None, False, repr(exc)))
+        assert self._tasks is not None
+        task = self._tasks.create_task(run())
+        key = -id(task)
+        part.ops[key] = task
+        task.add_done_callback(lambda _: part.ops.pop(key, None))
+
+    # records
+
+    def _publish(self, i: do.Publish) -> None:
+        part = self._parts.get(i.job)
+        usage = part.usage() if part is not None else None
+        own = i.part if usage is None else type(i.part)(**{**i.part.__dict__, "usage": usage})
+        record = self._registry.set_part(i.job, own, own=True)
+        if record is not None:  # as recorded: with why this node holds the job, if it does
+            self._publisher.publish(i.job, record.parts.get(own.node, own))
+
+    def _finish_job(self, i: do.Finish) -> None:
+        async def finish() -> Outcome:
+            final = await self._finish(i.job, i.outcome, i.board)
+            for waiter in self._finishes.pop(i.job, []):
+                if not waiter.done():
+                    waiter.set_result(final)
+            return final
+
+        def fail(exc: Exception) -> ev.Event | None:
+            for waiter in self._finishes.pop(i.job, []):
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            return None
+        if i.op > 0:  # a part's own (the node's are numbered below zero)
+            self._op(i.job, i.op, finish(), lambda final: ev.Finished(i.job, i.op, final), fail)
+            return
+        self._node_op(i.op, finish(), lambda final: ev.Finished(i.job, i.op, final),
+                      lambda exc: fail(exc) or ev.OpFailed(i.job, i.op, isinstance(exc, StoreError), str(exc)))
+
+    def _node_op(self, op: int, work: Awaitable[Any], done: Callable[[Any], ev.Event],
+                 fail: Callable[[Exception], ev.Event]) -> None:
+        async def run() -> None:
+            try:
+                self.post(done(await work))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, StoreError):
+                    log.exception("operation %d of the node failed", op)
+                self.post(fail(exc))
+            finally:
+                self._node_ops.pop(op, None)
+        assert self._tasks is not None
+        self._node_ops[op] = self._tasks.create_task(run())
+
+    async def _finish(self, job_id: str, outcome: Outcome, board: bool = True) -> Outcome:
+        """Make ``outcome`` the job's outcome unless another was first; close its rendezvous
+        (``board`` False: in this node's record only)."""
+        record = self._registry.get(job_id)
+        if record.outcome is not None:
+            return record.outcome
+        if not board:
+            self._registry.set_outcome(job_id, outcome)
+            return outcome
+        final = await self._board.publish_outcome(job_id, outcome)
+        if final is outcome:  # this node's outcome won: its spec record says so too
+            await self._board.publish_ended(record.spec, record.seq, final)
+        self._registry.set_outcome(job_id, final)
+        await self._effectors.rendezvous(record.spec).set_closed()
+        return final
+
+    def _hold_job(self, i: do.HoldJob) -> None:
+        self._registry.hold(i.job, i.why)
+
+    # life cycle, time, words
+
+    def _start_part(self, i: do.StartPart) -> None:
+        def asked(ready: Any) -> None:
+            self.post(ev.WorkerAsked(i.job, ready.slot, ready.after, ready.why, ready.error))
+        try:
+            part = self._effectors.part(i.spec, i.nproc, i.started, asked,
+                                        lambda lost: self.post(ev.NodesLost(lost)))
+        except Exception as exc:
+            log.exception("job %s: cannot start its agent on %s", i.job, self.core.settings.node,
+                          extra=about(i.job))
+            self._failed_start.add(i.job)
+            self.post(ev.PartStartFailed(i.job, str(exc)))
+            return
+        assert self._tasks is not None
+        self._parts[i.job] = part
+        self._settled[i.job] = asyncio.Event()
+        part.keeper = self._tasks.create_task(part.rdzv.keep(), name=f"keeper-{i.job}")
+        if part.link is not None:
+            self._quiet(i.job, part.link.open())
+
+    def _close_part(self, i: do.ClosePart) -> None:
+        part = self._parts[i.job]
+
+        async def close() -> None:
+            try:
+                await part.close()
+            finally:
+                del self._parts[i.job]
+                self._settled.pop(i.job, asyncio.Event()).set()
+                self.post(ev.PartClosed(i.job))
+        assert self._tasks is not None
+        self._tasks.create_task(close(), name=f"close-{i.job}")
+
+    def _set_timer(self, i: do.SetTimer) -> None:
+        delay = max(0.0, i.at - self._clock())
+        loop = asyncio.get_running_loop()
+        if i.job is None:
+            key = (i.name, i.key)
+            if key in self._node_timers:
+                self._node_timers[key].cancel()
+            self._node_timers[key] = loop.call_later(delay, self.post, ev.NodeTimerFired(i.name, i.key))
+            return
+        part = self._parts[i.job]
+        part.timers[i.name] = loop.call_later(delay, self.post, ev.TimerFired(i.job, i.name))
+
+    def _clear_timer(self, i: do.ClearTimer) -> None:
+        if i.job is None:
+            timer = self._node_timers.pop((i.name, i.key), None)
+        else:
+            part = self._parts.get(i.job)
+            timer = part.timers.pop(i.name, None) if part is not None else None
+        if timer is not None:
+            timer.cancel()
+
+    def _count(self, i: do.Count) -> None:
+        metrics = self._metrics
+        if i.what == "round_joined":
+            metrics.round_joined(i.label, i.value)
+        elif i.what == "worker_exited":
+            metrics.worker_exited(int(i.value))
+        elif i.what == "restarted":
+            metrics.restarted()
+        elif i.what == "barrier_waited":
+            metrics.barrier_waited(i.value)
+        elif i.what == "blacklisted":
+            metrics.blacklisted(bool(i.value))
+
+    def _say(self, i: do.Say) -> None:
+        said.log(_LEVELS[i.level], i.message, *i.args, extra=about(i.job) if i.job else None)
+
+    # -- for the control socket and the node's record ---------------------------------------------
+
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        """Publish a new job.  It is in this node's history first: a job that could not be
+        recorded (a full disk) is refused before any node could take it."""
+        seq = await self._board.next_seq()
+        self._registry.reserve(spec, seq)
+        try:
+            await self._board.publish_spec(spec, seq)
+        except BaseException:
+            self._registry.unreserve(spec.id)
+            raise
+        return self._registry.add(spec, seq)
+
+    async def cancel(self, job_id: str, by: str) -> JobRecord:
+        record = self._registry.get(job_id)
+        if record.outcome is not None:
+            raise Conflict(f"job {job_id} already ended ({record.state.value})")
+        ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._finishes.setdefault(job_id, []).append(ended)
+        self.post(ev.CancelAsked(job_id, by, record.spec))
+        await ended
+        await self.settled(job_id)
+        return self._registry.get(job_id)
+
+    async def fetch(self, job_id: str) -> JobRecord | None:
+        """One job read from the board now (ahead of the change log); None if it has none
+        (or ``job_id`` is no job id: a prefix typed by a user is looked up locally only)."""
+        if not _JOB_ID.match(job_id):
+            return None
+        await self._follower.fetch(job_id)
+        return self._registry.find(job_id)
+
+    async def settled(self, job_id: str) -> None:
+        """Return once this node runs nothing of the job (its workers stopped, logs drained)."""
+        settled = self._settled.get(job_id)
+        if settled is not None:
+            await settled.wait()
+
+    def usage(self) -> dict[str, dict]:
+        """The live usage of every job running here, by job id (jobs without a cgroup left out)."""
+        return {job_id: usage for job_id in self._parts if (usage := self.usage_of(job_id)) is not None}
+
+    def usage_of(self, job_id: str) -> dict | None:
+        part = self._parts.get(job_id)
+        return part.usage() if part is not None else None
+
+    def story(self, job_id: str) -> list[str]:
+        return self.core.story(job_id)
+
+    @property
+    def resources(self) -> Resources:
+        assert self.core.resources is not None
+        return self.core.resources
+
+    @property
+    def draining(self) -> bool:
+        return self.core.draining
+
+    @property
+    def listed(self) -> bool:
+        return self.core.listed
+
+    @property
+    def blacklisted_until(self) -> float:
+        return self.core.blacklisted_until
+
+    def used(self) -> Resources:
+        return self.core.used()
+
+    def local_jobs(self) -> list[str]:
+        return self.core.local_jobs()
+
+    def set_draining(self, draining: bool) -> None:
+        self.post(ev.HoldChanged(Hold.DRAINED.value, draining))
+
+    def set_listed(self, listing: Listing) -> None:
+        self.post(ev.Listed(listing.listed, listing.slots or 0))
+
+    def _republish_parts(self) -> None:
+        """At start: this node's part of every job that has not ended, as this node knows it
+        last (a part its restart ended is LEFT now), so that no node goes on showing a part
+        of this one that no agent runs any more."""
+        for record in self._registry.jobs():
+            part = record.parts.get(self.core.settings.node)
+            if record.outcome is None and part is not None:
+                self._publisher.publish(record.id, part)
+
+    async def store_reset(self) -> None:
+        """The store lost its data (its host restarted): publish again what this node knows
+        (open jobs, and this node's parts), then read the board afresh."""
+        self._board.forget_index()
+        for record in self._registry.jobs():
+            if record.outcome is not None:
+                continue
+            await self._board.publish_spec(record.spec, record.seq)
+            part = record.parts.get(self.core.settings.node)
+            if part is not None:
+                await self._board.publish_part(record.id, part)
+        await self._follower.resync()
+
+
+_EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
+    do.Join: NodeShell._join, do.Watch: NodeShell._watch, do.RequestRound: NodeShell._request_round,
+    do.StepAside: NodeShell._step_aside, do.ArriveAtBarrier: NodeShell._arrive,
+    do.Leave: NodeShell._leave, do.Probe: NodeShell._probe, do.Cancel: NodeShell._cancel,
+    do.StartWorkers: NodeShell._start_workers, do.NewPool: NodeShell._new_pool,
+    do.WarmWorkers: NodeShell._warm, do.PlaceWorkers: NodeShell._place, do.Notify: NodeShell._notify,
+    do.ForgetSlots: NodeShell._forget, do.StopWorkers: NodeShell._stop_workers,
+    do.Publish: NodeShell._publish, do.Finish: NodeShell._finish_job, do.HoldJob: NodeShell._hold_job,
+    do.StartPart: NodeShell._start_part, do.ClosePart: NodeShell._close_part,
+    do.SetTimer: NodeShell._set_timer, do.ClearTimer: NodeShell._clear_timer,
+    do.Count: NodeShell._count, do.Say: NodeShell._say,
+}

@@ -1,0 +1,60 @@
+"""This node's parts onto the board: the newest of each job only, in order, again after the
+store was away."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..board import JobBoard
+from ..errors import StoreError
+from ..faults import Faults
+from ..journal import about
+from ..records import Part
+
+log = logging.getLogger(__name__)
+
+_PUBLISH_TIMEOUT = 5.0  # seconds one part gets to reach the board (the last ones, at shutdown)
+_REPUBLISH_PAUSE = 2.0  # seconds between tries while the store is away
+
+
+class PartPublisher:
+    def __init__(self, board: JobBoard, faults: Faults) -> None:
+        self._board = board
+        self._faults = faults
+        self._unpublished: dict[str, Part] = {}  # job id -> this node's newest part
+        self._wanted = asyncio.Event()
+
+    def publish(self, job_id: str, part: Part) -> None:
+        """Queue ``part`` (it replaces one of the same job not published yet)."""
+        self._unpublished[job_id] = part
+        self._wanted.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            if not await self.flush():  # the store is away: try again after a pause
+                await asyncio.sleep(_REPUBLISH_PAUSE)
+                self._wanted.set()
+
+    async def flush(self) -> bool:
+        """Publish every pending part once; False if some failed (they stay pending, unless
+        a newer part of the same job came meanwhile): a store that was away and came back
+        with its data (etcd, or a TCPStore whose host did not restart) must still learn them."""
+        failed: dict[str, Part] = {}
+        while self._unpublished:
+            job_id = next(iter(self._unpublished))
+            part = self._unpublished.pop(job_id)
+            try:
+                async with asyncio.timeout(_PUBLISH_TIMEOUT):
+                    await self._board.publish_part(job_id, part)
+            except (StoreError, TimeoutError) as exc:
+                log.warning("could not publish %s's part of %s: %s", part.node, job_id, exc or "timed out",
+                            extra=about(job_id))
+                failed[job_id] = part
+            except Exception:  # this part is lost, the others and the loop go on
+                self._faults.report("parts", f"job {job_id}")
+        for job_id, part in failed.items():
+            self._unpublished.setdefault(job_id, part)
+        return not failed
