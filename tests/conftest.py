@@ -51,3 +51,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed and base is not None:
         for log in sorted(Path(base).glob("*.log")):
             report.sections.append((f"daemon log {log.name}", log.read_text(errors="replace")[-5000:]))
+    if report.failed and call.when == "call":
+        for daemon in list(Daemon.running):
+            if daemon.proc is not None and daemon.proc.poll() is None:
+                report.sections.append((f"stories on {daemon.name}", daemon.stories()))

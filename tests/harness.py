@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from elasticd import protocol
 
@@ -48,6 +49,8 @@ def free_port() -> int:
 
 class Daemon:
     """One elasticd process (standalone unless told otherwise) and ways to talk to it."""
+
+    running: ClassVar[weakref.WeakSet[Daemon]] = weakref.WeakSet()  # for a failing test's stories
 
     def __init__(self, base: Path, name: str = "n1", args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, standalone: bool = True,
@@ -81,9 +84,26 @@ class Daemon:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
                                          env=env, cwd=str(self.base))
+        Daemon.running.add(self)
         if wait:
             self.wait_notify("READY=1", timeout)
         return self
+
+    def stories(self, timeout: float = 5.0) -> str:
+        """Every job's story on this daemon (its node core's stimuli and instructions), as
+        ``elasticctl status --debug`` shows it; "" when it does not answer."""
+        try:
+            with Control(self.socket) as control:
+                jobs = [row["id"] for batch in control.stream("list", {"all": True}, timeout)
+                        for row in batch.get("jobs", [])]
+                told = []
+                for job in jobs:
+                    doc = control.call("status", {"job": job, "debug": True}, timeout).result or {}
+                    for node, lines in (doc.get("story") or {}).items():
+                        told.append(f"job {job} on {node}:\n" + "\n".join(lines[-60:]))
+                return "\n\n".join(told)
+        except Exception as exc:  # a daemon that died, or hangs: the test's own failure says more
+            return f"(no stories: {exc!r})"
 
     def argv(self) -> list[str]:
         """The daemon's command line (``program`` runs ``python -m elasticd`` unless changed)."""

@@ -89,7 +89,11 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
                        environ, torchrun_rule, following=True)
     listing = command("list", cmd_list, "list jobs", aliases=["ps"])
     listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
-    command("status", cmd_status, "show one job in detail").add_argument("job", metavar="JOB")
+    status = command("status", cmd_status, "show one job in detail")
+    status.add_argument("job", metavar="JOB")
+    status.add_argument("--debug", action="store_true",
+                        help="also the job's story on this node: the last events its part heard "
+                             "and what it did about each (owner and admins only)")
     add_logs_options(command("logs", cmd_logs, "show a job's worker output", epilog=LOGS_FORMAT))
     command("cancel", cmd_cancel, "cancel a job").add_argument("job", metavar="JOB")
     command("nodes", cmd_nodes, "list the cluster's nodes").add_argument(
@@ -625,8 +629,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    request = {"job": args.job, **({"debug": True} if args.debug else {})}
     with connect(args) as daemon:
-        job = daemon.call("status", {"job": args.job})
+        job = daemon.call("status", request)
     emit(args, job, lambda: render.status_block(job, time.time()))
     return 0
 

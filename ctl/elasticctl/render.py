@@ -264,6 +264,9 @@ def status_block(job: Doc, now: float) -> str:
         lines += ["", nodes_of_job_table(job["nodes"])]
     if job.get("workers"):
         lines += ["", workers_table(job["workers"])]
+    for node, story in sorted((job.get("story") or {}).items()):
+        lines += ["", f"story on {text(node)} (seconds since its first entry):"]
+        lines += [f"  {text(line)}" for line in story] or ["  (nothing: this node never took part)"]
     return "\n".join(lines)
 
 

@@ -56,7 +56,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "wait": (bool,),
     },
     "list": {"all": (bool,)},
-    "status": {"job": (str,)},
+    "status": {"job": (str,), "debug": (bool,)},
     "logs": {"job": (str,), "rank": (int,), "follow": (bool,), "attempt": (int,)},
     "cancel": {"job": (str,)},
     "wait": {"job": (str,)},
