@@ -17,8 +17,9 @@ import threading
 import time
 from typing import Any, Awaitable
 
-from elasticd.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousSettings, RoundEvent
-from elasticd.rendezvous.handler import Keys
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous import RendezvousInfo, RendezvousSettings, RoundEvent
+from elasticd.rendezvous.keys import Keys
 from elasticd.rendezvous.ops import num_waiting
 from elasticd.rendezvous.state import RendezvousState, decode
 from elasticd.store.base import Store, StoreBackend

@@ -20,7 +20,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
-from elasticd import protocol
+from elasticd.wire import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from elasticd import __version__
-from elasticd import paths, protocol
+from elasticd.wire import paths, protocol
 from elasticctl import follow, render, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from elasticd import protocol
+from elasticd.wire import protocol
 
 DEFAULT_TIMEOUT = 15.0
 CONNECT_TIMEOUT = 1.0

@@ -31,49 +31,51 @@ import sdnotify
 import zmq
 import zmq.asyncio
 
-from . import __version__, config as config_mod
-from . import worker_library
-from .aio import race
-from .board import BoardFollower, JobBoard
-from .core import events
-from .core.node import NodeCore, NodeSettings
-from .blacklist import Blacklist
-from .cgroups import JobCgroups, instance_name
-from .cluster import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
-                      NodeService, UntrustedScript, cpu_count, discover_gpus, slot_count)
-from .config import DaemonConfig
-from .containment import MIN_MEMORY, Containment, decide, parse_memory, summary
-from .control.commands import Commands, PeerCommands
-from .discovery import EVERYONE, Listing
-from .paths import is_own_dir
-from .control.server import ControlServer, Limits, RouterServer, Zap
-from .endpoint import join_endpoint, split_endpoint
-from .errors import ConfigError, ElasticdError
-from .faults import Faults, Throttle, held_back
-from .fileaccess import FileAccess, restrict_earlier
-from .firewall import StoreFirewall
-from .history import History
-from .keyspace import Keyspace
-from .jobs import JobRegistry
-from .journal import log_handler
-from .records import JobRecord, Outcome, worker_groups
-from .retention import Pruner
-from .logs import LogBus
-from .workers import reap_leftovers
-from .metrics import InstrumentedStore, Metrics
-from .model import JobState, NodeInfo, PartState
-from .peers import PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy, load_or_create_keys
-from .placement import Resources
-from .shell.effectors import Effectors
-from .shell.node import NodeShell
-from .store.base import Store
-from .store.c10d import C10dServer
-from .store.memory import AsyncMemoryStore, MemoryStore
-from .store.tcpstore import TCPStoreClient
-from .store.signing import Signer, create_key, load_key, load_or_create_key
+from elasticd import __version__, config as config_mod
+from elasticd.shell import worker_library
+from elasticd.aio import race
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.core import events
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.core.blacklist import Blacklist
+from elasticd.shell.cgroup_placement import instance_name
+from elasticd.shell.cgroups import JobCgroups
+from elasticd.cluster.registry import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
+                                       NodeService, UntrustedScript, cpu_count, discover_gpus, slot_count)
+from elasticd.config import DaemonConfig
+from elasticd.core.containment import MIN_MEMORY, Containment, decide, parse_memory, summary
+from elasticd.control.commands import Commands, PeerCommands
+from elasticd.core.discovery import EVERYONE, Listing
+from elasticd.wire.paths import is_own_dir
+from elasticd.control.server import ControlServer, Limits, RouterServer, Zap
+from elasticd.endpoint import join_endpoint, split_endpoint
+from elasticd.errors import ConfigError, ElasticdError
+from elasticd.faults import Faults, Throttle, held_back
+from elasticd.shell.fileaccess import FileAccess, restrict_earlier
+from elasticd.store.firewall import StoreFirewall
+from elasticd.jobs.history import History
+from elasticd.store.keyspace import Keyspace
+from elasticd.jobs.registry import JobRegistry
+from elasticd.journal import log_handler
+from elasticd.core.records import JobRecord, Outcome, worker_groups
+from elasticd.jobs.retention import Pruner
+from elasticd.shell.logs import LogBus
+from elasticd.shell.workers import reap_leftovers
+from elasticd.metrics import InstrumentedStore, Metrics
+from elasticd.core.model import JobState, NodeInfo, PartState
+from elasticd.cluster.peers import (PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy,
+                                    load_or_create_keys)
+from elasticd.core.placement import Resources
+from elasticd.shell.effectors import Effectors
+from elasticd.shell.node import NodeShell
+from elasticd.store.base import Store
+from elasticd.store.c10d import C10dServer
+from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+from elasticd.store.tcpstore import TCPStoreClient
+from elasticd.store.signing import Signer, create_key, load_key, load_or_create_key
 
 if TYPE_CHECKING:
-    from .store.etcd import EtcdStore
+    from elasticd.store.etcd import EtcdStore
 
 log = logging.getLogger("elasticd")
 
@@ -381,7 +383,7 @@ class Daemon:
 
     def _etcd_client(self) -> EtcdStore:
         """An etcd cluster's client: no store host, no firewall (etcd's TLS and users guard it)."""
-        from .store.etcd import EtcdStore  # grpc is loaded by the daemons of an etcd cluster only
+        from elasticd.store.etcd import EtcdStore  # grpc is loaded by the daemons of an etcd cluster only
 
         settings = self.config.store
         self._endpoint = ",".join(settings.endpoints)

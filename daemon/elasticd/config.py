@@ -16,15 +16,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import paths
-from .blacklist import BlacklistPolicy
-from .containment import MIN_MEMORY, MIN_PIDS, parse_memory
-from .endpoint import split_endpoint
-from .errors import ConfigError
-from .liveness import KeepAlive
-from .logs import MAX_BACKUPS, MIN_MAX_BYTES, OutputLimit
-from .model import JobSpec
-from .quotas import SubmitLimits
+from elasticd.wire import paths
+from elasticd.core.blacklist import BlacklistPolicy
+from elasticd.core.containment import MIN_MEMORY, MIN_PIDS, parse_memory
+from elasticd.endpoint import split_endpoint
+from elasticd.errors import ConfigError
+from elasticd.core.liveness import KeepAlive
+from elasticd.shell.logs import MAX_BACKUPS, MIN_MAX_BYTES, OutputLimit
+from elasticd.core.model import JobSpec
+from elasticd.core.quotas import SubmitLimits
 
 AUTO = "auto"
 ETCD = "etcd"

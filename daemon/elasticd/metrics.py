@@ -18,9 +18,9 @@ from prometheus_client import ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from . import __version__
-from .records import JobRecord, hold_reason
-from .model import JobState, NodeState, WorkerState
+from elasticd import __version__
+from elasticd.core.records import JobRecord, hold_reason
+from elasticd.core.model import JobState, NodeState, WorkerState
 
 _ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)

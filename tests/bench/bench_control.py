@@ -26,7 +26,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import PY, WORKER, Control, Daemon  # noqa: E402
-from elasticd import protocol  # noqa: E402
+from elasticd.wire import protocol  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -68,7 +68,7 @@ logging.getLogger("elasticd").setLevel(logging.ERROR)  # the dead-member run log
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from blocking_rendezvous import BlockingRendezvous  # noqa: E402
 from elasticd.rendezvous import RendezvousSettings  # noqa: E402
-from elasticd.rendezvous.handler import Keys  # noqa: E402
+from elasticd.rendezvous.keys import Keys  # noqa: E402
 from elasticd.store.c10d import C10dServer, connect  # noqa: E402
 from elasticd.store.signing import Signer  # noqa: E402
 
@@ -181,7 +181,8 @@ def dead_member_detection(harness: Harness, n: int) -> float:
 
 PARTICIPANT = r"""
 import asyncio, faulthandler, json, os, signal, sys, threading, time
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous import RendezvousSettings
 from elasticd.store.signing import Signer
 from elasticd.store.tcpstore import TCPStoreClient
 

@@ -84,11 +84,12 @@ sys.path.insert(0, HERE)
 
 import psutil  # noqa: E402
 
-from elasticd.keyspace import Keyspace  # noqa: E402
-from elasticd.liveness import KeepAlive  # noqa: E402
-from elasticd.model import NodeState  # noqa: E402
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings  # noqa: E402
-from elasticd.rendezvous.handler import Keys  # noqa: E402
+from elasticd.store.keyspace import Keyspace  # noqa: E402
+from elasticd.core.liveness import KeepAlive  # noqa: E402
+from elasticd.core.model import NodeState  # noqa: E402
+from elasticd.rendezvous.handler import RendezvousHandler  # noqa: E402
+from elasticd.rendezvous import RendezvousSettings  # noqa: E402
+from elasticd.rendezvous.keys import Keys  # noqa: E402
 from elasticd.store.signing import Signer  # noqa: E402
 from scale_crowd import (SIGNER_KEY, Counts, CountingStore, SimNode, Ticks, die_with_parent,  # noqa: E402
                          node_name, node_record, open_store, percentile, raise_nofile)

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elasticd import __version__
-from elasticd.cluster import NodeDuties, NodeRecord, NodeRegistry, NodeService
+from elasticd.cluster.registry import NodeDuties, NodeRecord, NodeRegistry, NodeService
 from elasticd.errors import ElasticdError
-from elasticd.keyspace import Keyspace
-from elasticd.liveness import KeepAlive
-from elasticd.model import NodeInfo
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
-from elasticd.rendezvous.handler import Keys
+from elasticd.store.keyspace import Keyspace
+from elasticd.core.liveness import KeepAlive
+from elasticd.core.model import NodeInfo
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous import RendezvousSettings
+from elasticd.rendezvous.keys import Keys
 from elasticd.store.signing import Signer
 
 SIGNER_KEY = b"bench-scale-0123456789abcdef0123"  # 32 bytes, fixed: every process signs alike

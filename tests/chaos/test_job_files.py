@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from elasticd.errorfile import MAX_BYTES, MAX_MESSAGE
-from elasticd.fileaccess import XATTR, Readers, acl_value
+from elasticd.shell.errorfile import MAX_BYTES, MAX_MESSAGE
+from elasticd.shell.fileaccess import XATTR, Readers, acl_value
 from harness import Daemon, needs_root
 
 pytestmark = needs_root

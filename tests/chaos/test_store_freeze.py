@@ -45,7 +45,7 @@ import pytest
 
 from harness import PY, Daemon, free_port, needs_root, python_for_everyone, worker_args
 from store_attack import REFUSED, Attacker, Cluster, metric, wait_for
-from elasticd.firewall import table_name
+from elasticd.store.firewall import table_name
 
 NFT = shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
 needs_nft = pytest.mark.skipif(NFT is None, reason="needs nft (nftables)")

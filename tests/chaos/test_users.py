@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from elasticd import protocol
+from elasticd.wire import protocol
 from harness import CLIENT_ENV, FIXTURES, Control, needs_root, python_for_everyone
 from local_users import local_users
 

@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 
 from harness import WORKER
-from elasticd.board import BoardFollower, JobBoard
+from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.errors import StoreConnectionError
-from elasticd.history import History
-from elasticd.jobs import JobRegistry
-from elasticd.keyspace import Keyspace
-from elasticd.liveness import KeepAlive
-from elasticd.logs import LogBus
+from elasticd.jobs.history import History
+from elasticd.jobs.registry import JobRegistry
+from elasticd.store.keyspace import Keyspace
+from elasticd.core.liveness import KeepAlive
+from elasticd.shell.logs import LogBus
 from elasticd.metrics import Metrics
-from elasticd.model import JobSpec, PartState
-from elasticd.placement import Resources
+from elasticd.core.model import JobSpec, PartState
+from elasticd.core.placement import Resources
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.shell.effectors import Effectors
 from elasticd.shell.node import NodeShell

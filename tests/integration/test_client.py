@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 
 from elasticd import __version__
-from elasticd import protocol
+from elasticd.wire import protocol
 from elasticctl import cli
 
 Answer = Callable[[protocol.Request], list[bytes]]

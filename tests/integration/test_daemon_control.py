@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from harness import PY, WORKER, Control, fake_nvidia_smi, free_port, worker_args
-from elasticd import protocol
+from elasticd.wire import protocol
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
 

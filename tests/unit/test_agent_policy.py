@@ -4,8 +4,8 @@ import pytest
 
 from elasticd.core.policy import (Decision as Action, JobEnded, Leaving, RejoinStalled, WorkersExited,
                                   WorkersReady, decide)
-from elasticd.records import Outcome
-from elasticd.model import Failure, JobSpec, JobState, RunResult, WorkerState
+from elasticd.core.records import Outcome
+from elasticd.core.model import Failure, JobSpec, JobState, RunResult, WorkerState
 from elasticd.rendezvous import EventKind as K, Reason as R, RendezvousInfo, RoundEvent
 
 SPEC = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.blacklist import Blacklist, BlacklistPolicy, Verdict, several_users, worker_failures
-from elasticd.model import PartState
-from elasticd.records import Part
+from elasticd.core.blacklist import Blacklist, BlacklistPolicy, Verdict, several_users, worker_failures
+from elasticd.core.model import PartState
+from elasticd.core.records import Part
 
 POLICY = BlacklistPolicy(failures=2, window=10.0, cooldown_min=2.0, cooldown_max=20.0)
 

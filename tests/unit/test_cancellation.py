@@ -19,8 +19,9 @@ import pytest
 
 from elasticd import aio
 from elasticd.errors import StoreConnectionError
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
-from elasticd.rendezvous.handler import Keys
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous import RendezvousSettings
+from elasticd.rendezvous.keys import Keys
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 

@@ -18,10 +18,10 @@ from uuid import uuid4
 import psutil
 import pytest
 
-from elasticd import cgroups as cgroups_mod
-from elasticd.cgroups import (Hierarchy, JobCgroup, JobCgroups, Usage, choose_placement,
-                              find_hierarchy, home_cgroup, limit_writes)
-from elasticd.containment import V1, V2, Limits
+from elasticd.shell import cgroups as cgroups_mod
+from elasticd.shell.cgroup_placement import Hierarchy, choose_placement, find_hierarchy, home_cgroup
+from elasticd.shell.cgroups import JobCgroup, JobCgroups, Usage, limit_writes
+from elasticd.core.containment import V1, V2, Limits
 
 HYBRID_MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -592,7 +592,7 @@ def test_a_delegated_systemd_unit(box):
     os.mkdir(unit)
     try:
         os.setxattr(unit, "trusted.delegate", b"1")
-        code = ("import json, os\nfrom elasticd.cgroups import JobCgroups\n"
+        code = ("import json, os\nfrom elasticd.shell.cgroups import JobCgroups\n"
                 "cgroups = JobCgroups.setup('n1', environ={'INVOCATION_ID': 'x'})\n"
                 "job = cgroups.create('j-1')\n"
                 "print(json.dumps([cgroups.base, cgroups.reason, job.path, open('/proc/self/cgroup').read()]))\n"

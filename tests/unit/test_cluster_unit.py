@@ -3,11 +3,11 @@ parsing (pure).  Liveness itself: test_liveness.py and test_membership.py."""
 
 import pytest
 
-from elasticd.cluster import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi
-from elasticd.containment import Containment
-from elasticd.liveness import KeepAlive
-from elasticd.membership import Member
-from elasticd.model import NodeInfo, NodeState
+from elasticd.cluster.registry import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi
+from elasticd.core.containment import Containment
+from elasticd.core.liveness import KeepAlive
+from elasticd.core.membership import Member
+from elasticd.core.model import NodeInfo, NodeState
 
 INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0, cpus=16)
 KEEP_ALIVE = KeepAlive(1.0, 3)
@@ -48,7 +48,7 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     """The heartbeat loop survives a failed republish and tries again on its next duty."""
     import asyncio
 
-    from elasticd.cluster import NodeDuties, NodeRegistry, NodeService
+    from elasticd.cluster.registry import NodeDuties, NodeRegistry, NodeService
     from elasticd.errors import StoreConnectionError
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
@@ -115,7 +115,7 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
     between.  A request read again (same version) is not delivered again."""
     import asyncio
 
-    from elasticd.cluster import NodeDuties, NodeRegistry, NodeService
+    from elasticd.cluster.registry import NodeDuties, NodeRegistry, NodeService
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from hypothesis import given, strategies as st
 
-from elasticd.containment import RLIMIT, V1, V2, Containment, Limits, decide, parse_memory, summary
+from elasticd.core.containment import RLIMIT, V1, V2, Containment, Limits, decide, parse_memory, summary
 
 GiB = 1 << 30
 

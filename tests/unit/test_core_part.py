@@ -12,8 +12,9 @@ from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.inplace import Places
 from elasticd.core.part import Phase, PartCore, Settings
-from elasticd.model import IllegalTransition, JobSpec, JobState, PartState, Worker, WorkerGroup, WorkerState
-from elasticd.records import Outcome
+from elasticd.core.model import (IllegalTransition, JobSpec, JobState, PartState, Worker, WorkerGroup,
+                                 WorkerState)
+from elasticd.core.records import Outcome
 from elasticd.rendezvous import EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
 
 ME, OTHER = "n1", "n2"

@@ -21,8 +21,8 @@ from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.inplace import Places
 from elasticd.core.part import Phase, PartCore, Settings
-from elasticd.model import JobSpec, JobState, Worker, WorkerGroup, WorkerState
-from elasticd.records import Outcome
+from elasticd.core.model import JobSpec, JobState, Worker, WorkerGroup, WorkerState
+from elasticd.core.records import Outcome
 from elasticd.rendezvous import CHARGED, EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
 
 ME = "n1"

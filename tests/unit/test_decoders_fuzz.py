@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from elasticd import protocol, workerlink
-from elasticd.board import JobBoard
-from elasticd.cluster import NodeRecord
+from elasticd.wire import protocol
+from elasticd.shell import workerlink
+from elasticd.jobs.board import JobBoard
+from elasticd.cluster.registry import NodeRecord
 from elasticd.errors import RendezvousStateError, TamperedRecord
-from elasticd.records import Outcome, Part
+from elasticd.core.records import Outcome, Part
 from elasticd.rendezvous.state import (Announcement, Participant, RendezvousState, decode,
                                        decode_announcement, encode, encode_announcement)
 from elasticd.store.signing import MAX_RECORD, Signer, canonical_json, open_or_refuse

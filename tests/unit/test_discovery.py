@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from harness import wait_gone
-from elasticd.cluster import DiscoveryFailed, HostDiscovery, UntrustedScript, run_discovery_script
-from elasticd.discovery import EVERYONE, Listing, listing, parse_hosts
+from elasticd.cluster.registry import DiscoveryFailed, HostDiscovery, UntrustedScript, run_discovery_script
+from elasticd.core.discovery import EVERYONE, Listing, listing, parse_hosts
 
 
 @pytest.mark.parametrize("output, hosts", [

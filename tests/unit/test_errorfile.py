@@ -10,8 +10,8 @@ import stat
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from elasticd import errorfile
-from elasticd.errorfile import MAX_BYTES, MAX_MESSAGE, MAX_TRACEBACK, Recorded, keep, parse, read_capped
+from elasticd.shell import errorfile
+from elasticd.shell.errorfile import MAX_BYTES, MAX_MESSAGE, MAX_TRACEBACK, Recorded, keep, parse, read_capped
 
 
 def torch_doc(message: str, trace: str = "Traceback (most recent call last):\n...",

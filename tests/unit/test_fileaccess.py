@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.fileaccess import XATTR, FileAccess, Readers, acl_value, restrict_earlier
+from elasticd.shell.fileaccess import XATTR, FileAccess, Readers, acl_value, restrict_earlier
 
 U = 0xFFFFFFFF
 
@@ -75,7 +75,7 @@ def test_without_acls_files_stay_roots_and_directories_cannot_be_listed(no_acl_f
     access, readers = FileAccess(), Readers(65534, None)
     directory = no_acl_fs / "job"
     directory.mkdir(mode=0o700)
-    with caplog.at_level(logging.WARNING, logger="elasticd.fileaccess"):
+    with caplog.at_level(logging.WARNING, logger="elasticd.shell.fileaccess"):
         access.grant_dir(str(directory), readers)
         for name in ("a", "b"):
             fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -121,7 +121,7 @@ def test_files_an_earlier_version_left_to_the_jobs_group_become_the_owners_alone
 
 def test_another_refusal_is_said_once_for_its_own_reason(caplog):
     access = FileAccess()
-    with caplog.at_level(logging.WARNING, logger="elasticd.fileaccess"):
+    with caplog.at_level(logging.WARNING, logger="elasticd.shell.fileaccess"):
         for _ in range(2):
             access.grant_file(-1, Readers(65534, None))  # no such fd
     said = [r.getMessage() for r in caplog.records]

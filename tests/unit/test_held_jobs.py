@@ -10,13 +10,13 @@ import asyncio
 from dataclasses import replace
 
 from elasticctl import render
-from elasticd.board import BoardFollower, JobBoard
-from elasticd.history import History
-from elasticd.jobs import JobRegistry
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.jobs.history import History
+from elasticd.jobs.registry import JobRegistry
 from elasticd.metrics import Metrics
-from elasticd.model import JobSpec, JobState, PartState
-from elasticd.placement import Resources
-from elasticd.records import JobRecord, Outcome, Part, hold_reason, job_doc
+from elasticd.core.model import JobSpec, JobState, PartState
+from elasticd.core.placement import Resources
+from elasticd.core.records import JobRecord, Outcome, Part, hold_reason, job_doc
 from elasticd.core import instructions as do
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.shell.node import NodeShell

@@ -3,7 +3,7 @@
 import pytest
 
 from elasticd.core.inplace import Notice, aborts, keeps_workers, notice, place, standby
-from elasticd.model import JobSpec, worker_env
+from elasticd.core.model import JobSpec, worker_env
 from elasticd.rendezvous import Member, Reason as R, RendezvousInfo
 
 

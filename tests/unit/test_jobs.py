@@ -2,9 +2,9 @@
 
 import pytest
 
-from elasticd.records import JobRecord, Outcome, Part, current_parts, job_doc, job_state, \
-    record_from_history, history_row
-from elasticd.model import Failure, JobSpec, JobState, PartState as P
+from elasticd.core.records import (JobRecord, Outcome, Part, current_parts, job_doc, job_state,
+                                   record_from_history, history_row)
+from elasticd.core.model import Failure, JobSpec, JobState, PartState as P
 
 SPEC = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
                name="t", min_nodes=1, max_nodes=3, nproc_per_node=2, max_restarts=2, created=100.0)

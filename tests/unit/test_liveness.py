@@ -2,7 +2,7 @@
 
 import pytest
 
-from elasticd.liveness import Beat, KeepAlive, observe, silent
+from elasticd.core.liveness import Beat, KeepAlive, observe, silent
 
 KA = KeepAlive(interval=1.0, attempts=3)
 

@@ -1,6 +1,6 @@
 """Whole lines out of chunks from several sources; a reader that follows the files."""
 
-from elasticd.logs import MAX_PARTIAL, READ_CHUNK, LineSplitter, LogReader, log_files
+from elasticd.shell.logs import MAX_PARTIAL, READ_CHUNK, LineSplitter, LogReader, log_files
 
 A = (0, 0, "out")
 B = (0, 1, "err")
@@ -71,8 +71,8 @@ import os  # noqa: E402
 
 import pytest  # noqa: E402
 
-from elasticd.logs import OutputLimit, Rotations, move_stream, read_rotations, rotate  # noqa: E402
-from elasticd.workers import OutputFile  # noqa: E402
+from elasticd.shell.logs import OutputLimit, Rotations, move_stream, read_rotations, rotate  # noqa: E402
+from elasticd.shell.workers import OutputFile  # noqa: E402
 
 
 @pytest.mark.parametrize("size, data, want", [

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from elasticd.cluster import FEED_KEEP, NodeRecord, NodeRegistry
-from elasticd.liveness import Beat, KeepAlive
-from elasticd.membership import Catch, Head, Member, catch_up, judge, takes_over
-from elasticd.model import NodeInfo, NodeState
+from elasticd.cluster.registry import FEED_KEEP, NodeRecord, NodeRegistry
+from elasticd.core.liveness import Beat, KeepAlive
+from elasticd.core.membership import Catch, Head, Member, catch_up, judge, takes_over
+from elasticd.core.model import NodeInfo, NodeState
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 

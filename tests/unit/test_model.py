@@ -3,10 +3,10 @@
 import pytest
 
 from elasticd.errors import InvalidSpec
-from elasticd.model import (JOB_STATES, NODE_STATES, PART_STATES, WORKER_STATES, Failure,
-                            IllegalTransition, JobSpec, JobState, NodeState, PartState,
-                            RunResult, StateTable, WorkerState, assign_workers, local_nproc,
-                            parse_nnodes, parse_nproc, worker_env)
+from elasticd.core.model import (JOB_STATES, NODE_STATES, PART_STATES, WORKER_STATES, Failure,
+                                 IllegalTransition, JobSpec, JobState, NodeState, PartState, RunResult,
+                                 StateTable, WorkerState, assign_workers, local_nproc, parse_nnodes,
+                                 parse_nproc, worker_env)
 
 S = JobState
 

@@ -6,13 +6,13 @@ Driven by stimuli, as the shell feeds them; the answers are the core's instructi
 
 from __future__ import annotations
 
-from elasticd.blacklist import Blacklist, BlacklistPolicy
+from elasticd.core.blacklist import Blacklist, BlacklistPolicy
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.node import NodeCore, NodeSettings
-from elasticd.model import JobSpec, Worker, WorkerState, assign_workers
-from elasticd.placement import Resources
-from elasticd.records import JobRecord
+from elasticd.core.model import JobSpec, Worker, WorkerState, assign_workers
+from elasticd.core.placement import Resources
+from elasticd.core.records import JobRecord
 from elasticd.rendezvous import Member, Reason, RendezvousInfo
 
 USERS = {"j-000001": (1001, "alice"), "j-000002": (1002, "bob")}

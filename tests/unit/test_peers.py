@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from elasticd.peers import PeerLinks, Probe, judged_lost, probe
+from elasticd.cluster.peers import PeerLinks, Probe, judged_lost, probe
 
 
 @pytest.mark.parametrize("answer, heard_meanwhile, lost", [
@@ -79,7 +79,7 @@ def test_a_silent_node_that_still_beats_is_not_lost(silent_endpoint, heard, expe
 @pytest.mark.parametrize("damage", [b"", b"[" * 100000, b'{"public": 1, "secret": []}', b"\xff" * 80,
                                     b'{"public": "short", "secret": "short"}'])
 def test_a_damaged_peer_key_file_is_moved_aside_and_a_new_pair_made(tmp_path, damage):
-    from elasticd.peers import load_or_create_keys
+    from elasticd.cluster.peers import load_or_create_keys
 
     path = tmp_path / "peer.key"
     made = load_or_create_keys(str(path))

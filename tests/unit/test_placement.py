@@ -2,9 +2,9 @@
 
 import pytest
 
-from elasticd.records import JobRecord, Outcome, Part
-from elasticd.model import JobSpec, JobState, PartState
-from elasticd.placement import Offer, Resources, beyond_standalone, fit, never_fits, place
+from elasticd.core.records import JobRecord, Outcome, Part
+from elasticd.core.model import JobSpec, JobState, PartState
+from elasticd.core.placement import Offer, Resources, beyond_standalone, fit, never_fits, place
 
 
 def record(job_id, seq, nproc=1, nnodes=(1, 1), nodes=(), exclude=(), parts=(), outcome=None):

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from elasticd import paths
-from elasticd import protocol as p
+from elasticd.wire import paths
+from elasticd.wire import protocol as p
 
 
 def frame(**doc):

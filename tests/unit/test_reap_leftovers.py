@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from elasticd.records import WorkerGroupLeft
-from elasticd.workers import reap_leftovers
+from elasticd.core.records import WorkerGroupLeft
+from elasticd.shell.workers import reap_leftovers
 
 JOB = "j-abc123"
 # a group leader that starts a child in its own group, prints both pids, then sleeps

@@ -13,8 +13,9 @@ import pytest
 from elasticd.errors import RendezvousClosedError, RendezvousTimeoutError
 from elasticd.faults import Faults
 from blocking_rendezvous import BlockingRendezvous
-from elasticd.rendezvous import NextRound, RendezvousHandler, RendezvousSettings
-from elasticd.rendezvous.handler import Keys
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous import NextRound, RendezvousSettings
+from elasticd.rendezvous.keys import Keys
 from elasticd.rendezvous.state import Announcement, Participant, decode, encode_announcement
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer

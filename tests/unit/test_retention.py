@@ -7,14 +7,14 @@ import os
 import pytest
 
 from elasticd import config
-from elasticd.board import BoardFollower, JobBoard
+from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.errors import ConfigError
-from elasticd.history import History
-from elasticd.jobs import JobRegistry
-from elasticd.logs import OutputLimit
-from elasticd.model import JobSpec, JobState
-from elasticd.records import JobRecord, Outcome, expired
-from elasticd.retention import LEAST, MOST, Pruner, next_pass, prunable, stale_dirs
+from elasticd.jobs.history import History
+from elasticd.jobs.registry import JobRegistry
+from elasticd.shell.logs import OutputLimit
+from elasticd.core.model import JobSpec, JobState
+from elasticd.core.records import JobRecord, Outcome, expired
+from elasticd.jobs.retention import LEAST, MOST, Pruner, next_pass, prunable, stale_dirs
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 

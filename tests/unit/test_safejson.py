@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from elasticd.safejson import MAX_DEPTH, Undecodable, loads
+from elasticd.wire.safejson import MAX_DEPTH, Undecodable, loads
 
 LIMIT = 1 << 20
 

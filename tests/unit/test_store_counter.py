@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from elasticd.board import JobBoard
+from elasticd.jobs.board import JobBoard
 from elasticd.errors import NotACounter
-from elasticd.model import JobSpec
+from elasticd.core.model import JobSpec
 from elasticd.store.counter import REPAIRS, StoreCounter
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer

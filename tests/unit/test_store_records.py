@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from elasticd.board import BoardReset, JobBoard
-from elasticd.firewall import ruleset, table_name
-from elasticd.model import JobSpec, JobState
-from elasticd.placement import refusal
-from elasticd.records import Outcome
+from elasticd.jobs.board import BoardReset, JobBoard
+from elasticd.store.firewall import ruleset, table_name
+from elasticd.core.model import JobSpec, JobState
+from elasticd.core.placement import refusal
+from elasticd.core.records import Outcome
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 

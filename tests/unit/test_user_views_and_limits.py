@@ -11,12 +11,13 @@ import json
 
 import pytest
 
-from elasticd import config, protocol
+from elasticd import config
+from elasticd.wire import protocol
 from elasticd.control import server
-from elasticd.model import Failure, JobSpec, JobState
-from elasticd.quotas import SubmitLimits, argv_size, count_refusal, env_size, spec_refusal
-from elasticd.records import JobRecord, Outcome, Part, job_doc, list_row, listed_doc, others_view
-from elasticd.model import PartState
+from elasticd.core.model import Failure, JobSpec, JobState
+from elasticd.core.quotas import SubmitLimits, argv_size, count_refusal, env_size, spec_refusal
+from elasticd.core.records import JobRecord, Outcome, Part, job_doc, list_row, listed_doc, others_view
+from elasticd.core.model import PartState
 
 KiB = 1024
 LIMITS = SubmitLimits(argv_bytes=100, env_bytes=50, per_user=3)

@@ -1,5 +1,5 @@
 """The channel between the agent and an in-place job's workers, on real Unix sockets: the agent's
-end (elasticd.workerlink.WorkerLink) against the worker's end (elasticd.elastic.runtime.Channel)
+end (elasticd.shell.workerlink.WorkerLink) against the worker's end (elasticd.elastic.runtime.Channel)
 and against workers that misbehave (the job's own code, or another local user)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 import pytest
 
 from elasticd.elastic.runtime import Channel
-from elasticd.workerlink import _MAX_BUFFERED, Ready, WorkerLink
+from elasticd.shell.workerlink import _MAX_BUFFERED, Ready, WorkerLink
 
 NOBODY = 65534
 OTHER = 1  # "daemon": an unprivileged user who is not the job's

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from elasticd.control.server import Admission, Limits, peer_credentials
-from elasticd.workers import describe_exit
+from elasticd.shell.workers import describe_exit
 
 
 @pytest.mark.parametrize("code, text", [(1, "exited with code 1"), (-9, "killed by SIGKILL"),

@@ -18,20 +18,20 @@ import secrets
 import time
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 
-from .. import __version__
-from ..config import DaemonConfig
-from ..errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
-from ..jobs import JobRegistry
-from ..records import JobRecord, job_doc, listed_doc, others_view
-from ..aio import race
-from ..logs import LogBus, LogReader
-from ..model import JobSpec, parse_nnodes, parse_nproc
-from ..cluster import NodeService
-from ..peers import PeerCaller, PeerLinks
-from ..placement import beyond_standalone, never_fits
-from ..quotas import count_refusal, spec_refusal
-from ..protocol import LIST_BATCH, Request, batches
-from .server import Caller, PeerGone, Reply
+from elasticd import __version__
+from elasticd.config import DaemonConfig
+from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
+from elasticd.jobs.registry import JobRegistry
+from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
+from elasticd.aio import race
+from elasticd.shell.logs import LogBus, LogReader
+from elasticd.core.model import JobSpec, parse_nnodes, parse_nproc
+from elasticd.cluster.registry import NodeService
+from elasticd.cluster.peers import PeerCaller, PeerLinks
+from elasticd.core.placement import beyond_standalone, never_fits
+from elasticd.core.quotas import count_refusal, spec_refusal
+from elasticd.wire.protocol import LIST_BATCH, Request, batches
+from elasticd.control.server import Caller, PeerGone, Reply
 
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
 

@@ -26,10 +26,10 @@ from typing import Any, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from ..errors import ElasticdError, TooLarge
-from ..faults import LOG_INTERVAL, Throttle, held_back
-from .. import protocol
-from ..protocol import ProtocolError, Request
+from elasticd.errors import ElasticdError, TooLarge
+from elasticd.faults import LOG_INTERVAL, Throttle, held_back
+from elasticd.wire import protocol
+from elasticd.wire.protocol import ProtocolError, Request
 
 log = logging.getLogger(__name__)
 

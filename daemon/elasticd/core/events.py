@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
-from ..model import Failure, JobSpec, WorkerGroup
-from ..records import JobRecord, Outcome
-from ..rendezvous import NextRound, Reason, RendezvousInfo, RoundEvent
+from elasticd.core.model import Failure, JobSpec, WorkerGroup
+from elasticd.core.records import JobRecord, Outcome
+from elasticd.rendezvous import NextRound, Reason, RendezvousInfo, RoundEvent
 
 
 class Now(NamedTuple):

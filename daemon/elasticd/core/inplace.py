@@ -19,17 +19,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..journal import excerpt
-from ..model import Failure, RunResult, StateTable, Worker, WorkerGroup, WorkerState, placement_env
-from ..records import Part  # noqa: F401  (re-exported for type readers)
-from ..model import PartState
-from ..rendezvous import Reason, RendezvousInfo, RoundEvent
-from . import events as ev
-from . import instructions as do
-from .policy import ROUND_FOR, Decision, Observed, RejoinStalled, WorkersExited, WorkersReady, run_result
+from elasticd.journal import excerpt
+from elasticd.core.model import (Failure, RunResult, StateTable, Worker, WorkerGroup, WorkerState,
+                                 placement_env)
+from elasticd.core.records import Part  # noqa: F401  (re-exported for type readers)
+from elasticd.core.model import PartState
+from elasticd.rendezvous import Reason, RendezvousInfo, RoundEvent
+from elasticd.core import events as ev
+from elasticd.core import instructions as do
+from elasticd.core.policy import (ROUND_FOR, Decision, Observed, RejoinStalled, WorkersExited, WorkersReady,
+                                  run_result)
 
 if TYPE_CHECKING:
-    from .part import PartCore
+    from elasticd.core.part import PartCore
 
 Instructions = list[do.Instruction]
 
@@ -230,7 +232,7 @@ def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> 
 
 
 def _warm(part: PartCore, now: ev.Now) -> Instructions:
-    from .part import Phase
+    from elasticd.core.part import Phase
     part._to(Phase.WARMING)
     return _warm_check(part, now)
 
@@ -381,7 +383,7 @@ def timer(part: PartCore, event: ev.TimerFired, now: ev.Now) -> Instructions:
 def act(part: PartCore, decision: Decision, seen: Observed, now: ev.Now) -> Instructions | None:
     """Membership changes keep the workers (they are told); the rest is as for any part
     (None).  A stall restarts every worker: the pool starts afresh."""
-    from .part import Then
+    from elasticd.core.part import Then
     assert part.info is not None
     if decision is Decision.REJOIN:
         assert isinstance(seen, RoundEvent) and seen.reason is not None

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..model import JobSpec, WorkerGroup
-from ..records import Outcome, Part
-from ..rendezvous import Reason, RendezvousInfo
+from elasticd.core.model import JobSpec, WorkerGroup
+from elasticd.core.records import Outcome, Part
+from elasticd.rendezvous import Reason, RendezvousInfo
 
 
 # -- the rendezvous -----------------------------------------------------------------------------

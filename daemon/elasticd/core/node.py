@@ -19,17 +19,17 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..blacklist import USERS_FOR_NODE, Blacklist, worker_failures
-from ..model import JobSpec, JobState, PartState, local_nproc
-from ..placement import Offer, Resources, place, refusal
-from ..records import JobRecord, Outcome, Part
-from ..rendezvous import Reason
-from . import events as ev
-from . import instructions as do
-from .inplace import Places
-from .part import Phase, PartCore, Settings
-from .story import Story
-from ..tables import EventTable
+from elasticd.core.blacklist import USERS_FOR_NODE, Blacklist, worker_failures
+from elasticd.core.model import JobSpec, JobState, PartState, local_nproc
+from elasticd.core.placement import Offer, Resources, place, refusal
+from elasticd.core.records import JobRecord, Outcome, Part
+from elasticd.rendezvous import Reason
+from elasticd.core import events as ev
+from elasticd.core import instructions as do
+from elasticd.core.inplace import Places
+from elasticd.core.part import Phase, PartCore, Settings
+from elasticd.core.story import Story
+from elasticd.core.tables import EventTable
 
 Instructions = list[do.Instruction]
 STORIES_KEPT = 64  # stories of parts that ended here, newest kept

@@ -24,17 +24,17 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..model import PART_STATES, Failure, JobSpec, JobState, PartState, RunResult, StateTable, WorkerGroup, \
-    WorkerState, assign_workers
-from ..records import Outcome, Part
-from ..rendezvous import CHARGED, EventKind, NextRound, Reason, RendezvousInfo
-from . import events as ev
-from . import inplace
-from . import instructions as do
-from .policy import (ROUND_FOR, Decision, JobEnded, Leaving, Observed, RejoinStalled, WorkersExited,
-                     decide, describe, failure_outcome, run_result)
-from .story import Story
-from ..tables import EventTable
+from elasticd.core.model import (PART_STATES, Failure, JobSpec, JobState, PartState, RunResult, StateTable,
+                                 WorkerGroup, WorkerState, assign_workers)
+from elasticd.core.records import Outcome, Part
+from elasticd.rendezvous import CHARGED, EventKind, NextRound, Reason, RendezvousInfo
+from elasticd.core import events as ev
+from elasticd.core import inplace
+from elasticd.core import instructions as do
+from elasticd.core.policy import (ROUND_FOR, Decision, JobEnded, Leaving, Observed, RejoinStalled,
+                                  WorkersExited, decide, describe, failure_outcome, run_result)
+from elasticd.core.story import Story
+from elasticd.core.tables import EventTable
 
 Instructions = list[do.Instruction]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..journal import excerpt
-from ..model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState
-from ..records import Outcome
-from ..rendezvous import EventKind, Reason, RendezvousInfo, RoundEvent, may_restart
+from elasticd.journal import excerpt
+from elasticd.core.model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState
+from elasticd.core.records import Outcome
+from elasticd.rendezvous import EventKind, Reason, RendezvousInfo, RoundEvent, may_restart
 
 
 class Decision(enum.Enum):

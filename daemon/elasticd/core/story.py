@@ -8,9 +8,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..model import WorkerGroup
-from ..records import Part
-from ..rendezvous import RendezvousInfo
+from elasticd.core.model import WorkerGroup
+from elasticd.core.records import Part
+from elasticd.rendezvous import RendezvousInfo
 
 KEPT = 200  # entries per job
 

@@ -1,8 +1,8 @@
 """One job's rendezvous (DESIGN §4): torchelastic's dynamic rendezvous semantics on a store,
 event-driven, signed, with stable ranks. ``state`` holds the data and its codec, ``ops`` the
-pure decisions, ``handler`` the executor that applies them."""
+pure decisions, ``handler`` the executor that applies them. The package exports the pure
+tier only, which the node core imports; the executor is ``elasticd.rendezvous.handler``."""
 
-from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.state import (
     CHARGED,
     EventKind,
@@ -15,5 +15,5 @@ from elasticd.rendezvous.state import (
     may_restart,
 )
 
-__all__ = ["CHARGED", "EventKind", "Reason", "Member", "NextRound", "RendezvousHandler", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
+__all__ = ["CHARGED", "EventKind", "Reason", "Member", "NextRound", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
            "may_restart"]

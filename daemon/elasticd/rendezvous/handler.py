@@ -1,33 +1,18 @@
 """The rendezvous executor: applies the pure decisions of :mod:`elasticd.rendezvous.ops` to
 the store.
 
-Keys, all under the handler's ``prefix``::
-
-    state                   the signed RendezvousState (compare-and-set only)
-    rev/<v>                 set when version v was written; waiters block on the next one
-    hb/<node>               signed heartbeat: its version goes up at every beat
-    round/<r>/joins         the round's join counter (add): how many numbers were taken
-    round/<r>/join/<n>      the n-th record of round r's join log, signed (written once)
-    round/<r>/exit/<node>   a member's signed arrival at the exit barrier of round r
-
-Every record is signed for its key (store/signing.py); the unsigned ``rev`` keys only wake
-waiters, who read the signed state and go back to sleep if it did not change, and the
-unsigned counter only says how far to read the log.  A state that does not open, or is
+Keys: :mod:`elasticd.rendezvous.keys`.  Every record is signed for its key
+(store/signing.py); the unsigned ``rev`` keys only wake waiters, who read the signed state
+and go back to sleep if it did not change, and the unsigned counter only says how far to
+read the log.  A state that does not open, or is
 older than the newest this node saw before it asked (a read that crossed a newer one of its
 own is not), is refused and counted, and the newest state this node saw is written back
 over it (as after a store reset).
 
-The join log costs O(new entries) a read, and O(N) in all for N joiners: a read is the
-state and the counter, in one round trip; the entries (only the numbers not read yet, a
-batch at a time while batches bring records: ``_JoinLog``, ``ops.log_window``) are read by
-the node whose entry is the newest, by every node once the counter stood still for
-``dead_after``, and by any node before a write that folds them (``ops.reads_log``);
-meanwhile a node's own entry stands for itself.  A number taken but not written yet is read again (the
-newest waits for its key once).  A node whose own entry a full read has not reached within
-an interval (numbers an attacker took by bumping the counter lie before it) writes it again
-under a number read as missing (``ops.claim``), as when the counter is not a count.  The
-writer of the state that ends a round's joining deletes the counter and the entries it
-knows of (a task beside its keeper: never in the way of a heartbeat).
+The join log (:mod:`elasticd.rendezvous.joinlog`) costs O(new entries) a read: a read is
+the state and the counter, in one round trip, and the entries only when ``ops.reads_log``
+says so; the writer of the state that ends a round's joining deletes the counter and the
+entries it knows of (a task beside its keeper: never in the way of a heartbeat).
 
 One executor, ``_execute`` (torchelastic's _DistributedRendezvousOpExecutor): read the state
 and the open round's join log, decide with a pure function of ``ops``, act (compare-and-set
@@ -61,46 +46,14 @@ from elasticd.faults import Faults, Throttle, held_back
 from elasticd.journal import about
 from elasticd.errors import (NotACounter, RendezvousClosedError, RendezvousGone, RendezvousStateError,
                              RendezvousTimeoutError, StoreError)
-from elasticd.rendezvous.ops import (
-    Act,
-    Action,
-    Beat,
-    View,
-    claim,
-    decide_close,
-    decide_join,
-    decide_leave,
-    decide_step_aside,
-    decide_liveness,
-    decide_next_round,
-    decide_restore,
-    ends_joining,
-    LOG_BATCH,
-    info_for,
-    joined,
-    log_upper,
-    log_window,
-    reads_log,
-    observe_beats,
-    ring_watch,
-    round_event,
-    track_last_call,
-    watched,
-)
-from elasticd.rendezvous.state import (
-    Announcement,
-    NextRound,
-    Participant,
-    Reason,
-    RendezvousInfo,
-    RendezvousSettings,
-    RendezvousState,
-    RoundEvent,
-    decode,
-    decode_announcement,
-    encode,
-    encode_announcement,
-)
+from elasticd.rendezvous.ops import (Act, Action, Beat, claim, decide_close, decide_join, decide_leave,
+                                     decide_liveness, decide_next_round, decide_restore, decide_step_aside,
+                                     ends_joining, info_for, joined, observe_beats, reads_log, ring_watch,
+                                     round_event, track_last_call, View, watched)
+from elasticd.rendezvous.state import (Announcement, decode, encode, NextRound, Participant, Reason,
+                                       RendezvousInfo, RendezvousSettings, RendezvousState, RoundEvent)
+from elasticd.rendezvous.joinlog import Entry, JoinLog
+from elasticd.rendezvous.keys import Keys
 from elasticd.store.base import Store, counter_value
 from elasticd.store.signing import Freshness, Refused, Signer, VersionClock, open_or_refuse, open_version
 
@@ -122,29 +75,6 @@ Decide = Callable[[RendezvousState, View, float], Action]  # (state, join-log vi
 Write = Callable[[Store], Awaitable[object]]  # a write to make before a read of the state
 
 
-class Keys:
-    """The store keys of one rendezvous."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix.rstrip("/")
-        self.state = f"{self.prefix}/state"
-
-    def rev(self, version: int) -> str:
-        return f"{self.prefix}/rev/{version}"
-
-    def heartbeat(self, node: str) -> str:
-        return f"{self.prefix}/hb/{node}"
-
-    def joins(self, round: int) -> str:
-        return f"{self.prefix}/round/{round}/joins"
-
-    def join(self, round: int, number: int) -> str:
-        return f"{self.prefix}/round/{round}/join/{number}"
-
-    def exit_arrived(self, round: int, node: str) -> str:
-        return f"{self.prefix}/round/{round}/exit/{node}"
-
-
 @dataclass(frozen=True)
 class _Snapshot:
     state: RendezvousState
@@ -162,104 +92,6 @@ class _Watch:
     round: int
     waiting: bool
     future: asyncio.Future[RoundEvent]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """This node's own newest entry in a join log."""
-
-    round: int
-    number: int
-    at: float  # when it was written (this node's clock)
-    record: Announcement
-
-
-class _JoinLog:
-    """This node's reading of the open round's join log (a new round starts a new one): the
-    entries read, by number (a refused one as None), and this node's own newest entry."""
-
-    def __init__(self, signer: Signer, keys: Keys, refused: Refused, settings: RendezvousSettings) -> None:
-        self._signer, self._keys, self._refused, self._settings = signer, keys, refused, settings
-        self.mine: _Entry | None = None
-        self._start(-1, 0.0)
-
-    def _start(self, round: int, now: float) -> None:
-        self.round, self.records, self.count, self.since = round, {}, 0, now  # since: the counter moved
-        self.low, self.top, self.missing = 1, 0, []  # lowest unread; highest record; read as missing
-        self.full, self.waited = False, 0  # the last fetch read the entries; the hole waited on last
-
-    async def fetch(self, store: Store, state: RendezvousState, count: int | None, now: float,
-                    full: bool = False) -> None:
-        """Read the numbers not read yet up to the counter (``count``; None: not a count), a
-        batch at a time while batches bring records: when ``full`` or ``ops.reads_log``."""
-        if state.round != self.round or (count is not None and count < self.top):
-            if state.round == self.round:  # the counter went back (a store reset): so did this node's entry
-                self.mine = None
-            self._start(state.round, now)
-        if count != self.count:
-            self.count, self.since = count, now
-        self.full = full or reads_log(self._own(state.round), count, self.since, now, self._settings)
-        upper = log_upper(count, self.top) if self.full else 0
-        self.low = max(self.low, state.folded + 1)
-        while numbers := log_window(self.records, self.low, upper):
-            values = await store.get_many([self._keys.join(self.round, n) for n in numbers])
-            if not self._fold(numbers, values):
-                return
-
-    def _fold(self, numbers: list[int], values: list[bytes | None]) -> int:
-        """Open the entries read; how many are records."""
-        self.missing = [n for n, raw in zip(numbers, values) if raw is None]
-        opened = 0
-        for n, raw in zip(numbers, values):
-            if raw is not None:
-                record = open_or_refuse(self._signer, self._keys.join(self.round, n), raw,
-                                        decode_announcement, self._refused)
-                self.records[n] = record
-                if record is not None:
-                    self.top, opened = max(self.top, n), opened + 1
-        while self.low in self.records:
-            self.low += 1
-        return opened
-
-    def view(self, state: RendezvousState) -> View:
-        """The records past ``state.folded``, with this node's own entry where it was not
-        read (as written); ``pending`` when a full read did not reach it, or refused it.  A
-        write folds to the highest record read, and past this node's own entry when that
-        lies within reach (not beyond a bumped counter)."""
-        fresh = sorted(n for n in self.records if n > state.folded)
-        announced = tuple(r for r in (self.records[n] for n in fresh) if r is not None)
-        own, pending = self._own(state.round), None
-        if self.mine is not None and own > state.folded and self.records.get(own) is None:
-            if self.full or own in self.records:
-                pending = self.mine.at
-            else:
-                announced += (self.mine.record,)
-        return View(announced=announced, log_end=self._end(state.round, state.folded), pending=pending,
-                    whole=self.full)
-
-    def hole(self) -> int | None:
-        """A number below the counter that a full read found taken but not written yet, once."""
-        if not self.full or self.count is None or self.low > self.count or self.low == self.waited:
-            return None
-        self.waited = self.low
-        return self.low
-
-    def _own(self, round: int) -> int:
-        return self.mine.number if self.mine is not None and self.mine.round == round else 0
-
-    def _end(self, round: int, folded: int) -> int:
-        top = self.top if round == self.round else 0
-        own = self._own(round)
-        return max(folded, top, own if own <= top + LOG_BATCH else 0)
-
-    def known(self, round: int, folded: int) -> list[int]:
-        """The numbers of ``round``'s entries this node knows of (to delete once its joining
-        ended): never more than the records read and its own entry account for."""
-        return list(range(1, self._end(round, folded) + 1))
-
-    def entry(self, round: int, number: int, announcement: Announcement) -> tuple[str, bytes]:
-        key = self._keys.join(round, number)
-        return key, self._signer.seal(key, encode_announcement(announcement))
 
 
 class RendezvousHandler:
@@ -294,7 +126,7 @@ class RendezvousHandler:
         self._keys = Keys(prefix)
         self._clock = clock
         self._refused = on_refused or _log_refused
-        self._log = _JoinLog(signer, self._keys, self._refused, settings)
+        self._log = JoinLog(signer, self._keys, self._refused, settings)
         self._newest = _Snapshot(RendezvousState(), None)  # the newest state this node saw
         self._stale: list[str] = []  # keys nobody reads any more: the sweeper deletes them
         self._swept = asyncio.Event()  # set when keys were added to _stale
@@ -630,7 +462,7 @@ class RendezvousHandler:
             return
         if stranded:
             self._sweep([self._keys.join(stranded.round, stranded.number)])
-        joins.mine = _Entry(round, number, self._clock(), mine)
+        joins.mine = Entry(round, number, self._clock(), mine)
 
     async def _observe(self, first: Write | None = None) -> tuple[_Snapshot, View]:
         """The state and the join log of its open round (the counter of the round this node

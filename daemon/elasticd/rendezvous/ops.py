@@ -24,7 +24,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from elasticd.liveness import Beat, observe, silent
+from elasticd.core.liveness import Beat, observe, silent
 from elasticd.rendezvous.state import (
     CHARGED,
     EventKind,

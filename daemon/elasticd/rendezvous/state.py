@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elasticd.errors import RendezvousStateError
-from elasticd.tables import IllegalTransition, StateTable
-from elasticd.liveness import KeepAlive
+from elasticd.core.tables import IllegalTransition, StateTable
+from elasticd.core.liveness import KeepAlive
 
 SCHEMA = 1
 

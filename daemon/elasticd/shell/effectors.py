@@ -14,21 +14,22 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from ..cgroups import JobCgroup, JobCgroups
-from ..containment import Containment
-from ..faults import Faults
-from ..fileaccess import FileAccess
-from ..journal import about
-from ..keyspace import Keyspace
-from ..liveness import KeepAlive
-from ..logs import LogBus, OutputLimit
-from ..model import JobSpec, WorkerGroup
-from ..rendezvous import RendezvousHandler, RendezvousSettings
-from ..store.base import Store
-from ..store.signing import Refused, Signer
-from ..worker_library import python_path
-from ..workerlink import Ready, WorkerLink
-from ..workers import SOCKET_ENV, LocalWorkers
+from elasticd.shell.cgroups import JobCgroup, JobCgroups
+from elasticd.core.containment import Containment
+from elasticd.faults import Faults
+from elasticd.shell.fileaccess import FileAccess
+from elasticd.journal import about
+from elasticd.store.keyspace import Keyspace
+from elasticd.core.liveness import KeepAlive
+from elasticd.shell.logs import LogBus, OutputLimit
+from elasticd.core.model import JobSpec, WorkerGroup
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous import RendezvousSettings
+from elasticd.store.base import Store
+from elasticd.store.signing import Refused, Signer
+from elasticd.shell.worker_library import python_path
+from elasticd.shell.workerlink import Ready, WorkerLink
+from elasticd.shell.workers import SOCKET_ENV, LocalWorkers
 
 log = logging.getLogger(__name__)
 

@@ -19,21 +19,21 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..board import BoardFollower, JobBoard
-from ..core import events as ev
-from ..core import instructions as do
-from ..core.node import Hold, NodeCore
-from ..discovery import Listing
-from ..errors import (Conflict, RendezvousClosedError, RendezvousGone, RendezvousTimeoutError,
-                      StoreError)
-from ..faults import Faults
-from ..jobs import JobRegistry
-from ..journal import about
-from ..model import JobSpec
-from ..placement import Resources
-from ..records import JobRecord, Outcome
-from .effectors import Effectors, PartEffectors, free_port
-from .publisher import PartPublisher
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.core import events as ev
+from elasticd.core import instructions as do
+from elasticd.core.node import Hold, NodeCore
+from elasticd.core.discovery import Listing
+from elasticd.errors import (Conflict, RendezvousClosedError, RendezvousGone, RendezvousTimeoutError,
+                             StoreError)
+from elasticd.faults import Faults
+from elasticd.jobs.registry import JobRegistry
+from elasticd.journal import about
+from elasticd.core.model import JobSpec
+from elasticd.core.placement import Resources
+from elasticd.core.records import JobRecord, Outcome
+from elasticd.shell.effectors import Effectors, PartEffectors, free_port
+from elasticd.shell.publisher import PartPublisher
 
 log = logging.getLogger(__name__)
 said = logging.getLogger("elasticd.core")  # what the node core says (instructions.Say)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..board import JobBoard
-from ..errors import StoreError
-from ..faults import Faults
-from ..journal import about
-from ..records import Part
+from elasticd.jobs.board import JobBoard
+from elasticd.errors import StoreError
+from elasticd.faults import Faults
+from elasticd.journal import about
+from elasticd.core.records import Part
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from elasticd import safejson
+from elasticd.wire import safejson
 from elasticd.errors import ConfigError, ElasticdError, TamperedRecord
 
 T = TypeVar("T")

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from elasticd.rendezvous import RendezvousHandler, RendezvousSettings
-from elasticd.rendezvous.handler import Keys
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous import RendezvousSettings
+from elasticd.rendezvous.keys import Keys
 from elasticd.store.etcd import EtcdStore
 from elasticd.store.signing import Signer
 from fixtures.etcd import EtcdCluster, require_etcd

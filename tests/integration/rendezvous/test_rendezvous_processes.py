@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rendezvous_support import join, results, settings
 
-from elasticd.rendezvous.handler import Keys
+from elasticd.rendezvous.keys import Keys
 
 
 def test_processes_form_then_survive_a_sigkilled_member(spawn):

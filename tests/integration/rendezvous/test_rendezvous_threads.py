@@ -10,7 +10,7 @@ from rendezvous_support import INTERVAL, join, results, settings
 
 from elasticd.errors import RendezvousClosedError, RendezvousGone, RendezvousTimeoutError
 from elasticd.rendezvous import NextRound, RoundEvent
-from elasticd.rendezvous.handler import Keys
+from elasticd.rendezvous.keys import Keys
 from elasticd.rendezvous.state import decode
 
 DEAD_AFTER = 3 * INTERVAL

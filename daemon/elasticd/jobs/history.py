@@ -20,8 +20,8 @@ import sqlite3
 import time
 from typing import Any, Iterator
 
-from . import safejson
-from .errors import ElasticdError
+from elasticd.wire import safejson
+from elasticd.errors import ElasticdError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Where elasticd's files live, and which directories can be trusted with them.
 
-A stdlib-only leaf, like :mod:`elasticd.protocol`: elasticctl imports it to find the
+A stdlib-only leaf, like :mod:`elasticd.wire.protocol`: elasticctl imports it to find the
 daemon's socket.
 """
 

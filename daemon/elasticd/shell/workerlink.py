@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import safejson
+from elasticd.wire import safejson
 
 log = logging.getLogger(__name__)
 

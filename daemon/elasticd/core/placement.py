@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from .records import JobRecord
-from .model import AUTO, CPU, GPU, JobSpec, PartState
+from elasticd.core.records import JobRecord
+from elasticd.core.model import AUTO, CPU, GPU, JobSpec, PartState
 
 _DONE_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED})
 

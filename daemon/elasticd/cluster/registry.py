@@ -13,18 +13,22 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
-from . import discovery, procgroup, trust
-from .aio import race
-from .config import AUTO, DaemonConfig
-from .containment import Containment
-from .errors import NotFound, StoreError
-from .faults import Faults
-from .keyspace import Keyspace
-from .liveness import Beat, KeepAlive, observe
-from .membership import Catch, Head, Member, catch_up, judge, members_json, parse_members, takes_over
-from .model import NODE_STATES, IllegalTransition, NodeInfo, NodeState
-from .store.base import Store
-from .store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse, open_version
+from elasticd.core import discovery
+from elasticd.shell import procgroup
+from elasticd import trust
+from elasticd.aio import race
+from elasticd.config import AUTO, DaemonConfig
+from elasticd.core.containment import Containment
+from elasticd.errors import NotFound, StoreError
+from elasticd.faults import Faults
+from elasticd.store.keyspace import Keyspace
+from elasticd.core.liveness import Beat, KeepAlive, observe
+from elasticd.core.membership import (Catch, Head, Member, catch_up, judge, members_json, parse_members,
+                                      takes_over)
+from elasticd.core.model import NODE_STATES, IllegalTransition, NodeInfo, NodeState
+from elasticd.store.base import Store
+from elasticd.store.signing import (Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse,
+                                    open_version)
 
 log = logging.getLogger(__name__)
 

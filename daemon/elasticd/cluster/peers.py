@@ -24,9 +24,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from . import protocol, safejson
-from .endpoint import split_endpoint
-from .errors import ElasticdError, StoreError
+from elasticd.wire import protocol, safejson
+from elasticd.endpoint import split_endpoint
+from elasticd.errors import ElasticdError, StoreError
 
 PEER_DOMAIN = b"elasticd-peer"
 _KEY_FILE_BYTES = 4096  # {"public": 40 characters, "secret": 40 characters}

@@ -12,10 +12,10 @@ import enum
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from . import protocol
-from .errors import InvalidSpec
-from .rendezvous.state import RendezvousSettings
-from .tables import IllegalTransition, StateTable  # noqa: F401  (the tables' home; re-exported)
+from elasticd.wire import protocol
+from elasticd.errors import InvalidSpec
+from elasticd.rendezvous.state import RendezvousSettings
+from elasticd.core.tables import IllegalTransition, StateTable  # noqa: F401  (the tables' home; re-exported)
 
 SCHEMA = 1
 GPU = protocol.GPU

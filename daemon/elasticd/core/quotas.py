@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .model import JobSpec
+from elasticd.core.model import JobSpec
 
 KiB = 1024
 PATH_BYTES = 4096      # python, workdir (PATH_MAX: the kernel refuses a longer path anyway)

@@ -17,8 +17,8 @@ import logging
 import re
 import subprocess
 
-from . import trust
-from .errors import ConfigError
+from elasticd import trust
+from elasticd.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

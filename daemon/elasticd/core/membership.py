@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .liveness import Beat, KeepAlive, silent
+from elasticd.core.liveness import Beat, KeepAlive, silent
 
 
 @dataclass(frozen=True)

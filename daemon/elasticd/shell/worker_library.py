@@ -24,7 +24,8 @@ def install(runtime_dir: str) -> str:
     os.chmod(root, 0o755)
     with open(os.path.join(package, "__init__.py"), "w") as f:
         f.write(_INIT)
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic")  # not imported: torch
+    daemon = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # elasticd/, above shell/
+    source = os.path.join(daemon, "elastic")  # not imported: torch
     target = os.path.join(package, "elastic")
     os.makedirs(target, mode=0o755)
     for name in sorted(os.listdir(source)):

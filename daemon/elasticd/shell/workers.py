@@ -36,16 +36,16 @@ from typing import Callable, Mapping
 
 import psutil
 
-from . import errorfile
-from .cgroups import JobCgroup
-from .errorfile import Recorded
-from .fileaccess import DIR_MODE, FILE_MODE, FileAccess, Readers
-from .journal import about
-from .logs import OutputLimit, Rotations, move_stream, rotate
-from .paths import is_own_dir
-from .records import WorkerGroupLeft
-from .model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup, WorkerState,
-                    worker_env)
+from elasticd.shell import errorfile
+from elasticd.shell.cgroups import JobCgroup
+from elasticd.shell.errorfile import Recorded
+from elasticd.shell.fileaccess import DIR_MODE, FILE_MODE, FileAccess, Readers
+from elasticd.journal import about
+from elasticd.shell.logs import OutputLimit, Rotations, move_stream, rotate
+from elasticd.wire.paths import is_own_dir
+from elasticd.core.records import WorkerGroupLeft
+from elasticd.core.model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup,
+                                 WorkerState, worker_env)
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import stat
 import time
 from typing import Callable, Iterable
 
-from .aio import back_off
-from .history import HistoryError
-from .jobs import JobRegistry
-from .records import JobRecord, expired
+from elasticd.aio import back_off
+from elasticd.jobs.history import HistoryError
+from elasticd.jobs.registry import JobRegistry
+from elasticd.core.records import JobRecord, expired
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Generic, Iterable, Mapping, TypeVar
 
-from .errors import Conflict
+from elasticd.errors import Conflict
 
 S = TypeVar("S", bound=enum.Enum)
 T = TypeVar("T")

@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from . import safejson
+from elasticd.wire import safejson
 
 VERSION = 1
 MAX_FRAME = 4 * 1024 * 1024      # a request

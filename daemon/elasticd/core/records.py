@@ -1,7 +1,7 @@
 """Job records, pure: a job is its spec, its submit order (``seq``), one *part* per node that
 takes part in it (reported by that node's agent) and, once decided, its *outcome*.  The
 job's state and the documents that ``elasticctl`` shows are derived from these; the
-registry (:mod:`elasticd.jobs`) holds them.
+registry (:mod:`elasticd.jobs.registry`) holds them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from .model import Failure, JobSpec, JobState, PartState, WorkerState
+from elasticd.core.model import Failure, JobSpec, JobState, PartState, WorkerState
 
 log = logging.getLogger(__name__)
 

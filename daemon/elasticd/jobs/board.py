@@ -39,15 +39,15 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Mapping
 
-from .errors import ElasticdError, NotACounter, StoreError, TamperedRecord
-from .faults import Faults, Throttle, held_back
-from .jobs import JobRegistry
-from .records import Outcome, Part
-from .keyspace import Keyspace
-from .model import IllegalTransition, JobSpec
-from .store.base import Store
-from .store.counter import StoreCounter
-from .store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse
+from elasticd.errors import ElasticdError, NotACounter, StoreError, TamperedRecord
+from elasticd.faults import Faults, Throttle, held_back
+from elasticd.jobs.registry import JobRegistry
+from elasticd.core.records import Outcome, Part
+from elasticd.store.keyspace import Keyspace
+from elasticd.core.model import IllegalTransition, JobSpec
+from elasticd.store.base import Store
+from elasticd.store.counter import StoreCounter
+from elasticd.store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse
 
 log = logging.getLogger(__name__)
 

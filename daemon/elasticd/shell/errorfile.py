@@ -24,7 +24,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import safejson
+from elasticd.wire import safejson
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The job registry: this daemon's view of every job in the cluster (the records of
-:mod:`elasticd.records`).  The registry is the only writer of local job records and of the
+:mod:`elasticd.core.records`).  The registry is the only writer of local job records and of the
 history database; agents and the board watcher send it changes, and it wakes whoever waits
 on a job.
 """
@@ -12,11 +12,11 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Iterable
 
-from .errors import NotFound
-from .history import History, HistoryError
-from .journal import about, excerpt
-from .model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
-from .records import JobRecord, Outcome, Part, expired, history_row, job_doc, record_from_history
+from elasticd.errors import NotFound
+from elasticd.jobs.history import History, HistoryError
+from elasticd.journal import about, excerpt
+from elasticd.core.model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
+from elasticd.core.records import JobRecord, Outcome, Part, expired, history_row, job_doc, record_from_history
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Mapping
 
-from .model import WorkerState
-from .records import Part
+from elasticd.core.model import WorkerState
+from elasticd.core.records import Part
 
 _SEEN = 4096  # failures remembered for deduplication (the newest)
 USERS_FOR_NODE = 2  # users whose jobs were kept off within the window that blacklist the node
