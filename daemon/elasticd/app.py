@@ -40,8 +40,10 @@ from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.blacklist import Blacklist
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
-from elasticd.cluster.registry import (DiscoveryFailed, HostDiscovery, NodeDuties, NodeRecord, NodeRegistry,
-                                       NodeService, UntrustedScript, cpu_count, discover_gpus, slot_count)
+from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
+from elasticd.cluster.service import NodeDuties, NodeService
+from elasticd.cluster.registry import NodeRecord, NodeRegistry
+from elasticd.cluster.inventory import cpu_count, discover_gpus, slot_count
 from elasticd.config import DaemonConfig
 from elasticd.core.containment import MIN_MEMORY, Containment, decide, parse_memory, summary
 from elasticd.control.commands import Commands, PeerCommands

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elasticd import __version__
-from elasticd.cluster.registry import NodeDuties, NodeRecord, NodeRegistry, NodeService
+from elasticd.cluster.service import NodeDuties, NodeService
+from elasticd.cluster.registry import NodeRecord, NodeRegistry
 from elasticd.errors import ElasticdError
 from elasticd.store.keyspace import Keyspace
 from elasticd.core.liveness import KeepAlive

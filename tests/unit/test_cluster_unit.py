@@ -3,7 +3,8 @@ parsing (pure).  Liveness itself: test_liveness.py and test_membership.py."""
 
 import pytest
 
-from elasticd.cluster.registry import NodeRecord, Sighting, node_doc, node_state, parse_nvidia_smi
+from elasticd.cluster.registry import NodeRecord, Sighting, node_doc, node_state
+from elasticd.cluster.inventory import parse_nvidia_smi
 from elasticd.core.containment import Containment
 from elasticd.core.liveness import KeepAlive
 from elasticd.core.membership import Member
@@ -48,7 +49,8 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     """The heartbeat loop survives a failed republish and tries again on its next duty."""
     import asyncio
 
-    from elasticd.cluster.registry import NodeDuties, NodeRegistry, NodeService
+    from elasticd.cluster.service import NodeDuties, NodeService
+    from elasticd.cluster.registry import NodeRegistry
     from elasticd.errors import StoreConnectionError
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
@@ -115,7 +117,8 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
     between.  A request read again (same version) is not delivered again."""
     import asyncio
 
-    from elasticd.cluster.registry import NodeDuties, NodeRegistry, NodeService
+    from elasticd.cluster.service import NodeDuties, NodeService
+    from elasticd.cluster.registry import NodeRegistry
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
 

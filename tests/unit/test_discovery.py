@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from harness import wait_gone
-from elasticd.cluster.registry import DiscoveryFailed, HostDiscovery, UntrustedScript, run_discovery_script
+from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript, run_discovery_script
 from elasticd.core.discovery import EVERYONE, Listing, listing, parse_hosts
 
 

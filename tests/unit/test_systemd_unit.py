@@ -27,7 +27,7 @@ def test_unit_settings():
     assert service["Restart"] == "on-failure" and service["KillMode"] == "mixed"
     assert service["RuntimeDirectory"] == "elasticd" and service["StateDirectory"] == "elasticd"
     assert int(service["WatchdogSec"]) > 0
-    assert service["Delegate"] == "yes"  # job cgroups under the unit (daemon/elasticd/cgroups.py)
+    assert service["Delegate"] == "yes"  # job cgroups under the unit (daemon/elasticd/shell/cgroups.py)
     # the daemon must be able to stop workers that ignore SIGTERM before systemd gives up
     assert int(service["TimeoutStopSec"]) > JobsConfig().stop_grace + 10
 

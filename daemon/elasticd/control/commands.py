@@ -26,7 +26,7 @@ from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
 from elasticd.aio import race
 from elasticd.shell.logs import LogBus, LogReader
 from elasticd.core.model import JobSpec, parse_nnodes, parse_nproc
-from elasticd.cluster.registry import NodeService
+from elasticd.cluster.service import NodeService
 from elasticd.cluster.peers import PeerCaller, PeerLinks
 from elasticd.core.placement import beyond_standalone, never_fits
 from elasticd.core.quotas import count_refusal, spec_refusal

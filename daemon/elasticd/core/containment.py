@@ -2,7 +2,7 @@
 
 A job's tasks (processes and threads) are bounded per worker by ``jobs.max_pids_per_worker``
 and its memory by ``jobs.max_memory``, in the job's cgroup where the controllers are there
-(cgroups.py writes them).  Where the pids controller is not, a fork bomb is still stopped: each worker
+(shell/cgroups.py writes them).  Where the pids controller is not, a fork bomb is still stopped: each worker
 gets ``RLIMIT_NPROC``, which the kernel counts per real uid (every process and thread of the
 job's user on this node, its other jobs and logins included) and does not apply to root.
 ``missing`` says, one sentence each, what this node cannot do; the daemon logs them at start

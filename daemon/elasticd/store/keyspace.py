@@ -16,12 +16,12 @@ class Keyspace:
 
     @property
     def jobs(self) -> str:
-        """The job board (board.py)."""
+        """The job board (jobs/board.py)."""
         return f"{self.root}/jobs"
 
     @property
     def nodes(self) -> str:
-        """Node records, heartbeats and drain requests (cluster.py)."""
+        """Node records, heartbeats and drain requests (cluster/registry.py)."""
         return f"{self.root}/nodes"
 
     @property
