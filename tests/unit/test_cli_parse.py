@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from elasticctl import cli
+from elasticctl import cli, submission
 
 SUBMIT_CASES = [
     # (command line, expected script, expected script args, expected options)
@@ -101,13 +101,13 @@ def python_on_path(tmp_path):
 
 
 def request(line, environ, cwd="/work"):
-    return cli.submit_request(cli.parse_args(line.split(), environ), environ, cwd)
+    return submission.submit_request(cli.parse_args(line.split(), environ), environ, cwd)
 
 
 @pytest.fixture(autouse=True)
 def no_own_venv(monkeypatch):
     """These tests run in the repo's venv, which has torch: elasticctl would choose it."""
-    monkeypatch.setattr(cli, "own_venv_python", lambda: "")
+    monkeypatch.setattr(submission, "own_venv_python", lambda: "")
 
 
 def test_submit_request_has_everything_the_daemon_needs(python_on_path):
@@ -176,29 +176,29 @@ def make_venv(root):
 def test_active_venv_wins_and_its_symlink_is_kept(tmp_path, python_on_path):
     venv_python = make_venv(tmp_path / "venv")
     environ = {"VIRTUAL_ENV": str(tmp_path / "venv"), "PATH": str(python_on_path.parent)}
-    assert cli.submitter_python(None, environ, "/work") == str(venv_python)
+    assert submission.submitter_python(None, environ, "/work") == str(venv_python)
 
 
 def test_venv_without_python3_falls_back_to_path(tmp_path, python_on_path):
     (tmp_path / "empty-venv").mkdir()
     environ = {"VIRTUAL_ENV": str(tmp_path / "empty-venv"), "PATH": str(python_on_path.parent)}
-    assert cli.submitter_python(None, environ, "/work") == str(python_on_path)
+    assert submission.submitter_python(None, environ, "/work") == str(python_on_path)
 
 
 def test_python3_on_path_without_venv(python_on_path):
     environ = {"PATH": f"/nonexistent:{python_on_path.parent}"}
-    assert cli.submitter_python(None, environ, "/work") == str(python_on_path)
+    assert submission.submitter_python(None, environ, "/work") == str(python_on_path)
 
 
 def test_relative_path_entry_gives_an_absolute_python(python_on_path, monkeypatch):
     cwd = python_on_path.parent.parent
     monkeypatch.chdir(cwd)
-    assert cli.submitter_python(None, {"PATH": "bin"}, str(cwd)) == str(python_on_path)
+    assert submission.submitter_python(None, {"PATH": "bin"}, str(cwd)) == str(python_on_path)
 
 
 def test_no_python_anywhere(tmp_path):
     environ = {"PATH": str(tmp_path)}
-    assert cli.submitter_python(None, environ, "/work") is None
+    assert submission.submitter_python(None, environ, "/work") is None
     with pytest.raises(cli.UsageError, match="no python3 found"):
         request("submit x.py", environ)
     assert "python" not in request("submit --no-python ./run.sh", environ)
@@ -209,14 +209,14 @@ def test_no_python_anywhere(tmp_path):
     ("venv/bin/python3", "/work/venv/bin/python3"),
 ])
 def test_explicit_python_path(chosen, expected):
-    assert cli.submitter_python(chosen, {"PATH": ""}, "/work") == expected
+    assert submission.submitter_python(chosen, {"PATH": ""}, "/work") == expected
 
 
 def test_explicit_python_name_is_looked_up_on_path(python_on_path):
     environ = {"PATH": str(python_on_path.parent)}
-    assert cli.submitter_python("python3", environ, "/work") == str(python_on_path)
+    assert submission.submitter_python("python3", environ, "/work") == str(python_on_path)
     with pytest.raises(cli.UsageError, match="not found on PATH"):
-        cli.submitter_python("python9", environ, "/work")
+        submission.submitter_python("python9", environ, "/work")
 
 
 # -- the reply timeout --------------------------------------------------------------------
@@ -257,12 +257,12 @@ def test_check_runnable_refuses_what_could_only_fail(tmp_path, change, words):
     (tmp_path / "train.py").write_text("")
     (tmp_path / "sub").mkdir()
     with pytest.raises(cli.ClientError, match=words) as info:
-        cli.check_runnable(_request(tmp_path, **change))
+        submission.check_runnable(_request(tmp_path, **change))
     assert info.value.code == "invalid_spec"
 
 
 def test_check_runnable_takes_a_runnable_job(tmp_path):
     (tmp_path / "train.py").write_text("")
-    cli.check_runnable(_request(tmp_path))
-    cli.check_runnable(_request(tmp_path, kind="module", argv=["pkg.mod"]))
-    cli.check_runnable(_request(tmp_path, kind="exec", argv=["true"], python=""))
+    submission.check_runnable(_request(tmp_path))
+    submission.check_runnable(_request(tmp_path, kind="module", argv=["pkg.mod"]))
+    submission.check_runnable(_request(tmp_path, kind="exec", argv=["true"], python=""))

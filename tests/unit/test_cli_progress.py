@@ -6,12 +6,12 @@ import io
 
 import pytest
 
-from elasticctl import cli
+from elasticctl import cli, output
 
 
 def test_progress_line_on_a_terminal_rewrites_one_line():
     out = io.StringIO()
-    progress = cli.ProgressLine(out, width=80)
+    progress = output.ProgressLine(out, width=80)
     for line in ("a  PENDING", "a  RUNNING", "a  RUNNING", "a  SUCCEEDED"):
         progress.show(line)
     progress.close()
@@ -20,14 +20,14 @@ def test_progress_line_on_a_terminal_rewrites_one_line():
 
 def test_progress_line_is_cut_to_the_terminal_width():
     out = io.StringIO()
-    progress = cli.ProgressLine(out, width=10)
+    progress = output.ProgressLine(out, width=10)
     progress.show("0123456789abcdef")
     assert out.getvalue() == "\r\x1b[K012345678"
 
 
 def test_progress_line_elsewhere_prints_each_change_once():
     out = io.StringIO()
-    progress = cli.ProgressLine(out, width=None)
+    progress = output.ProgressLine(out, width=None)
     for line in ("a  PENDING", "a  PENDING", "a  RUNNING", "a  RUNNING", "a  SUCCEEDED"):
         progress.show(line)
     progress.close()

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from elasticctl import cli, render
+from elasticctl import cli, output, render
 from elasticctl.client import Unavailable
 
 NOW = 1_700_000_000.0
@@ -388,7 +388,7 @@ def test_table_aligns_on_the_escaped_width():
 
 def test_json_output_is_the_exact_document(capsys):
     doc = {"jobs": [{"id": "j-1", "name": HOSTILE, "argv": ["\t", "\\x1b", "\u202e"]}]}
-    cli.emit(cli.parse_args(["--json", "list"]), doc, lambda: pytest.fail("rendered with --json"))
+    output.emit(cli.parse_args(["--json", "list"]), doc, lambda: pytest.fail("rendered with --json"))
     out = capsys.readouterr().out
     assert out.isascii() and out.count("\n") == 1
     assert json.loads(out) == doc

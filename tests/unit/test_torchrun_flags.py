@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from elasticctl import cli, torchrun
+from elasticctl import cli, submission, torchrun
 
 torch_run = pytest.importorskip("torch.distributed.run")
 
@@ -27,7 +27,7 @@ def ours(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Nam
 
 @pytest.fixture(autouse=True)
 def no_own_venv(monkeypatch):
-    monkeypatch.setattr(cli, "own_venv_python", lambda: "")
+    monkeypatch.setattr(submission, "own_venv_python", lambda: "")
 
 
 def test_every_torchrun_option_has_a_treatment():
@@ -93,7 +93,7 @@ def test_the_issue_example_pet_nproc_and_no_python(tmp_path):
     the shell script to python."""
     environ = {"PET_NPROC_PER_NODE": "4", "PET_NO_PYTHON": "1", "PATH": "/usr/bin:/bin"}
     args = cli.parse_args(["submit", "run.sh"], environ)
-    request = cli.submit_request(args, environ, str(tmp_path))
+    request = submission.submit_request(args, environ, str(tmp_path))
     assert (request["nproc_per_node"], request["kind"], request["argv"]) == (4, "exec", ["run.sh"])
 
 
@@ -101,7 +101,7 @@ def test_the_issue_example_pet_nproc_and_no_python(tmp_path):
 
 def request_of(line: str, environ: dict[str, str] | None = None) -> dict:
     environ = {"PATH": "/usr/bin:/bin", **(environ or {})}
-    return cli.submit_request(cli.parse_args(line.split(), environ), environ, "/work")
+    return submission.submit_request(cli.parse_args(line.split(), environ), environ, "/work")
 
 
 def test_role_master_port_and_rdzv_conf_reach_the_request():
@@ -171,9 +171,9 @@ def test_every_refusal_is_reported_at_once(capsys):
 def test_output_options_need_a_follower(line):
     args = cli.parse_args(line.split(), {})
     with pytest.raises(cli.UsageError, match="add --wait"):
-        cli.output_plan(args, {})
-    cli.output_plan(cli.parse_args(line.replace("submit", "submit --wait").split(), {}), {})
-    cli.output_plan(cli.parse_args(line.replace("submit", "run").split(), {}), {})
+        submission.output_plan(args, {})
+    submission.output_plan(cli.parse_args(line.replace("submit", "submit --wait").split(), {}), {})
+    submission.output_plan(cli.parse_args(line.replace("submit", "run").split(), {}), {})
 
 
 # -- the output plan --------------------------------------------------------------------------
