@@ -24,7 +24,7 @@ import pytest
 
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.c10d import C10dServer, connect
-from elasticd.store.tcpstore import ProtocolError, TCPStoreClient
+from elasticd.store.tcpstore import StoreProtocolError, TCPStoreClient
 
 STORE_HOST = """
 import time
@@ -407,7 +407,7 @@ def test_a_peer_announcing_a_huge_value_is_refused_before_buffering_it():
         fake = await asyncio.start_server(hostile, "127.0.0.1", 0)
         client = TCPStoreClient(f"127.0.0.1:{fake.sockets[0].getsockname()[1]}", timeout=3.0)
         try:
-            with pytest.raises(ProtocolError, match="announced a value"):
+            with pytest.raises(StoreProtocolError, match="announced a value"):
                 await client.get("k")
         finally:
             await client.close()

@@ -7,7 +7,7 @@ from elasticd.cluster.registry import NodeRecord, Sighting, node_doc, node_state
 from elasticd.cluster.inventory import parse_nvidia_smi
 from elasticd.core.containment import Containment
 from elasticd.core.liveness import KeepAlive
-from elasticd.core.membership import Member
+from elasticd.core.membership import Membership
 from elasticd.core.model import NodeInfo, NodeState
 
 INFO = NodeInfo("n2", "10.0.0.2", 8, ("0", "1"), {"rack": "a"}, "0.1.0", False, 5.0, cpus=16)
@@ -15,7 +15,7 @@ KEEP_ALIVE = KeepAlive(1.0, 3)
 
 
 def sighting(lost=False, draining=False, jobs=()):
-    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"), Member(1, lost, 50.0))
+    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"), Membership(1, lost, 50.0))
 
 
 @pytest.mark.parametrize("lost, draining, jobs, state", [
@@ -93,13 +93,13 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
 
 def test_a_blacklisted_node_says_so_whatever_else_it_is():
     blacklisted = NodeRecord(INFO, True, 0, 0, (), "", "", blacklisted_until=1e9)
-    seen = Sighting(blacklisted, Member(1))
+    seen = Sighting(blacklisted, Membership(1))
     assert node_state(seen) == "blacklisted"
-    assert node_state(Sighting(blacklisted, Member(1, lost=True))) == "lost"  # lost comes first
+    assert node_state(Sighting(blacklisted, Membership(1, lost=True))) == "lost"  # lost comes first
     assert NodeRecord.from_json(blacklisted.to_json()) == blacklisted
     doc = node_doc(seen, NodeState.BLACKLISTED, seen=1.0)
     assert (doc["state"], doc["blacklisted_until"], doc["listed"]) == ("blacklisted", 1e9, True)
-    unlisted = Sighting(NodeRecord(INFO, True, listed=False), Member(1))
+    unlisted = Sighting(NodeRecord(INFO, True, listed=False), Membership(1))
     assert node_state(unlisted) == "drained"
     assert node_doc(unlisted, NodeState.DRAINED, seen=1.0)["listed"] is False
     assert node_doc(unlisted, NodeState.DRAINED, seen=1.0)["blacklisted_until"] is None
@@ -160,12 +160,12 @@ def test_a_record_says_what_bounds_a_job_there():
                             missing=("no cgroups for jobs (off): ...",))
     record = NodeRecord(INFO, containment=contained)
     assert NodeRecord.from_json(record.to_json()) == record
-    assert node_doc(Sighting(record, Member(1)), NodeState.UP, seen=1.0)["containment"] == \
+    assert node_doc(Sighting(record, Membership(1)), NodeState.UP, seen=1.0)["containment"] == \
         contained.to_json()
     older = record.to_json()
     del older["containment"]
     assert NodeRecord.from_json(older).containment is None
-    assert node_doc(Sighting(NodeRecord.from_json(older), Member(1)), NodeState.UP,
+    assert node_doc(Sighting(NodeRecord.from_json(older), Membership(1)), NodeState.UP,
                     seen=1.0)["containment"] is None
     assert NodeRecord.from_json({**older, "containment": {"cgroup": "yes", "missing": 3}}).containment \
         == Containment()

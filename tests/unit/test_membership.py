@@ -11,7 +11,7 @@ import pytest
 
 from elasticd.cluster.registry import FEED_KEEP, NodeRecord, NodeRegistry
 from elasticd.core.liveness import Beat, KeepAlive
-from elasticd.core.membership import Catch, Head, Member, catch_up, judge, takes_over
+from elasticd.core.membership import Catch, Head, Membership, catch_up, judge, takes_over
 from elasticd.core.model import NodeInfo, NodeState
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
@@ -25,22 +25,22 @@ NODES = "elasticd/c/nodes"
 
 def test_judge_admits_announces_loses_and_brings_back():
     beats = {"a": Beat(5, 0.0, 0), "b": Beat(9, 0.0, 3), "c": Beat(2, 9.5, 0)}
-    members = {"b": Member(1), "c": Member(1, lost=True, since=3.0)}
+    members = {"b": Membership(1), "c": Membership(1, lost=True, since=3.0)}
     changes = judge(members, beats, {"a": 4, "b": 1, "c": 2}, KEEP_ALIVE, now=10.0, wall=100.0)
-    assert changes == {"a": Member(4, False, 100.0),        # a new member
-                       "b": Member(1, True, 100.0),         # silent for 10 s over 3 reads: lost
-                       "c": Member(2, False, 100.0)}        # back, with a new record
+    assert changes == {"a": Membership(4, False, 100.0),        # a new member
+                       "b": Membership(1, True, 100.0),         # silent for 10 s over 3 reads: lost
+                       "c": Membership(2, False, 100.0)}        # back, with a new record
 
 
 def test_judge_kills_nobody_it_has_not_watched_long_enough_or_read_often_enough():
-    members = {"a": Member(1), "b": Member(1)}
+    members = {"a": Membership(1), "b": Membership(1)}
     beats = {"a": Beat(5, 9.0, 5), "b": Beat(5, 0.0, 1)}  # a: not long enough; b: a stalled store
     assert judge(members, beats, {}, KEEP_ALIVE, now=10.0, wall=0.0) == {}
 
 
 def test_judge_needs_a_record_before_a_node_is_a_member():
     assert judge({}, {"a": Beat(5, 0.0, 0)}, {"a": None}, KEEP_ALIVE, 1.0, 1.0) == {}
-    assert judge({"a": Member(3)}, {"a": Beat(6, 0.0, 0)}, {"a": None}, KEEP_ALIVE, 1.0, 1.0) == {}
+    assert judge({"a": Membership(3)}, {"a": Beat(6, 0.0, 0)}, {"a": None}, KEEP_ALIVE, 1.0, 1.0) == {}
 
 
 @pytest.mark.parametrize("term, number, head, catch", [

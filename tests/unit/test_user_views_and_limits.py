@@ -110,7 +110,7 @@ def test_a_reply_too_large_for_the_client_becomes_an_error_reply(monkeypatch):
     the client would refuse; the request gets a too_large error instead."""
     sent: list[bytes] = []
 
-    class Captured(server.Reply):
+    class Captured(server.Responder):
         async def _send(self, frame: bytes) -> None:
             sent.append(frame)
 

@@ -13,7 +13,7 @@ from elasticd.core.containment import Containment
 from elasticd.errors import NotFound
 from elasticd.store.keyspace import Keyspace
 from elasticd.core.liveness import Beat, KeepAlive, observe
-from elasticd.core.membership import (Catch, Head, Member, catch_up, judge, members_json, parse_members,
+from elasticd.core.membership import (Catch, Head, Membership, catch_up, judge, members_json, parse_members,
                                       takes_over)
 from elasticd.core.model import NodeInfo, NodeState
 from elasticd.store.base import Store
@@ -67,7 +67,7 @@ class Sighting:
     """What this node knows of another: its record and its membership."""
 
     record: NodeRecord
-    member: Member
+    member: Membership
 
 
 def node_state(sighting: Sighting) -> NodeState:
@@ -119,7 +119,7 @@ class NodeRegistry:
         <name>/drain        signed drain request, written by whoever asked
         observer            signed {"name"}: the elected observer; its version is the term
         feed/head           signed Head, rewritten by the observer every duty
-        feed/<n>            signed entry n: {"term", "changes": {name: Member}}
+        feed/<n>            signed entry n: {"term", "changes": {name: Membership}}
         feed/snapshot       signed {"term", "number", "members"}: every member as of entry n
 
     ``tick`` is the heartbeat duty: beat, read one batch of small keys (epoch, drain,
@@ -150,7 +150,7 @@ class NodeRegistry:
         self._published: NodeRecord | None = None
         self._published_version = 0
         self._registered_epoch: str | None = None  # the epoch this node registered in (None: not yet)
-        self._members: dict[str, Member] = {}      # the feed as followed
+        self._members: dict[str, Membership] = {}      # the feed as followed
         self._records: dict[str, tuple[int, NodeRecord]] = {}  # (version, record) as read
         self._term, self._number = 0, 0            # where this node is in the feed
         self._observer: tuple[str, int] | None = None  # (name, term) as last read
@@ -274,10 +274,10 @@ class NodeRegistry:
         return self._sightings
 
     def _sight(self) -> dict[str, Sighting]:
-        members = {n: Member(self._records[n][0]) for n in self._newcomers if n in self._records}
+        members = {n: Membership(self._records[n][0]) for n in self._newcomers if n in self._records}
         members.update(self._members)
         if self.name not in members and self._published is not None:
-            members[self.name] = Member(self._published_version)
+            members[self.name] = Membership(self._published_version)
         return {name: Sighting(self._records[name][1], member)
                 for name, member in members.items() if name in self._records}
 
@@ -337,7 +337,7 @@ class NodeRegistry:
         changes = judge(self._members, duty.beats, records, self.keep_alive, now, self._wall())
         old = self._members.get(self.name)
         if self._published is not None and (old is None or old.lost or old.record != self._published_version):
-            changes[self.name] = Member(self._published_version, False, self._wall())  # ...its record
+            changes[self.name] = Membership(self._published_version, False, self._wall())  # ...its record
         if changes or not duty.started:
             await self._publish_entry(duty.term, changes)
             duty.started = True
@@ -345,7 +345,7 @@ class NodeRegistry:
         await self._write("feed/head", Head(duty.term, self._number).to_json(), duty.head_version)
         await self._read_records()
 
-    async def _publish_entry(self, term: int, changes: dict[str, Member]) -> None:
+    async def _publish_entry(self, term: int, changes: dict[str, Membership]) -> None:
         self._term, self._number = term, self._number + 1
         self._members.update(changes)
         self._sightings = None
@@ -409,7 +409,7 @@ class NodeRegistry:
             self._term, self._number, self._members = snapshot
             self._sightings = None
 
-    def _open_entry(self, number: int, raw: bytes | None) -> tuple[int, dict[str, Member]] | None:
+    def _open_entry(self, number: int, raw: bytes | None) -> tuple[int, dict[str, Membership]] | None:
         return open_or_refuse(self._signer, self._key(f"feed/{number}"), raw, _parse_entry, self._on_refused)
 
     async def _read_records(self) -> None:
@@ -484,11 +484,11 @@ class NodeRegistry:
         return {name: node_state(s) for name, s in sightings.items()}
 
 
-def _parse_entry(body: Any) -> tuple[int, dict[str, Member]]:
+def _parse_entry(body: Any) -> tuple[int, dict[str, Membership]]:
     return int(body["term"]), parse_members(body["changes"])
 
 
-def _parse_snapshot(body: Any) -> tuple[int, int, dict[str, Member]]:
+def _parse_snapshot(body: Any) -> tuple[int, int, dict[str, Membership]]:
     return int(body["term"]), int(body["number"]), parse_members(body["members"])
 
 

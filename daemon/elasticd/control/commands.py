@@ -31,7 +31,7 @@ from elasticd.cluster.peers import PeerCaller, PeerLinks
 from elasticd.core.placement import beyond_standalone, never_fits
 from elasticd.core.quotas import count_refusal, spec_refusal
 from elasticd.wire.protocol import LIST_BATCH, Request, batches
-from elasticd.control.server import Caller, PeerGone, Reply
+from elasticd.control.server import Caller, PeerGone, Responder
 
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
 
@@ -97,14 +97,14 @@ class Commands:
         self._cluster = cluster
         self._peers = peers
         self._submitting: collections.Counter[int] = collections.Counter()  # uid -> submits under way
-        self._ops: dict[str, Callable[[Caller, dict[str, Any], Reply], Awaitable[None]]] = {
+        self._ops: dict[str, Callable[[Caller, dict[str, Any], Responder], Awaitable[None]]] = {
             "version": self.version, "submit": self.submit, "list": self.list,
             "status": self.status, "logs": self.logs, "cancel": self.cancel,
             "wait": self.wait, "nodes": self.nodes_list, "drain": self.drain,
             "undrain": self.undrain,
         }
 
-    async def __call__(self, caller: Caller, request: Request, reply: Reply) -> None:
+    async def __call__(self, caller: Caller, request: Request, reply: Responder) -> None:
         self._admit(caller)
         handler = self._ops.get(request.op)
         if handler is None:
@@ -147,7 +147,7 @@ class Commands:
 
     # -- ops ----------------------------------------------------------------------------------
 
-    async def version(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def version(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         await reply.result({"version": __version__, "node": self._node,
                             "cluster": self._config.cluster.name, **self._cluster.store_health()})
 
@@ -159,7 +159,7 @@ class Commands:
             if self._registry.find(job_id) is None:
                 return job_id
 
-    async def submit(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def submit(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         spec = spec_from_request(args, caller, self._config, job_id=self._unused_job_id(),
                                  node=self._node, now=time.time())
         if spec.uid == 0 and os.getuid() == 0 and not self._config.jobs.allow_root:
@@ -203,7 +203,7 @@ class Commands:
             return None
         return never_fits(spec, await self._cluster.fresh())  # the view may be a heartbeat old
 
-    async def list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def list(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """A stream of ``{"jobs": [row, ...]}`` replies, each at most about LIST_BATCH bytes,
         then the end: never one frame of every job.  The rows are of the jobs as they were
         when the request came, built as the client takes them."""
@@ -214,7 +214,7 @@ class Commands:
             await reply.result({"jobs": rows})
         await reply.end()
 
-    async def status(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def status(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """A job's document; with ``debug``, for its owner and admins, also its story on this
         node (the part's stimuli and instructions: its own text is in them)."""
         record = await self._find(args["job"])
@@ -227,36 +227,36 @@ class Commands:
             doc["story"] = {self._node: self._jobs.story(record.id)}
         await reply.result(doc)
 
-    async def wait(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def wait(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         record = await self._find(args["job"])
         await self._stream_until_done(record, reply, full=self._sees_all(caller, record))
 
-    async def cancel(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def cancel(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         record = await self._find(args["job"])
         self._check_owner(caller, record, "cancel")
         record = await self._jobs.cancel(record.id, by=user_name(caller.uid))
         await reply.result(job_doc(record))
 
-    async def nodes_list(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def nodes_list(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         if not args.get("watch"):
             await reply.result(await self._cluster.fresh())
             return
         async for nodes in self._cluster.watch():  # until the client goes away
             await reply.result(nodes)
 
-    async def drain(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def drain(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         await self._set_drain(caller, args["node"], True, reply)
 
-    async def undrain(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def undrain(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         await self._set_drain(caller, args["node"], False, reply)
 
-    async def _set_drain(self, caller: Caller, node: str, drain: bool, reply: Reply) -> None:
+    async def _set_drain(self, caller: Caller, node: str, drain: bool, reply: Responder) -> None:
         if not self._is_admin(caller):
             raise PermissionDenied("only root and the admin group may drain nodes")
         await self._cluster.request_drain(node, drain, by=user_name(caller.uid))
         await reply.result({"name": node, "drain": drain})
 
-    async def logs(self, caller: Caller, args: dict[str, Any], reply: Reply) -> None:
+    async def logs(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """Every node's logs of the job: this node's files and live output, and the other
         nodes' fetched from their daemons, merged as they come."""
         record = await self._find(args["job"])
@@ -278,7 +278,7 @@ class Commands:
             raise PeerGone() from None
         await reply.end()
 
-    async def local_logs(self, job_id: str, args: dict[str, Any], reply: Reply) -> None:
+    async def local_logs(self, job_id: str, args: dict[str, Any], reply: Responder) -> None:
         """This node's logs of the job (no end marker: callers merge several sources).
 
         Read from the files at the pace the client takes them; with ``follow``, woken by
@@ -301,7 +301,7 @@ class Commands:
                 await _send_all(reply, reader.new_lines())
         await _send_lines(reply, reader.flush())
 
-    async def _remote_logs(self, node: str, job_id: str, args: dict[str, Any], reply: Reply) -> None:
+    async def _remote_logs(self, node: str, job_id: str, args: dict[str, Any], reply: Responder) -> None:
         try:
             async for result in self._peers.logs(node, {**args, "job": job_id}):
                 await reply.result(result)
@@ -314,7 +314,7 @@ class Commands:
             record = await self._registry.wait_change(record.id, record.version)
         await self._jobs.settled(record.id)
 
-    async def _stream_until_done(self, record: JobRecord, reply: Reply, *, full: bool) -> None:
+    async def _stream_until_done(self, record: JobRecord, reply: Responder, *, full: bool) -> None:
         """The job's document at every change until it ended (``full``: all of it, else
         as others see it)."""
         def shown(record: JobRecord) -> dict[str, Any]:
@@ -332,7 +332,7 @@ class PeerCommands:
     def __init__(self, commands: Commands) -> None:
         self._commands = commands
 
-    async def __call__(self, caller: PeerCaller, request: Request, reply: Reply) -> None:
+    async def __call__(self, caller: PeerCaller, request: Request, reply: Responder) -> None:
         if request.op != "logs":
             raise InvalidSpec(f"{request.op} is not a peer operation")
         await self._commands.local_logs(request.args["job"], request.args, reply)
@@ -347,11 +347,11 @@ class _LogFilter:
         return (self.rank is None or rank == self.rank) and (self.attempt is None or attempt == self.attempt)
 
 
-async def _send_lines(reply: Reply, lines: list[dict]) -> None:
+async def _send_lines(reply: Responder, lines: list[dict]) -> None:
     if lines:
         await reply.result({"lines": lines})
 
 
-async def _send_all(reply: Reply, batches: Iterable[list[dict]]) -> None:
+async def _send_all(reply: Responder, batches: Iterable[list[dict]]) -> None:
     for lines in batches:
         await _send_lines(reply, lines)

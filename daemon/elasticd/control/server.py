@@ -50,7 +50,7 @@ class PeerGone(Exception):
     """The client disconnected; a stream to it ends."""
 
 
-class Reply:
+class Responder:
     """Sends the replies of one request to the client that made it."""
 
     def __init__(self, request_id: str) -> None:
@@ -74,7 +74,7 @@ class Reply:
         raise NotImplementedError
 
 
-class RouterReply(Reply):
+class RouterReply(Responder):
     def __init__(self, socket: zmq.asyncio.Socket, identity: bytes, request_id: str) -> None:
         super().__init__(request_id)
         self._socket = socket
@@ -89,7 +89,7 @@ class RouterReply(Reply):
             raise
 
 
-Handler = Callable[[Any, Request, Reply], Awaitable[None]]
+Handler = Callable[[Any, Request, Responder], Awaitable[None]]
 ZapPolicy = Callable[[bytes, bytes, list[bytes]], bytes | None]  # (mechanism, address, credentials) -> user id
 
 
@@ -228,7 +228,7 @@ class RouterServer:
         self._router.close(linger=0)
 
 
-async def answer(handler: Handler, caller: Any, raw: bytes, reply: Reply,
+async def answer(handler: Handler, caller: Any, raw: bytes, reply: Responder,
                  count: Callable[[str, str], None]) -> None:
     """Decode one request, run its handler, and turn every failure into an error reply.
     Never raises (but for cancellation): one bad request must not touch any other."""
@@ -258,7 +258,7 @@ def _shortened(text: str, limit: int = _LOGGED_MESSAGE) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-async def _refuse(reply: Reply, op: str, code: str, message: str,
+async def _refuse(reply: Responder, op: str, code: str, message: str,
                   count: Callable[[str, str], None]) -> None:
     count(op, code)
     # the op and message may carry a client's text: a line, never a 4 MiB record per request
@@ -381,7 +381,7 @@ class _Link:
                 raise PeerGone() from None
 
 
-class StreamReply(Reply):
+class StreamReply(Responder):
     def __init__(self, link: _Link, token: _Token, request_id: str) -> None:
         super().__init__(request_id)
         self._link = link

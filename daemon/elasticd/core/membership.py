@@ -20,8 +20,8 @@ from elasticd.core.liveness import Beat, KeepAlive, silent
 
 
 @dataclass(frozen=True)
-class Member:
-    """One node as the observer published it."""
+class Membership:
+    """One node's membership as the observer published it."""
 
     record: int           # the version of its record that its heartbeat announced
     lost: bool = False
@@ -31,20 +31,20 @@ class Member:
         return [self.record, self.lost, self.since]
 
     @classmethod
-    def from_json(cls, doc: Any) -> Member:
+    def from_json(cls, doc: Any) -> Membership:
         record, lost, since = doc
         if not isinstance(record, int) or not isinstance(lost, bool):
             raise ValueError(f"not a member: {doc!r}")
         return cls(record, lost, float(since))
 
 
-Members = Mapping[str, Member]
+Members = Mapping[str, Membership]
 
 
-def parse_members(doc: Any) -> dict[str, Member]:
+def parse_members(doc: Any) -> dict[str, Membership]:
     if not isinstance(doc, dict):
         raise ValueError("members must be an object")
-    return {str(name): Member.from_json(entry) for name, entry in doc.items()}
+    return {str(name): Membership.from_json(entry) for name, entry in doc.items()}
 
 
 def members_json(members: Members) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def members_json(members: Members) -> dict[str, Any]:
 
 
 def judge(members: Members, beats: Mapping[str, Beat], records: Mapping[str, int | None],
-          keep_alive: KeepAlive, now: float, wall: float) -> dict[str, Member]:
+          keep_alive: KeepAlive, now: float, wall: float) -> dict[str, Membership]:
     """The entries that change, given every node's heartbeat as this observer saw it and
     the record versions those heartbeats announced (None: not readable this time).
 
@@ -69,9 +69,9 @@ def judge(members: Members, beats: Mapping[str, Beat], records: Mapping[str, int
             record = old.record if old is not None else None
         if old is None:
             if record is not None and not lost:
-                changes[name] = Member(record, False, wall)
+                changes[name] = Membership(record, False, wall)
         elif lost != old.lost or record != old.record:
-            changes[name] = Member(record if record is not None else old.record, lost,
+            changes[name] = Membership(record if record is not None else old.record, lost,
                                    wall if lost != old.lost else old.since)
     return changes
 

@@ -71,7 +71,7 @@ def _query(query: _Query, *args: bytes) -> bytes:
     return bytes([query]) + b"".join(args)
 
 
-class ProtocolError(StoreConnectionError):
+class StoreProtocolError(StoreConnectionError):
     """The peer answered something TCPStore never sends: not a TCPStore, or out of step."""
 
 
@@ -90,7 +90,7 @@ class _Connection:
     async def pong(self) -> None:
         (nonce,) = struct.unpack("<I", await self._reader.readexactly(4))
         if nonce != self._nonce:
-            raise ProtocolError(f"the store echoed {nonce:#x} to a ping of {self._nonce:#x}")
+            raise StoreProtocolError(f"the store echoed {nonce:#x} to a ping of {self._nonce:#x}")
 
     async def byte(self) -> int:
         return (await self._reader.readexactly(1))[0]
@@ -101,7 +101,7 @@ class _Connection:
     async def blob(self) -> bytes:
         (size,) = struct.unpack("<Q", await self._reader.readexactly(8))
         if size > _MAX_VALUE:  # a hostile peer would have us buffer whatever it sends
-            raise ProtocolError(f"the store announced a value of {size} bytes (at most {_MAX_VALUE})")
+            raise StoreProtocolError(f"the store announced a value of {size} bytes (at most {_MAX_VALUE})")
         return await self._reader.readexactly(size)
 
     @property
@@ -205,10 +205,10 @@ class TCPStoreClient:
                 if response == _STOP_WAITING:  # the key came as we cancelled
                     response = await conn.byte()
                 if response != _WAIT_CANCELED:
-                    raise ProtocolError(f"unexpected answer {response} to CANCEL_WAIT") from None
+                    raise StoreProtocolError(f"unexpected answer {response} to CANCEL_WAIT") from None
                 return False
             if response != _STOP_WAITING:
-                raise ProtocolError(f"unexpected answer {response} to WAIT")
+                raise StoreProtocolError(f"unexpected answer {response} to WAIT")
             return True
 
         wait = _query(_Query.WAIT, struct.pack("<Q", 1), _key(key))
@@ -320,7 +320,7 @@ class TCPStoreClient:
 async def _check_answer(conn: _Connection) -> bool:
     response = await conn.byte()
     if response not in (_READY, _NOT_READY):
-        raise ProtocolError(f"unexpected answer {response} to CHECK")
+        raise StoreProtocolError(f"unexpected answer {response} to CHECK")
     return response == _READY
 
 
