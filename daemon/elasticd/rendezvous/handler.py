@@ -52,7 +52,7 @@ from elasticd.rendezvous.ops import (Act, Action, Beat, claim, decide_close, dec
                                      round_event, track_last_call, View, watched)
 from elasticd.rendezvous.state import (Announcement, decode, encode, NextRound, Participant, Reason,
                                        RendezvousInfo, RendezvousSettings, RendezvousState, RoundEvent)
-from elasticd.rendezvous.joinlog import Entry, JoinLog
+from elasticd.rendezvous.joinlog import JoinLog, OwnEntry
 from elasticd.rendezvous.keys import Keys
 from elasticd.store.base import Store, counter_value
 from elasticd.store.signing import Freshness, Refused, Signer, VersionClock, open_or_refuse, open_version
@@ -462,7 +462,7 @@ class RendezvousHandler:
             return
         if stranded:
             self._sweep([self._keys.join(stranded.round, stranded.number)])
-        joins.mine = Entry(round, number, self._clock(), mine)
+        joins.mine = OwnEntry(round, number, self._clock(), mine)
 
     async def _observe(self, first: Write | None = None) -> tuple[_Snapshot, View]:
         """The state and the join log of its open round (the counter of the round this node

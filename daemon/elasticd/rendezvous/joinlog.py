@@ -26,7 +26,7 @@ from elasticd.store.signing import Refused, Signer, open_or_refuse
 
 
 @dataclass(frozen=True)
-class Entry:
+class OwnEntry:
     """This node's own newest entry in a join log."""
 
     round: int
@@ -42,7 +42,7 @@ class JoinLog:
 
     def __init__(self, signer: Signer, keys: Keys, refused: Refused, settings: RendezvousSettings) -> None:
         self._signer, self._keys, self._refused, self._settings = signer, keys, refused, settings
-        self.mine: Entry | None = None
+        self.mine: OwnEntry | None = None
         self._start(-1, 0.0)
 
     def _start(self, round: int, now: float) -> None:
