@@ -19,12 +19,10 @@ import logging
 import os
 import resource
 import signal
-import socket
 import stat
 import sys
 import time
 import warnings
-from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
 import sdnotify
@@ -41,30 +39,30 @@ from elasticd.core.blacklist import Blacklist
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
-from elasticd.cluster.service import NodeDuties, NodeService
-from elasticd.cluster.registry import NodeRecord, NodeRegistry
-from elasticd.cluster.inventory import cpu_count, discover_gpus, slot_count
+from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
+from elasticd.cluster.service import NodeDuties, NodeService, Watcher
+from elasticd.cluster.registry import NodeRegistry
+from elasticd.cluster.inventory import LocalNode, cpu_count, discover_gpus, slot_count
+from elasticd.shell.bounds import contain
 from elasticd.config import DaemonConfig
-from elasticd.core.containment import MIN_MEMORY, Containment, decide, parse_memory, summary
 from elasticd.control.commands import Commands, PeerCommands
 from elasticd.core.discovery import EVERYONE, Listing
 from elasticd.wire.paths import is_own_dir
 from elasticd.control.server import ControlServer, Limits, RouterServer, Zap
-from elasticd.endpoint import join_endpoint, split_endpoint
+from elasticd.endpoint import join_endpoint
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.faults import Faults, Throttle, held_back
 from elasticd.shell.fileaccess import FileAccess, restrict_earlier
-from elasticd.store.firewall import StoreFirewall
 from elasticd.jobs.history import History
 from elasticd.store.keyspace import Keyspace
 from elasticd.jobs.registry import JobRegistry
 from elasticd.journal import log_handler
-from elasticd.core.records import JobRecord, Outcome, worker_groups
+from elasticd.core.records import JobRecord, worker_groups
 from elasticd.jobs.retention import Pruner
 from elasticd.shell.logs import LogBus
 from elasticd.shell.workers import reap_leftovers
 from elasticd.metrics import InstrumentedStore, Metrics
-from elasticd.core.model import JobState, NodeInfo, PartState
+from elasticd.core.model import JobState
 from elasticd.cluster.peers import (PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy,
                                     load_or_create_keys)
 from elasticd.core.placement import Resources
@@ -250,13 +248,12 @@ class Daemon:
         self._server: C10dServer | None = None
         self._store_ok = True
         self._started = time.time()
-        self._peer = ("", "")
-        self._containment: Containment | None = None
 
     async def run(self) -> int:
         """Build every part in dependency order, run them as one task group until SIGTERM,
         then close them in reverse."""
         config = self.config
+        self._local = LocalNode(self.node, self._address, config.node.labels, started=self._started)
         self._make_dirs()
         self._restrict_earlier_logs()
         discovery = self._host_discovery()
@@ -278,7 +275,9 @@ class Daemon:
             slots = slot_count(config, gpus)
             cgroups = self._cgroups()
             closing.callback(cgroups.close)  # only what is empty (a twin refused at bind takes nothing)
-            self._containment = containment = self._contain(cgroups, slots)
+            self._local.containment = containment = contain(
+                cgroups, max_memory=config.jobs.max_memory,
+                max_pids_per_worker=config.jobs.max_pids_per_worker, slots=slots)
             logs = LogBus()
             ctx = zmq.asyncio.Context()
             closing.callback(ctx.term)
@@ -321,7 +320,7 @@ class Daemon:
             closing.callback(peer_server.close)
             # the TCP ports first: a port in use stops start-up before the control socket exists
             with _listening("node.peer_port", join_endpoint(self._address, config.node.peer_port)):
-                self._peer = (peer_server.bind(), keys.public.decode())
+                self._local.peer = (peer_server.bind(), keys.public.decode())
             if config.metrics.port:
                 with _listening("metrics.port", join_endpoint(config.metrics.address, config.metrics.port)):
                     closing.callback((await self.metrics.serve(config.metrics.port, config.metrics.address)).close)
@@ -333,11 +332,10 @@ class Daemon:
             closing.callback(control.close)
             await asyncio.to_thread(cgroups.reap_leftovers)  # the socket says no other daemon runs here
             registry.subscribe(lambda record: self._jobs_changed(registry))
-            duties = NodeDuties(local_record=functools.partial(self._local_record, service),
-                                on_drain=service.set_draining, on_reset=service.store_reset,
-                                on_store=functools.partial(self._store_health, registry),
-                                on_tick=lambda: self.metrics.count_nodes(nodes.tally()),
-                                on_lost=lambda lost: service.post(events.NodesLost(lost)))
+            self._local.jobs = service
+            duties = NodeDuties(local_record=self._local.record, post=service.post,
+                                watcher=Watcher(store=functools.partial(self._store_health, registry),
+                                                tick=lambda: self.metrics.count_nodes(nodes.tally())))
             pruner = Pruner(registry, config.log_dir, busy=service.local_jobs,
                             on_pruned=lambda job_ids: self._jobs_changed(registry))
             self._install_signals()
@@ -375,10 +373,11 @@ class Daemon:
         return store
 
     async def _tcpstore_client(self, closing: contextlib.AsyncExitStack) -> TCPStoreClient:
-        await asyncio.to_thread(self._host_store)
+        self._server, self._endpoint = await asyncio.to_thread(host_store, self.config)
         if self._server is not None:
             closing.callback(self._server.close)
-        firewall = await asyncio.to_thread(self._store_firewall)
+        firewall = await asyncio.to_thread(store_firewall, self.config, self._endpoint,
+                                           hosted=self._server is not None)
         if firewall is not None:
             closing.callback(firewall.close)
         return TCPStoreClient(self._endpoint, timeout=self.config.store.timeout)
@@ -393,18 +392,6 @@ class Daemon:
                          cert_file=settings.cert_file, key_file=settings.key_file,
                          user=settings.user, password=settings.password())
 
-    def _store_firewall(self) -> StoreFirewall | None:
-        """Only this daemon's user may reach the store's port from this host (firewall.py)."""
-        host, port = split_endpoint(self._endpoint)
-        address = None
-        if self._server is None:
-            try:
-                address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
-            except OSError as exc:
-                raise ConfigError("store.endpoint", f"cannot resolve {host}: {exc}") from exc
-        return StoreFirewall.setup(self.config.store.firewall, cluster=self.config.cluster.name,
-                                   node=self.node, port=port, uid=os.getuid(), store_address=address)
-
     async def _registered(self, nodes: NodeService) -> bool:
         """Wait until this node's record is in the store (READY=1 means it joined the
         cluster); False if told to stop first."""
@@ -417,25 +404,6 @@ class Daemon:
         if cgroups.available:
             log.info("%s", cgroups.description)
         return cgroups
-
-    def _contain(self, cgroups: JobCgroups, slots: int) -> Containment:
-        """What bounds a job here (published in the node record); what cannot is said once."""
-        jobs = self.config.jobs
-        try:
-            memory = parse_memory(jobs.max_memory, _memory_total())
-        except ValueError as exc:  # checked at load; a percentage of an unknown total
-            raise ConfigError("jobs.max_memory", str(exc)) from None
-        if jobs.max_memory.strip().endswith("%") and memory < MIN_MEMORY:
-            raise ConfigError("jobs.max_memory", f"{jobs.max_memory} of this node's memory is "
-                                                 f"{memory} bytes, less than {MIN_MEMORY >> 20} MiB")
-        containment = decide(cgroup_reason=cgroups.reason if not cgroups.available else "",
-                             controls=cgroups.controls, lacking=cgroups.lacking,
-                             pids_per_worker=jobs.max_pids_per_worker, memory=memory,
-                             slots=slots, pid_max=_int_from("/proc/sys/kernel/pid_max"))
-        for missing in containment.missing:
-            log.warning("%s", missing)
-        log.info("%s", summary(containment))
-        return containment
 
     async def _node_registry(self, store: Store, signer: Signer) -> NodeRegistry:
         registry = NodeRegistry(store, signer, self.config.cluster.name, self.node,
@@ -462,16 +430,6 @@ class Daemon:
         """Every change of a job: the job gauges and the STATUS= line."""
         self.metrics.count_jobs(registry.jobs(), self.node)
         self._update_status(registry)
-
-    def _local_record(self, service: NodeShell) -> NodeRecord:
-        used = service.used()
-        info = NodeInfo(self.node, self._address, service.resources.slots, service.resources.gpus,
-                        dict(self.config.node.labels), __version__, service.draining, self._started,
-                        cpus=service.resources.cpus)
-        return NodeRecord(info, service.draining, used.slots, len(used.gpus),
-                          tuple(service.local_jobs()), *self._peer,
-                          blacklisted_until=service.blacklisted_until, listed=service.listed,
-                          containment=self._containment)
 
     def _host_discovery(self) -> HostDiscovery | None:
         """The discovery script's runner (None: no script); it matches this node by its name
@@ -540,19 +498,6 @@ class Daemon:
             return load_or_create_key(self.config.key_file)
         return load_key(self.config.key_file)
 
-    def _host_store(self) -> None:
-        """Host the cluster's store here when this node is its host; where it is."""
-        config = self.config
-        if hosts_store(config):
-            self._server = C10dServer(config.store_host, config.store_port, timeout=config.store.timeout)
-            self._endpoint = join_endpoint(config.store_host, self._server.port)
-            return
-        self._endpoint = config.store.endpoint
-        if config.store.host == config_mod.AUTO:
-            log.info("the store at %s is another node's (store.host = auto, and %s); connecting",
-                     self._endpoint, f"node.address is {config.node.address}" if config.node.address
-                     else "its host is none of this host's addresses")
-
     @functools.cached_property
     def _address(self) -> str:
         return self.config.node.address or route_address(self.config.store_host)
@@ -611,27 +556,6 @@ class Daemon:
             await asyncio.sleep(interval)
 
 
-def _memory_total() -> int:
-    """This node's memory in bytes (MemTotal), 0 when /proc does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def _int_from(path: str) -> int:
-    """A number that a /proc file holds, 0 when it cannot be read."""
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 0
-
-
 def raise_fd_limit() -> int:
     """Raise the soft limit on open files to the hard one; returns the soft limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -652,47 +576,3 @@ def _listening(key: str, where: str) -> Iterator[None]:
         yield
     except (OSError, zmq.ZMQError) as exc:
         raise ConfigError(key, f"cannot listen on {where}: {exc}") from exc
-
-
-def hosts_store(config: DaemonConfig) -> bool:
-    """Whether this daemon hosts the cluster's TCPStore.  ``store.host = auto``: when the
-    endpoint's host resolves to node.address (so that of several daemons on one host, each
-    with its own address, one hosts it); without node.address, when it is this host's."""
-    if config.etcd:
-        return False
-    setting = config.store.host
-    if setting != config_mod.AUTO:
-        return bool(setting)
-    if config.node.address:
-        return bool(addresses(config.store_host) & addresses(config.node.address))
-    return is_local(config.store_host)
-
-
-def addresses(host: str) -> set[str]:
-    """The addresses ``host`` (a name or an address) resolves to; none if it does not."""
-    try:
-        return {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return set()
-
-
-def is_local(host: str) -> bool:
-    """Whether ``host`` (a name or an address) is this host: loopback, or an interface's."""
-    import ipaddress
-    import psutil
-    mine = {e.address.split("%")[0] for entries in psutil.net_if_addrs().values() for e in entries}
-    return any(ipaddress.ip_address(a).is_loopback or a in mine for a in addresses(host))
-
-
-def route_address(host: str) -> str:
-    """This host's address on the route to ``host`` (the store): what the other nodes, which
-    reach the same store, can use to reach this node.  No packet is sent."""
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        log.warning("no route to the store host %s: this node's address is 127.0.0.1 "
-                    "(set node.address)", host)
-        return "127.0.0.1"

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elasticd import __version__
-from elasticd.cluster.service import NodeDuties, NodeService
+from elasticd.cluster.service import NodeDuties, NodeService, Watcher
+from elasticd.shell.publisher import StoreReset
 from elasticd.cluster.registry import NodeRecord, NodeRegistry
 from elasticd.errors import ElasticdError
 from elasticd.store.keyspace import Keyspace
@@ -236,8 +237,10 @@ def node_record(index: int) -> NodeRecord:
     return NodeRecord(info, peer_endpoint=f"tcp://{address}:29402", peer_key=PEER_KEY)
 
 
-async def _nothing() -> None:
-    return None
+def _republished(event: object) -> None:
+    """The node shell's queue: no jobs, so a reset store has nothing to publish again."""
+    if isinstance(event, StoreReset):
+        event.done.set_result(None)
 
 
 @dataclass
@@ -309,8 +312,8 @@ class SimNode:
             self.last_problem = problem
 
     def duties(self) -> NodeDuties:
-        return NodeDuties(local_record=lambda: self.record, on_drain=lambda drain: None,
-                          on_reset=_nothing, on_store=self._on_store, on_tick=self._on_tick)
+        return NodeDuties(local_record=lambda: self.record, post=_republished,
+                          watcher=Watcher(store=self._on_store, tick=self._on_tick))
 
     def start(self, at: float) -> None:
         self.task = asyncio.create_task(self._run(at), name=self.name)

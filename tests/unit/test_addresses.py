@@ -4,7 +4,7 @@ import psutil
 import pytest
 
 from elasticd import config
-from elasticd.app import hosts_store, is_local, route_address
+from elasticd.cluster.hosting import hosts_store, is_local, route_address
 
 
 def _an_interface_address() -> str | None:

@@ -49,9 +49,10 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     """The heartbeat loop survives a failed republish and tries again on its next duty."""
     import asyncio
 
-    from elasticd.cluster.service import NodeDuties, NodeService
+    from elasticd.cluster.service import NodeDuties, NodeService, Watcher
     from elasticd.cluster.registry import NodeRegistry
     from elasticd.errors import StoreConnectionError
+    from elasticd.shell.publisher import StoreReset
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
 
@@ -77,10 +78,24 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
                 store.compare_set(registry.epoch_key, None, Signer(b"k" * 32, "c").seal(
                     registry.epoch_key, {"epoch": "new"}, version=2**62))
 
+        republishing: set[asyncio.Task[None]] = set()
+
+        async def republish(done: asyncio.Future[None]) -> None:  # the node shell's part
+            try:
+                await on_reset()
+            except Exception as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        def post(event: object) -> None:
+            if isinstance(event, StoreReset):
+                republishing.add(asyncio.create_task(republish(event.done)))
+
         service = NodeService(registry, interval=0.01)
         running = asyncio.create_task(service.run(stop, NodeDuties(
-            local_record=lambda: record, on_drain=lambda drain: None, on_reset=on_reset,
-            on_store=lambda ok, why: store_states.append(ok), on_tick=on_tick)))
+            local_record=lambda: record, post=post,
+            watcher=Watcher(store=lambda ok, why: store_states.append(ok), tick=on_tick))))
         async with asyncio.timeout(10):
             await retried.wait()
         stop.set()
@@ -117,8 +132,10 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
     between.  A request read again (same version) is not delivered again."""
     import asyncio
 
-    from elasticd.cluster.service import NodeDuties, NodeService
+    from elasticd.cluster.service import NodeDuties, NodeService, Watcher
     from elasticd.cluster.registry import NodeRegistry
+    from elasticd.core.events import HoldChanged
+    from elasticd.core.node import Hold
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
 
@@ -132,9 +149,12 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
         stop = asyncio.Event()
         ticked = asyncio.Event()
         record = sighting().record
+        def post(event: object) -> None:  # the node shell's queue: each drain request once
+            if isinstance(event, HoldChanged) and event.hold == Hold.DRAINED.value:
+                requests.append(event.on)
+
         running = asyncio.create_task(service.run(stop, NodeDuties(
-            local_record=lambda: record, on_drain=requests.append,
-            on_reset=lambda: asyncio.sleep(0), on_tick=ticked.set)))
+            local_record=lambda: record, post=post, watcher=Watcher(tick=ticked.set))))
 
         async def ticks(n: int) -> None:
             for _ in range(n):

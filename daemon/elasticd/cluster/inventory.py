@@ -1,12 +1,19 @@
-"""This node's inventory: its GPUs (as CUDA device indices), its CPUs and its slots."""
+"""This node's inventory: its GPUs (as CUDA device indices), its CPUs and its slots; and the
+record it publishes of itself (``LocalNode``)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import subprocess
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
 
-from elasticd import trust
+from elasticd import __version__, trust
+from elasticd.cluster.registry import NodeRecord
+from elasticd.core.containment import Containment
+from elasticd.core.model import NodeInfo
+from elasticd.core.placement import Resources
 from elasticd.config import AUTO, DaemonConfig
 
 log = logging.getLogger(__name__)
@@ -55,3 +62,42 @@ def slot_count(config: DaemonConfig, gpus: tuple[str, ...]) -> int:
     if config.node.slots:
         return config.node.slots
     return max(cpu_count(), len(gpus))
+
+
+class JobsHere(Protocol):
+    """What this node's jobs use and why it takes none (the node shell says)."""
+
+    resources: Resources
+    draining: bool
+    blacklisted_until: float
+    listed: bool
+
+    def used(self) -> Resources: ...
+
+    def local_jobs(self) -> list[str]: ...
+
+
+@dataclass
+class LocalNode:
+    """This node as it publishes itself: what its daemon knows of it (its peer endpoint and
+    key once bound, what bounds a job here once decided) and what its jobs use now."""
+
+    name: str
+    address: str
+    labels: Mapping[str, str]
+    started: float
+    peer: tuple[str, str] = ("", "")  # (endpoint, public key)
+    containment: Containment | None = None
+    jobs: JobsHere | None = field(default=None, repr=False)
+
+    def record(self) -> NodeRecord:
+        """This node's record as of now."""
+        jobs = self.jobs
+        assert jobs is not None
+        used = jobs.used()
+        info = NodeInfo(self.name, self.address, jobs.resources.slots, jobs.resources.gpus,
+                        dict(self.labels), __version__, jobs.draining, self.started,
+                        cpus=jobs.resources.cpus)
+        return NodeRecord(info, jobs.draining, used.slots, len(used.gpus), tuple(jobs.local_jobs()),
+                          *self.peer, blacklisted_until=jobs.blacklisted_until, listed=jobs.listed,
+                          containment=self.containment)

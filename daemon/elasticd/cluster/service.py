@@ -8,27 +8,40 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 from elasticd.aio import race
 from elasticd.errors import StoreError
 from elasticd.faults import Faults
 from elasticd.core.model import NODE_STATES, IllegalTransition, NodeState
+from elasticd.core import events
+from elasticd.core.node import Hold
+from elasticd.shell.publisher import StoreReset
 from elasticd.cluster.registry import NodeRecord, NodeRegistry, Sighting, Tick, node_doc, node_state
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class NodeDuties:
-    """What the heartbeat loop reads from its daemon and tells it, every duty."""
+class Watcher:
+    """What is only observed of the heartbeat loop (metrics, the STATUS= line): nothing here
+    changes what happens to jobs."""
 
-    local_record: Callable[[], NodeRecord]            # this node's record as of now
-    on_drain: Callable[[bool], None]                  # a drain (or undrain) was requested (each request once)
-    on_reset: Callable[[], Awaitable[None]]           # the store lost its data: publish again
-    on_store: Callable[[bool, str], None] = lambda ok, problem: None  # the store (un)reachable
-    on_tick: Callable[[], None] = lambda: None        # a duty ended
-    on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None  # nodes the observer judged lost
+    store: Callable[[bool, str], None] = lambda ok, problem: None  # the store (un)reachable
+    tick: Callable[[], None] = lambda: None                        # a duty ended
+
+
+@dataclass(frozen=True)
+class NodeDuties:
+    """What the heartbeat loop reads from its daemon and tells it, every duty.  What changes
+    what happens to jobs is an event into the node shell's queue (``post``): a drain (or
+    undrain) request is HoldChanged (each request once), nodes the observer judged lost
+    NodesLost, a store that lost its data StoreReset (awaited: a republish that failed is
+    tried again at the next duty).  What is only observed goes to ``watcher``."""
+
+    local_record: Callable[[], NodeRecord]   # this node's record as of now
+    post: Callable[[Any], None]              # the node shell's queue (NodeShell.post)
+    watcher: Watcher = Watcher()
 
 
 class NodeService:
@@ -75,10 +88,10 @@ class NodeService:
             await self._apply(tick)
         except StoreError as exc:
             self._store_up = False
-            duties.on_store(False, str(exc))
+            duties.watcher.store(False, str(exc))
         else:
             self._store_up = True
-            duties.on_store(True, "")
+            duties.watcher.store(True, "")
             self.registered.set()
 
     async def _pause(self, stop: asyncio.Event, left: float) -> None:
@@ -110,17 +123,19 @@ class NodeService:
             lost = tuple(name for name, state in self._states.items()
                          if state is NodeState.LOST and before.get(name, NodeState.LOST) is not NodeState.LOST)
             if lost:
-                self._duties.on_lost(lost)
+                self._duties.post(events.NodesLost(lost))
         self._seen = time.time()
-        self._duties.on_tick()
+        self._duties.watcher.tick()
         # every new request counts, the same twice too: an undrain also lifts a blacklisting
         # that began after the previous undrain
         if tick.drain is not None and (tick.drain, tick.drain_version) != self._drain:
             self._drain = (tick.drain, tick.drain_version)
-            self._duties.on_drain(tick.drain)
+            self._duties.post(events.HoldChanged(Hold.DRAINED.value, tick.drain))
         if self._epoch is not None and tick.epoch != self._epoch:
             log.warning("the store was reset (its host restarted): publishing this node's jobs again")
-            await self._duties.on_reset()  # a StoreError leaves the old epoch: the next duty tries again
+            republished = asyncio.get_running_loop().create_future()
+            self._duties.post(StoreReset(republished))
+            await republished  # a StoreError leaves the old epoch: the next duty tries again
         self._epoch = tick.epoch
 
     def states(self) -> dict[str, NodeState]:

@@ -22,7 +22,7 @@ from typing import Any
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.node import Hold, NodeCore
+from elasticd.core.node import NodeCore
 from elasticd.core.discovery import Listing
 from elasticd.errors import (Conflict, RendezvousClosedError, RendezvousGone, RendezvousTimeoutError,
                              StoreError)
@@ -33,7 +33,7 @@ from elasticd.core.model import JobSpec
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord, Outcome
 from elasticd.shell.effectors import Effectors, PartEffectors, free_port
-from elasticd.shell.publisher import PartPublisher
+from elasticd.shell.publisher import PartPublisher, StoreReset, republish
 
 log = logging.getLogger(__name__)
 said = logging.getLogger("elasticd.core")  # what the node core says (instructions.Say)
@@ -60,7 +60,7 @@ class NodeShell:
         self._standalone = standalone
         self._clock, self._wall = clock, wall_clock
         self._publisher = PartPublisher(board, self._faults)
-        self._queue: asyncio.Queue[ev.Event] = asyncio.Queue()
+        self._queue: asyncio.Queue[ev.Event | StoreReset] = asyncio.Queue()
         self._parts: dict[str, PartEffectors] = {}
         self._settled: dict[str, asyncio.Event] = {}   # job -> set once nothing of it runs here
         self._finishes: dict[str, list[asyncio.Future[Outcome]]] = {}  # cancels awaiting an outcome
@@ -69,11 +69,12 @@ class NodeShell:
         self._failed_start: set[str] = set()
         self._jobs_posted = False
         self._tasks: asyncio.TaskGroup | None = None
+        self._republishing: set[asyncio.Task[None]] = set()  # StoreReset's tasks
         registry.subscribe(lambda record: self._jobs_changed())
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def post(self, event: ev.Event) -> None:
+    def post(self, event: ev.Event | StoreReset) -> None:
         self._queue.put_nowait(event)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -92,6 +93,8 @@ class NodeShell:
             self._jobs_changed()
             await self._serve()
             stopping.cancel()
+            for task in list(self._republishing):  # as the heartbeat that awaits it is cancelled
+                task.cancel()
             for timer in self._node_timers.values():
                 timer.cancel()
             await self._publisher.flush()
@@ -110,7 +113,10 @@ class NodeShell:
     def _idle(self) -> bool:
         return not (self.core.parts or self.core.finishing or self._parts or self._node_ops)
 
-    def _dispatch(self, event: ev.Event) -> None:
+    def _dispatch(self, event: ev.Event | StoreReset) -> None:
+        if isinstance(event, StoreReset):
+            self._republish(event.done)
+            return
         fresh = self._refresh(event)
         if fresh is None:
             return
@@ -548,9 +554,6 @@ class NodeShell:
     def local_jobs(self) -> list[str]:
         return self.core.local_jobs()
 
-    def set_draining(self, draining: bool) -> None:
-        self.post(ev.HoldChanged(Hold.DRAINED.value, draining))
-
     def set_listed(self, listing: Listing) -> None:
         self.post(ev.Listed(listing.listed, listing.slots or 0))
 
@@ -563,19 +566,13 @@ class NodeShell:
             if record.outcome is None and part is not None:
                 self._publisher.publish(record.id, part)
 
-    async def store_reset(self) -> None:
-        """The store lost its data (its host restarted): publish again what this node knows
-        (open jobs, and this node's parts), then read the board afresh."""
-        self._board.forget_index()
-        for record in self._registry.jobs():
-            if record.outcome is not None:
-                continue
-            await self._board.publish_spec(record.spec, record.seq)
-            part = record.parts.get(self.core.settings.node)
-            if part is not None:
-                await self._board.publish_part(record.id, part)
-        await self._follower.resync()
-
+    def _republish(self, done: asyncio.Future[None]) -> None:
+        """StoreReset: publish again (``publisher.republish``), a task beside the loop."""
+        assert self._tasks is not None
+        task = self._tasks.create_task(republish(done, self._board, self._registry, self.core.settings.node,
+                                                 self._follower))
+        self._republishing.add(task)
+        task.add_done_callback(self._republishing.discard)
 
 _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.Join: NodeShell._join, do.Watch: NodeShell._watch, do.RequestRound: NodeShell._request_round,

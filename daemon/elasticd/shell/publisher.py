@@ -1,12 +1,14 @@
 """This node's parts onto the board: the newest of each job only, in order, again after the
-store was away."""
+store was away; and everything this node knows again after the store lost its data."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
-from elasticd.jobs.board import JobBoard
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.jobs.registry import JobRegistry
 from elasticd.errors import StoreError
 from elasticd.faults import Faults
 from elasticd.journal import about
@@ -58,3 +60,37 @@ class PartPublisher:
         for job_id, part in failed.items():
             self._unpublished.setdefault(job_id, part)
         return not failed
+
+
+@dataclass(frozen=True)
+class StoreReset:
+    """An event of the node shell's own (the node core is not asked: nothing it decided
+    changes): the store lost its data (its host restarted).  ``done`` hears how publishing
+    again went, so that the heartbeat that found the reset tries again at its next duty."""
+
+    done: asyncio.Future[None]
+
+
+async def republish(done: asyncio.Future[None], board: JobBoard, registry: JobRegistry, node: str,
+                    follower: BoardFollower) -> None:
+    """Publish again what this node knows (open jobs, and this node's parts), then read the
+    board afresh; ``done`` gets the result (or the error)."""
+    try:
+        board.forget_index()
+        for record in registry.jobs():
+            if record.outcome is not None:
+                continue
+            await board.publish_spec(record.spec, record.seq)
+            part = record.parts.get(node)
+            if part is not None:
+                await board.publish_part(record.id, part)
+        await follower.resync()
+    except asyncio.CancelledError:
+        done.cancel()
+        raise
+    except Exception as exc:
+        if not done.done():  # not when the heartbeat that awaits it was cancelled
+            done.set_exception(exc)
+    else:
+        if not done.done():
+            done.set_result(None)
