@@ -140,7 +140,7 @@ def test_a_jobs_error_text_is_one_escaped_capped_line_in_the_journal(daemon_fact
 # A client of the control socket, run as another user: one request whose op is a job id.
 CLIENT = """\
 import socket, sys, uuid
-from elasticd import protocol
+from elasticd.wire import protocol
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
 s.sendall(protocol.framed(protocol.encode_request(protocol.Request(uuid.uuid4().hex, sys.argv[2], {}))))
