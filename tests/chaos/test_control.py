@@ -91,7 +91,11 @@ def test_thousands_of_idle_connections_cannot_take_the_daemon_down(daemon, share
     figures.add("item 1: of them refused and closed by the daemon", f"{refused}")
     figures.add("item 1: daemon fds before / during the attack", f"{fds_before} / {fds_during}")
     figures.add("item 1: root's `elasticctl status` during the attack", f"{latency * 1000:.0f} ms")
-    assert held == 20000 and refused >= held - 32  # the per-user limit, not the fd limit
+    # The daemon keeps IDLE_KEPT of the user's connections, whichever process opened them.
+    # Each flood stops waiting once at most IDLE_KEPT of its own are unanswered (kept, or
+    # still in the accept queue), so up to twice that may be uncounted; the daemon's fds
+    # below are the exact bound.
+    assert held == 20000 and refused >= held - 2 * 32  # flood.py IDLE_KEPT, per process
     assert fds_during <= fds_before + 32
     assert daemon.proc.poll() is None and all(psutil.pid_exists(p) for p in pids)
     metrics_refused = daemon.request("version").ok  # and the control socket still answers
