@@ -374,6 +374,7 @@ def main() -> None:
     p.add_argument("--system", choices=[kind.name for kind in SYSTEMS], action="append",
                    help="these systems only")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cleans up as Ctrl-C does
     runs = 1 if args.quick else args.runs
     report: dict[str, Any] = {}
     for title, scenario, nodes in (SCENARIOS[key] for key in args.only or SCENARIOS):
