@@ -1,0 +1,291 @@
+"""The cluster's allocator (issue 26), pure: from the jobs, the nodes, the policy, the usage
+and the time to each job's node set.  No clock, no store: the same input gives the same
+allocation, whatever order its mappings come in.
+
+One order rules everything (``order``): priority, then the account's fair-share factor,
+then submit order.  Then, in three phases on a board of the cluster:
+
+1. *Keep*: every running job keeps its current nodes that are still usable, eligible, and
+   have room (in order, should the input overcommit a node), up to its max.
+2. *Admit* (in order, repeated until nothing more starts): a waiting job whose min (rounded
+   up to its step) is within its quotas takes free nodes, then nodes reclaimed from others:
+   nodes borrowed over a quota (from any job), then nodes lent above min by jobs of no
+   higher priority (the last in the order first; a min comes before anyone's extra nodes,
+   whoever came first), never below their min and leaving a multiple of their step;
+   a waiting job may, last, preempt ``preemptible`` jobs later in the order (they wait
+   again).  A running job that lost nodes below its min is topped up the same way (a
+   failure is not delayed), or keeps what it has.  A waiting job that cannot start reserves
+   the room it could use: later waiting jobs start only on what it cannot use (reason
+   Priority when the reservation is all that stops them), so a large job is not starved by
+   a stream of small ones, while growth (3) may still use that room (it is lent, so the
+   reserving job reclaims it once it fits).
+3. *Grow*: free room goes to running jobs below max, in order, a multiple of step at a
+   time, at most once per ``resize_interval`` per job (a job admitted now may start above
+   its min).
+
+Quotas count each admitted job's min (its min nodes at its smallest share); nodes beyond
+it in use over a quota are *borrowed*, and reclaimed first.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from . import fairshare
+from .board import Board, Share, Tally, borrowing, charge
+
+__all__ = ["Allocation", "JobDemand", "Limits", "NodeCapacity", "Policy", "Reason", "Share",
+           "Waiting", "allocate", "order"]
+
+
+class Reason(str, enum.Enum):
+    """Why a job waits (Slurm's words)."""
+
+    PRIORITY = "Priority"            # a job ahead of it waits for the room it would take
+    RESOURCES = "Resources"          # not enough room, even reclaiming what may be
+    QUOTA_USER = "QuotaUser"         # its min would take its user over a limit
+    QUOTA_ACCOUNT = "QuotaAccount"   # its min would take its account over a limit
+    HELD = "Held"                    # held: it does not start until released
+    SIZE = "Size"                    # its min can never fit this cluster, even idle
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    slots: int
+    gpus: int = 0
+    usable: bool = True   # False: lost, drained or held; it gives nothing
+
+
+@dataclass(frozen=True)
+class JobDemand:
+    """A job as the allocator sees it.  ``shares``: what it takes on each node it may run
+    on (a node absent is not eligible).  ``current``: the nodes it holds now (empty:
+    waiting)."""
+
+    id: str
+    user: str
+    account: str
+    shares: Mapping[str, Share]
+    min_nodes: int = 1
+    max_nodes: int = 1
+    step: int = 1
+    priority: int = 0
+    seq: int = 0
+    submitted: float = 0.0
+    preemptible: bool = False
+    held: bool = False
+    current: frozenset[str] = frozenset()
+    last_grown: float | None = None
+
+    @property
+    def need(self) -> int:
+        """Its guaranteed count: min rounded up to its step."""
+        return -(-max(self.min_nodes, 1) // self.step) * self.step
+
+    @property
+    def top(self) -> int:
+        """The largest count it may have: max rounded down to its step."""
+        return self.max_nodes // self.step * self.step
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One user's or account's limits on what its jobs hold (None: unlimited)."""
+
+    nodes: int | None = None
+    gpus: int | None = None
+    slots: int | None = None
+
+    def exceeded_by(self, t: Tally) -> bool:
+        return any(limit is not None and used > limit
+                   for limit, used in ((self.nodes, t.nodes), (self.gpus, t.gpus), (self.slots, t.slots)))
+
+
+@dataclass(frozen=True)
+class Policy:
+    users: Mapping[str, Limits] = field(default_factory=dict)
+    accounts: Mapping[str, Limits] = field(default_factory=dict)
+    user_default: Limits = Limits()
+    account_default: Limits = Limits()
+    account_shares: Mapping[str, float] = field(default_factory=dict)  # absent: 1.0
+    resize_interval: float = 60.0
+    half_life: float = fairshare.HALF_LIFE  # for the caller's fairshare.decay
+
+    def limits(self, job: JobDemand) -> tuple[tuple[Limits, Reason, str], ...]:
+        """The user's and the account's limits on ``job``, and how to say each."""
+        return ((self.users.get(job.user, self.user_default), Reason.QUOTA_USER, "user"),
+                (self.accounts.get(job.account, self.account_default), Reason.QUOTA_ACCOUNT, "account"))
+
+
+@dataclass(frozen=True)
+class Waiting:
+    job: str
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """``nodes``: every job that runs, and its nodes.  ``waiting``: the others, in the
+    order they will start.  ``preempted``: jobs stopped below their min (requeued: in
+    ``waiting``, or started again elsewhere in ``nodes``).  ``started``: admitted now.
+    ``grown`` / ``reclaimed``: nodes given to / taken from a running job (the caller
+    records ``now`` as the last growth of each job in ``grown``).  ``dropped``: current
+    nodes a job could not keep (lost, no longer eligible, overcommitted, over its max).
+    ``borrowing``: jobs holding nodes over a quota (reclaimed first)."""
+
+    nodes: Mapping[str, frozenset[str]]
+    waiting: tuple[Waiting, ...]
+    order: tuple[str, ...]
+    started: frozenset[str] = frozenset()
+    preempted: frozenset[str] = frozenset()
+    grown: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    reclaimed: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    dropped: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    borrowing: frozenset[str] = frozenset()
+
+
+def order(jobs: Iterable[JobDemand], policy: Policy, usage: Mapping[str, float]) -> list[JobDemand]:
+    """Priority (higher first), then fair share (higher first), then age (seq, then id)."""
+    jobs = list(jobs)
+    fair = fairshare.factor(usage, policy.account_shares, (j.account for j in jobs))
+    return sorted(jobs, key=lambda j: (-j.priority, -fair[j.account], j.seq, j.id))
+
+
+def allocate(nodes: Mapping[str, NodeCapacity], jobs: Iterable[JobDemand], policy: Policy,
+             usage: Mapping[str, float], now: float) -> Allocation:
+    ranked = order(jobs, policy, usage)
+    board = Board({n: (c.slots, c.gpus) for n, c in nodes.items() if c.usable}, ranked)
+    dropped = _keep(board, ranked)
+    kept = {j for j, h in board.held.items() if h}
+    waiting = _admit_all(board, ranked, policy, nodes)
+    started = {j for j, h in board.held.items() if h and (j not in kept or j in board.preempted)}
+    grown = _grow(board, ranked, policy, now, started)
+    return Allocation(
+        nodes={j: frozenset(h) for j, h in sorted(board.held.items()) if h},
+        waiting=waiting, order=tuple(j.id for j in ranked),
+        started=frozenset(started), preempted=frozenset(board.preempted),
+        grown=grown, reclaimed=_frozen(board.reclaimed), dropped=dropped,
+        borrowing=frozenset(j.id for j in ranked if borrowing(board, j, policy)))
+
+
+def _frozen(sets: Mapping[str, set[str]]) -> dict[str, frozenset[str]]:
+    return {j: frozenset(s) for j, s in sorted(sets.items()) if s}
+
+
+# -- 1. keep ---------------------------------------------------------------------------------
+
+def _keep(board: Board, ranked: list[JobDemand]) -> dict[str, frozenset[str]]:
+    dropped: dict[str, frozenset[str]] = {}
+    for job in ranked:
+        for node in sorted(job.current):
+            if len(board.held[job.id]) < job.max_nodes and board.fits(job, node):
+                board.take(job, node)
+        lost = job.current - board.held[job.id]
+        if lost:
+            dropped[job.id] = frozenset(lost)
+    return dropped
+
+
+# -- 2. admit --------------------------------------------------------------------------------
+
+def _admit_all(board: Board, ranked: list[JobDemand], policy: Policy,
+               nodes: Mapping[str, NodeCapacity]) -> tuple[Waiting, ...]:
+    """Walk the order until a walk starts nothing more (a preemption, or a reclaim rounded
+    up to a step, may free room for a job the walk had passed); the jobs left waiting."""
+    waiting: list[Waiting] = []
+    for _ in range(2 * len(ranked) + 2):
+        board.reserved.clear()
+        waiting, moved = [], False
+        for job in ranked:
+            outcome = _admit_one(board, job, policy, nodes)
+            if isinstance(outcome, Reason):
+                waiting.append(Waiting(job.id, outcome))
+            moved = moved or outcome is True
+        if not moved:
+            break
+    return tuple(waiting)
+
+
+def _admit_one(board: Board, job: JobDemand, policy: Policy,
+               nodes: Mapping[str, NodeCapacity]) -> Reason | bool | None:
+    """A reason it waits; True if it took nodes; None if it runs on as it is."""
+    have = board.held[job.id]
+    if len(have) >= job.need:
+        return None
+    if have:
+        return None if job.held else _top_up(board, job, policy)
+    if job.held:
+        return Reason.HELD
+    if job.need > job.top or _eligible_anywhere(job, nodes) < job.need:
+        return Reason.SIZE
+    return _start(board, job, policy)
+
+
+def _eligible_anywhere(job: JobDemand, nodes: Mapping[str, NodeCapacity]) -> int:
+    """How many of the cluster's nodes could hold a share of ``job`` were they idle."""
+    return sum(1 for n, c in nodes.items()
+               if n in job.shares and job.shares[n].slots <= c.slots and job.shares[n].gpus <= c.gpus)
+
+
+def _top_up(board: Board, job: JobDemand, policy: Policy) -> bool:
+    """A running job below its min (it lost nodes) gets back to it if it can, at once."""
+    more = job.need - len(board.held[job.id])
+    if _quota(board, job, more, policy) is not None:
+        return False
+    plan = board.plan(job, more, policy, reservations=False, preempt=False)
+    if plan is None:
+        return False
+    board.adopt(plan)
+    return True
+
+
+def _start(board: Board, job: JobDemand, policy: Policy) -> Reason | bool:
+    reason = _quota(board, job, job.need, policy)
+    if reason is not None:
+        return reason
+    plan = board.plan(job, job.need, policy, reservations=True, preempt=True)
+    if plan is not None:
+        board.adopt(plan)
+        return True
+    free = board.plan(job, job.need, policy, reservations=False, preempt=True)
+    board.reserve(job, policy)
+    return Reason.PRIORITY if free is not None else Reason.RESOURCES
+
+
+def _quota(board: Board, job: JobDemand, more: int, policy: Policy) -> Reason | None:
+    """The quota ``job`` would break with ``more`` guaranteed nodes on top of what it holds
+    (None: within every limit).  Each job counts its min at its smallest share (``charge``):
+    it does not depend on which nodes it gets, nor on what others lend or borrow."""
+    for limits, reason, kind in policy.limits(job):
+        owner = getattr(job, kind)
+        others = (j for j in board.jobs.values() if j.id != job.id and getattr(j, kind) == owner)
+        total = sum((charge(board, j) for j in others), Tally())
+        if limits.exceeded_by(total + charge(board, job, len(board.held[job.id]) + more)):
+            return reason
+    return None
+
+
+# -- 3. grow ---------------------------------------------------------------------------------
+
+def _grow(board: Board, ranked: list[JobDemand], policy: Policy, now: float,
+          started: set[str]) -> dict[str, frozenset[str]]:
+    grown: dict[str, frozenset[str]] = {}
+    for job in ranked:
+        have = board.held[job.id]
+        if not have or job.held or not (job.id in started or _due(job, policy, now)):
+            continue
+        room = [n for n in board.nodes_for(job) if n not in have and board.fits(job, n)]
+        target = min(job.top, (len(have) + len(room)) // job.step * job.step)
+        if target <= len(have):
+            continue
+        picks = sorted(room, key=lambda n: board.growth_rank(job, n))[:target - len(have)]
+        for node in picks:
+            board.take(job, node)
+        grown[job.id] = frozenset(picks)
+    return grown
+
+
+def _due(job: JobDemand, policy: Policy, now: float) -> bool:
+    return job.last_grown is None or now - job.last_grown >= policy.resize_interval
