@@ -158,20 +158,26 @@ def allocate(nodes: Mapping[str, NodeCapacity], jobs: Iterable[JobDemand], polic
     ranked = order(jobs, policy, usage)
     board = Board({n: (c.slots, c.gpus) for n, c in nodes.items() if c.usable}, ranked)
     dropped = _keep(board, ranked)
-    kept = {j for j, h in board.held.items() if h}
-    waiting = _admit_all(board, ranked, policy, nodes)
-    started = {j for j, h in board.held.items() if h and (j not in kept or j in board.preempted)}
-    grown = _grow(board, ranked, policy, now, started)
+    kept = {j: frozenset(h) for j, h in board.held.items() if h}
+    added: dict[str, set[str]] = {}
+    waiting: tuple[Waiting, ...] = ()
+    for _ in range(2 * len(ranked) + 2):
+        waiting, moved = _walk(board, ranked, policy, nodes)
+        started = {j for j, h in board.held.items() if h and (j not in kept or j in board.preempted)}
+        grew = _grow(board, ranked, policy, now, started, added)
+        if not (moved or grew):
+            break
+    held = {j: frozenset(h) for j, h in sorted(board.held.items()) if h}
     return Allocation(
-        nodes={j: frozenset(h) for j, h in sorted(board.held.items()) if h},
-        waiting=waiting, order=tuple(j.id for j in ranked),
+        nodes=held, waiting=waiting, order=tuple(j.id for j in ranked),
         started=frozenset(started), preempted=frozenset(board.preempted),
-        grown=grown, reclaimed=_frozen(board.reclaimed), dropped=dropped,
-        borrowing=frozenset(j.id for j in ranked if borrowing(board, j, policy)))
+        grown=_net({j: held.get(j, frozenset()) & a for j, a in added.items()}),
+        reclaimed=_net({j: k - held.get(j, frozenset()) for j, k in kept.items() if j not in board.preempted}),
+        dropped=dropped, borrowing=frozenset(j.id for j in ranked if borrowing(board, j, policy)))
 
 
-def _frozen(sets: Mapping[str, set[str]]) -> dict[str, frozenset[str]]:
-    return {j: frozenset(s) for j, s in sorted(sets.items()) if s}
+def _net(sets: Mapping[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+    return {j: s for j, s in sorted(sets.items()) if s}
 
 
 # -- 1. keep ---------------------------------------------------------------------------------
@@ -190,22 +196,18 @@ def _keep(board: Board, ranked: list[JobDemand]) -> dict[str, frozenset[str]]:
 
 # -- 2. admit --------------------------------------------------------------------------------
 
-def _admit_all(board: Board, ranked: list[JobDemand], policy: Policy,
-               nodes: Mapping[str, NodeCapacity]) -> tuple[Waiting, ...]:
-    """Walk the order until a walk starts nothing more (a preemption, or a reclaim rounded
-    up to a step, may free room for a job the walk had passed); the jobs left waiting."""
+def _walk(board: Board, ranked: list[JobDemand], policy: Policy,
+          nodes: Mapping[str, NodeCapacity]) -> tuple[tuple[Waiting, ...], bool]:
+    """One walk of the order: the jobs left waiting, and whether any job took nodes."""
+    board.reserved.clear()
     waiting: list[Waiting] = []
-    for _ in range(2 * len(ranked) + 2):
-        board.reserved.clear()
-        waiting, moved = [], False
-        for job in ranked:
-            outcome = _admit_one(board, job, policy, nodes)
-            if isinstance(outcome, Reason):
-                waiting.append(Waiting(job.id, outcome))
-            moved = moved or outcome is True
-        if not moved:
-            break
-    return tuple(waiting)
+    moved = False
+    for job in ranked:
+        outcome = _admit_one(board, job, policy, nodes)
+        if isinstance(outcome, Reason):
+            waiting.append(Waiting(job.id, outcome))
+        moved = moved or outcome is True
+    return tuple(waiting), moved
 
 
 def _admit_one(board: Board, job: JobDemand, policy: Policy,
@@ -270,12 +272,13 @@ def _quota(board: Board, job: JobDemand, more: int, policy: Policy) -> Reason | 
 # -- 3. grow ---------------------------------------------------------------------------------
 
 def _grow(board: Board, ranked: list[JobDemand], policy: Policy, now: float,
-          started: set[str]) -> dict[str, frozenset[str]]:
-    grown: dict[str, frozenset[str]] = {}
+          started: set[str], added: dict[str, set[str]]) -> bool:
+    """Give free room to the jobs due to grow, in order; whether any grew (into ``added``)."""
+    grew = False
     for job in ranked:
         have = board.held[job.id]
-        if not have or job.held or not (job.id in started or _due(job, policy, now)):
-            continue
+        if len(have) < job.need or job.held or not (job.id in started or _due(job, policy, now)):
+            continue  # below its min it is topped up (admission, within quotas) or not at all
         room = [n for n in board.nodes_for(job) if n not in have and board.fits(job, n)]
         target = min(job.top, (len(have) + len(room)) // job.step * job.step)
         if target <= len(have):
@@ -283,8 +286,9 @@ def _grow(board: Board, ranked: list[JobDemand], policy: Policy, now: float,
         picks = sorted(room, key=lambda n: board.growth_rank(job, n))[:target - len(have)]
         for node in picks:
             board.take(job, node)
-        grown[job.id] = frozenset(picks)
-    return grown
+        added.setdefault(job.id, set()).update(picks)
+        grew = True
+    return grew
 
 
 def _due(job: JobDemand, policy: Policy, now: float) -> bool:

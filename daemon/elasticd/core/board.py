@@ -8,7 +8,9 @@ Who yields a node to a job, first to last (``Board.clearing``): a job borrowing 
 lent above its min (the last in the order first: mins come before anyone's extra nodes,
 whoever was first), and, last, a ``preemptible`` job later in the order below its min (it
 is preempted).  Among nodes, the one cheapest to clear: free room
-first, then the fewest and lowest-ordered jobs moved, then the tightest fit (whole nodes
+first, then the fewest nodes taken that a job held before this allocation (one given to it
+in this very allocation moves no worker), the fewest and lowest-ordered jobs moved, then the
+tightest fit (whole nodes
 stay whole for larger shares), then the name.
 """
 
@@ -53,7 +55,6 @@ class Board:
         self.used: dict[str, list[int]] = {n: [0, 0] for n in capacity}
         self.reserved: dict[str, list[int]] = {}    # node -> room kept for waiting jobs
         self.preempted: set[str] = set()
-        self.reclaimed: dict[str, set[str]] = {}
 
     def copy(self) -> Board:
         other = Board.__new__(Board)
@@ -63,7 +64,6 @@ class Board:
         other.used = {n: list(u) for n, u in self.used.items()}
         other.reserved = {n: list(r) for n, r in self.reserved.items()}
         other.preempted = set(self.preempted)
-        other.reclaimed = {j: set(s) for j, s in self.reclaimed.items()}
         return other
 
     def adopt(self, other: Board) -> None:
@@ -129,7 +129,6 @@ class Board:
             node, victims = best
             for victim in victims:
                 trial.give(victim, node)
-                trial.reclaimed.setdefault(victim, set()).add(node)
             touched.update(victims)
             trial.take(job, node)
         for victim in sorted(touched):
@@ -166,8 +165,9 @@ class Board:
         if not _covers(room, share):
             return None
         victims = self._needed(victims, room, share, node)
-        left = _plus(room, Share(-share.slots, -share.gpus))
-        cost = (max((w for w, _, _ in victims), default=0), len(victims),
+        left = _plus(room, _minus(share))
+        moved = sum(1 for _, _, v in victims if node in self.jobs[v].current)
+        cost = (max((w for w, _, _ in victims), default=0), moved, len(victims),
                 tuple(sorted(r for _, r, _ in victims)), left[1], left[0])
         return cost, tuple(v for _, _, v in victims)
 
@@ -204,12 +204,10 @@ class Board:
             for node in held:
                 self.give(victim_id, node)
             self.preempted.add(victim_id)
-            self.reclaimed.pop(victim_id, None)
             return
         extra = len(held) % victim.step
         for node in held[:extra]:
             self.give(victim_id, node)
-            self.reclaimed.setdefault(victim_id, set()).add(node)
 
 
 # -- quotas ----------------------------------------------------------------------------------
