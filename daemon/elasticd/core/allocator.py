@@ -128,8 +128,8 @@ class Waiting:
 @dataclass(frozen=True)
 class Allocation:
     """``nodes``: every job that runs, and its nodes.  ``waiting``: the others, in the
-    order they will start.  ``preempted``: jobs stopped below their min (requeued: in
-    ``waiting``, or started again elsewhere in ``nodes``).  ``started``: admitted now.
+    order they will start.  ``preempted``: running jobs stopped below their min (requeued:
+    in ``waiting``, or started again elsewhere in ``nodes``).  ``started``: admitted now.
     ``grown`` / ``reclaimed``: nodes given to / taken from a running job (the caller
     records ``now`` as the last growth of each job in ``grown``).  ``dropped``: current
     nodes a job could not keep (lost, no longer eligible, overcommitted, over its max).
@@ -170,8 +170,8 @@ def allocate(nodes: Mapping[str, NodeCapacity], jobs: Iterable[JobDemand], polic
     held = {j: frozenset(h) for j, h in sorted(board.held.items()) if h}
     return Allocation(
         nodes=held, waiting=waiting, order=tuple(j.id for j in ranked),
-        started=frozenset(started), preempted=frozenset(board.preempted),
-        grown=_net({j: held.get(j, frozenset()) & a for j, a in added.items()}),
+        started=frozenset(started), preempted=frozenset(board.preempted & kept.keys()),
+        grown=_net({j: held.get(j, frozenset()) & a - kept.get(j, frozenset()) for j, a in added.items()}),
         reclaimed=_net({j: k - held.get(j, frozenset()) for j, k in kept.items() if j not in board.preempted}),
         dropped=dropped, borrowing=frozenset(j.id for j in ranked if borrowing(board, j, policy)))
 
