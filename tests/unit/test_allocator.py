@@ -159,6 +159,14 @@ def test_a_small_job_starts_on_a_node_the_blocked_job_cannot_use() -> None:
     assert held(result) == {"ann1": "a", "cid3": "d"} and reasons(result) == [("bob2", "Resources")]
 
 
+def test_a_job_that_started_on_a_node_a_larger_job_needs_leaves_it_once_it_grows_elsewhere() -> None:
+    # cid1 goes first and takes b (the tightest fit); dan2 needs a and b.  Once cid1 grows
+    # onto c, b is lent, and dan2 takes it: both run, and a second run would move nothing
+    nodes = {"a": NodeCapacity(4), "b": NodeCapacity(2), "c": NodeCapacity(2)}
+    result = run(nodes, job("cid1", "1:2", slots=1, on="bc"), job("dan2", "2:2", slots=2, on="ab"))
+    assert held(result) == {"cid1": "c", "dan2": "ab"} and not result.waiting
+
+
 def test_a_running_job_may_grow_into_room_a_blocked_job_keeps() -> None:
     result = run(cluster(), job("ann1", has="a"), job("bob2", "3:3"), job("cid3", "1:3", has="b"))
     assert held(result) == {"ann1": "a", "cid3": "bc"} and result.grown == {"cid3": frozenset("c")}

@@ -23,6 +23,10 @@ then submit order.  Then, in three phases on a board of the cluster:
    time, at most once per ``resize_interval`` per job (a job admitted now may start above
    its min).
 
+Admit and grow repeat until neither moves anything: growth may make a node that a job just
+admitted took (and a waiting job needs) a lent one, which the next walk reclaims.  So the
+allocation is a fixed point: given back as the jobs' current nodes, it moves nothing.
+
 Quotas count each admitted job's min (its min nodes at its smallest share); nodes beyond
 it in use over a quota are *borrowed*, and reclaimed first.
 """
@@ -73,7 +77,7 @@ class JobDemand:
     step: int = 1
     priority: int = 0
     seq: int = 0
-    submitted: float = 0.0
+    submitted: float = 0.0    # for the caller's estimates; the order's age is ``seq``
     preemptible: bool = False
     held: bool = False
     current: frozenset[str] = frozenset()
@@ -155,6 +159,8 @@ def order(jobs: Iterable[JobDemand], policy: Policy, usage: Mapping[str, float])
 
 def allocate(nodes: Mapping[str, NodeCapacity], jobs: Iterable[JobDemand], policy: Policy,
              usage: Mapping[str, float], now: float) -> Allocation:
+    """Each job's nodes (see the module's docstring).  ``usage``: decayed node-seconds per
+    account; ``now``: the time ``last_grown`` is measured against."""
     ranked = order(jobs, policy, usage)
     board = Board({n: (c.slots, c.gpus) for n, c in nodes.items() if c.usable}, ranked)
     dropped = _keep(board, ranked)
