@@ -16,33 +16,11 @@ stay whole for larger shares), then the name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
-if TYPE_CHECKING:
-    from .allocator import JobDemand, Policy
+from .allocation import JobDemand, Policy, Share, Tally
 
 BORROWED, LENT, PREEMPT = 1, 2, 3   # how a job yields a node (lower yields first)
-
-
-@dataclass(frozen=True)
-class Share:
-    """What a job takes on one node."""
-
-    slots: int
-    gpus: int = 0
-
-
-@dataclass(frozen=True)
-class Tally:
-    """What a user or an account holds: nodes, slots, GPUs."""
-
-    nodes: int = 0
-    slots: int = 0
-    gpus: int = 0
-
-    def __add__(self, other: Tally) -> Tally:
-        return Tally(self.nodes + other.nodes, self.slots + other.slots, self.gpus + other.gpus)
 
 
 class Board:
