@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from . import fairshare
+from elasticd.core import fairshare
 
 
 @dataclass(frozen=True)

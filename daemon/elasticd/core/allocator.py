@@ -3,7 +3,7 @@ and the time to each job's node set.  No clock, no store: the same input gives t
 allocation, whatever order its mappings come in.
 
 One order rules everything (``order``): priority, then the account's fair-share factor,
-then submit order.  Then, in three phases on a board of the cluster:
+then submit order.  Then, in three phases on a ledger of the cluster:
 
 1. *Keep*: every running job keeps its current nodes that are still usable, eligible, and
    have room (in order, should the input overcommit a node), up to its max.
@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from . import fairshare
-from .allocation import (Allocation, JobDemand, Limits, NodeCapacity, Policy, Reason, Share, Tally,
+from elasticd.core import fairshare
+from elasticd.core.allocation import (Allocation, JobDemand, Limits, NodeCapacity, Policy, Reason, Share, Tally,
                          Waiting)
-from .board import Board, borrowing, charge
+from elasticd.core.ledger import Ledger, borrowing, charge
 
 __all__ = ["Allocation", "JobDemand", "Limits", "NodeCapacity", "Policy", "Reason", "Share", "Tally",
            "Waiting", "allocate", "order"]
@@ -56,24 +56,24 @@ def allocate(nodes: Mapping[str, NodeCapacity], jobs: Iterable[JobDemand], polic
     """Each job's nodes (see the module's docstring).  ``usage``: decayed node-seconds per
     account; ``now``: the time ``last_grown`` is measured against."""
     ranked = order(jobs, policy, usage)
-    board = Board({n: (c.slots, c.gpus) for n, c in nodes.items() if c.usable}, ranked)
-    dropped = _keep(board, ranked)
-    kept = {j: frozenset(h) for j, h in board.held.items() if h}
+    ledger = Ledger({n: (c.slots, c.gpus) for n, c in nodes.items() if c.usable}, ranked)
+    dropped = _keep(ledger, ranked)
+    kept = {j: frozenset(h) for j, h in ledger.held.items() if h}
     added: dict[str, set[str]] = {}
     waiting: tuple[Waiting, ...] = ()
     for _ in range(2 * len(ranked) + 2):
-        waiting, moved = _walk(board, ranked, policy, nodes)
-        started = {j for j, h in board.held.items() if h and (j not in kept or j in board.preempted)}
-        grew = _grow(board, ranked, policy, now, started, added)
+        waiting, moved = _walk(ledger, ranked, policy, nodes)
+        started = {j for j, h in ledger.held.items() if h and (j not in kept or j in ledger.preempted)}
+        grew = _grow(ledger, ranked, policy, now, started, added)
         if not (moved or grew):
             break
-    held = {j: frozenset(h) for j, h in sorted(board.held.items()) if h}
+    held = {j: frozenset(h) for j, h in sorted(ledger.held.items()) if h}
     return Allocation(
         nodes=held, waiting=waiting, order=tuple(j.id for j in ranked),
-        started=frozenset(started), preempted=frozenset(board.preempted & kept.keys()),
+        started=frozenset(started), preempted=frozenset(ledger.preempted & kept.keys()),
         grown=_net({j: held.get(j, frozenset()) & a - kept.get(j, frozenset()) for j, a in added.items()}),
-        reclaimed=_net({j: k - held.get(j, frozenset()) for j, k in kept.items() if j not in board.preempted}),
-        dropped=dropped, borrowing=frozenset(j.id for j in ranked if borrowing(board, j, policy)))
+        reclaimed=_net({j: k - held.get(j, frozenset()) for j, k in kept.items() if j not in ledger.preempted}),
+        dropped=dropped, borrowing=frozenset(j.id for j in ranked if borrowing(ledger, j, policy)))
 
 
 def _net(sets: Mapping[str, frozenset[str]]) -> dict[str, frozenset[str]]:
@@ -82,13 +82,13 @@ def _net(sets: Mapping[str, frozenset[str]]) -> dict[str, frozenset[str]]:
 
 # -- 1. keep ---------------------------------------------------------------------------------
 
-def _keep(board: Board, ranked: list[JobDemand]) -> dict[str, frozenset[str]]:
+def _keep(ledger: Ledger, ranked: list[JobDemand]) -> dict[str, frozenset[str]]:
     dropped: dict[str, frozenset[str]] = {}
     for job in ranked:
         for node in sorted(job.current):
-            if len(board.held[job.id]) < job.max_nodes and board.fits(job, node):
-                board.take(job, node)
-        lost = job.current - board.held[job.id]
+            if len(ledger.held[job.id]) < job.max_nodes and ledger.fits(job, node):
+                ledger.take(job, node)
+        lost = job.current - ledger.held[job.id]
         if lost:
             dropped[job.id] = frozenset(lost)
     return dropped
@@ -96,33 +96,33 @@ def _keep(board: Board, ranked: list[JobDemand]) -> dict[str, frozenset[str]]:
 
 # -- 2. admit --------------------------------------------------------------------------------
 
-def _walk(board: Board, ranked: list[JobDemand], policy: Policy,
+def _walk(ledger: Ledger, ranked: list[JobDemand], policy: Policy,
           nodes: Mapping[str, NodeCapacity]) -> tuple[tuple[Waiting, ...], bool]:
     """One walk of the order: the jobs left waiting, and whether any job took nodes."""
-    board.reserved.clear()
+    ledger.reserved.clear()
     waiting: list[Waiting] = []
     moved = False
     for job in ranked:
-        outcome = _admit_one(board, job, policy, nodes)
+        outcome = _admit_one(ledger, job, policy, nodes)
         if isinstance(outcome, Reason):
             waiting.append(Waiting(job.id, outcome))
         moved = moved or outcome is True
     return tuple(waiting), moved
 
 
-def _admit_one(board: Board, job: JobDemand, policy: Policy,
+def _admit_one(ledger: Ledger, job: JobDemand, policy: Policy,
                nodes: Mapping[str, NodeCapacity]) -> Reason | bool | None:
     """A reason it waits; True if it took nodes; None if it runs on as it is."""
-    have = board.held[job.id]
+    have = ledger.held[job.id]
     if len(have) >= job.need:
         return None
     if have:
-        return None if job.held else _top_up(board, job, policy)
+        return None if job.held else _top_up(ledger, job, policy)
     if job.held:
         return Reason.HELD
     if job.need > job.top or _eligible_anywhere(job, nodes) < job.need:
         return Reason.SIZE
-    return _start(board, job, policy)
+    return _start(ledger, job, policy)
 
 
 def _eligible_anywhere(job: JobDemand, nodes: Mapping[str, NodeCapacity]) -> int:
@@ -131,61 +131,61 @@ def _eligible_anywhere(job: JobDemand, nodes: Mapping[str, NodeCapacity]) -> int
                if n in job.shares and job.shares[n].slots <= c.slots and job.shares[n].gpus <= c.gpus)
 
 
-def _top_up(board: Board, job: JobDemand, policy: Policy) -> bool:
+def _top_up(ledger: Ledger, job: JobDemand, policy: Policy) -> bool:
     """A running job below its min (it lost nodes) gets back to it if it can, at once."""
-    more = job.need - len(board.held[job.id])
-    if _quota(board, job, more, policy) is not None:
+    more = job.need - len(ledger.held[job.id])
+    if _quota(ledger, job, more, policy) is not None:
         return False
-    plan = board.plan(job, more, policy, reservations=False, preempt=False)
+    plan = ledger.plan(job, more, policy, reservations=False, preempt=False)
     if plan is None:
         return False
-    board.adopt(plan)
+    ledger.adopt(plan)
     return True
 
 
-def _start(board: Board, job: JobDemand, policy: Policy) -> Reason | bool:
-    reason = _quota(board, job, job.need, policy)
+def _start(ledger: Ledger, job: JobDemand, policy: Policy) -> Reason | bool:
+    reason = _quota(ledger, job, job.need, policy)
     if reason is not None:
         return reason
-    plan = board.plan(job, job.need, policy, reservations=True, preempt=True)
+    plan = ledger.plan(job, job.need, policy, reservations=True, preempt=True)
     if plan is not None:
-        board.adopt(plan)
+        ledger.adopt(plan)
         return True
-    free = board.plan(job, job.need, policy, reservations=False, preempt=True)
-    board.reserve(job, policy)
+    free = ledger.plan(job, job.need, policy, reservations=False, preempt=True)
+    ledger.reserve(job, policy)
     return Reason.PRIORITY if free is not None else Reason.RESOURCES
 
 
-def _quota(board: Board, job: JobDemand, more: int, policy: Policy) -> Reason | None:
+def _quota(ledger: Ledger, job: JobDemand, more: int, policy: Policy) -> Reason | None:
     """The quota ``job`` would break with ``more`` guaranteed nodes on top of what it holds
     (None: within every limit).  Each job counts its min at its smallest share (``charge``):
     it does not depend on which nodes it gets, nor on what others lend or borrow."""
     for limits, reason, kind in policy.limits(job):
         owner = getattr(job, kind)
-        others = (j for j in board.jobs.values() if j.id != job.id and getattr(j, kind) == owner)
-        total = sum((charge(board, j) for j in others), Tally())
-        if limits.exceeded_by(total + charge(board, job, len(board.held[job.id]) + more)):
+        others = (j for j in ledger.jobs.values() if j.id != job.id and getattr(j, kind) == owner)
+        total = sum((charge(ledger, j) for j in others), Tally())
+        if limits.exceeded_by(total + charge(ledger, job, len(ledger.held[job.id]) + more)):
             return reason
     return None
 
 
 # -- 3. grow ---------------------------------------------------------------------------------
 
-def _grow(board: Board, ranked: list[JobDemand], policy: Policy, now: float,
+def _grow(ledger: Ledger, ranked: list[JobDemand], policy: Policy, now: float,
           started: set[str], added: dict[str, set[str]]) -> bool:
     """Give free room to the jobs due to grow, in order; whether any grew (into ``added``)."""
     grew = False
     for job in ranked:
-        have = board.held[job.id]
+        have = ledger.held[job.id]
         if len(have) < job.need or job.held or not (job.id in started or _due(job, policy, now)):
             continue  # below its min it is topped up (admission, within quotas) or not at all
-        room = [n for n in board.nodes_for(job) if n not in have and board.fits(job, n)]
+        room = [n for n in ledger.nodes_for(job) if n not in have and ledger.fits(job, n)]
         target = min(job.top, (len(have) + len(room)) // job.step * job.step)
         if target <= len(have):
             continue
-        picks = sorted(room, key=lambda n: board.growth_rank(job, n))[:target - len(have)]
+        picks = sorted(room, key=lambda n: ledger.growth_rank(job, n))[:target - len(have)]
         for node in picks:
-            board.take(job, node)
+            ledger.take(job, node)
         added.setdefault(job.id, set()).update(picks)
         grew = True
     return grew

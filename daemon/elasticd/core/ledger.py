@@ -1,9 +1,9 @@
-"""The allocator's board (issue 26): the cluster as the allocator fills it, what each job
+"""The allocator's ledger (issue 26): the cluster as the allocator fills it, what each job
 holds and what each usable node has left, and how to clear room on a node for a job.
 Private to ``allocator.py``; mutable, but only ever inside one ``allocate`` call, and a
 trial placement works on a copy (``plan``) that is adopted whole or dropped.
 
-Who yields a node to a job, first to last (``Board.clearing``): a job borrowing over a quota
+Who yields a node to a job, first to last (``Ledger.clearing``): a job borrowing over a quota
 (any job: borrowed room is reclaimed first), then a job of no higher priority with nodes
 lent above its min (the last in the order first: mins come before anyone's extra nodes,
 whoever was first), and, last, a ``preemptible`` job later in the order below its min (it
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from .allocation import JobDemand, Policy, Share, Tally
+from elasticd.core.allocation import JobDemand, Policy, Share, Tally
 
 BORROWED, LENT, PREEMPT = 1, 2, 3   # how a job yields a node (lower yields first)
 
 
-class Board:
+class Ledger:
     def __init__(self, capacity: dict[str, tuple[int, int]], ranked: Sequence[JobDemand]) -> None:
         self.capacity = capacity                     # usable node -> (slots, gpus)
         self.jobs = {j.id: j for j in ranked}
@@ -34,8 +34,8 @@ class Board:
         self.reserved: dict[str, list[int]] = {}    # node -> room kept for waiting jobs
         self.preempted: set[str] = set()
 
-    def copy(self) -> Board:
-        other = Board.__new__(Board)
+    def copy(self) -> Ledger:
+        other = Ledger.__new__(Ledger)
         other.capacity, other.jobs, other.rank = self.capacity, self.jobs, self.rank
         other.held = {j: set(h) for j, h in self.held.items()}
         other.on = {n: set(s) for n, s in self.on.items()}
@@ -44,7 +44,7 @@ class Board:
         other.preempted = set(self.preempted)
         return other
 
-    def adopt(self, other: Board) -> None:
+    def adopt(self, other: Ledger) -> None:
         self.__dict__.update(other.__dict__)
 
     # -- room ------------------------------------------------------------------------------
@@ -95,8 +95,8 @@ class Board:
     # -- clearing room for a job -----------------------------------------------------------
 
     def plan(self, job: JobDemand, count: int, policy: Policy, *, reservations: bool,
-             preempt: bool) -> Board | None:
-        """A copy of the board with ``count`` more nodes given to ``job``, each the cheapest
+             preempt: bool) -> Ledger | None:
+        """A copy of the ledger with ``count`` more nodes given to ``job``, each the cheapest
         to clear, or None if there are not that many."""
         trial = self.copy()
         touched: set[str] = set()
@@ -190,11 +190,11 @@ class Board:
 
 # -- quotas ----------------------------------------------------------------------------------
 
-def charge(board: Board, job: JobDemand, count: int | None = None) -> Tally:
+def charge(ledger: Ledger, job: JobDemand, count: int | None = None) -> Tally:
     """What ``job`` counts against its quotas: its guaranteed nodes (``count``, by default
     as many as it holds up to its min) at its smallest share."""
     if count is None:
-        count = len(board.held[job.id])
+        count = len(ledger.held[job.id])
     count = min(count, job.need)
     if not job.shares or count <= 0:
         return Tally()
@@ -202,24 +202,24 @@ def charge(board: Board, job: JobDemand, count: int | None = None) -> Tally:
                  count * min(s.gpus for s in job.shares.values()))
 
 
-def in_use(board: Board, jobs: Iterable[JobDemand]) -> Tally:
+def in_use(ledger: Ledger, jobs: Iterable[JobDemand]) -> Tally:
     """What ``jobs`` hold, every node at its share."""
     total = Tally()
     for job in jobs:
-        for node in board.held[job.id]:
+        for node in ledger.held[job.id]:
             share = job.shares[node]
             total += Tally(1, share.slots, share.gpus)
     return total
 
 
-def borrowing(board: Board, job: JobDemand, policy: Policy) -> bool:
+def borrowing(ledger: Ledger, job: JobDemand, policy: Policy) -> bool:
     """Whether ``job`` holds nodes above its min while its user or account is over a
     limit: those nodes are borrowed."""
-    if len(board.held[job.id]) <= job.need:
+    if len(ledger.held[job.id]) <= job.need:
         return False
     for limits, _, kind in policy.limits(job):
         owner = getattr(job, kind)
-        if limits.exceeded_by(in_use(board, (j for j in board.jobs.values() if getattr(j, kind) == owner))):
+        if limits.exceeded_by(in_use(ledger, (j for j in ledger.jobs.values() if getattr(j, kind) == owner))):
             return True
     return False
 
