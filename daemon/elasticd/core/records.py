@@ -167,16 +167,7 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
     error = _error_doc(outcome)
     barrier = next((p.barrier for p in parts if p.barrier), None)
     return {
-        "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
-        "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
-        "nproc_per_node": spec.nproc_per_node, "role": spec.role,
-        "master_port": spec.master_port or None,
-        "restarts": max((p.restarts for p in record.parts.values()), default=0),
-        "max_restarts": spec.max_restarts, "created": spec.created,
-        "started": started(record), "ended": outcome.ended if outcome else None,
-        "exit_code": outcome.exit_code if outcome else None,
-        "round": parts[0].round if parts else None,
-        "world_size": parts[0].world_size if parts else None,
+        **_summary(record, parts), "role": spec.role, "master_port": spec.master_port or None,
         "argv": list(spec.argv), "kind": spec.kind, "python": spec.python, "workdir": spec.workdir,
         "submitted_on": spec.submitted_on,
         "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
@@ -184,6 +175,22 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
         "usage": total_usage(usage.values()),
         "error": error, "barrier": barrier if outcome is None else None,
         "held": hold_reason(record) or None, "redacted": False,
+    }
+
+
+def _summary(record: JobRecord, parts: list[Part]) -> dict[str, Any]:
+    """What a job's document and its ``list`` row both say of it."""
+    spec, outcome = record.spec, record.outcome
+    return {
+        "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
+        "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
+        "nproc_per_node": spec.nproc_per_node,
+        "restarts": max((p.restarts for p in record.parts.values()), default=0),
+        "max_restarts": spec.max_restarts, "created": spec.created,
+        "started": started(record), "ended": outcome.ended if outcome else None,
+        "exit_code": outcome.exit_code if outcome else None,
+        "round": parts[0].round if parts else None,
+        "world_size": parts[0].world_size if parts else None,
     }
 
 
@@ -204,20 +211,11 @@ def list_row(record: JobRecord) -> dict[str, Any]:
     """One job's row in ``list``, the same for every caller: what the table shows and no
     more (no arguments, environment, error text or per-worker detail), so a row's size does
     not grow with what a user submitted or with the job's size."""
-    spec, outcome = record.spec, record.outcome
     parts = current_parts(record)
     workers = [w for p in parts for w in p.workers]
     return {
-        "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
-        "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
-        "nproc_per_node": spec.nproc_per_node, "kind": spec.kind,
-        "restarts": max((p.restarts for p in record.parts.values()), default=0),
-        "max_restarts": spec.max_restarts, "created": spec.created,
-        "started": started(record), "ended": outcome.ended if outcome else None,
-        "exit_code": outcome.exit_code if outcome else None,
-        "round": parts[0].round if parts else None,
-        "world_size": parts[0].world_size if parts else None,
-        "node_count": len(parts), "workers_up": sum(w.get("state") == WorkerState.HEALTHY for w in workers),
+        **_summary(record, parts), "kind": record.spec.kind, "node_count": len(parts),
+        "workers_up": sum(w.get("state") == WorkerState.HEALTHY for w in workers),
         "workers_total": len(workers), "held": hold_reason(record) or None,
     }
 
