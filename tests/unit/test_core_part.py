@@ -401,11 +401,59 @@ def test_in_place_a_node_rejoining_a_job_warms_up_before_it_joins():
     assert kinds(out) == ["Join"] and out[0].nproc == 2
 
 
-def test_in_place_a_worker_that_fails_while_warming_up_makes_the_node_leave():
+def test_in_place_a_worker_that_fails_while_warming_up_spends_a_restart_and_warms_again():
     d = Drive(in_place=True, started=5.0)
     d.start()
     out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
-    assert states(out)[-1] == "LEFT" and d.part.declined.startswith("a worker failed while warming up")
+    assert kinds(out) == ["Publish", "RequestRound"]
+    assert out[-1].round is None and out[-1].reason is Reason.FAILURE  # after the current round: it is outside
+    out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    assert kinds(out) == ["ForgetSlots", "WarmWorkers"] and acts(out)[0].slots == (1,)
+    assert d.part.phase is Phase.WARMING and [i.what for i in d.said if isinstance(i, do.Count)][-1] == "restarted"
+
+
+def test_in_place_a_script_without_elastic_run_fails_the_job_once_its_restarts_are_spent():
+    """issue 28: such a job left and rejoined 360 times in 3.7 minutes, spending nothing."""
+    d = Drive(in_place=True, started=5.0)
+    d.start()
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.EXHAUSTED))
+    assert kinds(out) == ["Finish"] and out[0].outcome.state is JobState.FAILED
+    assert "must call elasticd.elastic.run" in out[0].outcome.message
+    assert "exhausted" in out[0].outcome.message
+
+
+def test_in_place_warm_up_failures_in_a_row_past_the_budget_fail_the_job_where_no_round_can_be_charged():
+    """A round still forming cannot be charged (ALREADY): the part's own count bounds the loop."""
+    d = Drive(in_place=True, started=5.0, max_restarts=1)
+    d.start()
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.ALREADY))
+    out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    assert kinds(out) == ["Publish", "Finish"] and "elasticd.elastic.run" in out[-1].outcome.message
+
+
+def test_in_place_a_worker_that_reaches_elastic_run_clears_the_count_of_warm_up_failures():
+    d = Drive(in_place=True, started=5.0, max_restarts=1)
+    d.start()
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.ALREADY))
+    ask(d, 0)
+    out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    assert kinds(out)[-1] == "RequestRound"
+
+
+def test_in_place_a_warm_up_failure_while_the_job_ends_or_the_node_leaves_spends_nothing():
+    d = Drive(in_place=True, started=5.0)
+    d.start()
+    d.ended()
+    out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    assert "RequestRound" not in kinds(out)
+    d = Drive(in_place=True, started=5.0)
+    d.start()
+    d.leave(Reason.DRAIN)
+    out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    assert "RequestRound" not in kinds(out)
 
 
 def test_in_place_a_late_ask_of_a_dead_worker_changes_nothing():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from elasticd.journal import excerpt
@@ -28,7 +28,7 @@ from elasticd.rendezvous import Reason, RendezvousInfo, RoundEvent
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.policy import (ROUND_FOR, Decision, Observed, RejoinStalled, WorkersExited, WorkersReady,
-                                  run_result)
+                                  failure_outcome, run_result)
 
 if TYPE_CHECKING:
     from elasticd.core.part import PartCore
@@ -140,6 +140,7 @@ class Places:
     joining: tuple[int, ...] = ()                         # the slots offered to the round being joined
     first: bool = False                                   # the job's first round: its workers start once formed
     timers: dict[str, str] = field(default_factory=dict)  # role -> the name of its timer now
+    warm_failures: int = 0                                # warm-ups that failed since a worker last asked
 
     def move(self, slot: int, state: SlotState) -> None:
         self.slots[slot] = SLOT_STATES.check(self.slots.get(slot, SlotState.EMPTY), state)
@@ -147,6 +148,7 @@ class Places:
     def ask(self, slot: int, after: int) -> None:
         """The worker in ``slot`` asked for a place (one whose end was heard first is gone)."""
         self.asked[slot] = max(self.asked.get(slot, -2), after)
+        self.warm_failures = 0  # it reached elastic.run: the script is able to
         if self.slots.get(slot, SlotState.EMPTY) in (SlotState.WARMING, SlotState.READY):
             self.move(slot, SlotState.READY)
 
@@ -260,16 +262,48 @@ def warm_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instructio
     return _warm_check(part, now)
 
 
+WARM_FAILURE = ("failed while warming up, before it asked for its place (an --in-place job's "
+                "script must call elasticd.elastic.run)")
+
+
 def warm_exited(part: PartCore, now: ev.Now) -> Instructions:
+    """A worker ended while warming up: a failure like any other.  It spends a restart (the
+    round after the current one, whichever it is: this node is outside it) and the job
+    fails once none is left, saying that the script must call elastic.run (a script that
+    never does ends here every time); the survivors elsewhere keep their processes.  While
+    no round is complete the job-wide budget cannot be charged, so this part counts too:
+    more warm-up failures in a row than the budget fail the job."""
     assert part.group is not None
+    places = _places(part)
     result = run_result(part.group, part.failures)
-    if result is None and _places(part).running():
+    if result is None and places.running():
         return []
-    cause = result.root_cause if result is not None else None
-    part.declined = f"a worker failed while warming up: {cause.message if cause else 'no cause'}"
-    return [do.Say("warning", "job %s: %s leaves the job: %s", part.job,
-                   (part.job, part.settings.node, excerpt(part.declined)))] + \
-        part._end(PartState.LEFT, now, None, part.group)
+    if part.ended is not None:
+        return part._drop() + part._end(PartState.STOPPED, now)
+    if part.leaving is not None:
+        return part._leave(now, None, part.group)
+    seen = WorkersExited(_warm_failure(part, result))
+    cause = seen.result.root_cause
+    assert cause is not None
+    said: Instructions = [do.Say("warning", "job %s: a worker on %s %s", part.job,
+                                 (part.job, part.settings.node, excerpt(cause.message)))]
+    places.warm_failures += 1
+    if places.warm_failures > part.spec.max_restarts:
+        outcome = failure_outcome(seen.result, part.spec, now.wall, part.settings.node)
+        return said + part._finish(outcome, PartState.FAILED, now, part.info, part.group)
+    return said + part._request(Reason.FAILURE, seen, now, current=True)
+
+
+def _warm_failure(part: PartCore, result: RunResult | None) -> RunResult:
+    """What failed while warming up, each cause saying so (a worker that ended without a
+    failure, having never asked, is one too)."""
+    assert part.group is not None
+    causes = result.failures if result is not None and result.state is WorkerState.FAILED else ()
+    if not causes:
+        causes = tuple(Failure(w.rank, w.local_rank, w.node, w.exit_code or 0, "exited")
+                       for w in part.group.workers if w.local_rank in ended(part.group))
+    return RunResult(WorkerState.FAILED, tuple(
+        replace(f, message=f"{WARM_FAILURE}: {f.message}") for f in causes))
 
 
 def joined(part: PartCore, info: RendezvousInfo, now: ev.Now) -> Instructions:

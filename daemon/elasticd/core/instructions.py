@@ -40,9 +40,11 @@ class Watch:
 
 @dataclass(frozen=True)
 class RequestRound:
+    """Supersede ``round`` (None: whichever round is current, for a node outside it)."""
+
     job: str
     op: int
-    round: int
+    round: int | None
     reason: Reason
     lost: tuple[str, ...] = ()
 

@@ -58,7 +58,7 @@ class Phase(enum.StrEnum):
 _NEXT = (Phase.JOINING, Phase.WARMING, Phase.LEAVING, Phase.FINISHING, Phase.CLOSING)
 PART_PHASES = StateTable("a part's phase", {
     Phase.STARTING: _NEXT,
-    Phase.WARMING: _NEXT,
+    Phase.WARMING: (Phase.REQUESTING, *_NEXT),  # REQUESTING: a warm-up failed, a restart is spent
     Phase.JOINING: (Phase.RUNNING, *_NEXT),
     Phase.RUNNING: (Phase.PROBING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
     Phase.PROBING: (Phase.RUNNING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
@@ -383,11 +383,14 @@ class PartCore:
         return self._end(PartState.STOPPED, now, info, group)
 
     def _request(self, reason: Reason, seen: Observed | None, now: ev.Now,
-                 lost: tuple[str, ...] = ()) -> Instructions:
-        assert self.info is not None
+                 lost: tuple[str, ...] = (), current: bool = False) -> Instructions:
+        """Ask for the round after this part's own (``current``: after whichever round is
+        current, for a part outside it, e.g. warming up)."""
+        assert current or self.info is not None
         self._to(Phase.REQUESTING)
         self.then = Then(seen=seen, reason=reason)
-        return [do.RequestRound(self.job, self._op("main"), self.info.round, reason, lost)]
+        round = None if current or self.info is None else self.info.round
+        return [do.RequestRound(self.job, self._op("main"), round, reason, lost)]
 
     def _requested(self, event: ev.RoundRequested, now: ev.Now) -> Instructions:
         self._done(event)
@@ -397,8 +400,8 @@ class PartCore:
             return self._end(PartState.STOPPED, now, self.info)
         out: Instructions = []
         if event.result is NextRound.OPENED:
-            out.append(do.Say("info", "rendezvous %s: %s opened round %d (%s)", self.job,
-                              (self.job, self.settings.node, self.info.round + 1, self.then.reason)))
+            out.append(do.Say("info", "rendezvous %s: %s opened a new round (%s)", self.job,
+                              (self.job, self.settings.node, self.then.reason)))
         if self.then.reason in CHARGED:
             out.append(do.Count("restarted"))
         return out + self._rejoin(now)
@@ -414,8 +417,10 @@ class PartCore:
 
     def _rejoin(self, now: ev.Now) -> Instructions:
         """On to the next round."""
-        if self.in_place:
-            return self._report(PartState.RESTARTING, now, self.info, self.group) + inplace.rejoin(self, now)
+        if self.in_place:  # a part still in its rendezvous (its warm-up failed) warms again as it is
+            out = [] if self.reported is PartState.RENDEZVOUS else \
+                self._report(PartState.RESTARTING, now, self.info, self.group)
+            return out + inplace.rejoin(self, now)
         return self._report(PartState.RESTARTING, now, self.info) + self._join(now)
 
     # -- the exit barrier -------------------------------------------------------------------------

@@ -183,10 +183,11 @@ class RendezvousHandler:
 
     # -- rounds ----------------------------------------------------------------------------
 
-    async def request_next_round(self, round: int, reason: Reason, lost: Iterable[str] = ()) -> NextRound:
-        """Supersede ``round`` (once, whoever asks first).  FAILURE uses one restart of the
-        job-wide budget: EXHAUSTED, and no new round, when none is left.  The new round
-        completes without waiting for the ``lost`` members (known dead by the caller)."""
+    async def request_next_round(self, round: int | None, reason: Reason, lost: Iterable[str] = ()) -> NextRound:
+        """Supersede ``round`` (once, whoever asks first; None: the current round, if it is
+        complete).  FAILURE uses one restart of the job-wide budget: EXHAUSTED, and no new
+        round, when none is left.  The new round completes without waiting for the ``lost``
+        members (known dead by the caller)."""
         reason = Reason(reason)  # ValueError for an unknown one
         if reason is Reason.INITIAL:
             raise ValueError("the initial round is not requested: it is the first")
@@ -194,8 +195,9 @@ class RendezvousHandler:
         _, action = await self._execute(
             lambda state, view, now: decide_next_round(state, round, reason, self._settings, lost))
         if action.act is Act.OPEN_ROUND:
+            assert action.state is not None
             self._logger.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node,
-                     round + 1, reason)
+                     action.state.round, reason)
         return _NEXT_ROUND[action.act]
 
     async def leave(self, reason: Reason = Reason.DRAIN) -> None:

@@ -286,13 +286,15 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
 
 
 def decide_next_round(
-    state: RendezvousState, round: int, reason: Reason, settings: RendezvousSettings, lost: Iterable[str] = ()
+    state: RendezvousState, round: int | None, reason: Reason, settings: RendezvousSettings,
+    lost: Iterable[str] = ()
 ) -> Action:
-    """Open round ``round + 1``, once: later requests for the same round get ALREADY.
-    The new round does not wait for the ``lost`` nodes (they may still join it)."""
+    """Open round ``round + 1``, once: later requests for the same round get ALREADY
+    (``round`` None: the round after the current one, for a node outside it).  The new round
+    does not wait for the ``lost`` nodes (they may still join it)."""
     if state.closed:
         return Action(Act.CLOSED)
-    if state.round != round or not state.complete:
+    if (round is not None and state.round != round) or not state.complete:
         return Action(Act.ALREADY)
     if reason in CHARGED and not may_restart(state.restarts_used, settings.max_restarts):
         return Action(Act.EXHAUSTED)
