@@ -384,9 +384,7 @@ class PartCore:
 
     def _request(self, reason: Reason, seen: Observed | None, now: ev.Now,
                  lost: tuple[str, ...] = (), current: bool = False) -> Instructions:
-        """Ask for the round after this part's own (``current``: after whichever round is
-        current, for a part outside it, e.g. warming up)."""
-        assert current or self.info is not None
+        """The round after this part's own (``current``: after the current one, for a part outside it)."""
         self._to(Phase.REQUESTING)
         self.then = Then(seen=seen, reason=reason)
         round = None if current or self.info is None else self.info.round
@@ -418,8 +416,7 @@ class PartCore:
     def _rejoin(self, now: ev.Now) -> Instructions:
         """On to the next round."""
         if self.in_place:  # a part still in its rendezvous (its warm-up failed) warms again as it is
-            out = [] if self.reported is PartState.RENDEZVOUS else \
-                self._report(PartState.RESTARTING, now, self.info, self.group)
+            out = self._report(PartState.RESTARTING, now, self.info, self.group) if self.info else []
             return out + inplace.rejoin(self, now)
         return self._report(PartState.RESTARTING, now, self.info) + self._join(now)
 
