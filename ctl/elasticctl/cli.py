@@ -23,9 +23,9 @@ from elasticd.wire import paths
 from elasticctl import follow, render, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 from elasticctl.output import ProgressLine, emit, error_doc, terminal_width
-from elasticctl.submission import (UsageError, check_runnable, env_pair, given, names, nnodes,
-                                   non_negative_int, nproc_per_node, output_plan, positive_seconds, seconds,
-                                   submit_request)
+from elasticctl.submission import (UsageError, check_runnable, env_pair, given, misplaced_options_message,
+                                   names, nnodes, non_negative_int, nproc_per_node, output_plan,
+                                   own_options_after_script, positive_seconds, seconds, submit_request)
 
 EXIT_BY_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 INTERRUPTED = 130
@@ -43,12 +43,25 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     """
     argv, environ = list(argv), os.environ if environ is None else environ
     if "--" not in argv or not set(JOB_COMMANDS) & set(argv[:argv.index("--")]):
-        return _parse(build_parser(environ, torchrun_rule=True), argv)
+        return _refuse_own_options_after_script(_parse(build_parser(environ, torchrun_rule=True), argv), argv)
     split = argv.index("--")
     args = _parse(build_parser(environ, torchrun_rule=False), argv[:split])
     args.script_args = argv[split + 1:]
     if args.script is None and args.script_args:
         args.script = args.script_args.pop(0)
+    return args
+
+
+def _refuse_own_options_after_script(args: argparse.Namespace, argv: list[str]) -> argparse.Namespace:
+    """torchrun's rule gives the script everything after SCRIPT; an option of submit's or run's
+    own there is almost surely misplaced (``submit train.py --nproc-per-node 2 --wait`` would
+    run one worker and not wait), so it is refused with the command lines the user may have
+    meant.  elasticrun keeps torchrun's rule as it is: it does not come through here."""
+    if args.command not in JOB_COMMANDS or not args.script_args:
+        return args
+    ours, theirs = own_options_after_script(args.command_parser, args.script_args)
+    if ours:
+        args.command_parser.error(misplaced_options_message(argv, args.script_args, ours, theirs))
     return args
 
 
@@ -185,9 +198,11 @@ def add_submit_options(sub: argparse.ArgumentParser, environ: Mapping[str, str],
 
 SUBMIT_RULES = """\
 The script's arguments: without a bare '--', the first positional is SCRIPT and everything
-after it goes to the script unchanged (torchrun's rule).  With '--', everything after it goes
-to the script and elasticctl's options may come before or after SCRIPT:
+after it goes to the script (torchrun's rule), except that one of this command's own options
+there is refused as misplaced (-h/--help there is the script's).  With '--', everything after
+it goes to the script unchanged and elasticctl's options may come before or after SCRIPT:
   elasticctl submit train.py --nnodes 2:4 --nproc-per-node gpu -- --epochs 10
+  elasticctl submit train.py -- --wait          (the script gets --wait)
 torchrun's spellings (--nproc_per_node, --max_restarts, --no_python, ...) work too."""
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import stat
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from elasticd.wire import protocol
@@ -86,6 +87,47 @@ def env_pair(value: str) -> tuple[str, str]:
     if not equals or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VAL, got {value!r}")
     return key, val
+
+
+# -- the arguments after SCRIPT ---------------------------------------------------------------
+
+SCRIPTS_OWN = frozenset({"-h", "--help"})  # after SCRIPT, help is the script's (torchrun's rule)
+
+
+def own_options_after_script(parser: argparse.ArgumentParser,
+                             script_args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split the arguments after SCRIPT into ``parser``'s own options (each with its value:
+    ``--opt V`` or ``--opt=V``; a missing V is named by its metavar) and the rest, the
+    script's.  Names match exactly: a script's
+    ``--nproc`` is not elasticctl's ``--nproc-per-node``."""
+    actions = {name: action for action in parser._actions for name in action.option_strings
+               if name not in SCRIPTS_OWN}
+    ours: list[str] = []
+    theirs: list[str] = []
+    index = 0
+    while index < len(script_args):
+        arg = script_args[index]
+        name, equals, _ = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        action = actions.get(name)
+        width = 1 if action is None or equals or action.nargs == 0 else 2
+        taken = list(script_args[index:index + width])
+        if action is not None and len(taken) < width:  # its value missing: name what goes there
+            taken.append(str(action.metavar or action.dest.upper()))
+        (theirs if action is None else ours).extend(taken)
+        index += width
+    return ours, theirs
+
+
+def misplaced_options_message(argv: Sequence[str], script_args: Sequence[str], ours: Sequence[str],
+                              theirs: Sequence[str], prog: str = "elasticctl") -> str:
+    """The refusal of elasticctl options written after SCRIPT, with both command lines the user
+    may have meant.  ``argv`` ends with SCRIPT and ``script_args``."""
+    before = list(argv[:len(argv) - len(script_args)])  # ... SCRIPT
+    moved = shlex.join([prog, *before[:-1], *ours, before[-1], *theirs])
+    passed = shlex.join([prog, *before, "--", *script_args])
+    return (f"{shlex.join(ours)} after the script would be the script's own arguments, not "
+            f"elasticctl's options.\nPut elasticctl's options before the script:\n  {moved}\n"
+            f"or, to pass them to the script unchanged, put '--' before them:\n  {passed}")
 
 
 # -- requests -------------------------------------------------------------------------------

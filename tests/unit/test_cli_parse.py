@@ -12,10 +12,14 @@ SUBMIT_CASES = [
     # (command line, expected script, expected script args, expected options)
     ("submit train.py --nnodes 2:4 --nproc-per-node gpu --max-restarts 3 -- --epochs 10",
      "train.py", ["--epochs", "10"], {"nnodes": "2:4", "nproc_per_node": "gpu", "max_restarts": 3}),
-    ("submit --nnodes 2 train.py --epochs 10 --nnodes 5",
-     "train.py", ["--epochs", "10", "--nnodes", "5"], {"nnodes": "2"}),
-    ("submit --nnodes 2 train.py -h -m --wait",
-     "train.py", ["-h", "-m", "--wait"], {"nnodes": "2", "module": False, "wait": False}),
+    ("submit --nnodes 2 train.py --epochs 10 --nnodes-max 5 --nproc 3",
+     "train.py", ["--epochs", "10", "--nnodes-max", "5", "--nproc", "3"], {"nnodes": "2"}),
+    ("submit --nnodes 2 train.py -h --help",
+     "train.py", ["-h", "--help"], {"nnodes": "2", "module": False, "wait": False}),
+    ("submit train.py -- --wait --nnodes 5 -m",
+     "train.py", ["--wait", "--nnodes", "5", "-m"], {"wait": False, "nnodes": "1:1", "module": False}),
+    ("run train.py -- --json",
+     "train.py", ["--json"], {"json": None}),
     ("submit train.py",
      "train.py", [], {"nnodes": "1:1", "nproc_per_node": 1, "max_restarts": None}),
     ("submit --nnodes=3 -- train.py --lr 1",
@@ -24,8 +28,6 @@ SUBMIT_CASES = [
      "train.py", ["--", "x"], {"wait": True}),
     ("submit train.py --json -- a",
      "train.py", ["a"], {"json": True}),
-    ("--json submit train.py --json",
-     "train.py", ["--json"], {"json": True}),
     ("submit --nproc_per_node 4 --max_restarts 2 --no_python ./run.sh -x",
      "./run.sh", ["-x"], {"nproc_per_node": 4, "max_restarts": 2, "no_python": True}),
     ("submit -m pkg.train --lr 1",
@@ -48,7 +50,7 @@ SUBMIT_CASES = [
 @pytest.mark.parametrize("line,script,script_args,options", SUBMIT_CASES)
 def test_submit_parsing(line, script, script_args, options):
     args = cli.parse_args(line.split())
-    assert args.command == "submit"
+    assert args.command in cli.JOB_COMMANDS
     assert (args.script, args.script_args) == (script, script_args)
     assert {name: getattr(args, name) for name in options} == options
 
@@ -66,6 +68,54 @@ def test_submit_parsing(line, script, script_args, options):
 def test_usage_errors_exit_2(line, capsys):
     assert cli.main(line.split()) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line,moved,passed", [
+    ("submit train.py --nproc-per-node 2 --wait",
+     "elasticctl submit --nproc-per-node 2 --wait train.py",
+     "elasticctl submit train.py -- --nproc-per-node 2 --wait"),
+    ("--socket /s submit --nnodes 2 train.py --epochs 3 --nproc_per_node=4 --env A=1 x -r 3",
+     "elasticctl --socket /s submit --nnodes 2 --nproc_per_node=4 --env A=1 -r 3 train.py --epochs 3 x",
+     "elasticctl --socket /s submit --nnodes 2 train.py -- --epochs 3 --nproc_per_node=4 --env A=1 x -r 3"),
+    ("run -m pkg.mod --json --lr 1",
+     "elasticctl run -m --json pkg.mod --lr 1", "elasticctl run -m pkg.mod -- --json --lr 1"),
+    ("submit --no-python ./a.sh 'two words' --name n",
+     "elasticctl submit --no-python --name n ./a.sh 'two words'",
+     "elasticctl submit --no-python ./a.sh -- 'two words' --name n"),
+    ("submit x.py --socket", "elasticctl submit --socket PATH x.py", "elasticctl submit x.py -- --socket"),
+])
+def test_own_options_after_the_script_are_refused_with_both_corrections(line, moved, passed, capsys):
+    """Friction 3 of issue 28: `submit train.py --nproc-per-node 2 --wait` ran one worker and
+    did not wait.  Now it is refused, showing the line with the options moved and the '--'
+    form; both corrections parse to what each means."""
+    import shlex
+    assert cli.main(shlex.split(line)) == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "elasticctl's options" in err
+    assert f"\n  {moved}\n" in err and err.rstrip().endswith(f"\n  {passed}")
+    fixed, escaped = (cli.parse_args(shlex.split(text)[1:]) for text in (moved, passed))
+    original = shlex.split(line)
+    assert escaped.script_args == original[len(original) - len(escaped.script_args):]
+    assert fixed.script == escaped.script and "--" not in escaped.script_args
+
+
+def test_own_options_split_with_their_values():
+    parser = cli.parse_args(["submit", "x.py"]).command_parser
+    assert submission.own_options_after_script(
+        parser, ["--nnodes", "2", "--lr", "1", "--wait", "--max_restarts=3", "-t", "3", "--tag",
+                 "--nproc", "-h", "--help", "--nproc-per-node"]) == (
+        ["--nnodes", "2", "--wait", "--max_restarts=3", "-t", "3", "--nproc-per-node", "N|gpu|cpu|auto"],
+        ["--lr", "1", "--tag", "--nproc", "-h", "--help"])
+
+
+def test_elasticrun_keeps_torchruns_rule(monkeypatch):
+    """elasticrun is torchrun verbatim: options after the script are the script's, silently."""
+    seen = {}
+    monkeypatch.setattr(cli, "dispatch", lambda args: seen.setdefault("args", args) and 0)
+    assert cli.elasticrun(["train.py", "--nproc-per-node", "2", "--max-restarts", "3"]) == 0
+    args = seen["args"]
+    assert (args.script, args.script_args, args.nproc_per_node) == (
+        "train.py", ["--nproc-per-node", "2", "--max-restarts", "3"], 1)
 
 
 @pytest.mark.parametrize("line,expected", [
