@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from elasticd.wire import protocol
+from elasticd.wire import paths, protocol
 
 DEFAULT_TIMEOUT = 15.0
 CONNECT_TIMEOUT = 1.0
@@ -54,7 +54,8 @@ class NotRunning(Unavailable):
     code = "not_running"
 
     def __init__(self, path: str) -> None:
-        super().__init__(f"elasticd is not running (no control socket at {path})")
+        super().__init__(f"elasticd is not running (no control socket at {path}); "
+                         + paths.REACH_ELSEWHERE)
 
 
 class NoReply(Unavailable):

@@ -47,7 +47,7 @@ from elasticd.shell.bounds import contain
 from elasticd.config import DaemonConfig
 from elasticd.control.commands import Commands, PeerCommands
 from elasticd.core.discovery import EVERYONE, Listing
-from elasticd.wire.paths import is_own_dir
+from elasticd.wire.paths import how_to_reach, is_own_dir
 from elasticd.control.server import ControlServer, Limits, RouterServer, Zap
 from elasticd.endpoint import join_endpoint
 from elasticd.errors import ConfigError, ElasticdError
@@ -353,6 +353,8 @@ class Daemon:
                     self.notify.send("READY=1")
                     log.info("elasticd %s ready: node %s, socket %s, store %s", __version__,
                              self.node, config.socket_path, self._endpoint)
+                    if reach := how_to_reach(config.socket_path):
+                        log.info("not the default socket: reach this daemon with %s", reach)
                 await service.run(self.stop)
                 for task in background:
                     task.cancel()

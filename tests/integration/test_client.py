@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 
 from elasticd import __version__
-from elasticd.wire import protocol
+from elasticd.wire import paths, protocol
 from elasticctl import cli
 
 Answer = Callable[[protocol.Request], list[bytes]]
@@ -280,7 +280,7 @@ def elasticctl(*argv, env=None):
 def test_missing_socket_exits_2_quickly(sock_path):
     code, out, err, seconds = elasticctl("--socket", sock_path, "list")
     assert (code, out) == (2, "")
-    assert err == f"elasticd is not running (no control socket at {sock_path})\n"
+    assert err == f"elasticd is not running (no control socket at {sock_path}); {paths.REACH_ELSEWHERE}\n"
     assert seconds < QUICK
 
 
@@ -290,7 +290,7 @@ def test_stale_socket_file_exits_2_quickly(sock_path):
     assert os.path.exists(sock_path)
     code, _, err, seconds = elasticctl("status", "j-1", env={"ELASTICD_SOCKET": sock_path})
     assert code == 2
-    assert err == f"elasticd is not running (no control socket at {sock_path})\n"
+    assert err == f"elasticd is not running (no control socket at {sock_path}); {paths.REACH_ELSEWHERE}\n"
     assert seconds < QUICK
 
 

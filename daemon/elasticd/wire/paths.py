@@ -48,6 +48,18 @@ def default_socket_path() -> str:
     return own
 
 
+def how_to_reach(socket_path: str, uid: int | None = None) -> str:
+    """How ``uid``'s elasticctl reaches a daemon listening at ``socket_path``: "" when it finds
+    it by itself (the default socket), else the option and the variable that point it there."""
+    if os.path.normpath(socket_path) == os.path.join(default_runtime_dir(uid), SOCKET_NAME):
+        return ""
+    return f"elasticctl --socket {socket_path} (or ELASTICD_SOCKET={socket_path})"
+
+
+REACH_ELSEWHERE = ("point elasticctl at another daemon with --socket PATH or ELASTICD_SOCKET=PATH "
+                   f"(a daemon started with --runtime-dir DIR listens at DIR/{SOCKET_NAME})")
+
+
 def is_own_dir(path: str) -> bool:
     """A directory (not a link to one) of this process's user that nobody else can write.
     Anything else could be swapped under us: /tmp/elasticd-UID made first by another user, a
