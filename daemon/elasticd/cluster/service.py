@@ -44,6 +44,14 @@ class NodeDuties:
     watcher: Watcher = Watcher()
 
 
+def store_was_reset(before: str | None, now: str) -> bool:
+    """Whether the store's epoch moved from one this node read to another ("" or a new one).
+    From none ("": this node came before the store host marked its fresh store) to the
+    first one is a store being born, not a reset: a cluster whose nodes start together
+    reads that on every node but the host."""
+    return bool(before) and now != before
+
+
 class NodeService:
     """The heartbeat loop: one tick per keep-alive interval (a timer, not a poll).  It
     publishes this node's record, watches the others, notices a reset store and drain
@@ -131,7 +139,7 @@ class NodeService:
         if tick.drain is not None and (tick.drain, tick.drain_version) != self._drain:
             self._drain = (tick.drain, tick.drain_version)
             self._duties.post(events.HoldChanged(Hold.DRAINED.value, tick.drain))
-        if self._epoch is not None and tick.epoch != self._epoch:
+        if store_was_reset(self._epoch, tick.epoch):
             log.warning("the store was reset (its host restarted): publishing this node's jobs again")
             republished = asyncio.get_running_loop().create_future()
             self._duties.post(StoreReset(republished))
