@@ -350,11 +350,11 @@ class Daemon:
                 background = [tasks.create_task(self.faults.supervise(name, run)) for name, run in loops.items()]
                 self._jobs_changed(registry)
                 if await self._registered(nodes):
+                    if reach := how_to_reach(config.socket_path):  # logged before READY=1: told by then
+                        log.info("not the default socket: reach this daemon with %s", reach)
                     self.notify.send("READY=1")
                     log.info("elasticd %s ready: node %s, socket %s, store %s", __version__,
                              self.node, config.socket_path, self._endpoint)
-                    if reach := how_to_reach(config.socket_path):
-                        log.info("not the default socket: reach this daemon with %s", reach)
                 await service.run(self.stop)
                 for task in background:
                     task.cancel()
