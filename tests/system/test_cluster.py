@@ -126,6 +126,22 @@ def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     assert "1" in message and "2" in message and ("node" in message or "min" in message), message
 
 
+def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
+    """issue 28: status showed a dead node's rank HEALTHY, its last word, for as long as the
+    job waited for it."""
+    cluster = cluster_factory(2).start()
+    job = cluster[0].submit("--nnodes", "2", "--join-timeout", "300", *worker_args("--sleep", "0"))["id"]
+    cluster[0].wait_running(job, 2)  # n2's word that its rank is HEALTHY has reached n1
+    cluster[1].signal(signal.SIGKILL)
+    cluster[1].wait_exit()
+    _nodes_when(cluster[0], lambda ns: _states(ns).get("n2") == "lost")
+    doc = cluster[0].ctl("status", job)
+    theirs = [w["state"] for w in doc["workers"] if w["node"] == "n2"]
+    assert theirs and set(theirs) == {"LOST"}, doc["workers"]
+    assert "LOST" in cluster[0].ctl_run("status", job).stdout
+    cluster[0].ctl("cancel", job)
+
+
 def test_exit_barrier_waits_for_the_slower_node(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit("--nnodes", "2", *worker_args("--sleep-group", "1:4"))

@@ -25,7 +25,7 @@ from elasticd.jobs.registry import JobRegistry
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
 from elasticd.aio import race
 from elasticd.shell.logs import LogBus, LogReader
-from elasticd.core.model import JobSpec, parse_nnodes, parse_nproc
+from elasticd.core.model import JobSpec, NodeState, parse_nnodes, parse_nproc
 from elasticd.cluster.service import NodeService
 from elasticd.cluster.peers import PeerCaller, PeerLinks
 from elasticd.core.placement import beyond_standalone, never_fits
@@ -219,13 +219,17 @@ class Commands:
         node (the part's stimuli and instructions: its own text is in them)."""
         record = await self._find(args["job"])
         usage = self._jobs.usage_of(record.id)
-        doc = job_doc(record, {self._node: usage} if usage else None)
+        doc = job_doc(record, {self._node: usage} if usage else None, self._lost())
         if not self._sees_all(caller, record):
             await reply.result(others_view(doc))
             return
         if args.get("debug"):
             doc["story"] = {self._node: self._jobs.story(record.id)}
         await reply.result(doc)
+
+    def _lost(self) -> set[str]:
+        """The nodes the observer judged lost: what they said last of a job is no longer true."""
+        return {name for name, state in self._cluster.states().items() if state is NodeState.LOST}
 
     async def wait(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         record = await self._find(args["job"])
@@ -318,7 +322,8 @@ class Commands:
         """The job's document at every change until it ended (``full``: all of it, else
         as others see it)."""
         def shown(record: JobRecord) -> dict[str, Any]:
-            return job_doc(record) if full else others_view(job_doc(record))
+            doc = job_doc(record, lost=self._lost())
+            return doc if full else others_view(doc)
         await reply.result(shown(record))
         while record.outcome is None:
             record = await self._registry.wait_change(record.id, record.version)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 from elasticd.core.model import Failure, JobSpec, JobState, PartState, WorkerState
 
 log = logging.getLogger(__name__)
+
+LOST = "LOST"  # what a lost node's running part and workers show (their node can no longer say)
 
 
 @dataclass(frozen=True)
@@ -156,11 +158,15 @@ def current_parts(record: JobRecord) -> list[Part]:
     return sorted(parts, key=lambda p: (p.group_rank is None, p.group_rank or 0, p.node))
 
 
-def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None,
+            lost: Collection[str] = ()) -> dict[str, Any]:
     """The job document of the control protocol (``status --json``).  ``live_usage`` is
-    this node's usage of the job read now, fresher than its last reported part."""
+    this node's usage of the job read now, fresher than its last reported part; ``lost``
+    the nodes judged lost, whose last word about a running job is no longer true."""
     spec, outcome = record.spec, record.outcome
     parts = current_parts(record)
+    gone = {p.node for p in parts if p.node in lost and p.state.active} if outcome is None else set()
+    parts = [as_lost(p) if p.node in gone else p for p in parts]
     usage = {p.node: p.usage for p in record.parts.values() if p.usage}
     if live_usage:
         usage.update(live_usage)
@@ -171,7 +177,7 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None) -> d
         "argv": list(spec.argv), "kind": spec.kind, "python": spec.python, "workdir": spec.workdir,
         "submitted_on": spec.submitted_on,
         "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
-        "nodes": [_node_doc(p, usage.get(p.node)) for p in parts],
+        "nodes": [_node_doc(p, usage.get(p.node), p.node in gone) for p in parts],
         "usage": total_usage(usage.values()),
         "error": error, "barrier": barrier if outcome is None else None,
         "held": hold_reason(record) or None, "redacted": False,
@@ -231,8 +237,14 @@ def listed_doc(record: JobRecord) -> dict[str, Any]:
                 "node_count": 0, "workers_up": 0, "workers_total": 0, "unreadable": True}
 
 
-def _node_doc(part: Part, usage: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {"node": part.node, "group_rank": part.group_rank, "state": part.state.value,
+def as_lost(part: Part) -> Part:
+    """A running part of a lost node as it is shown: its workers LOST, not what its node
+    said last (HEALTHY, while it ran)."""
+    return replace(part, workers=tuple({**w, "state": LOST} for w in part.workers))
+
+
+def _node_doc(part: Part, usage: Mapping[str, Any] | None, lost: bool = False) -> dict[str, Any]:
+    return {"node": part.node, "group_rank": part.group_rank, "state": LOST if lost else part.state.value,
             "ranks": [w["rank"] for w in part.workers], "usage": dict(usage) if usage else None}
 
 
