@@ -23,8 +23,8 @@ from elasticd.config import DaemonConfig
 from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
 from elasticd.jobs.registry import JobRegistry
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
-from elasticd.aio import race
-from elasticd.shell.logs import LogBus, LogReader
+from elasticd.aio import back_off, race
+from elasticd.shell.logs import LogBus, LogReader, SeenLines
 from elasticd.core.model import JobSpec, NodeState, parse_nnodes, parse_nproc
 from elasticd.cluster.service import NodeService
 from elasticd.cluster.peers import PeerCaller, PeerLinks
@@ -306,12 +306,26 @@ class Commands:
         await _send_lines(reply, reader.flush())
 
     async def _remote_logs(self, node: str, job_id: str, args: dict[str, Any], reply: Responder) -> None:
-        try:
-            async for result in self._peers.logs(node, {**args, "job": job_id}):
-                await reply.result(result)
-        except ElasticdError as exc:
-            await _send_lines(reply, [{"node": node, "rank": None, "attempt": None, "stream": "err",
-                                       "text": f"elasticd: logs of node {node} unavailable: {exc}"}])
+        """Another node's logs of the job.  Without ``follow``, one try.  With it, asked
+        again after a failure (its daemon did not know our key yet, or was stopped) with a
+        growing pause, until its stream ended (the job ended there and its output is
+        drained), or the job ended and the node is lost or never answered again: said
+        once when it is unavailable and once when it is back, resuming after the lines
+        already shown."""
+        follow = _PeerFollow(node)
+        while True:
+            try:
+                async for result in self._peers.logs(node, {**args, "job": job_id}):
+                    await _send_lines(reply, follow.answered(result))
+                return
+            except ElasticdError as exc:
+                record = self._registry.find(job_id)
+                ended = record is None or record.outcome is not None
+                if not args.get("follow") or not follow.failed(ended, self._cluster.alive(node)):
+                    await _send_lines(reply, [_notice(node, f"logs of node {node} unavailable: {exc}")])
+                    return
+                await _send_lines(reply, follow.unavailable(exc))
+                await back_off(retry_pause(follow.failures - 1))
 
     async def _job_gone(self, record: JobRecord) -> None:
         while record.outcome is None:
@@ -340,6 +354,8 @@ class PeerCommands:
     async def __call__(self, caller: PeerCaller, request: Request, reply: Responder) -> None:
         if request.op != "logs":
             raise InvalidSpec(f"{request.op} is not a peer operation")
+        if request.args.get("follow"):
+            await reply.result({"lines": []})  # answered: a silent job is not a silent peer
         await self._commands.local_logs(request.args["job"], request.args, reply)
         await reply.end()
 
@@ -350,6 +366,57 @@ class _LogFilter:
 
     def __call__(self, attempt: int, rank: int) -> bool:
         return (self.rank is None or rank == self.rank) and (self.attempt is None or attempt == self.attempt)
+
+
+RETRY_FIRST, RETRY_MAX = 1.0, 10.0  # seconds between two asks of a peer's logs
+RETRIES_AFTER_END = 3                # asks of a living peer after the job ended
+
+
+def retry_pause(failures: int) -> float:
+    """The pause before asking a peer again after ``failures`` failed asks in a row."""
+    return min(RETRY_MAX, RETRY_FIRST * 2 ** min(failures, 8))
+
+
+def keep_asking(ended: bool, alive: bool, failures: int) -> bool:
+    """Whether a follower asks a peer for its logs again: always while the job runs; once it
+    ended, a few times more while the node is alive (its output is not drained yet)."""
+    return not ended or (alive and failures < RETRIES_AFTER_END)
+
+
+class _PeerFollow:
+    """A follower's asks of one peer for its logs: what it already passed on, the failed
+    asks in a row, and whether it said the peer is unavailable."""
+
+    def __init__(self, node: str) -> None:
+        self.node, self.seen, self.failures, self.said = node, SeenLines(), 0, False
+        self.stream_seen: dict[tuple, int] = {}  # lines of each source the current ask brought
+        self.heard = False                        # the current ask was answered
+
+    def answered(self, result: Any) -> list[dict]:
+        """The lines of a reply to pass on: those not passed on before, after word that
+        the peer is back."""
+        back = [_notice(self.node, f"logs of node {self.node} are back")] if self.said else []
+        self.said, self.heard = False, True
+        lines = result.get("lines") if isinstance(result, dict) else None
+        return back + self.seen.fresh(self.stream_seen, lines or [])
+
+    def failed(self, ended: bool, alive: bool) -> bool:
+        """Counts a failed ask; whether to ask again.  The next ask is a new stream."""
+        self.failures = 1 if self.heard else self.failures + 1
+        self.stream_seen, self.heard = {}, False
+        return keep_asking(ended, alive, self.failures - 1)
+
+    def unavailable(self, exc: Exception) -> list[dict]:
+        """Word that the peer is unavailable, once until it is back."""
+        if self.said:
+            return []
+        self.said = True
+        return [_notice(self.node, f"logs of node {self.node} unavailable for now ({exc}); "
+                                   f"asking again until the job ends")]
+
+
+def _notice(node: str, text: str) -> dict:
+    return {"node": node, "rank": None, "attempt": None, "stream": "err", "text": f"elasticd: {text}"}
 
 
 async def _send_lines(reply: Responder, lines: list[dict]) -> None:

@@ -296,3 +296,26 @@ class LineSplitter:
         attempt, rank, stream = source
         return {"node": self.node, "attempt": attempt, "rank": rank, "stream": stream,
                 "text": raw.decode("utf-8", errors="replace").rstrip("\r")}
+
+
+class SeenLines:
+    """How many lines of each source a follower already passed on, so that a stream asked
+    for again (a peer that did not answer, or went quiet) resumes where the last one
+    stopped: a new stream reads every file from its start, and the lines already shown are
+    dropped.  Lines are counted, not bytes: the peer's reader splits the same files into the
+    same lines (a rotation between the two streams can shift them by its notice)."""
+
+    def __init__(self) -> None:
+        self._passed: dict[tuple, int] = {}
+
+    def fresh(self, stream_seen: dict[tuple, int], lines: list[dict]) -> list[dict]:
+        """The lines of one batch not passed on yet; ``stream_seen`` counts the lines of
+        each source that this stream (one request) delivered so far."""
+        new = []
+        for line in lines:
+            source = (line.get("attempt"), line.get("rank"), line.get("stream"))
+            stream_seen[source] = stream_seen.get(source, 0) + 1
+            if stream_seen[source] > self._passed.get(source, 0):
+                self._passed[source] = stream_seen[source]
+                new.append(line)
+        return new
