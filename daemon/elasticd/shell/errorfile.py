@@ -186,3 +186,32 @@ def _replace(path: str, raw: bytes, create: Callable[[str], int]) -> None:
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+
+
+MAX_STDERR_CAUSE = 1024  # characters of a root cause read from stderr
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def from_stderr(tail: bytes, whole: bool = True) -> str:
+    """A root cause from the end of a worker's stderr, for a worker that left no error
+    file: the exception line of its last traceback where the end holds one (``RuntimeError:
+    boom``), else its last line that is not blank; "" when it wrote nothing.  A ``tail``
+    that is not the ``whole`` stream starts with a line that may be cut: it is not used.
+    The answer is capped."""
+    text = _valid(tail.decode("utf-8", errors="replace"))
+    lines = [line.rstrip("\r") for line in text.split("\n")]
+    lines = lines if whole else lines[1:]
+    cause = _exception_line(lines) or next((l for l in reversed(lines) if l.strip()), "")
+    cause = cause.strip()
+    if len(cause) <= MAX_STDERR_CAUSE:
+        return cause
+    return cause[:MAX_STDERR_CAUSE] + f" [elasticd: {len(cause) - MAX_STDERR_CAUSE} more characters cut]"
+
+
+def _exception_line(lines: list[str]) -> str:
+    """The first line after the last traceback's header that is not one of its frames."""
+    starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK]
+    if not starts:
+        return ""
+    return next((line for line in lines[starts[-1] + 1:]
+                 if line.strip() and not line[:1].isspace()), "")

@@ -33,7 +33,9 @@ MAX_BACKUPS = 100          # each rotation renames every kept file (on the event
 ROTATED = ".rotated"       # beside a stream file: its Rotations
 _RECORD = 64               # bytes of a Rotations file, rewritten in place (no new block needed)
 
+TAIL_BYTES = 8 * 1024     # what a stream file's writer keeps of its last output
 Source = tuple[int, int, str]  # (attempt, rank, stream)
+DropSink = Callable[[int, str], None]  # (bytes dropped, why): output that could not be written
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,74 @@ def oldest_kept(path: str, count: int) -> int:
     while k < count and os.path.lexists(f"{path}.{k + 1}"):
         k += 1
     return k
+
+
+class OutputFile:
+    """One worker stream's log file, rotated where ``limit`` says (the new file is made by
+    ``create``).  A write that fails (a full disk, a quota, a rotation that cannot be done)
+    drops the data and counts it; once writes succeed again a line in the file says what was
+    lost."""
+
+    def __init__(self, path: str, create: Callable[[str], int], on_dropped: DropSink,
+                 limit: OutputLimit = OutputLimit()) -> None:
+        self.path = path  # the live file's name (an in-place worker's moves once)
+        self.fd = create(path)
+        self._create = create
+        self._limit = limit
+        self._size = 0
+        self._rotations = Rotations()
+        self._on_dropped = on_dropped
+        self._dropped = 0
+        self._why = ""
+        self.tail = b""  # the last TAIL_BYTES written: a failed worker's root cause may be there
+
+    def write(self, data: bytes) -> None:
+        self.tail = (self.tail + data[-TAIL_BYTES:])[-TAIL_BYTES:]
+        if self._dropped and self._write(self._gap_notice()):
+            self._dropped = 0
+        if self._dropped or not self._write(data):
+            self._dropped += len(data)
+            self._on_dropped(len(data), self._why)
+
+    def _write(self, data: bytes) -> bool:
+        """Write all of ``data``, rotating the file where the limit cuts it."""
+        while data:
+            cut = self._limit.cut(self._size, data)
+            if cut and not self._write_all(data[:cut]):
+                return False
+            data = data[cut:]
+            if data and not self._rotate():
+                return False
+        return True
+
+    def _write_all(self, data: bytes) -> bool:
+        view = memoryview(data)
+        while view:
+            try:
+                written = os.write(self.fd, view)
+            except OSError as exc:
+                self._why = exc.strerror or str(exc)
+                return False
+            self._size += written
+            view = view[written:]
+        return True
+
+    def _rotate(self) -> bool:
+        try:
+            self._rotations = rotate(self.path, self._limit.backups, self._rotations)
+            fd = self._create(self.path)
+        except OSError as exc:
+            self._why = f"cannot rotate: {exc.strerror or exc}"
+            return False
+        os.close(self.fd)
+        self.fd, self._size = fd, 0
+        return True
+
+    def _gap_notice(self) -> bytes:
+        return f"\n[elasticd: {self._dropped} bytes of output dropped here: {self._why}]\n".encode()
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class LogBus:

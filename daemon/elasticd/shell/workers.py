@@ -41,7 +41,7 @@ from elasticd.shell.cgroups import JobCgroup
 from elasticd.shell.errorfile import Recorded
 from elasticd.shell.fileaccess import DIR_MODE, FILE_MODE, FileAccess, Readers
 from elasticd.journal import about
-from elasticd.shell.logs import OutputLimit, Rotations, move_stream, rotate
+from elasticd.shell.logs import TAIL_BYTES, DropSink, OutputFile, OutputLimit, move_stream
 from elasticd.wire.paths import is_own_dir
 from elasticd.core.records import WorkerGroupLeft
 from elasticd.core.model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup,
@@ -53,6 +53,7 @@ _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
 _CHUNK = 64 * 1024
+_DRAIN_CHUNKS = 16  # chunks of stderr copied at a failed exit, before its root cause is read
 _EMPTY_TIMEOUT = 10.0  # seconds for a killed cgroup to empty (processes in D state may lag)
 _DRAIN_TIMEOUT = 2.0   # seconds for the pipes to reach EOF once every worker is gone
 EXEC_FAILED = 127      # a worker that could not be started counts as this exit code
@@ -62,7 +63,6 @@ SOCKET_ENV = "ELASTICD_AGENT_SOCKET"  # an in-place worker's channel to its agen
 SLOT_ENV = "ELASTICD_SLOT"
 
 OutputSink = Callable[[], None]          # a worker wrote output (followers read the files)
-DropSink = Callable[[int, str], None]    # (bytes dropped, why): output that could not be written
 
 
 @dataclass(frozen=True)
@@ -167,72 +167,6 @@ def reap_leftovers(groups: Mapping[int, WorkerGroupLeft], boot_time: float | Non
         except (OSError, psutil.Error):
             continue
     return killed
-
-
-class OutputFile:
-    """One worker stream's log file, rotated where ``limit`` says (the new file is made by
-    ``create``).  A write that fails (a full disk, a quota, a rotation that cannot be done)
-    drops the data and counts it; once writes succeed again a line in the file says what was
-    lost."""
-
-    def __init__(self, path: str, create: Callable[[str], int], on_dropped: DropSink,
-                 limit: OutputLimit = OutputLimit()) -> None:
-        self.path = path  # the live file's name (an in-place worker's moves once)
-        self.fd = create(path)
-        self._create = create
-        self._limit = limit
-        self._size = 0
-        self._rotations = Rotations()
-        self._on_dropped = on_dropped
-        self._dropped = 0
-        self._why = ""
-
-    def write(self, data: bytes) -> None:
-        if self._dropped and self._write(self._gap_notice()):
-            self._dropped = 0
-        if self._dropped or not self._write(data):
-            self._dropped += len(data)
-            self._on_dropped(len(data), self._why)
-
-    def _write(self, data: bytes) -> bool:
-        """Write all of ``data``, rotating the file where the limit cuts it."""
-        while data:
-            cut = self._limit.cut(self._size, data)
-            if cut and not self._write_all(data[:cut]):
-                return False
-            data = data[cut:]
-            if data and not self._rotate():
-                return False
-        return True
-
-    def _write_all(self, data: bytes) -> bool:
-        view = memoryview(data)
-        while view:
-            try:
-                written = os.write(self.fd, view)
-            except OSError as exc:
-                self._why = exc.strerror or str(exc)
-                return False
-            self._size += written
-            view = view[written:]
-        return True
-
-    def _rotate(self) -> bool:
-        try:
-            self._rotations = rotate(self.path, self._limit.backups, self._rotations)
-            fd = self._create(self.path)
-        except OSError as exc:
-            self._why = f"cannot rotate: {exc.strerror or exc}"
-            return False
-        os.close(self.fd)
-        self.fd, self._size = fd, 0
-        return True
-
-    def _gap_notice(self) -> bytes:
-        return f"\n[elasticd: {self._dropped} bytes of output dropped here: {self._why}]\n".encode()
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class _Pipe:
@@ -463,18 +397,20 @@ class LocalWorkers:
         self._pipes.append(pipe)
         self._loop.add_reader(fd, self._copy, pipe)
 
-    def _copy(self, pipe: _Pipe) -> None:
+    def _copy(self, pipe: _Pipe) -> bool:
+        """Copy what the pipe holds now, one chunk; whether there was any."""
         try:
             data = os.read(pipe.fd, _CHUNK)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
         if not data:
             self._close_pipe(pipe)
-            return
+            return False
         pipe.sink.write(data)
         self._on_output()
+        return True
 
     def _close_pipe(self, pipe: _Pipe) -> None:
         if pipe.closed.done():
@@ -515,7 +451,20 @@ class LocalWorkers:
             self._set(replace(worker, state=WorkerState.STOPPED, exit_code=code))
         else:
             oom = code == -signal.SIGKILL and self._oom_kills() > self._oom_before
-            self._record_failure(worker, code, describe_exit(code, oom_killed=oom), recorded)
+            self._record_failure(worker, code, self._exit_message(local_rank, code, oom, recorded), recorded)
+
+    def _exit_message(self, local_rank: int, code: int, oom: bool, recorded: Recorded | None) -> str:
+        """How a failed worker ended; for one that exited with an error and left no error
+        file, the root cause its stderr ends with (what it wrote before its exit is in the
+        pipe: copied first, a bounded amount)."""
+        sink = self._outputs.get(local_rank, {}).get("err")
+        if code < 0 or code == NO_WORKDIR or recorded is not None or sink is None:
+            return describe_exit(code, oom_killed=oom)
+        for pipe in [p for p in self._pipes if p.sink is sink]:
+            for _ in range(_DRAIN_CHUNKS):
+                if not self._copy(pipe):
+                    break
+        return errorfile.from_stderr(sink.tail, whole=len(sink.tail) < TAIL_BYTES) or describe_exit(code)
 
     def _oom_kills(self) -> int:
         count = self._cgroup.usage().oom_kills if self._cgroup is not None else None
