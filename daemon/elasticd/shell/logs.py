@@ -1,6 +1,6 @@
 """Worker logs: the files under ``<state>/logs/<job>/attempt_<n>/rank_<r>.{out,err}``, their
-rotation, the bus that wakes ``logs -f`` followers, and the reader that turns the files into
-lines.
+writer and its rotation, the bus that wakes ``logs -f`` followers, the reader that turns the
+files into lines, and what a follower of another node already passed on.
 
 Followers read the files, never a copy of the output kept in memory: each remembers how far
 it read every file, wakes when the job wrote something, and reads on from there at the pace

@@ -10,11 +10,13 @@ controller bounds the job, the child also takes ``RLIMIT_NPROC`` (containment.py
 A worker's exit is seen from the process itself (a pidfd), never from its pipes closing: a
 worker killed by the OOM killer while its DataLoader children hold its stdout is a failure
 at once.  Its stdout and stderr are pipes that the event loop copies to
-``<log_dir>/rank_<r>.out|.err``, rotated at a size limit (``logs.OutputLimit``); output that
+``<log_dir>/rank_<r>.out|.err`` (``logs.OutputFile``), rotated at a size limit; output that
 cannot be written (a full disk) is dropped and counted, so a worker never blocks on its
 pipe.  The directories and the output files are the daemon's, readable by the job's user
 and the admin group only (``fileaccess``); torch's error file is the user's while the worker
-runs, and the daemon's capped copy of it from the worker's exit (``errorfile``).
+runs, and the daemon's capped copy of it from the worker's exit (``errorfile``).  A worker
+that exited with an error and left no error file has its root cause read from the end of its
+stderr (``errorfile.from_stderr``).
 
 Stop is SIGTERM to every process of the job (its cgroup, or each worker's process group
 without one), a grace period, then SIGKILL to all of them (``cgroup.kill``): what a worker
