@@ -48,7 +48,7 @@ from elasticd.config import DaemonConfig
 from elasticd.control.commands import Commands, PeerCommands
 from elasticd.core.discovery import EVERYONE, Listing
 from elasticd.wire.paths import how_to_reach, is_own_dir
-from elasticd.control.server import ControlServer, Limits, RouterServer, Zap
+from elasticd.control.server import ControlServer, ConnectionLimits, RouterServer, Zap
 from elasticd.endpoint import join_endpoint
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.faults import Faults, Throttle, held_back
@@ -523,7 +523,7 @@ class Daemon:
         if held is not None:
             log.warning("refused store record %s: %s%s", key, why, held_back(held))
 
-    def _control_limits(self) -> Limits:
+    def _control_limits(self) -> ConnectionLimits:
         """The configured connection limits, kept well inside the file-descriptor limit (the
         rest is for workers' pipes and logs, store connections and peers)."""
         control = self.config.control
@@ -531,7 +531,7 @@ class Daemon:
         if control.max_connections > budget:
             log.warning("control.max_connections = %d lowered to %d: the file-descriptor limit "
                         "is %d (raise LimitNOFILE)", control.max_connections, budget, budget * 4)
-        return Limits(connections=min(control.max_connections, budget),
+        return ConnectionLimits(connections=min(control.max_connections, budget),
                       connections_per_user=control.max_connections_per_user)
 
     def _count_request(self, op: str, result: str) -> None:

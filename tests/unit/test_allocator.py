@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from elasticd.core import fairshare
-from elasticd.core.allocator import (Allocation, JobDemand, Limits, NodeCapacity, Policy, Reason, Share,
+from elasticd.core.allocator import (Allocation, JobDemand, Quota, NodeCapacity, Policy, Reason, Share,
                                      Waiting, allocate)
 
 NOW = 1000.0
@@ -243,13 +243,13 @@ def test_a_held_job_waits_and_a_held_running_job_does_not_grow() -> None:
 # -- quotas --------------------------------------------------------------------------------------
 
 def test_a_job_whose_min_would_take_its_user_over_the_node_limit_waits_with_quota_user() -> None:
-    policy = Policy(users={"ann": Limits(nodes=2)})
+    policy = Policy(users={"ann": Quota(nodes=2)})
     result = run(cluster("abcd"), job("ann1", "2:2", has="ab"), job("ann2"), job("bob3"), policy=policy)
     assert reasons(result) == [("ann2", "QuotaUser")] and held(result)["bob3"] in ("c", "d")
 
 
 def test_an_account_limit_on_gpus_counts_every_job_of_the_account() -> None:
-    policy = Policy(accounts={"lab": Limits(gpus=8)})
+    policy = Policy(accounts={"lab": Quota(gpus=8)})
     nodes = cluster("abc", slots=8, gpus=8)
     result = run(nodes, job("ann1", has="a", gpus=4, account="lab"), job("bob2", gpus=8, account="lab"),
                  job("cid3", gpus=4, account="lab"), policy=policy)
@@ -257,20 +257,20 @@ def test_an_account_limit_on_gpus_counts_every_job_of_the_account() -> None:
 
 
 def test_the_default_limit_applies_to_every_user_without_one_of_their_own() -> None:
-    policy = Policy(users={"ann": Limits()}, user_default=Limits(slots=4))
+    policy = Policy(users={"ann": Quota()}, user_default=Quota(slots=4))
     result = run(cluster(), job("ann1", "2:2"), job("bob2"), job("bob3"), policy=policy)
     assert set(result.nodes) == {"ann1", "bob2"} and reasons(result) == [("bob3", "QuotaUser")]
 
 
 def test_a_job_may_borrow_idle_nodes_over_its_quota() -> None:
-    policy = Policy(users={"ann": Limits(nodes=1)})
+    policy = Policy(users={"ann": Quota(nodes=1)})
     result = run(cluster(), job("ann1", "1:3"), policy=policy)
     assert held(result) == {"ann1": "abc"} and result.borrowing == {"ann1"}
 
 
 def test_borrowed_nodes_are_reclaimed_before_lent_ones() -> None:
     # ann1 (first in the order) borrows over ann's quota; bob2 (after it) lends within bob's
-    policy = Policy(users={"ann": Limits(nodes=1)})
+    policy = Policy(users={"ann": Quota(nodes=1)})
     result = run(cluster("abcd"), job("ann1", "1:2", has="ab"), job("bob2", "1:2", has="cd"), job("cid3"),
                  policy=policy)
     assert result.reclaimed.keys() == {"ann1"} and held(result)["bob2"] == "cd"
@@ -278,7 +278,7 @@ def test_borrowed_nodes_are_reclaimed_before_lent_ones() -> None:
 
 
 def test_a_higher_priority_job_borrowing_over_its_quota_yields_the_borrowed_node() -> None:
-    policy = Policy(users={"ann": Limits(nodes=1)})
+    policy = Policy(users={"ann": Quota(nodes=1)})
     result = run(cluster(), job("ann1", "1:3", has="abc", priority=5), job("bob2"), policy=policy)
     assert len(result.nodes["ann1"]) == 2 and len(result.nodes["bob2"]) == 1
 

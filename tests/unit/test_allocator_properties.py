@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from elasticd.core.allocator import (Allocation, JobDemand, Limits, NodeCapacity, Policy, Reason, Share,
+from elasticd.core.allocator import (Allocation, JobDemand, Quota, NodeCapacity, Policy, Reason, Share,
                                      allocate)
 
 NOW = 10_000.0
@@ -59,8 +59,8 @@ def demands(draw: Any, nodes: Mapping[str, NodeCapacity], seq: int) -> JobDemand
 
 @st.composite
 def policies(draw: Any) -> Policy:
-    def limits() -> Limits:
-        return Limits(*(draw(st.sampled_from([None, None, 2, 4, 8])) for _ in range(3)))
+    def limits() -> Quota:
+        return Quota(*(draw(st.sampled_from([None, None, 2, 4, 8])) for _ in range(3)))
     return Policy(users={u: limits() for u in USERS if draw(st.booleans())},
                   accounts={a: limits() for a in ("lab",) if draw(st.booleans())},
                   account_shares={"lab": draw(st.sampled_from([1.0, 3.0]))}, resize_interval=INTERVAL)

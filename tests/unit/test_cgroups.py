@@ -21,7 +21,7 @@ import pytest
 from elasticd.shell import cgroups as cgroups_mod
 from elasticd.shell.cgroup_placement import Hierarchy, choose_placement, find_hierarchy, home_cgroup
 from elasticd.shell.cgroups import JobCgroup, JobCgroups, Usage, limit_writes
-from elasticd.core.containment import V1, V2, Limits
+from elasticd.core.containment import V1, V2, JobLimits
 
 HYBRID_MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -247,21 +247,21 @@ def test_chain():
 
 
 @pytest.mark.parametrize("enabled, twins, limits, writes", [
-    (("cpu", "memory", "pids"), {}, Limits(pids=64, memory=1 << 30), [
+    (("cpu", "memory", "pids"), {}, JobLimits(pids=64, memory=1 << 30), [
         ("/j/pids.max", "64", True), ("/j/memory.oom.group", "1", False),
         ("/j/memory.max", str(1 << 30), True), ("/j/memory.swap.max", "0", False)]),
-    (("memory", "pids"), {}, Limits(), [  # no limit: "max", so that a reused cgroup keeps none
+    (("memory", "pids"), {}, JobLimits(), [  # no limit: "max", so that a reused cgroup keeps none
         ("/j/pids.max", "max", True), ("/j/memory.oom.group", "1", False),
         ("/j/memory.max", "max", True), ("/j/memory.swap.max", "max", False)]),
-    ((), {"pids": "/v1p/j", "memory": "/v1m/j"}, Limits(pids=64, memory=1 << 30), [
+    ((), {"pids": "/v1p/j", "memory": "/v1m/j"}, JobLimits(pids=64, memory=1 << 30), [
         ("/v1p/j/pids.max", "64", True),
         ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
         ("/v1m/j/memory.limit_in_bytes", str(1 << 30), True),
         ("/v1m/j/memory.memsw.limit_in_bytes", str(1 << 30), False)]),
-    (("pids",), {"memory": "/v1m/j"}, Limits(pids=64), [
+    (("pids",), {"memory": "/v1m/j"}, JobLimits(pids=64), [
         ("/j/pids.max", "64", True), ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
         ("/v1m/j/memory.limit_in_bytes", "-1", True), ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False)]),
-    ((), {}, Limits(pids=64, memory=1 << 30), []),  # nothing to write with: containment.py says so
+    ((), {}, JobLimits(pids=64, memory=1 << 30), []),  # nothing to write with: containment.py says so
 ])
 def test_limit_writes(enabled, twins, limits, writes):
     assert limit_writes("/j", enabled, twins, limits) == writes
@@ -440,12 +440,12 @@ def test_usage(box):
 
 @needs_cgroupfs
 def test_a_memory_limit_kills_and_counts(box):
-    """Limits.memory: past it the kernel's OOM killer ends the job's process, and the
+    """JobLimits.memory: past it the kernel's OOM killer ends the job's process, and the
     cgroup counts the kill (what the daemon reports as out of memory)."""
     cgroups = box.setup()
     if "memory" not in cgroups.controls:
         pytest.skip(f"no memory controller for job cgroups here: {cgroups.lacking.get('memory')}")
-    job = cgroups.create("j-oom", Limits(memory=64 << 20))
+    job = cgroups.create("j-oom", JobLimits(memory=64 << 20))
     assert box.python(job, "memory = b'x' * (300 << 20)").wait(30) == -signal.SIGKILL
     assert job.usage().oom_kills == 1
     if cgroups.controls["memory"] == V2:
@@ -454,11 +454,11 @@ def test_a_memory_limit_kills_and_counts(box):
 
 @needs_cgroupfs
 def test_a_pids_limit_stops_a_fork_bomb(box):
-    """Limits.pids: forks past it fail with EAGAIN in the job; kill takes every process."""
+    """JobLimits.pids: forks past it fail with EAGAIN in the job; kill takes every process."""
     cgroups = box.setup()
     if "pids" not in cgroups.controls:
         pytest.skip(f"no pids controller for job cgroups here: {cgroups.lacking.get('pids')}")
-    job = cgroups.create("j-forks", Limits(pids=16))
+    job = cgroups.create("j-forks", JobLimits(pids=16))
     child = box.python(job, FORK_BOMB, stdout=subprocess.PIPE, text=True)
     forked, failed = child.stdout.readline().split()
     assert int(forked) < 16 and failed == "EAGAIN"  # 15 children and the forker: the limit
@@ -473,9 +473,9 @@ def test_a_reused_cgroup_keeps_no_earlier_limits(box):
     cgroups = box.setup()
     if not cgroups.controls:
         pytest.skip("neither memory nor pids controller for job cgroups here")
-    job = cgroups.create("j-again", Limits(pids=32, memory=64 << 20))
+    job = cgroups.create("j-again", JobLimits(pids=32, memory=64 << 20))
     again = cgroups.create("j-again")  # empty: reused, with no limits
-    for path, value, _ in limit_writes(again.path, cgroups.enabled, again.v1, Limits()):
+    for path, value, _ in limit_writes(again.path, cgroups.enabled, again.v1, JobLimits()):
         if os.path.exists(path):
             written = Path(path).read_text().strip()
             assert written == value or (value == "-1" and int(written) > 1 << 60), path

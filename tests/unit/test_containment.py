@@ -6,7 +6,7 @@ import json
 import pytest
 from hypothesis import given, strategies as st
 
-from elasticd.core.containment import RLIMIT, V1, V2, Containment, Limits, decide, parse_memory, summary
+from elasticd.core.containment import RLIMIT, V1, V2, Containment, JobLimits, decide, parse_memory, summary
 
 GiB = 1 << 30
 
@@ -69,13 +69,13 @@ def test_decide(given_facts, pids_by, memory_by, missing):
 
 def test_what_a_job_gets():
     cgroup = decide(**facts(memory=GiB))
-    assert cgroup.job_limits(4) == Limits(pids=4096, memory=GiB)
-    assert cgroup.job_limits(0) == Limits(pids=1024, memory=GiB)  # never 0 (that is no limit)
+    assert cgroup.job_limits(4) == JobLimits(pids=4096, memory=GiB)
+    assert cgroup.job_limits(0) == JobLimits(pids=1024, memory=GiB)  # never 0 (that is no limit)
     assert cgroup.rlimit_nproc(4) == 0  # the cgroup bounds it: the user's other tasks do not count
     fallback = decide(**facts(controls={}, lacking={"pids": "p", "memory": "m"}, memory=GiB))
-    assert fallback.job_limits(4) == Limits()  # no cgroup to write them in
+    assert fallback.job_limits(4) == JobLimits()  # no cgroup to write them in
     assert fallback.rlimit_nproc(4) == 4096
-    assert Containment().job_limits(2) == Limits() and Containment().rlimit_nproc(2) == 0
+    assert Containment().job_limits(2) == JobLimits() and Containment().rlimit_nproc(2) == 0
     assert summary(cgroup) == (f"job limits: tasks 1024 per worker ({V2}), memory {GiB} bytes ({V2})")
     assert summary(decide(**facts(controls={}, pids_per_worker=0))) == \
         "job limits: tasks no limit (nothing enforces it), memory no limit (nothing enforces it)"

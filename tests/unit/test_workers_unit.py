@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from elasticd.control.server import Admission, Limits, peer_credentials
+from elasticd.control.server import Admission, ConnectionLimits, peer_credentials
 from elasticd.shell.workers import describe_exit
 
 
@@ -23,7 +23,7 @@ def test_peer_credentials_come_from_the_kernel():
 
 
 def test_admission_limits_connections_per_user_and_in_all():
-    admission = Admission(Limits(connections=3, connections_per_user=2))
+    admission = Admission(ConnectionLimits(connections=3, connections_per_user=2))
     for uid in (1000, 1000):
         assert admission.refusal(uid) is None
         admission.opened(uid)

@@ -301,7 +301,7 @@ _OVERSIZED_HEAD = 1024  # of a frame over the limit, this much is read to find i
 
 
 @dataclass(frozen=True)
-class Limits:
+class ConnectionLimits:
     connections: int = 1024          # open control connections, all users together
     connections_per_user: int = 32   # open control connections of one uid
     in_flight: int = 8               # requests one connection has open (reading waits beyond)
@@ -318,7 +318,7 @@ def peer_credentials(sock: socket.socket) -> Caller:
 class Admission:
     """Open connections by uid, and whether one more may open (pure bookkeeping)."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: ConnectionLimits) -> None:
         self._limits = limits
         self.open: collections.Counter[int] = collections.Counter()
 
@@ -403,7 +403,7 @@ class Oversized:
 class ControlServer:
     """The local control socket.  ``handler(caller, request, reply)`` answers each request."""
 
-    def __init__(self, path: str, handler: Handler, *, limits: Limits = Limits(),
+    def __init__(self, path: str, handler: Handler, *, limits: ConnectionLimits = ConnectionLimits(),
                  on_request: Callable[[str, str], None] | None = None,
                  on_connections: Callable[[int], None] | None = None,
                  world_accessible: bool = False) -> None:

@@ -82,7 +82,7 @@ class JobDemand:
 
 
 @dataclass(frozen=True)
-class Limits:
+class Quota:
     """One user's or account's limits on what its jobs hold (None: unlimited)."""
 
     nodes: int | None = None
@@ -96,15 +96,15 @@ class Limits:
 
 @dataclass(frozen=True)
 class Policy:
-    users: Mapping[str, Limits] = field(default_factory=dict)
-    accounts: Mapping[str, Limits] = field(default_factory=dict)
-    user_default: Limits = Limits()
-    account_default: Limits = Limits()
+    users: Mapping[str, Quota] = field(default_factory=dict)
+    accounts: Mapping[str, Quota] = field(default_factory=dict)
+    user_default: Quota = Quota()
+    account_default: Quota = Quota()
     account_shares: Mapping[str, float] = field(default_factory=dict)  # absent: 1.0
     resize_interval: float = 60.0
     half_life: float = fairshare.HALF_LIFE  # for the caller's fairshare.decay
 
-    def limits(self, job: JobDemand) -> tuple[tuple[Limits, Reason, str], ...]:
+    def limits(self, job: JobDemand) -> tuple[tuple[Quota, Reason, str], ...]:
         """The user's and the account's limits on ``job``, and how to say each."""
         return ((self.users.get(job.user, self.user_default), Reason.QUOTA_USER, "user"),
                 (self.accounts.get(job.account, self.account_default), Reason.QUOTA_ACCOUNT, "account"))

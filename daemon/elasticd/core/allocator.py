@@ -36,11 +36,11 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from elasticd.core import fairshare
-from elasticd.core.allocation import (Allocation, JobDemand, Limits, NodeCapacity, Policy, Reason, Share, Tally,
+from elasticd.core.allocation import (Allocation, JobDemand, Quota, NodeCapacity, Policy, Reason, Share, Tally,
                          Waiting)
 from elasticd.core.ledger import Ledger, borrowing, charge
 
-__all__ = ["Allocation", "JobDemand", "Limits", "NodeCapacity", "Policy", "Reason", "Share", "Tally",
+__all__ = ["Allocation", "JobDemand", "Quota", "NodeCapacity", "Policy", "Reason", "Share", "Tally",
            "Waiting", "allocate", "order"]
 
 

@@ -44,7 +44,7 @@ def parse_memory(value: str, total: int) -> int:
 
 
 @dataclass(frozen=True)
-class Limits:
+class JobLimits:
     """What one job may use on this node, as its cgroup gets it; 0: no limit."""
 
     pids: int = 0    # tasks (processes and threads: the kernel counts both)
@@ -63,10 +63,10 @@ class Containment:
     memory_by: str = ""
     missing: tuple[str, ...] = ()
 
-    def job_limits(self, workers: int) -> Limits:
+    def job_limits(self, workers: int) -> JobLimits:
         """What the job's cgroup gets, for ``workers`` workers here."""
         cgroup_pids = self.pids_by in (V1, V2)
-        return Limits(pids=self.pids_per_worker * max(workers, 1) if cgroup_pids else 0,
+        return JobLimits(pids=self.pids_per_worker * max(workers, 1) if cgroup_pids else 0,
                       memory=self.memory if self.memory_by else 0)
 
     def rlimit_nproc(self, workers: int) -> int:

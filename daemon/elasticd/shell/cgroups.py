@@ -16,7 +16,7 @@ The daemon enables in its subtree (``cgroup.subtree_control``, from the top of w
 down to the base) the controllers it needs.  A hybrid host's v2 tree may lack the memory
 and pids controllers (bound to cgroup v1); each is then used in a parallel cgroup v1 tree,
 when there is one: a "twin" of the job's cgroup that its workers join too.  What each job
-may use (``Limits``: its tasks, its memory) is written into its cgroup when it is made;
+may use (``JobLimits``: its tasks, its memory) is written into its cgroup when it is made;
 ``controls`` says where each limit is enforced and ``lacking`` why one is not.  Without
 usable cgroups ``available`` is False, ``reason`` says why, and the daemon falls back to
 process groups.
@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Mapping
 
-from elasticd.core.containment import V1, V2, Limits
+from elasticd.core.containment import V1, V2, JobLimits
 from elasticd.shell.cgroup_placement import (AUTO, DAEMON_LEAF, DISABLED, NAME, OFF, TWINS, Placement,
                                            choose_placement, find_hierarchy, home_cgroup)
 
@@ -145,7 +145,7 @@ class JobCgroups:
         return cls(base, description=description, v1_bases=v1_bases, owned=tuple(owned),
                    enabled=tuple(enabled), lacking=lacking)
 
-    def create(self, job_id: str, limits: Limits = Limits()) -> JobCgroup | None:
+    def create(self, job_id: str, limits: JobLimits = JobLimits()) -> JobCgroup | None:
         """The job's cgroup (an existing empty one is reused), with ``limits`` written where
         the controllers are (no limit: "max").  Raises FileExistsError when one with
         processes exists, OSError when it cannot be made or limited."""
@@ -165,7 +165,7 @@ class JobCgroups:
             raise
         return job
 
-    def _twins(self, job_id: str, limits: Limits) -> dict[str, str]:
+    def _twins(self, job_id: str, limits: JobLimits) -> dict[str, str]:
         """The job's v1 twins.  One that cannot be made is left out with a warning, unless
         it has a limit to enforce (then OSError)."""
         twins = {}
@@ -212,7 +212,7 @@ class JobCgroups:
 
 
 def limit_writes(path: str, enabled: tuple[str, ...] | list[str], twins: Mapping[str, str],
-                 limits: Limits) -> list[tuple[str, str, bool]]:
+                 limits: JobLimits) -> list[tuple[str, str, bool]]:
     """(file, value, required) to write, in this order, for a job cgroup at ``path`` whose
     v2 controllers are ``enabled`` and whose v1 twins are ``twins``.  Every value is written,
     "max" included, so that a reused cgroup keeps nothing of an earlier job.  An optional
@@ -244,7 +244,7 @@ class JobCgroup:
         self.path = path
         self.v1 = dict(v1 or {})  # controller -> the job's v1 twin of it
 
-    def set_limits(self, limits: Limits, enabled: tuple[str, ...] | list[str]) -> None:
+    def set_limits(self, limits: JobLimits, enabled: tuple[str, ...] | list[str]) -> None:
         for path, value, required in limit_writes(self.path, enabled, self.v1, limits):
             if required or os.path.exists(path):
                 _write(path, value)
