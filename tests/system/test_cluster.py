@@ -15,6 +15,7 @@ import time
 import pytest
 
 from harness import ROOT, Control, alive, fake_nvidia_smi, wait_gone, worker_args
+from store_attack import wait_for
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 
@@ -139,6 +140,30 @@ def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     theirs = [w["state"] for w in doc["workers"] if w["node"] == "n2"]
     assert theirs and set(theirs) == {"LOST"}, doc["workers"]
     assert "LOST" in cluster[0].ctl_run("status", job).stdout
+    cluster[0].ctl("cancel", job)
+
+
+def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factory, shared_tmp):
+    """issue 28 friction 5, the difference README's "What a worker gets" states: the
+    workers of the round that re-formed without a lost node see TORCHELASTIC_RESTART_COUNT 0
+    (torchrun's would be 1: it charges its survivors' failed collective)."""
+    cluster = cluster_factory(2).start()
+    out = shared_tmp / "env"
+    out.mkdir()
+    job = cluster[0].submit("--nnodes", "1:2", *worker_args("--env-out", str(out), "--sleep", "0"))["id"]
+    cluster[0].wait_running(job, 2)
+    cluster[1].signal(signal.SIGKILL)
+    cluster[1].wait_exit()
+
+    def alone() -> dict | None:
+        try:
+            env = json.loads((out / "rank_0.json").read_text())
+        except (OSError, ValueError):
+            return None  # not yet written, or being written
+        return env if env["GROUP_WORLD_SIZE"] == "1" else None
+    env = wait_for(alone, 120, "the round without n2")
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    assert cluster[0].ctl("status", job)["restarts"] == 0
     cluster[0].ctl("cancel", job)
 
 

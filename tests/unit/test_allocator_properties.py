@@ -95,7 +95,7 @@ def check(nodes: dict[str, NodeCapacity], jobs: list[JobDemand], policy: Policy,
     return out
 
 
-PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPERTY

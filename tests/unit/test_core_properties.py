@@ -184,7 +184,7 @@ def _with(group: WorkerGroup, changed: dict[int, Worker]) -> WorkerGroup:
     return replace(group, workers=tuple(changed.get(w.local_rank, w) for w in group.workers))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.booleans(), st.integers(0, 2), st.integers(1, 60))
 def test_any_run_of_a_part_keeps_its_promises(data, in_place, max_restarts, steps):
     world = World(data, in_place, max_restarts)
@@ -210,7 +210,7 @@ def test_any_run_of_a_part_keeps_its_promises(data, in_place, max_restarts, step
     world.feed(ev.TimerFired(JOB, "rejoin/1"))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data(), st.integers(0, 3))
 def test_worker_failures_never_restart_past_the_budget(data, max_restarts):
     """Only failures: every one of them is a charged round, until the job fails."""

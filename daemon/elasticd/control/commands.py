@@ -228,7 +228,9 @@ class Commands:
         await reply.result(doc)
 
     def _lost(self) -> set[str]:
-        """The nodes the observer judged lost: what they said last of a job is no longer true."""
+        """The nodes the observer judged lost: what they said last of a job is no longer true.
+        For ``status`` only: a ``wait`` stream moves with the job's record, not with the
+        nodes' states, so it would keep a node LOST after it came back."""
         return {name for name, state in self._cluster.states().items() if state is NodeState.LOST}
 
     async def wait(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
@@ -336,8 +338,7 @@ class Commands:
         """The job's document at every change until it ended (``full``: all of it, else
         as others see it)."""
         def shown(record: JobRecord) -> dict[str, Any]:
-            doc = job_doc(record, lost=self._lost())
-            return doc if full else others_view(doc)
+            return job_doc(record) if full else others_view(job_doc(record))
         await reply.result(shown(record))
         while record.outcome is None:
             record = await self._registry.wait_change(record.id, record.version)
