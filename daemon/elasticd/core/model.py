@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.wire import protocol
 from elasticd.errors import InvalidSpec
@@ -27,10 +27,11 @@ MAX_COUNT = 1_000_000            # restarts, nodes: beyond any cluster
 MAX_NPROC = 4096
 MAX_NAME = 256
 MAX_ROLE = 64
+MAX_PRIORITY = 1_000_000       # |priority|: the config bounds what each user may ask
 DEFAULT_ROLE = "default"  # torchrun's --role
 # Fields a daemon of the previous version does not know: left out of a spec's JSON while
 # they hold their default, so that it can still read every ordinary job.
-_OMITTED_AT_DEFAULT = ("role", "master_port")
+_OMITTED_AT_DEFAULT = ("role", "master_port", "priority", "account", "preemptible", "nnodes_step")
 
 
 class JobState(enum.StrEnum):
@@ -159,6 +160,10 @@ class JobSpec:
     created: float = 0.0
     role: str = DEFAULT_ROLE        # the workers' ROLE_NAME
     master_port: int = 0            # MASTER_PORT of every round; 0: a free port on group rank 0's node
+    priority: int = 0               # the scheduler's first key (bounded per user and group by the config)
+    account: str = ""               # whom its use is charged to: a group of the user ("": the user's primary group)
+    preemptible: bool = False       # may be stopped below its min and requeued for a job ahead of it
+    nnodes_step: int = 1            # its node count is a multiple of this (world sizes that keep batch maths valid)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -239,6 +244,24 @@ def validate(spec: JobSpec) -> None:
          f"role must be non-empty text of at most {MAX_ROLE} characters")
     need(_is_int(spec.master_port) and 0 <= spec.master_port <= 65535,
          f"master_port must be from 0 (a free port every round) to 65535, got {spec.master_port!r}")
+    _validate_sharing(spec, need)
+
+
+def _validate_sharing(spec: JobSpec, need: Callable[[bool, str], None]) -> None:
+    """The scheduler's fields: a priority within bounds, an account name, a node-count step
+    that leaves at least one count between min and max."""
+    need(_is_int(spec.priority) and -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY,
+         f"priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}, got {spec.priority!r}")
+    need(_is_text(spec.account) and len(spec.account) <= MAX_NAME and not any(c.isspace() for c in spec.account),
+         f"account must be a group name of at most {MAX_NAME} characters")
+    need(isinstance(spec.preemptible, bool), "preemptible must be true or false")
+    need(_is_int(spec.nnodes_step) and 1 <= spec.nnodes_step <= MAX_COUNT,
+         f"nnodes_step must be from 1 to {MAX_COUNT}, got {spec.nnodes_step!r}")
+    if _is_int(spec.nnodes_step) and spec.nnodes_step >= 1:
+        low = -(-spec.min_nodes // spec.nnodes_step) * spec.nnodes_step
+        need(low <= spec.max_nodes,
+             f"no node count from {spec.min_nodes} to {spec.max_nodes} is a multiple of "
+             f"--nnodes-step {spec.nnodes_step}")
 
 
 def _is_int(value: Any) -> bool:
