@@ -40,6 +40,8 @@ from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
 from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
+from elasticd.cluster.scheduler import Allocator, ScheduleBoard, ScheduleFollower
+from elasticd.core.allocation import Policy
 from elasticd.cluster.service import NodeDuties, NodeService, Watcher
 from elasticd.cluster.registry import NodeRegistry
 from elasticd.cluster.inventory import LocalNode, cpu_count, discover_gpus, slot_count
@@ -336,6 +338,7 @@ class Daemon:
             duties = NodeDuties(local_record=self._local.record, post=service.post,
                                 watcher=Watcher(store=functools.partial(self._store_health, registry),
                                                 tick=lambda: self.metrics.count_nodes(nodes.tally())))
+            scheduling = self._scheduling(store, signer, nodes, registry, service)
             pruner = Pruner(registry, config.log_dir, busy=service.local_jobs,
                             on_pruned=lambda job_ids: self._jobs_changed(registry))
             self._install_signals()
@@ -343,6 +346,9 @@ class Daemon:
                 loops = {"zap": zap.serve, "control": control.serve, "peers": peer_server.serve,
                          "watchdog": self._watchdog, "heartbeat": functools.partial(nodes.run, self.stop, duties),
                          "retention": pruner.run}
+                if scheduling is not None:
+                    loops["allocator"] = functools.partial(scheduling[0].run, self.stop)
+                    loops["schedule"] = functools.partial(scheduling[1].run, self.stop)
                 if discovery is not None:
                     loops["discovery"] = functools.partial(discovery.run, self.stop,
                                                            functools.partial(self._listed, service))
@@ -399,6 +405,21 @@ class Daemon:
         cluster); False if told to stop first."""
         name, _ = await race(joined=nodes.registered.wait(), stopping=self.stop.wait())
         return name == "joined"
+
+    def _scheduling(self, store: Store, signer: Signer, nodes: NodeService, registry: JobRegistry,
+                    service: NodeShell) -> tuple[Allocator, ScheduleFollower] | None:
+        """The cluster's allocator (it plans while this node observes) and this node's
+        following of its schedule; None where the config turns the scheduler off."""
+        section = getattr(self.config, "scheduler", None)
+        if section is not None and not section.enabled:
+            return None
+        policy = section.policy() if section is not None else Policy()
+        board = ScheduleBoard(store, signer, Keyspace(self.config.cluster.name), self._refused)
+        allocator = Allocator(board, nodes, registry.jobs, policy)
+        registry.subscribe(allocator.jobs_changed)
+        follower = ScheduleFollower(board, nodes, service.post,
+                                    dead_after=self.config.rendezvous.keep_alive.dead_after)
+        return allocator, follower
 
     def _cgroups(self) -> JobCgroups:
         cgroups = JobCgroups.setup(instance_name(self.node, self.config.paths.state_dir),

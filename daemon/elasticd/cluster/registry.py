@@ -173,6 +173,14 @@ class NodeRegistry:
         """Whether this node is the cluster's observer now."""
         return self._observing is not None
 
+    @property
+    def observer_term(self) -> int:
+        """The observer's term as this node last read it (0: none read yet); this node's own
+        while it observes."""
+        if self._observing is not None:
+            return self._observing.term
+        return self._observer[1] if self._observer is not None else 0
+
     async def create_epoch(self) -> str:
         """Mark a fresh store, so that others can tell it was reset (the first writer wins).
         An epoch that is there but refused (garbage, or not sealed for it) is replaced."""

@@ -149,6 +149,18 @@ class NodeService:
     def states(self) -> dict[str, NodeState]:
         return dict(self._states)
 
+    @property
+    def sightings(self) -> dict[str, Sighting]:
+        """Every node as of the last duty: the same object until a duty changed something."""
+        return self._sightings
+
+    async def next_duty(self, seen: int) -> int:
+        """Wait until a heartbeat duty after the ``seen``-th ended; the number of duties
+        ended by then."""
+        async with self._ticked:
+            await self._ticked.wait_for(lambda: self._ended > seen)
+            return self._ended
+
     def _follow_states(self) -> None:
         """Every node's state as of this duty, each change checked by NODE_STATES (a change
         the table refuses is logged and the node keeps its state)."""

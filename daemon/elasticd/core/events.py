@@ -13,6 +13,7 @@ from typing import Mapping, NamedTuple
 
 from elasticd.core.model import Failure, JobSpec, WorkerGroup
 from elasticd.core.records import JobRecord, Outcome
+from elasticd.core.schedule import Schedule
 from elasticd.rendezvous import NextRound, Reason, RendezvousInfo, RoundEvent
 
 
@@ -173,6 +174,14 @@ class JobsChanged:
 
 
 @dataclass(frozen=True)
+class ScheduleChanged:
+    """The cluster's schedule as this node follows it now (None: there is no valid one, so
+    the node places jobs itself, first come first served)."""
+
+    schedule: Schedule | None
+
+
+@dataclass(frozen=True)
 class Restored:
     """At start: the jobs that a previous run of this daemon left unfinished."""
 
@@ -245,6 +254,6 @@ PART_ONLY = (RoundJoined, JoinFailed, RoundChanged, WorkersChanged, WorkersStopp
 PartEvent = (RoundJoined | JoinFailed | RoundChanged | WorkersChanged | WorkersStopped
              | PeersProbed | RoundRequested | BarrierProgress | BarrierDone | Finished | Left
              | WorkerAsked | TimerFired | OpFailed)
-NodeEvent = (JobsChanged | Restored | HoldChanged | Listed | NodesLost | CancelAsked
+NodeEvent = (JobsChanged | ScheduleChanged | Restored | HoldChanged | Listed | NodesLost | CancelAsked
              | ShutdownAsked | NodeTimerFired | PartClosed | PartStartFailed | LeaveAsked)
 Event = PartEvent | NodeEvent

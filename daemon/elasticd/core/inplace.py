@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 Instructions = list[do.Instruction]
 
 ABORTING = frozenset({Reason.FAILURE, Reason.NODE_LOST, Reason.DRAIN, Reason.SHUTDOWN,
-                      Reason.STALLED})  # rounds whose old group has lost a member
+                      Reason.RECLAIM, Reason.STALLED})  # rounds whose old group has lost a member
 ROUND_ENV = "ELASTICD_ROUND"
 
 

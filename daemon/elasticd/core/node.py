@@ -23,6 +23,7 @@ from elasticd.core.blacklist import USERS_FOR_NODE, Blacklist, worker_failures
 from elasticd.core.model import JobSpec, JobState, PartState, local_nproc
 from elasticd.core.placement import Offer, Resources, place, refusal
 from elasticd.core.records import JobRecord, Outcome, Part
+from elasticd.core.schedule import Schedule, follows, leaves
 from elasticd.rendezvous import Reason
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
@@ -74,6 +75,7 @@ class NodeCore:
     stories: dict[str, Story] = field(default_factory=dict)  # the stories of parts that ended here
     cooling_users: set[int] = field(default_factory=set)     # uids whose jobs are kept off for now
     next_op: int = 0
+    schedule: Schedule | None = None  # the cluster's schedule, followed (None: first come)
 
     def __post_init__(self) -> None:
         self.resources = self.resources or self.settings.resources
@@ -118,7 +120,26 @@ class NodeCore:
             record = self.jobs.get(job)
             if record is not None and record.outcome is not None:
                 out += self._outgoing(part.job_ended(record.outcome, now), now)
-        return out + self._publish_holds(now) + self._place(now)
+        return out + self._publish_holds(now) + self._reclaimed(now) + self._place(now)
+
+    def _schedule_changed(self, event: ev.ScheduleChanged, now: ev.Now) -> Instructions:
+        """Follow the cluster's schedule: leave the jobs it gave other nodes, take those it
+        gave this one.  Without one, this node places jobs itself."""
+        self.schedule = event.schedule
+        return self._reclaimed(now) + self._place(now)
+
+    def _reclaimed(self, now: ev.Now) -> Instructions:
+        """This node's parts of open jobs that the schedule gave other nodes leave (a new
+        round without this node: in place, the survivors keep their processes; no restart is
+        spent)."""
+        if self.schedule is None:
+            return []
+        out: Instructions = []
+        for job, part in list(self.parts.items()):
+            record = self.jobs.get(job)
+            if record is not None and record.outcome is None and leaves(self.schedule, job, self.settings.node):
+                out += self._outgoing(part.leave(Reason.RECLAIM, now), now)
+        return out
 
     def _publish_holds(self, now: ev.Now) -> Instructions:
         """Every node shows a job that this node holds, and why: this node's part says so (a
@@ -142,6 +163,9 @@ class NodeCore:
         free = replace(self.resources, slots=self.resources.slots - used.slots,
                        gpus=tuple(g for g in self.resources.gpus if g not in used.gpus))
         records = list(self.jobs.values())
+        if self.schedule is not None:
+            schedule, node = self.schedule, self.settings.node
+            records = [r for r in records if follows(schedule, r.id, node)]
         kept_off = self.blacklist.kept_off() if self.blacklist is not None else set()
         out: Instructions = []
         busy = set(self.parts) | self.unstartable | set(self.held) | self._refused_here(records, out) | {
@@ -437,7 +461,7 @@ N = NodeCore
 _ALWAYS = {ev.PartClosed: N._part_closed, ev.PartStartFailed: N._part_start_failed,
            ev.Finished: N._finished, ev.OpFailed: N._op_failed, ev.NodesLost: N._nodes_lost,
            ev.NodeTimerFired: N._node_timer, ev.JobsChanged: N._jobs_changed,
-           ev.LeaveAsked: N._leave_asked}
+           ev.LeaveAsked: N._leave_asked, ev.ScheduleChanged: N._schedule_changed}
 NODE_EVENTS = EventTable("a node", {
     NodePhase.SERVING: {**_ALWAYS, ev.Restored: N._restored, ev.HoldChanged: N._hold_changed,
                         ev.Listed: N._listed, ev.CancelAsked: N._cancel, ev.ShutdownAsked: N._shutdown},

@@ -24,6 +24,7 @@ class Reason(enum.StrEnum):
     NODE_LOST = "node_lost"  # a member's daemon died
     DRAIN = "drain"          # a member leaves because it is being drained
     SHUTDOWN = "shutdown"    # a member leaves because its daemon stops
+    RECLAIM = "reclaim"      # a member leaves because the cluster's scheduler gave its node to another job
     STALLED = "stalled"      # in place: a survivor did not rejoin in time; every worker
     #                          restarts (spends a restart, like a failure)
 

@@ -25,6 +25,11 @@ class Keyspace:
         return f"{self.root}/nodes"
 
     @property
+    def schedule(self) -> str:
+        """The cluster's schedule, written by its allocator (cluster/scheduler.py)."""
+        return f"{self.root}/schedule"
+
+    @property
     def epoch(self) -> str:
         """Set by the store's host: it changes when the store was reset."""
         return f"{self.root}/epoch"

@@ -1,0 +1,231 @@
+"""The cluster's scheduler (issue 26): the allocator that the observer runs, the schedule
+it publishes, and every node's following of it.
+
+Keys under ``elasticd/<cluster>/schedule``::
+
+    body            signed Schedule, versioned (term << 32 | number: newer whatever the clocks)
+    head            signed {"version"}: what a follower reads every duty (small)
+    mark/<version>  a wake-up for followers waiting on the next version (not trusted: the
+                    head and the body are)
+
+The allocator runs on the node that observes the heartbeats (its election, its term): a
+new observer takes over within ``dead_after`` and starts from the last schedule.  It plans
+again only when its input changed (a job's record, the nodes, a growth falling due), and
+writes only a changed plan: its cost is O(changes).  A follower holds the newest valid
+schedule; one of an older term than the observer's is dropped after ``dead_after``, and
+the node places jobs itself meanwhile (so placing never stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from elasticd.aio import race
+from elasticd.cluster.registry import node_state
+from elasticd.cluster.service import NodeService
+from elasticd.core import events
+from elasticd.core.allocation import Policy
+from elasticd.core.model import NodeState
+from elasticd.core.records import JobRecord
+from elasticd.core.schedule import NodeSize, Schedule, next_growth, plan
+from elasticd.errors import StoreError
+from elasticd.store.base import Store
+from elasticd.store.keyspace import Keyspace
+from elasticd.store.signing import Freshness, Refused, Signer, open_or_refuse
+
+log = logging.getLogger(__name__)
+
+MARKS_KEPT = 8
+
+
+def _version(body: Any) -> int:
+    version = body.get("version") if isinstance(body, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError("a schedule head holds a version")
+    return version
+
+
+class ScheduleBoard:
+    """The schedule's keys in the store: signed, versioned, refused when forged or older."""
+
+    def __init__(self, store: Store, signer: Signer, keyspace: Keyspace, on_refused: Refused) -> None:
+        self._store = store
+        self._signer = signer
+        self._prefix = keyspace.schedule
+        self._refused = on_refused
+        self._fresh = Freshness()
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+    async def publish(self, schedule: Schedule) -> None:
+        version = schedule.version
+        body, head = self._key("body"), self._key("head")
+        await self._store.set(body, self._signer.seal(body, schedule.to_json(), version=version))
+        await self._store.set(head, self._signer.seal(head, {"version": version}, version=version))
+        await self._store.set(self._key(f"mark/{version}"), b"1")
+        if schedule.number > MARKS_KEPT:
+            await self._store.delete(self._key(f"mark/{version - MARKS_KEPT}"))
+
+    async def head(self) -> int | None:
+        """The newest schedule's version (None: none, or refused)."""
+        key = self._key("head")
+        return open_or_refuse(self._signer, key, await self._store.get(key), _version, self._refused, self._fresh)
+
+    async def read(self) -> Schedule | None:
+        key = self._key("body")
+        return open_or_refuse(self._signer, key, await self._store.get(key), Schedule.from_json,
+                              self._refused, self._fresh)
+
+    async def wait_next(self, version: int, timeout: float) -> bool:
+        """Wait for the schedule after ``version`` of the same term, at most ``timeout``."""
+        return await self._store.wait_for(self._key(f"mark/{version + 1}"), timeout)
+
+
+def node_sizes(nodes: NodeService) -> dict[str, NodeSize]:
+    """Every node the allocator may use, and whether it may take jobs now."""
+    sizes = {}
+    for name, sighting in nodes.sightings.items():
+        info = sighting.record.info
+        sizes[name] = NodeSize(info.slots, len(info.gpus), info.cpus,
+                               usable=node_state(sighting) is NodeState.UP and sighting.record.listed)
+    return sizes
+
+
+class Allocator:
+    """Plans the cluster's schedule while this node observes; idle otherwise."""
+
+    def __init__(self, board: ScheduleBoard, nodes: NodeService, jobs: Callable[[], list[JobRecord]],
+                 policy: Policy, *, usage: Callable[[float], Mapping[str, float]] = lambda now: {},
+                 clock: Callable[[], float] = time.time,
+                 on_plan: Callable[[Schedule, float], None] = lambda schedule, took: None) -> None:
+        self._board = board
+        self._nodes = nodes
+        self._jobs = jobs
+        self.policy = policy
+        self._usage = usage
+        self._clock = clock
+        self._on_plan = on_plan
+        self._wake = asyncio.Event()
+        self._changes = 0           # job records changed (JobRegistry.subscribe)
+        self._planned: tuple[Any, ...] | None = None  # the input of the last plan
+        self._due: float | None = None  # when a job's growth falls due (a plan may then move it)
+        self.schedule: Schedule | None = None  # the last one written (or read at takeover)
+
+    def jobs_changed(self, record: JobRecord | None = None) -> None:
+        self._changes += 1
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Plan after every change of the jobs, every heartbeat duty (the nodes), and when a
+        growth falls due."""
+        duties = 0
+        while not stop.is_set():
+            self._wake.clear()
+            try:
+                await self.allocate()
+            except StoreError as exc:
+                log.warning("the allocator could not publish the schedule: %s", exc)
+            wait = self._nodes.interval if self._due is None else \
+                min(self._nodes.interval, max(self._due - self._clock(), 0.0))
+            try:
+                async with asyncio.timeout(wait):
+                    name, done = await race(stop=stop.wait(), wake=self._wake.wait(),
+                                            duty=self._nodes.next_duty(duties))
+                    if name == "duty":
+                        duties = done.result()
+            except TimeoutError:
+                pass
+
+    async def allocate(self) -> None:
+        """Plan once if this node observes and the input changed (or a growth is due);
+        publish a plan that moved something."""
+        registry = self._nodes.registry
+        if not registry.observing:
+            self.schedule, self._planned = None, None
+            return
+        term = registry.observer_term
+        if self.schedule is None or self.schedule.term != term:
+            try:
+                self.schedule = await self._board.read()  # the last one, of any term
+            except StoreError:
+                return
+            self._planned = None
+        now = self._clock()
+        planned = (term, self._changes, id(self._nodes.sightings))
+        if planned == self._planned and (self._due is None or now < self._due):
+            return
+        began = time.perf_counter()
+        schedule = plan(self._jobs(), node_sizes(self._nodes), self.schedule, self.policy,
+                        self._usage(now), term=term, now=now)
+        took = time.perf_counter() - began
+        if schedule is not self.schedule:
+            await self._board.publish(schedule)
+            self._on_plan(schedule, took)
+            if self.schedule is None or not schedule.same_plan(self.schedule):
+                log.info("schedule %d.%d: %s", schedule.term, schedule.number, describe(schedule))
+        self.schedule, self._planned = schedule, planned
+        self._due = next_growth(schedule, self.policy, now)
+
+
+def describe(schedule: Schedule) -> str:
+    running = ", ".join(f"{job} on {len(nodes)}" for job, nodes in sorted(schedule.nodes.items()))
+    waiting = ", ".join(f"{w.job} ({w.reason.value})" for w in schedule.waiting)
+    return f"running {running or 'none'}; waiting {waiting or 'none'}"
+
+
+class ScheduleFollower:
+    """Holds the newest valid schedule and tells the node core which one to follow."""
+
+    def __init__(self, board: ScheduleBoard, nodes: NodeService, post: Callable[[Any], None], *,
+                 dead_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._board = board
+        self._nodes = nodes
+        self._post = post
+        self._dead_after = dead_after
+        self._clock = clock
+        self.held: Schedule | None = None
+        self._sent: Schedule | None = None   # what the core follows (it starts with none)
+        self._stale_since: float | None = None  # when the held schedule's term was found behind
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow at once when the allocator marks its next schedule, else every interval."""
+        while not stop.is_set():
+            try:
+                await self.follow()
+                version = self.held.version if self.held is not None else 0
+                name, done = await race(stop=stop.wait(), mark=self._board.wait_next(version, self._nodes.interval))
+                if name == "mark":
+                    done.result()
+            except StoreError:  # the store is away: keep what is held, look again later
+                await race(stop=stop.wait(), pause=asyncio.sleep(self._nodes.interval))
+
+    async def follow(self) -> None:
+        version = await self._board.head()
+        if version is not None and (self.held is None or version > self.held.version):
+            schedule = await self._board.read()
+            if schedule is not None and schedule.version >= version:
+                self.held = schedule
+        self._judge(self._nodes.registry.observer_term)
+
+    def _judge(self, term: int) -> None:
+        current = self.held if self.held is not None and self.held.term >= term else None
+        if current is not None:
+            self._stale_since = None
+            if current is not self._sent:
+                self._send(current)
+            return
+        now = self._clock()
+        if self._stale_since is None:
+            self._stale_since = now
+        if self._sent is not None and now - self._stale_since >= self._dead_after:
+            log.warning("no schedule from the allocator of term %d for %.0f s: nodes place jobs "
+                        "themselves until it publishes one", term, now - self._stale_since)
+            self._send(None)
+
+    def _send(self, schedule: Schedule | None) -> None:
+        self._sent = schedule
+        self._post(events.ScheduleChanged(schedule))
