@@ -408,18 +408,16 @@ class Daemon:
 
     def _scheduling(self, store: Store, signer: Signer, nodes: NodeService, registry: JobRegistry,
                     service: NodeShell) -> tuple[Allocator, ScheduleFollower] | None:
-        """The cluster's allocator (it plans while this node observes) and this node's
-        following of its schedule; None where the config turns the scheduler off."""
+        """The allocator (it plans while this node observes) and this node's following of
+        its schedule; None where the config turns the scheduler off."""
         section = getattr(self.config, "scheduler", None)
         if section is not None and not section.enabled:
             return None
-        policy = section.policy() if section is not None else Policy()
         board = ScheduleBoard(store, signer, Keyspace(self.config.cluster.name), self._refused)
-        allocator = Allocator(board, nodes, registry.jobs, policy)
+        allocator = Allocator(board, nodes, registry.jobs, section.policy() if section is not None else Policy())
         registry.subscribe(allocator.jobs_changed)
-        follower = ScheduleFollower(board, nodes, service.post,
-                                    dead_after=self.config.rendezvous.keep_alive.dead_after)
-        return allocator, follower
+        return allocator, ScheduleFollower(board, nodes, service.post,
+                                           dead_after=self.config.rendezvous.keep_alive.dead_after)
 
     def _cgroups(self) -> JobCgroups:
         cgroups = JobCgroups.setup(instance_name(self.node, self.config.paths.state_dir),
