@@ -1,0 +1,143 @@
+"""The schedule (issue 26), pure: records and nodes as the allocator's input, the plan a
+change makes (and none when nothing moved), its record's round trip and refusals, and a
+node core following it (it leaves what the schedule gave other nodes, spending no restart,
+and takes only what it gives this node)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.core import events as ev
+from elasticd.core import instructions as do
+from elasticd.core.allocation import Policy, Reason as Why, Waiting
+from elasticd.core.model import JobSpec, PartState
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.core.placement import Resources
+from elasticd.core.records import JobRecord, Part
+from elasticd.core.schedule import NodeSize, Schedule, demand, follows, leaves, next_growth, plan
+from elasticd.rendezvous import Member, Reason, RendezvousInfo
+
+NODES = {"a": NodeSize(2), "b": NodeSize(2), "c": NodeSize(2)}
+
+
+def spec(job: str, nnodes: tuple[int, int] = (1, 1), nproc: int = 1, **kw: object) -> JobSpec:
+    return JobSpec(id=job, argv=("t.py",), python="/p", workdir="/w", uid=1000, gid=1000, user="u",
+                   min_nodes=nnodes[0], max_nodes=nnodes[1], nproc_per_node=nproc, **kw)
+
+
+def record(job: str, seq: int, *, parts: dict[str, PartState] | None = None, **kw: object) -> JobRecord:
+    return JobRecord(spec(job, **kw), seq, {n: Part(n, s) for n, s in (parts or {}).items()})
+
+
+def test_a_waiting_job_gets_a_node_lent_by_an_elastic_one() -> None:
+    big = record("j-1", 1, nnodes=(1, 3), parts=dict.fromkeys("abc", PartState.RUNNING))
+    first = plan([big], NODES, None, Policy(), {}, term=1, now=0.0)
+    assert first.nodes == {"j-1": frozenset("abc")} and first.number == 1
+    small = record("j-2", 2, nproc=2)
+    second = plan([big, small], NODES, first, Policy(), {}, term=1, now=1.0)
+    assert len(second.nodes["j-1"]) == 2 and len(second.nodes["j-2"]) == 1
+    assert second.nodes["j-1"] | second.nodes["j-2"] == frozenset("abc") and second.number == 2
+
+
+def test_nothing_moved_is_the_same_schedule_and_a_new_term_numbers_afresh() -> None:
+    jobs = [record("j-1", 1, nnodes=(1, 3))]
+    first = plan(jobs, NODES, None, Policy(), {}, term=1, now=0.0)
+    assert plan(jobs, NODES, first, Policy(), {}, term=1, now=5.0) is first
+    taken_over = plan(jobs, NODES, first, Policy(), {}, term=2, now=5.0)
+    assert (taken_over.term, taken_over.number) == (2, 1) and taken_over.version > first.version
+    assert taken_over.nodes == first.nodes
+
+
+def test_a_node_told_to_leave_is_not_the_jobs_while_it_leaves() -> None:
+    """The part on the reclaimed node still runs; the next plan must not count it as the
+    elastic job's own (it would take it back, or take another node)."""
+    big = record("j-1", 1, nnodes=(1, 3), parts=dict.fromkeys("abc", PartState.RUNNING))
+    small = record("j-2", 2, nproc=2)
+    given = plan([big, small], NODES, plan([big], NODES, None, Policy(), {}, term=1, now=0.0),
+                 Policy(), {}, term=1, now=1.0)
+    again = plan([big, small], NODES, given, Policy(), {}, term=1, now=2.0)
+    assert again is given
+
+
+def test_a_node_where_the_jobs_part_ended_gives_it_nothing() -> None:
+    job = record("j-1", 1, nnodes=(1, 3), parts={"a": PartState.FAILED, "b": PartState.RUNNING})
+    assert set(demand(job, NODES, None).shares) == {"b", "c"}
+    assert demand(job, NODES, None).current == frozenset("b")
+
+
+def test_an_unusable_node_is_dropped_and_a_lost_min_topped_up() -> None:
+    job = record("j-1", 1, nnodes=(2, 2), parts=dict.fromkeys("ab", PartState.RUNNING))
+    first = plan([job], NODES, None, Policy(), {}, term=1, now=0.0)
+    lost = {**NODES, first.nodes["j-1"].__iter__().__next__(): NodeSize(2, usable=False)}
+    second = plan([job], lost, first, Policy(), {}, term=1, now=1.0)
+    assert len(second.nodes["j-1"]) == 2 and all(lost[n].usable for n in second.nodes["j-1"])
+
+
+def test_a_preempted_job_stays_preempted_until_it_runs_again() -> None:
+    low = record("j-1", 1, nnodes=(3, 3), nproc=2, preemptible=True, parts=dict.fromkeys("abc", PartState.RUNNING))
+    high = record("j-2", 2, nnodes=(2, 2), nproc=2, priority=5)
+    first = plan([low], NODES, None, Policy(), {}, term=1, now=0.0)
+    second = plan([low, high], NODES, first, Policy(), {}, term=1, now=1.0)
+    assert second.preempted == {"j-1"} and "j-1" not in second.nodes
+    assert second.reason("j-1") is not None
+    third = plan([low], NODES, second, Policy(), {}, term=1, now=2.0)
+    assert "j-1" in third.nodes and not third.preempted
+
+
+def test_growth_is_due_once_per_resize_interval() -> None:
+    policy = Policy(resize_interval=30.0)
+    schedule = plan([record("j-1", 1, nnodes=(1, 3))], NODES, None, policy, {}, term=1, now=100.0)
+    assert schedule.grown == {"j-1": 100.0}
+    assert next_growth(schedule, policy, 100.0) == 130.0 and next_growth(schedule, policy, 131.0) is None
+
+
+def test_the_record_round_trips_and_anything_else_is_refused() -> None:
+    schedule = Schedule(3, 7, {"j-1": frozenset("ab")}, (Waiting("j-2", Why.RESOURCES),),
+                        {"j-1": 5.0}, frozenset({"j-3"}), 9.0)
+    assert Schedule.from_json(schedule.to_json()) == schedule
+    for bad in (None, [], {"term": 1}, {"term": -1, "number": 1, "nodes": {}, "waiting": []},
+                {"term": 1, "number": 1, "nodes": {"j": "ab"}, "waiting": []},
+                {"term": 1, "number": 1, "nodes": {}, "waiting": [["j", "Nope"]]},
+                {"term": True, "number": 1, "nodes": {}, "waiting": []}):
+        with pytest.raises(ValueError):
+            Schedule.from_json(bad)
+
+
+def test_a_node_follows_and_leaves_by_the_schedule() -> None:
+    schedule = Schedule(1, 1, {"j-1": frozenset("ab")}, (Waiting("j-2", Why.PRIORITY),))
+    assert follows(schedule, "j-1", "a") and not follows(schedule, "j-1", "c")
+    assert leaves(schedule, "j-1", "c") and leaves(schedule, "j-2", "a")
+    assert not leaves(schedule, "j-9", "a")  # newer than the schedule: left alone
+
+
+# -- a node core following it -------------------------------------------------------------------
+
+def at(mono: float) -> ev.Now:
+    return ev.Now(mono, 1000.0 + mono)
+
+
+def joins(out: list[do.Instruction]) -> set[str]:
+    return {i.job for i in out if isinstance(i, do.Join)}
+
+
+def test_a_node_core_takes_only_what_the_schedule_gives_it_and_leaves_the_rest() -> None:
+    core = NodeCore(NodeSettings("c", Resources(2), dead_after=3.0, judge_users=False))
+    records = (record("j-1", 1, nnodes=(1, 3)), record("j-2", 2, nproc=2))
+    out = core.handle(ev.ScheduleChanged(Schedule(1, 1, {"j-1": frozenset("abc")}, (Waiting("j-2", Why.RESOURCES),))),
+                      at(0))
+    out += core.handle(ev.JobsChanged(records), at(0))
+    assert joins(out) == {"j-1"}, "first come would offer c to j-1 as well, but not to j-2 (no room)"
+    join = next(i for i in out if isinstance(i, do.Join))
+    info = RendezvousInfo("j-1", 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "c", 1, (Member("c", "c", 1, 0, 0),))
+    core.handle(ev.RoundJoined("j-1", join.op, info), at(1))
+    reclaim = Schedule(1, 2, {"j-1": frozenset("ab"), "j-2": frozenset("c")})
+    core.handle(ev.ScheduleChanged(reclaim), at(2))
+    assert core.parts["j-1"].leaving is Reason.RECLAIM
+    core.handle(ev.ScheduleChanged(None), at(3))  # no schedule: first come again (it leaves anyway)
+    assert core.parts["j-1"].leaving is Reason.RECLAIM
+
+
+def test_without_a_schedule_a_node_places_first_come() -> None:
+    core = NodeCore(NodeSettings("c", Resources(2), dead_after=3.0, judge_users=False))
+    out = core.handle(ev.JobsChanged((record("j-1", 1), record("j-2", 2))), at(0))
+    assert joins(out) == {"j-1", "j-2"}
