@@ -100,6 +100,8 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
                        environ, torchrun_rule, following=True)
     listing = command("list", cmd_list, "list jobs", aliases=["ps"])
     listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
+    command("queue", cmd_queue, "list waiting jobs in start order, and why each waits",
+            epilog=render.QUEUE_REASONS)
     status = command("status", cmd_status, "show one job in detail")
     status.add_argument("job", metavar="JOB")
     status.add_argument("--debug", action="store_true",
@@ -391,6 +393,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     with connect(args) as daemon:
         jobs = list_jobs(daemon, args.all)
     emit(args, jobs, lambda: render.jobs_table(jobs, time.time()))
+    return 0
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    with connect(args) as daemon:
+        result = daemon.call("queue")
+    emit(args, result, lambda: render.queue_table(result, time.time()))
     return 0
 
 

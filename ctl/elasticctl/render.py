@@ -228,12 +228,43 @@ def job_state(job: Doc) -> Any:
 
 
 def jobs_table(jobs: Iterable[Doc], now: float) -> str:
-    headers = ("ID", "NAME", "USER", "STATE", "NODES", "WORKERS", "RESTARTS", "AGE/ENDED")
+    headers = ("ID", "NAME", "USER", "STATE", "NODES", "ALLOC", "WORKERS", "RESTARTS", "AGE/ENDED")
     return table(headers, ([job.get("id"), job.get("name"), job.get("user"), job_state(job),
-                            f"{node_total(job)} ({text(job.get('nnodes'))})",
+                            f"{node_total(job)} ({text(job.get('nnodes'))})", allocation(job),
                             workers_up(job),
                             fraction(job.get("restarts"), job.get("max_restarts")),
                             job_age(job, now)] for job in jobs))
+
+
+def allocation(job: Doc) -> str:
+    """The nodes the cluster's schedule gives the job, or why it waits ('-': no schedule)."""
+    if job.get("reason"):
+        return f"({job['reason']})"
+    return text(job["allocated"]) if "allocated" in job else NONE
+
+
+QUEUE_REASONS = """\
+Why a job waits (Slurm's words):
+  Priority      a job ahead of it waits for the room it would take
+  Resources     not enough free room, even reclaiming the nodes other jobs borrow or lend
+  QuotaUser     its min would take its user over a quota ([scheduler] in the config)
+  QuotaAccount  its min would take its account over a quota
+  Held          a node refuses a record the job needs (`elasticctl status JOB` says which)
+  Size          its min can never fit this cluster, even idle
+The order: priority, then the account's fair share (usage decayed with a half-life), then age.
+No start time is estimated: jobs have no time limit to estimate one from."""
+
+
+def queue_table(result: Doc, now: float) -> str:
+    jobs = list(result.get("jobs") or []) if isinstance(result, Mapping) else []
+    headers = ("#", "ID", "NAME", "USER", "ACCOUNT", "PRIO", "NODES", "REASON", "WAITED")
+    rows = ([job.get("position"), job.get("id"), job.get("name"), job.get("user"), job.get("account") or NONE,
+             job.get("priority"), node_count(job.get("nnodes")),
+             text(job.get("reason") or NONE) + (" (preempted)" if job.get("preempted") else ""),
+             NONE if job.get("submitted") is None else duration(now - job["submitted"])] for job in jobs)
+    head = "" if result.get("scheduler") else \
+        "no schedule (the scheduler is off, or not heard from yet): open jobs no node runs, first come first\n"
+    return head + (table(headers, rows) if jobs else "no job waits")
 
 
 def status_block(job: Doc, now: float) -> str:

@@ -313,8 +313,10 @@ class Daemon:
             service.post(events.Restored(tuple(unfinished)))
             self.metrics.job_usage.source = service.usage
             self._listed(service, listing)
+            scheduling = self._scheduling(store, signer, nodes, registry, service)
             commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
-                                cluster=nodes, peers=peers)
+                                cluster=nodes, peers=peers,
+                                schedule=(lambda: scheduling[1].followed) if scheduling else lambda: None)
             zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
             peer_server = RouterServer(ctx, f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
                                        PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
@@ -338,7 +340,6 @@ class Daemon:
             duties = NodeDuties(local_record=self._local.record, post=service.post,
                                 watcher=Watcher(store=functools.partial(self._store_health, registry),
                                                 tick=lambda: self.metrics.count_nodes(nodes.tally())))
-            scheduling = self._scheduling(store, signer, nodes, registry, service)
             pruner = Pruner(registry, config.log_dir, busy=service.local_jobs,
                             on_pruned=lambda job_ids: self._jobs_changed(registry))
             self._install_signals()

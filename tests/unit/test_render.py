@@ -114,16 +114,16 @@ def test_error_summary(error, expected):
 
 
 def test_jobs_table():
-    jobs = [job(),
+    jobs = [job(allocated=2),
             job(id="j-000001", name="other", user="bob", state="SUCCEEDED", ended=NOW - 7200,
                 exit_code=0, nnodes="1:1", world_size=1, workers=[], nodes=[{"node": "n2"}]),
             job(id="j-000002", name=None, state="PENDING", nodes=[], workers=[], world_size=None,
-                created=NOW - 5)]
+                created=NOW - 5, allocated=0, reason="Priority")]
     assert render.jobs_table(jobs, NOW).splitlines() == [
-        "ID        NAME      USER   STATE      NODES    WORKERS  RESTARTS  AGE/ENDED",
-        "j-7f3a21  train.py  alice  RUNNING    1 (2:4)  2/2      0/1       3m12s",
-        "j-000001  other     bob    SUCCEEDED  1 (1:1)  0/1      0/1       2h ago",
-        "j-000002  -         alice  PENDING    0 (2:4)  -        0/1       5s",
+        "ID        NAME      USER   STATE      NODES    ALLOC       WORKERS  RESTARTS  AGE/ENDED",
+        "j-7f3a21  train.py  alice  RUNNING    1 (2:4)  2           2/2      0/1       3m12s",
+        "j-000001  other     bob    SUCCEEDED  1 (1:1)  -           0/1      0/1       2h ago",
+        "j-000002  -         alice  PENDING    0 (2:4)  (Priority)  -        0/1       5s",
     ]
 
 
@@ -169,7 +169,7 @@ def test_jobs_table_of_list_rows_uses_their_counts():
            "nnodes": "2:4", "node_count": 2, "workers_up": 3, "workers_total": 4, "world_size": 4,
            "restarts": 0, "max_restarts": 1, "created": NOW - 5, "ended": None}
     assert render.jobs_table([row], NOW).splitlines()[1] == \
-        "j-7f3a21  train.py  alice  RUNNING  2 (2:4)  3/4      0/1       5s"
+        "j-7f3a21  train.py  alice  RUNNING  2 (2:4)  -      3/4      0/1       5s"
 
 
 def test_another_users_job_says_what_is_hidden():

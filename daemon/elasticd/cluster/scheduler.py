@@ -211,6 +211,11 @@ class ScheduleFollower:
                 self.held = schedule
         self._judge(self._nodes.registry.observer_term)
 
+    @property
+    def followed(self) -> Schedule | None:
+        """The schedule this node follows now (None: it places jobs itself)."""
+        return self._sent
+
     def _judge(self, term: int) -> None:
         current = self.held if self.held is not None and self.held.term >= term else None
         if current is not None:

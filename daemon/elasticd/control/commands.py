@@ -25,7 +25,8 @@ from elasticd.jobs.registry import JobRegistry
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
 from elasticd.aio import back_off, race
 from elasticd.shell.logs import LogBus, LogReader, SeenLines
-from elasticd.core.model import JobSpec, NodeState, parse_nnodes, parse_nproc
+from elasticd.core.model import JobSpec, JobState, NodeState, parse_nnodes, parse_nproc
+from elasticd.core.schedule import Schedule
 from elasticd.cluster.service import NodeService
 from elasticd.cluster.peers import PeerCaller, PeerLinks
 from elasticd.core.placement import beyond_standalone, never_fits
@@ -88,7 +89,8 @@ def _default_name(args: Mapping[str, Any]) -> str:
 
 class Commands:
     def __init__(self, config: DaemonConfig, *, node: str, registry: JobRegistry,
-                 jobs: JobService, logs: LogBus, cluster: NodeService, peers: PeerLinks) -> None:
+                 jobs: JobService, logs: LogBus, cluster: NodeService, peers: PeerLinks,
+                 schedule: Callable[[], Schedule | None] = lambda: None) -> None:
         self._config = config
         self._node = node
         self._registry = registry
@@ -96,12 +98,13 @@ class Commands:
         self._logs = logs
         self._cluster = cluster
         self._peers = peers
+        self._schedule = schedule  # the cluster's schedule as this node follows it
         self._submitting: collections.Counter[int] = collections.Counter()  # uid -> submits under way
         self._ops: dict[str, Callable[[Caller, dict[str, Any], Responder], Awaitable[None]]] = {
             "version": self.version, "submit": self.submit, "list": self.list,
             "status": self.status, "logs": self.logs, "cancel": self.cancel,
             "wait": self.wait, "nodes": self.nodes_list, "drain": self.drain,
-            "undrain": self.undrain,
+            "undrain": self.undrain, "queue": self.queue,
         }
 
     async def __call__(self, caller: Caller, request: Request, reply: Responder) -> None:
@@ -210,9 +213,28 @@ class Commands:
         horizon = time.time() - RECENT
         records = [r for r in self._registry.jobs()
                    if args.get("all") or r.outcome is None or r.outcome.ended >= horizon]
-        for rows in batches(map(listed_doc, records), LIST_BATCH):
-            await reply.result({"jobs": rows})
+        schedule = self._schedule()
+        rows = (allocated(listed_doc(r), schedule) for r in records)
+        for batch in batches(rows, LIST_BATCH):
+            await reply.result({"jobs": batch})
         await reply.end()
+
+    async def queue(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
+        """The waiting jobs in the order they will start, each with why it waits (Slurm's
+        words); without a schedule (the scheduler is off, or not heard from), the open jobs
+        no node runs, in submit order."""
+        schedule = self._schedule()
+        records = {r.id: r for r in self._registry.jobs() if r.outcome is None}
+        if schedule is not None:
+            waiting = [(records[w.job], w.reason.value) for w in schedule.waiting if w.job in records]
+        else:
+            waiting = [(r, None) for r in sorted(records.values(), key=lambda r: r.seq)
+                       if not any(p.state.active for p in r.parts.values())]
+        await reply.result({
+            "scheduler": schedule is not None,
+            "schedule": [schedule.term, schedule.number] if schedule is not None else None,
+            "jobs": [queue_row(record, reason, position, schedule)
+                     for position, (record, reason) in enumerate(waiting, 1)]})
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """A job's document; with ``debug``, for its owner and admins, also its story on this
@@ -344,6 +366,31 @@ class Commands:
             record = await self._registry.wait_change(record.id, record.version)
             await reply.result(shown(record))
         await reply.end()
+
+
+TERMINAL_STATES = frozenset(s.value for s in JobState if s.terminal)
+
+
+def allocated(row: dict[str, Any], schedule: Schedule | None) -> dict[str, Any]:
+    """A `list` row with the nodes the schedule gives the job, or why it waits."""
+    if schedule is not None and row.get("state") not in TERMINAL_STATES:
+        nodes = schedule.nodes.get(row["id"])
+        row["allocated"] = len(nodes) if nodes is not None else 0
+        reason = schedule.reason(row["id"])
+        if reason is not None:
+            row["reason"] = reason.value
+    return row
+
+
+def queue_row(record: JobRecord, reason: str | None, position: int, schedule: Schedule | None) -> dict[str, Any]:
+    """A waiting job as `queue` shows it to everyone: what `list` shows, and the
+    scheduler's keys (no arguments, environment or error text)."""
+    spec = record.spec
+    return {"position": position, "id": spec.id, "name": spec.name, "user": spec.user,
+            "account": spec.account, "priority": spec.priority, "nnodes": spec.nnodes,
+            "nnodes_step": spec.nnodes_step, "preemptible": spec.preemptible,
+            "submitted": spec.created, "state": record.state.value, "reason": reason,
+            "preempted": schedule is not None and spec.id in schedule.preempted}
 
 
 class PeerCommands:
