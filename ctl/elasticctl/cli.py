@@ -23,9 +23,10 @@ from elasticd.wire import paths
 from elasticctl import follow, render, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 from elasticctl.output import ProgressLine, emit, error_doc, terminal_width
-from elasticctl.submission import (UsageError, check_runnable, env_pair, given, misplaced_options_message,
-                                   names, nnodes, non_negative_int, nproc_per_node, output_plan,
-                                   own_options_after_script, positive_seconds, seconds, submit_request)
+from elasticctl.submission import (UsageError, account, check_runnable, env_pair, given, integer,
+                                   misplaced_options_message, names, nnodes, non_negative_int,
+                                   nproc_per_node, output_plan, own_options_after_script,
+                                   positive_int, positive_seconds, seconds, submit_request)
 
 EXIT_BY_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 INTERRUPTED = 130
@@ -178,6 +179,18 @@ def add_submit_options(sub: argparse.ArgumentParser, environ: Mapping[str, str],
     option("--rejoin-timeout", type=positive_seconds, metavar="S",
            help="in place: a survivor that has not asked for its new place S seconds after a "
                 "change is stopped and the job restarts every worker (default 60)")
+    option("--priority", type=integer, metavar="N",
+           help="start before jobs of lower priority (default 0); above 0 as far as the "
+                "cluster's config lets you (scheduler.max_priority), below 0 always")
+    option("--account", type=account, metavar="GROUP",
+           help="the group whose fair share and quota the job uses: one you are in "
+                "(default: your primary group)")
+    option("--preemptible", action="store_true",
+           help="the job may be stopped below its MIN nodes for a job ahead of it, and is "
+                "requeued (no restart spent) to resume from its checkpoint")
+    option("--nnodes-step", type=positive_int, metavar="K",
+           help="run on a multiple of K nodes only, so that world sizes keep the batch maths "
+                "valid (default 1)")
     if following:
         sub.set_defaults(wait=False)
     else:

@@ -278,6 +278,7 @@ def status_block(job: Doc, now: float) -> str:
         ("workdir", job.get("workdir")), ("nnodes", job.get("nnodes")),
         ("nproc", job.get("nproc_per_node")), ("role", job.get("role")),
         *([("master port", job["master_port"])] if job.get("master_port") else []),
+        *sharing_fields(job),
         ("world size", job.get("world_size")),
         ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),
         ("round", job.get("round")), ("created", local_time(job.get("created"))),
@@ -299,6 +300,19 @@ def status_block(job: Doc, now: float) -> str:
         lines += ["", f"story on {text(node)} (seconds since its first entry):"]
         lines += [f"  {text(line)}" for line in story] or ["  (nothing: this node never took part)"]
     return "\n".join(lines)
+
+
+def sharing_fields(job: Doc) -> list[tuple[str, Any]]:
+    """The scheduler's fields of a job where they are not the defaults: its account
+    (whenever known), priority, node-count step and whether it is preemptible."""
+    fields: list[tuple[str, Any]] = [("account", job["account"])] if job.get("account") else []
+    if job.get("priority"):
+        fields.append(("priority", job["priority"]))
+    if job.get("nnodes_step") not in (None, 1):
+        fields.append(("nnodes step", job["nnodes_step"]))
+    if job.get("preemptible"):
+        fields.append(("preemptible", "yes"))
+    return fields
 
 
 HIDDEN = "(shown to the job's owner and admins only)"

@@ -57,6 +57,19 @@ def non_negative_int(value: str) -> int:
     return number
 
 
+def integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+
+
+def account(value: str) -> str:
+    if not value or any(c.isspace() for c in value):
+        raise argparse.ArgumentTypeError(f"expected a group name, got {value!r}")
+    return value
+
+
 def seconds(value: str) -> int | float:
     try:
         number = float(value)
@@ -133,7 +146,8 @@ def misplaced_options_message(argv: Sequence[str], script_args: Sequence[str], o
 # -- requests -------------------------------------------------------------------------------
 
 OPTIONAL_SUBMIT_ARGS = ("max_restarts", "name", "nodes", "exclude", "join_timeout",
-                        "last_call_timeout", "exit_barrier_timeout", "rejoin_timeout")
+                        "last_call_timeout", "exit_barrier_timeout", "rejoin_timeout",
+                        "priority", "account", "nnodes_step")
 
 
 def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> dict[str, Any]:
@@ -162,6 +176,8 @@ def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: st
     request.update({key: value for key, value in from_torchrun.items() if key not in request})
     if args.in_place:
         request["in_place"] = True
+    if args.preemptible:
+        request["preemptible"] = True
     if args.wait:
         request["wait"] = True
     return request

@@ -8,6 +8,7 @@ agreement.  A bad key or value raises ConfigError naming the dotted key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import stat
@@ -23,8 +24,10 @@ from elasticd.endpoint import split_endpoint
 from elasticd.errors import ConfigError
 from elasticd.core.liveness import KeepAlive
 from elasticd.shell.logs import MAX_BACKUPS, MIN_MAX_BYTES, OutputLimit
-from elasticd.core.model import JobSpec
-from elasticd.core.quotas import SubmitLimits
+from elasticd.core import fairshare
+from elasticd.core.allocation import Policy, Quota
+from elasticd.core.model import MAX_PRIORITY, JobSpec
+from elasticd.core.quotas import PriorityBounds, SubmitLimits
 
 AUTO = "auto"
 ETCD = "etcd"
@@ -114,6 +117,22 @@ def _backups(value: int) -> str | None:
 def _log_level(value: str) -> str | None:
     levels = ("debug", "info", "warning", "error")
     return None if value in levels else f"must be one of {', '.join(levels)}"
+
+
+def _priority(value: int) -> str | None:
+    return None if 0 <= value <= MAX_PRIORITY else f"must be 0..{MAX_PRIORITY}"
+
+
+QUOTA_KEYS = tuple(f.name for f in dataclasses.fields(Quota))
+
+
+def _check_quota(dotted: str, table: dict[str, int]) -> None:
+    """A quota table: limits on nodes, gpus and slots, each 0 or more (absent: none)."""
+    for name, limit in table.items():
+        if name not in QUOTA_KEYS:
+            raise ConfigError(f"{dotted}.{name}", f"unknown key (known: {', '.join(QUOTA_KEYS)})")
+        if limit < 0:
+            raise ConfigError(f"{dotted}.{name}", f"must be 0 or more, got {limit!r}")
 
 
 def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str = "",
@@ -283,6 +302,54 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    enabled: bool = key(True, doc="the cluster follows the allocation its elected daemon publishes (priority, fair share, quotas; shrink to admit, grow to fill); false: each node offers itself to the oldest open job it fits")
+    resize_interval: float = key(30.0, _not_negative, doc="seconds between two growths of one job (reclaiming nodes for a waiting job, and failures, are not delayed)")
+    half_life: float = key(fairshare.HALF_LIFE, _not_negative, doc="seconds in which an account's recorded use halves, for fair share (604800: 7 days, as Slurm's PriorityDecayHalfLife); 0: none is kept")
+    max_priority: int = key(0, _priority, doc="the highest --priority a user may ask (0 or less is always allowed); root and control.admin_group may ask any")
+    priority_users: dict[str, int] = key({}, doc="user -> the highest --priority that user may ask, where above max_priority, e.g. {alice = 10}")
+    priority_groups: dict[str, int] = key({}, doc="group -> the highest --priority its members may ask, where above max_priority")
+    user_quota: dict[str, int] = key({}, doc="each user's limits on what their jobs hold at once: nodes, gpus, slots (a limit not set: none), e.g. {nodes = 4, gpus = 8}")
+    account_quota: dict[str, int] = key({}, doc="each account's limits, as user_quota (an account: a group, --account; by default the user's primary group)")
+    users: dict[str, dict[str, int]] = key({}, doc="user -> that user's own limits, each in place of user_quota's (those it does not set stay), e.g. {alice = {nodes = 8}}")
+    accounts: dict[str, dict[str, int]] = key({}, doc="account -> that account's own limits, each in place of account_quota's (those it does not set stay)")
+    shares: dict[str, float] = key({}, doc="account -> its share of the cluster for fair share (greater than 0; an account not listed: 1.0), e.g. {ml = 2.0}")
+
+    def __post_init__(self) -> None:
+        for name in ("priority_users", "priority_groups"):
+            for who, bound in getattr(self, name).items():
+                if problem := _priority(bound):
+                    raise ConfigError(f"scheduler.{name}.{who}", f"{problem}, got {bound!r}")
+        for name in ("user_quota", "account_quota"):
+            _check_quota(f"scheduler.{name}", getattr(self, name))
+        for name in ("users", "accounts"):
+            for who, table in getattr(self, name).items():
+                _check_quota(f"scheduler.{name}.{who}", table)
+        for account, share in self.shares.items():
+            if not 0 < share < math.inf:
+                raise ConfigError(f"scheduler.shares.{account}", f"must be greater than 0, got {share!r}")
+
+    def policy(self) -> Policy:
+        """The allocator's policy.  A user's or an account's own entry replaces the limits
+        it sets of the default and keeps the others."""
+        user_default, account_default = Quota(**self.user_quota), Quota(**self.account_quota)
+        return Policy(
+            users={user: dataclasses.replace(user_default, **q) for user, q in self.users.items()},
+            accounts={name: dataclasses.replace(account_default, **q) for name, q in self.accounts.items()},
+            user_default=user_default, account_default=account_default,
+            account_shares=dict(self.shares), resize_interval=self.resize_interval,
+            half_life=self.half_life)
+
+    @property
+    def priority_bounds(self) -> PriorityBounds:
+        return PriorityBounds(self.max_priority, dict(self.priority_users), dict(self.priority_groups))
+
+    def priority_bound(self, user: str, groups: typing.Iterable[str], is_admin: bool) -> int | None:
+        """The highest --priority ``user`` (in ``groups``) may ask; None: any (root, admins)."""
+        return self.priority_bounds.of(user, groups, is_admin)
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -297,6 +364,7 @@ class DaemonConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     standalone: bool = False
 
     @property
@@ -372,12 +440,16 @@ def _tables(path: str | None, overrides: dict[str, Any] | None, standalone: bool
 
 
 def _set_aside(tables: dict[str, Any], dotted: str) -> bool:
-    """Remove the key ``dotted`` from ``tables``, else its whole section; False if neither is there."""
-    section, _, name = dotted.partition(".")
+    """Remove the key ``dotted`` from ``tables`` (``scheduler.users.alice.nodes``: the
+    innermost table's key), else its whole section; False if neither is there."""
+    section, _, rest = dotted.partition(".")
     table = tables.get(section)
-    if isinstance(table, dict) and name in table:
-        del table[name]
-        return True
+    while isinstance(table, dict) and rest:
+        if rest in table:
+            del table[rest]
+            return True
+        head, _, rest = rest.partition(".")
+        table = table.get(head)
     return tables.pop(section, None) is not None
 
 
@@ -421,6 +493,11 @@ def _coerce(dotted: str, hint: Any, value: Any) -> Any:
         if not (isinstance(value, list) and all(_is(v, int) or _is(v, float) for v in value)):
             raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
         return [float(v) for v in value]
+    if typing.get_origin(hint) is dict and hint != dict[str, str]:  # a table of values, each checked
+        if not isinstance(value, dict):
+            raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
+        return {name: _coerce(f"{dotted}.{name}", typing.get_args(hint)[1], item)
+                for name, item in value.items()}
     if hint == dict[str, str]:
         ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
                                              for k, v in value.items())
@@ -441,6 +518,8 @@ _TYPE_WORDS: dict[Any, str] = {
     int: "an integer", float: "a number", str: "a string", bool: "true or false",
     dict[str, str]: "a table of strings", int | str: f"an integer or '{AUTO}'",
     bool | str: f"true, false or '{AUTO}'", list[float]: "a list of numbers", list[str]: "a list of strings",
+    dict[str, int]: "a table of integers", dict[str, float]: "a table of numbers",
+    dict[str, dict[str, int]]: "a table of tables of integers",
 }
 
 

@@ -96,3 +96,25 @@ def test_a_file_that_cannot_be_read(tmp_path, name, content, words):
 def test_it_is_in_the_help(tmp_path):
     done = elasticd("--help", cwd=tmp_path)
     assert "elasticd --check-config FILE [options]" in done.stdout and "--check-config FILE" in done.stdout
+
+
+def test_bad_scheduler_keys_are_named_down_to_the_nested_key(tmp_path, places):
+    path = tmp_path / "elasticd.toml"
+    path.write_text('[scheduler]\nmax_priority = "high"\nshares = {ml = 0}\n'
+                    '[scheduler.users.alice]\nnodes = -1\ncpus = 4\n')
+    done = elasticd("--check-config", str(path), *places, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "elasticd: config key 'scheduler.max_priority': must be an integer, got 'high'",
+        "elasticd: config key 'scheduler.users.alice.nodes': must be 0 or more, got -1",
+        "elasticd: config key 'scheduler.users.alice.cpus': unknown key (known: nodes, gpus, slots)",
+        "elasticd: config key 'scheduler.shares.ml': must be greater than 0, got 0.0",
+        f"{path}: 4 errors",
+    ]
+    started = elasticd("--config", str(path), *places, cwd=tmp_path)
+    assert (started.returncode, started.stderr) == (2, done.stderr.splitlines()[0] + "\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elasticd.toml"]
+    path.write_text('[scheduler]\nmax_priority = 10\nuser_quota = {nodes = 2}\n'
+                    '[scheduler.accounts.ml]\ngpus = 8\n')
+    good = elasticd("--check-config", str(path), *places, cwd=tmp_path)
+    assert (good.returncode, good.stdout, good.stderr) == (0, f"{path}: OK\n", "")

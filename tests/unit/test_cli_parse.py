@@ -178,12 +178,31 @@ def test_submit_request_has_everything_the_daemon_needs(python_on_path):
     ("submit --join-timeout 60 --last-call-timeout 0.5 --exit-barrier-timeout 300 x.py",
      {"join_timeout": 60, "last_call_timeout": 0.5, "exit_barrier_timeout": 300}),
     ("submit --wait x.py", {"wait": True}),
+    ("submit --priority 5 --account ml --preemptible --nnodes 2:8 --nnodes-step 2 x.py",
+     {"priority": 5, "account": "ml", "preemptible": True, "nnodes": "2:8", "nnodes_step": 2}),
+    ("submit --priority -3 x.py", {"priority": -3}),
+    ("run --nnodes_step 4 --priority=0 x.py", {"nnodes_step": 4, "priority": 0}),
 ])
 def test_optional_submit_args_only_when_given(line, expected, python_on_path):
     req = request(line, {"PATH": str(python_on_path.parent)})
     base = {"argv", "kind", "workdir", "env", "nnodes", "nproc_per_node", "python"}
     assert set(req) == base | set(expected)
     assert {name: req[name] for name in expected} == expected
+
+
+@pytest.mark.parametrize("line, words", [
+    ("submit --priority high x.py", "argument --priority: expected a whole number, got 'high'"),
+    ("submit --priority 1.5 x.py", "argument --priority: expected a whole number"),
+    ("submit --nnodes-step 0 x.py", "argument --nnodes-step: expected a number of at least 1, got 0"),
+    ("submit --account '' x.py", "argument --account: expected a group name"),
+    ("run --account 'a b' x.py", "argument --account: expected a group name"),
+    ("submit x.py --preemptible", "--preemptible after the script would be the script's own"),
+])
+def test_bad_sharing_options_are_usage_errors(line, words, capsys):
+    import shlex
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args(shlex.split(line), {})
+    assert exited.value.code == 2 and words in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line,kind,argv", [

@@ -7,10 +7,10 @@ from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.placement import Offer, Resources, beyond_standalone, fit, never_fits, place
 
 
-def record(job_id, seq, nproc=1, nnodes=(1, 1), nodes=(), exclude=(), parts=(), outcome=None):
+def record(job_id, seq, nproc=1, nnodes=(1, 1), nodes=(), exclude=(), parts=(), outcome=None, step=1):
     spec = JobSpec(id=job_id, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
                    nproc_per_node=nproc, min_nodes=nnodes[0], max_nodes=nnodes[1], nodes=nodes,
-                   exclude=exclude)
+                   exclude=exclude, nnodes_step=step)
     return JobRecord(spec, seq, {p.node: p for p in parts}, outcome)
 
 
@@ -139,3 +139,10 @@ def test_a_standalone_daemon_refuses_only_jobs_whose_min_needs_more_nodes(nnodes
     else:
         assert problem == (f"the daemon is standalone (a one-node cluster), so a job needing "
                            f"{nnodes[0]} nodes can never start; use --nnodes 1 or run a cluster")
+
+
+def test_a_standalone_daemon_refuses_a_step_that_rounds_min_past_one_node():
+    assert beyond_standalone(record("j", 1, nnodes=(1, 3), step=1).spec) is None
+    assert beyond_standalone(record("j", 1, nnodes=(1, 4), step=2).spec) == (
+        "the daemon is standalone (a one-node cluster), so a job needing 2 nodes "
+        "(--nnodes-step 2) can never start; use --nnodes 1 or run a cluster")

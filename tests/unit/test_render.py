@@ -182,6 +182,18 @@ def test_another_users_job_says_what_is_hidden():
     assert "traceback:" not in lines
 
 
+def test_status_block_shows_the_schedulers_fields_where_not_default():
+    plain = render.status_block(job(account="alice", priority=0, nnodes_step=1, preemptible=False), NOW)
+    assert "account:      alice" in plain.splitlines()
+    assert not any(word in plain for word in ("priority", "nnodes step", "preemptible"))
+    lines = render.status_block(job(account="ml", priority=-5, nnodes_step=2, preemptible=True),
+                                NOW).splitlines()
+    at = lines.index("account:      ml")
+    assert lines[at:at + 4] == ["account:      ml", "priority:     -5", "nnodes step:  2",
+                                "preemptible:  yes"]
+    assert "account" not in render.status_block(job(), NOW)  # a daemon that does not send it
+
+
 def test_status_block_of_a_sparse_document():
     lines = render.status_block({"id": "j-1"}, NOW).splitlines()
     assert lines[0] == "id:           j-1"
@@ -313,6 +325,7 @@ def test_clean_leaves_safe_text_alone():
 
 def hostile_job(v):
     return job(id=v, name=v, user=v, uid=v, state=v, argv=[v, v], workdir=v, nnodes=v,
+               account=v, priority=v, nnodes_step=v, preemptible=v,
                nproc_per_node=v, world_size=v, restarts=v, max_restarts=v, round=v, exit_code=v,
                barrier={"done": v, "total": v, "deadline": NOW + 5},
                error={"message": v, "rank": v, "node": v, "exit_code": v},

@@ -30,7 +30,7 @@ from elasticd.core.schedule import Schedule
 from elasticd.cluster.service import NodeService
 from elasticd.cluster.peers import PeerCaller, PeerLinks
 from elasticd.core.placement import beyond_standalone, never_fits
-from elasticd.core.quotas import count_refusal, spec_refusal
+from elasticd.core.quotas import account_refusal, count_refusal, spec_refusal
 from elasticd.wire.protocol import LIST_BATCH, Request, batches
 from elasticd.control.server import Caller, PeerGone, Responder
 
@@ -59,6 +59,22 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def group_names(user: str, gid: int) -> list[str]:
+    """The groups ``user`` is in, by name: ``gid`` (the caller's group) first."""
+    try:
+        gids = os.getgrouplist(user, gid)
+    except OSError:
+        gids = []
+    return list(dict.fromkeys(group_name(g) for g in (gid, *gids)))
+
+
 def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonConfig, *,
                       job_id: str, node: str, now: float) -> JobSpec:
     """The JobSpec a submit request asks for, with the daemon's defaults filled in (pure)."""
@@ -79,6 +95,8 @@ def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonCon
         rejoin_timeout=args.get("rejoin_timeout", JobSpec.rejoin_timeout),
         nodes=tuple(args.get("nodes", ())), exclude=tuple(args.get("exclude", ())),
         role=args.get("role", JobSpec.role), master_port=args.get("master_port", JobSpec.master_port),
+        priority=args.get("priority", JobSpec.priority), account=args.get("account") or group_name(caller.gid),
+        preemptible=args.get("preemptible", False), nnodes_step=args.get("nnodes_step", JobSpec.nnodes_step),
         submitted_on=node, created=now)
 
 
@@ -171,6 +189,9 @@ class Commands:
         problem = spec_refusal(spec, self._config.jobs.limits) or self._over_quota(caller, spec)
         if problem:
             raise LimitExceeded(problem)
+        problem = self._sharing_refusal(caller, spec)
+        if problem:
+            raise PermissionDenied(problem)
         # The script, python and workdir are not looked at here: a root daemon would answer
         # with its own rights (an oracle for files the user cannot see).  elasticctl checks
         # them as the user; a worker that cannot find them fails as the user would.
@@ -188,6 +209,13 @@ class Commands:
             await self._stream_until_done(record, reply, full=True)
         else:
             await reply.result(job_doc(record))
+
+    def _sharing_refusal(self, caller: Caller, spec: JobSpec) -> str | None:
+        """Why the caller may not charge ``spec`` to its account or ask its priority (root
+        and the admin group may name any of either)."""
+        admin, groups = self._is_admin(caller), group_names(spec.user, caller.gid)
+        return account_refusal(spec.account, spec.user, groups, admin) or \
+            self._config.scheduler.priority_bounds.refusal(spec.priority, spec.user, groups, admin)
 
     def _over_quota(self, caller: Caller, spec: JobSpec) -> str | None:
         """Why the caller may not have one more job that has not ended (root and the admin

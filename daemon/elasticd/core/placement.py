@@ -67,11 +67,14 @@ def refusal(spec: JobSpec, *, allow_root: bool, local_user: str | None) -> str |
 
 
 def beyond_standalone(spec: JobSpec) -> str | None:
-    """Why a standalone daemon (a cluster of one node) could never start ``spec``."""
-    if spec.min_nodes <= 1:
+    """Why a standalone daemon (a cluster of one node) could never start ``spec`` (its
+    min, rounded up to a multiple of its --nnodes-step, is its least node count)."""
+    least = -(-spec.min_nodes // spec.nnodes_step) * spec.nnodes_step
+    if least <= 1:
         return None
-    return (f"the daemon is standalone (a one-node cluster), so a job needing {spec.min_nodes} "
-            "nodes can never start; use --nnodes 1 or run a cluster")
+    steps = f" (--nnodes-step {spec.nnodes_step})" if least != spec.min_nodes else ""
+    return (f"the daemon is standalone (a one-node cluster), so a job needing {least} "
+            f"nodes{steps} can never start; use --nnodes 1 or run a cluster")
 
 
 _SLOTS_HINT = ("a node's slots default to its CPU count; `elasticd --slots N` or node.slots "

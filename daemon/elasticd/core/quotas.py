@@ -8,12 +8,16 @@ capped (config keys, counted as ``execve`` counts them), the rest of its spec by
 bounds that no real job comes near (name and role: model.validate), and the jobs of one
 user that have not ended by ``jobs.max_per_user``.  Each refusal names the limit and the
 key that sets it.  The spec's text is valid Unicode (model.validate).
+
+The scheduler's inputs are bounded here too (issue 26): the ``--priority`` a user may ask
+(PriorityBounds, from the config's scheduler section) and the ``--account`` a user may
+charge (a group they are in).  Root and the admin group are bound by neither.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
 
 from elasticd.core.model import JobSpec
 
@@ -67,3 +71,49 @@ def count_refusal(user: str, open_jobs: int, limits: SubmitLimits) -> str | None
         return (f"{user} has {open_jobs} jobs that have not ended, the most one user may have "
                 f"(jobs.max_per_user = {limits.per_user}): wait for some to end or cancel some")
     return None
+
+
+@dataclass(frozen=True)
+class PriorityBounds:
+    """The highest ``--priority`` each user may ask: ``default`` (scheduler.max_priority),
+    raised for a user by ``users`` (scheduler.priority_users) and for the members of a group
+    by ``groups`` (scheduler.priority_groups).  A priority of 0 or less is always allowed."""
+
+    default: int = 0
+    users: Mapping[str, int] = field(default_factory=dict)
+    groups: Mapping[str, int] = field(default_factory=dict)
+
+    def of(self, user: str, groups: Iterable[str], is_admin: bool) -> int | None:
+        """``user``'s bound: the highest of the default, their own entry and the entries of
+        the groups they are in; None (unbounded) for root and the admin group."""
+        if is_admin:
+            return None
+        return max([self.default, self.users.get(user, self.default),
+                    *(self.groups.get(group, self.default) for group in groups)])
+
+    def refusal(self, priority: int, user: str, groups: Sequence[str], is_admin: bool) -> str | None:
+        """Why ``user`` may not ask ``priority`` (None: they may), naming their bound, the
+        key it comes from and the keys that raise it."""
+        bound = self.of(user, groups, is_admin)
+        if bound is None or priority <= max(bound, 0):
+            return None
+        return (f"--priority {priority} is over {bound}, the highest {user} may ask "
+                f"({self._source(user, groups, bound)}): an operator raises it with "
+                f"scheduler.priority_users.{user} or scheduler.priority_groups.<group>")
+
+    def _source(self, user: str, groups: Sequence[str], bound: int) -> str:
+        if self.users.get(user) == bound:
+            return f"scheduler.priority_users.{user} = {bound}"
+        group = next((g for g in groups if self.groups.get(g) == bound), None)
+        if group is not None:
+            return f"scheduler.priority_groups.{group} = {bound}"
+        return f"scheduler.max_priority = {self.default}"
+
+
+def account_refusal(account: str, user: str, groups: Sequence[str], is_admin: bool) -> str | None:
+    """Why ``user``, who is in ``groups``, may not charge a job to ``account`` (None: they
+    may).  An account is a group; root and the admin group may name any."""
+    if is_admin or account in groups:
+        return None
+    return (f"--account {account}: {user} may charge jobs only to a group they are in "
+            f"({', '.join(groups) or 'none'}); root and the admin group may name any account")
