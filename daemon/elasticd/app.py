@@ -41,7 +41,6 @@ from elasticd.shell.cgroups import JobCgroups
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
 from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
 from elasticd.cluster.scheduler import Allocator, ScheduleBoard, ScheduleFollower
-from elasticd.core.allocation import Policy
 from elasticd.cluster.service import NodeDuties, NodeService, Watcher
 from elasticd.cluster.registry import NodeRegistry
 from elasticd.cluster.inventory import LocalNode, cpu_count, discover_gpus, slot_count
@@ -411,11 +410,10 @@ class Daemon:
                     service: NodeShell) -> tuple[Allocator, ScheduleFollower] | None:
         """The allocator (it plans while this node observes) and this node's following of
         its schedule; None where the config turns the scheduler off."""
-        section = getattr(self.config, "scheduler", None)
-        if section is not None and not section.enabled:
+        if not self.config.scheduler.enabled:
             return None
         board = ScheduleBoard(store, signer, Keyspace(self.config.cluster.name), self._refused)
-        allocator = Allocator(board, nodes, registry.jobs, section.policy() if section is not None else Policy())
+        allocator = Allocator(board, nodes, registry.jobs, self.config.scheduler.policy())
         registry.subscribe(allocator.jobs_changed)
         return allocator, ScheduleFollower(board, nodes, service.post,
                                            dead_after=self.config.rendezvous.keep_alive.dead_after)

@@ -16,7 +16,7 @@ from test_in_place import EXAMPLE, committed, events, formed, report  # noqa: F4
 
 pytestmark = pytest.mark.slow
 
-FAST = ""  # TODO: resize_interval once the [scheduler] section lands
+FAST = "[scheduler]\nresize_interval = 1.0\n"
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from elasticd.core.model import NodeState
 from elasticd.core.records import JobRecord
 from elasticd.core.schedule import NodeSize, Schedule, next_growth, plan
 from elasticd.errors import StoreError
+from elasticd.jobs.accounts import account_of
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.signing import Freshness, Refused, Signer, open_or_refuse
@@ -160,7 +161,7 @@ class Allocator:
             return
         began = time.perf_counter()
         schedule = plan(self._jobs(), node_sizes(self._nodes), self.schedule, self.policy,
-                        self._usage(now), term=term, now=now)
+                        self._usage(now), term=term, now=now, account=account_of)
         took = time.perf_counter() - began
         if schedule is not self.schedule:
             await self._board.publish(schedule)
@@ -172,9 +173,11 @@ class Allocator:
 
 
 def describe(schedule: Schedule) -> str:
-    running = ", ".join(f"{job} on {len(nodes)}" for job, nodes in sorted(schedule.nodes.items()))
-    waiting = ", ".join(f"{w.job} ({w.reason.value})" for w in schedule.waiting)
-    return f"running {running or 'none'}; waiting {waiting or 'none'}"
+    """Counts only: a line naming jobs would be theirs in the journal (`elasticctl queue`
+    and `list` name them)."""
+    nodes = sum(len(n) for n in schedule.nodes.values())
+    return (f"{len(schedule.nodes)} jobs on {nodes} node shares, {len(schedule.waiting)} waiting"
+            f"{f', {len(schedule.preempted)} preempted' if schedule.preempted else ''}")
 
 
 class ScheduleFollower:

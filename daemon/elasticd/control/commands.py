@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 from elasticd import __version__
 from elasticd.config import DaemonConfig
 from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
+from elasticd.jobs.accounts import account_of, group_name, group_names
 from elasticd.jobs.registry import JobRegistry
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
 from elasticd.aio import back_off, race
@@ -59,20 +60,14 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
-def group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
+def shown_doc(record: JobRecord, *args: Any) -> dict[str, Any]:
+    """job_doc with the account named (a spec keeps the submitter's own group as "")."""
+    return {**job_doc(record, *args), "account": account_of(record.spec)}
 
 
-def group_names(user: str, gid: int) -> list[str]:
-    """The groups ``user`` is in, by name: ``gid`` (the caller's group) first."""
-    try:
-        gids = os.getgrouplist(user, gid)
-    except OSError:
-        gids = []
-    return list(dict.fromkeys(group_name(g) for g in (gid, *gids)))
+def own_account(account: str, gid: int) -> str:
+    """The caller's own group is the default account, and is kept as "" (see jobs/accounts)."""
+    return "" if account == group_name(gid) else account
 
 
 def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonConfig, *,
@@ -95,7 +90,7 @@ def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonCon
         rejoin_timeout=args.get("rejoin_timeout", JobSpec.rejoin_timeout),
         nodes=tuple(args.get("nodes", ())), exclude=tuple(args.get("exclude", ())),
         role=args.get("role", JobSpec.role), master_port=args.get("master_port", JobSpec.master_port),
-        priority=args.get("priority", JobSpec.priority), account=args.get("account") or group_name(caller.gid),
+        priority=args.get("priority", JobSpec.priority), account=own_account(args.get("account") or "", caller.gid),
         preemptible=args.get("preemptible", False), nnodes_step=args.get("nnodes_step", JobSpec.nnodes_step),
         submitted_on=node, created=now)
 
@@ -208,13 +203,13 @@ class Commands:
         if args.get("wait"):
             await self._stream_until_done(record, reply, full=True)
         else:
-            await reply.result(job_doc(record))
+            await reply.result(shown_doc(record))
 
     def _sharing_refusal(self, caller: Caller, spec: JobSpec) -> str | None:
         """Why the caller may not charge ``spec`` to its account or ask its priority (root
         and the admin group may name any of either)."""
         admin, groups = self._is_admin(caller), group_names(spec.user, caller.gid)
-        return account_refusal(spec.account, spec.user, groups, admin) or \
+        return account_refusal(account_of(spec), spec.user, groups, admin) or \
             self._config.scheduler.priority_bounds.refusal(spec.priority, spec.user, groups, admin)
 
     def _over_quota(self, caller: Caller, spec: JobSpec) -> str | None:
@@ -269,7 +264,7 @@ class Commands:
         node (the part's stimuli and instructions: its own text is in them)."""
         record = await self._find(args["job"])
         usage = self._jobs.usage_of(record.id)
-        doc = job_doc(record, {self._node: usage} if usage else None, self._lost())
+        doc = shown_doc(record, {self._node: usage} if usage else None, self._lost())
         if not self._sees_all(caller, record):
             await reply.result(others_view(doc))
             return
@@ -291,7 +286,7 @@ class Commands:
         record = await self._find(args["job"])
         self._check_owner(caller, record, "cancel")
         record = await self._jobs.cancel(record.id, by=user_name(caller.uid))
-        await reply.result(job_doc(record))
+        await reply.result(shown_doc(record))
 
     async def nodes_list(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         if not args.get("watch"):
@@ -388,7 +383,7 @@ class Commands:
         """The job's document at every change until it ended (``full``: all of it, else
         as others see it)."""
         def shown(record: JobRecord) -> dict[str, Any]:
-            return job_doc(record) if full else others_view(job_doc(record))
+            return shown_doc(record) if full else others_view(shown_doc(record))
         await reply.result(shown(record))
         while record.outcome is None:
             record = await self._registry.wait_change(record.id, record.version)
@@ -415,7 +410,7 @@ def queue_row(record: JobRecord, reason: str | None, position: int, schedule: Sc
     scheduler's keys (no arguments, environment or error text)."""
     spec = record.spec
     return {"position": position, "id": spec.id, "name": spec.name, "user": spec.user,
-            "account": spec.account, "priority": spec.priority, "nnodes": spec.nnodes,
+            "account": account_of(spec), "priority": spec.priority, "nnodes": spec.nnodes,
             "nnodes_step": spec.nnodes_step, "preemptible": spec.preemptible,
             "submitted": spec.created, "state": record.state.value, "reason": reason,
             "preempted": schedule is not None and spec.id in schedule.preempted}

@@ -9,16 +9,21 @@ holds no valid schedule places jobs as before (core/placement.py), so placing ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.core.allocation import JobDemand, NodeCapacity, Policy, Reason, Share, Waiting
 from elasticd.core.allocator import allocate
-from elasticd.core.model import PartState
+from elasticd.core.model import JobSpec, PartState
 from elasticd.core.placement import Resources, eligible, fit
 from elasticd.core.records import JobRecord
 
 _ENDED_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED})
 MAX_JOBS = 1 << 16  # jobs in one schedule: far beyond a store's open jobs
+Accounts = Callable[[JobSpec], str]  # the account a job is charged to (jobs/accounts.account_of)
+
+
+def _named_account(spec: JobSpec) -> str:
+    return spec.account or f"gid:{spec.gid}"
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ def _count(value: Any) -> bool:
 
 # -- the allocator's input, from records -------------------------------------------------------
 
-def demand(record: JobRecord, nodes: Mapping[str, NodeSize], previous: Schedule | None) -> JobDemand:
+def demand(record: JobRecord, nodes: Mapping[str, NodeSize], previous: Schedule | None,
+           account: Accounts = _named_account) -> JobDemand:
     """A job as the allocator sees it.  Its current nodes are those the last schedule gave
     it (joined or not yet: a node it was told to leave is not its own while it leaves);
     a job the last schedule did not know holds where it runs.  A node where its part
@@ -115,7 +121,7 @@ def demand(record: JobRecord, nodes: Mapping[str, NodeSize], previous: Schedule 
     else:
         current = {n for n, p in record.parts.items() if p.state.active}
     return JobDemand(
-        id=spec.id, user=spec.user, account=spec.account or f"gid:{spec.gid}", shares=shares,
+        id=spec.id, user=spec.user, account=account(spec), shares=shares,
         min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, step=spec.nnodes_step,
         priority=spec.priority, seq=record.seq, submitted=spec.created, preemptible=spec.preemptible,
         held=bool(record.held), current=frozenset(current - closed),
@@ -133,11 +139,12 @@ def capacities(nodes: Mapping[str, NodeSize]) -> dict[str, NodeCapacity]:
 
 
 def plan(records: Iterable[JobRecord], nodes: Mapping[str, NodeSize], previous: Schedule | None,
-         policy: Policy, usage: Mapping[str, float], *, term: int, now: float) -> Schedule:
+         policy: Policy, usage: Mapping[str, float], *, term: int, now: float,
+         account: Accounts = _named_account) -> Schedule:
     """The next schedule: ``previous`` itself when nothing moved in this term (so that a
     caller publishes only changes), else a new number."""
     open_jobs = [r for r in records if r.outcome is None]
-    jobs = [demand(r, nodes, previous) for r in open_jobs]
+    jobs = [demand(r, nodes, previous, account) for r in open_jobs]
     allocation = allocate(capacities(nodes), jobs, policy, usage, now)
     grown = {j: t for j, t in (previous.grown.items() if previous is not None else ())
              if j in allocation.nodes}

@@ -1,0 +1,32 @@
+"""Accounts (issue 26): a job's use is charged to a group of its user.  A spec keeps
+``account`` empty when it is the submitter's own group (so a spec at its defaults stays
+readable by a daemon of the previous version); this names it."""
+
+from __future__ import annotations
+
+import grp
+import os
+
+from elasticd.core.model import JobSpec
+
+
+def group_name(gid: int) -> str:
+    """The group's name on this node (its number as text where there is none)."""
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def group_names(user: str, gid: int) -> list[str]:
+    """The groups ``user`` is in, by name: ``gid`` (the caller's group) first."""
+    try:
+        gids = os.getgrouplist(user, gid)
+    except OSError:
+        gids = []
+    return list(dict.fromkeys(group_name(g) for g in (gid, *gids)))
+
+
+def account_of(spec: JobSpec) -> str:
+    """The account ``spec`` is charged to: the one it names, else its group's name."""
+    return spec.account or group_name(spec.gid)
