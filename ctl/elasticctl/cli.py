@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ from elasticd.wire import paths
 from elasticctl import follow, render, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 from elasticctl.output import ProgressLine, emit, error_doc, terminal_width
+from elasticctl.when import when
 from elasticctl.submission import (UsageError, check_runnable, env_pair, given, misplaced_options_message,
                                    names, nnodes, non_negative_int, nproc_per_node, output_plan,
                                    own_options_after_script, positive_seconds, seconds, submit_request)
@@ -113,6 +115,12 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
         "node", metavar="NODE")
     command("undrain", cmd_undrain, "let a drained or blacklisted node take jobs again").add_argument(
         "node", metavar="NODE")
+    usage = command("usage", cmd_usage, "node-, slot- and GPU-hours per user and account",
+                    USAGE_HELP)
+    usage.add_argument("--user", metavar="U", help="only U's jobs")
+    usage.add_argument("--account", metavar="A", help="only jobs charged to account A")
+    usage.add_argument("--since", type=when, metavar="T", help="from T: 2024-05-01[T13:30], or 7d, 12h ago")
+    usage.add_argument("--until", type=when, metavar="T", help="up to T (default: now)")
     command("version", cmd_version, "show the client's and the daemon's versions")
     completion = command("completion", cmd_completion, "print the shell completion script for bash or zsh",
                          COMPLETION_HELP)
@@ -121,6 +129,10 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
     return parser
 
 
+USAGE_HELP = """\
+What the cluster's jobs used, from every job the daemon knows (the history keeps ended jobs
+for history.retention, 30 days by default): node-, slot- and GPU-hours and jobs, per user
+and per account, from the time each node's workers first ran to its part's end."""
 COMPLETED_WORDS = ("jobs", "all-jobs", "nodes")  # what `completion --words` lists for the scripts
 COMPLETION_HELP = """\
 Print elasticctl's completion script for SHELL: commands, options, job ids and node names.
@@ -409,6 +421,17 @@ def cmd_logs(args: argparse.Namespace) -> int:
             for line in items(result, "lines"):
                 print(json.dumps(line) if args.json else render.log_line(line))
             sys.stdout.flush()
+    return 0
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    request = {name: value for name in ("user", "account", "since", "until")
+               if (value := getattr(args, name)) is not None}
+    if request.get("since", -math.inf) >= min(request.get("until", math.inf), time.time()):
+        raise UsageError("--since must be before --until and now")
+    with connect(args) as daemon:
+        result = daemon.call("usage", request)
+    emit(args, result, lambda: render.usage_tables(result))
     return 0
 
 

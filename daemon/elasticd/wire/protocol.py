@@ -63,6 +63,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "nodes": {"watch": (bool,)},
     "drain": {"node": (str,)},
     "undrain": {"node": (str,)},
+    "usage": {"user": (str,), "account": (str,), "since": (int, float), "until": (int, float)},
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "submit": ("argv",),
