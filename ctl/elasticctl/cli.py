@@ -20,7 +20,7 @@ from typing import Any
 
 from elasticd import __version__
 from elasticd.wire import paths
-from elasticctl import follow, render, torchrun
+from elasticctl import follow, render, sharing, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 from elasticctl.output import ProgressLine, emit, error_doc, terminal_width
 from elasticctl.submission import (UsageError, account, check_runnable, env_pair, given, integer,
@@ -101,8 +101,7 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
                        environ, torchrun_rule, following=True)
     listing = command("list", cmd_list, "list jobs", aliases=["ps"])
     listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
-    command("queue", cmd_queue, "list waiting jobs in start order, and why each waits",
-            epilog=render.QUEUE_REASONS)
+    sharing.add_queue(command, connect)
     status = command("status", cmd_status, "show one job in detail")
     status.add_argument("job", metavar="JOB")
     status.add_argument("--debug", action="store_true",
@@ -116,6 +115,7 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
         "node", metavar="NODE")
     command("undrain", cmd_undrain, "let a drained or blacklisted node take jobs again").add_argument(
         "node", metavar="NODE")
+    sharing.add_usage(command, connect)
     command("version", cmd_version, "show the client's and the daemon's versions")
     completion = command("completion", cmd_completion, "print the shell completion script for bash or zsh",
                          COMPLETION_HELP)
@@ -406,13 +406,6 @@ def cmd_list(args: argparse.Namespace) -> int:
     with connect(args) as daemon:
         jobs = list_jobs(daemon, args.all)
     emit(args, jobs, lambda: render.jobs_table(jobs, time.time()))
-    return 0
-
-
-def cmd_queue(args: argparse.Namespace) -> int:
-    with connect(args) as daemon:
-        result = daemon.call("queue")
-    emit(args, result, lambda: render.queue_table(result, time.time()))
     return 0
 
 

@@ -388,6 +388,34 @@ def workers_table(workers: Iterable[Doc]) -> str:
                    w.get("state"), w.get("exit_code")] for w in workers))
 
 
+# -- usage ----------------------------------------------------------------------------------
+
+def usage_tables(doc: Doc) -> str:
+    """The window, then a table per user and one per account: node-, slot- and GPU-hours
+    and jobs."""
+    since, retention = doc.get("since"), doc.get("retention")
+    start = local_time(since) if _number(since) else "the oldest job known" + (
+        f" (ended jobs are kept {duration(retention)})" if _number(retention) and retention > 0 else "")
+    lines = [clean(f"usage from {start} to {local_time(doc['until']) if _number(doc.get('until')) else NONE}")]
+    for by in ("user", "account"):
+        rows = [r for r in doc.get(f"{by}s") or [] if isinstance(r, Mapping)]
+        lines += ["", table((by.upper(), "NODE-HOURS", "SLOT-HOURS", "GPU-HOURS", "JOBS"),
+                            ([r.get(by), hours(r.get("node_seconds")), hours(r.get("slot_seconds")),
+                              hours(r.get("gpu_seconds")), r.get("jobs")] for r in rows))]
+    return "\n".join(lines)
+
+
+def hours(seconds: Any) -> str:
+    """Seconds as hours with two decimals; '<0.01' for less that is not nothing."""
+    if not _number(seconds):
+        return NONE
+    return "<0.01" if 0 < seconds < 36 else f"{seconds / 3600:.2f}"
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 # -- nodes and logs -------------------------------------------------------------------------
 
 def nodes_table(nodes: Iterable[Doc], now: float) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import grp
+import logging
 import os
 import pwd
 import secrets
@@ -23,6 +25,7 @@ from elasticd.config import DaemonConfig
 from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
 from elasticd.jobs.accounts import account_of, group_name, group_names
 from elasticd.jobs.registry import JobRegistry
+from elasticd.core.usage import Span, report, spans
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
 from elasticd.aio import back_off, race
 from elasticd.shell.logs import LogBus, LogReader, SeenLines
@@ -35,6 +38,7 @@ from elasticd.core.quotas import account_refusal, count_refusal, spec_refusal
 from elasticd.wire.protocol import LIST_BATCH, Request, batches
 from elasticd.control.server import Caller, PeerGone, Responder
 
+log = logging.getLogger(__name__)
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
 
 
@@ -117,7 +121,7 @@ class Commands:
             "version": self.version, "submit": self.submit, "list": self.list,
             "status": self.status, "logs": self.logs, "cancel": self.cancel,
             "wait": self.wait, "nodes": self.nodes_list, "drain": self.drain,
-            "undrain": self.undrain, "queue": self.queue,
+            "undrain": self.undrain, "queue": self.queue, "usage": self.usage,
         }
 
     async def __call__(self, caller: Caller, request: Request, reply: Responder) -> None:
@@ -307,6 +311,19 @@ class Commands:
         await self._cluster.request_drain(node, drain, by=user_name(caller.uid))
         await reply.result({"name": node, "drain": drain})
 
+    async def usage(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
+        """Node-, slot- and GPU-seconds and jobs per user and per account, of every job this
+        node knows (the board's, and the history's ended ones within history.retention),
+        for anyone who asks: sreport shows them to all on a shared cluster.  Names and
+        numbers only: no job's id, arguments, environment or error text."""
+        now = time.time()
+        since, until = usage_window(args, now)
+        records = self._registry.jobs()
+        doc = await asyncio.to_thread(lambda: report(
+            spans_of(records, _group_namer()), since=since, until=until,
+            user=args.get("user"), account=args.get("account")))
+        await reply.result({**doc, "now": now, "retention": self._registry.retention})
+
     async def logs(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """Every node's logs of the job: this node's files and live output, and the other
         nodes' fetched from their daemons, merged as they come."""
@@ -414,6 +431,39 @@ def queue_row(record: JobRecord, reason: str | None, position: int, schedule: Sc
             "nnodes_step": spec.nnodes_step, "preemptible": spec.preemptible,
             "submitted": spec.created, "state": record.state.value, "reason": reason,
             "preempted": schedule is not None and spec.id in schedule.preempted}
+
+
+def usage_window(args: Mapping[str, Any], now: float) -> tuple[float | None, float]:
+    """A usage request's [since, until]: until at most now (what has not happened is not
+    used yet); since, if given, before it."""
+    since, until = args.get("since"), min(args.get("until", now), now)
+    if since is not None and since >= until:
+        raise InvalidSpec(f"usage: since must be before until and now (unix seconds: since {since:.0f}, "
+                          f"until {until:.0f})")
+    return since, until
+
+
+def spans_of(records: Iterable[JobRecord], group_name: Callable[[int], str]) -> list[Span]:
+    """Every job's usage spans; a record that cannot be read is left out (and logged), never
+    the whole answer."""
+    found: list[Span] = []
+    for record in records:
+        try:
+            found += spans(record, group_name)
+        except Exception:
+            log.exception("job %s: its usage cannot be read", record.id)
+    return found
+
+
+def _group_namer() -> Callable[[int], str]:
+    """A group's name by its id (its number when it has none), each looked up once."""
+    @functools.cache
+    def name(gid: int) -> str:
+        try:
+            return grp.getgrgid(gid).gr_name
+        except (KeyError, OverflowError):
+            return str(gid)
+    return name
 
 
 class PeerCommands:

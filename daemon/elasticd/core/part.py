@@ -100,6 +100,7 @@ class PartCore:
     gpus: tuple[str, ...]
     settings: Settings
     started: float | None = None          # when the job first ran, on any node (wall clock)
+    ran: float | None = None              # when this part's workers first ran a round (what usage charges)
     phase: Phase = Phase.STARTING
     info: RendezvousInfo | None = None    # the round this node's workers are (or were) in
     group: WorkerGroup | None = None      # the workers, as last heard
@@ -214,15 +215,14 @@ class PartCore:
                 group: WorkerGroup | None = None, barrier: dict[str, Any] | None = None) -> Instructions:
         self.report_state = PART_STATES.check(self.reported, state)
         self.reported = state
+        self.ran = now.wall if self.ran is None and state is PartState.RUNNING else self.ran
         part = Part(
-            node=self.settings.node, state=state,
-            round=info.round if info else None,
-            group_rank=info.group_rank if info else None,
-            restarts=info.restart_count if info else 0,
-            world_size=info.world_size if info else None,
-            group_world_size=info.group_world_size if info else None,
+            node=self.settings.node, state=state, round=info.round if info else None,
+            group_rank=info.group_rank if info else None, restarts=info.restart_count if info else 0,
+            world_size=info.world_size if info else None, group_world_size=info.group_world_size if info else None,
             workers=tuple(w.to_json() for w in group.workers) if group else (),
-            started=self.started, barrier=barrier, updated=now.wall, held=self.held)
+            started=self.started, barrier=barrier, updated=now.wall, held=self.held,
+            ran=self.ran, slots=self.nproc, gpus=len(self.gpus))
         return [do.Publish(self.job, part)]
 
     def _close(self) -> Instructions:

@@ -32,11 +32,20 @@ class Part:
     updated: float = 0.0
     usage: dict[str, Any] | None = None   # the job's cgroup on this node: cgroups.Usage.to_json()
     held: str = ""  # why this node holds the job (it refuses a record the job needs): every node shows it
+    # What core/usage.py charges (None: a part of a daemon older than these fields): when this
+    # part's workers first ran a round (wall clock; ``started`` is the job's first start, on
+    # any node), the slots and GPUs it holds, and the spans of this node's earlier parts of
+    # the job, (ran, ended, slots, gpus) each, which the registry carries (one part per node).
+    ran: float | None = None
+    slots: int | None = None
+    gpus: int | None = None
+    before: tuple[tuple[float, float, int, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["state"] = self.state.value
         doc["workers"] = list(self.workers)
+        doc["before"] = [list(span) for span in self.before]
         return doc
 
     @classmethod
@@ -44,6 +53,7 @@ class Part:
         fields = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc}
         fields["state"] = PartState(fields["state"])
         fields["workers"] = tuple(fields.get("workers", ()))
+        fields["before"] = tuple(tuple(span) for span in fields.get("before") or ())
         return cls(**fields)
 
 

@@ -17,6 +17,7 @@ from elasticd.jobs.history import History, HistoryError
 from elasticd.journal import about, excerpt
 from elasticd.core.model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
 from elasticd.core.records import JobRecord, Outcome, Part, expired, history_row, job_doc, record_from_history
+from elasticd.core.usage import carried
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,12 @@ class JobRegistry:
     def set_part(self, job_id: str, part: Part, *, own: bool = False) -> JobRecord | None:
         """A node's part changed; ``own``: this node's (its agent's moves are checked: a
         new agent's part starts again at RENDEZVOUS; while this node holds the job, the
-        part says why)."""
+        part says why; it carries the usage spans of this node's earlier parts of the job)."""
         record = self._jobs.get(job_id)
         if record is not None and own and record.held and record.outcome is None:
             part = replace(part, held=record.held)
+        if record is not None and own:
+            part = carried(record.parts.get(part.node), part)
         if record is None or record.parts.get(part.node) == part:
             return record
         if own:

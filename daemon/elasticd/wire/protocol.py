@@ -68,6 +68,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "drain": {"node": (str,)},
     "undrain": {"node": (str,)},
     "queue": {},
+    "usage": {"user": (str,), "account": (str,), "since": (int, float), "until": (int, float)},
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "submit": ("argv",),
