@@ -40,7 +40,7 @@ from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
 from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
-from elasticd.cluster.scheduler import Allocator, ScheduleBoard, ScheduleFollower
+from elasticd.cluster.scheduler import build_scheduler
 from elasticd.cluster.service import NodeDuties, NodeService, Watcher
 from elasticd.cluster.registry import NodeRegistry
 from elasticd.cluster.inventory import LocalNode, cpu_count, discover_gpus, slot_count
@@ -312,7 +312,7 @@ class Daemon:
             service.post(events.Restored(tuple(unfinished)))
             self.metrics.job_usage.source = service.usage
             self._listed(service, listing)
-            scheduling = self._scheduling(store, signer, nodes, registry, service)
+            scheduling = build_scheduler(config, store, signer, nodes, registry, service.post, self._refused)
             commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
                                 cluster=nodes, peers=peers,
                                 schedule=(lambda: scheduling[1].followed) if scheduling else lambda: None)
@@ -405,18 +405,6 @@ class Daemon:
         cluster); False if told to stop first."""
         name, _ = await race(joined=nodes.registered.wait(), stopping=self.stop.wait())
         return name == "joined"
-
-    def _scheduling(self, store: Store, signer: Signer, nodes: NodeService, registry: JobRegistry,
-                    service: NodeShell) -> tuple[Allocator, ScheduleFollower] | None:
-        """The allocator (it plans while this node observes) and this node's following of
-        its schedule; None where the config turns the scheduler off."""
-        if not self.config.scheduler.enabled:
-            return None
-        board = ScheduleBoard(store, signer, Keyspace(self.config.cluster.name), self._refused)
-        allocator = Allocator(board, nodes, registry.jobs, self.config.scheduler.policy())
-        registry.subscribe(allocator.jobs_changed)
-        return allocator, ScheduleFollower(board, nodes, service.post,
-                                           dead_after=self.config.rendezvous.keep_alive.dead_after)
 
     def _cgroups(self) -> JobCgroups:
         cgroups = JobCgroups.setup(instance_name(self.node, self.config.paths.state_dir),

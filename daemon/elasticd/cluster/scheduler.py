@@ -32,7 +32,10 @@ from elasticd.core.model import NodeState
 from elasticd.core.records import JobRecord
 from elasticd.core.schedule import NodeSize, Schedule, next_growth, plan
 from elasticd.errors import StoreError
-from elasticd.jobs.accounts import account_of
+from elasticd.config import DaemonConfig
+from elasticd.core.usage import decayed, spans
+from elasticd.jobs.accounts import account_of, group_name
+from elasticd.jobs.registry import JobRegistry
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.signing import Freshness, Refused, Signer, open_or_refuse
@@ -237,3 +240,17 @@ class ScheduleFollower:
     def _send(self, schedule: Schedule | None) -> None:
         self._sent = schedule
         self._post(events.ScheduleChanged(schedule))
+
+
+def build_scheduler(config: DaemonConfig, store: Store, signer: Signer, nodes: NodeService, registry: JobRegistry,
+                    post: Callable[[Any], None], refused: Refused) -> tuple[Allocator, ScheduleFollower] | None:
+    """The allocator (it plans while this node observes; fair share from the jobs' usage)
+    and this node's following of its schedule; None where the config turns the scheduler off."""
+    if not config.scheduler.enabled:
+        return None
+    board = ScheduleBoard(store, signer, Keyspace(config.cluster.name), refused)
+    policy = config.scheduler.policy()
+    allocator = Allocator(board, nodes, registry.jobs, policy, usage=lambda now: decayed(
+        (span for record in registry.jobs() for span in spans(record, group_name)), now, policy.half_life))
+    registry.subscribe(allocator.jobs_changed)
+    return allocator, ScheduleFollower(board, nodes, post, dead_after=config.rendezvous.keep_alive.dead_after)
