@@ -142,7 +142,7 @@ def test_list_sends_all_and_renders_one_table_of_every_batch(daemon, sock_path, 
     assert run(sock_path, "ps", "--all") == 0
     assert stand_in.requests[0].args == {"all": True}
     header, row, second = capsys.readouterr().out.splitlines()
-    assert header.split() == ["ID", "NAME", "USER", "STATE", "NODES", "WORKERS", "RESTARTS", "AGE/ENDED"]
+    assert header.split() == ["ID", "NAME", "USER", "STATE", "NODES", "ALLOC", "WORKERS", "RESTARTS", "AGE/ENDED"]
     assert row.split()[:4] == ["j-7f3a21", "demo", "-", "RUNNING"]
     assert second.split()[:4] == ["j-000002", "next", "-", "PENDING"]
 
