@@ -312,10 +312,13 @@ class Daemon:
             service.post(events.Restored(tuple(unfinished)))
             self.metrics.job_usage.source = service.usage
             self._listed(service, listing)
-            scheduling = build_scheduler(config, store, signer, nodes, registry, service.post, self._refused)
+            scheduling = build_scheduler(config, store, signer, nodes, registry, service.post, self._refused,
+                                         on_plan=self.metrics.planned)
+            followed = (lambda: scheduling[1].followed) if scheduling else lambda: None
+            self.metrics.sharing.watch(self.node, registry.jobs, followed,
+                                       (lambda: scheduling[0].schedule) if scheduling else lambda: None)
             commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
-                                cluster=nodes, peers=peers,
-                                schedule=(lambda: scheduling[1].followed) if scheduling else lambda: None)
+                                cluster=nodes, peers=peers, schedule=followed)
             zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
             peer_server = RouterServer(ctx, f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
                                        PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections import Counter as Tally
@@ -19,12 +20,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from elasticd import __version__
-from elasticd.core.records import JobRecord, hold_reason
+from elasticd.core.allocation import Reason
+from elasticd.core.records import JobRecord, hold_reason, started
 from elasticd.core.model import JobState, NodeState, WorkerState
+from elasticd.core.schedule import Schedule
+from elasticd.core.usage import spans
+from elasticd.jobs.accounts import group_name
 
 _ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
 _BARRIER_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 900)
+_WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400, 259200)
+_PLAN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 _FULL_BELOW = 1 << 20     # bytes: a state dir with less free space counts as full
@@ -38,8 +45,10 @@ class Metrics:
         ProcessCollector(registry=reg)
         self.disk = DiskCollector(state_dir)
         self.job_usage = JobUsageCollector()
+        self.sharing = SharingCollector()
         reg.register(self.disk)
         reg.register(self.job_usage)
+        reg.register(self.sharing)
         Gauge("elasticd_build_info", "Build information", ["version"], registry=reg) \
             .labels(__version__).set(1)
         self.jobs = Gauge("elasticd_jobs", "Jobs known to this daemon, by state", ["state"], registry=reg)
@@ -51,6 +60,25 @@ class Metrics:
                                      "Jobs this daemon saw finish since it started, by final state",
                                      ["state"], registry=reg)
         self._finished: set[str] = set()
+        self.job_wait = Histogram(
+            "elasticd_job_wait_seconds",
+            "Time from a job's submit to its first start, observed once per job by the node it "
+            "was submitted on (a sum over the cluster counts each job once)",
+            buckets=_WAIT_BUCKETS, registry=reg)
+        self._started: set[str] = set()  # jobs submitted here whose wait is observed
+        self.reclaims = Counter(
+            "elasticd_reclaims_total", "Parts of jobs this node left because the cluster's "
+            "schedule gave its place to another job (a reclaim or a preemption: no restart "
+            "spent)", registry=reg)
+        self.plan_duration = Histogram(
+            "elasticd_scheduler_plan_seconds", "Time the allocator took to plan a schedule, "
+            "on the node that allocates", buckets=_PLAN_BUCKETS, registry=reg)
+        self.grown_nodes = Counter(
+            "elasticd_scheduler_grown_nodes_total", "Nodes the allocator gave to jobs that ran "
+            "already (growth into idle nodes, a lost node replaced)", registry=reg)
+        self.preemptions = Counter(
+            "elasticd_scheduler_preemptions_total", "Jobs the allocator stopped below their min "
+            "(--preemptible: requeued, no restart spent)", registry=reg)
         self.workers = Gauge("elasticd_workers", "Worker processes on this node, by state",
                              ["state"], registry=reg)
         self.worker_restarts = Counter("elasticd_worker_restarts_total",
@@ -139,17 +167,35 @@ class Metrics:
     def barrier_waited(self, seconds: float) -> None:
         self.barrier_wait.observe(seconds)
 
+    def reclaimed(self) -> None:
+        self.reclaims.inc()
+
+    # -- the allocator (cluster/scheduler.Allocator's on_plan) -----------------------------------
+
+    def planned(self, previous: Schedule | None, schedule: Schedule, took: float) -> None:
+        """A plan took ``took`` seconds; a new schedule counts what it moved."""
+        self.plan_duration.observe(took)
+        if schedule is not previous:
+            grown, preempted = moves(previous, schedule)
+            self.grown_nodes.inc(grown)
+            self.preemptions.inc(preempted)
+
     # -- gauges recomputed from the registry ------------------------------------------------
 
     def known_finished(self, records: Iterable[JobRecord]) -> None:
-        """Jobs that had ended before this daemon started (not counted as finishing now)."""
+        """Jobs that had ended (or started) before this daemon started: not counted as
+        finishing (or starting) now."""
+        records = list(records)
         self._finished.update(r.id for r in records if r.outcome is not None)
+        self._started.update(r.id for r in records if started(r) is not None)
 
     def count_jobs(self, records: Iterable[JobRecord], node: str) -> None:
         """Set the job and local worker gauges from the registry's records; count new endings."""
         jobs: Tally[str] = Tally()
         workers: Tally[str] = Tally()
         held = 0
+        records = list(records)
+        self._first_starts(records, node)
         for record in records:
             jobs[record.state.value] += 1
             held += bool(hold_reason(record))
@@ -164,6 +210,17 @@ class Metrics:
         self.jobs_held.set(held)
         for state in WorkerState:
             self.workers.labels(state.value).set(workers[state.value])
+
+    def _first_starts(self, records: list[JobRecord], node: str) -> None:
+        """Observe the wait of each job submitted on this node when it first starts: one
+        node per job, so that the cluster's sum is not one per node."""
+        ours = {r.id: r for r in records if r.spec.submitted_on == node}
+        self._started &= ours.keys()  # forget jobs the registry no longer holds
+        for job, record in ours.items():
+            first = started(record) if job not in self._started else None
+            if first is not None:
+                self._started.add(job)
+                self.job_wait.observe(max(0.0, first - record.spec.created))
 
     def output_dropped(self, nbytes: int, why: str) -> None:
         self.output_dropped_bytes.labels(why).inc(nbytes)
@@ -311,6 +368,133 @@ class JobUsageCollector(Collector):
                 if usage.get(key) is not None:
                     family.add_metric([job], usage[key])
         yield from (cpu, peak, ooms)
+
+
+NO_REASON = "None"   # a waiting job without a schedule's reason (Slurm's word for none)
+MAX_ACCOUNTS = 64    # accounts with series of their own; later ones are summed as OTHER
+OTHER = "(other)"
+_USAGE = (("node", "Node"), ("slot", "Slot"), ("gpu", "GPU"))
+
+
+def moves(previous: Schedule | None, schedule: Schedule) -> tuple[int, int]:
+    """What ``schedule`` moved since ``previous``: nodes given to jobs that held nodes
+    already, and jobs newly preempted."""
+    before = previous.nodes if previous is not None else {}
+    grown = sum(len(nodes - before[job]) for job, nodes in schedule.nodes.items() if job in before)
+    return grown, len(schedule.preempted - (previous.preempted if previous is not None else frozenset()))
+
+
+def waiting(records: Iterable[JobRecord], schedule: Schedule | None) -> list[tuple[JobRecord, str]]:
+    """The jobs that wait and why, as ``elasticctl queue`` shows them: the schedule's
+    waiting jobs with its reasons; without one, the open jobs no node runs (NO_REASON)."""
+    open_jobs = {r.id: r for r in records if r.outcome is None}
+    if schedule is not None:
+        return [(open_jobs[w.job], w.reason.value) for w in schedule.waiting if w.job in open_jobs]
+    return [(r, NO_REASON) for r in open_jobs.values() if not any(p.state.active for p in r.parts.values())]
+
+
+def waiting_since(record: JobRecord) -> float:
+    """Its submit; for a job that ran before (preempted, requeued), its parts' last report
+    (when the last of them left)."""
+    if started(record) is None:
+        return record.spec.created
+    return max((p.updated for p in record.parts.values()), default=record.spec.created)
+
+
+class SharingCollector(Collector):
+    """The cluster's sharing, read at each scrape: the waiting jobs by reason and the
+    longest wait (every node's view of the cluster: take the max over nodes), the schedule
+    this node follows and, on the node that allocates, its term; and what this node's own
+    parts used, per account (a counter from the usage spans: summed over nodes, each part
+    counts once)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._node = ""
+        self._records: Callable[[], Iterable[JobRecord]] = list
+        self._followed: Callable[[], Schedule | None] = lambda: None
+        self._allocating: Callable[[], Schedule | None] = lambda: None
+        self._charged: dict[str, tuple[float, ...]] = {}  # job -> its usage counted so far
+        self._ended: dict[str, tuple[JobRecord, str, tuple[float, ...]]] = {}  # this node's part ended
+        self._used: dict[str, list[float]] = {}            # account -> node, slot, GPU seconds
+
+    def watch(self, node: str, records: Callable[[], Iterable[JobRecord]],
+              followed: Callable[[], Schedule | None], allocating: Callable[[], Schedule | None]) -> None:
+        """Read these from now on: usage counts from now (what the jobs used before is in
+        ``elasticctl usage``)."""
+        self._node, self._records, self._followed, self._allocating = node, records, followed, allocating
+        now = self._clock()
+        self._charged = {r.id: self._usage(r, now)[1] for r in records() if node in r.parts}
+
+    def collect(self) -> Iterable[Any]:
+        records, now = list(self._records()), self._clock()
+        yield from self._waiting(records, now)
+        for (term, number), schedule, what in (
+                (("elasticd_schedule_term", "elasticd_schedule_number"), self._followed(),
+                 "the schedule this node follows (0: none, it places jobs itself)"),
+                (("elasticd_allocator_term", "elasticd_allocator_schedule_number"), self._allocating(),
+                 "the last schedule of the allocator on this node (0: this node does not allocate)")):
+            yield GaugeMetricFamily(term, f"The term of {what}", value=schedule.term if schedule else 0)
+            yield GaugeMetricFamily(number, f"The number within its term of {what}",
+                                    value=schedule.number if schedule else 0)
+        yield from self._usage_families(records, now)
+
+    def _waiting(self, records: list[JobRecord], now: float) -> Iterable[Any]:
+        count = GaugeMetricFamily("elasticd_jobs_waiting", "Jobs that wait to start, by the "
+                                  "schedule's reason (elasticctl queue)", labels=["reason"])
+        longest = GaugeMetricFamily("elasticd_longest_wait_seconds", "How long the job that has "
+                                    "waited longest has waited, by its reason", labels=["reason"])
+        found: dict[str, list[float]] = {reason.value: [] for reason in Reason}
+        found[NO_REASON] = []
+        for record, reason in waiting(records, self._followed()):
+            found.setdefault(reason, []).append(max(0.0, now - waiting_since(record)))
+        for reason, waits in found.items():
+            count.add_metric([reason], len(waits))
+            longest.add_metric([reason], max(waits, default=0.0))
+        yield from (count, longest)
+
+    def _usage(self, record: JobRecord, now: float) -> tuple[str, tuple[float, ...]]:
+        """The account and what this node's parts of the job used until ``now`` (once the
+        part here ended, the same until the record changes: kept, not read again)."""
+        ended = self._ended.get(record.id)
+        if ended is not None and ended[0] is record:
+            return ended[1], ended[2]
+        account, used = self._spans(record, now)
+        part = record.parts.get(self._node)
+        if part is not None and not part.state.active:
+            self._ended[record.id] = (record, account, used)
+        return account, used
+
+    def _spans(self, record: JobRecord, now: float) -> tuple[str, tuple[float, ...]]:
+        own = [s for s in spans(record, group_name) if s.node == self._node]
+        held = [(s.clipped(-math.inf, now), s.slots, s.gpus) for s in own]
+        account = own[0].account if own else ""
+        return account, (math.fsum(h for h, _, _ in held), math.fsum(h * n for h, n, _ in held),
+                         math.fsum(h * g for h, _, g in held))
+
+    def _usage_families(self, records: list[JobRecord], now: float) -> Iterable[Any]:
+        charged = {}
+        for record in records:
+            if self._node not in record.parts:
+                continue
+            account, used = self._usage(record, now)
+            before = self._charged.get(record.id, (0.0, 0.0, 0.0))
+            charged[record.id] = tuple(map(max, used, before))  # a clock stepped back takes none back
+            if account and charged[record.id] != before:
+                key = account if account in self._used or len(self._used) < MAX_ACCOUNTS else OTHER
+                total = self._used.setdefault(key, [0.0, 0.0, 0.0])
+                for i, (new, old) in enumerate(zip(charged[record.id], before)):
+                    total[i] += new - old
+        self._charged = charged  # jobs the registry no longer holds are forgotten
+        self._ended = {job: ended for job, ended in self._ended.items() if job in charged}
+        for i, (unit, word) in enumerate(_USAGE):
+            family = CounterMetricFamily(
+                f"elasticd_usage_{unit}_seconds", f"{word}-seconds that jobs used on this node "
+                f"since the daemon started, by account (elasticctl usage's; at most "
+                f"{MAX_ACCOUNTS} accounts, the rest as {OTHER!r})", labels=["account"])
+            for account, total in sorted(self._used.items()):
+                family.add_metric([account], total[i])
+            yield family
 
 
 class InstrumentedStore:

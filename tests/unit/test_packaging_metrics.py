@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from typing import Any, Iterator
 
 import asyncio
@@ -23,6 +24,10 @@ import asyncio
 import pytest
 from prometheus_client import generate_latest
 
+from elasticd.core.allocation import Reason, Waiting
+from elasticd.core.model import JobSpec, PartState
+from elasticd.core.records import JobRecord, Part
+from elasticd.core.schedule import Schedule
 from elasticd.metrics import Metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,7 +73,26 @@ def _exercised() -> Metrics:
     m.history_skipped.inc()
     m.job_usage.source = lambda: {"j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20,
                                                "oom_kills": 0}}
+    _exercise_sharing(m)
     return m
+
+
+def _exercise_sharing(m: Metrics) -> None:
+    """The scheduler's metrics: a job submitted here that started and used this node, one
+    that waits, a plan that grew a job, a reclaim."""
+    now = time.time()
+    spec = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1000, gid=1000, user="u",
+                   submitted_on="n1", created=now - 20)
+    ran = JobRecord(spec, 1, {"n1": Part("n1", PartState.RUNNING, started=now - 10, ran=now - 10, slots=1)})
+    waits = JobRecord(JobSpec(id="j-2", argv=("t.py",), python="/p", workdir="/w", uid=1000, gid=1000,
+                              user="u", account="ml", created=now - 5), 2)
+    jobs: list[JobRecord] = []
+    schedule = Schedule(1, 2, {"j-1": frozenset({"n1", "n2"})}, (Waiting("j-2", Reason.RESOURCES),))
+    m.sharing.watch("n1", lambda: jobs, lambda: schedule, lambda: schedule)
+    jobs += [ran, waits]
+    m.count_jobs(jobs, "n1")
+    m.planned(Schedule(1, 1, {"j-1": frozenset({"n1"})}), schedule, 0.002)
+    m.reclaimed()
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +310,7 @@ def test_rules_are_complete() -> None:
     for name in ("elasticd_store_up", "elasticd_store_refused_records_total", "elasticd_nodes",
                  "elasticd_jobs_finished_total", "elasticd_worker_restarts_total",
                  "elasticd_rendezvous_duration_seconds_bucket",
-                 "elasticd_exit_barrier_wait_seconds_bucket"):
+                 "elasticd_exit_barrier_wait_seconds_bucket", "elasticd_longest_wait_seconds"):
         assert name in used, f"no alert on {name}"
 
 
@@ -321,3 +345,56 @@ def test_promtool_accepts_dashboard_queries(tmp_path) -> None:
     path = tmp_path / "dashboard-rules.yml"
     path.write_text("\n".join(lines) + "\n")
     _promtool_check(str(path))
+
+
+_WAITING_TEST = """rule_files:
+  - {rules}
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'elasticd_longest_wait_seconds{{job="elasticd", instance="a:9464", reason="Resources"}}'
+        values: '0+60x60'
+      - series: 'elasticd_longest_wait_seconds{{job="elasticd", instance="b:9464", reason="Resources"}}'
+        values: '0+30x60'
+      - series: 'elasticd_longest_wait_seconds{{job="elasticd", instance="a:9464", reason="Held"}}'
+        values: '0+60x60'
+    alert_rule_test:
+      - eval_time: 34m
+        alertname: ElasticdJobWaitingLong
+        exp_alerts: []
+      - eval_time: 40m
+        alertname: ElasticdJobWaitingLong
+        exp_alerts:
+          - exp_labels: {{severity: warning, job: elasticd, reason: Resources}}
+            exp_annotations:
+              summary: "An elasticd job has waited 40m 0s to start (reason Resources)"
+              description: {description}
+"""
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool")
+def test_promtool_a_job_waiting_over_30_minutes_alerts_once_for_the_cluster(tmp_path) -> None:
+    """Pending from the first sample over 1800 s (31 m), firing 5 m later: one alert for the
+    cluster per reason (every node reports the same wait), none for held jobs (their own)."""
+    rule = next(r for r in _rules() if r["alert"] == "ElasticdJobWaitingLong")
+    path = tmp_path / "waiting-test.yml"
+    path.write_text(_WAITING_TEST.format(rules=RULES, description=json.dumps(
+        _description(rule).replace("{{ $labels.reason }}", "Resources"))))
+    result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _description(rule: dict[str, str]) -> str:
+    """A folded block's text, as YAML reads it (``_rules`` keeps only its first line)."""
+    with open(RULES, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    start = int(rule["line"])
+    at = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("description: >-"))
+    folded = []
+    for line in lines[at + 1:]:
+        if not line.strip():
+            break
+        folded.append(line.strip())
+    return " ".join(folded)

@@ -105,7 +105,7 @@ class Allocator:
     def __init__(self, board: ScheduleBoard, nodes: NodeService, jobs: Callable[[], list[JobRecord]],
                  policy: Policy, *, usage: Callable[[float], Mapping[str, float]] = lambda now: {},
                  clock: Callable[[], float] = time.time,
-                 on_plan: Callable[[Schedule, float], None] = lambda schedule, took: None) -> None:
+                 on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None) -> None:
         self._board = board
         self._nodes = nodes
         self._jobs = jobs
@@ -168,9 +168,9 @@ class Allocator:
         took = time.perf_counter() - began
         if schedule is not self.schedule:
             await self._board.publish(schedule)
-            self._on_plan(schedule, took)
             if self.schedule is None or not schedule.same_plan(self.schedule):
                 log.info("schedule %d.%d: %s", schedule.term, schedule.number, describe(schedule))
+        self._on_plan(self.schedule, schedule, took)  # every plan (the previous one: nothing moved)
         self.schedule, self._planned = schedule, planned
         self._due = next_growth(schedule, self.policy, now)
 
@@ -243,14 +243,18 @@ class ScheduleFollower:
 
 
 def build_scheduler(config: DaemonConfig, store: Store, signer: Signer, nodes: NodeService, registry: JobRegistry,
-                    post: Callable[[Any], None], refused: Refused) -> tuple[Allocator, ScheduleFollower] | None:
-    """The allocator (it plans while this node observes; fair share from the jobs' usage)
-    and this node's following of its schedule; None where the config turns the scheduler off."""
+                    post: Callable[[Any], None], refused: Refused, *,
+                    on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None,
+                    ) -> tuple[Allocator, ScheduleFollower] | None:
+    """The allocator (it plans while this node observes; fair share from the jobs' usage;
+    ``on_plan(previous, schedule, seconds)`` after each plan) and this node's following of
+    its schedule; None where the config turns the scheduler off."""
     if not config.scheduler.enabled:
         return None
     board = ScheduleBoard(store, signer, Keyspace(config.cluster.name), refused)
     policy = config.scheduler.policy()
     allocator = Allocator(board, nodes, registry.jobs, policy, usage=lambda now: decayed(
-        (span for record in registry.jobs() for span in spans(record, group_name)), now, policy.half_life))
+        (span for record in registry.jobs() for span in spans(record, group_name)), now, policy.half_life),
+        on_plan=on_plan)
     registry.subscribe(allocator.jobs_changed)
     return allocator, ScheduleFollower(board, nodes, post, dead_after=config.rendezvous.keep_alive.dead_after)

@@ -137,8 +137,9 @@ class NodeCore:
         out: Instructions = []
         for job, part in list(self.parts.items()):
             record = self.jobs.get(job)
-            if record is not None and record.outcome is None and leaves(self.schedule, job, self.settings.node):
-                out += self._outgoing(part.leave(Reason.RECLAIM, now), now)
+            if record is not None and record.outcome is None and leaves(self.schedule, job, self.settings.node) \
+                    and part.leaving is None:
+                out += [do.Count("reclaimed")] + self._outgoing(part.leave(Reason.RECLAIM, now), now)
         return out
 
     def _publish_holds(self, now: ev.Now) -> Instructions:

@@ -477,6 +477,8 @@ class NodeShell:
             metrics.barrier_waited(i.value)
         elif i.what == "blacklisted":
             metrics.blacklisted(bool(i.value))
+        elif i.what == "reclaimed":
+            metrics.reclaimed()
 
     def _say(self, i: do.Say) -> None:
         said.log(_LEVELS[i.level], i.message, *i.args, extra=about(i.job) if i.job else None)
