@@ -23,7 +23,7 @@ from elasticd import __version__
 from elasticd.core.allocation import Reason
 from elasticd.core.records import JobRecord, hold_reason, started
 from elasticd.core.model import JobState, NodeState, WorkerState
-from elasticd.core.schedule import Schedule
+from elasticd.core.schedule import Schedule, waiting_jobs
 from elasticd.core.usage import spans
 from elasticd.jobs.accounts import group_name
 
@@ -385,12 +385,8 @@ def moves(previous: Schedule | None, schedule: Schedule) -> tuple[int, int]:
 
 
 def waiting(records: Iterable[JobRecord], schedule: Schedule | None) -> list[tuple[JobRecord, str]]:
-    """The jobs that wait and why, as ``elasticctl queue`` shows them: the schedule's
-    waiting jobs with its reasons; without one, the open jobs no node runs (NO_REASON)."""
-    open_jobs = {r.id: r for r in records if r.outcome is None}
-    if schedule is not None:
-        return [(open_jobs[w.job], w.reason.value) for w in schedule.waiting if w.job in open_jobs]
-    return [(r, NO_REASON) for r in open_jobs.values() if not any(p.state.active for p in r.parts.values())]
+    """The jobs that wait and why, as ``elasticctl queue`` shows them (NO_REASON: no schedule)."""
+    return [(record, reason or NO_REASON) for record, reason in waiting_jobs(records, schedule)]
 
 
 def waiting_since(record: JobRecord) -> float:

@@ -30,7 +30,7 @@ from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
 from elasticd.aio import back_off, race
 from elasticd.shell.logs import LogBus, LogReader, SeenLines
 from elasticd.core.model import JobSpec, JobState, NodeState, parse_nnodes, parse_nproc
-from elasticd.core.schedule import Schedule
+from elasticd.core.schedule import Schedule, waiting_jobs
 from elasticd.cluster.service import NodeService
 from elasticd.cluster.peers import PeerCaller, PeerLinks
 from elasticd.core.placement import beyond_standalone, never_fits
@@ -251,12 +251,7 @@ class Commands:
         words); without a schedule (the scheduler is off, or not heard from), the open jobs
         no node runs, in submit order."""
         schedule = self._schedule()
-        records = {r.id: r for r in self._registry.jobs() if r.outcome is None}
-        if schedule is not None:
-            waiting = [(records[w.job], w.reason.value) for w in schedule.waiting if w.job in records]
-        else:
-            waiting = [(r, None) for r in sorted(records.values(), key=lambda r: r.seq)
-                       if not any(p.state.active for p in r.parts.values())]
+        waiting = waiting_jobs(self._registry.jobs(), schedule)
         await reply.result({
             "scheduler": schedule is not None,
             "schedule": [schedule.term, schedule.number] if schedule is not None else None,

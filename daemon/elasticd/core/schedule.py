@@ -177,3 +177,14 @@ def leaves(schedule: Schedule, job: str, node: str) -> bool:
     """Whether ``node`` must leave ``job``: the schedule knows the job and gives it other
     nodes, or none (a job newer than the schedule is left alone until the next one)."""
     return schedule.knows(job) and not follows(schedule, job, node)
+
+
+def waiting_jobs(records: Iterable[JobRecord], schedule: Schedule | None) -> list[tuple[JobRecord, str | None]]:
+    """The jobs that wait, in the order they will start, and why (`elasticctl queue`, the
+    metrics): the schedule's waiting jobs with its reasons; without one, the open jobs no
+    node runs, in submit order (no reason)."""
+    open_jobs = {r.id: r for r in records if r.outcome is None}
+    if schedule is not None:
+        return [(open_jobs[w.job], w.reason.value) for w in schedule.waiting if w.job in open_jobs]
+    return [(r, None) for r in sorted(open_jobs.values(), key=lambda r: r.seq)
+            if not any(p.state.active for p in r.parts.values())]
