@@ -293,7 +293,7 @@ class Daemon:
                 NodeSettings(self.node, Resources(slots, gpus, cpus=cpu_count()),
                              dead_after=config.rendezvous.keep_alive.dead_after,
                              standalone=config.standalone, allow_root=config.jobs.allow_root,
-                             judge_users=os.getuid() == 0),
+                             judge_users=os.getuid() == 0, scheduled=config.scheduler.enabled),
                 blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None)
             service = NodeShell(
                 core, board=board, registry=registry, metrics=self.metrics, faults=self.faults,

@@ -141,3 +141,13 @@ def test_without_a_schedule_a_node_places_first_come() -> None:
     core = NodeCore(NodeSettings("c", Resources(2), dead_after=3.0, judge_users=False))
     out = core.handle(ev.JobsChanged((record("j-1", 1), record("j-2", 2))), at(0))
     assert joins(out) == {"j-1", "j-2"}
+
+
+def test_a_held_job_runs_on_where_it_runs_and_takes_no_new_node() -> None:
+    """Its outcome record was refused (forged, garbled): every node that holds it says so
+    in its part, and the job must run on (chaos C2/C3), not be moved off its nodes."""
+    parts = {n: Part(n, PartState.RUNNING, held="its outcome record was refused") for n in "ab"}
+    job = JobRecord(spec("j-1", nnodes=(1, 3)), 1, parts, held="its outcome record was refused")
+    first = plan([job], NODES, None, Policy(), {}, term=1, now=0.0)
+    assert first.nodes == {"j-1": frozenset("ab")}
+    assert plan([job], NODES, first, Policy(), {}, term=1, now=1.0) is first

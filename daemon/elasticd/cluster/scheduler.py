@@ -196,6 +196,7 @@ class ScheduleFollower:
         self.held: Schedule | None = None
         self._sent: Schedule | None = None   # what the core follows (it starts with none)
         self._stale_since: float | None = None  # when the held schedule's term was found behind
+        self._told = False  # the core heard at least once (it places nothing before)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow at once when the allocator marks its next schedule, else every interval."""
@@ -229,6 +230,9 @@ class ScheduleFollower:
             if current is not self._sent:
                 self._send(current)
             return
+        if not self._told:  # none in the store (a new cluster): first come until there is one
+            self._send(None)
+            return
         now = self._clock()
         if self._stale_since is None:
             self._stale_since = now
@@ -238,7 +242,7 @@ class ScheduleFollower:
             self._send(None)
 
     def _send(self, schedule: Schedule | None) -> None:
-        self._sent = schedule
+        self._sent, self._told = schedule, True
         self._post(events.ScheduleChanged(schedule))
 
 

@@ -52,6 +52,7 @@ class NodeSettings:
     standalone: bool = False
     allow_root: bool = False
     judge_users: bool = True       # a root daemon judges each job's user (a user's own runs its own)
+    scheduled: bool = False        # the cluster's scheduler is on: place nothing before its first word
 
 
 @dataclass
@@ -76,9 +77,11 @@ class NodeCore:
     cooling_users: set[int] = field(default_factory=set)     # uids whose jobs are kept off for now
     next_op: int = 0
     schedule: Schedule | None = None  # the cluster's schedule, followed (None: first come)
+    awaiting_schedule: bool = False   # scheduled, and the store's schedule not read yet
 
     def __post_init__(self) -> None:
         self.resources = self.resources or self.settings.resources
+        self.awaiting_schedule = self.settings.scheduled
 
     # -- the one entry point -------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ class NodeCore:
     def _schedule_changed(self, event: ev.ScheduleChanged, now: ev.Now) -> Instructions:
         """Follow the cluster's schedule: leave the jobs it gave other nodes, take those it
         gave this one.  Without one, this node places jobs itself."""
-        self.schedule = event.schedule
+        self.schedule, self.awaiting_schedule = event.schedule, False
         return self._reclaimed(now) + self._place(now)
 
     def _reclaimed(self, now: ev.Now) -> Instructions:
@@ -156,8 +159,9 @@ class NodeCore:
         return out
 
     def _place(self, now: ev.Now) -> Instructions:
-        """Offer this node to the open jobs it fits, oldest first."""
-        if self.stopping:
+        """Offer this node to the open jobs it fits, oldest first (those the schedule gives
+        it, where there is one; nothing before a scheduled node read the store's)."""
+        if self.stopping or self.awaiting_schedule:
             return []
         assert self.resources is not None
         used = self.used()

@@ -111,9 +111,11 @@ def demand(record: JobRecord, nodes: Mapping[str, NodeSize], previous: Schedule 
     """A job as the allocator sees it.  Its current nodes are those the last schedule gave
     it (joined or not yet: a node it was told to leave is not its own while it leaves);
     a job the last schedule did not know holds where it runs.  A node where its part
-    ended (or that holds the job) gives it nothing."""
+    ended, or that holds the job and runs no part of it, gives it nothing (a held job
+    runs on where it runs: it only takes no new node)."""
     spec = record.spec
-    closed = {n for n, p in record.parts.items() if p.state in _ENDED_HERE or p.held}
+    closed = {n for n, p in record.parts.items()
+              if p.state in _ENDED_HERE or (p.held and not p.state.active)}  # a holding node runs on
     shares = {name: share for name, size in nodes.items()
               if name not in closed and eligible(spec, name) and (share := _share(record, size)) is not None}
     if previous is not None and previous.knows(spec.id):
