@@ -5,8 +5,8 @@ on 127.0.0.x, on both store backends (a TCPStore, an etcd no daemon hosts):
   user's job needs it, and grows again when that job ends;
 - priority, then fair share, then age order the waiting jobs of two users, and
   `elasticctl queue` says so, with Slurm's reasons;
-- a user's quota keeps their second job waiting while nodes idle; their first may borrow
-  the idle nodes, which another user's job reclaims first;
+- a user's quota keeps their second job waiting while slots idle; their first may borrow
+  the idle nodes, and gives one up to another user's job before a job that lends does;
 - a preemptible job is stopped below its min for a job of higher priority, requeued
   without a restart spent, and resumed from its checkpoint when that job ends;
 - the allocator's daemon SIGKILLed while jobs run and wait: another node takes over within
@@ -77,15 +77,19 @@ def queue(daemon: Daemon) -> list[tuple[str, str]]:
     return [(row["id"], row["reason"] + (" (preempted)" if row["preempted"] else "")) for row in doc["jobs"]]
 
 
-def queue_is(daemon: Daemon, wanted: list[tuple[str, str]], timeout: float = 30) -> None:
-    """Until ``daemon``'s queue is ``wanted`` (it follows the schedule a moment after the
-    allocator wrote it: checks that follow ask the same daemon)."""
-    last: list[Any] = []
+def equals(get: Callable[[], Any], wanted: Any, timeout: float, what: str) -> None:
+    """Poll ``get()`` until it returns ``wanted``; fail with what it returned last."""
+    deadline = time.monotonic() + timeout
+    while (got := get()) != wanted:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not {wanted!r} within {timeout} s, last {got!r}")
+        time.sleep(0.2)
 
-    def matches() -> bool:
-        last[:] = queue(daemon)
-        return last == wanted
-    wait_for(matches, timeout, f"queue {wanted} on {daemon.name}, last {last}")
+
+def queue_is(daemon: Daemon, wanted: list[tuple[str, str]], timeout: float = 30) -> None:
+    """Until ``daemon``'s queue is ``wanted`` (a node follows the schedule a moment after the
+    allocator wrote it: the checks that follow ask the same node)."""
+    equals(lambda: queue(daemon), wanted, timeout, f"the queue on {daemon.name}")
 
 
 def queue_text(daemon: Daemon) -> list[list[str]]:
@@ -103,7 +107,7 @@ def allocation(daemon: Daemon) -> dict[str, int]:
 
 
 def allocation_is(daemon: Daemon, wanted: dict[str, int], timeout: float = 30) -> None:
-    wait_for(lambda: allocation(daemon) == wanted, timeout, f"allocation {wanted} on {daemon.name}")
+    equals(lambda: allocation(daemon), wanted, timeout, f"the allocation on {daemon.name}")
 
 
 def running_on(daemon: Daemon, job: str, nodes: int, workers: int, timeout: float = 60) -> dict[str, Any]:
