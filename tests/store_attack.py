@@ -27,9 +27,12 @@ class Cluster:
     test runs on one host must not share node names."""
 
     def __init__(self, factory: Callable[..., Daemon], base: Path, *, prefix: str,
-                 firewall: bool | str = "auto", etcd: Any = None) -> None:
+                 firewall: bool | str = "auto", etcd: Any = None, store_apart: bool = False) -> None:
         """``etcd``: an EtcdCluster without TLS or users (tests/fixtures/etcd.py) that every
-        daemon is a client of; no daemon hosts a store then."""
+        daemon is a client of; no daemon hosts a store then.  ``store_apart`` (c10d): the
+        TCPStore is hosted by a daemon of a cluster of its own (``store_host``; clusters may
+        share a store, each under its own keys), so that any node of this one may die and
+        the store stays."""
         self.factory = factory
         self.etcd = etcd
         self.base = base
@@ -40,6 +43,18 @@ class Cluster:
         self.firewall = firewall
         create_key(str(self.key))
         self.daemons: list[Daemon] = []
+        self.store_host = self._host_apart() if store_apart and etcd is None else None
+
+    def _host_apart(self) -> Daemon:
+        name = f"{self.name}-store"
+        key, path = self.base / f"{name}.key", self.base / f"{name}.toml"
+        create_key(str(key))
+        path.write_text(f"[jobs]\nallow_root = true\n[node]\npeer_port = {free_port()}\n"
+                        f"[store]\nfirewall = {json.dumps(self.firewall)}\n")
+        args = ("--cluster", name, "--store", f"127.0.0.1:{self.port}", "--store-host",
+                "--node-address", "127.0.0.1", "--cluster-key", str(key), "--slots", "1",
+                "--config", str(path))
+        return self.factory(f"store-{self.tag}", args=args, standalone=False, metrics_port=free_port())
 
     def add(self, role: str, *, allow_root: bool = True, firewall: bool | str | None = None,
             config: str = "") -> Daemon:
@@ -52,8 +67,9 @@ class Cluster:
             f'backend = "etcd"\nendpoints = {json.dumps(self.etcd.endpoints)}\n'
         path.write_text(f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
                         f"[node]\npeer_port = {free_port()}\n[store]\n{store}{config}")
+        hosts = index == 1 and self.store_host is None
         where = () if self.etcd is not None else (
-            "--store", f"127.0.0.1:{self.port}", "--store-host" if index == 1 else "--no-store-host")
+            "--store", f"127.0.0.1:{self.port}", "--store-host" if hosts else "--no-store-host")
         args = ("--cluster", self.name, *where, "--node-address", f"127.0.0.{index}",
                 "--cluster-key", str(self.key), "--slots", "2", "--config", str(path))
         daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
@@ -63,7 +79,9 @@ class Cluster:
     def start(self) -> Cluster:
         """The store host first (with etcd there is none), then the others together; then
         until every node sees all."""
-        first = 0 if self.etcd is not None else 1
+        first = 0 if self.etcd is not None or self.store_host is not None else 1
+        if self.store_host is not None:
+            self.store_host.start()
         if first:
             self.daemons[0].start()
         for daemon in self.daemons[first:]:
@@ -74,6 +92,13 @@ class Cluster:
         wait_for(lambda: all(node_states(d) == {n: "up" for n in names} for d in self.daemons),
                  20, "every node sees every node up")
         return self
+
+    def stop(self) -> None:
+        """Every node, then the store's host when it is apart (with etcd: before the etcd)."""
+        for daemon in self.daemons:
+            daemon.stop()
+        if self.store_host is not None:
+            self.store_host.stop()
 
     def __iter__(self) -> Iterator[Daemon]:
         return iter(self.daemons)
