@@ -151,3 +151,20 @@ def test_a_held_job_runs_on_where_it_runs_and_takes_no_new_node() -> None:
     first = plan([job], NODES, None, Policy(), {}, term=1, now=0.0)
     assert first.nodes == {"j-1": frozenset("ab")}
     assert plan([job], NODES, first, Policy(), {}, term=1, now=1.0) is first
+
+
+def test_an_allocator_past_its_term_does_not_write_over_its_successor() -> None:
+    import asyncio
+
+    from elasticd.cluster.scheduler import ScheduleBoard
+    from elasticd.store.keyspace import Keyspace
+    from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+    from elasticd.store.signing import Signer
+
+    async def play() -> tuple[bool, bool, int | None]:
+        board = ScheduleBoard(AsyncMemoryStore(MemoryStore()), Signer(b"k" * 32, "c"), Keyspace("c"), lambda key, why: None)
+        newer = await board.publish(Schedule(2, 1))
+        older = await board.publish(Schedule(1, 9))
+        return newer, older, await board.head()
+
+    assert asyncio.run(play()) == (True, False, Schedule(2, 1).version)

@@ -65,14 +65,20 @@ class ScheduleBoard:
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"
 
-    async def publish(self, schedule: Schedule) -> None:
+    async def publish(self, schedule: Schedule) -> bool:
+        """Write ``schedule`` unless the store holds a newer one (an allocator that was
+        paused past its term must not write over its successor's); True if written."""
         version = schedule.version
+        newer = await self.head()
+        if newer is not None and newer > version:
+            return False
         body, head = self._key("body"), self._key("head")
         await self._store.set(body, self._signer.seal(body, schedule.to_json(), version=version))
         await self._store.set(head, self._signer.seal(head, {"version": version}, version=version))
         await self._store.set(self._key(f"mark/{version}"), b"1")
         if schedule.number > MARKS_KEPT:
             await self._store.delete(self._key(f"mark/{version - MARKS_KEPT}"))
+        return True
 
     async def head(self) -> int | None:
         """The newest schedule's version (None: none, or refused)."""
@@ -167,7 +173,10 @@ class Allocator:
                         self._usage(now), term=term, now=now, account=account_of)
         took = time.perf_counter() - began
         if schedule is not self.schedule:
-            await self._board.publish(schedule)
+            if not await self._board.publish(schedule):  # a later term wrote: this node's is over
+                log.info("a newer schedule is in the store: node %s no longer allocates", registry.name)
+                self.schedule, self._planned = None, None
+                return
             if self.schedule is None or not schedule.same_plan(self.schedule):
                 log.info("schedule %d.%d: %s", schedule.term, schedule.number, describe(schedule))
         self._on_plan(self.schedule, schedule, took)  # every plan (the previous one: nothing moved)
