@@ -122,18 +122,18 @@ def unix_users(roles: list[str]) -> Iterator[dict[str, User]]:
 def kill_processes_of(uids: set[int]) -> list[int]:
     """SIGKILL every process that runs as one of ``uids`` (workers a daemon did not stop)."""
     killed = []
-    for proc in psutil.process_iter(["pid", "uids"]):
-        uids_of = proc.info["uids"]
-        if uids_of is not None and uids_of.real in uids:
+    for proc in psutil.process_iter(["uids"]):
+        owner = proc.info["uids"]
+        if owner is not None and owner.real in uids:
             try:
                 proc.kill()
-                killed.append(proc.info["pid"])
+                killed.append(proc)
             except psutil.NoSuchProcess:
                 pass
-    psutil.wait_procs([psutil.Process(p) for p in killed if psutil.pid_exists(p)], timeout=10)
+    psutil.wait_procs(killed, timeout=10)
     if killed:
-        log(f"killed {len(killed)} processes left by the trace's users: {killed}")
-    return killed
+        log(f"killed {len(killed)} processes left by the trace's users: {[p.pid for p in killed]}")
+    return [p.pid for p in killed]
 
 
 # -- the cluster -----------------------------------------------------------------------------
