@@ -41,6 +41,7 @@ with them; n1 hosts the store), kills any process left of the trace's users and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -363,6 +364,25 @@ class Replay:
     def stop(self) -> None:
         if self.cluster is not None:
             stop_all(self.cluster.daemons)
+        stop_strays(self.base)
+
+
+def stop_strays(base: Path) -> None:
+    """Stop any daemon of this replay that its Daemon lost (an interrupt that landed after the
+    fork and before the Daemon kept the Popen): found by its directories in its arguments."""
+    strays = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(arg.startswith(f"{base}/") for arg in proc.info["cmdline"] or ()):
+            strays.append(proc)
+    for proc in strays:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(strays, timeout=30)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    if strays:
+        log(f"stopped {len(strays)} daemons whose start was cut short: {[p.pid for p in strays]}")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
