@@ -11,11 +11,14 @@ The same command line under torchrun and under elasticd:
 count changes (``--nnodes 2:3``) add ``--elasticd``: ``num_nodes`` then goes through
 ``elasticd.elastic.lightning.elastic_trainer_kwargs``, which gives Lightning each round's
 count. Rank 0 prints ``start step S world W nodes N`` when training starts and ``final step
-S checksum C`` at the end (C: sha256 of the parameters' bytes, for comparing runs).
+S checksum C`` at the end (C: sha256 of the parameters' bytes, for comparing runs). With
+``--report FILE`` rank 0 also appends a JSON line per step there (the recovery bench reads
+it; a user can ignore it).
 """
 
 import argparse
 import hashlib
+import json
 import os
 import time
 
@@ -49,6 +52,19 @@ class Regressor(L.LightningModule):
                   f"nodes {self.trainer.num_nodes}", flush=True)
 
 
+class Report(L.Callback):
+    """Rank 0's steps, one JSON line each: when, which step, in which world, by which process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"event": "step", "t": time.time(), "step": trainer.global_step,
+                                    "world": trainer.world_size, "pid": os.getpid()}) + "\n")
+
+
 def data(samples: int) -> TensorDataset:
     """The same synthetic data on every rank: y = X·w + noise."""
     gen = torch.Generator().manual_seed(1234)
@@ -76,6 +92,7 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default="", help="ModelCheckpoint's directory (last.ckpt); none: no checkpoints")
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     p.add_argument("--step-seconds", type=float, default=0.0, help="stretch each step (for tests)")
+    p.add_argument("--report", default="", help="(benchmarks) append rank 0's steps to this file")
     args = p.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -84,13 +101,14 @@ def main() -> None:
     callbacks = [ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0,
                                  every_n_train_steps=args.every, enable_version_counter=False)] \
         if args.ckpt_dir else []
+    callbacks += [Report(args.report)] if args.report else []
     if args.elasticd:
         from elasticd.elastic.lightning import elastic_trainer_kwargs
         nodes = elastic_trainer_kwargs(num_nodes=args.num_nodes)
     else:
         nodes = {"num_nodes": args.num_nodes}
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_steps=args.max_steps,
-                        callbacks=callbacks, enable_checkpointing=bool(callbacks), logger=False,
+                        callbacks=callbacks, enable_checkpointing=bool(args.ckpt_dir), logger=False,
                         enable_progress_bar=False, enable_model_summary=False, **nodes)
     trainer.fit(model, loader, ckpt_path="last" if args.ckpt_dir else None)
     if trainer.is_global_zero:

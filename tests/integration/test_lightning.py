@@ -126,7 +126,7 @@ def test_the_environment_gives_lightning_each_rounds_nodes(monkeypatch: pytest.M
     from lightning.fabric.plugins.environments import LightningEnvironment
     from elasticd.elastic.lightning import ElasticdEnvironment, elastic_trainer_kwargs
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert elastic_trainer_kwargs(num_nodes=3)["num_nodes"] == 3, "outside a launcher: as given"
+    assert elastic_trainer_kwargs(num_nodes=3) == {"num_nodes": 3, "plugins": []}, "outside a launcher: as given"
     round_env = {"TORCHELASTIC_RUN_ID": "j-1", "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1",
                  "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     for name, value in round_env.items():

@@ -12,10 +12,11 @@ comes from the launcher (``GROUP_WORLD_SIZE``) instead::
 
     trainer = L.Trainer(devices=1, strategy="ddp", **elastic_trainer_kwargs(num_nodes=3))
 
-Outside a torchrun-style launch (a plain ``python train.py``) the call gives back
-``num_nodes=3`` unchanged. Imported only by scripts that use Lightning (the package
-``lightning``; with only ``pytorch_lightning`` installed, its ``lightning_fabric``): the
-rest of ``elasticd.elastic`` needs torch and the standard library alone.
+Outside a torchrun-style launch (a plain ``python train.py``, SLURM without torchrun) the
+call gives back ``num_nodes=3`` unchanged and adds no plugin. Imported only by scripts that
+use Lightning (the package ``lightning``; with only ``pytorch_lightning`` installed, its
+``lightning_fabric``): the rest of ``elasticd.elastic`` needs torch and the standard
+library alone.
 """
 
 from __future__ import annotations
@@ -112,13 +113,16 @@ class ElasticdEnvironment(ClusterEnvironment):
 
 def elastic_trainer_kwargs(num_nodes: int = 1, plugins: Iterable[Any] = ()) -> dict[str, Any]:
     """``Trainer`` keyword arguments for this round: ``num_nodes``, the nodes the launcher
-    started this round with (``num_nodes`` as given outside a launcher), and ``plugins``
-    with an :class:`ElasticdEnvironment` first. Rank 0 says so on stderr when the round's
-    count is not ``num_nodes``."""
+    started this round with, and ``plugins`` with an :class:`ElasticdEnvironment` first
+    (unless ``plugins`` holds a cluster environment). Outside a torchrun-style launch,
+    ``num_nodes`` and ``plugins`` as given: Lightning finds its environment itself. Rank 0
+    says so on stderr when the round's count is not ``num_nodes``."""
+    extra = list(plugins)
+    if not _launched():
+        return {"num_nodes": num_nodes, "plugins": extra}
     nodes = round_nodes(num_nodes)
     if nodes != num_nodes and os.environ.get("RANK") == "0":
         print(f"elasticd: Trainer(num_nodes={num_nodes}) asked; this round has {nodes} nodes, "
               f"so num_nodes={nodes}", file=sys.stderr, flush=True)
-    extra = list(plugins)
     environment = [] if any(isinstance(p, ClusterEnvironment) for p in extra) else [ElasticdEnvironment()]
     return {"num_nodes": nodes, "plugins": environment + extra}
