@@ -1,0 +1,148 @@
+"""Lightning, the real framework (lightning 2.6.6, pinned by packaging/venv.sh), under
+elasticd: examples/lightning_train.py, a ``Trainer(strategy="ddp")`` script written as
+Lightning's docs write one (CPU, gloo, ``ModelCheckpoint`` keeping ``last.ckpt``,
+``fit(ckpt_path="last")``), run unchanged.
+
+- on one daemon it ends as under torchrun, with the same parameters (the script prints a
+  checksum of them);
+- ``Trainer(num_nodes=N)`` on a round of fewer nodes fails as Lightning fails it (issue 28,
+  friction 4), and works through ``elasticd.elastic.lightning.elastic_trainer_kwargs``;
+- on three daemons, ``--nnodes 2:3``, a node SIGKILLed mid-training: the job re-forms on two,
+  resumes from ``last.ckpt`` and succeeds, with the script's ``num_nodes=3``.
+
+Lightning's import takes seconds of CPU per worker: few workers, few steps. Skipped, with
+the reason, where lightning is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import CLIENT_ENV, PY, ROOT, free_port
+from store_attack import Cluster, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None,
+    reason="lightning is not installed (packaging/venv.sh installs lightning==2.6.6)")]
+
+SCRIPT = str(ROOT / "examples" / "lightning_train.py")
+TIMEOUT = 600.0  # a loaded 2-core machine: each worker imports torch and Lightning
+FINAL = re.compile(r"final step (\d+) checksum ([0-9a-f]+)")
+
+
+def final(text: str) -> tuple[int, str]:
+    found = FINAL.findall(text)
+    assert len(found) == 1, text[-3000:]
+    return int(found[0][0]), found[0][1]
+
+
+def torchrun(workdir: Path, *args: str) -> str:
+    """The script under torch's own torchrun (standalone), as a user runs it; its output."""
+    env = {**CLIENT_ENV, "PYTHONPATH": str(ROOT / "daemon")}
+    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), SCRIPT, *args],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(workdir), env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
+
+
+def test_a_ddp_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, shared_tmp: Path) -> None:
+    args = ("--devices", "2", "--max-steps", "12", "--every", "4")
+    job = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "0", SCRIPT, "--",
+                             *args, "--ckpt-dir", str(shared_tmp / "elasticd"), timeout=TIMEOUT)
+    assert job["state"] == "SUCCEEDED", job
+    ours = final(daemon.ctl_run("logs", job["id"]).stdout)
+    theirs = final(torchrun(shared_tmp, *args, "--ckpt-dir", str(shared_tmp / "torchrun")))
+    assert ours == theirs and ours[0] == 12, (ours, theirs)
+    assert (shared_tmp / "elasticd" / "last.ckpt").is_file()
+    assert (shared_tmp / "torchrun" / "last.ckpt").is_file()
+
+
+def test_num_nodes_as_the_docs_write_it_needs_the_integration(daemon: Any, shared_tmp: Path) -> None:
+    """Friction 4 on one node: the script says num_nodes=2 and the round has 1 node (the
+    same mismatch as a 3-node job that lost one). Lightning refuses it in every round; the
+    integration gives Lightning the round's count and the job succeeds."""
+    common = ("--nproc-per-node", "1", "--max-restarts", "0", SCRIPT, "--", "--num-nodes", "2",
+              "--max-steps", "3")
+    plain = daemon.submit_wait(*common, expect=1, timeout=TIMEOUT)  # --wait: 1 for a failed job
+    assert plain["state"] == "FAILED", plain
+    assert "does not match the world size" in plain["error"]["message"], plain["error"]
+    job = daemon.submit_wait(*common, "--elasticd", timeout=TIMEOUT)
+    assert job["state"] == "SUCCEEDED", job
+    logs = daemon.ctl_run("logs", job["id"]).stdout
+    assert "Trainer(num_nodes=2) asked; this round has 1 nodes" in logs, logs[-3000:]
+    assert "start step 0 world 1 nodes 1" in logs and final(logs)[0] == 3, logs[-3000:]
+
+
+@pytest.fixture
+def cluster(daemon_factory: Any, shared_tmp: Path) -> Cluster:
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="lightning")
+    for role in ("a", "b", "c"):
+        cluster.add(role)
+    return cluster.start()
+
+
+def test_a_node_loss_resumes_from_last_ckpt_and_succeeds(cluster: Cluster, shared_tmp: Path) -> None:
+    """--nnodes 2:3, one worker per node, the script's Trainer(num_nodes=3) through the
+    integration; a node (not rank 0's, not the store's) SIGKILLed once last.ckpt exists."""
+    a = cluster[0]
+    ckpt = shared_tmp / "ckpt"
+    job = a.submit("--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+                   "--last-call-timeout", "1", SCRIPT, "--", "--num-nodes", "3", "--elasticd",
+                   "--ckpt-dir", str(ckpt), "--max-steps", "80", "--every", "5",
+                   "--step-seconds", "0.25")["id"]
+    doc = a.wait_running(job, 3, TIMEOUT)
+    a.wait_output(job, ["start step 0 world 3 nodes 3"], TIMEOUT)
+    wait_for(lambda: (ckpt / "last.ckpt").is_file(), TIMEOUT, "a last.ckpt")
+    rank_of = {w["node"]: w["rank"] for w in doc["workers"]}
+    victim = max((d for d in cluster.daemons[1:] if rank_of[d.name] != 0), key=lambda d: rank_of[d.name])
+    killed = time.monotonic()
+    victim.signal(signal.SIGKILL)
+    victim.wait_exit(30)
+    end = a.wait_job(job, lambda d: d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"), TIMEOUT)
+    took = time.monotonic() - killed
+    assert end["state"] == "SUCCEEDED", end
+    logs = a.ctl_run("logs", job).stdout
+    resumed = [int(s) for s in re.findall(r"start step (\d+) world 2 nodes 2", logs)]
+    assert resumed and resumed[0] > 0 and resumed[0] % 5 == 0, logs[-4000:]
+    assert "Trainer(num_nodes=3) asked; this round has 2 nodes" in logs, logs[-4000:]
+    assert final(logs)[0] == 80
+    assert end["restarts"] == 0, "a node loss spends no restart"
+    print(f"node SIGKILLed -> job SUCCEEDED in {took:.1f} s, resumed at step {resumed[0]}")
+
+
+def test_the_environment_gives_lightning_each_rounds_nodes(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The integration's pure part, on a round's environment as elasticd sets it."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from elasticd.elastic.lightning import ElasticdEnvironment, elastic_trainer_kwargs
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert elastic_trainer_kwargs(num_nodes=3) == {"num_nodes": 3, "plugins": []}, "outside a launcher: as given"
+    round_env = {"TORCHELASTIC_RUN_ID": "j-1", "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                 "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    for name, value in round_env.items():
+        monkeypatch.setenv(name, value)
+    kwargs = elastic_trainer_kwargs(num_nodes=3)
+    assert kwargs["num_nodes"] == 2 and [type(p) for p in kwargs["plugins"]] == [ElasticdEnvironment]
+    assert "Trainer(num_nodes=3) asked; this round has 2 nodes" in capsys.readouterr().err
+    own = LightningEnvironment()
+    assert elastic_trainer_kwargs(num_nodes=2, plugins=[own])["plugins"] == [own]
+    env = kwargs["plugins"][0]
+    assert (env.world_size(), env.global_rank(), env.node_rank(), env.num_nodes()) == (4, 0, 1, 2)
+    env.validate_settings(num_devices=2, num_nodes=2)
+    with pytest.raises(ValueError, match=r"num_nodes=3\), but this round has 2 nodes: pass \*\*elastic_trainer_kwargs"):
+        env.validate_settings(num_devices=2, num_nodes=3)
+    with pytest.raises(ValueError, match=r"devices=1\), but this node runs 2 workers"):
+        env.validate_settings(num_devices=1, num_nodes=4)
+    monkeypatch.setenv("WORLD_SIZE", "3")  # 2 workers here, 1 on the other node
+    with pytest.raises(ValueError, match="the same number of workers on every node"):
+        env.validate_settings(num_devices=2, num_nodes=2)
