@@ -280,6 +280,7 @@ class HistoryConfig:
 @dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
+    summary_interval: float = key(60.0, _positive, doc="seconds between the lines of a warning that repeats (a refused peer connection or store record, a loop's unexpected error): the first is logged, the rest counted and summed up once per interval")
 
 
 @dataclass(frozen=True)
