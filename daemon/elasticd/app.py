@@ -288,7 +288,7 @@ class Daemon:
             keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
             nodes = NodeService(await self._node_registry(store, signer),
                                 interval=config.rendezvous.keep_alive_interval, faults=self.faults)
-            peers = PeerLinks(PeerClient(ctx, keys), nodes)
+            peers = PeerLinks(PeerClient(ctx, keys, timeout=config.node.peer_timeout), nodes)
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
             core = NodeCore(
                 NodeSettings(self.node, Resources(slots, gpus, cpus=cpu_count()),
