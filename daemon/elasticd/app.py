@@ -243,8 +243,9 @@ class Daemon:
         self.node = config.node_name
         self.notify = Notifier()
         self.metrics = Metrics(config.paths.state_dir)
-        self.faults = Faults(on_fault=self.metrics.loop_fault)
-        self._refusals = Throttle()  # a refused key is logged once a minute, counted every time
+        self.faults = Faults(on_fault=self.metrics.loop_fault, interval=config.log.summary_interval)
+        # a refused key is logged once per log.summary_interval, counted every time
+        self._refusals = Throttle(config.log.summary_interval)
         self.stop = asyncio.Event()
         self._server: C10dServer | None = None
         self._store_ok = True
@@ -282,12 +283,13 @@ class Daemon:
             logs = LogBus()
             ctx = zmq.asyncio.Context()
             closing.callback(ctx.term)
-            zap = Zap(ctx, on_refused=lambda domain: self.metrics.peer_refused.inc())
+            zap = Zap(ctx, on_refused=lambda domain: self.metrics.peer_refused.inc(),
+                      interval=config.log.summary_interval)
             closing.callback(zap.close)
             keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
             nodes = NodeService(await self._node_registry(store, signer),
                                 interval=config.rendezvous.keep_alive_interval, faults=self.faults)
-            peers = PeerLinks(PeerClient(ctx, keys), nodes)
+            peers = PeerLinks(PeerClient(ctx, keys, timeout=config.node.peer_timeout), nodes)
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
             core = NodeCore(
                 NodeSettings(self.node, Resources(slots, gpus, cpus=cpu_count()),
@@ -525,8 +527,8 @@ class Daemon:
         return unfinished
 
     def _refused(self, key: str, why: str) -> None:
-        """A store record no daemon acts on: counted every time, logged once a minute per key
-        (a poisoned key is read at every heartbeat)."""
+        """A store record no daemon acts on: counted every time, logged once per
+        ``log.summary_interval`` per key (a poisoned key is read at every heartbeat)."""
         self.metrics.refused_records.inc()
         held = self._refusals.check(key, time.monotonic())
         if held is not None:

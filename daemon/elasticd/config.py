@@ -152,6 +152,7 @@ class NodeConfig:
     name: str = key("", doc="this node's name in the cluster; empty: the hostname", flag="--node-name")
     address: str = key("", doc="address peers use to reach this node; empty: this host's address on the route to the store", flag="--node-address")
     peer_port: int = key(29401, _port, doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any")
+    peer_timeout: float = key(15.0, _positive, doc="seconds a request to another daemon (its ranks' logs) waits for the first answer; then its logs are unavailable for now and asked for again")
     slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU", flag="--slots")
     gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto' to ask nvidia-smi", flag="--gpus")
     labels: dict[str, str] = key({}, doc="labels published with this node (shown by elasticctl nodes)")
@@ -299,6 +300,7 @@ class HistoryConfig:
 @dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
+    summary_interval: float = key(60.0, _positive, doc="seconds between the lines of a warning that repeats (a refused peer connection or store record, a loop's unexpected error): the first is logged, the rest counted and summed up once per interval")
 
 
 @dataclass(frozen=True)

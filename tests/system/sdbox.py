@@ -67,9 +67,14 @@ class Box:
         self.init_pid = 0
 
     def up(self, timeout: float = 60.0) -> Box:
-        notify_path = str(self.work / f"{self.name}-nspawn-notify.sock")
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(notify_path)
+        """Boot, and wait until the container's systemd has started up."""
+        return self.start().wait_up(timeout)
+
+    def start(self) -> Box:
+        """Boot without waiting (several boxes boot at once; then ``wait_up`` each)."""
+        self._notify_path = str(self.work / f"{self.name}-nspawn-notify.sock")
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(self._notify_path)
         argv = ["systemd-nspawn", "--register=no", "--keep-unit", "--machine", self.name,
                 "--console=passive", "--notify-ready=yes", *self.options,
                 "--boot", "--", "systemd.firstboot=off", "systemd.unit=multi-user.target"]
@@ -79,12 +84,16 @@ class Box:
                 ["unshare", "--mount", "--propagation", "private", "--",
                  sys.executable, __file__, self.name, *argv],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "NOTIFY_SOCKET": notify_path}, start_new_session=True)
+                env={**os.environ, "NOTIFY_SOCKET": self._notify_path}, start_new_session=True)
+        return self
+
+    def wait_up(self, timeout: float = 60.0) -> Box:
+        assert self.proc is not None, "start() first"
         try:
-            self._wait_ready(notify, timeout)
+            self._wait_ready(self._notify, timeout)
         finally:
-            notify.close()
-            os.unlink(notify_path)
+            self._notify.close()
+            os.unlink(self._notify_path)
         children = [p for p in psutil.Process(self.proc.pid).children() if p.name() == "systemd"]
         assert children, f"no systemd under nspawn\n{self.console()}"
         self.init_pid = children[0].pid

@@ -87,12 +87,13 @@ def test_training_survives_a_node_kill_with_the_same_loss(cluster_factory, share
 
     The example is world-size invariant and resumes from its per-epoch checkpoint, so the
     only difference is floating-point summation order: 1e-4 relative is generous for that
-    and far tighter than the loss changes between epochs (~5 %).
+    and far tighter than the loss changes between epochs (~5 %).  The undisturbed run is
+    one worker on n1 (world size 1: one torch to start, not three), beside the job: the
+    victim is never n1.
     """
-    cluster = cluster_factory(3, slots=1).start()
+    cluster = cluster_factory(3, slots=2).start()
     epochs = "8"
-    reference = cluster[0].submit_wait("--nnodes", "2:3", EXAMPLE, "--", "--epochs", epochs)
-    assert reference["state"] == "SUCCEEDED"
+    reference = cluster[0].submit("--nnodes", "1", "--nodes", "n1", EXAMPLE, "--", "--epochs", epochs)
     ckpt = str(shared_tmp / "ckpt.pt")
     job = cluster[0].submit("--nnodes", "2:3", EXAMPLE, "--", "--epochs", epochs,
                             "--checkpoint", ckpt, "--epoch-seconds", "0.5")
@@ -107,6 +108,8 @@ def test_training_survives_a_node_kill_with_the_same_loss(cluster_factory, share
     assert final["state"] == "SUCCEEDED", final
     logs = cluster[0].ctl_run("logs", job["id"]).stdout
     assert "world_size 3" in logs and "world_size 2" in logs
+    reference = cluster[0].wait_job(reference["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"))
+    assert reference["state"] == "SUCCEEDED" and reference["world_size"] == 1, reference
     assert _final_loss(cluster[0], job["id"]) == pytest.approx(
         _final_loss(cluster[0], reference["id"]), rel=1e-4)
 
@@ -387,10 +390,10 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
 
     # n1 reads n2's record only when n2 announces a new version; n2 checks its own record
     # on every heartbeat duty, refuses the forgery and publishes its record again.  That
-    # has no event of its own: look once per heartbeat interval, with a deadline.
+    # has no event of its own: look ten times per heartbeat interval, with a deadline.
     deadline = time.monotonic() + 15
     while refused() < 1 and time.monotonic() < deadline:
-        time.sleep(1.0)
+        time.sleep(0.1)
     assert refused() >= 1  # counted...
     assert "refused store record elasticd/test/nodes/n2/record" in cluster[1].log_text()  # ...logged
     nodes = _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})

@@ -26,9 +26,9 @@ from fixtures.etcd import EtcdCluster, require_etcd
 
 pytestmark = [pytest.mark.slow]
 
-# Each round's workers meet once (gloo) and then sleep this long: long enough that the kills
-# land while the three-node round runs; the re-formed round sleeps it again, then succeeds.
-SLEEP = "15"
+# Each round's workers meet once (gloo) and then wait for the test's gate file: the kills land
+# while the three-node round runs, and the re-formed round, once seen, is let go and succeeds.
+GATE = "gate"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -78,12 +78,13 @@ def assert_nothing_lost(survivors: list[Daemon], jobs: dict[str, str], nodes: li
             assert sorted(n["node"] for n in doc["nodes"]) == nodes, (daemon.name, doc)
 
 
-def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha):
+def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha, shared_tmp):
     cluster, etcd = ha
     cluster.start()
     n1 = cluster[0]
     assert states(n1) == {"n1": "up", "n2": "up", "n3": "up"}
-    job = n1.submit("--nnodes", "2:3", *worker_args("--ddp", "--sleep", SLEEP))["id"]
+    gate = shared_tmp / GATE
+    job = n1.submit("--nnodes", "2:3", *worker_args("--ddp", "--until", str(gate)))["id"]
     doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3)
     first_round = doc["round"]
     victim_name = next(n["node"] for n in doc["nodes"] if n["group_rank"] != 0 and n["node"] != "n1")
@@ -103,6 +104,7 @@ def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha):
     print(f"re-formed on {[n['node'] for n in reformed['nodes']]} {time.monotonic() - killed:.1f} s "
           f"after the kills")
     assert reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == names, reformed
+    gate.touch()
     final = n1.wait_job(job, lambda d: d["state"] in TERMINAL, timeout=120)
     assert final["state"] == "SUCCEEDED", final
     assert final["world_size"] == 2 and final["round"] > first_round, final
@@ -120,13 +122,14 @@ def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha):
     assert "UNREACHABLE" not in other.ctl_run("version").stdout  # two members of three serve
 
 
-def test_losing_the_first_daemon_loses_no_store(ha):
+def test_losing_the_first_daemon_loses_no_store(ha, shared_tmp):
     """n1 submits a 1:3-node job and starts it alone (group rank 0; ranks stay oldest
     first), the others join it; then n1 is SIGKILLed."""
     cluster, _ = ha
     n1, n2, n3 = cluster
     n1.start()
-    job = n1.submit("--nnodes", "1:3", *worker_args("--ddp", "--sleep", SLEEP))["id"]
+    gate = shared_tmp / GATE
+    job = n1.submit("--nnodes", "1:3", *worker_args("--ddp", "--until", str(gate)))["id"]
     n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 1 and healthy(d) == 1)
     n2.start(wait=False)
     n3.start(wait=False)
@@ -146,6 +149,7 @@ def test_losing_the_first_daemon_loses_no_store(ha):
           f"after n1 died")
     assert reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == ["n2", "n3"]
     assert 0 in [n["group_rank"] for n in reformed["nodes"]]  # somebody took rank 0 over
+    gate.touch()
     final = n3.wait_job(job, lambda d: d["state"] in TERMINAL, timeout=120)
     assert final["state"] == "SUCCEEDED" and final["round"] > first_round, final
     for daemon in (n2, n3):

@@ -64,10 +64,12 @@ class Follower:
 @pytest.mark.c10d_only("the peer channel between daemons; the store plays no part")
 def test_logs_follow_waits_out_a_peer_that_does_not_answer(cluster_factory, shared_tmp):
     cluster = cluster_factory(2)
-    # n2's daemon is stopped for longer than the peer timeout (15 s): it must not count as
-    # lost.  A peer port of its own: the default one may be another test run's.
+    # n2's daemon is stopped for longer than the peer timeout (node.peer_timeout, 5 s here):
+    # it must not count as lost.  A peer port of its own: the default one may be another
+    # test run's.
     with open(cluster.config, "a") as config:
-        config.write(f"[rendezvous]\nkeep_alive_max_attempt = 120\n[node]\npeer_port = {free_port()}\n")
+        config.write(f"[rendezvous]\nkeep_alive_max_attempt = 120\n"
+                     f"[node]\npeer_port = {free_port()}\npeer_timeout = 5.0\n")
     cluster.start()
     go = shared_tmp / "go"
     os.mkfifo(go)
