@@ -51,17 +51,17 @@ def starts(text: str) -> list[tuple[int, int, int]]:
 def test_a_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, shared_tmp: Path) -> None:
     args = ("--max-steps", "12", "--every", "4")
     job = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "0", SCRIPT, "--",
-                             *args, "--ckpt-dir", str(shared_tmp / "elasticd"), timeout=TIMEOUT)
+                             *args, "--ckpt-dir", str(shared_tmp / "ckpt-elasticd"), timeout=TIMEOUT)
     assert job["state"] == "SUCCEEDED", job
     ours = final(daemon.ctl_run("logs", job["id"]).stdout)
     done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), SCRIPT, *args,
-                           "--ckpt-dir", str(shared_tmp / "torchrun")],
+                           "--ckpt-dir", str(shared_tmp / "ckpt-torchrun")],
                           capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp), env=CLIENT_ENV)
     assert done.returncode == 0, done.stderr[-5000:]
     theirs = final(done.stdout)
     assert ours == theirs and ours[0] == 12, (ours, theirs)
-    for launcher in ("elasticd", "torchrun"):
+    for launcher in ("ckpt-elasticd", "ckpt-torchrun"):  # not "elasticd": python -m elasticctl, run there, would import it
         assert (shared_tmp / launcher / "latest").read_text().endswith("step_12")
 
 

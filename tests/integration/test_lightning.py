@@ -58,12 +58,12 @@ def torchrun(workdir: Path, *args: str) -> str:
 def test_a_ddp_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, shared_tmp: Path) -> None:
     args = ("--devices", "2", "--max-steps", "12", "--every", "4")
     job = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "0", SCRIPT, "--",
-                             *args, "--ckpt-dir", str(shared_tmp / "elasticd"), timeout=TIMEOUT)
+                             *args, "--ckpt-dir", str(shared_tmp / "ckpt-elasticd"), timeout=TIMEOUT)
     assert job["state"] == "SUCCEEDED", job
     ours = final(daemon.ctl_run("logs", job["id"]).stdout)
-    theirs = final(torchrun(shared_tmp, *args, "--ckpt-dir", str(shared_tmp / "torchrun")))
+    theirs = final(torchrun(shared_tmp, *args, "--ckpt-dir", str(shared_tmp / "ckpt-torchrun")))
     assert ours == theirs and ours[0] == 12, (ours, theirs)
-    assert (shared_tmp / "elasticd" / "last.ckpt").is_file()
+    assert (shared_tmp / "ckpt-elasticd" / "last.ckpt").is_file()
     assert (shared_tmp / "torchrun" / "last.ckpt").is_file()
 
 
