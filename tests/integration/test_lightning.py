@@ -64,7 +64,7 @@ def test_a_ddp_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, sha
     theirs = final(torchrun(shared_tmp, *args, "--ckpt-dir", str(shared_tmp / "ckpt-torchrun")))
     assert ours == theirs and ours[0] == 12, (ours, theirs)
     assert (shared_tmp / "ckpt-elasticd" / "last.ckpt").is_file()
-    assert (shared_tmp / "torchrun" / "last.ckpt").is_file()
+    assert (shared_tmp / "ckpt-torchrun" / "last.ckpt").is_file()
 
 
 def test_num_nodes_as_the_docs_write_it_needs_the_integration(daemon: Any, shared_tmp: Path) -> None:
