@@ -34,7 +34,7 @@ from elasticd.core.schedule import NodeSize, Schedule, next_growth, plan
 from elasticd.errors import StoreError
 from elasticd.config import DaemonConfig
 from elasticd.core.usage import decayed, spans
-from elasticd.jobs.accounts import account_of, group_name
+from elasticd.jobs.accounts import account_of, group_namer
 from elasticd.jobs.registry import JobRegistry
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
@@ -266,8 +266,12 @@ def build_scheduler(config: DaemonConfig, store: Store, signer: Signer, nodes: N
         return None
     board = ScheduleBoard(store, signer, Keyspace(config.cluster.name), refused)
     policy = config.scheduler.policy()
-    allocator = Allocator(board, nodes, registry.jobs, policy, usage=lambda now: decayed(
-        (span for record in registry.jobs() for span in spans(record, group_name)), now, policy.half_life),
-        on_plan=on_plan)
+
+    def usage(now: float) -> dict[str, float]:
+        named = group_namer()  # one lookup per group per plan, not one per span
+        return decayed((span for record in registry.jobs() for span in spans(record, named)), now,
+                       policy.half_life)
+
+    allocator = Allocator(board, nodes, registry.jobs, policy, usage=usage, on_plan=on_plan)
     registry.subscribe(allocator.jobs_changed)
     return allocator, ScheduleFollower(board, nodes, post, dead_after=config.rendezvous.keep_alive.dead_after)

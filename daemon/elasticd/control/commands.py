@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import grp
 import logging
 import os
@@ -23,7 +22,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 from elasticd import __version__
 from elasticd.config import DaemonConfig
 from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
-from elasticd.jobs.accounts import account_of, group_name, group_names
+from elasticd.jobs.accounts import account_of, group_name, group_names, group_namer
 from elasticd.jobs.registry import JobRegistry
 from elasticd.core.usage import Span, report, spans
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
@@ -315,7 +314,7 @@ class Commands:
         since, until = usage_window(args, now)
         records = self._registry.jobs()
         doc = await asyncio.to_thread(lambda: report(
-            spans_of(records, _group_namer()), since=since, until=until,
+            spans_of(records, group_namer()), since=since, until=until,
             user=args.get("user"), account=args.get("account")))
         await reply.result({**doc, "now": now, "retention": self._registry.retention})
 
@@ -449,16 +448,6 @@ def spans_of(records: Iterable[JobRecord], group_name: Callable[[int], str]) -> 
             log.exception("job %s: its usage cannot be read", record.id)
     return found
 
-
-def _group_namer() -> Callable[[int], str]:
-    """A group's name by its id (its number when it has none), each looked up once."""
-    @functools.cache
-    def name(gid: int) -> str:
-        try:
-            return grp.getgrgid(gid).gr_name
-        except (KeyError, OverflowError):
-            return str(gid)
-    return name
 
 
 class PeerCommands:

@@ -8,6 +8,7 @@ holds no valid schedule places jobs as before (core/placement.py), so placing ne
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -58,11 +59,16 @@ class Schedule:
         whatever the writers' clocks say."""
         return (self.term << 32) | self.number
 
+    @functools.cached_property
+    def _reasons(self) -> dict[str, Reason]:
+        return {w.job: w.reason for w in self.waiting}
+
     def knows(self, job: str) -> bool:
-        return job in self.nodes or any(w.job == job for w in self.waiting)
+        return job in self.nodes or job in self._reasons
 
     def reason(self, job: str) -> Reason | None:
-        return next((w.reason for w in self.waiting if w.job == job), None)
+        """Why ``job`` waits (None: it does not), in O(1): `list` asks it of every row."""
+        return self._reasons.get(job)
 
     def same_plan(self, other: Schedule | None) -> bool:
         return other is not None and (self.nodes, self.waiting, self.preempted) == \

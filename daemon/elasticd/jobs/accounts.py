@@ -4,8 +4,10 @@ readable by a daemon of the previous version); this names it."""
 
 from __future__ import annotations
 
+import functools
 import grp
 import os
+from typing import Callable
 
 from elasticd.core.model import JobSpec
 
@@ -14,8 +16,13 @@ def group_name(gid: int) -> str:
     """The group's name on this node (its number as text where there is none)."""
     try:
         return grp.getgrgid(gid).gr_name
-    except KeyError:
+    except (KeyError, OverflowError):
         return str(gid)
+
+
+def group_namer() -> Callable[[int], str]:
+    """group_name, each group looked up once: for one pass over many jobs' records."""
+    return functools.cache(group_name)
 
 
 def group_names(user: str, gid: int) -> list[str]:
