@@ -124,7 +124,9 @@ def truncate(path: Path) -> None:
 @pytest.mark.parametrize("damage", [corrupt_header, corrupt_page, truncate])
 def test_a_corrupt_history_is_quarantined_and_the_node_comes_up(daemon_factory, figures, damage):
     daemon = daemon_factory(args=("--slots", "4"), metrics_port=free_port()).start()
-    jobs = [daemon.submit_wait(*worker_args("--print", "1"))["id"] for _ in range(12)]
+    jobs = [daemon.submit(*worker_args("--print", "1"))["id"] for _ in range(12)]  # 4 at a time
+    for job in jobs:
+        assert daemon.wait_job(job, lambda d: d["state"] in ("SUCCEEDED", "FAILED"))["state"] == "SUCCEEDED"
     daemon.stop()
     history = daemon.state_dir / "history.sqlite"
     damage(history)

@@ -149,16 +149,18 @@ def test_c1_job_environment_is_not_in_the_store(cluster, shared_tmp, figures):
     attacker = Attacker(cluster)
     out = shared_tmp / "env"
     out.mkdir()
-    # group rank 0 ends at once and waits at the exit barrier while group rank 1 sleeps:
-    # the job's keys are read while it runs (state, heartbeats, joins, a barrier arrival)
-    # and again once it ended (outcome, every arrival)
+    # group rank 0 ends at once and waits at the exit barrier while group rank 1 waits for
+    # the gate: the job's keys are read while it runs (state, heartbeats, joins, a barrier
+    # arrival) and again once it ended (outcome, every arrival)
+    gate = shared_tmp / "gate"
     job = n2.submit("--nnodes", "2", "--env", "SECRET_TOKEN=hunter2",
-                    *worker_args("--env-out", str(out), "--sleep-group", "1:4"),
+                    *worker_args("--env-out", str(out), "--hold-group", f"1:{gate}"),
                     env={"AWS_SECRET_ACCESS_KEY": AWS_SECRET})
     job_id = job["id"]
     n1.wait_job(job_id, lambda d: d.get("barrier") is not None, timeout=60)
     names = [n1.name, n2.name]
     seen = job_keys(attacker, job_id, names)
+    gate.touch()
     final = n1.wait_job(job_id, lambda d: d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"), timeout=60)
     assert final["state"] == "SUCCEEDED", final
     after = job_keys(attacker, job_id, names)

@@ -188,7 +188,8 @@ def test_undrain_lifts_a_blacklisting_at_once(daemon_factory, shared_tmp):
     a, b = blacklisting_cluster(daemon_factory, shared_tmp, "bku",
                                 "failures = 1\nwindow = 60\ncooldown_range = [300, 300]\n")
     for user in ("root", "nobody"):  # two users' jobs fail on b: it is blacklisted
-        failed = a.ctl("submit", "--wait", "--nodes", b.name, *worker_args("--fail-rank", "0"),
+        # (a worker that exits 1 at once: worker.py's --fail-rank would start torch for @record)
+        failed = a.ctl("submit", "--wait", "--nodes", b.name, "--no-python", "/bin/false",
                        expect=1, user=None if user == "root" else user)[-1]
         assert failed["state"] == "FAILED"
     wait_for(lambda: node_states(a)[b.name] == "blacklisted", 20, "a sees b blacklisted")

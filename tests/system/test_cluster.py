@@ -170,12 +170,14 @@ def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factor
     cluster[0].ctl("cancel", job)
 
 
-def test_exit_barrier_waits_for_the_slower_node(cluster_factory):
+def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
-    job = cluster[0].submit("--nnodes", "2", *worker_args("--sleep-group", "1:4"))
+    gate = shared_tmp / "gate"  # group rank 1 ends once the test has seen the barrier
+    job = cluster[0].submit("--nnodes", "2", *worker_args("--hold-group", f"1:{gate}"))
     waiting = cluster[0].wait_job(job["id"], lambda d: d.get("barrier") is not None)
     assert waiting["barrier"]["done"] == 1 and waiting["barrier"]["total"] == 2
     assert waiting["state"] == "RUNNING"
+    gate.touch()
     final = cluster[0].wait_job(job["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"))
     assert final["state"] == "SUCCEEDED"
 

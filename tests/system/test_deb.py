@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -176,8 +177,23 @@ def build_deb(out: Path, *options: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def deb(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    if FRESH in {item.name for item in request.session.items}:
+        request.getfixturevalue("debian13_deb")  # made meanwhile, in a thread of its own
     return build_deb(tmp_path_factory.mktemp("deb"))
+
+
+@pytest.fixture(scope="module")
+def debian13_deb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[tuple[Path, Path]] | None]:
+    """The Debian 13 image and the package for its Python 3.13 (FRESH's), made in a thread
+    from the module's start: they wait on the network and on xz while the three-host test
+    waits on its containers.  None where FRESH skips."""
+    if sdbox.usable() or shutil.which("debootstrap") is None:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("deb13")
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(lambda: (debian13(), build_deb(out, "--python-version", "3.13")))
 
 
 @pytest.fixture(scope="module")
@@ -366,6 +382,7 @@ def remove_and_purge(host: Host, deb: Path) -> None:
 
 
 TRIXIE = Path("/var/tmp/elasticd-test-debian13")  # debootstrap's, kept between runs (40 s)
+FRESH = "test_a_fresh_debian_13_host_installs_runs_removes_and_purges"
 
 
 def debian13() -> Path:
@@ -381,7 +398,8 @@ def debian13() -> Path:
     return TRIXIE
 
 
-def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(
+        debian13_deb: Future[tuple[Path, Path]] | None) -> None:
     """Offline (no network in the container) on a fresh Debian 13: dpkg -i, the unit
     active (standalone, no torch anywhere), a job of `nobody` succeeds, dpkg -r leaves no
     process, dpkg -P leaves no configuration, key or state."""
@@ -389,8 +407,8 @@ def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(tmp_path_factor
         pytest.skip(sdbox.usable())
     if shutil.which("debootstrap") is None:
         pytest.skip("needs debootstrap; see .ci/setup-root.sh")
-    image = debian13()
-    deb = build_deb(tmp_path_factory.mktemp("deb13"), "--python-version", "3.13")
+    assert debian13_deb is not None
+    image, deb = debian13_deb.result()
     work = Path(tempfile.mkdtemp(prefix="elasticd-deb13-", dir="/var/tmp"))
     host = Host(1, None, work, [f"{deb.parent}:/pkg"], image=image)
     try:
