@@ -372,6 +372,23 @@ def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():
     assert kinds(out) == ["NewPool", "RequestRound"] and out[-1].reason is Reason.STALLED
 
 
+def test_in_place_a_survivor_that_asks_while_the_next_round_is_joined_is_not_late():
+    """A fresh CI run: the survivor asked while its node joined the next round; the ask was
+    dropped, and the rejoin timer stalled a job that trained on."""
+    d = Drive(in_place=True)
+    in_place_running(d)
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    assert d.part.phase is Phase.JOINING
+    assert ask(d, 0, after=0, why="failure", error="connection closed by peer") == []
+    out = d.joined(info(round=1, nproc=1, restarts=1))
+    timer = next(i for i in out if isinstance(i, do.SetTimer))
+    d.mono += 10.0
+    assert d(ev.TimerFired(JOB, timer.name)) == []
+    assert d.part.phase is Phase.RUNNING
+
+
 def test_in_place_a_collective_failure_with_no_dead_peer_fails_after_dead_after():
     d = Drive(in_place=True)
     d.start()

@@ -347,6 +347,14 @@ def _place(part: PartCore, info: RendezvousInfo, previous: RendezvousInfo | None
     return out + part._report(PartState.RUNNING, now, info, part.group)
 
 
+def noted_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instructions:
+    """Between rounds: the ask is remembered, not acted on.  A survivor told to abort asks
+    at once, often while the next round is still being joined; forgetting that made the
+    rejoin timer of the round it then trained in call it late, and stall the job."""
+    _places(part).ask(event.slot, event.after)
+    return []
+
+
 def running_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instructions:
     """News from a worker in a running round: a collective of this round failed (and
     nothing re-forms yet), or new workers are ready to be added."""

@@ -526,7 +526,7 @@ P = PartCore
 
 
 _WORKERS = {ev.WorkersChanged: P._workers_changed}
-_ASIDE = {ev.WorkerAsked: IGNORE, ev.TimerFired: IGNORE}  # in place, between rounds: kept as news
+_ASIDE = {ev.WorkerAsked: inplace.noted_asked, ev.TimerFired: IGNORE}  # in place, between rounds
 PART_EVENTS = EventTable("a part", {
     Phase.STARTING: {},
     Phase.WARMING: {**_WORKERS, ev.WorkerAsked: inplace.warm_asked, ev.TimerFired: IGNORE,
