@@ -3,7 +3,8 @@ under today's placement and under the cluster's scheduler, side by side.
 
     python tests/bench/bench_sharing.py [--system today|scheduler|both] [--seed 1] [--jobs 30]
                                         [--nodes 8] [--load 1.3] [--step 0.5]
-                                        [--resize-interval S] [--json] [--keep] [--trace]
+                                        [--resize-interval S] [--restart-path] [--json] [--keep]
+                                        [--trace]
 
 Needs root: the trace's four users are real Unix users, made for the run (``useradd``, no home,
 no login shell) and removed at its end; each submits its jobs with ``elasticctl submit`` as
@@ -22,12 +23,13 @@ from the seed, with ``--nnodes MIN:MAX --nproc-per-node 1`` and the trace's ``--
 on stderr).
 
 The workers (sharing_worker.py) do a fixed amount of work whose time shrinks with world size,
-kept in a checkpoint in the job's working directory, so that a job resized through a restart
-loses at most one step.  They import no torch: 8 daemons and up to 8 workers share 2 cores,
-and a torch worker takes ~1.3 s of CPU to start, which every resize would pay on every node
-(the restart path: a resize stops the job's workers and starts them at the new size, as
-``--in-place`` jobs' new members would be, and as every job that does not use elasticd.elastic
-is; in-place jobs would resize faster, so these figures are the scheduler's worse case).
+kept in a checkpoint in the job's working directory.  They import no torch: 8 daemons and up
+to 8 workers share 2 cores.  By default every job is submitted ``--in-place`` and its workers
+speak the agent's channel themselves (the protocol elasticd.elastic's runtime speaks): a
+shrink or a grow keeps the survivors' processes and new members warm up before they join,
+as for a script that uses elasticd.elastic.  ``--restart-path`` submits them without it: a
+resize then stops every worker of the job and starts them at the new size (a job whose
+script does not use elasticd.elastic), losing at most one step.
 
 Measured from the daemons' records (``elasticctl list --all --json``: each job's submit
 ``created``, ``started``, ``ended``) and the workers' own timestamps (each worker's exec and
@@ -67,7 +69,7 @@ sys.path.insert(0, str(HERE.parent / "system"))
 from conftest import Cluster  # noqa: E402  (tests/system/conftest.py)
 from harness import CLIENT_ENV, PY, START_TIMEOUT, Control, Daemon, python_for_everyone  # noqa: E402
 from sharing_trace import TraceJob, make_trace  # noqa: E402
-from sharing_metrics import DEFINITIONS, JobRun, compare, summarize, worker_intervals  # noqa: E402
+from sharing_metrics import DEFINITIONS, JobRun, compare, rounds_run, summarize, worker_intervals  # noqa: E402
 
 WORKER = HERE / "sharing_worker.py"
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -257,6 +259,7 @@ class Replay:
         extra = [arg for flag in SHARING_FLAGS if flag in self.flags for arg in sharing[flag]]
         return [python, "-m", "elasticctl", "--socket", daemon.socket, "--json", "submit",
                 "--name", job.name, "--nnodes", job.nnodes, "--nproc-per-node", "1", *extra,
+                *([] if self.args.restart_path else ["--in-place"]),
                 "--python", os.path.realpath(python), "--workdir", str(workdir),
                 "--join-timeout", JOIN_TIMEOUT, str(WORKER), "--", "--work", str(job.work),
                 "--step", str(self.args.step)]
@@ -357,7 +360,7 @@ class Replay:
     def job_run(self, sub: Submitted, row: dict[str, Any], t0: float, now: float) -> JobRun:
         events = read_events(self.base / "jobs" / sub.job.name / "events.jsonl")
         ended = row.get("ended")
-        rounds = sum(1 for e in events if e["event"] == "start" and e["rank"] == 0)
+        rounds = rounds_run(events)
         return JobRun(sub.job, sub.id, row.get("state", "UNKNOWN"), float(row.get("created") or t0 + sub.at),
                       row.get("started"), ended, worker_intervals(events, ended or now), rounds)
 
@@ -422,6 +425,8 @@ ROWS = (("jobs completed / submitted", "completed", "n"),
         ("slots held while jobs wait (nodes)", "held_waiting", "pct"),
         ("longest wait (s)", "longest_wait", "s"),
         ("average wait (s)", "avg_wait", "s"),
+        ("longest wait beyond fair share (s)", "excess_wait", "s"),
+        ("jobs waiting > 10 s beyond fair share", "excess_jobs", "n"),
         ("Jain's fairness between users", "jain", "ratio"),
         ("re-formations (resizes, requeues)", "reformations", "n"),
         ("job-seconds between rounds", "between_rounds_s", "s"))
@@ -430,7 +435,7 @@ ROWS = (("jobs completed / submitted", "completed", "n"),
 def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     ran = [name for name in SYSTEMS if name in results]
     print(f"trace: seed {args.seed}, {args.jobs} jobs, {args.nodes} nodes x 1 slot, load {args.load:g}, "
-          f"{args.step:g} s a step")
+          f"{args.step:g} s a step, " + ("restart path" if args.restart_path else "in place"))
     for name in ran:
         if results[name].get("skipped"):
             print(f"{name}: skipped: {results[name]['skipped']}")
@@ -471,6 +476,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step", type=float, default=0.5, help="seconds a worker's step takes")
     p.add_argument("--resize-interval", type=float, default=None,
                    help="[scheduler] resize_interval (default: the daemon's)")
+    p.add_argument("--restart-path", action="store_true",
+                   help="submit the jobs without --in-place: a resize stops and restarts their workers")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up on a system's run after S s")
     p.add_argument("--progress", type=float, default=15.0, help="a progress line every S s (stderr)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -527,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(base, ignore_errors=True)
     report = {"trace": {"seed": args.seed, "jobs": args.jobs, "nodes": args.nodes, "load": args.load,
-                        "step": args.step, "resize_interval": args.resize_interval,
+                        "step": args.step, "resize_interval": args.resize_interval, "in_place": not args.restart_path,
                         "flags_left_out": missing},
               "results": results}
     if args.json:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from sharing_metrics import (JobRun, held_share, jain, merged, overlap, percentile,  # noqa: E402
-                             summarize, utilization, worker_intervals)
+from sharing_metrics import (JobRun, excess_waits, held_share, max_min_fair, jain, merged, overlap, percentile,  # noqa: E402
+                             rounds_run, summarize, utilization, worker_intervals)
 from sharing_trace import KINDS, USERS, USER_WEIGHTS, TraceJob, make_trace  # noqa: E402
 
 
@@ -93,6 +93,46 @@ def test_worker_intervals_from_the_workers_events():
               {"event": "exit", "pid": 1, "t": 9.0},
               {"event": "start", "pid": 3, "t": 12.0}]   # no exit: killed outright
     assert worker_intervals(events, otherwise=20.0) == [(1.0, 9.0), (2.0, 20.0), (12.0, 20.0)]
+
+
+def test_an_in_place_worker_is_busy_only_while_placed():
+    events = [{"event": "start", "pid": 1, "t": 1.5, "exec": 1.0, "rank": -1},
+              {"event": "placed", "pid": 1, "t": 3.0, "rank": 0},   # warmed up 2 s: not busy
+              {"event": "asked", "pid": 1, "t": 7.0, "rank": 0},    # a resize
+              {"event": "placed", "pid": 1, "t": 7.5, "rank": 1},
+              {"event": "exit", "pid": 1, "t": 10.0, "rank": 1},
+              {"event": "start", "pid": 2, "t": 4.0, "exec": 4.0, "rank": -1},
+              {"event": "placed", "pid": 2, "t": 7.5, "rank": 0}]   # killed outright
+    assert worker_intervals(events, otherwise=12.0) == [(3.0, 7.0), (7.5, 10.0), (7.5, 12.0)]
+    assert rounds_run(events) == 2
+    assert rounds_run([{"event": "start", "pid": 1, "rank": 0}] * 3) == 3
+
+
+def test_max_min_fair_shares_fill_up_to_each_demand():
+    assert max_min_fair({"a": 1, "b": 8, "c": 8}, 8) == {"a": 1.0, "b": 3.5, "c": 3.5}
+    assert max_min_fair({"a": 2, "b": 2}, 8) == {"a": 2.0, "b": 2.0}
+    assert max_min_fair({}, 8) == {}
+
+
+def run_of(name: str, user: str, created: float, start: float | None, end: float | None,
+           workers: list[tuple[float, float]], min_nodes: int = 1, max_nodes: int = 4) -> JobRun:
+    return JobRun(TraceJob(name, user, "small", created, min_nodes, max_nodes, 100), name,
+                  "SUCCEEDED" if end else "RUNNING", created, start, end, workers, 1)
+
+
+def test_a_wait_beyond_fair_share_counts_only_while_the_user_is_owed_a_node():
+    # u1's 4-node job holds the whole cluster of 4 from 0 to 20; u2's 1-node job waits 5 -> 15:
+    # u2 is owed 2 of the 4 and u1 lends 3 above its min of 1: every waiting second is excess
+    hog = run_of("hog", "u1", 0.0, 0.0, 20.0, [(0.0, 20.0)] * 4)
+    late = run_of("late", "u2", 5.0, 15.0, 25.0, [(15.0, 25.0)])
+    assert excess_waits([hog, late], 4, until=30.0) == {"hog": 0.0, "late": pytest.approx(10.0)}
+    # the same job at its min of 4 lends nothing: waiting is no excess
+    rigid = run_of("hog", "u1", 0.0, 0.0, 20.0, [(0.0, 20.0)] * 4, min_nodes=4)
+    assert excess_waits([rigid, late], 4, until=30.0)["late"] == 0.0
+    # a user's second waiting job waits behind its first
+    first = run_of("first", "u2", 5.0, 15.0, 25.0, [(15.0, 25.0)])
+    second = run_of("second", "u2", 6.0, 15.0, 25.0, [(15.0, 25.0)])
+    assert excess_waits([hog, first, second], 4, until=30.0)["second"] == 0.0
 
 
 def job(name: str, user: str, work: int, max_nodes: int) -> TraceJob:
