@@ -57,6 +57,7 @@ from elasticd.shell.fileaccess import FileAccess, restrict_earlier
 from elasticd.jobs.history import History
 from elasticd.store.keyspace import Keyspace
 from elasticd.jobs.registry import JobRegistry
+from elasticd import cleanup, keygen
 from elasticd.journal import log_handler
 from elasticd.core.records import JobRecord, worker_groups
 from elasticd.jobs.retention import Pruner
@@ -73,7 +74,7 @@ from elasticd.store.base import Store
 from elasticd.store.c10d import C10dServer
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.tcpstore import TCPStoreClient
-from elasticd.store.signing import Signer, create_key, load_key, load_or_create_key
+from elasticd.store.signing import Signer, load_key, load_or_create_key
 
 if TYPE_CHECKING:
     from elasticd.store.etcd import EtcdStore
@@ -81,7 +82,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("elasticd")
 
 DEFAULT_CONFIG = "/etc/elasticd/elasticd.toml"
-KEYGEN = "keygen"
+KEYGEN = keygen.COMMAND
 COMMANDS = f"""commands:
   elasticd {KEYGEN} FILE   write a new cluster key to FILE, to copy to every node
                          (elasticd {KEYGEN} --help)"""
@@ -90,12 +91,17 @@ COMMANDS = f"""commands:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="elasticd", description="Run elastic PyTorch jobs on this host.",
                                 usage=f"%(prog)s [options]\n       %(prog)s --check-config FILE [options]"
+                                      f"\n       %(prog)s --clean-up [options]"
                                       f"\n       %(prog)s {KEYGEN} FILE",
                                 epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)")
     p.add_argument("--check-config", metavar="FILE",
                    help="check FILE (with the options given) as start-up would and print every "
                         "error; start nothing; exit 0 if it is good, 2 if not")
+    p.add_argument("--clean-up", action="store_true",
+                   help="remove what a daemon with these options left when it died (its workers, "
+                        "job cgroups, store firewall table); refused while one runs. systemd "
+                        "runs it after every stop")
     p.add_argument("--standalone", action="store_true",
                    help="a one-host cluster that needs no config (hosts its own store)")
     for flag, (dotted, kind, doc) in config_mod.flags().items():  # declared with their keys
@@ -137,46 +143,32 @@ def check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_keygen_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=f"elasticd {KEYGEN}",
-        description="Write a new random cluster key to FILE (mode 0600), in the form the store "
-                    "host makes one.  An existing FILE is never overwritten.  Copy the file to "
-                    "every node of the cluster and point cluster.key_file (or elasticd "
-                    "--cluster-key) at it.")
-    p.add_argument("file", metavar="FILE", help="where to write the key (its directory must exist)")
-    return p.parse_args(argv)
-
-
-def keygen(path: str) -> int:
-    """``elasticd keygen FILE``: a new cluster key in a new 0600 file; 1 if it cannot be made."""
+def clean_up(args: argparse.Namespace) -> int:
+    """``elasticd --clean-up``: 0 when done, 1 when a daemon runs, 2 for a bad config."""
     try:
-        create_key(path)
-    except FileExistsError:
-        return _keygen_failed(f"{path} already exists; not overwriting it (a cluster's nodes "
-                              "must share one key: copy that file, or remove it first)")
-    except FileNotFoundError:
-        return _keygen_failed(f"cannot create {path}: the directory "
-                              f"{os.path.dirname(os.path.abspath(path))} does not exist")
-    except OSError as exc:
-        return _keygen_failed(f"cannot create {path}: {exc.strerror}")
-    print(f"wrote a new cluster key to {path} (mode 0600); copy it to every node of the cluster "
-          "(elasticd --cluster-key FILE, or cluster.key_file in the config)")
+        config = load_config(args)
+    except ConfigError as exc:
+        print(f"elasticd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="elasticd --clean-up: %(message)s")
+    try:
+        done = cleanup.clean_up(config)
+    except cleanup.DaemonRunning as exc:
+        print(f"elasticd --clean-up: {exc}", file=sys.stderr)
+        return 1
+    print(f"elasticd --clean-up: {done.summary(config.node_name)}")
     return 0
-
-
-def _keygen_failed(message: str) -> int:
-    print(f"elasticd {KEYGEN}: {message}", file=sys.stderr)
-    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [KEYGEN]:
-        return keygen(parse_keygen_args(argv[1:]).file)
+        return keygen.main(argv[1:])
     args = parse_args(argv)
     if args.check_config is not None:
         return check_config(args)
+    if args.clean_up:
+        return clean_up(args)
     try:
         config = load_config(args)
     except ConfigError as exc:

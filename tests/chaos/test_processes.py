@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
 
+from elasticd.store.firewall import table_name
 from harness import alive, needs_root, sleeping_job, wait_gone, worker_args
+from store_attack import Cluster
 
 
 def _job_cgroups(daemon) -> list[str]:
@@ -92,3 +96,41 @@ def test_what_a_killed_daemon_left_is_killed_at_its_next_start(daemon, shared_tm
     assert wait_gone([escapee], timeout=10) == []
     assert _job_cgroups(daemon) == []
     figures.add("item 5: processes left after a SIGKILLed daemon restarted", "0")
+
+
+def _table(name: str) -> bool:
+    """Whether nftables has ``inet name`` now."""
+    return subprocess.run(["nft", "list", "table", "inet", name], capture_output=True).returncode == 0
+
+
+@needs_root
+def test_what_a_killed_daemon_that_never_comes_back_left_goes_with_elasticd_clean_up(daemon_factory, shared_tmp):
+    """issue 28, friction 7c: a SIGKILLed node that never came back kept its nftables table
+    and its job cgroups (systemd's unit now runs --clean-up after every stop)."""
+    if shutil.which("nft") is None:
+        pytest.skip("needs nft (.ci/setup-root.sh installs nftables)")
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="cleanup", firewall=True)
+    node = cluster.add("a")
+    cluster.start()
+    table = table_name(cluster.name, node.name)
+    job_id, pids = sleeping_job(node, shared_tmp, 1, "--escape")
+    cgroups = _job_cgroups(node)
+    clean_up = [*node.argv(), "--clean-up"]
+
+    refused = subprocess.run(clean_up, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "a daemon answers on" in refused.stderr, refused
+    assert _table(table) and all(alive(p) for p in pids)  # a running daemon's: untouched
+
+    node.signal(signal.SIGKILL)
+    node.wait_exit()
+    escapee = pids[1]
+    assert alive(escapee) and _table(table) and _job_cgroups(node) == cgroups == [f"job-{job_id}"]
+    done = subprocess.run(clean_up, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done
+    assert f"removed nftables table inet {table}" in done.stdout and "killed 1 leftover" in done.stdout, done
+    assert f"/job-{job_id}" in done.stdout, done
+    assert wait_gone([escapee], timeout=10) == []
+    assert not _table(table) and _job_cgroups(node) == []
+    again = subprocess.run(clean_up, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "killed 0 leftover" in again.stdout and "job cgroups" not in again.stdout \
+        and "no firewall table left" in again.stdout, again

@@ -119,8 +119,9 @@ def elasticd() -> Iterator[Elasticd]:
     units.mkdir()
     etc.mkdir()
     unit = (ROOT / "systemd" / "elasticd.service").read_text()
-    unit, found = re.subn(r"^ExecStart=\S+", f"ExecStart={VENV}/bin/elasticd", unit, flags=re.M)
-    assert found == 1, "the unit's ExecStart changed shape"
+    unit, found = re.subn(r"^(ExecStart=|ExecStopPost=-)/usr/bin/elasticd", rf"\g<1>{VENV}/bin/elasticd",
+                          unit, flags=re.M)
+    assert found == 2, "the unit's ExecStart or ExecStopPost changed shape"
     (units / "elasticd.service").write_text(unit)
     (etc / "elasticd.toml").write_text(CONFIG)
     readonly = {str(ROOT), sys.base_prefix, str(VENV.resolve())}  # checkout, interpreter, venv
@@ -181,6 +182,31 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
     if doc["state"] not in ("CANCELLED", "SUCCEEDED"):
         elasticd.ctl("cancel", job)
     elasticd.systemctl("stop", "elasticd")
+
+
+def test_what_a_sigkilled_daemon_left_goes_with_it(elasticd):
+    """issue 28, friction 7c: ExecStopPost runs `elasticd --clean-up` however the daemon
+    ended; a SIGKILLed one's store firewall table (outside any cgroup) and job cgroups go."""
+    dropin = elasticd.units / "elasticd.service.d"
+    dropin.mkdir(exist_ok=True)
+    (dropin / "norestart.conf").write_text("[Service]\nRestart=no\n")  # a node that never comes back
+    elasticd.systemctl("daemon-reload")
+    elasticd.systemctl("start", "elasticd")
+    job = elasticd.ctl("submit", "--nproc-per-node", "1", "--python", f"{VENV}/bin/python",
+                       str(WORKER), "--sleep", "0", "--escape", "--pid-dir", "/tmp")["id"]
+    elasticd.wait_output(job, ["ready 0"])
+    journal = elasticd.journal()
+    table = re.search(r"nftables table inet (\w+)\)", journal)
+    assert table is not None, journal  # the store's firewall (root, nft): outside the unit's cgroup
+    base = re.search(r"job cgroups in (\S+)", journal).group(1)
+    assert elasticd.box.run("nft", "list", "table", "inet", table.group(1), check=False).returncode == 0
+
+    elasticd.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", "elasticd")
+    elasticd.until(lambda u: u["ActiveState"] in ("failed", "inactive"), "ActiveState")
+    journal = elasticd.journal()
+    assert f"removed nftables table inet {table.group(1)}" in journal, journal
+    assert elasticd.box.run("nft", "list", "table", "inet", table.group(1), check=False).returncode != 0
+    assert elasticd.box.run("test", "-e", f"{base}/job-{job}", check=False).returncode != 0
 
 
 def cgroup_of(elasticd: Elasticd, pid: object) -> str:

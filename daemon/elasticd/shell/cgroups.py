@@ -182,6 +182,10 @@ class JobCgroups:
             twins[name] = path
         return twins
 
+    def leftovers(self) -> list[str]:
+        """The job cgroups there are now (a previous run's, before ``reap_leftovers``)."""
+        return _job_dirs(self.base)
+
     def reap_leftovers(self) -> int:
         """Kill and remove the job cgroups that a previous run of this daemon left behind;
         the number of processes killed."""

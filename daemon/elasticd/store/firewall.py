@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import re
 import subprocess
 
@@ -55,6 +56,21 @@ def _untrusted(program: str) -> str:
     except trust.Untrusted as exc:
         return f"not running {exc}"
     return ""
+
+
+def remove_table(table: str) -> bool:
+    """Remove a table that a daemon which died left (``elasticd --clean-up``); whether one
+    was there to remove.  Without nft, or not as root, there is none of ours."""
+    nft = trust.which("nft") or trust.which("nft", path="/usr/sbin:/sbin")
+    if nft is None or os.getuid() != 0 or _untrusted(nft):
+        return False
+    try:
+        done = subprocess.run([nft, "delete", "table", "inet", table], capture_output=True,
+                              timeout=_NFT_TIMEOUT, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not remove nftables table %s: %s", table, exc)
+        return False
+    return done.returncode == 0
 
 
 class StoreFirewall:
