@@ -212,10 +212,15 @@ class Runtime:
     # -- the process group ----------------------------------------------------------------
 
     def join(self, why: str, error: str = "") -> None:
-        """Leave the old group (if any), get a place in a newer round, form its group."""
+        """Leave the old group (if any), get a place in a newer round, form its group.
+        A broken group's sockets are shut down first: a collective still queued on it (DDP
+        launches several) could otherwise hold the group's destructor, which waits for
+        them, on a peer that is alive and waiting too, until gloo's timeout (30 minutes)."""
         if dist.is_initialized():
             self.backend = self.backend or str(dist.get_backend())
             with self._group_lock:
+                if why == "failure":
+                    _shut_down(self._group_sockets)
                 self._group_sockets = {}
             try:
                 dist.destroy_process_group()
