@@ -65,8 +65,11 @@ class Cluster:
         fw = json.dumps(self.firewall if firewall is None else firewall)  # "auto", true, false: as in TOML
         store = f"firewall = {fw}\n" if self.etcd is None else \
             f'backend = "etcd"\nendpoints = {json.dumps(self.etcd.endpoints)}\n'
+        # a job grows again at once after a resize, unless the test says otherwise (the
+        # interval is the scheduler tests' subject)
+        fast = "" if "[scheduler]" in config else "[scheduler]\nresize_interval = 1.0\n"
         path.write_text(f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
-                        f"[node]\npeer_port = {free_port()}\n[store]\n{store}{config}")
+                        f"[node]\npeer_port = {free_port()}\n[store]\n{store}{fast}{config}")
         hosts = index == 1 and self.store_host is None
         where = () if self.etcd is not None else (
             "--store", f"127.0.0.1:{self.port}", "--store-host" if hosts else "--no-store-host")

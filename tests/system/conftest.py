@@ -52,7 +52,9 @@ class Cluster:
         if not os.path.exists(self.key):  # before any daemon starts (with etcd, none makes it)
             create_key(self.key)
         self.config = base / "cluster.toml"
-        config = "[jobs]\nallow_root = true\n"  # the tests run as root
+        # the tests run as root; a job grows again at once after a resize (the interval is
+        # the scheduler tests' subject: tests/integration/test_scheduler.py)
+        config = "[jobs]\nallow_root = true\n[scheduler]\nresize_interval = 1.0\n"
         if etcd is not None:
             config += "[store]\n" + etcd_store_lines(etcd.endpoints)
         self.config.write_text(config)
