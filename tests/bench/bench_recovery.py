@@ -130,7 +130,8 @@ class Elasticd:
         self.events = Events(base)
         self.base = base
         self.worker_mode: tuple[str, ...] = ()
-        self.cluster = Cluster(base, nodes, slots=1, env={"RES_OPTIONS": ENV["RES_OPTIONS"]})
+        self.cluster = Cluster(base, nodes, slots=1, env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
+                               resize_interval=None)  # the daemon's defaults
         for daemon in self.cluster.daemons:
             daemon.program = (PY, LAUNCHER, str(base), "elasticd")
 

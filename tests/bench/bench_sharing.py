@@ -205,7 +205,7 @@ class Replay:
     def prepare(self) -> str | None:
         """Make the cluster (not started); returns why this system cannot run, or None."""
         self.base.mkdir(mode=0o755)
-        self.cluster = cluster = Cluster(self.base, self.args.nodes, slots=1)
+        self.cluster = cluster = Cluster(self.base, self.args.nodes, slots=1, resize_interval=None)
         # a name of its own: the store port's nftables table is named after the cluster and
         # the node, and other clusters on this host (the tests') are called "test"
         cluster.name = f"sharing{uuid.uuid4().hex[:6]}"

@@ -144,7 +144,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     base = Path(tempfile.mkdtemp(prefix="elasticd-soak-", dir="/tmp"))
     base.chmod(0o755)
-    cluster = Cluster(base, 3, slots=4)
+    cluster = Cluster(base, 3, slots=4, resize_interval=None)  # the daemon's defaults
     started_at = time.time()
     try:
         cluster.start()

@@ -41,7 +41,8 @@ class Cluster:
     EtcdCluster, which the caller owns), no daemon hosts anything."""
 
     def __init__(self, base: Path, size: int, *, slots: int = 2, env: dict[str, str] | None = None,
-                 extra: tuple[str, ...] = (), backend: str = C10D, etcd: Any = None) -> None:
+                 extra: tuple[str, ...] = (), backend: str = C10D, etcd: Any = None,
+                 resize_interval: float | None = 1.0) -> None:
         assert (backend == ETCD) == (etcd is not None), "an etcd cluster is given for backend etcd only"
         self.base = base
         self.backend = backend
@@ -52,9 +53,11 @@ class Cluster:
         if not os.path.exists(self.key):  # before any daemon starts (with etcd, none makes it)
             create_key(self.key)
         self.config = base / "cluster.toml"
-        # the tests run as root; a job grows again at once after a resize (the interval is
-        # the scheduler tests' subject: tests/integration/test_scheduler.py)
-        config = "[jobs]\nallow_root = true\n[scheduler]\nresize_interval = 1.0\n"
+        # the tests run as root; a job grows again soon after a resize (the interval is the
+        # scheduler tests' subject: tests/integration/test_scheduler.py; None: the default)
+        config = "[jobs]\nallow_root = true\n"
+        if resize_interval is not None:
+            config += f"[scheduler]\nresize_interval = {resize_interval}\n"
         if etcd is not None:
             config += "[store]\n" + etcd_store_lines(etcd.endpoints)
         self.config.write_text(config)
