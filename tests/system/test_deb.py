@@ -235,7 +235,8 @@ def cluster_config(m: Host, store: Host) -> str:
     return (f'[node]\nname = "{m.name}"\naddress = "{m.addr}"\nslots = 2\n\n'
             f'[cluster]\nname = "three"\n\n'
             f'[store]\nendpoint = "{store.addr}:29400"\n\n'
-            '[jobs]\njoin_timeout = 300.0\n')
+            '[jobs]\njoin_timeout = 300.0\n\n'
+            '[scheduler]\nresize_interval = 1.0\n')  # n3 taken back once it is up, not 30 s after the shrink
 
 
 def world(host: Host, job: str) -> tuple[int, int, list[str], str]:
