@@ -54,7 +54,7 @@ from elasticd.endpoint import join_endpoint
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.faults import Faults, Throttle, held_back
 from elasticd.shell.fileaccess import FileAccess, restrict_earlier
-from elasticd.jobs.history import History
+from elasticd.jobs.history import History, path_in as history_path
 from elasticd.store.keyspace import Keyspace
 from elasticd.jobs.registry import JobRegistry
 from elasticd import cleanup, keygen
@@ -263,7 +263,7 @@ class Daemon:
             store = await self._open_store(closing)
             self.metrics.store_up.set(1)
             await store.set(Keyspace(config.cluster.name).ping, b"1")  # not an add: junk there must not stop a start
-            history = History(os.path.join(config.paths.state_dir, "history.sqlite"))
+            history = History(history_path(config.paths.state_dir))
             closing.callback(history.close)
             if history.quarantined:
                 self.metrics.history_quarantined.inc()

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 
 from elasticd.config import DaemonConfig
-from elasticd.core.records import record_from_history, worker_groups
-from elasticd.jobs.history import History
+from elasticd.control.server import served
+from elasticd.core.records import worker_groups
+from elasticd.jobs.history import History, path_in as history_path
+from elasticd.jobs.registry import JobRegistry
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
 from elasticd.shell.workers import reap_leftovers
@@ -36,24 +37,23 @@ class CleanedUp:
     cgroup_processes: int = 0             # processes killed in job cgroups
     cgroups: list[str] = field(default_factory=list)  # the job cgroups removed
     table: str = ""                       # the nftables table removed ("" none was there)
-    notes: list[str] = field(default_factory=list)
 
     def summary(self, node: str) -> str:
         done = [f"killed {self.workers + self.cgroup_processes} leftover processes"]
         if self.cgroups:
             done.append(f"removed job cgroups {' '.join(self.cgroups)}")
         done.append(f"removed nftables table inet {self.table}" if self.table else "no firewall table left")
-        return f"node {node}: " + "; ".join(done + self.notes)
+        return f"node {node}: " + "; ".join(done)
 
 
 def clean_up(config: DaemonConfig) -> CleanedUp:
     """Remove what a dead daemon of ``config`` left here; raises DaemonRunning if one runs."""
-    if _answers(config.socket_path):
+    if served(config.socket_path):
         raise DaemonRunning(f"a daemon answers on {config.socket_path}: stop it first "
                             "(it cleans up after itself)")
     node = config.node_name
     done = CleanedUp()
-    done.workers = _reap_workers(config, node, done.notes)
+    done.workers = _reap_workers(config, node)
     cgroups = JobCgroups.setup(instance_name(node, config.paths.state_dir), config.jobs.cgroup)
     if cgroups.available:
         done.cgroups = cgroups.leftovers()
@@ -66,34 +66,15 @@ def clean_up(config: DaemonConfig) -> CleanedUp:
     return done
 
 
-def _answers(path: str) -> bool:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(2.0)
-        sock.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
-
-
-def _reap_workers(config: DaemonConfig, node: str, notes: list[str]) -> int:
-    """The process groups of the workers that the history says ran here, unfinished."""
-    path = os.path.join(config.paths.state_dir, "history.sqlite")
+def _reap_workers(config: DaemonConfig, node: str) -> int:
+    """The process groups of the workers that the history says ran here, unfinished (read
+    as the daemon's start reads it: a row it cannot take is skipped with a warning)."""
+    path = history_path(config.paths.state_dir)
     if not os.path.exists(path):
         return 0
     history = History(path)
     try:
-        unfinished = []
-        for job_id, doc in history.load():
-            try:
-                record = record_from_history(doc)
-            except Exception as exc:  # the daemon's start skips such a row too
-                notes.append(f"skipped the history row of job {job_id}: {exc}")
-                continue
-            if record.outcome is None:
-                unfinished.append(record)
+        unfinished = JobRegistry(history).restore(history.load())
     finally:
         history.close()
     return reap_leftovers(worker_groups(unfinished, node))

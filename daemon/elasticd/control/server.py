@@ -271,16 +271,22 @@ async def _refuse(reply: Responder, op: str, code: str, message: str,
         log.exception("control: could not send the error reply of %s", op)
 
 
-def _refuse_if_served(path: str) -> None:
-    """Another daemon answering on ``path`` is an error, not a stale file to replace."""
+def served(path: str) -> bool:
+    """Whether a daemon answers on the control socket ``path``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
+        return True
     except OSError:
-        return
+        return False
     finally:
         probe.close()
-    raise ElasticdError(f"another elasticd is already serving {path}")
+
+
+def _refuse_if_served(path: str) -> None:
+    """Another daemon answering on ``path`` is an error, not a stale file to replace."""
+    if served(path):
+        raise ElasticdError(f"another elasticd is already serving {path}")
 
 
 def _remove_stale_socket(path: str) -> None:

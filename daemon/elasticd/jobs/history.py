@@ -46,6 +46,13 @@ class HistoryError(ElasticdError):
     code = "state_dir"
 
 
+FILE = "history.sqlite"  # in the state directory
+
+
+def path_in(state_dir: str) -> str:
+    return os.path.join(state_dir, FILE)
+
+
 class History:
     def __init__(self, path: str) -> None:
         self.path = path

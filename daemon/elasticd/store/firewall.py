@@ -61,9 +61,18 @@ def _untrusted(program: str) -> str:
 def remove_table(table: str) -> bool:
     """Remove a table that a daemon which died left (``elasticd --clean-up``); whether one
     was there to remove.  Without nft, or not as root, there is none of ours."""
-    nft = trust.which("nft") or trust.which("nft", path="/usr/sbin:/sbin")
+    nft = _nft()
     if nft is None or os.getuid() != 0 or _untrusted(nft):
         return False
+    return _delete_table(nft, table)
+
+
+def _nft() -> str | None:
+    return trust.which("nft") or trust.which("nft", path="/usr/sbin:/sbin")
+
+
+def _delete_table(nft: str, table: str) -> bool:
+    """``nft delete table inet TABLE``; whether it was there."""
     try:
         done = subprocess.run([nft, "delete", "table", "inet", table], capture_output=True,
                               timeout=_NFT_TIMEOUT, check=False)
@@ -86,7 +95,7 @@ class StoreFirewall:
         """Install the rule (None when it is off, or 'auto' and not possible here)."""
         if setting is False:
             return None
-        nft = trust.which("nft") or trust.which("nft", path="/usr/sbin:/sbin")
+        nft = _nft()
         problem = ("the daemon does not run as root" if uid != 0 else
                    "nft is not installed" if nft is None else _untrusted(nft))
         if problem:
@@ -116,8 +125,4 @@ class StoreFirewall:
             return False
 
     def close(self) -> None:
-        try:
-            subprocess.run([self._nft, "delete", "table", "inet", self.table], capture_output=True,
-                           timeout=_NFT_TIMEOUT, check=False)
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("could not remove nftables table %s: %s", self.table, exc)
+        _delete_table(self._nft, self.table)
