@@ -113,8 +113,10 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
         "--watch", "-w", action="store_true", help="print the list again whenever it changes")
     command("drain", cmd_drain, "stop placing jobs on a node; its jobs move off it").add_argument(
         "node", metavar="NODE")
-    command("undrain", cmd_undrain, "let a drained or blacklisted node take jobs again").add_argument(
-        "node", metavar="NODE")
+    undrain = command("undrain", cmd_undrain, "let a drained or blacklisted node take jobs again")
+    undrain.add_argument("node", metavar="NODE")
+    undrain.add_argument("--gpu", type=gpu_index, metavar="N",
+                         help="only put GPU N back in the node's offer (taken out as bad by its health checks)")
     sharing.add_usage(command, connect)
     command("version", cmd_version, "show the client's and the daemon's versions")
     completion = command("completion", cmd_completion, "print the shell completion script for bash or zsh",
@@ -454,9 +456,19 @@ def cmd_undrain(args: argparse.Namespace) -> int:
     return change_node(args, "undrain")
 
 
+def gpu_index(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"not a GPU index: {value!r} (0, 1, ...)")
+    return int(value)
+
+
 def change_node(args: argparse.Namespace, op: str) -> int:
+    gpu = getattr(args, "gpu", None)
     with connect(args) as daemon:
-        node = daemon.call(op, {"node": args.node})
+        node = daemon.call(op, {"node": args.node, **({"gpu": gpu} if gpu is not None else {})})
+    if gpu is not None:
+        emit(args, node, lambda: render.clean(f"node {args.node}: gpu {gpu} readmission requested"))
+        return 0
     emit(args, node, lambda: render.node_changed_line(node, args.node, op))
     return 0
 

@@ -431,7 +431,7 @@ def nodes_table(nodes: Iterable[Doc], now: float) -> str:
                              ago(n.get("last_seen"), now), *containment_cells(n.get("containment"))]
                             for n in nodes))
     notes = [clean(f"{text(n.get('name'))}: {note}") for n in nodes
-             for note in _notes(n.get("containment"))]
+             for note in [*_gpu_notes(n), *_notes(n.get("containment"))]]
     return "\n".join([lines, "", *notes]) if notes else lines
 
 
@@ -449,6 +449,17 @@ def containment_cells(containment: Any) -> list[str]:
     if memory and not memory_by:
         memory_cell += " (not enforced)"
     return ["yes" if containment.get("cgroup") is True else "no", pids_cell, memory_cell]
+
+
+def _gpu_notes(node: Doc) -> list[str]:
+    """'gpus 7/8, gpu 3: xid 79': the GPUs offered of all, and each one taken out as bad."""
+    out = node.get("gpus_out")
+    if not isinstance(out, Mapping) or not out:
+        return []
+    offered = node.get("gpus_total")
+    whole = offered + len(out) if isinstance(offered, int) and not isinstance(offered, bool) else None
+    why = ", ".join(f"gpu {text(index)}: {text(reason)}" for index, reason in out.items())
+    return [f"gpus {text(offered)}/{text(whole)}, {why}"]
 
 
 def _notes(containment: Any) -> list[str]:

@@ -36,6 +36,7 @@ from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.core import events
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.blacklist import Blacklist
+from elasticd.core.gpuhealth import GpuWatch
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
@@ -43,7 +44,7 @@ from elasticd.cluster.hosting import host_store, hosts_store, route_address, sto
 from elasticd.cluster.scheduler import build_scheduler
 from elasticd.cluster.service import NodeDuties, NodeService, Watcher
 from elasticd.cluster.registry import NodeRegistry
-from elasticd.cluster.inventory import LocalNode, cpu_count, discover_gpus, slot_count
+from elasticd.cluster.inventory import LocalNode, cpu_count, local_gpus, slot_count, watch_gpus
 from elasticd.shell.bounds import contain
 from elasticd.config import DaemonConfig
 from elasticd.control.commands import Commands, PeerCommands
@@ -271,7 +272,9 @@ class Daemon:
                 "history", why), retention=config.history.retention)
             closing.callback(registry.close)
             unfinished = self._restore(registry, history)
-            gpus = discover_gpus(config.node.gpus)
+            gpus, nvml = local_gpus(config.node.gpus)
+            if nvml is not None:
+                closing.callback(nvml.close)
             slots = slot_count(config, gpus)
             cgroups = self._cgroups()
             closing.callback(cgroups.close)  # only what is empty (a twin refused at bind takes nothing)
@@ -294,7 +297,8 @@ class Daemon:
                              dead_after=config.rendezvous.keep_alive.dead_after,
                              standalone=config.standalone, allow_root=config.jobs.allow_root,
                              judge_users=os.getuid() == 0, scheduled=config.scheduler.enabled),
-                blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None)
+                blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None,
+                gpu_watch=GpuWatch(config.gpu.policy) if nvml is not None else None)
             service = NodeShell(
                 core, board=board, registry=registry, metrics=self.metrics, faults=self.faults,
                 standalone=config.standalone,
@@ -352,6 +356,9 @@ class Daemon:
                 if scheduling is not None:
                     loops["allocator"] = functools.partial(scheduling[0].run, self.stop)
                     loops["schedule"] = functools.partial(scheduling[1].run, self.stop)
+                if nvml is not None and config.gpu.health_interval:
+                    loops["gpu-health"] = functools.partial(watch_gpus, nvml, config.gpu.health_interval,
+                                                            service.post, self.stop)
                 if discovery is not None:
                     loops["discovery"] = functools.partial(discovery.run, self.stop,
                                                            functools.partial(self._listed, service))

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from elasticd.wire import paths
 from elasticd.core.blacklist import BlacklistPolicy
+from elasticd.core.gpuhealth import DRAIN_XIDS, GpuPolicy
 from elasticd.core.containment import MIN_MEMORY, MIN_PIDS, parse_memory
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import ConfigError
@@ -154,7 +155,7 @@ class NodeConfig:
     peer_port: int = key(29401, _port, doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any")
     peer_timeout: float = key(15.0, _positive, doc="seconds a request to another daemon (its ranks' logs) waits for the first answer; then its logs are unavailable for now and asked for again")
     slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU", flag="--slots")
-    gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto' to ask nvidia-smi", flag="--gpus")
+    gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto': NVML's devices (by UUID, their health watched; see [gpu]), else nvidia-smi's", flag="--gpus")
     labels: dict[str, str] = key({}, doc="labels published with this node (shown by elasticctl nodes)")
 
 
@@ -282,6 +283,23 @@ class BlacklistConfig:
         return BlacklistPolicy(self.failures, self.window, *self.cooldown_range)
 
 
+def _xids(value: list[int]) -> str | None:
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value):
+        return "must be a list of Xid numbers"
+    return None
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    health_interval: float = key(10.0, _not_negative, doc="seconds between NVML health checks of this node's GPUs (node.gpus = 'auto' and NVML present); 0: none")
+    readmit_after: float = key(0.0, _not_negative, doc="seconds a GPU taken out must read healthy before it is offered again; 0: only `elasticctl undrain NODE --gpu N` readmits it")
+    drain_xids: list[int] = key(sorted(DRAIN_XIDS), _xids, doc="Xid events that take a GPU out of the offer (hardware: 79 fallen off the bus, 48/94/95 ECC, 63/64 row remap, 74 NVLink ...); other Xids are logged and counted")
+
+    @property
+    def policy(self) -> GpuPolicy:
+        return GpuPolicy(frozenset(self.drain_xids), self.readmit_after)
+
+
 @dataclass(frozen=True)
 class OutputConfig:
     max_bytes: int = key(100 * 1024 * 1024, _max_bytes, doc="bytes at which a worker's stdout or stderr file (rank_<r>.out|.err) is rotated; 0: never (no limit)")
@@ -363,6 +381,7 @@ class DaemonConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     blacklist: BlacklistConfig = field(default_factory=BlacklistConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     log: LogConfig = field(default_factory=LogConfig)

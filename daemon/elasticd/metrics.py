@@ -129,6 +129,19 @@ class Metrics:
             "elasticd_node_listed",
             "1 while the discovery script lists this node (always 1 without a script)", registry=reg)
         self.node_listed.set(1)
+        self.gpus_out = Gauge(
+            "elasticd_gpus_out",
+            "GPUs of this node that its NVML health checks took out of its offer (readmitted by "
+            "elasticctl undrain NODE --gpu N, or after gpu.readmit_after healthy)", registry=reg)
+        self.gpu_faults = Counter(
+            "elasticd_gpu_faults_total", "GPUs taken out of this node's offer, by what NVML read "
+            "(xid 79, ecc, lost, rows pending remap ...)", ["why"], registry=reg)
+        self.gpu_xids = Counter(
+            "elasticd_gpu_xids_total", "Xid events of this node's GPUs, each Xid (a drained GPU's "
+            "and those that leave the GPU in)", ["xid"], registry=reg)
+        self.gpu_slowdown = Gauge(
+            "elasticd_gpu_slowdown", "1 while a GPU of this node runs slowed down (thermal or "
+            "power: a warning, it stays in the offer)", ["gpu"], registry=reg)
         self.discovery_failures = Counter(
             "elasticd_discovery_failures_total",
             "Runs of the discovery script that failed (the last good list stayed in force)",
@@ -236,6 +249,17 @@ class Metrics:
         self.node_blacklisted.set(1 if on else 0)
         if on:
             self.node_blacklistings.inc()
+
+    def gpu_news(self, what: str, label: str, value: float) -> None:
+        """What the GPU health checks counted (core/gpuhealth.py's Count instructions)."""
+        if what == "gpus_out":
+            self.gpus_out.set(value)
+        elif what == "gpu_fault":
+            self.gpu_faults.labels(label).inc()
+        elif what == "xid":
+            self.gpu_xids.labels(label).inc()
+        elif what == "gpu_slowdown":
+            self.gpu_slowdown.labels(label).set(value)
 
     def count_nodes(self, states: Iterable[NodeState | str] | Mapping[NodeState, int]) -> None:
         """Nodes by state: the states, or how many are in each."""

@@ -71,6 +71,9 @@ def _exercised() -> Metrics:
     m.state_write_failed("history", "database or disk is full")
     m.history_quarantined.inc()
     m.history_skipped.inc()
+    for what, label, value in (("gpus_out", "", 1), ("gpu_fault", "xid 79", 1), ("xid", "79", 1),
+                               ("gpu_slowdown", "0", 1)):
+        m.gpu_news(what, label, value)
     m.job_usage.source = lambda: {"j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20,
                                                "oom_kills": 0}}
     _exercise_sharing(m)

@@ -1,16 +1,21 @@
-"""This node's inventory: its GPUs (as CUDA device indices), its CPUs and its slots; and the
-record it publishes of itself (``LocalNode``)."""
+"""This node's inventory: its GPUs (by UUID where NVML is here, else as CUDA device
+indices) and their health checks, its CPUs and its slots; and the record it publishes of
+itself (``LocalNode``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 from elasticd import __version__, trust
+from elasticd.aio import wait_or_timeout
+from elasticd.cluster.nvml import Nvml, NvmlUnavailable, open_nvml
 from elasticd.cluster.registry import NodeRecord
+from elasticd.core import events
 from elasticd.core.containment import Containment
 from elasticd.core.model import NodeInfo
 from elasticd.core.placement import Resources
@@ -52,6 +57,36 @@ def discover_gpus(setting: int | str, path: str | None = None) -> tuple[str, ...
     return parse_nvidia_smi(done.stdout)
 
 
+def local_gpus(setting: int | str, path: str | None = None) -> tuple[tuple[str, ...], Nvml | None]:
+    """This node's GPUs, and NVML to watch their health where it is here.
+
+    With ``auto`` and NVML, the GPUs are their UUIDs (``CUDA_VISIBLE_DEVICES`` takes them: a
+    renumbering under a running job cannot hand it another job's GPU); without NVML, as
+    before (nvidia-smi's indices, or ``node.gpus``), said once.
+    """
+    if setting != AUTO:
+        return discover_gpus(setting, path), None
+    try:
+        nvml = open_nvml()
+    except NvmlUnavailable as exc:
+        log.info("no NVML here (%s): GPUs from nvidia-smi, their health not watched", exc)
+        return discover_gpus(setting, path), None
+    if not nvml.devices:
+        nvml.close()
+        return (), None
+    log.info("GPUs from NVML: %s", ", ".join(f"{d.index} {d.name} ({d.uuid})" for d in nvml.devices))
+    return tuple(d.uuid for d in nvml.devices), nvml
+
+
+async def watch_gpus(nvml: Nvml, interval: float, post: Callable[[events.GpusRead], None],
+                     stop: asyncio.Event) -> None:
+    """Read the GPUs' health every ``interval`` and tell the node core (NVML blocks: a thread)."""
+    while True:
+        post(events.GpusRead(await asyncio.to_thread(nvml.read)))
+        if await wait_or_timeout(stop, interval):
+            return
+
+
 def cpu_count() -> int:
     """This host's CPUs, as torchrun counts them for ``--nproc-per-node cpu``."""
     return os.cpu_count() or 1
@@ -71,6 +106,7 @@ class JobsHere(Protocol):
     draining: bool
     blacklisted_until: float
     listed: bool
+    gpus_out: dict[int, str]
 
     def used(self) -> Resources: ...
 
@@ -100,4 +136,4 @@ class LocalNode:
                         cpus=jobs.resources.cpus)
         return NodeRecord(info, jobs.draining, used.slots, len(used.gpus), tuple(jobs.local_jobs()),
                           *self.peer, blacklisted_until=jobs.blacklisted_until, listed=jobs.listed,
-                          containment=self.containment)
+                          containment=self.containment, gpus_out=jobs.gpus_out)

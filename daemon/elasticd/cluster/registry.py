@@ -31,7 +31,9 @@ class NodeRecord:
     the discovery script, blacklisted); ``blacklisted_until``: when its cooldown ends, by its
     own wall clock (0: not blacklisted; for display only, no other node acts on it);
     ``listed``: whether the discovery script lists it (True when there is none);
-    ``containment``: what bounds a job there (None: not published, an older daemon)."""
+    ``containment``: what bounds a job there (None: not published, an older daemon);
+    ``gpus_out``: its GPUs that its health checks took out of its offer, by index, and why
+    (``info.gpus`` holds only those offered)."""
 
     info: NodeInfo
     draining: bool = False
@@ -43,6 +45,7 @@ class NodeRecord:
     blacklisted_until: float = 0.0
     listed: bool = True
     containment: Containment | None = None
+    gpus_out: Mapping[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"info": self.info.to_json(), "draining": self.draining,
@@ -50,7 +53,8 @@ class NodeRecord:
                 "jobs": list(self.jobs), "peer_endpoint": self.peer_endpoint,
                 "peer_key": self.peer_key, "blacklisted_until": self.blacklisted_until,
                 "listed": self.listed,
-                "containment": self.containment.to_json() if self.containment else None}
+                "containment": self.containment.to_json() if self.containment else None,
+                "gpus_out": {str(index): why for index, why in self.gpus_out.items()}}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> NodeRecord:
@@ -59,7 +63,8 @@ class NodeRecord:
                    tuple(doc.get("jobs", ())), str(doc.get("peer_endpoint", "")),
                    str(doc.get("peer_key", "")), float(doc.get("blacklisted_until", 0.0)),
                    bool(doc.get("listed", True)),
-                   containment=Containment.from_json(doc.get("containment")))
+                   containment=Containment.from_json(doc.get("containment")),
+                   gpus_out={int(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()})
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,8 @@ def node_doc(sighting: Sighting, state: NodeState, seen: float) -> dict[str, Any
             "jobs": list(record.jobs), "last_seen": sighting.member.since if sighting.member.lost else seen,
             "version": record.info.version, "labels": dict(record.info.labels),
             "blacklisted_until": record.blacklisted_until or None, "listed": record.listed,
-            "containment": record.containment.to_json() if record.containment else None}
+            "containment": record.containment.to_json() if record.containment else None,
+            "gpus_out": {str(index): why for index, why in sorted(record.gpus_out.items())}}
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,8 @@ class Tick:
     drain: bool | None          # a drain request for this node, if any
     epoch: str                  # the store's epoch (changes when the store host restarts)
     drain_version: int = 0      # the drain request's version (each request has a new one)
+    drain_gpu: int | None = None  # the request readmits only this GPU (undrain --gpu)
+    drain_by: str = ""          # who asked
 
 
 FEED_KEEP = 64  # feed entries kept behind the newest one (a follower further behind reads the snapshot)
@@ -245,8 +253,8 @@ class NodeRegistry:
             self._newcomers = {n: since for n, since in self._newcomers.items()
                                if n not in self._members and now - since < self.keep_alive.dead_after}
             self._sightings = None
-        drain, drain_version = self._open_drain(drain_raw)
-        return Tick(self.sightings(), drain, epoch, drain_version)
+        drain, drain_version, gpu, by = self._open_drain(drain_raw)
+        return Tick(self.sightings(), drain, epoch, drain_version, gpu, by)
 
     async def _census(self) -> None:
         """Newcomers: registered nodes that the observer has not admitted yet, counted as up
@@ -452,17 +460,21 @@ class NodeRegistry:
         opened = self._open_record_version(name, raw)
         return None if opened is None else opened[1]
 
-    def _open_drain(self, raw: bytes | None) -> tuple[bool | None, int]:
-        """The drain request for this node and its version; (None, 0) if there is none."""
+    def _open_drain(self, raw: bytes | None) -> tuple[bool | None, int, int | None, str]:
+        """The drain request for this node: drain or not, its version, the one GPU it
+        readmits (None: the whole node) and who asked; (None, 0, None, "") if there is none."""
         key = self._key(f"{self.name}/drain")
         opened = open_version(self._signer, key, raw, self._on_refused, self._fresh)
         if opened is None:
-            return None, 0
+            return None, 0, None, ""
         try:
-            return bool(opened.body["drain"]), opened.version
-        except (KeyError, TypeError) as exc:
+            gpu = opened.body.get("gpu")
+            if gpu is not None and (not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0):
+                raise TypeError(f"not a GPU index: {gpu!r}")
+            return bool(opened.body["drain"]), opened.version, gpu, str(opened.body.get("by", ""))
+        except (KeyError, TypeError, AttributeError) as exc:
             self._on_refused(key, f"unreadable: {exc}")
-        return None, 0
+        return None, 0, None, ""
 
     async def wait_for_change(self, timeout: float) -> bool:
         """Block until the observer publishes the feed's next entry (True) or ``timeout``."""
@@ -479,14 +491,14 @@ class NodeRegistry:
         opened = [open_version(self._signer, key, raw, self._on_refused) for key, raw in zip(keys, values)]
         return {name: o.version if o is not None else None for name, o in zip(names, opened)}
 
-    async def request_drain(self, name: str, drain: bool, by: str) -> None:
+    async def request_drain(self, name: str, drain: bool, by: str, gpu: int | None = None) -> None:
         if await self.read_record(name) is None:
             raise NotFound(f"no node {name!r}")
         key = self._key(f"{name}/drain")
         current = open_version(self._signer, key, await self._store.get(key), self._on_refused)
         version = max(self._versions.next(), current.version + 1 if current else 0)  # past it, whatever our clock says
-        await self._store.set(key, self._signer.seal(key, {"drain": drain, "by": by, "at": self._wall()},
-                                                     version=version))
+        request = {"drain": drain, "by": by, "at": self._wall(), **({"gpu": gpu} if gpu is not None else {})}
+        await self._store.set(key, self._signer.seal(key, request, version=version))
 
     def states(self, sightings: Mapping[str, Sighting]) -> dict[str, NodeState]:
         return {name: node_state(s) for name, s in sightings.items()}

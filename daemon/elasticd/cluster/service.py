@@ -138,7 +138,8 @@ class NodeService:
         # that began after the previous undrain
         if tick.drain is not None and (tick.drain, tick.drain_version) != self._drain:
             self._drain = (tick.drain, tick.drain_version)
-            self._duties.post(events.HoldChanged(Hold.DRAINED.value, tick.drain))
+            self._duties.post(events.HoldChanged(Hold.DRAINED.value, tick.drain) if tick.drain_gpu is None
+                              else events.GpuReadmitted(tick.drain_gpu, tick.drain_by))
         if store_was_reset(self._epoch, tick.epoch):
             log.warning("the store was reset (its host restarted): publishing this node's jobs again")
             republished = asyncio.get_running_loop().create_future()
@@ -240,8 +241,8 @@ class NodeService:
     def peer_keys(self) -> dict[bytes, str]:
         return {s.record.peer_key.encode(): name for name, s in self._sightings.items() if s.record.peer_key}
 
-    async def request_drain(self, name: str, drain: bool, by: str) -> None:
-        await self.registry.request_drain(name, drain, by)
+    async def request_drain(self, name: str, drain: bool, by: str, gpu: int | None = None) -> None:
+        await self.registry.request_drain(name, drain, by, gpu)
 
 
 def _without_times(nodes: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

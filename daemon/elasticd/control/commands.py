@@ -297,13 +297,18 @@ class Commands:
         await self._set_drain(caller, args["node"], True, reply)
 
     async def undrain(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
-        await self._set_drain(caller, args["node"], False, reply)
+        """The node takes jobs again; with ``gpu``: only that GPU, taken out as bad, is
+        offered again (the node's drain, if any, stays)."""
+        await self._set_drain(caller, args["node"], False, reply, gpu=args.get("gpu"))
 
-    async def _set_drain(self, caller: Caller, node: str, drain: bool, reply: Responder) -> None:
+    async def _set_drain(self, caller: Caller, node: str, drain: bool, reply: Responder,
+                         gpu: int | None = None) -> None:
         if not self._is_admin(caller):
             raise PermissionDenied("only root and the admin group may drain nodes")
-        await self._cluster.request_drain(node, drain, by=user_name(caller.uid))
-        await reply.result({"name": node, "drain": drain})
+        if gpu is not None and gpu < 0:
+            raise NotFound(f"no GPU {gpu}: GPU indices start at 0")
+        await self._cluster.request_drain(node, drain, by=user_name(caller.uid), gpu=gpu)
+        await reply.result({"name": node, "drain": drain, **({"gpu": gpu} if gpu is not None else {})})
 
     async def usage(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """Node-, slot- and GPU-seconds and jobs per user and per account, of every job this

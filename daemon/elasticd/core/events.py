@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
+from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.model import Failure, JobSpec, WorkerGroup
 from elasticd.core.records import JobRecord, Outcome
 from elasticd.core.schedule import Schedule
@@ -197,6 +198,21 @@ class HoldChanged:
 
 
 @dataclass(frozen=True)
+class GpusRead:
+    """This node's GPUs as NVML read them (every ``gpu.health_interval``)."""
+
+    readings: tuple[GpuReading, ...]
+
+
+@dataclass(frozen=True)
+class GpuReadmitted:
+    """An operator put GPU ``index`` back in this node's offer (``undrain NODE --gpu``)."""
+
+    index: int
+    by: str = ""
+
+
+@dataclass(frozen=True)
 class Listed:
     """What the discovery script says of this node: listed or not, and its slots (0: the
     configured number)."""
@@ -255,5 +271,6 @@ PartEvent = (RoundJoined | JoinFailed | RoundChanged | WorkersChanged | WorkersS
              | PeersProbed | RoundRequested | BarrierProgress | BarrierDone | Finished | Left
              | WorkerAsked | TimerFired | OpFailed)
 NodeEvent = (JobsChanged | ScheduleChanged | Restored | HoldChanged | Listed | NodesLost | CancelAsked
-             | ShutdownAsked | NodeTimerFired | PartClosed | PartStartFailed | LeaveAsked)
+             | ShutdownAsked | NodeTimerFired | PartClosed | PartStartFailed | LeaveAsked | GpusRead
+             | GpuReadmitted)
 Event = PartEvent | NodeEvent

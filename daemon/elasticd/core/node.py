@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from elasticd.core.blacklist import USERS_FOR_NODE, Blacklist, worker_failures
+from elasticd.core.gpuhealth import GpuWatch
 from elasticd.core.model import JobSpec, JobState, PartState, local_nproc
 from elasticd.core.placement import Offer, Resources, place, refusal
 from elasticd.core.records import JobRecord, Outcome, Part
@@ -59,6 +60,7 @@ class NodeSettings:
 class NodeCore:
     settings: NodeSettings
     blacklist: Blacklist | None = None
+    gpu_watch: GpuWatch | None = None  # NVML's health checks of this node's GPUs (None: no NVML)
     resources: Resources | None = None
     parts: dict[str, PartCore] = field(default_factory=dict)
     offers: dict[str, Offer] = field(default_factory=dict)
@@ -175,7 +177,7 @@ class NodeCore:
         out: Instructions = []
         busy = set(self.parts) | self.unstartable | set(self.held) | self._refused_here(records, out) | {
             r.id for r in records if self.declined.get(r.id) == r.version or r.spec.uid in kept_off}
-        for offer in place(records, self.settings.node, free, has_gpus=bool(self.resources.gpus),
+        for offer in place(records, self.settings.node, free, has_gpus=bool(self.settings.resources.gpus),
                            busy=busy, draining=self.draining):
             out += self._start_part(self.jobs[offer.job_id], offer, now)
         return out
@@ -333,8 +335,38 @@ class NodeCore:
             out.append(do.Say("info", "node %s: %d slots (%s)", None, (
                 self.settings.node, slots,
                 "from the discovery script" if slots != configured.slots else "configured")))
-            self.resources = replace(configured, slots=slots)
+            self.resources = replace(self.resources, slots=slots)
         return out + self._hold(Hold.UNLISTED, not event.listed, now)
+
+    # -- GPUs found bad --------------------------------------------------------------------------
+
+    def _gpus_read(self, event: ev.GpusRead, now: ev.Now) -> Instructions:
+        if self.gpu_watch is None:
+            return []
+        out, changed = self.gpu_watch.read(event.readings, now.mono, now.wall)
+        return out + (self._offer_healthy_gpus(now) if changed else [])
+
+    def _gpu_readmitted(self, event: ev.GpuReadmitted, now: ev.Now) -> Instructions:
+        if self.gpu_watch is None:
+            return [do.Say("warning", "gpu %d not readmitted: this node does not watch its GPUs (no NVML)",
+                           None, (event.index,))]
+        out = self.gpu_watch.readmit(event.index, f"readmitted by {event.by or 'an operator'}")
+        return out + (self._offer_healthy_gpus(now) if out else [])
+
+    def _offer_healthy_gpus(self, now: ev.Now) -> Instructions:
+        """Offer only the GPUs not out; the jobs here that hold one that is out leave (a new
+        round without this node: in place, the survivors keep their processes) and this node
+        offers itself again with what is left."""
+        assert self.resources is not None and self.gpu_watch is not None
+        out_now = set(self.gpu_watch.out)
+        self.resources = replace(self.resources, gpus=tuple(
+            g for g in self.settings.resources.gpus if g not in out_now))
+        out: Instructions = []
+        for job, offer in list(self.offers.items()):
+            part = self.parts.get(job)
+            if part is not None and part.leaving is None and out_now.intersection(offer.gpus):
+                out += self._outgoing(part.leave(Reason.DRAIN, now), now)
+        return out + self._place(now)
 
     def _count_failures(self, job: str, part: Part, now: ev.Now) -> Instructions:
         record = self.jobs.get(job)
@@ -466,7 +498,8 @@ N = NodeCore
 _ALWAYS = {ev.PartClosed: N._part_closed, ev.PartStartFailed: N._part_start_failed,
            ev.Finished: N._finished, ev.OpFailed: N._op_failed, ev.NodesLost: N._nodes_lost,
            ev.NodeTimerFired: N._node_timer, ev.JobsChanged: N._jobs_changed,
-           ev.LeaveAsked: N._leave_asked, ev.ScheduleChanged: N._schedule_changed}
+           ev.LeaveAsked: N._leave_asked, ev.ScheduleChanged: N._schedule_changed,
+           ev.GpusRead: N._gpus_read, ev.GpuReadmitted: N._gpu_readmitted}
 NODE_EVENTS = EventTable("a node", {
     NodePhase.SERVING: {**_ALWAYS, ev.Restored: N._restored, ev.HoldChanged: N._hold_changed,
                         ev.Listed: N._listed, ev.CancelAsked: N._cancel, ev.ShutdownAsked: N._shutdown},

@@ -479,6 +479,8 @@ class NodeShell:
             metrics.blacklisted(bool(i.value))
         elif i.what == "reclaimed":
             metrics.reclaimed()
+        elif i.what in ("gpus_out", "gpu_fault", "xid", "gpu_slowdown"):
+            metrics.gpu_news(i.what, i.label, i.value)
 
     def _say(self, i: do.Say) -> None:
         said.log(_LEVELS[i.level], i.message, *i.args, extra=about(i.job) if i.job else None)
@@ -549,6 +551,12 @@ class NodeShell:
     @property
     def blacklisted_until(self) -> float:
         return self.core.blacklisted_until
+
+    @property
+    def gpus_out(self) -> dict[int, str]:
+        """The GPUs its health checks took out of this node's offer, by index, and why."""
+        watch = self.core.gpu_watch
+        return watch.why_out() if watch is not None else {}
 
     def used(self) -> Resources:
         return self.core.used()

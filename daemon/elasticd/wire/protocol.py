@@ -66,7 +66,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
     "wait": {"job": (str,)},
     "nodes": {"watch": (bool,)},
     "drain": {"node": (str,)},
-    "undrain": {"node": (str,)},
+    "undrain": {"node": (str,), "gpu": (int,)},
     "queue": {},
     "usage": {"user": (str,), "account": (str,), "since": (int, float), "until": (int, float)},
 }
