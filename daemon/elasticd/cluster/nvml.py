@@ -9,6 +9,7 @@ The one module of elasticd that imports ``pynvml`` (nvidia-ml-py), and only insi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -56,7 +57,8 @@ def open_nvml() -> Nvml:
     try:
         import pynvml
     except ImportError as e:
-        raise NvmlUnavailable(f"pynvml is not importable (pip install nvidia-ml-py): {e}") from None
+        raise NvmlUnavailable(
+            f"pynvml is not importable (pip install nvidia-ml-py): {e}") from None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
@@ -64,7 +66,8 @@ def open_nvml() -> Nvml:
     try:
         return Nvml(pynvml)
     except pynvml.NVMLError as e:
-        pynvml.nvmlShutdown()
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
         raise NvmlUnavailable(f"NVML's device list failed: {e}") from None
 
 
