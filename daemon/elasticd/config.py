@@ -284,9 +284,7 @@ class BlacklistConfig:
 
 
 def _xids(value: list[int]) -> str | None:
-    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value):
-        return "must be a list of Xid numbers"
-    return None
+    return None if all(x > 0 for x in value) else "must be a list of Xid numbers"
 
 
 @dataclass(frozen=True)
@@ -506,14 +504,11 @@ def _coerce(dotted: str, hint: Any, value: Any) -> Any:
     """Type-check one value against its annotation; ints are accepted where floats are."""
     if hint is float and _is(value, int):
         return float(value)
-    if hint == list[str]:
-        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+    if typing.get_origin(hint) is list:
+        kind = typing.get_args(hint)[0]
+        if not (isinstance(value, list) and all(_is(v, kind) or (kind is float and _is(v, int)) for v in value)):
             raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
-        return list(value)
-    if hint == list[float]:
-        if not (isinstance(value, list) and all(_is(v, int) or _is(v, float) for v in value)):
-            raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
-        return [float(v) for v in value]
+        return [kind(v) for v in value]
     if typing.get_origin(hint) is dict and hint != dict[str, str]:  # a table of values, each checked
         if not isinstance(value, dict):
             raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
@@ -538,7 +533,7 @@ def _is(value: Any, kind: type) -> bool:
 _TYPE_WORDS: dict[Any, str] = {
     int: "an integer", float: "a number", str: "a string", bool: "true or false",
     dict[str, str]: "a table of strings", int | str: f"an integer or '{AUTO}'",
-    bool | str: f"true, false or '{AUTO}'", list[float]: "a list of numbers", list[str]: "a list of strings",
+    bool | str: f"true, false or '{AUTO}'", list[float]: "a list of numbers", list[str]: "a list of strings", list[int]: "a list of integers",
     dict[str, int]: "a table of integers", dict[str, float]: "a table of numbers",
     dict[str, dict[str, int]]: "a table of tables of integers",
 }

@@ -74,8 +74,8 @@ def local_gpus(setting: int | str, path: str | None = None) -> tuple[tuple[str, 
     if not nvml.devices:
         nvml.close()
         return (), None
-    log.info("GPUs from NVML: %s", ", ".join(f"{d.index} {d.name} ({d.uuid})" for d in nvml.devices))
-    return tuple(d.uuid for d in nvml.devices), nvml
+    log.info("GPUs from NVML: %s", ", ".join(f"{d.index} {d.name} ({d.uuid or 'lost'})" for d in nvml.devices))
+    return tuple(d.uuid for d in nvml.devices if d.uuid), nvml  # one lost at start is not offered
 
 
 async def watch_gpus(nvml: Nvml, interval: float, post: Callable[[events.GpusRead], None],

@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from elasticd.core.gpuhealth import GpuReading
+
 log = logging.getLogger(__name__)
 
 
@@ -28,21 +30,6 @@ class Device:
     index: int
     uuid: str  # "GPU-..." as NVML gives it; "" for a device already lost at open
     name: str
-
-
-@dataclass(frozen=True)
-class Reading:
-    """One device, one check. A device's problem is a value here, never an exception; a
-    query the device does not support gives the neutral value."""
-
-    index: int
-    uuid: str
-    lost: bool = False  # NVML said NVML_ERROR_GPU_IS_LOST (or the device was lost at open)
-    xids: tuple[int, ...] = ()  # critical Xid events seen since the previous read
-    ecc_uncorrected: int | None = None  # volatile uncorrectable ECC errors (None: not supported)
-    rows_pending: bool = False  # remapped rows pending, or retired pages pending
-    remap_failed: bool = False  # a row remapping failed
-    slowdown: tuple[str, ...] = ()  # among SLOWDOWNS' names
 
 
 # Clock event (throttle) reasons that mean the GPU is being slowed down for its health, by
@@ -116,7 +103,7 @@ class Nvml:
                 log.info("GPU %d gives no Xid events: %s", index, e)
         return events
 
-    def read(self) -> tuple[Reading, ...]:
+    def read(self) -> tuple[GpuReading, ...]:
         """Every device's reading now. Never blocks on events: the event set is drained
         with timeout 0. One caller at a time (e.g. through asyncio.to_thread)."""
         with self._lock:
@@ -144,9 +131,9 @@ class Nvml:
             if index is not None and data.eventType & nv.nvmlEventTypeXidCriticalError:
                 found.setdefault(index, []).append(int(data.eventData))
 
-    def _read_one(self, device: Device, xids: tuple[int, ...]) -> Reading:
+    def _read_one(self, device: Device, xids: tuple[int, ...]) -> GpuReading:
         if device.index in self._lost_at_open:
-            return Reading(device.index, device.uuid, lost=True, xids=xids)
+            return GpuReading(device.index, device.uuid, lost=True, xids=xids)
         nv = self._nv
         handle = self._handles[device.index]
         try:
@@ -156,8 +143,8 @@ class Nvml:
             pages = self._query(device.index, nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
             reasons = self._query(device.index, self._clock_reasons, handle) or 0
         except nv.NVMLError_GpuIsLost:
-            return Reading(device.index, device.uuid, lost=True, xids=xids)
-        return Reading(
+            return GpuReading(device.index, device.uuid, lost=True, xids=xids)
+        return GpuReading(
             device.index, device.uuid, xids=xids,
             ecc_uncorrected=None if ecc is None else int(ecc),
             rows_pending=bool(rows and rows[2]) or pages == nv.NVML_FEATURE_ENABLED,
