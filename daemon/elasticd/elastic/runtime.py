@@ -35,6 +35,11 @@ import torch.distributed as dist
 from .broadcast import default_device
 from .errors import GroupAborted, HostsUpdatedInterrupt
 
+# NCCL's flight recorder keeps each collective's Python stack; when a peer dies, torch's
+# watchdog prints it, taking the GIL while it holds the group's lock. A survivor released by
+# ncclCommAbort was seen to hang there (torch 2.11, NCCL 2.28, H200). An in-place worker
+# re-forms instead of dumping: no recorder unless the user asked for one.
+NCCL_DEFAULTS = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
 SLOT_ENV = "ELASTICD_SLOT"
 ROUND_ENV = "ELASTICD_ROUND"
@@ -148,6 +153,8 @@ class Runtime:
     """This worker's membership: its round, its process group, the agent's notices."""
 
     def __init__(self, path: str, slot: int, backend: str | None) -> None:
+        for name, value in NCCL_DEFAULTS.items():
+            os.environ.setdefault(name, value)  # before any NCCL group is made
         self.slot = slot
         self.round = -1
         self.backend = backend
