@@ -29,7 +29,7 @@ from gpu_rig import HERE, Gpu, dry_run, list_gpus, skip_reason
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    mine = [item for item in items if HERE in Path(str(item.path)).parents]
+    mine = [item for item in items if HERE in Path(str(item.path)).resolve().parents]
     if mine and skip_reason():
         marker = pytest.mark.skip(reason=skip_reason())
         for item in mine:
