@@ -1,6 +1,6 @@
 """Recovery figures of elasticd side by side with torch's torchrun, on the same worker.
 
-    python tests/bench/bench_recovery.py [--runs 3] [--quick] [--json]
+    python tests/bench/bench_recovery.py [--runs 3] [--quick] [--json] [--backend gloo|nccl]
 
 Every "node" is a process on this host with its own 127.0.0.x address: an elasticd daemon
 (node 1 hosts the store) or a torchrun agent (c10d rendezvous on node 1,
@@ -24,6 +24,14 @@ worker's exec (the control plane alone: the workers' own Python start-up exclude
 torchrun runs twice: as shipped, and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
 TorchrunUnshared).  The worker runs an all_reduce every 100 ms, so a dead peer breaks the
 survivors' collectives as it would in training.
+
+``--backend nccl`` (default gloo) runs the workers' group on NCCL with CUDA tensors, for a
+GPU host: elasticd's in-place system only (the others are refused), every node's worker on
+cuda:0 of this host (recovery_worker.py: each worker claims an NCCL host of its own, as
+tests/gpu does).  The node-loss figure then also says whether the survivors ``kept`` their
+processes (1.0) or were replaced (0.0):
+
+    python3 tests/bench/bench_recovery.py --backend nccl --only node-loss --system elasticd-inplace --runs 1
 
 The bench polls the event file every 10 ms (benchmarks may; tests may not).
 """
@@ -130,6 +138,7 @@ class Elasticd:
         self.events = Events(base)
         self.base = base
         self.worker_mode: tuple[str, ...] = ()
+        self.backend_args: tuple[str, ...] = ()  # ("nccl",): the in-place worker on NCCL
         self.cluster = Cluster(base, nodes, slots=1, env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
                                resize_interval=None)  # the daemon's defaults
         for daemon in self.cluster.daemons:
@@ -176,7 +185,8 @@ class ElasticdInPlace(Elasticd):
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
         job = self.cluster[0].submit("--in-place", "--nnodes", nnodes, "--max-restarts", "3",
-                                     "--python", PY, WORKER, "--", str(self.base), *self.worker_mode)
+                                     "--python", PY, WORKER, "--", str(self.base), *self.worker_mode,
+                                     *self.backend_args)
         return float(job["created"])
 
 
@@ -325,7 +335,19 @@ def node_loss(system) -> dict[str, float] | None:
         system.events.wait(training_steps(15), 30)
     t0 = system.kill_node(2)
     found = figure(t0, system.events.wait(starts_after(t0, 2, world=2), LOSS_CAP))
-    return found if system.worker_mode == ("idle",) else training(system, t0, found)
+    result = found if system.worker_mode == ("idle",) else training(system, t0, found)
+    if result is not None and getattr(system, "backend_args", ()):
+        result = {**result, "kept": kept(system, t0)}
+    return result
+
+
+def kept(system, t0: float) -> float:
+    """1.0 when both ranks of the world of 2 after t0 are processes that ran before t0 (the
+    survivors, in place), else 0.0 (the job restarted them)."""
+    events = system.events.read()
+    before = {e["pid"] for e in events if e["t"] <= t0}
+    starts = starts_after(t0, 2, world=2)(events) or []
+    return float(bool(starts) and all(e["pid"] in before for e in starts))
 
 
 def node_loss_idle(system) -> dict[str, float] | None:
@@ -346,11 +368,13 @@ SCENARIOS = {"failure": ("worker failure -> group running", worker_failure, 2),
              "formation": ("formation", formation, 2)}
 
 
-def measure(kind, scenario, nodes: int) -> dict[str, float] | None:
+def measure(kind, scenario, nodes: int, backend: str = "gloo") -> dict[str, float] | None:
     """One run in a fresh directory; kept (and named on stderr) when it did not recover."""
     base = Path(tempfile.mkdtemp(prefix="elasticd-recovery-"))
     base.chmod(0o755)
     system = kind(base, nodes)
+    if backend == "nccl":
+        system.backend_args = ("nccl",)
     try:
         result = scenario(system)
     finally:
@@ -374,7 +398,14 @@ def main() -> None:
     p.add_argument("--only", choices=list(SCENARIOS), action="append", help="these figures only")
     p.add_argument("--system", choices=[kind.name for kind in SYSTEMS], action="append",
                    help="these systems only")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="the workers' process group (default gloo, on CPU); nccl: CUDA tensors "
+                        "on a GPU host, for the elasticd-inplace system only")
     args = p.parse_args()
+    if args.backend == "nccl":
+        if any(name != ElasticdInPlace.name for name in args.system or ()):
+            p.error("--backend nccl: only --system elasticd-inplace runs on NCCL")
+        args.system = [ElasticdInPlace.name]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cleans up as Ctrl-C does
     runs = 1 if args.quick else args.runs
     report: dict[str, Any] = {}
@@ -383,7 +414,7 @@ def main() -> None:
         for kind in (k for k in SYSTEMS if not args.system or k.name in args.system):
             results = []
             for _ in range(runs):
-                result = measure(kind, scenario, nodes)
+                result = measure(kind, scenario, nodes, args.backend)
                 results.append(result)
                 if not any(results):
                     break  # the first run did not recover: taken as what it does

@@ -6,6 +6,11 @@ that the workers' own Python start-up can be told apart), then ``ready`` once a 
 process group formed and an all_reduce went through.  Then it goes on like a training loop,
 an all_reduce every 100 ms, so that a peer's death breaks its collectives (as it would in
 training) until the bench stops it; or, given ``idle``, it sleeps.
+
+Given ``nccl`` (bench_recovery.py --backend nccl; elasticd's in-place system only) the
+group is NCCL and the tensors live on cuda:LOCAL_RANK; every rank of this host may use the
+same GPU (tests/gpu/nccl_worker.py's share_one_gpu: each process claims an NCCL host of its
+own), and each step waits for its all_reduce to finish, as gloo's does.
 """
 
 import json
@@ -34,29 +39,46 @@ def record(directory: str, event: str, **extra: object) -> None:
     os.close(fd)
 
 
+def nccl_device():
+    """cuda:LOCAL_RANK, shared with the other ranks of this host (see the docstring)."""
+    import torch
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
+    from nccl_worker import share_one_gpu
+    share_one_gpu()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def main() -> None:
     directory = sys.argv[1]
-    mode = sys.argv[2:3]
+    nccl = "nccl" in sys.argv[2:]
+    mode = [arg for arg in sys.argv[2:] if arg != "nccl"][:1]
     if mode == ["inplace"]:
-        return in_place(directory)
+        return in_place(directory, nccl)
     record(directory, "start", exec=exec_time())
     import warnings
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    dist.init_process_group("gloo")
-    t = torch.ones(1)
+    device = nccl_device() if nccl else None
+    dist.init_process_group("nccl" if nccl else "gloo")
+    t = torch.ones(1, device=device)
     dist.all_reduce(t)
+    if nccl:
+        t.item()  # NCCL is asynchronous: wait for it
     record(directory, "ready")
     idle = mode == ["idle"]
     while True:
         time.sleep(3600 if idle else 0.1)  # a training step
         if not idle:
             dist.all_reduce(t)
+            if nccl:
+                t.item()
             record(directory, "step")
 
 
-def in_place(directory: str) -> None:
+def in_place(directory: str, nccl: bool = False) -> None:
     """The same loop as an in-place job (elasticd.elastic): survivors keep this process."""
     import warnings
     warnings.filterwarnings("ignore")
@@ -66,18 +88,23 @@ def in_place(directory: str) -> None:
     os.environ.setdefault("RANK", "-1")
     os.environ.setdefault("WORLD_SIZE", "0")
     record(directory, "warm", exec=exec_time())
-    elastic.init("gloo")
+    device = nccl_device() if nccl else None
+    elastic.init("nccl" if nccl else "gloo")
     state = elastic.ObjectState(step=0)
 
     @elastic.run
     def train(state: elastic.ObjectState) -> None:
-        t = torch.ones(1)
+        t = torch.ones(1, device=device)
         record(directory, "start", exec=exec_time())
         dist.all_reduce(t)
+        if nccl:
+            t.item()  # NCCL is asynchronous: wait for it
         record(directory, "ready")
         while True:
             time.sleep(0.1)  # a training step
             dist.all_reduce(t)
+            if nccl:
+                t.item()
             state.step += 1
             record(directory, "step")
             state.commit()
