@@ -158,8 +158,12 @@ def two_training(report: Path) -> dict[int, list[dict[str, Any]]] | None:
     return None
 
 
-@pytest.mark.parametrize("loss,handling", [("kill", None), ("freeze", None), ("kill", "2")],
-                         ids=["kill", "freeze", "kill-cleanup-only"])
+@pytest.mark.parametrize("loss,handling", [
+    ("kill", None), ("freeze", None),
+    pytest.param("kill", "1", marks=pytest.mark.xfail(
+        reason="torchrun's TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown) may end the survivor: "
+               "run to learn whether it does, not to pass", strict=False))],
+    ids=["kill", "freeze", "kill-teardown"])
 def test_in_place_survivor_on_nccl_is_freed_and_trains_on(
         daemon_factory: Callable[..., Daemon], shared_tmp: Path, backend: str, loss: str,
         handling: str | None) -> None:
@@ -170,13 +174,11 @@ def test_in_place_survivor_on_nccl_is_freed_and_trains_on(
     in the all_reduce, is freed (NCCL's abort on the daemon's notice), re-forms as a world of
     1 and trains on, within 30 s, in the same process.
 
-    ``kill-cleanup-only``: the kill again, the job submitted with
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=2.  The daemon gives workers torchrun's 1 (TearDown):
-    when NCCL itself reports the dead peer (its sockets closed) before the daemon's notice
-    arrives, torch's watchdog may take the survivor's process down ("To avoid data
-    inconsistency, we are taking the entire process down").  With 2 (CleanUpOnly) it only
-    aborts the communicator.  Run side by side, the two kills say on one GPU run whether
-    in-place jobs need 2 (a finding for the daemon, which the suite reports, not hides)."""
+    The daemon gives in-place workers TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly: the
+    watchdog aborts the communicator, the process lives).  ``kill-teardown``: the kill
+    again with torchrun's 1 (TearDown), where the watchdog may take the survivor's process
+    down when NCCL itself reports the dead peer before the daemon's notice arrives; an
+    expected failure, run to learn whether it does."""
     cluster = Cluster(daemon_factory, shared_tmp, prefix=f"gpuinplace{loss}{handling or ''}", firewall=False)
     a, b = cluster.add("a"), cluster.add("b")
     cluster.start()

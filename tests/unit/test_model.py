@@ -195,6 +195,16 @@ def test_worker_env_is_torchruns():
     assert env["PATH"] == "/bin"
 
 
+@pytest.mark.parametrize("in_place, user_env, handling", [
+    (False, {}, "1"), (True, {}, "2"), (True, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "1")])
+def test_nccl_error_handling_keeps_an_in_place_survivor_alive(in_place, user_env, handling):
+    """torchrun's 1 (TearDown) ends a process whose NCCL peer died; in place it must live on."""
+    s = spec(env=user_env, in_place=in_place)
+    group = assign_workers("j-1", "n1", round=0, restart_count=0, group_rank=0, group_world_size=1,
+                           rank_base=0, world_size=1, nproc=1, master_addr="a", master_port=1)
+    assert worker_env(s, group, group.workers[0], error_file="/e")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == handling
+
+
 @pytest.mark.parametrize("nproc, user_env, omp", [
     (1, {}, None), (2, {}, "1"), (2, {"OMP_NUM_THREADS": "4"}, "4")])
 def test_omp_num_threads(nproc, user_env, omp):

@@ -385,7 +385,10 @@ def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file:
         "TORCHELASTIC_RUN_ID": spec.id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCHELASTIC_ERROR_FILE": error_file,
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        # torchrun's 1 (TearDown) ends the process when NCCL reports a dead peer; an in-place
+        # survivor must live on: 2 (CleanUpOnly) aborts the communicator and raises instead
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                        "2" if spec.in_place else "1"),
         # torchrun's launcher process sets it (its --signals-to-handle) and workers inherit it
         "TORCHELASTIC_SIGNALS_TO_HANDLE": spec.env.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
                                                        TORCHRUN_HANDLED_SIGNALS),
