@@ -35,11 +35,13 @@ import torch.distributed as dist
 from .broadcast import default_device
 from .errors import GroupAborted, HostsUpdatedInterrupt
 
-# NCCL's flight recorder keeps each collective's Python stack; when a peer dies, torch's
-# watchdog prints it, taking the GIL while it holds the group's lock. A survivor released by
-# ncclCommAbort was seen to hang there (torch 2.11, NCCL 2.28, H200). An in-place worker
-# re-forms instead of dumping: no recorder unless the user asked for one.
-NCCL_DEFAULTS = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+# On an H200 (torch 2.11, NCCL 2.28, tests/gpu), a survivor whose peer was SIGKILLed was
+# released by ncclCommAbort, then hung for good freeing the failed collective's traceback;
+# with blocking waits it re-formed at once (the main thread then waits for each collective
+# itself, a little less overlap of CPU and GPU). No flight recorder either: an in-place
+# worker re-forms rather than dumps. A value the job sets wins.
+NCCL_DEFAULTS = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
 SLOT_ENV = "ELASTICD_SLOT"
 ROUND_ENV = "ELASTICD_ROUND"
