@@ -61,6 +61,27 @@ def job_output(daemons: list[Daemon], job: str, tail: int = 3000) -> str:
 
 # -- a: one worker per GPU -------------------------------------------------------------------
 
+def test_nvml_lists_the_gpus_and_reads_them_healthy(node_gpus: tuple[list[Gpu], dict[str, str]]) -> None:
+    """The daemon's own NVML path (cluster/nvml.py through nvidia-ml-py and the driver's
+    libnvidia-ml.so.1): the GPUs nvidia-smi lists, by UUID, and one health check of each
+    that takes none out (a healthy host: no Xid, no new ECC error, nothing pending)."""
+    if dry_run():
+        pytest.skip("the dry run has no NVML")
+    from elasticd.cluster.nvml import open_nvml
+    from elasticd.core.gpuhealth import GpuPolicy, faults
+
+    gpus, _ = node_gpus
+    nvml = open_nvml()
+    try:
+        assert [(str(d.index), d.uuid) for d in nvml.devices] == [(g.index, g.uuid) for g in gpus]
+        first, second = nvml.read(), nvml.read()
+    finally:
+        nvml.close()
+    print(*first, sep="\n")
+    assert [r.uuid for r in second] == [g.uuid for g in gpus]
+    assert all(not r.lost and not faults(r, before, GpuPolicy()) for r, before in zip(second, first))
+
+
 def test_nproc_per_node_gpu_starts_one_worker_per_gpu(
         daemon_factory: Callable[..., Daemon], shared_tmp: Path,
         node_gpus: tuple[list[Gpu], dict[str, str]]) -> None:
