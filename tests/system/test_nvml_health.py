@@ -7,6 +7,7 @@ out; `undrain --gpu` readmits; a node without NVML counts its GPUs as before."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -116,5 +117,30 @@ def test_without_nvml_a_node_counts_its_gpus_as_before_and_says_so_once(shared_t
         job = daemon.submit("--nproc-per-node", "gpu", *worker_args("--env-out", str(out)))["id"]
         assert daemon.wait_job(job, lambda d: d["state"] == "SUCCEEDED")
         assert {e["CUDA_VISIBLE_DEVICES"] for e in workers(out, 2)} == {"0,1"}
+    finally:
+        daemon.stop()
+
+
+def test_an_nvml_that_hangs_is_said_once_and_neither_stalls_the_daemon_nor_its_exit(shared_tmp):
+    """A sick GPU can make NVML calls hang: the check that does not answer is said once, the
+    daemon goes on serving (a job runs), the next checks wait for that read rather than
+    start more, and a stop ends the daemon at once, the read still hanging."""
+    lib = build_shim(shared_tmp / "nvml")
+    gpus = ShimGpus(shared_tmp / "hang.state", 2).write()
+    config = shared_tmp / "hang.toml"
+    config.write_text("[gpu]\nhealth_interval = 0.2\n[jobs]\nallow_root = true\n")
+    daemon = Daemon(shared_tmp, "hangs", args=("--config", str(config)),
+                    env=shim_env(lib.parent, gpus.path)).start()
+    try:
+        gpus.hang(0, 600).write()
+        wait_for(lambda: "NVML did not answer within 1 s" in daemon.log_text(), 15, "the hang said")
+        job = daemon.submit("--nproc-per-node", "1", *worker_args())["id"]
+        assert daemon.wait_job(job, lambda d: d["state"] == "SUCCEEDED", timeout=60)
+        assert daemon.log_text().count("NVML did not answer") == 1
+        hangs = (shared_tmp / "hang.state.hangs").read_text().splitlines()
+        assert hangs == ["gpu 0"], hangs  # one read hangs, the later checks start none
+        started = time.monotonic()
+        assert daemon.stop() == 0 and time.monotonic() - started < 10
+        assert "NVML still busy in a read: not shut down" in daemon.log_text()
     finally:
         daemon.stop()

@@ -5,17 +5,20 @@ itself (``LocalNode``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
+import threading
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from elasticd import __version__, trust
 from elasticd.aio import wait_or_timeout
 from elasticd.cluster.nvml import Nvml, NvmlUnavailable, open_nvml
 from elasticd.cluster.registry import NodeRecord
 from elasticd.core import events
+from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.containment import Containment
 from elasticd.core.model import NodeInfo
 from elasticd.core.placement import Resources
@@ -80,11 +83,51 @@ def local_gpus(setting: int | str, path: str | None = None) -> tuple[tuple[str, 
 
 async def watch_gpus(nvml: Nvml, interval: float, post: Callable[[events.GpusRead], None],
                      stop: asyncio.Event) -> None:
-    """Read the GPUs' health every ``interval`` and tell the node core (NVML blocks: a thread)."""
+    """Read the GPUs' health every ``interval`` and tell the node core.  A read that does not
+    answer within ``min(interval, 10)`` s (NVML can hang on a GPU gone bad) is said once and
+    waited for at the next check, never started twice."""
+    patience = max(1.0, min(interval, 10.0))
+    reading: asyncio.Future[tuple[GpuReading, ...]] | None = None
+    hung = False
     while True:
-        post(events.GpusRead(await asyncio.to_thread(nvml.read)))
+        reading = reading or _on_own_thread(nvml.read)
+        try:
+            readings = await asyncio.wait_for(asyncio.shield(reading), patience)
+        except TimeoutError:
+            if not hung:
+                log.warning("NVML did not answer within %g s: a GPU or the driver hangs; "
+                            "GPU health unknown until it does", patience)
+            hung = True
+        else:
+            reading = None
+            if hung:
+                log.info("NVML answers again")
+            hung = False
+            post(events.GpusRead(readings))
         if await wait_or_timeout(stop, interval):
             return
+
+
+def _on_own_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
+    """``call()`` on a daemon thread of its own: one that never returns blocks neither the
+    loop nor the daemon's exit (asyncio's executor joins its threads at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = call(), None
+        except BaseException as exc:  # handed to the loop, raised there
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="nvml-read", daemon=True).start()
+    return future
 
 
 def cpu_count() -> int:

@@ -181,21 +181,29 @@ class Nvml:
             log.warning("NVML %s failed: %s", what, e)
 
     def close(self) -> None:
-        """Free the event set and shut NVML down; a second close does nothing."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            nv = self._nv
-            try:
-                if self._events is not None:
-                    nv.nvmlEventSetFree(self._events)
-            except nv.NVMLError as e:
-                log.warning("NVML event set free failed: %s", e)
-            try:
-                nv.nvmlShutdown()
-            except nv.NVMLError as e:
-                log.warning("NVML shutdown failed: %s", e)
+        """Free the event set and shut NVML down; a second close does nothing, nor one while
+        a read still hangs in NVML (the process exits without it)."""
+        if not self._lock.acquire(timeout=1.0):
+            log.warning("NVML still busy in a read: not shut down")
+            return
+        try:
+            if not self._closed:
+                self._closed = True
+                self._shut_down()
+        finally:
+            self._lock.release()
+
+    def _shut_down(self) -> None:
+        nv = self._nv
+        try:
+            if self._events is not None:
+                nv.nvmlEventSetFree(self._events)
+        except nv.NVMLError as e:
+            log.warning("NVML event set free failed: %s", e)
+        try:
+            nv.nvmlShutdown()
+        except nv.NVMLError as e:
+            log.warning("NVML shutdown failed: %s", e)
 
 
 def _address(handle: Any) -> int | None:
