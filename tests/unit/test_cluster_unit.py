@@ -134,12 +134,12 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
 
     from elasticd.cluster.service import NodeDuties, NodeService, Watcher
     from elasticd.cluster.registry import NodeRegistry
-    from elasticd.core.events import HoldChanged
+    from elasticd.core.events import GpuReadmitted, HoldChanged
     from elasticd.core.node import Hold
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
     from elasticd.store.signing import Signer
 
-    requests: list[bool] = []
+    requests: list[object] = []
 
     async def scenario() -> None:
         store = AsyncMemoryStore(MemoryStore())
@@ -152,6 +152,8 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
         def post(event: object) -> None:  # the node shell's queue: each drain request once
             if isinstance(event, HoldChanged) and event.hold == Hold.DRAINED.value:
                 requests.append(event.on)
+            elif isinstance(event, GpuReadmitted):
+                requests.append(event)
 
         running = asyncio.create_task(service.run(stop, NodeDuties(
             local_record=lambda: record, post=post, watcher=Watcher(tick=ticked.set))))
@@ -166,11 +168,24 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
         for drain in (False, False, True, True, False):
             await registry.request_drain("n2", drain, "root")
             await ticks(3)
+        await registry.request_drain("n2", False, "alice", gpu=3)  # that GPU only: the node's drain stays
+        await ticks(3)
         stop.set()
         await running
 
     asyncio.run(scenario())
-    assert requests == [False, False, True, True, False]
+    assert requests == [False, False, True, True, False, GpuReadmitted(3, "alice")]
+
+
+def test_a_record_carries_its_gpus_out_and_the_node_list_shows_them():
+    record = NodeRecord(INFO, gpus_out={3: "xid 79"})
+    assert NodeRecord.from_json(record.to_json()) == record
+    assert node_doc(Sighting(record, Membership(1)), NodeState.UP, seen=1.0)["gpus_out"] == {"3": "xid 79"}
+    older = record.to_json()
+    del older["gpus_out"]
+    assert NodeRecord.from_json(older).gpus_out == {}
+    with pytest.raises(ValueError):
+        NodeRecord.from_json({**older, "gpus_out": {"three": "x"}})  # refused as unreadable
 
 
 def test_a_record_says_what_bounds_a_job_there():

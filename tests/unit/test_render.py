@@ -217,6 +217,16 @@ def test_nodes_table():
     ]
 
 
+def test_nodes_table_says_which_gpus_are_out_and_why():
+    base = {"address": "127.0.0.1", "state": "up", "slots_total": 8, "slots_free": 8,
+            "gpus_free": 7, "jobs": [], "last_seen": NOW}
+    nodes = [base | {"name": "gpu-07", "gpus_total": 7, "gpus_out": {"3": "xid 79"}},
+             base | {"name": "gpu-08", "gpus_total": 6, "gpus_out": {"0": "lost", "5": "ecc: 2 new \x1b[31m"}},
+             base | {"name": "gpu-09", "gpus_total": 8, "gpus_out": "junk"}]
+    assert render.nodes_table(nodes, NOW).splitlines()[-2:] == [
+        "gpu-07: gpus 7/8, gpu 3: xid 79", "gpu-08: gpus 6/8, gpu 0: lost, gpu 5: ecc: 2 new \\x1b[31m"]
+
+
 def test_nodes_table_says_what_a_node_cannot_bound():
     """CGROUP, PIDS and MEMORY say what bounds a job there; each thing missing gets a line."""
     base = {"address": "127.0.0.1", "state": "up", "slots_total": 2, "slots_free": 2,
