@@ -20,12 +20,14 @@ from elasticd.rendezvous import Reason, RendezvousInfo
 @dataclass(frozen=True)
 class Join:
     """Join the job's current (or next) round with ``nproc`` workers; ``master_port`` 0: a
-    port free here now."""
+    port free here now; ``scheduled``: the nodes the cluster's schedule gives the job (the
+    round need not wait for more once they are all in)."""
 
     job: str
     op: int
     nproc: int
     master_port: int
+    scheduled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,12 @@ class NodeCore:
         """Follow the cluster's schedule: leave the jobs it gave other nodes, take those it
         gave this one.  Without one, this node places jobs itself."""
         self.schedule, self.awaiting_schedule = event.schedule, False
+        for job, part in self.parts.items():
+            part.scheduled = self._scheduled(job)
         return self._reclaimed(now) + self._place(now)
+
+    def _scheduled(self, job: str) -> frozenset[str]:
+        return self.schedule.nodes.get(job, frozenset()) if self.schedule is not None else frozenset()
 
     def _reclaimed(self, now: ev.Now) -> Instructions:
         """This node's parts of open jobs that the schedule gave other nodes leave (a new
@@ -205,7 +210,8 @@ class NodeCore:
         nproc = offer.nproc
         started = _started(record)
         part = PartCore(spec, nproc, offer.gpus, Settings(self.settings.node, self.settings.dead_after),
-                        started=started, place=Places() if spec.in_place else None)
+                        started=started, place=Places() if spec.in_place else None,
+                        scheduled=self._scheduled(spec.id))
         first = part.start(now)  # raises before the part is this node's
         self.parts[spec.id] = part
         self.offers[spec.id] = offer

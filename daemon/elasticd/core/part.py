@@ -112,6 +112,7 @@ class PartCore:
     declined: str = ""                    # why this node left on its own (not placed again until the job changes)
     held: str = ""                        # why this node never takes the job again
     notice_waiting: bool = True           # a round at its max stops listening to waiting nodes
+    scheduled: frozenset[str] = frozenset()  # the nodes the cluster's schedule gives the job (none: no schedule)
     then: Then = field(default_factory=Then)
     ops: dict[str, int] = field(default_factory=dict)  # what runs: "main", "watch", "probe" -> op
     next_op: int = 0
@@ -165,8 +166,7 @@ class PartCore:
         return self._told("leave", now, LEAVE_IN[self.phase](self, now))
 
     def nodes_lost(self, nodes: tuple[str, ...], now: ev.Now) -> Instructions:
-        """Members of this part's round are gone (the node's one word on it): in a running
-        round, the survivors re-form without them at once."""
+        """Members of this part's round are gone: in a running round, the survivors re-form at once."""
         lost = tuple(n for n in nodes if n != self.settings.node and self.info is not None
                      and n in {m.node for m in self.info.members})
         if not lost or self.phase is not Phase.RUNNING:
@@ -243,7 +243,7 @@ class PartCore:
             return self._leave(now, None, None)
         self._to(Phase.JOINING)
         self.since = now.mono
-        return [do.Join(self.job, self._op("main"), nproc or self.nproc, self.spec.master_port)]
+        return [do.Join(self.job, self._op("main"), nproc or self.nproc, self.spec.master_port, tuple(sorted(self.scheduled)))]
 
     def _joined(self, event: ev.RoundJoined, now: ev.Now) -> Instructions:
         self._done(event)

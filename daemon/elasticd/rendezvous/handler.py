@@ -143,14 +143,16 @@ class RendezvousHandler:
 
     # -- joining ---------------------------------------------------------------------------
 
-    async def next_rendezvous(self, nproc: int, master_port: int) -> RendezvousInfo:
+    async def next_rendezvous(self, nproc: int, master_port: int,
+                              scheduled: Iterable[str] = ()) -> RendezvousInfo:
         """Join the current round (or the next one) and return once a round that includes this
         node is complete.  To leave a complete round for the next one, first call
         :meth:`request_next_round`; calling this again in a complete round that includes this
-        node returns that round again."""
+        node returns that round again.  ``scheduled``: the nodes the cluster's schedule gives
+        the job; a round that holds them all closes at once, with no last call."""
         self._check_running()
         view = View(record=Participant(self.addr, nproc, master_port),
-                    deadline=self._clock() + self._settings.join_timeout)
+                    deadline=self._clock() + self._settings.join_timeout, scheduled=frozenset(scheduled))
 
         def step(state: RendezvousState, logged: View, now: float) -> Action:
             nonlocal view

@@ -85,6 +85,7 @@ class View:
     last_call: LastCall | None = None
     deadline: float = math.inf  # join deadline
     beats: Mapping[str, Beat] = field(default_factory=dict)
+    scheduled: frozenset[str] = frozenset()  # the nodes the cluster's schedule gives the job
 
 
 # -- joining -------------------------------------------------------------------------------
@@ -126,12 +127,13 @@ def joined(state: RendezvousState, view: View) -> dict[str, Participant]:
 def barrier_reached(
     state: RendezvousState, nodes: Mapping[str, Participant], settings: RendezvousSettings, view: View, now: float
 ) -> bool:
-    """At least min_nodes joined and: every expected node is in; or max_nodes are in and no
-    member of the previous round is missing; or last call is over."""
+    """At least min_nodes joined and: every expected node is in (the previous round's, or
+    those the cluster's schedule gave the job); or max_nodes are in and no member of the
+    previous round is missing; or last call is over."""
     if len(nodes) < settings.min_nodes:
         return False
     expected = set(state.expected)
-    if expected and expected <= nodes.keys():
+    if expected and expected <= nodes.keys() or view.scheduled and view.scheduled <= nodes.keys():
         return True
     survivors = expected & set(state.order)
     if len(nodes) >= settings.max_nodes and survivors <= nodes.keys():

@@ -229,7 +229,7 @@ class NodeShell:
             kind = {RendezvousClosedError: ev.JoinFailure.CLOSED, RendezvousGone: ev.JoinFailure.GONE,
                     RendezvousTimeoutError: ev.JoinFailure.TIMEOUT}.get(type(exc))
             return ev.JoinFailed(i.job, i.op, kind, str(exc)) if kind else None
-        self._op(i.job, i.op, part.rdzv.next_rendezvous(i.nproc, port),
+        self._op(i.job, i.op, part.rdzv.next_rendezvous(i.nproc, port, i.scheduled),
                  lambda info: ev.RoundJoined(i.job, i.op, info), fail)
 
     def _watch(self, i: do.Watch) -> None:
