@@ -385,8 +385,8 @@ def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file:
         "TORCHELASTIC_RUN_ID": spec.id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCHELASTIC_ERROR_FILE": error_file,
-        # torchrun's 1 (TearDown) ends the process when NCCL reports a dead peer; an in-place
-        # survivor must live on: 2 (CleanUpOnly) aborts the communicator and raises instead
+        # torchrun's 1 (TearDown) is documented to end the process when NCCL reports a dead
+        # peer; an in-place survivor must live on: 2 (CleanUpOnly) aborts the communicator
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                         "2" if spec.in_place else "1"),
         # torchrun's launcher process sets it (its --signals-to-handle) and workers inherit it
