@@ -2,8 +2,8 @@
 packaging/venv.sh), under elasticd: examples/accelerate_train.py, written as accelerate's
 docs write a script (``Accelerator(cpu=True)``, ``prepare``, ``save_state``/``load_state``).
 
-- on one daemon it ends as under torchrun, with the same parameters (the script prints a
-  checksum of them);
+- under elasticrun it ends as under torchrun, the same command line word for word, with the
+  same parameters (the script prints a checksum of them);
 - in an ``--in-place`` job, through ``elasticd.elastic.accelerate.elastic_accelerator``,
   every round's ``Accelerator`` sees that round's world: a worker SIGKILLed leaves its
   survivor training alone (world 1), and the replacement brings it back to 2;
@@ -16,6 +16,7 @@ Skipped, with the reason, where accelerate is not installed.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from harness import CLIENT_ENV, PY, ROOT, free_port
+from harness import CLIENT_ENV, PY, ROOT
 from store_attack import Cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -49,18 +50,17 @@ def starts(text: str) -> list[tuple[int, int, int]]:
 
 
 def test_a_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, shared_tmp: Path) -> None:
-    args = ("--max-steps", "12", "--every", "4")
-    job = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "0", SCRIPT, "--",
-                             *args, "--ckpt-dir", str(shared_tmp / "ckpt-elasticd"), timeout=TIMEOUT)
-    assert job["state"] == "SUCCEEDED", job
-    ours = final(daemon.ctl_run("logs", job["id"]).stdout)
-    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), SCRIPT, *args,
-                           "--ckpt-dir", str(shared_tmp / "ckpt-torchrun")],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp), env=CLIENT_ENV)
-    assert done.returncode == 0, done.stderr[-5000:]
-    theirs = final(done.stdout)
-    assert ours == theirs and ours[0] == 12, (ours, theirs)
+    """The same command line, word for word, to torch's torchrun and to elasticrun (which
+    submits it to the daemon and prints the workers' output as torchrun does)."""
+    argv = ["--standalone", "--nproc-per-node", "2", SCRIPT, "--max-steps", "12", "--every", "4"]
+    ours = subprocess.run([os.path.join(os.path.dirname(PY), "elasticrun"), *argv, "--ckpt-dir", "ckpt-elasticd"],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp),
+                          env={**CLIENT_ENV, "ELASTICD_SOCKET": daemon.socket})
+    assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-5000:]
+    theirs = subprocess.run([PY, "-m", "torch.distributed.run", *argv, "--ckpt-dir", "ckpt-torchrun"],
+                            capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp), env=CLIENT_ENV)
+    assert theirs.returncode == 0, theirs.stderr[-5000:]
+    assert final(ours.stdout) == final(theirs.stdout) and final(ours.stdout)[0] == 12, (ours.stdout, theirs.stdout)
     for launcher in ("ckpt-elasticd", "ckpt-torchrun"):  # not "elasticd": python -m elasticctl, run there, would import it
         assert (shared_tmp / launcher / "latest").read_text().endswith("step_12")
 
