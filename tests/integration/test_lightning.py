@@ -12,7 +12,8 @@ Lightning's docs write one (CPU, gloo, ``ModelCheckpoint`` keeping ``last.ckpt``
 - in place (``--in-place``, ``elasticd.elastic.lightning.elastic_fit``): Lightning's state
   committed in memory resumes exactly (one process, no daemons); on three daemons a node
   SIGKILLed leaves the survivors training in their own processes from the last in-memory
-  commit, and the job succeeds.
+  commit, and the job succeeds; a node added to a job of two: the survivors stop at a commit,
+  and the newcomer takes rank 0's state (the world of 3 starts at that step, none redone).
 
 Lightning's import takes seconds of CPU per worker: few workers, few steps. Skipped, with
 the reason, where lightning is not installed.
@@ -254,3 +255,38 @@ def test_in_place_a_node_loss_keeps_the_survivors_and_resumes_from_memory(cluste
     assert "Restored all states from the checkpoint at elasticd-memory://" in logs, logs[-3000:]
     assert end["restarts"] == 0, "a node loss spends no restart"
     print(f"resumed at step {resumed}, {before - resumed} steps redone")
+
+
+def test_in_place_a_node_added_grows_the_job_and_the_newcomer_takes_rank_0s_state(
+        daemon_factory: Any, shared_tmp: Path) -> None:
+    """--in-place --nnodes 2:3 on two daemons; a third daemon started mid-training. The
+    job trains until cancelled: a newcomer's warm-up (Python, torch, Lightning) has no bound
+    on a loaded machine that a max_steps could be sized to outlast."""
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="lightgrow")
+    a, _ = cluster.add("a"), cluster.add("b")
+    cluster.start()
+    report_dir = shared_tmp / "report"
+    report_dir.mkdir(mode=0o777)
+    report = report_dir / "events.jsonl"
+    job = a.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+                   "--last-call-timeout", "1", SCRIPT, "--", "--in-place", "--num-nodes", "3",
+                   "--max-steps", "100000", "--every", "5", "--step-seconds", "0.1",
+                   "--report", str(report))["id"]
+    two = until(a, job, lambda: round_starts(report, 2), "2 ranks training")
+    until(a, job, lambda: any(e["event"] == "step" and e["step"] >= 7 for e in events(report)),
+          "step 7 in the world of 2")
+    added_at = time.time()
+    cluster.add("c").start()
+    three = until(a, job, lambda: round_starts(report, 3, added_at), "the job grew to 3")
+    assert {e["pid"] for e in two.values()} < {e["pid"] for e in three.values()}, \
+        "the survivors kept their processes"
+    started = {e["step"] for e in three.values()}
+    assert len(started) == 1, three  # the newcomer too: rank 0's state, not step 0
+    step = started.pop()
+    last_of_two = max(e["step"] for e in events(report) if e["event"] == "step" and e["world"] == 2)
+    assert step >= 10 and step % 5 == 0 and step == last_of_two, (step, last_of_two)
+    until(a, job, lambda: any(e["event"] == "step" and e["world"] == 3 and e["step"] > step + 5
+                              for e in events(report)), "3 ranks train on")
+    assert a.ctl("status", job)["restarts"] == 0
+    assert a.ctl("cancel", job)["state"] == "CANCELLED"
+    print(f"grew at step {step}, none redone")
