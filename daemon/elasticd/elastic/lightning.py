@@ -26,10 +26,9 @@ committed in memory every few steps::
     trainer = elastic_fit(lambda **kw: L.Trainer(devices=1, strategy="ddp", max_steps=1000, **kw),
                           model, train_loader, num_nodes=3, every_n_steps=10)
 
-Imported only by scripts that
-use Lightning (the package ``lightning``; with only ``pytorch_lightning`` installed, its
-``lightning_fabric``): the rest of ``elasticd.elastic`` needs torch and the standard
-library alone.
+Imported only by scripts that use Lightning (the package ``lightning``; with only
+``pytorch_lightning`` installed, its ``lightning_fabric``): the rest of ``elasticd.elastic``
+needs torch and the standard library alone.
 """
 
 from __future__ import annotations
@@ -50,11 +49,15 @@ except ImportError:
     except ImportError as exc:
         raise ImportError("elasticd.elastic.lightning needs Lightning (pip install lightning)") from exc
 
-try:
-    from lightning.pytorch import Callback, LightningModule, Trainer
+try:  # elastic_fit's pieces; the environment above needs only the fabric
     from lightning.fabric.plugins import CheckpointIO
-except ImportError:  # elastic_fit needs the Trainer; the environment above does not
-    Callback = LightningModule = Trainer = CheckpointIO = None  # type: ignore[assignment,misc]
+    from lightning.pytorch import Callback
+except ImportError:
+    try:
+        from lightning_fabric.plugins import CheckpointIO
+        from pytorch_lightning import Callback
+    except ImportError:  # a fabric without the Trainer: elastic_fit says so when called
+        Callback = CheckpointIO = object  # type: ignore[assignment,misc]
 
 from . import driver
 from .broadcast import broadcast_into
@@ -203,7 +206,9 @@ class _Commit(Callback):  # type: ignore[misc,valid-type]
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if step % self.every or step == self.last:  # gradient accumulation: once per step
+        # With gradient accumulation a step spans batches: commit at the first batch end
+        # after the step was taken (step 0 is before any: mid-accumulation), once.
+        if step == 0 or step % self.every or step == self.last:
             return
         self.last = step
         self.state.checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -253,6 +258,8 @@ def elastic_fit(make_trainer: Callable[..., Any], model: Any, train_dataloaders:
 
     Returns the last round's Trainer, after ``fit``. Outside an in-place job, one round:
     ``fit`` as usual, with the commits in memory only."""
+    if Callback is object:
+        raise ImportError("elastic_fit needs Lightning's Trainer (pip install lightning)")
     if every_n_steps < 1:
         raise ValueError("every_n_steps must be at least 1")
     state = state if state is not None else LightningState(model)
