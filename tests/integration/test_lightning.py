@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -191,6 +192,10 @@ def test_in_place_a_commit_in_memory_resumes_exactly(tmp_path: Path, monkeypatch
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("ELASTICD_AGENT_SOCKET", raising=False)
     monkeypatch.chdir(tmp_path)
+    for logger in logging.root.manager.loggerDict.values():  # lightning's, torch's: bound to
+        for handler in getattr(logger, "handlers", []):        # sys.stderr at import, maybe an
+            if getattr(getattr(handler, "stream", None), "closed", False):  # earlier capsys's
+                monkeypatch.setattr(handler, "stream", sys.stderr)
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         from lightning_train import Regressor, checksum, data
