@@ -126,7 +126,10 @@ def main() -> None:
             return L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_steps=args.max_steps,
                              callbacks=list(callbacks), enable_checkpointing=bool(args.ckpt_dir), logger=False,
                              enable_progress_bar=False, enable_model_summary=False, **round_kwargs)
-        trainer = elastic_fit(make_trainer, model, loader, num_nodes=args.num_nodes, every_n_steps=args.every)
+        # --ckpt-dir as well: last.ckpt is where a group restart (every worker new, the
+        # in-place fallback) resumes; the survivors of a change resume from memory.
+        trainer = elastic_fit(make_trainer, model, loader, num_nodes=args.num_nodes, every_n_steps=args.every,
+                              ckpt_path="last" if args.ckpt_dir else None)
         if trainer.is_global_zero:
             print(f"final step {trainer.global_step} checksum {checksum(model)}", flush=True)
         return

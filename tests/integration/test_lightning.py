@@ -183,7 +183,8 @@ def test_in_place_a_commit_in_memory_resumes_exactly(tmp_path: Path, monkeypatch
     16 (an epoch's end: 256 samples in batches of 16) sent through the no-pickle codec that a
     sync uses, and a new Trainer's fit from it ends with the same parameters as a fit that
     never stopped. (Mid-epoch, Lightning restarts the epoch's data unless the dataloader is
-    stateful: the steps are right, the batches not the same.)"""
+    stateful: the steps are right, the batches not the same.) With no commit in memory, as
+    in a group restart's fresh processes, ``ckpt_path`` (a file) is where fit resumes."""
     import sys
     import lightning as L
     from torch.utils.data import DataLoader
@@ -202,10 +203,16 @@ def test_in_place_a_commit_in_memory_resumes_exactly(tmp_path: Path, monkeypatch
     finally:
         sys.path.remove(str(ROOT / "examples"))
 
-    def trainer(steps: int) -> Any:
+    def trainer(steps: int, callbacks: tuple[Any, ...] = ()) -> Any:
         return lambda **kw: L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
                                       enable_checkpointing=False, enable_progress_bar=False,
-                                      enable_model_summary=False, **kw)
+                                      enable_model_summary=False, callbacks=list(callbacks), **kw)
+
+    class Batches(L.Callback):
+        taken = 0
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.taken += 1
 
     def model() -> Any:
         L.seed_everything(0, verbose=False)
@@ -213,7 +220,8 @@ def test_in_place_a_commit_in_memory_resumes_exactly(tmp_path: Path, monkeypatch
 
     loader = DataLoader(data(256), batch_size=16)
     straight = model()
-    assert elastic_fit(trainer(40), straight, loader, every_n_steps=16).global_step == 40
+    done = elastic_fit(trainer(40), straight, loader, every_n_steps=16)
+    assert done.global_step == 40
     first = model()
     state = LightningState(first)
     elastic_fit(trainer(18), first, loader, every_n_steps=16, state=state)
@@ -225,6 +233,13 @@ def test_in_place_a_commit_in_memory_resumes_exactly(tmp_path: Path, monkeypatch
     resumed.checkpoint = state.checkpoint
     assert elastic_fit(trainer(40), second, loader, every_n_steps=16, state=resumed).global_step == 40
     assert checksum(second) == checksum(straight)
+    # No commit in memory (a group restart's fresh processes): ckpt_path, e.g. a last.ckpt.
+    saved = tmp_path / "step40.ckpt"
+    done.save_checkpoint(str(saved))
+    batches = Batches()
+    assert elastic_fit(trainer(42, (batches,)), Regressor(0.05, 0.0), loader,
+                       ckpt_path=str(saved)).global_step == 42
+    assert batches.taken == 2
 
 
 def test_in_place_a_node_loss_keeps_the_survivors_and_resumes_from_memory(cluster: Cluster,

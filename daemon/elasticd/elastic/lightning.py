@@ -239,7 +239,8 @@ class _FromMemory(CheckpointIO):  # type: ignore[misc,valid-type]
 
 def elastic_fit(make_trainer: Callable[..., Any], model: Any, train_dataloaders: Any = None,
                 val_dataloaders: Any = None, datamodule: Any = None, *, num_nodes: int = 1,
-                every_n_steps: int = 10, state: LightningState | None = None) -> Any:
+                every_n_steps: int = 10, ckpt_path: str | None = None,
+                state: LightningState | None = None) -> Any:
     """``trainer.fit(model, ...)`` that lives through the rounds of an ``--in-place`` job.
 
     ``make_trainer(**kwargs)`` builds the Trainer of a round; pass ``kwargs`` on to
@@ -256,6 +257,11 @@ def elastic_fit(make_trainer: Callable[..., Any], model: Any, train_dataloaders:
     Lightning builds the DDP wrapper, the optimizers and the dataloaders anew each round
     (``configure_optimizers`` is called again: it must not depend on earlier rounds).
 
+    ``ckpt_path`` is where ``fit`` resumes while there is no commit in memory: the job's
+    first round, and a group restart, which starts every worker afresh (the in-place
+    fallback): e.g. ``"last"`` with a ``ModelCheckpoint(save_last=True)`` in a directory
+    that every node sees. Without it such a round starts from the model as built.
+
     Returns the last round's Trainer, after ``fit``. Outside an in-place job, one round:
     ``fit`` as usual, with the commits in memory only."""
     if Callback is object:
@@ -268,11 +274,11 @@ def elastic_fit(make_trainer: Callable[..., Any], model: Any, train_dataloaders:
     def rounds(state: LightningState) -> Any:
         trainer = make_trainer(**elastic_trainer_kwargs(num_nodes))
         trainer.callbacks.append(_Commit(state, every_n_steps))
-        ckpt_path = None
+        resume = ckpt_path
         if state.checkpoint is not None:
             trainer.strategy.checkpoint_io = _FromMemory(trainer.strategy.checkpoint_io, state)
-            ckpt_path = MEMORY
-        trainer.fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path=ckpt_path)
+            resume = MEMORY
+        trainer.fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path=resume)
         return trainer
 
     return rounds(state)
