@@ -11,15 +11,17 @@ The same command line under torchrun and under elasticd:
 count changes (``--nnodes 2:3``) add ``--elasticd``: ``num_nodes`` then goes through
 ``elasticd.elastic.lightning.elastic_trainer_kwargs``, which gives Lightning each round's
 count. Rank 0 prints ``start step S world W nodes N`` when training starts and ``final step
-S checksum C`` at the end (C: sha256 of the parameters' bytes, for comparing runs). ``--in-place`` is the same training for an ``--in-place`` job:
+S checksum C`` at the end (C: sha256 of the parameters' bytes, for comparing runs).
+
+``--in-place`` is the same training for an ``--in-place`` job (one worker per node):
 ``elasticd.elastic.lightning.elastic_fit`` builds a Trainer per round and commits Lightning's
-state in memory every ``--every`` steps (no checkpoint files, no shared directory):
+state in memory every ``--every`` steps (no checkpoint files, no shared directory; with
+``--ckpt-dir`` too, ``last.ckpt`` is where a group restart resumes):
 
     elasticctl submit --in-place --nnodes 1:3 examples/lightning_train.py -- --in-place --num-nodes 3
 
-With
-``--report FILE`` rank 0 also appends a JSON line per step there (the recovery bench reads
-it; a user can ignore it).
+With ``--report FILE`` rank 0 also appends a JSON line per step there, and every rank one
+when it starts training (the recovery bench and the tests read it; a user can ignore it).
 """
 
 import argparse
