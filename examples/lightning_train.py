@@ -11,9 +11,17 @@ The same command line under torchrun and under elasticd:
 count changes (``--nnodes 2:3``) add ``--elasticd``: ``num_nodes`` then goes through
 ``elasticd.elastic.lightning.elastic_trainer_kwargs``, which gives Lightning each round's
 count. Rank 0 prints ``start step S world W nodes N`` when training starts and ``final step
-S checksum C`` at the end (C: sha256 of the parameters' bytes, for comparing runs). With
-``--report FILE`` rank 0 also appends a JSON line per step there (the recovery bench reads
-it; a user can ignore it).
+S checksum C`` at the end (C: sha256 of the parameters' bytes, for comparing runs).
+
+``--in-place`` is the same training for an ``--in-place`` job (one worker per node):
+``elasticd.elastic.lightning.elastic_fit`` builds a Trainer per round and commits Lightning's
+state in memory every ``--every`` steps (no checkpoint files, no shared directory; with
+``--ckpt-dir`` too, ``last.ckpt`` is where a group restart resumes):
+
+    elasticctl submit --in-place --nnodes 1:3 examples/lightning_train.py -- --in-place --num-nodes 3
+
+With ``--report FILE`` rank 0 also appends a JSON line per step there, and every rank one
+when it starts training (the recovery bench and the tests read it; a user can ignore it).
 """
 
 import argparse
@@ -53,10 +61,17 @@ class Regressor(L.LightningModule):
 
 
 class Report(L.Callback):
-    """Rank 0's steps, one JSON line each: when, which step, in which world, by which process."""
+    """Rank 0's steps, one JSON line each: when, which step, in which world, by which process;
+    and every rank's start of training (a round's first step, its rank and process)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"event": "start", "t": time.time(), "step": trainer.global_step,
+                                "world": trainer.world_size, "rank": trainer.global_rank,
+                                "pid": os.getpid()}) + "\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.is_global_zero:
@@ -89,6 +104,8 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...)")
     p.add_argument("--devices", type=int, default=1, help="Trainer(devices=...)")
     p.add_argument("--elasticd", action="store_true", help="num_nodes through elastic_trainer_kwargs")
+    p.add_argument("--in-place", action="store_true",
+                   help="an --in-place job: elastic_fit, commits in memory every --every steps")
     p.add_argument("--ckpt-dir", default="", help="ModelCheckpoint's directory (last.ckpt); none: no checkpoints")
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     p.add_argument("--step-seconds", type=float, default=0.0, help="stretch each step (for tests)")
@@ -102,6 +119,22 @@ def main() -> None:
                                  every_n_train_steps=args.every, enable_version_counter=False)] \
         if args.ckpt_dir else []
     callbacks += [Report(args.report)] if args.report else []
+    if args.in_place:
+        from elasticd import elastic
+        from elasticd.elastic.lightning import elastic_fit
+        elastic.init("gloo")
+
+        def make_trainer(**round_kwargs):  # the round's num_nodes and cluster environment
+            return L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_steps=args.max_steps,
+                             callbacks=list(callbacks), enable_checkpointing=bool(args.ckpt_dir), logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, **round_kwargs)
+        # --ckpt-dir as well: last.ckpt is where a group restart (every worker new, the
+        # in-place fallback) resumes; the survivors of a change resume from memory.
+        trainer = elastic_fit(make_trainer, model, loader, num_nodes=args.num_nodes, every_n_steps=args.every,
+                              ckpt_path="last" if args.ckpt_dir else None)
+        if trainer.is_global_zero:
+            print(f"final step {trainer.global_step} checksum {checksum(model)}", flush=True)
+        return
     if args.elasticd:
         from elasticd.elastic.lightning import elastic_trainer_kwargs
         nodes = elastic_trainer_kwargs(num_nodes=args.num_nodes)

@@ -1,6 +1,6 @@
 """Recovery of a Lightning job from a node loss, elasticd side by side with torchrun.
 
-    python tests/bench/bench_lightning.py [--runs 1] [--json]
+    python tests/bench/bench_lightning.py [--runs 1] [--json] [--only "in place" ...]
 
 bench_recovery.py's setting (each node a process on this host with its own 127.0.0.x
 address: an elasticd daemon, node 1 hosting the store, or a torchrun agent with c10d
@@ -15,8 +15,10 @@ worker). Figures, from rank 0's steps (the script's ``--report``):
 - *steps lost*: the newest step before the kill minus the step the world of 2 starts from
   (it resumes from ``last.ckpt``; a step is redone, not lost, but costs its time again).
 
-The restart path only: Lightning's own state (its loops, the optimizer) is not carried
-through an ``--in-place`` round. The bench polls the report file (benchmarks may).
+Three columns: elasticd's restart path (every worker started afresh, ``last.ckpt``),
+elasticd ``--in-place`` (the script's ``--in-place``: ``elastic_fit``, Lightning's state
+committed in memory every 5 steps, no checkpoint files; the survivors re-form in their own
+processes) and torchrun. The bench polls the report file (benchmarks may).
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ class ElasticdLightning(Elasticd):
             daemon.start()
         job = self.cluster[0].submit("--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3",
                                      "--python", PY, SCRIPT, "--", *script_args(self.base))
+        return float(job["created"])
+
+
+class ElasticdLightningInPlace(ElasticdLightning):
+    name = "in place"
+
+    def launch(self, count: int, nnodes: str) -> float:
+        for daemon in self.cluster.daemons[:count]:
+            daemon.start()
+        args = [a for a in script_args(self.base) if a not in ("--ckpt-dir", str(self.base / "ckpt"))]
+        job = self.cluster[0].submit("--in-place", "--nnodes", nnodes, "--nproc-per-node", "1",
+                                     "--max-restarts", "3", "--python", PY, SCRIPT, "--", "--in-place", *args)
         return float(job["created"])
 
 
@@ -113,22 +127,26 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--only", action="append", choices=["elasticd", "in place", "torchrun"],
+                   help="measure only these (repeatable; default: all three)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     report = {}
-    for kind in (ElasticdLightning, TorchrunLightning):
+    kinds = tuple(k for k in (ElasticdLightning, ElasticdLightningInPlace, TorchrunLightning)
+                  if not args.only or k.name in args.only)
+    for kind in kinds:
         report[kind.name] = [measure(kind) for _ in range(args.runs)]
         print(f"{kind.name:9} {report[kind.name]}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(report))
         return
-    print(f"{'node SIGKILLed (3 -> 2), Lightning':40} {'elasticd':>12} {'torchrun':>12}")
+    print(f"{'node SIGKILLed (3 -> 2), Lightning':40}" + "".join(f"{k.name:>12}" for k in kinds))
     for key in ("resumed", "steps lost"):
         cells = []
-        for name in ("elasticd", "torchrun"):
-            done = [r[key] for r in report[name] if r is not None]
+        for kind in kinds:
+            done = [r[key] for r in report[kind.name] if r is not None]
             cells.append(f"{statistics.median(done):.1f}" if done else f"none in {CAP:g} s")
-        print(f"{key + (' (s)' if key == 'resumed' else ''):40} {cells[0]:>12} {cells[1]:>12}")
+        print(f"{key + (' (s)' if key == 'resumed' else ''):40}" + "".join(f"{c:>12}" for c in cells))
 
 
 if __name__ == "__main__":

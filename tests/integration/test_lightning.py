@@ -8,7 +8,12 @@ Lightning's docs write one (CPU, gloo, ``ModelCheckpoint`` keeping ``last.ckpt``
 - ``Trainer(num_nodes=N)`` on a round of fewer nodes fails as Lightning fails it (issue 28,
   friction 4), and works through ``elasticd.elastic.lightning.elastic_trainer_kwargs``;
 - on three daemons, ``--nnodes 2:3``, a node SIGKILLed mid-training: the job re-forms on two,
-  resumes from ``last.ckpt`` and succeeds, with the script's ``num_nodes=3``.
+  resumes from ``last.ckpt`` and succeeds, with the script's ``num_nodes=3``;
+- in place (``--in-place``, ``elasticd.elastic.lightning.elastic_fit``): Lightning's state
+  committed in memory resumes exactly (one process, no daemons); on three daemons a node
+  SIGKILLed leaves the survivors training in their own processes from the last in-memory
+  commit, and the job succeeds; a node added to a job of two: the survivors stop at a commit,
+  and the newcomer takes rank 0's state (the world of 3 starts at that step, none redone).
 
 Lightning's import takes seconds of CPU per worker: few workers, few steps. Skipped, with
 the reason, where lightning is not installed.
@@ -17,6 +22,8 @@ the reason, where lightning is not installed.
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import re
 import signal
@@ -146,3 +153,160 @@ def test_the_environment_gives_lightning_each_rounds_nodes(monkeypatch: pytest.M
     monkeypatch.setenv("WORLD_SIZE", "3")  # 2 workers here, 1 on the other node
     with pytest.raises(ValueError, match="the same number of workers on every node"):
         env.validate_settings(num_devices=2, num_nodes=2)
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def round_starts(path: Path, world: int, after: float = 0.0) -> dict[int, dict[str, Any]] | None:
+    """rank -> its newest "start" event in a world of ``world`` after ``after``, once every
+    rank of that world has one (else None)."""
+    found = {e["rank"]: e for e in events(path)
+             if e["event"] == "start" and e["world"] == world and e["t"] > after}
+    return found if len(found) == world else None
+
+
+def until(daemon: Any, job: str, condition: Any, what: str) -> Any:
+    """wait_for(condition), failing at once, with the job's error, if the job ends first."""
+    def check() -> Any:
+        value = condition()
+        if not value:
+            doc = daemon.ctl("status", job)
+            assert doc["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"), (what, doc)
+        return value
+    return wait_for(check, TIMEOUT, what, interval=1.0)
+
+
+def test_in_place_a_commit_in_memory_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place state path without daemons: a fit stopped at step 18, its commit of step
+    16 (an epoch's end: 256 samples in batches of 16) sent through the no-pickle codec that a
+    sync uses, and a new Trainer's fit from it ends with the same parameters as a fit that
+    never stopped. (Mid-epoch, Lightning restarts the epoch's data unless the dataloader is
+    stateful: the steps are right, the batches not the same.) With no commit in memory, as
+    in a group restart's fresh processes, ``ckpt_path`` (a file) is where fit resumes."""
+    import sys
+    import lightning as L
+    from torch.utils.data import DataLoader
+    from elasticd.elastic.broadcast import decode, encode
+    from elasticd.elastic.lightning import LightningState, elastic_fit
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("ELASTICD_AGENT_SOCKET", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for logger in logging.root.manager.loggerDict.values():  # lightning's, torch's: bound to
+        for handler in getattr(logger, "handlers", []):        # sys.stderr at import, maybe an
+            if getattr(getattr(handler, "stream", None), "closed", False):  # earlier capsys's
+                monkeypatch.setattr(handler, "stream", sys.stderr)
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from lightning_train import Regressor, checksum, data
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+    def trainer(steps: int, callbacks: tuple[Any, ...] = ()) -> Any:
+        return lambda **kw: L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                                      enable_checkpointing=False, enable_progress_bar=False,
+                                      enable_model_summary=False, callbacks=list(callbacks), **kw)
+
+    class Batches(L.Callback):
+        taken = 0
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.taken += 1
+
+    def model() -> Any:
+        L.seed_everything(0, verbose=False)
+        return Regressor(0.05, 0.0)
+
+    loader = DataLoader(data(256), batch_size=16)
+    straight = model()
+    done = elastic_fit(trainer(40), straight, loader, every_n_steps=16)
+    assert done.global_step == 40
+    first = model()
+    state = LightningState(first)
+    elastic_fit(trainer(18), first, loader, every_n_steps=16, state=state)
+    state.restore()  # what a failure does: back to the commit of step 16
+    assert state.checkpoint["global_step"] == 16
+    state.checkpoint = decode(*encode(state.checkpoint))  # what a newcomer's sync receives
+    second = Regressor(0.05, 0.0)  # a newcomer's own model, its own weights
+    resumed = LightningState(second)
+    resumed.checkpoint = state.checkpoint
+    assert elastic_fit(trainer(40), second, loader, every_n_steps=16, state=resumed).global_step == 40
+    assert checksum(second) == checksum(straight)
+    # No commit in memory (a group restart's fresh processes): ckpt_path, e.g. a last.ckpt.
+    saved = tmp_path / "step40.ckpt"
+    done.save_checkpoint(str(saved))
+    batches = Batches()
+    assert elastic_fit(trainer(42, (batches,)), Regressor(0.05, 0.0), loader,
+                       ckpt_path=str(saved)).global_step == 42
+    assert batches.taken == 2
+
+
+def test_in_place_a_node_loss_keeps_the_survivors_and_resumes_from_memory(cluster: Cluster,
+                                                                            shared_tmp: Path) -> None:
+    """--in-place --nnodes 2:3, the script's --in-place (elastic_fit, a commit every 5
+    steps, no checkpoint files): node c SIGKILLed once the world of 3 is past a commit."""
+    a, b, c = cluster
+    report_dir = shared_tmp / "report"
+    report_dir.mkdir(mode=0o777)
+    report = report_dir / "events.jsonl"
+    job = a.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+                   "--last-call-timeout", "1", SCRIPT, "--", "--in-place", "--num-nodes", "3",
+                   "--max-steps", "40", "--every", "5", "--step-seconds", "0.2",
+                   "--report", str(report))["id"]
+    three = until(a, job, lambda: round_starts(report, 3), "3 ranks training")
+    until(a, job, lambda: any(e["event"] == "step" and e["world"] == 3 and e["step"] >= 12
+                              for e in events(report)), "step 12 in the world of 3")
+    killed_at = time.time()
+    c.signal(signal.SIGKILL)  # the node dies: its daemon, and with it its worker
+    c.wait_exit(30)
+    end = a.wait_job(job, lambda d: d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"), TIMEOUT)
+    assert end["state"] == "SUCCEEDED", end
+    two = round_starts(report, 2, killed_at)
+    assert two is not None, events(report)[-10:]
+    assert {e["pid"] for e in two.values()} == {three[0]["pid"], three[1]["pid"]}, \
+        "the survivors kept their processes"
+    before = max(e["step"] for e in events(report) if e["event"] == "step" and e["t"] <= killed_at)
+    resumed = two[0]["step"]
+    assert {e["step"] for e in two.values()} == {resumed}
+    assert resumed % 5 == 0 and 10 <= resumed <= before and before - resumed <= 5, (resumed, before)
+    logs = a.ctl_run("logs", job).stdout
+    assert final(logs)[0] == 40, logs[-3000:]
+    assert "Restored all states from the checkpoint at elasticd-memory://" in logs, logs[-3000:]
+    assert end["restarts"] == 0, "a node loss spends no restart"
+    print(f"resumed at step {resumed}, {before - resumed} steps redone")
+
+
+def test_in_place_a_node_added_grows_the_job_and_the_newcomer_takes_rank_0s_state(
+        daemon_factory: Any, shared_tmp: Path) -> None:
+    """--in-place --nnodes 2:3 on two daemons; a third daemon started mid-training. The
+    job trains until cancelled: a newcomer's warm-up (Python, torch, Lightning) has no bound
+    on a loaded machine that a max_steps could be sized to outlast."""
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="lightgrow")
+    a, _ = cluster.add("a"), cluster.add("b")
+    cluster.start()
+    report_dir = shared_tmp / "report"
+    report_dir.mkdir(mode=0o777)
+    report = report_dir / "events.jsonl"
+    job = a.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+                   "--last-call-timeout", "1", SCRIPT, "--", "--in-place", "--num-nodes", "3",
+                   "--max-steps", "100000", "--every", "5", "--step-seconds", "0.1",
+                   "--report", str(report))["id"]
+    two = until(a, job, lambda: round_starts(report, 2), "2 ranks training")
+    until(a, job, lambda: any(e["event"] == "step" and e["step"] >= 7 for e in events(report)),
+          "step 7 in the world of 2")
+    added_at = time.time()
+    cluster.add("c").start()
+    three = until(a, job, lambda: round_starts(report, 3, added_at), "the job grew to 3")
+    assert {e["pid"] for e in two.values()} < {e["pid"] for e in three.values()}, \
+        "the survivors kept their processes"
+    started = {e["step"] for e in three.values()}
+    assert len(started) == 1, three  # the newcomer too: rank 0's state, not step 0
+    step = started.pop()
+    last_of_two = max(e["step"] for e in events(report) if e["event"] == "step" and e["world"] == 2)
+    assert step >= 10 and step % 5 == 0 and step == last_of_two, (step, last_of_two)
+    until(a, job, lambda: any(e["event"] == "step" and e["world"] == 3 and e["step"] > step + 5
+                              for e in events(report)), "3 ranks train on")
+    assert a.ctl("status", job)["restarts"] == 0
+    assert a.ctl("cancel", job)["state"] == "CANCELLED"
+    print(f"grew at step {step}, none redone")
