@@ -3,8 +3,8 @@ elasticd: examples/lightning_train.py, a ``Trainer(strategy="ddp")`` script writ
 Lightning's docs write one (CPU, gloo, ``ModelCheckpoint`` keeping ``last.ckpt``,
 ``fit(ckpt_path="last")``), run unchanged.
 
-- on one daemon it ends as under torchrun, with the same parameters (the script prints a
-  checksum of them);
+- under elasticrun it ends as under torchrun, the same command line word for word, with the
+  same parameters (the script prints a checksum of them);
 - ``Trainer(num_nodes=N)`` on a round of fewer nodes fails as Lightning fails it (issue 28,
   friction 4), and works through ``elasticd.elastic.lightning.elastic_trainer_kwargs``;
 - on three daemons, ``--nnodes 2:3``, a node SIGKILLed mid-training: the job re-forms on two,
@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from harness import CLIENT_ENV, PY, ROOT, free_port
+from harness import CLIENT_ENV, PY, ROOT
 from store_attack import Cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -52,24 +52,19 @@ def final(text: str) -> tuple[int, str]:
     return int(found[0][0]), found[0][1]
 
 
-def torchrun(workdir: Path, *args: str) -> str:
-    """The script under torch's own torchrun (standalone), as a user runs it; its output."""
-    env = {**CLIENT_ENV, "PYTHONPATH": str(ROOT / "daemon")}
-    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), SCRIPT, *args],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(workdir), env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout
-
-
 def test_a_ddp_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, shared_tmp: Path) -> None:
-    args = ("--devices", "2", "--max-steps", "12", "--every", "4")
-    job = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "0", SCRIPT, "--",
-                             *args, "--ckpt-dir", str(shared_tmp / "ckpt-elasticd"), timeout=TIMEOUT)
-    assert job["state"] == "SUCCEEDED", job
-    ours = final(daemon.ctl_run("logs", job["id"]).stdout)
-    theirs = final(torchrun(shared_tmp, *args, "--ckpt-dir", str(shared_tmp / "ckpt-torchrun")))
-    assert ours == theirs and ours[0] == 12, (ours, theirs)
+    """The same command line, word for word, to torch's torchrun and to elasticrun (which
+    submits it to the daemon and prints the workers' output as torchrun does)."""
+    argv = ["--standalone", "--nproc-per-node", "2", SCRIPT, "--devices", "2", "--max-steps", "12", "--every", "4"]
+    env = {**CLIENT_ENV, "PYTHONPATH": str(ROOT / "daemon")}
+    ours = subprocess.run([os.path.join(os.path.dirname(PY), "elasticrun"), *argv, "--ckpt-dir", "ckpt-elasticd"],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp),
+                          env={**env, "ELASTICD_SOCKET": daemon.socket})
+    assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-5000:]
+    theirs = subprocess.run([PY, "-m", "torch.distributed.run", *argv, "--ckpt-dir", "ckpt-torchrun"],
+                            capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp), env=env)
+    assert theirs.returncode == 0, theirs.stdout[-3000:] + theirs.stderr[-5000:]
+    assert final(ours.stdout) == final(theirs.stdout) and final(ours.stdout)[0] == 12, (ours.stdout, theirs.stdout)
     assert (shared_tmp / "ckpt-elasticd" / "last.ckpt").is_file()
     assert (shared_tmp / "ckpt-torchrun" / "last.ckpt").is_file()
 
