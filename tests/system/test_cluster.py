@@ -130,6 +130,7 @@ def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     assert "1" in message and "2" in message and ("node" in message or "min" in message), message
 
 
+@pytest.mark.c10d_only("what status shows of a lost node's ranks (node loss on etcd: the tests above)")
 def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     """issue 28: status showed a dead node's rank HEALTHY, its last word, for as long as the
     job waited for it."""
@@ -146,6 +147,7 @@ def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     cluster[0].ctl("cancel", job)
 
 
+@pytest.mark.c10d_only("the restart budget's accounting (the core's); node loss over etcd is played by the tests above")
 def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factory, shared_tmp):
     """issue 28 friction 5, the difference README's "What a worker gets" states: the
     workers of the round that re-formed without a lost node see TORCHELASTIC_RESTART_COUNT 0
@@ -194,6 +196,7 @@ def test_cancel_from_a_node_that_runs_none_of_the_job(cluster_factory, shared_tm
         assert daemon.ctl("status", job["id"])["state"] == "CANCELLED"
 
 
+@pytest.mark.c10d_only("each node's own GPUs; the store plays no part")
 def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
     cluster = cluster_factory(2, slots=8, env=fake_nvidia_smi(shared_tmp / "bin", 4)).start()
     outs = []
@@ -264,6 +267,7 @@ def test_lost_node_shows_as_lost(cluster_factory):
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.c10d_only("the peer channel; the store plays no part")
 def test_logs_of_another_node_come_over_the_peer_channel(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit_wait("--nodes", "n2", *worker_args("--print", "2"))
@@ -273,6 +277,7 @@ def test_logs_of_another_node_come_over_the_peer_channel(cluster_factory):
     assert "out 0 1" in text and "err 0 1" in text
 
 
+@pytest.mark.c10d_only("the peer channel to a lost node; the store plays no part")
 def test_logs_of_a_job_whose_node_is_lost_answer_at_once(cluster_factory):
     """n2 dies with a job's rank on it: `logs` on n1 shows its own ranks and says n2's are
     unavailable, without waiting out the peer timeout (15 s) for a node known lost."""
@@ -287,6 +292,7 @@ def test_logs_of_a_job_whose_node_is_lost_answer_at_once(cluster_factory):
     cluster[0].ctl("cancel", job)
 
 
+@pytest.mark.c10d_only("the peer channel; the store plays no part")
 def test_logs_follow_takes_in_a_node_that_joins_later(cluster_factory):
     """`logs -f` asked before a node joined the job still shows that node's ranks."""
     cluster = cluster_factory(2)
