@@ -16,7 +16,9 @@ to.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable
+import contextlib
+import threading
+from typing import Any, Awaitable, Callable
 
 
 async def race(**contenders: Awaitable[Any]) -> tuple[str, asyncio.Future[Any]]:
@@ -67,3 +69,25 @@ async def wait_or_timeout(event: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def on_own_thread(call: Callable[[], Any], name: str) -> asyncio.Future[Any]:
+    """``call()`` on a daemon thread of its own (asyncio.to_thread's, but for a call that may
+    never return: it blocks neither the loop nor the exit; the executor joins its threads)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = call(), None
+        except BaseException as exc:  # handed to the loop, raised there
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -5,16 +5,14 @@ itself (``LocalNode``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import subprocess
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 from elasticd import __version__, trust
-from elasticd.aio import wait_or_timeout
+from elasticd.aio import on_own_thread, wait_or_timeout
 from elasticd.cluster.nvml import Nvml, NvmlUnavailable, open_nvml
 from elasticd.cluster.registry import NodeRecord
 from elasticd.core import events
@@ -90,9 +88,10 @@ async def watch_gpus(nvml: Nvml, interval: float, post: Callable[[events.GpusRea
     reading: asyncio.Future[tuple[GpuReading, ...]] | None = None
     hung = False
     while True:
-        reading = reading or _on_own_thread(nvml.read)
+        reading = reading or on_own_thread(nvml.read, name="nvml-read")
         try:
-            readings = await asyncio.wait_for(asyncio.shield(reading), patience)
+            async with asyncio.timeout(patience):  # never wait_for (aio.py says why)
+                readings = await asyncio.shield(reading)
         except TimeoutError:
             if not hung:
                 log.warning("NVML did not answer within %g s: a GPU or the driver hangs; "
@@ -106,28 +105,6 @@ async def watch_gpus(nvml: Nvml, interval: float, post: Callable[[events.GpusRea
             post(events.GpusRead(readings))
         if await wait_or_timeout(stop, interval):
             return
-
-
-def _on_own_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
-    """``call()`` on a daemon thread of its own: one that never returns blocks neither the
-    loop nor the daemon's exit (asyncio's executor joins its threads at exit)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = call(), None
-        except BaseException as exc:  # handed to the loop, raised there
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="nvml-read", daemon=True).start()
-    return future
 
 
 def cpu_count() -> int:

@@ -81,6 +81,7 @@ class Nvml:
             except nv.NVMLError as e:  # e.g. no permission: not this host's to watch
                 log.warning("NVML device %d left out: %s", index, e)
         self.devices: tuple[Device, ...] = tuple(devices)
+        self._index_of = {_address(handle): index for index, handle in self._handles.items()}  # an event's device
         self._events = self._register_xids()
         self._new_clocks = hasattr(nv, "nvmlDeviceGetCurrentClocksEventReasons")
         self._slowdowns = tuple((name, getattr(nv, "nvmlClocksThrottleReason" + bit))
@@ -105,7 +106,7 @@ class Nvml:
 
     def read(self) -> tuple[GpuReading, ...]:
         """Every device's reading now. Never blocks on events: the event set is drained
-        with timeout 0. One caller at a time (e.g. through asyncio.to_thread)."""
+        with timeout 0. One caller at a time (a lock); NVML itself may hang in it."""
         with self._lock:
             if self._closed:
                 raise NvmlUnavailable("NVML is closed")
@@ -118,7 +119,6 @@ class Nvml:
         found: dict[int, list[int]] = {}
         if self._events is None:
             return found
-        by_address = {_address(handle): index for index, handle in self._handles.items()}
         while True:
             try:
                 data = nv.nvmlEventSetWait_v2(self._events, 0)
@@ -127,7 +127,7 @@ class Nvml:
             except nv.NVMLError as e:  # a lost GPU among them: the device queries say which
                 self._warn_once("nvmlEventSetWait_v2", e)
                 return found
-            index = by_address.get(_address(data.device))
+            index = self._index_of.get(_address(data.device))
             if index is not None and data.eventType & nv.nvmlEventTypeXidCriticalError:
                 found.setdefault(index, []).append(int(data.eventData))
 
