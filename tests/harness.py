@@ -347,6 +347,23 @@ def fake_nvidia_smi(directory: Path, gpus: int) -> dict[str, str]:
     return {"PATH": f"{directory}:{os.environ['PATH']}"}
 
 
+def beside_torchrun(daemon: Daemon, workdir: Path, argv: list[str], env: dict[str, str],
+                    timeout: float) -> tuple[str, str]:
+    """The same torchrun command line, word for word, to elasticrun (which submits it to
+    ``daemon`` and prints the workers' output as torchrun does) and to torch's torchrun, each
+    with ``--ckpt-dir ckpt-elasticd`` / ``ckpt-torchrun`` after it; both must succeed.  Their
+    standard outputs, elasticrun's first."""
+    outs = []
+    for launcher, extra in (([os.path.join(os.path.dirname(PY), "elasticrun")], {"ELASTICD_SOCKET": daemon.socket}),
+                            ([PY, "-m", "torch.distributed.run"], {})):
+        ckpt = "ckpt-elasticd" if extra else "ckpt-torchrun"
+        done = subprocess.run([*launcher, *argv, "--ckpt-dir", ckpt], capture_output=True, text=True,
+                              timeout=timeout, cwd=str(workdir), env={**env, **extra})
+        assert done.returncode == 0, f"{launcher[-1]}: {done.stdout[-3000:]}{done.stderr[-5000:]}"
+        outs.append(done.stdout)
+    return outs[0], outs[1]
+
+
 def worker_args(*args: str) -> list[str]:
     return [str(WORKER), *args]
 

@@ -16,7 +16,6 @@ Skipped, with the reason, where accelerate is not installed.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from harness import CLIENT_ENV, PY, ROOT
+from harness import CLIENT_ENV, ROOT, beside_torchrun
 from store_attack import Cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -53,14 +52,8 @@ def test_a_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, shared_
     """The same command line, word for word, to torch's torchrun and to elasticrun (which
     submits it to the daemon and prints the workers' output as torchrun does)."""
     argv = ["--standalone", "--nproc-per-node", "2", SCRIPT, "--max-steps", "12", "--every", "4"]
-    ours = subprocess.run([os.path.join(os.path.dirname(PY), "elasticrun"), *argv, "--ckpt-dir", "ckpt-elasticd"],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp),
-                          env={**CLIENT_ENV, "ELASTICD_SOCKET": daemon.socket})
-    assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-5000:]
-    theirs = subprocess.run([PY, "-m", "torch.distributed.run", *argv, "--ckpt-dir", "ckpt-torchrun"],
-                            capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp), env=CLIENT_ENV)
-    assert theirs.returncode == 0, theirs.stderr[-5000:]
-    assert final(ours.stdout) == final(theirs.stdout) and final(ours.stdout)[0] == 12, (ours.stdout, theirs.stdout)
+    ours, theirs = beside_torchrun(daemon, shared_tmp, argv, CLIENT_ENV, TIMEOUT)
+    assert final(ours) == final(theirs) and final(ours)[0] == 12, (ours, theirs)
     for launcher in ("ckpt-elasticd", "ckpt-torchrun"):  # not "elasticd": python -m elasticctl, run there, would import it
         assert (shared_tmp / launcher / "latest").read_text().endswith("step_12")
 

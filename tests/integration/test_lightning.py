@@ -24,17 +24,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness import CLIENT_ENV, PY, ROOT
+from harness import CLIENT_ENV, ROOT, beside_torchrun
 from store_attack import Cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -56,15 +54,8 @@ def test_a_ddp_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, sha
     """The same command line, word for word, to torch's torchrun and to elasticrun (which
     submits it to the daemon and prints the workers' output as torchrun does)."""
     argv = ["--standalone", "--nproc-per-node", "2", SCRIPT, "--devices", "2", "--max-steps", "12", "--every", "4"]
-    env = {**CLIENT_ENV, "PYTHONPATH": str(ROOT / "daemon")}
-    ours = subprocess.run([os.path.join(os.path.dirname(PY), "elasticrun"), *argv, "--ckpt-dir", "ckpt-elasticd"],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp),
-                          env={**env, "ELASTICD_SOCKET": daemon.socket})
-    assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-5000:]
-    theirs = subprocess.run([PY, "-m", "torch.distributed.run", *argv, "--ckpt-dir", "ckpt-torchrun"],
-                            capture_output=True, text=True, timeout=TIMEOUT, cwd=str(shared_tmp), env=env)
-    assert theirs.returncode == 0, theirs.stdout[-3000:] + theirs.stderr[-5000:]
-    assert final(ours.stdout) == final(theirs.stdout) and final(ours.stdout)[0] == 12, (ours.stdout, theirs.stdout)
+    ours, theirs = beside_torchrun(daemon, shared_tmp, argv, {**CLIENT_ENV, "PYTHONPATH": str(ROOT / "daemon")}, TIMEOUT)
+    assert final(ours) == final(theirs) and final(ours)[0] == 12, (ours, theirs)
     assert (shared_tmp / "ckpt-elasticd" / "last.ckpt").is_file()
     assert (shared_tmp / "ckpt-torchrun" / "last.ckpt").is_file()
 
@@ -237,18 +228,25 @@ def test_in_place_a_commit_in_memory_resumes_exactly(tmp_path: Path, monkeypatch
     assert batches.taken == 2
 
 
+def submit_in_place(daemon: Any, shared_tmp: Path, *, max_steps: int, step_seconds: float) -> tuple[str, Path]:
+    """The script's --in-place (elastic_fit, a commit every 5 steps) as an --in-place
+    --nnodes 2:3 job of one worker per node; its id and the workers' event file."""
+    report_dir = shared_tmp / "report"
+    report_dir.mkdir(mode=0o777)
+    report = report_dir / "events.jsonl"
+    job = daemon.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+                        "--last-call-timeout", "1", SCRIPT, "--", "--in-place", "--num-nodes", "3",
+                        "--max-steps", str(max_steps), "--every", "5", "--step-seconds", str(step_seconds),
+                        "--report", str(report))["id"]
+    return job, report
+
+
 def test_in_place_a_node_loss_keeps_the_survivors_and_resumes_from_memory(cluster: Cluster,
                                                                             shared_tmp: Path) -> None:
     """--in-place --nnodes 2:3, the script's --in-place (elastic_fit, a commit every 5
     steps, no checkpoint files): node c SIGKILLed once the world of 3 is past a commit."""
     a, b, c = cluster
-    report_dir = shared_tmp / "report"
-    report_dir.mkdir(mode=0o777)
-    report = report_dir / "events.jsonl"
-    job = a.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
-                   "--last-call-timeout", "1", SCRIPT, "--", "--in-place", "--num-nodes", "3",
-                   "--max-steps", "40", "--every", "5", "--step-seconds", "0.2",
-                   "--report", str(report))["id"]
+    job, report = submit_in_place(a, shared_tmp, max_steps=40, step_seconds=0.2)
     three = until(a, job, lambda: round_starts(report, 3), "3 ranks training")
     until(a, job, lambda: any(e["event"] == "step" and e["world"] == 3 and e["step"] >= 12
                               for e in events(report)), "step 12 in the world of 3")
@@ -280,13 +278,7 @@ def test_in_place_a_node_added_grows_the_job_and_the_newcomer_takes_rank_0s_stat
     cluster = Cluster(daemon_factory, shared_tmp, prefix="lightgrow")
     a, _ = cluster.add("a"), cluster.add("b")
     cluster.start()
-    report_dir = shared_tmp / "report"
-    report_dir.mkdir(mode=0o777)
-    report = report_dir / "events.jsonl"
-    job = a.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
-                   "--last-call-timeout", "1", SCRIPT, "--", "--in-place", "--num-nodes", "3",
-                   "--max-steps", "100000", "--every", "5", "--step-seconds", "0.1",
-                   "--report", str(report))["id"]
+    job, report = submit_in_place(a, shared_tmp, max_steps=100000, step_seconds=0.1)
     two = until(a, job, lambda: round_starts(report, 2), "2 ranks training")
     until(a, job, lambda: any(e["event"] == "step" and e["step"] >= 7 for e in events(report)),
           "step 7 in the world of 2")
