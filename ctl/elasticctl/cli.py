@@ -181,6 +181,10 @@ def add_submit_options(sub: argparse.ArgumentParser, environ: Mapping[str, str],
     option("--rejoin-timeout", type=positive_seconds, metavar="S",
            help="in place: a survivor that has not asked for its new place S seconds after a "
                 "change is stopped and the job restarts every worker (default 60)")
+    option("--spares", type=integer, metavar="K",
+           help="in place: keep up to K warm workers per node beside the placed ones (in free "
+                "slots), started and parked in elastic.run; a lost worker's place is taken by "
+                "one at once, and a new one warms up (default 0)")
     option("--priority", type=integer, metavar="N",
            help="start before jobs of lower priority (default 0); above 0 as far as the "
                 "cluster's config lets you (scheduler.max_priority), below 0 always")

@@ -280,6 +280,7 @@ def status_block(job: Doc, now: float) -> str:
         *([("master port", job["master_port"])] if job.get("master_port") else []),
         *sharing_fields(job),
         ("world size", job.get("world_size")),
+        *([("spares", spares_line(job))] if job.get("spares") else []),
         ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),
         ("round", job.get("round")), ("created", local_time(job.get("created"))),
         ("started", local_time(job.get("started"))), ("ended", local_time(job.get("ended"))),
@@ -300,6 +301,12 @@ def status_block(job: Doc, now: float) -> str:
         lines += ["", f"story on {text(node)} (seconds since its first entry):"]
         lines += [f"  {text(line)}" for line in story] or ["  (nothing: this node never took part)"]
     return "\n".join(lines)
+
+
+def spares_line(job: Doc) -> str:
+    """'2 warm (up to 1 a node)': the job's parked workers now, and what it asked for."""
+    warm = sum(node.get("spares") or 0 for node in job.get("nodes") or ())
+    return f"{warm} warm (up to {job['spares']} a node)"
 
 
 def sharing_fields(job: Doc) -> list[tuple[str, Any]]:

@@ -147,7 +147,7 @@ def misplaced_options_message(argv: Sequence[str], script_args: Sequence[str], o
 
 OPTIONAL_SUBMIT_ARGS = ("max_restarts", "name", "nodes", "exclude", "join_timeout",
                         "last_call_timeout", "exit_barrier_timeout", "rejoin_timeout",
-                        "priority", "account", "nnodes_step")
+                        "priority", "account", "nnodes_step", "spares")
 
 
 def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from harness import ROOT
@@ -134,6 +135,78 @@ def test_survivors_keep_their_processes_through_node_loss_and_return(cluster: Cl
     a.ctl("cancel", job)
 
 
+@pytest.fixture
+def pair(daemon_factory: Any, shared_tmp: Path) -> Cluster:
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="inplace2")
+    for role in ("a", "b"):
+        cluster.add(role)
+    return cluster.start()
+
+
+def test_at_min_nodes_a_lost_worker_does_not_stop_its_peer(pair: Cluster, report: Path) -> None:
+    """--nnodes 2:2 (issue 27): b's only worker is SIGKILLed.  b stays a member with no
+    workers while a new one warms up, so a's worker trains on alone in the same process
+    (WORLD_SIZE 1) instead of waiting; the new one then joins it, and both agree."""
+    a, b = pair
+    job = submit(a, report, nnodes="2:2")
+    two = wait_for(lambda: formed(report, 2), 120, "2 ranks training")
+    since = time.time()
+    wait_for(lambda: committed(report, set(two), since, 0), 60, "both ranks committed")
+    survivor = next(pid for pid, e in two.items() if e["rank"] == 0)
+    lost = next(pid for pid, e in two.items() if e["rank"] == 1)
+
+    killed_at = time.time()
+    os.kill(lost, signal.SIGKILL)
+    alone = wait_for(lambda: formed(report, 1, killed_at), 60, "the survivor trained on alone")
+    assert set(alone) == {survivor}, "the survivor kept its process"
+    resumed = alone[survivor]["batch"]
+    wait_for(lambda: committed(report, {survivor}, killed_at, resumed), 60, "a commit in the world of 1")
+    again = wait_for(lambda: formed(report, 2, killed_at), 120, "the new worker joined")
+    assert survivor in again and lost not in again
+    assert_equal_state(again)
+    assert next(iter(again.values()))["batch"] > resumed, "the survivor's training was kept"
+    commits_agree(report)
+    assert a.ctl("status", job)["restarts"] == 1
+    a.ctl("cancel", job)
+
+
+
+def spares_of(daemon: Any, job: str) -> dict[str, int]:
+    """node -> the pid of its parked spare (a worker that holds no rank), once each has one."""
+    doc = daemon.ctl("status", job)
+    parked = {n["node"] for n in doc["nodes"] if n["spares"] == 1}
+    pids = {w["node"]: w["pid"] for w in doc["workers"] if w["rank"] < 0 and w["state"] == "HEALTHY"}
+    return pids if len(parked) == 2 and parked == set(pids) else {}
+
+
+def gone(pids: set[int]) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in pids)
+
+
+def test_a_spare_takes_a_lost_workers_place_and_dies_with_the_job(pair: Cluster, report: Path) -> None:
+    """--spares 1 (issue 27): each node keeps a warm worker beside its placed one.  The
+    placed worker on b is SIGKILLed: b's spare (the same process, already past its imports)
+    is the new rank 1, and a new spare warms up; a cancel ends every one of them."""
+    a, b = pair
+    job = submit(a, report, "--spares", "1", nnodes="2:2")
+    two = wait_for(lambda: formed(report, 2), 120, "2 ranks training")
+    spares = wait_for(lambda: spares_of(a, job), 120, "a warm spare parked on each node")
+    assert not set(spares.values()) & set(two), "a spare holds no rank"
+    lost = next(pid for pid, e in two.items() if e["rank"] == 1)
+    lost_node = next(w["node"] for w in a.ctl("status", job)["workers"] if w["pid"] == lost)
+
+    killed_at = time.time()
+    os.kill(lost, signal.SIGKILL)
+    again = wait_for(lambda: formed(report, 2, killed_at), 60, "back at 2 ranks")
+    assert spares[lost_node] in again, "the spare's process took the lost worker's place"
+    assert_equal_state(again)
+    fresh = wait_for(lambda: spares_of(a, job), 120, "a new spare parked")
+    assert fresh[lost_node] not in (lost, spares[lost_node])
+    everyone = {*again, *fresh.values()}
+    a.ctl("cancel", job)
+    wait_for(lambda: gone(everyone), 30, "no worker or spare outlives the cancel")
+
 def test_a_rank_that_raises_mid_step_makes_every_rank_restore_the_last_commit(
         cluster: Cluster, report: Path) -> None:
     a, b, c = cluster
@@ -142,10 +215,13 @@ def test_a_rank_that_raises_mid_step_makes_every_rank_restore_the_last_commit(
     survivors = {pid for pid, e in three.items() if e["rank"] != 1}
     wait_for(lambda: (report / "failed-once").exists(), 60, "rank 1 raised")
     failed_at = os.stat(report / "failed-once").st_mtime
-    again = wait_for(lambda: formed(report, 3, failed_at), 120, "3 ranks again")
-    assert survivors < set(again), "the ranks that did not fail kept their processes"
+    two = wait_for(lambda: formed(report, 2, failed_at), 60, "the others trained on")
+    assert set(two) == survivors, "the ranks that did not fail kept their processes"
+    assert_equal_state(two)
+    assert next(iter(two.values()))["batch"] == 20, "every rank went back to the commit at 20"
+    again = wait_for(lambda: formed(report, 3, failed_at), 120, "3 ranks again, with the new one")
+    assert survivors < set(again)
     assert_equal_state(again)
-    assert next(iter(again.values()))["batch"] == 20, "every rank went back to the commit at 20"
     doc = a.ctl("status", job)
     assert doc["restarts"] == 1
     a.ctl("cancel", job)

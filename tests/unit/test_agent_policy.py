@@ -6,17 +6,18 @@ from elasticd.core.policy import (Decision as Action, JobEnded, Leaving, RejoinS
                                   WorkersReady, decide)
 from elasticd.core.records import Outcome
 from elasticd.core.model import Failure, JobSpec, JobState, RunResult, WorkerState
-from elasticd.rendezvous import EventKind as K, Reason as R, RendezvousInfo, RoundEvent
+from elasticd.rendezvous import EventKind as K, Member, Reason as R, RendezvousInfo, RoundEvent
 
 SPEC = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
                min_nodes=1, max_nodes=3, max_restarts=2)
 
 
-def info(restart_count=0, nodes=2):
+def info(restart_count=0, nodes=2, idle=0):
+    """A round of ``nodes`` members, the last ``idle`` of them with no workers."""
+    members = tuple(Member(f"n{i}", "a", int(i < nodes - idle), i, min(i, nodes - idle)) for i in range(nodes))
     return RendezvousInfo(run_id="j-1", round=4, reason=R.INITIAL, restart_count=restart_count,
-                          group_rank=0, group_world_size=nodes, nproc=1, rank_base=0,
-                          world_size=nodes, master_addr="a", master_port=1,
-                          members=())
+                          group_rank=0, group_world_size=nodes - idle, nproc=1, rank_base=0,
+                          world_size=nodes - idle, master_addr="a", master_port=1, members=members)
 
 
 FAILED = RunResult(WorkerState.FAILED, (Failure(1, 0, "n2", 1, "boom"),))

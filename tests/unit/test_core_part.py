@@ -357,6 +357,65 @@ def test_in_place_a_failed_worker_is_replaced_while_the_survivor_trains_on():
     assert kinds(out) == ["Cancel", "ClearTimer", "Publish", "RequestRound"] and out[-1].reason is Reason.SCALE_UP
 
 
+
+def test_in_place_a_node_whose_every_worker_failed_stays_a_member_with_none():
+    """--nnodes 2:2: stepping aside would leave the round below min, and stop its peer."""
+    d = Drive(in_place=True)
+    in_place_running(d)
+    d.workers(WorkerState.FAILED, WorkerState.FAILED)
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
+    assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"] and out[-1].nproc == 0
+    out = acts(d.joined(info(round=1, nproc=0, restarts=1)))
+    assert kinds(out) == ["PlaceWorkers", "Notify", "Publish", "Watch"] and not out[0].group.workers
+    assert d.part.phase is Phase.RUNNING
+    ask(d, 0)
+    out = ask(d, 1)  # both warmed up: a scale-up round takes them in
+    assert kinds(out) == ["Cancel", "Publish", "RequestRound"] and out[-1].reason is Reason.SCALE_UP
+
+
+def test_in_place_a_node_whose_placed_workers_succeeded_goes_to_the_barrier_while_one_warms():
+    """A worker still warming up has no place to finish: the placed ones' success is the node's."""
+    d = Drive(in_place=True)
+    in_place_running(d)
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    d.joined(info(round=1, nproc=1, restarts=1))
+    out = d.workers(WorkerState.SUCCEEDED, WorkerState.HEALTHY)
+    assert kinds(out)[-1] == "StopWorkers"  # the one warming up goes: the barrier is next
+    out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
+    assert kinds(out)[0] == "ArriveAtBarrier" and d.part.phase is Phase.BARRIER
+
+
+def test_in_place_a_spare_takes_a_failed_workers_place_at_once_and_a_new_one_warms():
+    """--spares 1 (issue 27): slot 2 starts with the others, unplaced; it asks and stays
+    parked.  When slot 1 fails, the next round takes the spare at once (no warm-up to wait
+    for), and slot 1 warms up as the new spare."""
+    d = Drive(in_place=True)
+    d.part.spares = 1
+    out = d.start()
+    assert out[0].group.workers[-1].local_rank == 2 and out[-1].nproc == 2  # a pool of 3, 2 placed
+    d.joined(info())
+    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.HEALTHY)
+    ask(d, 0)
+    ask(d, 1)
+    assert kinds(ask(d, 2)) == ["Publish"] and inplace_parked(d) == 1  # a spare asks and waits: no scale-up
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.HEALTHY)
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
+    assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"]
+    assert out[1].slots == (1,) and out[-1].nproc == 2  # the spare joins in the failed one's place
+    out = acts(d.joined(info(round=1, restarts=1)))
+    assert sorted(out[0].envs) == [0, 2] and out[0].envs[2]["RANK"] == "1"
+    assert inplace_parked(d) == 0
+    assert kinds(ask(d, 1)) == ["Publish"] and inplace_parked(d) == 1  # the new spare parks: the round is full
+
+
+def inplace_parked(d: Drive) -> int:
+    from elasticd.core.inplace import parked
+    return parked(d.part)
+
 def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():
     d = Drive(in_place=True)
     in_place_running(d)

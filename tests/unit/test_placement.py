@@ -146,3 +146,20 @@ def test_a_standalone_daemon_refuses_a_step_that_rounds_min_past_one_node():
     assert beyond_standalone(record("j", 1, nnodes=(1, 4), step=2).spec) == (
         "the daemon is standalone (a one-node cluster), so a job needing 2 nodes "
         "(--nnodes-step 2) can never start; use --nnodes 1 or run a cluster")
+
+
+@pytest.mark.parametrize("free, has_gpus, spares, gpus", [
+    (Resources(4), False, 2, ()),                  # room for both spares
+    (Resources(2), False, 1, ()),                  # room for one
+    (Resources(1), False, 0, ()),                  # none: the job still runs
+    (Resources(8, GPUS), True, 2, GPUS[:3]),       # a spare takes a GPU of its own
+    (Resources(8, GPUS[:1]), True, 0, GPUS[:1]),   # no GPU left for a spare
+])
+def test_spares_take_what_is_free_beyond_the_workers(free, has_gpus, spares, gpus):
+    """issue 27: --spares K: up to K warm workers a node, in free slots (and GPUs), never
+    at the cost of the job's own workers; the jobs behind it see them used."""
+    spec = record("j-a", 1, nproc=1).spec
+    job = JobRecord(JobSpec(**{**spec.__dict__, "in_place": True, "spares": 2}), 1, {}, None)
+    offers = place([job, record("j-b", 2, nproc=1)], "n1", free, has_gpus=has_gpus, busy=set())
+    assert (offers[0].spares, offers[0].gpus, offers[0].slots) == (spares, gpus, 1 + spares)
+    assert len(offers) == (2 if free.slots > 1 + spares and (not has_gpus or len(free.gpus) > len(gpus)) else 1)

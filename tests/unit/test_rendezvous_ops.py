@@ -442,6 +442,19 @@ def test_info_for_heterogeneous_nodes():
     assert info.round == 2 and info.run_id == "job"
 
 
+
+def test_info_for_a_member_with_no_workers_ranks_last_and_is_never_the_master():
+    """In place, a node whose workers are warming up stays a member with none (issue 27)."""
+    state = RendezvousState(
+        version=9, round=3, complete=True, reason="failure", restarts_used=1, order=("b", "a", "c"),
+        participants={"a": Participant("10.0.0.1", 1, 1), "b": Participant("10.0.0.2", 0, 29400),
+                      "c": Participant("10.0.0.3", 1, 3)})
+    a, b = info_for(state, "a", "job"), info_for(state, "b", "job")
+    assert (a.master_addr, a.master_port, a.group_rank, a.rank_base) == ("10.0.0.1", 1, 0, 0)
+    assert (a.world_size, a.group_world_size) == (2, 2), "WORLD_SIZE and GROUP_WORLD_SIZE count who trains"
+    assert [m.node for m in a.members] == ["a", "c", "b"] and len(a.members) == 3
+    assert (b.group_rank, b.nproc, b.members) == (2, 0, a.members)
+
 # -- the heartbeat ring (issue 13): O(1) reads per node, every node read by two ------------------
 
 def test_ring_watch_reads_two_neighbours_and_covers_everyone():

@@ -53,3 +53,13 @@ def test_the_schedulers_fields_are_carried_and_the_account_defaults_to_the_calle
 def test_bad_values_are_invalid_specs(args, words):
     with pytest.raises(InvalidSpec, match=words):
         build(**args)
+
+
+def test_spares_are_for_in_place_jobs_only():
+    from elasticd.core.model import InvalidSpec, JobSpec
+    base = dict(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u")
+    assert JobSpec(**base, in_place=True, spares=2).spares == 2
+    with pytest.raises(InvalidSpec, match="add --in-place"):
+        JobSpec(**base, spares=1)
+    with pytest.raises(InvalidSpec, match="spares must be"):
+        JobSpec(**base, in_place=True, spares=-1)

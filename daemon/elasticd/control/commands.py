@@ -91,6 +91,7 @@ def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonCon
         exit_barrier_timeout=args.get("exit_barrier_timeout", defaults.exit_barrier_timeout),
         in_place=args.get("in_place", False),
         rejoin_timeout=args.get("rejoin_timeout", JobSpec.rejoin_timeout),
+        spares=args.get("spares", JobSpec.spares),
         nodes=tuple(args.get("nodes", ())), exclude=tuple(args.get("exclude", ())),
         role=args.get("role", JobSpec.role), master_port=args.get("master_port", JobSpec.master_port),
         priority=args.get("priority", JobSpec.priority), account=own_account(args.get("account") or "", caller.gid),

@@ -120,6 +120,26 @@ def renewed(pool: WorkerGroup, slots: Iterable[int]) -> WorkerGroup:
                        pool.master_port, workers, pool.gpus)
 
 
+def round_result(part: PartCore) -> RunResult | None:
+    """How this node's share of the round ended: any worker's failure (one that failed
+    before it asked for a place says so, as in ``warm_exited``); success once every *placed*
+    worker succeeded (one still warming up has no place to finish; the job's end stops it).
+    A member with no worker placed never succeeds by itself: the exit barrier does not wait
+    for it."""
+    group, places = part.group, _places(part)
+    assert group is not None
+    result = run_result(group, part.failures)
+    if result is not None and result.state is WorkerState.FAILED:
+        unasked = {w.local_rank for w in group.workers if w.rank < 0 and not places.has_asked(w.local_rank)}
+        return RunResult(WorkerState.FAILED, tuple(
+            replace(f, message=f"{WARM_FAILURE}: {f.message}") if f.local_rank in unasked else f
+            for f in result.failures))
+    placed = tuple(w for w in group.workers if w.rank >= 0)
+    if placed and all(w.state is WorkerState.SUCCEEDED for w in placed):
+        return RunResult(WorkerState.SUCCEEDED)
+    return None
+
+
 def ended(group: WorkerGroup) -> set[int]:
     """Slots whose worker's process ended."""
     return {w.local_rank for w in group.workers
@@ -166,6 +186,22 @@ class Places:
                 self.move(slot, SlotState.EMPTY)
 
 
+def pool_size(part: PartCore) -> int:
+    """Slots of the part's pool: its workers' and its spares' (``--spares``)."""
+    return part.nproc + part.spares
+
+
+def parked(part: PartCore) -> int:
+    """Spares ready now: workers that asked for a place and hold none."""
+    return sum(1 for state in _places(part).slots.values() if state is SlotState.READY)
+
+
+def _offered(places: Places, slots: Iterable[int], nproc: int) -> tuple[int, ...]:
+    """What a join offers of the workers that asked: those placed before first (survivors
+    keep their places), then spares, at most ``nproc``."""
+    return tuple(sorted(slots, key=lambda s: (places.slots.get(s) is not SlotState.PLACED, s))[:nproc])
+
+
 def _places(part: PartCore) -> Places:
     assert part.place is not None
     return part.place
@@ -196,7 +232,7 @@ def begin(part: PartCore, now: ev.Now) -> Instructions:
     workers start; a job that ran already is joined by warmed-up workers."""
     places = _places(part)
     places.first = part.started is None
-    part.group = standby(part.job, part.settings.node, part.nproc, part.gpus)
+    part.group = standby(part.job, part.settings.node, pool_size(part), part.gpus)
     out: Instructions = [do.NewPool(part.job, part.group)]
     out += part._report(PartState.RENDEZVOUS, now, None, part.group)
     if places.first:
@@ -211,10 +247,13 @@ def rejoin(part: PartCore, now: ev.Now) -> Instructions:
 
 def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> Instructions:
     """Warm up workers for the slots that have none; join with those that asked for a place
-    (the survivors); with none, step aside until the new ones ask."""
+    (the survivors).  A member of ``previous`` joins even with none: it stays a member with
+    zero workers while its new ones warm up, so that a round at ``min`` nodes trains on (at
+    ``--nnodes 2:2`` a lost worker does not stop its peer); they ask, and a scale-up round
+    takes them in.  A node new to the job waits for its workers to ask first."""
     places = _places(part)
     out: Instructions = []
-    missing = tuple(slot for slot in range(part.nproc) if slot not in places.running())
+    missing = tuple(slot for slot in range(pool_size(part)) if slot not in places.running())
     if missing:
         out.append(do.ForgetSlots(part.job, missing))
         for slot in missing:
@@ -224,12 +263,10 @@ def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> 
         assert part.group is not None
         part.group = renewed(part.group, missing)
         out.append(do.WarmWorkers(part.job, missing, previous.round + 1 if previous else 0))
-    ready = tuple(slot for slot in places.running() if places.has_asked(slot))
-    if ready:
+    ready = _offered(places, (slot for slot in places.running() if places.has_asked(slot)), part.nproc)
+    if ready or previous is not None:  # a member stays one, with no worker while they warm up
         places.joining = ready
         return out + part._join(now, len(ready))
-    if previous is not None:
-        out.append(do.StepAside(part.job))
     return out + _warm(part, now)
 
 
@@ -245,9 +282,10 @@ def _warm_check(part: PartCore, now: ev.Now) -> Instructions:
     leaving, heard already, comes next."""
     places = _places(part)
     running = places.running()
-    if running and all(places.has_asked(slot) for slot in running):
-        places.joining = tuple(running)
-        return part._join(now, len(running))
+    asked = [slot for slot in running if places.has_asked(slot)]
+    if running and (len(asked) == len(running) or len(asked) >= part.nproc):  # spares may still warm
+        places.joining = _offered(places, asked, part.nproc)
+        return part._join(now, len(places.joining))
     if part.group is not None and (not running or run_result(part.group, part.failures) is not None):
         return warm_exited(part, now)
     if part.ended is not None:
@@ -316,6 +354,8 @@ def joined(part: PartCore, info: RendezvousInfo, now: ev.Now) -> Instructions:
         places.first = False
         assert part.group is not None
         out.append(do.StartWorkers(part.job, part.group, info.round, pool=True))
+        for slot in range(part.nproc, pool_size(part)):  # the spares start unplaced
+            places.move(slot, SlotState.WARMING)
     return out + part._watch(now, notice_waiting=True)
 
 
@@ -369,8 +409,12 @@ def running_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instruc
                           exit_code=1, message=f"a collective failed: {event.error}", timestamp=now.wall)
         return _collective_failed(part, failure, now)
     warming = tuple(slot for slot in places.running() if slot not in placed)
-    if warming and all(places.has_asked(slot) for slot in warming):
-        return part._observed(WorkersReady(warming), now)
+    ready = tuple(slot for slot in warming if places.has_asked(slot))
+    room = part.nproc - (len(places.running()) - len(warming))  # places left: spares stay parked
+    if room > 0 and ready and (len(ready) == len(warming) or len(ready) >= room):
+        return part._observed(WorkersReady(ready[:room]), now)
+    if places.slots.get(event.slot) is SlotState.READY:  # a spare parked: the job shows it
+        return part._report(part.report_state, now, info, group)
     return []
 
 

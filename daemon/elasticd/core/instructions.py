@@ -201,7 +201,7 @@ class StartPart:
 
     job: str
     spec: JobSpec
-    nproc: int
+    nproc: int             # its processes: the workers and the spares
     gpus: tuple[str, ...]
     started: float | None  # when the job first ran, on any node (None: it has not)
 

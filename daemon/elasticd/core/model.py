@@ -31,7 +31,7 @@ MAX_PRIORITY = 1_000_000       # |priority|: the config bounds what each user ma
 DEFAULT_ROLE = "default"  # torchrun's --role
 # Fields a daemon of the previous version does not know: left out of a spec's JSON while
 # they hold their default, so that it can still read every ordinary job.
-_OMITTED_AT_DEFAULT = ("role", "master_port", "priority", "account", "preemptible", "nnodes_step")
+_OMITTED_AT_DEFAULT = ("role", "master_port", "priority", "account", "preemptible", "nnodes_step", "spares")
 
 
 class JobState(enum.StrEnum):
@@ -154,6 +154,7 @@ class JobSpec:
     exit_barrier_timeout: float = 300.0
     in_place: bool = False          # survivors keep their processes across rounds (elasticd.elastic)
     rejoin_timeout: float = 60.0    # in place: how long a survivor may take to ask for its new place
+    spares: int = 0                 # in place: warm workers per node kept beside the placed ones (free slots)
     nodes: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     submitted_on: str = ""
@@ -231,6 +232,8 @@ def validate(spec: JobSpec) -> None:
     need(_is_int(spec.max_restarts) and 0 <= spec.max_restarts <= MAX_COUNT,
          f"max_restarts must be from 0 to {MAX_COUNT}")
     need(isinstance(spec.in_place, bool), "in_place must be true or false")
+    need(_is_int(spec.spares) and 0 <= spec.spares <= MAX_NPROC, f"spares must be from 0 to {MAX_NPROC}")
+    need(not spec.spares or spec.in_place, "spares are warm workers of an --in-place job: add --in-place")
     for name, positive in (("join_timeout", True), ("exit_barrier_timeout", True),
                            ("rejoin_timeout", True), ("last_call_timeout", False)):
         value = getattr(spec, name)

@@ -210,15 +210,16 @@ class NodeCore:
         nproc = offer.nproc
         started = _started(record)
         part = PartCore(spec, nproc, offer.gpus, Settings(self.settings.node, self.settings.dead_after),
-                        started=started, place=Places() if spec.in_place else None,
+                        started=started, place=Places() if spec.in_place else None, spares=offer.spares,
                         scheduled=self._scheduled(spec.id))
         first = part.start(now)  # raises before the part is this node's
         self.parts[spec.id] = part
         self.offers[spec.id] = offer
         out: Instructions = [
-            do.Say("info", "job %s: joining with %d workers%s", spec.id,
-                   (spec.id, nproc, f" on GPUs {','.join(offer.gpus)}" if offer.gpus else "")),
-            do.StartPart(spec.id, spec, nproc, offer.gpus, started)]
+            do.Say("info", "job %s: joining with %d workers%s%s", spec.id,
+                   (spec.id, nproc, f" and {offer.spares} spares" if offer.spares else "",
+                    f" on GPUs {','.join(offer.gpus)}" if offer.gpus else "")),
+            do.StartPart(spec.id, spec, offer.slots, offer.gpus, started)]
         return out + self._outgoing(first, now)
 
     def _part_closed(self, event: ev.PartClosed, now: ev.Now) -> Instructions:
@@ -478,7 +479,7 @@ class NodeCore:
 
     def used(self) -> Resources:
         """What the parts here hold."""
-        return Resources(sum(o.nproc for o in self.offers.values()),
+        return Resources(sum(o.slots for o in self.offers.values()),
                          tuple(g for o in self.offers.values() for g in o.gpus))
 
     def local_jobs(self) -> list[str]:

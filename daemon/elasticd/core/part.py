@@ -113,6 +113,7 @@ class PartCore:
     held: str = ""                        # why this node never takes the job again
     notice_waiting: bool = True           # a round at its max stops listening to waiting nodes
     scheduled: frozenset[str] = frozenset()  # the nodes the cluster's schedule gives the job (none: no schedule)
+    spares: int = 0                       # in place: slots beyond ``nproc`` for warm spare workers
     then: Then = field(default_factory=Then)
     ops: dict[str, int] = field(default_factory=dict)  # what runs: "main", "watch", "probe" -> op
     next_op: int = 0
@@ -216,14 +217,13 @@ class PartCore:
         self.report_state = PART_STATES.check(self.reported, state)
         self.reported = state
         self.ran = now.wall if self.ran is None and state is PartState.RUNNING else self.ran
-        part = Part(
-            node=self.settings.node, state=state, round=info.round if info else None,
-            group_rank=info.group_rank if info else None, restarts=info.restart_count if info else 0,
-            world_size=info.world_size if info else None, group_world_size=info.group_world_size if info else None,
-            workers=tuple(w.to_json() for w in group.workers) if group else (),
-            started=self.started, barrier=barrier, updated=now.wall, held=self.held,
-            ran=self.ran, slots=self.nproc, gpus=len(self.gpus))
-        return [do.Publish(self.job, part)]
+        in_round = dict(round=info.round, group_rank=info.group_rank, restarts=info.restart_count,
+                     world_size=info.world_size, group_world_size=info.group_world_size) if info else {}
+        return [do.Publish(self.job, Part(
+            node=self.settings.node, state=state, **in_round, started=self.started, barrier=barrier,
+            workers=tuple(w.to_json() for w in group.workers) if group else (), updated=now.wall,
+            held=self.held, ran=self.ran, slots=self.nproc + self.spares, gpus=len(self.gpus),
+            spares=inplace.parked(self) if self.place is not None else 0))]
 
     def _close(self) -> Instructions:
         self._to(Phase.CLOSING)
@@ -243,7 +243,7 @@ class PartCore:
             return self._leave(now, None, None)
         self._to(Phase.JOINING)
         self.since = now.mono
-        return [do.Join(self.job, self._op("main"), nproc or self.nproc, self.spec.master_port, tuple(sorted(self.scheduled)))]
+        return [do.Join(self.job, self._op("main"), self.nproc if nproc is None else nproc, self.spec.master_port, tuple(sorted(self.scheduled)))]
 
     def _joined(self, event: ev.RoundJoined, now: ev.Now) -> Instructions:
         self._done(event)
@@ -311,7 +311,7 @@ class PartCore:
         if self.reported is not None and self.phase is not Phase.CLOSING:
             out += self._report(self.report_state, now, self.info, self.group)
         if self.phase is Phase.RUNNING:
-            result = run_result(self.group, self.failures)
+            result = inplace.round_result(self) if self.in_place else run_result(self.group, self.failures)
             if result is not None:
                 out += self._exited(result, now)
         elif self.phase is Phase.WARMING:

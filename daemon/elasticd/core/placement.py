@@ -29,7 +29,25 @@ class Resources:
 class Offer:
     job_id: str
     nproc: int
-    gpus: tuple[str, ...]
+    gpus: tuple[str, ...]   # the workers' and then the spares'
+    spares: int = 0         # in place: warm workers kept beside the placed ones
+
+    @property
+    def slots(self) -> int:
+        return self.nproc + self.spares
+
+
+def with_spares(spec: JobSpec, offer: Offer, free: Resources, has_gpus: bool) -> Offer:
+    """An in-place job's spares (``--spares``) take what is free beyond its workers, up to
+    the number asked for; on a node with GPUs each spare needs a GPU of its own."""
+    room = free.slots - offer.nproc
+    if has_gpus:
+        room = min(room, len(free.gpus) - len(offer.gpus))
+    spares = max(0, min(spec.spares, room))
+    if not spares:
+        return offer
+    spare_gpus = tuple(g for g in free.gpus if g not in offer.gpus)[:spares] if has_gpus else ()
+    return replace(offer, gpus=offer.gpus + spare_gpus, spares=spares)
 
 
 def fit(spec: JobSpec, free: Resources, has_gpus: bool) -> Offer | None:
@@ -144,7 +162,8 @@ def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bo
         offer = fit(record.spec, free, has_gpus)
         if offer is None:
             continue
+        offer = with_spares(record.spec, offer, free, has_gpus) if record.spec.spares else offer
         offers.append(offer)
-        free = replace(free, slots=free.slots - offer.nproc,
+        free = replace(free, slots=free.slots - offer.slots,
                        gpus=tuple(g for g in free.gpus if g not in offer.gpus))
     return offers

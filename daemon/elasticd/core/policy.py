@@ -82,7 +82,7 @@ def decide(seen: Observed, info: RendezvousInfo, spec: JobSpec) -> Decision:
         return Decision.STOP
     if seen.kind is EventKind.NEXT_ROUND:
         return Decision.REJOIN
-    if seen.kind is EventKind.WAITING and info.group_world_size < spec.max_nodes:
+    if seen.kind is EventKind.WAITING and len(info.members) < spec.max_nodes:
         return Decision.SCALE_UP
     return Decision.WATCH
 

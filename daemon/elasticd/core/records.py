@@ -39,6 +39,7 @@ class Part:
     ran: float | None = None
     slots: int | None = None
     gpus: int | None = None
+    spares: int = 0  # in place: warm workers parked beside the placed ones (asked, no place)
     before: tuple[tuple[float, float, int, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -186,7 +187,7 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None,
         **_summary(record, parts), "role": spec.role, "master_port": spec.master_port or None,
         "argv": list(spec.argv), "kind": spec.kind, "python": spec.python, "workdir": spec.workdir,
         "submitted_on": spec.submitted_on, "priority": spec.priority, "account": spec.account,
-        "preemptible": spec.preemptible, "nnodes_step": spec.nnodes_step,
+        "preemptible": spec.preemptible, "nnodes_step": spec.nnodes_step, "spares": spec.spares,
         "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
         "nodes": [_node_doc(p, usage.get(p.node), p.node in gone) for p in parts],
         "usage": total_usage(usage.values()),
@@ -256,7 +257,8 @@ def as_lost(part: Part) -> Part:
 
 def _node_doc(part: Part, usage: Mapping[str, Any] | None, lost: bool = False) -> dict[str, Any]:
     return {"node": part.node, "group_rank": part.group_rank, "state": LOST if lost else part.state.value,
-            "ranks": [w["rank"] for w in part.workers], "usage": dict(usage) if usage else None}
+            "ranks": [w["rank"] for w in part.workers if w["rank"] >= 0], "spares": part.spares,
+            "usage": dict(usage) if usage else None}
 
 
 def total_usage(usages: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:

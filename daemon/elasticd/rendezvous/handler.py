@@ -236,7 +236,8 @@ class RendezvousHandler:
 
     async def exit_barrier_wait(self, info: RendezvousInfo, timeout: float,
                                 progress: Callable[[int, int], None] = lambda done, total: None) -> bool:
-        """True once every member of ``info.round`` arrived, False after ``timeout`` seconds.
+        """True once every member of ``info.round`` that holds workers arrived (one with none
+        has nothing to finish), False after ``timeout`` seconds.
         ``progress(done, total)`` hears of each arrival while it waits (it waits on the key of
         a member still missing, never on a timer; a forged key there costs a back-off)."""
         deadline = self._clock() + timeout
@@ -244,7 +245,7 @@ class RendezvousHandler:
         awaited = None
         while True:
             arrived = await self._arrivals(info)
-            missing = [m.node for m in info.members if m.node not in arrived]
+            missing = [m.node for m in info.members if m.nproc and m.node not in arrived]
             if not missing:
                 return True
             progress(len(arrived), total)

@@ -386,20 +386,24 @@ def round_event(
 
 
 def info_for(state: RendezvousState, node: str, run_id: str) -> RendezvousInfo:
-    """This node's view of a complete round: ranks follow ``state.order``."""
+    """This node's view of a complete round: ranks follow ``state.order``, except that a
+    member with no workers (in place: its new ones warm up) ranks after those with some.
+    So the master is the node of global rank 0, and GROUP_RANK and GROUP_WORLD_SIZE count
+    the nodes that train, as WORLD_SIZE counts their workers."""
+    training = sorted(state.order, key=lambda name: state.participants[name].nproc == 0)
     members, base = [], 0
-    for rank, name in enumerate(state.order):
+    for rank, name in enumerate(training):
         participant = state.participants[name]
         members.append(Member(name, participant.addr, participant.nproc, rank, base))
         base += participant.nproc
-    me = members[state.order.index(node)]
+    me = members[training.index(node)]
     return RendezvousInfo(
         run_id=run_id,
         round=state.round,
         reason=state.reason,
         restart_count=state.restarts_used,
         group_rank=me.group_rank,
-        group_world_size=len(members),
+        group_world_size=sum(1 for m in members if m.nproc),
         nproc=me.nproc,
         rank_base=me.rank_base,
         world_size=base,
