@@ -81,6 +81,8 @@ class Metrics:
             "(--preemptible: requeued, no restart spent)", registry=reg)
         self.workers = Gauge("elasticd_workers", "Worker processes on this node, by state",
                              ["state"], registry=reg)
+        self.spares = Gauge("elasticd_spare_workers", "Warm spare workers parked on this node "
+                            "(--spares: started, waiting in elastic.run, holding no rank)", registry=reg)
         self.worker_restarts = Counter("elasticd_worker_restarts_total",
                                        "Group restarts after a worker failure", registry=reg)
         self.worker_exits = Counter("elasticd_worker_exits_total", "Worker exits, by exit code",
@@ -206,7 +208,7 @@ class Metrics:
         """Set the job and local worker gauges from the registry's records; count new endings."""
         jobs: Tally[str] = Tally()
         workers: Tally[str] = Tally()
-        held = 0
+        held = spares = 0
         records = list(records)
         self._first_starts(records, node)
         for record in records:
@@ -218,6 +220,8 @@ class Metrics:
             part = record.parts.get(node)
             if part is not None and part.state.active:
                 workers.update(w["state"] for w in part.workers)
+                spares += part.spares
+        self.spares.set(spares)
         for state in JobState:
             self.jobs.labels(state.value).set(jobs[state.value])
         self.jobs_held.set(held)
