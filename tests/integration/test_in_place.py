@@ -171,12 +171,13 @@ def test_at_min_nodes_a_lost_worker_does_not_stop_its_peer(pair: Cluster, report
 
 
 
-def spares_of(daemon: Any, job: str) -> dict[str, int]:
-    """node -> the pid of its parked spare (a worker that holds no rank), once each has one."""
+def spares_of(daemon: Any, job: str, nodes: int) -> dict[str, int]:
+    """node -> the pid of its parked spare (a worker that holds no rank), once ``nodes`` have one."""
     doc = daemon.ctl("status", job)
-    parked = {n["node"] for n in doc["nodes"] if n["spares"] == 1}
-    pids = {w["node"]: w["pid"] for w in doc["workers"] if w["rank"] < 0 and w["state"] == "HEALTHY"}
-    return pids if len(parked) == 2 and parked == set(pids) else {}
+    parked = {n["node"] for n in doc["nodes"] if n["spares"] == 1 and n["state"] == "RUNNING"}
+    pids = {w["node"]: w["pid"] for w in doc["workers"]
+            if w["rank"] < 0 and w["state"] == "HEALTHY" and w["node"] in parked}
+    return pids if len(pids) == nodes else {}
 
 
 def gone(pids: set[int]) -> bool:
@@ -184,28 +185,39 @@ def gone(pids: set[int]) -> bool:
                    for pid in pids)
 
 
-def test_a_spare_takes_a_lost_workers_place_and_dies_with_the_job(pair: Cluster, report: Path) -> None:
-    """--spares 1 (issue 27): each node keeps a warm worker beside its placed one.  The
-    placed worker on b is SIGKILLed: b's spare (the same process, already past its imports)
-    is the new rank 1, and a new spare warms up; a cancel ends every one of them."""
-    a, b = pair
-    job = submit(a, report, "--spares", "1", nnodes="2:2")
-    two = wait_for(lambda: formed(report, 2), 120, "2 ranks training")
-    spares = wait_for(lambda: spares_of(a, job), 120, "a warm spare parked on each node")
-    assert not set(spares.values()) & set(two), "a spare holds no rank"
-    lost = next(pid for pid, e in two.items() if e["rank"] == 1)
-    lost_node = next(w["node"] for w in a.ctl("status", job)["workers"] if w["pid"] == lost)
+def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(cluster: Cluster, report: Path) -> None:
+    """--spares 1 (issue 27): each node keeps a warm worker beside its placed one.
+    b's placed worker is SIGKILLed: b's spare (the same process, past its imports and its
+    model) is the new rank, and a new spare warms up.  Node c dies: the survivors re-form,
+    then a's spare fills in, so the job is back at 3 ranks with no process started.  A
+    cancel ends every worker and spare."""
+    a, b, c = cluster
+    job = submit(a, report, "--spares", "1", nnodes="2:3")
+    three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
+    spares = wait_for(lambda: spares_of(a, job, 3), 120, "a warm spare parked on each node")
+    assert not set(spares.values()) & set(three), "a spare holds no rank"
+    where = {w["pid"]: w["node"] for w in a.ctl("status", job)["workers"]}
+    lost = next(pid for pid in three if where[pid] == b.name)
 
     killed_at = time.time()
     os.kill(lost, signal.SIGKILL)
-    again = wait_for(lambda: formed(report, 2, killed_at), 60, "back at 2 ranks")
-    assert spares[lost_node] in again, "the spare's process took the lost worker's place"
+    again = wait_for(lambda: formed(report, 3, killed_at), 60, "back at 3 ranks")
+    assert spares[b.name] in again and lost not in again, "b's spare took the lost worker's place"
     assert_equal_state(again)
-    fresh = wait_for(lambda: spares_of(a, job), 120, "a new spare parked")
-    assert fresh[lost_node] not in (lost, spares[lost_node])
-    everyone = {*again, *fresh.values()}
+    spares = wait_for(lambda: spares_of(a, job, 3), 120, "b warmed a new spare")
+
+    lost_at = time.time()
+    c.signal(signal.SIGKILL)
+    c.wait_exit(30)
+    filled = wait_for(lambda: formed(report, 3, lost_at), 60, "back at 3 ranks on 2 nodes")
+    survivors = {pid for pid in again if where.get(pid) != c.name}
+    assert survivors < set(filled) and spares[a.name] in filled, "a's spare filled in for c"
+    assert_equal_state(filled)
+    assert a.ctl("status", job)["restarts"] == 1, "only the worker's failure spent a restart"
     a.ctl("cancel", job)
+    everyone = {*filled, spares[b.name]}
     wait_for(lambda: gone(everyone), 30, "no worker or spare outlives the cancel")
+
 
 def test_a_rank_that_raises_mid_step_makes_every_rank_restore_the_last_commit(
         cluster: Cluster, report: Path) -> None:

@@ -412,6 +412,33 @@ def test_in_place_a_spare_takes_a_failed_workers_place_at_once_and_a_new_one_war
     assert kinds(ask(d, 1)) == ["Publish"] and inplace_parked(d) == 1  # the new spare parks: the round is full
 
 
+
+def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
+    """issue 27: the survivors re-form without the lost node, then the first member places
+    its spare (a scale-up round) so that the job is back at its size; when a node comes,
+    the spare steps back and parks again."""
+    d = Drive(in_place=True, max_nodes=3)
+    d.part.spares = 1
+    d.start()
+    d.joined(info())  # 2 nodes x 2: world 4
+    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.HEALTHY)
+    for slot in (0, 1, 2):
+        ask(d, slot)
+    out = d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST)))
+    assert kinds(out)[-1] == "Join" and out[-1].nproc == 2  # the survivors first, the spare parked
+    out = acts(d.joined(info(round=1, nodes=(ME,), reason=Reason.NODE_LOST)))
+    assert kinds(out)[-1] == "RequestRound" and out[-1].reason is Reason.SCALE_UP  # 2 < 4: fill in
+    out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    assert kinds(out)[-1] == "Join" and out[-1].nproc == 3
+    fill = info(round=2, nodes=(ME,), nproc=3, reason=Reason.SCALE_UP)
+    out = acts(d.joined(fill))
+    assert sorted(out[0].envs) == [0, 1, 2] and inplace_parked(d) == 0 and kinds(out)[-1] == "Watch"
+    out = d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.NEXT_ROUND, Reason.SCALE_UP)))
+    assert kinds(out)[-1] == "Join" and out[-1].nproc == 2  # a node comes: the spare steps back
+    out = acts(d.joined(info(round=3, nodes=(ME, OTHER), reason=Reason.SCALE_UP)))
+    assert sorted(out[0].envs) == [0, 1] and inplace_parked(d) == 1 and kinds(out)[-1] == "Watch"
+    assert [w.rank for w in d.part.group.workers] == [0, 1, -1]
+
 def inplace_parked(d: Drive) -> int:
     from elasticd.core.inplace import parked
     return parked(d.part)

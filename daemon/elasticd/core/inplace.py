@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 Instructions = list[do.Instruction]
 
+LOSSES = frozenset({Reason.FAILURE, Reason.NODE_LOST})  # rounds after which spares fill the old size
 ABORTING = frozenset({Reason.FAILURE, Reason.NODE_LOST, Reason.DRAIN, Reason.SHUTDOWN,
                       Reason.RECLAIM, Reason.STALLED})  # rounds whose old group has lost a member
 ROUND_ENV = "ELASTICD_ROUND"
@@ -51,7 +52,7 @@ SLOT_STATES = StateTable("an in-place slot", {
     SlotState.EMPTY: (SlotState.WARMING, SlotState.PLACED),  # PLACED: a first round's worker
     SlotState.WARMING: (SlotState.READY, SlotState.EMPTY),
     SlotState.READY: (SlotState.PLACED, SlotState.EMPTY),
-    SlotState.PLACED: (SlotState.EMPTY,),  # asking again, placed again: it stays PLACED
+    SlotState.PLACED: (SlotState.EMPTY, SlotState.READY),  # READY: a spare that filled in steps back
 })
 
 
@@ -100,11 +101,12 @@ def standby(job_id: str, node: str, nproc: int, gpus: tuple[str, ...] = ()) -> W
 
 
 def placed_group(pool: WorkerGroup, group: WorkerGroup) -> WorkerGroup:
-    """The pool once ``group`` placed it: the round's ranks, each worker's pid and state kept."""
+    """The pool once ``group`` placed it: the round's ranks, each worker's pid and state kept
+    (one with no place in it has no rank)."""
     by_slot = {w.local_rank: w for w in group.workers}
     workers = tuple(Worker(old.local_rank, by_slot[old.local_rank].rank, by_slot[old.local_rank].world_size,
                            old.node, old.pid, old.state, old.exit_code)
-                    if old.local_rank in by_slot else old for old in pool.workers)
+                    if old.local_rank in by_slot else replace(old, rank=-1, world_size=0) for old in pool.workers)
     return WorkerGroup(group.job_id, group.round, group.restart_count, group.group_rank,
                        group.group_world_size, group.rank_base, group.world_size, group.master_addr,
                        group.master_port, workers, group.gpus)
@@ -161,6 +163,9 @@ class Places:
     first: bool = False                                   # the job's first round: its workers start once formed
     timers: dict[str, str] = field(default_factory=dict)  # role -> the name of its timer now
     warm_failures: int = 0                                # warm-ups that failed since a worker last asked
+    keep: int = 0                                         # the world size to keep: before the last losses
+    extra: int = 0                                        # spares placed beyond nproc, filling in for a lost node
+    filling: bool = False                                 # the scale-up asked for is this node's own fill
 
     def move(self, slot: int, state: SlotState) -> None:
         self.slots[slot] = SLOT_STATES.check(self.slots.get(slot, SlotState.EMPTY), state)
@@ -263,7 +268,8 @@ def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> 
         assert part.group is not None
         part.group = renewed(part.group, missing)
         out.append(do.WarmWorkers(part.job, missing, previous.round + 1 if previous else 0))
-    ready = _offered(places, (slot for slot in places.running() if places.has_asked(slot)), part.nproc)
+    ready = _offered(places, (slot for slot in places.running() if places.has_asked(slot)),
+                     part.nproc + places.extra)
     if ready or previous is not None:  # a member stays one, with no worker while they warm up
         places.joining = ready
         return out + part._join(now, len(ready))
@@ -356,7 +362,25 @@ def joined(part: PartCore, info: RendezvousInfo, now: ev.Now) -> Instructions:
         out.append(do.StartWorkers(part.job, part.group, info.round, pool=True))
         for slot in range(part.nproc, pool_size(part)):  # the spares start unplaced
             places.move(slot, SlotState.WARMING)
-    return out + part._watch(now, notice_waiting=True)
+    lost = previous is not None and info.reason in LOSSES
+    places.keep = max(places.keep, previous.world_size) if lost and previous else info.world_size
+    out += part._watch(now, notice_waiting=True)
+    return out + _fill(part, now)
+
+
+def _fill(part: PartCore, now: ev.Now) -> Instructions:
+    """The job is smaller than before its last losses: the first members (by group rank),
+    one spare each, fill in for what was lost, through a scale-up round.  The others train
+    on meanwhile; the fill lasts until a node or a newcomer scales the job up again."""
+    from elasticd.core.part import Phase
+    places, info = _places(part), part.info
+    assert info is not None
+    spares = sorted(slot for slot, state in places.slots.items() if state is SlotState.READY)
+    if part.phase is not Phase.RUNNING or not spares or info.group_rank >= places.keep - info.world_size:
+        return []
+    places.extra += 1
+    places.filling = True
+    return part._observed(WorkersReady(spares[:1]), now)
 
 
 def _place(part: PartCore, info: RendezvousInfo, previous: RendezvousInfo | None,
@@ -380,6 +404,9 @@ def _place(part: PartCore, info: RendezvousInfo, previous: RendezvousInfo | None
     for worker in group.workers:
         places.placed[worker.local_rank] = info.round
         places.move(worker.local_rank, SlotState.PLACED)
+    offered = {w.local_rank for w in group.workers}
+    for slot in [s for s, state in places.slots.items() if state is SlotState.PLACED and s not in offered]:
+        places.move(slot, SlotState.READY)  # a spare that filled in steps back
     places.suspect = places.suspected = None
     assert part.group is not None
     part.info, part.group = info, placed_group(part.group, group)
@@ -413,8 +440,8 @@ def running_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instruc
     room = part.nproc - (len(places.running()) - len(warming))  # places left: spares stay parked
     if room > 0 and ready and (len(ready) == len(warming) or len(ready) >= room):
         return part._observed(WorkersReady(ready[:room]), now)
-    if places.slots.get(event.slot) is SlotState.READY:  # a spare parked: the job shows it
-        return part._report(part.report_state, now, info, group)
+    if places.slots.get(event.slot) is SlotState.READY:  # a spare parked: it may fill in, else the job shows it
+        return _fill(part, now) or part._report(part.report_state, now, info, group)
     return []
 
 
@@ -479,6 +506,9 @@ def act(part: PartCore, decision: Decision, seen: Observed, now: ev.Now) -> Inst
     if reason is None:
         return None
     places = _places(part)
+    if reason is Reason.SCALE_UP and not places.filling:
+        places.extra = 0  # a node or a newcomer comes: spares that filled in step back
+    places.filling = False
     out = _clear(part, "suspect", "rejoin")
     out += part._report(PartState.RESTARTING, now, part.info, part.group)
     if not keeps_workers(reason):
