@@ -39,6 +39,23 @@ def record(directory: str, event: str, **extra: object) -> None:
     os.close(fd)
 
 
+def record_phases(directory: str) -> None:
+    """Each point of a re-form that elasticd.elastic logs (runtime.phase) becomes a ``phase``
+    event: bench_recovery.py prints where a figure's time went."""
+    import logging
+
+    class Phases(logging.Handler):
+        def emit(self, rec: logging.LogRecord) -> None:
+            name = getattr(rec, "phase", None)
+            if name is not None:
+                record(directory, "phase", name=name, round=getattr(rec, "round", -1), t=rec.created)
+
+    logger = logging.getLogger("elasticd.elastic")
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    logger.addHandler(Phases())
+
+
 def nccl_device():
     """cuda:LOCAL_RANK, shared with the other ranks of this host (see the docstring)."""
     import torch
@@ -88,6 +105,7 @@ def in_place(directory: str, nccl: bool = False) -> None:
     os.environ.setdefault("RANK", "-1")
     os.environ.setdefault("WORLD_SIZE", "0")
     record(directory, "warm", exec=exec_time())
+    record_phases(directory)
     device = nccl_device() if nccl else None
     elastic.init("nccl" if nccl else "gloo")
     state = elastic.ObjectState(step=0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import socket
 import stat
@@ -34,6 +35,8 @@ import torch.distributed as dist
 
 from .broadcast import default_device
 from .errors import GroupAborted, HostsUpdatedInterrupt
+
+log = logging.getLogger(__name__)
 
 # On an H200 (torch 2.11, NCCL 2.28, tests/gpu), a survivor whose peer was SIGKILLed was
 # released by ncclCommAbort, then hung for good freeing the failed collective's traceback;
@@ -98,6 +101,7 @@ class Channel:
             elif op == "abort":
                 self.aborted = max(self.aborted, round)
             self._lock.notify_all()
+        phase(f"notice-{op}", round)
         if op == "abort":
             self._on_abort(round)
 
@@ -205,6 +209,7 @@ class Runtime:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         newest, added = int(agreed[0]), bool(agreed[1])
         if newest > self.round:
+            phase("interrupt", newest)
             raise HostsUpdatedInterrupt(skip_sync=not added)
 
     def is_group_failure(self, exc: BaseException) -> bool:
@@ -231,11 +236,15 @@ class Runtime:
                 if why == "failure":
                     _shut_down(self._group_sockets)
                 self._group_sockets = {}
+            phase("leave-start", self.round)
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+            phase("leave-end", self.round)
+        phase(f"ask-{why}", self.round)
         round, env = self.channel.place_after(self.round, why, error)
+        phase("placed", round)
         os.environ.update(env)
         self.round = round
         self._init_group()
@@ -246,7 +255,9 @@ class Runtime:
         try:
             if self.aborted:
                 raise GroupAborted("a member of the job left before its group formed")
+            phase("form-start", self.round)
             dist.init_process_group(self.backend or _default_backend(), init_method="env://")
+            phase("form-end", self.round)
         finally:
             with self._group_lock:
                 self._before_group, self._forming_since = self._forming_since, None
@@ -259,6 +270,13 @@ class Runtime:
             before = self._before_group
             self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
                                    if before.get(fd) != ino}
+
+
+def phase(name: str, round: int) -> None:
+    """A point of a re-form on the worker's clock (debug level: tests/bench/bench_recovery.py
+    collects them to print each figure's phases)."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("elasticd: %s (round %d)", name, round, extra={"phase": name, "round": round})
 
 
 def _default_backend() -> str:
