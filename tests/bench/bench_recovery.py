@@ -33,6 +33,13 @@ processes (1.0) or were replaced (0.0):
 
     python3 tests/bench/bench_recovery.py --backend nccl --only node-loss --system elasticd-inplace --runs 1
 
+In place (elasticd-inplace), each figure is followed by its phases: the workers' library
+logs each point of a re-form (``elasticd.elastic.runtime.phase``, debug level), the worker
+records them as events, and the bench prints when the last rank concerned got to each
+(medians; from the event, a scale-up's from the newcomer's ask for its place): the round
+formed, the survivors notified, left the old group, the old group destroyed, the new
+group's forming started and ended, the state synced, the first step.
+
 The bench polls the event file every 10 ms (benchmarks may; tests may not).
 """
 
