@@ -288,11 +288,13 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     phases (``p:...``, see PHASES)."""
     if figures is None:
         return None
-    old = {(e["pid"], e["world"]) for e in system.events.read() if e["event"] == "step" and e["t"] <= t0}
+    def world(e: dict[str, Any]) -> tuple[Any, ...]:  # in place, a survivor's round too: a
+        return e["pid"], e["world"], e.get("in_round")  # 2 -> 3 -> 2 job is at 2 twice
+    old = {world(e) for e in system.events.read() if e["event"] == "step" and e["t"] <= t0}
 
     def first_new(events):
         new = [e["t"] for e in events if e["event"] == "step" and e["t"] > t0
-               and (e["pid"], e["world"]) not in old]
+               and world(e) not in old]
         return min(new) if new else None
     resumed = system.events.wait(first_new, 60)
     if resumed is None:

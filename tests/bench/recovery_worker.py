@@ -33,7 +33,8 @@ def exec_time() -> float:
 def record(directory: str, event: str, **extra: object) -> None:
     doc = {"event": event, "t": time.time(), "pid": os.getpid(),
            "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
-           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), **extra}
+           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+           "in_round": os.environ.get("ELASTICD_ROUND"), **extra}  # in place: the worker's round
     fd = os.open(os.path.join(directory, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.write(fd, (json.dumps(doc) + "\n").encode())
     os.close(fd)
