@@ -329,7 +329,7 @@ class Runtime:
 
 def _leave_group() -> None:
     """Destroy the default group. Gloo's group object is freed on a thread of its own: its
-    destructor closes each pair, waiting for gloo's event loop to let go of the socket
+    destructor closes its connections, waiting for gloo's event loop to let go of them
     (~20 ms here, without the GIL), which needs to hold up neither the new group nor the
     training. (Past ``destroy_process_group`` it is shut down and unknown to torch.)"""
     old = [dist.group.WORLD] if str(dist.get_backend()) == "gloo" else []
