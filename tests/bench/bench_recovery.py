@@ -33,6 +33,13 @@ processes (1.0) or were replaced (0.0):
 
     python3 tests/bench/bench_recovery.py --backend nccl --only node-loss --system elasticd-inplace --runs 1
 
+In place (elasticd-inplace), each figure is followed by its phases: the workers' library
+logs each point of a re-form (``elasticd.elastic.runtime.phase``, debug level), the worker
+records them as events, and the bench prints when the last rank concerned got to each
+(medians; from the event, a scale-up's from the newcomer's ask for its place): the round
+formed, the survivors notified, left the old group, the old group destroyed, the new
+group's forming started and ended, the state synced, the first step.
+
 The bench polls the event file every 10 ms (benchmarks may; tests may not).
 """
 
@@ -277,14 +284,17 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     """What users feel, from the workers' steps (an all_reduce each): ``resumed``, from t0 to
     the first step of a world that did not step before t0 (a new process, or a survivor in
     its new world); ``stall``, the longest time in which no rank finished a step, from the
-    last step before t0 until 2 s after training resumed."""
+    last step before t0 until 2 s after training resumed.  In place, also the re-form's
+    phases (``p:...``, see PHASES)."""
     if figures is None:
         return None
-    old = {(e["pid"], e["world"]) for e in system.events.read() if e["event"] == "step" and e["t"] <= t0}
+    def world(e: dict[str, Any]) -> tuple[Any, ...]:  # in place, a survivor's round too: a
+        return e["pid"], e["world"], e.get("in_round")  # 2 -> 3 -> 2 job is at 2 twice
+    old = {world(e) for e in system.events.read() if e["event"] == "step" and e["t"] <= t0}
 
     def first_new(events):
         new = [e["t"] for e in events if e["event"] == "step" and e["t"] > t0
-               and (e["pid"], e["world"]) not in old]
+               and world(e) not in old]
         return min(new) if new else None
     resumed = system.events.wait(first_new, 60)
     if resumed is None:
@@ -293,10 +303,60 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     steps = sorted(e["t"] for e in system.events.read() if e["event"] == "step")
     last = max((t for t in steps if t <= t0), default=t0)
     window = [last] + [t for t in steps if last < t <= resumed + 2]
-    stall = max((b - a for a, b in zip(window, window[1:])), default=resumed - last)
+    stall, stalled = max(((b - a, a) for a, b in zip(window, window[1:])), default=(resumed - last, last))
     if system.name == "elasticd-inplace":  # survivors were exec'd long ago: no control figure
         figures = {k: v for k, v in figures.items() if k != "control"}
+        figures = {**figures, **phases(system.events.read(), t0, resumed, stalled)}
     return {**figures, "resumed": resumed - t0, "stall": stall}
+
+
+# An in-place re-form's points (the workers' elasticd.elastic logs them: runtime.phase), in
+# order, each the time since the event at which the last rank concerned got there.
+PHASES = (("p:asked", "the newcomer asked for its place"),
+          ("p:last-step", "the stall began (last step before it)"),
+          ("p:formed", "round formed (first node's workers placed)"),
+          ("p:notified", "survivors notified (update/abort)"),
+          ("p:left", "survivors left the old group (interrupt)"),
+          ("p:old-destroyed", "old group destroyed"),
+          ("p:form-start", "new group's forming started"),
+          ("p:form-end", "new group formed"),
+          ("p:sync-end", "state synced"),
+          ("p:first-step", "first step after"))
+
+
+def phases(events: list[dict[str, Any]], t0: float, resumed: float, stalled: float) -> dict[str, float]:
+    """Where an in-place figure's time went: from t0 (a scale-up: from the newcomer's ask for
+    a place, its warm-up excluded) to each point of the re-form that training resumed in,
+    the last rank to reach it counting (see PHASES)."""
+    old = {e["pid"] for e in events if e["t"] <= t0}
+    points = [e for e in events if e["event"] == "phase" and t0 < e["t"] <= resumed]
+    asks = [e["t"] for e in points if e["name"] == "ask-start" and e["pid"] not in old]
+    origin = min(asks) if asks else t0
+    rounds = [e["round"] for e in points if e["name"] == "placed"]
+    if not rounds:
+        return {}
+    final = max(rounds)
+
+    def latest(names: tuple[str, ...], pids: set[int] | None = None, round: int | None = None):
+        """Per process its first such point, then the latest of those."""
+        first: dict[int, float] = {}
+        for e in points:
+            if e["name"] in names and (pids is None or e["pid"] in pids) \
+                    and (round is None or e["round"] == round):
+                first[e["pid"]] = min(first.get(e["pid"], e["t"]), e["t"])
+        return max(first.values()) - origin if first else None
+    placed = [e["t"] for e in points if e["name"] == "notice-place" and e["round"] == final]
+    found = {"p:asked": origin - t0 if asks else None,
+             "p:last-step": stalled - origin,
+             "p:formed": min(placed) - origin if placed else None,
+             "p:notified": latest(("notice-update", "notice-abort"), old),
+             "p:left": latest(("interrupt", "leave-start"), old),
+             "p:old-destroyed": latest(("leave-end",), old),
+             "p:form-start": latest(("form-start",), round=final),
+             "p:form-end": latest(("form-end",), round=final),
+             "p:sync-end": latest(("sync-end",), round=final),
+             "p:first-step": resumed - origin}
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def node_up(base: Path, pid: int) -> float:
@@ -458,6 +518,16 @@ def print_table(report: dict[str, Any]) -> None:
                 ratios.append(f"{inplace / theirs:.2f}x" if inplace and theirs else "-")
             print(f"{label:36} " + " ".join(f"{c:30}" for c in row) + " "
                   + " ".join(f"{r:18}" for r in ratios))
+        print_phases(by_system.get("elasticd-inplace", []))
+
+
+def print_phases(results: list[dict[str, float] | None]) -> None:
+    """The in-place figure's phases (medians over the runs; see PHASES): since the event, or
+    for a scale-up since the newcomer asked for its place (``asked`` after the node started)."""
+    for key, label in PHASES:
+        text, median = cell(results, key)
+        if median is not None:
+            print(f"    {label:48} {text}")
 
 
 if __name__ == "__main__":

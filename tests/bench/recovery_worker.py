@@ -33,10 +33,28 @@ def exec_time() -> float:
 def record(directory: str, event: str, **extra: object) -> None:
     doc = {"event": event, "t": time.time(), "pid": os.getpid(),
            "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
-           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), **extra}
+           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+           "in_round": os.environ.get("ELASTICD_ROUND"), **extra}  # in place: the worker's round
     fd = os.open(os.path.join(directory, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.write(fd, (json.dumps(doc) + "\n").encode())
     os.close(fd)
+
+
+def record_phases(directory: str) -> None:
+    """Each point of a re-form that elasticd.elastic logs (runtime.phase) becomes a ``phase``
+    event: bench_recovery.py prints where a figure's time went."""
+    import logging
+
+    class Phases(logging.Handler):
+        def emit(self, rec: logging.LogRecord) -> None:
+            name = getattr(rec, "phase", None)
+            if name is not None:
+                record(directory, "phase", name=name, round=getattr(rec, "round", -1), t=rec.created)
+
+    logger = logging.getLogger("elasticd.elastic")
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    logger.addHandler(Phases())
 
 
 def nccl_device():
@@ -88,6 +106,7 @@ def in_place(directory: str, nccl: bool = False) -> None:
     os.environ.setdefault("RANK", "-1")
     os.environ.setdefault("WORLD_SIZE", "0")
     record(directory, "warm", exec=exec_time())
+    record_phases(directory)
     device = nccl_device() if nccl else None
     elastic.init("nccl" if nccl else "gloo")
     state = elastic.ObjectState(step=0)

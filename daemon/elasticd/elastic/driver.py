@@ -35,7 +35,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     if reset:
                         state.on_reset()
                 if not skip_sync:
+                    runtime.phase("sync-start", worker.round)
                     state.sync()
+                    runtime.phase("sync-end", worker.round)
                 worker.note_group_sockets()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:

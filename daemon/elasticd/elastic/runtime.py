@@ -17,12 +17,17 @@ An abort must end a collective that is blocked on a dead peer. NCCL's ``abort`` 
 does not wake a blocked ``all_reduce``, so the sockets that the group opened are also shut
 down (never its listening socket: gloo's listener dies on that), which makes the blocked
 call raise "Connection closed by peer" at once.
+
+A scale-up stalls training only for the switch: a worker opens the new round's store as
+soon as it hears its place (roundstore.py), while its old group still trains, and the old
+gloo group is freed on a thread after the switch (``_leave_group``).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import socket
 import stat
@@ -34,6 +39,9 @@ import torch.distributed as dist
 
 from .broadcast import default_device
 from .errors import GroupAborted, HostsUpdatedInterrupt
+from .roundstore import RoundStore
+
+log = logging.getLogger(__name__)
 
 # On an H200 (torch 2.11, NCCL 2.28, tests/gpu), a survivor whose peer was SIGKILLed was
 # released by ncclCommAbort, then hung for good freeing the failed collective's traceback;
@@ -55,10 +63,12 @@ _GROUP_ERRORS = ("gloo", "nccl", "connection closed by peer", "connection reset"
 class Channel:
     """The connection to the agent; a thread reads its notices."""
 
-    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None]) -> None:
+    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None],
+                 on_place: Callable[[int, dict[str, str]], None] | None = None) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._on_abort = on_abort
+        self._on_place = on_place
         self._lock = threading.Condition()
         self._places: dict[int, dict[str, str]] = {}
         self.announced = -1   # newest round the agent announced
@@ -98,8 +108,11 @@ class Channel:
             elif op == "abort":
                 self.aborted = max(self.aborted, round)
             self._lock.notify_all()
+        phase(f"notice-{op}", round)
         if op == "abort":
             self._on_abort(round)
+        elif op == "place" and self._on_place is not None:
+            self._on_place(round, self._places[round])
 
     def newest(self) -> list[int]:
         """[the newest announced round, whether it adds workers] (one all_reduce's payload)."""
@@ -164,7 +177,9 @@ class Runtime:
         self._group_sockets: dict[int, int] = {}
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
-        self.channel = Channel(path, slot, self._abort)
+        self._told_abort = -1  # the newest round an abort notice named
+        self._next: RoundStore | None = None  # the store of the newest round placed in, opening
+        self.channel = Channel(path, slot, self._abort, self._placed)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -178,11 +193,29 @@ class Runtime:
 
     # -- notices ------------------------------------------------------------------------
 
+    def _placed(self, round: int, env: dict[str, str]) -> None:
+        """On the reader thread: open the store of the round this worker was just placed in
+        (RoundStore), unless its endpoint is the current round's, whose store still serves
+        the group that trains (a job with a fixed --master-port): that one opens at the
+        switch, once the old group is gone."""
+        with self._group_lock:
+            current = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
+            if round <= self.round or (self._next is not None and self._next.round >= round):
+                return
+            if self._next is not None:
+                self._next.cancel()
+            self._next = self._new_store(round, env)
+            if self.round < 0 or self._next.endpoint != current:
+                self._next.start()
+
     def _abort(self, round: int) -> None:
         """On the reader thread: the group of our round cannot complete; make it fail now."""
+        self._told_abort = max(self._told_abort, round)
         if round <= self.round:
             return
         with self._group_lock:
+            if self._next is not None and self._next.round < round:
+                _shut_down(self._next.sockets)  # an older round's store, waiting in a get
             if dist.is_initialized() and str(dist.get_backend()) != "gloo":
                 try:  # NCCL: ncclCommAbort (this also unregisters the default group)
                     dist.distributed_c10d._abort_process_group()
@@ -205,6 +238,7 @@ class Runtime:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         newest, added = int(agreed[0]), bool(agreed[1])
         if newest > self.round:
+            phase("interrupt", newest)
             raise HostsUpdatedInterrupt(skip_sync=not added)
 
     def is_group_failure(self, exc: BaseException) -> bool:
@@ -231,22 +265,54 @@ class Runtime:
                 if why == "failure":
                     _shut_down(self._group_sockets)
                 self._group_sockets = {}
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+            phase("leave-start", self.round)
+            _leave_group()
+            phase("leave-end", self.round)
+        phase(f"ask-{why}", self.round)
         round, env = self.channel.place_after(self.round, why, error)
+        phase("placed", round)
         os.environ.update(env)
         self.round = round
-        self._init_group()
+        self._init_group(env)
 
-    def _init_group(self) -> None:
+    def _new_store(self, round: int, env: dict[str, str]) -> RoundStore:
+        """Round ``round``'s store, not opening yet; it gives up once a newer round aborts it."""
+        return RoundStore(round, env, self.backend or _default_backend(),
+                          lambda: self._told_abort > round, _socket_fds)
+
+    def _store_of(self, round: int, env: dict[str, str]) -> RoundStore:
+        """The round's store, opening or open (one that waited for the old group's end
+        starts now; a newer round's, placed meanwhile, is kept for that round)."""
+        with self._group_lock:
+            store, self._next = self._next, None
+            if store is not None and store.round > round:
+                self._next = store
+            elif store is not None and store.round < round:
+                store.cancel()
+            if store is None or store.round != round:
+                store = self._new_store(round, env)
+        return store if store.started else store.start()
+
+    def _init_group(self, env: dict[str, str]) -> None:
+        backend = self.backend or _default_backend()
         with self._group_lock:
             self._forming_since = _socket_fds()
         try:
             if self.aborted:
                 raise GroupAborted("a member of the job left before its group formed")
-            dist.init_process_group(self.backend or _default_backend(), init_method="env://")
+            phase("form-start", self.round)
+            opening = self._store_of(self.round, env)
+            store = opening.take()
+            with self._group_lock:  # its sockets are the new group's: an abort shuts them down
+                assert self._forming_since is not None
+                for fd, inode in opening.sockets.items():
+                    if self._forming_since.get(fd) == inode:
+                        del self._forming_since[fd]
+            if self.aborted:  # an abort that came before they counted
+                raise GroupAborted("a member of the job left before its group formed")
+            dist.init_process_group(backend, store=store, rank=int(env["RANK"]),
+                                    world_size=int(env["WORLD_SIZE"]))
+            phase("form-end", self.round)
         finally:
             with self._group_lock:
                 self._before_group, self._forming_since = self._forming_since, None
@@ -259,6 +325,27 @@ class Runtime:
             before = self._before_group
             self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
                                    if before.get(fd) != ino}
+
+
+def _leave_group() -> None:
+    """Destroy the default group. Gloo's group object is freed on a thread of its own: its
+    destructor closes its connections, waiting for gloo's event loop to let go of them
+    (~20 ms here, without the GIL), which needs to hold up neither the new group nor the
+    training. (Past ``destroy_process_group`` it is shut down and unknown to torch.)"""
+    old = [dist.group.WORLD] if str(dist.get_backend()) == "gloo" else []
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    if old:
+        threading.Thread(target=old.clear, name="elasticd-old-group", daemon=True).start()
+
+
+def phase(name: str, round: int) -> None:
+    """A point of a re-form on the worker's clock (debug level: tests/bench/bench_recovery.py
+    collects them to print each figure's phases)."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("elasticd: %s (round %d)", name, round, extra={"phase": name, "round": round})
 
 
 def _default_backend() -> str:
