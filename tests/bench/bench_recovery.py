@@ -40,6 +40,12 @@ records them as events, and the bench prints when the last rank concerned got to
 formed, the survivors notified, left the old group, the old group destroyed, the new
 group's forming started and ended, the state synced, the first step.
 
+elasticd-spares is in place with ``--spares 1`` on nodes of two slots: every node keeps a
+warm worker parked (the bench waits for them before the event).  A worker failure is then
+filled by its node's spare; a node loss by a survivor's spare, in a scale-up round after
+the survivors re-formed: "back at full size" is the time until 3 ranks started in a world
+of 3 again.  The other figures count as for elasticd-inplace.
+
 The bench polls the event file every 10 ms (benchmarks may; tests may not).
 """
 
@@ -140,13 +146,14 @@ def wait_listening(port: int, timeout: float) -> None:
 
 class Elasticd:
     name = "elasticd"
+    slots = 1  # each node's
 
     def __init__(self, base: Path, nodes: int) -> None:
         self.events = Events(base)
         self.base = base
         self.worker_mode: tuple[str, ...] = ()
         self.backend_args: tuple[str, ...] = ()  # ("nccl",): the in-place worker on NCCL
-        self.cluster = Cluster(base, nodes, slots=1, env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
+        self.cluster = Cluster(base, nodes, slots=self.slots, env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
                                resize_interval=None)  # the daemon's defaults
         for daemon in self.cluster.daemons:
             daemon.program = (PY, LAUNCHER, str(base), "elasticd")
@@ -192,9 +199,26 @@ class ElasticdInPlace(Elasticd):
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
         job = self.cluster[0].submit("--in-place", "--nnodes", nnodes, "--max-restarts", "3",
-                                     "--python", PY, WORKER, "--", str(self.base), *self.worker_mode,
-                                     *self.backend_args)
+                                     *self.options, "--python", PY, WORKER, "--", str(self.base),
+                                     *self.worker_mode, *self.backend_args)
         return float(job["created"])
+
+    options: tuple[str, ...] = ()
+
+
+class ElasticdSpares(ElasticdInPlace):
+    """In place with a warm spare on every node (``--spares 1``, two slots a node): a lost
+    worker's place is taken by its node's spare, a lost node's by a survivor's."""
+    name = "elasticd-spares"
+    slots = 2
+    options = ("--spares", "1")
+
+    def launch(self, count: int, nnodes: str) -> float:
+        created = super().launch(count, nnodes)
+        spares = self.events.wait(lambda events: True if sum(
+            e["event"] == "warm" and e["rank"] < 0 for e in events) >= count else None, 120)
+        assert spares, "the spares did not warm up"  # the job has them before the event
+        return created
 
 
 class Torchrun:
@@ -266,7 +290,7 @@ class TorchrunUnshared(Torchrun):
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-SYSTEMS = (Elasticd, ElasticdInPlace, Torchrun, TorchrunUnshared)
+SYSTEMS = (Elasticd, ElasticdInPlace, ElasticdSpares, Torchrun, TorchrunUnshared)
 BASELINES = ("torchrun", "torchrun-unshared")
 
 
@@ -304,7 +328,7 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     last = max((t for t in steps if t <= t0), default=t0)
     window = [last] + [t for t in steps if last < t <= resumed + 2]
     stall, stalled = max(((b - a, a) for a, b in zip(window, window[1:])), default=(resumed - last, last))
-    if system.name == "elasticd-inplace":  # survivors were exec'd long ago: no control figure
+    if isinstance(system, ElasticdInPlace):  # survivors were exec'd long ago: no control figure
         figures = {k: v for k, v in figures.items() if k != "control"}
         figures = {**figures, **phases(system.events.read(), t0, resumed, stalled)}
     return {**figures, "resumed": resumed - t0, "stall": stall}
@@ -398,6 +422,9 @@ def node_loss(system) -> dict[str, float] | None:
     result = found if system.worker_mode == ("idle",) else training(system, t0, found)
     if result is not None and getattr(system, "backend_args", ()):
         result = {**result, "kept": kept(system, t0)}
+    if result is not None and system.name == ElasticdSpares.name:  # a survivor's spare fills in
+        full = system.events.wait(starts_after(t0, 3, world=3), 60)
+        result = {**result, "full": max(e["t"] for e in full) - t0} if full else result
     return result
 
 
@@ -507,7 +534,8 @@ def print_table(report: dict[str, Any]) -> None:
     for title, by_system in report.items():
         for key, label in (("total", title), ("control", "  control plane only"),
                            ("resumed", "  training resumed (first step)"),
-                           ("stall", "  stall (longest gap in steps)")):
+                           ("stall", "  stall (longest gap in steps)"),
+                           ("full", "  back at full size (a spare placed)")):
             row = [cell(by_system.get(name, []), key)[0] for name in (*ours, *BASELINES)]
             if all(text == "not run" or text.startswith("none") for text in row):
                 continue

@@ -7,7 +7,7 @@
 # 2. what the host has: nvidia-smi -L, the GPUs' compute and MIG modes, Python, torch, CUDA,
 #    NCCL, and which elasticd Python imports;
 # 3. the GPU suite: ELASTICD_TEST_PYTHON=python3 tests/run --gpu (at most 300 s);
-# 4. bench_recovery's in-place node-loss figure on NCCL (at most 150 s).
+# 4. bench_recovery's in-place figures on NCCL: node loss, or those BENCH_ONLY names (at most 150 s each).
 #
 # Everything goes to stdout and, when $OUT is set, to $OUT/gpu.log.  Every step has a time
 # limit, and the bench gets what is left of 8 minutes (150 s at most; skipped under 60 s).  The suite and the bench run with a mark in their
@@ -82,18 +82,21 @@ suite=$?
 echo "tests/run --gpu exited $suite"
 leftovers "the suite"
 
-step "bench_recovery --backend nccl: node loss, in place"
-left=$((${CHECK_BUDGET:-480} - SECONDS - 15))  # 8 minutes in all (CHECK_BUDGET); 15 s for the last clean-up
-if [ "$left" -gt 150 ]; then left=150; fi
-if [ "$left" -lt 60 ]; then
-    echo "skipped: ${SECONDS} s spent, too little left of 8 minutes"
-    bench=0
-else
+bench=0
+for only in ${BENCH_ONLY:-node-loss}; do  # e.g. BENCH_ONLY="node-loss scale-up"
+    step "bench_recovery --backend nccl: $only, in place"
+    left=$((${CHECK_BUDGET:-480} - SECONDS - 15))  # 8 minutes in all (CHECK_BUDGET); 15 s for the last clean-up
+    if [ "$left" -gt 150 ]; then left=150; fi
+    if [ "$left" -lt 60 ]; then
+        echo "skipped: ${SECONDS} s spent, too little left of ${CHECK_BUDGET:-480} s"
+        continue
+    fi
     stamp=$(mktemp)
     env "$mark" timeout -k 10 "$left" "$python" tests/bench/bench_recovery.py --backend nccl \
-        --only node-loss --system elasticd-inplace --runs 1
-    bench=$?
-    echo "bench_recovery exited $bench (limit $left s)"
+        --only "$only" --system elasticd-inplace --runs 1
+    status=$?
+    echo "bench_recovery $only exited $status (limit $left s)"
+    if [ "$status" -ne 0 ]; then bench=$status; fi
     leftovers "the bench"
     # a run that did not recover keeps its folder: show what its workers and daemons said
     for dir in $(find /tmp -maxdepth 1 -name 'elasticd-recovery-*' -newer "$stamp" 2> /dev/null); do
@@ -104,7 +107,7 @@ else
         done
     done
     rm -f "$stamp"
-fi
+done
 
 step "done in $SECONDS s: suite $suite, bench $bench"
 if [ "$suite" -ne 0 ]; then exit "$suite"; fi
