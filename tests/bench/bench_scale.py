@@ -263,6 +263,7 @@ async def start_crowds(opts: argparse.Namespace, backend: str, endpoint: str, cl
             sys.executable, os.path.join(HERE, "scale_crowd.py"), "--backend", backend, "--endpoint", endpoint,
             "--cluster", cluster, "--first", str(first), "--count", str(count), "--total", str(n),
             "--interval", str(opts.interval), "--connections", str(opts.connections if first else 4),
+            *(["--profile", os.path.join(opts.profile, f"crowd-{p}.prof")] if opts.profile else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=open(os.path.join(scratch, f"crowd-{p}.log"), "ab"), limit=1 << 26)
         crowds.append(CrowdProcess(proc, first, count))
@@ -404,6 +405,10 @@ async def run_phases(opts: argparse.Namespace, row: Row, server: Server, crowds:
                      probe_store: Any, cluster: str, progress) -> None:
     n, interval = row.nodes, opts.interval
     keep_alive = KeepAlive(interval)
+    if opts.rdzv_only:
+        await ask_all(crowds, {"cmd": "halt"}, timeout=60)
+        await rendezvous(opts, row, server, crowds, cluster, progress)
+        return
     probe = Probe(n - 1, probe_store, cluster, server.endpoint, keep_alive)
     await probe.node.registry.create_epoch()  # as the store's host does
     try:
@@ -637,6 +642,7 @@ async def rendezvous(opts: argparse.Namespace, row: Row, server: Server, crowds:
         failed = sum(t["failed"] for t in theirs if isinstance(t, dict))
         errors = [e for t in theirs if isinstance(t, dict) for e, _ in t["errors"]]
         if failures or failed:
+            row.status = "failed"
             row.notes.append(f"rdzv: {failed + len(failures)} of {n} nodes failed: "
                              f"{(failures + errors)[:2]}")
         else:
@@ -746,6 +752,9 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=64, help="store connections per crowd process")
     parser.add_argument("--rdzv-at", default="1024", help="sizes at which the rendezvous is measured")
     parser.add_argument("--join-timeout", type=float, default=60.0)
+    parser.add_argument("--rdzv-only", action="store_true",
+                        help="only the rendezvous (at every --nodes size): no steady window, no lost node")
+    parser.add_argument("--profile", metavar="DIR", help="cProfile each crowd process's rendezvous into DIR")
     parser.add_argument("--startup", type=float, default=30.0, help="bound on start-up, seconds")
     parser.add_argument("--lost-bound", type=float, default=30.0, help="bound on seeing a lost node, seconds")
     parser.add_argument("--memory-limit", type=float, default=0.6, help="fraction of the machine's memory")
@@ -756,6 +765,8 @@ def main() -> int:
     opts.rdzv_at = {int(n) for n in opts.rdzv_at.split(",") if n}
     if opts.quick:
         opts.nodes, opts.window, opts.rdzv_at = [128], 3.0, {128}
+    if opts.rdzv_only:
+        opts.rdzv_at = set(opts.nodes)
     if min(opts.nodes) < 4:
         parser.error("a cluster here needs at least 4 nodes (nodes 0 and 1, a crowd node, the probe)")
     raise_nofile()

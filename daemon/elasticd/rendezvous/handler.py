@@ -48,9 +48,9 @@ from elasticd.errors import (NotACounter, RendezvousClosedError, RendezvousGone,
                              RendezvousTimeoutError, StoreError)
 from elasticd.rendezvous.ops import (Act, Action, Beat, claim, decide_close, decide_join, decide_leave,
                                      decide_liveness, decide_next_round, decide_restore, decide_step_aside,
-                                     ends_joining, info_for, joined, observe_beats, reads_log, ring_watch,
+                                     ends_joining, info_for, joined, observe_beats, reads_log, ring_around, ring_watch,
                                      round_event, track_last_call, View, watched)
-from elasticd.rendezvous.state import (Announcement, decode, encode, NextRound, Participant, Reason,
+from elasticd.rendezvous.state import (Announcement, decode, Decoded, encode, NextRound, Participant, Reason,
                                        RendezvousInfo, RendezvousSettings, RendezvousState, RoundEvent)
 from elasticd.rendezvous.joinlog import JoinLog, OwnEntry
 from elasticd.rendezvous.keys import Keys
@@ -115,8 +115,10 @@ class RendezvousHandler:
         may_create: bool = True,
         faults: Faults | None = None,
         on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None,
+        decoded: Decoded | None = None,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
+        self._decoded = decoded or Decoded()  # states opened: may be shared by the handlers of a process
         self._logger = logging.LoggerAdapter(log, about(settings.run_id))  # its records concern the job
         self._may_create = may_create  # False: the job ran; never start a fresh state for it
         self._on_lost = on_lost  # silent members this node dropped: the node's one word that they are gone
@@ -164,7 +166,7 @@ class RendezvousHandler:
         # observers find a counter first
         snap, action = await self._execute(step, until_outcome=True, first=self._beat)
         if action.act is Act.DONE:
-            return info_for(snap.state, self.node, self._settings.run_id)
+            return info_for(snap.state, self.node, self._settings.run_id, self._decoded.members(snap.state))
         if action.act is Act.CLOSED:
             raise RendezvousClosedError(f"rendezvous '{self._settings.run_id}' is closed")
         raise RendezvousTimeoutError(self._timeout_message(snap.state, view))
@@ -334,7 +336,7 @@ class RendezvousHandler:
         """Heartbeat; read the counters of this node's neighbours on the ring of every node
         the state and its join log involve (a logged joiner too); drop the silent ones."""
         seen = await self._observe(self._beat)
-        others = ring_watch(watched(seen[0].state, seen[1]), self.node)
+        others = self._ring(*seen)
         counts = await self._heartbeats(sorted(others), beats)
         now = self._clock()
         beats = observe_beats(beats, counts, now)
@@ -347,6 +349,14 @@ class RendezvousHandler:
             self._logger.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
                         self.node, ", ".join(silent), action.act.value, action.state.round)
         return beats
+
+    def _ring(self, snap: _Snapshot, view: View) -> set[str]:
+        """This node's neighbours on the ring (``ops.ring_watch``): of the state's ring, built
+        once per state, unless the join log names nodes beyond it."""
+        ring, names = self._decoded.built(snap.state, _ring_of)
+        if any(a.node not in names for a in view.announced):
+            return ring_watch(watched(snap.state, view), self.node)
+        return ring_around(ring, self.node)
 
     async def _sweeper(self) -> None:
         """Delete the stale keys, a batch at a time, as they come (a key it fails to delete
@@ -545,17 +555,23 @@ class RendezvousHandler:
         key, or is older than ``known``, the newest this node saw before it read (a state
         written back: the store held a newer one before)."""
         key = self._keys.state
-        opened = open_version(self._signer, key, raw, self._refused)
-        if opened is None:
-            return None
-        try:
-            state = decode(opened.body)
-        except RendezvousStateError as exc:
-            self._refused(key, f"unreadable: {exc}")
-            return None
-        if state.version != opened.version or state.version < known:
-            self._refused(key, f"state version {state.version} (sealed as {opened.version}) is older "
-                               f"than version {known} seen before (written back)")
+        state = self._decoded.get(self._signer, key, raw)
+        if state is None:
+            opened = open_version(self._signer, key, raw, self._refused)
+            if opened is None:
+                return None
+            try:
+                state = decode(opened.body)
+            except RendezvousStateError as exc:
+                self._refused(key, f"unreadable: {exc}")
+                return None
+            if state.version != opened.version:
+                self._refused(key, f"state version {state.version} is sealed as {opened.version}")
+                return None
+            self._decoded.put(self._signer, key, raw, state)
+        if state.version < known:
+            self._refused(key, f"state version {state.version} is older than version {known} "
+                               "seen before (written back)")
             return None
         return state
 
@@ -566,6 +582,11 @@ class RendezvousHandler:
 
 
 _LONGEST_WAIT = 3600.0  # a wait with no deadline of its own still returns now and then
+
+
+def _ring_of(state: RendezvousState) -> tuple[list[str], frozenset[str]]:
+    names = watched(state, View())
+    return sorted(names), frozenset(names)
 
 
 def _log_refused(key: str, why: str) -> None:

@@ -17,6 +17,7 @@ The counter is unsigned: it says how far to look, never who joined.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import zlib
@@ -37,6 +38,7 @@ from elasticd.rendezvous.state import (
     RendezvousSettings,
     RendezvousState,
     RoundEvent,
+    members_of,
 )
 
 
@@ -256,10 +258,15 @@ def ring_watch(nodes: set[str], node: str, width: int = RING_WIDTH) -> set[str]:
     around a ring.  Every node is then read by ``width`` others: O(1) reads per node per
     interval instead of O(N), with a watcher to spare.  A dead node whose watchers all died
     too is read once the ring closes over them (every removal moves the ring)."""
-    ring = sorted(nodes | {node})
-    if len(ring) <= width + 1:
+    return ring_around(sorted(nodes - {node}), node, width)
+
+
+def ring_around(ring: Sequence[str], node: str, width: int = RING_WIDTH) -> set[str]:
+    """:func:`ring_watch` on the sorted names ``ring`` (``node`` among them or not), found by
+    bisection: a ring built once per state serves every node of a process."""
+    at = bisect.bisect_left(ring, node)
+    if len(ring) - (at < len(ring) and ring[at] == node) <= width:
         return set(ring) - {node}
-    at = ring.index(node)
     return {ring[(at - k) % len(ring)] for k in range(1, width + 1)}
 
 
@@ -273,10 +280,11 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
     A dead member of a complete round opens the next round ("node_lost"); elsewhere the dead
     are just removed (from an open round or from the wait list).
     """
-    if state.closed or not involved(state, node, view):
-        return Action(Act.NOTHING)
     keep_alive = settings.keep_alive
-    dead = {n for n, beat in view.beats.items() if silent(beat, keep_alive, now)} & watched(state, view) - {node}
+    silent_ones = {n for n, beat in view.beats.items() if silent(beat, keep_alive, now)} - {node}
+    if state.closed or not silent_ones or not involved(state, node, view):  # the cheap test first
+        return Action(Act.NOTHING)
+    dead = silent_ones & watched(state, view)
     if not dead:
         return Action(Act.NOTHING)
     if state.complete and dead & state.participants.keys():
@@ -385,14 +393,13 @@ def round_event(
     return RoundEvent(EventKind.WAITING, waiting=count) if count else None
 
 
-def info_for(state: RendezvousState, node: str, run_id: str) -> RendezvousInfo:
-    """This node's view of a complete round: ranks follow ``state.order``."""
-    members, base = [], 0
-    for rank, name in enumerate(state.order):
-        participant = state.participants[name]
-        members.append(Member(name, participant.addr, participant.nproc, rank, base))
-        base += participant.nproc
+def info_for(state: RendezvousState, node: str, run_id: str,
+             members: tuple[Member, ...] | None = None) -> RendezvousInfo:
+    """This node's view of a complete round: ranks follow ``state.order`` (``members``:
+    ``members_of(state)``, built already)."""
+    members = members_of(state) if members is None else members
     me = members[state.order.index(node)]
+    first = members[0]
     return RendezvousInfo(
         run_id=run_id,
         round=state.round,
@@ -402,8 +409,8 @@ def info_for(state: RendezvousState, node: str, run_id: str) -> RendezvousInfo:
         group_world_size=len(members),
         nproc=me.nproc,
         rank_base=me.rank_base,
-        world_size=base,
-        master_addr=members[0].addr,
-        master_port=state.participants[members[0].node].master_port,
-        members=tuple(members),
+        world_size=members[-1].rank_base + members[-1].nproc,
+        master_addr=first.addr,
+        master_port=state.participants[first.node].master_port,
+        members=members,
     )
