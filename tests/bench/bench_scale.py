@@ -381,7 +381,7 @@ async def measure_row(opts: argparse.Namespace, backend: str, n: int, progress) 
             await probe_store.close()
         if server is not None:
             await server.close()
-        if row.status == "ok":
+        if row.status == "ok" and not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(scratch, ignore_errors=True)
         else:
             row.notes.append(f"logs in {scratch}")

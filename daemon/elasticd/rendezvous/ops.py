@@ -176,6 +176,15 @@ def rank_order(order: Iterable[str], nodes: Iterable[str]) -> list[str]:
     return survivors + sorted(nodes.difference(survivors))
 
 
+def timeout_message(state: RendezvousState, node: str, settings: RendezvousSettings, view: View) -> str:
+    """What a join that timed out says."""
+    waited = f"rendezvous '{settings.run_id}': {node} waited {settings.join_timeout:g}s"
+    if state.complete:
+        return f"{waited} on the wait list of round {state.round} ({len(state.participants)} members, " \
+               f"max_nodes is {settings.max_nodes})"
+    return f"{waited}: {len(joined(state, view))} node(s) joined round {state.round}, min_nodes is {settings.min_nodes}"
+
+
 def _next_duty(state: RendezvousState, settings: RendezvousSettings, view: View, now: float) -> float:
     end = _last_call_end(state, settings, view)
     return min(view.deadline, now + settings.keep_alive_interval, math.inf if end is None else end)
@@ -268,6 +277,12 @@ def ring_around(ring: Sequence[str], node: str, width: int = RING_WIDTH) -> set[
     if len(ring) - (at < len(ring) and ring[at] == node) <= width:
         return set(ring) - {node}
     return {ring[(at - k) % len(ring)] for k in range(1, width + 1)}
+
+
+def ring_of(state: RendezvousState) -> tuple[list[str], frozenset[str]]:
+    """The nodes ``state`` involves, sorted (for :func:`ring_around`) and as a set."""
+    names = watched(state, View())
+    return sorted(names), frozenset(names)
 
 
 def involved(state: RendezvousState, node: str, view: View) -> bool:
