@@ -8,11 +8,12 @@ is still the one read, and start again from what a lost race read.  An ``add`` o
 number taken: N joiners at once) is one Txn that no race can fail, O(1) however many add
 at once: a counter is kept as an offset plus the key's version (the puts since it was
 created, which etcd counts), so the add is a put that keeps the value (``ignore_value``)
-and reads the key back; every read shows the count (:func:`_shown`).  ``get_many`` is Txns of up to 128 Range ops (etcd's
-default ``--max-txn-ops``).  ``wait_for`` reads the key and the store's revision, then
-watches the key from the next revision: one round trip when it is written, no polling.
-Counters are ASCII decimal, as TCPStore stores them; an add over anything else (junk, a
-sign, more than 18 digits) raises NotACounter and writes nothing.
+and reads the key back; every read shows the count (:func:`_shown`).  ``get_many`` is
+Txns of up to 128 Range ops (etcd's default ``--max-txn-ops``).  ``wait_for`` reads the key
+and the store's revision, then watches the key from the next revision: one round trip when
+it is written, no polling.  Counters read as ASCII decimal, as TCPStore stores them; an add
+over anything else (junk, a sign, more than 18 digits) raises NotACounter and writes
+nothing.
 
 gRPC is spoken over aetcd's generated stubs; aetcd's own client has no TLS, uses one
 endpoint and never renews its auth token.  Calls go to one member at a time.  A member that
