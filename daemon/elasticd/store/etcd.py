@@ -161,15 +161,9 @@ class EtcdStore:
 
     async def add(self, key: str, amount: int) -> int:
         async with self._deadline(self.timeout):
-            if amount == 1:  # a counter kept by version: the put bumps it, whoever else adds
-                bumped = rpc.RequestOp(request_put=rpc.PutRequest(key=_key(key), ignore_value=True))
-                reply = await self._txn(_by_version(key), [bumped, _op(_range(key))], [_op(_range(key))],
-                                        retry=False)
-                if reply.succeeded:
-                    return _counter(key, _value(reply.responses[1].response_range))
-                current = reply.responses[0].response_range
-            else:
-                current = await self._kv("Range", _range(key))
+            current = await self._add_one(key) if amount == 1 else await self._kv("Range", _range(key))
+            if isinstance(current, int):
+                return current
             if amount == 0 and current.kvs:  # a read: no write, no new revision
                 return _counter(key, _value(current))
             counted = 0
@@ -181,6 +175,22 @@ class EtcdStore:
 
             await self._update(key, current, count)
             return counted
+
+    async def _add_one(self, key: str) -> int | Any:
+        """An add of 1 to a counter kept by version (the put bumps it, whoever else adds), or
+        that creates one (whoever creates it first: the others bump it); the count, or the
+        Range reply of a key that holds something else (a plain count, junk)."""
+        bumped = rpc.RequestOp(request_put=rpc.PutRequest(key=_key(key), ignore_value=True))
+        while True:
+            reply = await self._txn(_by_version(key), [bumped, _op(_range(key))], [_op(_range(key))], retry=False)
+            if reply.succeeded:
+                return _counter(key, _value(reply.responses[1].response_range))
+            if reply.responses[0].response_range.kvs:
+                return reply.responses[0].response_range
+            created = await self._txn([_compare(key, rpc.Compare.CREATE, create_revision=0)],
+                                      [_put(key, _COUNT + b"0")], [], retry=False)
+            if created.succeeded:
+                return 1
 
     async def append(self, key: str, value: bytes) -> None:
         async with self._deadline(self.timeout):
