@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import cProfile
 import ctypes
 import json
 import logging
@@ -41,6 +42,7 @@ from elasticd.core.liveness import KeepAlive
 from elasticd.core.model import NodeInfo
 from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous import RendezvousSettings
+from elasticd.rendezvous.state import Decoded
 from elasticd.rendezvous.keys import Keys
 from elasticd.store.signing import Signer
 
@@ -439,9 +441,10 @@ class Crowd:
         for batch in range(0, len(indices), 64):  # connect a few at a time: the server's accept queue
             clients += await asyncio.gather(*(open_store(self.args.backend, self.args.endpoint, connections=2, waits=2)
                                               for _ in indices[batch:batch + 64]))
+        decoded = Decoded()  # the states opened: once per change for every node of this process
         for i, client in zip(indices, clients):
             handler = RendezvousHandler(CountingStore(client, self.rdzv_counts, self.rdzv_kinds), self.signer, settings,
-                                        node_name(i), node_record(i).info.address, prefix=prefix)
+                                        node_name(i), node_record(i).info.address, prefix=prefix, decoded=decoded)
             self.rdzv.append((handler, asyncio.create_task(handler.keep()), client))
         for handler, _, _ in self.rdzv:
             if not await self.store.wait_for(keys.heartbeat(handler.node), 60.0):
@@ -458,6 +461,9 @@ class Crowd:
             await handler.next_rendezvous(8, 29500)
             return time.monotonic()
 
+        profile = cProfile.Profile() if self.args.profile else None
+        if profile is not None:
+            profile.enable()
         tasks = [asyncio.create_task(join(h)) for h, _, _ in self.rdzv]
         try:
             async with asyncio.timeout(msg["bound"]):
@@ -466,6 +472,9 @@ class Crowd:
             results = [t.result() if t.done() and not t.cancelled() and t.exception() is None
                        else (t.exception() if t.done() and not t.cancelled() else TimeoutError("no answer"))
                        for t in tasks]
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(self.args.profile)
         returned = [r for r in results if isinstance(r, float)]
         errors = collections.Counter(f"{type(r).__name__}: {r}"[:200] for r in results if not isinstance(r, float))
         delta = [a - b for a, b in zip(self.rdzv_counts.snapshot(), before)]
@@ -527,10 +536,12 @@ def main() -> None:
     parser.add_argument("--total", type=int, required=True)
     parser.add_argument("--interval", type=float, default=KeepAlive.interval)
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--profile", help="cProfile the rendezvous into this file")
     args = parser.parse_args()
     die_with_parent()
     raise_nofile()
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    logging.getLogger("elasticd.rendezvous").setLevel(logging.WARNING)  # dropped nodes, restored states
     asyncio.run(serve(args))
 
 

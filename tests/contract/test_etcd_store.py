@@ -223,3 +223,24 @@ def test_a_cluster_without_quorum_times_out(tmp_path):
             assert time.monotonic() - started < 5.0
             await store.close()
         run(scenario())
+
+
+def test_joiners_adding_one_at_once_each_take_a_number_of_their_own_in_one_txn(etcd_cluster):
+    """An add of 1 is a put that keeps the value (the count is an offset plus the key's
+    version): 200 at once take 1..200 with no race lost, reads show the count, an add of
+    another amount counts on from it, and junk under the counter's own prefix is junk."""
+    from elasticd.errors import NotACounter
+    from elasticd.store.etcd import _COUNT
+
+    async def scenario():
+        store = await connected(etcd_cluster)
+        numbers = await asyncio.gather(*(store.add("joins", 1) for _ in range(200)))
+        assert sorted(numbers) == list(range(1, 201))
+        assert await store.get_many(["joins"]) == [b"200"] and await store.add("joins", 5) == 205
+        assert await store.add("joins", 1) == 206 and await store.get("joins") == b"206"
+        await store.set("junk", _COUNT + b"--5")
+        with pytest.raises(NotACounter):
+            await store.add("junk", 1)
+        assert await store.get("junk") == _COUNT + b"--5"
+        await store.close()
+    run(scenario())

@@ -300,3 +300,66 @@ def test_a_keeper_whose_job_state_is_gone_warns_once_without_a_traceback(store, 
     assert counted == [] and len(lines) == 1, [r.getMessage() for r in lines]
     assert lines[0].levelno == logging.WARNING and not lines[0].exc_info
     assert "its state is gone or refused" in lines[0].getMessage()
+
+
+# -- the keeper's reads at scale (issue 27) ----------------------------------------------------
+
+class StateReads(AsyncMemoryStore):
+    """Counts the reads of the state key."""
+
+    def __init__(self, backend: MemoryStore) -> None:
+        super().__init__(backend)
+        self.state_reads = 0
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        self.state_reads += keys.count(Keys(PREFIX).state)
+        return await super().get_many(keys)
+
+
+def test_keepers_read_the_signed_head_and_the_state_only_when_it_moved(store):
+    """Once formed, a keeper's duty reads the head (and its neighbours' heartbeats), the state
+    at most every FULL_EVERY duties; a head that names a newer state makes it read that one."""
+    from elasticd.rendezvous.head import FULL_EVERY, head_version
+    settings = RendezvousSettings("job", 3, 3, keep_alive_interval=0.02)
+    stores = [StateReads(store) for _ in range(3)]
+    nodes = [handler(s, n, settings) for s, n in zip(stores, "abc")]
+
+    async def run() -> None:
+        keepers = [asyncio.create_task(h.keep()) for h in nodes]
+        await asyncio.gather(*(h.next_rendezvous(1, 1) for h in nodes))
+        for s in stores:
+            s.state_reads = 0
+        await asyncio.sleep(0.3)  # about 15 duties each
+        assert all(s.state_reads <= 15 // FULL_EVERY + 3 for s in stores), [s.state_reads for s in stores]
+        watching = nodes[0].watch(0, waiting=False)
+        assert await nodes[1].request_next_round(0, "scale_up") is NextRound.OPENED
+        assert (await asyncio.wait_for(watching, 5)).kind == "next_round"
+        for h in nodes:
+            h.shutdown()
+        for k in keepers:
+            k.cancel()
+        await asyncio.gather(*keepers, return_exceptions=True)
+
+    asyncio.run(run())
+    keys = Keys(PREFIX)
+    assert head_version(SIGNER, keys.head, store.get(keys.head), lambda k, why: None) == 2  # formed, then superseded
+
+
+def test_handlers_that_share_a_decoded_cache_open_each_state_once(store):
+    """The simulated nodes of one process (a bench's crowd) open a state once per change."""
+    from elasticd.rendezvous.state import Decoded
+    opened = []
+
+    class Counting(Signer):
+        def open(self, key, raw):
+            opened.append(key) if key.endswith("/state") else None
+            return super().open(key, raw)
+
+    signer, decoded = Counting(b"k" * 32, "c"), Decoded()
+    settings = RendezvousSettings("job", 8, 8, keep_alive_interval=5.0)
+    nodes = [RendezvousHandler(AsyncMemoryStore(store), signer, settings, f"n{i}", f"n{i}.addr", prefix=PREFIX,
+                               decoded=decoded) for i in range(8)]
+    infos = asyncio.run(formed(nodes))
+    assert sorted(i.group_rank for i in infos) == list(range(8))
+    assert infos[0].members is infos[1].members  # built once for the state
+    assert len(opened) <= 3  # a state per write, not one per node

@@ -109,3 +109,35 @@ def test_settings_refuse_nonsense(kwargs):
 def test_settings_defaults_match_the_design():
     settings = RendezvousSettings("job", 1, 2)
     assert (settings.keep_alive_interval, settings.keep_alive_max_attempt, settings.dead_after) == (1.0, 3, 3.0)
+
+
+def test_decoded_keeps_a_state_by_signer_key_and_bytes_and_forgets_the_oldest():
+    from elasticd.rendezvous.state import Decoded
+    signer = Signer(b"k" * 32, "c")
+    decoded, other = Decoded(size=2), Signer(b"o" * 32, "c")
+    states = [RendezvousState(version=v) for v in range(3)]
+    for v, state in enumerate(states):
+        decoded.put(signer, "k", b"raw%d" % v, state)
+    assert decoded.get(signer, "k", b"raw0") is None  # the oldest went
+    assert decoded.get(signer, "k", b"raw2") is states[2]
+    assert decoded.get(other, "k", b"raw2") is None and decoded.get(signer, "j", b"raw2") is None
+    built = []
+
+    def build(state: RendezvousState) -> object:
+        built.append(state)
+        return object()
+
+    first = decoded.built(states[1], build)
+    assert decoded.built(states[1], build) is first and built == [states[1]]  # once per state object
+
+
+def test_a_head_names_the_state_version_and_opens_only_for_its_key():
+    from elasticd.rendezvous.head import FULL_EVERY, head_version, seal_head, state_moved
+    signer, refused = Signer(b"k" * 32, "c"), []
+    raw = seal_head(signer, "p/head", RendezvousState(version=7, round=2))
+    assert head_version(signer, "p/head", raw, lambda k, why: refused.append(why)) == 7
+    assert head_version(signer, "q/head", raw, lambda k, why: refused.append(why)) is None and refused
+    assert head_version(signer, "p/head", None, lambda k, why: refused.append(why)) is None
+    assert not state_moved(7, 7, 1) and not state_moved(7, 6, 1)  # an older head hides nothing new
+    assert state_moved(7, 8, 1) and state_moved(7, None, 1) and state_moved(None, 7, 1)
+    assert state_moved(7, 7, FULL_EVERY)

@@ -42,6 +42,19 @@ def test_depth_up_to_the_bound_is_accepted() -> None:
         loads('{"a": [[1]]}', max_bytes=LIMIT, max_depth=2)
 
 
+def test_the_text_scan_agrees_with_the_walk() -> None:
+    """Many brackets (the scan counts them): brackets in strings do not nest, a surrogate
+    pair passes, a lone one or one given in a str is refused, deep nesting among siblings
+    is found."""
+    wide = [{"a": [i], "s": "[[[{{{" * 20} for i in range(100)]
+    assert loads(json.dumps(wide), max_bytes=LIMIT, max_depth=3) == wide
+    assert loads(json.dumps([wide, "\U0001f600"]), max_bytes=LIMIT, max_depth=4)[1] == "\U0001f600"
+    for bad in (json.dumps([wide, "\ud800"]), '["\ud800"' + ",[]" * 100 + "]",
+                json.dumps(wide)[:-1] + "," + "[" * 5 + "]" * 5 + "]"):
+        with pytest.raises(Undecodable):
+            loads(bad, max_bytes=LIMIT, max_depth=4)
+
+
 def test_ordinary_records_decode_as_json_does() -> None:
     doc = {"v": 2, "ver": 1732500000000000, "body": {"x": [1, 2.5, None, True, "é"]}, "mac": "ab"}
     raw = json.dumps(doc).encode()

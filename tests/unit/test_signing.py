@@ -193,3 +193,21 @@ def test_load_key_accepts_a_non_hex_secret_verbatim(tmp_path):
     path.write_bytes(b"a passphrase, not hex\n")
     path.chmod(0o600)
     assert load_key(str(path)) == b"a passphrase, not hex"
+
+
+def test_a_record_as_sealed_is_checked_over_its_bytes_before_anything_is_decoded():
+    """The shape seal() writes: the MAC is checked over the body's bytes as read, so a byte
+    changed anywhere (body, version, MAC) is refused, and junk under a forged MAC is refused
+    for its MAC, never parsed."""
+    signer = _signer()
+    raw = signer.seal(KEY_NAME, BODY, version=12)
+    assert signer.open(KEY_NAME, raw) == Opened(BODY, 12)
+    at_body, at_mac = raw.index(b'"n":3') + 4, raw.index(b'"mac":"') + 8
+    for damaged in (raw[:at_body] + b"4" + raw[at_body + 1:], raw.replace(b'"ver":12', b'"ver":13'),
+                    raw[:at_mac] + (b"0" if raw[at_mac:at_mac + 1] != b"0" else b"1") + raw[at_mac + 1:],
+                    raw.replace(b'"ver":12', b'"ver":012')):
+        with pytest.raises(TamperedRecord):
+            signer.open(KEY_NAME, damaged)
+    junk = b'{"v":2,"ver":1,"body":' + b"[" * 100000 + b',"mac":"' + b"0" * 64 + b'"}'
+    with pytest.raises(TamperedRecord, match="MAC does not match"):
+        signer.open(KEY_NAME, junk)

@@ -4,15 +4,11 @@ the store.
 Keys: :mod:`elasticd.rendezvous.keys`.  Every record is signed for its key
 (store/signing.py); the unsigned ``rev`` keys only wake waiters, who read the signed state
 and go back to sleep if it did not change, and the unsigned counter only says how far to
-read the log.  A state that does not open, or is
-older than the newest this node saw before it asked (a read that crossed a newer one of its
-own is not), is refused and counted, and the newest state this node saw is written back
-over it (as after a store reset).
-
-The join log (:mod:`elasticd.rendezvous.joinlog`) costs O(new entries) a read: a read is
-the state and the counter, in one round trip, and the entries only when ``ops.reads_log``
-says so; the writer of the state that ends a round's joining deletes the counter and the
-entries it knows of (a task beside its keeper: never in the way of a heartbeat).
+read the log.  A state that does not open, or is older than the newest this node saw before
+it asked (a read that crossed a newer one of its own is not), is refused and counted, and
+the newest state this node saw is written back over it (as after a store reset).  A state
+is opened once per change (``state.Decoded``, which the handlers of a process may share).
+The join log: :mod:`elasticd.rendezvous.joinlog`.
 
 One executor, ``_execute`` (torchelastic's _DistributedRendezvousOpExecutor): read the state
 and the open round's join log, decide with a pure function of ``ops``, act (compare-and-set
@@ -25,11 +21,11 @@ that already ran does not start a new one (``may_create``): that would run a job
 whose state was deleted.  Heartbeat counters and join logs are recreated as the nodes go on.
 
 The keeper (``keep``, a task its owner runs) beats this node's heartbeat, reads the counters
-of its two neighbours on a ring of the nodes involved (``ops.ring_watch``: O(1) per node),
-drops the silent ones through the executor, and resolves ``watch()`` futures: while a round
-is watched it follows every revision (a wait for ``rev/<v+1>`` until its next duty),
-otherwise it sleeps until its next duty.  Nobody polls.  Everything runs on the
-caller's event loop; each act is its write followed by the reads the next decision needs.
+of its two neighbours on a ring of the nodes involved (``ops.ring_watch``: O(1) per node)
+with the signed head (the state only when it moved: :mod:`elasticd.rendezvous.head`), drops
+the silent ones through the executor, and resolves ``watch()`` futures: while a round is
+watched it follows every revision (a wait for ``rev/<v+1>`` until its next duty), otherwise
+it sleeps until its next duty.  Nobody polls.  Everything runs on the caller's event loop.
 """
 
 from __future__ import annotations
@@ -48,10 +44,11 @@ from elasticd.errors import (NotACounter, RendezvousClosedError, RendezvousGone,
                              RendezvousTimeoutError, StoreError)
 from elasticd.rendezvous.ops import (Act, Action, Beat, claim, decide_close, decide_join, decide_leave,
                                      decide_liveness, decide_next_round, decide_restore, decide_step_aside,
-                                     ends_joining, info_for, joined, observe_beats, reads_log, ring_watch,
-                                     round_event, track_last_call, View, watched)
-from elasticd.rendezvous.state import (Announcement, decode, encode, NextRound, Participant, Reason,
+                                     ends_joining, info_for, observe_beats, reads_log, ring_around, ring_of,
+                                     ring_watch, round_event, timeout_message, track_last_call, View, watched)
+from elasticd.rendezvous.state import (Announcement, decode, Decoded, encode, NextRound, Participant, Reason,
                                        RendezvousInfo, RendezvousSettings, RendezvousState, RoundEvent)
+from elasticd.rendezvous.head import beat_counts, head_version, seal_head, state_moved
 from elasticd.rendezvous.joinlog import JoinLog, OwnEntry
 from elasticd.rendezvous.keys import Keys
 from elasticd.store.base import Store, counter_value
@@ -115,8 +112,10 @@ class RendezvousHandler:
         may_create: bool = True,
         faults: Faults | None = None,
         on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None,
+        decoded: Decoded | None = None,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
+        self._decoded = decoded or Decoded()  # states opened: may be shared by the handlers of a process
         self._logger = logging.LoggerAdapter(log, about(settings.run_id))  # its records concern the job
         self._may_create = may_create  # False: the job ran; never start a fresh state for it
         self._on_lost = on_lost  # silent members this node dropped: the node's one word that they are gone
@@ -131,6 +130,8 @@ class RendezvousHandler:
         self._stale: list[str] = []  # keys nobody reads any more: the sweeper deletes them
         self._swept = asyncio.Event()  # set when keys were added to _stale
         self._watches: list[_Watch] = []
+        self._others: set[str] = set()  # the keeper's neighbours on the ring, as of its last duty
+        self._duties = 0
         self._watched = asyncio.Event()  # set by a new watch(): the keeper follows revisions
         self._left = False
         self._shut = False
@@ -164,18 +165,10 @@ class RendezvousHandler:
         # observers find a counter first
         snap, action = await self._execute(step, until_outcome=True, first=self._beat)
         if action.act is Act.DONE:
-            return info_for(snap.state, self.node, self._settings.run_id)
+            return info_for(snap.state, self.node, self._settings.run_id, self._decoded.members(snap.state))
         if action.act is Act.CLOSED:
             raise RendezvousClosedError(f"rendezvous '{self._settings.run_id}' is closed")
-        raise RendezvousTimeoutError(self._timeout_message(snap.state, view))
-
-    def _timeout_message(self, state: RendezvousState, view: View) -> str:
-        settings = self._settings
-        waited = f"rendezvous '{settings.run_id}': {self.node} waited {settings.join_timeout:g}s"
-        if state.complete:
-            return f"{waited} on the wait list of round {state.round} ({len(state.participants)} members, " \
-                   f"max_nodes is {settings.max_nodes})"
-        return f"{waited}: {len(joined(state, view))} node(s) joined round {state.round}, min_nodes is {settings.min_nodes}"
+        raise RendezvousTimeoutError(timeout_message(snap.state, self.node, self._settings, view))
 
     def _check_running(self) -> None:
         if self._shut:
@@ -334,20 +327,30 @@ class RendezvousHandler:
     async def _tick(self, beats: dict[str, Beat]) -> dict[str, Beat]:
         """Heartbeat; read the counters of this node's neighbours on the ring of every node
         the state and its join log involve (a logged joiner too); drop the silent ones."""
-        seen = await self._observe(self._beat)
-        others = ring_watch(watched(seen[0].state, seen[1]), self.node)
-        counts = await self._heartbeats(sorted(others), beats)
+        others = sorted(self._others)  # the ring of the state seen at the last duty
+        seen, values = await self._duty_read(others)
+        counts = beat_counts(self._signer, {n: self._keys.heartbeat(n) for n in others}, values, beats,
+                             self._refused, self._fresh)
+        self._others = self._ring(*seen)
         now = self._clock()
         beats = observe_beats(beats, counts, now)
         snap, action = await self._execute(
             lambda state, view, _: decide_liveness(state, self.node, self._settings,
                                                    replace(view, beats=beats), now), seen=seen)
         if action.state is not None and action.act in (Act.OPEN_ROUND, Act.REMOVE):
-            silent = sorted(others - watched(action.state, View()))
+            silent = sorted(set(others) - watched(action.state, View()))
             self._on_lost(tuple(silent))
             self._logger.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
                         self.node, ", ".join(silent), action.act.value, action.state.round)
         return beats
+
+    def _ring(self, snap: _Snapshot, view: View) -> set[str]:
+        """This node's neighbours on the ring (``ops.ring_watch``): of the state's ring, built
+        once per state, unless the join log names nodes beyond it."""
+        ring, names = self._decoded.built(snap.state, ring_of)
+        if any(a.node not in names for a in view.announced):
+            return ring_watch(watched(snap.state, view), self.node)
+        return ring_around(ring, self.node)
 
     async def _sweeper(self) -> None:
         """Delete the stale keys, a batch at a time, as they come (a key it fails to delete
@@ -375,15 +378,22 @@ class RendezvousHandler:
         key = self._keys.heartbeat(self.node)
         await store.set(key, self._signer.seal(key, {}, version=self._beat_versions.next()))
 
-    async def _heartbeats(self, nodes: list[str], beats: dict[str, Beat]) -> dict[str, int | None]:
-        """Each node's heartbeat version; one that is refused counts as not moved."""
-        values = await self._store.get_many([self._keys.heartbeat(n) for n in nodes])
-        counts = {}
-        for node, raw in zip(nodes, values):
-            opened = open_version(self._signer, self._keys.heartbeat(node), raw, self._refused, self._fresh)
-            previous = beats.get(node)
-            counts[node] = opened.version if opened else (previous.count if previous and raw else None)
-        return counts
+    async def _duty_read(self, nodes: list[str]) -> tuple[tuple[_Snapshot, View], list[bytes | None]]:
+        """A duty's reads after its beat: the head, the open round's counter and the heartbeats
+        of ``nodes`` in one batch; the state only when ``head.state_moved`` says so (then the
+        state and the counter, as :meth:`_observe`).  Never a revision key: TCPStore's read of
+        a missing key wakes those who wait for it."""
+        await self._beat(self._store)
+        keys, newest = self._keys, self._newest
+        counted = not (newest.state.complete or newest.state.closed)
+        values = await self._store.get_many([keys.head, *(keys.heartbeat(n) for n in nodes),
+                                             *([keys.joins(newest.state.round)] if counted else [])])
+        self._duties += 1
+        head = head_version(self._signer, keys.head, values[0], self._refused)
+        beats = values[1:1 + len(nodes)]
+        if state_moved(None if newest.missing else newest.state.version, head, self._duties):
+            return await self._observe(), beats
+        return (newest, await self._logged(newest.state, _held(values[-1]) if counted else None)), beats
 
     def _resolve_watches(self, state: RendezvousState) -> None:
         """Settle the watches that ``state`` answers."""
@@ -516,6 +526,7 @@ class RendezvousHandler:
         won, current = await store.compare_set(keys.state, snap.raw, sealed)
         if won:
             await store.set(keys.rev(new.version), b"1")
+            await store.set(keys.head, seal_head(self._signer, keys.head, new))
             if new.version > REV_KEEP:
                 await store.delete(keys.rev(new.version - REV_KEEP))
             if snap.valid and ends_joining(snap.state, new):
@@ -546,17 +557,23 @@ class RendezvousHandler:
         key, or is older than ``known``, the newest this node saw before it read (a state
         written back: the store held a newer one before)."""
         key = self._keys.state
-        opened = open_version(self._signer, key, raw, self._refused)
-        if opened is None:
-            return None
-        try:
-            state = decode(opened.body)
-        except RendezvousStateError as exc:
-            self._refused(key, f"unreadable: {exc}")
-            return None
-        if state.version != opened.version or state.version < known:
-            self._refused(key, f"state version {state.version} (sealed as {opened.version}) is older "
-                               f"than version {known} seen before (written back)")
+        state = self._decoded.get(self._signer, key, raw)
+        if state is None:
+            opened = open_version(self._signer, key, raw, self._refused)
+            if opened is None:
+                return None
+            try:
+                state = decode(opened.body)
+            except RendezvousStateError as exc:
+                self._refused(key, f"unreadable: {exc}")
+                return None
+            if state.version != opened.version:
+                self._refused(key, f"state version {state.version} is sealed as {opened.version}")
+                return None
+            self._decoded.put(self._signer, key, raw, state)
+        if state.version < known:
+            self._refused(key, f"state version {state.version} is older than version {known} "
+                               "seen before (written back)")
             return None
         return state
 

@@ -1,6 +1,7 @@
 """The store keys of one rendezvous, all under its ``prefix``::
 
     state                   the signed RendezvousState (compare-and-set only)
+    head                    the state's version, signed: what keepers read (rendezvous/head.py)
     rev/<v>                 set when version v was written; waiters block on the next one
     hb/<node>               signed heartbeat: its version goes up at every beat
     round/<r>/joins         the round's join counter (add): how many numbers were taken
@@ -17,6 +18,7 @@ class Keys:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix.rstrip("/")
         self.state = f"{self.prefix}/state"
+        self.head = f"{self.prefix}/head"
 
     def rev(self, version: int) -> str:
         return f"{self.prefix}/rev/{version}"

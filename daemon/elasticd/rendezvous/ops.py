@@ -17,6 +17,7 @@ The counter is unsigned: it says how far to look, never who joined.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import zlib
@@ -37,6 +38,7 @@ from elasticd.rendezvous.state import (
     RendezvousSettings,
     RendezvousState,
     RoundEvent,
+    members_of,
 )
 
 
@@ -174,6 +176,15 @@ def rank_order(order: Iterable[str], nodes: Iterable[str]) -> list[str]:
     return survivors + sorted(nodes.difference(survivors))
 
 
+def timeout_message(state: RendezvousState, node: str, settings: RendezvousSettings, view: View) -> str:
+    """What a join that timed out says."""
+    waited = f"rendezvous '{settings.run_id}': {node} waited {settings.join_timeout:g}s"
+    if state.complete:
+        return f"{waited} on the wait list of round {state.round} ({len(state.participants)} members, " \
+               f"max_nodes is {settings.max_nodes})"
+    return f"{waited}: {len(joined(state, view))} node(s) joined round {state.round}, min_nodes is {settings.min_nodes}"
+
+
 def _next_duty(state: RendezvousState, settings: RendezvousSettings, view: View, now: float) -> float:
     end = _last_call_end(state, settings, view)
     return min(view.deadline, now + settings.keep_alive_interval, math.inf if end is None else end)
@@ -256,11 +267,22 @@ def ring_watch(nodes: set[str], node: str, width: int = RING_WIDTH) -> set[str]:
     around a ring.  Every node is then read by ``width`` others: O(1) reads per node per
     interval instead of O(N), with a watcher to spare.  A dead node whose watchers all died
     too is read once the ring closes over them (every removal moves the ring)."""
-    ring = sorted(nodes | {node})
-    if len(ring) <= width + 1:
+    return ring_around(sorted(nodes - {node}), node, width)
+
+
+def ring_around(ring: Sequence[str], node: str, width: int = RING_WIDTH) -> set[str]:
+    """:func:`ring_watch` on the sorted names ``ring`` (``node`` among them or not), found by
+    bisection: a ring built once per state serves every node of a process."""
+    at = bisect.bisect_left(ring, node)
+    if len(ring) - (at < len(ring) and ring[at] == node) <= width:
         return set(ring) - {node}
-    at = ring.index(node)
     return {ring[(at - k) % len(ring)] for k in range(1, width + 1)}
+
+
+def ring_of(state: RendezvousState) -> tuple[list[str], frozenset[str]]:
+    """The nodes ``state`` involves, sorted (for :func:`ring_around`) and as a set."""
+    names = watched(state, View())
+    return sorted(names), frozenset(names)
 
 
 def involved(state: RendezvousState, node: str, view: View) -> bool:
@@ -273,10 +295,11 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
     A dead member of a complete round opens the next round ("node_lost"); elsewhere the dead
     are just removed (from an open round or from the wait list).
     """
-    if state.closed or not involved(state, node, view):
-        return Action(Act.NOTHING)
     keep_alive = settings.keep_alive
-    dead = {n for n, beat in view.beats.items() if silent(beat, keep_alive, now)} & watched(state, view) - {node}
+    silent_ones = {n for n, beat in view.beats.items() if silent(beat, keep_alive, now)} - {node}
+    if state.closed or not silent_ones or not involved(state, node, view):  # the cheap test first
+        return Action(Act.NOTHING)
+    dead = silent_ones & watched(state, view)
     if not dead:
         return Action(Act.NOTHING)
     if state.complete and dead & state.participants.keys():
@@ -385,18 +408,13 @@ def round_event(
     return RoundEvent(EventKind.WAITING, waiting=count) if count else None
 
 
-def info_for(state: RendezvousState, node: str, run_id: str) -> RendezvousInfo:
-    """This node's view of a complete round: ranks follow ``state.order``, except that a
-    member with no workers (in place: its new ones warm up) ranks after those with some.
-    So the master is the node of global rank 0, and GROUP_RANK and GROUP_WORLD_SIZE count
-    the nodes that train, as WORLD_SIZE counts their workers."""
-    training = sorted(state.order, key=lambda name: state.participants[name].nproc == 0)
-    members, base = [], 0
-    for rank, name in enumerate(training):
-        participant = state.participants[name]
-        members.append(Member(name, participant.addr, participant.nproc, rank, base))
-        base += participant.nproc
-    me = members[training.index(node)]
+def info_for(state: RendezvousState, node: str, run_id: str,
+             members: tuple[Member, ...] | None = None) -> RendezvousInfo:
+    """This node's view of a complete round, ranked as ``members_of`` ranks (``members``:
+    ``members_of(state)``, built already)."""
+    members = members_of(state) if members is None else members
+    me = next(m for m in members if m.node == node)
+    first = members[0]
     return RendezvousInfo(
         run_id=run_id,
         round=state.round,
@@ -406,8 +424,8 @@ def info_for(state: RendezvousState, node: str, run_id: str) -> RendezvousInfo:
         group_world_size=sum(1 for m in members if m.nproc),
         nproc=me.nproc,
         rank_base=me.rank_base,
-        world_size=base,
-        master_addr=members[0].addr,
-        master_port=state.participants[members[0].node].master_port,
-        members=tuple(members),
+        world_size=members[-1].rank_base + members[-1].nproc,
+        master_addr=first.addr,
+        master_port=state.participants[first.node].master_port,
+        members=members,
     )

@@ -6,13 +6,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from elasticd.errors import RendezvousStateError
 from elasticd.core.tables import IllegalTransition, StateTable
 from elasticd.core.liveness import KeepAlive
 
 SCHEMA = 1
+T = TypeVar("T")
 
 
 class Reason(enum.StrEnum):
@@ -187,6 +188,57 @@ class RoundEvent:
     kind: EventKind
     reason: Reason | None = None  # of the next round
     waiting: int = 0
+
+
+class Decoded:
+    """The states opened lately, by the signer that opened them, their key and their sealed
+    bytes: a state is checked and decoded once per change, however many handlers of one
+    process read it (a daemon's jobs; the simulated nodes of a bench).  Also what is built
+    from a state for every node alike (its members in rank order, the ring of the nodes it
+    involves), built once per state.  Holds a few of each; the oldest goes first."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._states: dict[tuple[object, str, bytes], RendezvousState] = {}
+        self._built: dict[tuple[int, Callable[..., Any]], tuple[RendezvousState, Any]] = {}
+
+    def get(self, signer: object, key: str, raw: bytes) -> RendezvousState | None:
+        return self._states.get((signer, key, raw))
+
+    def put(self, signer: object, key: str, raw: bytes, state: RendezvousState) -> None:
+        self._states[(signer, key, raw)] = state
+        _bound(self._states, self._size)
+
+    def built(self, state: RendezvousState, build: Callable[[RendezvousState], T]) -> T:
+        """``build(state)``, a pure function of the state, built once for this state object."""
+        held = self._built.get((id(state), build))
+        if held is None or held[0] is not state:
+            held = self._built[(id(state), build)] = (state, build(state))
+            _bound(self._built, 4 * self._size)
+        return held[1]
+
+    def members(self, state: RendezvousState) -> tuple[Member, ...]:
+        """The members of a complete round in group-rank order (``state.order``)."""
+        return self.built(state, members_of)
+
+
+def _bound(entries: dict, size: int) -> None:
+    while len(entries) > size:
+        del entries[next(iter(entries))]
+
+
+def members_of(state: RendezvousState) -> tuple[Member, ...]:
+    """A complete round's members, ranks following ``state.order``, except that a member
+    with no workers (in place: its new ones warm up) ranks after those with some.  So the
+    master is the node of global rank 0, and GROUP_RANK and GROUP_WORLD_SIZE count the
+    nodes that train, as WORLD_SIZE counts their workers."""
+    training = sorted(state.order, key=lambda name: state.participants[name].nproc == 0)
+    members, base = [], 0
+    for rank, name in enumerate(training):
+        participant = state.participants[name]
+        members.append(Member(name, participant.addr, participant.nproc, rank, base))
+        base += participant.nproc
+    return tuple(members)
 
 
 # -- codec ---------------------------------------------------------------------------------

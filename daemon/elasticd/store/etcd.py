@@ -2,13 +2,18 @@
 
 How each operation maps onto etcd: ``get``/``set``/``delete`` are Range, Put and
 DeleteRange.  ``compare_set`` is one Txn (the value equals ``expected``, or the key was never
-created) whose failure branch reads the key.  ``add`` and ``append`` read the key, then write
-the new value in a Txn that holds only if the key's mod revision is still the one read, and
-start again from what a lost race read.  ``get_many`` is Txns of up to 128 Range ops (etcd's
-default ``--max-txn-ops``).  ``wait_for`` reads the key and the store's revision, then
-watches the key from the next revision: one round trip when it is written, no polling.
-Counters are ASCII decimal, as TCPStore stores them; an add over anything else (junk, a
-sign, more than 18 digits) raises NotACounter and writes nothing.
+created) whose failure branch reads the key.  ``append`` and an ``add`` of other than 1
+read the key, then write the new value in a Txn that holds only if the key's mod revision
+is still the one read, and start again from what a lost race read.  An ``add`` of 1 (a
+number taken: N joiners at once) is one Txn that no race can fail, O(1) however many add
+at once: a counter is kept as an offset plus the key's version (the puts since it was
+created, which etcd counts), so the add is a put that keeps the value (``ignore_value``)
+and reads the key back; every read shows the count (:func:`_shown`).  ``get_many`` is
+Txns of up to 128 Range ops (etcd's default ``--max-txn-ops``).  ``wait_for`` reads the key
+and the store's revision, then watches the key from the next revision: one round trip when
+it is written, no polling.  Counters read as ASCII decimal, as TCPStore stores them; an add
+over anything else (junk, a sign, more than 18 digits) raises NotACounter and writes
+nothing.
 
 gRPC is spoken over aetcd's generated stubs; aetcd's own client has no TLS, uses one
 endpoint and never renews its auth token.  Calls go to one member at a time.  A member that
@@ -156,16 +161,41 @@ class EtcdStore:
 
     async def add(self, key: str, amount: int) -> int:
         async with self._deadline(self.timeout):
-            current = await self._kv("Range", _range(key))
+            current = await self._add_one(key) if amount == 1 else await self._kv("Range", _range(key))
+            if isinstance(current, int):
+                return current
             if amount == 0 and current.kvs:  # a read: no write, no new revision
-                return _counter(key, current.kvs[0].value)
-            new = await self._update(key, current, lambda value: b"%d" % (_counter(key, value) + amount))
-            return int(new)
+                return _counter(key, _value(current))
+            counted = 0
+
+            def count(kv: Any) -> bytes:  # kept as an offset from the version this put makes
+                nonlocal counted
+                counted = _counter(key, None if kv is None else _shown(kv)) + amount
+                return _COUNT + b"%d" % (counted - (kv.version + 1 if kv is not None else 1))
+
+            await self._update(key, current, count)
+            return counted
+
+    async def _add_one(self, key: str) -> int | Any:
+        """An add of 1 to a counter kept by version (the put bumps it, whoever else adds), or
+        that creates one (whoever creates it first: the others bump it); the count, or the
+        Range reply of a key that holds something else (a plain count, junk)."""
+        bumped = rpc.RequestOp(request_put=rpc.PutRequest(key=_key(key), ignore_value=True))
+        while True:
+            reply = await self._txn(_by_version(key), [bumped, _op(_range(key))], [_op(_range(key))], retry=False)
+            if reply.succeeded:
+                return _counter(key, _value(reply.responses[1].response_range))
+            if reply.responses[0].response_range.kvs:
+                return reply.responses[0].response_range
+            created = await self._txn([_compare(key, rpc.Compare.CREATE, create_revision=0)],
+                                      [_put(key, _COUNT + b"0")], [], retry=False)
+            if created.succeeded:
+                return 1
 
     async def append(self, key: str, value: bytes) -> None:
         async with self._deadline(self.timeout):
             current = await self._kv("Range", _range(key))
-            await self._update(key, current, lambda old: (old or b"") + value)
+            await self._update(key, current, lambda kv: (kv.value if kv is not None else b"") + value)
 
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         """The values in one Txn per 128 keys, sent together."""
@@ -265,14 +295,14 @@ class EtcdStore:
         return await self._kv("Txn", rpc.TxnRequest(compare=compare, success=success, failure=failure),
                               retry=retry)
 
-    async def _update(self, key: str, current: Any, change: Callable[[bytes | None], bytes]) -> bytes:
-        """Write ``change(value)`` if the key was not written since ``current`` (a Range
-        reply) was read; after a lost race, again from the value the Txn read.  Never sent
+    async def _update(self, key: str, current: Any, change: Callable[[Any], bytes]) -> bytes:
+        """Write ``change(kv)`` (None: no key) if the key was not written since ``current`` (a
+        Range reply) was read; after a lost race, again from the value the Txn read.  Never sent
         twice after a broken connection: it may have been applied."""
         races = 0
         while True:
             kv = current.kvs[0] if current.kvs else None
-            new = change(kv.value if kv else None)
+            new = change(kv)
             unchanged = _compare(key, rpc.Compare.MOD, mod_revision=kv.mod_revision if kv else 0)
             reply = await self._txn([unchanged], [_put(key, new)], [_op(_range(key))], retry=False)
             if reply.succeeded:
@@ -459,9 +489,29 @@ def _compare(key: str, target: int, **value: Any) -> Any:
     return rpc.Compare(key=_key(key), target=target, result=rpc.Compare.EQUAL, **value)
 
 
+def _by_version(key: str) -> list[Any]:
+    """Compares that hold when the key is a counter kept by version (see ``add``): its
+    value starts with a zero byte, and is longer."""
+    return [rpc.Compare(key=_key(key), target=rpc.Compare.VALUE, result=rpc.Compare.GREATER, value=b"\0"),
+            rpc.Compare(key=_key(key), target=rpc.Compare.VALUE, result=rpc.Compare.LESS, value=b"\1")]
+
+
+_COUNT = b"\0elasticd-count:"  # and the offset: the count is the offset plus the key's version
+
+
 def _value(reply: Any) -> bytes | None:
-    """The value in a Range reply; None when the key is missing."""
-    return reply.kvs[0].value if reply.kvs else None
+    """The value in a Range reply as the store's users see it; None when the key is missing."""
+    return _shown(reply.kvs[0]) if reply.kvs else None
+
+
+def _shown(kv: Any) -> bytes:
+    """A key's value, a counter kept by version as its count in ASCII decimal."""
+    if kv.value.startswith(_COUNT):
+        offset = kv.value[len(_COUNT):]
+        digits = offset[1:] if offset[:1] == b"-" else offset
+        if 0 < len(digits) < 19 and digits.isdigit():
+            return b"%d" % (int(offset) + kv.version)
+    return kv.value
 
 
 def _counter(key: str, value: bytes | None) -> int:

@@ -84,7 +84,15 @@ class Signer:
 
     def open(self, key: str, raw: bytes) -> Opened:
         """The body and version of the record read at ``key``; TamperedRecord if it is not
-        one we sealed for that key."""
+        one we sealed for that key.  A signed record in the shape :meth:`seal` writes has its
+        MAC checked over the body's bytes as read, before anything is decoded, and only its
+        body is decoded (no re-encoding); any other shape takes the general path."""
+        parts = _signed_parts(raw)
+        if parts is not None:
+            version, canonical, mac = parts
+            if not hmac.compare_digest(mac, self._mac(canonical_json([key, version]), canonical).encode()):
+                raise TamperedRecord("record MAC does not match (forged, or copied from another key)")
+            return Opened(_decoded(canonical, "record"), version)
         envelope = _decoded(raw, "record")
         if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
             raise TamperedRecord(f"record is not a version {ENVELOPE_VERSION} envelope")
@@ -113,6 +121,28 @@ class Signer:
 
     def _mac(self, context: bytes, canonical: bytes) -> str:
         return hmac.new(self._mac_key, context + b"\n" + canonical, hashlib.sha256).hexdigest()
+
+
+_SIGNED_HEAD = b'{"v":%d,"ver":' % ENVELOPE_VERSION
+_SIGNED_BODY = b',"body":'
+_SIGNED_MAC = b',"mac":"'
+_MAC_HEX = 64
+
+
+def _signed_parts(raw: bytes) -> tuple[int, bytes, bytes] | None:
+    """(version, the body's bytes, the MAC) of a record in the exact shape :meth:`Signer.seal`
+    writes for a signed one; None for any other bytes."""
+    if not isinstance(raw, bytes) or not raw.startswith(_SIGNED_HEAD) or len(raw) > MAX_RECORD:
+        return None
+    start = len(_SIGNED_HEAD)
+    at = raw.find(_SIGNED_BODY, start, start + 19 + len(_SIGNED_BODY))
+    digits = raw[start:at]
+    if at < 0 or not digits.isdigit() or (len(digits) > 1 and digits[0] == 48):
+        return None
+    tail = len(raw) - len(_SIGNED_MAC) - _MAC_HEX - 2
+    if tail <= at + len(_SIGNED_BODY) or raw[tail:tail + len(_SIGNED_MAC)] != _SIGNED_MAC or raw[-2:] != b'"}':
+        return None
+    return int(digits), raw[at + len(_SIGNED_BODY):tail], raw[tail + len(_SIGNED_MAC):-2]
 
 
 def _decoded(raw: bytes, what: str) -> Any:

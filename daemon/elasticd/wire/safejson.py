@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 MAX_DEPTH = 64            # no record, request or file of ours nests deeper than a few levels
@@ -40,8 +41,29 @@ def loads(raw: bytes | bytearray | str, *, max_bytes: int, max_depth: int = MAX_
         raise
     except ValueError as exc:  # JSONDecodeError; int()'s digit limit
         raise Undecodable(f"not JSON: {_short(exc)}") from None
-    _check(value, max_depth)
+    if not _plainly_within(text, max_depth):
+        _check(value, max_depth)
     return value
+
+
+_SURROGATE = re.compile("\\\\u[dD][89abcdefABCDEF]|[\ud800-\udfff]")  # escaped, or in a str given
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _plainly_within(text: str, max_depth: int) -> bool:
+    """Whether the text of a JSON value just decoded plainly holds no surrogate escape and
+    no nesting deeper than ``max_depth`` (its brackets counted outside its strings): a
+    scan of the text instead of a walk of every value; False sends the value to _check."""
+    if _SURROGATE.search(text):
+        return False
+    if text.count("[") + text.count("{") <= max_depth:
+        return True
+    depth = deepest = 0
+    for bracket in _NOT_BRACKET.sub("", _STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest <= max_depth
 
 
 def _no_constant(name: str) -> Any:
