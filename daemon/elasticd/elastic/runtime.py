@@ -17,10 +17,6 @@ An abort must end a collective that is blocked on a dead peer. NCCL's ``abort`` 
 does not wake a blocked ``all_reduce``, so the sockets that the group opened are also shut
 down (never its listening socket: gloo's listener dies on that), which makes the blocked
 call raise "Connection closed by peer" at once.
-
-A scale-up stalls training only for the switch: a worker opens the new round's store as
-soon as it hears its place (roundstore.py), while its old group still trains, and the old
-gloo group is freed on a thread after the switch (``_leave_group``).
 """
 
 from __future__ import annotations
@@ -204,7 +200,8 @@ class Runtime:
                 return
             if self._next is not None:
                 self._next.cancel()
-            self._next = self._new_store(round, env)
+            self._next = RoundStore(round, env, self.backend or _default_backend(),
+                                    lambda: self._told_abort > round, _socket_fds)
             if self.round < 0 or self._next.endpoint != current:
                 self._next.start()
 
@@ -275,23 +272,22 @@ class Runtime:
         self.round = round
         self._init_group(env)
 
-    def _new_store(self, round: int, env: dict[str, str]) -> RoundStore:
-        """Round ``round``'s store, not opening yet; it gives up once a newer round aborts it."""
-        return RoundStore(round, env, self.backend or _default_backend(),
-                          lambda: self._told_abort > round, _socket_fds)
-
     def _store_of(self, round: int, env: dict[str, str]) -> RoundStore:
         """The round's store, opening or open (one that waited for the old group's end
-        starts now; a newer round's, placed meanwhile, is kept for that round)."""
+        starts now; a newer round's place than ``round`` gets a store of its own)."""
         with self._group_lock:
             store, self._next = self._next, None
-            if store is not None and store.round > round:
-                self._next = store
-            elif store is not None and store.round < round:
-                store.cancel()
             if store is None or store.round != round:
-                store = self._new_store(round, env)
-        return store if store.started else store.start()
+                if store is not None and store.round > round:
+                    self._next = store  # a newer round's: kept for that round
+                elif store is not None:
+                    store.cancel()
+                store = RoundStore(round, env, self.backend or _default_backend(),
+                                   lambda: self._told_abort > round, _socket_fds)
+                return store.start()
+        if not store.started:
+            store.start()
+        return store
 
     def _init_group(self, env: dict[str, str]) -> None:
         backend = self.backend or _default_backend()
@@ -303,13 +299,11 @@ class Runtime:
             phase("form-start", self.round)
             opening = self._store_of(self.round, env)
             store = opening.take()
-            with self._group_lock:  # its sockets are the new group's: an abort shuts them down
+            with self._group_lock:  # its sockets are the new group's
                 assert self._forming_since is not None
                 for fd, inode in opening.sockets.items():
                     if self._forming_since.get(fd) == inode:
                         del self._forming_since[fd]
-            if self.aborted:  # an abort that came before they counted
-                raise GroupAborted("a member of the job left before its group formed")
             dist.init_process_group(backend, store=store, rank=int(env["RANK"]),
                                     world_size=int(env["WORLD_SIZE"]))
             phase("form-end", self.round)
