@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from .broadcast import default_device
 from .errors import GroupAborted, HostsUpdatedInterrupt
-from .roundstore import RoundStore
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +58,10 @@ _GROUP_ERRORS = ("gloo", "nccl", "connection closed by peer", "connection reset"
 class Channel:
     """The connection to the agent; a thread reads its notices."""
 
-    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None],
-                 on_place: Callable[[int, dict[str, str]], None] | None = None) -> None:
+    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None]) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._on_abort = on_abort
-        self._on_place = on_place
         self._lock = threading.Condition()
         self._places: dict[int, dict[str, str]] = {}
         self.announced = -1   # newest round the agent announced
@@ -107,8 +104,6 @@ class Channel:
         phase(f"notice-{op}", round)
         if op == "abort":
             self._on_abort(round)
-        elif op == "place" and self._on_place is not None:
-            self._on_place(round, self._places[round])
 
     def newest(self) -> list[int]:
         """[the newest announced round, whether it adds workers] (one all_reduce's payload)."""
@@ -173,9 +168,7 @@ class Runtime:
         self._group_sockets: dict[int, int] = {}
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
-        self._told_abort = -1  # the newest round an abort notice named
-        self._next: RoundStore | None = None  # the store of the newest round placed in, opening
-        self.channel = Channel(path, slot, self._abort, self._placed)
+        self.channel = Channel(path, slot, self._abort)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -189,30 +182,11 @@ class Runtime:
 
     # -- notices ------------------------------------------------------------------------
 
-    def _placed(self, round: int, env: dict[str, str]) -> None:
-        """On the reader thread: open the store of the round this worker was just placed in
-        (RoundStore), unless its endpoint is the current round's, whose store still serves
-        the group that trains (a job with a fixed --master-port): that one opens at the
-        switch, once the old group is gone."""
-        with self._group_lock:
-            current = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
-            if round <= self.round or (self._next is not None and self._next.round >= round):
-                return
-            if self._next is not None:
-                self._next.cancel()
-            self._next = RoundStore(round, env, self.backend or _default_backend(),
-                                    lambda: self._told_abort > round, _socket_fds)
-            if self.round < 0 or self._next.endpoint != current:
-                self._next.start()
-
     def _abort(self, round: int) -> None:
         """On the reader thread: the group of our round cannot complete; make it fail now."""
-        self._told_abort = max(self._told_abort, round)
         if round <= self.round:
             return
         with self._group_lock:
-            if self._next is not None and self._next.round < round:
-                _shut_down(self._next.sockets)  # an older round's store, waiting in a get
             if dist.is_initialized() and str(dist.get_backend()) != "gloo":
                 try:  # NCCL: ncclCommAbort (this also unregisters the default group)
                     dist.distributed_c10d._abort_process_group()
@@ -263,49 +237,26 @@ class Runtime:
                     _shut_down(self._group_sockets)
                 self._group_sockets = {}
             phase("leave-start", self.round)
-            _leave_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
             phase("leave-end", self.round)
         phase(f"ask-{why}", self.round)
         round, env = self.channel.place_after(self.round, why, error)
         phase("placed", round)
         os.environ.update(env)
         self.round = round
-        self._init_group(env)
+        self._init_group()
 
-    def _store_of(self, round: int, env: dict[str, str]) -> RoundStore:
-        """The round's store, opening or open (one that waited for the old group's end
-        starts now; a newer round's place than ``round`` gets a store of its own)."""
-        with self._group_lock:
-            store, self._next = self._next, None
-            if store is None or store.round != round:
-                if store is not None and store.round > round:
-                    self._next = store  # a newer round's: kept for that round
-                elif store is not None:
-                    store.cancel()
-                store = RoundStore(round, env, self.backend or _default_backend(),
-                                   lambda: self._told_abort > round, _socket_fds)
-                return store.start()
-        if not store.started:
-            store.start()
-        return store
-
-    def _init_group(self, env: dict[str, str]) -> None:
-        backend = self.backend or _default_backend()
+    def _init_group(self) -> None:
         with self._group_lock:
             self._forming_since = _socket_fds()
         try:
             if self.aborted:
                 raise GroupAborted("a member of the job left before its group formed")
             phase("form-start", self.round)
-            opening = self._store_of(self.round, env)
-            store = opening.take()
-            with self._group_lock:  # its sockets are the new group's
-                assert self._forming_since is not None
-                for fd, inode in opening.sockets.items():
-                    if self._forming_since.get(fd) == inode:
-                        del self._forming_since[fd]
-            dist.init_process_group(backend, store=store, rank=int(env["RANK"]),
-                                    world_size=int(env["WORLD_SIZE"]))
+            dist.init_process_group(self.backend or _default_backend(), init_method="env://")
             phase("form-end", self.round)
         finally:
             with self._group_lock:
@@ -319,20 +270,6 @@ class Runtime:
             before = self._before_group
             self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
                                    if before.get(fd) != ino}
-
-
-def _leave_group() -> None:
-    """Destroy the default group. Gloo's group object is freed on a thread of its own: its
-    destructor closes its connections, waiting for gloo's event loop to let go of them
-    (~20 ms here, without the GIL), which needs to hold up neither the new group nor the
-    training. (Past ``destroy_process_group`` it is shut down and unknown to torch.)"""
-    old = [dist.group.WORLD] if str(dist.get_backend()) == "gloo" else []
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-    if old:
-        threading.Thread(target=old.clear, name="elasticd-old-group", daemon=True).start()
 
 
 def phase(name: str, round: int) -> None:
