@@ -456,6 +456,8 @@ def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():
     assert kinds(out) == ["Cancel", "Publish", "StopWorkers"]
     out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
     assert kinds(out) == ["NewPool", "RequestRound"] and out[-1].reason is Reason.STALLED
+    out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
+    assert kinds(out)[-2:] == ["ForgetSlots", "WarmWorkers"] and d.part.phase is Phase.WARMING  # no round of none
 
 
 def test_in_place_a_survivor_that_asks_while_the_next_round_is_joined_is_not_late():

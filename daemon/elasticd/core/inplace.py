@@ -166,6 +166,7 @@ class Places:
     keep: int = 0                                         # the world size to keep: before the last losses
     extra: int = 0                                        # spares placed beyond nproc, filling in for a lost node
     filling: bool = False                                 # the scale-up asked for is this node's own fill
+    fresh: bool = False                                   # every worker was stopped (a stall): all start anew
 
     def move(self, slot: int, state: SlotState) -> None:
         self.slots[slot] = SLOT_STATES.check(self.slots.get(slot, SlotState.EMPTY), state)
@@ -270,7 +271,7 @@ def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> 
         out.append(do.WarmWorkers(part.job, missing, previous.round + 1 if previous else 0))
     ready = _offered(places, (slot for slot in places.running() if places.has_asked(slot)),
                      part.nproc + places.extra)
-    if ready or previous is not None:  # a member stays one, with no worker while they warm up
+    if ready or previous is not None and not places.fresh:  # a member stays one, with no worker while they warm up
         places.joining = ready
         return out + part._join(now, len(ready))
     return out + _warm(part, now)
@@ -355,6 +356,7 @@ def joined(part: PartCore, info: RendezvousInfo, now: ev.Now) -> Instructions:
     them); then watch the round."""
     places = _places(part)
     previous = part.info
+    places.fresh = False
     out = _place(part, info, None if places.first else previous, places.joining, now)
     if places.first:
         places.first = False
@@ -525,7 +527,8 @@ def act(part: PartCore, decision: Decision, seen: Observed, now: ev.Now) -> Inst
 def fresh_pool(part: PartCore, now: ev.Now) -> Instructions:
     """After a stall: every worker stopped; a new standby pool takes their slots."""
     places = _places(part)
-    part.group = standby(part.job, part.settings.node, part.nproc, part.gpus)
+    part.group = standby(part.job, part.settings.node, pool_size(part), part.gpus)
+    places.fresh = True  # no member keeps a worker: none joins before its new ones ask
     for slot in list(places.slots):
         if places.slots[slot] is not SlotState.EMPTY:
             places.move(slot, SlotState.EMPTY)
