@@ -13,7 +13,6 @@ from elasticd.rendezvous.ops import (
     decide_close,
     decide_join,
     decide_leave,
-    decide_step_aside,
     decide_liveness,
     decide_next_round,
     decide_restore,
@@ -135,8 +134,6 @@ def test_an_own_entry_not_read_yet_is_waited_for_an_interval_then_written_again(
 
 def test_a_node_whose_entry_is_pending_is_involved_and_leaves_past_it():
     state = st("a", folded=3)
-    action = decide_step_aside(state, "me", View(pending=NOW, log_end=7))
-    assert action.act is Act.REMOVE and action.state.folded == 7
     assert decide_leave(state, "me", Reason.DRAIN, View(pending=NOW, log_end=7)).state.folded == 7
 
 
@@ -357,26 +354,6 @@ LEAVE_TABLE = [
                          ids=[row[0] for row in LEAVE_TABLE])
 def test_decide_leave(case, state, announced, act, check):
     action = decide_leave(state, "me", Reason.DRAIN, View(announced=logged(*announced)))
-    assert action.act is act
-    assert (action.state is None) if check is None else check(action.state)
-
-
-STEP_ASIDE_TABLE = [
-    ("expected in an open round: the others complete without it", st("a", expected=("a", "me")), (),
-     Act.REMOVE, lambda s: s.expected == ("a",) and not s.complete),
-    ("already joined the open round", st("a", "me"), (), Act.REMOVE, lambda s: set(s.participants) == {"a"}),
-    ("the round completed: nothing to step out of", st("a", complete=True), (), Act.NOTHING, None),
-    ("not in it", st("a", expected=("a",)), (), Act.NOTHING, None),
-    ("closed", st("a", "me", closed=True), (), Act.NOTHING, None),
-]
-
-
-@pytest.mark.parametrize(("case", "state", "announced", "act", "check"), STEP_ASIDE_TABLE,
-                         ids=[row[0] for row in STEP_ASIDE_TABLE])
-def test_decide_step_aside(case, state, announced, act, check):
-    """Stepping aside is not leaving: the node may join the next round (in place: its
-    workers warm up while the survivors re-form without it)."""
-    action = decide_step_aside(state, "me", View(announced=logged(*announced)))
     assert action.act is act
     assert (action.state is None) if check is None else check(action.state)
 

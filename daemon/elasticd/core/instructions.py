@@ -52,13 +52,6 @@ class RequestRound:
 
 
 @dataclass(frozen=True)
-class StepAside:
-    """The forming round completes without this node (its workers all warm up)."""
-
-    job: str
-
-
-@dataclass(frozen=True)
 class ArriveAtBarrier:
     """Arrive at the exit barrier of ``info``'s round and wait (at most ``timeout``) for
     every member, telling the progress as it goes."""
@@ -250,7 +243,7 @@ class Say:
     args: tuple[Any, ...] = field(default_factory=tuple)
 
 
-Instruction = (Join | Watch | RequestRound | StepAside | ArriveAtBarrier | Leave | Probe | Cancel
+Instruction = (Join | Watch | RequestRound | ArriveAtBarrier | Leave | Probe | Cancel
                | StartWorkers | NewPool | WarmWorkers | PlaceWorkers | Notify | ForgetSlots
                | StopWorkers | Publish | Finish | HoldJob | StartPart | ClosePart | SetTimer
                | ClearTimer | Count | Say)

@@ -43,7 +43,7 @@ from elasticd.journal import about
 from elasticd.errors import (NotACounter, RendezvousClosedError, RendezvousGone, RendezvousStateError,
                              RendezvousTimeoutError, StoreError)
 from elasticd.rendezvous.ops import (Act, Action, Beat, claim, decide_close, decide_join, decide_leave,
-                                     decide_liveness, decide_next_round, decide_restore, decide_step_aside,
+                                     decide_liveness, decide_next_round, decide_restore,
                                      ends_joining, info_for, observe_beats, reads_log, ring_around, ring_of,
                                      ring_watch, round_event, timeout_message, track_last_call, View, watched)
 from elasticd.rendezvous.state import (Announcement, decode, Decoded, encode, NextRound, Participant, Reason,
@@ -199,11 +199,6 @@ class RendezvousHandler:
         """Leave for good; a complete round that had this node is superseded with ``reason``."""
         self._left = True
         await self._execute(lambda state, view, now: decide_leave(state, self.node, Reason(reason), view))
-
-    async def step_aside(self) -> None:
-        """Not in the forming round for now (an in-place node whose workers are all warming
-        up): the round completes without waiting for this node, which may join later."""
-        await self._execute(lambda state, view, now: decide_step_aside(state, self.node, view))
 
     async def set_closed(self) -> None:
         await self._execute(lambda state, view, now: decide_close(state))

@@ -363,13 +363,6 @@ def decide_leave(state: RendezvousState, node: str, reason: Reason, view: View) 
     return Action(Act.NOTHING)
 
 
-def decide_step_aside(state: RendezvousState, node: str, view: View) -> Action:
-    """Out of an open round (not for good: the node joins a later one)."""
-    if state.closed or state.complete or not involved(state, node, view):
-        return Action(Act.NOTHING)
-    return Action(Act.REMOVE, without(state, {node}, view))
-
-
 def decide_close(state: RendezvousState) -> Action:
     return Action(Act.NOTHING) if state.closed else Action(Act.CLOSE, state.next(closed=True))
 

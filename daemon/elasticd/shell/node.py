@@ -242,9 +242,6 @@ class NodeShell:
         self._op(i.job, i.op, part.rdzv.request_next_round(i.round, i.reason, i.lost),
                  lambda result: ev.RoundRequested(i.job, i.op, result))
 
-    def _step_aside(self, i: do.StepAside) -> None:
-        self._quiet(i.job, self._parts[i.job].rdzv.step_aside())
-
     def _arrive(self, i: do.ArriveAtBarrier) -> None:
         rdzv = self._parts[i.job].rdzv
 
@@ -586,7 +583,7 @@ class NodeShell:
 
 _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.Join: NodeShell._join, do.Watch: NodeShell._watch, do.RequestRound: NodeShell._request_round,
-    do.StepAside: NodeShell._step_aside, do.ArriveAtBarrier: NodeShell._arrive,
+    do.ArriveAtBarrier: NodeShell._arrive,
     do.Leave: NodeShell._leave, do.Probe: NodeShell._probe, do.Cancel: NodeShell._cancel,
     do.StartWorkers: NodeShell._start_workers, do.NewPool: NodeShell._new_pool,
     do.WarmWorkers: NodeShell._warm, do.PlaceWorkers: NodeShell._place, do.Notify: NodeShell._notify,
