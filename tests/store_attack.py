@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from harness import Daemon, free_port
+from elasticd.store.base import counter_value
 from elasticd.store.signing import create_key
 
 REFUSED = "elasticd_store_refused_records_total"
@@ -129,6 +130,11 @@ class Attacker:
     def exists(self, suffix: str) -> bool:
         return self.store.check([self.key(suffix)])
 
+    def count(self, suffix: str) -> int | None:
+        """The counter at ``suffix`` as a number (0: none), None when it holds no count."""
+        raw = self.read(suffix)
+        return counter_value(raw) if raw else 0
+
     def write(self, suffix: str, data: bytes) -> None:
         self.store.set(self.key(suffix), data)
 
@@ -164,6 +170,19 @@ class EtcdAttacker:
 
     def exists(self, suffix: str) -> bool:
         return self.read(suffix) is not None
+
+    def count(self, suffix: str) -> int | None:
+        """The counter at ``suffix`` as a number (0: none), None when it holds no count.  An
+        elasticd counter on etcd is kept as a marked offset, its count being the offset plus
+        the key's version (an add of 1 is a put that keeps the value)."""
+        found = self._kv.Range(self._rpc.RangeRequest(key=self.key(suffix).encode()), timeout=10).kvs
+        if not found or not found[0].value:
+            return 0
+        raw, mark = found[0].value, b"\0elasticd-count:"
+        if raw.startswith(mark):
+            offset = raw[len(mark):]
+            return int(offset) + found[0].version if offset.lstrip(b"-").isdigit() else None
+        return counter_value(raw)
 
     def write(self, suffix: str, data: bytes) -> None:
         self._kv.Put(self._rpc.PutRequest(key=self.key(suffix).encode(), value=data), timeout=10)

@@ -42,7 +42,6 @@ from typing import Any, Iterator
 
 import pytest
 
-from elasticd.store.base import counter_value
 from harness import Daemon, worker_args
 from store_attack import Cluster, attacker, metric, wait_for
 from test_store_forgery import (assert_still_running, cancel_and_check, observe, refused_counts,
@@ -215,7 +214,7 @@ def test_any_value_on_the_keys_read_every_duty_ends_no_daemon(cluster, shared_tm
     # read the whole board again); nothing else appends to these while the job runs
     for index in ("nodes/names", "jobs/index"):
         store.write(index, (store.read(index) or b"") + DEEP + b"\n" + POISONS["infinite body"] + b"\n")
-    store.write(f"jobs/log/{int(store.read('jobs/log') or b'0') + 1}", POISONS["deep body"])
+    store.write(f"jobs/log/{store.count('jobs/log') + 1}", POISONS["deep body"])
 
     def safe() -> None:
         alive(cluster)
@@ -284,7 +283,7 @@ def test_a_counter_that_is_no_number_freezes_nothing(cluster, shared_tmp, figure
         wait_for(lambda: (listed(other, done["id"]) or {}).get("state") == "SUCCEEDED", 15,
                  f"{done['id']}, submitted on {submitter.name} after {value[:10]!r}..., SUCCEEDED on {other.name}")
         for counter in counters:  # a count again, written by a daemon
-            assert counter_value(store.read(counter) or b"0") is not None, (counter, store.read(counter)[:40])
+            assert store.count(counter) is not None, (counter, store.read(counter)[:40])
         safe()
     took = time.monotonic() - started
     seqs = [j["seq"] for j in n1.ctl("list", "--all")]
