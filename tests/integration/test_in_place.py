@@ -204,18 +204,19 @@ def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(cluster: Clu
     again = wait_for(lambda: formed(report, 3, killed_at), 60, "back at 3 ranks")
     assert spares[b.name] in again and lost not in again, "b's spare took the lost worker's place"
     assert_equal_state(again)
-    spares = wait_for(lambda: spares_of(a, job, 3), 120, "b warmed a new spare")
 
-    lost_at = time.time()
+    lost_at = time.time()  # b's new spare warms up meanwhile
     c.signal(signal.SIGKILL)
     c.wait_exit(30)
     filled = wait_for(lambda: formed(report, 3, lost_at), 60, "back at 3 ranks on 2 nodes")
     survivors = {pid for pid in again if where.get(pid) != c.name}
     assert survivors < set(filled) and spares[a.name] in filled, "a's spare filled in for c"
     assert_equal_state(filled)
+    fresh = wait_for(lambda: spares_of(a, job, 1), 120, "b warmed a new spare")
+    assert set(fresh) == {b.name} and fresh[b.name] not in (lost, spares[b.name])
     assert a.ctl("status", job)["restarts"] == 1, "only the worker's failure spent a restart"
     a.ctl("cancel", job)
-    everyone = {*filled, spares[b.name]}
+    everyone = {*filled, fresh[b.name]}
     wait_for(lambda: gone(everyone), 30, "no worker or spare outlives the cancel")
 
 
