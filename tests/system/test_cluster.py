@@ -70,6 +70,7 @@ def test_a_failure_restarts_every_node_and_the_budget_is_job_wide(cluster_factor
     assert "boom from rank 1 on attempt 1" in failed["error"]["message"]
 
 
+@pytest.mark.c10d_only("a scale-up round: the rendezvous on etcd forms and re-forms in the tests above and in test_partition; CI time paid for issue 27's tests")
 def test_scale_up_when_a_node_joins(cluster_factory, shared_tmp):
     cluster = cluster_factory(2)
     cluster.start()
@@ -178,6 +179,7 @@ def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factor
     cluster[0].ctl("cancel", job)
 
 
+@pytest.mark.c10d_only("the barrier's waits; on etcd every job that succeeds passes one; CI time paid for issue 27's tests")
 def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
     gate = shared_tmp / "gate"  # group rank 1 ends once the test has seen the barrier
@@ -190,6 +192,7 @@ def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     assert final["state"] == "SUCCEEDED"
 
 
+@pytest.mark.c10d_only("a cancel through the peer and the job's records; the records on etcd: the chaos and contract tests; CI time paid for issue 27's tests")
 def test_cancel_from_a_node_that_runs_none_of_the_job(cluster_factory, shared_tmp):
     cluster = cluster_factory(3).start()
     job = cluster[0].submit("--nnodes", "2", "--nodes", "n1,n2", *worker_args("--sleep", "0"))
@@ -229,6 +232,7 @@ def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
         cluster[1].ctl("cancel", job["id"])
 
 
+@pytest.mark.c10d_only("the drain request and the part's leaving, the same on either store; CI time paid for issue 27's tests")
 def test_drain_moves_a_job_off_a_node(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit("--nnodes", "1:2", *worker_args("--sleep", "0"))

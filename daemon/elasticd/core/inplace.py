@@ -378,7 +378,8 @@ def _fill(part: PartCore, now: ev.Now) -> Instructions:
     places, info = _places(part), part.info
     assert info is not None
     spares = sorted(slot for slot, state in places.slots.items() if state is SlotState.READY)
-    if part.phase is not Phase.RUNNING or not spares or info.group_rank >= places.keep - info.world_size:
+    if part.phase is not Phase.RUNNING or not part.spares or not spares \
+            or info.group_rank >= places.keep - info.world_size:
         return []
     places.extra += 1
     places.filling = True
