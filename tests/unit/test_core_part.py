@@ -10,7 +10,7 @@ import pytest
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.inplace import Places
+from elasticd.core.inplace import Places, parked
 from elasticd.core.part import Phase, PartCore, Settings
 from elasticd.core.model import (IllegalTransition, JobSpec, JobState, PartState, Worker, WorkerGroup,
                                  WorkerState)
@@ -341,6 +341,13 @@ def in_place_running(d: Drive) -> None:
     ask(d, 1)
 
 
+def fail_and_reopen(d: Drive, *states: WorkerState) -> list[do.Instruction]:
+    """Workers end in ``states``; no peer is lost; the new round opens: the part's answer."""
+    d.workers(*states)
+    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
+    return d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+
+
 def test_in_place_a_failed_worker_is_replaced_while_the_survivor_trains_on():
     d = Drive(in_place=True)
     in_place_running(d)
@@ -362,9 +369,7 @@ def test_in_place_a_node_whose_every_worker_failed_stays_a_member_with_none():
     """--nnodes 2:2: stepping aside would leave the round below min, and stop its peer."""
     d = Drive(in_place=True)
     in_place_running(d)
-    d.workers(WorkerState.FAILED, WorkerState.FAILED)
-    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
-    out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
+    out = acts(fail_and_reopen(d, WorkerState.FAILED, WorkerState.FAILED))
     assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"] and out[-1].nproc == 0
     out = acts(d.joined(info(round=1, nproc=0, restarts=1)))
     assert kinds(out) == ["PlaceWorkers", "Notify", "Publish", "Watch"] and not out[0].group.workers
@@ -378,9 +383,7 @@ def test_in_place_a_node_whose_placed_workers_succeeded_goes_to_the_barrier_whil
     """A worker still warming up has no place to finish: the placed ones' success is the node's."""
     d = Drive(in_place=True)
     in_place_running(d)
-    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
-    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
-    d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    fail_and_reopen(d, WorkerState.HEALTHY, WorkerState.FAILED)
     d.joined(info(round=1, nproc=1, restarts=1))
     out = d.workers(WorkerState.SUCCEEDED, WorkerState.HEALTHY)
     assert kinds(out)[-1] == "StopWorkers"  # the one warming up goes: the barrier is next
@@ -401,16 +404,13 @@ def test_in_place_a_spare_takes_a_failed_workers_place_at_once_and_a_new_one_war
     ask(d, 0)
     ask(d, 1)
     assert kinds(ask(d, 2)) == ["Publish"] and inplace_parked(d) == 1  # a spare asks and waits: no scale-up
-    d.workers(WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.HEALTHY)
-    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
-    out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
+    out = acts(fail_and_reopen(d, WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.HEALTHY))
     assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"]
     assert out[1].slots == (1,) and out[-1].nproc == 2  # the spare joins in the failed one's place
     out = acts(d.joined(info(round=1, restarts=1)))
     assert sorted(out[0].envs) == [0, 2] and out[0].envs[2]["RANK"] == "1"
     assert inplace_parked(d) == 0
     assert kinds(ask(d, 1)) == ["Publish"] and inplace_parked(d) == 1  # the new spare parks: the round is full
-
 
 
 def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
@@ -439,16 +439,15 @@ def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
     assert sorted(out[0].envs) == [0, 1] and inplace_parked(d) == 1 and kinds(out)[-1] == "Watch"
     assert [w.rank for w in d.part.group.workers] == [0, 1, -1]
 
+
 def inplace_parked(d: Drive) -> int:
-    from elasticd.core.inplace import parked
     return parked(d.part)
+
 
 def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():
     d = Drive(in_place=True)
     in_place_running(d)
-    d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
-    d(ev.PeersProbed(JOB, d.op(do.Probe), ()))
-    d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    fail_and_reopen(d, WorkerState.HEALTHY, WorkerState.FAILED)
     out = d.joined(info(round=1, nproc=1, restarts=1))
     timer = next(i for i in out if isinstance(i, do.SetTimer))
     d.mono += 10.0

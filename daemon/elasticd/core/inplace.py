@@ -165,7 +165,6 @@ class Places:
     warm_failures: int = 0                                # warm-ups that failed since a worker last asked
     keep: int = 0                                         # the world size to keep: before the last losses
     extra: int = 0                                        # spares placed beyond nproc, filling in for a lost node
-    filling: bool = False                                 # the scale-up asked for is this node's own fill
     fresh: bool = False                                   # every worker was stopped (a stall): all start anew
 
     def move(self, slot: int, state: SlotState) -> None:
@@ -199,7 +198,11 @@ def pool_size(part: PartCore) -> int:
 
 def parked(part: PartCore) -> int:
     """Spares ready now: workers that asked for a place and hold none."""
-    return sum(1 for state in _places(part).slots.values() if state is SlotState.READY)
+    return len(_parked_slots(_places(part)))
+
+
+def _parked_slots(places: Places) -> list[int]:
+    return sorted(slot for slot, state in places.slots.items() if state is SlotState.READY)
 
 
 def _offered(places: Places, slots: Iterable[int], nproc: int) -> tuple[int, ...]:
@@ -364,8 +367,10 @@ def joined(part: PartCore, info: RendezvousInfo, now: ev.Now) -> Instructions:
         out.append(do.StartWorkers(part.job, part.group, info.round, pool=True))
         for slot in range(part.nproc, pool_size(part)):  # the spares start unplaced
             places.move(slot, SlotState.WARMING)
-    lost = previous is not None and info.reason in LOSSES
-    places.keep = max(places.keep, previous.world_size) if lost and previous else info.world_size
+    if previous is not None and info.reason in LOSSES:  # the size to keep is the one before
+        places.keep = max(places.keep, previous.world_size)
+    else:
+        places.keep = info.world_size
     out += part._watch(now, notice_waiting=True)
     return out + _fill(part, now)
 
@@ -377,13 +382,14 @@ def _fill(part: PartCore, now: ev.Now) -> Instructions:
     from elasticd.core.part import Phase
     places, info = _places(part), part.info
     assert info is not None
-    spares = sorted(slot for slot, state in places.slots.items() if state is SlotState.READY)
+    spares = _parked_slots(places)
     if part.phase is not Phase.RUNNING or not part.spares or not spares \
             or info.group_rank >= places.keep - info.world_size:
         return []
-    places.extra += 1
-    places.filling = True
-    return part._observed(WorkersReady(spares[:1]), now)
+    extra = places.extra + 1
+    out = part._observed(WorkersReady(spares[:1]), now)  # a scale-up: it puts extra back to 0
+    places.extra = extra
+    return out
 
 
 def _place(part: PartCore, info: RendezvousInfo, previous: RendezvousInfo | None,
@@ -509,9 +515,8 @@ def act(part: PartCore, decision: Decision, seen: Observed, now: ev.Now) -> Inst
     if reason is None:
         return None
     places = _places(part)
-    if reason is Reason.SCALE_UP and not places.filling:
-        places.extra = 0  # a node or a newcomer comes: spares that filled in step back
-    places.filling = False
+    if reason is Reason.SCALE_UP:
+        places.extra = 0  # a node or a newcomer comes: spares that filled in step back (a fill sets it after)
     out = _clear(part, "suspect", "rejoin")
     out += part._report(PartState.RESTARTING, now, part.info, part.group)
     if not keeps_workers(reason):
