@@ -162,6 +162,24 @@ def test_round_trip_with_the_real_channel():
     run(main())
 
 
+def test_a_worker_that_says_hello_after_a_round_without_its_slot_gets_no_stale_place():
+    """A member placed none of its workers in round 4 (they were still warming up): a worker
+    that connects then must not form round 3, whose peers are gone; it waits for a place."""
+    async def main() -> None:
+        async with linked(slots=2) as h:
+            h.link.place(0, 3, {"RANK": "0"})
+            h.link.place(1, 3, {"RANK": "1"})
+            h.link.void_places(kept=[1])  # round 4 holds slot 1 only
+            channel = await h.channel(0)
+            asking = asyncio.ensure_future(asyncio.to_thread(channel.place_after, -1, "start"))
+            await until(lambda: h.link.asked(0) == -1, "the ask")
+            assert not asking.done() and h.link._places.keys() == {1}
+            h.link.place(0, 5, {"RANK": "2"})
+            assert await asyncio.wait_for(asking, 3.0) == (5, {"RANK": "2"})
+
+    run(main())
+
+
 def test_a_ready_error_is_cut_to_2000_characters():
     async def main() -> None:
         async with linked(slots=1) as h:

@@ -35,3 +35,32 @@ def test_admission_limits_connections_per_user_and_in_all():
     assert admission.refusal(1000) is None and admission.open == {1000: 1, 65534: 1}
     admission.closed(1000)
     assert 1000 not in admission.open
+
+
+def test_a_worker_a_round_does_not_hold_loses_its_rank_in_the_shells_view_too():
+    """In place: a spare that steps back, or a member's worker placed in no round (it joined
+    with none), has rank -1 in the shell's group as in the core's.  The shell kept the old
+    rank, and the core, refreshed from it, took the worker for a placed one: it never asked
+    for the scale-up round that would take it in (a 3-node job hung at its first rounds)."""
+    import asyncio
+    import tempfile
+
+    from elasticd.core.inplace import place, standby
+    from elasticd.core.model import JobSpec
+    from elasticd.rendezvous import Member, Reason, RendezvousInfo
+    from elasticd.shell.workers import LocalWorkers
+
+    spec = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=0, gid=0, user="root",
+                   in_place=True)
+
+    def round_of(number: int, nproc: int) -> RendezvousInfo:
+        member = Member("n1", "h", nproc, 0, 0)
+        return RendezvousInfo("j-1", number, Reason.SCALE_UP, 0, 0, 1, nproc, 0, nproc, "h", 1, (member,))
+
+    async def placed_twice() -> list[tuple[int, int]]:
+        with tempfile.TemporaryDirectory() as logs:
+            workers = LocalWorkers(spec, standby("j-1", "n1", 2), logs)
+            workers.place(place(round_of(0, 2), "n1", "j-1", (0, 1)), logs)
+            workers.place(place(round_of(1, 1), "n1", "j-1", (1,)), logs)
+            return [(w.rank, w.world_size) for w in workers.group.workers]
+    assert asyncio.run(placed_twice()) == [(-1, 0), (0, 1)]

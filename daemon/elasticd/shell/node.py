@@ -300,6 +300,7 @@ class NodeShell:
         part.workers.place(i.group, part.attempt_dir(i.group.round))
         for slot, env in i.envs.items():
             part.link.place(slot, i.group.round, dict(env))
+        part.link.void_places(i.envs)
 
     def _notify(self, i: do.Notify) -> None:
         link = self._parts[i.job].link

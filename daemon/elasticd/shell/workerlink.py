@@ -18,7 +18,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from elasticd.wire import safejson
 
@@ -103,6 +103,12 @@ class WorkerLink:
         """``slot``'s place in ``round``; sent now if it is connected, else when it says hello."""
         self._places[slot] = (round, env)
         self._send(slot, {"op": "place", "round": round, "env": env})
+
+    def void_places(self, kept: Iterable[int]) -> None:
+        """A round placed only the ``kept`` slots: another slot's older place is void (a
+        worker that says hello later must not take it: that round is gone, its peers too)."""
+        for slot in set(self._places).difference(kept):
+            del self._places[slot]
 
     def announce(self, round: int, added: bool) -> None:
         self._broadcast({"op": "update", "round": round, "added": added})

@@ -253,15 +253,18 @@ class LocalWorkers:
         return worker
 
     def place(self, group: WorkerGroup, attempt_dir: str) -> None:
-        """Show ``group`` (this round's ranks; workers keep pid and state).  A worker placed
-        for the first time has its output files moved to ``attempt_dir/rank_<r>.*``."""
+        """Show ``group`` (this round's ranks; workers keep pid and state; one the round
+        does not hold, a spare or a worker still warming, has no rank: the core's
+        ``placed_group``).  A worker placed for the first time has its output files moved
+        to ``attempt_dir/rank_<r>.*``."""
         by_slot = {w.local_rank: w for w in group.workers}
         workers = []
         for old in self.group.workers:
             new = by_slot.get(old.local_rank)
             if new is not None and old.rank < 0 and old.local_rank in self._files:
                 self._move_output(old.local_rank, attempt_dir, new.rank)
-            workers.append(replace(old, rank=new.rank, world_size=new.world_size) if new else old)
+            workers.append(replace(old, rank=new.rank, world_size=new.world_size) if new
+                           else replace(old, rank=-1, world_size=0))
         self._change(replace(group, workers=tuple(workers)))
         self._on_change(self.group)
 
