@@ -28,6 +28,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -49,6 +50,8 @@ SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
 SLOT_ENV = "ELASTICD_SLOT"
 ROUND_ENV = "ELASTICD_ROUND"
 _MAX_LINE = 64 * 1024
+_POLL = 0.005  # seconds between a rank's looks at rank 0's store port
+_STORE_WAIT = 1800.0  # how long a rank waits for that port: gloo's default group timeout
 # Text of errors that a broken process group raises (gloo and NCCL put them in plain
 # RuntimeErrors): such a failure re-forms the group; anything else is the script's own.
 _GROUP_ERRORS = ("gloo", "nccl", "connection closed by peer", "connection reset", "broken pipe",
@@ -58,10 +61,12 @@ _GROUP_ERRORS = ("gloo", "nccl", "connection closed by peer", "connection reset"
 class Channel:
     """The connection to the agent; a thread reads its notices."""
 
-    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None]) -> None:
+    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None],
+                 on_place: Callable[[int], None] = lambda round: None) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._on_abort = on_abort
+        self._on_place = on_place
         self._lock = threading.Condition()
         self._places: dict[int, dict[str, str]] = {}
         self.announced = -1   # newest round the agent announced
@@ -104,11 +109,18 @@ class Channel:
         phase(f"notice-{op}", round)
         if op == "abort":
             self._on_abort(round)
+        elif op == "place":
+            self._on_place(round)
 
     def newest(self) -> list[int]:
         """[the newest announced round, whether it adds workers] (one all_reduce's payload)."""
         with self._lock:
             return [self.announced, int(self.added)]
+
+    def newest_place(self) -> int:
+        """The newest round this worker was placed in (-1: none yet)."""
+        with self._lock:
+            return max(self._places, default=-1)
 
     def place_after(self, round: int, why: str, error: str = "") -> tuple[int, dict[str, str]]:
         """Ask for this worker's place in a round after ``round``; blocks until the agent has one."""
@@ -168,7 +180,7 @@ class Runtime:
         self._group_sockets: dict[int, int] = {}
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
-        self.channel = Channel(path, slot, self._abort)
+        self.channel = Channel(path, slot, self._abort, self._placed)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -197,9 +209,26 @@ class Runtime:
                 _shut_down({fd: ino for fd, ino in now.items() if self._forming_since.get(fd) != ino})
             _shut_down(self._group_sockets)
 
+    def _placed(self, round: int) -> None:
+        """On the reader thread: a place in a round newer than the one whose group this
+        worker forms gives that round up (its members were placed anew), so the forming
+        stops waiting for peers that moved on: a worker placed twice before any group
+        formed (a job's nodes coming one after the other) may have taken the older round."""
+        if round <= self.round:
+            return
+        with self._group_lock:
+            if self._forming_since is not None:
+                now = _socket_fds()
+                _shut_down({fd: ino for fd, ino in now.items() if self._forming_since.get(fd) != ino})
+
     @property
     def aborted(self) -> bool:
         return self.channel.aborted > self.round
+
+    @property
+    def superseded(self) -> bool:
+        """Whether this worker was placed in a newer round than its own."""
+        return self.channel.newest_place() > self.round
 
     def check_host_updates(self) -> None:
         """One collective: every rank learns the newest announcement any rank has seen."""
@@ -253,15 +282,41 @@ class Runtime:
         with self._group_lock:
             self._forming_since = _socket_fds()
         try:
-            if self.aborted:
-                raise GroupAborted("a member of the job left before its group formed")
             phase("form-start", self.round)
+            self._wait_for_store()
             dist.init_process_group(self.backend or _default_backend(), init_method="env://")
             phase("form-end", self.round)
+        except Exception as exc:
+            if self.superseded and not isinstance(exc, GroupAborted):
+                raise GroupAborted("a newer round replaced this one while its group formed") from exc
+            raise
         finally:
             with self._group_lock:
                 self._before_group, self._forming_since = self._forming_since, None
             self.note_group_sockets()
+
+    def _wait_for_store(self) -> None:
+        """Return once this round may form: rank 0 hosts the round's store, and any other rank
+        waits until its port listens, looking every 5 ms.  TCPStore's own retry backs off to
+        ~0.5 s, and a newcomer is placed while the survivors still train: rank 0 opens the
+        store only at its next commit, and every rank would then wait for the newcomer's
+        retry in the group's rendezvous.  Raises GroupAborted on an abort or a newer place."""
+        deadline = time.monotonic() + _STORE_WAIT
+        addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
+        while True:
+            if self.aborted:
+                raise GroupAborted("a member of the job left before its group formed")
+            if self.superseded:
+                raise GroupAborted("a newer round replaced this one before its group formed")
+            if os.environ.get("RANK") == "0" or not port:
+                return
+            try:
+                socket.create_connection((addr, port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.channel.closed:
+                    raise GroupAborted(f"the round's store at {addr}:{port} never listened") from None
+                time.sleep(_POLL)
 
     def note_group_sockets(self) -> None:
         """The group's sockets: those opened since just before it formed (``run`` calls this
