@@ -440,6 +440,24 @@ def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
     assert [w.rank for w in d.part.group.workers] == [0, 1, -1]
 
 
+def test_in_place_a_spare_fills_in_for_a_lost_node_in_the_survivors_round_itself():
+    """issue 27: when the round event names the nodes kept, the survivors' own round takes
+    the spare (one re-form, not two): back at full size without a scale-up round."""
+    d = Drive(in_place=True, max_nodes=3)
+    d.part.spares = 1
+    d.start()
+    d.joined(info())  # 2 nodes x 2: world 4
+    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.HEALTHY)
+    for slot in (0, 1, 2):
+        ask(d, slot)
+    lost = RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST, nodes=(ME,))
+    out = d(ev.RoundChanged(JOB, d.op(do.Watch), lost))
+    assert kinds(out)[-1] == "Join" and out[-1].nproc == 3  # 2 lost, 1 spare to fill with
+    out = acts(d.joined(info(round=1, nodes=(ME,), nproc=3, reason=Reason.NODE_LOST)))
+    assert sorted(out[0].envs) == [0, 1, 2] and inplace_parked(d) == 0
+    assert kinds(out)[-1] == "Watch"  # no second round: nothing more to fill with
+
+
 def inplace_parked(d: Drive) -> int:
     return parked(d.part)
 

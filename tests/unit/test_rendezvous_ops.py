@@ -390,6 +390,13 @@ FULL = st("a", "b", "c", "d", complete=True, wait_list=nodes("w"))
     [
         (st("a", complete=True), 0, True, None),
         (st(round=1, reason="failure"), 0, True, RoundEvent("next_round", reason="failure")),
+        # the nodes the next round expects (forming) or holds (complete); a later one: unknown
+        (st(round=1, reason="node_lost", expected=("b", "a")), 0, True,
+         RoundEvent("next_round", reason="node_lost", nodes=("a", "b"))),
+        (st("a", "c", round=1, reason="node_lost", complete=True), 0, True,
+         RoundEvent("next_round", reason="node_lost", nodes=("a", "c"))),
+        (st("a", "c", round=2, reason="node_lost", complete=True), 0, True,
+         RoundEvent("next_round", reason="node_lost")),
         (WAITING, 0, True, RoundEvent("waiting", waiting=1)),
         (WAITING, 0, False, None),
         (FULL, 0, True, None),  # spares beyond max do not count as waiting

@@ -524,10 +524,31 @@ def act(part: PartCore, decision: Decision, seen: Observed, now: ev.Now) -> Inst
     if aborts(reason):
         out.append(do.Notify(part.job, part.info.round + 1, abort=True))
         places.aborted = part.info.round + 1
+    lost = seen.lost if isinstance(seen, WorkersExited) else ()
+    if reason in LOSSES and part.spares:
+        kept = seen.nodes if isinstance(seen, RoundEvent) else \
+            tuple(m.node for m in part.info.members if m.node not in lost)
+        places.extra += _fill_share(part, kept)
     if decision is Decision.REJOIN:
         return out + part._rejoin(now)
-    lost = seen.lost if isinstance(seen, WorkersExited) else ()
     return out + part._request(reason, seen, now, lost)
+
+
+def _fill_share(part: PartCore, kept: Iterable[str]) -> int:
+    """After a loss, the parked spares this node adds to its next round, so that the round
+    is back at the size before the loss at once (a fill after it would re-form everyone a
+    second time): the kept members fill the workers lost, one spare each in group-rank
+    order, round and round.  0 when the nodes kept are not known."""
+    places, info = _places(part), part.info
+    assert info is not None
+    names = set(kept)
+    members = [m for m in info.members if m.node in names]
+    me = next((i for i, m in enumerate(members) if m.node == part.settings.node), None)
+    if me is None:
+        return 0
+    lost = max(places.keep, info.world_size) - sum(m.nproc for m in members)
+    share = lost // len(members) + (me < lost % len(members))
+    return max(0, min(share, len(_parked_slots(places))))
 
 
 def fresh_pool(part: PartCore, now: ev.Now) -> Instructions:

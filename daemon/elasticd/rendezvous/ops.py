@@ -396,7 +396,8 @@ def round_event(
     if state.closed:
         return RoundEvent(EventKind.CLOSED)
     if state.round > round:
-        return RoundEvent(EventKind.NEXT_ROUND, reason=state.reason)
+        nodes = (tuple(state.participants) if state.complete else state.expected) if state.round == round + 1 else ()
+        return RoundEvent(EventKind.NEXT_ROUND, reason=state.reason, nodes=tuple(sorted(nodes)))
     count = num_waiting(state, settings) if waiting and state.round == round else 0
     return RoundEvent(EventKind.WAITING, waiting=count) if count else None
 

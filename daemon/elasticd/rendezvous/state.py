@@ -188,6 +188,7 @@ class RoundEvent:
     kind: EventKind
     reason: Reason | None = None  # of the next round
     waiting: int = 0
+    nodes: tuple[str, ...] = ()  # NEXT_ROUND: the nodes that round expects or holds (empty: not known)
 
 
 class Decoded:
