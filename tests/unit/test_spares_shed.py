@@ -188,3 +188,15 @@ def test_the_lowest_priority_newest_jobs_spares_go_first():
     with_parked_spares(core, [a, b])
     out = core.handle(ev.JobsChanged((a, b, c)), at(3))  # the same priority: the newest's
     assert [(s.job, s.slots) for s in of(out, do.ShedSpares)] == [(B, (1,))]
+
+
+def test_a_spare_reaped_after_its_part_closed_changes_nothing():
+    core = node(2)
+    a = JobRecord(spec(A, in_place=True, spares=1), 1)
+    with_parked_spares(core, [a])
+    out = core.handle(ev.JobsChanged((a, JobRecord(spec(B), 2))), at(3))
+    op = of(out, do.ShedSpares)[0].op
+    out = core.handle(ev.PartClosed(A), at(4))  # A's part left meanwhile; a new one of A starts
+    assert [(s.job, s.nproc) for s in of(out, do.StartPart)] == [(A, 2)]
+    out = core.handle(ev.SparesShed(A, op, (1,)), at(5))  # the old part's spare: the new one keeps its room
+    assert not said(out) and core.offers[A].slots == 2 and not core.shedding

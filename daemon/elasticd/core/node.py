@@ -81,7 +81,7 @@ class NodeCore:
     next_op: int = 0
     schedule: Schedule | None = None  # the cluster's schedule, followed (None: first come)
     awaiting_schedule: bool = False   # scheduled, and the store's schedule not read yet
-    shedding: dict[int, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)  # op -> job, its spares' slots, for whom
+    shedding: dict[int, tuple[PartCore, tuple[int, ...], str]] = field(default_factory=dict)  # op -> the part giving spares back, their slots, to whom
 
     def __post_init__(self) -> None:
         self.resources = self.resources or self.settings.resources
@@ -204,15 +204,15 @@ class NodeCore:
         if not holders:
             return []
         has_gpus = bool(self.settings.resources.gpus)
-        coming = spares.room(free, [(len(slots), spares.slot_gpus(self.parts[job], slots))
-                                    for job, slots, _ in self.shedding.values() if job in self.parts])
+        coming = spares.room(free, [(len(slots), spares.slot_gpus(part, slots))
+                                    for part, slots, _ in self.shedding.values() if self.parts.get(part.job) is part])
         whole = spares.room(coming, [(len(h.slots), h.gpus) for h in holders])
         offers = place(records, self.settings.node, whole, has_gpus=has_gpus, busy=busy, draining=self.draining)
         out: Instructions = []
         for job, n in spares.plan(holders, spares.wanted(offers, coming, has_gpus)):
             slots, told = spares.shed(self.parts[job], n, now)
             self.next_op -= 1
-            self.shedding[self.next_op] = (job, slots, ", ".join(o.job_id for o in offers))
+            self.shedding[self.next_op] = (self.parts[job], slots, ", ".join(o.job_id for o in offers))
             out += self._outgoing(told, now) + [do.ShedSpares(job, self.next_op, slots)]
         return out
 
@@ -226,10 +226,10 @@ class NodeCore:
     def _spares_shed(self, event: ev.SparesShed, now: ev.Now) -> Instructions:
         """Spares' processes are reaped: their slots and GPUs are free (they stay the part's
         if stopping them failed)."""
-        job, _, to = self.shedding.pop(event.op, (event.job, (), ""))
-        offer, part = self.offers.get(job), self.parts.get(job)
+        part, _, to = self.shedding.pop(event.op, (None, (), ""))
+        job, offer = event.job, self.offers.get(event.job)
         out: Instructions = []
-        if offer is not None and part is not None:
+        if part is not None and offer is not None and self.parts.get(job) is part:  # not a part that closed
             gone = spares.slot_gpus(part, event.slots)
             self.offers[job] = replace(offer, spares=offer.spares - len(event.slots),
                                        gpus=tuple(g for g in offer.gpus if g not in gone))
