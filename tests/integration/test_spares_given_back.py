@@ -71,3 +71,46 @@ def test_a_job_that_needs_the_room_of_a_spare_gets_it_and_the_job_trains_on(node
     assert node.ctl("status", a)["restarts"] == 0
     node.ctl("cancel", a)
     node.ctl("cancel", b)
+
+
+def test_a_spare_given_back_is_stopped_alone_even_if_it_ignores_sigterm(tmp_path: Path) -> None:
+    """The shell's half (LocalWorkers.stop_slots), real processes, no daemon: the spare in
+    slot 1 ignores SIGTERM and has a child in its process group; both are gone after the
+    grace period, it shows STOPPED (not failed), and the worker in slot 0 runs on."""
+    import asyncio
+    import os
+    import pwd
+
+    from elasticd.core.model import JobSpec, WorkerState
+    from elasticd.core.inplace import standby
+    from elasticd.shell.workers import LocalWorkers
+
+    spec = JobSpec(id="j-000001", argv=("/bin/sh", "-c", "trap '' TERM; sleep 600 & wait"), kind="exec",
+                   python="/bin/sh", workdir=str(tmp_path), uid=os.getuid(), gid=os.getgid(),
+                   user=pwd.getpwuid(os.getuid()).pw_name,
+                   in_place=True, spares=1)
+
+    async def run() -> tuple[Any, list[int], list[int]]:
+        workers = LocalWorkers(spec, standby(spec.id, "n1", 2), str(tmp_path / "out"), stop_grace=0.3)
+        await workers.warm([0, 1])
+        spare = workers.group.workers[1].pid
+        deadline = time.monotonic() + 10
+        while not _child_of(spare) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        family = [spare, *_child_of(spare)]
+        await workers.stop_slots((1,))
+        alive = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        group = workers.group
+        await workers.stop()
+        return group, family, alive
+
+    group, family, alive = asyncio.run(run())
+    assert len(family) == 2 and alive == [], "the spare and its child are gone"
+    assert [w.state for w in group.workers] == [WorkerState.HEALTHY, WorkerState.STOPPED]
+
+
+def _child_of(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
