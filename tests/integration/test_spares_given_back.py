@@ -3,7 +3,10 @@ real elasticctl, real workers (examples/elastic_train.py, gloo)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import pwd
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,9 @@ from typing import Any
 import psutil
 import pytest
 
+from elasticd.core.inplace import standby
+from elasticd.core.model import JobSpec, WorkerState
+from elasticd.shell.workers import LocalWorkers
 from harness import ROOT
 from store_attack import Cluster, metric, wait_for
 
@@ -77,18 +83,9 @@ def test_a_spare_given_back_is_stopped_alone_even_if_it_ignores_sigterm(tmp_path
     """The shell's half (LocalWorkers.stop_slots), real processes, no daemon: the spare in
     slot 1 ignores SIGTERM and has a child in its process group; both are gone after the
     grace period, it shows STOPPED (not failed), and the worker in slot 0 runs on."""
-    import asyncio
-    import os
-    import pwd
-
-    from elasticd.core.model import JobSpec, WorkerState
-    from elasticd.core.inplace import standby
-    from elasticd.shell.workers import LocalWorkers
-
     spec = JobSpec(id="j-000001", argv=("/bin/sh", "-c", "trap '' TERM; sleep 600 & wait"), kind="exec",
                    python="/bin/sh", workdir=str(tmp_path), uid=os.getuid(), gid=os.getgid(),
-                   user=pwd.getpwuid(os.getuid()).pw_name,
-                   in_place=True, spares=1)
+                   user=pwd.getpwuid(os.getuid()).pw_name, in_place=True, spares=1)
 
     async def run() -> tuple[Any, list[int], list[int]]:
         workers = LocalWorkers(spec, standby(spec.id, "n1", 2), str(tmp_path / "out"), stop_grace=0.3)
