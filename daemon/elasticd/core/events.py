@@ -265,6 +265,16 @@ class LeaveAsked:
     job: str | None = None
 
 
+@dataclass(frozen=True)
+class SparesShed:
+    """The node's ShedSpares ``op`` is done: the workers of ``slots`` are reaped (none: it
+    failed, and the slots stay the part's)."""
+
+    job: str
+    op: int
+    slots: tuple[int, ...]
+
+
 PART_ONLY = (RoundJoined, JoinFailed, RoundChanged, WorkersChanged, WorkersStopped, PeersProbed,
              RoundRequested, BarrierProgress, BarrierDone, Left, WorkerAsked, TimerFired)
 PartEvent = (RoundJoined | JoinFailed | RoundChanged | WorkersChanged | WorkersStopped
@@ -272,5 +282,5 @@ PartEvent = (RoundJoined | JoinFailed | RoundChanged | WorkersChanged | WorkersS
              | WorkerAsked | TimerFired | OpFailed)
 NodeEvent = (JobsChanged | ScheduleChanged | Restored | HoldChanged | Listed | NodesLost | CancelAsked
              | ShutdownAsked | NodeTimerFired | PartClosed | PartStartFailed | LeaveAsked | GpusRead
-             | GpuReadmitted)
+             | GpuReadmitted | SparesShed)
 Event = PartEvent | NodeEvent

@@ -166,6 +166,7 @@ class Places:
     keep: int = 0                                         # the world size to keep: before the last losses
     extra: int = 0                                        # spares placed beyond nproc, filling in for a lost node
     fresh: bool = False                                   # every worker was stopped (a stall): all start anew
+    given: set[int] = field(default_factory=set)          # slots given back to the node: no worker runs there again
 
     def move(self, slot: int, state: SlotState) -> None:
         self.slots[slot] = SLOT_STATES.check(self.slots.get(slot, SlotState.EMPTY), state)
@@ -262,7 +263,7 @@ def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> 
     takes them in.  A node new to the job waits for its workers to ask first."""
     places = _places(part)
     out: Instructions = []
-    missing = tuple(slot for slot in range(pool_size(part)) if slot not in places.running())
+    missing = tuple(slot for slot in pool_slots(part) if slot not in places.running())
     if missing:
         out.append(do.ForgetSlots(part.job, missing))
         for slot in missing:
@@ -554,9 +555,24 @@ def _fill_share(part: PartCore, kept: Iterable[str]) -> int:
 def fresh_pool(part: PartCore, now: ev.Now) -> Instructions:
     """After a stall: every worker stopped; a new standby pool takes their slots."""
     places = _places(part)
-    part.group = standby(part.job, part.settings.node, pool_size(part), part.gpus)
+    part.group = standby(part.job, part.settings.node, pool_width(part), part.gpus)
     places.fresh = True  # no member keeps a worker: none joins before its new ones ask
     for slot in list(places.slots):
         if places.slots[slot] is not SlotState.EMPTY:
             places.move(slot, SlotState.EMPTY)
     return [do.NewPool(part.job, part.group)]
+
+
+# -- the pool's slots, once spares were given back (core/spares.py) --------------------------
+
+def pool_width(part: PartCore) -> int:
+    """Slot numbers of the pool: its own slots and those it gave back (a slot keeps its
+    number for good: LOCAL_RANK names the worker's device)."""
+    return pool_size(part) + (len(part.place.given) if part.place is not None else 0)
+
+
+def pool_slots(part: PartCore) -> list[int]:
+    """The slots the pool holds: every slot number but those given back."""
+    given = part.place.given if part.place is not None else set()
+    return [slot for slot in range(pool_width(part)) if slot not in given]
+

@@ -149,6 +149,16 @@ class ForgetSlots:
 
 
 @dataclass(frozen=True)
+class ShedSpares:
+    """In place: stop the workers in ``slots`` only (spares the node gives back); done once
+    each is reaped (SparesShed, a node operation: its ``op`` is below zero)."""
+
+    job: str
+    op: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StopWorkers:
     """SIGTERM, grace, SIGKILL to every worker of the part; done once all are reaped."""
 
@@ -245,5 +255,5 @@ class Say:
 
 Instruction = (Join | Watch | RequestRound | ArriveAtBarrier | Leave | Probe | Cancel
                | StartWorkers | NewPool | WarmWorkers | PlaceWorkers | Notify | ForgetSlots
-               | StopWorkers | Publish | Finish | HoldJob | StartPart | ClosePart | SetTimer
+               | ShedSpares | StopWorkers | Publish | Finish | HoldJob | StartPart | ClosePart | SetTimer
                | ClearTimer | Count | Say)

@@ -28,6 +28,7 @@ from elasticd.core.schedule import Schedule, follows, leaves
 from elasticd.rendezvous import Reason
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
+from elasticd.core import spares
 from elasticd.core.inplace import Places
 from elasticd.core.part import Phase, PartCore, Settings
 from elasticd.core.story import Story
@@ -80,6 +81,7 @@ class NodeCore:
     next_op: int = 0
     schedule: Schedule | None = None  # the cluster's schedule, followed (None: first come)
     awaiting_schedule: bool = False   # scheduled, and the store's schedule not read yet
+    shedding: dict[int, tuple[PartCore, tuple[int, ...], str]] = field(default_factory=dict)  # op -> the part giving spares back, their slots, to whom
 
     def __post_init__(self) -> None:
         self.resources = self.resources or self.settings.resources
@@ -185,7 +187,56 @@ class NodeCore:
         for offer in place(records, self.settings.node, free, has_gpus=bool(self.settings.resources.gpus),
                            busy=busy, draining=self.draining):
             out += self._start_part(self.jobs[offer.job_id], offer, now)
+            busy.add(offer.job_id)
+            free = replace(free, slots=free.slots - offer.slots,
+                           gpus=tuple(g for g in free.gpus if g not in offer.gpus))
+        return out + self._reclaim_spares(records, free, busy, now)
+
+    # -- spares given back (core/spares.py) ----------------------------------------------------
+
+    def _reclaim_spares(self, records: list[JobRecord], free: Resources, busy: set[str],
+                        now: ev.Now) -> Instructions:
+        """Jobs that fit only in the room of spares here: parts give spares back (the
+        lowest-priority, newest job's first) and the jobs start once they are reaped (what
+        is being given back already counts)."""
+        holders = [spares.Holder(job, tuple(slots), spares.slot_gpus(self.parts[job], slots))
+                   for job in self._shed_order() if (slots := spares.sheddable(self.parts[job]))]
+        if not holders:
+            return []
+        has_gpus = bool(self.settings.resources.gpus)
+        coming = spares.room(free, [(len(slots), spares.slot_gpus(part, slots))
+                                    for part, slots, _ in self.shedding.values() if self.parts.get(part.job) is part])
+        whole = spares.room(coming, [(len(h.slots), h.gpus) for h in holders])
+        offers = place(records, self.settings.node, whole, has_gpus=has_gpus, busy=busy, draining=self.draining)
+        out: Instructions = []
+        for job, n in spares.plan(holders, spares.wanted(offers, coming, has_gpus)):
+            slots, told = spares.shed(self.parts[job], n, now)
+            self.next_op -= 1
+            self.shedding[self.next_op] = (self.parts[job], slots, ", ".join(o.job_id for o in offers))
+            out += self._outgoing(told, now) + [do.ShedSpares(job, self.next_op, slots)]
         return out
+
+    def _shed_order(self) -> list[str]:
+        """The parts here that may give spares back, the first to give first."""
+        def rank(job: str) -> tuple[int, int]:
+            record = self.jobs.get(job)
+            return (record.spec.priority, -record.seq) if record is not None else (0, 0)
+        return sorted((job for job, part in self.parts.items() if part.spares), key=rank)
+
+    def _spares_shed(self, event: ev.SparesShed, now: ev.Now) -> Instructions:
+        """Spares' processes are reaped: their slots and GPUs are free (they stay the part's
+        if stopping them failed)."""
+        part, _, to = self.shedding.pop(event.op, (None, (), ""))
+        job, offer = event.job, self.offers.get(event.job)
+        out: Instructions = []
+        if part is not None and offer is not None and self.parts.get(job) is part:  # not a part that closed
+            gone = spares.slot_gpus(part, event.slots)
+            self.offers[job] = replace(offer, spares=offer.spares - len(event.slots),
+                                       gpus=tuple(g for g in offer.gpus if g not in gone))
+            out.append(do.Say("info", "job %s: gave back %d spare slots to job %s", job, (job, len(event.slots), to))
+                       if event.slots else do.Say("warning", "job %s: its spares given back to job %s could "
+                                                  "not be stopped; their slots stay its own", job, (job, to)))
+        return out + self._place(now)
 
     def _refused_here(self, records: list[JobRecord], out: Instructions) -> set[str]:
         """The open jobs that this node's own rules forbid (each judged once, and said)."""
@@ -506,7 +557,7 @@ _ALWAYS = {ev.PartClosed: N._part_closed, ev.PartStartFailed: N._part_start_fail
            ev.Finished: N._finished, ev.OpFailed: N._op_failed, ev.NodesLost: N._nodes_lost,
            ev.NodeTimerFired: N._node_timer, ev.JobsChanged: N._jobs_changed,
            ev.LeaveAsked: N._leave_asked, ev.ScheduleChanged: N._schedule_changed,
-           ev.GpusRead: N._gpus_read, ev.GpuReadmitted: N._gpu_readmitted}
+           ev.GpusRead: N._gpus_read, ev.GpuReadmitted: N._gpu_readmitted, ev.SparesShed: N._spares_shed}
 NODE_EVENTS = EventTable("a node", {
     NodePhase.SERVING: {**_ALWAYS, ev.Restored: N._restored, ev.HoldChanged: N._hold_changed,
                         ev.Listed: N._listed, ev.CancelAsked: N._cancel, ev.ShutdownAsked: N._shutdown},

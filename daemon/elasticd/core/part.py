@@ -29,7 +29,7 @@ from elasticd.core.model import (PART_STATES, Failure, JobSpec, JobState, PartSt
 from elasticd.core.records import Outcome, Part
 from elasticd.rendezvous import CHARGED, EventKind, NextRound, Reason, RendezvousInfo
 from elasticd.core import events as ev
-from elasticd.core import inplace
+from elasticd.core import inplace, spares
 from elasticd.core import instructions as do
 from elasticd.core.policy import (ROUND_FOR, Decision, JobEnded, Leaving, Observed, RejoinStalled,
                                   WorkersExited, decide, describe, failure_outcome, run_result)
@@ -222,7 +222,7 @@ class PartCore:
         return [do.Publish(self.job, Part(
             node=self.settings.node, state=state, **in_round, started=self.started, barrier=barrier,
             workers=tuple(w.to_json() for w in group.workers) if group else (), updated=now.wall,
-            held=self.held, ran=self.ran, slots=self.nproc + self.spares, gpus=len(self.gpus),
+            held=self.held, ran=self.ran, slots=self.nproc + self.spares, gpus=len(self.gpus) - len(spares.given_gpus(self)),
             spares=inplace.parked(self) if self.place is not None else 0))]
 
     def _close(self) -> Instructions:

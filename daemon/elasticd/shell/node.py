@@ -324,6 +324,11 @@ class NodeShell:
                 await workers.stop()
         self._op(i.job, i.op, stop(), lambda _: ev.WorkersStopped(i.job, i.op))
 
+    def _shed(self, i: do.ShedSpares) -> None:  # a node operation: the part may close meanwhile
+        workers = self._parts[i.job].workers if i.job in self._parts else None
+        self._node_op(i.op, workers.stop_slots(i.slots) if workers is not None else asyncio.sleep(0),
+                      lambda _: ev.SparesShed(i.job, i.op, i.slots), lambda _: ev.SparesShed(i.job, i.op, ()))
+
     def _quiet(self, job: str, work: Awaitable[Any]) -> None:
         """A part's effect whose only news is a failure (as a store error or a bug)."""
         part = self._parts[job]
@@ -588,7 +593,7 @@ _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.Leave: NodeShell._leave, do.Probe: NodeShell._probe, do.Cancel: NodeShell._cancel,
     do.StartWorkers: NodeShell._start_workers, do.NewPool: NodeShell._new_pool,
     do.WarmWorkers: NodeShell._warm, do.PlaceWorkers: NodeShell._place, do.Notify: NodeShell._notify,
-    do.ForgetSlots: NodeShell._forget, do.StopWorkers: NodeShell._stop_workers,
+    do.ForgetSlots: NodeShell._forget, do.StopWorkers: NodeShell._stop_workers, do.ShedSpares: NodeShell._shed,
     do.Publish: NodeShell._publish, do.Finish: NodeShell._finish_job, do.HoldJob: NodeShell._hold_job,
     do.StartPart: NodeShell._start_part, do.ClosePart: NodeShell._close_part,
     do.SetTimer: NodeShell._set_timer, do.ClearTimer: NodeShell._clear_timer,

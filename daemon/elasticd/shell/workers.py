@@ -213,6 +213,7 @@ class LocalWorkers:
         self._outputs: dict[int, dict[str, OutputFile]] = {}  # slot -> its worker's out and err writers
         self._spawned = 0
         self._stopping = False
+        self._shed: set[int] = set()  # slots whose workers were stopped on their own (spares given back)
         self._oom_before = self._oom_kills()
 
     def error_file(self, worker: Worker) -> str:
@@ -452,7 +453,7 @@ class LocalWorkers:
             return
         if code == 0:
             self._set(replace(worker, state=WorkerState.SUCCEEDED, exit_code=0))
-        elif self._stopping:
+        elif self._stopping or local_rank in self._shed:
             self._set(replace(worker, state=WorkerState.STOPPED, exit_code=code))
         else:
             oom = code == -signal.SIGKILL and self._oom_kills() > self._oom_before
@@ -517,6 +518,21 @@ class LocalWorkers:
             log.warning("job %s: processes left in %s after SIGKILL: %s", self.spec.id,
                         self._cgroup.path, self._cgroup.pids(), extra=about(self.spec.id))
         await self._drain_pipes()
+
+    async def stop_slots(self, slots: tuple[int, ...]) -> None:
+        """Stop the workers in ``slots`` only (spares given back): SIGTERM to each one's
+        process group, SIGKILL after the grace period; returns once each is reaped."""
+        self._shed.update(slots)
+        alive = [self._exits[s] for s in slots if s in self._exits and not self._exits[s].done()]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for slot in slots:
+                if slot in self._exits and not self._exits[slot].done():
+                    try:
+                        os.killpg(self._procs[slot].pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            if alive:
+                await asyncio.wait(alive, timeout=self._stop_grace if sig is signal.SIGTERM else None)
 
     def _cgroup_populated(self) -> bool:
         return self._cgroup is not None and self._cgroup.populated()
