@@ -167,9 +167,8 @@ def test_a_worker_that_says_hello_after_a_round_without_its_slot_gets_no_stale_p
     that connects then must not form round 3, whose peers are gone; it waits for a place."""
     async def main() -> None:
         async with linked(slots=2) as h:
-            h.link.place(0, 3, {"RANK": "0"})
-            h.link.place(1, 3, {"RANK": "1"})
-            h.link.void_places(kept=[1])  # round 4 holds slot 1 only
+            h.link.place_round(3, {0: {"RANK": "0"}, 1: {"RANK": "1"}})
+            h.link.place_round(4, {1: {"RANK": "0"}})  # round 4 holds slot 1 only
             channel = await h.channel(0)
             asking = asyncio.ensure_future(asyncio.to_thread(channel.place_after, -1, "start"))
             await until(lambda: h.link.asked(0) == -1, "the ask")

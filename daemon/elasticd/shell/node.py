@@ -298,9 +298,7 @@ class NodeShell:
         part = self._parts[i.job]
         assert part.workers is not None and part.link is not None
         part.workers.place(i.group, part.attempt_dir(i.group.round))
-        for slot, env in i.envs.items():
-            part.link.place(slot, i.group.round, dict(env))
-        part.link.void_places(i.envs)
+        part.link.place_round(i.group.round, i.envs)
 
     def _notify(self, i: do.Notify) -> None:
         link = self._parts[i.job].link

@@ -18,7 +18,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.wire import safejson
 
@@ -103,6 +103,12 @@ class WorkerLink:
         """``slot``'s place in ``round``; sent now if it is connected, else when it says hello."""
         self._places[slot] = (round, env)
         self._send(slot, {"op": "place", "round": round, "env": env})
+
+    def place_round(self, round: int, envs: Mapping[int, Mapping[str, str]]) -> None:
+        """Each slot's place in ``round``; a slot that the round does not hold has none."""
+        self.void_places(envs)
+        for slot, env in envs.items():
+            self.place(slot, round, dict(env))
 
     def void_places(self, kept: Iterable[int]) -> None:
         """A round placed only the ``kept`` slots: another slot's older place is void (a
