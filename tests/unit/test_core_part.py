@@ -379,6 +379,22 @@ def test_in_place_a_node_whose_every_worker_failed_stays_a_member_with_none():
     assert kinds(out) == ["Cancel", "Publish", "RequestRound"] and out[-1].reason is Reason.SCALE_UP
 
 
+def test_in_place_workers_that_asked_while_their_node_joined_with_none_are_taken_in_after():
+    """bench_recovery: a third node's scale-up round came while the first round's workers
+    warmed up; the node joined it with none, its workers asked while it joined, and nothing
+    asked again: the round formed without them and the job never grew to 3."""
+    d = Drive(in_place=True, max_nodes=3)
+    d.start()
+    d.joined(info())
+    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY)
+    d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.WAITING, waiting=1)))
+    out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
+    assert out[-1].nproc == 0  # nobody asked yet: a member with none
+    assert kinds(ask(d, 0)) == kinds(ask(d, 1)) == []  # heard while joining
+    out = acts(d.joined(info(round=1, nodes=(ME, OTHER, "n3"), nproc=0, reason=Reason.SCALE_UP)))
+    assert kinds(out)[-2:] == ["Publish", "RequestRound"] and out[-1].reason is Reason.SCALE_UP
+
+
 def test_in_place_a_node_whose_placed_workers_succeeded_goes_to_the_barrier_while_one_warms():
     """A worker still warming up has no place to finish: the placed ones' success is the node's."""
     d = Drive(in_place=True)

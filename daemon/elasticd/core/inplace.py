@@ -373,7 +373,7 @@ def joined(part: PartCore, info: RendezvousInfo, now: ev.Now) -> Instructions:
     else:
         places.keep = info.world_size
     out += part._watch(now, notice_waiting=True)
-    return out + _fill(part, now)
+    return out + (_take_in(part, now) or _fill(part, now))  # asks heard while joining count now
 
 
 def _fill(part: PartCore, now: ev.Now) -> Instructions:
@@ -445,13 +445,29 @@ def running_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instruc
         failure = Failure(rank=worker.rank, local_rank=event.slot, node=part.settings.node,
                           exit_code=1, message=f"a collective failed: {event.error}", timestamp=now.wall)
         return _collective_failed(part, failure, now)
-    warming = tuple(slot for slot in places.running() if slot not in placed)
-    ready = tuple(slot for slot in warming if places.has_asked(slot))
-    room = part.nproc - (len(places.running()) - len(warming))  # places left: spares stay parked
-    if room > 0 and ready and (len(ready) == len(warming) or len(ready) >= room):
-        return part._observed(WorkersReady(ready[:room]), now)
+    taken = _take_in(part, now)
+    if taken:
+        return taken
     if places.slots.get(event.slot) is SlotState.READY:  # a spare parked: it may fill in, else the job shows it
         return _fill(part, now) or part._report(part.report_state, now, info, group)
+    return []
+
+
+def _take_in(part: PartCore, now: ev.Now) -> Instructions:
+    """Workers that asked for a place and hold none, while the node has places left (spares
+    stay parked): a scale-up round takes them in, once all that warm up asked or they fill
+    the places."""
+    from elasticd.core.part import Phase
+    places, group = _places(part), part.group
+    assert group is not None
+    if part.phase is not Phase.RUNNING:
+        return []
+    placed = {w.local_rank for w in group.workers if w.rank >= 0}
+    warming = tuple(slot for slot in places.running() if slot not in placed)
+    ready = tuple(slot for slot in warming if places.has_asked(slot))
+    room = part.nproc - (len(places.running()) - len(warming))
+    if room > 0 and ready and (len(ready) == len(warming) or len(ready) >= room):
+        return part._observed(WorkersReady(ready[:room]), now)
     return []
 
 
