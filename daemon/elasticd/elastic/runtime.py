@@ -284,7 +284,7 @@ class Runtime:
         try:
             phase("form-start", self.round)
             self._wait_for_store()
-            dist.init_process_group(self.backend or _default_backend(), init_method="env://")
+            init_default_group(self.backend or _default_backend())
             phase("form-end", self.round)
         except Exception as exc:
             if self.superseded and not isinstance(exc, GroupAborted):
@@ -325,6 +325,18 @@ class Runtime:
             before = self._before_group
             self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
                                    if before.get(fd) != ino}
+
+
+def init_default_group(backend: str) -> None:
+    """``init_process_group`` from the environment, as the group "0" that every peer forms.
+    An init that failed (an abort or a newer place while forming) left torch's group counter
+    one up (torch 2.13: ``destroy_process_group`` resets it, a failed init does not), and
+    the next group would have been "1", whose store keys no peer reads: every rank of the
+    next round waited in gloo's rendezvous for good."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        world.group_count = 0
+    dist.init_process_group(backend, init_method="env://")
 
 
 def phase(name: str, round: int) -> None:
