@@ -78,10 +78,10 @@ def commits_agree(report: Path) -> None:
 
 
 def submit(daemon: Any, report: Path, *extra: str, nnodes: str = "2:3",
-           restarts: int = 3, args: tuple[str, ...] = ()) -> str:
+           restarts: int = 3, args: tuple[str, ...] = (), script: str = EXAMPLE) -> str:
     doc = daemon.submit("--in-place", "--nnodes", nnodes, "--nproc-per-node", "1",
                         "--max-restarts", str(restarts), "--last-call-timeout", "1", *extra,
-                        EXAMPLE, "--", "--batches", "100000", "--commit-every", "5",
+                        script, "--", "--batches", "100000", "--commit-every", "5",
                         "--step-time", "0.02", "--report", str(report), *args)
     return doc["id"]
 
@@ -171,6 +171,47 @@ def test_at_min_nodes_a_lost_worker_does_not_stop_its_peer(pair: Cluster, report
 
 
 
+# A first-round worker (placed before it started: RANK is set) whose model is still being
+# built when a third node's round forms: it calls elastic.run only once that node's worker
+# trains alone.
+LATE_FIRST = """import json, os, runpy, sys, time
+report = sys.argv[sys.argv.index("--report") + 1]
+def alone():
+    try:
+        lines = open(os.path.join(report, "events.jsonl")).read().splitlines()
+    except OSError:
+        return False
+    return any('"world": 1' in line and '"start"' in line for line in lines)
+deadline = time.time() + 120
+while "RANK" in os.environ and not alone() and time.time() < deadline:
+    time.sleep(0.1)
+sys.argv[0] = {example!r}
+runpy.run_path({example!r}, run_name="__main__")
+"""
+
+
+def test_a_node_that_comes_while_the_first_round_builds_its_model_is_trained_with(
+        pair: Cluster, report: Path, shared_tmp: Path) -> None:
+    """bench_recovery hung twice at its 3-node formation: c's scale-up round formed while
+    a's and b's first-round workers still built their model, so a and b joined it with no
+    worker placed (c's trained alone).  Their workers, once in elastic.run, must neither
+    take their round-0 place (its peers moved on) nor count as placed: a scale-up round
+    takes them in, and the job trains at 3."""
+    a, b = pair
+    c = pair.add("c")
+    script = shared_tmp / "late_first.py"
+    script.write_text(LATE_FIRST.format(example=EXAMPLE))
+    script.chmod(0o644)
+    job = submit(a, report, script=str(script))
+    wait_for(lambda: a.ctl("status", job).get("round") == 0, 60, "the first round (a and b)")
+    c.start()
+    alone = wait_for(lambda: formed(report, 1), 120, "c's worker trained alone (a and b hold none)")
+    three = wait_for(lambda: formed(report, 3), 120, "a's and b's workers taken in: 3 ranks")
+    assert set(alone) < set(three)
+    assert_equal_state(three)
+    a.ctl("cancel", job)
+
+
 def spares_of(daemon: Any, job: str, nodes: int) -> dict[str, int]:
     """node -> the pid of its parked spare (a worker that holds no rank), once ``nodes`` have one."""
     doc = daemon.ctl("status", job)
@@ -188,9 +229,9 @@ def gone(pids: set[int]) -> bool:
 def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(cluster: Cluster, report: Path) -> None:
     """--spares 1 (issue 27): each node keeps a warm worker beside its placed one.
     b's placed worker is SIGKILLed: b's spare (the same process, past its imports and its
-    model) is the new rank, and a new spare warms up.  Node c dies: the survivors re-form,
-    then a's spare fills in, so the job is back at 3 ranks with no process started.  A
-    cancel ends every worker and spare."""
+    model) is the new rank, and a new spare warms up.  Node c dies: the survivors' round
+    takes a's spare, so the job is back at 3 ranks with no process started.  A cancel ends
+    every worker and spare."""
     a, b, c = cluster
     job = submit(a, report, "--spares", "1", nnodes="2:3")
     three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")

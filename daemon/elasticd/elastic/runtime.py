@@ -196,9 +196,9 @@ class Runtime:
 
     def _abort(self, round: int) -> None:
         """On the reader thread: the group of our round cannot complete; make it fail now."""
-        if round <= self.round:
-            return
         with self._group_lock:
+            if round <= self.round:
+                return
             if dist.is_initialized() and str(dist.get_backend()) != "gloo":
                 try:  # NCCL: ncclCommAbort (this also unregisters the default group)
                     dist.distributed_c10d._abort_process_group()
@@ -214,10 +214,8 @@ class Runtime:
         worker forms gives that round up (its members were placed anew), so the forming
         stops waiting for peers that moved on: a worker placed twice before any group
         formed (a job's nodes coming one after the other) may have taken the older round."""
-        if round <= self.round:
-            return
-        with self._group_lock:
-            if self._forming_since is not None:
+        with self._group_lock:  # under the lock: a newer round's forming may have begun
+            if round > self.round and self._forming_since is not None:
                 now = _socket_fds()
                 _shut_down({fd: ino for fd, ino in now.items() if self._forming_since.get(fd) != ino})
 
@@ -275,7 +273,8 @@ class Runtime:
         round, env = self.channel.place_after(self.round, why, error)
         phase("placed", round)
         os.environ.update(env)
-        self.round = round
+        with self._group_lock:  # the reader thread compares notices with it under the lock
+            self.round = round
         self._init_group()
 
     def _init_group(self) -> None:
