@@ -42,9 +42,9 @@ group's forming started and ended, the state synced, the first step.
 
 elasticd-spares is in place with ``--spares 1`` on nodes of two slots: every node keeps a
 warm worker parked (the bench waits for them before the event).  A worker failure is then
-filled by its node's spare; a node loss by a survivor's spare, in a scale-up round after
-the survivors re-formed: "back at full size" is the time until 3 ranks started in a world
-of 3 again.  The other figures count as for elasticd-inplace.
+filled by its node's spare; a node loss by a survivor's spare, in the survivors' own round:
+"back at full size" is the time until 3 ranks started in a world of 3 again (there is no
+world of 2 in between).  The other figures count as for elasticd-inplace.
 
 The bench polls the event file every 10 ms (benchmarks may; tests may not).
 """
@@ -418,13 +418,13 @@ def node_loss(system) -> dict[str, float] | None:
     if system.worker_mode != ("idle",):
         system.events.wait(training_steps(15), 30)
     t0 = system.kill_node(2)
-    found = figure(t0, system.events.wait(starts_after(t0, 2, world=2), LOSS_CAP))
+    size = 3 if system.name == ElasticdSpares.name else 2  # a survivor's spare fills in, in the same round
+    found = figure(t0, system.events.wait(starts_after(t0, size, world=size), LOSS_CAP))
     result = found if system.worker_mode == ("idle",) else training(system, t0, found)
     if result is not None and getattr(system, "backend_args", ()):
         result = {**result, "kept": kept(system, t0)}
-    if result is not None and system.name == ElasticdSpares.name:  # a survivor's spare fills in
-        full = system.events.wait(starts_after(t0, 3, world=3), 60)
-        result = {**result, "full": max(e["t"] for e in full) - t0} if full else result
+    if result is not None and size == 3:
+        result = {**result, "full": result["total"]}
     return result
 
 
