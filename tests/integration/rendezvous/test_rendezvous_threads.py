@@ -93,7 +93,7 @@ def test_a_member_that_stops_heartbeating_is_removed_and_watchers_hear_node_lost
     c.shutdown(wait=True)
     events = [w.result(timeout=10) for w in watches]
     detected = time.monotonic() - silenced
-    assert events == [RoundEvent("next_round", reason="node_lost")] * 2
+    assert events == [RoundEvent("next_round", reason="node_lost", nodes=("a", "b"))] * 2  # who is kept
     assert detected < DEAD_AFTER + 3 * INTERVAL + 1.0
     infos = form(pool, [a, b])
     assert (infos[0].round, [m.node for m in infos[0].members]) == (1, ["a", "b"])
@@ -278,7 +278,7 @@ def test_leave_opens_the_next_round_without_the_leaver(make_handler, pool):
     form(pool, [a, b, c])
     watching = a.watch(0)
     b.leave("drain")
-    assert watching.result(timeout=10) == RoundEvent("next_round", reason="drain")
+    assert watching.result(timeout=10) == RoundEvent("next_round", reason="drain", nodes=("a", "c"))
     with pytest.raises(RendezvousClosedError):
         b.next_rendezvous(1, 1)
     infos = form(pool, [a, c])
