@@ -55,7 +55,7 @@ def _plainly_within(text: str, max_depth: int) -> bool:
     """Whether the text of a JSON value just decoded plainly holds no surrogate escape and
     no nesting deeper than ``max_depth`` (its brackets counted outside its strings): a
     scan of the text instead of a walk of every value; False sends the value to _check."""
-    if _SURROGATE.search(text):
+    if (not text.isascii() or "\\u" in text) and _SURROGATE.search(text):  # the search is slow: ~20 ms a MB
         return False
     if text.count("[") + text.count("{") <= max_depth:
         return True
