@@ -429,17 +429,24 @@ def test_in_place_a_spare_takes_a_failed_workers_place_at_once_and_a_new_one_war
     assert kinds(ask(d, 1)) == ["Publish"] and inplace_parked(d) == 1  # the new spare parks: the round is full
 
 
+def running_with_a_parked_spare() -> Drive:
+    """--spares 1, --nnodes up to 3: two nodes of 2 workers train (world 4), and this
+    node's spare (slot 2) asked and is parked."""
+    d = Drive(in_place=True, max_nodes=3)
+    d.part.spares = 1
+    d.start()
+    d.joined(info())
+    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.HEALTHY)
+    for slot in (0, 1, 2):
+        ask(d, slot)
+    return d
+
+
 def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
     """issue 27: the survivors re-form without the lost node, then the first member places
     its spare (a scale-up round) so that the job is back at its size; when a node comes,
     the spare steps back and parks again."""
-    d = Drive(in_place=True, max_nodes=3)
-    d.part.spares = 1
-    d.start()
-    d.joined(info())  # 2 nodes x 2: world 4
-    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.HEALTHY)
-    for slot in (0, 1, 2):
-        ask(d, slot)
+    d = running_with_a_parked_spare()
     out = d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST)))
     assert kinds(out)[-1] == "Join" and out[-1].nproc == 2  # the survivors first, the spare parked
     out = acts(d.joined(info(round=1, nodes=(ME,), reason=Reason.NODE_LOST)))
@@ -459,13 +466,7 @@ def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
 def test_in_place_a_spare_fills_in_for_a_lost_node_in_the_survivors_round_itself():
     """issue 27: when the round event names the nodes kept, the survivors' own round takes
     the spare (one re-form, not two): back at full size without a scale-up round."""
-    d = Drive(in_place=True, max_nodes=3)
-    d.part.spares = 1
-    d.start()
-    d.joined(info())  # 2 nodes x 2: world 4
-    d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.HEALTHY)
-    for slot in (0, 1, 2):
-        ask(d, slot)
+    d = running_with_a_parked_spare()
     lost = RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST, nodes=(ME,))
     out = d(ev.RoundChanged(JOB, d.op(do.Watch), lost))
     assert kinds(out)[-1] == "Join" and out[-1].nproc == 3  # 2 lost, 1 spare to fill with

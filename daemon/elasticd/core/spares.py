@@ -26,8 +26,7 @@ Instructions = list[do.Instruction]
 
 def given_gpus(part: PartCore) -> tuple[str, ...]:
     """The GPUs of the slots this part gave back (``part.gpus`` is one per slot number)."""
-    given = part.place.given if part.place is not None else set()
-    return tuple(gpu for slot, gpu in enumerate(part.gpus) if slot in given)
+    return slot_gpus(part, sorted(part.place.given) if part.place is not None else ())
 
 
 def slot_gpus(part: PartCore, slots: Iterable[int]) -> tuple[str, ...]:

@@ -204,9 +204,7 @@ class Runtime:
                     dist.distributed_c10d._abort_process_group()
                 except Exception:
                     pass
-            if self._forming_since is not None:
-                now = _socket_fds()
-                _shut_down({fd: ino for fd, ino in now.items() if self._forming_since.get(fd) != ino})
+            self._shut_down_forming()
             _shut_down(self._group_sockets)
 
     def _placed(self, round: int) -> None:
@@ -215,9 +213,15 @@ class Runtime:
         stops waiting for peers that moved on: a worker placed twice before any group
         formed (a job's nodes coming one after the other) may have taken the older round."""
         with self._group_lock:  # under the lock: a newer round's forming may have begun
-            if round > self.round and self._forming_since is not None:
-                now = _socket_fds()
-                _shut_down({fd: ino for fd, ino in now.items() if self._forming_since.get(fd) != ino})
+            if round > self.round:
+                self._shut_down_forming()
+
+    def _shut_down_forming(self) -> None:
+        """Under the group lock: a group being formed fails at once (the sockets opened
+        since its forming began are shut down)."""
+        if self._forming_since is not None:
+            before = self._forming_since
+            _shut_down({fd: ino for fd, ino in _socket_fds().items() if before.get(fd) != ino})
 
     @property
     def aborted(self) -> bool:

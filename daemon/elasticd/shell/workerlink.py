@@ -18,7 +18,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from elasticd.wire import safejson
 
@@ -105,16 +105,12 @@ class WorkerLink:
         self._send(slot, {"op": "place", "round": round, "env": env})
 
     def place_round(self, round: int, envs: Mapping[int, Mapping[str, str]]) -> None:
-        """Each slot's place in ``round``; a slot that the round does not hold has none."""
-        self.void_places(envs)
+        """Each slot's place in ``round``.  Another slot's older place is void: a worker that
+        says hello later must not take it (that round is gone, its peers too)."""
+        for slot in set(self._places).difference(envs):
+            del self._places[slot]
         for slot, env in envs.items():
             self.place(slot, round, dict(env))
-
-    def void_places(self, kept: Iterable[int]) -> None:
-        """A round placed only the ``kept`` slots: another slot's older place is void (a
-        worker that says hello later must not take it: that round is gone, its peers too)."""
-        for slot in set(self._places).difference(kept):
-            del self._places[slot]
 
     def announce(self, round: int, added: bool) -> None:
         self._broadcast({"op": "update", "round": round, "added": added})
