@@ -126,6 +126,30 @@ def test_a_restarted_member_is_reached_again(tmp_path):
         run(scenario())
 
 
+def test_a_member_back_is_reached_at_once_while_another_channel_to_it_backs_off(tmp_path):
+    """gRPC shares connections between a process's channels: a fresh one (made after a
+    failure) took over another's backing-off connection and failed at once with its stale
+    "Connection refused" for a second or more after the member was back (CI: a cancel refused
+    after an etcd restart)."""
+    require_etcd()
+    from elasticd.store.etcd import _Member
+
+    with EtcdCluster(tmp_path) as cluster:
+        async def scenario():
+            cluster.kill(0)
+            away = _Member(cluster.endpoints[0], None)  # another channel, its backoff growing
+            for _ in range(15):
+                assert await away.connected(2.0) is not None
+                await asyncio.sleep(0.2)
+            cluster.start(0)
+            await asyncio.to_thread(cluster.wait_healthy, 0)
+            store = EtcdStore(cluster.endpoints, timeout=5.0)
+            await store.set("k", b"v")  # a call fails at once only when no member answers
+            await store.close()
+            await away.close()
+        run(scenario())
+
+
 def test_get_many_reads_more_keys_than_one_transaction_takes(etcd_cluster):
     keys = [f"many/{i}" for i in range(MAX_TXN_OPS * 2 + 5)]
 

@@ -51,6 +51,10 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 10_000),     # a member gone silent is noticed by calls in flight
     ("grpc.keepalive_timeout_ms", 5_000),
+    # a channel of its own connections: a new one (made after a failure) tries at once, where
+    # gRPC's shared pool would hand it another channel's connection still backing off and
+    # its stale "Connection refused" (for ~1 s, longer the longer the member was away)
+    ("grpc.use_local_subchannel_pool", 1),
 )
 _MOVE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}  # the member, not the call, failed
 _REFUSALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
