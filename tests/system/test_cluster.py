@@ -25,6 +25,8 @@ def envs(out, ranks, attempt=None):
     return [json.loads((out / f"rank_{r}{suffix}.json").read_text()) for r in range(ranks)]
 
 
+@pytest.mark.c10d_only("a formation; on etcd the jobs of test_etcd_ha, test_partition and the store restart "
+                       "below form (and the rendezvous on etcd: tests/integration/rendezvous); CI time")
 def test_formation_across_two_nodes(cluster_factory, shared_tmp, store_backend):
     cluster = cluster_factory(2).start()
     out = shared_tmp / "env"
@@ -267,6 +269,7 @@ def test_a_ready_node_is_listed_at_once_by_every_node(cluster_factory):
         assert _states(daemon.ctl("nodes")) == {"n1": "up", "n2": "up", "n3": "up"}
 
 
+@pytest.mark.c10d_only("a node lost over etcd: test_etcd_ha and test_partition; CI time")
 def test_lost_node_shows_as_lost(cluster_factory):
     cluster = cluster_factory(3).start()
     _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up", "n3": "up"})
