@@ -211,6 +211,7 @@ class Metrics:
         held = spares = 0
         records = list(records)
         self._first_starts(records, node)
+        self._finished &= {record.id for record in records}  # forget jobs the registry no longer holds
         for record in records:
             jobs[record.state.value] += 1
             held += bool(hold_reason(record))

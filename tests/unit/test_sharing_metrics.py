@@ -144,6 +144,19 @@ def test_a_jobs_wait_is_observed_once_on_the_node_it_was_submitted_on() -> None:
     assert value(metrics, "elasticd_job_wait_seconds_bucket", le="30.0") == 1
 
 
+def test_a_finished_job_is_counted_once_and_forgotten_once_the_registry_drops_it() -> None:
+    """A daemon that runs for months sees millions of jobs end: what it remembers of them is
+    only what its registry still holds."""
+    metrics = Metrics()
+    done = record("j-1", outcome=Outcome(JobState.SUCCEEDED, 10.0))
+    for _ in range(3):
+        metrics.count_jobs([done], "n1")
+    assert value(metrics, "elasticd_jobs_finished_total", state="SUCCEEDED") == 1
+    metrics.count_jobs([], "n1")  # retention pruned it
+    assert not metrics._finished
+    assert value(metrics, "elasticd_jobs_finished_total", state="SUCCEEDED") == 1
+
+
 def test_every_plan_is_timed_and_a_new_schedule_counts_its_moves() -> None:
     metrics = Metrics()
     first = Schedule(1, 1, {"j-1": frozenset("a")})
