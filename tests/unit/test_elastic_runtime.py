@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 from harness import ROOT
@@ -34,3 +38,90 @@ def test_a_group_formed_after_a_failed_init_has_the_name_its_peers_have():
                          timeout=120, env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "0"
+
+
+# A worker whose round-2 forming is given up (a place in round 3 came) while its init is
+# stuck on a peer that still listens: the init connects again after each failure, as
+# torch's store client does while it is built.  ``once``: it gives up at the second
+# failure; ``never``: it never does.
+STUCK_FORMING = textwrap.dedent("""
+    import os, socket, sys, time
+    from elasticd.elastic import runtime
+    from elasticd.elastic.errors import GroupAborted
+    agent, mode = sys.argv[1], sys.argv[2]
+    def init_default_group(backend):
+        failures = 0
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", int(os.environ["MASTER_PORT"]))) as conn:
+                    if conn.recv(1) == b"":  # shut down: the peer never answers otherwise
+                        failures += 1
+            except OSError:  # the peer's backlog is full: again
+                time.sleep(0.01)
+            if mode == "once" and failures == 2:
+                raise RuntimeError("gloo: connection closed by peer")
+    runtime.init_default_group = init_default_group
+    worker = runtime.Runtime(agent, 0, "gloo")
+    try:
+        worker.join("start")
+    except GroupAborted as exc:
+        worker.channel.place_after(worker.round, "failure", str(exc))
+""")
+
+
+def _stuck_forming(mode: str) -> tuple[subprocess.Popen[str], list[dict], socket.socket]:
+    """The worker (STUCK_FORMING) placed in round 2 with a peer that listens and never
+    answers, then in round 3 once it connected there; returns it, what it asked, the agent."""
+    base = tempfile.mkdtemp(prefix="elasticd-runtime-")
+    path = os.path.join(base, "agent.sock")
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(path)
+    agent.listen()
+    peer = socket.create_server(("127.0.0.1", 0))
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(peer.getsockname()[1])}
+    worker = subprocess.Popen([sys.executable, "-c", STUCK_FORMING, path, mode], text=True,
+                              stderr=subprocess.PIPE, env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"})
+    conn, _ = agent.accept()
+    conn.settimeout(60)
+    lines = conn.makefile("r")
+    asked = []
+    for doc in map(json.loads, lines):
+        if doc["op"] == "ready":
+            asked.append(doc)
+            break
+    conn.sendall(json.dumps({"op": "place", "round": 2, "env": env}).encode() + b"\n")
+    peer.settimeout(60)
+    held = peer.accept()  # the worker forms round 2 there
+    conn.sendall(json.dumps({"op": "place", "round": 3, "env": {**env, "RANK": "0"}}).encode() + b"\n")
+    conn.settimeout(30)
+    try:
+        asked += [doc for doc in map(json.loads, lines) if doc["op"] == "ready"]
+    except (OSError, ValueError):
+        pass
+    held[0].close()
+    return worker, asked, peer
+
+
+def test_a_given_up_forming_that_connects_again_fails_and_the_worker_asks_anew():
+    """The newer place shut the forming's sockets down once; the init connected again and
+    waited there (gloo's timeout: 30 minutes) while its round's peers formed round 3."""
+    worker, asked, peer = _stuck_forming("once")
+    try:
+        assert worker.wait(30) == 0, worker.stderr.read()
+        assert [(a["round"], a["why"]) for a in asked] == [(-1, "start"), (2, "failure")]
+    finally:
+        worker.kill()
+        peer.close()
+
+
+def test_a_given_up_forming_that_never_ends_ends_the_worker():
+    """As a store client retrying a rank 0 that gave the round up (py-spy, in a hang of
+    test_in_place's late first round): the worker exits, and its agent restarts it."""
+    worker, asked, peer = _stuck_forming("never")
+    try:
+        assert worker.wait(60) == 75
+        assert "still forms after 5 s; this worker exits" in worker.stderr.read()
+        assert [a["why"] for a in asked] == ["start"]
+    finally:
+        worker.kill()
+        peer.close()

@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -52,6 +53,9 @@ ROUND_ENV = "ELASTICD_ROUND"
 _MAX_LINE = 64 * 1024
 _POLL = 0.005  # seconds between a rank's looks at rank 0's store port
 _STORE_WAIT = 1800.0  # how long a rank waits for that port: gloo's default group timeout
+_GIVE_UP = 0.02  # seconds between shut-downs of a given-up forming's new sockets
+_GIVE_UP_LIMIT = 5.0  # seconds a given-up forming may go on before the worker exits
+GIVEN_UP_EXIT = 75  # that worker's exit status (EX_TEMPFAIL)
 # Text of errors that a broken process group raises (gloo and NCCL put them in plain
 # RuntimeErrors): such a failure re-forms the group; anything else is the script's own.
 _GROUP_ERRORS = ("gloo", "nccl", "connection closed by peer", "connection reset", "broken pipe",
@@ -149,6 +153,11 @@ def _socket_fds() -> dict[int, int]:
     return found
 
 
+def _opened_since(before: dict[int, int]) -> dict[int, int]:
+    """This process's sockets that are not in ``before`` (fd -> inode)."""
+    return {fd: ino for fd, ino in _socket_fds().items() if before.get(fd) != ino}
+
+
 def _shut_down(fds: dict[int, int]) -> None:
     """Shut down the connected TCP sockets among ``fds`` (still the same sockets)."""
     for fd, inode in fds.items():
@@ -217,11 +226,34 @@ class Runtime:
                 self._shut_down_forming()
 
     def _shut_down_forming(self) -> None:
-        """Under the group lock: a group being formed fails at once (the sockets opened
-        since its forming began are shut down)."""
-        if self._forming_since is not None:
-            before = self._forming_since
-            _shut_down({fd: ino for fd, ino in _socket_fds().items() if before.get(fd) != ino})
+        """Under the group lock: a group being formed fails at once, and for good.  The
+        sockets opened since its forming began are shut down now, and again every
+        ``_GIVE_UP`` s while the init still runs (it may connect again).  Some waits no
+        socket reaches: a rank other than 0 whose store client keeps retrying the port of
+        a rank 0 that gave the round up (torch retries until gloo's timeout, 30 minutes),
+        or a rank 0 whose store waits for ranks that moved on.  An init still running
+        ``_GIVE_UP_LIMIT`` s after its round was given up ends the process: the agent
+        takes it for a failed worker, and the job goes on without it or with a new one."""
+        forming = self._forming_since
+        if forming is None:
+            return
+        _shut_down(_opened_since(forming))
+        threading.Thread(target=self._keep_failing, args=(forming, self.round), daemon=True,
+                         name="elasticd-give-up").start()
+
+    def _keep_failing(self, forming: dict[int, int], round: int) -> None:
+        deadline = time.monotonic() + _GIVE_UP_LIMIT
+        while True:
+            time.sleep(_GIVE_UP)
+            with self._group_lock:
+                if self._forming_since is not forming:  # that init returned
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                _shut_down(_opened_since(forming))
+        print(f"elasticd: round {round}'s group was given up but still forms after "
+              f"{_GIVE_UP_LIMIT:g} s; this worker exits (the agent restarts it)", file=sys.stderr, flush=True)
+        os._exit(GIVEN_UP_EXIT)
 
     @property
     def aborted(self) -> bool:
@@ -326,8 +358,7 @@ class Runtime:
         again after the first collectives: gloo may connect its pairs lazily)."""
         with self._group_lock:
             before = self._before_group
-            self._group_sockets = {fd: ino for fd, ino in _socket_fds().items()
-                                   if before.get(fd) != ino}
+            self._group_sockets = _opened_since(before)
 
 
 def init_default_group(backend: str) -> None:
