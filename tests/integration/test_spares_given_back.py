@@ -79,11 +79,14 @@ def test_a_job_that_needs_the_room_of_a_spare_gets_it_and_the_job_trains_on(node
     node.ctl("cancel", b)
 
 
-def test_a_spare_given_back_is_stopped_alone_even_if_it_ignores_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("script", ["trap '' TERM; sleep 600 & wait", "(trap '' TERM; sleep 600) & wait"],
+                         ids=["the-spare-ignores-sigterm", "only-its-child-does"])
+def test_a_spare_given_back_is_stopped_alone_even_if_it_ignores_sigterm(tmp_path: Path, script: str) -> None:
     """The shell's half (LocalWorkers.stop_slots), real processes, no daemon: the spare in
-    slot 1 ignores SIGTERM and has a child in its process group; both are gone after the
-    grace period, it shows STOPPED (not failed), and the worker in slot 0 runs on."""
-    spec = JobSpec(id="j-000001", argv=("/bin/sh", "-c", "trap '' TERM; sleep 600 & wait"), kind="exec",
+    slot 1 (or only its child) ignores SIGTERM, and the child is in its process group; both
+    are gone when stop_slots returns (the child may hold the slot's GPU), it shows STOPPED
+    (not failed), and the worker in slot 0 runs on."""
+    spec = JobSpec(id="j-000001", argv=("/bin/sh", "-c", script), kind="exec",
                    python="/bin/sh", workdir=str(tmp_path), uid=os.getuid(), gid=os.getgid(),
                    user=pwd.getpwuid(os.getuid()).pw_name, in_place=True, spares=1)
 

@@ -521,18 +521,25 @@ class LocalWorkers:
 
     async def stop_slots(self, slots: tuple[int, ...]) -> None:
         """Stop the workers in ``slots`` only (spares given back): SIGTERM to each one's
-        process group, SIGKILL after the grace period; returns once each is reaped."""
+        process group, SIGKILL after the grace period; returns once each is reaped and
+        nothing else of its group lives (its children may hold the slot's GPU), or
+        ``_EMPTY_TIMEOUT`` s later."""
         self._shed.update(slots)
+        groups = {self._procs[s].pid for s in slots if s in self._exits and not self._exits[s].done()}
         alive = [self._exits[s] for s in slots if s in self._exits and not self._exits[s].done()]
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for slot in slots:
-                if slot in self._exits and not self._exits[slot].done():
-                    try:
-                        os.killpg(self._procs[slot].pid, sig)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+            for pgid in groups:
+                if sig is signal.SIGKILL and not _living_in({pgid}):
+                    continue  # all gone: its number may be another group's soon
+                try:
+                    os.killpg(pgid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
             if alive:
                 await asyncio.wait(alive, timeout=self._stop_grace if sig is signal.SIGTERM else None)
+        deadline = time.monotonic() + _EMPTY_TIMEOUT
+        while groups and _living_in(groups) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     def _cgroup_populated(self) -> bool:
         return self._cgroup is not None and self._cgroup.populated()
@@ -559,3 +566,14 @@ class LocalWorkers:
             await asyncio.wait(open_pipes, timeout=_DRAIN_TIMEOUT)
         for pipe in self._pipes:
             self._close_pipe(pipe)
+
+
+def _living_in(groups: set[int]) -> bool:
+    """Whether a process that is not a zombie is in one of the process ``groups``."""
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) in groups and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return False
