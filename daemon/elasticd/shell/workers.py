@@ -522,24 +522,23 @@ class LocalWorkers:
     async def stop_slots(self, slots: tuple[int, ...]) -> None:
         """Stop the workers in ``slots`` only (spares given back): SIGTERM to each one's
         process group, SIGKILL after the grace period; returns once each is reaped and
-        nothing else of its group lives (its children may hold the slot's GPU), or
-        ``_EMPTY_TIMEOUT`` s later."""
+        every other process of its group has exited (its children may hold the slot's
+        GPU), or ``_EMPTY_TIMEOUT`` s later."""
         self._shed.update(slots)
-        groups = {self._procs[s].pid for s in slots if s in self._exits and not self._exits[s].done()}
-        alive = [self._exits[s] for s in slots if s in self._exits and not self._exits[s].done()]
+        pending = [s for s in slots if s in self._exits and not self._exits[s].done()]
+        groups = {self._procs[s].pid for s in pending}
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pgid in groups:
-                if sig is signal.SIGKILL and not _living_in({pgid}):
+                if sig is signal.SIGKILL and not _members({pgid}):
                     continue  # all gone: its number may be another group's soon
                 try:
                     os.killpg(pgid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
-            if alive:
-                await asyncio.wait(alive, timeout=self._stop_grace if sig is signal.SIGTERM else None)
-        deadline = time.monotonic() + _EMPTY_TIMEOUT
-        while groups and _living_in(groups) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+            if pending:
+                await asyncio.wait([self._exits[s] for s in pending],
+                                   timeout=self._stop_grace if sig is signal.SIGTERM else None)
+        await _exited(_members(groups), _EMPTY_TIMEOUT)
 
     def _cgroup_populated(self) -> bool:
         return self._cgroup is not None and self._cgroup.populated()
@@ -568,12 +567,34 @@ class LocalWorkers:
             self._close_pipe(pipe)
 
 
-def _living_in(groups: set[int]) -> bool:
-    """Whether a process that is not a zombie is in one of the process ``groups``."""
+def _members(groups: set[int]) -> list[int]:
+    """The processes of the process ``groups`` that have not exited (zombies aside)."""
+    found = []
     for proc in psutil.process_iter():
         try:
             if os.getpgid(proc.pid) in groups and proc.status() != psutil.STATUS_ZOMBIE:
-                return True
+                found.append(proc.pid)
         except (psutil.Error, ProcessLookupError):
             continue
-    return False
+    return found
+
+
+async def _exited(pids: list[int], timeout: float) -> None:
+    """Until each of ``pids`` has exited (its pidfd turns readable), or ``timeout`` s."""
+    loop = asyncio.get_running_loop()
+    watched: list[tuple[int, asyncio.Future[None]]] = []
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        exited = loop.create_future()
+        loop.add_reader(pidfd, lambda done=exited: done.done() or done.set_result(None))
+        watched.append((pidfd, exited))
+    try:
+        if watched:
+            await asyncio.wait([exited for _, exited in watched], timeout=timeout)
+    finally:
+        for pidfd, _ in watched:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
