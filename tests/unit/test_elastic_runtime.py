@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
+from pathlib import Path
 
 from harness import ROOT
 
@@ -69,11 +68,11 @@ STUCK_FORMING = textwrap.dedent("""
 """)
 
 
-def _stuck_forming(mode: str) -> tuple[subprocess.Popen[str], list[dict], socket.socket]:
+def _stuck_forming(mode: str, base: Path) -> tuple[subprocess.Popen[str], list[dict], socket.socket]:
     """The worker (STUCK_FORMING) placed in round 2 with a peer that listens and never
-    answers, then in round 3 once it connected there; returns it, what it asked, the agent."""
-    base = tempfile.mkdtemp(prefix="elasticd-runtime-")
-    path = os.path.join(base, "agent.sock")
+    answers, then in round 3 once it connected there; returns it, what it asked (the agent
+    is gone then) and the peer, still listening."""
+    path = str(base / "agent.sock")
     agent = socket.socket(socket.AF_UNIX)
     agent.bind(path)
     agent.listen()
@@ -98,14 +97,15 @@ def _stuck_forming(mode: str) -> tuple[subprocess.Popen[str], list[dict], socket
         asked += [doc for doc in map(json.loads, lines) if doc["op"] == "ready"]
     except (OSError, ValueError):
         pass
-    held[0].close()
+    for sock in (held[0], conn, agent):
+        sock.close()
     return worker, asked, peer
 
 
-def test_a_given_up_forming_that_connects_again_fails_and_the_worker_asks_anew():
+def test_a_given_up_forming_that_connects_again_fails_and_the_worker_asks_anew(tmp_path: Path):
     """The newer place shut the forming's sockets down once; the init connected again and
     waited there (gloo's timeout: 30 minutes) while its round's peers formed round 3."""
-    worker, asked, peer = _stuck_forming("once")
+    worker, asked, peer = _stuck_forming("once", tmp_path)
     try:
         assert worker.wait(30) == 0, worker.stderr.read()
         assert [(a["round"], a["why"]) for a in asked] == [(-1, "start"), (2, "failure")]
@@ -114,10 +114,10 @@ def test_a_given_up_forming_that_connects_again_fails_and_the_worker_asks_anew()
         peer.close()
 
 
-def test_a_given_up_forming_that_never_ends_ends_the_worker():
+def test_a_given_up_forming_that_never_ends_ends_the_worker(tmp_path: Path):
     """As a store client retrying a rank 0 that gave the round up (py-spy, in a hang of
     test_in_place's late first round): the worker exits, and its agent restarts it."""
-    worker, asked, peer = _stuck_forming("never")
+    worker, asked, peer = _stuck_forming("never", tmp_path)
     try:
         assert worker.wait(60) == 75
         assert "still forms after 5 s; this worker exits" in worker.stderr.read()
