@@ -54,7 +54,9 @@ def data(samples: int) -> TensorDataset:
 
 
 def network() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    )
 
 
 def checksum(module: torch.nn.Module) -> str:
@@ -66,8 +68,11 @@ def checksum(module: torch.nn.Module) -> str:
 
 def steps(accelerator, model, optimizer, loader, progress, args, after_step) -> None:
     """Train until ``args.max_steps``, resuming mid-epoch at ``progress.step``."""
-    accelerator.print(f"start step {progress.step} world {dist.get_world_size()} "
-                      f"accelerate {accelerator.num_processes}", flush=True)
+    accelerator.print(
+        f"start step {progress.step} world {dist.get_world_size()} "
+        f"accelerate {accelerator.num_processes}",
+        flush=True,
+    )
     while progress.step < args.max_steps:
         skip = progress.step % len(loader)
         for x, y in accelerator.skip_first_batches(loader, skip) if skip else loader:
@@ -120,7 +125,10 @@ def restarting(args: argparse.Namespace) -> None:
     steps(accelerator, model, optimizer, loader, progress, args, after_step)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        print(f"final step {progress.step} checksum {checksum(accelerator.unwrap_model(model))}", flush=True)
+        print(
+            f"final step {progress.step} checksum {checksum(accelerator.unwrap_model(model))}",
+            flush=True,
+        )
 
 
 def in_place(args: argparse.Namespace) -> None:
@@ -135,7 +143,8 @@ def in_place(args: argparse.Namespace) -> None:
     def train(state: elastic.TorchState) -> None:
         accelerator = elastic_accelerator(cpu=True)  # this round's rank and size
         ddp, optimizer, loader = accelerator.prepare(
-            state.model, state.optimizer, DataLoader(data(args.samples), batch_size=args.batch))
+            state.model, state.optimizer, DataLoader(data(args.samples), batch_size=args.batch)
+        )
 
         def after_step() -> None:
             if state.step % args.every == 0:
@@ -154,10 +163,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--ckpt-dir", default="", help="save_state here every --every steps; none: no checkpoints")
+    p.add_argument(
+        "--ckpt-dir", default="", help="save_state here every --every steps; none: no checkpoints"
+    )
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--step-seconds", type=float, default=0.0, help="stretch each step (for tests)")
-    p.add_argument("--in-place", action="store_true", help="for an --in-place job (elasticd.elastic.run)")
+    p.add_argument(
+        "--in-place", action="store_true", help="for an --in-place job (elasticd.elastic.run)"
+    )
     args = p.parse_args()
     set_seed(0)
     (in_place if args.in_place else restarting)(args)

@@ -28,11 +28,17 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--samples", type=int, default=96 * 32, help="dataset size")
-    p.add_argument("--batch", type=int, default=96, help="global batch (divisible by the world size)")
+    p.add_argument(
+        "--batch", type=int, default=96, help="global batch (divisible by the world size)"
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--checkpoint", default="", help="checkpoint file (default: none)")
-    p.add_argument("--epoch-seconds", type=float, default=0.0,
-                   help="stretch each epoch to at least this long (for demos)")
+    p.add_argument(
+        "--epoch-seconds",
+        type=float,
+        default=0.0,
+        help="stretch each epoch to at least this long (for demos)",
+    )
     return p.parse_args()
 
 
@@ -46,7 +52,9 @@ def dataset(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    )
 
 
 def load(path: str, net: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -84,7 +92,9 @@ def main() -> None:
     ddp = DistributedDataParallel(net)
     if rank == 0:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        print(f"world size {world}, starting at epoch {start} (restart count {restart})", flush=True)
+        print(
+            f"world size {world}, starting at epoch {start} (restart count {restart})", flush=True
+        )
     for epoch in range(start, args.epochs):
         began = time.monotonic()
         for first in range(0, args.samples, args.batch):

@@ -45,11 +45,29 @@ class Node:
         self.dir.mkdir()
         self.socket = str(self.dir / "control.sock")
         self.args = [
-            str(BIN / "elasticd"), "--cluster", "demo", "--store", f"127.0.0.1:{store_port}",
-            "--store-host" if index == 1 else "--no-store-host", "--node-name", self.name,
-            "--node-address", f"127.0.0.{index}", "--state-dir", str(self.dir / "state"),
-            "--runtime-dir", str(self.dir), "--cluster-key", key, "--slots", "1",
-            "--metrics-port", "0", "--config", str(work / "demo.toml")]
+            str(BIN / "elasticd"),
+            "--cluster",
+            "demo",
+            "--store",
+            f"127.0.0.1:{store_port}",
+            "--store-host" if index == 1 else "--no-store-host",
+            "--node-name",
+            self.name,
+            "--node-address",
+            f"127.0.0.{index}",
+            "--state-dir",
+            str(self.dir / "state"),
+            "--runtime-dir",
+            str(self.dir),
+            "--cluster-key",
+            key,
+            "--slots",
+            "1",
+            "--metrics-port",
+            "0",
+            "--config",
+            str(work / "demo.toml"),
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -62,14 +80,17 @@ class Node:
         try:
             while b"READY=1" not in ready.recv(4096):
                 pass
-        except socket.timeout:
+        except TimeoutError:
             sys.exit(f"{self.name} did not become ready; see {self.dir / 'elasticd.log'}")
         finally:
             ready.close()
 
     def ctl(self, *args: str, check: bool = True) -> str:
-        done = subprocess.run([str(BIN / "elasticctl"), "--socket", self.socket, *args],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [str(BIN / "elasticctl"), "--socket", self.socket, *args],
+            capture_output=True,
+            text=True,
+        )
         if check and done.returncode != 0:
             sys.exit(f"elasticctl {' '.join(args)} failed: {done.stderr}")
         return done.stdout
@@ -84,8 +105,14 @@ def say(text: str) -> None:
 
 def run(work: Path, epochs: int) -> int:
     key = str(work / "cluster.key")
-    subprocess.run([sys.executable, "-c",
-                    f"from elasticd.store.signing import create_key; create_key({key!r})"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from elasticd.store.signing import create_key; create_key({key!r})",
+        ],
+        check=True,
+    )
     # Jobs of root run as root only where the config says so; this demo's daemons allow it.
     (work / "demo.toml").write_text("[jobs]\nallow_root = true\n")
     port = free_port()
@@ -97,14 +124,35 @@ def run(work: Path, epochs: int) -> int:
             node.start()
         print(nodes[0].ctl("nodes"), end="")
 
-        say(f"submitting examples/ddp_train.py --nnodes 2:3 ({epochs} epochs, checkpoint every epoch)")
-        job = json.loads(nodes[0].ctl(
-            "--json", "submit", "--nnodes", "2:3", "--name", "demo", "--python", sys.executable,
-            str(HERE / "ddp_train.py"), "--", "--epochs", str(epochs),
-            "--checkpoint", str(work / "checkpoint.pt"), "--epoch-seconds", "1"))["id"]
+        say(
+            f"submitting examples/ddp_train.py --nnodes 2:3 ({epochs} epochs, checkpoint every epoch)"
+        )
+        job = json.loads(
+            nodes[0].ctl(
+                "--json",
+                "submit",
+                "--nnodes",
+                "2:3",
+                "--name",
+                "demo",
+                "--python",
+                sys.executable,
+                str(HERE / "ddp_train.py"),
+                "--",
+                "--epochs",
+                str(epochs),
+                "--checkpoint",
+                str(work / "checkpoint.pt"),
+                "--epoch-seconds",
+                "1",
+            )
+        )["id"]
         print(f"job {job}")
-        follow = subprocess.Popen([str(BIN / "elasticctl"), "--socket", nodes[0].socket, "logs", "-f",
-                                   job], stdout=subprocess.PIPE, text=True)
+        follow = subprocess.Popen(
+            [str(BIN / "elasticctl"), "--socket", nodes[0].socket, "logs", "-f", job],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         before = after = None
         victim = None
         assert follow.stdout is not None
@@ -119,8 +167,12 @@ def run(work: Path, epochs: int) -> int:
                 before = world
                 status = nodes[0].status(job)
                 workers |= {w["pid"] for w in status["workers"] if w["pid"]}
-                victim = next(n for n in nodes[1:] for part in status["nodes"]
-                              if part["node"] == n.name and part["group_rank"] != 0)
+                victim = next(
+                    n
+                    for n in nodes[1:]
+                    for part in status["nodes"]
+                    if part["node"] == n.name and part["group_rank"] != 0
+                )
                 say(f"world size {before}; killing {victim.name} with SIGKILL mid-training")
                 assert victim.proc is not None
                 victim.proc.send_signal(signal.SIGKILL)
@@ -130,8 +182,10 @@ def run(work: Path, epochs: int) -> int:
         follow.wait()
         status = nodes[0].status(job)
         workers |= {w["pid"] for w in status["workers"] if w["pid"]}
-        say(f"job {job} {status['state']}: world size {before} before the kill, {after} after; "
-            f"{status['restarts']} restarts used (a lost node costs none)")
+        say(
+            f"job {job} {status['state']}: world size {before} before the kill, {after} after; "
+            f"{status['restarts']} restarts used (a lost node costs none)"
+        )
         return 0 if status["state"] == "SUCCEEDED" and before == 3 and after == 2 else 1
     finally:
         say("stopping the daemons")

@@ -31,8 +31,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--commit-every", type=int, default=5, help="commit every N batches")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--report", default="", help="append events to DIR/events.jsonl")
-    parser.add_argument("--fail-at-batch", type=int, default=-1,
-                        help="(tests) the worker of rank --fail-rank raises here, once")
+    parser.add_argument(
+        "--fail-at-batch",
+        type=int,
+        default=-1,
+        help="(tests) the worker of rank --fail-rank raises here, once",
+    )
     parser.add_argument("--fail-rank", type=int, default=1)
     return parser.parse_args()
 
@@ -55,9 +59,17 @@ class Reporter:
     def __call__(self, event: str, state: elastic.TorchState, **extra: object) -> None:
         if not self.path:
             return
-        doc = {"event": event, "pid": os.getpid(), "rank": dist.get_rank(),
-               "world": dist.get_world_size(), "round": int(os.environ.get("ELASTICD_ROUND", -1)),
-               "batch": state.batch, "checksum": checksum(state.model), "time": time.time(), **extra}
+        doc = {
+            "event": event,
+            "pid": os.getpid(),
+            "rank": dist.get_rank(),
+            "world": dist.get_world_size(),
+            "round": int(os.environ.get("ELASTICD_ROUND", -1)),
+            "batch": state.batch,
+            "checksum": checksum(state.model),
+            "time": time.time(),
+            **extra,
+        }
         with open(self.path, "a") as f:  # one short line per write: appends do not interleave
             f.write(json.dumps(doc) + "\n")
 
@@ -78,8 +90,12 @@ def main() -> None:
         rank = dist.get_rank()
         report("start", state)
         while state.batch < args.batches:
-            if state.batch == args.fail_at_batch and rank == args.fail_rank \
-                    and injected and not os.path.exists(injected):
+            if (
+                state.batch == args.fail_at_batch
+                and rank == args.fail_rank
+                and injected
+                and not os.path.exists(injected)
+            ):
                 open(injected, "w").close()
                 raise RuntimeError(f"injected failure at batch {state.batch}")
             x, y = batch_data(state.batch, rank)

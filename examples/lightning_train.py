@@ -41,7 +41,9 @@ FEATURES = 16
 class Regressor(L.LightningModule):
     def __init__(self, lr: float, step_seconds: float) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+        )
         self.lr = lr
         self.step_seconds = step_seconds
 
@@ -56,8 +58,11 @@ class Regressor(L.LightningModule):
 
     def on_train_start(self) -> None:
         if self.trainer.is_global_zero:
-            print(f"start step {self.trainer.global_step} world {self.trainer.world_size} "
-                  f"nodes {self.trainer.num_nodes}", flush=True)
+            print(
+                f"start step {self.trainer.global_step} world {self.trainer.world_size} "
+                f"nodes {self.trainer.num_nodes}",
+                flush=True,
+            )
 
 
 class Report(L.Callback):
@@ -69,15 +74,35 @@ class Report(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps({"event": "start", "t": time.time(), "step": trainer.global_step,
-                                "world": trainer.world_size, "rank": trainer.global_rank,
-                                "pid": os.getpid()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "event": "start",
+                        "t": time.time(),
+                        "step": trainer.global_step,
+                        "world": trainer.world_size,
+                        "rank": trainer.global_rank,
+                        "pid": os.getpid(),
+                    }
+                )
+                + "\n"
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.is_global_zero:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"event": "step", "t": time.time(), "step": trainer.global_step,
-                                    "world": trainer.world_size, "pid": os.getpid()}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "event": "step",
+                            "t": time.time(),
+                            "step": trainer.global_step,
+                            "world": trainer.world_size,
+                            "pid": os.getpid(),
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def data(samples: int) -> TensorDataset:
@@ -103,10 +128,19 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...)")
     p.add_argument("--devices", type=int, default=1, help="Trainer(devices=...)")
-    p.add_argument("--elasticd", action="store_true", help="num_nodes through elastic_trainer_kwargs")
-    p.add_argument("--in-place", action="store_true",
-                   help="an --in-place job: elastic_fit, commits in memory every --every steps")
-    p.add_argument("--ckpt-dir", default="", help="ModelCheckpoint's directory (last.ckpt); none: no checkpoints")
+    p.add_argument(
+        "--elasticd", action="store_true", help="num_nodes through elastic_trainer_kwargs"
+    )
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="an --in-place job: elastic_fit, commits in memory every --every steps",
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        default="",
+        help="ModelCheckpoint's directory (last.ckpt); none: no checkpoints",
+    )
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     p.add_argument("--step-seconds", type=float, default=0.0, help="stretch each step (for tests)")
     p.add_argument("--report", default="", help="(benchmarks) append rank 0's steps to this file")
@@ -115,34 +149,71 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     model = Regressor(args.lr, args.step_seconds)
     loader = DataLoader(data(args.samples), batch_size=args.batch)
-    callbacks = [ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0,
-                                 every_n_train_steps=args.every, enable_version_counter=False)] \
-        if args.ckpt_dir else []
+    callbacks = (
+        [
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir,
+                save_last=True,
+                save_top_k=0,
+                every_n_train_steps=args.every,
+                enable_version_counter=False,
+            )
+        ]
+        if args.ckpt_dir
+        else []
+    )
     callbacks += [Report(args.report)] if args.report else []
     if args.in_place:
         from elasticd import elastic
         from elasticd.elastic.lightning import elastic_fit
+
         elastic.init("gloo")
 
         def make_trainer(**round_kwargs):  # the round's num_nodes and cluster environment
-            return L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_steps=args.max_steps,
-                             callbacks=list(callbacks), enable_checkpointing=bool(args.ckpt_dir), logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, **round_kwargs)
+            return L.Trainer(
+                accelerator="cpu",
+                devices=args.devices,
+                strategy="ddp",
+                max_steps=args.max_steps,
+                callbacks=list(callbacks),
+                enable_checkpointing=bool(args.ckpt_dir),
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                **round_kwargs,
+            )
+
         # --ckpt-dir as well: last.ckpt is where a group restart (every worker new, the
         # in-place fallback) resumes; the survivors of a change resume from memory.
-        trainer = elastic_fit(make_trainer, model, loader, num_nodes=args.num_nodes, every_n_steps=args.every,
-                              ckpt_path="last" if args.ckpt_dir else None)
+        trainer = elastic_fit(
+            make_trainer,
+            model,
+            loader,
+            num_nodes=args.num_nodes,
+            every_n_steps=args.every,
+            ckpt_path="last" if args.ckpt_dir else None,
+        )
         if trainer.is_global_zero:
             print(f"final step {trainer.global_step} checksum {checksum(model)}", flush=True)
         return
     if args.elasticd:
         from elasticd.elastic.lightning import elastic_trainer_kwargs
+
         nodes = elastic_trainer_kwargs(num_nodes=args.num_nodes)
     else:
         nodes = {"num_nodes": args.num_nodes}
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_steps=args.max_steps,
-                        callbacks=callbacks, enable_checkpointing=bool(args.ckpt_dir), logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, **nodes)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp",
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.ckpt_dir),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **nodes,
+    )
     trainer.fit(model, loader, ckpt_path="last" if args.ckpt_dir else None)
     if trainer.is_global_zero:
         print(f"final step {trainer.global_step} checksum {checksum(model)}", flush=True)

@@ -15,10 +15,11 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
-from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous import RendezvousInfo, RendezvousSettings, RoundEvent
+from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.keys import Keys
 from elasticd.rendezvous.ops import num_waiting
 from elasticd.rendezvous.state import RendezvousState, decode
@@ -39,13 +40,22 @@ def _client(store: StoreBackend) -> Store:
 
 
 class BlockingRendezvous:
-    def __init__(self, store: StoreBackend, signer: Signer, settings: RendezvousSettings,
-                 node: str, addr: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        store: StoreBackend,
+        signer: Signer,
+        settings: RendezvousSettings,
+        node: str,
+        addr: str,
+        **kwargs: Any,
+    ) -> None:
         self._backend, self._signer, self._prefix = store, signer, kwargs["prefix"]
         self.settings = settings
         self.node = node
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"node-{node}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"node-{node}", daemon=True
+        )
         self._thread.start()
 
         async def build() -> None:
@@ -63,20 +73,24 @@ class BlockingRendezvous:
         """(started, returned, result) of a handler method, both times taken on this node's
         loop (perf_counter): as a daemon's agent sees it, without the hand-off from the
         calling thread to the loop and back."""
+
         async def run() -> tuple[float, float, Any]:
             started = time.perf_counter()
             result = await getattr(self.handler, method)(*args)
             return started, time.perf_counter(), result
+
         return self._call(run())
 
     def when_superseded(self, round: int, method: str, *args: Any) -> concurrent.futures.Future:
         """Once ``round`` is superseded, ``timed(method, *args)`` on this node's loop, as a
         daemon's agent rejoins: the watch and the call stay on the loop."""
+
         async def run() -> tuple[float, float, Any]:
             await self.handler.watch(round)
             started = time.perf_counter()
             result = await getattr(self.handler, method)(*args)
             return started, time.perf_counter(), result
+
         return asyncio.run_coroutine_threadsafe(run(), self._loop)
 
     def next_rendezvous(self, nproc: int, master_port: int) -> RendezvousInfo:
@@ -99,6 +113,7 @@ class BlockingRendezvous:
 
         async def watching() -> RoundEvent:
             return await self.handler.watch(round, waiting=waiting)
+
         return asyncio.run_coroutine_threadsafe(watching(), self._loop)
 
     def exit_barrier_arrive(self, info: RendezvousInfo) -> None:

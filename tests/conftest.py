@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from harness import Daemon
 
 
@@ -40,8 +40,6 @@ def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory(args=("--slots", "4")).start()
 
 
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """When a test fails, show the tail of every daemon log it produced."""
@@ -50,7 +48,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     base = getattr(item, "funcargs", {}).get("shared_tmp")
     if report.failed and base is not None:
         for log in sorted(Path(base).glob("*.log")):
-            report.sections.append((f"daemon log {log.name}", log.read_text(errors="replace")[-5000:]))
+            report.sections.append(
+                (f"daemon log {log.name}", log.read_text(errors="replace")[-5000:])
+            )
     if report.failed and call.when == "call":
         for daemon in list(Daemon.running):
             if daemon.proc is not None and daemon.proc.poll() is None:

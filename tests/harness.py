@@ -17,8 +17,9 @@ import sys
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from elasticd.wire import protocol
 
@@ -28,13 +29,17 @@ WORKER = FIXTURES / "worker.py"
 PY = sys.executable
 # What a user with this checkout's venv activated has: elasticctl then submits jobs with the
 # venv's python3 (the one with torch), whether or not the test runner activated it.
-CLIENT_ENV = {**os.environ, "VIRTUAL_ENV": sys.prefix,
-              "PATH": f"{os.path.dirname(PY)}:{os.environ.get('PATH', os.defpath)}"}
+CLIENT_ENV = {
+    **os.environ,
+    "VIRTUAL_ENV": sys.prefix,
+    "PATH": f"{os.path.dirname(PY)}:{os.environ.get('PATH', os.defpath)}",
+}
 START_TIMEOUT = 60.0
 
 
 def _needs_root():
     import pytest
+
     return pytest.mark.skipif(os.getuid() != 0, reason="needs root (another user, cgroups, mounts)")
 
 
@@ -52,9 +57,15 @@ class Daemon:
 
     running: ClassVar[weakref.WeakSet[Daemon]] = weakref.WeakSet()  # for a failing test's stories
 
-    def __init__(self, base: Path, name: str = "n1", args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, standalone: bool = True,
-                 metrics_port: int = 0) -> None:
+    def __init__(
+        self,
+        base: Path,
+        name: str = "n1",
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        standalone: bool = True,
+        metrics_port: int = 0,
+    ) -> None:
         self.base = base
         self.name = name
         self.state_dir = base / f"{name}-state"
@@ -82,8 +93,9 @@ class Daemon:
         self.messages = []
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, **self.env}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=str(self.base))
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.base)
+            )
         Daemon.running.add(self)
         if wait:
             self.wait_notify("READY=1", timeout)
@@ -94,8 +106,11 @@ class Daemon:
         ``elasticctl status --debug`` shows it; "" when it does not answer."""
         try:
             with Control(self.socket) as control:
-                jobs = [row["id"] for batch in control.stream("list", {"all": True}, timeout)
-                        for row in batch.get("jobs", [])]
+                jobs = [
+                    row["id"]
+                    for batch in control.stream("list", {"all": True}, timeout)
+                    for row in batch.get("jobs", [])
+                ]
                 told = []
                 for job in jobs:
                     doc = control.call("status", {"job": job, "debug": True}, timeout).result or {}
@@ -107,9 +122,19 @@ class Daemon:
 
     def argv(self) -> list[str]:
         """The daemon's command line (``program`` runs ``python -m elasticd`` unless changed)."""
-        return [*self.program, "--node-name", self.name, "--state-dir", str(self.state_dir),
-                "--runtime-dir", str(self.runtime_dir), "--metrics-port", str(self.metrics_port),
-                *(("--standalone",) if self.standalone else ()), *self.args]
+        return [
+            *self.program,
+            "--node-name",
+            self.name,
+            "--state-dir",
+            str(self.state_dir),
+            "--runtime-dir",
+            str(self.runtime_dir),
+            "--metrics-port",
+            str(self.metrics_port),
+            *(("--standalone",) if self.standalone else ()),
+            *self.args,
+        ]
 
     def ready(self) -> bool:
         """Whether READY=1 has arrived (reads what is queued, never blocks)."""
@@ -136,12 +161,13 @@ class Daemon:
                 return lines[-1]
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{self.name}: status never matched; last {lines[-1:]}\n"
-                                     f"{self.log_text()}")
+                raise AssertionError(
+                    f"{self.name}: status never matched; last {lines[-1:]}\n{self.log_text()}"
+                )
             self._notify.settimeout(left)
             try:  # block until the next notification arrives (then look again)
                 self.messages.extend(self._notify.recv(4096).decode().split("\n"))
-            except socket.timeout:
+            except TimeoutError:
                 pass
 
     def wait_notify(self, wanted: str, timeout: float = 30.0, contains: str = "") -> str:
@@ -152,21 +178,26 @@ class Daemon:
 
         def matches(message: str) -> bool:
             return message.startswith(wanted) and contains in message
+
         for message in self.messages:
             if matches(message):
                 return message
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{self.name}: no {wanted!r} in {timeout}s; got {self.messages}\n"
-                                     f"{self.log_text()}")
+                raise AssertionError(
+                    f"{self.name}: no {wanted!r} in {timeout}s; got {self.messages}\n"
+                    f"{self.log_text()}"
+                )
             self._notify.settimeout(min(left, 0.5))
             try:
                 data = self._notify.recv(4096).decode()
-            except socket.timeout:
+            except TimeoutError:
                 if self.proc is not None and self.proc.poll() is not None and wanted != "":
-                    raise AssertionError(f"{self.name} exited with {self.proc.returncode} before "
-                                         f"{wanted!r}:\n{self.log_text()}") from None
+                    raise AssertionError(
+                        f"{self.name} exited with {self.proc.returncode} before "
+                        f"{wanted!r}:\n{self.log_text()}"
+                    ) from None
                 continue
             for message in data.split("\n"):
                 self.messages.append(message)
@@ -202,27 +233,41 @@ class Daemon:
 
     # -- elasticctl ------------------------------------------------------------------------
 
-    def ctl_run(self, *args: str, user: str | None = None, timeout: float = 180.0,
-                env: dict[str, str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    def ctl_run(
+        self,
+        *args: str,
+        user: str | None = None,
+        timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run elasticctl, as ``user`` if given (with a Python that user can execute)."""
         python, extra, as_user = PY, {}, {}
         if user is not None:
             import pwd
+
             venv = python_for_everyone()
             python, extra = f"{venv}/bin/python3", {"VIRTUAL_ENV": venv, "HOME": "/"}
             account = pwd.getpwnam(user)
             as_user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
         argv = [python, "-m", "elasticctl", "--socket", self.socket, *args]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              env={**CLIENT_ENV, **extra, **(env or {})}, cwd=cwd or str(self.base),
-                              **as_user)
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**CLIENT_ENV, **extra, **(env or {})},
+            cwd=cwd or str(self.base),
+            **as_user,
+        )
 
     def ctl(self, *args: str, expect: int = 0, **kw: Any) -> Any:
         """Run ``elasticctl --json ARGS``; check the exit code; parse stdout (NDJSON -> list)."""
         done = self.ctl_run("--json", *args, **kw)
         assert done.returncode == expect, (
             f"elasticctl {' '.join(args)} exited {done.returncode}, wanted {expect}\n"
-            f"stdout: {done.stdout}\nstderr: {done.stderr}\n--- daemon log ---\n{self.log_text()}")
+            f"stdout: {done.stdout}\nstderr: {done.stderr}\n--- daemon log ---\n{self.log_text()}"
+        )
         try:
             return json.loads(done.stdout)
         except ValueError:  # a stream: one document per line
@@ -242,8 +287,9 @@ class Daemon:
         with Control(self.socket) as control:
             return control.call(op, args)
 
-    def wait_job(self, job_id: str, predicate: Callable[[dict[str, Any]], bool],
-                 timeout: float = 120.0) -> dict[str, Any]:
+    def wait_job(
+        self, job_id: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120.0
+    ) -> dict[str, Any]:
         """Follow the job's ``wait`` stream until ``predicate(doc)``; returns that doc."""
         with Control(self.socket) as control:
             last = None
@@ -251,7 +297,9 @@ class Daemon:
                 last = doc
                 if predicate(doc):
                     return doc
-        raise AssertionError(f"job {job_id} ended without meeting the condition: {last}\n{self.log_text()}")
+        raise AssertionError(
+            f"job {job_id} ended without meeting the condition: {last}\n{self.log_text()}"
+        )
 
     def wait_output(self, job_id: str, needles: list[str], timeout: float = 120.0) -> None:
         """Follow the job's logs until every needle appeared in some line."""
@@ -265,8 +313,14 @@ class Daemon:
         raise AssertionError(f"job {job_id} ended before printing {missing}\n{self.log_text()}")
 
     def wait_running(self, job_id: str, workers: int, timeout: float = 120.0) -> dict[str, Any]:
-        return self.wait_job(job_id, lambda d: d["state"] == "RUNNING" and sum(
-            1 for w in d["workers"] if w["state"] == "HEALTHY" and w["pid"]) == workers, timeout)
+        return self.wait_job(
+            job_id,
+            lambda d: (
+                d["state"] == "RUNNING"
+                and sum(1 for w in d["workers"] if w["state"] == "HEALTHY" and w["pid"]) == workers
+            ),
+            timeout,
+        )
 
 
 class Control:
@@ -298,7 +352,7 @@ class Control:
             self.sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 data = self.sock.recv(1 << 20)
-            except socket.timeout:
+            except TimeoutError:
                 raise AssertionError(f"no reply in {timeout}s") from None
             if not data:
                 raise AssertionError("the daemon closed the connection")
@@ -330,7 +384,9 @@ def python_for_everyone() -> str:
     execute; the packages themselves (pyzmq, elasticd) are readable, so a .pth adds them.
     """
     if not os.path.exists(f"{_EVERYONE_VENV}/bin/python3"):
-        subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", _EVERYONE_VENV], check=True)
+        subprocess.run(
+            ["/usr/bin/python3", "-m", "venv", "--without-pip", _EVERYONE_VENV], check=True
+        )
         site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
         lib = next(Path(_EVERYONE_VENV, "lib").glob("python3*/site-packages"))
         (lib / "elasticd-checkout.pth").write_text(f"import site; site.addsitedir({site!r})\n")
@@ -347,18 +403,27 @@ def fake_nvidia_smi(directory: Path, gpus: int) -> dict[str, str]:
     return {"PATH": f"{directory}:{os.environ['PATH']}"}
 
 
-def beside_torchrun(daemon: Daemon, workdir: Path, argv: list[str], env: dict[str, str],
-                    timeout: float) -> tuple[str, str]:
+def beside_torchrun(
+    daemon: Daemon, workdir: Path, argv: list[str], env: dict[str, str], timeout: float
+) -> tuple[str, str]:
     """The same torchrun command line, word for word, to elasticrun (which submits it to
     ``daemon`` and prints the workers' output as torchrun does) and to torch's torchrun, each
     with ``--ckpt-dir ckpt-elasticd`` / ``ckpt-torchrun`` after it; both must succeed.  Their
     standard outputs, elasticrun's first."""
     outs = []
-    for launcher, extra in (([os.path.join(os.path.dirname(PY), "elasticrun")], {"ELASTICD_SOCKET": daemon.socket}),
-                            ([PY, "-m", "torch.distributed.run"], {})):
+    for launcher, extra in (
+        ([os.path.join(os.path.dirname(PY), "elasticrun")], {"ELASTICD_SOCKET": daemon.socket}),
+        ([PY, "-m", "torch.distributed.run"], {}),
+    ):
         ckpt = "ckpt-elasticd" if extra else "ckpt-torchrun"
-        done = subprocess.run([*launcher, *argv, "--ckpt-dir", ckpt], capture_output=True, text=True,
-                              timeout=timeout, cwd=str(workdir), env={**env, **extra})
+        done = subprocess.run(
+            [*launcher, *argv, "--ckpt-dir", ckpt],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(workdir),
+            env={**env, **extra},
+        )
         assert done.returncode == 0, f"{launcher[-1]}: {done.stdout[-3000:]}{done.stderr[-5000:]}"
         outs.append(done.stdout)
     return outs[0], outs[1]
@@ -373,17 +438,22 @@ def sleeping_job(daemon: Daemon, directory: Path, nproc: int, *extra: str) -> tu
     every pid the workers wrote (theirs and their children's), once all are written."""
     pids_dir = directory / "pids"
     pids_dir.mkdir(exist_ok=True)
-    job = daemon.submit("--nproc-per-node", str(nproc),
-                        *worker_args("--sleep", "0", "--pid-dir", str(pids_dir), *extra))
+    job = daemon.submit(
+        "--nproc-per-node",
+        str(nproc),
+        *worker_args("--sleep", "0", "--pid-dir", str(pids_dir), *extra),
+    )
     daemon.wait_running(job["id"], nproc)
     daemon.wait_output(job["id"], [f"ready {r}" for r in range(nproc)], timeout=60)
-    return job["id"], [int(p) for r in range(nproc)
-                       for p in (pids_dir / f"rank_{r}.pid").read_text().split()]
+    return job["id"], [
+        int(p) for r in range(nproc) for p in (pids_dir / f"rank_{r}.pid").read_text().split()
+    ]
 
 
 def alive(pid: int) -> bool:
     """True if ``pid`` runs and is not a zombie."""
     import psutil
+
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -393,6 +463,7 @@ def alive(pid: int) -> bool:
 def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     """Wait (on the kernel, not a sleep loop) until the processes are gone; returns survivors."""
     import psutil
+
     procs = []
     for pid in pids:
         try:
@@ -403,8 +474,9 @@ def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     return [p.pid for p in survivors if alive(p.pid)]
 
 
-def node_states(daemon: Daemon, predicate: Callable[[dict[str, str]], bool],
-                timeout: float = 30.0) -> dict[str, str]:
+def node_states(
+    daemon: Daemon, predicate: Callable[[dict[str, str]], bool], timeout: float = 30.0
+) -> dict[str, str]:
     """Follow the daemon's node list (it changes on heartbeats) until its states match."""
     with Control(daemon.socket) as control:
         for nodes in control.stream("nodes", {"watch": True}, timeout):

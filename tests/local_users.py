@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 @contextmanager
@@ -25,7 +25,9 @@ def local_users(*roles: str, admin_group: bool = False) -> Iterator[dict[str, st
             subprocess.run(["groupadd", group], check=True)
         for role, name in names.items():
             extra = ["-G", group] if admin_group and role.startswith("admin") else []
-            subprocess.run(["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", *extra, name], check=True)
+            subprocess.run(
+                ["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", *extra, name], check=True
+            )
             made.append(name)
         yield {**names, **({"admins": group} if admin_group else {})}
     finally:  # -f: a test that failed may leave their jobs running until its daemons stop

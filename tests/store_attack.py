@@ -9,11 +9,13 @@ import json
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from harness import Daemon, free_port
+
 from elasticd.store.base import counter_value
 from elasticd.store.signing import create_key
 
@@ -27,8 +29,16 @@ class Cluster:
     cgroups are named after its node and it kills what it finds in them at start, so two
     test runs on one host must not share node names."""
 
-    def __init__(self, factory: Callable[..., Daemon], base: Path, *, prefix: str,
-                 firewall: bool | str = "auto", etcd: Any = None, store_apart: bool = False) -> None:
+    def __init__(
+        self,
+        factory: Callable[..., Daemon],
+        base: Path,
+        *,
+        prefix: str,
+        firewall: bool | str = "auto",
+        etcd: Any = None,
+        store_apart: bool = False,
+    ) -> None:
         """``etcd``: an EtcdCluster without TLS or users (tests/fixtures/etcd.py) that every
         daemon is a client of; no daemon hosts a store then.  ``store_apart`` (c10d): the
         TCPStore is hosted by a daemon of a cluster of its own (``store_host``; clusters may
@@ -50,32 +60,79 @@ class Cluster:
         name = f"{self.name}-store"
         key, path = self.base / f"{name}.key", self.base / f"{name}.toml"
         create_key(str(key))
-        path.write_text(f"[jobs]\nallow_root = true\n[node]\npeer_port = {free_port()}\n"
-                        f"[store]\nfirewall = {json.dumps(self.firewall)}\n")
-        args = ("--cluster", name, "--store", f"127.0.0.1:{self.port}", "--store-host",
-                "--node-address", "127.0.0.1", "--cluster-key", str(key), "--slots", "1",
-                "--config", str(path))
-        return self.factory(f"store-{self.tag}", args=args, standalone=False, metrics_port=free_port())
+        path.write_text(
+            f"[jobs]\nallow_root = true\n[node]\npeer_port = {free_port()}\n"
+            f"[store]\nfirewall = {json.dumps(self.firewall)}\n"
+        )
+        args = (
+            "--cluster",
+            name,
+            "--store",
+            f"127.0.0.1:{self.port}",
+            "--store-host",
+            "--node-address",
+            "127.0.0.1",
+            "--cluster-key",
+            str(key),
+            "--slots",
+            "1",
+            "--config",
+            str(path),
+        )
+        return self.factory(
+            f"store-{self.tag}", args=args, standalone=False, metrics_port=free_port()
+        )
 
-    def add(self, role: str, *, allow_root: bool = True, firewall: bool | str | None = None,
-            config: str = "") -> Daemon:
+    def add(
+        self,
+        role: str,
+        *,
+        allow_root: bool = True,
+        firewall: bool | str | None = None,
+        config: str = "",
+    ) -> Daemon:
         """A node named ``<role>-<tag>``; ``config``: more TOML (other sections than these)."""
         index = len(self.daemons) + 1
         node = f"{role}-{self.tag}"
         path = self.base / f"{self.name}-{node}.toml"
-        fw = json.dumps(self.firewall if firewall is None else firewall)  # "auto", true, false: as in TOML
-        store = f"firewall = {fw}\n" if self.etcd is None else \
-            f'backend = "etcd"\nendpoints = {json.dumps(self.etcd.endpoints)}\n'
+        fw = json.dumps(
+            self.firewall if firewall is None else firewall
+        )  # "auto", true, false: as in TOML
+        store = (
+            f"firewall = {fw}\n"
+            if self.etcd is None
+            else f'backend = "etcd"\nendpoints = {json.dumps(self.etcd.endpoints)}\n'
+        )
         # a job grows again at once after a resize, unless the test says otherwise (the
         # interval is the scheduler tests' subject)
         fast = "" if "[scheduler]" in config else "[scheduler]\nresize_interval = 1.0\n"
-        path.write_text(f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
-                        f"[node]\npeer_port = {free_port()}\n[store]\n{store}{fast}{config}")
+        path.write_text(
+            f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
+            f"[node]\npeer_port = {free_port()}\n[store]\n{store}{fast}{config}"
+        )
         hosts = index == 1 and self.store_host is None
-        where = () if self.etcd is not None else (
-            "--store", f"127.0.0.1:{self.port}", "--store-host" if hosts else "--no-store-host")
-        args = ("--cluster", self.name, *where, "--node-address", f"127.0.0.{index}",
-                "--cluster-key", str(self.key), "--slots", "2", "--config", str(path))
+        where = (
+            ()
+            if self.etcd is not None
+            else (
+                "--store",
+                f"127.0.0.1:{self.port}",
+                "--store-host" if hosts else "--no-store-host",
+            )
+        )
+        args = (
+            "--cluster",
+            self.name,
+            *where,
+            "--node-address",
+            f"127.0.0.{index}",
+            "--cluster-key",
+            str(self.key),
+            "--slots",
+            "2",
+            "--config",
+            str(path),
+        )
         daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
         self.daemons.append(daemon)
         return daemon
@@ -93,8 +150,11 @@ class Cluster:
         for daemon in self.daemons[first:]:
             daemon.wait_notify("READY=1", 60)
         names = sorted(d.name for d in self.daemons)
-        wait_for(lambda: all(node_states(d) == {n: "up" for n in names} for d in self.daemons),
-                 20, "every node sees every node up")
+        wait_for(
+            lambda: all(node_states(d) == {n: "up" for n in names} for d in self.daemons),
+            20,
+            "every node sees every node up",
+        )
         return self
 
     def stop(self) -> None:
@@ -116,9 +176,15 @@ class Attacker:
 
     def __init__(self, cluster: Cluster, timeout: float = 10.0) -> None:
         from torch.distributed import TCPStore
+
         self.prefix = f"elasticd/{cluster.name}/"
-        self.store = TCPStore("127.0.0.1", cluster.port, is_master=False, use_libuv=True,
-                              timeout=timedelta(seconds=timeout))
+        self.store = TCPStore(
+            "127.0.0.1",
+            cluster.port,
+            is_master=False,
+            use_libuv=True,
+            timeout=timedelta(seconds=timeout),
+        )
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -165,7 +231,9 @@ class EtcdAttacker:
         return self.prefix + suffix
 
     def read(self, suffix: str) -> bytes | None:
-        found = self._kv.Range(self._rpc.RangeRequest(key=self.key(suffix).encode()), timeout=10).kvs
+        found = self._kv.Range(
+            self._rpc.RangeRequest(key=self.key(suffix).encode()), timeout=10
+        ).kvs
         return found[0].value if found else None
 
     def exists(self, suffix: str) -> bool:
@@ -175,12 +243,14 @@ class EtcdAttacker:
         """The counter at ``suffix`` as a number (0: none), None when it holds no count.  An
         elasticd counter on etcd is kept as a marked offset, its count being the offset plus
         the key's version (an add of 1 is a put that keeps the value)."""
-        found = self._kv.Range(self._rpc.RangeRequest(key=self.key(suffix).encode()), timeout=10).kvs
+        found = self._kv.Range(
+            self._rpc.RangeRequest(key=self.key(suffix).encode()), timeout=10
+        ).kvs
         if not found or not found[0].value:
             return 0
         raw, mark = found[0].value, b"\0elasticd-count:"
         if raw.startswith(mark):
-            offset = raw[len(mark):]
+            offset = raw[len(mark) :]
             return int(offset) + found[0].version if offset.lstrip(b"-").isdigit() else None
         return counter_value(raw)
 
@@ -188,7 +258,9 @@ class EtcdAttacker:
         self._kv.Put(self._rpc.PutRequest(key=self.key(suffix).encode(), value=data), timeout=10)
 
     def delete(self, suffix: str) -> bool:
-        done = self._kv.DeleteRange(self._rpc.DeleteRangeRequest(key=self.key(suffix).encode()), timeout=10)
+        done = self._kv.DeleteRange(
+            self._rpc.DeleteRangeRequest(key=self.key(suffix).encode()), timeout=10
+        )
         return done.deleted > 0
 
     def close(self) -> None:
@@ -215,8 +287,11 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
 def metric(daemon: Daemon, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
 
 
 def node_states(daemon: Daemon) -> dict[str, str]:

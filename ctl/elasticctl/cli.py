@@ -18,21 +18,37 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from elasticd import __version__
-from elasticd.wire import paths
 from elasticctl import follow, render, sharing, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 from elasticctl.output import ProgressLine, emit, error_doc, terminal_width
-from elasticctl.submission import (UsageError, account, check_runnable, env_pair, given, integer,
-                                   misplaced_options_message, names, nnodes, non_negative_int,
-                                   nproc_per_node, output_plan, own_options_after_script,
-                                   positive_int, positive_seconds, seconds, submit_request)
+from elasticctl.submission import (
+    UsageError,
+    account,
+    check_runnable,
+    env_pair,
+    given,
+    integer,
+    misplaced_options_message,
+    names,
+    nnodes,
+    non_negative_int,
+    nproc_per_node,
+    output_plan,
+    own_options_after_script,
+    positive_int,
+    positive_seconds,
+    seconds,
+    submit_request,
+)
+from elasticd import __version__
+from elasticd.wire import paths
 
 EXIT_BY_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 INTERRUPTED = 130
 
 
 # -- parsing --------------------------------------------------------------------------------
+
 
 def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """Parse the command line, applying submit's two rules for the script's own arguments.
@@ -43,17 +59,21 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     PET_* variables are read (default: this process's environment).
     """
     argv, environ = list(argv), os.environ if environ is None else environ
-    if "--" not in argv or not set(JOB_COMMANDS) & set(argv[:argv.index("--")]):
-        return _refuse_own_options_after_script(_parse(build_parser(environ, torchrun_rule=True), argv), argv)
+    if "--" not in argv or not set(JOB_COMMANDS) & set(argv[: argv.index("--")]):
+        return _refuse_own_options_after_script(
+            _parse(build_parser(environ, torchrun_rule=True), argv), argv
+        )
     split = argv.index("--")
     args = _parse(build_parser(environ, torchrun_rule=False), argv[:split])
-    args.script_args = argv[split + 1:]
+    args.script_args = argv[split + 1 :]
     if args.script is None and args.script_args:
         args.script = args.script_args.pop(0)
     return args
 
 
-def _refuse_own_options_after_script(args: argparse.Namespace, argv: list[str]) -> argparse.Namespace:
+def _refuse_own_options_after_script(
+    args: argparse.Namespace, argv: list[str]
+) -> argparse.Namespace:
     """torchrun's rule gives the script everything after SCRIPT; an option of submit's or run's
     own there is almost surely misplaced (``submit train.py --nproc-per-node 2 --wait`` would
     run one worker and not wait), so it is refused with the command lines the user may have
@@ -70,7 +90,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     """parse_args, but an unknown option is reported with its command's usage."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        getattr(args, "command_parser", parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     return args
 
 
@@ -81,48 +103,98 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
     common = argparse.ArgumentParser(add_help=False)
     add_common_options(common, default=argparse.SUPPRESS)
     parser = argparse.ArgumentParser(
-        prog="elasticctl", description="Control elasticd, the elastic PyTorch job daemon.",
-        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="elasticctl",
+        description="Control elasticd, the elastic PyTorch job daemon.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_common_options(parser, default=None)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str,
-                description: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
+    def command(
+        name: str,
+        handler: Callable[[argparse.Namespace], int],
+        help: str,
+        description: str | None = None,
+        **kwargs: Any,
+    ) -> argparse.ArgumentParser:
         """A command; ``help`` is its one line in elasticctl --help."""
-        sub = commands.add_parser(name, help=help, description=description or help, parents=[common],
-                                  formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        sub = commands.add_parser(
+            name,
+            help=help,
+            description=description or help,
+            parents=[common],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kwargs,
+        )
         sub.set_defaults(handler=handler, command_parser=sub)
         return sub
 
-    add_submit_options(command("submit", cmd_submit, "submit a job to the cluster", usage=JOB_USAGE,
-                               epilog=SUBMIT_RULES, allow_abbrev=False), environ, torchrun_rule)
-    add_submit_options(command("run", cmd_run, "submit a job and show its output until it ends",
-                               RUN_HELP, usage=JOB_USAGE, epilog=SUBMIT_RULES, allow_abbrev=False),
-                       environ, torchrun_rule, following=True)
+    add_submit_options(
+        command(
+            "submit",
+            cmd_submit,
+            "submit a job to the cluster",
+            usage=JOB_USAGE,
+            epilog=SUBMIT_RULES,
+            allow_abbrev=False,
+        ),
+        environ,
+        torchrun_rule,
+    )
+    add_submit_options(
+        command(
+            "run",
+            cmd_run,
+            "submit a job and show its output until it ends",
+            RUN_HELP,
+            usage=JOB_USAGE,
+            epilog=SUBMIT_RULES,
+            allow_abbrev=False,
+        ),
+        environ,
+        torchrun_rule,
+        following=True,
+    )
     listing = command("list", cmd_list, "list jobs", aliases=["ps"])
     listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
     sharing.add_queue(command, connect)
     status = command("status", cmd_status, "show one job in detail")
     status.add_argument("job", metavar="JOB")
-    status.add_argument("--debug", action="store_true",
-                        help="also the job's story on this node: the last events its part heard "
-                             "and what it did about each (owner and admins only)")
+    status.add_argument(
+        "--debug",
+        action="store_true",
+        help="also the job's story on this node: the last events its part heard "
+        "and what it did about each (owner and admins only)",
+    )
     add_logs_options(command("logs", cmd_logs, "show a job's worker output", epilog=LOGS_FORMAT))
     command("cancel", cmd_cancel, "cancel a job").add_argument("job", metavar="JOB")
     command("nodes", cmd_nodes, "list the cluster's nodes").add_argument(
-        "--watch", "-w", action="store_true", help="print the list again whenever it changes")
+        "--watch", "-w", action="store_true", help="print the list again whenever it changes"
+    )
     command("drain", cmd_drain, "stop placing jobs on a node; its jobs move off it").add_argument(
-        "node", metavar="NODE")
+        "node", metavar="NODE"
+    )
     undrain = command("undrain", cmd_undrain, "let a drained or blacklisted node take jobs again")
     undrain.add_argument("node", metavar="NODE")
-    undrain.add_argument("--gpu", type=gpu_index, metavar="N",
-                         help="only put GPU N back in the node's offer (taken out as bad by its health checks)")
+    undrain.add_argument(
+        "--gpu",
+        type=gpu_index,
+        metavar="N",
+        help="only put GPU N back in the node's offer (taken out as bad by its health checks)",
+    )
     sharing.add_usage(command, connect)
     command("version", cmd_version, "show the client's and the daemon's versions")
-    completion = command("completion", cmd_completion, "print the shell completion script for bash or zsh",
-                         COMPLETION_HELP)
+    completion = command(
+        "completion",
+        cmd_completion,
+        "print the shell completion script for bash or zsh",
+        COMPLETION_HELP,
+    )
     completion.add_argument("shell", metavar="SHELL", nargs="?", choices=("bash", "zsh"))
-    completion.add_argument("--words", choices=COMPLETED_WORDS, help=argparse.SUPPRESS)  # the scripts'
+    completion.add_argument(
+        "--words", choices=COMPLETED_WORDS, help=argparse.SUPPRESS
+    )  # the scripts'
     return parser
 
 
@@ -134,85 +206,161 @@ Print elasticctl's completion script for SHELL: commands, options, job ids and n
   zsh:  elasticctl completion zsh > ~/.zfunc/_elasticctl, with ~/.zfunc in $fpath before
         compinit (or install it as /usr/share/zsh/vendor-completions/_elasticctl)"""
 JOB_USAGE = "%(prog)s [options] SCRIPT [ARGS ...]   (--help lists every option)"
-RUN_HELP = ("submit a job and show its output until it ends, as torchrun does; exit with its "
-            "result (Ctrl-C cancels it)")
+RUN_HELP = (
+    "submit a job and show its output until it ends, as torchrun does; exit with its "
+    "result (Ctrl-C cancels it)"
+)
 
 
 def add_common_options(parser: argparse.ArgumentParser, default: Any) -> None:
     """--socket and --json: accepted before the command and (as a convenience) after it."""
-    parser.add_argument("--socket", metavar="PATH", default=default,
-                        help="the daemon's control socket (default: $ELASTICD_SOCKET, else "
-                             "your own daemon's socket if it exists, else /run/elasticd/control.sock)")
-    parser.add_argument("--json", action="store_true", default=default,
-                        help="print JSON documents instead of text")
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=default,
+        help="the daemon's control socket (default: $ELASTICD_SOCKET, else "
+        "your own daemon's socket if it exists, else /run/elasticd/control.sock)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=default, help="print JSON documents instead of text"
+    )
 
 
-def add_submit_options(sub: argparse.ArgumentParser, environ: Mapping[str, str],
-                       torchrun_rule: bool, following: bool = False) -> None:
+def add_submit_options(
+    sub: argparse.ArgumentParser,
+    environ: Mapping[str, str],
+    torchrun_rule: bool,
+    following: bool = False,
+) -> None:
     """The job's options; ``following``: the command follows the job anyway (run)."""
+
     def option(*names: str, **kwargs: Any) -> None:
         """Each --long-name also answers (silently) to torchrun's --long_name."""
         sub.add_argument(*names, **kwargs)
         for name in names:
             if name.startswith("--") and "-" in name[2:]:
-                sub.add_argument("--" + name[2:].replace("-", "_"),
-                                 **{**kwargs, "help": argparse.SUPPRESS})
+                sub.add_argument(
+                    "--" + name[2:].replace("-", "_"), **{**kwargs, "help": argparse.SUPPRESS}
+                )
 
     option("--name", help="a name for the job (default: the script's)")
-    option("--env", type=env_pair, action="append", default=[], metavar="KEY=VAL",
-           help="set a variable in the workers' environment (repeatable)")
+    option(
+        "--env",
+        type=env_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="set a variable in the workers' environment (repeatable)",
+    )
     option("--workdir", metavar="DIR", help="the workers' working directory (default: here)")
-    option("--python", metavar="PATH",
-           help="the interpreter (default: the active venv's python3, else the venv elasticctl "
-                "runs from if it has torch, else python3 on your PATH)")
+    option(
+        "--python",
+        metavar="PATH",
+        help="the interpreter (default: the active venv's python3, else the venv elasticctl "
+        "runs from if it has torch, else python3 on your PATH)",
+    )
     option("--nodes", type=names, action="extend", metavar="A,B", help="run only on these nodes")
     option("--exclude", type=names, action="extend", metavar="C,D", help="never run on these nodes")
-    option("--join-timeout", type=positive_seconds, metavar="S",
-           help="fail if too few nodes join within S seconds (default: the daemon's)")
-    option("--last-call-timeout", type=seconds, metavar="S",
-           help="after MIN nodes joined, wait S seconds for more before starting "
-                "(default: the daemon's)")
-    option("--exit-barrier-timeout", type=positive_seconds, metavar="S",
-           help="after local success, wait up to S seconds for the other nodes "
-                "(default: the daemon's)")
-    option("--in-place", action="store_true",
-           help="survivors keep their processes when the job re-forms (the script uses "
-                "elasticd.elastic: State, commit, @run); only missing workers are started")
-    option("--rejoin-timeout", type=positive_seconds, metavar="S",
-           help="in place: a survivor that has not asked for its new place S seconds after a "
-                "change is stopped and the job restarts every worker (default 60)")
-    option("--spares", type=integer, metavar="K",
-           help="in place: keep up to K warm workers per node beside the placed ones (in free "
-                "slots), started and parked in elastic.run; a lost worker's place is taken by "
-                "one at once, and a new one warms up (default 0)")
-    option("--priority", type=integer, metavar="N",
-           help="start before jobs of lower priority (default 0); above 0 as far as the "
-                "cluster's config lets you (scheduler.max_priority), below 0 always")
-    option("--account", type=account, metavar="GROUP",
-           help="the group whose fair share and quota the job uses: one you are in "
-                "(default: your primary group)")
-    option("--preemptible", action="store_true",
-           help="the job may be stopped below its MIN nodes for a job ahead of it, and is "
-                "requeued (no restart spent) to resume from its checkpoint")
-    option("--nnodes-step", type=positive_int, metavar="K",
-           help="run on a multiple of K nodes only, so that world sizes keep the batch maths "
-                "valid (default 1)")
+    option(
+        "--join-timeout",
+        type=positive_seconds,
+        metavar="S",
+        help="fail if too few nodes join within S seconds (default: the daemon's)",
+    )
+    option(
+        "--last-call-timeout",
+        type=seconds,
+        metavar="S",
+        help="after MIN nodes joined, wait S seconds for more before starting "
+        "(default: the daemon's)",
+    )
+    option(
+        "--exit-barrier-timeout",
+        type=positive_seconds,
+        metavar="S",
+        help="after local success, wait up to S seconds for the other nodes "
+        "(default: the daemon's)",
+    )
+    option(
+        "--in-place",
+        action="store_true",
+        help="survivors keep their processes when the job re-forms (the script uses "
+        "elasticd.elastic: State, commit, @run); only missing workers are started",
+    )
+    option(
+        "--rejoin-timeout",
+        type=positive_seconds,
+        metavar="S",
+        help="in place: a survivor that has not asked for its new place S seconds after a "
+        "change is stopped and the job restarts every worker (default 60)",
+    )
+    option(
+        "--spares",
+        type=integer,
+        metavar="K",
+        help="in place: keep up to K warm workers per node beside the placed ones (in free "
+        "slots), started and parked in elastic.run; a lost worker's place is taken by "
+        "one at once, and a new one warms up (default 0)",
+    )
+    option(
+        "--priority",
+        type=integer,
+        metavar="N",
+        help="start before jobs of lower priority (default 0); above 0 as far as the "
+        "cluster's config lets you (scheduler.max_priority), below 0 always",
+    )
+    option(
+        "--account",
+        type=account,
+        metavar="GROUP",
+        help="the group whose fair share and quota the job uses: one you are in "
+        "(default: your primary group)",
+    )
+    option(
+        "--preemptible",
+        action="store_true",
+        help="the job may be stopped below its MIN nodes for a job ahead of it, and is "
+        "requeued (no restart spent) to resume from its checkpoint",
+    )
+    option(
+        "--nnodes-step",
+        type=positive_int,
+        metavar="K",
+        help="run on a multiple of K nodes only, so that world sizes keep the batch maths "
+        "valid (default 1)",
+    )
     if following:
         sub.set_defaults(wait=False)
     else:
-        option("--wait", action="store_true",
-               help="follow the job until it ends; exit 0 succeeded, 1 failed, 130 cancelled")
+        option(
+            "--wait",
+            action="store_true",
+            help="follow the job until it ends; exit 0 succeeded, 1 failed, 130 cancelled",
+        )
     torchrun_options = sub.add_argument_group(
-        "torchrun's options", "every torchrun option, in both spellings, also read from PET_* "
-        "as torchrun reads it; each one's treatment under elasticd:")
-    torchrun.add_options(torchrun_options, environ, {
-        "nnodes": nnodes, "nproc_per_node": nproc_per_node, "max_restarts": non_negative_int})
-    sub.add_argument("script", metavar="SCRIPT", nargs="?",
-                     help="the training script (module with -m, executable with --no-python)")
+        "torchrun's options",
+        "every torchrun option, in both spellings, also read from PET_* "
+        "as torchrun reads it; each one's treatment under elasticd:",
+    )
+    torchrun.add_options(
+        torchrun_options,
+        environ,
+        {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "max_restarts": non_negative_int},
+    )
+    sub.add_argument(
+        "script",
+        metavar="SCRIPT",
+        nargs="?",
+        help="the training script (module with -m, executable with --no-python)",
+    )
     if torchrun_rule:
-        sub.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER,
-                         help="passed to the script; put them after '--' to give elasticctl "
-                              "options after SCRIPT")
+        sub.add_argument(
+            "script_args",
+            metavar="ARGS",
+            nargs=argparse.REMAINDER,
+            help="passed to the script; put them after '--' to give elasticctl "
+            "options after SCRIPT",
+        )
     else:
         sub.set_defaults(script_args=[])
 
@@ -230,11 +378,16 @@ torchrun's spellings (--nproc_per_node, --max_restarts, --no_python, ...) work t
 def add_logs_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("job", metavar="JOB")
     sub.add_argument("--rank", "-r", type=non_negative_int, metavar="R", help="only this rank")
-    sub.add_argument("--attempt", type=non_negative_int, metavar="N",
-                     help="only this attempt: the job's rendezvous round (0 = the first run; each "
-                          "restart, scale-up or lost node starts the next; default: all)")
-    sub.add_argument("--follow", "-f", action="store_true",
-                     help="keep printing new output until the job ends")
+    sub.add_argument(
+        "--attempt",
+        type=non_negative_int,
+        metavar="N",
+        help="only this attempt: the job's rendezvous round (0 = the first run; each "
+        "restart, scale-up or lost node starts the next; default: all)",
+    )
+    sub.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing new output until the job ends"
+    )
 
 
 LOGS_FORMAT = """\
@@ -246,6 +399,7 @@ with --json: one JSON object per line, {"rank", "stream", "attempt", "node", "te
 
 
 # -- commands -------------------------------------------------------------------------------
+
 
 def connect(args: argparse.Namespace) -> Client:
     return Client(args.socket or paths.default_socket_path(), reply_timeout(os.environ))
@@ -300,8 +454,13 @@ def follow_job(args: argparse.Namespace, docs: Iterable[dict[str, Any]]) -> int:
     except KeyboardInterrupt:
         progress.close()
         if job is not None:
-            print(render.clean(f"stopped following; job {job.get('id')} goes on "
-                               f"(elasticctl cancel {job.get('id')} stops it)"), file=sys.stderr)
+            print(
+                render.clean(
+                    f"stopped following; job {job.get('id')} goes on "
+                    f"(elasticctl cancel {job.get('id')} stops it)"
+                ),
+                file=sys.stderr,
+            )
         return INTERRUPTED
     progress.close()
     return job_exit_status(args, job)
@@ -366,7 +525,10 @@ def cancel_followed(args: argparse.Namespace, job_id: str) -> int:
             job = daemon.call("cancel", {"job": job_id})
         print(render.clean(f"{prog(args)}: {render.cancelled_line(job, job_id)}"), file=sys.stderr)
     except ClientError as exc:
-        print(render.clean(f"{prog(args)}: could not cancel job {job_id}: {exc.message}"), file=sys.stderr)
+        print(
+            render.clean(f"{prog(args)}: could not cancel job {job_id}: {exc.message}"),
+            file=sys.stderr,
+        )
     return INTERRUPTED
 
 
@@ -447,8 +609,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             emit(args, result, lambda: render.nodes_table(items(result, "nodes"), time.time()))
             return 0
         for result in daemon.stream("nodes", {"watch": True}):
-            print(json.dumps(result) if args.json else
-                  render.nodes_table(items(result, "nodes"), time.time()) + "\n", flush=True)
+            print(
+                json.dumps(result)
+                if args.json
+                else render.nodes_table(items(result, "nodes"), time.time()) + "\n",
+                flush=True,
+            )
     return 0
 
 
@@ -486,12 +652,22 @@ def cmd_version(args: argparse.Namespace) -> int:
             theirs = daemon.call("version")
     except Unavailable as exc:
         if args.json:
-            print(json.dumps({"elasticctl": __version__, "elasticd": None,
-                              **error_doc(exc.code, exc.message)}))
+            print(
+                json.dumps(
+                    {
+                        "elasticctl": __version__,
+                        "elasticd": None,
+                        **error_doc(exc.code, exc.message),
+                    }
+                )
+            )
         print(render.clean(exc.message), file=sys.stderr)
         return 2
-    emit(args, {"elasticctl": __version__, "elasticd": theirs},
-         lambda: render.daemon_version_line(theirs))
+    emit(
+        args,
+        {"elasticctl": __version__, "elasticd": theirs},
+        lambda: render.daemon_version_line(theirs),
+    )
     return 0
 
 
@@ -501,6 +677,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
     if args.shell is None:
         raise UsageError("completion: SHELL is required (bash or zsh)")
     from elasticctl import completion  # only here: every other command starts without it
+
     print(completion.script(args.shell, completion.describe(build_parser({}))), end="")
     return 0
 
@@ -518,8 +695,11 @@ def completion_words(args: argparse.Namespace) -> int:
                 found = [node.get("name") for node in items(daemon.call("nodes"), "nodes")]
             else:
                 jobs = list_jobs(daemon, args.words == "all-jobs")
-                found = [job.get("id") for job in jobs
-                         if args.words == "all-jobs" or job.get("state") not in render.TERMINAL]
+                found = [
+                    job.get("id")
+                    for job in jobs
+                    if args.words == "all-jobs" or job.get("state") not in render.TERMINAL
+                ]
     except (ClientError, OSError):
         return 0
     words = [word for word in found if isinstance(word, str) and re.fullmatch(r"[\w.:@+-]+", word)]
@@ -536,6 +716,7 @@ def items(result: Any, key: str) -> list[Any]:
 
 # -- entry point ----------------------------------------------------------------------------
 
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -550,9 +731,13 @@ def elasticrun(argv: Sequence[str] | None = None) -> int:
     """``elasticrun``: a torchrun command line, verbatim, run as a job of the local daemon
     (``elasticctl run`` with torchrun's defaults: no restarts unless asked for)."""
     try:
-        parser = argparse.ArgumentParser(prog="elasticrun", description=ELASTICRUN_HELP, usage=JOB_USAGE,
-                                         allow_abbrev=False,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = argparse.ArgumentParser(
+            prog="elasticrun",
+            description=ELASTICRUN_HELP,
+            usage=JOB_USAGE,
+            allow_abbrev=False,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         add_common_options(parser, default=None)
         add_submit_options(parser, os.environ, torchrun_rule=True, following=True)
         parser.set_defaults(handler=cmd_run, command="run", command_parser=parser)
@@ -592,8 +777,9 @@ def dispatch(args: argparse.Namespace) -> int:
         return 1
 
 
-def fail(args: argparse.Namespace, code: str, message: str, status: int,
-         prefix: str = "elasticctl: ") -> int:
+def fail(
+    args: argparse.Namespace, code: str, message: str, status: int, prefix: str = "elasticctl: "
+) -> int:
     print(prefix + render.clean(message), file=sys.stderr)
     if args.json:
         print(json.dumps(error_doc(code, message)))

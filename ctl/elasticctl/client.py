@@ -54,8 +54,9 @@ class NotRunning(Unavailable):
     code = "not_running"
 
     def __init__(self, path: str) -> None:
-        super().__init__(f"elasticd is not running (no control socket at {path}); "
-                         + paths.REACH_ELSEWHERE)
+        super().__init__(
+            f"elasticd is not running (no control socket at {path}); " + paths.REACH_ELSEWHERE
+        )
 
 
 class NoReply(Unavailable):
@@ -114,12 +115,17 @@ class Client:
         try:
             frame = protocol.encode_request(request)
         except UnicodeEncodeError as exc:
-            bad = exc.object[exc.start:exc.end].encode("utf-8", "surrogateescape")
-            raise ClientError(f"the {op} request holds text that is not UTF-8 (bytes {bad!r}); "
-                              "the control protocol carries UTF-8 only", protocol.E_BAD_REQUEST) from None
+            bad = exc.object[exc.start : exc.end].encode("utf-8", "surrogateescape")
+            raise ClientError(
+                f"the {op} request holds text that is not UTF-8 (bytes {bad!r}); "
+                "the control protocol carries UTF-8 only",
+                protocol.E_BAD_REQUEST,
+            ) from None
         if len(frame) > protocol.MAX_FRAME:
-            raise RequestTooLarge(f"the {op} request is {len(frame)} bytes, over the "
-                                  f"{protocol.MAX_FRAME}-byte limit of the control protocol")
+            raise RequestTooLarge(
+                f"the {op} request is {len(frame)} bytes, over the "
+                f"{protocol.MAX_FRAME}-byte limit of the control protocol"
+            )
         self._sock.settimeout(self.timeout)
         try:
             self._sock.sendall(protocol.framed(frame))
@@ -154,8 +160,10 @@ class Client:
             self._wakeup.drain()  # the signal's handler runs as this returns
             return
         if not readable:
-            raise NoReply(f"elasticd did not answer within {timeout:g} s "
-                          f"(socket {self.path}; ELASTICCTL_TIMEOUT sets the limit)")
+            raise NoReply(
+                f"elasticd did not answer within {timeout:g} s "
+                f"(socket {self.path}; ELASTICCTL_TIMEOUT sets the limit)"
+            )
         try:
             data = self._sock.recv(_RECEIVE)
         except BlockingIOError:
@@ -180,8 +188,11 @@ def _connect(path: str) -> socket.socket:
     as it may be for a moment while somebody floods it; a non-blocking one would fail."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     seconds = int(CONNECT_TIMEOUT)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                    struct.pack("ll", seconds, int((CONNECT_TIMEOUT - seconds) * 1e6)))
+    sock.setsockopt(
+        socket.SOL_SOCKET,
+        socket.SO_SNDTIMEO,
+        struct.pack("ll", seconds, int((CONNECT_TIMEOUT - seconds) * 1e6)),
+    )
     try:
         sock.connect(path)
     except (FileNotFoundError, ConnectionRefusedError):

@@ -56,6 +56,7 @@ class CommandLine:
 
 # -- the parser, described ------------------------------------------------------------------
 
+
 def describe(parser: argparse.ArgumentParser) -> CommandLine:
     """argparse has no public way to read a parser back: this reads its actions."""
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -65,8 +66,10 @@ def describe(parser: argparse.ArgumentParser) -> CommandLine:
     for name, sub in subparsers.choices.items():
         names.setdefault(id(sub), []).append(name)
         parsers[id(sub)] = sub
-    commands = tuple(_command(tuple(given), helps.get(given[0], ""), parsers[key])
-                     for key, given in names.items())
+    commands = tuple(
+        _command(tuple(given), helps.get(given[0], ""), parsers[key])
+        for key, given in names.items()
+    )
     return CommandLine(options(parser), commands)
 
 
@@ -106,11 +109,13 @@ def _option(action: argparse.Action, shown: bool = True, extra: tuple[str, ...] 
     underscored = {s for s in strings if "_" in s and s.replace("_", "-") in strings}
     names = tuple(s for s in strings if s not in underscored) if shown else ()
     aliases = tuple(s for s in strings if s not in names) + extra
-    repeatable = isinstance(action, (argparse._AppendAction, argparse._ExtendAction,
-                                     argparse._CountAction))
+    repeatable = isinstance(
+        action, (argparse._AppendAction, argparse._ExtendAction, argparse._CountAction)
+    )
     metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
-    return Option(names, aliases, one_line(action.help if shown else ""), _value(action),
-                  metavar, repeatable)
+    return Option(
+        names, aliases, one_line(action.help if shown else ""), _value(action), metavar, repeatable
+    )
 
 
 def _value(action: argparse.Action) -> str | None:
@@ -139,29 +144,47 @@ def script(shell: str, line: CommandLine) -> str:
 
 # -- bash -----------------------------------------------------------------------------------
 
+
 def bash(line: CommandLine) -> str:
     """A bash completion script: the tables, generated; the function that reads them, fixed."""
     offered = {PROGRAM: _offered(line.options)}  # keyed by the command, or PROGRAM before one
-    values = {f"{PROGRAM} {name}": o.value for o in line.options for name in o.names + o.aliases
-              if o.value is not None}
+    values = {
+        f"{PROGRAM} {name}": o.value
+        for o in line.options
+        for name in o.names + o.aliases
+        if o.value is not None
+    }
     operands, remainders = {}, []
     for command in line.commands:
         for name in command.names:
             offered[name] = _offered(command.options)
-            values.update({f"{name} {option}": o.value for o in command.options
-                           for option in o.names + o.aliases if o.value is not None})
+            values.update(
+                {
+                    f"{name} {option}": o.value
+                    for o in command.options
+                    for option in o.names + o.aliases
+                    if o.value is not None
+                }
+            )
             if command.operand:
                 operands[name] = command.operand
             if command.remainder:
                 remainders.append(name)
     commands = " ".join(name for command in line.commands for name in command.names)
-    return BASH_HEAD + "\n".join([
-        f"_elasticctl_commands={shlex.quote(commands)}",
-        _bash_table("_elasticctl_options", offered),
-        _bash_table("_elasticctl_values", values),
-        _bash_table("_elasticctl_operands", operands),
-        _bash_table("_elasticctl_remainder", {name: "1" for name in remainders}),
-    ]) + "\n" + BASH_BODY
+    return (
+        BASH_HEAD
+        + "\n".join(
+            [
+                f"_elasticctl_commands={shlex.quote(commands)}",
+                _bash_table("_elasticctl_options", offered),
+                _bash_table("_elasticctl_values", values),
+                _bash_table("_elasticctl_operands", operands),
+                _bash_table("_elasticctl_remainder", {name: "1" for name in remainders}),
+            ]
+        )
+        + "\n"
+        + BASH_BODY
+    )
 
 
 def _offered(options: tuple[Option, ...]) -> str:
@@ -169,7 +192,9 @@ def _offered(options: tuple[Option, ...]) -> str:
 
 
 def _bash_table(name: str, table: dict[str, str]) -> str:
-    rows = "".join(f"\n    [{shlex.quote(key)}]={shlex.quote(value)}" for key, value in table.items())
+    rows = "".join(
+        f"\n    [{shlex.quote(key)}]={shlex.quote(value)}" for key, value in table.items()
+    )
     return f"declare -gA {name}=({rows}\n)"
 
 
@@ -255,10 +280,14 @@ complete -F _elasticctl elasticctl
 
 # -- zsh ------------------------------------------------------------------------------------
 
+
 def zsh(line: CommandLine) -> str:
     """A zsh completion function (#compdef): _arguments specs for every command."""
-    described = "\n".join(f"        {_zq(_escape_colon(name) + ':' + _alias_help(command, name))}"
-                          for command in line.commands for name in command.names)
+    described = "\n".join(
+        f"        {_zq(_escape_colon(name) + ':' + _alias_help(command, name))}"
+        for command in line.commands
+        for name in command.names
+    )
     cases = "\n".join(_zsh_case(command) for command in line.commands)
     return ZSH.format(globals=_zsh_specs(line.options, indent=4), commands=described, cases=cases)
 
@@ -275,8 +304,10 @@ def _zsh_case(command: Command) -> str:
     if command.remainder:
         specs += f" \\\n            {_zq('*::script argument:_files')}"
     flags = "-S -A '-*' " if command.remainder else "-S "
-    return (f"        ({'|'.join(command.names)})\n"
-            f"            _arguments {flags}: \\\n            {specs.lstrip()} && ret=0 ;;")
+    return (
+        f"        ({'|'.join(command.names)})\n"
+        f"            _arguments {flags}: \\\n            {specs.lstrip()} && ret=0 ;;"
+    )
 
 
 def _zsh_specs(options: tuple[Option, ...], indent: int) -> str:
@@ -295,7 +326,7 @@ def _zsh_option(option: Option) -> list[str]:
         hidden = "" if name in option.names else "!"  # understood, not offered
         spec = f"{hidden}{exclusion}{name}"
         if option.value is not None:
-            spec += ("=" if name.startswith("--") else "+")
+            spec += "=" if name.startswith("--") else "+"
         spec += f"[{_escape_help(option.help)}]"
         if option.value is not None:
             spec += f":{_escape_colon(option.metavar)}:{_zsh_action(option.value)}"

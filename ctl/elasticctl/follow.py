@@ -46,8 +46,9 @@ class Console:
     """Where each output line goes, by the plan (torchrun's --redirects, --tee,
     --local-ranks-filter and --log-dir).  A line comes without its newline."""
 
-    def __init__(self, job_id: str, plan: Output, places: RankPlaces,
-                 out: TextIO, err: TextIO) -> None:
+    def __init__(
+        self, job_id: str, plan: Output, places: RankPlaces, out: TextIO, err: TextIO
+    ) -> None:
         self._job_id, self._plan, self._places = job_id, plan, places
         self._streams = {"out": out, "err": err}
         self._copies: dict[tuple[int, int, str], TextIO] = {}
@@ -80,11 +81,14 @@ class Console:
         directory per global rank: the local rank on a one-node job, as torchrun names it)."""
         key = (attempt, rank, stream)
         if key not in self._copies:
-            directory = os.path.join(self._plan.log_dir or ".", self._job_id, f"attempt_{attempt}", str(rank))
+            directory = os.path.join(
+                self._plan.log_dir or ".", self._job_id, f"attempt_{attempt}", str(rank)
+            )
             os.makedirs(directory, exist_ok=True)
             name = "stderr.log" if stream == "err" else "stdout.log"
-            self._copies[key] = open(os.path.join(directory, name), "a", encoding="utf-8",
-                                     errors="surrogateescape")
+            self._copies[key] = open(
+                os.path.join(directory, name), "a", encoding="utf-8", errors="surrogateescape"
+            )
         return self._copies[key]
 
 
@@ -106,8 +110,11 @@ def stderr_tail(connect: Callable[[], Client], job: Doc, lines: int = TAIL_LINES
     tail: list[str] = []
     with connect() as daemon:
         for result in daemon.stream("logs", request):
-            tail.extend(str(line.get("text", "")).rstrip("\n") for line in _lines(result)
-                        if line.get("stream") == "err")
+            tail.extend(
+                str(line.get("text", "")).rstrip("\n")
+                for line in _lines(result)
+                if line.get("stream") == "err"
+            )
             del tail[:-lines]
     return tail
 

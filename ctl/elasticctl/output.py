@@ -33,7 +33,7 @@ class ProgressLine:
         if line == self._shown:
             return
         if self._width:
-            self._out.write("\r\x1b[K" + line[:self._width - 1])
+            self._out.write("\r\x1b[K" + line[: self._width - 1])
         else:
             self._out.write(line + "\n")
         self._out.flush()

@@ -35,6 +35,7 @@ _NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
 
 # -- building blocks ------------------------------------------------------------------------
 
+
 def clean(value: str, *, keep_tabs: bool = False) -> str:
     """``value`` safe to print on a terminal and still readable: control characters, bidi
     controls and lone surrogates become visible escapes (``\\n``, ``\\x1b``, ``\\u202e``);
@@ -54,8 +55,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """Columns aligned on the widest cell, two spaces apart, no trailing blanks."""
     cells = [list(headers)] + [[text(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-                     for row in cells)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells
+    )
 
 
 def text(value: Any) -> str:
@@ -103,6 +105,7 @@ def fraction(part: Any, whole: Any) -> str:
 
 # -- jobs -----------------------------------------------------------------------------------
 
+
 def node_count(nnodes: Any) -> str:
     """'2:4' -> '2..4 nodes', '1:1' -> '1 node', '3' -> '3 nodes'."""
     low, _, high = str(nnodes).partition(":")
@@ -124,7 +127,11 @@ def workers_up(job: Doc) -> str:
     total = job.get("world_size") or job.get("workers_total") or len(workers)
     if not total:
         return NONE
-    up = job["workers_up"] if "workers_up" in job else sum(w.get("state") in WORKER_UP for w in workers)
+    up = (
+        job["workers_up"]
+        if "workers_up" in job
+        else sum(w.get("state") in WORKER_UP for w in workers)
+    )
     return fraction(up, total)
 
 
@@ -165,7 +172,9 @@ def error_summary(error: Doc | None) -> str | None:
     if not error:
         return None
     rank, node, code = error.get("rank"), error.get("node"), error.get("exit_code")
-    place = " ".join(filter(None, (rank is not None and f"rank {rank}", node and f"on node {node}")))
+    place = " ".join(
+        filter(None, (rank is not None and f"rank {rank}", node and f"on node {node}"))
+    )
     detail = ", ".join(filter(None, (place, code is not None and f"exit code {code}")))
     return clean(f"error: {text(error.get('message'))}" + (f" ({detail})" if detail else ""))
 
@@ -176,14 +185,18 @@ def failure_report(job: Doc, stderr_tail: Sequence[str]) -> str:
     error = job.get("error") or {}
     rule, thin = "=" * 60, "-" * 60
     rank = error.get("rank")
-    lines = [rule, f"{text(job.get('name') or job.get('id'))} FAILED (job {text(job.get('id'))})",
-             thin, "Root Cause (first observed failure):",
-             f"  time      : {local_time(error.get('timestamp') or job.get('ended'))}",
-             f"  node      : {text(error.get('node'))}",
-             f"  rank      : {text(rank)}" + (f" (local_rank: {error['local_rank']})"
-                                                if error.get("local_rank") is not None else ""),
-             f"  exitcode  : {exit_code_text(error.get('exit_code'))}",
-             f"  error     : {text(error.get('message'))}"]
+    lines = [
+        rule,
+        f"{text(job.get('name') or job.get('id'))} FAILED (job {text(job.get('id'))})",
+        thin,
+        "Root Cause (first observed failure):",
+        f"  time      : {local_time(error.get('timestamp') or job.get('ended'))}",
+        f"  node      : {text(error.get('node'))}",
+        f"  rank      : {text(rank)}"
+        + (f" (local_rank: {error['local_rank']})" if error.get("local_rank") is not None else ""),
+        f"  exitcode  : {exit_code_text(error.get('exit_code'))}",
+        f"  error     : {text(error.get('message'))}",
+    ]
     traceback = str(error.get("traceback") or "").rstrip("\n")
     if traceback:
         lines += ["  traceback :"] + ["    " + clean(line) for line in traceback.split("\n")]
@@ -229,11 +242,23 @@ def job_state(job: Doc) -> Any:
 
 def jobs_table(jobs: Iterable[Doc], now: float) -> str:
     headers = ("ID", "NAME", "USER", "STATE", "NODES", "ALLOC", "WORKERS", "RESTARTS", "AGE/ENDED")
-    return table(headers, ([job.get("id"), job.get("name"), job.get("user"), job_state(job),
-                            f"{node_total(job)} ({text(job.get('nnodes'))})", allocation(job),
-                            workers_up(job),
-                            fraction(job.get("restarts"), job.get("max_restarts")),
-                            job_age(job, now)] for job in jobs))
+    return table(
+        headers,
+        (
+            [
+                job.get("id"),
+                job.get("name"),
+                job.get("user"),
+                job_state(job),
+                f"{node_total(job)} ({text(job.get('nnodes'))})",
+                allocation(job),
+                workers_up(job),
+                fraction(job.get("restarts"), job.get("max_restarts")),
+                job_age(job, now),
+            ]
+            for job in jobs
+        ),
+    )
 
 
 def allocation(job: Doc) -> str:
@@ -258,12 +283,25 @@ No start time is estimated: jobs have no time limit to estimate one from."""
 def queue_table(result: Doc, now: float) -> str:
     jobs = list(result.get("jobs") or []) if isinstance(result, Mapping) else []
     headers = ("#", "ID", "NAME", "USER", "ACCOUNT", "PRIO", "NODES", "REASON", "WAITED")
-    rows = ([job.get("position"), job.get("id"), job.get("name"), job.get("user"), job.get("account") or NONE,
-             job.get("priority"), node_count(job.get("nnodes")),
-             text(job.get("reason") or NONE) + (" (preempted)" if job.get("preempted") else ""),
-             NONE if job.get("submitted") is None else duration(now - job["submitted"])] for job in jobs)
-    head = "" if result.get("scheduler") else \
-        "no schedule (the scheduler is off, or not heard from yet): open jobs no node runs, first come first\n"
+    rows = (
+        [
+            job.get("position"),
+            job.get("id"),
+            job.get("name"),
+            job.get("user"),
+            job.get("account") or NONE,
+            job.get("priority"),
+            node_count(job.get("nnodes")),
+            text(job.get("reason") or NONE) + (" (preempted)" if job.get("preempted") else ""),
+            NONE if job.get("submitted") is None else duration(now - job["submitted"]),
+        ]
+        for job in jobs
+    )
+    head = (
+        ""
+        if result.get("scheduler")
+        else "no schedule (the scheduler is off, or not heard from yet): open jobs no node runs, first come first\n"
+    )
     return head + (table(headers, rows) if jobs else "no job waits")
 
 
@@ -271,19 +309,26 @@ def status_block(job: Doc, now: float) -> str:
     """Everything about one job: fields, root-cause error, exit barrier, nodes, workers."""
     user = text(job.get("user")) + (f" (uid {job['uid']})" if job.get("uid") is not None else "")
     fields = [
-        ("id", job.get("id")), ("name", job.get("name")), ("user", user),
-        ("state", job_state(job)), *([("held", job["held"])] if job.get("held") else []),
+        ("id", job.get("id")),
+        ("name", job.get("name")),
+        ("user", user),
+        ("state", job_state(job)),
+        *([("held", job["held"])] if job.get("held") else []),
         ("command", command_text(job)),
         ("python", job.get("python") if job.get("kind") != "exec" else None),
-        ("workdir", job.get("workdir")), ("nnodes", job.get("nnodes")),
-        ("nproc", job.get("nproc_per_node")), ("role", job.get("role")),
+        ("workdir", job.get("workdir")),
+        ("nnodes", job.get("nnodes")),
+        ("nproc", job.get("nproc_per_node")),
+        ("role", job.get("role")),
         *([("master port", job["master_port"])] if job.get("master_port") else []),
         *sharing_fields(job),
         ("world size", job.get("world_size")),
         *([("spares", spares_line(job))] if job.get("spares") else []),
         ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),
-        ("round", job.get("round")), ("created", local_time(job.get("created"))),
-        ("started", local_time(job.get("started"))), ("ended", local_time(job.get("ended"))),
+        ("round", job.get("round")),
+        ("created", local_time(job.get("created"))),
+        ("started", local_time(job.get("started"))),
+        ("ended", local_time(job.get("ended"))),
         ("exit code", job.get("exit_code")),
     ]
     barrier = barrier_progress(job.get("barrier"), now)
@@ -343,18 +388,30 @@ def _error_lines(error: Doc | None, *, hidden: bool = False) -> list[str]:
     traceback = (error or {}).get("traceback")
     if traceback:
         lines.append("traceback:")
-        lines += ["    " + clean(line)
-                  for line in str(traceback).replace("\r\n", "\n").rstrip("\n").split("\n")]
+        lines += [
+            "    " + clean(line)
+            for line in str(traceback).replace("\r\n", "\n").rstrip("\n").split("\n")
+        ]
     return lines
 
 
 def nodes_of_job_table(parts: Iterable[Doc]) -> str:
     """Each node's part of a job: which group rank, which global ranks, in what state, and
     what its processes there used."""
-    return table(("NODE", "GROUP RANK", "RANKS", "STATE", "CPU", "MEM PEAK"),
-                 ([p.get("node"), p.get("group_rank"), ranks(p.get("ranks") or []), p.get("state"),
-                   cpu_time((p.get("usage") or {}).get("cpu_seconds")),
-                   size((p.get("usage") or {}).get("memory_peak"))] for p in parts))
+    return table(
+        ("NODE", "GROUP RANK", "RANKS", "STATE", "CPU", "MEM PEAK"),
+        (
+            [
+                p.get("node"),
+                p.get("group_rank"),
+                ranks(p.get("ranks") or []),
+                p.get("state"),
+                cpu_time((p.get("usage") or {}).get("cpu_seconds")),
+                size((p.get("usage") or {}).get("memory_peak")),
+            ]
+            for p in parts
+        ),
+    )
 
 
 def usage_line(usage: Doc) -> str:
@@ -390,25 +447,62 @@ def size(nbytes: Any) -> str:
 
 
 def workers_table(workers: Iterable[Doc]) -> str:
-    return table(("RANK", "LOCAL", "NODE", "PID", "STATE", "EXIT"),
-                 ([w.get("rank"), w.get("local_rank"), w.get("node"), w.get("pid"),
-                   w.get("state"), w.get("exit_code")] for w in workers))
+    return table(
+        ("RANK", "LOCAL", "NODE", "PID", "STATE", "EXIT"),
+        (
+            [
+                w.get("rank"),
+                w.get("local_rank"),
+                w.get("node"),
+                w.get("pid"),
+                w.get("state"),
+                w.get("exit_code"),
+            ]
+            for w in workers
+        ),
+    )
 
 
 # -- usage ----------------------------------------------------------------------------------
+
 
 def usage_tables(doc: Doc) -> str:
     """The window, then a table per user and one per account: node-, slot- and GPU-hours
     and jobs."""
     since, retention = doc.get("since"), doc.get("retention")
-    start = local_time(since) if _number(since) else "the oldest job known" + (
-        f" (ended jobs are kept {duration(retention)})" if _number(retention) and retention > 0 else "")
-    lines = [clean(f"usage from {start} to {local_time(doc['until']) if _number(doc.get('until')) else NONE}")]
+    start = (
+        local_time(since)
+        if _number(since)
+        else "the oldest job known"
+        + (
+            f" (ended jobs are kept {duration(retention)})"
+            if _number(retention) and retention > 0
+            else ""
+        )
+    )
+    lines = [
+        clean(
+            f"usage from {start} to {local_time(doc['until']) if _number(doc.get('until')) else NONE}"
+        )
+    ]
     for by in ("user", "account"):
         rows = [r for r in doc.get(f"{by}s") or [] if isinstance(r, Mapping)]
-        lines += ["", table((by.upper(), "NODE-HOURS", "SLOT-HOURS", "GPU-HOURS", "JOBS"),
-                            ([r.get(by), hours(r.get("node_seconds")), hours(r.get("slot_seconds")),
-                              hours(r.get("gpu_seconds")), r.get("jobs")] for r in rows))]
+        lines += [
+            "",
+            table(
+                (by.upper(), "NODE-HOURS", "SLOT-HOURS", "GPU-HOURS", "JOBS"),
+                (
+                    [
+                        r.get(by),
+                        hours(r.get("node_seconds")),
+                        hours(r.get("slot_seconds")),
+                        hours(r.get("gpu_seconds")),
+                        r.get("jobs"),
+                    ]
+                    for r in rows
+                ),
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -425,20 +519,44 @@ def _number(value: Any) -> bool:
 
 # -- nodes and logs -------------------------------------------------------------------------
 
+
 def nodes_table(nodes: Iterable[Doc], now: float) -> str:
     """The nodes, then one line for each thing a node cannot bound of a job (why, and what
     it does instead)."""
     nodes = list(nodes)
-    headers = ("NAME", "ADDRESS", "STATE", "SLOTS", "GPUS", "JOBS", "LAST SEEN", "CGROUP",
-               "PIDS", "MEMORY")
-    lines = table(headers, ([n.get("name"), n.get("address"), node_state(n, now),
-                             fraction(n.get("slots_free"), n.get("slots_total")),
-                             fraction(n.get("gpus_free"), n.get("gpus_total")),
-                             ",".join(n.get("jobs") or []) or None,
-                             ago(n.get("last_seen"), now), *containment_cells(n.get("containment"))]
-                            for n in nodes))
-    notes = [clean(f"{text(n.get('name'))}: {note}") for n in nodes
-             for note in [*_gpu_notes(n), *_notes(n.get("containment"))]]
+    headers = (
+        "NAME",
+        "ADDRESS",
+        "STATE",
+        "SLOTS",
+        "GPUS",
+        "JOBS",
+        "LAST SEEN",
+        "CGROUP",
+        "PIDS",
+        "MEMORY",
+    )
+    lines = table(
+        headers,
+        (
+            [
+                n.get("name"),
+                n.get("address"),
+                node_state(n, now),
+                fraction(n.get("slots_free"), n.get("slots_total")),
+                fraction(n.get("gpus_free"), n.get("gpus_total")),
+                ",".join(n.get("jobs") or []) or None,
+                ago(n.get("last_seen"), now),
+                *containment_cells(n.get("containment")),
+            ]
+            for n in nodes
+        ),
+    )
+    notes = [
+        clean(f"{text(n.get('name'))}: {note}")
+        for n in nodes
+        for note in [*_gpu_notes(n), *_notes(n.get("containment"))]
+    ]
     return "\n".join([lines, "", *notes]) if notes else lines
 
 
@@ -464,14 +582,18 @@ def _gpu_notes(node: Doc) -> list[str]:
     if not isinstance(out, Mapping) or not out:
         return []
     offered = node.get("gpus_total")
-    whole = offered + len(out) if isinstance(offered, int) and not isinstance(offered, bool) else None
+    whole = (
+        offered + len(out) if isinstance(offered, int) and not isinstance(offered, bool) else None
+    )
     why = ", ".join(f"gpu {text(index)}: {text(reason)}" for index, reason in out.items())
     return [f"gpus {text(offered)}/{text(whole)}, {why}"]
 
 
 def _notes(containment: Any) -> list[str]:
     notes = containment.get("missing") if isinstance(containment, Mapping) else None
-    return [text(note) for note in notes if isinstance(note, str)] if isinstance(notes, list) else []
+    return (
+        [text(note) for note in notes if isinstance(note, str)] if isinstance(notes, list) else []
+    )
 
 
 def node_state(node: Doc, now: float) -> str | None:
@@ -479,8 +601,12 @@ def node_state(node: Doc, now: float) -> str | None:
     listed)' for a node that the discovery script does not list."""
     state = node.get("state")
     until = node.get("blacklisted_until")
-    if state == "blacklisted" and isinstance(until, (int, float)) and not isinstance(until, bool) \
-            and math.isfinite(until):
+    if (
+        state == "blacklisted"
+        and isinstance(until, (int, float))
+        and not isinstance(until, bool)
+        and math.isfinite(until)
+    ):
         return f"{state} ({duration(until - now)} left)"
     if state in ("draining", "drained") and node.get("listed") is False:
         return f"{state} (not listed)"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from elasticctl import render
 from elasticctl.client import Client
@@ -30,14 +31,21 @@ def add_queue(command: Command, connect: Connect) -> None:
         emit(args, result, lambda: render.queue_table(result, time.time()))
         return 0
 
-    command("queue", cmd_queue, "list waiting jobs in start order, and why each waits",
-            epilog=render.QUEUE_REASONS)
+    command(
+        "queue",
+        cmd_queue,
+        "list waiting jobs in start order, and why each waits",
+        epilog=render.QUEUE_REASONS,
+    )
 
 
 def add_usage(command: Command, connect: Connect) -> None:
     def cmd_usage(args: argparse.Namespace) -> int:
-        request: dict[str, Any] = {name: value for name in ("user", "account", "since", "until")
-                                   if (value := getattr(args, name)) is not None}
+        request: dict[str, Any] = {
+            name: value
+            for name in ("user", "account", "since", "until")
+            if (value := getattr(args, name)) is not None
+        }
         if request.get("since", -math.inf) >= min(request.get("until", math.inf), time.time()):
             raise UsageError("--since must be before --until and now")
         with connect(args) as daemon:
@@ -45,8 +53,12 @@ def add_usage(command: Command, connect: Connect) -> None:
         emit(args, result, lambda: render.usage_tables(result))
         return 0
 
-    usage = command("usage", cmd_usage, "node-, slot- and GPU-hours per user and account", USAGE_HELP)
+    usage = command(
+        "usage", cmd_usage, "node-, slot- and GPU-hours per user and account", USAGE_HELP
+    )
     usage.add_argument("--user", metavar="U", help="only U's jobs")
     usage.add_argument("--account", metavar="A", help="only jobs charged to account A")
-    usage.add_argument("--since", type=when, metavar="T", help="from T: 2024-05-01[T13:30], or 7d, 12h ago")
+    usage.add_argument(
+        "--since", type=when, metavar="T", help="from T: 2024-05-01[T13:30], or 7d, 12h ago"
+    )
     usage.add_argument("--until", type=when, metavar="T", help="up to T (default: now)")

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from elasticd.wire import protocol
 from elasticctl import torchrun
 from elasticctl.client import ClientError
+from elasticd.wire import protocol
 
 
 class UsageError(Exception):
@@ -23,6 +23,7 @@ class UsageError(Exception):
 
 
 # -- argument types (each raises ArgumentTypeError, which argparse reports as usage) ---------
+
 
 def nnodes(value: str) -> str:
     """'N' or 'MIN:MAX' with 1 <= MIN <= MAX; sent to the daemon as typed."""
@@ -107,14 +108,19 @@ def env_pair(value: str) -> tuple[str, str]:
 SCRIPTS_OWN = frozenset({"-h", "--help"})  # after SCRIPT, help is the script's (torchrun's rule)
 
 
-def own_options_after_script(parser: argparse.ArgumentParser,
-                             script_args: Sequence[str]) -> tuple[list[str], list[str]]:
+def own_options_after_script(
+    parser: argparse.ArgumentParser, script_args: Sequence[str]
+) -> tuple[list[str], list[str]]:
     """Split the arguments after SCRIPT into ``parser``'s own options (each with its value:
     ``--opt V`` or ``--opt=V``; a missing V is named by its metavar) and the rest, the
     script's.  Names match exactly: a script's
     ``--nproc`` is not elasticctl's ``--nproc-per-node``."""
-    actions = {name: action for action in parser._actions for name in action.option_strings
-               if name not in SCRIPTS_OWN}
+    actions = {
+        name: action
+        for action in parser._actions
+        for name in action.option_strings
+        if name not in SCRIPTS_OWN
+    }
     ours: list[str] = []
     theirs: list[str] = []
     index = 0
@@ -123,7 +129,7 @@ def own_options_after_script(parser: argparse.ArgumentParser,
         name, equals, _ = arg.partition("=") if arg.startswith("--") else (arg, "", "")
         action = actions.get(name)
         width = 1 if action is None or equals or action.nargs == 0 else 2
-        taken = list(script_args[index:index + width])
+        taken = list(script_args[index : index + width])
         if action is not None and len(taken) < width:  # its value missing: name what goes there
             taken.append(str(action.metavar or action.dest.upper()))
         (theirs if action is None else ours).extend(taken)
@@ -131,26 +137,46 @@ def own_options_after_script(parser: argparse.ArgumentParser,
     return ours, theirs
 
 
-def misplaced_options_message(argv: Sequence[str], script_args: Sequence[str], ours: Sequence[str],
-                              theirs: Sequence[str], prog: str = "elasticctl") -> str:
+def misplaced_options_message(
+    argv: Sequence[str],
+    script_args: Sequence[str],
+    ours: Sequence[str],
+    theirs: Sequence[str],
+    prog: str = "elasticctl",
+) -> str:
     """The refusal of elasticctl options written after SCRIPT, with both command lines the user
     may have meant.  ``argv`` ends with SCRIPT and ``script_args``."""
-    before = list(argv[:len(argv) - len(script_args)])  # ... SCRIPT
+    before = list(argv[: len(argv) - len(script_args)])  # ... SCRIPT
     moved = shlex.join([prog, *before[:-1], *ours, before[-1], *theirs])
     passed = shlex.join([prog, *before, "--", *script_args])
-    return (f"{shlex.join(ours)} after the script would be the script's own arguments, not "
-            f"elasticctl's options.\nPut elasticctl's options before the script:\n  {moved}\n"
-            f"or, to pass them to the script unchanged, put '--' before them:\n  {passed}")
+    return (
+        f"{shlex.join(ours)} after the script would be the script's own arguments, not "
+        f"elasticctl's options.\nPut elasticctl's options before the script:\n  {moved}\n"
+        f"or, to pass them to the script unchanged, put '--' before them:\n  {passed}"
+    )
 
 
 # -- requests -------------------------------------------------------------------------------
 
-OPTIONAL_SUBMIT_ARGS = ("max_restarts", "name", "nodes", "exclude", "join_timeout",
-                        "last_call_timeout", "exit_barrier_timeout", "rejoin_timeout",
-                        "priority", "account", "nnodes_step", "spares")
+OPTIONAL_SUBMIT_ARGS = (
+    "max_restarts",
+    "name",
+    "nodes",
+    "exclude",
+    "join_timeout",
+    "last_call_timeout",
+    "exit_barrier_timeout",
+    "rejoin_timeout",
+    "priority",
+    "account",
+    "nnodes_step",
+    "spares",
+)
 
 
-def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> dict[str, Any]:
+def submit_request(
+    args: argparse.Namespace, environ: Mapping[str, str], cwd: str
+) -> dict[str, Any]:
     """The ``submit`` request's args: the job as the submitter sees it from here."""
     if args.script is None:
         raise UsageError(f"{args.command}: SCRIPT is required")
@@ -163,13 +189,18 @@ def submit_request(args: argparse.Namespace, environ: Mapping[str, str], cwd: st
     except torchrun.TorchrunError as exc:
         raise UsageError(str(exc)) from None
     request: dict[str, Any] = {
-        "argv": [args.script, *args.script_args], "kind": kind,
-        "workdir": absolute(args.workdir or cwd, cwd), "env": {**environ, **dict(args.env)},
-        "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node,
+        "argv": [args.script, *args.script_args],
+        "kind": kind,
+        "workdir": absolute(args.workdir or cwd, cwd),
+        "env": {**environ, **dict(args.env)},
+        "nnodes": args.nnodes,
+        "nproc_per_node": args.nproc_per_node,
     }
     python = submitter_python(args.python, environ, cwd)
     if python is None and kind != "exec":
-        raise UsageError(f"{args.command}: no python3 found (no active venv, none on PATH); use --python")
+        raise UsageError(
+            f"{args.command}: no python3 found (no active venv, none on PATH); use --python"
+        )
     if python is not None:
         request["python"] = python
     request.update(given(args, OPTIONAL_SUBMIT_ARGS))
@@ -190,9 +221,11 @@ def output_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> torchru
     except torchrun.TorchrunError as exc:
         raise UsageError(str(exc)) from None
     if plan.needs_follower and args.command == "submit" and not args.wait:
-        raise UsageError("--log-dir, --redirects, --tee and --local-ranks-filter act on the output "
-                         "as it is followed: add --wait, or use `elasticctl run` or elasticrun "
-                         "(`elasticctl logs JOB` shows a job's output at any time)")
+        raise UsageError(
+            "--log-dir, --redirects, --tee and --local-ranks-filter act on the output "
+            "as it is followed: add --wait, or use `elasticctl run` or elasticrun "
+            "(`elasticctl logs JOB` shows a job's output at any time)"
+        )
     return plan
 
 
@@ -203,7 +236,11 @@ def check_runnable(request: Mapping[str, Any]) -> None:
     workdir, first = request["workdir"], request["argv"][0]
     _need(workdir, "workdir", is_dir=True)
     if request["kind"] == "exec":
-        path = first if "/" in first else shutil.which(first, path=request["env"].get("PATH", os.defpath))
+        path = (
+            first
+            if "/" in first
+            else shutil.which(first, path=request["env"].get("PATH", os.defpath))
+        )
         if path is None:
             raise ClientError(f"submit: executable {first} not found on PATH", "invalid_spec")
         _need(absolute(path, workdir), "executable", executable=True)
@@ -214,14 +251,25 @@ def check_runnable(request: Mapping[str, Any]) -> None:
         script = absolute(first, workdir)
         if os.path.isdir(script):  # python runs a directory's __main__.py, as torchrun does
             if not os.path.exists(os.path.join(script, "__main__.py")):
-                raise ClientError(f"submit: script {first}{where} is a directory without a "
-                                  "__main__.py; name the script in it", "invalid_spec")
+                raise ClientError(
+                    f"submit: script {first}{where} is a directory without a "
+                    "__main__.py; name the script in it",
+                    "invalid_spec",
+                )
             script = os.path.join(script, "__main__.py")
         _need(script, "script", readable=True, where=where, named=first)
 
 
-def _need(path: str, what: str, *, is_dir: bool = False, executable: bool = False,
-          readable: bool = False, where: str = "", named: str | None = None) -> None:
+def _need(
+    path: str,
+    what: str,
+    *,
+    is_dir: bool = False,
+    executable: bool = False,
+    readable: bool = False,
+    where: str = "",
+    named: str | None = None,
+) -> None:
     named = named or path
     try:
         info = os.stat(path)
@@ -231,15 +279,17 @@ def _need(path: str, what: str, *, is_dir: bool = False, executable: bool = Fals
         raise ClientError(f"submit: {what} {named}: {exc.strerror}", "invalid_spec") from None
     kind_ok = stat.S_ISDIR(info.st_mode) if is_dir else stat.S_ISREG(info.st_mode)
     if not kind_ok:
-        raise ClientError(f"submit: {what} {named} is not a {'directory' if is_dir else 'file'}",
-                          "invalid_spec")
+        raise ClientError(
+            f"submit: {what} {named} is not a {'directory' if is_dir else 'file'}", "invalid_spec"
+        )
     mode = (os.X_OK if is_dir or executable else 0) | (os.R_OK if readable else 0)
     if mode and not os.access(path, mode):
         raise ClientError(f"submit: {what} {named}: Permission denied", "invalid_spec")
 
 
-def submitter_python(chosen: str | None, environ: Mapping[str, str], cwd: str,
-                     own_venv: str | None = None) -> str | None:
+def submitter_python(
+    chosen: str | None, environ: Mapping[str, str], cwd: str, own_venv: str | None = None
+) -> str | None:
     """The interpreter a user means, as an absolute path: --python, else the active venv's
     python3, else the venv elasticctl runs from when torch is installed there (a user who ran
     .venv/bin/elasticctl without activating it), else the python3 on PATH.
@@ -269,6 +319,7 @@ def own_venv_python() -> str:
     if sys.prefix == sys.base_prefix:
         return ""
     import importlib.util
+
     python = os.path.join(sys.prefix, "bin", "python3")
     if not os.path.exists(python) or importlib.util.find_spec("torch") is None:
         return ""

@@ -32,11 +32,27 @@ _STD_MAP = re.compile(r"^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
 HANDLED_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
 RDZV_CONF_MAPPED = {"join_timeout": "join_timeout", "last_call_timeout": "last_call_timeout"}
 # keys of torchrun's c10d rendezvous that tune its own store connection and heartbeats
-RDZV_CONF_TORCHRUN_ONLY = frozenset({"timeout", "read_timeout", "close_timeout", "is_host",
-                                     "use_libuv", "keep_alive_interval", "keep_alive_max_attempt",
-                                     "local_addr"})
-TOPOLOGY = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone", "master_addr",
-            "node_rank", "local_addr")
+RDZV_CONF_TORCHRUN_ONLY = frozenset(
+    {
+        "timeout",
+        "read_timeout",
+        "close_timeout",
+        "is_host",
+        "use_libuv",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "local_addr",
+    }
+)
+TOPOLOGY = (
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "standalone",
+    "master_addr",
+    "node_rank",
+    "local_addr",
+)
 
 TREATMENT: dict[str, str] = {
     "nnodes": "honoured",
@@ -45,41 +61,41 @@ TREATMENT: dict[str, str] = {
     "rdzv_endpoint": "launcher topology: accepted on a one-node job, refused on more",
     "rdzv_id": "launcher topology: accepted on a one-node job, refused on more",
     "rdzv_conf": "join_timeout and last_call_timeout honoured; keys for torchrun's own store "
-                 "accepted without effect; others refused",
+    "accepted without effect; others refused",
     "standalone": "launcher topology: accepted on a one-node job, refused on more",
     "max_restarts": "honoured (job-wide restarts)",
     "monitor_interval": "accepted, no effect: the daemon sees a worker's exit when it happens",
     "start_method": "accepted, no effect: workers are always exec'd processes (torchrun's "
-                    "spawn); fork and forkserver only matter for a function entrypoint",
+    "spawn); fork and forkserver only matter for a function entrypoint",
     "event_log_handler": "'null' accepted; others refused (events are in the job history "
-                         "and the Prometheus metrics)",
+    "and the Prometheus metrics)",
     "role": "honoured (ROLE_NAME)",
     "module": "honoured",
     "no_python": "honoured",
     "run_path": "honoured: the script runs as __main__ in the job's python",
     "log_dir": "honoured: the client writes a copy of every rank's output there "
-               "(needs elasticrun, `elasticctl run` or --wait)",
+    "(needs elasticrun, `elasticctl run` or --wait)",
     "redirects": "honoured (console only: every stream is also kept by the daemon)",
     "tee": "honoured: those streams shown with a [role+local rank]: prefix "
-           "(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE honoured)",
+    "(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE honoured)",
     "local_ranks_filter": "honoured (console only)",
     "duplicate_stdout_filters": "refused when given: filter `elasticctl logs JOB` instead",
     "duplicate_stderr_filters": "refused when given: filter `elasticctl logs JOB` instead",
     "node_rank": "launcher topology: 0 accepted on a one-node job, refused otherwise",
     "master_addr": "launcher topology: accepted on a one-node job, refused on more "
-                   "(MASTER_ADDR is group rank 0's node, every round)",
+    "(MASTER_ADDR is group rank 0's node, every round)",
     "master_port": "honoured: a fixed MASTER_PORT for every round (default: a free port)",
     "local_addr": "launcher topology: accepted on a one-node job, refused on more "
-                  "(a node's address is elasticd --node-address)",
+    "(a node's address is elasticd --node-address)",
     "logs_specs": "refused when given: a torchrun log plugin; the daemon keeps every "
-                  "rank's output (elasticctl logs) and --log-dir copies it",
+    "rank's output (elasticctl logs) and --log-dir copies it",
     "numa_binding": "refused when given: wrap the command instead, e.g. --no-python numactl ...",
     "signals_to_handle": "SIGTERM, SIGINT, SIGHUP, SIGQUIT honoured (each cancels the job); "
-                         "others refused",
+    "others refused",
     "shutdown_timeout": "refused when given: the grace before SIGKILL is the daemon's "
-                        "jobs.stop_grace",
+    "jobs.stop_grace",
     "virtual_local_rank": "refused when given: LOCAL_RANK is the worker's slot and "
-                          "CUDA_VISIBLE_DEVICES lists the job's GPUs on the node",
+    "CUDA_VISIBLE_DEVICES lists the job's GPUs on the node",
 }
 
 
@@ -89,36 +105,51 @@ class TorchrunError(ValueError):
 
 # -- the parser -----------------------------------------------------------------------------
 
+
 def env_default(environ: Mapping[str, str]) -> type[argparse.Action]:
     """torchrun's ``env`` action: a value option whose default is ``PET_<DEST>`` if set."""
+
     class FromEnv(argparse.Action):
         def __init__(self, dest: str, default: Any = None, **kwargs: Any) -> None:
-            super().__init__(dest=dest, default=environ.get(f"PET_{dest.upper()}", default), **kwargs)
+            super().__init__(
+                dest=dest, default=environ.get(f"PET_{dest.upper()}", default), **kwargs
+            )
 
-        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        def __call__(
+            self, parser: Any, namespace: Any, values: Any, option_string: Any = None
+        ) -> None:
             setattr(namespace, self.dest, values)
+
     return FromEnv
 
 
 def env_switch(environ: Mapping[str, str]) -> type[argparse.Action]:
     """torchrun's ``check_env`` action: a switch that ``PET_<DEST>=1`` turns on (0 off)."""
+
     class SwitchFromEnv(argparse.Action):
         def __init__(self, dest: str, **kwargs: Any) -> None:
             value = environ.get(f"PET_{dest.upper()}", "0")
             try:
                 default = bool(int(value))
             except ValueError:
-                raise TorchrunError(f"PET_{dest.upper()}={value!r}: expected 0 or 1 (as torchrun "
-                                    "reads it)") from None
+                raise TorchrunError(
+                    f"PET_{dest.upper()}={value!r}: expected 0 or 1 (as torchrun reads it)"
+                ) from None
             super().__init__(dest=dest, const=True, default=default, nargs=0, **kwargs)
 
-        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        def __call__(
+            self, parser: Any, namespace: Any, values: Any, option_string: Any = None
+        ) -> None:
             setattr(namespace, self.dest, True)
+
     return SwitchFromEnv
 
 
-def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str],
-                types: Mapping[str, Callable[[str], Any]]) -> None:
+def add_options(
+    parser: argparse.ArgumentParser,
+    environ: Mapping[str, str],
+    types: Mapping[str, Callable[[str], Any]],
+) -> None:
     """Every torchrun option, as torchrun declares it (names, defaults, PET_*), with its
     treatment here as the help text.  ``types``: the CLI's checks for some of them, by dest
     (a string default, as from PET_*, goes through them too)."""
@@ -128,8 +159,9 @@ def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str],
         dest = max(names, key=len).lstrip("-").replace("-", "_")
         if dest in types:
             kwargs["type"] = types[dest]
-        parser.add_argument(*names, dest=dest, action=action, help=TREATMENT[dest].replace("%", "%%"),
-                            **kwargs)
+        parser.add_argument(
+            *names, dest=dest, action=action, help=TREATMENT[dest].replace("%", "%%"), **kwargs
+        )
 
     option("--nnodes", default="1:1", metavar="N|MIN:MAX")
     option("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|gpu|cpu|auto")
@@ -138,7 +170,9 @@ def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str],
     option("--standalone", action=switch)
     option("--max-restarts", "--max_restarts", type=_whole, default=None, metavar="N")
     option("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="S")
-    option("--start-method", "--start_method", default="spawn", choices=["spawn", "fork", "forkserver"])
+    option(
+        "--start-method", "--start_method", default="spawn", choices=["spawn", "fork", "forkserver"]
+    )
     option("--event-log-handler", "--event_log_handler", default="null", metavar="NAME")
     option("--role", default="default", metavar="NAME")
     option("-m", "--module", action=switch)
@@ -155,10 +189,19 @@ def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str],
     option("--master-port", "--master_port", type=_port, default=None, metavar="PORT")
     option("--local-addr", "--local_addr", default=None, metavar="HOST")
     option("--logs-specs", "--logs_specs", action="store", default=None, metavar="NAME")
-    option("--numa-binding", "--numa_binding", action="store", default=None,
-           choices=["node", "socket", "exclusive", "core-complex"])
-    option("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-           metavar="SIG,SIG")
+    option(
+        "--numa-binding",
+        "--numa_binding",
+        action="store",
+        default=None,
+        choices=["node", "socket", "exclusive", "core-complex"],
+    )
+    option(
+        "--signals-to-handle",
+        "--signals_to_handle",
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        metavar="SIG,SIG",
+    )
     option("--shutdown-timeout", "--shutdown_timeout", type=_whole, default=None, metavar="S")
     option("--virtual-local-rank", "--virtual_local_rank", action=switch)
 
@@ -178,6 +221,7 @@ def _port(text: str) -> int:
 
 
 # -- the decisions --------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Output:
@@ -209,8 +253,10 @@ class Output:
         if self.prefix_template is None:
             return f"[{self.role}{local_rank}]:"
         from string import Template
+
         return Template(self.prefix_template).safe_substitute(
-            role_name=self.role, rank=rank, local_rank=local_rank)
+            role_name=self.role, rank=rank, local_rank=local_rank
+        )
 
     @property
     def needs_follower(self) -> bool:
@@ -228,8 +274,10 @@ def parse_std(text: str, flag: str) -> int | dict[int, int]:
         return int(text)
     if _STD_MAP.match(text):
         return {int(rank): int(std) for rank, std in (pair.split(":") for pair in text.split(","))}
-    raise TorchrunError(f"{flag} {text!r}: expected 0-3 (none, stdout, stderr, both) or "
-                        "LOCAL_RANK:STD pairs like 0:1,1:2")
+    raise TorchrunError(
+        f"{flag} {text!r}: expected 0-3 (none, stdout, stderr, both) or "
+        "LOCAL_RANK:STD pairs like 0:1,1:2"
+    )
 
 
 def ranks_filter(text: str) -> frozenset[int] | None:
@@ -238,7 +286,9 @@ def ranks_filter(text: str) -> frozenset[int] | None:
     try:
         ranks = frozenset(int(item) for item in text.split(","))
     except ValueError:
-        raise TorchrunError(f"--local-ranks-filter {text!r}: expected local ranks like 0,1,2") from None
+        raise TorchrunError(
+            f"--local-ranks-filter {text!r}: expected local ranks like 0,1,2"
+        ) from None
     return ranks
 
 
@@ -256,9 +306,11 @@ def rdzv_conf(text: str | None) -> dict[str, float]:
             except ValueError:
                 raise TorchrunError(f"--rdzv-conf {key}={value!r}: expected seconds") from None
         elif key not in RDZV_CONF_TORCHRUN_ONLY:
-            raise TorchrunError(f"--rdzv-conf key {key!r} means nothing under elasticd "
-                                f"(it maps {', '.join(RDZV_CONF_MAPPED)}; daemon settings are in "
-                                "its config)")
+            raise TorchrunError(
+                f"--rdzv-conf key {key!r} means nothing under elasticd "
+                f"(it maps {', '.join(RDZV_CONF_MAPPED)}; daemon settings are in "
+                "its config)"
+            )
     return mapped
 
 
@@ -273,34 +325,65 @@ def refusals(args: argparse.Namespace, one_node: bool) -> list[str]:
         given = [name for name in TOPOLOGY if _given_topology(args, name)]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            found.append(f"{flags}: elasticd's daemons are the rendezvous and one submit starts "
-                         "the job on every node; submit once, on any node, without them "
-                         "(running this on every node would start one job per node)")
+            found.append(
+                f"{flags}: elasticd's daemons are the rendezvous and one submit starts "
+                "the job on every node; submit once, on any node, without them "
+                "(running this on every node would start one job per node)"
+            )
     if one_node and args.node_rank != 0:
-        found.append(f"--node-rank {args.node_rank}: a one-node job has node rank 0; elasticd "
-                     "gives every node its rank")
+        found.append(
+            f"--node-rank {args.node_rank}: a one-node job has node rank 0; elasticd "
+            "gives every node its rank"
+        )
     if args.event_log_handler not in ("null", None):
-        found.append(f"--event-log-handler {args.event_log_handler}: torchrun's event handlers "
-                     "do not run here; events are in the job history and the Prometheus metrics")
+        found.append(
+            f"--event-log-handler {args.event_log_handler}: torchrun's event handlers "
+            "do not run here; events are in the job history and the Prometheus metrics"
+        )
     for dest, flag, why in (
-            ("duplicate_stdout_filters", "--duplicate-stdout-filters", "filter `elasticctl logs JOB` instead"),
-            ("duplicate_stderr_filters", "--duplicate-stderr-filters", "filter `elasticctl logs JOB` instead"),
-            ("logs_specs", "--logs-specs", "the daemon keeps every rank's output (elasticctl logs); "
-                                            "--log-dir copies it"),
-            ("numa_binding", "--numa-binding", "elasticd does not bind workers to NUMA nodes; "
-                                               "wrap the command, e.g. --no-python numactl ..."),
-            ("shutdown_timeout", "--shutdown-timeout", "the grace before SIGKILL is the daemon's "
-                                                       "jobs.stop_grace"),
-            ("virtual_local_rank", "--virtual-local-rank", "not supported: LOCAL_RANK is the "
-                                                           "worker's slot and CUDA_VISIBLE_DEVICES "
-                                                           "lists the job's GPUs on the node")):
+        (
+            "duplicate_stdout_filters",
+            "--duplicate-stdout-filters",
+            "filter `elasticctl logs JOB` instead",
+        ),
+        (
+            "duplicate_stderr_filters",
+            "--duplicate-stderr-filters",
+            "filter `elasticctl logs JOB` instead",
+        ),
+        (
+            "logs_specs",
+            "--logs-specs",
+            "the daemon keeps every rank's output (elasticctl logs); --log-dir copies it",
+        ),
+        (
+            "numa_binding",
+            "--numa-binding",
+            "elasticd does not bind workers to NUMA nodes; "
+            "wrap the command, e.g. --no-python numactl ...",
+        ),
+        (
+            "shutdown_timeout",
+            "--shutdown-timeout",
+            "the grace before SIGKILL is the daemon's jobs.stop_grace",
+        ),
+        (
+            "virtual_local_rank",
+            "--virtual-local-rank",
+            "not supported: LOCAL_RANK is the "
+            "worker's slot and CUDA_VISIBLE_DEVICES "
+            "lists the job's GPUs on the node",
+        ),
+    ):
         if getattr(args, dest):
             found.append(f"{flag}: {why}")
     unknown = sorted(set(_signals(args.signals_to_handle)) - HANDLED_SIGNALS)
     if unknown:
-        found.append(f"--signals-to-handle {','.join(unknown)}: the workers may run on other "
-                     "nodes; only SIGTERM, SIGINT, SIGHUP and SIGQUIT are handled (each "
-                     "cancels the job)")
+        found.append(
+            f"--signals-to-handle {','.join(unknown)}: the workers may run on other "
+            "nodes; only SIGTERM, SIGINT, SIGHUP and SIGQUIT are handled (each "
+            "cancels the job)"
+        )
     return found
 
 
@@ -337,11 +420,14 @@ def kind(args: argparse.Namespace) -> str:
 
 
 def output(args: argparse.Namespace, environ: Mapping[str, str]) -> Output:
-    return Output(redirects=parse_std(args.redirects, "--redirects"),
-                  tee=parse_std(args.tee, "--tee"),
-                  ranks_shown=ranks_filter(args.local_ranks_filter),
-                  log_dir=args.log_dir, role=args.role,
-                  prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
+    return Output(
+        redirects=parse_std(args.redirects, "--redirects"),
+        tee=parse_std(args.tee, "--tee"),
+        ranks_shown=ranks_filter(args.local_ranks_filter),
+        log_dir=args.log_dir,
+        role=args.role,
+        prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+    )
 
 
 def handled_signals(text: str) -> list[str]:

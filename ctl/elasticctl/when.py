@@ -12,8 +12,10 @@ import time
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _AGO = re.compile(r"(\d+(?:\.\d+)?)([smhdw])", re.ASCII)
-FORMS = ("an ISO date or time (2024-05-01, 2024-05-01T13:30, 2024-05-01 13:30:00+02:00, "
-         "...Z for UTC) or a time ago (90s, 30m, 12h, 7d, 2w)")
+FORMS = (
+    "an ISO date or time (2024-05-01, 2024-05-01T13:30, 2024-05-01 13:30:00+02:00, "
+    "...Z for UTC) or a time ago (90s, 30m, 12h, 7d, 2w)"
+)
 
 
 def parse_when(text: str, now: float) -> float:

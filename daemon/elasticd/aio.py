@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 
 async def race(**contenders: Awaitable[Any]) -> tuple[str, asyncio.Future[Any]]:
@@ -26,8 +27,11 @@ async def race(**contenders: Awaitable[Any]) -> tuple[str, asyncio.Future[Any]]:
     future (the first in the order given when several are).  Coroutines are run as tasks of
     this call and cancelled, and awaited, when they lose: none outlives it.  Futures passed in
     belong to their owners and are left as they are."""
-    owned = {name: asyncio.ensure_future(aw) for name, aw in contenders.items()
-             if not asyncio.isfuture(aw)}
+    owned = {
+        name: asyncio.ensure_future(aw)
+        for name, aw in contenders.items()
+        if not asyncio.isfuture(aw)
+    }
     futures = {name: owned.get(name) or aw for name, aw in contenders.items()}
     try:
         done, _ = await asyncio.wait(futures.values(), return_when=asyncio.FIRST_COMPLETED)

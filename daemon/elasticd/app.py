@@ -23,59 +23,67 @@ import stat
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import sdnotify
 import zmq
 import zmq.asyncio
 
-from elasticd import __version__, config as config_mod
-from elasticd.shell import worker_library
+from elasticd import __version__, cleanup, keygen
+from elasticd import config as config_mod
 from elasticd.aio import race
-from elasticd.jobs.board import BoardFollower, JobBoard
-from elasticd.core import events
-from elasticd.core.node import NodeCore, NodeSettings
-from elasticd.core.blacklist import Blacklist
-from elasticd.core.gpuhealth import GpuWatch
-from elasticd.shell.cgroup_placement import instance_name
-from elasticd.shell.cgroups import JobCgroups
-from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
 from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
+from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
+from elasticd.cluster.inventory import LocalNode, cpu_count, local_gpus, slot_count, watch_gpus
+from elasticd.cluster.peers import (
+    PEER_DOMAIN,
+    PeerCaller,
+    PeerClient,
+    PeerLinks,
+    curve_policy,
+    load_or_create_keys,
+)
+from elasticd.cluster.registry import NodeRegistry
 from elasticd.cluster.scheduler import build_scheduler
 from elasticd.cluster.service import NodeDuties, NodeService, Watcher
-from elasticd.cluster.registry import NodeRegistry
-from elasticd.cluster.inventory import LocalNode, cpu_count, local_gpus, slot_count, watch_gpus
-from elasticd.shell.bounds import contain
 from elasticd.config import DaemonConfig
 from elasticd.control.commands import Commands, PeerCommands
+from elasticd.control.server import ConnectionLimits, ControlServer, RouterServer, Zap
+from elasticd.core import events
+from elasticd.core.blacklist import Blacklist
 from elasticd.core.discovery import EVERYONE, Listing
-from elasticd.wire.paths import how_to_reach, is_own_dir
-from elasticd.control.server import ControlServer, ConnectionLimits, RouterServer, Zap
+from elasticd.core.gpuhealth import GpuWatch
+from elasticd.core.model import JobState
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.core.placement import Resources
+from elasticd.core.records import JobRecord, worker_groups
 from elasticd.endpoint import join_endpoint
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.faults import Faults, Throttle, held_back
-from elasticd.shell.fileaccess import FileAccess, restrict_earlier
-from elasticd.jobs.history import History, path_in as history_path
-from elasticd.store.keyspace import Keyspace
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.jobs.history import History
+from elasticd.jobs.history import path_in as history_path
 from elasticd.jobs.registry import JobRegistry
-from elasticd import cleanup, keygen
-from elasticd.journal import log_handler
-from elasticd.core.records import JobRecord, worker_groups
 from elasticd.jobs.retention import Pruner
-from elasticd.shell.logs import LogBus
-from elasticd.shell.workers import reap_leftovers
+from elasticd.journal import log_handler
 from elasticd.metrics import InstrumentedStore, Metrics
-from elasticd.core.model import JobState
-from elasticd.cluster.peers import (PEER_DOMAIN, PeerCaller, PeerClient, PeerLinks, curve_policy,
-                                    load_or_create_keys)
-from elasticd.core.placement import Resources
+from elasticd.shell import worker_library
+from elasticd.shell.bounds import contain
+from elasticd.shell.cgroup_placement import instance_name
+from elasticd.shell.cgroups import JobCgroups
 from elasticd.shell.effectors import Effectors
+from elasticd.shell.fileaccess import FileAccess, restrict_earlier
+from elasticd.shell.logs import LogBus
 from elasticd.shell.node import NodeShell
+from elasticd.shell.workers import reap_leftovers
 from elasticd.store.base import Store
 from elasticd.store.c10d import C10dServer
+from elasticd.store.keyspace import Keyspace
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
-from elasticd.store.tcpstore import TCPStoreClient
 from elasticd.store.signing import Signer, load_key, load_or_create_key
+from elasticd.store.tcpstore import TCPStoreClient
+from elasticd.wire.paths import how_to_reach, is_own_dir
 
 if TYPE_CHECKING:
     from elasticd.store.etcd import EtcdStore
@@ -90,26 +98,45 @@ COMMANDS = f"""commands:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="elasticd", description="Run elastic PyTorch jobs on this host.",
-                                usage=f"%(prog)s [options]\n       %(prog)s --check-config FILE [options]"
-                                      f"\n       %(prog)s --clean-up [options]"
-                                      f"\n       %(prog)s {KEYGEN} FILE",
-                                epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)")
-    p.add_argument("--check-config", metavar="FILE",
-                   help="check FILE (with the options given) as start-up would and print every "
-                        "error; start nothing; exit 0 if it is good, 2 if not")
-    p.add_argument("--clean-up", action="store_true",
-                   help="remove what a daemon with these options left when it died (its workers, "
-                        "job cgroups, store firewall table); refused while one runs. systemd "
-                        "runs it after every stop")
-    p.add_argument("--standalone", action="store_true",
-                   help="a one-host cluster that needs no config (hosts its own store)")
+    p = argparse.ArgumentParser(
+        prog="elasticd",
+        description="Run elastic PyTorch jobs on this host.",
+        usage=f"%(prog)s [options]\n       %(prog)s --check-config FILE [options]"
+        f"\n       %(prog)s --clean-up [options]"
+        f"\n       %(prog)s {KEYGEN} FILE",
+        epilog=COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML config file (default: {DEFAULT_CONFIG} if it exists)",
+    )
+    p.add_argument(
+        "--check-config",
+        metavar="FILE",
+        help="check FILE (with the options given) as start-up would and print every "
+        "error; start nothing; exit 0 if it is good, 2 if not",
+    )
+    p.add_argument(
+        "--clean-up",
+        action="store_true",
+        help="remove what a daemon with these options left when it died (its workers, "
+        "job cgroups, store firewall table); refused while one runs. systemd "
+        "runs it after every stop",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="a one-host cluster that needs no config (hosts its own store)",
+    )
     for flag, (dotted, kind, doc) in config_mod.flags().items():  # declared with their keys
         if kind is bool:
             p.add_argument(flag, dest=dotted, action=argparse.BooleanOptionalAction, help=doc)
         else:
-            p.add_argument(flag, dest=dotted, type=kind, metavar=flag.rsplit("-", 1)[-1].upper(), help=doc)
+            p.add_argument(
+                flag, dest=dotted, type=kind, metavar=flag.rsplit("-", 1)[-1].upper(), help=doc
+            )
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     args = p.parse_args(argv)
     if args.check_config is not None and args.config is not None:
@@ -126,14 +153,19 @@ def load_config(args: argparse.Namespace) -> DaemonConfig:
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The config keys set on the command line (dotted key -> value)."""
-    return {dotted: getattr(args, dotted) for dotted, _, _ in config_mod.flags().values()
-            if getattr(args, dotted) is not None}
+    return {
+        dotted: getattr(args, dotted)
+        for dotted, _, _ in config_mod.flags().values()
+        if getattr(args, dotted) is not None
+    }
 
 
 def check_config(args: argparse.Namespace) -> int:
     """``elasticd --check-config FILE``: the file and the options given, validated as start-up
     does (the same messages); 0 if good, 2 if not.  Opens nothing that the file names."""
-    problems = config_mod.problems(args.check_config, flag_overrides(args), standalone=args.standalone)
+    problems = config_mod.problems(
+        args.check_config, flag_overrides(args), standalone=args.standalone
+    )
     for problem in problems:
         print(f"elasticd: {problem}", file=sys.stderr)
     if problems:
@@ -228,12 +260,16 @@ class Notifier:
 
 def status_line(records: list[JobRecord], node: str) -> str:
     running = [r for r in records if r.state in (JobState.RUNNING, JobState.RESTARTING)]
-    workers = sum(len(r.parts[node].workers) for r in running
-                  if node in r.parts and r.parts[node].state.active)
+    workers = sum(
+        len(r.parts[node].workers)
+        for r in running
+        if node in r.parts and r.parts[node].state.active
+    )
     pending = sum(1 for r in records if r.state in (JobState.PENDING, JobState.RENDEZVOUS))
     jobs = f"{len(running)} job{'s' if len(running) != 1 else ''} running"
-    return f"{jobs}, {workers} worker{'s' if workers != 1 else ''}" + \
-        (f", {pending} waiting" if pending else "")
+    return f"{jobs}, {workers} worker{'s' if workers != 1 else ''}" + (
+        f", {pending} waiting" if pending else ""
+    )
 
 
 class Daemon:
@@ -263,13 +299,18 @@ class Daemon:
         async with contextlib.AsyncExitStack() as closing:
             store = await self._open_store(closing)
             self.metrics.store_up.set(1)
-            await store.set(Keyspace(config.cluster.name).ping, b"1")  # not an add: junk there must not stop a start
+            await store.set(
+                Keyspace(config.cluster.name).ping, b"1"
+            )  # not an add: junk there must not stop a start
             history = History(history_path(config.paths.state_dir))
             closing.callback(history.close)
             if history.quarantined:
                 self.metrics.history_quarantined.inc()
-            registry = JobRegistry(history, on_unsaved=lambda why: self.metrics.state_write_failed(
-                "history", why), retention=config.history.retention)
+            registry = JobRegistry(
+                history,
+                on_unsaved=lambda why: self.metrics.state_write_failed("history", why),
+                retention=config.history.retention,
+            )
             closing.callback(registry.close)
             unfinished = self._restore(registry, history)
             gpus, nvml = local_gpus(config.node.gpus)
@@ -277,100 +318,200 @@ class Daemon:
                 closing.callback(nvml.close)
             slots = slot_count(config, gpus)
             cgroups = self._cgroups()
-            closing.callback(cgroups.close)  # only what is empty (a twin refused at bind takes nothing)
+            closing.callback(
+                cgroups.close
+            )  # only what is empty (a twin refused at bind takes nothing)
             self._local.containment = containment = contain(
-                cgroups, max_memory=config.jobs.max_memory,
-                max_pids_per_worker=config.jobs.max_pids_per_worker, slots=slots)
+                cgroups,
+                max_memory=config.jobs.max_memory,
+                max_pids_per_worker=config.jobs.max_pids_per_worker,
+                slots=slots,
+            )
             logs = LogBus()
             ctx = zmq.asyncio.Context()
             closing.callback(ctx.term)
-            zap = Zap(ctx, on_refused=lambda domain: self.metrics.peer_refused.inc(),
-                      interval=config.log.summary_interval)
+            zap = Zap(
+                ctx,
+                on_refused=lambda domain: self.metrics.peer_refused.inc(),
+                interval=config.log.summary_interval,
+            )
             closing.callback(zap.close)
             keys = load_or_create_keys(os.path.join(config.paths.state_dir, "peer.key"))
-            nodes = NodeService(await self._node_registry(store, signer),
-                                interval=config.rendezvous.keep_alive_interval, faults=self.faults)
+            nodes = NodeService(
+                await self._node_registry(store, signer),
+                interval=config.rendezvous.keep_alive_interval,
+                faults=self.faults,
+            )
             peers = PeerLinks(PeerClient(ctx, keys, timeout=config.node.peer_timeout), nodes)
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
             core = NodeCore(
-                NodeSettings(self.node, Resources(slots, gpus, cpus=cpu_count()),
-                             dead_after=config.rendezvous.keep_alive.dead_after,
-                             standalone=config.standalone, allow_root=config.jobs.allow_root,
-                             judge_users=os.getuid() == 0, scheduled=config.scheduler.enabled),
-                blacklist=Blacklist(config.blacklist.policy) if config.blacklist.policy.enabled else None,
-                gpu_watch=GpuWatch(config.gpu.policy) if nvml is not None else None)
+                NodeSettings(
+                    self.node,
+                    Resources(slots, gpus, cpus=cpu_count()),
+                    dead_after=config.rendezvous.keep_alive.dead_after,
+                    standalone=config.standalone,
+                    allow_root=config.jobs.allow_root,
+                    judge_users=os.getuid() == 0,
+                    scheduled=config.scheduler.enabled,
+                ),
+                blacklist=Blacklist(config.blacklist.policy)
+                if config.blacklist.policy.enabled
+                else None,
+                gpu_watch=GpuWatch(config.gpu.policy) if nvml is not None else None,
+            )
             service = NodeShell(
-                core, board=board, registry=registry, metrics=self.metrics, faults=self.faults,
+                core,
+                board=board,
+                registry=registry,
+                metrics=self.metrics,
+                faults=self.faults,
                 standalone=config.standalone,
-                follower=BoardFollower(board, registry, self.node, on_store=self._board_store,
-                                       faults=self.faults),
+                follower=BoardFollower(
+                    board, registry, self.node, on_store=self._board_store, faults=self.faults
+                ),
                 effectors=Effectors(
-                    node=self.node, address=self._address, store=store, signer=signer,
-                    keyspace=Keyspace(config.cluster.name), keep_alive=config.rendezvous.keep_alive,
-                    log_root=config.log_dir, metrics=self.metrics,
-                    logs=logs, probe=peers, refused=self._refused, stop_grace=config.jobs.stop_grace,
-                    cgroups=cgroups if cgroups.available else None, containment=containment,
-                    runtime_dir=config.paths.runtime_dir, output_limit=config.output.limit,
-                    access=FileAccess(config.control.admin_group), faults=self.faults,
-                    worker_library=worker_library.install(config.paths.runtime_dir)))
+                    node=self.node,
+                    address=self._address,
+                    store=store,
+                    signer=signer,
+                    keyspace=Keyspace(config.cluster.name),
+                    keep_alive=config.rendezvous.keep_alive,
+                    log_root=config.log_dir,
+                    metrics=self.metrics,
+                    logs=logs,
+                    probe=peers,
+                    refused=self._refused,
+                    stop_grace=config.jobs.stop_grace,
+                    cgroups=cgroups if cgroups.available else None,
+                    containment=containment,
+                    runtime_dir=config.paths.runtime_dir,
+                    output_limit=config.output.limit,
+                    access=FileAccess(config.control.admin_group),
+                    faults=self.faults,
+                    worker_library=worker_library.install(config.paths.runtime_dir),
+                ),
+            )
             service.post(events.Restored(tuple(unfinished)))
             self.metrics.job_usage.source = service.usage
             self._listed(service, listing)
-            scheduling = build_scheduler(config, store, signer, nodes, registry, service.post, self._refused,
-                                         on_plan=self.metrics.planned)
+            scheduling = build_scheduler(
+                config,
+                store,
+                signer,
+                nodes,
+                registry,
+                service.post,
+                self._refused,
+                on_plan=self.metrics.planned,
+            )
             followed = (lambda: scheduling[1].followed) if scheduling else lambda: None
-            self.metrics.sharing.watch(self.node, registry.jobs, followed,
-                                       (lambda: scheduling[0].schedule) if scheduling else lambda: None)
-            commands = Commands(config, node=self.node, registry=registry, jobs=service, logs=logs,
-                                cluster=nodes, peers=peers, schedule=followed)
+            self.metrics.sharing.watch(
+                self.node,
+                registry.jobs,
+                followed,
+                (lambda: scheduling[0].schedule) if scheduling else lambda: None,
+            )
+            commands = Commands(
+                config,
+                node=self.node,
+                registry=registry,
+                jobs=service,
+                logs=logs,
+                cluster=nodes,
+                peers=peers,
+                schedule=followed,
+            )
             zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
-            peer_server = RouterServer(ctx, f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
-                                       PeerCommands(commands), domain=PEER_DOMAIN, identify=PeerCaller,
-                                       curve_secret=keys.secret)
+            peer_server = RouterServer(
+                ctx,
+                f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
+                PeerCommands(commands),
+                domain=PEER_DOMAIN,
+                identify=PeerCaller,
+                curve_secret=keys.secret,
+            )
             closing.callback(peer_server.close)
             # the TCP ports first: a port in use stops start-up before the control socket exists
             with _listening("node.peer_port", join_endpoint(self._address, config.node.peer_port)):
                 self._local.peer = (peer_server.bind(), keys.public.decode())
             if config.metrics.port:
-                with _listening("metrics.port", join_endpoint(config.metrics.address, config.metrics.port)):
-                    closing.callback((await self.metrics.serve(config.metrics.port, config.metrics.address)).close)
-            control = ControlServer(config.socket_path, commands, limits=self._control_limits(),
-                                    on_request=self._count_request,
-                                    on_connections=self.metrics.control_connections.set,
-                                    world_accessible=os.getuid() == 0)
+                with _listening(
+                    "metrics.port", join_endpoint(config.metrics.address, config.metrics.port)
+                ):
+                    closing.callback(
+                        (
+                            await self.metrics.serve(config.metrics.port, config.metrics.address)
+                        ).close
+                    )
+            control = ControlServer(
+                config.socket_path,
+                commands,
+                limits=self._control_limits(),
+                on_request=self._count_request,
+                on_connections=self.metrics.control_connections.set,
+                world_accessible=os.getuid() == 0,
+            )
             control.bind()
             closing.callback(control.close)
-            await asyncio.to_thread(cgroups.reap_leftovers)  # the socket says no other daemon runs here
+            await asyncio.to_thread(
+                cgroups.reap_leftovers
+            )  # the socket says no other daemon runs here
             registry.subscribe(lambda record: self._jobs_changed(registry))
             self._local.jobs = service
-            duties = NodeDuties(local_record=self._local.record, post=service.post,
-                                watcher=Watcher(store=functools.partial(self._store_health, registry),
-                                                tick=lambda: self.metrics.count_nodes(nodes.tally())))
-            pruner = Pruner(registry, config.log_dir, busy=service.local_jobs,
-                            on_pruned=lambda job_ids: self._jobs_changed(registry))
+            duties = NodeDuties(
+                local_record=self._local.record,
+                post=service.post,
+                watcher=Watcher(
+                    store=functools.partial(self._store_health, registry),
+                    tick=lambda: self.metrics.count_nodes(nodes.tally()),
+                ),
+            )
+            pruner = Pruner(
+                registry,
+                config.log_dir,
+                busy=service.local_jobs,
+                on_pruned=lambda job_ids: self._jobs_changed(registry),
+            )
             self._install_signals()
             async with asyncio.TaskGroup() as tasks:
-                loops = {"zap": zap.serve, "control": control.serve, "peers": peer_server.serve,
-                         "watchdog": self._watchdog, "heartbeat": functools.partial(nodes.run, self.stop, duties),
-                         "retention": pruner.run}
+                loops = {
+                    "zap": zap.serve,
+                    "control": control.serve,
+                    "peers": peer_server.serve,
+                    "watchdog": self._watchdog,
+                    "heartbeat": functools.partial(nodes.run, self.stop, duties),
+                    "retention": pruner.run,
+                }
                 if scheduling is not None:
                     loops["allocator"] = functools.partial(scheduling[0].run, self.stop)
                     loops["schedule"] = functools.partial(scheduling[1].run, self.stop)
                 if nvml is not None and config.gpu.health_interval:
-                    loops["gpu-health"] = functools.partial(watch_gpus, nvml, config.gpu.health_interval,
-                                                            service.post, self.stop)
+                    loops["gpu-health"] = functools.partial(
+                        watch_gpus, nvml, config.gpu.health_interval, service.post, self.stop
+                    )
                 if discovery is not None:
-                    loops["discovery"] = functools.partial(discovery.run, self.stop,
-                                                           functools.partial(self._listed, service))
+                    loops["discovery"] = functools.partial(
+                        discovery.run, self.stop, functools.partial(self._listed, service)
+                    )
                 # none of them ends the task group: one that raises is logged, counted, started again
-                background = [tasks.create_task(self.faults.supervise(name, run)) for name, run in loops.items()]
+                background = [
+                    tasks.create_task(self.faults.supervise(name, run))
+                    for name, run in loops.items()
+                ]
                 self._jobs_changed(registry)
                 if await self._registered(nodes):
-                    if reach := how_to_reach(config.socket_path):  # logged before READY=1: told by then
+                    if reach := how_to_reach(
+                        config.socket_path
+                    ):  # logged before READY=1: told by then
                         log.info("not the default socket: reach this daemon with %s", reach)
                     self.notify.send("READY=1")
-                    log.info("elasticd %s ready: node %s, socket %s, store %s", __version__,
-                             self.node, config.socket_path, self._endpoint)
+                    log.info(
+                        "elasticd %s ready: node %s, socket %s, store %s",
+                        __version__,
+                        self.node,
+                        config.socket_path,
+                        self._endpoint,
+                    )
                 await service.run(self.stop)
                 for task in background:
                     task.cancel()
@@ -394,21 +535,30 @@ class Daemon:
         self._server, self._endpoint = await asyncio.to_thread(host_store, self.config)
         if self._server is not None:
             closing.callback(self._server.close)
-        firewall = await asyncio.to_thread(store_firewall, self.config, self._endpoint,
-                                           hosted=self._server is not None)
+        firewall = await asyncio.to_thread(
+            store_firewall, self.config, self._endpoint, hosted=self._server is not None
+        )
         if firewall is not None:
             closing.callback(firewall.close)
         return TCPStoreClient(self._endpoint, timeout=self.config.store.timeout)
 
     def _etcd_client(self) -> EtcdStore:
         """An etcd cluster's client: no store host, no firewall (etcd's TLS and users guard it)."""
-        from elasticd.store.etcd import EtcdStore  # grpc is loaded by the daemons of an etcd cluster only
+        from elasticd.store.etcd import (
+            EtcdStore,
+        )  # grpc is loaded by the daemons of an etcd cluster only
 
         settings = self.config.store
         self._endpoint = ",".join(settings.endpoints)
-        return EtcdStore(settings.endpoints, timeout=settings.timeout, ca_file=settings.ca_file,
-                         cert_file=settings.cert_file, key_file=settings.key_file,
-                         user=settings.user, password=settings.password())
+        return EtcdStore(
+            settings.endpoints,
+            timeout=settings.timeout,
+            ca_file=settings.ca_file,
+            cert_file=settings.cert_file,
+            key_file=settings.key_file,
+            user=settings.user,
+            password=settings.password(),
+        )
 
     async def _registered(self, nodes: NodeService) -> bool:
         """Wait until this node's record is in the store (READY=1 means it joined the
@@ -417,16 +567,23 @@ class Daemon:
         return name == "joined"
 
     def _cgroups(self) -> JobCgroups:
-        cgroups = JobCgroups.setup(instance_name(self.node, self.config.paths.state_dir),
-                                   self.config.jobs.cgroup)
+        cgroups = JobCgroups.setup(
+            instance_name(self.node, self.config.paths.state_dir), self.config.jobs.cgroup
+        )
         if cgroups.available:
             log.info("%s", cgroups.description)
         return cgroups
 
     async def _node_registry(self, store: Store, signer: Signer) -> NodeRegistry:
-        registry = NodeRegistry(store, signer, self.config.cluster.name, self.node,
-                                keep_alive=self.config.rendezvous.keep_alive,
-                                endpoint=self._endpoint, on_refused=self._refused)
+        registry = NodeRegistry(
+            store,
+            signer,
+            self.config.cluster.name,
+            self.node,
+            keep_alive=self.config.rendezvous.keep_alive,
+            endpoint=self._endpoint,
+            on_refused=self._refused,
+        )
         # a fresh store is marked by its host; etcd has none, so every daemon offers the mark
         # (a compare-and-set on a missing key: the first one wins)
         if self._server is not None or self.config.standalone or self.config.etcd:
@@ -437,8 +594,11 @@ class Daemon:
         self.metrics.store_up.set(1 if ok else 0)
         if ok != self._store_ok:
             self._store_ok = ok
-            (log.info if ok else log.warning)("store %s%s", self._endpoint,
-                                              " reachable again" if ok else f" unreachable: {problem}")
+            (log.info if ok else log.warning)(
+                "store %s%s",
+                self._endpoint,
+                " reachable again" if ok else f" unreachable: {problem}",
+            )
             self._jobs_changed(registry)
 
     def _board_store(self, ok: bool) -> None:
@@ -455,9 +615,13 @@ class Daemon:
         settings = self.config.discovery
         if not settings.script:
             return None
-        return HostDiscovery(settings.script, interval=settings.interval, timeout=settings.timeout,
-                             names=(self.node, self._address),
-                             on_failure=lambda why: self.metrics.discovery_failures.inc())
+        return HostDiscovery(
+            settings.script,
+            interval=settings.interval,
+            timeout=settings.timeout,
+            names=(self.node, self._address),
+            on_failure=lambda why: self.metrics.discovery_failures.inc(),
+        )
 
     async def _discover_first(self, discovery: HostDiscovery | None) -> Listing:
         """The first run of the discovery script, before this node joins: one that fails
@@ -472,9 +636,15 @@ class Daemon:
         except DiscoveryFailed as exc:
             self.metrics.discovery_failures.inc()
             raise ConfigError("discovery.script", f"the first run failed: {exc}") from None
-        log.info("host discovery: node %s is %s", self.node,
-                 "not listed (it takes no job)" if not listing.listed else
-                 f"listed with {listing.slots} slots" if listing.slots else "listed")
+        log.info(
+            "host discovery: node %s is %s",
+            self.node,
+            "not listed (it takes no job)"
+            if not listing.listed
+            else f"listed with {listing.slots} slots"
+            if listing.slots
+            else "listed",
+        )
         return listing
 
     def _listed(self, service: NodeShell, listing: Listing) -> None:
@@ -492,23 +662,31 @@ class Daemon:
         the cluster key; /tmp/elasticd-UID could have been made first by somebody else)."""
         paths = self.config.paths
         for key, path, mode in (
-                ("paths.state_dir", paths.state_dir, 0o755),
-                ("paths.state_dir", self.config.log_dir, 0o755),
-                ("paths.runtime_dir", paths.runtime_dir, 0o755 if os.getuid() == 0 else 0o700)):
+            ("paths.state_dir", paths.state_dir, 0o755),
+            ("paths.state_dir", self.config.log_dir, 0o755),
+            ("paths.runtime_dir", paths.runtime_dir, 0o755 if os.getuid() == 0 else 0o700),
+        ):
             os.makedirs(path, mode=mode, exist_ok=True)
             if not is_own_dir(path):
                 info = os.lstat(path)
-                raise ConfigError(key, f"refusing {path}: it must be a directory owned by uid "
-                                  f"{os.geteuid()} that nobody else can write (it is uid "
-                                  f"{info.st_uid}, mode {stat.filemode(info.st_mode)})")
+                raise ConfigError(
+                    key,
+                    f"refusing {path}: it must be a directory owned by uid "
+                    f"{os.geteuid()} that nobody else can write (it is uid "
+                    f"{info.st_uid}, mode {stat.filemode(info.st_mode)})",
+                )
 
     def _restrict_earlier_logs(self) -> None:
         """Jobs' files that an earlier version left readable by their group (0640) are no
         longer: that group may be other users' too."""
         restricted = restrict_earlier(self.config.log_dir)
         if restricted:
-            log.info("%d files of earlier jobs in %s that the job's group could read are "
-                     "0600 now (elasticctl logs serves them)", restricted, self.config.log_dir)
+            log.info(
+                "%d files of earlier jobs in %s that the job's group could read are "
+                "0600 now (elasticctl logs serves them)",
+                restricted,
+                self.config.log_dir,
+            )
 
     def _cluster_key(self) -> bytes:
         """Standalone daemons and the store host make a key if there is none; others need one."""
@@ -545,10 +723,17 @@ class Daemon:
         control = self.config.control
         budget = max(16, raise_fd_limit() // 4)
         if control.max_connections > budget:
-            log.warning("control.max_connections = %d lowered to %d: the file-descriptor limit "
-                        "is %d (raise LimitNOFILE)", control.max_connections, budget, budget * 4)
-        return ConnectionLimits(connections=min(control.max_connections, budget),
-                      connections_per_user=control.max_connections_per_user)
+            log.warning(
+                "control.max_connections = %d lowered to %d: the file-descriptor limit "
+                "is %d (raise LimitNOFILE)",
+                control.max_connections,
+                budget,
+                budget * 4,
+            )
+        return ConnectionLimits(
+            connections=min(control.max_connections, budget),
+            connections_per_user=control.max_connections_per_user,
+        )
 
     def _count_request(self, op: str, result: str) -> None:
         self.metrics.control_requests.labels(op, result).inc()

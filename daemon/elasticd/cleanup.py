@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from elasticd.config import DaemonConfig
 from elasticd.control.server import served
 from elasticd.core.records import worker_groups
-from elasticd.jobs.history import History, path_in as history_path
+from elasticd.jobs.history import History
+from elasticd.jobs.history import path_in as history_path
 from elasticd.jobs.registry import JobRegistry
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
@@ -33,24 +34,27 @@ class DaemonRunning(Exception):
 
 @dataclass
 class CleanedUp:
-    workers: int = 0                      # processes killed in the workers' process groups
-    cgroup_processes: int = 0             # processes killed in job cgroups
+    workers: int = 0  # processes killed in the workers' process groups
+    cgroup_processes: int = 0  # processes killed in job cgroups
     cgroups: list[str] = field(default_factory=list)  # the job cgroups removed
-    table: str = ""                       # the nftables table removed ("" none was there)
+    table: str = ""  # the nftables table removed ("" none was there)
 
     def summary(self, node: str) -> str:
         done = [f"killed {self.workers + self.cgroup_processes} leftover processes"]
         if self.cgroups:
             done.append(f"removed job cgroups {' '.join(self.cgroups)}")
-        done.append(f"removed nftables table inet {self.table}" if self.table else "no firewall table left")
+        done.append(
+            f"removed nftables table inet {self.table}" if self.table else "no firewall table left"
+        )
         return f"node {node}: " + "; ".join(done)
 
 
 def clean_up(config: DaemonConfig) -> CleanedUp:
     """Remove what a dead daemon of ``config`` left here; raises DaemonRunning if one runs."""
     if served(config.socket_path):
-        raise DaemonRunning(f"a daemon answers on {config.socket_path}: stop it first "
-                            "(it cleans up after itself)")
+        raise DaemonRunning(
+            f"a daemon answers on {config.socket_path}: stop it first (it cleans up after itself)"
+        )
     node = config.node_name
     done = CleanedUp()
     done.workers = _reap_workers(config, node)

@@ -14,21 +14,22 @@ import socket
 import stat
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from elasticd.wire import paths
-from elasticd.core.blacklist import BlacklistPolicy
-from elasticd.core.gpuhealth import DRAIN_XIDS, GpuPolicy
-from elasticd.core.containment import MIN_MEMORY, MIN_PIDS, parse_memory
-from elasticd.endpoint import split_endpoint
-from elasticd.errors import ConfigError
-from elasticd.core.liveness import KeepAlive
-from elasticd.shell.logs import MAX_BACKUPS, MIN_MAX_BYTES, OutputLimit
 from elasticd.core import fairshare
 from elasticd.core.allocation import Policy, Quota
+from elasticd.core.blacklist import BlacklistPolicy
+from elasticd.core.containment import MIN_MEMORY, MIN_PIDS, parse_memory
+from elasticd.core.gpuhealth import DRAIN_XIDS, GpuPolicy
+from elasticd.core.liveness import KeepAlive
 from elasticd.core.model import MAX_PRIORITY, JobSpec
 from elasticd.core.quotas import PriorityBounds, SubmitLimits
+from elasticd.endpoint import split_endpoint
+from elasticd.errors import ConfigError
+from elasticd.shell.logs import MAX_BACKUPS, MIN_MAX_BYTES, OutputLimit
+from elasticd.wire import paths
 
 AUTO = "auto"
 ETCD = "etcd"
@@ -95,8 +96,11 @@ def _max_memory(value: str) -> str | None:
 
 
 def _script(value: str) -> str | None:
-    return None if value == "" or value.startswith("/") else \
-        "must be empty (no discovery) or the absolute path of an executable"
+    return (
+        None
+        if value == "" or value.startswith("/")
+        else "must be empty (no discovery) or the absolute path of an executable"
+    )
 
 
 def _cooldown_range(value: list[float]) -> str | None:
@@ -136,8 +140,9 @@ def _check_quota(dotted: str, table: dict[str, int]) -> None:
             raise ConfigError(f"{dotted}.{name}", f"must be 0 or more, got {limit!r}")
 
 
-def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str = "",
-        flag: str = "") -> Any:
+def key(
+    default: Any, check: Callable[[Any], str | None] | None = None, doc: str = "", flag: str = ""
+) -> Any:
     """Declare a config key: its default, an optional validator, a one-line doc and the
     elasticd command-line flag that sets it, if any."""
     kwargs: dict[str, Any] = {"metadata": {"check": check, "doc": doc, "flag": flag}}
@@ -150,47 +155,95 @@ def key(default: Any, check: Callable[[Any], str | None] | None = None, doc: str
 
 @dataclass(frozen=True)
 class NodeConfig:
-    name: str = key("", doc="this node's name in the cluster; empty: the hostname", flag="--node-name")
-    address: str = key("", doc="address peers use to reach this node; empty: this host's address on the route to the store", flag="--node-address")
-    peer_port: int = key(29401, _port, doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any")
-    peer_timeout: float = key(15.0, _positive, doc="seconds a request to another daemon (its ranks' logs) waits for the first answer; then its logs are unavailable for now and asked for again")
-    slots: int = key(0, _not_negative, doc="workers this node runs at once; 0: one per CPU", flag="--slots")
-    gpus: int | str = key(AUTO, _gpus, doc="GPU count, or 'auto': NVML's devices (by UUID, their health watched; see [gpu]), else nvidia-smi's", flag="--gpus")
-    labels: dict[str, str] = key({}, doc="labels published with this node (shown by elasticctl nodes)")
+    name: str = key(
+        "", doc="this node's name in the cluster; empty: the hostname", flag="--node-name"
+    )
+    address: str = key(
+        "",
+        doc="address peers use to reach this node; empty: this host's address on the route to the store",
+        flag="--node-address",
+    )
+    peer_port: int = key(
+        29401,
+        _port,
+        doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any",
+    )
+    peer_timeout: float = key(
+        15.0,
+        _positive,
+        doc="seconds a request to another daemon (its ranks' logs) waits for the first answer; then its logs are unavailable for now and asked for again",
+    )
+    slots: int = key(
+        0, _not_negative, doc="workers this node runs at once; 0: one per CPU", flag="--slots"
+    )
+    gpus: int | str = key(
+        AUTO,
+        _gpus,
+        doc="GPU count, or 'auto': NVML's devices (by UUID, their health watched; see [gpu]), else nvidia-smi's",
+        flag="--gpus",
+    )
+    labels: dict[str, str] = key(
+        {}, doc="labels published with this node (shown by elasticctl nodes)"
+    )
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str = key("default", doc="cluster name; namespaces every store key", flag="--cluster")
-    key_file: str = key("", doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key (made by the store host, or by `elasticd keygen FILE`; copy the same file to every node)", flag="--cluster-key")
+    key_file: str = key(
+        "",
+        doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key (made by the store host, or by `elasticd keygen FILE`; copy the same file to every node)",
+        flag="--cluster-key",
+    )
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     backend: str = key("c10d", _backend, doc="'c10d' (a TCPStore that one daemon hosts) or 'etcd'")
-    endpoint: str = key("127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT", flag="--store")
-    host: bool | str = key(AUTO, doc="host the store here; 'auto': when the endpoint's host is node.address (node.address unset: any address of this host)", flag="--store-host")
-    firewall: bool | str = key(AUTO, doc="let only this daemon's user reach the store port from this host (an nftables rule); 'auto': when root and nft is installed")
+    endpoint: str = key(
+        "127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT", flag="--store"
+    )
+    host: bool | str = key(
+        AUTO,
+        doc="host the store here; 'auto': when the endpoint's host is node.address (node.address unset: any address of this host)",
+        flag="--store-host",
+    )
+    firewall: bool | str = key(
+        AUTO,
+        doc="let only this daemon's user reach the store port from this host (an nftables rule); 'auto': when root and nft is installed",
+    )
     connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
     timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
-    endpoints: list[str] = key([], _members, doc="etcd: the members' client addresses, HOST:PORT each")
+    endpoints: list[str] = key(
+        [], _members, doc="etcd: the members' client addresses, HOST:PORT each"
+    )
     ca_file: str = key("", doc="etcd: the CA of the members' certificates (PEM); set: TLS")
-    cert_file: str = key("", doc="etcd: this daemon's client certificate (PEM), for members that want one")
+    cert_file: str = key(
+        "", doc="etcd: this daemon's client certificate (PEM), for members that want one"
+    )
     key_file: str = key("", doc="etcd: the client certificate's private key (PEM, 0600)")
-    user: str = key("", doc="etcd: the user to authenticate as; empty: none (or the client certificate's)")
+    user: str = key(
+        "", doc="etcd: the user to authenticate as; empty: none (or the client certificate's)"
+    )
     password_file: str = key("", doc="etcd: a 0600 file holding the user's password")
 
     def __post_init__(self) -> None:
         if self.backend != ETCD:
             return
         if not self.endpoints:
-            raise ConfigError("store.endpoints", "must list the etcd members when store.backend is 'etcd'")
+            raise ConfigError(
+                "store.endpoints", "must list the etcd members when store.backend is 'etcd'"
+            )
         if bool(self.cert_file) != bool(self.key_file):
-            raise ConfigError("store.key_file" if self.cert_file else "store.cert_file",
-                              "store.cert_file and store.key_file go together")
+            raise ConfigError(
+                "store.key_file" if self.cert_file else "store.cert_file",
+                "store.cert_file and store.key_file go together",
+            )
         if bool(self.user) != bool(self.password_file):
-            raise ConfigError("store.password_file" if self.user else "store.user",
-                              "store.user and store.password_file go together")
+            raise ConfigError(
+                "store.password_file" if self.user else "store.user",
+                "store.user and store.password_file go together",
+            )
 
     def password(self) -> str:
         """The etcd user's password, read from password_file (which only its owner may
@@ -205,8 +258,10 @@ class StoreConfig:
         except OSError as exc:
             raise ConfigError(dotted, f"cannot read {path}: {exc.strerror}") from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(dotted, f"{path} is accessible by group or others "
-                                      f"(mode {mode & 0o777:o}); chmod 600 it")
+            raise ConfigError(
+                dotted,
+                f"{path} is accessible by group or others (mode {mode & 0o777:o}); chmod 600 it",
+            )
         try:
             password = text.decode()
         except UnicodeDecodeError:
@@ -218,37 +273,80 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class PathsConfig:
-    state_dir: str = key(paths.SYSTEM_STATE_DIR, doc="job history, logs and the cluster key", flag="--state-dir")
+    state_dir: str = key(
+        paths.SYSTEM_STATE_DIR, doc="job history, logs and the cluster key", flag="--state-dir"
+    )
     runtime_dir: str = key(paths.SYSTEM_RUNTIME_DIR, doc="the control socket", flag="--runtime-dir")
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    port: int = key(9464, _port, doc="Prometheus endpoint port; 0 disables it", flag="--metrics-port")
+    port: int = key(
+        9464, _port, doc="Prometheus endpoint port; 0 disables it", flag="--metrics-port"
+    )
     address: str = key("0.0.0.0", doc="address the Prometheus endpoint binds")
 
 
 @dataclass(frozen=True)
 class ControlConfig:
-    admin_group: str = key("elasticd-admin", doc="members act on every job, like root, and read every job's files on disk")
-    max_connections: int = key(1024, _positive, doc="open control-socket connections, all users together")
-    max_connections_per_user: int = key(32, _positive, doc="open control-socket connections of one user")
+    admin_group: str = key(
+        "elasticd-admin",
+        doc="members act on every job, like root, and read every job's files on disk",
+    )
+    max_connections: int = key(
+        1024, _positive, doc="open control-socket connections, all users together"
+    )
+    max_connections_per_user: int = key(
+        32, _positive, doc="open control-socket connections of one user"
+    )
 
 
 @dataclass(frozen=True)
 class JobsConfig:
     allow_root: bool = key(False, doc="run jobs submitted by root as root", flag="--allow-root")
     stop_grace: float = key(10.0, _not_negative, doc="seconds between SIGTERM and SIGKILL")
-    max_restarts: int = key(JobSpec.max_restarts, _not_negative, doc="default job-wide restart budget")
-    exit_barrier_timeout: float = key(JobSpec.exit_barrier_timeout, _positive, doc="default exit barrier timeout, seconds")
-    join_timeout: float = key(JobSpec.join_timeout, _positive, doc="default seconds a job waits for min nodes")
-    last_call_timeout: float = key(JobSpec.last_call_timeout, _not_negative, doc="extra seconds for nodes after min joined")
-    cgroup: str = key("auto", _cgroup_setting, doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path")
-    max_pids_per_worker: int = key(1024, _max_pids, doc="processes and threads one job may have on this node, per worker it runs here (its cgroup's pids.max; without the pids controller, each worker's RLIMIT_NPROC); 0: no limit")
-    max_memory: str = key("0", _max_memory, doc="memory (RAM and swap together) one job may use on this node, in its cgroup: bytes, a size such as 64G, or a share of this node's memory such as 90%; past it the OOM killer ends the job; 0: no limit")
-    max_argv_bytes: int = key(SubmitLimits.argv_bytes, _positive, doc="bytes of a job's command line (its arguments, as execve counts them); a larger submit is refused")
-    max_env_bytes: int = key(SubmitLimits.env_bytes, _positive, doc="bytes of a job's environment (the submitter's, with --env, as execve counts it); a larger submit is refused")
-    max_per_user: int = key(SubmitLimits.per_user, _not_negative, doc="jobs of one user that have not ended (pending or running, in the whole cluster as this node sees it); root and the admin group are exempt; 0: no limit")
+    max_restarts: int = key(
+        JobSpec.max_restarts, _not_negative, doc="default job-wide restart budget"
+    )
+    exit_barrier_timeout: float = key(
+        JobSpec.exit_barrier_timeout, _positive, doc="default exit barrier timeout, seconds"
+    )
+    join_timeout: float = key(
+        JobSpec.join_timeout, _positive, doc="default seconds a job waits for min nodes"
+    )
+    last_call_timeout: float = key(
+        JobSpec.last_call_timeout, _not_negative, doc="extra seconds for nodes after min joined"
+    )
+    cgroup: str = key(
+        "auto",
+        _cgroup_setting,
+        doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path",
+    )
+    max_pids_per_worker: int = key(
+        1024,
+        _max_pids,
+        doc="processes and threads one job may have on this node, per worker it runs here (its cgroup's pids.max; without the pids controller, each worker's RLIMIT_NPROC); 0: no limit",
+    )
+    max_memory: str = key(
+        "0",
+        _max_memory,
+        doc="memory (RAM and swap together) one job may use on this node, in its cgroup: bytes, a size such as 64G, or a share of this node's memory such as 90%; past it the OOM killer ends the job; 0: no limit",
+    )
+    max_argv_bytes: int = key(
+        SubmitLimits.argv_bytes,
+        _positive,
+        doc="bytes of a job's command line (its arguments, as execve counts them); a larger submit is refused",
+    )
+    max_env_bytes: int = key(
+        SubmitLimits.env_bytes,
+        _positive,
+        doc="bytes of a job's environment (the submitter's, with --env, as execve counts it); a larger submit is refused",
+    )
+    max_per_user: int = key(
+        SubmitLimits.per_user,
+        _not_negative,
+        doc="jobs of one user that have not ended (pending or running, in the whole cluster as this node sees it); root and the admin group are exempt; 0: no limit",
+    )
 
     @property
     def limits(self) -> SubmitLimits:
@@ -258,7 +356,9 @@ class JobsConfig:
 @dataclass(frozen=True)
 class RendezvousConfig:
     keep_alive_interval: float = key(KeepAlive.interval, _positive, doc="heartbeat period, seconds")
-    keep_alive_max_attempt: int = key(KeepAlive.attempts, _positive, doc="missed heartbeats before a node is lost")
+    keep_alive_max_attempt: int = key(
+        KeepAlive.attempts, _positive, doc="missed heartbeats before a node is lost"
+    )
 
     @property
     def keep_alive(self) -> KeepAlive:
@@ -267,16 +367,30 @@ class RendezvousConfig:
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
-    script: str = key("", _script, doc="an executable that prints the nodes that may take work, one host[:slots] a line (a node not listed is drained); empty: no discovery")
+    script: str = key(
+        "",
+        _script,
+        doc="an executable that prints the nodes that may take work, one host[:slots] a line (a node not listed is drained); empty: no discovery",
+    )
     interval: float = key(1.0, _positive, doc="seconds between runs of the discovery script")
     timeout: float = key(10.0, _positive, doc="seconds one run of the discovery script may take")
 
 
 @dataclass(frozen=True)
 class BlacklistConfig:
-    failures: int = key(BlacklistPolicy.failures, _not_negative, doc="failures of one user's workers on this node within the window that keep that user's jobs off it (two such users: the node is blacklisted); 0: no blacklist")
-    window: float = key(BlacklistPolicy.window, _positive, doc="seconds within which those failures count")
-    cooldown_range: list[float] = key([BlacklistPolicy.cooldown_min, BlacklistPolicy.cooldown_max], _cooldown_range, doc="[min, max] seconds a cooldown lasts (a user's jobs kept off, or a blacklisted node): min, doubled each time in a row, with jitter")
+    failures: int = key(
+        BlacklistPolicy.failures,
+        _not_negative,
+        doc="failures of one user's workers on this node within the window that keep that user's jobs off it (two such users: the node is blacklisted); 0: no blacklist",
+    )
+    window: float = key(
+        BlacklistPolicy.window, _positive, doc="seconds within which those failures count"
+    )
+    cooldown_range: list[float] = key(
+        [BlacklistPolicy.cooldown_min, BlacklistPolicy.cooldown_max],
+        _cooldown_range,
+        doc="[min, max] seconds a cooldown lasts (a user's jobs kept off, or a blacklisted node): min, doubled each time in a row, with jitter",
+    )
 
     @property
     def policy(self) -> BlacklistPolicy:
@@ -289,9 +403,21 @@ def _xids(value: list[int]) -> str | None:
 
 @dataclass(frozen=True)
 class GpuConfig:
-    health_interval: float = key(10.0, _not_negative, doc="seconds between NVML health checks of this node's GPUs (node.gpus = 'auto' and NVML present); 0: none")
-    readmit_after: float = key(0.0, _not_negative, doc="seconds a GPU taken out must read healthy before it is offered again; 0: only `elasticctl undrain NODE --gpu N` readmits it")
-    drain_xids: list[int] = key(sorted(DRAIN_XIDS), _xids, doc="Xid events that take a GPU out of the offer (hardware: 79 fallen off the bus, 48/94/95 ECC, 63/64 row remap, 74 NVLink ...); other Xids are logged and counted")
+    health_interval: float = key(
+        10.0,
+        _not_negative,
+        doc="seconds between NVML health checks of this node's GPUs (node.gpus = 'auto' and NVML present); 0: none",
+    )
+    readmit_after: float = key(
+        0.0,
+        _not_negative,
+        doc="seconds a GPU taken out must read healthy before it is offered again; 0: only `elasticctl undrain NODE --gpu N` readmits it",
+    )
+    drain_xids: list[int] = key(
+        sorted(DRAIN_XIDS),
+        _xids,
+        doc="Xid events that take a GPU out of the offer (hardware: 79 fallen off the bus, 48/94/95 ECC, 63/64 row remap, 74 NVLink ...); other Xids are logged and counted",
+    )
 
     @property
     def policy(self) -> GpuPolicy:
@@ -300,8 +426,16 @@ class GpuConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    max_bytes: int = key(100 * 1024 * 1024, _max_bytes, doc="bytes at which a worker's stdout or stderr file (rank_<r>.out|.err) is rotated; 0: never (no limit)")
-    backups: int = key(3, _backups, doc="rotated files kept of each (rank_<r>.out.1 the newest); the oldest is deleted")
+    max_bytes: int = key(
+        100 * 1024 * 1024,
+        _max_bytes,
+        doc="bytes at which a worker's stdout or stderr file (rank_<r>.out|.err) is rotated; 0: never (no limit)",
+    )
+    backups: int = key(
+        3,
+        _backups,
+        doc="rotated files kept of each (rank_<r>.out.1 the newest); the oldest is deleted",
+    )
 
     @property
     def limit(self) -> OutputLimit:
@@ -310,28 +444,71 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class HistoryConfig:
-    retention: float = key(30 * 24 * 3600.0, _not_negative, doc="seconds after its end that a job's history row and output are deleted (2592000: 30 days); 0: kept forever")
+    retention: float = key(
+        30 * 24 * 3600.0,
+        _not_negative,
+        doc="seconds after its end that a job's history row and output are deleted (2592000: 30 days); 0: kept forever",
+    )
 
 
 @dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
-    summary_interval: float = key(60.0, _positive, doc="seconds between the lines of a warning that repeats (a refused peer connection or store record, a loop's unexpected error): the first is logged, the rest counted and summed up once per interval")
+    summary_interval: float = key(
+        60.0,
+        _positive,
+        doc="seconds between the lines of a warning that repeats (a refused peer connection or store record, a loop's unexpected error): the first is logged, the rest counted and summed up once per interval",
+    )
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    enabled: bool = key(True, doc="the cluster follows the allocation its elected daemon publishes (priority, fair share, quotas; shrink to admit, grow to fill); false: each node offers itself to the oldest open job it fits")
-    resize_interval: float = key(30.0, _not_negative, doc="seconds between two growths of one job (reclaiming nodes for a waiting job, and failures, are not delayed)")
-    half_life: float = key(fairshare.HALF_LIFE, _not_negative, doc="seconds in which an account's recorded use halves, for fair share (604800: 7 days, as Slurm's PriorityDecayHalfLife); 0: none is kept")
-    max_priority: int = key(0, _priority, doc="the highest --priority a user may ask (0 or less is always allowed); root and control.admin_group may ask any")
-    priority_users: dict[str, int] = key({}, doc="user -> the highest --priority that user may ask, where above max_priority, e.g. {alice = 10}")
-    priority_groups: dict[str, int] = key({}, doc="group -> the highest --priority its members may ask, where above max_priority")
-    user_quota: dict[str, int] = key({}, doc="each user's limits on what their jobs hold at once: nodes, gpus, slots (a limit not set: none), e.g. {nodes = 4, gpus = 8}")
-    account_quota: dict[str, int] = key({}, doc="each account's limits, as user_quota (an account: a group, --account; by default the user's primary group)")
-    users: dict[str, dict[str, int]] = key({}, doc="user -> that user's own limits, each in place of user_quota's (those it does not set stay), e.g. {alice = {nodes = 8}}")
-    accounts: dict[str, dict[str, int]] = key({}, doc="account -> that account's own limits, each in place of account_quota's (those it does not set stay)")
-    shares: dict[str, float] = key({}, doc="account -> its share of the cluster for fair share (greater than 0; an account not listed: 1.0), e.g. {ml = 2.0}")
+    enabled: bool = key(
+        True,
+        doc="the cluster follows the allocation its elected daemon publishes (priority, fair share, quotas; shrink to admit, grow to fill); false: each node offers itself to the oldest open job it fits",
+    )
+    resize_interval: float = key(
+        30.0,
+        _not_negative,
+        doc="seconds between two growths of one job (reclaiming nodes for a waiting job, and failures, are not delayed)",
+    )
+    half_life: float = key(
+        fairshare.HALF_LIFE,
+        _not_negative,
+        doc="seconds in which an account's recorded use halves, for fair share (604800: 7 days, as Slurm's PriorityDecayHalfLife); 0: none is kept",
+    )
+    max_priority: int = key(
+        0,
+        _priority,
+        doc="the highest --priority a user may ask (0 or less is always allowed); root and control.admin_group may ask any",
+    )
+    priority_users: dict[str, int] = key(
+        {},
+        doc="user -> the highest --priority that user may ask, where above max_priority, e.g. {alice = 10}",
+    )
+    priority_groups: dict[str, int] = key(
+        {}, doc="group -> the highest --priority its members may ask, where above max_priority"
+    )
+    user_quota: dict[str, int] = key(
+        {},
+        doc="each user's limits on what their jobs hold at once: nodes, gpus, slots (a limit not set: none), e.g. {nodes = 4, gpus = 8}",
+    )
+    account_quota: dict[str, int] = key(
+        {},
+        doc="each account's limits, as user_quota (an account: a group, --account; by default the user's primary group)",
+    )
+    users: dict[str, dict[str, int]] = key(
+        {},
+        doc="user -> that user's own limits, each in place of user_quota's (those it does not set stay), e.g. {alice = {nodes = 8}}",
+    )
+    accounts: dict[str, dict[str, int]] = key(
+        {},
+        doc="account -> that account's own limits, each in place of account_quota's (those it does not set stay)",
+    )
+    shares: dict[str, float] = key(
+        {},
+        doc="account -> its share of the cluster for fair share (greater than 0; an account not listed: 1.0), e.g. {ml = 2.0}",
+    )
 
     def __post_init__(self) -> None:
         for name in ("priority_users", "priority_groups"):
@@ -345,7 +522,9 @@ class SchedulerConfig:
                 _check_quota(f"scheduler.{name}.{who}", table)
         for account, share in self.shares.items():
             if not 0 < share < math.inf:
-                raise ConfigError(f"scheduler.shares.{account}", f"must be greater than 0, got {share!r}")
+                raise ConfigError(
+                    f"scheduler.shares.{account}", f"must be greater than 0, got {share!r}"
+                )
 
     def policy(self) -> Policy:
         """The allocator's policy.  A user's or an account's own entry replaces the limits
@@ -353,14 +532,21 @@ class SchedulerConfig:
         user_default, account_default = Quota(**self.user_quota), Quota(**self.account_quota)
         return Policy(
             users={user: dataclasses.replace(user_default, **q) for user, q in self.users.items()},
-            accounts={name: dataclasses.replace(account_default, **q) for name, q in self.accounts.items()},
-            user_default=user_default, account_default=account_default,
-            account_shares=dict(self.shares), resize_interval=self.resize_interval,
-            half_life=self.half_life)
+            accounts={
+                name: dataclasses.replace(account_default, **q) for name, q in self.accounts.items()
+            },
+            user_default=user_default,
+            account_default=account_default,
+            account_shares=dict(self.shares),
+            resize_interval=self.resize_interval,
+            half_life=self.half_life,
+        )
 
     @property
     def priority_bounds(self) -> PriorityBounds:
-        return PriorityBounds(self.max_priority, dict(self.priority_users), dict(self.priority_groups))
+        return PriorityBounds(
+            self.max_priority, dict(self.priority_users), dict(self.priority_groups)
+        )
 
     def priority_bound(self, user: str, groups: typing.Iterable[str], is_admin: bool) -> int | None:
         """The highest --priority ``user`` (in ``groups``) may ask; None: any (root, admins)."""
@@ -417,18 +603,21 @@ class DaemonConfig:
         return split_endpoint(self.store.endpoint)[1]
 
 
-SECTIONS: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(DaemonConfig).items()
-                             if name != "standalone"}
+SECTIONS: dict[str, type] = {
+    name: hint for name, hint in typing.get_type_hints(DaemonConfig).items() if name != "standalone"
+}
 
 
-def load(path: str | None = None, overrides: dict[str, Any] | None = None,
-         *, standalone: bool = False) -> DaemonConfig:
+def load(
+    path: str | None = None, overrides: dict[str, Any] | None = None, *, standalone: bool = False
+) -> DaemonConfig:
     """Read ``path`` (TOML), apply ``overrides`` (dotted keys, e.g. ``"node.slots"``), validate."""
     return from_tables(_tables(path, overrides, standalone), standalone=standalone)
 
 
-def problems(path: str | None = None, overrides: dict[str, Any] | None = None,
-             *, standalone: bool = False) -> list[ConfigError]:
+def problems(
+    path: str | None = None, overrides: dict[str, Any] | None = None, *, standalone: bool = False
+) -> list[ConfigError]:
     """Every error ``load`` would raise, in its order (``elasticd --check-config``): after
     each one the key it names (else its section) is set aside and the rest checked again."""
     try:
@@ -506,17 +695,25 @@ def _coerce(dotted: str, hint: Any, value: Any) -> Any:
         return float(value)
     if typing.get_origin(hint) is list:
         kind = typing.get_args(hint)[0]
-        if not (isinstance(value, list) and all(_is(v, kind) or (kind is float and _is(v, int)) for v in value)):
+        if not (
+            isinstance(value, list)
+            and all(_is(v, kind) or (kind is float and _is(v, int)) for v in value)
+        ):
             raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
         return [kind(v) for v in value]
-    if typing.get_origin(hint) is dict and hint != dict[str, str]:  # a table of values, each checked
+    if (
+        typing.get_origin(hint) is dict and hint != dict[str, str]
+    ):  # a table of values, each checked
         if not isinstance(value, dict):
             raise ConfigError(dotted, f"must be {_TYPE_WORDS[hint]}, got {value!r}")
-        return {name: _coerce(f"{dotted}.{name}", typing.get_args(hint)[1], item)
-                for name, item in value.items()}
+        return {
+            name: _coerce(f"{dotted}.{name}", typing.get_args(hint)[1], item)
+            for name, item in value.items()
+        }
     if hint == dict[str, str]:
-        ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in value.items())
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        )
     elif hint in (int | str, bool | str):  # a value, or "auto"
         ok = value == AUTO or _is(value, int if hint == int | str else bool)
     else:
@@ -531,10 +728,18 @@ def _is(value: Any, kind: type) -> bool:
 
 
 _TYPE_WORDS: dict[Any, str] = {
-    int: "an integer", float: "a number", str: "a string", bool: "true or false",
-    dict[str, str]: "a table of strings", int | str: f"an integer or '{AUTO}'",
-    bool | str: f"true, false or '{AUTO}'", list[float]: "a list of numbers", list[str]: "a list of strings", list[int]: "a list of integers",
-    dict[str, int]: "a table of integers", dict[str, float]: "a table of numbers",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    dict[str, str]: "a table of strings",
+    int | str: f"an integer or '{AUTO}'",
+    bool | str: f"true, false or '{AUTO}'",
+    list[float]: "a list of numbers",
+    list[str]: "a list of strings",
+    list[int]: "a list of integers",
+    dict[str, int]: "a table of integers",
+    dict[str, float]: "a table of numbers",
     dict[str, dict[str, int]]: "a table of tables of integers",
 }
 
@@ -548,8 +753,10 @@ def _read_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:  # tomllib decodes before it parses
-        raise ConfigError("--config", f"{path} is not valid TOML: not UTF-8 text ({exc.reason} "
-                                      f"at byte {exc.start})") from None
+        raise ConfigError(
+            "--config",
+            f"{path} is not valid TOML: not UTF-8 text ({exc.reason} at byte {exc.start})",
+        ) from None
 
 
 def _put(tables: dict[str, Any], dotted: str, value: Any, *, replace: bool) -> None:

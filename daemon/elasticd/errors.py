@@ -87,7 +87,9 @@ class NotACounter(StoreError):
 
     def __init__(self, key: str, value: bytes) -> None:
         self.key, self.value = key, value
-        self.shown = repr(value[:40]) + (f" and {len(value) - 40} more bytes" if len(value) > 40 else "")
+        self.shown = repr(value[:40]) + (
+            f" and {len(value) - 40} more bytes" if len(value) > 40 else ""
+        )
         super().__init__(f"store key {key} holds {self.shown}, not a counter")
 
 

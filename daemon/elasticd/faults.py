@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 log = logging.getLogger("elasticd")
 
@@ -50,13 +50,18 @@ class Throttle:
 
     def due(self) -> float | None:
         """When the first count held back may be told (None: nothing is held back)."""
-        return min((when + self.interval for when, held, _ in self._seen.values() if held), default=None)
+        return min(
+            (when + self.interval for when, held, _ in self._seen.values() if held), default=None
+        )
 
     def flush(self, now: float) -> list[tuple[str, int, str]]:
         """(key, how many were held back, the newest one's detail) for each key whose interval
         is over: told now, they open the key's next interval."""
-        done = [(key, held, detail) for key, (when, held, detail) in self._seen.items()
-                if held and when + self.interval <= now]
+        done = [
+            (key, held, detail)
+            for key, (when, held, detail) in self._seen.items()
+            if held and when + self.interval <= now
+        ]
         for key, _, detail in done:
             self._seen[key] = (now, 0, detail)
         return done
@@ -73,8 +78,12 @@ class Faults:
     per loop per interval), counted (``on_fault(loop)``), and the loop goes on after
     ``backoff`` seconds.  A cancellation is no Exception: it passes, as it must."""
 
-    def __init__(self, on_fault: Callable[[str], None] = lambda loop: None,
-                 clock: Callable[[], float] = time.monotonic, interval: float = LOG_INTERVAL) -> None:
+    def __init__(
+        self,
+        on_fault: Callable[[str], None] = lambda loop: None,
+        clock: Callable[[], float] = time.monotonic,
+        interval: float = LOG_INTERVAL,
+    ) -> None:
         self._on_fault = on_fault
         self._clock = clock
         self._throttle = Throttle(interval)
@@ -87,7 +96,9 @@ class Faults:
             self.report(loop)
             await asyncio.sleep(backoff)  # a step that fails again at once must not spin
 
-    async def supervise(self, loop: str, run: Callable[[], Awaitable[None]], backoff: float = 1.0) -> None:
+    async def supervise(
+        self, loop: str, run: Callable[[], Awaitable[None]], backoff: float = 1.0
+    ) -> None:
         """``run()`` (a loop of the daemon's task group), started again ``backoff`` seconds
         after an unexpected exception ended it, so that it never ends the task group; it
         returns when ``run()`` returns."""
@@ -101,5 +112,9 @@ class Faults:
         self._on_fault(loop)
         held = self._throttle.check(loop, self._clock())
         if held is not None:
-            log.exception("the %s loop: unexpected error%s; it goes on%s", loop, detail and f" ({detail})",
-                          held_back(held))
+            log.exception(
+                "the %s loop: unexpected error%s; it goes on%s",
+                loop,
+                detail and f" ({detail})",
+                held_back(held),
+            )

@@ -38,9 +38,9 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SOCKET_ENV = "ELASTICD_JOURNAL_SOCKET"
 IDENTIFIER = "elasticd"
 STDERR_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-MAX_MESSAGE = 1000     # characters of one record's message (the marker comes on top)
+MAX_MESSAGE = 1000  # characters of one record's message (the marker comes on top)
 MAX_TRACEBACK = 16384  # characters of a traceback: its end, where the error is
-JOB_TEXT = 300         # characters of a job's own text (its error message) in one record
+JOB_TEXT = 300  # characters of a job's own text (its error message) in one record
 _SEND_BUFFER = 8 << 20  # as sd_journal_send asks; the kernel caps it at wmem_max
 # What is escaped (as elasticctl's render.clean does): C0 controls, DEL, C1 controls, bidi
 # controls and lone surrogates; newlines too, but in a traceback.
@@ -79,8 +79,12 @@ def about(job_id: str) -> dict[str, str]:
 
 def priority(level: int) -> int:
     """The syslog priority of a logging level (journald's PRIORITY)."""
-    for floor, value in ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4),
-                         (logging.INFO, 6)):
+    for floor, value in (
+        (logging.CRITICAL, 2),
+        (logging.ERROR, 3),
+        (logging.WARNING, 4),
+        (logging.INFO, 6),
+    ):
         if level >= floor:
             return value
     return 7
@@ -124,16 +128,24 @@ class LogFormatter(logging.Formatter):
 
 def _traceback(text: str) -> str:
     if len(text) > MAX_TRACEBACK:
-        text = f"[cut: the last {MAX_TRACEBACK} of {len(text)} characters]\n" + text[-MAX_TRACEBACK:]
+        text = (
+            f"[cut: the last {MAX_TRACEBACK} of {len(text)} characters]\n" + text[-MAX_TRACEBACK:]
+        )
     return text if text.isprintable() else _UNSAFE_IN_TRACEBACK.sub(_escape, text)
 
 
 def record_fields(record: logging.LogRecord, message: str, node: str) -> dict[str, str]:
     """The journal fields of one record; ``message`` is its text with any traceback."""
-    fields = {"MESSAGE": message, "PRIORITY": str(priority(record.levelno)),
-              "SYSLOG_IDENTIFIER": IDENTIFIER, "ELASTICD_LOGGER": record.name,
-              "ELASTICD_NODE": node, "CODE_FILE": record.pathname,
-              "CODE_LINE": str(record.lineno), "CODE_FUNC": record.funcName}
+    fields = {
+        "MESSAGE": message,
+        "PRIORITY": str(priority(record.levelno)),
+        "SYSLOG_IDENTIFIER": IDENTIFIER,
+        "ELASTICD_LOGGER": record.name,
+        "ELASTICD_NODE": node,
+        "CODE_FILE": record.pathname,
+        "CODE_LINE": str(record.lineno),
+        "CODE_FUNC": record.funcName,
+    }
     job = job_of(record)
     if job:
         fields["ELASTICD_JOB"] = job
@@ -169,8 +181,9 @@ class JournalHandler(logging.Handler):
         self.node = node
         self.path = path
         self._fallback = fallback
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
-                                     | socket.SOCK_NONBLOCK)
+        self._socket = socket.socket(
+            socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        )
         self.dropped = 0  # records dropped since the last one journald took
         try:
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
@@ -190,12 +203,21 @@ class JournalHandler(logging.Handler):
             self._fallback.handle(record)
 
     def _send(self, record: logging.LogRecord) -> None:
-        self._socket.sendto(encode(record_fields(record, self.format(record), self.node)), self.path)
+        self._socket.sendto(
+            encode(record_fields(record, self.format(record), self.node)), self.path
+        )
 
     def _dropped_notice(self) -> logging.LogRecord:
-        return logging.LogRecord(__name__, logging.WARNING, __file__, 0,
-                                 "%d log records were dropped: journald did not keep up",
-                                 (self.dropped,), None, func="emit")
+        return logging.LogRecord(
+            __name__,
+            logging.WARNING,
+            __file__,
+            0,
+            "%d log records were dropped: journald did not keep up",
+            (self.dropped,),
+            None,
+            func="emit",
+        )
 
     def close(self) -> None:
         self._socket.close()
@@ -208,8 +230,9 @@ def plain_handler(stream: TextIO) -> logging.Handler:
     return handler
 
 
-def log_handler(node: str, environ: Mapping[str, str] | None = None,
-                stream: TextIO | None = None) -> logging.Handler:
+def log_handler(
+    node: str, environ: Mapping[str, str] | None = None, stream: TextIO | None = None
+) -> logging.Handler:
     """The daemon's log handler: the journal's when ``stream`` (stderr) is the journal stream."""
     environ = os.environ if environ is None else environ
     stream = sys.stderr if stream is None else stream

@@ -19,9 +19,10 @@ def parse_keygen_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=f"elasticd {COMMAND}",
         description="Write a new random cluster key to FILE (mode 0600), in the form the store "
-                    "host makes one.  An existing FILE is never overwritten.  Copy the file to "
-                    "every node of the cluster and point cluster.key_file (or elasticd "
-                    "--cluster-key) at it.")
+        "host makes one.  An existing FILE is never overwritten.  Copy the file to "
+        "every node of the cluster and point cluster.key_file (or elasticd "
+        "--cluster-key) at it.",
+    )
     p.add_argument("file", metavar="FILE", help="where to write the key (its directory must exist)")
     return p.parse_args(argv)
 
@@ -31,15 +32,21 @@ def keygen(path: str) -> int:
     try:
         create_key(path)
     except FileExistsError:
-        return _keygen_failed(f"{path} already exists; not overwriting it (a cluster's nodes "
-                              "must share one key: copy that file, or remove it first)")
+        return _keygen_failed(
+            f"{path} already exists; not overwriting it (a cluster's nodes "
+            "must share one key: copy that file, or remove it first)"
+        )
     except FileNotFoundError:
-        return _keygen_failed(f"cannot create {path}: the directory "
-                              f"{os.path.dirname(os.path.abspath(path))} does not exist")
+        return _keygen_failed(
+            f"cannot create {path}: the directory "
+            f"{os.path.dirname(os.path.abspath(path))} does not exist"
+        )
     except OSError as exc:
         return _keygen_failed(f"cannot create {path}: {exc.strerror}")
-    print(f"wrote a new cluster key to {path} (mode 0600); copy it to every node of the cluster "
-          "(elasticd --cluster-key FILE, or cluster.key_file in the config)")
+    print(
+        f"wrote a new cluster key to {path} (mode 0600); copy it to every node of the cluster "
+        "(elasticd --cluster-key FILE, or cluster.key_file in the config)"
+    )
     return 0
 
 

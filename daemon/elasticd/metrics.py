@@ -12,17 +12,25 @@ import math
 import os
 import time
 from collections import Counter as Tally
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import ProcessCollector, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from elasticd import __version__
 from elasticd.core.allocation import Reason
-from elasticd.core.records import JobRecord, hold_reason, started
 from elasticd.core.model import JobState, NodeState, WorkerState
+from elasticd.core.records import JobRecord, hold_reason, started
 from elasticd.core.schedule import Schedule, waiting_jobs
 from elasticd.core.usage import spans
 from elasticd.jobs.accounts import group_name
@@ -34,8 +42,8 @@ _WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200
 _PLAN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
-_FULL_BELOW = 1 << 20     # bytes: a state dir with less free space counts as full
-_FULL_RECENTLY = 60.0     # seconds a failed write for lack of space keeps it counted as full
+_FULL_BELOW = 1 << 20  # bytes: a state dir with less free space counts as full
+_FULL_RECENTLY = 60.0  # seconds a failed write for lack of space keeps it counted as full
 _NO_SPACE = ("No space left on device", "Disk quota exceeded", "database or disk is full")
 
 
@@ -49,114 +57,198 @@ class Metrics:
         reg.register(self.disk)
         reg.register(self.job_usage)
         reg.register(self.sharing)
-        Gauge("elasticd_build_info", "Build information", ["version"], registry=reg) \
-            .labels(__version__).set(1)
-        self.jobs = Gauge("elasticd_jobs", "Jobs known to this daemon, by state", ["state"], registry=reg)
+        Gauge("elasticd_build_info", "Build information", ["version"], registry=reg).labels(
+            __version__
+        ).set(1)
+        self.jobs = Gauge(
+            "elasticd_jobs", "Jobs known to this daemon, by state", ["state"], registry=reg
+        )
         self.jobs_held = Gauge(
             "elasticd_jobs_held",
             "Jobs held: a node refuses a record the job needs (elasticctl status says which and why)",
-            registry=reg)
-        self.jobs_finished = Counter("elasticd_jobs_finished_total",
-                                     "Jobs this daemon saw finish since it started, by final state",
-                                     ["state"], registry=reg)
+            registry=reg,
+        )
+        self.jobs_finished = Counter(
+            "elasticd_jobs_finished_total",
+            "Jobs this daemon saw finish since it started, by final state",
+            ["state"],
+            registry=reg,
+        )
         self._finished: set[str] = set()
         self.job_wait = Histogram(
             "elasticd_job_wait_seconds",
             "Time from a job's submit to its first start, observed once per job by the node it "
             "was submitted on (a sum over the cluster counts each job once)",
-            buckets=_WAIT_BUCKETS, registry=reg)
+            buckets=_WAIT_BUCKETS,
+            registry=reg,
+        )
         self._started: set[str] = set()  # jobs submitted here whose wait is observed
         self.reclaims = Counter(
-            "elasticd_reclaims_total", "Parts of jobs this node left because the cluster's "
+            "elasticd_reclaims_total",
+            "Parts of jobs this node left because the cluster's "
             "schedule gave its place to another job (a reclaim or a preemption: no restart "
-            "spent)", registry=reg)
+            "spent)",
+            registry=reg,
+        )
         self.plan_duration = Histogram(
-            "elasticd_scheduler_plan_seconds", "Time the allocator took to plan a schedule, "
-            "on the node that allocates", buckets=_PLAN_BUCKETS, registry=reg)
+            "elasticd_scheduler_plan_seconds",
+            "Time the allocator took to plan a schedule, on the node that allocates",
+            buckets=_PLAN_BUCKETS,
+            registry=reg,
+        )
         self.grown_nodes = Counter(
-            "elasticd_scheduler_grown_nodes_total", "Nodes the allocator gave to jobs that ran "
-            "already (growth into idle nodes, a lost node replaced)", registry=reg)
+            "elasticd_scheduler_grown_nodes_total",
+            "Nodes the allocator gave to jobs that ran "
+            "already (growth into idle nodes, a lost node replaced)",
+            registry=reg,
+        )
         self.preemptions = Counter(
-            "elasticd_scheduler_preemptions_total", "Jobs the allocator stopped below their min "
-            "(--preemptible: requeued, no restart spent)", registry=reg)
-        self.workers = Gauge("elasticd_workers", "Worker processes on this node, by state",
-                             ["state"], registry=reg)
-        self.spares = Gauge("elasticd_spare_workers", "Warm spare workers parked on this node "
-                            "(--spares: started, waiting in elastic.run, holding no rank)", registry=reg)
-        self.worker_restarts = Counter("elasticd_worker_restarts_total",
-                                       "Group restarts after a worker failure", registry=reg)
-        self.worker_exits = Counter("elasticd_worker_exits_total", "Worker exits, by exit code",
-                                    ["exit_code"], registry=reg)
-        self.control_requests = Counter("elasticd_control_requests_total",
-                                        "Control requests, by op and result", ["op", "result"],
-                                        registry=reg)
-        self.control_connections = Gauge("elasticd_control_connections",
-                                         "Open control-socket connections", registry=reg)
+            "elasticd_scheduler_preemptions_total",
+            "Jobs the allocator stopped below their min "
+            "(--preemptible: requeued, no restart spent)",
+            registry=reg,
+        )
+        self.workers = Gauge(
+            "elasticd_workers", "Worker processes on this node, by state", ["state"], registry=reg
+        )
+        self.spares = Gauge(
+            "elasticd_spare_workers",
+            "Warm spare workers parked on this node "
+            "(--spares: started, waiting in elastic.run, holding no rank)",
+            registry=reg,
+        )
+        self.worker_restarts = Counter(
+            "elasticd_worker_restarts_total", "Group restarts after a worker failure", registry=reg
+        )
+        self.worker_exits = Counter(
+            "elasticd_worker_exits_total", "Worker exits, by exit code", ["exit_code"], registry=reg
+        )
+        self.control_requests = Counter(
+            "elasticd_control_requests_total",
+            "Control requests, by op and result",
+            ["op", "result"],
+            registry=reg,
+        )
+        self.control_connections = Gauge(
+            "elasticd_control_connections", "Open control-socket connections", registry=reg
+        )
         self.peer_refused = Counter(
             "elasticd_peer_refused_total",
             "Connections to the peer port refused at the CURVE handshake (a key that is no node's)",
-            registry=reg)
-        self.refused_records = Counter("elasticd_store_refused_records_total",
-                                       "Store records refused (forged, copied from another key, older than one seen, or unreadable)", registry=reg)
+            registry=reg,
+        )
+        self.refused_records = Counter(
+            "elasticd_store_refused_records_total",
+            "Store records refused (forged, copied from another key, older than one seen, or unreadable)",
+            registry=reg,
+        )
         self.loop_faults = Counter(
             "elasticd_loop_faults_total",
             "Unexpected errors in the daemon's long-lived loops, by loop (each logged with its "
-            "traceback, once a minute per loop; the loop went on)", ["loop"], registry=reg)
+            "traceback, once a minute per loop; the loop went on)",
+            ["loop"],
+            registry=reg,
+        )
         self.output_dropped_bytes = Counter(
             "elasticd_log_dropped_bytes_total",
             "Worker output that could not be written to its log file (a full disk), by reason",
-            ["reason"], registry=reg)
+            ["reason"],
+            registry=reg,
+        )
         self.state_write_errors = Counter(
             "elasticd_state_dir_write_errors_total",
-            "Writes to the state dir that failed, by what was written", ["what"], registry=reg)
+            "Writes to the state dir that failed, by what was written",
+            ["what"],
+            registry=reg,
+        )
         self.history_quarantined = Counter(
             "elasticd_history_quarantined_total",
-            "Corrupt history databases renamed aside (a fresh one was started)", registry=reg)
+            "Corrupt history databases renamed aside (a fresh one was started)",
+            registry=reg,
+        )
         self.history_skipped = Counter(
-            "elasticd_history_skipped_rows_total", "History rows skipped because they did not parse",
-            registry=reg)
+            "elasticd_history_skipped_rows_total",
+            "History rows skipped because they did not parse",
+            registry=reg,
+        )
         self.store_up = Gauge("elasticd_store_up", "1 when the store answers", registry=reg)
-        self.store_latency = Histogram("elasticd_store_latency_seconds", "Store operation latency",
-                                       ["op"], buckets=_STORE_BUCKETS, registry=reg)
-        self.store_errors = Counter("elasticd_store_errors_total", "Failed store operations",
-                                    ["op"], registry=reg)
-        self.nodes = Gauge("elasticd_nodes", "Nodes of the cluster, by state", ["state"], registry=reg)
+        self.store_latency = Histogram(
+            "elasticd_store_latency_seconds",
+            "Store operation latency",
+            ["op"],
+            buckets=_STORE_BUCKETS,
+            registry=reg,
+        )
+        self.store_errors = Counter(
+            "elasticd_store_errors_total", "Failed store operations", ["op"], registry=reg
+        )
+        self.nodes = Gauge(
+            "elasticd_nodes", "Nodes of the cluster, by state", ["state"], registry=reg
+        )
         self.node_blacklisted = Gauge(
             "elasticd_node_blacklisted",
             "1 while this node is blacklisted (its workers kept failing: it takes no new job)",
-            registry=reg)
+            registry=reg,
+        )
         self.node_blacklistings = Counter(
-            "elasticd_node_blacklistings_total", "Times this node was blacklisted", registry=reg)
+            "elasticd_node_blacklistings_total", "Times this node was blacklisted", registry=reg
+        )
         self.node_listed = Gauge(
             "elasticd_node_listed",
-            "1 while the discovery script lists this node (always 1 without a script)", registry=reg)
+            "1 while the discovery script lists this node (always 1 without a script)",
+            registry=reg,
+        )
         self.node_listed.set(1)
         self.gpus_out = Gauge(
             "elasticd_gpus_out",
             "GPUs of this node that its NVML health checks took out of its offer (readmitted by "
-            "elasticctl undrain NODE --gpu N, or after gpu.readmit_after healthy)", registry=reg)
+            "elasticctl undrain NODE --gpu N, or after gpu.readmit_after healthy)",
+            registry=reg,
+        )
         self.gpu_faults = Counter(
-            "elasticd_gpu_faults_total", "GPUs taken out of this node's offer, by what NVML read "
-            "(xid 79, ecc, lost, rows pending remap ...)", ["why"], registry=reg)
+            "elasticd_gpu_faults_total",
+            "GPUs taken out of this node's offer, by what NVML read "
+            "(xid 79, ecc, lost, rows pending remap ...)",
+            ["why"],
+            registry=reg,
+        )
         self.gpu_xids = Counter(
-            "elasticd_gpu_xids_total", "Xid events of this node's GPUs, each Xid (a drained GPU's "
-            "and those that leave the GPU in)", ["xid"], registry=reg)
+            "elasticd_gpu_xids_total",
+            "Xid events of this node's GPUs, each Xid (a drained GPU's "
+            "and those that leave the GPU in)",
+            ["xid"],
+            registry=reg,
+        )
         self.gpu_slowdown = Gauge(
-            "elasticd_gpu_slowdown", "1 while a GPU of this node runs slowed down (thermal or "
-            "power: a warning, it stays in the offer)", ["gpu"], registry=reg)
+            "elasticd_gpu_slowdown",
+            "1 while a GPU of this node runs slowed down (thermal or "
+            "power: a warning, it stays in the offer)",
+            ["gpu"],
+            registry=reg,
+        )
         self.discovery_failures = Counter(
             "elasticd_discovery_failures_total",
             "Runs of the discovery script that failed (the last good list stayed in force)",
-            registry=reg)
-        self.rounds = Counter("elasticd_rendezvous_rounds_total",
-                              "Rendezvous rounds this node joined, by why the round opened",
-                              ["reason"], registry=reg)
-        self.round_duration = Histogram("elasticd_rendezvous_duration_seconds",
-                                        "Time from joining a round to its completion",
-                                        buckets=_ROUND_BUCKETS, registry=reg)
-        self.barrier_wait = Histogram("elasticd_exit_barrier_wait_seconds",
-                                      "Time spent in the exit barrier", buckets=_BARRIER_BUCKETS,
-                                      registry=reg)
+            registry=reg,
+        )
+        self.rounds = Counter(
+            "elasticd_rendezvous_rounds_total",
+            "Rendezvous rounds this node joined, by why the round opened",
+            ["reason"],
+            registry=reg,
+        )
+        self.round_duration = Histogram(
+            "elasticd_rendezvous_duration_seconds",
+            "Time from joining a round to its completion",
+            buckets=_ROUND_BUCKETS,
+            registry=reg,
+        )
+        self.barrier_wait = Histogram(
+            "elasticd_exit_barrier_wait_seconds",
+            "Time spent in the exit barrier",
+            buckets=_BARRIER_BUCKETS,
+            registry=reg,
+        )
         for state in JobState:
             self.jobs.labels(state.value)
             if state.terminal:
@@ -211,7 +303,9 @@ class Metrics:
         held = spares = 0
         records = list(records)
         self._first_starts(records, node)
-        self._finished &= {record.id for record in records}  # forget jobs the registry no longer holds
+        self._finished &= {
+            record.id for record in records
+        }  # forget jobs the registry no longer holds
         for record in records:
             jobs[record.state.value] += 1
             held += bool(hold_reason(record))
@@ -268,7 +362,9 @@ class Metrics:
 
     def count_nodes(self, states: Iterable[NodeState | str] | Mapping[NodeState, int]) -> None:
         """Nodes by state: the states, or how many are in each."""
-        tally = states if isinstance(states, Mapping) else Tally(NodeState(state) for state in states)
+        tally = (
+            states if isinstance(states, Mapping) else Tally(NodeState(state) for state in states)
+        )
         for state in NodeState:
             self.nodes.labels(state.value).set(tally[state])
 
@@ -286,8 +382,9 @@ class Metrics:
 
     async def serve(self, port: int, address: str) -> asyncio.Server:
         """Start the HTTP endpoint on the event loop; returns the listening server."""
-        return await asyncio.start_server(MetricsEndpoint(self.registry).handle, address, port,
-                                          limit=_MAX_REQUEST_HEAD)
+        return await asyncio.start_server(
+            MetricsEndpoint(self.registry).handle, address, port, limit=_MAX_REQUEST_HEAD
+        )
 
 
 log = logging.getLogger(__name__)
@@ -316,7 +413,12 @@ class MetricsEndpoint:
                 head = await reader.readuntil(b"\r\n\r\n")
                 writer.write(self._response(head))
                 await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        except (
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+        ):
             pass
         except Exception:
             log.exception("metrics: a scrape failed")
@@ -336,9 +438,10 @@ class MetricsEndpoint:
 
 def _http(status: int, content_type: bytes, body: bytes) -> bytes:
     reason = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}[status]
-    return (b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n" % (status, reason, content_type, len(body))) + body
-
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n" % (status, reason, content_type, len(body))
+    ) + body
 
 
 class DiskCollector(Collector):
@@ -360,8 +463,9 @@ class DiskCollector(Collector):
             info = os.statvfs(self._state_dir)
         except OSError:
             return None
-        blocks, inodes = (info.f_bfree, info.f_ffree) if os.geteuid() == 0 else \
-            (info.f_bavail, info.f_favail)
+        blocks, inodes = (
+            (info.f_bfree, info.f_ffree) if os.geteuid() == 0 else (info.f_bavail, info.f_favail)
+        )
         return blocks * info.f_frsize, inodes
 
     def full(self) -> bool:
@@ -372,11 +476,16 @@ class DiskCollector(Collector):
     def collect(self) -> Iterable[Any]:
         free = self.free()
         if free is not None:
-            yield GaugeMetricFamily("elasticd_state_dir_free_bytes",
-                                    "Free space in the state dir this daemon may use", value=free[0])
-        yield GaugeMetricFamily("elasticd_disk_full",
-                                "1 when the state dir is full (worker output is being dropped)",
-                                value=1 if self.full() else 0)
+            yield GaugeMetricFamily(
+                "elasticd_state_dir_free_bytes",
+                "Free space in the state dir this daemon may use",
+                value=free[0],
+            )
+        yield GaugeMetricFamily(
+            "elasticd_disk_full",
+            "1 when the state dir is full (worker output is being dropped)",
+            value=1 if self.full() else 0,
+        )
 
 
 class JobUsageCollector(Collector):
@@ -386,12 +495,21 @@ class JobUsageCollector(Collector):
         self.source: Callable[[], dict[str, dict[str, Any]]] = dict
 
     def collect(self) -> Iterable[Any]:
-        cpu = CounterMetricFamily("elasticd_job_cpu_seconds", "CPU time of a job's processes "
-                                  "on this node (its cgroup)", labels=["job"])
-        peak = GaugeMetricFamily("elasticd_job_memory_peak_bytes", "Memory peak of a job's "
-                                 "processes on this node (its cgroup)", labels=["job"])
-        ooms = CounterMetricFamily("elasticd_job_oom_kills", "Processes of a job killed by the "
-                                   "OOM killer on this node", labels=["job"])
+        cpu = CounterMetricFamily(
+            "elasticd_job_cpu_seconds",
+            "CPU time of a job's processes on this node (its cgroup)",
+            labels=["job"],
+        )
+        peak = GaugeMetricFamily(
+            "elasticd_job_memory_peak_bytes",
+            "Memory peak of a job's processes on this node (its cgroup)",
+            labels=["job"],
+        )
+        ooms = CounterMetricFamily(
+            "elasticd_job_oom_kills",
+            "Processes of a job killed by the OOM killer on this node",
+            labels=["job"],
+        )
         for job, usage in sorted(self.source().items()):
             for family, key in ((cpu, "cpu_seconds"), (peak, "memory_peak"), (ooms, "oom_kills")):
                 if usage.get(key) is not None:
@@ -399,8 +517,8 @@ class JobUsageCollector(Collector):
         yield from (cpu, peak, ooms)
 
 
-NO_REASON = "None"   # a waiting job without a schedule's reason (Slurm's word for none)
-MAX_ACCOUNTS = 64    # accounts with series of their own; later ones are summed as OTHER
+NO_REASON = "None"  # a waiting job without a schedule's reason (Slurm's word for none)
+MAX_ACCOUNTS = 64  # accounts with series of their own; later ones are summed as OTHER
 OTHER = "(other)"
 _USAGE = (("node", "Node"), ("slot", "Slot"), ("gpu", "GPU"))
 
@@ -410,7 +528,9 @@ def moves(previous: Schedule | None, schedule: Schedule) -> tuple[int, int]:
     already, and jobs newly preempted."""
     before = previous.nodes if previous is not None else {}
     grown = sum(len(nodes - before[job]) for job, nodes in schedule.nodes.items() if job in before)
-    return grown, len(schedule.preempted - (previous.preempted if previous is not None else frozenset()))
+    return grown, len(
+        schedule.preempted - (previous.preempted if previous is not None else frozenset())
+    )
 
 
 def waiting(records: Iterable[JobRecord], schedule: Schedule | None) -> list[tuple[JobRecord, str]]:
@@ -440,14 +560,26 @@ class SharingCollector(Collector):
         self._followed: Callable[[], Schedule | None] = lambda: None
         self._allocating: Callable[[], Schedule | None] = lambda: None
         self._charged: dict[str, tuple[float, ...]] = {}  # job -> its usage counted so far
-        self._ended: dict[str, tuple[JobRecord, str, tuple[float, ...]]] = {}  # this node's part ended
-        self._used: dict[str, list[float]] = {}            # account -> node, slot, GPU seconds
+        self._ended: dict[
+            str, tuple[JobRecord, str, tuple[float, ...]]
+        ] = {}  # this node's part ended
+        self._used: dict[str, list[float]] = {}  # account -> node, slot, GPU seconds
 
-    def watch(self, node: str, records: Callable[[], Iterable[JobRecord]],
-              followed: Callable[[], Schedule | None], allocating: Callable[[], Schedule | None]) -> None:
+    def watch(
+        self,
+        node: str,
+        records: Callable[[], Iterable[JobRecord]],
+        followed: Callable[[], Schedule | None],
+        allocating: Callable[[], Schedule | None],
+    ) -> None:
         """Read these from now on: usage counts from now (what the jobs used before is in
         ``elasticctl usage``)."""
-        self._node, self._records, self._followed, self._allocating = node, records, followed, allocating
+        self._node, self._records, self._followed, self._allocating = (
+            node,
+            records,
+            followed,
+            allocating,
+        )
         now = self._clock()
         self._charged = {r.id: self._usage(r, now)[1] for r in records() if node in r.parts}
 
@@ -455,20 +587,38 @@ class SharingCollector(Collector):
         records, now = list(self._records()), self._clock()
         yield from self._waiting(records, now)
         for (term, number), schedule, what in (
-                (("elasticd_schedule_term", "elasticd_schedule_number"), self._followed(),
-                 "the schedule this node follows (0: none, it places jobs itself)"),
-                (("elasticd_allocator_term", "elasticd_allocator_schedule_number"), self._allocating(),
-                 "the last schedule of the allocator on this node (0: this node does not allocate)")):
-            yield GaugeMetricFamily(term, f"The term of {what}", value=schedule.term if schedule else 0)
-            yield GaugeMetricFamily(number, f"The number within its term of {what}",
-                                    value=schedule.number if schedule else 0)
+            (
+                ("elasticd_schedule_term", "elasticd_schedule_number"),
+                self._followed(),
+                "the schedule this node follows (0: none, it places jobs itself)",
+            ),
+            (
+                ("elasticd_allocator_term", "elasticd_allocator_schedule_number"),
+                self._allocating(),
+                "the last schedule of the allocator on this node (0: this node does not allocate)",
+            ),
+        ):
+            yield GaugeMetricFamily(
+                term, f"The term of {what}", value=schedule.term if schedule else 0
+            )
+            yield GaugeMetricFamily(
+                number,
+                f"The number within its term of {what}",
+                value=schedule.number if schedule else 0,
+            )
         yield from self._usage_families(records, now)
 
     def _waiting(self, records: list[JobRecord], now: float) -> Iterable[Any]:
-        count = GaugeMetricFamily("elasticd_jobs_waiting", "Jobs that wait to start, by the "
-                                  "schedule's reason (elasticctl queue)", labels=["reason"])
-        longest = GaugeMetricFamily("elasticd_longest_wait_seconds", "How long the job that has "
-                                    "waited longest has waited, by its reason", labels=["reason"])
+        count = GaugeMetricFamily(
+            "elasticd_jobs_waiting",
+            "Jobs that wait to start, by the schedule's reason (elasticctl queue)",
+            labels=["reason"],
+        )
+        longest = GaugeMetricFamily(
+            "elasticd_longest_wait_seconds",
+            "How long the job that has waited longest has waited, by its reason",
+            labels=["reason"],
+        )
         found: dict[str, list[float]] = {reason.value: [] for reason in Reason}
         found[NO_REASON] = []
         for record, reason in waiting(records, self._followed()):
@@ -494,8 +644,11 @@ class SharingCollector(Collector):
         own = [s for s in spans(record, group_name) if s.node == self._node]
         held = [(s.clipped(-math.inf, now), s.slots, s.gpus) for s in own]
         account = own[0].account if own else ""
-        return account, (math.fsum(h for h, _, _ in held), math.fsum(h * n for h, n, _ in held),
-                         math.fsum(h * g for h, _, g in held))
+        return account, (
+            math.fsum(h for h, _, _ in held),
+            math.fsum(h * n for h, n, _ in held),
+            math.fsum(h * g for h, _, g in held),
+        )
 
     def _usage_families(self, records: list[JobRecord], now: float) -> Iterable[Any]:
         charged = {}
@@ -504,7 +657,9 @@ class SharingCollector(Collector):
                 continue
             account, used = self._usage(record, now)
             before = self._charged.get(record.id, (0.0, 0.0, 0.0))
-            charged[record.id] = tuple(map(max, used, before))  # a clock stepped back takes none back
+            charged[record.id] = tuple(
+                map(max, used, before)
+            )  # a clock stepped back takes none back
             if account and charged[record.id] != before:
                 key = account if account in self._used or len(self._used) < MAX_ACCOUNTS else OTHER
                 total = self._used.setdefault(key, [0.0, 0.0, 0.0])
@@ -514,9 +669,12 @@ class SharingCollector(Collector):
         self._ended = {job: ended for job, ended in self._ended.items() if job in charged}
         for i, (unit, word) in enumerate(_USAGE):
             family = CounterMetricFamily(
-                f"elasticd_usage_{unit}_seconds", f"{word}-seconds that jobs used on this node "
+                f"elasticd_usage_{unit}_seconds",
+                f"{word}-seconds that jobs used on this node "
                 f"since the daemon started, by account (elasticctl usage's; at most "
-                f"{MAX_ACCOUNTS} accounts, the rest as {OTHER!r})", labels=["account"])
+                f"{MAX_ACCOUNTS} accounts, the rest as {OTHER!r})",
+                labels=["account"],
+            )
             for account, total in sorted(self._used.items()):
                 family.add_metric([account], total[i])
             yield family
@@ -535,8 +693,12 @@ class InstrumentedStore:
     async def set(self, key: str, value: bytes) -> None:
         await self._metrics.store_call("set", self._store.set(key, value))
 
-    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        return await self._metrics.store_call("compare_set", self._store.compare_set(key, expected, desired))
+    async def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
+        return await self._metrics.store_call(
+            "compare_set", self._store.compare_set(key, expected, desired)
+        )
 
     async def add(self, key: str, amount: int) -> int:
         return await self._metrics.store_call("add", self._store.add(key, amount))

@@ -20,9 +20,9 @@ import pwd
 import shutil
 import stat
 
-_MAX_LINKS = 40    # as the kernel's own limit on symlinks in one lookup
-_MAX_NESTING = 4   # #! interpreters that are scripts themselves (the kernel allows 4)
-_SHEBANG = 256     # bytes of a script's first line that the kernel reads (BINPRM_BUF_SIZE)
+_MAX_LINKS = 40  # as the kernel's own limit on symlinks in one lookup
+_MAX_NESTING = 4  # #! interpreters that are scripts themselves (the kernel allows 4)
+_SHEBANG = 256  # bytes of a script's first line that the kernel reads (BINPRM_BUF_SIZE)
 
 
 class Untrusted(Exception):

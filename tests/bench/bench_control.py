@@ -25,20 +25,23 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness import PY, WORKER, Control, Daemon  # noqa: E402
-from elasticd.wire import protocol  # noqa: E402
+from harness import PY, WORKER, Control, Daemon
+
+from elasticd.wire import protocol
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def status_round_trips(daemon: Daemon, job_id: str, n: int) -> list[float]:
     times = []
     with Control(daemon.socket) as control:
         for _ in range(n):
-            frame = protocol.encode_request(protocol.Request(uuid.uuid4().hex, "status", {"job": job_id}))
+            frame = protocol.encode_request(
+                protocol.Request(uuid.uuid4().hex, "status", {"job": job_id})
+            )
             started = time.perf_counter()
             control.send_raw(frame)
             reply = control.recv()
@@ -51,8 +54,11 @@ def ctl_version_times(daemon: Daemon, n: int) -> list[float]:
     times = []
     for _ in range(n):
         started = time.perf_counter()
-        subprocess.run([os.path.join(os.path.dirname(PY), "elasticctl"), "--socket", daemon.socket,
-                        "version"], check=True, capture_output=True)
+        subprocess.run(
+            [os.path.join(os.path.dirname(PY), "elasticctl"), "--socket", daemon.socket, "version"],
+            check=True,
+            capture_output=True,
+        )
         times.append(time.perf_counter() - started)
     return times
 
@@ -80,17 +86,25 @@ def main() -> None:
         finally:
             daemon.stop()
     figures = {
-        "status_p50_ms": percentile(rtt, 0.5) * 1e3, "status_p99_ms": percentile(rtt, 0.99) * 1e3,
-        "requests": len(rtt), "elasticctl_version_median_ms": statistics.median(version) * 1e3,
-        "elasticctl_version_max_ms": max(version) * 1e3, "idle_rss_mib": rss, "idle_cpu_percent": cpu,
+        "status_p50_ms": percentile(rtt, 0.5) * 1e3,
+        "status_p99_ms": percentile(rtt, 0.99) * 1e3,
+        "requests": len(rtt),
+        "elasticctl_version_median_ms": statistics.median(version) * 1e3,
+        "elasticctl_version_max_ms": max(version) * 1e3,
+        "idle_rss_mib": rss,
+        "idle_cpu_percent": cpu,
     }
     if args.json:
         print(json.dumps(figures))
         return
-    print(f"status round trip ({len(rtt)} requests): p50 {figures['status_p50_ms']:.3f} ms, "
-          f"p99 {figures['status_p99_ms']:.3f} ms")
-    print(f"elasticctl version ({args.runs} runs): median {figures['elasticctl_version_median_ms']:.0f} ms, "
-          f"max {figures['elasticctl_version_max_ms']:.0f} ms")
+    print(
+        f"status round trip ({len(rtt)} requests): p50 {figures['status_p50_ms']:.3f} ms, "
+        f"p99 {figures['status_p99_ms']:.3f} ms"
+    )
+    print(
+        f"elasticctl version ({args.runs} runs): median {figures['elasticctl_version_median_ms']:.0f} ms, "
+        f"max {figures['elasticctl_version_max_ms']:.0f} ms"
+    )
     print(f"daemon idle: RSS {rss:.0f} MiB, CPU {cpu:.1f} %")
 
 

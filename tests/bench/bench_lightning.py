@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -38,7 +37,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_recovery import ENV, LAUNCHER, PY, Elasticd, Events, Torchrun  # noqa: E402
+from bench_recovery import ENV, LAUNCHER, PY, Elasticd, Events, Torchrun
 
 ROOT = HERE.parent.parent
 SCRIPT = str(ROOT / "examples" / "lightning_train.py")
@@ -46,8 +45,21 @@ CAP = 300.0  # seconds a run may take to resume before it counts as not resumed
 
 
 def script_args(base: Path) -> list[str]:
-    return ["--num-nodes", "3", "--elasticd", "--ckpt-dir", str(base / "ckpt"), "--every", "5",
-            "--max-steps", "100000", "--step-seconds", "0.2", "--report", str(base / "events.jsonl")]
+    return [
+        "--num-nodes",
+        "3",
+        "--elasticd",
+        "--ckpt-dir",
+        str(base / "ckpt"),
+        "--every",
+        "5",
+        "--max-steps",
+        "100000",
+        "--step-seconds",
+        "0.2",
+        "--report",
+        str(base / "events.jsonl"),
+    ]
 
 
 class ElasticdLightning(Elasticd):
@@ -56,8 +68,19 @@ class ElasticdLightning(Elasticd):
     def launch(self, count: int, nnodes: str) -> float:
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
-        job = self.cluster[0].submit("--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3",
-                                     "--python", PY, SCRIPT, "--", *script_args(self.base))
+        job = self.cluster[0].submit(
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "3",
+            "--python",
+            PY,
+            SCRIPT,
+            "--",
+            *script_args(self.base),
+        )
         return float(job["created"])
 
 
@@ -67,27 +90,69 @@ class ElasticdLightningInPlace(ElasticdLightning):
     def launch(self, count: int, nnodes: str) -> float:
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
-        args = [a for a in script_args(self.base) if a not in ("--ckpt-dir", str(self.base / "ckpt"))]
-        job = self.cluster[0].submit("--in-place", "--nnodes", nnodes, "--nproc-per-node", "1",
-                                     "--max-restarts", "3", "--python", PY, SCRIPT, "--", "--in-place", *args)
+        args = [
+            a for a in script_args(self.base) if a not in ("--ckpt-dir", str(self.base / "ckpt"))
+        ]
+        job = self.cluster[0].submit(
+            "--in-place",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "3",
+            "--python",
+            PY,
+            SCRIPT,
+            "--",
+            "--in-place",
+            *args,
+        )
         return float(job["created"])
 
 
 class TorchrunLightning(Torchrun):
     name = "torchrun"
-    env = {**ENV, "PYTHONPATH": str(ROOT / "daemon")}  # elasticd.elastic.lightning, as elasticd's workers get it
+    env = {
+        **ENV,
+        "PYTHONPATH": str(ROOT / "daemon"),
+    }  # elasticd.elastic.lightning, as elasticd's workers get it
 
     def add_node(self) -> tuple[float, int]:
         index = len(self.agents) + 1
-        argv = [PY, LAUNCHER, str(self.base), "torch.distributed.run", "--nnodes", self.nnodes,
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-                "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,join_timeout=120",
-                "--max-restarts", "3", "--monitor-interval", "0.1", "--local-addr", f"127.0.0.{index}",
-                SCRIPT, *script_args(self.base)]
+        argv = [
+            PY,
+            LAUNCHER,
+            str(self.base),
+            "torch.distributed.run",
+            "--nnodes",
+            self.nnodes,
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{self.port}",
+            "--rdzv-id",
+            "bench",
+            "--rdzv-conf",
+            "last_call_timeout=1,join_timeout=120",
+            "--max-restarts",
+            "3",
+            "--monitor-interval",
+            "0.1",
+            "--local-addr",
+            f"127.0.0.{index}",
+            SCRIPT,
+            *script_args(self.base),
+        ]
         started = time.time()
         log = open(self.base / f"torchrun{index}.log", "wb")
-        self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True))
+        self.agents.append(
+            subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        )
         return started, self.agents[-1].pid
 
 
@@ -99,7 +164,9 @@ def node_loss(system: Any) -> dict[str, float] | None:
     system.launch(3, "2:3")
     events: Events = system.events
     if not events.wait(lambda ev: True if len(steps(ev, 3)) >= 17 else None, CAP):
-        raise RuntimeError(f"{system.name}: no 17 steps in a world of 3 within {CAP:g} s ({system.base})")
+        raise RuntimeError(
+            f"{system.name}: no 17 steps in a world of 3 within {CAP:g} s ({system.base})"
+        )
     t0 = system.kill_node(2)
     before = max(e["step"] for e in events.read() if e["event"] == "step" and e["t"] <= t0)
     first = events.wait(lambda ev: (steps(ev, 2, t0) or [None])[0], CAP)
@@ -127,13 +194,20 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--only", action="append", choices=["elasticd", "in place", "torchrun"],
-                   help="measure only these (repeatable; default: all three)")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=["elasticd", "in place", "torchrun"],
+        help="measure only these (repeatable; default: all three)",
+    )
     args = p.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     report = {}
-    kinds = tuple(k for k in (ElasticdLightning, ElasticdLightningInPlace, TorchrunLightning)
-                  if not args.only or k.name in args.only)
+    kinds = tuple(
+        k
+        for k in (ElasticdLightning, ElasticdLightningInPlace, TorchrunLightning)
+        if not args.only or k.name in args.only
+    )
     for kind in kinds:
         report[kind.name] = [measure(kind) for _ in range(args.runs)]
         print(f"{kind.name:9} {report[kind.name]}", file=sys.stderr, flush=True)
@@ -146,7 +220,9 @@ def main() -> None:
         for kind in kinds:
             done = [r[key] for r in report[kind.name] if r is not None]
             cells.append(f"{statistics.median(done):.1f}" if done else f"none in {CAP:g} s")
-        print(f"{key + (' (s)' if key == 'resumed' else ''):40}" + "".join(f"{c:>12}" for c in cells))
+        print(
+            f"{key + (' (s)' if key == 'resumed' else ''):40}" + "".join(f"{c:>12}" for c in cells)
+        )
 
 
 if __name__ == "__main__":

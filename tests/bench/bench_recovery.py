@@ -52,26 +52,28 @@ The bench polls the event file every 10 ms (benchmarks may; tests may not).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import shutil
 import signal
 import socket
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "system"))
-from conftest import Cluster  # noqa: E402  (tests/system/conftest.py)
-from harness import PY, free_port  # noqa: E402
+from conftest import Cluster
+from harness import PY, free_port
 
 WORKER = str(HERE / "recovery_worker.py")
 LAUNCHER = str(HERE / "node_launcher.py")
@@ -101,10 +103,15 @@ class Events:
 
 def starts_after(t0: float, count: int, world: int | None = None):
     """The ``start`` events after t0, one per rank, once ``count`` ranks started."""
+
     def found(events):
-        latest = {e["rank"]: e for e in events if e["event"] == "start" and e["t"] > t0
-                  and (world is None or e["world"] == world)}
+        latest = {
+            e["rank"]: e
+            for e in events
+            if e["event"] == "start" and e["t"] > t0 and (world is None or e["world"] == world)
+        }
         return list(latest.values()) if len(latest) >= count else None
+
     return found
 
 
@@ -112,6 +119,7 @@ def ready(count: int, world: int):
     def found(events):
         ranks = {e["rank"] for e in events if e["event"] == "ready" and e["world"] == world}
         return ranks if len(ranks) >= count else None
+
     return found
 
 
@@ -153,8 +161,13 @@ class Elasticd:
         self.base = base
         self.worker_mode: tuple[str, ...] = ()
         self.backend_args: tuple[str, ...] = ()  # ("nccl",): the in-place worker on NCCL
-        self.cluster = Cluster(base, nodes, slots=self.slots, env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
-                               resize_interval=None)  # the daemon's defaults
+        self.cluster = Cluster(
+            base,
+            nodes,
+            slots=self.slots,
+            env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
+            resize_interval=None,
+        )  # the daemon's defaults
         for daemon in self.cluster.daemons:
             daemon.program = (PY, LAUNCHER, str(base), "elasticd")
 
@@ -163,8 +176,18 @@ class Elasticd:
         (the CLI's own start-up, ~80 ms, is bench_control.py's figure)."""
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
-        job = self.cluster[0].submit("--nnodes", nnodes, "--max-restarts", "3", "--python", PY,
-                                     WORKER, "--", str(self.base), *self.worker_mode)
+        job = self.cluster[0].submit(
+            "--nnodes",
+            nnodes,
+            "--max-restarts",
+            "3",
+            "--python",
+            PY,
+            WORKER,
+            "--",
+            str(self.base),
+            *self.worker_mode,
+        )
         return float(job["created"])
 
     def add_node(self) -> tuple[float, int]:
@@ -189,6 +212,7 @@ class Elasticd:
 class ElasticdInPlace(Elasticd):
     """The same cluster, the job submitted with --in-place and the worker's loop under
     elasticd.elastic: survivors keep their processes."""
+
     name = "elasticd-inplace"
 
     def __init__(self, base: Path, nodes: int) -> None:
@@ -198,9 +222,21 @@ class ElasticdInPlace(Elasticd):
     def launch(self, count: int, nnodes: str) -> float:
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
-        job = self.cluster[0].submit("--in-place", "--nnodes", nnodes, "--max-restarts", "3",
-                                     *self.options, "--python", PY, WORKER, "--", str(self.base),
-                                     *self.worker_mode, *self.backend_args)
+        job = self.cluster[0].submit(
+            "--in-place",
+            "--nnodes",
+            nnodes,
+            "--max-restarts",
+            "3",
+            *self.options,
+            "--python",
+            PY,
+            WORKER,
+            "--",
+            str(self.base),
+            *self.worker_mode,
+            *self.backend_args,
+        )
         return float(job["created"])
 
     options: tuple[str, ...] = ()
@@ -209,20 +245,28 @@ class ElasticdInPlace(Elasticd):
 class ElasticdSpares(ElasticdInPlace):
     """In place with a warm spare on every node (``--spares 1``, two slots a node): a lost
     worker's place is taken by its node's spare, a lost node's by a survivor's."""
+
     name = "elasticd-spares"
     slots = 2
     options = ("--spares", "1")
 
     def launch(self, count: int, nnodes: str) -> float:
         created = super().launch(count, nnodes)
-        spares = self.events.wait(lambda events: True if sum(
-            e["event"] == "warm" and e["rank"] < 0 for e in events) >= count else None, 120)
+        spares = self.events.wait(
+            lambda events: (
+                True
+                if sum(e["event"] == "warm" and e["rank"] < 0 for e in events) >= count
+                else None
+            ),
+            120,
+        )
         assert spares, "the spares did not warm up"  # the job has them before the event
         return created
 
 
 class Torchrun:
     """torchrun as shipped: the agents share the rendezvous TCPStore with the workers."""
+
     name = "torchrun"
     env = ENV
 
@@ -250,15 +294,40 @@ class Torchrun:
     def add_node(self) -> tuple[float, int]:
         """Start the next agent; returns when, and its pid."""
         index = len(self.agents) + 1
-        argv = [PY, LAUNCHER, str(self.base), "torch.distributed.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-                "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1,join_timeout=120",
-                "--max-restarts", "3", "--monitor-interval", "0.1", "--local-addr", f"127.0.0.{index}",
-                WORKER, str(self.base), *self.worker_mode]
+        argv = [
+            PY,
+            LAUNCHER,
+            str(self.base),
+            "torch.distributed.run",
+            "--nnodes",
+            self.nnodes,
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{self.port}",
+            "--rdzv-id",
+            "bench",
+            "--rdzv-conf",
+            "last_call_timeout=1,join_timeout=120",
+            "--max-restarts",
+            "3",
+            "--monitor-interval",
+            "0.1",
+            "--local-addr",
+            f"127.0.0.{index}",
+            WORKER,
+            str(self.base),
+            *self.worker_mode,
+        ]
         started = time.time()
         log = open(self.base / f"torchrun{index}.log", "wb")
-        self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True))
+        self.agents.append(
+            subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        )
         return started, self.agents[-1].pid
 
     def kill_node(self, index: int) -> float:
@@ -286,6 +355,7 @@ class TorchrunUnshared(Torchrun):
     """torchrun with its documented opt-out of the shared store: in torch 2.13 a node that
     joins after the first round waits forever for a MASTER_ADDR that rank 0 only publishes
     in the first round, so scale-up needs this."""
+
     name = "torchrun-unshared"
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -294,14 +364,17 @@ SYSTEMS = (Elasticd, ElasticdInPlace, ElasticdSpares, Torchrun, TorchrunUnshared
 BASELINES = ("torchrun", "torchrun-unshared")
 
 
-def figure(t0: float, starts: list[dict[str, Any]] | None,
-           control_t0: float | None = None) -> dict[str, float] | None:
+def figure(
+    t0: float, starts: list[dict[str, Any]] | None, control_t0: float | None = None
+) -> dict[str, float] | None:
     """From t0 to the last worker's start (total), and from control_t0 (default t0) to its
     exec (control)."""
     if starts is None:
         return None
-    return {"total": max(e["t"] for e in starts) - t0,
-            "control": max(e["exec"] for e in starts) - (control_t0 or t0)}
+    return {
+        "total": max(e["t"] for e in starts) - t0,
+        "control": max(e["exec"] for e in starts) - (control_t0 or t0),
+    }
 
 
 def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, float] | None:
@@ -312,14 +385,18 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     phases (``p:...``, see PHASES)."""
     if figures is None:
         return None
+
     def world(e: dict[str, Any]) -> tuple[Any, ...]:  # in place, a survivor's round too: a
         return e["pid"], e["world"], e.get("in_round")  # 2 -> 3 -> 2 job is at 2 twice
+
     old = {world(e) for e in system.events.read() if e["event"] == "step" and e["t"] <= t0}
 
     def first_new(events):
-        new = [e["t"] for e in events if e["event"] == "step" and e["t"] > t0
-               and world(e) not in old]
+        new = [
+            e["t"] for e in events if e["event"] == "step" and e["t"] > t0 and world(e) not in old
+        ]
         return min(new) if new else None
+
     resumed = system.events.wait(first_new, 60)
     if resumed is None:
         return figures
@@ -327,7 +404,9 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     steps = sorted(e["t"] for e in system.events.read() if e["event"] == "step")
     last = max((t for t in steps if t <= t0), default=t0)
     window = [last] + [t for t in steps if last < t <= resumed + 2]
-    stall, stalled = max(((b - a, a) for a, b in zip(window, window[1:])), default=(resumed - last, last))
+    stall, stalled = max(
+        ((b - a, a) for a, b in itertools.pairwise(window)), default=(resumed - last, last)
+    )
     if isinstance(system, ElasticdInPlace):  # survivors were exec'd long ago: no control figure
         figures = {k: v for k, v in figures.items() if k != "control"}
         figures = {**figures, **phases(system.events.read(), t0, resumed, stalled)}
@@ -336,19 +415,23 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
 
 # An in-place re-form's points (the workers' elasticd.elastic logs them: runtime.phase), in
 # order, each the time since the event at which the last rank concerned got there.
-PHASES = (("p:asked", "the newcomer asked for its place"),
-          ("p:last-step", "the stall began (last step before it)"),
-          ("p:formed", "round formed (first node's workers placed)"),
-          ("p:notified", "survivors notified (update/abort)"),
-          ("p:left", "survivors left the old group (interrupt)"),
-          ("p:old-destroyed", "old group destroyed"),
-          ("p:form-start", "new group's forming started"),
-          ("p:form-end", "new group formed"),
-          ("p:sync-end", "state synced"),
-          ("p:first-step", "first step after"))
+PHASES = (
+    ("p:asked", "the newcomer asked for its place"),
+    ("p:last-step", "the stall began (last step before it)"),
+    ("p:formed", "round formed (first node's workers placed)"),
+    ("p:notified", "survivors notified (update/abort)"),
+    ("p:left", "survivors left the old group (interrupt)"),
+    ("p:old-destroyed", "old group destroyed"),
+    ("p:form-start", "new group's forming started"),
+    ("p:form-end", "new group formed"),
+    ("p:sync-end", "state synced"),
+    ("p:first-step", "first step after"),
+)
 
 
-def phases(events: list[dict[str, Any]], t0: float, resumed: float, stalled: float) -> dict[str, float]:
+def phases(
+    events: list[dict[str, Any]], t0: float, resumed: float, stalled: float
+) -> dict[str, float]:
     """Where an in-place figure's time went: from t0 (a scale-up: from the newcomer's ask for
     a place, its warm-up excluded) to each point of the re-form that training resumed in,
     the last rank to reach it counting (see PHASES)."""
@@ -365,21 +448,27 @@ def phases(events: list[dict[str, Any]], t0: float, resumed: float, stalled: flo
         """Per process its first such point, then the latest of those."""
         first: dict[int, float] = {}
         for e in points:
-            if e["name"] in names and (pids is None or e["pid"] in pids) \
-                    and (round is None or e["round"] == round):
+            if (
+                e["name"] in names
+                and (pids is None or e["pid"] in pids)
+                and (round is None or e["round"] == round)
+            ):
                 first[e["pid"]] = min(first.get(e["pid"], e["t"]), e["t"])
         return max(first.values()) - origin if first else None
+
     placed = [e["t"] for e in points if e["name"] == "notice-place" and e["round"] == final]
-    found = {"p:asked": origin - t0 if asks else None,
-             "p:last-step": stalled - origin,
-             "p:formed": min(placed) - origin if placed else None,
-             "p:notified": latest(("notice-update", "notice-abort"), old),
-             "p:left": latest(("interrupt", "leave-start"), old),
-             "p:old-destroyed": latest(("leave-end",), old),
-             "p:form-start": latest(("form-start",), round=final),
-             "p:form-end": latest(("form-end",), round=final),
-             "p:sync-end": latest(("sync-end",), round=final),
-             "p:first-step": resumed - origin}
+    found = {
+        "p:asked": origin - t0 if asks else None,
+        "p:last-step": stalled - origin,
+        "p:formed": min(placed) - origin if placed else None,
+        "p:notified": latest(("notice-update", "notice-abort"), old),
+        "p:left": latest(("interrupt", "leave-start"), old),
+        "p:old-destroyed": latest(("leave-end",), old),
+        "p:form-start": latest(("form-start",), round=final),
+        "p:form-end": latest(("form-end",), round=final),
+        "p:sync-end": latest(("sync-end",), round=final),
+        "p:first-step": resumed - origin,
+    }
     return {key: value for key, value in found.items() if value is not None}
 
 
@@ -391,6 +480,7 @@ def node_up(base: Path, pid: int) -> float:
 def training_steps(count: int):
     def found(events):
         return True if sum(e["event"] == "step" for e in events) >= count else None
+
     return found
 
 
@@ -418,7 +508,9 @@ def node_loss(system) -> dict[str, float] | None:
     if system.worker_mode != ("idle",):
         system.events.wait(training_steps(15), 30)
     t0 = system.kill_node(2)
-    size = 3 if system.name == ElasticdSpares.name else 2  # a survivor's spare fills in, in the same round
+    size = (
+        3 if system.name == ElasticdSpares.name else 2
+    )  # a survivor's spare fills in, in the same round
     found = figure(t0, system.events.wait(starts_after(t0, size, world=size), LOSS_CAP))
     result = found if system.worker_mode == ("idle",) else training(system, t0, found)
     if result is not None and getattr(system, "backend_args", ()):
@@ -448,11 +540,13 @@ def formation(system) -> dict[str, float] | None:
     return figure(t0, system.events.wait(starts_after(t0, 2), 120))
 
 
-SCENARIOS = {"failure": ("worker failure -> group running", worker_failure, 2),
-             "scale-up": ("scale-up 2->3", scale_up, 3),
-             "node-loss": ("node loss 3->2", node_loss, 3),
-             "node-loss-idle": ("node loss 3->2, idle workers", node_loss_idle, 3),
-             "formation": ("formation", formation, 2)}
+SCENARIOS = {
+    "failure": ("worker failure -> group running", worker_failure, 2),
+    "scale-up": ("scale-up 2->3", scale_up, 3),
+    "node-loss": ("node loss 3->2", node_loss, 3),
+    "node-loss-idle": ("node loss 3->2, idle workers", node_loss_idle, 3),
+    "formation": ("formation", formation, 2),
+}
 
 
 def measure(kind, scenario, nodes: int, backend: str = "gloo") -> dict[str, float] | None:
@@ -483,11 +577,19 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one run each")
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", choices=list(SCENARIOS), action="append", help="these figures only")
-    p.add_argument("--system", choices=[kind.name for kind in SYSTEMS], action="append",
-                   help="these systems only")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                   help="the workers' process group (default gloo, on CPU); nccl: CUDA tensors "
-                        "on a GPU host, for the elasticd-inplace system only")
+    p.add_argument(
+        "--system",
+        choices=[kind.name for kind in SYSTEMS],
+        action="append",
+        help="these systems only",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="the workers' process group (default gloo, on CPU); nccl: CUDA tensors "
+        "on a GPU host, for the elasticd-inplace system only",
+    )
     args = p.parse_args()
     if args.backend == "nccl":
         if any(name != ElasticdInPlace.name for name in args.system or ()):
@@ -529,13 +631,20 @@ def print_table(report: dict[str, Any]) -> None:
     """One row per figure: each system's median (min..max) in seconds, and elasticd's time
     as a fraction of each torchrun's."""
     ours = [kind.name for kind in SYSTEMS if kind.name not in BASELINES]
-    print(f"{'figure (s)':36} " + " ".join(f"{name:30}" for name in (*ours, *BASELINES))
-          + " " + " ".join(f"{'in-place/' + name:26}" for name in BASELINES))
+    print(
+        f"{'figure (s)':36} "
+        + " ".join(f"{name:30}" for name in (*ours, *BASELINES))
+        + " "
+        + " ".join(f"{'in-place/' + name:26}" for name in BASELINES)
+    )
     for title, by_system in report.items():
-        for key, label in (("total", title), ("control", "  control plane only"),
-                           ("resumed", "  training resumed (first step)"),
-                           ("stall", "  stall (longest gap in steps)"),
-                           ("full", "  back at full size (a spare placed)")):
+        for key, label in (
+            ("total", title),
+            ("control", "  control plane only"),
+            ("resumed", "  training resumed (first step)"),
+            ("stall", "  stall (longest gap in steps)"),
+            ("full", "  back at full size (a spare placed)"),
+        ):
             row = [cell(by_system.get(name, []), key)[0] for name in (*ours, *BASELINES)]
             if all(text == "not run" or text.startswith("none") for text in row):
                 continue
@@ -544,8 +653,12 @@ def print_table(report: dict[str, Any]) -> None:
             for name in BASELINES:
                 _, theirs = cell(by_system.get(name, []), key)
                 ratios.append(f"{inplace / theirs:.2f}x" if inplace and theirs else "-")
-            print(f"{label:36} " + " ".join(f"{c:30}" for c in row) + " "
-                  + " ".join(f"{r:18}" for r in ratios))
+            print(
+                f"{label:36} "
+                + " ".join(f"{c:30}" for c in row)
+                + " "
+                + " ".join(f"{r:18}" for r in ratios)
+            )
         print_phases(by_system.get("elasticd-inplace", []))
 
 

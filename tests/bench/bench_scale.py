@@ -88,26 +88,40 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see elasticd.sto
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import psutil  # noqa: E402
+import psutil
+from scale_crowd import (
+    SIGNER_KEY,
+    CountingStore,
+    Counts,
+    SimNode,
+    Ticks,
+    die_with_parent,
+    node_name,
+    node_record,
+    open_store,
+    percentile,
+    raise_nofile,
+)
 
-from elasticd.store.keyspace import Keyspace  # noqa: E402
-from elasticd.core.liveness import KeepAlive  # noqa: E402
-from elasticd.core.model import NodeState  # noqa: E402
-from elasticd.rendezvous.handler import RendezvousHandler  # noqa: E402
-from elasticd.rendezvous import RendezvousSettings  # noqa: E402
-from elasticd.rendezvous.keys import Keys  # noqa: E402
-from elasticd.store.signing import Signer  # noqa: E402
-from scale_crowd import (SIGNER_KEY, Counts, CountingStore, SimNode, Ticks, die_with_parent,  # noqa: E402
-                         node_name, node_record, open_store, percentile, raise_nofile)
+from elasticd.core.liveness import KeepAlive
+from elasticd.core.model import NodeState
+from elasticd.rendezvous import RendezvousSettings
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.rendezvous.keys import Keys
+from elasticd.store.keyspace import Keyspace
+from elasticd.store.signing import Signer
 
 ETCD = "/usr/bin/etcd"
-TARGETS = ("targets: duty <= 2 ms; store ops/node/s flat in N (store load linear in N, not N^2); "
-           "lost node seen < 5 s at 4096 nodes; 1024-node rendezvous < 2 s")
+TARGETS = (
+    "targets: duty <= 2 ms; store ops/node/s flat in N (store load linear in N, not N^2); "
+    "lost node seen < 5 s at 4096 nodes; 1024-node rendezvous < 2 s"
+)
 RDZV_TARGET = 2.0  # seconds: the 1024-node rendezvous (issue 27)
 REQUIRED = ("backend", "nodes", "duty_ms", "store_ops_per_node_s", "lost_seen_s", "rdzv_s")
 
 
 # -- the store server ----------------------------------------------------------------------
+
 
 def serve_c10d() -> None:
     """The ``--serve-c10d`` role: host a TCPStore, print its port, serve until stdin closes."""
@@ -155,24 +169,51 @@ class Server:
 async def start_server(backend: str, scratch: str) -> Server:
     if backend == "c10d":
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, os.path.abspath(__file__), "--serve-c10d",
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(os.path.join(scratch, "server.log"), "ab"))
+            sys.executable,
+            os.path.abspath(__file__),
+            "--serve-c10d",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(os.path.join(scratch, "server.log"), "ab"),
+        )
         try:
             port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
         except (TimeoutError, ValueError):
             proc.kill()
             await proc.wait()
-            raise RuntimeError(f"the store server did not start (see {scratch}/server.log)") from None
+            raise RuntimeError(
+                f"the store server did not start (see {scratch}/server.log)"
+            ) from None
         return Server(proc, f"127.0.0.1:{port}")
     client, peer = free_port(), free_port()
     data = tempfile.mkdtemp(prefix="etcd-", dir=scratch)
     proc = await asyncio.create_subprocess_exec(
-        ETCD, "--name", "bench", "--data-dir", data,
-        "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"bench=http://127.0.0.1:{peer}", "--log-level", "error",
-        "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000",
-        preexec_fn=die_with_parent, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(os.path.join(scratch, "etcd.log"), "ab"))
+        ETCD,
+        "--name",
+        "bench",
+        "--data-dir",
+        data,
+        "--listen-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--advertise-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--listen-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-cluster",
+        f"bench=http://127.0.0.1:{peer}",
+        "--log-level",
+        "error",
+        "--auto-compaction-mode",
+        "revision",
+        "--auto-compaction-retention",
+        "100000",
+        preexec_fn=die_with_parent,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(os.path.join(scratch, "etcd.log"), "ab"),
+    )
     server = Server(proc, f"127.0.0.1:{client}", data)
     for _ in range(200):
         with contextlib.suppress(OSError):
@@ -219,6 +260,7 @@ class CpuMeter:
 
 # -- the crowd, seen from here -------------------------------------------------------------
 
+
 class CrowdProcess:
     """One crowd process and its command pipe."""
 
@@ -235,7 +277,9 @@ class CrowdProcess:
         await self.proc.stdin.drain()
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         if not line:
-            raise RuntimeError(f"crowd process {self.proc.pid} died (exit {await self.proc.wait()})")
+            raise RuntimeError(
+                f"crowd process {self.proc.pid} died (exit {await self.proc.wait()})"
+            )
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"crowd process {self.proc.pid}: {answer['error']}")
@@ -253,8 +297,15 @@ class CrowdProcess:
                 await self.proc.wait()
 
 
-async def start_crowds(opts: argparse.Namespace, backend: str, endpoint: str, cluster: str, n: int,
-                       scratch: str, crowds: list[CrowdProcess]) -> None:
+async def start_crowds(
+    opts: argparse.Namespace,
+    backend: str,
+    endpoint: str,
+    cluster: str,
+    n: int,
+    scratch: str,
+    crowds: list[CrowdProcess],
+) -> None:
     """Nodes 0 (the first observer) and 1 (to be killed) in a process, then nodes 2..N-2
     over --procs processes (N-1 is the probe)."""
     members = n - 3
@@ -267,12 +318,30 @@ async def start_crowds(opts: argparse.Namespace, backend: str, endpoint: str, cl
         first += count
     for p, (first, count) in enumerate(s for s in spans if s[1]):
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, os.path.join(HERE, "scale_crowd.py"), "--backend", backend, "--endpoint", endpoint,
-            "--cluster", cluster, "--first", str(first), "--count", str(count), "--total", str(n),
-            "--interval", str(opts.interval), "--connections", str(opts.connections if first else 4),
+            sys.executable,
+            os.path.join(HERE, "scale_crowd.py"),
+            "--backend",
+            backend,
+            "--endpoint",
+            endpoint,
+            "--cluster",
+            cluster,
+            "--first",
+            str(first),
+            "--count",
+            str(count),
+            "--total",
+            str(n),
+            "--interval",
+            str(opts.interval),
+            "--connections",
+            str(opts.connections if first else 4),
             *(["--profile", os.path.join(opts.profile, f"crowd-{p}.prof")] if opts.profile else []),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(os.path.join(scratch, f"crowd-{p}.log"), "ab"), limit=1 << 26)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(os.path.join(scratch, f"crowd-{p}.log"), "ab"),
+            limit=1 << 26,
+        )
         crowds.append(CrowdProcess(proc, first, count))
     for crowd in crowds:
         line = await asyncio.wait_for(crowd.proc.stdout.readline(), 120)
@@ -281,11 +350,14 @@ async def start_crowds(opts: argparse.Namespace, backend: str, endpoint: str, cl
         crowd.hello = json.loads(line)
 
 
-async def ask_all(crowds: list[CrowdProcess], msg: dict[str, Any], timeout: float = 60.0) -> list[dict[str, Any]]:
+async def ask_all(
+    crowds: list[CrowdProcess], msg: dict[str, Any], timeout: float = 60.0
+) -> list[dict[str, Any]]:
     return list(await asyncio.gather(*(c.ask(msg, timeout) for c in crowds)))
 
 
 # -- one row -------------------------------------------------------------------------------
+
 
 @dataclass
 class Row:
@@ -309,7 +381,9 @@ class Row:
     crowd_cpu_pct: float | None = None
     rdzv_store_cpu_pct: float | None = None
     rdzv_client_cpu_s: float | None = None
-    rdzv_bytes_per_node_s: float | None = None  # store bytes a node moved per second of the rendezvous
+    rdzv_bytes_per_node_s: float | None = (
+        None  # store bytes a node moved per second of the rendezvous
+    )
     rdzv_cpu_ms_per_node: float | None = None
     status: str = "ok"
     notes: list[str] = field(default_factory=list)
@@ -333,13 +407,23 @@ def _r(value: float | None, digits: int) -> float | None:
 class Probe:
     """The bench's own node (the store host), on this process's loop."""
 
-    def __init__(self, index: int, store: Any, cluster: str, endpoint: str, keep_alive: KeepAlive) -> None:
+    def __init__(
+        self, index: int, store: Any, cluster: str, endpoint: str, keep_alive: KeepAlive
+    ) -> None:
         self.ticks = Ticks()
         self.victim: str | None = None
         self.lost_at: float | None = None  # since when the probe sees the victim lost
         self.lost = asyncio.Event()
-        self.node = SimNode(index, store, Signer(SIGNER_KEY, cluster), cluster, endpoint, keep_alive, self.ticks,
-                            on_tick=self._ticked)
+        self.node = SimNode(
+            index,
+            store,
+            Signer(SIGNER_KEY, cluster),
+            cluster,
+            endpoint,
+            keep_alive,
+            self.ticks,
+            on_tick=self._ticked,
+        )
 
     def _ticked(self) -> None:
         if self.victim is None:
@@ -365,12 +449,16 @@ async def measure_row(opts: argparse.Namespace, backend: str, n: int, progress) 
     probe_store = None
     try:
         server = await start_server(backend, scratch)
-        await start_crowds(opts, backend, server.endpoint, cluster, n, scratch, crowds)  # fills crowds
+        await start_crowds(
+            opts, backend, server.endpoint, cluster, n, scratch, crowds
+        )  # fills crowds
         probe_store = await open_store(backend, server.endpoint, connections=4)
         row.phases["start"] = time.monotonic() - began
         pids = [c.proc.pid for c in crowds]
         guard = asyncio.create_task(memory_guard(CpuMeter(pids + [server.pid]), opts.memory_limit))
-        phases = asyncio.create_task(run_phases(opts, row, server, crowds, probe_store, cluster, progress))
+        phases = asyncio.create_task(
+            run_phases(opts, row, server, crowds, probe_store, cluster, progress)
+        )
         done, _ = await asyncio.wait({guard, phases}, return_when=asyncio.FIRST_COMPLETED)
         if guard in done:
             phases.cancel()
@@ -410,8 +498,15 @@ async def memory_guard(meter: CpuMeter, limit: float) -> str:
             return f"stopped: the crowd and the store held {rss / 2**30:.1f} GiB of memory"
 
 
-async def run_phases(opts: argparse.Namespace, row: Row, server: Server, crowds: list[CrowdProcess],
-                     probe_store: Any, cluster: str, progress) -> None:
+async def run_phases(
+    opts: argparse.Namespace,
+    row: Row,
+    server: Server,
+    crowds: list[CrowdProcess],
+    probe_store: Any,
+    cluster: str,
+    progress,
+) -> None:
     n, interval = row.nodes, opts.interval
     keep_alive = KeepAlive(interval)
     if opts.rdzv_only:
@@ -430,14 +525,18 @@ async def run_phases(opts: argparse.Namespace, row: Row, server: Server, crowds:
         registered = 0
         while time.monotonic() - t0 < opts.startup:
             stats = await ask_all(crowds, {"cmd": "stats"})
-            registered = sum(s["registered"] for s in stats) + probe.node.service.registered.is_set()
+            registered = (
+                sum(s["registered"] for s in stats) + probe.node.service.registered.is_set()
+            )
             if registered == n:
                 break
             await asyncio.sleep(0.5)
         row.phases["registered"] = time.monotonic() - t0
         if registered < n:
             row.overloaded(f"{registered}/{n} nodes ended a first duty within {opts.startup:g} s")
-        progress(f"{row.backend} N={n}: {registered}/{n} nodes registered in {row.phases['registered']:.1f} s")
+        progress(
+            f"{row.backend} N={n}: {registered}/{n} nodes registered in {row.phases['registered']:.1f} s"
+        )
         await settle(opts, row, crowds, t0, progress)
 
         # the steady window
@@ -456,8 +555,10 @@ async def run_phases(opts: argparse.Namespace, row: Row, server: Server, crowds:
         probe_delta = [a - b for a, b in zip(probe.node.counts.snapshot(), probe_base)]
         summarize_window(row, stats, probe, probe_delta, window, mark, interval)
         row.phases["window"] = window
-        progress(f"{row.backend} N={n}: duty {row.duty_ms} ms (p99 {row.duty_p99_ms}), "
-                 f"{row.store_ops_per_node_s} ops/node/s, store CPU {row.store_cpu_pct}%")
+        progress(
+            f"{row.backend} N={n}: duty {row.duty_ms} ms (p99 {row.duty_p99_ms}), "
+            f"{row.store_ops_per_node_s} ops/node/s, store CPU {row.store_cpu_pct}%"
+        )
 
         # a node killed: until the probe sees it lost
         await lost_node(opts, row, crowds, probe, progress)
@@ -472,7 +573,9 @@ async def run_phases(opts: argparse.Namespace, row: Row, server: Server, crowds:
         await rendezvous(opts, row, server, crowds, cluster, progress)
 
 
-async def settle(opts: argparse.Namespace, row: Row, crowds: list[CrowdProcess], t0: float, progress) -> None:
+async def settle(
+    opts: argparse.Namespace, row: Row, crowds: list[CrowdProcess], t0: float, progress
+) -> None:
     """Until the nodes beat at their pace (over 2 s: at least 0.8 duties per node and
     interval, none overrunning it), within --startup seconds of the start."""
     members = row.nodes - 1
@@ -487,18 +590,25 @@ async def settle(opts: argparse.Namespace, row: Row, crowds: list[CrowdProcess],
         if rate >= 0.8 and not overdue:
             break
         if time.monotonic() - t0 > opts.startup:
-            row.overloaded(f"the crowd never beat at its pace within {opts.startup:g} s of the start "
-                           f"(last: {rate:.2f} duties per node and interval, {overdue} overrunning)")
+            row.overloaded(
+                f"the crowd never beat at its pace within {opts.startup:g} s of the start "
+                f"(last: {rate:.2f} duties per node and interval, {overdue} overrunning)"
+            )
             break
     row.phases["steady"] = time.monotonic() - t0
-    progress(f"{row.backend} N={row.nodes}: steady after {row.phases['steady']:.1f} s "
-             f"({rate:.2f} duties per node and interval)")
+    progress(
+        f"{row.backend} N={row.nodes}: steady after {row.phases['steady']:.1f} s "
+        f"({rate:.2f} duties per node and interval)"
+    )
 
 
 def _top_kinds(kinds: dict[str, list[int]], per: float, unit: str) -> str:
     """The kinds of key that moved the most bytes, per ``per``."""
     top = sorted(kinds.items(), key=lambda kv: -kv[1][1])[:4]
-    return ", ".join(f"{kind} {ops / per:.1f} req {moved / per:,.0f} B" for kind, (ops, moved) in top) + f" {unit}"
+    return (
+        ", ".join(f"{kind} {ops / per:.1f} req {moved / per:,.0f} B" for kind, (ops, moved) in top)
+        + f" {unit}"
+    )
 
 
 def _merge_kinds(docs: list[dict[str, list[int]]]) -> dict[str, list[int]]:
@@ -511,8 +621,15 @@ def _merge_kinds(docs: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return merged
 
 
-def summarize_window(row: Row, stats: list[dict[str, Any]], probe: Probe, probe_delta: list[int],
-                     window: float, mark: float, interval: float) -> None:
+def summarize_window(
+    row: Row,
+    stats: list[dict[str, Any]],
+    probe: Probe,
+    probe_delta: list[int],
+    window: float,
+    mark: float,
+    interval: float,
+) -> None:
     n = row.nodes
     ops = sum(s["ops"] for s in stats) + probe_delta[1]
     moved = sum(s["sent"] + s["received"] for s in stats) + probe_delta[2] + probe_delta[3]
@@ -534,22 +651,29 @@ def summarize_window(row: Row, stats: list[dict[str, Any]], probe: Probe, probe_
         row.duty_ms = row.duty_p99_ms = _r(1000 * max(running), 1)
         row.notes.append("the probe ended no duty in the window (duty: the one still on, so far)")
     if row.duty_p99_ms is not None and row.duty_p99_ms > 1000 * interval:
-        row.overloaded(f"the probe's duties overran the {interval:g} s interval (p99 {row.duty_p99_ms:.0f} ms)")
+        row.overloaded(
+            f"the probe's duties overran the {interval:g} s interval (p99 {row.duty_p99_ms:.0f} ms)"
+        )
 
-    observed = [(d, c) for s in stats for d, c in s["observer_ticks"]] + \
-        [(d, c) for b, d, c in probe.ticks.observer if b >= mark]
+    observed = [(d, c) for s in stats for d, c in s["observer_ticks"]] + [
+        (d, c) for b, d, c in probe.ticks.observer if b >= mark
+    ]
     observer = [d for d, _ in observed]
     if observer:
         row.observer_duty_ms = _r(1000 * statistics.median(observer), 2)
         row.observer_duty_p99_ms = _r(1000 * percentile(observer, 0.99), 2)
-    observers = sorted({name for s in stats for name in s["observers"]} |
-                       ({probe.node.name} if getattr(probe.node.registry, "observing", False) else set()))
+    observers = sorted(
+        {name for s in stats for name in s["observers"]}
+        | ({probe.node.name} if getattr(probe.node.registry, "observing", False) else set())
+    )
     if observers == [node_name(0)]:  # on a loop of two nodes: its CPU is its own (nearly)
         row.observer_cpu_ms = _r(1000 * statistics.median(c for _, c in observed), 2)
     elif observer:
         row.notes.append(f"observing at the end of the window: {observers or 'nobody'}")
-    row.notes.append("store traffic per node and s, by key: " +
-                     _top_kinds(_merge_kinds([s["kinds"] for s in stats]), (n - 1) * window, "(crowd)"))
+    row.notes.append(
+        "store traffic per node and s, by key: "
+        + _top_kinds(_merge_kinds([s["kinds"] for s in stats]), (n - 1) * window, "(crowd)")
+    )
     crowd_duties = [d for s in stats for d in s["ticks"]] + observer
     overdue = [d for s in stats for d in s["overdue"]]
     members = max(n - 1, 1)  # every node but the probe
@@ -560,15 +684,18 @@ def summarize_window(row: Row, stats: list[dict[str, Any]], probe: Probe, probe_
     row.crowd_duty_max_ms = _r(None if longest is None else 1000 * longest, 1)
     late = sum(1 for d in crowd_duties if d > interval) + len(overdue)
     if late:
-        row.overloaded(f"{late} crowd duties overran the {interval:g} s interval "
-                       f"({len(overdue)} still on at the end of the window)")
+        row.overloaded(
+            f"{late} crowd duties overran the {interval:g} s interval "
+            f"({len(overdue)} still on at the end of the window)"
+        )
     if row.duty_cpu_ms is not None:
         cores = (n - 1) * row.duty_cpu_ms / 1000 / interval
         if cores > 0.5 * (os.cpu_count() or 1):
             row.notes.append(
                 f"at the probe's CPU per duty the other nodes alone need ~{cores:.1f} cores to beat at their "
                 f"pace; this machine has {os.cpu_count()}: the crowd starves, beats late and flaps lost/up, "
-                f"which inflates every node's reads (feed entries, records)")
+                f"which inflates every node's reads (feed entries, records)"
+            )
     errors = sum(s["store_errors"] for s in stats)
     if errors:
         problems = [p for s in stats for p, _ in s["problems"]]
@@ -578,12 +705,15 @@ def summarize_window(row: Row, stats: list[dict[str, Any]], probe: Probe, probe_
         row.notes.append(f"{refused} store records refused by crowd nodes")
 
 
-async def lost_node(opts: argparse.Namespace, row: Row, crowds: list[CrowdProcess], probe: Probe,
-                    progress) -> None:
+async def lost_node(
+    opts: argparse.Namespace, row: Row, crowds: list[CrowdProcess], probe: Probe, progress
+) -> None:
     """Kill node 1 (or, if it observes now, a crowd node that does not); until the probe sees
     it lost."""
     observers = {name for s in await ask_all(crowds, {"cmd": "stats"}) for name in s["observers"]}
-    index = next(i for i in [1, *range(row.nodes // 2, row.nodes - 1)] if node_name(i) not in observers)
+    index = next(
+        i for i in [1, *range(row.nodes // 2, row.nodes - 1)] if node_name(i) not in observers
+    )
     victim = node_name(index)
     crowd = next(c for c in crowds if c.holds(index))
     began = time.monotonic()
@@ -601,28 +731,43 @@ async def lost_node(opts: argparse.Namespace, row: Row, crowds: list[CrowdProces
     else:
         seen = probe.lost_at if probe.lost_at is not None else time.monotonic()
         if seen < killed:
-            row.notes.append(f"lost: {victim} was seen lost {killed - seen:.2f} s before it was killed "
-                             "(its heartbeats starved)")
+            row.notes.append(
+                f"lost: {victim} was seen lost {killed - seen:.2f} s before it was killed "
+                "(its heartbeats starved)"
+            )
         row.lost_seen_s = _r(max(seen - killed, 0.0), 2)
     row.phases["lost"] = time.monotonic() - began
     progress(f"{row.backend} N={row.nodes}: killed node seen lost after {row.lost_seen_s} s")
 
 
-async def rendezvous(opts: argparse.Namespace, row: Row, server: Server, crowds: list[CrowdProcess],
-                     cluster: str, progress) -> None:
+async def rendezvous(
+    opts: argparse.Namespace,
+    row: Row,
+    server: Server,
+    crowds: list[CrowdProcess],
+    cluster: str,
+    progress,
+) -> None:
     """N handlers (the probe here, the crowd's nodes there) released together into one job's
     first rendezvous, min = max = N."""
     n = row.nodes
     began = time.monotonic()
     job = f"bench-{n}"
     run_id = f"{cluster}-{job}"
-    settings = RendezvousSettings(run_id, n, n, join_timeout=opts.join_timeout,
-                                  keep_alive_interval=opts.interval)
+    settings = RendezvousSettings(
+        run_id, n, n, join_timeout=opts.join_timeout, keep_alive_interval=opts.interval
+    )
     prefix = Keyspace(cluster).rendezvous(job)
     client = await open_store(row.backend, server.endpoint, connections=2, waits=2)
     counts = Counts()
-    handler = RendezvousHandler(CountingStore(client, counts), Signer(SIGNER_KEY, cluster), settings,
-                                node_name(n - 1), node_record(n - 1).info.address, prefix=prefix)
+    handler = RendezvousHandler(
+        CountingStore(client, counts),
+        Signer(SIGNER_KEY, cluster),
+        settings,
+        node_name(n - 1),
+        node_record(n - 1).info.address,
+        prefix=prefix,
+    )
     keeper = asyncio.create_task(handler.keep())
     try:
         msg = {"run_id": run_id, "job": job, "n": n, "join_timeout": opts.join_timeout}
@@ -643,18 +788,26 @@ async def rendezvous(opts: argparse.Namespace, row: Row, server: Server, crowds:
             return time.monotonic()
 
         mine, *theirs = await asyncio.gather(
-            probe_join(), *(c.ask({"cmd": "rdzv_go", "at": at, "bound": bound}, timeout=bound + 30) for c in crowds),
-            return_exceptions=True)
+            probe_join(),
+            *(
+                c.ask({"cmd": "rdzv_go", "at": at, "bound": bound}, timeout=bound + 30)
+                for c in crowds
+            ),
+            return_exceptions=True,
+        )
         row.rdzv_store_cpu_pct = _r(cpu.read(), 1)
         row.rdzv_client_cpu_s = _r(clients_cpu.seconds(), 2)
         took = time.monotonic() - at
-        failures = [f"{type(r).__name__}: {r}" for r in [mine, *theirs] if isinstance(r, BaseException)]
+        failures = [
+            f"{type(r).__name__}: {r}" for r in [mine, *theirs] if isinstance(r, BaseException)
+        ]
         failed = sum(t["failed"] for t in theirs if isinstance(t, dict))
         errors = [e for t in theirs if isinstance(t, dict) for e, _ in t["errors"]]
         if failures or failed:
             row.status = "failed"
-            row.notes.append(f"rdzv: {failed + len(failures)} of {n} nodes failed: "
-                             f"{(failures + errors)[:2]}")
+            row.notes.append(
+                f"rdzv: {failed + len(failures)} of {n} nodes failed: {(failures + errors)[:2]}"
+            )
         else:
             last = max([mine] + [r for t in theirs for r in t["returned"]])
             row.rdzv_s = _r(last - at, 3)
@@ -664,19 +817,26 @@ async def rendezvous(opts: argparse.Namespace, row: Row, server: Server, crowds:
         row.rdzv_bytes_per_node_s = _r(moved / n / (row.rdzv_s or took), 0)
         row.rdzv_cpu_ms_per_node = _r(1000 * row.rdzv_client_cpu_s / n, 2)
         cores = os.cpu_count() or 1
-        if row.rdzv_client_cpu_s / cores > RDZV_TARGET:  # the crowd alone needs longer than the target
+        if (
+            row.rdzv_client_cpu_s / cores > RDZV_TARGET
+        ):  # the crowd alone needs longer than the target
             row.notes.append(
                 f"rdzv: {cores} cores cannot show a {n}-node rendezvous under {RDZV_TARGET:g} s: the simulated "
                 f"nodes alone needed {row.rdzv_client_cpu_s:.1f} CPU-s ({row.rdzv_cpu_ms_per_node:.1f} ms a node, "
                 f"{row.rdzv_client_cpu_s / cores:.1f} s on {cores} cores); on machines of their own each node "
-                f"spends those ms in parallel (compare the per-node ms and bytes/s with a smaller row's)")
-        row.notes.append(f"rdzv: {ops} store requests, {moved / 2**20:.1f} MiB; store CPU "
-                         f"{row.rdzv_store_cpu_pct}% meanwhile; the nodes' CPU {row.rdzv_client_cpu_s} s "
-                         f"in all ({row.rdzv_cpu_ms_per_node} ms a node); "
-                         f"{row.rdzv_bytes_per_node_s:.0f} store bytes a node per second of the rendezvous")
+                f"spends those ms in parallel (compare the per-node ms and bytes/s with a smaller row's)"
+            )
+        row.notes.append(
+            f"rdzv: {ops} store requests, {moved / 2**20:.1f} MiB; store CPU "
+            f"{row.rdzv_store_cpu_pct}% meanwhile; the nodes' CPU {row.rdzv_client_cpu_s} s "
+            f"in all ({row.rdzv_cpu_ms_per_node} ms a node); "
+            f"{row.rdzv_bytes_per_node_s:.0f} store bytes a node per second of the rendezvous"
+        )
         if answered:
-            row.notes.append("rdzv traffic by key, per node: " + _top_kinds(
-                _merge_kinds([t["kinds"] for t in answered]), n - 1, "(crowd)"))
+            row.notes.append(
+                "rdzv traffic by key, per node: "
+                + _top_kinds(_merge_kinds([t["kinds"] for t in answered]), n - 1, "(crowd)")
+            )
     finally:
         handler.shutdown()
         keeper.cancel()
@@ -689,6 +849,7 @@ async def rendezvous(opts: argparse.Namespace, row: Row, server: Server, crowds:
 
 
 # -- report --------------------------------------------------------------------------------
+
 
 def _f(value: float | None, fmt: str, none: str = "-") -> str:
     return none if value is None else format(value, fmt)
@@ -705,26 +866,36 @@ def table(rows: list[Row], opts: argparse.Namespace) -> str:
     for row in rows:
         duty = f"{_f(row.duty_ms, '.2f')}/{_f(row.duty_p99_ms, '.1f')}/{_f(row.duty_cpu_ms, '.2f')}"
         observer = f"{_f(row.observer_duty_ms, '.1f')}/{_f(row.observer_duty_p99_ms, '.0f')}/{_f(row.observer_cpu_ms, '.1f')}"
-        lines.append(f"{row.backend:<7} {row.nodes:>5} {duty:>20} {observer:>24} {_f(row.store_ops_per_node_s, '.1f'):>11} "
-                     f"{_f(row.store_bytes_per_node_s, ',.0f'):>13} {_f(row.store_cpu_pct, '.1f'):>10} "
-                     f"{_f(row.lost_seen_s, '.2f'):>11} {_f(row.rdzv_s, '.3f'):>8}  {row.status}")
+        lines.append(
+            f"{row.backend:<7} {row.nodes:>5} {duty:>20} {observer:>24} {_f(row.store_ops_per_node_s, '.1f'):>11} "
+            f"{_f(row.store_bytes_per_node_s, ',.0f'):>13} {_f(row.store_cpu_pct, '.1f'):>10} "
+            f"{_f(row.lost_seen_s, '.2f'):>11} {_f(row.rdzv_s, '.3f'):>8}  {row.status}"
+        )
     lines.append(TARGETS)
     for backend in dict.fromkeys(row.backend for row in rows):
-        steady = [r for r in rows if r.backend == backend and r.status == "ok" and r.store_ops_per_node_s]
+        steady = [
+            r for r in rows if r.backend == backend and r.status == "ok" and r.store_ops_per_node_s
+        ]
         if len(steady) > 1:
             low, high = steady[0], steady[-1]
-            lines.append(f"{backend}: store ops/node/s x{high.store_ops_per_node_s / low.store_ops_per_node_s:.1f}, "
-                         f"bytes/node/s x{(high.store_bytes_per_node_s or 0) / max(low.store_bytes_per_node_s or 1, 1):.1f} "
-                         f"from N={low.nodes} to N={high.nodes} (x1 is a store load linear in N)")
+            lines.append(
+                f"{backend}: store ops/node/s x{high.store_ops_per_node_s / low.store_ops_per_node_s:.1f}, "
+                f"bytes/node/s x{(high.store_bytes_per_node_s or 0) / max(low.store_bytes_per_node_s or 1, 1):.1f} "
+                f"from N={low.nodes} to N={high.nodes} (x1 is a store load linear in N)"
+            )
         elif len(steady) < sum(r.backend == backend for r in rows):
-            lines.append(f"{backend}: store load vs N not judged from rows that were overloaded or failed "
-                         "(their nodes did not beat at their pace: their ops/node/s are not the design's)")
+            lines.append(
+                f"{backend}: store load vs N not judged from rows that were overloaded or failed "
+                "(their nodes did not beat at their pace: their ops/node/s are not the design's)"
+            )
     for row in rows:
-        lines.append(f"  {row.backend} N={row.nodes}: crowd {_f(row.crowd_beats_per_node_s, '.2f')} duties/node/s, "
-                     f"crowd duty p50 {_f(row.crowd_duty_p50_ms, '.1f')} ms (longest {_f(row.crowd_duty_max_ms, '.0f')} ms), "
-                     f"crowd CPU {_f(row.crowd_cpu_pct, '.0f')}%, probe {_f(row.probe_ops_per_s, '.0f')} ops/s; "
-                     f"took {row.phases.get('total', 0):.0f} s "
-                     f"({', '.join(f'{k} {v:g}' for k, v in row.phases.items() if k != 'total')})")
+        lines.append(
+            f"  {row.backend} N={row.nodes}: crowd {_f(row.crowd_beats_per_node_s, '.2f')} duties/node/s, "
+            f"crowd duty p50 {_f(row.crowd_duty_p50_ms, '.1f')} ms (longest {_f(row.crowd_duty_max_ms, '.0f')} ms), "
+            f"crowd CPU {_f(row.crowd_cpu_pct, '.0f')}%, probe {_f(row.probe_ops_per_s, '.0f')} ops/s; "
+            f"took {row.phases.get('total', 0):.0f} s "
+            f"({', '.join(f'{k} {v:g}' for k, v in row.phases.items() if k != 'total')})"
+        )
         for note in row.notes:
             lines.append(f"      {note}")
     return "\n".join(lines)
@@ -764,22 +935,47 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("c10d", "etcd", "both"), default="both")
     parser.add_argument("--nodes", default="128,1024,4096", help="cluster sizes, comma-separated")
-    parser.add_argument("--window", type=float, default=10.0, help="steady window, seconds (at most 60)")
-    parser.add_argument("--quick", action="store_true", help="128 nodes only, a 3 s window, rendezvous at 128")
+    parser.add_argument(
+        "--window", type=float, default=10.0, help="steady window, seconds (at most 60)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="128 nodes only, a 3 s window, rendezvous at 128"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list, last")
-    parser.add_argument("--procs", type=int, default=max(2, min(16, (os.cpu_count() or 2) - 1)),
-                        help="crowd processes")
-    parser.add_argument("--connections", type=int, default=64, help="store connections per crowd process")
-    parser.add_argument("--rdzv-at", default="1024", help="sizes at which the rendezvous is measured")
+    parser.add_argument(
+        "--procs",
+        type=int,
+        default=max(2, min(16, (os.cpu_count() or 2) - 1)),
+        help="crowd processes",
+    )
+    parser.add_argument(
+        "--connections", type=int, default=64, help="store connections per crowd process"
+    )
+    parser.add_argument(
+        "--rdzv-at", default="1024", help="sizes at which the rendezvous is measured"
+    )
     parser.add_argument("--join-timeout", type=float, default=60.0)
-    parser.add_argument("--rdzv-only", action="store_true",
-                        help="only the rendezvous (at every --nodes size): no steady window, no lost node")
-    parser.add_argument("--profile", metavar="DIR", help="cProfile each crowd process's rendezvous into DIR")
-    parser.add_argument("--keep-logs", action="store_true", help="keep every row's logs (a failed row's are kept)")
+    parser.add_argument(
+        "--rdzv-only",
+        action="store_true",
+        help="only the rendezvous (at every --nodes size): no steady window, no lost node",
+    )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="cProfile each crowd process's rendezvous into DIR"
+    )
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep every row's logs (a failed row's are kept)"
+    )
     parser.add_argument("--startup", type=float, default=30.0, help="bound on start-up, seconds")
-    parser.add_argument("--lost-bound", type=float, default=30.0, help="bound on seeing a lost node, seconds")
-    parser.add_argument("--memory-limit", type=float, default=0.6, help="fraction of the machine's memory")
-    parser.add_argument("--interval", type=float, default=KeepAlive.interval, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--lost-bound", type=float, default=30.0, help="bound on seeing a lost node, seconds"
+    )
+    parser.add_argument(
+        "--memory-limit", type=float, default=0.6, help="fraction of the machine's memory"
+    )
+    parser.add_argument(
+        "--interval", type=float, default=KeepAlive.interval, help=argparse.SUPPRESS
+    )
     opts = parser.parse_args()
     opts.window = min(opts.window, 60.0)
     opts.nodes = [int(n) for n in opts.nodes.split(",") if n]
@@ -789,10 +985,15 @@ def main() -> int:
     if opts.rdzv_only:
         opts.rdzv_at = set(opts.nodes)
     if min(opts.nodes) < 4:
-        parser.error("a cluster here needs at least 4 nodes (nodes 0 and 1, a crowd node, the probe)")
+        parser.error(
+            "a cluster here needs at least 4 nodes (nodes 0 and 1, a crowd node, the probe)"
+        )
     raise_nofile()
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    progress = (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def progress(line):
+        return print(line, file=sys.stderr, flush=True)
+
     rows = asyncio.run(run(opts, progress))
     print(table(rows, opts), flush=True)
     if opts.json:

@@ -55,10 +55,11 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 
@@ -66,10 +67,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "system"))
-from conftest import Cluster  # noqa: E402  (tests/system/conftest.py)
-from harness import CLIENT_ENV, PY, START_TIMEOUT, Control, Daemon, python_for_everyone  # noqa: E402
-from sharing_trace import TraceJob, make_trace  # noqa: E402
-from sharing_metrics import DEFINITIONS, JobRun, compare, rounds_run, summarize, worker_intervals  # noqa: E402
+from conftest import Cluster
+from harness import CLIENT_ENV, PY, START_TIMEOUT, Control, Daemon, python_for_everyone
+from sharing_metrics import DEFINITIONS, JobRun, compare, rounds_run, summarize, worker_intervals
+from sharing_trace import TraceJob, make_trace
 
 WORKER = HERE / "sharing_worker.py"
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -95,9 +96,10 @@ def signals_held() -> Iterator[None]:
 
 # -- users -----------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class User:
-    name: str   # the Unix name (its primary group has the same name: the job's account)
+    name: str  # the Unix name (its primary group has the same name: the job's account)
     uid: int
     gid: int
 
@@ -141,6 +143,7 @@ def kill_processes_of(uids: set[int]) -> list[int]:
 
 # -- the cluster -----------------------------------------------------------------------------
 
+
 def scheduler_lines(enabled: bool, resize_interval: float | None) -> str:
     lines = f"[scheduler]\nenabled = {'true' if enabled else 'false'}\n"
     if resize_interval is not None:
@@ -150,8 +153,13 @@ def scheduler_lines(enabled: bool, resize_interval: float | None) -> str:
 
 def config_refusal(path: Path) -> str | None:
     """What ``elasticd --check-config`` says is wrong with the file (None: nothing)."""
-    done = subprocess.run([PY, "-m", "elasticd", "--check-config", str(path)], capture_output=True,
-                          text=True, timeout=120, env=CLIENT_ENV)
+    done = subprocess.run(
+        [PY, "-m", "elasticd", "--check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=CLIENT_ENV,
+    )
     if done.returncode == 0:
         return None
     return (done.stderr or done.stdout).strip().splitlines()[0]
@@ -159,9 +167,16 @@ def config_refusal(path: Path) -> str | None:
 
 def sharing_flags_known() -> set[str]:
     """Which of the scheduler's submit options this elasticctl has."""
-    done = subprocess.run([PY, "-m", "elasticctl", "submit", "--help"], capture_output=True, text=True,
-                          timeout=60, env=CLIENT_ENV)
-    return {flag for flag in SHARING_FLAGS if f"{flag} " in done.stdout or f"{flag}\n" in done.stdout}
+    done = subprocess.run(
+        [PY, "-m", "elasticctl", "submit", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=CLIENT_ENV,
+    )
+    return {
+        flag for flag in SHARING_FLAGS if f"{flag} " in done.stdout or f"{flag}\n" in done.stdout
+    }
 
 
 def stop_all(daemons: list[Daemon]) -> None:
@@ -177,6 +192,7 @@ def stop_all(daemons: list[Daemon]) -> None:
 
 
 # -- one replay ------------------------------------------------------------------------------
+
 
 @dataclass
 class Submitted:
@@ -212,16 +228,19 @@ class Replay:
         cluster.daemons = [cluster._daemon(i + 1, 1, None, ()) for i in range(self.args.nodes)]
         # peer_port 0: any free port (its default, 29401, may be another cluster's on 127.0.0.1)
         plain = cluster.config.read_text() + "[node]\npeer_port = 0\n"
-        self.cluster.config.write_text(plain + scheduler_lines(self.system == "scheduler",
-                                                               self.args.resize_interval))
+        self.cluster.config.write_text(
+            plain + scheduler_lines(self.system == "scheduler", self.args.resize_interval)
+        )
         refused = config_refusal(self.cluster.config)
         if refused is None:
             return None
         if self.system == "scheduler":
             return f"the daemon refuses [scheduler] enabled = true: {refused}"
         self.cluster.config.write_text(plain)
-        self.note = (f"no [scheduler] section (the daemon refuses it: {refused}); "
-                     "today's placement is its only one")
+        self.note = (
+            f"no [scheduler] section (the daemon refuses it: {refused}); "
+            "today's placement is its only one"
+        )
         return None
 
     def run(self) -> dict[str, Any]:
@@ -233,8 +252,10 @@ class Replay:
             daemon.start(wait=False)
         for daemon in others:
             daemon.wait_notify("READY=1", START_TIMEOUT)
-        log(f"[{self.system}] {len(self.cluster.daemons)} daemons up in {time.time() - started:.1f} s; "
-            "a warm-up job on every node")
+        log(
+            f"[{self.system}] {len(self.cluster.daemons)} daemons up in {time.time() - started:.1f} s; "
+            "a warm-up job on every node"
+        )
         self.warm_up()
         t0 = self.submit_all()
         timed_out = self.follow(t0)
@@ -245,24 +266,66 @@ class Replay:
         n = str(self.args.nodes)
         workdir = self.base / "warm-up"
         workdir.mkdir()
-        doc = self.cluster[0].submit_wait("--nnodes", n, "--nproc-per-node", "1", "--python", PY,
-                                          "--workdir", str(workdir), "--join-timeout", "300", str(WORKER),
-                                          "--", "--work", n, "--step", "0.1", timeout=600)
+        doc = self.cluster[0].submit_wait(
+            "--nnodes",
+            n,
+            "--nproc-per-node",
+            "1",
+            "--python",
+            PY,
+            "--workdir",
+            str(workdir),
+            "--join-timeout",
+            "300",
+            str(WORKER),
+            "--",
+            "--work",
+            n,
+            "--step",
+            "0.1",
+            timeout=600,
+        )
         if doc["state"] != "SUCCEEDED":
             raise RuntimeError(f"the warm-up job did not succeed: {doc}")
 
     def submit_argv(self, job: TraceJob, daemon: Daemon, workdir: Path, python: str) -> list[str]:
         user = self.users[job.user]
-        sharing = {"--account": ["--account", user.name], "--priority": ["--priority", str(job.priority)],
-                   "--preemptible": ["--preemptible"] if job.preemptible else [],
-                   "--nnodes-step": ["--nnodes-step", str(job.nnodes_step)] if job.nnodes_step > 1 else []}
+        sharing = {
+            "--account": ["--account", user.name],
+            "--priority": ["--priority", str(job.priority)],
+            "--preemptible": ["--preemptible"] if job.preemptible else [],
+            "--nnodes-step": ["--nnodes-step", str(job.nnodes_step)] if job.nnodes_step > 1 else [],
+        }
         extra = [arg for flag in SHARING_FLAGS if flag in self.flags for arg in sharing[flag]]
-        return [python, "-m", "elasticctl", "--socket", daemon.socket, "--json", "submit",
-                "--name", job.name, "--nnodes", job.nnodes, "--nproc-per-node", "1", *extra,
-                *([] if self.args.restart_path else ["--in-place"]),
-                "--python", os.path.realpath(python), "--workdir", str(workdir),
-                "--join-timeout", JOIN_TIMEOUT, str(WORKER), "--", "--work", str(job.work),
-                "--step", str(self.args.step)]
+        return [
+            python,
+            "-m",
+            "elasticctl",
+            "--socket",
+            daemon.socket,
+            "--json",
+            "submit",
+            "--name",
+            job.name,
+            "--nnodes",
+            job.nnodes,
+            "--nproc-per-node",
+            "1",
+            *extra,
+            *([] if self.args.restart_path else ["--in-place"]),
+            "--python",
+            os.path.realpath(python),
+            "--workdir",
+            str(workdir),
+            "--join-timeout",
+            JOIN_TIMEOUT,
+            str(WORKER),
+            "--",
+            "--work",
+            str(job.work),
+            "--step",
+            str(self.args.step),
+        ]
 
     def submit(self, job: TraceJob, daemon: Daemon, t0: float) -> None:
         venv = python_for_everyone()
@@ -271,9 +334,17 @@ class Replay:
         workdir.mkdir(parents=True, mode=0o755)
         os.chown(workdir, user.uid, user.gid)
         env = {**CLIENT_ENV, "VIRTUAL_ENV": venv, "HOME": "/"}
-        proc = subprocess.Popen(self.submit_argv(job, daemon, workdir, f"{venv}/bin/python3"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                cwd=str(workdir), user=user.uid, group=user.gid, extra_groups=[])
+        proc = subprocess.Popen(
+            self.submit_argv(job, daemon, workdir, f"{venv}/bin/python3"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(workdir),
+            user=user.uid,
+            group=user.gid,
+            extra_groups=[],
+        )
         self.submitted.append(Submitted(job, proc, daemon, time.time() - t0))
 
     def reap_submits(self) -> None:
@@ -283,8 +354,10 @@ class Replay:
                 continue
             out, err = sub.proc.communicate()
             if sub.proc.returncode != 0:
-                raise RuntimeError(f"elasticctl submit of {sub.job.name} exited {sub.proc.returncode}: "
-                                   f"{err.strip() or out.strip()}")
+                raise RuntimeError(
+                    f"elasticctl submit of {sub.job.name} exited {sub.proc.returncode}: "
+                    f"{err.strip() or out.strip()}"
+                )
             sub.id = json.loads(out)["id"]
 
     def submit_all(self) -> float:
@@ -316,19 +389,26 @@ class Replay:
     def rows(self) -> dict[str, dict[str, Any]]:
         """Every job in n1's list (one control-protocol call: cheaper than a CLI every second)."""
         with Control(self.cluster[0].socket) as control:
-            return {row["id"]: row for batch in control.stream("list", {"all": True}, 30)
-                    for row in batch.get("jobs", [])}
+            return {
+                row["id"]: row
+                for batch in control.stream("list", {"all": True}, 30)
+                for row in batch.get("jobs", [])
+            }
 
     def progress(self, t0: float) -> None:
         rows = self.rows()
-        states = [rows[sub.id]["state"] if sub.id in rows else "?" for sub in self.submitted if sub.id]
+        states = [
+            rows[sub.id]["state"] if sub.id in rows else "?" for sub in self.submitted if sub.id
+        ]
         busy = sum(row["workers_up"] for row in rows.values() if row["state"] not in FINAL)
         held = self.held[-1][1] if self.held else 0
-        log(f"[{self.system}] {time.time() - t0:6.0f} s: submitted {len(self.submitted)}/{len(self.trace)}, "
+        log(
+            f"[{self.system}] {time.time() - t0:6.0f} s: submitted {len(self.submitted)}/{len(self.trace)}, "
             f"pending {sum(s in ('PENDING', 'RENDEZVOUS') for s in states)}, "
             f"running {sum(s in ('RUNNING', 'RESTARTING') for s in states)}, "
             f"ended {sum(s in FINAL for s in states)}; slots: {busy} running a worker, "
-            f"{held} held, of {self.args.nodes}")
+            f"{held} held, of {self.args.nodes}"
+        )
 
     def follow(self, t0: float) -> bool:
         """Until every job ended (True: the run's time ran out first)."""
@@ -352,17 +432,32 @@ class Replay:
             if run.state != "SUCCEEDED":
                 error = self.cluster[0].ctl("status", run.id).get("error") if run.id else None
                 log(f"[{self.system}] {run.job.name} ({run.id}) is {run.state}: {error}")
-        summary = summarize(runs, slots=self.args.nodes, step=self.args.step, until=now, held=self.held)
-        return {"system": self.system, "note": self.note or None, "timed_out": timed_out,
-                "summary": summary, "jobs": [r.to_json(self.args.step) for r in runs],
-                "held_samples": self.held}
+        summary = summarize(
+            runs, slots=self.args.nodes, step=self.args.step, until=now, held=self.held
+        )
+        return {
+            "system": self.system,
+            "note": self.note or None,
+            "timed_out": timed_out,
+            "summary": summary,
+            "jobs": [r.to_json(self.args.step) for r in runs],
+            "held_samples": self.held,
+        }
 
     def job_run(self, sub: Submitted, row: dict[str, Any], t0: float, now: float) -> JobRun:
         events = read_events(self.base / "jobs" / sub.job.name / "events.jsonl")
         ended = row.get("ended")
         rounds = rounds_run(events)
-        return JobRun(sub.job, sub.id, row.get("state", "UNKNOWN"), float(row.get("created") or t0 + sub.at),
-                      row.get("started"), ended, worker_intervals(events, ended or now), rounds)
+        return JobRun(
+            sub.job,
+            sub.id,
+            row.get("state", "UNKNOWN"),
+            float(row.get("created") or t0 + sub.at),
+            row.get("started"),
+            ended,
+            worker_intervals(events, ended or now),
+            rounds,
+        )
 
     def stop(self) -> None:
         if self.cluster is not None:
@@ -404,6 +499,7 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 # -- output ----------------------------------------------------------------------------------
 
+
 def fmt(value: Any, kind: str) -> str:
     if value is None:
         return "-"
@@ -416,26 +512,30 @@ def fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
-ROWS = (("jobs completed / submitted", "completed", "n"),
-        ("average JCT (s)", "avg_jct", "s"),
-        ("p95 JCT (s)", "p95_jct", "s"),
-        ("makespan (s)", "makespan", "s"),
-        ("utilization while jobs wait", "util_waiting", "pct"),
-        ("utilization over the makespan", "util_makespan", "pct"),
-        ("slots held while jobs wait (nodes)", "held_waiting", "pct"),
-        ("longest wait (s)", "longest_wait", "s"),
-        ("average wait (s)", "avg_wait", "s"),
-        ("longest wait beyond fair share (s)", "excess_wait", "s"),
-        ("jobs waiting > 10 s beyond fair share", "excess_jobs", "n"),
-        ("Jain's fairness between users", "jain", "ratio"),
-        ("re-formations (resizes, requeues)", "reformations", "n"),
-        ("job-seconds between rounds", "between_rounds_s", "s"))
+ROWS = (
+    ("jobs completed / submitted", "completed", "n"),
+    ("average JCT (s)", "avg_jct", "s"),
+    ("p95 JCT (s)", "p95_jct", "s"),
+    ("makespan (s)", "makespan", "s"),
+    ("utilization while jobs wait", "util_waiting", "pct"),
+    ("utilization over the makespan", "util_makespan", "pct"),
+    ("slots held while jobs wait (nodes)", "held_waiting", "pct"),
+    ("longest wait (s)", "longest_wait", "s"),
+    ("average wait (s)", "avg_wait", "s"),
+    ("longest wait beyond fair share (s)", "excess_wait", "s"),
+    ("jobs waiting > 10 s beyond fair share", "excess_jobs", "n"),
+    ("Jain's fairness between users", "jain", "ratio"),
+    ("re-formations (resizes, requeues)", "reformations", "n"),
+    ("job-seconds between rounds", "between_rounds_s", "s"),
+)
 
 
 def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     ran = [name for name in SYSTEMS if name in results]
-    print(f"trace: seed {args.seed}, {args.jobs} jobs, {args.nodes} nodes x 1 slot, load {args.load:g}, "
-          f"{args.step:g} s a step, " + ("restart path" if args.restart_path else "in place"))
+    print(
+        f"trace: seed {args.seed}, {args.jobs} jobs, {args.nodes} nodes x 1 slot, load {args.load:g}, "
+        f"{args.step:g} s a step, " + ("restart path" if args.restart_path else "in place")
+    )
     for name in ran:
         if results[name].get("skipped"):
             print(f"{name}: skipped: {results[name]['skipped']}")
@@ -457,32 +557,56 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         print(f"{label:36} " + " ".join(f"{c:>12}" for c in cells) + "   " + verdict.get(key, ""))
     print()
     for name, summary in summaries.items():
-        print(f"{name}: per user  " + "; ".join(
-            f"{user}: {u['jobs']} jobs, slowdown {u['avg_slowdown']:.2f}, {u['slot_s']:.0f} slot-s"
-            for user, u in summary["users"].items()))
+        print(
+            f"{name}: per user  "
+            + "; ".join(
+                f"{user}: {u['jobs']} jobs, slowdown {u['avg_slowdown']:.2f}, {u['slot_s']:.0f} slot-s"
+                for user, u in summary["users"].items()
+            )
+        )
     print()
     print(DEFINITIONS)
 
 
 # -- main ------------------------------------------------------------------------------------
 
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--system", choices=("today", "scheduler", "both"), default="both")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--jobs", type=int, default=30)
     p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--load", type=float, default=1.3, help="offered work / capacity while jobs arrive")
+    p.add_argument(
+        "--load", type=float, default=1.3, help="offered work / capacity while jobs arrive"
+    )
     p.add_argument("--step", type=float, default=0.5, help="seconds a worker's step takes")
-    p.add_argument("--resize-interval", type=float, default=None,
-                   help="[scheduler] resize_interval (default: the daemon's)")
-    p.add_argument("--restart-path", action="store_true",
-                   help="submit the jobs without --in-place: a resize stops and restarts their workers")
-    p.add_argument("--timeout", type=float, default=1800.0, help="give up on a system's run after S s")
-    p.add_argument("--progress", type=float, default=15.0, help="a progress line every S s (stderr)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument(
+        "--resize-interval",
+        type=float,
+        default=None,
+        help="[scheduler] resize_interval (default: the daemon's)",
+    )
+    p.add_argument(
+        "--restart-path",
+        action="store_true",
+        help="submit the jobs without --in-place: a resize stops and restarts their workers",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="give up on a system's run after S s"
+    )
+    p.add_argument(
+        "--progress", type=float, default=15.0, help="a progress line every S s (stderr)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON document instead of the table"
+    )
     p.add_argument("--keep", action="store_true", help="keep the daemons' logs and the jobs' files")
-    p.add_argument("--trace", action="store_true", help="print the trace (JSON lines) and run nothing")
+    p.add_argument(
+        "--trace", action="store_true", help="print the trace (JSON lines) and run nothing"
+    )
     args = p.parse_args(argv)
     if args.jobs < 1 or args.nodes < 2 or args.step <= 0 or args.load <= 0:
         p.error("--jobs must be at least 1, --nodes at least 2, --step and --load more than 0")
@@ -505,7 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = sharing_flags_known()
     missing = [f for f in SHARING_FLAGS if f not in flags]
     if missing:
-        log(f"elasticctl submit has no {', '.join(missing)}: the trace's jobs are submitted without them")
+        log(
+            f"elasticctl submit has no {', '.join(missing)}: the trace's jobs are submitted without them"
+        )
     base = Path(tempfile.mkdtemp(prefix="elasticd-sharing-", dir="/tmp"))
     base.chmod(0o755)
     results: dict[str, dict[str, Any]] = {}
@@ -533,10 +659,19 @@ def main(argv: list[str] | None = None) -> int:
             log(f"the run's daemon logs and job files: {base}")
         else:
             shutil.rmtree(base, ignore_errors=True)
-    report = {"trace": {"seed": args.seed, "jobs": args.jobs, "nodes": args.nodes, "load": args.load,
-                        "step": args.step, "resize_interval": args.resize_interval, "in_place": not args.restart_path,
-                        "flags_left_out": missing},
-              "results": results}
+    report = {
+        "trace": {
+            "seed": args.seed,
+            "jobs": args.jobs,
+            "nodes": args.nodes,
+            "load": args.load,
+            "step": args.step,
+            "resize_interval": args.resize_interval,
+            "in_place": not args.restart_path,
+            "flags_left_out": missing,
+        },
+        "results": results,
+    }
     if args.json:
         print(json.dumps(report))
     else:

@@ -15,7 +15,7 @@ import time
 import warnings
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-import torch  # noqa: E402,F401  (both programs import it first thing)
+import torch  # noqa: F401  (both programs import it first thing)
 
 
 def main() -> None:

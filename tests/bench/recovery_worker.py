@@ -31,11 +31,19 @@ def exec_time() -> float:
 
 
 def record(directory: str, event: str, **extra: object) -> None:
-    doc = {"event": event, "t": time.time(), "pid": os.getpid(),
-           "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
-           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-           "in_round": os.environ.get("ELASTICD_ROUND"), **extra}  # in place: the worker's round
-    fd = os.open(os.path.join(directory, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    doc = {
+        "event": event,
+        "t": time.time(),
+        "pid": os.getpid(),
+        "rank": int(os.environ["RANK"]),
+        "world": int(os.environ["WORLD_SIZE"]),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "in_round": os.environ.get("ELASTICD_ROUND"),
+        **extra,
+    }  # in place: the worker's round
+    fd = os.open(
+        os.path.join(directory, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+    )
     os.write(fd, (json.dumps(doc) + "\n").encode())
     os.close(fd)
 
@@ -49,7 +57,9 @@ def record_phases(directory: str) -> None:
         def emit(self, rec: logging.LogRecord) -> None:
             name = getattr(rec, "phase", None)
             if name is not None:
-                record(directory, "phase", name=name, round=getattr(rec, "round", -1), t=rec.created)
+                record(
+                    directory, "phase", name=name, round=getattr(rec, "round", -1), t=rec.created
+                )
 
     logger = logging.getLogger("elasticd.elastic")
     logger.setLevel(logging.DEBUG)
@@ -60,8 +70,10 @@ def record_phases(directory: str) -> None:
 def nccl_device():
     """cuda:LOCAL_RANK, shared with the other ranks of this host (see the docstring)."""
     import torch
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
     from nccl_worker import share_one_gpu
+
     share_one_gpu()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -76,9 +88,11 @@ def main() -> None:
         return in_place(directory, nccl)
     record(directory, "start", exec=exec_time())
     import warnings
+
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
+
     device = nccl_device() if nccl else None
     dist.init_process_group("nccl" if nccl else "gloo")
     t = torch.ones(1, device=device)
@@ -99,10 +113,13 @@ def main() -> None:
 def in_place(directory: str, nccl: bool = False) -> None:
     """The same loop as an in-place job (elasticd.elastic): survivors keep this process."""
     import warnings
+
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
+
     from elasticd import elastic
+
     os.environ.setdefault("RANK", "-1")
     os.environ.setdefault("WORLD_SIZE", "0")
     record(directory, "warm", exec=exec_time())

@@ -29,21 +29,22 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from elasticd import __version__
-from elasticd.cluster.service import NodeDuties, NodeService, Watcher
-from elasticd.shell.publisher import StoreReset
 from elasticd.cluster.registry import NodeRecord, NodeRegistry
-from elasticd.errors import ElasticdError
-from elasticd.store.keyspace import Keyspace
+from elasticd.cluster.service import NodeDuties, NodeService, Watcher
 from elasticd.core.liveness import KeepAlive
 from elasticd.core.model import NodeInfo
-from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.errors import ElasticdError
 from elasticd.rendezvous import RendezvousSettings
-from elasticd.rendezvous.state import Decoded
+from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.keys import Keys
+from elasticd.rendezvous.state import Decoded
+from elasticd.shell.publisher import StoreReset
+from elasticd.store.keyspace import Keyspace
 from elasticd.store.signing import Signer
 
 SIGNER_KEY = b"bench-scale-0123456789abcdef0123"  # 32 bytes, fixed: every process signs alike
@@ -51,6 +52,7 @@ PEER_KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a CURVE public key's le
 
 
 # -- processes -----------------------------------------------------------------------------
+
 
 def raise_nofile() -> int:
     """The soft limit of open files raised to the hard one; the new soft limit."""
@@ -75,8 +77,16 @@ def die_with_parent() -> None:
 
 # -- stores --------------------------------------------------------------------------------
 
-async def open_store(backend: str, endpoint: str, *, timeout: float = 30.0, connections: int = 4,
-                     waits: int = 64, connect_timeout: float = 30.0) -> Any:
+
+async def open_store(
+    backend: str,
+    endpoint: str,
+    *,
+    timeout: float = 30.0,
+    connections: int = 4,
+    waits: int = 64,
+    connect_timeout: float = 30.0,
+) -> Any:
     """A connected store client of ``backend`` ("c10d": a TCPStoreClient; "etcd": an
     EtcdStore over the comma-separated endpoints)."""
     if backend == "c10d":
@@ -97,7 +107,7 @@ class Counts:
     """One node's store traffic: calls (round trips), requests (keys touched: what the
     server serves) and bytes of keys and values sent and received."""
 
-    __slots__ = ("calls", "ops", "sent", "received")
+    __slots__ = ("calls", "ops", "received", "sent")
 
     def __init__(self) -> None:
         self.calls = self.ops = self.sent = self.received = 0
@@ -174,7 +184,9 @@ class CountingStore:
         await self._store.set(key, value)
         self._one(key, _key_size(key) + len(value), 0)
 
-    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    async def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         swapped, current = await self._store.compare_set(key, expected, desired)
         self._one(key, _key_size(key) + _size(expected) + len(desired), _size(current))
         return swapped, current
@@ -226,6 +238,7 @@ class CountingStore:
 
 # -- nodes ---------------------------------------------------------------------------------
 
+
 def node_name(index: int) -> str:
     return f"node{index:05d}"
 
@@ -233,9 +246,16 @@ def node_name(index: int) -> str:
 def node_record(index: int) -> NodeRecord:
     """A realistic record: 8 slots, 8 GPUs, labels, a peer endpoint and key (~520 bytes sealed)."""
     address = f"10.{1 + index // 65536}.{index // 256 % 256}.{index % 256}"
-    info = NodeInfo(node_name(index), address, 8, tuple(str(g) for g in range(8)),
-                    {"zone": f"zone-{index % 4}", "rack": f"r{index // 32:03d}", "gpu": "h100"},
-                    __version__, False, time.time())
+    info = NodeInfo(
+        node_name(index),
+        address,
+        8,
+        tuple(str(g) for g in range(8)),
+        {"zone": f"zone-{index % 4}", "rack": f"r{index // 32:03d}", "gpu": "h100"},
+        __version__,
+        False,
+        time.time(),
+    )
     return NodeRecord(info, peer_endpoint=f"tcp://{address}:29402", peer_key=PEER_KEY)
 
 
@@ -270,7 +290,8 @@ class Ticks:
                 self.running.pop(name, None)
                 observing = bool(getattr(registry, "observing", False))
                 (self.observer if observing else self.done).append(
-                    (began, time.monotonic() - began, time.process_time() - cpu))
+                    (began, time.monotonic() - began, time.process_time() - cpu)
+                )
 
         registry.tick = tick  # type: ignore[method-assign]
 
@@ -286,14 +307,30 @@ class Ticks:
 class SimNode:
     """One simulated daemon: its registry and heartbeat loop, no workers."""
 
-    def __init__(self, index: int, store: Any, signer: Signer, cluster: str, endpoint: str,
-                 keep_alive: KeepAlive, ticks: Ticks, on_tick: Callable[[], None] = lambda: None,
-                 kinds: Kinds | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        store: Any,
+        signer: Signer,
+        cluster: str,
+        endpoint: str,
+        keep_alive: KeepAlive,
+        ticks: Ticks,
+        on_tick: Callable[[], None] = lambda: None,
+        kinds: Kinds | None = None,
+    ) -> None:
         self.index, self.name = index, node_name(index)
         self.counts = Counts()
         self.store = CountingStore(store, self.counts, kinds)
-        self.registry = NodeRegistry(self.store, signer, cluster, self.name, keep_alive=keep_alive,
-                                     endpoint=endpoint, on_refused=self._refused)
+        self.registry = NodeRegistry(
+            self.store,
+            signer,
+            cluster,
+            self.name,
+            keep_alive=keep_alive,
+            endpoint=endpoint,
+            on_refused=self._refused,
+        )
         ticks.timed(self.registry)
         self.service = NodeService(self.registry, interval=keep_alive.interval)
         self.record = node_record(index)
@@ -314,8 +351,11 @@ class SimNode:
             self.last_problem = problem
 
     def duties(self) -> NodeDuties:
-        return NodeDuties(local_record=lambda: self.record, post=_republished,
-                          watcher=Watcher(store=self._on_store, tick=self._on_tick))
+        return NodeDuties(
+            local_record=lambda: self.record,
+            post=_republished,
+            watcher=Watcher(store=self._on_store, tick=self._on_tick),
+        )
 
     def start(self, at: float) -> None:
         self.task = asyncio.create_task(self._run(at), name=self.name)
@@ -335,6 +375,7 @@ class SimNode:
 
 # -- the crowd -----------------------------------------------------------------------------
 
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -350,9 +391,19 @@ class Crowd:
         self.keep_alive = KeepAlive(args.interval)
         self.ticks = Ticks()
         self.kinds = Kinds()
-        self.nodes = {i: SimNode(i, store, self.signer, args.cluster, args.endpoint, self.keep_alive, self.ticks,
-                                 kinds=self.kinds)
-                      for i in range(args.first, args.first + args.count)}
+        self.nodes = {
+            i: SimNode(
+                i,
+                store,
+                self.signer,
+                args.cluster,
+                args.endpoint,
+                self.keep_alive,
+                self.ticks,
+                kinds=self.kinds,
+            )
+            for i in range(args.first, args.first + args.count)
+        }
         self.marked = time.monotonic()
         self.base = {i: node.counts.snapshot() for i, node in self.nodes.items()}
         self.rdzv: list[tuple[RendezvousHandler, asyncio.Task, Any]] = []
@@ -363,7 +414,9 @@ class Crowd:
         command = msg["cmd"]
         if command == "start":  # node i starts at t0 + i/N of the stagger; node 0 at "first"
             for i, node in self.nodes.items():
-                node.start(msg["first"] if i == 0 else msg["t0"] + msg["stagger"] * i / self.args.total)
+                node.start(
+                    msg["first"] if i == 0 else msg["t0"] + msg["stagger"] * i / self.args.total
+                )
             return {"started": len(self.nodes)}
         if command == "mark":
             self.marked = time.monotonic()
@@ -398,19 +451,34 @@ class Crowd:
             totals = [t + d for t, d in zip(totals, delta)]
         live = [n for n in self.nodes.values() if n.task is not None and not n.task.done()]
         durations = [d for began, d, _ in self.ticks.done if began >= self.marked]
-        observer = [[round(d, 6), round(c, 6)] for began, d, c in self.ticks.observer if began >= self.marked]
+        observer = [
+            [round(d, 6), round(c, 6)]
+            for began, d, c in self.ticks.observer
+            if began >= self.marked
+        ]
         cpu = [round(c, 6) for began, _, c in self.ticks.done if began >= self.marked]
-        problems = collections.Counter(n.last_problem for n in self.nodes.values() if n.last_problem)
+        problems = collections.Counter(
+            n.last_problem for n in self.nodes.values() if n.last_problem
+        )
         return {
-            "nodes": len(self.nodes), "live": len(live), "elapsed": now - self.marked,
+            "nodes": len(self.nodes),
+            "live": len(live),
+            "elapsed": now - self.marked,
             "registered": sum(n.service.registered.is_set() for n in self.nodes.values()),
-            "calls": totals[0], "ops": totals[1], "sent": totals[2], "received": totals[3],
+            "calls": totals[0],
+            "ops": totals[1],
+            "sent": totals[2],
+            "received": totals[3],
             "max_node_ops": max(per_node_ops, default=0),
             "ticks": [round(d, 6) for d in durations],
             "observer_ticks": observer,
-            "cpu": cpu if len(self.nodes) <= 2 else [],  # a duty's own CPU only where few nodes share the loop
+            "cpu": cpu
+            if len(self.nodes) <= 2
+            else [],  # a duty's own CPU only where few nodes share the loop
             "kinds": self.kinds.doc(),
-            "observers": [n.name for n in self.nodes.values() if getattr(n.registry, "observing", False)],
+            "observers": [
+                n.name for n in self.nodes.values() if getattr(n.registry, "observing", False)
+            ],
             "overdue": [round(d, 3) for d in self.ticks.overdue(now, self.keep_alive.interval)],
             "store_errors": sum(n.store_errors for n in self.nodes.values()),
             "refused": sum(n.refused for n in self.nodes.values()),
@@ -431,20 +499,38 @@ class Crowd:
     async def rdzv_setup(self, msg: dict[str, Any]) -> None:
         """One rendezvous handler per node of this process, each with a store client of its
         own (a daemon's connections) and its keeper running; returns once every keeper beat."""
-        settings = RendezvousSettings(msg["run_id"], msg["n"], msg["n"], join_timeout=msg["join_timeout"],
-                                      keep_alive_interval=self.keep_alive.interval,
-                                      keep_alive_max_attempt=self.keep_alive.attempts)
+        settings = RendezvousSettings(
+            msg["run_id"],
+            msg["n"],
+            msg["n"],
+            join_timeout=msg["join_timeout"],
+            keep_alive_interval=self.keep_alive.interval,
+            keep_alive_max_attempt=self.keep_alive.attempts,
+        )
         prefix = Keyspace(self.args.cluster).rendezvous(msg["job"])
         keys = Keys(prefix)
         indices = range(self.args.first, self.args.first + self.args.count)
         clients: list[Any] = []
-        for batch in range(0, len(indices), 64):  # connect a few at a time: the server's accept queue
-            clients += await asyncio.gather(*(open_store(self.args.backend, self.args.endpoint, connections=2, waits=2)
-                                              for _ in indices[batch:batch + 64]))
+        for batch in range(
+            0, len(indices), 64
+        ):  # connect a few at a time: the server's accept queue
+            clients += await asyncio.gather(
+                *(
+                    open_store(self.args.backend, self.args.endpoint, connections=2, waits=2)
+                    for _ in indices[batch : batch + 64]
+                )
+            )
         decoded = Decoded()  # the states opened: once per change for every node of this process
         for i, client in zip(indices, clients):
-            handler = RendezvousHandler(CountingStore(client, self.rdzv_counts, self.rdzv_kinds), self.signer, settings,
-                                        node_name(i), node_record(i).info.address, prefix=prefix, decoded=decoded)
+            handler = RendezvousHandler(
+                CountingStore(client, self.rdzv_counts, self.rdzv_kinds),
+                self.signer,
+                settings,
+                node_name(i),
+                node_record(i).info.address,
+                prefix=prefix,
+                decoded=decoded,
+            )
             self.rdzv.append((handler, asyncio.create_task(handler.keep()), client))
         for handler, _, _ in self.rdzv:
             if not await self.store.wait_for(keys.heartbeat(handler.node), 60.0):
@@ -469,17 +555,31 @@ class Crowd:
             async with asyncio.timeout(msg["bound"]):
                 results = await asyncio.gather(*tasks, return_exceptions=True)
         except TimeoutError:
-            results = [t.result() if t.done() and not t.cancelled() and t.exception() is None
-                       else (t.exception() if t.done() and not t.cancelled() else TimeoutError("no answer"))
-                       for t in tasks]
+            results = [
+                t.result()
+                if t.done() and not t.cancelled() and t.exception() is None
+                else (
+                    t.exception() if t.done() and not t.cancelled() else TimeoutError("no answer")
+                )
+                for t in tasks
+            ]
         if profile is not None:
             profile.disable()
             profile.dump_stats(self.args.profile)
         returned = [r for r in results if isinstance(r, float)]
-        errors = collections.Counter(f"{type(r).__name__}: {r}"[:200] for r in results if not isinstance(r, float))
+        errors = collections.Counter(
+            f"{type(r).__name__}: {r}"[:200] for r in results if not isinstance(r, float)
+        )
         delta = [a - b for a, b in zip(self.rdzv_counts.snapshot(), before)]
-        return {"returned": returned, "errors": errors.most_common(3), "failed": sum(errors.values()),
-                "calls": delta[0], "ops": delta[1], "bytes": delta[2] + delta[3], "kinds": self.rdzv_kinds.doc()}
+        return {
+            "returned": returned,
+            "errors": errors.most_common(3),
+            "failed": sum(errors.values()),
+            "calls": delta[0],
+            "ops": delta[1],
+            "bytes": delta[2] + delta[3],
+            "kinds": self.rdzv_kinds.doc(),
+        }
 
     async def rdzv_stop(self) -> None:
         for handler, keeper, _ in self.rdzv:
@@ -541,7 +641,9 @@ def main() -> None:
     die_with_parent()
     raise_nofile()
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    logging.getLogger("elasticd.rendezvous").setLevel(logging.WARNING)  # dropped nodes, restored states
+    logging.getLogger("elasticd.rendezvous").setLevel(
+        logging.WARNING
+    )  # dropped nodes, restored states
     asyncio.run(serve(args))
 
 

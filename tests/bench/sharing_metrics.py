@@ -4,8 +4,9 @@ and its workers' own intervals to the table's figures.  DEFINITIONS says what ea
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from sharing_trace import TraceJob
 
@@ -39,10 +40,10 @@ definitions:
                  starts (in place: rank 0's placements)
   between rounds seconds in which a started job that had not ended had no worker, summed over jobs"""
 
-JCT_TARGET = 0.35      # issue 26: average JCT at least 35 % lower than today's
-UTIL_TARGET = 0.95     # issue 26: utilization at least 95 % while jobs wait
-FAIR_GRACE = 10.0      # issue 26: no wait beyond fair share, but for a reclaim and a start
-FAIR_TICK = 0.5        # the excess wait is sampled this often
+JCT_TARGET = 0.35  # issue 26: average JCT at least 35 % lower than today's
+UTIL_TARGET = 0.95  # issue 26: utilization at least 95 % while jobs wait
+FAIR_GRACE = 10.0  # issue 26: no wait beyond fair share, but for a reclaim and a start
+FAIR_TICK = 0.5  # the excess wait is sampled this often
 
 Interval = tuple[float, float]
 
@@ -146,10 +147,10 @@ class JobRun:
     id: str | None
     state: str
     created: float
-    started: float | None       # the record's (its first node's part started)
+    started: float | None  # the record's (its first node's part started)
     ended: float | None
     workers: list[Interval]
-    rounds: int                 # rank 0's starts
+    rounds: int  # rank 0's starts
 
     @property
     def start(self) -> float | None:
@@ -177,13 +178,24 @@ class JobRun:
         return max(0.0, (end - self.start) - length(self.workers))
 
     def to_json(self, step: float) -> dict[str, Any]:
-        return {**self.job.to_json(), "id": self.id, "state": self.state, "created": self.created,
-                "started": self.started, "first_exec": self.start, "ended": self.ended,
-                "jct": self.jct, "slowdown": self.slowdown(step), "rounds": self.rounds,
-                "workers": [list(w) for w in self.workers]}
+        return {
+            **self.job.to_json(),
+            "id": self.id,
+            "state": self.state,
+            "created": self.created,
+            "started": self.started,
+            "first_exec": self.start,
+            "ended": self.ended,
+            "jct": self.jct,
+            "slowdown": self.slowdown(step),
+            "rounds": self.rounds,
+            "workers": [list(w) for w in self.workers],
+        }
 
 
-def held_share(samples: Sequence[tuple[float, int]], windows: Iterable[Interval], slots: int) -> float | None:
+def held_share(
+    samples: Sequence[tuple[float, int]], windows: Iterable[Interval], slots: int
+) -> float | None:
     """The average share of slots the nodes held (a job's part on them, running or not) over
     the samples taken within the windows; None when none was."""
     union = merged(windows)
@@ -191,8 +203,14 @@ def held_share(samples: Sequence[tuple[float, int]], windows: Iterable[Interval]
     return sum(inside) / (slots * len(inside)) if inside else None
 
 
-def summarize(runs: Sequence[JobRun], *, slots: int, step: float, until: float,
-              held: Sequence[tuple[float, int]] = ()) -> dict[str, Any]:
+def summarize(
+    runs: Sequence[JobRun],
+    *,
+    slots: int,
+    step: float,
+    until: float,
+    held: Sequence[tuple[float, int]] = (),
+) -> dict[str, Any]:
     """The table's figures for one system (``until``: when the run was looked at last, the end
     of what has not ended; ``held``: samples of the slots the nodes held, (when, how many))."""
     done = [r for r in runs if r.succeeded]
@@ -207,22 +225,32 @@ def summarize(runs: Sequence[JobRun], *, slots: int, step: float, until: float,
     for user in sorted({r.job.user for r in runs}):
         mine = [r for r in runs if r.job.user == user]
         slowdowns = [r.slowdown(step) for r in mine if r.succeeded]
-        users[user] = {"jobs": len(mine), "completed": len(slowdowns),
-                       "avg_slowdown": sum(slowdowns) / len(slowdowns) if slowdowns else math.nan,
-                       "avg_jct": mean([r.jct for r in mine if r.succeeded]),
-                       "slot_s": sum(b - a for r in mine for a, b in r.workers)}
+        users[user] = {
+            "jobs": len(mine),
+            "completed": len(slowdowns),
+            "avg_slowdown": sum(slowdowns) / len(slowdowns) if slowdowns else math.nan,
+            "avg_jct": mean([r.jct for r in mine if r.succeeded]),
+            "slot_s": sum(b - a for r in mine for a, b in r.workers),
+        }
     slowdowns = [u["avg_slowdown"] for u in users.values() if u["completed"]]
     return {
-        "submitted": len(runs), "completed": len(done),
-        "avg_jct": mean(jcts), "p95_jct": percentile(jcts, 95), "makespan": last - first,
+        "submitted": len(runs),
+        "completed": len(done),
+        "avg_jct": mean(jcts),
+        "p95_jct": percentile(jcts, 95),
+        "makespan": last - first,
         "busy_slot_s": sum(b - a for a, b in busy),
-        "util_waiting": utilization(busy, waiting, slots), "held_waiting": held_share(held, waiting, slots),
+        "util_waiting": utilization(busy, waiting, slots),
+        "held_waiting": held_share(held, waiting, slots),
         "util_makespan": utilization(busy, [(first, last)], slots),
-        "longest_wait": max(waits, default=None), "avg_wait": mean(waits),
+        "longest_wait": max(waits, default=None),
+        "avg_wait": mean(waits),
         "excess_wait": max(excess.values(), default=None),
         "excess_jobs": sum(1 for x in excess.values() if x > FAIR_GRACE),
-        "jain": jain(slowdowns), "reformations": sum(max(0, r.rounds - 1) for r in runs),
-        "between_rounds_s": sum(r.between_rounds(until) for r in runs), "users": users,
+        "jain": jain(slowdowns),
+        "reformations": sum(max(0, r.rounds - 1) for r in runs),
+        "between_rounds_s": sum(r.between_rounds(until) for r in runs),
+        "users": users,
     }
 
 
@@ -242,6 +270,7 @@ def max_min_fair(demands: dict[str, int], slots: int) -> dict[str, float]:
 
 def excess_waits(runs: Sequence[JobRun], slots: int, until: float) -> dict[str, float]:
     """Each job's wait beyond its fair share (DEFINITIONS), in seconds, by job name."""
+
     def size(run: JobRun, t: float) -> int:
         return sum(1 for a, b in run.workers if a <= t < b)
 
@@ -256,7 +285,9 @@ def excess_waits(runs: Sequence[JobRun], slots: int, until: float) -> dict[str, 
     return out
 
 
-def _entitled(run: JobRun, runs: Sequence[JobRun], slots: int, t: float, size: Any, until: float) -> bool:
+def _entitled(
+    run: JobRun, runs: Sequence[JobRun], slots: int, t: float, size: Any, until: float
+) -> bool:
     def active(r: JobRun) -> bool:
         return r.created <= t < (r.ended if r.ended is not None else until)
 
@@ -278,7 +309,9 @@ def _entitled(run: JobRun, runs: Sequence[JobRun], slots: int, t: float, size: A
     if held.get(user, 0) + run.job.min_nodes > fair[user] + 1e-9:
         return False
     free = slots - sum(held.values())
-    free += sum(min(held[v] - fair[v], lendable[v]) for v in held if v != user and held[v] > fair[v])
+    free += sum(
+        min(held[v] - fair[v], lendable[v]) for v in held if v != user and held[v] > fair[v]
+    )
     return free >= run.job.min_nodes
 
 
@@ -288,25 +321,33 @@ def mean(values: Sequence[float]) -> float | None:
 
 def compare(today: dict[str, Any] | None, scheduler: dict[str, Any] | None) -> dict[str, str]:
     """The target column: the issue's targets, and whether each system met them."""
-    out = {"avg_jct": f">= {JCT_TARGET:.0%} lower than today's",
-           "util_waiting": f">= {UTIL_TARGET:.0%}",
-           "jain": "1 = every user's jobs slowed alike"}
+    out = {
+        "avg_jct": f">= {JCT_TARGET:.0%} lower than today's",
+        "util_waiting": f">= {UTIL_TARGET:.0%}",
+        "jain": "1 = every user's jobs slowed alike",
+    }
     if today and scheduler and today.get("avg_jct") and scheduler.get("avg_jct") is not None:
         cut = 1 - scheduler["avg_jct"] / today["avg_jct"]
         out["avg_jct"] += f": {cut:.0%} lower, {'met' if cut >= JCT_TARGET else 'MISSED'}"
         for key in ("p95_jct", "makespan", "longest_wait", "avg_wait"):
             if today.get(key) and scheduler.get(key) is not None:
                 change = scheduler[key] / today[key] - 1
-                out[key] = (out.get(key, "") + "; " if key in out else "") + f"scheduler {change:+.0%}"
+                out[key] = (
+                    out.get(key, "") + "; " if key in out else ""
+                ) + f"scheduler {change:+.0%}"
     out["excess_wait"] = f"<= {FAIR_GRACE:g} s for every job"
-    fair = [f"{name} {'met' if s['excess_wait'] <= FAIR_GRACE else 'MISSED'}"
-            for name, s in (("today", today), ("scheduler", scheduler))
-            if s and s.get("excess_wait") is not None]
+    fair = [
+        f"{name} {'met' if s['excess_wait'] <= FAIR_GRACE else 'MISSED'}"
+        for name, s in (("today", today), ("scheduler", scheduler))
+        if s and s.get("excess_wait") is not None
+    ]
     if fair:
         out["excess_wait"] += ": " + ", ".join(fair)
-    verdicts = [f"{name} {'met' if s['util_waiting'] >= UTIL_TARGET else 'MISSED'}"
-                for name, s in (("today", today), ("scheduler", scheduler))
-                if s and s.get("util_waiting") is not None]
+    verdicts = [
+        f"{name} {'met' if s['util_waiting'] >= UTIL_TARGET else 'MISSED'}"
+        for name, s in (("today", today), ("scheduler", scheduler))
+        if s and s.get("util_waiting") is not None
+    ]
     if verdicts:
         out["util_waiting"] += ": " + ", ".join(verdicts)
     return out

@@ -45,10 +45,10 @@ class TraceJob:
     name: str
     user: str
     kind: str
-    arrival: float        # seconds after the replay's start
+    arrival: float  # seconds after the replay's start
     min_nodes: int
     max_nodes: int
-    work: int             # sample-units
+    work: int  # sample-units
     nnodes_step: int = 1
     preemptible: bool = False
     priority: int = 0
@@ -65,7 +65,9 @@ class TraceJob:
         return asdict(self)
 
 
-def make_trace(seed: int, jobs: int, nodes: int, *, load: float = 1.3, step: float = 0.5) -> list[TraceJob]:
+def make_trace(
+    seed: int, jobs: int, nodes: int, *, load: float = 1.3, step: float = 0.5
+) -> list[TraceJob]:
     """``jobs`` jobs for a cluster of ``nodes`` one-slot nodes; the same arguments always give
     the same trace."""
     if jobs < 1 or nodes < 1 or load <= 0 or step <= 0:
@@ -78,8 +80,19 @@ def make_trace(seed: int, jobs: int, nodes: int, *, load: float = 1.3, step: flo
     arrival, trace = 0.0, []
     for index, (kind, low, high, work, stepped, preemptible) in enumerate(drawn):
         user = rng.choices(USERS, USER_WEIGHTS)[0]
-        trace.append(TraceJob(f"{kind[0]}{index:02d}-{user}", user, kind, round(arrival, 2), low, high,
-                              work, stepped, preemptible))
+        trace.append(
+            TraceJob(
+                f"{kind[0]}{index:02d}-{user}",
+                user,
+                kind,
+                round(arrival, 2),
+                low,
+                high,
+                work,
+                stepped,
+                preemptible,
+            )
+        )
         arrival += rng.expovariate(rate)
     return trace
 

@@ -51,8 +51,15 @@ def exec_time() -> float:
 
 
 def record(event: str, **extra: object) -> None:
-    doc = {"event": event, "t": time.time(), "pid": os.getpid(), "rank": int(os.environ.get("RANK", -1)),
-           "world": int(os.environ.get("WORLD_SIZE", 0)), "node": os.environ.get("GROUP_RANK"), **extra}
+    doc = {
+        "event": event,
+        "t": time.time(),
+        "pid": os.getpid(),
+        "rank": int(os.environ.get("RANK", -1)),
+        "world": int(os.environ.get("WORLD_SIZE", 0)),
+        "node": os.environ.get("GROUP_RANK"),
+        **extra,
+    }
     fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (json.dumps(doc) + "\n").encode())

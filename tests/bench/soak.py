@@ -37,32 +37,44 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "system"))
-from conftest import Cluster  # noqa: E402  (tests/system/conftest.py)
-from harness import Daemon, worker_args  # noqa: E402
+from conftest import Cluster
+from harness import Daemon, worker_args
 
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
 def usage(daemon: Daemon) -> dict[str, int]:
     proc = psutil.Process(daemon.proc.pid)
-    return {"rss_mib": proc.memory_info().rss >> 20, "fds": proc.num_fds(),
-            "threads": proc.num_threads()}
+    return {
+        "rss_mib": proc.memory_info().rss >> 20,
+        "fds": proc.num_fds(),
+        "threads": proc.num_threads(),
+    }
 
 
 def job_args(rng: random.Random) -> list[str]:
     nnodes = rng.choice(["1", "1", "2", "1:3"])
     extra = rng.choice([[], [], ["--child"], ["--escape"]])
-    return ["--nnodes", nnodes, "--nproc-per-node", str(rng.choice([1, 2])),
-            "--max-restarts", str(rng.choice([0, 1, 2])), "--join-timeout", "120",
-            *worker_args("--sleep", f"{rng.uniform(0.5, 5):.2f}", "--print", str(rng.randint(0, 50)),
-                         *extra)]
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(rng.choice([1, 2])),
+        "--max-restarts",
+        str(rng.choice([0, 1, 2])),
+        "--join-timeout",
+        "120",
+        *worker_args(
+            "--sleep", f"{rng.uniform(0.5, 5):.2f}", "--print", str(rng.randint(0, 50)), *extra
+        ),
+    ]
 
 
 class Soak:
     def __init__(self, cluster: Cluster, rng: random.Random) -> None:
         self.cluster = cluster
         self.rng = rng
-        self.jobs: dict[str, Daemon] = {}   # job id -> the daemon it was submitted to
+        self.jobs: dict[str, Daemon] = {}  # job id -> the daemon it was submitted to
         self.actions: list[tuple[float, str, str]] = []  # (when, "cancel" | "kill", job)
         self.done = {"cancel": 0, "kill": 0}
 
@@ -90,7 +102,11 @@ class Soak:
                     self.done["cancel"] += 1
                 continue
             status = json.loads(daemon.ctl_run("--json", "status", job).stdout or "{}")
-            live = [w["pid"] for w in status.get("workers", []) if w.get("pid") and w["state"] == "HEALTHY"]
+            live = [
+                w["pid"]
+                for w in status.get("workers", [])
+                if w.get("pid") and w["state"] == "HEALTHY"
+            ]
             if live:
                 try:
                     os.kill(self.rng.choice(live), signal.SIGKILL)
@@ -129,13 +145,17 @@ def job_processes() -> list[int]:
     left = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if any(needle in part for part in cmdline) or cmdline[-1:] == ["import time; time.sleep(3600)"]:
+        if any(needle in part for part in cmdline) or cmdline[-1:] == [
+            "import time; time.sleep(3600)"
+        ]:
             left.append(proc.info["pid"])
     return left
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--jobs", type=int, default=500)
     p.add_argument("--seed", type=int, default=1)
@@ -179,10 +199,16 @@ def main() -> int:
         history = history_missing(soak.jobs)
         left_pids = [p for p in job_processes() if psutil.pid_exists(p)]
         report = {
-            "minutes": round((time.time() - started_at) / 60, 1), "jobs": len(soak.jobs),
-            "cancelled_by_soak": soak.done["cancel"], "workers_killed": soak.done["kill"],
-            "final_states": states, "before": before, "after": after,
-            "unfinished": left, "missing_from_list": listed, "missing_from_history": history,
+            "minutes": round((time.time() - started_at) / 60, 1),
+            "jobs": len(soak.jobs),
+            "cancelled_by_soak": soak.done["cancel"],
+            "workers_killed": soak.done["kill"],
+            "final_states": states,
+            "before": before,
+            "after": after,
+            "unfinished": left,
+            "missing_from_list": listed,
+            "missing_from_history": history,
             "processes_left": left_pids,
         }
         print(json.dumps(report, indent=None if args.json else 2))

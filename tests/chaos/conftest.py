@@ -8,11 +8,12 @@ of the run; they are reports, never pass/fail thresholds.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
 _FIGURES: list[tuple[str, str]] = []
+
 
 class Figures:
     def add(self, name: str, value: str) -> None:

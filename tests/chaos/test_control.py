@@ -16,8 +16,15 @@ from typing import Any
 
 import psutil
 import pytest
-
-from harness import Control, FIXTURES, PY, needs_root, python_for_everyone, sleeping_job, worker_args
+from harness import (
+    FIXTURES,
+    PY,
+    Control,
+    needs_root,
+    python_for_everyone,
+    sleeping_job,
+    worker_args,
+)
 
 FLOOD = FIXTURES / "flood.py"
 MiB = 1 << 20
@@ -29,9 +36,15 @@ class Attacker:
     def __init__(self, socket_path: str, mode: str, arg: str) -> None:
         nobody = pwd.getpwnam("nobody")
         self.proc = subprocess.Popen(
-            ["/usr/bin/python3", str(FLOOD), socket_path, mode, arg], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, user=nobody.pw_uid, group=nobody.pw_gid,
-            extra_groups=[], cwd="/")
+            ["/usr/bin/python3", str(FLOOD), socket_path, mode, arg],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            user=nobody.pw_uid,
+            group=nobody.pw_gid,
+            extra_groups=[],
+            cwd="/",
+        )
 
     def ready(self, timeout: float = 120.0) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -76,8 +89,9 @@ def rss(daemon) -> int:
 
 
 @needs_root
-def test_thousands_of_idle_connections_cannot_take_the_daemon_down(daemon, shared_tmp, attackers,
-                                                                   figures):
+def test_thousands_of_idle_connections_cannot_take_the_daemon_down(
+    daemon, shared_tmp, attackers, figures
+):
     job_id, pids = sleeping_job(daemon, shared_tmp, 1)
     daemon_proc = psutil.Process(daemon.proc.pid)
     fds_before = daemon_proc.num_fds()
@@ -106,16 +120,19 @@ def test_thousands_of_idle_connections_cannot_take_the_daemon_down(daemon, share
 
 
 @needs_root
-def test_a_flood_of_requests_that_are_never_read_stalls_and_bloats_nothing(daemon, shared_tmp,
-                                                                            attackers, figures):
+def test_a_flood_of_requests_that_are_never_read_stalls_and_bloats_nothing(
+    daemon, shared_tmp, attackers, figures
+):
     job_id, _ = sleeping_job(daemon, shared_tmp, 1)
     before = rss(daemon)
     floods = [attackers(daemon.socket, "requests", "100000") for _ in range(8)]
     sent = [flood.ready()["sent"] for flood in floods]
     latency = timed_status(daemon, job_id)
     grown = rss(daemon) - before
-    figures.add("item 2: `list` requests sent without reading (8 connections x 100,000 tried)",
-                f"{sum(sent)} taken before the daemon stopped reading")
+    figures.add(
+        "item 2: `list` requests sent without reading (8 connections x 100,000 tried)",
+        f"{sum(sent)} taken before the daemon stopped reading",
+    )
     figures.add("item 2: daemon RSS growth under never-reading clients", f"{grown / MiB:.1f} MiB")
     figures.add("item 2: root's `elasticctl status` during the flood", f"{latency * 1000:.0f} ms")
     assert all(s < 100000 for s in sent)  # the daemon stopped reading them: backpressure
@@ -126,8 +143,9 @@ def test_a_flood_of_requests_that_are_never_read_stalls_and_bloats_nothing(daemo
 
 
 @needs_root
-def test_a_user_hammering_the_socket_does_not_starve_the_others(daemon, shared_tmp, attackers,
-                                                                 figures):
+def test_a_user_hammering_the_socket_does_not_starve_the_others(
+    daemon, shared_tmp, attackers, figures
+):
     """nobody sends `list` as fast as the daemon answers, on 8 connections; root's requests
     meanwhile wait behind at most a few of nobody's (a user has 4 being worked on at a time)."""
     job_id, _ = sleeping_job(daemon, shared_tmp, 1)
@@ -143,22 +161,31 @@ def test_a_user_hammering_the_socket_does_not_starve_the_others(daemon, shared_t
             latencies.append(time.monotonic() - sent)
     report = hammer.ready(timeout=30)
     latencies.sort()
-    figures.add("item 1: requests/s served to a user hammering on 8 connections",
-                f"{report['per_second']}")
-    figures.add("item 1: another user's `status` meanwhile, median / max",
-                f"{latencies[len(latencies) // 2] * 1000:.1f} / {latencies[-1] * 1000:.1f} ms")
+    figures.add(
+        "item 1: requests/s served to a user hammering on 8 connections", f"{report['per_second']}"
+    )
+    figures.add(
+        "item 1: another user's `status` meanwhile, median / max",
+        f"{latencies[len(latencies) // 2] * 1000:.1f} / {latencies[-1] * 1000:.1f} ms",
+    )
     assert report["requests"] > 0 and "error" not in report  # and every call above was answered
 
 
 @needs_root
-def test_a_log_follower_that_never_reads_holds_none_of_the_output(daemon, shared_tmp, attackers,
-                                                                  figures):
+def test_a_log_follower_that_never_reads_holds_none_of_the_output(
+    daemon, shared_tmp, attackers, figures
+):
     """The job (nobody's own) writes 1 GiB; its owner follows the logs and never reads."""
     go = shared_tmp / "go"
     os.mkfifo(go)
     os.chmod(go, 0o666)
-    job = daemon.ctl("submit", "--python", f"{python_for_everyone()}/bin/python3",
-                     *worker_args("--wait-for", str(go), "--spew", "1024"), user="nobody")
+    job = daemon.ctl(
+        "submit",
+        "--python",
+        f"{python_for_everyone()}/bin/python3",
+        *worker_args("--wait-for", str(go), "--spew", "1024"),
+        user="nobody",
+    )
     daemon.wait_running(job["id"], 1)
     follower = attackers(daemon.socket, "follow", job["id"])
     follower.ready()
@@ -172,9 +199,11 @@ def test_a_log_follower_that_never_reads_holds_none_of_the_output(daemon, shared
     logs = daemon.state_dir / "logs" / job["id"] / "attempt_0"  # rotated (output.max_bytes)
     kept = sum(p.stat().st_size for p in logs.glob("rank_0.out*") if p.suffix != ".rotated")
     written = kept + int((logs / "rank_0.out.rotated").read_text().split()[1])  # + rotated away
-    figures.add("item 2: 1 GiB of output, follower never reads: daemon peak RSS growth",
-                f"{grown / MiB:.1f} MiB ({written / MiB:.0f} MiB written in {seconds:.1f} s, "
-                f"{kept / MiB:.0f} MiB of it kept on disk)")
+    figures.add(
+        "item 2: 1 GiB of output, follower never reads: daemon peak RSS growth",
+        f"{grown / MiB:.1f} MiB ({written / MiB:.0f} MiB written in {seconds:.1f} s, "
+        f"{kept / MiB:.0f} MiB of it kept on disk)",
+    )
     assert done["state"] == "SUCCEEDED" and written == 1 << 30  # the worker never blocked
     assert kept <= 4 * 100 * MiB  # output.max_bytes x (output.backups + 1), the defaults
     assert grown < 64 * MiB
@@ -185,18 +214,32 @@ def test_a_log_follower_that_never_reads_holds_none_of_the_output(daemon, shared
 def peak_rss(daemon) -> int:
     """The daemon's peak resident set since it started (VmHWM), in bytes."""
     status = Path(f"/proc/{daemon.proc.pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines()
-                    if line.startswith("VmHWM:"))) * 1024
+    return (
+        int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+        * 1024
+    )
 
 
 def test_requests_no_valid_client_sends_get_clear_errors_and_list_survives(daemon, figures):
     """Lone surrogates, non-finite numbers and NUL bytes are refused where they enter; and
     `list` works for everyone afterwards (one bad job name used to break it for all)."""
     cases = [
-        (b'{"v":1,"id":"a1","op":"submit","args":{"argv":["x.py"],"name":"evil\\ud800"}}', "bad_request"),
-        (b'{"v":1,"id":"a2","op":"submit","args":{"argv":["x.py"],"join_timeout":Infinity}}', "bad_request"),
-        (b'{"v":1,"id":"a3","op":"submit","args":{"argv":["x.py"],"join_timeout":1e309}}', "bad_request"),
-        (b'{"v":1,"id":"a4","op":"submit","args":{"argv":["x.py"],"join_timeout":NaN}}', "bad_request"),
+        (
+            b'{"v":1,"id":"a1","op":"submit","args":{"argv":["x.py"],"name":"evil\\ud800"}}',
+            "bad_request",
+        ),
+        (
+            b'{"v":1,"id":"a2","op":"submit","args":{"argv":["x.py"],"join_timeout":Infinity}}',
+            "bad_request",
+        ),
+        (
+            b'{"v":1,"id":"a3","op":"submit","args":{"argv":["x.py"],"join_timeout":1e309}}',
+            "bad_request",
+        ),
+        (
+            b'{"v":1,"id":"a4","op":"submit","args":{"argv":["x.py"],"join_timeout":NaN}}',
+            "bad_request",
+        ),
         (b'{"v":1,"id":"\\udc80","op":"list","args":{}}', "bad_request"),
     ]
     with Control(daemon.socket) as control:
@@ -204,14 +247,30 @@ def test_requests_no_valid_client_sends_get_clear_errors_and_list_survives(daemo
             control.send_raw(raw)
             reply = control.recv()
             assert (reply.ok, reply.code) == (False, code), (raw, reply)
-        env_nul = control.call("submit", {"argv": [str(worker_args()[0])], "python": PY,
-                                          "workdir": str(daemon.base), "env": {"A\x00B": "1"}})
+        env_nul = control.call(
+            "submit",
+            {
+                "argv": [str(worker_args()[0])],
+                "python": PY,
+                "workdir": str(daemon.base),
+                "env": {"A\x00B": "1"},
+            },
+        )
         assert (env_nul.ok, env_nul.code) == (False, "invalid_spec") and "env" in env_nul.message
-        argv_nul = control.call("submit", {"argv": [str(worker_args()[0]), "a\x00b"], "python": PY,
-                                           "workdir": str(daemon.base)})
+        argv_nul = control.call(
+            "submit",
+            {"argv": [str(worker_args()[0]), "a\x00b"], "python": PY, "workdir": str(daemon.base)},
+        )
         assert (argv_nul.ok, argv_nul.code) == (False, "invalid_spec")
-        huge = control.call("submit", {"argv": [str(worker_args()[0])], "python": PY,
-                                       "workdir": str(daemon.base), "exit_barrier_timeout": 1e300})
+        huge = control.call(
+            "submit",
+            {
+                "argv": [str(worker_args()[0])],
+                "python": PY,
+                "workdir": str(daemon.base),
+                "exit_barrier_timeout": 1e300,
+            },
+        )
         assert (huge.ok, huge.code) == (False, "invalid_spec")
         assert control.call("list", {"all": True}).ok
     assert daemon.ctl("list", "--all") == []

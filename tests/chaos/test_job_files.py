@@ -15,15 +15,15 @@ import pwd
 import stat
 import subprocess
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
+from harness import Daemon, needs_root
 
 from elasticd.shell.errorfile import MAX_BYTES, MAX_MESSAGE
 from elasticd.shell.fileaccess import XATTR, Readers, acl_value
-from harness import Daemon, needs_root
 
 pytestmark = needs_root
 MiB = 1 << 20
@@ -31,7 +31,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class People:
-    group: str   # A's and B's primary group
+    group: str  # A's and B's primary group
     admins: str  # the daemon's control.admin_group; C is in it
     a: str
     b: str
@@ -56,8 +56,11 @@ def people() -> Iterator[People]:
         for group in (who.group, who.admins):
             subprocess.run(["groupadd", group], check=True)
             made_groups.append(group)
-        for user, groups in ((who.a, ["-g", who.group]), (who.b, ["-g", who.group]),
-                             (who.c, ["-N", "-G", who.admins])):
+        for user, groups in (
+            (who.a, ["-g", who.group]),
+            (who.b, ["-g", who.group]),
+            (who.c, ["-N", "-G", who.admins]),
+        ):
             subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", *groups, user], check=True)
             made_users.append(user)
         yield who
@@ -81,15 +84,22 @@ def writes(user: str, path: Path) -> bool:
     return as_user(user, "sh", "-c", f"echo forged >> '{path}'").returncode == 0
 
 
-def configured(daemon_factory: Callable[..., Daemon], shared_tmp: Path, people: People, *,
-               acl: bool, unmount: list[Daemon]) -> Daemon:
+def configured(
+    daemon_factory: Callable[..., Daemon],
+    shared_tmp: Path,
+    people: People,
+    *,
+    acl: bool,
+    unmount: list[Daemon],
+) -> Daemon:
     """A daemon (not started) whose admin group is C's and whose output rotates at 64 KiB;
     without ``acl`` its log directory is a ramfs, a file system that takes no ACL (unmounted
     after the test)."""
     name = f"files-{uuid.uuid4().hex[:6]}"
     config = shared_tmp / f"{name}.toml"
-    config.write_text(f'[control]\nadmin_group = "{people.admins}"\n'
-                      f"[output]\nmax_bytes = 65536\nbackups = 3\n")
+    config.write_text(
+        f'[control]\nadmin_group = "{people.admins}"\n[output]\nmax_bytes = 65536\nbackups = 3\n'
+    )
     daemon = daemon_factory(name, args=("--slots", "2", "--config", str(config)))
     if not acl:
         logs = daemon.state_dir / "logs"
@@ -134,15 +144,22 @@ sys.exit(3)
 
 
 def loud_job(daemon: Daemon, shared_tmp: Path, people: People) -> tuple[dict, Path]:
-    job = daemon.ctl("submit", "--wait", script(shared_tmp, "loud.py", _LOUD), user=people.a,
-                     cwd=str(shared_tmp), expect=1)[-1]
+    job = daemon.ctl(
+        "submit",
+        "--wait",
+        script(shared_tmp, "loud.py", _LOUD),
+        user=people.a,
+        cwd=str(shared_tmp),
+        expect=1,
+    )[-1]
     assert job["state"] == "FAILED" and job["exit_code"] == 3, job
     assert job["error"]["message"] == "RuntimeError: A's secret", job
     return job, daemon.state_dir / "logs" / job["id"]
 
 
 def test_a_group_mate_reads_nothing_of_a_job_on_disk_or_through_elasticctl(
-        people, daemon_factory, shared_tmp):
+    people, daemon_factory, shared_tmp
+):
     """Row 1: B shares A's primary group and reads nothing of A's job; A and the admin C read
     all of it, on disk as through elasticctl logs, rotated files included.  A file that an
     earlier version left 0640 root:<A's group> is A's group's no more once the daemon started."""
@@ -160,7 +177,13 @@ def test_a_group_mate_reads_nothing_of_a_job_on_disk_or_through_elasticctl(
     attempt = job_dir / "attempt_0"
     files = sorted(p for p in attempt.iterdir() if not p.name.endswith(".rotated"))
     names = {p.name for p in files}
-    assert {"rank_0.out", "rank_0.out.1", "rank_0.out.3", "rank_0.err", "rank_0.error.json"} <= names
+    assert {
+        "rank_0.out",
+        "rank_0.out.1",
+        "rank_0.out.3",
+        "rank_0.err",
+        "rank_0.error.json",
+    } <= names
     readers = Readers(people.uid(people.a), people.gid(people.admins))
     for path in [job_dir, attempt, *files]:
         info = path.stat()
@@ -179,7 +202,8 @@ def test_a_group_mate_reads_nothing_of_a_job_on_disk_or_through_elasticctl(
 
 
 def test_without_acls_only_root_reads_job_files_and_elasticctl_serves_them(
-        people, daemon_factory, shared_tmp, unmount):
+    people, daemon_factory, shared_tmp, unmount
+):
     """Row 1 where the file system refuses ACLs: files 0600 root, directories 0711 (the worker
     still writes its error file), said once in the daemon's log; users read through
     elasticctl."""
@@ -189,7 +213,10 @@ def test_without_acls_only_root_reads_job_files_and_elasticctl_serves_them(
     attempt = job_dir / "attempt_0"
     for path in [job_dir, attempt, *attempt.iterdir()]:
         info = path.stat()
-        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o711 if path.is_dir() else 0o600), path
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (
+            0,
+            0o711 if path.is_dir() else 0o600,
+        ), path
         for user in (people.a, people.b, people.c):
             assert not reads(user, path), (user, path)
     for user in (people.a, people.c):
@@ -216,9 +243,13 @@ def test_a_deeply_nested_error_file_fails_the_job_with_its_exit_code(daemon, sha
     assert "the last words on stderr" in done.stderr  # the summary's stderr tail
     job = daemon.ctl("status", daemon.ctl("list", "--all")[0]["id"])
     assert (job["state"], job["exit_code"]) == ("FAILED", 3)
-    assert job["error"]["message"] == "exited with code 3; its error file was unreadable " \
-                                      "(nested more than 64 deep)"
-    assert daemon.submit_wait(script(shared_tmp, "fine.py", "print('fine')\n"))["state"] == "SUCCEEDED"
+    assert (
+        job["error"]["message"] == "exited with code 3; its error file was unreadable "
+        "(nested more than 64 deep)"
+    )
+    assert (
+        daemon.submit_wait(script(shared_tmp, "fine.py", "print('fine')\n"))["state"] == "SUCCEEDED"
+    )
 
 
 _HUGE = """
@@ -248,7 +279,8 @@ held.close()
 
 @pytest.mark.parametrize("acl", [True, False], ids=["acl", "no-acl"])
 def test_a_world_writable_40_mib_error_file_is_kept_capped_and_cannot_be_rewritten(
-        people, daemon_factory, shared_tmp, unmount, acl):
+    people, daemon_factory, shared_tmp, unmount, acl
+):
     """Row 3: the job chmods its error file 0666 and writes 40 MiB into it.  The daemon keeps
     at most 1 MiB of it, in a file of its own, at the worker's exit; status shows the message
     cut; a process that opened the worker's file before (A's own where B cannot reach it,
@@ -258,16 +290,28 @@ def test_a_world_writable_40_mib_error_file_is_kept_capped_and_cannot_be_rewritt
     go = shared_tmp / "go"
     os.mkfifo(go)
     go.chmod(0o666)
-    job = daemon.ctl("submit", script(shared_tmp, "huge.py", _HUGE), str(go), user=people.a,
-                     cwd=str(shared_tmp))["id"]
+    job = daemon.ctl(
+        "submit", script(shared_tmp, "huge.py", _HUGE), str(go), user=people.a, cwd=str(shared_tmp)
+    )["id"]
     daemon.wait_output(job, ["written"])
     path = daemon.state_dir / "logs" / job / "attempt_0" / "rank_0.error.json"
     assert path.stat().st_size == 40 * MiB + 106
     assert writes(people.b, path) is (not acl)  # 0666, behind a directory B cannot enter
     size = path.stat().st_size
-    holder = subprocess.Popen(["runuser", "-u", people.a if acl else people.b, "--",
-                               "/usr/bin/python3", "-c", _HOLDER,
-                               str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    holder = subprocess.Popen(
+        [
+            "runuser",
+            "-u",
+            people.a if acl else people.b,
+            "--",
+            "/usr/bin/python3",
+            "-c",
+            _HOLDER,
+            str(path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert holder.stdout.readline() == b"open\n"
         with open(go, "wb"):
@@ -280,8 +324,9 @@ def test_a_world_writable_40_mib_error_file_is_kept_capped_and_cannot_be_rewritt
     message = ended["error"]["message"]
     assert (ended["state"], ended["exit_code"]) == ("FAILED", 3)
     assert message.startswith("RuntimeError: yyy") and len(message) < MAX_MESSAGE + 200
-    assert message.endswith(f"[elasticd: cut here: the error file holds {size} bytes; "
-                            f"elasticd reads {MAX_BYTES}]")
+    assert message.endswith(
+        f"[elasticd: cut here: the error file holds {size} bytes; elasticd reads {MAX_BYTES}]"
+    )
     kept = path.stat()
     assert (kept.st_uid, kept.st_size) == (0, MAX_BYTES)
     assert stat.S_IMODE(kept.st_mode) == (0o640 if acl else 0o600)  # mode 0640: the ACL's mask
@@ -289,4 +334,8 @@ def test_a_world_writable_40_mib_error_file_is_kept_capped_and_cannot_be_rewritt
     assert not writes(people.b, path) and not writes(people.a, path)
     assert daemon.ctl("status", job)["error"] == ended["error"]
     shown = daemon.ctl_run("status", job, user=people.a)
-    assert shown.returncode == 0 and "RuntimeError: yyy" in shown.stdout and "forged" not in shown.stdout
+    assert (
+        shown.returncode == 0
+        and "RuntimeError: yyy" in shown.stdout
+        and "forged" not in shown.stdout
+    )

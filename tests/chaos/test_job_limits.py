@@ -21,11 +21,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from harness import needs_root, wait_gone, worker_args
 
-LIMIT = 32        # jobs.max_pids_per_worker in these tests: one worker, so the job's limit
-ATTEMPTS = 400    # the fork bomb gives up after this many forks (12 x the limit)
+LIMIT = 32  # jobs.max_pids_per_worker in these tests: one worker, so the job's limit
+ATTEMPTS = 400  # the fork bomb gives up after this many forks (12 x the limit)
 
 FORK_BOMB = f"""
 import errno, os, signal, sys
@@ -93,8 +92,13 @@ def _job_dirs(daemon, timeout: float = 30.0) -> list[str]:
     looks again until they are gone, within a bound."""
     deadline = time.monotonic() + timeout
     while True:
-        left = [entry for base in _cgroup_dirs(daemon) if os.path.isdir(base)
-                for entry in os.listdir(base) if entry.startswith("job-")]
+        left = [
+            entry
+            for base in _cgroup_dirs(daemon)
+            if os.path.isdir(base)
+            for entry in os.listdir(base)
+            if entry.startswith("job-")
+        ]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
@@ -116,8 +120,12 @@ def _still_healthy(daemon) -> None:
     assert daemon.proc.poll() is None
     assert _node(daemon)["state"] == "up"
     other = daemon.submit(*worker_args())
-    assert daemon.wait_job(other["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"),
-                           timeout=120)["state"] == "SUCCEEDED"
+    assert (
+        daemon.wait_job(other["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"), timeout=120)[
+            "state"
+        ]
+        == "SUCCEEDED"
+    )
 
 
 @needs_root
@@ -126,8 +134,14 @@ def test_a_fork_bomb_stops_at_the_jobs_pids_limit(daemon_factory, shared_tmp, fi
     containment = _node(daemon)["containment"]
     if containment["pids_by"] not in ("cgroup v2", "cgroup v1"):
         pytest.skip(f"no pids controller for job cgroups here: {containment['missing']}")
-    assert containment == {"cgroup": True, "pids_per_worker": LIMIT, "pids_by": containment["pids_by"],
-                           "memory": 0, "memory_by": containment["memory_by"], "missing": []}
+    assert containment == {
+        "cgroup": True,
+        "pids_per_worker": LIMIT,
+        "pids_by": containment["pids_by"],
+        "memory": 0,
+        "memory_by": containment["memory_by"],
+        "missing": [],
+    }
     # root's own job: RLIMIT_NPROC would not bind it, the cgroup does
     job_id, pids, said = _bomb(daemon, shared_tmp)
     figures.add("row 5: a fork bomb under pids.max = 32 (cgroup)", said)
@@ -146,8 +160,11 @@ def job_user():
     """A user of this test's own (RLIMIT_NPROC counts every process of a uid: `nobody` may
     be busy in other tests), removed with whatever it still runs."""
     name = f"ect{os.getpid() % 100000}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+        capture_output=True,
+    )
     uid = pwd.getpwnam(name).pw_uid
     try:
         yield name
@@ -155,31 +172,50 @@ def job_user():
         for proc in psutil.process_iter(["uids"]):
             if proc.info["uids"] and proc.info["uids"].real == uid:
                 proc.kill()
-        wait_gone([p.pid for p in psutil.process_iter(["uids"])
-                   if p.info["uids"] and p.info["uids"].real == uid], timeout=10)
+        wait_gone(
+            [
+                p.pid
+                for p in psutil.process_iter(["uids"])
+                if p.info["uids"] and p.info["uids"].real == uid
+            ],
+            timeout=10,
+        )
         subprocess.run(["userdel", name], check=True, capture_output=True)
 
 
 def _processes_of(user: str) -> list[int]:
     uid = pwd.getpwnam(user).pw_uid
-    return [p.pid for p in psutil.process_iter(["uids", "status"])
-            if p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE]
+    return [
+        p.pid
+        for p in psutil.process_iter(["uids", "status"])
+        if p.info["uids"]
+        and p.info["uids"].real == uid
+        and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 @needs_root
 def test_without_cgroups_rlimit_nproc_stops_a_fork_bomb_and_the_node_says_so(
-        daemon_factory, shared_tmp, job_user, figures):
+    daemon_factory, shared_tmp, job_user, figures
+):
     daemon = _start(daemon_factory, shared_tmp, 'cgroup = "off"', f"max_pids_per_worker = {LIMIT}")
     log = daemon.log_text()
     assert log.count("no cgroups for jobs (disabled by jobs.cgroup = off)") == 1  # said once
-    assert log.count("no pids controller (no job cgroups): a job's processes and threads are "
-                     f"bounded by RLIMIT_NPROC instead ({LIMIT} per worker)") == 1
+    assert (
+        log.count(
+            "no pids controller (no job cgroups): a job's processes and threads are "
+            f"bounded by RLIMIT_NPROC instead ({LIMIT} per worker)"
+        )
+        == 1
+    )
     table = daemon.ctl_run("nodes")
     assert table.returncode == 0, table.stderr
-    header, row, blank, *notes = table.stdout.splitlines()
+    _header, row, blank, *notes = table.stdout.splitlines()
     assert re.split(r"\s{2,}", row)[-3:] == ["no", f"{LIMIT}/worker (RLIMIT_NPROC)", "no limit"]
     assert blank == "" and [note.split(":")[0] for note in notes] == [daemon.name] * 2
-    assert notes[0].startswith(f"{daemon.name}: no cgroups for jobs (disabled by jobs.cgroup = off)")
+    assert notes[0].startswith(
+        f"{daemon.name}: no cgroups for jobs (disabled by jobs.cgroup = off)"
+    )
     assert "does not bind jobs that run as root" in notes[1]
 
     job_id, pids, said = _bomb(daemon, shared_tmp, user=job_user, cwd=str(shared_tmp))
@@ -195,7 +231,8 @@ def test_without_cgroups_rlimit_nproc_stops_a_fork_bomb_and_the_node_says_so(
 
 @needs_root
 def test_a_worker_past_max_memory_is_oom_killed_and_the_job_fails_saying_so(
-        daemon_factory, shared_tmp, figures):
+    daemon_factory, shared_tmp, figures
+):
     daemon = _start(daemon_factory, shared_tmp, 'max_memory = "64M"')
     containment = _node(daemon)["containment"]
     if not containment["memory_by"]:
@@ -203,10 +240,15 @@ def test_a_worker_past_max_memory_is_oom_killed_and_the_job_fails_saying_so(
     assert containment["memory"] == 64 << 20 and containment["missing"] == []
     script = _script(shared_tmp, "hog.py", HOG)
     failed = daemon.ctl("submit", "--wait", "--python", "/usr/bin/python3", script, expect=1)[-1]
-    figures.add("row 5: a worker allocating 400 MiB under max_memory = 64M",
-                f"{failed['state']}: {failed['error']['message']}")
+    figures.add(
+        "row 5: a worker allocating 400 MiB under max_memory = 64M",
+        f"{failed['state']}: {failed['error']['message']}",
+    )
     assert failed["state"] == "FAILED", failed
-    assert "out of memory" in failed["error"]["message"] and failed["error"]["exit_code"] == -signal.SIGKILL
+    assert (
+        "out of memory" in failed["error"]["message"]
+        and failed["error"]["exit_code"] == -signal.SIGKILL
+    )
     assert daemon.ctl("status", failed["id"])["usage"]["oom_kills"] >= 1
     _still_healthy(daemon)
     assert _job_dirs(daemon) == []

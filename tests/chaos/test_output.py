@@ -32,12 +32,15 @@ def test_a_hostile_job_name_and_output_are_shown_escaped(daemon):
 
 def test_terminal_escapes_in_a_workers_output_are_shown_escaped(daemon, shared_tmp):
     script = shared_tmp / "loud.py"
-    script.write_text("import sys\nprint('a\\x1b[2J\\x1b]0;x\\x07b\\rc')\n"
-                      "sys.stderr.write('\\u202eevil\\n')\n")
+    script.write_text(
+        "import sys\nprint('a\\x1b[2J\\x1b]0;x\\x07b\\rc')\nsys.stderr.write('\\u202eevil\\n')\n"
+    )
     job = daemon.submit_wait(str(script))
     text = daemon.ctl_run("logs", job["id"]).stdout
     lines = shown(text.rstrip("\n"))
     assert "[rank 0] a\\x1b[2J\\x1b]0;x\\x07b\\rc" in lines
     assert "[rank 0 err] \\u202eevil" in lines
-    docs = [json.loads(line) for line in daemon.ctl_run("--json", "logs", job["id"]).stdout.splitlines()]
+    docs = [
+        json.loads(line) for line in daemon.ctl_run("--json", "logs", job["id"]).stdout.splitlines()
+    ]
     assert {"a\x1b[2J\x1b]0;x\x07b\rc", "\u202eevil"} <= {d["text"] for d in docs}

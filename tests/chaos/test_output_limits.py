@@ -10,7 +10,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from harness import worker_args
 
 MiB = 1 << 20
@@ -27,11 +26,14 @@ def on_disk(directory: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_a_job_writing_1_gib_keeps_within_its_bound_and_the_daemon_answers(daemon_factory, shared_tmp,
-                                                                          figures):
+def test_a_job_writing_1_gib_keeps_within_its_bound_and_the_daemon_answers(
+    daemon_factory, shared_tmp, figures
+):
     config = shared_tmp / "limits.toml"
     config.write_text(f"[output]\nmax_bytes = {MAX_BYTES}\nbackups = {BACKUPS}\n")
-    daemon = daemon_factory(f"lim-{uuid.uuid4().hex[:6]}", args=("--slots", "2", "--config", str(config))).start()
+    daemon = daemon_factory(
+        f"lim-{uuid.uuid4().hex[:6]}", args=("--slots", "2", "--config", str(config))
+    ).start()
     go = shared_tmp / "go"
     os.mkfifo(go)
     job = daemon.submit(*worker_args("--wait-for", str(go), "--spew", "1024"))["id"]
@@ -52,17 +54,25 @@ def test_a_job_writing_1_gib_keeps_within_its_bound_and_the_daemon_answers(daemo
     logs = daemon.state_dir / "logs" / job / "attempt_0"
     taken, apparent = on_disk(logs)
     rotated_away = int((logs / "rank_0.out.rotated").read_text().split()[1])
-    kept = sum(p.stat().st_size for p in logs.glob("rank_0.out*") if not p.name.endswith(".rotated"))
-    figures.add("issue 15: 1 GiB of output, output.max_bytes 1 MiB, backups 2: left on disk",
-                f"{taken / MiB:.2f} MiB ({apparent} bytes; {kept + rotated_away} written in {seconds:.1f} s)")
-    figures.add("issue 15: `elasticctl status` while the job wrote 1 GiB, median / max",
-                f"{sorted(latencies)[len(latencies) // 2] * 1000:.0f} / {max(latencies) * 1000:.0f} ms "
-                f"({while_writing} answered while it wrote)")
+    kept = sum(
+        p.stat().st_size for p in logs.glob("rank_0.out*") if not p.name.endswith(".rotated")
+    )
+    figures.add(
+        "issue 15: 1 GiB of output, output.max_bytes 1 MiB, backups 2: left on disk",
+        f"{taken / MiB:.2f} MiB ({apparent} bytes; {kept + rotated_away} written in {seconds:.1f} s)",
+    )
+    figures.add(
+        "issue 15: `elasticctl status` while the job wrote 1 GiB, median / max",
+        f"{sorted(latencies)[len(latencies) // 2] * 1000:.0f} / {max(latencies) * 1000:.0f} ms "
+        f"({while_writing} answered while it wrote)",
+    )
     assert state == "SUCCEEDED"  # the worker never blocked
     assert kept + rotated_away == 1 << 30  # every byte is on disk or counted as rotated away
     assert taken <= (BACKUPS + 1) * MAX_BYTES + SLACK and kept == (BACKUPS + 1) * MAX_BYTES
     assert while_writing >= 2 and max(latencies) < 1.0
     shown = daemon.ctl_run("logs", job).stdout.splitlines()
-    assert shown[0] == f"[rank 0] [elasticd: {rotated_away} bytes of earlier output were rotated " \
-                       f"away (output.max_bytes, output.backups)]"
+    assert (
+        shown[0] == f"[rank 0] [elasticd: {rotated_away} bytes of earlier output were rotated "
+        f"away (output.max_bytes, output.backups)]"
+    )
     assert len(shown) == 1 + kept // 1024  # then every line that is kept (1 KiB each)

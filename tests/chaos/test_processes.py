@@ -12,10 +12,10 @@ import subprocess
 import time
 
 import pytest
-
-from elasticd.store.firewall import table_name
 from harness import alive, needs_root, sleeping_job, wait_gone, worker_args
 from store_attack import Cluster
+
+from elasticd.store.firewall import table_name
 
 
 def _job_cgroups(daemon) -> list[str]:
@@ -24,11 +24,15 @@ def _job_cgroups(daemon) -> list[str]:
     if found is None:
         pytest.skip("the daemon runs without cgroups here")
     base = found.group(1)
-    return sorted(d for d in os.listdir(base) if d.startswith("job-")) if os.path.isdir(base) else []
+    return (
+        sorted(d for d in os.listdir(base) if d.startswith("job-")) if os.path.isdir(base) else []
+    )
 
 
 @needs_root
-def test_a_worker_killed_while_its_children_hold_its_pipes_is_noticed_at_once(daemon, shared_tmp, figures):
+def test_a_worker_killed_while_its_children_hold_its_pipes_is_noticed_at_once(
+    daemon, shared_tmp, figures
+):
     """The OOM killer's everyday case: the training process dies, its DataLoader children
     (same process group, same stdout) live on.  The job must not stay RUNNING."""
     job_id, pids = sleeping_job(daemon, shared_tmp, 2, "--child")
@@ -51,7 +55,9 @@ def test_a_child_that_escapes_with_setsid_dies_with_the_job(daemon, shared_tmp, 
     assert _job_cgroups(daemon) == [f"job-{job_id}"]
     started = time.monotonic()
     assert daemon.ctl("cancel", job_id)["state"] == "CANCELLED"
-    figures.add("item 5: cancel of a job with setsid escapees took", f"{time.monotonic() - started:.2f} s")
+    figures.add(
+        "item 5: cancel of a job with setsid escapees took", f"{time.monotonic() - started:.2f} s"
+    )
     left = wait_gone(pids, timeout=5)
     figures.add("item 5: processes left after cancel (cgroup)", str(len(left)))
     assert left == []
@@ -87,7 +93,7 @@ def test_without_cgroups_cancel_still_ends_and_frees_the_slots(daemon_factory, s
 
 @needs_root
 def test_what_a_killed_daemon_left_is_killed_at_its_next_start(daemon, shared_tmp, figures):
-    job_id, pids = sleeping_job(daemon, shared_tmp, 1, "--escape")
+    _job_id, pids = sleeping_job(daemon, shared_tmp, 1, "--escape")
     daemon.signal(signal.SIGKILL)
     daemon.wait_exit()
     escapee = pids[1]
@@ -100,11 +106,15 @@ def test_what_a_killed_daemon_left_is_killed_at_its_next_start(daemon, shared_tm
 
 def _table(name: str) -> bool:
     """Whether nftables has ``inet name`` now."""
-    return subprocess.run(["nft", "list", "table", "inet", name], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["nft", "list", "table", "inet", name], capture_output=True).returncode == 0
+    )
 
 
 @needs_root
-def test_what_a_killed_daemon_that_never_comes_back_left_goes_with_elasticd_clean_up(daemon_factory, shared_tmp):
+def test_what_a_killed_daemon_that_never_comes_back_left_goes_with_elasticd_clean_up(
+    daemon_factory, shared_tmp
+):
     """issue 28, friction 7c: a SIGKILLed node that never came back kept its nftables table
     and its job cgroups (systemd's unit now runs --clean-up after every stop)."""
     if shutil.which("nft") is None:
@@ -127,10 +137,16 @@ def test_what_a_killed_daemon_that_never_comes_back_left_goes_with_elasticd_clea
     assert alive(escapee) and _table(table) and _job_cgroups(node) == cgroups == [f"job-{job_id}"]
     done = subprocess.run(clean_up, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done
-    assert f"removed nftables table inet {table}" in done.stdout and "killed 1 leftover" in done.stdout, done
+    assert (
+        f"removed nftables table inet {table}" in done.stdout and "killed 1 leftover" in done.stdout
+    ), done
     assert f"/job-{job_id}" in done.stdout, done
     assert wait_gone([escapee], timeout=10) == []
     assert not _table(table) and _job_cgroups(node) == []
     again = subprocess.run(clean_up, capture_output=True, text=True, timeout=60)
-    assert again.returncode == 0 and "killed 0 leftover" in again.stdout and "job cgroups" not in again.stdout \
-        and "no firewall table left" in again.stdout, again
+    assert (
+        again.returncode == 0
+        and "killed 0 leftover" in again.stdout
+        and "job cgroups" not in again.stdout
+        and "no firewall table left" in again.stdout
+    ), again

@@ -17,15 +17,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from harness import free_port, needs_root, sleeping_job, wait_gone, worker_args
 
 
 def metric(daemon, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
 
 
 def history_rows(state_dir: Path) -> dict[str, str]:
@@ -42,8 +44,11 @@ def small_disk(shared_tmp):
     """A 2 MiB filesystem for the state dir."""
     mount = shared_tmp / "small"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
     yield mount
@@ -63,7 +68,9 @@ def fill(path: Path) -> None:
 
 
 @needs_root
-def test_a_full_disk_drops_output_and_loses_no_record(daemon_factory, small_disk, shared_tmp, figures):
+def test_a_full_disk_drops_output_and_loses_no_record(
+    daemon_factory, small_disk, shared_tmp, figures
+):
     daemon = daemon_factory(args=("--slots", "4"), metrics_port=free_port())
     daemon.state_dir = small_disk / "state"
     daemon.start()
@@ -72,8 +79,10 @@ def test_a_full_disk_drops_output_and_loses_no_record(daemon_factory, small_disk
     assert spewed["state"] == "SUCCEEDED"  # the worker never blocked on its pipe
     dropped = metric(daemon, "elasticd_log_dropped_bytes_total")
     assert dropped > 7 * (1 << 20) and metric(daemon, "elasticd_disk_full") == 1
-    figures.add("item 6: output dropped on a 2 MiB state dir (10 MiB written)",
-                f"{dropped / (1 << 20):.1f} MiB")
+    figures.add(
+        "item 6: output dropped on a 2 MiB state dir (10 MiB written)",
+        f"{dropped / (1 << 20):.1f} MiB",
+    )
     fill(small_disk / "filler")
 
     refused = daemon.ctl_run("submit", *worker_args())
@@ -126,7 +135,10 @@ def test_a_corrupt_history_is_quarantined_and_the_node_comes_up(daemon_factory, 
     daemon = daemon_factory(args=("--slots", "4"), metrics_port=free_port()).start()
     jobs = [daemon.submit(*worker_args("--print", "1"))["id"] for _ in range(12)]  # 4 at a time
     for job in jobs:
-        assert daemon.wait_job(job, lambda d: d["state"] in ("SUCCEEDED", "FAILED"))["state"] == "SUCCEEDED"
+        assert (
+            daemon.wait_job(job, lambda d: d["state"] in ("SUCCEEDED", "FAILED"))["state"]
+            == "SUCCEEDED"
+        )
     daemon.stop()
     history = daemon.state_dir / "history.sqlite"
     damage(history)
@@ -156,23 +168,33 @@ def test_bad_history_rows_are_skipped_and_never_break_list(daemon_factory, figur
         bad = json.loads(json.dumps(template))
         bad["id"] = bad["spec"]["id"] = job_id
         change(bad)
-        db.execute("INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES (?,?,?,?,?,?)",
-                   (job_id, 99, "SUCCEEDED", bad["created"], bad["ended"], json.dumps(bad)))
+        db.execute(
+            "INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES (?,?,?,?,?,?)",
+            (job_id, 99, "SUCCEEDED", bad["created"], bad["ended"], json.dumps(bad)),
+        )
 
-    row("j-bad001", lambda d: d["spec"].update(min_nodes=3, max_nodes=1))     # fails validation
+    row("j-bad001", lambda d: d["spec"].update(min_nodes=3, max_nodes=1))  # fails validation
     row("j-bad002", lambda d: d.update(parts={"n1": {"state": "RUNNING", "workers": [1, "x"]}}))
-    row("j-bad003", lambda d: d["spec"].update(name="evil\ud800"))            # a lone surrogate
+    row("j-bad003", lambda d: d["spec"].update(name="evil\ud800"))  # a lone surrogate
     row("j-bad004", lambda d: d.update(outcome={"state": "SUCCEEDED", "ended": "soon"}))
-    db.execute("INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES "
-               "('j-bad005', 1, 'X', 0, NULL, 'not json')")
+    db.execute(
+        "INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES "
+        "('j-bad005', 1, 'X', 0, NULL, 'not json')"
+    )
     infinite = json.loads(json.dumps(template))
     infinite["id"] = infinite["spec"]["id"] = "j-bad007"
-    infinite = json.dumps(infinite).replace(f'"created": {json.dumps(template["created"])}', '"created": 1e999')
+    infinite = json.dumps(infinite).replace(
+        f'"created": {json.dumps(template["created"])}', '"created": 1e999'
+    )
     assert "1e999" in infinite
-    for job_id, doc in (("j-bad006", "[" * 100000 + "]" * 100000),  # beyond safejson's bounds
-                        ("j-bad007", infinite)):
-        db.execute("INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES (?, 1, 'X', 0, NULL, ?)",
-                   (job_id, doc))
+    for job_id, doc in (
+        ("j-bad006", "[" * 100000 + "]" * 100000),  # beyond safejson's bounds
+        ("j-bad007", infinite),
+    ):
+        db.execute(
+            "INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES (?, 1, 'X', 0, NULL, ?)",
+            (job_id, doc),
+        )
     db.commit()
     db.close()
     daemon.start()

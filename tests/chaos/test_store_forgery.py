@@ -47,15 +47,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-
 from harness import Daemon, alive, wait_gone, worker_args
 from store_attack import REFUSED, Attacker, Cluster, metric, node_states, wait_for
 
-HEARTBEAT = 1.0            # rendezvous.keep_alive_interval (the default): one heartbeat duty
+HEARTBEAT = 1.0  # rendezvous.keep_alive_interval (the default): one heartbeat duty
 OBSERVE = 3 * HEARTBEAT + 0.5  # "never" is watched for 3 heartbeat intervals (and a margin)
 ENDED = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -90,12 +90,15 @@ def forge_change(attacker: Attacker, entry: str) -> int:
     """Bump the change-log counter and write an unsigned entry naming ``entry`` at the new
     head, so that every daemon's board follower wakes up and looks; returns its number."""
     n = attacker.add("jobs/log", 1)
-    attacker.write(f"jobs/log/{n}", b'{"v":2,"ver":0,"body":%s,"mac":"%s"}'
-                   % (json.dumps(entry).encode(), b"0" * 64))
+    attacker.write(
+        f"jobs/log/{n}",
+        b'{"v":2,"ver":0,"body":%s,"mac":"%s"}' % (json.dumps(entry).encode(), b"0" * 64),
+    )
     return n
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
 
 def observe(seconds: float, check: Callable[[], None], interval: float = 0.25) -> int:
     """Run ``check`` (which asserts) again and again for ``seconds``, at least twice; returns
@@ -115,25 +118,39 @@ def refused_counts(cluster: Cluster) -> list[float]:
 def refusal_logged(daemon: Daemon, key: str) -> str | None:
     """The daemon's first log line that refuses the record at ``key`` (the full store key)."""
     needle = f"refused store record {key}:"
-    return next((line for line in daemon.log_path.read_text(errors="replace").splitlines()
-                 if needle in line), None)
+    return next(
+        (
+            line
+            for line in daemon.log_path.read_text(errors="replace").splitlines()
+            if needle in line
+        ),
+        None,
+    )
 
 
-def wait_refused(cluster: Cluster, before: list[float], key: str, *, every: bool = False,
-                 timeout: float = 15.0) -> list[str]:
+def wait_refused(
+    cluster: Cluster, before: list[float], key: str, *, every: bool = False, timeout: float = 15.0
+) -> list[str]:
     """Until the refusal of ``key`` is counted and logged by one daemon (``every``: by each);
     returns the log lines."""
     daemons = list(cluster)
 
     def seen() -> list[str] | None:
         counts = refused_counts(cluster)
-        found = [(d, line) for d, b, c in zip(daemons, before, counts)
-                 if c > b and (line := refusal_logged(d, key))]
-        if every and len(found) < len(daemons) or not found:
+        found = [
+            (d, line)
+            for d, b, c in zip(daemons, before, counts)
+            if c > b and (line := refusal_logged(d, key))
+        ]
+        if (every and len(found) < len(daemons)) or not found:
             return None
         return [line for _, line in found]
-    return wait_for(seen, timeout, f"the refusal of {key} counted and logged by "
-                                   f"{'every daemon' if every else 'a daemon'}")
+
+    return wait_for(
+        seen,
+        timeout,
+        f"the refusal of {key} counted and logged by {'every daemon' if every else 'a daemon'}",
+    )
 
 
 def status(daemon: Daemon, job_id: str) -> dict[str, Any]:
@@ -154,11 +171,15 @@ def two_node_job(submitter: Daemon, directory: Path, *options: str) -> tuple[str
     every worker wrote its pid file."""
     pids_dir = directory / f"pids-{uuid.uuid4().hex[:6]}"
     pids_dir.mkdir()
-    job_id = submitter.submit("--nnodes", "2", *options,
-                              *worker_args("--sleep", "0", "--pid-dir", str(pids_dir)))["id"]
+    job_id = submitter.submit(
+        "--nnodes", "2", *options, *worker_args("--sleep", "0", "--pid-dir", str(pids_dir))
+    )["id"]
     doc = submitter.wait_running(job_id, 2, timeout=60)
-    wait_for(lambda: all((pids_dir / f"rank_{r}.pid").exists() for r in range(2)), 30,
-             f"{job_id}'s workers wrote their pid files")
+    wait_for(
+        lambda: all((pids_dir / f"rank_{r}.pid").exists() for r in range(2)),
+        30,
+        f"{job_id}'s workers wrote their pid files",
+    )
     pids = {r: int((pids_dir / f"rank_{r}.pid").read_text().split()[0]) for r in range(2)}
     assert worker_pids(doc) == pids, (worker_pids(doc), pids)
     return job_id, pids
@@ -170,7 +191,9 @@ def assert_still_running(cluster: Cluster, job_id: str, pids: dict[int, int]) ->
         doc = status(daemon, job_id)
         assert doc["state"] == "RUNNING", f"{daemon.name}: {job_id} is {doc['state']}: {doc}"
         assert doc["restarts"] == 0, f"{daemon.name}: {job_id} restarted: {doc}"
-        assert worker_pids(doc) == pids, f"{daemon.name}: {job_id}'s workers changed: {doc['workers']}"
+        assert worker_pids(doc) == pids, (
+            f"{daemon.name}: {job_id}'s workers changed: {doc['workers']}"
+        )
     for rank, pid in pids.items():
         assert alive(pid), f"{job_id}'s rank {rank} (pid {pid}) was stopped"
 
@@ -182,10 +205,13 @@ def cancel_and_check(cluster: Cluster, owner: Daemon, job_id: str, pids: dict[in
         final = daemon.wait_job(job_id, lambda d: d["state"] in ENDED, timeout=30)
         assert final["state"] == "CANCELLED", (daemon.name, final)
         assert not final["held"], (daemon.name, final)
-    assert wait_gone(list(pids.values()), timeout=30) == [], f"{job_id}'s workers outlived the cancel"
+    assert wait_gone(list(pids.values()), timeout=30) == [], (
+        f"{job_id}'s workers outlived the cancel"
+    )
 
 
 # -- C3: a copied outcome does not end a running job ------------------------------------------------
+
 
 @pytest.mark.slow
 def test_c3_copied_outcome_does_not_end_a_running_job(cluster, shared_tmp, figures):
@@ -196,7 +222,9 @@ def test_c3_copied_outcome_does_not_end_a_running_job(cluster, shared_tmp, figur
     assert a["state"] == "SUCCEEDED", a
     b, pids = two_node_job(n2, shared_tmp)
     outcome_a = attacker.read(f"jobs/outcome/{a['id']}")
-    assert outcome_a is not None and b'"SUCCEEDED"' in outcome_a, outcome_a  # A's valid, signed outcome
+    assert outcome_a is not None and b'"SUCCEEDED"' in outcome_a, (
+        outcome_a
+    )  # A's valid, signed outcome
     assert attacker.read(f"jobs/outcome/{b}") is None
 
     before = refused_counts(cluster)
@@ -212,9 +240,13 @@ def test_c3_copied_outcome_does_not_end_a_running_job(cluster, shared_tmp, figur
     # (nor ended at all) and its workers run on, the same processes
     observe(OBSERVE, lambda: assert_still_running(cluster, b, pids))
     for daemon in cluster:
-        assert (listed := next(j for j in daemon.ctl("list", "--all") if j["id"] == b))["state"] == "RUNNING", listed
-    figures.add("C3: refusals of the copied outcome counted (n1 / n2)",
-                " / ".join(f"{c - b0:.0f}" for c, b0 in zip(refused_counts(cluster), before)))
+        assert (listed := next(j for j in daemon.ctl("list", "--all") if j["id"] == b))[
+            "state"
+        ] == "RUNNING", listed
+    figures.add(
+        "C3: refusals of the copied outcome counted (n1 / n2)",
+        " / ".join(f"{c - b0:.0f}" for c, b0 in zip(refused_counts(cluster), before)),
+    )
 
     # the owner's cancel replaces the copy with a valid outcome
     cancel_and_check(cluster, n2, b, pids)
@@ -222,6 +254,7 @@ def test_c3_copied_outcome_does_not_end_a_running_job(cluster, shared_tmp, figur
 
 
 # -- C4: a copied rendezvous state does not stop a running job ----------------------------------------
+
 
 def copy_closed_state(cluster: Cluster, shared_tmp: Path) -> dict[str, Any]:
     """Finished 2-node job A, running 2-node job B; then A's closed (validly signed) rendezvous
@@ -233,7 +266,9 @@ def copy_closed_state(cluster: Cluster, shared_tmp: Path) -> dict[str, Any]:
     assert a["state"] == "SUCCEEDED", a
     state_a = attacker.read(f"rdzv/{a['id']}/state")
     assert state_a is not None
-    assert json.loads(state_a)["body"]["closed"] is True, state_a  # A's closed state, validly signed
+    assert json.loads(state_a)["body"]["closed"] is True, (
+        state_a
+    )  # A's closed state, validly signed
     b, pids = two_node_job(n1, shared_tmp)
     state_b = attacker.read(f"rdzv/{b}/state")
     assert state_b is not None
@@ -244,8 +279,16 @@ def copy_closed_state(cluster: Cluster, shared_tmp: Path) -> dict[str, Any]:
     for v in range(version + 1, version + 4):  # wake every watcher of B's rendezvous
         attacker.write(f"rdzv/{b}/rev/{v}", b"1")
     copied = time.monotonic()
-    return {"attacker": attacker, "a": a["id"], "b": b, "pids": pids, "state_a": state_a,
-            "state_b": state_b, "before": before, "copied": copied}
+    return {
+        "attacker": attacker,
+        "a": a["id"],
+        "b": b,
+        "pids": pids,
+        "state_a": state_a,
+        "state_b": state_b,
+        "before": before,
+        "copied": copied,
+    }
 
 
 @pytest.mark.slow
@@ -257,8 +300,11 @@ def test_c4_copied_rendezvous_state_does_not_stop_a_running_job(cluster, shared_
     lines = wait_refused(cluster, c["before"], key)
     assert all("MAC" in line for line in lines), lines
     # the refused state is replaced by the newest one a member saw
-    wait_for(lambda: attacker.read(f"rdzv/{b}/state") not in (state_a, None), 15,
-             f"{b}'s rendezvous state written back over the copy")
+    wait_for(
+        lambda: attacker.read(f"rdzv/{b}/state") not in (state_a, None),
+        15,
+        f"{b}'s rendezvous state written back over the copy",
+    )
 
     # "never": for 3 heartbeat intervals after the copy was refused, B runs on (RUNNING, not
     # PENDING or RESTARTING, no restart) with the same workers
@@ -267,9 +313,13 @@ def test_c4_copied_rendezvous_state_does_not_stop_a_running_job(cluster, shared_
     original = json.loads(c["state_b"])
     assert restored["body"]["closed"] is False, restored
     assert restored["body"]["round"] == original["body"]["round"], (restored, original)
-    assert sorted(restored["body"]["participants"]) == sorted(original["body"]["participants"]), restored
-    figures.add("C4: refusals of the copied rendezvous state (n1 / n2)",
-                " / ".join(f"{x - y:.0f}" for x, y in zip(refused_counts(cluster), c["before"])))
+    assert sorted(restored["body"]["participants"]) == sorted(original["body"]["participants"]), (
+        restored
+    )
+    figures.add(
+        "C4: refusals of the copied rendezvous state (n1 / n2)",
+        " / ".join(f"{x - y:.0f}" for x, y in zip(refused_counts(cluster), c["before"])),
+    )
     cancel_and_check(cluster, cluster.daemons[0], b, pids)
 
 
@@ -285,24 +335,39 @@ def test_c4_copied_rendezvous_state_costs_a_back_off_not_a_spin(cluster, shared_
     c = copy_closed_state(cluster, shared_tmp)
     attacker, b, pids = c["attacker"], c["b"], c["pids"]
     wait_refused(cluster, c["before"], attacker.key(f"rdzv/{b}/state"))
-    wait_for(lambda: attacker.read(f"rdzv/{b}/state") not in (c["state_a"], None), 15,
-             f"{b}'s rendezvous state written back over the copy")
+    wait_for(
+        lambda: attacker.read(f"rdzv/{b}/state") not in (c["state_a"], None),
+        15,
+        f"{b}'s rendezvous state written back over the copy",
+    )
     # counted over 3 heartbeat intervals after the copy (the forged revision keys stay)
-    observe(OBSERVE - (time.monotonic() - c["copied"]), lambda: assert_still_running(cluster, b, pids))
+    observe(
+        OBSERVE - (time.monotonic() - c["copied"]), lambda: assert_still_running(cluster, b, pids)
+    )
     took = time.monotonic() - c["copied"]
     counts = [x - y for x, y in zip(refused_counts(cluster), c["before"])]
-    state_lines = [sum(1 for line in d.log_path.read_text(errors="replace").splitlines()
-                       if f"refused store record {attacker.key(f'rdzv/{b}/state')}:" in line) for d in cluster]
-    figures.add(f"C4: records refused per daemon in {took:.1f} s after one copied state + 3 revision keys",
-                " / ".join(f"{x:.0f}" for x in counts) + f" (state refusals logged: {state_lines})")
+    state_lines = [
+        sum(
+            1
+            for line in d.log_path.read_text(errors="replace").splitlines()
+            if f"refused store record {attacker.key(f'rdzv/{b}/state')}:" in line
+        )
+        for d in cluster
+    ]
+    figures.add(
+        f"C4: records refused per daemon in {took:.1f} s after one copied state + 3 revision keys",
+        " / ".join(f"{x:.0f}" for x in counts) + f" (state refusals logged: {state_lines})",
+    )
     assert all(x <= SPIN_BOUND for x in counts), (
         f"each daemon refused {counts} records in {took:.1f} s after one copied rendezvous state "
         f"({state_lines} log lines refusing the state): the keeper re-reads a refused state in a loop "
-        f"instead of backing off")
+        f"instead of backing off"
+    )
     cancel_and_check(cluster, cluster.daemons[0], b, pids)
 
 
 # -- C5: a replayed drain request drains no node ------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_c5_replayed_drain_request_drains_no_node(cluster, shared_tmp, figures):
@@ -313,21 +378,27 @@ def test_c5_replayed_drain_request_drains_no_node(cluster, shared_tmp, figures):
 
     # a legitimate drain of n1, seen by both nodes; its record captured; then undone
     n2.ctl("drain", n1.name)
-    wait_for(lambda: all(node_states(d)[n1.name] in ("draining", "drained") for d in cluster), 15,
-             f"{n1.name} draining on every node")
+    wait_for(
+        lambda: all(node_states(d)[n1.name] in ("draining", "drained") for d in cluster),
+        15,
+        f"{n1.name} draining on every node",
+    )
     drain_v1 = attacker.read(f"nodes/{n1.name}/drain")
     assert drain_v1 is not None and b'"drain":true' in drain_v1, drain_v1
     n2.ctl("undrain", n1.name)
     # n1 itself took the undrain (its own list shows its own record, as of now) and the others saw it
-    wait_for(lambda: all(node_states(d) == {n: "up" for n in names} for d in cluster), 15,
-             "every node up again after the undrain")
+    wait_for(
+        lambda: all(node_states(d) == {n: "up" for n in names} for d in cluster),
+        15,
+        "every node up again after the undrain",
+    )
     assert attacker.read(f"nodes/{n1.name}/drain") != drain_v1
     assert attacker.read(f"nodes/{n2.name}/drain") is None
 
     job, pids = two_node_job(n1, shared_tmp)
     before = refused_counts(cluster)
-    attacker.write(f"nodes/{n2.name}/drain", drain_v1)   # another node's request: copied
-    attacker.write(f"nodes/{n1.name}/drain", drain_v1)   # its own, older than the undrain: replayed
+    attacker.write(f"nodes/{n2.name}/drain", drain_v1)  # another node's request: copied
+    attacker.write(f"nodes/{n1.name}/drain", drain_v1)  # its own, older than the undrain: replayed
     n2_line = wait_refused(cluster, before, attacker.key(f"nodes/{n2.name}/drain"))
     n1_line = wait_refused(cluster, before, attacker.key(f"nodes/{n1.name}/drain"))
     assert refusal_logged(n2, attacker.key(f"nodes/{n2.name}/drain")), n2.log_text()
@@ -336,20 +407,27 @@ def test_c5_replayed_drain_request_drains_no_node(cluster, shared_tmp, figures):
 
     def safe() -> None:
         for daemon in cluster:
-            assert node_states(daemon) == {n: "up" for n in names}, (daemon.name, daemon.ctl("nodes"))
+            assert node_states(daemon) == {n: "up" for n in names}, (
+                daemon.name,
+                daemon.ctl("nodes"),
+            )
         assert_still_running(cluster, job, pids)
+
     # "never": for 3 heartbeat intervals (a node reads its drain key at every duty) after both
     # refusals, neither node drains and the job on them keeps its workers
     observe(OBSERVE, safe)
     after = refused_counts(cluster)
     assert after[0] > before[0] and after[1] > before[1], (before, after)
-    figures.add("C5: refusals of the replayed drain requests (n1 / n2)",
-                " / ".join(f"{c - b0:.0f}" for c, b0 in zip(after, before)))
+    figures.add(
+        "C5: refusals of the replayed drain requests (n1 / n2)",
+        " / ".join(f"{c - b0:.0f}" for c, b0 in zip(after, before)),
+    )
     cancel_and_check(cluster, n1, job, pids)
     assert n2_line and n1_line
 
 
 # -- C6: a forged exit-barrier arrival does not end the job ------------------------------------------
+
 
 @pytest.mark.slow
 def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp, figures):
@@ -363,12 +441,22 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
     work = 8.0
     job_id = n1.submit("--nnodes", "2", str(script), str(marker), str(work))["id"]
     # group rank 0 ended and waits at the exit barrier; group rank 1 works
-    doc = n1.wait_job(job_id, lambda d: d["state"] == "RUNNING" and d.get("barrier") is not None
-                      and any(p["state"] == "RUNNING" for p in d["nodes"]), timeout=60)
+    doc = n1.wait_job(
+        job_id,
+        lambda d: (
+            d["state"] == "RUNNING"
+            and d.get("barrier") is not None
+            and any(p["state"] == "RUNNING" for p in d["nodes"])
+        ),
+        timeout=60,
+    )
     slow = next(p["node"] for p in doc["nodes"] if p["state"] == "RUNNING")
     fast = next(p["node"] for p in doc["nodes"] if p["state"] == "BARRIER")
-    slow_pid = next(w["pid"] for w in doc["workers"] if w["rank"] == next(
-        p["ranks"][0] for p in doc["nodes"] if p["node"] == slow))
+    slow_pid = next(
+        w["pid"]
+        for w in doc["workers"]
+        if w["rank"] == next(p["ranks"][0] for p in doc["nodes"] if p["node"] == slow)
+    )
     assert not marker.exists()
     round_ = doc["round"]
     exit_prefix = f"rdzv/{job_id}/round/{round_}/exit"
@@ -394,9 +482,11 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
             state = status(daemon, job_id)["state"]
             # the marker is written before the member exits, so before the job can end: read
             # after the state, it tells whether the job ended before its member finished
-            assert state not in ENDED or marker.exists(), \
+            assert state not in ENDED or marker.exists(), (
                 f"{daemon.name}: {job_id} {state} before its member finished"
+            )
         assert alive(slow_pid) or marker.exists(), f"the working member (pid {slow_pid}) was killed"
+
     deadline = time.monotonic() + work + 20
     while not marker.exists():
         assert time.monotonic() < deadline, "the working member never wrote its marker"
@@ -407,13 +497,20 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
         final = daemon.wait_job(job_id, lambda d: d["state"] in ENDED, timeout=30)
         assert final["state"] == "SUCCEEDED", (daemon.name, final)
         # and it ended after the member finished, by the outcome's own clock (this host's)
-        assert final["ended"] >= marker.stat().st_mtime, (daemon.name, final["ended"], marker.stat().st_mtime)
+        assert final["ended"] >= marker.stat().st_mtime, (
+            daemon.name,
+            final["ended"],
+            marker.stat().st_mtime,
+        )
     after = refused_counts(cluster)
-    figures.add("C6: refusals of the forged/copied exit arrivals (n1 / n2)",
-                " / ".join(f"{c - b0:.0f}" for c, b0 in zip(after, before)))
+    figures.add(
+        "C6: refusals of the forged/copied exit arrivals (n1 / n2)",
+        " / ".join(f"{c - b0:.0f}" for c, b0 in zip(after, before)),
+    )
 
 
 # -- C2: an unsigned outcome holds a running job and never reruns a finished one ----------------------
+
 
 @pytest.mark.slow
 def test_c2_unsigned_outcome_holds_a_job_and_never_reruns_one(cluster, shared_tmp, figures):
@@ -427,20 +524,33 @@ def test_c2_unsigned_outcome_holds_a_job_and_never_reruns_one(cluster, shared_tm
     assert finished["state"] == "SUCCEEDED", finished
     f_id = finished["id"]
     assert len(runs.read_text().splitlines()) == 1
-    garbled, garbled_pids = two_node_job(n1, shared_tmp)   # gets garbage as its outcome
+    garbled, garbled_pids = two_node_job(n1, shared_tmp)  # gets garbage as its outcome
     unsigned, unsigned_pids = two_node_job(n2, shared_tmp)  # gets a plausible unsigned outcome
 
     before = refused_counts(cluster)
     attacker.write(f"jobs/outcome/{garbled}", b"\x00\xffnot a record\n{")
-    attacker.write(f"jobs/outcome/{unsigned}", json.dumps(
-        {"state": "SUCCEEDED", "ended": time.time(), "exit_code": 0, "message": "", "by": n1.name,
-         "error": None}).encode())
+    attacker.write(
+        f"jobs/outcome/{unsigned}",
+        json.dumps(
+            {
+                "state": "SUCCEEDED",
+                "ended": time.time(),
+                "exit_code": 0,
+                "message": "",
+                "by": n1.name,
+                "error": None,
+            }
+        ).encode(),
+    )
     attacker.write(f"jobs/outcome/{f_id}", b"garbage over a finished job's outcome")
     forge_change(attacker, f"outcome/{unsigned}")
     for job in (garbled, unsigned, f_id):
         wait_refused(cluster, before, attacker.key(f"jobs/outcome/{job}"), every=True)
-    wait_for(lambda: all(status(d, j)["held"] for d in cluster for j in (garbled, unsigned)), 15,
-             "both running jobs held on every node")
+    wait_for(
+        lambda: all(status(d, j)["held"] for d in cluster for j in (garbled, unsigned)),
+        15,
+        "both running jobs held on every node",
+    )
 
     def safe() -> None:
         assert_still_running(cluster, garbled, garbled_pids)
@@ -450,12 +560,18 @@ def test_c2_unsigned_outcome_holds_a_job_and_never_reruns_one(cluster, shared_tm
         for daemon in cluster:
             doc = status(daemon, f_id)
             assert doc["state"] == "SUCCEEDED" and not doc["held"], (daemon.name, doc)
-            assert worker_pids(doc) == worker_pids(finished), (daemon.name, doc["workers"])  # no new run
+            assert worker_pids(doc) == worker_pids(finished), (
+                daemon.name,
+                doc["workers"],
+            )  # no new run
+
     # "never": for 5 s after every daemon refused the three outcomes, the running jobs keep
     # their workers and the finished one does not run again
     observe(5.0, safe)
-    figures.add("C2: refusals of the unsigned/garbage outcomes (n1 / n2)",
-                " / ".join(f"{c - b0:.0f}" for c, b0 in zip(refused_counts(cluster), before)))
+    figures.add(
+        "C2: refusals of the unsigned/garbage outcomes (n1 / n2)",
+        " / ".join(f"{c - b0:.0f}" for c, b0 in zip(refused_counts(cluster), before)),
+    )
 
     # the owners' cancels replace the bad records
     cancel_and_check(cluster, n1, garbled, garbled_pids)
@@ -507,30 +623,37 @@ def assert_held_and_idle(cluster: Cluster, job_id: str, why: str) -> None:
 def wait_held_and_idle(cluster: Cluster, job_id: str, why: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while wrong := held_and_idle(list(cluster), job_id, why):
-        assert time.monotonic() < deadline, \
+        assert time.monotonic() < deadline, (
             f"{job_id} not held (naming {why!r}) and idle on every node within {timeout:g} s: {'; '.join(wrong)}"
+        )
         time.sleep(0.25)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("restart", ["SIGKILL", "SIGTERM"])
-def test_c12_copied_records_and_a_restarted_member_hold_the_job_everywhere(cluster, shared_tmp, figures,
-                                                                           restart):
+def test_c12_copied_records_and_a_restarted_member_hold_the_job_everywhere(
+    cluster, shared_tmp, figures, restart
+):
     n1, n2 = cluster.add("n1"), cluster.add("n2")
     cluster.start()
     attacker = Attacker(cluster)
     a = n1.submit_wait("--nnodes", "2", *worker_args())
     assert a["state"] == "SUCCEEDED", a
     b, pids = two_node_job(n1, shared_tmp)
-    copy_records(attacker, [*JOB_RECORDS, *(f"jobs/part/{{}}/{d.name}" for d in cluster)], a["id"], b)
+    copy_records(
+        attacker, [*JOB_RECORDS, *(f"jobs/part/{{}}/{d.name}" for d in cluster)], a["id"], b
+    )
     if restart == "SIGKILL":
         n2.proc.kill()
         n2.proc.wait()
     else:
         n2.stop()
     n2.start()
-    wait_for(lambda: refusal_logged(n2, attacker.key(f"jobs/outcome/{b}")), 15,
-             f"{n2.name} refused the copied outcome of {b}")
+    wait_for(
+        lambda: refusal_logged(n2, attacker.key(f"jobs/outcome/{b}")),
+        15,
+        f"{n2.name} refused the copied outcome of {b}",
+    )
 
     # the restarted member refuses B's outcome: it holds B, and every node shows it held and
     # why; nothing of B runs, and no node shows it RUNNING (n1 did, from n2's part before its
@@ -539,7 +662,10 @@ def test_c12_copied_records_and_a_restarted_member_hold_the_job_everywhere(clust
     wait_held_and_idle(cluster, b, why)
     assert wait_gone(list(pids.values()), timeout=30) == [], f"{b}'s workers run on"
     observe(OBSERVE, lambda: assert_held_and_idle(cluster, b, why))
-    figures.add(f"C12 ({restart}): the job's state on n1 / n2", " / ".join(status(d, b)["state"] for d in cluster))
+    figures.add(
+        f"C12 ({restart}): the job's state on n1 / n2",
+        " / ".join(status(d, b)["state"] for d in cluster),
+    )
 
     # its owner's cancel ends it everywhere (it replaces the refused outcome)
     cancel_and_check(cluster, n1, b, pids)
@@ -553,7 +679,9 @@ def test_c13_a_rendezvous_state_no_member_can_restore_holds_the_job(cluster, sha
     attacker = Attacker(cluster)
     a = n1.submit_wait("--nnodes", "2", *worker_args())
     assert a["state"] == "SUCCEEDED", a
-    b, pids = two_node_job(n1, shared_tmp, "--nodes", f"{n2.name},{n3.name}")  # not the store's host
+    b, pids = two_node_job(
+        n1, shared_tmp, "--nodes", f"{n2.name},{n3.name}"
+    )  # not the store's host
     for daemon in (n2, n3):  # every member down: none keeps B's state in mind
         daemon.proc.kill()
         daemon.proc.wait()
@@ -569,6 +697,8 @@ def test_c13_a_rendezvous_state_no_member_can_restore_holds_the_job(cluster, sha
     assert all(f"{d.name}: its rendezvous state" in doc["held"] for d in (n2, n3)), doc["held"]
     assert wait_gone(list(pids.values()), timeout=30) == [], f"{b}'s workers run on"
     observe(OBSERVE, lambda: assert_held_and_idle(cluster, b, "its rendezvous state"))
-    assert attacker.read(f"rdzv/{b}/state") == attacker.read(f"rdzv/{a['id']}/state")  # not started afresh
+    assert attacker.read(f"rdzv/{b}/state") == attacker.read(
+        f"rdzv/{a['id']}/state"
+    )  # not started afresh
     figures.add("C13: held by", doc["held"])
     cancel_and_check(cluster, n2, b, pids)

@@ -38,14 +38,19 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-
 from harness import Daemon, worker_args
 from store_attack import Cluster, attacker, metric, wait_for
-from test_store_forgery import (assert_still_running, cancel_and_check, observe, refused_counts,
-                                two_node_job)
+from test_store_forgery import (
+    assert_still_running,
+    cancel_and_check,
+    observe,
+    refused_counts,
+    two_node_job,
+)
 
 DEEP = b"[" * 100000 + b"]" * 100000
 MAC = b'"' + b"0" * 64 + b'"'
@@ -84,13 +89,16 @@ def cluster(request, daemon_factory, shared_tmp) -> Iterator[Cluster]:
 
 def alive(cluster: Cluster) -> None:
     for daemon in cluster:
-        assert daemon.proc is not None and daemon.proc.poll() is None, \
+        assert daemon.proc is not None and daemon.proc.poll() is None, (
             f"{daemon.name} exited with {daemon.proc.returncode}:\n{daemon.log_text()}"
+        )
 
 
 def refusal_lines(daemon: Daemon, key: str) -> list[str]:
     needle = f"refused store record {key}:"
-    return [line for line in daemon.log_path.read_text(errors="replace").splitlines() if needle in line]
+    return [
+        line for line in daemon.log_path.read_text(errors="replace").splitlines() if needle in line
+    ]
 
 
 def envelope(raw: bytes | None) -> dict[str, Any] | None:
@@ -144,6 +152,7 @@ def test_row0_poisoned_epoch_ends_no_daemon(cluster, shared_tmp, figures):
     def safe() -> None:
         alive(cluster)
         assert_still_running(cluster, job, pids)
+
     with Writer(cluster, "epoch", DEEP) as writer:
         # "never": for 10 s of poison written every 0.1 s (each daemon reads the epoch at
         # every 1 s duty), no daemon exits and the job keeps its workers
@@ -160,9 +169,11 @@ def test_row0_poisoned_epoch_ends_no_daemon(cluster, shared_tmp, figures):
     assert healed["body"] == epoch["body"], (healed, epoch)
     for daemon in cluster:
         assert "the store was reset" not in daemon.log_text(), daemon.log_text()
-    figures.add(f"row 0: poisoned epoch written {writer.writes} times in {WATCH:g} s "
-                f"({'etcd' if cluster.etcd else 'c10d'}): refusals counted / logged per daemon",
-                " / ".join(f"{c:.0f}/{len(l)}" for c, l in zip(counts, lines)))
+    figures.add(
+        f"row 0: poisoned epoch written {writer.writes} times in {WATCH:g} s "
+        f"({'etcd' if cluster.etcd else 'c10d'}): refusals counted / logged per daemon",
+        " / ".join(f"{c:.0f}/{len(seen)}" for c, seen in zip(counts, lines)),
+    )
     cancel_and_check(cluster, n2, job, pids)
 
 
@@ -186,10 +197,15 @@ def test_row0_poisoned_epoch_at_start_up_is_worked_around(cluster, shared_tmp):
     logged = len(refusal_lines(n2, key))  # its log file goes on across the restart
     with Writer(cluster, "epoch", DEEP):
         n2.start()
-        wait_for(lambda: len(refusal_lines(n2, key)) > logged, 15, f"{n2.name} logged the refused epoch")
+        wait_for(
+            lambda: len(refusal_lines(n2, key)) > logged, 15, f"{n2.name} logged the refused epoch"
+        )
         alive(cluster)
-    wait_for(lambda: all(states(d) == {n1.name: "up", n2.name: "up"} for d in cluster), 30,
-             "both nodes up after the restart")
+    wait_for(
+        lambda: all(states(d) == {n1.name: "up", n2.name: "up"} for d in cluster),
+        30,
+        "both nodes up after the restart",
+    )
     job, pids = two_node_job(n2, shared_tmp)
     assert metric(n2, "elasticd_store_refused_records_total") >= 1
     cancel_and_check(cluster, n1, job, pids)
@@ -207,20 +223,30 @@ def test_any_value_on_the_keys_read_every_duty_ends_no_daemon(cluster, shared_tm
     job, pids = two_node_job(n1, shared_tmp)
     before = refused_counts(cluster)
     # what every daemon reads at every heartbeat duty
-    keys = ["epoch", "nodes/observer", "nodes/feed/head", f"nodes/{n2.name}/record",
-            f"nodes/{n2.name}/hb", f"nodes/{n1.name}/drain", f"rdzv/{job}/state"]
+    keys = [
+        "epoch",
+        "nodes/observer",
+        "nodes/feed/head",
+        f"nodes/{n2.name}/record",
+        f"nodes/{n2.name}/hb",
+        f"nodes/{n1.name}/drain",
+        f"rdzv/{job}/state",
+    ]
     # once: poisoned lines in the indexes (read again in whole when the board is), and the
     # next change-log entry, which every board follower waits for (its refusal makes each
     # read the whole board again); nothing else appends to these while the job runs
     for index in ("nodes/names", "jobs/index"):
-        store.write(index, (store.read(index) or b"") + DEEP + b"\n" + POISONS["infinite body"] + b"\n")
+        store.write(
+            index, (store.read(index) or b"") + DEEP + b"\n" + POISONS["infinite body"] + b"\n"
+        )
     store.write(f"jobs/log/{store.count('jobs/log') + 1}", POISONS["deep body"])
 
     def safe() -> None:
         alive(cluster)
         assert_still_running(cluster, job, pids)
+
     started = time.monotonic()
-    for name, value in POISONS.items():
+    for _name, value in POISONS.items():
         for suffix in keys:
             store.write(suffix, value)
         # each value stands until a daemon replaces it or 1.5 duties pass: a node's own
@@ -231,21 +257,28 @@ def test_any_value_on_the_keys_read_every_duty_ends_no_daemon(cluster, shared_tm
     counts = [c - b for c, b in zip(refused_counts(cluster), before)]
     assert all(c > 0 for c in counts), f"refusals counted per daemon: {counts}"
     for suffix in ("epoch", "nodes/observer", f"nodes/{n1.name}/drain"):
-        assert any(refusal_lines(d, store.key(suffix)) for d in cluster), f"{suffix}'s refusals not logged"
+        assert any(refusal_lines(d, store.key(suffix)) for d in cluster), (
+            f"{suffix}'s refusals not logged"
+        )
     # the epoch and the observer are repaired, the drain request stays refused: no drain
     last: dict[str, bytes | None] = {}
 
     def repaired() -> bool:
         last.update((k, store.read(k)) for k in ("epoch", "nodes/observer"))
         return all(envelope(raw) for raw in last.values())
+
     try:
         wait_for(repaired, 15, "the epoch and the observer repaired")
     except AssertionError:
-        raise AssertionError(f"not repaired: {({k: (v or b'')[:100] for k, v in last.items()})}") from None
+        raise AssertionError(
+            f"not repaired: { ({k: (v or b'')[:100] for k, v in last.items()}) }"
+        ) from None
     assert states(n1) == {n1.name: "up", n2.name: "up"}, n1.ctl("nodes")
-    figures.add(f"poison x {len(POISONS)} values x {len(keys)} keys in {took:.0f} s "
-                f"({'etcd' if cluster.etcd else 'c10d'}): refusals counted (n1 / n2)",
-                " / ".join(f"{c:.0f}" for c in counts))
+    figures.add(
+        f"poison x {len(POISONS)} values x {len(keys)} keys in {took:.0f} s "
+        f"({'etcd' if cluster.etcd else 'c10d'}): refusals counted (n1 / n2)",
+        " / ".join(f"{c:.0f}" for c in counts),
+    )
     cancel_and_check(cluster, n2, job, pids)
 
 
@@ -273,6 +306,7 @@ def test_a_counter_that_is_no_number_freezes_nothing(cluster, shared_tmp, figure
         assert_still_running(cluster, job, pids)
         for daemon in cluster:
             assert daemon.ctl("version")["elasticd"]["store_up"], f"{daemon.name}: store down"
+
     started = time.monotonic()
     for turn, value in enumerate((b"junk", b"9" * 5000, DEEP, b"")):
         for counter in counters:
@@ -280,8 +314,11 @@ def test_a_counter_that_is_no_number_freezes_nothing(cluster, shared_tmp, figure
         submitter, other = (n2, n1) if turn % 2 == 0 else (n1, n2)
         done = submitter.submit_wait("--nnodes", "1", *worker_args())
         assert done["state"] == "SUCCEEDED", done
-        wait_for(lambda: (listed(other, done["id"]) or {}).get("state") == "SUCCEEDED", 15,
-                 f"{done['id']}, submitted on {submitter.name} after {value[:10]!r}..., SUCCEEDED on {other.name}")
+        wait_for(
+            lambda: (listed(other, done["id"]) or {}).get("state") == "SUCCEEDED",
+            15,
+            f"{done['id']}, submitted on {submitter.name} after {value[:10]!r}..., SUCCEEDED on {other.name}",
+        )
         for counter in counters:  # a count again, written by a daemon
             assert store.count(counter) is not None, (counter, store.read(counter)[:40])
         safe()
@@ -295,9 +332,11 @@ def test_a_counter_that_is_no_number_freezes_nothing(cluster, shared_tmp, figure
         lines = [line for d in cluster for line in refusal_lines(d, key)]
         assert lines and all("is no count" in line for line in lines), (counter, lines)
     assert [unreachable_lines(d) for d in cluster] == unreachable, [d.log_text() for d in cluster]
-    figures.add(f"counters poisoned x 4 values ({'etcd' if cluster.etcd else 'c10d'}): a 1-node job "
-                f"submitted and seen SUCCEEDED on the other node after each, in all; refusals (n1 / n2)",
-                f"{took:.1f} s; " + " / ".join(f"{c:.0f}" for c in counts))
+    figures.add(
+        f"counters poisoned x 4 values ({'etcd' if cluster.etcd else 'c10d'}): a 1-node job "
+        f"submitted and seen SUCCEEDED on the other node after each, in all; refusals (n1 / n2)",
+        f"{took:.1f} s; " + " / ".join(f"{c:.0f}" for c in counts),
+    )
     cancel_and_check(cluster, n2, job, pids)
 
 
@@ -315,7 +354,11 @@ def test_junk_in_the_ping_key_stops_no_start(cluster):
     for daemon in cluster:
         if daemon.proc is None:
             daemon.start()
-    wait_for(lambda: all(states(d) == {n1.name: "up", n2.name: "up"} for d in cluster), 30, "both nodes up")
+    wait_for(
+        lambda: all(states(d) == {n1.name: "up", n2.name: "up"} for d in cluster),
+        30,
+        "both nodes up",
+    )
     alive(cluster)
 
 
@@ -325,4 +368,8 @@ def listed(daemon: Daemon, job_id: str) -> dict[str, Any] | None:
 
 
 def unreachable_lines(daemon: Daemon) -> list[str]:
-    return [line for line in daemon.log_path.read_text(errors="replace").splitlines() if "unreachable" in line]
+    return [
+        line
+        for line in daemon.log_path.read_text(errors="replace").splitlines()
+        if "unreachable" in line
+    ]

@@ -13,10 +13,10 @@ import uuid
 from typing import Any
 
 import psutil
-
-from elasticd.wire import protocol
 from harness import CLIENT_ENV, FIXTURES, Control, needs_root, python_for_everyone
 from local_users import local_users
+
+from elasticd.wire import protocol
 
 KiB, MiB = 1 << 10, 1 << 20
 SUBMIT_MANY = FIXTURES / "submit_many.py"
@@ -32,10 +32,24 @@ def flood(daemon, user: str, count: int, pad: int, *submit: str) -> dict[str, An
     """submit_many.py as ``user``: ``count`` submits of one job, with ``pad`` bytes of more
     arguments, over one connection."""
     account = pwd.getpwnam(user)
-    done = subprocess.run([f"{python_for_everyone()}/bin/python3", str(SUBMIT_MANY), daemon.socket,
-                           str(count), str(pad), *submit], capture_output=True, text=True, timeout=600,
-                          env={**CLIENT_ENV, "HOME": "/"}, cwd=str(daemon.base),
-                          user=account.pw_uid, group=account.pw_gid, extra_groups=[])
+    done = subprocess.run(
+        [
+            f"{python_for_everyone()}/bin/python3",
+            str(SUBMIT_MANY),
+            daemon.socket,
+            str(count),
+            str(pad),
+            *submit,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**CLIENT_ENV, "HOME": "/"},
+        cwd=str(daemon.base),
+        user=account.pw_uid,
+        group=account.pw_gid,
+        extra_groups=[],
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -81,7 +95,10 @@ def test_a_flood_of_submits_is_refused_early_and_everyone_can_still_list(daemon_
         big = {f"BIG{i}": "x" * (60 * KiB) for i in range(3)}
         done = daemon.ctl_run("submit", *SLEEPER, user="nobody", env=big)
         assert done.returncode == 1, done.stderr
-        assert "environment (yours, with --env) is " in done.stderr and "jobs.max_env_bytes" in done.stderr
+        assert (
+            "environment (yours, with --env) is " in done.stderr
+            and "jobs.max_env_bytes" in done.stderr
+        )
         assert daemon.ctl("list", "--all") == []  # nothing of them was kept
 
         # as many allowed jobs as nobody may have (100, of ~120 KiB each), then one more;
@@ -92,7 +109,8 @@ def test_a_flood_of_submits_is_refused_early_and_everyone_can_still_list(daemon_
         assert len(allowed["accepted"]) == 100, allowed
         assert list(allowed["refused"]) == [
             "limit_exceeded: nobody has 100 jobs that have not ended, the most one user may have "
-            "(jobs.max_per_user = 100): wait for some to end or cancel some"]
+            "(jobs.max_per_user = 100): wait for some to end or cancel some"
+        ]
         figures.add("0c: 101 allowed submits (s)", str(allowed["seconds"]))
 
         def everyone_can_list() -> list[dict[str, Any]]:
@@ -100,9 +118,13 @@ def test_a_flood_of_submits_is_refused_early_and_everyone_can_still_list(daemon_
             assert {r["id"] for r in rows if r["user"] == "nobody"} == set(allowed["accepted"])
             assert not any("argv" in row for row in rows)
             table = daemon.ctl_run("list", "--all", user=other)
-            assert table.returncode == 0 and len(table.stdout.splitlines()) == len(rows) + 1, table.stderr
+            assert table.returncode == 0 and len(table.stdout.splitlines()) == len(rows) + 1, (
+                table.stderr
+            )
             status = daemon.ctl("status", allowed["accepted"][-1], user=other)
-            assert status["argv"] == ["/bin/sh"] and status["redacted"]  # nobody's arguments stay theirs
+            assert (
+                status["argv"] == ["/bin/sh"] and status["redacted"]
+            )  # nobody's arguments stay theirs
             frames = list_frames(daemon)  # the jobs hold 12 MiB of arguments; the replies do not
             assert max(frames) <= protocol.LIST_BATCH and sum(frames) < 100 * KiB, frames
             return rows
@@ -117,7 +139,10 @@ def test_a_flood_of_submits_is_refused_early_and_everyone_can_still_list(daemon_
         daemon.stop()  # the jobs are in the history: a restart reads them all back
         daemon.start()
         rows = everyone_can_list()
-        assert {r["state"] for r in rows if r["user"] == "nobody"} <= {"CANCELLED", "FAILED"}  # all ended
+        assert {r["state"] for r in rows if r["user"] == "nobody"} <= {
+            "CANCELLED",
+            "FAILED",
+        }  # all ended
         assert daemon.request("version").ok
 
 
@@ -144,7 +169,9 @@ def test_another_users_job_is_shown_without_its_arguments_or_error(daemon_factor
     with local_users("alice", "bob", "admin", admin_group=True) as users:
         config = shared_tmp / "admins.toml"
         config.write_text(f'[control]\nadmin_group = "{users["admins"]}"\n')
-        daemon = daemon_factory(unique("views"), args=("--slots", "2", "--config", str(config))).start()
+        daemon = daemon_factory(
+            unique("views"), args=("--slots", "2", "--config", str(config))
+        ).start()
         alice, bob, admin = users["alice"], users["bob"], users["admin"]
         docs = daemon.ctl("submit", "--wait", str(script), SECRET, user=alice, expect=1)
         job = docs[-1]["id"]
@@ -154,12 +181,21 @@ def test_another_users_job_is_shown_without_its_arguments_or_error(daemon_factor
             shown = daemon.ctl("status", job, user=viewer)
             assert shown["argv"] == [str(script)] and shown["redacted"] is True
             assert (shown["error"]["message"], shown["error"]["traceback"]) == ("", "")
-            assert (shown["error"]["rank"], shown["error"]["exit_code"], shown["state"]) == (0, 1, "FAILED")
+            assert (shown["error"]["rank"], shown["error"]["exit_code"], shown["state"]) == (
+                0,
+                1,
+                "FAILED",
+            )
             human = daemon.ctl_run("status", job, user=viewer)
             assert human.returncode == 0 and f"command:      {script} ... {HIDDEN}" in human.stdout
             assert f"error: {HIDDEN} (rank 0 on node" in human.stdout
-            for out in (json.dumps(shown), human.stdout, daemon.ctl_run("list", user=viewer).stdout,
-                        json.dumps(daemon.ctl("list", user=viewer)), wait_as(daemon, viewer, job)):
+            for out in (
+                json.dumps(shown),
+                human.stdout,
+                daemon.ctl_run("list", user=viewer).stdout,
+                json.dumps(daemon.ctl("list", user=viewer)),
+                wait_as(daemon, viewer, job),
+            ):
                 assert SECRET not in out and "RuntimeError" not in out
             assert daemon.ctl_run("logs", job, user=viewer).returncode == 1  # as before
 
@@ -183,8 +219,16 @@ with Client(sys.argv[1]) as daemon:
 def wait_as(daemon, user: str, job: str) -> str:
     """The `wait` stream of ``job`` as ``user`` sees it (elasticctl has no command for it)."""
     account = pwd.getpwnam(user)
-    done = subprocess.run([f"{python_for_everyone()}/bin/python3", "-c", WAIT, daemon.socket, job],
-                          capture_output=True, text=True, timeout=60, env={**CLIENT_ENV, "HOME": "/"},
-                          cwd="/", user=account.pw_uid, group=account.pw_gid, extra_groups=[])
+    done = subprocess.run(
+        [f"{python_for_everyone()}/bin/python3", "-c", WAIT, daemon.socket, job],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**CLIENT_ENV, "HOME": "/"},
+        cwd="/",
+        user=account.pw_uid,
+        group=account.pw_gid,
+        extra_groups=[],
+    )
     assert done.returncode == 0 and json.loads(done.stdout)[-1]["redacted"], done.stderr
     return done.stdout

@@ -98,8 +98,13 @@ def _etcd_tls_store(request):
     return _on_etcd(request.getfixturevalue("etcd_tls_cluster"))
 
 
-BACKENDS = {"memory": _memory_store, "c10d": _c10d_store, "tcpstore": _tcpstore_client,
-            "etcd": _etcd_store, "etcd-tls": _etcd_tls_store}
+BACKENDS = {
+    "memory": _memory_store,
+    "c10d": _c10d_store,
+    "tcpstore": _tcpstore_client,
+    "etcd": _etcd_store,
+    "etcd-tls": _etcd_tls_store,
+}
 
 
 @pytest.fixture(params=sorted(BACKENDS))

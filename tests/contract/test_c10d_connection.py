@@ -80,5 +80,7 @@ def test_a_port_in_use_is_a_clear_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(StoreConnectionError, match=f"cannot host the store on 127.0.0.1:{port}"):
+        with pytest.raises(
+            StoreConnectionError, match=f"cannot host the store on 127.0.0.1:{port}"
+        ):
             C10dServer("127.0.0.1", port)

@@ -7,28 +7,35 @@ import asyncio
 import time
 
 import pytest
+from fixtures.etcd import EtcdCluster, require_etcd
 
 from elasticd.errors import StoreConnectionError, StoreError, StoreTimeout
 from elasticd.store.etcd import MAX_TXN_OPS, EtcdStore
-from fixtures.etcd import EtcdCluster, require_etcd
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-async def connected(cluster: EtcdCluster, endpoints: list[str] | None = None, timeout: float = 5.0,
-                    **options) -> EtcdStore:
-    store = EtcdStore(endpoints or cluster.endpoints,
-                      **{"timeout": timeout, **cluster.store_options(), **options})
+async def connected(
+    cluster: EtcdCluster, endpoints: list[str] | None = None, timeout: float = 5.0, **options
+) -> EtcdStore:
+    store = EtcdStore(
+        endpoints or cluster.endpoints, **{"timeout": timeout, **cluster.store_options(), **options}
+    )
     await store.connect(10.0)
     return store
 
 
 def test_tls_without_a_client_certificate_is_refused(etcd_tls_cluster):
     endpoint = etcd_tls_cluster.endpoints[0]
-    store = EtcdStore([endpoint], timeout=2.0, ca_file=etcd_tls_cluster.tls.ca, user="root",
-                      password=etcd_tls_cluster.password)
+    store = EtcdStore(
+        [endpoint],
+        timeout=2.0,
+        ca_file=etcd_tls_cluster.tls.ca,
+        user="root",
+        password=etcd_tls_cluster.password,
+    )
     started = time.monotonic()
     with pytest.raises(StoreConnectionError) as raised:
         run(store.connect(1.0))
@@ -44,7 +51,9 @@ def test_plain_tcp_to_a_tls_member_is_refused(etcd_tls_cluster):
 
 def test_a_wrong_password_is_refused_at_once_naming_the_endpoint_and_user(etcd_tls_cluster):
     endpoint = etcd_tls_cluster.endpoints[0]
-    store = EtcdStore([endpoint], timeout=2.0, **{**etcd_tls_cluster.store_options(), "password": "wrong"})
+    store = EtcdStore(
+        [endpoint], timeout=2.0, **{**etcd_tls_cluster.store_options(), "password": "wrong"}
+    )
     started = time.monotonic()
     with pytest.raises(StoreConnectionError, match="refused user 'root'") as raised:
         run(store.connect(20.0))
@@ -54,11 +63,13 @@ def test_a_wrong_password_is_refused_at_once_naming_the_endpoint_and_user(etcd_t
 
 def test_the_client_certificate_alone_names_the_user(etcd_tls_cluster):
     """With authentication on and no password, etcd takes the user from the certificate."""
+
     async def scenario():
         store = await connected(etcd_tls_cluster, user="", password="")
         await store.set("cert-only", b"x")
         assert await store.get("cert-only") == b"x"
         await store.close()
+
     run(scenario())
 
 
@@ -97,24 +108,28 @@ def test_connect_waits_for_a_member_that_comes_up_later(tmp_path):
             await store.set("k", b"v")
             assert await store.get("k") == b"v"
             await store.close()
+
         run(scenario())
 
 
 def test_an_expired_auth_token_is_renewed(tmp_path):
     require_etcd()
     with EtcdCluster(tmp_path, password="pw", token_ttl=1) as cluster:
+
         async def scenario():
             store = await connected(cluster)
             await store.set("k", b"v")
             await asyncio.sleep(2.5)  # unused for longer than its TTL: etcd forgets the token
             assert await store.get("k") == b"v"
             await store.close()
+
         run(scenario())
 
 
 def test_a_restarted_member_is_reached_again(tmp_path):
     require_etcd()
     with EtcdCluster(tmp_path, password="pw") as cluster:
+
         async def scenario():
             store = await connected(cluster)
             await store.set("k", b"v")
@@ -123,6 +138,7 @@ def test_a_restarted_member_is_reached_again(tmp_path):
             cluster.wait_healthy(0)
             assert await store.get("k") == b"v"
             await store.close()
+
         run(scenario())
 
 
@@ -135,6 +151,7 @@ def test_a_member_back_is_reached_at_once_while_another_channel_to_it_backs_off(
     from elasticd.store.etcd import _Member
 
     with EtcdCluster(tmp_path) as cluster:
+
         async def scenario():
             cluster.kill(0)
             away = _Member(cluster.endpoints[0], None)  # another channel, its backoff growing
@@ -147,6 +164,7 @@ def test_a_member_back_is_reached_at_once_while_another_channel_to_it_backs_off(
             await store.set("k", b"v")  # a call fails at once only when no member answers
             await store.close()
             await away.close()
+
         run(scenario())
 
 
@@ -159,6 +177,7 @@ def test_get_many_reads_more_keys_than_one_transaction_takes(etcd_cluster):
         values = await store.get_many(keys)
         assert values == [key.encode() if i % 2 == 0 else None for i, key in enumerate(keys)]
         await store.close()
+
     run(scenario())
 
 
@@ -169,6 +188,7 @@ def test_add_on_a_value_that_is_no_counter_is_a_store_error(etcd_cluster):
         with pytest.raises(StoreError, match="not a counter"):
             await store.add("not-a-counter", 1)
         await store.close()
+
     run(scenario())
 
 
@@ -180,6 +200,7 @@ def test_a_wait_in_flight_when_the_store_closes_raises_connection_error(etcd_clu
         await store.close()
         with pytest.raises(StoreConnectionError):
             await waiting
+
     run(scenario())
 
 
@@ -191,6 +212,7 @@ def test_revision_follows_the_writes(etcd_cluster):
         await store.set("rev", b"2")
         assert store.revision == before + 1
         await store.close()
+
     run(scenario())
 
 
@@ -209,12 +231,14 @@ def test_a_leased_key_goes_with_its_lease(etcd_cluster):
         with pytest.raises(StoreConnectionError, match="lease not found"):
             await store.put_with_lease("leased", b"y", lease)
         await store.close()
+
     run(scenario())
 
 
 def test_calls_and_waits_move_to_another_member_when_theirs_dies(tmp_path):
     require_etcd()
     with EtcdCluster(tmp_path, members=3) as cluster:
+
         async def scenario():
             store = await connected(cluster)
             writer = await connected(cluster, endpoints=cluster.endpoints[1:])
@@ -231,12 +255,14 @@ def test_calls_and_waits_move_to_another_member_when_theirs_dies(tmp_path):
             assert await asyncio.wait_for(waiting, 10) is True
             await store.close()
             await writer.close()
+
         run(scenario())
 
 
 def test_a_cluster_without_quorum_times_out(tmp_path):
     require_etcd()
     with EtcdCluster(tmp_path, members=3) as cluster:
+
         async def scenario():
             store = await connected(cluster, timeout=1.0)
             cluster.kill(1)
@@ -246,6 +272,7 @@ def test_a_cluster_without_quorum_times_out(tmp_path):
                 await store.get("k")
             assert time.monotonic() - started < 5.0
             await store.close()
+
         run(scenario())
 
 
@@ -267,4 +294,5 @@ def test_joiners_adding_one_at_once_each_take_a_number_of_their_own_in_one_txn(e
             await store.add("junk", 1)
         assert await store.get("junk") == _COUNT + b"--5"
         await store.close()
+
     run(scenario())

@@ -110,7 +110,9 @@ def test_add_is_atomic_across_threads(store, key):
 
 
 @pytest.mark.parametrize("junk", [b"junk", b"9" * 5000, b"[" * 10000 + b"]" * 10000])
-def test_an_add_over_a_value_that_is_no_count_raises_not_a_counter_and_writes_nothing(store, key, junk):
+def test_an_add_over_a_value_that_is_no_count_raises_not_a_counter_and_writes_nothing(
+    store, key, junk
+):
     """Anyone who reaches the store may write junk to a counter: the add says so with what is
     there (for a compare-and-set that repairs it), the client goes on, and the junk can be
     replaced by a count that the next add counts on from."""

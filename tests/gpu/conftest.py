@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
-
-import pytest
 
 import harness
+import pytest
 from gpu_rig import HERE, Gpu, dry_run, list_gpus, skip_reason
 
 
@@ -37,6 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # -- fixtures --------------------------------------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def absolute_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,9 +10,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 import harness
+import pytest
 
 HERE = Path(__file__).resolve().parent
 DRY_RUN_ENV = "ELASTICD_GPU_TEST_DRY_RUN"
@@ -30,7 +29,9 @@ def dry_run() -> bool:
     """Whether this is the CPU dry run (``ELASTICD_GPU_TEST_DRY_RUN=gloo``)."""
     value = os.environ.get(DRY_RUN_ENV, "")
     if value not in ("", "gloo"):
-        raise pytest.UsageError(f"{DRY_RUN_ENV}={value!r}: the only dry run is 'gloo' (unset it for the real suite)")
+        raise pytest.UsageError(
+            f"{DRY_RUN_ENV}={value!r}: the only dry run is 'gloo' (unset it for the real suite)"
+        )
     return value == "gloo"
 
 
@@ -58,7 +59,7 @@ def _torch_sees_cuda() -> str | None:
     return None
 
 
-_skip: str | None | bool = False  # False: not decided yet
+_skip: str | bool | None = False  # False: not decided yet
 
 
 def skip_reason() -> str | None:

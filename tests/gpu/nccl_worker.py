@@ -70,7 +70,9 @@ def write_json(path: str, doc: dict) -> None:
 
 def append(directory: str, doc: dict) -> None:
     """One JSON line (O_APPEND: lines of several processes never mix)."""
-    fd = os.open(os.path.join(directory, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(
+        os.path.join(directory, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+    )
     try:
         os.write(fd, (json.dumps(doc) + "\n").encode())
     finally:
@@ -79,13 +81,21 @@ def append(directory: str, doc: dict) -> None:
 
 # -- devices ------------------------------------------------------------------------------
 
+
 def devices(report: str) -> None:
     import torch
+
     local_rank = int(os.environ["LOCAL_RANK"])
-    doc = {"pid": os.getpid(), "local_rank": local_rank, "rank": int(os.environ["RANK"]),
-           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-           "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count(),
-           "name": None, "uuid": None}
+    doc = {
+        "pid": os.getpid(),
+        "local_rank": local_rank,
+        "rank": int(os.environ["RANK"]),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_available": torch.cuda.is_available(),
+        "device_count": torch.cuda.device_count(),
+        "name": None,
+        "uuid": None,
+    }
     if doc["cuda_available"] and local_rank < doc["device_count"]:
         props = torch.cuda.get_device_properties(local_rank)
         doc["name"] = props.name
@@ -95,8 +105,10 @@ def devices(report: str) -> None:
 
 # -- ddp ----------------------------------------------------------------------------------
 
+
 def device_for(backend: str):
     import torch
+
     if backend == "nccl":
         share_one_gpu()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -107,6 +119,7 @@ def device_for(backend: str):
 
 def nccl_version() -> str:
     import torch
+
     version = torch.cuda.nccl.version()  # a tuple in torch 2.x; an int in old releases
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
@@ -122,7 +135,9 @@ def ddp(report: str, backend: str, steps: int) -> None:
     torch.manual_seed(0)  # DDP broadcasts rank 0's parameters anyway; same start everywhere
     model = torch.nn.Linear(16, 4).to(device)
     initial = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().tolist()
-    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    net = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
     losses = []
@@ -137,18 +152,28 @@ def ddp(report: str, backend: str, steps: int) -> None:
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     reference = params.clone()
     dist.broadcast(reference, 0)  # rank 0's parameters, compared here bit for bit
-    doc = {"rank": rank, "world": world, "pid": os.getpid(), "backend": str(dist.get_backend()),
-           "device": str(params.device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-           "nccl_hostid": os.environ.get("NCCL_HOSTID"), "steps": steps, "losses": losses,
-           "nccl_version": nccl_version() if backend == "nccl" else None,
-           "params": params.cpu().tolist(), "initial": initial,
-           "equal_to_rank0": bool(torch.equal(reference, params))}
+    doc = {
+        "rank": rank,
+        "world": world,
+        "pid": os.getpid(),
+        "backend": str(dist.get_backend()),
+        "device": str(params.device),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "nccl_hostid": os.environ.get("NCCL_HOSTID"),
+        "steps": steps,
+        "losses": losses,
+        "nccl_version": nccl_version() if backend == "nccl" else None,
+        "params": params.cpu().tolist(),
+        "initial": initial,
+        "equal_to_rank0": bool(torch.equal(reference, params)),
+    }
     dist.barrier()
     dist.destroy_process_group()
     write_json(os.path.join(report, f"ddp_{rank}.json"), doc)
 
 
 # -- inplace ------------------------------------------------------------------------------
+
 
 class _Broken(logging.Handler):
     """Notes elasticd.elastic's "the process group broke (...)" warning as an event: its text
@@ -160,8 +185,15 @@ class _Broken(logging.Handler):
         self.report = report
 
     def emit(self, record: logging.LogRecord) -> None:
-        append(self.report, {"event": "broke", "pid": os.getpid(), "time": time.time(),
-                             "text": record.getMessage()[:500]})
+        append(
+            self.report,
+            {
+                "event": "broke",
+                "pid": os.getpid(),
+                "time": time.time(),
+                "text": record.getMessage()[:500],
+            },
+        )
 
 
 def inplace(report: str, backend: str, step_time: float) -> None:
@@ -180,9 +212,17 @@ def inplace(report: str, backend: str, step_time: float) -> None:
 
     dist.init_process_group = init_with_timeout
     from elasticd import elastic
+
     logging.getLogger("elasticd.elastic").addHandler(_Broken(report))
-    append(report, {"event": "warm", "pid": os.getpid(), "time": time.time(),
-                    "async_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")})
+    append(
+        report,
+        {
+            "event": "warm",
+            "pid": os.getpid(),
+            "time": time.time(),
+            "async_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+        },
+    )
     elastic.init(backend)
     state = elastic.ObjectState(step=0)
 
@@ -197,8 +237,10 @@ def inplace(report: str, backend: str, step_time: float) -> None:
             dist.all_reduce(t)
             value = t.item()  # on NCCL this waits for the collective (a dead peer: forever)
             state.step += 1
-            append(report, {"event": "step", "time": time.time(), "step": state.step,
-                            "value": value, **base})
+            append(
+                report,
+                {"event": "step", "time": time.time(), "step": state.step, "value": value, **base},
+            )
             state.commit()
             time.sleep(step_time)
 
@@ -206,7 +248,9 @@ def inplace(report: str, backend: str, step_time: float) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("mode", choices=("devices", "ddp", "inplace"))
     p.add_argument("report")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")

@@ -23,13 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import CLIENT_ENV, ROOT, beside_torchrun
 from store_attack import Cluster, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("accelerate") is None,
-    reason="accelerate is not installed (packaging/venv.sh installs accelerate==1.15.0)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("accelerate") is None,
+        reason="accelerate is not installed (packaging/venv.sh installs accelerate==1.15.0)",
+    ),
+]
 
 SCRIPT = str(ROOT / "examples" / "accelerate_train.py")
 TIMEOUT = 600.0  # a loaded 2-core machine: each worker imports torch and accelerate
@@ -54,7 +57,10 @@ def test_a_script_runs_unchanged_and_ends_as_under_torchrun(daemon: Any, shared_
     argv = ["--standalone", "--nproc-per-node", "2", SCRIPT, "--max-steps", "12", "--every", "4"]
     ours, theirs = beside_torchrun(daemon, shared_tmp, argv, CLIENT_ENV, TIMEOUT)
     assert final(ours) == final(theirs) and final(ours)[0] == 12, (ours, theirs)
-    for launcher in ("ckpt-elasticd", "ckpt-torchrun"):  # not "elasticd": python -m elasticctl, run there, would import it
+    for launcher in (
+        "ckpt-elasticd",
+        "ckpt-torchrun",
+    ):  # not "elasticd": python -m elasticctl, run there, would import it
         assert (shared_tmp / launcher / "latest").read_text().endswith("step_12")
 
 
@@ -62,8 +68,22 @@ def test_in_place_every_round_has_an_accelerator_of_its_world(daemon: Any) -> No
     """A worker SIGKILLed: its survivor re-forms alone (world 1) while the replacement warms
     up, then the two re-form (world 2); each round's Accelerator must say the round's size.
     The job trains until cancelled: a warm-up on a loaded machine has no bound to outlast."""
-    job = daemon.submit("--in-place", "--nproc-per-node", "2", "--max-restarts", "2", SCRIPT, "--",
-                        "--in-place", "--max-steps", "1000000", "--every", "5", "--step-seconds", "0.05")["id"]
+    job = daemon.submit(
+        "--in-place",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        SCRIPT,
+        "--",
+        "--in-place",
+        "--max-steps",
+        "1000000",
+        "--every",
+        "5",
+        "--step-seconds",
+        "0.05",
+    )["id"]
     doc = daemon.wait_running(job, 2, TIMEOUT)
     daemon.wait_output(job, ["start step 0 world 2 accelerate 2"], TIMEOUT)
     pid = next(w["pid"] for w in doc["workers"] if w["rank"] == 1)
@@ -72,7 +92,8 @@ def test_in_place_every_round_has_an_accelerator_of_its_world(daemon: Any) -> No
     def back_to_two() -> list[tuple[int, int, int]] | None:
         rounds = starts(daemon.ctl_run("logs", job).stdout)
         worlds = [world for _, world, _ in rounds]
-        return rounds if 1 in worlds and 2 in worlds[worlds.index(1):] else None
+        return rounds if 1 in worlds and 2 in worlds[worlds.index(1) :] else None
+
     rounds = wait_for(back_to_two, TIMEOUT, "a round of 1, then of 2 again", interval=2.0)
     assert rounds[0][1] == 2 and all(world == seen for _, world, seen in rounds), rounds
     assert daemon.ctl("status", job)["restarts"] == 1
@@ -87,17 +108,38 @@ def cluster(daemon_factory: Any, shared_tmp: Path) -> Cluster:
     return cluster.start()
 
 
-def test_a_node_loss_resumes_from_the_newest_state_and_succeeds(cluster: Cluster, shared_tmp: Path) -> None:
+def test_a_node_loss_resumes_from_the_newest_state_and_succeeds(
+    cluster: Cluster, shared_tmp: Path
+) -> None:
     a = cluster[0]
     ckpt = shared_tmp / "ckpt"
-    job = a.submit("--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
-                   "--last-call-timeout", "1", SCRIPT, "--", "--ckpt-dir", str(ckpt),
-                   "--max-steps", "25", "--every", "5", "--step-seconds", "0.25")["id"]
+    job = a.submit(
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--last-call-timeout",
+        "1",
+        SCRIPT,
+        "--",
+        "--ckpt-dir",
+        str(ckpt),
+        "--max-steps",
+        "25",
+        "--every",
+        "5",
+        "--step-seconds",
+        "0.25",
+    )["id"]
     doc = a.wait_running(job, 3, TIMEOUT)
     a.wait_output(job, ["start step 0 world 3 accelerate 3"], TIMEOUT)
     wait_for(lambda: (ckpt / "latest").is_file(), TIMEOUT, "a saved state")
     rank_of = {w["node"]: w["rank"] for w in doc["workers"]}
-    victim = max((d for d in cluster.daemons[1:] if rank_of[d.name] != 0), key=lambda d: rank_of[d.name])
+    victim = max(
+        (d for d in cluster.daemons[1:] if rank_of[d.name] != 0), key=lambda d: rank_of[d.name]
+    )
     victim.signal(signal.SIGKILL)
     victim.wait_exit(30)
     end = a.wait_job(job, lambda d: d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"), TIMEOUT)

@@ -14,19 +14,20 @@ import sys
 from pathlib import Path
 
 from harness import WORKER
-from elasticd.jobs.board import BoardFollower, JobBoard
+
+from elasticd.core.liveness import KeepAlive
+from elasticd.core.model import JobSpec, PartState
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.core.placement import Resources
 from elasticd.errors import StoreConnectionError
+from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.history import History
 from elasticd.jobs.registry import JobRegistry
-from elasticd.store.keyspace import Keyspace
-from elasticd.core.liveness import KeepAlive
-from elasticd.shell.logs import LogBus
 from elasticd.metrics import Metrics
-from elasticd.core.model import JobSpec, PartState
-from elasticd.core.placement import Resources
-from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.shell.effectors import Effectors
+from elasticd.shell.logs import LogBus
 from elasticd.shell.node import NodeShell
+from elasticd.store.keyspace import Keyspace
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 
@@ -39,7 +40,9 @@ class FailingWrites(MemoryStore):
         self.broken = broken
         self.failed = 0
 
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         if self.broken in key:
             self.failed += 1
             raise StoreConnectionError(f"injected: cannot write {key}")
@@ -52,9 +55,18 @@ class NoPeers:
 
 
 def spec(job_id: str, workdir: Path) -> JobSpec:
-    return JobSpec(id=job_id, argv=(str(WORKER), "--sleep", "0"), python=sys.executable,
-                   workdir=str(workdir), uid=os.getuid(), gid=os.getgid(), user="tester",
-                   env={"PATH": os.environ["PATH"]}, join_timeout=60.0, created=1.0)
+    return JobSpec(
+        id=job_id,
+        argv=(str(WORKER), "--sleep", "0"),
+        python=sys.executable,
+        workdir=str(workdir),
+        uid=os.getuid(),
+        gid=os.getgid(),
+        user="tester",
+        env={"PATH": os.environ["PATH"]},
+        join_timeout=60.0,
+        created=1.0,
+    )
 
 
 def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tmp_path):
@@ -65,14 +77,37 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
     def job_service(shared: AsyncMemoryStore) -> NodeShell:
         signer = Signer(b"k" * 32, "c")
         board = JobBoard(shared, signer, "default")
-        effectors = Effectors(node="n1", address="127.0.0.1", store=shared, signer=signer,
-                              keyspace=Keyspace("default"), keep_alive=KeepAlive(),
-                              log_root=str(tmp_path / "logs"), metrics=Metrics(), logs=LogBus(),
-                              probe=NoPeers(), refused=lambda key, why: None, stop_grace=1.0)
-        core = NodeCore(NodeSettings("n1", Resources(4), dead_after=KeepAlive().dead_after,
-                                     allow_root=True, judge_users=False))
-        return NodeShell(core, effectors=effectors, board=board, registry=registry, metrics=Metrics(),
-                         follower=BoardFollower(board, registry, "n1"))
+        effectors = Effectors(
+            node="n1",
+            address="127.0.0.1",
+            store=shared,
+            signer=signer,
+            keyspace=Keyspace("default"),
+            keep_alive=KeepAlive(),
+            log_root=str(tmp_path / "logs"),
+            metrics=Metrics(),
+            logs=LogBus(),
+            probe=NoPeers(),
+            refused=lambda key, why: None,
+            stop_grace=1.0,
+        )
+        core = NodeCore(
+            NodeSettings(
+                "n1",
+                Resources(4),
+                dead_after=KeepAlive().dead_after,
+                allow_root=True,
+                judge_users=False,
+            )
+        )
+        return NodeShell(
+            core,
+            effectors=effectors,
+            board=board,
+            registry=registry,
+            metrics=Metrics(),
+            follower=BoardFollower(board, registry, "n1"),
+        )
 
     async def scenario() -> None:
         shared = AsyncMemoryStore(store)
@@ -83,8 +118,11 @@ def test_a_store_error_in_one_agent_leaves_the_others_and_the_service_running(tm
         await service.submit(spec("j-bad000", tmp_path))
         await service.submit(spec("j-good00", tmp_path))
         good = registry.get("j-good00")
-        while not (PartState.RUNNING == getattr(good.parts.get("n1"), "state", None)
-                   and store.failed and "j-bad000" not in service.local_jobs()):
+        while not (
+            PartState.RUNNING == getattr(good.parts.get("n1"), "state", None)
+            and store.failed
+            and "j-bad000" not in service.local_jobs()
+        ):
             async with asyncio.timeout(30):
                 good = await registry.wait_change("j-good00", good.version)
         assert not running.done(), "the node's service ended with the bad job's part"

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import pytest
 
+from elasticctl import cli
 from elasticd import __version__
 from elasticd.wire import paths, protocol
-from elasticctl import cli
 
 Answer = Callable[[protocol.Request], list[bytes]]
 HANG_UP = b"hang up"  # not a reply: the stand-in closes the connection instead
@@ -103,11 +103,23 @@ def run(sock_path, *argv):
 
 
 def job_doc(state, **extra):
-    return {"id": "j-7f3a21", "state": state, "nnodes": "1:1", "restarts": 0, "max_restarts": 1,
-            "round": 0, "world_size": 2, "workers": [], "error": None, "barrier": None, **extra}
+    return {
+        "id": "j-7f3a21",
+        "state": state,
+        "nnodes": "1:1",
+        "restarts": 0,
+        "max_restarts": 1,
+        "round": 0,
+        "world_size": 2,
+        "workers": [],
+        "error": None,
+        "barrier": None,
+        **extra,
+    }
 
 
 # -- unary ----------------------------------------------------------------------------------
+
 
 def test_version_from_client_and_daemon(daemon, sock_path, capsys):
     stand_in = daemon(lambda req: [protocol.ok(req.id, {"version": "9.9", "node": "n1"})])
@@ -121,12 +133,18 @@ def test_version_json(daemon, sock_path, capsys):
     daemon(lambda req: [protocol.ok(req.id, {"version": "9.9", "node": "n1"})])
     assert run(sock_path, "--json", "version") == 0
     assert json.loads(capsys.readouterr().out) == {
-        "elasticctl": __version__, "elasticd": {"version": "9.9", "node": "n1"}}
+        "elasticctl": __version__,
+        "elasticd": {"version": "9.9", "node": "n1"},
+    }
 
 
 def test_replies_to_other_requests_are_ignored(daemon, sock_path, capsys):
-    daemon(lambda req: [protocol.ok("someone-else", {"version": "0", "node": "x"}),
-                        protocol.ok(req.id, {"version": "9.9", "node": "n1"})])
+    daemon(
+        lambda req: [
+            protocol.ok("someone-else", {"version": "0", "node": "x"}),
+            protocol.ok(req.id, {"version": "9.9", "node": "n1"}),
+        ]
+    )
     assert run(sock_path, "version") == 0
     assert "elasticd 9.9 on node n1" in capsys.readouterr().out
 
@@ -137,12 +155,25 @@ def listed(req, *batches):
 
 
 def test_list_sends_all_and_renders_one_table_of_every_batch(daemon, sock_path, capsys):
-    stand_in = daemon(lambda req: listed(req, [job_doc("RUNNING", name="demo")],
-                                         [job_doc("PENDING", id="j-000002", name="next")]))
+    stand_in = daemon(
+        lambda req: listed(
+            req, [job_doc("RUNNING", name="demo")], [job_doc("PENDING", id="j-000002", name="next")]
+        )
+    )
     assert run(sock_path, "ps", "--all") == 0
     assert stand_in.requests[0].args == {"all": True}
     header, row, second = capsys.readouterr().out.splitlines()
-    assert header.split() == ["ID", "NAME", "USER", "STATE", "NODES", "ALLOC", "WORKERS", "RESTARTS", "AGE/ENDED"]
+    assert header.split() == [
+        "ID",
+        "NAME",
+        "USER",
+        "STATE",
+        "NODES",
+        "ALLOC",
+        "WORKERS",
+        "RESTARTS",
+        "AGE/ENDED",
+    ]
     assert row.split()[:4] == ["j-7f3a21", "demo", "-", "RUNNING"]
     assert second.split()[:4] == ["j-000002", "next", "-", "PENDING"]
 
@@ -161,13 +192,16 @@ def test_list_from_a_daemon_that_answers_in_one_reply(daemon, sock_path, capsys)
     assert json.loads(capsys.readouterr().out) == [job_doc("RUNNING")]
 
 
-@pytest.mark.parametrize("argv,op,args", [
-    (["status", "j-7f3a21"], "status", {"job": "j-7f3a21"}),
-    (["cancel", "j-7f"], "cancel", {"job": "j-7f"}),
-    (["nodes"], "nodes", {}),
-    (["drain", "n1"], "drain", {"node": "n1"}),
-    (["undrain", "n1"], "undrain", {"node": "n1"}),
-])
+@pytest.mark.parametrize(
+    "argv,op,args",
+    [
+        (["status", "j-7f3a21"], "status", {"job": "j-7f3a21"}),
+        (["cancel", "j-7f"], "cancel", {"job": "j-7f"}),
+        (["nodes"], "nodes", {}),
+        (["drain", "n1"], "drain", {"node": "n1"}),
+        (["undrain", "n1"], "undrain", {"node": "n1"}),
+    ],
+)
 def test_json_prints_the_result_document(daemon, sock_path, capsys, argv, op, args):
     result = [{"name": "n1"}] if op == "nodes" else job_doc("CANCELLED")
     stand_in = daemon(lambda req: [protocol.ok(req.id, result)])
@@ -196,6 +230,7 @@ def test_submit_sends_the_job_and_prints_its_id(daemon, sock_path, capsys, tmp_p
 
 
 # -- errors ---------------------------------------------------------------------------------
+
 
 def test_error_reply_exits_1_with_the_message(daemon, sock_path, capsys):
     daemon(lambda req: [protocol.error(req.id, protocol.E_NOT_FOUND, "no job 'j-x'")])
@@ -245,8 +280,12 @@ def test_daemon_hanging_up_is_reported_at_once(daemon, sock_path, capsys, monkey
 
 def test_a_refused_connection_shows_why(daemon, sock_path, capsys):
     """A daemon over its connection limits says so before it hangs up (no request id)."""
-    daemon(lambda req: [protocol.error("", protocol.E_TOO_MANY, "too many connections from uid 0"),
-                        HANG_UP])
+    daemon(
+        lambda req: [
+            protocol.error("", protocol.E_TOO_MANY, "too many connections from uid 0"),
+            HANG_UP,
+        ]
+    )
     assert run(sock_path, "status", "j-1") == 1
     assert capsys.readouterr().err == "elasticctl: too many connections from uid 0\n"
 
@@ -269,18 +308,27 @@ def test_daemon_hanging_up_mid_stream(daemon, sock_path, capsys):
 
 # -- not running ----------------------------------------------------------------------------
 
+
 def elasticctl(*argv, env=None):
     """Run the real command line in a subprocess; (returncode, stdout, stderr, seconds)."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "elasticctl", *argv], capture_output=True,
-                          text=True, timeout=30, env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticctl", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **(env or {})},
+    )
     return done.returncode, done.stdout, done.stderr, time.monotonic() - started
 
 
 def test_missing_socket_exits_2_quickly(sock_path):
     code, out, err, seconds = elasticctl("--socket", sock_path, "list")
     assert (code, out) == (2, "")
-    assert err == f"elasticd is not running (no control socket at {sock_path}); {paths.REACH_ELSEWHERE}\n"
+    assert (
+        err
+        == f"elasticd is not running (no control socket at {sock_path}); {paths.REACH_ELSEWHERE}\n"
+    )
     assert seconds < QUICK
 
 
@@ -290,7 +338,10 @@ def test_stale_socket_file_exits_2_quickly(sock_path):
     assert os.path.exists(sock_path)
     code, _, err, seconds = elasticctl("status", "j-1", env={"ELASTICD_SOCKET": sock_path})
     assert code == 2
-    assert err == f"elasticd is not running (no control socket at {sock_path}); {paths.REACH_ELSEWHERE}\n"
+    assert (
+        err
+        == f"elasticd is not running (no control socket at {sock_path}); {paths.REACH_ELSEWHERE}\n"
+    )
     assert seconds < QUICK
 
 
@@ -310,11 +361,17 @@ def test_version_json_without_daemon_is_one_document(sock_path):
 
 # -- streams --------------------------------------------------------------------------------
 
+
 def log_stream(req):
-    lines = [{"rank": 0, "stream": "out", "attempt": 0, "node": "n1", "text": "epoch 1"},
-             {"rank": 1, "stream": "err", "attempt": 0, "node": "n1", "text": "warn"}]
-    return [protocol.ok(req.id, {"lines": lines[:1]}), protocol.ok(req.id, {"lines": lines[1:]}),
-            protocol.end(req.id)]
+    lines = [
+        {"rank": 0, "stream": "out", "attempt": 0, "node": "n1", "text": "epoch 1"},
+        {"rank": 1, "stream": "err", "attempt": 0, "node": "n1", "text": "warn"},
+    ]
+    return [
+        protocol.ok(req.id, {"lines": lines[:1]}),
+        protocol.ok(req.id, {"lines": lines[1:]}),
+        protocol.end(req.id),
+    ]
 
 
 def test_logs_stream_until_end(daemon, sock_path, capsys):
@@ -333,9 +390,15 @@ def test_logs_json_is_one_line_per_log_line(daemon, sock_path, capsys):
 
 @pytest.mark.parametrize("final,status", [("SUCCEEDED", 0), ("FAILED", 1), ("CANCELLED", 130)])
 def test_submit_wait_exits_with_the_jobs_outcome(daemon, sock_path, capsys, final, status):
-    error = {"message": "boom", "rank": 1, "node": "n1", "exit_code": 1} if final == "FAILED" else None
-    docs = [job_doc("PENDING"), job_doc("RUNNING"), job_doc("RUNNING"),
-            job_doc(final, error=error, exit_code=1 if error else None)]
+    error = (
+        {"message": "boom", "rank": 1, "node": "n1", "exit_code": 1} if final == "FAILED" else None
+    )
+    docs = [
+        job_doc("PENDING"),
+        job_doc("RUNNING"),
+        job_doc("RUNNING"),
+        job_doc(final, error=error, exit_code=1 if error else None),
+    ]
     stand_in = daemon(lambda req: [protocol.ok(req.id, d) for d in docs] + [protocol.end(req.id)])
     assert run(sock_path, "submit", "--wait", "train.py") == status
     out = capsys.readouterr().out.splitlines()
@@ -364,10 +427,13 @@ def test_ctrl_c_while_following_exits_130_cleanly(daemon, sock_path):
     # SIGINT as a terminal leaves it: a test runner started in the background (as CI may
     # be) would pass it on ignored, and Python then leaves it ignored, as it should for
     # a script's background job
-    follower = subprocess.Popen([sys.executable, "-m", "elasticctl", "--socket", sock_path,
-                                 "logs", "-f", "j-1"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "elasticctl", "--socket", sock_path, "logs", "-f", "j-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert follower.stdout.readline() == "[rank 0] first\n"
         follower.send_signal(signal.SIGINT)

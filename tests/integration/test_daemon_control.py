@@ -12,8 +12,8 @@ import urllib.request
 
 import psutil
 import pytest
-
 from harness import PY, WORKER, Control, fake_nvidia_smi, free_port, worker_args
+
 from elasticd.wire import protocol
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
@@ -44,18 +44,37 @@ def test_a_refusal_of_a_huge_request_is_one_short_line_in_the_daemon_log(daemon)
     assert not any(line.startswith("forged line") for line in daemon.log_text().splitlines())
 
 
-@pytest.mark.parametrize("frame, code", [
-    (b"{not json", "bad_request"),
-    (b"[1, 2]", "bad_request"),
-    (json.dumps({"v": 1, "id": "x1", "op": "launch_missiles", "args": {}}).encode(), "unknown_op"),
-    (json.dumps({"v": 1, "id": "x2", "op": "status", "args": {"job": 7}}).encode(), "bad_request"),
-    (json.dumps({"v": 1, "id": "x3", "op": "status", "args": {}}).encode(), "bad_request"),
-    (json.dumps({"v": 1, "id": "x4", "op": "submit", "args": {"argv": "a.py"}}).encode(), "bad_request"),
-    (json.dumps({"v": 2, "id": "x5", "op": "version"}).encode(), "bad_request"),
-    (json.dumps({"v": 1, "id": "x6", "op": "status", "args": {"job": "j-nope"}}).encode(), "not_found"),
-    (json.dumps({"v": 1, "id": "x7", "op": "submit",
-                 "args": {"argv": ["a.py"], "nnodes": "3:1"}}).encode(), "invalid_spec"),
-])
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (b"{not json", "bad_request"),
+        (b"[1, 2]", "bad_request"),
+        (
+            json.dumps({"v": 1, "id": "x1", "op": "launch_missiles", "args": {}}).encode(),
+            "unknown_op",
+        ),
+        (
+            json.dumps({"v": 1, "id": "x2", "op": "status", "args": {"job": 7}}).encode(),
+            "bad_request",
+        ),
+        (json.dumps({"v": 1, "id": "x3", "op": "status", "args": {}}).encode(), "bad_request"),
+        (
+            json.dumps({"v": 1, "id": "x4", "op": "submit", "args": {"argv": "a.py"}}).encode(),
+            "bad_request",
+        ),
+        (json.dumps({"v": 2, "id": "x5", "op": "version"}).encode(), "bad_request"),
+        (
+            json.dumps({"v": 1, "id": "x6", "op": "status", "args": {"job": "j-nope"}}).encode(),
+            "not_found",
+        ),
+        (
+            json.dumps(
+                {"v": 1, "id": "x7", "op": "submit", "args": {"argv": ["a.py"], "nnodes": "3:1"}}
+            ).encode(),
+            "invalid_spec",
+        ),
+    ],
+)
 def test_malformed_requests_get_an_error_reply(metered, frame, code):
     with Control(metered.socket) as control:
         control.send_raw(frame)
@@ -68,8 +87,9 @@ def test_malformed_requests_get_an_error_reply(metered, frame, code):
 
 def test_a_zero_join_timeout_is_refused_at_submit_and_later_jobs_still_run(metered):
     """What the rendezvous cannot take is refused at submit, never left to stall placement."""
-    reply = metered.request("submit", argv=[str(WORKER)], python=PY, workdir=str(metered.base),
-                            join_timeout=0)
+    reply = metered.request(
+        "submit", argv=[str(WORKER)], python=PY, workdir=str(metered.base), join_timeout=0
+    )
     assert (reply.ok, reply.code) == (False, "invalid_spec") and "join_timeout" in reply.message
     job = metered.submit(*worker_args())
     assert metered.wait_job(job["id"], lambda d: d["state"] == "SUCCEEDED")
@@ -77,9 +97,11 @@ def test_a_zero_join_timeout_is_refused_at_submit_and_later_jobs_still_run(meter
 
 def test_a_job_no_node_could_ever_run_is_refused_at_submit(metered):
     """Slurm's "Requested node configuration is not available": no PENDING forever."""
-    for args, words in ((("--nproc-per-node", "5"), "no node can run 5 workers on its own: n1 has 4 slots"),
-                        (("--nproc-per-node", "gpu"), "one worker per GPU"),
-                        (("--nodes", "elsewhere"), "no node named elsewhere")):
+    for args, words in (
+        (("--nproc-per-node", "5"), "no node can run 5 workers on its own: n1 has 4 slots"),
+        (("--nproc-per-node", "gpu"), "one worker per GPU"),
+        (("--nodes", "elsewhere"), "no node named elsewhere"),
+    ):
         done = metered.ctl_run("submit", *args, *worker_args())
         assert done.returncode == 1 and words in done.stderr, done.stderr
     assert metered.ctl("list", "--all") == []
@@ -122,19 +144,25 @@ def test_sd_notify_ready_status_watchdog_stopping(daemon_factory):
 def test_metrics_endpoint(metered):
     metered.submit_wait(*worker_args())
     text = _metrics(metered.metrics_url_port)
-    for needle in ('elasticd_jobs{state="SUCCEEDED"} 1.0', 'elasticd_workers{state="HEALTHY"} 0.0',
-                   'elasticd_worker_exits_total{exit_code="0"} 1.0', "elasticd_worker_restarts_total 0.0",
-                   'elasticd_control_requests_total{op="submit",result="ok"} 1.0',
-                   'elasticd_build_info{version="', "process_resident_memory_bytes",
-                   "elasticd_store_up 1.0"):
+    for needle in (
+        'elasticd_jobs{state="SUCCEEDED"} 1.0',
+        'elasticd_workers{state="HEALTHY"} 0.0',
+        'elasticd_worker_exits_total{exit_code="0"} 1.0',
+        "elasticd_worker_restarts_total 0.0",
+        'elasticd_control_requests_total{op="submit",result="ok"} 1.0',
+        'elasticd_build_info{version="',
+        "process_resident_memory_bytes",
+        "elasticd_store_up 1.0",
+    ):
         assert needle in text, needle
 
 
 def test_bad_config_key_stops_start_up_naming_it(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("[node]\nslotz = 3\n")
-    done = subprocess.run([PY, "-m", "elasticd", "--config", str(config)], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [PY, "-m", "elasticd", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "node.slotz" in done.stderr and "unknown key" in done.stderr
 
 
@@ -143,22 +171,51 @@ def test_a_runtime_dir_that_others_can_write_is_refused(tmp_path):
     runtime = tmp_path / "run"
     runtime.mkdir()
     runtime.chmod(0o777)
-    done = subprocess.run([PY, "-m", "elasticd", "--standalone", "--state-dir", str(tmp_path / "state"),
-                           "--runtime-dir", str(runtime), "--metrics-port", "0"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            PY,
+            "-m",
+            "elasticd",
+            "--standalone",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--runtime-dir",
+            str(runtime),
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and f"refusing {runtime}" in done.stderr, done.stderr
     assert not (runtime / "control.sock").exists()
 
 
 def test_a_metrics_port_in_use_stops_start_up_naming_the_key(tmp_path):
     import socket
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([PY, "-m", "elasticd", "--standalone", "--state-dir", str(tmp_path / "s"),
-                               "--runtime-dir", str(tmp_path / "r"), "--metrics-port", str(port)],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                PY,
+                "-m",
+                "elasticd",
+                "--standalone",
+                "--state-dir",
+                str(tmp_path / "s"),
+                "--runtime-dir",
+                str(tmp_path / "r"),
+                "--metrics-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"config key 'metrics.port': cannot listen on 0.0.0.0:{port}" in done.stderr
     assert not (tmp_path / "r" / "control.sock").exists()
@@ -167,25 +224,44 @@ def test_a_metrics_port_in_use_stops_start_up_naming_the_key(tmp_path):
 def test_second_daemon_on_the_same_socket_is_refused(daemon, daemon_factory):
     twin = daemon_factory(name="n1")
     twin.state_dir = daemon.state_dir.parent / "twin-state"
-    done = subprocess.run([PY, "-m", "elasticd", "--standalone", "--state-dir", str(twin.state_dir),
-                           "--runtime-dir", str(daemon.runtime_dir), "--metrics-port", "0"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            PY,
+            "-m",
+            "elasticd",
+            "--standalone",
+            "--state-dir",
+            str(twin.state_dir),
+            "--runtime-dir",
+            str(daemon.runtime_dir),
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "already serving" in done.stderr
     assert daemon.request("version").ok
 
 
 def test_elasticctl_without_a_daemon(tmp_path):
     started = time.monotonic()
-    done = subprocess.run([PY, "-m", "elasticctl", "--socket", str(tmp_path / "none.sock"), "list"],
-                          capture_output=True, text=True, timeout=10)
+    done = subprocess.run(
+        [PY, "-m", "elasticctl", "--socket", str(tmp_path / "none.sock"), "list"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert done.returncode == 2
     assert f"elasticd is not running (no control socket at {tmp_path / 'none.sock'})" in done.stderr
     assert time.monotonic() - started < 2
 
 
 def test_fake_nvidia_smi_gpus_are_partitioned(daemon_factory, shared_tmp):
-    daemon = daemon_factory(args=("--slots", "8"),
-                            env=fake_nvidia_smi(shared_tmp / "bin", 4)).start()
+    daemon = daemon_factory(
+        args=("--slots", "8"), env=fake_nvidia_smi(shared_tmp / "bin", 4)
+    ).start()
     out = shared_tmp / "env"
     out.mkdir()
     daemon.submit_wait("--nproc-per-node", "gpu", *worker_args("--env-out", str(out)))
@@ -202,20 +278,33 @@ def test_jobs_run_as_the_submitter_and_others_cannot_cancel(daemon, shared_tmp):
     pids_dir = shared_tmp / "pids"
     pids_dir.mkdir()
     pids_dir.chmod(0o777)
-    job = daemon.ctl("submit", *worker_args("--sleep", "0", "--pid-dir", str(pids_dir)),
-                     user="nobody", cwd=str(shared_tmp))
+    job = daemon.ctl(
+        "submit",
+        *worker_args("--sleep", "0", "--pid-dir", str(pids_dir)),
+        user="nobody",
+        cwd=str(shared_tmp),
+    )
     assert job["user"] == "nobody"
     daemon.wait_output(job["id"], ["ready 0"])
     worker = psutil.Process(int((pids_dir / "rank_0.pid").read_text().split()[0]))
     assert worker.uids().real == nobody.pw_uid and worker.gids().real == nobody.pw_gid
     log_dir = daemon.state_dir / "logs" / job["id"] / "attempt_0"
-    out = os.stat(log_dir / "rank_0.out")  # the daemon's: the job reads it (an ACL), cannot write it
+    out = os.stat(
+        log_dir / "rank_0.out"
+    )  # the daemon's: the job reads it (an ACL), cannot write it
     assert (out.st_uid, out.st_gid, out.st_mode & 0o777) == (0, 0, 0o640)
-    appended = subprocess.run(["runuser", "-u", "nobody", "--", "sh", "-c",
-                               f"echo more >> {log_dir / 'rank_0.out'}"], capture_output=True)
+    appended = subprocess.run(
+        ["runuser", "-u", "nobody", "--", "sh", "-c", f"echo more >> {log_dir / 'rank_0.out'}"],
+        capture_output=True,
+    )
     assert appended.returncode != 0 and b"denied" in appended.stderr
-    assert subprocess.run(["runuser", "-u", "nobody", "--", "cat", str(log_dir / "rank_0.out")],
-                          capture_output=True).returncode == 0
+    assert (
+        subprocess.run(
+            ["runuser", "-u", "nobody", "--", "cat", str(log_dir / "rank_0.out")],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
 
     root_job = daemon.submit(*worker_args("--sleep", "0"))
     refused = daemon.ctl_run("cancel", root_job["id"], user="nobody")
@@ -259,8 +348,17 @@ def test_a_job_cannot_make_the_daemon_write_or_read_through_its_symlinks(daemon,
     script = shared_tmp / "planter.py"
     script.write_text(_PLANTER)
     script.chmod(0o644)
-    job = daemon.ctl("submit", "--wait", "--max-restarts", "1", str(script), str(target), "plant",
-                     user="nobody", cwd=str(shared_tmp))[-1]
+    job = daemon.ctl(
+        "submit",
+        "--wait",
+        "--max-restarts",
+        "1",
+        str(script),
+        str(target),
+        "plant",
+        user="nobody",
+        cwd=str(shared_tmp),
+    )[-1]
     assert job["state"] == "SUCCEEDED" and job["restarts"] == 1, job
     logs = daemon.ctl_run("logs", job["id"]).stdout
     assert "planted" not in logs and logs.count(" refused ") == 4, logs
@@ -270,8 +368,16 @@ def test_a_job_cannot_make_the_daemon_write_or_read_through_its_symlinks(daemon,
     assert (attempt / "rank_0.out").stat().st_uid == 0  # its output files are the daemon's
     assert (attempt / "rank_0.error.json").stat().st_uid == 0  # the daemon's copy, from the exit
 
-    failed = daemon.ctl("submit", "--wait", str(script), str(target), "fail",
-                        user="nobody", cwd=str(shared_tmp), expect=1)[-1]
+    failed = daemon.ctl(
+        "submit",
+        "--wait",
+        str(script),
+        str(target),
+        "fail",
+        user="nobody",
+        cwd=str(shared_tmp),
+        expect=1,
+    )[-1]
     assert failed["error"]["message"] == "planted root cause", failed
 
 
@@ -279,8 +385,7 @@ def test_a_job_cannot_make_the_daemon_write_or_read_through_its_symlinks(daemon,
 def test_root_jobs_refused_unless_allowed(daemon_factory, shared_tmp):
     config = shared_tmp / "c.toml"
     config.write_text("[jobs]\nallow_root = false\n")
-    daemon = daemon_factory(args=("--config", str(config), "--slots", "2"),
-                            standalone=True).start()
+    daemon = daemon_factory(args=("--config", str(config), "--slots", "2"), standalone=True).start()
     # --standalone allows root jobs unless the config says otherwise
     done = daemon.ctl_run("submit", *worker_args())
     assert done.returncode == 1 and "allow_root" in done.stderr

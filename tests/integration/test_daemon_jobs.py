@@ -6,7 +6,6 @@ import json
 import os
 import signal
 
-
 from harness import CLIENT_ENV, ROOT, sleeping_job, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
@@ -28,8 +27,15 @@ def test_ddp_training_job_succeeds(daemon):
 def test_workers_get_the_torchrun_environment(daemon, shared_tmp):
     out = shared_tmp / "env"
     out.mkdir()
-    job_id = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "2", "--env", "EXTRA=1",
-                                *worker_args("--env-out", str(out)))["id"]
+    job_id = daemon.submit_wait(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--env",
+        "EXTRA=1",
+        *worker_args("--env-out", str(out)),
+    )["id"]
     envs = [json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1)]
     for rank, env in enumerate(envs):
         assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
@@ -48,8 +54,15 @@ def test_workers_get_the_torchrun_environment(daemon, shared_tmp):
 
 
 def test_failed_rank_restarts_the_group_once(daemon):
-    done = daemon.ctl_run("submit", "--nproc-per-node", "2", "--max-restarts", "1", "--wait",
-                          *worker_args("--fail-rank", "1", "--fail-attempts", "1", "--ddp"))
+    done = daemon.ctl_run(
+        "submit",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--wait",
+        *worker_args("--fail-rank", "1", "--fail-attempts", "1", "--ddp"),
+    )
     assert done.returncode == 0, done.stdout + done.stderr + daemon.log_text()
     status = daemon.ctl("list")[0]
     assert status["state"] == "SUCCEEDED" and status["restarts"] == 1 and status["round"] == 1
@@ -58,8 +71,15 @@ def test_failed_rank_restarts_the_group_once(daemon):
 
 
 def test_exhausted_restarts_fail_with_the_root_cause(daemon):
-    done = daemon.ctl_run("submit", "--nproc-per-node", "2", "--max-restarts", "1", "--wait",
-                          *worker_args("--fail-rank", "1"))
+    done = daemon.ctl_run(
+        "submit",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--wait",
+        *worker_args("--fail-rank", "1"),
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "boom from rank 1 on attempt 1" in done.stdout + done.stderr
     status = daemon.ctl("status", daemon.ctl("list")[0]["id"])
@@ -137,8 +157,11 @@ def test_logs_interleave_ranks_with_a_prefix(daemon):
     only = daemon.ctl_run("logs", job_id, "--rank", "1").stdout
     assert "out 1 0" in only and "out 0 0" not in only
     docs = [json.loads(x) for x in daemon.ctl_run("--json", "logs", job_id).stdout.splitlines()]
-    assert any(line["text"] == "out 0 2" and line["rank"] == 0 for doc in docs
-               for line in doc.get("lines", [doc]))
+    assert any(
+        line["text"] == "out 0 2" and line["rank"] == 0
+        for doc in docs
+        for line in doc.get("lines", [doc])
+    )
 
 
 def test_logs_follow_streams_until_the_job_ends(daemon):

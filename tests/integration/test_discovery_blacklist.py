@@ -44,13 +44,17 @@ def node(daemon: Daemon, name: str) -> dict[str, Any]:
 
 def running_on(doc: dict[str, Any], names: list[str]) -> bool:
     """The job runs, on exactly these nodes, every worker up."""
-    return (doc["state"] == "RUNNING" and sorted(n["node"] for n in doc["nodes"]) == sorted(names)
-            and len(doc["workers"]) == doc["world_size"]
-            and all(w["state"] == "HEALTHY" and w["pid"] for w in doc["workers"]))
+    return (
+        doc["state"] == "RUNNING"
+        and sorted(n["node"] for n in doc["nodes"]) == sorted(names)
+        and len(doc["workers"]) == doc["world_size"]
+        and all(w["state"] == "HEALTHY" and w["pid"] for w in doc["workers"])
+    )
 
 
 def test_discovery_grows_and_shrinks_a_job_and_a_failing_script_changes_nothing(
-        daemon_factory, shared_tmp):
+    daemon_factory, shared_tmp
+):
     cluster = Cluster(daemon_factory, shared_tmp, prefix="dsc", firewall=False)
     hosts = shared_tmp / "hosts"
     script = executable(shared_tmp / "discover", f"#!/bin/sh\nexec cat {hosts}\n")
@@ -69,15 +73,21 @@ def test_discovery_grows_and_shrinks_a_job_and_a_failing_script_changes_nothing(
     hosts.write_text(f"{a.name}\n{b.name}:3\n")  # b may take work, with 3 slots
     grown = a.wait_job(job, lambda d: running_on(d, [a.name, b.name]) and d["world_size"] == 2)
     assert grown["restarts"] == 0  # a membership change spends no restart
-    wait_for(lambda: (lambda n: (n["state"], n["slots_total"]))(node(a, b.name)) == ("up", 3), 20,
-             "b up with the slots the script gave it")
+    wait_for(
+        lambda: (lambda n: (n["state"], n["slots_total"]))(node(a, b.name)) == ("up", 3),
+        20,
+        "b up with the slots the script gave it",
+    )
 
     hosts.write_text(f"{a.name}\n")  # b leaves the job through a new round
     shrunk = a.wait_job(job, lambda d: running_on(d, [a.name]) and d["world_size"] == 1)
     assert shrunk["restarts"] == 0
     assert b.ctl("status", job)["nodes"] == shrunk["nodes"]
-    wait_for(lambda: node_states(a)[b.name] == "drained" and node(a, b.name)["slots_total"] == 2,
-             20, "b drained again, with its own slots")
+    wait_for(
+        lambda: node_states(a)[b.name] == "drained" and node(a, b.name)["slots_total"] == 2,
+        20,
+        "b drained again, with its own slots",
+    )
 
     hosts.unlink()  # the script fails from now on: counted, and the last list stays in force
     wait_for(lambda: metric(a, "elasticd_discovery_failures_total") >= 3, 20, "failures counted")
@@ -119,13 +129,15 @@ def kept_off(daemon: Daemon, user: str) -> int:
 
 @needs_root
 def test_one_users_failing_job_does_not_drain_anothers_but_two_users_failing_blacklist_the_node(
-        daemon_factory, shared_tmp):
+    daemon_factory, shared_tmp
+):
     """Issue 24, 0d: a job of X that keeps failing on b is kept off b (again at the end of each
     cooldown), while Y's job on b runs on untouched; when Y's jobs fail on b too, b is
     blacklisted: everyone leaves it, it takes no job, and it is readmitted when its cooldown
     ends."""
-    a, b = blacklisting_cluster(daemon_factory, shared_tmp, "blk",
-                                "failures = 2\nwindow = 60\ncooldown_range = [6, 12]\n")
+    a, b = blacklisting_cluster(
+        daemon_factory, shared_tmp, "blk", "failures = 2\nwindow = 60\ncooldown_range = [6, 12]\n"
+    )
     marker = shared_tmp / "fail-on-b"
     marker.touch()
     worker = executable(shared_tmp / "worker.py", FAILING_WORKER)
@@ -133,8 +145,9 @@ def test_one_users_failing_job_does_not_drain_anothers_but_two_users_failing_bla
         x, y = users["x"], users["y"]
         quiet = a.submit("--nodes", b.name, *worker_args("--sleep", "0"), user=y)["id"]
         before = a.wait_job(quiet, lambda d: running_on(d, [b.name]))
-        failing = a.submit("--nnodes", "1:2", "--max-restarts", "20", worker, marker,
-                           str(b.state_dir), user=x)["id"]
+        failing = a.submit(
+            "--nnodes", "1:2", "--max-restarts", "20", worker, marker, str(b.state_dir), user=x
+        )["id"]
 
         # x's workers fail on b twice: x's job is kept off b and goes on on a; y's stays
         wait_for(lambda: kept_off(b, x) >= 1, 60, "x's jobs kept off b")
@@ -144,25 +157,45 @@ def test_one_users_failing_job_does_not_drain_anothers_but_two_users_failing_bla
         after = a.ctl("status", quiet)
         assert running_on(after, [b.name]) and pid_of(after) == pid_of(before), after
         assert (after["round"], after["restarts"]) == (before["round"], 0)  # never drained
-        assert node_states(a)[b.name] == "up" and metric(b, "elasticd_node_blacklistings_total") == 0
+        assert (
+            node_states(a)[b.name] == "up" and metric(b, "elasticd_node_blacklistings_total") == 0
+        )
 
         # now y's jobs fail on b as well: two users' jobs failing there blacklist the node
-        also = a.submit("--nodes", b.name, "--max-restarts", "20", worker, marker, str(b.state_dir),
-                        user=y)["id"]
-        seen = wait_for(lambda: (lambda n: n if n["state"] == "blacklisted" else None)(node(b, b.name)),
-                        60, "b blacklisted")
+        also = a.submit(
+            "--nodes", b.name, "--max-restarts", "20", worker, marker, str(b.state_dir), user=y
+        )["id"]
+        seen = wait_for(
+            lambda: (lambda n: n if n["state"] == "blacklisted" else None)(node(b, b.name)),
+            60,
+            "b blacklisted",
+        )
         assert 0 < seen["blacklisted_until"] - seen["last_seen"] <= 12.5
         assert kept_off(b, y) == 1
         marker.unlink()  # from now on b's workers would run
         for job_id in (failing, also):  # (and take b's slots)
             a.ctl("cancel", job_id)
-        wait_for(lambda: "blacklisted (" in next(line for line in a.ctl_run("nodes").stdout.splitlines()
-                                                 if line.startswith(b.name)), 10,
-                 "a shows b blacklisted with the time left")
+        wait_for(
+            lambda: (
+                "blacklisted ("
+                in next(
+                    line
+                    for line in a.ctl_run("nodes").stdout.splitlines()
+                    if line.startswith(b.name)
+                )
+            ),
+            10,
+            "a shows b blacklisted with the time left",
+        )
         assert metric(b, "elasticd_node_blacklisted") == 1
         assert metric(b, "elasticd_node_blacklistings_total") == 1
-        a.wait_job(quiet, lambda d: d["state"] != "RUNNING" or b.name not in
-                   [n["node"] for n in d["nodes"] if n["state"] == "RUNNING"])  # y's job left b
+        a.wait_job(
+            quiet,
+            lambda d: (
+                d["state"] != "RUNNING"
+                or b.name not in [n["node"] for n in d["nodes"] if n["state"] == "RUNNING"]
+            ),
+        )  # y's job left b
 
         # a job only b may run (root's) is not taken while b is blacklisted
         pinned = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))["id"]
@@ -174,6 +207,7 @@ def test_one_users_failing_job_does_not_drain_anothers_but_two_users_failing_bla
             if not up:
                 assert state == "PENDING", "a blacklisted node took work"
             return up
+
         wait_for(readmitted, 30, "b readmitted when its cooldown ended")
 
         a.wait_job(pinned, lambda d: running_on(d, [b.name]))  # b takes work again
@@ -185,12 +219,24 @@ def test_one_users_failing_job_does_not_drain_anothers_but_two_users_failing_bla
 
 
 def test_undrain_lifts_a_blacklisting_at_once(daemon_factory, shared_tmp):
-    a, b = blacklisting_cluster(daemon_factory, shared_tmp, "bku",
-                                "failures = 1\nwindow = 60\ncooldown_range = [300, 300]\n")
+    a, b = blacklisting_cluster(
+        daemon_factory,
+        shared_tmp,
+        "bku",
+        "failures = 1\nwindow = 60\ncooldown_range = [300, 300]\n",
+    )
     for user in ("root", "nobody"):  # two users' jobs fail on b: it is blacklisted
         # (a worker that exits 1 at once: worker.py's --fail-rank would start torch for @record)
-        failed = a.ctl("submit", "--wait", "--nodes", b.name, "--no-python", "/bin/false",
-                       expect=1, user=None if user == "root" else user)[-1]
+        failed = a.ctl(
+            "submit",
+            "--wait",
+            "--nodes",
+            b.name,
+            "--no-python",
+            "/bin/false",
+            expect=1,
+            user=None if user == "root" else user,
+        )[-1]
         assert failed["state"] == "FAILED"
     wait_for(lambda: node_states(a)[b.name] == "blacklisted", 20, "a sees b blacklisted")
     assert "blacklisted (4m" in a.ctl_run("nodes").stdout  # some 300 s left
@@ -198,6 +244,8 @@ def test_undrain_lifts_a_blacklisting_at_once(daemon_factory, shared_tmp):
     assert a.ctl("undrain", b.name) == {"name": b.name, "drain": False}
     wait_for(lambda: node_states(a)[b.name] == "up", 20, "b readmitted by undrain")
     assert metric(b, "elasticd_node_blacklisted") == 0
-    job = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))["id"]  # root's, kept off no more
+    job = a.submit("--nodes", b.name, *worker_args("--sleep", "0"))[
+        "id"
+    ]  # root's, kept off no more
     a.wait_job(job, lambda d: running_on(d, [b.name]))
     a.ctl("cancel", job)

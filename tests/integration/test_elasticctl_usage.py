@@ -15,7 +15,6 @@ import uuid
 from typing import Any
 
 import pytest
-
 from harness import fake_nvidia_smi, needs_root, worker_args
 from store_attack import Cluster, wait_for
 
@@ -27,9 +26,13 @@ BOUND = 1.0  # seconds a node's span may differ from the job's start-to-end (its
 def final(daemon, job_id: str, state: str = "SUCCEEDED") -> dict:
     """The job's status once its nodes' parts reported their own end too (it follows the
     job's outcome by a moment)."""
+
     def ended() -> dict | None:
         doc = daemon.ctl("status", job_id)
-        return doc if doc["nodes"] and all(node["state"] == state for node in doc["nodes"]) else None
+        return (
+            doc if doc["nodes"] and all(node["state"] == state for node in doc["nodes"]) else None
+        )
+
     return wait_for(ended, 60, f"job {job_id}'s parts {state}")
 
 
@@ -51,20 +54,33 @@ def check(row: dict, job: dict, slots: int, gpus: int) -> None:
 
 @needs_root
 def test_usage_per_user_and_account_matches_the_jobs_run_times(daemon_factory, shared_tmp):
-    daemon = daemon_factory(f"usage-{uuid.uuid4().hex[:6]}", args=("--slots", "4"),
-                            env=fake_nvidia_smi(shared_tmp / "bin", 2)).start()
+    daemon = daemon_factory(
+        f"usage-{uuid.uuid4().hex[:6]}",
+        args=("--slots", "4"),
+        env=fake_nvidia_smi(shared_tmp / "bin", 2),
+    ).start()
     nobody = pwd.getpwnam("nobody")
     nogroup = grp.getgrgid(nobody.pw_gid).gr_name
     secret_dir = shared_tmp / SECRET
     secret_dir.mkdir()
 
     # root's job: 2 workers (2 slots, 2 of the node's GPUs); then nobody's: 1 worker, 1 GPU
-    root_job = daemon.submit_wait("--nproc-per-node", "2", "--env", f"TOKEN={SECRET}",
-                                  *worker_args("--sleep", str(SLEEP), "--pid-dir", str(secret_dir)))
+    root_job = daemon.submit_wait(
+        "--nproc-per-node",
+        "2",
+        "--env",
+        f"TOKEN={SECRET}",
+        *worker_args("--sleep", str(SLEEP), "--pid-dir", str(secret_dir)),
+    )
     root_job = final(daemon, root_job["id"])
     between = time.time()
-    their_job = daemon.submit_wait("--nproc-per-node", "1", *worker_args("--sleep", str(SLEEP)),
-                                   user="nobody", cwd=str(shared_tmp))
+    their_job = daemon.submit_wait(
+        "--nproc-per-node",
+        "1",
+        *worker_args("--sleep", str(SLEEP)),
+        user="nobody",
+        cwd=str(shared_tmp),
+    )
     their_job = final(daemon, their_job["id"])
     assert root_job["state"] == their_job["state"] == "SUCCEEDED"
 
@@ -89,7 +105,9 @@ def test_usage_per_user_and_account_matches_the_jobs_run_times(daemon_factory, s
     assert list(rows(later, "user")) == ["nobody"] and abs(later["since"] - between) < 1e-3
     assert rows(later, "user")["nobody"] == users["nobody"]  # it ran wholly after `between`
     earlier = daemon.ctl("usage", "--until", iso)
-    assert list(rows(earlier, "user")) == ["root"] and rows(earlier, "user")["root"] == users["root"]
+    assert (
+        list(rows(earlier, "user")) == ["root"] and rows(earlier, "user")["root"] == users["root"]
+    )
     assert set(rows(daemon.ctl("usage", "--since", "1h"), "user")) == {"root", "nobody"}
 
     # the table, as another user sees it: names and numbers, nothing of what the jobs ran
@@ -108,9 +126,15 @@ def test_usage_per_user_and_account_matches_the_jobs_run_times(daemon_factory, s
     assert bad.returncode == 2 and "argument --since: expected an ISO date or time" in bad.stderr
     assert "got 'yesterday-ish'" in bad.stderr
     backwards = daemon.ctl_run("usage", "--since", "1h", "--until", "2h")
-    assert backwards.returncode == 2 and "--since must be before --until and now" in backwards.stderr
-    for args, code in (({"since": "yesterday"}, "bad_request"), ({"since": 10.0, "until": 5.0}, "invalid_spec"),
-                       ({"since": 1e300}, "invalid_spec"), ({"user": 3}, "bad_request")):
+    assert (
+        backwards.returncode == 2 and "--since must be before --until and now" in backwards.stderr
+    )
+    for args, code in (
+        ({"since": "yesterday"}, "bad_request"),
+        ({"since": 10.0, "until": 5.0}, "invalid_spec"),
+        ({"since": 1e300}, "invalid_spec"),
+        ({"user": 3}, "bad_request"),
+    ):
         reply = daemon.request("usage", **args)
         assert not reply.ok and reply.code == code, (args, reply)
     assert daemon.proc.poll() is None and rows(daemon.ctl("usage"), "user") == users
@@ -118,25 +142,38 @@ def test_usage_per_user_and_account_matches_the_jobs_run_times(daemon_factory, s
     # ended jobs come back from the history: the same numbers after a restart
     daemon.stop()
     daemon.start()
-    assert rows(daemon.ctl("usage"), "user") == users and rows(daemon.ctl("usage"), "account") == accounts
+    assert (
+        rows(daemon.ctl("usage"), "user") == users
+        and rows(daemon.ctl("usage"), "account") == accounts
+    )
 
 
 def world(daemon, job_id: str, size: int) -> dict:
     """The job's document once it runs with ``size`` workers, all up."""
-    return daemon.wait_job(job_id, lambda d: d["state"] == "RUNNING" and d["world_size"] == size and sum(
-        w["state"] == "HEALTHY" for w in d["workers"]) == size, timeout=120)
+    return daemon.wait_job(
+        job_id,
+        lambda d: (
+            d["state"] == "RUNNING"
+            and d["world_size"] == size
+            and sum(w["state"] == "HEALTHY" for w in d["workers"]) == size
+        ),
+        timeout=120,
+    )
 
 
 @pytest.mark.slow
 def test_a_node_that_leaves_a_job_and_takes_it_again_is_charged_both_spans_not_the_gap(
-        daemon_factory: Any, shared_tmp) -> None:
+    daemon_factory: Any, shared_tmp
+) -> None:
     """The shrink-then-grow of a shared cluster (a drain here): the node's part of the job
     is a new part when it comes back, and its first span is still charged; the time between
     is not."""
     cluster = Cluster(daemon_factory, shared_tmp, prefix="usage")
     a, b = cluster.add("a"), cluster.add("b")
     cluster.start()
-    job = a.submit("--nnodes", "1:2", "--last-call-timeout", "1", *worker_args("--sleep", "0"))["id"]
+    job = a.submit("--nnodes", "1:2", "--last-call-timeout", "1", *worker_args("--sleep", "0"))[
+        "id"
+    ]
     started = world(a, job, 2)["started"]  # a's first run; b's is between it and now
     both = time.time()
     time.sleep(2)  # b's first span

@@ -18,8 +18,14 @@ SLOTS_HINT = "a node's slots default to its CPU count; `elasticd --slots N` or n
 
 
 def elasticd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "elasticd", *args], capture_output=True, text=True,
-                          timeout=60, env=CLIENT_ENV, cwd=str(cwd))
+    return subprocess.run(
+        [PY, "-m", "elasticd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=CLIENT_ENV,
+        cwd=str(cwd),
+    )
 
 
 def test_keygen_writes_a_new_0600_key_and_never_overwrites_one(shared_tmp):
@@ -33,8 +39,10 @@ def test_keygen_writes_a_new_0600_key_and_never_overwrites_one(shared_tmp):
 
     again = elasticd("keygen", str(key), cwd=shared_tmp)
     assert again.returncode == 1 and again.stdout == ""
-    assert again.stderr == (f"elasticd keygen: {key} already exists; not overwriting it (a cluster's "
-                            "nodes must share one key: copy that file, or remove it first)\n")
+    assert again.stderr == (
+        f"elasticd keygen: {key} already exists; not overwriting it (a cluster's "
+        "nodes must share one key: copy that file, or remove it first)\n"
+    )
     assert key.read_text() == written
 
     nowhere = elasticd("keygen", str(shared_tmp / "no" / "such" / "cluster.key"), cwd=shared_tmp)
@@ -49,7 +57,9 @@ def test_keygen_is_in_the_help_and_every_daemon_flag_still_parses(shared_tmp):
     assert own.returncode == 0 and "usage: elasticd keygen [-h] FILE" in own.stdout
     assert elasticd("keygen", cwd=shared_tmp).returncode == 2  # FILE is needed
     assert elasticd("--version", cwd=shared_tmp).stdout.startswith("elasticd ")
-    bad = elasticd("--standalone", "--slots", "-1", cwd=shared_tmp)  # flags reach the config as before
+    bad = elasticd(
+        "--standalone", "--slots", "-1", cwd=shared_tmp
+    )  # flags reach the config as before
     assert bad.returncode == 2 and "node.slots" in bad.stderr
 
 
@@ -66,10 +76,26 @@ def test_two_daemons_on_one_host_agree_by_address_who_hosts_the_store(shared_tmp
     store, cluster = f"127.0.0.1:{free_port()}", f"fh-{uuid.uuid4().hex[:8]}"
 
     def node(index: int) -> Daemon:
-        return Daemon(shared_tmp, f"fh{index}", standalone=False, args=(
-            "--config", str(config), "--cluster", cluster, "--store", store,
-            "--node-address", f"127.0.0.{index}", "--cluster-key", str(key), "--slots", "1",
-            "--allow-root"))
+        return Daemon(
+            shared_tmp,
+            f"fh{index}",
+            standalone=False,
+            args=(
+                "--config",
+                str(config),
+                "--cluster",
+                cluster,
+                "--store",
+                store,
+                "--node-address",
+                f"127.0.0.{index}",
+                "--cluster-key",
+                str(key),
+                "--slots",
+                "1",
+                "--allow-root",
+            ),
+        )
 
     first, second = node(1), node(2)
     try:
@@ -78,10 +104,15 @@ def test_two_daemons_on_one_host_agree_by_address_who_hosts_the_store(shared_tmp
         states = node_states(first, lambda s: s == {"fh1": "up", "fh2": "up"})
         assert states == {"fh1": "up", "fh2": "up"}
         listed = second.ctl("nodes")
-        assert {(n["name"], n["address"]) for n in listed} == {("fh1", "127.0.0.1"), ("fh2", "127.0.0.2")}
+        assert {(n["name"], n["address"]) for n in listed} == {
+            ("fh1", "127.0.0.1"),
+            ("fh2", "127.0.0.2"),
+        }
         done = second.submit_wait("--nnodes", "2", *worker_args())
         assert done["state"] == "SUCCEEDED", done
-        assert sorted(w["node"] for w in done["workers"]) == ["fh1", "fh2"] and done["world_size"] == 2
+        assert (
+            sorted(w["node"] for w in done["workers"]) == ["fh1", "fh2"] and done["world_size"] == 2
+        )
         assert first.proc.poll() is None and second.proc.poll() is None
         assert "Address already in use" not in first.log_text() + second.log_text()
     finally:
@@ -93,9 +124,14 @@ def test_a_standalone_daemon_refuses_a_job_whose_min_needs_more_nodes(daemon_fac
     daemon = daemon_factory("fh3", args=("--slots", "2")).start()
     done = daemon.ctl_run("submit", "--nnodes", "3", *worker_args())
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.count("\n") == 1 and (
-        "the daemon is standalone (a one-node cluster), so a job needing 3 nodes can never start; "
-        "use --nnodes 1 or run a cluster") in done.stderr, done.stderr
+    assert (
+        done.stderr.count("\n") == 1
+        and (
+            "the daemon is standalone (a one-node cluster), so a job needing 3 nodes can never start; "
+            "use --nnodes 1 or run a cluster"
+        )
+        in done.stderr
+    ), done.stderr
     assert daemon.ctl("list", "--all") == []
     elastic = daemon.submit_wait("--nnodes", "1:3", *worker_args())  # only the min must be met
     assert elastic["state"] == "SUCCEEDED", elastic
@@ -120,14 +156,17 @@ def test_nproc_per_node_cpu_runs_one_worker_per_cpu(daemon_factory, shared_tmp):
     assert job["state"] == "SUCCEEDED", job
     envs = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(cpus)]
     assert {e["WORLD_SIZE"] for e in envs} == {e["LOCAL_WORLD_SIZE"] for e in envs} == {str(cpus)}
-    assert sorted(os.listdir(out)) == sorted(f"rank_{r}{s}.json" for r in range(cpus) for s in ("", "_attempt_0"))
+    assert sorted(os.listdir(out)) == sorted(
+        f"rank_{r}{s}.json" for r in range(cpus) for s in ("", "_attempt_0")
+    )
     assert all(e["CUDA_VISIBLE_DEVICES"] == "" for e in envs)  # CPU workers are kept off GPUs
 
 
 def test_nproc_per_node_words_beyond_torchruns_are_refused(daemon_factory):
     daemon = daemon_factory("fh6", args=("--slots", "2")).start()
-    reply = daemon.request("submit", argv=[str(WORKER)], python=PY, workdir=str(daemon.base),
-                           nproc_per_node="xpu")
+    reply = daemon.request(
+        "submit", argv=[str(WORKER)], python=PY, workdir=str(daemon.base), nproc_per_node="xpu"
+    )
     assert (reply.ok, reply.code) == (False, "invalid_spec")
     assert "must be one of N, gpu, cpu, auto" in reply.message
     assert daemon.ctl("list", "--all") == []
@@ -138,9 +177,17 @@ def test_role_and_a_fixed_master_port_reach_the_workers_every_round(daemon_facto
     out = shared_tmp / "env"
     out.mkdir()
     port = free_port()
-    job = daemon.submit_wait("--nproc-per-node", "2", "--max-restarts", "1", "--role", "trainer",
-                             "--master-port", str(port),
-                             *worker_args("--env-out", str(out), "--fail-rank", "1", "--fail-attempts", "1"))
+    job = daemon.submit_wait(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--role",
+        "trainer",
+        "--master-port",
+        str(port),
+        *worker_args("--env-out", str(out), "--fail-rank", "1", "--fail-attempts", "1"),
+    )
     assert job["state"] == "SUCCEEDED" and job["restarts"] == 1, job
     assert (job["role"], job["master_port"]) == ("trainer", port)
     for attempt in (0, 1):
@@ -152,8 +199,13 @@ def test_role_and_a_fixed_master_port_reach_the_workers_every_round(daemon_facto
 
 def test_a_bad_role_or_master_port_is_refused_at_submit(daemon_factory):
     daemon = daemon_factory("fh8", args=("--slots", "2")).start()
-    for args, words in (({"role": ""}, "role"), ({"role": "r" * 65}, "role"),
-                        ({"master_port": 65536}, "master_port")):
-        reply = daemon.request("submit", argv=[str(WORKER)], python=PY, workdir=str(daemon.base), **args)
+    for args, words in (
+        ({"role": ""}, "role"),
+        ({"role": "r" * 65}, "role"),
+        ({"master_port": 65536}, "master_port"),
+    ):
+        reply = daemon.request(
+            "submit", argv=[str(WORKER)], python=PY, workdir=str(daemon.base), **args
+        )
         assert (reply.ok, reply.code) == (False, "invalid_spec") and words in reply.message, reply
     assert daemon.ctl("list", "--all") == []

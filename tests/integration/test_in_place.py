@@ -19,7 +19,6 @@ from typing import Any
 
 import psutil
 import pytest
-
 from harness import ROOT
 from store_attack import Cluster, wait_for
 
@@ -55,8 +54,11 @@ def formed(report: Path, world: int, since: float = 0.0) -> dict[int, dict[str, 
 
 def committed(report: Path, pids: set[int], after: float, batch_past: int) -> bool:
     """Every one of ``pids`` committed a batch past ``batch_past`` since ``after``."""
-    seen = {e["pid"] for e in events(report)
-            if e["event"] == "commit" and e["time"] >= after and e["batch"] > batch_past}
+    seen = {
+        e["pid"]
+        for e in events(report)
+        if e["event"] == "commit" and e["time"] >= after and e["batch"] > batch_past
+    }
     return pids <= seen
 
 
@@ -73,16 +75,43 @@ def commits_agree(report: Path) -> None:
     for e in events(report):
         if e["event"] == "commit":
             seen.setdefault((e["round"], e["batch"]), set()).add(e["checksum"])
-    assert seen and all(len(sums) == 1 for sums in seen.values()), \
-        {k: v for k, v in seen.items() if len(v) > 1}
+    assert seen and all(len(sums) == 1 for sums in seen.values()), {
+        k: v for k, v in seen.items() if len(v) > 1
+    }
 
 
-def submit(daemon: Any, report: Path, *extra: str, nnodes: str = "2:3",
-           restarts: int = 3, args: tuple[str, ...] = (), script: str = EXAMPLE) -> str:
-    doc = daemon.submit("--in-place", "--nnodes", nnodes, "--nproc-per-node", "1",
-                        "--max-restarts", str(restarts), "--last-call-timeout", "1", *extra,
-                        script, "--", "--batches", "100000", "--commit-every", "5",
-                        "--step-time", "0.02", "--report", str(report), *args)
+def submit(
+    daemon: Any,
+    report: Path,
+    *extra: str,
+    nnodes: str = "2:3",
+    restarts: int = 3,
+    args: tuple[str, ...] = (),
+    script: str = EXAMPLE,
+) -> str:
+    doc = daemon.submit(
+        "--in-place",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        str(restarts),
+        "--last-call-timeout",
+        "1",
+        *extra,
+        script,
+        "--",
+        "--batches",
+        "100000",
+        "--commit-every",
+        "5",
+        "--step-time",
+        "0.02",
+        "--report",
+        str(report),
+        *args,
+    )
     return doc["id"]
 
 
@@ -101,8 +130,10 @@ def report(shared_tmp: Path) -> Path:
     return path
 
 
-def test_survivors_keep_their_processes_through_node_loss_and_return(cluster: Cluster, report: Path) -> None:
-    a, b, c = cluster
+def test_survivors_keep_their_processes_through_node_loss_and_return(
+    cluster: Cluster, report: Path
+) -> None:
+    a, _b, c = cluster
     job = submit(a, report)
     three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
     assert_equal_state(three)
@@ -118,8 +149,11 @@ def test_survivors_keep_their_processes_through_node_loss_and_return(cluster: Cl
     assert set(two) == survivors, "the survivors kept their processes"
     assert_equal_state(two)
     resumed = next(iter(two.values()))["batch"]
-    last_commit = max(e["batch"] for e in events(report)
-                      if e["event"] == "commit" and e["time"] < killed_at and e["rank"] == 0)
+    last_commit = max(
+        e["batch"]
+        for e in events(report)
+        if e["event"] == "commit" and e["time"] < killed_at and e["rank"] == 0
+    )
     assert resumed >= last_commit and resumed % 5 == 0, (resumed, last_commit)
     wait_for(lambda: committed(report, survivors, killed_at, resumed), 60, "training went on")
 
@@ -147,7 +181,7 @@ def test_at_min_nodes_a_lost_worker_does_not_stop_its_peer(pair: Cluster, report
     """--nnodes 2:2 (issue 27): b's only worker is SIGKILLed.  b stays a member with no
     workers while a new one warms up, so a's worker trains on alone in the same process
     (WORLD_SIZE 1) instead of waiting; the new one then joins it, and both agree."""
-    a, b = pair
+    a, _b = pair
     job = submit(a, report, nnodes="2:2")
     two = wait_for(lambda: formed(report, 2), 120, "2 ranks training")
     since = time.time()
@@ -160,7 +194,9 @@ def test_at_min_nodes_a_lost_worker_does_not_stop_its_peer(pair: Cluster, report
     alone = wait_for(lambda: formed(report, 1, killed_at), 60, "the survivor trained on alone")
     assert set(alone) == {survivor}, "the survivor kept its process"
     resumed = alone[survivor]["batch"]
-    wait_for(lambda: committed(report, {survivor}, killed_at, resumed), 60, "a commit in the world of 1")
+    wait_for(
+        lambda: committed(report, {survivor}, killed_at, resumed), 60, "a commit in the world of 1"
+    )
     again = wait_for(lambda: formed(report, 2, killed_at), 120, "the new worker joined")
     assert survivor in again and lost not in again
     assert_equal_state(again)
@@ -168,7 +204,6 @@ def test_at_min_nodes_a_lost_worker_does_not_stop_its_peer(pair: Cluster, report
     commits_agree(report)
     assert a.ctl("status", job)["restarts"] == 1
     a.ctl("cancel", job)
-
 
 
 # A first-round worker (placed before it started: RANK is set) whose model is still being
@@ -191,13 +226,14 @@ runpy.run_path({example!r}, run_name="__main__")
 
 
 def test_a_node_that_comes_while_the_first_round_builds_its_model_is_trained_with(
-        pair: Cluster, report: Path, shared_tmp: Path) -> None:
+    pair: Cluster, report: Path, shared_tmp: Path
+) -> None:
     """bench_recovery hung twice at its 3-node formation: c's scale-up round formed while
     a's and b's first-round workers still built their model, so a and b joined it with no
     worker placed (c's trained alone).  Their workers, once in elastic.run, must neither
     take their round-0 place (its peers moved on) nor count as placed: a scale-up round
     takes them in, and the job trains at 3."""
-    a, b = pair
+    a, _b = pair
     c = pair.add("c")
     script = shared_tmp / "late_first.py"
     script.write_text(LATE_FIRST.format(example=EXAMPLE))
@@ -216,17 +252,24 @@ def spares_of(daemon: Any, job: str, nodes: int) -> dict[str, int]:
     """node -> the pid of its parked spare (a worker that holds no rank), once ``nodes`` have one."""
     doc = daemon.ctl("status", job)
     parked = {n["node"] for n in doc["nodes"] if n["spares"] == 1 and n["state"] == "RUNNING"}
-    pids = {w["node"]: w["pid"] for w in doc["workers"]
-            if w["rank"] < 0 and w["state"] == "HEALTHY" and w["node"] in parked}
+    pids = {
+        w["node"]: w["pid"]
+        for w in doc["workers"]
+        if w["rank"] < 0 and w["state"] == "HEALTHY" and w["node"] in parked
+    }
     return pids if len(pids) == nodes else {}
 
 
 def gone(pids: set[int]) -> bool:
-    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                   for pid in pids)
+    return not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        for pid in pids
+    )
 
 
-def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(cluster: Cluster, report: Path) -> None:
+def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(
+    cluster: Cluster, report: Path
+) -> None:
     """--spares 1 (issue 27): each node keeps a warm worker beside its placed one.
     b's placed worker is SIGKILLed: b's spare (the same process, past its imports and its
     model) is the new rank, and a new spare warms up.  Node c dies: the survivors' round
@@ -262,8 +305,9 @@ def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(cluster: Clu
 
 
 def test_a_rank_that_raises_mid_step_makes_every_rank_restore_the_last_commit(
-        cluster: Cluster, report: Path) -> None:
-    a, b, c = cluster
+    cluster: Cluster, report: Path
+) -> None:
+    a, _b, _c = cluster
     job = submit(a, report, nnodes="3", args=("--fail-at-batch", "23", "--fail-rank", "1"))
     three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
     survivors = {pid for pid, e in three.items() if e["rank"] != 1}
@@ -281,12 +325,14 @@ def test_a_rank_that_raises_mid_step_makes_every_rank_restore_the_last_commit(
     a.ctl("cancel", job)
 
 
-def test_a_survivor_blocked_on_a_frozen_peer_is_freed_by_the_daemon(cluster: Cluster, report: Path) -> None:
+def test_a_survivor_blocked_on_a_frozen_peer_is_freed_by_the_daemon(
+    cluster: Cluster, report: Path
+) -> None:
     """Node c freezes (SIGSTOP: its daemon and worker hold their sockets open and answer
     nothing, as a host that hangs or drops off the network): a and b sit in all_reduce.
     gloo would wait for its 30-minute timeout; the daemons see c's heartbeat stop and tell
     their workers, which abort the group and re-form without c."""
-    a, b, c = cluster
+    a, _b, c = cluster
     submit(a, report)
     three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
     since = time.time()
@@ -338,13 +384,27 @@ train(state)
 
 
 def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_worker(
-        cluster: Cluster, report: Path, shared_tmp: Path) -> None:
+    cluster: Cluster, report: Path, shared_tmp: Path
+) -> None:
     a, b, c = cluster
     script = shared_tmp / "stubborn.py"
     script.write_text(STUBBORN)
-    job = a.submit("--in-place", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "2",
-                   "--rejoin-timeout", "3", "--last-call-timeout", "1", str(script), "--",
-                   str(report))["id"]
+    job = a.submit(
+        "--in-place",
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--rejoin-timeout",
+        "3",
+        "--last-call-timeout",
+        "1",
+        str(script),
+        "--",
+        str(report),
+    )["id"]
     first = wait_for(lambda: formed(report, 3), 120, "3 ranks")
     (report / "freeze").touch()
     wait_for(lambda: [e for e in events(report) if e["event"] == "frozen"], 30, "rank 1 froze")

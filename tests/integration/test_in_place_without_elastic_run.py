@@ -16,11 +16,14 @@ time.sleep(600)
 
 
 def test_a_plain_script_submitted_in_place_fails_once_its_restarts_are_spent_naming_elastic_run(
-        daemon, shared_tmp):
+    daemon, shared_tmp
+):
     path = shared_tmp / "plain.py"
     path.write_text(_PLAIN)
     job = daemon.submit("--in-place", "--nproc-per-node", "2", "--max-restarts", "1", str(path))
-    running = daemon.wait_job(job["id"], lambda j: sum(w["state"] == "HEALTHY" for w in j["workers"]) == 2)
+    running = daemon.wait_job(
+        job["id"], lambda j: sum(w["state"] == "HEALTHY" for w in j["workers"]) == 2
+    )
     victim = next(w["pid"] for w in running["workers"] if w["local_rank"] == 1)
     os.kill(victim, signal.SIGKILL)
     ended = daemon.wait_job(job["id"], lambda j: j["state"] in ("FAILED", "SUCCEEDED", "CANCELLED"))

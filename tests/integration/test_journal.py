@@ -12,11 +12,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from fixtures.journald import FakeJournal
 from harness import ROOT, Daemon, worker_args
 
-PLAIN = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: .*$", re.M)  # stderr's format
+PLAIN = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: .*$", re.M
+)  # stderr's format
 
 
 def as_journal_stream(daemon: Daemon, socket_path: str) -> None:
@@ -24,8 +25,11 @@ def as_journal_stream(daemon: Daemon, socket_path: str) -> None:
     its stderr is its log file (the harness appends to it), so that file's device and inode."""
     daemon.log_path.touch()
     info = os.stat(daemon.log_path)
-    daemon.env = {**daemon.env, "JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}",
-                  "ELASTICD_JOURNAL_SOCKET": socket_path}
+    daemon.env = {
+        **daemon.env,
+        "JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}",
+        "ELASTICD_JOURNAL_SOCKET": socket_path,
+    }
 
 
 def test_records_reach_the_journal_with_their_fields(daemon_factory, shared_tmp):
@@ -67,17 +71,19 @@ def test_without_the_journal_socket_records_go_to_stderr(daemon_factory, shared_
 # The message of a worker that fails: 20 kB with newlines, terminal escapes and text that looks
 # like journal fields and like lines of the daemon's own log.  It writes it to the error file
 # that torchrun's contract gives it (as torch's @record does), then exits 1.
-EVIL = ("boom\nPRIORITY=0\nELASTICD_JOB=j-000000\n"
-        "2026-01-01 00:00:00,000 ERROR elasticd: forged line\n"
-        "\x1b[2J\x1b]0;owned\x07\u202egnp.exe\n" + "A" * 20000)
-FAILING = """\
+EVIL = (
+    "boom\nPRIORITY=0\nELASTICD_JOB=j-000000\n"
+    "2026-01-01 00:00:00,000 ERROR elasticd: forged line\n"
+    "\x1b[2J\x1b]0;owned\x07\u202egnp.exe\n" + "A" * 20000
+)
+FAILING = f"""\
 import json, os, sys, time
-message = %r
+message = {EVIL!r}
 with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-    json.dump({"message": {"message": message, "extraInfo": {"py_callstack": "Traceback: " + message,
-                                                             "timestamp": str(int(time.time()))}}}, f)
+    json.dump({{"message": {{"message": message, "extraInfo": {{"py_callstack": "Traceback: " + message,
+                                                             "timestamp": str(int(time.time()))}}}}}}, f)
 sys.exit(1)
-""" % EVIL
+"""
 CAP = 1100  # a record's message: journal.MAX_MESSAGE and its marker
 
 
@@ -100,12 +106,18 @@ def test_a_jobs_error_text_is_one_escaped_capped_line_on_stderr(daemon_factory, 
     assert len(grown) < 8 * 1024, f"the log grew by {len(grown)} characters"
     assert "\x1b" not in grown and "\u202e" not in grown and "A" * 1000 not in grown
     lines = grown.splitlines()
-    assert all(PLAIN.fullmatch(line) for line in lines), [l for l in lines if not PLAIN.fullmatch(l)]
-    assert not [line for line in lines if "forged line" in line and " ERROR elasticd: forged" in line[:60]]
+    assert all(PLAIN.fullmatch(line) for line in lines), [
+        line for line in lines if not PLAIN.fullmatch(line)
+    ]
+    assert not [
+        line for line in lines if "forged line" in line and " ERROR elasticd: forged" in line[:60]
+    ]
     failures = [line for line in lines if f"job {job['id']} round" in line and "failed" in line]
     assert len(failures) == 3 and all(len(line) < CAP + 80 for line in failures)
-    assert ("rank 0 failed: boom\\nPRIORITY=0\\nELASTICD_JOB=j-000000\\n2026-01-01 00:00:00,000 "
-            "ERROR elasticd: forged line\\n\\x1b[2J\\x1b]0;owned\\x07\\u202egnp.exe\\nAAA") in failures[0]
+    assert (
+        "rank 0 failed: boom\\nPRIORITY=0\\nELASTICD_JOB=j-000000\\n2026-01-01 00:00:00,000 "
+        "ERROR elasticd: forged line\\n\\x1b[2J\\x1b]0;owned\\x07\\u202egnp.exe\\nAAA"
+    ) in failures[0]
     assert re.search(r"A… \[cut: \d{5} characters\] -> restart$", failures[0])  # (the error
     # file's own cap may have cut it first)
 
@@ -129,8 +141,11 @@ def test_a_jobs_error_text_is_one_escaped_capped_line_in_the_journal(daemon_fact
             assert "\n" not in record["MESSAGE"] and "\x1b" not in record["MESSAGE"]
             assert len(record["MESSAGE"]) < CAP + 80
         assert "\\nPRIORITY=0\\nELASTICD_JOB=j-000000\\n" in failures[0]["MESSAGE"]
-        assert not [r for r in journal.records if r.get("ELASTICD_JOB") == "j-000000"
-                    or r.get("PRIORITY") == "0"]
+        assert not [
+            r
+            for r in journal.records
+            if r.get("ELASTICD_JOB") == "j-000000" or r.get("PRIORITY") == "0"
+        ]
         assert sum(len(r["MESSAGE"]) for r in story) < 8 * 1024
         assert not PLAIN.findall(daemon.log_text())  # none went (also) to stderr
     finally:
@@ -162,18 +177,29 @@ def test_a_request_naming_another_users_job_is_not_that_jobs_story(daemon_factor
         daemon.start()
         job = daemon.submit("--nproc-per-node", "1", *worker_args("--sleep", "0"))
         journal.wait_for(lambda r: r.get("ELASTICD_JOB") == job["id"])  # its own story
-        asked = subprocess.run(["/usr/bin/python3", "-c", CLIENT, daemon.socket, job["id"]],
-                               capture_output=True, text=True, timeout=60, user="nobody",
-                               env={"PYTHONPATH": str(ROOT / "daemon")})
+        asked = subprocess.run(
+            ["/usr/bin/python3", "-c", CLIENT, daemon.socket, job["id"]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            user="nobody",
+            env={"PYTHONPATH": str(ROOT / "daemon")},
+        )
         assert asked.stdout.strip() == "unknown_op", asked
         cancel = daemon.ctl_run("cancel", job["id"], user="nobody")
         assert cancel.returncode != 0 and "you may not cancel it" in cancel.stderr, cancel
-        refusals = [journal.wait_for(lambda r: r["MESSAGE"].startswith(start))
-                    for start in (f"control: invalid refused: unknown_op: unknown op '{job['id']}'",
-                                  f"control: cancel refused: permission_denied: job {job['id']}")]
+        refusals = [
+            journal.wait_for(lambda r: r["MESSAGE"].startswith(start))
+            for start in (
+                f"control: invalid refused: unknown_op: unknown op '{job['id']}'",
+                f"control: cancel refused: permission_denied: job {job['id']}",
+            )
+        ]
         assert [r.get("ELASTICD_JOB") for r in refusals] == [None, None], refusals
         story = [r for r in journal.records if r.get("ELASTICD_JOB") == job["id"]]
-        assert story and not [r for r in story if r["ELASTICD_LOGGER"].startswith("elasticd.control")]
+        assert story and not [
+            r for r in story if r["ELASTICD_LOGGER"].startswith("elasticd.control")
+        ]
         daemon.ctl("cancel", job["id"])
     finally:
         journal.close()

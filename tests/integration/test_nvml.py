@@ -10,11 +10,11 @@ import os
 import select
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from fixtures.nvml_shim import ShimGpus, build_shim, shim_env
 
 DAEMON = Path(__file__).resolve().parents[2] / "daemon"
@@ -51,8 +51,13 @@ class Host:
     """A process with NVML open on the shim's GPUs."""
 
     def __init__(self, env: dict[str, str], *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", SCRIPT, *args], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, *args],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         self.opened = self._answer()
 
     def _answer(self) -> Any:
@@ -103,17 +108,32 @@ def start(shim: Path, gpus: ShimGpus) -> Iterator[Any]:
         host.stop()
 
 
-CLEAN = {"lost": False, "xids": [], "ecc_uncorrected": 0, "rows_pending": False,
-         "remap_failed": False, "slowdown": []}
+CLEAN = {
+    "lost": False,
+    "xids": [],
+    "ecc_uncorrected": 0,
+    "rows_pending": False,
+    "remap_failed": False,
+    "slowdown": [],
+}
 
 
 def test_inventory_is_each_gpus_index_uuid_and_name(gpus, start):
     gpus.write()
-    assert start().opened == {"devices": [
-        {"index": 0, "uuid": "GPU-5e1f0000-0000-4000-8000-000000000000",
-         "name": "NVIDIA H100 80GB HBM3"},
-        {"index": 1, "uuid": "GPU-5e1f0000-0000-4000-8000-000000000001",
-         "name": "NVIDIA H100 80GB HBM3"}]}
+    assert start().opened == {
+        "devices": [
+            {
+                "index": 0,
+                "uuid": "GPU-5e1f0000-0000-4000-8000-000000000000",
+                "name": "NVIDIA H100 80GB HBM3",
+            },
+            {
+                "index": 1,
+                "uuid": "GPU-5e1f0000-0000-4000-8000-000000000001",
+                "name": "NVIDIA H100 80GB HBM3",
+            },
+        ]
+    }
 
 
 def test_healthy_gpus_read_clean_and_close_is_idempotent(gpus, start):
@@ -139,10 +159,8 @@ def test_memory_errors(gpus, start):
     host = start()
     gpus.ecc(0, 3).pending(0).remap_failed(0).pages_pending(1).write()
     got = host.read()
-    assert got[0] == {**got[0], "ecc_uncorrected": 3, "rows_pending": True,
-                      "remap_failed": True}
-    assert got[1] == {**got[1], "ecc_uncorrected": 0, "rows_pending": True,
-                      "remap_failed": False}
+    assert got[0] == {**got[0], "ecc_uncorrected": 3, "rows_pending": True, "remap_failed": True}
+    assert got[1] == {**got[1], "ecc_uncorrected": 0, "rows_pending": True, "remap_failed": False}
 
 
 def test_unsupported_queries_give_neutral_values(gpus, start):
@@ -157,8 +175,14 @@ def test_a_lost_gpu_reads_lost_and_the_others_fine(gpus, start):
     host = start()
     gpus.lose(1).xid(1, 79).write()
     got = host.read()
-    assert got[1] == {"index": 1, "uuid": gpus.gpus[1].uuid, **CLEAN, "lost": True,
-                      "xids": [79], "ecc_uncorrected": None}
+    assert got[1] == {
+        "index": 1,
+        "uuid": gpus.gpus[1].uuid,
+        **CLEAN,
+        "lost": True,
+        "xids": [79],
+        "ecc_uncorrected": None,
+    }
     assert got[0] == {"index": 0, "uuid": gpus.gpus[0].uuid, **CLEAN}
 
 
@@ -189,9 +213,13 @@ def real_nvml_here() -> bool:
 def test_without_a_driver_nvml_is_unavailable_with_the_reason(gpus, start, tmp_path):
     # no state file: the shim's "driver" is not loaded
     assert start().opened == {"unavailable": "nvmlInit failed: Driver Not Loaded"}
-    assert start("no-pynvml").opened["unavailable"].startswith(
-        "pynvml is not importable (pip install nvidia-ml-py)")
+    assert (
+        start("no-pynvml")
+        .opened["unavailable"]
+        .startswith("pynvml is not importable (pip install nvidia-ml-py)")
+    )
     if real_nvml_here():
         pytest.skip("this host has NVIDIA's libnvidia-ml.so.1: no library is not testable")
     assert start(lib_dir=tmp_path / "nowhere").opened == {
-        "unavailable": "nvmlInit failed: NVML Shared Library Not Found"}
+        "unavailable": "nvmlInit failed: NVML Shared Library Not Found"
+    }

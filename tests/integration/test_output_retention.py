@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from harness import CLIENT_ENV, PY, Daemon, worker_args
 
 LINES = 200_000  # 64 bytes each: 12.2 MiB through 64 KiB files, about 190 rotations
@@ -31,7 +30,9 @@ def configured(daemon_factory, shared_tmp: Path, text: str) -> Daemon:
     """A daemon with ``text`` as its config, and a node name (a job cgroup) of its own."""
     config = shared_tmp / "config.toml"
     config.write_text(text)
-    return daemon_factory(f"rot-{uuid.uuid4().hex[:6]}", args=("--slots", "4", "--config", str(config))).start()
+    return daemon_factory(
+        f"rot-{uuid.uuid4().hex[:6]}", args=("--slots", "4", "--config", str(config))
+    ).start()
 
 
 def numbers(texts: list[str]) -> list[int]:
@@ -45,8 +46,12 @@ def test_a_follower_keeps_up_across_rotations_and_ends_with_the_job(daemon_facto
     script.write_text(WRITER)
     os.mkfifo(go)
     job = daemon.submit(str(script), str(go))["id"]
-    follower = subprocess.Popen([PY, "-m", "elasticctl", "--socket", daemon.socket, "--json", "logs",
-                                 "-f", job], stdout=subprocess.PIPE, text=True, env=CLIENT_ENV)
+    follower = subprocess.Popen(
+        [PY, "-m", "elasticctl", "--socket", daemon.socket, "--json", "logs", "-f", job],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=CLIENT_ENV,
+    )
     try:
         assert follower.stdout is not None
         assert json.loads(follower.stdout.readline())["text"] == "ready"  # it follows: go
@@ -59,7 +64,11 @@ def test_a_follower_keeps_up_across_rotations_and_ends_with_the_job(daemon_facto
     assert follower.returncode == 0
     texts = [json.loads(line)["text"] for line in rest.splitlines()]
     seen = numbers(texts)
-    rotations = int((daemon.state_dir / "logs" / job / "attempt_0" / "rank_0.out.rotated").read_text().split()[0])
+    rotations = int(
+        (daemon.state_dir / "logs" / job / "attempt_0" / "rank_0.out.rotated")
+        .read_text()
+        .split()[0]
+    )
     assert rotations > 100  # it did follow across rotations
     assert seen[-1] == LINES - 1 and seen == sorted(set(seen))  # the latest, in order, none twice
     gaps = [i for i in range(1, len(seen)) if seen[i] != seen[i - 1] + 1]
@@ -67,10 +76,15 @@ def test_a_follower_keeps_up_across_rotations_and_ends_with_the_job(daemon_facto
     assert len(gaps) <= len(notices)  # a line it could not read is said to be missing
     assert seen[0] == 0 or notices
 
-    history = [json.loads(line)["text"] for line in
-               daemon.ctl_run("--json", "logs", job).stdout.splitlines()]
+    history = [
+        json.loads(line)["text"]
+        for line in daemon.ctl_run("--json", "logs", job).stdout.splitlines()
+    ]
     kept = numbers(history)
-    assert history[0].startswith("[elasticd: ") and "bytes of earlier output were rotated away" in history[0]
+    assert (
+        history[0].startswith("[elasticd: ")
+        and "bytes of earlier output were rotated away" in history[0]
+    )
     assert kept == list(range(LINES - len(kept), LINES)) and 2048 < len(kept) <= 3 * 1024
 
 

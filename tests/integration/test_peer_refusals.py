@@ -13,7 +13,6 @@ import uuid
 
 import psutil
 import zmq
-
 from harness import Daemon, free_port
 from store_attack import metric, wait_for
 
@@ -26,8 +25,11 @@ INTERVAL = 3.0  # log.summary_interval: seconds between the lines that sum the r
 def peer_port(daemon: Daemon) -> int:
     """The daemon's listening TCP port that is not its metrics port."""
     assert daemon.proc is not None
-    ports = {c.laddr.port for c in psutil.Process(daemon.proc.pid).net_connections("tcp")
-             if c.status == psutil.CONN_LISTEN}
+    ports = {
+        c.laddr.port
+        for c in psutil.Process(daemon.proc.pid).net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
     (port,) = ports - {daemon.metrics_port}
     return port
 
@@ -44,7 +46,11 @@ def handshake_flood(port: int, server_key: bytes, count: int, daemon: Daemon) ->
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one handshake per socket
-                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, public, secret
+                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                    server_key,
+                    public,
+                    secret,
+                )
                 sock.connect(f"tcp://127.0.0.1:{port}")
                 sockets.append(sock)
             wanted = start + len(sockets)
@@ -58,8 +64,9 @@ def handshake_flood(port: int, server_key: bytes, count: int, daemon: Daemon) ->
 def test_a_flood_of_refused_handshakes_is_counted_and_summed_up(daemon_factory, shared_tmp):
     config = shared_tmp / "summary.toml"
     config.write_text(f"[log]\nsummary_interval = {INTERVAL}\n")
-    daemon = daemon_factory(f"pr-{uuid.uuid4().hex[:6]}", metrics_port=free_port(),
-                            args=("--config", str(config))).start()
+    daemon = daemon_factory(
+        f"pr-{uuid.uuid4().hex[:6]}", metrics_port=free_port(), args=("--config", str(config))
+    ).start()
     server_key = json.loads((daemon.state_dir / "peer.key").read_text())["public"].encode()
     started = time.monotonic()
     handshake_flood(peer_port(daemon), server_key, HANDSHAKES, daemon)
@@ -80,16 +87,29 @@ def test_a_flood_of_refused_handshakes_is_counted_and_summed_up(daemon_factory, 
 
 
 def refusal_lines(daemon: Daemon) -> list[str]:
-    return [line for line in daemon.log_path.read_text(errors="replace").splitlines()
-            if "refused" in line and "peer" in line]
+    return [
+        line
+        for line in daemon.log_path.read_text(errors="replace").splitlines()
+        if "refused" in line and "peer" in line
+    ]
 
 
 def told(daemon: Daemon) -> int:
     """The refusals the log tells of: a line each, plus the counts of those held back."""
     lines = refusal_lines(daemon)
     alone = [line for line in lines if "refused a elasticd-peer connection" in line]
-    held = sum(int(n) for line in alone for n in re.findall(r"\((\d+) more since the last such line\)", line))
-    summed = sum(int(n) for line in lines for n in re.findall(
-        rf"refused (\d+) more elasticd-peer connections in the last {INTERVAL:g} s "
-        r"\(the newest from 127\.0\.0\.1\)", line))
+    held = sum(
+        int(n)
+        for line in alone
+        for n in re.findall(r"\((\d+) more since the last such line\)", line)
+    )
+    summed = sum(
+        int(n)
+        for line in lines
+        for n in re.findall(
+            rf"refused (\d+) more elasticd-peer connections in the last {INTERVAL:g} s "
+            r"\(the newest from 127\.0\.0\.1\)",
+            line,
+        )
+    )
     return len(alone) + held + summed

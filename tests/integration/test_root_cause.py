@@ -31,15 +31,21 @@ sys.exit(3)
 SILENT = "import sys\nprint('stdout only')\nsys.exit(3)\n"
 
 
-@pytest.mark.parametrize("name, text, code, message", [
-    ("raises.py", RAISES, 1, "ValueError: while handling boom"),
-    ("gives_up.py", GIVES_UP, 3, "giving up: \x1b[31mthe disk is full\x07"),
-    ("silent.py", SILENT, 3, "exited with code 3"),
-])
-def test_the_root_cause_of_a_failure_without_an_error_file(daemon, shared_tmp: Path,
-                                                          name, text, code, message):
+@pytest.mark.parametrize(
+    "name, text, code, message",
+    [
+        ("raises.py", RAISES, 1, "ValueError: while handling boom"),
+        ("gives_up.py", GIVES_UP, 3, "giving up: \x1b[31mthe disk is full\x07"),
+        ("silent.py", SILENT, 3, "exited with code 3"),
+    ],
+)
+def test_the_root_cause_of_a_failure_without_an_error_file(
+    daemon, shared_tmp: Path, name, text, code, message
+):
     (shared_tmp / name).write_text(text)
-    job = daemon.ctl("submit", "--wait", "--workdir", str(shared_tmp), str(shared_tmp / name), expect=1)[-1]
+    job = daemon.ctl(
+        "submit", "--wait", "--workdir", str(shared_tmp), str(shared_tmp / name), expect=1
+    )[-1]
     assert job["state"] == "FAILED"
     status = daemon.ctl("status", job["id"])
     assert status["error"]["message"] == message and status["error"]["exit_code"] == code, status

@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from harness import Daemon, wait_gone, worker_args
 from local_users import local_users
 from store_attack import Cluster, attacker, wait_for
@@ -66,14 +66,18 @@ def backend(store_name: str, shared_tmp: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
-def make_cluster(daemon_factory: Any, shared_tmp: Path, backend: Any) -> Iterator[Callable[..., Cluster]]:
+def make_cluster(
+    daemon_factory: Any, shared_tmp: Path, backend: Any
+) -> Iterator[Callable[..., Cluster]]:
     """``make(prefix, config, nodes=3, store_apart=False)``: a started cluster of ``nodes``
     daemons (2 slots each) with ``config`` (TOML) on the test's backend; its daemons stop
     before the etcd does."""
     made: list[Cluster] = []
 
     def make(prefix: str, config: str = FAST, nodes: int = 3, store_apart: bool = False) -> Cluster:
-        cluster = Cluster(daemon_factory, shared_tmp, prefix=prefix, etcd=backend, store_apart=store_apart)
+        cluster = Cluster(
+            daemon_factory, shared_tmp, prefix=prefix, etcd=backend, store_apart=store_apart
+        )
         made.append(cluster)
         for role in "abcdefgh"[:nodes]:
             cluster.add(role, config=config)
@@ -88,7 +92,10 @@ def queue(daemon: Daemon) -> list[tuple[str, str]]:
     """`elasticctl queue` as (job, reason) in start order; a preempted job's reason says so."""
     doc = daemon.ctl("queue")
     assert doc["scheduler"], doc
-    return [(row["id"], row["reason"] + (" (preempted)" if row["preempted"] else "")) for row in doc["jobs"]]
+    return [
+        (row["id"], row["reason"] + (" (preempted)" if row["preempted"] else ""))
+        for row in doc["jobs"]
+    ]
 
 
 def equals(get: Callable[[], Any], wanted: Any, timeout: float, what: str) -> None:
@@ -124,20 +131,31 @@ def allocation_is(daemon: Daemon, wanted: dict[str, int], timeout: float = 30) -
     equals(lambda: allocation(daemon), wanted, timeout, f"the allocation on {daemon.name}")
 
 
-def running_on(daemon: Daemon, job: str, nodes: int, workers: int, timeout: float = 60) -> dict[str, Any]:
+def running_on(
+    daemon: Daemon, job: str, nodes: int, workers: int, timeout: float = 60
+) -> dict[str, Any]:
     """The job's document once it runs ``workers`` healthy workers on ``nodes`` nodes."""
+
     def ready() -> dict[str, Any] | None:
         doc = daemon.ctl("status", job)
         healthy = [w for w in doc["workers"] if w["state"] == "HEALTHY" and w["pid"]]
         on = {w["node"] for w in healthy}
-        return doc if doc["state"] == "RUNNING" and len(healthy) == workers and len(on) == nodes else None
+        return (
+            doc
+            if doc["state"] == "RUNNING" and len(healthy) == workers and len(on) == nodes
+            else None
+        )
+
     return wait_for(ready, timeout, f"job {job} running {workers} workers on {nodes} nodes")
 
 
 def trained(report: Path, pids: set[int], world: int, after: float) -> bool:
     """Every one of ``pids`` committed a batch in a world of ``world`` ranks since ``after``."""
-    return pids <= {e["pid"] for e in events(report)
-                    if e["event"] == "commit" and e["world"] == world and e["time"] >= after}
+    return pids <= {
+        e["pid"]
+        for e in events(report)
+        if e["event"] == "commit" and e["world"] == world and e["time"] >= after
+    }
 
 
 def pids(doc: dict[str, Any]) -> set[int]:
@@ -146,12 +164,32 @@ def pids(doc: dict[str, Any]) -> set[int]:
 
 # -- 1. shrink to admit, in place; grow to fill ------------------------------------------------
 
+
 def test_an_elastic_job_gives_a_node_to_another_users_job_in_place_and_grows_back(
-        make_cluster: Callable[..., Cluster], report: Path) -> None:
-    a, b, c = make_cluster("sched")
-    big = a.submit("--in-place", "--nnodes", "1:3", "--nproc-per-node", "1", "--max-restarts", "0",
-                   "--last-call-timeout", "1", EXAMPLE, "--", "--batches", "100000", "--commit-every", "5",
-                   "--step-time", "0.02", "--report", str(report))["id"]
+    make_cluster: Callable[..., Cluster], report: Path
+) -> None:
+    a, b, _c = make_cluster("sched")
+    big = a.submit(
+        "--in-place",
+        "--nnodes",
+        "1:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--last-call-timeout",
+        "1",
+        EXAMPLE,
+        "--",
+        "--batches",
+        "100000",
+        "--commit-every",
+        "5",
+        "--step-time",
+        "0.02",
+        "--report",
+        str(report),
+    )["id"]
     three = wait_for(lambda: formed(report, 3), 120, "3 ranks training")
     since = time.time()
     wait_for(lambda: committed(report, set(three), since, 0), 60, "every rank committed")
@@ -182,7 +220,10 @@ def test_an_elastic_job_gives_a_node_to_another_users_job_in_place_and_grows_bac
 
 # -- 2. the order: priority, then fair share, then age -----------------------------------------
 
-def test_priority_then_fair_share_order_two_users_waiting_jobs(make_cluster: Callable[..., Cluster]) -> None:
+
+def test_priority_then_fair_share_order_two_users_waiting_jobs(
+    make_cluster: Callable[..., Cluster],
+) -> None:
     """alpha may ask --priority 5.  alpha's job runs first (alpha's account has used nodes,
     beta's none); then, the cluster full: alpha's job (0), beta's (0), alpha's (5), in that
     order of submits.  They start (and `queue` lists them) in the order 5, beta's, alpha's 0."""
@@ -197,7 +238,9 @@ def test_priority_then_fair_share_order_two_users_waiting_jobs(make_cluster: Cal
             running_on(a, full, 1, 2)
             old = a.submit("--nproc-per-node", "2", *SLEEP, user=alpha)["id"]
             fair = b.submit("--nproc-per-node", "2", *SLEEP, user=beta)["id"]
-            high = c.submit("--nnodes", "2", "--nproc-per-node", "2", "--priority", "5", *SLEEP, user=alpha)["id"]
+            high = c.submit(
+                "--nnodes", "2", "--nproc-per-node", "2", "--priority", "5", *SLEEP, user=alpha
+            )["id"]
             queue_is(a, [(high, "Resources"), (fair, "Resources"), (old, "Resources")])
             usage = {row["account"]: row["node_seconds"] for row in a.ctl("usage")["accounts"]}
             assert usage.get(alpha, 0) > 0 and usage.get(beta, 0) == 0, usage
@@ -207,9 +250,18 @@ def test_priority_then_fair_share_order_two_users_waiting_jobs(make_cluster: Cal
             queue_is(b, [(high, "Resources"), (fair, "Priority"), (old, "Priority")])
             rows = queue_text(b)
             assert [(r[0], r[1], r[-2]) for r in rows] == [
-                ("1", high, "Resources"), ("2", fair, "Priority"), ("3", old, "Priority")], rows
-            assert [r[3] for r in rows] == [alpha, beta, alpha] and [r[5] for r in rows] == ["5", "0", "0"]
-            assert allocation(b) == {used: 2, high: 0, fair: 0, old: 0}, "the free node idles for high"
+                ("1", high, "Resources"),
+                ("2", fair, "Priority"),
+                ("3", old, "Priority"),
+            ], rows
+            assert [r[3] for r in rows] == [alpha, beta, alpha] and [r[5] for r in rows] == [
+                "5",
+                "0",
+                "0",
+            ]
+            assert allocation(b) == {used: 2, high: 0, fair: 0, old: 0}, (
+                "the free node idles for high"
+            )
 
             # room for two: the high one and beta's start, alpha's older one waits
             a.ctl("cancel", used)
@@ -223,15 +275,21 @@ def test_priority_then_fair_share_order_two_users_waiting_jobs(make_cluster: Cal
 
 # -- 3. quotas -----------------------------------------------------------------------------------
 
+
 def test_a_users_quota_keeps_their_second_job_waiting_and_what_they_borrow_is_reclaimed_first(
-        make_cluster: Callable[..., Cluster]) -> None:
+    make_cluster: Callable[..., Cluster],
+) -> None:
     """nobody's quota: 1 node (scheduler.users; scheduler.user_quota would bind root's jobs
     too: every user's).  nobody's elastic job is admitted at its min (1 node) and grows
     into the idle nodes, borrowing over the quota; nobody's second job waits QuotaUser while
     a slot idles on every node.  A job that needs a slot when none is free takes it from
     the borrower (even of higher priority) before a job that only lends above its min."""
-    a, b, c = make_cluster("quota", FAST + "priority_users = {nobody = 1}\nusers = {nobody = {nodes = 1}}\n")
-    first = a.submit("--priority", "1", "--nnodes", "1:3", "--nproc-per-node", "1", *SLEEP, user="nobody")["id"]
+    a, b, c = make_cluster(
+        "quota", FAST + "priority_users = {nobody = 1}\nusers = {nobody = {nodes = 1}}\n"
+    )
+    first = a.submit(
+        "--priority", "1", "--nnodes", "1:3", "--nproc-per-node", "1", *SLEEP, user="nobody"
+    )["id"]
     running_on(a, first, 3, 3)  # 3 nodes for a quota of 1
     second = b.submit("--nproc-per-node", "1", *SLEEP, user="nobody")["id"]
     queue_is(a, [(second, "QuotaUser")])
@@ -276,29 +334,47 @@ while True:
 
 
 def starts_of(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] \
-        if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        if path.exists()
+        else []
+    )
 
 
 def test_a_preemptible_job_is_requeued_for_a_higher_priority_and_resumes_from_its_checkpoint(
-        make_cluster: Callable[..., Cluster], shared_tmp: Path) -> None:
+    make_cluster: Callable[..., Cluster], shared_tmp: Path
+) -> None:
     a, b, c = make_cluster("preempt")
     workdir = shared_tmp / "preempted"
     workdir.mkdir()
     script, starts = workdir / "train.py", workdir / "starts.jsonl"
     script.write_text(CHECKPOINTED)
-    low = a.submit("--preemptible", "--nnodes", "3", "--nproc-per-node", "2", "--max-restarts", "1",
-                   str(script), str(starts), cwd=str(workdir))["id"]
+    low = a.submit(
+        "--preemptible",
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(script),
+        str(starts),
+        cwd=str(workdir),
+    )["id"]
     first = pids(running_on(a, low, 3, 6))
     progress = workdir / "progress"
-    wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 5, 30, "5 steps done")
+    wait_for(
+        lambda: progress.exists() and len(progress.read_text().split()) >= 5, 30, "5 steps done"
+    )
 
     # a job of higher priority needs a whole node: low, at its min, is stopped and requeued
     high = b.submit("--priority", "5", "--nproc-per-node", "2", *SLEEP)["id"]
     running_on(b, high, 1, 2)
     queue_is(c, [(low, "Resources (preempted)")])
     assert wait_gone(list(first)) == [], "low's workers were stopped"
-    doc = wait_for(lambda: (d := c.ctl("status", low))["state"] != "RUNNING" and d, 30, "low stopped")
+    doc = wait_for(
+        lambda: (d := c.ctl("status", low))["state"] != "RUNNING" and d, 30, "low stopped"
+    )
     assert doc["state"] == "RESTARTING" and doc["restarts"] == 0, doc  # requeued: not FAILED
     row = queue_text(c)[0]
     assert row[1] == low and row[-3:-1] == ["Resources", "(preempted)"], row
@@ -308,8 +384,11 @@ def test_a_preemptible_job_is_requeued_for_a_higher_priority_and_resumes_from_it
     b.ctl("cancel", high)
     again = pids(running_on(a, low, 3, 6))
     assert not again & first, "its workers started again"
-    resumed = wait_for(lambda: [s for s in starts_of(starts) if s["pid"] in again and s["rank"] == 0],
-                       30, "rank 0 started again")
+    resumed = wait_for(
+        lambda: [s for s in starts_of(starts) if s["pid"] in again and s["rank"] == 0],
+        30,
+        "rank 0 started again",
+    )
     assert resumed[0]["step"] == stopped_at > 0, (resumed, stopped_at)
     assert a.ctl("status", low)["restarts"] == 0, "the preemption spent no restart"
     queue_is(c, [])
@@ -317,6 +396,7 @@ def test_a_preemptible_job_is_requeued_for_a_higher_priority_and_resumes_from_it
 
 
 # -- 5. the allocator's daemon dies --------------------------------------------------------------
+
 
 def observer(cluster: Cluster) -> tuple[str, int] | None:
     """The node that observes (and so allocates), and its term, from the store's record."""
@@ -337,20 +417,29 @@ def schedule_term(daemon: Daemon) -> int:
 
 @both_stores
 def test_the_allocators_daemon_killed_another_takes_over_and_jobs_run_and_start(
-        make_cluster: Callable[..., Cluster]) -> None:
+    make_cluster: Callable[..., Cluster],
+) -> None:
     """The allocator's node D dies while a job runs elsewhere (rigid), another runs on D and
     one other node (elastic, of higher priority: nothing of it is reclaimed), and a third
     waits.  Another node allocates within dead_after; the job elsewhere goes on untouched,
     the one on D goes on without it (no restart spent); the waiting job starts when the
     first ends."""
-    cluster = make_cluster("takeover", store_apart=True)  # (c10d: the store stays when any node dies)
+    cluster = make_cluster(
+        "takeover", store_apart=True
+    )  # (c10d: the store stays when any node dies)
     name, term = wait_for(lambda: observer(cluster), 30, "an observer")
-    wait_for(lambda: all(schedule_term(d) == term for d in cluster), 30, f"every node follows term {term}")
+    wait_for(
+        lambda: all(schedule_term(d) == term for d in cluster),
+        30,
+        f"every node follows term {term}",
+    )
     (dying,) = [d for d in cluster if d.name == name]
     first, second = [d for d in cluster if d is not dying]
     rigid = first.submit("--nproc-per-node", "2", "--exclude", dying.name, *SLEEP)["id"]
     before = running_on(first, rigid, 1, 2)
-    elastic = second.submit("--priority", "1", "--nnodes", "1:2", "--nproc-per-node", "1", *SLEEP)["id"]
+    elastic = second.submit("--priority", "1", "--nnodes", "1:2", "--nproc-per-node", "1", *SLEEP)[
+        "id"
+    ]
     on_both = running_on(second, elastic, 2, 2)
     assert dying.name in {w["node"] for w in on_both["workers"]}
     waiting = second.submit("--nproc-per-node", "2", "--exclude", dying.name, *SLEEP)["id"]
@@ -359,8 +448,11 @@ def test_the_allocators_daemon_killed_another_takes_over_and_jobs_run_and_start(
     killed = time.monotonic()
     dying.signal(signal.SIGKILL)
     dying.wait_exit(30)
-    wait_for(lambda: schedule_term(first) > term and schedule_term(second) > term, 30,
-             "a schedule of a later term")
+    wait_for(
+        lambda: schedule_term(first) > term and schedule_term(second) > term,
+        30,
+        "a schedule of a later term",
+    )
     took = time.monotonic() - killed
     new_name, new_term = observer(cluster)
     assert new_name in (first.name, second.name) and new_term > term
@@ -369,6 +461,7 @@ def test_the_allocators_daemon_killed_another_takes_over_and_jobs_run_and_start(
     # the rigid job goes on untouched, the elastic one without the dead node; one still waits
     doc = first.ctl("status", rigid)
     assert doc["state"] == "RUNNING" and doc["restarts"] == 0 and pids(doc) == pids(before), doc
+
     def without_the_dead_node() -> dict[str, Any] | None:  # its rank is listed, LOST, until then
         doc = running_on(second, elastic, 1, 1)
         return doc if dying.name not in {w["node"] for w in doc["workers"]} else None

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from harness import worker_args
+from prometheus_client.parser import text_string_to_metric_families
 from store_attack import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -25,8 +24,11 @@ def scrape(daemon: Any) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample of the daemon's /metrics: (name, labels) -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def sample(daemon: Any, name: str, **labels: str) -> float | None:
@@ -34,8 +36,15 @@ def sample(daemon: Any, name: str, **labels: str) -> float | None:
 
 
 def world(daemon: Any, job: str, size: int) -> dict[str, Any]:
-    return daemon.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == size and sum(
-        w["state"] == "HEALTHY" for w in d["workers"]) == size, timeout=120)
+    return daemon.wait_job(
+        job,
+        lambda d: (
+            d["state"] == "RUNNING"
+            and d["world_size"] == size
+            and sum(w["state"] == "HEALTHY" for w in d["workers"]) == size
+        ),
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -49,20 +58,31 @@ def cluster(daemon_factory: Any, shared_tmp: Path) -> Cluster:
 def test_a_reclaim_a_wait_and_the_allocator_show_on_the_metrics_endpoints(cluster: Cluster) -> None:
     a, b = cluster
     began = time.time()
-    big = a.submit("--nnodes", "1:2", "--nproc-per-node", "1", "--last-call-timeout", "1",
-                   *worker_args("--sleep", "0"))["id"]
+    big = a.submit(
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--last-call-timeout",
+        "1",
+        *worker_args("--sleep", "0"),
+    )["id"]
     world(a, big, 2)
 
     # one node allocates, in the term of the schedule both follow
     def one_allocator() -> list[float] | None:
         terms = [sample(d, "elasticd_allocator_term") for d in cluster]
         return terms if sorted(terms)[0] == 0 < sorted(terms)[1] else None
+
     terms = wait_for(one_allocator, 30, "one allocator")
     term = max(terms)
     allocator = cluster[terms.index(term)]
     assert sample(allocator, "elasticd_allocator_schedule_number") >= 1
-    wait_for(lambda: all(sample(d, "elasticd_schedule_term") == term for d in cluster), 30,
-             "both follow the allocator's schedule")
+    wait_for(
+        lambda: all(sample(d, "elasticd_schedule_term") == term for d in cluster),
+        30,
+        "both follow the allocator's schedule",
+    )
 
     # a job that needs a whole node (2 slots), submitted on b: only a reclaim admits it
     submitted = time.time()
@@ -77,8 +97,11 @@ def test_a_reclaim_a_wait_and_the_allocator_show_on_the_metrics_endpoints(cluste
 
     # each job's wait once, on the node it was submitted on
     for daemon, since in ((a, began), (b, submitted)):
-        wait_for(lambda: sample(daemon, "elasticd_job_wait_seconds_count") == 1, 30,
-                 f"{daemon.name} observed its job's wait")
+        wait_for(
+            lambda: sample(daemon, "elasticd_job_wait_seconds_count") == 1,
+            30,
+            f"{daemon.name} observed its job's wait",
+        )
         assert 0 <= sample(daemon, "elasticd_job_wait_seconds_sum") <= time.time() - since
 
     # a third job waits for room (b full, a's other slot too few): every node says so
@@ -86,12 +109,18 @@ def test_a_reclaim_a_wait_and_the_allocator_show_on_the_metrics_endpoints(cluste
     queued = wait_for(lambda: a.ctl("queue")["jobs"], 30, "the job queued")
     assert [(j["id"], j["reason"]) for j in queued] == [(waiter, "Resources")]
     for daemon in cluster:
-        wait_for(lambda: sample(daemon, "elasticd_jobs_waiting", reason="Resources") == 1, 30,
-                 f"{daemon.name} counts the waiting job")
+        wait_for(
+            lambda: sample(daemon, "elasticd_jobs_waiting", reason="Resources") == 1,
+            30,
+            f"{daemon.name} counts the waiting job",
+        )
         assert sample(daemon, "elasticd_jobs_waiting", reason="Priority") == 0
     first = sample(a, "elasticd_longest_wait_seconds", reason="Resources")
-    wait_for(lambda: sample(a, "elasticd_longest_wait_seconds", reason="Resources") > first, 10,
-             "the longest wait grows")
+    wait_for(
+        lambda: sample(a, "elasticd_longest_wait_seconds", reason="Resources") > first,
+        10,
+        "the longest wait grows",
+    )
     assert sample(allocator, "elasticd_scheduler_plan_seconds_count") >= 3
 
     # what each node's parts used, per account (the user's primary group: root's)
@@ -101,8 +130,11 @@ def test_a_reclaim_a_wait_and_the_allocator_show_on_the_metrics_endpoints(cluste
     # the waiting job cancelled, the small one ended: big grows back, counted by the allocator
     a.ctl("cancel", waiter)
     for daemon in cluster:
-        wait_for(lambda: sample(daemon, "elasticd_jobs_waiting", reason="Resources") == 0, 30,
-                 f"{daemon.name} counts no waiting job")
+        wait_for(
+            lambda: sample(daemon, "elasticd_jobs_waiting", reason="Resources") == 0,
+            30,
+            f"{daemon.name} counts no waiting job",
+        )
     grown = [sample(d, "elasticd_scheduler_grown_nodes_total") for d in cluster]
     b.ctl("cancel", small)
     world(a, big, 2)

@@ -39,26 +39,63 @@ def one_node_cluster(daemon_factory, shared_tmp: Path, config: str = "") -> Daem
     than it has, and waits for them)."""
     path = shared_tmp / "cluster.toml"
     path.write_text("[node]\npeer_port = 0\n" + config)
-    return daemon_factory("sh1", standalone=False, args=(
-        "--config", str(path), "--cluster", f"sh-{uuid.uuid4().hex[:8]}",
-        "--store", f"127.0.0.1:{free_port()}", "--store-host", "--node-address", "127.0.0.1",
-        "--slots", "2", "--allow-root")).start()
+    return daemon_factory(
+        "sh1",
+        standalone=False,
+        args=(
+            "--config",
+            str(path),
+            "--cluster",
+            f"sh-{uuid.uuid4().hex[:8]}",
+            "--store",
+            f"127.0.0.1:{free_port()}",
+            "--store-host",
+            "--node-address",
+            "127.0.0.1",
+            "--slots",
+            "2",
+            "--allow-root",
+        ),
+    ).start()
 
 
 def test_the_options_land_in_the_spec_and_status_shows_them(daemon_factory, shared_tmp):
     daemon = one_node_cluster(daemon_factory, shared_tmp)
-    job = daemon.submit("--priority", "7", "--account", "ml", "--preemptible", "--nnodes", "2:4",
-                        "--nnodes-step", "2", *worker_args("--sleep", "0"))
-    assert (job["priority"], job["account"], job["preemptible"], job["nnodes_step"]) == (7, "ml", True, 2)
+    job = daemon.submit(
+        "--priority",
+        "7",
+        "--account",
+        "ml",
+        "--preemptible",
+        "--nnodes",
+        "2:4",
+        "--nnodes-step",
+        "2",
+        *worker_args("--sleep", "0"),
+    )
+    assert (job["priority"], job["account"], job["preemptible"], job["nnodes_step"]) == (
+        7,
+        "ml",
+        True,
+        2,
+    )
     shown = daemon.ctl_run("status", job["id"])
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     at = lines.index("account:      ml")
-    assert lines[at:at + 4] == ["account:      ml", "priority:     7", "nnodes step:  2",
-                                "preemptible:  yes"]
+    assert lines[at : at + 4] == [
+        "account:      ml",
+        "priority:     7",
+        "nnodes step:  2",
+        "preemptible:  yes",
+    ]
     plain = daemon.submit("--priority", "-2", *worker_args("--sleep", "0"))
-    assert (plain["priority"], plain["account"], plain["preemptible"], plain["nnodes_step"]) == \
-        (-2, "root", False, 1)
+    assert (plain["priority"], plain["account"], plain["preemptible"], plain["nnodes_step"]) == (
+        -2,
+        "root",
+        False,
+        1,
+    )
     text = daemon.ctl_run("status", plain["id"]).stdout
     assert "account:      root" in text and "priority:     -2" in text
     assert "nnodes step" not in text and "preemptible" not in text
@@ -82,37 +119,58 @@ def test_a_user_charges_their_primary_group_and_no_group_of_others(daemon, share
     job = daemon.ctl("submit", *worker_args(), user="nobody", cwd=str(shared_tmp))
     assert (job["user"], job["account"]) == ("nobody", group)
     assert daemon.ctl("status", job["id"])["account"] == group
-    named = daemon.ctl("submit", "--account", group, *worker_args(), user="nobody", cwd=str(shared_tmp))
+    named = daemon.ctl(
+        "submit", "--account", group, *worker_args(), user="nobody", cwd=str(shared_tmp)
+    )
     assert named["account"] == group
     said = refused(daemon, "--account", "root", user="nobody", cwd=shared_tmp)
-    assert said == (f"elasticctl: --account root: nobody may charge jobs only to a group they are "
-                    f"in ({group}); root and the admin group may name any account\n")
+    assert said == (
+        f"elasticctl: --account root: nobody may charge jobs only to a group they are "
+        f"in ({group}); root and the admin group may name any account\n"
+    )
     anyone = daemon.submit("--account", "physics", *worker_args())  # root may name any
     assert anyone["account"] == "physics"
 
 
 @needs_root
-def test_a_priority_over_the_bound_is_refused_until_the_config_raises_it(daemon_factory, shared_tmp):
+def test_a_priority_over_the_bound_is_refused_until_the_config_raises_it(
+    daemon_factory, shared_tmp
+):
     config = shared_tmp / "sched.toml"
     config.write_text("[scheduler]\nmax_priority = 2\n")
     daemon = daemon_factory(args=("--config", str(config), "--slots", "2")).start()
-    assert daemon.ctl("submit", "--priority", "2", *worker_args(), user="nobody",
-                      cwd=str(shared_tmp))["priority"] == 2
-    assert daemon.ctl("submit", "--priority", "-1000", *worker_args(), user="nobody",
-                      cwd=str(shared_tmp))["priority"] == -1000
+    assert (
+        daemon.ctl("submit", "--priority", "2", *worker_args(), user="nobody", cwd=str(shared_tmp))[
+            "priority"
+        ]
+        == 2
+    )
+    assert (
+        daemon.ctl(
+            "submit", "--priority", "-1000", *worker_args(), user="nobody", cwd=str(shared_tmp)
+        )["priority"]
+        == -1000
+    )
     said = refused(daemon, "--priority", "5", user="nobody", cwd=shared_tmp)
-    assert said == ("elasticctl: --priority 5 is over 2, the highest nobody may ask "
-                    "(scheduler.max_priority = 2): an operator raises it with "
-                    "scheduler.priority_users.nobody or scheduler.priority_groups.<group>\n")
+    assert said == (
+        "elasticctl: --priority 5 is over 2, the highest nobody may ask "
+        "(scheduler.max_priority = 2): an operator raises it with "
+        "scheduler.priority_users.nobody or scheduler.priority_groups.<group>\n"
+    )
     assert daemon.submit("--priority", "1000", *worker_args())["priority"] == 1000  # root: any
 
     daemon.stop()
     config.write_text("[scheduler]\nmax_priority = 2\npriority_users = {nobody = 5}\n")
     daemon.start()
-    job = daemon.ctl("submit", "--priority", "5", *worker_args(), user="nobody", cwd=str(shared_tmp))
+    job = daemon.ctl(
+        "submit", "--priority", "5", *worker_args(), user="nobody", cwd=str(shared_tmp)
+    )
     assert daemon.ctl("status", job["id"])["priority"] == 5
     said = refused(daemon, "--priority", "6", user="nobody", cwd=shared_tmp)
-    assert "--priority 6 is over 5, the highest nobody may ask (scheduler.priority_users.nobody = 5)" in said
+    assert (
+        "--priority 6 is over 5, the highest nobody may ask (scheduler.priority_users.nobody = 5)"
+        in said
+    )
 
 
 @needs_root
@@ -123,19 +181,37 @@ def test_a_group_raises_its_members_bound_and_may_be_charged_by_them(daemon_fact
         # users["admins"] is a plain group here: the daemon's admin group is another
         group, member = users["admins"], users["admin_member"]
         config = shared_tmp / "groups.toml"
-        config.write_text(f'[control]\nadmin_group = "no-such-group-{group}"\n'
-                          f"[scheduler]\npriority_groups = {{{group} = 50}}\n")
+        config.write_text(
+            f'[control]\nadmin_group = "no-such-group-{group}"\n'
+            f"[scheduler]\npriority_groups = {{{group} = 50}}\n"
+        )
         daemon = daemon_factory(args=("--config", str(config), "--slots", "2")).start()
-        job = daemon.ctl("submit", "--account", group, "--priority", "50", *worker_args(),
-                         user=member, cwd=str(shared_tmp))
+        job = daemon.ctl(
+            "submit",
+            "--account",
+            group,
+            "--priority",
+            "50",
+            *worker_args(),
+            user=member,
+            cwd=str(shared_tmp),
+        )
         assert (job["account"], job["priority"]) == (group, 50)
-        assert daemon.ctl("submit", *worker_args(), user=member,
-                          cwd=str(shared_tmp))["account"] == member  # useradd -U: own group
+        assert (
+            daemon.ctl("submit", *worker_args(), user=member, cwd=str(shared_tmp))["account"]
+            == member
+        )  # useradd -U: own group
         outsider = users["outsider"]
         said = refused(daemon, "--account", group, user=outsider, cwd=shared_tmp)
-        assert f"--account {group}: {outsider} may charge jobs only to a group they are in ({outsider})" in said
+        assert (
+            f"--account {group}: {outsider} may charge jobs only to a group they are in ({outsider})"
+            in said
+        )
         said = refused(daemon, "--priority", "50", user=outsider, cwd=shared_tmp)
-        assert f"--priority 50 is over 0, the highest {outsider} may ask (scheduler.max_priority = 0)" in said
+        assert (
+            f"--priority 50 is over 0, the highest {outsider} may ask (scheduler.max_priority = 0)"
+            in said
+        )
         for row in daemon.ctl("list"):
             if row["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
                 daemon.ctl("cancel", row["id"])

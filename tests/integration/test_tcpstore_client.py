@@ -46,8 +46,12 @@ def server():
 def store_host():
     """A TCPStore hosted by another process, to be SIGSTOPped: a partition as a client sees
     it (the connection is up, nothing answers)."""
-    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    host = subprocess.Popen(
+        [sys.executable, "-c", STORE_HOST],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+    )
     try:
         yield host, host.stdout.readline().strip()
     finally:
@@ -85,8 +89,11 @@ def run(coro):
 
 def connections_to(port: int) -> set[int]:
     """The local ports of this process's open connections to ``port``."""
-    return {c.laddr.port for c in psutil.Process().net_connections("tcp")
-            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+    return {
+        c.laddr.port
+        for c in psutil.Process().net_connections("tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    }
 
 
 def free_port() -> int:
@@ -138,6 +145,7 @@ def test_a_timed_out_wait_is_cancelled_on_the_wire_and_its_connection_kept(serve
 def test_a_wait_whose_caller_gave_up_frees_its_place(server):
     """One wait at a time: the abandoned 60 s wait must not hold the second one behind it
     (the second would time out after its 5 s instead of seeing its key)."""
+
     async def scenario():
         store = TCPStoreClient(server.endpoint, waits=1)
         try:
@@ -257,6 +265,7 @@ def test_a_restarted_store_fails_one_call_then_the_client_reconnects():
 
 def test_a_peer_that_is_not_a_tcpstore_is_an_error_not_a_hang():
     """An HTTP-ish server that answers the handshake with text."""
+
     async def scenario():
         async def liar(reader, writer):
             await reader.read(64)
@@ -287,7 +296,9 @@ def test_calls_queued_behind_a_stuck_one_keep_their_own_deadlines(store_host):
             await client.set("k", b"v")
             freeze(host.pid)
             started = time.monotonic()
-            results = await asyncio.gather(*(client.get("k") for _ in range(3)), return_exceptions=True)
+            results = await asyncio.gather(
+                *(client.get("k") for _ in range(3)), return_exceptions=True
+            )
             return time.monotonic() - started, results
         finally:
             await client.close()
@@ -356,6 +367,7 @@ def test_a_call_racing_close_fails_and_leaves_no_connection(server):
 def test_connect_retries_a_peer_that_breaks_off_the_handshake():
     """A store host that accepts and drops connections while it starts: connect keeps trying
     until a TCPStore answers there."""
+
     async def scenario():
         dropped = []
 
@@ -391,12 +403,13 @@ def test_connect_retries_a_peer_that_breaks_off_the_handshake():
 
 def test_a_peer_announcing_a_huge_value_is_refused_before_buffering_it():
     """A peer that passes the handshake, then announces a 8 EiB value and streams zeros."""
+
     async def scenario():
         async def hostile(reader, writer):
             await reader.readexactly(1 + 4 + 1 + 4)  # VALIDATE and PING
             writer.write(struct.pack("<I", os.getpid() & 0xFFFFFFFF))
             await reader.read(1 << 16)  # the request
-            writer.write(struct.pack("<Q", 2 ** 63))
+            writer.write(struct.pack("<Q", 2**63))
             try:
                 while True:
                     writer.write(b"\0" * (1 << 20))
@@ -419,10 +432,13 @@ def test_a_peer_announcing_a_huge_value_is_refused_before_buffering_it():
 def test_a_wait_queued_for_a_slot_still_ends_false_at_its_timeout(server):
     """One wait slot, two 1 s waits for a key that never comes: both return False (the second
     one's time in the queue counts against its own timeout, not against the store's)."""
+
     async def scenario():
         client = TCPStoreClient(server.endpoint, timeout=1.0, waits=1)
         try:
-            return await asyncio.gather(client.wait_for("never", 1.0), client.wait_for("never", 1.0))
+            return await asyncio.gather(
+                client.wait_for("never", 1.0), client.wait_for("never", 1.0)
+            )
         finally:
             await client.close()
 

@@ -59,13 +59,13 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
-
 from harness import CLIENT_ENV, FIXTURES, PY, Daemon, free_port
 
 pytestmark = pytest.mark.slow
@@ -78,15 +78,28 @@ LAUNCHERS = {"torchrun": (PY, "-m", "torch.distributed.run"), "elasticrun": (ELA
 TIMEOUT = 180.0
 
 # compared by value
-VALUES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-          "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
-          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-          "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
+VALUES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "OMP_NUM_THREADS",
+)
 # compared by presence (see the module's docstring)
 PRESENT = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
 # what the launchers' own environment must not bring in
-SCRUBBED = re.compile(r"^(PET_|TORCHELASTIC_|ELASTICD_|PYTEST_)|^(OMP_NUM_THREADS|LOGLEVEL|"
-                      r"PYTHONPATH|MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE)$")
+SCRUBBED = re.compile(
+    r"^(PET_|TORCHELASTIC_|ELASTICD_|PYTEST_)|^(OMP_NUM_THREADS|LOGLEVEL|"
+    r"PYTHONPATH|MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE)$"
+)
 # what bash sets itself in probe.sh (whether "_" is new depends on who started the test)
 SHELL_OWN = {"_", "PWD", "OLDPWD", "SHLVL", "PS1"}
 WORKER_LINE = re.compile(r"probe (out|err) \d+$")
@@ -95,79 +108,143 @@ WORKER_LINE = re.compile(r"probe (out|err) \d+$")
 @dataclass(frozen=True)
 class Scenario:
     id: str
-    args: tuple[str, ...]                  # "{out}" and "{logs}" are filled in
+    args: tuple[str, ...]  # "{out}" and "{logs}" are filled in
     env: dict[str, str] = field(default_factory=dict)
-    failure_text: str | None = None        # what the failure summary must tell
+    failure_text: str | None = None  # what the failure summary must tell
     expect_exit: int = 0
-    expect_files: tuple[str, ...] = ()      # among what the workers wrote
+    expect_files: tuple[str, ...] = ()  # among what the workers wrote
     expect_stdout: tuple[str, ...] | None = None  # the worker lines on stdout, sorted
 
 
 SCENARIOS = [
     # torch's test_script.py + env:// init: the environment, is_torchelastic_launched,
     # gloo all_reduce, and script arguments that look like launcher flags passed through
-    Scenario("script-env-allreduce-argv",
-             ("--nproc-per-node", "2", PROBE, "{out}", "--all-reduce", "--lr", "0.1",
-              "--nproc-per-node", "9", "--max-restarts=3", "-m")),
+    Scenario(
+        "script-env-allreduce-argv",
+        (
+            "--nproc-per-node",
+            "2",
+            PROBE,
+            "{out}",
+            "--all-reduce",
+            "--lr",
+            "0.1",
+            "--nproc-per-node",
+            "9",
+            "--max-restarts=3",
+            "-m",
+        ),
+    ),
     # a worker raising an exception (through @record): exit 1, rank 1 and its error named
-    Scenario("worker-raises", ("--nproc-per-node", "2", PROBE, "{out}", "--all-reduce",
-                               "--fail-rank", "1"),
-             failure_text="RuntimeError: probe failure from rank 1 attempt 0", expect_exit=1),
+    Scenario(
+        "worker-raises",
+        ("--nproc-per-node", "2", PROBE, "{out}", "--all-reduce", "--fail-rank", "1"),
+        failure_text="RuntimeError: probe failure from rank 1 attempt 0",
+        expect_exit=1,
+    ),
     # --max-restarts 1: the first attempt fails, the second succeeds (no all_reduce: see
     # probe.py on torchrun's own restarts)
-    Scenario("restart-once", ("--nproc-per-node", "2", "--max-restarts", "1", PROBE, "{out}",
-                              "--fail-rank", "1", "--fail-attempts", "1"),
-             expect_files=("rank_0.attempt_0.json", "rank_1.attempt_0.json",
-                           "rank_0.attempt_1.json", "rank_1.attempt_1.json")),
+    Scenario(
+        "restart-once",
+        (
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            PROBE,
+            "{out}",
+            "--fail-rank",
+            "1",
+            "--fail-attempts",
+            "1",
+        ),
+        expect_files=(
+            "rank_0.attempt_0.json",
+            "rank_1.attempt_0.json",
+            "rank_0.attempt_1.json",
+            "rank_1.attempt_1.json",
+        ),
+    ),
     # torch's test_script.sh: --no-python, and arguments after the script untouched
-    Scenario("no-python-shell", ("--nproc_per_node", "2", "--no-python", SHELL, "{out}",
-                                 "--flag", "a b", "--no-python")),
+    Scenario(
+        "no-python-shell",
+        ("--nproc_per_node", "2", "--no-python", SHELL, "{out}", "--flag", "a b", "--no-python"),
+    ),
     # a shell worker exiting 3 (no error file: the summary has only the exit code)
-    Scenario("no-python-shell-fails", ("--nproc_per_node", "2", "--no_python", SHELL, "{out}",
-                                       "--fail-rank", "1"),
-             failure_text="probe shell failure from rank 1", expect_exit=1),
+    Scenario(
+        "no-python-shell-fails",
+        ("--nproc_per_node", "2", "--no_python", SHELL, "{out}", "--fail-rank", "1"),
+        failure_text="probe shell failure from rank 1",
+        expect_exit=1,
+    ),
     # the issue's example: every option from PET_* variables
-    Scenario("pet-env-shell", (SHELL, "{out}"), env={"PET_NPROC_PER_NODE": "2",
-                                                      "PET_NO_PYTHON": "1"},
-             expect_files=("rank_0.attempt_0.env", "rank_1.attempt_0.env")),
+    Scenario(
+        "pet-env-shell",
+        (SHELL, "{out}"),
+        env={"PET_NPROC_PER_NODE": "2", "PET_NO_PYTHON": "1"},
+        expect_files=("rank_0.attempt_0.env", "rank_1.attempt_0.env"),
+    ),
     # one worker (the default): no OMP_NUM_THREADS
     Scenario("default-nproc-shell", ("--no-python", SHELL, "{out}")),
     Scenario("module", ("--nproc-per-node", "2", "-m", "probe", "{out}", "--x", "1")),
     Scenario("run-path", ("--nproc-per-node", "2", "--run-path", PROBE, "{out}", "--x", "1")),
     Scenario("nproc-cpu", ("--nproc-per-node", "cpu", "--no-python", SHELL, "{out}")),
     Scenario("nproc-auto", ("--nproc_per_node", "auto", "--no-python", SHELL, "{out}")),
-    Scenario("role-and-tee", ("--nproc-per-node", "2", "--role", "trainer", "--tee", "3",
-                              "--no-python", SHELL, "{out}")),
-    Scenario("tee-prefix-template", ("--nproc-per-node", "2", "-t", "3", "--no-python", SHELL,
-                                     "{out}"),
-             env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}|${rank}|${local_rank}> "}),
-    Scenario("tee-stdout-only", ("--nproc-per-node", "2", "--tee", "1", "--no-python", SHELL,
-                                 "{out}")),
-    Scenario("redirects", ("--nproc-per-node", "2", "--redirects", "3", "--no-python", SHELL,
-                           "{out}"), expect_stdout=()),
-    Scenario("local-ranks-filter", ("--nproc-per-node", "2", "--local-ranks-filter", "1",
-                                    "--no-python", SHELL, "{out}"),
-             expect_stdout=("probe out 1",)),
-    Scenario("log-dir-redirects", ("--nproc-per-node", "2", "--log-dir", "{logs}", "-r", "3",
-                                   "--no-python", SHELL, "{out}")),
+    Scenario(
+        "role-and-tee",
+        ("--nproc-per-node", "2", "--role", "trainer", "--tee", "3", "--no-python", SHELL, "{out}"),
+    ),
+    Scenario(
+        "tee-prefix-template",
+        ("--nproc-per-node", "2", "-t", "3", "--no-python", SHELL, "{out}"),
+        env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}|${rank}|${local_rank}> "},
+    ),
+    Scenario(
+        "tee-stdout-only", ("--nproc-per-node", "2", "--tee", "1", "--no-python", SHELL, "{out}")
+    ),
+    Scenario(
+        "redirects",
+        ("--nproc-per-node", "2", "--redirects", "3", "--no-python", SHELL, "{out}"),
+        expect_stdout=(),
+    ),
+    Scenario(
+        "local-ranks-filter",
+        ("--nproc-per-node", "2", "--local-ranks-filter", "1", "--no-python", SHELL, "{out}"),
+        expect_stdout=("probe out 1",),
+    ),
+    Scenario(
+        "log-dir-redirects",
+        ("--nproc-per-node", "2", "--log-dir", "{logs}", "-r", "3", "--no-python", SHELL, "{out}"),
+    ),
     # multi-node launch flags on a one-node job, and env:// through them
-    Scenario("standalone", ("--standalone", "--nnodes", "1", "--nproc-per-node", "2", PROBE,
-                            "{out}", "--all-reduce")),
+    Scenario(
+        "standalone",
+        ("--standalone", "--nnodes", "1", "--nproc-per-node", "2", PROBE, "{out}", "--all-reduce"),
+    ),
 ]
 
 # (scenario id or "*", a regular expression over the normalized result's flat keys) -> the
 # value each launcher must show
 WORKER_ENV = r"files/rank_\d+\.attempt_\d+\.(json/env|env)"
 KNOWN: dict[tuple[str, str], dict[str, Any]] = {
-    ("*", WORKER_ENV + "/TORCHELASTIC_USE_AGENT_STORE"): {"torchrun": "True", "elasticrun": "False"},
+    ("*", WORKER_ENV + "/TORCHELASTIC_USE_AGENT_STORE"): {
+        "torchrun": "True",
+        "elasticrun": "False",
+    },
     # elasticd puts its worker library (elasticd.elastic) first on PYTHONPATH
-    ("*", WORKER_ENV + "/PYTHONPATH"): {"torchrun": [str(LAUNCHERS_DIR)],
-                                         "elasticrun": ["<added>", str(LAUNCHERS_DIR)]},
+    ("*", WORKER_ENV + "/PYTHONPATH"): {
+        "torchrun": [str(LAUNCHERS_DIR)],
+        "elasticrun": ["<added>", str(LAUNCHERS_DIR)],
+    },
     # elasticd hides the node's GPUs from CPU workers (they belong to other jobs)
     ("nproc-cpu", WORKER_ENV + "/added"): {
         "torchrun": ["TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"],
-        "elasticrun": ["CUDA_VISIBLE_DEVICES", "TORCHELASTIC_SIGNALS_TO_HANDLE",
-                       "TORCH_NCCL_ASYNC_ERROR_HANDLING"]},
+        "elasticrun": [
+            "CUDA_VISIBLE_DEVICES",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        ],
+    },
     # without an error file torchrun's summary has only the exit code; elasticrun's carries
     # the tail of the failing rank's stderr
     ("no-python-shell-fails", "failure/text_in_summary"): {"torchrun": False, "elasticrun": True},
@@ -175,6 +252,7 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
 
 
 # -- running and observing ------------------------------------------------------------------
+
 
 @dataclass
 class Run:
@@ -197,8 +275,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 def launcher_env(daemon: Daemon, scenario: Scenario, port: int) -> dict[str, str]:
     env = {k: v for k, v in CLIENT_ENV.items() if not SCRUBBED.search(k)}
-    env.update(PYTHONPATH=str(LAUNCHERS_DIR), PYTHONDONTWRITEBYTECODE="1",
-               ELASTICD_SOCKET=daemon.socket, PET_MASTER_PORT=str(port))
+    env.update(
+        PYTHONPATH=str(LAUNCHERS_DIR),
+        PYTHONDONTWRITEBYTECODE="1",
+        ELASTICD_SOCKET=daemon.socket,
+        PET_MASTER_PORT=str(port),
+    )
     env.update(scenario.env)
     return env
 
@@ -210,8 +292,15 @@ def launch(launcher: str, scenario: Scenario, cwd: Path, env: dict[str, str]) ->
     out.mkdir()
     args = [a.format(out=out, logs=logs) for a in scenario.args]
     argv = [*LAUNCHERS[launcher], *args]
-    with subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, stdin=subprocess.DEVNULL) as proc:
+    with subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -221,8 +310,10 @@ def launch(launcher: str, scenario: Scenario, cwd: Path, env: dict[str, str]) ->
                 child.kill()
             proc.kill()
             stdout, stderr = proc.communicate()
-            pytest.fail(f"{launcher} did not end in {TIMEOUT} s: {' '.join(argv)}\n"
-                        f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}")
+            pytest.fail(
+                f"{launcher} did not end in {TIMEOUT} s: {' '.join(argv)}\n"
+                f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
+            )
     return Run(launcher, argv, proc.returncode, stdout, stderr)
 
 
@@ -263,8 +354,9 @@ def worker_env(env: dict[str, str], given: dict[str, str]) -> dict[str, Any]:
     seen: dict[str, Any] = {k: env.get(k) for k in VALUES}
     seen.update({k: bool(env.get(k)) for k in PRESENT})
     given_path = given.get("PYTHONPATH", "").split(os.pathsep)
-    seen["PYTHONPATH"] = [p if p in given_path else "<added>"
-                          for p in env.get("PYTHONPATH", "").split(os.pathsep)]
+    seen["PYTHONPATH"] = [
+        p if p in given_path else "<added>" for p in env.get("PYTHONPATH", "").split(os.pathsep)
+    ]
     compared = set(VALUES) | set(PRESENT) | {"PYTHONPATH"} | SHELL_OWN
     seen["added"] = sorted(set(env) - set(given) - compared)
     seen["changed"] = sorted(k for k in set(given) - compared if k in env and env[k] != given[k])
@@ -290,10 +382,16 @@ def failure_facts(run: Run, text: str) -> dict[str, Any]:
     """The failure summary as facts: the root cause's rank and exit code, whether the
     summary carries ``text``, and whether ``text`` reached the launcher's stderr at all."""
     summary = failure_summary(run)
-    facts: dict[str, Any] = {"summary_found": summary is not None, "text_on_stderr": text in run.stderr}
+    facts: dict[str, Any] = {
+        "summary_found": summary is not None,
+        "text_on_stderr": text in run.stderr,
+    }
     if summary is not None:
-        facts.update(rank=summary_field(summary, "rank"), exitcode=summary_field(summary, "exitcode"),
-                     text_in_summary=text in summary)
+        facts.update(
+            rank=summary_field(summary, "rank"),
+            exitcode=summary_field(summary, "exitcode"),
+            text_in_summary=text in summary,
+        )
     return facts
 
 
@@ -330,17 +428,21 @@ def known_for(scenario: Scenario, key: str) -> dict[str, Any] | None:
 def describe(runs: dict[str, Run], results: dict[str, dict[str, Any]]) -> str:
     parts = []
     for name, run in runs.items():
-        parts.append(f"--- {name}: {' '.join(run.argv)} -> exit {run.exit_code}\n"
-                     f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-4000:]}\n"
-                     f"result:\n{json.dumps(results[name], indent=1, sort_keys=True)[:6000]}")
+        parts.append(
+            f"--- {name}: {' '.join(run.argv)} -> exit {run.exit_code}\n"
+            f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-4000:]}\n"
+            f"result:\n{json.dumps(results[name], indent=1, sort_keys=True)[:6000]}"
+        )
     return "\n".join(parts)
 
 
 # -- the test -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.id for s in SCENARIOS])
-def test_same_result_under_torchrun_and_elasticrun(scenario: Scenario, daemon: Daemon,
-                                                   tmp_path: Path) -> None:
+def test_same_result_under_torchrun_and_elasticrun(
+    scenario: Scenario, daemon: Daemon, tmp_path: Path
+) -> None:
     env = launcher_env(daemon, scenario, free_port())
     runs, results = {}, {}
     for launcher in LAUNCHERS:
@@ -351,16 +453,24 @@ def test_same_result_under_torchrun_and_elasticrun(scenario: Scenario, daemon: D
     for key in sorted(set(torchrun) | set(elasticrun)):
         pinned = known_for(scenario, key)
         if pinned is not None:  # a known difference: each side shows exactly its value
-            assert (torchrun.get(key), elasticrun.get(key)) == (pinned["torchrun"], pinned["elasticrun"]), \
-                f"{key}: the known difference changed\n{context}"
+            assert (torchrun.get(key), elasticrun.get(key)) == (
+                pinned["torchrun"],
+                pinned["elasticrun"],
+            ), f"{key}: the known difference changed\n{context}"
             torchrun.pop(key, None)
             elasticrun.pop(key, None)
-    differing = {k: (torchrun.get(k, "<absent>"), elasticrun.get(k, "<absent>"))
-                 for k in sorted(set(torchrun) | set(elasticrun)) if torchrun.get(k, "<absent>") != elasticrun.get(k, "<absent>")}
+    differing = {
+        k: (torchrun.get(k, "<absent>"), elasticrun.get(k, "<absent>"))
+        for k in sorted(set(torchrun) | set(elasticrun))
+        if torchrun.get(k, "<absent>") != elasticrun.get(k, "<absent>")
+    }
     if differing:
-        pytest.fail(f"{scenario.id}: torchrun and elasticrun differ (torchrun's, elasticrun's):\n"
-                    + "".join(f"  {k}: {v[0]!r} != {v[1]!r}\n" for k, v in differing.items())
-                    + context, pytrace=False)
+        pytest.fail(
+            f"{scenario.id}: torchrun and elasticrun differ (torchrun's, elasticrun's):\n"
+            + "".join(f"  {k}: {v[0]!r} != {v[1]!r}\n" for k, v in differing.items())
+            + context,
+            pytrace=False,
+        )
     check_scenario_facts(scenario, results["torchrun"], runs["torchrun"])
 
 

@@ -13,7 +13,6 @@ import pwd
 from pathlib import Path
 
 import pytest
-
 from harness import fake_nvidia_smi, free_port, wait_gone
 from store_attack import metric, wait_for
 
@@ -42,13 +41,17 @@ def test_a_script_in_a_directory_nobody_owns_stops_start_up_unrun(daemon_factory
     script = executable(home / "discover", f"#!/bin/sh\nid -u > {ran}\necho n1\n")
     os.chown(home, NOBODY, -1)
     os.chown(script, NOBODY, -1)
-    daemon = daemon_factory(f"rs1-{os.getpid()}", args=("--config", discovery_config(shared_tmp, script)))
+    daemon = daemon_factory(
+        f"rs1-{os.getpid()}", args=("--config", discovery_config(shared_tmp, script))
+    )
     daemon.start(wait=False)
     assert daemon.wait_exit(30) == 1
     errors = [line for line in daemon.log_text().splitlines() if " ERROR " in line]
     assert len(errors) == 1, errors
-    assert (f"config key 'discovery.script': refusing to run {script} is not root's alone: "
-            f"{home} belongs to nobody (uid {NOBODY})") in errors[0]
+    assert (
+        f"config key 'discovery.script': refusing to run {script} is not root's alone: "
+        f"{home} belongs to nobody (uid {NOBODY})"
+    ) in errors[0]
     assert not ran.exists() and not os.path.exists(daemon.socket)
 
 
@@ -56,11 +59,16 @@ def test_each_run_is_reaped_and_a_script_handed_to_nobody_is_refused(daemon_fact
     runs = shared_tmp / "runs"
     children = shared_tmp / "children"
     name = f"rs2-{os.getpid()}"
-    script = executable(shared_tmp / "discover", (
-        f"#!/bin/sh\necho $$ >> {runs}\n"
-        f"sleep 300 </dev/null >/dev/null 2>&1 &\necho $! >> {children}\necho {name}\n"))
-    daemon = daemon_factory(name, metrics_port=free_port(),
-                            args=("--config", discovery_config(shared_tmp, script))).start()
+    script = executable(
+        shared_tmp / "discover",
+        (
+            f"#!/bin/sh\necho $$ >> {runs}\n"
+            f"sleep 300 </dev/null >/dev/null 2>&1 &\necho $! >> {children}\necho {name}\n"
+        ),
+    )
+    daemon = daemon_factory(
+        name, metrics_port=free_port(), args=("--config", discovery_config(shared_tmp, script))
+    ).start()
 
     def lines(path: Path) -> list[str]:
         return path.read_text().split() if path.exists() else []
@@ -71,11 +79,17 @@ def test_each_run_is_reaped_and_a_script_handed_to_nobody_is_refused(daemon_fact
 
     os.chown(script, NOBODY, -1)  # nobody could change it from now on
     before = metric(daemon, "elasticd_discovery_failures_total")
-    wait_for(lambda: metric(daemon, "elasticd_discovery_failures_total") >= before + 3, 60,
-             "three refused runs")
+    wait_for(
+        lambda: metric(daemon, "elasticd_discovery_failures_total") >= before + 3,
+        60,
+        "three refused runs",
+    )
     count = len(lines(runs))
-    wait_for(lambda: metric(daemon, "elasticd_discovery_failures_total") >= before + 6, 60,
-             "three more refused runs")
+    wait_for(
+        lambda: metric(daemon, "elasticd_discovery_failures_total") >= before + 6,
+        60,
+        "three more refused runs",
+    )
     assert len(lines(runs)) <= count + 1  # at most the run that was under way at the chown
     warnings = [line for line in daemon.log_text().splitlines() if "refusing to run" in line]
     assert len(warnings) == 1 and " WARNING " in warnings[0]  # once, while it stays so
@@ -92,5 +106,7 @@ def test_an_nvidia_smi_that_nobody_could_change_is_not_run(daemon_factory, share
     os.chown(shared_tmp / "bin", NOBODY, -1)
     daemon = daemon_factory(f"rs3-{os.getpid()}", env=env).start()
     assert daemon.ctl("nodes")[0]["gpus_total"] == 0
-    assert (f"not running {shared_tmp / 'bin' / 'nvidia-smi'} is not root's alone: "
-            f"{shared_tmp / 'bin'} belongs to nobody") in daemon.log_text()
+    assert (
+        f"not running {shared_tmp / 'bin' / 'nvidia-smi'} is not root's alone: "
+        f"{shared_tmp / 'bin'} belongs to nobody"
+    ) in daemon.log_text()

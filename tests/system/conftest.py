@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
-from store_backends import BACKENDS, C10D, ETCD, SyncEtcd, etcd_store_lines
 from harness import Daemon, free_port
+from store_backends import BACKENDS, C10D, ETCD, SyncEtcd, etcd_store_lines
+
 from elasticd.store.signing import create_key
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "c10d_only(reason): a system test about the TCPStore "
-                                       "(its host, its port), run on the c10d backend only")
+    config.addinivalue_line(
+        "markers",
+        "c10d_only(reason): a system test about the TCPStore "
+        "(its host, its port), run on the c10d backend only",
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -40,10 +44,21 @@ class Cluster:
     ``port``); etcd: every daemon is a client of ``etcd`` (a tests/fixtures/etcd.py
     EtcdCluster, which the caller owns), no daemon hosts anything."""
 
-    def __init__(self, base: Path, size: int, *, slots: int = 2, env: dict[str, str] | None = None,
-                 extra: tuple[str, ...] = (), backend: str = C10D, etcd: Any = None,
-                 resize_interval: float | None = 1.0) -> None:
-        assert (backend == ETCD) == (etcd is not None), "an etcd cluster is given for backend etcd only"
+    def __init__(
+        self,
+        base: Path,
+        size: int,
+        *,
+        slots: int = 2,
+        env: dict[str, str] | None = None,
+        extra: tuple[str, ...] = (),
+        backend: str = C10D,
+        etcd: Any = None,
+        resize_interval: float | None = 1.0,
+    ) -> None:
+        assert (backend == ETCD) == (etcd is not None), (
+            "an etcd cluster is given for backend etcd only"
+        )
         self.base = base
         self.backend = backend
         self.etcd = etcd
@@ -63,14 +78,35 @@ class Cluster:
         self.config.write_text(config)
         self.daemons = [self._daemon(i + 1, slots, env, extra) for i in range(size)]
 
-    def _daemon(self, index: int, slots: int, env: dict[str, str] | None,
-                extra: tuple[str, ...]) -> Daemon:
-        store = () if self.etcd is not None else \
-            ("--store", f"127.0.0.1:{self.port}", "--store-host" if index == 1 else "--no-store-host")
-        args = ("--cluster", self.name, *store, "--node-address", f"127.0.0.{index}",
-                "--cluster-key", self.key, "--slots", str(slots), "--config", str(self.config), *extra)
-        return Daemon(self.base, f"n{index}", args=args, env=env, standalone=False,
-                      metrics_port=free_port())
+    def _daemon(
+        self, index: int, slots: int, env: dict[str, str] | None, extra: tuple[str, ...]
+    ) -> Daemon:
+        store = (
+            ()
+            if self.etcd is not None
+            else (
+                "--store",
+                f"127.0.0.1:{self.port}",
+                "--store-host" if index == 1 else "--no-store-host",
+            )
+        )
+        args = (
+            "--cluster",
+            self.name,
+            *store,
+            "--node-address",
+            f"127.0.0.{index}",
+            "--cluster-key",
+            self.key,
+            "--slots",
+            str(slots),
+            "--config",
+            str(self.config),
+            *extra,
+        )
+        return Daemon(
+            self.base, f"n{index}", args=args, env=env, standalone=False, metrics_port=free_port()
+        )
 
     def __getitem__(self, index: int) -> Daemon:
         return self.daemons[index]
@@ -147,6 +183,7 @@ def _clusters(base: Path, **defaults: Any) -> Iterator[Callable[..., Cluster]]:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """test_deb.py's timeline (the three-host systemd cluster), when it ran."""
     import sys
+
     deb = sys.modules.get("test_deb")
     if deb is not None and deb.REPORT:
         terminalreporter.section("debian package on three systemd hosts")

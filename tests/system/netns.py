@@ -51,7 +51,10 @@ class Subnet:
     @classmethod
     def claim(cls) -> Subnet:
         for third in range(1, 255):
-            if ip("route", "add", "unreachable", f"{BASE}.{third}.0/24", check=False).returncode == 0:
+            if (
+                ip("route", "add", "unreachable", f"{BASE}.{third}.0/24", check=False).returncode
+                == 0
+            ):
                 return cls(third)
         raise RuntimeError(f"no free /24 under {BASE}.0.0/16 for test hosts")
 
@@ -88,8 +91,9 @@ class Hosts:
         return ["ip", "netns", "exec", self.ns(i), *argv]
 
     def up(self) -> Hosts:
-        assert ip("route", "show", self.subnet.cidr).stdout.startswith("unreachable"), \
+        assert ip("route", "show", self.subnet.cidr).stdout.startswith("unreachable"), (
             "the guard route must exist before any test host does"
+        )
         ip("netns", "add", self.switch)
         ip("-n", self.switch, "link", "set", "lo", "up")
         ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -98,8 +102,20 @@ class Hosts:
             ns = self.ns(i)
             ip("netns", "add", ns)
             ip("-n", ns, "link", "set", "lo", "up")
-            ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"port{i}",
-               "netns", self.switch)
+            ip(
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"port{i}",
+                "netns",
+                self.switch,
+            )
             ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
             ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0", "up")
@@ -117,8 +133,11 @@ class Hosts:
 
     def down(self) -> None:
         """Kill every process left in the hosts (by PID), then delete the namespaces."""
-        mine = [ns for ns in namespaces() if ns == self.switch or
-                ns.startswith(f"{self.subnet.prefix}-h")]
+        mine = [
+            ns
+            for ns in namespaces()
+            if ns == self.switch or ns.startswith(f"{self.subnet.prefix}-h")
+        ]
         procs = []
         for ns in mine:
             for pid in ip("netns", "pids", ns, check=False).stdout.split():

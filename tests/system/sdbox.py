@@ -46,13 +46,24 @@ def usable() -> str | None:
 
 
 def _cgroups(name: str) -> list[Path]:
-    return [Path("/sys/fs/cgroup", h, f"sdbox-{name}") for h in CGROUP_HIERARCHIES
-            if Path("/sys/fs/cgroup", h).is_dir()]
+    return [
+        Path("/sys/fs/cgroup", h, f"sdbox-{name}")
+        for h in CGROUP_HIERARCHIES
+        if Path("/sys/fs/cgroup", h).is_dir()
+    ]
 
 
 class Box:
-    def __init__(self, name: str, work: Path, *, binds: list[str] = (), binds_ro: list[str] = (),
-                 root: Path | None = None, netns: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        work: Path,
+        *,
+        binds: list[str] = (),
+        binds_ro: list[str] = (),
+        root: Path | None = None,
+        netns: str | None = None,
+    ) -> None:
         """``work``: a host directory for the box's notify socket and console log.
         ``binds``/``binds_ro``: nspawn's ``SRC[:DST]`` specifications.  ``root``: a
         directory to boot, kept as the box leaves it (default: this host's /, volatile).
@@ -60,9 +71,14 @@ class Box:
         self.name = name
         self.work = work
         self.log_path = work / f"{name}-console.log"
-        self.options = [*(f"--bind={b}" for b in binds), *(f"--bind-ro={b}" for b in binds_ro),
-                        *(["--directory=/", "--volatile=yes"] if root is None else [f"--directory={root}"]),
-                        "--private-network" if netns is None else f"--network-namespace-path=/run/netns/{netns}"]
+        self.options = [
+            *(f"--bind={b}" for b in binds),
+            *(f"--bind-ro={b}" for b in binds_ro),
+            *(["--directory=/", "--volatile=yes"] if root is None else [f"--directory={root}"]),
+            "--private-network"
+            if netns is None
+            else f"--network-namespace-path=/run/netns/{netns}",
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.init_pid = 0
 
@@ -75,16 +91,40 @@ class Box:
         self._notify_path = str(self.work / f"{self.name}-nspawn-notify.sock")
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._notify.bind(self._notify_path)
-        argv = ["systemd-nspawn", "--register=no", "--keep-unit", "--machine", self.name,
-                "--console=passive", "--notify-ready=yes", *self.options,
-                "--boot", "--", "systemd.firstboot=off", "systemd.unit=multi-user.target"]
+        argv = [
+            "systemd-nspawn",
+            "--register=no",
+            "--keep-unit",
+            "--machine",
+            self.name,
+            "--console=passive",
+            "--notify-ready=yes",
+            *self.options,
+            "--boot",
+            "--",
+            "systemd.firstboot=off",
+            "systemd.unit=multi-user.target",
+        ]
         with open(self.log_path, "ab") as log:
             # unshare execs this file's main() (see below), which execs nspawn: one PID
             self.proc = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "--",
-                 sys.executable, __file__, self.name, *argv],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "NOTIFY_SOCKET": self._notify_path}, start_new_session=True)
+                [
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "--",
+                    sys.executable,
+                    __file__,
+                    self.name,
+                    *argv,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "NOTIFY_SOCKET": self._notify_path},
+                start_new_session=True,
+            )
         return self
 
     def wait_up(self, timeout: float = 60.0) -> Box:
@@ -105,24 +145,36 @@ class Box:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"container {self.name} not ready in {timeout}s\n{self.console()}")
+                raise AssertionError(
+                    f"container {self.name} not ready in {timeout}s\n{self.console()}"
+                )
             notify.settimeout(min(left, 1.0))
             try:
                 if "READY=1" in notify.recv(4096).decode().split("\n"):
                     return
-            except socket.timeout:  # only to notice an nspawn that died
+            except TimeoutError:  # only to notice an nspawn that died
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"nspawn exited with {self.proc.returncode}\n{self.console()}") from None
+                    raise AssertionError(
+                        f"nspawn exited with {self.proc.returncode}\n{self.console()}"
+                    ) from None
 
-    def run(self, *argv: str, check: bool = True, timeout: float = 120.0,
-            input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *argv: str, check: bool = True, timeout: float = 120.0, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` inside the container (its namespaces, root and working directory)."""
         assert self.init_pid, "the box is not up"
-        done = subprocess.run(["nsenter", "-t", str(self.init_pid), "-a", "-r", "-w", *argv],
-                              capture_output=True, text=True, timeout=timeout, input=input)
+        done = subprocess.run(
+            ["nsenter", "-t", str(self.init_pid), "-a", "-r", "-w", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=input,
+        )
         if check and done.returncode != 0:
-            raise AssertionError(f"in {self.name}: {' '.join(argv)} exited {done.returncode}\n"
-                                 f"stdout: {done.stdout}\nstderr: {done.stderr}")
+            raise AssertionError(
+                f"in {self.name}: {' '.join(argv)} exited {done.returncode}\n"
+                f"stdout: {done.stdout}\nstderr: {done.stderr}"
+            )
         return done
 
     def path(self, inside: str) -> str:

@@ -13,7 +13,6 @@ import signal
 import time
 
 import pytest
-
 from harness import ROOT, Control, alive, fake_nvidia_smi, wait_gone, worker_args
 from store_attack import wait_for
 
@@ -25,25 +24,31 @@ def envs(out, ranks, attempt=None):
     return [json.loads((out / f"rank_{r}{suffix}.json").read_text()) for r in range(ranks)]
 
 
-@pytest.mark.c10d_only("a formation; on etcd the jobs of test_etcd_ha, test_partition and the store restart "
-                       "below form (and the rendezvous on etcd: tests/integration/rendezvous); CI time")
+@pytest.mark.c10d_only(
+    "a formation; on etcd the jobs of test_etcd_ha, test_partition and the store restart "
+    "below form (and the rendezvous on etcd: tests/integration/rendezvous); CI time"
+)
 def test_formation_across_two_nodes(cluster_factory, shared_tmp, store_backend):
     cluster = cluster_factory(2).start()
     out = shared_tmp / "env"
     out.mkdir()
-    job = cluster[0].submit_wait("--nnodes", "2", "--nproc-per-node", "2",
-                                 *worker_args("--ddp", "--env-out", str(out)))
+    job = cluster[0].submit_wait(
+        "--nnodes", "2", "--nproc-per-node", "2", *worker_args("--ddp", "--env-out", str(out))
+    )
     assert job["state"] == "SUCCEEDED", job
     found = envs(out, 4)
     assert [e["RANK"] for e in found] == ["0", "1", "2", "3"]
-    assert {e["WORLD_SIZE"] for e in found} == {"4"} and {e["GROUP_WORLD_SIZE"] for e in found} == {"2"}
+    assert {e["WORLD_SIZE"] for e in found} == {"4"} and {e["GROUP_WORLD_SIZE"] for e in found} == {
+        "2"
+    }
     assert [e["GROUP_RANK"] for e in found] == ["0", "0", "1", "1"]
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in found}) == 1
     status = cluster[1].ctl("status", job["id"])  # any node shows any job
     print(json.dumps(status, indent=1))
     assert sorted(n["node"] for n in status["nodes"]) == ["n1", "n2"]
-    assert [w["node"] for w in status["workers"]] == [status["nodes"][0]["node"]] * 2 + \
-        [status["nodes"][1]["node"]] * 2
+    assert [w["node"] for w in status["workers"]] == [status["nodes"][0]["node"]] * 2 + [
+        status["nodes"][1]["node"]
+    ] * 2
     # torch is the store host's alone (it runs torch's TCPStore server); a member daemon
     # speaks the store's protocol itself and never loads it; with etcd nobody hosts a store
     assert [loads_torch(d.proc.pid) for d in cluster] == [store_backend == "c10d", False]
@@ -54,25 +59,41 @@ def loads_torch(pid: int) -> bool:
         return "libtorch" in maps.read()
 
 
-@pytest.mark.c10d_only("the restart budget lives in the rendezvous state, written the same way on either "
-                       "store (the contract tests hold both stores to it); CI time paid for issue 27's tests")
+@pytest.mark.c10d_only(
+    "the restart budget lives in the rendezvous state, written the same way on either "
+    "store (the contract tests hold both stores to it); CI time paid for issue 27's tests"
+)
 def test_a_failure_restarts_every_node_and_the_budget_is_job_wide(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
     out = shared_tmp / "env"
     out.mkdir()
-    job = cluster[0].submit_wait("--nnodes", "2", "--max-restarts", "1",
-                                 *worker_args("--ddp", "--fail-rank", "1", "--fail-attempts", "1",
-                                              "--env-out", str(out)))
+    job = cluster[0].submit_wait(
+        "--nnodes",
+        "2",
+        "--max-restarts",
+        "1",
+        *worker_args("--ddp", "--fail-rank", "1", "--fail-attempts", "1", "--env-out", str(out)),
+    )
     assert job["state"] == "SUCCEEDED" and job["restarts"] == 1, job
     for rank in (0, 1):
         assert envs(out, 2, attempt=1)[rank]["TORCHELASTIC_RESTART_COUNT"] == "1"
-    failed = cluster[1].ctl("submit", "--wait", "--nnodes", "2", "--max-restarts", "1",
-                            *worker_args("--ddp", "--fail-rank", "1"), expect=1)[-1]
+    failed = cluster[1].ctl(
+        "submit",
+        "--wait",
+        "--nnodes",
+        "2",
+        "--max-restarts",
+        "1",
+        *worker_args("--ddp", "--fail-rank", "1"),
+        expect=1,
+    )[-1]
     assert failed["state"] == "FAILED" and failed["restarts"] == 1
     assert "boom from rank 1 on attempt 1" in failed["error"]["message"]
 
 
-@pytest.mark.c10d_only("a scale-up round: the rendezvous on etcd forms and re-forms in the tests above and in test_partition; CI time paid for issue 27's tests")
+@pytest.mark.c10d_only(
+    "a scale-up round: the rendezvous on etcd forms and re-forms in the tests above and in test_partition; CI time paid for issue 27's tests"
+)
 def test_scale_up_when_a_node_joins(cluster_factory, shared_tmp):
     cluster = cluster_factory(2)
     cluster.start()
@@ -80,15 +101,23 @@ def test_scale_up_when_a_node_joins(cluster_factory, shared_tmp):
     cluster[0].wait_job(job["id"], lambda d: d["state"] == "RUNNING" and d["world_size"] == 2)
     third = cluster.add()
     third.start()
-    doc = cluster[0].wait_job(job["id"], lambda d: d["state"] == "RUNNING" and d["world_size"] == 3
-                              and sum(w["state"] == "HEALTHY" for w in d["workers"]) == 3)
+    doc = cluster[0].wait_job(
+        job["id"],
+        lambda d: (
+            d["state"] == "RUNNING"
+            and d["world_size"] == 3
+            and sum(w["state"] == "HEALTHY" for w in d["workers"]) == 3
+        ),
+    )
     assert doc["restarts"] == 0 and doc["round"] >= 1  # a membership change uses no restart
     assert sorted(n["node"] for n in doc["nodes"]) == ["n1", "n2", "n3"]
     cluster[2].ctl("cancel", job["id"])
 
 
-@pytest.mark.c10d_only("training's loss across a node kill; a node killed over etcd: test_etcd_ha "
-                       "(with the leader) and the tests below; CI time paid for issue 27's tests")
+@pytest.mark.c10d_only(
+    "training's loss across a node kill; a node killed over etcd: test_etcd_ha "
+    "(with the leader) and the tests below; CI time paid for issue 27's tests"
+)
 def test_training_survives_a_node_kill_with_the_same_loss(cluster_factory, shared_tmp):
     """A DDP job on 3 nodes loses one (SIGKILL) and ends with an undisturbed run's loss.
 
@@ -100,10 +129,22 @@ def test_training_survives_a_node_kill_with_the_same_loss(cluster_factory, share
     """
     cluster = cluster_factory(3, slots=2).start()
     epochs = "8"
-    reference = cluster[0].submit("--nnodes", "1", "--nodes", "n1", EXAMPLE, "--", "--epochs", epochs)
+    reference = cluster[0].submit(
+        "--nnodes", "1", "--nodes", "n1", EXAMPLE, "--", "--epochs", epochs
+    )
     ckpt = str(shared_tmp / "ckpt.pt")
-    job = cluster[0].submit("--nnodes", "2:3", EXAMPLE, "--", "--epochs", epochs,
-                            "--checkpoint", ckpt, "--epoch-seconds", "0.5")
+    job = cluster[0].submit(
+        "--nnodes",
+        "2:3",
+        EXAMPLE,
+        "--",
+        "--epochs",
+        epochs,
+        "--checkpoint",
+        ckpt,
+        "--epoch-seconds",
+        "0.5",
+    )
     cluster[0].wait_output(job["id"], ["epoch 1 loss"])
     nodes = cluster[0].ctl("status", job["id"])["nodes"]
     assert len(nodes) == 3
@@ -111,23 +152,30 @@ def test_training_survives_a_node_kill_with_the_same_loss(cluster_factory, share
     victim = next(d for d in cluster.daemons if d.name == victim_name)
     victim.signal(signal.SIGKILL)
     victim.wait_exit()
-    final = cluster[0].wait_job(job["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"), timeout=180)
+    final = cluster[0].wait_job(
+        job["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"), timeout=180
+    )
     assert final["state"] == "SUCCEEDED", final
     logs = cluster[0].ctl_run("logs", job["id"]).stdout
     assert "world_size 3" in logs and "world_size 2" in logs
-    reference = cluster[0].wait_job(reference["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"))
+    reference = cluster[0].wait_job(
+        reference["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED")
+    )
     assert reference["state"] == "SUCCEEDED" and reference["world_size"] == 1, reference
     assert _final_loss(cluster[0], job["id"]) == pytest.approx(
-        _final_loss(cluster[0], reference["id"]), rel=1e-4)
+        _final_loss(cluster[0], reference["id"]), rel=1e-4
+    )
 
 
 def _final_loss(daemon, job_id):
-    lines = [l for l in daemon.ctl_run("logs", job_id).stdout.splitlines() if " loss " in l]
+    lines = [ln for ln in daemon.ctl_run("logs", job_id).stdout.splitlines() if " loss " in ln]
     return float(lines[-1].split(" loss ")[1].split()[0])
 
 
-@pytest.mark.c10d_only("on etcd: test_partition.py's below-min test (a node cut off rather than killed); "
-                       "CI time paid for issue 27's tests")
+@pytest.mark.c10d_only(
+    "on etcd: test_partition.py's below-min test (a node cut off rather than killed); "
+    "CI time paid for issue 27's tests"
+)
 def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit("--nnodes", "2", "--join-timeout", "4", *worker_args("--sleep", "0"))
@@ -139,12 +187,16 @@ def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     assert "1" in message and "2" in message and ("node" in message or "min" in message), message
 
 
-@pytest.mark.c10d_only("what status shows of a lost node's ranks (node loss on etcd: the tests above)")
+@pytest.mark.c10d_only(
+    "what status shows of a lost node's ranks (node loss on etcd: the tests above)"
+)
 def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     """issue 28: status showed a dead node's rank HEALTHY, its last word, for as long as the
     job waited for it."""
     cluster = cluster_factory(2).start()
-    job = cluster[0].submit("--nnodes", "2", "--join-timeout", "300", *worker_args("--sleep", "0"))["id"]
+    job = cluster[0].submit("--nnodes", "2", "--join-timeout", "300", *worker_args("--sleep", "0"))[
+        "id"
+    ]
     cluster[0].wait_running(job, 2)  # n2's word that its rank is HEALTHY has reached n1
     cluster[1].signal(signal.SIGKILL)
     cluster[1].wait_exit()
@@ -156,7 +208,9 @@ def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     cluster[0].ctl("cancel", job)
 
 
-@pytest.mark.c10d_only("the restart budget's accounting (the core's); node loss over etcd is played by the tests above")
+@pytest.mark.c10d_only(
+    "the restart budget's accounting (the core's); node loss over etcd is played by the tests above"
+)
 def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factory, shared_tmp):
     """issue 28 friction 5, the difference README's "What a worker gets" states: the
     workers of the round that re-formed without a lost node see TORCHELASTIC_RESTART_COUNT 0
@@ -164,7 +218,9 @@ def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factor
     cluster = cluster_factory(2).start()
     out = shared_tmp / "env"
     out.mkdir()
-    job = cluster[0].submit("--nnodes", "1:2", *worker_args("--env-out", str(out), "--sleep", "0"))["id"]
+    job = cluster[0].submit("--nnodes", "1:2", *worker_args("--env-out", str(out), "--sleep", "0"))[
+        "id"
+    ]
     cluster[0].wait_running(job, 2)
     cluster[1].signal(signal.SIGKILL)
     cluster[1].wait_exit()
@@ -175,13 +231,16 @@ def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factor
         except (OSError, ValueError):
             return None  # not yet written, or being written
         return env if env["GROUP_WORLD_SIZE"] == "1" else None
+
     env = wait_for(alone, 120, "the round without n2")
     assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
     assert cluster[0].ctl("status", job)["restarts"] == 0
     cluster[0].ctl("cancel", job)
 
 
-@pytest.mark.c10d_only("the barrier's waits; on etcd every job that succeeds passes one; CI time paid for issue 27's tests")
+@pytest.mark.c10d_only(
+    "the barrier's waits; on etcd every job that succeeds passes one; CI time paid for issue 27's tests"
+)
 def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
     gate = shared_tmp / "gate"  # group rank 1 ends once the test has seen the barrier
@@ -194,7 +253,9 @@ def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     assert final["state"] == "SUCCEEDED"
 
 
-@pytest.mark.c10d_only("a cancel through the peer and the job's records; the records on etcd: the chaos and contract tests; CI time paid for issue 27's tests")
+@pytest.mark.c10d_only(
+    "a cancel through the peer and the job's records; the records on etcd: the chaos and contract tests; CI time paid for issue 27's tests"
+)
 def test_cancel_from_a_node_that_runs_none_of_the_job(cluster_factory, shared_tmp):
     cluster = cluster_factory(3).start()
     job = cluster[0].submit("--nnodes", "2", "--nodes", "n1,n2", *worker_args("--sleep", "0"))
@@ -216,32 +277,54 @@ def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
         out = shared_tmp / f"env{i}"
         out.mkdir()
         outs.append(out)
-        jobs.append(cluster[0].submit("--nnodes", "2", "--nproc-per-node", "2",
-                                      *worker_args("--env-out", str(out), "--sleep", "0")))
+        jobs.append(
+            cluster[0].submit(
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                *worker_args("--env-out", str(out), "--sleep", "0"),
+            )
+        )
     for job in jobs:
         cluster[0].wait_output(job["id"], [f"ready {r}" for r in range(4)])
     for node_rank in (0, 1):
         devices = []
         for out in outs:
             found = envs(out, 4)
-            devices.append({e["CUDA_VISIBLE_DEVICES"] for e in found if e["GROUP_RANK"] == str(node_rank)})
+            devices.append(
+                {e["CUDA_VISIBLE_DEVICES"] for e in found if e["GROUP_RANK"] == str(node_rank)}
+            )
         assert all(len(d) == 1 for d in devices)
         first, second = (set(next(iter(d)).split(",")) for d in devices)
         assert len(first) == 2 and len(second) == 2 and not first & second
-    _nodes_when(cluster[1], lambda ns: {(n["name"], n["gpus_free"], n["gpus_total"]) for n in ns}
-                == {("n1", 0, 4), ("n2", 0, 4)})
+    _nodes_when(
+        cluster[1],
+        lambda ns: (
+            {(n["name"], n["gpus_free"], n["gpus_total"]) for n in ns}
+            == {("n1", 0, 4), ("n2", 0, 4)}
+        ),
+    )
     for job in jobs:
         cluster[1].ctl("cancel", job["id"])
 
 
-@pytest.mark.c10d_only("the drain request and the part's leaving, the same on either store; CI time paid for issue 27's tests")
+@pytest.mark.c10d_only(
+    "the drain request and the part's leaving, the same on either store; CI time paid for issue 27's tests"
+)
 def test_drain_moves_a_job_off_a_node(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit("--nnodes", "1:2", *worker_args("--sleep", "0"))
     cluster[0].wait_job(job["id"], lambda d: d["state"] == "RUNNING" and d["world_size"] == 2)
     cluster[0].ctl("drain", "n2")
-    doc = cluster[0].wait_job(job["id"], lambda d: d["state"] == "RUNNING" and d["world_size"] == 1
-                              and [n["node"] for n in d["nodes"]] == ["n1"])
+    doc = cluster[0].wait_job(
+        job["id"],
+        lambda d: (
+            d["state"] == "RUNNING"
+            and d["world_size"] == 1
+            and [n["node"] for n in d["nodes"]] == ["n1"]
+        ),
+    )
     assert doc["restarts"] == 0
     _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "drained"})
     cluster[0].ctl("undrain", "n2")
@@ -337,8 +420,10 @@ def test_store_host_restart_while_a_job_runs(cluster_factory, store_backend):
     else:
         cluster[0].stop()
     cluster[1].wait_notify("STATUS=", timeout=10, contains="unreachable")
-    assert "store 127.0.0.1" in cluster[1].ctl_run("version").stdout and \
-        "UNREACHABLE" in cluster[1].ctl_run("version").stdout
+    assert (
+        "store 127.0.0.1" in cluster[1].ctl_run("version").stdout
+        and "UNREACHABLE" in cluster[1].ctl_run("version").stdout
+    )
     assert cluster[1].ctl("status", job["id"])["state"] == "RUNNING"  # answered from its registry
     assert all(alive(pid) for pid in pids)  # workers keep running without the store
     if store_backend == "etcd":
@@ -352,15 +437,18 @@ def test_store_host_restart_while_a_job_runs(cluster_factory, store_backend):
     assert cluster[1].log_text().count(RESET) == (0 if store_backend == "etcd" else 1)
     # (c10d: republished to the new store; etcd: kept)
     assert [w["pid"] for w in cluster[0].wait_running(job["id"], 2, timeout=30)["workers"]] == pids
-    cluster[0].ctl("cancel", job["id"])  # n1 runs none of the job: the cancel goes through the store
+    cluster[0].ctl(
+        "cancel", job["id"]
+    )  # n1 runs none of the job: the cancel goes through the store
     assert wait_gone(pids, timeout=30) == []
 
 
 RESET = "the store was reset"
 
 
-def test_a_cluster_started_together_does_not_take_its_new_store_for_a_reset(cluster_factory,
-                                                                            store_backend, shared_tmp):
+def test_a_cluster_started_together_does_not_take_its_new_store_for_a_reset(
+    cluster_factory, store_backend, shared_tmp
+):
     """Friction 7b of issue 28: nodes started with the store host read its store before the
     host marked it (the host runs nvidia-smi in between: slowed down here), then read the mark
     and warned "the store was reset (its host restarted)" on every fresh start."""
@@ -373,7 +461,9 @@ def test_a_cluster_started_together_does_not_take_its_new_store_for_a_reset(clus
     early = cluster[1].start(wait=False)
     cluster[0].start()
     early.wait_notify("READY=1", timeout=60)
-    _nodes_when(early, lambda ns: _states(ns) == {"n1": "up", "n2": "up"})  # n2 read n1's record: after the mark
+    _nodes_when(
+        early, lambda ns: _states(ns) == {"n1": "up", "n2": "up"}
+    )  # n2 read n1's record: after the mark
     assert not any(RESET in daemon.log_text() for daemon in cluster), early.log_text()
 
 
@@ -406,8 +496,13 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     def refused() -> float:
         url = f"http://127.0.0.1:{cluster[1].metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        return float(next(l.split()[1] for l in text.splitlines()
-                          if l.startswith("elasticd_store_refused_records_total ")))
+        return float(
+            next(
+                ln.split()[1]
+                for ln in text.splitlines()
+                if ln.startswith("elasticd_store_refused_records_total ")
+            )
+        )
 
     # n1 reads n2's record only when n2 announces a new version; n2 checks its own record
     # on every heartbeat duty, refuses the forgery and publishes its record again.  That
@@ -416,7 +511,9 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     while refused() < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert refused() >= 1  # counted...
-    assert "refused store record elasticd/test/nodes/n2/record" in cluster[1].log_text()  # ...logged
+    assert (
+        "refused store record elasticd/test/nodes/n2/record" in cluster[1].log_text()
+    )  # ...logged
     nodes = _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
     assert all(n["slots_total"] != 999 for n in nodes)  # ...and never used
     store = cluster.store_client()
@@ -430,9 +527,14 @@ def test_run_shows_every_nodes_output_with_torchruns_local_rank_prefix(cluster_f
     """`elasticctl run --tee 3` on a two-node job: each node's ranks prefixed by their local
     rank, as each node's torchrun would show them; stderr to stderr; exit 0."""
     cluster = cluster_factory(2).start()
-    done = cluster[0].ctl_run("run", "--nnodes", "2", "--nproc-per-node", "2", "--tee", "3",
-                              *worker_args("--print", "1"))
+    done = cluster[0].ctl_run(
+        "run", "--nnodes", "2", "--nproc-per-node", "2", "--tee", "3", *worker_args("--print", "1")
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == [
-        "[default0]:out 0 0", "[default0]:out 2 0", "[default1]:out 1 0", "[default1]:out 3 0"]
+        "[default0]:out 0 0",
+        "[default0]:out 2 0",
+        "[default1]:out 1 0",
+        "[default1]:out 3 0",
+    ]
     assert {"[default0]:err 0 0", "[default1]:err 3 0"} <= set(done.stderr.splitlines())

@@ -36,17 +36,16 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
-import pytest
-
-from harness import ROOT, WORKER
-from store_attack import wait_for
+from typing import Any
 
 import netns
+import pytest
 import sdbox
+from harness import ROOT, WORKER
+from store_attack import wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -67,7 +66,9 @@ def note(line: str) -> None:
 
 def transcript(done: subprocess.CompletedProcess[str]) -> str:
     """What a command printed, on one line."""
-    return " | ".join(line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip())
+    return " | ".join(
+        line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()
+    )
 
 
 def until(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
@@ -83,8 +84,19 @@ def torch_venv() -> Path:
     if not done.exists():
         shutil.rmtree(TORCH_VENV, ignore_errors=True)
         subprocess.run(["/usr/bin/python3", "-m", "venv", str(TORCH_VENV)], check=True)
-        subprocess.run([str(TORCH_VENV / "bin" / "python3"), "-m", "pip", "install", "-q",
-                        "torch==2.13.0", "numpy==2.4.6"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                str(TORCH_VENV / "bin" / "python3"),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "torch==2.13.0",
+                "numpy==2.4.6",
+            ],
+            check=True,
+            capture_output=True,
+        )
         done.touch()
     return TORCH_VENV
 
@@ -92,8 +104,14 @@ def torch_venv() -> Path:
 class Host:
     """One machine: an overlay root (its disk) booted by systemd-nspawn in netns host i."""
 
-    def __init__(self, i: int, hosts: netns.Hosts | None, work: Path, binds_ro: list[str],
-                 image: Path = Path("/")) -> None:
+    def __init__(
+        self,
+        i: int,
+        hosts: netns.Hosts | None,
+        work: Path,
+        binds_ro: list[str],
+        image: Path = Path("/"),
+    ) -> None:
         """Host i of ``hosts`` (None: alone, on a private network), booting ``image``."""
         self.i, self.name = i, f"n{i}"
         self.addr = hosts.addr(i) if hosts else "127.0.0.1"
@@ -103,17 +121,31 @@ class Host:
         self.root = disk / "root"
         for part in ("upper", "work", "root"):
             (disk / part).mkdir(parents=True)
-        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                        f"lowerdir={image},upperdir={disk / 'upper'},workdir={disk / 'work'}",
-                        str(self.root)], check=True)
+        subprocess.run(
+            [
+                "mount",
+                "-t",
+                "overlay",
+                "overlay",
+                "-o",
+                f"lowerdir={image},upperdir={disk / 'upper'},workdir={disk / 'work'}",
+                str(self.root),
+            ],
+            check=True,
+        )
         self.box: sdbox.Box | None = None
 
     def boot(self, wait: bool = True) -> Host:
         """Power on; unless told not to, wait until its systemd has started up (else
         ``booted``: hosts boot together)."""
         tag = hashlib.sha256(str(self.work).encode()).hexdigest()[:6]  # a valid machine name
-        self.box = sdbox.Box(f"{self.name}-{tag}", self.work, root=self.root,
-                             netns=self.netns, binds_ro=self.binds_ro).start()
+        self.box = sdbox.Box(
+            f"{self.name}-{tag}",
+            self.work,
+            root=self.root,
+            netns=self.netns,
+            binds_ro=self.binds_ro,
+        ).start()
         return self.booted() if wait else self
 
     def booted(self) -> Host:
@@ -121,7 +153,9 @@ class Host:
         self.box.wait_up()
         return self
 
-    def run(self, *argv: str, check: bool = True, user: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *argv: str, check: bool = True, user: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         assert self.box is not None
         if user is not None:
             argv = ("runuser", "-u", user, "--", *argv)
@@ -133,9 +167,11 @@ class Host:
 
     def ctl(self, *args: str, user: str = "nobody", expect: int = 0) -> Any:
         done = self.run("elasticctl", "--json", *args, user=user, check=False)
-        assert done.returncode == expect, (f"{self.name}: elasticctl {' '.join(args)} exited "
-                                           f"{done.returncode}\n{done.stdout}\n{done.stderr}\n"
-                                           f"{self.journal()}")
+        assert done.returncode == expect, (
+            f"{self.name}: elasticctl {' '.join(args)} exited "
+            f"{done.returncode}\n{done.stdout}\n{done.stderr}\n"
+            f"{self.journal()}"
+        )
         docs = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
         return docs[-1] if docs else None
 
@@ -164,15 +200,22 @@ class Host:
 def build_deb(out: Path, *options: str) -> Path:
     """packaging/build-deb as a release runs it, but for xz's level: 1, not dpkg-deb's 6 (the
     same files in the same format; 6 took 15 s more per build on 2 cores)."""
-    done = subprocess.run(["bash", str(ROOT / "packaging" / "build-deb"), *options, str(out)],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "DPKG_DEB_COMPRESSOR_LEVEL": "1"})
+    done = subprocess.run(
+        ["bash", str(ROOT / "packaging" / "build-deb"), *options, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "DPKG_DEB_COMPRESSOR_LEVEL": "1"},
+    )
     assert done.returncode == 0, done.stderr
     path = Path(done.stdout.strip().splitlines()[-1])
-    listing = subprocess.run(["dpkg-deb", "--contents", str(path)], capture_output=True,
-                             text=True, check=True).stdout
-    note(f"built {path.name}: {path.stat().st_size / 2**20:.1f} MiB, "
-         f"{sum(1 for line in listing.splitlines() if not line.startswith('d'))} files")
+    listing = subprocess.run(
+        ["dpkg-deb", "--contents", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    note(
+        f"built {path.name}: {path.stat().st_size / 2**20:.1f} MiB, "
+        f"{sum(1 for line in listing.splitlines() if not line.startswith('d'))} files"
+    )
     return path
 
 
@@ -184,7 +227,9 @@ def deb(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 
 
 @pytest.fixture(scope="module")
-def debian13_deb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[tuple[Path, Path]] | None]:
+def debian13_deb(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Future[tuple[Path, Path]] | None]:
     """The Debian 13 image and the package for its Python 3.13 (FRESH's), made in a thread
     from the module's start: they wait on the network and on xz while the three-host test
     waits on its containers.  None where FRESH skips."""
@@ -205,8 +250,12 @@ def cluster(deb: Path) -> Iterator[list[Host]]:
     work = Path(tempfile.mkdtemp(prefix="elasticd-deb-", dir="/var/tmp"))  # not /tmp: tmpfiles
     subnet = netns.Subnet.claim()
     hosts = subnet.hosts(3).up()
-    binds = [f"{deb.parent}:/pkg", f"{venv}:/opt/torch", f"{ROOT / 'examples'}:{JOBS}/examples",
-             f"{WORKER.parent}:{JOBS}/fixtures"]
+    binds = [
+        f"{deb.parent}:/pkg",
+        f"{venv}:/opt/torch",
+        f"{ROOT / 'examples'}:{JOBS}/examples",
+        f"{WORKER.parent}:{JOBS}/fixtures",
+    ]
     machines: list[Host] = []
     try:
         for i in (1, 2, 3):
@@ -232,11 +281,13 @@ def cluster(deb: Path) -> Iterator[list[Host]]:
 
 
 def cluster_config(m: Host, store: Host) -> str:
-    return (f'[node]\nname = "{m.name}"\naddress = "{m.addr}"\nslots = 2\n\n'
-            f'[cluster]\nname = "three"\n\n'
-            f'[store]\nendpoint = "{store.addr}:29400"\n\n'
-            '[jobs]\njoin_timeout = 300.0\n\n'
-            '[scheduler]\nresize_interval = 1.0\n')  # n3 taken back once it is up, not 30 s after the shrink
+    return (
+        f'[node]\nname = "{m.name}"\naddress = "{m.addr}"\nslots = 2\n\n'
+        f'[cluster]\nname = "three"\n\n'
+        f'[store]\nendpoint = "{store.addr}:29400"\n\n'
+        "[jobs]\njoin_timeout = 300.0\n\n"
+        "[scheduler]\nresize_interval = 1.0\n"
+    )  # n3 taken back once it is up, not 30 s after the shrink
 
 
 def world(host: Host, job: str) -> tuple[int, int, list[str], str]:
@@ -250,7 +301,9 @@ def healthy_pids(host: Host, job: str) -> list[int]:
     return sorted(w["pid"] for w in doc["workers"] if w["state"] == "HEALTHY" and w["pid"])
 
 
-def test_three_hosts_install_the_package_and_run_elastic_jobs(cluster: list[Host], deb: Path) -> None:
+def test_three_hosts_install_the_package_and_run_elastic_jobs(
+    cluster: list[Host], deb: Path
+) -> None:
     n1, n2, n3 = cluster
 
     # 1. install, offline (the hosts have no route out), on every host
@@ -259,10 +312,15 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(cluster: list[Host
         done = m.run("dpkg", "-i", f"/pkg/{deb.name}")
         note(f"{m.name}: dpkg -i -> {transcript(done)}")
         assert m.systemctl("is-enabled", "elasticd") == "enabled"
-        until(f"{m.name}: elasticd active", lambda: m.systemctl("is-active", "elasticd", check=False) == "active")
+        until(
+            f"{m.name}: elasticd active",
+            lambda: m.systemctl("is-active", "elasticd", check=False) == "active",
+        )
         assert m.run("getent", "group", "elasticd-admin").returncode == 0
         assert "standalone" in m.ctl("version")["elasticd"]["store"]  # its store in memory
-    note("installed on n1..n3: unit enabled and active (--standalone), no torch in /usr/bin/python3")
+    note(
+        "installed on n1..n3: unit enabled and active (--standalone), no torch in /usr/bin/python3"
+    )
 
     # 2. the cluster: n1 hosts the store (with torch), n2 and n3 join it (without)
     for m in cluster:
@@ -280,8 +338,12 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(cluster: list[Host
         m.systemctl("restart", "elasticd")
     n1.systemctl("restart", "elasticd")  # the key is kept, never made anew
     assert hashlib.sha256(key.read_bytes()).hexdigest() == digest
-    until("three nodes up", lambda: sorted(n["name"] for n in n2.ctl("nodes")
-                                           if n["state"] == "up") == ["n1", "n2", "n3"])
+    until(
+        "three nodes up",
+        lambda: (
+            sorted(n["name"] for n in n2.ctl("nodes") if n["state"] == "up") == ["n1", "n2", "n3"]
+        ),
+    )
     note("cluster formed: n1 store host (ELASTICD_PYTHON with torch), key 0600 kept across restart")
     # ... continued in the steps below
     node_loss_and_return(cluster)
@@ -291,24 +353,44 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(cluster: list[Host
 
 
 def node_loss_and_return(cluster: list[Host]) -> None:
-    n1, n2, n3 = cluster
-    job = n2.ctl("submit", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
-                 "--python", "/opt/torch/bin/python3", TRAIN, "--",
-                 "--epochs", "100000", "--epoch-seconds", "0.2")["id"]
+    _n1, n2, n3 = cluster
+    job = n2.ctl(
+        "submit",
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--python",
+        "/opt/torch/bin/python3",
+        TRAIN,
+        "--",
+        "--epochs",
+        "100000",
+        "--epoch-seconds",
+        "0.2",
+    )["id"]
     note(f"{job}: submitted by nobody on n2 (--nnodes 2:3, ddp_train.py with gloo)")
-    until(f"{job} on 3 nodes", lambda: world(n2, job)[1:] == (3, ["n1", "n2", "n3"], "RUNNING"), 180)
+    until(
+        f"{job} on 3 nodes", lambda: world(n2, job)[1:] == (3, ["n1", "n2", "n3"], "RUNNING"), 180
+    )
     note(f"{job}: running on n1, n2, n3 (round {world(n2, job)[0]})")
     starts = wait_for_training(n2, job, "world size 3", 0)
     note(f"{job}: training at world size 3")
     n3.power_off()
     note("n3: power lost (every process of the container SIGKILLed)")
-    until(f"{job} re-formed on two", lambda: world(n2, job)[1:] == (2, ["n1", "n2"], "RUNNING"), 120)
+    until(
+        f"{job} re-formed on two", lambda: world(n2, job)[1:] == (2, ["n1", "n2"], "RUNNING"), 120
+    )
     note(f"{job}: re-formed on n1, n2 (round {world(n2, job)[0]})")
     starts = wait_for_training(n2, job, "world size 2", starts)
     note(f"{job}: training resumed at world size 2 (an epoch's loss logged)")
     n3.boot()
     note("n3: booted again (elasticd starts with it: the unit is enabled)")
-    until(f"{job} grown back", lambda: world(n2, job)[1:] == (3, ["n1", "n2", "n3"], "RUNNING"), 180)
+    until(
+        f"{job} grown back", lambda: world(n2, job)[1:] == (3, ["n1", "n2", "n3"], "RUNNING"), 180
+    )
     note(f"{job}: grown back to n1, n2, n3 (round {world(n2, job)[0]})")
     wait_for_training(n2, job, "world size 3", starts)
     note(f"{job}: training resumed at world size 3")
@@ -320,26 +402,55 @@ def wait_for_training(host: Host, job: str, text: str, starts: int) -> int:
     """Until rank 0 of a new round (more than ``starts`` rounds started so far) printed
     ``text`` (ddp_train.py: "world size N, starting at epoch E (restart count C)") and then
     an epoch's loss; the rounds started so far."""
+
     def trained() -> int:
         lines = host.run("elasticctl", "logs", job, user="nobody", check=False).stdout.splitlines()
         begun = [i for i, line in enumerate(lines) if "starting at epoch" in line]
         fresh = len(begun) > starts and text in lines[begun[-1]]
-        return len(begun) if fresh and any("loss" in line for line in lines[begun[-1]:]) else 0
+        return len(begun) if fresh and any("loss" in line for line in lines[begun[-1] :]) else 0
+
     return until(f"{job}: a new round's {text!r} and a loss after it", trained, 120)
 
 
 def store_host_stop(cluster: list[Host]) -> None:
     n1, n2, n3 = cluster
-    job = n2.ctl("submit", "--nnodes", "2", "--nodes", "n2,n3", "--nproc-per-node", "1",
-                 "--python", "/opt/torch/bin/python3", WORKER_SCRIPT, "--", "--sleep", "0")["id"]
-    pids = until(f"{job} running", lambda: world(n2, job)[1:] == (2, ["n2", "n3"], "RUNNING")
-                 and len(healthy_pids(n2, job)) == 2 and healthy_pids(n2, job), 120)
+    job = n2.ctl(
+        "submit",
+        "--nnodes",
+        "2",
+        "--nodes",
+        "n2,n3",
+        "--nproc-per-node",
+        "1",
+        "--python",
+        "/opt/torch/bin/python3",
+        WORKER_SCRIPT,
+        "--",
+        "--sleep",
+        "0",
+    )["id"]
+    pids = until(
+        f"{job} running",
+        lambda: (
+            world(n2, job)[1:] == (2, ["n2", "n3"], "RUNNING")
+            and len(healthy_pids(n2, job)) == 2
+            and healthy_pids(n2, job)
+        ),
+        120,
+    )
     note(f"{job}: running on n2, n3; systemctl stop elasticd on n1 (the store host)")
     n1.systemctl("stop", "elasticd")
     for m in (n2, n3):
-        until(f"{m.name} reports the store down", lambda: not m.ctl("version")["elasticd"]["store_up"], 60)
-        until(f"{m.name}: STATUS= says unreachable",
-              lambda: "unreachable" in m.unit("StatusText")["StatusText"], 60)
+        until(
+            f"{m.name} reports the store down",
+            lambda: not m.ctl("version")["elasticd"]["store_up"],
+            60,
+        )
+        until(
+            f"{m.name}: STATUS= says unreachable",
+            lambda: "unreachable" in m.unit("StatusText")["StatusText"],
+            60,
+        )
     note("n2, n3: store reported unreachable (elasticctl version, systemd StatusText)")
     assert world(n2, job)[3] == "RUNNING" and healthy_pids(n2, job) == pids
     for m in (n2, n3):
@@ -348,8 +459,16 @@ def store_host_stop(cluster: list[Host]) -> None:
     n1.systemctl("start", "elasticd")
     note("n1: systemctl start elasticd")
     for m in (n2, n3):
-        until(f"{m.name} reaches the store again", lambda: m.ctl("version")["elasticd"]["store_up"], 90)
-    until(f"{job} seen again through n1", lambda: world(n1, job)[1:] == (2, ["n2", "n3"], "RUNNING"), 60)
+        until(
+            f"{m.name} reaches the store again",
+            lambda: m.ctl("version")["elasticd"]["store_up"],
+            90,
+        )
+    until(
+        f"{job} seen again through n1",
+        lambda: world(n1, job)[1:] == (2, ["n2", "n3"], "RUNNING"),
+        60,
+    )
     assert healthy_pids(n2, job) == pids  # the same workers: nothing was restarted
     note(f"{job}: store reachable again from n2, n3; the same workers (no restart)")
     n2.ctl("cancel", job)
@@ -363,8 +482,10 @@ def journal_fields(host: Host) -> None:
     assert any(r.get("ELASTICD_JOB", "").startswith("j-") for r in records)
     shown = host.journal("-p", "warning", "-o", "cat")
     assert "store" in shown, shown
-    note(f"{host.name}: journalctl -u elasticd: {len(records)} records, priorities "
-         f"{sorted(priorities)}, fields ELASTICD_NODE and ELASTICD_JOB")
+    note(
+        f"{host.name}: journalctl -u elasticd: {len(records)} records, priorities "
+        f"{sorted(priorities)}, fields ELASTICD_NODE and ELASTICD_JOB"
+    )
 
 
 def remove_and_purge(host: Host, deb: Path) -> None:
@@ -377,8 +498,13 @@ def remove_and_purge(host: Host, deb: Path) -> None:
     assert host.file("/var/lib/elasticd/cluster.key").exists()
     done = host.run("dpkg", "-P", "elasticd")
     note(f"{host.name}: dpkg -P -> {transcript(done)}")
-    for gone in ("/etc/elasticd", "/var/lib/elasticd", "/etc/default/elasticd", "/usr/bin/elasticd",
-                 "/usr/lib/elasticd"):
+    for gone in (
+        "/etc/elasticd",
+        "/var/lib/elasticd",
+        "/etc/default/elasticd",
+        "/usr/bin/elasticd",
+        "/usr/lib/elasticd",
+    ):
         assert not host.file(gone).exists(), f"{gone} left after purge"
 
 
@@ -390,17 +516,29 @@ def debian13() -> Path:
     """A minimal Debian 13 with systemd and python3 (what a fresh server has), made once."""
     if not (TRIXIE / ".complete").exists():
         shutil.rmtree(TRIXIE, ignore_errors=True)
-        done = subprocess.run(["debootstrap", "--variant=minbase",
-                               "--include=systemd,systemd-sysv,dbus,python3", "trixie",
-                               str(TRIXIE), "http://deb.debian.org/debian"],
-                              capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"debootstrap failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        done = subprocess.run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=systemd,systemd-sysv,dbus,python3",
+                "trixie",
+                str(TRIXIE),
+                "http://deb.debian.org/debian",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, (
+            f"debootstrap failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
         (TRIXIE / ".complete").touch()
     return TRIXIE
 
 
 def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(
-        debian13_deb: Future[tuple[Path, Path]] | None) -> None:
+    debian13_deb: Future[tuple[Path, Path]] | None,
+) -> None:
     """Offline (no network in the container) on a fresh Debian 13: dpkg -i, the unit
     active (standalone, no torch anywhere), a job of `nobody` succeeds, dpkg -r leaves no
     process, dpkg -P leaves no configuration, key or state."""
@@ -413,12 +551,17 @@ def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(
     work = Path(tempfile.mkdtemp(prefix="elasticd-deb13-", dir="/var/tmp"))
     host = Host(1, None, work, [f"{deb.parent}:/pkg"], image=image)
     try:
-        host.file("/opt/hello.py").write_text("import os\nprint('hello from rank', os.environ['RANK'])\n")
+        host.file("/opt/hello.py").write_text(
+            "import os\nprint('hello from rank', os.environ['RANK'])\n"
+        )
         host.boot()
         assert "Debian GNU/Linux 13" in host.file("/etc/os-release").read_text()
         done = host.run("dpkg", "-i", f"/pkg/{deb.name}")
         note(f"debian 13: dpkg -i -> {transcript(done)}")
-        until("elasticd active", lambda: host.systemctl("is-active", "elasticd", check=False) == "active")
+        until(
+            "elasticd active",
+            lambda: host.systemctl("is-active", "elasticd", check=False) == "active",
+        )
         assert host.systemctl("is-enabled", "elasticd") == "enabled"
         job = host.ctl("submit", "--nproc-per-node", "2", "--wait", "/opt/hello.py")
         assert job["state"] == "SUCCEEDED", job
@@ -431,7 +574,12 @@ def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(
         assert not left, f"processes left after dpkg -r: {left}"
         assert host.file("/var/lib/elasticd").exists()
         note(f"debian 13: dpkg -P -> {transcript(host.run('dpkg', '-P', 'elasticd'))}")
-        for gone in ("/etc/elasticd", "/var/lib/elasticd", "/etc/default/elasticd", "/usr/lib/elasticd"):
+        for gone in (
+            "/etc/elasticd",
+            "/var/lib/elasticd",
+            "/etc/default/elasticd",
+            "/usr/lib/elasticd",
+        ):
             assert not host.file(gone).exists(), f"{gone} left after purge"
         note("debian 13: dpkg -r left no process; dpkg -P removed configuration and state")
     finally:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
-from harness import Daemon, node_states, worker_args
 from fixtures.etcd import EtcdCluster, require_etcd
+from harness import Daemon, node_states, worker_args
 
 pytestmark = [pytest.mark.slow]
 
@@ -33,7 +33,9 @@ TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 @pytest.fixture
-def ha(etcd_cluster_factory: Callable[..., Any], shared_tmp: Path) -> Iterator[tuple[Any, EtcdCluster]]:
+def ha(
+    etcd_cluster_factory: Callable[..., Any], shared_tmp: Path
+) -> Iterator[tuple[Any, EtcdCluster]]:
     """Three daemons (not started), clients of a three-member etcd cluster; the daemons stop
     before the members do."""
     require_etcd()
@@ -85,9 +87,13 @@ def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha, shared_tm
     assert states(n1) == {"n1": "up", "n2": "up", "n3": "up"}
     gate = shared_tmp / GATE
     job = n1.submit("--nnodes", "2:3", *worker_args("--ddp", "--until", str(gate)))["id"]
-    doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3)
+    doc = n1.wait_job(
+        job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3
+    )
     first_round = doc["round"]
-    victim_name = next(n["node"] for n in doc["nodes"] if n["group_rank"] != 0 and n["node"] != "n1")
+    victim_name = next(
+        n["node"] for n in doc["nodes"] if n["group_rank"] != 0 and n["node"] != "n1"
+    )
     victim = next(d for d in cluster if d.name == victim_name)
     survivors = [d for d in cluster if d is not victim]
     names = sorted(d.name for d in survivors)
@@ -99,11 +105,21 @@ def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha, shared_tm
     killed = time.monotonic()
     print(f"killed etcd member m{member} (leader: {leader is not None}) and {victim_name}")
 
-    reformed = n1.wait_job(job, lambda d: d["state"] in TERMINAL or (
-        d["world_size"] == 2 and d["state"] == "RUNNING" and healthy(d) == 2), timeout=60)
-    print(f"re-formed on {[n['node'] for n in reformed['nodes']]} {time.monotonic() - killed:.1f} s "
-          f"after the kills")
-    assert reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == names, reformed
+    reformed = n1.wait_job(
+        job,
+        lambda d: (
+            d["state"] in TERMINAL
+            or (d["world_size"] == 2 and d["state"] == "RUNNING" and healthy(d) == 2)
+        ),
+        timeout=60,
+    )
+    print(
+        f"re-formed on {[n['node'] for n in reformed['nodes']]} {time.monotonic() - killed:.1f} s "
+        f"after the kills"
+    )
+    assert (
+        reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == names
+    ), reformed
     gate.touch()
     final = n1.wait_job(job, lambda d: d["state"] in TERMINAL, timeout=120)
     assert final["state"] == "SUCCEEDED", final
@@ -111,8 +127,10 @@ def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha, shared_tm
     assert final["restarts"] == 0, final  # losing a node is not a worker failure
     for daemon in survivors:  # both survivors see the outcome, and the lost node
         daemon.wait_job(job, lambda d: d["state"] == "SUCCEEDED", timeout=30)
-        assert node_states(daemon, lambda s: s.get(victim_name) == "lost") == \
-            {**{name: "up" for name in names}, victim_name: "lost"}
+        assert node_states(daemon, lambda s: s.get(victim_name) == "lost") == {
+            **{name: "up" for name in names},
+            victim_name: "lost",
+        }
 
     # a job submitted after the member died, from the other survivor, runs on both survivors
     other = next(d for d in survivors if d is not n1)
@@ -135,7 +153,9 @@ def test_losing_the_first_daemon_loses_no_store(ha, shared_tmp):
     n3.start(wait=False)
     for daemon in (n2, n3):
         daemon.wait_notify("READY=1", 60)
-    doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3)
+    doc = n1.wait_job(
+        job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3
+    )
     first_round = doc["round"]
     assert {n["node"]: n["group_rank"] for n in doc["nodes"]}["n1"] == 0
     # nobody hosts a store: no daemon runs torch's TCPStore server (nor loads torch at all)
@@ -143,17 +163,32 @@ def test_losing_the_first_daemon_loses_no_store(ha, shared_tmp):
 
     kill(n1)
     killed = time.monotonic()
-    reformed = n2.wait_job(job, lambda d: d["state"] in TERMINAL or (
-        d["world_size"] == 2 and d["state"] == "RUNNING" and healthy(d) == 2), timeout=60)
-    print(f"re-formed on {[n['node'] for n in reformed['nodes']]} {time.monotonic() - killed:.1f} s "
-          f"after n1 died")
-    assert reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == ["n2", "n3"]
+    reformed = n2.wait_job(
+        job,
+        lambda d: (
+            d["state"] in TERMINAL
+            or (d["world_size"] == 2 and d["state"] == "RUNNING" and healthy(d) == 2)
+        ),
+        timeout=60,
+    )
+    print(
+        f"re-formed on {[n['node'] for n in reformed['nodes']]} {time.monotonic() - killed:.1f} s "
+        f"after n1 died"
+    )
+    assert reformed["state"] == "RUNNING" and sorted(n["node"] for n in reformed["nodes"]) == [
+        "n2",
+        "n3",
+    ]
     assert 0 in [n["group_rank"] for n in reformed["nodes"]]  # somebody took rank 0 over
     gate.touch()
     final = n3.wait_job(job, lambda d: d["state"] in TERMINAL, timeout=120)
     assert final["state"] == "SUCCEEDED" and final["round"] > first_round, final
     for daemon in (n2, n3):
-        assert node_states(daemon, lambda s: s.get("n1") == "lost") == {"n1": "lost", "n2": "up", "n3": "up"}
+        assert node_states(daemon, lambda s: s.get("n1") == "lost") == {
+            "n1": "lost",
+            "n2": "up",
+            "n3": "up",
+        }
 
     after = n3.submit_wait("--nnodes", "2", *worker_args("--ddp"))
     assert after["state"] == "SUCCEEDED", after

@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import pytest
-
 from fixtures.nvml_shim import ShimGpus, build_shim, shim_env
 from harness import Daemon, fake_nvidia_smi, worker_args
 from store_attack import wait_for
@@ -45,7 +44,9 @@ def metrics(daemon: Daemon) -> str:
         return r.read().decode()
 
 
-def test_a_bad_gpu_is_taken_out_and_its_job_reforms_without_it(cluster_factory, shared_tmp, store_backend):
+def test_a_bad_gpu_is_taken_out_and_its_job_reforms_without_it(
+    cluster_factory, shared_tmp, store_backend
+):
     lib = build_shim(shared_tmp / "nvml")
     cluster = cluster_factory(2, slots=4)
     with open(cluster.config, "a") as config:
@@ -58,46 +59,93 @@ def test_a_bad_gpu_is_taken_out_and_its_job_reforms_without_it(cluster_factory, 
     uuids = {name: [g.uuid for g in gpus.gpus] for name, gpus in states.items()}
     out = shared_tmp / "env"
     out.mkdir()
-    job = cluster[0].submit("--nnodes", "1:2", "--nproc-per-node", "gpu",
-                            *worker_args("--env-out", str(out), "--sleep", "0"))["id"]
+    job = cluster[0].submit(
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "gpu",
+        *worker_args("--env-out", str(out), "--sleep", "0"),
+    )["id"]
     cluster[0].wait_output(job, [f"ready {r}" for r in range(4)])
     seen = workers(out, 4)
     by_node = {e["GROUP_RANK"]: e["CUDA_VISIBLE_DEVICES"] for e in seen}
     assert sorted(by_node.values()) == sorted(",".join(u) for u in uuids.values()), seen
 
     n2.xid(1, 79).write()  # n2's second GPU falls off the bus
-    wait_for(lambda: nodes(cluster[0])["n2"].get("gpus_out") == {"1": "xid 79"}, 15,
-             "n2's gpu 1 taken out")
+    wait_for(
+        lambda: nodes(cluster[0])["n2"].get("gpus_out") == {"1": "xid 79"},
+        15,
+        "n2's gpu 1 taken out",
+    )
     assert nodes(cluster[0])["n2"]["gpus_total"] == 1
     # the job re-forms without it: n2 runs one worker, on its good GPU
-    wait_for(lambda: sorted(w["node"] for w in cluster[0].ctl("status", job)["workers"]
-                            if w["state"] in ("HEALTHY", "RUNNING")) == ["n1", "n1", "n2"], 60,
-             "the job re-formed on n1's two GPUs and n2's good one")
+    wait_for(
+        lambda: (
+            sorted(
+                w["node"]
+                for w in cluster[0].ctl("status", job)["workers"]
+                if w["state"] in ("HEALTHY", "RUNNING")
+            )
+            == ["n1", "n1", "n2"]
+        ),
+        60,
+        "the job re-formed on n1's two GPUs and n2's good one",
+    )
     cluster[0].wait_output(job, [f"ready {r}" for r in range(3)])
-    n2_worker = next(e for e in workers(out, 3) if e.get("GROUP_RANK") == "1" and e["WORLD_SIZE"] == "3")
+    n2_worker = next(
+        e for e in workers(out, 3) if e.get("GROUP_RANK") == "1" and e["WORLD_SIZE"] == "3"
+    )
     assert n2_worker["CUDA_VISIBLE_DEVICES"] == uuids["n2"][0]
     shown = cluster[1].ctl_run("nodes").stdout
     assert "n2: gpus 1/2, gpu 1: xid 79" in shown, shown
     text = metrics(cluster[1])
     assert "elasticd_gpus_out 1.0" in text and 'elasticd_gpu_faults_total{why="xid 79"} 1.0' in text
     assert 'elasticd_gpu_xids_total{xid="79"} 1.0' in text
-    assert "gpu 1 (%s) taken out of this node's offer: xid 79" % uuids["n2"][1] in cluster[1].log_text()
+    assert (
+        "gpu 1 ({}) taken out of this node's offer: xid 79".format(uuids["n2"][1])
+        in cluster[1].log_text()
+    )
 
     # n1: uncorrectable ECC errors rise on gpu 0, gpu 1 is lost; an Xid 13 (a program's) is said only
     n1.xid(0, 13).write()
-    wait_for(lambda: "gpu 0: xid 13 (an application or driver error" in cluster[0].log_text(), 15, "xid 13 said")
+    wait_for(
+        lambda: "gpu 0: xid 13 (an application or driver error" in cluster[0].log_text(),
+        15,
+        "xid 13 said",
+    )
     n1.ecc(0, 2).lose(1).write()
-    wait_for(lambda: set(nodes(cluster[1])["n1"].get("gpus_out") or {}) == {"0", "1"}, 15, "n1's GPUs out")
+    wait_for(
+        lambda: set(nodes(cluster[1])["n1"].get("gpus_out") or {}) == {"0", "1"},
+        15,
+        "n1's GPUs out",
+    )
     assert nodes(cluster[1])["n1"]["gpus_out"] == {
-        "0": "ecc: 2 new uncorrectable errors (2 in all)", "1": "lost (NVML: GPU is lost)"}
-    wait_for(lambda: [w["node"] for w in cluster[0].ctl("status", job)["workers"]
-                      if w["state"] in ("HEALTHY", "RUNNING")] == ["n2"], 60, "the job on n2 alone")
+        "0": "ecc: 2 new uncorrectable errors (2 in all)",
+        "1": "lost (NVML: GPU is lost)",
+    }
+    wait_for(
+        lambda: (
+            [
+                w["node"]
+                for w in cluster[0].ctl("status", job)["workers"]
+                if w["state"] in ("HEALTHY", "RUNNING")
+            ]
+            == ["n2"]
+        ),
+        60,
+        "the job on n2 alone",
+    )
 
     # an operator readmits n2's gpu 1 (n1's stay out); a bad index is refused
     assert cluster[0].ctl("undrain", "n2", "--gpu", "1") == {"name": "n2", "drain": False, "gpu": 1}
     wait_for(lambda: not nodes(cluster[0])["n2"].get("gpus_out"), 15, "n2's gpu 1 readmitted")
-    assert nodes(cluster[0])["n2"]["gpus_total"] == 2 and len(nodes(cluster[0])["n1"]["gpus_out"]) == 2
-    assert "gpu 1 (%s) back in the offer: readmitted by root" % uuids["n2"][1] in cluster[1].log_text()
+    assert (
+        nodes(cluster[0])["n2"]["gpus_total"] == 2 and len(nodes(cluster[0])["n1"]["gpus_out"]) == 2
+    )
+    assert (
+        "gpu 1 ({}) back in the offer: readmitted by root".format(uuids["n2"][1])
+        in cluster[1].log_text()
+    )
     refused = cluster[0].ctl_run("undrain", "n2", "--gpu", "x")
     assert refused.returncode == 2 and "not a GPU index: 'x'" in refused.stderr
     cluster[0].ctl("cancel", job)
@@ -105,7 +153,10 @@ def test_a_bad_gpu_is_taken_out_and_its_job_reforms_without_it(cluster_factory, 
 
 def test_without_nvml_a_node_counts_its_gpus_as_before_and_says_so_once(shared_tmp):
     lib = build_shim(shared_tmp / "nvml")
-    env = {**fake_nvidia_smi(shared_tmp / "bin", 2), **shim_env(lib.parent, shared_tmp / "absent.state")}
+    env = {
+        **fake_nvidia_smi(shared_tmp / "bin", 2),
+        **shim_env(lib.parent, shared_tmp / "absent.state"),
+    }
     daemon = Daemon(shared_tmp, "nonvml", env=env).start()
     try:
         (node,) = daemon.ctl("nodes")
@@ -129,8 +180,9 @@ def test_an_nvml_that_hangs_is_said_once_and_neither_stalls_the_daemon_nor_its_e
     gpus = ShimGpus(shared_tmp / "hang.state", 2).write()
     config = shared_tmp / "hang.toml"
     config.write_text("[gpu]\nhealth_interval = 0.2\n[jobs]\nallow_root = true\n")
-    daemon = Daemon(shared_tmp, "hangs", args=("--config", str(config)),
-                    env=shim_env(lib.parent, gpus.path)).start()
+    daemon = Daemon(
+        shared_tmp, "hangs", args=("--config", str(config)), env=shim_env(lib.parent, gpus.path)
+    ).start()
     try:
         gpus.hang(0, 600).write()
         wait_for(lambda: "NVML did not answer within 1 s" in daemon.log_text(), 15, "the hang said")

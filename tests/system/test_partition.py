@@ -15,16 +15,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
-import pytest
-
-from harness import Daemon, alive, node_states, wait_gone, worker_args
-from elasticd.store.signing import create_key
-from store_backends import ETCD, etcd_store_lines, with_store
+from typing import Any
 
 import netns
+import pytest
+from harness import Daemon, alive, node_states, wait_gone, worker_args
+from store_backends import ETCD, etcd_store_lines, with_store
+
+from elasticd.store.signing import create_key
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -65,8 +65,17 @@ class NetnsCluster:
             # No --node-address, no --store-host: each daemon finds, inside its own network
             # namespace, that the endpoint is its own address (host 1) and which address of
             # its own routes to the store (with etcd: to the first member, on host 1).
-            args = ("--cluster", "test", *store,
-                    "--cluster-key", str(key), "--config", str(path), "--slots", "1")
+            args = (
+                "--cluster",
+                "test",
+                *store,
+                "--cluster-key",
+                str(key),
+                "--config",
+                str(path),
+                "--slots",
+                "1",
+            )
             self.daemons.append(NetnsDaemon(hosts, i, base, f"n{i}", args=args, standalone=False))
 
     def __getitem__(self, index: int) -> NetnsDaemon:
@@ -97,8 +106,9 @@ def subnet() -> Iterator[netns.Subnet]:
 
 
 @pytest.fixture
-def netns_cluster(subnet: netns.Subnet, shared_tmp: Path, store_backend: str,
-                  request: pytest.FixtureRequest) -> Callable[..., NetnsCluster]:
+def netns_cluster(
+    subnet: netns.Subnet, shared_tmp: Path, store_backend: str, request: pytest.FixtureRequest
+) -> Callable[..., NetnsCluster]:
     """Make N namespaced hosts with one daemon each (and with etcd, its member on host 1);
     everything goes on failure too."""
 
@@ -111,13 +121,17 @@ def netns_cluster(subnet: netns.Subnet, shared_tmp: Path, store_backend: str,
             from fixtures.etcd import EtcdCluster, require_etcd
 
             require_etcd()
-            etcd = EtcdCluster(shared_tmp / "etcd-data", host=hosts.addr(1),
-                               wrap=lambda argv: hosts.exec_argv(1, argv))
+            etcd = EtcdCluster(
+                shared_tmp / "etcd-data",
+                host=hosts.addr(1),
+                wrap=lambda argv: hosts.exec_argv(1, argv),
+            )
             request.addfinalizer(etcd.stop)  # after the daemons stopped
         cluster = NetnsCluster(hosts, shared_tmp, config, etcd)
         request.addfinalizer(cluster.stop)  # then a clean SIGTERM of each daemon...
         request.addfinalizer(hosts.heal_all)  # ...once a failed test's partition is healed
         return cluster.start()
+
     return make
 
 
@@ -130,23 +144,30 @@ def test_survivors_reform_when_a_node_is_partitioned_and_it_rejoins_when_healed(
     n1 = cluster[0]
     node_states(n1, lambda s: s == {"n1": "up", "n2": "up", "n3": "up"})
     # each found its own address (the route to the store) without --node-address
-    assert {n["name"]: n["address"] for n in n1.ctl("nodes")} == \
-        {f"n{i}": cluster.hosts.addr(i) for i in (1, 2, 3)}
+    assert {n["name"]: n["address"] for n in n1.ctl("nodes")} == {
+        f"n{i}": cluster.hosts.addr(i) for i in (1, 2, 3)
+    }
     # --ddp: the workers meet at rank 0's MASTER_ADDR, across the namespaces, each round.
     # gloo's pairs bind to the address of the hostname, 127.0.0.1 here in every namespace
     # (each rank would then connect to itself and fail a few seconds into the round): eth0.
-    job = n1.submit("--nnodes", "2:3", "--env", "GLOO_SOCKET_IFNAME=eth0",
-                    *worker_args("--ddp", "--sleep", "0"))["id"]
-    doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3
-                      and healthy(d) == 3)
-    victim = cluster.by_name(next(n["node"] for n in doc["nodes"]
-                                  if n["node"] != "n1" and n["group_rank"] != 0))
+    job = n1.submit(
+        "--nnodes", "2:3", "--env", "GLOO_SOCKET_IFNAME=eth0", *worker_args("--ddp", "--sleep", "0")
+    )["id"]
+    doc = n1.wait_job(
+        job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3
+    )
+    victim = cluster.by_name(
+        next(n["node"] for n in doc["nodes"] if n["node"] != "n1" and n["group_rank"] != 0)
+    )
     survivors = sorted({"n1", "n2", "n3"} - {victim.name})
 
     cluster.hosts.partition(victim.index)
     cut = time.monotonic()
-    doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 2
-                      and healthy(d) == 2, timeout=60)
+    doc = n1.wait_job(
+        job,
+        lambda d: d["state"] == "RUNNING" and d["world_size"] == 2 and healthy(d) == 2,
+        timeout=60,
+    )
     reformed = time.monotonic() - cut
     print(f"survivors re-formed {reformed:.1f} s after the partition")
     assert sorted(n["node"] for n in doc["nodes"]) == survivors
@@ -161,8 +182,11 @@ def test_survivors_reform_when_a_node_is_partitioned_and_it_rejoins_when_healed(
     cluster.hosts.heal(victim.index)
     healed = time.monotonic()
     node_states(n1, lambda s: s[victim.name] == "up", timeout=60)
-    doc = n1.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3
-                      and healthy(d) == 3, timeout=60)  # below max: the healed node is taken back
+    doc = n1.wait_job(
+        job,
+        lambda d: d["state"] == "RUNNING" and d["world_size"] == 3 and healthy(d) == 3,
+        timeout=60,
+    )  # below max: the healed node is taken back
     print(f"healed node back in the job after {time.monotonic() - healed:.1f} s")
     assert victim.name in [n["node"] for n in doc["nodes"]]
     victim.wait_job(job, lambda d: d["world_size"] == 3 and healthy(d) == 3)  # its view agrees
@@ -189,8 +213,12 @@ def test_partition_below_min_waits_then_fails_clearly(netns_cluster):
     # Healed, the cut-off node learns the job's end and stops its worker.
     cluster.hosts.heal(2)
     assert n2.wait_job(job, lambda d: d["state"] == "FAILED", timeout=60)["state"] == "FAILED"
-    assert n2.wait_status(lambda line: line.startswith("STATUS=0 jobs running, 0 workers")
-                          and "unreachable" not in line, timeout=60)
+    assert n2.wait_status(
+        lambda line: (
+            line.startswith("STATUS=0 jobs running, 0 workers") and "unreachable" not in line
+        ),
+        timeout=60,
+    )
 
 
 def test_a_partitioned_daemon_reports_the_store_unreachable(netns_cluster):
@@ -221,7 +249,9 @@ def test_a_partitioned_daemon_still_stops_on_sigterm(netns_cluster):
     except subprocess.TimeoutExpired:
         left = [p for p in mine if alive(p)]
         n2.signal(signal.SIGKILL)  # it would not go by itself: no need to wait for it again
-        raise AssertionError(f"n2 still running 20 s after SIGTERM; of its workers {mine} alive: "
-                             f"{left}\n{n2.log_text()}") from None
+        raise AssertionError(
+            f"n2 still running 20 s after SIGTERM; of its workers {mine} alive: "
+            f"{left}\n{n2.log_text()}"
+        ) from None
     assert code == 0
     assert wait_gone(mine) == []

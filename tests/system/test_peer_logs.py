@@ -17,7 +17,6 @@ import subprocess
 import threading
 
 import pytest
-
 from harness import CLIENT_ENV, PY, free_port, worker_args
 
 LINES = 3
@@ -27,9 +26,14 @@ class Follower:
     """``elasticctl logs -f JOB`` run on a daemon, its stdout and stderr read line by line."""
 
     def __init__(self, daemon, job: str) -> None:
-        self.proc = subprocess.Popen([PY, "-m", "elasticctl", "--socket", daemon.socket, "logs", "-f", job],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=CLIENT_ENV, cwd=str(daemon.base))
+        self.proc = subprocess.Popen(
+            [PY, "-m", "elasticctl", "--socket", daemon.socket, "logs", "-f", job],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=CLIENT_ENV,
+            cwd=str(daemon.base),
+        )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -68,16 +72,23 @@ def test_logs_follow_waits_out_a_peer_that_does_not_answer(cluster_factory, shar
     # it must not count as lost.  A peer port of its own: the default one may be another
     # test run's.
     with open(cluster.config, "a") as config:
-        config.write(f"[rendezvous]\nkeep_alive_max_attempt = 120\n"
-                     f"[node]\npeer_port = {free_port()}\npeer_timeout = 5.0\n")
+        config.write(
+            f"[rendezvous]\nkeep_alive_max_attempt = 120\n"
+            f"[node]\npeer_port = {free_port()}\npeer_timeout = 5.0\n"
+        )
     cluster.start()
     go = shared_tmp / "go"
     os.mkfifo(go)
     hold = os.open(go, os.O_RDWR)  # a writer from the start: every worker blocks in read()
     follower = None
     try:
-        job = cluster[0].submit("--nnodes", "2", "--nproc-per-node", "1",
-                                *worker_args("--wait-for", str(go), "--print", str(LINES)))["id"]
+        job = cluster[0].submit(
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            *worker_args("--wait-for", str(go), "--print", str(LINES)),
+        )["id"]
         cluster[0].wait_running(job, 2)
         cluster[1].signal(signal.SIGSTOP)
         follower = Follower(cluster[0], job)
@@ -99,5 +110,9 @@ def test_logs_follow_waits_out_a_peer_that_does_not_answer(cluster_factory, shar
         for i in range(LINES):
             assert counts[f"out {rank} {i}"] == 1 and counts[f"err {rank} {i}"] == 1, shown
     notices = [text for text in texts if text.startswith("elasticd: logs of node n2")]
-    assert len(notices) == 2 and "unavailable for now" in notices[0] and notices[1].endswith("are back"), shown
+    assert (
+        len(notices) == 2
+        and "unavailable for now" in notices[0]
+        and notices[1].endswith("are back")
+    ), shown
     assert cluster[0].ctl("status", job)["state"] == "SUCCEEDED"

@@ -46,12 +46,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from harness import ROOT, needs_root
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, needs_root]
@@ -66,6 +65,7 @@ SUBMITTED = re.compile(r"\bjob (j-[0-9a-z]+) submitted\b")
 @dataclass
 class Step:
     """One ``$ `` line of the tour and the output the README shows under it."""
+
     command: str
     shown: list[str] = field(default_factory=list)
 
@@ -94,15 +94,23 @@ class Shell:
     code are cut out of the streams by a random marker written after it."""
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path) -> None:
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, cwd=str(cwd))
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=str(cwd),
+        )
         self.token = f"@@tour-{secrets.token_hex(8)}"
         self.out = bytearray()
         self.err = bytearray()
         self.cond = threading.Condition()
         self.eof = 0
-        self.pumps = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
-                      for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(s, b), daemon=True)
+            for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for pump in self.pumps:
             pump.start()
         self.count = 0
@@ -123,9 +131,11 @@ class Shell:
         mark = f"{self.token}-{self.count}"
         with self.cond:
             out_from, err_from = len(self.out), len(self.err)
-        script = (f"{command}\n"
-                  f"__tour_rc=$?; printf '\\n%s %d\\n' '{mark}' \"$__tour_rc\"; "
-                  f"printf '\\n%s\\n' '{mark}' >&2\n")
+        script = (
+            f"{command}\n"
+            f"__tour_rc=$?; printf '\\n%s %d\\n' '{mark}' \"$__tour_rc\"; "
+            f"printf '\\n%s\\n' '{mark}' >&2\n"
+        )
         assert self.proc.stdin is not None
         self.proc.stdin.write(script.encode())
         self.proc.stdin.flush()
@@ -140,10 +150,12 @@ class Shell:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0 or self.eof == 2:
-                    raise AssertionError(f"`{command}` did not finish in {timeout:.0f} s (or the "
-                                         f"shell ended)\n{self.text()}")
+                    raise AssertionError(
+                        f"`{command}` did not finish in {timeout:.0f} s (or the "
+                        f"shell ended)\n{self.text()}"
+                    )
                 self.cond.wait(left)
-            out = self.out[out_from:found.start()].decode(errors="replace")
+            out = self.out[out_from : found.start()].decode(errors="replace")
             err = self.err[err_from:err_at].decode(errors="replace")
         code = int(found.group(1))
         self.transcript.append(f"$ {command}\n{out}{err}[exit {code}]")
@@ -153,8 +165,11 @@ class Shell:
         with self.cond:
             err = self.err.decode(errors="replace")
         err = "\n".join(line for line in err.splitlines() if line and self.token not in line)
-        return ("\n".join(self.transcript) + "\n--- the shell's stderr (the daemon's log too) ---\n"
-                + err[-8000:])
+        return (
+            "\n".join(self.transcript)
+            + "\n--- the shell's stderr (the daemon's log too) ---\n"
+            + err[-8000:]
+        )
 
     def close(self, timeout: float = 30.0) -> int:
         assert self.proc.stdin is not None
@@ -177,25 +192,40 @@ def namespace_argv(base: Path, hostname: str) -> list[str]:
     # Host names from /etc/hosts alone (see the module docstring).
     nsswitch = base / "nsswitch.conf"
     system = Path("/etc/nsswitch.conf")
-    nsswitch.write_text(re.sub(r"(?m)^hosts:.*$", "hosts: files",
-                               system.read_text() if system.exists() else ""))
-    setup = "\n".join([
-        "set -e",
-        f"hostname {hostname}",
-        "ip link set lo up",
-        f"mount --bind {hosts} /etc/hosts",
-        f"mount --bind {nsswitch} {system}" if system.exists() else "true",
-        "mount -t tmpfs -o mode=0755 tour-run /run",
-        f"mount -t tmpfs -o mode=0700 tour-varlib {layer}",  # (an upper layer on overlayfs fails)
-        f"mkdir {layer}/upper {layer}/work",
-        f"mount -t overlay tour-varlib -o lowerdir=/var/lib,upperdir={layer}/upper,"
-        f"workdir={layer}/work /var/lib",
-        "rm -rf /var/lib/elasticd",  # a whiteout in our upper layer: the host's stays
-        "set +e",
-        "exec bash --noprofile --norc",
-    ])
-    return ["unshare", "--mount", "--net", "--uts", "--propagation", "private", "--",
-            "bash", "--noprofile", "--norc", "-c", setup]
+    nsswitch.write_text(
+        re.sub(r"(?m)^hosts:.*$", "hosts: files", system.read_text() if system.exists() else "")
+    )
+    setup = "\n".join(
+        [
+            "set -e",
+            f"hostname {hostname}",
+            "ip link set lo up",
+            f"mount --bind {hosts} /etc/hosts",
+            f"mount --bind {nsswitch} {system}" if system.exists() else "true",
+            "mount -t tmpfs -o mode=0755 tour-run /run",
+            f"mount -t tmpfs -o mode=0700 tour-varlib {layer}",  # (an upper layer on overlayfs fails)
+            f"mkdir {layer}/upper {layer}/work",
+            f"mount -t overlay tour-varlib -o lowerdir=/var/lib,upperdir={layer}/upper,"
+            f"workdir={layer}/work /var/lib",
+            "rm -rf /var/lib/elasticd",  # a whiteout in our upper layer: the host's stays
+            "set +e",
+            "exec bash --noprofile --norc",
+        ]
+    )
+    return [
+        "unshare",
+        "--mount",
+        "--net",
+        "--uts",
+        "--propagation",
+        "private",
+        "--",
+        "bash",
+        "--noprofile",
+        "--norc",
+        "-c",
+        setup,
+    ]
 
 
 def shown_pattern(line: str, ids: dict[str, str]) -> re.Pattern[str]:
@@ -266,10 +296,16 @@ def remove_cgroups(node: str) -> list[str]:
         if controllers == "":
             mounts = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
         elif {"memory", "pids"} & set(controllers.split(",")):
-            mounts = [f"/sys/fs/cgroup/{c}" for c in ("memory", "pids") if c in controllers.split(",")]
+            mounts = [
+                f"/sys/fs/cgroup/{c}" for c in ("memory", "pids") if c in controllers.split(",")
+            ]
         else:
             continue
-        made += [c for mount in mounts for c in Path(mount + path.rstrip("/")).glob(f"elasticd-{node}-??????")]
+        made += [
+            c
+            for mount in mounts
+            for c in Path(mount + path.rstrip("/")).glob(f"elasticd-{node}-??????")
+        ]
     stuck = []
     for cgroup in (c for c in made if c.is_dir()):
         for child in sorted((p for p in cgroup.rglob("*") if p.is_dir()), reverse=True) + [cgroup]:
@@ -291,8 +327,11 @@ def tour_dir() -> Iterator[Path]:
 def test_readme_tour_runs_as_written(tour_dir: Path) -> None:
     if not (VENV / "bin" / "python3").exists():
         pytest.skip(f"no {VENV}: make it with packaging/venv.sh (tests/run does)")
-    missing = [tool for tool in ("unshare", "ip", "mount", "curl", "hostname")
-               if shutil.which(tool) is None]
+    missing = [
+        tool
+        for tool in ("unshare", "ip", "mount", "curl", "hostname")
+        if shutil.which(tool) is None
+    ]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (util-linux, iproute2, curl)")
     steps = tour_steps(README.read_text())
@@ -300,8 +339,12 @@ def test_readme_tour_runs_as_written(tour_dir: Path) -> None:
     assert sum(w.startswith("elasticd --standalone") and w.endswith("&") for w in words) == 1, words
 
     # The venv's python3, which every job of the tour runs: importing torch prints no warning.
-    probe = subprocess.run([str(VENV / "bin" / "python3"), "-c", "import torch"],
-                           capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [str(VENV / "bin" / "python3"), "-c", "import torch"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.returncode == 0 and NUMPY_WARNING not in probe.stderr, probe.stderr
 
     node = f"tour{os.getpid()}"
@@ -330,9 +373,11 @@ def test_readme_tour_runs_as_written(tour_dir: Path) -> None:
                 code, out, _ = shell.run(
                     "for _ in $(seq 600); do elasticctl version >/dev/null 2>&1 && break; "
                     f"kill -0 {daemon} 2>/dev/null || break; sleep 0.1; done; elasticctl version",
-                    timeout=90)
-                assert code == 0 and f"on node {node}" in out, \
+                    timeout=90,
+                )
+                assert code == 0 and f"on node {node}" in out, (
                     f"elasticd never answered\n{shell.text()}"
+                )
             for shown_id in SUBMITTED.findall("\n".join(step.shown)):
                 real = SUBMITTED.search(out)
                 assert real, f"`{line}` printed no job id\n{shell.text()}"

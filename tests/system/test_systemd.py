@@ -16,14 +16,13 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
-from harness import ROOT, WORKER, Control
-
 import sdbox
+from harness import ROOT, WORKER, Control
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -57,8 +56,9 @@ class Elasticd:
         out = self.systemctl("show", "elasticd", *(f"--property={p}" for p in props))
         return dict(line.split("=", 1) for line in out.splitlines())
 
-    def until(self, predicate: Callable[[dict[str, str]], bool], *props: str,
-              timeout: float = 60.0) -> dict[str, str]:
+    def until(
+        self, predicate: Callable[[dict[str, str]], bool], *props: str, timeout: float = 60.0
+    ) -> dict[str, str]:
         """Re-read unit properties until they meet ``predicate``.  systemd emits no event a
         test can block on for these (a restart, a new StatusText), so this is a bounded
         poll, five times a second."""
@@ -73,13 +73,16 @@ class Elasticd:
 
     def ctl(self, *args: str, expect: int = 0) -> Any:
         done = self.box.run(str(VENV / "bin" / "elasticctl"), "--json", *args, check=False)
-        assert done.returncode == expect, (f"elasticctl {' '.join(args)} exited {done.returncode}\n"
-                                           f"{done.stdout}\n{done.stderr}\n{self.journal()}")
+        assert done.returncode == expect, (
+            f"elasticctl {' '.join(args)} exited {done.returncode}\n"
+            f"{done.stdout}\n{done.stderr}\n{self.journal()}"
+        )
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
         return lines[-1]
 
-    def wait_job(self, job: str, predicate: Callable[[dict[str, Any]], bool],
-                 timeout: float = 120.0) -> dict[str, Any]:
+    def wait_job(
+        self, job: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120.0
+    ) -> dict[str, Any]:
         """Follow the job's ``wait`` stream over the daemon's control socket (reached from
         here through the box's root)."""
         with Control(self.box.path("/run/elasticd/control.sock")) as control:
@@ -92,14 +95,17 @@ class Elasticd:
         missing = set(needles)
         with Control(self.box.path("/run/elasticd/control.sock")) as control:
             for doc in control.stream("logs", {"job": job, "follow": True}, timeout):
-                missing -= {n for n in missing for line in doc.get("lines", []) if n in line["text"]}
+                missing -= {
+                    n for n in missing for line in doc.get("lines", []) if n in line["text"]
+                }
                 if not missing:
                     return
         raise AssertionError(f"job {job} never printed {missing}\n{self.journal()}")
 
     def journal(self) -> str:
-        return self.box.run("journalctl", "--no-pager", "-o", "cat", "-u", "elasticd",
-                            check=False).stdout[-6000:]
+        return self.box.run(
+            "journalctl", "--no-pager", "-o", "cat", "-u", "elasticd", check=False
+        ).stdout[-6000:]
 
     def set_watchdog(self, seconds: int) -> None:
         dropin = self.units / "elasticd.service.d"
@@ -119,14 +125,21 @@ def elasticd() -> Iterator[Elasticd]:
     units.mkdir()
     etc.mkdir()
     unit = (ROOT / "systemd" / "elasticd.service").read_text()
-    unit, found = re.subn(r"^(ExecStart=|ExecStopPost=-)/usr/bin/elasticd", rf"\g<1>{VENV}/bin/elasticd",
-                          unit, flags=re.M)
+    unit, found = re.subn(
+        r"^(ExecStart=|ExecStopPost=-)/usr/bin/elasticd",
+        rf"\g<1>{VENV}/bin/elasticd",
+        unit,
+        flags=re.M,
+    )
     assert found == 2, "the unit's ExecStart or ExecStopPost changed shape"
     (units / "elasticd.service").write_text(unit)
     (etc / "elasticd.toml").write_text(CONFIG)
     readonly = {str(ROOT), sys.base_prefix, str(VENV.resolve())}  # checkout, interpreter, venv
-    box = sdbox.Box(f"edtest-{secrets.token_hex(3)}", work, binds_ro=[
-        *sorted(readonly), f"{units}:/etc/systemd/system", f"{etc}:/etc/elasticd"])
+    box = sdbox.Box(
+        f"edtest-{secrets.token_hex(3)}",
+        work,
+        binds_ro=[*sorted(readonly), f"{units}:/etc/systemd/system", f"{etc}:/etc/elasticd"],
+    )
     try:
         box.up()
         yield Elasticd(box, units)
@@ -143,14 +156,40 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
     assert (unit["Type"], unit["ActiveState"], unit["SubState"]) == ("notify", "active", "running")
     assert unit["StatusText"] == "0 jobs running, 0 workers"  # the daemon's STATUS= line
 
-    done = elasticd.ctl("submit", "--wait", "--nproc-per-node", "2", "--python", f"{VENV}/bin/python",
-                        str(WORKER), "--print", "2")
+    done = elasticd.ctl(
+        "submit",
+        "--wait",
+        "--nproc-per-node",
+        "2",
+        "--python",
+        f"{VENV}/bin/python",
+        str(WORKER),
+        "--print",
+        "2",
+    )
     assert done["state"] == "SUCCEEDED", done
 
-    job = elasticd.ctl("submit", "--nproc-per-node", "2", "--python", f"{VENV}/bin/python",
-                       str(WORKER), "--sleep", "0", "--child", "--escape", "--pid-dir", "/tmp")["id"]
-    running = elasticd.wait_job(job, lambda d: d["state"] == "RUNNING" and sum(
-        w["state"] == "HEALTHY" and bool(w["pid"]) for w in d["workers"]) == 2)
+    job = elasticd.ctl(
+        "submit",
+        "--nproc-per-node",
+        "2",
+        "--python",
+        f"{VENV}/bin/python",
+        str(WORKER),
+        "--sleep",
+        "0",
+        "--child",
+        "--escape",
+        "--pid-dir",
+        "/tmp",
+    )["id"]
+    running = elasticd.wait_job(
+        job,
+        lambda d: (
+            d["state"] == "RUNNING"
+            and sum(w["state"] == "HEALTHY" and bool(w["pid"]) for w in d["workers"]) == 2
+        ),
+    )
     main = elasticd.show("MainPID")["MainPID"]
     # Delegate=yes: the daemon moved into <unit>/daemon, each job has <unit>/job-<id>
     assert cgroup_of(elasticd, main).endswith("/elasticd.service/daemon")
@@ -189,23 +228,42 @@ def test_what_a_sigkilled_daemon_left_goes_with_it(elasticd):
     ended; a SIGKILLed one's store firewall table (outside any cgroup) and job cgroups go."""
     dropin = elasticd.units / "elasticd.service.d"
     dropin.mkdir(exist_ok=True)
-    (dropin / "norestart.conf").write_text("[Service]\nRestart=no\n")  # a node that never comes back
+    (dropin / "norestart.conf").write_text(
+        "[Service]\nRestart=no\n"
+    )  # a node that never comes back
     elasticd.systemctl("daemon-reload")
     elasticd.systemctl("start", "elasticd")
-    job = elasticd.ctl("submit", "--nproc-per-node", "1", "--python", f"{VENV}/bin/python",
-                       str(WORKER), "--sleep", "0", "--escape", "--pid-dir", "/tmp")["id"]
+    job = elasticd.ctl(
+        "submit",
+        "--nproc-per-node",
+        "1",
+        "--python",
+        f"{VENV}/bin/python",
+        str(WORKER),
+        "--sleep",
+        "0",
+        "--escape",
+        "--pid-dir",
+        "/tmp",
+    )["id"]
     elasticd.wait_output(job, ["ready 0"])
     journal = elasticd.journal()
     table = re.search(r"nftables table inet (\w+)\)", journal)
     assert table is not None, journal  # the store's firewall (root, nft): outside the unit's cgroup
     base = re.search(r"job cgroups in (\S+)", journal).group(1)
-    assert elasticd.box.run("nft", "list", "table", "inet", table.group(1), check=False).returncode == 0
+    assert (
+        elasticd.box.run("nft", "list", "table", "inet", table.group(1), check=False).returncode
+        == 0
+    )
 
     elasticd.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", "elasticd")
     elasticd.until(lambda u: u["ActiveState"] in ("failed", "inactive"), "ActiveState")
     journal = elasticd.journal()
     assert f"removed nftables table inet {table.group(1)}" in journal, journal
-    assert elasticd.box.run("nft", "list", "table", "inet", table.group(1), check=False).returncode != 0
+    assert (
+        elasticd.box.run("nft", "list", "table", "inet", table.group(1), check=False).returncode
+        != 0
+    )
     assert elasticd.box.run("test", "-e", f"{base}/job-{job}", check=False).returncode != 0
 
 
@@ -218,11 +276,17 @@ def cgroup_of(elasticd: Elasticd, pid: object) -> str:
 def test_a_config_the_daemon_refuses_fails_the_start_once_with_the_reason(elasticd):
     """A bad key: `systemctl start` fails, the journal names the key, and systemd does not
     restart it in a loop (RestartPreventExitStatus=2)."""
-    (elasticd.units.parent / "etc" / "elasticd.toml").write_text(CONFIG + "\n[metrics]\nno_such_key = 1\n")
+    (elasticd.units.parent / "etc" / "elasticd.toml").write_text(
+        CONFIG + "\n[metrics]\nno_such_key = 1\n"
+    )
     assert elasticd.box.run("systemctl", "start", "elasticd", check=False).returncode != 0
     found = elasticd.show("ActiveState", "Result", "ExecMainStatus", "NRestarts")
-    assert found == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "2",
-                     "NRestarts": "0"}, found
+    assert found == {
+        "ActiveState": "failed",
+        "Result": "exit-code",
+        "ExecMainStatus": "2",
+        "NRestarts": "0",
+    }, found
     journal = elasticd.journal()
     assert "no_such_key" in journal, journal
 
@@ -234,9 +298,18 @@ def test_the_watchdog_restarts_a_wedged_daemon(elasticd):
     assert before["WatchdogUSec"] == "2s"
     elasticd.systemctl("kill", "--kill-whom=main", "--signal=SIGSTOP", "elasticd")  # wedge it
     stopped = time.monotonic()
-    after = elasticd.until(lambda u: int(u["NRestarts"]) > int(before["NRestarts"])
-                           and u["ActiveState"] == "active" and u["SubState"] == "running",
-                           "NRestarts", "ActiveState", "SubState", "MainPID", timeout=60)
+    after = elasticd.until(
+        lambda u: (
+            int(u["NRestarts"]) > int(before["NRestarts"])
+            and u["ActiveState"] == "active"
+            and u["SubState"] == "running"
+        ),
+        "NRestarts",
+        "ActiveState",
+        "SubState",
+        "MainPID",
+        timeout=60,
+    )
     print(f"restarted and active {time.monotonic() - stopped:.1f} s after SIGSTOP")
     assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1
     assert after["MainPID"] != before["MainPID"]

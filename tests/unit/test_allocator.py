@@ -9,19 +9,39 @@ from typing import Any
 import pytest
 
 from elasticd.core import fairshare
-from elasticd.core.allocator import (Allocation, JobDemand, Quota, NodeCapacity, Policy, Reason, Share,
-                                     Waiting, allocate)
+from elasticd.core.allocator import (
+    Allocation,
+    JobDemand,
+    NodeCapacity,
+    Policy,
+    Quota,
+    Reason,
+    Share,
+    Waiting,
+    allocate,
+)
 
 NOW = 1000.0
 LONG_AGO = 0.0
 
 
-def cluster(names: str = "abc", slots: int = 4, gpus: int = 0, down: str = "") -> dict[str, NodeCapacity]:
+def cluster(
+    names: str = "abc", slots: int = 4, gpus: int = 0, down: str = ""
+) -> dict[str, NodeCapacity]:
     return {n: NodeCapacity(slots, gpus, usable=n not in down) for n in names}
 
 
-def job(id: str, size: str = "1:1", *, user: str | None = None, on: str = "abcdefgh", slots: int = 4,
-        gpus: int = 0, has: str = "", **kw: Any) -> JobDemand:
+def job(
+    id: str,
+    size: str = "1:1",
+    *,
+    user: str | None = None,
+    on: str = "abcdefgh",
+    slots: int = 4,
+    gpus: int = 0,
+    has: str = "",
+    **kw: Any,
+) -> JobDemand:
     """A job ``id`` of ``user`` (default: the id's letters), ``size`` "min:max", eligible
     on the nodes ``on``, holding ``has`` now."""
     low, high = (int(x) for x in size.split(":"))
@@ -29,12 +49,23 @@ def job(id: str, size: str = "1:1", *, user: str | None = None, on: str = "abcde
     kw.setdefault("seq", int(id[-1]) if id[-1].isdigit() else 0)
     kw.setdefault("last_grown", LONG_AGO if has else None)
     kw.setdefault("account", user)
-    return JobDemand(id, user, shares={n: Share(slots, gpus) for n in on}, min_nodes=low, max_nodes=high,
-                     current=frozenset(has), **kw)
+    return JobDemand(
+        id,
+        user,
+        shares={n: Share(slots, gpus) for n in on},
+        min_nodes=low,
+        max_nodes=high,
+        current=frozenset(has),
+        **kw,
+    )
 
 
-def run(nodes: dict[str, NodeCapacity], *jobs: JobDemand, policy: Policy = Policy(),
-        usage: dict[str, float] | None = None) -> Allocation:
+def run(
+    nodes: dict[str, NodeCapacity],
+    *jobs: JobDemand,
+    policy: Policy = Policy(),
+    usage: dict[str, float] | None = None,
+) -> Allocation:
     return allocate(nodes, jobs, policy, usage or {}, NOW)
 
 
@@ -47,6 +78,7 @@ def reasons(result: Allocation) -> list[tuple[str, str]]:
 
 
 # -- order: priority, then fair share, then age -------------------------------------------------
+
 
 def test_a_higher_priority_job_submitted_later_starts_first() -> None:
     result = run(cluster("a"), job("ann1"), job("bob2", priority=5))
@@ -66,16 +98,21 @@ def test_at_equal_priority_and_usage_the_older_job_starts_first() -> None:
 
 def test_an_account_with_three_shares_may_use_three_times_as_much() -> None:
     policy = Policy(account_shares={"ann": 3.0, "bob": 1.0})
-    result = run(cluster("a"), job("bob1"), job("ann2"), policy=policy, usage={"ann": 299.0, "bob": 100.0})
+    result = run(
+        cluster("a"), job("bob1"), job("ann2"), policy=policy, usage={"ann": 299.0, "bob": 100.0}
+    )
     assert held(result) == {"ann2": "a"}
 
 
 def test_the_queue_lists_waiting_jobs_in_the_order_they_will_start() -> None:
-    result = run(cluster("a"), job("ann1", has="a"), job("bob2"), job("cid3", priority=1), job("dan4"))
+    result = run(
+        cluster("a"), job("ann1", has="a"), job("bob2"), job("cid3", priority=1), job("dan4")
+    )
     assert [w.job for w in result.waiting] == ["cid3", "bob2", "dan4"]
 
 
 # -- a running job's min is guaranteed ----------------------------------------------------------
+
 
 def test_a_running_job_keeps_its_nodes_when_nobody_else_wants_them() -> None:
     result = run(cluster(), job("ann1", "1:3", has="abc"))
@@ -100,8 +137,12 @@ def test_a_job_below_its_min_gets_a_free_node_back_at_once_even_if_it_grew_just_
 
 
 def test_a_job_below_its_min_reclaims_a_lent_node_to_get_back_to_it() -> None:
-    result = run(cluster("abcd", down="a"), job("ann1", "2:2", has="ab"), job("bob2", "1:3", has="cd"))
-    assert held(result) == {"ann1": "bc", "bob2": "d"} and result.reclaimed == {"bob2": frozenset("c")}
+    result = run(
+        cluster("abcd", down="a"), job("ann1", "2:2", has="ab"), job("bob2", "1:3", has="cd")
+    )
+    assert held(result) == {"ann1": "bc", "bob2": "d"} and result.reclaimed == {
+        "bob2": frozenset("c")
+    }
 
 
 def test_a_running_job_over_its_max_gives_back_the_excess() -> None:
@@ -110,6 +151,7 @@ def test_a_running_job_over_its_max_gives_back_the_excess() -> None:
 
 
 # -- shrink to admit -------------------------------------------------------------------------
+
 
 def test_a_1_3_job_on_three_nodes_gives_one_up_when_another_users_1_1_job_arrives() -> None:
     result = run(cluster(), job("ann1", "1:3", has="abc"), job("bob2"))
@@ -124,7 +166,9 @@ def test_a_waiting_job_takes_a_free_node_before_reclaiming_any() -> None:
 
 
 def test_the_job_last_in_the_order_yields_first() -> None:
-    result = run(cluster("abcd"), job("ann1", "1:2", has="ab"), job("bob2", "1:2", has="cd"), job("cid3"))
+    result = run(
+        cluster("abcd"), job("ann1", "1:2", has="ab"), job("bob2", "1:2", has="cd"), job("cid3")
+    )
     assert held(result)["ann1"] == "ab" and result.reclaimed.keys() == {"bob2"}
 
 
@@ -141,9 +185,13 @@ def test_a_job_of_higher_priority_keeps_its_lent_nodes_from_a_lower_priority_job
 
 def test_a_waiting_job_takes_the_node_that_moves_the_fewest_jobs() -> None:
     # a is shared by two half-node jobs, each lending it; b is one whole-node job's lent node
-    result = run(cluster("abcde"), job("ann1", "1:2", has="ac", slots=2, on="ac"),
-                 job("ann2", "1:2", has="ad", slots=2, on="ad"), job("cid3", "1:2", has="be", on="be"),
-                 job("dan5", on="ab"))
+    result = run(
+        cluster("abcde"),
+        job("ann1", "1:2", has="ac", slots=2, on="ac"),
+        job("ann2", "1:2", has="ad", slots=2, on="ad"),
+        job("cid3", "1:2", has="be", on="be"),
+        job("dan5", on="ab"),
+    )
     assert held(result)["dan5"] == "b" and result.reclaimed == {"cid3": frozenset("b")}
 
 
@@ -159,7 +207,9 @@ def test_a_small_job_starts_on_a_node_the_blocked_job_cannot_use() -> None:
     assert held(result) == {"ann1": "a", "cid3": "d"} and reasons(result) == [("bob2", "Resources")]
 
 
-def test_a_job_that_started_on_a_node_a_larger_job_needs_leaves_it_once_it_grows_elsewhere() -> None:
+def test_a_job_that_started_on_a_node_a_larger_job_needs_leaves_it_once_it_grows_elsewhere() -> (
+    None
+):
     # cid1 goes first and takes b (the tightest fit); dan2 needs a and b.  Once cid1 grows
     # onto c, b is lent, and dan2 takes it: both run, and a second run would move nothing
     nodes = {"a": NodeCapacity(4), "b": NodeCapacity(2), "c": NodeCapacity(2)}
@@ -174,8 +224,15 @@ def test_a_running_job_may_grow_into_room_a_blocked_job_keeps() -> None:
 
 # -- preemption below min, only of preemptible jobs ------------------------------------------------
 
-def test_a_preemptible_job_is_requeued_for_a_higher_priority_job_that_cannot_start_otherwise() -> None:
-    result = run(cluster("ab"), job("ann1", "2:2", has="ab", preemptible=True), job("bob2", "2:2", priority=5))
+
+def test_a_preemptible_job_is_requeued_for_a_higher_priority_job_that_cannot_start_otherwise() -> (
+    None
+):
+    result = run(
+        cluster("ab"),
+        job("ann1", "2:2", has="ab", preemptible=True),
+        job("bob2", "2:2", priority=5),
+    )
     assert held(result) == {"bob2": "ab"} and result.preempted == {"ann1"}
     assert reasons(result) == [("ann1", "Resources")]
 
@@ -187,26 +244,48 @@ def test_a_job_not_submitted_preemptible_is_never_stopped_below_its_min() -> Non
 
 
 def test_a_preemptible_job_ahead_in_the_order_is_not_preempted() -> None:
-    result = run(cluster("ab"), job("ann1", "2:2", has="ab", preemptible=True, priority=5), job("bob2", "2:2"))
+    result = run(
+        cluster("ab"),
+        job("ann1", "2:2", has="ab", preemptible=True, priority=5),
+        job("bob2", "2:2"),
+    )
     assert held(result) == {"ann1": "ab"} and not result.preempted
 
 
 def test_preemption_is_the_last_resort_lent_nodes_go_first() -> None:
-    result = run(cluster(), job("ann1", has="a", preemptible=True), job("bob2", "1:2", has="bc"),
-                 job("cid3", priority=5))
-    assert held(result)["ann1"] == "a" and not result.preempted and result.reclaimed.keys() == {"bob2"}
+    result = run(
+        cluster(),
+        job("ann1", has="a", preemptible=True),
+        job("bob2", "1:2", has="bc"),
+        job("cid3", priority=5),
+    )
+    assert (
+        held(result)["ann1"] == "a" and not result.preempted and result.reclaimed.keys() == {"bob2"}
+    )
 
 
 def test_a_preempted_job_restarts_at_once_where_room_is_left() -> None:
     # ann1 (preemptible) must leave a and b to bob2; it starts again on e (idle) and a node lent by cid3
-    result = run(cluster("abcde"), job("ann1", "2:2", has="ab", preemptible=True),
-                 job("bob2", "2:2", priority=5, on="ab"), job("cid3", "1:2", has="cd", on="cd"))
+    result = run(
+        cluster("abcde"),
+        job("ann1", "2:2", has="ab", preemptible=True),
+        job("bob2", "2:2", priority=5, on="ab"),
+        job("cid3", "1:2", has="cd", on="cd"),
+    )
     assert result.preempted == {"ann1"} and not result.waiting
-    assert held(result)["bob2"] == "ab" and "e" in result.nodes["ann1"] and len(result.nodes["cid3"]) == 1
-    assert result.nodes["ann1"] | result.nodes["cid3"] == frozenset("cde") and result.started == {"ann1", "bob2"}
+    assert (
+        held(result)["bob2"] == "ab"
+        and "e" in result.nodes["ann1"]
+        and len(result.nodes["cid3"]) == 1
+    )
+    assert result.nodes["ann1"] | result.nodes["cid3"] == frozenset("cde") and result.started == {
+        "ann1",
+        "bob2",
+    }
 
 
 # -- grow to fill ----------------------------------------------------------------------------------
+
 
 def test_idle_nodes_go_to_a_running_job_below_its_max() -> None:
     result = run(cluster(), job("ann1", "1:3", has="a"))
@@ -217,7 +296,9 @@ def test_a_job_grows_at_most_once_per_resize_interval() -> None:
     result = run(cluster(), job("ann1", "1:3", has="a", last_grown=NOW - 10))
     assert held(result) == {"ann1": "a"} and not result.grown
     policy = Policy(resize_interval=5.0)
-    assert held(run(cluster(), job("ann1", "1:3", has="a", last_grown=NOW - 10), policy=policy)) == {"ann1": "abc"}
+    assert held(
+        run(cluster(), job("ann1", "1:3", has="a", last_grown=NOW - 10), policy=policy)
+    ) == {"ann1": "abc"}
 
 
 def test_a_job_grows_by_whole_steps_only() -> None:
@@ -231,7 +312,9 @@ def test_a_job_just_admitted_starts_above_its_min_when_room_is_free() -> None:
 
 
 def test_the_first_job_in_the_order_grows_first() -> None:
-    result = run(cluster("abcd"), job("ann1", "1:4", has="a"), job("bob2", "1:4", has="b", priority=1))
+    result = run(
+        cluster("abcd"), job("ann1", "1:4", has="a"), job("bob2", "1:4", has="b", priority=1)
+    )
     assert held(result) == {"ann1": "a", "bob2": "bcd"}
 
 
@@ -242,17 +325,25 @@ def test_a_held_job_waits_and_a_held_running_job_does_not_grow() -> None:
 
 # -- quotas --------------------------------------------------------------------------------------
 
+
 def test_a_job_whose_min_would_take_its_user_over_the_node_limit_waits_with_quota_user() -> None:
     policy = Policy(users={"ann": Quota(nodes=2)})
-    result = run(cluster("abcd"), job("ann1", "2:2", has="ab"), job("ann2"), job("bob3"), policy=policy)
+    result = run(
+        cluster("abcd"), job("ann1", "2:2", has="ab"), job("ann2"), job("bob3"), policy=policy
+    )
     assert reasons(result) == [("ann2", "QuotaUser")] and held(result)["bob3"] in ("c", "d")
 
 
 def test_an_account_limit_on_gpus_counts_every_job_of_the_account() -> None:
     policy = Policy(accounts={"lab": Quota(gpus=8)})
     nodes = cluster("abc", slots=8, gpus=8)
-    result = run(nodes, job("ann1", has="a", gpus=4, account="lab"), job("bob2", gpus=8, account="lab"),
-                 job("cid3", gpus=4, account="lab"), policy=policy)
+    result = run(
+        nodes,
+        job("ann1", has="a", gpus=4, account="lab"),
+        job("bob2", gpus=8, account="lab"),
+        job("cid3", gpus=4, account="lab"),
+        policy=policy,
+    )
     assert reasons(result) == [("bob2", "QuotaAccount")] and set(result.nodes) == {"ann1", "cid3"}
 
 
@@ -271,8 +362,13 @@ def test_a_job_may_borrow_idle_nodes_over_its_quota() -> None:
 def test_borrowed_nodes_are_reclaimed_before_lent_ones() -> None:
     # ann1 (first in the order) borrows over ann's quota; bob2 (after it) lends within bob's
     policy = Policy(users={"ann": Quota(nodes=1)})
-    result = run(cluster("abcd"), job("ann1", "1:2", has="ab"), job("bob2", "1:2", has="cd"), job("cid3"),
-                 policy=policy)
+    result = run(
+        cluster("abcd"),
+        job("ann1", "1:2", has="ab"),
+        job("bob2", "1:2", has="cd"),
+        job("cid3"),
+        policy=policy,
+    )
     assert result.reclaimed.keys() == {"ann1"} and held(result)["bob2"] == "cd"
     assert result.borrowing == frozenset()
 
@@ -284,6 +380,7 @@ def test_a_higher_priority_job_borrowing_over_its_quota_yields_the_borrowed_node
 
 
 # -- few moves, shared nodes ---------------------------------------------------------------------
+
 
 def test_jobs_share_a_node_when_its_slots_allow() -> None:
     result = run(cluster("a", slots=8), job("ann1", has="a"), job("bob2"))
@@ -302,8 +399,12 @@ def test_growth_takes_the_tightest_node_and_leaves_whole_nodes_whole() -> None:
 
 def test_growth_prefers_nodes_no_waiting_job_keeps() -> None:
     # bob2 (three of b, c, d) cannot start while ann1 holds c, and keeps b and d; cid3 grows onto e
-    result = run(cluster("abcde"), job("ann1", has="c", on="c"), job("bob2", "3:3", on="bcd"),
-                 job("cid3", "1:2", has="a", on="abe"))
+    result = run(
+        cluster("abcde"),
+        job("ann1", has="c", on="c"),
+        job("bob2", "3:3", on="bcd"),
+        job("cid3", "1:2", has="a", on="abe"),
+    )
     assert held(result)["cid3"] == "ae" and reasons(result) == [("bob2", "Resources")]
 
 
@@ -314,12 +415,16 @@ def test_a_running_job_keeps_the_nodes_it_has_and_growth_only_adds() -> None:
 
 # -- jobs that cannot start -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("scenario, demand", [
-    ("more nodes than the cluster has", job("ann1", "4:4")),
-    ("a step larger than its max", job("ann1", "1:3", step=4)),
-    ("a share larger than any node", job("ann1", slots=16)),
-    ("too few eligible nodes", job("ann1", "2:2", on="a")),
-])
+
+@pytest.mark.parametrize(
+    "scenario, demand",
+    [
+        ("more nodes than the cluster has", job("ann1", "4:4")),
+        ("a step larger than its max", job("ann1", "1:3", step=4)),
+        ("a share larger than any node", job("ann1", slots=16)),
+        ("too few eligible nodes", job("ann1", "2:2", on="a")),
+    ],
+)
 def test_a_job_that_can_never_fit_waits_with_size(scenario: str, demand: JobDemand) -> None:
     assert reasons(run(cluster(), demand)) == [("ann1", "Size")], scenario
 
@@ -329,11 +434,14 @@ def test_a_lost_node_is_not_a_reason_for_size_it_may_come_back() -> None:
 
 
 def test_a_held_job_waits_with_held_in_its_place_in_the_order() -> None:
-    result = run(cluster("a"), job("ann1", held=True, priority=1), job("bob2", has="a"), job("cid3"))
+    result = run(
+        cluster("a"), job("ann1", held=True, priority=1), job("bob2", has="a"), job("cid3")
+    )
     assert result.waiting == (Waiting("ann1", Reason.HELD), Waiting("cid3", Reason.RESOURCES))
 
 
 # -- fair share helpers -------------------------------------------------------------------------
+
 
 def test_usage_halves_every_half_life() -> None:
     assert fairshare.decay({"ann": 100.0}, 7 * 86400.0) == {"ann": 50.0}
@@ -351,7 +459,7 @@ def test_charge_adds_node_seconds_to_an_account() -> None:
 def test_an_account_that_used_nothing_has_factor_one_and_one_that_used_its_share_one_half() -> None:
     factors = fairshare.factor({"ann": 10.0, "bob": 10.0, "cid": 0.0})
     assert factors["cid"] == 1.0
-    assert factors["ann"] == factors["bob"] == pytest.approx(2 ** -1.5)
+    assert factors["ann"] == factors["bob"] == pytest.approx(2**-1.5)
     assert fairshare.factor({"ann": 50.0, "bob": 50.0})["ann"] == 0.5
     assert fairshare.factor({}, accounts=["ann"]) == {"ann": 1.0}
     assert fairshare.factor({"ann": 5.0}, {"ann": 0.0, "bob": 1.0})["ann"] == 0.0

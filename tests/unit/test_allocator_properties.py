@@ -17,13 +17,23 @@ runs again on what the first run gave.  Whatever the cluster:
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from elasticd.core.allocator import (Allocation, JobDemand, Quota, NodeCapacity, Policy, Reason, Share,
-                                     allocate)
+from elasticd.core.allocator import (
+    Allocation,
+    JobDemand,
+    NodeCapacity,
+    Policy,
+    Quota,
+    Reason,
+    Share,
+    allocate,
+)
 
 NOW = 10_000.0
 INTERVAL = 60.0
@@ -48,22 +58,38 @@ def demands(draw: Any, nodes: Mapping[str, NodeCapacity], seq: int) -> JobDemand
     def share() -> Share:
         gpus = max(nodes[n].gpus for n in on)
         return Share(draw(st.sampled_from([1, 2, 2, 4])), draw(st.integers(0, min(gpus, 2))))
+
     uniform = draw(st.integers(0, 3)) > 0
     first = share()
     shares = {n: first if uniform else share() for n in on}
-    return JobDemand(f"j{seq}", user, draw(st.sampled_from([user, "lab"])), shares, low,
-                     low + draw(st.integers(0, 5)), draw(st.sampled_from([1, 1, 2])),
-                     draw(st.integers(0, 2)), seq, float(seq), draw(st.booleans()),
-                     draw(st.integers(0, 19)) == 0, last_grown=draw(st.sampled_from([None, NOW - 10, NOW - 100])))
+    return JobDemand(
+        f"j{seq}",
+        user,
+        draw(st.sampled_from([user, "lab"])),
+        shares,
+        low,
+        low + draw(st.integers(0, 5)),
+        draw(st.sampled_from([1, 1, 2])),
+        draw(st.integers(0, 2)),
+        seq,
+        float(seq),
+        draw(st.booleans()),
+        draw(st.integers(0, 19)) == 0,
+        last_grown=draw(st.sampled_from([None, NOW - 10, NOW - 100])),
+    )
 
 
 @st.composite
 def policies(draw: Any) -> Policy:
     def limits() -> Quota:
         return Quota(*(draw(st.sampled_from([None, None, 2, 4, 8])) for _ in range(3)))
-    return Policy(users={u: limits() for u in USERS if draw(st.booleans())},
-                  accounts={a: limits() for a in ("lab",) if draw(st.booleans())},
-                  account_shares={"lab": draw(st.sampled_from([1.0, 3.0]))}, resize_interval=INTERVAL)
+
+    return Policy(
+        users={u: limits() for u in USERS if draw(st.booleans())},
+        accounts={a: limits() for a in ("lab",) if draw(st.booleans())},
+        account_shares={"lab": draw(st.sampled_from([1.0, 3.0]))},
+        resize_interval=INTERVAL,
+    )
 
 
 @st.composite
@@ -72,13 +98,21 @@ def worlds(draw: Any) -> tuple[dict[str, NodeCapacity], list[JobDemand], Policy,
     nodes = draw(clusters())
     jobs = [draw(demands(nodes, i)) for i in range(draw(st.integers(0, 6)))]
     if draw(st.booleans()):  # elastic jobs that fill the cluster, so that arrivals reclaim
-        jobs = [replace(j, min_nodes=1, max_nodes=len(nodes), held=False, last_grown=None) for j in jobs]
+        jobs = [
+            replace(j, min_nodes=1, max_nodes=len(nodes), held=False, last_grown=None) for j in jobs
+        ]
     policy = draw(policies())
     usage = {a: draw(st.sampled_from([0.0, 100.0, 5000.0])) for a in (*USERS, "lab")}
     first = allocate(nodes, jobs, policy, usage, NOW - 1000)
-    jobs = [replace(j, current=first.nodes.get(j.id, frozenset()),
-                    last_grown=NOW - 1000 if j.id in first.grown else j.last_grown) for j in jobs]
-    jobs = [j for j in jobs if draw(st.integers(0, 4))]   # some jobs end
+    jobs = [
+        replace(
+            j,
+            current=first.nodes.get(j.id, frozenset()),
+            last_grown=NOW - 1000 if j.id in first.grown else j.last_grown,
+        )
+        for j in jobs
+    ]
+    jobs = [j for j in jobs if draw(st.integers(0, 4))]  # some jobs end
     jobs += [draw(demands(nodes, 10 + i)) for i in range(draw(st.integers(0, 4)))]
     lost = draw(st.lists(st.sampled_from(sorted(nodes)), unique=True, max_size=2))
     nodes = {n: replace(c, usable=n not in lost) for n, c in nodes.items()}
@@ -86,8 +120,9 @@ def worlds(draw: Any) -> tuple[dict[str, NodeCapacity], list[JobDemand], Policy,
     return nodes, jobs, policy, usage
 
 
-def check(nodes: dict[str, NodeCapacity], jobs: list[JobDemand], policy: Policy,
-          usage: dict[str, float]) -> Allocation:
+def check(
+    nodes: dict[str, NodeCapacity], jobs: list[JobDemand], policy: Policy, usage: dict[str, float]
+) -> Allocation:
     out = allocate(nodes, jobs, policy, usage, NOW)
     by_id = {j.id: j for j in jobs}
     assert set(out.nodes).isdisjoint(w.job for w in out.waiting)
@@ -123,15 +158,23 @@ def test_mins_capacity_max_and_quotas_hold(world: Any) -> None:
 def _quotas_hold(out: Allocation, by_id: dict[str, JobDemand], policy: Policy) -> None:
     """Every user's and account's admitted mins (each at its smallest share) are within its
     limits, wherever a job of theirs started now (before, the limits may have differed)."""
-    for kind, limits_of, default in (("user", policy.users, policy.user_default),
-                                     ("account", policy.accounts, policy.account_default)):
+    for kind, limits_of, default in (
+        ("user", policy.users, policy.user_default),
+        ("account", policy.accounts, policy.account_default),
+    ):
         owners = {getattr(by_id[j], kind) for j in out.started}
         for owner in owners:
             limits = limits_of.get(owner, default)
             mine = [by_id[j] for j in out.nodes if getattr(by_id[j], kind) == owner]
             count = sum(min(len(out.nodes[j.id]), j.need) for j in mine)
-            slots = sum(min(len(out.nodes[j.id]), j.need) * min(s.slots for s in j.shares.values()) for j in mine)
-            gpus = sum(min(len(out.nodes[j.id]), j.need) * min(s.gpus for s in j.shares.values()) for j in mine)
+            slots = sum(
+                min(len(out.nodes[j.id]), j.need) * min(s.slots for s in j.shares.values())
+                for j in mine
+            )
+            gpus = sum(
+                min(len(out.nodes[j.id]), j.need) * min(s.gpus for s in j.shares.values())
+                for j in mine
+            )
             for limit, used in ((limits.nodes, count), (limits.slots, slots), (limits.gpus, gpus)):
                 assert limit is None or used <= limit, (kind, owner, limit, used)
 
@@ -143,7 +186,9 @@ def test_the_same_input_gives_the_same_output_in_any_order(world: Any, rnd: rand
     out = allocate(nodes, jobs, policy, usage, NOW)
     names = list(nodes)
     rnd.shuffle(names)
-    shuffled = [replace(j, shares=dict(rnd.sample(list(j.shares.items()), len(j.shares)))) for j in jobs]
+    shuffled = [
+        replace(j, shares=dict(rnd.sample(list(j.shares.items()), len(j.shares)))) for j in jobs
+    ]
     rnd.shuffle(shuffled)
     usage = dict(rnd.sample(list(usage.items()), len(usage)))
     assert allocate({n: nodes[n] for n in names}, shuffled, policy, usage, NOW) == out
@@ -173,7 +218,9 @@ def test_no_room_idles_that_a_running_or_waiting_job_could_use(world: Any) -> No
         blocked = blocked or waiting.reason in (Reason.RESOURCES, Reason.PRIORITY)
 
 
-def _free(nodes: dict[str, NodeCapacity], by_id: dict[str, JobDemand], out: Allocation) -> dict[str, list[int]]:
+def _free(
+    nodes: dict[str, NodeCapacity], by_id: dict[str, JobDemand], out: Allocation
+) -> dict[str, list[int]]:
     free = {n: [c.slots, c.gpus] for n, c in nodes.items() if c.usable}
     for job_id, held in out.nodes.items():
         for n in held:
@@ -198,9 +245,17 @@ def test_a_reclaim_leaves_a_multiple_of_the_step_and_few_moves(world: Any) -> No
             assert not out.reclaimed[job.id] & held
         if job.id not in out.preempted:
             # a running job keeps every current node it can, but those reclaimed or dropped
-            assert job.current - out.reclaimed.get(job.id, frozenset()) - out.dropped.get(job.id, frozenset()) <= held
-            assert held - job.current == out.grown.get(job.id, frozenset()) or job.id in out.started \
+            assert (
+                job.current
+                - out.reclaimed.get(job.id, frozenset())
+                - out.dropped.get(job.id, frozenset())
+                <= held
+            )
+            assert (
+                held - job.current == out.grown.get(job.id, frozenset())
+                or job.id in out.started
                 or len(job.current - out.dropped.get(job.id, frozenset())) < job.need
+            )
 
 
 @PROPERTY
@@ -208,9 +263,17 @@ def test_a_reclaim_leaves_a_multiple_of_the_step_and_few_moves(world: Any) -> No
 def test_running_the_allocator_on_its_own_output_moves_nothing(world: Any) -> None:
     nodes, jobs, policy, usage = world
     out = allocate(nodes, jobs, policy, usage, NOW)
-    again = [replace(j, current=out.nodes.get(j.id, frozenset()),
-                     last_grown=NOW if j.id in out.grown else j.last_grown) for j in jobs]
+    again = [
+        replace(
+            j,
+            current=out.nodes.get(j.id, frozenset()),
+            last_grown=NOW if j.id in out.grown else j.last_grown,
+        )
+        for j in jobs
+    ]
     second = allocate(nodes, again, policy, usage, NOW)
     assert second.nodes == out.nodes
-    assert not (second.grown or second.reclaimed or second.started or second.preempted or second.dropped)
+    assert not (
+        second.grown or second.reclaimed or second.started or second.preempted or second.dropped
+    )
     assert second.waiting == out.waiting

@@ -11,9 +11,21 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from sharing_metrics import (JobRun, excess_waits, held_share, max_min_fair, jain, merged, overlap, percentile,  # noqa: E402
-                             rounds_run, summarize, utilization, worker_intervals)
-from sharing_trace import KINDS, USERS, USER_WEIGHTS, TraceJob, make_trace  # noqa: E402
+from sharing_metrics import (
+    JobRun,
+    excess_waits,
+    held_share,
+    jain,
+    max_min_fair,
+    merged,
+    overlap,
+    percentile,
+    rounds_run,
+    summarize,
+    utilization,
+    worker_intervals,
+)
+from sharing_trace import KINDS, USER_WEIGHTS, USERS, TraceJob, make_trace
 
 
 def test_the_same_seed_gives_the_same_trace_and_another_seed_another():
@@ -79,7 +91,7 @@ def test_merged_and_overlap():
 
 
 def test_utilization_counts_busy_slots_inside_the_windows_only():
-    busy = [(0, 10), (0, 10), (0, 5)]              # 3 slots, the third idle from 5
+    busy = [(0, 10), (0, 10), (0, 5)]  # 3 slots, the third idle from 5
     assert utilization(busy, [(0, 10)], 4) == pytest.approx(25 / 40)
     assert utilization(busy, [(5, 10)], 2) == pytest.approx(1.0)
     assert utilization(busy, [(20, 30)], 4) == 0.0
@@ -87,22 +99,26 @@ def test_utilization_counts_busy_slots_inside_the_windows_only():
 
 
 def test_worker_intervals_from_the_workers_events():
-    events = [{"event": "start", "pid": 1, "t": 1.5, "exec": 1.0},
-              {"event": "start", "pid": 2, "t": 2.5, "exec": 2.0},
-              {"event": "done", "pid": 1, "t": 8.0},
-              {"event": "exit", "pid": 1, "t": 9.0},
-              {"event": "start", "pid": 3, "t": 12.0}]   # no exit: killed outright
+    events = [
+        {"event": "start", "pid": 1, "t": 1.5, "exec": 1.0},
+        {"event": "start", "pid": 2, "t": 2.5, "exec": 2.0},
+        {"event": "done", "pid": 1, "t": 8.0},
+        {"event": "exit", "pid": 1, "t": 9.0},
+        {"event": "start", "pid": 3, "t": 12.0},
+    ]  # no exit: killed outright
     assert worker_intervals(events, otherwise=20.0) == [(1.0, 9.0), (2.0, 20.0), (12.0, 20.0)]
 
 
 def test_an_in_place_worker_is_busy_only_while_placed():
-    events = [{"event": "start", "pid": 1, "t": 1.5, "exec": 1.0, "rank": -1},
-              {"event": "placed", "pid": 1, "t": 3.0, "rank": 0},   # warmed up 2 s: not busy
-              {"event": "asked", "pid": 1, "t": 7.0, "rank": 0},    # a resize
-              {"event": "placed", "pid": 1, "t": 7.5, "rank": 1},
-              {"event": "exit", "pid": 1, "t": 10.0, "rank": 1},
-              {"event": "start", "pid": 2, "t": 4.0, "exec": 4.0, "rank": -1},
-              {"event": "placed", "pid": 2, "t": 7.5, "rank": 0}]   # killed outright
+    events = [
+        {"event": "start", "pid": 1, "t": 1.5, "exec": 1.0, "rank": -1},
+        {"event": "placed", "pid": 1, "t": 3.0, "rank": 0},  # warmed up 2 s: not busy
+        {"event": "asked", "pid": 1, "t": 7.0, "rank": 0},  # a resize
+        {"event": "placed", "pid": 1, "t": 7.5, "rank": 1},
+        {"event": "exit", "pid": 1, "t": 10.0, "rank": 1},
+        {"event": "start", "pid": 2, "t": 4.0, "exec": 4.0, "rank": -1},
+        {"event": "placed", "pid": 2, "t": 7.5, "rank": 0},
+    ]  # killed outright
     assert worker_intervals(events, otherwise=12.0) == [(3.0, 7.0), (7.5, 10.0), (7.5, 12.0)]
     assert rounds_run(events) == 2
     assert rounds_run([{"event": "start", "pid": 1, "rank": 0}] * 3) == 3
@@ -114,10 +130,26 @@ def test_max_min_fair_shares_fill_up_to_each_demand():
     assert max_min_fair({}, 8) == {}
 
 
-def run_of(name: str, user: str, created: float, start: float | None, end: float | None,
-           workers: list[tuple[float, float]], min_nodes: int = 1, max_nodes: int = 4) -> JobRun:
-    return JobRun(TraceJob(name, user, "small", created, min_nodes, max_nodes, 100), name,
-                  "SUCCEEDED" if end else "RUNNING", created, start, end, workers, 1)
+def run_of(
+    name: str,
+    user: str,
+    created: float,
+    start: float | None,
+    end: float | None,
+    workers: list[tuple[float, float]],
+    min_nodes: int = 1,
+    max_nodes: int = 4,
+) -> JobRun:
+    return JobRun(
+        TraceJob(name, user, "small", created, min_nodes, max_nodes, 100),
+        name,
+        "SUCCEEDED" if end else "RUNNING",
+        created,
+        start,
+        end,
+        workers,
+        1,
+    )
 
 
 def test_a_wait_beyond_fair_share_counts_only_while_the_user_is_owed_a_node():
@@ -142,11 +174,29 @@ def job(name: str, user: str, work: int, max_nodes: int) -> TraceJob:
 def test_summarize_two_users():
     """Two one-slot jobs on a 2-slot cluster; b waits 10 s for a (which holds both slots,
     one idle), then a resize gap of 2 s: the figures by hand."""
-    a = JobRun(job("a", "u1", 20, 2), "j-a", "SUCCEEDED", created=0.0, started=0.5, ended=10.0,
-               workers=[(0.5, 10.0)], rounds=1)
-    b = JobRun(job("b", "u2", 20, 1), "j-b", "SUCCEEDED", created=2.0, started=12.0, ended=24.0,
-               workers=[(12.0, 16.0), (18.0, 24.0)], rounds=2)
-    s = summarize([a, b], slots=2, step=1.0, until=30.0, held=[(1.0, 2), (5.0, 2), (11.0, 1), (20.0, 1)])
+    a = JobRun(
+        job("a", "u1", 20, 2),
+        "j-a",
+        "SUCCEEDED",
+        created=0.0,
+        started=0.5,
+        ended=10.0,
+        workers=[(0.5, 10.0)],
+        rounds=1,
+    )
+    b = JobRun(
+        job("b", "u2", 20, 1),
+        "j-b",
+        "SUCCEEDED",
+        created=2.0,
+        started=12.0,
+        ended=24.0,
+        workers=[(12.0, 16.0), (18.0, 24.0)],
+        rounds=2,
+    )
+    s = summarize(
+        [a, b], slots=2, step=1.0, until=30.0, held=[(1.0, 2), (5.0, 2), (11.0, 1), (20.0, 1)]
+    )
     assert s["completed"] == 2 and s["avg_jct"] == pytest.approx(16.0)
     assert s["makespan"] == pytest.approx(24.0)
     assert s["longest_wait"] == pytest.approx(10.0) and s["avg_wait"] == pytest.approx(5.25)
@@ -158,12 +208,20 @@ def test_summarize_two_users():
     # slowdown: a 10 / (20/2), b 22 / 20: Jain over (1.0, 1.1)
     assert s["users"]["u1"]["avg_slowdown"] == pytest.approx(1.0)
     assert s["users"]["u2"]["avg_slowdown"] == pytest.approx(1.1)
-    assert s["jain"] == pytest.approx(2.1 ** 2 / (2 * (1.0 + 1.21)))
+    assert s["jain"] == pytest.approx(2.1**2 / (2 * (1.0 + 1.21)))
 
 
 def test_a_job_that_never_started_waits_until_the_end_and_is_not_completed():
-    a = JobRun(job("a", "u1", 10, 1), "j-a", "PENDING", created=5.0, started=None, ended=None,
-               workers=[], rounds=0)
+    a = JobRun(
+        job("a", "u1", 10, 1),
+        "j-a",
+        "PENDING",
+        created=5.0,
+        started=None,
+        ended=None,
+        workers=[],
+        rounds=0,
+    )
     s = summarize([a], slots=1, step=1.0, until=65.0)
     assert s["completed"] == 0 and s["avg_jct"] is None and s["jain"] is None
     assert s["longest_wait"] == pytest.approx(60.0) and s["util_waiting"] == 0.0

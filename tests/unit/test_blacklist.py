@@ -6,20 +6,35 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.core.blacklist import Blacklist, BlacklistPolicy, Verdict, several_users, worker_failures
+from elasticd.core.blacklist import (
+    Blacklist,
+    BlacklistPolicy,
+    Verdict,
+    several_users,
+    worker_failures,
+)
 from elasticd.core.model import PartState
 from elasticd.core.records import Part
 
 POLICY = BlacklistPolicy(failures=2, window=10.0, cooldown_min=2.0, cooldown_max=20.0)
 
 
-@pytest.mark.parametrize("strikes, jitter, seconds", [
-    (1, 0.0, 2.0), (1, 0.5, 2.5), (1, 0.999, 2.999),
-    (2, 0.0, 4.0), (3, 0.0, 8.0), (3, 1.0, 12.0), (4, 0.0, 16.0),
-    (4, 1.0, 20.0),            # clamped to the max
-    (5, 0.0, 20.0), (10_000, 0.5, 20.0),   # no overflow, however many
-    (0, 0.0, 2.0),             # never below the min
-])
+@pytest.mark.parametrize(
+    "strikes, jitter, seconds",
+    [
+        (1, 0.0, 2.0),
+        (1, 0.5, 2.5),
+        (1, 0.999, 2.999),
+        (2, 0.0, 4.0),
+        (3, 0.0, 8.0),
+        (3, 1.0, 12.0),
+        (4, 0.0, 16.0),
+        (4, 1.0, 20.0),  # clamped to the max
+        (5, 0.0, 20.0),
+        (10_000, 0.5, 20.0),  # no overflow, however many
+        (0, 0.0, 2.0),  # never below the min
+    ],
+)
 def test_cooldown(strikes, jitter, seconds):
     assert POLICY.cooldown(strikes, jitter) == pytest.approx(seconds)
 
@@ -80,10 +95,10 @@ SCENARIOS = {
         ("failed", ("a", A), 0.0, (None, None), set(), False),
         ("failed", ("b", A), 1.0, (3.0, None), {A}, False),
         ("failed", ("c", A), 2.0, (None, None), {A}, False),
-        ("expire_user", A, 2.9, False, {A}, False),           # not before its time
+        ("expire_user", A, 2.9, False, {A}, False),  # not before its time
         ("expire_user", A, 3.0, True, set(), False),
-        ("failed", ("d", A), 4.0, (None, None), set(), False),   # c did not count
-        ("failed", ("c", A), 4.5, (None, None), set(), False),   # and is seen already
+        ("failed", ("d", A), 4.0, (None, None), set(), False),  # c did not count
+        ("failed", ("c", A), 4.5, (None, None), set(), False),  # and is seen already
     ],
     "failures while the node is blacklisted are not counted": [
         ("failed", ("a", A), 0.0, (None, None), set(), False),
@@ -101,26 +116,27 @@ SCENARIOS = {
         ("failed", ("b", A), 1.0, (3.0, None), {A}, False),
         ("expire_user", A, 3.0, True, set(), False),
         ("failed", ("c", A), 5.0, (None, None), set(), False),
-        ("failed", ("d", A), 6.0, (10.0, None), {A}, False),     # 4 s
+        ("failed", ("d", A), 6.0, (10.0, None), {A}, False),  # 4 s
         ("expire_user", A, 10.0, True, set(), False),
         ("failed", ("e", A), 11.0, (None, None), set(), False),
-        ("failed", ("f", A), 12.0, (20.0, None), {A}, False),    # 8 s
+        ("failed", ("f", A), 12.0, (20.0, None), {A}, False),  # 8 s
     ],
     "after a quiet spell longer than the max it starts again at the min": [
         ("failed", ("a", A), 0.0, (None, None), set(), False),
         ("failed", ("b", A), 1.0, (3.0, None), {A}, False),
         ("expire_user", A, 3.0, True, set(), False),
         ("failed", ("c", A), 30.0, (None, None), set(), False),
-        ("failed", ("d", A), 31.0, (33.0, None), {A}, False),    # 2 s again
+        ("failed", ("d", A), 31.0, (33.0, None), {A}, False),  # 2 s again
     ],
     "an operator's lift readmits every user and the node, and forgets": [
         ("failed", ("a", A), 0.0, (None, None), set(), False),
         ("failed", ("b", A), 0.5, (2.5, None), {A}, False),
         ("failed", ("c", B), 1.0, (None, None), {A}, False),
         ("failed", ("d", B), 1.5, (3.5, 3.5), {A, B}, True),
-        ("lift", None, 2.0, True, set(), False), ("lift", None, 2.5, False, set(), False),
+        ("lift", None, 2.0, True, set(), False),
+        ("lift", None, 2.5, False, set(), False),
         ("failed", ("e", A), 3.0, (None, None), set(), False),
-        ("failed", ("f", A), 4.0, (6.0, None), {A}, False),      # strike 1 again, B forgotten
+        ("failed", ("f", A), 4.0, (6.0, None), {A}, False),  # strike 1 again, B forgotten
     ],
 }
 
@@ -141,19 +157,23 @@ def test_blacklist(steps):
     blacklist = Blacklist(POLICY, rand=lambda: 0.0)
     for number, (op, arg, now, returns, kept_off, active) in enumerate(steps):
         result = step(blacklist, op, arg, now)
-        assert (result, blacklist.kept_off(), blacklist.active) == (returns, kept_off, active), \
+        assert (result, blacklist.kept_off(), blacklist.active) == (returns, kept_off, active), (
             f"step {number}: {op} {arg} at {now}"
+        )
 
 
-@pytest.mark.parametrize("began, in_force, now, several", [
-    ({}, set(), 0.0, False),
-    ({A: 0.0}, {A}, 0.0, False),                       # one user: never the node
-    ({A: 0.0, B: 5.0}, {B}, 5.0, True),                # A's began within the window
-    ({A: 0.0, B: 10.0}, {B}, 10.0, False),             # ... and 10 s ago is outside it
-    ({A: 0.0, B: 30.0}, {A, B}, 30.0, True),           # both in force, however long ago
-    ({A: 0.0, B: 1.0, C: 2.0}, set(), 50.0, False),    # all long over
-    ({A: 45.0, B: 46.0}, set(), 50.0, True),
-])
+@pytest.mark.parametrize(
+    "began, in_force, now, several",
+    [
+        ({}, set(), 0.0, False),
+        ({A: 0.0}, {A}, 0.0, False),  # one user: never the node
+        ({A: 0.0, B: 5.0}, {B}, 5.0, True),  # A's began within the window
+        ({A: 0.0, B: 10.0}, {B}, 10.0, False),  # ... and 10 s ago is outside it
+        ({A: 0.0, B: 30.0}, {A, B}, 30.0, True),  # both in force, however long ago
+        ({A: 0.0, B: 1.0, C: 2.0}, set(), 50.0, False),  # all long over
+        ({A: 45.0, B: 46.0}, set(), 50.0, True),
+    ],
+)
 def test_several_users(began, in_force, now, several):
     assert several_users(began, in_force, now, POLICY.window) is several
 
@@ -181,17 +201,29 @@ def part(round, workers, node="n2"):
 
 
 def worker(local_rank, pid, state, exit_code):
-    return {"rank": local_rank, "local_rank": local_rank, "node": "n2", "pid": pid,
-            "state": state, "exit_code": exit_code}
+    return {
+        "rank": local_rank,
+        "local_rank": local_rank,
+        "node": "n2",
+        "pid": pid,
+        "state": state,
+        "exit_code": exit_code,
+    }
 
 
-@pytest.mark.parametrize("workers, keys", [
-    ([worker(0, 10, "HEALTHY", None), worker(1, 11, "FAILED", 1)], [("j-1", 3, 1, 11)]),
-    ([worker(0, 10, "FAILED", -9), worker(1, 11, "FAILED", 127)], [("j-1", 3, 0, 10), ("j-1", 3, 1, 11)]),
-    ([worker(0, None, "FAILED", 127)], [("j-1", 3, 0, None)]),       # could not start
-    ([worker(0, 10, "STOPPED", -15)], []),                           # stopped by the daemon
-    ([worker(0, 10, "SUCCEEDED", 0)], []),
-    ([], []),
-])
+@pytest.mark.parametrize(
+    "workers, keys",
+    [
+        ([worker(0, 10, "HEALTHY", None), worker(1, 11, "FAILED", 1)], [("j-1", 3, 1, 11)]),
+        (
+            [worker(0, 10, "FAILED", -9), worker(1, 11, "FAILED", 127)],
+            [("j-1", 3, 0, 10), ("j-1", 3, 1, 11)],
+        ),
+        ([worker(0, None, "FAILED", 127)], [("j-1", 3, 0, None)]),  # could not start
+        ([worker(0, 10, "STOPPED", -15)], []),  # stopped by the daemon
+        ([worker(0, 10, "SUCCEEDED", 0)], []),
+        ([], []),
+    ],
+)
 def test_worker_failures(workers, keys):
     assert worker_failures("j-1", part(3, workers)) == keys

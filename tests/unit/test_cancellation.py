@@ -19,8 +19,8 @@ import pytest
 
 from elasticd import aio
 from elasticd.errors import StoreConnectionError
-from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous import RendezvousSettings
+from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.keys import Keys
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
@@ -83,7 +83,7 @@ def test_keep_ends_when_cancelled_while_the_sweeper_deletes_and_the_store_closes
         ended, deleting = asyncio.run(run())
     keys = Keys(PREFIX)
     assert sorted(deleting) == sorted([keys.joins(0), keys.join(0, 1)])  # the scenario happened
-    assert ended, "keep() did not end within %gs of its cancellation: %s" % (BOUND, caplog.text)
+    assert ended, f"keep() did not end within {BOUND:g}s of its cancellation: {caplog.text}"
 
 
 def test_a_failed_sweep_is_logged_and_the_keeper_goes_on():
@@ -98,7 +98,9 @@ def test_a_failed_sweep_is_logged_and_the_keeper_goes_on():
             raise StoreConnectionError("lost the store at memory")
 
     async def run() -> None:
-        handler = RendezvousHandler(Failing(backend), SIGNER, settings, "a", "a.addr", prefix=PREFIX)
+        handler = RendezvousHandler(
+            Failing(backend), SIGNER, settings, "a", "a.addr", prefix=PREFIX
+        )
         keeper = asyncio.create_task(handler.keep())
         await handler.next_rendezvous(1, 1)
         beat = Keys(PREFIX).heartbeat("a")
@@ -115,6 +117,7 @@ def test_a_failed_sweep_is_logged_and_the_keeper_goes_on():
 
 
 # -- the helpers: aio.gather and aio.back_off ---------------------------------------------------
+
 
 async def _failing_and_pending(gather) -> tuple[asyncio.Task, asyncio.Future, asyncio.Future]:
     """A task gathering two futures; the first fails and the task is cancelled in the same
@@ -136,6 +139,7 @@ async def _failing_and_pending(gather) -> tuple[asyncio.Task, asyncio.Future, as
 
 def test_asyncio_gather_turns_this_cancellation_into_the_childs_error():
     """The scenario is the fault's: the standard gather gives the error, not CancelledError."""
+
     async def run() -> BaseException | None:
         async def plain(*awaitables):
             return await asyncio.gather(*awaitables)

@@ -18,10 +18,10 @@ from uuid import uuid4
 import psutil
 import pytest
 
+from elasticd.core.containment import V2, JobLimits
 from elasticd.shell import cgroups as cgroups_mod
 from elasticd.shell.cgroup_placement import Hierarchy, choose_placement, find_hierarchy, home_cgroup
 from elasticd.shell.cgroups import JobCgroup, JobCgroups, Usage, limit_writes
-from elasticd.core.containment import V1, V2, JobLimits
 
 HYBRID_MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -30,7 +30,9 @@ HYBRID_MOUNTINFO = """\
 40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 """
-PURE_V2_MOUNTINFO = "30 23 0:27 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+PURE_V2_MOUNTINFO = (
+    "30 23 0:27 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+)
 NO_CGROUP_MOUNTINFO = "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
 BIND_MOUNTINFO = "41 31 0:38 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
 SPACE_MOUNTINFO = r"41 31 0:38 / /mnt/my\040cgroups rw - cgroup2 cgroup2 rw" + "\n"
@@ -40,30 +42,59 @@ HYBRID_SELF = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/af62\n0::/\n"
 SYSTEMD = {"INVOCATION_ID": "0123"}
 
 
-@pytest.mark.parametrize("mountinfo, proc_cgroup, expected", [
-    (HYBRID_MOUNTINFO, HYBRID_SELF,
-     Hierarchy("/sys/fs/cgroup/unified", "/", "/", "/sys/fs/cgroup/memory/process_api/af62",
-               "/sys/fs/cgroup/pids")),
-    (HYBRID_MOUNTINFO, "4:memory:/process_api/af62\n0::/\n",  # no pids line: no pids twin
-     Hierarchy("/sys/fs/cgroup/unified", "/", "/", "/sys/fs/cgroup/memory/process_api/af62")),
-    (PURE_V2_MOUNTINFO, SERVICE, Hierarchy("/sys/fs/cgroup", "/", "/system.slice/elasticd.service")),
-    (NO_CGROUP_MOUNTINFO, "0::/\n", Hierarchy(None, "/", "/")),
-    (BIND_MOUNTINFO, "0::/kubepods/pod1/c1\n", Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/kubepods/pod1/c1")),
-    (SPACE_MOUNTINFO, "0::/\n", Hierarchy("/mnt/my cgroups", "/", "/")),
-    ("", "", Hierarchy()),
-])
+@pytest.mark.parametrize(
+    "mountinfo, proc_cgroup, expected",
+    [
+        (
+            HYBRID_MOUNTINFO,
+            HYBRID_SELF,
+            Hierarchy(
+                "/sys/fs/cgroup/unified",
+                "/",
+                "/",
+                "/sys/fs/cgroup/memory/process_api/af62",
+                "/sys/fs/cgroup/pids",
+            ),
+        ),
+        (
+            HYBRID_MOUNTINFO,
+            "4:memory:/process_api/af62\n0::/\n",  # no pids line: no pids twin
+            Hierarchy("/sys/fs/cgroup/unified", "/", "/", "/sys/fs/cgroup/memory/process_api/af62"),
+        ),
+        (
+            PURE_V2_MOUNTINFO,
+            SERVICE,
+            Hierarchy("/sys/fs/cgroup", "/", "/system.slice/elasticd.service"),
+        ),
+        (NO_CGROUP_MOUNTINFO, "0::/\n", Hierarchy(None, "/", "/")),
+        (
+            BIND_MOUNTINFO,
+            "0::/kubepods/pod1/c1\n",
+            Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/kubepods/pod1/c1"),
+        ),
+        (SPACE_MOUNTINFO, "0::/\n", Hierarchy("/mnt/my cgroups", "/", "/")),
+        ("", "", Hierarchy()),
+    ],
+)
 def test_find_hierarchy(mountinfo, proc_cgroup, expected):
     assert find_hierarchy(mountinfo, proc_cgroup) == expected
 
 
-@pytest.mark.parametrize("hierarchy, cgroup, directory", [
-    (Hierarchy("/sys/fs/cgroup", "/", "/"), "/", "/sys/fs/cgroup"),
-    (Hierarchy("/sys/fs/cgroup", "/", "/"), "/a/b", "/sys/fs/cgroup/a/b"),
-    (Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/"), "/kubepods/pod1/c1", "/sys/fs/cgroup/c1"),
-    (Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/"), "/kubepods/pod1", "/sys/fs/cgroup"),
-    (Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/"), "/kubepods/pod10", None),
-    (Hierarchy(None, "/", "/"), "/", None),
-])
+@pytest.mark.parametrize(
+    "hierarchy, cgroup, directory",
+    [
+        (Hierarchy("/sys/fs/cgroup", "/", "/"), "/", "/sys/fs/cgroup"),
+        (Hierarchy("/sys/fs/cgroup", "/", "/"), "/a/b", "/sys/fs/cgroup/a/b"),
+        (
+            Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/"),
+            "/kubepods/pod1/c1",
+            "/sys/fs/cgroup/c1",
+        ),
+        (Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/"), "/kubepods/pod1", "/sys/fs/cgroup"),
+        (Hierarchy("/sys/fs/cgroup", "/kubepods/pod1", "/"), "/kubepods/pod10", None),
+        (Hierarchy(None, "/", "/"), "/", None),
+    ],
+)
 def test_v2_dir(hierarchy, cgroup, directory):
     assert hierarchy.v2_dir(cgroup) == directory
 
@@ -76,28 +107,55 @@ NOT_VISIBLE = find_hierarchy(BIND_MOUNTINFO, "0::/other\n")
 UNIT = "/sys/fs/cgroup/system.slice/elasticd.service"
 
 
-@pytest.mark.parametrize("hierarchy, setting, environ, delegated, writable, base, text", [
-    (HYBRID, "off", {}, True, True, None, "disabled by jobs.cgroup = off"),
-    (find_hierarchy(NO_CGROUP_MOUNTINFO, "0::/\n"), "auto", {}, True, True, None, "no cgroup2 mount"),
-    (HYBRID, "auto", {}, False, True, "/sys/fs/cgroup/unified/elasticd-n1", ""),
-    (HYBRID, "auto", {}, False, False, None, "/sys/fs/cgroup/unified is not writable"),
-    (UNDER_SYSTEMD, "auto", SYSTEMD, True, True, UNIT, ""),
-    (UNDER_SYSTEMD, "auto", SYSTEMD, False, True, None, "set Delegate=yes"),
-    (MOVED_TO_LEAF, "auto", SYSTEMD, True, True, UNIT, ""),
-    # the same cgroups, not started by systemd (INVOCATION_ID unset): a subtree of our own
-    (UNDER_SYSTEMD, "auto", {}, False, True, f"{UNIT}/elasticd-n1", ""),
-    # a login session is no service: no delegation needed, our cgroup must be writable
-    (IN_A_SCOPE, "auto", SYSTEMD, False, True,
-     "/sys/fs/cgroup/user.slice/user-0.slice/session-3.scope/elasticd-n1", ""),
-    (NOT_VISIBLE, "auto", {}, True, True, None, "is not visible under the cgroup2 mount"),
-    (UNDER_SYSTEMD, "/elasticd", SYSTEMD, False, False, "/sys/fs/cgroup/elasticd", ""),
-    (HYBRID, "/jobs/elasticd/", {}, False, False, "/sys/fs/cgroup/unified/jobs/elasticd", ""),
-    (HYBRID, "elasticd", {}, True, True, None, "must be 'auto', 'off' or an absolute cgroup path"),
-    (HYBRID, "/a/../../etc", {}, True, True, None, "must be 'auto', 'off' or an absolute"),
-])
+@pytest.mark.parametrize(
+    "hierarchy, setting, environ, delegated, writable, base, text",
+    [
+        (HYBRID, "off", {}, True, True, None, "disabled by jobs.cgroup = off"),
+        (
+            find_hierarchy(NO_CGROUP_MOUNTINFO, "0::/\n"),
+            "auto",
+            {},
+            True,
+            True,
+            None,
+            "no cgroup2 mount",
+        ),
+        (HYBRID, "auto", {}, False, True, "/sys/fs/cgroup/unified/elasticd-n1", ""),
+        (HYBRID, "auto", {}, False, False, None, "/sys/fs/cgroup/unified is not writable"),
+        (UNDER_SYSTEMD, "auto", SYSTEMD, True, True, UNIT, ""),
+        (UNDER_SYSTEMD, "auto", SYSTEMD, False, True, None, "set Delegate=yes"),
+        (MOVED_TO_LEAF, "auto", SYSTEMD, True, True, UNIT, ""),
+        # the same cgroups, not started by systemd (INVOCATION_ID unset): a subtree of our own
+        (UNDER_SYSTEMD, "auto", {}, False, True, f"{UNIT}/elasticd-n1", ""),
+        # a login session is no service: no delegation needed, our cgroup must be writable
+        (
+            IN_A_SCOPE,
+            "auto",
+            SYSTEMD,
+            False,
+            True,
+            "/sys/fs/cgroup/user.slice/user-0.slice/session-3.scope/elasticd-n1",
+            "",
+        ),
+        (NOT_VISIBLE, "auto", {}, True, True, None, "is not visible under the cgroup2 mount"),
+        (UNDER_SYSTEMD, "/elasticd", SYSTEMD, False, False, "/sys/fs/cgroup/elasticd", ""),
+        (HYBRID, "/jobs/elasticd/", {}, False, False, "/sys/fs/cgroup/unified/jobs/elasticd", ""),
+        (
+            HYBRID,
+            "elasticd",
+            {},
+            True,
+            True,
+            None,
+            "must be 'auto', 'off' or an absolute cgroup path",
+        ),
+        (HYBRID, "/a/../../etc", {}, True, True, None, "must be 'auto', 'off' or an absolute"),
+    ],
+)
 def test_choose_placement(hierarchy, setting, environ, delegated, writable, base, text):
-    placement = choose_placement(hierarchy, setting, "n1", environ, delegated=delegated,
-                                 writable=writable)
+    placement = choose_placement(
+        hierarchy, setting, "n1", environ, delegated=delegated, writable=writable
+    )
     assert placement.base == base
     assert text in placement.reason
     assert bool(placement.reason) is (base is None)
@@ -106,15 +164,19 @@ def test_choose_placement(hierarchy, setting, environ, delegated, writable, base
 
 def test_placement_details():
     hybrid = choose_placement(HYBRID, "auto", "n1", {}, delegated=False, writable=True)
-    assert hybrid.v1_bases == {"memory": "/sys/fs/cgroup/memory/process_api/af62/elasticd-n1",
-                               "pids": "/sys/fs/cgroup/pids/elasticd-n1"}
+    assert hybrid.v1_bases == {
+        "memory": "/sys/fs/cgroup/memory/process_api/af62/elasticd-n1",
+        "pids": "/sys/fs/cgroup/pids/elasticd-n1",
+    }
     assert hybrid.top == "/sys/fs/cgroup/unified"  # our own cgroup: enable controllers from there
     unit = choose_placement(UNDER_SYSTEMD, "auto", "n1", SYSTEMD, delegated=True, writable=True)
     assert unit.v1_bases == {} and unit.top == UNIT  # pure v2; nothing above the unit is ours
     explicit = choose_placement(UNDER_SYSTEMD, "/a/b", "n1", {}, delegated=False, writable=False)
     assert explicit.top == "/sys/fs/cgroup"  # the administrator's path, from the root down
-    assert "cannot name a cgroup" in choose_placement(HYBRID, "auto", "a/b", {}, delegated=True,
-                                                       writable=True).reason
+    assert (
+        "cannot name a cgroup"
+        in choose_placement(HYBRID, "auto", "a/b", {}, delegated=True, writable=True).reason
+    )
     assert home_cgroup(MOVED_TO_LEAF, SYSTEMD) == ("/system.slice/elasticd.service", True)
     assert home_cgroup(MOVED_TO_LEAF, {}) == ("/system.slice/elasticd.service/daemon", False)
 
@@ -124,17 +186,23 @@ def test_usage_round_trip(usage):
     assert Usage.from_json(json.loads(json.dumps(usage.to_json()))) == usage
 
 
-@pytest.mark.parametrize("doc, usage", [
-    ({}, Usage()), (None, Usage()), ([], Usage()),
-    ({"cpu_seconds": 3, "memory_peak": 1.0e9, "extra": 1}, Usage(3.0, 1_000_000_000)),
-    ({"cpu_seconds": "3", "memory_peak": True, "oom_kills": 2}, Usage(oom_kills=2)),
-    ({"cpu_seconds": float("nan"), "memory_peak": float("inf")}, Usage()),
-])
+@pytest.mark.parametrize(
+    "doc, usage",
+    [
+        ({}, Usage()),
+        (None, Usage()),
+        ([], Usage()),
+        ({"cpu_seconds": 3, "memory_peak": 1.0e9, "extra": 1}, Usage(3.0, 1_000_000_000)),
+        ({"cpu_seconds": "3", "memory_peak": True, "oom_kills": 2}, Usage(oom_kills=2)),
+        ({"cpu_seconds": float("nan"), "memory_peak": float("inf")}, Usage()),
+    ],
+)
 def test_usage_from_json_is_tolerant(doc, usage):
     assert Usage.from_json(doc) == usage
 
 
 # --- setup against a fake /proc and a fake cgroup tree ---
+
 
 def _fake_proc(tmp_path: Path, mountinfo: str, proc_cgroup: str) -> str:
     (tmp_path / "proc" / "self").mkdir(parents=True)
@@ -180,12 +248,15 @@ class FakeKernel:
     offered what its parent enabled (the root: what the kernel has), and a non-root cgroup
     with processes of its own refuses to enable any (EBUSY)."""
 
-    def __init__(self, root: Path, offered: str, busy: tuple[str, ...] = (),
-                 on: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, root: Path, offered: str, busy: tuple[str, ...] = (), on: dict[str, str] | None = None
+    ) -> None:
         self.root = str(root)
         self.offered = offered.split()
         self.busy = {f"{root}{cgroup}" for cgroup in busy}
-        self.on = {f"{root}{cgroup}".rstrip("/"): names.split() for cgroup, names in (on or {}).items()}
+        self.on = {
+            f"{root}{cgroup}".rstrip("/"): names.split() for cgroup, names in (on or {}).items()
+        }
         self.real_read = cgroups_mod._read
 
     def read(self, path: str) -> str:
@@ -193,7 +264,11 @@ class FakeKernel:
         if not directory.startswith(self.root):
             return self.real_read(path)
         if name == "cgroup.controllers":
-            offered = self.offered if directory == self.root else self.on.get(os.path.dirname(directory), [])
+            offered = (
+                self.offered
+                if directory == self.root
+                else self.on.get(os.path.dirname(directory), [])
+            )
             return " ".join(offered) + "\n"
         assert name == "cgroup.subtree_control", path
         return " ".join(self.on.get(directory, [])) + "\n"
@@ -208,25 +283,54 @@ class FakeKernel:
         self.on.setdefault(directory, []).append(text[1:])
 
 
-@pytest.mark.parametrize("own, setting, offered, busy, on, controls, lacking", [
-    # the root cgroup may enable anything: every controller reaches the job cgroups
-    ("/", "auto", "cpu io memory pids", (), {}, {"memory": V2, "pids": V2}, {}),
-    # our own cgroup has processes (ours): the kernel refuses to enable controllers in it
-    ("/svc", "auto", "cpu io memory pids", ("/svc",), {"/": "memory pids"}, {},
-     {"memory": "cannot enable it in {root}/svc/cgroup.subtree_control: Device or resource busy",
-      "pids": "cannot enable it in {root}/svc/cgroup.subtree_control: Device or resource busy"}),
-    # ... unless someone enabled them there before it had processes
-    ("/svc", "auto", "cpu io memory pids", ("/svc",), {"/": "memory pids", "/svc": "pids"},
-     {"pids": V2}, {"memory": "cannot enable it in {root}/svc/cgroup.subtree_control"}),
-    # a hybrid host: the controllers are bound to cgroup v1, and no v1 tree is mounted here
-    ("/", "auto", "hugetlb", (), {}, {},
-     {"pids": "{root} does not offer it (cgroup.controllers: hugetlb); no cgroup v1 "
-              "hierarchy has it either"}),
-    # an administrator's path: enabled from the root down, past our busy cgroup
-    ("/svc", "/jobs/elasticd", "memory pids", ("/svc",), {}, {"memory": V2, "pids": V2}, {}),
-])
-def test_controllers_are_enabled_down_to_the_job_cgroups(tmp_path, monkeypatch, own, setting,
-                                                         offered, busy, on, controls, lacking):
+@pytest.mark.parametrize(
+    "own, setting, offered, busy, on, controls, lacking",
+    [
+        # the root cgroup may enable anything: every controller reaches the job cgroups
+        ("/", "auto", "cpu io memory pids", (), {}, {"memory": V2, "pids": V2}, {}),
+        # our own cgroup has processes (ours): the kernel refuses to enable controllers in it
+        (
+            "/svc",
+            "auto",
+            "cpu io memory pids",
+            ("/svc",),
+            {"/": "memory pids"},
+            {},
+            {
+                "memory": "cannot enable it in {root}/svc/cgroup.subtree_control: Device or resource busy",
+                "pids": "cannot enable it in {root}/svc/cgroup.subtree_control: Device or resource busy",
+            },
+        ),
+        # ... unless someone enabled them there before it had processes
+        (
+            "/svc",
+            "auto",
+            "cpu io memory pids",
+            ("/svc",),
+            {"/": "memory pids", "/svc": "pids"},
+            {"pids": V2},
+            {"memory": "cannot enable it in {root}/svc/cgroup.subtree_control"},
+        ),
+        # a hybrid host: the controllers are bound to cgroup v1, and no v1 tree is mounted here
+        (
+            "/",
+            "auto",
+            "hugetlb",
+            (),
+            {},
+            {},
+            {
+                "pids": "{root} does not offer it (cgroup.controllers: hugetlb); no cgroup v1 "
+                "hierarchy has it either"
+            },
+        ),
+        # an administrator's path: enabled from the root down, past our busy cgroup
+        ("/svc", "/jobs/elasticd", "memory pids", ("/svc",), {}, {"memory": V2, "pids": V2}, {}),
+    ],
+)
+def test_controllers_are_enabled_down_to_the_job_cgroups(
+    tmp_path, monkeypatch, own, setting, offered, busy, on, controls, lacking
+):
     root = tmp_path / "cg"
     (root / own.strip("/")).mkdir(parents=True)
     kernel = FakeKernel(root, offered, busy, on)
@@ -236,7 +340,9 @@ def test_controllers_are_enabled_down_to_the_job_cgroups(tmp_path, monkeypatch, 
     cgroups = JobCgroups.setup("n1", setting, proc=_fake_proc(tmp_path, mountinfo, f"0::{own}\n"))
     assert cgroups.available, cgroups.reason
     assert cgroups.controls == controls
-    assert set(cgroups.lacking) == set(lacking) | ({"memory", "pids"} - set(controls) - set(lacking))
+    assert set(cgroups.lacking) == set(lacking) | (
+        {"memory", "pids"} - set(controls) - set(lacking)
+    )
     for name, why in lacking.items():
         assert cgroups.lacking[name].startswith(why.format(root=root)), cgroups.lacking[name]
 
@@ -246,28 +352,67 @@ def test_chain():
     assert cgroups_mod._chain("/cg", "/cg/a/b") == ["/cg", "/cg/a", "/cg/a/b"]
 
 
-@pytest.mark.parametrize("enabled, twins, limits, writes", [
-    (("cpu", "memory", "pids"), {}, JobLimits(pids=64, memory=1 << 30), [
-        ("/j/pids.max", "64", True), ("/j/memory.oom.group", "1", False),
-        ("/j/memory.max", str(1 << 30), True), ("/j/memory.swap.max", "0", False)]),
-    (("memory", "pids"), {}, JobLimits(), [  # no limit: "max", so that a reused cgroup keeps none
-        ("/j/pids.max", "max", True), ("/j/memory.oom.group", "1", False),
-        ("/j/memory.max", "max", True), ("/j/memory.swap.max", "max", False)]),
-    ((), {"pids": "/v1p/j", "memory": "/v1m/j"}, JobLimits(pids=64, memory=1 << 30), [
-        ("/v1p/j/pids.max", "64", True),
-        ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
-        ("/v1m/j/memory.limit_in_bytes", str(1 << 30), True),
-        ("/v1m/j/memory.memsw.limit_in_bytes", str(1 << 30), False)]),
-    (("pids",), {"memory": "/v1m/j"}, JobLimits(pids=64), [
-        ("/j/pids.max", "64", True), ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
-        ("/v1m/j/memory.limit_in_bytes", "-1", True), ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False)]),
-    ((), {}, JobLimits(pids=64, memory=1 << 30), []),  # nothing to write with: containment.py says so
-])
+@pytest.mark.parametrize(
+    "enabled, twins, limits, writes",
+    [
+        (
+            ("cpu", "memory", "pids"),
+            {},
+            JobLimits(pids=64, memory=1 << 30),
+            [
+                ("/j/pids.max", "64", True),
+                ("/j/memory.oom.group", "1", False),
+                ("/j/memory.max", str(1 << 30), True),
+                ("/j/memory.swap.max", "0", False),
+            ],
+        ),
+        (
+            ("memory", "pids"),
+            {},
+            JobLimits(),
+            [  # no limit: "max", so that a reused cgroup keeps none
+                ("/j/pids.max", "max", True),
+                ("/j/memory.oom.group", "1", False),
+                ("/j/memory.max", "max", True),
+                ("/j/memory.swap.max", "max", False),
+            ],
+        ),
+        (
+            (),
+            {"pids": "/v1p/j", "memory": "/v1m/j"},
+            JobLimits(pids=64, memory=1 << 30),
+            [
+                ("/v1p/j/pids.max", "64", True),
+                ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
+                ("/v1m/j/memory.limit_in_bytes", str(1 << 30), True),
+                ("/v1m/j/memory.memsw.limit_in_bytes", str(1 << 30), False),
+            ],
+        ),
+        (
+            ("pids",),
+            {"memory": "/v1m/j"},
+            JobLimits(pids=64),
+            [
+                ("/j/pids.max", "64", True),
+                ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
+                ("/v1m/j/memory.limit_in_bytes", "-1", True),
+                ("/v1m/j/memory.memsw.limit_in_bytes", "-1", False),
+            ],
+        ),
+        (
+            (),
+            {},
+            JobLimits(pids=64, memory=1 << 30),
+            [],
+        ),  # nothing to write with: containment.py says so
+    ],
+)
 def test_limit_writes(enabled, twins, limits, writes):
     assert limit_writes("/j", enabled, twins, limits) == writes
 
 
 # --- the real cgroupfs ---
+
 
 def _real_hierarchy() -> Hierarchy:
     with open("/proc/self/mountinfo") as mountinfo, open("/proc/self/cgroup") as own:
@@ -278,8 +423,9 @@ _NO_CGROUPFS = os.geteuid() != 0 or _real_hierarchy().v2_mount is None
 
 
 def needs_cgroupfs(test):
-    skip = pytest.mark.skipif(_NO_CGROUPFS, reason="needs root and a cgroup2 mount: the test "
-                                                   "makes real cgroups")
+    skip = pytest.mark.skipif(
+        _NO_CGROUPFS, reason="needs root and a cgroup2 mount: the test makes real cgroups"
+    )
     return pytest.mark.root(skip(test))
 
 
@@ -303,8 +449,9 @@ class Box:
     def spawn(self, job, argv, **kwargs) -> subprocess.Popen:
         fds = job.join_fds()
         try:
-            child = subprocess.Popen(argv, preexec_fn=lambda: [os.write(fd, b"0") for fd in fds],
-                                     **kwargs)
+            child = subprocess.Popen(
+                argv, preexec_fn=lambda: [os.write(fd, b"0") for fd in fds], **kwargs
+            )
         finally:
             for fd in fds:
                 os.close(fd)
@@ -427,8 +574,10 @@ def test_signal_reaches_every_process(box):
 @needs_cgroupfs
 def test_usage(box):
     job = box.setup().create("j-usage")
-    burn = ("import time\nmemory = b'x' * (150 << 20)\nstart = time.process_time()\n"
-            "while time.process_time() - start < 0.25: pass\n")
+    burn = (
+        "import time\nmemory = b'x' * (150 << 20)\nstart = time.process_time()\n"
+        "while time.process_time() - start < 0.25: pass\n"
+    )
     assert box.python(job, burn).wait(30) == 0
     usage = job.usage()
     assert usage.cpu_seconds is not None and usage.cpu_seconds >= 0.2
@@ -489,7 +638,9 @@ def test_kill_without_cgroup_kill(box, monkeypatch):
     child = box.python(job, DOUBLE_FORK, stdout=subprocess.PIPE)
     grandchild = int(child.stdout.readline())
     exists = os.path.exists
-    monkeypatch.setattr(os.path, "exists", lambda path: not path.endswith("cgroup.kill") and exists(path))
+    monkeypatch.setattr(
+        os.path, "exists", lambda path: not path.endswith("cgroup.kill") and exists(path)
+    )
     job.kill()
     assert asyncio.run(job.wait_empty(5.0))
     assert child.wait(5) == -signal.SIGKILL and _gone(grandchild)
@@ -592,14 +743,20 @@ def test_a_delegated_systemd_unit(box):
     os.mkdir(unit)
     try:
         os.setxattr(unit, "trusted.delegate", b"1")
-        code = ("import json, os\nfrom elasticd.shell.cgroups import JobCgroups\n"
-                "cgroups = JobCgroups.setup('n1', environ={'INVOCATION_ID': 'x'})\n"
-                "job = cgroups.create('j-1')\n"
-                "print(json.dumps([cgroups.base, cgroups.reason, job.path, open('/proc/self/cgroup').read()]))\n"
-                "job.remove()\ncgroups.close()\n")
+        code = (
+            "import json, os\nfrom elasticd.shell.cgroups import JobCgroups\n"
+            "cgroups = JobCgroups.setup('n1', environ={'INVOCATION_ID': 'x'})\n"
+            "job = cgroups.create('j-1')\n"
+            "print(json.dumps([cgroups.base, cgroups.reason, job.path, open('/proc/self/cgroup').read()]))\n"
+            "job.remove()\ncgroups.close()\n"
+        )
         pythonpath = os.pathsep.join(sys.path)
-        child = box.spawn(_Directory(unit), [sys.executable, "-c", code], stdout=subprocess.PIPE,
-                          env={**os.environ, "PYTHONPATH": pythonpath, "INVOCATION_ID": "x"})
+        child = box.spawn(
+            _Directory(unit),
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": pythonpath, "INVOCATION_ID": "x"},
+        )
         out, _ = child.communicate(timeout=30)
         base, reason, job_path, own = json.loads(out)
         assert (base, reason, job_path) == (unit, "", f"{unit}/job-j-1")

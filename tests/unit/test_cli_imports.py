@@ -19,10 +19,17 @@ assert not daemon_modules, f"elasticctl imported daemon modules: {daemon_modules
 
 
 def test_cli_imports_no_torch_and_only_the_wire():
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", CHECK],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", CHECK],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
-                if line.startswith("import time:")]
+    imported = [
+        line.rsplit("|", 1)[-1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:")
+    ]
     assert "elasticctl.cli" in imported
     assert not [name for name in imported if name.split(".")[0] == "torch"]

@@ -15,7 +15,7 @@ def test_progress_line_on_a_terminal_rewrites_one_line():
     for line in ("a  PENDING", "a  RUNNING", "a  RUNNING", "a  SUCCEEDED"):
         progress.show(line)
     progress.close()
-    assert out.getvalue() == ("\r\x1b[Ka  PENDING" "\r\x1b[Ka  RUNNING" "\r\x1b[Ka  SUCCEEDED" "\n")
+    assert out.getvalue() == ("\r\x1b[Ka  PENDING\r\x1b[Ka  RUNNING\r\x1b[Ka  SUCCEEDED\n")
 
 
 def test_progress_line_is_cut_to_the_terminal_width():
@@ -35,19 +35,30 @@ def test_progress_line_elsewhere_prints_each_change_once():
 
 
 def doc(state, **extra):
-    return {"id": "j-1", "state": state, "nnodes": "1:1", "restarts": 0, "max_restarts": 0,
-            "round": 0, "workers": [], **extra}
+    return {
+        "id": "j-1",
+        "state": state,
+        "nnodes": "1:1",
+        "restarts": 0,
+        "max_restarts": 0,
+        "round": 0,
+        "workers": [],
+        **extra,
+    }
 
 
 def args(json=False):
     return cli.parse_args(["--json", "submit", "x.py"] if json else ["submit", "x.py"])
 
 
-@pytest.mark.parametrize("states,status", [
-    (["PENDING", "RUNNING", "SUCCEEDED"], 0),
-    (["RUNNING", "FAILED"], 1),
-    (["PENDING", "CANCELLED"], 130),
-])
+@pytest.mark.parametrize(
+    "states,status",
+    [
+        (["PENDING", "RUNNING", "SUCCEEDED"], 0),
+        (["RUNNING", "FAILED"], 1),
+        (["PENDING", "CANCELLED"], 130),
+    ],
+)
 def test_exit_status_follows_the_final_state(states, status, capsys):
     assert cli.follow_job(args(), [doc(s) for s in states]) == status
     out = capsys.readouterr().out.splitlines()

@@ -3,8 +3,8 @@ parsing (pure).  Liveness itself: test_liveness.py and test_membership.py."""
 
 import pytest
 
-from elasticd.cluster.registry import NodeRecord, Sighting, node_doc, node_state
 from elasticd.cluster.inventory import parse_nvidia_smi
+from elasticd.cluster.registry import NodeRecord, Sighting, node_doc, node_state
 from elasticd.core.containment import Containment
 from elasticd.core.liveness import KeepAlive
 from elasticd.core.membership import Membership
@@ -15,13 +15,21 @@ KEEP_ALIVE = KeepAlive(1.0, 3)
 
 
 def sighting(lost=False, draining=False, jobs=()):
-    return Sighting(NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"), Membership(1, lost, 50.0))
+    return Sighting(
+        NodeRecord(INFO, draining, 2, 1, jobs, "tcp://x:1", "key"), Membership(1, lost, 50.0)
+    )
 
 
-@pytest.mark.parametrize("lost, draining, jobs, state", [
-    (False, False, (), "up"), (True, False, (), "lost"), (True, True, ("j",), "lost"),
-    (False, True, ("j",), "draining"), (False, True, (), "drained"),
-])
+@pytest.mark.parametrize(
+    "lost, draining, jobs, state",
+    [
+        (False, False, (), "up"),
+        (True, False, (), "lost"),
+        (True, True, ("j",), "lost"),
+        (False, True, ("j",), "draining"),
+        (False, True, (), "drained"),
+    ],
+)
 def test_node_state(lost, draining, jobs, state):
     assert node_state(sighting(lost, draining, jobs)) == state
 
@@ -30,9 +38,16 @@ def test_record_round_trip_and_doc():
     record = sighting(jobs=("j-1",)).record
     assert NodeRecord.from_json(record.to_json()) == record
     doc = node_doc(sighting(jobs=("j-1",)), NodeState.UP, seen=99.0)
-    assert (doc["slots_free"], doc["gpus_free"], doc["gpus_total"], doc["jobs"]) == (6, 1, 2, ["j-1"])
+    assert (doc["slots_free"], doc["gpus_free"], doc["gpus_total"], doc["jobs"]) == (
+        6,
+        1,
+        2,
+        ["j-1"],
+    )
     assert doc["last_seen"] == 99.0 and doc["cpus_total"] == 16
-    assert node_doc(sighting(lost=True), NodeState.LOST, seen=99.0)["last_seen"] == 50.0  # when judged lost
+    assert (
+        node_doc(sighting(lost=True), NodeState.LOST, seen=99.0)["last_seen"] == 50.0
+    )  # when judged lost
 
 
 def test_node_info_of_older_and_newer_daemons_reads():
@@ -49,8 +64,8 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
     """The heartbeat loop survives a failed republish and tries again on its next duty."""
     import asyncio
 
-    from elasticd.cluster.service import NodeDuties, NodeService, Watcher
     from elasticd.cluster.registry import NodeRegistry
+    from elasticd.cluster.service import NodeDuties, NodeService, Watcher
     from elasticd.errors import StoreConnectionError
     from elasticd.shell.publisher import StoreReset
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
@@ -63,7 +78,9 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
 
     async def scenario() -> None:
         stop, retried = asyncio.Event(), asyncio.Event()
-        registry = NodeRegistry(AsyncMemoryStore(store), Signer(b"k" * 32, "c"), "c", "n2", keep_alive=KEEP_ALIVE)
+        registry = NodeRegistry(
+            AsyncMemoryStore(store), Signer(b"k" * 32, "c"), "c", "n2", keep_alive=KEEP_ALIVE
+        )
         await registry.create_epoch()
 
         async def on_reset() -> None:
@@ -75,8 +92,13 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
         def on_tick() -> None:  # after the first duty: the store host restarts with a new epoch
             if not resets:
                 store.delete(registry.epoch_key)
-                store.compare_set(registry.epoch_key, None, Signer(b"k" * 32, "c").seal(
-                    registry.epoch_key, {"epoch": "new"}, version=2**62))
+                store.compare_set(
+                    registry.epoch_key,
+                    None,
+                    Signer(b"k" * 32, "c").seal(
+                        registry.epoch_key, {"epoch": "new"}, version=2**62
+                    ),
+                )
 
         republishing: set[asyncio.Task[None]] = set()
 
@@ -93,9 +115,16 @@ def test_a_store_error_while_republishing_after_a_reset_is_retried_not_fatal():
                 republishing.add(asyncio.create_task(republish(event.done)))
 
         service = NodeService(registry, interval=0.01)
-        running = asyncio.create_task(service.run(stop, NodeDuties(
-            local_record=lambda: record, post=post,
-            watcher=Watcher(store=lambda ok, why: store_states.append(ok), tick=on_tick))))
+        running = asyncio.create_task(
+            service.run(
+                stop,
+                NodeDuties(
+                    local_record=lambda: record,
+                    post=post,
+                    watcher=Watcher(store=lambda ok, why: store_states.append(ok), tick=on_tick),
+                ),
+            )
+        )
         async with asyncio.timeout(10):
             await retried.wait()
         stop.set()
@@ -132,8 +161,8 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
     between.  A request read again (same version) is not delivered again."""
     import asyncio
 
-    from elasticd.cluster.service import NodeDuties, NodeService, Watcher
     from elasticd.cluster.registry import NodeRegistry
+    from elasticd.cluster.service import NodeDuties, NodeService, Watcher
     from elasticd.core.events import GpuReadmitted, HoldChanged
     from elasticd.core.node import Hold
     from elasticd.store.memory import AsyncMemoryStore, MemoryStore
@@ -149,14 +178,21 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
         stop = asyncio.Event()
         ticked = asyncio.Event()
         record = sighting().record
+
         def post(event: object) -> None:  # the node shell's queue: each drain request once
             if isinstance(event, HoldChanged) and event.hold == Hold.DRAINED.value:
                 requests.append(event.on)
             elif isinstance(event, GpuReadmitted):
                 requests.append(event)
 
-        running = asyncio.create_task(service.run(stop, NodeDuties(
-            local_record=lambda: record, post=post, watcher=Watcher(tick=ticked.set))))
+        running = asyncio.create_task(
+            service.run(
+                stop,
+                NodeDuties(
+                    local_record=lambda: record, post=post, watcher=Watcher(tick=ticked.set)
+                ),
+            )
+        )
 
         async def ticks(n: int) -> None:
             for _ in range(n):
@@ -168,7 +204,9 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
         for drain in (False, False, True, True, False):
             await registry.request_drain("n2", drain, "root")
             await ticks(3)
-        await registry.request_drain("n2", False, "alice", gpu=3)  # that GPU only: the node's drain stays
+        await registry.request_drain(
+            "n2", False, "alice", gpu=3
+        )  # that GPU only: the node's drain stays
         await ticks(3)
         stop.set()
         await running
@@ -180,7 +218,9 @@ def test_every_drain_request_reaches_the_node_once_the_same_twice_too():
 def test_a_record_carries_its_gpus_out_and_the_node_list_shows_them():
     record = NodeRecord(INFO, gpus_out={3: "xid 79"})
     assert NodeRecord.from_json(record.to_json()) == record
-    assert node_doc(Sighting(record, Membership(1)), NodeState.UP, seen=1.0)["gpus_out"] == {"3": "xid 79"}
+    assert node_doc(Sighting(record, Membership(1)), NodeState.UP, seen=1.0)["gpus_out"] == {
+        "3": "xid 79"
+    }
     older = record.to_json()
     del older["gpus_out"]
     assert NodeRecord.from_json(older).gpus_out == {}
@@ -191,16 +231,28 @@ def test_a_record_carries_its_gpus_out_and_the_node_list_shows_them():
 def test_a_record_says_what_bounds_a_job_there():
     """The containment a node publishes reaches `elasticctl nodes` of every node; an older
     daemon's record has none (None, shown as '-'), and a wrong one decodes to 'not known'."""
-    contained = Containment(cgroup=False, pids_per_worker=64, pids_by="RLIMIT_NPROC",
-                            missing=("no cgroups for jobs (off): ...",))
+    contained = Containment(
+        cgroup=False,
+        pids_per_worker=64,
+        pids_by="RLIMIT_NPROC",
+        missing=("no cgroups for jobs (off): ...",),
+    )
     record = NodeRecord(INFO, containment=contained)
     assert NodeRecord.from_json(record.to_json()) == record
-    assert node_doc(Sighting(record, Membership(1)), NodeState.UP, seen=1.0)["containment"] == \
-        contained.to_json()
+    assert (
+        node_doc(Sighting(record, Membership(1)), NodeState.UP, seen=1.0)["containment"]
+        == contained.to_json()
+    )
     older = record.to_json()
     del older["containment"]
     assert NodeRecord.from_json(older).containment is None
-    assert node_doc(Sighting(NodeRecord.from_json(older), Membership(1)), NodeState.UP,
-                    seen=1.0)["containment"] is None
-    assert NodeRecord.from_json({**older, "containment": {"cgroup": "yes", "missing": 3}}).containment \
+    assert (
+        node_doc(Sighting(NodeRecord.from_json(older), Membership(1)), NodeState.UP, seen=1.0)[
+            "containment"
+        ]
+        is None
+    )
+    assert (
+        NodeRecord.from_json({**older, "containment": {"cgroup": "yes", "missing": 3}}).containment
         == Containment()
+    )

@@ -46,8 +46,9 @@ def test_elasticctl_help_lists_every_command_on_one_line(monkeypatch):
 def test_the_commands_and_their_aliases(line):
     names = [command.names for command in line.commands]
     assert ("list", "ps") in names and ("completion",) in names
-    assert [n for command in line.commands for n in command.names] == \
-        list(subparsers(cli.build_parser({})).choices)
+    assert [n for command in line.commands for n in command.names] == list(
+        subparsers(cli.build_parser({})).choices
+    )
     assert all(command.help for command in line.commands)
 
 
@@ -77,7 +78,11 @@ def test_what_values_and_operands_are(line):
     assert option(submit, "--nnodes").value == completion.ANY
     assert option(submit, "--wait").value is None and option(submit, "--env").repeatable
     assert option(line, "--socket").value == completion.FILES
-    assert (submit.operand, submit.operand_name, submit.remainder) == (completion.FILES, "script", True)
+    assert (submit.operand, submit.operand_name, submit.remainder) == (
+        completion.FILES,
+        "script",
+        True,
+    )
     assert command(line, "status").operand == completion.ALL_JOBS
     assert command(line, "logs").operand == completion.ALL_JOBS
     assert command(line, "cancel").operand == completion.JOBS  # only jobs that can be cancelled
@@ -97,7 +102,9 @@ def test_the_bash_script_tables(line):
     assert text.startswith("# bash completion for elasticctl")
     assert "['submit --nproc_per_node']=@any" in text  # understood, so its value is skipped
     assert "[cancel]=@jobs" in text and "[completion]='bash zsh'" in text
-    assert "declare -gA _elasticctl_options=(" in text  # -g: bash-completion sources it in a function
+    assert (
+        "declare -gA _elasticctl_options=(" in text
+    )  # -g: bash-completion sources it in a function
     assert text.rstrip().endswith("complete -F _elasticctl elasticctl")
 
 
@@ -112,5 +119,6 @@ def test_the_zsh_script(line):
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_elasticctl_completion_prints_the_script(shell, capsys):
     assert cli.main(["completion", shell]) == 0
-    assert capsys.readouterr().out == completion.script(shell, completion.describe(cli.build_parser({})))
-
+    assert capsys.readouterr().out == completion.script(
+        shell, completion.describe(cli.build_parser({}))
+    )

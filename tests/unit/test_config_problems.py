@@ -27,8 +27,10 @@ def test_a_good_file_has_none(tmp_path):
 
 def test_every_error_in_load_order_and_load_words(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[node]\nslots = -1\nbogus = 2\ngpus = "many"\n[store]\nbackend = "etcd"\n'
-                    '[nodes]\nx = 1\n[jobs]\nstop_grace = "soon"\n')
+    path.write_text(
+        '[node]\nslots = -1\nbogus = 2\ngpus = "many"\n[store]\nbackend = "etcd"\n'
+        '[nodes]\nx = 1\n[jobs]\nstop_grace = "soon"\n'
+    )
     found = messages(path)
     assert found[0] == load_error(path)  # the first is the one start-up reports
     assert found == [
@@ -46,14 +48,19 @@ def test_every_error_in_load_order_and_load_words(tmp_path):
 def test_command_line_overrides_are_checked_too(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[node]\nslots = 2\n")
-    assert messages(path, {"node.slots": -3}) == ["config key 'node.slots': must be 0 or more, got -3"]
+    assert messages(path, {"node.slots": -3}) == [
+        "config key 'node.slots': must be 0 or more, got -3"
+    ]
     assert messages(path, {"node.slots": 3}, standalone=True) == []
 
 
-@pytest.mark.parametrize("text, words", [
-    (None, "cannot read {path}: No such file or directory"),
-    ("[node\n", "{path} is not valid TOML: "),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (None, "cannot read {path}: No such file or directory"),
+        ("[node\n", "{path} is not valid TOML: "),
+    ],
+)
 def test_a_file_that_cannot_be_read_is_one_error(tmp_path, text, words):
     path = tmp_path / "c.toml"
     if text is not None:
@@ -66,5 +73,7 @@ def test_a_file_that_cannot_be_read_is_one_error(tmp_path, text, words):
 def test_a_table_where_a_value_belongs(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("node = 3\n[jobs]\nstop_grace = -1\n")
-    assert messages(path) == ["config key 'node': must be a table",
-                              "config key 'jobs.stop_grace': must be 0 or more, got -1.0"]
+    assert messages(path) == [
+        "config key 'node': must be a table",
+        "config key 'jobs.stop_grace': must be 0 or more, got -1.0",
+    ]

@@ -11,9 +11,15 @@ import pytest
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.inplace import Places, parked
-from elasticd.core.part import Phase, PartCore, Settings
-from elasticd.core.model import (IllegalTransition, JobSpec, JobState, PartState, Worker, WorkerGroup,
-                                 WorkerState)
+from elasticd.core.model import (
+    IllegalTransition,
+    JobSpec,
+    JobState,
+    Worker,
+    WorkerGroup,
+    WorkerState,
+)
+from elasticd.core.part import PartCore, Phase, Settings
 from elasticd.core.records import Outcome
 from elasticd.rendezvous import EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
 
@@ -22,25 +28,59 @@ JOB = "j-000001"
 
 
 def spec(**kw: Any) -> JobSpec:
-    fields = dict(id=JOB, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
-                  min_nodes=1, max_nodes=2, max_restarts=1, rejoin_timeout=10.0)
+    fields = dict(
+        id=JOB,
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=1,
+        gid=1,
+        user="u",
+        min_nodes=1,
+        max_nodes=2,
+        max_restarts=1,
+        rejoin_timeout=10.0,
+    )
     return JobSpec(**{**fields, **kw})
 
 
-def info(round: int = 0, nodes: tuple[str, ...] = (ME, OTHER), nproc: int = 2, restarts: int = 0,
-         reason: Reason = Reason.INITIAL) -> RendezvousInfo:
+def info(
+    round: int = 0,
+    nodes: tuple[str, ...] = (ME, OTHER),
+    nproc: int = 2,
+    restarts: int = 0,
+    reason: Reason = Reason.INITIAL,
+) -> RendezvousInfo:
     members = tuple(Member(n, f"{n}.host", nproc, i, i * nproc) for i, n in enumerate(nodes))
     me = next(m for m in members if m.node == ME)
-    return RendezvousInfo(JOB, round, reason, restarts, me.group_rank, len(members), nproc,
-                          me.rank_base, nproc * len(members), members[0].addr, 1234, members)
+    return RendezvousInfo(
+        JOB,
+        round,
+        reason,
+        restarts,
+        me.group_rank,
+        len(members),
+        nproc,
+        me.rank_base,
+        nproc * len(members),
+        members[0].addr,
+        1234,
+        members,
+    )
 
 
 class Drive:
     """A part and the time: feed stimuli, keep what it said."""
 
     def __init__(self, in_place: bool = False, started: float | None = None, **kw: Any) -> None:
-        self.part = PartCore(spec(in_place=in_place, **kw), 2, (), Settings(ME, 3.0), started=started,
-                             place=Places() if in_place else None)
+        self.part = PartCore(
+            spec(in_place=in_place, **kw),
+            2,
+            (),
+            Settings(ME, 3.0),
+            started=started,
+            place=Places() if in_place else None,
+        )
         self.mono = 100.0
         self.said: list[do.Instruction] = []
 
@@ -67,13 +107,27 @@ class Drive:
         """The operation of the newest instruction of ``kind``."""
         return next(i.op for i in reversed(self.said) if isinstance(i, kind))
 
-    def workers(self, *states: WorkerState, round: int = 0, failed_code: int = 1) -> list[do.Instruction]:
+    def workers(
+        self, *states: WorkerState, round: int = 0, failed_code: int = 1
+    ) -> list[do.Instruction]:
         group = self.part.group
         assert group is not None
-        workers = tuple(Worker(w.local_rank, w.rank, w.world_size, w.node, 100 + w.local_rank, state,
-                               None if state in (WorkerState.INIT, WorkerState.HEALTHY) else
-                               0 if state is WorkerState.SUCCEEDED else failed_code)
-                        for w, state in zip(group.workers, states))
+        workers = tuple(
+            Worker(
+                w.local_rank,
+                w.rank,
+                w.world_size,
+                w.node,
+                100 + w.local_rank,
+                state,
+                None
+                if state in (WorkerState.INIT, WorkerState.HEALTHY)
+                else 0
+                if state is WorkerState.SUCCEEDED
+                else failed_code,
+            )
+            for w, state in zip(group.workers, states)
+        )
         return self(ev.WorkersChanged(JOB, WorkerGroup(**{**group.__dict__, "workers": workers})))
 
     def joined(self, round_info: RendezvousInfo) -> list[do.Instruction]:
@@ -102,6 +156,7 @@ def running(drive: Drive, round_info: RendezvousInfo | None = None) -> None:
 
 # -- classic jobs -----------------------------------------------------------------------------------
 
+
 def test_a_round_runs_to_the_exit_barrier_and_succeeds():
     d = Drive()
     assert kinds(d.start()) == ["Publish", "Join"] and states(d.said) == ["RENDEZVOUS"]
@@ -123,10 +178,13 @@ def test_a_round_runs_to_the_exit_barrier_and_succeeds():
     assert d.part.phase is Phase.CLOSING
 
 
-@pytest.mark.parametrize("restarts, lost, asked_for, counted", [
-    (0, (), Reason.FAILURE, ["restarted"]),       # a failure, a restart left: everyone re-forms
-    (1, (OTHER,), Reason.NODE_LOST, []),          # the peer's daemon is gone: no restart spent
-])
+@pytest.mark.parametrize(
+    "restarts, lost, asked_for, counted",
+    [
+        (0, (), Reason.FAILURE, ["restarted"]),  # a failure, a restart left: everyone re-forms
+        (1, (OTHER,), Reason.NODE_LOST, []),  # the peer's daemon is gone: no restart spent
+    ],
+)
 def test_a_worker_failure_re_forms_the_round(restarts, lost, asked_for, counted):
     d = Drive()
     running(d, info(restarts=restarts))
@@ -256,7 +314,9 @@ def test_a_new_round_while_at_the_barrier_sends_the_node_back_to_work():
     assert do.Cancel(JOB, barrier) in out and kinds(out)[-1] == "Join"
 
 
-@pytest.mark.parametrize("outcome, state", [(JobState.SUCCEEDED, "SUCCEEDED"), (JobState.CANCELLED, "STOPPED")])
+@pytest.mark.parametrize(
+    "outcome, state", [(JobState.SUCCEEDED, "SUCCEEDED"), (JobState.CANCELLED, "STOPPED")]
+)
 def test_a_job_that_ends_at_the_barrier(outcome, state):
     d = Drive()
     running(d)
@@ -271,18 +331,26 @@ def test_the_exit_barrier_times_out():
     d.workers(WorkerState.SUCCEEDED, WorkerState.SUCCEEDED)
     d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
     out = d(ev.BarrierDone(JOB, d.op(do.ArriveAtBarrier), 1, 2))
-    assert out[-1].outcome.state is JobState.FAILED and "1/2 nodes finished" in out[-1].outcome.message
+    assert (
+        out[-1].outcome.state is JobState.FAILED and "1/2 nodes finished" in out[-1].outcome.message
+    )
 
 
-@pytest.mark.parametrize("kind, state, held", [
-    (ev.JoinFailure.CLOSED, "STOPPED", ""), (ev.JoinFailure.GONE, "LEFT", "its rendezvous state is gone"),
-])
+@pytest.mark.parametrize(
+    "kind, state, held",
+    [
+        (ev.JoinFailure.CLOSED, "STOPPED", ""),
+        (ev.JoinFailure.GONE, "LEFT", "its rendezvous state is gone"),
+    ],
+)
 def test_a_join_that_fails(kind, state, held):
     d = Drive()
     d.start()
     out = d(ev.JoinFailed(JOB, d.op(do.Join), kind, "why"))
     assert states(out) == [state] and out[-1] == do.ClosePart(JOB)
-    assert d.part.held.startswith(held) and any(isinstance(i, do.HoldJob) for i in out) == bool(held)
+    assert d.part.held.startswith(held) and any(isinstance(i, do.HoldJob) for i in out) == bool(
+        held
+    )
 
 
 def test_a_join_timeout_fails_the_job():
@@ -319,7 +387,10 @@ def test_an_event_a_phase_does_not_take_raises_and_changes_nothing():
 
 # -- in place -------------------------------------------------------------------------------------
 
-def ask(d: Drive, slot: int, after: int = -1, why: str = "start", error: str = "") -> list[do.Instruction]:
+
+def ask(
+    d: Drive, slot: int, after: int = -1, why: str = "start", error: str = ""
+) -> list[do.Instruction]:
     return d(ev.WorkerAsked(JOB, slot, after, why, error))
 
 
@@ -361,8 +432,10 @@ def test_in_place_a_failed_worker_is_replaced_while_the_survivor_trains_on():
     assert kinds(out) == ["PlaceWorkers", "Notify", "SetTimer", "Publish", "Watch"]
     ask(d, 0, after=0, why="interrupt")  # the survivor rejoined
     out = ask(d, 1)  # the replacement warmed up: a scale-up round adds it
-    assert kinds(out) == ["Cancel", "ClearTimer", "Publish", "RequestRound"] and out[-1].reason is Reason.SCALE_UP
-
+    assert (
+        kinds(out) == ["Cancel", "ClearTimer", "Publish", "RequestRound"]
+        and out[-1].reason is Reason.SCALE_UP
+    )
 
 
 def test_in_place_a_node_whose_every_worker_failed_stays_a_member_with_none():
@@ -419,14 +492,18 @@ def test_in_place_a_spare_takes_a_failed_workers_place_at_once_and_a_new_one_war
     d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.HEALTHY)
     ask(d, 0)
     ask(d, 1)
-    assert kinds(ask(d, 2)) == ["Publish"] and inplace_parked(d) == 1  # a spare asks and waits: no scale-up
+    assert (
+        kinds(ask(d, 2)) == ["Publish"] and inplace_parked(d) == 1
+    )  # a spare asks and waits: no scale-up
     out = acts(fail_and_reopen(d, WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.HEALTHY))
     assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"]
     assert out[1].slots == (1,) and out[-1].nproc == 2  # the spare joins in the failed one's place
     out = acts(d.joined(info(round=1, restarts=1)))
     assert sorted(out[0].envs) == [0, 2] and out[0].envs[2]["RANK"] == "1"
     assert inplace_parked(d) == 0
-    assert kinds(ask(d, 1)) == ["Publish"] and inplace_parked(d) == 1  # the new spare parks: the round is full
+    assert (
+        kinds(ask(d, 1)) == ["Publish"] and inplace_parked(d) == 1
+    )  # the new spare parks: the round is full
 
 
 def running_with_a_parked_spare() -> Drive:
@@ -447,7 +524,9 @@ def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
     its spare (a scale-up round) so that the job is back at its size; when a node comes,
     the spare steps back and parks again."""
     d = running_with_a_parked_spare()
-    out = d(ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST)))
+    out = d(
+        ev.RoundChanged(JOB, d.op(do.Watch), RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST))
+    )
     assert kinds(out)[-1] == "Join" and out[-1].nproc == 2  # the survivors first, the spare parked
     out = acts(d.joined(info(round=1, nodes=(ME,), reason=Reason.NODE_LOST)))
     assert kinds(out)[-1] == "RequestRound" and out[-1].reason is Reason.SCALE_UP  # 2 < 4: fill in
@@ -491,7 +570,9 @@ def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():
     out = d(ev.WorkersStopped(JOB, d.op(do.StopWorkers)))
     assert kinds(out) == ["NewPool", "RequestRound"] and out[-1].reason is Reason.STALLED
     out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
-    assert kinds(out)[-2:] == ["ForgetSlots", "WarmWorkers"] and d.part.phase is Phase.WARMING  # no round of none
+    assert (
+        kinds(out)[-2:] == ["ForgetSlots", "WarmWorkers"] and d.part.phase is Phase.WARMING
+    )  # no round of none
 
 
 def test_in_place_a_survivor_that_asks_while_the_next_round_is_joined_is_not_late():
@@ -519,7 +600,10 @@ def test_in_place_a_collective_failure_with_no_dead_peer_fails_after_dead_after(
     out = ask(d, 0, after=0, why="failure", error="gloo timeout")
     assert kinds(out) == ["SetTimer"] and out[0].at == d.mono + 3.0
     out = d(ev.TimerFired(JOB, out[0].name))
-    assert kinds(out) == ["Cancel", "Publish", "Notify", "RequestRound"] and out[-1].reason is Reason.FAILURE
+    assert (
+        kinds(out) == ["Cancel", "Publish", "Notify", "RequestRound"]
+        and out[-1].reason is Reason.FAILURE
+    )
 
 
 def test_in_place_a_collective_failure_and_a_dead_peer_re_form_without_it():
@@ -534,7 +618,10 @@ def test_in_place_a_collective_failure_and_a_dead_peer_re_form_without_it():
 def test_in_place_a_node_rejoining_a_job_warms_up_before_it_joins():
     d = Drive(in_place=True, started=5.0)
     out = d.start()
-    assert kinds(out) == ["NewPool", "Publish", "ForgetSlots", "WarmWorkers"] and d.part.phase is Phase.WARMING
+    assert (
+        kinds(out) == ["NewPool", "Publish", "ForgetSlots", "WarmWorkers"]
+        and d.part.phase is Phase.WARMING
+    )
     assert ask(d, 0) == []
     out = ask(d, 1)
     assert kinds(out) == ["Join"] and out[0].nproc == 2
@@ -545,10 +632,15 @@ def test_in_place_a_worker_that_fails_while_warming_up_spends_a_restart_and_warm
     d.start()
     out = d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
     assert kinds(out) == ["Publish", "RequestRound"]
-    assert out[-1].round is None and out[-1].reason is Reason.FAILURE  # after the current round: it is outside
+    assert (
+        out[-1].round is None and out[-1].reason is Reason.FAILURE
+    )  # after the current round: it is outside
     out = d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
     assert kinds(out) == ["ForgetSlots", "WarmWorkers"] and acts(out)[0].slots == (1,)
-    assert d.part.phase is Phase.WARMING and [i.what for i in d.said if isinstance(i, do.Count)][-1] == "restarted"
+    assert (
+        d.part.phase is Phase.WARMING
+        and [i.what for i in d.said if isinstance(i, do.Count)][-1] == "restarted"
+    )
 
 
 def test_in_place_a_script_without_elastic_run_fails_the_job_once_its_restarts_are_spent():

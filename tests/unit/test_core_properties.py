@@ -15,15 +15,24 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.inplace import Places
-from elasticd.core.part import Phase, PartCore, Settings
 from elasticd.core.model import JobSpec, JobState, Worker, WorkerGroup, WorkerState
+from elasticd.core.part import PartCore, Phase, Settings
 from elasticd.core.records import Outcome
-from elasticd.rendezvous import CHARGED, EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
+from elasticd.rendezvous import (
+    CHARGED,
+    EventKind,
+    Member,
+    NextRound,
+    Reason,
+    RendezvousInfo,
+    RoundEvent,
+)
 
 ME = "n1"
 JOB = "j-000001"
@@ -35,14 +44,31 @@ class World:
 
     def __init__(self, data: Any, in_place: bool, max_restarts: int) -> None:
         self.data = data
-        self.spec = JobSpec(id=JOB, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
-                            min_nodes=1, max_nodes=3, max_restarts=max_restarts, in_place=in_place)
-        self.part = PartCore(self.spec, 2, (), Settings(ME, 3.0), started=data.draw(st.sampled_from([None, 5.0])),
-                             place=Places() if in_place else None)
+        self.spec = JobSpec(
+            id=JOB,
+            argv=("t.py",),
+            python="/p",
+            workdir="/w",
+            uid=1,
+            gid=1,
+            user="u",
+            min_nodes=1,
+            max_nodes=3,
+            max_restarts=max_restarts,
+            in_place=in_place,
+        )
+        self.part = PartCore(
+            self.spec,
+            2,
+            (),
+            Settings(ME, 3.0),
+            started=data.draw(st.sampled_from([None, 5.0])),
+            place=Places() if in_place else None,
+        )
         self.mono = 0.0
         self.round = 0
-        self.restarts = 0         # charged rounds the rendezvous granted
-        self.counted = 0          # Count("restarted") the part gave
+        self.restarts = 0  # charged rounds the rendezvous granted
+        self.counted = 0  # Count("restarted") the part gave
         self.finishes = 0
         self.closed = False
         self.ended = False
@@ -95,11 +121,17 @@ class World:
         elif move == "worker" and self.group is not None:
             self.worker()
         elif move == "stale":
-            self.feed(ev.RoundChanged(JOB, 10_000, RoundEvent(EventKind.NEXT_ROUND, Reason.FAILURE)))
+            self.feed(
+                ev.RoundChanged(JOB, 10_000, RoundEvent(EventKind.NEXT_ROUND, Reason.FAILURE))
+            )
         elif move == "ask" and self.part.in_place:  # only in-place workers have a channel
             slot = self.data.draw(st.sampled_from([0, 1]))
             why = self.data.draw(st.sampled_from(["start", "interrupt", "failure"]))
-            self.feed(ev.WorkerAsked(JOB, slot, self.data.draw(st.sampled_from([-1, self.round])), why, "x"))
+            self.feed(
+                ev.WorkerAsked(
+                    JOB, slot, self.data.draw(st.sampled_from([-1, self.round])), why, "x"
+                )
+            )
         elif move == "timer" and self.timers:
             name = self.data.draw(st.sampled_from(sorted(self.timers)))
             self.timers.discard(name)
@@ -107,9 +139,17 @@ class World:
         elif move == "lost":
             self.take(self.part.nodes_lost((self.data.draw(st.sampled_from(PEERS)),), self.now()))
         elif move == "leave":
-            self.take(self.part.leave(self.data.draw(st.sampled_from([Reason.DRAIN, Reason.SHUTDOWN])), self.now()))
+            self.take(
+                self.part.leave(
+                    self.data.draw(st.sampled_from([Reason.DRAIN, Reason.SHUTDOWN])), self.now()
+                )
+            )
         elif move == "end" and not self.ended:
-            self.end(self.data.draw(st.sampled_from([JobState.CANCELLED, JobState.FAILED, JobState.SUCCEEDED])))
+            self.end(
+                self.data.draw(
+                    st.sampled_from([JobState.CANCELLED, JobState.FAILED, JobState.SUCCEEDED])
+                )
+            )
 
     def end(self, state: JobState) -> None:
         self.ended = True
@@ -118,12 +158,18 @@ class World:
     def worker(self) -> None:
         assert self.group is not None
         slot = self.data.draw(st.sampled_from([w.local_rank for w in self.group.workers]))
-        state = self.data.draw(st.sampled_from([WorkerState.HEALTHY, WorkerState.SUCCEEDED, WorkerState.FAILED]))
+        state = self.data.draw(
+            st.sampled_from([WorkerState.HEALTHY, WorkerState.SUCCEEDED, WorkerState.FAILED])
+        )
         old = self.group.workers[slot]
         if old.state not in (WorkerState.INIT, WorkerState.HEALTHY):
             return  # an ended worker stays ended
-        code = None if state is WorkerState.HEALTHY else (0 if state is WorkerState.SUCCEEDED else 1)
-        self.group = _with(self.group, {slot: replace(old, state=state, exit_code=code, pid=10 + slot)})
+        code = (
+            None if state is WorkerState.HEALTHY else (0 if state is WorkerState.SUCCEEDED else 1)
+        )
+        self.group = _with(
+            self.group, {slot: replace(old, state=state, exit_code=code, pid=10 + slot)}
+        )
         self.feed(ev.WorkersChanged(JOB, self.group))
 
     def answer(self, op: int, benign: bool = False) -> None:
@@ -137,24 +183,39 @@ class World:
         draw = (lambda s: s.example() if False else self.data.draw(s)) if not benign else None
         if isinstance(i, do.Join):
             if draw and draw(st.integers(0, 5)) == 0:
-                return ev.JoinFailed(JOB, op, draw(st.sampled_from(["closed", "gone", "timeout"])), "x")
+                return ev.JoinFailed(
+                    JOB, op, draw(st.sampled_from(["closed", "gone", "timeout"])), "x"
+                )
             members = (ME,) + (tuple(draw(st.sets(st.sampled_from(PEERS)))) if draw else ())
             return ev.RoundJoined(JOB, op, self.info(members, i.nproc))
         if isinstance(i, do.Watch):
             kind = draw(st.sampled_from(list(EventKind))) if draw else EventKind.CLOSED
-            return ev.RoundChanged(JOB, op, RoundEvent(kind, Reason.FAILURE if kind is EventKind.NEXT_ROUND else None, 1))
+            return ev.RoundChanged(
+                JOB,
+                op,
+                RoundEvent(kind, Reason.FAILURE if kind is EventKind.NEXT_ROUND else None, 1),
+            )
         if isinstance(i, do.RequestRound):
             return ev.RoundRequested(JOB, op, self.grant(i, draw))
         if isinstance(i, do.StopWorkers):
             if self.group is not None:
-                self.group = _with(self.group, {w.local_rank: replace(w, state=WorkerState.STOPPED, exit_code=-15)
-                                                for w in self.group.workers
-                                                if w.state in (WorkerState.INIT, WorkerState.HEALTHY)})
+                self.group = _with(
+                    self.group,
+                    {
+                        w.local_rank: replace(w, state=WorkerState.STOPPED, exit_code=-15)
+                        for w in self.group.workers
+                        if w.state in (WorkerState.INIT, WorkerState.HEALTHY)
+                    },
+                )
             return ev.WorkersStopped(JOB, op)
         if isinstance(i, do.Probe):
-            return ev.PeersProbed(JOB, op, tuple(draw(st.sets(st.sampled_from(i.nodes)))) if draw else ())
+            return ev.PeersProbed(
+                JOB, op, tuple(draw(st.sets(st.sampled_from(i.nodes)))) if draw else ()
+            )
         if isinstance(i, do.ArriveAtBarrier):
-            arrived = draw(st.integers(0, i.info.group_world_size)) if draw else i.info.group_world_size
+            arrived = (
+                draw(st.integers(0, i.info.group_world_size)) if draw else i.info.group_world_size
+            )
             return ev.BarrierDone(JOB, op, arrived, i.info.group_world_size)
         if isinstance(i, do.Finish):
             return ev.Finished(JOB, op, i.outcome)
@@ -176,8 +237,20 @@ class World:
     def info(self, members: tuple[str, ...], nproc: int) -> RendezvousInfo:
         people = tuple(Member(n, n, nproc, r, r * nproc) for r, n in enumerate(sorted(members)))
         me = next(m for m in people if m.node == ME)
-        return RendezvousInfo(JOB, self.round, Reason.INITIAL, self.restarts, me.group_rank, len(people),
-                              nproc, me.rank_base, nproc * len(people), people[0].addr, 1, people)
+        return RendezvousInfo(
+            JOB,
+            self.round,
+            Reason.INITIAL,
+            self.restarts,
+            me.group_rank,
+            len(people),
+            nproc,
+            me.rank_base,
+            nproc * len(people),
+            people[0].addr,
+            1,
+            people,
+        )
 
 
 def _with(group: WorkerGroup, changed: dict[int, Worker]) -> WorkerGroup:
@@ -194,7 +267,8 @@ def test_any_run_of_a_part_keeps_its_promises(data, in_place, max_restarts, step
             break
         world.step()
     assert world.restarts <= max_restarts and world.counted <= world.restarts + world.said.count(
-        do.Count("restarted"))  # granted or answered ALREADY: never past what was asked
+        do.Count("restarted")
+    )  # granted or answered ALREADY: never past what was asked
     # the world stops throwing things in: the job ends, every operation is answered
     if not world.ended:
         world.end(JobState.CANCELLED)
@@ -202,8 +276,9 @@ def test_any_run_of_a_part_keeps_its_promises(data, in_place, max_restarts, step
         if world.closed or not world.pending:
             break
         world.answer(min(world.pending), benign=True)
-    assert world.closed, f"the part did not end: phase {world.part.phase}, story:\n" + \
-        "\n".join(world.part.story.lines()[-25:])
+    assert world.closed, f"the part did not end: phase {world.part.phase}, story:\n" + "\n".join(
+        world.part.story.lines()[-25:]
+    )
     assert world.part.phase is Phase.CLOSING
     # nothing it hears after its end makes it speak again
     world.feed(ev.WorkersChanged(JOB, world.group or WorkerGroup(JOB, 0, 0, 0, 1, 0, 1, "", 0, ())))

@@ -16,17 +16,25 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from elasticd.wire import protocol
-from elasticd.shell import workerlink
-from elasticd.jobs.board import JobBoard
 from elasticd.cluster.registry import NodeRecord
-from elasticd.errors import RendezvousStateError, TamperedRecord
 from elasticd.core.records import Outcome, Part
-from elasticd.rendezvous.state import (Announcement, Participant, RendezvousState, decode,
-                                       decode_announcement, encode, encode_announcement)
+from elasticd.errors import RendezvousStateError, TamperedRecord
+from elasticd.jobs.board import JobBoard
+from elasticd.rendezvous.state import (
+    Announcement,
+    Participant,
+    RendezvousState,
+    decode,
+    decode_announcement,
+    encode,
+    encode_announcement,
+)
+from elasticd.shell import workerlink
 from elasticd.store.signing import MAX_RECORD, Signer, canonical_json, open_or_refuse
+from elasticd.wire import protocol
 
 SIGNER = Signer(b"k" * 32, "c")
 KEY = "elasticd/c/rdzv/j-1/state"
@@ -36,10 +44,20 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 DEEP = b"[" * 100000 + b"]" * 100000
 
-scalars = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 70), 1 << 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
 
 
 def dumps(value: Any) -> bytes:
@@ -48,10 +66,23 @@ def dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
-poison_tokens = st.sampled_from([
-    b"1e999", b"-1e999", b"NaN", b"Infinity", b"9" * 5000, b"9" * 25, b'"\\ud800"', b'"\xff\xfe"',
-    b"[" * 3000 + b"]" * 3000, b'{"a":' * 200 + b"1" + b"}" * 200, b"", b"{", b"\x00",
-])
+poison_tokens = st.sampled_from(
+    [
+        b"1e999",
+        b"-1e999",
+        b"NaN",
+        b"Infinity",
+        b"9" * 5000,
+        b"9" * 25,
+        b'"\\ud800"',
+        b'"\xff\xfe"',
+        b"[" * 3000 + b"]" * 3000,
+        b'{"a":' * 200 + b"1" + b"}" * 200,
+        b"",
+        b"{",
+        b"\x00",
+    ]
+)
 
 
 @st.composite
@@ -86,8 +117,12 @@ def _replace(doc: Any, path: tuple, new: Any) -> Any:
     return copy
 
 
-anything = (st.binary(max_size=300) | values.map(dumps) | poison_tokens
-            | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")))
+anything = (
+    st.binary(max_size=300)
+    | values.map(dumps)
+    | poison_tokens
+    | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass"))
+)
 
 
 def reencodable(value: Any) -> None:
@@ -97,14 +132,29 @@ def reencodable(value: Any) -> None:
 
 # -- Signer.open -------------------------------------------------------------------------------------
 
-STATE = RendezvousState(version=3, round=1, complete=True, reason="failure", restarts_used=1,
-                        participants={"a": Participant("10.0.0.1", 2, 29500)}, order=("a",), folded=2)
+STATE = RendezvousState(
+    version=3,
+    round=1,
+    complete=True,
+    reason="failure",
+    restarts_used=1,
+    participants={"a": Participant("10.0.0.1", 2, 29500)},
+    order=("a",),
+    folded=2,
+)
 SEALED = SIGNER.seal(KEY, encode(STATE), version=3)
 SECRET = SIGNER.seal(KEY, encode(STATE), version=3, secret=True)
 
-envelopes = st.fixed_dictionaries({}, optional={
-    "v": st.sampled_from([2, 1, "2", 2.0, None, True]), "ver": values, "body": values,
-    "mac": st.text(max_size=70) | values, "enc": st.text(max_size=40) | values}).map(dumps)
+envelopes = st.fixed_dictionaries(
+    {},
+    optional={
+        "v": st.sampled_from([2, 1, "2", 2.0, None, True]),
+        "ver": values,
+        "body": values,
+        "mac": st.text(max_size=70) | values,
+        "enc": st.text(max_size=40) | values,
+    },
+).map(dumps)
 
 
 def open_checked(raw: bytes) -> None:
@@ -133,7 +183,7 @@ def test_signer_open_gives_a_record_or_tampered(raw: bytes) -> None:
 @given(st.binary(min_size=1, max_size=8), st.integers(0, len(SEALED) - 1), st.booleans())
 def test_a_sealed_record_changed_anywhere_is_refused(noise: bytes, at: int, secret: bool) -> None:
     raw = SECRET if secret else SEALED
-    changed = raw[:at] + noise + raw[at + len(noise):]
+    changed = raw[:at] + noise + raw[at + len(noise) :]
     if changed == raw:
         return
     try:
@@ -151,6 +201,7 @@ def test_a_record_past_the_bound_is_refused_unread() -> None:
 
 # -- the rendezvous codec, on its own and behind the signer -------------------------------------------
 
+
 def decode_checked(body: Any, decoder: Any = decode) -> None:
     try:
         decoded = decoder(body)
@@ -163,8 +214,11 @@ ANNOUNCEMENT = encode_announcement(Announcement("b", Participant("10.0.0.2", 4, 
 
 
 @FUZZ
-@given(values | poisoned(encode(STATE)).map(lambda raw: _loads_or(raw))
-       | poisoned(ANNOUNCEMENT).map(lambda raw: _loads_or(raw)))
+@given(
+    values
+    | poisoned(encode(STATE)).map(lambda raw: _loads_or(raw))
+    | poisoned(ANNOUNCEMENT).map(lambda raw: _loads_or(raw))
+)
 def test_rendezvous_decode_gives_a_state_or_refuses(body: Any) -> None:
     decode_checked(body)
     decode_checked(body, decode_announcement)
@@ -206,8 +260,13 @@ def test_board_and_node_parsers_refuse_what_they_cannot_read(body: Any) -> None:
         raw = SIGNER.seal(KEY, body, version=1)
     except ValueError:
         return
-    for parse in (NodeRecord.from_json, Outcome.from_json, Part.from_json,
-                  lambda b: JobBoard._parse("spec/j-1", b), lambda b: JobBoard._parse("part/j-1/n1", b)):
+    for parse in (
+        NodeRecord.from_json,
+        Outcome.from_json,
+        Part.from_json,
+        lambda b: JobBoard._parse("spec/j-1", b),
+        lambda b: JobBoard._parse("part/j-1/n1", b),
+    ):
         refused: list[str] = []
         parsed = open_or_refuse(SIGNER, KEY, raw, parse, lambda key, why: refused.append(why))
         assert (parsed is None) == bool(refused), (parsed, refused)
@@ -245,8 +304,18 @@ def test_the_worker_messages_decode() -> None:
 
 # -- the control protocol ----------------------------------------------------------------------------
 
-REQUEST = {"v": 1, "id": "r1", "op": "submit", "args": {"argv": ["t.py", "--lr", "0.1"], "env": {"A": "1"},
-                                                       "nnodes": "1:2", "join_timeout": 30.5, "wait": True}}
+REQUEST = {
+    "v": 1,
+    "id": "r1",
+    "op": "submit",
+    "args": {
+        "argv": ["t.py", "--lr", "0.1"],
+        "env": {"A": "1"},
+        "nnodes": "1:2",
+        "join_timeout": 30.5,
+        "wait": True,
+    },
+}
 REPLY = {"v": 1, "id": "r1", "ok": False, "error": {"code": "not_found", "message": "no job"}}
 
 
@@ -268,7 +337,9 @@ def test_a_request_is_a_request_or_a_protocol_error(frame: bytes) -> None:
 
 
 @FUZZ
-@given(anything | poisoned(REPLY) | poisoned({"v": 1, "id": "r", "ok": True, "result": [{"a": 1.5}]}))
+@given(
+    anything | poisoned(REPLY) | poisoned({"v": 1, "id": "r", "ok": True, "result": [{"a": 1.5}]})
+)
 @example(b'{"v":1,"id":"r","ok":false,"error":[1]}')
 @example(b'{"v":1,"id":"r","ok":false,"error":"x"}')
 def test_a_reply_is_a_reply_or_a_protocol_error(frame: bytes) -> None:
@@ -277,7 +348,9 @@ def test_a_reply_is_a_reply_or_a_protocol_error(frame: bytes) -> None:
     except protocol.ProtocolError as exc:
         assert exc.code == protocol.E_BAD_REQUEST
         return
-    assert isinstance(reply.id, str) and isinstance(reply.code, str) and isinstance(reply.message, str)
+    assert (
+        isinstance(reply.id, str) and isinstance(reply.code, str) and isinstance(reply.message, str)
+    )
     reencodable(reply.result)
 
 

@@ -38,33 +38,69 @@ def assert_same(actual, expected):
         assert actual == expected
 
 
-@pytest.mark.parametrize("obj", [
-    None, True, False, 0, -5, 2**80, 1.5, -0.0, 1e-300,
-    "", "h\u00e9llo \U0001f600", "\ud800", "\ud83d\ude00",
-    {"\udfff": "lone surrogate key"},
-    [], (), {}, [1, [2, [3]]], (1, (2,), [3, (4,)]), ([],),
-    {0: "int key", "0": "str key", 1.5: "float key", True: "bool key", None: "none key"},
-    {"state": {0: {"step": 3}, 1: {}}, "param_groups": [{"betas": (0.9, 0.999), "params": [0, 1]}]},
-    [float("inf"), float("-inf"), {"nan": float("nan")}, (float("nan"),)],
-])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        None,
+        True,
+        False,
+        0,
+        -5,
+        2**80,
+        1.5,
+        -0.0,
+        1e-300,
+        "",
+        "h\u00e9llo \U0001f600",
+        "\ud800",
+        "\ud83d\ude00",
+        {"\udfff": "lone surrogate key"},
+        [],
+        (),
+        {},
+        [1, [2, [3]]],
+        (1, (2,), [3, (4,)]),
+        ([],),
+        {0: "int key", "0": "str key", 1.5: "float key", True: "bool key", None: "none key"},
+        {
+            "state": {0: {"step": 3}, 1: {}},
+            "param_groups": [{"betas": (0.9, 0.999), "params": [0, 1]}],
+        },
+        [float("inf"), float("-inf"), {"nan": float("nan")}, (float("nan"),)],
+    ],
+)
 def test_plain_values_round_trip(obj):
     assert_same(round_trip(obj), obj)
 
 
-@pytest.mark.parametrize("tensor", [
-    torch.randn(3, 4), torch.tensor(2.5), torch.tensor(7), torch.tensor([True, False]),
-    torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.empty(0), torch.empty(2, 0, 3),
-    torch.tensor([1, -2], dtype=torch.int8), torch.arange(4, dtype=torch.uint8),
-    torch.linspace(0, 1, 7, dtype=torch.float64), torch.tensor([1 + 2j]),
-    torch.ones(2, dtype=torch.float16),
-    torch.tensor([float("nan"), float("inf")]),
-])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.tensor(2.5),
+        torch.tensor(7),
+        torch.tensor([True, False]),
+        torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        torch.empty(0),
+        torch.empty(2, 0, 3),
+        torch.tensor([1, -2], dtype=torch.int8),
+        torch.arange(4, dtype=torch.uint8),
+        torch.linspace(0, 1, 7, dtype=torch.float64),
+        torch.tensor([1 + 2j]),
+        torch.ones(2, dtype=torch.float16),
+        torch.tensor([float("nan"), float("inf")]),
+    ],
+)
 def test_tensors_are_placeholders(tensor):
     data, tensors = encode({"t": tensor})
     assert len(tensors) == 1 and tensors[0] is tensor
     placeholder = json.loads(data)["value"]["dict"][0][1]
-    assert placeholder == {"tensor": 0, "shape": list(tensor.shape),
-                           "dtype": str(tensor.dtype).removeprefix("torch."), "device": "cpu"}
+    assert placeholder == {
+        "tensor": 0,
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "device": "cpu",
+    }
     back = decode(data, tensors)["t"]
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
     assert torch.equal(back.nan_to_num(), tensor.nan_to_num())
@@ -102,15 +138,18 @@ def test_dict_subclasses_and_size_arrive_as_plain():
     assert type(back["a"]) is tuple and back["a"] == (2, 3)
 
 
-@pytest.mark.parametrize("obj, path", [
-    ({"foo": [1, 2, object()]}, "state.foo[2]"),
-    ({"foo": {3: {1.5}}}, "state.foo[3]"),
-    ({"a b": b"bytes"}, "state['a b']"),
-    ([(1, 2, collections.namedtuple("Point", "x y")(1, 2))], "state[0][2]"),
-    ({"sparse": torch.eye(2).to_sparse()}, "state.sparse"),
-    ({(1, 2): "tuple key"}, "state"),
-    ({"e": __import__("enum").IntEnum("E", "A").A}, "state.e"),
-])
+@pytest.mark.parametrize(
+    "obj, path",
+    [
+        ({"foo": [1, 2, object()]}, "state.foo[2]"),
+        ({"foo": {3: {1.5}}}, "state.foo[3]"),
+        ({"a b": b"bytes"}, "state['a b']"),
+        ([(1, 2, collections.namedtuple("Point", "x y")(1, 2))], "state[0][2]"),
+        ({"sparse": torch.eye(2).to_sparse()}, "state.sparse"),
+        ({(1, 2): "tuple key"}, "state"),
+        ({"e": __import__("enum").IntEnum("E", "A").A}, "state.e"),
+    ],
+)
 def test_unsupported_values_name_their_path(obj, path):
     with pytest.raises(TypeError) as raised:
         encode(obj, name="state")
@@ -130,20 +169,25 @@ def test_repeated_but_acyclic_containers_are_fine():
 
 
 def test_decode_checks_the_tensors_against_the_skeleton():
-    data, tensors = encode([torch.zeros(2, 3)])
+    data, _tensors = encode([torch.zeros(2, 3)])
     with pytest.raises(ValueError, match="float32"):
         decode(data, [torch.zeros(3, 2)])
     with pytest.raises(ValueError, match="int64"):
         decode(data, [torch.zeros(2, 3, dtype=torch.int64)])
 
 
-@pytest.mark.parametrize("data, error", [
-    (b'{"version": 2, "value": 1}', ValueError),
-    (b'{"version": 1, "value": {"pickle": "x"}}', ValueError),
-    (b'{"version": 1, "value": {"tensor": 0, "shape": [], "dtype": "_dynamo", "device": "cpu"}}',
-     ValueError),
-    (b'{"version": 1, "error": "state.x: nope"}', TypeError),
-])
+@pytest.mark.parametrize(
+    "data, error",
+    [
+        (b'{"version": 2, "value": 1}', ValueError),
+        (b'{"version": 1, "value": {"pickle": "x"}}', ValueError),
+        (
+            b'{"version": 1, "value": {"tensor": 0, "shape": [], "dtype": "_dynamo", "device": "cpu"}}',
+            ValueError,
+        ),
+        (b'{"version": 1, "error": "state.x: nope"}', TypeError),
+    ],
+)
 def test_decode_refuses_what_encode_does_not_write(data, error):
     with pytest.raises(error):
         decode(data, [torch.zeros(())])

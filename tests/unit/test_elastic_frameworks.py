@@ -11,14 +11,21 @@ from pathlib import Path
 
 from elasticd.shell import worker_library
 
-HIDE = "import sys\nfor name in ('lightning', 'lightning_fabric', 'pytorch_lightning', 'accelerate'):\n" \
-       "    sys.modules[name] = None  # an import of it raises ImportError\n"
+HIDE = (
+    "import sys\nfor name in ('lightning', 'lightning_fabric', 'pytorch_lightning', 'accelerate'):\n"
+    "    sys.modules[name] = None  # an import of it raises ImportError\n"
+)
 
 
 def run(library: str, code: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", HIDE + code], capture_output=True, text=True,
-                          timeout=300, env={**env, "PYTHONPATH": library})
+    return subprocess.run(
+        [sys.executable, "-c", HIDE + code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PYTHONPATH": library},
+    )
 
 
 def test_the_worker_library_imports_without_the_frameworks(tmp_path: Path) -> None:
@@ -30,5 +37,7 @@ def test_the_worker_library_imports_without_the_frameworks(tmp_path: Path) -> No
     assert done.stdout.startswith(library), done.stdout
     for module, needs in (("lightning", "needs Lightning"), ("accelerate", "needs accelerate")):
         done = run(library, f"import elasticd.elastic.{module}")
-        assert done.returncode == 1 and f"ImportError: elasticd.elastic.{module} {needs}" in done.stderr, \
-            done.stderr
+        assert (
+            done.returncode == 1
+            and f"ImportError: elasticd.elastic.{module} {needs}" in done.stderr
+        ), done.stderr

@@ -33,8 +33,13 @@ AFTER_A_FAILED_INIT = textwrap.dedent("""
 def test_a_group_formed_after_a_failed_init_has_the_name_its_peers_have():
     """A failed init left torch's counter at 1: the next default group was "1", and its peers'
     "0" (a 3-node in-place job hung in gloo's rendezvous after a forming was given up)."""
-    run = subprocess.run([sys.executable, "-c", AFTER_A_FAILED_INIT], capture_output=True, text=True,
-                         timeout=120, env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"})
+    run = subprocess.run(
+        [sys.executable, "-c", AFTER_A_FAILED_INIT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "0"
 
@@ -68,7 +73,9 @@ STUCK_FORMING = textwrap.dedent("""
 """)
 
 
-def _stuck_forming(mode: str, base: Path) -> tuple[subprocess.Popen[str], list[dict], socket.socket]:
+def _stuck_forming(
+    mode: str, base: Path
+) -> tuple[subprocess.Popen[str], list[dict], socket.socket]:
     """The worker (STUCK_FORMING) placed in round 2 with a peer that listens and never
     answers, then in round 3 once it connected there; returns it, what it asked (the agent
     is gone then) and the peer, still listening."""
@@ -77,9 +84,18 @@ def _stuck_forming(mode: str, base: Path) -> tuple[subprocess.Popen[str], list[d
     agent.bind(path)
     agent.listen()
     peer = socket.create_server(("127.0.0.1", 0))
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(peer.getsockname()[1])}
-    worker = subprocess.Popen([sys.executable, "-c", STUCK_FORMING, path, mode], text=True,
-                              stderr=subprocess.PIPE, env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"})
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(peer.getsockname()[1]),
+    }
+    worker = subprocess.Popen(
+        [sys.executable, "-c", STUCK_FORMING, path, mode],
+        text=True,
+        stderr=subprocess.PIPE,
+        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
+    )
     conn, _ = agent.accept()
     conn.settimeout(60)
     lines = conn.makefile("r")
@@ -91,7 +107,9 @@ def _stuck_forming(mode: str, base: Path) -> tuple[subprocess.Popen[str], list[d
     conn.sendall(json.dumps({"op": "place", "round": 2, "env": env}).encode() + b"\n")
     peer.settimeout(60)
     held = peer.accept()  # the worker forms round 2 there
-    conn.sendall(json.dumps({"op": "place", "round": 3, "env": {**env, "RANK": "0"}}).encode() + b"\n")
+    conn.sendall(
+        json.dumps({"op": "place", "round": 3, "env": {**env, "RANK": "0"}}).encode() + b"\n"
+    )
     conn.settimeout(30)
     try:
         asked += [doc for doc in map(json.loads, lines) if doc["op"] == "ready"]

@@ -47,8 +47,9 @@ def assert_equal_state(actual, expected, path="state"):
 
 def make_trained(seed=0, steps=2):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
-                                torch.nn.Linear(4, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     for _ in range(steps):
         train_step(model, optimizer)
@@ -66,6 +67,7 @@ def copy_of(model, optimizer):
 
 
 # --- State ------------------------------------------------------------------------------
+
 
 def test_base_state_leaves_save_restore_sync_to_subclasses():
     state = State()
@@ -104,6 +106,7 @@ def test_commit_saves_then_checks_host_updates(monkeypatch):
 
 
 # --- ObjectState ------------------------------------------------------------------------
+
 
 def test_attributes_read_and_assign():
     state = ObjectState(epoch=0, batch=0)
@@ -159,6 +162,7 @@ def test_sync_refuses_values_that_cannot_travel():
 
 # --- TorchState in one process ----------------------------------------------------------
 
+
 def test_torch_state_restores_model_and_optimizer():
     model, optimizer = make_trained()
     state = TorchState(model, optimizer, epoch=1)
@@ -205,6 +209,7 @@ def test_single_process_sync_checks_the_optimizer_state_too():
 
 # --- TorchState.sync across real ranks --------------------------------------------------
 
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -216,9 +221,14 @@ def ranks(tmp_path_factory):
     """Each rank's results; rank 0 trained, ranks 1 and 2 are newcomers."""
     out_dir = tmp_path_factory.mktemp("elastic_state")
     port = free_port()
-    workers = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(WORLD_SIZE), str(port),
-                                 str(out_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-               for rank in range(WORLD_SIZE)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(WORLD_SIZE), str(port), str(out_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(WORLD_SIZE)
+    ]
     deadline = time.monotonic() + WORKERS_TIMEOUT
     outputs = []
     try:
@@ -269,8 +279,9 @@ def test_broadcast_structure_across_ranks(ranks):
     for rank in range(1, WORLD_SIZE):
         received = ranks[rank]["structure"]
         assert math.isnan(received.pop("nan"))
-        assert_equal_state(received, {key: value for key, value in sent.items() if key != "nan"},
-                           f"rank{rank}")
+        assert_equal_state(
+            received, {key: value for key, value in sent.items() if key != "nan"}, f"rank{rank}"
+        )
 
 
 def test_broadcast_into_a_non_contiguous_tensor(ranks):

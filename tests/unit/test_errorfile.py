@@ -8,17 +8,28 @@ import os
 import stat
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elasticd.shell import errorfile
-from elasticd.shell.errorfile import MAX_BYTES, MAX_MESSAGE, MAX_TRACEBACK, Recorded, keep, parse, read_capped
+from elasticd.shell.errorfile import (
+    MAX_BYTES,
+    MAX_MESSAGE,
+    MAX_TRACEBACK,
+    Recorded,
+    keep,
+    parse,
+    read_capped,
+)
 
 
-def torch_doc(message: str, trace: str = "Traceback (most recent call last):\n...",
-              stamp: str = "1700000000") -> bytes:
+def torch_doc(
+    message: str, trace: str = "Traceback (most recent call last):\n...", stamp: str = "1700000000"
+) -> bytes:
     """What torch's ErrorHandler.record_exception writes."""
-    return json.dumps({"message": {"message": message, "extraInfo": {
-        "py_callstack": trace, "timestamp": stamp}}}).encode()
+    return json.dumps(
+        {"message": {"message": message, "extraInfo": {"py_callstack": trace, "timestamp": stamp}}}
+    ).encode()
 
 
 def parsed(raw: bytes) -> Recorded | None:
@@ -27,11 +38,14 @@ def parsed(raw: bytes) -> Recorded | None:
 
 def test_torch_record_error_file():
     assert parsed(torch_doc("ValueError: boom")) == Recorded(
-        "ValueError: boom", "Traceback (most recent call last):\n...", 1700000000.0)
+        "ValueError: boom", "Traceback (most recent call last):\n...", 1700000000.0
+    )
 
 
 def test_new_style_error_file():
-    assert parsed(json.dumps({"message": "plain", "timestamp": 5}).encode()) == Recorded("plain", "", 5.0)
+    assert parsed(json.dumps({"message": "plain", "timestamp": 5}).encode()) == Recorded(
+        "plain", "", 5.0
+    )
 
 
 @pytest.mark.parametrize("raw", [b"", b"  \n"])
@@ -39,26 +53,40 @@ def test_nothing_written_is_no_root_cause(raw):
     assert parsed(raw) is None
 
 
-@pytest.mark.parametrize("raw, why", [
-    (b'{"message": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested more than"),  # row 0b
-    (b"{", "not JSON"),
-    (b"[]", "no message"),
-    (b'{"nope": 1}', "no message"),
-    (b'{"message": 3}', "neither text nor an object"),
-    (b'{"message": [1]}', "neither text nor an object"),
-    (b'{"message": {"message": ["x"]}}', "not text"),
-    (b'{"message": {"message": "x", "extraInfo": {"py_callstack": {"a": 1}}}}', "not text"),
-    (b'"\xff"', "not UTF-8"),
-    (b'{"message": "\\ud800"}', "lone surrogate"),
-    (b'{"message": 1e999}', "out of range"),
-])
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b'{"message": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested more than"),  # row 0b
+        (b"{", "not JSON"),
+        (b"[]", "no message"),
+        (b'{"nope": 1}', "no message"),
+        (b'{"message": 3}', "neither text nor an object"),
+        (b'{"message": [1]}', "neither text nor an object"),
+        (b'{"message": {"message": ["x"]}}', "not text"),
+        (b'{"message": {"message": "x", "extraInfo": {"py_callstack": {"a": 1}}}}', "not text"),
+        (b'"\xff"', "not UTF-8"),
+        (b'{"message": "\\ud800"}', "lone surrogate"),
+        (b'{"message": 1e999}', "out of range"),
+    ],
+)
 def test_a_file_that_is_not_torchs_says_why(raw, why):
     recorded = parsed(raw)
     assert recorded is not None and why in recorded.unreadable and not recorded.message
 
 
-@pytest.mark.parametrize("stamp, seconds", [("x", 0.0), ("nan", 0.0), ("-5", 0.0), ("1e999", 0.0),
-                                            (True, 0.0), ([1], 0.0), (12, 12.0), ("12.5", 12.5)])
+@pytest.mark.parametrize(
+    "stamp, seconds",
+    [
+        ("x", 0.0),
+        ("nan", 0.0),
+        ("-5", 0.0),
+        ("1e999", 0.0),
+        (True, 0.0),
+        ([1], 0.0),
+        (12, 12.0),
+        ("12.5", 12.5),
+    ],
+)
 def test_a_timestamp_that_is_not_a_time_is_unknown(stamp, seconds):
     raw = json.dumps({"message": {"message": "m", "extraInfo": {"timestamp": stamp}}}).encode()
     assert parsed(raw) == Recorded("m", "", seconds)
@@ -76,8 +104,9 @@ def test_a_file_past_the_cap_shows_the_start_of_its_message():
     raw = torch_doc("ValueError: " + "é" * (20 << 20))  # 40 MiB of message, as in row 3
     recorded = parsed(raw)
     assert recorded.message.startswith("ValueError: éé") and not recorded.unreadable
-    assert recorded.message.endswith(f"[elasticd: cut here: the error file holds {len(raw)} bytes; "
-                                     f"elasticd reads {MAX_BYTES}]")
+    assert recorded.message.endswith(
+        f"[elasticd: cut here: the error file holds {len(raw)} bytes; elasticd reads {MAX_BYTES}]"
+    )
     assert len(recorded.message) < MAX_MESSAGE + 200
 
 
@@ -85,26 +114,31 @@ def test_a_file_past_the_cap_with_a_whole_message_keeps_it():
     raw = torch_doc('KeyError: "a\\b"', "T" * (2 * MAX_BYTES))
     recorded = parsed(raw)
     assert recorded.message == 'KeyError: "a\\b"'
-    assert recorded.traceback == f"[elasticd: not read: the error file holds {len(raw)} bytes; " \
-                                 f"elasticd reads {MAX_BYTES}]"
+    assert (
+        recorded.traceback == f"[elasticd: not read: the error file holds {len(raw)} bytes; "
+        f"elasticd reads {MAX_BYTES}]"
+    )
 
 
 @pytest.mark.parametrize("cut", range(1, 8))
 def test_a_message_cut_inside_an_escape_loses_only_that_escape(cut):
     head = b'{"message": {"message": "ab\\u00e9'
-    raw = head[:len(head) - 7 + cut] + b"x" * (MAX_BYTES + 10)
-    recorded = parse(raw[:len(head) - 7 + cut], len(raw))
+    raw = head[: len(head) - 7 + cut] + b"x" * (MAX_BYTES + 10)
+    recorded = parse(raw[: len(head) - 7 + cut], len(raw))
     assert recorded.message.startswith("ab") and "\\" not in recorded.message
 
 
 def test_a_file_past_the_cap_that_is_not_torchs_is_unreadable():
     raw = b"[" * (MAX_BYTES + 1)
-    assert parsed(raw) == Recorded(unreadable=f"the error file holds {MAX_BYTES + 1} bytes; "
-                                              f"elasticd reads {MAX_BYTES}")
+    assert parsed(raw) == Recorded(
+        unreadable=f"the error file holds {MAX_BYTES + 1} bytes; elasticd reads {MAX_BYTES}"
+    )
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=512) | st.text(max_size=200).map(str.encode), st.integers(0, 4 * MAX_BYTES))
+@given(
+    st.binary(max_size=512) | st.text(max_size=200).map(str.encode), st.integers(0, 4 * MAX_BYTES)
+)
 def test_any_bytes_give_a_bounded_answer(raw, size):
     recorded = parse(raw, max(size, len(raw)))
     if recorded is not None:
@@ -115,13 +149,20 @@ def test_any_bytes_give_a_bounded_answer(raw, size):
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3),
-    max_leaves=20)
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3)
+    ),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["message", "timestamp", "extraInfo", "x"]), json_values, max_size=3)
-       | st.builds(lambda m, e: {"message": {"message": m, "extraInfo": e}}, json_values, json_values))
+@given(
+    st.dictionaries(
+        st.sampled_from(["message", "timestamp", "extraInfo", "x"]), json_values, max_size=3
+    )
+    | st.builds(lambda m, e: {"message": {"message": m, "extraInfo": e}}, json_values, json_values)
+)
 def test_any_json_of_the_wrong_types_gives_an_answer(doc):
     recorded = parse(json.dumps(doc).encode(), len(json.dumps(doc).encode()))
     assert recorded is not None and (recorded.unreadable or isinstance(recorded.message, str))
@@ -129,10 +170,12 @@ def test_any_json_of_the_wrong_types_gives_an_answer(doc):
 
 # -- reading the user's file, keeping the daemon's copy ---------------------------------------
 
+
 def creator(made: list[str]):
     def create(path: str) -> int:
         made.append(path)
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+
     return create
 
 
@@ -169,6 +212,7 @@ def test_a_copy_that_cannot_be_written_loses_nothing_of_what_was_read(tmp_path):
 
     def full(_: str) -> int:
         raise OSError(28, "No space left on device")
+
     assert keep(str(path), full).message == "ValueError: boom"
 
 
@@ -178,4 +222,7 @@ def test_read_capped_gives_the_size_of_a_sparse_file(tmp_path):
         f.truncate(1 << 40)
     raw, size = read_capped(str(path), limit=10)
     assert raw == b"\0" * 10 and size == 1 << 40
-    assert errorfile.parse(raw, size).unreadable == f"the error file holds {1 << 40} bytes; elasticd reads 10"
+    assert (
+        errorfile.parse(raw, size).unreadable
+        == f"the error file holds {1 << 40} bytes; elasticd reads 10"
+    )

@@ -17,7 +17,7 @@ def test_a_key_is_logged_once_per_interval_and_the_rest_counted():
     assert throttle.check("k", 0.0) == 0
     assert [throttle.check("k", t) for t in (1.0, 30.0, 59.9)] == [None, None, None]
     assert throttle.check("other", 5.0) == 0  # each key has its own allowance
-    assert throttle.check("k", 60.0) == 3      # the next line tells how many were held back
+    assert throttle.check("k", 60.0) == 3  # the next line tells how many were held back
     assert throttle.check("k", 61.0) is None
     assert throttle.check("k", 130.0) == 1
     assert held_back(3) == " (3 more since the last such line)" and held_back(0) == ""
@@ -130,6 +130,7 @@ def test_a_back_off_follows_a_fault_and_is_cancellable():
         async def failing() -> None:
             async with faults.contained("board_follower", backoff=3600.0):
                 raise RuntimeError("boom")
+
         task = asyncio.create_task(failing())
         await asyncio.sleep(0.01)
         assert not task.done()  # in its back-off

@@ -25,16 +25,32 @@ def entries(value: bytes) -> list[tuple[int, int, int]]:
 
 def test_a_files_acl_reads_for_the_user_and_the_admin_group_only():
     assert entries(acl_value(Readers(1001, 990), directory=False)) == [
-        (0x01, 6, U), (0x02, 4, 1001), (0x04, 0, U), (0x08, 4, 990), (0x10, 4, U), (0x20, 0, U)]
+        (0x01, 6, U),
+        (0x02, 4, 1001),
+        (0x04, 0, U),
+        (0x08, 4, 990),
+        (0x10, 4, U),
+        (0x20, 0, U),
+    ]
 
 
 def test_a_directorys_acl_lets_them_search_it():
     assert entries(acl_value(Readers(1001, None), directory=True)) == [
-        (0x01, 7, U), (0x02, 5, 1001), (0x04, 0, U), (0x10, 5, U), (0x20, 0, U)]
+        (0x01, 7, U),
+        (0x02, 5, 1001),
+        (0x04, 0, U),
+        (0x10, 5, U),
+        (0x20, 0, U),
+    ]
 
 
 def test_roots_jobs_need_no_named_user():
-    assert [e[0] for e in entries(acl_value(Readers(0, None), directory=False))] == [0x01, 0x04, 0x10, 0x20]
+    assert [e[0] for e in entries(acl_value(Readers(0, None), directory=False))] == [
+        0x01,
+        0x04,
+        0x10,
+        0x20,
+    ]
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="ACLs on files of root's")
@@ -92,8 +108,12 @@ def test_files_an_earlier_version_left_to_the_jobs_group_become_the_owners_alone
     made 0600, and nothing else is touched: files with an ACL, links, FIFOs, other folders."""
     attempt = tmp_path / "j-1" / "attempt_0"
     attempt.mkdir(parents=True)
-    for name, mode in (("rank_0.out", 0o640), ("rank_0.error.json", 0o664), ("rank_0.out.rotated", 0o644),
-                       ("rank_1.out", 0o600)):
+    for name, mode in (
+        ("rank_0.out", 0o640),
+        ("rank_0.error.json", 0o664),
+        ("rank_0.out.rotated", 0o644),
+        ("rank_1.out", 0o600),
+    ):
         (attempt / name).write_text("x")
         (attempt / name).chmod(mode)
     outside = tmp_path / "outside"
@@ -111,10 +131,21 @@ def test_files_an_earlier_version_left_to_the_jobs_group_become_the_owners_alone
     os.close(fd)
 
     assert restrict_earlier(str(tmp_path)) == 3
-    modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in attempt.iterdir() if not p.is_symlink()}
-    assert modes == {"rank_0.out": 0o600, "rank_0.error.json": 0o600, "rank_0.out.rotated": 0o600,
-                     "rank_1.out": 0o600, "fifo": 0o644, "rank_2.out": 0o640}
-    assert stat.S_IMODE(outside.stat().st_mode) == 0o644 and stat.S_IMODE((other / "n").stat().st_mode) == 0o644
+    modes = {
+        p.name: stat.S_IMODE(p.lstat().st_mode) for p in attempt.iterdir() if not p.is_symlink()
+    }
+    assert modes == {
+        "rank_0.out": 0o600,
+        "rank_0.error.json": 0o600,
+        "rank_0.out.rotated": 0o600,
+        "rank_1.out": 0o600,
+        "fifo": 0o644,
+        "rank_2.out": 0o640,
+    }
+    assert (
+        stat.S_IMODE(outside.stat().st_mode) == 0o644
+        and stat.S_IMODE((other / "n").stat().st_mode) == 0o644
+    )
     assert restrict_earlier(str(tmp_path)) == 0
     assert restrict_earlier(str(tmp_path / "missing")) == 0
 

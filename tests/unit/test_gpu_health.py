@@ -31,17 +31,24 @@ def said(out: list[do.Instruction], level: str = "warning") -> list[str]:
     return [i.message % i.args for i in out if isinstance(i, do.Say) and i.level == level]
 
 
-@pytest.mark.parametrize("reading, before, why", [
-    (ok(0, lost=True), None, ["lost (NVML: GPU is lost)"]),
-    (ok(0, xids=(79,)), None, ["xid 79"]),
-    (ok(0, xids=(13, 43)), None, []),                      # a program's fault, not the GPU's
-    (ok(0, ecc_uncorrected=3), None, []),                  # the first read is the baseline
-    (ok(0, ecc_uncorrected=3), ok(0, ecc_uncorrected=3), []),
-    (ok(0, ecc_uncorrected=5), ok(0, ecc_uncorrected=3), ["ecc: 2 new uncorrectable errors (5 in all)"]),
-    (ok(0, rows_pending=True), None, ["rows pending remap"]),
-    (ok(0, remap_failed=True), None, ["row remapping failed"]),
-    (ok(0, slowdown=("hw thermal",)), None, []),           # a warning, never a drain
-])
+@pytest.mark.parametrize(
+    "reading, before, why",
+    [
+        (ok(0, lost=True), None, ["lost (NVML: GPU is lost)"]),
+        (ok(0, xids=(79,)), None, ["xid 79"]),
+        (ok(0, xids=(13, 43)), None, []),  # a program's fault, not the GPU's
+        (ok(0, ecc_uncorrected=3), None, []),  # the first read is the baseline
+        (ok(0, ecc_uncorrected=3), ok(0, ecc_uncorrected=3), []),
+        (
+            ok(0, ecc_uncorrected=5),
+            ok(0, ecc_uncorrected=3),
+            ["ecc: 2 new uncorrectable errors (5 in all)"],
+        ),
+        (ok(0, rows_pending=True), None, ["rows pending remap"]),
+        (ok(0, remap_failed=True), None, ["row remapping failed"]),
+        (ok(0, slowdown=("hw thermal",)), None, []),  # a warning, never a drain
+    ],
+)
 def test_what_takes_a_gpu_out(reading, before, why):
     assert faults(reading, before, GpuPolicy()) == why
 
@@ -60,8 +67,10 @@ def test_slowdown_and_an_application_xid_are_said_as_they_change_and_drain_nothi
     watch = GpuWatch()
     out, changed = watch.read((ok(0, slowdown=("hw thermal",), xids=(13,)),), 1.0, 1001.0)
     assert not changed and not watch.out
-    assert said(out) == ["gpu 0: xid 13 (an application or driver error: the GPU stays in)",
-                         "gpu 0 slowed down: hw thermal"]
+    assert said(out) == [
+        "gpu 0: xid 13 (an application or driver error: the GPU stays in)",
+        "gpu 0 slowed down: hw thermal",
+    ]
     assert not said(watch.read((ok(0, slowdown=("hw thermal",)),), 2.0, 1002.0)[0])
     assert said(watch.read((ok(0),), 3.0, 1003.0)[0], "info") == ["gpu 0 runs at full clocks again"]
 
@@ -74,29 +83,51 @@ def test_readmitted_by_an_operator_only_unless_readmit_after_is_set():
     assert not watch.out
     healing = GpuWatch(GpuPolicy(readmit_after=60.0))
     healing.read((ok(0, rows_pending=True),), 1.0, 1001.0)
-    assert not healing.read((ok(0, rows_pending=True),), 50.0, 1050.0)[1]  # bad again: the clock restarts
+    assert not healing.read((ok(0, rows_pending=True),), 50.0, 1050.0)[
+        1
+    ]  # bad again: the clock restarts
     assert not healing.read((ok(0),), 100.0, 1100.0)[1]
     out, changed = healing.read((ok(0),), 110.0, 1110.0)
-    assert changed and not healing.out and said(out, "info") == [
-        "gpu 0 (GPU-aaaa) back in the offer: healthy for 60 s"]
+    assert (
+        changed
+        and not healing.out
+        and said(out, "info") == ["gpu 0 (GPU-aaaa) back in the offer: healthy for 60 s"]
+    )
 
 
 def spec(job: str) -> JobSpec:
-    return JobSpec(id=job, argv=("t.py",), python="/p", workdir="/w", uid=1001, gid=1001, user="alice",
-                   nproc_per_node=1)
+    return JobSpec(
+        id=job,
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=1001,
+        gid=1001,
+        user="alice",
+        nproc_per_node=1,
+    )
 
 
 def node() -> NodeCore:
     """A node with two GPUs running two one-GPU jobs, one on each GPU."""
-    core = NodeCore(NodeSettings(NODE, Resources(4, GPUS), dead_after=3.0, judge_users=False),
-                    gpu_watch=GpuWatch())
+    core = NodeCore(
+        NodeSettings(NODE, Resources(4, GPUS), dead_after=3.0, judge_users=False),
+        gpu_watch=GpuWatch(),
+    )
     jobs = ("j-000001", "j-000002")
-    out = core.handle(ev.JobsChanged(tuple(JobRecord(spec(job), seq) for seq, job in enumerate(jobs, 1))), at(0))
+    out = core.handle(
+        ev.JobsChanged(tuple(JobRecord(spec(job), seq) for seq, job in enumerate(jobs, 1))), at(0)
+    )
     for job in jobs:
         join = next(i for i in out if isinstance(i, do.Join) and i.job == job)
-        info = RendezvousInfo(job, 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "a", 1, (Member(NODE, "a", 1, 0, 0),))
+        info = RendezvousInfo(
+            job, 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "a", 1, (Member(NODE, "a", 1, 0, 0),)
+        )
         out += core.handle(ev.RoundJoined(job, join.op, info), at(0))
-    assert {job: core.offers[job].gpus for job in jobs} == {"j-000001": GPUS[:1], "j-000002": GPUS[1:]}
+    assert {job: core.offers[job].gpus for job in jobs} == {
+        "j-000001": GPUS[:1],
+        "j-000002": GPUS[1:],
+    }
     return core
 
 
@@ -109,11 +140,13 @@ def test_the_job_on_a_bad_gpu_leaves_the_others_stay_and_the_node_offers_what_is
     assert core.resources.gpus == GPUS[:1]
     out = core.handle(ev.GpuReadmitted(1, "root"), at(3))
     assert core.resources.gpus == GPUS and said(out, "info") == [
-        "gpu 1 (GPU-bbbb) back in the offer: readmitted by root"]
+        "gpu 1 (GPU-bbbb) back in the offer: readmitted by root"
+    ]
 
 
 def test_a_node_without_nvml_says_it_cannot_readmit_and_ignores_readings():
     core = NodeCore(NodeSettings(NODE, Resources(4, ("0", "1")), dead_after=3.0, judge_users=False))
     assert core.handle(ev.GpusRead((ok(0, lost=True),)), at(1)) == []
     assert said(core.handle(ev.GpuReadmitted(0), at(2))) == [
-        "gpu 0 not readmitted: this node does not watch its GPUs (no NVML)"]
+        "gpu 0 not readmitted: this node does not watch its GPUs (no NVML)"
+    ]

@@ -10,15 +10,15 @@ import asyncio
 from dataclasses import replace
 
 from elasticctl import render
+from elasticd.core import instructions as do
+from elasticd.core.model import JobSpec, JobState, PartState
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.core.placement import Resources
+from elasticd.core.records import JobRecord, Outcome, Part, hold_reason, job_doc
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.history import History
 from elasticd.jobs.registry import JobRegistry
 from elasticd.metrics import Metrics
-from elasticd.core.model import JobSpec, JobState, PartState
-from elasticd.core.placement import Resources
-from elasticd.core.records import JobRecord, Outcome, Part, hold_reason, job_doc
-from elasticd.core import instructions as do
-from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.shell.node import NodeShell
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
@@ -29,27 +29,50 @@ REFUSED = "its outcome record was refused: MAC does not match"
 
 
 def spec(job_id: str = "j-000001") -> JobSpec:
-    return JobSpec(id=job_id, argv=("train.py",), python="/usr/bin/python3", workdir="/", uid=1000,
-                   gid=1000, user="alice", created=1.0, min_nodes=2, max_nodes=2)
+    return JobSpec(
+        id=job_id,
+        argv=("train.py",),
+        python="/usr/bin/python3",
+        workdir="/",
+        uid=1000,
+        gid=1000,
+        user="alice",
+        created=1.0,
+        min_nodes=2,
+        max_nodes=2,
+    )
 
 
 def part(node: str, state: PartState, held: str = "") -> Part:
     ran = state is not PartState.LEFT
-    return Part(node=node, state=state, round=0 if ran else None, started=1.0 if ran else None, held=held)
+    return Part(
+        node=node, state=state, round=0 if ran else None, started=1.0 if ran else None, held=held
+    )
 
 
 def test_every_node_that_holds_the_job_is_named_with_its_reason():
-    record = JobRecord(spec(), 1, {"n1": part("n1", PartState.RESTARTING),
-                                   "n2": part("n2", PartState.LEFT, REFUSED),
-                                   "n3": part("n3", PartState.LEFT, "its rendezvous state is gone")})
+    record = JobRecord(
+        spec(),
+        1,
+        {
+            "n1": part("n1", PartState.RESTARTING),
+            "n2": part("n2", PartState.LEFT, REFUSED),
+            "n3": part("n3", PartState.LEFT, "its rendezvous state is gone"),
+        },
+    )
     assert hold_reason(record) == f"n2: {REFUSED}; n3: its rendezvous state is gone"
     doc = job_doc(record)
     assert doc["held"] == hold_reason(record) and doc["state"] == "RESTARTING"
 
 
 def test_list_and_status_show_the_hold_and_who_holds_it():
-    doc = job_doc(JobRecord(spec(), 1, {"n1": part("n1", PartState.RESTARTING),
-                                        "n2": part("n2", PartState.LEFT, REFUSED)}))
+    doc = job_doc(
+        JobRecord(
+            spec(),
+            1,
+            {"n1": part("n1", PartState.RESTARTING), "n2": part("n2", PartState.LEFT, REFUSED)},
+        )
+    )
     assert "HELD (RESTARTING)" in render.jobs_table([doc], now=10.0)
     block = render.status_block(doc, now=10.0)
     assert "HELD (RESTARTING)" in block and f"held:         n2: {REFUSED}" in block
@@ -58,17 +81,26 @@ def test_list_and_status_show_the_hold_and_who_holds_it():
 def test_this_nodes_own_hold_shows_until_its_part_says_it_and_an_ended_job_is_not_held():
     record = JobRecord(spec(), 1, {"n1": part("n1", PartState.RUNNING)}, held=REFUSED)
     assert job_doc(record)["held"] == REFUSED
-    ended = JobRecord(spec(), 1, {"n2": part("n2", PartState.LEFT, REFUSED)},
-                      outcome=Outcome(JobState.CANCELLED, 2.0, None, "cancelled by alice"))
+    ended = JobRecord(
+        spec(),
+        1,
+        {"n2": part("n2", PartState.LEFT, REFUSED)},
+        outcome=Outcome(JobState.CANCELLED, 2.0, None, "cancelled by alice"),
+    )
     assert hold_reason(ended) == "" and job_doc(ended)["held"] is None
     assert job_doc(JobRecord(spec(), 1))["held"] is None
 
 
 def test_held_jobs_are_counted():
     metrics = Metrics()
-    metrics.count_jobs([JobRecord(spec("j-000001"), 1, held=REFUSED),
-                        JobRecord(spec("j-000002"), 2, {"n2": part("n2", PartState.LEFT, REFUSED)}),
-                        JobRecord(spec("j-000003"), 3)], "n1")
+    metrics.count_jobs(
+        [
+            JobRecord(spec("j-000001"), 1, held=REFUSED),
+            JobRecord(spec("j-000002"), 2, {"n2": part("n2", PartState.LEFT, REFUSED)}),
+            JobRecord(spec("j-000003"), 3),
+        ],
+        "n1",
+    )
     assert metrics.jobs_held._value.get() == 2
 
 
@@ -80,8 +112,14 @@ class Node:
         self.board = JobBoard(AsyncMemoryStore(store), SIGNER, "c")
         self.follower = BoardFollower(self.board, self.registry, name)
         core = NodeCore(NodeSettings(name, Resources(2, ()), dead_after=3.0, judge_users=False))
-        self.service = NodeShell(core, effectors=None, board=self.board, follower=self.follower,
-                                 registry=self.registry, metrics=None)
+        self.service = NodeShell(
+            core,
+            effectors=None,
+            board=self.board,
+            follower=self.follower,
+            registry=self.registry,
+            metrics=None,
+        )
 
     def settle(self) -> None:
         """What the shell's loop does: every queued event to the core, its instructions done."""

@@ -10,13 +10,29 @@ from elasticd.core.records import JobRecord, Outcome, Part, job_doc
 
 
 def spec() -> JobSpec:
-    return JobSpec(id="j-000001", argv=("train.py",), python="/usr/bin/python3", workdir="/", uid=1000,
-                   gid=1000, user="alice", created=1.0, min_nodes=2, max_nodes=3)
+    return JobSpec(
+        id="j-000001",
+        argv=("train.py",),
+        python="/usr/bin/python3",
+        workdir="/",
+        uid=1000,
+        gid=1000,
+        user="alice",
+        created=1.0,
+        min_nodes=2,
+        max_nodes=3,
+    )
 
 
 def part(node: str, rank: int, state: PartState = PartState.RUNNING) -> Part:
-    worker = {"rank": rank, "local_rank": 0, "node": node, "pid": 100 + rank, "state": "HEALTHY",
-              "exit_code": None}
+    worker = {
+        "rank": rank,
+        "local_rank": 0,
+        "node": node,
+        "pid": 100 + rank,
+        "state": "HEALTHY",
+        "exit_code": None,
+    }
     return Part(node=node, state=state, round=0, group_rank=rank, started=1.0, workers=(worker,))
 
 
@@ -38,7 +54,14 @@ def test_without_lost_nodes_the_document_is_what_the_nodes_said():
 def test_an_ended_job_and_a_part_that_ended_are_shown_as_they_ended():
     ended = record(outcome=Outcome(JobState.SUCCEEDED, 2.0, 0))
     assert [w["state"] for w in job_doc(ended, lost={"b"})["workers"]] == ["HEALTHY"] * 3
-    left = JobRecord(spec(), 1, {"a": part("a", 0), "b": part("b", 1, PartState.BARRIER),
-                                 "c": part("c", 2, PartState.SUCCEEDED)})
+    left = JobRecord(
+        spec(),
+        1,
+        {
+            "a": part("a", 0),
+            "b": part("b", 1, PartState.BARRIER),
+            "c": part("c", 2, PartState.SUCCEEDED),
+        },
+    )
     states = [n["state"] for n in job_doc(left, lost={"b", "c"})["nodes"]]
     assert states == ["RUNNING", "LOST", "SUCCEEDED"]

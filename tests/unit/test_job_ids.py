@@ -15,5 +15,7 @@ def test_a_new_id_skips_the_ids_of_known_jobs(monkeypatch):
 
 
 def test_ids_look_like_the_ones_the_docs_and_the_journal_parse():
-    assert all(len(commands.new_job_id()) == 8 and commands.new_job_id().startswith("j-")
-               for _ in range(100))
+    assert all(
+        len(commands.new_job_id()) == 8 and commands.new_job_id().startswith("j-")
+        for _ in range(100)
+    )

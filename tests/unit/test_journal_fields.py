@@ -5,26 +5,32 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 import os
 import socket
 import struct
+import time
 
 import pytest
-
-from elasticd import journal
 from fixtures.journald import decode
 
+from elasticd import journal
 
-def record(message: str, *args: object, level: int = logging.INFO, **extra: object) -> logging.LogRecord:
-    made = logging.LogRecord("elasticd.scheduler", level, "/x/scheduler.py", 42, message, args, None,
-                             func="take")
+
+def record(
+    message: str, *args: object, level: int = logging.INFO, **extra: object
+) -> logging.LogRecord:
+    made = logging.LogRecord(
+        "elasticd.scheduler", level, "/x/scheduler.py", 42, message, args, None, func="take"
+    )
     made.__dict__.update(extra)
     return made
 
 
 def test_a_plain_field_is_name_equals_value():
-    assert journal.encode_field("MESSAGE", "job j-0a1b2c: joining") == b"MESSAGE=job j-0a1b2c: joining\n"
+    assert (
+        journal.encode_field("MESSAGE", "job j-0a1b2c: joining")
+        == b"MESSAGE=job j-0a1b2c: joining\n"
+    )
 
 
 def test_a_value_with_a_newline_takes_the_binary_form():
@@ -48,43 +54,73 @@ def test_encode_then_decode_is_the_identity():
     assert decode(journal.encode(fields)) == fields
 
 
-@pytest.mark.parametrize("level, expected", [
-    (logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6),
-    (logging.DEBUG, 7), (logging.INFO + 5, 6), (logging.NOTSET, 7)])
+@pytest.mark.parametrize(
+    "level, expected",
+    [
+        (logging.CRITICAL, 2),
+        (logging.ERROR, 3),
+        (logging.WARNING, 4),
+        (logging.INFO, 6),
+        (logging.DEBUG, 7),
+        (logging.INFO + 5, 6),
+        (logging.NOTSET, 7),
+    ],
+)
 def test_syslog_priorities(level, expected):
     assert journal.priority(level) == expected
 
 
 def test_the_fields_of_a_record():
-    fields = journal.record_fields(record("job %s: joining with %d workers", "j-0a1b2c", 2,
-                                          level=logging.WARNING, **journal.about("j-0a1b2c")),
-                                   "the text", "node7")
-    assert fields == {"MESSAGE": "the text", "PRIORITY": "4", "SYSLOG_IDENTIFIER": "elasticd",
-                      "ELASTICD_LOGGER": "elasticd.scheduler", "ELASTICD_NODE": "node7",
-                      "CODE_FILE": "/x/scheduler.py", "CODE_LINE": "42", "CODE_FUNC": "take",
-                      "ELASTICD_JOB": "j-0a1b2c"}
+    fields = journal.record_fields(
+        record(
+            "job %s: joining with %d workers",
+            "j-0a1b2c",
+            2,
+            level=logging.WARNING,
+            **journal.about("j-0a1b2c"),
+        ),
+        "the text",
+        "node7",
+    )
+    assert fields == {
+        "MESSAGE": "the text",
+        "PRIORITY": "4",
+        "SYSLOG_IDENTIFIER": "elasticd",
+        "ELASTICD_LOGGER": "elasticd.scheduler",
+        "ELASTICD_NODE": "node7",
+        "CODE_FILE": "/x/scheduler.py",
+        "CODE_LINE": "42",
+        "CODE_FUNC": "take",
+        "ELASTICD_JOB": "j-0a1b2c",
+    }
 
 
-@pytest.mark.parametrize("made, job", [
-    (record("store up", **journal.about("j-123456")), "j-123456"),
-    (record("job j-abcdef: x", **journal.about("j-123456")), "j-123456"),
-    # Row 0h: a job id in the text is nobody's word for it (a request's op, a job's error)
-    (record("job %s round %d: restart", "j-00ff11", 1), None),
-    (record("control: %s refused: %s: %s", "j-00ff11", "not_found", "no such op"), None),
-    (record("node n1: drained"), None),
-])
+@pytest.mark.parametrize(
+    "made, job",
+    [
+        (record("store up", **journal.about("j-123456")), "j-123456"),
+        (record("job j-abcdef: x", **journal.about("j-123456")), "j-123456"),
+        # Row 0h: a job id in the text is nobody's word for it (a request's op, a job's error)
+        (record("job %s round %d: restart", "j-00ff11", 1), None),
+        (record("control: %s refused: %s: %s", "j-00ff11", "not_found", "no such op"), None),
+        (record("node n1: drained"), None),
+    ],
+)
 def test_the_job_a_record_concerns_is_the_daemons_word_only(made, job):
     assert journal.job_of(made) == job
 
 
-@pytest.mark.parametrize("text, line", [
-    ("plain", "plain"),
-    ("two\nlines\r\tand a tab", "two\\nlines\\r\\tand a tab"),
-    ("\x1b[2J\x1b]0;title\x07 \x7f\x9b", "\\x1b[2J\\x1b]0;title\\x07 \\x7f\\x9b"),
-    ("bidi \u202e and \u2066, a lone \udcff", "bidi \\u202e and \\u2066, a lone \\udcff"),
-    ("x\nPRIORITY=0\nELASTICD_JOB=j-000000", "x\\nPRIORITY=0\\nELASTICD_JOB=j-000000"),
-    ("é ✓ 中文", "é ✓ 中文"),  # printable text stays as it is
-])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("plain", "plain"),
+        ("two\nlines\r\tand a tab", "two\\nlines\\r\\tand a tab"),
+        ("\x1b[2J\x1b]0;title\x07 \x7f\x9b", "\\x1b[2J\\x1b]0;title\\x07 \\x7f\\x9b"),
+        ("bidi \u202e and \u2066, a lone \udcff", "bidi \\u202e and \\u2066, a lone \\udcff"),
+        ("x\nPRIORITY=0\nELASTICD_JOB=j-000000", "x\\nPRIORITY=0\\nELASTICD_JOB=j-000000"),
+        ("é ✓ 中文", "é ✓ 中文"),  # printable text stays as it is
+    ],
+)
 def test_one_line_escapes_as_elasticctl_shows_text(text, line):
     assert journal.one_line(text) == line
 
@@ -93,7 +129,10 @@ def test_one_line_caps_with_a_marker_that_says_how_long_it_was():
     assert journal.one_line("x" * 20, 10) == "x" * 10 + "… [cut: 20 characters]"
     assert journal.one_line("\n" * 8, 10) == "\\n" * 5 + "… [cut: 8 characters]"  # escapes count
     assert journal.one_line("x" * 10, 10) == "x" * 10
-    assert journal.excerpt(ValueError("y" * 5000)) == "y" * journal.JOB_TEXT + "… [cut: 5000 characters]"
+    assert (
+        journal.excerpt(ValueError("y" * 5000))
+        == "y" * journal.JOB_TEXT + "… [cut: 5000 characters]"
+    )
 
 
 def formatted(fmt: str, made: logging.LogRecord) -> str:
@@ -105,9 +144,17 @@ def test_the_formatter_makes_the_message_one_line_and_keeps_a_traceback_multi_li
         raise RuntimeError("bad\x1b[31m\nthing")
     except RuntimeError:
         import sys
-        failed = logging.LogRecord("elasticd.agent", logging.ERROR, __file__, 7,
-                                   "job %s failed: %s", ("j-abc123", "a\nPRIORITY=0\x1b[2J"),
-                                   sys.exc_info(), func="run")
+
+        failed = logging.LogRecord(
+            "elasticd.agent",
+            logging.ERROR,
+            __file__,
+            7,
+            "job %s failed: %s",
+            ("j-abc123", "a\nPRIORITY=0\x1b[2J"),
+            sys.exc_info(),
+            func="run",
+        )
     text = formatted("%(levelname)s %(name)s: %(message)s", failed)
     first, *rest = text.split("\n")
     assert first == "ERROR elasticd.agent: job j-abc123 failed: a\\nPRIORITY=0\\x1b[2J"
@@ -124,8 +171,10 @@ def test_a_long_traceback_keeps_its_end():
     assert text.split("\n")[1].startswith("[cut: the last 16384 of ")
 
 
-@pytest.mark.parametrize("value, parsed", [
-    ("8:1234", (8, 1234)), ("", None), ("8", None), ("a:1", None), ("8:", None), ("-1:2", None)])
+@pytest.mark.parametrize(
+    "value, parsed",
+    [("8:1234", (8, 1234)), ("", None), ("8", None), ("a:1", None), ("8:", None), ("-1:2", None)],
+)
 def test_journal_stream_parsing(value, parsed):
     assert journal.journal_stream(value) == parsed
 
@@ -134,14 +183,21 @@ def test_stderr_is_the_journal_only_when_device_and_inode_match(tmp_path):
     with open(tmp_path / "stderr", "w") as stream, open(tmp_path / "other", "w") as other:
         info, elsewhere = os.fstat(stream.fileno()), os.fstat(other.fileno())
         assert journal.is_journal(stream, {"JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}"})
-        assert not journal.is_journal(stream, {"JOURNAL_STREAM": f"{elsewhere.st_dev}:{elsewhere.st_ino}"})
+        assert not journal.is_journal(
+            stream, {"JOURNAL_STREAM": f"{elsewhere.st_dev}:{elsewhere.st_ino}"}
+        )
         assert not journal.is_journal(stream, {})
         assert isinstance(journal.log_handler("n", {}, stream), logging.StreamHandler)
-        chosen = journal.log_handler("n", {"JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}",
-                                           journal.SOCKET_ENV: "/nowhere"}, stream)
+        chosen = journal.log_handler(
+            "n",
+            {"JOURNAL_STREAM": f"{info.st_dev}:{info.st_ino}", journal.SOCKET_ENV: "/nowhere"},
+            stream,
+        )
         assert isinstance(chosen, journal.JournalHandler) and chosen.path == "/nowhere"
         chosen.close()
-        assert journal.JournalHandler("n", logging.NullHandler()).path == "/run/systemd/journal/socket"
+        assert (
+            journal.JournalHandler("n", logging.NullHandler()).path == "/run/systemd/journal/socket"
+        )
     assert not journal.is_journal(io.StringIO(), {"JOURNAL_STREAM": "1:2"})  # no file descriptor
 
 
@@ -165,14 +221,27 @@ def test_one_datagram_per_record_with_the_traceback_in_the_message(journald):
         raise ValueError("boom")
     except ValueError:
         import sys
-        failed = logging.LogRecord("elasticd.agent", logging.ERROR, __file__, 7,
-                                   "agent for job %s failed", ("j-abc123",), sys.exc_info(), func="run")
+
+        failed = logging.LogRecord(
+            "elasticd.agent",
+            logging.ERROR,
+            __file__,
+            7,
+            "agent for job %s failed",
+            ("j-abc123",),
+            sys.exc_info(),
+            func="run",
+        )
     failed.__dict__.update(journal.about("j-abc123"))
     handler.handle(failed)
     fields = decode(journald.recv(1 << 20))
     assert fields["MESSAGE"].startswith("agent for job j-abc123 failed\nTraceback")
     assert "ValueError: boom" in fields["MESSAGE"]
-    assert (fields["PRIORITY"], fields["ELASTICD_JOB"], fields["ELASTICD_NODE"]) == ("3", "j-abc123", "n1")
+    assert (fields["PRIORITY"], fields["ELASTICD_JOB"], fields["ELASTICD_NODE"]) == (
+        "3",
+        "j-abc123",
+        "n1",
+    )
     assert stderr.getvalue() == ""
     handler.close()
 
@@ -205,7 +274,8 @@ def test_a_record_the_journal_refuses_goes_to_stderr_as_one_line(tmp_path):
     handler.handle(record("failed: %s", "a\n2026-01-01 00:00:00,000 ERROR elasticd: forged\x1b[2J"))
     assert stderr.getvalue().count("\n") == 1
     assert stderr.getvalue().endswith(
-        " INFO elasticd.scheduler: failed: a\\n2026-01-01 00:00:00,000 ERROR elasticd: forged\\x1b[2J\n")
+        " INFO elasticd.scheduler: failed: a\\n2026-01-01 00:00:00,000 ERROR elasticd: forged\\x1b[2J\n"
+    )
     handler.close()
 
 

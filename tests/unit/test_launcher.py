@@ -25,13 +25,19 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 NOBODY = pwd.getpwnam("nobody").pw_uid
 PROBE = "import sys\n\ndef main():\n    print('probe ran in', sys.prefix)\n    return 0\n"
 
-pytestmark = [pytest.mark.skipif(os.getuid() != 0, reason="the check runs as root only"),
-              pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no /usr/bin/python3")]
+pytestmark = [
+    pytest.mark.skipif(os.getuid() != 0, reason="the check runs as root only"),
+    pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no /usr/bin/python3"),
+]
 
 
 def system_version() -> str:
-    return subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [SYSTEM_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 @pytest.fixture
@@ -45,15 +51,22 @@ def launcher(base: Path) -> Path:
     """The template rendered as build-deb does (NAME elasticd, honouring ELASTICD_PYTHON),
     calling probe.main from a LIB of the test's own."""
     lib = base / "lib"
-    shutil.copytree(ROOT / "daemon" / "elasticd", lib / "lib" / "elasticd",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "daemon" / "elasticd",
+        lib / "lib" / "elasticd",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     (lib / "lib" / "probe.py").write_text(PROBE)
     text = TEMPLATE.read_text()
     assert text.count('LIB = "/usr/lib/elasticd"\n') == 1
     text = text.replace('LIB = "/usr/lib/elasticd"\n', f'LIB = "{lib}"\n')
-    for placeholder, value in (("@NAME@", "elasticd"), ("@MODULE@", "probe"),
-                               ("@FUNCTION@", "main"), ("@HONOURS_PYTHON@", "True"),
-                               ("@PYVER@", system_version())):
+    for placeholder, value in (
+        ("@NAME@", "elasticd"),
+        ("@MODULE@", "probe"),
+        ("@FUNCTION@", "main"),
+        ("@HONOURS_PYTHON@", "True"),
+        ("@PYVER@", system_version()),
+    ):
         text = text.replace(placeholder, value)
     path = base / "elasticd"
     path.write_text(text)
@@ -83,8 +96,13 @@ def loose_dir(path: Path) -> Path:
 
 def launch(launcher: Path, python: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PYTHON"))}
-    return subprocess.run([str(launcher)], env={**env, "ELASTICD_PYTHON": str(python)},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(launcher)],
+        env={**env, "ELASTICD_PYTHON": str(python)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_venv_of_roots_alone_is_run(launcher, base):
@@ -101,15 +119,20 @@ def test_a_pth_naming_a_directory_nobody_can_write_is_refused_by_the_launcher(la
     (site / "extra.pth").write_text(f"# more modules\n{loose}\n")
     done = launch(launcher, base / "venv" / "bin" / "python3")
     assert done.returncode == 2 and "probe ran" not in done.stdout
-    assert (f"elasticd: ELASTICD_PYTHON={base / 'venv' / 'bin' / 'python3'} is not root's alone: "
-            f"{loose} belongs to nobody (uid {NOBODY}) (named by {site / 'extra.pth'})") in done.stderr
+    assert (
+        f"elasticd: ELASTICD_PYTHON={base / 'venv' / 'bin' / 'python3'} is not root's alone: "
+        f"{loose} belongs to nobody (uid {NOBODY}) (named by {site / 'extra.pth'})"
+    ) in done.stderr
 
 
-@pytest.mark.parametrize("line", [
-    "import sys; sys.path.insert(0, '{loose}')",
-    "import site; site.addsitedir(\"{loose}/lib\")",        # a missing path in nobody's directory
-    "import os; exec(open('{loose}/code.py').read())",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "import sys; sys.path.insert(0, '{loose}')",
+        'import site; site.addsitedir("{loose}/lib")',  # a missing path in nobody's directory
+        "import os; exec(open('{loose}/code.py').read())",
+    ],
+)
 def test_an_import_line_that_names_a_path_others_can_write_is_refused(launcher, base, line):
     site = venv(base / "venv")
     loose = loose_dir(base / "loose")
@@ -124,8 +147,9 @@ def test_a_module_that_an_import_line_runs_is_read_for_paths(launcher, base):
     site = venv(base / "venv")
     source = base / "src"
     source.mkdir()
-    (site / "__editable__.pkg-1.0.pth").write_text("import __editable___pkg_finder; "
-                                                   "__editable___pkg_finder.install()")
+    (site / "__editable__.pkg-1.0.pth").write_text(
+        "import __editable___pkg_finder; __editable___pkg_finder.install()"
+    )
     (site / "__editable___pkg_finder.py").write_text(f"MAPPING = {{'pkg': '{source}/pkg'}}\n")
     assert check(launcher)(str(base / "venv")) is None  # root's: accepted
     os.chown(source, NOBODY, -1)
@@ -137,7 +161,8 @@ def test_an_import_line_of_roots_alone_is_accepted(launcher, base):
     site = venv(base / "venv")
     (site / "distutils-precedence.pth").write_text(
         "import os; var = 'SETUPTOOLS_USE_DISTUTILS'; enabled = os.environ.get(var, 'local') "
-        "== 'local'; enabled and __import__('_distutils_hack').add_shim(); \n")
+        "== 'local'; enabled and __import__('_distutils_hack').add_shim(); \n"
+    )
     (site / "_distutils_hack").mkdir()
     (site / "_distutils_hack" / "__init__.py").write_text("def add_shim(): pass\n")
     assert check(launcher)(str(base / "venv")) is None
@@ -176,4 +201,6 @@ def test_what_the_check_refused_before_it_still_refuses(launcher, base):
 
 def test_the_system_python_is_not_walked(launcher):
     assert check(launcher)("/usr") is None
-    assert sys.executable  # the test's own interpreter is irrelevant: the launcher uses /usr/bin/python3
+    assert (
+        sys.executable
+    )  # the test's own interpreter is irrelevant: the launcher uses /usr/bin/python3

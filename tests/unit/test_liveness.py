@@ -7,13 +7,16 @@ from elasticd.core.liveness import Beat, KeepAlive, observe, silent
 KA = KeepAlive(interval=1.0, attempts=3)
 
 
-@pytest.mark.parametrize("beat, now, dead", [
-    (None, 100.0, False),                 # never seen: not judged
-    (Beat(5, 10.0, reads=3), 13.0, True),  # still for 3 s and 3 reads
-    (Beat(5, 10.0, reads=3), 12.9, False),
-    (Beat(5, 10.0, reads=2), 60.0, False),  # long, but one stalled read: no verdict yet
-    (Beat(None, 10.0, reads=5), 20.0, True),  # a counter that never appeared
-])
+@pytest.mark.parametrize(
+    "beat, now, dead",
+    [
+        (None, 100.0, False),  # never seen: not judged
+        (Beat(5, 10.0, reads=3), 13.0, True),  # still for 3 s and 3 reads
+        (Beat(5, 10.0, reads=3), 12.9, False),
+        (Beat(5, 10.0, reads=2), 60.0, False),  # long, but one stalled read: no verdict yet
+        (Beat(None, 10.0, reads=5), 20.0, True),  # a counter that never appeared
+    ],
+)
 def test_silent(beat, now, dead):
     assert silent(beat, KA, now) is dead
 

@@ -7,7 +7,7 @@ B = (0, 1, "err")
 
 
 def texts(lines):
-    return [(l["rank"], l["stream"], l["text"]) for l in lines]
+    return [(line["rank"], line["stream"], line["text"]) for line in lines]
 
 
 def test_lines_across_chunks_and_sources():
@@ -32,8 +32,12 @@ def test_log_files_in_order(tmp_path):
         (d / f"rank_{rank}.{stream}").write_text("x")
     (tmp_path / "j" / "attempt_0" / "rank_0.error.json").write_text("{}")
     (tmp_path / "j" / "junk").mkdir()
-    assert [(a, r, s) for a, r, s, _ in log_files(str(tmp_path), "j")] == \
-        [(0, 0, "out"), (0, 1, "err"), (0, 10, "out"), (1, 0, "out")]
+    assert [(a, r, s) for a, r, s, _ in log_files(str(tmp_path), "j")] == [
+        (0, 0, "out"),
+        (0, 1, "err"),
+        (0, 10, "out"),
+        (1, 0, "out"),
+    ]
     assert log_files(str(tmp_path), "missing") == []
 
 
@@ -75,21 +79,24 @@ from elasticd.shell.logs import OutputLimit, Rotations, move_stream, read_rotati
 from elasticd.shell.workers import OutputFile  # noqa: E402
 
 
-@pytest.mark.parametrize("size, data, want", [
-    (0, b"abc\n", 4),               # fits
-    (4, b"ab\ncd\n", 6),            # fills the file exactly: no rotation yet
-    (6, b"ab\ncd\nef\n", 3),        # up to the last newline that fits
-    (8, b"a\nb\n", 2),              # a whole line fits in the 2 bytes left
-    (8, b"abc\n", 0),               # no whole line fits: rotate first
-    (0, b"x" * 25, 10),             # a line longer than a file: cut where the file is full
-    (12, b"a\n", 0),                # already past the limit (it was lowered): rotate
-])
+@pytest.mark.parametrize(
+    "size, data, want",
+    [
+        (0, b"abc\n", 4),  # fits
+        (4, b"ab\ncd\n", 6),  # fills the file exactly: no rotation yet
+        (6, b"ab\ncd\nef\n", 3),  # up to the last newline that fits
+        (8, b"a\nb\n", 2),  # a whole line fits in the 2 bytes left
+        (8, b"abc\n", 0),  # no whole line fits: rotate first
+        (0, b"x" * 25, 10),  # a line longer than a file: cut where the file is full
+        (12, b"a\n", 0),  # already past the limit (it was lowered): rotate
+    ],
+)
 def test_where_a_chunk_is_cut(size, data, want):
     assert OutputLimit(max_bytes=10, backups=2).cut(size, data) == want
 
 
 def test_no_limit_never_cuts():
-    assert OutputLimit(0, 3).cut(10 ** 12, b"x" * 100) == 100
+    assert OutputLimit(0, 3).cut(10**12, b"x" * 100) == 100
 
 
 def test_rotate_shifts_the_files_and_deletes_past_backups(tmp_path):
@@ -122,8 +129,13 @@ def test_rotations_file_damaged_reads_as_none(tmp_path):
 def writer(path, max_bytes, backups, dropped=None):
     def create(p):
         return os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-    return OutputFile(str(path), create, lambda n, why: dropped.append((n, why)) if dropped is not None else None,
-                      OutputLimit(max_bytes, backups))
+
+    return OutputFile(
+        str(path),
+        create,
+        lambda n, why: dropped.append((n, why)) if dropped is not None else None,
+        OutputLimit(max_bytes, backups),
+    )
 
 
 def chain(path, backups):
@@ -137,7 +149,7 @@ def test_an_output_file_never_grows_past_its_limit_and_keeps_lines_whole(tmp_pat
     out = writer(path, 100, 2)
     stream = b"".join(b"line %04d\n" % i for i in range(1000))  # 10 bytes a line
     for start in range(0, len(stream), 37):  # chunks that end mid-line
-        out.write(stream[start:start + 37])
+        out.write(stream[start : start + 37])
     out.close()
     kept = chain(path, 2)
     assert len(kept) == 3 and all(len(f) <= 100 for f in kept)
@@ -158,8 +170,10 @@ def test_a_rotation_that_fails_drops_output_and_says_so(tmp_path):
     os.rmdir(str(path) + ".rotated")
     out.write(b"xyz\n")
     out.close()
-    assert chain(path, 1) == [b"x" * 199 + b"\n", b"\n[elasticd: 4 bytes of output dropped here: "
-                                                   b"cannot rotate: Is a directory]\nxyz\n"]
+    assert chain(path, 1) == [
+        b"x" * 199 + b"\n",
+        b"\n[elasticd: 4 bytes of output dropped here: cannot rotate: Is a directory]\nxyz\n",
+    ]
 
 
 def test_move_stream_takes_the_rotated_files_along(tmp_path):
@@ -189,7 +203,7 @@ def test_a_follower_keeps_its_place_across_rotations(tmp_path):
         if i % 7 == 6:
             seen += read_all(reader)
     seen += read_all(reader)
-    assert seen == ["line %04d" % i for i in range(60)]  # nothing lost, nothing twice
+    assert seen == [f"line {i:04d}" for i in range(60)]  # nothing lost, nothing twice
 
 
 def test_a_follower_left_behind_is_told_what_it_missed(tmp_path):
@@ -200,11 +214,11 @@ def test_a_follower_left_behind_is_told_what_it_missed(tmp_path):
     out.write(b"line 0000\nline 0001\nline 00")
     assert read_all(reader) == ["line 0000", "line 0001"]
     for i in range(2, 50):  # four rotations while it does not read: its file is gone
-        out.write((b"line %04d\n" % i)[(7 if i == 2 else 0):])
+        out.write((b"line %04d\n" % i)[(7 if i == 2 else 0) :])
     seen = read_all(reader)
     assert seen[0] == "line 00"  # its partial line, then what happened
     assert "rotated away here before it could be read" in seen[1]
-    assert seen[2:] == ["line %04d" % i for i in range(30, 50)]  # the two kept files
+    assert seen[2:] == [f"line {i:04d}" for i in range(30, 50)]  # the two kept files
 
 
 def test_history_shows_the_kept_files_oldest_first_after_a_note(tmp_path):
@@ -215,8 +229,13 @@ def test_history_shows_the_kept_files_oldest_first_after_a_note(tmp_path):
         out.write(b"line %04d\n" % i)
     out.close()
     seen = read_all(LogReader(str(tmp_path), "j", "n1"), snapshot=True)
-    assert seen[0] == "[elasticd: 200 bytes of earlier output were rotated away (output.max_bytes, output.backups)]"
-    assert seen[1:] == ["line %04d" % i for i in range(20, 45)]  # 10 lines a file: 2 rotated, 1 live
+    assert (
+        seen[0]
+        == "[elasticd: 200 bytes of earlier output were rotated away (output.max_bytes, output.backups)]"
+    )
+    assert seen[1:] == [
+        f"line {i:04d}" for i in range(20, 45)
+    ]  # 10 lines a file: 2 rotated, 1 live
 
 
 def test_a_snapshot_read_while_the_file_rotates_ends_where_it_began(tmp_path):

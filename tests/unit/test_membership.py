@@ -23,13 +23,16 @@ NODES = "elasticd/c/nodes"
 
 # -- the pure rules ------------------------------------------------------------------------------
 
+
 def test_judge_admits_announces_loses_and_brings_back():
     beats = {"a": Beat(5, 0.0, 0), "b": Beat(9, 0.0, 3), "c": Beat(2, 9.5, 0)}
     members = {"b": Membership(1), "c": Membership(1, lost=True, since=3.0)}
     changes = judge(members, beats, {"a": 4, "b": 1, "c": 2}, KEEP_ALIVE, now=10.0, wall=100.0)
-    assert changes == {"a": Membership(4, False, 100.0),        # a new member
-                       "b": Membership(1, True, 100.0),         # silent for 10 s over 3 reads: lost
-                       "c": Membership(2, False, 100.0)}        # back, with a new record
+    assert changes == {
+        "a": Membership(4, False, 100.0),  # a new member
+        "b": Membership(1, True, 100.0),  # silent for 10 s over 3 reads: lost
+        "c": Membership(2, False, 100.0),
+    }  # back, with a new record
 
 
 def test_judge_kills_nobody_it_has_not_watched_long_enough_or_read_often_enough():
@@ -40,17 +43,22 @@ def test_judge_kills_nobody_it_has_not_watched_long_enough_or_read_often_enough(
 
 def test_judge_needs_a_record_before_a_node_is_a_member():
     assert judge({}, {"a": Beat(5, 0.0, 0)}, {"a": None}, KEEP_ALIVE, 1.0, 1.0) == {}
-    assert judge({"a": Membership(3)}, {"a": Beat(6, 0.0, 0)}, {"a": None}, KEEP_ALIVE, 1.0, 1.0) == {}
+    assert (
+        judge({"a": Membership(3)}, {"a": Beat(6, 0.0, 0)}, {"a": None}, KEEP_ALIVE, 1.0, 1.0) == {}
+    )
 
 
-@pytest.mark.parametrize("term, number, head, catch", [
-    (1, 5, None, Catch()),
-    (1, 5, Head(1, 5), Catch()),
-    (1, 5, Head(1, 8), Catch(entries=range(6, 9))),
-    (1, 5, Head(2, 8), Catch(snapshot=True)),                    # a new observer
-    (1, 5, Head(1, 3), Catch(snapshot=True)),                    # the feed went back
-    (1, 5, Head(1, 5 + FEED_KEEP + 1), Catch(snapshot=True)),    # too far behind
-])
+@pytest.mark.parametrize(
+    "term, number, head, catch",
+    [
+        (1, 5, None, Catch()),
+        (1, 5, Head(1, 5), Catch()),
+        (1, 5, Head(1, 8), Catch(entries=range(6, 9))),
+        (1, 5, Head(2, 8), Catch(snapshot=True)),  # a new observer
+        (1, 5, Head(1, 3), Catch(snapshot=True)),  # the feed went back
+        (1, 5, Head(1, 5 + FEED_KEEP + 1), Catch(snapshot=True)),  # too far behind
+    ],
+)
 def test_catch_up(term, number, head, catch):
     assert catch_up(term, number, head, FEED_KEEP) == catch
 
@@ -63,6 +71,7 @@ def test_takes_over_when_there_is_no_observer_or_its_head_stood_still():
 
 
 # -- the registry over a store ------------------------------------------------------------------
+
 
 class Clock:
     def __init__(self) -> None:
@@ -94,18 +103,29 @@ class Cluster:
         self.clock = Clock()
         self.refused: list[tuple[str, str]] = []
         self.stores = {n: CountingStore(self.store) for n in names}
-        self.nodes = {n: NodeRegistry(self.stores[n], SIGNER, "c", n, keep_alive=KEEP_ALIVE,
-                                      clock=self.clock, wall_clock=self.clock,
-                                      on_refused=lambda key, why: self.refused.append((key, why)))
-                      for n in names}
+        self.nodes = {
+            n: NodeRegistry(
+                self.stores[n],
+                SIGNER,
+                "c",
+                n,
+                keep_alive=KEEP_ALIVE,
+                clock=self.clock,
+                wall_clock=self.clock,
+                on_refused=lambda key, why: self.refused.append((key, why)),
+            )
+            for n in names
+        }
         self.records = {n: NodeRecord(NodeInfo(n, "127.0.0.1", 4)) for n in names}
         self.ticks: dict[str, object] = {}
 
     def round(self, names: list[str] | None = None, seconds: float = 1.0) -> None:
         """One heartbeat duty of each node in ``names`` (all by default), then time moves."""
+
         async def duties() -> None:
             for name in names if names is not None else list(self.nodes):
                 self.ticks[name] = await self.nodes[name].tick(self.records[name])
+
         asyncio.run(duties())
         self.clock.now += seconds
 
@@ -238,7 +258,9 @@ def test_junk_written_again_before_the_observer_reads_who_took_over_leaves_one_o
     for _ in range(3):
         c.round()
     assert sum(node.observing for node in c.nodes.values()) == 1
-    assert b"junk" not in c.store.get(f"{NODES}/observer") and b"[1,2,3]" != c.store.get(f"{NODES}/observer")
+    assert b"junk" not in c.store.get(f"{NODES}/observer") and b"[1,2,3]" != c.store.get(
+        f"{NODES}/observer"
+    )
 
 
 def test_the_feed_keeps_a_bounded_number_of_entries():
@@ -246,7 +268,9 @@ def test_the_feed_keeps_a_bounded_number_of_entries():
     for i in range(FEED_KEEP + 10):
         c.records["n2"] = NodeRecord(NodeInfo("n2", "127.0.0.1", 4), slots_used=i % 2)
         c.round()
-    entries = [k for k in c.store.keys() if k.startswith(f"{NODES}/feed/") and k.split("/")[-1].isdigit()]
+    entries = [
+        k for k in c.store.keys() if k.startswith(f"{NODES}/feed/") and k.split("/")[-1].isdigit()
+    ]
     assert len(entries) <= FEED_KEEP + 1
 
 
@@ -258,6 +282,7 @@ def test_a_census_shows_a_node_that_registered_before_the_observer_admitted_it()
 
     async def census():
         return await c.nodes["n2"].tick(c.records["n2"], census=True)
+
     assert "n3" not in asyncio.run(c.nodes["n2"].tick(c.records["n2"])).sightings
     assert c.nodes["n2"].states(asyncio.run(census()).sightings)["n3"] == "up"
     c.store.delete(f"{NODES}/n3/hb")  # n3 died before the observer read its heartbeat

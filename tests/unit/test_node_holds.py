@@ -6,11 +6,11 @@ Driven by stimuli, as the shell feeds them; the answers are the core's instructi
 
 from __future__ import annotations
 
-from elasticd.core.blacklist import Blacklist, BlacklistPolicy
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.core.blacklist import Blacklist, BlacklistPolicy
 from elasticd.core.model import JobSpec, Worker, WorkerState, assign_workers
+from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord
 from elasticd.rendezvous import Member, Reason, RendezvousInfo
@@ -30,21 +30,36 @@ def at(mono: float, wall: float | None = None) -> ev.Now:
 
 def node(blacklist: Blacklist | None = None) -> tuple[NodeCore, list[do.Instruction]]:
     """A node core running j-000001 (alice's) and j-000002 (bob's), each in a round."""
-    core = NodeCore(NodeSettings(NODE, Resources(4, ("0", "1")), dead_after=3.0, judge_users=False),
-                    blacklist=blacklist)
+    core = NodeCore(
+        NodeSettings(NODE, Resources(4, ("0", "1")), dead_after=3.0, judge_users=False),
+        blacklist=blacklist,
+    )
     records = tuple(JobRecord(spec(job), seq) for seq, job in enumerate(USERS, 1))
     out = core.handle(ev.JobsChanged(records), at(0))
     for job in USERS:
         join = next(i for i in out if isinstance(i, do.Join) and i.job == job)
-        info = RendezvousInfo(job, 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "a", 1, (Member(NODE, "a", 1, 0, 0),))
+        info = RendezvousInfo(
+            job, 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "a", 1, (Member(NODE, "a", 1, 0, 0),)
+        )
         out += core.handle(ev.RoundJoined(job, join.op, info), at(0))
     return core, out
 
 
 def fail(core: NodeCore, job: str, round: int, pid: int, now: ev.Now) -> list[do.Instruction]:
     """A worker of ``job`` here failed (the part publishes it; the node counts it)."""
-    group = assign_workers(job, NODE, round=round, restart_count=0, group_rank=0, group_world_size=1,
-                           rank_base=0, world_size=1, nproc=1, master_addr="a", master_port=1)
+    group = assign_workers(
+        job,
+        NODE,
+        round=round,
+        restart_count=0,
+        group_rank=0,
+        group_world_size=1,
+        rank_base=0,
+        world_size=1,
+        nproc=1,
+        master_addr="a",
+        master_port=1,
+    )
     failed = Worker(0, 0, 1, NODE, pid=pid, state=WorkerState.FAILED, exit_code=1)
     return core.handle(ev.WorkersChanged(job, group.with_worker(failed)), now)
 
@@ -62,7 +77,7 @@ def test_discovery_and_the_operator_are_separate_reasons():
     core, _ = node()
     job = "j-000001"
     assert not core.draining and core.listed
-    out = core.handle(ev.Listed(False), at(1))
+    core.handle(ev.Listed(False), at(1))
     assert core.draining and not core.listed and left(core, job) is Reason.DRAIN
     core.handle(ev.HoldChanged("drained by an operator", True), at(2))
     core.handle(ev.HoldChanged("drained by an operator", False), at(3))  # no override of the script
@@ -79,11 +94,15 @@ def test_one_users_failures_keep_their_jobs_off_and_leave_the_others_running():
     out += fail(core, "j-000001", 0, 10, at(100))  # the same failure again
     assert left(core, "j-000001") is None and core.blacklist.kept_off() == set()
     out = fail(core, "j-000001", 1, 11, at(100))
-    assert left(core, "j-000001") is Reason.DRAIN and left(core, "j-000002") is None  # bob's job stays
+    assert (
+        left(core, "j-000001") is Reason.DRAIN and left(core, "j-000002") is None
+    )  # bob's job stays
     assert core.blacklist.kept_off() == {1001} and not core.draining and blacklisted(out) == []
     assert 1001 in core.cooling_users
     assert do.SetTimer("user-cooldown", 130.0, key=1001) in out
-    out = core.handle(ev.HoldChanged("drained by an operator", False), at(101))  # an undrain lifts it too
+    out = core.handle(
+        ev.HoldChanged("drained by an operator", False), at(101)
+    )  # an undrain lifts it too
     assert core.blacklist.kept_off() == set() and not core.cooling_users
     assert do.ClearTimer("user-cooldown", key=1001) in out
 
@@ -111,8 +130,11 @@ def test_the_node_is_readmitted_when_its_cooldown_ends_and_a_user_when_theirs_do
     out += fail(core, "j-000002", 0, 20, at(100))
     assert core.draining and core.blacklisted_until > 0 and left(core, "j-000002") is Reason.DRAIN
     timers = [i for i in out if isinstance(i, do.SetTimer)]
-    assert {(t.name, t.key, t.at) for t in timers} == {("user-cooldown", 1001, 105.0),
-                                                        ("user-cooldown", 1002, 105.0), ("cooldown", None, 105.0)}
+    assert {(t.name, t.key, t.at) for t in timers} == {
+        ("user-cooldown", 1001, 105.0),
+        ("user-cooldown", 1002, 105.0),
+        ("cooldown", None, 105.0),
+    }
     early = core.handle(ev.NodeTimerFired("cooldown"), at(104.9))  # a moment early: again
     assert early == [do.SetTimer("cooldown", 105.0)] and core.draining
     out = core.handle(ev.NodeTimerFired("cooldown"), at(105))

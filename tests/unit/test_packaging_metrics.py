@@ -11,15 +11,15 @@ file keeps every ``expr:`` on one line for that reason.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import shutil
 import subprocess
 import time
-from typing import Any, Iterator
-
-import asyncio
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -46,6 +46,7 @@ _NODE_FILTER = 'instance=~"$node"'
 
 # -- what the daemon exposes --------------------------------------------------------------
 
+
 def _exercised() -> Metrics:
     """A Metrics with one sample in every labelled family, through the daemon's own calls."""
     m = Metrics()
@@ -55,6 +56,7 @@ def _exercised() -> Metrics:
     m.restarted()
     m.barrier_waited(1.5)
     m.count_nodes(["up", "up", "lost"])
+
     async def value() -> bytes:
         return b"value"
 
@@ -71,11 +73,16 @@ def _exercised() -> Metrics:
     m.state_write_failed("history", "database or disk is full")
     m.history_quarantined.inc()
     m.history_skipped.inc()
-    for what, label, value in (("gpus_out", "", 1), ("gpu_fault", "xid 79", 1), ("xid", "79", 1),
-                               ("gpu_slowdown", "0", 1)):
+    for what, label, value in (
+        ("gpus_out", "", 1),
+        ("gpu_fault", "xid 79", 1),
+        ("xid", "79", 1),
+        ("gpu_slowdown", "0", 1),
+    ):
         m.gpu_news(what, label, value)
-    m.job_usage.source = lambda: {"j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20,
-                                               "oom_kills": 0}}
+    m.job_usage.source = lambda: {
+        "j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20, "oom_kills": 0}
+    }
     _exercise_sharing(m)
     return m
 
@@ -84,11 +91,34 @@ def _exercise_sharing(m: Metrics) -> None:
     """The scheduler's metrics: a job submitted here that started and used this node, one
     that waits, a plan that grew a job, a reclaim."""
     now = time.time()
-    spec = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1000, gid=1000, user="u",
-                   submitted_on="n1", created=now - 20)
-    ran = JobRecord(spec, 1, {"n1": Part("n1", PartState.RUNNING, started=now - 10, ran=now - 10, slots=1)})
-    waits = JobRecord(JobSpec(id="j-2", argv=("t.py",), python="/p", workdir="/w", uid=1000, gid=1000,
-                              user="u", account="ml", created=now - 5), 2)
+    spec = JobSpec(
+        id="j-1",
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=1000,
+        gid=1000,
+        user="u",
+        submitted_on="n1",
+        created=now - 20,
+    )
+    ran = JobRecord(
+        spec, 1, {"n1": Part("n1", PartState.RUNNING, started=now - 10, ran=now - 10, slots=1)}
+    )
+    waits = JobRecord(
+        JobSpec(
+            id="j-2",
+            argv=("t.py",),
+            python="/p",
+            workdir="/w",
+            uid=1000,
+            gid=1000,
+            user="u",
+            account="ml",
+            created=now - 5,
+        ),
+        2,
+    )
     jobs: list[JobRecord] = []
     schedule = Schedule(1, 2, {"j-1": frozenset({"n1", "n2"})}, (Waiting("j-2", Reason.RESOURCES),))
     m.sharing.watch("n1", lambda: jobs, lambda: schedule, lambda: schedule)
@@ -107,15 +137,20 @@ def metrics() -> Metrics:
 def exposed(metrics: Metrics) -> set[str]:
     """Sample names in the text a scrape of /metrics returns."""
     text = generate_latest(metrics.registry).decode()
-    return {re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", line).group(0)
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", line).group(0)
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 @pytest.fixture(scope="module")
 def families(metrics: Metrics) -> dict[str, set[str]]:
     """Metric family name -> the sample names it exposes (``_total``, ``_bucket``, ...)."""
-    return {family.name: {sample.name for sample in family.samples}
-            for family in metrics.registry.collect()}
+    return {
+        family.name: {sample.name for sample in family.samples}
+        for family in metrics.registry.collect()
+    }
 
 
 def test_every_family_is_exercised(families: dict[str, set[str]], exposed: set[str]) -> None:
@@ -126,6 +161,7 @@ def test_every_family_is_exercised(families: dict[str, set[str]], exposed: set[s
 
 
 # -- reading the packaging files ----------------------------------------------------------
+
 
 def _dashboard() -> dict[str, Any]:
     with open(DASHBOARD, encoding="utf-8") as f:
@@ -218,6 +254,7 @@ def _balanced(expr: str) -> bool:
 
 # -- the dashboard ------------------------------------------------------------------------
 
+
 def test_dashboard_uses_only_exposed_metrics(exposed: set[str]) -> None:
     exprs = _dashboard_exprs(_dashboard())
     assert exprs
@@ -229,10 +266,15 @@ def test_dashboard_uses_only_exposed_metrics(exposed: set[str]) -> None:
 
 def test_dashboard_shows_every_family(families: dict[str, set[str]]) -> None:
     used = set().union(*map(_names, _dashboard_exprs(_dashboard())))
-    assert PROCESS_NOT_SHOWN <= families.keys(), "PROCESS_NOT_SHOWN names a family that does not exist"
+    assert PROCESS_NOT_SHOWN <= families.keys(), (
+        "PROCESS_NOT_SHOWN names a family that does not exist"
+    )
     assert all(name.startswith("process_") for name in PROCESS_NOT_SHOWN)
-    missing = sorted(name for name, samples in families.items()
-                     if name not in PROCESS_NOT_SHOWN and not samples & used)
+    missing = sorted(
+        name
+        for name, samples in families.items()
+        if name not in PROCESS_NOT_SHOWN and not samples & used
+    )
     assert not missing, f"metric families with no panel on the dashboard: {missing}"
     shown_anyway = sorted(name for name in PROCESS_NOT_SHOWN if families[name] & used)
     assert not shown_anyway, f"shown on the dashboard, drop from PROCESS_NOT_SHOWN: {shown_anyway}"
@@ -245,9 +287,10 @@ def test_dashboard_selects_only_elasticd_targets() -> None:
         if expr.startswith("label_values("):
             continue
         for match in _METRIC.finditer(expr):
-            selector = re.match(r"\{[^}]*\}", expr[match.end():])
-            assert selector and _NODE_FILTER in selector.group(0), \
+            selector = re.match(r"\{[^}]*\}", expr[match.end() :])
+            assert selector and _NODE_FILTER in selector.group(0), (
                 f"{match.group(1)} is not filtered by {_NODE_FILTER} in {expr!r}"
+            )
 
 
 def test_dashboard_structure() -> None:
@@ -270,7 +313,9 @@ def test_dashboard_structure() -> None:
         assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", title
         assert panel["targets"], title
         for target in panel["targets"]:
-            assert target["expr"].strip() and target["datasource"]["uid"] == "${DS_PROMETHEUS}", title
+            assert target["expr"].strip() and target["datasource"]["uid"] == "${DS_PROMETHEUS}", (
+                title
+            )
         refs = [t["refId"] for t in panel["targets"]]
         assert len(refs) == len(set(refs)), title
 
@@ -286,13 +331,15 @@ def test_dashboard_structure() -> None:
 
 # -- the alerting rules -------------------------------------------------------------------
 
+
 def test_rules_use_only_exposed_metrics(exposed: set[str]) -> None:
     rules = _rules()
     assert rules
     for rule in rules:
         expr = rule.get("expr", "")
-        assert expr and expr[0] not in "|>", \
+        assert expr and expr[0] not in "|>", (
             f"{rule['alert']} (line {rule['line']}): keep expr on one line"
+        )
         assert _balanced(expr), expr
         unknown = _names(expr) - exposed
         assert not unknown, f"{rule['alert']}: {sorted(unknown)} not exposed by elasticd"
@@ -310,22 +357,33 @@ def test_rules_are_complete() -> None:
     # the alerts the operations guide promises
     used = {name for rule in rules for name in _names(rule["expr"])}
     assert any('up{job="elasticd"}' in r["expr"] for r in rules)
-    for name in ("elasticd_store_up", "elasticd_store_refused_records_total", "elasticd_nodes",
-                 "elasticd_jobs_finished_total", "elasticd_worker_restarts_total",
-                 "elasticd_rendezvous_duration_seconds_bucket",
-                 "elasticd_exit_barrier_wait_seconds_bucket", "elasticd_longest_wait_seconds"):
+    for name in (
+        "elasticd_store_up",
+        "elasticd_store_refused_records_total",
+        "elasticd_nodes",
+        "elasticd_jobs_finished_total",
+        "elasticd_worker_restarts_total",
+        "elasticd_rendezvous_duration_seconds_bucket",
+        "elasticd_exit_barrier_wait_seconds_bucket",
+        "elasticd_longest_wait_seconds",
+    ):
         assert name in used, f"no alert on {name}"
 
 
 # -- with promtool, where it is installed (Debian: apt-get install prometheus) --------------
 
-_GRAFANA_VARIABLES = {"$node": "gpu-node-01:9464", "$__rate_interval": "1m", "$__interval": "15s",
-                      "$__range": "6h"}
+_GRAFANA_VARIABLES = {
+    "$node": "gpu-node-01:9464",
+    "$__rate_interval": "1m",
+    "$__interval": "15s",
+    "$__range": "6h",
+}
 
 
 def _promtool_check(path: str) -> None:
-    result = subprocess.run(["promtool", "check", "rules", path], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        ["promtool", "check", "rules", path], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -382,10 +440,15 @@ def test_promtool_a_job_waiting_over_30_minutes_alerts_once_for_the_cluster(tmp_
     cluster per reason (every node reports the same wait), none for held jobs (their own)."""
     rule = next(r for r in _rules() if r["alert"] == "ElasticdJobWaitingLong")
     path = tmp_path / "waiting-test.yml"
-    path.write_text(_WAITING_TEST.format(rules=RULES, description=json.dumps(
-        _description(rule).replace("{{ $labels.reason }}", "Resources"))))
-    result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True,
-                            timeout=60)
+    path.write_text(
+        _WAITING_TEST.format(
+            rules=RULES,
+            description=json.dumps(_description(rule).replace("{{ $labels.reason }}", "Resources")),
+        )
+    )
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -396,7 +459,7 @@ def _description(rule: dict[str, str]) -> str:
     start = int(rule["line"])
     at = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("description: >-"))
     folded = []
-    for line in lines[at + 1:]:
+    for line in lines[at + 1 :]:
         if not line.strip():
             break
         folded.append(line.strip())

@@ -3,14 +3,21 @@ how long it waits, and that no line is shown twice or lost across the asks."""
 
 from __future__ import annotations
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from elasticd.control.commands import RETRY_MAX, _PeerFollow, keep_asking, retry_pause
 from elasticd.shell.logs import SeenLines
 
 
 def line(rank: int, i: int, stream: str = "out") -> dict:
-    return {"node": "n2", "attempt": 0, "rank": rank, "stream": stream, "text": f"{stream} {rank} {i}"}
+    return {
+        "node": "n2",
+        "attempt": 0,
+        "rank": rank,
+        "stream": stream,
+        "text": f"{stream} {rank} {i}",
+    }
 
 
 def test_the_pause_doubles_from_one_second_to_ten():
@@ -45,7 +52,10 @@ def test_the_follower_says_once_it_is_unavailable_and_once_it_is_back():
     assert follow.failed(ended=False, alive=True) and follow.unavailable(OSError("again")) == []
     assert follow.failures == 2
     shown = follow.answered({"lines": [line(1, 0)]})
-    assert [l["text"] for l in shown] == ["elasticd: logs of node n2 are back", "out 1 0"]
+    assert [shown_line["text"] for shown_line in shown] == [
+        "elasticd: logs of node n2 are back",
+        "out 1 0",
+    ]
     assert follow.answered({"lines": [line(1, 1)]}) == [line(1, 1)]
     assert follow.failed(ended=False, alive=True) and follow.failures == 1  # it had answered
     assert follow.answered({"lines": [line(1, 0), line(1, 1), line(1, 2)]}) == [line(1, 2)]

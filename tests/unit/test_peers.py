@@ -1,20 +1,29 @@
 """Telling a dead node from a node whose peer port is merely silent (peers.probe/judged_lost)."""
 
 import asyncio
-import time
 import socket
+import time
 
 import pytest
 
 from elasticd.cluster.peers import PeerLinks, Probe, judged_lost, probe
 
 
-@pytest.mark.parametrize("answer, heard_meanwhile, lost", [
-    (Probe.UP, False, False), (Probe.UP, True, False),
-    (Probe.REFUSED, False, True), (Probe.REFUSED, True, True),  # nothing listens: the daemon died
-    (Probe.SILENT, False, True),   # a partition or a host gone: it stopped beating too
-    (Probe.SILENT, True, False),   # a firewall dropping the port: it still beats, the failure is real
-])
+@pytest.mark.parametrize(
+    "answer, heard_meanwhile, lost",
+    [
+        (Probe.UP, False, False),
+        (Probe.UP, True, False),
+        (Probe.REFUSED, False, True),
+        (Probe.REFUSED, True, True),  # nothing listens: the daemon died
+        (Probe.SILENT, False, True),  # a partition or a host gone: it stopped beating too
+        (
+            Probe.SILENT,
+            True,
+            False,
+        ),  # a firewall dropping the port: it still beats, the failure is real
+    ],
+)
 def test_judged_lost(answer, heard_meanwhile, lost):
     assert judged_lost(answer, heard_meanwhile) is lost
 
@@ -56,6 +65,7 @@ class _Record:
 def test_a_silent_node_that_still_beats_is_not_lost(silent_endpoint, heard, expected):
     """A worker failure is not free because a firewall drops the peer port of a living node:
     its heartbeat is read before the probe and again one interval after it was sent."""
+
     class Nodes:
         interval = 0.5
         reads: list[float] = []
@@ -76,8 +86,16 @@ def test_a_silent_node_that_still_beats_is_not_lost(silent_endpoint, heard, expe
     assert len(nodes.reads) == 2 and nodes.reads[1] - nodes.reads[0] >= nodes.interval
 
 
-@pytest.mark.parametrize("damage", [b"", b"[" * 100000, b'{"public": 1, "secret": []}', b"\xff" * 80,
-                                    b'{"public": "short", "secret": "short"}'])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"",
+        b"[" * 100000,
+        b'{"public": 1, "secret": []}',
+        b"\xff" * 80,
+        b'{"public": "short", "secret": "short"}',
+    ],
+)
 def test_a_damaged_peer_key_file_is_moved_aside_and_a_new_pair_made(tmp_path, damage):
     from elasticd.cluster.peers import load_or_create_keys
 

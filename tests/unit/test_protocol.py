@@ -14,34 +14,57 @@ def frame(**doc):
 
 
 def test_round_trip():
-    req = p.Request("r1", "submit", {"argv": ["t.py"], "nproc_per_node": "gpu", "wait": True,
-                                     "role": "trainer", "master_port": 29500})
+    req = p.Request(
+        "r1",
+        "submit",
+        {
+            "argv": ["t.py"],
+            "nproc_per_node": "gpu",
+            "wait": True,
+            "role": "trainer",
+            "master_port": 29500,
+        },
+    )
     assert p.decode_request(p.encode_request(req)) == req
     assert req.streaming and not p.Request("r", "submit", {"argv": ["a"]}).streaming
     assert p.Request("r", "logs", {"job": "j"}).streaming
 
 
-@pytest.mark.parametrize("raw, code, words", [
-    (b"{", "bad_request", "invalid JSON"),
-    (b"\xff\xfe", "bad_request", "invalid JSON"),
-    (b"[" * 100000 + b"]" * 100000, "bad_request", "invalid JSON"),
-    (b"3", "bad_request", "JSON object"),
-    (frame(v=2, id="a", op="version"), "bad_request", "version"),
-    (frame(v=1, op="version"), "bad_request", "'id'"),
-    (frame(v=1, id="", op="version"), "bad_request", "'id'"),
-    (frame(v=1, id="a", op=5), "bad_request", "'op'"),
-    (frame(v=1, id="a", op="nuke"), "unknown_op", "nuke"),
-    (frame(v=1, id="a", op="list", args=[]), "bad_request", "'args'"),
-    (frame(v=1, id="a", op="list", args={"al": True}), "bad_request", "unknown argument"),
-    (frame(v=1, id="a", op="list", args={"all": 1}), "bad_request", "a boolean"),
-    (frame(v=1, id="a", op="logs", args={"job": "j", "rank": True}), "bad_request", "an integer"),
-    (frame(v=1, id="a", op="submit", args={"argv": "t.py"}), "bad_request", "a list"),
-    (frame(v=1, id="a", op="submit", args={}), "bad_request", "missing argument 'argv'"),
-    (frame(v=1, id="a", op="submit", args={"argv": ["t"], "role": 1}), "bad_request", "'role' must be a string"),
-    (frame(v=1, id="a", op="submit", args={"argv": ["t"], "master_port": "1"}), "bad_request",
-     "'master_port' must be an integer"),
-    (frame(v=1, id="a", op="status"), "bad_request", "missing argument 'job'"),
-])
+@pytest.mark.parametrize(
+    "raw, code, words",
+    [
+        (b"{", "bad_request", "invalid JSON"),
+        (b"\xff\xfe", "bad_request", "invalid JSON"),
+        (b"[" * 100000 + b"]" * 100000, "bad_request", "invalid JSON"),
+        (b"3", "bad_request", "JSON object"),
+        (frame(v=2, id="a", op="version"), "bad_request", "version"),
+        (frame(v=1, op="version"), "bad_request", "'id'"),
+        (frame(v=1, id="", op="version"), "bad_request", "'id'"),
+        (frame(v=1, id="a", op=5), "bad_request", "'op'"),
+        (frame(v=1, id="a", op="nuke"), "unknown_op", "nuke"),
+        (frame(v=1, id="a", op="list", args=[]), "bad_request", "'args'"),
+        (frame(v=1, id="a", op="list", args={"al": True}), "bad_request", "unknown argument"),
+        (frame(v=1, id="a", op="list", args={"all": 1}), "bad_request", "a boolean"),
+        (
+            frame(v=1, id="a", op="logs", args={"job": "j", "rank": True}),
+            "bad_request",
+            "an integer",
+        ),
+        (frame(v=1, id="a", op="submit", args={"argv": "t.py"}), "bad_request", "a list"),
+        (frame(v=1, id="a", op="submit", args={}), "bad_request", "missing argument 'argv'"),
+        (
+            frame(v=1, id="a", op="submit", args={"argv": ["t"], "role": 1}),
+            "bad_request",
+            "'role' must be a string",
+        ),
+        (
+            frame(v=1, id="a", op="submit", args={"argv": ["t"], "master_port": "1"}),
+            "bad_request",
+            "'master_port' must be an integer",
+        ),
+        (frame(v=1, id="a", op="status"), "bad_request", "missing argument 'job'"),
+    ],
+)
 def test_malformed(raw, code, words):
     with pytest.raises(p.ProtocolError) as info:
         p.decode_request(raw)
@@ -56,8 +79,9 @@ def test_too_large_keeps_its_id():
     assert p.request_id(raw) == "big"
 
 
-@pytest.mark.parametrize("raw, rid", [(frame(id="q", op=1), "q"), (b"{", ""), (frame(id=3), ""),
-                                      (b"[]", "")])
+@pytest.mark.parametrize(
+    "raw, rid", [(frame(id="q", op=1), "q"), (b"{", ""), (frame(id=3), ""), (b"[]", "")]
+)
 def test_request_id_best_effort(raw, rid):
     assert p.request_id(raw) == rid
 
@@ -65,8 +89,9 @@ def test_request_id_best_effort(raw, rid):
 def test_replies():
     assert p.decode_reply(p.ok("a", {"x": 1})) == p.Reply("a", True, {"x": 1})
     assert p.decode_reply(p.end("a")) == p.Reply("a", True, None, True)
-    assert p.decode_reply(p.error("a", "not_found", "no job")) == \
-        p.Reply("a", False, code="not_found", message="no job")
+    assert p.decode_reply(p.error("a", "not_found", "no job")) == p.Reply(
+        "a", False, code="not_found", message="no job"
+    )
     with pytest.raises(p.ProtocolError):
         p.decode_reply(b'{"v":1}')
 
@@ -80,7 +105,9 @@ def test_default_socket(monkeypatch, tmp_path):
     assert paths.default_runtime_dir(0) == "/run/elasticd"
 
 
-def test_a_socket_in_a_directory_that_others_own_or_can_write_is_never_chosen(monkeypatch, tmp_path):
+def test_a_socket_in_a_directory_that_others_own_or_can_write_is_never_chosen(
+    monkeypatch, tmp_path
+):
     monkeypatch.delenv("ELASTICD_SOCKET", raising=False)
     own_dir = tmp_path / "elasticd"
     own_dir.mkdir(mode=0o700)
@@ -96,27 +123,38 @@ def test_a_socket_in_a_directory_that_others_own_or_can_write_is_never_chosen(mo
         assert paths.default_socket_path() == system
 
 
-@pytest.mark.parametrize("value, out", [(1, 1), ("12", 12), ("gpu", "gpu"), ("cpu", "cpu"), ("auto", "auto")])
+@pytest.mark.parametrize(
+    "value, out", [(1, 1), ("12", 12), ("gpu", "gpu"), ("cpu", "cpu"), ("auto", "auto")]
+)
 def test_parse_nproc_takes_torchruns_words(value, out):
     assert p.parse_nproc(value) == out
 
 
-@pytest.mark.parametrize("value", ["xpu", "mps", "", "0", 0, "1.5", "\u0663"])  # \u0663: an Arabic-Indic 3
+@pytest.mark.parametrize(
+    "value", ["xpu", "mps", "", "0", 0, "1.5", "\u0663"]
+)  # \u0663: an Arabic-Indic 3
 def test_parse_nproc_names_the_accepted_values(value):
-    with pytest.raises(ValueError, match=r"must be one of N, gpu, cpu, auto \(N a positive integer\), got"):
+    with pytest.raises(
+        ValueError, match=r"must be one of N, gpu, cpu, auto \(N a positive integer\), got"
+    ):
         p.parse_nproc(value)
 
 
-@pytest.mark.parametrize("sizes, max_bytes, want", [
-    ([], 100, [[]]),                          # always one reply, empty when there is nothing
-    ([10, 10, 10], 100, [[0, 1, 2]]),
-    ([40, 40, 40], 100, [[0, 1], [2]]),
-    ([500, 10, 10], 100, [[0], [1, 2]]),     # one larger than a batch goes alone
-    ([10, 500, 10], 100, [[0], [1], [2]]),
-])
+@pytest.mark.parametrize(
+    "sizes, max_bytes, want",
+    [
+        ([], 100, [[]]),  # always one reply, empty when there is nothing
+        ([10, 10, 10], 100, [[0, 1, 2]]),
+        ([40, 40, 40], 100, [[0, 1], [2]]),
+        ([500, 10, 10], 100, [[0], [1, 2]]),  # one larger than a batch goes alone
+        ([10, 500, 10], 100, [[0], [1], [2]]),
+    ],
+)
 def test_batches(sizes, max_bytes, want):
-    docs = [{"i": i, "pad": "x" * (size - len(json.dumps({"i": i, "pad": ""}, separators=(",", ":"))))}
-            for i, size in enumerate(sizes)]
+    docs = [
+        {"i": i, "pad": "x" * (size - len(json.dumps({"i": i, "pad": ""}, separators=(",", ":"))))}
+        for i, size in enumerate(sizes)
+    ]
     got = [[doc["i"] for doc in batch] for batch in p.batches(iter(docs), max_bytes)]
     assert got == want
 
@@ -128,5 +166,6 @@ def test_batches_take_their_documents_as_each_is_asked_for():
         for i in range(10):
             taken.append(i)
             yield {"i": i}
+
     batches = p.batches(docs(), 20)  # two small documents a batch
     assert next(batches) == [{"i": 0}, {"i": 1}] and taken == [0, 1, 2]

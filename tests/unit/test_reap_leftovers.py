@@ -17,10 +17,12 @@ from elasticd.shell.workers import reap_leftovers
 
 JOB = "j-abc123"
 # a group leader that starts a child in its own group, prints both pids, then sleeps
-LEADER = ("import os, subprocess, sys, time\n"
-          "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-          "print(os.getpid(), child.pid, flush=True)\n"
-          "time.sleep(60)\n")
+LEADER = (
+    "import os, subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print(os.getpid(), child.pid, flush=True)\n"
+    "time.sleep(60)\n"
+)
 
 
 @pytest.fixture
@@ -29,8 +31,13 @@ def group():
     started: list[subprocess.Popen[str]] = []
 
     def start(env: dict[str, str]) -> tuple[int, int]:
-        proc = subprocess.Popen([sys.executable, "-c", LEADER], env={**os.environ, **env},
-                                stdout=subprocess.PIPE, text=True, process_group=0)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LEADER],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            text=True,
+            process_group=0,
+        )
         started.append(proc)
         leader, child = map(int, proc.stdout.readline().split())
         return leader, child
@@ -47,16 +54,23 @@ def group():
 def gone(*pids: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in pids):
+        if not any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+            for p in pids
+        ):
             return True
         time.sleep(0.05)
     return False
 
 
 def left(leader: int, *, job: str = JOB, uid: int | None = None, started: float | None = None):
-    return {leader: WorkerGroupLeft(job, os.getuid() if uid is None else uid,
-                                    time.time() - 30 if started is None else started)}
+    return {
+        leader: WorkerGroupLeft(
+            job,
+            os.getuid() if uid is None else uid,
+            time.time() - 30 if started is None else started,
+        )
+    }
 
 
 def test_the_jobs_processes_are_killed(group):
@@ -65,12 +79,19 @@ def test_the_jobs_processes_are_killed(group):
     assert gone(leader, child)
 
 
-@pytest.mark.parametrize("env, whose, why", [
-    ({}, {}, "no job id in its environment (a user's shell that got a dead worker's pid)"),
-    ({"TORCHELASTIC_RUN_ID": "j-999999"}, {}, "another job's id"),
-    ({"TORCHELASTIC_RUN_ID": JOB}, {"uid": 65534}, "another user's process"),
-    ({"TORCHELASTIC_RUN_ID": JOB}, {"started": time.time() + 3600}, "it started before the job"),
-])
+@pytest.mark.parametrize(
+    "env, whose, why",
+    [
+        ({}, {}, "no job id in its environment (a user's shell that got a dead worker's pid)"),
+        ({"TORCHELASTIC_RUN_ID": "j-999999"}, {}, "another job's id"),
+        ({"TORCHELASTIC_RUN_ID": JOB}, {"uid": 65534}, "another user's process"),
+        (
+            {"TORCHELASTIC_RUN_ID": JOB},
+            {"started": time.time() + 3600},
+            "it started before the job",
+        ),
+    ],
+)
 def test_a_process_that_is_not_the_jobs_is_left_alone(group, env, whose, why):
     leader, child = group(env)
     assert reap_leftovers(left(leader, **whose)) == 0, why

@@ -9,12 +9,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from blocking_rendezvous import BlockingRendezvous
 
 from elasticd.errors import RendezvousClosedError, RendezvousTimeoutError
 from elasticd.faults import Faults
-from blocking_rendezvous import BlockingRendezvous
-from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous import NextRound, RendezvousSettings
+from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.keys import Keys
 from elasticd.rendezvous.state import Announcement, Participant, decode, encode_announcement
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
@@ -36,8 +36,11 @@ def handlers(store):
     made: list[BlockingRendezvous] = []
 
     def make(nodes, settings):
-        made.extend(BlockingRendezvous(store, SIGNER, settings, n, f"{n}.addr", prefix=PREFIX) for n in nodes)
-        return made[-len(nodes):]
+        made.extend(
+            BlockingRendezvous(store, SIGNER, settings, n, f"{n}.addr", prefix=PREFIX)
+            for n in nodes
+        )
+        return made[-len(nodes) :]
 
     yield make
     for handler in made:
@@ -48,7 +51,10 @@ def handlers(store):
 
 def form(handlers, nproc=1):
     with ThreadPoolExecutor(len(handlers)) as pool:
-        return [f.result(timeout=30) for f in [pool.submit(h.next_rendezvous, nproc, 1) for h in handlers]]
+        return [
+            f.result(timeout=30)
+            for f in [pool.submit(h.next_rendezvous, nproc, 1) for h in handlers]
+        ]
 
 
 def test_a_waiting_joiner_wakes_on_the_next_revision_not_on_a_timer(store, handlers):
@@ -97,7 +103,7 @@ def test_a_handler_that_never_saw_the_state_does_not_invent_one(store, handlers)
 
 def test_shutdown_ends_a_pending_join_and_cancels_watches(store, handlers):
     settings = RendezvousSettings("job", 2, 2, keep_alive_interval=0.1)
-    a, b = handlers(["a", "b"], settings)
+    a, _b = handlers(["a", "b"], settings)
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(a.next_rendezvous, 1, 1)
         assert store.wait_for(Keys(PREFIX).joins(0), 5.0)
@@ -115,15 +121,20 @@ def test_unknown_reasons_are_refused(store, handlers):
 
 
 def test_a_wait_listed_node_times_out_and_leaves_the_wait_list(store, handlers):
-    a, b = handlers(["a", "b"], RendezvousSettings("job", 1, 1, join_timeout=0.3, keep_alive_interval=0.1))
+    a, b = handlers(
+        ["a", "b"], RendezvousSettings("job", 1, 1, join_timeout=0.3, keep_alive_interval=0.1)
+    )
     a.next_rendezvous(1, 1)
-    with pytest.raises(RendezvousTimeoutError, match="wait list of round 0 .1 members, max_nodes is 1"):
+    with pytest.raises(
+        RendezvousTimeoutError, match=r"wait list of round 0 .1 members, max_nodes is 1"
+    ):
         b.next_rendezvous(1, 1)
     state = decode(SIGNER.open(Keys(PREFIX).state, store.get(Keys(PREFIX).state)).body)
     assert state.complete and not state.wait_list
 
 
 # -- the join log and the reads (issue 13), on one event loop -----------------------------------
+
 
 class Recording(AsyncMemoryStore):
     """Counts the bytes of join log read; may hold the answer of the next state read."""
@@ -154,7 +165,9 @@ def handler(store, node: str, settings: RendezvousSettings, **kwargs) -> Rendezv
 async def formed(handlers: list[RendezvousHandler]) -> list:
     keepers = [asyncio.create_task(h.keep()) for h in handlers]
     try:
-        return await asyncio.wait_for(asyncio.gather(*(h.next_rendezvous(1, 1) for h in handlers)), 30)
+        return await asyncio.wait_for(
+            asyncio.gather(*(h.next_rendezvous(1, 1) for h in handlers)), 30
+        )
     finally:
         for h in handlers:
             h.shutdown()
@@ -187,7 +200,10 @@ def test_a_number_taken_but_not_written_yet_is_read_again_once_written(store):
         await asyncio.sleep(0.2)
         assert not joining.done()
         late = keys.join(0, 1)
-        store.set(late, SIGNER.seal(late, encode_announcement(Announcement("b", Participant("b.addr", 1, 1)))))
+        store.set(
+            late,
+            SIGNER.seal(late, encode_announcement(Announcement("b", Participant("b.addr", 1, 1)))),
+        )
         return await joining
 
     started = time.monotonic()
@@ -200,7 +216,9 @@ def test_a_read_that_crossed_a_newer_one_of_this_node_is_not_tampering(store):
     last may carry the older state.  That is no write-back: nothing is refused, nothing
     restored.  (A state really written back stays refused: test_rendezvous_threads.)"""
     refused: list[str] = []
-    settings = RendezvousSettings("job", 1, 2, keep_alive_interval=5.0, last_call_timeout=0.0, max_restarts=2)
+    settings = RendezvousSettings(
+        "job", 1, 2, keep_alive_interval=5.0, last_call_timeout=0.0, max_restarts=2
+    )
 
     async def run() -> NextRound:
         slow = Recording(store)
@@ -208,7 +226,9 @@ def test_a_read_that_crossed_a_newer_one_of_this_node_is_not_tampering(store):
         b = handler(AsyncMemoryStore(store), "b", settings)
         await a.next_rendezvous(1, 1)  # round 0 complete: version 1
         slow.hold = hold = asyncio.Event()
-        held = asyncio.create_task(a.request_next_round(0, "scale_up"))  # its read of version 1 is held
+        held = asyncio.create_task(
+            a.request_next_round(0, "scale_up")
+        )  # its read of version 1 is held
         await asyncio.sleep(0.05)
         assert await b.request_next_round(0, "failure") is NextRound.OPENED  # version 2
         assert await a.request_next_round(0, "failure") is NextRound.ALREADY  # a read version 2
@@ -262,6 +282,7 @@ def test_a_join_counter_that_turns_to_junk_before_the_add_costs_a_claimed_number
 
 def keeper_runs(store, settings: RendezvousSettings, seconds: float, **kwargs) -> None:
     """Run a handler's keeper for ``seconds``; it must still run, and end when cancelled."""
+
     async def run() -> None:
         keeper = asyncio.create_task(handler(store, "a", settings, **kwargs).keep())
         await asyncio.sleep(seconds)
@@ -273,9 +294,12 @@ def keeper_runs(store, settings: RendezvousSettings, seconds: float, **kwargs) -
     asyncio.run(run())
 
 
-def test_an_unexpected_error_of_the_keeper_is_a_counted_fault_logged_once_per_interval(store, caplog):
+def test_an_unexpected_error_of_the_keeper_is_a_counted_fault_logged_once_per_interval(
+    store, caplog
+):
     """Not a traceback at every duty: counted (elasticd_loop_faults_total), logged with its
     traceback once per interval, and the keeper goes on."""
+
     class Broken(AsyncMemoryStore):
         async def get_many(self, keys):
             raise KeyError("a bug one record brought out")
@@ -295,7 +319,9 @@ def test_a_keeper_whose_job_state_is_gone_warns_once_without_a_traceback(store, 
     counted: list[str] = []
     settings = RendezvousSettings("job", 1, 1, keep_alive_interval=0.02)
     with caplog.at_level(logging.WARNING, logger="elasticd"):
-        keeper_runs(AsyncMemoryStore(store), settings, 0.5, may_create=False, faults=Faults(counted.append))
+        keeper_runs(
+            AsyncMemoryStore(store), settings, 0.5, may_create=False, faults=Faults(counted.append)
+        )
     lines = [r for r in caplog.records if r.name.startswith("elasticd")]
     assert counted == [] and len(lines) == 1, [r.getMessage() for r in lines]
     assert lines[0].levelno == logging.WARNING and not lines[0].exc_info
@@ -303,6 +329,7 @@ def test_a_keeper_whose_job_state_is_gone_warns_once_without_a_traceback(store, 
 
 
 # -- the keeper's reads at scale (issue 27) ----------------------------------------------------
+
 
 class StateReads(AsyncMemoryStore):
     """Counts the reads of the state key."""
@@ -320,6 +347,7 @@ def test_keepers_read_the_signed_head_and_the_state_only_when_it_moved(store):
     """Once formed, a keeper's duty reads the head (and its neighbours' heartbeats), the state
     at most every FULL_EVERY duties; a head that names a newer state makes it read that one."""
     from elasticd.rendezvous.head import FULL_EVERY, head_version
+
     settings = RendezvousSettings("job", 3, 3, keep_alive_interval=0.02)
     stores = [StateReads(store) for _ in range(3)]
     nodes = [handler(s, n, settings) for s, n in zip(stores, "abc")]
@@ -330,7 +358,9 @@ def test_keepers_read_the_signed_head_and_the_state_only_when_it_moved(store):
         for s in stores:
             s.state_reads = 0
         await asyncio.sleep(0.3)  # about 15 duties each
-        assert all(s.state_reads <= 15 // FULL_EVERY + 3 for s in stores), [s.state_reads for s in stores]
+        assert all(s.state_reads <= 15 // FULL_EVERY + 3 for s in stores), [
+            s.state_reads for s in stores
+        ]
         watching = nodes[0].watch(0, waiting=False)
         assert await nodes[1].request_next_round(0, "scale_up") is NextRound.OPENED
         assert (await asyncio.wait_for(watching, 5)).kind == "next_round"
@@ -342,12 +372,15 @@ def test_keepers_read_the_signed_head_and_the_state_only_when_it_moved(store):
 
     asyncio.run(run())
     keys = Keys(PREFIX)
-    assert head_version(SIGNER, keys.head, store.get(keys.head), lambda k, why: None) == 2  # formed, then superseded
+    assert (
+        head_version(SIGNER, keys.head, store.get(keys.head), lambda k, why: None) == 2
+    )  # formed, then superseded
 
 
 def test_handlers_that_share_a_decoded_cache_open_each_state_once(store):
     """The simulated nodes of one process (a bench's crowd) open a state once per change."""
     from elasticd.rendezvous.state import Decoded
+
     opened = []
 
     class Counting(Signer):
@@ -357,8 +390,18 @@ def test_handlers_that_share_a_decoded_cache_open_each_state_once(store):
 
     signer, decoded = Counting(b"k" * 32, "c"), Decoded()
     settings = RendezvousSettings("job", 8, 8, keep_alive_interval=5.0)
-    nodes = [RendezvousHandler(AsyncMemoryStore(store), signer, settings, f"n{i}", f"n{i}.addr", prefix=PREFIX,
-                               decoded=decoded) for i in range(8)]
+    nodes = [
+        RendezvousHandler(
+            AsyncMemoryStore(store),
+            signer,
+            settings,
+            f"n{i}",
+            f"n{i}.addr",
+            prefix=PREFIX,
+            decoded=decoded,
+        )
+        for i in range(8)
+    ]
     infos = asyncio.run(formed(nodes))
     assert sorted(i.group_rank for i in infos) == list(range(8))
     assert infos[0].members is infos[1].members  # built once for the state

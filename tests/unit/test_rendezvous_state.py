@@ -20,9 +20,18 @@ from elasticd.rendezvous.state import (
 from elasticd.store.signing import Signer
 
 STATE = RendezvousState(
-    version=12, round=3, complete=True, closed=False, reason="node_lost", restarts_used=2,
+    version=12,
+    round=3,
+    complete=True,
+    closed=False,
+    reason="node_lost",
+    restarts_used=2,
     participants={"b": Participant("10.0.0.2", 8, 29500), "a": Participant("10.0.0.1", 4, 0)},
-    wait_list={"c": Participant("10.0.0.3", 1, 0)}, order=("b", "a"), expected=(), folded=5)
+    wait_list={"c": Participant("10.0.0.3", 1, 0)},
+    order=("b", "a"),
+    expected=(),
+    folded=5,
+)
 
 
 def test_round_trip_through_json_and_the_signer():
@@ -88,7 +97,9 @@ def test_announcement_round_trip_and_schema():
 
 
 def test_next_bumps_the_version_only():
-    assert STATE.next(closed=True) == RendezvousState(**{**STATE.__dict__, "version": 13, "closed": True})
+    assert STATE.next(closed=True) == RendezvousState(
+        **{**STATE.__dict__, "version": 13, "closed": True}
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,11 +119,16 @@ def test_settings_refuse_nonsense(kwargs):
 
 def test_settings_defaults_match_the_design():
     settings = RendezvousSettings("job", 1, 2)
-    assert (settings.keep_alive_interval, settings.keep_alive_max_attempt, settings.dead_after) == (1.0, 3, 3.0)
+    assert (settings.keep_alive_interval, settings.keep_alive_max_attempt, settings.dead_after) == (
+        1.0,
+        3,
+        3.0,
+    )
 
 
 def test_decoded_keeps_a_state_by_signer_key_and_bytes_and_forgets_the_oldest():
     from elasticd.rendezvous.state import Decoded
+
     signer = Signer(b"k" * 32, "c")
     decoded, other = Decoded(size=2), Signer(b"o" * 32, "c")
     states = [RendezvousState(version=v) for v in range(3)]
@@ -128,15 +144,20 @@ def test_decoded_keeps_a_state_by_signer_key_and_bytes_and_forgets_the_oldest():
         return object()
 
     first = decoded.built(states[1], build)
-    assert decoded.built(states[1], build) is first and built == [states[1]]  # once per state object
+    assert decoded.built(states[1], build) is first and built == [
+        states[1]
+    ]  # once per state object
 
 
 def test_a_head_names_the_state_version_and_opens_only_for_its_key():
     from elasticd.rendezvous.head import FULL_EVERY, head_version, seal_head, state_moved
+
     signer, refused = Signer(b"k" * 32, "c"), []
     raw = seal_head(signer, "p/head", RendezvousState(version=7, round=2))
     assert head_version(signer, "p/head", raw, lambda k, why: refused.append(why)) == 7
-    assert head_version(signer, "q/head", raw, lambda k, why: refused.append(why)) is None and refused
+    assert (
+        head_version(signer, "q/head", raw, lambda k, why: refused.append(why)) is None and refused
+    )
     assert head_version(signer, "p/head", None, lambda k, why: refused.append(why)) is None
     assert not state_moved(7, 7, 1) and not state_moved(7, 6, 1)  # an older head hides nothing new
     assert state_moved(7, 8, 1) and state_moved(7, None, 1) and state_moved(None, 7, 1)

@@ -7,14 +7,14 @@ import os
 import pytest
 
 from elasticd import config
-from elasticd.jobs.board import BoardFollower, JobBoard
-from elasticd.errors import ConfigError
-from elasticd.jobs.history import History
-from elasticd.jobs.registry import JobRegistry
-from elasticd.shell.logs import OutputLimit
 from elasticd.core.model import JobSpec, JobState
 from elasticd.core.records import JobRecord, Outcome, expired
+from elasticd.errors import ConfigError
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.jobs.history import History
+from elasticd.jobs.registry import JobRegistry
 from elasticd.jobs.retention import LEAST, MOST, Pruner, next_pass, prunable, stale_dirs
+from elasticd.shell.logs import OutputLimit
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 
@@ -22,8 +22,17 @@ DAY = 86400.0
 
 
 def spec(job_id: str) -> JobSpec:
-    return JobSpec(id=job_id, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
-                   name="t", created=1.0)
+    return JobSpec(
+        id=job_id,
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=1,
+        gid=1,
+        user="u",
+        name="t",
+        created=1.0,
+    )
 
 
 def record(job_id: str, ended: float | None) -> JobRecord:
@@ -33,37 +42,52 @@ def record(job_id: str, ended: float | None) -> JobRecord:
 
 # -- the config keys ------------------------------------------------------------------------------
 
+
 def test_output_and_history_defaults():
     cfg = config.load()
     assert cfg.output.limit == OutputLimit(100 * 1024 * 1024, 3)
     assert cfg.history.retention == 30 * DAY
 
 
-@pytest.mark.parametrize("tables, key, words", [
-    ({"output": {"max_bytes": -1}}, "output.max_bytes", "must be 0 (no limit) or at least 65536 bytes"),
-    ({"output": {"max_bytes": 1000}}, "output.max_bytes", "must be 0 (no limit) or at least 65536 bytes"),
-    ({"output": {"max_bytes": "100MiB"}}, "output.max_bytes", "must be an integer"),
-    ({"output": {"max_bytes": 1.5e6}}, "output.max_bytes", "must be an integer"),
-    ({"output": {"backups": -1}}, "output.backups", "must be 0..100"),
-    ({"output": {"backups": 101}}, "output.backups", "must be 0..100"),
-    ({"output": {"backups": True}}, "output.backups", "must be an integer"),
-    ({"output": {"rotate": 1}}, "output.rotate", "unknown key (known: max_bytes, backups)"),
-    ({"history": {"retention": -1}}, "history.retention", "must be 0 or more"),
-    ({"history": {"retention": "30d"}}, "history.retention", "must be a number"),
-    ({"history": {"retention": float("nan")}}, "history.retention", "must be 0 or more"),
-])
+@pytest.mark.parametrize(
+    "tables, key, words",
+    [
+        (
+            {"output": {"max_bytes": -1}},
+            "output.max_bytes",
+            "must be 0 (no limit) or at least 65536 bytes",
+        ),
+        (
+            {"output": {"max_bytes": 1000}},
+            "output.max_bytes",
+            "must be 0 (no limit) or at least 65536 bytes",
+        ),
+        ({"output": {"max_bytes": "100MiB"}}, "output.max_bytes", "must be an integer"),
+        ({"output": {"max_bytes": 1.5e6}}, "output.max_bytes", "must be an integer"),
+        ({"output": {"backups": -1}}, "output.backups", "must be 0..100"),
+        ({"output": {"backups": 101}}, "output.backups", "must be 0..100"),
+        ({"output": {"backups": True}}, "output.backups", "must be an integer"),
+        ({"output": {"rotate": 1}}, "output.rotate", "unknown key (known: max_bytes, backups)"),
+        ({"history": {"retention": -1}}, "history.retention", "must be 0 or more"),
+        ({"history": {"retention": "30d"}}, "history.retention", "must be a number"),
+        ({"history": {"retention": float("nan")}}, "history.retention", "must be 0 or more"),
+    ],
+)
 def test_bad_values_are_named(tables, key, words):
     with pytest.raises(ConfigError) as caught:
         config.from_tables(tables)
     assert caught.value.key == key and words in str(caught.value), str(caught.value)
 
 
-@pytest.mark.parametrize("tables, limit, retention", [
-    ({"output": {"max_bytes": 0, "backups": 0}}, OutputLimit(0, 0), 30 * DAY),
-    ({"output": {"max_bytes": 65536, "backups": 100}}, OutputLimit(65536, 100), 30 * DAY),
-    ({"history": {"retention": 0}}, OutputLimit(100 << 20, 3), 0.0),
-    ({"history": {"retention": 2}}, OutputLimit(100 << 20, 3), 2.0),
-])
+@pytest.mark.parametrize(
+    "tables, limit, retention",
+    [
+        ({"output": {"max_bytes": 0, "backups": 0}}, OutputLimit(0, 0), 30 * DAY),
+        ({"output": {"max_bytes": 65536, "backups": 100}}, OutputLimit(65536, 100), 30 * DAY),
+        ({"history": {"retention": 0}}, OutputLimit(100 << 20, 3), 0.0),
+        ({"history": {"retention": 2}}, OutputLimit(100 << 20, 3), 2.0),
+    ],
+)
 def test_good_values(tables, limit, retention):
     cfg = config.from_tables(tables)
     assert cfg.output.limit == limit and cfg.history.retention == retention
@@ -72,12 +96,16 @@ def test_good_values(tables, limit, retention):
 
 # -- the decisions ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ended, now, retention, want", [
-    (None, 1e9, 1.0, False),     # running: never
-    (100.0, 200.0, 100.0, True),  # exactly due
-    (100.0, 199.0, 100.0, False),
-    (100.0, 1e12, 0.0, False),    # 0: forever
-])
+
+@pytest.mark.parametrize(
+    "ended, now, retention, want",
+    [
+        (None, 1e9, 1.0, False),  # running: never
+        (100.0, 200.0, 100.0, True),  # exactly due
+        (100.0, 199.0, 100.0, False),
+        (100.0, 1e12, 0.0, False),  # 0: forever
+    ],
+)
 def test_expired(ended, now, retention, want):
     outcome = Outcome(JobState.FAILED, ended) if ended is not None else None
     assert expired(outcome, now, retention) is want
@@ -89,13 +117,16 @@ def test_prunable_leaves_running_jobs_and_jobs_busy_here():
     assert prunable(records, now=100.0, retention=0.0, busy=set()) == []
 
 
-@pytest.mark.parametrize("ended, now, retention, want", [
-    ([], 0.0, 30 * DAY, MOST),               # nothing ended: an hour (a job may end meanwhile)
-    ([], 0.0, 10.0, 10.0),                    # a short retention: no later than it
-    ([100.0], 120.0, 30.0, 10.0),            # the next job is due in 10 s
-    ([100.0], 500.0, 30.0, LEAST),           # due and not pruned (the pass could not): soon
-    ([None, 100.0], 100.0, 30 * DAY, MOST),   # due in a month: an hour
-])
+@pytest.mark.parametrize(
+    "ended, now, retention, want",
+    [
+        ([], 0.0, 30 * DAY, MOST),  # nothing ended: an hour (a job may end meanwhile)
+        ([], 0.0, 10.0, 10.0),  # a short retention: no later than it
+        ([100.0], 120.0, 30.0, 10.0),  # the next job is due in 10 s
+        ([100.0], 500.0, 30.0, LEAST),  # due and not pruned (the pass could not): soon
+        ([None, 100.0], 100.0, 30 * DAY, MOST),  # due in a month: an hour
+    ],
+)
 def test_next_pass(ended, now, retention, want):
     records = [record(f"j{i}", e) for i, e in enumerate(ended)]
     assert next_pass(records, now, retention) == want
@@ -114,6 +145,7 @@ def test_stale_dirs_are_old_directories_of_unknown_jobs():
 
 
 # -- the pruner, the registry and the board -----------------------------------------------------------
+
 
 class Clock:
     def __init__(self, now: float) -> None:
@@ -153,7 +185,10 @@ def test_the_pruner_forgets_ended_jobs_with_their_output_and_keeps_the_rest(tmp_
     assert sorted(job_id for job_id, _ in history.load()) == ["j-busy", "j-new", "j-run"]
 
     clock.now = 2000.0  # later: the one that was busy is done, the running one still runs
-    assert asyncio.run(Pruner(registry, root, busy=list, clock=clock).prune()) == ["j-busy", "j-new"]
+    assert asyncio.run(Pruner(registry, root, busy=list, clock=clock).prune()) == [
+        "j-busy",
+        "j-new",
+    ]
     assert os.listdir(root) == ["j-run"] and [r.id for r in registry.jobs()] == ["j-run"]
     history.close()
 

@@ -5,30 +5,34 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elasticd.wire.safejson import MAX_DEPTH, Undecodable, loads
 
 LIMIT = 1 << 20
 
 
-@pytest.mark.parametrize("raw, why", [
-    (b"[" * 100000 + b"]" * 100000, "nested"),
-    (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), "nested"),
-    (b'{"a":' * 200 + b"1" + b"}" * 200, "nested"),
-    (b"1e999", "out of range"),
-    (b"-1e999", "out of range"),
-    (b"NaN", "not a number"),
-    (b"[Infinity]", "not a number"),
-    (b"9" * 5000, "out of range"),
-    (str(1 << 63).encode(), "out of range"),
-    (b'"\xff\xfe"', "not UTF-8"),
-    (b'"\\ud800"', "lone surrogate"),
-    (b'{"\\udfff": 1}', "lone surrogate"),
-    (b"", "not JSON"),
-    (b"{", "not JSON"),
-    (b"x" * (LIMIT + 1), "bytes, more than"),
-])
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"[" * 100000 + b"]" * 100000, "nested"),
+        (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), "nested"),
+        (b'{"a":' * 200 + b"1" + b"}" * 200, "nested"),
+        (b"1e999", "out of range"),
+        (b"-1e999", "out of range"),
+        (b"NaN", "not a number"),
+        (b"[Infinity]", "not a number"),
+        (b"9" * 5000, "out of range"),
+        (str(1 << 63).encode(), "out of range"),
+        (b'"\xff\xfe"', "not UTF-8"),
+        (b'"\\ud800"', "lone surrogate"),
+        (b'{"\\udfff": 1}', "lone surrogate"),
+        (b"", "not JSON"),
+        (b"{", "not JSON"),
+        (b"x" * (LIMIT + 1), "bytes, more than"),
+    ],
+)
 def test_refused_with_a_reason(raw: bytes, why: str) -> None:
     with pytest.raises(Undecodable, match=why):
         loads(raw, max_bytes=LIMIT)
@@ -49,8 +53,11 @@ def test_the_text_scan_agrees_with_the_walk() -> None:
     wide = [{"a": [i], "s": "[[[{{{" * 20} for i in range(100)]
     assert loads(json.dumps(wide), max_bytes=LIMIT, max_depth=3) == wide
     assert loads(json.dumps([wide, "\U0001f600"]), max_bytes=LIMIT, max_depth=4)[1] == "\U0001f600"
-    for bad in (json.dumps([wide, "\ud800"]), '["\ud800"' + ",[]" * 100 + "]",
-                json.dumps(wide)[:-1] + "," + "[" * 5 + "]" * 5 + "]"):
+    for bad in (
+        json.dumps([wide, "\ud800"]),
+        '["\ud800"' + ",[]" * 100 + "]",
+        json.dumps(wide)[:-1] + "," + "[" * 5 + "]" * 5 + "]",
+    ):
         with pytest.raises(Undecodable):
             loads(bad, max_bytes=LIMIT, max_depth=4)
 
@@ -65,10 +72,16 @@ def test_ordinary_records_decode_as_json_does() -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 63) - 1)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=30)
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 63) - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
 
 
 @given(json_values)
@@ -81,7 +94,10 @@ def test_what_json_writes_comes_back(value: object) -> None:
 
 
 @settings(max_examples=500)
-@given(st.binary(max_size=512) | st.text(max_size=256).map(lambda t: t.encode("utf-8", "surrogatepass")))
+@given(
+    st.binary(max_size=512)
+    | st.text(max_size=256).map(lambda t: t.encode("utf-8", "surrogatepass"))
+)
 def test_any_bytes_are_a_value_or_undecodable(raw: bytes) -> None:
     try:
         value = loads(raw, max_bytes=LIMIT)
@@ -91,11 +107,11 @@ def test_any_bytes_are_a_value_or_undecodable(raw: bytes) -> None:
 
 
 @settings(max_examples=200)
-@given(st.integers(1, 5000), st.sampled_from(["[", "{\"k\":", "[{\"a\":"]))
+@given(st.integers(1, 5000), st.sampled_from(["[", '{"k":', '[{"a":']))
 def test_any_nesting_is_bounded(depth: int, opener: str) -> None:
-    closer = {"[": "]", "{\"k\":": "}", "[{\"a\":": "}]"}[opener]
+    closer = {"[": "]", '{"k":': "}", '[{"a":': "}]"}[opener]
     raw = opener * depth + "0" + closer * depth
-    levels = depth * (2 if opener == "[{\"a\":" else 1)
+    levels = depth * (2 if opener == '[{"a":' else 1)
     if levels <= MAX_DEPTH:
         assert loads(raw, max_bytes=LIMIT) is not None
     else:

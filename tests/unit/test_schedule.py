@@ -9,7 +9,8 @@ import pytest
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.allocation import Policy, Reason as Why, Waiting
+from elasticd.core.allocation import Policy, Waiting
+from elasticd.core.allocation import Reason as Why
 from elasticd.core.model import JobSpec, PartState
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources
@@ -21,11 +22,24 @@ NODES = {"a": NodeSize(2), "b": NodeSize(2), "c": NodeSize(2)}
 
 
 def spec(job: str, nnodes: tuple[int, int] = (1, 1), nproc: int = 1, **kw: object) -> JobSpec:
-    return JobSpec(id=job, argv=("t.py",), python="/p", workdir="/w", uid=1000, gid=1000, user="u",
-                   min_nodes=nnodes[0], max_nodes=nnodes[1], nproc_per_node=nproc, **kw)
+    return JobSpec(
+        id=job,
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=1000,
+        gid=1000,
+        user="u",
+        min_nodes=nnodes[0],
+        max_nodes=nnodes[1],
+        nproc_per_node=nproc,
+        **kw,
+    )
 
 
-def record(job: str, seq: int, *, parts: dict[str, PartState] | None = None, **kw: object) -> JobRecord:
+def record(
+    job: str, seq: int, *, parts: dict[str, PartState] | None = None, **kw: object
+) -> JobRecord:
     return JobRecord(spec(job, **kw), seq, {n: Part(n, s) for n, s in (parts or {}).items()})
 
 
@@ -53,8 +67,15 @@ def test_a_node_told_to_leave_is_not_the_jobs_while_it_leaves() -> None:
     elastic job's own (it would take it back, or take another node)."""
     big = record("j-1", 1, nnodes=(1, 3), parts=dict.fromkeys("abc", PartState.RUNNING))
     small = record("j-2", 2, nproc=2)
-    given = plan([big, small], NODES, plan([big], NODES, None, Policy(), {}, term=1, now=0.0),
-                 Policy(), {}, term=1, now=1.0)
+    given = plan(
+        [big, small],
+        NODES,
+        plan([big], NODES, None, Policy(), {}, term=1, now=0.0),
+        Policy(),
+        {},
+        term=1,
+        now=1.0,
+    )
     again = plan([big, small], NODES, given, Policy(), {}, term=1, now=2.0)
     assert again is given
 
@@ -74,7 +95,14 @@ def test_an_unusable_node_is_dropped_and_a_lost_min_topped_up() -> None:
 
 
 def test_a_preempted_job_stays_preempted_until_it_runs_again() -> None:
-    low = record("j-1", 1, nnodes=(3, 3), nproc=2, preemptible=True, parts=dict.fromkeys("abc", PartState.RUNNING))
+    low = record(
+        "j-1",
+        1,
+        nnodes=(3, 3),
+        nproc=2,
+        preemptible=True,
+        parts=dict.fromkeys("abc", PartState.RUNNING),
+    )
     high = record("j-2", 2, nnodes=(2, 2), nproc=2, priority=5)
     first = plan([low], NODES, None, Policy(), {}, term=1, now=0.0)
     second = plan([low, high], NODES, first, Policy(), {}, term=1, now=1.0)
@@ -88,17 +116,32 @@ def test_growth_is_due_once_per_resize_interval() -> None:
     policy = Policy(resize_interval=30.0)
     schedule = plan([record("j-1", 1, nnodes=(1, 3))], NODES, None, policy, {}, term=1, now=100.0)
     assert schedule.grown == {"j-1": 100.0}
-    assert next_growth(schedule, policy, 100.0) == 130.0 and next_growth(schedule, policy, 131.0) is None
+    assert (
+        next_growth(schedule, policy, 100.0) == 130.0
+        and next_growth(schedule, policy, 131.0) is None
+    )
 
 
 def test_the_record_round_trips_and_anything_else_is_refused() -> None:
-    schedule = Schedule(3, 7, {"j-1": frozenset("ab")}, (Waiting("j-2", Why.RESOURCES),),
-                        {"j-1": 5.0}, frozenset({"j-3"}), 9.0)
+    schedule = Schedule(
+        3,
+        7,
+        {"j-1": frozenset("ab")},
+        (Waiting("j-2", Why.RESOURCES),),
+        {"j-1": 5.0},
+        frozenset({"j-3"}),
+        9.0,
+    )
     assert Schedule.from_json(schedule.to_json()) == schedule
-    for bad in (None, [], {"term": 1}, {"term": -1, "number": 1, "nodes": {}, "waiting": []},
-                {"term": 1, "number": 1, "nodes": {"j": "ab"}, "waiting": []},
-                {"term": 1, "number": 1, "nodes": {}, "waiting": [["j", "Nope"]]},
-                {"term": True, "number": 1, "nodes": {}, "waiting": []}):
+    for bad in (
+        None,
+        [],
+        {"term": 1},
+        {"term": -1, "number": 1, "nodes": {}, "waiting": []},
+        {"term": 1, "number": 1, "nodes": {"j": "ab"}, "waiting": []},
+        {"term": 1, "number": 1, "nodes": {}, "waiting": [["j", "Nope"]]},
+        {"term": True, "number": 1, "nodes": {}, "waiting": []},
+    ):
         with pytest.raises(ValueError):
             Schedule.from_json(bad)
 
@@ -112,6 +155,7 @@ def test_a_node_follows_and_leaves_by_the_schedule() -> None:
 
 # -- a node core following it -------------------------------------------------------------------
 
+
 def at(mono: float) -> ev.Now:
     return ev.Now(mono, 1000.0 + mono)
 
@@ -123,12 +167,20 @@ def joins(out: list[do.Instruction]) -> set[str]:
 def test_a_node_core_takes_only_what_the_schedule_gives_it_and_leaves_the_rest() -> None:
     core = NodeCore(NodeSettings("c", Resources(2), dead_after=3.0, judge_users=False))
     records = (record("j-1", 1, nnodes=(1, 3)), record("j-2", 2, nproc=2))
-    out = core.handle(ev.ScheduleChanged(Schedule(1, 1, {"j-1": frozenset("abc")}, (Waiting("j-2", Why.RESOURCES),))),
-                      at(0))
+    out = core.handle(
+        ev.ScheduleChanged(
+            Schedule(1, 1, {"j-1": frozenset("abc")}, (Waiting("j-2", Why.RESOURCES),))
+        ),
+        at(0),
+    )
     out += core.handle(ev.JobsChanged(records), at(0))
-    assert joins(out) == {"j-1"}, "first come would offer c to j-1 as well, but not to j-2 (no room)"
+    assert joins(out) == {"j-1"}, (
+        "first come would offer c to j-1 as well, but not to j-2 (no room)"
+    )
     join = next(i for i in out if isinstance(i, do.Join))
-    info = RendezvousInfo("j-1", 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "c", 1, (Member("c", "c", 1, 0, 0),))
+    info = RendezvousInfo(
+        "j-1", 0, Reason.INITIAL, 0, 0, 1, 1, 0, 1, "c", 1, (Member("c", "c", 1, 0, 0),)
+    )
     core.handle(ev.RoundJoined("j-1", join.op, info), at(1))
     reclaim = Schedule(1, 2, {"j-1": frozenset("ab"), "j-2": frozenset("c")})
     core.handle(ev.ScheduleChanged(reclaim), at(2))
@@ -162,7 +214,12 @@ def test_an_allocator_past_its_term_does_not_write_over_its_successor() -> None:
     from elasticd.store.signing import Signer
 
     async def play() -> tuple[bool, bool, int | None]:
-        board = ScheduleBoard(AsyncMemoryStore(MemoryStore()), Signer(b"k" * 32, "c"), Keyspace("c"), lambda key, why: None)
+        board = ScheduleBoard(
+            AsyncMemoryStore(MemoryStore()),
+            Signer(b"k" * 32, "c"),
+            Keyspace("c"),
+            lambda key, why: None,
+        )
         newer = await board.publish(Schedule(2, 1))
         older = await board.publish(Schedule(1, 9))
         return newer, older, await board.head()

@@ -9,8 +9,18 @@ import stat
 import pytest
 
 from elasticd.errors import ConfigError, TamperedRecord
-from elasticd.store.signing import (Freshness, Opened, SignedLines, Signer, VersionClock, canonical_json, create_key,
-                                   load_key, load_or_create_key, open_or_refuse)
+from elasticd.store.signing import (
+    Freshness,
+    Opened,
+    SignedLines,
+    Signer,
+    VersionClock,
+    canonical_json,
+    create_key,
+    load_key,
+    load_or_create_key,
+    open_or_refuse,
+)
 
 KEY = b"0123456789abcdef0123456789abcdef"
 BODY = {"job": "j-1", "nodes": ["b", "a"], "n": 3, "ratio": 0.5, "none": None, "text": "é\n"}
@@ -26,7 +36,9 @@ def _signer(key: bytes = KEY, cluster: str = "c") -> Signer:
 @pytest.mark.parametrize("secret", [False, True])
 def test_seal_then_open_returns_the_body_and_version(secret):
     signer = _signer()
-    assert signer.open(KEY_NAME, signer.seal(KEY_NAME, BODY, version=7, secret=secret)) == Opened(BODY, 7)
+    assert signer.open(KEY_NAME, signer.seal(KEY_NAME, BODY, version=7, secret=secret)) == Opened(
+        BODY, 7
+    )
 
 
 def test_envelope_format():
@@ -45,7 +57,9 @@ def test_a_secret_record_shows_nothing_of_its_body():
 def test_mac_covers_the_canonical_body_whatever_the_key_order():
     signer = _signer()
     envelope = json.loads(signer.seal(KEY_NAME, BODY))
-    reordered = json.dumps({"mac": envelope["mac"], "body": dict(reversed(BODY.items())), "ver": 0, "v": 2})
+    reordered = json.dumps(
+        {"mac": envelope["mac"], "body": dict(reversed(BODY.items())), "ver": 0, "v": 2}
+    )
     assert signer.open(KEY_NAME, reordered.encode()).body == BODY
     assert canonical_json({"b": 1, "a": [2]}) == b'{"a":[2],"b":1}'
 
@@ -78,12 +92,15 @@ def test_tampered_records_are_refused(tamper):
         signer.open(KEY_NAME, _rewrite(signer.seal(KEY_NAME, BODY, version=7), tamper))
 
 
-@pytest.mark.parametrize("tamper", [
-    lambda e: e.update(ver=8),
-    lambda e: e.update(enc=e["enc"][:-4] + ("AAAA" if e["enc"][-4:] != "AAAA" else "BBBB")),
-    lambda e: e.update(enc="not base64!"),
-    lambda e: e.update(enc=None),
-])
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda e: e.update(ver=8),
+        lambda e: e.update(enc=e["enc"][:-4] + ("AAAA" if e["enc"][-4:] != "AAAA" else "BBBB")),
+        lambda e: e.update(enc="not base64!"),
+        lambda e: e.update(enc=None),
+    ],
+)
 def test_tampered_secret_records_are_refused(tamper):
     signer = _signer()
     with pytest.raises(TamperedRecord):
@@ -101,10 +118,14 @@ def test_a_record_copied_under_another_key_is_refused(secret):
 @pytest.mark.parametrize("secret", [False, True])
 def test_a_record_of_another_cluster_is_refused(secret):
     with pytest.raises(TamperedRecord):
-        _signer(cluster="c").open(KEY_NAME, _signer(cluster="d").seal(KEY_NAME, BODY, secret=secret))
+        _signer(cluster="c").open(
+            KEY_NAME, _signer(cluster="d").seal(KEY_NAME, BODY, secret=secret)
+        )
 
 
-@pytest.mark.parametrize("raw", [b"", b"not json", b"[1,2]", b'"body"', b"\xff\xfe", b'{"v":2}', b'{"v":2,"ver":1}'])
+@pytest.mark.parametrize(
+    "raw", [b"", b"not json", b"[1,2]", b'"body"', b"\xff\xfe", b'{"v":2}', b'{"v":2,"ver":1}']
+)
 def test_garbage_is_refused(raw):
     with pytest.raises(TamperedRecord):
         _signer().open(KEY_NAME, raw)
@@ -122,12 +143,17 @@ def test_an_empty_key_is_refused():
 
 def test_freshness_refuses_an_older_version_of_a_key_and_counts_it():
     signer, fresh, refused = _signer(), Freshness(), []
-    new, old = signer.seal(KEY_NAME, {"n": 2}, version=2), signer.seal(KEY_NAME, {"n": 1}, version=1)
+    new, old = (
+        signer.seal(KEY_NAME, {"n": 2}, version=2),
+        signer.seal(KEY_NAME, {"n": 1}, version=1),
+    )
     report = lambda key, why: refused.append((key, why))  # noqa: E731
     assert open_or_refuse(signer, KEY_NAME, new, dict, report, fresh) == {"n": 2}
     assert open_or_refuse(signer, KEY_NAME, new, dict, report, fresh) == {"n": 2}  # the same again
     assert open_or_refuse(signer, KEY_NAME, old, dict, report, fresh) is None
-    assert refused == [(KEY_NAME, "record is version 1, older than version 2 seen before (written back)")]
+    assert refused == [
+        (KEY_NAME, "record is version 1, older than version 2 seen before (written back)")
+    ]
 
 
 def test_version_clock_goes_up_even_when_the_wall_clock_goes_back():
@@ -139,12 +165,16 @@ def test_version_clock_goes_up_even_when_the_wall_clock_goes_back():
 
 def test_signed_lines_parse_each_line_once_and_refuse_forged_ones():
     signer, refused = _signer(), []
-    lines = SignedLines(signer, KEY_NAME, lambda body: body["name"], lambda key, why: refused.append(key))
+    lines = SignedLines(
+        signer, KEY_NAME, lambda body: body["name"], lambda key, why: refused.append(key)
+    )
     raw = lines.line({"name": "a"}) + b"forged\n" + lines.line({"name": "b"})
     assert lines.fold(raw) == ["a", None, "b"]
     assert lines.fold(raw + lines.line({"name": "c"})) == ["a", None, "b", "c"]
     assert refused == [KEY_NAME]  # the forged line was reported once
-    copied = SignedLines(signer, KEY_NAME + "x", lambda body: body["name"], lambda key, why: refused.append(key))
+    copied = SignedLines(
+        signer, KEY_NAME + "x", lambda body: body["name"], lambda key, why: refused.append(key)
+    )
     assert copied.fold(raw) == [None, None, None]  # lines copied from another log do not open
 
 
@@ -203,9 +233,12 @@ def test_a_record_as_sealed_is_checked_over_its_bytes_before_anything_is_decoded
     raw = signer.seal(KEY_NAME, BODY, version=12)
     assert signer.open(KEY_NAME, raw) == Opened(BODY, 12)
     at_body, at_mac = raw.index(b'"n":3') + 4, raw.index(b'"mac":"') + 8
-    for damaged in (raw[:at_body] + b"4" + raw[at_body + 1:], raw.replace(b'"ver":12', b'"ver":13'),
-                    raw[:at_mac] + (b"0" if raw[at_mac:at_mac + 1] != b"0" else b"1") + raw[at_mac + 1:],
-                    raw.replace(b'"ver":12', b'"ver":012')):
+    for damaged in (
+        raw[:at_body] + b"4" + raw[at_body + 1 :],
+        raw.replace(b'"ver":12', b'"ver":13'),
+        raw[:at_mac] + (b"0" if raw[at_mac : at_mac + 1] != b"0" else b"1") + raw[at_mac + 1 :],
+        raw.replace(b'"ver":12', b'"ver":012'),
+    ):
         with pytest.raises(TamperedRecord):
             signer.open(KEY_NAME, damaged)
     junk = b'{"v":2,"ver":1,"body":' + b"[" * 100000 + b',"mac":"' + b"0" * 64 + b'"}'

@@ -13,7 +13,7 @@ from elasticd.core import spares
 from elasticd.core.inplace import Places, SlotState, pool_slots
 from elasticd.core.model import JobSpec, Worker, WorkerGroup, WorkerState
 from elasticd.core.node import NodeCore, NodeSettings
-from elasticd.core.part import Phase, PartCore, Settings
+from elasticd.core.part import PartCore, Phase, Settings
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord
 from elasticd.rendezvous import EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
@@ -23,17 +23,30 @@ A, B, C = "j-000001", "j-000002", "j-000003"
 
 
 def spec(job: str, nproc: int = 1, **kw: Any) -> JobSpec:
-    return JobSpec(id=job, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
-                   nproc_per_node=nproc, max_restarts=3, **kw)
+    return JobSpec(
+        id=job,
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=1,
+        gid=1,
+        user="u",
+        nproc_per_node=nproc,
+        max_restarts=3,
+        **kw,
+    )
 
 
 def at(mono: float) -> ev.Now:
     return ev.Now(mono, 1000.0 + mono)
 
 
-def info(job: str, round: int = 0, nproc: int = 1, reason: Reason = Reason.INITIAL) -> RendezvousInfo:
-    return RendezvousInfo(job, round, reason, 0, 0, 1, nproc, 0, nproc, "a", 1,
-                          (Member(NODE, "a", nproc, 0, 0),))
+def info(
+    job: str, round: int = 0, nproc: int = 1, reason: Reason = Reason.INITIAL
+) -> RendezvousInfo:
+    return RendezvousInfo(
+        job, round, reason, 0, 0, 1, nproc, 0, nproc, "a", 1, (Member(NODE, "a", nproc, 0, 0),)
+    )
 
 
 def of(out: list[do.Instruction], kind: type) -> list[Any]:
@@ -47,18 +60,34 @@ def said(out: list[do.Instruction]) -> list[str]:
 def workers(part: PartCore, *states: WorkerState) -> ev.WorkersChanged:
     group = part.group
     assert group is not None
-    changed = tuple(Worker(w.local_rank, w.rank, w.world_size, w.node, 100 + w.local_rank, state,
-                           None if state is WorkerState.HEALTHY else -15)
-                    for w, state in zip(group.workers, states))
+    changed = tuple(
+        Worker(
+            w.local_rank,
+            w.rank,
+            w.world_size,
+            w.node,
+            100 + w.local_rank,
+            state,
+            None if state is WorkerState.HEALTHY else -15,
+        )
+        for w, state in zip(group.workers, states)
+    )
     return ev.WorkersChanged(part.job, WorkerGroup(**{**group.__dict__, "workers": changed}))
 
 
 # -- the part ----------------------------------------------------------------------------------
 
+
 def running_part(nproc: int = 2, spare: int = 1) -> PartCore:
     """A part of 2 workers and a spare on GPUs g0..g2, in its first round, every one asked."""
-    part = PartCore(spec(A, nproc, in_place=True, spares=spare), nproc, ("g0", "g1", "g2")[:nproc + spare],
-                    Settings(NODE, 3.0), place=Places(), spares=spare)
+    part = PartCore(
+        spec(A, nproc, in_place=True, spares=spare),
+        nproc,
+        ("g0", "g1", "g2")[: nproc + spare],
+        Settings(NODE, 3.0),
+        place=Places(),
+        spares=spare,
+    )
     out = part.start(at(0))
     part.handle(ev.RoundJoined(A, of(out, do.Join)[-1].op, info(A, nproc=nproc)), at(1))
     part.handle(workers(part, *[WorkerState.HEALTHY] * (nproc + spare)), at(1))
@@ -76,12 +105,20 @@ def test_a_parked_spare_is_given_back_and_its_slot_never_warms_again():
     assert part.place.slots[2] is SlotState.READY and spares.sheddable(part) == [2]
     slots, out = spares.shed(part, 5, at(3))
     assert slots == (2,) and of(out, do.ForgetSlots)[0].slots == (2,)
-    assert part.spares == 0 and part.place.slots[2] is SlotState.EMPTY and spares.given_gpus(part) == ("g2",)
+    assert (
+        part.spares == 0
+        and part.place.slots[2] is SlotState.EMPTY
+        and spares.given_gpus(part) == ("g2",)
+    )
     shown = published(out)
     assert (shown.spares, shown.slots, shown.gpus) == (0, 2, 2)
     assert spares.sheddable(part) == []  # nothing more to give
-    out = part.handle(workers(part, WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.STOPPED), at(4))
-    assert not of(out, do.StopWorkers) and not of(out, do.RequestRound) and part.phase is Phase.RUNNING
+    out = part.handle(
+        workers(part, WorkerState.HEALTHY, WorkerState.HEALTHY, WorkerState.STOPPED), at(4)
+    )
+    assert (
+        not of(out, do.StopWorkers) and not of(out, do.RequestRound) and part.phase is Phase.RUNNING
+    )
     # a worker fails later: its slot warms up again, the given-back one does not
     part.handle(workers(part, WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.STOPPED), at(5))
     out = part.handle(ev.RoundRequested(A, part.ops["main"], NextRound.OPENED), at(6))
@@ -95,7 +132,10 @@ def test_a_warming_spare_in_a_low_slot_is_given_back_and_the_placed_one_keeps_it
     part.handle(workers(part, WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.HEALTHY), at(3))
     out = part.handle(ev.RoundRequested(A, part.ops["main"], NextRound.OPENED), at(4))
     assert of(out, do.WarmWorkers)[0].slots == (1,)
-    out = part.handle(ev.RoundJoined(A, of(out, do.Join)[-1].op, info(A, 1, nproc=2, reason=Reason.FAILURE)), at(5))
+    out = part.handle(
+        ev.RoundJoined(A, of(out, do.Join)[-1].op, info(A, 1, nproc=2, reason=Reason.FAILURE)),
+        at(5),
+    )
     assert sorted(of(out, do.PlaceWorkers)[0].envs) == [0, 2]
     assert part.place.slots[1] is SlotState.WARMING and spares.sheddable(part) == [1]
     slots, _ = spares.shed(part, 1, at(6))
@@ -113,11 +153,15 @@ def test_placed_workers_and_spares_warming_for_a_place_are_never_given_back():
     part = running_part(spare=0)
     assert spares.sheddable(part) == [] and spares.shed(part, 1, at(3)) == ((), [])
     part = running_part()
-    part.handle(ev.RoundChanged(A, part.ops["watch"], RoundEvent(EventKind.NEXT_ROUND, Reason.SCALE_UP)), at(3))
+    part.handle(
+        ev.RoundChanged(A, part.ops["watch"], RoundEvent(EventKind.NEXT_ROUND, Reason.SCALE_UP)),
+        at(3),
+    )
     assert part.phase is not Phase.RUNNING and spares.sheddable(part) == []  # a join may place it
 
 
 # -- the node ------------------------------------------------------------------------------------
+
 
 def node(slots: int = 2, gpus: tuple[str, ...] = ()) -> NodeCore:
     return NodeCore(NodeSettings(NODE, Resources(slots, gpus), dead_after=3.0, judge_users=False))
@@ -171,7 +215,11 @@ def test_a_spare_that_could_not_be_stopped_keeps_its_slot():
     with_parked_spares(core, [a])
     out = core.handle(ev.JobsChanged((a, JobRecord(spec(B), 2))), at(3))
     out = core.handle(ev.SparesShed(A, of(out, do.ShedSpares)[0].op, ()), at(4))
-    assert not of(out, do.StartPart) and core.offers[A].slots == 2 and "could not be stopped" in said(out)[0]
+    assert (
+        not of(out, do.StartPart)
+        and core.offers[A].slots == 2
+        and "could not be stopped" in said(out)[0]
+    )
 
 
 def test_the_lowest_priority_newest_jobs_spares_go_first():
@@ -198,5 +246,7 @@ def test_a_spare_reaped_after_its_part_closed_changes_nothing():
     op = of(out, do.ShedSpares)[0].op
     out = core.handle(ev.PartClosed(A), at(4))  # A's part left meanwhile; a new one of A starts
     assert [(s.job, s.nproc) for s in of(out, do.StartPart)] == [(A, 2)]
-    out = core.handle(ev.SparesShed(A, op, (1,)), at(5))  # the old part's spare: the new one keeps its room
+    out = core.handle(
+        ev.SparesShed(A, op, (1,)), at(5)
+    )  # the old part's spare: the new one keeps its room
     assert not said(out) and core.offers[A].slots == 2 and not core.shedding

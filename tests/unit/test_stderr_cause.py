@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import os
-import sys
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from elasticd.shell.errorfile import MAX_STDERR_CAUSE, from_stderr
 from elasticd.shell.logs import TAIL_BYTES, OutputFile
@@ -23,8 +23,11 @@ RuntimeError: boom
 
 def test_the_exception_line_of_the_last_traceback():
     assert from_stderr(b"starting\n" + TRACE) == "RuntimeError: boom"
-    chained = TRACE + b"\nDuring handling of the above exception, another exception occurred:\n\n" \
+    chained = (
+        TRACE
+        + b"\nDuring handling of the above exception, another exception occurred:\n\n"
         + TRACE.replace(b"RuntimeError: boom", b"KeyError: 'lr'\nsecond line of it")
+    )
     assert from_stderr(chained) == "KeyError: 'lr'"
     assert from_stderr(TRACE + b"W1125 shutting down the process group\n") == "RuntimeError: boom"
 
@@ -41,8 +44,13 @@ def test_a_tail_that_is_not_the_whole_stream_drops_its_cut_first_line():
 
 def test_bounded_and_valid_text():
     long = from_stderr(b"x" * 5000)
-    assert long.startswith("x" * MAX_STDERR_CAUSE) and long.endswith(f"{5000 - MAX_STDERR_CAUSE} more characters cut]")
-    assert from_stderr(b"bad \xff\xfe bytes \xed\xa0\xbd\n") == "bad \ufffd\ufffd bytes \ufffd\ufffd\ufffd"
+    assert long.startswith("x" * MAX_STDERR_CAUSE) and long.endswith(
+        f"{5000 - MAX_STDERR_CAUSE} more characters cut]"
+    )
+    assert (
+        from_stderr(b"bad \xff\xfe bytes \xed\xa0\xbd\n")
+        == "bad \ufffd\ufffd bytes \ufffd\ufffd\ufffd"
+    )
 
 
 @given(st.binary(max_size=3 * TAIL_BYTES), st.booleans())

@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from elasticd.jobs.board import JobBoard
-from elasticd.errors import NotACounter
 from elasticd.core.model import JobSpec
+from elasticd.errors import NotACounter
+from elasticd.jobs.board import JobBoard
 from elasticd.store.counter import REPAIRS, StoreCounter
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
@@ -37,8 +37,13 @@ class Counted:
 
         async def plus_five(seen: int) -> int:
             return seen + 5
-        self.counter = StoreCounter(AsyncMemoryStore(self.store), KEY, justify or plus_five,
-                                    lambda key, why: self.refused.append((key, why)))
+
+        self.counter = StoreCounter(
+            AsyncMemoryStore(self.store),
+            KEY,
+            justify or plus_five,
+            lambda key, why: self.refused.append((key, why)),
+        )
 
 
 @pytest.mark.parametrize("junk", [b"junk", b"9" * 5000, DEEP, b"", b"-3"])
@@ -59,6 +64,7 @@ def test_a_count_written_meanwhile_is_kept():
     async def another_daemon_first(seen: int) -> int:
         c.store.set(KEY, b"40")
         return seen + 5
+
     c = Counted(another_daemon_first)
     c.store.set(KEY, b"junk")
     assert run(c.counter.take()) == 41
@@ -70,6 +76,7 @@ def test_junk_written_again_as_fast_as_it_is_repaired_fails_the_add_after_a_few_
     async def junk_again(seen: int) -> int:
         c.store.set(KEY, b"junk %d" % len(c.refused))  # new junk each time
         return seen + 5
+
     c = Counted(junk_again)
     c.store.set(KEY, b"junk")
     with pytest.raises(NotACounter):
@@ -97,16 +104,32 @@ def test_at_least_moves_the_counter_up_never_down():
 
 # -- the board's counters -------------------------------------------------------------------
 
+
 def spec(job_id: str) -> JobSpec:
-    return JobSpec(id=job_id, argv=("train.py",), python="/usr/bin/python3", workdir="/", uid=1000,
-                   gid=1000, user="alice", created=1.0)
+    return JobSpec(
+        id=job_id,
+        argv=("train.py",),
+        python="/usr/bin/python3",
+        workdir="/",
+        uid=1000,
+        gid=1000,
+        user="alice",
+        created=1.0,
+    )
 
 
 def boards(n: int = 2) -> tuple[MemoryStore, list[JobBoard], list[tuple[str, str]]]:
     """``n`` daemons' boards on one store, with the refusals they report."""
     store, refused = MemoryStore(), []
-    made = [JobBoard(AsyncMemoryStore(store), SIGNER, "c", on_refused=lambda key, why: refused.append((key, why)))
-            for _ in range(n)]
+    made = [
+        JobBoard(
+            AsyncMemoryStore(store),
+            SIGNER,
+            "c",
+            on_refused=lambda key, why: refused.append((key, why)),
+        )
+        for _ in range(n)
+    ]
     return store, made, refused
 
 
@@ -151,7 +174,7 @@ def test_a_change_log_counter_that_is_junk_is_written_back_where_the_log_ends():
 def test_a_log_written_back_below_what_a_daemon_saw_gives_it_no_number_taken_before():
     """A daemon that has seen nothing (it just started) writes back only what it finds; a
     daemon that saw further never takes a number it saw again: it moves the counter on."""
-    store, (a, b), _ = boards()
+    store, (a, _b), _ = boards()
 
     async def scenario() -> int:
         for i in range(1, 4):

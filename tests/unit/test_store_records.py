@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from elasticd.jobs.board import BoardReset, JobBoard
-from elasticd.store.firewall import ruleset, table_name
 from elasticd.core.model import JobSpec, JobState
 from elasticd.core.placement import refusal
 from elasticd.core.records import Outcome
+from elasticd.jobs.board import BoardReset, JobBoard
+from elasticd.store.firewall import ruleset, table_name
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
 
@@ -22,8 +22,17 @@ JOBS = "elasticd/c/jobs"
 
 
 def spec(job_id: str = "j-000001", **kw) -> JobSpec:
-    fields = dict(id=job_id, argv=("train.py",), python="/usr/bin/python3", workdir="/", uid=1000, gid=1000,
-                  user="alice", env={"SECRET_TOKEN": "hunter2"}, created=1.0)
+    fields = dict(
+        id=job_id,
+        argv=("train.py",),
+        python="/usr/bin/python3",
+        workdir="/",
+        uid=1000,
+        gid=1000,
+        user="alice",
+        env={"SECRET_TOKEN": "hunter2"},
+        created=1.0,
+    )
     return JobSpec(**{**fields, **kw})
 
 
@@ -35,8 +44,12 @@ class Board:
     def __init__(self) -> None:
         self.store = MemoryStore()
         self.refused: list[tuple[str, str]] = []
-        self.board = JobBoard(AsyncMemoryStore(self.store), SIGNER, "c",
-                              on_refused=lambda key, why: self.refused.append((key, why)))
+        self.board = JobBoard(
+            AsyncMemoryStore(self.store),
+            SIGNER,
+            "c",
+            on_refused=lambda key, why: self.refused.append((key, why)),
+        )
 
 
 def test_a_spec_in_the_store_shows_no_secret_and_does_not_open_under_another_job():
@@ -86,7 +99,7 @@ def test_a_broken_change_log_asks_for_a_resync_instead_of_skipping(attack):
     with pytest.raises(BoardReset):
         run(b.board.follow(position, 0.05))
     # the resync reads the signed records whatever the counters say
-    head, changes = run(b.board.snapshot())
+    _head, changes = run(b.board.snapshot())
     assert [c.job_id for c in changes if c.kind == "spec"] == ["j-000001"]
 
 
@@ -101,21 +114,26 @@ def test_a_snapshot_does_not_walk_a_bumped_counter_and_skips_forged_index_lines(
     assert len(b.refused) == 1000
 
 
-@pytest.mark.parametrize("job, allow_root, local_user, refused", [
-    (spec(uid=0, user="root"), False, "root", "jobs.allow_root = false"),
-    (spec(uid=0, user="root"), True, "root", None),
-    (spec(), False, None, "does not exist here"),
-    (spec(), False, "bob", "uid 1000 is bob here, not alice"),
-    (spec(), False, "alice", None),
-    (spec(user="1000"), False, "bob", None),  # the submitting node knew no name for the uid
-])
+@pytest.mark.parametrize(
+    "job, allow_root, local_user, refused",
+    [
+        (spec(uid=0, user="root"), False, "root", "jobs.allow_root = false"),
+        (spec(uid=0, user="root"), True, "root", None),
+        (spec(), False, None, "does not exist here"),
+        (spec(), False, "bob", "uid 1000 is bob here, not alice"),
+        (spec(), False, "alice", None),
+        (spec(user="1000"), False, "bob", None),  # the submitting node knew no name for the uid
+    ],
+)
 def test_each_node_applies_its_own_rules(job, allow_root, local_user, refused):
     why = refusal(job, allow_root=allow_root, local_user=local_user)
     assert (why is None) if refused is None else (refused in why)
 
 
 def test_the_store_rule_rejects_every_other_user():
-    member = ruleset(table_name("default", "gpu-01.lan"), port=29400, uid=0, store_address="10.0.0.1")
+    member = ruleset(
+        table_name("default", "gpu-01.lan"), port=29400, uid=0, store_address="10.0.0.1"
+    )
     assert "table inet elasticd_default_gpu_01_lan {" in member
     assert "tcp dport 29400 ip daddr 10.0.0.1 meta skuid != 0 reject with tcp reset" in member
     host = ruleset("t", port=29400, uid=0, store_address=None)

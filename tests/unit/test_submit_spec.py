@@ -3,20 +3,21 @@ flags carried through, bad values refused as invalid_spec."""
 
 import pytest
 
-from elasticd.jobs.accounts import account_of
-
 from elasticd import config
 from elasticd.control.commands import spec_from_request
 from elasticd.control.server import Caller
 from elasticd.core.model import JobSpec
 from elasticd.errors import InvalidSpec
+from elasticd.jobs.accounts import account_of
 
 CALLER = Caller(uid=1000, gid=1000, pid=1)
 ARGS = {"argv": ["train.py"], "python": "/usr/bin/python3", "workdir": "/w"}
 
 
 def build(**args):
-    return spec_from_request({**ARGS, **args}, CALLER, config.load(None), job_id="j-1", node="n1", now=5.0)
+    return spec_from_request(
+        {**ARGS, **args}, CALLER, config.load(None), job_id="j-1", node="n1", now=5.0
+    )
 
 
 def test_torchrun_defaults():
@@ -31,6 +32,7 @@ def test_role_master_port_and_nproc_words_are_carried():
 
 def test_the_schedulers_fields_are_carried_and_the_account_defaults_to_the_callers_group():
     import grp
+
     spec = build()
     assert (spec.priority, spec.preemptible, spec.nnodes_step) == (0, False, 1)
     assert spec.account == ""  # the caller's own group: kept empty, named where shown
@@ -43,13 +45,20 @@ def test_the_schedulers_fields_are_carried_and_the_account_defaults_to_the_calle
     assert JobSpec.from_json(spec.to_json()) == spec
 
 
-@pytest.mark.parametrize("args, words", [
-    ({"role": ""}, "role"), ({"master_port": 70000}, "master_port"),
-    ({"nproc_per_node": "xpu"}, "one of N, gpu, cpu, auto"),
-    ({"priority": 2_000_000}, "priority must be an integer from -1000000 to 1000000"),
-    ({"nnodes": "3:3", "nnodes_step": 2}, "no node count from 3 to 3 is a multiple of --nnodes-step 2"),
-    ({"account": "a b"}, "account must be a group name"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ({"role": ""}, "role"),
+        ({"master_port": 70000}, "master_port"),
+        ({"nproc_per_node": "xpu"}, "one of N, gpu, cpu, auto"),
+        ({"priority": 2_000_000}, "priority must be an integer from -1000000 to 1000000"),
+        (
+            {"nnodes": "3:3", "nnodes_step": 2},
+            "no node count from 3 to 3 is a multiple of --nnodes-step 2",
+        ),
+        ({"account": "a b"}, "account must be a group name"),
+    ],
+)
 def test_bad_values_are_invalid_specs(args, words):
     with pytest.raises(InvalidSpec, match=words):
         build(**args)
@@ -57,6 +66,7 @@ def test_bad_values_are_invalid_specs(args, words):
 
 def test_spares_are_for_in_place_jobs_only():
     from elasticd.core.model import InvalidSpec, JobSpec
+
     base = dict(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u")
     assert JobSpec(**base, in_place=True, spares=2).spares == 2
     with pytest.raises(InvalidSpec, match="add --in-place"):

@@ -27,7 +27,9 @@ def test_unit_settings():
     assert service["Restart"] == "on-failure" and service["KillMode"] == "mixed"
     assert service["RuntimeDirectory"] == "elasticd" and service["StateDirectory"] == "elasticd"
     assert int(service["WatchdogSec"]) > 0
-    assert service["Delegate"] == "yes"  # job cgroups under the unit (daemon/elasticd/shell/cgroups.py)
+    assert (
+        service["Delegate"] == "yes"
+    )  # job cgroups under the unit (daemon/elasticd/shell/cgroups.py)
     # the daemon must be able to stop workers that ignore SIGTERM before systemd gives up
     assert int(service["TimeoutStopSec"]) > JobsConfig().stop_grace + 10
 
@@ -39,7 +41,8 @@ def test_systemd_analyze_verify(tmp_path):
     text = open(UNIT).read().replace("/usr/bin/elasticd", daemon)
     unit = tmp_path / "elasticd.service"
     unit.write_text(text)
-    done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
     problems = [line for line in done.stderr.splitlines() if "elasticd.service" in line]
     assert done.returncode == 0 and not problems, done.stderr

@@ -38,16 +38,28 @@ def test_every_torchrun_option_has_a_treatment():
 def test_every_spelling_is_accepted(action):
     """Each option string of torchrun's parser parses here (a sample value for options that
     take one), to the same destination."""
-    sample = {"nnodes": "2", "nproc_per_node": "2", "max_restarts": "1", "monitor_interval": "1",
-              "start_method": "fork", "node_rank": "0", "master_port": "29500",
-              "numa_binding": "node", "shutdown_timeout": "5", "redirects": "3", "tee": "1",
-              "local_ranks_filter": "0", "rdzv_conf": "join_timeout=5"}.get(action.dest, "x")
+    sample = {
+        "nnodes": "2",
+        "nproc_per_node": "2",
+        "max_restarts": "1",
+        "monitor_interval": "1",
+        "start_method": "fork",
+        "node_rank": "0",
+        "master_port": "29500",
+        "numa_binding": "node",
+        "shutdown_timeout": "5",
+        "redirects": "3",
+        "tee": "1",
+        "local_ranks_filter": "0",
+        "rdzv_conf": "join_timeout=5",
+    }.get(action.dest, "x")
     for spelling in action.option_strings:
         argv = [spelling] if action.nargs == 0 else [spelling, sample]
         args = ours([*argv, "train.py"])
         assert args.script == "train.py", spelling
         assert getattr(args, action.dest) not in (None, False, "", []) or action.dest in (
-            "node_rank",), spelling
+            "node_rank",
+        ), spelling
 
 
 PET_CASES = [
@@ -68,7 +80,9 @@ PET_CASES = [
 
 
 @pytest.mark.parametrize("environ, dest, expected, torchs", PET_CASES)
-def test_pet_variables_are_read_as_torchrun_reads_them(environ, dest, expected, torchs, monkeypatch):
+def test_pet_variables_are_read_as_torchrun_reads_them(
+    environ, dest, expected, torchs, monkeypatch
+):
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
     assert getattr(torch_parser().parse_args(["train.py"]), dest) == torchs  # torchrun's reading
@@ -84,8 +98,10 @@ def test_a_pet_switch_torchrun_cannot_read_is_a_usage_error(capsys, monkeypatch)
     assert cli.main(["submit", "x.py"]) == 2
     assert cli.elasticrun(["x.py"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == ["elasticctl: PET_NO_PYTHON='yes': expected 0 or 1 (as torchrun reads it)",
-                   "elasticrun: PET_NO_PYTHON='yes': expected 0 or 1 (as torchrun reads it)"]
+    assert err == [
+        "elasticctl: PET_NO_PYTHON='yes': expected 0 or 1 (as torchrun reads it)",
+        "elasticrun: PET_NO_PYTHON='yes': expected 0 or 1 (as torchrun reads it)",
+    ]
 
 
 def test_the_issue_example_pet_nproc_and_no_python(tmp_path):
@@ -99,14 +115,17 @@ def test_the_issue_example_pet_nproc_and_no_python(tmp_path):
 
 # -- honoured -------------------------------------------------------------------------------
 
+
 def request_of(line: str, environ: dict[str, str] | None = None) -> dict:
     environ = {"PATH": "/usr/bin:/bin", **(environ or {})}
     return submission.submit_request(cli.parse_args(line.split(), environ), environ, "/work")
 
 
 def test_role_master_port_and_rdzv_conf_reach_the_request():
-    request = request_of("submit --role trainer --master-port 29511 "
-                         "--rdzv-conf join_timeout=90,last_call_timeout=2.5,is_host=1 x.py")
+    request = request_of(
+        "submit --role trainer --master-port 29511 "
+        "--rdzv-conf join_timeout=90,last_call_timeout=2.5,is_host=1 x.py"
+    )
     assert (request["role"], request["master_port"]) == ("trainer", 29511)
     assert (request["join_timeout"], request["last_call_timeout"]) == (90, 2.5)
 
@@ -121,39 +140,54 @@ def test_elasticctl_own_timeouts_win_over_rdzv_conf():
     assert request["join_timeout"] == 5
 
 
-@pytest.mark.parametrize("line, kind", [
-    ("submit x.py", "script"), ("submit -m pkg.mod", "module"), ("submit --no-python x.sh", "exec"),
-    ("submit --run-path x.py", "script"), ("submit --run-path --no-python x.py", "script"),
-])
+@pytest.mark.parametrize(
+    "line, kind",
+    [
+        ("submit x.py", "script"),
+        ("submit -m pkg.mod", "module"),
+        ("submit --no-python x.sh", "exec"),
+        ("submit --run-path x.py", "script"),
+        ("submit --run-path --no-python x.py", "script"),
+    ],
+)
 def test_kind_follows_torchrun_precedence(line, kind):
     assert request_of(line)["kind"] == kind
 
 
-@pytest.mark.parametrize("line", [
-    "submit --rdzv-backend c10d --rdzv-endpoint localhost:29400 --rdzv-id a x.py",
-    "submit --standalone --master-addr 127.0.0.1 --master-port 29500 --node-rank 0 x.py",
-    "submit --monitor-interval 5 --start-method fork --event-log-handler null x.py",
-    "submit --local-addr 127.0.0.1 --signals-to-handle SIGTERM,SIGINT x.py",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "submit --rdzv-backend c10d --rdzv-endpoint localhost:29400 --rdzv-id a x.py",
+        "submit --standalone --master-addr 127.0.0.1 --master-port 29500 --node-rank 0 x.py",
+        "submit --monitor-interval 5 --start-method fork --event-log-handler null x.py",
+        "submit --local-addr 127.0.0.1 --signals-to-handle SIGTERM,SIGINT x.py",
+    ],
+)
 def test_one_node_job_accepts_the_launcher_topology(line):
     assert request_of(line)["argv"] == ["x.py"]
 
 
-@pytest.mark.parametrize("line, words", [
-    ("submit --nnodes 2 --rdzv-endpoint h:29400 x.py", "--rdzv-endpoint: elasticd's daemons are the rendezvous"),
-    ("submit --nnodes 1:3 --standalone x.py", "--standalone: elasticd's daemons"),
-    ("submit --nnodes 2 --master-addr h --node-rank 1 x.py", "--master-addr, --node-rank"),
-    ("submit --node-rank 1 x.py", "--node-rank 1: a one-node job has node rank 0"),
-    ("submit --event-log-handler console x.py", "torchrun's event handlers do not run here"),
-    ("submit --numa-binding node x.py", "numactl"),
-    ("submit --shutdown-timeout 5 x.py", "jobs.stop_grace"),
-    ("submit --virtual-local-rank x.py", "LOCAL_RANK is the worker's slot"),
-    ("submit --logs-specs mine x.py", "--log-dir copies it"),
-    ("submit --duplicate-stdout-filters a,b x.py", "filter `elasticctl logs JOB`"),
-    ("submit --signals-to-handle SIGTERM,SIGUSR1 x.py", "--signals-to-handle SIGUSR1"),
-    ("submit --rdzv-conf frob=1 x.py", "--rdzv-conf key 'frob' means nothing under elasticd"),
-    ("submit --rdzv-conf join_timeout x.py", "expected KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        (
+            "submit --nnodes 2 --rdzv-endpoint h:29400 x.py",
+            "--rdzv-endpoint: elasticd's daemons are the rendezvous",
+        ),
+        ("submit --nnodes 1:3 --standalone x.py", "--standalone: elasticd's daemons"),
+        ("submit --nnodes 2 --master-addr h --node-rank 1 x.py", "--master-addr, --node-rank"),
+        ("submit --node-rank 1 x.py", "--node-rank 1: a one-node job has node rank 0"),
+        ("submit --event-log-handler console x.py", "torchrun's event handlers do not run here"),
+        ("submit --numa-binding node x.py", "numactl"),
+        ("submit --shutdown-timeout 5 x.py", "jobs.stop_grace"),
+        ("submit --virtual-local-rank x.py", "LOCAL_RANK is the worker's slot"),
+        ("submit --logs-specs mine x.py", "--log-dir copies it"),
+        ("submit --duplicate-stdout-filters a,b x.py", "filter `elasticctl logs JOB`"),
+        ("submit --signals-to-handle SIGTERM,SIGUSR1 x.py", "--signals-to-handle SIGUSR1"),
+        ("submit --rdzv-conf frob=1 x.py", "--rdzv-conf key 'frob' means nothing under elasticd"),
+        ("submit --rdzv-conf join_timeout x.py", "expected KEY=VALUE"),
+    ],
+)
 def test_refusals_say_why(line, words):
     with pytest.raises(cli.UsageError, match=None) as info:
         request_of(line)
@@ -166,8 +200,15 @@ def test_every_refusal_is_reported_at_once(capsys):
     assert len(err) == 2 and all(line.startswith("elasticctl: --") for line in err)
 
 
-@pytest.mark.parametrize("line", ["submit --tee 3 x.py", "submit --log-dir /tmp x.py",
-                                  "submit -r 1 x.py", "submit --local-ranks-filter 0 x.py"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "submit --tee 3 x.py",
+        "submit --log-dir /tmp x.py",
+        "submit -r 1 x.py",
+        "submit --local-ranks-filter 0 x.py",
+    ],
+)
 def test_output_options_need_a_follower(line):
     args = cli.parse_args(line.split(), {})
     with pytest.raises(cli.UsageError, match="add --wait"):
@@ -178,25 +219,32 @@ def test_output_options_need_a_follower(line):
 
 # -- the output plan --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("options, stream, local_rank, shown", [
-    ({}, "out", 0, "plain"), ({}, "err", 1, "plain"),
-    ({"redirects": torchrun.ALL}, "out", 0, None),
-    ({"redirects": torchrun.OUT}, "err", 0, "plain"),
-    ({"redirects": {1: torchrun.ERR}}, "err", 1, None),
-    ({"redirects": {1: torchrun.ERR}}, "err", 0, "plain"),
-    ({"tee": torchrun.ALL}, "err", 3, "prefixed"),
-    ({"tee": torchrun.OUT, "redirects": torchrun.ALL}, "out", 0, "prefixed"),
-    ({"tee": torchrun.OUT, "redirects": torchrun.ALL}, "err", 0, None),
-    ({"ranks_shown": frozenset({1})}, "out", 0, None),
-    ({"ranks_shown": frozenset({1}), "tee": torchrun.ALL}, "out", 1, "prefixed"),
-])
+
+@pytest.mark.parametrize(
+    "options, stream, local_rank, shown",
+    [
+        ({}, "out", 0, "plain"),
+        ({}, "err", 1, "plain"),
+        ({"redirects": torchrun.ALL}, "out", 0, None),
+        ({"redirects": torchrun.OUT}, "err", 0, "plain"),
+        ({"redirects": {1: torchrun.ERR}}, "err", 1, None),
+        ({"redirects": {1: torchrun.ERR}}, "err", 0, "plain"),
+        ({"tee": torchrun.ALL}, "err", 3, "prefixed"),
+        ({"tee": torchrun.OUT, "redirects": torchrun.ALL}, "out", 0, "prefixed"),
+        ({"tee": torchrun.OUT, "redirects": torchrun.ALL}, "err", 0, None),
+        ({"ranks_shown": frozenset({1})}, "out", 0, None),
+        ({"ranks_shown": frozenset({1}), "tee": torchrun.ALL}, "out", 1, "prefixed"),
+    ],
+)
 def test_where_a_line_goes(options, stream, local_rank, shown):
     assert torchrun.Output(**options).shown(stream, local_rank) == shown
 
 
 def test_prefixes_as_torchrun_makes_them():
     assert torchrun.Output(role="trainer").prefix(rank=5, local_rank=1) == "[trainer1]:"
-    template = torchrun.Output(role="r", prefix_template="[${role_name}|${rank}|${local_rank}|${x}]:")
+    template = torchrun.Output(
+        role="r", prefix_template="[${role_name}|${rank}|${local_rank}|${x}]:"
+    )
     assert template.prefix(rank=5, local_rank=1) == "[r|5|1|${x}]:"
 
 
@@ -229,6 +277,7 @@ def test_elasticrun_defaults_to_torchruns_no_restarts(monkeypatch):
 
 def test_the_readme_lists_every_option_as_treated():
     from pathlib import Path
+
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     rows = {}
     for line in readme.splitlines():

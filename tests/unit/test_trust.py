@@ -39,7 +39,7 @@ def root_dir(tmp_path: Path) -> Path:
 
 def test_a_program_of_roots_alone_passes(root_dir):
     trust.check_program(str(program(root_dir / "hosts.sh")), ROOT)
-    trust.check_program("/bin/sh", ROOT)           # a link (/bin -> usr/bin, sh -> dash)
+    trust.check_program("/bin/sh", ROOT)  # a link (/bin -> usr/bin, sh -> dash)
     trust.check_program("/usr/bin/env", ROOT)
 
 
@@ -55,9 +55,10 @@ def test_a_program_that_nobody_owns_in_a_directory_nobody_owns(root_dir):
     assert f"{script} belongs to nobody" in refused(script)
 
 
-@pytest.mark.parametrize("mode, words", [(0o775, "writable by its group"),
-                                         (0o757, "writable by everyone"),
-                                         (0o1777, None)])  # sticky and root's: as /tmp
+@pytest.mark.parametrize(
+    "mode, words",
+    [(0o775, "writable by its group"), (0o757, "writable by everyone"), (0o1777, None)],
+)  # sticky and root's: as /tmp
 def test_a_directory_above_it_that_others_can_write(root_dir, mode, words):
     above = root_dir / "above"
     (above / "below").mkdir(parents=True)
@@ -134,8 +135,11 @@ def test_env_finds_the_interpreter_on_path_and_that_is_checked(root_dir, monkeyp
     loose.chmod(0o777)
     program(loose / "mypython", "#!/bin/sh\necho n1\n")
     monkeypatch.setenv("PATH", f"{loose}:/usr/bin:/bin")
-    for line in ("#!/usr/bin/env mypython", "#!/usr/bin/env -S mypython -u",
-                 "#!/usr/bin/env A=1 mypython"):
+    for line in (
+        "#!/usr/bin/env mypython",
+        "#!/usr/bin/env -S mypython -u",
+        "#!/usr/bin/env A=1 mypython",
+    ):
         script = program(root_dir / "discover", f"{line}\nprint('n1')\n")
         assert f"{loose} is writable by everyone" in refused(script)
     loose.chmod(0o755)
@@ -147,7 +151,7 @@ def test_env_finds_the_interpreter_on_path_and_that_is_checked(root_dir, monkeyp
 
 
 def test_an_interpreter_that_is_a_script_is_followed(root_dir):
-    inner = program(root_dir / "inner", "#!/bin/sh\nexec sh \"$@\"\n")
+    inner = program(root_dir / "inner", '#!/bin/sh\nexec sh "$@"\n')
     outer = program(root_dir / "outer", f"#!{inner}\necho n1\n")
     trust.check_program(str(outer), ROOT)
     os.chown(inner, NOBODY, -1)

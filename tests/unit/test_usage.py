@@ -10,31 +10,64 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_core_part import JOB, Drive, in_place_running, info
+from test_held_jobs import Node
 
 from elasticctl import render
 from elasticd.core import events as ev
+from elasticd.core import instructions as do
 from elasticd.core.model import GPU, JobSpec, JobState, PartState, WorkerState
 from elasticd.core.records import JobRecord, Outcome, Part
 from elasticd.core.usage import MAX_BEFORE, Span, Total, carried, decayed, report, spans, totals
-from elasticd.core import instructions as do
 from elasticd.rendezvous import NextRound
-from test_core_part import JOB, Drive, in_place_running, info
-from test_held_jobs import Node
 from elasticd.store.memory import MemoryStore
 
 GROUPS = {100: "staff", 0: "root"}.get
 
 
 def spec(job_id: str = "j-000001", user: str = "alice", gid: int = 100, **kw) -> JobSpec:
-    return JobSpec(**{**dict(id=job_id, argv=("t.py",), python="/p", workdir="/w", uid=1000, gid=gid,
-                             user=user, min_nodes=1, max_nodes=3), **kw})
+    return JobSpec(
+        **{
+            **dict(
+                id=job_id,
+                argv=("t.py",),
+                python="/p",
+                workdir="/w",
+                uid=1000,
+                gid=gid,
+                user=user,
+                min_nodes=1,
+                max_nodes=3,
+            ),
+            **kw,
+        }
+    )
 
 
-def part(node: str, state: PartState, ran: float | None, updated: float, *, slots: int = 2, gpus: int = 0,
-         round: int | None = 0, **kw) -> Part:
-    return Part(node=node, state=state, round=round, ran=ran, updated=updated, slots=slots, gpus=gpus,
-                started=kw.pop("started", ran), **kw)
+def part(
+    node: str,
+    state: PartState,
+    ran: float | None,
+    updated: float,
+    *,
+    slots: int = 2,
+    gpus: int = 0,
+    round: int | None = 0,
+    **kw,
+) -> Part:
+    return Part(
+        node=node,
+        state=state,
+        round=round,
+        ran=ran,
+        updated=updated,
+        slots=slots,
+        gpus=gpus,
+        started=kw.pop("started", ran),
+        **kw,
+    )
 
 
 def record(*parts: Part, outcome: Outcome | None = None, **kw) -> JobRecord:
@@ -42,6 +75,7 @@ def record(*parts: Part, outcome: Outcome | None = None, **kw) -> JobRecord:
 
 
 # -- spans -----------------------------------------------------------------------------------------
+
 
 def test_a_finished_part_is_one_span_from_its_first_run_to_its_end_charged_to_the_primary_group():
     job = record(part("n1", PartState.SUCCEEDED, 100.0, 160.0, slots=2, gpus=1))
@@ -52,10 +86,15 @@ def test_a_finished_part_is_one_span_from_its_first_run_to_its_end_charged_to_th
 
 
 def test_waiting_is_free_a_running_part_has_no_end_and_a_late_node_is_charged_from_its_own_run():
-    job = record(part("n1", PartState.RUNNING, 100.0, 101.0),
-                 part("n2", PartState.RUNNING, 130.0, 131.0, started=100.0),  # the job's first start
-                 part("n3", PartState.RENDEZVOUS, None, 140.0, round=None, started=100.0))
-    assert [(s.node, s.start, s.end) for s in spans(job, GROUPS)] == [("n1", 100.0, None), ("n2", 130.0, None)]
+    job = record(
+        part("n1", PartState.RUNNING, 100.0, 101.0),
+        part("n2", PartState.RUNNING, 130.0, 131.0, started=100.0),  # the job's first start
+        part("n3", PartState.RENDEZVOUS, None, 140.0, round=None, started=100.0),
+    )
+    assert [(s.node, s.start, s.end) for s in spans(job, GROUPS)] == [
+        ("n1", 100.0, None),
+        ("n2", 130.0, None),
+    ]
     totals_ = totals(spans(job, GROUPS), since=0.0, until=150.0, by="user")
     assert totals_ == {"alice": Total(50.0 + 20.0, 2 * 70.0, 0.0, 1)}
 
@@ -64,23 +103,38 @@ def test_a_part_that_never_said_it_ended_ends_with_its_round_or_its_job():
     # n2 was lost in round 0: the survivor re-formed round 1 and reported at 150
     lost = part("n2", PartState.RUNNING, 100.0, 101.0, round=0)
     survivor = part("n1", PartState.RUNNING, 100.0, 150.0, round=1)
-    assert {s.node: s.end for s in spans(record(survivor, lost), GROUPS)} == {"n1": None, "n2": 150.0}
+    assert {s.node: s.end for s in spans(record(survivor, lost), GROUPS)} == {
+        "n1": None,
+        "n2": 150.0,
+    }
     ended = Outcome(JobState.SUCCEEDED, 140.0, 0)
-    assert {s.node: s.end for s in spans(record(survivor, lost, outcome=ended), GROUPS)} == \
-        {"n1": 140.0, "n2": 140.0}  # the job's end comes first; a part in the last round ends with it
+    assert {s.node: s.end for s in spans(record(survivor, lost, outcome=ended), GROUPS)} == {
+        "n1": 140.0,
+        "n2": 140.0,
+    }  # the job's end comes first; a part in the last round ends with it
 
 
 def test_a_part_of_an_older_daemon_is_charged_from_the_jobs_start_with_its_workers():
     workers = tuple({"rank": r, "local_rank": r, "pid": 1, "state": "SUCCEEDED"} for r in range(4))
     old = Part("n1", PartState.SUCCEEDED, round=0, started=100.0, updated=160.0, workers=workers)
-    assert spans(record(old), GROUPS) == [Span("j-000001", "n1", "alice", "staff", 100.0, 160.0, 4, 0)]
+    assert spans(record(old), GROUPS) == [
+        Span("j-000001", "n1", "alice", "staff", 100.0, 160.0, 4, 0)
+    ]
     assert spans(record(old, nproc_per_node=GPU), GROUPS)[0].gpus == 4
-    never_ran = Part("n1", PartState.STOPPED, started=100.0, updated=160.0)  # no round: it never ran
+    never_ran = Part(
+        "n1", PartState.STOPPED, started=100.0, updated=160.0
+    )  # no round: it never ran
     assert spans(record(never_ran), GROUPS) == []
 
 
 def test_what_a_record_of_another_version_holds_that_is_no_time_is_left_out():
-    junk = part("n1", PartState.SUCCEEDED, 100.0, 160.0, before=(("x", 1.0, 1, 0), (1.0,), (50.0, 60.0, 1, 0)))
+    junk = part(
+        "n1",
+        PartState.SUCCEEDED,
+        100.0,
+        160.0,
+        before=(("x", 1.0, 1, 0), (1.0,), (50.0, 60.0, 1, 0)),
+    )
     assert [(s.start, s.end) for s in spans(record(junk), GROUPS)] == [(50.0, 60.0), (100.0, 160.0)]
     assert spans(record(part("n1", PartState.SUCCEEDED, math.nan, 160.0)), GROUPS) == []
     backwards = part("n1", PartState.SUCCEEDED, 100.0, 90.0)  # a clock stepped back
@@ -88,6 +142,7 @@ def test_what_a_record_of_another_version_holds_that_is_no_time_is_left_out():
 
 
 # -- what a part says of itself, and what the registry carries ------------------------------------
+
 
 def published(d: Drive) -> list[Part]:
     return [i.part for i in d.said if isinstance(i, do.Publish)]
@@ -108,7 +163,9 @@ def test_a_part_says_when_its_workers_first_ran_and_what_it_holds_through_restar
     d.mono = 400.0
     d.joined(info(round=1, restarts=1))
     parts = published(d)
-    assert [p.state for p in parts][:2] == [PartState.RENDEZVOUS, PartState.RUNNING] and parts[-1].round == 1
+    assert [p.state for p in parts][:2] == [PartState.RENDEZVOUS, PartState.RUNNING] and parts[
+        -1
+    ].round == 1
     assert parts[0].ran is None and {p.ran for p in parts[1:]} == {1200.0}  # waiting was free
     assert {p.started for p in parts} == {500.0}  # the job's first start, not this node's
     assert {(p.slots, p.gpus) for p in parts} == {(2, 2)}
@@ -130,9 +187,15 @@ def test_a_node_that_takes_a_job_again_carries_its_earlier_span():
     assert again.before == ((100.0, 120.0, 1, 0),)
     running_again = carried(again, replace(new, state=PartState.RUNNING, ran=210.0, round=3))
     assert running_again.before == again.before  # the same part's reports keep what it carries
-    assert carried(None, new) is new and carried(part("n1", PartState.RUNNING, 1.0, 2.0), new).before == ()
+    assert (
+        carried(None, new) is new
+        and carried(part("n1", PartState.RUNNING, 1.0, 2.0), new).before == ()
+    )
     job = record(replace(running_again, state=PartState.SUCCEEDED, updated=260.0))
-    assert [(s.start, s.end, s.slots) for s in spans(job, GROUPS)] == [(100.0, 120.0, 1), (210.0, 260.0, 2)]
+    assert [(s.start, s.end, s.slots) for s in spans(job, GROUPS)] == [
+        (100.0, 120.0, 1),
+        (210.0, 260.0, 2),
+    ]
 
 
 def test_at_most_max_before_spans_are_carried_the_closest_merged():
@@ -153,7 +216,9 @@ def test_the_registry_carries_a_nodes_earlier_span_and_the_board_takes_it_to_the
         await n1.follower.resync()
         n1.report(job, part("n1", PartState.RUNNING, 100.0, 100.0))
         n1.report(job, part("n1", PartState.LEFT, 100.0, 130.0))  # reclaimed for another job
-        n1.report(job, part("n1", PartState.RENDEZVOUS, None, 200.0, round=None, started=100.0))  # back
+        n1.report(
+            job, part("n1", PartState.RENDEZVOUS, None, 200.0, round=None, started=100.0)
+        )  # back
         n1.report(job, part("n1", PartState.RUNNING, 210.0, 210.0, round=2, started=100.0))
         assert n1.registry.get(job).parts["n1"].before == ((100.0, 130.0, 2, 0),)
         assert await n1.flush()
@@ -166,13 +231,29 @@ def test_the_registry_carries_a_nodes_earlier_span_and_the_board_takes_it_to_the
 
 # -- totals, decay, the report ---------------------------------------------------------------------
 
+
 def test_totals_by_user_and_account_clip_to_the_window_and_count_jobs():
-    a = spans(record(part("n1", PartState.SUCCEEDED, 0.0, 100.0, slots=2, gpus=1),
-                     part("n2", PartState.SUCCEEDED, 50.0, 100.0, slots=1)), GROUPS)
-    b = spans(record(part("n1", PartState.SUCCEEDED, 100.0, 200.0, slots=4), job_id="j-000002",
-                     user="bob", account="ml"), GROUPS)
+    a = spans(
+        record(
+            part("n1", PartState.SUCCEEDED, 0.0, 100.0, slots=2, gpus=1),
+            part("n2", PartState.SUCCEEDED, 50.0, 100.0, slots=1),
+        ),
+        GROUPS,
+    )
+    b = spans(
+        record(
+            part("n1", PartState.SUCCEEDED, 100.0, 200.0, slots=4),
+            job_id="j-000002",
+            user="bob",
+            account="ml",
+        ),
+        GROUPS,
+    )
     by_user = totals(a + b, since=50.0, until=150.0, by="user")
-    assert by_user == {"alice": Total(50.0 + 50.0, 100.0 + 50.0, 50.0, 1), "bob": Total(50.0, 200.0, 0.0, 1)}
+    assert by_user == {
+        "alice": Total(50.0 + 50.0, 100.0 + 50.0, 50.0, 1),
+        "bob": Total(50.0, 200.0, 0.0, 1),
+    }
     assert set(totals(a + b, since=50.0, until=150.0, by="account")) == {"staff", "ml"}
     assert totals(a + b, since=200.0, until=300.0) == {}  # touching the window is not using it
     with pytest.raises(ValueError, match="by must be one of user, account"):
@@ -181,15 +262,40 @@ def test_totals_by_user_and_account_clip_to_the_window_and_count_jobs():
 
 def test_report_filters_by_user_and_account_and_shows_names_and_numbers_only():
     all_spans = spans(record(part("n1", PartState.SUCCEEDED, 0.0, 3600.0)), GROUPS) + spans(
-        record(part("n1", PartState.SUCCEEDED, 0.0, 7200.0, gpus=1), job_id="j-000002", user="bob",
-               account="ml"), GROUPS)
+        record(
+            part("n1", PartState.SUCCEEDED, 0.0, 7200.0, gpus=1),
+            job_id="j-000002",
+            user="bob",
+            account="ml",
+        ),
+        GROUPS,
+    )
     doc = report(all_spans, since=None, until=10000.0, user="bob")
-    assert doc == {"since": None, "until": 10000.0,
-                   "users": [{"user": "bob", "node_seconds": 7200.0, "slot_seconds": 14400.0,
-                              "gpu_seconds": 7200.0, "jobs": 1}],
-                   "accounts": [{"account": "ml", "node_seconds": 7200.0, "slot_seconds": 14400.0,
-                                 "gpu_seconds": 7200.0, "jobs": 1}]}
-    assert [r["user"] for r in report(all_spans, since=None, until=1e4, account="staff")["users"]] == ["alice"]
+    assert doc == {
+        "since": None,
+        "until": 10000.0,
+        "users": [
+            {
+                "user": "bob",
+                "node_seconds": 7200.0,
+                "slot_seconds": 14400.0,
+                "gpu_seconds": 7200.0,
+                "jobs": 1,
+            }
+        ],
+        "accounts": [
+            {
+                "account": "ml",
+                "node_seconds": 7200.0,
+                "slot_seconds": 14400.0,
+                "gpu_seconds": 7200.0,
+                "jobs": 1,
+            }
+        ],
+    }
+    assert [
+        r["user"] for r in report(all_spans, since=None, until=1e4, account="staff")["users"]
+    ] == ["alice"]
     assert report(all_spans, since=None, until=1e4, user="carol")["users"] == []
     text = render.usage_tables({**doc, "retention": 30 * 86400})
     assert "the oldest job known (ended jobs are kept 30d)" in text
@@ -201,9 +307,13 @@ def test_decay_is_the_closed_form_of_a_half_life():
     h = 3600.0
     one = [Span("j", "n", "u", "a", 0.0, 100.0, 1, 0)]
     steps = 100000
-    numeric = sum(2 ** (-(200.0 - (i + 0.5) * 100.0 / steps) / h) for i in range(steps)) * 100.0 / steps
+    numeric = (
+        sum(2 ** (-(200.0 - (i + 0.5) * 100.0 / steps) / h) for i in range(steps)) * 100.0 / steps
+    )
     assert decayed(one, 200.0, h)["a"] == pytest.approx(numeric, rel=1e-9)
-    assert decayed(one, 100.0 + h, h)["a"] == pytest.approx(decayed(one, 100.0, h)["a"] / 2, rel=1e-12)
+    assert decayed(one, 100.0 + h, h)["a"] == pytest.approx(
+        decayed(one, 100.0, h)["a"] / 2, rel=1e-12
+    )
     assert decayed(one, 100.0, 1e15)["a"] == pytest.approx(100.0, rel=1e-9)  # no decay to speak of
     assert decayed(one, 100.0, 0.0) == {"a": 0.0}  # no history kept
     assert decayed(one, 50.0, h)["a"] < 50.0  # what comes after now is not used yet
@@ -223,9 +333,18 @@ def some_spans(draw) -> list[Span]:
     for i in range(draw(st.integers(0, 8))):
         start, length = draw(times), draw(st.floats(0.0, 1e5))
         end = None if draw(st.booleans()) and i % 3 == 0 else start + length
-        found.append(Span(f"j-{i % 4}", f"n{i % 3}", draw(st.sampled_from(["alice", "bob"])),
-                          draw(st.sampled_from(["ml", "staff"])), start, end,
-                          draw(st.integers(1, 8)), draw(st.integers(0, 8))))
+        found.append(
+            Span(
+                f"j-{i % 4}",
+                f"n{i % 3}",
+                draw(st.sampled_from(["alice", "bob"])),
+                draw(st.sampled_from(["ml", "staff"])),
+                start,
+                end,
+                draw(st.integers(1, 8)),
+                draw(st.integers(0, 8)),
+            )
+        )
     return found
 
 
@@ -240,7 +359,11 @@ def test_decayed_usage_is_never_more_than_the_usage(found, now, half_life):
 @PROPERTY
 @given(some_spans(), times, st.floats(1.0, 1e7))
 def test_finished_usage_halves_over_one_half_life(found, now, half_life):
-    finished = [replace(s, end=min(s.end if s.end is not None else now, now)) for s in found if s.start <= now]
+    finished = [
+        replace(s, end=min(s.end if s.end is not None else now, now))
+        for s in found
+        if s.start <= now
+    ]
     later = decayed(finished, now + half_life, half_life)
     for account, value in decayed(finished, now, half_life).items():
         assert later[account] == pytest.approx(value / 2, rel=1e-9, abs=1e-300)

@@ -12,32 +12,67 @@ from elasticctl import cli
 from elasticctl.when import parse_when
 
 NOW = 1_700_000_000.0
-UTC = datetime.timezone.utc
+UTC = datetime.UTC
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("now", NOW),
-    ("90s", NOW - 90), ("30m", NOW - 1800), ("12h", NOW - 43200), ("7d", NOW - 7 * 86400),
-    ("2w", NOW - 14 * 86400), ("1.5h", NOW - 5400), (" 7d ", NOW - 7 * 86400),
-    ("2024-05-01T00:00Z", datetime.datetime(2024, 5, 1, tzinfo=UTC).timestamp()),
-    ("2024-05-01 13:30:00+02:00", datetime.datetime(2024, 5, 1, 11, 30, tzinfo=UTC).timestamp()),
-    ("2024-05-01", datetime.datetime(2024, 5, 1).timestamp()),  # local midnight
-    ("2024-05-01T13:30", datetime.datetime(2024, 5, 1, 13, 30).timestamp()),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("now", NOW),
+        ("90s", NOW - 90),
+        ("30m", NOW - 1800),
+        ("12h", NOW - 43200),
+        ("7d", NOW - 7 * 86400),
+        ("2w", NOW - 14 * 86400),
+        ("1.5h", NOW - 5400),
+        (" 7d ", NOW - 7 * 86400),
+        ("2024-05-01T00:00Z", datetime.datetime(2024, 5, 1, tzinfo=UTC).timestamp()),
+        (
+            "2024-05-01 13:30:00+02:00",
+            datetime.datetime(2024, 5, 1, 11, 30, tzinfo=UTC).timestamp(),
+        ),
+        ("2024-05-01", datetime.datetime(2024, 5, 1).timestamp()),  # local midnight
+        ("2024-05-01T13:30", datetime.datetime(2024, 5, 1, 13, 30).timestamp()),
+    ],
+)
 def test_times_are_iso_or_a_time_ago(text, expected):
     assert parse_when(text, NOW) == expected
 
 
-@pytest.mark.parametrize("text", ["yesterday-ish", "yesterday", "7 d", "-7d", "7D", "7days", "1e5h", "",
-                                  "٣d", "2024-13-01", "0001-01-01", "9" * 400 + "w"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "yesterday-ish",
+        "yesterday",
+        "7 d",
+        "-7d",
+        "7D",
+        "7days",
+        "1e5h",
+        "",
+        "٣d",
+        "2024-13-01",
+        "0001-01-01",
+        "9" * 400 + "w",
+    ],
+)
 def test_anything_else_is_refused_saying_what_is_understood(text):
-    with pytest.raises(ValueError, match=r"expected an ISO date or time .* or a time ago \(90s, 30m, 12h, 7d, 2w\)"):
+    with pytest.raises(
+        ValueError, match=r"expected an ISO date or time .* or a time ago \(90s, 30m, 12h, 7d, 2w\)"
+    ):
         parse_when(text, NOW)
 
 
 def test_the_command_line(capsys):
-    args = cli.parse_args(["usage", "--user", "alice", "--account", "ml", "--since", "7d", "--json"])
-    assert (args.handler.__name__, args.user, args.account, args.json) == ("cmd_usage", "alice", "ml", True)
+    args = cli.parse_args(
+        ["usage", "--user", "alice", "--account", "ml", "--since", "7d", "--json"]
+    )
+    assert (args.handler.__name__, args.user, args.account, args.json) == (
+        "cmd_usage",
+        "alice",
+        "ml",
+        True,
+    )
     assert abs(args.since - (time.time() - 7 * 86400)) < 60 and args.until is None
     with pytest.raises(SystemExit) as exit:
         cli.parse_args(["usage", "--since", "yesterday-ish"])
@@ -46,5 +81,8 @@ def test_the_command_line(capsys):
 
 
 def test_a_window_that_ends_before_it_starts_is_refused_before_asking(capsys):
-    assert cli.main(["--socket", "/nonexistent/usage.sock", "usage", "--since", "1h", "--until", "2h"]) == 2
+    assert (
+        cli.main(["--socket", "/nonexistent/usage.sock", "usage", "--since", "1h", "--until", "2h"])
+        == 2
+    )
     assert "elasticctl: --since must be before --until and now" in capsys.readouterr().err

@@ -14,7 +14,8 @@ import stat
 import subprocess
 import tempfile
 import time
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -28,8 +29,10 @@ as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root (other users)"
 
 def run(coro: Any) -> Any:
     """One test's event loop, with a deadline so that a hang fails instead of blocking the suite."""
+
     async def bounded() -> Any:
         return await asyncio.wait_for(coro, 8.0)
+
     return asyncio.run(bounded())
 
 
@@ -50,8 +53,9 @@ class Linked:
         self.path = os.path.join(self.dir, "j.sock")
         self.readies: list[Ready] = []
         self.loop_errors: list[dict[str, Any]] = []
-        self.link = WorkerLink(self.path, uid=uid, gid=gid, slots=slots,
-                               on_ready=self.readies.append)
+        self.link = WorkerLink(
+            self.path, uid=uid, gid=gid, slots=slots, on_ready=self.readies.append
+        )
         self.channels: list[Channel] = []
         self.aborts: list[int] = []
         self.raw: list[asyncio.StreamWriter] = []
@@ -73,14 +77,17 @@ class Linked:
         env = {"RANK": str(slot), "ROUND": str(round)}
         self.link.place(slot, round, env)
         assert await asyncio.to_thread(channel.place_after, round - 1, "interrupt") == (round, env)
-        await until(lambda: Ready(slot, round - 1, "interrupt", "") in self.readies,
-                    f"the ask of slot {slot} after round {round - 1}")
+        await until(
+            lambda: Ready(slot, round - 1, "interrupt", "") in self.readies,
+            f"the ask of slot {slot} after round {round - 1}",
+        )
         assert self.link.asked(slot) == round - 1
 
 
 @contextlib.asynccontextmanager
-async def linked(slots: int = 2, uid: int | None = None, gid: int | None = None
-                 ) -> AsyncIterator[Linked]:
+async def linked(
+    slots: int = 2, uid: int | None = None, gid: int | None = None
+) -> AsyncIterator[Linked]:
     h = Linked(slots, os.getuid() if uid is None else uid, os.getgid() if gid is None else gid)
     asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: h.loop_errors.append(ctx))
     assert len(h.path.encode()) < 100
@@ -100,10 +107,12 @@ async def linked(slots: int = 2, uid: int | None = None, gid: int | None = None
 
 async def closed_by_agent(reader: asyncio.StreamReader) -> bool:
     """Read until the agent closes the connection (EOF or reset); time out if it never does."""
+
     async def drain() -> None:
         with contextlib.suppress(ConnectionResetError):
             while await reader.read(1 << 16):
                 pass
+
     await asyncio.wait_for(drain(), 3.0)
     return True
 
@@ -128,8 +137,9 @@ def test_round_trip_with_the_real_channel():
             assert link.asked(0) == -1 and link.asked(1) == -2
 
             # place_after blocks until the agent has a place in a newer round
-            asking = asyncio.ensure_future(asyncio.to_thread(channel.place_after, 3, "failure",
-                                                             "gloo: connection closed"))
+            asking = asyncio.ensure_future(
+                asyncio.to_thread(channel.place_after, 3, "failure", "gloo: connection closed")
+            )
             await until(lambda: link.asked(0) == 3, "the second ask")
             assert not asking.done()
             assert h.readies[-1] == Ready(0, 3, "failure", "gloo: connection closed")
@@ -165,6 +175,7 @@ def test_round_trip_with_the_real_channel():
 def test_a_worker_that_says_hello_after_a_round_without_its_slot_gets_no_stale_place():
     """A member placed none of its workers in round 4 (they were still warming up): a worker
     that connects then must not form round 3, whose peers are gone; it waits for a place."""
+
     async def main() -> None:
         async with linked(slots=2) as h:
             h.link.place_round(3, {0: {"RANK": "0"}, 1: {"RANK": "1"}})
@@ -182,9 +193,11 @@ def test_a_worker_that_says_hello_after_a_round_without_its_slot_gets_no_stale_p
 def test_a_ready_error_is_cut_to_2000_characters():
     async def main() -> None:
         async with linked(slots=1) as h:
-            reader, writer = await h.connect()
-            writer.write(line({"op": "hello", "slot": 0}) +
-                         line({"op": "ready", "round": 4, "why": "failure", "error": "e" * 5000}))
+            _reader, writer = await h.connect()
+            writer.write(
+                line({"op": "hello", "slot": 0})
+                + line({"op": "ready", "round": 4, "why": "failure", "error": "e" * 5000})
+            )
             await until(lambda: h.readies, "the ask")
             assert h.readies == [Ready(0, 4, "failure", "e" * 2000)]
 
@@ -228,8 +241,16 @@ needs_python = pytest.mark.skipif(_PYTHON is None, reason="no python3 other user
 
 def client_as(uid: int, path: str) -> str:
     """Connect to ``path`` as ``uid``, say hello for slot 0, return what came back."""
-    done = subprocess.run([_PYTHON, "-c", _CLIENT, path], user=uid, group=uid,
-                          extra_groups=[], cwd="/", capture_output=True, text=True, timeout=7)
+    done = subprocess.run(
+        [_PYTHON, "-c", _CLIENT, path],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=7,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -256,7 +277,10 @@ def test_the_jobs_user_may_connect_another_user_may_not():
             await until(lambda: 0 in h.link._writers, "the job's user to say hello", timeout=5)
             h.link.place(0, 2, {"RANK": "0"})
             assert json.loads(await asyncio.wait_for(job, 7)) == {
-                "op": "place", "round": 2, "env": {"RANK": "0"}}
+                "op": "place",
+                "round": 2,
+                "env": {"RANK": "0"},
+            }
 
             assert await asyncio.to_thread(client_as, OTHER, h.path) == "PermissionError"
             assert h.link._connections == 0 and h.readies == []
@@ -268,6 +292,7 @@ def test_the_jobs_user_may_connect_another_user_may_not():
 @needs_python
 def test_another_user_is_refused_even_when_the_mode_lets_it_in():
     """The peer's credentials are checked too (belt and braces: the mode could be wrong)."""
+
     async def main() -> None:
         async with linked(uid=NOBODY, gid=NOBODY) as h:
             os.chmod(h.path, 0o666)
@@ -299,17 +324,17 @@ MALFORMED = {
     "hello without slot": line({"op": "hello"}),
     "hello twice": line({"op": "hello", "slot": 1}) * 2,
     "ready before hello": line({"op": "ready", "round": 1, "why": "start", "error": ""}),
-    "ready round string": line({"op": "hello", "slot": 1}) +
-                          line({"op": "ready", "round": "1", "why": "start"}),
+    "ready round string": line({"op": "hello", "slot": 1})
+    + line({"op": "ready", "round": "1", "why": "start"}),
     "ready round missing": line({"op": "hello", "slot": 1}) + line({"op": "ready", "why": "start"}),
-    "ready round float": line({"op": "hello", "slot": 1}) +
-                         line({"op": "ready", "round": 1.5, "why": "start"}),
-    "ready why unknown": line({"op": "hello", "slot": 1}) +
-                         line({"op": "ready", "round": 1, "why": "whatever"}),
-    "ready why list": line({"op": "hello", "slot": 1}) +
-                      line({"op": "ready", "round": 1, "why": ["start"]}),
-    "ready error not text": line({"op": "hello", "slot": 1}) +
-                            line({"op": "ready", "round": 1, "why": "failure", "error": 5}),
+    "ready round float": line({"op": "hello", "slot": 1})
+    + line({"op": "ready", "round": 1.5, "why": "start"}),
+    "ready why unknown": line({"op": "hello", "slot": 1})
+    + line({"op": "ready", "round": 1, "why": "whatever"}),
+    "ready why list": line({"op": "hello", "slot": 1})
+    + line({"op": "ready", "round": 1, "why": ["start"]}),
+    "ready error not text": line({"op": "hello", "slot": 1})
+    + line({"op": "ready", "round": 1, "why": "failure", "error": 5}),
     "line over 64 KiB": b"a" * (65 * 1024),
     "hello then line over 64 KiB": line({"op": "hello", "slot": 1}) + b" " * (65 * 1024) + b"\n",
 }
@@ -368,7 +393,7 @@ def test_a_worker_that_does_not_read_is_cut_off():
                 await until(lambda: 0 in h.link._writers, "the stuck worker's hello")
                 writer = h.link._writers[0]
                 big = {"BLOB": "x" * 32768}
-                message = len(line({"op": "place", "round": 10 ** 6, "env": big}))
+                message = len(line({"op": "place", "round": 10**6, "env": big}))
                 started = time.monotonic()
                 for round in range(1000):
                     h.link.place(0, round, big)
@@ -401,6 +426,7 @@ def test_a_worker_that_does_not_read_is_cut_off():
                     except ConnectionResetError:
                         pass
                     return True
+
                 assert await asyncio.to_thread(read_to_end)
                 await until(lambda: h.link._connections == 1, "the stuck connection to end")
             finally:
@@ -444,16 +470,19 @@ def test_close_removes_the_socket_and_open_replaces_a_stale_one():
                 socket.socket(socket.AF_UNIX).connect(path)
 
             readies: list[Ready] = []
-            link = WorkerLink(path, uid=os.getuid(), gid=os.getgid(), slots=1,
-                              on_ready=readies.append)
+            link = WorkerLink(
+                path, uid=os.getuid(), gid=os.getgid(), slots=1, on_ready=readies.append
+            )
             await link.open()
             info = os.stat(path)
             assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
             channel = await asyncio.to_thread(Channel, path, 0, lambda r: None)
             try:
                 link.place(0, 1, {"RANK": "0"})
-                assert await asyncio.to_thread(channel.place_after, -1, "start") == \
-                    (1, {"RANK": "0"})
+                assert await asyncio.to_thread(channel.place_after, -1, "start") == (
+                    1,
+                    {"RANK": "0"},
+                )
                 await until(lambda: readies == [Ready(0, -1, "start", "")], "the ask")
 
                 await link.close()
@@ -467,8 +496,9 @@ def test_close_removes_the_socket_and_open_replaces_a_stale_one():
             # a stale regular file (not a socket) is replaced as well
             with open(path, "w") as f:
                 f.write("junk")
-            again = WorkerLink(path, uid=os.getuid(), gid=os.getgid(), slots=1,
-                               on_ready=readies.append)
+            again = WorkerLink(
+                path, uid=os.getuid(), gid=os.getgid(), slots=1, on_ready=readies.append
+            )
             await again.open()
             assert stat.S_ISSOCK(os.stat(path).st_mode)
             await again.close()
@@ -477,4 +507,3 @@ def test_close_removes_the_socket_and_open_replaces_a_stale_one():
             shutil.rmtree(directory, ignore_errors=True)
 
     run(main())
-

@@ -9,8 +9,15 @@ from elasticd.control.server import Admission, ConnectionLimits, peer_credential
 from elasticd.shell.workers import describe_exit
 
 
-@pytest.mark.parametrize("code, text", [(1, "exited with code 1"), (-9, "killed by SIGKILL"),
-                                        (-15, "killed by SIGTERM"), (-99, "killed by signal 99")])
+@pytest.mark.parametrize(
+    "code, text",
+    [
+        (1, "exited with code 1"),
+        (-9, "killed by SIGKILL"),
+        (-15, "killed by SIGTERM"),
+        (-99, "killed by signal 99"),
+    ],
+)
 def test_describe_exit(code, text):
     assert describe_exit(code) == text
 
@@ -27,7 +34,9 @@ def test_admission_limits_connections_per_user_and_in_all():
     for uid in (1000, 1000):
         assert admission.refusal(uid) is None
         admission.opened(uid)
-    assert "uid 1000" in admission.refusal(1000) and "max_connections_per_user = 2" in admission.refusal(1000)
+    assert "uid 1000" in admission.refusal(
+        1000
+    ) and "max_connections_per_user = 2" in admission.refusal(1000)
     assert admission.refusal(65534) is None
     admission.opened(65534)
     assert "control.max_connections = 3" in admission.refusal(0)
@@ -50,12 +59,22 @@ def test_a_worker_a_round_does_not_hold_loses_its_rank_in_the_shells_view_too():
     from elasticd.rendezvous import Member, Reason, RendezvousInfo
     from elasticd.shell.workers import LocalWorkers
 
-    spec = JobSpec(id="j-1", argv=("t.py",), python="/p", workdir="/w", uid=0, gid=0, user="root",
-                   in_place=True)
+    spec = JobSpec(
+        id="j-1",
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=0,
+        gid=0,
+        user="root",
+        in_place=True,
+    )
 
     def round_of(number: int, nproc: int) -> RendezvousInfo:
         member = Member("n1", "h", nproc, 0, 0)
-        return RendezvousInfo("j-1", number, Reason.SCALE_UP, 0, 0, 1, nproc, 0, nproc, "h", 1, (member,))
+        return RendezvousInfo(
+            "j-1", number, Reason.SCALE_UP, 0, 0, 1, nproc, 0, nproc, "h", 1, (member,)
+        )
 
     async def placed_twice() -> list[tuple[int, int]]:
         with tempfile.TemporaryDirectory() as logs:
@@ -63,4 +82,5 @@ def test_a_worker_a_round_does_not_hold_loses_its_rank_in_the_shells_view_too():
             workers.place(place(round_of(0, 2), "n1", "j-1", (0, 1)), logs)
             workers.place(place(round_of(1, 1), "n1", "j-1", (1,)), logs)
             return [(w.rank, w.world_size) for w in workers.group.workers]
+
     assert asyncio.run(placed_twice()) == [(-1, 0), (0, 1)]

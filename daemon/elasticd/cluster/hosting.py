@@ -26,9 +26,13 @@ def host_store(config: DaemonConfig) -> tuple[C10dServer | None, str]:
         return server, join_endpoint(config.store_host, server.port)
     endpoint = config.store.endpoint
     if config.store.host == config_mod.AUTO:
-        log.info("the store at %s is another node's (store.host = auto, and %s); connecting",
-                 endpoint, f"node.address is {config.node.address}" if config.node.address
-                 else "its host is none of this host's addresses")
+        log.info(
+            "the store at %s is another node's (store.host = auto, and %s); connecting",
+            endpoint,
+            f"node.address is {config.node.address}"
+            if config.node.address
+            else "its host is none of this host's addresses",
+        )
     return None, endpoint
 
 
@@ -41,8 +45,14 @@ def store_firewall(config: DaemonConfig, endpoint: str, *, hosted: bool) -> Stor
             address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
         except OSError as exc:
             raise ConfigError("store.endpoint", f"cannot resolve {host}: {exc}") from exc
-    return StoreFirewall.setup(config.store.firewall, cluster=config.cluster.name,
-                               node=config.node_name, port=port, uid=os.getuid(), store_address=address)
+    return StoreFirewall.setup(
+        config.store.firewall,
+        cluster=config.cluster.name,
+        node=config.node_name,
+        port=port,
+        uid=os.getuid(),
+        store_address=address,
+    )
 
 
 def hosts_store(config: DaemonConfig) -> bool:
@@ -70,7 +80,9 @@ def addresses(host: str) -> set[str]:
 def is_local(host: str) -> bool:
     """Whether ``host`` (a name or an address) is this host: loopback, or an interface's."""
     import ipaddress
+
     import psutil
+
     mine = {e.address.split("%")[0] for entries in psutil.net_if_addrs().values() for e in entries}
     return any(ipaddress.ip_address(a).is_loopback or a in mine for a in addresses(host))
 
@@ -84,6 +96,8 @@ def route_address(host: str) -> str:
             probe.connect(address)
             return probe.getsockname()[0]
     except OSError:
-        log.warning("no route to the store host %s: this node's address is 127.0.0.1 "
-                    "(set node.address)", host)
+        log.warning(
+            "no route to the store host %s: this node's address is 127.0.0.1 (set node.address)",
+            host,
+        )
         return "127.0.0.1"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
+from elasticd import trust
 from elasticd.core import discovery
 from elasticd.shell import procgroup
-from elasticd import trust
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,9 @@ def check_script(script: str) -> None:
         raise UntrustedScript(f"refusing to run {exc}") from None
 
 
-async def run_discovery_script(script: str, timeout: float, limit: int = discovery.MAX_OUTPUT) -> str:
+async def run_discovery_script(
+    script: str, timeout: float, limit: int = discovery.MAX_OUTPUT
+) -> str:
     """What ``script`` printed (no shell, no arguments, stdin closed, in a process group of
     its own that is killed when it ends: nothing it started outlives the run);
     DiscoveryFailed if it cannot be run, exits non-zero, takes longer than ``timeout``,
@@ -48,8 +50,11 @@ async def run_discovery_script(script: str, timeout: float, limit: int = discove
     if done.out is None:
         raise DiscoveryFailed(f"{script} printed more than {limit} bytes")
     if done.returncode != 0:
-        why = f"exit status {done.returncode}" if done.returncode > 0 else \
-            f"killed by signal {-done.returncode}"
+        why = (
+            f"exit status {done.returncode}"
+            if done.returncode > 0
+            else f"killed by signal {-done.returncode}"
+        )
         last = done.err.decode(errors="replace").strip().splitlines()[-1:]
         raise DiscoveryFailed(f"{script} failed ({why})" + (f": {last[0]!r}" if last else ""))
     try:
@@ -64,8 +69,15 @@ class HostDiscovery:
     ``on_failure`` and changes nothing: the last good list stays in force.  The first run is
     the caller's (``first``), at start-up, where a failure stops the daemon."""
 
-    def __init__(self, script: str, *, interval: float, timeout: float, names: tuple[str, ...],
-                 on_failure: Callable[[str], None] = lambda why: None) -> None:
+    def __init__(
+        self,
+        script: str,
+        *,
+        interval: float,
+        timeout: float,
+        names: tuple[str, ...],
+        on_failure: Callable[[str], None] = lambda why: None,
+    ) -> None:
         self.script = script
         self._interval = interval
         self._timeout = timeout
@@ -90,7 +102,9 @@ class HostDiscovery:
         self._listing = await self.discover()
         return self._listing
 
-    async def run(self, stop: asyncio.Event, on_listing: Callable[[discovery.Listing], None]) -> None:
+    async def run(
+        self, stop: asyncio.Event, on_listing: Callable[[discovery.Listing], None]
+    ) -> None:
         """Until ``stop``: a run per interval; ``on_listing`` when this node's listing changed."""
         while not stop.is_set():
             try:

@@ -8,19 +8,20 @@ import asyncio
 import logging
 import os
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 from elasticd import __version__, trust
 from elasticd.aio import on_own_thread, wait_or_timeout
 from elasticd.cluster.nvml import Nvml, NvmlUnavailable, open_nvml
 from elasticd.cluster.registry import NodeRecord
+from elasticd.config import AUTO, DaemonConfig
 from elasticd.core import events
-from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.containment import Containment
+from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.model import NodeInfo
 from elasticd.core.placement import Resources
-from elasticd.config import AUTO, DaemonConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,13 @@ def discover_gpus(setting: int | str, path: str | None = None) -> tuple[str, ...
         log.warning("not running %s; assuming no GPUs (set node.gpus)", exc)
         return ()
     try:
-        done = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT, check=True)
+        done = subprocess.run(
+            [smi, "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=_NVIDIA_SMI_TIMEOUT,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("nvidia-smi failed (%s); assuming no GPUs", exc)
         return ()
@@ -75,12 +81,16 @@ def local_gpus(setting: int | str, path: str | None = None) -> tuple[tuple[str, 
     if not nvml.devices:
         nvml.close()
         return (), None
-    log.info("GPUs from NVML: %s", ", ".join(f"{d.index} {d.name} ({d.uuid or 'lost'})" for d in nvml.devices))
+    log.info(
+        "GPUs from NVML: %s",
+        ", ".join(f"{d.index} {d.name} ({d.uuid or 'lost'})" for d in nvml.devices),
+    )
     return tuple(d.uuid for d in nvml.devices if d.uuid), nvml  # one lost at start is not offered
 
 
-async def watch_gpus(nvml: Nvml, interval: float, post: Callable[[events.GpusRead], None],
-                     stop: asyncio.Event) -> None:
+async def watch_gpus(
+    nvml: Nvml, interval: float, post: Callable[[events.GpusRead], None], stop: asyncio.Event
+) -> None:
     """Read the GPUs' health every ``interval`` and tell the node core.  A read that does not
     answer within ``min(interval, 10)`` s (NVML can hang on a GPU gone bad) is said once and
     waited for at the next check, never started twice."""
@@ -94,8 +104,11 @@ async def watch_gpus(nvml: Nvml, interval: float, post: Callable[[events.GpusRea
                 readings = await asyncio.shield(reading)
         except TimeoutError:
             if not hung:
-                log.warning("NVML did not answer within %g s: a GPU or the driver hangs; "
-                            "GPU health unknown until it does", patience)
+                log.warning(
+                    "NVML did not answer within %g s: a GPU or the driver hangs; "
+                    "GPU health unknown until it does",
+                    patience,
+                )
             hung = True
         else:
             reading = None
@@ -151,9 +164,26 @@ class LocalNode:
         jobs = self.jobs
         assert jobs is not None
         used = jobs.used()
-        info = NodeInfo(self.name, self.address, jobs.resources.slots, jobs.resources.gpus,
-                        dict(self.labels), __version__, jobs.draining, self.started,
-                        cpus=jobs.resources.cpus)
-        return NodeRecord(info, jobs.draining, used.slots, len(used.gpus), tuple(jobs.local_jobs()),
-                          *self.peer, blacklisted_until=jobs.blacklisted_until, listed=jobs.listed,
-                          containment=self.containment, gpus_out=jobs.gpus_out)
+        info = NodeInfo(
+            self.name,
+            self.address,
+            jobs.resources.slots,
+            jobs.resources.gpus,
+            dict(self.labels),
+            __version__,
+            jobs.draining,
+            self.started,
+            cpus=jobs.resources.cpus,
+        )
+        return NodeRecord(
+            info,
+            jobs.draining,
+            used.slots,
+            len(used.gpus),
+            tuple(jobs.local_jobs()),
+            *self.peer,
+            blacklisted_until=jobs.blacklisted_until,
+            listed=jobs.listed,
+            containment=self.containment,
+            gpus_out=jobs.gpus_out,
+        )

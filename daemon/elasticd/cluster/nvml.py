@@ -13,8 +13,9 @@ import contextlib
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from elasticd.core.gpuhealth import GpuReading
 
@@ -34,9 +35,13 @@ class Device:
 
 # Clock event (throttle) reasons that mean the GPU is being slowed down for its health, by
 # name; pynvml's constant names (the same bits under both the old and the new names).
-SLOWDOWNS = (("hw slowdown", "HwSlowdown"), ("hw thermal", "HwThermalSlowdown"),
-             ("hw power brake", "HwPowerBrakeSlowdown"), ("sw thermal", "SwThermalSlowdown"),
-             ("sw power", "SwPowerCap"))
+SLOWDOWNS = (
+    ("hw slowdown", "HwSlowdown"),
+    ("hw thermal", "HwThermalSlowdown"),
+    ("hw power brake", "HwPowerBrakeSlowdown"),
+    ("sw thermal", "SwThermalSlowdown"),
+    ("sw power", "SwPowerCap"),
+)
 
 
 def open_nvml() -> Nvml:
@@ -44,8 +49,7 @@ def open_nvml() -> Nvml:
     try:
         import pynvml
     except ImportError as e:
-        raise NvmlUnavailable(
-            f"pynvml is not importable (pip install nvidia-ml-py): {e}") from None
+        raise NvmlUnavailable(f"pynvml is not importable (pip install nvidia-ml-py): {e}") from None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
@@ -72,8 +76,9 @@ class Nvml:
         for index in range(nv.nvmlDeviceGetCount()):
             try:
                 handle = nv.nvmlDeviceGetHandleByIndex(index)
-                devices.append(Device(index, nv.nvmlDeviceGetUUID(handle),
-                                      nv.nvmlDeviceGetName(handle)))
+                devices.append(
+                    Device(index, nv.nvmlDeviceGetUUID(handle), nv.nvmlDeviceGetName(handle))
+                )
                 self._handles[index] = handle
             except nv.NVMLError_GpuIsLost:
                 devices.append(Device(index, "", ""))
@@ -81,11 +86,14 @@ class Nvml:
             except nv.NVMLError as e:  # e.g. no permission: not this host's to watch
                 log.warning("NVML device %d left out: %s", index, e)
         self.devices: tuple[Device, ...] = tuple(devices)
-        self._index_of = {_address(handle): index for index, handle in self._handles.items()}  # an event's device
+        self._index_of = {
+            _address(handle): index for index, handle in self._handles.items()
+        }  # an event's device
         self._events = self._register_xids()
         self._new_clocks = hasattr(nv, "nvmlDeviceGetCurrentClocksEventReasons")
-        self._slowdowns = tuple((name, getattr(nv, "nvmlClocksThrottleReason" + bit))
-                                for name, bit in SLOWDOWNS)
+        self._slowdowns = tuple(
+            (name, getattr(nv, "nvmlClocksThrottleReason" + bit)) for name, bit in SLOWDOWNS
+        )
 
     def _register_xids(self) -> Any:
         """An event set with every device that supports it registered for critical Xid
@@ -111,8 +119,9 @@ class Nvml:
             if self._closed:
                 raise NvmlUnavailable("NVML is closed")
             xids = self._drain_xids()
-            return tuple(self._read_one(device, tuple(xids.get(device.index, ())))
-                         for device in self.devices)
+            return tuple(
+                self._read_one(device, tuple(xids.get(device.index, ()))) for device in self.devices
+            )
 
     def _drain_xids(self) -> dict[int, list[int]]:
         nv = self._nv
@@ -137,19 +146,27 @@ class Nvml:
         nv = self._nv
         handle = self._handles[device.index]
         try:
-            ecc = self._query(device.index, nv.nvmlDeviceGetTotalEccErrors, handle,
-                              nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+            ecc = self._query(
+                device.index,
+                nv.nvmlDeviceGetTotalEccErrors,
+                handle,
+                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                nv.NVML_VOLATILE_ECC,
+            )
             rows = self._query(device.index, nv.nvmlDeviceGetRemappedRows, handle)
             pages = self._query(device.index, nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
             reasons = self._query(device.index, self._clock_reasons, handle) or 0
         except nv.NVMLError_GpuIsLost:
             return GpuReading(device.index, device.uuid, lost=True, xids=xids)
         return GpuReading(
-            device.index, device.uuid, xids=xids,
+            device.index,
+            device.uuid,
+            xids=xids,
             ecc_uncorrected=None if ecc is None else int(ecc),
             rows_pending=bool(rows and rows[2]) or pages == nv.NVML_FEATURE_ENABLED,
             remap_failed=bool(rows and rows[3]),
-            slowdown=tuple(name for name, bit in self._slowdowns if reasons & bit))
+            slowdown=tuple(name for name, bit in self._slowdowns if reasons & bit),
+        )
 
     def _clock_reasons(self, handle: Any) -> int:
         nv = self._nv

@@ -17,16 +17,17 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from elasticd.wire import protocol, safejson
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import ElasticdError, StoreError
+from elasticd.wire import protocol, safejson
 
 PEER_DOMAIN = b"elasticd-peer"
 _KEY_FILE_BYTES = 4096  # {"public": 40 characters, "secret": 40 characters}
@@ -42,7 +43,7 @@ class PeerError(ElasticdError):
 
 @dataclass(frozen=True)
 class PeerKeys:
-    public: bytes   # Z85, 40 bytes
+    public: bytes  # Z85, 40 bytes
     secret: bytes
 
 
@@ -68,7 +69,9 @@ def _parse_keys(raw: bytes) -> PeerKeys | None:
         doc = safejson.loads(raw, max_bytes=_KEY_FILE_BYTES)
     except safejson.Undecodable:
         return None
-    public, secret = (doc.get("public"), doc.get("secret")) if isinstance(doc, dict) else (None, None)
+    public, secret = (
+        (doc.get("public"), doc.get("secret")) if isinstance(doc, dict) else (None, None)
+    )
     if not all(isinstance(k, str) and len(k) == 40 and k.isascii() for k in (public, secret)):
         return None
     return PeerKeys(public.encode(), secret.encode())
@@ -82,14 +85,18 @@ def _create_keys(path: str) -> PeerKeys:
     return PeerKeys(public, secret)
 
 
-def curve_policy(known_keys: Callable[[], dict[bytes, str]]) -> Callable[[bytes, bytes, list[bytes]], bytes | None]:
+def curve_policy(
+    known_keys: Callable[[], dict[bytes, str]],
+) -> Callable[[bytes, bytes, list[bytes]], bytes | None]:
     """ZAP policy: admit a CURVE client whose public key is a known node's; its user id is
     that node's name."""
+
     def policy(mechanism: bytes, address: bytes, credentials: list[bytes]) -> bytes | None:
         if mechanism != b"CURVE" or not credentials:
             return None
         node = known_keys().get(z85.encode(credentials[0]))
         return node.encode() if node else None
+
     return policy
 
 
@@ -104,8 +111,14 @@ class PeerClient:
         self._keys = keys
         self._timeout_ms = int(timeout * 1000)
 
-    async def stream(self, endpoint: str, server_key: str, op: str, args: dict[str, Any],
-                     alive: Callable[[], bool] = lambda: True) -> AsyncIterator[Any]:
+    async def stream(
+        self,
+        endpoint: str,
+        server_key: str,
+        op: str,
+        args: dict[str, Any],
+        alive: Callable[[], bool] = lambda: True,
+    ) -> AsyncIterator[Any]:
         """Results of a streaming request to the daemon at ``endpoint`` until its end.
 
         The first reply must come within the timeout, and while the node is not lost
@@ -142,9 +155,9 @@ class PeerClient:
 
 
 class Probe(enum.Enum):
-    UP = "up"            # the daemon accepted a connection
+    UP = "up"  # the daemon accepted a connection
     REFUSED = "refused"  # its host answered with a reset: nothing listens there any more
-    SILENT = "silent"    # no answer at all: a partition, a host gone, or a dropping firewall
+    SILENT = "silent"  # no answer at all: a partition, a host gone, or a dropping firewall
 
 
 async def probe(endpoint: str, timeout: float) -> Probe:
@@ -159,7 +172,7 @@ async def probe(endpoint: str, timeout: float) -> Probe:
             _, writer = await asyncio.open_connection(host, port)
     except ConnectionRefusedError:
         return Probe.REFUSED
-    except (OSError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, OSError, ValueError):
         return Probe.SILENT
     writer.close()
     return Probe.UP
@@ -174,11 +187,11 @@ def judged_lost(answer: Probe, heard_meanwhile: bool) -> bool:
 class NodeView(Protocol):
     """What peers need to know of the other nodes (cluster.NodeService)."""
 
-    async def record(self, name: str) -> Any: ...          # its signed record, or None
+    async def record(self, name: str) -> Any: ...  # its signed record, or None
     def alive(self, name: str) -> bool: ...
     async def beats(self, names: list[str]) -> dict[str, int | None]: ...  # heartbeat versions now
     @property
-    def interval(self) -> float: ...                          # seconds between two heartbeats
+    def interval(self) -> float: ...  # seconds between two heartbeats
 
 
 class PeerLinks:
@@ -191,7 +204,9 @@ class PeerLinks:
     async def unreachable(self, nodes: list[str], timeout: float) -> list[str]:
         """The nodes among ``nodes`` whose daemon is gone (unknown nodes count as up)."""
         records = [(node, await self._nodes.record(node)) for node in nodes]
-        known = [(node, r.peer_endpoint) for node, r in records if r is not None and r.peer_endpoint]
+        known = [
+            (node, r.peer_endpoint) for node, r in records if r is not None and r.peer_endpoint
+        ]
         names = [node for node, _ in known]
         before, asked = await self._beats(names), time.monotonic()
         answers = await asyncio.gather(*(probe(endpoint, timeout) for _, endpoint in known))
@@ -199,8 +214,11 @@ class PeerLinks:
         if Probe.SILENT in answers:  # a heartbeat moves once per interval: give it one
             await asyncio.sleep(max(0.0, asked + self._nodes.interval - time.monotonic()))
             after = await self._beats(names)
-        return [node for node, answer in zip(names, answers)
-                if judged_lost(answer, after.get(node) not in (None, before.get(node)))]
+        return [
+            node
+            for node, answer in zip(names, answers)
+            if judged_lost(answer, after.get(node) not in (None, before.get(node)))
+        ]
 
     async def _beats(self, names: list[str]) -> dict[str, int | None]:
         """Heartbeat versions; none known when the store does not answer."""
@@ -213,6 +231,11 @@ class PeerLinks:
         record = await self._nodes.record(node)
         if record is None or not record.peer_endpoint:
             raise PeerError(f"node {node} is not known")
-        async for result in self._client.stream(record.peer_endpoint, record.peer_key, "logs",
-                                                args, alive=lambda: self._nodes.alive(node)):
+        async for result in self._client.stream(
+            record.peer_endpoint,
+            record.peer_key,
+            "logs",
+            args,
+            alive=lambda: self._nodes.alive(node),
+        ):
             yield result

@@ -6,19 +6,35 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from elasticd.core.containment import Containment
-from elasticd.errors import NotFound
-from elasticd.store.keyspace import Keyspace
 from elasticd.core.liveness import Beat, KeepAlive, observe
-from elasticd.core.membership import (Catch, Head, Membership, catch_up, judge, members_json, parse_members,
-                                      takes_over)
+from elasticd.core.membership import (
+    Catch,
+    Head,
+    Membership,
+    catch_up,
+    judge,
+    members_json,
+    parse_members,
+    takes_over,
+)
 from elasticd.core.model import NodeInfo, NodeState
+from elasticd.errors import NotFound
 from elasticd.store.base import Store
-from elasticd.store.signing import (Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse,
-                                    open_version)
+from elasticd.store.keyspace import Keyspace
+from elasticd.store.signing import (
+    Freshness,
+    Refused,
+    SignedLines,
+    Signer,
+    VersionClock,
+    open_or_refuse,
+    open_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +64,35 @@ class NodeRecord:
     gpus_out: Mapping[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"info": self.info.to_json(), "draining": self.draining,
-                "slots_used": self.slots_used, "gpus_used": self.gpus_used,
-                "jobs": list(self.jobs), "peer_endpoint": self.peer_endpoint,
-                "peer_key": self.peer_key, "blacklisted_until": self.blacklisted_until,
-                "listed": self.listed,
-                "containment": self.containment.to_json() if self.containment else None,
-                "gpus_out": {str(index): why for index, why in self.gpus_out.items()}}
+        return {
+            "info": self.info.to_json(),
+            "draining": self.draining,
+            "slots_used": self.slots_used,
+            "gpus_used": self.gpus_used,
+            "jobs": list(self.jobs),
+            "peer_endpoint": self.peer_endpoint,
+            "peer_key": self.peer_key,
+            "blacklisted_until": self.blacklisted_until,
+            "listed": self.listed,
+            "containment": self.containment.to_json() if self.containment else None,
+            "gpus_out": {str(index): why for index, why in self.gpus_out.items()},
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> NodeRecord:
-        return cls(NodeInfo.from_json(doc["info"]), bool(doc.get("draining")),
-                   int(doc.get("slots_used", 0)), int(doc.get("gpus_used", 0)),
-                   tuple(doc.get("jobs", ())), str(doc.get("peer_endpoint", "")),
-                   str(doc.get("peer_key", "")), float(doc.get("blacklisted_until", 0.0)),
-                   bool(doc.get("listed", True)),
-                   containment=Containment.from_json(doc.get("containment")),
-                   gpus_out={int(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()})
+        return cls(
+            NodeInfo.from_json(doc["info"]),
+            bool(doc.get("draining")),
+            int(doc.get("slots_used", 0)),
+            int(doc.get("gpus_used", 0)),
+            tuple(doc.get("jobs", ())),
+            str(doc.get("peer_endpoint", "")),
+            str(doc.get("peer_key", "")),
+            float(doc.get("blacklisted_until", 0.0)),
+            bool(doc.get("listed", True)),
+            containment=Containment.from_json(doc.get("containment")),
+            gpus_out={int(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -90,15 +118,24 @@ def node_doc(sighting: Sighting, state: NodeState, seen: float) -> dict[str, Any
     """A node as `elasticctl nodes` shows it; ``seen``: this node's wall clock when it last
     knew it alive (when it was judged lost, for a lost one)."""
     record = sighting.record
-    return {"name": record.info.name, "address": record.info.address, "state": state.value,
-            "slots_total": record.info.slots, "slots_free": record.info.slots - record.slots_used,
-            "gpus_total": len(record.info.gpus), "gpus_free": len(record.info.gpus) - record.gpus_used,
-            "cpus_total": record.info.cpus,
-            "jobs": list(record.jobs), "last_seen": sighting.member.since if sighting.member.lost else seen,
-            "version": record.info.version, "labels": dict(record.info.labels),
-            "blacklisted_until": record.blacklisted_until or None, "listed": record.listed,
-            "containment": record.containment.to_json() if record.containment else None,
-            "gpus_out": {str(index): why for index, why in sorted(record.gpus_out.items())}}
+    return {
+        "name": record.info.name,
+        "address": record.info.address,
+        "state": state.value,
+        "slots_total": record.info.slots,
+        "slots_free": record.info.slots - record.slots_used,
+        "gpus_total": len(record.info.gpus),
+        "gpus_free": len(record.info.gpus) - record.gpus_used,
+        "cpus_total": record.info.cpus,
+        "jobs": list(record.jobs),
+        "last_seen": sighting.member.since if sighting.member.lost else seen,
+        "version": record.info.version,
+        "labels": dict(record.info.labels),
+        "blacklisted_until": record.blacklisted_until or None,
+        "listed": record.listed,
+        "containment": record.containment.to_json() if record.containment else None,
+        "gpus_out": {str(index): why for index, why in sorted(record.gpus_out.items())},
+    }
 
 
 @dataclass(frozen=True)
@@ -106,14 +143,16 @@ class Tick:
     """The result of one heartbeat duty."""
 
     sightings: dict[str, Sighting]
-    drain: bool | None          # a drain request for this node, if any
-    epoch: str                  # the store's epoch (changes when the store host restarts)
-    drain_version: int = 0      # the drain request's version (each request has a new one)
+    drain: bool | None  # a drain request for this node, if any
+    epoch: str  # the store's epoch (changes when the store host restarts)
+    drain_version: int = 0  # the drain request's version (each request has a new one)
     drain_gpu: int | None = None  # the request readmits only this GPU (undrain --gpu)
-    drain_by: str = ""          # who asked
+    drain_by: str = ""  # who asked
 
 
-FEED_KEEP = 64  # feed entries kept behind the newest one (a follower further behind reads the snapshot)
+FEED_KEEP = (
+    64  # feed entries kept behind the newest one (a follower further behind reads the snapshot)
+)
 
 
 class NodeRegistry:
@@ -137,10 +176,19 @@ class NodeRegistry:
     again.  Store I/O is awaited on the event loop.
     """
 
-    def __init__(self, store: Store, signer: Signer, cluster: str, name: str, *,
-                 keep_alive: KeepAlive, endpoint: str = "", on_refused: Refused | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: Store,
+        signer: Signer,
+        cluster: str,
+        name: str,
+        *,
+        keep_alive: KeepAlive,
+        endpoint: str = "",
+        on_refused: Refused | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._store = store
         self._signer = signer
         self._keyspace = Keyspace(cluster)
@@ -157,13 +205,15 @@ class NodeRegistry:
         self._replaced = False  # the last read of the epoch replaced a refused one
         self._published: NodeRecord | None = None
         self._published_version = 0
-        self._registered_epoch: str | None = None  # the epoch this node registered in (None: not yet)
-        self._members: dict[str, Membership] = {}      # the feed as followed
+        self._registered_epoch: str | None = (
+            None  # the epoch this node registered in (None: not yet)
+        )
+        self._members: dict[str, Membership] = {}  # the feed as followed
         self._records: dict[str, tuple[int, NodeRecord]] = {}  # (version, record) as read
-        self._term, self._number = 0, 0            # where this node is in the feed
+        self._term, self._number = 0, 0  # where this node is in the feed
         self._observer: tuple[str, int] | None = None  # (name, term) as last read
-        self._head_beat: Beat | None = None            # the observer's head, as a heartbeat
-        self._head_version: int | None = None          # the head's version as last read valid
+        self._head_beat: Beat | None = None  # the observer's head, as a heartbeat
+        self._head_version: int | None = None  # the head's version as last read valid
         self._observing: Observing | None = None
         self._index = SignedLines(signer, self._key("names"), _registered_name, self._on_refused)
         self._newcomers: dict[str, float] = {}  # census: name -> when first read (monotonic)
@@ -217,20 +267,35 @@ class NodeRegistry:
         epoch = self._open_epoch(raw)
         if epoch is None:
             token = self._epoch or secrets.token_hex(8)
-            self._replaced, current = await self._store.compare_set(self.epoch_key, raw, self._seal_epoch(token))
-            epoch = token if self._replaced else self._open_epoch(current) if current is not None else None
+            self._replaced, current = await self._store.compare_set(
+                self.epoch_key, raw, self._seal_epoch(token)
+            )
+            epoch = (
+                token
+                if self._replaced
+                else self._open_epoch(current)
+                if current is not None
+                else None
+            )
         self._epoch = epoch if epoch is not None else self._epoch
         return self._epoch
 
     def _open_epoch(self, raw: bytes) -> str | None:
-        return open_or_refuse(self._signer, self.epoch_key, raw, _epoch_token, self._on_refused, self._fresh)
+        return open_or_refuse(
+            self._signer, self.epoch_key, raw, _epoch_token, self._on_refused, self._fresh
+        )
 
     async def tick(self, record: NodeRecord, *, census: bool = False) -> Tick:
         """The heartbeat duty.  ``census``: also read the records of nodes that registered
         but are not members yet (O(N): for a request that must see a node that just came,
         never for the duty itself)."""
-        small = [self.epoch_key, self._key(f"{self.name}/drain"), self._key("observer"),
-                 self._key("feed/head"), self._key(f"{self.name}/record")]
+        small = [
+            self.epoch_key,
+            self._key(f"{self.name}/drain"),
+            self._key("observer"),
+            self._key("feed/head"),
+            self._key(f"{self.name}/record"),
+        ]
         epoch_raw, drain_raw, observer_raw, head_raw, own_raw = await self._store.get_many(small)
         epoch = await self._read_epoch(epoch_raw)
         if self._open_record(self.name, own_raw) != self._published:
@@ -239,8 +304,12 @@ class NodeRegistry:
             await self._publish(record, register=epoch != self._registered_epoch)
             self._registered_epoch = epoch
         beat = self._key(f"{self.name}/hb")
-        await self._store.set(beat, self._signer.seal(beat, {"record": self._published_version},
-                                                      version=self._versions.next()))
+        await self._store.set(
+            beat,
+            self._signer.seal(
+                beat, {"record": self._published_version}, version=self._versions.next()
+            ),
+        )
         head = self._open_head(head_raw)
         await self._elect(observer_raw)
         await self._follow(head)
@@ -250,8 +319,11 @@ class NodeRegistry:
             await self._census()
         if self._newcomers:
             now = self._clock()
-            self._newcomers = {n: since for n, since in self._newcomers.items()
-                               if n not in self._members and now - since < self.keep_alive.dead_after}
+            self._newcomers = {
+                n: since
+                for n, since in self._newcomers.items()
+                if n not in self._members and now - since < self.keep_alive.dead_after
+            }
             self._sightings = None
         drain, drain_version, gpu, by = self._open_drain(drain_raw)
         return Tick(self.sightings(), drain, epoch, drain_version, gpu, by)
@@ -261,10 +333,14 @@ class NodeRegistry:
         for ``keep_alive.dead_after`` (then the observer's word decides)."""
         names = self._index.fold(await self._store.get(self._key("names")))
         now = self._clock()
-        unknown = [n for n in dict.fromkeys(names) if n and n not in self._members and n != self.name]
+        unknown = [
+            n for n in dict.fromkeys(names) if n and n not in self._members and n != self.name
+        ]
         if not unknown:
             return
-        for name, raw in zip(unknown, await self._store.get_many([self._key(f"{n}/record") for n in unknown])):
+        for name, raw in zip(
+            unknown, await self._store.get_many([self._key(f"{n}/record") for n in unknown])
+        ):
             opened = self._open_record_version(name, raw)
             if opened is not None:
                 self._records[name] = opened
@@ -290,12 +366,17 @@ class NodeRegistry:
         return self._sightings
 
     def _sight(self) -> dict[str, Sighting]:
-        members = {n: Membership(self._records[n][0]) for n in self._newcomers if n in self._records}
+        members = {
+            n: Membership(self._records[n][0]) for n in self._newcomers if n in self._records
+        }
         members.update(self._members)
         if self.name not in members and self._published is not None:
             members[self.name] = Membership(self._published_version)
-        return {name: Sighting(self._records[name][1], member)
-                for name, member in members.items() if name in self._records}
+        return {
+            name: Sighting(self._records[name][1], member)
+            for name, member in members.items()
+            if name in self._records
+        }
 
     # -- the observer's election ------------------------------------------------------------
 
@@ -305,7 +386,9 @@ class NodeRegistry:
         again: else a node that took over meanwhile, whose record this one never read
         valid, would observe beside it for good."""
         key = self._key("observer")
-        opened = open_or_refuse(self._signer, key, observer_raw, _registered_name, self._on_refused, self._fresh)
+        opened = open_or_refuse(
+            self._signer, key, observer_raw, _registered_name, self._on_refused, self._fresh
+        )
         term = self._fresh.newest(key)
         if opened is not None:
             if self._observer != (opened, term):
@@ -316,12 +399,15 @@ class NodeRegistry:
             self._start_observing(term)
         elif opened is not None:
             self._observing = None
-        if self._observing is None and takes_over(opened is not None, self._head_beat, self.keep_alive,
-                                                  self._clock()):
+        if self._observing is None and takes_over(
+            opened is not None, self._head_beat, self.keep_alive, self._clock()
+        ):
             await self._take_over(observer_raw)
         elif self._observing is not None and opened is None:
             sealed = self._signer.seal(key, {"name": self.name}, version=self._observing.term)
-            await self._store.compare_set(key, observer_raw, sealed)  # a lost race: the next duty reads the winner
+            await self._store.compare_set(
+                key, observer_raw, sealed
+            )  # a lost race: the next duty reads the winner
 
     async def _take_over(self, observer_raw: bytes | None) -> None:
         term = max(self._observer[1] if self._observer else 0, self._term) + 1
@@ -343,7 +429,11 @@ class NodeRegistry:
         """Read every registered node's heartbeat (one batch), judge them (membership.judge),
         publish the changes as the feed's next entry, then the snapshot, then the head
         (every duty: the head is the observer's own heartbeat)."""
-        names = list(dict.fromkeys(n for n in self._index.fold(await self._store.get(self._key("names"))) if n))
+        names = list(
+            dict.fromkeys(
+                n for n in self._index.fold(await self._store.get(self._key("names"))) if n
+            )
+        )
         values = await self._store.get_many([self._key(f"{n}/hb") for n in names])
         now, records = self._clock(), {}
         for name, raw in zip(names, values):
@@ -352,8 +442,12 @@ class NodeRegistry:
         duty.beats.pop(self.name, None)  # the observer never judges itself lost...
         changes = judge(self._members, duty.beats, records, self.keep_alive, now, self._wall())
         old = self._members.get(self.name)
-        if self._published is not None and (old is None or old.lost or old.record != self._published_version):
-            changes[self.name] = Membership(self._published_version, False, self._wall())  # ...its record
+        if self._published is not None and (
+            old is None or old.lost or old.record != self._published_version
+        ):
+            changes[self.name] = Membership(
+                self._published_version, False, self._wall()
+            )  # ...its record
         if changes or not duty.started:
             await self._publish_entry(duty.term, changes)
             duty.started = True
@@ -366,15 +460,24 @@ class NodeRegistry:
         self._members.update(changes)
         self._sightings = None
         number = self._number
-        await self._write(f"feed/{number}", {"term": term, "changes": members_json(changes)}, number)
-        await self._write("feed/snapshot", {"term": term, "number": number,
-                                            "members": members_json(self._members)}, number)
+        await self._write(
+            f"feed/{number}", {"term": term, "changes": members_json(changes)}, number
+        )
+        await self._write(
+            "feed/snapshot",
+            {"term": term, "number": number, "members": members_json(self._members)},
+            number,
+        )
         if number > FEED_KEEP:
             await self._store.delete(self._key(f"feed/{number - FEED_KEEP}"))
 
-    def _read_beat(self, duty: Observing, name: str, raw: bytes | None) -> tuple[int | None, int | None]:
+    def _read_beat(
+        self, duty: Observing, name: str, raw: bytes | None
+    ) -> tuple[int | None, int | None]:
         """(its heartbeat count, the record version it names); a refused beat has not moved."""
-        opened = open_version(self._signer, self._key(f"{name}/hb"), raw, self._on_refused, duty.fresh)
+        opened = open_version(
+            self._signer, self._key(f"{name}/hb"), raw, self._on_refused, duty.fresh
+        )
         if opened is None:
             return (duty.counts.get(name) if raw is not None else None), None
         duty.counts[name] = opened.version
@@ -389,7 +492,9 @@ class NodeRegistry:
 
     def _open_head(self, raw: bytes | None) -> Head | None:
         """The feed's head; a refused one (forged, or an old one written back) has not moved."""
-        opened = open_version(self._signer, self._key("feed/head"), raw, self._on_refused, self._fresh)
+        opened = open_version(
+            self._signer, self._key("feed/head"), raw, self._on_refused, self._fresh
+        )
         if opened is None:
             self._head_version = self._head_version if raw is not None else None
             return None
@@ -405,7 +510,10 @@ class NodeRegistry:
         catch = catch_up(self._term, self._number, head, FEED_KEEP)
         if catch.entries:
             keys = [self._key(f"feed/{n}") for n in catch.entries]
-            entries = [self._open_entry(n, raw) for n, raw in zip(catch.entries, await self._store.get_many(keys))]
+            entries = [
+                self._open_entry(n, raw)
+                for n, raw in zip(catch.entries, await self._store.get_many(keys))
+            ]
             if all(e is not None and e[0] == head.term for e in entries):
                 for _, changes in entries:
                     self._members.update(changes)
@@ -419,19 +527,27 @@ class NodeRegistry:
 
     async def _read_snapshot(self) -> None:
         key = self._key("feed/snapshot")
-        snapshot = open_or_refuse(self._signer, key, await self._store.get(key), _parse_snapshot,
-                                  self._on_refused)
+        snapshot = open_or_refuse(
+            self._signer, key, await self._store.get(key), _parse_snapshot, self._on_refused
+        )
         if snapshot is not None:
             self._term, self._number, self._members = snapshot
             self._sightings = None
 
-    def _open_entry(self, number: int, raw: bytes | None) -> tuple[int, dict[str, Membership]] | None:
-        return open_or_refuse(self._signer, self._key(f"feed/{number}"), raw, _parse_entry, self._on_refused)
+    def _open_entry(
+        self, number: int, raw: bytes | None
+    ) -> tuple[int, dict[str, Membership]] | None:
+        return open_or_refuse(
+            self._signer, self._key(f"feed/{number}"), raw, _parse_entry, self._on_refused
+        )
 
     async def _read_records(self) -> None:
         """The record of every member whose announced version is past the one held."""
-        stale = [name for name, member in self._members.items()
-                 if member.record > self._records.get(name, (0, None))[0] and name != self.name]
+        stale = [
+            name
+            for name, member in self._members.items()
+            if member.record > self._records.get(name, (0, None))[0] and name != self.name
+        ]
         if not stale:
             return
         values = await self._store.get_many([self._key(f"{name}/record") for name in stale])
@@ -488,7 +604,9 @@ class NodeRegistry:
         """Each node's heartbeat version as of now (None: none, or refused)."""
         keys = [self._key(f"{name}/hb") for name in names]
         values = await self._store.get_many(keys)
-        opened = [open_version(self._signer, key, raw, self._on_refused) for key, raw in zip(keys, values)]
+        opened = [
+            open_version(self._signer, key, raw, self._on_refused) for key, raw in zip(keys, values)
+        ]
         return {name: o.version if o is not None else None for name, o in zip(names, opened)}
 
     async def request_drain(self, name: str, drain: bool, by: str, gpu: int | None = None) -> None:
@@ -496,8 +614,15 @@ class NodeRegistry:
             raise NotFound(f"no node {name!r}")
         key = self._key(f"{name}/drain")
         current = open_version(self._signer, key, await self._store.get(key), self._on_refused)
-        version = max(self._versions.next(), current.version + 1 if current else 0)  # past it, whatever our clock says
-        request = {"drain": drain, "by": by, "at": self._wall(), **({"gpu": gpu} if gpu is not None else {})}
+        version = max(
+            self._versions.next(), current.version + 1 if current else 0
+        )  # past it, whatever our clock says
+        request = {
+            "drain": drain,
+            "by": by,
+            "at": self._wall(),
+            **({"gpu": gpu} if gpu is not None else {}),
+        }
         await self._store.set(key, self._signer.seal(key, request, version=version))
 
     def states(self, sightings: Mapping[str, Sighting]) -> dict[str, NodeState]:
@@ -531,8 +656,8 @@ class Observing:
     """The observer's memory, for its term: every heartbeat as it saw it."""
 
     term: int
-    head_version: int   # past every head written before (whoever wrote it)
+    head_version: int  # past every head written before (whoever wrote it)
     beats: dict[str, Beat] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  # the last valid beat version of each
-    fresh: Freshness = field(default_factory=Freshness)   # an older beat written back is no beat
+    fresh: Freshness = field(default_factory=Freshness)  # an older beat written back is no beat
     started: bool = False  # a term starts with a snapshot

@@ -21,19 +21,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from elasticd.aio import race
 from elasticd.cluster.registry import node_state
 from elasticd.cluster.service import NodeService
+from elasticd.config import DaemonConfig
 from elasticd.core import events
 from elasticd.core.allocation import Policy
 from elasticd.core.model import NodeState
 from elasticd.core.records import JobRecord
 from elasticd.core.schedule import NodeSize, Schedule, next_growth, plan
-from elasticd.errors import StoreError
-from elasticd.config import DaemonConfig
 from elasticd.core.usage import decayed, spans
+from elasticd.errors import StoreError
 from elasticd.jobs.accounts import account_of, group_namer
 from elasticd.jobs.registry import JobRegistry
 from elasticd.store.base import Store
@@ -55,7 +56,9 @@ def _version(body: Any) -> int:
 class ScheduleBoard:
     """The schedule's keys in the store: signed, versioned, refused when forged or older."""
 
-    def __init__(self, store: Store, signer: Signer, keyspace: Keyspace, on_refused: Refused) -> None:
+    def __init__(
+        self, store: Store, signer: Signer, keyspace: Keyspace, on_refused: Refused
+    ) -> None:
         self._store = store
         self._signer = signer
         self._prefix = keyspace.schedule
@@ -83,12 +86,20 @@ class ScheduleBoard:
     async def head(self) -> int | None:
         """The newest schedule's version (None: none, or refused)."""
         key = self._key("head")
-        return open_or_refuse(self._signer, key, await self._store.get(key), _version, self._refused, self._fresh)
+        return open_or_refuse(
+            self._signer, key, await self._store.get(key), _version, self._refused, self._fresh
+        )
 
     async def read(self) -> Schedule | None:
         key = self._key("body")
-        return open_or_refuse(self._signer, key, await self._store.get(key), Schedule.from_json,
-                              self._refused, self._fresh)
+        return open_or_refuse(
+            self._signer,
+            key,
+            await self._store.get(key),
+            Schedule.from_json,
+            self._refused,
+            self._fresh,
+        )
 
     async def wait_next(self, version: int, timeout: float) -> bool:
         """Wait for the schedule after ``version`` of the same term, at most ``timeout``."""
@@ -100,18 +111,29 @@ def node_sizes(nodes: NodeService) -> dict[str, NodeSize]:
     sizes = {}
     for name, sighting in nodes.sightings.items():
         info = sighting.record.info
-        sizes[name] = NodeSize(info.slots, len(info.gpus), info.cpus,
-                               usable=node_state(sighting) is NodeState.UP and sighting.record.listed)
+        sizes[name] = NodeSize(
+            info.slots,
+            len(info.gpus),
+            info.cpus,
+            usable=node_state(sighting) is NodeState.UP and sighting.record.listed,
+        )
     return sizes
 
 
 class Allocator:
     """Plans the cluster's schedule while this node observes; idle otherwise."""
 
-    def __init__(self, board: ScheduleBoard, nodes: NodeService, jobs: Callable[[], list[JobRecord]],
-                 policy: Policy, *, usage: Callable[[float], Mapping[str, float]] = lambda now: {},
-                 clock: Callable[[], float] = time.time,
-                 on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None) -> None:
+    def __init__(
+        self,
+        board: ScheduleBoard,
+        nodes: NodeService,
+        jobs: Callable[[], list[JobRecord]],
+        policy: Policy,
+        *,
+        usage: Callable[[float], Mapping[str, float]] = lambda now: {},
+        clock: Callable[[], float] = time.time,
+        on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None,
+    ) -> None:
         self._board = board
         self._nodes = nodes
         self._jobs = jobs
@@ -120,7 +142,7 @@ class Allocator:
         self._clock = clock
         self._on_plan = on_plan
         self._wake = asyncio.Event()
-        self._changes = 0           # job records changed (JobRegistry.subscribe)
+        self._changes = 0  # job records changed (JobRegistry.subscribe)
         self._planned: tuple[Any, ...] | None = None  # the input of the last plan
         self._due: float | None = None  # when a job's growth falls due (a plan may then move it)
         self.schedule: Schedule | None = None  # the last one written (or read at takeover)
@@ -139,12 +161,16 @@ class Allocator:
                 await self.allocate()
             except StoreError as exc:
                 log.warning("the allocator could not publish the schedule: %s", exc)
-            wait = self._nodes.interval if self._due is None else \
-                min(self._nodes.interval, max(self._due - self._clock(), 0.0))
+            wait = (
+                self._nodes.interval
+                if self._due is None
+                else min(self._nodes.interval, max(self._due - self._clock(), 0.0))
+            )
             try:
                 async with asyncio.timeout(wait):
-                    name, done = await race(stop=stop.wait(), wake=self._wake.wait(),
-                                            duty=self._nodes.next_duty(duties))
+                    name, done = await race(
+                        stop=stop.wait(), wake=self._wake.wait(), duty=self._nodes.next_duty(duties)
+                    )
                     if name == "duty":
                         duties = done.result()
             except TimeoutError:
@@ -169,12 +195,22 @@ class Allocator:
         if planned == self._planned and (self._due is None or now < self._due):
             return
         began = time.perf_counter()
-        schedule = plan(self._jobs(), node_sizes(self._nodes), self.schedule, self.policy,
-                        self._usage(now), term=term, now=now, account=account_of)
+        schedule = plan(
+            self._jobs(),
+            node_sizes(self._nodes),
+            self.schedule,
+            self.policy,
+            self._usage(now),
+            term=term,
+            now=now,
+            account=account_of,
+        )
         took = time.perf_counter() - began
         if schedule is not self.schedule:
             if not await self._board.publish(schedule):  # a later term wrote: this node's is over
-                log.info("a newer schedule is in the store: node %s no longer allocates", registry.name)
+                log.info(
+                    "a newer schedule is in the store: node %s no longer allocates", registry.name
+                )
                 self.schedule, self._planned = None, None
                 return
             if self.schedule is None or not schedule.same_plan(self.schedule):
@@ -188,22 +224,31 @@ def describe(schedule: Schedule) -> str:
     """Counts only: a line naming jobs would be theirs in the journal (`elasticctl queue`
     and `list` name them)."""
     nodes = sum(len(n) for n in schedule.nodes.values())
-    return (f"{len(schedule.nodes)} jobs on {nodes} node shares, {len(schedule.waiting)} waiting"
-            f"{f', {len(schedule.preempted)} preempted' if schedule.preempted else ''}")
+    return (
+        f"{len(schedule.nodes)} jobs on {nodes} node shares, {len(schedule.waiting)} waiting"
+        f"{f', {len(schedule.preempted)} preempted' if schedule.preempted else ''}"
+    )
 
 
 class ScheduleFollower:
     """Holds the newest valid schedule and tells the node core which one to follow."""
 
-    def __init__(self, board: ScheduleBoard, nodes: NodeService, post: Callable[[Any], None], *,
-                 dead_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        board: ScheduleBoard,
+        nodes: NodeService,
+        post: Callable[[Any], None],
+        *,
+        dead_after: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._board = board
         self._nodes = nodes
         self._post = post
         self._dead_after = dead_after
         self._clock = clock
         self.held: Schedule | None = None
-        self._sent: Schedule | None = None   # what the core follows (it starts with none)
+        self._sent: Schedule | None = None  # what the core follows (it starts with none)
         self._stale_since: float | None = None  # when the held schedule's term was found behind
         self._told = False  # the core heard at least once (it places nothing before)
 
@@ -213,7 +258,9 @@ class ScheduleFollower:
             try:
                 await self.follow()
                 version = self.held.version if self.held is not None else 0
-                name, done = await race(stop=stop.wait(), mark=self._board.wait_next(version, self._nodes.interval))
+                name, done = await race(
+                    stop=stop.wait(), mark=self._board.wait_next(version, self._nodes.interval)
+                )
                 if name == "mark":
                     done.result()
             except StoreError:  # the store is away: keep what is held, look again later
@@ -246,8 +293,12 @@ class ScheduleFollower:
         if self._stale_since is None:
             self._stale_since = now
         if self._sent is not None and now - self._stale_since >= self._dead_after:
-            log.warning("no schedule from the allocator of term %d for %.0f s: nodes place jobs "
-                        "themselves until it publishes one", term, now - self._stale_since)
+            log.warning(
+                "no schedule from the allocator of term %d for %.0f s: nodes place jobs "
+                "themselves until it publishes one",
+                term,
+                now - self._stale_since,
+            )
             self._send(None)
 
     def _send(self, schedule: Schedule | None) -> None:
@@ -255,10 +306,17 @@ class ScheduleFollower:
         self._post(events.ScheduleChanged(schedule))
 
 
-def build_scheduler(config: DaemonConfig, store: Store, signer: Signer, nodes: NodeService, registry: JobRegistry,
-                    post: Callable[[Any], None], refused: Refused, *,
-                    on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None,
-                    ) -> tuple[Allocator, ScheduleFollower] | None:
+def build_scheduler(
+    config: DaemonConfig,
+    store: Store,
+    signer: Signer,
+    nodes: NodeService,
+    registry: JobRegistry,
+    post: Callable[[Any], None],
+    refused: Refused,
+    *,
+    on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None,
+) -> tuple[Allocator, ScheduleFollower] | None:
     """The allocator (it plans while this node observes; fair share from the jobs' usage;
     ``on_plan(previous, schedule, seconds)`` after each plan) and this node's following of
     its schedule; None where the config turns the scheduler off."""
@@ -269,9 +327,14 @@ def build_scheduler(config: DaemonConfig, store: Store, signer: Signer, nodes: N
 
     def usage(now: float) -> dict[str, float]:
         named = group_namer()  # one lookup per group per plan, not one per span
-        return decayed((span for record in registry.jobs() for span in spans(record, named)), now,
-                       policy.half_life)
+        return decayed(
+            (span for record in registry.jobs() for span in spans(record, named)),
+            now,
+            policy.half_life,
+        )
 
     allocator = Allocator(board, nodes, registry.jobs, policy, usage=usage, on_plan=on_plan)
     registry.subscribe(allocator.jobs_changed)
-    return allocator, ScheduleFollower(board, nodes, post, dead_after=config.rendezvous.keep_alive.dead_after)
+    return allocator, ScheduleFollower(
+        board, nodes, post, dead_after=config.rendezvous.keep_alive.dead_after
+    )

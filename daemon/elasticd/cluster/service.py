@@ -7,17 +7,18 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from elasticd.aio import race
+from elasticd.cluster.registry import NodeRecord, NodeRegistry, Sighting, Tick, node_doc, node_state
+from elasticd.core import events
+from elasticd.core.model import NODE_STATES, IllegalTransition, NodeState
+from elasticd.core.node import Hold
 from elasticd.errors import StoreError
 from elasticd.faults import Faults
-from elasticd.core.model import NODE_STATES, IllegalTransition, NodeState
-from elasticd.core import events
-from elasticd.core.node import Hold
 from elasticd.shell.publisher import StoreReset
-from elasticd.cluster.registry import NodeRecord, NodeRegistry, Sighting, Tick, node_doc, node_state
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class Watcher:
     changes what happens to jobs."""
 
     store: Callable[[bool, str], None] = lambda ok, problem: None  # the store (un)reachable
-    tick: Callable[[], None] = lambda: None                        # a duty ended
+    tick: Callable[[], None] = lambda: None  # a duty ended
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class NodeDuties:
     NodesLost, a store that lost its data StoreReset (awaited: a republish that failed is
     tried again at the next duty).  What is only observed goes to ``watcher``."""
 
-    local_record: Callable[[], NodeRecord]   # this node's record as of now
-    post: Callable[[Any], None]              # the node shell's queue (NodeShell.post)
+    local_record: Callable[[], NodeRecord]  # this node's record as of now
+    post: Callable[[Any], None]  # the node shell's queue (NodeShell.post)
     watcher: Watcher = Watcher()
 
 
@@ -57,7 +58,9 @@ class NodeService:
     publishes this node's record, watches the others, notices a reset store and drain
     requests, and reports the store's health."""
 
-    def __init__(self, registry: NodeRegistry, *, interval: float, faults: Faults | None = None) -> None:
+    def __init__(
+        self, registry: NodeRegistry, *, interval: float, faults: Faults | None = None
+    ) -> None:
         self.registry = registry
         self._interval = interval
         self._faults = faults or Faults()
@@ -70,10 +73,12 @@ class NodeService:
         self._drain: tuple[bool, int] | None = None  # the last drain request: (drain, version)
         self._store_up = True
         self._ticked = asyncio.Condition()  # notified when a duty ends
-        self._begun = 0      # duties begun
-        self._ended = 0      # duties ended, successful or not
+        self._begun = 0  # duties begun
+        self._ended = 0  # duties ended, successful or not
         self._wake = asyncio.Event()  # someone wants a duty now (see fresh())
-        self._census = False  # the next duty also reads the nodes that registered since the feed said
+        self._census = (
+            False  # the next duty also reads the nodes that registered since the feed said
+        )
         self.registered = asyncio.Event()  # this node's record is in the store
 
     async def run(self, stop: asyncio.Event, duties: NodeDuties) -> None:
@@ -115,8 +120,11 @@ class NodeService:
     async def _change(self) -> None:
         """Returns when the feed moved; never when the store is away (the pause ends it)."""
         try:
-            if self._store_up and not self.registry.observing \
-                    and await self.registry.wait_for_change(self._interval):
+            if (
+                self._store_up
+                and not self.registry.observing
+                and await self.registry.wait_for_change(self._interval)
+            ):
                 return
         except StoreError:
             pass
@@ -128,8 +136,12 @@ class NodeService:
             self._sightings = tick.sightings
             before = self._states
             self._follow_states()
-            lost = tuple(name for name, state in self._states.items()
-                         if state is NodeState.LOST and before.get(name, NodeState.LOST) is not NodeState.LOST)
+            lost = tuple(
+                name
+                for name, state in self._states.items()
+                if state is NodeState.LOST
+                and before.get(name, NodeState.LOST) is not NodeState.LOST
+            )
             if lost:
                 self._duties.post(events.NodesLost(lost))
         self._seen = time.time()
@@ -138,10 +150,15 @@ class NodeService:
         # that began after the previous undrain
         if tick.drain is not None and (tick.drain, tick.drain_version) != self._drain:
             self._drain = (tick.drain, tick.drain_version)
-            self._duties.post(events.HoldChanged(Hold.DRAINED.value, tick.drain) if tick.drain_gpu is None
-                              else events.GpuReadmitted(tick.drain_gpu, tick.drain_by))
+            self._duties.post(
+                events.HoldChanged(Hold.DRAINED.value, tick.drain)
+                if tick.drain_gpu is None
+                else events.GpuReadmitted(tick.drain_gpu, tick.drain_by)
+            )
         if store_was_reset(self._epoch, tick.epoch):
-            log.warning("the store was reset (its host restarted): publishing this node's jobs again")
+            log.warning(
+                "the store was reset (its host restarted): publishing this node's jobs again"
+            )
             republished = asyncio.get_running_loop().create_future()
             self._duties.post(StoreReset(republished))
             await republished  # a StoreError leaves the old epoch: the next duty tries again
@@ -239,7 +256,11 @@ class NodeService:
         return self.states().get(name, NodeState.LOST) is not NodeState.LOST
 
     def peer_keys(self) -> dict[bytes, str]:
-        return {s.record.peer_key.encode(): name for name, s in self._sightings.items() if s.record.peer_key}
+        return {
+            s.record.peer_key.encode(): name
+            for name, s in self._sightings.items()
+            if s.record.peer_key
+        }
 
     async def request_drain(self, name: str, drain: bool, by: str, gpu: int | None = None) -> None:
         await self.registry.request_drain(name, drain, by, gpu)
@@ -247,4 +268,6 @@ class NodeService:
 
 def _without_times(nodes: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Node docs minus their ever-changing 'last seen' (for change detection)."""
-    return None if nodes is None else [{k: v for k, v in n.items() if k != "last_seen"} for n in nodes]
+    return (
+        None if nodes is None else [{k: v for k, v in n.items() if k != "last_seen"} for n in nodes]
+    )

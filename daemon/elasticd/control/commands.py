@@ -17,25 +17,26 @@ import os
 import pwd
 import secrets
 import time
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from elasticd import __version__
-from elasticd.config import DaemonConfig
-from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
-from elasticd.jobs.accounts import account_of, group_name, group_names, group_namer
-from elasticd.jobs.registry import JobRegistry
-from elasticd.core.usage import Span, report, spans
-from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
 from elasticd.aio import back_off, race
-from elasticd.shell.logs import LogBus, LogReader, SeenLines
-from elasticd.core.model import JobSpec, JobState, NodeState, parse_nnodes, parse_nproc
-from elasticd.core.schedule import Schedule, waiting_jobs
-from elasticd.cluster.service import NodeService
 from elasticd.cluster.peers import PeerCaller, PeerLinks
+from elasticd.cluster.service import NodeService
+from elasticd.config import DaemonConfig
+from elasticd.control.server import Caller, PeerGone, Responder
+from elasticd.core.model import JobSpec, JobState, NodeState, parse_nnodes, parse_nproc
 from elasticd.core.placement import beyond_standalone, never_fits
 from elasticd.core.quotas import account_refusal, count_refusal, spec_refusal
+from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
+from elasticd.core.schedule import Schedule, waiting_jobs
+from elasticd.core.usage import Span, report, spans
+from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
+from elasticd.jobs.accounts import account_of, group_name, group_namer, group_names
+from elasticd.jobs.registry import JobRegistry
+from elasticd.shell.logs import LogBus, LogReader, SeenLines
 from elasticd.wire.protocol import LIST_BATCH, Request, batches
-from elasticd.control.server import Caller, PeerGone, Responder
 
 log = logging.getLogger(__name__)
 RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this many seconds
@@ -73,17 +74,31 @@ def own_account(account: str, gid: int) -> str:
     return "" if account == group_name(gid) else account
 
 
-def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonConfig, *,
-                      job_id: str, node: str, now: float) -> JobSpec:
+def spec_from_request(
+    args: Mapping[str, Any],
+    caller: Caller,
+    config: DaemonConfig,
+    *,
+    job_id: str,
+    node: str,
+    now: float,
+) -> JobSpec:
     """The JobSpec a submit request asks for, with the daemon's defaults filled in (pure)."""
     defaults = config.jobs
     low, high = parse_nnodes(args.get("nnodes", 1))
     return JobSpec(
-        id=job_id, argv=tuple(args["argv"]), python=args.get("python", ""),
-        workdir=args.get("workdir", ""), uid=caller.uid, gid=caller.gid,
-        user=user_name(caller.uid), name=args.get("name") or _default_name(args),
-        kind=args.get("kind", "script"), env=dict(args.get("env", {})),
-        min_nodes=low, max_nodes=high,
+        id=job_id,
+        argv=tuple(args["argv"]),
+        python=args.get("python", ""),
+        workdir=args.get("workdir", ""),
+        uid=caller.uid,
+        gid=caller.gid,
+        user=user_name(caller.uid),
+        name=args.get("name") or _default_name(args),
+        kind=args.get("kind", "script"),
+        env=dict(args.get("env", {})),
+        min_nodes=low,
+        max_nodes=high,
         nproc_per_node=parse_nproc(args.get("nproc_per_node", 1)),
         max_restarts=args.get("max_restarts", defaults.max_restarts),
         join_timeout=args.get("join_timeout", defaults.join_timeout),
@@ -92,11 +107,17 @@ def spec_from_request(args: Mapping[str, Any], caller: Caller, config: DaemonCon
         in_place=args.get("in_place", False),
         rejoin_timeout=args.get("rejoin_timeout", JobSpec.rejoin_timeout),
         spares=args.get("spares", JobSpec.spares),
-        nodes=tuple(args.get("nodes", ())), exclude=tuple(args.get("exclude", ())),
-        role=args.get("role", JobSpec.role), master_port=args.get("master_port", JobSpec.master_port),
-        priority=args.get("priority", JobSpec.priority), account=own_account(args.get("account") or "", caller.gid),
-        preemptible=args.get("preemptible", False), nnodes_step=args.get("nnodes_step", JobSpec.nnodes_step),
-        submitted_on=node, created=now)
+        nodes=tuple(args.get("nodes", ())),
+        exclude=tuple(args.get("exclude", ())),
+        role=args.get("role", JobSpec.role),
+        master_port=args.get("master_port", JobSpec.master_port),
+        priority=args.get("priority", JobSpec.priority),
+        account=own_account(args.get("account") or "", caller.gid),
+        preemptible=args.get("preemptible", False),
+        nnodes_step=args.get("nnodes_step", JobSpec.nnodes_step),
+        submitted_on=node,
+        created=now,
+    )
 
 
 def _default_name(args: Mapping[str, Any]) -> str:
@@ -105,9 +126,18 @@ def _default_name(args: Mapping[str, Any]) -> str:
 
 
 class Commands:
-    def __init__(self, config: DaemonConfig, *, node: str, registry: JobRegistry,
-                 jobs: JobService, logs: LogBus, cluster: NodeService, peers: PeerLinks,
-                 schedule: Callable[[], Schedule | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        node: str,
+        registry: JobRegistry,
+        jobs: JobService,
+        logs: LogBus,
+        cluster: NodeService,
+        peers: PeerLinks,
+        schedule: Callable[[], Schedule | None] = lambda: None,
+    ) -> None:
         self._config = config
         self._node = node
         self._registry = registry
@@ -116,12 +146,22 @@ class Commands:
         self._cluster = cluster
         self._peers = peers
         self._schedule = schedule  # the cluster's schedule as this node follows it
-        self._submitting: collections.Counter[int] = collections.Counter()  # uid -> submits under way
+        self._submitting: collections.Counter[int] = (
+            collections.Counter()
+        )  # uid -> submits under way
         self._ops: dict[str, Callable[[Caller, dict[str, Any], Responder], Awaitable[None]]] = {
-            "version": self.version, "submit": self.submit, "list": self.list,
-            "status": self.status, "logs": self.logs, "cancel": self.cancel,
-            "wait": self.wait, "nodes": self.nodes_list, "drain": self.drain,
-            "undrain": self.undrain, "queue": self.queue, "usage": self.usage,
+            "version": self.version,
+            "submit": self.submit,
+            "list": self.list,
+            "status": self.status,
+            "logs": self.logs,
+            "cancel": self.cancel,
+            "wait": self.wait,
+            "nodes": self.nodes_list,
+            "drain": self.drain,
+            "undrain": self.undrain,
+            "queue": self.queue,
+            "usage": self.usage,
         }
 
     async def __call__(self, caller: Caller, request: Request, reply: Responder) -> None:
@@ -151,8 +191,9 @@ class Commands:
 
     def _check_owner(self, caller: Caller, record: JobRecord, what: str) -> None:
         if caller.uid != record.spec.uid and not self._is_admin(caller):
-            raise PermissionDenied(f"job {record.id} belongs to {record.spec.user}; "
-                                   f"you may not {what} it")
+            raise PermissionDenied(
+                f"job {record.id} belongs to {record.spec.user}; you may not {what} it"
+            )
 
     async def _find(self, job: str) -> JobRecord:
         """A job by id or by a unique prefix of its id; a full id not seen here yet (it was
@@ -160,7 +201,9 @@ class Commands:
         record = self._registry.find(job) or await self._jobs.fetch(job)
         if record is not None:
             return record
-        matches = [r for r in self._registry.jobs() if r.id.startswith(job)] if len(job) >= 3 else []
+        matches = (
+            [r for r in self._registry.jobs() if r.id.startswith(job)] if len(job) >= 3 else []
+        )
         if len(matches) == 1:
             return matches[0]
         raise NotFound(f"no job {job!r}" if not matches else f"{job!r} matches several jobs")
@@ -168,8 +211,14 @@ class Commands:
     # -- ops ----------------------------------------------------------------------------------
 
     async def version(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
-        await reply.result({"version": __version__, "node": self._node,
-                            "cluster": self._config.cluster.name, **self._cluster.store_health()})
+        await reply.result(
+            {
+                "version": __version__,
+                "node": self._node,
+                "cluster": self._config.cluster.name,
+                **self._cluster.store_health(),
+            }
+        )
 
     def _unused_job_id(self) -> str:
         """A new id that no job this node knows has: ids are 24 bits, and a few thousand
@@ -180,11 +229,19 @@ class Commands:
                 return job_id
 
     async def submit(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
-        spec = spec_from_request(args, caller, self._config, job_id=self._unused_job_id(),
-                                 node=self._node, now=time.time())
+        spec = spec_from_request(
+            args,
+            caller,
+            self._config,
+            job_id=self._unused_job_id(),
+            node=self._node,
+            now=time.time(),
+        )
         if spec.uid == 0 and os.getuid() == 0 and not self._config.jobs.allow_root:
-            raise PermissionDenied("jobs submitted by root are refused here (jobs.allow_root = "
-                                   "false; `elasticd --allow-root` allows them)")
+            raise PermissionDenied(
+                "jobs submitted by root are refused here (jobs.allow_root = "
+                "false; `elasticd --allow-root` allows them)"
+            )
         problem = spec_refusal(spec, self._config.jobs.limits) or self._over_quota(caller, spec)
         if problem:
             raise LimitExceeded(problem)
@@ -213,8 +270,9 @@ class Commands:
         """Why the caller may not charge ``spec`` to its account or ask its priority (root
         and the admin group may name any of either)."""
         admin, groups = self._is_admin(caller), group_names(spec.user, caller.gid)
-        return account_refusal(account_of(spec), spec.user, groups, admin) or \
-            self._config.scheduler.priority_bounds.refusal(spec.priority, spec.user, groups, admin)
+        return account_refusal(
+            account_of(spec), spec.user, groups, admin
+        ) or self._config.scheduler.priority_bounds.refusal(spec.priority, spec.user, groups, admin)
 
     def _over_quota(self, caller: Caller, spec: JobSpec) -> str | None:
         """Why the caller may not have one more job that has not ended (root and the admin
@@ -222,8 +280,12 @@ class Commands:
         and this node's submits under way."""
         if self._is_admin(caller):
             return None
-        open_jobs = sum(1 for r in self._registry.jobs() if r.spec.uid == spec.uid and r.outcome is None)
-        return count_refusal(spec.user, open_jobs + self._submitting[spec.uid], self._config.jobs.limits)
+        open_jobs = sum(
+            1 for r in self._registry.jobs() if r.spec.uid == spec.uid and r.outcome is None
+        )
+        return count_refusal(
+            spec.user, open_jobs + self._submitting[spec.uid], self._config.jobs.limits
+        )
 
     async def _never_starts(self, spec: JobSpec) -> str | None:
         """Why the job could never start here (None: it may)."""
@@ -238,8 +300,11 @@ class Commands:
         then the end: never one frame of every job.  The rows are of the jobs as they were
         when the request came, built as the client takes them."""
         horizon = time.time() - RECENT
-        records = [r for r in self._registry.jobs()
-                   if args.get("all") or r.outcome is None or r.outcome.ended >= horizon]
+        records = [
+            r
+            for r in self._registry.jobs()
+            if args.get("all") or r.outcome is None or r.outcome.ended >= horizon
+        ]
         schedule = self._schedule()
         rows = (allocated(listed_doc(r), schedule) for r in records)
         for batch in batches(rows, LIST_BATCH):
@@ -252,11 +317,16 @@ class Commands:
         no node runs, in submit order."""
         schedule = self._schedule()
         waiting = waiting_jobs(self._registry.jobs(), schedule)
-        await reply.result({
-            "scheduler": schedule is not None,
-            "schedule": [schedule.term, schedule.number] if schedule is not None else None,
-            "jobs": [queue_row(record, reason, position, schedule)
-                     for position, (record, reason) in enumerate(waiting, 1)]})
+        await reply.result(
+            {
+                "scheduler": schedule is not None,
+                "schedule": [schedule.term, schedule.number] if schedule is not None else None,
+                "jobs": [
+                    queue_row(record, reason, position, schedule)
+                    for position, (record, reason) in enumerate(waiting, 1)
+                ],
+            }
+        )
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """A job's document; with ``debug``, for its owner and admins, also its story on this
@@ -302,14 +372,17 @@ class Commands:
         offered again (the node's drain, if any, stays)."""
         await self._set_drain(caller, args["node"], False, reply, gpu=args.get("gpu"))
 
-    async def _set_drain(self, caller: Caller, node: str, drain: bool, reply: Responder,
-                         gpu: int | None = None) -> None:
+    async def _set_drain(
+        self, caller: Caller, node: str, drain: bool, reply: Responder, gpu: int | None = None
+    ) -> None:
         if not self._is_admin(caller):
             raise PermissionDenied("only root and the admin group may drain nodes")
         if gpu is not None and gpu < 0:
             raise NotFound(f"no GPU {gpu}: GPU indices start at 0")
         await self._cluster.request_drain(node, drain, by=user_name(caller.uid), gpu=gpu)
-        await reply.result({"name": node, "drain": drain, **({"gpu": gpu} if gpu is not None else {})})
+        await reply.result(
+            {"name": node, "drain": drain, **({"gpu": gpu} if gpu is not None else {})}
+        )
 
     async def usage(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """Node-, slot- and GPU-seconds and jobs per user and per account, of every job this
@@ -319,9 +392,15 @@ class Commands:
         now = time.time()
         since, until = usage_window(args, now)
         records = self._registry.jobs()
-        doc = await asyncio.to_thread(lambda: report(
-            spans_of(records, group_namer()), since=since, until=until,
-            user=args.get("user"), account=args.get("account")))
+        doc = await asyncio.to_thread(
+            lambda: report(
+                spans_of(records, group_namer()),
+                since=since,
+                until=until,
+                user=args.get("user"),
+                account=args.get("account"),
+            )
+        )
         await reply.result({**doc, "now": now, "retention": self._registry.retention})
 
     async def logs(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
@@ -352,8 +431,12 @@ class Commands:
         Read from the files at the pace the client takes them; with ``follow``, woken by
         new output until the job ended and its workers here are gone."""
         record = self._registry.get(job_id)
-        reader = LogReader(self._config.log_dir, record.id, self._node,
-                           _LogFilter(args.get("rank"), args.get("attempt")))
+        reader = LogReader(
+            self._config.log_dir,
+            record.id,
+            self._node,
+            _LogFilter(args.get("rank"), args.get("attempt")),
+        )
         if not args.get("follow"):
             await _send_all(reply, reader.new_lines(snapshot=True))
         else:
@@ -369,7 +452,9 @@ class Commands:
                 await _send_all(reply, reader.new_lines())
         await _send_lines(reply, reader.flush())
 
-    async def _remote_logs(self, node: str, job_id: str, args: dict[str, Any], reply: Responder) -> None:
+    async def _remote_logs(
+        self, node: str, job_id: str, args: dict[str, Any], reply: Responder
+    ) -> None:
         """Another node's logs of the job.  Without ``follow``, one try.  With it, asked
         again after a failure (its daemon did not know our key yet, or was stopped) with a
         growing pause, until its stream ended (the job ended there and its output is
@@ -386,7 +471,9 @@ class Commands:
                 record = self._registry.find(job_id)
                 ended = record is None or record.outcome is not None
                 if not args.get("follow") or not follow.failed(ended, self._cluster.alive(node)):
-                    await _send_lines(reply, [_notice(node, f"logs of node {node} unavailable: {exc}")])
+                    await _send_lines(
+                        reply, [_notice(node, f"logs of node {node} unavailable: {exc}")]
+                    )
                     return
                 await _send_lines(reply, follow.unavailable(exc))
                 await back_off(retry_pause(follow.failures - 1))
@@ -399,8 +486,10 @@ class Commands:
     async def _stream_until_done(self, record: JobRecord, reply: Responder, *, full: bool) -> None:
         """The job's document at every change until it ended (``full``: all of it, else
         as others see it)."""
+
         def shown(record: JobRecord) -> dict[str, Any]:
             return shown_doc(record) if full else others_view(shown_doc(record))
+
         await reply.result(shown(record))
         while record.outcome is None:
             record = await self._registry.wait_change(record.id, record.version)
@@ -422,15 +511,27 @@ def allocated(row: dict[str, Any], schedule: Schedule | None) -> dict[str, Any]:
     return row
 
 
-def queue_row(record: JobRecord, reason: str | None, position: int, schedule: Schedule | None) -> dict[str, Any]:
+def queue_row(
+    record: JobRecord, reason: str | None, position: int, schedule: Schedule | None
+) -> dict[str, Any]:
     """A waiting job as `queue` shows it to everyone: what `list` shows, and the
     scheduler's keys (no arguments, environment or error text)."""
     spec = record.spec
-    return {"position": position, "id": spec.id, "name": spec.name, "user": spec.user,
-            "account": account_of(spec), "priority": spec.priority, "nnodes": spec.nnodes,
-            "nnodes_step": spec.nnodes_step, "preemptible": spec.preemptible,
-            "submitted": spec.created, "state": record.state.value, "reason": reason,
-            "preempted": schedule is not None and spec.id in schedule.preempted}
+    return {
+        "position": position,
+        "id": spec.id,
+        "name": spec.name,
+        "user": spec.user,
+        "account": account_of(spec),
+        "priority": spec.priority,
+        "nnodes": spec.nnodes,
+        "nnodes_step": spec.nnodes_step,
+        "preemptible": spec.preemptible,
+        "submitted": spec.created,
+        "state": record.state.value,
+        "reason": reason,
+        "preempted": schedule is not None and spec.id in schedule.preempted,
+    }
 
 
 def usage_window(args: Mapping[str, Any], now: float) -> tuple[float | None, float]:
@@ -438,8 +539,10 @@ def usage_window(args: Mapping[str, Any], now: float) -> tuple[float | None, flo
     used yet); since, if given, before it."""
     since, until = args.get("since"), min(args.get("until", now), now)
     if since is not None and since >= until:
-        raise InvalidSpec(f"usage: since must be before until and now (unix seconds: since {since:.0f}, "
-                          f"until {until:.0f})")
+        raise InvalidSpec(
+            f"usage: since must be before until and now (unix seconds: since {since:.0f}, "
+            f"until {until:.0f})"
+        )
     return since, until
 
 
@@ -453,7 +556,6 @@ def spans_of(records: Iterable[JobRecord], group_name: Callable[[int], str]) -> 
         except Exception:
             log.exception("job %s: its usage cannot be read", record.id)
     return found
-
 
 
 class PeerCommands:
@@ -476,11 +578,13 @@ class _LogFilter:
         self.rank, self.attempt = rank, attempt
 
     def __call__(self, attempt: int, rank: int) -> bool:
-        return (self.rank is None or rank == self.rank) and (self.attempt is None or attempt == self.attempt)
+        return (self.rank is None or rank == self.rank) and (
+            self.attempt is None or attempt == self.attempt
+        )
 
 
 RETRY_FIRST, RETRY_MAX = 1.0, 10.0  # seconds between two asks of a peer's logs
-RETRIES_AFTER_END = 3                # asks of a living peer after the job ended
+RETRIES_AFTER_END = 3  # asks of a living peer after the job ended
 
 
 def retry_pause(failures: int) -> float:
@@ -501,7 +605,7 @@ class _PeerFollow:
     def __init__(self, node: str) -> None:
         self.node, self.seen, self.failures, self.said = node, SeenLines(), 0, False
         self.stream_seen: dict[tuple, int] = {}  # lines of each source the current ask brought
-        self.heard = False                        # the current ask was answered
+        self.heard = False  # the current ask was answered
 
     def answered(self, result: Any) -> list[dict]:
         """The lines of a reply to pass on: those not passed on before, after word that
@@ -522,12 +626,23 @@ class _PeerFollow:
         if self.said:
             return []
         self.said = True
-        return [_notice(self.node, f"logs of node {self.node} unavailable for now ({exc}); "
-                                   f"asking again until the job ends")]
+        return [
+            _notice(
+                self.node,
+                f"logs of node {self.node} unavailable for now ({exc}); "
+                f"asking again until the job ends",
+            )
+        ]
 
 
 def _notice(node: str, text: str) -> dict:
-    return {"node": node, "rank": None, "attempt": None, "stream": "err", "text": f"elasticd: {text}"}
+    return {
+        "node": node,
+        "rank": None,
+        "attempt": None,
+        "stream": "err",
+        "text": f"elasticd: {text}",
+    }
 
 
 async def _send_lines(reply: Responder, lines: list[dict]) -> None:

@@ -20,8 +20,9 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -60,8 +61,10 @@ class Responder:
         """One result; TooLarge (an error reply instead) for one the client would refuse."""
         frame = protocol.ok(self.id, value)
         if len(frame) > protocol.MAX_REPLY:
-            raise TooLarge(f"the reply would be {len(frame)} bytes, over the control "
-                           f"protocol's {protocol.MAX_REPLY}")
+            raise TooLarge(
+                f"the reply would be {len(frame)} bytes, over the control "
+                f"protocol's {protocol.MAX_REPLY}"
+            )
         await self._send(frame)
 
     async def end(self) -> None:
@@ -90,7 +93,9 @@ class RouterReply(Responder):
 
 
 Handler = Callable[[Any, Request, Responder], Awaitable[None]]
-ZapPolicy = Callable[[bytes, bytes, list[bytes]], bytes | None]  # (mechanism, address, credentials) -> user id
+ZapPolicy = Callable[
+    [bytes, bytes, list[bytes]], bytes | None
+]  # (mechanism, address, credentials) -> user id
 
 
 class Zap:
@@ -105,8 +110,14 @@ class Zap:
     port can make thousands: after the first, one line per ``interval`` seconds says how
     many more there were."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, on_refused: Callable[[str], None] = lambda domain: None,
-                 clock: Callable[[], float] = time.monotonic, interval: float = LOG_INTERVAL) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        on_refused: Callable[[str], None] = lambda domain: None,
+        clock: Callable[[], float] = time.monotonic,
+        interval: float = LOG_INTERVAL,
+    ) -> None:
         self._socket = ctx.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(ZAP_ENDPOINT)
@@ -121,21 +132,35 @@ class Zap:
 
     async def serve(self) -> None:
         while True:
-            version, request_id, domain, address, _identity, mechanism, *credentials = \
-                await self._socket.recv_multipart()
+            (
+                version,
+                request_id,
+                domain,
+                address,
+                _identity,
+                mechanism,
+                *credentials,
+            ) = await self._socket.recv_multipart()
             user_id = self._admit(domain, mechanism, address, credentials)
             status, text = (b"200", b"OK") if user_id else (b"400", b"not admitted")
             if user_id is None:
                 self._refused(domain.decode(errors="replace"), address.decode(errors="replace"))
-            await self._socket.send_multipart([version, request_id, status, text, user_id or b"", b""])
+            await self._socket.send_multipart(
+                [version, request_id, status, text, user_id or b"", b""]
+            )
 
     def _refused(self, domain: str, address: str) -> None:
         self._on_refused(domain)
         held = self._refusals.check(domain, self._clock(), address)
         if held is not None:
-            log.warning("refused a %s connection from %s (more are counted: "
-                        "elasticd_peer_refused_total; one line per %g s sums them up)%s",
-                        domain, address, self._refusals.interval, held_back(held))
+            log.warning(
+                "refused a %s connection from %s (more are counted: "
+                "elasticd_peer_refused_total; one line per %g s sums them up)%s",
+                domain,
+                address,
+                self._refusals.interval,
+                held_back(held),
+            )
         elif self._summing is None:
             self._sum_up_later()
 
@@ -143,17 +168,25 @@ class Zap:
         """The summary lines that are due; again later while some are not."""
         self._summing = None
         for domain, held, newest in self._refusals.flush(self._clock()):
-            log.warning("refused %d more %s connections in the last %g s (the newest from %s)",
-                        held, domain, self._refusals.interval, newest)
+            log.warning(
+                "refused %d more %s connections in the last %g s (the newest from %s)",
+                held,
+                domain,
+                self._refusals.interval,
+                newest,
+            )
         self._sum_up_later()
 
     def _sum_up_later(self) -> None:
         due = self._refusals.due()
         if due is not None:
-            self._summing = asyncio.get_running_loop().call_later(max(0.0, due - self._clock()), self._sum_up)
+            self._summing = asyncio.get_running_loop().call_later(
+                max(0.0, due - self._clock()), self._sum_up
+            )
 
-    def _admit(self, domain: bytes, mechanism: bytes, address: bytes,
-               credentials: list[bytes]) -> bytes | None:
+    def _admit(
+        self, domain: bytes, mechanism: bytes, address: bytes, credentials: list[bytes]
+    ) -> bytes | None:
         policy = self._policies.get(domain)
         try:
             return policy(mechanism, address, credentials) if policy else None
@@ -173,10 +206,17 @@ class RouterServer:
     ``identify`` turns a message's ZAP User-Id into the caller the handler sees.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, handler: Handler, *,
-                 domain: bytes, identify: Callable[[str], Any],
-                 on_request: Callable[[str, str], None] | None = None,
-                 curve_secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        handler: Handler,
+        *,
+        domain: bytes,
+        identify: Callable[[str], Any],
+        on_request: Callable[[str, str], None] | None = None,
+        curve_secret: bytes | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self._handler = handler
         self._identify = identify
@@ -228,8 +268,9 @@ class RouterServer:
         self._router.close(linger=0)
 
 
-async def answer(handler: Handler, caller: Any, raw: bytes, reply: Responder,
-                 count: Callable[[str, str], None]) -> None:
+async def answer(
+    handler: Handler, caller: Any, raw: bytes, reply: Responder, count: Callable[[str, str], None]
+) -> None:
     """Decode one request, run its handler, and turn every failure into an error reply.
     Never raises (but for cancellation): one bad request must not touch any other."""
     op = "invalid"
@@ -258,8 +299,9 @@ def _shortened(text: str, limit: int = _LOGGED_MESSAGE) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-async def _refuse(reply: Responder, op: str, code: str, message: str,
-                  count: Callable[[str, str], None]) -> None:
+async def _refuse(
+    reply: Responder, op: str, code: str, message: str, count: Callable[[str, str], None]
+) -> None:
     count(op, code)
     # the op and message may carry a client's text: a line, never a 4 MiB record per request
     log.info("control: %s refused: %s: %s", _shortened(str(op), 40), code, _shortened(message))
@@ -308,10 +350,10 @@ _OVERSIZED_HEAD = 1024  # of a frame over the limit, this much is read to find i
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    connections: int = 1024          # open control connections, all users together
-    connections_per_user: int = 32   # open control connections of one uid
-    in_flight: int = 8               # requests one connection has open (reading waits beyond)
-    work_per_user: int = 4           # requests of one uid being worked on before their first reply
+    connections: int = 1024  # open control connections, all users together
+    connections_per_user: int = 32  # open control connections of one uid
+    in_flight: int = 8  # requests one connection has open (reading waits beyond)
+    work_per_user: int = 4  # requests of one uid being worked on before their first reply
 
 
 def peer_credentials(sock: socket.socket) -> Caller:
@@ -330,8 +372,10 @@ class Admission:
 
     def refusal(self, uid: int) -> str | None:
         if self.open[uid] >= self._limits.connections_per_user:
-            return (f"too many connections from uid {uid} "
-                    f"(control.max_connections_per_user = {self._limits.connections_per_user})")
+            return (
+                f"too many connections from uid {uid} "
+                f"(control.max_connections_per_user = {self._limits.connections_per_user})"
+            )
         if self.open.total() >= self._limits.connections:
             return f"too many connections (control.max_connections = {self._limits.connections})"
         return None
@@ -360,8 +404,9 @@ class _Token:
 class _Link:
     """One client connection: its writer, its open requests, its user's work permits."""
 
-    def __init__(self, writer: asyncio.StreamWriter, caller: Caller, in_flight: int,
-                 work: asyncio.Semaphore) -> None:
+    def __init__(
+        self, writer: asyncio.StreamWriter, caller: Caller, in_flight: int, work: asyncio.Semaphore
+    ) -> None:
         self.writer = writer
         self.caller = caller
         self.slots = asyncio.Semaphore(in_flight)
@@ -409,10 +454,16 @@ class Oversized:
 class ControlServer:
     """The local control socket.  ``handler(caller, request, reply)`` answers each request."""
 
-    def __init__(self, path: str, handler: Handler, *, limits: ConnectionLimits = ConnectionLimits(),
-                 on_request: Callable[[str, str], None] | None = None,
-                 on_connections: Callable[[int], None] | None = None,
-                 world_accessible: bool = False) -> None:
+    def __init__(
+        self,
+        path: str,
+        handler: Handler,
+        *,
+        limits: ConnectionLimits = ConnectionLimits(),
+        on_request: Callable[[str, str], None] | None = None,
+        on_connections: Callable[[int], None] | None = None,
+        world_accessible: bool = False,
+    ) -> None:
         self.path = path
         self._handler = handler
         self._limits = limits
@@ -517,9 +568,13 @@ class ControlServer:
             try:
                 if isinstance(frame, Oversized):
                     reply = StreamReply(link, token, frame.id)
-                    await _refuse(reply, "invalid", protocol.E_TOO_LARGE,
-                                  f"frame of {frame.size} bytes exceeds {protocol.MAX_FRAME}",
-                                  self._count)
+                    await _refuse(
+                        reply,
+                        "invalid",
+                        protocol.E_TOO_LARGE,
+                        f"frame of {frame.size} bytes exceeds {protocol.MAX_FRAME}",
+                        self._count,
+                    )
                 else:
                     reply = StreamReply(link, token, protocol.request_id(frame))
                     await answer(self._handler, link.caller, frame, reply, self._count)

@@ -5,8 +5,8 @@ maps its job records and node list onto them."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from elasticd.core import fairshare
 
@@ -34,19 +34,19 @@ class Tally:
 class Reason(str, enum.Enum):
     """Why a job waits (Slurm's words)."""
 
-    PRIORITY = "Priority"            # a job ahead of it waits for the room it would take
-    RESOURCES = "Resources"          # not enough room, even reclaiming what may be
-    QUOTA_USER = "QuotaUser"         # its min would take its user over a limit
-    QUOTA_ACCOUNT = "QuotaAccount"   # its min would take its account over a limit
-    HELD = "Held"                    # held: it does not start until released
-    SIZE = "Size"                    # its min can never fit this cluster, even idle
+    PRIORITY = "Priority"  # a job ahead of it waits for the room it would take
+    RESOURCES = "Resources"  # not enough room, even reclaiming what may be
+    QUOTA_USER = "QuotaUser"  # its min would take its user over a limit
+    QUOTA_ACCOUNT = "QuotaAccount"  # its min would take its account over a limit
+    HELD = "Held"  # held: it does not start until released
+    SIZE = "Size"  # its min can never fit this cluster, even idle
 
 
 @dataclass(frozen=True)
 class NodeCapacity:
     slots: int
     gpus: int = 0
-    usable: bool = True   # False: lost, drained or held; it gives nothing
+    usable: bool = True  # False: lost, drained or held; it gives nothing
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class JobDemand:
     step: int = 1
     priority: int = 0
     seq: int = 0
-    submitted: float = 0.0    # for the caller's estimates; the order's age is ``seq``
+    submitted: float = 0.0  # for the caller's estimates; the order's age is ``seq``
     preemptible: bool = False
     held: bool = False
     current: frozenset[str] = frozenset()
@@ -90,8 +90,10 @@ class Quota:
     slots: int | None = None
 
     def exceeded_by(self, t: Tally) -> bool:
-        return any(limit is not None and used > limit
-                   for limit, used in ((self.nodes, t.nodes), (self.gpus, t.gpus), (self.slots, t.slots)))
+        return any(
+            limit is not None and used > limit
+            for limit, used in ((self.nodes, t.nodes), (self.gpus, t.gpus), (self.slots, t.slots))
+        )
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,10 @@ class Policy:
 
     def limits(self, job: JobDemand) -> tuple[tuple[Quota, Reason, str], ...]:
         """The user's and the account's limits on ``job``, and how to say each."""
-        return ((self.users.get(job.user, self.user_default), Reason.QUOTA_USER, "user"),
-                (self.accounts.get(job.account, self.account_default), Reason.QUOTA_ACCOUNT, "account"))
+        return (
+            (self.users.get(job.user, self.user_default), Reason.QUOTA_USER, "user"),
+            (self.accounts.get(job.account, self.account_default), Reason.QUOTA_ACCOUNT, "account"),
+        )
 
 
 @dataclass(frozen=True)

@@ -33,15 +33,35 @@ it in use over a quota are *borrowed*, and reclaimed first.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from elasticd.core import fairshare
-from elasticd.core.allocation import (Allocation, JobDemand, Quota, NodeCapacity, Policy, Reason, Share, Tally,
-                         Waiting)
+from elasticd.core.allocation import (
+    Allocation,
+    JobDemand,
+    NodeCapacity,
+    Policy,
+    Quota,
+    Reason,
+    Share,
+    Tally,
+    Waiting,
+)
 from elasticd.core.ledger import Ledger, borrowing, charge
 
-__all__ = ["Allocation", "JobDemand", "Quota", "NodeCapacity", "Policy", "Reason", "Share", "Tally",
-           "Waiting", "allocate", "order"]
+__all__ = [
+    "Allocation",
+    "JobDemand",
+    "NodeCapacity",
+    "Policy",
+    "Quota",
+    "Reason",
+    "Share",
+    "Tally",
+    "Waiting",
+    "allocate",
+    "order",
+]
 
 
 def order(jobs: Iterable[JobDemand], policy: Policy, usage: Mapping[str, float]) -> list[JobDemand]:
@@ -51,8 +71,13 @@ def order(jobs: Iterable[JobDemand], policy: Policy, usage: Mapping[str, float])
     return sorted(jobs, key=lambda j: (-j.priority, -fair[j.account], j.seq, j.id))
 
 
-def allocate(nodes: Mapping[str, NodeCapacity], jobs: Iterable[JobDemand], policy: Policy,
-             usage: Mapping[str, float], now: float) -> Allocation:
+def allocate(
+    nodes: Mapping[str, NodeCapacity],
+    jobs: Iterable[JobDemand],
+    policy: Policy,
+    usage: Mapping[str, float],
+    now: float,
+) -> Allocation:
     """Each job's nodes (see the module's docstring).  ``usage``: decayed node-seconds per
     account; ``now``: the time ``last_grown`` is measured against."""
     ranked = order(jobs, policy, usage)
@@ -63,17 +88,28 @@ def allocate(nodes: Mapping[str, NodeCapacity], jobs: Iterable[JobDemand], polic
     waiting: tuple[Waiting, ...] = ()
     for _ in range(2 * len(ranked) + 2):
         waiting, moved = _walk(ledger, ranked, policy, nodes)
-        started = {j for j, h in ledger.held.items() if h and (j not in kept or j in ledger.preempted)}
+        started = {
+            j for j, h in ledger.held.items() if h and (j not in kept or j in ledger.preempted)
+        }
         grew = _grow(ledger, ranked, policy, now, started, added)
         if not (moved or grew):
             break
     held = {j: frozenset(h) for j, h in sorted(ledger.held.items()) if h}
     return Allocation(
-        nodes=held, waiting=waiting, order=tuple(j.id for j in ranked),
-        started=frozenset(started), preempted=frozenset(ledger.preempted & kept.keys()),
-        grown=_net({j: held.get(j, frozenset()) & a - kept.get(j, frozenset()) for j, a in added.items()}),
-        reclaimed=_net({j: k - held.get(j, frozenset()) for j, k in kept.items() if j not in ledger.preempted}),
-        dropped=dropped, borrowing=frozenset(j.id for j in ranked if borrowing(ledger, j, policy)))
+        nodes=held,
+        waiting=waiting,
+        order=tuple(j.id for j in ranked),
+        started=frozenset(started),
+        preempted=frozenset(ledger.preempted & kept.keys()),
+        grown=_net(
+            {j: held.get(j, frozenset()) & a - kept.get(j, frozenset()) for j, a in added.items()}
+        ),
+        reclaimed=_net(
+            {j: k - held.get(j, frozenset()) for j, k in kept.items() if j not in ledger.preempted}
+        ),
+        dropped=dropped,
+        borrowing=frozenset(j.id for j in ranked if borrowing(ledger, j, policy)),
+    )
 
 
 def _net(sets: Mapping[str, frozenset[str]]) -> dict[str, frozenset[str]]:
@@ -81,6 +117,7 @@ def _net(sets: Mapping[str, frozenset[str]]) -> dict[str, frozenset[str]]:
 
 
 # -- 1. keep ---------------------------------------------------------------------------------
+
 
 def _keep(ledger: Ledger, ranked: list[JobDemand]) -> dict[str, frozenset[str]]:
     dropped: dict[str, frozenset[str]] = {}
@@ -96,8 +133,10 @@ def _keep(ledger: Ledger, ranked: list[JobDemand]) -> dict[str, frozenset[str]]:
 
 # -- 2. admit --------------------------------------------------------------------------------
 
-def _walk(ledger: Ledger, ranked: list[JobDemand], policy: Policy,
-          nodes: Mapping[str, NodeCapacity]) -> tuple[tuple[Waiting, ...], bool]:
+
+def _walk(
+    ledger: Ledger, ranked: list[JobDemand], policy: Policy, nodes: Mapping[str, NodeCapacity]
+) -> tuple[tuple[Waiting, ...], bool]:
     """One walk of the order: the jobs left waiting, and whether any job took nodes."""
     ledger.reserved.clear()
     waiting: list[Waiting] = []
@@ -110,8 +149,9 @@ def _walk(ledger: Ledger, ranked: list[JobDemand], policy: Policy,
     return tuple(waiting), moved
 
 
-def _admit_one(ledger: Ledger, job: JobDemand, policy: Policy,
-               nodes: Mapping[str, NodeCapacity]) -> Reason | bool | None:
+def _admit_one(
+    ledger: Ledger, job: JobDemand, policy: Policy, nodes: Mapping[str, NodeCapacity]
+) -> Reason | bool | None:
     """A reason it waits; True if it took nodes; None if it runs on as it is."""
     have = ledger.held[job.id]
     if len(have) >= job.need:
@@ -127,8 +167,11 @@ def _admit_one(ledger: Ledger, job: JobDemand, policy: Policy,
 
 def _eligible_anywhere(job: JobDemand, nodes: Mapping[str, NodeCapacity]) -> int:
     """How many of the cluster's nodes could hold a share of ``job`` were they idle."""
-    return sum(1 for n, c in nodes.items()
-               if n in job.shares and job.shares[n].slots <= c.slots and job.shares[n].gpus <= c.gpus)
+    return sum(
+        1
+        for n, c in nodes.items()
+        if n in job.shares and job.shares[n].slots <= c.slots and job.shares[n].gpus <= c.gpus
+    )
 
 
 def _top_up(ledger: Ledger, job: JobDemand, policy: Policy) -> bool:
@@ -171,8 +214,15 @@ def _quota(ledger: Ledger, job: JobDemand, more: int, policy: Policy) -> Reason 
 
 # -- 3. grow ---------------------------------------------------------------------------------
 
-def _grow(ledger: Ledger, ranked: list[JobDemand], policy: Policy, now: float,
-          started: set[str], added: dict[str, set[str]]) -> bool:
+
+def _grow(
+    ledger: Ledger,
+    ranked: list[JobDemand],
+    policy: Policy,
+    now: float,
+    started: set[str],
+    added: dict[str, set[str]],
+) -> bool:
     """Give free room to the jobs due to grow, in order; whether any grew (into ``added``)."""
     grew = False
     for job in ranked:
@@ -183,7 +233,7 @@ def _grow(ledger: Ledger, ranked: list[JobDemand], policy: Policy, now: float,
         target = min(job.top, (len(have) + len(room)) // job.step * job.step)
         if target <= len(have):
             continue
-        picks = sorted(room, key=lambda n: ledger.growth_rank(job, n))[:target - len(have)]
+        picks = sorted(room, key=lambda n: ledger.growth_rank(job, n))[: target - len(have)]
         for node in picks:
             ledger.take(job, node)
         added.setdefault(job.id, set()).update(picks)

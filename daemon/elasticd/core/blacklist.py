@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Mapping
 
 from elasticd.core.model import WorkerState
 from elasticd.core.records import Part
@@ -35,7 +35,7 @@ USERS_FOR_NODE = 2  # users whose jobs were kept off within the window that blac
 
 @dataclass(frozen=True)
 class BlacklistPolicy:
-    failures: int = 0              # failures of one user's workers within the window; 0: off
+    failures: int = 0  # failures of one user's workers within the window; 0: off
     window: float = 60.0
     cooldown_min: float = 10.0
     cooldown_max: float = 300.0
@@ -53,12 +53,16 @@ class BlacklistPolicy:
 def worker_failures(job_id: str, part: Part) -> list[Hashable]:
     """One key per worker of ``part`` that failed (a non-zero exit): its job, round, local rank
     and pid.  The same failure, reported again in a later part, has the same key."""
-    return [(job_id, part.round, w.get("local_rank"), w.get("pid")) for w in part.workers
-            if w.get("state") == WorkerState.FAILED and w.get("exit_code") not in (None, 0)]
+    return [
+        (job_id, part.round, w.get("local_rank"), w.get("pid"))
+        for w in part.workers
+        if w.get("state") == WorkerState.FAILED and w.get("exit_code") not in (None, 0)
+    ]
 
 
-def several_users(began: Mapping[Hashable, float], in_force: Iterable[Hashable], now: float,
-                  window: float) -> bool:
+def several_users(
+    began: Mapping[Hashable, float], in_force: Iterable[Hashable], now: float, window: float
+) -> bool:
     """Whether the jobs of enough users failed here to blame the node: users whose jobs are
     kept off now (``in_force``) or were kept off within ``window`` seconds before ``now``
     (``began``: when each user's latest cooldown began) number ``USERS_FOR_NODE`` or more."""
@@ -70,9 +74,9 @@ def several_users(began: Mapping[Hashable, float], in_force: Iterable[Hashable],
 class Cooldown:
     """One user's (or the node's) cooldowns: the one in force and how many came in a row."""
 
-    until: float | None = None    # when the one in force ends; None: none is
-    strikes: int = 0              # cooldowns in a row
-    ended: float | None = None    # when the last one ended
+    until: float | None = None  # when the one in force ends; None: none is
+    strikes: int = 0  # cooldowns in a row
+    ended: float | None = None  # when the last one ended
 
     @property
     def active(self) -> bool:

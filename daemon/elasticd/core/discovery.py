@@ -11,10 +11,10 @@ leaves its jobs through a clean new round, like a drained one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
-MAX_OUTPUT = 1 << 20      # bytes of output a run may print (more: the run failed)
+MAX_OUTPUT = 1 << 20  # bytes of output a run may print (more: the run failed)
 MAX_SLOTS = 1_000_000
 
 

@@ -8,8 +8,9 @@ watch of an old round) and is dropped, never acted on.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.model import Failure, JobSpec, WorkerGroup
@@ -28,6 +29,7 @@ class Now(NamedTuple):
 
 # -- one job on this node (a part) --------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RoundJoined:
     job: str
@@ -38,8 +40,8 @@ class RoundJoined:
 class JoinFailure:
     """Why a join ended without a round (JoinFailed.kind)."""
 
-    CLOSED = "closed"    # the job ended: its rendezvous is closed
-    GONE = "gone"        # its state is gone or refused and this node may not start it afresh
+    CLOSED = "closed"  # the job ended: its rendezvous is closed
+    GONE = "gone"  # its state is gone or refused and this node may not start it afresh
     TIMEOUT = "timeout"  # the join timeout passed
 
 
@@ -165,6 +167,7 @@ class PartClosed:
 
 # -- this node --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class JobsChanged:
     """The node's job table after a change: every job it knows (``users``: the local name
@@ -193,7 +196,7 @@ class Restored:
 class HoldChanged:
     """An operator drained or undrained this node, or the discovery script (un)listed it."""
 
-    hold: str       # core.node.Hold's value
+    hold: str  # core.node.Hold's value
     on: bool
 
 
@@ -275,12 +278,51 @@ class SparesShed:
     slots: tuple[int, ...]
 
 
-PART_ONLY = (RoundJoined, JoinFailed, RoundChanged, WorkersChanged, WorkersStopped, PeersProbed,
-             RoundRequested, BarrierProgress, BarrierDone, Left, WorkerAsked, TimerFired)
-PartEvent = (RoundJoined | JoinFailed | RoundChanged | WorkersChanged | WorkersStopped
-             | PeersProbed | RoundRequested | BarrierProgress | BarrierDone | Finished | Left
-             | WorkerAsked | TimerFired | OpFailed)
-NodeEvent = (JobsChanged | ScheduleChanged | Restored | HoldChanged | Listed | NodesLost | CancelAsked
-             | ShutdownAsked | NodeTimerFired | PartClosed | PartStartFailed | LeaveAsked | GpusRead
-             | GpuReadmitted | SparesShed)
+PART_ONLY = (
+    RoundJoined,
+    JoinFailed,
+    RoundChanged,
+    WorkersChanged,
+    WorkersStopped,
+    PeersProbed,
+    RoundRequested,
+    BarrierProgress,
+    BarrierDone,
+    Left,
+    WorkerAsked,
+    TimerFired,
+)
+PartEvent = (
+    RoundJoined
+    | JoinFailed
+    | RoundChanged
+    | WorkersChanged
+    | WorkersStopped
+    | PeersProbed
+    | RoundRequested
+    | BarrierProgress
+    | BarrierDone
+    | Finished
+    | Left
+    | WorkerAsked
+    | TimerFired
+    | OpFailed
+)
+NodeEvent = (
+    JobsChanged
+    | ScheduleChanged
+    | Restored
+    | HoldChanged
+    | Listed
+    | NodesLost
+    | CancelAsked
+    | ShutdownAsked
+    | NodeTimerFired
+    | PartClosed
+    | PartStartFailed
+    | LeaveAsked
+    | GpusRead
+    | GpuReadmitted
+    | SparesShed
+)
 Event = PartEvent | NodeEvent

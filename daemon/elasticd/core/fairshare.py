@@ -13,12 +13,14 @@ same usage always gives the same factors (the allocator sorts by them).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 HALF_LIFE = 7 * 86400.0
 
 
-def decay(usage: Mapping[str, float], elapsed: float, half_life: float = HALF_LIFE) -> dict[str, float]:
+def decay(
+    usage: Mapping[str, float], elapsed: float, half_life: float = HALF_LIFE
+) -> dict[str, float]:
     """``usage`` as it stands ``elapsed`` seconds later.  A half-life of 0 or less keeps no
     history (everything decays at once); a negative ``elapsed`` (a clock stepped back)
     decays nothing."""
@@ -36,8 +38,11 @@ def charge(usage: Mapping[str, float], account: str, node_seconds: float) -> dic
     return out
 
 
-def factor(usage: Mapping[str, float], shares: Mapping[str, float] | None = None,
-           accounts: Iterable[str] = ()) -> dict[str, float]:
+def factor(
+    usage: Mapping[str, float],
+    shares: Mapping[str, float] | None = None,
+    accounts: Iterable[str] = (),
+) -> dict[str, float]:
     """The fair-share factor of every account named in ``usage``, ``shares`` or
     ``accounts``, in (0, 1]; higher goes first.  An account without a share has 1 (equal
     shares by default); one whose share is 0 gets 0 once anything at all was used."""
@@ -45,8 +50,12 @@ def factor(usage: Mapping[str, float], shares: Mapping[str, float] | None = None
     names = sorted(set(usage) | set(shares) | set(accounts))
     total_use = math.fsum(max(usage.get(a, 0.0), 0.0) for a in names)
     total_share = math.fsum(max(shares.get(a, 1.0), 0.0) for a in names)
-    return {a: _factor(max(usage.get(a, 0.0), 0.0), total_use, max(shares.get(a, 1.0), 0.0), total_share)
-            for a in names}
+    return {
+        a: _factor(
+            max(usage.get(a, 0.0), 0.0), total_use, max(shares.get(a, 1.0), 0.0), total_share
+        )
+        for a in names
+    }
 
 
 def _factor(used: float, total_use: float, share: float, total_share: float) -> float:

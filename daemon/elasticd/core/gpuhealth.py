@@ -27,18 +27,18 @@ class GpuReading:
 
     index: int
     uuid: str
-    lost: bool = False                  # NVML_ERROR_GPU_IS_LOST, or it no longer answers
-    xids: tuple[int, ...] = ()          # Xid events delivered since the previous check
+    lost: bool = False  # NVML_ERROR_GPU_IS_LOST, or it no longer answers
+    xids: tuple[int, ...] = ()  # Xid events delivered since the previous check
     ecc_uncorrected: int | None = None  # volatile uncorrectable ECC errors (None: not supported)
-    rows_pending: bool = False          # remapped rows or retired pages waiting for a reset
-    remap_failed: bool = False          # a row remapping failed
-    slowdown: tuple[str, ...] = ()      # active thermal/power slowdowns ("hw thermal", ...)
+    rows_pending: bool = False  # remapped rows or retired pages waiting for a reset
+    remap_failed: bool = False  # a row remapping failed
+    slowdown: tuple[str, ...] = ()  # active thermal/power slowdowns ("hw thermal", ...)
 
 
 @dataclass(frozen=True)
 class GpuPolicy:
     drain_xids: frozenset[int] = DRAIN_XIDS
-    readmit_after: float = 0.0          # healthy this long -> back in the offer (0: by an operator only)
+    readmit_after: float = 0.0  # healthy this long -> back in the offer (0: by an operator only)
 
 
 @dataclass
@@ -48,7 +48,7 @@ class GpuOut:
     index: int
     why: str
     since: float
-    last_bad: float                     # monotonic
+    last_bad: float  # monotonic
 
 
 def faults(reading: GpuReading, before: GpuReading | None, policy: GpuPolicy) -> list[str]:
@@ -70,11 +70,13 @@ class GpuWatch:
     """What this node knows of its GPUs' health (None in NodeCore where NVML is absent)."""
 
     policy: GpuPolicy = field(default_factory=GpuPolicy)
-    last: dict[str, GpuReading] = field(default_factory=dict)   # by UUID
-    out: dict[str, GpuOut] = field(default_factory=dict)        # by UUID
+    last: dict[str, GpuReading] = field(default_factory=dict)  # by UUID
+    out: dict[str, GpuOut] = field(default_factory=dict)  # by UUID
     slowed: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def read(self, readings: tuple[GpuReading, ...], mono: float, wall: float) -> tuple[list[do.Instruction], bool]:
+    def read(
+        self, readings: tuple[GpuReading, ...], mono: float, wall: float
+    ) -> tuple[list[do.Instruction], bool]:
         """Judge one check: what to say and count, and whether the set of GPUs out changed."""
         said: list[do.Instruction] = []
         changed = False
@@ -84,7 +86,7 @@ class GpuWatch:
             if why:
                 changed |= self._take_out(reading, "; ".join(why), mono, wall, said)
             elif reading.uuid in self.out and self._healed(self.out[reading.uuid], mono):
-                said += self.readmit(reading.index, "healthy for %g s" % self.policy.readmit_after)
+                said += self.readmit(reading.index, f"healthy for {self.policy.readmit_after:g} s")
                 changed = True
             self.last[reading.uuid] = reading
         return said, changed
@@ -95,38 +97,65 @@ class GpuWatch:
         if uuid is None:
             return []
         del self.out[uuid]
-        return [do.Say("info", "gpu %d (%s) back in the offer: %s", None, (index, uuid, by)),
-                do.Count("gpus_out", value=len(self.out))]
+        return [
+            do.Say("info", "gpu %d (%s) back in the offer: %s", None, (index, uuid, by)),
+            do.Count("gpus_out", value=len(self.out)),
+        ]
 
     def why_out(self) -> dict[int, str]:
         """Each GPU out, by index, and why (for the node's record)."""
         return {o.index: o.why for o in self.out.values()}
 
-    def _take_out(self, reading: GpuReading, why: str, mono: float, wall: float,
-                  said: list[do.Instruction]) -> bool:
+    def _take_out(
+        self, reading: GpuReading, why: str, mono: float, wall: float, said: list[do.Instruction]
+    ) -> bool:
         known = self.out.get(reading.uuid)
         if known is not None:
             known.last_bad = mono
             return False
         self.out[reading.uuid] = GpuOut(reading.index, why, wall, mono)
-        said += [do.Say("warning", "gpu %d (%s) taken out of this node's offer: %s", None,
-                        (reading.index, reading.uuid, why)),
-                 do.Count("gpu_fault", label=why.split(":")[0].split(" (")[0]),
-                 do.Count("gpus_out", value=len(self.out))]
+        said += [
+            do.Say(
+                "warning",
+                "gpu %d (%s) taken out of this node's offer: %s",
+                None,
+                (reading.index, reading.uuid, why),
+            ),
+            do.Count("gpu_fault", label=why.split(":")[0].split(" (")[0]),
+            do.Count("gpus_out", value=len(self.out)),
+        ]
         return True
 
     def _other_news(self, reading: GpuReading) -> list[do.Instruction]:
         """Xids that leave the GPU in, and slowdowns as they start and end: said, counted."""
         said: list[do.Instruction] = [
-            do.Say("warning", "gpu %d: xid %d (an application or driver error: the GPU stays in)",
-                   None, (reading.index, code))
-            for code in reading.xids if code not in self.policy.drain_xids]
+            do.Say(
+                "warning",
+                "gpu %d: xid %d (an application or driver error: the GPU stays in)",
+                None,
+                (reading.index, code),
+            )
+            for code in reading.xids
+            if code not in self.policy.drain_xids
+        ]
         said += [do.Count("xid", label=str(code)) for code in reading.xids]
         if reading.slowdown != self.slowed.get(reading.uuid, ()):
             self.slowed[reading.uuid] = reading.slowdown
-            said.append(do.Say("warning", "gpu %d slowed down: %s", None, (reading.index, ", ".join(reading.slowdown)))
-                        if reading.slowdown else do.Say("info", "gpu %d runs at full clocks again", None, (reading.index,)))
-            said.append(do.Count("gpu_slowdown", label=str(reading.index), value=1 if reading.slowdown else 0))
+            said.append(
+                do.Say(
+                    "warning",
+                    "gpu %d slowed down: %s",
+                    None,
+                    (reading.index, ", ".join(reading.slowdown)),
+                )
+                if reading.slowdown
+                else do.Say("info", "gpu %d runs at full clocks again", None, (reading.index,))
+            )
+            said.append(
+                do.Count(
+                    "gpu_slowdown", label=str(reading.index), value=1 if reading.slowdown else 0
+                )
+            )
         return said
 
     def _healed(self, out: GpuOut, mono: float) -> bool:

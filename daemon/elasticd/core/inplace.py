@@ -19,41 +19,72 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from elasticd.journal import excerpt
-from elasticd.core.model import (Failure, RunResult, StateTable, Worker, WorkerGroup, WorkerState,
-                                 placement_env)
-from elasticd.core.records import Part  # noqa: F401  (re-exported for type readers)
-from elasticd.core.model import PartState
-from elasticd.rendezvous import Reason, RendezvousInfo, RoundEvent
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.policy import (ROUND_FOR, Decision, Observed, RejoinStalled, WorkersExited, WorkersReady,
-                                  failure_outcome, run_result)
+from elasticd.core.model import (
+    Failure,
+    PartState,
+    RunResult,
+    StateTable,
+    Worker,
+    WorkerGroup,
+    WorkerState,
+    placement_env,
+)
+from elasticd.core.policy import (
+    ROUND_FOR,
+    Decision,
+    Observed,
+    RejoinStalled,
+    WorkersExited,
+    WorkersReady,
+    failure_outcome,
+    run_result,
+)
+from elasticd.core.records import Part  # noqa: F401  (re-exported for type readers)
+from elasticd.journal import excerpt
+from elasticd.rendezvous import Reason, RendezvousInfo, RoundEvent
 
 if TYPE_CHECKING:
     from elasticd.core.part import PartCore
 
 Instructions = list[do.Instruction]
 
-LOSSES = frozenset({Reason.FAILURE, Reason.NODE_LOST})  # rounds after which spares fill the old size
-ABORTING = frozenset({Reason.FAILURE, Reason.NODE_LOST, Reason.DRAIN, Reason.SHUTDOWN,
-                      Reason.RECLAIM, Reason.STALLED})  # rounds whose old group has lost a member
+LOSSES = frozenset(
+    {Reason.FAILURE, Reason.NODE_LOST}
+)  # rounds after which spares fill the old size
+ABORTING = frozenset(
+    {
+        Reason.FAILURE,
+        Reason.NODE_LOST,
+        Reason.DRAIN,
+        Reason.SHUTDOWN,
+        Reason.RECLAIM,
+        Reason.STALLED,
+    }
+)  # rounds whose old group has lost a member
 ROUND_ENV = "ELASTICD_ROUND"
 
 
 class SlotState(enum.StrEnum):
-    EMPTY = "empty"      # no process
+    EMPTY = "empty"  # no process
     WARMING = "warming"  # started, has not asked for a place
-    READY = "ready"      # asked for a place
-    PLACED = "placed"    # in a round
+    READY = "ready"  # asked for a place
+    PLACED = "placed"  # in a round
 
 
-SLOT_STATES = StateTable("an in-place slot", {
-    SlotState.EMPTY: (SlotState.WARMING, SlotState.PLACED),  # PLACED: a first round's worker
-    SlotState.WARMING: (SlotState.READY, SlotState.EMPTY),
-    SlotState.READY: (SlotState.PLACED, SlotState.EMPTY),
-    SlotState.PLACED: (SlotState.EMPTY, SlotState.READY),  # READY: a spare that filled in steps back
-})
+SLOT_STATES = StateTable(
+    "an in-place slot",
+    {
+        SlotState.EMPTY: (SlotState.WARMING, SlotState.PLACED),  # PLACED: a first round's worker
+        SlotState.WARMING: (SlotState.READY, SlotState.EMPTY),
+        SlotState.READY: (SlotState.PLACED, SlotState.EMPTY),
+        SlotState.PLACED: (
+            SlotState.EMPTY,
+            SlotState.READY,
+        ),  # READY: a spare that filled in steps back
+    },
+)
 
 
 def keeps_workers(reason: Reason) -> bool:
@@ -68,8 +99,8 @@ def aborts(reason: Reason) -> bool:
 
 @dataclass(frozen=True)
 class Notice:
-    abort: bool   # a member of the previous round is missing or has fewer workers
-    added: bool   # a node is new or has more workers (the newcomers need the state)
+    abort: bool  # a member of the previous round is missing or has fewer workers
+    added: bool  # a node is new or has more workers (the newcomers need the state)
 
 
 def notice(previous: RendezvousInfo | None, current: RendezvousInfo) -> Notice:
@@ -83,15 +114,28 @@ def notice(previous: RendezvousInfo | None, current: RendezvousInfo) -> Notice:
     return Notice(removed, added)
 
 
-def place(info: RendezvousInfo, node: str, job_id: str, slots: Iterable[int],
-          gpus: tuple[str, ...] = ()) -> WorkerGroup:
+def place(
+    info: RendezvousInfo, node: str, job_id: str, slots: Iterable[int], gpus: tuple[str, ...] = ()
+) -> WorkerGroup:
     """This node's workers in ``info``: the given slots (kept first, in slot order) take the
     ranks ``rank_base + i``; LOCAL_RANK stays the slot (it names the worker's device)."""
-    workers = tuple(Worker(local_rank=slot, rank=info.rank_base + i, world_size=info.world_size,
-                           node=node) for i, slot in enumerate(sorted(slots)))
-    return WorkerGroup(job_id, info.round, info.restart_count, info.group_rank,
-                       info.group_world_size, info.rank_base, info.world_size, info.master_addr,
-                       info.master_port, workers, gpus)
+    workers = tuple(
+        Worker(local_rank=slot, rank=info.rank_base + i, world_size=info.world_size, node=node)
+        for i, slot in enumerate(sorted(slots))
+    )
+    return WorkerGroup(
+        job_id,
+        info.round,
+        info.restart_count,
+        info.group_rank,
+        info.group_world_size,
+        info.rank_base,
+        info.world_size,
+        info.master_addr,
+        info.master_port,
+        workers,
+        gpus,
+    )
 
 
 def standby(job_id: str, node: str, nproc: int, gpus: tuple[str, ...] = ()) -> WorkerGroup:
@@ -104,22 +148,54 @@ def placed_group(pool: WorkerGroup, group: WorkerGroup) -> WorkerGroup:
     """The pool once ``group`` placed it: the round's ranks, each worker's pid and state kept
     (one with no place in it has no rank)."""
     by_slot = {w.local_rank: w for w in group.workers}
-    workers = tuple(Worker(old.local_rank, by_slot[old.local_rank].rank, by_slot[old.local_rank].world_size,
-                           old.node, old.pid, old.state, old.exit_code)
-                    if old.local_rank in by_slot else replace(old, rank=-1, world_size=0) for old in pool.workers)
-    return WorkerGroup(group.job_id, group.round, group.restart_count, group.group_rank,
-                       group.group_world_size, group.rank_base, group.world_size, group.master_addr,
-                       group.master_port, workers, group.gpus)
+    workers = tuple(
+        Worker(
+            old.local_rank,
+            by_slot[old.local_rank].rank,
+            by_slot[old.local_rank].world_size,
+            old.node,
+            old.pid,
+            old.state,
+            old.exit_code,
+        )
+        if old.local_rank in by_slot
+        else replace(old, rank=-1, world_size=0)
+        for old in pool.workers
+    )
+    return WorkerGroup(
+        group.job_id,
+        group.round,
+        group.restart_count,
+        group.group_rank,
+        group.group_world_size,
+        group.rank_base,
+        group.world_size,
+        group.master_addr,
+        group.master_port,
+        workers,
+        group.gpus,
+    )
 
 
 def renewed(pool: WorkerGroup, slots: Iterable[int]) -> WorkerGroup:
     """The pool with new (INIT, unplaced) workers in ``slots``, as a warm-up makes them."""
     fresh = set(slots)
-    workers = tuple(Worker(w.local_rank, -1, 0, w.node) if w.local_rank in fresh else w
-                    for w in pool.workers)
-    return WorkerGroup(pool.job_id, pool.round, pool.restart_count, pool.group_rank,
-                       pool.group_world_size, pool.rank_base, pool.world_size, pool.master_addr,
-                       pool.master_port, workers, pool.gpus)
+    workers = tuple(
+        Worker(w.local_rank, -1, 0, w.node) if w.local_rank in fresh else w for w in pool.workers
+    )
+    return WorkerGroup(
+        pool.job_id,
+        pool.round,
+        pool.restart_count,
+        pool.group_rank,
+        pool.group_world_size,
+        pool.rank_base,
+        pool.world_size,
+        pool.master_addr,
+        pool.master_port,
+        workers,
+        pool.gpus,
+    )
 
 
 def round_result(part: PartCore) -> RunResult | None:
@@ -132,10 +208,16 @@ def round_result(part: PartCore) -> RunResult | None:
     assert group is not None
     result = run_result(group, part.failures)
     if result is not None and result.state is WorkerState.FAILED:
-        unasked = {w.local_rank for w in group.workers if w.rank < 0 and not places.has_asked(w.local_rank)}
-        return RunResult(WorkerState.FAILED, tuple(
-            replace(f, message=f"{WARM_FAILURE}: {f.message}") if f.local_rank in unasked else f
-            for f in result.failures))
+        unasked = {
+            w.local_rank for w in group.workers if w.rank < 0 and not places.has_asked(w.local_rank)
+        }
+        return RunResult(
+            WorkerState.FAILED,
+            tuple(
+                replace(f, message=f"{WARM_FAILURE}: {f.message}") if f.local_rank in unasked else f
+                for f in result.failures
+            ),
+        )
     placed = tuple(w for w in group.workers if w.rank >= 0)
     if placed and all(w.state is WorkerState.SUCCEEDED for w in placed):
         return RunResult(WorkerState.SUCCEEDED)
@@ -144,8 +226,11 @@ def round_result(part: PartCore) -> RunResult | None:
 
 def ended(group: WorkerGroup) -> set[int]:
     """Slots whose worker's process ended."""
-    return {w.local_rank for w in group.workers
-            if w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED)}
+    return {
+        w.local_rank
+        for w in group.workers
+        if w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED)
+    }
 
 
 @dataclass
@@ -153,20 +238,26 @@ class Places:
     """An in-place part's slots: what each asked for, where each was placed."""
 
     slots: dict[int, SlotState] = field(default_factory=dict)
-    asked: dict[int, int] = field(default_factory=dict)   # slot -> the round it last asked to leave behind (-1: its first)
+    asked: dict[int, int] = field(
+        default_factory=dict
+    )  # slot -> the round it last asked to leave behind (-1: its first)
     placed: dict[int, int] = field(default_factory=dict)  # slot -> the round it was last placed in
-    aborted: int = -1                                     # the newest round the workers were told to abort for
-    survivors: dict[int, int] = field(default_factory=dict)  # slot -> its old round, while they must rejoin
-    suspect: Failure | None = None                        # a collective failed: the job fails with it, unless...
-    suspected: Failure | None = None                      # a collective failure whose peers are being probed
-    joining: tuple[int, ...] = ()                         # the slots offered to the round being joined
-    first: bool = False                                   # the job's first round: its workers start once formed
+    aborted: int = -1  # the newest round the workers were told to abort for
+    survivors: dict[int, int] = field(
+        default_factory=dict
+    )  # slot -> its old round, while they must rejoin
+    suspect: Failure | None = None  # a collective failed: the job fails with it, unless...
+    suspected: Failure | None = None  # a collective failure whose peers are being probed
+    joining: tuple[int, ...] = ()  # the slots offered to the round being joined
+    first: bool = False  # the job's first round: its workers start once formed
     timers: dict[str, str] = field(default_factory=dict)  # role -> the name of its timer now
-    warm_failures: int = 0                                # warm-ups that failed since a worker last asked
-    keep: int = 0                                         # the world size to keep: before the last losses
-    extra: int = 0                                        # spares placed beyond nproc, filling in for a lost node
-    fresh: bool = False                                   # every worker was stopped (a stall): all start anew
-    given: set[int] = field(default_factory=set)          # slots given back to the node: no worker runs there again
+    warm_failures: int = 0  # warm-ups that failed since a worker last asked
+    keep: int = 0  # the world size to keep: before the last losses
+    extra: int = 0  # spares placed beyond nproc, filling in for a lost node
+    fresh: bool = False  # every worker was stopped (a stall): all start anew
+    given: set[int] = field(
+        default_factory=set
+    )  # slots given back to the node: no worker runs there again
 
     def move(self, slot: int, state: SlotState) -> None:
         self.slots[slot] = SLOT_STATES.check(self.slots.get(slot, SlotState.EMPTY), state)
@@ -209,7 +300,9 @@ def _parked_slots(places: Places) -> list[int]:
 def _offered(places: Places, slots: Iterable[int], nproc: int) -> tuple[int, ...]:
     """What a join offers of the workers that asked: those placed before first (survivors
     keep their places), then spares, at most ``nproc``."""
-    return tuple(sorted(slots, key=lambda s: (places.slots.get(s) is not SlotState.PLACED, s))[:nproc])
+    return tuple(
+        sorted(slots, key=lambda s: (places.slots.get(s) is not SlotState.PLACED, s))[:nproc]
+    )
 
 
 def _places(part: PartCore) -> Places:
@@ -236,6 +329,7 @@ def _clear(part: PartCore, *roles: str) -> Instructions:
 
 
 # -- the part's in-place steps --------------------------------------------------------------
+
 
 def begin(part: PartCore, now: ev.Now) -> Instructions:
     """A standby pool (every slot, none started); the job's first round is joined before its
@@ -273,9 +367,14 @@ def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> 
         assert part.group is not None
         part.group = renewed(part.group, missing)
         out.append(do.WarmWorkers(part.job, missing, previous.round + 1 if previous else 0))
-    ready = _offered(places, (slot for slot in places.running() if places.has_asked(slot)),
-                     part.nproc + places.extra)
-    if ready or previous is not None and not places.fresh:  # a member stays one, with no worker while they warm up
+    ready = _offered(
+        places,
+        (slot for slot in places.running() if places.has_asked(slot)),
+        part.nproc + places.extra,
+    )
+    if ready or (
+        previous is not None and not places.fresh
+    ):  # a member stays one, with no worker while they warm up
         places.joining = ready
         return out + part._join(now, len(ready))
     return out + _warm(part, now)
@@ -283,6 +382,7 @@ def next_round(part: PartCore, previous: RendezvousInfo | None, now: ev.Now) -> 
 
 def _warm(part: PartCore, now: ev.Now) -> Instructions:
     from elasticd.core.part import Phase
+
     part._to(Phase.WARMING)
     return _warm_check(part, now)
 
@@ -294,10 +394,14 @@ def _warm_check(part: PartCore, now: ev.Now) -> Instructions:
     places = _places(part)
     running = places.running()
     asked = [slot for slot in running if places.has_asked(slot)]
-    if running and (len(asked) == len(running) or len(asked) >= part.nproc):  # spares may still warm
+    if running and (
+        len(asked) == len(running) or len(asked) >= part.nproc
+    ):  # spares may still warm
         places.joining = _offered(places, asked, part.nproc)
         return part._join(now, len(places.joining))
-    if part.group is not None and (not running or run_result(part.group, part.failures) is not None):
+    if part.group is not None and (
+        not running or run_result(part.group, part.failures) is not None
+    ):
         return warm_exited(part, now)
     if part.ended is not None:
         return part._drop() + part._end(PartState.STOPPED, now)
@@ -311,8 +415,10 @@ def warm_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instructio
     return _warm_check(part, now)
 
 
-WARM_FAILURE = ("failed while warming up, before it asked for its place (an --in-place job's "
-                "script must call elasticd.elastic.run)")
+WARM_FAILURE = (
+    "failed while warming up, before it asked for its place (an --in-place job's "
+    "script must call elasticd.elastic.run)"
+)
 
 
 def warm_exited(part: PartCore, now: ev.Now) -> Instructions:
@@ -334,8 +440,14 @@ def warm_exited(part: PartCore, now: ev.Now) -> Instructions:
     seen = WorkersExited(_warm_failure(part, result))
     cause = seen.result.root_cause
     assert cause is not None
-    said: Instructions = [do.Say("warning", "job %s: a worker on %s %s", part.job,
-                                 (part.job, part.settings.node, excerpt(cause.message)))]
+    said: Instructions = [
+        do.Say(
+            "warning",
+            "job %s: a worker on %s %s",
+            part.job,
+            (part.job, part.settings.node, excerpt(cause.message)),
+        )
+    ]
     places.warm_failures += 1
     if places.warm_failures > part.spec.max_restarts:
         outcome = failure_outcome(seen.result, part.spec, now.wall, part.settings.node)
@@ -349,10 +461,15 @@ def _warm_failure(part: PartCore, result: RunResult | None) -> RunResult:
     assert part.group is not None
     causes = result.failures if result is not None and result.state is WorkerState.FAILED else ()
     if not causes:
-        causes = tuple(Failure(w.rank, w.local_rank, w.node, w.exit_code or 0, "exited")
-                       for w in part.group.workers if w.local_rank in ended(part.group))
-    return RunResult(WorkerState.FAILED, tuple(
-        replace(f, message=f"{WARM_FAILURE}: {f.message}") for f in causes))
+        causes = tuple(
+            Failure(w.rank, w.local_rank, w.node, w.exit_code or 0, "exited")
+            for w in part.group.workers
+            if w.local_rank in ended(part.group)
+        )
+    return RunResult(
+        WorkerState.FAILED,
+        tuple(replace(f, message=f"{WARM_FAILURE}: {f.message}") for f in causes),
+    )
 
 
 def joined(part: PartCore, info: RendezvousInfo, now: ev.Now) -> Instructions:
@@ -381,11 +498,16 @@ def _fill(part: PartCore, now: ev.Now) -> Instructions:
     one spare each, fill in for what was lost, through a scale-up round.  The others train
     on meanwhile; the fill lasts until a node or a newcomer scales the job up again."""
     from elasticd.core.part import Phase
+
     places, info = _places(part), part.info
     assert info is not None
     spares = _parked_slots(places)
-    if part.phase is not Phase.RUNNING or not part.spares or not spares \
-            or info.group_rank >= places.keep - info.world_size:
+    if (
+        part.phase is not Phase.RUNNING
+        or not part.spares
+        or not spares
+        or info.group_rank >= places.keep - info.world_size
+    ):
         return []
     extra = places.extra + 1
     out = part._observed(WorkersReady(spares[:1]), now)  # a scale-up: it puts extra back to 0
@@ -393,13 +515,20 @@ def _fill(part: PartCore, now: ev.Now) -> Instructions:
     return out
 
 
-def _place(part: PartCore, info: RendezvousInfo, previous: RendezvousInfo | None,
-           slots: Iterable[int], now: ev.Now) -> Instructions:
+def _place(
+    part: PartCore,
+    info: RendezvousInfo,
+    previous: RendezvousInfo | None,
+    slots: Iterable[int],
+    now: ev.Now,
+) -> Instructions:
     """Tell each kept worker its place in ``info``; survivors hear of the change and must
     ask for their new place within the rejoin timeout when they were told to abort."""
     places = _places(part)
     group = place(info, part.settings.node, part.job, slots, part.gpus)
-    envs = {w.local_rank: {**placement_env(group, w), ROUND_ENV: str(info.round)} for w in group.workers}
+    envs = {
+        w.local_rank: {**placement_env(group, w), ROUND_ENV: str(info.round)} for w in group.workers
+    }
     out: Instructions = [do.PlaceWorkers(part.job, group, envs)]
     change = notice(previous, info)
     if change.abort and places.aborted < info.round:
@@ -407,15 +536,24 @@ def _place(part: PartCore, info: RendezvousInfo, previous: RendezvousInfo | None
         places.aborted = info.round
     out.append(do.Notify(part.job, info.round, added=change.added))
     out += _clear(part, "suspect", "rejoin")
-    places.survivors = {w.local_rank: places.placed[w.local_rank] for w in group.workers
-                        if w.local_rank in places.placed} if places.aborted >= info.round else {}
+    places.survivors = (
+        {
+            w.local_rank: places.placed[w.local_rank]
+            for w in group.workers
+            if w.local_rank in places.placed
+        }
+        if places.aborted >= info.round
+        else {}
+    )
     if places.survivors:
         out.append(_timer(part, "rejoin", now.mono + part.spec.rejoin_timeout))
     for worker in group.workers:
         places.placed[worker.local_rank] = info.round
         places.move(worker.local_rank, SlotState.PLACED)
     offered = {w.local_rank for w in group.workers}
-    for slot in [s for s, state in places.slots.items() if state is SlotState.PLACED and s not in offered]:
+    for slot in [
+        s for s, state in places.slots.items() if state is SlotState.PLACED and s not in offered
+    ]:
         places.move(slot, SlotState.READY)  # a spare that filled in steps back
     places.suspect = places.suspected = None
     assert part.group is not None
@@ -442,13 +580,21 @@ def running_asked(part: PartCore, event: ev.WorkerAsked, now: ev.Now) -> Instruc
     placed = {w.local_rank for w in group.workers if w.rank >= 0}
     if event.why == "failure" and event.after >= info.round and event.slot in placed:
         worker = group.workers[event.slot]
-        failure = Failure(rank=worker.rank, local_rank=event.slot, node=part.settings.node,
-                          exit_code=1, message=f"a collective failed: {event.error}", timestamp=now.wall)
+        failure = Failure(
+            rank=worker.rank,
+            local_rank=event.slot,
+            node=part.settings.node,
+            exit_code=1,
+            message=f"a collective failed: {event.error}",
+            timestamp=now.wall,
+        )
         return _collective_failed(part, failure, now)
     taken = _take_in(part, now)
     if taken:
         return taken
-    if places.slots.get(event.slot) is SlotState.READY:  # a spare parked: it may fill in, else the job shows it
+    if (
+        places.slots.get(event.slot) is SlotState.READY
+    ):  # a spare parked: it may fill in, else the job shows it
         return _fill(part, now) or part._report(part.report_state, now, info, group)
     return []
 
@@ -458,6 +604,7 @@ def _take_in(part: PartCore, now: ev.Now) -> Instructions:
     stay parked): a scale-up round takes them in, once all that warm up asked or they fill
     the places."""
     from elasticd.core.part import Phase
+
     places, group = _places(part), part.group
     assert group is not None
     if part.phase is not Phase.RUNNING:
@@ -481,7 +628,9 @@ def _collective_failed(part: PartCore, failure: Failure, now: ev.Now) -> Instruc
     if not others:
         return _suspect(part, failure, now)
     places.suspected = failure
-    return part._drop("probe") + [do.Probe(part.job, part._op("probe"), others, part.settings.dead_after)]
+    return part._drop("probe") + [
+        do.Probe(part.job, part._op("probe"), others, part.settings.dead_after)
+    ]
 
 
 def running_probed(part: PartCore, event: ev.PeersProbed, now: ev.Now) -> Instructions:
@@ -491,7 +640,9 @@ def running_probed(part: PartCore, event: ev.PeersProbed, now: ev.Now) -> Instru
     assert failure is not None
     places.suspected = None
     if event.lost:
-        return part._observed(WorkersExited(RunResult(WorkerState.FAILED, (failure,)), event.lost), now)
+        return part._observed(
+            WorkersExited(RunResult(WorkerState.FAILED, (failure,)), event.lost), now
+        )
     return _suspect(part, failure, now)
 
 
@@ -512,8 +663,11 @@ def timer(part: PartCore, event: ev.TimerFired, now: ev.Now) -> Instructions:
     if role == "suspect" and places.suspect is not None:
         return part._observed(WorkersExited(RunResult(WorkerState.FAILED, (places.suspect,))), now)
     if role == "rejoin":
-        late = tuple(slot for slot, old in places.survivors.items()
-                     if slot in places.running() and places.asked.get(slot, -2) < old)
+        late = tuple(
+            slot
+            for slot, old in places.survivors.items()
+            if slot in places.running() and places.asked.get(slot, -2) < old
+        )
         if late:
             return part._observed(RejoinStalled(late), now)
     return []
@@ -523,6 +677,7 @@ def act(part: PartCore, decision: Decision, seen: Observed, now: ev.Now) -> Inst
     """Membership changes keep the workers (they are told); the rest is as for any part
     (None).  A stall restarts every worker: the pool starts afresh."""
     from elasticd.core.part import Then
+
     assert part.info is not None
     if decision is Decision.REJOIN:
         assert isinstance(seen, RoundEvent) and seen.reason is not None
@@ -533,18 +688,25 @@ def act(part: PartCore, decision: Decision, seen: Observed, now: ev.Now) -> Inst
         return None
     places = _places(part)
     if reason is Reason.SCALE_UP:
-        places.extra = 0  # a node or a newcomer comes: spares that filled in step back (a fill sets it after)
+        places.extra = (
+            0  # a node or a newcomer comes: spares that filled in step back (a fill sets it after)
+        )
     out = _clear(part, "suspect", "rejoin")
     out += part._report(PartState.RESTARTING, now, part.info, part.group)
     if not keeps_workers(reason):
-        return out + part._stop_then(Then(decision=decision, seen=seen, reason=reason, new_pool=True))
+        return out + part._stop_then(
+            Then(decision=decision, seen=seen, reason=reason, new_pool=True)
+        )
     if aborts(reason):
         out.append(do.Notify(part.job, part.info.round + 1, abort=True))
         places.aborted = part.info.round + 1
     lost = seen.lost if isinstance(seen, WorkersExited) else ()
     if reason in LOSSES and part.spares:
-        kept = seen.nodes if isinstance(seen, RoundEvent) else \
-            tuple(m.node for m in part.info.members if m.node not in lost)
+        kept = (
+            seen.nodes
+            if isinstance(seen, RoundEvent)
+            else tuple(m.node for m in part.info.members if m.node not in lost)
+        )
         places.extra += _fill_share(part, kept)
     if decision is Decision.REJOIN:
         return out + part._rejoin(now)
@@ -581,6 +743,7 @@ def fresh_pool(part: PartCore, now: ev.Now) -> Instructions:
 
 # -- the pool's slots, once spares were given back (core/spares.py) --------------------------
 
+
 def pool_width(part: PartCore) -> int:
     """Slot numbers of the pool: its own slots and those it gave back (a slot keeps its
     number for good: LOCAL_RANK names the worker's device)."""
@@ -591,4 +754,3 @@ def pool_slots(part: PartCore) -> list[int]:
     """The slots the pool holds: every slot number but those given back."""
     given = part.place.given if part.place is not None else set()
     return [slot for slot in range(pool_width(part)) if slot not in given]
-

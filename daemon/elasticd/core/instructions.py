@@ -7,15 +7,16 @@ still comes, is stale).  The others are done at once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from elasticd.core.model import JobSpec, WorkerGroup
 from elasticd.core.records import Outcome, Part
 from elasticd.rendezvous import Reason, RendezvousInfo
 
-
 # -- the rendezvous -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Join:
@@ -90,6 +91,7 @@ class Cancel:
 
 
 # -- the workers --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StartWorkers:
@@ -168,6 +170,7 @@ class StopWorkers:
 
 # -- records ------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Publish:
     """This node's part of the job, for the job table and the board (the shell adds its
@@ -185,7 +188,7 @@ class Finish:
     op: int
     outcome: Outcome
     spec: JobSpec | None = None  # for a job this node runs nothing of
-    board: bool = True           # False: this node's record only (a one-node cluster's old job)
+    board: bool = True  # False: this node's record only (a one-node cluster's old job)
 
 
 @dataclass(frozen=True)
@@ -198,13 +201,14 @@ class HoldJob:
 
 # -- life cycle, time, what is said -------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class StartPart:
     """Make the part's effectors (its rendezvous and keeper, cgroup, in-place channel)."""
 
     job: str
     spec: JobSpec
-    nproc: int             # its processes: the workers and the spares
+    nproc: int  # its processes: the workers and the spares
     gpus: tuple[str, ...]
     started: float | None  # when the job first ran, on any node (None: it has not)
 
@@ -253,7 +257,29 @@ class Say:
     args: tuple[Any, ...] = field(default_factory=tuple)
 
 
-Instruction = (Join | Watch | RequestRound | ArriveAtBarrier | Leave | Probe | Cancel
-               | StartWorkers | NewPool | WarmWorkers | PlaceWorkers | Notify | ForgetSlots
-               | ShedSpares | StopWorkers | Publish | Finish | HoldJob | StartPart | ClosePart | SetTimer
-               | ClearTimer | Count | Say)
+Instruction = (
+    Join
+    | Watch
+    | RequestRound
+    | ArriveAtBarrier
+    | Leave
+    | Probe
+    | Cancel
+    | StartWorkers
+    | NewPool
+    | WarmWorkers
+    | PlaceWorkers
+    | Notify
+    | ForgetSlots
+    | ShedSpares
+    | StopWorkers
+    | Publish
+    | Finish
+    | HoldJob
+    | StartPart
+    | ClosePart
+    | SetTimer
+    | ClearTimer
+    | Count
+    | Say
+)

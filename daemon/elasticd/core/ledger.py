@@ -16,22 +16,22 @@ stay whole for larger shares), then the name.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from elasticd.core.allocation import JobDemand, Policy, Share, Tally
 
-BORROWED, LENT, PREEMPT = 1, 2, 3   # how a job yields a node (lower yields first)
+BORROWED, LENT, PREEMPT = 1, 2, 3  # how a job yields a node (lower yields first)
 
 
 class Ledger:
     def __init__(self, capacity: dict[str, tuple[int, int]], ranked: Sequence[JobDemand]) -> None:
-        self.capacity = capacity                     # usable node -> (slots, gpus)
+        self.capacity = capacity  # usable node -> (slots, gpus)
         self.jobs = {j.id: j for j in ranked}
         self.rank = {j.id: i for i, j in enumerate(ranked)}
         self.held: dict[str, set[str]] = {j.id: set() for j in ranked}
-        self.on: dict[str, set[str]] = {n: set() for n in capacity}     # node -> jobs on it
+        self.on: dict[str, set[str]] = {n: set() for n in capacity}  # node -> jobs on it
         self.used: dict[str, list[int]] = {n: [0, 0] for n in capacity}
-        self.reserved: dict[str, list[int]] = {}    # node -> room kept for waiting jobs
+        self.reserved: dict[str, list[int]] = {}  # node -> room kept for waiting jobs
         self.preempted: set[str] = set()
 
     def copy(self) -> Ledger:
@@ -90,12 +90,18 @@ class Ledger:
         """Growth takes nodes no waiting job keeps first, then the tightest fit."""
         slots, gpus = self.room(node)
         share = job.shares[node]
-        return bool(self.reserved.get(node, [0, 0]) != [0, 0]), gpus - share.gpus, slots - share.slots, node
+        return (
+            bool(self.reserved.get(node, [0, 0]) != [0, 0]),
+            gpus - share.gpus,
+            slots - share.slots,
+            node,
+        )
 
     # -- clearing room for a job -----------------------------------------------------------
 
-    def plan(self, job: JobDemand, count: int, policy: Policy, *, reservations: bool,
-             preempt: bool) -> Ledger | None:
+    def plan(
+        self, job: JobDemand, count: int, policy: Policy, *, reservations: bool, preempt: bool
+    ) -> Ledger | None:
         """A copy of the ledger with ``count`` more nodes given to ``job``, each the cheapest
         to clear, or None if there are not that many."""
         trial = self.copy()
@@ -113,8 +119,9 @@ class Ledger:
             trial._settle(victim)
         return trial
 
-    def _cheapest(self, job: JobDemand, policy: Policy, reservations: bool,
-                  preempt: bool) -> tuple[str, tuple[str, ...]] | None:
+    def _cheapest(
+        self, job: JobDemand, policy: Policy, reservations: bool, preempt: bool
+    ) -> tuple[str, tuple[str, ...]] | None:
         best: tuple[tuple, str, tuple[str, ...]] | None = None
         for node in self.nodes_for(job):
             if node in self.held[job.id]:
@@ -124,16 +131,20 @@ class Ledger:
                 best = (found[0], node, found[1])
         return None if best is None else (best[1], best[2])
 
-    def clearing(self, job: JobDemand, node: str, policy: Policy, reservations: bool,
-                 preempt: bool) -> tuple[tuple, tuple[str, ...]] | None:
+    def clearing(
+        self, job: JobDemand, node: str, policy: Policy, reservations: bool, preempt: bool
+    ) -> tuple[tuple, tuple[str, ...]] | None:
         """What giving ``node`` to ``job`` costs and who must yield it, or None if it cannot
         be cleared."""
         if node not in self.capacity or node not in job.shares:
             return None
         share = job.shares[node]
         room = self.room(node, reservations)
-        ways = sorted((way, -self.rank[v], v) for v in self.on[node] if v != job.id
-                      and (way := self._yields(job, v, policy, preempt)) is not None)
+        ways = sorted(
+            (way, -self.rank[v], v)
+            for v in self.on[node]
+            if v != job.id and (way := self._yields(job, v, policy, preempt)) is not None
+        )
         victims: list[tuple[int, int, str]] = []
         for way in ways:
             if _covers(room, share):
@@ -145,12 +156,19 @@ class Ledger:
         victims = self._needed(victims, room, share, node)
         left = _plus(room, _minus(share))
         moved = sum(1 for _, _, v in victims if node in self.jobs[v].current)
-        cost = (max((w for w, _, _ in victims), default=0), moved, len(victims),
-                tuple(sorted(r for _, r, _ in victims)), left[1], left[0])
+        cost = (
+            max((w for w, _, _ in victims), default=0),
+            moved,
+            len(victims),
+            tuple(sorted(r for _, r, _ in victims)),
+            left[1],
+            left[0],
+        )
         return cost, tuple(v for _, _, v in victims)
 
-    def _needed(self, victims: list[tuple[int, int, str]], room: tuple[int, int], share: Share,
-                node: str) -> list[tuple[int, int, str]]:
+    def _needed(
+        self, victims: list[tuple[int, int, str]], room: tuple[int, int], share: Share, node: str
+    ) -> list[tuple[int, int, str]]:
         """Drop the victims (first yielders first) whose room is not needed after all."""
         kept = list(victims)
         for way in victims:
@@ -190,6 +208,7 @@ class Ledger:
 
 # -- quotas ----------------------------------------------------------------------------------
 
+
 def charge(ledger: Ledger, job: JobDemand, count: int | None = None) -> Tally:
     """What ``job`` counts against its quotas: its guaranteed nodes (``count``, by default
     as many as it holds up to its min) at its smallest share."""
@@ -198,8 +217,11 @@ def charge(ledger: Ledger, job: JobDemand, count: int | None = None) -> Tally:
     count = min(count, job.need)
     if not job.shares or count <= 0:
         return Tally()
-    return Tally(count, count * min(s.slots for s in job.shares.values()),
-                 count * min(s.gpus for s in job.shares.values()))
+    return Tally(
+        count,
+        count * min(s.slots for s in job.shares.values()),
+        count * min(s.gpus for s in job.shares.values()),
+    )
 
 
 def in_use(ledger: Ledger, jobs: Iterable[JobDemand]) -> Tally:
@@ -219,7 +241,9 @@ def borrowing(ledger: Ledger, job: JobDemand, policy: Policy) -> bool:
         return False
     for limits, _, kind in policy.limits(job):
         owner = getattr(job, kind)
-        if limits.exceeded_by(in_use(ledger, (j for j in ledger.jobs.values() if getattr(j, kind) == owner))):
+        if limits.exceeded_by(
+            in_use(ledger, (j for j in ledger.jobs.values() if getattr(j, kind) == owner))
+        ):
             return True
     return False
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 @dataclass(frozen=True)
 class KeepAlive:
     interval: float = 1.0  # seconds between a node's heartbeats
-    attempts: int = 3      # heartbeats missed before it counts as dead
+    attempts: int = 3  # heartbeats missed before it counts as dead
 
     @property
     def dead_after(self) -> float:
@@ -27,8 +27,8 @@ class Beat(NamedTuple):
     """A heartbeat counter as one observer sees it."""
 
     count: int | None  # as last read (None: no counter yet)
-    since: float       # when this observer saw it change (its monotonic clock)
-    reads: int = 0     # this observer's reads since then that found it unchanged
+    since: float  # when this observer saw it change (its monotonic clock)
+    reads: int = 0  # this observer's reads since then that found it unchanged
 
 
 def observe(previous: Beat | None, count: int | None, now: float) -> Beat:
@@ -40,5 +40,8 @@ def observe(previous: Beat | None, count: int | None, now: float) -> Beat:
 
 def silent(beat: Beat | None, keep_alive: KeepAlive, now: float) -> bool:
     """Whether the node behind ``beat`` counts as dead (never one not seen yet)."""
-    return (beat is not None and now - beat.since >= keep_alive.dead_after
-            and beat.reads >= keep_alive.attempts)
+    return (
+        beat is not None
+        and now - beat.since >= keep_alive.dead_after
+        and beat.reads >= keep_alive.attempts
+    )

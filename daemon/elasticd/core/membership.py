@@ -13,8 +13,9 @@ records that changed: O(1) per node per interval, O(changes) for the rest.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from elasticd.core.liveness import Beat, KeepAlive, silent
 
@@ -23,9 +24,9 @@ from elasticd.core.liveness import Beat, KeepAlive, silent
 class Membership:
     """One node's membership as the observer published it."""
 
-    record: int           # the version of its record that its heartbeat announced
+    record: int  # the version of its record that its heartbeat announced
     lost: bool = False
-    since: float = 0.0    # the observer's wall clock when ``lost`` last changed (display only)
+    since: float = 0.0  # the observer's wall clock when ``lost`` last changed (display only)
 
     def to_json(self) -> list[Any]:
         return [self.record, self.lost, self.since]
@@ -51,8 +52,14 @@ def members_json(members: Members) -> dict[str, Any]:
     return {name: member.to_json() for name, member in sorted(members.items())}
 
 
-def judge(members: Members, beats: Mapping[str, Beat], records: Mapping[str, int | None],
-          keep_alive: KeepAlive, now: float, wall: float) -> dict[str, Membership]:
+def judge(
+    members: Members,
+    beats: Mapping[str, Beat],
+    records: Mapping[str, int | None],
+    keep_alive: KeepAlive,
+    now: float,
+    wall: float,
+) -> dict[str, Membership]:
     """The entries that change, given every node's heartbeat as this observer saw it and
     the record versions those heartbeats announced (None: not readable this time).
 
@@ -71,8 +78,11 @@ def judge(members: Members, beats: Mapping[str, Beat], records: Mapping[str, int
             if record is not None and not lost:
                 changes[name] = Membership(record, False, wall)
         elif lost != old.lost or record != old.record:
-            changes[name] = Membership(record if record is not None else old.record, lost,
-                                   wall if lost != old.lost else old.since)
+            changes[name] = Membership(
+                record if record is not None else old.record,
+                lost,
+                wall if lost != old.lost else old.since,
+            )
     return changes
 
 
@@ -114,7 +124,9 @@ def catch_up(term: int, number: int, head: Head | None, keep: int) -> Catch:
     return Catch(entries=range(number + 1, head.number + 1))
 
 
-def takes_over(observer_known: bool, head_beat: Beat | None, keep_alive: KeepAlive, now: float) -> bool:
+def takes_over(
+    observer_known: bool, head_beat: Beat | None, keep_alive: KeepAlive, now: float
+) -> bool:
     """Whether a node should try to become the observer: there is none, or its head (its
     heartbeat) stood still by the liveness rule."""
     return not observer_known or silent(head_beat, keep_alive, now)

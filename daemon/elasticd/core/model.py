@@ -9,36 +9,47 @@ IllegalTransition and the caller changes nothing.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
-from elasticd.wire import protocol
+from elasticd.core.tables import IllegalTransition, StateTable  # noqa: F401  (the tables' home; re-exported)
 from elasticd.errors import InvalidSpec
 from elasticd.rendezvous.state import RendezvousSettings
-from elasticd.core.tables import IllegalTransition, StateTable  # noqa: F401  (the tables' home; re-exported)
+from elasticd.wire import protocol
 
 SCHEMA = 1
 GPU = protocol.GPU
 CPU = protocol.CPU
 AUTO = protocol.AUTO
 KINDS = ("script", "module", "exec")
-MAX_TIMEOUT = 365 * 24 * 3600.0  # a year: longer than any job waits, shorter than any clock overflows
-MAX_COUNT = 1_000_000            # restarts, nodes: beyond any cluster
+MAX_TIMEOUT = (
+    365 * 24 * 3600.0
+)  # a year: longer than any job waits, shorter than any clock overflows
+MAX_COUNT = 1_000_000  # restarts, nodes: beyond any cluster
 MAX_NPROC = 4096
 MAX_NAME = 256
 MAX_ROLE = 64
-MAX_PRIORITY = 1_000_000       # |priority|: the config bounds what each user may ask
+MAX_PRIORITY = 1_000_000  # |priority|: the config bounds what each user may ask
 DEFAULT_ROLE = "default"  # torchrun's --role
 # Fields a daemon of the previous version does not know: left out of a spec's JSON while
 # they hold their default, so that it can still read every ordinary job.
-_OMITTED_AT_DEFAULT = ("role", "master_port", "priority", "account", "preemptible", "nnodes_step", "spares")
+_OMITTED_AT_DEFAULT = (
+    "role",
+    "master_port",
+    "priority",
+    "account",
+    "preemptible",
+    "nnodes_step",
+    "spares",
+)
 
 
 class JobState(enum.StrEnum):
-    PENDING = "PENDING"          # no node has joined yet
-    RENDEZVOUS = "RENDEZVOUS"    # nodes are forming its first round
+    PENDING = "PENDING"  # no node has joined yet
+    RENDEZVOUS = "RENDEZVOUS"  # nodes are forming its first round
     RUNNING = "RUNNING"
-    RESTARTING = "RESTARTING"    # it ran, and a new round is forming (after a failure, a
+    RESTARTING = "RESTARTING"  # it ran, and a new round is forming (after a failure, a
     #                              membership change, or while every node it had is gone)
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
@@ -53,42 +64,70 @@ _JOB_ENDS = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 # A daemon sees other nodes' parts when the board delivers them, so it may skip states (a
 # daemon that starts while a job restarts sees it PENDING, then RESTARTING); what it never
 # sees is a job that ran going back to PENDING or RENDEZVOUS, or a job that ended going on.
-JOB_STATES = StateTable("a job", {
-    JobState.PENDING: (JobState.RENDEZVOUS, JobState.RUNNING, JobState.RESTARTING, *_JOB_ENDS),
-    JobState.RENDEZVOUS: (JobState.PENDING, JobState.RUNNING, JobState.RESTARTING, *_JOB_ENDS),
-    JobState.RUNNING: (JobState.RESTARTING, *_JOB_ENDS),
-    JobState.RESTARTING: (JobState.RUNNING, *_JOB_ENDS),
-    **{end: () for end in _JOB_ENDS},
-})
+JOB_STATES = StateTable(
+    "a job",
+    {
+        JobState.PENDING: (JobState.RENDEZVOUS, JobState.RUNNING, JobState.RESTARTING, *_JOB_ENDS),
+        JobState.RENDEZVOUS: (JobState.PENDING, JobState.RUNNING, JobState.RESTARTING, *_JOB_ENDS),
+        JobState.RUNNING: (JobState.RESTARTING, *_JOB_ENDS),
+        JobState.RESTARTING: (JobState.RUNNING, *_JOB_ENDS),
+        **{end: () for end in _JOB_ENDS},
+    },
+)
 
 
 class PartState(enum.StrEnum):
     """One node's share of a job (written by that node's agent)."""
 
-    RENDEZVOUS = "RENDEZVOUS"      # waiting for the job's nodes
-    RUNNING = "RUNNING"            # workers up
-    RESTARTING = "RESTARTING"      # stopping workers / re-forming after a failure or a membership change
-    BARRIER = "BARRIER"            # local workers succeeded, waiting for the other nodes
+    RENDEZVOUS = "RENDEZVOUS"  # waiting for the job's nodes
+    RUNNING = "RUNNING"  # workers up
+    RESTARTING = (
+        "RESTARTING"  # stopping workers / re-forming after a failure or a membership change
+    )
+    BARRIER = "BARRIER"  # local workers succeeded, waiting for the other nodes
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
-    STOPPED = "STOPPED"            # stopped because the job ended or the daemon shut down
-    LEFT = "LEFT"                  # the node left the job (drain) and the job went on without it
+    STOPPED = "STOPPED"  # stopped because the job ended or the daemon shut down
+    LEFT = "LEFT"  # the node left the job (drain) and the job went on without it
 
     @property
     def active(self) -> bool:
-        return self in (PartState.RENDEZVOUS, PartState.RUNNING, PartState.RESTARTING, PartState.BARRIER)
+        return self in (
+            PartState.RENDEZVOUS,
+            PartState.RUNNING,
+            PartState.RESTARTING,
+            PartState.BARRIER,
+        )
 
 
 _PART_ENDS = (PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED, PartState.LEFT)
-PART_STATES = StateTable("a node's part of a job", {
-    PartState.RENDEZVOUS: (PartState.RUNNING, PartState.FAILED, PartState.STOPPED, PartState.LEFT),
-    PartState.RUNNING: (PartState.RESTARTING, PartState.BARRIER, PartState.FAILED,
-                        PartState.STOPPED, PartState.LEFT,
-                        PartState.SUCCEEDED),  # the last node at the exit barrier waits for nobody
-    PartState.RESTARTING: (PartState.RUNNING, PartState.FAILED, PartState.STOPPED, PartState.LEFT),
-    PartState.BARRIER: (PartState.RESTARTING, *_PART_ENDS),
-    **{end: () for end in _PART_ENDS},
-})
+PART_STATES = StateTable(
+    "a node's part of a job",
+    {
+        PartState.RENDEZVOUS: (
+            PartState.RUNNING,
+            PartState.FAILED,
+            PartState.STOPPED,
+            PartState.LEFT,
+        ),
+        PartState.RUNNING: (
+            PartState.RESTARTING,
+            PartState.BARRIER,
+            PartState.FAILED,
+            PartState.STOPPED,
+            PartState.LEFT,
+            PartState.SUCCEEDED,
+        ),  # the last node at the exit barrier waits for nobody
+        PartState.RESTARTING: (
+            PartState.RUNNING,
+            PartState.FAILED,
+            PartState.STOPPED,
+            PartState.LEFT,
+        ),
+        PartState.BARRIER: (PartState.RESTARTING, *_PART_ENDS),
+        **{end: () for end in _PART_ENDS},
+    },
+)
 # A node whose part ended may take the job again later (it left, or stopped with its
 # daemon, and the job went on): that is a new agent's part, which starts at RENDEZVOUS.
 NEW_PART = PartState.RENDEZVOUS
@@ -102,11 +141,16 @@ class WorkerState(enum.StrEnum):
     STOPPED = "STOPPED"
 
 
-WORKER_STATES = StateTable("a worker", {
-    WorkerState.INIT: (WorkerState.HEALTHY, WorkerState.FAILED),  # FAILED: it could not start
-    WorkerState.HEALTHY: (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED),
-    WorkerState.SUCCEEDED: (), WorkerState.FAILED: (), WorkerState.STOPPED: (),
-})
+WORKER_STATES = StateTable(
+    "a worker",
+    {
+        WorkerState.INIT: (WorkerState.HEALTHY, WorkerState.FAILED),  # FAILED: it could not start
+        WorkerState.HEALTHY: (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED),
+        WorkerState.SUCCEEDED: (),
+        WorkerState.FAILED: (),
+        WorkerState.STOPPED: (),
+    },
+)
 
 
 class NodeState(enum.StrEnum):
@@ -114,21 +158,50 @@ class NodeState(enum.StrEnum):
 
     UP = "up"
     DRAINING = "draining"  # takes no new job; its jobs move off it through new rounds
-    DRAINED = "drained"    # draining, and no job left
-    BLACKLISTED = "blacklisted"  # its workers kept failing: out of new rounds until its cooldown ends
-    LOST = "lost"          # its heartbeat stood still (liveness.silent)
+    DRAINED = "drained"  # draining, and no job left
+    BLACKLISTED = (
+        "blacklisted"  # its workers kept failing: out of new rounds until its cooldown ends
+    )
+    LOST = "lost"  # its heartbeat stood still (liveness.silent)
 
 
 # Observed once per heartbeat duty, so a short stay in a state may go unseen; any state may
 # turn LOST and come back from it, and any may be blacklisted (a drained node's last failure
 # may be seen late) and come back to what it was.
-NODE_STATES = StateTable("a node", {
-    NodeState.UP: (NodeState.DRAINING, NodeState.DRAINED, NodeState.BLACKLISTED, NodeState.LOST),
-    NodeState.DRAINING: (NodeState.DRAINED, NodeState.UP, NodeState.BLACKLISTED, NodeState.LOST),
-    NodeState.DRAINED: (NodeState.UP, NodeState.BLACKLISTED, NodeState.LOST),  # it takes no job: never draining again first
-    NodeState.BLACKLISTED: (NodeState.UP, NodeState.DRAINING, NodeState.DRAINED, NodeState.LOST),
-    NodeState.LOST: (NodeState.UP, NodeState.DRAINING, NodeState.DRAINED, NodeState.BLACKLISTED),
-})
+NODE_STATES = StateTable(
+    "a node",
+    {
+        NodeState.UP: (
+            NodeState.DRAINING,
+            NodeState.DRAINED,
+            NodeState.BLACKLISTED,
+            NodeState.LOST,
+        ),
+        NodeState.DRAINING: (
+            NodeState.DRAINED,
+            NodeState.UP,
+            NodeState.BLACKLISTED,
+            NodeState.LOST,
+        ),
+        NodeState.DRAINED: (
+            NodeState.UP,
+            NodeState.BLACKLISTED,
+            NodeState.LOST,
+        ),  # it takes no job: never draining again first
+        NodeState.BLACKLISTED: (
+            NodeState.UP,
+            NodeState.DRAINING,
+            NodeState.DRAINED,
+            NodeState.LOST,
+        ),
+        NodeState.LOST: (
+            NodeState.UP,
+            NodeState.DRAINING,
+            NodeState.DRAINED,
+            NodeState.BLACKLISTED,
+        ),
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -152,19 +225,23 @@ class JobSpec:
     join_timeout: float = RendezvousSettings.join_timeout
     last_call_timeout: float = RendezvousSettings.last_call_timeout
     exit_barrier_timeout: float = 300.0
-    in_place: bool = False          # survivors keep their processes across rounds (elasticd.elastic)
-    rejoin_timeout: float = 60.0    # in place: how long a survivor may take to ask for its new place
-    spares: int = 0                 # in place: warm workers per node kept beside the placed ones (free slots)
+    in_place: bool = False  # survivors keep their processes across rounds (elasticd.elastic)
+    rejoin_timeout: float = 60.0  # in place: how long a survivor may take to ask for its new place
+    spares: int = 0  # in place: warm workers per node kept beside the placed ones (free slots)
     nodes: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     submitted_on: str = ""
     created: float = 0.0
-    role: str = DEFAULT_ROLE        # the workers' ROLE_NAME
-    master_port: int = 0            # MASTER_PORT of every round; 0: a free port on group rank 0's node
-    priority: int = 0               # the scheduler's first key (bounded per user and group by the config)
-    account: str = ""               # whom its use is charged to: a group of the user ("": the user's primary group)
-    preemptible: bool = False       # may be stopped below its min and requeued for a job ahead of it
-    nnodes_step: int = 1            # its node count is a multiple of this (world sizes that keep batch maths valid)
+    role: str = DEFAULT_ROLE  # the workers' ROLE_NAME
+    master_port: int = 0  # MASTER_PORT of every round; 0: a free port on group rank 0's node
+    priority: int = 0  # the scheduler's first key (bounded per user and group by the config)
+    account: str = (
+        ""  # whom its use is charged to: a group of the user ("": the user's primary group)
+    )
+    preemptible: bool = False  # may be stopped below its min and requeued for a job ahead of it
+    nnodes_step: int = (
+        1  # its node count is a multiple of this (world sizes that keep batch maths valid)
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -206,65 +283,111 @@ class JobSpec:
 
 def validate(spec: JobSpec) -> None:
     """Raise InvalidSpec naming the first field that is wrong.  Pure: no file-system checks."""
+
     def need(ok: bool, message: str) -> None:
         if not ok:
             raise InvalidSpec(message)
 
-    need(bool(spec.argv) and all(_is_text(a) for a in spec.argv) and spec.argv[0] != "",
-         "argv must be a non-empty list of strings without NUL bytes")
+    need(
+        bool(spec.argv) and all(_is_text(a) for a in spec.argv) and spec.argv[0] != "",
+        "argv must be a non-empty list of strings without NUL bytes",
+    )
     need(spec.kind in KINDS, f"kind must be one of {', '.join(KINDS)}")
-    need(_is_text(spec.python) and (spec.kind == "exec" or spec.python.startswith("/")),
-         "python must be an absolute path")
-    need(_is_text(spec.workdir) and spec.workdir.startswith("/"), "workdir must be an absolute path")
-    need(isinstance(spec.env, Mapping) and all(
-        _is_text(k) and _is_text(v) and k and "=" not in k for k, v in spec.env.items()),
-        "env must map names (without '=' or NUL) to strings without NUL bytes")
-    need(_is_text(spec.name) and len(spec.name) <= MAX_NAME and _is_text(spec.user),
-         f"name must be text of at most {MAX_NAME} characters")
-    need(_is_int(spec.min_nodes) and _is_int(spec.max_nodes)
-         and 1 <= spec.min_nodes <= spec.max_nodes <= MAX_COUNT,
-         f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX <= {MAX_COUNT}, "
-         f"got {spec.min_nodes}:{spec.max_nodes}")
-    need(spec.nproc_per_node in protocol.NPROC_WORDS or (_is_int(spec.nproc_per_node)
-                                                         and 1 <= spec.nproc_per_node <= MAX_NPROC),
-         f"nproc_per_node must be one of N, {', '.join(protocol.NPROC_WORDS)} "
-         f"(N an integer from 1 to {MAX_NPROC})")
-    need(_is_int(spec.max_restarts) and 0 <= spec.max_restarts <= MAX_COUNT,
-         f"max_restarts must be from 0 to {MAX_COUNT}")
+    need(
+        _is_text(spec.python) and (spec.kind == "exec" or spec.python.startswith("/")),
+        "python must be an absolute path",
+    )
+    need(
+        _is_text(spec.workdir) and spec.workdir.startswith("/"), "workdir must be an absolute path"
+    )
+    need(
+        isinstance(spec.env, Mapping)
+        and all(_is_text(k) and _is_text(v) and k and "=" not in k for k, v in spec.env.items()),
+        "env must map names (without '=' or NUL) to strings without NUL bytes",
+    )
+    need(
+        _is_text(spec.name) and len(spec.name) <= MAX_NAME and _is_text(spec.user),
+        f"name must be text of at most {MAX_NAME} characters",
+    )
+    need(
+        _is_int(spec.min_nodes)
+        and _is_int(spec.max_nodes)
+        and 1 <= spec.min_nodes <= spec.max_nodes <= MAX_COUNT,
+        f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX <= {MAX_COUNT}, "
+        f"got {spec.min_nodes}:{spec.max_nodes}",
+    )
+    need(
+        spec.nproc_per_node in protocol.NPROC_WORDS
+        or (_is_int(spec.nproc_per_node) and 1 <= spec.nproc_per_node <= MAX_NPROC),
+        f"nproc_per_node must be one of N, {', '.join(protocol.NPROC_WORDS)} "
+        f"(N an integer from 1 to {MAX_NPROC})",
+    )
+    need(
+        _is_int(spec.max_restarts) and 0 <= spec.max_restarts <= MAX_COUNT,
+        f"max_restarts must be from 0 to {MAX_COUNT}",
+    )
     need(isinstance(spec.in_place, bool), "in_place must be true or false")
-    need(_is_int(spec.spares) and 0 <= spec.spares <= MAX_NPROC, f"spares must be from 0 to {MAX_NPROC}")
-    need(not spec.spares or spec.in_place, "spares are warm workers of an --in-place job: add --in-place")
-    for name, positive in (("join_timeout", True), ("exit_barrier_timeout", True),
-                           ("rejoin_timeout", True), ("last_call_timeout", False)):
+    need(
+        _is_int(spec.spares) and 0 <= spec.spares <= MAX_NPROC,
+        f"spares must be from 0 to {MAX_NPROC}",
+    )
+    need(
+        not spec.spares or spec.in_place,
+        "spares are warm workers of an --in-place job: add --in-place",
+    )
+    for name, positive in (
+        ("join_timeout", True),
+        ("exit_barrier_timeout", True),
+        ("rejoin_timeout", True),
+        ("last_call_timeout", False),
+    ):
         value = getattr(spec, name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        need(number and (value > 0 if positive else value >= 0) and value <= MAX_TIMEOUT,
-             f"{name} must be {'more than 0' if positive else '0 or more'} and at most "
-             f"{MAX_TIMEOUT:.0f} seconds, got {value!r}")
-    need(all(_is_text(n) and n for n in spec.nodes + spec.exclude),
-         "nodes and exclude must be node names")
-    need(_is_text(spec.role) and 0 < len(spec.role) <= MAX_ROLE,
-         f"role must be non-empty text of at most {MAX_ROLE} characters")
-    need(_is_int(spec.master_port) and 0 <= spec.master_port <= 65535,
-         f"master_port must be from 0 (a free port every round) to 65535, got {spec.master_port!r}")
+        need(
+            number and (value > 0 if positive else value >= 0) and value <= MAX_TIMEOUT,
+            f"{name} must be {'more than 0' if positive else '0 or more'} and at most "
+            f"{MAX_TIMEOUT:.0f} seconds, got {value!r}",
+        )
+    need(
+        all(_is_text(n) and n for n in spec.nodes + spec.exclude),
+        "nodes and exclude must be node names",
+    )
+    need(
+        _is_text(spec.role) and 0 < len(spec.role) <= MAX_ROLE,
+        f"role must be non-empty text of at most {MAX_ROLE} characters",
+    )
+    need(
+        _is_int(spec.master_port) and 0 <= spec.master_port <= 65535,
+        f"master_port must be from 0 (a free port every round) to 65535, got {spec.master_port!r}",
+    )
     _validate_sharing(spec, need)
 
 
 def _validate_sharing(spec: JobSpec, need: Callable[[bool, str], None]) -> None:
     """The scheduler's fields: a priority within bounds, an account name, a node-count step
     that leaves at least one count between min and max."""
-    need(_is_int(spec.priority) and -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY,
-         f"priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}, got {spec.priority!r}")
-    need(_is_text(spec.account) and len(spec.account) <= MAX_NAME and not any(c.isspace() for c in spec.account),
-         f"account must be a group name of at most {MAX_NAME} characters")
+    need(
+        _is_int(spec.priority) and -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY,
+        f"priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}, got {spec.priority!r}",
+    )
+    need(
+        _is_text(spec.account)
+        and len(spec.account) <= MAX_NAME
+        and not any(c.isspace() for c in spec.account),
+        f"account must be a group name of at most {MAX_NAME} characters",
+    )
     need(isinstance(spec.preemptible, bool), "preemptible must be true or false")
-    need(_is_int(spec.nnodes_step) and 1 <= spec.nnodes_step <= MAX_COUNT,
-         f"nnodes_step must be from 1 to {MAX_COUNT}, got {spec.nnodes_step!r}")
+    need(
+        _is_int(spec.nnodes_step) and 1 <= spec.nnodes_step <= MAX_COUNT,
+        f"nnodes_step must be from 1 to {MAX_COUNT}, got {spec.nnodes_step!r}",
+    )
     if _is_int(spec.nnodes_step) and spec.nnodes_step >= 1:
         low = -(-spec.min_nodes // spec.nnodes_step) * spec.nnodes_step
-        need(low <= spec.max_nodes,
-             f"no node count from {spec.min_nodes} to {spec.max_nodes} is a multiple of "
-             f"--nnodes-step {spec.nnodes_step}")
+        need(
+            low <= spec.max_nodes,
+            f"no node count from {spec.min_nodes} to {spec.max_nodes} is a multiple of "
+            f"--nnodes-step {spec.nnodes_step}",
+        )
 
 
 def _is_int(value: Any) -> bool:
@@ -318,8 +441,14 @@ class Worker:
     exit_code: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "local_rank": self.local_rank, "node": self.node,
-                "pid": self.pid, "state": self.state.value, "exit_code": self.exit_code}
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "node": self.node,
+            "pid": self.pid,
+            "state": self.state.value,
+            "exit_code": self.exit_code,
+        }
 
 
 @dataclass(frozen=True)
@@ -347,14 +476,39 @@ class WorkerGroup:
         return replace(self, workers=workers)
 
 
-def assign_workers(job_id: str, node: str, *, round: int, restart_count: int, group_rank: int,
-                   group_world_size: int, rank_base: int, world_size: int, nproc: int,
-                   master_addr: str, master_port: int, gpus: tuple[str, ...] = ()) -> WorkerGroup:
+def assign_workers(
+    job_id: str,
+    node: str,
+    *,
+    round: int,
+    restart_count: int,
+    group_rank: int,
+    group_world_size: int,
+    rank_base: int,
+    world_size: int,
+    nproc: int,
+    master_addr: str,
+    master_port: int,
+    gpus: tuple[str, ...] = (),
+) -> WorkerGroup:
     """Global ranks of this node's workers: ``rank_base + local_rank`` (one role)."""
-    workers = tuple(Worker(local_rank=i, rank=rank_base + i, world_size=world_size, node=node)
-                    for i in range(nproc))
-    return WorkerGroup(job_id, round, restart_count, group_rank, group_world_size, rank_base,
-                       world_size, master_addr, master_port, workers, gpus)
+    workers = tuple(
+        Worker(local_rank=i, rank=rank_base + i, world_size=world_size, node=node)
+        for i in range(nproc)
+    )
+    return WorkerGroup(
+        job_id,
+        round,
+        restart_count,
+        group_rank,
+        group_world_size,
+        rank_base,
+        world_size,
+        master_addr,
+        master_port,
+        workers,
+        gpus,
+    )
 
 
 def placement_env(group: WorkerGroup, worker: Worker) -> dict[str, str]:
@@ -376,26 +530,32 @@ def placement_env(group: WorkerGroup, worker: Worker) -> dict[str, str]:
 TORCHRUN_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
-def worker_env(spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file: str) -> dict[str, str]:
+def worker_env(
+    spec: JobSpec, group: WorkerGroup, worker: Worker, *, error_file: str
+) -> dict[str, str]:
     """The environment torchrun gives a worker, on top of the submitter's environment.  A
     worker warming up for an in-place job (``group.round < 0``) has no rank yet."""
     env = dict(spec.env)
-    env.update({
-        "LOCAL_RANK": str(worker.local_rank),
-        "ROLE_NAME": spec.role,
-        "LOCAL_WORLD_SIZE": str(group.local_world_size),
-        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_RUN_ID": spec.id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCHELASTIC_ERROR_FILE": error_file,
-        # torchrun's 1 (TearDown) is documented to end the process when NCCL reports a dead
-        # peer; an in-place survivor must live on: 2 (CleanUpOnly) aborts the communicator
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                                        "2" if spec.in_place else "1"),
-        # torchrun's launcher process sets it (its --signals-to-handle) and workers inherit it
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": spec.env.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
-                                                       TORCHRUN_HANDLED_SIGNALS),
-    })
+    env.update(
+        {
+            "LOCAL_RANK": str(worker.local_rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(group.local_world_size),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            # torchrun's 1 (TearDown) is documented to end the process when NCCL reports a dead
+            # peer; an in-place survivor must live on: 2 (CleanUpOnly) aborts the communicator
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if spec.in_place else "1"
+            ),
+            # torchrun's launcher process sets it (its --signals-to-handle) and workers inherit it
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": spec.env.get(
+                "TORCHELASTIC_SIGNALS_TO_HANDLE", TORCHRUN_HANDLED_SIGNALS
+            ),
+        }
+    )
     if group.round >= 0:
         env.update(placement_env(group, worker))
     if "OMP_NUM_THREADS" not in spec.env and group.local_world_size > 1:

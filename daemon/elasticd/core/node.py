@@ -17,22 +17,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
-from elasticd.core.blacklist import USERS_FOR_NODE, Blacklist, worker_failures
-from elasticd.core.gpuhealth import GpuWatch
-from elasticd.core.model import JobSpec, JobState, PartState, local_nproc
-from elasticd.core.placement import Offer, Resources, place, refusal
-from elasticd.core.records import JobRecord, Outcome, Part
-from elasticd.core.schedule import Schedule, follows, leaves
-from elasticd.rendezvous import Reason
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core import spares
+from elasticd.core.blacklist import USERS_FOR_NODE, Blacklist, worker_failures
+from elasticd.core.gpuhealth import GpuWatch
 from elasticd.core.inplace import Places
-from elasticd.core.part import Phase, PartCore, Settings
+from elasticd.core.model import JobSpec, JobState, PartState
+from elasticd.core.part import PartCore, Settings
+from elasticd.core.placement import Offer, Resources, place, refusal
+from elasticd.core.records import JobRecord, Outcome, Part
+from elasticd.core.schedule import Schedule, follows, leaves
 from elasticd.core.story import Story
 from elasticd.core.tables import EventTable
+from elasticd.rendezvous import Reason
 
 Instructions = list[do.Instruction]
 STORIES_KEPT = 64  # stories of parts that ended here, newest kept
@@ -49,12 +48,12 @@ class Hold(enum.StrEnum):
 @dataclass
 class NodeSettings:
     node: str
-    resources: Resources           # as configured (the discovery script may say other slots)
+    resources: Resources  # as configured (the discovery script may say other slots)
     dead_after: float
     standalone: bool = False
     allow_root: bool = False
-    judge_users: bool = True       # a root daemon judges each job's user (a user's own runs its own)
-    scheduled: bool = False        # the cluster's scheduler is on: place nothing before its first word
+    judge_users: bool = True  # a root daemon judges each job's user (a user's own runs its own)
+    scheduled: bool = False  # the cluster's scheduler is on: place nothing before its first word
 
 
 @dataclass
@@ -69,19 +68,25 @@ class NodeCore:
     users: dict[int, str | None] = field(default_factory=dict)
     holds: set[Hold] = field(default_factory=set)
     listed: bool = True
-    blacklisted_until: float = 0.0     # wall clock, shown (0: not blacklisted)
+    blacklisted_until: float = 0.0  # wall clock, shown (0: not blacklisted)
     declined: dict[str, int] = field(default_factory=dict)  # job -> its record's version then
     unstartable: set[str] = field(default_factory=set)
-    refused: dict[str, str] = field(default_factory=dict)   # job -> why this node's rules forbid it ("": they allow it)
-    held: dict[str, str] = field(default_factory=dict)      # job -> why this node never takes it again
-    finishing: dict[str, int] = field(default_factory=dict)  # job -> the node's own finish op (cancel, shutdown)
+    refused: dict[str, str] = field(
+        default_factory=dict
+    )  # job -> why this node's rules forbid it ("": they allow it)
+    held: dict[str, str] = field(default_factory=dict)  # job -> why this node never takes it again
+    finishing: dict[str, int] = field(
+        default_factory=dict
+    )  # job -> the node's own finish op (cancel, shutdown)
     stopping: bool = False
     stories: dict[str, Story] = field(default_factory=dict)  # the stories of parts that ended here
-    cooling_users: set[int] = field(default_factory=set)     # uids whose jobs are kept off for now
+    cooling_users: set[int] = field(default_factory=set)  # uids whose jobs are kept off for now
     next_op: int = 0
     schedule: Schedule | None = None  # the cluster's schedule, followed (None: first come)
-    awaiting_schedule: bool = False   # scheduled, and the store's schedule not read yet
-    shedding: dict[int, tuple[PartCore, tuple[int, ...], str]] = field(default_factory=dict)  # op -> the part giving spares back, their slots, to whom
+    awaiting_schedule: bool = False  # scheduled, and the store's schedule not read yet
+    shedding: dict[int, tuple[PartCore, tuple[int, ...], str]] = field(
+        default_factory=dict
+    )  # op -> the part giving spares back, their slots, to whom
 
     def __post_init__(self) -> None:
         self.resources = self.resources or self.settings.resources
@@ -95,7 +100,9 @@ class NodeCore:
         if isinstance(event, ev.PART_ONLY):
             part = self.parts.get(event.job)
             return self._from_part(part, event, now) if part is not None else []
-        handler = NODE_EVENTS.lookup(NodePhase.STOPPING if self.stopping else NodePhase.SERVING, event)
+        handler = NODE_EVENTS.lookup(
+            NodePhase.STOPPING if self.stopping else NodePhase.SERVING, event
+        )
         return handler(self, event, now)
 
     def _from_part(self, part: PartCore, event: ev.PartEvent, now: ev.Now) -> Instructions:
@@ -138,7 +145,9 @@ class NodeCore:
         return self._reclaimed(now) + self._place(now)
 
     def _scheduled(self, job: str) -> frozenset[str]:
-        return self.schedule.nodes.get(job, frozenset()) if self.schedule is not None else frozenset()
+        return (
+            self.schedule.nodes.get(job, frozenset()) if self.schedule is not None else frozenset()
+        )
 
     def _reclaimed(self, now: ev.Now) -> Instructions:
         """This node's parts of open jobs that the schedule gave other nodes leave (a new
@@ -149,9 +158,15 @@ class NodeCore:
         out: Instructions = []
         for job, part in list(self.parts.items()):
             record = self.jobs.get(job)
-            if record is not None and record.outcome is None and leaves(self.schedule, job, self.settings.node) \
-                    and part.leaving is None:
-                out += [do.Count("reclaimed")] + self._outgoing(part.leave(Reason.RECLAIM, now), now)
+            if (
+                record is not None
+                and record.outcome is None
+                and leaves(self.schedule, job, self.settings.node)
+                and part.leaving is None
+            ):
+                out += [do.Count("reclaimed")] + self._outgoing(
+                    part.leave(Reason.RECLAIM, now), now
+                )
         return out
 
     def _publish_holds(self, now: ev.Now) -> Instructions:
@@ -174,53 +189,92 @@ class NodeCore:
             return []
         assert self.resources is not None
         used = self.used()
-        free = replace(self.resources, slots=self.resources.slots - used.slots,
-                       gpus=tuple(g for g in self.resources.gpus if g not in used.gpus))
+        free = replace(
+            self.resources,
+            slots=self.resources.slots - used.slots,
+            gpus=tuple(g for g in self.resources.gpus if g not in used.gpus),
+        )
         records = list(self.jobs.values())
         if self.schedule is not None:
             schedule, node = self.schedule, self.settings.node
             records = [r for r in records if follows(schedule, r.id, node)]
         kept_off = self.blacklist.kept_off() if self.blacklist is not None else set()
         out: Instructions = []
-        busy = set(self.parts) | self.unstartable | set(self.held) | self._refused_here(records, out) | {
-            r.id for r in records if self.declined.get(r.id) == r.version or r.spec.uid in kept_off}
-        for offer in place(records, self.settings.node, free, has_gpus=bool(self.settings.resources.gpus),
-                           busy=busy, draining=self.draining):
+        busy = (
+            set(self.parts)
+            | self.unstartable
+            | set(self.held)
+            | self._refused_here(records, out)
+            | {
+                r.id
+                for r in records
+                if self.declined.get(r.id) == r.version or r.spec.uid in kept_off
+            }
+        )
+        for offer in place(
+            records,
+            self.settings.node,
+            free,
+            has_gpus=bool(self.settings.resources.gpus),
+            busy=busy,
+            draining=self.draining,
+        ):
             out += self._start_part(self.jobs[offer.job_id], offer, now)
             busy.add(offer.job_id)
-            free = replace(free, slots=free.slots - offer.slots,
-                           gpus=tuple(g for g in free.gpus if g not in offer.gpus))
+            free = replace(
+                free,
+                slots=free.slots - offer.slots,
+                gpus=tuple(g for g in free.gpus if g not in offer.gpus),
+            )
         return out + self._reclaim_spares(records, free, busy, now)
 
     # -- spares given back (core/spares.py) ----------------------------------------------------
 
-    def _reclaim_spares(self, records: list[JobRecord], free: Resources, busy: set[str],
-                        now: ev.Now) -> Instructions:
+    def _reclaim_spares(
+        self, records: list[JobRecord], free: Resources, busy: set[str], now: ev.Now
+    ) -> Instructions:
         """Jobs that fit only in the room of spares here: parts give spares back (the
         lowest-priority, newest job's first) and the jobs start once they are reaped (what
         is being given back already counts)."""
-        holders = [spares.Holder(job, tuple(slots), spares.slot_gpus(self.parts[job], slots))
-                   for job in self._shed_order() if (slots := spares.sheddable(self.parts[job]))]
+        holders = [
+            spares.Holder(job, tuple(slots), spares.slot_gpus(self.parts[job], slots))
+            for job in self._shed_order()
+            if (slots := spares.sheddable(self.parts[job]))
+        ]
         if not holders:
             return []
         has_gpus = bool(self.settings.resources.gpus)
-        coming = spares.room(free, [(len(slots), spares.slot_gpus(part, slots))
-                                    for part, slots, _ in self.shedding.values() if self.parts.get(part.job) is part])
+        coming = spares.room(
+            free,
+            [
+                (len(slots), spares.slot_gpus(part, slots))
+                for part, slots, _ in self.shedding.values()
+                if self.parts.get(part.job) is part
+            ],
+        )
         whole = spares.room(coming, [(len(h.slots), h.gpus) for h in holders])
-        offers = place(records, self.settings.node, whole, has_gpus=has_gpus, busy=busy, draining=self.draining)
+        offers = place(
+            records, self.settings.node, whole, has_gpus=has_gpus, busy=busy, draining=self.draining
+        )
         out: Instructions = []
         for job, n in spares.plan(holders, spares.wanted(offers, coming, has_gpus)):
             slots, told = spares.shed(self.parts[job], n, now)
             self.next_op -= 1
-            self.shedding[self.next_op] = (self.parts[job], slots, ", ".join(o.job_id for o in offers))
+            self.shedding[self.next_op] = (
+                self.parts[job],
+                slots,
+                ", ".join(o.job_id for o in offers),
+            )
             out += self._outgoing(told, now) + [do.ShedSpares(job, self.next_op, slots)]
         return out
 
     def _shed_order(self) -> list[str]:
         """The parts here that may give spares back, the first to give first."""
+
         def rank(job: str) -> tuple[int, int]:
             record = self.jobs.get(job)
             return (record.spec.priority, -record.seq) if record is not None else (0, 0)
+
         return sorted((job for job, part in self.parts.items() if part.spares), key=rank)
 
     def _spares_shed(self, event: ev.SparesShed, now: ev.Now) -> Instructions:
@@ -229,13 +283,31 @@ class NodeCore:
         part, _, to = self.shedding.pop(event.op, (None, (), ""))
         job, offer = event.job, self.offers.get(event.job)
         out: Instructions = []
-        if part is not None and offer is not None and self.parts.get(job) is part:  # not a part that closed
+        if (
+            part is not None and offer is not None and self.parts.get(job) is part
+        ):  # not a part that closed
             gone = spares.slot_gpus(part, event.slots)
-            self.offers[job] = replace(offer, spares=offer.spares - len(event.slots),
-                                       gpus=tuple(g for g in offer.gpus if g not in gone))
-            out.append(do.Say("info", "job %s: gave back %d spare slots to job %s", job, (job, len(event.slots), to))
-                       if event.slots else do.Say("warning", "job %s: its spares given back to job %s could "
-                                                  "not be stopped; their slots stay its own", job, (job, to)))
+            self.offers[job] = replace(
+                offer,
+                spares=offer.spares - len(event.slots),
+                gpus=tuple(g for g in offer.gpus if g not in gone),
+            )
+            out.append(
+                do.Say(
+                    "info",
+                    "job %s: gave back %d spare slots to job %s",
+                    job,
+                    (job, len(event.slots), to),
+                )
+                if event.slots
+                else do.Say(
+                    "warning",
+                    "job %s: its spares given back to job %s could "
+                    "not be stopped; their slots stay its own",
+                    job,
+                    (job, to),
+                )
+            )
         return out + self._place(now)
 
     def _refused_here(self, records: list[JobRecord], out: Instructions) -> set[str]:
@@ -244,8 +316,14 @@ class NodeCore:
             if record.outcome is None and record.id not in self.refused:
                 why = self._refusal(record)
                 if why:
-                    out.append(do.Say("warning", "job %s: not run on %s: %s", record.id,
-                                      (record.id, self.settings.node, why)))
+                    out.append(
+                        do.Say(
+                            "warning",
+                            "job %s: not run on %s: %s",
+                            record.id,
+                            (record.id, self.settings.node, why),
+                        )
+                    )
                 self.refused[record.id] = why
         return {job for job, why in self.refused.items() if why}
 
@@ -253,24 +331,42 @@ class NodeCore:
         if not self.settings.judge_users:
             return ""
         local_user = self.users.get(record.spec.uid)
-        return refusal(record.spec, allow_root=self.settings.allow_root, local_user=local_user) or ""
+        return (
+            refusal(record.spec, allow_root=self.settings.allow_root, local_user=local_user) or ""
+        )
 
     def _start_part(self, record: JobRecord, offer: Offer, now: ev.Now) -> Instructions:
         assert self.resources is not None
         spec = record.spec
         nproc = offer.nproc
         started = _started(record)
-        part = PartCore(spec, nproc, offer.gpus, Settings(self.settings.node, self.settings.dead_after),
-                        started=started, place=Places() if spec.in_place else None, spares=offer.spares,
-                        scheduled=self._scheduled(spec.id))
+        part = PartCore(
+            spec,
+            nproc,
+            offer.gpus,
+            Settings(self.settings.node, self.settings.dead_after),
+            started=started,
+            place=Places() if spec.in_place else None,
+            spares=offer.spares,
+            scheduled=self._scheduled(spec.id),
+        )
         first = part.start(now)  # raises before the part is this node's
         self.parts[spec.id] = part
         self.offers[spec.id] = offer
         out: Instructions = [
-            do.Say("info", "job %s: joining with %d workers%s%s", spec.id,
-                   (spec.id, nproc, f" and {offer.spares} spares" if offer.spares else "",
-                    f" on GPUs {','.join(offer.gpus)}" if offer.gpus else "")),
-            do.StartPart(spec.id, spec, offer.slots, offer.gpus, started)]
+            do.Say(
+                "info",
+                "job %s: joining with %d workers%s%s",
+                spec.id,
+                (
+                    spec.id,
+                    nproc,
+                    f" and {offer.spares} spares" if offer.spares else "",
+                    f" on GPUs {','.join(offer.gpus)}" if offer.gpus else "",
+                ),
+            ),
+            do.StartPart(spec.id, spec, offer.slots, offer.gpus, started),
+        ]
         return out + self._outgoing(first, now)
 
     def _part_closed(self, event: ev.PartClosed, now: ev.Now) -> Instructions:
@@ -290,8 +386,14 @@ class NodeCore:
         self.parts.pop(event.job, None)
         self.offers.pop(event.job, None)
         self.unstartable.add(event.job)
-        return [do.Say("error", "job %s: cannot start its agent on %s: %s", event.job,
-                       (event.job, self.settings.node, event.message))] + self._place(now)
+        return [
+            do.Say(
+                "error",
+                "job %s: cannot start its agent on %s: %s",
+                event.job,
+                (event.job, self.settings.node, event.message),
+            )
+        ] + self._place(now)
 
     # -- outcomes this node writes of its own -----------------------------------------------------
 
@@ -303,21 +405,33 @@ class NodeCore:
             part = record.parts.get(self.settings.node)
             if self.settings.standalone:
                 ran = part is not None and part.started is not None
-                message = (f"daemon died: elasticd on {self.settings.node} stopped while the job ran" if ran
-                           else f"cancelled: elasticd on {self.settings.node} stopped before the job ran")
+                message = (
+                    f"daemon died: elasticd on {self.settings.node} stopped while the job ran"
+                    if ran
+                    else f"cancelled: elasticd on {self.settings.node} stopped before the job ran"
+                )
                 state = JobState.FAILED if ran else JobState.CANCELLED
-                out += self._finish(record.id, Outcome(state, now.wall, None, message, None,
-                                                       self.settings.node), record.spec, board=False)
+                out += self._finish(
+                    record.id,
+                    Outcome(state, now.wall, None, message, None, self.settings.node),
+                    record.spec,
+                    board=False,
+                )
             elif part is not None and part.state.active:
-                out.append(do.Publish(record.id, replace(part, state=PartState.LEFT, updated=now.wall)))
+                out.append(
+                    do.Publish(record.id, replace(part, state=PartState.LEFT, updated=now.wall))
+                )
         return out
 
     def _cancel(self, event: ev.CancelAsked, now: ev.Now) -> Instructions:
-        outcome = Outcome(JobState.CANCELLED, now.wall, None, f"cancelled by {event.by}", None,
-                          self.settings.node)
+        outcome = Outcome(
+            JobState.CANCELLED, now.wall, None, f"cancelled by {event.by}", None, self.settings.node
+        )
         return self._finish(event.job, outcome, event.spec)
 
-    def _finish(self, job: str, outcome: Outcome, spec: JobSpec | None, board: bool = True) -> Instructions:
+    def _finish(
+        self, job: str, outcome: Outcome, spec: JobSpec | None, board: bool = True
+    ) -> Instructions:
         """The node's own outcome of a job (a cancel, a shutdown): its operations are
         numbered below zero, so that none is taken for a part's."""
         self.next_op -= 1
@@ -340,8 +454,14 @@ class NodeCore:
     def _op_failed(self, event: ev.OpFailed, now: ev.Now) -> Instructions:
         if event.op is not None and self.finishing.get(event.job) == event.op:
             del self.finishing[event.job]
-            return [do.Say("warning", "job %s: could not record its outcome: %s", event.job,
-                           (event.job, event.message))]
+            return [
+                do.Say(
+                    "warning",
+                    "job %s: could not record its outcome: %s",
+                    event.job,
+                    (event.job, event.message),
+                )
+            ]
         part = self.parts.get(event.job)
         return self._from_part(part, event, now) if part is not None else []
 
@@ -360,8 +480,14 @@ class NodeCore:
         (self.holds.add if on else self.holds.discard)(why)
         out: Instructions = []
         if on and not was:
-            out.append(do.Say("info", "node %s: %s: it takes no new job%s", None,
-                              (self.settings.node, why.value, " and leaves its jobs" if self.parts else "")))
+            out.append(
+                do.Say(
+                    "info",
+                    "node %s: %s: it takes no new job%s",
+                    None,
+                    (self.settings.node, why.value, " and leaves its jobs" if self.parts else ""),
+                )
+            )
         elif on:
             out.append(do.Say("info", "node %s: %s", None, (self.settings.node, why.value)))
         elif not self.draining:
@@ -375,8 +501,20 @@ class NodeCore:
         """An operator's drain, or undrain: undrain also lifts every cooldown here."""
         why = Hold(event.hold)
         out: Instructions = []
-        if why is Hold.DRAINED and not event.on and self.blacklist is not None and self.blacklist.lift():
-            out.append(do.Say("info", "node %s: blacklisting lifted by an operator", None, (self.settings.node,)))
+        if (
+            why is Hold.DRAINED
+            and not event.on
+            and self.blacklist is not None
+            and self.blacklist.lift()
+        ):
+            out.append(
+                do.Say(
+                    "info",
+                    "node %s: blacklisting lifted by an operator",
+                    None,
+                    (self.settings.node,),
+                )
+            )
             out += [do.ClearTimer("user-cooldown", key=uid) for uid in list(self.cooling_users)]
             self.cooling_users.clear()
             out += self._readmit(now)
@@ -390,9 +528,18 @@ class NodeCore:
         out: Instructions = []
         assert self.resources is not None
         if slots != self.resources.slots:
-            out.append(do.Say("info", "node %s: %d slots (%s)", None, (
-                self.settings.node, slots,
-                "from the discovery script" if slots != configured.slots else "configured")))
+            out.append(
+                do.Say(
+                    "info",
+                    "node %s: %d slots (%s)",
+                    None,
+                    (
+                        self.settings.node,
+                        slots,
+                        "from the discovery script" if slots != configured.slots else "configured",
+                    ),
+                )
+            )
             self.resources = replace(self.resources, slots=slots)
         return out + self._hold(Hold.UNLISTED, not event.listed, now)
 
@@ -406,8 +553,14 @@ class NodeCore:
 
     def _gpu_readmitted(self, event: ev.GpuReadmitted, now: ev.Now) -> Instructions:
         if self.gpu_watch is None:
-            return [do.Say("warning", "gpu %d not readmitted: this node does not watch its GPUs (no NVML)",
-                           None, (event.index,))]
+            return [
+                do.Say(
+                    "warning",
+                    "gpu %d not readmitted: this node does not watch its GPUs (no NVML)",
+                    None,
+                    (event.index,),
+                )
+            ]
         out = self.gpu_watch.readmit(event.index, f"readmitted by {event.by or 'an operator'}")
         return out + (self._offer_healthy_gpus(now) if out else [])
 
@@ -417,8 +570,9 @@ class NodeCore:
         offers itself again with what is left."""
         assert self.resources is not None and self.gpu_watch is not None
         out_now = set(self.gpu_watch.out)
-        self.resources = replace(self.resources, gpus=tuple(
-            g for g in self.settings.resources.gpus if g not in out_now))
+        self.resources = replace(
+            self.resources, gpus=tuple(g for g in self.settings.resources.gpus if g not in out_now)
+        )
         out: Instructions = []
         for job, offer in list(self.offers.items()):
             part = self.parts.get(job)
@@ -444,11 +598,22 @@ class NodeCore:
         here until the cooldown ends; other users' jobs stay."""
         assert self.blacklist is not None
         out: Instructions = [
-            do.Say("warning", "node %s: jobs of %s kept off it for %.0f s: %d failures of their "
-                   "workers within %g s (%d in a row)", None,
-                   (self.settings.node, user, until - now.mono, self.blacklist.policy.failures,
-                    self.blacklist.policy.window, self.blacklist.user_strikes(uid))),
-            do.SetTimer("user-cooldown", until, key=uid)]
+            do.Say(
+                "warning",
+                "node %s: jobs of %s kept off it for %.0f s: %d failures of their "
+                "workers within %g s (%d in a row)",
+                None,
+                (
+                    self.settings.node,
+                    user,
+                    until - now.mono,
+                    self.blacklist.policy.failures,
+                    self.blacklist.policy.window,
+                    self.blacklist.user_strikes(uid),
+                ),
+            ),
+            do.SetTimer("user-cooldown", until, key=uid),
+        ]
         self.cooling_users.add(uid)
         if not self.draining:  # a draining node told every job to leave already
             for part in list(self.parts.values()):
@@ -464,19 +629,34 @@ class NodeCore:
             return [do.SetTimer("user-cooldown", until, key=uid)]
         self.cooling_users.discard(uid)
         user = next((r.spec.user for r in self.jobs.values() if r.spec.uid == uid), str(uid))
-        return [do.Say("info", "node %s: jobs of %s may run here again", None, (self.settings.node, user))] + \
-            self._place(now)
+        return [
+            do.Say(
+                "info", "node %s: jobs of %s may run here again", None, (self.settings.node, user)
+            )
+        ] + self._place(now)
 
     def _blacklist_node(self, until: float, now: ev.Now) -> Instructions:
         """The jobs of several users failed here: the node takes no job for the cooldown."""
         assert self.blacklist is not None
         self.blacklisted_until = now.wall + (until - now.mono)
         out: Instructions = [
-            do.Say("warning", "node %s blacklisted for %.0f s: the workers of %d or more users' jobs "
-                   "failed %d times each within %g s (%d in a row)", None,
-                   (self.settings.node, until - now.mono, USERS_FOR_NODE, self.blacklist.policy.failures,
-                    self.blacklist.policy.window, self.blacklist.strikes)),
-            do.Count("blacklisted", value=1), do.SetTimer("cooldown", until)]
+            do.Say(
+                "warning",
+                "node %s blacklisted for %.0f s: the workers of %d or more users' jobs "
+                "failed %d times each within %g s (%d in a row)",
+                None,
+                (
+                    self.settings.node,
+                    until - now.mono,
+                    USERS_FOR_NODE,
+                    self.blacklist.policy.failures,
+                    self.blacklist.policy.window,
+                    self.blacklist.strikes,
+                ),
+            ),
+            do.Count("blacklisted", value=1),
+            do.SetTimer("cooldown", until),
+        ]
         return out + self._hold(Hold.BLACKLISTED, True, now)
 
     def _node_timer(self, event: ev.NodeTimerFired, now: ev.Now) -> Instructions:
@@ -486,13 +666,17 @@ class NodeCore:
             return []
         if not self.blacklist.expire(now.mono):
             return [do.SetTimer("cooldown", self.blacklist.until)]
-        return [do.Say("info", "node %s: its blacklisting cooldown is over", None, (self.settings.node,))] + \
-            self._readmit(now)
+        return [
+            do.Say(
+                "info", "node %s: its blacklisting cooldown is over", None, (self.settings.node,)
+            )
+        ] + self._readmit(now)
 
     def _readmit(self, now: ev.Now) -> Instructions:
         self.blacklisted_until = 0.0
-        return [do.ClearTimer("cooldown"), do.Count("blacklisted", value=0)] + \
-            self._hold(Hold.BLACKLISTED, False, now)
+        return [do.ClearTimer("cooldown"), do.Count("blacklisted", value=0)] + self._hold(
+            Hold.BLACKLISTED, False, now
+        )
 
     # -- nodes lost, leaving, shutting down --------------------------------------------------------
 
@@ -503,8 +687,13 @@ class NodeCore:
         return out
 
     def _leave_asked(self, event: ev.LeaveAsked, now: ev.Now) -> Instructions:
-        parts = [self.parts[event.job]] if event.job in self.parts else \
-            [] if event.job is not None else list(self.parts.values())
+        parts = (
+            [self.parts[event.job]]
+            if event.job in self.parts
+            else []
+            if event.job is not None
+            else list(self.parts.values())
+        )
         out: Instructions = []
         for part in parts:
             out += self._outgoing(part.leave(event.reason, now), now)
@@ -518,8 +707,14 @@ class NodeCore:
         if event.standalone:
             for record in list(self.jobs.values()):
                 if record.outcome is None and record.id not in self.finishing:
-                    outcome = Outcome(JobState.CANCELLED, now.wall, None, "cancelled: elasticd shut down",
-                                      None, self.settings.node)
+                    outcome = Outcome(
+                        JobState.CANCELLED,
+                        now.wall,
+                        None,
+                        "cancelled: elasticd shut down",
+                        None,
+                        self.settings.node,
+                    )
                     out += self._finish(record.id, outcome, record.spec)
             return out
         for part in list(self.parts.values()):
@@ -530,8 +725,10 @@ class NodeCore:
 
     def used(self) -> Resources:
         """What the parts here hold."""
-        return Resources(sum(o.slots for o in self.offers.values()),
-                         tuple(g for o in self.offers.values() for g in o.gpus))
+        return Resources(
+            sum(o.slots for o in self.offers.values()),
+            tuple(g for o in self.offers.values() for g in o.gpus),
+        )
 
     def local_jobs(self) -> list[str]:
         return sorted(self.parts)
@@ -549,18 +746,41 @@ def _started(record: JobRecord) -> float | None:
 
 class NodePhase(enum.StrEnum):
     SERVING = "serving"
-    STOPPING = "stopping"   # shutting down: no new part; the parts end
+    STOPPING = "stopping"  # shutting down: no new part; the parts end
 
 
 N = NodeCore
-_ALWAYS = {ev.PartClosed: N._part_closed, ev.PartStartFailed: N._part_start_failed,
-           ev.Finished: N._finished, ev.OpFailed: N._op_failed, ev.NodesLost: N._nodes_lost,
-           ev.NodeTimerFired: N._node_timer, ev.JobsChanged: N._jobs_changed,
-           ev.LeaveAsked: N._leave_asked, ev.ScheduleChanged: N._schedule_changed,
-           ev.GpusRead: N._gpus_read, ev.GpuReadmitted: N._gpu_readmitted, ev.SparesShed: N._spares_shed}
-NODE_EVENTS = EventTable("a node", {
-    NodePhase.SERVING: {**_ALWAYS, ev.Restored: N._restored, ev.HoldChanged: N._hold_changed,
-                        ev.Listed: N._listed, ev.CancelAsked: N._cancel, ev.ShutdownAsked: N._shutdown},
-    NodePhase.STOPPING: {**_ALWAYS, ev.HoldChanged: N._hold_changed, ev.Listed: N._listed,
-                         ev.CancelAsked: N._cancel, ev.ShutdownAsked: lambda node, event, now: []},
-})
+_ALWAYS = {
+    ev.PartClosed: N._part_closed,
+    ev.PartStartFailed: N._part_start_failed,
+    ev.Finished: N._finished,
+    ev.OpFailed: N._op_failed,
+    ev.NodesLost: N._nodes_lost,
+    ev.NodeTimerFired: N._node_timer,
+    ev.JobsChanged: N._jobs_changed,
+    ev.LeaveAsked: N._leave_asked,
+    ev.ScheduleChanged: N._schedule_changed,
+    ev.GpusRead: N._gpus_read,
+    ev.GpuReadmitted: N._gpu_readmitted,
+    ev.SparesShed: N._spares_shed,
+}
+NODE_EVENTS = EventTable(
+    "a node",
+    {
+        NodePhase.SERVING: {
+            **_ALWAYS,
+            ev.Restored: N._restored,
+            ev.HoldChanged: N._hold_changed,
+            ev.Listed: N._listed,
+            ev.CancelAsked: N._cancel,
+            ev.ShutdownAsked: N._shutdown,
+        },
+        NodePhase.STOPPING: {
+            **_ALWAYS,
+            ev.HoldChanged: N._hold_changed,
+            ev.Listed: N._listed,
+            ev.CancelAsked: N._cancel,
+            ev.ShutdownAsked: lambda node, event, now: [],
+        },
+    },
+)

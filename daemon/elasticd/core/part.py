@@ -21,54 +21,82 @@ anything else raises IllegalTransition and changes nothing.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from elasticd.core.model import (PART_STATES, Failure, JobSpec, JobState, PartState, RunResult, StateTable,
-                                 WorkerGroup, WorkerState, assign_workers)
-from elasticd.core.records import Outcome, Part
-from elasticd.rendezvous import CHARGED, EventKind, NextRound, Reason, RendezvousInfo
 from elasticd.core import events as ev
 from elasticd.core import inplace, spares
 from elasticd.core import instructions as do
-from elasticd.core.policy import (ROUND_FOR, Decision, JobEnded, Leaving, Observed, RejoinStalled,
-                                  WorkersExited, decide, describe, failure_outcome, run_result)
+from elasticd.core.model import (
+    PART_STATES,
+    Failure,
+    JobSpec,
+    JobState,
+    PartState,
+    RunResult,
+    StateTable,
+    WorkerGroup,
+    WorkerState,
+    assign_workers,
+)
+from elasticd.core.policy import (
+    ROUND_FOR,
+    Decision,
+    JobEnded,
+    Leaving,
+    Observed,
+    RejoinStalled,
+    WorkersExited,
+    decide,
+    describe,
+    failure_outcome,
+    run_result,
+)
+from elasticd.core.records import Outcome, Part
 from elasticd.core.story import Story
 from elasticd.core.tables import EventTable
+from elasticd.rendezvous import CHARGED, EventKind, NextRound, Reason, RendezvousInfo
 
 Instructions = list[do.Instruction]
 
 
 class Phase(enum.StrEnum):
-    STARTING = "starting"      # made; its first instructions not given yet
-    WARMING = "warming"        # in place: workers run, not all asked for a place yet
-    JOINING = "joining"        # a join of the job's round runs
-    RUNNING = "running"        # workers up; the round is watched
-    PROBING = "probing"        # workers failed: are members' daemons gone?
-    STOPPING = "stopping"      # workers are being stopped; ``_then`` says what follows
+    STARTING = "starting"  # made; its first instructions not given yet
+    WARMING = "warming"  # in place: workers run, not all asked for a place yet
+    JOINING = "joining"  # a join of the job's round runs
+    RUNNING = "running"  # workers up; the round is watched
+    PROBING = "probing"  # workers failed: are members' daemons gone?
+    STOPPING = "stopping"  # workers are being stopped; ``_then`` says what follows
     REQUESTING = "requesting"  # a new round was asked for
-    BARRIER = "barrier"        # at the exit barrier, waiting for the other members
-    FINISHING = "finishing"    # the job's outcome is being written
-    LEAVING = "leaving"        # telling the rendezvous that this node leaves
-    CLOSING = "closing"        # the part's effectors are being closed: nothing more to do
+    BARRIER = "barrier"  # at the exit barrier, waiting for the other members
+    FINISHING = "finishing"  # the job's outcome is being written
+    LEAVING = "leaving"  # telling the rendezvous that this node leaves
+    CLOSING = "closing"  # the part's effectors are being closed: nothing more to do
 
 
 # A part looks at the job's end and at its own leaving whenever it is about to join or
 # watch a round: from wherever it goes on to the next round, it may end or leave instead.
 _NEXT = (Phase.JOINING, Phase.WARMING, Phase.LEAVING, Phase.FINISHING, Phase.CLOSING)
-PART_PHASES = StateTable("a part's phase", {
-    Phase.STARTING: _NEXT,
-    Phase.WARMING: (Phase.REQUESTING, *_NEXT),  # REQUESTING: a warm-up failed, a restart is spent
-    Phase.JOINING: (Phase.RUNNING, *_NEXT),
-    Phase.RUNNING: (Phase.PROBING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
-    Phase.PROBING: (Phase.RUNNING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
-    Phase.STOPPING: (Phase.REQUESTING, Phase.BARRIER, *_NEXT),
-    Phase.REQUESTING: _NEXT,
-    Phase.BARRIER: _NEXT,
-    Phase.FINISHING: (Phase.CLOSING,),
-    Phase.LEAVING: (Phase.CLOSING,),
-    Phase.CLOSING: (),
-})
+PART_PHASES = StateTable(
+    "a part's phase",
+    {
+        Phase.STARTING: _NEXT,
+        Phase.WARMING: (
+            Phase.REQUESTING,
+            *_NEXT,
+        ),  # REQUESTING: a warm-up failed, a restart is spent
+        Phase.JOINING: (Phase.RUNNING, *_NEXT),
+        Phase.RUNNING: (Phase.PROBING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
+        Phase.PROBING: (Phase.RUNNING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
+        Phase.STOPPING: (Phase.REQUESTING, Phase.BARRIER, *_NEXT),
+        Phase.REQUESTING: _NEXT,
+        Phase.BARRIER: _NEXT,
+        Phase.FINISHING: (Phase.CLOSING,),
+        Phase.LEAVING: (Phase.CLOSING,),
+        Phase.CLOSING: (),
+    },
+)
 
 
 @dataclass
@@ -80,7 +108,7 @@ class Then:
     reason: Reason | None = None
     state: PartState | None = None  # the part state to end in (after a finish)
     on_store_failure: PartState = PartState.LEFT
-    new_pool: bool = False          # in place: start over with a fresh pool (a stall)
+    new_pool: bool = False  # in place: start over with a fresh pool (a stall)
 
 
 @dataclass
@@ -99,29 +127,34 @@ class PartCore:
     nproc: int
     gpus: tuple[str, ...]
     settings: Settings
-    started: float | None = None          # when the job first ran, on any node (wall clock)
-    ran: float | None = None              # when this part's workers first ran a round (what usage charges)
+    started: float | None = None  # when the job first ran, on any node (wall clock)
+    ran: float | None = None  # when this part's workers first ran a round (what usage charges)
     phase: Phase = Phase.STARTING
-    info: RendezvousInfo | None = None    # the round this node's workers are (or were) in
-    group: WorkerGroup | None = None      # the workers, as last heard
+    info: RendezvousInfo | None = None  # the round this node's workers are (or were) in
+    group: WorkerGroup | None = None  # the workers, as last heard
     failures: tuple[Failure, ...] = ()
-    reported: PartState | None = None     # as last published (PART_STATES)
+    reported: PartState | None = None  # as last published (PART_STATES)
     report_state: PartState = PartState.RENDEZVOUS  # the state a workers' change is published in
-    ended: Outcome | None = None          # the job's outcome, once heard
-    leaving: Reason | None = None         # this node was asked to leave the job
-    declined: str = ""                    # why this node left on its own (not placed again until the job changes)
-    held: str = ""                        # why this node never takes the job again
-    notice_waiting: bool = True           # a round at its max stops listening to waiting nodes
-    scheduled: frozenset[str] = frozenset()  # the nodes the cluster's schedule gives the job (none: no schedule)
-    spares: int = 0                       # in place: slots beyond ``nproc`` for warm spare workers
+    ended: Outcome | None = None  # the job's outcome, once heard
+    leaving: Reason | None = None  # this node was asked to leave the job
+    declined: str = ""  # why this node left on its own (not placed again until the job changes)
+    held: str = ""  # why this node never takes the job again
+    notice_waiting: bool = True  # a round at its max stops listening to waiting nodes
+    scheduled: frozenset[str] = (
+        frozenset()
+    )  # the nodes the cluster's schedule gives the job (none: no schedule)
+    spares: int = 0  # in place: slots beyond ``nproc`` for warm spare workers
     then: Then = field(default_factory=Then)
     ops: dict[str, int] = field(default_factory=dict)  # what runs: "main", "watch", "probe" -> op
     next_op: int = 0
-    since: float = 0.0                    # when the running join or barrier wait began (monotonic)
-    barrier_deadline: float = 0.0         # wall clock, shown
+    since: float = 0.0  # when the running join or barrier wait began (monotonic)
+    barrier_deadline: float = 0.0  # wall clock, shown
     story: Story = field(default_factory=Story)
-    place: inplace.Places | None = None   # an in-place job's slots (None: classic)
-    finish_with: tuple[RendezvousInfo | None, WorkerGroup | None] = (None, None)  # the report at the end
+    place: inplace.Places | None = None  # an in-place job's slots (None: classic)
+    finish_with: tuple[RendezvousInfo | None, WorkerGroup | None] = (
+        None,
+        None,
+    )  # the report at the end
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -168,15 +201,24 @@ class PartCore:
 
     def nodes_lost(self, nodes: tuple[str, ...], now: ev.Now) -> Instructions:
         """Members of this part's round are gone: in a running round, the survivors re-form at once."""
-        lost = tuple(n for n in nodes if n != self.settings.node and self.info is not None
-                     and n in {m.node for m in self.info.members})
+        lost = tuple(
+            n
+            for n in nodes
+            if n != self.settings.node
+            and self.info is not None
+            and n in {m.node for m in self.info.members}
+        )
         if not lost or self.phase is not Phase.RUNNING:
             return []
         self.story.heard(now.mono, ev.NodesLost(lost))
         seen = WorkersExited(RunResult(WorkerState.FAILED, ()), lost)
         assert self.info is not None
-        say = do.Say("info", "job %s round %d: node %s is gone -> %s", self.job,
-                     (self.job, self.info.round, ", ".join(lost), Decision.NODE_LOST.value))
+        say = do.Say(
+            "info",
+            "job %s round %d: node %s is gone -> %s",
+            self.job,
+            (self.job, self.info.round, ", ".join(lost), Decision.NODE_LOST.value),
+        )
         return self._told("lost", now, [say] + self._act(Decision.NODE_LOST, seen, now))
 
     # -- operations ----------------------------------------------------------------------------
@@ -212,25 +254,59 @@ class PartCore:
 
     # -- reports -------------------------------------------------------------------------------
 
-    def _report(self, state: PartState, now: ev.Now, info: RendezvousInfo | None = None,
-                group: WorkerGroup | None = None, barrier: dict[str, Any] | None = None) -> Instructions:
+    def _report(
+        self,
+        state: PartState,
+        now: ev.Now,
+        info: RendezvousInfo | None = None,
+        group: WorkerGroup | None = None,
+        barrier: dict[str, Any] | None = None,
+    ) -> Instructions:
         self.report_state = PART_STATES.check(self.reported, state)
         self.reported = state
         self.ran = now.wall if self.ran is None and state is PartState.RUNNING else self.ran
-        in_round = dict(round=info.round, group_rank=info.group_rank, restarts=info.restart_count,
-                     world_size=info.world_size, group_world_size=info.group_world_size) if info else {}
-        return [do.Publish(self.job, Part(
-            node=self.settings.node, state=state, **in_round, started=self.started, barrier=barrier,
-            workers=tuple(w.to_json() for w in group.workers) if group else (), updated=now.wall,
-            held=self.held, ran=self.ran, slots=self.nproc + self.spares, gpus=len(self.gpus) - len(spares.given_gpus(self)),
-            spares=inplace.parked(self) if self.place is not None else 0))]
+        in_round = (
+            dict(
+                round=info.round,
+                group_rank=info.group_rank,
+                restarts=info.restart_count,
+                world_size=info.world_size,
+                group_world_size=info.group_world_size,
+            )
+            if info
+            else {}
+        )
+        return [
+            do.Publish(
+                self.job,
+                Part(
+                    node=self.settings.node,
+                    state=state,
+                    **in_round,
+                    started=self.started,
+                    barrier=barrier,
+                    workers=tuple(w.to_json() for w in group.workers) if group else (),
+                    updated=now.wall,
+                    held=self.held,
+                    ran=self.ran,
+                    slots=self.nproc + self.spares,
+                    gpus=len(self.gpus) - len(spares.given_gpus(self)),
+                    spares=inplace.parked(self) if self.place is not None else 0,
+                ),
+            )
+        ]
 
     def _close(self) -> Instructions:
         self._to(Phase.CLOSING)
         return self._drop() + [do.ClosePart(self.job)]
 
-    def _end(self, state: PartState, now: ev.Now, info: RendezvousInfo | None = None,
-             group: WorkerGroup | None = None) -> Instructions:
+    def _end(
+        self,
+        state: PartState,
+        now: ev.Now,
+        info: RendezvousInfo | None = None,
+        group: WorkerGroup | None = None,
+    ) -> Instructions:
         return self._report(state, now, info, group) + self._close()
 
     # -- joining ---------------------------------------------------------------------------------
@@ -243,7 +319,15 @@ class PartCore:
             return self._leave(now, None, None)
         self._to(Phase.JOINING)
         self.since = now.mono
-        return [do.Join(self.job, self._op("main"), self.nproc if nproc is None else nproc, self.spec.master_port, tuple(sorted(self.scheduled)))]
+        return [
+            do.Join(
+                self.job,
+                self._op("main"),
+                self.nproc if nproc is None else nproc,
+                self.spec.master_port,
+                tuple(sorted(self.scheduled)),
+            )
+        ]
 
     def _joined(self, event: ev.RoundJoined, now: ev.Now) -> Instructions:
         self._done(event)
@@ -252,10 +336,19 @@ class PartCore:
         if self.in_place:
             return out + inplace.joined(self, info, now)
         group = assign_workers(
-            self.job, self.settings.node, round=info.round, restart_count=info.restart_count,
-            group_rank=info.group_rank, group_world_size=info.group_world_size,
-            rank_base=info.rank_base, world_size=info.world_size, nproc=info.nproc,
-            master_addr=info.master_addr, master_port=info.master_port, gpus=self.gpus)
+            self.job,
+            self.settings.node,
+            round=info.round,
+            restart_count=info.restart_count,
+            group_rank=info.group_rank,
+            group_world_size=info.group_world_size,
+            rank_base=info.rank_base,
+            world_size=info.world_size,
+            nproc=info.nproc,
+            master_addr=info.master_addr,
+            master_port=info.master_port,
+            gpus=self.gpus,
+        )
         self.info, self.group, self.failures = info, group, ()
         self.started = self.started or now.wall
         out += self._report(PartState.RUNNING, now, info, group)
@@ -267,10 +360,18 @@ class PartCore:
         if event.kind == ev.JoinFailure.CLOSED:
             return self._end(PartState.STOPPED, now)
         if event.kind == ev.JoinFailure.GONE:
-            self.declined = self.held = "its rendezvous state is gone or was refused, and no member restored it"
-            return [do.Say("warning", "job %s: not starting it on %s: %s", self.job,
-                           (self.job, self.settings.node, event.message)),
-                    do.HoldJob(self.job, self.held)] + self._end(PartState.LEFT, now)
+            self.declined = self.held = (
+                "its rendezvous state is gone or was refused, and no member restored it"
+            )
+            return [
+                do.Say(
+                    "warning",
+                    "job %s: not starting it on %s: %s",
+                    self.job,
+                    (self.job, self.settings.node, event.message),
+                ),
+                do.HoldJob(self.job, self.held),
+            ] + self._end(PartState.LEFT, now)
         outcome = Outcome(JobState.FAILED, now.wall, None, event.message, None, self.settings.node)
         return self._finish(outcome, PartState.FAILED, now)
 
@@ -292,8 +393,12 @@ class PartCore:
         """Decide about ``seen`` in the round, and act."""
         assert self.info is not None
         decision = decide(seen, self.info, self.spec)
-        say = do.Say("info", "job %s round %d: %s -> %s", self.job,
-                     (self.job, self.info.round, describe(seen), decision.value))
+        say = do.Say(
+            "info",
+            "job %s round %d: %s -> %s",
+            self.job,
+            (self.job, self.info.round, describe(seen), decision.value),
+        )
         if decision is Decision.WATCH:
             return [say] + self._watch(now, notice_waiting=False)
         return [say] + self._act(decision, seen, now)
@@ -311,7 +416,11 @@ class PartCore:
         if self.reported is not None and self.phase is not Phase.CLOSING:
             out += self._report(self.report_state, now, self.info, self.group)
         if self.phase is Phase.RUNNING:
-            result = inplace.round_result(self) if self.in_place else run_result(self.group, self.failures)
+            result = (
+                inplace.round_result(self)
+                if self.in_place
+                else run_result(self.group, self.failures)
+            )
             if result is not None:
                 out += self._exited(result, now)
         elif self.phase is Phase.WARMING:
@@ -330,7 +439,8 @@ class PartCore:
         self._to(Phase.PROBING)
         self.then = Then(seen=WorkersExited(result))
         return self._drop("watch", "probe") + [
-            do.Probe(self.job, self._op("main"), others, self.settings.dead_after)]
+            do.Probe(self.job, self._op("main"), others, self.settings.dead_after)
+        ]
 
     def _probed(self, event: ev.PeersProbed, now: ev.Now) -> Instructions:
         self._done(event)
@@ -345,8 +455,11 @@ class PartCore:
         assert self.info is not None and decision is not Decision.WATCH
         out = self._drop("watch", "probe")
         if isinstance(seen, WorkersExited) and self.group is not None:
-            out += [do.Count("worker_exited", "", w.exit_code) for w in self.group.workers
-                    if w.exit_code is not None]
+            out += [
+                do.Count("worker_exited", "", w.exit_code)
+                for w in self.group.workers
+                if w.exit_code is not None
+            ]
         if self.in_place:
             handled = inplace.act(self, decision, seen, now)
             if handled is not None:
@@ -365,7 +478,9 @@ class PartCore:
         then, info, group = self.then, self.info, self.group
         assert info is not None and then.decision is not None
         if then.new_pool:
-            return inplace.fresh_pool(self, now) + self._request(then.reason or Reason.STALLED, then.seen, now)
+            return inplace.fresh_pool(self, now) + self._request(
+                then.reason or Reason.STALLED, then.seen, now
+            )
         decision = then.decision
         if decision in ROUND_FOR:
             lost = then.seen.lost if isinstance(then.seen, WorkersExited) else ()
@@ -382,8 +497,14 @@ class PartCore:
             return self._leave(now, info, group)
         return self._end(PartState.STOPPED, now, info, group)
 
-    def _request(self, reason: Reason, seen: Observed | None, now: ev.Now,
-                 lost: tuple[str, ...] = (), current: bool = False) -> Instructions:
+    def _request(
+        self,
+        reason: Reason,
+        seen: Observed | None,
+        now: ev.Now,
+        lost: tuple[str, ...] = (),
+        current: bool = False,
+    ) -> Instructions:
         """The round after this part's own (``current``: after the current one, for a part outside it)."""
         self._to(Phase.REQUESTING)
         self.then = Then(seen=seen, reason=reason)
@@ -393,13 +514,21 @@ class PartCore:
     def _requested(self, event: ev.RoundRequested, now: ev.Now) -> Instructions:
         self._done(event)
         if event.result is NextRound.EXHAUSTED:
-            return self._finish(self._exhausted(self.then.seen, now), PartState.FAILED, now, self.info)
+            return self._finish(
+                self._exhausted(self.then.seen, now), PartState.FAILED, now, self.info
+            )
         if event.result is NextRound.CLOSED:
             return self._end(PartState.STOPPED, now, self.info)
         out: Instructions = []
         if event.result is NextRound.OPENED:
-            out.append(do.Say("info", "rendezvous %s: %s opened a new round (%s)", self.job,
-                              (self.job, self.settings.node, self.then.reason)))
+            out.append(
+                do.Say(
+                    "info",
+                    "rendezvous %s: %s opened a new round (%s)",
+                    self.job,
+                    (self.job, self.settings.node, self.then.reason),
+                )
+            )
         if self.then.reason in CHARGED:
             out.append(do.Count("restarted"))
         return out + self._rejoin(now)
@@ -408,15 +537,24 @@ class PartCore:
         if isinstance(seen, WorkersExited):
             return failure_outcome(seen.result, self.spec, now.wall, self.settings.node)
         slots = seen.slots if isinstance(seen, RejoinStalled) else ()
-        return Outcome(JobState.FAILED, now.wall, 1,
-                       f"workers in slots {list(slots)} on {self.settings.node} did not rejoin within "
-                       f"{self.spec.rejoin_timeout:g} s (max restarts {self.spec.max_restarts} exhausted)",
-                       None, self.settings.node)
+        return Outcome(
+            JobState.FAILED,
+            now.wall,
+            1,
+            f"workers in slots {list(slots)} on {self.settings.node} did not rejoin within "
+            f"{self.spec.rejoin_timeout:g} s (max restarts {self.spec.max_restarts} exhausted)",
+            None,
+            self.settings.node,
+        )
 
     def _rejoin(self, now: ev.Now) -> Instructions:
         """On to the next round."""
-        if self.in_place:  # a part still in its rendezvous (its warm-up failed) warms again as it is
-            out = self._report(PartState.RESTARTING, now, self.info, self.group) if self.info else []
+        if (
+            self.in_place
+        ):  # a part still in its rendezvous (its warm-up failed) warms again as it is
+            out = (
+                self._report(PartState.RESTARTING, now, self.info, self.group) if self.info else []
+            )
             return out + inplace.rejoin(self, now)
         return self._report(PartState.RESTARTING, now, self.info) + self._join(now)
 
@@ -431,12 +569,21 @@ class PartCore:
         self.barrier_deadline = now.wall + self.spec.exit_barrier_timeout
         if self.leaving is not None:
             return self._leave(now, self.info, self.group)
-        return [do.ArriveAtBarrier(self.job, self._op("main"), self.info, self.spec.exit_barrier_timeout),
-                do.Watch(self.job, self._op("watch"), self.info.round, False)]
+        return [
+            do.ArriveAtBarrier(
+                self.job, self._op("main"), self.info, self.spec.exit_barrier_timeout
+            ),
+            do.Watch(self.job, self._op("watch"), self.info.round, False),
+        ]
 
     def _barrier_progress(self, event: ev.BarrierProgress, now: ev.Now) -> Instructions:
-        return self._report(PartState.BARRIER, now, self.info, self.group, barrier={
-            "done": event.done, "total": event.total, "deadline": self.barrier_deadline})
+        return self._report(
+            PartState.BARRIER,
+            now,
+            self.info,
+            self.group,
+            barrier={"done": event.done, "total": event.total, "deadline": self.barrier_deadline},
+        )
 
     def _barrier_done(self, event: ev.BarrierDone, now: ev.Now) -> Instructions:
         self._done(event)
@@ -444,9 +591,15 @@ class PartCore:
         if event.arrived >= event.total:
             outcome = Outcome(JobState.SUCCEEDED, now.wall, 0, "", None, self.settings.node)
             return out + self._finish(outcome, PartState.SUCCEEDED, now, self.info, self.group)
-        outcome = Outcome(JobState.FAILED, now.wall, None,
-                          f"exit barrier timed out after {self.spec.exit_barrier_timeout:g} s: "
-                          f"{event.arrived}/{event.total} nodes finished", None, self.settings.node)
+        outcome = Outcome(
+            JobState.FAILED,
+            now.wall,
+            None,
+            f"exit barrier timed out after {self.spec.exit_barrier_timeout:g} s: "
+            f"{event.arrived}/{event.total} nodes finished",
+            None,
+            self.settings.node,
+        )
         return out + self._finish(outcome, PartState.FAILED, now, self.info, self.group)
 
     def _barrier_round(self, event: ev.RoundChanged, now: ev.Now) -> Instructions:
@@ -464,9 +617,15 @@ class PartCore:
 
     # -- finishing, leaving, failing -------------------------------------------------------------
 
-    def _finish(self, outcome: Outcome, state: PartState, now: ev.Now,
-                info: RendezvousInfo | None = None, group: WorkerGroup | None = None,
-                on_store_failure: PartState = PartState.LEFT) -> Instructions:
+    def _finish(
+        self,
+        outcome: Outcome,
+        state: PartState,
+        now: ev.Now,
+        info: RendezvousInfo | None = None,
+        group: WorkerGroup | None = None,
+        on_store_failure: PartState = PartState.LEFT,
+    ) -> Instructions:
         self._to(Phase.FINISHING)
         self.then = Then(state=state, on_store_failure=on_store_failure)
         self.finish_with = (info, group)
@@ -479,7 +638,9 @@ class PartCore:
         assert self.then.state is not None
         return self._end(self.then.state, now, info, group)
 
-    def _leave(self, now: ev.Now, info: RendezvousInfo | None, group: WorkerGroup | None) -> Instructions:
+    def _leave(
+        self, now: ev.Now, info: RendezvousInfo | None, group: WorkerGroup | None
+    ) -> Instructions:
         assert self.leaving is not None
         self._to(Phase.LEAVING)
         self.finish_with = (info, group)
@@ -489,8 +650,14 @@ class PartCore:
         self._done(event)
         out: Instructions = []
         if isinstance(event, ev.OpFailed):
-            out.append(do.Say("warning", "job %s: could not tell the rendezvous that %s leaves: %s",
-                              self.job, (self.job, self.settings.node, event.message)))
+            out.append(
+                do.Say(
+                    "warning",
+                    "job %s: could not tell the rendezvous that %s leaves: %s",
+                    self.job,
+                    (self.job, self.settings.node, event.message),
+                )
+            )
         info, group = self.finish_with
         return out + self._end(PartState.LEFT, now, info, group)
 
@@ -501,18 +668,39 @@ class PartCore:
         self._done(event)
         if event.store:
             self.declined = event.message
-            return [do.Say("warning", "job %s: leaving, the store does not answer: %s", self.job,
-                           (self.job, event.message))] + self._end(PartState.LEFT, now)
-        outcome = Outcome(JobState.FAILED, now.wall, None,
-                          f"elasticd agent on {self.settings.node} failed", None, self.settings.node)
-        return [do.Say("error", "agent for job %s failed: %s", self.job, (self.job, event.message))] + \
-            self._drop() + self._finish(outcome, PartState.FAILED, now, on_store_failure=PartState.FAILED)
+            return [
+                do.Say(
+                    "warning",
+                    "job %s: leaving, the store does not answer: %s",
+                    self.job,
+                    (self.job, event.message),
+                )
+            ] + self._end(PartState.LEFT, now)
+        outcome = Outcome(
+            JobState.FAILED,
+            now.wall,
+            None,
+            f"elasticd agent on {self.settings.node} failed",
+            None,
+            self.settings.node,
+        )
+        return (
+            [do.Say("error", "agent for job %s failed: %s", self.job, (self.job, event.message))]
+            + self._drop()
+            + self._finish(outcome, PartState.FAILED, now, on_store_failure=PartState.FAILED)
+        )
 
     def _finish_failed(self, event: ev.OpFailed, now: ev.Now) -> Instructions:
         self._done(event)
         if event.store and self.then.on_store_failure is PartState.FAILED:
-            return [do.Say("warning", "job %s: could not record that its agent failed: %s", self.job,
-                           (self.job, event.message))] + self._end(PartState.FAILED, now)
+            return [
+                do.Say(
+                    "warning",
+                    "job %s: could not record that its agent failed: %s",
+                    self.job,
+                    (self.job, event.message),
+                )
+            ] + self._end(PartState.FAILED, now)
         return self._op_failed(event, now) if event.store else self._end(PartState.FAILED, now)
 
 
@@ -527,25 +715,67 @@ P = PartCore
 
 _WORKERS = {ev.WorkersChanged: P._workers_changed}
 _ASIDE = {ev.WorkerAsked: inplace.noted_asked, ev.TimerFired: IGNORE}  # in place, between rounds
-PART_EVENTS = EventTable("a part", {
-    Phase.STARTING: {},
-    Phase.WARMING: {**_WORKERS, ev.WorkerAsked: inplace.warm_asked, ev.TimerFired: IGNORE,
-                    ev.OpFailed: P._op_failed},
-    Phase.JOINING: {ev.RoundJoined: P._joined, ev.JoinFailed: P._join_failed, **_WORKERS, **_ASIDE,
-                    ev.OpFailed: P._op_failed},
-    Phase.RUNNING: {ev.RoundChanged: P._round_changed, **_WORKERS, ev.WorkerAsked: inplace.running_asked,
-                    ev.TimerFired: inplace.timer, ev.PeersProbed: inplace.running_probed,
-                    ev.OpFailed: P._op_failed},
-    Phase.PROBING: {ev.PeersProbed: P._probed, **_WORKERS, **_ASIDE, ev.OpFailed: P._op_failed},
-    Phase.STOPPING: {ev.WorkersStopped: P._stopped, **_WORKERS, **_ASIDE, ev.OpFailed: P._op_failed},
-    Phase.REQUESTING: {ev.RoundRequested: P._requested, **_WORKERS, **_ASIDE, ev.OpFailed: P._op_failed},
-    Phase.BARRIER: {ev.BarrierProgress: P._barrier_progress, ev.BarrierDone: P._barrier_done,
-                    ev.RoundChanged: P._barrier_round, **_WORKERS, **_ASIDE, ev.OpFailed: P._op_failed},
-    Phase.FINISHING: {ev.Finished: P._finished, **_WORKERS, **_ASIDE, ev.OpFailed: P._finish_failed},
-    Phase.LEAVING: {ev.Left: P._left, ev.OpFailed: P._left, **_WORKERS, **_ASIDE},
-    Phase.CLOSING: {ev.WorkersChanged: IGNORE, ev.WorkerAsked: IGNORE, ev.TimerFired: IGNORE,
-                    ev.OpFailed: IGNORE},
-})
+PART_EVENTS = EventTable(
+    "a part",
+    {
+        Phase.STARTING: {},
+        Phase.WARMING: {
+            **_WORKERS,
+            ev.WorkerAsked: inplace.warm_asked,
+            ev.TimerFired: IGNORE,
+            ev.OpFailed: P._op_failed,
+        },
+        Phase.JOINING: {
+            ev.RoundJoined: P._joined,
+            ev.JoinFailed: P._join_failed,
+            **_WORKERS,
+            **_ASIDE,
+            ev.OpFailed: P._op_failed,
+        },
+        Phase.RUNNING: {
+            ev.RoundChanged: P._round_changed,
+            **_WORKERS,
+            ev.WorkerAsked: inplace.running_asked,
+            ev.TimerFired: inplace.timer,
+            ev.PeersProbed: inplace.running_probed,
+            ev.OpFailed: P._op_failed,
+        },
+        Phase.PROBING: {ev.PeersProbed: P._probed, **_WORKERS, **_ASIDE, ev.OpFailed: P._op_failed},
+        Phase.STOPPING: {
+            ev.WorkersStopped: P._stopped,
+            **_WORKERS,
+            **_ASIDE,
+            ev.OpFailed: P._op_failed,
+        },
+        Phase.REQUESTING: {
+            ev.RoundRequested: P._requested,
+            **_WORKERS,
+            **_ASIDE,
+            ev.OpFailed: P._op_failed,
+        },
+        Phase.BARRIER: {
+            ev.BarrierProgress: P._barrier_progress,
+            ev.BarrierDone: P._barrier_done,
+            ev.RoundChanged: P._barrier_round,
+            **_WORKERS,
+            **_ASIDE,
+            ev.OpFailed: P._op_failed,
+        },
+        Phase.FINISHING: {
+            ev.Finished: P._finished,
+            **_WORKERS,
+            **_ASIDE,
+            ev.OpFailed: P._finish_failed,
+        },
+        Phase.LEAVING: {ev.Left: P._left, ev.OpFailed: P._left, **_WORKERS, **_ASIDE},
+        Phase.CLOSING: {
+            ev.WorkersChanged: IGNORE,
+            ev.WorkerAsked: IGNORE,
+            ev.TimerFired: IGNORE,
+            ev.OpFailed: IGNORE,
+        },
+    },
+)
 
 
 def _keep(part: PartCore, now: ev.Now) -> Instructions:
@@ -567,9 +797,15 @@ def _stop_warming(part: PartCore, now: ev.Now) -> Instructions:
 
 ENDED_IN: dict[Phase, Callable[[PartCore, ev.Now], Instructions]] = {
     Phase.STARTING: _keep,
-    Phase.WARMING: _stop_warming, Phase.JOINING: _stop_joining, Phase.RUNNING: _stop_running,
-    Phase.PROBING: _keep, Phase.STOPPING: _keep, Phase.REQUESTING: _keep,
-    Phase.BARRIER: PartCore._barrier_ended, Phase.FINISHING: _keep, Phase.LEAVING: _keep,
+    Phase.WARMING: _stop_warming,
+    Phase.JOINING: _stop_joining,
+    Phase.RUNNING: _stop_running,
+    Phase.PROBING: _keep,
+    Phase.STOPPING: _keep,
+    Phase.REQUESTING: _keep,
+    Phase.BARRIER: PartCore._barrier_ended,
+    Phase.FINISHING: _keep,
+    Phase.LEAVING: _keep,
     Phase.CLOSING: _keep,
 }
 
@@ -593,8 +829,14 @@ def _leave_barrier(part: PartCore, now: ev.Now) -> Instructions:
 
 LEAVE_IN: dict[Phase, Callable[[PartCore, ev.Now], Instructions]] = {
     Phase.STARTING: _keep,
-    Phase.WARMING: _leave_warming, Phase.JOINING: _leave_joining, Phase.RUNNING: _leave_running,
-    Phase.PROBING: _keep, Phase.STOPPING: _keep, Phase.REQUESTING: _keep,
-    Phase.BARRIER: _leave_barrier, Phase.FINISHING: _keep, Phase.LEAVING: _keep,
+    Phase.WARMING: _leave_warming,
+    Phase.JOINING: _leave_joining,
+    Phase.RUNNING: _leave_running,
+    Phase.PROBING: _keep,
+    Phase.STOPPING: _keep,
+    Phase.REQUESTING: _keep,
+    Phase.BARRIER: _leave_barrier,
+    Phase.FINISHING: _keep,
+    Phase.LEAVING: _keep,
     Phase.CLOSING: _keep,
 }

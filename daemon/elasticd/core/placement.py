@@ -9,11 +9,12 @@ the nodes forever.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
-from elasticd.core.records import JobRecord
 from elasticd.core.model import AUTO, CPU, GPU, JobSpec, PartState
+from elasticd.core.records import JobRecord
 
 _DONE_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED})
 
@@ -29,8 +30,8 @@ class Resources:
 class Offer:
     job_id: str
     nproc: int
-    gpus: tuple[str, ...]   # the workers' and then the spares'
-    spares: int = 0         # in place: warm workers kept beside the placed ones
+    gpus: tuple[str, ...]  # the workers' and then the spares'
+    spares: int = 0  # in place: warm workers kept beside the placed ones
 
     @property
     def slots(self) -> int:
@@ -76,7 +77,11 @@ def refusal(spec: JobSpec, *, allow_root: bool, local_user: str | None) -> str |
     node judges for itself before it starts workers, whichever node took the submit.
     ``local_user``: the name of the job's uid on this node (None: no such user)."""
     if spec.uid == 0:
-        return None if allow_root else "jobs submitted by root do not run here (jobs.allow_root = false)"
+        return (
+            None
+            if allow_root
+            else "jobs submitted by root do not run here (jobs.allow_root = false)"
+        )
     if local_user is None:
         return f"user {spec.user} (uid {spec.uid}) does not exist here"
     if local_user != spec.user and spec.user != str(spec.uid):
@@ -91,12 +96,16 @@ def beyond_standalone(spec: JobSpec) -> str | None:
     if least <= 1:
         return None
     steps = f" (--nnodes-step {spec.nnodes_step})" if least != spec.min_nodes else ""
-    return (f"the daemon is standalone (a one-node cluster), so a job needing {least} "
-            f"nodes{steps} can never start; use --nnodes 1 or run a cluster")
+    return (
+        f"the daemon is standalone (a one-node cluster), so a job needing {least} "
+        f"nodes{steps} can never start; use --nnodes 1 or run a cluster"
+    )
 
 
-_SLOTS_HINT = ("a node's slots default to its CPU count; `elasticd --slots N` or node.slots "
-               "in the config raises them")
+_SLOTS_HINT = (
+    "a node's slots default to its CPU count; `elasticd --slots N` or node.slots "
+    "in the config raises them"
+)
 
 
 def never_fits(spec: JobSpec, nodes: Iterable[dict[str, Any]]) -> str | None:
@@ -121,8 +130,11 @@ def never_fits(spec: JobSpec, nodes: Iterable[dict[str, Any]]) -> str | None:
 
 def _whole(node: dict[str, Any]) -> Resources:
     """A node as if idle, from its entry in the node list."""
-    return Resources(node["slots_total"], tuple(str(i) for i in range(node["gpus_total"])),
-                     node.get("cpus_total", 0))
+    return Resources(
+        node["slots_total"],
+        tuple(str(i) for i in range(node["gpus_total"])),
+        node.get("cpus_total", 0),
+    )
 
 
 def _fits_whole(spec: JobSpec, node: dict[str, Any], *, slots: int | None = None) -> bool:
@@ -132,8 +144,11 @@ def _fits_whole(spec: JobSpec, node: dict[str, Any], *, slots: int | None = None
     return fit(spec, whole, has_gpus=bool(whole.gpus)) is not None
 
 
-_WANTED = {GPU: "one worker per GPU", CPU: "one worker per CPU",
-           AUTO: "one worker per GPU (per CPU on a node without GPUs)"}
+_WANTED = {
+    GPU: "one worker per GPU",
+    CPU: "one worker per CPU",
+    AUTO: "one worker per GPU (per CPU on a node without GPUs)",
+}
 
 
 def _wanted(spec: JobSpec) -> str:
@@ -145,14 +160,26 @@ def _size(node: dict[str, Any]) -> str:
     return f"{node['name']} has {node['slots_total']} slots{cpus} and {node['gpus_total']} GPUs"
 
 
-def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bool,
-          busy: set[str], draining: bool = False) -> list[Offer]:
+def place(
+    jobs: Iterable[JobRecord],
+    node: str,
+    free: Resources,
+    *,
+    has_gpus: bool,
+    busy: set[str],
+    draining: bool = False,
+) -> list[Offer]:
     """Offers this node makes, oldest job first: open jobs it fits and is not already in."""
     if draining:
         return []
     offers = []
     for record in sorted(jobs, key=lambda r: r.seq):
-        if record.outcome is not None or record.held or record.id in busy or not eligible(record.spec, node):
+        if (
+            record.outcome is not None
+            or record.held
+            or record.id in busy
+            or not eligible(record.spec, node)
+        ):
             continue
         if node in record.parts and record.parts[node].state in _DONE_HERE:
             continue  # this node's share ended; the job's end is on its way
@@ -164,6 +191,9 @@ def place(jobs: Iterable[JobRecord], node: str, free: Resources, *, has_gpus: bo
             continue
         offer = with_spares(record.spec, offer, free, has_gpus) if record.spec.spares else offer
         offers.append(offer)
-        free = replace(free, slots=free.slots - offer.slots,
-                       gpus=tuple(g for g in free.gpus if g not in offer.gpus))
+        free = replace(
+            free,
+            slots=free.slots - offer.slots,
+            gpus=tuple(g for g in free.gpus if g not in offer.gpus),
+        )
     return offers

@@ -6,33 +6,34 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from elasticd.journal import excerpt
 from elasticd.core.model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState
 from elasticd.core.records import Outcome
+from elasticd.journal import excerpt
 from elasticd.rendezvous import EventKind, Reason, RendezvousInfo, RoundEvent, may_restart
 
 
 class Decision(enum.Enum):
     """What the part does about an event of its round (``decide``)."""
 
-    BARRIER = "barrier"      # local workers succeeded: wait for the other nodes
-    RESTART = "restart"      # a worker failed and restarts remain: open a new round ("failure")
+    BARRIER = "barrier"  # local workers succeeded: wait for the other nodes
+    RESTART = "restart"  # a worker failed and restarts remain: open a new round ("failure")
     NODE_LOST = "node_lost"  # workers failed because a member node died: re-form without it
-    FAIL = "fail"            # a worker failed and no restarts remain
-    REJOIN = "rejoin"        # the round was superseded: stop and join the next one
-    SCALE_UP = "scale_up"    # nodes (or warmed workers) wait and the job is below max
-    WATCH = "watch"          # nothing to do: keep watching
-    STOP = "stop"            # the job ended: stop
-    LEAVE = "leave"          # this node leaves the job (drain, shutdown)
-    STALL = "stall"          # in place: a survivor did not rejoin in time; restart every worker
+    FAIL = "fail"  # a worker failed and no restarts remain
+    REJOIN = "rejoin"  # the round was superseded: stop and join the next one
+    SCALE_UP = "scale_up"  # nodes (or warmed workers) wait and the job is below max
+    WATCH = "watch"  # nothing to do: keep watching
+    STOP = "stop"  # the job ended: stop
+    LEAVE = "leave"  # this node leaves the job (drain, shutdown)
+    STALL = "stall"  # in place: a survivor did not rejoin in time; restart every worker
 
 
 # -- what a round's watch can learn (the inputs of ``decide``) ------------------------------------
 
+
 @dataclass(frozen=True)
 class WorkersExited:
     result: RunResult
-    lost: tuple[str, ...] = ()   # members whose daemon was found dead when the workers failed
+    lost: tuple[str, ...] = ()  # members whose daemon was found dead when the workers failed
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,11 @@ def decide(seen: Observed, info: RendezvousInfo, spec: JobSpec) -> Decision:
             return Decision.BARRIER
         if seen.lost:
             return Decision.NODE_LOST  # a membership change: no restart is charged
-        return Decision.RESTART if may_restart(info.restart_count, spec.max_restarts) else Decision.FAIL
+        return (
+            Decision.RESTART
+            if may_restart(info.restart_count, spec.max_restarts)
+            else Decision.FAIL
+        )
     if seen.kind is EventKind.CLOSED:
         return Decision.STOP
     if seen.kind is EventKind.NEXT_ROUND:
@@ -87,8 +92,12 @@ def decide(seen: Observed, info: RendezvousInfo, spec: JobSpec) -> Decision:
     return Decision.WATCH
 
 
-ROUND_FOR = {Decision.RESTART: Reason.FAILURE, Decision.NODE_LOST: Reason.NODE_LOST,
-             Decision.SCALE_UP: Reason.SCALE_UP, Decision.STALL: Reason.STALLED}
+ROUND_FOR = {
+    Decision.RESTART: Reason.FAILURE,
+    Decision.NODE_LOST: Reason.NODE_LOST,
+    Decision.SCALE_UP: Reason.SCALE_UP,
+    Decision.STALL: Reason.STALLED,
+}
 
 
 def describe(seen: Observed) -> str:
@@ -96,7 +105,11 @@ def describe(seen: Observed) -> str:
     if isinstance(seen, WorkersExited):
         cause = seen.result.root_cause
         lost = f" (node {', '.join(seen.lost)} is gone)" if seen.lost else ""
-        return f"rank {cause.rank} failed: {excerpt(cause.message)}{lost}" if cause else "workers succeeded"
+        return (
+            f"rank {cause.rank} failed: {excerpt(cause.message)}{lost}"
+            if cause
+            else "workers succeeded"
+        )
     if isinstance(seen, RoundEvent):
         detail = seen.reason or (f"{seen.waiting} waiting" if seen.waiting else "")
         return f"rendezvous: {seen.kind}" + (f" ({detail})" if detail else "")
@@ -112,7 +125,11 @@ def describe(seen: Observed) -> str:
 def failure_outcome(result: RunResult, spec: JobSpec, wall: float, node: str) -> Outcome:
     cause = result.root_cause
     budget = f"(max restarts {spec.max_restarts} exhausted)" if spec.max_restarts else ""
-    message = f"rank {cause.rank} on {cause.node}: {cause.message} {budget}".strip() if cause else "failed"
+    message = (
+        f"rank {cause.rank} on {cause.node}: {cause.message} {budget}".strip()
+        if cause
+        else "failed"
+    )
     return Outcome(JobState.FAILED, wall, cause.exit_code if cause else 1, message, cause, node)
 
 
@@ -122,9 +139,15 @@ def run_result(group: WorkerGroup, failures: tuple[Failure, ...]) -> RunResult |
     failed = [w.local_rank for w in group.workers if w.state is WorkerState.FAILED]
     if failed:
         causes = tuple(f for f in failures if f.local_rank in failed)
-        return RunResult(WorkerState.FAILED, causes or tuple(
-            Failure(w.rank, w.local_rank, w.node, w.exit_code or 1, "failed")
-            for w in group.workers if w.local_rank in failed))
+        return RunResult(
+            WorkerState.FAILED,
+            causes
+            or tuple(
+                Failure(w.rank, w.local_rank, w.node, w.exit_code or 1, "failed")
+                for w in group.workers
+                if w.local_rank in failed
+            ),
+        )
     if group.workers and all(w.state is WorkerState.SUCCEEDED for w in group.workers):
         return RunResult(WorkerState.SUCCEEDED)
     return None

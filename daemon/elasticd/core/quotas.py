@@ -16,22 +16,22 @@ charge (a group they are in).  Root and the admin group are bound by neither.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 from elasticd.core.model import JobSpec
 
 KiB = 1024
-PATH_BYTES = 4096      # python, workdir (PATH_MAX: the kernel refuses a longer path anyway)
-NODE_NAMES = 4096      # names in --nodes or --exclude (the largest cluster designed for)
+PATH_BYTES = 4096  # python, workdir (PATH_MAX: the kernel refuses a longer path anyway)
+NODE_NAMES = 4096  # names in --nodes or --exclude (the largest cluster designed for)
 NODE_NAME_BYTES = 255  # a host name is at most 253
 
 
 @dataclass(frozen=True)
 class SubmitLimits:
-    argv_bytes: int = 128 * KiB   # jobs.max_argv_bytes
-    env_bytes: int = 128 * KiB    # jobs.max_env_bytes
-    per_user: int = 100           # jobs.max_per_user: jobs not ended, per user; 0: no limit
+    argv_bytes: int = 128 * KiB  # jobs.max_argv_bytes
+    env_bytes: int = 128 * KiB  # jobs.max_env_bytes
+    per_user: int = 100  # jobs.max_per_user: jobs not ended, per user; 0: no limit
 
 
 def argv_size(argv: Iterable[str]) -> int:
@@ -48,13 +48,17 @@ def spec_refusal(spec: JobSpec, limits: SubmitLimits) -> str | None:
     """Why ``spec`` is too large to submit (None: it is not)."""
     size = argv_size(spec.argv)
     if size > limits.argv_bytes:
-        return (f"the job's command line is {size} bytes, over the limit "
-                f"(jobs.max_argv_bytes = {limits.argv_bytes}): pass large inputs in a file")
+        return (
+            f"the job's command line is {size} bytes, over the limit "
+            f"(jobs.max_argv_bytes = {limits.argv_bytes}): pass large inputs in a file"
+        )
     size = env_size(spec.env)
     if size > limits.env_bytes:
-        return (f"the job's environment (yours, with --env) is {size} bytes, over the limit "
-                f"(jobs.max_env_bytes = {limits.env_bytes}): unset what the job does not need "
-                "(env -u NAME elasticctl submit ...)")
+        return (
+            f"the job's environment (yours, with --env) is {size} bytes, over the limit "
+            f"(jobs.max_env_bytes = {limits.env_bytes}): unset what the job does not need "
+            "(env -u NAME elasticctl submit ...)"
+        )
     for what, path in (("python", spec.python), ("workdir", spec.workdir)):
         if len(path.encode()) > PATH_BYTES:
             return f"the job's {what} is longer than {PATH_BYTES} bytes"
@@ -68,8 +72,10 @@ def count_refusal(user: str, open_jobs: int, limits: SubmitLimits) -> str | None
     """Why ``user``, who has ``open_jobs`` jobs that have not ended, may not submit another
     (None: they may)."""
     if limits.per_user and open_jobs >= limits.per_user:
-        return (f"{user} has {open_jobs} jobs that have not ended, the most one user may have "
-                f"(jobs.max_per_user = {limits.per_user}): wait for some to end or cancel some")
+        return (
+            f"{user} has {open_jobs} jobs that have not ended, the most one user may have "
+            f"(jobs.max_per_user = {limits.per_user}): wait for some to end or cancel some"
+        )
     return None
 
 
@@ -88,18 +94,27 @@ class PriorityBounds:
         the groups they are in; None (unbounded) for root and the admin group."""
         if is_admin:
             return None
-        return max([self.default, self.users.get(user, self.default),
-                    *(self.groups.get(group, self.default) for group in groups)])
+        return max(
+            [
+                self.default,
+                self.users.get(user, self.default),
+                *(self.groups.get(group, self.default) for group in groups),
+            ]
+        )
 
-    def refusal(self, priority: int, user: str, groups: Sequence[str], is_admin: bool) -> str | None:
+    def refusal(
+        self, priority: int, user: str, groups: Sequence[str], is_admin: bool
+    ) -> str | None:
         """Why ``user`` may not ask ``priority`` (None: they may), naming their bound, the
         key it comes from and the keys that raise it."""
         bound = self.of(user, groups, is_admin)
         if bound is None or priority <= max(bound, 0):
             return None
-        return (f"--priority {priority} is over {bound}, the highest {user} may ask "
-                f"({self._source(user, groups, bound)}): an operator raises it with "
-                f"scheduler.priority_users.{user} or scheduler.priority_groups.<group>")
+        return (
+            f"--priority {priority} is over {bound}, the highest {user} may ask "
+            f"({self._source(user, groups, bound)}): an operator raises it with "
+            f"scheduler.priority_users.{user} or scheduler.priority_groups.<group>"
+        )
 
     def _source(self, user: str, groups: Sequence[str], bound: int) -> str:
         if self.users.get(user) == bound:
@@ -115,5 +130,7 @@ def account_refusal(account: str, user: str, groups: Sequence[str], is_admin: bo
     may).  An account is a group; root and the admin group may name any."""
     if is_admin or account in groups:
         return None
-    return (f"--account {account}: {user} may charge jobs only to a group they are in "
-            f"({', '.join(groups) or 'none'}); root and the admin group may name any account")
+    return (
+        f"--account {account}: {user} may charge jobs only to a group they are in "
+        f"({', '.join(groups) or 'none'}); root and the admin group may name any account"
+    )

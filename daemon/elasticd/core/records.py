@@ -7,8 +7,9 @@ registry (:mod:`elasticd.jobs.registry`) holds them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Collection, Iterable, Mapping
+from typing import Any
 
 from elasticd.core.model import Failure, JobSpec, JobState, PartState, WorkerState
 
@@ -30,8 +31,10 @@ class Part:
     started: float | None = None
     barrier: dict[str, Any] | None = None
     updated: float = 0.0
-    usage: dict[str, Any] | None = None   # the job's cgroup on this node: cgroups.Usage.to_json()
-    held: str = ""  # why this node holds the job (it refuses a record the job needs): every node shows it
+    usage: dict[str, Any] | None = None  # the job's cgroup on this node: cgroups.Usage.to_json()
+    held: str = (
+        ""  # why this node holds the job (it refuses a record the job needs): every node shows it
+    )
     # What core/usage.py charges (None: a part of a daemon older than these fields): when this
     # part's workers first ran a round (wall clock; ``started`` is the job's first start, on
     # any node), the slots and GPUs it holds, and the spans of this node's earlier parts of
@@ -70,9 +73,14 @@ class Outcome:
     by: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"state": self.state.value, "ended": self.ended, "exit_code": self.exit_code,
-                "message": self.message, "by": self.by,
-                "error": self.error.to_json() if self.error else None}
+        return {
+            "state": self.state.value,
+            "ended": self.ended,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "by": self.by,
+            "error": self.error.to_json() if self.error else None,
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Outcome:
@@ -80,8 +88,14 @@ class Outcome:
         if not state.terminal:
             raise ValueError(f"outcome state {state.value} is not terminal")
         error = Failure.from_json(doc["error"]) if doc.get("error") else None
-        return cls(state, float(doc["ended"]), doc.get("exit_code"), str(doc.get("message", "")),
-                   error, str(doc.get("by", "")))
+        return cls(
+            state,
+            float(doc["ended"]),
+            doc.get("exit_code"),
+            str(doc.get("message", "")),
+            error,
+            str(doc.get("by", "")),
+        )
 
 
 @dataclass(frozen=True)
@@ -140,7 +154,11 @@ def hold_reason(record: JobRecord) -> str:
 
 def started(parts_or_record: Iterable[Part] | JobRecord) -> float | None:
     """When the job first ran, on any node (None: it has not)."""
-    parts = parts_or_record.parts.values() if isinstance(parts_or_record, JobRecord) else parts_or_record
+    parts = (
+        parts_or_record.parts.values()
+        if isinstance(parts_or_record, JobRecord)
+        else parts_or_record
+    )
     return min((p.started for p in parts if p.started is not None), default=None)
 
 
@@ -156,9 +174,13 @@ class WorkerGroupLeft:
 def worker_groups(records: Iterable[JobRecord], node: str) -> dict[int, WorkerGroupLeft]:
     """The process groups of the workers ``node`` ran for these jobs (a worker's pid, its
     group's id -> whose), for reaping what a daemon that died left behind."""
-    return {int(worker["pid"]): WorkerGroupLeft(record.id, record.spec.uid, part.started)
-            for record in records if (part := record.parts.get(node)) is not None and part.started
-            for worker in part.workers if worker.get("pid")}
+    return {
+        int(worker["pid"]): WorkerGroupLeft(record.id, record.spec.uid, part.started)
+        for record in records
+        if (part := record.parts.get(node)) is not None and part.started
+        for worker in part.workers
+        if worker.get("pid")
+    }
 
 
 def current_parts(record: JobRecord) -> list[Part]:
@@ -169,14 +191,17 @@ def current_parts(record: JobRecord) -> list[Part]:
     return sorted(parts, key=lambda p: (p.group_rank is None, p.group_rank or 0, p.node))
 
 
-def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None,
-            lost: Collection[str] = ()) -> dict[str, Any]:
+def job_doc(
+    record: JobRecord, live_usage: Mapping[str, Any] | None = None, lost: Collection[str] = ()
+) -> dict[str, Any]:
     """The job document of the control protocol (``status --json``).  ``live_usage`` is
     this node's usage of the job read now, fresher than its last reported part; ``lost``
     the nodes judged lost, whose last word about a running job is no longer true."""
     spec, outcome = record.spec, record.outcome
     parts = current_parts(record)
-    gone = {p.node for p in parts if p.node in lost and p.state.active} if outcome is None else set()
+    gone = (
+        {p.node for p in parts if p.node in lost and p.state.active} if outcome is None else set()
+    )
     parts = [as_lost(p) if p.node in gone else p for p in parts]
     usage = {p.node: p.usage for p in record.parts.values() if p.usage}
     if live_usage:
@@ -184,15 +209,26 @@ def job_doc(record: JobRecord, live_usage: Mapping[str, Any] | None = None,
     error = _error_doc(outcome)
     barrier = next((p.barrier for p in parts if p.barrier), None)
     return {
-        **_summary(record, parts), "role": spec.role, "master_port": spec.master_port or None,
-        "argv": list(spec.argv), "kind": spec.kind, "python": spec.python, "workdir": spec.workdir,
-        "submitted_on": spec.submitted_on, "priority": spec.priority, "account": spec.account,
-        "preemptible": spec.preemptible, "nnodes_step": spec.nnodes_step, "spares": spec.spares,
+        **_summary(record, parts),
+        "role": spec.role,
+        "master_port": spec.master_port or None,
+        "argv": list(spec.argv),
+        "kind": spec.kind,
+        "python": spec.python,
+        "workdir": spec.workdir,
+        "submitted_on": spec.submitted_on,
+        "priority": spec.priority,
+        "account": spec.account,
+        "preemptible": spec.preemptible,
+        "nnodes_step": spec.nnodes_step,
+        "spares": spec.spares,
         "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
         "nodes": [_node_doc(p, usage.get(p.node), p.node in gone) for p in parts],
         "usage": total_usage(usage.values()),
-        "error": error, "barrier": barrier if outcome is None else None,
-        "held": hold_reason(record) or None, "redacted": False,
+        "error": error,
+        "barrier": barrier if outcome is None else None,
+        "held": hold_reason(record) or None,
+        "redacted": False,
     }
 
 
@@ -200,12 +236,19 @@ def _summary(record: JobRecord, parts: list[Part]) -> dict[str, Any]:
     """What a job's document and its ``list`` row both say of it."""
     spec, outcome = record.spec, record.outcome
     return {
-        "id": spec.id, "name": spec.name, "state": record.state.value, "user": spec.user,
-        "uid": spec.uid, "seq": record.seq, "nnodes": spec.nnodes,
+        "id": spec.id,
+        "name": spec.name,
+        "state": record.state.value,
+        "user": spec.user,
+        "uid": spec.uid,
+        "seq": record.seq,
+        "nnodes": spec.nnodes,
         "nproc_per_node": spec.nproc_per_node,
         "restarts": max((p.restarts for p in record.parts.values()), default=0),
-        "max_restarts": spec.max_restarts, "created": spec.created,
-        "started": started(record), "ended": outcome.ended if outcome else None,
+        "max_restarts": spec.max_restarts,
+        "created": spec.created,
+        "started": started(record),
+        "ended": outcome.ended if outcome else None,
         "exit_code": outcome.exit_code if outcome else None,
         "round": parts[0].round if parts else None,
         "world_size": parts[0].world_size if parts else None,
@@ -232,9 +275,12 @@ def list_row(record: JobRecord) -> dict[str, Any]:
     parts = current_parts(record)
     workers = [w for p in parts for w in p.workers]
     return {
-        **_summary(record, parts), "kind": record.spec.kind, "node_count": len(parts),
+        **_summary(record, parts),
+        "kind": record.spec.kind,
+        "node_count": len(parts),
         "workers_up": sum(w.get("state") == WorkerState.HEALTHY for w in workers),
-        "workers_total": len(workers), "held": hold_reason(record) or None,
+        "workers_total": len(workers),
+        "held": hold_reason(record) or None,
     }
 
 
@@ -245,8 +291,17 @@ def listed_doc(record: JobRecord) -> dict[str, Any]:
         return list_row(record)
     except Exception:
         log.exception("job %s cannot be shown", record.id)
-        return {"id": record.id, "name": "?", "state": "UNKNOWN", "user": "?", "nnodes": None,
-                "node_count": 0, "workers_up": 0, "workers_total": 0, "unreadable": True}
+        return {
+            "id": record.id,
+            "name": "?",
+            "state": "UNKNOWN",
+            "user": "?",
+            "nnodes": None,
+            "node_count": 0,
+            "workers_up": 0,
+            "workers_total": 0,
+            "unreadable": True,
+        }
 
 
 def as_lost(part: Part) -> Part:
@@ -256,9 +311,14 @@ def as_lost(part: Part) -> Part:
 
 
 def _node_doc(part: Part, usage: Mapping[str, Any] | None, lost: bool = False) -> dict[str, Any]:
-    return {"node": part.node, "group_rank": part.group_rank, "state": LOST if lost else part.state.value,
-            "ranks": [w["rank"] for w in part.workers if w["rank"] >= 0], "spares": part.spares,
-            "usage": dict(usage) if usage else None}
+    return {
+        "node": part.node,
+        "group_rank": part.group_rank,
+        "state": LOST if lost else part.state.value,
+        "ranks": [w["rank"] for w in part.workers if w["rank"] >= 0],
+        "spares": part.spares,
+        "usage": dict(usage) if usage else None,
+    }
 
 
 def total_usage(usages: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -270,9 +330,12 @@ def total_usage(usages: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
 
     def values(key: str) -> list[Any]:
         return [u[key] for u in usages if u.get(key) is not None]
-    total = {"cpu_seconds": sum(values("cpu_seconds")) if values("cpu_seconds") else None,
-             "memory_peak": max(values("memory_peak"), default=None),
-             "oom_kills": sum(values("oom_kills")) if values("oom_kills") else None}
+
+    total = {
+        "cpu_seconds": sum(values("cpu_seconds")) if values("cpu_seconds") else None,
+        "memory_peak": max(values("memory_peak"), default=None),
+        "oom_kills": sum(values("oom_kills")) if values("oom_kills") else None,
+    }
     return {key: value for key, value in total.items() if value is not None}
 
 
@@ -283,17 +346,26 @@ def _error_doc(outcome: Outcome | None) -> dict[str, Any] | None:
         doc = outcome.error.to_json()
         doc["message"] = doc["message"] or outcome.message
         return doc
-    return {"message": outcome.message, "traceback": "", "rank": None, "node": outcome.by,
-            "exit_code": outcome.exit_code}
+    return {
+        "message": outcome.message,
+        "traceback": "",
+        "rank": None,
+        "node": outcome.by,
+        "exit_code": outcome.exit_code,
+    }
 
 
 def history_row(record: JobRecord) -> dict[str, Any]:
-    return {"id": record.id, "seq": record.seq, "state": record.state.value,
-            "created": record.spec.created,
-            "ended": record.outcome.ended if record.outcome else None,
-            "spec": record.spec.to_json(),
-            "parts": {n: p.to_json() for n, p in record.parts.items()},
-            "outcome": record.outcome.to_json() if record.outcome else None}
+    return {
+        "id": record.id,
+        "seq": record.seq,
+        "state": record.state.value,
+        "created": record.spec.created,
+        "ended": record.outcome.ended if record.outcome else None,
+        "spec": record.spec.to_json(),
+        "parts": {n: p.to_json() for n, p in record.parts.items()},
+        "outcome": record.outcome.to_json() if record.outcome else None,
+    }
 
 
 def record_from_history(doc: Mapping[str, Any]) -> JobRecord:

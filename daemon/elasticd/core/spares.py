@@ -10,8 +10,9 @@ once their processes are reaped (ShedSpares -> SparesShed), never before.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
@@ -39,14 +40,19 @@ def sheddable(part: PartCore) -> list[int]:
     round lacks (they warm up for its places).  Only a part that watches a round gives
     any: a join or a request may be about to place them."""
     from elasticd.core.part import Phase
+
     places = part.place
     if places is None or part.phase is not Phase.RUNNING or places.first or part.spares <= 0:
         return []
-    unplaced = [slot for want in (SlotState.READY, SlotState.WARMING)
-                for slot, state in sorted(places.slots.items()) if state is want]
+    unplaced = [
+        slot
+        for want in (SlotState.READY, SlotState.WARMING)
+        for slot, state in sorted(places.slots.items())
+        if state is want
+    ]
     placed = sum(state is SlotState.PLACED for state in places.slots.values())
     lacking = max(0, part.nproc - placed)
-    return unplaced[:max(0, min(part.spares, len(unplaced) - lacking))]
+    return unplaced[: max(0, min(part.spares, len(unplaced) - lacking))]
 
 
 def shed(part: PartCore, n: int, now: ev.Now) -> tuple[tuple[int, ...], Instructions]:
@@ -55,7 +61,7 @@ def shed(part: PartCore, n: int, now: ev.Now) -> tuple[tuple[int, ...], Instruct
     what their channel heard is void.  The node stops their processes."""
     places = part.place
     assert places is not None
-    slots = tuple(sorted(sheddable(part)[:max(0, n)]))
+    slots = tuple(sorted(sheddable(part)[: max(0, n)]))
     if not slots:
         return (), []
     for slot in slots:
@@ -93,7 +99,7 @@ def wanted(offers: Iterable[Offer], free: Resources, has_gpus: bool) -> int:
     with GPUs its GPU."""
     offers = list(offers)
     slots = sum(o.nproc for o in offers) - free.slots
-    gpus = sum(len(o.gpus[:o.nproc]) for o in offers) - len(free.gpus) if has_gpus else 0
+    gpus = sum(len(o.gpus[: o.nproc]) for o in offers) - len(free.gpus) if has_gpus else 0
     return max(0, slots, gpus)
 
 

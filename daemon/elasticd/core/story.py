@@ -5,8 +5,9 @@ status --debug`` shows it; a failing test prints it."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from elasticd.core.model import WorkerGroup
 from elasticd.core.records import Part
@@ -18,7 +19,7 @@ KEPT = 200  # entries per job
 @dataclass(frozen=True)
 class Entry:
     at: float
-    kind: str   # "heard" or "told"
+    kind: str  # "heard" or "told"
     text: str
 
 
@@ -56,8 +57,11 @@ def _text(item: Any) -> str:
     if fields is None:
         text = f"{name}({item!r})"
     else:
-        text = f"{name}(" + ", ".join(f"{key}={_short(getattr(item, key))}" for key in fields
-                                      if key != "job") + ")"
+        text = (
+            f"{name}("
+            + ", ".join(f"{key}={_short(getattr(item, key))}" for key in fields if key != "job")
+            + ")"
+        )
     return text if len(text) <= _CUT else text[:_CUT] + "..."
 
 

@@ -9,7 +9,8 @@ a loud bug, never a silent guess.
 from __future__ import annotations
 
 import enum
-from typing import Generic, Iterable, Mapping, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import Generic, TypeVar
 
 from elasticd.errors import Conflict
 

@@ -39,13 +39,14 @@ shorter, never negative.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from elasticd.core.model import GPU, NEW_PART, PartState
 from elasticd.core.records import JobRecord, Part
 
-MAX_BEFORE = 32    # earlier spans one node's part carries
+MAX_BEFORE = 32  # earlier spans one node's part carries
 BY = ("user", "account")
 _RAN = frozenset({PartState.RUNNING, PartState.BARRIER, PartState.SUCCEEDED})
 
@@ -75,8 +76,12 @@ class Total:
     jobs: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"node_seconds": self.node_seconds, "slot_seconds": self.slot_seconds,
-                "gpu_seconds": self.gpu_seconds, "jobs": self.jobs}
+        return {
+            "node_seconds": self.node_seconds,
+            "slot_seconds": self.slot_seconds,
+            "gpu_seconds": self.gpu_seconds,
+            "jobs": self.jobs,
+        }
 
 
 def spans(record: JobRecord, group_name: Callable[[int], str] = str) -> list[Span]:
@@ -89,12 +94,16 @@ def spans(record: JobRecord, group_name: Callable[[int], str] = str) -> list[Spa
     for node in sorted(record.parts):
         part = record.parts[node]
         shares = [_earlier(span) for span in part.before] + [_current(record, part)]
-        found += sorted((Span(spec.id, node, spec.user, account, *share) for share in shares if share),
-                        key=lambda s: s.start)
+        found += sorted(
+            (Span(spec.id, node, spec.user, account, *share) for share in shares if share),
+            key=lambda s: s.start,
+        )
     return found
 
 
-def totals(spans: Iterable[Span], *, since: float, until: float, by: str = "user") -> dict[str, Total]:
+def totals(
+    spans: Iterable[Span], *, since: float, until: float, by: str = "user"
+) -> dict[str, Total]:
     """Node-, slot- and GPU-seconds and jobs per user or per account (``by``) within
     [since, until]: each span clipped to it (one that runs, up to ``until``: keep it at
     most now).  A job counts for a key when one of its spans has time in the window."""
@@ -108,8 +117,10 @@ def totals(spans: Iterable[Span], *, since: float, until: float, by: str = "user
             key = getattr(span, by)
             seconds.setdefault(key, []).append((held, held * span.slots, held * span.gpus))
             jobs.setdefault(key, set()).add(span.job)
-    return {key: Total(*(math.fsum(column) for column in zip(*rows)), len(jobs[key]))
-            for key, rows in sorted(seconds.items())}
+    return {
+        key: Total(*(math.fsum(column) for column in zip(*rows)), len(jobs[key]))
+        for key, rows in sorted(seconds.items())
+    }
 
 
 def decayed(spans: Iterable[Span], now: float, half_life: float) -> dict[str, float]:
@@ -158,7 +169,7 @@ def _bounded(before: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]
     while len(spans) > MAX_BEFORE:
         i = min(range(len(spans) - 1), key=lambda k: spans[k + 1][0] - spans[k][1])
         a, b = spans[i], spans[i + 1]
-        spans[i:i + 2] = [(a[0], max(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))]
+        spans[i : i + 2] = [(a[0], max(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))]
     return tuple(spans)
 
 
@@ -206,7 +217,11 @@ def _silent_end(record: JobRecord, part: Part) -> float | None:
     if record.outcome is not None:
         ends.append(_time(record.outcome.ended))
     if part.round is not None:
-        ends += [_time(p.updated) for p in record.parts.values() if p.round is not None and p.round > part.round]
+        ends += [
+            _time(p.updated)
+            for p in record.parts.values()
+            if p.round is not None and p.round > part.round
+        ]
     ends = [end for end in ends if end is not None]
     return min(ends) if ends else None
 
@@ -221,15 +236,27 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-
-def report(spans: Iterable[Span], *, since: float | None, until: float,
-           user: str | None = None, account: str | None = None) -> dict[str, Any]:
+def report(
+    spans: Iterable[Span],
+    *,
+    since: float | None,
+    until: float,
+    user: str | None = None,
+    account: str | None = None,
+) -> dict[str, Any]:
     """``elasticctl usage``'s document: totals per user and per account within [since,
     until] (since None: all there is) of the spans of ``user`` and of ``account`` (None:
     everyone's).  Names and numbers only: nothing of what a job runs or how it failed."""
     chosen = [s for s in spans if user in (None, s.user) and account in (None, s.account)]
     start = -math.inf if since is None else since
-    return {"since": since, "until": until, **{
-        f"{by}s": [{by: key, **total.to_json()}
-                   for key, total in totals(chosen, since=start, until=until, by=by).items()]
-        for by in BY}}
+    return {
+        "since": since,
+        "until": until,
+        **{
+            f"{by}s": [
+                {by: key, **total.to_json()}
+                for key, total in totals(chosen, since=start, until=until, by=by).items()
+            ]
+            for by in BY
+        },
+    }

@@ -19,5 +19,13 @@ from .errors import GroupAborted, HostsUpdatedInterrupt
 from .runtime import check_host_updates, init
 from .state import ObjectState, State, TorchState
 
-__all__ = ["GroupAborted", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState",
-           "check_host_updates", "init", "run"]
+__all__ = [
+    "GroupAborted",
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "State",
+    "TorchState",
+    "check_host_updates",
+    "init",
+    "run",
+]

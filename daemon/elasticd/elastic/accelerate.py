@@ -35,7 +35,9 @@ try:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 except ImportError as exc:
-    raise ImportError("elasticd.elastic.accelerate needs accelerate (pip install accelerate)") from exc
+    raise ImportError(
+        "elasticd.elastic.accelerate needs accelerate (pip install accelerate)"
+    ) from exc
 
 __all__ = ["elastic_accelerator"]
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,11 @@ _KEY_TYPES = (type(None), bool, int, float, str)
 # travel as code points instead.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # Names a skeleton may give as a dtype; a table, so no name from the wire reaches getattr.
-_DTYPES = {str(dtype).removeprefix("torch."): dtype
-           for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in vars(torch).values()
+    if isinstance(dtype, torch.dtype)
+}
 
 
 def encode(obj: Any, name: str = "obj") -> tuple[bytes, list[torch.Tensor]]:
@@ -43,8 +47,13 @@ def decode(data: bytes, tensors: Sequence[torch.Tensor]) -> Any:
     return _rebuild(_parse(data)["value"], tensors)
 
 
-def broadcast_structure(obj: Any, root: int = 0, group: dist.ProcessGroup | None = None,
-                        device: torch.device | str | None = None, name: str = "obj") -> Any:
+def broadcast_structure(
+    obj: Any,
+    root: int = 0,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    name: str = "obj",
+) -> Any:
     """``obj`` of rank ``root`` (a rank of ``group``), on every rank of ``group``.
 
     The root gets its own ``obj`` back; the other ranks ignore theirs and get a copy
@@ -58,8 +67,12 @@ def broadcast_structure(obj: Any, root: int = 0, group: dist.ProcessGroup | None
     return _receive_structure(source, group, device, root)
 
 
-def broadcast_into(tensor: torch.Tensor, root: int = 0, group: dist.ProcessGroup | None = None,
-                   device: torch.device | str | None = None) -> None:
+def broadcast_into(
+    tensor: torch.Tensor,
+    root: int = 0,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> None:
     """Overwrite ``tensor`` in place with rank ``root``'s tensor of the same shape and dtype
     (a model's parameters and buffers: their shapes are known on every rank)."""
     device = torch.device(device) if device is not None else default_device(group)
@@ -84,6 +97,7 @@ def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 # --- encoding ---------------------------------------------------------------------------
 
+
 def _dump(skeleton: dict[str, Any]) -> bytes:
     return json.dumps(skeleton, allow_nan=False, separators=(",", ":")).encode("ascii")
 
@@ -101,8 +115,10 @@ def _encode_value(obj: Any, path: str, tensors: list[torch.Tensor], open_ids: se
         return obj if math.isfinite(obj) else {"float": repr(obj)}
     if isinstance(obj, dict) or type(obj) in (list, tuple, torch.Size):
         return _encode_container(obj, path, tensors, open_ids)
-    raise TypeError(f"{path}: cannot broadcast a value of type {type(obj).__qualname__} (only "
-                    "None, bool, int, float, str, list, tuple, dict and tensors)")
+    raise TypeError(
+        f"{path}: cannot broadcast a value of type {type(obj).__qualname__} (only "
+        "None, bool, int, float, str, list, tuple, dict and tensors)"
+    )
 
 
 def _encode_container(obj: Any, path: str, tensors: list[torch.Tensor], open_ids: set[int]) -> Any:
@@ -110,11 +126,20 @@ def _encode_container(obj: Any, path: str, tensors: list[torch.Tensor], open_ids
         raise TypeError(f"{path}: the structure contains itself")
     open_ids.add(id(obj))
     if isinstance(obj, dict):
-        encoded: Any = {"dict": [[_encode_key(key, path), _encode_value(
-            value, _key_path(path, key), tensors, open_ids)] for key, value in obj.items()]}
+        encoded: Any = {
+            "dict": [
+                [
+                    _encode_key(key, path),
+                    _encode_value(value, _key_path(path, key), tensors, open_ids),
+                ]
+                for key, value in obj.items()
+            ]
+        }
     else:
-        items = [_encode_value(item, f"{path}[{index}]", tensors, open_ids)
-                 for index, item in enumerate(obj)]
+        items = [
+            _encode_value(item, f"{path}[{index}]", tensors, open_ids)
+            for index, item in enumerate(obj)
+        ]
         encoded = items if type(obj) is list else {"tuple": items}
     open_ids.discard(id(obj))
     return encoded
@@ -122,8 +147,10 @@ def _encode_container(obj: Any, path: str, tensors: list[torch.Tensor], open_ids
 
 def _encode_key(key: Any, path: str) -> Any:
     if type(key) not in _KEY_TYPES:
-        raise TypeError(f"{path}: cannot broadcast the dict key {key!r} of type "
-                        f"{type(key).__qualname__} (only None, bool, int, float, str)")
+        raise TypeError(
+            f"{path}: cannot broadcast the dict key {key!r} of type "
+            f"{type(key).__qualname__} (only None, bool, int, float, str)"
+        )
     return _encode_value(key, path, [], set())
 
 
@@ -133,14 +160,21 @@ def _key_path(path: str, key: Any) -> str:
 
 def _placeholder(tensor: torch.Tensor, path: str, tensors: list[torch.Tensor]) -> dict[str, Any]:
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-        raise TypeError(f"{path}: cannot broadcast a {tensor.layout} tensor "
-                        f"(quantized: {tensor.is_quantized}); only dense tensors")
+        raise TypeError(
+            f"{path}: cannot broadcast a {tensor.layout} tensor "
+            f"(quantized: {tensor.is_quantized}); only dense tensors"
+        )
     tensors.append(tensor)
-    return {"tensor": len(tensors) - 1, "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype).removeprefix("torch."), "device": tensor.device.type}
+    return {
+        "tensor": len(tensors) - 1,
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "device": tensor.device.type,
+    }
 
 
 # --- decoding ---------------------------------------------------------------------------
+
 
 def _parse(data: bytes) -> dict[str, Any]:
     skeleton = json.loads(data)
@@ -172,8 +206,10 @@ def _rebuild(node: Any, tensors: Sequence[torch.Tensor]) -> Any:
 def _matching_tensor(placeholder: dict[str, Any], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensor = tensors[placeholder["tensor"]]
     if list(tensor.shape) != placeholder["shape"] or tensor.dtype != _dtype(placeholder["dtype"]):
-        raise ValueError(f"tensor {placeholder['tensor']} is {tensor.dtype}{list(tensor.shape)}, "
-                         f"the skeleton says {placeholder['dtype']}{placeholder['shape']}")
+        raise ValueError(
+            f"tensor {placeholder['tensor']} is {tensor.dtype}{list(tensor.shape)}, "
+            f"the skeleton says {placeholder['dtype']}{placeholder['shape']}"
+        )
     return tensor
 
 
@@ -196,8 +232,10 @@ def _placeholders(node: Any) -> Iterator[dict[str, Any]]:
 
 # --- the wire ---------------------------------------------------------------------------
 
-def _send_structure(obj: Any, source: int, group: dist.ProcessGroup | None,
-                    device: torch.device, name: str) -> Any:
+
+def _send_structure(
+    obj: Any, source: int, group: dist.ProcessGroup | None, device: torch.device, name: str
+) -> Any:
     try:
         data, tensors = encode(obj, name)
     except Exception as error:  # tell the others, who would otherwise wait for bytes
@@ -210,8 +248,9 @@ def _send_structure(obj: Any, source: int, group: dist.ProcessGroup | None,
     return obj
 
 
-def _receive_structure(source: int, group: dist.ProcessGroup | None, device: torch.device,
-                       root: int) -> Any:
+def _receive_structure(
+    source: int, group: dist.ProcessGroup | None, device: torch.device, root: int
+) -> Any:
     try:
         skeleton = _parse(_receive_bytes(source, group, device))
     except TypeError as error:
@@ -223,15 +262,17 @@ def _receive_structure(source: int, group: dist.ProcessGroup | None, device: tor
     return _rebuild(skeleton["value"], tensors)
 
 
-def _receive_tensor(placeholder: dict[str, Any], source: int, group: dist.ProcessGroup | None,
-                    device: torch.device) -> torch.Tensor:
+def _receive_tensor(
+    placeholder: dict[str, Any], source: int, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
     tensor = torch.empty(placeholder["shape"], dtype=_dtype(placeholder["dtype"]), device=device)
     _broadcast_bytes_of(tensor, source, group)
     return tensor.cpu() if placeholder["device"] == "cpu" else tensor
 
 
-def _send_bytes(data: bytes, source: int, group: dist.ProcessGroup | None,
-                device: torch.device) -> None:
+def _send_bytes(
+    data: bytes, source: int, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
     dist.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=device), source, group=group)
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     dist.broadcast(payload, source, group=group)
@@ -251,8 +292,12 @@ def _sendable(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _usable_in_place(tensor: torch.Tensor, device: torch.device) -> bool:
-    return (tensor.device == device and tensor.is_contiguous()
-            and not tensor.is_conj() and not tensor.is_neg())
+    return (
+        tensor.device == device
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def _broadcast_bytes_of(tensor: torch.Tensor, source: int, group: dist.ProcessGroup | None) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from . import runtime
 from .errors import HostsUpdatedInterrupt
@@ -45,7 +46,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
             except Exception as exc:
                 if not worker.is_group_failure(exc):
                     raise
-                log.warning("elasticd: the process group broke (%s); restoring the last commit", exc)
+                log.warning(
+                    "elasticd: the process group broke (%s); restoring the last commit", exc
+                )
                 state.restore()
                 skip_sync, why, error = False, "failure", str(exc)
             reset = True

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed
@@ -47,7 +47,9 @@ except ImportError:
     try:  # only pytorch_lightning installed: its base class lives there
         from lightning_fabric.plugins.environments import ClusterEnvironment
     except ImportError as exc:
-        raise ImportError("elasticd.elastic.lightning needs Lightning (pip install lightning)") from exc
+        raise ImportError(
+            "elasticd.elastic.lightning needs Lightning (pip install lightning)"
+        ) from exc
 
 try:  # elastic_fit's pieces; the environment above needs only the fabric
     from lightning.fabric.plugins import CheckpointIO
@@ -63,7 +65,13 @@ from . import driver
 from .broadcast import broadcast_into
 from .state import ROOT, ObjectState, _snapshot
 
-__all__ = ["ElasticdEnvironment", "LightningState", "elastic_fit", "elastic_trainer_kwargs", "round_nodes"]
+__all__ = [
+    "ElasticdEnvironment",
+    "LightningState",
+    "elastic_fit",
+    "elastic_trainer_kwargs",
+    "round_nodes",
+]
 
 
 def _launched() -> bool:
@@ -125,17 +133,20 @@ class ElasticdEnvironment(ClusterEnvironment):
         if num_devices != local:
             raise ValueError(
                 f"Trainer(devices={num_devices}), but this node runs {local} workers (the job's "
-                f"--nproc-per-node): Lightning needs devices to be the workers per node")
+                f"--nproc-per-node): Lightning needs devices to be the workers per node"
+            )
         if num_devices * num_nodes != self.world_size():
             nodes = self.num_nodes()
             if num_devices * nodes != self.world_size():
                 raise ValueError(
                     f"this round has {self.world_size()} workers on {nodes} nodes, not {num_devices} "
-                    f"on each: Lightning needs the same number of workers on every node")
+                    f"on each: Lightning needs the same number of workers on every node"
+                )
             raise ValueError(
                 f"Trainer(num_nodes={num_nodes}), but this round has {nodes} nodes: pass "
                 f"**elastic_trainer_kwargs(num_nodes={num_nodes}) (elasticd.elastic.lightning) "
-                f"instead of num_nodes, so that Lightning gets each round's count")
+                f"instead of num_nodes, so that Lightning gets each round's count"
+            )
 
 
 def elastic_trainer_kwargs(num_nodes: int = 1, plugins: Iterable[Any] = ()) -> dict[str, Any]:
@@ -149,9 +160,15 @@ def elastic_trainer_kwargs(num_nodes: int = 1, plugins: Iterable[Any] = ()) -> d
         return {"num_nodes": num_nodes, "plugins": extra}
     nodes = round_nodes(num_nodes)
     if nodes != num_nodes and os.environ.get("RANK") == "0":
-        print(f"elasticd: Trainer(num_nodes={num_nodes}) asked; this round has {nodes} nodes, "
-              f"so num_nodes={nodes}", file=sys.stderr, flush=True)
-    environment = [] if any(isinstance(p, ClusterEnvironment) for p in extra) else [ElasticdEnvironment()]
+        print(
+            f"elasticd: Trainer(num_nodes={num_nodes}) asked; this round has {nodes} nodes, "
+            f"so num_nodes={nodes}",
+            file=sys.stderr,
+            flush=True,
+        )
+    environment = (
+        [] if any(isinstance(p, ClusterEnvironment) for p in extra) else [ElasticdEnvironment()]
+    )
     return {"num_nodes": nodes, "plugins": environment + extra}
 
 
@@ -203,8 +220,9 @@ class _Commit(Callback):  # type: ignore[misc,valid-type]
     def __init__(self, state: LightningState, every: int) -> None:
         self.state, self.every, self.last = state, every, -1
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         # With gradient accumulation a step spans batches: commit at the first batch end
         # after the step was taken (step 0 is before any: mid-accumulation), once.
@@ -222,12 +240,18 @@ class _FromMemory(CheckpointIO):  # type: ignore[misc,valid-type]
     def __init__(self, inner: Any, state: LightningState) -> None:
         self.inner, self.state = inner, state
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: Any = None
+    ) -> dict[str, Any]:
         if path == MEMORY:
             return self.state.checkpoint  # type: ignore[return-value]
-        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return self.inner.load_checkpoint(
+            path, map_location=map_location, weights_only=weights_only
+        )
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -237,10 +261,18 @@ class _FromMemory(CheckpointIO):  # type: ignore[misc,valid-type]
         self.inner.teardown()
 
 
-def elastic_fit(make_trainer: Callable[..., Any], model: Any, train_dataloaders: Any = None,
-                val_dataloaders: Any = None, datamodule: Any = None, *, num_nodes: int = 1,
-                every_n_steps: int = 10, ckpt_path: str | None = None,
-                state: LightningState | None = None) -> Any:
+def elastic_fit(
+    make_trainer: Callable[..., Any],
+    model: Any,
+    train_dataloaders: Any = None,
+    val_dataloaders: Any = None,
+    datamodule: Any = None,
+    *,
+    num_nodes: int = 1,
+    every_n_steps: int = 10,
+    ckpt_path: str | None = None,
+    state: LightningState | None = None,
+) -> Any:
     """``trainer.fit(model, ...)`` that lives through the rounds of an ``--in-place`` job.
 
     ``make_trainer(**kwargs)`` builds the Trainer of a round; pass ``kwargs`` on to

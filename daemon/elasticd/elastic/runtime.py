@@ -30,7 +30,8 @@ import stat
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,11 @@ log = logging.getLogger(__name__)
 # with blocking waits it re-formed at once (the main thread then waits for each collective
 # itself, a little less overlap of CPU and GPU). No flight recorder either: an in-place
 # worker re-forms rather than dumps. A value the job sets wins.
-NCCL_DEFAULTS = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
-                 "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+NCCL_DEFAULTS = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
 SLOT_ENV = "ELASTICD_SLOT"
 ROUND_ENV = "ELASTICD_ROUND"
@@ -58,24 +62,37 @@ _GIVE_UP_LIMIT = 5.0  # seconds a given-up forming may go on before the worker e
 GIVEN_UP_EXIT = 75  # that worker's exit status (EX_TEMPFAIL)
 # Text of errors that a broken process group raises (gloo and NCCL put them in plain
 # RuntimeErrors): such a failure re-forms the group; anything else is the script's own.
-_GROUP_ERRORS = ("gloo", "nccl", "connection closed by peer", "connection reset", "broken pipe",
-                 "timed out", "socket", "process group")
+_GROUP_ERRORS = (
+    "gloo",
+    "nccl",
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "socket",
+    "process group",
+)
 
 
 class Channel:
     """The connection to the agent; a thread reads its notices."""
 
-    def __init__(self, path: str, slot: int, on_abort: Callable[[int], None],
-                 on_place: Callable[[int], None] = lambda round: None) -> None:
+    def __init__(
+        self,
+        path: str,
+        slot: int,
+        on_abort: Callable[[int], None],
+        on_place: Callable[[int], None] = lambda round: None,
+    ) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._on_abort = on_abort
         self._on_place = on_place
         self._lock = threading.Condition()
         self._places: dict[int, dict[str, str]] = {}
-        self.announced = -1   # newest round the agent announced
-        self.added = False    # whether that round brings new workers (they need sync)
-        self.aborted = -1     # newest round the agent said the old group cannot reach
+        self.announced = -1  # newest round the agent announced
+        self.added = False  # whether that round brings new workers (they need sync)
+        self.aborted = -1  # newest round the agent said the old group cannot reach
         self.closed = False
         self._send({"op": "hello", "slot": slot})
         threading.Thread(target=self._read, name="elasticd-agent", daemon=True).start()
@@ -238,8 +255,12 @@ class Runtime:
         if forming is None:
             return
         _shut_down(_opened_since(forming))
-        threading.Thread(target=self._keep_failing, args=(forming, self.round), daemon=True,
-                         name="elasticd-give-up").start()
+        threading.Thread(
+            target=self._keep_failing,
+            args=(forming, self.round),
+            daemon=True,
+            name="elasticd-give-up",
+        ).start()
 
     def _keep_failing(self, forming: dict[int, int], round: int) -> None:
         deadline = time.monotonic() + _GIVE_UP_LIMIT
@@ -251,8 +272,12 @@ class Runtime:
                 if time.monotonic() >= deadline:
                     break
                 _shut_down(_opened_since(forming))
-        print(f"elasticd: round {round}'s group was given up but still forms after "
-              f"{_GIVE_UP_LIMIT:g} s; this worker exits (the agent restarts it)", file=sys.stderr, flush=True)
+        print(
+            f"elasticd: round {round}'s group was given up but still forms after "
+            f"{_GIVE_UP_LIMIT:g} s; this worker exits (the agent restarts it)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(GIVEN_UP_EXIT)
 
     @property
@@ -323,7 +348,9 @@ class Runtime:
             phase("form-end", self.round)
         except Exception as exc:
             if self.superseded and not isinstance(exc, GroupAborted):
-                raise GroupAborted("a newer round replaced this one while its group formed") from exc
+                raise GroupAborted(
+                    "a newer round replaced this one while its group formed"
+                ) from exc
             raise
         finally:
             with self._group_lock:
@@ -350,7 +377,9 @@ class Runtime:
                 return
             except OSError:
                 if time.monotonic() > deadline or self.channel.closed:
-                    raise GroupAborted(f"the round's store at {addr}:{port} never listened") from None
+                    raise GroupAborted(
+                        f"the round's store at {addr}:{port} never listened"
+                    ) from None
                 time.sleep(_POLL)
 
     def note_group_sockets(self) -> None:
@@ -393,8 +422,9 @@ def current() -> Runtime | None:
     global _current
     path = os.environ.get(SOCKET_ENV)
     if _current is None and path:
-        _current = Runtime(path, int(os.environ.get(SLOT_ENV, os.environ.get("LOCAL_RANK", "0"))),
-                           _backend)
+        _current = Runtime(
+            path, int(os.environ.get(SLOT_ENV, os.environ.get("LOCAL_RANK", "0"))), _backend
+        )
     return _current
 
 

@@ -9,7 +9,8 @@ the step in progress is lost, everything up to the last commit is kept.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,10 @@ class ObjectState(State):
 
     def _check_name(self, name: str) -> None:
         if name.startswith("_") or hasattr(type(self), name):
-            raise ValueError(f"{name!r} cannot be a state attribute: it is private or "
-                             f"a member of {type(self).__name__}")
+            raise ValueError(
+                f"{name!r} cannot be a state attribute: it is private or "
+                f"a member of {type(self).__name__}"
+            )
 
     def _values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._attr_names}
@@ -119,8 +122,12 @@ class TorchState(ObjectState):
     rank 0's optimizer state dict, which the others load (a newcomer's fresh optimizer has
     no state: after the load it has rank 0's, step counts included)."""
 
-    def __init__(self, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, **attrs: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **attrs: Any,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         super().__init__(**attrs)
@@ -128,8 +135,9 @@ class TorchState(ObjectState):
     def save(self) -> None:
         super().save()
         self._saved_model = None if self.model is None else _snapshot(self.model.state_dict())
-        self._saved_optimizer = (None if self.optimizer is None
-                                 else _snapshot(self.optimizer.state_dict()))
+        self._saved_optimizer = (
+            None if self.optimizer is None else _snapshot(self.optimizer.state_dict())
+        )
 
     def restore(self) -> None:
         super().restore()
@@ -150,8 +158,9 @@ class TorchState(ObjectState):
 
     def _broadcast_optimizer(self) -> None:
         is_root = dist.get_rank() == ROOT
-        state_dict = broadcast_structure(self.optimizer.state_dict() if is_root else None,
-                                         root=ROOT, name="optimizer")
+        state_dict = broadcast_structure(
+            self.optimizer.state_dict() if is_root else None, root=ROOT, name="optimizer"
+        )
         if not is_root:
             self.optimizer.load_state_dict(state_dict)  # its tensors are fresh: no aliasing
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import grp
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from elasticd.core.model import JobSpec
 

@@ -36,36 +36,43 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Mapping
 
+from elasticd.core.model import IllegalTransition, JobSpec
+from elasticd.core.records import Outcome, Part
 from elasticd.errors import ElasticdError, NotACounter, StoreError, TamperedRecord
 from elasticd.faults import Faults, Throttle, held_back
 from elasticd.jobs.registry import JobRegistry
-from elasticd.core.records import Outcome, Part
-from elasticd.store.keyspace import Keyspace
-from elasticd.core.model import IllegalTransition, JobSpec
 from elasticd.store.base import Store
 from elasticd.store.counter import StoreCounter
-from elasticd.store.signing import Freshness, Refused, Signer, SignedLines, VersionClock, open_or_refuse
+from elasticd.store.keyspace import Keyspace
+from elasticd.store.signing import (
+    Freshness,
+    Refused,
+    SignedLines,
+    Signer,
+    VersionClock,
+    open_or_refuse,
+)
 
 log = logging.getLogger(__name__)
 
 _KEEP_LOG = 4096
 _FOLLOW_TIMEOUT = 1.0  # seconds a follow waits for the next change before it looks again
-_RESYNC_PAUSE = 5.0    # seconds between two reads of the whole board that a broken log asks for
-_OUTCOME_TRIES = 3     # an outcome that does not open is replaced; a store that keeps garbling it wins
+_RESYNC_PAUSE = 5.0  # seconds between two reads of the whole board that a broken log asks for
+_OUTCOME_TRIES = 3  # an outcome that does not open is replaced; a store that keeps garbling it wins
 _BATCH = 64
-_SEQ_ROOM = 1024       # seqs written back past the highest seen: submits elsewhere not read here yet
+_SEQ_ROOM = 1024  # seqs written back past the highest seen: submits elsewhere not read here yet
 _ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
 _NAME = re.compile(r"^[\w.-]+$")
 
 
 @dataclass(frozen=True)
 class Change:
-    kind: str                    # "spec", "part", "outcome" or "held"
+    kind: str  # "spec", "part", "outcome" or "held"
     job_id: str
-    value: object                # (seq, JobSpec, Outcome | None) | Part | Outcome | str (why held)
+    value: object  # (seq, JobSpec, Outcome | None) | Part | Outcome | str (why held)
 
 
 class BoardReset(ElasticdError):
@@ -93,8 +100,9 @@ def _name(body: object) -> str:
 
 
 class JobBoard:
-    def __init__(self, store: Store, signer: Signer, cluster: str,
-                 on_refused: Refused | None = None) -> None:
+    def __init__(
+        self, store: Store, signer: Signer, cluster: str, on_refused: Refused | None = None
+    ) -> None:
         self._store = store
         self._signer = signer
         self._prefix = Keyspace(cluster).jobs
@@ -127,8 +135,10 @@ class JobBoard:
             seq = await self._seq.take()
         else:
             await self._seq.at_least(seq)
-        await self._store.set(self._key(f"spec/{spec.id}"),
-                              self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True))
+        await self._store.set(
+            self._key(f"spec/{spec.id}"),
+            self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True),
+        )
         await self._store.append(self._key("index"), self._line("index", spec.id))
         await self._append(f"spec/{spec.id}")
         return seq
@@ -136,15 +146,26 @@ class JobBoard:
     async def publish_ended(self, spec: JobSpec, seq: int, outcome: Outcome) -> None:
         """Seal the job's outcome into its spec record too (version 1, after the first)."""
         suffix = f"spec/{spec.id}"
-        await self._store.set(self._key(suffix), self._seal(
-            suffix, {"seq": seq, "spec": spec.to_json(), "outcome": outcome.to_json()}, version=1, secret=True))
+        await self._store.set(
+            self._key(suffix),
+            self._seal(
+                suffix,
+                {"seq": seq, "spec": spec.to_json(), "outcome": outcome.to_json()},
+                version=1,
+                secret=True,
+            ),
+        )
 
     async def publish_part(self, job_id: str, part: Part) -> None:
         if (job_id, part.node) not in self._indexed:  # so that a snapshot finds every part
-            await self._store.append(self._key(f"parts/{job_id}"), self._line(f"parts/{job_id}", part.node))
+            await self._store.append(
+                self._key(f"parts/{job_id}"), self._line(f"parts/{job_id}", part.node)
+            )
             self._indexed.add((job_id, part.node))
         suffix = f"part/{job_id}/{part.node}"
-        await self._store.set(self._key(suffix), self._seal(suffix, part.to_json(), version=self._versions.next()))
+        await self._store.set(
+            self._key(suffix), self._seal(suffix, part.to_json(), version=self._versions.next())
+        )
         await self._append(suffix)
 
     def forget_index(self) -> None:
@@ -166,7 +187,9 @@ class JobBoard:
             if final is not None:
                 return final
             expected = current  # refused: replace exactly those bytes
-        raise TamperedRecord(f"{key} was overwritten {_OUTCOME_TRIES} times while this node wrote it")
+        raise TamperedRecord(
+            f"{key} was overwritten {_OUTCOME_TRIES} times while this node wrote it"
+        )
 
     async def _append(self, entry: str) -> None:
         n = await self._log.take()
@@ -189,14 +212,19 @@ class JobBoard:
         for _ in range(_KEEP_LOG // _BATCH):
             numbers = range(end + 1, end + 1 + _BATCH)
             keys = [self._key(f"log/{n}") for n in numbers]
-            found = [n for n, key, raw in zip(numbers, keys, await self._store.get_many(keys))
-                     if open_or_refuse(self._signer, key, raw, _entry, _unheard) is not None]
+            found = [
+                n
+                for n, key, raw in zip(numbers, keys, await self._store.get_many(keys))
+                if open_or_refuse(self._signer, key, raw, _entry, _unheard) is not None
+            ]
             if not found:
                 break
             end = found[-1]
         return end
 
-    async def snapshot(self, known: Mapping[str, Iterable[str]] | None = None) -> tuple[int, list[Change]]:
+    async def snapshot(
+        self, known: Mapping[str, Iterable[str]] | None = None
+    ) -> tuple[int, list[Change]]:
         """Every job with its outcome and parts; and the log position to follow from.
         ``known``: jobs, with the nodes of their parts, that the caller knows already: read
         too, whatever the indexes say (anyone who reaches the store can overwrite an index)."""
@@ -204,21 +232,31 @@ class JobBoard:
         position = await self.head()
         self._log.saw(position)
         index = SignedLines(self._signer, self._key("index"), _name, self.refused)
-        ids = dict.fromkeys([*(i for i in index.fold(await self._store.get(self._key("index"))) if i), *known])
+        ids = dict.fromkeys(
+            [*(i for i in index.fold(await self._store.get(self._key("index"))) if i), *known]
+        )
         return position, await self._read(await self._entries(list(ids), known))
 
     async def read_job(self, job_id: str) -> list[Change]:
         """One job's spec, outcome and parts, read now."""
         return await self._read(await self._entries([job_id]))
 
-    async def _entries(self, job_ids: list[str], known: Mapping[str, Iterable[str]] | None = None) -> list[str]:
+    async def _entries(
+        self, job_ids: list[str], known: Mapping[str, Iterable[str]] | None = None
+    ) -> list[str]:
         """The entries of these jobs' spec, outcome and every part (one round trip)."""
         raws = await self._store.get_many([self._key(f"parts/{job_id}") for job_id in job_ids])
         entries = []
         for job_id, raw in zip(job_ids, raws):
             lines = SignedLines(self._signer, self._key(f"parts/{job_id}"), _name, self.refused)
-            nodes = dict.fromkeys([*(n for n in lines.fold(raw) if n), *(known or {}).get(job_id, ())])
-            entries += [f"spec/{job_id}", f"outcome/{job_id}", *(f"part/{job_id}/{n}" for n in nodes)]
+            nodes = dict.fromkeys(
+                [*(n for n in lines.fold(raw) if n), *(known or {}).get(job_id, ())]
+            )
+            entries += [
+                f"spec/{job_id}",
+                f"outcome/{job_id}",
+                *(f"part/{job_id}/{n}" for n in nodes),
+            ]
         return entries
 
     async def follow(self, position: int, timeout: float) -> tuple[int, list[Change]]:
@@ -232,7 +270,10 @@ class JobBoard:
             head = await self.head()
             if head < position:
                 raise BoardReset(f"change log went back from {position} to {head}")
-            if head > position + 1 and await self._store.get(self._key(f"log/{position + 1}")) is None:
+            if (
+                head > position + 1
+                and await self._store.get(self._key(f"log/{position + 1}")) is None
+            ):
                 raise BoardReset(f"change {position + 1} is missing and the log is at {head}")
             return position, []
         keys = [self._key(f"log/{n}") for n in range(position + 1, position + 1 + _BATCH)]
@@ -259,15 +300,25 @@ class JobBoard:
             def refused(key: str, reason: str) -> None:
                 why.append(reason)
                 self.refused(key, reason)
-            change = open_or_refuse(self._signer, self._key(entry), raw,
-                                    lambda body, entry=entry: self._parse(entry, body), refused,
-                                    self._fresh if not entry.startswith("outcome/") else None)
+
+            change = open_or_refuse(
+                self._signer,
+                self._key(entry),
+                raw,
+                lambda body, entry=entry: self._parse(entry, body),
+                refused,
+                self._fresh if not entry.startswith("outcome/") else None,
+            )
             if change is not None:
                 changes.append(change)
                 if change.kind == "spec":
                     self._seq.saw(change.value[0])
             elif why and entry.startswith("outcome/"):
-                changes.append(Change("held", entry.partition("/")[2], f"its outcome record was refused: {why[0]}"))
+                changes.append(
+                    Change(
+                        "held", entry.partition("/")[2], f"its outcome record was refused: {why[0]}"
+                    )
+                )
         return changes
 
     @staticmethod
@@ -294,8 +345,15 @@ class BoardFollower:
     """Keeps the registry in step with the board: a snapshot (at start, and after the store
     lost its data), then the change log, waiting for each next change in the store."""
 
-    def __init__(self, board: JobBoard, registry: JobRegistry, node: str, *,
-                 on_store: Callable[[bool], None] = lambda up: None, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        board: JobBoard,
+        registry: JobRegistry,
+        node: str,
+        *,
+        on_store: Callable[[bool], None] = lambda up: None,
+        faults: Faults | None = None,
+    ) -> None:
         self._board = board
         self._registry = registry
         self._node = node
@@ -366,7 +424,11 @@ class BoardFollower:
     def _apply(self, change: Change) -> None:
         if change.kind == "spec":
             seq, spec, ended = change.value
-            if ended is not None and self._registry.find(spec.id) is None and self._registry.expired(ended):
+            if (
+                ended is not None
+                and self._registry.find(spec.id) is None
+                and self._registry.expired(ended)
+            ):
                 return  # forgotten here by retention: the store keeps every job, this node does not
             self._registry.add(spec, seq)
             if ended is not None:

@@ -18,10 +18,11 @@ import os
 import shutil
 import sqlite3
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from elasticd.wire import safejson
 from elasticd.errors import ElasticdError
+from elasticd.wire import safejson
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class History:
     def __init__(self, path: str) -> None:
         self.path = path
         self.quarantined: str | None = None  # where a corrupt file was moved
-        self.salvaged = 0                    # rows carried over from it
+        self.salvaged = 0  # rows carried over from it
         os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
         try:
             self._db = _open(path)
@@ -76,11 +77,18 @@ class History:
                 os.replace(self.path + suffix, self.quarantined + suffix)
         self._db = _open(self.path)
         for row in rows:
-            self._db.execute(f"INSERT OR REPLACE INTO jobs({', '.join(_COLUMNS)}) VALUES (?,?,?,?,?,?)", row)
+            self._db.execute(
+                f"INSERT OR REPLACE INTO jobs({', '.join(_COLUMNS)}) VALUES (?,?,?,?,?,?)", row
+            )
         self.salvaged = len(rows)
-        log.error("the job history %s is corrupt (%s): moved it to %s and started a fresh one "
-                  "with the %d rows that could still be read", self.path, problem,
-                  self.quarantined, len(rows))
+        log.error(
+            "the job history %s is corrupt (%s): moved it to %s and started a fresh one "
+            "with the %d rows that could still be read",
+            self.path,
+            problem,
+            self.quarantined,
+            len(rows),
+        )
 
     def save(self, job: dict[str, Any]) -> None:
         try:
@@ -88,8 +96,15 @@ class History:
                 "INSERT INTO jobs(id, seq, state, created, ended, doc) VALUES (?,?,?,?,?,?) "
                 "ON CONFLICT(id) DO UPDATE SET seq=excluded.seq, state=excluded.state, "
                 "ended=excluded.ended, doc=excluded.doc",
-                (job["id"], job["seq"], job["state"], job["created"], job.get("ended"),
-                 json.dumps(job, separators=(",", ":"))))
+                (
+                    job["id"],
+                    job["seq"],
+                    job["state"],
+                    job["created"],
+                    job.get("ended"),
+                    json.dumps(job, separators=(",", ":")),
+                ),
+            )
         except sqlite3.Error as exc:
             raise HistoryError(f"cannot write the job history {self.path}: {exc}") from None
 

@@ -9,15 +9,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Any
 
+from elasticd.core.model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
+from elasticd.core.records import (
+    JobRecord,
+    Outcome,
+    Part,
+    expired,
+    history_row,
+    job_doc,
+    record_from_history,
+)
+from elasticd.core.usage import carried
 from elasticd.errors import NotFound
 from elasticd.jobs.history import History, HistoryError
 from elasticd.journal import about, excerpt
-from elasticd.core.model import JOB_STATES, NEW_PART, PART_STATES, JobSpec
-from elasticd.core.records import JobRecord, Outcome, Part, expired, history_row, job_doc, record_from_history
-from elasticd.core.usage import carried
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +46,15 @@ class JobRegistry:
     pruner) and not taken back from the board (``expired``).
     """
 
-    def __init__(self, history: History, *, on_unsaved: Callable[[str], None] | None = None,
-                 retry: float = 5.0, retention: float = 0.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        history: History,
+        *,
+        on_unsaved: Callable[[str], None] | None = None,
+        retry: float = 5.0,
+        retention: float = 0.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._history = history
         self.retention = retention
         self._clock = clock
@@ -78,8 +93,12 @@ class JobRegistry:
                 job_doc(record)  # it must render: `list` shows every job to everyone
             except Exception as exc:
                 self.skipped += 1
-                log.warning("job history %s: skipping the row of job %s: %s",
-                            self._history.path, job_id, exc)
+                log.warning(
+                    "job history %s: skipping the row of job %s: %s",
+                    self._history.path,
+                    job_id,
+                    exc,
+                )
                 continue
             self._jobs[record.id] = record
             if record.outcome is None:
@@ -179,8 +198,11 @@ class JobRegistry:
         return True
 
     def _retry_later(self) -> None:
-        if self._retrying is None or self._retrying.cancelled() or \
-                self._retrying.when() <= asyncio.get_running_loop().time():
+        if (
+            self._retrying is None
+            or self._retrying.cancelled()
+            or self._retrying.when() <= asyncio.get_running_loop().time()
+        ):
             self._retrying = asyncio.get_running_loop().call_later(self._retry, self.flush)
 
     def close(self) -> None:
@@ -191,9 +213,14 @@ class JobRegistry:
         if self._unsaved and not self.flush():
             for row in self._unsaved.values():
                 outcome = row.get("outcome") or {}
-                log.error("job history: unsaved record of job %s: state %s, ended %s, %s",
-                          row["id"], row["state"], row.get("ended"),
-                          excerpt(outcome.get("message", "")), extra=about(row["id"]))
+                log.error(
+                    "job history: unsaved record of job %s: state %s, ended %s, %s",
+                    row["id"],
+                    row["state"],
+                    row.get("ended"),
+                    excerpt(outcome.get("message", "")),
+                    extra=about(row["id"]),
+                )
 
     async def wait_change(self, job_id: str, seen_version: int) -> JobRecord:
         """Wait until the job's record is newer than ``seen_version``."""

@@ -18,51 +18,69 @@ import os
 import shutil
 import stat
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from elasticd.aio import back_off
+from elasticd.core.records import JobRecord, expired
 from elasticd.jobs.history import HistoryError
 from elasticd.jobs.registry import JobRegistry
-from elasticd.core.records import JobRecord, expired
 
 log = logging.getLogger(__name__)
 
 MOST = 3600.0  # seconds between two passes at most
-LEAST = 1.0    # and at least
+LEAST = 1.0  # and at least
 AFTER_ERROR = 60.0  # seconds before a pass that the history refused is tried again
-BATCH = 256    # jobs forgotten per transaction
+BATCH = 256  # jobs forgotten per transaction
 
 
-def prunable(records: Iterable[JobRecord], now: float, retention: float,
-             busy: set[str]) -> list[str]:
+def prunable(
+    records: Iterable[JobRecord], now: float, retention: float, busy: set[str]
+) -> list[str]:
     """The jobs to forget now: past the retention and not running here."""
     return [r.id for r in records if expired(r.outcome, now, retention) and r.id not in busy]
 
 
-def next_pass(records: Iterable[JobRecord], now: float, retention: float,
-              busy: Iterable[str] = ()) -> float:
+def next_pass(
+    records: Iterable[JobRecord], now: float, retention: float, busy: Iterable[str] = ()
+) -> float:
     """Seconds until the next pass: when the next ended job is due, at most
     ``min(retention, MOST)`` from now, at least LEAST.  A due job still busy here does not
     count (it is looked at again within MOST): a worker stuck in the kernel must not turn
     the timer into a poll every LEAST."""
     busy = set(busy)
-    due = min((r.outcome.ended + retention for r in records
-               if r.outcome is not None and r.id not in busy), default=float("inf"))
+    due = min(
+        (
+            r.outcome.ended + retention
+            for r in records
+            if r.outcome is not None and r.id not in busy
+        ),
+        default=float("inf"),
+    )
     return max(LEAST, min(due - now, retention, MOST))
 
 
-def stale_dirs(entries: Iterable[tuple[str, float]], known: set[str], now: float,
-               retention: float) -> list[str]:
+def stale_dirs(
+    entries: Iterable[tuple[str, float]], known: set[str], now: float, retention: float
+) -> list[str]:
     """Of the log directories (name, last change), those of jobs this node does not know
     that did not change for the retention."""
-    return [name for name, changed in entries
-            if name not in known and retention > 0 and changed <= now - retention]
+    return [
+        name
+        for name, changed in entries
+        if name not in known and retention > 0 and changed <= now - retention
+    ]
 
 
 class Pruner:
-    def __init__(self, registry: JobRegistry, log_root: str, *, busy: Callable[[], Iterable[str]],
-                 on_pruned: Callable[[list[str]], None] = lambda job_ids: None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        registry: JobRegistry,
+        log_root: str,
+        *,
+        busy: Callable[[], Iterable[str]],
+        on_pruned: Callable[[list[str]], None] = lambda job_ids: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._registry = registry
         self._log_root = log_root
         self._busy = busy
@@ -92,7 +110,7 @@ class Pruner:
         pruned: list[str] = []
         self._refused = False
         for start in range(0, len(due), BATCH):
-            batch = due[start:start + BATCH]
+            batch = due[start : start + BATCH]
             await asyncio.to_thread(self._remove, batch)
             try:
                 self._registry.forget(batch)
@@ -105,8 +123,12 @@ class Pruner:
         stale = await asyncio.to_thread(self._stale, known, now, retention)
         await asyncio.to_thread(self._remove, stale)
         if pruned or stale:
-            log.info("retention: forgot %d jobs that ended %.0f s ago or more%s", len(pruned),
-                     retention, f", and the output of {len(stale)} unknown ones" if stale else "")
+            log.info(
+                "retention: forgot %d jobs that ended %.0f s ago or more%s",
+                len(pruned),
+                retention,
+                f", and the output of {len(stale)} unknown ones" if stale else "",
+            )
         if pruned:
             self._on_pruned(pruned)
         return pruned

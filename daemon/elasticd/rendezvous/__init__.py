@@ -6,14 +6,23 @@ tier only, which the node core imports; the executor is ``elasticd.rendezvous.ha
 from elasticd.rendezvous.state import (
     CHARGED,
     EventKind,
-    Reason,
     Member,
     NextRound,
+    Reason,
     RendezvousInfo,
     RendezvousSettings,
     RoundEvent,
     may_restart,
 )
 
-__all__ = ["CHARGED", "EventKind", "Reason", "Member", "NextRound", "RendezvousInfo", "RendezvousSettings", "RoundEvent",
-           "may_restart"]
+__all__ = [
+    "CHARGED",
+    "EventKind",
+    "Member",
+    "NextRound",
+    "Reason",
+    "RendezvousInfo",
+    "RendezvousSettings",
+    "RoundEvent",
+    "may_restart",
+]

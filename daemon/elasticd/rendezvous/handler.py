@@ -38,21 +38,64 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
 from elasticd.aio import back_off
+from elasticd.errors import (
+    NotACounter,
+    RendezvousClosedError,
+    RendezvousGone,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    StoreError,
+)
 from elasticd.faults import Faults, Throttle, held_back
 from elasticd.journal import about
-from elasticd.errors import (NotACounter, RendezvousClosedError, RendezvousGone, RendezvousStateError,
-                             RendezvousTimeoutError, StoreError)
-from elasticd.rendezvous.ops import (Act, Action, Beat, claim, decide_close, decide_join, decide_leave,
-                                     decide_liveness, decide_next_round, decide_restore,
-                                     ends_joining, info_for, observe_beats, reads_log, ring_around, ring_of,
-                                     ring_watch, round_event, timeout_message, track_last_call, View, watched)
-from elasticd.rendezvous.state import (Announcement, decode, Decoded, encode, NextRound, Participant, Reason,
-                                       RendezvousInfo, RendezvousSettings, RendezvousState, RoundEvent)
 from elasticd.rendezvous.head import beat_counts, head_version, seal_head, state_moved
 from elasticd.rendezvous.joinlog import JoinLog, OwnEntry
 from elasticd.rendezvous.keys import Keys
+from elasticd.rendezvous.ops import (
+    Act,
+    Action,
+    Beat,
+    View,
+    claim,
+    decide_close,
+    decide_join,
+    decide_leave,
+    decide_liveness,
+    decide_next_round,
+    decide_restore,
+    ends_joining,
+    info_for,
+    observe_beats,
+    ring_around,
+    ring_of,
+    ring_watch,
+    round_event,
+    timeout_message,
+    track_last_call,
+    watched,
+)
+from elasticd.rendezvous.state import (
+    Announcement,
+    Decoded,
+    NextRound,
+    Participant,
+    Reason,
+    RendezvousInfo,
+    RendezvousSettings,
+    RendezvousState,
+    RoundEvent,
+    decode,
+    encode,
+)
 from elasticd.store.base import Store, counter_value
-from elasticd.store.signing import Freshness, Refused, Signer, VersionClock, open_or_refuse, open_version
+from elasticd.store.signing import (
+    Freshness,
+    Refused,
+    Signer,
+    VersionClock,
+    open_or_refuse,
+    open_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +158,16 @@ class RendezvousHandler:
         decoded: Decoded | None = None,
     ) -> None:
         self._store, self._signer, self._settings = store, signer, settings
-        self._decoded = decoded or Decoded()  # states opened: may be shared by the handlers of a process
-        self._logger = logging.LoggerAdapter(log, about(settings.run_id))  # its records concern the job
+        self._decoded = (
+            decoded or Decoded()
+        )  # states opened: may be shared by the handlers of a process
+        self._logger = logging.LoggerAdapter(
+            log, about(settings.run_id)
+        )  # its records concern the job
         self._may_create = may_create  # False: the job ran; never start a fresh state for it
-        self._on_lost = on_lost  # silent members this node dropped: the node's one word that they are gone
+        self._on_lost = (
+            on_lost  # silent members this node dropped: the node's one word that they are gone
+        )
         self._beat_versions = VersionClock()
         self._fresh = Freshness()  # heartbeats: an older beat written back is no beat
         self.node, self.addr = node, addr
@@ -135,7 +184,9 @@ class RendezvousHandler:
         self._watched = asyncio.Event()  # set by a new watch(): the keeper follows revisions
         self._left = False
         self._shut = False
-        self._faults = faults or Faults()  # the keeper's unexpected errors: counted, logged once per interval
+        self._faults = (
+            faults or Faults()
+        )  # the keeper's unexpected errors: counted, logged once per interval
         self._told = Throttle()  # the keeper's expected troubles, once per interval each
 
     @property
@@ -144,28 +195,40 @@ class RendezvousHandler:
 
     # -- joining ---------------------------------------------------------------------------
 
-    async def next_rendezvous(self, nproc: int, master_port: int,
-                              scheduled: Iterable[str] = ()) -> RendezvousInfo:
+    async def next_rendezvous(
+        self, nproc: int, master_port: int, scheduled: Iterable[str] = ()
+    ) -> RendezvousInfo:
         """Join the current round (or the next one) and return once a round that includes this
         node is complete.  To leave a complete round for the next one, first call
         :meth:`request_next_round`; calling this again in a complete round that includes this
         node returns that round again.  ``scheduled``: the nodes the cluster's schedule gives
         the job; a round that holds them all closes at once, with no last call."""
         self._check_running()
-        view = View(record=Participant(self.addr, nproc, master_port),
-                    deadline=self._clock() + self._settings.join_timeout, scheduled=frozenset(scheduled))
+        view = View(
+            record=Participant(self.addr, nproc, master_port),
+            deadline=self._clock() + self._settings.join_timeout,
+            scheduled=frozenset(scheduled),
+        )
 
         def step(state: RendezvousState, logged: View, now: float) -> Action:
             nonlocal view
             self._check_running()
-            view = track_last_call(state, self._settings, replace(
-                view, announced=logged.announced, log_end=logged.log_end, pending=logged.pending), now)
+            view = track_last_call(
+                state,
+                self._settings,
+                replace(
+                    view, announced=logged.announced, log_end=logged.log_end, pending=logged.pending
+                ),
+                now,
+            )
             return decide_join(state, self.node, self._settings, view, now)
 
         # observers find a counter first
         snap, action = await self._execute(step, until_outcome=True, first=self._beat)
         if action.act is Act.DONE:
-            return info_for(snap.state, self.node, self._settings.run_id, self._decoded.members(snap.state))
+            return info_for(
+                snap.state, self.node, self._settings.run_id, self._decoded.members(snap.state)
+            )
         if action.act is Act.CLOSED:
             raise RendezvousClosedError(f"rendezvous '{self._settings.run_id}' is closed")
         raise RendezvousTimeoutError(timeout_message(snap.state, self.node, self._settings, view))
@@ -178,7 +241,9 @@ class RendezvousHandler:
 
     # -- rounds ----------------------------------------------------------------------------
 
-    async def request_next_round(self, round: int | None, reason: Reason, lost: Iterable[str] = ()) -> NextRound:
+    async def request_next_round(
+        self, round: int | None, reason: Reason, lost: Iterable[str] = ()
+    ) -> NextRound:
         """Supersede ``round`` (once, whoever asks first; None: the current round, if it is
         complete).  FAILURE uses one restart of the job-wide budget: EXHAUSTED, and no new
         round, when none is left.  The new round completes without waiting for the ``lost``
@@ -188,17 +253,25 @@ class RendezvousHandler:
             raise ValueError("the initial round is not requested: it is the first")
         lost = tuple(lost)
         _, action = await self._execute(
-            lambda state, view, now: decide_next_round(state, round, reason, self._settings, lost))
+            lambda state, view, now: decide_next_round(state, round, reason, self._settings, lost)
+        )
         if action.act is Act.OPEN_ROUND:
             assert action.state is not None
-            self._logger.info("rendezvous %s: %s opened round %d (%s)", self._settings.run_id, self.node,
-                     action.state.round, reason)
+            self._logger.info(
+                "rendezvous %s: %s opened round %d (%s)",
+                self._settings.run_id,
+                self.node,
+                action.state.round,
+                reason,
+            )
         return _NEXT_ROUND[action.act]
 
     async def leave(self, reason: Reason = Reason.DRAIN) -> None:
         """Leave for good; a complete round that had this node is superseded with ``reason``."""
         self._left = True
-        await self._execute(lambda state, view, now: decide_leave(state, self.node, Reason(reason), view))
+        await self._execute(
+            lambda state, view, now: decide_leave(state, self.node, Reason(reason), view)
+        )
 
     async def set_closed(self) -> None:
         await self._execute(lambda state, view, now: decide_close(state))
@@ -222,8 +295,12 @@ class RendezvousHandler:
         key = self._keys.exit_arrived(info.round, self.node)
         await self._store.set(key, self._signer.seal(key, {"node": self.node}))
 
-    async def exit_barrier_wait(self, info: RendezvousInfo, timeout: float,
-                                progress: Callable[[int, int], None] = lambda done, total: None) -> bool:
+    async def exit_barrier_wait(
+        self,
+        info: RendezvousInfo,
+        timeout: float,
+        progress: Callable[[int, int], None] = lambda done, total: None,
+    ) -> bool:
         """True once every member of ``info.round`` that holds workers arrived (one with none
         has nothing to finish), False after ``timeout`` seconds.
         ``progress(done, total)`` hears of each arrival while it waits (it waits on the key of
@@ -253,9 +330,17 @@ class RendezvousHandler:
         """The members of ``info.round`` whose signed arrival is in the store."""
         keys = [self._keys.exit_arrived(info.round, m.node) for m in info.members]
         values = await self._store.get_many(keys)
-        return {m.node for m, key, raw in zip(info.members, keys, values)
-                if open_or_refuse(self._signer, key, raw, lambda body, n=m.node: body["node"] == n or None,
-                                  self._refused)}
+        return {
+            m.node
+            for m, key, raw in zip(info.members, keys, values)
+            if open_or_refuse(
+                self._signer,
+                key,
+                raw,
+                lambda body, n=m.node: body["node"] == n or None,
+                self._refused,
+            )
+        }
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -286,13 +371,21 @@ class RendezvousHandler:
                     beats = await self._tick(beats)
                 self._resolve_watches(self._newest.state)
                 await self._idle(due)
-            except (RendezvousGone, RendezvousStateError) as err:  # the state is gone, refused or unusable
+            except (
+                RendezvousGone,
+                RendezvousStateError,
+            ) as err:  # the state is gone, refused or unusable
                 self._fail_watches(err)
                 self._tell(type(err).__name__, "rendezvous %s: %s", self._settings.run_id, err)
                 await back_off(self._settings.keep_alive_interval)
             except StoreError as err:
-                self._tell("store", "rendezvous %s: store error in the keeper of %s: %s",
-                           self._settings.run_id, self.node, err)
+                self._tell(
+                    "store",
+                    "rendezvous %s: store error in the keeper of %s: %s",
+                    self._settings.run_id,
+                    self.node,
+                    err,
+                )
                 await back_off(self._settings.keep_alive_interval)
             except Exception as err:  # a bug must not silence this node's heartbeat for good
                 self._faults.report("rendezvous_keeper", f"job {self._settings.run_id}")
@@ -324,19 +417,34 @@ class RendezvousHandler:
         the state and its join log involve (a logged joiner too); drop the silent ones."""
         others = sorted(self._others)  # the ring of the state seen at the last duty
         seen, values = await self._duty_read(others)
-        counts = beat_counts(self._signer, {n: self._keys.heartbeat(n) for n in others}, values, beats,
-                             self._refused, self._fresh)
+        counts = beat_counts(
+            self._signer,
+            {n: self._keys.heartbeat(n) for n in others},
+            values,
+            beats,
+            self._refused,
+            self._fresh,
+        )
         self._others = self._ring(*seen)
         now = self._clock()
         beats = observe_beats(beats, counts, now)
-        snap, action = await self._execute(
-            lambda state, view, _: decide_liveness(state, self.node, self._settings,
-                                                   replace(view, beats=beats), now), seen=seen)
+        _snap, action = await self._execute(
+            lambda state, view, _: decide_liveness(
+                state, self.node, self._settings, replace(view, beats=beats), now
+            ),
+            seen=seen,
+        )
         if action.state is not None and action.act in (Act.OPEN_ROUND, Act.REMOVE):
             silent = sorted(set(others) - watched(action.state, View()))
             self._on_lost(tuple(silent))
-            self._logger.warning("rendezvous %s: %s dropped silent node(s) %s (%s, round %d)", self._settings.run_id,
-                        self.node, ", ".join(silent), action.act.value, action.state.round)
+            self._logger.warning(
+                "rendezvous %s: %s dropped silent node(s) %s (%s, round %d)",
+                self._settings.run_id,
+                self.node,
+                ", ".join(silent),
+                action.act.value,
+                action.state.round,
+            )
         return beats
 
     def _ring(self, snap: _Snapshot, view: View) -> set[str]:
@@ -357,12 +465,18 @@ class RendezvousHandler:
             self._swept.clear()
             while self._stale:
                 batch, self._stale = self._stale[:SWEEP], self._stale[SWEEP:]
-                results = await asyncio.gather(*(self._store.delete(key) for key in batch),
-                                               return_exceptions=True)
+                results = await asyncio.gather(
+                    *(self._store.delete(key) for key in batch), return_exceptions=True
+                )
                 failed = [r for r in results if isinstance(r, Exception)]
                 if failed:  # best effort: the heartbeat beside it must go on
-                    log.warning("rendezvous %s: %s could not delete %d stale key(s): %s", self._settings.run_id,
-                                self.node, len(failed), failed[0])
+                    log.warning(
+                        "rendezvous %s: %s could not delete %d stale key(s): %s",
+                        self._settings.run_id,
+                        self.node,
+                        len(failed),
+                        failed[0],
+                    )
 
     def _sweep(self, keys: Iterable[str]) -> None:
         self._stale.extend(keys)
@@ -373,7 +487,9 @@ class RendezvousHandler:
         key = self._keys.heartbeat(self.node)
         await store.set(key, self._signer.seal(key, {}, version=self._beat_versions.next()))
 
-    async def _duty_read(self, nodes: list[str]) -> tuple[tuple[_Snapshot, View], list[bytes | None]]:
+    async def _duty_read(
+        self, nodes: list[str]
+    ) -> tuple[tuple[_Snapshot, View], list[bytes | None]]:
         """A duty's reads after its beat: the head, the open round's counter and the heartbeats
         of ``nodes`` in one batch; the state only when ``head.state_moved`` says so (then the
         state and the counter, as :meth:`_observe`).  Never a revision key: TCPStore's read of
@@ -381,14 +497,22 @@ class RendezvousHandler:
         await self._beat(self._store)
         keys, newest = self._keys, self._newest
         counted = not (newest.state.complete or newest.state.closed)
-        values = await self._store.get_many([keys.head, *(keys.heartbeat(n) for n in nodes),
-                                             *([keys.joins(newest.state.round)] if counted else [])])
+        values = await self._store.get_many(
+            [
+                keys.head,
+                *(keys.heartbeat(n) for n in nodes),
+                *([keys.joins(newest.state.round)] if counted else []),
+            ]
+        )
         self._duties += 1
         head = head_version(self._signer, keys.head, values[0], self._refused)
-        beats = values[1:1 + len(nodes)]
+        beats = values[1 : 1 + len(nodes)]
         if state_moved(None if newest.missing else newest.state.version, head, self._duties):
             return await self._observe(), beats
-        return (newest, await self._logged(newest.state, _held(values[-1]) if counted else None)), beats
+        return (
+            newest,
+            await self._logged(newest.state, _held(values[-1]) if counted else None),
+        ), beats
 
     def _resolve_watches(self, state: RendezvousState) -> None:
         """Settle the watches that ``state`` answers."""
@@ -411,8 +535,14 @@ class RendezvousHandler:
 
     # -- the executor ----------------------------------------------------------------------
 
-    async def _execute(self, decide: Decide, *, until_outcome: bool = False, first: Write | None = None,
-                       seen: tuple[_Snapshot, View] | None = None) -> tuple[_Snapshot, Action]:
+    async def _execute(
+        self,
+        decide: Decide,
+        *,
+        until_outcome: bool = False,
+        first: Write | None = None,
+        seen: tuple[_Snapshot, View] | None = None,
+    ) -> tuple[_Snapshot, Action]:
         """Read, decide, act until the decision is an outcome (with ``until_outcome``) or a
         decided state was written (without).  ``first``: a write to make before the first
         read; ``seen``: that first read, made by the caller.  Each act writes, then reads the
@@ -425,16 +555,24 @@ class RendezvousHandler:
                     why = "vanished" if snap.raw is None else "was refused"
                     (snap, logged), won = await self._write(snap, restore.state)
                     if won:
-                        self._logger.warning("rendezvous %s: the state %s; %s restored round %d",
-                                    self._settings.run_id, why, self.node, restore.state.round)
+                        self._logger.warning(
+                            "rendezvous %s: the state %s; %s restored round %d",
+                            self._settings.run_id,
+                            why,
+                            self.node,
+                            restore.state.round,
+                        )
                     continue
                 if not self._may_create:
                     raise RendezvousGone(
                         f"rendezvous '{self._settings.run_id}': the job ran before and its state is "
-                        f"gone or refused; {self.node} does not start it again")
+                        f"gone or refused; {self.node} does not start it again"
+                    )
             action = decide(snap.state, logged, self._clock())
             if action.state is not None and not logged.whole:
-                logged = await self._logged(snap.state, full=True)  # a write folds the log: read it first
+                logged = await self._logged(
+                    snap.state, full=True
+                )  # a write folds the log: read it first
                 continue
             if action.state is not None:
                 (snap, logged), won = await self._write(snap, action.state)
@@ -445,8 +583,13 @@ class RendezvousHandler:
                 await self._announce(snap.state, action.record, logged)
                 snap, logged = await self._observe()
             elif action.act is Act.WAIT and (hole := self._log.hole()) is not None:
-                await self._store.wait_for(self._keys.join(snap.state.round, hole), action.until - self._clock())
-                snap, logged = await self._observe()  # its writer is on its way: no revision to wait for
+                await self._store.wait_for(
+                    self._keys.join(snap.state.round, hole), action.until - self._clock()
+                )
+                (
+                    snap,
+                    logged,
+                ) = await self._observe()  # its writer is on its way: no revision to wait for
             elif action.act is Act.WAIT:
                 snap, logged = await self._next_revision(snap, action.until - self._clock())
             else:
@@ -487,7 +630,9 @@ class RendezvousHandler:
         same = counted and snap.state.round == guess.round
         return snap, await self._logged(snap.state, _held(count[0]) if same else None)
 
-    async def _logged(self, state: RendezvousState, count: bytes | None = None, full: bool = False) -> View:
+    async def _logged(
+        self, state: RendezvousState, count: bytes | None = None, full: bool = False
+    ) -> View:
         """The open round's join-log records that the state has not folded yet, reading what
         is new (``count``: its counter as read; None: read it now)."""
         if state.complete or state.closed:
@@ -511,7 +656,9 @@ class RendezvousHandler:
             return self._newest
         return self._remember(_Snapshot(state, raw))
 
-    async def _write(self, snap: _Snapshot, new: RendezvousState) -> tuple[tuple[_Snapshot, View], bool]:
+    async def _write(
+        self, snap: _Snapshot, new: RendezvousState
+    ) -> tuple[tuple[_Snapshot, View], bool]:
         """Compare-and-set ``new`` over ``snap``; then the state and its join log as after
         :meth:`_observe`, and whether this write won.  The winner marks the revision and
         deletes what nobody will wait on or read again."""
@@ -526,7 +673,12 @@ class RendezvousHandler:
                 await store.delete(keys.rev(new.version - REV_KEEP))
             if snap.valid and ends_joining(snap.state, new):
                 round = new.round
-                self._sweep([keys.joins(round), *(keys.join(round, n) for n in self._log.known(round, new.folded))])
+                self._sweep(
+                    [
+                        keys.joins(round),
+                        *(keys.join(round, n) for n in self._log.known(round, new.folded)),
+                    ]
+                )
         after = self._remember(_Snapshot(new, sealed)) if won else self._snapshot(current, known)
         return (after, await self._logged(after.state)), won
 
@@ -540,7 +692,9 @@ class RendezvousHandler:
         key = self._keys.rev(snap.state.version + 1)
         woke = await self._store.wait_for(key, min(timeout, _LONGEST_WAIT))
         after = await self._observe()
-        if woke and (after[0].raw == snap.raw or not after[0].valid):  # a refused one is restored at the duty
+        if woke and (
+            after[0].raw == snap.raw or not after[0].valid
+        ):  # a refused one is restored at the duty
             if after[0].raw == snap.raw:
                 self._refused(key, "a revision key with no new state behind it")
             await asyncio.sleep(timeout)  # a back-off
@@ -567,8 +721,11 @@ class RendezvousHandler:
                 return None
             self._decoded.put(self._signer, key, raw, state)
         if state.version < known:
-            self._refused(key, f"state version {state.version} is older than version {known} "
-                               "seen before (written back)")
+            self._refused(
+                key,
+                f"state version {state.version} is older than version {known} "
+                "seen before (written back)",
+            )
             return None
         return state
 

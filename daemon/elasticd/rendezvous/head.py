@@ -44,8 +44,14 @@ def state_moved(known: int | None, head: int | None, duty: int) -> bool:
     return known is None or head is None or head > known or duty % FULL_EVERY == 0
 
 
-def beat_counts(signer: Signer, keys: Mapping[str, str], values: Sequence[bytes | None],
-                beats: Mapping[str, Beat], refused: Refused, fresh: Freshness) -> dict[str, int | None]:
+def beat_counts(
+    signer: Signer,
+    keys: Mapping[str, str],
+    values: Sequence[bytes | None],
+    beats: Mapping[str, Beat],
+    refused: Refused,
+    fresh: Freshness,
+) -> dict[str, int | None]:
     """Each node's heartbeat version (``keys``: node -> its heartbeat's key, in the order
     of ``values``, as read); a refused one counts as not moved (None: there is none)."""
     counts = {}

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 
 from elasticd.rendezvous.keys import Keys
 from elasticd.rendezvous.ops import LOG_BATCH, View, log_upper, log_window, reads_log
-from elasticd.rendezvous.state import (Announcement, RendezvousSettings, RendezvousState, decode_announcement,
-                                       encode_announcement)
+from elasticd.rendezvous.state import (
+    Announcement,
+    RendezvousSettings,
+    RendezvousState,
+    decode_announcement,
+    encode_announcement,
+)
 from elasticd.store.base import Store
 from elasticd.store.signing import Refused, Signer, open_or_refuse
 
@@ -35,32 +40,55 @@ class OwnEntry:
     record: Announcement
 
 
-
 class JoinLog:
     """This node's reading of the open round's join log (a new round starts a new one): the
     entries read, by number (a refused one as None), and this node's own newest entry."""
 
-    def __init__(self, signer: Signer, keys: Keys, refused: Refused, settings: RendezvousSettings) -> None:
+    def __init__(
+        self, signer: Signer, keys: Keys, refused: Refused, settings: RendezvousSettings
+    ) -> None:
         self._signer, self._keys, self._refused, self._settings = signer, keys, refused, settings
         self.mine: OwnEntry | None = None
         self._start(-1, 0.0)
 
     def _start(self, round: int, now: float) -> None:
-        self.round, self.records, self.count, self.since = round, {}, 0, now  # since: the counter moved
-        self.low, self.top, self.missing = 1, 0, []  # lowest unread; highest record; read as missing
-        self.full, self.waited = False, 0  # the last fetch read the entries; the hole waited on last
+        self.round, self.records, self.count, self.since = (
+            round,
+            {},
+            0,
+            now,
+        )  # since: the counter moved
+        self.low, self.top, self.missing = (
+            1,
+            0,
+            [],
+        )  # lowest unread; highest record; read as missing
+        self.full, self.waited = (
+            False,
+            0,
+        )  # the last fetch read the entries; the hole waited on last
 
-    async def fetch(self, store: Store, state: RendezvousState, count: int | None, now: float,
-                    full: bool = False) -> None:
+    async def fetch(
+        self,
+        store: Store,
+        state: RendezvousState,
+        count: int | None,
+        now: float,
+        full: bool = False,
+    ) -> None:
         """Read the numbers not read yet up to the counter (``count``; None: not a count), a
         batch at a time while batches bring records: when ``full`` or ``ops.reads_log``."""
         if state.round != self.round or (count is not None and count < self.top):
-            if state.round == self.round:  # the counter went back (a store reset): so did this node's entry
+            if (
+                state.round == self.round
+            ):  # the counter went back (a store reset): so did this node's entry
                 self.mine = None
             self._start(state.round, now)
         if count != self.count:
             self.count, self.since = count, now
-        self.full = full or reads_log(self._own(state.round), count, self.since, now, self._settings)
+        self.full = full or reads_log(
+            self._own(state.round), count, self.since, now, self._settings
+        )
         upper = log_upper(count, self.top) if self.full else 0
         self.low = max(self.low, state.folded + 1)
         while numbers := log_window(self.records, self.low, upper):
@@ -74,8 +102,13 @@ class JoinLog:
         opened = 0
         for n, raw in zip(numbers, values):
             if raw is not None:
-                record = open_or_refuse(self._signer, self._keys.join(self.round, n), raw,
-                                        decode_announcement, self._refused)
+                record = open_or_refuse(
+                    self._signer,
+                    self._keys.join(self.round, n),
+                    raw,
+                    decode_announcement,
+                    self._refused,
+                )
                 self.records[n] = record
                 if record is not None:
                     self.top, opened = max(self.top, n), opened + 1
@@ -96,8 +129,12 @@ class JoinLog:
                 pending = self.mine.at
             else:
                 announced += (self.mine.record,)
-        return View(announced=announced, log_end=self._end(state.round, state.folded), pending=pending,
-                    whole=self.full)
+        return View(
+            announced=announced,
+            log_end=self._end(state.round, state.folded),
+            pending=pending,
+            whole=self.full,
+        )
 
     def hole(self) -> int | None:
         """A number below the counter that a full read found taken but not written yet, once."""
@@ -122,4 +159,3 @@ class JoinLog:
     def entry(self, round: int, number: int, announcement: Announcement) -> tuple[str, bytes]:
         key = self._keys.join(round, number)
         return key, self._signer.seal(key, encode_announcement(announcement))
-

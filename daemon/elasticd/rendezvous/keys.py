@@ -1,12 +1,12 @@
 """The store keys of one rendezvous, all under its ``prefix``::
 
-    state                   the signed RendezvousState (compare-and-set only)
-    head                    the state's version, signed: what keepers read (rendezvous/head.py)
-    rev/<v>                 set when version v was written; waiters block on the next one
-    hb/<node>               signed heartbeat: its version goes up at every beat
-    round/<r>/joins         the round's join counter (add): how many numbers were taken
-    round/<r>/join/<n>      the n-th record of round r's join log, signed (written once)
-    round/<r>/exit/<node>   a member's signed arrival at the exit barrier of round r
+state                   the signed RendezvousState (compare-and-set only)
+head                    the state's version, signed: what keepers read (rendezvous/head.py)
+rev/<v>                 set when version v was written; waiters block on the next one
+hb/<node>               signed heartbeat: its version goes up at every beat
+round/<r>/joins         the round's join counter (add): how many numbers were taken
+round/<r>/join/<n>      the n-th record of round r's join log, signed (written once)
+round/<r>/exit/<node>   a member's signed arrival at the exit barrier of round r
 """
 
 from __future__ import annotations
@@ -34,4 +34,3 @@ class Keys:
 
     def exit_arrived(self, round: int, node: str) -> str:
         return f"{self.prefix}/round/{round}/exit/{node}"
-

@@ -28,16 +28,16 @@ from typing import NamedTuple
 from elasticd.core.liveness import Beat, observe, silent
 from elasticd.rendezvous.state import (
     CHARGED,
-    EventKind,
-    Reason,
-    may_restart,
     Announcement,
+    EventKind,
     Member,
     Participant,
+    Reason,
     RendezvousInfo,
     RendezvousSettings,
     RendezvousState,
     RoundEvent,
+    may_restart,
     members_of,
 )
 
@@ -82,7 +82,9 @@ class View:
     record: Participant | None = None  # what this node declares when it joins
     announced: tuple[Announcement, ...] = ()  # join-log records of state.round not folded yet
     log_end: int | None = None  # where a write folds the join log to (default: folded + announced)
-    pending: float | None = None  # when this node wrote its own entry, while its reading has not reached it
+    pending: float | None = (
+        None  # when this node wrote its own entry, while its reading has not reached it
+    )
     whole: bool = True  # False: the join log was read no further than this node's own entry
     last_call: LastCall | None = None
     deadline: float = math.inf  # join deadline
@@ -93,25 +95,36 @@ class View:
 # -- joining -------------------------------------------------------------------------------
 
 
-def decide_join(state: RendezvousState, node: str, settings: RendezvousSettings, view: View, now: float) -> Action:
+def decide_join(
+    state: RendezvousState, node: str, settings: RendezvousSettings, view: View, now: float
+) -> Action:
     """The next step of ``next_rendezvous`` for ``node``."""
     if state.closed:
         return Action(Act.CLOSED)
     if state.complete and node in state.participants:
         return Action(Act.DONE)
     if now >= view.deadline:
-        return Action(Act.TIMED_OUT, without(state, {node}, view) if involved(state, node, view) else None)
+        return Action(
+            Act.TIMED_OUT, without(state, {node}, view) if involved(state, node, view) else None
+        )
     if state.complete:
         if node in state.wait_list:
             return Action(Act.WAIT, until=_next_duty(state, settings, view, now))
         assert view.record is not None, "a joining node declares its record"
-        return Action(Act.JOIN_WAIT_LIST, state.next(wait_list={**state.wait_list, node: view.record}))
+        return Action(
+            Act.JOIN_WAIT_LIST, state.next(wait_list={**state.wait_list, node: view.record})
+        )
     nodes = joined(state, view)
     if node not in nodes:
         assert view.record is not None, "a joining node declares its record"
         if view.pending is not None and now < view.pending + settings.keep_alive_interval:
-            return Action(Act.WAIT, until=min(view.pending + settings.keep_alive_interval,
-                                              _next_duty(state, settings, view, now)))
+            return Action(
+                Act.WAIT,
+                until=min(
+                    view.pending + settings.keep_alive_interval,
+                    _next_duty(state, settings, view, now),
+                ),
+            )
         return Action(Act.ANNOUNCE, record=view.record)
     if barrier_reached(state, nodes, settings, view, now):
         return Action(Act.COMPLETE, complete(state, nodes, settings, view))
@@ -127,7 +140,11 @@ def joined(state: RendezvousState, view: View) -> dict[str, Participant]:
 
 
 def barrier_reached(
-    state: RendezvousState, nodes: Mapping[str, Participant], settings: RendezvousSettings, view: View, now: float
+    state: RendezvousState,
+    nodes: Mapping[str, Participant],
+    settings: RendezvousSettings,
+    view: View,
+    now: float,
 ) -> bool:
     """At least min_nodes joined and: every expected node is in (the previous round's, or
     those the cluster's schedule gave the job); or max_nodes are in and no member of the
@@ -135,7 +152,9 @@ def barrier_reached(
     if len(nodes) < settings.min_nodes:
         return False
     expected = set(state.expected)
-    if expected and expected <= nodes.keys() or view.scheduled and view.scheduled <= nodes.keys():
+    if (expected and expected <= nodes.keys()) or (
+        view.scheduled and view.scheduled <= nodes.keys()
+    ):
         return True
     survivors = expected & set(state.order)
     if len(nodes) >= settings.max_nodes and survivors <= nodes.keys():
@@ -144,7 +163,9 @@ def barrier_reached(
     return end is not None and now >= end
 
 
-def track_last_call(state: RendezvousState, settings: RendezvousSettings, view: View, now: float) -> View:
+def track_last_call(
+    state: RendezvousState, settings: RendezvousSettings, view: View, now: float
+) -> View:
     """Start this node's last-call window when it first sees min_nodes joined in a round."""
     if state.complete or len(joined(state, view)) < settings.min_nodes:
         return replace(view, last_call=None)
@@ -154,7 +175,10 @@ def track_last_call(state: RendezvousState, settings: RendezvousSettings, view: 
 
 
 def complete(
-    state: RendezvousState, nodes: Mapping[str, Participant], settings: RendezvousSettings, view: View
+    state: RendezvousState,
+    nodes: Mapping[str, Participant],
+    settings: RendezvousSettings,
+    view: View,
 ) -> RendezvousState:
     """Fix the ranks: survivors first in their old order, then new nodes by name; nodes
     beyond max_nodes go to the wait list."""
@@ -176,21 +200,29 @@ def rank_order(order: Iterable[str], nodes: Iterable[str]) -> list[str]:
     return survivors + sorted(nodes.difference(survivors))
 
 
-def timeout_message(state: RendezvousState, node: str, settings: RendezvousSettings, view: View) -> str:
+def timeout_message(
+    state: RendezvousState, node: str, settings: RendezvousSettings, view: View
+) -> str:
     """What a join that timed out says."""
     waited = f"rendezvous '{settings.run_id}': {node} waited {settings.join_timeout:g}s"
     if state.complete:
-        return f"{waited} on the wait list of round {state.round} ({len(state.participants)} members, " \
-               f"max_nodes is {settings.max_nodes})"
+        return (
+            f"{waited} on the wait list of round {state.round} ({len(state.participants)} members, "
+            f"max_nodes is {settings.max_nodes})"
+        )
     return f"{waited}: {len(joined(state, view))} node(s) joined round {state.round}, min_nodes is {settings.min_nodes}"
 
 
-def _next_duty(state: RendezvousState, settings: RendezvousSettings, view: View, now: float) -> float:
+def _next_duty(
+    state: RendezvousState, settings: RendezvousSettings, view: View, now: float
+) -> float:
     end = _last_call_end(state, settings, view)
     return min(view.deadline, now + settings.keep_alive_interval, math.inf if end is None else end)
 
 
-def _last_call_end(state: RendezvousState, settings: RendezvousSettings, view: View) -> float | None:
+def _last_call_end(
+    state: RendezvousState, settings: RendezvousSettings, view: View
+) -> float | None:
     if view.last_call is None or view.last_call.round != state.round:
         return None
     return view.last_call.since + settings.last_call_timeout
@@ -216,7 +248,9 @@ def log_window(read: Container[int], low: int, upper: int, batch: int = LOG_BATC
     return numbers
 
 
-def reads_log(own: int, count: int | None, since: float, now: float, settings: RendezvousSettings) -> bool:
+def reads_log(
+    own: int, count: int | None, since: float, now: float, settings: RendezvousSettings
+) -> bool:
     """Whether a node reads the new entries of the join log, or only the state and the
     counter (its own entry stands for itself): when its entry is the newest (it is the one to
     find the barrier reached), when the counter has not moved for as long as a node takes to
@@ -242,13 +276,17 @@ def claim(missing: Sequence[int], top: int, node: str) -> int:
 
 def ends_joining(old: RendezvousState, new: RendezvousState) -> bool:
     """Whether writing ``new`` over ``old`` ends the open round's joining (its log is stale)."""
-    return not (old.complete or old.closed) and old.round == new.round and (new.complete or new.closed)
+    return (
+        not (old.complete or old.closed) and old.round == new.round and (new.complete or new.closed)
+    )
 
 
 # -- liveness ------------------------------------------------------------------------------
 
 
-def observe_beats(beats: Mapping[str, Beat], counts: Mapping[str, int | None], now: float) -> dict[str, Beat]:
+def observe_beats(
+    beats: Mapping[str, Beat], counts: Mapping[str, int | None], now: float
+) -> dict[str, Beat]:
     """Fold freshly read heartbeat counters into the observations (only ``counts``' nodes stay)."""
     return {node: observe(beats.get(node), count, now) for node, count in counts.items()}
 
@@ -289,7 +327,9 @@ def involved(state: RendezvousState, node: str, view: View) -> bool:
     return node in watched(state, view) or view.pending is not None
 
 
-def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSettings, view: View, now: float) -> Action:
+def decide_liveness(
+    state: RendezvousState, node: str, settings: RendezvousSettings, view: View, now: float
+) -> Action:
     """Drop nodes whose heartbeat stood still for ``settings.dead_after`` of this node's clock.
 
     A dead member of a complete round opens the next round ("node_lost"); elsewhere the dead
@@ -311,8 +351,11 @@ def decide_liveness(state: RendezvousState, node: str, settings: RendezvousSetti
 
 
 def decide_next_round(
-    state: RendezvousState, round: int | None, reason: Reason, settings: RendezvousSettings,
-    lost: Iterable[str] = ()
+    state: RendezvousState,
+    round: int | None,
+    reason: Reason,
+    settings: RendezvousSettings,
+    lost: Iterable[str] = (),
 ) -> Action:
     """Open round ``round + 1``, once: later requests for the same round get ALREADY
     (``round`` None: the round after the current one, for a node outside it).  The new round
@@ -326,7 +369,9 @@ def decide_next_round(
     return Action(Act.OPEN_ROUND, open_round(state, reason, leaving=lost))
 
 
-def open_round(state: RendezvousState, reason: Reason, leaving: Iterable[str] = ()) -> RendezvousState:
+def open_round(
+    state: RendezvousState, reason: Reason, leaving: Iterable[str] = ()
+) -> RendezvousState:
     """The next round, expecting the current members and the wait list, minus ``leaving``."""
     expected = (set(state.participants) | set(state.wait_list)).difference(leaving)
     return state.next(
@@ -396,14 +441,19 @@ def round_event(
     if state.closed:
         return RoundEvent(EventKind.CLOSED)
     if state.round > round:
-        nodes = (tuple(state.participants) if state.complete else state.expected) if state.round == round + 1 else ()
+        nodes = (
+            (tuple(state.participants) if state.complete else state.expected)
+            if state.round == round + 1
+            else ()
+        )
         return RoundEvent(EventKind.NEXT_ROUND, reason=state.reason, nodes=tuple(sorted(nodes)))
     count = num_waiting(state, settings) if waiting and state.round == round else 0
     return RoundEvent(EventKind.WAITING, waiting=count) if count else None
 
 
-def info_for(state: RendezvousState, node: str, run_id: str,
-             members: tuple[Member, ...] | None = None) -> RendezvousInfo:
+def info_for(
+    state: RendezvousState, node: str, run_id: str, members: tuple[Member, ...] | None = None
+) -> RendezvousInfo:
     """This node's view of a complete round, ranked as ``members_of`` ranks (``members``:
     ``members_of(state)``, built already)."""
     members = members_of(state) if members is None else members

@@ -4,13 +4,13 @@ values the handler hands out. Pure data; nothing here touches a store or a clock
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
-from elasticd.errors import RendezvousStateError
-from elasticd.core.tables import IllegalTransition, StateTable
 from elasticd.core.liveness import KeepAlive
+from elasticd.core.tables import IllegalTransition, StateTable
+from elasticd.errors import RendezvousStateError
 
 SCHEMA = 1
 T = TypeVar("T")
@@ -19,14 +19,16 @@ T = TypeVar("T")
 class Reason(enum.StrEnum):
     """Why a round was opened."""
 
-    INITIAL = "initial"      # the job's first round
-    FAILURE = "failure"      # a worker failed: spends one restart of the job-wide budget
-    SCALE_UP = "scale_up"    # nodes are waiting and the job is below its max
+    INITIAL = "initial"  # the job's first round
+    FAILURE = "failure"  # a worker failed: spends one restart of the job-wide budget
+    SCALE_UP = "scale_up"  # nodes are waiting and the job is below its max
     NODE_LOST = "node_lost"  # a member's daemon died
-    DRAIN = "drain"          # a member leaves because it is being drained
-    SHUTDOWN = "shutdown"    # a member leaves because its daemon stops
-    RECLAIM = "reclaim"      # a member leaves because the cluster's scheduler gave its node to another job
-    STALLED = "stalled"      # in place: a survivor did not rejoin in time; every worker
+    DRAIN = "drain"  # a member leaves because it is being drained
+    SHUTDOWN = "shutdown"  # a member leaves because its daemon stops
+    RECLAIM = (
+        "reclaim"  # a member leaves because the cluster's scheduler gave its node to another job
+    )
+    STALLED = "stalled"  # in place: a survivor did not rejoin in time; every worker
     #                          restarts (spends a restart, like a failure)
 
 
@@ -37,8 +39,8 @@ class EventKind(enum.StrEnum):
     """What a watched round learned."""
 
     NEXT_ROUND = "next_round"  # it was superseded: stop and join the next one
-    WAITING = "waiting"        # nodes wait to join (a chance to scale up)
-    CLOSED = "closed"          # the job ended
+    WAITING = "waiting"  # nodes wait to join (a chance to scale up)
+    CLOSED = "closed"  # the job ended
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ class RendezvousSettings:
         if not self.run_id:
             raise ValueError("run_id must not be empty")
         if not 1 <= self.min_nodes <= self.max_nodes:
-            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}:{self.max_nodes}")
+            raise ValueError(
+                f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}:{self.max_nodes}"
+            )
         if self.max_restarts < 0 or self.keep_alive_max_attempt < 1:
             raise ValueError("max_restarts must be >= 0 and keep_alive_max_attempt >= 1")
         if min(self.join_timeout, self.keep_alive_interval) <= 0 or self.last_call_timeout < 0:
@@ -97,16 +101,19 @@ class Announcement:
 class RoundState(enum.StrEnum):
     """Where a round stands (``RendezvousState.phase``, from its two flags)."""
 
-    FORMING = "forming"    # nodes join it
+    FORMING = "forming"  # nodes join it
     COMPLETE = "complete"  # its ranks are fixed; latecomers wait for the next round
-    CLOSED = "closed"      # the job ended: nobody joins again
+    CLOSED = "closed"  # the job ended: nobody joins again
 
 
-ROUND_STATES = StateTable("a rendezvous round", {
-    RoundState.FORMING: (RoundState.COMPLETE, RoundState.CLOSED),
-    RoundState.COMPLETE: (RoundState.CLOSED,),  # a complete round is superseded, never reopened
-    RoundState.CLOSED: (),
-})
+ROUND_STATES = StateTable(
+    "a rendezvous round",
+    {
+        RoundState.FORMING: (RoundState.COMPLETE, RoundState.CLOSED),
+        RoundState.COMPLETE: (RoundState.CLOSED,),  # a complete round is superseded, never reopened
+        RoundState.CLOSED: (),
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,13 @@ class RendezvousState:
 
     @property
     def phase(self) -> RoundState:
-        return RoundState.CLOSED if self.closed else RoundState.COMPLETE if self.complete else RoundState.FORMING
+        return (
+            RoundState.CLOSED
+            if self.closed
+            else RoundState.COMPLETE
+            if self.complete
+            else RoundState.FORMING
+        )
 
     def next(self, **changes: Any) -> RendezvousState:
         """The successor state: ``changes`` applied and the version bumped.  Within a round
@@ -146,8 +159,10 @@ class RendezvousState:
         if new.round == self.round:
             ROUND_STATES.check(self.phase, new.phase)
         elif new.round != self.round + 1 or new.phase is not RoundState.FORMING:
-            raise IllegalTransition(f"a rendezvous cannot go from round {self.round} ({self.phase}) "
-                                    f"to round {new.round} ({new.phase})")
+            raise IllegalTransition(
+                f"a rendezvous cannot go from round {self.round} ({self.phase}) "
+                f"to round {new.round} ({new.phase})"
+            )
         return new
 
 
@@ -188,7 +203,9 @@ class RoundEvent:
     kind: EventKind
     reason: Reason | None = None  # of the next round
     waiting: int = 0
-    nodes: tuple[str, ...] = ()  # NEXT_ROUND: the nodes that round expects or holds (empty: not known)
+    nodes: tuple[
+        str, ...
+    ] = ()  # NEXT_ROUND: the nodes that round expects or holds (empty: not known)
 
 
 class Decoded:
@@ -267,7 +284,9 @@ def decode(body: Any) -> RendezvousState:
     """A state from its JSON body; RendezvousStateError for anything else."""
     fields = _object(body, "state")
     if fields.get("schema") != SCHEMA:
-        raise RendezvousStateError(f"rendezvous state has schema {fields.get('schema')!r}; this elasticd reads {SCHEMA}")
+        raise RendezvousStateError(
+            f"rendezvous state has schema {fields.get('schema')!r}; this elasticd reads {SCHEMA}"
+        )
     return RendezvousState(
         version=_int(fields, "version"),
         round=_int(fields, "round"),
@@ -285,7 +304,11 @@ def decode(body: Any) -> RendezvousState:
 
 
 def encode_announcement(announcement: Announcement) -> dict[str, Any]:
-    return {"schema": SCHEMA, "node": announcement.node, **_encode_participant(announcement.participant)}
+    return {
+        "schema": SCHEMA,
+        "node": announcement.node,
+        **_encode_participant(announcement.participant),
+    }
 
 
 def decode_announcement(body: Any) -> Announcement:
@@ -296,16 +319,28 @@ def decode_announcement(body: Any) -> Announcement:
 
 
 def _encode_participant(participant: Participant) -> dict[str, Any]:
-    return {"addr": participant.addr, "nproc": participant.nproc, "master_port": participant.master_port}
+    return {
+        "addr": participant.addr,
+        "nproc": participant.nproc,
+        "master_port": participant.master_port,
+    }
 
 
 def _decode_participant(body: Any) -> Participant:
     if type(body) is dict:  # the common case first: a state names every node of a round
         addr, nproc, port = body.get("addr"), body.get("nproc"), body.get("master_port")
-        if type(addr) is str and type(nproc) is int and type(port) is int and nproc >= 0 and port >= 0:
+        if (
+            type(addr) is str
+            and type(nproc) is int
+            and type(port) is int
+            and nproc >= 0
+            and port >= 0
+        ):
             return Participant(addr, nproc, port)
     fields = _object(body, "participant")  # raises, naming what is wrong
-    return Participant(_typed(fields, "addr", str), _int(fields, "nproc"), _int(fields, "master_port"))
+    return Participant(
+        _typed(fields, "addr", str), _int(fields, "nproc"), _int(fields, "master_port")
+    )
 
 
 def _participants(fields: Mapping[str, Any], name: str) -> dict[str, Participant]:
@@ -323,7 +358,9 @@ def _reason(fields: Mapping[str, Any]) -> Reason:
     try:
         return Reason(_typed(fields, "reason", str))
     except ValueError:
-        raise RendezvousStateError(f"rendezvous state has an unknown reason {fields.get('reason')!r}") from None
+        raise RendezvousStateError(
+            f"rendezvous state has an unknown reason {fields.get('reason')!r}"
+        ) from None
 
 
 def _object(value: Any, what: str) -> Mapping[str, Any]:
@@ -344,4 +381,3 @@ def _typed(fields: Mapping[str, Any], name: str, kind: type) -> Any:
     if not isinstance(value, kind):
         raise RendezvousStateError(f"rendezvous state field {name!r} is not a {kind.__name__}")
     return value
-

@@ -12,19 +12,29 @@ from elasticd.shell.cgroups import JobCgroups
 log = logging.getLogger(__name__)
 
 
-def contain(cgroups: JobCgroups, *, max_memory: str, max_pids_per_worker: int, slots: int) -> Containment:
+def contain(
+    cgroups: JobCgroups, *, max_memory: str, max_pids_per_worker: int, slots: int
+) -> Containment:
     """What bounds a job here (published in the node record); what cannot is said once."""
     try:
         memory = parse_memory(max_memory, _memory_total())
     except ValueError as exc:  # checked at load; a percentage of an unknown total
         raise ConfigError("jobs.max_memory", str(exc)) from None
     if max_memory.strip().endswith("%") and memory < MIN_MEMORY:
-        raise ConfigError("jobs.max_memory", f"{max_memory} of this node's memory is "
-                                             f"{memory} bytes, less than {MIN_MEMORY >> 20} MiB")
-    containment = decide(cgroup_reason=cgroups.reason if not cgroups.available else "",
-                         controls=cgroups.controls, lacking=cgroups.lacking,
-                         pids_per_worker=max_pids_per_worker, memory=memory,
-                         slots=slots, pid_max=_int_from("/proc/sys/kernel/pid_max"))
+        raise ConfigError(
+            "jobs.max_memory",
+            f"{max_memory} of this node's memory is "
+            f"{memory} bytes, less than {MIN_MEMORY >> 20} MiB",
+        )
+    containment = decide(
+        cgroup_reason=cgroups.reason if not cgroups.available else "",
+        controls=cgroups.controls,
+        lacking=cgroups.lacking,
+        pids_per_worker=max_pids_per_worker,
+        memory=memory,
+        slots=slots,
+        pid_max=_int_from("/proc/sys/kernel/pid_max"),
+    )
     for missing in containment.missing:
         log.warning("%s", missing)
     log.info("%s", summary(containment))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 AUTO = "auto"
 OFF = "off"
@@ -22,20 +22,24 @@ TWINS = ("memory", "pids")  # a hybrid host may have these in cgroup v1 only
 DISABLED = f"disabled by jobs.cgroup = {OFF}"
 DAEMON_LEAF = "daemon"
 
+
 @dataclass(frozen=True)
 class Hierarchy:
     """This process's cgroups, as paths in their hierarchies, and where those are mounted."""
 
-    v2_mount: str | None = None   # mount point of cgroup2
-    v2_root: str = "/"            # the cgroup that is the mount's root
-    own: str | None = None        # our v2 cgroup, e.g. "/system.slice/elasticd.service"
+    v2_mount: str | None = None  # mount point of cgroup2
+    v2_root: str = "/"  # the cgroup that is the mount's root
+    own: str | None = None  # our v2 cgroup, e.g. "/system.slice/elasticd.service"
     v1_memory: str | None = None  # directory of our cgroup v1 memory cgroup
-    v1_pids: str | None = None    # directory of our cgroup v1 pids cgroup
+    v1_pids: str | None = None  # directory of our cgroup v1 pids cgroup
 
     def v1_dirs(self) -> dict[str, str]:
         """Our cgroup v1 directory of each controller a job cgroup may need a twin for."""
-        return {name: path for name, path in (("memory", self.v1_memory), ("pids", self.v1_pids))
-                if path}
+        return {
+            name: path
+            for name, path in (("memory", self.v1_memory), ("pids", self.v1_pids))
+            if path
+        }
 
     def v2_dir(self, cgroup: str) -> str | None:
         """The directory of a v2 cgroup, or None when the mount does not show it."""
@@ -48,9 +52,13 @@ class Placement:
 
     base: str | None = None
     reason: str = ""
-    systemd: bool = False          # base is our delegated unit: move into <base>/daemon, never remove it
-    v1_bases: Mapping[str, str] = field(default_factory=dict)  # controller -> where its v1 twins go, if v2 lacks it
-    top: str | None = None         # the outermost cgroup whose subtree_control we may write (base: the same)
+    systemd: bool = False  # base is our delegated unit: move into <base>/daemon, never remove it
+    v1_bases: Mapping[str, str] = field(
+        default_factory=dict
+    )  # controller -> where its v1 twins go, if v2 lacks it
+    top: str | None = (
+        None  # the outermost cgroup whose subtree_control we may write (base: the same)
+    )
 
 
 def instance_name(node: str, state_dir: str) -> str:
@@ -87,10 +95,16 @@ def find_hierarchy(mountinfo: str, proc_cgroup: str) -> Hierarchy:
         for name in controllers.split(","):
             if name in TWINS:
                 own_v1[name] = path
-    dirs = {name: _dir_under(*v1[name], own_v1[name]) for name in TWINS
-            if name in v1 and name in own_v1}
-    return Hierarchy(v2_mount=v2[0] if v2 else None, v2_root=v2[1] if v2 else "/", own=own,
-                     v1_memory=dirs.get("memory"), v1_pids=dirs.get("pids"))
+    dirs = {
+        name: _dir_under(*v1[name], own_v1[name]) for name in TWINS if name in v1 and name in own_v1
+    }
+    return Hierarchy(
+        v2_mount=v2[0] if v2 else None,
+        v2_root=v2[1] if v2 else "/",
+        own=own,
+        v1_memory=dirs.get("memory"),
+        v1_pids=dirs.get("pids"),
+    )
 
 
 def home_cgroup(hierarchy: Hierarchy, environ: Mapping[str, str]) -> tuple[str | None, bool]:
@@ -110,8 +124,15 @@ def home_cgroup(hierarchy: Hierarchy, environ: Mapping[str, str]) -> tuple[str |
     return own, False
 
 
-def choose_placement(hierarchy: Hierarchy, setting: str, node: str, environ: Mapping[str, str],
-                     *, delegated: bool, writable: bool) -> Placement:
+def choose_placement(
+    hierarchy: Hierarchy,
+    setting: str,
+    node: str,
+    environ: Mapping[str, str],
+    *,
+    delegated: bool,
+    writable: bool,
+) -> Placement:
     """Where job cgroups go.  ``delegated`` and ``writable`` are facts about the home cgroup
     (see ``home_cgroup``): systemd delegated it to us; we may create cgroups in it."""
     if setting == OFF:
@@ -121,26 +142,33 @@ def choose_placement(hierarchy: Hierarchy, setting: str, node: str, environ: Map
     mount = hierarchy.v2_mount
     if mount is None:
         return Placement(reason="no cgroup2 mount")
-    v1_bases = {name: os.path.join(path, f"elasticd-{node}")
-                for name, path in hierarchy.v1_dirs().items()}
+    v1_bases = {
+        name: os.path.join(path, f"elasticd-{node}") for name, path in hierarchy.v1_dirs().items()
+    }
     if setting != AUTO:
         if not setting.startswith("/") or ".." in setting.split("/"):
-            return Placement(reason=f"jobs.cgroup = {setting!r}: must be '{AUTO}', '{OFF}' or "
-                                    f"an absolute cgroup path such as /elasticd")
+            return Placement(
+                reason=f"jobs.cgroup = {setting!r}: must be '{AUTO}', '{OFF}' or "
+                f"an absolute cgroup path such as /elasticd"
+            )
         return Placement(base=_join_cgroup(mount, setting), v1_bases=v1_bases, top=mount)
     cgroup, systemd = home_cgroup(hierarchy, environ)
     home = hierarchy.v2_dir(cgroup) if cgroup is not None else None
     if home is None:
-        return Placement(reason=f"our cgroup {cgroup or '(none)'} is not visible under the "
-                                f"cgroup2 mount {mount}")
+        return Placement(
+            reason=f"our cgroup {cgroup or '(none)'} is not visible under the cgroup2 mount {mount}"
+        )
     if systemd:
         if not delegated:
-            return Placement(reason=f"{home} is not delegated to elasticd: under systemd, "
-                                    f"set Delegate=yes")
+            return Placement(
+                reason=f"{home} is not delegated to elasticd: under systemd, set Delegate=yes"
+            )
         return Placement(base=home, systemd=True, v1_bases=v1_bases, top=home)
     if not writable:
-        return Placement(reason=f"{home} is not writable: run elasticd as root, or under "
-                                f"systemd with Delegate=yes")
+        return Placement(
+            reason=f"{home} is not writable: run elasticd as root, or under "
+            f"systemd with Delegate=yes"
+        )
     return Placement(base=os.path.join(home, f"elasticd-{node}"), v1_bases=v1_bases, top=home)
 
 
@@ -150,7 +178,7 @@ def _dir_under(mount: str | None, mount_root: str, cgroup: str) -> str | None:
     root = mount_root.rstrip("/")
     if cgroup != root and not cgroup.startswith(root + "/"):
         return None
-    return _join_cgroup(mount, cgroup[len(root):])
+    return _join_cgroup(mount, cgroup[len(root) :])
 
 
 def _join_cgroup(mount: str, cgroup: str) -> str:

@@ -32,12 +32,23 @@ import os
 import select
 import signal
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from elasticd.core.containment import V1, V2, JobLimits
-from elasticd.shell.cgroup_placement import (AUTO, DAEMON_LEAF, DISABLED, NAME, OFF, TWINS, Placement,
-                                           choose_placement, find_hierarchy, home_cgroup)
+from elasticd.shell.cgroup_placement import (
+    AUTO,
+    DAEMON_LEAF,
+    DISABLED,
+    NAME,
+    OFF,
+    TWINS,
+    Placement,
+    choose_placement,
+    find_hierarchy,
+    home_cgroup,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,52 +76,80 @@ class Usage:
 
         def number(name: str, kind: type) -> Any:
             value = doc.get(name)
-            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-                  and math.isfinite(value))
+            ok = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
             return kind(value) if ok else None
 
-        return cls(number("cpu_seconds", float), number("memory_peak", int),
-                   number("oom_kills", int))
+        return cls(
+            number("cpu_seconds", float), number("memory_peak", int), number("oom_kills", int)
+        )
 
 
 # --- The daemon's subtree ---
 
+
 class JobCgroups:
     """The daemon's subtree: where job cgroups are made, and what they can bound."""
 
-    def __init__(self, base: str | None = None, *, reason: str = "", description: str = "",
-                 v1_bases: Mapping[str, str] | None = None, owned: tuple[str, ...] = (),
-                 enabled: tuple[str, ...] = (), lacking: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base: str | None = None,
+        *,
+        reason: str = "",
+        description: str = "",
+        v1_bases: Mapping[str, str] | None = None,
+        owned: tuple[str, ...] = (),
+        enabled: tuple[str, ...] = (),
+        lacking: Mapping[str, str] | None = None,
+    ) -> None:
         self.base = base
         self.v1_bases = dict(v1_bases or {})  # controller -> the base of its v1 twins
         self.available = base is not None
         self.reason = reason
         self.description = description
-        self.enabled = enabled                # v2 controllers that job cgroups have
-        self.lacking = dict(lacking or {})    # memory or pids -> why job cgroups cannot use it
+        self.enabled = enabled  # v2 controllers that job cgroups have
+        self.lacking = dict(lacking or {})  # memory or pids -> why job cgroups cannot use it
         self._owned = owned  # what close() removes, innermost last
 
     @property
     def controls(self) -> dict[str, str]:
         """memory and pids -> where job cgroups have it (V2, or V1: a twin)."""
-        return {name: V2 if name in self.enabled else V1 for name in TWINS
-                if name in self.enabled or name in self.v1_bases}
+        return {
+            name: V2 if name in self.enabled else V1
+            for name in TWINS
+            if name in self.enabled or name in self.v1_bases
+        }
 
     @classmethod
-    def setup(cls, node: str, setting: str = AUTO, *, environ: Mapping[str, str] = os.environ,
-              proc: str = "/proc") -> JobCgroups:
+    def setup(
+        cls,
+        node: str,
+        setting: str = AUTO,
+        *,
+        environ: Mapping[str, str] = os.environ,
+        proc: str = "/proc",
+    ) -> JobCgroups:
         if setting == OFF:
             return cls(reason=DISABLED)
         try:
-            hierarchy = find_hierarchy(_read(f"{proc}/self/mountinfo"), _read(f"{proc}/self/cgroup"))
+            hierarchy = find_hierarchy(
+                _read(f"{proc}/self/mountinfo"), _read(f"{proc}/self/cgroup")
+            )
         except OSError as exc:
             return cls(reason=f"cannot read {proc}/self: {exc.strerror}")
         cgroup, _ = home_cgroup(hierarchy, environ)
         home = hierarchy.v2_dir(cgroup) if cgroup is not None else None
         placement = choose_placement(
-            hierarchy, setting, node, environ,
+            hierarchy,
+            setting,
+            node,
+            environ,
             delegated=home is not None and _is_delegated(home),
-            writable=home is not None and os.access(home, os.W_OK))
+            writable=home is not None and os.access(home, os.W_OK),
+        )
         if placement.base is None:
             return cls(reason=placement.reason)
         try:
@@ -138,12 +177,22 @@ class JobCgroups:
             else:
                 why[name] = f"{why.get(name, 'not enabled')}; {problem}"
         owned += list(v1_bases.values())
-        description = (f"job cgroups in {base} (controllers: {' '.join(enabled) or 'none'})"
-                       + (f"; elasticd moved to {base}/{DAEMON_LEAF}" if placement.systemd else "")
-                       + "".join(f"; {name} in {path} (cgroup v1)" for name, path in v1_bases.items()))
-        lacking = {name: why[name] for name in TWINS if name not in enabled and name not in v1_bases}
-        return cls(base, description=description, v1_bases=v1_bases, owned=tuple(owned),
-                   enabled=tuple(enabled), lacking=lacking)
+        description = (
+            f"job cgroups in {base} (controllers: {' '.join(enabled) or 'none'})"
+            + (f"; elasticd moved to {base}/{DAEMON_LEAF}" if placement.systemd else "")
+            + "".join(f"; {name} in {path} (cgroup v1)" for name, path in v1_bases.items())
+        )
+        lacking = {
+            name: why[name] for name in TWINS if name not in enabled and name not in v1_bases
+        }
+        return cls(
+            base,
+            description=description,
+            v1_bases=v1_bases,
+            owned=tuple(owned),
+            enabled=tuple(enabled),
+            lacking=lacking,
+        )
 
     def create(self, job_id: str, limits: JobLimits = JobLimits()) -> JobCgroup | None:
         """The job's cgroup (an existing empty one is reused), with ``limits`` written where
@@ -176,8 +225,13 @@ class JobCgroups:
             except OSError as exc:
                 if getattr(limits, name):
                     raise
-                log.warning("no %s accounting for job %s: cannot make %s: %s", name, job_id,
-                            path, exc.strerror)
+                log.warning(
+                    "no %s accounting for job %s: cannot make %s: %s",
+                    name,
+                    job_id,
+                    path,
+                    exc.strerror,
+                )
                 continue
             twins[name] = path
         return twins
@@ -215,8 +269,9 @@ class JobCgroups:
                     log.info("leaving %s: %s", path, exc.strerror)
 
 
-def limit_writes(path: str, enabled: tuple[str, ...] | list[str], twins: Mapping[str, str],
-                 limits: JobLimits) -> list[tuple[str, str, bool]]:
+def limit_writes(
+    path: str, enabled: tuple[str, ...] | list[str], twins: Mapping[str, str], limits: JobLimits
+) -> list[tuple[str, str, bool]]:
     """(file, value, required) to write, in this order, for a job cgroup at ``path`` whose
     v2 controllers are ``enabled`` and whose v1 twins are ``twins``.  Every value is written,
     "max" included, so that a reused cgroup keeps nothing of an earlier job.  An optional
@@ -229,15 +284,19 @@ def limit_writes(path: str, enabled: tuple[str, ...] | list[str], twins: Mapping
         writes.append((os.path.join(twins["pids"], "pids.max"), pids, True))
     if "memory" in enabled:
         memory = str(limits.memory) if limits.memory else "max"
-        writes += [(os.path.join(path, "memory.oom.group"), "1", False),  # one OOM kill takes the job
-                   (os.path.join(path, "memory.max"), memory, True),
-                   (os.path.join(path, "memory.swap.max"), "0" if limits.memory else "max", False)]
+        writes += [
+            (os.path.join(path, "memory.oom.group"), "1", False),  # one OOM kill takes the job
+            (os.path.join(path, "memory.max"), memory, True),
+            (os.path.join(path, "memory.swap.max"), "0" if limits.memory else "max", False),
+        ]
     elif "memory" in twins:
         memory = str(limits.memory) if limits.memory else "-1"
         memsw = os.path.join(twins["memory"], "memory.memsw.limit_in_bytes")
-        writes += [(memsw, "-1", False),  # memsw may never be below the limit: lift it first
-                   (os.path.join(twins["memory"], "memory.limit_in_bytes"), memory, True),
-                   (memsw, memory, False)]
+        writes += [
+            (memsw, "-1", False),  # memsw may never be below the limit: lift it first
+            (os.path.join(twins["memory"], "memory.limit_in_bytes"), memory, True),
+            (memsw, memory, False),
+        ]
     return writes
 
 
@@ -330,8 +389,9 @@ class JobCgroup:
             oom = _keyed_file(os.path.join(self.v1["memory"], "memory.oom_control")).get("oom_kill")
         else:
             oom = None
-        return Usage(cpu_seconds=None if cpu is None else cpu / 1e6, memory_peak=peak,
-                     oom_kills=oom)
+        return Usage(
+            cpu_seconds=None if cpu is None else cpu / 1e6, memory_peak=peak, oom_kills=oom
+        )
 
     def remove(self) -> None:
         """Remove the job's directories (and any cgroups the job made inside)."""
@@ -393,6 +453,7 @@ def _wait_empty_blocking(cgroup_dir: str, timeout: float) -> bool:
 
 # --- Processes ---
 
+
 def _procs_files(cgroup_dir: str) -> Iterator[str]:
     """``cgroup.procs`` of the cgroup and of every cgroup below it."""
     for parent, _, _ in os.walk(cgroup_dir):
@@ -451,6 +512,7 @@ def _kill_until_empty(cgroup_dir: str) -> int:
 
 # --- Files and directories ---
 
+
 def _read(path: str) -> str:
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()
@@ -472,8 +534,9 @@ def _open_procs(cgroup_dir: str) -> int:
 def _keyed(text: str) -> dict[str, int]:
     """``key value`` lines (cgroup.events, cpu.stat, memory.events, memory.oom_control)."""
     pairs = (line.split() for line in text.splitlines())
-    return {fields[0]: int(fields[1]) for fields in pairs
-            if len(fields) == 2 and fields[1].isdigit()}
+    return {
+        fields[0]: int(fields[1]) for fields in pairs if len(fields) == 2 and fields[1].isdigit()
+    }
 
 
 def _keyed_file(path: str) -> dict[str, int]:
@@ -522,7 +585,7 @@ def _make_dirs(path: str) -> list[str]:
 def _chain(top: str, base: str) -> list[str]:
     """The cgroup directories from ``top`` down to ``base`` (which is in it), both included."""
     parts = [part for part in os.path.relpath(base, top).split("/") if part not in ("", ".")]
-    return [top] + [os.path.join(top, *parts[:i + 1]) for i in range(len(parts))]
+    return [top] + [os.path.join(top, *parts[: i + 1]) for i in range(len(parts))]
 
 
 def _enable_controllers(chain: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -539,8 +602,10 @@ def _enable_controllers(chain: list[str]) -> tuple[list[str], dict[str, str]]:
             if name in why or name in on:
                 continue
             if name not in offered:
-                why[name] = (f"{directory} does not offer it (cgroup.controllers: "
-                             f"{' '.join(offered) or 'none'})")
+                why[name] = (
+                    f"{directory} does not offer it (cgroup.controllers: "
+                    f"{' '.join(offered) or 'none'})"
+                )
                 continue
             try:
                 _write(subtree_control, f"+{name}")
@@ -567,8 +632,11 @@ def _job_dirs(base: str | None) -> list[str]:
         return []
     try:
         with os.scandir(base) as entries:
-            return [entry.path for entry in entries
-                    if entry.name.startswith(_JOB_PREFIX) and entry.is_dir(follow_symlinks=False)]
+            return [
+                entry.path
+                for entry in entries
+                if entry.name.startswith(_JOB_PREFIX) and entry.is_dir(follow_symlinks=False)
+            ]
     except OSError:
         return []
 

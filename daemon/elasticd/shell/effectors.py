@@ -11,25 +11,26 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
-from elasticd.shell.cgroups import JobCgroup, JobCgroups
 from elasticd.core.containment import Containment
-from elasticd.faults import Faults
-from elasticd.shell.fileaccess import FileAccess
-from elasticd.journal import about
-from elasticd.store.keyspace import Keyspace
 from elasticd.core.liveness import KeepAlive
-from elasticd.shell.logs import LogBus, OutputLimit
 from elasticd.core.model import JobSpec, WorkerGroup
-from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.faults import Faults
+from elasticd.journal import about
 from elasticd.rendezvous import RendezvousSettings
-from elasticd.store.base import Store
-from elasticd.store.signing import Refused, Signer
+from elasticd.rendezvous.handler import RendezvousHandler
+from elasticd.shell.cgroups import JobCgroup, JobCgroups
+from elasticd.shell.fileaccess import FileAccess
+from elasticd.shell.logs import LogBus, OutputLimit
 from elasticd.shell.worker_library import python_path
 from elasticd.shell.workerlink import Ready, WorkerLink
 from elasticd.shell.workers import SOCKET_ENV, LocalWorkers
+from elasticd.store.base import Store
+from elasticd.store.keyspace import Keyspace
+from elasticd.store.signing import Refused, Signer
 
 log = logging.getLogger(__name__)
 
@@ -72,29 +73,52 @@ class Effectors:
     stop_grace: float = 10.0
     cgroups: JobCgroups | None = None
     containment: Containment = Containment()  # what bounds a job here (its limits)
-    runtime_dir: str = ""     # where in-place jobs' worker channels live
+    runtime_dir: str = ""  # where in-place jobs' worker channels live
     worker_library: str = ""  # the directory holding elasticd.elastic for workers
     output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated
     access: FileAccess = field(default_factory=FileAccess)  # who reads jobs' files on disk
     faults: Faults | None = None  # where the rendezvous keepers' unexpected errors are counted
 
-    def rendezvous(self, spec: JobSpec, *, may_create: bool = True,
-                   on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None) -> RendezvousHandler:
+    def rendezvous(
+        self,
+        spec: JobSpec,
+        *,
+        may_create: bool = True,
+        on_lost: Callable[[tuple[str, ...]], None] = lambda nodes: None,
+    ) -> RendezvousHandler:
         """The job's rendezvous; ``may_create`` False for a job that already ran (its state
         is joined or restored, never started afresh)."""
         settings = RendezvousSettings(
-            run_id=spec.id, min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-            max_restarts=spec.max_restarts, join_timeout=spec.join_timeout,
+            run_id=spec.id,
+            min_nodes=spec.min_nodes,
+            max_nodes=spec.max_nodes,
+            max_restarts=spec.max_restarts,
+            join_timeout=spec.join_timeout,
             last_call_timeout=spec.last_call_timeout,
             keep_alive_interval=self.keep_alive.interval,
-            keep_alive_max_attempt=self.keep_alive.attempts)
-        return RendezvousHandler(self.store, self.signer, settings, self.node, self.address,
-                                 prefix=self.keyspace.rendezvous(spec.id), on_refused=self.refused,
-                                 may_create=may_create, on_lost=on_lost, faults=self.faults)
+            keep_alive_max_attempt=self.keep_alive.attempts,
+        )
+        return RendezvousHandler(
+            self.store,
+            self.signer,
+            settings,
+            self.node,
+            self.address,
+            prefix=self.keyspace.rendezvous(spec.id),
+            on_refused=self.refused,
+            may_create=may_create,
+            on_lost=on_lost,
+            faults=self.faults,
+        )
 
-    def part(self, spec: JobSpec, nproc: int, started: float | None,
-             on_ready: Callable[[Ready], None],
-             on_lost: Callable[[tuple[str, ...]], None]) -> PartEffectors:
+    def part(
+        self,
+        spec: JobSpec,
+        nproc: int,
+        started: float | None,
+        on_ready: Callable[[Ready], None],
+        on_lost: Callable[[tuple[str, ...]], None],
+    ) -> PartEffectors:
         """A part's effectors: its cgroup made and its channel listening now (a failure
         raises: the part cannot start here)."""
         cgroup = None
@@ -105,8 +129,13 @@ class Effectors:
             if spec.in_place and self.runtime_dir:
                 directory = os.path.join(self.runtime_dir, "agents")
                 os.makedirs(directory, mode=0o755, exist_ok=True)
-                link = WorkerLink(os.path.join(directory, f"{spec.id}.sock"), uid=spec.uid,
-                                  gid=spec.gid, slots=nproc, on_ready=on_ready)
+                link = WorkerLink(
+                    os.path.join(directory, f"{spec.id}.sock"),
+                    uid=spec.uid,
+                    gid=spec.gid,
+                    slots=nproc,
+                    on_ready=on_ready,
+                )
                 link.bind()
         except Exception:
             if cgroup is not None:
@@ -117,7 +146,11 @@ class Effectors:
 
     def worker_env(self, spec: JobSpec, link: WorkerLink | None) -> dict[str, str]:
         """On top of worker_env: the library on PYTHONPATH, and an in-place job's channel."""
-        env = {"PYTHONPATH": python_path(self.worker_library, spec.env)} if self.worker_library else {}
+        env = (
+            {"PYTHONPATH": python_path(self.worker_library, spec.env)}
+            if self.worker_library
+            else {}
+        )
         return {**env, SOCKET_ENV: link.path} if link is not None else env
 
 
@@ -141,17 +174,25 @@ class PartEffectors:
     def attempt_dir(self, round: int) -> str:
         return os.path.join(self.shared.log_root, self.spec.id, f"attempt_{round}")
 
-    def new_workers(self, group: WorkerGroup, round: int,
-                    on_change: Callable[[WorkerGroup], None]) -> LocalWorkers:
+    def new_workers(
+        self, group: WorkerGroup, round: int, on_change: Callable[[WorkerGroup], None]
+    ) -> LocalWorkers:
         """A group of workers (not started yet): this round's, or an in-place pool."""
         shared = self.shared
         self.workers = LocalWorkers(
-            self.spec, group, self.attempt_dir(round), cgroup=self.cgroup,
+            self.spec,
+            group,
+            self.attempt_dir(round),
+            cgroup=self.cgroup,
             on_output=lambda: shared.logs.publish(self.spec.id),
-            on_dropped=shared.metrics.output_dropped, on_change=on_change,
-            stop_grace=shared.stop_grace, extra_env=shared.worker_env(self.spec, self.link),
+            on_dropped=shared.metrics.output_dropped,
+            on_change=on_change,
+            stop_grace=shared.stop_grace,
+            extra_env=shared.worker_env(self.spec, self.link),
             output_limit=shared.output_limit,
-            nproc_limit=shared.containment.rlimit_nproc(self.nproc), access=shared.access)
+            nproc_limit=shared.containment.rlimit_nproc(self.nproc),
+            access=shared.access,
+        )
         return self.workers
 
     def usage(self) -> dict[str, Any] | None:
@@ -187,5 +228,9 @@ class PartEffectors:
                 await self.cgroup.wait_empty(_EMPTY_WAIT)
             self.cgroup.remove()
         except OSError as exc:
-            log.warning("job %s: could not remove its cgroup: %s", self.spec.id, exc,
-                        extra=about(self.spec.id))
+            log.warning(
+                "job %s: could not remove its cgroup: %s",
+                self.spec.id,
+                exc,
+                extra=about(self.spec.id),
+            )

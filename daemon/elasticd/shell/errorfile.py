@@ -21,16 +21,17 @@ import math
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from elasticd.wire import safejson
 
 log = logging.getLogger(__name__)
 
-MAX_BYTES = 1024 * 1024     # what the daemon reads of an error file, and keeps
-MAX_MESSAGE = 16 * 1024     # characters of a root cause's message
-MAX_TRACEBACK = 64 * 1024   # characters of its traceback (the end is kept: the raise is there)
+MAX_BYTES = 1024 * 1024  # what the daemon reads of an error file, and keeps
+MAX_MESSAGE = 16 * 1024  # characters of a root cause's message
+MAX_TRACEBACK = 64 * 1024  # characters of its traceback (the end is kept: the raise is there)
 _CHUNK = 64 * 1024
 _HEAD = re.compile(rb'\s*\{\s*"message"\s*:\s*(?:\{\s*"message"\s*:\s*)?"')  # torch's, to the text
 
@@ -69,7 +70,9 @@ def _from_doc(doc: Any) -> Recorded:
     if isinstance(message, str):
         return Recorded(_capped(message), "", _time(doc.get("timestamp")))
     if not isinstance(message, dict):
-        return Recorded(unreadable="not torch's error file (its message is neither text nor an object)")
+        return Recorded(
+            unreadable="not torch's error file (its message is neither text nor an object)"
+        )
     extra = message.get("extraInfo")
     extra = extra if isinstance(extra, dict) else {}
     text, trace = message.get("message", ""), extra.get("py_callstack", "")
@@ -82,7 +85,9 @@ def _cut(raw: bytes, size: int) -> Recorded:
     """A file larger than what is read: the start of torch's message, where it has one."""
     why = f"the error file holds {size} bytes; elasticd reads {len(raw)}"
     head = _HEAD.match(raw)
-    text, whole = _string_start(raw[head.end():head.end() + 4 * MAX_MESSAGE]) if head else ("", False)
+    text, whole = (
+        _string_start(raw[head.end() : head.end() + 4 * MAX_MESSAGE]) if head else ("", False)
+    )
     if whole:
         return Recorded(_capped(text), f"[elasticd: not read: {why}]")
     if not text:
@@ -96,7 +101,7 @@ def _string_start(body: bytes) -> tuple[str, bool]:
     text = body.decode("utf-8", errors="replace")
     decoder = json.JSONDecoder()
     for drop in range(min(6, len(text)) + 1):  # "\\uXXXX" is the longest escape
-        quoted = '"' + text[:len(text) - drop] + '"'
+        quoted = '"' + text[: len(text) - drop] + '"'
         try:
             value, end = decoder.raw_decode(quoted)
         except ValueError:
@@ -116,7 +121,9 @@ def _tail(text: str) -> str:
     text = _valid(text)
     if len(text) <= MAX_TRACEBACK:
         return text
-    return f"[elasticd: {len(text) - MAX_TRACEBACK} earlier characters cut]\n" + text[-MAX_TRACEBACK:]
+    return (
+        f"[elasticd: {len(text) - MAX_TRACEBACK} earlier characters cut]\n" + text[-MAX_TRACEBACK:]
+    )
 
 
 def _valid(text: str) -> str:
@@ -183,7 +190,7 @@ def _replace(path: str, raw: bytes, create: Callable[[str], int]) -> None:
     try:
         view = memoryview(raw)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -201,11 +208,14 @@ def from_stderr(tail: bytes, whole: bool = True) -> str:
     text = _valid(tail.decode("utf-8", errors="replace"))
     lines = [line.rstrip("\r") for line in text.split("\n")]
     lines = lines if whole else lines[1:]
-    cause = _exception_line(lines) or next((l for l in reversed(lines) if l.strip()), "")
+    cause = _exception_line(lines) or next((ln for ln in reversed(lines) if ln.strip()), "")
     cause = cause.strip()
     if len(cause) <= MAX_STDERR_CAUSE:
         return cause
-    return cause[:MAX_STDERR_CAUSE] + f" [elasticd: {len(cause) - MAX_STDERR_CAUSE} more characters cut]"
+    return (
+        cause[:MAX_STDERR_CAUSE]
+        + f" [elasticd: {len(cause) - MAX_STDERR_CAUSE} more characters cut]"
+    )
 
 
 def _exception_line(lines: list[str]) -> str:
@@ -213,5 +223,6 @@ def _exception_line(lines: list[str]) -> str:
     starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK]
     if not starts:
         return ""
-    return next((line for line in lines[starts[-1] + 1:]
-                 if line.strip() and not line[:1].isspace()), "")
+    return next(
+        (line for line in lines[starts[-1] + 1 :] if line.strip() and not line[:1].isspace()), ""
+    )

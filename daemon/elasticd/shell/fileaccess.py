@@ -30,9 +30,9 @@ _USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x
 _NO_ID = 0xFFFFFFFF  # ACL_UNDEFINED_ID: the entries that name no user or group
 _R, _W, _X = 4, 2, 1
 
-FILE_MODE = 0o600      # what a file is created with, and stays without an ACL
-DIR_MODE = 0o700       # what a directory is created with
-DIR_FALLBACK = 0o711   # a directory without an ACL: the worker passes, nobody lists it
+FILE_MODE = 0o600  # what a file is created with, and stays without an ACL
+DIR_MODE = 0o700  # what a directory is created with
+DIR_FALLBACK = 0o711  # a directory without an ACL: the worker passes, nobody lists it
 _ATTEMPT = re.compile(r"^attempt_\d+$")
 
 
@@ -106,13 +106,17 @@ class FileAccess:
             return
         self._said.add(exc.errno)
         if exc.errno == errno.EOPNOTSUPP:
-            log.warning("the log directory's file system takes no POSIX ACL: jobs' output and "
-                        "error files are root's alone (0600, directories 0711); their users read "
-                        "them with elasticctl logs and status")
+            log.warning(
+                "the log directory's file system takes no POSIX ACL: jobs' output and "
+                "error files are root's alone (0600, directories 0711); their users read "
+                "them with elasticctl logs and status"
+            )
         else:
-            log.warning("a job's file could not be given its ACL (%s): it stays root's alone "
-                        "(0600, a directory 0711); its user reads it with elasticctl logs",
-                        exc.strerror or exc)
+            log.warning(
+                "a job's file could not be given its ACL (%s): it stays root's alone "
+                "(0600, a directory 0711); its user reads it with elasticctl logs",
+                exc.strerror or exc,
+            )
 
 
 def restrict_earlier(root: str) -> int:

@@ -20,20 +20,20 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 _FILE = re.compile(r"^rank_(\d+)\.(out|err)(?:\.\d+)?$")  # a stream file, live or rotated
 _ATTEMPT = re.compile(r"^attempt_(\d+)$")
 MAX_PARTIAL = 64 * 1024  # a "line" longer than this is cut
-READ_CHUNK = 64 * 1024   # bytes a follower reads from one file at a time
+READ_CHUNK = 64 * 1024  # bytes a follower reads from one file at a time
 MIN_MAX_BYTES = 64 * 1024  # a smaller limit would rotate at every chunk a worker writes
-MAX_BACKUPS = 100          # each rotation renames every kept file (on the event loop)
-ROTATED = ".rotated"       # beside a stream file: its Rotations
-_RECORD = 64               # bytes of a Rotations file, rewritten in place (no new block needed)
+MAX_BACKUPS = 100  # each rotation renames every kept file (on the event loop)
+ROTATED = ".rotated"  # beside a stream file: its Rotations
+_RECORD = 64  # bytes of a Rotations file, rewritten in place (no new block needed)
 
-TAIL_BYTES = 8 * 1024     # what a stream file's writer keeps of its last output
+TAIL_BYTES = 8 * 1024  # what a stream file's writer keeps of its last output
 Source = tuple[int, int, str]  # (attempt, rank, stream)
 DropSink = Callable[[int, str], None]  # (bytes dropped, why): output that could not be written
 
@@ -137,8 +137,13 @@ class OutputFile:
     drops the data and counts it; once writes succeed again a line in the file says what was
     lost."""
 
-    def __init__(self, path: str, create: Callable[[str], int], on_dropped: DropSink,
-                 limit: OutputLimit = OutputLimit()) -> None:
+    def __init__(
+        self,
+        path: str,
+        create: Callable[[str], int],
+        on_dropped: DropSink,
+        limit: OutputLimit = OutputLimit(),
+    ) -> None:
         self.path = path  # the live file's name (an in-place worker's moves once)
         self.fd = create(path)
         self._create = create
@@ -230,8 +235,13 @@ class LogReader:
     is named by a line of its own: before the oldest kept file, and where a reader fell so
     far behind that the file it was in went before it was read."""
 
-    def __init__(self, root: str, job_id: str, node: str,
-                 wanted: Callable[[int, int], bool] = lambda attempt, rank: True) -> None:
+    def __init__(
+        self,
+        root: str,
+        job_id: str,
+        node: str,
+        wanted: Callable[[int, int], bool] = lambda attempt, rank: True,
+    ) -> None:
         self._root = root
         self._job_id = job_id
         self._wanted = wanted
@@ -241,11 +251,16 @@ class LogReader:
     def new_lines(self, snapshot: bool = False) -> Iterator[list[dict]]:
         """Batches of the lines written since the last call: a chunk of each file in turn
         until none has more.  With ``snapshot``, only what the files held at the start."""
-        files = [(path, (attempt, rank, stream))
-                 for attempt, rank, stream, path in log_files(self._root, self._job_id)
-                 if self._wanted(attempt, rank)]
-        ends = {source: (read_rotations(path).count, _size(path)) for path, source in files} \
-            if snapshot else {}
+        files = [
+            (path, (attempt, rank, stream))
+            for attempt, rank, stream, path in log_files(self._root, self._job_id)
+            if self._wanted(attempt, rank)
+        ]
+        ends = (
+            {source: (read_rotations(path).count, _size(path)) for path, source in files}
+            if snapshot
+            else {}
+        )
         progressed = True
         while progressed:
             progressed = False
@@ -256,20 +271,34 @@ class LogReader:
                     if lines:
                         yield lines
 
-    def _next_chunk(self, path: str, source: Source, end: tuple[int, int] | None) -> list[dict] | None:
+    def _next_chunk(
+        self, path: str, source: Source, end: tuple[int, int] | None
+    ) -> list[dict] | None:
         """The lines of the next chunk of one source (a rotated file read to its end moves
         on to the next one); None when it has nothing more now, or before ``end``."""
         rotations = read_rotations(path)
         lines: list[dict] = []
         cursor = self._cursors.get(source)
         if cursor is None:
-            cursor = self._cursors[source] = [rotations.count - oldest_kept(path, rotations.count), 0]
+            cursor = self._cursors[source] = [
+                rotations.count - oldest_kept(path, rotations.count),
+                0,
+            ]
             if rotations.dropped:
-                lines.append(self._splitter.notice(source, f"{rotations.dropped} bytes of earlier output "
-                                                   f"were rotated away (output.max_bytes, output.backups)"))
+                lines.append(
+                    self._splitter.notice(
+                        source,
+                        f"{rotations.dropped} bytes of earlier output "
+                        f"were rotated away (output.max_bytes, output.backups)",
+                    )
+                )
         while end is None or (cursor[0], cursor[1]) < end:
             k = rotations.count - cursor[0]
-            size = READ_CHUNK if end is None or cursor[0] < end[0] else min(READ_CHUNK, end[1] - cursor[1])
+            size = (
+                READ_CHUNK
+                if end is None or cursor[0] < end[0]
+                else min(READ_CHUNK, end[1] - cursor[1])
+            )
             chunk = _read_at(path if k <= 0 else f"{path}.{k}", cursor[1], size)
             if chunk:
                 cursor[1] += len(chunk)
@@ -278,9 +307,17 @@ class LogReader:
                 break  # the live file has nothing more yet
             if chunk is None:  # rotated away before it was read to its end
                 lines += self._splitter.flush(source)
-                lines.append(self._splitter.notice(source, "output was rotated away here before it "
-                                                   "could be read (it came faster than it was read)"))
-                cursor[:] = [max(cursor[0] + 1, rotations.count - oldest_kept(path, rotations.count)), 0]
+                lines.append(
+                    self._splitter.notice(
+                        source,
+                        "output was rotated away here before it "
+                        "could be read (it came faster than it was read)",
+                    )
+                )
+                cursor[:] = [
+                    max(cursor[0] + 1, rotations.count - oldest_kept(path, rotations.count)),
+                    0,
+                ]
             else:
                 cursor[:] = [cursor[0] + 1, 0]  # on to the next file
         return lines or None
@@ -321,8 +358,14 @@ def log_files(root: str, job_id: str) -> list[tuple[int, int, str, str]]:
         for name in _listdir(os.path.join(job_dir, attempt_name)):
             match = _FILE.match(name)
             if match:
-                found.add((int(attempt.group(1)), int(match.group(1)), match.group(2),
-                           os.path.join(job_dir, attempt_name, name[:match.end(2)])))
+                found.add(
+                    (
+                        int(attempt.group(1)),
+                        int(match.group(1)),
+                        match.group(2),
+                        os.path.join(job_dir, attempt_name, name[: match.end(2)]),
+                    )
+                )
     return sorted(found)
 
 
@@ -355,7 +398,9 @@ class LineSplitter:
 
     def flush(self, source: Source | None = None) -> list[dict]:
         """The partial lines kept (of ``source`` only, if given), as lines."""
-        sources = sorted(self._partial) if source is None else [source] if source in self._partial else []
+        sources = (
+            sorted(self._partial) if source is None else [source] if source in self._partial else []
+        )
         return [self._line(s, self._partial.pop(s)) for s in sources]
 
     def notice(self, source: Source, text: str) -> dict:
@@ -364,8 +409,13 @@ class LineSplitter:
 
     def _line(self, source: Source, raw: bytes) -> dict:
         attempt, rank, stream = source
-        return {"node": self.node, "attempt": attempt, "rank": rank, "stream": stream,
-                "text": raw.decode("utf-8", errors="replace").rstrip("\r")}
+        return {
+            "node": self.node,
+            "attempt": attempt,
+            "rank": rank,
+            "stream": stream,
+            "text": raw.decode("utf-8", errors="replace").rstrip("\r"),
+        }
 
 
 class SeenLines:

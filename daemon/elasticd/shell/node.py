@@ -19,19 +19,24 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.node import NodeCore
 from elasticd.core.discovery import Listing
-from elasticd.errors import (Conflict, RendezvousClosedError, RendezvousGone, RendezvousTimeoutError,
-                             StoreError)
-from elasticd.faults import Faults
-from elasticd.jobs.registry import JobRegistry
-from elasticd.journal import about
 from elasticd.core.model import JobSpec
+from elasticd.core.node import NodeCore
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord, Outcome
+from elasticd.errors import (
+    Conflict,
+    RendezvousClosedError,
+    RendezvousGone,
+    RendezvousTimeoutError,
+    StoreError,
+)
+from elasticd.faults import Faults
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.jobs.registry import JobRegistry
+from elasticd.journal import about
 from elasticd.shell.effectors import Effectors, PartEffectors, free_port
 from elasticd.shell.publisher import PartPublisher, StoreReset, republish
 
@@ -40,16 +45,29 @@ said = logging.getLogger("elasticd.core")  # what the node core says (instructio
 
 _JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
 _LEAVE_TIMEOUT = 5.0  # telling the rendezvous we leave is a courtesy: heartbeats tell it anyway
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
 class NodeShell:
-    def __init__(self, core: NodeCore, *, effectors: Effectors, board: JobBoard,
-                 follower: BoardFollower, registry: JobRegistry, metrics: Any,
-                 faults: Faults | None = None, standalone: bool = False,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        core: NodeCore,
+        *,
+        effectors: Effectors,
+        board: JobBoard,
+        follower: BoardFollower,
+        registry: JobRegistry,
+        metrics: Any,
+        faults: Faults | None = None,
+        standalone: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.core = core
         self._effectors = effectors
         self._board = board
@@ -62,7 +80,7 @@ class NodeShell:
         self._publisher = PartPublisher(board, self._faults)
         self._queue: asyncio.Queue[ev.Event | StoreReset] = asyncio.Queue()
         self._parts: dict[str, PartEffectors] = {}
-        self._settled: dict[str, asyncio.Event] = {}   # job -> set once nothing of it runs here
+        self._settled: dict[str, asyncio.Event] = {}  # job -> set once nothing of it runs here
         self._finishes: dict[str, list[asyncio.Future[Outcome]]] = {}  # cancels awaiting an outcome
         self._node_ops: dict[int, asyncio.Task[Any]] = {}
         self._node_timers: dict[tuple[str, Any], asyncio.TimerHandle] = {}
@@ -135,9 +153,16 @@ class NodeShell:
         job's story and counted; the job's part, if it has one here, fails saying so (once)."""
         job = getattr(event, "job", None)
         story = "\n".join(self.core.story(job)[-30:]) if job else ""
-        self._faults.report("core", f"{type(event).__name__}" + (f" of job {job}; its story:\n{story}" if job else ""))
+        self._faults.report(
+            "core",
+            f"{type(event).__name__}" + (f" of job {job}; its story:\n{story}" if job else ""),
+        )
         if job in self.core.parts and not isinstance(event, ev.OpFailed):
-            self.post(ev.OpFailed(job, None, False, f"the node core refused {type(event).__name__}: {exc}"))
+            self.post(
+                ev.OpFailed(
+                    job, None, False, f"the node core refused {type(event).__name__}: {exc}"
+                )
+            )
 
     def _refresh(self, event: ev.Event) -> ev.Event | None:
         """What an effector's news is at the moment the core hears it: the workers as they
@@ -187,13 +212,21 @@ class NodeShell:
         try:
             _EXECUTE[type(instruction)](self, instruction)
         except Exception as exc:
-            self._faults.report("shell", f"{type(instruction).__name__}" + (f" of job {job}" if job else ""))
+            self._faults.report(
+                "shell", f"{type(instruction).__name__}" + (f" of job {job}" if job else "")
+            )
             op = getattr(instruction, "op", None)
             if job is not None and job in self._parts:
                 self.post(ev.OpFailed(job, op, False, f"{type(instruction).__name__}: {exc!r}"))
 
-    def _op(self, job: str, op: int, work: Awaitable[Any], done: Callable[[Any], ev.Event],
-            fail: Callable[[Exception], ev.Event | None] = lambda exc: None) -> None:
+    def _op(
+        self,
+        job: str,
+        op: int,
+        work: Awaitable[Any],
+        done: Callable[[Any], ev.Event],
+        fail: Callable[[Exception], ev.Event | None] = lambda exc: None,
+    ) -> None:
         """Run ``work`` as the part's operation ``op``; its result (``done``), or its error
         (``fail``, else a store error or a bug), comes back as an event."""
         part = self._parts[job]
@@ -226,11 +259,20 @@ class NodeShell:
         port = i.master_port or free_port(self._effectors.address)
 
         def fail(exc: Exception) -> ev.Event | None:
-            kind = {RendezvousClosedError: ev.JoinFailure.CLOSED, RendezvousGone: ev.JoinFailure.GONE,
-                    RendezvousTimeoutError: ev.JoinFailure.TIMEOUT}.get(type(exc))
+            kind = {
+                RendezvousClosedError: ev.JoinFailure.CLOSED,
+                RendezvousGone: ev.JoinFailure.GONE,
+                RendezvousTimeoutError: ev.JoinFailure.TIMEOUT,
+            }.get(type(exc))
             return ev.JoinFailed(i.job, i.op, kind, str(exc)) if kind else None
-        self._op(i.job, i.op, part.rdzv.next_rendezvous(i.nproc, port, i.scheduled),
-                 lambda info: ev.RoundJoined(i.job, i.op, info), fail)
+
+        self._op(
+            i.job,
+            i.op,
+            part.rdzv.next_rendezvous(i.nproc, port, i.scheduled),
+            lambda info: ev.RoundJoined(i.job, i.op, info),
+            fail,
+        )
 
     def _watch(self, i: do.Watch) -> None:
         part = self._parts[i.job]
@@ -239,17 +281,25 @@ class NodeShell:
 
     def _request_round(self, i: do.RequestRound) -> None:
         part = self._parts[i.job]
-        self._op(i.job, i.op, part.rdzv.request_next_round(i.round, i.reason, i.lost),
-                 lambda result: ev.RoundRequested(i.job, i.op, result))
+        self._op(
+            i.job,
+            i.op,
+            part.rdzv.request_next_round(i.round, i.reason, i.lost),
+            lambda result: ev.RoundRequested(i.job, i.op, result),
+        )
 
     def _arrive(self, i: do.ArriveAtBarrier) -> None:
         rdzv = self._parts[i.job].rdzv
 
         async def barrier() -> tuple[int, int]:
             await rdzv.exit_barrier_arrive(i.info)
-            await rdzv.exit_barrier_wait(i.info, i.timeout, lambda done, total: self.post(
-                ev.BarrierProgress(i.job, i.op, done, total)))
+            await rdzv.exit_barrier_wait(
+                i.info,
+                i.timeout,
+                lambda done, total: self.post(ev.BarrierProgress(i.job, i.op, done, total)),
+            )
             return await rdzv.exit_barrier_progress(i.info)
+
         self._op(i.job, i.op, barrier(), lambda counts: ev.BarrierDone(i.job, i.op, *counts))
 
     def _leave(self, i: do.Leave) -> None:
@@ -261,6 +311,7 @@ class NodeShell:
                     await rdzv.leave(i.reason)
             except TimeoutError:
                 raise StoreError("no answer") from None
+
         self._op(i.job, i.op, leave(), lambda _: ev.Left(i.job, i.op))
 
     def _probe(self, i: do.Probe) -> None:
@@ -320,12 +371,17 @@ class NodeShell:
         async def stop() -> None:
             if workers is not None:
                 await workers.stop()
+
         self._op(i.job, i.op, stop(), lambda _: ev.WorkersStopped(i.job, i.op))
 
     def _shed(self, i: do.ShedSpares) -> None:  # a node operation: the part may close meanwhile
         workers = self._parts[i.job].workers if i.job in self._parts else None
-        self._node_op(i.op, workers.stop_slots(i.slots) if workers is not None else asyncio.sleep(0),
-                      lambda _: ev.SparesShed(i.job, i.op, i.slots), lambda _: ev.SparesShed(i.job, i.op, ()))
+        self._node_op(
+            i.op,
+            workers.stop_slots(i.slots) if workers is not None else asyncio.sleep(0),
+            lambda _: ev.SparesShed(i.job, i.op, i.slots),
+            lambda _: ev.SparesShed(i.job, i.op, ()),
+        )
 
     def _quiet(self, job: str, work: Awaitable[Any]) -> None:
         """A part's effect whose only news is a failure (as a store error or a bug)."""
@@ -341,6 +397,7 @@ class NodeShell:
             except Exception as exc:
                 log.exception("job %s: an effect failed", job, extra=about(job))
                 self.post(ev.OpFailed(job, None, False, repr(exc)))
+
         assert self._tasks is not None
         task = self._tasks.create_task(run())
         key = -id(task)
@@ -370,14 +427,26 @@ class NodeShell:
                 if not waiter.done():
                     waiter.set_exception(exc)
             return None
+
         if i.op > 0:  # a part's own (the node's are numbered below zero)
             self._op(i.job, i.op, finish(), lambda final: ev.Finished(i.job, i.op, final), fail)
             return
-        self._node_op(i.op, finish(), lambda final: ev.Finished(i.job, i.op, final),
-                      lambda exc: fail(exc) or ev.OpFailed(i.job, i.op, isinstance(exc, StoreError), str(exc)))
+        self._node_op(
+            i.op,
+            finish(),
+            lambda final: ev.Finished(i.job, i.op, final),
+            lambda exc: (
+                fail(exc) or ev.OpFailed(i.job, i.op, isinstance(exc, StoreError), str(exc))
+            ),
+        )
 
-    def _node_op(self, op: int, work: Awaitable[Any], done: Callable[[Any], ev.Event],
-                 fail: Callable[[Exception], ev.Event]) -> None:
+    def _node_op(
+        self,
+        op: int,
+        work: Awaitable[Any],
+        done: Callable[[Any], ev.Event],
+        fail: Callable[[Exception], ev.Event],
+    ) -> None:
         async def run() -> None:
             try:
                 self.post(done(await work))
@@ -389,6 +458,7 @@ class NodeShell:
                 self.post(fail(exc))
             finally:
                 self._node_ops.pop(op, None)
+
         assert self._tasks is not None
         self._node_ops[op] = self._tasks.create_task(run())
 
@@ -416,12 +486,18 @@ class NodeShell:
     def _start_part(self, i: do.StartPart) -> None:
         def asked(ready: Any) -> None:
             self.post(ev.WorkerAsked(i.job, ready.slot, ready.after, ready.why, ready.error))
+
         try:
-            part = self._effectors.part(i.spec, i.nproc, i.started, asked,
-                                        lambda lost: self.post(ev.NodesLost(lost)))
+            part = self._effectors.part(
+                i.spec, i.nproc, i.started, asked, lambda lost: self.post(ev.NodesLost(lost))
+            )
         except Exception as exc:
-            log.exception("job %s: cannot start its agent on %s", i.job, self.core.settings.node,
-                          extra=about(i.job))
+            log.exception(
+                "job %s: cannot start its agent on %s",
+                i.job,
+                self.core.settings.node,
+                extra=about(i.job),
+            )
             self._failed_start.add(i.job)
             self.post(ev.PartStartFailed(i.job, str(exc)))
             return
@@ -442,6 +518,7 @@ class NodeShell:
                 del self._parts[i.job]
                 self._settled.pop(i.job, asyncio.Event()).set()
                 self.post(ev.PartClosed(i.job))
+
         assert self._tasks is not None
         self._tasks.create_task(close(), name=f"close-{i.job}")
 
@@ -452,7 +529,9 @@ class NodeShell:
             key = (i.name, i.key)
             if key in self._node_timers:
                 self._node_timers[key].cancel()
-            self._node_timers[key] = loop.call_later(delay, self.post, ev.NodeTimerFired(i.name, i.key))
+            self._node_timers[key] = loop.call_later(
+                delay, self.post, ev.NodeTimerFired(i.name, i.key)
+            )
             return
         part = self._parts[i.job]
         part.timers[i.name] = loop.call_later(delay, self.post, ev.TimerFired(i.job, i.name))
@@ -527,7 +606,9 @@ class NodeShell:
 
     def usage(self) -> dict[str, dict]:
         """The live usage of every job running here, by job id (jobs without a cgroup left out)."""
-        return {job_id: usage for job_id in self._parts if (usage := self.usage_of(job_id)) is not None}
+        return {
+            job_id: usage for job_id in self._parts if (usage := self.usage_of(job_id)) is not None
+        }
 
     def usage_of(self, job_id: str) -> dict | None:
         part = self._parts.get(job_id)
@@ -580,20 +661,36 @@ class NodeShell:
     def _republish(self, done: asyncio.Future[None]) -> None:
         """StoreReset: publish again (``publisher.republish``), a task beside the loop."""
         assert self._tasks is not None
-        task = self._tasks.create_task(republish(done, self._board, self._registry, self.core.settings.node,
-                                                 self._follower))
+        task = self._tasks.create_task(
+            republish(done, self._board, self._registry, self.core.settings.node, self._follower)
+        )
         self._republishing.add(task)
         task.add_done_callback(self._republishing.discard)
 
+
 _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
-    do.Join: NodeShell._join, do.Watch: NodeShell._watch, do.RequestRound: NodeShell._request_round,
+    do.Join: NodeShell._join,
+    do.Watch: NodeShell._watch,
+    do.RequestRound: NodeShell._request_round,
     do.ArriveAtBarrier: NodeShell._arrive,
-    do.Leave: NodeShell._leave, do.Probe: NodeShell._probe, do.Cancel: NodeShell._cancel,
-    do.StartWorkers: NodeShell._start_workers, do.NewPool: NodeShell._new_pool,
-    do.WarmWorkers: NodeShell._warm, do.PlaceWorkers: NodeShell._place, do.Notify: NodeShell._notify,
-    do.ForgetSlots: NodeShell._forget, do.StopWorkers: NodeShell._stop_workers, do.ShedSpares: NodeShell._shed,
-    do.Publish: NodeShell._publish, do.Finish: NodeShell._finish_job, do.HoldJob: NodeShell._hold_job,
-    do.StartPart: NodeShell._start_part, do.ClosePart: NodeShell._close_part,
-    do.SetTimer: NodeShell._set_timer, do.ClearTimer: NodeShell._clear_timer,
-    do.Count: NodeShell._count, do.Say: NodeShell._say,
+    do.Leave: NodeShell._leave,
+    do.Probe: NodeShell._probe,
+    do.Cancel: NodeShell._cancel,
+    do.StartWorkers: NodeShell._start_workers,
+    do.NewPool: NodeShell._new_pool,
+    do.WarmWorkers: NodeShell._warm,
+    do.PlaceWorkers: NodeShell._place,
+    do.Notify: NodeShell._notify,
+    do.ForgetSlots: NodeShell._forget,
+    do.StopWorkers: NodeShell._stop_workers,
+    do.ShedSpares: NodeShell._shed,
+    do.Publish: NodeShell._publish,
+    do.Finish: NodeShell._finish_job,
+    do.HoldJob: NodeShell._hold_job,
+    do.StartPart: NodeShell._start_part,
+    do.ClosePart: NodeShell._close_part,
+    do.SetTimer: NodeShell._set_timer,
+    do.ClearTimer: NodeShell._clear_timer,
+    do.Count: NodeShell._count,
+    do.Say: NodeShell._say,
 }

@@ -15,8 +15,8 @@ import asyncio
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 _CHUNK = 65536
 _DRAIN = 1.0  # seconds for the pipes to close once the group is killed
@@ -35,8 +35,14 @@ class Finished:
 class _Pipe:
     """One of the program's pipes, read on the event loop; ``limit`` None keeps a tail."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, limit: int | None, tail: int,
-                 on_overflow: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        limit: int | None,
+        tail: int,
+        on_overflow: Callable[[], None],
+    ) -> None:
         self.data: bytearray | None = bytearray()
         self.closed = loop.create_future()
         self._loop, self._fd, self._limit, self._tail = loop, fd, limit, tail
@@ -56,7 +62,7 @@ class _Pipe:
         elif self.data is not None:
             self.data += chunk
             if self._limit is None:
-                del self.data[:-self._tail]
+                del self.data[: -self._tail]
             elif len(self.data) > self._limit:
                 self.data = None
                 self._on_overflow()
@@ -74,8 +80,13 @@ class GroupRun:
     def __init__(self, argv: list[str], *, limit: int, tail: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, close_fds=True)
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
         self._pidfd = os.pidfd_open(self._proc.pid)
         self.exited = self._loop.create_future()
         self._loop.add_reader(self._pidfd, self._on_exit)
@@ -107,8 +118,11 @@ class GroupRun:
         await asyncio.shield(self.exited)  # a timeout must not cancel it: close() awaits it
         self.kill()
         await asyncio.wait([self._out.closed, self._err.closed], timeout=_DRAIN)
-        return Finished(self._reap(), None if self._out.data is None else bytes(self._out.data),
-                        bytes(self._err.data or b""))
+        return Finished(
+            self._reap(),
+            None if self._out.data is None else bytes(self._out.data),
+            bytes(self._err.data or b""),
+        )
 
     async def close(self) -> None:
         """End the run whatever its state (idempotent): kill the group, reap the leader."""

@@ -7,12 +7,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from elasticd.jobs.board import BoardFollower, JobBoard
-from elasticd.jobs.registry import JobRegistry
+from elasticd.core.records import Part
 from elasticd.errors import StoreError
 from elasticd.faults import Faults
+from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.jobs.registry import JobRegistry
 from elasticd.journal import about
-from elasticd.core.records import Part
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,13 @@ class PartPublisher:
                 async with asyncio.timeout(_PUBLISH_TIMEOUT):
                     await self._board.publish_part(job_id, part)
             except (StoreError, TimeoutError) as exc:
-                log.warning("could not publish %s's part of %s: %s", part.node, job_id, exc or "timed out",
-                            extra=about(job_id))
+                log.warning(
+                    "could not publish %s's part of %s: %s",
+                    part.node,
+                    job_id,
+                    exc or "timed out",
+                    extra=about(job_id),
+                )
                 failed[job_id] = part
             except Exception:  # this part is lost, the others and the loop go on
                 self._faults.report("parts", f"job {job_id}")
@@ -71,8 +76,13 @@ class StoreReset:
     done: asyncio.Future[None]
 
 
-async def republish(done: asyncio.Future[None], board: JobBoard, registry: JobRegistry, node: str,
-                    follower: BoardFollower) -> None:
+async def republish(
+    done: asyncio.Future[None],
+    board: JobBoard,
+    registry: JobRegistry,
+    node: str,
+    follower: BoardFollower,
+) -> None:
     """Publish again what this node knows (open jobs, and this node's parts), then read the
     board afresh; ``done`` gets the result (or the error)."""
     try:

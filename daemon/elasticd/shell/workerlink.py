@@ -17,8 +17,9 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from elasticd.wire import safejson
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 _MAX_LINE = 64 * 1024
 _MAX_BUFFERED = 256 * 1024  # unread notices a worker may hold before it is cut off
-_MAX_DEPTH = 4              # {"op": ...} holds scalars only
+_MAX_DEPTH = 4  # {"op": ...} holds scalars only
 _WHY = ("start", "interrupt", "failure")
 
 
@@ -47,13 +48,14 @@ class Ready:
 
     slot: int
     after: int
-    why: str    # start | interrupt | failure
+    why: str  # start | interrupt | failure
     error: str  # what broke, for "failure"
 
 
 class WorkerLink:
-    def __init__(self, path: str, *, uid: int, gid: int, slots: int,
-                 on_ready: Callable[[Ready], None]) -> None:
+    def __init__(
+        self, path: str, *, uid: int, gid: int, slots: int, on_ready: Callable[[Ready], None]
+    ) -> None:
         self.path = path
         self._uid, self._gid, self._slots = uid, gid, slots
         self._on_ready = on_ready
@@ -84,7 +86,9 @@ class WorkerLink:
         """Serve the socket (bound first, if ``bind`` was not called)."""
         if self._sock is None:
             self.bind()
-        self._server = await asyncio.start_unix_server(self._serve, sock=self._sock, limit=_MAX_LINE)
+        self._server = await asyncio.start_unix_server(
+            self._serve, sock=self._sock, limit=_MAX_LINE
+        )
 
     async def close(self) -> None:
         if self._server is not None:

@@ -33,21 +33,29 @@ import resource
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
 
 import psutil
 
+from elasticd.core.model import (
+    WORKER_STATES,
+    Failure,
+    JobSpec,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerState,
+    worker_env,
+)
+from elasticd.core.records import WorkerGroupLeft
+from elasticd.journal import about
 from elasticd.shell import errorfile
 from elasticd.shell.cgroups import JobCgroup
 from elasticd.shell.errorfile import Recorded
 from elasticd.shell.fileaccess import DIR_MODE, FILE_MODE, FileAccess, Readers
-from elasticd.journal import about
 from elasticd.shell.logs import TAIL_BYTES, DropSink, OutputFile, OutputLimit, move_stream
 from elasticd.wire.paths import is_own_dir
-from elasticd.core.records import WorkerGroupLeft
-from elasticd.core.model import (WORKER_STATES, Failure, JobSpec, RunResult, Worker, WorkerGroup,
-                                 WorkerState, worker_env)
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +65,14 @@ _prctl = _libc.prctl
 _CHUNK = 64 * 1024
 _DRAIN_CHUNKS = 16  # chunks of stderr copied at a failed exit, before its root cause is read
 _EMPTY_TIMEOUT = 10.0  # seconds for a killed cgroup to empty (processes in D state may lag)
-_DRAIN_TIMEOUT = 2.0   # seconds for the pipes to reach EOF once every worker is gone
-EXEC_FAILED = 127      # a worker that could not be started counts as this exit code
-NO_WORKDIR = 126       # the working directory could not be entered (as the user)
+_DRAIN_TIMEOUT = 2.0  # seconds for the pipes to reach EOF once every worker is gone
+EXEC_FAILED = 127  # a worker that could not be started counts as this exit code
+NO_WORKDIR = 126  # the working directory could not be entered (as the user)
 
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"  # an in-place worker's channel to its agent (elastic.runtime)
 SLOT_ENV = "ELASTICD_SLOT"
 
-OutputSink = Callable[[], None]          # a worker wrote output (followers read the files)
+OutputSink = Callable[[], None]  # a worker wrote output (followers read the files)
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,13 @@ def run_as(spec: JobSpec) -> RunAs | None:
     return RunAs(spec.uid, spec.gid, groups)
 
 
-def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
-                 parent_pid: int, nproc_limit: int = 0) -> Callable[[], None]:
+def _child_setup(
+    join_fds: list[int],
+    credentials: RunAs | None,
+    workdir: str,
+    parent_pid: int,
+    nproc_limit: int = 0,
+) -> Callable[[], None]:
     """preexec_fn: in the child, before exec.  Only thin system calls (the daemon has
     threads): join the cgroup while root, drop to the user, then enter the workdir as the
     user.  PDEATHSIG is set after the uid change, which would clear it.  ``nproc_limit``
@@ -98,6 +111,7 @@ def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
     enters ``cwd`` while still root (a directory the user may not enter would be entered),
     it has no way to join a cgroup before user code runs (no CLONE_INTO_CGROUP), and none to
     set PDEATHSIG."""
+
     def setup() -> None:
         for fd in join_fds:
             os.write(fd, b"0")
@@ -113,9 +127,14 @@ def _child_setup(join_fds: list[int], credentials: RunAs | None, workdir: str,
         try:
             os.chdir(workdir)
         except OSError as exc:
-            os.write(2, f"elasticd: cannot enter the working directory {workdir}: "
-                        f"{exc.strerror}\n".encode(errors="replace"))
+            os.write(
+                2,
+                f"elasticd: cannot enter the working directory {workdir}: {exc.strerror}\n".encode(
+                    errors="replace"
+                ),
+            )
             os._exit(NO_WORKDIR)
+
     return setup
 
 
@@ -162,7 +181,10 @@ def reap_leftovers(groups: Mapping[int, WorkerGroupLeft], boot_time: float | Non
             left = groups.get(os.getpgid(proc.info["pid"]))
             if left is None or booted > left.started or proc.info["create_time"] < left.started - 1:
                 continue
-            if proc.uids().real != left.uid or proc.environ().get("TORCHELASTIC_RUN_ID") != left.job_id:
+            if (
+                proc.uids().real != left.uid
+                or proc.environ().get("TORCHELASTIC_RUN_ID") != left.job_id
+            ):
                 continue
             os.kill(proc.info["pid"], signal.SIGKILL)
             killed += 1
@@ -183,14 +205,22 @@ class _Pipe:
 class LocalWorkers:
     """Start, watch and stop one WorkerGroup.  ``group`` always reflects the latest states."""
 
-    def __init__(self, spec: JobSpec, group: WorkerGroup, log_dir: str, *,
-                 cgroup: JobCgroup | None = None,
-                 on_output: OutputSink | None = None,
-                 on_dropped: DropSink | None = None,
-                 on_change: Callable[[WorkerGroup], None] | None = None,
-                 stop_grace: float = 10.0, extra_env: Mapping[str, str] | None = None,
-                 output_limit: OutputLimit = OutputLimit(), nproc_limit: int = 0,
-                 access: FileAccess | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        group: WorkerGroup,
+        log_dir: str,
+        *,
+        cgroup: JobCgroup | None = None,
+        on_output: OutputSink | None = None,
+        on_dropped: DropSink | None = None,
+        on_change: Callable[[WorkerGroup], None] | None = None,
+        stop_grace: float = 10.0,
+        extra_env: Mapping[str, str] | None = None,
+        output_limit: OutputLimit = OutputLimit(),
+        nproc_limit: int = 0,
+        access: FileAccess | None = None,
+    ) -> None:
         self.spec = spec
         self.group = group
         self.log_dir = log_dir
@@ -210,15 +240,20 @@ class LocalWorkers:
         self._pipes: list[_Pipe] = []
         self._failures: dict[int, Failure] = {}
         self._files: dict[int, dict[str, str]] = {}  # slot -> its worker's out, err, error files
-        self._outputs: dict[int, dict[str, OutputFile]] = {}  # slot -> its worker's out and err writers
+        self._outputs: dict[
+            int, dict[str, OutputFile]
+        ] = {}  # slot -> its worker's out and err writers
         self._spawned = 0
         self._stopping = False
-        self._shed: set[int] = set()  # slots whose workers were stopped on their own (spares given back)
+        self._shed: set[int] = (
+            set()
+        )  # slots whose workers were stopped on their own (spares given back)
         self._oom_before = self._oom_kills()
 
     def error_file(self, worker: Worker) -> str:
-        return self._files.get(worker.local_rank, {}).get("error") or \
-            os.path.join(self.log_dir, f"rank_{worker.rank}.error.json")
+        return self._files.get(worker.local_rank, {}).get("error") or os.path.join(
+            self.log_dir, f"rank_{worker.rank}.error.json"
+        )
 
     def log_file(self, worker: Worker, stream: str) -> str:
         return os.path.join(self.log_dir, f"rank_{worker.rank}.{stream}")
@@ -239,7 +274,11 @@ class LocalWorkers:
             worker = self._renew(slot)
             self._spawned += 1
             stem = os.path.join(self.log_dir, f"slot_{slot}-{self._spawned}")
-            self._files[slot] = {"out": f"{stem}.out", "err": f"{stem}.err", "error": f"{stem}.error.json"}
+            self._files[slot] = {
+                "out": f"{stem}.out",
+                "err": f"{stem}.err",
+                "error": f"{stem}.error.json",
+            }
             try:
                 self._start(worker, credentials)
             except (OSError, subprocess.SubprocessError) as exc:
@@ -264,8 +303,11 @@ class LocalWorkers:
             new = by_slot.get(old.local_rank)
             if new is not None and old.rank < 0 and old.local_rank in self._files:
                 self._move_output(old.local_rank, attempt_dir, new.rank)
-            workers.append(replace(old, rank=new.rank, world_size=new.world_size) if new
-                           else replace(old, rank=-1, world_size=0))
+            workers.append(
+                replace(old, rank=new.rank, world_size=new.world_size)
+                if new
+                else replace(old, rank=-1, world_size=0)
+            )
         self._change(replace(group, workers=tuple(workers)))
         self._on_change(self.group)
 
@@ -280,8 +322,14 @@ class LocalWorkers:
                     if stream in self._outputs.get(slot, {}):
                         self._outputs[slot][stream].path = target
         except OSError as exc:
-            log.warning("job %s: output of slot %d stays in %s: %s", self.spec.id, slot,
-                        self._files[slot]["out"], exc, extra=about(self.spec.id))
+            log.warning(
+                "job %s: output of slot %d stays in %s: %s",
+                self.spec.id,
+                slot,
+                self._files[slot]["out"],
+                exc,
+                extra=about(self.spec.id),
+            )
 
     @property
     def failures(self) -> tuple[Failure, ...]:
@@ -309,9 +357,13 @@ class LocalWorkers:
 
     def _start(self, worker: Worker, credentials: RunAs | None) -> None:
         os.close(self._create(self.error_file(worker), credentials))
-        names = self._files.get(worker.local_rank) or {s: self.log_file(worker, s) for s in ("out", "err")}
-        files = [OutputFile(names[s], self._create, self._on_dropped, self._output_limit)
-                 for s in ("out", "err")]
+        names = self._files.get(worker.local_rank) or {
+            s: self.log_file(worker, s) for s in ("out", "err")
+        }
+        files = [
+            OutputFile(names[s], self._create, self._on_dropped, self._output_limit)
+            for s in ("out", "err")
+        ]
         self._outputs[worker.local_rank] = dict(zip(("out", "err"), files))
         try:
             proc = self._spawn(worker, credentials)
@@ -339,8 +391,10 @@ class LocalWorkers:
             except FileExistsError:
                 pass
             if not is_own_dir(directory):
-                raise PermissionError(f"refusing log directory {directory}: not a directory of "
-                                      f"elasticd's own that only it can write")
+                raise PermissionError(
+                    f"refusing log directory {directory}: not a directory of "
+                    f"elasticd's own that only it can write"
+                )
             self._access.grant_dir(directory, self._readers)
 
     def _create(self, path: str, credentials: RunAs | None = None) -> int:
@@ -353,8 +407,9 @@ class LocalWorkers:
             os.unlink(path)
         except FileNotFoundError:
             pass
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     FILE_MODE)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
+        )
         if credentials:
             os.fchown(fd, credentials.uid, credentials.gid)
         else:
@@ -362,7 +417,9 @@ class LocalWorkers:
         return fd
 
     def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
-        group = self.group if worker.rank >= 0 else replace(self.group, round=-1)  # warming: no rank
+        group = (
+            self.group if worker.rank >= 0 else replace(self.group, round=-1)
+        )  # warming: no rank
         env = worker_env(self.spec, group, worker, error_file=self.error_file(worker))
         for inherited in (SOCKET_ENV, SLOT_ENV):  # a job submitted from inside another job
             env.pop(inherited, None)
@@ -372,10 +429,17 @@ class LocalWorkers:
         join_fds = self._cgroup.join_fds() if self._cgroup is not None else []
         try:
             return subprocess.Popen(
-                self.spec.command(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-                preexec_fn=_child_setup(join_fds, credentials, self.spec.workdir, os.getpid(),
-                                        self._nproc_limit))
+                self.spec.command(),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=_child_setup(
+                    join_fds, credentials, self.spec.workdir, os.getpid(), self._nproc_limit
+                ),
+            )
         finally:
             for fd in join_fds:
                 os.close(fd)
@@ -443,8 +507,12 @@ class LocalWorkers:
         try:
             return errorfile.keep(self.error_file(self.group.workers[local_rank]), self._create)
         except Exception as exc:  # a fault here must not change the outcome: the exit decides it
-            log.exception("job %s: the error file of local rank %d", self.spec.id, local_rank,
-                          extra=about(self.spec.id))
+            log.exception(
+                "job %s: the error file of local rank %d",
+                self.spec.id,
+                local_rank,
+                extra=about(self.spec.id),
+            )
             return Recorded(unreadable=f"elasticd failed to read it: {exc!r}")
 
     def _record_exit(self, local_rank: int, code: int, recorded: Recorded | None = None) -> None:
@@ -457,9 +525,13 @@ class LocalWorkers:
             self._set(replace(worker, state=WorkerState.STOPPED, exit_code=code))
         else:
             oom = code == -signal.SIGKILL and self._oom_kills() > self._oom_before
-            self._record_failure(worker, code, self._exit_message(local_rank, code, oom, recorded), recorded)
+            self._record_failure(
+                worker, code, self._exit_message(local_rank, code, oom, recorded), recorded
+            )
 
-    def _exit_message(self, local_rank: int, code: int, oom: bool, recorded: Recorded | None) -> str:
+    def _exit_message(
+        self, local_rank: int, code: int, oom: bool, recorded: Recorded | None
+    ) -> str:
         """How a failed worker ended; for one that exited with an error and left no error
         file, the root cause its stderr ends with (what it wrote before its exit is in the
         pipe: copied first, a bounded amount)."""
@@ -470,14 +542,17 @@ class LocalWorkers:
             for _ in range(_DRAIN_CHUNKS):
                 if not self._copy(pipe):
                     break
-        return errorfile.from_stderr(sink.tail, whole=len(sink.tail) < TAIL_BYTES) or describe_exit(code)
+        return errorfile.from_stderr(sink.tail, whole=len(sink.tail) < TAIL_BYTES) or describe_exit(
+            code
+        )
 
     def _oom_kills(self) -> int:
         count = self._cgroup.usage().oom_kills if self._cgroup is not None else None
         return count or 0
 
-    def _record_failure(self, worker: Worker, code: int, message: str,
-                        recorded: Recorded | None = None) -> None:
+    def _record_failure(
+        self, worker: Worker, code: int, message: str, recorded: Recorded | None = None
+    ) -> None:
         """``message`` says how it ended; the error file (``recorded``), where there is one,
         says why."""
         text, trace, stamp = message, "", 0.0
@@ -486,8 +561,14 @@ class LocalWorkers:
         elif recorded is not None:
             text, trace, stamp = recorded.message or message, recorded.traceback, recorded.timestamp
         self._failures[worker.local_rank] = Failure(
-            rank=worker.rank, local_rank=worker.local_rank, node=worker.node, exit_code=code,
-            message=text, traceback=trace, timestamp=stamp or time.time())
+            rank=worker.rank,
+            local_rank=worker.local_rank,
+            node=worker.node,
+            exit_code=code,
+            message=text,
+            traceback=trace,
+            timestamp=stamp or time.time(),
+        )
         self._set(replace(worker, state=WorkerState.FAILED, exit_code=code))
 
     def _set(self, worker: Worker) -> None:
@@ -515,8 +596,13 @@ class LocalWorkers:
         if self._exits:
             await asyncio.wait(list(self._exits.values()))
         if self._cgroup is not None and not await self._cgroup.wait_empty(_EMPTY_TIMEOUT):
-            log.warning("job %s: processes left in %s after SIGKILL: %s", self.spec.id,
-                        self._cgroup.path, self._cgroup.pids(), extra=about(self.spec.id))
+            log.warning(
+                "job %s: processes left in %s after SIGKILL: %s",
+                self.spec.id,
+                self._cgroup.path,
+                self._cgroup.pids(),
+                extra=about(self.spec.id),
+            )
         await self._drain_pipes()
 
     async def stop_slots(self, slots: tuple[int, ...]) -> None:
@@ -536,8 +622,10 @@ class LocalWorkers:
                 except (ProcessLookupError, PermissionError):
                     pass
             if pending:
-                await asyncio.wait([self._exits[s] for s in pending],
-                                   timeout=self._stop_grace if sig is signal.SIGTERM else None)
+                await asyncio.wait(
+                    [self._exits[s] for s in pending],
+                    timeout=self._stop_grace if sig is signal.SIGTERM else None,
+                )
         await _exited(_members(groups), _EMPTY_TIMEOUT)
 
     def _cgroup_populated(self) -> bool:

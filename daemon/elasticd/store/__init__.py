@@ -9,6 +9,6 @@ an etcd cluster load it.
 
 from elasticd.store.base import StoreBackend
 from elasticd.store.memory import MemoryStore
-from elasticd.store.signing import Signer, load_key, load_or_create_key, create_key
+from elasticd.store.signing import Signer, create_key, load_key, load_or_create_key
 
-__all__ = ["StoreBackend", "MemoryStore", "Signer", "load_key", "create_key", "load_or_create_key"]
+__all__ = ["MemoryStore", "Signer", "StoreBackend", "create_key", "load_key", "load_or_create_key"]

@@ -19,7 +19,9 @@ class StoreBackend(Protocol):
 
     def set(self, key: str, value: bytes) -> None: ...
 
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         """Write ``desired`` if the key holds ``expected`` (None: the key must not exist).
 
         Returns ``(swapped, value now in the store)``. ``swapped`` is True whenever the store
@@ -62,7 +64,9 @@ def junk_counter(key: str, held: bytes | None) -> NotACounter | None:
 
 def check_compare_value(expected: bytes | None) -> None:
     if expected == b"":
-        raise ValueError("compare_set cannot compare against an empty value; use None for 'missing'")
+        raise ValueError(
+            "compare_set cannot compare against an empty value; use None for 'missing'"
+        )
 
 
 class Store(Protocol):
@@ -75,7 +79,9 @@ class Store(Protocol):
 
     async def set(self, key: str, value: bytes) -> None: ...
 
-    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]: ...
+    async def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]: ...
 
     async def add(self, key: str, amount: int) -> int: ...
 

@@ -40,7 +40,8 @@ def _tcp_store(host: str, port: int, *, master: bool, timeout: float, listen_fd:
         raise RuntimeError(
             f"hosting the c10d store needs torch, which {sys.executable} cannot import ({err}); "
             "run elasticd with a Python that has torch (the Debian package: ELASTICD_PYTHON in "
-            "/etc/default/elasticd), or use store.backend = etcd") from err
+            "/etc/default/elasticd), or use store.backend = etcd"
+        ) from err
 
     return TCPStore(
         host,
@@ -58,7 +59,8 @@ def _listen(host: str, port: int) -> tuple[int, int]:
     """A socket listening on ``host`` only (TCPStore alone would listen on every address);
     its fd, which the TCPStore takes over and closes, and its port."""
     family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
@@ -124,7 +126,9 @@ class C10dStore:
         with self._client() as client:
             client.set(key, value)
 
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         check_compare_value(expected)
         if expected == desired:  # TCPStore's answer would be ambiguous; a no-op swap is a read
             current = self.get(key)
@@ -133,7 +137,9 @@ class C10dStore:
             value = client.compare_set(key, expected or b"", desired)
         if value == desired:
             return True, value
-        if expected is not None and value == expected:  # TCPStore echoes `expected` on a missing key
+        if (
+            expected is not None and value == expected
+        ):  # TCPStore echoes `expected` on a missing key
             return False, None
         return False, value
 
@@ -145,7 +151,9 @@ class C10dStore:
                 return client.add(key, amount)
         except StoreConnectionError as lost:
             junk = junk_counter(key, self.get(key))  # a store that is gone fails this read too
-            raise junk or lost
+            if junk is not None:
+                raise junk from lost
+            raise
 
     def append(self, key: str, value: bytes) -> None:
         with self._client() as client:
@@ -223,7 +231,9 @@ class C10dStore:
             remaining = deadline - time.monotonic()
             try:
                 self._probe(min(remaining, 1.0))
-                client = _tcp_store(self._host, self._port, master=False, timeout=max(remaining, 0.1))
+                client = _tcp_store(
+                    self._host, self._port, master=False, timeout=max(remaining, 0.1)
+                )
                 client.set_timeout(timedelta(seconds=self.timeout))
                 return client
             except (OSError, RuntimeError) as err:

@@ -15,7 +15,7 @@ things with one number.
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from elasticd.errors import NotACounter
 from elasticd.store.base import Store
@@ -28,8 +28,9 @@ class StoreCounter:
     """The counter at ``key``.  ``justify(seen)``: the value to write back over junk, at least
     ``seen`` (the highest number this node has seen taken: :meth:`saw`)."""
 
-    def __init__(self, store: Store, key: str, justify: Callable[[int], Awaitable[int]],
-                 refused: Refused) -> None:
+    def __init__(
+        self, store: Store, key: str, justify: Callable[[int], Awaitable[int]], refused: Refused
+    ) -> None:
         self._store = store
         self.key = key
         self._justify = justify
@@ -69,5 +70,8 @@ class StoreCounter:
     async def _repair(self, junk: NotACounter) -> None:
         value = await self._justify(self.seen)
         swapped, _ = await self._store.compare_set(self.key, junk.value or None, b"%d" % value)
-        self._refused(self.key, f"{junk.shown} is no count; "
-                                f"{f'wrote back {value}' if swapped else 'it changed meanwhile'}")
+        self._refused(
+            self.key,
+            f"{junk.shown} is no count; "
+            f"{f'wrote back {value}' if swapped else 'it changed meanwhile'}",
+        )

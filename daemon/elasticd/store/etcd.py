@@ -29,7 +29,8 @@ import asyncio
 import contextlib
 import math
 import random
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -40,25 +41,32 @@ from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreError, StoreTimeout
 from elasticd.store.base import check_compare_value, junk_counter
 
-MAX_TXN_OPS = 128       # etcd's default --max-txn-ops
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
-_REACH = 2.0            # seconds one member may take to accept a connection before the next is tried
-_QUIET_RACES = 3        # lost compare-and-set races retried at once; then with a random pause
+_REACH = 2.0  # seconds one member may take to accept a connection before the next is tried
+_QUIET_RACES = 3  # lost compare-and-set races retried at once; then with a random pause
 _RACE_PAUSE = 0.02
 _HAS_LEADER = (("hasleader", "true"),)  # etcd ends a watch on a member that lost its leader
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),     # a member gone silent is noticed by calls in flight
+    ("grpc.keepalive_time_ms", 10_000),  # a member gone silent is noticed by calls in flight
     ("grpc.keepalive_timeout_ms", 5_000),
     # a channel of its own connections: a new one (made after a failure) tries at once, where
     # gRPC's shared pool would hand it another channel's connection still backing off and
     # its stale "Connection refused" (for ~1 s, longer the longer the member was away)
     ("grpc.use_local_subchannel_pool", 1),
 )
-_MOVE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}  # the member, not the call, failed
-_REFUSALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-             grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
+_MOVE_ON = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+}  # the member, not the call, failed
+_REFUSALS = {
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+}
 _READY = grpc.ChannelConnectivity.READY
 
 Send = Callable[["_Member", float], Awaitable[Any]]
@@ -74,8 +82,11 @@ class _Member:
 
     def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None) -> None:
         self.endpoint = endpoint
-        self.channel = (grpc.aio.insecure_channel(endpoint, _CHANNEL_OPTIONS) if credentials is None
-                        else grpc.aio.secure_channel(endpoint, credentials, _CHANNEL_OPTIONS))
+        self.channel = (
+            grpc.aio.insecure_channel(endpoint, _CHANNEL_OPTIONS)
+            if credentials is None
+            else grpc.aio.secure_channel(endpoint, credentials, _CHANNEL_OPTIONS)
+        )
         self.kv = rpc.KVStub(self.channel)
         self.watch = rpc.WatchStub(self.channel)
         self.lease = rpc.LeaseStub(self.channel)
@@ -126,8 +137,17 @@ class EtcdStore:
     reached; only :meth:`connect` waits for one.
     """
 
-    def __init__(self, endpoints: list[str], *, timeout: float, ca_file: str = "",
-                 cert_file: str = "", key_file: str = "", user: str = "", password: str = "") -> None:
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        timeout: float,
+        ca_file: str = "",
+        cert_file: str = "",
+        key_file: str = "",
+        user: str = "",
+        password: str = "",
+    ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint")
         for endpoint in endpoints:
@@ -153,10 +173,15 @@ class EtcdStore:
     async def set(self, key: str, value: bytes) -> None:
         await self._kv("Put", rpc.PutRequest(key=_key(key), value=value))
 
-    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    async def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         check_compare_value(expected)
-        compare = _compare(key, rpc.Compare.CREATE, create_revision=0) if expected is None \
+        compare = (
+            _compare(key, rpc.Compare.CREATE, create_revision=0)
+            if expected is None
             else _compare(key, rpc.Compare.VALUE, value=expected)
+        )
         reply = await self._txn([compare], [_put(key, desired)], [_op(_range(key))])
         if reply.succeeded:
             return True, desired
@@ -165,7 +190,9 @@ class EtcdStore:
 
     async def add(self, key: str, amount: int) -> int:
         async with self._deadline(self.timeout):
-            current = await self._add_one(key) if amount == 1 else await self._kv("Range", _range(key))
+            current = (
+                await self._add_one(key) if amount == 1 else await self._kv("Range", _range(key))
+            )
             if isinstance(current, int):
                 return current
             if amount == 0 and current.kvs:  # a read: no write, no new revision
@@ -186,25 +213,35 @@ class EtcdStore:
         Range reply of a key that holds something else (a plain count, junk)."""
         bumped = rpc.RequestOp(request_put=rpc.PutRequest(key=_key(key), ignore_value=True))
         while True:
-            reply = await self._txn(_by_version(key), [bumped, _op(_range(key))], [_op(_range(key))], retry=False)
+            reply = await self._txn(
+                _by_version(key), [bumped, _op(_range(key))], [_op(_range(key))], retry=False
+            )
             if reply.succeeded:
                 return _counter(key, _value(reply.responses[1].response_range))
             if reply.responses[0].response_range.kvs:
                 return reply.responses[0].response_range
-            created = await self._txn([_compare(key, rpc.Compare.CREATE, create_revision=0)],
-                                      [_put(key, _COUNT + b"0")], [], retry=False)
+            created = await self._txn(
+                [_compare(key, rpc.Compare.CREATE, create_revision=0)],
+                [_put(key, _COUNT + b"0")],
+                [],
+                retry=False,
+            )
             if created.succeeded:
                 return 1
 
     async def append(self, key: str, value: bytes) -> None:
         async with self._deadline(self.timeout):
             current = await self._kv("Range", _range(key))
-            await self._update(key, current, lambda kv: (kv.value if kv is not None else b"") + value)
+            await self._update(
+                key, current, lambda kv: (kv.value if kv is not None else b"") + value
+            )
 
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         """The values in one Txn per 128 keys, sent together."""
-        chunks = [keys[i:i + MAX_TXN_OPS] for i in range(0, len(keys), MAX_TXN_OPS)]
-        replies = await gather(*(self._txn([], [_op(_range(k)) for k in chunk], []) for chunk in chunks))
+        chunks = [keys[i : i + MAX_TXN_OPS] for i in range(0, len(keys), MAX_TXN_OPS)]
+        replies = await gather(
+            *(self._txn([], [_op(_range(k)) for k in chunk], []) for chunk in chunks)
+        )
         return [_value(op.response_range) for reply in replies for op in reply.responses]
 
     async def delete(self, key: str) -> bool:
@@ -237,9 +274,14 @@ class EtcdStore:
     async def lease_grant(self, ttl: float) -> int:
         """A new lease of ``ttl`` seconds (etcd counts whole seconds, and may raise it to its
         minimum); its id."""
+
         async def send(member: _Member, timeout: float) -> Any:
-            return await member.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl))),
-                                                 timeout=timeout, metadata=member.metadata)
+            return await member.lease.LeaseGrant(
+                rpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl))),
+                timeout=timeout,
+                metadata=member.metadata,
+            )
+
         reply = await self._call(send)
         if reply.error:
             raise StoreConnectionError(f"etcd did not grant a lease: {reply.error}")
@@ -247,6 +289,7 @@ class EtcdStore:
 
     async def lease_keep_alive(self, lease: int) -> bool:
         """Renew the lease for its TTL; False when it is gone (expired or revoked)."""
+
         async def send(member: _Member, timeout: float) -> Any:
             call = member.lease.LeaseKeepAlive(timeout=timeout, metadata=member.metadata)
             try:
@@ -282,22 +325,27 @@ class EtcdStore:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, _MAX_BACKOFF)
         except TimeoutError:
-            raise StoreConnectionError(f"no etcd member of {', '.join(self.endpoints)} answered "
-                                       f"within {timeout:g}s: {problem or 'no answer'}") from None
+            raise StoreConnectionError(
+                f"no etcd member of {', '.join(self.endpoints)} answered "
+                f"within {timeout:g}s: {problem or 'no answer'}"
+            ) from None
 
     # -- calls ----------------------------------------------------------------------------
 
     async def _kv(self, method: str, request: Any, *, retry: bool = True) -> Any:
         async def send(member: _Member, timeout: float) -> Any:
-            return await getattr(member.kv, method)(request, timeout=timeout, metadata=member.metadata)
+            return await getattr(member.kv, method)(
+                request, timeout=timeout, metadata=member.metadata
+            )
 
         reply = await self._call(send, retry=retry)
         self.revision = max(self.revision, reply.header.revision)
         return reply
 
     async def _txn(self, compare: list, success: list, failure: list, *, retry: bool = True) -> Any:
-        return await self._kv("Txn", rpc.TxnRequest(compare=compare, success=success, failure=failure),
-                              retry=retry)
+        return await self._kv(
+            "Txn", rpc.TxnRequest(compare=compare, success=success, failure=failure), retry=retry
+        )
 
     async def _update(self, key: str, current: Any, change: Callable[[Any], bytes]) -> bytes:
         """Write ``change(kv)`` (None: no key) if the key was not written since ``current`` (a
@@ -319,8 +367,11 @@ class EtcdStore:
     async def _watch(self, key: str, start: int, ends: float) -> bool | None:
         """True when the key is put at or after revision ``start``, False at ``ends`` (the
         loop's clock), None when ``start`` was compacted away."""
-        create = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-            key=_key(key), start_revision=start, filters=[rpc.WatchCreateRequest.NODELETE]))
+        create = rpc.WatchRequest(
+            create_request=rpc.WatchCreateRequest(
+                key=_key(key), start_revision=start, filters=[rpc.WatchCreateRequest.NODELETE]
+            )
+        )
 
         async def send(member: _Member, _: float) -> bool | None:
             call = member.watch.Watch(metadata=member.metadata + _HAS_LEADER)
@@ -356,11 +407,17 @@ class EtcdStore:
                 except asyncio.CancelledError:
                     if _cancelled():
                         raise
-                    await self._failed(member, grpc.StatusCode.CANCELLED, "connection closed", retry)
-        raise StoreConnectionError(f"no etcd member of {', '.join(self.endpoints)} could serve "
-                                   f"the call: {self._unreachable}")
+                    await self._failed(
+                        member, grpc.StatusCode.CANCELLED, "connection closed", retry
+                    )
+        raise StoreConnectionError(
+            f"no etcd member of {', '.join(self.endpoints)} could serve "
+            f"the call: {self._unreachable}"
+        )
 
-    async def _failed(self, member: _Member, code: grpc.StatusCode, details: str, retry: bool) -> None:
+    async def _failed(
+        self, member: _Member, code: grpc.StatusCode, details: str, retry: bool
+    ) -> None:
         """Returns when the call may be sent again (to the next member, or after a new auth
         token); raises the StoreError it means otherwise."""
         if self._closed:
@@ -377,8 +434,10 @@ class EtcdStore:
             raise StoreConnectionError(f"etcd at {member.endpoint} failed the call: {details}")
         await self._leave(member)
         if not retry:
-            raise StoreConnectionError(f"lost etcd at {member.endpoint} during a write that may "
-                                       f"have been applied: {details}")
+            raise StoreConnectionError(
+                f"lost etcd at {member.endpoint} during a write that may "
+                f"have been applied: {details}"
+            )
 
     async def _chosen(self) -> _Member:
         """The member calls go to: the current one, or the next that accepts a connection
@@ -389,7 +448,9 @@ class EtcdStore:
         async with self._choosing:
             for _ in range(len(self.endpoints)):
                 if self._closed:
-                    raise StoreConnectionError(f"the etcd client for {', '.join(self.endpoints)} is closed")
+                    raise StoreConnectionError(
+                        f"the etcd client for {', '.join(self.endpoints)} is closed"
+                    )
                 if self._member is None:
                     self._member = _Member(self.endpoints[self._index], self._credentials)
                 member = self._member
@@ -419,8 +480,9 @@ class EtcdStore:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _MOVE_ON or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return exc.details() or exc.code().name
-            raise _Refused(f"etcd at {member.endpoint} refused user {self._user!r}: "
-                           f"{exc.details()}") from None
+            raise _Refused(
+                f"etcd at {member.endpoint} refused user {self._user!r}: {exc.details()}"
+            ) from None
         member.metadata = (("token", reply.token),)
         return None
 
@@ -438,7 +500,9 @@ class EtcdStore:
             async with asyncio.timeout(seconds):
                 yield
         except TimeoutError:
-            raise StoreTimeout(f"etcd ({', '.join(self.endpoints)}): no answer within {seconds:g}s") from None
+            raise StoreTimeout(
+                f"etcd ({', '.join(self.endpoints)}): no answer within {seconds:g}s"
+            ) from None
 
 
 def _cancelled() -> bool:
@@ -452,15 +516,19 @@ def _watch_canceled(member: _Member, reply: Any) -> None:
     """None for a watch that etcd canceled because its start was compacted; raises otherwise."""
     if reply.compact_revision:
         return None
-    raise StoreConnectionError(f"etcd at {member.endpoint} canceled a watch: "
-                               f"{reply.cancel_reason or 'no reason given'}")
+    raise StoreConnectionError(
+        f"etcd at {member.endpoint} canceled a watch: {reply.cancel_reason or 'no reason given'}"
+    )
 
 
 def _credentials(ca_file: str, cert_file: str, key_file: str) -> grpc.ChannelCredentials | None:
     if not (ca_file or cert_file):
         return None
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file), private_key=_read(key_file),
-                                        certificate_chain=_read(cert_file))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca_file),
+        private_key=_read(key_file),
+        certificate_chain=_read(cert_file),
+    )
 
 
 def _read(path: str) -> bytes | None:
@@ -470,7 +538,9 @@ def _read(path: str) -> bytes | None:
         with open(path, "rb") as file:
             return file.read()
     except OSError as exc:
-        raise StoreConnectionError(f"cannot read {path} (for TLS to etcd): {exc.strerror}") from None
+        raise StoreConnectionError(
+            f"cannot read {path} (for TLS to etcd): {exc.strerror}"
+        ) from None
 
 
 def _key(key: str) -> bytes:
@@ -496,8 +566,12 @@ def _compare(key: str, target: int, **value: Any) -> Any:
 def _by_version(key: str) -> list[Any]:
     """Compares that hold when the key is a counter kept by version (see ``add``): its
     value starts with a zero byte, and is longer."""
-    return [rpc.Compare(key=_key(key), target=rpc.Compare.VALUE, result=rpc.Compare.GREATER, value=b"\0"),
-            rpc.Compare(key=_key(key), target=rpc.Compare.VALUE, result=rpc.Compare.LESS, value=b"\1")]
+    return [
+        rpc.Compare(
+            key=_key(key), target=rpc.Compare.VALUE, result=rpc.Compare.GREATER, value=b"\0"
+        ),
+        rpc.Compare(key=_key(key), target=rpc.Compare.VALUE, result=rpc.Compare.LESS, value=b"\1"),
+    ]
 
 
 _COUNT = b"\0elasticd-count:"  # and the offset: the count is the offset plus the key's version
@@ -511,7 +585,7 @@ def _value(reply: Any) -> bytes | None:
 def _shown(kv: Any) -> bytes:
     """A key's value, a counter kept by version as its count in ASCII decimal."""
     if kv.value.startswith(_COUNT):
-        offset = kv.value[len(_COUNT):]
+        offset = kv.value[len(_COUNT) :]
         digits = offset[1:] if offset[:1] == b"-" else offset
         if 0 < len(digits) < 19 and digits.isdigit():
             return b"%d" % (int(offset) + kv.version)

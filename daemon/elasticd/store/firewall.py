@@ -39,14 +39,16 @@ def ruleset(table: str, *, port: int, uid: int, store_address: str | None) -> st
     else:
         family = "ip6" if ipaddress.ip_address(store_address).version == 6 else "ip"
         where = f"{family} daddr {store_address}"
-    return (f"table inet {table}\n"
-            f"delete table inet {table}\n"
-            f"table inet {table} {{\n"
-            f"  chain output {{\n"
-            f"    type filter hook output priority 0; policy accept;\n"
-            f"    tcp dport {port} {where} meta skuid != {uid} reject with tcp reset\n"
-            f"  }}\n"
-            f"}}\n")
+    return (
+        f"table inet {table}\n"
+        f"delete table inet {table}\n"
+        f"table inet {table} {{\n"
+        f"  chain output {{\n"
+        f"    type filter hook output priority 0; policy accept;\n"
+        f"    tcp dport {port} {where} meta skuid != {uid} reject with tcp reset\n"
+        f"  }}\n"
+        f"}}\n"
+    )
 
 
 def _untrusted(program: str) -> str:
@@ -74,8 +76,12 @@ def _nft() -> str | None:
 def _delete_table(nft: str, table: str) -> bool:
     """``nft delete table inet TABLE``; whether it was there."""
     try:
-        done = subprocess.run([nft, "delete", "table", "inet", table], capture_output=True,
-                              timeout=_NFT_TIMEOUT, check=False)
+        done = subprocess.run(
+            [nft, "delete", "table", "inet", table],
+            capture_output=True,
+            timeout=_NFT_TIMEOUT,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not remove nftables table %s: %s", table, exc)
         return False
@@ -90,38 +96,71 @@ class StoreFirewall:
         self._nft = nft
 
     @classmethod
-    def setup(cls, setting: bool | str, *, cluster: str, node: str, port: int, uid: int,
-              store_address: str | None) -> StoreFirewall | None:
+    def setup(
+        cls,
+        setting: bool | str,
+        *,
+        cluster: str,
+        node: str,
+        port: int,
+        uid: int,
+        store_address: str | None,
+    ) -> StoreFirewall | None:
         """Install the rule (None when it is off, or 'auto' and not possible here)."""
         if setting is False:
             return None
         nft = _nft()
-        problem = ("the daemon does not run as root" if uid != 0 else
-                   "nft is not installed" if nft is None else _untrusted(nft))
+        problem = (
+            "the daemon does not run as root"
+            if uid != 0
+            else "nft is not installed"
+            if nft is None
+            else _untrusted(nft)
+        )
         if problem:
             if setting is True:
                 raise ConfigError(KEY, f"cannot install the store's nftables rule: {problem}")
-            log.warning("store port %d is open to every local user (%s; %s = auto): records are "
-                        "signed and secrets encrypted, but anyone here can delete them", port, problem, KEY)
+            log.warning(
+                "store port %d is open to every local user (%s; %s = auto): records are "
+                "signed and secrets encrypted, but anyone here can delete them",
+                port,
+                problem,
+                KEY,
+            )
             return None
         firewall = cls(table_name(cluster, node), nft)
-        if not firewall._run(ruleset(firewall.table, port=port, uid=uid, store_address=store_address), setting):
+        if not firewall._run(
+            ruleset(firewall.table, port=port, uid=uid, store_address=store_address), setting
+        ):
             return None
-        log.info("store port %d: only uid %d of this host may connect (nftables table inet %s)",
-                 port, uid, firewall.table)
+        log.info(
+            "store port %d: only uid %d of this host may connect (nftables table inet %s)",
+            port,
+            uid,
+            firewall.table,
+        )
         return firewall
 
     def _run(self, script: str, setting: bool | str) -> bool:
         try:
-            subprocess.run([self._nft, "-f", "-"], input=script, text=True, capture_output=True,
-                           timeout=_NFT_TIMEOUT, check=True)
+            subprocess.run(
+                [self._nft, "-f", "-"],
+                input=script,
+                text=True,
+                capture_output=True,
+                timeout=_NFT_TIMEOUT,
+                check=True,
+            )
             return True
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             if setting is True:
                 raise ConfigError(KEY, f"nft refused the store's rule: {detail.strip()}") from exc
-            log.warning("could not install the store's nftables rule (%s): the store port is open "
-                        "to every local user", detail.strip())
+            log.warning(
+                "could not install the store's nftables rule (%s): the store port is open "
+                "to every local user",
+                detail.strip(),
+            )
             return False
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from elasticd.errors import StoreConnectionError
 from elasticd.store.base import check_compare_value, junk_counter
@@ -29,12 +29,16 @@ class MemoryStore:
         with self._changed:
             self._write(key, bytes(value))
 
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         check_compare_value(expected)
         with self._changed:
             self._check_open()
             current = self._data.get(key)
-            if current in (expected, desired) or (expected is None and current == b""):  # as TCPStore
+            if current in (expected, desired) or (
+                expected is None and current == b""
+            ):  # as TCPStore
                 self._write(key, bytes(desired))
                 return True, bytes(desired)
             return False, current
@@ -61,7 +65,9 @@ class MemoryStore:
 
     def wait_for(self, key: str, timeout: float) -> bool:
         with self._changed:
-            self._changed.wait_for(lambda: self._closed or key in self._data, timeout=max(timeout, 0.0))
+            self._changed.wait_for(
+                lambda: self._closed or key in self._data, timeout=max(timeout, 0.0)
+            )
             self._check_open()
             return key in self._data
 
@@ -120,7 +126,9 @@ class AsyncMemoryStore:
         await asyncio.sleep(0)
         self.backend.set(key, value)
 
-    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    async def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         await asyncio.sleep(0)
         return self.backend.compare_set(key, expected, desired)
 

@@ -25,16 +25,17 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from elasticd.wire import safejson
 from elasticd.errors import ConfigError, ElasticdError, TamperedRecord
+from elasticd.wire import safejson
 
 T = TypeVar("T")
 Refused = Callable[[str, str], None]  # (key, why): a record no daemon acts on; logged and counted
@@ -47,7 +48,9 @@ _NONCE_BYTES = 12
 
 
 def canonical_json(body: Any) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
 
 
 def _derive(key: bytes, purpose: str, cluster: str) -> bytes:
@@ -80,7 +83,11 @@ class Signer:
             sealed = base64.b64encode(nonce + self._aead.encrypt(nonce, canonical, context))
             return b'{"v":%d,"ver":%d,"enc":"%s"}' % (ENVELOPE_VERSION, version, sealed)
         return b'{"v":%d,"ver":%d,"body":%s,"mac":"%s"}' % (
-            ENVELOPE_VERSION, version, canonical, self._mac(context, canonical).encode())
+            ENVELOPE_VERSION,
+            version,
+            canonical,
+            self._mac(context, canonical).encode(),
+        )
 
     def open(self, key: str, raw: bytes) -> Opened:
         """The body and version of the record read at ``key``; TamperedRecord if it is not
@@ -90,8 +97,12 @@ class Signer:
         parts = _signed_parts(raw)
         if parts is not None:
             version, canonical, mac = parts
-            if not hmac.compare_digest(mac, self._mac(canonical_json([key, version]), canonical).encode()):
-                raise TamperedRecord("record MAC does not match (forged, or copied from another key)")
+            if not hmac.compare_digest(
+                mac, self._mac(canonical_json([key, version]), canonical).encode()
+            ):
+                raise TamperedRecord(
+                    "record MAC does not match (forged, or copied from another key)"
+                )
             return Opened(_decoded(canonical, "record"), version)
         envelope = _decoded(raw, "record")
         if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
@@ -116,7 +127,9 @@ class Signer:
             blob = base64.b64decode(sealed, validate=True)
             plain = self._aead.decrypt(blob[:_NONCE_BYTES], blob[_NONCE_BYTES:], context)
         except (TypeError, ValueError, binascii.Error, InvalidTag):
-            raise TamperedRecord("encrypted record does not open (forged, or copied from another key)") from None
+            raise TamperedRecord(
+                "encrypted record does not open (forged, or copied from another key)"
+            ) from None
         return _decoded(plain, "encrypted record")
 
     def _mac(self, context: bytes, canonical: bytes) -> str:
@@ -140,9 +153,13 @@ def _signed_parts(raw: bytes) -> tuple[int, bytes, bytes] | None:
     if at < 0 or not digits.isdigit() or (len(digits) > 1 and digits[0] == 48):
         return None
     tail = len(raw) - len(_SIGNED_MAC) - _MAC_HEX - 2
-    if tail <= at + len(_SIGNED_BODY) or raw[tail:tail + len(_SIGNED_MAC)] != _SIGNED_MAC or raw[-2:] != b'"}':
+    if (
+        tail <= at + len(_SIGNED_BODY)
+        or raw[tail : tail + len(_SIGNED_MAC)] != _SIGNED_MAC
+        or raw[-2:] != b'"}'
+    ):
         return None
-    return int(digits), raw[at + len(_SIGNED_BODY):tail], raw[tail + len(_SIGNED_MAC):-2]
+    return int(digits), raw[at + len(_SIGNED_BODY) : tail], raw[tail + len(_SIGNED_MAC) : -2]
 
 
 def _decoded(raw: bytes, what: str) -> Any:
@@ -161,8 +178,10 @@ class Freshness:
     def check(self, key: str, version: int) -> None:
         newest = self._newest.get(key, -1)
         if version < newest:
-            raise TamperedRecord(f"record is version {version}, older than version {newest} "
-                                 "seen before (written back)")
+            raise TamperedRecord(
+                f"record is version {version}, older than version {newest} "
+                "seen before (written back)"
+            )
         self._newest[key] = version
 
     def forget(self, key: str) -> None:
@@ -186,8 +205,14 @@ class VersionClock:
         return self._last
 
 
-def open_or_refuse(signer: Signer, key: str, raw: bytes | None, parse: Callable[[Any], T],
-                   refused: Refused, fresh: Freshness | None = None) -> T | None:
+def open_or_refuse(
+    signer: Signer,
+    key: str,
+    raw: bytes | None,
+    parse: Callable[[Any], T],
+    refused: Refused,
+    fresh: Freshness | None = None,
+) -> T | None:
     """The record stored at ``key``, opened and parsed; None when there is none, and None
     (reported to ``refused``) when it fails its MAC, is older than one ``fresh`` saw, or
     does not parse."""
@@ -203,8 +228,9 @@ def open_or_refuse(signer: Signer, key: str, raw: bytes | None, parse: Callable[
     return None
 
 
-def open_version(signer: Signer, key: str, raw: bytes | None, refused: Refused,
-                 fresh: Freshness | None = None) -> Opened | None:
+def open_version(
+    signer: Signer, key: str, raw: bytes | None, refused: Refused, fresh: Freshness | None = None
+) -> Opened | None:
     """Like :func:`open_or_refuse`, unparsed: the body and its version."""
     if raw is None:
         return None
@@ -223,7 +249,9 @@ class SignedLines:
     read incrementally: each read parses only the lines appended since the last one.  A
     line that does not open is refused (reported once) and read as None."""
 
-    def __init__(self, signer: Signer, key: str, parse: Callable[[Any], T], refused: Refused) -> None:
+    def __init__(
+        self, signer: Signer, key: str, parse: Callable[[Any], T], refused: Refused
+    ) -> None:
         self._signer, self.key, self._parse, self._refused = signer, key, parse, refused
         self._raw, self._records = b"", []
 
@@ -236,8 +264,10 @@ class SignedLines:
         if not raw.startswith(self._raw):  # rewritten (a reset store, or tampering): read it all
             self._raw, self._records = b"", []
         tail = raw[len(self._raw) : raw.rfind(b"\n") + 1]
-        self._records.extend(open_or_refuse(self._signer, self.key, line, self._parse, self._refused)
-                             for line in tail.splitlines())
+        self._records.extend(
+            open_or_refuse(self._signer, self.key, line, self._parse, self._refused)
+            for line in tail.splitlines()
+        )
         self._raw += tail
         return list(self._records)
 
@@ -251,7 +281,10 @@ def load_key(path: str) -> bytes:
     except OSError as err:
         raise ConfigError(KEY_CONFIG, f"cannot read {path}: {err.strerror}") from err
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(KEY_CONFIG, f"{path} is accessible by group or others (mode {mode & 0o777:o}); chmod 600 it")
+        raise ConfigError(
+            KEY_CONFIG,
+            f"{path} is accessible by group or others (mode {mode & 0o777:o}); chmod 600 it",
+        )
     if not text:
         raise ConfigError(KEY_CONFIG, f"{path} is empty")
     try:

@@ -24,7 +24,8 @@ import asyncio
 import enum
 import os
 import struct
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
@@ -55,7 +56,7 @@ class _Query(enum.IntEnum):  # TCPStoreBackend.hpp's QueryType, in its order
 
 
 _READY, _NOT_READY = 0, 1  # CheckResponseType
-_STOP_WAITING = 0   # WaitResponseType
+_STOP_WAITING = 0  # WaitResponseType
 _WAIT_CANCELED = 1
 
 
@@ -101,7 +102,9 @@ class _Connection:
     async def blob(self) -> bytes:
         (size,) = struct.unpack("<Q", await self._reader.readexactly(8))
         if size > _MAX_VALUE:  # a hostile peer would have us buffer whatever it sends
-            raise StoreProtocolError(f"the store announced a value of {size} bytes (at most {_MAX_VALUE})")
+            raise StoreProtocolError(
+                f"the store announced a value of {size} bytes (at most {_MAX_VALUE})"
+            )
         return await self._reader.readexactly(size)
 
     @property
@@ -127,8 +130,9 @@ class TCPStoreClient:
     meanwhile); only :meth:`connect` waits for a store to come up.
     """
 
-    def __init__(self, endpoint: str, *, timeout: float = 30.0, connections: int = 4,
-                 waits: int = 64) -> None:
+    def __init__(
+        self, endpoint: str, *, timeout: float = 30.0, connections: int = 4, waits: int = 64
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self._host, self._port = split_endpoint(endpoint)
@@ -148,7 +152,9 @@ class TCPStoreClient:
     async def set(self, key: str, value: bytes) -> None:
         await self._call(_query(_Query.SET, _key(key), _blob(value)), _Connection.pong, ping=True)
 
-    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+    async def compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
         check_compare_value(expected)
         if expected == desired:  # TCPStore's answer would be ambiguous; a no-op swap is a read
             current = await self.get(key)
@@ -156,7 +162,9 @@ class TCPStoreClient:
         value = await self._call(_cas(key, expected or b"", desired), _Connection.blob)
         if value == desired:
             return True, value
-        if expected is not None and value == expected:  # TCPStore echoes `expected` on a missing key
+        if (
+            expected is not None and value == expected
+        ):  # TCPStore echoes `expected` on a missing key
             return False, None
         return False, value
 
@@ -166,13 +174,20 @@ class TCPStoreClient:
         the connection, which a lost connection does too; a read on a new one tells them
         apart (a count there: the connection was lost, and the add may have been applied)."""
         try:
-            return await self._call(_query(_Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64)
+            return await self._call(
+                _query(_Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64
+            )
         except StoreConnectionError as lost:
-            junk = junk_counter(key, await self.get(key))  # a store that is gone fails this read too
-            raise junk or lost
+            # a store that is gone fails this read too
+            junk = junk_counter(key, await self.get(key))
+            if junk is not None:
+                raise junk from lost
+            raise
 
     async def append(self, key: str, value: bytes) -> None:
-        await self._call(_query(_Query.APPEND, _key(key), _blob(value)), _Connection.pong, ping=True)
+        await self._call(
+            _query(_Query.APPEND, _key(key), _blob(value)), _Connection.pong, ping=True
+        )
 
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         """Every key's value in one round trip (the reads are pipelined)."""
@@ -205,7 +220,9 @@ class TCPStoreClient:
                 if response == _STOP_WAITING:  # the key came as we cancelled
                     response = await conn.byte()
                 if response != _WAIT_CANCELED:
-                    raise StoreProtocolError(f"unexpected answer {response} to CANCEL_WAIT") from None
+                    raise StoreProtocolError(
+                        f"unexpected answer {response} to CANCEL_WAIT"
+                    ) from None
                 return False
             if response != _STOP_WAITING:
                 raise StoreProtocolError(f"unexpected answer {response} to WAIT")
@@ -221,8 +238,10 @@ class TCPStoreClient:
             async with asyncio.timeout(timeout):
                 self._idle.append(await self._connect(retry=True))
         except TimeoutError:
-            raise StoreConnectionError(f"the store at {self.endpoint} did not answer within "
-                                       f"{timeout:g}s: {self._unreachable or 'no answer'}") from None
+            raise StoreConnectionError(
+                f"the store at {self.endpoint} did not answer within "
+                f"{timeout:g}s: {self._unreachable or 'no answer'}"
+            ) from None
 
     async def close(self) -> None:
         """Close every connection; calls in flight fail with StoreConnectionError."""
@@ -234,8 +253,15 @@ class TCPStoreClient:
 
     # -- connections ----------------------------------------------------------------------
 
-    async def _call(self, request: bytes, exchange: Exchange, *, ping: bool = False,
-                    limit: asyncio.Semaphore | None = None, deadline: float | None = None) -> Any:
+    async def _call(
+        self,
+        request: bytes,
+        exchange: Exchange,
+        *,
+        ping: bool = False,
+        limit: asyncio.Semaphore | None = None,
+        deadline: float | None = None,
+    ) -> Any:
         """Send ``request`` on a free connection and read its answer with ``exchange``, all
         within ``deadline`` (the wait for a free connection too).  A connection whose
         exchange did not complete is closed: its state is unknown."""
@@ -251,8 +277,9 @@ class TCPStoreClient:
             raise StoreTimeout(f"store {self.endpoint}: no answer within {deadline:g}s") from None
         except (OSError, asyncio.IncompleteReadError) as exc:
             self._discard(conn)
-            raise StoreConnectionError(f"lost the store at {self.endpoint}: "
-                                       f"{exc or type(exc).__name__}") from exc
+            raise StoreConnectionError(
+                f"lost the store at {self.endpoint}: {exc or type(exc).__name__}"
+            ) from exc
         except BaseException:
             self._discard(conn)
             raise
@@ -300,8 +327,9 @@ class TCPStoreClient:
             await conn.pong()
         except (OSError, asyncio.IncompleteReadError) as exc:
             self._discard(conn)
-            raise StoreConnectionError(f"the store at {self.endpoint} broke off the handshake: "
-                                       f"{exc or type(exc).__name__}") from exc
+            raise StoreConnectionError(
+                f"the store at {self.endpoint} broke off the handshake: {exc or type(exc).__name__}"
+            ) from exc
         except BaseException:
             self._discard(conn)
             raise

@@ -28,7 +28,9 @@ def default_state_dir(uid: int | None = None) -> str:
     uid = os.getuid() if uid is None else uid
     if uid == 0:
         return SYSTEM_STATE_DIR
-    xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
     return os.path.join(xdg, "elasticd")
 
 
@@ -56,8 +58,10 @@ def how_to_reach(socket_path: str, uid: int | None = None) -> str:
     return f"elasticctl --socket {socket_path} (or ELASTICD_SOCKET={socket_path})"
 
 
-REACH_ELSEWHERE = ("point elasticctl at another daemon with --socket PATH or ELASTICD_SOCKET=PATH "
-                   f"(a daemon started with --runtime-dir DIR listens at DIR/{SOCKET_NAME})")
+REACH_ELSEWHERE = (
+    "point elasticctl at another daemon with --socket PATH or ELASTICD_SOCKET=PATH "
+    f"(a daemon started with --runtime-dir DIR listens at DIR/{SOCKET_NAME})"
+)
 
 
 def is_own_dir(path: str) -> bool:

@@ -21,14 +21,15 @@ import json
 import math
 import re
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from elasticd.wire import safejson
 
 VERSION = 1
-MAX_FRAME = 4 * 1024 * 1024      # a request
-MAX_REPLY = 256 * 1024 * 1024    # a reply (a `list` of many jobs is larger than any request)
+MAX_FRAME = 4 * 1024 * 1024  # a request
+MAX_REPLY = 256 * 1024 * 1024  # a reply (a `list` of many jobs is larger than any request)
 HEADER = struct.Struct(">I")
 
 # op -> {arg: allowed python types}; every arg is optional unless listed in REQUIRED.
@@ -80,7 +81,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "drain": ("node",),
     "undrain": ("node",),
 }
-STREAMING_OPS = frozenset({"logs", "wait", "list"})  # and "submit" with args.wait, "nodes" with args.watch
+STREAMING_OPS = frozenset(
+    {"logs", "wait", "list"}
+)  # and "submit" with args.wait, "nodes" with args.watch
 LIST_BATCH = 256 * 1024  # bytes of rows in one reply of the `list` stream (some 600 jobs)
 
 # Error codes a client can branch on (the daemon's ElasticdError.code values).
@@ -95,8 +98,8 @@ E_TOO_MANY = "too_many_connections"
 E_LIMIT = "limit_exceeded"  # a submit over a cap of the daemon's (the message names its key)
 
 
-GPU = "gpu"    # nproc_per_node: one worker per GPU the job gets on a node
-CPU = "cpu"    # one worker per CPU of the node (torchrun: os.cpu_count())
+GPU = "gpu"  # nproc_per_node: one worker per GPU the job gets on a node
+CPU = "cpu"  # one worker per CPU of the node (torchrun: os.cpu_count())
 AUTO = "auto"  # one per GPU on a node with GPUs, else one per CPU
 NPROC_WORDS = (GPU, CPU, AUTO)
 
@@ -126,8 +129,10 @@ def parse_nproc(value: str | int) -> int | str:
         return value
     if isinstance(value, str) and value.isascii() and value.isdigit() and int(value) >= 1:
         return int(value)
-    raise ValueError(f"nproc_per_node must be one of N, {', '.join(NPROC_WORDS)} "
-                     f"(N a positive integer), got {value!r}")
+    raise ValueError(
+        f"nproc_per_node must be one of N, {', '.join(NPROC_WORDS)} "
+        f"(N a positive integer), got {value!r}"
+    )
 
 
 class ProtocolError(Exception):
@@ -146,15 +151,21 @@ class Request:
 
     @property
     def streaming(self) -> bool:
-        return self.op in STREAMING_OPS or (self.op == "submit" and bool(self.args.get("wait"))) \
+        return (
+            self.op in STREAMING_OPS
+            or (self.op == "submit" and bool(self.args.get("wait")))
             or (self.op == "nodes" and bool(self.args.get("watch")))
+        )
 
 
 def encode_request(req: Request) -> bytes:
     """Raises UnicodeEncodeError for text that is not valid Unicode (e.g. a command-line
     argument that was not UTF-8): better refused by the client than changed."""
-    return json.dumps({"v": VERSION, "id": req.id, "op": req.op, "args": req.args},
-                      separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(
+        {"v": VERSION, "id": req.id, "op": req.op, "args": req.args},
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
 
 
 def decode_request(frame: bytes) -> Request:
@@ -223,8 +234,14 @@ def _check_args(op: str, args: dict[str, Any]) -> None:
 
 
 def _names(types: tuple[type, ...]) -> str:
-    words = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-             list: "a list", dict: "an object"}
+    words = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+        list: "a list",
+        dict: "an object",
+    }
     return " or ".join(words[t] for t in types)
 
 
@@ -237,7 +254,9 @@ def end(rid: str) -> bytes:
 
 
 def error(rid: str, code: str, message: str) -> bytes:
-    return _dump({"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}})
+    return _dump(
+        {"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}
+    )
 
 
 @dataclass(frozen=True)
@@ -259,8 +278,9 @@ def decode_reply(frame: bytes) -> Reply:
         return Reply(doc["id"], True, doc.get("result"), bool(doc.get("end")))
     err = doc.get("error")
     err = err if isinstance(err, dict) else {}
-    return Reply(doc["id"], False, code=str(err.get("code", E_INTERNAL)),
-                 message=str(err.get("message", "")))
+    return Reply(
+        doc["id"], False, code=str(err.get("code", E_INTERNAL)), message=str(err.get("message", ""))
+    )
 
 
 def batches(docs: Iterable[Any], max_bytes: int) -> Iterator[list[Any]]:
@@ -312,6 +332,7 @@ def _load(frame: bytes, limit: int) -> Any:
 
 # -- framing ---------------------------------------------------------------------------------
 
+
 def framed(payload: bytes) -> bytes:
     """One frame on the wire: its length, then the payload."""
     return HEADER.pack(len(payload)) + payload
@@ -332,6 +353,6 @@ class FrameReader:
                 raise ProtocolError(E_TOO_LARGE, f"a frame of {size} bytes exceeds {self._limit}")
             if len(self._buffer) < HEADER.size + size:
                 return
-            payload = bytes(self._buffer[HEADER.size:HEADER.size + size])
-            del self._buffer[:HEADER.size + size]
+            payload = bytes(self._buffer[HEADER.size : HEADER.size + size])
+            del self._buffer[: HEADER.size + size]
             yield payload

@@ -16,8 +16,8 @@ import math
 import re
 from typing import Any
 
-MAX_DEPTH = 64            # no record, request or file of ours nests deeper than a few levels
-MAX_INT = 1 << 63         # versions, times in microseconds, sizes: all far inside this
+MAX_DEPTH = 64  # no record, request or file of ours nests deeper than a few levels
+MAX_INT = 1 << 63  # versions, times in microseconds, sizes: all far inside this
 
 
 class Undecodable(ValueError):
@@ -31,8 +31,9 @@ def loads(raw: bytes | bytearray | str, *, max_bytes: int, max_depth: int = MAX_
         raise Undecodable(f"{len(raw)} bytes, more than {max_bytes}")
     try:
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
-        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
-                           parse_int=_bounded_int)
+        value = json.loads(
+            text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int
+        )
     except RecursionError:
         raise Undecodable(f"nested more than {max_depth} deep") from None
     except UnicodeDecodeError:
@@ -55,7 +56,9 @@ def _plainly_within(text: str, max_depth: int) -> bool:
     """Whether the text of a JSON value just decoded plainly holds no surrogate escape and
     no nesting deeper than ``max_depth`` (its brackets counted outside its strings): a
     scan of the text instead of a walk of every value; False sends the value to _check."""
-    if (not text.isascii() or "\\u" in text) and _SURROGATE.search(text):  # the search is slow: ~20 ms a MB
+    if (not text.isascii() or "\\u" in text) and _SURROGATE.search(
+        text
+    ):  # the search is slow: ~20 ms a MB
         return False
     if text.count("[") + text.count("{") <= max_depth:
         return True
@@ -107,7 +110,9 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise Undecodable(f"text {_short(text)!r} is not valid Unicode (a lone surrogate)") from None
+        raise Undecodable(
+            f"text {_short(text)!r} is not valid Unicode (a lone surrogate)"
+        ) from None
 
 
 def _short(text: object, limit: int = 60) -> str:

@@ -13,12 +13,12 @@ import pytest
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
-from rendezvous_support import INTERVAL, Participant  # noqa: E402
+from blocking_rendezvous import BlockingRendezvous
+from rendezvous_support import INTERVAL, Participant
 
-from blocking_rendezvous import BlockingRendezvous  # noqa: E402
-from elasticd.rendezvous import RendezvousSettings  # noqa: E402
-from elasticd.store.c10d import C10dServer, C10dStore, connect  # noqa: E402
-from elasticd.store.signing import Signer, create_key, load_key  # noqa: E402
+from elasticd.rendezvous import RendezvousSettings
+from elasticd.store.c10d import C10dServer, C10dStore, connect
+from elasticd.store.signing import Signer, create_key, load_key
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,9 @@ def make_handler(store, signer, prefix) -> Iterator[Callable[..., BlockingRendez
 
     def make(node: str, config: RendezvousSettings, **kwargs) -> BlockingRendezvous:
         kwargs.setdefault("prefix", prefix)
-        handler = BlockingRendezvous(kwargs.pop("store", store), signer, config, node, f"{node}.addr", **kwargs)
+        handler = BlockingRendezvous(
+            kwargs.pop("store", store), signer, config, node, f"{node}.addr", **kwargs
+        )
         made.append(handler)
         return handler
 
@@ -82,8 +84,19 @@ def spawn(server, key_file, prefix) -> Iterator[Callable[..., Participant]]:
     started: list[Participant] = []
 
     def start(node: str, min_nodes: int, max_nodes: int, *extra: str) -> Participant:
-        participant = Participant([server.endpoint, prefix, node, key_file, str(min_nodes), str(max_nodes),
-                                   "--interval", str(INTERVAL), *extra])
+        participant = Participant(
+            [
+                server.endpoint,
+                prefix,
+                node,
+                key_file,
+                str(min_nodes),
+                str(max_nodes),
+                "--interval",
+                str(INTERVAL),
+                *extra,
+            ]
+        )
         started.append(participant)
         return participant
 

@@ -20,8 +20,12 @@ PARTICIPANT = Path(__file__).with_name("participant.py")
 
 
 def settings(min_nodes: int, max_nodes: int, **overrides) -> RendezvousSettings:
-    fields = {"join_timeout": 60.0, "last_call_timeout": 0.3, "keep_alive_interval": INTERVAL,
-              "keep_alive_max_attempt": 3} | overrides
+    fields = {
+        "join_timeout": 60.0,
+        "last_call_timeout": 0.3,
+        "keep_alive_interval": INTERVAL,
+        "keep_alive_max_attempt": 3,
+    } | overrides
     return RendezvousSettings(run_id="job", min_nodes=min_nodes, max_nodes=max_nodes, **fields)
 
 
@@ -39,8 +43,12 @@ class Participant:
 
     def __init__(self, args: list[str]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(PARTICIPANT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=os.environ.copy())
+            [sys.executable, str(PARTICIPANT), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
         self._events: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -54,7 +62,9 @@ class Participant:
         while True:
             item = self._events.get(timeout=max(deadline - time.monotonic(), 0.01))
             if item is None:
-                raise AssertionError(f"participant exited ({self.process.wait()}): {self.process.stderr.read()}")
+                raise AssertionError(
+                    f"participant exited ({self.process.wait()}): {self.process.stderr.read()}"
+                )
             if item["event"] == event:
                 return item
 

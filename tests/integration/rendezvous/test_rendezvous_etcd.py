@@ -8,13 +8,13 @@ import asyncio
 import time
 
 import pytest
+from fixtures.etcd import EtcdCluster, require_etcd
 
-from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous import RendezvousSettings
+from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.rendezvous.keys import Keys
 from elasticd.store.etcd import EtcdStore
 from elasticd.store.signing import Signer
-from fixtures.etcd import EtcdCluster, require_etcd
 
 SIGNER = Signer(b"k" * 32, "c")
 
@@ -26,7 +26,9 @@ def etcd(tmp_path_factory):
         yield cluster
 
 
-async def form(etcd: EtcdCluster, prefix: str, nodes: list[str], tamper=None) -> tuple[list, list[str]]:
+async def form(
+    etcd: EtcdCluster, prefix: str, nodes: list[str], tamper=None
+) -> tuple[list, list[str]]:
     """Every node joins with a store client of its own; the infos and the join-log keys left
     once the completer's sweeper ran."""
     settings = RendezvousSettings("job", len(nodes), len(nodes), keep_alive_interval=0.2)
@@ -35,14 +37,25 @@ async def form(etcd: EtcdCluster, prefix: str, nodes: list[str], tamper=None) ->
         await store.connect(10.0)
     if tamper is not None:
         await tamper(stores[0])
-    handlers = [RendezvousHandler(s, SIGNER, settings, n, f"{n}.addr", prefix=prefix) for s, n in zip(stores, nodes)]
+    handlers = [
+        RendezvousHandler(s, SIGNER, settings, n, f"{n}.addr", prefix=prefix)
+        for s, n in zip(stores, nodes)
+    ]
     keepers = [asyncio.create_task(h.keep()) for h in handlers]
     try:
-        infos = await asyncio.wait_for(asyncio.gather(*(h.next_rendezvous(1, 1) for h in handlers)), 30)
+        infos = await asyncio.wait_for(
+            asyncio.gather(*(h.next_rendezvous(1, 1) for h in handlers)), 30
+        )
         left = ["?"]
         for _ in range(50):
-            left = [k for k in [Keys(prefix).joins(0), *(Keys(prefix).join(0, i) for i in range(1, 2 * len(nodes)))]
-                    if await stores[0].get(k) is not None]
+            left = [
+                k
+                for k in [
+                    Keys(prefix).joins(0),
+                    *(Keys(prefix).join(0, i) for i in range(1, 2 * len(nodes))),
+                ]
+                if await stores[0].get(k) is not None
+            ]
             if not left:
                 break
             await asyncio.sleep(0.1)

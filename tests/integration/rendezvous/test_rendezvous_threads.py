@@ -30,7 +30,13 @@ def test_formation_with_min_equal_max(make_handler, pool):
     assert [by_node[n].group_rank for n in "abcd"] == [0, 1, 2, 3]  # new nodes: by name
     assert [by_node[n].rank_base for n in "abcd"] == [0, 2, 4, 6]
     info = by_node["c"]
-    assert (info.round, info.reason, info.world_size, info.group_world_size, info.nproc) == (0, "initial", 8, 4, 2)
+    assert (info.round, info.reason, info.world_size, info.group_world_size, info.nproc) == (
+        0,
+        "initial",
+        8,
+        4,
+        2,
+    )
     assert (info.master_addr, info.master_port) == ("a.addr", 29402)  # what "a" declared
 
 
@@ -39,7 +45,11 @@ def test_heterogeneous_nproc(make_handler, pool):
     handlers = [make_handler(n, config) for n in ("a", "b", "c")]
     futures = [pool.submit(h.next_rendezvous, nproc, 1) for h, nproc in zip(handlers, (4, 1, 8))]
     infos = results(futures)
-    assert [(i.nproc, i.rank_base, i.world_size) for i in infos] == [(4, 0, 13), (1, 4, 13), (8, 5, 13)]
+    assert [(i.nproc, i.rank_base, i.world_size) for i in infos] == [
+        (4, 0, 13),
+        (1, 4, 13),
+        (8, 5, 13),
+    ]
 
 
 def test_min_less_than_max_completes_after_last_call(make_handler, pool):
@@ -84,7 +94,9 @@ def test_restart_of_an_unchanged_group_does_not_wait_for_last_call(make_handler,
     assert time.monotonic() - started < 10.0 and infos[0].round == 1 and infos[0].restart_count == 1
 
 
-def test_a_member_that_stops_heartbeating_is_removed_and_watchers_hear_node_lost(make_handler, pool):
+def test_a_member_that_stops_heartbeating_is_removed_and_watchers_hear_node_lost(
+    make_handler, pool
+):
     config = settings(2, 3)
     a, b, c = (make_handler(n, config) for n in ("a", "b", "c"))
     form(pool, [a, b, c])
@@ -93,14 +105,20 @@ def test_a_member_that_stops_heartbeating_is_removed_and_watchers_hear_node_lost
     c.shutdown(wait=True)
     events = [w.result(timeout=10) for w in watches]
     detected = time.monotonic() - silenced
-    assert events == [RoundEvent("next_round", reason="node_lost", nodes=("a", "b"))] * 2  # who is kept
+    assert (
+        events == [RoundEvent("next_round", reason="node_lost", nodes=("a", "b"))] * 2
+    )  # who is kept
     assert detected < DEAD_AFTER + 3 * INTERVAL + 1.0
     infos = form(pool, [a, b])
     assert (infos[0].round, [m.node for m in infos[0].members]) == (1, ["a", "b"])
 
 
-def test_a_node_dying_mid_rendezvous_is_dropped_and_the_round_completes_with_the_rest(make_handler, pool, store, prefix):
-    config = settings(2, 4, last_call_timeout=2.0)  # the victim is dropped long before last call ends
+def test_a_node_dying_mid_rendezvous_is_dropped_and_the_round_completes_with_the_rest(
+    make_handler, pool, store, prefix
+):
+    config = settings(
+        2, 4, last_call_timeout=2.0
+    )  # the victim is dropped long before last call ends
     victim, a, b = (make_handler(n, config) for n in ("victim", "a", "b"))
     joining = pool.submit(victim.next_rendezvous, 1, 1)
     assert store.wait_for(Keys(prefix).joins(0), 10.0)  # the victim's join record is logged
@@ -152,10 +170,14 @@ def test_two_run_ids_in_one_store_do_not_interfere(make_handler, pool, prefix):
     assert not job2[0].is_closed() and not watching.done()
 
 
-def test_a_tampered_state_is_refused_and_the_newest_one_seen_is_restored(make_handler, pool, store, prefix, signer):
+def test_a_tampered_state_is_refused_and_the_newest_one_seen_is_restored(
+    make_handler, pool, store, prefix, signer
+):
     refused: list[str] = []
     config = settings(2, 2, max_restarts=1)
-    a, b = (make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b"))
+    a, b = (
+        make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b")
+    )
     form(pool, [a, b])
     watching = a.watch(0)
     key = Keys(prefix).state
@@ -170,10 +192,14 @@ def test_a_tampered_state_is_refused_and_the_newest_one_seen_is_restored(make_ha
     assert decode(signer.open(key, store.get(key)).body).closed
 
 
-def test_an_older_state_written_back_is_refused_and_the_newest_restored(make_handler, pool, store, prefix, signer):
+def test_an_older_state_written_back_is_refused_and_the_newest_restored(
+    make_handler, pool, store, prefix, signer
+):
     refused: list[str] = []
     config = settings(2, 2, max_restarts=3)
-    a, b = (make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b"))
+    a, b = (
+        make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b")
+    )
     form(pool, [a, b])
     key = Keys(prefix).state
     round_0 = store.get(key)
@@ -186,7 +212,9 @@ def test_an_older_state_written_back_is_refused_and_the_newest_restored(make_han
     assert any("older than version" in why for why in refused)
 
 
-def test_a_node_that_never_saw_a_ran_jobs_state_does_not_start_it_again(make_handler, store, prefix):
+def test_a_node_that_never_saw_a_ran_jobs_state_does_not_start_it_again(
+    make_handler, store, prefix
+):
     late = make_handler("late", settings(1, 2), may_create=False)
     with pytest.raises(RendezvousGone):
         late.next_rendezvous(1, 1)
@@ -199,10 +227,19 @@ def test_a_tampered_join_record_is_refused_and_skipped(make_handler, pool, store
     refused: list[str] = []
     keys = Keys(prefix)
     store.add(keys.joins(0), 1)
-    store.set(keys.join(0, 1), b'{"v":2,"ver":0,"body":{"schema":1,"node":"evil","addr":"x","nproc":1,'
-                               b'"master_port":1},"mac":"00"}')
+    store.set(
+        keys.join(0, 1),
+        b'{"v":2,"ver":0,"body":{"schema":1,"node":"evil","addr":"x","nproc":1,'
+        b'"master_port":1},"mac":"00"}',
+    )
     config = settings(2, 3, last_call_timeout=0.3)
-    infos = form(pool, [make_handler(n, config, on_refused=lambda key, why: refused.append(why)) for n in ("a", "b")])
+    infos = form(
+        pool,
+        [
+            make_handler(n, config, on_refused=lambda key, why: refused.append(why))
+            for n in ("a", "b")
+        ],
+    )
     assert [m.node for m in infos[0].members] == ["a", "b"] and refused
 
 
