@@ -1,5 +1,7 @@
-"""The layout's rule (README, Layout): every import arrow points down the tiers.  It reads
-the source (stdlib ast), importing nothing."""
+"""The layout's rules (docs/architecture.md): every import arrow points down the tiers, no
+import goes in a circle (not even one inside a function or under TYPE_CHECKING), and no
+module reaches for another module's private names.  They read the source (stdlib ast),
+importing nothing."""
 
 from __future__ import annotations
 
@@ -107,6 +109,90 @@ def test_every_import_arrow_points_down_the_tiers():
                     f"{module} ({room}, tier {tier}) imports {target} ({other}, tier {ROOMS[other][0]})"
                 )
     assert not upward, "imports pointing up:\n" + "\n".join(upward)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(DAEMON.rglob("*.py"))}
+
+
+def test_no_import_goes_in_a_circle():
+    """Tarjan's strongly connected components over every import of every module, wherever
+    it is written: a circle held together by imports inside functions is still a circle."""
+    graph = {module: imported(path, module) for module, path in modules().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in graph:
+                continue
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1 or module in graph.get(module, ()):
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert not circles, "imports in a circle:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}  # public names
+
+
+def private_names(tree: ast.AST) -> set[str]:
+    """The private names (``_x``, not dunders) a module defines: its functions, classes and
+    methods, and the attributes it assigns (``self._x = ...``, class-level ``_x = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_no_module_uses_another_modules_private_names():
+    """``x._name`` where ``_name`` is defined by another of our modules and not by this one,
+    or ``from elasticd... import _name``: modules talk through public names.  (Private
+    names of other libraries are not ours to police here.)"""
+    trees = {module: ast.parse(path.read_text(), str(path)) for module, path in modules().items()}
+    defined = {module: private_names(tree) for module, tree in trees.items()}
+    ours = set().union(*defined.values()) - NAMEDTUPLE_API
+    reaching = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("elasticd"):
+                reaching += [
+                    f"{module}: from {node.module} import {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr in ours
+                and node.attr not in defined[module]
+            ):
+                reaching.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    assert not reaching, "private names used from another module:\n" + "\n".join(reaching)
 
 
 def test_the_cli_imports_only_the_wire_of_the_daemon():

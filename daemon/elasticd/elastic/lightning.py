@@ -196,7 +196,7 @@ class LightningState(ObjectState):
 
     def save(self) -> None:
         super().save()
-        if self._saved_attrs["checkpoint"] is not None:
+        if self.saved("checkpoint") is not None:
             self._initial = None  # a restore never goes back past a commit
 
     def restore(self) -> None:

@@ -86,6 +86,10 @@ class ObjectState(State):
     def save(self) -> None:
         self._saved_attrs = _snapshot(self._values())
 
+    def saved(self, name: str) -> Any:
+        """The value of ``name`` as the last save kept it (a restore brings it back)."""
+        return self._saved_attrs[name]
+
     def restore(self) -> None:
         """Put the saved values back, as copies: the saved ones stay as they were."""
         self._set_values(_snapshot(self._saved_attrs))
