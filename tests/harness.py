@@ -111,11 +111,14 @@ class Daemon:
                     for batch in control.stream("list", {"all": True}, timeout)
                     for row in batch.get("jobs", [])
                 ]
-                told = []
+                told, node_story = [], {}
                 for job in jobs:
                     doc = control.call("status", {"job": job, "debug": True}, timeout).result or {}
                     for node, lines in (doc.get("story") or {}).items():
                         told.append(f"job {job} on {node}:\n" + "\n".join(lines[-60:]))
+                    node_story = doc.get("node_story") or node_story
+                for node, lines in node_story.items():
+                    told.append(f"node {node}:\n" + "\n".join(lines[-60:]))
                 return "\n\n".join(told)
         except Exception as exc:  # a daemon that died, or hangs: the test's own failure says more
             return f"(no stories: {exc!r})"

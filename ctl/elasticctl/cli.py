@@ -165,7 +165,8 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
         "--debug",
         action="store_true",
         help="also the job's story on this node: the last events its part heard "
-        "and what it did about each (owner and admins only)",
+        "and what it did about each (owner and admins only), and for admins the node's own "
+        "story (holds, placement, the schedule, GPU health)",
     )
     add_logs_options(command("logs", cmd_logs, "show a job's worker output", epilog=LOGS_FORMAT))
     command("cancel", cmd_cancel, "cancel a job").add_argument("job", metavar="JOB")

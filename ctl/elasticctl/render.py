@@ -345,6 +345,9 @@ def status_block(job: Doc, now: float) -> str:
     for node, story in sorted((job.get("story") or {}).items()):
         lines += ["", f"story on {text(node)} (seconds since its first entry):"]
         lines += [f"  {text(line)}" for line in story] or ["  (nothing: this node never took part)"]
+    for node, story in sorted((job.get("node_story") or {}).items()):
+        lines += ["", f"the story of node {text(node)} (seconds since its first entry):"]
+        lines += [f"  {text(line)}" for line in story[-60:]] or ["  (nothing yet)"]
     return "\n".join(lines)
 
 

@@ -359,7 +359,7 @@ class Daemon:
                 else None,
                 gpu_watch=GpuWatch(config.gpu.policy) if nvml is not None else None,
             )
-            service = NodeShell(
+            node_shell = NodeShell(
                 core,
                 board=board,
                 registry=registry,
@@ -391,16 +391,16 @@ class Daemon:
                     worker_library=worker_library.install(config.paths.runtime_dir),
                 ),
             )
-            service.post(events.Restored(tuple(unfinished)))
-            self.metrics.job_usage.source = service.usage
-            self._listed(service, listing)
+            node_shell.post(events.Restored(tuple(unfinished)))
+            self.metrics.job_usage.source = node_shell.usage
+            self._listed(node_shell, listing)
             scheduling = build_scheduler(
                 config,
                 store,
                 signer,
                 nodes,
                 registry,
-                service.post,
+                node_shell.post,
                 self._refused,
                 on_plan=self.metrics.planned,
             )
@@ -415,7 +415,7 @@ class Daemon:
                 config,
                 node=self.node,
                 registry=registry,
-                jobs=service,
+                jobs=node_shell,
                 logs=logs,
                 cluster=nodes,
                 peers=peers,
@@ -457,10 +457,10 @@ class Daemon:
                 cgroups.reap_leftovers
             )  # the socket says no other daemon runs here
             registry.subscribe(lambda record: self._jobs_changed(registry))
-            self._local.jobs = service
+            self._local.jobs = node_shell
             duties = NodeDuties(
                 local_record=self._local.record,
-                post=service.post,
+                post=node_shell.post,
                 watcher=Watcher(
                     store=functools.partial(self._store_health, registry),
                     tick=lambda: self.metrics.count_nodes(nodes.tally()),
@@ -469,7 +469,7 @@ class Daemon:
             pruner = Pruner(
                 registry,
                 config.log_dir,
-                busy=service.local_jobs,
+                busy=node_shell.local_jobs,
                 on_pruned=lambda job_ids: self._jobs_changed(registry),
             )
             self._install_signals()
@@ -487,11 +487,11 @@ class Daemon:
                     loops["schedule"] = functools.partial(scheduling[1].run, self.stop)
                 if nvml is not None and config.gpu.health_interval:
                     loops["gpu-health"] = functools.partial(
-                        watch_gpus, nvml, config.gpu.health_interval, service.post, self.stop
+                        watch_gpus, nvml, config.gpu.health_interval, node_shell.post, self.stop
                     )
                 if discovery is not None:
                     loops["discovery"] = functools.partial(
-                        discovery.run, self.stop, functools.partial(self._listed, service)
+                        discovery.run, self.stop, functools.partial(self._listed, node_shell)
                     )
                 # none of them ends the task group: one that raises is logged, counted, started again
                 background = [
@@ -512,7 +512,7 @@ class Daemon:
                         config.socket_path,
                         self._endpoint,
                     )
-                await service.run(self.stop)
+                await node_shell.run(self.stop)
                 for task in background:
                     task.cancel()
         log.info("elasticd stopped")
@@ -647,9 +647,9 @@ class Daemon:
         )
         return listing
 
-    def _listed(self, service: NodeShell, listing: Listing) -> None:
+    def _listed(self, node_shell: NodeShell, listing: Listing) -> None:
         self.metrics.node_listed.set(1 if listing.listed else 0)
-        service.set_listed(listing)
+        node_shell.set_listed(listing)
 
     def _update_status(self, registry: JobRegistry) -> None:
         line = status_line(registry.jobs(), self.node)

@@ -16,8 +16,8 @@ import pytest
 from harness import ROOT
 from store_attack import Cluster, metric, wait_for
 
-from elasticd.core.inplace import standby
 from elasticd.core.model import JobSpec, WorkerState
+from elasticd.core.part.pool import standby
 from elasticd.shell.workers import LocalWorkers
 
 pytestmark = pytest.mark.slow

@@ -72,9 +72,9 @@ OK = RunResult(WorkerState.SUCCEEDED)
         (RoundEvent(K.CLOSED), info(), Action.STOP),
         (RoundEvent(K.WAITING, waiting=1), info(nodes=2), Action.SCALE_UP),
         (RoundEvent(K.WAITING, waiting=1), info(nodes=3), Action.WATCH),
-        (JobEnded(Outcome(JobState.CANCELLED, 1.0)), info(), Action.STOP),
-        (Leaving(R.DRAIN), info(), Action.LEAVE),
-        (Leaving(R.SHUTDOWN), info(), Action.LEAVE),
+        (JobEnded("j", Outcome(JobState.CANCELLED, 1.0)), info(), Action.STOP),
+        (Leaving("j", R.DRAIN), info(), Action.LEAVE),
+        (Leaving("j", R.SHUTDOWN), info(), Action.LEAVE),
         (
             WorkersReady((1,)),
             info(nodes=3),

@@ -1,4 +1,4 @@
-"""The part's machine (core/part.py, core/inplace.py) driven by stimulus tables, as dask's
+"""The part's machine (core/part/machine.py, core/part/inplace.py) driven by stimulus tables, as dask's
 tests drive WorkerState.handle_stimulus: every path of a job on a node, each stimulus
 answered by the instructions asserted here.  No process, no store, no clock."""
 
@@ -10,7 +10,6 @@ import pytest
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.inplace import Places, parked
 from elasticd.core.model import (
     IllegalTransition,
     JobSpec,
@@ -19,7 +18,7 @@ from elasticd.core.model import (
     WorkerGroup,
     WorkerState,
 )
-from elasticd.core.part import PartCore, Phase, Settings
+from elasticd.core.part import PartCore, PartSettings, Phase, Pool
 from elasticd.core.records import Outcome
 from elasticd.rendezvous import EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
 
@@ -77,9 +76,9 @@ class Drive:
             spec(in_place=in_place, **kw),
             2,
             (),
-            Settings(ME, 3.0),
+            PartSettings(ME, 3.0),
             started=started,
-            place=Places() if in_place else None,
+            pool=Pool() if in_place else None,
         )
         self.mono = 100.0
         self.said: list[do.Instruction] = []
@@ -94,10 +93,10 @@ class Drive:
         return self._keep(self.part.handle(event, self.now()))
 
     def ended(self, state: JobState = JobState.CANCELLED) -> list[do.Instruction]:
-        return self._keep(self.part.job_ended(Outcome(state, 1.0), self.now()))
+        return self(ev.JobEnded(JOB, Outcome(state, 1.0)))
 
     def leave(self, reason: Reason) -> list[do.Instruction]:
-        return self._keep(self.part.leave(reason, self.now()))
+        return self(ev.Leaving(JOB, reason))
 
     def _keep(self, out: list[do.Instruction]) -> list[do.Instruction]:
         self.said += out
@@ -226,11 +225,11 @@ def test_a_restart_the_rendezvous_refuses_as_exhausted_fails_the_job():
 def test_a_lost_node_re_forms_a_running_round_at_once():
     d = Drive()
     running(d)
-    out = d._keep(d.part.nodes_lost((OTHER, "n9"), d.now()))
+    out = d(ev.NodesLost((OTHER, "n9")))
     assert kinds(out) == ["Cancel", "Publish", "StopWorkers"] and states(out) == ["RESTARTING"]
     out = acts(d(ev.WorkersStopped(JOB, d.op(do.StopWorkers))))
     assert out[0] == do.RequestRound(JOB, d.op(do.RequestRound), 0, Reason.NODE_LOST, (OTHER,))
-    assert d.part.nodes_lost(("n9",), d.now()) == []  # not a member: nothing to do
+    assert d(ev.NodesLost(("n9",))) == []  # not a member: nothing to do
 
 
 @pytest.mark.parametrize("members, decision", [((ME,), "SCALE_UP"), ((ME, OTHER), "WATCH")])
@@ -555,7 +554,8 @@ def test_in_place_a_spare_fills_in_for_a_lost_node_in_the_survivors_round_itself
 
 
 def inplace_parked(d: Drive) -> int:
-    return parked(d.part)
+    assert d.part.pool is not None
+    return len(d.part.pool.parked())
 
 
 def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():

@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.inplace import Places
 from elasticd.core.model import JobSpec, JobState, Worker, WorkerGroup, WorkerState
-from elasticd.core.part import PartCore, Phase, Settings
+from elasticd.core.part import PartCore, PartSettings, Phase, Pool
 from elasticd.core.records import Outcome
 from elasticd.rendezvous import (
     CHARGED,
@@ -61,9 +60,9 @@ class World:
             self.spec,
             2,
             (),
-            Settings(ME, 3.0),
+            PartSettings(ME, 3.0),
             started=data.draw(st.sampled_from([None, 5.0])),
-            place=Places() if in_place else None,
+            pool=Pool() if in_place else None,
         )
         self.mono = 0.0
         self.round = 0
@@ -137,13 +136,14 @@ class World:
             self.timers.discard(name)
             self.feed(ev.TimerFired(JOB, name))
         elif move == "lost":
-            self.take(self.part.nodes_lost((self.data.draw(st.sampled_from(PEERS)),), self.now()))
-        elif move == "leave":
             self.take(
-                self.part.leave(
-                    self.data.draw(st.sampled_from([Reason.DRAIN, Reason.SHUTDOWN])), self.now()
+                self.part.handle(
+                    ev.NodesLost((self.data.draw(st.sampled_from(PEERS)),)), self.now()
                 )
             )
+        elif move == "leave":
+            reason = self.data.draw(st.sampled_from([Reason.DRAIN, Reason.SHUTDOWN]))
+            self.take(self.part.handle(ev.Leaving(JOB, reason), self.now()))
         elif move == "end" and not self.ended:
             self.end(
                 self.data.draw(
@@ -153,7 +153,7 @@ class World:
 
     def end(self, state: JobState) -> None:
         self.ended = True
-        self.take(self.part.job_ended(Outcome(state, 1.0), self.now()))
+        self.take(self.part.handle(ev.JobEnded(JOB, Outcome(state, 1.0)), self.now()))
 
     def worker(self) -> None:
         assert self.group is not None

@@ -2,8 +2,8 @@
 
 import pytest
 
-from elasticd.core.inplace import Notice, aborts, keeps_workers, notice, place, standby
 from elasticd.core.model import JobSpec, worker_env
+from elasticd.core.part.pool import Notice, aborts, keeps_workers, notice, round_group, standby
 from elasticd.rendezvous import Member, RendezvousInfo
 from elasticd.rendezvous import Reason as R
 
@@ -66,7 +66,7 @@ def test_what_the_survivors_hear(before, after, heard):
 
 def test_kept_workers_take_consecutive_ranks_and_keep_their_slot():
     info = round_of(5, a=2, me=2)  # this node's ranks start at 2
-    group = place(info, "me", "j", [3, 1])
+    group = round_group(info, "me", "j", [3, 1])
     assert [(w.local_rank, w.rank) for w in group.workers] == [(1, 2), (3, 3)]
     assert group.local_world_size == 2 and group.world_size == 4 and group.round == 5
     assert (group.master_addr, group.master_port) == ("a.host", 1234)
@@ -88,7 +88,7 @@ def test_a_warming_worker_has_no_rank_in_its_environment():
     env = worker_env(spec, group, group.workers[1], error_file="/e")
     assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2" and env["HOME"] == "/h"
     placed = worker_env(
-        spec, place(round_of(0, me=2), "me", "j", [0, 1]), group.workers[1], error_file="/e"
+        spec, round_group(round_of(0, me=2), "me", "j", [0, 1]), group.workers[1], error_file="/e"
     )
     assert {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"} <= set(placed)
     assert not {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GROUP_RANK"} & set(env)

@@ -150,3 +150,22 @@ def test_no_blacklist_when_it_is_off():
     for pid in range(10):
         out += fail(core, "j-000001", pid, pid, at(100))
     assert not core.draining and left(core, "j-000001") is None
+
+
+def test_the_node_story_ties_each_instruction_to_its_stimulus():
+    """dask's stimulus_id: the node's own story names every stimulus it heard and marks
+    each instruction with the stimulus that caused it; the parts' stories hear what the
+    node taught them (a drain: Leaving) under the same id."""
+    core, _ = node()
+    out = core.handle(ev.HoldChanged("drained by an operator", True, stimulus_id="drain-7"), at(1))
+    assert sum(isinstance(i, do.StopWorkers) for i in out) == 2  # both parts leave their round
+    lines = core.node_story()
+    heard = [line for line in lines if " heard " in line and "HoldChanged" in line]
+    assert heard and heard[-1].endswith("[drain-7]")
+    told = [line for line in lines if " told " in line and "[drain-7]" in line]
+    assert any("Say(" in line for line in told), lines
+    part = core.job_story("j-000001")
+    assert any("Leaving(reason=" in line and line.endswith("[drain-7]") for line in part), part
+    assert any(" told " in line and "Leaving [drain-7]: StopWorkers(" in line for line in part), (
+        part
+    )

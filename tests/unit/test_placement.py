@@ -3,7 +3,14 @@
 import pytest
 
 from elasticd.core.model import JobSpec, JobState, PartState
-from elasticd.core.placement import Offer, Resources, beyond_standalone, fit, never_fits, place
+from elasticd.core.placement import (
+    Offer,
+    Resources,
+    beyond_standalone,
+    choose_offers,
+    fit,
+    never_fits,
+)
 from elasticd.core.records import JobRecord, Outcome, Part
 
 
@@ -60,7 +67,7 @@ def test_fit(nproc, free, has_gpus, offer):
 
 def test_oldest_first_and_resources_are_used_up():
     jobs = [record("j-b", 2, nproc=2), record("j-a", 1, nproc=2), record("j-c", 3, nproc=1)]
-    assert place(jobs, "n1", Resources(3), has_gpus=False, busy=set()) == [
+    assert choose_offers(jobs, "n1", Resources(3), has_gpus=False, busy=set()) == [
         Offer("j-a", 2, ()),
         Offer("j-c", 1, ()),
     ]
@@ -72,13 +79,13 @@ def test_a_cpu_job_leaves_the_gpus_and_the_cpu_count_to_the_jobs_behind_it():
         record("j-b", 2, nproc="gpu"),
         record("j-c", 3, nproc="auto"),
     ]
-    offers = place(jobs, "n1", Resources(12, GPUS, cpus=4), has_gpus=True, busy=set())
+    offers = choose_offers(jobs, "n1", Resources(12, GPUS, cpus=4), has_gpus=True, busy=set())
     assert offers == [Offer("j-a", 4, ()), Offer("j-b", 4, GPUS)]  # j-c: no GPU left
 
 
 def test_gpus_are_split_between_jobs():
     jobs = [record("j-a", 1, nproc=2), record("j-b", 2, nproc=2)]
-    offers = place(jobs, "n1", Resources(8, GPUS), has_gpus=True, busy=set())
+    offers = choose_offers(jobs, "n1", Resources(8, GPUS), has_gpus=True, busy=set())
     assert [o.gpus for o in offers] == [("0", "1"), ("2", "3")]
 
 
@@ -101,16 +108,18 @@ def test_gpus_are_split_between_jobs():
     ],
 )
 def test_jobs_this_node_does_not_offer_itself_to(job, why):
-    assert place([job], "n1", Resources(8), has_gpus=False, busy=set()) == [], why
+    assert choose_offers([job], "n1", Resources(8), has_gpus=False, busy=set()) == [], why
 
 
 def test_busy_draining_and_left():
     job = record(
         "j", 1, nnodes=(1, 3), parts=(Part("n1", PartState.LEFT), Part("a", PartState.RUNNING))
     )
-    assert place([job], "n1", Resources(8), has_gpus=False, busy=set()) == [Offer("j", 1, ())]
-    assert place([job], "n1", Resources(8), has_gpus=False, busy={"j"}) == []
-    assert place([job], "n1", Resources(8), has_gpus=False, busy=set(), draining=True) == []
+    assert choose_offers([job], "n1", Resources(8), has_gpus=False, busy=set()) == [
+        Offer("j", 1, ())
+    ]
+    assert choose_offers([job], "n1", Resources(8), has_gpus=False, busy={"j"}) == []
+    assert choose_offers([job], "n1", Resources(8), has_gpus=False, busy=set(), draining=True) == []
 
 
 def _node(name, slots, gpus=0, cpus=None):
@@ -231,7 +240,9 @@ def test_spares_take_what_is_free_beyond_the_workers(free, has_gpus, spares, gpu
     at the cost of the job's own workers; the jobs behind it see them used."""
     spec = record("j-a", 1, nproc=1).spec
     job = JobRecord(JobSpec(**{**spec.__dict__, "in_place": True, "spares": 2}), 1, {}, None)
-    offers = place([job, record("j-b", 2, nproc=1)], "n1", free, has_gpus=has_gpus, busy=set())
+    offers = choose_offers(
+        [job, record("j-b", 2, nproc=1)], "n1", free, has_gpus=has_gpus, busy=set()
+    )
     assert (offers[0].spares, offers[0].gpus, offers[0].slots) == (spares, gpus, 1 + spares)
     assert len(offers) == (
         2 if free.slots > 1 + spares and (not has_gpus or len(free.gpus) > len(gpus)) else 1

@@ -1,4 +1,4 @@
-"""Hot spares are the first capacity a node gives back (issue 27; core/spares.py): a job that
+"""Hot spares are the first capacity a node gives back (core/part/spares.py): a job that
 fits on a node only in the room of another job's spares makes that job stop them (parked
 first, never a placed worker), and starts once their processes are reaped.  The node core and
 the part driven by stimuli, as the shell feeds them; the answers are the core's instructions."""
@@ -9,11 +9,9 @@ from typing import Any
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core import spares
-from elasticd.core.inplace import Places, SlotState, pool_slots
 from elasticd.core.model import JobSpec, Worker, WorkerGroup, WorkerState
 from elasticd.core.node import NodeCore, NodeSettings
-from elasticd.core.part import PartCore, Phase, Settings
+from elasticd.core.part import PartCore, PartSettings, Phase, Pool, SlotState, spares
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord
 from elasticd.rendezvous import EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
@@ -84,8 +82,8 @@ def running_part(nproc: int = 2, spare: int = 1) -> PartCore:
         spec(A, nproc, in_place=True, spares=spare),
         nproc,
         ("g0", "g1", "g2")[: nproc + spare],
-        Settings(NODE, 3.0),
-        place=Places(),
+        PartSettings(NODE, 3.0),
+        pool=Pool(),
         spares=spare,
     )
     out = part.start(at(0))
@@ -100,14 +98,19 @@ def published(out: list[do.Instruction]) -> Any:
     return of(out, do.Publish)[-1].part
 
 
+def own_slots(part: PartCore) -> list[int]:
+    assert part.pool is not None
+    return part.pool.own(part.nproc + part.spares)
+
+
 def test_a_parked_spare_is_given_back_and_its_slot_never_warms_again():
     part = running_part()
-    assert part.place.slots[2] is SlotState.READY and spares.sheddable(part) == [2]
+    assert part.pool.slots[2] is SlotState.READY and spares.sheddable(part) == [2]
     slots, out = spares.shed(part, 5, at(3))
     assert slots == (2,) and of(out, do.ForgetSlots)[0].slots == (2,)
     assert (
         part.spares == 0
-        and part.place.slots[2] is SlotState.EMPTY
+        and part.pool.slots[2] is SlotState.EMPTY
         and spares.given_gpus(part) == ("g2",)
     )
     shown = published(out)
@@ -122,7 +125,7 @@ def test_a_parked_spare_is_given_back_and_its_slot_never_warms_again():
     # a worker fails later: its slot warms up again, the given-back one does not
     part.handle(workers(part, WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.STOPPED), at(5))
     out = part.handle(ev.RoundRequested(A, part.ops["main"], NextRound.OPENED), at(6))
-    assert of(out, do.WarmWorkers)[0].slots == (1,) and pool_slots(part) == [0, 1]
+    assert of(out, do.WarmWorkers)[0].slots == (1,) and own_slots(part) == [0, 1]
 
 
 def test_a_warming_spare_in_a_low_slot_is_given_back_and_the_placed_one_keeps_its_gpu():
@@ -137,12 +140,12 @@ def test_a_warming_spare_in_a_low_slot_is_given_back_and_the_placed_one_keeps_it
         at(5),
     )
     assert sorted(of(out, do.PlaceWorkers)[0].envs) == [0, 2]
-    assert part.place.slots[1] is SlotState.WARMING and spares.sheddable(part) == [1]
+    assert part.pool.slots[1] is SlotState.WARMING and spares.sheddable(part) == [1]
     slots, _ = spares.shed(part, 1, at(6))
-    assert slots == (1,) and spares.given_gpus(part) == ("g1",) and pool_slots(part) == [0, 2]
+    assert slots == (1,) and spares.given_gpus(part) == ("g1",) and own_slots(part) == [0, 2]
     assert part.gpus == ("g0", "g1", "g2")  # one per slot number: LOCAL_RANK 2 is still g2
     part.handle(ev.WorkerAsked(A, 1, -1, "start", ""), at(7))  # a late ask of the stopped spare
-    assert part.place.slots[1] is SlotState.EMPTY and not spares.sheddable(part)
+    assert part.pool.slots[1] is SlotState.EMPTY and not spares.sheddable(part)
     # slot 2 fails: only slot 2 warms up again, the new world has slots 0 and 2
     part.handle(workers(part, WorkerState.HEALTHY, WorkerState.STOPPED, WorkerState.FAILED), at(8))
     out = part.handle(ev.RoundRequested(A, part.ops["main"], NextRound.OPENED), at(9))

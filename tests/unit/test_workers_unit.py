@@ -54,8 +54,8 @@ def test_a_worker_a_round_does_not_hold_loses_its_rank_in_the_shells_view_too():
     import asyncio
     import tempfile
 
-    from elasticd.core.inplace import place, standby
     from elasticd.core.model import JobSpec
+    from elasticd.core.part.pool import round_group, standby
     from elasticd.rendezvous import Member, Reason, RendezvousInfo
     from elasticd.shell.workers import LocalWorkers
 
@@ -79,8 +79,8 @@ def test_a_worker_a_round_does_not_hold_loses_its_rank_in_the_shells_view_too():
     async def placed_twice() -> list[tuple[int, int]]:
         with tempfile.TemporaryDirectory() as logs:
             workers = LocalWorkers(spec, standby("j-1", "n1", 2), logs)
-            workers.place(place(round_of(0, 2), "n1", "j-1", (0, 1)), logs)
-            workers.place(place(round_of(1, 1), "n1", "j-1", (1,)), logs)
+            workers.place(round_group(round_of(0, 2), "n1", "j-1", (0, 1)), logs)
+            workers.place(round_group(round_of(1, 1), "n1", "j-1", (1,)), logs)
             return [(w.rank, w.world_size) for w in workers.group.workers]
 
     assert asyncio.run(placed_twice()) == [(-1, 0), (0, 1)]

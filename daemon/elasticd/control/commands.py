@@ -330,7 +330,8 @@ class Commands:
 
     async def status(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """A job's document; with ``debug``, for its owner and admins, also its story on this
-        node (the part's stimuli and instructions: its own text is in them)."""
+        node (the part's stimuli and instructions: its own text is in them), and for admins
+        the node's own story (other users' jobs are named in it)."""
         record = await self._find(args["job"])
         usage = self._jobs.usage_of(record.id)
         doc = shown_doc(record, {self._node: usage} if usage else None, self._lost())
@@ -338,7 +339,9 @@ class Commands:
             await reply.result(others_view(doc))
             return
         if args.get("debug"):
-            doc["story"] = {self._node: self._jobs.story(record.id)}
+            doc["story"] = {self._node: self._jobs.job_story(record.id)}
+            if self._is_admin(caller):
+                doc["node_story"] = {self._node: self._jobs.node_story()}
         await reply.result(doc)
 
     def _lost(self) -> set[str]:

@@ -4,10 +4,14 @@ Each event names the job it is about (``job``), or none for a node-wide one.  Th
 completion of an operation the core asked for carries that operation's number (``op``): a
 completion whose number is not the one the part waits for is stale (an abandoned join, a
 watch of an old round) and is dropped, never acted on.
+
+Every event carries a ``stimulus_id`` (dask's): the shell names each stimulus as it takes
+it in, and the stories (core/story.py) tie each instruction to the stimulus that caused it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -17,6 +21,18 @@ from elasticd.core.model import Failure, JobSpec, WorkerGroup
 from elasticd.core.records import JobRecord, Outcome
 from elasticd.core.schedule import Schedule
 from elasticd.rendezvous import NextRound, Reason, RendezvousInfo, RoundEvent
+
+
+@dataclass(frozen=True)
+class Stimulus:
+    """What every event has: its name in the stories ("" until the shell names it)."""
+
+    stimulus_id: str = field(default="", kw_only=True)
+
+
+def stimulus_kind(event: Stimulus) -> str:
+    """An event's kind as a stimulus id starts: ``RoundJoined`` -> ``round-joined``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "-", type(event).__name__).lower()
 
 
 class Now(NamedTuple):
@@ -31,7 +47,7 @@ class Now(NamedTuple):
 
 
 @dataclass(frozen=True)
-class RoundJoined:
+class RoundJoined(Stimulus):
     job: str
     op: int
     info: RendezvousInfo
@@ -46,7 +62,7 @@ class JoinFailure:
 
 
 @dataclass(frozen=True)
-class JoinFailed:
+class JoinFailed(Stimulus):
     job: str
     op: int
     kind: str
@@ -54,7 +70,7 @@ class JoinFailed:
 
 
 @dataclass(frozen=True)
-class RoundChanged:
+class RoundChanged(Stimulus):
     """The watched round was superseded or closed, or nodes wait to join it."""
 
     job: str
@@ -63,7 +79,7 @@ class RoundChanged:
 
 
 @dataclass(frozen=True)
-class WorkersChanged:
+class WorkersChanged(Stimulus):
     """A worker of the part changed state (started, exited, placed); ``failures``: why each
     failed worker of ``group`` failed."""
 
@@ -73,13 +89,13 @@ class WorkersChanged:
 
 
 @dataclass(frozen=True)
-class WorkersStopped:
+class WorkersStopped(Stimulus):
     job: str
     op: int
 
 
 @dataclass(frozen=True)
-class PeersProbed:
+class PeersProbed(Stimulus):
     """The members whose daemons were found gone when the workers failed."""
 
     job: str
@@ -88,14 +104,14 @@ class PeersProbed:
 
 
 @dataclass(frozen=True)
-class RoundRequested:
+class RoundRequested(Stimulus):
     job: str
     op: int
     result: NextRound
 
 
 @dataclass(frozen=True)
-class BarrierProgress:
+class BarrierProgress(Stimulus):
     job: str
     op: int
     done: int
@@ -103,7 +119,7 @@ class BarrierProgress:
 
 
 @dataclass(frozen=True)
-class BarrierDone:
+class BarrierDone(Stimulus):
     """The exit barrier's wait ended: everyone arrived, or its timeout passed."""
 
     job: str
@@ -113,7 +129,7 @@ class BarrierDone:
 
 
 @dataclass(frozen=True)
-class Finished:
+class Finished(Stimulus):
     """The outcome that won (this node's, or one another node wrote first)."""
 
     job: str
@@ -122,7 +138,7 @@ class Finished:
 
 
 @dataclass(frozen=True)
-class Left:
+class Left(Stimulus):
     """The rendezvous was told that this node leaves (or the telling gave up)."""
 
     job: str
@@ -130,7 +146,7 @@ class Left:
 
 
 @dataclass(frozen=True)
-class WorkerAsked:
+class WorkerAsked(Stimulus):
     """In place: the worker in ``slot`` asked for its place in a round after ``after``
     (``why``: start, interrupt or failure; ``error``: what broke, for a failure)."""
 
@@ -142,13 +158,13 @@ class WorkerAsked:
 
 
 @dataclass(frozen=True)
-class TimerFired:
+class TimerFired(Stimulus):
     job: str
     name: str
 
 
 @dataclass(frozen=True)
-class OpFailed:
+class OpFailed(Stimulus):
     """An operation of the part failed: the store did not answer (``store``), or something
     no rule foresaw (a bug: ``store`` False)."""
 
@@ -159,7 +175,23 @@ class OpFailed:
 
 
 @dataclass(frozen=True)
-class PartClosed:
+class JobEnded(Stimulus):
+    """The job's outcome reached this node (from the board, or from its own finish)."""
+
+    job: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class Leaving(Stimulus):
+    """This node leaves the job (a drain, a shutdown, a reclaim, its user kept off it)."""
+
+    job: str
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class PartClosed(Stimulus):
     """Everything of the part is gone: workers, channel, keeper, cgroup."""
 
     job: str
@@ -169,7 +201,7 @@ class PartClosed:
 
 
 @dataclass(frozen=True)
-class JobsChanged:
+class JobsChanged(Stimulus):
     """The node's job table after a change: every job it knows (``users``: the local name
     of each uid of an open job, None where there is none, for the node's own rules)."""
 
@@ -178,7 +210,7 @@ class JobsChanged:
 
 
 @dataclass(frozen=True)
-class ScheduleChanged:
+class ScheduleChanged(Stimulus):
     """The cluster's schedule as this node follows it now (None: there is no valid one, so
     the node places jobs itself, first come first served)."""
 
@@ -186,14 +218,14 @@ class ScheduleChanged:
 
 
 @dataclass(frozen=True)
-class Restored:
+class Restored(Stimulus):
     """At start: the jobs that a previous run of this daemon left unfinished."""
 
     jobs: tuple[JobRecord, ...]
 
 
 @dataclass(frozen=True)
-class HoldChanged:
+class HoldChanged(Stimulus):
     """An operator drained or undrained this node, or the discovery script (un)listed it."""
 
     hold: str  # core.node.Hold's value
@@ -201,14 +233,14 @@ class HoldChanged:
 
 
 @dataclass(frozen=True)
-class GpusRead:
+class GpusRead(Stimulus):
     """This node's GPUs as NVML read them (every ``gpu.health_interval``)."""
 
     readings: tuple[GpuReading, ...]
 
 
 @dataclass(frozen=True)
-class GpuReadmitted:
+class GpuReadmitted(Stimulus):
     """An operator put GPU ``index`` back in this node's offer (``undrain NODE --gpu``)."""
 
     index: int
@@ -216,7 +248,7 @@ class GpuReadmitted:
 
 
 @dataclass(frozen=True)
-class Listed:
+class Listed(Stimulus):
     """What the discovery script says of this node: listed or not, and its slots (0: the
     configured number)."""
 
@@ -225,7 +257,7 @@ class Listed:
 
 
 @dataclass(frozen=True)
-class NodesLost:
+class NodesLost(Stimulus):
     """The one word that nodes are gone, whoever found out: the cluster's observer, a
     rendezvous keeper that dropped silent members, or a probe of the peers' daemons."""
 
@@ -233,27 +265,27 @@ class NodesLost:
 
 
 @dataclass(frozen=True)
-class CancelAsked:
+class CancelAsked(Stimulus):
     job: str
     by: str
     spec: JobSpec | None = None  # the job, for one this node runs nothing of
 
 
 @dataclass(frozen=True)
-class ShutdownAsked:
+class ShutdownAsked(Stimulus):
     """The daemon stops: a one-node cluster cancels its jobs, a node of a larger one leaves."""
 
     standalone: bool
 
 
 @dataclass(frozen=True)
-class NodeTimerFired:
+class NodeTimerFired(Stimulus):
     name: str
     key: object = None
 
 
 @dataclass(frozen=True)
-class PartStartFailed:
+class PartStartFailed(Stimulus):
     """The part's effectors could not be made (its cgroup, its channel)."""
 
     job: str
@@ -261,7 +293,7 @@ class PartStartFailed:
 
 
 @dataclass(frozen=True)
-class LeaveAsked:
+class LeaveAsked(Stimulus):
     """This node leaves the job (or, without one, every job here)."""
 
     reason: Reason
@@ -269,7 +301,7 @@ class LeaveAsked:
 
 
 @dataclass(frozen=True)
-class SparesShed:
+class SparesShed(Stimulus):
     """The node's ShedSpares ``op`` is done: the workers of ``slots`` are reaped (none: it
     failed, and the slots stay the part's)."""
 
@@ -307,6 +339,9 @@ PartEvent = (
     | WorkerAsked
     | TimerFired
     | OpFailed
+    | JobEnded
+    | Leaving
+    | NodesLost
 )
 NodeEvent = (
     JobsChanged

@@ -20,13 +20,11 @@ from dataclasses import dataclass, field, replace
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core import spares
 from elasticd.core.blacklist import USERS_FOR_NODE, Blacklist, worker_failures
 from elasticd.core.gpuhealth import GpuWatch
-from elasticd.core.inplace import Places
 from elasticd.core.model import JobSpec, JobState, PartState
-from elasticd.core.part import PartCore, Settings
-from elasticd.core.placement import Offer, Resources, place, refusal
+from elasticd.core.part import PartCore, PartSettings, Pool, spares
+from elasticd.core.placement import Offer, Resources, choose_offers, refusal
 from elasticd.core.records import JobRecord, Outcome, Part
 from elasticd.core.schedule import Schedule, follows, leaves
 from elasticd.core.story import Story
@@ -84,9 +82,10 @@ class NodeCore:
     next_op: int = 0
     schedule: Schedule | None = None  # the cluster's schedule, followed (None: first come)
     awaiting_schedule: bool = False  # scheduled, and the store's schedule not read yet
-    shedding: dict[int, tuple[PartCore, tuple[int, ...], str]] = field(
-        default_factory=dict
-    )  # op -> the part giving spares back, their slots, to whom
+    # op -> the part giving spares back, their slots, to whom
+    shedding: dict[int, tuple[PartCore, tuple[int, ...], str]] = field(default_factory=dict)
+    story: Story = field(default_factory=Story)  # the node's own: holds, placement, GPUs
+    stimulus_id: str = ""  # the stimulus being handled: what the node does for it carries it
 
     def __post_init__(self) -> None:
         self.resources = self.resources or self.settings.resources
@@ -97,13 +96,23 @@ class NodeCore:
     def handle(self, event: ev.Event, now: ev.Now) -> Instructions:
         """The node's answer to ``event``: a part's own news goes to that part (none of a
         part that ended); the rest is the node's (NODE_EVENTS)."""
+        self.stimulus_id = event.stimulus_id
         if isinstance(event, ev.PART_ONLY):
             part = self.parts.get(event.job)
             return self._from_part(part, event, now) if part is not None else []
         handler = NODE_EVENTS.lookup(
             NodePhase.STOPPING if self.stopping else NodePhase.SERVING, event
         )
-        return handler(self, event, now)
+        self.story.heard(now.mono, event)
+        out = handler(self, event, now)
+        self.story.told(now.mono, f"{type(event).__name__} [{event.stimulus_id}]", out)
+        return out
+
+    def _tell(self, part: PartCore, event: ev.PartEvent, now: ev.Now) -> Instructions:
+        """Give ``part`` news the node learned (the job ended, this node leaves it, nodes
+        were lost), named after the stimulus that taught it."""
+        out = part.handle(replace(event, stimulus_id=self.stimulus_id), now)
+        return self._outgoing(out, now)
 
     def _from_part(self, part: PartCore, event: ev.PartEvent, now: ev.Now) -> Instructions:
         out = self._outgoing(part.handle(event, now), now)
@@ -133,8 +142,8 @@ class NodeCore:
         for job, part in list(self.parts.items()):
             record = self.jobs.get(job)
             if record is not None and record.outcome is not None:
-                out += self._outgoing(part.job_ended(record.outcome, now), now)
-        return out + self._publish_holds(now) + self._reclaimed(now) + self._place(now)
+                out += self._tell(part, ev.JobEnded(job, record.outcome), now)
+        return out + self._publish_holds(now) + self._reclaimed(now) + self._offer_self(now)
 
     def _schedule_changed(self, event: ev.ScheduleChanged, now: ev.Now) -> Instructions:
         """Follow the cluster's schedule: leave the jobs it gave other nodes, take those it
@@ -142,7 +151,7 @@ class NodeCore:
         self.schedule, self.awaiting_schedule = event.schedule, False
         for job, part in self.parts.items():
             part.scheduled = self._scheduled(job)
-        return self._reclaimed(now) + self._place(now)
+        return self._reclaimed(now) + self._offer_self(now)
 
     def _scheduled(self, job: str) -> frozenset[str]:
         return (
@@ -164,9 +173,10 @@ class NodeCore:
                 and leaves(self.schedule, job, self.settings.node)
                 and part.leaving is None
             ):
-                out += [do.Count("reclaimed")] + self._outgoing(
-                    part.leave(Reason.RECLAIM, now), now
-                )
+                out += [
+                    do.Count("reclaimed"),
+                    *self._tell(part, ev.Leaving(job, Reason.RECLAIM), now),
+                ]
         return out
 
     def _publish_holds(self, now: ev.Now) -> Instructions:
@@ -182,7 +192,7 @@ class NodeCore:
                 out.append(do.Publish(record.id, replace(part, held=record.held)))
         return out
 
-    def _place(self, now: ev.Now) -> Instructions:
+    def _offer_self(self, now: ev.Now) -> Instructions:
         """Offer this node to the open jobs it fits, oldest first (those the schedule gives
         it, where there is one; nothing before a scheduled node read the store's)."""
         if self.stopping or self.awaiting_schedule:
@@ -211,7 +221,7 @@ class NodeCore:
                 if self.declined.get(r.id) == r.version or r.spec.uid in kept_off
             }
         )
-        for offer in place(
+        for offer in choose_offers(
             records,
             self.settings.node,
             free,
@@ -228,7 +238,7 @@ class NodeCore:
             )
         return out + self._reclaim_spares(records, free, busy, now)
 
-    # -- spares given back (core/spares.py) ----------------------------------------------------
+    # -- spares given back (core/part/spares.py) -----------------------------------------------
 
     def _reclaim_spares(
         self, records: list[JobRecord], free: Resources, busy: set[str], now: ev.Now
@@ -253,12 +263,12 @@ class NodeCore:
             ],
         )
         whole = spares.room(coming, [(len(h.slots), h.gpus) for h in holders])
-        offers = place(
+        offers = choose_offers(
             records, self.settings.node, whole, has_gpus=has_gpus, busy=busy, draining=self.draining
         )
         out: Instructions = []
         for job, n in spares.plan(holders, spares.wanted(offers, coming, has_gpus)):
-            slots, told = spares.shed(self.parts[job], n, now)
+            slots, told = spares.shed(self.parts[job], n, now, self.stimulus_id)
             self.next_op -= 1
             self.shedding[self.next_op] = (
                 self.parts[job],
@@ -308,7 +318,7 @@ class NodeCore:
                     (job, to),
                 )
             )
-        return out + self._place(now)
+        return out + self._offer_self(now)
 
     def _refused_here(self, records: list[JobRecord], out: Instructions) -> set[str]:
         """The open jobs that this node's own rules forbid (each judged once, and said)."""
@@ -344,13 +354,13 @@ class NodeCore:
             spec,
             nproc,
             offer.gpus,
-            Settings(self.settings.node, self.settings.dead_after),
+            PartSettings(self.settings.node, self.settings.dead_after),
             started=started,
-            place=Places() if spec.in_place else None,
+            pool=Pool() if spec.in_place else None,
             spares=offer.spares,
             scheduled=self._scheduled(spec.id),
         )
-        first = part.start(now)  # raises before the part is this node's
+        first = part.start(now, self.stimulus_id)  # raises before the part is this node's
         self.parts[spec.id] = part
         self.offers[spec.id] = offer
         out: Instructions = [
@@ -379,7 +389,7 @@ class NodeCore:
             del self.stories[next(iter(self.stories))]  # the oldest part's
         if part.declined and (record := self.jobs.get(event.job)) is not None:
             self.declined[event.job] = record.version  # not again until the job changes
-        return self._place(now)
+        return self._offer_self(now)
 
     def _part_start_failed(self, event: ev.PartStartFailed, now: ev.Now) -> Instructions:
         """A job that cannot start here must not hold up the jobs behind it."""
@@ -393,7 +403,7 @@ class NodeCore:
                 event.job,
                 (event.job, self.settings.node, event.message),
             )
-        ] + self._place(now)
+        ] + self._offer_self(now)
 
     # -- outcomes this node writes of its own -----------------------------------------------------
 
@@ -448,7 +458,7 @@ class NodeCore:
         elif part is not None:
             out += self._from_part(part, event, now)
         if part is not None and event.job in self.parts:
-            out += self._outgoing(part.job_ended(event.outcome, now), now)
+            out += self._tell(part, ev.JobEnded(event.job, event.outcome), now)
         return out
 
     def _op_failed(self, event: ev.OpFailed, now: ev.Now) -> Instructions:
@@ -494,8 +504,8 @@ class NodeCore:
             out.append(do.Say("info", "node %s takes jobs again", None, (self.settings.node,)))
         if self.draining and not was:
             for part in list(self.parts.values()):
-                out += self._outgoing(part.leave(Reason.DRAIN, now), now)
-        return out + self._place(now)
+                out += self._tell(part, ev.Leaving(part.job, Reason.DRAIN), now)
+        return out + self._offer_self(now)
 
     def _hold_changed(self, event: ev.HoldChanged, now: ev.Now) -> Instructions:
         """An operator's drain, or undrain: undrain also lifts every cooldown here."""
@@ -577,8 +587,8 @@ class NodeCore:
         for job, offer in list(self.offers.items()):
             part = self.parts.get(job)
             if part is not None and part.leaving is None and out_now.intersection(offer.gpus):
-                out += self._outgoing(part.leave(Reason.DRAIN, now), now)
-        return out + self._place(now)
+                out += self._tell(part, ev.Leaving(job, Reason.DRAIN), now)
+        return out + self._offer_self(now)
 
     def _count_failures(self, job: str, part: Part, now: ev.Now) -> Instructions:
         record = self.jobs.get(job)
@@ -618,8 +628,8 @@ class NodeCore:
         if not self.draining:  # a draining node told every job to leave already
             for part in list(self.parts.values()):
                 if part.spec.uid == uid:
-                    out += self._outgoing(part.leave(Reason.DRAIN, now), now)
-        return out + self._place(now)
+                    out += self._tell(part, ev.Leaving(part.job, Reason.DRAIN), now)
+        return out + self._offer_self(now)
 
     def _user_cooldown_over(self, uid: int, now: ev.Now) -> Instructions:
         """A user's cooldown ended (the timer goes again if it fired a moment early)."""
@@ -633,7 +643,7 @@ class NodeCore:
             do.Say(
                 "info", "node %s: jobs of %s may run here again", None, (self.settings.node, user)
             )
-        ] + self._place(now)
+        ] + self._offer_self(now)
 
     def _blacklist_node(self, until: float, now: ev.Now) -> Instructions:
         """The jobs of several users failed here: the node takes no job for the cooldown."""
@@ -683,7 +693,7 @@ class NodeCore:
     def _nodes_lost(self, event: ev.NodesLost, now: ev.Now) -> Instructions:
         out: Instructions = []
         for part in list(self.parts.values()):
-            out += self._outgoing(part.nodes_lost(event.nodes, now), now)
+            out += self._tell(part, event, now)
         return out
 
     def _leave_asked(self, event: ev.LeaveAsked, now: ev.Now) -> Instructions:
@@ -696,7 +706,7 @@ class NodeCore:
         )
         out: Instructions = []
         for part in parts:
-            out += self._outgoing(part.leave(event.reason, now), now)
+            out += self._tell(part, ev.Leaving(part.job, event.reason), now)
         return out
 
     def _shutdown(self, event: ev.ShutdownAsked, now: ev.Now) -> Instructions:
@@ -718,7 +728,7 @@ class NodeCore:
                     out += self._finish(record.id, outcome, record.spec)
             return out
         for part in list(self.parts.values()):
-            out += self._outgoing(part.leave(Reason.SHUTDOWN, now), now)
+            out += self._tell(part, ev.Leaving(part.job, Reason.SHUTDOWN), now)
         return out
 
     # -- what the shell and the node record read ----------------------------------------------
@@ -733,10 +743,15 @@ class NodeCore:
     def local_jobs(self) -> list[str]:
         return sorted(self.parts)
 
-    def story(self, job: str) -> list[str]:
+    def job_story(self, job: str) -> list[str]:
+        """The story of this node's part of ``job`` (of the last part, once it ended)."""
         part = self.parts.get(job)
         story = part.story if part is not None else self.stories.get(job)
         return story.lines() if story is not None else []
+
+    def node_story(self) -> list[str]:
+        """The node's own story: holds, placement, the schedule, GPU health, lost nodes."""
+        return self.story.lines()
 
 
 def _started(record: JobRecord) -> float | None:
@@ -749,37 +764,36 @@ class NodePhase(enum.StrEnum):
     STOPPING = "stopping"  # shutting down: no new part; the parts end
 
 
-N = NodeCore
 _ALWAYS = {
-    ev.PartClosed: N._part_closed,
-    ev.PartStartFailed: N._part_start_failed,
-    ev.Finished: N._finished,
-    ev.OpFailed: N._op_failed,
-    ev.NodesLost: N._nodes_lost,
-    ev.NodeTimerFired: N._node_timer,
-    ev.JobsChanged: N._jobs_changed,
-    ev.LeaveAsked: N._leave_asked,
-    ev.ScheduleChanged: N._schedule_changed,
-    ev.GpusRead: N._gpus_read,
-    ev.GpuReadmitted: N._gpu_readmitted,
-    ev.SparesShed: N._spares_shed,
+    ev.PartClosed: NodeCore._part_closed,
+    ev.PartStartFailed: NodeCore._part_start_failed,
+    ev.Finished: NodeCore._finished,
+    ev.OpFailed: NodeCore._op_failed,
+    ev.NodesLost: NodeCore._nodes_lost,
+    ev.NodeTimerFired: NodeCore._node_timer,
+    ev.JobsChanged: NodeCore._jobs_changed,
+    ev.LeaveAsked: NodeCore._leave_asked,
+    ev.ScheduleChanged: NodeCore._schedule_changed,
+    ev.GpusRead: NodeCore._gpus_read,
+    ev.GpuReadmitted: NodeCore._gpu_readmitted,
+    ev.SparesShed: NodeCore._spares_shed,
 }
 NODE_EVENTS = EventTable(
     "a node",
     {
         NodePhase.SERVING: {
             **_ALWAYS,
-            ev.Restored: N._restored,
-            ev.HoldChanged: N._hold_changed,
-            ev.Listed: N._listed,
-            ev.CancelAsked: N._cancel,
-            ev.ShutdownAsked: N._shutdown,
+            ev.Restored: NodeCore._restored,
+            ev.HoldChanged: NodeCore._hold_changed,
+            ev.Listed: NodeCore._listed,
+            ev.CancelAsked: NodeCore._cancel,
+            ev.ShutdownAsked: NodeCore._shutdown,
         },
         NodePhase.STOPPING: {
             **_ALWAYS,
-            ev.HoldChanged: N._hold_changed,
-            ev.Listed: N._listed,
-            ev.CancelAsked: N._cancel,
+            ev.HoldChanged: NodeCore._hold_changed,
+            ev.Listed: NodeCore._listed,
+            ev.CancelAsked: NodeCore._cancel,
             ev.ShutdownAsked: lambda node, event, now: [],
         },
     },

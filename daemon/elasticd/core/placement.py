@@ -160,7 +160,7 @@ def _size(node: dict[str, Any]) -> str:
     return f"{node['name']} has {node['slots_total']} slots{cpus} and {node['gpus_total']} GPUs"
 
 
-def place(
+def choose_offers(
     jobs: Iterable[JobRecord],
     node: str,
     free: Resources,

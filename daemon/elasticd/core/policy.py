@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from elasticd.core.events import JobEnded, Leaving
 from elasticd.core.model import Failure, JobSpec, JobState, RunResult, WorkerGroup, WorkerState
 from elasticd.core.records import Outcome
 from elasticd.journal import excerpt
@@ -48,16 +49,6 @@ class RejoinStalled:
     """In place: survivors that did not ask for their place in time."""
 
     slots: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class JobEnded:
-    outcome: Outcome
-
-
-@dataclass(frozen=True)
-class Leaving:
-    reason: Reason
 
 
 Observed = WorkersExited | WorkersReady | RejoinStalled | JobEnded | Leaving | RoundEvent

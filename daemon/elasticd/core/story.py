@@ -1,6 +1,8 @@
-"""A job's story on this node, as dask keeps one per key: the last stimuli the core heard
-about it and the instructions it gave, with the monotonic time of each.  ``elasticctl
-status --debug`` shows it; a failing test prints it."""
+"""Stories, as dask keeps one per key: the last stimuli the core heard and the instructions
+it gave, with the monotonic time of each and the stimulus id that ties an instruction to
+its cause.  Each part keeps one (a job on this node); the node keeps one of its own (holds,
+placement, the schedule, GPU health).  ``elasticctl status --debug`` shows them; a failing
+test prints them."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticd.core.model import WorkerGroup
-from elasticd.core.records import Part
+from elasticd.core.records import JobRecord, Part
 from elasticd.rendezvous import RendezvousInfo
 
 KEPT = 200  # entries per job
@@ -28,7 +30,10 @@ class Story:
         self._entries: deque[Entry] = deque(maxlen=kept)
 
     def heard(self, at: float, stimulus: Any) -> None:
-        self._entries.append(Entry(at, "heard", _text(stimulus)))
+        sid = getattr(stimulus, "stimulus_id", "")
+        self._entries.append(
+            Entry(at, "heard", f"{_text(stimulus)} [{sid}]" if sid else _text(stimulus))
+        )
 
     def told(self, at: float, why: str, instructions: Iterable[Any]) -> None:
         for instruction in instructions:
@@ -57,15 +62,14 @@ def _text(item: Any) -> str:
     if fields is None:
         text = f"{name}({item!r})"
     else:
-        text = (
-            f"{name}("
-            + ", ".join(f"{key}={_short(getattr(item, key))}" for key in fields if key != "job")
-            + ")"
-        )
+        shown = (key for key in fields if key not in ("job", "stimulus_id"))
+        text = f"{name}(" + ", ".join(f"{key}={_short(getattr(item, key))}" for key in shown) + ")"
     return text if len(text) <= _CUT else text[:_CUT] + "..."
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, tuple) and value and isinstance(value[0], JobRecord):
+        return f"<{len(value)} jobs>"
     if isinstance(value, WorkerGroup):
         return f"<group round {value.round}: {[(w.local_rank, w.rank, w.state.value) for w in value.workers]}>"
     if isinstance(value, RendezvousInfo):

@@ -11,17 +11,20 @@ effectors.py's.  Submits, cancels and look-ups of the control socket come in her
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import pwd
 import re
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.discovery import Listing
+from elasticd.core.events import stimulus_kind
 from elasticd.core.model import JobSpec
 from elasticd.core.node import NodeCore
 from elasticd.core.placement import Resources
@@ -88,6 +91,7 @@ class NodeShell:
         self._jobs_posted = False
         self._tasks: asyncio.TaskGroup | None = None
         self._republishing: set[asyncio.Task[None]] = set()  # StoreReset's tasks
+        self._stimuli = itertools.count(1)  # names each stimulus as it comes in
         registry.subscribe(lambda record: self._jobs_changed())
 
     # -- the loop ------------------------------------------------------------------------------
@@ -138,6 +142,8 @@ class NodeShell:
         fresh = self._refresh(event)
         if fresh is None:
             return
+        if not fresh.stimulus_id:
+            fresh = replace(fresh, stimulus_id=f"{stimulus_kind(fresh)}-{next(self._stimuli)}")
         now = ev.Now(self._clock(), self._wall())
         try:
             instructions = self.core.handle(fresh, now)
@@ -152,7 +158,7 @@ class NodeShell:
         """The core raised (an event a state does not take: a bug): it is logged with the
         job's story and counted; the job's part, if it has one here, fails saying so (once)."""
         job = getattr(event, "job", None)
-        story = "\n".join(self.core.story(job)[-30:]) if job else ""
+        story = "\n".join(self.core.job_story(job)[-30:]) if job else ""
         self._faults.report(
             "core",
             f"{type(event).__name__}" + (f" of job {job}; its story:\n{story}" if job else ""),
@@ -254,9 +260,9 @@ class NodeShell:
 
     # rendezvous
 
-    def _join(self, i: do.Join) -> None:
-        part = self._parts[i.job]
-        port = i.master_port or free_port(self._effectors.address)
+    def _join(self, join: do.Join) -> None:
+        part = self._parts[join.job]
+        port = join.master_port or free_port(self._effectors.address)
 
         def fail(exc: Exception) -> ev.Event | None:
             kind = {
@@ -264,123 +270,150 @@ class NodeShell:
                 RendezvousGone: ev.JoinFailure.GONE,
                 RendezvousTimeoutError: ev.JoinFailure.TIMEOUT,
             }.get(type(exc))
-            return ev.JoinFailed(i.job, i.op, kind, str(exc)) if kind else None
+            return ev.JoinFailed(join.job, join.op, kind, str(exc)) if kind else None
 
         self._op(
-            i.job,
-            i.op,
-            part.rdzv.next_rendezvous(i.nproc, port, i.scheduled),
-            lambda info: ev.RoundJoined(i.job, i.op, info),
+            join.job,
+            join.op,
+            part.rdzv.next_rendezvous(join.nproc, port, join.scheduled),
+            lambda info: ev.RoundJoined(join.job, join.op, info),
             fail,
         )
 
-    def _watch(self, i: do.Watch) -> None:
-        part = self._parts[i.job]
-        watching = part.rdzv.watch(i.round, waiting=i.waiting)
-        self._op(i.job, i.op, watching, lambda event: ev.RoundChanged(i.job, i.op, event))
-
-    def _request_round(self, i: do.RequestRound) -> None:
-        part = self._parts[i.job]
+    def _watch(self, watch: do.Watch) -> None:
+        part = self._parts[watch.job]
+        watching = part.rdzv.watch(watch.round, waiting=watch.waiting)
         self._op(
-            i.job,
-            i.op,
-            part.rdzv.request_next_round(i.round, i.reason, i.lost),
-            lambda result: ev.RoundRequested(i.job, i.op, result),
+            watch.job, watch.op, watching, lambda event: ev.RoundChanged(watch.job, watch.op, event)
         )
 
-    def _arrive(self, i: do.ArriveAtBarrier) -> None:
-        rdzv = self._parts[i.job].rdzv
+    def _request_round(self, request: do.RequestRound) -> None:
+        part = self._parts[request.job]
+        self._op(
+            request.job,
+            request.op,
+            part.rdzv.request_next_round(request.round, request.reason, request.lost),
+            lambda result: ev.RoundRequested(request.job, request.op, result),
+        )
+
+    def _arrive(self, arrival: do.ArriveAtBarrier) -> None:
+        rdzv = self._parts[arrival.job].rdzv
 
         async def barrier() -> tuple[int, int]:
-            await rdzv.exit_barrier_arrive(i.info)
+            await rdzv.exit_barrier_arrive(arrival.info)
             await rdzv.exit_barrier_wait(
-                i.info,
-                i.timeout,
-                lambda done, total: self.post(ev.BarrierProgress(i.job, i.op, done, total)),
+                arrival.info,
+                arrival.timeout,
+                lambda done, total: self.post(
+                    ev.BarrierProgress(arrival.job, arrival.op, done, total)
+                ),
             )
-            return await rdzv.exit_barrier_progress(i.info)
+            return await rdzv.exit_barrier_progress(arrival.info)
 
-        self._op(i.job, i.op, barrier(), lambda counts: ev.BarrierDone(i.job, i.op, *counts))
+        self._op(
+            arrival.job,
+            arrival.op,
+            barrier(),
+            lambda counts: ev.BarrierDone(arrival.job, arrival.op, *counts),
+        )
 
-    def _leave(self, i: do.Leave) -> None:
-        rdzv = self._parts[i.job].rdzv
+    def _leave(self, leaving: do.Leave) -> None:
+        rdzv = self._parts[leaving.job].rdzv
 
         async def leave() -> None:
             try:
                 async with asyncio.timeout(_LEAVE_TIMEOUT):
-                    await rdzv.leave(i.reason)
+                    await rdzv.leave(leaving.reason)
             except TimeoutError:
                 raise StoreError("no answer") from None
 
-        self._op(i.job, i.op, leave(), lambda _: ev.Left(i.job, i.op))
+        self._op(leaving.job, leaving.op, leave(), lambda _: ev.Left(leaving.job, leaving.op))
 
-    def _probe(self, i: do.Probe) -> None:
-        probe = self._effectors.probe.unreachable(list(i.nodes), i.timeout)
-        self._op(i.job, i.op, probe, lambda lost: ev.PeersProbed(i.job, i.op, tuple(lost)))
+    def _probe(self, probing: do.Probe) -> None:
+        probe = self._effectors.probe.unreachable(list(probing.nodes), probing.timeout)
+        self._op(
+            probing.job,
+            probing.op,
+            probe,
+            lambda lost: ev.PeersProbed(probing.job, probing.op, tuple(lost)),
+        )
 
-    def _cancel(self, i: do.Cancel) -> None:
-        part = self._parts.get(i.job)
-        task = part.ops.pop(i.op, None) if part is not None else self._node_ops.pop(i.op, None)
+    def _cancel(self, cancel: do.Cancel) -> None:
+        part = self._parts.get(cancel.job)
+        task = (
+            part.ops.pop(cancel.op, None)
+            if part is not None
+            else self._node_ops.pop(cancel.op, None)
+        )
         if task is not None:
             task.cancel()
 
     # workers
 
-    def _start_workers(self, i: do.StartWorkers) -> None:
-        part = self._parts[i.job]
-        if i.pool:
+    def _start_workers(self, start: do.StartWorkers) -> None:
+        part = self._parts[start.job]
+        if start.pool:
             assert part.workers is not None
-            part.workers.log_dir = part.attempt_dir(i.round)
+            part.workers.log_dir = part.attempt_dir(start.round)
         else:
-            part.new_workers(i.group, i.round, lambda g: self.post(ev.WorkersChanged(i.job, g)))
+            part.new_workers(
+                start.group, start.round, lambda g: self.post(ev.WorkersChanged(start.job, g))
+            )
         assert part.workers is not None
-        self._quiet(i.job, part.workers.start())
+        self._quiet(start.job, part.workers.start())
 
-    def _new_pool(self, i: do.NewPool) -> None:
-        self._parts[i.job].new_workers(i.group, 0, lambda g: self.post(ev.WorkersChanged(i.job, g)))
+    def _new_pool(self, new_pool: do.NewPool) -> None:
+        self._parts[new_pool.job].new_workers(
+            new_pool.group, 0, lambda g: self.post(ev.WorkersChanged(new_pool.job, g))
+        )
 
-    def _warm(self, i: do.WarmWorkers) -> None:
-        part = self._parts[i.job]
+    def _warm(self, warm: do.WarmWorkers) -> None:
+        part = self._parts[warm.job]
         assert part.workers is not None
-        part.workers.log_dir = part.attempt_dir(i.round)
-        self._quiet(i.job, part.workers.warm(list(i.slots)))
+        part.workers.log_dir = part.attempt_dir(warm.round)
+        self._quiet(warm.job, part.workers.warm(list(warm.slots)))
 
-    def _place(self, i: do.PlaceWorkers) -> None:
-        part = self._parts[i.job]
+    def _place_workers(self, placing: do.PlaceWorkers) -> None:
+        part = self._parts[placing.job]
         assert part.workers is not None and part.link is not None
-        part.workers.place(i.group, part.attempt_dir(i.group.round))
-        part.link.place_round(i.group.round, i.envs)
+        part.workers.place(placing.group, part.attempt_dir(placing.group.round))
+        part.link.place_round(placing.group.round, placing.envs)
 
-    def _notify(self, i: do.Notify) -> None:
-        link = self._parts[i.job].link
+    def _notify(self, notice: do.Notify) -> None:
+        link = self._parts[notice.job].link
         assert link is not None
-        if i.abort:
-            link.abort(i.round)
-        if i.added is not None:
-            link.announce(i.round, i.added)
+        if notice.abort:
+            link.abort(notice.round)
+        if notice.added is not None:
+            link.announce(notice.round, notice.added)
 
-    def _forget(self, i: do.ForgetSlots) -> None:
-        link = self._parts[i.job].link
+    def _forget(self, forget: do.ForgetSlots) -> None:
+        link = self._parts[forget.job].link
         assert link is not None
-        for slot in i.slots:
+        for slot in forget.slots:
             link.forget(slot)
 
-    def _stop_workers(self, i: do.StopWorkers) -> None:
-        workers = self._parts[i.job].workers
+    def _stop_workers(self, stopping: do.StopWorkers) -> None:
+        workers = self._parts[stopping.job].workers
 
         async def stop() -> None:
             if workers is not None:
                 await workers.stop()
 
-        self._op(i.job, i.op, stop(), lambda _: ev.WorkersStopped(i.job, i.op))
+        self._op(
+            stopping.job,
+            stopping.op,
+            stop(),
+            lambda _: ev.WorkersStopped(stopping.job, stopping.op),
+        )
 
-    def _shed(self, i: do.ShedSpares) -> None:  # a node operation: the part may close meanwhile
-        workers = self._parts[i.job].workers if i.job in self._parts else None
+    def _shed(self, shed: do.ShedSpares) -> None:  # a node operation: the part may close meanwhile
+        workers = self._parts[shed.job].workers if shed.job in self._parts else None
         self._node_op(
-            i.op,
-            workers.stop_slots(i.slots) if workers is not None else asyncio.sleep(0),
-            lambda _: ev.SparesShed(i.job, i.op, i.slots),
-            lambda _: ev.SparesShed(i.job, i.op, ()),
+            shed.op,
+            workers.stop_slots(shed.slots) if workers is not None else asyncio.sleep(0),
+            lambda _: ev.SparesShed(shed.job, shed.op, shed.slots),
+            lambda _: ev.SparesShed(shed.job, shed.op, ()),
         )
 
     def _quiet(self, job: str, work: Awaitable[Any]) -> None:
@@ -406,37 +439,48 @@ class NodeShell:
 
     # records
 
-    def _publish(self, i: do.Publish) -> None:
-        part = self._parts.get(i.job)
+    def _publish(self, publish: do.Publish) -> None:
+        part = self._parts.get(publish.job)
         usage = part.usage() if part is not None else None
-        own = i.part if usage is None else type(i.part)(**{**i.part.__dict__, "usage": usage})
-        record = self._registry.set_part(i.job, own, own=True)
+        own = (
+            publish.part
+            if usage is None
+            else type(publish.part)(**{**publish.part.__dict__, "usage": usage})
+        )
+        record = self._registry.set_part(publish.job, own, own=True)
         if record is not None:  # as recorded: with why this node holds the job, if it does
-            self._publisher.publish(i.job, record.parts.get(own.node, own))
+            self._publisher.publish(publish.job, record.parts.get(own.node, own))
 
-    def _finish_job(self, i: do.Finish) -> None:
+    def _finish_job(self, finishing: do.Finish) -> None:
         async def finish() -> Outcome:
-            final = await self._finish(i.job, i.outcome, i.board)
-            for waiter in self._finishes.pop(i.job, []):
+            final = await self._finish(finishing.job, finishing.outcome, finishing.board)
+            for waiter in self._finishes.pop(finishing.job, []):
                 if not waiter.done():
                     waiter.set_result(final)
             return final
 
         def fail(exc: Exception) -> ev.Event | None:
-            for waiter in self._finishes.pop(i.job, []):
+            for waiter in self._finishes.pop(finishing.job, []):
                 if not waiter.done():
                     waiter.set_exception(exc)
             return None
 
-        if i.op > 0:  # a part's own (the node's are numbered below zero)
-            self._op(i.job, i.op, finish(), lambda final: ev.Finished(i.job, i.op, final), fail)
+        if finishing.op > 0:  # a part's own (the node's are numbered below zero)
+            self._op(
+                finishing.job,
+                finishing.op,
+                finish(),
+                lambda final: ev.Finished(finishing.job, finishing.op, final),
+                fail,
+            )
             return
         self._node_op(
-            i.op,
+            finishing.op,
             finish(),
-            lambda final: ev.Finished(i.job, i.op, final),
+            lambda final: ev.Finished(finishing.job, finishing.op, final),
             lambda exc: (
-                fail(exc) or ev.OpFailed(i.job, i.op, isinstance(exc, StoreError), str(exc))
+                fail(exc)
+                or ev.OpFailed(finishing.job, finishing.op, isinstance(exc, StoreError), str(exc))
             ),
         )
 
@@ -478,92 +522,100 @@ class NodeShell:
         await self._effectors.rendezvous(record.spec).set_closed()
         return final
 
-    def _hold_job(self, i: do.HoldJob) -> None:
-        self._registry.hold(i.job, i.why)
+    def _hold_job(self, hold: do.HoldJob) -> None:
+        self._registry.hold(hold.job, hold.why)
 
     # life cycle, time, words
 
-    def _start_part(self, i: do.StartPart) -> None:
+    def _start_part(self, starting: do.StartPart) -> None:
         def asked(ready: Any) -> None:
-            self.post(ev.WorkerAsked(i.job, ready.slot, ready.after, ready.why, ready.error))
+            self.post(ev.WorkerAsked(starting.job, ready.slot, ready.after, ready.why, ready.error))
 
         try:
             part = self._effectors.part(
-                i.spec, i.nproc, i.started, asked, lambda lost: self.post(ev.NodesLost(lost))
+                starting.spec,
+                starting.nproc,
+                starting.started,
+                asked,
+                lambda lost: self.post(ev.NodesLost(lost)),
             )
         except Exception as exc:
             log.exception(
                 "job %s: cannot start its agent on %s",
-                i.job,
+                starting.job,
                 self.core.settings.node,
-                extra=about(i.job),
+                extra=about(starting.job),
             )
-            self._failed_start.add(i.job)
-            self.post(ev.PartStartFailed(i.job, str(exc)))
+            self._failed_start.add(starting.job)
+            self.post(ev.PartStartFailed(starting.job, str(exc)))
             return
         assert self._tasks is not None
-        self._parts[i.job] = part
-        self._settled[i.job] = asyncio.Event()
-        part.keeper = self._tasks.create_task(part.rdzv.keep(), name=f"keeper-{i.job}")
+        self._parts[starting.job] = part
+        self._settled[starting.job] = asyncio.Event()
+        part.keeper = self._tasks.create_task(part.rdzv.keep(), name=f"keeper-{starting.job}")
         if part.link is not None:
-            self._quiet(i.job, part.link.open())
+            self._quiet(starting.job, part.link.open())
 
-    def _close_part(self, i: do.ClosePart) -> None:
-        part = self._parts[i.job]
+    def _close_part(self, closing: do.ClosePart) -> None:
+        part = self._parts[closing.job]
 
         async def close() -> None:
             try:
                 await part.close()
             finally:
-                del self._parts[i.job]
-                self._settled.pop(i.job, asyncio.Event()).set()
-                self.post(ev.PartClosed(i.job))
+                del self._parts[closing.job]
+                self._settled.pop(closing.job, asyncio.Event()).set()
+                self.post(ev.PartClosed(closing.job))
 
         assert self._tasks is not None
-        self._tasks.create_task(close(), name=f"close-{i.job}")
+        self._tasks.create_task(close(), name=f"close-{closing.job}")
 
-    def _set_timer(self, i: do.SetTimer) -> None:
-        delay = max(0.0, i.at - self._clock())
+    def _set_timer(self, timer: do.SetTimer) -> None:
+        delay = max(0.0, timer.at - self._clock())
         loop = asyncio.get_running_loop()
-        if i.job is None:
-            key = (i.name, i.key)
+        if timer.job is None:
+            key = (timer.name, timer.key)
             if key in self._node_timers:
                 self._node_timers[key].cancel()
             self._node_timers[key] = loop.call_later(
-                delay, self.post, ev.NodeTimerFired(i.name, i.key)
+                delay, self.post, ev.NodeTimerFired(timer.name, timer.key)
             )
             return
-        part = self._parts[i.job]
-        part.timers[i.name] = loop.call_later(delay, self.post, ev.TimerFired(i.job, i.name))
+        part = self._parts[timer.job]
+        part.timers[timer.name] = loop.call_later(
+            delay, self.post, ev.TimerFired(timer.job, timer.name)
+        )
 
-    def _clear_timer(self, i: do.ClearTimer) -> None:
-        if i.job is None:
-            timer = self._node_timers.pop((i.name, i.key), None)
+    def _clear_timer(self, clear: do.ClearTimer) -> None:
+        if clear.job is None:
+            timer = self._node_timers.pop((clear.name, clear.key), None)
         else:
-            part = self._parts.get(i.job)
-            timer = part.timers.pop(i.name, None) if part is not None else None
+            part = self._parts.get(clear.job)
+            timer = part.timers.pop(clear.name, None) if part is not None else None
         if timer is not None:
             timer.cancel()
 
-    def _count(self, i: do.Count) -> None:
+    def _count(self, count: do.Count) -> None:
         metrics = self._metrics
-        if i.what == "round_joined":
-            metrics.round_joined(i.label, i.value)
-        elif i.what == "worker_exited":
-            metrics.worker_exited(int(i.value))
-        elif i.what == "restarted":
+        if count.what == "round_joined":
+            metrics.round_joined(count.label, count.value)
+        elif count.what == "worker_exited":
+            metrics.worker_exited(int(count.value))
+        elif count.what == "restarted":
             metrics.restarted()
-        elif i.what == "barrier_waited":
-            metrics.barrier_waited(i.value)
-        elif i.what == "blacklisted":
-            metrics.blacklisted(bool(i.value))
-        elif i.what == "reclaimed":
+        elif count.what == "barrier_waited":
+            metrics.barrier_waited(count.value)
+        elif count.what == "blacklisted":
+            metrics.blacklisted(bool(count.value))
+        elif count.what == "reclaimed":
             metrics.reclaimed()
-        elif i.what in ("gpus_out", "gpu_fault", "xid", "gpu_slowdown"):
-            metrics.gpu_news(i.what, i.label, i.value)
+        elif count.what in ("gpus_out", "gpu_fault", "xid", "gpu_slowdown"):
+            metrics.gpu_news(count.what, count.label, count.value)
 
-    def _say(self, i: do.Say) -> None:
-        said.log(_LEVELS[i.level], i.message, *i.args, extra=about(i.job) if i.job else None)
+    def _say(self, say: do.Say) -> None:
+        said.log(
+            _LEVELS[say.level], say.message, *say.args, extra=about(say.job) if say.job else None
+        )
 
     # -- for the control socket and the node's record ---------------------------------------------
 
@@ -614,8 +666,11 @@ class NodeShell:
         part = self._parts.get(job_id)
         return part.usage() if part is not None else None
 
-    def story(self, job_id: str) -> list[str]:
-        return self.core.story(job_id)
+    def job_story(self, job_id: str) -> list[str]:
+        return self.core.job_story(job_id)
+
+    def node_story(self) -> list[str]:
+        return self.core.node_story()
 
     @property
     def resources(self) -> Resources:
@@ -679,7 +734,7 @@ _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.StartWorkers: NodeShell._start_workers,
     do.NewPool: NodeShell._new_pool,
     do.WarmWorkers: NodeShell._warm,
-    do.PlaceWorkers: NodeShell._place,
+    do.PlaceWorkers: NodeShell._place_workers,
     do.Notify: NodeShell._notify,
     do.ForgetSlots: NodeShell._forget,
     do.StopWorkers: NodeShell._stop_workers,

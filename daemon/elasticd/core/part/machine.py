@@ -1,5 +1,5 @@
 """One node's share of one job (a *part*): torchelastic's SimpleElasticAgent as a state
-machine, with three fixes (DESIGN §5).
+machine, with three fixes (docs/architecture.md, "The node core").
 
     join -> start workers -> watch -> (restart | re-form | scale up | exit barrier) -> end
 
@@ -9,24 +9,23 @@ machine, with three fixes (DESIGN §5).
 3. A dead node is seen by heartbeat (or found gone when workers fail); the survivors
    re-form within seconds, and no restart is spent on it.
 
-An in-place job (``--in-place``) is a policy of the same machine (core/inplace.py): the
-survivors keep their processes across rounds, missing workers warm up before their node
-offers them to a round.
+An in-place job (``--in-place``) is a policy of the same machine (inplace.py): the survivors
+keep their processes across rounds, missing workers warm up before their node offers them to
+a round.  The policy drives the part through its public methods only (port.py names them).
 
 Pure: ``handle(event, now)`` changes the part and returns instructions; nothing here waits,
-reads a clock or touches a process.  Each phase lists the events it takes (PART_EVENTS);
-anything else raises IllegalTransition and changes nothing.
+reads a clock or touches a process.  What each phase does with each kind of event is one
+table, PART_EVENTS; an event a phase does not list raises IllegalTransition and changes
+nothing, as does a move PART_PHASES lacks.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from elasticd.core import events as ev
-from elasticd.core import inplace, spares
 from elasticd.core import instructions as do
 from elasticd.core.model import (
     PART_STATES,
@@ -35,16 +34,16 @@ from elasticd.core.model import (
     JobState,
     PartState,
     RunResult,
-    StateTable,
     WorkerGroup,
     WorkerState,
     assign_workers,
 )
+from elasticd.core.part import inplace, spares
+from elasticd.core.part.phases import PART_PHASES, Phase
+from elasticd.core.part.pool import Pool
 from elasticd.core.policy import (
     ROUND_FOR,
     Decision,
-    JobEnded,
-    Leaving,
     Observed,
     RejoinStalled,
     WorkersExited,
@@ -55,48 +54,10 @@ from elasticd.core.policy import (
 )
 from elasticd.core.records import Outcome, Part
 from elasticd.core.story import Story
-from elasticd.core.tables import EventTable
+from elasticd.core.tables import EventTable, IllegalTransition
 from elasticd.rendezvous import CHARGED, EventKind, NextRound, Reason, RendezvousInfo
 
 Instructions = list[do.Instruction]
-
-
-class Phase(enum.StrEnum):
-    STARTING = "starting"  # made; its first instructions not given yet
-    WARMING = "warming"  # in place: workers run, not all asked for a place yet
-    JOINING = "joining"  # a join of the job's round runs
-    RUNNING = "running"  # workers up; the round is watched
-    PROBING = "probing"  # workers failed: are members' daemons gone?
-    STOPPING = "stopping"  # workers are being stopped; ``_then`` says what follows
-    REQUESTING = "requesting"  # a new round was asked for
-    BARRIER = "barrier"  # at the exit barrier, waiting for the other members
-    FINISHING = "finishing"  # the job's outcome is being written
-    LEAVING = "leaving"  # telling the rendezvous that this node leaves
-    CLOSING = "closing"  # the part's effectors are being closed: nothing more to do
-
-
-# A part looks at the job's end and at its own leaving whenever it is about to join or
-# watch a round: from wherever it goes on to the next round, it may end or leave instead.
-_NEXT = (Phase.JOINING, Phase.WARMING, Phase.LEAVING, Phase.FINISHING, Phase.CLOSING)
-PART_PHASES = StateTable(
-    "a part's phase",
-    {
-        Phase.STARTING: _NEXT,
-        Phase.WARMING: (
-            Phase.REQUESTING,
-            *_NEXT,
-        ),  # REQUESTING: a warm-up failed, a restart is spent
-        Phase.JOINING: (Phase.RUNNING, *_NEXT),
-        Phase.RUNNING: (Phase.PROBING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
-        Phase.PROBING: (Phase.RUNNING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
-        Phase.STOPPING: (Phase.REQUESTING, Phase.BARRIER, *_NEXT),
-        Phase.REQUESTING: _NEXT,
-        Phase.BARRIER: _NEXT,
-        Phase.FINISHING: (Phase.CLOSING,),
-        Phase.LEAVING: (Phase.CLOSING,),
-        Phase.CLOSING: (),
-    },
-)
 
 
 @dataclass
@@ -112,7 +73,7 @@ class Then:
 
 
 @dataclass
-class Settings:
+class PartSettings:
     """What the part needs of its node."""
 
     node: str
@@ -126,7 +87,7 @@ class PartCore:
     spec: JobSpec
     nproc: int
     gpus: tuple[str, ...]
-    settings: Settings
+    settings: PartSettings
     started: float | None = None  # when the job first ran, on any node (wall clock)
     ran: float | None = None  # when this part's workers first ran a round (what usage charges)
     phase: Phase = Phase.STARTING
@@ -140,9 +101,8 @@ class PartCore:
     declined: str = ""  # why this node left on its own (not placed again until the job changes)
     held: str = ""  # why this node never takes the job again
     notice_waiting: bool = True  # a round at its max stops listening to waiting nodes
-    scheduled: frozenset[str] = (
-        frozenset()
-    )  # the nodes the cluster's schedule gives the job (none: no schedule)
+    # the nodes the cluster's schedule gives the job (none: no schedule)
+    scheduled: frozenset[str] = frozenset()
     spares: int = 0  # in place: slots beyond ``nproc`` for warm spare workers
     then: Then = field(default_factory=Then)
     ops: dict[str, int] = field(default_factory=dict)  # what runs: "main", "watch", "probe" -> op
@@ -150,11 +110,10 @@ class PartCore:
     since: float = 0.0  # when the running join or barrier wait began (monotonic)
     barrier_deadline: float = 0.0  # wall clock, shown
     story: Story = field(default_factory=Story)
-    place: inplace.Places | None = None  # an in-place job's slots (None: classic)
-    finish_with: tuple[RendezvousInfo | None, WorkerGroup | None] = (
-        None,
-        None,
-    )  # the report at the end
+    pool: Pool | None = None  # an in-place job's slots (None: a classic job)
+    # the round and workers the part's last report shows, once it finishes or leaves
+    finish_with: tuple[RendezvousInfo | None, WorkerGroup | None] = (None, None)
+    going_to: Phase | None = None  # the phase the event being handled leads to, if one
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -164,79 +123,60 @@ class PartCore:
 
     @property
     def in_place(self) -> bool:
-        return self.place is not None
+        return self.pool is not None
 
-    def start(self, now: ev.Now) -> Instructions:
+    def start(self, now: ev.Now, stimulus_id: str = "") -> Instructions:
         """The part's first instructions (its effectors are made by StartPart before these)."""
-        out: Instructions = []
-        if self.in_place:
-            return self._told("start", now, inplace.begin(self, now))
-        out += self._report(PartState.RENDEZVOUS, now)
-        out += self._join(now)
-        return self._told("start", now, out)
+        if self.pool is not None:
+            out = inplace.begin(self, now)
+        else:
+            out = self.report(PartState.RENDEZVOUS, now) + self.join(now)
+        return self.told(f"start [{stimulus_id}]", now, out)
 
     def handle(self, event: ev.PartEvent, now: ev.Now) -> Instructions:
+        """The part's answer to one stimulus.  The table is looked up before anything
+        changes, so an event the phase does not take changes nothing."""
         self.story.heard(now.mono, event)
-        if not self._current(event):
+        if not self._news(event):
             return []
-        handler = PART_EVENTS.lookup(self.phase, event)
-        out = handler(self, event, now) if handler is not IGNORE else []
-        return self._told(type(event).__name__, now, out)
+        go = PART_EVENTS.lookup(self.phase, event)
+        if isinstance(event, ev.JobEnded):
+            self.ended = event.outcome
+        elif isinstance(event, ev.Leaving):
+            self.leaving = event.reason
+        self.going_to = go.to
+        try:
+            out = go.handler(self, event, now) if go.handler is not None else []
+        finally:
+            self.going_to = None
+        return self.told(f"{type(event).__name__} [{event.stimulus_id}]", now, out)
 
-    def job_ended(self, outcome: Outcome, now: ev.Now) -> Instructions:
-        """The job's outcome reached this node (from the board, or from its own finish)."""
-        if self.ended is not None:
-            return []
-        self.story.heard(now.mono, JobEnded(outcome))
-        self.ended = outcome
-        return self._told("ended", now, ENDED_IN[self.phase](self, now))
+    def _news(self, event: ev.PartEvent) -> bool:
+        """Whether ``event`` is news: not the completion of an operation given up on, not
+        an end or a leaving heard before."""
+        if isinstance(event, ev.JobEnded):
+            return self.ended is None
+        if isinstance(event, ev.Leaving):
+            return self.leaving is None
+        op = getattr(event, "op", None)
+        return op is None or op in self.ops.values()
 
-    def leave(self, reason: Reason, now: ev.Now) -> Instructions:
-        """This node leaves the job (a drain, a shutdown, its user kept off it)."""
-        if self.leaving is not None:
-            return []
-        self.story.heard(now.mono, Leaving(reason))
-        self.leaving = reason
-        return self._told("leave", now, LEAVE_IN[self.phase](self, now))
+    # -- the port: what the in-place policy and the spares use (port.py) ------------------------
 
-    def nodes_lost(self, nodes: tuple[str, ...], now: ev.Now) -> Instructions:
-        """Members of this part's round are gone: in a running round, the survivors re-form at once."""
-        lost = tuple(
-            n
-            for n in nodes
-            if n != self.settings.node
-            and self.info is not None
-            and n in {m.node for m in self.info.members}
-        )
-        if not lost or self.phase is not Phase.RUNNING:
-            return []
-        self.story.heard(now.mono, ev.NodesLost(lost))
-        seen = WorkersExited(RunResult(WorkerState.FAILED, ()), lost)
-        assert self.info is not None
-        say = do.Say(
-            "info",
-            "job %s round %d: node %s is gone -> %s",
-            self.job,
-            (self.job, self.info.round, ", ".join(lost), Decision.NODE_LOST.value),
-        )
-        return self._told("lost", now, [say] + self._act(Decision.NODE_LOST, seen, now))
-
-    # -- operations ----------------------------------------------------------------------------
-
-    def _op(self, role: str) -> int:
+    def new_op(self, role: str) -> int:
+        """Number a new operation (or timer) of ``role``; its completion carries it."""
         self.next_op += 1
         self.ops[role] = self.next_op
         return self.next_op
 
-    def _current(self, event: ev.PartEvent) -> bool:
-        """Whether ``event`` is news: not the completion of an operation given up on."""
-        op = getattr(event, "op", None)
-        return op is None or op in self.ops.values()
+    def forget_op(self, role: str) -> None:
+        self.ops.pop(role, None)
 
-    def _done(self, event: Any) -> None:
+    def done(self, event: Any) -> None:
+        """The operation that ``event`` completes is over."""
         self.ops = {role: op for role, op in self.ops.items() if op != event.op}
 
-    def _drop(self, *roles: str) -> Instructions:
+    def drop(self, *roles: str) -> Instructions:
         """Give up on what runs in ``roles`` (all of them when none is named)."""
         out: Instructions = []
         for role in roles or tuple(self.ops):
@@ -245,16 +185,28 @@ class PartCore:
                 out.append(do.Cancel(self.job, op))
         return out
 
-    def _to(self, phase: Phase) -> None:
+    def move_to(self, phase: Phase) -> None:
+        """Enter ``phase``: a move PART_PHASES lacks, or one the event's row in PART_EVENTS
+        does not lead to, raises."""
+        if self.going_to is not None and phase is not self.going_to:
+            raise IllegalTransition(
+                f"a part in {self.phase.value} was to go to {self.going_to.value}, not {phase.value}"
+            )
         self.phase = PART_PHASES.check(self.phase, phase)
 
-    def _told(self, why: str, now: ev.Now, out: Instructions) -> Instructions:
+    def told(self, why: str, now: ev.Now, out: Instructions) -> Instructions:
         self.story.told(now.mono, why, out)
         return out
 
-    # -- reports -------------------------------------------------------------------------------
+    def regroup(self, group: WorkerGroup) -> None:
+        """The workers are now ``group`` (in place: a new pool, or new workers in it)."""
+        self.group = group
 
-    def _report(
+    def give_back_spares(self, n: int) -> None:
+        """``n`` spares' slots go back to the node for good."""
+        self.spares -= n
+
+    def report(
         self,
         state: PartState,
         now: ev.Now,
@@ -262,6 +214,7 @@ class PartCore:
         group: WorkerGroup | None = None,
         barrier: dict[str, Any] | None = None,
     ) -> Instructions:
+        """Publish this node's part in ``state`` (PART_STATES)."""
         self.report_state = PART_STATES.check(self.reported, state)
         self.reported = state
         self.ran = now.wall if self.ran is None and state is PartState.RUNNING else self.ran
@@ -291,49 +244,144 @@ class PartCore:
                     ran=self.ran,
                     slots=self.nproc + self.spares,
                     gpus=len(self.gpus) - len(spares.given_gpus(self)),
-                    spares=inplace.parked(self) if self.place is not None else 0,
+                    spares=len(self.pool.parked()) if self.pool is not None else 0,
                 ),
             )
         ]
 
-    def _close(self) -> Instructions:
-        self._to(Phase.CLOSING)
-        return self._drop() + [do.ClosePart(self.job)]
-
-    def _end(
+    def end(
         self,
         state: PartState,
         now: ev.Now,
         info: RendezvousInfo | None = None,
         group: WorkerGroup | None = None,
     ) -> Instructions:
-        return self._report(state, now, info, group) + self._close()
+        """Publish the part's last state and close it."""
+        out = self.report(state, now, info, group)
+        self.move_to(Phase.CLOSING)
+        return out + self.drop() + [do.ClosePart(self.job)]
 
-    # -- joining ---------------------------------------------------------------------------------
-
-    def _join(self, now: ev.Now, nproc: int | None = None) -> Instructions:
+    def join(self, now: ev.Now, nproc: int | None = None) -> Instructions:
         """Join the next round; the job's end or this node's leaving comes first."""
         if self.ended is not None:
-            return self._end(PartState.STOPPED, now)
+            return self.end(PartState.STOPPED, now)
         if self.leaving is not None:
-            return self._leave(now, None, None)
-        self._to(Phase.JOINING)
+            return self.depart(now, None, None)
+        self.move_to(Phase.JOINING)
         self.since = now.mono
         return [
             do.Join(
                 self.job,
-                self._op("main"),
+                self.new_op("main"),
                 self.nproc if nproc is None else nproc,
                 self.spec.master_port,
                 tuple(sorted(self.scheduled)),
             )
         ]
 
+    def enter_round(self, info: RendezvousInfo, group: WorkerGroup, now: ev.Now) -> Instructions:
+        """This node's workers are ``group`` in the round ``info``: publish it running."""
+        self.info, self.group = info, group
+        self.started = self.started or now.wall
+        return self.report(PartState.RUNNING, now, info, group)
+
+    def watch(self, now: ev.Now, notice_waiting: bool | None = None) -> Instructions:
+        """Watch the round; the job's end or this node's leaving, heard already, first."""
+        assert self.info is not None
+        if notice_waiting is not None:
+            self.notice_waiting = notice_waiting
+        self.move_to(Phase.RUNNING)
+        if self.ended is not None:
+            return self.observe(ev.JobEnded(self.job, self.ended), now)
+        if self.leaving is not None:
+            return self.observe(ev.Leaving(self.job, self.leaving), now)
+        return [do.Watch(self.job, self.new_op("watch"), self.info.round, self.notice_waiting)]
+
+    def observe(self, seen: Observed, now: ev.Now) -> Instructions:
+        """Decide about ``seen`` in the round, and act."""
+        assert self.info is not None
+        decision = decide(seen, self.info, self.spec)
+        say = do.Say(
+            "info",
+            "job %s round %d: %s -> %s",
+            self.job,
+            (self.job, self.info.round, describe(seen), decision.value),
+        )
+        if decision is Decision.WATCH:
+            return [say, *self.watch(now, notice_waiting=False)]
+        return [say, *self._act(decision, seen, now)]
+
+    def stop_then(
+        self,
+        decision: Decision,
+        seen: Observed,
+        reason: Reason | None = None,
+        new_pool: bool = False,
+    ) -> Instructions:
+        """Stop the workers; then carry out ``decision`` (``_stopped``)."""
+        self.move_to(Phase.STOPPING)
+        self.then = Then(decision=decision, seen=seen, reason=reason, new_pool=new_pool)
+        return [do.StopWorkers(self.job, self.new_op("main"))]
+
+    def request(
+        self,
+        reason: Reason,
+        seen: Observed | None,
+        now: ev.Now,
+        lost: tuple[str, ...] = (),
+        current: bool = False,
+    ) -> Instructions:
+        """Ask for the round after this part's own (``current``: after whichever round is
+        current, for a part outside it, e.g. warming up)."""
+        assert current or self.info is not None
+        self.move_to(Phase.REQUESTING)
+        self.then = Then(seen=seen, reason=reason)
+        round = None if current or self.info is None else self.info.round
+        return [do.RequestRound(self.job, self.new_op("main"), round, reason, lost)]
+
+    def rejoin(self, now: ev.Now) -> Instructions:
+        """On to the next round."""
+        if self.pool is not None:
+            # a part still in its rendezvous (its warm-up failed) warms again as it is
+            out = (
+                []
+                if self.reported is PartState.RENDEZVOUS
+                else self.report(PartState.RESTARTING, now, self.info, self.group)
+            )
+            return out + inplace.next_round(self, self.info, now)
+        return self.report(PartState.RESTARTING, now, self.info) + self.join(now)
+
+    def finish(
+        self,
+        outcome: Outcome,
+        state: PartState,
+        now: ev.Now,
+        info: RendezvousInfo | None = None,
+        group: WorkerGroup | None = None,
+        on_store_failure: PartState = PartState.LEFT,
+    ) -> Instructions:
+        """Write the job's outcome (the first writer wins), then end in ``state``."""
+        self.move_to(Phase.FINISHING)
+        self.then = Then(state=state, on_store_failure=on_store_failure)
+        self.finish_with = (info, group)
+        return [do.Finish(self.job, self.new_op("main"), outcome)]
+
+    def depart(
+        self, now: ev.Now, info: RendezvousInfo | None, group: WorkerGroup | None
+    ) -> Instructions:
+        """Tell the rendezvous that this node leaves the job, then end."""
+        assert self.leaving is not None
+        self.move_to(Phase.LEAVING)
+        self.finish_with = (info, group)
+        return self.drop() + [do.Leave(self.job, self.new_op("main"), self.leaving)]
+
+    # -- joining ---------------------------------------------------------------------------------
+
     def _joined(self, event: ev.RoundJoined, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         info = event.info
         out: Instructions = [do.Count("round_joined", info.reason.value, now.mono - self.since)]
-        if self.in_place:
+        if self.pool is not None:
             return out + inplace.joined(self, info, now)
         group = assign_workers(
             self.job,
@@ -349,16 +397,15 @@ class PartCore:
             master_port=info.master_port,
             gpus=self.gpus,
         )
-        self.info, self.group, self.failures = info, group, ()
-        self.started = self.started or now.wall
-        out += self._report(PartState.RUNNING, now, info, group)
+        self.failures = ()
+        out += self.enter_round(info, group, now)
         out.append(do.StartWorkers(self.job, group, info.round))
-        return out + self._watch(now, notice_waiting=True)
+        return out + self.watch(now, notice_waiting=True)
 
     def _join_failed(self, event: ev.JoinFailed, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         if event.kind == ev.JoinFailure.CLOSED:
-            return self._end(PartState.STOPPED, now)
+            return self.end(PartState.STOPPED, now)
         if event.kind == ev.JoinFailure.GONE:
             self.declined = self.held = (
                 "its rendezvous state is gone or was refused, and no member restored it"
@@ -371,54 +418,29 @@ class PartCore:
                     (self.job, self.settings.node, event.message),
                 ),
                 do.HoldJob(self.job, self.held),
-            ] + self._end(PartState.LEFT, now)
+                *self.end(PartState.LEFT, now),
+            ]
         outcome = Outcome(JobState.FAILED, now.wall, None, event.message, None, self.settings.node)
-        return self._finish(outcome, PartState.FAILED, now)
+        return self.finish(outcome, PartState.FAILED, now)
 
     # -- a round ---------------------------------------------------------------------------------
 
-    def _watch(self, now: ev.Now, notice_waiting: bool | None = None) -> Instructions:
-        """Watch the round; the job's end or this node's leaving, heard already, first."""
-        assert self.info is not None
-        if notice_waiting is not None:
-            self.notice_waiting = notice_waiting
-        self._to(Phase.RUNNING)
-        if self.ended is not None:
-            return self._observed(JobEnded(self.ended), now)
-        if self.leaving is not None:
-            return self._observed(Leaving(self.leaving), now)
-        return [do.Watch(self.job, self._op("watch"), self.info.round, self.notice_waiting)]
-
-    def _observed(self, seen: Observed, now: ev.Now) -> Instructions:
-        """Decide about ``seen`` in the round, and act."""
-        assert self.info is not None
-        decision = decide(seen, self.info, self.spec)
-        say = do.Say(
-            "info",
-            "job %s round %d: %s -> %s",
-            self.job,
-            (self.job, self.info.round, describe(seen), decision.value),
-        )
-        if decision is Decision.WATCH:
-            return [say] + self._watch(now, notice_waiting=False)
-        return [say] + self._act(decision, seen, now)
-
     def _round_changed(self, event: ev.RoundChanged, now: ev.Now) -> Instructions:
-        self._done(event)
-        return self._observed(event.event, now)
+        self.done(event)
+        return self.observe(event.event, now)
 
     def _workers_changed(self, event: ev.WorkersChanged, now: ev.Now) -> Instructions:
         """A worker changed: publish it; in a running round, workers that ended are news."""
         self.group, self.failures = event.group, event.failures
-        if self.place is not None:
-            self.place.sync(self.group)
+        if self.pool is not None:
+            self.pool.sync(self.group)
         out: Instructions = []
         if self.reported is not None and self.phase is not Phase.CLOSING:
-            out += self._report(self.report_state, now, self.info, self.group)
+            out += self.report(self.report_state, now, self.info, self.group)
         if self.phase is Phase.RUNNING:
             result = (
                 inplace.round_result(self)
-                if self.in_place
+                if self.pool is not None
                 else run_result(self.group, self.failures)
             )
             if result is not None:
@@ -431,94 +453,91 @@ class PartCore:
         """The workers ended: success is for the barrier; a failure may be a member's
         death, which is a membership change and spends no restart: ask its daemon first."""
         if result.state is WorkerState.SUCCEEDED:
-            return self._drop("probe") + self._observed(WorkersExited(result), now)
+            return self.drop("probe") + self.observe(WorkersExited(result), now)
         assert self.info is not None
         others = tuple(m.node for m in self.info.members if m.node != self.settings.node)
         if not others:
-            return self._drop("probe") + self._observed(WorkersExited(result), now)
-        self._to(Phase.PROBING)
+            return self.drop("probe") + self.observe(WorkersExited(result), now)
+        self.move_to(Phase.PROBING)
         self.then = Then(seen=WorkersExited(result))
-        return self._drop("watch", "probe") + [
-            do.Probe(self.job, self._op("main"), others, self.settings.dead_after)
+        return self.drop("watch", "probe") + [
+            do.Probe(self.job, self.new_op("main"), others, self.settings.dead_after)
         ]
 
     def _probed(self, event: ev.PeersProbed, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         seen = self.then.seen
         assert isinstance(seen, WorkersExited)
-        self._to(Phase.RUNNING)
-        return self._observed(WorkersExited(seen.result, event.lost), now)
+        self.move_to(Phase.RUNNING)
+        return self.observe(WorkersExited(seen.result, event.lost), now)
+
+    def _nodes_lost(self, event: ev.NodesLost, now: ev.Now) -> Instructions:
+        """Members of this part's round are gone: the survivors re-form at once."""
+        assert self.info is not None
+        members = {m.node for m in self.info.members}
+        lost = tuple(n for n in event.nodes if n != self.settings.node and n in members)
+        if not lost:
+            return []
+        seen = WorkersExited(RunResult(WorkerState.FAILED, ()), lost)
+        say = do.Say(
+            "info",
+            "job %s round %d: node %s is gone -> %s",
+            self.job,
+            (self.job, self.info.round, ", ".join(lost), Decision.NODE_LOST.value),
+        )
+        return [say, *self._act(Decision.NODE_LOST, seen, now)]
 
     def _act(self, decision: Decision, seen: Observed, now: ev.Now) -> Instructions:
         """Carry out a decision: every one but WATCH stops the round's watch; those that
         leave the round stop the workers first (in place: only when the workers must go)."""
         assert self.info is not None and decision is not Decision.WATCH
-        out = self._drop("watch", "probe")
+        out = self.drop("watch", "probe")
         if isinstance(seen, WorkersExited) and self.group is not None:
             out += [
                 do.Count("worker_exited", "", w.exit_code)
                 for w in self.group.workers
                 if w.exit_code is not None
             ]
-        if self.in_place:
+        if self.pool is not None:
             handled = inplace.act(self, decision, seen, now)
             if handled is not None:
                 return out + handled
         if decision in (Decision.RESTART, Decision.NODE_LOST, Decision.SCALE_UP, Decision.REJOIN):
-            out += self._report(PartState.RESTARTING, now, self.info, self.group)
-        return out + self._stop_then(Then(decision=decision, seen=seen))
-
-    def _stop_then(self, then: Then) -> Instructions:
-        self._to(Phase.STOPPING)
-        self.then = then
-        return [do.StopWorkers(self.job, self._op("main"))]
+            out += self.report(PartState.RESTARTING, now, self.info, self.group)
+        return out + self.stop_then(decision, seen)
 
     def _stopped(self, event: ev.WorkersStopped, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         then, info, group = self.then, self.info, self.group
         assert info is not None and then.decision is not None
         if then.new_pool:
-            return inplace.fresh_pool(self, now) + self._request(
+            return inplace.fresh_pool(self, now) + self.request(
                 then.reason or Reason.STALLED, then.seen, now
             )
         decision = then.decision
         if decision in ROUND_FOR:
             lost = then.seen.lost if isinstance(then.seen, WorkersExited) else ()
-            return self._request(ROUND_FOR[decision], then.seen, now, lost)
+            return self.request(ROUND_FOR[decision], then.seen, now, lost)
         if decision is Decision.REJOIN:
-            return self._rejoin(now)
+            return self.rejoin(now)
         if decision is Decision.FAIL:
             assert isinstance(then.seen, WorkersExited)
             outcome = failure_outcome(then.seen.result, self.spec, now.wall, self.settings.node)
-            return self._finish(outcome, PartState.FAILED, now, info, group)
+            return self.finish(outcome, PartState.FAILED, now, info, group)
         if decision is Decision.BARRIER:
             return self._barrier(now)
         if decision is Decision.LEAVE:
-            return self._leave(now, info, group)
-        return self._end(PartState.STOPPED, now, info, group)
-
-    def _request(
-        self,
-        reason: Reason,
-        seen: Observed | None,
-        now: ev.Now,
-        lost: tuple[str, ...] = (),
-        current: bool = False,
-    ) -> Instructions:
-        """The round after this part's own (``current``: after the current one, for a part outside it)."""
-        self._to(Phase.REQUESTING)
-        self.then = Then(seen=seen, reason=reason)
-        round = None if current or self.info is None else self.info.round
-        return [do.RequestRound(self.job, self._op("main"), round, reason, lost)]
+            return self.depart(now, info, group)
+        return self.end(PartState.STOPPED, now, info, group)
 
     def _requested(self, event: ev.RoundRequested, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         if event.result is NextRound.EXHAUSTED:
-            return self._finish(
+            return self.finish(
                 self._exhausted(self.then.seen, now), PartState.FAILED, now, self.info
             )
         if event.result is NextRound.CLOSED:
-            return self._end(PartState.STOPPED, now, self.info)
+            return self.end(PartState.STOPPED, now, self.info)
         out: Instructions = []
         if event.result is NextRound.OPENED:
             out.append(
@@ -531,7 +550,7 @@ class PartCore:
             )
         if self.then.reason in CHARGED:
             out.append(do.Count("restarted"))
-        return out + self._rejoin(now)
+        return out + self.rejoin(now)
 
     def _exhausted(self, seen: Observed | None, now: ev.Now) -> Outcome:
         if isinstance(seen, WorkersExited):
@@ -547,37 +566,26 @@ class PartCore:
             self.settings.node,
         )
 
-    def _rejoin(self, now: ev.Now) -> Instructions:
-        """On to the next round."""
-        if (
-            self.in_place
-        ):  # a part still in its rendezvous (its warm-up failed) warms again as it is
-            out = (
-                self._report(PartState.RESTARTING, now, self.info, self.group) if self.info else []
-            )
-            return out + inplace.rejoin(self, now)
-        return self._report(PartState.RESTARTING, now, self.info) + self._join(now)
-
     # -- the exit barrier -------------------------------------------------------------------------
 
     def _barrier(self, now: ev.Now) -> Instructions:
         """Wait for every member of the final round; the job succeeds only if all arrive.
         A new round (a failure elsewhere) sends this node back to work."""
         assert self.info is not None
-        self._to(Phase.BARRIER)
+        self.move_to(Phase.BARRIER)
         self.since = now.mono
         self.barrier_deadline = now.wall + self.spec.exit_barrier_timeout
         if self.leaving is not None:
-            return self._leave(now, self.info, self.group)
+            return self.depart(now, self.info, self.group)
         return [
             do.ArriveAtBarrier(
-                self.job, self._op("main"), self.info, self.spec.exit_barrier_timeout
+                self.job, self.new_op("main"), self.info, self.spec.exit_barrier_timeout
             ),
-            do.Watch(self.job, self._op("watch"), self.info.round, False),
+            do.Watch(self.job, self.new_op("watch"), self.info.round, False),
         ]
 
     def _barrier_progress(self, event: ev.BarrierProgress, now: ev.Now) -> Instructions:
-        return self._report(
+        return self.report(
             PartState.BARRIER,
             now,
             self.info,
@@ -586,11 +594,11 @@ class PartCore:
         )
 
     def _barrier_done(self, event: ev.BarrierDone, now: ev.Now) -> Instructions:
-        self._done(event)
-        out = self._drop("watch") + [do.Count("barrier_waited", "", now.mono - self.since)]
+        self.done(event)
+        out = self.drop("watch") + [do.Count("barrier_waited", "", now.mono - self.since)]
         if event.arrived >= event.total:
             outcome = Outcome(JobState.SUCCEEDED, now.wall, 0, "", None, self.settings.node)
-            return out + self._finish(outcome, PartState.SUCCEEDED, now, self.info, self.group)
+            return out + self.finish(outcome, PartState.SUCCEEDED, now, self.info, self.group)
         outcome = Outcome(
             JobState.FAILED,
             now.wall,
@@ -600,54 +608,49 @@ class PartCore:
             None,
             self.settings.node,
         )
-        return out + self._finish(outcome, PartState.FAILED, now, self.info, self.group)
+        return out + self.finish(outcome, PartState.FAILED, now, self.info, self.group)
 
     def _barrier_round(self, event: ev.RoundChanged, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         if event.event.kind is EventKind.NEXT_ROUND:
-            return self._drop() + self._rejoin(now)
-        return []  # closed: the job's outcome is on its way (job_ended)
+            return self.drop() + self.rejoin(now)
+        return []  # closed: the job's outcome is on its way (JobEnded)
 
-    def _barrier_ended(self, now: ev.Now) -> Instructions:
+    # -- the job ended, this node leaves ----------------------------------------------------------
+
+    def _ended_then_stop(self, event: ev.JobEnded, now: ev.Now) -> Instructions:
+        """The job ended before this node's workers ran a round."""
+        return self.drop() + self.end(PartState.STOPPED, now)
+
+    def _ended_at_barrier(self, event: ev.JobEnded, now: ev.Now) -> Instructions:
         """The job ended while this node waited: every member arrived if it succeeded."""
-        assert self.ended is not None
-        out = self._drop() + [do.Count("barrier_waited", "", now.mono - self.since)]
-        state = PartState.SUCCEEDED if self.ended.state is JobState.SUCCEEDED else PartState.STOPPED
-        return out + self._end(state, now, self.info, self.group)
+        out = self.drop() + [do.Count("barrier_waited", "", now.mono - self.since)]
+        state = (
+            PartState.SUCCEEDED if event.outcome.state is JobState.SUCCEEDED else PartState.STOPPED
+        )
+        return out + self.end(state, now, self.info, self.group)
+
+    def _observe_it(self, event: ev.JobEnded | ev.Leaving, now: ev.Now) -> Instructions:
+        """In a running round the job's end and this node's leaving are news of the round."""
+        return self.observe(event, now)
+
+    def _leave_now(self, event: ev.Leaving, now: ev.Now) -> Instructions:
+        """Leave at once: a part outside a round (joining, warming) or at the barrier."""
+        info = self.info if self.phase is Phase.BARRIER else None
+        group = None if self.phase is Phase.JOINING else self.group
+        return self.depart(now, info, group)
 
     # -- finishing, leaving, failing -------------------------------------------------------------
 
-    def _finish(
-        self,
-        outcome: Outcome,
-        state: PartState,
-        now: ev.Now,
-        info: RendezvousInfo | None = None,
-        group: WorkerGroup | None = None,
-        on_store_failure: PartState = PartState.LEFT,
-    ) -> Instructions:
-        self._to(Phase.FINISHING)
-        self.then = Then(state=state, on_store_failure=on_store_failure)
-        self.finish_with = (info, group)
-        return [do.Finish(self.job, self._op("main"), outcome)]
-
     def _finished(self, event: ev.Finished, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         self.ended = self.ended or event.outcome
         info, group = self.finish_with
         assert self.then.state is not None
-        return self._end(self.then.state, now, info, group)
-
-    def _leave(
-        self, now: ev.Now, info: RendezvousInfo | None, group: WorkerGroup | None
-    ) -> Instructions:
-        assert self.leaving is not None
-        self._to(Phase.LEAVING)
-        self.finish_with = (info, group)
-        return self._drop() + [do.Leave(self.job, self._op("main"), self.leaving)]
+        return self.end(self.then.state, now, info, group)
 
     def _left(self, event: ev.Left | ev.OpFailed, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         out: Instructions = []
         if isinstance(event, ev.OpFailed):
             out.append(
@@ -659,13 +662,13 @@ class PartCore:
                 )
             )
         info, group = self.finish_with
-        return out + self._end(PartState.LEFT, now, info, group)
+        return out + self.end(PartState.LEFT, now, info, group)
 
     def _op_failed(self, event: ev.OpFailed, now: ev.Now) -> Instructions:
         """The store did not answer: this node's share ends here (the others re-form without
         it, and it may join again once the store answers; the job's fate is not its to
         write).  Anything else is a bug: the job fails, saying so."""
-        self._done(event)
+        self.done(event)
         if event.store:
             self.declined = event.message
             return [
@@ -674,8 +677,9 @@ class PartCore:
                     "job %s: leaving, the store does not answer: %s",
                     self.job,
                     (self.job, event.message),
-                )
-            ] + self._end(PartState.LEFT, now)
+                ),
+                *self.end(PartState.LEFT, now),
+            ]
         outcome = Outcome(
             JobState.FAILED,
             now.wall,
@@ -684,14 +688,14 @@ class PartCore:
             None,
             self.settings.node,
         )
-        return (
-            [do.Say("error", "agent for job %s failed: %s", self.job, (self.job, event.message))]
-            + self._drop()
-            + self._finish(outcome, PartState.FAILED, now, on_store_failure=PartState.FAILED)
-        )
+        return [
+            do.Say("error", "agent for job %s failed: %s", self.job, (self.job, event.message)),
+            *self.drop(),
+            *self.finish(outcome, PartState.FAILED, now, on_store_failure=PartState.FAILED),
+        ]
 
     def _finish_failed(self, event: ev.OpFailed, now: ev.Now) -> Instructions:
-        self._done(event)
+        self.done(event)
         if event.store and self.then.on_store_failure is PartState.FAILED:
             return [
                 do.Say(
@@ -699,144 +703,105 @@ class PartCore:
                     "job %s: could not record that its agent failed: %s",
                     self.job,
                     (self.job, event.message),
-                )
-            ] + self._end(PartState.FAILED, now)
-        return self._op_failed(event, now) if event.store else self._end(PartState.FAILED, now)
+                ),
+                *self.end(PartState.FAILED, now),
+            ]
+        return self._op_failed(event, now) if event.store else self.end(PartState.FAILED, now)
 
 
-class _Ignore:
-    def __repr__(self) -> str:
-        return "IGNORE"
+# -- the one table: what each phase does with each kind of event --------------------------------
+
+Handler = Callable[[PartCore, Any, ev.Now], Instructions]
 
 
-IGNORE: Any = _Ignore()  # an event a phase takes and does nothing about
-P = PartCore
+@dataclass(frozen=True)
+class Go:
+    """An event's row in a phase: its handler (None: heard, nothing done) and, where it is
+    the only one, the phase it leads to (``PartCore.move_to`` holds the handler to it)."""
+
+    handler: Handler | None
+    to: Phase | None = None
 
 
-_WORKERS = {ev.WorkersChanged: P._workers_changed}
-_ASIDE = {ev.WorkerAsked: inplace.noted_asked, ev.TimerFired: IGNORE}  # in place, between rounds
-PART_EVENTS = EventTable(
+HEARD = Go(None)  # taken, and nothing is done about it
+NOTED = Go(None)  # JobEnded, Leaving: remembered; acted on where the part next joins or watches
+
+
+def _rows(**common: Go) -> dict[type, Go]:
+    return {getattr(ev, name): go for name, go in common.items()}
+
+
+# What every phase but CLOSING takes the same way: workers' news is published; in place, a
+# worker that asks between rounds is remembered; a timer of another phase is stale; a lost
+# node matters only to a running round.
+_AROUND = _rows(
+    WorkersChanged=Go(PartCore._workers_changed),
+    WorkerAsked=Go(inplace.noted_asked),
+    TimerFired=HEARD,
+    NodesLost=HEARD,
+    JobEnded=NOTED,
+    Leaving=NOTED,
+    OpFailed=Go(PartCore._op_failed),
+)
+_STOP_NOW = Go(PartCore._ended_then_stop, Phase.CLOSING)
+_LEAVE_NOW = Go(PartCore._leave_now, Phase.LEAVING)
+
+PART_EVENTS: EventTable[Phase, Go] = EventTable(
     "a part",
     {
-        Phase.STARTING: {},
+        Phase.STARTING: _rows(NodesLost=HEARD, JobEnded=NOTED, Leaving=NOTED),
         Phase.WARMING: {
-            **_WORKERS,
-            ev.WorkerAsked: inplace.warm_asked,
-            ev.TimerFired: IGNORE,
-            ev.OpFailed: P._op_failed,
+            **_AROUND,
+            ev.WorkerAsked: Go(inplace.warm_asked),
+            ev.JobEnded: _STOP_NOW,
+            ev.Leaving: _LEAVE_NOW,
         },
         Phase.JOINING: {
-            ev.RoundJoined: P._joined,
-            ev.JoinFailed: P._join_failed,
-            **_WORKERS,
-            **_ASIDE,
-            ev.OpFailed: P._op_failed,
+            **_AROUND,
+            ev.RoundJoined: Go(PartCore._joined),
+            ev.JoinFailed: Go(PartCore._join_failed),
+            ev.JobEnded: _STOP_NOW,
+            ev.Leaving: _LEAVE_NOW,
         },
         Phase.RUNNING: {
-            ev.RoundChanged: P._round_changed,
-            **_WORKERS,
-            ev.WorkerAsked: inplace.running_asked,
-            ev.TimerFired: inplace.timer,
-            ev.PeersProbed: inplace.running_probed,
-            ev.OpFailed: P._op_failed,
+            **_AROUND,
+            ev.RoundChanged: Go(PartCore._round_changed),
+            ev.WorkerAsked: Go(inplace.running_asked),
+            ev.TimerFired: Go(inplace.timer),
+            ev.PeersProbed: Go(inplace.running_probed),
+            ev.NodesLost: Go(PartCore._nodes_lost),
+            ev.JobEnded: Go(PartCore._observe_it),
+            ev.Leaving: Go(PartCore._observe_it),
         },
-        Phase.PROBING: {ev.PeersProbed: P._probed, **_WORKERS, **_ASIDE, ev.OpFailed: P._op_failed},
-        Phase.STOPPING: {
-            ev.WorkersStopped: P._stopped,
-            **_WORKERS,
-            **_ASIDE,
-            ev.OpFailed: P._op_failed,
-        },
-        Phase.REQUESTING: {
-            ev.RoundRequested: P._requested,
-            **_WORKERS,
-            **_ASIDE,
-            ev.OpFailed: P._op_failed,
-        },
+        Phase.PROBING: {**_AROUND, ev.PeersProbed: Go(PartCore._probed)},
+        Phase.STOPPING: {**_AROUND, ev.WorkersStopped: Go(PartCore._stopped)},
+        Phase.REQUESTING: {**_AROUND, ev.RoundRequested: Go(PartCore._requested)},
         Phase.BARRIER: {
-            ev.BarrierProgress: P._barrier_progress,
-            ev.BarrierDone: P._barrier_done,
-            ev.RoundChanged: P._barrier_round,
-            **_WORKERS,
-            **_ASIDE,
-            ev.OpFailed: P._op_failed,
+            **_AROUND,
+            ev.BarrierProgress: Go(PartCore._barrier_progress),
+            ev.BarrierDone: Go(PartCore._barrier_done, Phase.FINISHING),
+            ev.RoundChanged: Go(PartCore._barrier_round),
+            ev.JobEnded: Go(PartCore._ended_at_barrier, Phase.CLOSING),
+            ev.Leaving: _LEAVE_NOW,
         },
         Phase.FINISHING: {
-            ev.Finished: P._finished,
-            **_WORKERS,
-            **_ASIDE,
-            ev.OpFailed: P._finish_failed,
+            **_AROUND,
+            ev.Finished: Go(PartCore._finished, Phase.CLOSING),
+            ev.OpFailed: Go(PartCore._finish_failed),
         },
-        Phase.LEAVING: {ev.Left: P._left, ev.OpFailed: P._left, **_WORKERS, **_ASIDE},
-        Phase.CLOSING: {
-            ev.WorkersChanged: IGNORE,
-            ev.WorkerAsked: IGNORE,
-            ev.TimerFired: IGNORE,
-            ev.OpFailed: IGNORE,
+        Phase.LEAVING: {
+            **_AROUND,
+            ev.Left: Go(PartCore._left, Phase.CLOSING),
+            ev.OpFailed: Go(PartCore._left, Phase.CLOSING),
         },
+        Phase.CLOSING: _rows(
+            WorkersChanged=HEARD,
+            WorkerAsked=HEARD,
+            TimerFired=HEARD,
+            NodesLost=HEARD,
+            JobEnded=HEARD,
+            Leaving=HEARD,
+            OpFailed=HEARD,
+        ),
     },
 )
-
-
-def _keep(part: PartCore, now: ev.Now) -> Instructions:
-    return []  # heard; acted on where the part next looks (a join, a watch)
-
-
-def _stop_joining(part: PartCore, now: ev.Now) -> Instructions:
-    return part._drop() + part._end(PartState.STOPPED, now)
-
-
-def _stop_running(part: PartCore, now: ev.Now) -> Instructions:
-    assert part.ended is not None
-    return part._observed(JobEnded(part.ended), now)
-
-
-def _stop_warming(part: PartCore, now: ev.Now) -> Instructions:
-    return part._drop() + part._end(PartState.STOPPED, now)
-
-
-ENDED_IN: dict[Phase, Callable[[PartCore, ev.Now], Instructions]] = {
-    Phase.STARTING: _keep,
-    Phase.WARMING: _stop_warming,
-    Phase.JOINING: _stop_joining,
-    Phase.RUNNING: _stop_running,
-    Phase.PROBING: _keep,
-    Phase.STOPPING: _keep,
-    Phase.REQUESTING: _keep,
-    Phase.BARRIER: PartCore._barrier_ended,
-    Phase.FINISHING: _keep,
-    Phase.LEAVING: _keep,
-    Phase.CLOSING: _keep,
-}
-
-
-def _leave_joining(part: PartCore, now: ev.Now) -> Instructions:
-    return part._leave(now, None, None)
-
-
-def _leave_warming(part: PartCore, now: ev.Now) -> Instructions:
-    return part._leave(now, None, part.group)
-
-
-def _leave_running(part: PartCore, now: ev.Now) -> Instructions:
-    assert part.leaving is not None
-    return part._observed(Leaving(part.leaving), now)
-
-
-def _leave_barrier(part: PartCore, now: ev.Now) -> Instructions:
-    return part._leave(now, part.info, part.group)
-
-
-LEAVE_IN: dict[Phase, Callable[[PartCore, ev.Now], Instructions]] = {
-    Phase.STARTING: _keep,
-    Phase.WARMING: _leave_warming,
-    Phase.JOINING: _leave_joining,
-    Phase.RUNNING: _leave_running,
-    Phase.PROBING: _keep,
-    Phase.STOPPING: _keep,
-    Phase.REQUESTING: _keep,
-    Phase.BARRIER: _leave_barrier,
-    Phase.FINISHING: _keep,
-    Phase.LEAVING: _keep,
-    Phase.CLOSING: _keep,
-}

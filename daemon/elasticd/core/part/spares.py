@@ -1,4 +1,4 @@
-"""Hot spares given back (issue 27), pure: spares are the first capacity a node gives back.
+"""Hot spares given back, pure: spares are the first capacity a node gives back.
 
 An in-place job's spares (``--spares``) sit in the free slots of its nodes, never charged as
 its share.  When a job that a node would start fits only in the room of spares there, the
@@ -12,67 +12,64 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.inplace import SlotState
+from elasticd.core.part.phases import Phase
+from elasticd.core.part.pool import SlotState
+from elasticd.core.part.port import PartPort
 from elasticd.core.placement import Offer, Resources
-
-if TYPE_CHECKING:
-    from elasticd.core.part import PartCore
 
 Instructions = list[do.Instruction]
 
 
-def given_gpus(part: PartCore) -> tuple[str, ...]:
+def given_gpus(part: PartPort) -> tuple[str, ...]:
     """The GPUs of the slots this part gave back (``part.gpus`` is one per slot number)."""
-    return slot_gpus(part, sorted(part.place.given) if part.place is not None else ())
+    return slot_gpus(part, sorted(part.pool.given) if part.pool is not None else ())
 
 
-def slot_gpus(part: PartCore, slots: Iterable[int]) -> tuple[str, ...]:
+def slot_gpus(part: PartPort, slots: Iterable[int]) -> tuple[str, ...]:
     return tuple(part.gpus[slot] for slot in slots if slot < len(part.gpus))
 
 
-def sheddable(part: PartCore) -> list[int]:
+def sheddable(part: PartPort) -> list[int]:
     """The spares' slots this part can give back now, the first to go first: parked ones
     (READY), then warming ones; never a placed worker, nor as many unplaced ones as the
     round lacks (they warm up for its places).  Only a part that watches a round gives
     any: a join or a request may be about to place them."""
-    from elasticd.core.part import Phase
-
-    places = part.place
-    if places is None or part.phase is not Phase.RUNNING or places.first or part.spares <= 0:
+    pool = part.pool
+    if pool is None or part.phase is not Phase.RUNNING or pool.first or part.spares <= 0:
         return []
     unplaced = [
         slot
         for want in (SlotState.READY, SlotState.WARMING)
-        for slot, state in sorted(places.slots.items())
+        for slot, state in sorted(pool.slots.items())
         if state is want
     ]
-    placed = sum(state is SlotState.PLACED for state in places.slots.values())
+    placed = sum(state is SlotState.PLACED for state in pool.slots.values())
     lacking = max(0, part.nproc - placed)
     return unplaced[: max(0, min(part.spares, len(unplaced) - lacking))]
 
 
-def shed(part: PartCore, n: int, now: ev.Now) -> tuple[tuple[int, ...], Instructions]:
+def shed(
+    part: PartPort, n: int, now: ev.Now, stimulus_id: str = ""
+) -> tuple[tuple[int, ...], Instructions]:
     """Give back up to ``n`` spares (``sheddable``): the part has that many spares fewer for
     good (none warms up there again), their slots are EMPTY now (no round offers them) and
     what their channel heard is void.  The node stops their processes."""
-    places = part.place
-    assert places is not None
+    pool = part.pool
+    assert pool is not None
     slots = tuple(sorted(sheddable(part)[: max(0, n)]))
     if not slots:
         return (), []
     for slot in slots:
-        places.move(slot, SlotState.EMPTY)
-        places.asked.pop(slot, None)
-        places.placed.pop(slot, None)
-    places.given.update(slots)
-    part.spares -= len(slots)
+        pool.move(slot, SlotState.EMPTY)
+        pool.forget(slot)
+    pool.given.update(slots)
+    part.give_back_spares(len(slots))
     out: Instructions = [do.ForgetSlots(part.job, slots)]
-    out += part._report(part.report_state, now, part.info, part.group)
-    return slots, part._told("shed", now, out)
+    out += part.report(part.report_state, now, part.info, part.group)
+    return slots, part.told(f"shed [{stimulus_id}]", now, out)
 
 
 @dataclass(frozen=True)
