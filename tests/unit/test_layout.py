@@ -1,4 +1,4 @@
-"""The layout's rule (README, Layout): every import arrow points down the tiers.  It reads
+"""The layout's rule (docs/architecture.md, "The rooms"): every import arrow points down the tiers.  It reads
 the source (stdlib ast), importing nothing."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def room_of(module: str) -> str:
                     continue  # the package itself (its version), not everything in it
                 best, length = room, len(prefix)
     assert best is not None, (
-        f"{module} is in no room of test_layout.ROOMS: give it one (and the README)"
+        f"{module} is in no room of test_layout.ROOMS: give it one (and docs/architecture.md's figure)"
     )
     return best
 

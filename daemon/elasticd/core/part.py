@@ -1,5 +1,5 @@
 """One node's share of one job (a *part*): torchelastic's SimpleElasticAgent as a state
-machine, with three fixes (DESIGN §5).
+machine, with three fixes (docs/architecture.md).
 
     join -> start workers -> watch -> (restart | re-form | scale up | exit barrier) -> end
 
