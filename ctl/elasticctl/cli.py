@@ -1,4 +1,4 @@
-"""elasticctl: the command line of elasticd (DESIGN §3).
+"""elasticctl: the command line of elasticd (docs/getting-started.md).
 
 Exit status: 0 success; 1 the daemon refused the request (or, for ``submit --wait``, the job
 failed); 2 usage error or daemon not reachable; 130 interrupted, or the waited-for job was

@@ -1,4 +1,4 @@
-"""A client for elasticd's control socket (DESIGN §3): a Unix stream socket carrying
+"""A client for elasticd's control socket (docs/security.md): a Unix stream socket carrying
 length-prefixed JSON frames.
 
 One request frame out, one reply frame back (or several, for a stream, until ``end``).

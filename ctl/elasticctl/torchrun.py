@@ -3,7 +3,7 @@ from ``PET_<DEST>`` exactly as torchrun reads it, and each one honoured or refus
 reason it does not apply here.  Pure: the parser's options and the decisions; the CLI does
 the I/O.
 
-What each flag becomes (``TREATMENT``, shown by ``elasticrun --help`` and in the README):
+What each flag becomes (``TREATMENT``, shown by ``elasticrun --help`` and in docs/elasticrun.md):
 
 - honoured: it changes the job (the submit request) or how the output is shown;
 - launcher topology (``--rdzv-*``, ``--standalone``, ``--master-addr``, ``--node-rank``,

@@ -7,8 +7,8 @@ gh-86296), and a task that lost its cancellation runs on (a keeper that never st
 A cancellation can also arrive as another exception: ``asyncio.gather`` ends with the first
 error of a child, even one that failed as the caller's cancellation reached it (a store
 client closed under it), and the caller then gets that error instead of CancelledError.
-A loop that handles the error and waits again has lost its cancellation for good (issue 24:
-a rendezvous keeper that never ended).  So the daemon gathers with :func:`gather`, and a
+A loop that handles the error and waits again has lost its cancellation for good (a
+rendezvous keeper did, and never ended).  So the daemon gathers with :func:`gather`, and a
 loop that handled an error pauses with :func:`back_off`, which stops a task that was asked
 to.
 """

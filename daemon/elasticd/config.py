@@ -155,18 +155,20 @@ def key(
 
 @dataclass(frozen=True)
 class NodeConfig:
+    """[node]: how this node is named and reached, and what it offers (slots, GPUs)."""
+
     name: str = key(
         "", doc="this node's name in the cluster; empty: the hostname", flag="--node-name"
     )
     address: str = key(
         "",
-        doc="address peers use to reach this node; empty: this host's address on the route to the store",
+        doc="address peers use to reach this node (its workers' MASTER_ADDR when it holds group rank 0); empty: this host's address on the route to the store",
         flag="--node-address",
     )
     peer_port: int = key(
         29401,
         _port,
-        doc="port for peers: log fetches (CURVE), and probes when a job's workers fail; 0: any",
+        doc="port for peers: log fetches (CURVE), and probes when a job's workers fail (a reset: its daemon died, and the job re-forms without it, spending no restart; silence counts as death only if its heartbeat stopped too); keep it open between nodes: a firewall that rejects it makes worker failures look like node loss; 0: any",
     )
     peer_timeout: float = key(
         15.0,
@@ -174,7 +176,10 @@ class NodeConfig:
         doc="seconds a request to another daemon (its ranks' logs) waits for the first answer; then its logs are unavailable for now and asked for again",
     )
     slots: int = key(
-        0, _not_negative, doc="workers this node runs at once; 0: one per CPU", flag="--slots"
+        0,
+        _not_negative,
+        doc="workers this node runs at once (a job's --nproc-per-node N needs N free slots; raise it to run more workers than CPUs); 0: one per CPU",
+        flag="--slots",
     )
     gpus: int | str = key(
         AUTO,
@@ -189,17 +194,27 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """[cluster]: which cluster this node belongs to, and its key (the same on every node)."""
+
     name: str = key("default", doc="cluster name; namespaces every store key", flag="--cluster")
     key_file: str = key(
         "",
-        doc="HMAC key for store records (0600); empty: <state_dir>/cluster.key (made by the store host, or by `elasticd keygen FILE`; copy the same file to every node)",
+        doc="the key that store records are signed (HMAC) and encrypted with, a 0600 file; empty: <state_dir>/cluster.key (made by the store host, or by `elasticd keygen FILE`; copy the same file to every node)",
         flag="--cluster-key",
     )
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    backend: str = key("c10d", _backend, doc="'c10d' (a TCPStore that one daemon hosts) or 'etcd'")
+    """[store]: the store the daemons meet in.  A c10d TCPStore (endpoint, host, firewall) or an
+    etcd v3 cluster (endpoints and the keys after them; TLS when ca_file is set).  With etcd no
+    daemon hosts the store."""
+
+    backend: str = key(
+        "c10d",
+        _backend,
+        doc="'c10d' (a TCPStore that one daemon hosts) or 'etcd' (an etcd v3 cluster: no daemon hosts the store, so cluster.key_file must be on every node first)",
+    )
     endpoint: str = key(
         "127.0.0.1:29400", _endpoint, doc="the cluster's TCPStore, HOST:PORT", flag="--store"
     )
@@ -210,12 +225,14 @@ class StoreConfig:
     )
     firewall: bool | str = key(
         AUTO,
-        doc="let only this daemon's user reach the store port from this host (an nftables rule); 'auto': when root and nft is installed",
+        doc="let only this daemon's user reach the store port from this host (an nftables rule); 'auto': when root and nft is installed; true: refuse to start without it",
     )
     connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
     timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
     endpoints: list[str] = key(
-        [], _members, doc="etcd: the members' client addresses, HOST:PORT each"
+        [],
+        _members,
+        doc="etcd: the members' client addresses, HOST:PORT each (a call moves to the next member when its own is gone)",
     )
     ca_file: str = key("", doc="etcd: the CA of the members' certificates (PEM); set: TLS")
     cert_file: str = key(
@@ -273,6 +290,8 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class PathsConfig:
+    """[paths]: where this daemon keeps its state and its socket."""
+
     state_dir: str = key(
         paths.SYSTEM_STATE_DIR, doc="job history, logs and the cluster key", flag="--state-dir"
     )
@@ -281,6 +300,8 @@ class PathsConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """[metrics]: the Prometheus endpoint."""
+
     port: int = key(
         9464, _port, doc="Prometheus endpoint port; 0 disables it", flag="--metrics-port"
     )
@@ -289,21 +310,41 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ControlConfig:
+    """[control]: the control socket: who acts on every job, and how many connections."""
+
     admin_group: str = key(
         "elasticd-admin",
         doc="members act on every job, like root, and read every job's files on disk",
     )
     max_connections: int = key(
-        1024, _positive, doc="open control-socket connections, all users together"
+        1024,
+        _positive,
+        doc="open control-socket connections, all users together (kept within a quarter of the open-file limit); beyond it a connection is told why and closed",
     )
     max_connections_per_user: int = key(
-        32, _positive, doc="open control-socket connections of one user"
+        32,
+        _positive,
+        doc="open control-socket connections of one user; beyond it a connection is told why and closed",
     )
 
 
 @dataclass(frozen=True)
 class JobsConfig:
-    allow_root: bool = key(False, doc="run jobs submitted by root as root", flag="--allow-root")
+    """[jobs]: jobs on this node: who may run as root, how they stop, the defaults a submit
+    leaves out, what one user may submit and what one job may use here.
+
+    A real command line is a few hundred bytes and a login environment a few KiB, so 128 KiB
+    each refuses no real job, and bounds what one user's submits make every daemon, the store
+    and the history keep.  1024 tasks per worker is several times what a torch worker with its
+    threads and DataLoader processes needs, and stops a fork bomb long before kernel.pid_max
+    (keep slots x this below it).  Memory has no limit by default: a job sized for its node
+    must not be killed by an upgrade."""
+
+    allow_root: bool = key(
+        False,
+        doc="run jobs submitted by root as root (a --standalone daemon: true unless set)",
+        flag="--allow-root",
+    )
     stop_grace: float = key(10.0, _not_negative, doc="seconds between SIGTERM and SIGKILL")
     max_restarts: int = key(
         JobSpec.max_restarts, _not_negative, doc="default job-wide restart budget"
@@ -320,22 +361,22 @@ class JobsConfig:
     cgroup: str = key(
         "auto",
         _cgroup_setting,
-        doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path",
+        doc="where jobs' cgroups go: 'auto' (a delegated systemd unit's, else under our own), 'off' (process groups only), or a cgroup path such as /elasticd",
     )
     max_pids_per_worker: int = key(
         1024,
         _max_pids,
-        doc="processes and threads one job may have on this node, per worker it runs here (its cgroup's pids.max; without the pids controller, each worker's RLIMIT_NPROC); 0: no limit",
+        doc="processes and threads one job may have on this node, per worker it runs here (its cgroup's pids.max; without the pids controller, each worker's RLIMIT_NPROC); 0: no limit, else at least 16",
     )
     max_memory: str = key(
         "0",
         _max_memory,
-        doc="memory (RAM and swap together) one job may use on this node, in its cgroup: bytes, a size such as 64G, or a share of this node's memory such as 90%; past it the OOM killer ends the job; 0: no limit",
+        doc="memory (RAM and swap together) one job may use on this node, in its cgroup: bytes, a size such as 64G or 512M, or a share of this node's memory such as 90% (at least 16 MiB); past it the OOM killer ends the job there and it fails; 0: no limit",
     )
     max_argv_bytes: int = key(
         SubmitLimits.argv_bytes,
         _positive,
-        doc="bytes of a job's command line (its arguments, as execve counts them); a larger submit is refused",
+        doc="bytes of a job's command line (its arguments, as execve counts them); a larger submit is refused (Linux refuses one string over 128 KiB, and all of them together over about 2 MiB)",
     )
     max_env_bytes: int = key(
         SubmitLimits.env_bytes,
@@ -355,6 +396,8 @@ class JobsConfig:
 
 @dataclass(frozen=True)
 class RendezvousConfig:
+    """[rendezvous]: heartbeats; a node is lost after keep_alive_max_attempt still ones."""
+
     keep_alive_interval: float = key(KeepAlive.interval, _positive, doc="heartbeat period, seconds")
     keep_alive_max_attempt: int = key(
         KeepAlive.attempts, _positive, doc="missed heartbeats before a node is lost"
@@ -367,6 +410,10 @@ class RendezvousConfig:
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
+    """[discovery]: host discovery (Horovod's --host-discovery-script).  Every daemon runs the
+    script itself and applies the list to itself only; a node that is not listed is drained.
+    The daemon runs it as root, so it must be root's alone."""
+
     script: str = key(
         "",
         _script,
@@ -378,6 +425,9 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True)
 class BlacklistConfig:
+    """[blacklist]: failures count against the user whose job failed, not the node; the node is
+    blacklisted only when a second user's jobs are kept off it too."""
+
     failures: int = key(
         BlacklistPolicy.failures,
         _not_negative,
@@ -403,6 +453,9 @@ def _xids(value: list[int]) -> str | None:
 
 @dataclass(frozen=True)
 class GpuConfig:
+    """[gpu]: GPU health from NVML (node.gpus = "auto" and libnvidia-ml.so.1 here): a GPU that
+    NVML reads bad is taken out of this node's offer, and its jobs re-form without it."""
+
     health_interval: float = key(
         10.0,
         _not_negative,
@@ -426,15 +479,18 @@ class GpuConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
+    """[output]: workers' output files, rotated as logrotate does it: each stream of a round
+    holds at most (backups + 1) x max_bytes on disk."""
+
     max_bytes: int = key(
         100 * 1024 * 1024,
         _max_bytes,
-        doc="bytes at which a worker's stdout or stderr file (rank_<r>.out|.err) is rotated; 0: never (no limit)",
+        doc="bytes at which a worker's stdout or stderr file (rank_<r>.out|.err) is rotated; 0: never (no limit), else at least 65536 (64 KiB)",
     )
     backups: int = key(
         3,
         _backups,
-        doc="rotated files kept of each (rank_<r>.out.1 the newest); the oldest is deleted",
+        doc="rotated files kept of each, 0..100 (rank_<r>.out.1 the newest); the oldest is deleted",
     )
 
     @property
@@ -444,6 +500,9 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class HistoryConfig:
+    """[history]: retention, checked at start and whenever a job is due; a job without an
+    outcome, or whose workers on this node are still being stopped, is never deleted."""
+
     retention: float = key(
         30 * 24 * 3600.0,
         _not_negative,
@@ -453,6 +512,8 @@ class HistoryConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
+    """[log]: the daemon's own log."""
+
     level: str = key("info", _log_level, doc="debug, info, warning or error", flag="--log-level")
     summary_interval: float = key(
         60.0,
@@ -463,6 +524,10 @@ class LogConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """[scheduler]: the cluster's scheduler (the same on every node; the allocator's applies).
+    Jobs start in order of --priority, then fair share, then age; quotas bound what users and
+    accounts hold at once."""
+
     enabled: bool = key(
         True,
         doc="the cluster follows the allocation its elected daemon publishes (priority, fair share, quotas; shrink to admit, grow to fill); false: each node offers itself to the oldest open job it fits",
@@ -480,7 +545,7 @@ class SchedulerConfig:
     max_priority: int = key(
         0,
         _priority,
-        doc="the highest --priority a user may ask (0 or less is always allowed); root and control.admin_group may ask any",
+        doc="the highest --priority a user may ask (0 or less is always allowed; a user's bound is the highest of this, priority_users and priority_groups that applies); root and control.admin_group may ask any",
     )
     priority_users: dict[str, int] = key(
         {},
@@ -491,15 +556,15 @@ class SchedulerConfig:
     )
     user_quota: dict[str, int] = key(
         {},
-        doc="each user's limits on what their jobs hold at once: nodes, gpus, slots (a limit not set: none), e.g. {nodes = 4, gpus = 8}",
+        doc="each user's limits on what their jobs hold at once: nodes, gpus, slots (a limit not set: none), e.g. {nodes = 4, gpus = 8}; a job over one waits (QuotaUser)",
     )
     account_quota: dict[str, int] = key(
         {},
-        doc="each account's limits, as user_quota (an account: a group, --account; by default the user's primary group)",
+        doc="each account's limits, as user_quota (an account: a group, --account; by default the user's primary group); a job over one waits (QuotaAccount)",
     )
     users: dict[str, dict[str, int]] = key(
         {},
-        doc="user -> that user's own limits, each in place of user_quota's (those it does not set stay), e.g. {alice = {nodes = 8}}",
+        doc="user -> that user's own limits, each in place of user_quota's (those it does not set stay), e.g. {alice = {nodes = 8}}, or as a table [scheduler.users.alice]",
     )
     accounts: dict[str, dict[str, int]] = key(
         {},

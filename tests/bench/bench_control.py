@@ -1,4 +1,4 @@
-"""Control-plane figures of a real standalone elasticd (issue 2).
+"""Control-plane figures of a real standalone elasticd (docs/benchmarks.md).
 
     python tests/bench/bench_control.py [--requests 1000] [--json]
 

@@ -1,4 +1,4 @@
-"""Sharing benchmark (issue 26): one seeded trace of jobs replayed on a cluster of real daemons,
+"""Sharing benchmark (docs/benchmarks.md, "Sharing the cluster"): one seeded trace of jobs replayed on a cluster of real daemons,
 under today's placement and under the cluster's scheduler, side by side.
 
     python tests/bench/bench_sharing.py [--system today|scheduler|both] [--seed 1] [--jobs 30]
@@ -35,7 +35,7 @@ Measured from the daemons' records (``elasticctl list --all --json``: each job's
 ``created``, ``started``, ``ended``) and the workers' own timestamps (each worker's exec and
 exit, in the job's ``events.jsonl``); see DEFINITIONS below for each figure.  The bench polls
 the daemons' job list every second (benchmarks may; tests may not).  Not a pass/fail test:
-it prints the table (the issue's targets beside it) and, with ``--json``, one JSON document.
+it prints the table (the scheduler's targets beside it) and, with ``--json``, one JSON document.
 Interrupted (Ctrl-C, SIGTERM) or failing, it stops every daemon it started (their workers
 with them; n1 hosts the store), kills any process left of the trace's users and removes them.
 """
@@ -543,7 +543,7 @@ def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) ->
             print(f"{name}: {results[name]['note']}")
     summaries = {name: results[name]["summary"] for name in ran if "summary" in results[name]}
     verdict = compare(summaries.get("today"), summaries.get("scheduler"))
-    print(f"{'figure':36} " + " ".join(f"{name:>12}" for name in SYSTEMS) + "   target (issue 26)")
+    print(f"{'figure':36} " + " ".join(f"{name:>12}" for name in SYSTEMS) + "   target")
     for label, key, kind in ROWS:
         cells = []
         for name in SYSTEMS:

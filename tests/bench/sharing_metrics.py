@@ -40,9 +40,11 @@ definitions:
                  starts (in place: rank 0's placements)
   between rounds seconds in which a started job that had not ended had no worker, summed over jobs"""
 
-JCT_TARGET = 0.35  # issue 26: average JCT at least 35 % lower than today's
-UTIL_TARGET = 0.95  # issue 26: utilization at least 95 % while jobs wait
-FAIR_GRACE = 10.0  # issue 26: no wait beyond fair share, but for a reclaim and a start
+JCT_TARGET = 0.35  # the scheduler's target: average JCT at least 35 % lower than today's
+UTIL_TARGET = 0.95  # the scheduler's target: utilization at least 95 % while jobs wait
+FAIR_GRACE = (
+    10.0  # the scheduler's target: no wait beyond fair share, but for a reclaim and a start
+)
 FAIR_TICK = 0.5  # the excess wait is sampled this often
 
 Interval = tuple[float, float]
@@ -320,7 +322,7 @@ def mean(values: Sequence[float]) -> float | None:
 
 
 def compare(today: dict[str, Any] | None, scheduler: dict[str, Any] | None) -> dict[str, str]:
-    """The target column: the issue's targets, and whether each system met them."""
+    """The target column: the targets the scheduler was built to meet, and whether each system met them."""
     out = {
         "avg_jct": f">= {JCT_TARGET:.0%} lower than today's",
         "util_waiting": f">= {UTIL_TARGET:.0%}",

@@ -1,4 +1,4 @@
-"""Soak: three daemons, many short jobs, random cancels and worker kills (issue 9).
+"""Soak: three daemons, many short jobs, random cancels and worker kills (docs/benchmarks.md).
 
     python tests/bench/soak.py [--minutes 30] [--jobs 500] [--seed 1] [--json]
 

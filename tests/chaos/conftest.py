@@ -1,6 +1,6 @@
 """The chaos suite: a local user, a job, the OOM killer and a full disk against a real daemon.
 
-Each test plays one attacker or fault from the threat model (DESIGN §6) and asserts the safe
+Each test plays one attacker or fault from the threat model (docs/security.md) and asserts the safe
 outcome.  The figures a test measures on the way (connections survived, memory reached,
 time to notice a dead worker, processes left, records lost) are printed together at the end
 of the run; they are reports, never pass/fail thresholds.

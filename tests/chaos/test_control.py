@@ -1,6 +1,6 @@
 """A local user (nobody) against the control socket: thousands of idle connections, a flood of
 requests it never reads, a log stream it never reads, and requests no valid client sends
-(issue 9, items 1, 2 and 3).  The daemon stays up, keeps answering everyone else, and its
+(docs/security.md, "Who calls, and how much one caller may ask").  The daemon stays up, keeps answering everyone else, and its
 memory and descriptors stay bounded."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What a job leaves on disk, against other users and against the job itself (issue 24 rows 0b,
-1 and 3), with real users, a real daemon and real workers.
+"""What a job leaves on disk, against other users and against the job itself (docs/security.md,
+"The files of a job on disk"), with real users, a real daemon and real workers.
 
 Users A and B share a primary group; C is in the admin group.  On disk a job's files are what
 ``elasticctl logs`` allows: A's job is readable by A and C, never by B (row 1), with POSIX ACLs

@@ -1,5 +1,5 @@
 """A job that forks far past its limit, or allocates past its memory limit, hurts only itself
-(issue 24 row 5): the fork fails in the job (EAGAIN), the node and the daemon stay healthy,
+(docs/concepts.md, "What a job may use"): the fork fails in the job (EAGAIN), the node and the daemon stay healthy,
 other jobs run, and cancel leaves nothing.  With cgroups (the pids controller, in cgroup v2
 or in a hybrid host's v1 tree) and without them (RLIMIT_NPROC for the job's user); the node
 says which in `elasticctl nodes`.

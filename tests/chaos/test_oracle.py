@@ -1,4 +1,4 @@
-"""A local user probing what a root daemon can see (issue 9, item 9): whether a file exists
+"""A local user probing what a root daemon can see (docs/security.md, "Jobs run as their user"): whether a file exists
 in a directory the user cannot read must not show in any answer, and no worker may start in
 a directory the user could not enter."""
 

@@ -1,4 +1,4 @@
-"""A job's name and output are other users' terminal input (issue 9, item 8): what elasticctl
+"""A job's name and output are other users' terminal input (docs/security.md, "Text that users and jobs control"): what elasticctl
 shows people carries no control character, bidi control or lone surrogate, and no forged
 line; --json stays exact."""
 

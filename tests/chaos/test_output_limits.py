@@ -1,4 +1,4 @@
-"""A job that writes without end (issue 15): its output is rotated at output.max_bytes with
+"""A job that writes without end (docs/concepts.md, "What a worker gets"): its output is rotated at output.max_bytes with
 output.backups files kept, so the state dir holds a bounded amount of it, and the daemon
 answers others meanwhile.  Real daemon, real worker, 1 GiB through the pipe."""
 
@@ -58,11 +58,11 @@ def test_a_job_writing_1_gib_keeps_within_its_bound_and_the_daemon_answers(
         p.stat().st_size for p in logs.glob("rank_0.out*") if not p.name.endswith(".rotated")
     )
     figures.add(
-        "issue 15: 1 GiB of output, output.max_bytes 1 MiB, backups 2: left on disk",
+        "output rotation: 1 GiB of output, output.max_bytes 1 MiB, backups 2: left on disk",
         f"{taken / MiB:.2f} MiB ({apparent} bytes; {kept + rotated_away} written in {seconds:.1f} s)",
     )
     figures.add(
-        "issue 15: `elasticctl status` while the job wrote 1 GiB, median / max",
+        "output rotation: `elasticctl status` while the job wrote 1 GiB, median / max",
         f"{sorted(latencies)[len(latencies) // 2] * 1000:.0f} / {max(latencies) * 1000:.0f} ms "
         f"({while_writing} answered while it wrote)",
     )

@@ -1,6 +1,6 @@
 """A job that forks, escapes with setsid, or loses its main process to the OOM killer while
 its children live on: the daemon sees the death from the process and nothing outlives the
-job (issue 9, items 4 and 5)."""
+job (docs/concepts.md, "Nothing a job starts outlives it")."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _table(name: str) -> bool:
 def test_what_a_killed_daemon_that_never_comes_back_left_goes_with_elasticd_clean_up(
     daemon_factory, shared_tmp
 ):
-    """issue 28, friction 7c: a SIGKILLed node that never came back kept its nftables table
+    """A SIGKILLed node that never came back kept its nftables table
     and its job cgroups (systemd's unit now runs --clean-up after every stop)."""
     if shutil.which("nft") is None:
         pytest.skip("needs nft (.ci/setup-root.sh installs nftables)")

@@ -1,4 +1,5 @@
-"""A full disk and a corrupt history database (issue 9, items 6 and 7).
+"""A full disk and a corrupt history database (docs/concepts.md, "A full disk or a damaged
+history hides nothing").
 
 A full state dir must not hang or hide anything: a worker never blocks on its output (what
 cannot be written is dropped and counted), every control operation happens wholly or not at

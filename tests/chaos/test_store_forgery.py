@@ -1,4 +1,4 @@
-"""Anyone who reaches the store port (DESIGN §6, attacker 3) forges, copies and replays
+"""Anyone who reaches the store port (docs/security.md, "The store") forges, copies and replays
 store records against real daemons: no daemon acts on them.
 
 The attacker is torch's own TCPStore client, with no key: ``TCPStore(host, port,
@@ -233,7 +233,7 @@ def test_c3_copied_outcome_does_not_end_a_running_job(cluster, shared_tmp, figur
     key = attacker.key(f"jobs/outcome/{b}")
     lines = wait_refused(cluster, before, key, every=True)
     assert all("MAC" in line for line in lines), lines
-    # the outcome does not open: every daemon holds the job (README: HELD)
+    # the outcome does not open: every daemon holds the job (docs/security.md: HELD)
     wait_for(lambda: all(status(d, b)["held"] for d in cluster), 15, f"{b} held on every node")
 
     # "never": for 3 heartbeat intervals after every daemon refused it, B is not SUCCEEDED

@@ -1,4 +1,4 @@
-"""Anyone who reaches the store port (DESIGN §6, attacker 3) against real daemons: it reads
+"""Anyone who reaches the store port (docs/security.md, "The store") against real daemons: it reads
 nothing secret, cannot make a finished job run again, cannot freeze the cluster with an
 unsigned counter, cannot make a node break its own policy, and, where a root daemon's
 nftables rule stands, cannot connect at all.
@@ -487,7 +487,7 @@ FIRST_COME = "[scheduler]\nenabled = false\n"
             marks=pytest.mark.xfail(
                 strict=True,
                 reason=(
-                    "a known limit (README, security model) where the scheduler is off: a node that never "
+                    "a known limit (docs/security.md, The store) where the scheduler is off: a node that never "
                     "saw the job cannot tell the spec as submitted, written back with every later record "
                     "erased, from a new job; with the scheduler on it follows the schedule of a node that "
                     "saw the job end"

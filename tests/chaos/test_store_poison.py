@@ -1,5 +1,5 @@
-"""Values no decoder expects, written by a keyless store client (issue 24, row 0 and the
-first "What must hold"): no value read from the store ends a daemon or changes an outcome.
+"""Values no decoder expects, written by a keyless store client (docs/security.md, "The store":
+"No value ends a daemon"): no value read from the store ends a daemon or changes an outcome.
 
 The attacker is a client of the cluster's store with no key (store_attack.py): torch's own
 TCPStore client on c10d (a writer the nftables rule does not stop, so store.firewall is

@@ -1,4 +1,4 @@
-"""Users against each other through the control socket (issue 24, rows 0c and 2): a local
+"""Users against each other through the control socket (docs/security.md, "Who calls" and "What others see of a job"): a local
 user (nobody) floods the daemon with huge submits and with as many allowed ones as it may
 have, and another user's `elasticctl list` and `status` keep working, before and after a
 restart; a job's arguments, error text and traceback are shown to its owner, root and the

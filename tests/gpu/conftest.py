@@ -1,11 +1,11 @@
-"""The GPU suite (issue 29): real daemons, real elasticctl, workers on real GPUs.
+"""The GPU suite (docs/getting-started.md): real daemons, real elasticctl, workers on real GPUs.
 
 Every test here is skipped unless ``nvidia-smi -L`` lists a GPU and this Python's torch sees
 CUDA (``torch.cuda.is_available()``, asked in a child process, so that neither collecting
 nor running this folder loads torch into pytest).  On a machine without ``nvidia-smi`` the
 check costs one PATH lookup.
 
-Run it with ``tests/run --gpu`` (see the README, "The tests"); on a GPU host with its own
+Run it with ``tests/run --gpu`` (see README.md, "The two commands"); on a GPU host with its own
 CUDA torch: ``ELASTICD_TEST_PYTHON=python3 tests/run --gpu``.
 
 DRY RUN (a development aid, never a result): ``ELASTICD_GPU_TEST_DRY_RUN=gloo`` runs these

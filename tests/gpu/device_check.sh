@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 29, in one go, on a GPU host (run from the repository root):
+# The GPU check (docs/getting-started.md, the GPU suite), in one go, on a GPU host (run from the repository root):
 #
 #   bash tests/gpu/device_check.sh
 #

@@ -1,4 +1,4 @@
-"""elasticd on a real GPU (issue 29): real daemons on loopback, real elasticctl, workers that
+"""elasticd on a real GPU (docs/getting-started.md, the GPU suite): real daemons on loopback, real elasticctl, workers that
 use CUDA and NCCL (tests/gpu/nccl_worker.py).  Skipped without a GPU (conftest.py).
 
 On a host with one GPU, the two-node tests put both nodes' workers on that GPU: each worker

@@ -1,4 +1,4 @@
-"""One job's agent must never take the daemon down (issue 10, item 7).
+"""One job's agent must never take the daemon down: it is contained, and the others run on.
 
 In-process, with the real node core and shell, rendezvous and workers over an in-memory
 store that fails every write of one job's outcome: that job's rendezvous state is tampered

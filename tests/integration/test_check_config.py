@@ -1,4 +1,4 @@
-"""`elasticd --check-config FILE` (issue 15): the real program checks a file as start-up
+"""`elasticd --check-config FILE` (docs/configuration.md, "Checking a file"): the real program checks a file as start-up
 would, prints every error in start-up's words, exits 0 or 2, and starts nothing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""elasticctl's completion scripts in real shells (issue 15): the script that `elasticctl
+"""elasticctl's completion scripts in real shells (docs/getting-started.md, "Shell completion"): the script that `elasticctl
 completion bash|zsh` prints is loaded into bash (its completion function driven as readline
 would: COMP_WORDS, COMP_CWORD, COMP_LINE, COMP_POINT) and into an interactive zsh on a pty
 (zpty, compinit, a TAB typed), and completes commands, options, and the job ids and node

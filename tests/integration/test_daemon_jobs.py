@@ -1,4 +1,4 @@
-"""A real standalone elasticd, real elasticctl, real worker processes (issue 2)."""
+"""A real standalone elasticd, real elasticctl, real worker processes."""
 
 from __future__ import annotations
 

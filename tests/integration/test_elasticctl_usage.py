@@ -1,4 +1,4 @@
-"""`elasticctl usage` (issue 26, sreport's job) against a real daemon: two users' jobs run
+"""`elasticctl usage` (sreport's job; docs/scheduler.md) against a real daemon: two users' jobs run
 on a node with GPUs, and the node-, slot- and GPU-seconds per user and per account match
 their run times; the filters by user, account and time work, for anyone who asks, and show
 nothing of what a job runs; bad times are refused and the daemon goes on; the numbers come

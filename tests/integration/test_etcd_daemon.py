@@ -1,4 +1,4 @@
-"""Two real daemons whose store is a real etcd (store.backend = "etcd", issue 13): they meet
+"""Two real daemons whose store is a real etcd (store.backend = "etcd"; docs/store.md): they meet
 there without a store host and run a two-node job, driven by the real elasticctl.  The etcd
 wants TLS with a client certificate and a password, so every store key of the config is used."""
 

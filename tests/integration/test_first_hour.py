@@ -1,4 +1,4 @@
-"""The first hour with elasticd (issue 14, daemon side): a cluster key from `elasticd keygen`,
+"""The first hour with elasticd (docs/getting-started.md, daemon side): a cluster key from `elasticd keygen`,
 two daemons on one host that agree on who hosts the store, `--allow-root`, jobs that could
 never start refused at submit with a way out, torchrun's `--nproc-per-node cpu`, and a job's
 role and fixed master port.  Real daemons, real elasticctl, real workers."""

@@ -178,7 +178,7 @@ def pair(daemon_factory: Any, shared_tmp: Path) -> Cluster:
 
 
 def test_at_min_nodes_a_lost_worker_does_not_stop_its_peer(pair: Cluster, report: Path) -> None:
-    """--nnodes 2:2 (issue 27): b's only worker is SIGKILLed.  b stays a member with no
+    """--nnodes 2:2 (docs/in-place.md, "A member with no workers"): b's only worker is SIGKILLed.  b stays a member with no
     workers while a new one warms up, so a's worker trains on alone in the same process
     (WORLD_SIZE 1) instead of waiting; the new one then joins it, and both agree."""
     a, _b = pair
@@ -270,7 +270,7 @@ def gone(pids: set[int]) -> bool:
 def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(
     cluster: Cluster, report: Path
 ) -> None:
-    """--spares 1 (issue 27): each node keeps a warm worker beside its placed one.
+    """--spares 1 (docs/in-place.md, "Hot spares"): each node keeps a warm worker beside its placed one.
     b's placed worker is SIGKILLed: b's spare (the same process, past its imports and its
     model) is the new rank, and a new spare warms up.  Node c dies: the survivors' round
     takes a's spare, so the job is back at 3 ranks with no process started.  A cancel ends

@@ -1,4 +1,4 @@
-"""issue 28, friction 1: an --in-place job whose script never calls elasticd.elastic.run.
+"""An --in-place job whose script never calls elasticd.elastic.run.
 Its replacement workers, started without a rank, die while warming up; that loop left and
 rejoined the node 360 times in 3.7 minutes, spending no restart, with the job shown RUNNING.
 Now each warm-up failure spends a restart and the job fails saying what the script lacks."""

@@ -1,4 +1,4 @@
-"""The daemon's own log goes to the journal (issue 15): a real daemon whose stderr is "the
+"""The daemon's own log goes to the journal (docs/operations.md, "The daemon's log"): a real daemon whose stderr is "the
 journal stream" (JOURNAL_STREAM names its device and inode, as systemd sets it) sends its
 records, with their fields, to a journal socket of the test's own (ELASTICD_JOURNAL_SOCKET);
 without a usable socket they go to stderr as before."""
@@ -66,7 +66,7 @@ def test_without_the_journal_socket_records_go_to_stderr(daemon_factory, shared_
     assert [line for line in lines if f"ready: node {daemon.name}" in line]
 
 
-# -- what a job's text and a caller's text may do to the daemon's log (issue 24 rows 4, 0h) --
+# -- what a job's text and a caller's text may do to the daemon's log (docs/operations.md) --
 
 # The message of a worker that fails: 20 kB with newlines, terminal escapes and text that looks
 # like journal fields and like lines of the daemon's own log.  It writes it to the error file

@@ -5,8 +5,8 @@ Lightning's docs write one (CPU, gloo, ``ModelCheckpoint`` keeping ``last.ckpt``
 
 - under elasticrun it ends as under torchrun, the same command line word for word, with the
   same parameters (the script prints a checksum of them);
-- ``Trainer(num_nodes=N)`` on a round of fewer nodes fails as Lightning fails it (issue 28,
-  friction 4), and works through ``elasticd.elastic.lightning.elastic_trainer_kwargs``;
+- ``Trainer(num_nodes=N)`` on a round of fewer nodes fails as Lightning fails it (docs/frameworks.md,
+  "What does not: num_nodes"), and works through ``elasticd.elastic.lightning.elastic_trainer_kwargs``;
 - on three daemons, ``--nnodes 2:3``, a node SIGKILLed mid-training: the job re-forms on two,
   resumes from ``last.ckpt`` and succeeds, with the script's ``num_nodes=3``;
 - in place (``--in-place``, ``elasticd.elastic.lightning.elastic_fit``): Lightning's state
@@ -81,7 +81,7 @@ def test_a_ddp_script_runs_unchanged_and_ends_as_under_torchrun(
 def test_num_nodes_as_the_docs_write_it_needs_the_integration(
     daemon: Any, shared_tmp: Path
 ) -> None:
-    """Friction 4 on one node: the script says num_nodes=2 and the round has 1 node (the
+    """num_nodes on one node: the script says num_nodes=2 and the round has 1 node (the
     same mismatch as a 3-node job that lost one). Lightning refuses it in every round; the
     integration gives Lightning the round's count and the job succeeds."""
     common = (

@@ -1,4 +1,4 @@
-"""GPU inventory and health readings (issue 29): elasticd.cluster.nvml through the real
+"""GPU inventory and health readings (docs/gpu-health.md): elasticd.cluster.nvml through the real
 pynvml, which loads the NVML shim (tests/fixtures/nvml_shim.c) as it would load NVIDIA's
 libnvidia-ml.so.1, in a process started with the shim's environment."""
 

@@ -1,5 +1,5 @@
-"""Refused handshakes on the peer port are counted, and logged in a few lines (issue 24 row
-0g): 1500 CURVE handshakes with the node's public key (it is in its node record) and keys
+"""Refused handshakes on the peer port are counted, and logged in a few lines (docs/security.md,
+"Between daemons"): 1500 CURVE handshakes with the node's public key (it is in its node record) and keys
 that are no node's gave 1500 WARNING lines.  Now: the first is logged, every one is counted
 (elasticd_peer_refused_total), and one line per interval (log.summary_interval; 60 s by
 default, a few seconds here) sums up the rest."""

@@ -1,5 +1,5 @@
 """A job that failed without torch's ``@record`` has the end of its stderr as its root cause
-(issue 28, friction 6): `status` used to say only "exited with code 1"."""
+(docs/concepts.md, "What a worker gets"): `status` used to say only "exited with code 1"."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_the_root_cause_of_a_failure_without_an_error_file(
     shown = daemon.ctl_run("status", job["id"]).stdout  # escaped for the terminal
     assert "\x1b" not in shown and "\x07" not in shown
     assert message.replace("\x1b", "\\x1b").replace("\x07", "\\x07") in shown, shown
-    # another user sees that it failed, and no text of the job's (issue 24's privacy rule)
+    # another user sees that it failed, and no text of the job's (docs/security.md, "What others see of a job")
     seen = daemon.ctl("status", job["id"], user="nobody")
     assert seen["error"]["exit_code"] == code and seen["error"]["message"] == "", seen
     assert "boom" not in str(seen) and "disk is full" not in str(seen), seen

@@ -1,4 +1,4 @@
-"""The cluster's scheduler (issue 26) with real daemons, real workers and real elasticctl
+"""The cluster's scheduler (docs/scheduler.md) with real daemons, real workers and real elasticctl
 on 127.0.0.x, on a TCPStore (the allocator's hand-over on an etcd too, no daemon hosting it):
 
 - an elastic job lends the nodes above its min and gives one back, in place, when another
@@ -40,7 +40,7 @@ DEAD_AFTER = 3.0  # rendezvous.keep_alive_interval x keep_alive_max_attempt, by 
 def both_stores(test: Callable[..., None]) -> Callable[..., None]:
     """Run ``test`` on etcd too: its store plays a part of its own (the allocator's lease).
     The others write and read through the same store API on either store, which the
-    contract tests hold both stores to; on c10d only, they pay CI time for issue 27's."""
+    contract tests hold both stores to; on c10d only, they pay CI time for the in-place tests."""
     test.both_stores = True  # type: ignore[attr-defined]
     return test
 

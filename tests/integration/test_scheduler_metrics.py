@@ -1,4 +1,4 @@
-"""The scheduler's metrics (issue 26) on a real cluster of two daemons, read from their
+"""The scheduler's metrics (docs/scheduler.md, "Metrics") on a real cluster of two daemons, read from their
 /metrics endpoints: the allocator's term on the one node that allocates, a reclaim counted
 on the node that left, each job's wait observed once (on the node it was submitted on),
 the waiting jobs by reason and the longest wait on every node, usage per account."""

@@ -1,4 +1,4 @@
-"""Hot spares are the first capacity a node gives back (issue 27), end to end: real daemon,
+"""Hot spares are the first capacity a node gives back (docs/in-place.md), end to end: real daemon,
 real elasticctl, real workers (examples/elastic_train.py, gloo)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What users give the scheduler at submit (issue 26), through the real elasticctl and a real
+"""What users give the scheduler at submit (docs/scheduler.md), through the real elasticctl and a real
 daemon: --priority, --account, --preemptible and --nnodes-step land in the job's spec and
 `elasticctl status` shows them; the account defaults to the submitter's primary group; a
 user who is not root or an admin may charge only a group they are in and ask a priority up

@@ -1,4 +1,4 @@
-"""torch's launcher scenarios run through torchrun and through elasticrun (issue 14).
+"""torch's launcher scenarios run through torchrun and through elasticrun (docs/elasticrun.md).
 
 Each scenario runs the same command line twice, in the same working directory, with the same
 environment and the same output directory: once as ``python -m torch.distributed.run ARGS``
@@ -177,7 +177,7 @@ SCENARIOS = [
         failure_text="probe shell failure from rank 1",
         expect_exit=1,
     ),
-    # the issue's example: every option from PET_* variables
+    # every option from PET_* variables (docs/elasticrun.md, "Defaults")
     Scenario(
         "pet-env-shell",
         (SHELL, "{out}"),

@@ -1,4 +1,4 @@
-"""What a new user met first (issue 28, frictions 3 and 7a), against a real daemon with a real
+"""What a new user met first (docs/getting-started.md), against a real daemon with a real
 elasticctl: options written after the script, and a daemon whose socket is not the default."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_double_dash_gives_the_script_elasticctls_option_names(daemon, shared_tm
 
 
 def test_a_daemon_off_the_default_socket_says_how_to_reach_it(daemon):
-    """Friction 7a: a daemon started with --runtime-dir (as every harness daemon is) logs how
+    """A daemon started with --runtime-dir (as every harness daemon is) logs how
     elasticctl reaches it; elasticctl, not told, names the socket it tried and how to point it
     elsewhere; with ELASTICD_SOCKET it works."""
     assert (

@@ -1,4 +1,4 @@
-"""What runs as root is root's (issue 24 row 0e), with real daemons run by root.
+"""What runs as root is root's (docs/security.md, "Between daemons, and what runs as root"), with real daemons run by root.
 
 A discovery script that `nobody` could change is refused at start-up (a config error naming
 the key, and the script never runs), and refused before every later run once it becomes

@@ -1,4 +1,4 @@
-"""The two store backends that the system tests run on (issue 13): ``c10d``, a TCPStore that
+"""The two store backends that the system tests run on (docs/store.md): ``c10d``, a TCPStore that
 daemon n1 hosts, and ``etcd``, an etcd cluster that no daemon hosts (every daemon is a
 client; see tests/fixtures/etcd.py for the members).
 

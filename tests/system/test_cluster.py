@@ -1,5 +1,5 @@
-"""Several real daemons on this host as one cluster (issue 4), each test on both store
-backends (issue 13): a TCPStore that n1 hosts, and an etcd that no daemon hosts (conftest).
+"""Several real daemons on this host as one cluster, each test on both store backends
+(docs/store.md): a TCPStore that n1 hosts, and an etcd that no daemon hosts (conftest).
 
 Every test drives real daemons through the real elasticctl and waits on the daemons' own
 streams (job documents, logs), never on a sleep.
@@ -61,7 +61,7 @@ def loads_torch(pid: int) -> bool:
 
 @pytest.mark.c10d_only(
     "the restart budget lives in the rendezvous state, written the same way on either "
-    "store (the contract tests hold both stores to it); CI time paid for issue 27's tests"
+    "store (the contract tests hold both stores to it); CI time paid for the in-place tests"
 )
 def test_a_failure_restarts_every_node_and_the_budget_is_job_wide(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
@@ -92,7 +92,7 @@ def test_a_failure_restarts_every_node_and_the_budget_is_job_wide(cluster_factor
 
 
 @pytest.mark.c10d_only(
-    "a scale-up round: the rendezvous on etcd forms and re-forms in the tests above and in test_partition; CI time paid for issue 27's tests"
+    "a scale-up round: the rendezvous on etcd forms and re-forms in the tests above and in test_partition; CI time paid for the in-place tests"
 )
 def test_scale_up_when_a_node_joins(cluster_factory, shared_tmp):
     cluster = cluster_factory(2)
@@ -116,7 +116,7 @@ def test_scale_up_when_a_node_joins(cluster_factory, shared_tmp):
 
 @pytest.mark.c10d_only(
     "training's loss across a node kill; a node killed over etcd: test_etcd_ha "
-    "(with the leader) and the tests below; CI time paid for issue 27's tests"
+    "(with the leader) and the tests below; CI time paid for the in-place tests"
 )
 def test_training_survives_a_node_kill_with_the_same_loss(cluster_factory, shared_tmp):
     """A DDP job on 3 nodes loses one (SIGKILL) and ends with an undisturbed run's loss.
@@ -174,7 +174,7 @@ def _final_loss(daemon, job_id):
 
 @pytest.mark.c10d_only(
     "on etcd: test_partition.py's below-min test (a node cut off rather than killed); "
-    "CI time paid for issue 27's tests"
+    "CI time paid for the in-place tests"
 )
 def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     cluster = cluster_factory(2).start()
@@ -191,7 +191,7 @@ def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     "what status shows of a lost node's ranks (node loss on etcd: the tests above)"
 )
 def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
-    """issue 28: status showed a dead node's rank HEALTHY, its last word, for as long as the
+    """status once showed a dead node's rank HEALTHY, its last word, for as long as the
     job waited for it."""
     cluster = cluster_factory(2).start()
     job = cluster[0].submit("--nnodes", "2", "--join-timeout", "300", *worker_args("--sleep", "0"))[
@@ -212,7 +212,7 @@ def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     "the restart budget's accounting (the core's); node loss over etcd is played by the tests above"
 )
 def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factory, shared_tmp):
-    """issue 28 friction 5, the difference README's "What a worker gets" states: the
+    """The difference docs/concepts.md's "What a worker gets" states: the
     workers of the round that re-formed without a lost node see TORCHELASTIC_RESTART_COUNT 0
     (torchrun's would be 1: it charges its survivors' failed collective)."""
     cluster = cluster_factory(2).start()
@@ -239,7 +239,7 @@ def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factor
 
 
 @pytest.mark.c10d_only(
-    "the barrier's waits; on etcd every job that succeeds passes one; CI time paid for issue 27's tests"
+    "the barrier's waits; on etcd every job that succeeds passes one; CI time paid for the in-place tests"
 )
 def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
@@ -254,7 +254,7 @@ def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
 
 
 @pytest.mark.c10d_only(
-    "a cancel through the peer and the job's records; the records on etcd: the chaos and contract tests; CI time paid for issue 27's tests"
+    "a cancel through the peer and the job's records; the records on etcd: the chaos and contract tests; CI time paid for the in-place tests"
 )
 def test_cancel_from_a_node_that_runs_none_of_the_job(cluster_factory, shared_tmp):
     cluster = cluster_factory(3).start()
@@ -310,7 +310,7 @@ def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
 
 
 @pytest.mark.c10d_only(
-    "the drain request and the part's leaving, the same on either store; CI time paid for issue 27's tests"
+    "the drain request and the part's leaving, the same on either store; CI time paid for the in-place tests"
 )
 def test_drain_moves_a_job_off_a_node(cluster_factory):
     cluster = cluster_factory(2).start()
@@ -449,7 +449,7 @@ RESET = "the store was reset"
 def test_a_cluster_started_together_does_not_take_its_new_store_for_a_reset(
     cluster_factory, store_backend, shared_tmp
 ):
-    """Friction 7b of issue 28: nodes started with the store host read its store before the
+    """Nodes started with the store host read its store before the
     host marked it (the host runs nvidia-smi in between: slowed down here), then read the mark
     and warned "the store was reset (its host restarted)" on every fresh start."""
     cluster = cluster_factory(2)

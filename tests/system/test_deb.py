@@ -1,4 +1,4 @@
-"""The Debian package on three hosts under real systemd (issue 15).
+"""The Debian package on three hosts under real systemd (docs/operations.md).
 
 ``packaging/build-deb`` builds the package from this checkout.  Three hosts n1..n3 are
 ``systemd-nspawn`` containers (sdbox.py) on one private network (netns.py: 10.77.X.1..3),

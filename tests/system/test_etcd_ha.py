@@ -1,4 +1,4 @@
-"""A cluster whose store is a three-member etcd cluster on loopback (issue 13): no daemon
+"""A cluster whose store is a three-member etcd cluster on loopback (docs/store.md): no daemon
 hosts any store, every daemon knows every member, so neither an etcd member nor any one
 daemon is a single point of failure.
 

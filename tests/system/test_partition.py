@@ -1,11 +1,11 @@
-"""Node loss by a network partition instead of a kill (issue 4): each daemon runs in its own
+"""Node loss by a network partition instead of a kill: each daemon runs in its own
 network namespace (see netns.py) and one host's switch port goes down.
 
 The tests reach the daemons only through their control sockets and sd_notify sockets (Unix
 sockets work across network namespaces); nothing in the root namespace ever connects to a
 test-host address.
 
-Each test runs on both store backends (issue 13): c10d, the TCPStore that n1 hosts on host 1,
+Each test runs on both store backends (docs/store.md): c10d, the TCPStore that n1 hosts on host 1,
 and etcd, a one-member etcd cluster that runs on host 1 beside n1 (which does not host it):
 either way a partitioned host is cut off from the store and from its peers.
 """
@@ -235,7 +235,7 @@ def test_a_partitioned_daemon_reports_the_store_unreachable(netns_cluster):
 
 
 def test_a_partitioned_daemon_still_stops_on_sigterm(netns_cluster):
-    """DESIGN §7 / issue 2: SIGTERM stops the workers (grace 10 s) and exits 0, store or not."""
+    """docs/concepts.md, "Stopping the daemon": SIGTERM stops the workers (grace 10 s) and exits 0, store or not."""
     cluster = netns_cluster(2)
     n1, n2 = cluster[0], cluster[1]
     node_states(n1, lambda s: s == {"n1": "up", "n2": "up"})

@@ -1,5 +1,5 @@
 """`elasticctl logs -f` follows other nodes' ranks through a peer that does not answer for a
-while (issue 28, friction 2: right after a cluster formed, peers refuse each other until
+while (right after a cluster formed, peers refuse each other until
 they know each other's keys, and the follower used to give up on them for the whole job).
 
 The peer is made silent by stopping its daemon (SIGSTOP) and brought back (SIGCONT); every

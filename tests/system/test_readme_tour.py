@@ -1,4 +1,5 @@
-"""README.md's "A five-minute tour", run as written (issue 14, "the first hour").
+"""README.md's "A five-minute tour", run as written (a new user's first hour; docs/getting-started.md
+shows the same block, taken from README.md).
 
 The ``$ `` lines of the tour's code block go, verbatim and in order, to one ``bash`` reading
 them from a pipe (so ``&`` and ``export`` behave as they do for a user), with the working
@@ -10,7 +11,7 @@ runs that script again (a no-op once its stamp is current).
 Isolation: the tour runs as root, inside private mount, network and UTS namespaces.
 *   Not as ``nobody`` with a private HOME: a checkout's venv is a link to the interpreter it
     was made with, often under /root (pyenv here), which no other user can execute; and the
-    issue's user was root, whose daemon keeps its state in /var/lib/elasticd and its socket in
+    tour's user is root, whose daemon keeps its state in /var/lib/elasticd and its socket in
     /run/elasticd and runs root's jobs as root (a ``--standalone`` daemon's allow_root).
 *   The mount namespace keeps those two off the host: /run is a fresh tmpfs, /var/lib an
     overlay whose upper layer is a tmpfs of its own (the host's /var/lib/elasticd, if any, is

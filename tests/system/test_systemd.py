@@ -224,7 +224,7 @@ def test_the_unit_starts_runs_a_job_and_stops_cleanly(elasticd):
 
 
 def test_what_a_sigkilled_daemon_left_goes_with_it(elasticd):
-    """issue 28, friction 7c: ExecStopPost runs `elasticd --clean-up` however the daemon
+    """ExecStopPost runs `elasticd --clean-up` however the daemon
     ended; a SIGKILLed one's store firewall table (outside any cgroup) and job cgroups go."""
     dropin = elasticd.units / "elasticd.service.d"
     dropin.mkdir(exist_ok=True)

@@ -1,4 +1,4 @@
-"""The cluster's allocator (issue 26) by table: each rule by a small scenario, named after
+"""The cluster's allocator (docs/scheduler.md) by table: each rule by a small scenario, named after
 what a user sees.  Nodes are a, b, c, ... with 4 slots each unless a scenario says
 otherwise; every job takes a whole node (4 slots) unless it says otherwise."""
 

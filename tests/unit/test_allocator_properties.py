@@ -1,4 +1,4 @@
-"""Properties of the cluster's allocator (issue 26) over random clusters and jobs
+"""Properties of the cluster's allocator (docs/scheduler.md) over random clusters and jobs
 (hypothesis).  A cluster is drawn, its jobs are allocated from nothing, then the world
 moves on (nodes are lost, jobs end, new ones arrive, usage and time pass) and the allocator
 runs again on what the first run gave.  Whatever the cluster:

@@ -1,4 +1,4 @@
-"""No cancellation lost (issue 24 row 6): a task that is cancelled ends, even when its
+"""No cancellation lost (daemon/elasticd/aio.py says why): a task that is cancelled ends, even when its
 cancellation reaches it as another exception.
 
 The fault: ``asyncio.gather`` ends with the first error of a child even when the caller's

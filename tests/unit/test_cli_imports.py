@@ -1,4 +1,4 @@
-"""The CLI must start fast: importing it pulls in neither torch nor the daemon (DESIGN §2.5):
+"""The CLI must start fast: importing it pulls in neither torch nor the daemon (docs/architecture.md, "The rules"):
 of elasticd, only the stdlib-only modules in ``elasticd/wire/``."""
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def test_usage_errors_exit_2(line, capsys):
 def test_own_options_after_the_script_are_refused_with_both_corrections(
     line, moved, passed, capsys
 ):
-    """Friction 3 of issue 28: `submit train.py --nproc-per-node 2 --wait` ran one worker and
+    """`submit train.py --nproc-per-node 2 --wait` ran one worker and
     did not wait.  Now it is refused, showing the line with the options moved and the '--'
     form; both corrections parse to what each means."""
     import shlex

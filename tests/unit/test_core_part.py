@@ -480,7 +480,7 @@ def test_in_place_a_node_whose_placed_workers_succeeded_goes_to_the_barrier_whil
 
 
 def test_in_place_a_spare_takes_a_failed_workers_place_at_once_and_a_new_one_warms():
-    """--spares 1 (issue 27): slot 2 starts with the others, unplaced; it asks and stays
+    """--spares 1 (docs/in-place.md, "Hot spares"): slot 2 starts with the others, unplaced; it asks and stays
     parked.  When slot 1 fails, the next round takes the spare at once (no warm-up to wait
     for), and slot 1 warms up as the new spare."""
     d = Drive(in_place=True)
@@ -519,7 +519,7 @@ def running_with_a_parked_spare() -> Drive:
 
 
 def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
-    """issue 27: the survivors re-form without the lost node, then the first member places
+    """Hot spares: the survivors re-form without the lost node, then the first member places
     its spare (a scale-up round) so that the job is back at its size; when a node comes,
     the spare steps back and parks again."""
     d = running_with_a_parked_spare()
@@ -542,7 +542,7 @@ def test_in_place_after_a_node_loss_a_spare_fills_in_until_a_node_comes_back():
 
 
 def test_in_place_a_spare_fills_in_for_a_lost_node_in_the_survivors_round_itself():
-    """issue 27: when the round event names the nodes kept, the survivors' own round takes
+    """Hot spares: when the round event names the nodes kept, the survivors' own round takes
     the spare (one re-form, not two): back at full size without a scale-up round."""
     d = running_with_a_parked_spare()
     lost = RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST, nodes=(ME,))
@@ -644,7 +644,7 @@ def test_in_place_a_worker_that_fails_while_warming_up_spends_a_restart_and_warm
 
 
 def test_in_place_a_script_without_elastic_run_fails_the_job_once_its_restarts_are_spent():
-    """issue 28: such a job left and rejoined 360 times in 3.7 minutes, spending nothing."""
+    """Such a job once left and rejoined 360 times in 3.7 minutes, spending nothing."""
     d = Drive(in_place=True, started=5.0)
     d.start()
     d.workers(WorkerState.HEALTHY, WorkerState.FAILED)

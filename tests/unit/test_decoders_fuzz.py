@@ -1,4 +1,4 @@
-"""Every decoder of a value someone else wrote, fuzzed (issue 24): deep nesting, huge and
+"""Every decoder of a value someone else wrote, fuzzed (docs/security.md, "The store"): deep nesting, huge and
 non-finite numbers, bytes that are not UTF-8, lone surrogates, wrong types, and valid
 values with one part replaced.  Each decoder returns a valid value or raises its module's
 refusal, nothing else:

@@ -1,4 +1,4 @@
-"""torch's error file as the daemon reads and keeps it (issue 24 rows 0b and 3): every input
+"""torch's error file as the daemon reads and keeps it (docs/security.md, "The files of a job on disk"): every input
 is a root cause or a reason it could not be read, bounded, and nothing raises."""
 
 from __future__ import annotations

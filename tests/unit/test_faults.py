@@ -40,7 +40,7 @@ def test_the_keys_remembered_are_bounded():
 
 
 def test_counts_that_may_stop_coming_are_told_once_their_interval_is_over():
-    """Refused peer handshakes (issue 24 row 0g): the first is logged, the rest counted and
+    """Refused peer handshakes (docs/security.md, "Between daemons"): the first is logged, the rest counted and
     summed up by a line of their own (``flush``) once the interval is over, with the newest
     one's detail, even if no other comes."""
     throttle = Throttle(interval=60.0)

@@ -1,4 +1,4 @@
-"""The ACL that gives a job's files to its user and the admin group (issue 24 row 1), as the
+"""The ACL that gives a job's files to its user and the admin group (docs/security.md, "The files of a job on disk"), as the
 kernel reads it; and what is left without ACLs.  Who can open what is tested with real users
 in tests/chaos/test_job_files.py."""
 
@@ -104,7 +104,7 @@ def test_without_acls_files_stay_roots_and_directories_cannot_be_listed(no_acl_f
 
 
 def test_files_an_earlier_version_left_to_the_jobs_group_become_the_owners_alone(tmp_path):
-    """Before issue 24 a job's files were 0640 root:<the user's group>; at start they are
+    """Before the ACLs a job's files were 0640 root:<the user's group>; at start they are
     made 0600, and nothing else is touched: files with an ACL, links, FIFOs, other folders."""
     attempt = tmp_path / "j-1" / "attempt_0"
     attempt.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""A frozen job is reported, not hidden (issue 24 row 7): a node that refuses a record a job
+"""A frozen job is reported, not hidden (docs/security.md, "The store"): a node that refuses a record a job
 needs holds the job, says why in its part, and every node shows it held; a restarted node
 tells the others what its restart ended; a resync reads what this node knows of even when
 the store's indexes were overwritten.  The same against real daemons:

@@ -1,4 +1,4 @@
-"""A job's document when a node of its round is lost (issue 28, friction 1): its ranks are
+"""A job's document when a node of its round is lost (docs/concepts.md): its ranks are
 LOST, not the HEALTHY its node said last; what other nodes say, and a job that ended, are
 shown as they are."""
 

@@ -1,5 +1,5 @@
 """The Debian package's launcher (packaging/deb/launcher.py) and its ELASTICD_PYTHON check
-(issue 24 row 0f): a venv is refused when anything the daemon (root) would run from it
+(docs/operations.md, "The Debian package"): a venv is refused when anything the daemon (root) would run from it
 could be changed by someone else, .pth files, the directories they add, the paths in their
 import lines and the links under it included.
 

@@ -70,7 +70,7 @@ def room_of(module: str) -> str:
                     continue  # the package itself (its version), not everything in it
                 best, length = room, len(prefix)
     assert best is not None, (
-        f"{module} is in no room of test_layout.ROOMS: give it one (and the README)"
+        f"{module} is in no room of test_layout.ROOMS: give it one (and docs/architecture.md's figure)"
     )
     return best
 

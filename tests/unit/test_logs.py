@@ -69,7 +69,7 @@ def test_a_snapshot_stops_at_what_the_files_held(tmp_path):
     assert list(lines) == []
 
 
-# -- rotation (issue 15) ------------------------------------------------------------------------
+# -- rotation (docs/concepts.md) ----------------------------------------------------------------
 
 import os  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The cluster's membership (issue 13): the observer's pure rules, and the node registry
+"""The cluster's membership (docs/store.md): the observer's pure rules, and the node registry
 over the in-memory store with a clock the test moves: one elected observer, a feed that
 each node follows in O(changes), records read only when they changed, takeover when the
 observer dies, and what replayed, forged or deleted keys do to it."""

@@ -1,4 +1,4 @@
-"""A follower of another node's logs asks again after a failure (issue 28, friction 2): when,
+"""A follower of another node's logs asks again after a failure (docs/concepts.md, "What a worker gets"): when,
 how long it waits, and that no line is shown twice or lost across the asks."""
 
 from __future__ import annotations

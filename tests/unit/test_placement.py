@@ -236,7 +236,7 @@ def test_a_standalone_daemon_refuses_a_step_that_rounds_min_past_one_node():
     ],
 )
 def test_spares_take_what_is_free_beyond_the_workers(free, has_gpus, spares, gpus):
-    """issue 27: --spares K: up to K warm workers a node, in free slots (and GPUs), never
+    """Hot spares, --spares K: up to K warm workers a node, in free slots (and GPUs), never
     at the cost of the job's own workers; the jobs behind it see them used."""
     spec = record("j-a", 1, nproc=1).spec
     job = JobRecord(JobSpec(**{**spec.__dict__, "in_place": True, "spares": 2}), 1, {}, None)

@@ -133,7 +133,7 @@ def test_a_wait_listed_node_times_out_and_leaves_the_wait_list(store, handlers):
     assert state.complete and not state.wait_list
 
 
-# -- the join log and the reads (issue 13), on one event loop -----------------------------------
+# -- the join log and the reads (docs/store.md), on one event loop ------------------------------
 
 
 class Recording(AsyncMemoryStore):
@@ -328,7 +328,7 @@ def test_a_keeper_whose_job_state_is_gone_warns_once_without_a_traceback(store, 
     assert "its state is gone or refused" in lines[0].getMessage()
 
 
-# -- the keeper's reads at scale (issue 27) ----------------------------------------------------
+# -- the keeper's reads at scale (docs/store.md) -----------------------------------------------
 
 
 class StateReads(AsyncMemoryStore):

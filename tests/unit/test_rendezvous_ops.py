@@ -278,7 +278,7 @@ def test_rank_order_keeps_survivors_first_then_new_nodes_by_name(order, joined, 
     assert rank_order(order, joined) == ranked
 
 
-# -- reading the join log (issue 13): O(new entries) a read ---------------------------------------
+# -- reading the join log (docs/store.md): O(new entries) a read ----------------------------------
 
 LOG_WINDOW_TABLE = [
     # (case, read, low, upper, batch, numbers)
@@ -668,7 +668,7 @@ def test_info_for_heterogeneous_nodes():
 
 
 def test_info_for_a_member_with_no_workers_ranks_last_and_is_never_the_master():
-    """In place, a node whose workers are warming up stays a member with none (issue 27)."""
+    """In place, a node whose workers are warming up stays a member with none (docs/in-place.md)."""
     state = RendezvousState(
         version=9,
         round=3,
@@ -691,7 +691,7 @@ def test_info_for_a_member_with_no_workers_ranks_last_and_is_never_the_master():
     assert (b.group_rank, b.nproc, b.members) == (2, 0, a.members)
 
 
-# -- the heartbeat ring (issue 13): O(1) reads per node, every node read by two ------------------
+# -- the heartbeat ring (docs/store.md): O(1) reads per node, every node read by two ------------------
 
 
 def test_ring_watch_reads_two_neighbours_and_covers_everyone():

@@ -1,4 +1,4 @@
-"""The schedule (issue 26), pure: records and nodes as the allocator's input, the plan a
+"""The schedule (docs/scheduler.md), pure: records and nodes as the allocator's input, the plan a
 change makes (and none when nothing moved), its record's round trip and refusals, and a
 node core following it (it leaves what the schedule gave other nodes, spending no restart,
 and takes only what it gives this node)."""

@@ -1,4 +1,4 @@
-"""The [scheduler] section (issue 26): its keys, the allocator's Policy built from them, every
+"""The [scheduler] section (docs/configuration.md): its keys, the allocator's Policy built from them, every
 bad value refused naming its dotted key (nested tables too), and the --priority and
 --account bounds of a submit (pure)."""
 

@@ -1,4 +1,4 @@
-"""The scheduler's metrics (issue 26), pure parts: what a plan moved, the waiting jobs and
+"""The scheduler's metrics (docs/scheduler.md, "Metrics"), pure parts: what a plan moved, the waiting jobs and
 their waits, the usage counters per account (this node's parts only, from the daemon's
 start, never taken back), the wait histogram (once per job, on the node it was submitted
 on), and the node core's count of a reclaim (once per part)."""

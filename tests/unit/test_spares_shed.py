@@ -1,4 +1,4 @@
-"""Hot spares are the first capacity a node gives back (core/part/spares.py): a job that
+"""Hot spares are the first capacity a node gives back (docs/in-place.md; core/part/spares.py): a job that
 fits on a node only in the room of another job's spares makes that job stop them (parked
 first, never a placed worker), and starts once their processes are reaped.  The node core and
 the part driven by stimuli, as the shell feeds them; the answers are the core's instructions."""

@@ -1,5 +1,5 @@
 """A failed worker's root cause from the end of its stderr, when it left no error file
-(issue 28, friction 6)."""
+(docs/concepts.md, "What a worker gets")."""
 
 from __future__ import annotations
 

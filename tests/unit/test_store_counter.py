@@ -1,5 +1,5 @@
-"""store/counter.py and the board's two counters (issue 24: no unsigned value can freeze the
-cluster): a counter holding junk is written back by the daemon that meets it, with the
+"""store/counter.py and the board's two counters (no unsigned value can freeze the
+cluster: docs/security.md): a counter holding junk is written back by the daemon that meets it, with the
 highest value it can justify, compare-and-set against the junk (the first repair wins, a
 count written meanwhile is kept), and counted as refused; no number is taken twice.  Over
 the in-memory store (TCPStore's semantics); the real daemons on c10d and etcd are in

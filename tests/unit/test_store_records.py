@@ -1,5 +1,5 @@
 """What the board, the node registry and each node's own rules make of a store that someone
-else writes to (issue 11): the pure rules and the store-facing classes over the in-memory
+else writes to (docs/security.md, "The store"): the pure rules and the store-facing classes over the in-memory
 store.  The same attacks against real daemons are in tests/chaos/test_store_*.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What runs as root is root's (issue 24 row 0e): trust.check_program on real files, owned
+"""What runs as root is root's (docs/security.md, "Between daemons, and what runs as root"): trust.check_program on real files, owned
 by root or by `nobody`, with modes, symlinks and #! interpreters that someone else could
 change.  The tests run as root (as the project's tests do)."""
 

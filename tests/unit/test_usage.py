@@ -1,4 +1,4 @@
-"""Usage records (issue 26, core/usage.py): each node's spans of a job from its record, the
+"""Usage records (core/usage.py; docs/scheduler.md): each node's spans of a job from its record, the
 totals per user and account that `elasticctl usage` shows, and the decayed usage the
 fair share reads; what a part says of itself (core/part.py) and what the registry carries
 when a node takes a job again.  Pure, but for the registry and the board in memory."""

@@ -1,4 +1,4 @@
-"""`elasticctl usage`'s side (issue 26): the times --since and --until take, and what is
+"""`elasticctl usage`'s side (docs/scheduler.md): the times --since and --until take, and what is
 refused before any daemon is asked (exit 2)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cluster's scheduler (issue 26): the allocator that the observer runs, the schedule
+"""The cluster's scheduler (docs/scheduler.md): the allocator that the observer runs, the schedule
 it publishes, and every node's following of it.
 
 Keys under ``elasticd/<cluster>/schedule``::

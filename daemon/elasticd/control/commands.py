@@ -1,6 +1,6 @@
 """What each control op does: turn a checked request into calls on the daemon's services.
 
-Authorization (DESIGN §3, §6): root and members of the admin group act on every job;
+Authorization (docs/security.md): root and members of the admin group act on every job;
 other users see every job but cancel only their own and read only their own logs, and their
 jobs run as themselves.  A daemon not run by root serves only its own user.  What a reply
 shows is built for its caller: another user's job comes without its arguments or error

@@ -1,5 +1,5 @@
 """Request servers: the control socket (a Unix stream socket at
-``<runtime dir>/control.sock``, DESIGN §3) and the ZeroMQ ROUTER of the peer channel.
+``<runtime dir>/control.sock``) and the ZeroMQ ROUTER of the peer channel.
 
 Who is calling is known, not claimed: the control server reads the caller's uid, gid and
 pid from the kernel (SO_PEERCRED) when it accepts the connection.  It owns ``accept()``, so

@@ -1,4 +1,4 @@
-"""What the cluster's allocator (issue 26) reads and says: nodes, jobs' demands, the
+"""What the cluster's allocator reads and says: nodes, jobs' demands, the
 policy, and the allocation with each waiting job's reason.  Plain frozen values: the caller
 maps its job records and node list onto them."""
 

@@ -1,4 +1,4 @@
-"""The cluster's allocator (issue 26), pure: from the jobs, the nodes, the policy, the usage
+"""The cluster's allocator (docs/scheduler.md), pure: from the jobs, the nodes, the policy, the usage
 and the time to each job's node set.  No clock, no store: the same input gives the same
 allocation, whatever order its mappings come in.
 

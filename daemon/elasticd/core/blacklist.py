@@ -1,7 +1,7 @@
 """The blacklist (Horovod's, per user), pure: when failures of workers on this node keep a
 user's jobs off it, or the whole node out of new rounds, and for how long.
 
-One user's failing job must not evict everyone else's (issue 24), so failures count against
+One user's failing job must not evict everyone else's (docs/discovery.md), so failures count against
 the user whose job failed: ``failures`` failures of one user's workers here (of any of
 their jobs) within ``window`` seconds *keep that user's jobs off this node* (they leave it
 through a clean new round and are not placed here) for a cooldown.  The node itself is

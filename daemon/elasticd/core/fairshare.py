@@ -1,4 +1,4 @@
-"""Fair share (issue 26), pure: usage per account decayed with a half-life, and Slurm's
+"""Fair share (docs/scheduler.md), pure: usage per account decayed with a half-life, and Slurm's
 classic fair-share factor from it.
 
 Usage is node-seconds per account (the caller charges what its jobs held, as sreport

@@ -1,4 +1,4 @@
-"""The allocator's ledger (issue 26): the cluster as the allocator fills it, what each job
+"""The allocator's ledger: the cluster as the allocator fills it, what each job
 holds and what each usable node has left, and how to clear room on a node for a job.
 Private to ``allocator.py``; mutable, but only ever inside one ``allocate`` call, and a
 trial placement works on a copy (``plan``) that is adopted whole or dropped.

@@ -1,4 +1,4 @@
-"""Placement (DESIGN §5), pure: which open jobs this node offers itself to, and which jobs no
+"""Placement (docs/concepts.md), pure: which open jobs this node offers itself to, and which jobs no
 node of the cluster could ever run.
 
 Every node walks the open jobs in submit order and offers itself to each one it fits

@@ -3,13 +3,13 @@
 Every daemon of the cluster keeps every job in memory, the store and the history keep its
 spec, and ``list`` shows it to everyone: without bounds one user fills them all (80 submits
 of 3.6 MiB of arguments each made every user's ``elasticctl list`` fail, and the daemon
-hold 1.4 GB, until retention; issue 24).  So a job's command line and environment are
+hold 1.4 GB, until retention).  So a job's command line and environment are
 capped (config keys, counted as ``execve`` counts them), the rest of its spec by fixed
 bounds that no real job comes near (name and role: model.validate), and the jobs of one
 user that have not ended by ``jobs.max_per_user``.  Each refusal names the limit and the
 key that sets it.  The spec's text is valid Unicode (model.validate).
 
-The scheduler's inputs are bounded here too (issue 26): the ``--priority`` a user may ask
+The scheduler's inputs are bounded here too (docs/scheduler.md): the ``--priority`` a user may ask
 (PriorityBounds, from the config's scheduler section) and the ``--account`` a user may
 charge (a group they are in).  Root and the admin group are bound by neither.
 """

@@ -1,4 +1,4 @@
-"""The schedule (issue 26), pure: what the cluster's allocator publishes and every node
+"""The schedule (docs/scheduler.md), pure: what the cluster's allocator publishes and every node
 follows, and how job records and nodes become the allocator's input.
 
 ``plan`` runs on the elected node (the observer) when the jobs or the nodes changed, or a

@@ -1,4 +1,4 @@
-"""Usage records (issue 26; Slurm's sacct and sreport), pure: what each job held on each
+"""Usage records (Slurm's sacct and sreport; docs/scheduler.md), pure: what each job held on each
 node and for how long, from its record, and the totals that ``elasticctl usage`` shows and
 the allocator's fair share (core/fairshare.py) reads.
 

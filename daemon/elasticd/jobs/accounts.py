@@ -1,4 +1,4 @@
-"""Accounts (issue 26): a job's use is charged to a group of its user.  A spec keeps
+"""Accounts (docs/scheduler.md): a job's use is charged to a group of its user.  A spec keeps
 ``account`` empty when it is the submitter's own group (so a spec at its defaults stays
 readable by a daemon of the previous version); this names it."""
 

@@ -1,4 +1,4 @@
-"""One job's rendezvous (DESIGN §4): torchelastic's dynamic rendezvous semantics on a store,
+"""One job's rendezvous (docs/architecture.md, "The store"): torchelastic's dynamic rendezvous semantics on a store,
 event-driven, signed, with stable ranks. ``state`` holds the data and its codec, ``ops`` the
 pure decisions, ``handler`` the executor that applies them. The package exports the pure
 tier only, which the node core imports; the executor is ``elasticd.rendezvous.handler``."""

@@ -1,4 +1,4 @@
-"""Store backends (DESIGN §4): the protocols, the daemon's TCPStore client, the c10d
+"""Store backends (docs/store.md): the protocols, the daemon's TCPStore client, the c10d
 TCPStore server, the etcd client, an in-memory store, signing.
 
 Only ``elasticd.store.c10d`` uses torch (the server a store host runs, and torch's blocking

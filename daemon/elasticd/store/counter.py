@@ -1,4 +1,5 @@
-"""StoreCounter: a counter in the store that no keyless writer can freeze (DESIGN §6).
+"""StoreCounter: a counter in the store that no keyless writer can freeze (see
+docs/security.md, "The store").
 
 Anyone who reaches the store may write anything to a counter.  An add over a value that is
 no count fails (NotACounter: torch's server drops the connection of an add over one, etcd's

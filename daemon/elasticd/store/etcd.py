@@ -1,4 +1,4 @@
-"""EtcdStore: the store operations as coroutines over an etcd v3 cluster (DESIGN §4).
+"""EtcdStore: the store operations as coroutines over an etcd v3 cluster (docs/store.md).
 
 How each operation maps onto etcd: ``get``/``set``/``delete`` are Range, Put and
 DeleteRange.  ``compare_set`` is one Txn (the value equals ``expected``, or the key was never

@@ -1,4 +1,4 @@
-"""The control protocol between ``elasticctl`` and ``elasticd`` (DESIGN §3).
+"""The control protocol between ``elasticctl`` and ``elasticd``.
 
 A stdlib-only leaf: the CLI imports this module (and with it ``safejson``, the bounded
 decoder every frame goes through) and nothing else from the daemon.

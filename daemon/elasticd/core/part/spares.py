@@ -1,4 +1,5 @@
-"""Hot spares given back, pure: spares are the first capacity a node gives back.
+"""Hot spares given back (docs/in-place.md), pure: spares are the first capacity a node
+gives back.
 
 An in-place job's spares (``--spares``) sit in the free slots of its nodes, never charged as
 its share.  When a job that a node would start fits only in the room of spares there, the
