@@ -11,6 +11,7 @@ import pytest
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.model import (
+    Failure,
     IllegalTransition,
     JobSpec,
     JobState,
@@ -425,8 +426,9 @@ def test_in_place_a_failed_worker_is_replaced_while_the_survivor_trains_on():
     out = acts(d(ev.PeersProbed(JOB, d.op(do.Probe), ())))
     assert kinds(out) == ["Publish", "Notify", "RequestRound"] and out[1].abort  # no StopWorkers
     out = acts(d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED)))
-    assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"]
-    assert out[1].slots == (1,) and out[-1].nproc == 1  # the survivor joins alone
+    # the replacement warms up (with a deadline to ask by); the survivor joins alone
+    assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "SetTimer", "Join"]
+    assert out[1].slots == (1,) and out[-1].nproc == 1
     out = d.joined(info(round=1, nproc=1, restarts=1))
     assert kinds(out) == ["PlaceWorkers", "Notify", "SetTimer", "Publish", "Watch"]
     ask(d, 0, after=0, why="interrupt")  # the survivor rejoined
@@ -442,7 +444,8 @@ def test_in_place_a_node_whose_every_worker_failed_stays_a_member_with_none():
     d = Drive(in_place=True)
     in_place_running(d)
     out = acts(fail_and_reopen(d, WorkerState.FAILED, WorkerState.FAILED))
-    assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "Join"] and out[-1].nproc == 0
+    assert kinds(out) == ["Publish", "ForgetSlots", "WarmWorkers", "SetTimer", "Join"]
+    assert out[-1].nproc == 0
     out = acts(d.joined(info(round=1, nproc=0, restarts=1)))
     assert kinds(out) == ["PlaceWorkers", "Notify", "Publish", "Watch"] and not out[0].group.workers
     assert d.part.phase is Phase.RUNNING
@@ -618,10 +621,9 @@ def test_in_place_a_collective_failure_and_a_dead_peer_re_form_without_it():
 def test_in_place_a_node_rejoining_a_job_warms_up_before_it_joins():
     d = Drive(in_place=True, started=5.0)
     out = d.start()
-    assert (
-        kinds(out) == ["NewPool", "Publish", "ForgetSlots", "WarmWorkers"]
-        and d.part.phase is Phase.WARMING
-    )
+    # warming up is charged: the part says it ran from now on (its second Publish)
+    assert kinds(out) == ["NewPool", "Publish", "ForgetSlots", "WarmWorkers", "SetTimer", "Publish"]
+    assert d.part.phase is Phase.WARMING and out[-1].part.ran == d.now().wall
     assert ask(d, 0) == []
     out = ask(d, 1)
     assert kinds(out) == ["Join"] and out[0].nproc == 2
@@ -692,3 +694,56 @@ def test_in_place_a_late_ask_of_a_dead_worker_changes_nothing():
     d.start()
     d.workers(WorkerState.HEALTHY, WorkerState.FAILED)
     assert ask(d, 1) == []  # the part is closing
+
+
+# -- a warm-up that never asks for its place -------------------------------------------------
+
+
+def test_in_place_a_newcomer_that_never_asks_is_failed_at_its_join_timeout():
+    """A script that never calls elastic.run and just computes would warm up for good,
+    holding its node: at the job's join timeout its workers are stopped as failed, and the
+    failure spends a restart like any other (the job fails once none is left)."""
+    d = Drive(in_place=True, started=5.0, join_timeout=30.0, max_restarts=0)
+    out = d.start()
+    timer = next(i for i in out if isinstance(i, do.SetTimer))
+    assert timer.at == d.mono + 30.0
+    ask(d, 0)  # one of the two asked; slot 1 computes and never asks
+    d.mono += 30.0
+    out = d(ev.TimerFired(JOB, timer.name))
+    assert kinds(out) == ["FailSlots"] and out[-1].slots == (1,)
+    assert "did not ask for its place within 30 s" in out[-1].why
+    group = d.part.group
+    assert group is not None
+    failed = Worker(1, -1, 0, ME, 101, WorkerState.FAILED, -15)
+    cause = ev.WorkersChanged(
+        JOB,
+        WorkerGroup(**{**group.__dict__, "workers": (group.workers[0], failed)}),
+        (Failure(-1, 1, ME, -15, out[-1].why),),
+    )
+    out = d(cause)
+    assert kinds(out) == ["Publish", "Finish"]  # no restart left: the job fails, saying why
+    assert "did not ask for its place within 30 s" in out[-1].outcome.message
+    assert "must call elasticd.elastic.run" in out[-1].outcome.message
+
+
+def test_in_place_a_warm_up_that_asked_in_time_is_not_failed():
+    d = Drive(in_place=True, started=5.0, join_timeout=30.0)
+    out = d.start()
+    timer = next(i for i in out if isinstance(i, do.SetTimer))
+    ask(d, 0)
+    ask(d, 1)
+    d.mono += 30.0
+    assert acts(d(ev.TimerFired(JOB, timer.name))) == []
+
+
+def test_in_place_a_replacement_that_never_asks_is_failed_while_the_others_train():
+    d = Drive(in_place=True, join_timeout=30.0)
+    in_place_running(d)
+    out = acts(fail_and_reopen(d, WorkerState.HEALTHY, WorkerState.FAILED))
+    timer = next(i for i in out if isinstance(i, do.SetTimer))
+    d.joined(info(round=1, nproc=1, restarts=1))
+    ask(d, 0, after=0, why="interrupt")  # the survivor rejoined and trains
+    d.mono += 30.0
+    out = d(ev.TimerFired(JOB, timer.name))
+    assert kinds(out) == ["FailSlots"] and out[-1].slots == (1,)
+    assert d.part.phase is Phase.RUNNING

@@ -143,6 +143,16 @@ class Notify:
 
 
 @dataclass(frozen=True)
+class FailSlots:
+    """In place: stop the workers of ``slots`` as failed, saying ``why`` (warm-ups that did
+    not ask for their place in time); their ends come back as WorkersChanged."""
+
+    job: str
+    slots: tuple[int, ...]
+    why: str
+
+
+@dataclass(frozen=True)
 class ForgetSlots:
     """In place: new workers take ``slots``; what the old ones asked or were told is void."""
 
@@ -271,6 +281,7 @@ Instruction = (
     | PlaceWorkers
     | Notify
     | ForgetSlots
+    | FailSlots
     | ShedSpares
     | StopWorkers
     | Publish

@@ -16,6 +16,7 @@ from elasticd.core.model import Failure, JobSpec, JobState, PartState, WorkerSta
 log = logging.getLogger(__name__)
 
 LOST = "LOST"  # what a lost node's running part and workers show (their node can no longer say)
+WARMING = "WARMING"  # a part in no round yet whose workers run (in place: they warm up)
 
 
 @dataclass(frozen=True)
@@ -184,11 +185,25 @@ def worker_groups(records: Iterable[JobRecord], node: str) -> dict[int, WorkerGr
 
 
 def current_parts(record: JobRecord) -> list[Part]:
-    """The parts of the latest round (older rounds' workers are gone), by group rank."""
+    """The parts of the latest round (older rounds' workers are gone), by group rank, and
+    the parts in no round yet whose workers run (in place: warming up, charged)."""
     rounds = [p.round for p in record.parts.values() if p.round is not None]
     latest = max(rounds, default=None)
-    parts = [p for p in record.parts.values() if p.round == latest and p.state != PartState.LEFT]
+    parts = [
+        p
+        for p in record.parts.values()
+        if p.state != PartState.LEFT and (p.round == latest or warming(p))
+    ]
     return sorted(parts, key=lambda p: (p.group_rank is None, p.group_rank or 0, p.node))
+
+
+def warming(part: Part) -> bool:
+    """An in-place part in no round yet whose workers run: they warm up."""
+    return (
+        part.round is None
+        and part.state is PartState.RENDEZVOUS
+        and any(w.get("pid") for w in part.workers)
+    )
 
 
 def job_doc(
@@ -314,7 +329,7 @@ def _node_doc(part: Part, usage: Mapping[str, Any] | None, lost: bool = False) -
     return {
         "node": part.node,
         "group_rank": part.group_rank,
-        "state": LOST if lost else part.state.value,
+        "state": LOST if lost else WARMING if warming(part) else part.state.value,
         "ranks": [w["rank"] for w in part.workers if w["rank"] >= 0],
         "spares": part.spares,
         "usage": dict(usage) if usage else None,

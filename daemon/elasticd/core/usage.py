@@ -11,9 +11,9 @@ workers did with them).  It is charged to the job's user and account (``JobSpec.
 
 What the records cannot say, and what is charged instead:
 
-* Waiting is free: a node whose part waits in the rendezvous (or, in place, warms up its
-  workers before their first round) holds its slots but is charged only once its workers
-  run, as Slurm charges a job from its start.  A part between rounds (RESTARTING) is
+* Waiting is free: a node whose part waits in the rendezvous holds its slots but is charged
+  only once its workers run (in place: from the first warm-up, before any round), as Slurm
+  charges a job from its start.  A part between rounds (RESTARTING) is
   charged: the job still holds the node.
 * One part per node: a record keeps each node's latest part.  A node that left a job and
   took it again (a shrink then a grow, a drain then an undrain, a restarted daemon) would

@@ -393,6 +393,11 @@ class NodeShell:
         for slot in forget.slots:
             link.forget(slot)
 
+    def _fail_slots(self, failing: do.FailSlots) -> None:
+        workers = self._parts[failing.job].workers
+        assert workers is not None
+        self._quiet(failing.job, workers.stop_slots(failing.slots, failure=failing.why))
+
     def _stop_workers(self, stopping: do.StopWorkers) -> None:
         workers = self._parts[stopping.job].workers
 
@@ -737,6 +742,7 @@ _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.PlaceWorkers: NodeShell._place_workers,
     do.Notify: NodeShell._notify,
     do.ForgetSlots: NodeShell._forget,
+    do.FailSlots: NodeShell._fail_slots,
     do.StopWorkers: NodeShell._stop_workers,
     do.ShedSpares: NodeShell._shed,
     do.Publish: NodeShell._publish,

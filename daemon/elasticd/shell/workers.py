@@ -245,9 +245,10 @@ class LocalWorkers:
         ] = {}  # slot -> its worker's out and err writers
         self._spawned = 0
         self._stopping = False
-        self._shed: set[int] = (
-            set()
-        )  # slots whose workers were stopped on their own (spares given back)
+        # slots whose workers were stopped on their own (spares given back)
+        self._shed: set[int] = set()
+        # slots whose workers are being stopped as failed, and why (a warm-up past its deadline)
+        self._failing: dict[int, str] = {}
         self._oom_before = self._oom_kills()
 
     def error_file(self, worker: Worker) -> str:
@@ -521,6 +522,8 @@ class LocalWorkers:
             return
         if code == 0:
             self._set(replace(worker, state=WorkerState.SUCCEEDED, exit_code=0))
+        elif local_rank in self._failing:
+            self._record_failure(worker, code or 1, self._failing.pop(local_rank), recorded)
         elif self._stopping or local_rank in self._shed:
             self._set(replace(worker, state=WorkerState.STOPPED, exit_code=code))
         else:
@@ -605,12 +608,17 @@ class LocalWorkers:
             )
         await self._drain_pipes()
 
-    async def stop_slots(self, slots: tuple[int, ...]) -> None:
-        """Stop the workers in ``slots`` only (spares given back): SIGTERM to each one's
-        process group, SIGKILL after the grace period; returns once each is reaped and
-        every other process of its group has exited (its children may hold the slot's
-        GPU), or ``_EMPTY_TIMEOUT`` s later."""
-        self._shed.update(slots)
+    async def stop_slots(self, slots: tuple[int, ...], failure: str = "") -> None:
+        """Stop the workers in ``slots`` only: spares given back (they show STOPPED), or, with
+        ``failure``, workers that failed by the daemon's judgement (a warm-up past its
+        deadline: they show FAILED, saying ``failure``).  SIGTERM to each one's process
+        group, SIGKILL after the grace period; returns once each is reaped and every other
+        process of its group has exited (its children may hold the slot's GPU), or
+        ``_EMPTY_TIMEOUT`` s later."""
+        if failure:
+            self._failing.update(dict.fromkeys(slots, failure))
+        else:
+            self._shed.update(slots)
         pending = [s for s in slots if s in self._exits and not self._exits[s].done()]
         groups = {self._procs[s].pid for s in pending}
         for sig in (signal.SIGTERM, signal.SIGKILL):

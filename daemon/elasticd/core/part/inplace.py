@@ -144,6 +144,7 @@ def next_round(part: PartPort, previous: RendezvousInfo | None, now: ev.Now) -> 
         assert part.group is not None
         part.regroup(renewed(part.group, missing))
         out.append(do.WarmWorkers(part.job, missing, previous.round + 1 if previous else 0))
+        out += _warm_deadlines(part, missing, now) + part.workers_run(now)
     ready = pool.offered(
         (slot for slot in pool.running() if pool.has_asked(slot)), part.nproc + pool.extra
     )
@@ -247,8 +248,10 @@ def joined(part: PartPort, info: RendezvousInfo, now: ev.Now) -> Instructions:
         pool.first = False
         assert part.group is not None
         out.append(do.StartWorkers(part.job, part.group, info.round, pool=True))
-        for slot in range(part.nproc, pool_size(part)):  # the spares start unplaced
+        spares = tuple(range(part.nproc, pool_size(part)))
+        for slot in spares:  # the spares start unplaced
             pool.move(slot, SlotState.WARMING)
+        out += _warm_deadlines(part, spares, now)
     if previous is not None and info.reason in LOSSES:  # the size to keep is the one before
         pool.keep = max(pool.keep, previous.world_size)
     else:
@@ -412,12 +415,78 @@ def _suspect(part: PartPort, failure: Failure, now: ev.Now) -> Instructions:
     return [_timer(part, "suspect", now.mono + part.settings.dead_after)]
 
 
+def _warm_deadlines(part: PartPort, slots: Iterable[int], now: ev.Now) -> Instructions:
+    """Workers that warm up must ask for their place within the job's join timeout: one
+    that never does (a script that never calls ``elastic.run`` and just computes) would
+    hold its slot, unplaced, for good."""
+    pool = pool_of(part)
+    for slot in slots:
+        pool.warm_until[slot] = now.mono + part.spec.join_timeout
+    return _arm_warmup(part)
+
+
+def _arm_warmup(part: PartPort) -> Instructions:
+    """One timer for the earliest deadline (a later warm-up's is later: the timer set for an
+    earlier one fires first, and sets the next)."""
+    pool = pool_of(part)
+    if "warmup" in pool.timers or not pool.warm_until:
+        return []
+    return [_timer(part, "warmup", min(pool.warm_until.values()))]
+
+
+def _warmup_over(part: PartPort, now: ev.Now) -> Instructions:
+    """Warm-ups past their deadline are stopped as failed (their ends come back as any
+    failure does: a restart is spent, or the job fails)."""
+    pool = pool_of(part)
+    late = tuple(
+        sorted(
+            slot
+            for slot, until in pool.warm_until.items()
+            if until <= now.mono and pool.slots.get(slot) is SlotState.WARMING
+        )
+    )
+    for slot in late:
+        del pool.warm_until[slot]
+    out: Instructions = []
+    if late:
+        why = (
+            f"did not ask for its place within {part.spec.join_timeout:g} s of its start "
+            "(the job's join timeout)"
+        )
+        out += [
+            do.Say(
+                "warning",
+                "job %s: workers in slots %s on %s %s: stopping them",
+                part.job,
+                (part.job, list(late), part.settings.node, why),
+            ),
+            do.FailSlots(part.job, late, why),
+        ]
+    return out + _arm_warmup(part)
+
+
+def _timer_role(part: PartPort, event: ev.TimerFired) -> str | None:
+    """The role of the timer that fired, if it is still the current one of its role."""
+    pool = pool_of(part)
+    return next((role for role, name in pool.timers.items() if name == event.name), None)
+
+
+def timer_aside(part: PartPort, event: ev.TimerFired, now: ev.Now) -> Instructions:
+    """Outside a running round only the warm-up deadline counts (the others are of a round)."""
+    if part.pool is None or _timer_role(part, event) != "warmup":
+        return []
+    pool_of(part).timers.pop("warmup")
+    return _warmup_over(part, now)
+
+
 def timer(part: PartPort, event: ev.TimerFired, now: ev.Now) -> Instructions:
     pool = pool_of(part)
-    role = next((role for role, name in pool.timers.items() if name == event.name), None)
+    role = _timer_role(part, event)
     if role is None:
         return []  # a timer of an earlier round
     pool.timers.pop(role)
+    if role == "warmup":
+        return _warmup_over(part, now)
     if role == "suspect" and pool.suspect is not None:
         return part.observe(WorkersExited(RunResult(WorkerState.FAILED, (pool.suspect,))), now)
     if role == "rejoin":

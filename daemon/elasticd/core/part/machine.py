@@ -198,6 +198,14 @@ class PartCore:
         self.story.told(now.mono, why, out)
         return out
 
+    def workers_run(self, now: ev.Now) -> Instructions:
+        """Workers run here from ``now`` (warming up included): usage charges the part
+        from the first time they do; the record says so at once."""
+        if self.ran is not None or self.reported is None:
+            return []
+        self.ran = now.wall
+        return self.report(self.report_state, now, self.info, self.group)
+
     def regroup(self, group: WorkerGroup) -> None:
         """The workers are now ``group`` (in place: a new pool, or new workers in it)."""
         self.group = group
@@ -737,7 +745,7 @@ def _rows(**common: Go) -> dict[type, Go]:
 _AROUND = _rows(
     WorkersChanged=Go(PartCore._workers_changed),
     WorkerAsked=Go(inplace.noted_asked),
-    TimerFired=HEARD,
+    TimerFired=Go(inplace.timer_aside),
     NodesLost=HEARD,
     JobEnded=NOTED,
     Leaving=NOTED,

@@ -164,6 +164,8 @@ class Pool:
     extra: int = 0  # spares placed beyond nproc, filling in for a lost node
     fresh: bool = False  # every worker was stopped (a stall): all start anew
     given: set[int] = field(default_factory=set)  # slots given back: no worker runs there again
+    # slot -> when its warm-up must have asked for a place (monotonic), while it warms up
+    warm_until: dict[int, float] = field(default_factory=dict)
 
     def move(self, slot: int, state: SlotState) -> None:
         self.slots[slot] = SLOT_STATES.check(self.slots.get(slot, SlotState.EMPTY), state)
@@ -172,6 +174,7 @@ class Pool:
         """The worker in ``slot`` asked for a place (one whose end was heard first is gone)."""
         self.asked[slot] = max(self.asked.get(slot, -2), after)
         self.warm_failures = 0  # it reached elastic.run: the script is able to
+        self.warm_until.pop(slot, None)
         if self.slots.get(slot, SlotState.EMPTY) in (SlotState.WARMING, SlotState.READY):
             self.move(slot, SlotState.READY)
 
@@ -196,6 +199,7 @@ class Pool:
     def sync(self, group: WorkerGroup) -> None:
         """A worker whose process ended leaves its slot EMPTY."""
         for slot in ended(group):
+            self.warm_until.pop(slot, None)
             if self.slots.get(slot, SlotState.EMPTY) is not SlotState.EMPTY:
                 self.move(slot, SlotState.EMPTY)
 
@@ -203,6 +207,7 @@ class Pool:
         """What ``slot``'s worker asked and where it was placed is void (a new one comes)."""
         self.asked.pop(slot, None)
         self.placed.pop(slot, None)
+        self.warm_until.pop(slot, None)
 
     def width(self, size: int) -> int:
         """Slot numbers of a pool of ``size`` slots: its own and those it gave back (a slot
