@@ -38,6 +38,7 @@ from elasticctl.submission import (
     positive_int,
     positive_seconds,
     seconds,
+    size,
     submit_request,
 )
 from elasticd import __version__
@@ -322,6 +323,25 @@ def add_submit_options(
         action="store_true",
         help="the job may be stopped below its MIN nodes for a job ahead of it, and is "
         "requeued (no restart spent) to resume from its checkpoint",
+    )
+    option(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="also write every complete checkpoint of ELASTICD_CHECKPOINT_DIR to DIR, in the "
+        "background, as you (any path you can write, local or shared); default: memory only",
+    )
+    option(
+        "--keep-checkpoints",
+        type=positive_int,
+        metavar="K",
+        help="with --checkpoint-dir: keep the last K checkpoints there (default 3)",
+    )
+    option(
+        "--checkpoint-memory",
+        type=size,
+        metavar="SIZE",
+        help="what the job's checkpoints may hold in memory on each node, e.g. 8G (default: "
+        "the node's checkpoints.job_memory); a save over it fails and the one before stays",
     )
     option(
         "--nnodes-step",

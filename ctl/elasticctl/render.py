@@ -334,6 +334,10 @@ def status_block(job: Doc, now: float) -> str:
     barrier = barrier_progress(job.get("barrier"), now)
     if barrier:
         fields.append(("exit barrier", barrier))
+    if job.get("checkpoint") or job.get("checkpoint_dir"):
+        fields.append(("checkpoint", checkpoint_line(job.get("checkpoint"), now)))
+    if job.get("checkpoint_dir"):
+        fields.append(("on disk in", job["checkpoint_dir"]))
     if job.get("usage"):
         fields.append(("usage", usage_line(job["usage"])))
     lines = [f"{label + ':':<14}{text(value)}" for label, value in fields]
@@ -349,6 +353,26 @@ def status_block(job: Doc, now: float) -> str:
         lines += ["", f"the story of node {text(node)} (seconds since its first entry):"]
         lines += [f"  {text(line)}" for line in story[-60:]] or ["  (nothing yet)"]
     return "\n".join(lines)
+
+
+def checkpoint_line(checkpoint: Doc | None, now: float) -> str:
+    """'step_40 (round 2, 3 ranks), 1.2 GiB, saved 4s ago; held on n1, n2; copies n1->n2,
+    n2->n1; on disk': the newest complete checkpoint, as restarts would read it."""
+    if not checkpoint:
+        return "none complete yet"
+    held = ", ".join(text(n) for n in checkpoint.get("held") or [])
+    copies = ", ".join(
+        f"{text(owner)}->{text(to)}" if to else f"{text(owner)}->none"
+        for owner, to in sorted((checkpoint.get("copies") or {}).items())
+    )
+    saved = checkpoint.get("saved")
+    age = "" if saved is None else f", saved {duration(max(0.0, now - saved))} ago"
+    return (
+        f"{text(checkpoint.get('id'))} (round {checkpoint.get('round')}, "
+        f"{checkpoint.get('world')} ranks), {size(checkpoint.get('size'))}{age}; held on "
+        f"{held}; copies {copies or 'none (one node)'}"
+        + ("; on disk" if checkpoint.get("on_disk") else "")
+    )
 
 
 def spares_line(job: Doc) -> str:

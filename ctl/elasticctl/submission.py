@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -63,6 +64,17 @@ def integer(value: str) -> int:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+
+
+_SIZE = re.compile(r"([0-9]+)([KMGT]?)(?:i?B)?", re.IGNORECASE | re.ASCII)
+
+
+def size(value: str) -> int:
+    """A size: bytes, or 512M, 8G, 1TiB (powers of 1024)."""
+    found = _SIZE.fullmatch(value.strip())
+    if found is None or int(found.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 8G or 512M, got {value!r}")
+    return int(found.group(1)) << (10 * " KMGT".index(found.group(2).upper() or " "))
 
 
 def account(value: str) -> str:
@@ -171,6 +183,8 @@ OPTIONAL_SUBMIT_ARGS = (
     "account",
     "nnodes_step",
     "spares",
+    "keep_checkpoints",
+    "checkpoint_memory",
 )
 
 
@@ -192,6 +206,7 @@ def submit_request(
         "argv": [args.script, *args.script_args],
         "kind": kind,
         "workdir": absolute(args.workdir or cwd, cwd),
+        **({"checkpoint_dir": absolute(args.checkpoint_dir, cwd)} if args.checkpoint_dir else {}),
         "env": {**environ, **dict(args.env)},
         "nnodes": args.nnodes,
         "nproc_per_node": args.nproc_per_node,

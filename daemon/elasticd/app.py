@@ -23,7 +23,7 @@ import stat
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import sdnotify
@@ -47,11 +47,13 @@ from elasticd.cluster.peers import (
 from elasticd.cluster.registry import NodeRegistry
 from elasticd.cluster.scheduler import build_scheduler
 from elasticd.cluster.service import NodeDuties, NodeService, Watcher
+from elasticd.cluster.tierlink import TIER_DOMAIN, TierLinks, TierServer
 from elasticd.config import DaemonConfig
 from elasticd.control.commands import Commands, PeerCommands
 from elasticd.control.server import ConnectionLimits, ControlServer, RouterServer, Zap
 from elasticd.core import events
 from elasticd.core.blacklist import Blacklist
+from elasticd.core.containment import parse_memory
 from elasticd.core.discovery import EVERYONE, Listing
 from elasticd.core.gpuhealth import GpuWatch
 from elasticd.core.model import JobState
@@ -69,9 +71,10 @@ from elasticd.jobs.retention import Pruner
 from elasticd.journal import log_handler
 from elasticd.metrics import InstrumentedStore, Metrics
 from elasticd.shell import worker_library
-from elasticd.shell.bounds import contain
+from elasticd.shell.bounds import contain, memory_total
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
+from elasticd.shell.checkpoints import CheckpointTier, TierSettings
 from elasticd.shell.effectors import Effectors
 from elasticd.shell.fileaccess import FileAccess, restrict_earlier
 from elasticd.shell.logs import LogBus
@@ -343,6 +346,10 @@ class Daemon:
                 faults=self.faults,
             )
             peers = PeerLinks(PeerClient(ctx, keys, timeout=config.node.peer_timeout), nodes)
+            tier = self._checkpoint_tier(
+                TierLinks(ctx, keys.public, keys.secret, nodes),
+                lambda event: node_shell.post(event),
+            )
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
             core = NodeCore(
                 NodeSettings(
@@ -389,6 +396,7 @@ class Daemon:
                     access=FileAccess(config.control.admin_group),
                     faults=self.faults,
                     worker_library=worker_library.install(config.paths.runtime_dir),
+                    tier=tier,
                 ),
             )
             node_shell.post(events.Restored(tuple(unfinished)))
@@ -431,9 +439,19 @@ class Daemon:
                 curve_secret=keys.secret,
             )
             closing.callback(peer_server.close)
+            zap.add(TIER_DOMAIN, curve_policy(nodes.peer_keys))
+            tier_server = TierServer(
+                ctx,
+                f"tcp://{join_endpoint(self._address, config.node.tier_port)}",
+                tier,
+                curve_secret=keys.secret,
+            )
+            closing.callback(tier_server.close)
             # the TCP ports first: a port in use stops start-up before the control socket exists
             with _listening("node.peer_port", join_endpoint(self._address, config.node.peer_port)):
                 self._local.peer = (peer_server.bind(), keys.public.decode())
+            with _listening("node.tier_port", join_endpoint(self._address, config.node.tier_port)):
+                self._local.tier = tier_server.bind()
             if config.metrics.port:
                 with _listening(
                     "metrics.port", join_endpoint(config.metrics.address, config.metrics.port)
@@ -457,6 +475,7 @@ class Daemon:
                 cgroups.reap_leftovers
             )  # the socket says no other daemon runs here
             registry.subscribe(lambda record: self._jobs_changed(registry))
+            registry.subscribe(tier.record_changed)
             self._local.jobs = node_shell
             duties = NodeDuties(
                 local_record=self._local.record,
@@ -478,6 +497,8 @@ class Daemon:
                     "zap": zap.serve,
                     "control": control.serve,
                     "peers": peer_server.serve,
+                    "tier": tier_server.serve,
+                    "checkpoints": tier.run,
                     "watchdog": self._watchdog,
                     "heartbeat": functools.partial(nodes.run, self.stop, duties),
                     "retention": pruner.run,
@@ -517,6 +538,24 @@ class Daemon:
                     task.cancel()
         log.info("elasticd stopped")
         return 0
+
+    def _checkpoint_tier(
+        self, links: TierLinks, post: Callable[[events.Event], None]
+    ) -> CheckpointTier:
+        """Each job's checkpoint directory in this node's memory, within the configured caps."""
+        total = memory_total()
+        try:
+            node_cap = parse_memory(self.config.checkpoints.max_memory, total)
+            job_cap = parse_memory(self.config.checkpoints.job_memory, total)
+        except ValueError as exc:
+            raise ConfigError("checkpoints", str(exc)) from None
+        settings = TierSettings(
+            self.node,
+            os.path.join(self.config.paths.runtime_dir, "checkpoints"),
+            node_cap,
+            job_cap,
+        )
+        return CheckpointTier(settings, links, post, metrics=self.metrics)
 
     async def _open_store(self, closing: contextlib.AsyncExitStack) -> Store:
         """The cluster's store: a TCPStore hosted here or reached over TCP, or an etcd

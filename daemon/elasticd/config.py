@@ -170,6 +170,11 @@ class NodeConfig:
         _port,
         doc="port for peers: log fetches (CURVE), and probes when a job's workers fail (a reset: its daemon died, and the job re-forms without it, spending no restart; silence counts as death only if its heartbeat stopped too); keep it open between nodes: a firewall that rejects it makes worker failures look like node loss; 0: any",
     )
+    tier_port: int = key(
+        0,
+        _port,
+        doc="port of the checkpoint tier's data plane (CURVE, as the peer port): each node streams its share of a checkpoint to another node, and fetches what a restarted round needs; it travels in the node's record; 0: any free port (set one where a firewall sits between nodes)",
+    )
     peer_timeout: float = key(
         15.0,
         _positive,
@@ -392,6 +397,27 @@ class JobsConfig:
     @property
     def limits(self) -> SubmitLimits:
         return SubmitLimits(self.max_argv_bytes, self.max_env_bytes, self.max_per_user)
+
+
+@dataclass(frozen=True)
+class CheckpointsConfig:
+    """[checkpoints]: the checkpoint tier: each job's ELASTICD_CHECKPOINT_DIR, kept in this
+    node's memory (a tmpfs of its own when the daemon runs as root, its size the job's cap;
+    its pages count in the job's memory limit), its shares copied to another node.  The
+    caps bound what checkpoints may take of this node's memory, so that it never swaps or
+    runs out for them: a save over a job's cap fails in the job (no space left on device)
+    and the checkpoint before it stays in force."""
+
+    max_memory: str = key(
+        "50%",
+        _max_memory,
+        doc="memory all jobs' checkpoint directories may hold together on this node: bytes, a size such as 64G, or a share of this node's memory such as 50%; 0: no cap",
+    )
+    job_memory: str = key(
+        "0",
+        _max_memory,
+        doc="a job's checkpoint directory here when its submit says no --checkpoint-memory (and never more than max_memory leaves beside the other jobs'); 0: what max_memory leaves",
+    )
 
 
 @dataclass(frozen=True)
@@ -635,6 +661,7 @@ class DaemonConfig:
     history: HistoryConfig = field(default_factory=HistoryConfig)
     log: LogConfig = field(default_factory=LogConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    checkpoints: CheckpointsConfig = field(default_factory=CheckpointsConfig)
     standalone: bool = False
 
     @property

@@ -7,6 +7,7 @@ The names here are the contract with ``packaging/grafana-dashboard.json`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -153,6 +154,30 @@ class Metrics:
             "elasticd_log_dropped_bytes_total",
             "Worker output that could not be written to its log file (a full disk), by reason",
             ["reason"],
+            registry=reg,
+        )
+        self.checkpoint_save = Histogram(
+            "elasticd_checkpoint_save_seconds",
+            "From a checkpoint's first file to this node's share described (hashed, copied)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=reg,
+        )
+        self.checkpoint_copy = Histogram(
+            "elasticd_checkpoint_copy_seconds",
+            "Copy lag: from a share known whole to its copy landed on another node",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=reg,
+        )
+        self.checkpoint_bytes = Gauge(
+            "elasticd_checkpoint_bytes",
+            "Bytes of checkpoints held in this node's memory, by job (its own shares and copies)",
+            ["job"],
+            registry=reg,
+        )
+        self.checkpoint_restores = Counter(
+            "elasticd_checkpoint_restores_total",
+            "Checkpoint files put in place for a restarted round, by where they came from",
+            ["source"],
             registry=reg,
         )
         self.state_write_errors = Counter(
@@ -333,6 +358,23 @@ class Metrics:
             if first is not None:
                 self._started.add(job)
                 self.job_wait.observe(max(0.0, first - record.spec.created))
+
+    # -- the checkpoint tier ---------------------------------------------------------------------
+
+    def checkpoint_saved(self, seconds: float, copied: float | None) -> None:
+        self.checkpoint_save.observe(max(0.0, seconds))
+        if copied is not None:
+            self.checkpoint_copy.observe(max(0.0, copied))
+
+    def checkpoint_held(self, job: str, nbytes: int) -> None:
+        if nbytes:
+            self.checkpoint_bytes.labels(job).set(nbytes)
+        else:
+            with contextlib.suppress(KeyError):
+                self.checkpoint_bytes.remove(job)
+
+    def checkpoint_restored(self, source: str) -> None:
+        self.checkpoint_restores.labels(source).inc()
 
     def output_dropped(self, nbytes: int, why: str) -> None:
         self.output_dropped_bytes.labels(why).inc(nbytes)

@@ -747,3 +747,40 @@ def test_in_place_a_replacement_that_never_asks_is_failed_while_the_others_train
     out = d(ev.TimerFired(JOB, timer.name))
     assert kinds(out) == ["FailSlots"] and out[-1].slots == (1,)
     assert d.part.phase is Phase.RUNNING
+
+
+# -- the checkpoint a restarted round reads ---------------------------------------------------
+
+
+def test_a_restarted_round_starts_its_workers_once_the_checkpoint_is_in_place():
+    """A job that ran before (on any node): before its workers start, this node puts the
+    newest complete checkpoint in place (and deletes saves that were cut off)."""
+    d = Drive(started=5.0)
+    d.start()
+    out = acts(d.joined(info()))
+    assert kinds(out) == ["PrepareRestore"] and d.part.phase is Phase.PREPARING
+    out = acts(d(ev.RestorePrepared(JOB, d.op(do.PrepareRestore))))
+    assert kinds(out) == ["Publish", "StartWorkers", "Watch"] and states(out) == ["RUNNING"]
+
+
+def test_a_round_whose_checkpoint_is_lost_fails_the_job_saying_why():
+    d = Drive(started=5.0)
+    d.start()
+    d.joined(info())
+    why = "checkpoint step_40 is lost: n2 and the node keeping its copy, n3, are gone"
+    out = acts(d(ev.RestorePrepared(JOB, d.op(do.PrepareRestore), why)))
+    assert kinds(out) == ["Finish"] and out[0].outcome.message == why
+
+
+def test_a_first_round_has_nothing_to_restore():
+    d = Drive()
+    d.start()
+    assert kinds(d.joined(info())) == ["Publish", "StartWorkers", "Watch"]
+
+
+def test_checkpoint_manifests_travel_in_the_part_record():
+    d = Drive()
+    running(d)
+    manifest = {"id": "step_5", "node": ME}
+    out = d(ev.CheckpointsChanged(JOB, (manifest,)))
+    assert kinds(out) == ["Publish"] and out[0].part.checkpoints == (manifest,)

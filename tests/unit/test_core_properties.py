@@ -113,12 +113,23 @@ class World:
     # -- what the world does ------------------------------------------------------------------
 
     def step(self) -> None:
-        moves = ["answer"] * 4 + ["worker", "stale", "ask", "timer", "lost", "leave", "end"]
+        moves = ["answer"] * 4 + [
+            "worker",
+            "stale",
+            "ask",
+            "timer",
+            "lost",
+            "leave",
+            "end",
+            "saved",
+        ]
         move = self.data.draw(st.sampled_from(moves))
         if move == "answer" and self.pending:
             self.answer(self.data.draw(st.sampled_from(sorted(self.pending))))
         elif move == "worker" and self.group is not None:
             self.worker()
+        elif move == "saved":
+            self.feed(ev.CheckpointsChanged(JOB, ({"id": f"step_{self.mono}"},)))
         elif move == "stale":
             self.feed(
                 ev.RoundChanged(JOB, 10_000, RoundEvent(EventKind.NEXT_ROUND, Reason.FAILURE))
@@ -219,6 +230,9 @@ class World:
             return ev.BarrierDone(JOB, op, arrived, i.info.group_world_size)
         if isinstance(i, do.Finish):
             return ev.Finished(JOB, op, i.outcome)
+        if isinstance(i, do.PrepareRestore):
+            lost = bool(draw and draw(st.integers(0, 5)) == 0)
+            return ev.RestorePrepared(JOB, op, "the checkpoint is lost" if lost else "")
         assert isinstance(i, do.Leave), i
         return ev.Left(JOB, op)
 

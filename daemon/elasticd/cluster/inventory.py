@@ -156,6 +156,7 @@ class LocalNode:
     labels: Mapping[str, str]
     started: float
     peer: tuple[str, str] = ("", "")  # (endpoint, public key)
+    tier: str = ""  # the checkpoint tier's endpoint, once bound
     containment: Containment | None = None
     jobs: JobsHere | None = field(default=None, repr=False)
 
@@ -186,4 +187,5 @@ class LocalNode:
             listed=jobs.listed,
             containment=self.containment,
             gpus_out=jobs.gpus_out,
+            tier_endpoint=self.tier,
         )

@@ -62,6 +62,7 @@ class NodeRecord:
     listed: bool = True
     containment: Containment | None = None
     gpus_out: Mapping[int, str] = field(default_factory=dict)
+    tier_endpoint: str = ""  # the checkpoint tier's data plane (its CURVE key is peer_key)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -76,6 +77,7 @@ class NodeRecord:
             "listed": self.listed,
             "containment": self.containment.to_json() if self.containment else None,
             "gpus_out": {str(index): why for index, why in self.gpus_out.items()},
+            "tier_endpoint": self.tier_endpoint,
         }
 
     @classmethod
@@ -92,6 +94,7 @@ class NodeRecord:
             bool(doc.get("listed", True)),
             containment=Containment.from_json(doc.get("containment")),
             gpus_out={int(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()},
+            tier_endpoint=str(doc.get("tier_endpoint", "")),
         )
 
 

@@ -230,7 +230,7 @@ class NodeService:
         seen = -1
         while True:
             async with self._ticked:
-                await self._ticked.wait_for(lambda: self._ended != seen)
+                await self._ticked.wait_for(lambda: self._ended != seen)  # noqa: B023 (awaited here)
                 seen = self._ended
             nodes = self.nodes()
             if _without_times(nodes) != _without_times(last):
@@ -251,6 +251,11 @@ class NodeService:
     @property
     def interval(self) -> float:
         return self._interval
+
+    def sighted(self, name: str) -> NodeRecord | None:
+        """A node's record as last seen (None: not seen)."""
+        sighting = self._sightings.get(name)
+        return sighting.record if sighting is not None else None
 
     def alive(self, name: str) -> bool:
         return self.states().get(name, NodeState.LOST) is not NodeState.LOST

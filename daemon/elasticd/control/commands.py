@@ -115,6 +115,9 @@ def spec_from_request(
         account=own_account(args.get("account") or "", caller.gid),
         preemptible=args.get("preemptible", False),
         nnodes_step=args.get("nnodes_step", JobSpec.nnodes_step),
+        checkpoint_dir=args.get("checkpoint_dir", ""),
+        keep_checkpoints=args.get("keep_checkpoints", JobSpec.keep_checkpoints),
+        checkpoint_memory=args.get("checkpoint_memory", 0),
         submitted_on=node,
         created=now,
     )

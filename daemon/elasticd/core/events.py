@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.model import Failure, JobSpec, WorkerGroup
@@ -175,6 +175,24 @@ class OpFailed(Stimulus):
 
 
 @dataclass(frozen=True)
+class RestorePrepared(Stimulus):
+    """The checkpoint the workers will read is in place here (``failure`` "": it is, or
+    there is none to read; else why the job cannot go on from any)."""
+
+    job: str
+    op: int
+    failure: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointsChanged(Stimulus):
+    """This node's share of the job's newest checkpoints changed (its manifests)."""
+
+    job: str
+    manifests: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
 class JobEnded(Stimulus):
     """The job's outcome reached this node (from the board, or from its own finish)."""
 
@@ -311,6 +329,8 @@ class SparesShed(Stimulus):
 
 
 PART_ONLY = (
+    RestorePrepared,
+    CheckpointsChanged,
     RoundJoined,
     JoinFailed,
     RoundChanged,
@@ -342,6 +362,8 @@ PartEvent = (
     | JobEnded
     | Leaving
     | NodesLost
+    | RestorePrepared
+    | CheckpointsChanged
 )
 NodeEvent = (
     JobsChanged

@@ -32,6 +32,16 @@ class Join:
 
 
 @dataclass(frozen=True)
+class PrepareRestore:
+    """Before the workers of ``round`` start: put the job's newest complete checkpoint in
+    place on this node (fetching what it lacks) and delete the saves that were cut off."""
+
+    job: str
+    op: int
+    round: int
+
+
+@dataclass(frozen=True)
 class Watch:
     """Until ``round`` is superseded or closed (or, with ``waiting``, nodes wait to join)."""
 
@@ -269,6 +279,7 @@ class Say:
 
 Instruction = (
     Join
+    | PrepareRestore
     | Watch
     | RequestRound
     | ArriveAtBarrier

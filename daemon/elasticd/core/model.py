@@ -242,6 +242,9 @@ class JobSpec:
     nnodes_step: int = (
         1  # its node count is a multiple of this (world sizes that keep batch maths valid)
     )
+    checkpoint_dir: str = ""  # where complete checkpoints are also written ("": memory only)
+    keep_checkpoints: int = 3  # how many of them stay there
+    checkpoint_memory: int = 0  # bytes its checkpoints may hold on a node (0: the node's default)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -361,6 +364,19 @@ def validate(spec: JobSpec) -> None:
         f"master_port must be from 0 (a free port every round) to 65535, got {spec.master_port!r}",
     )
     _validate_sharing(spec, need)
+    need(
+        _is_text(spec.checkpoint_dir)
+        and (not spec.checkpoint_dir or spec.checkpoint_dir.startswith("/")),
+        "checkpoint_dir must be an absolute path",
+    )
+    need(
+        _is_int(spec.keep_checkpoints) and 1 <= spec.keep_checkpoints <= MAX_COUNT,
+        f"keep_checkpoints must be from 1 to {MAX_COUNT}, got {spec.keep_checkpoints!r}",
+    )
+    need(
+        _is_int(spec.checkpoint_memory) and 0 <= spec.checkpoint_memory < 1 << 60,
+        f"checkpoint_memory must be a number of bytes, got {spec.checkpoint_memory!r}",
+    )
 
 
 def _validate_sharing(spec: JobSpec, need: Callable[[bool, str], None]) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from elasticd.core import checkpoints
 from elasticd.core.model import Failure, JobSpec, JobState, PartState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,15 @@ class Part:
     gpus: int | None = None
     spares: int = 0  # in place: warm workers parked beside the placed ones (asked, no place)
     before: tuple[tuple[float, float, int, int], ...] = ()
+    # this node's share of the job's newest checkpoints (core/checkpoints.py's manifests)
+    checkpoints: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["state"] = self.state.value
         doc["workers"] = list(self.workers)
         doc["before"] = [list(span) for span in self.before]
+        doc["checkpoints"] = list(self.checkpoints)
         return doc
 
     @classmethod
@@ -59,6 +63,7 @@ class Part:
         fields["state"] = PartState(fields["state"])
         fields["workers"] = tuple(fields.get("workers", ()))
         fields["before"] = tuple(tuple(span) for span in fields.get("before") or ())
+        fields["checkpoints"] = tuple(fields.get("checkpoints") or ())
         return cls(**fields)
 
 
@@ -243,6 +248,10 @@ def job_doc(
         "error": error,
         "barrier": barrier if outcome is None else None,
         "held": hold_reason(record) or None,
+        "checkpoint_dir": spec.checkpoint_dir or None,
+        "checkpoint": checkpoints.summary(
+            checkpoints.manifests((p.node, p.checkpoints) for p in record.parts.values())
+        ),
         "redacted": False,
     }
 
@@ -275,7 +284,7 @@ def others_view(doc: Mapping[str, Any]) -> dict[str, Any]:
     program (``argv[0]``) without its arguments, no environment, and where and how the job
     failed (rank, node, exit code) without the error's text or traceback, which may hold
     what the owner did not mean to show (a password in a command line or an exception)."""
-    shown = {name: value for name, value in doc.items() if name != "env"}
+    shown = {name: value for name, value in doc.items() if name not in ("env", "checkpoint_dir")}
     shown["argv"] = list(doc.get("argv") or [])[:1]
     if doc.get("error"):
         shown["error"] = {**doc["error"], "message": "", "traceback": ""}

@@ -298,7 +298,7 @@ class JobBoard:
             why: list[str] = []
 
             def refused(key: str, reason: str) -> None:
-                why.append(reason)
+                why.append(reason)  # noqa: B023 (called within this iteration)
                 self.refused(key, reason)
 
             change = open_or_refuse(

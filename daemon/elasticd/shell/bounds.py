@@ -17,7 +17,7 @@ def contain(
 ) -> Containment:
     """What bounds a job here (published in the node record); what cannot is said once."""
     try:
-        memory = parse_memory(max_memory, _memory_total())
+        memory = parse_memory(max_memory, memory_total())
     except ValueError as exc:  # checked at load; a percentage of an unknown total
         raise ConfigError("jobs.max_memory", str(exc)) from None
     if max_memory.strip().endswith("%") and memory < MIN_MEMORY:
@@ -41,7 +41,7 @@ def contain(
     return containment
 
 
-def _memory_total() -> int:
+def memory_total() -> int:
     """This node's memory in bytes (MemTotal), 0 when /proc does not say."""
     try:
         with open("/proc/meminfo") as f:

@@ -23,6 +23,7 @@ from elasticd.journal import about
 from elasticd.rendezvous import RendezvousSettings
 from elasticd.rendezvous.handler import RendezvousHandler
 from elasticd.shell.cgroups import JobCgroup, JobCgroups
+from elasticd.shell.checkpoints import CHECKPOINT_ENV, CheckpointTier
 from elasticd.shell.fileaccess import FileAccess
 from elasticd.shell.logs import LogBus, OutputLimit
 from elasticd.shell.worker_library import python_path
@@ -78,6 +79,7 @@ class Effectors:
     output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated
     access: FileAccess = field(default_factory=FileAccess)  # who reads jobs' files on disk
     faults: Faults | None = None  # where the rendezvous keepers' unexpected errors are counted
+    tier: CheckpointTier | None = None  # each job's checkpoint directory in memory
 
     def rendezvous(
         self,
@@ -142,15 +144,21 @@ class Effectors:
                 cgroup.remove()
             raise
         rdzv = self.rendezvous(spec, may_create=started is None, on_lost=on_lost)
-        return PartEffectors(self, spec, nproc, rdzv, cgroup, link)
+        checkpoints = self.tier.open(spec) if self.tier is not None else ""
+        return PartEffectors(self, spec, nproc, rdzv, cgroup, link, checkpoints)
 
-    def worker_env(self, spec: JobSpec, link: WorkerLink | None) -> dict[str, str]:
-        """On top of worker_env: the library on PYTHONPATH, and an in-place job's channel."""
+    def worker_env(
+        self, spec: JobSpec, link: WorkerLink | None, checkpoints: str = ""
+    ) -> dict[str, str]:
+        """On top of worker_env: the library on PYTHONPATH, an in-place job's channel, the
+        job's checkpoint directory."""
         env = (
             {"PYTHONPATH": python_path(self.worker_library, spec.env)}
             if self.worker_library
             else {}
         )
+        if checkpoints:
+            env[CHECKPOINT_ENV] = checkpoints
         return {**env, SOCKET_ENV: link.path} if link is not None else env
 
 
@@ -165,6 +173,7 @@ class PartEffectors:
     rdzv: RendezvousHandler
     cgroup: JobCgroup | None
     link: WorkerLink | None
+    checkpoints: str = ""  # the job's checkpoint directory here ("": no tier)
     workers: LocalWorkers | None = None
     keeper: asyncio.Task[None] | None = None
     ops: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
@@ -188,7 +197,7 @@ class PartEffectors:
             on_dropped=shared.metrics.output_dropped,
             on_change=on_change,
             stop_grace=shared.stop_grace,
-            extra_env=shared.worker_env(self.spec, self.link),
+            extra_env=shared.worker_env(self.spec, self.link, self.checkpoints),
             output_limit=shared.output_limit,
             nproc_limit=shared.containment.rlimit_nproc(self.nproc),
             access=shared.access,
@@ -217,6 +226,8 @@ class PartEffectors:
         if self.keeper is not None:
             self.keeper.cancel()
             await asyncio.wait([self.keeper])
+        if self.shared.tier is not None:
+            await self.shared.tier.close(self.spec.id)
         await self._remove_cgroup()
 
     async def _remove_cgroup(self) -> None:

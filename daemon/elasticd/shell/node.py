@@ -25,7 +25,7 @@ from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.discovery import Listing
 from elasticd.core.events import stimulus_kind
-from elasticd.core.model import JobSpec
+from elasticd.core.model import JobSpec, WorkerGroup
 from elasticd.core.node import NodeCore
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord, Outcome
@@ -360,7 +360,29 @@ class NodeShell:
                 start.group, start.round, lambda g: self.post(ev.WorkersChanged(start.job, g))
             )
         assert part.workers is not None
+        self._in_round(start.job, start.group)
         self._quiet(start.job, part.workers.start())
+
+    def _in_round(self, job: str, group: WorkerGroup) -> None:
+        """The checkpoint tier learns whose saves come next: this round's ranks here."""
+        tier = self._effectors.tier
+        if tier is not None and group.round >= 0:
+            ranks = tuple(w.rank for w in group.workers if w.rank >= 0)
+            tier.round(job, group.round, group.world_size, ranks)
+
+    def _prepare_restore(self, preparing: do.PrepareRestore) -> None:
+        tier = self._effectors.tier
+        work = (
+            tier.prepare(preparing.job, self._registry.find(preparing.job))
+            if tier is not None
+            else asyncio.sleep(0, "")
+        )
+        self._op(
+            preparing.job,
+            preparing.op,
+            work,
+            lambda failure: ev.RestorePrepared(preparing.job, preparing.op, failure or ""),
+        )
 
     def _new_pool(self, new_pool: do.NewPool) -> None:
         self._parts[new_pool.job].new_workers(
@@ -378,6 +400,7 @@ class NodeShell:
         assert part.workers is not None and part.link is not None
         part.workers.place(placing.group, part.attempt_dir(placing.group.round))
         part.link.place_round(placing.group.round, placing.envs)
+        self._in_round(placing.job, placing.group)
 
     def _notify(self, notice: do.Notify) -> None:
         link = self._parts[notice.job].link
@@ -730,6 +753,7 @@ class NodeShell:
 
 _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.Join: NodeShell._join,
+    do.PrepareRestore: NodeShell._prepare_restore,
     do.Watch: NodeShell._watch,
     do.RequestRound: NodeShell._request_round,
     do.ArriveAtBarrier: NodeShell._arrive,

@@ -21,7 +21,7 @@ nothing, as does a move PART_PHASES lacks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +114,8 @@ class PartCore:
     # the round and workers the part's last report shows, once it finishes or leaves
     finish_with: tuple[RendezvousInfo | None, WorkerGroup | None] = (None, None)
     going_to: Phase | None = None  # the phase the event being handled leads to, if one
+    # this node's share of the job's newest checkpoints, as the checkpoint tier saw them
+    checkpoints: tuple[Mapping[str, Any], ...] = ()
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -253,6 +255,7 @@ class PartCore:
                     slots=self.nproc + self.spares,
                     gpus=len(self.gpus) - len(spares.given_gpus(self)),
                     spares=len(self.pool.parked()) if self.pool is not None else 0,
+                    checkpoints=tuple(dict(m) for m in self.checkpoints),
                 ),
             )
         ]
@@ -406,9 +409,33 @@ class PartCore:
             gpus=self.gpus,
         )
         self.failures = ()
-        out += self.enter_round(info, group, now)
+        if self.started is None:  # the job's first start: there is nothing to restore
+            return out + self._start(info, group, now)
+        self.info, self.group = info, group
+        self.move_to(Phase.PREPARING)
+        return out + [do.PrepareRestore(self.job, self.new_op("main"), info.round)]
+
+    def _start(self, info: RendezvousInfo, group: WorkerGroup, now: ev.Now) -> Instructions:
+        out = self.enter_round(info, group, now)
         out.append(do.StartWorkers(self.job, group, info.round))
         return out + self.watch(now, notice_waiting=True)
+
+    def _restore_prepared(self, event: ev.RestorePrepared, now: ev.Now) -> Instructions:
+        """The checkpoint is in place: the workers start.  None can be (the newest complete
+        one and its copy are gone, and not on disk): the job fails, saying which and why."""
+        self.done(event)
+        assert self.info is not None and self.group is not None
+        if not event.failure:
+            return self._start(self.info, self.group, now)
+        outcome = Outcome(JobState.FAILED, now.wall, None, event.failure, None, self.settings.node)
+        return self.finish(outcome, PartState.FAILED, now, self.info)
+
+    def _checkpoints_changed(self, event: ev.CheckpointsChanged, now: ev.Now) -> Instructions:
+        """The checkpoint tier's news travels in this node's part record."""
+        self.checkpoints = event.manifests
+        if self.reported is None:
+            return []
+        return self.report(self.report_state, now, self.info, self.group)
 
     def _join_failed(self, event: ev.JoinFailed, now: ev.Now) -> Instructions:
         self.done(event)
@@ -743,6 +770,7 @@ def _rows(**common: Go) -> dict[type, Go]:
 # worker that asks between rounds is remembered; a timer of another phase is stale; a lost
 # node matters only to a running round.
 _AROUND = _rows(
+    CheckpointsChanged=Go(PartCore._checkpoints_changed),
     WorkersChanged=Go(PartCore._workers_changed),
     WorkerAsked=Go(inplace.noted_asked),
     TimerFired=Go(inplace.timer_aside),
@@ -757,7 +785,12 @@ _LEAVE_NOW = Go(PartCore._leave_now, Phase.LEAVING)
 PART_EVENTS: EventTable[Phase, Go] = EventTable(
     "a part",
     {
-        Phase.STARTING: _rows(NodesLost=HEARD, JobEnded=NOTED, Leaving=NOTED),
+        Phase.STARTING: _rows(
+            NodesLost=HEARD,
+            JobEnded=NOTED,
+            Leaving=NOTED,
+            CheckpointsChanged=Go(PartCore._checkpoints_changed),
+        ),
         Phase.WARMING: {
             **_AROUND,
             ev.WorkerAsked: Go(inplace.warm_asked),
@@ -771,6 +804,7 @@ PART_EVENTS: EventTable[Phase, Go] = EventTable(
             ev.JobEnded: _STOP_NOW,
             ev.Leaving: _LEAVE_NOW,
         },
+        Phase.PREPARING: {**_AROUND, ev.RestorePrepared: Go(PartCore._restore_prepared)},
         Phase.RUNNING: {
             **_AROUND,
             ev.RoundChanged: Go(PartCore._round_changed),
@@ -803,6 +837,7 @@ PART_EVENTS: EventTable[Phase, Go] = EventTable(
             ev.OpFailed: Go(PartCore._left, Phase.CLOSING),
         },
         Phase.CLOSING: _rows(
+            CheckpointsChanged=HEARD,
             WorkersChanged=HEARD,
             WorkerAsked=HEARD,
             TimerFired=HEARD,

@@ -11,6 +11,7 @@ class Phase(enum.StrEnum):
     STARTING = "starting"  # made; its first instructions not given yet
     WARMING = "warming"  # in place: workers run, not all asked for a place yet
     JOINING = "joining"  # a join of the job's round runs
+    PREPARING = "preparing"  # the checkpoint the workers will read is put in place here
     RUNNING = "running"  # workers up; the round is watched
     PROBING = "probing"  # workers failed: are members' daemons gone?
     STOPPING = "stopping"  # workers are being stopped; ``then`` says what follows
@@ -29,7 +30,8 @@ PART_PHASES = StateTable(
     {
         Phase.STARTING: _NEXT,
         Phase.WARMING: (Phase.REQUESTING, *_NEXT),  # REQUESTING: a warm-up failed
-        Phase.JOINING: (Phase.RUNNING, *_NEXT),
+        Phase.JOINING: (Phase.RUNNING, Phase.PREPARING, *_NEXT),
+        Phase.PREPARING: (Phase.RUNNING, *_NEXT),
         Phase.RUNNING: (Phase.PROBING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
         Phase.PROBING: (Phase.RUNNING, Phase.STOPPING, Phase.REQUESTING, *_NEXT),
         Phase.STOPPING: (Phase.REQUESTING, Phase.BARRIER, *_NEXT),

@@ -1,0 +1,332 @@
+"""The checkpoint tier's data plane between daemons: bulk bytes over ZeroMQ CURVE.
+
+Each daemon serves a ROUTER on ``tcp://<node address>:<tier port>`` (its endpoint travels in
+its signed node record, beside the peer channel's), with the peer channel's key pair and the
+same admission: a client is admitted only if its CURVE key is a known node's, and its node
+name comes from that key, so a node can neither claim another's name nor send as one.  A
+message is two frames: a JSON header and, for a chunk, its raw bytes (no base64: a
+checkpoint is gigabytes).  It is apart from the peer channel so that a checkpoint in flight
+never queues in front of a probe or a log request.
+
+- ``put`` (job, ckpt, name, offset, seal): a chunk of the caller's own file, kept by the
+  receiver as a copy of the caller's share; chunks come in order, the last one carries the
+  whole file's size and SHA-256 (``seal``), which the receiver checks.
+- ``get`` (job, owner, ckpt, name, offset, length): bytes of ``owner``'s file as the receiver
+  holds it (its own, or its copy).  ``size``: its length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from elasticd.core import checkpoints as cp
+from elasticd.errors import ElasticdError
+from elasticd.shell.checkpoints import CheckpointTier
+from elasticd.wire import safejson
+
+log = logging.getLogger(__name__)
+
+TIER_DOMAIN = b"elasticd-tier"
+CHUNK = 4 * 1024 * 1024  # bytes a put or a get carries
+WINDOW = 4  # requests a transfer keeps in flight
+MAX_HEADER = 4096
+TIMEOUT = 30.0  # seconds without an answer before a transfer fails
+
+
+class TierError(ElasticdError):
+    code = "tier_unreachable"
+
+
+class NodeRecords(Protocol):
+    """What the data plane needs of the other nodes (cluster.NodeService)."""
+
+    async def record(self, name: str) -> Any: ...
+    def alive(self, name: str) -> bool: ...
+    def sighted(self, name: str) -> Any: ...  # its record as last seen (None: unknown)
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+class TierServer:
+    """Serves other daemons' puts and gets from this node's tier, one message at a time (a
+    file's chunks stay in order; each file read or write runs in a thread)."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        tier: CheckpointTier,
+        *,
+        curve_secret: bytes,
+    ) -> None:
+        self.endpoint = endpoint
+        self._tier = tier
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ZAP_DOMAIN, TIER_DOMAIN)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.MAXMSGSIZE, CHUNK + MAX_HEADER + 1024)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.SNDHWM, 2 * WINDOW)
+        router.setsockopt(zmq.RCVHWM, 2 * WINDOW)
+        router.curve_server = True
+        router.curve_secretkey = curve_secret
+        self._router = router
+
+    def bind(self) -> str:
+        self._router.bind(self.endpoint)
+        self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self._router.recv_multipart(copy=False)
+            if len(frames) not in (2, 3):
+                continue
+            identity, header = frames[0].bytes, frames[1]
+            caller = header.get("User-Id") or ""
+            data = frames[2].bytes if len(frames) == 3 else b""
+            reply, payload = await self._answer(caller, header.bytes, data)
+            try:
+                await self._router.send_multipart(
+                    [identity, reply, *([payload] if payload else [])]
+                )
+            except zmq.ZMQError:
+                pass  # the asker went away
+
+    async def _answer(self, caller: str, raw: bytes, data: bytes) -> tuple[bytes, bytes]:
+        ident = ""
+        try:
+            doc = safejson.loads(raw, max_bytes=MAX_HEADER)
+            if not isinstance(doc, dict):
+                raise ValueError("not an object")
+            ident = str(doc.get("id", ""))[:64]
+            op = doc.get("op")
+            job, ckpt, name = _text(doc, "job"), _text(doc, "ckpt"), _text(doc, "name")
+            offset = _number(doc, "offset")
+            if op == "put":
+                seal = doc.get("seal")
+                facts = None
+                if seal is not None:
+                    if not (isinstance(seal, list) and len(seal) == 2):
+                        raise ValueError("seal")
+                    facts = cp.FileFacts(int(seal[0]), str(seal[1]))
+                await asyncio.to_thread(
+                    self._tier.receive, caller, job, ckpt, name, offset, data, facts
+                )
+                return _ok(ident), b""
+            owner = _text(doc, "owner")
+            if op == "get":
+                length = min(_number(doc, "length"), CHUNK)
+                chunk = await asyncio.to_thread(
+                    self._tier.read, job, owner, ckpt, name, offset, length
+                )
+                return _ok(ident), chunk
+            if op == "size":
+                size = await asyncio.to_thread(self._tier.size, job, owner, ckpt, name)
+                return _ok(ident, size=size), b""
+            raise ValueError(f"unknown op {op!r}")
+        except (ValueError, OSError, safejson.Undecodable) as exc:
+            return json.dumps({"id": ident, "ok": False, "error": str(exc)[:300]}).encode(), b""
+
+    def close(self) -> None:
+        self._router.close(linger=0)
+
+
+def _ok(ident: str, **more: Any) -> bytes:
+    return json.dumps({"id": ident, "ok": True, **more}).encode()
+
+
+def _text(doc: dict[str, Any], key: str) -> str:
+    value = doc.get(key)
+    if not isinstance(value, str) or len(value) > 256:
+        raise ValueError(f"{key} must be a short string")
+    return value
+
+
+def _number(doc: dict[str, Any], key: str) -> int:
+    value = doc.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
+        raise ValueError(f"{key} must be a count")
+    return value
+
+
+# -- the client --------------------------------------------------------------------------
+
+
+class TierLinks:
+    """This node's transfers to and from other nodes' tiers (the tier's ``TierPeers``)."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        public: bytes,
+        secret: bytes,
+        nodes: NodeRecords,
+        *,
+        timeout: float = TIMEOUT,
+    ) -> None:
+        self._ctx = ctx
+        self._public, self._secret = public, secret
+        self._nodes = nodes
+        self._timeout = timeout
+
+    def alive(self, node: str) -> bool:
+        return self._nodes.alive(node)
+
+    def domain(self, node: str) -> str:
+        """A node's failure domain: its ``domain`` label, else its address (its host)."""
+        record = self._nodes.sighted(node)
+        if record is None:
+            return node
+        return str(record.info.labels.get("domain") or record.info.address or node)
+
+    async def send(self, node: str, job: str, ckpt: str, name: str, path: str) -> cp.FileFacts:
+        digest, size = hashlib.sha256(), os.stat(path).st_size
+        async with self._session(node) as session:
+            sent = 0
+            with open(path, "rb") as f:
+                while True:
+                    chunk = await asyncio.to_thread(f.read, CHUNK)
+                    digest.update(chunk)
+                    last = sent + len(chunk) >= size or not chunk
+                    header = {"op": "put", "job": job, "ckpt": ckpt, "name": name, "offset": sent}
+                    if last:
+                        header["seal"] = [sent + len(chunk), digest.hexdigest()]
+                    await session.request(header, chunk)
+                    sent += len(chunk)
+                    if last:
+                        break
+            await session.drain()
+        return cp.FileFacts(sent, digest.hexdigest())
+
+    async def fetch(
+        self,
+        node: str,
+        job: str,
+        owner: str,
+        ckpt: str,
+        name: str,
+        into: str,
+        ranges: list[tuple[int, int]] | None = None,
+    ) -> None:
+        base = {"job": job, "owner": owner, "ckpt": ckpt, "name": name}
+        async with self._session(node) as session:
+            if ranges is None:
+                reply, _ = await session.call({"op": "size", **base, "offset": 0})
+                ranges = [(0, int(reply["size"]))]
+            pieces = [
+                (start + at, min(CHUNK, length - at))
+                for start, length in ranges
+                for at in range(0, max(length, 1), CHUNK)
+                if length > 0
+            ]
+            fd = os.open(into, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                if not pieces:
+                    return
+
+                def write(offset: int, data: bytes, expected: int) -> None:
+                    if len(data) != expected:
+                        raise TierError(f"{node} sent {len(data)} bytes of {expected}")
+                    os.pwrite(fd, data, offset)
+
+                await session.pipeline(
+                    [({"op": "get", **base, "offset": o, "length": n}, b"") for o, n in pieces],
+                    lambda i, reply, data: write(pieces[i][0], data, pieces[i][1]),
+                )
+            finally:
+                os.close(fd)
+
+    def _session(self, node: str) -> _Session:
+        return _Session(self, node)
+
+
+class _Session:
+    """One DEALER to one node's tier, with up to WINDOW requests in flight."""
+
+    def __init__(self, links: TierLinks, node: str) -> None:
+        self._links, self._node = links, node
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: list[str] = []
+
+    async def __aenter__(self) -> _Session:
+        record = await self._links._nodes.record(self._node)
+        if record is None or not record.tier_endpoint or not record.peer_key:
+            raise TierError(f"node {self._node} has no checkpoint tier to reach")
+        sock = self._links._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_secretkey = self._links._secret
+        sock.curve_publickey = self._links._public
+        sock.curve_serverkey = record.peer_key.encode()
+        sock.connect(record.tier_endpoint)
+        self._sock = sock
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._sock is not None
+        self._sock.close(linger=0)
+
+    async def _send(self, header: dict[str, Any], data: bytes) -> str:
+        assert self._sock is not None
+        ident = uuid.uuid4().hex
+        frames = [json.dumps({**header, "id": ident}).encode()]
+        if data:
+            frames.append(data)
+        await self._sock.send_multipart(frames)
+        return ident
+
+    async def _receive(self, ident: str) -> tuple[dict[str, Any], bytes]:
+        assert self._sock is not None
+        while True:
+            if not await self._sock.poll(int(self._links._timeout * 1000)):
+                raise TierError(f"no answer from {self._node}'s checkpoint tier")
+            frames = await self._sock.recv_multipart()
+            reply = json.loads(frames[0])
+            if reply.get("id") != ident:
+                continue  # an answer to a request given up on
+            if not reply.get("ok"):
+                raise TierError(f"{self._node}: {reply.get('error')}")
+            return reply, frames[1] if len(frames) > 1 else b""
+
+    async def call(self, header: dict[str, Any], data: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        return await self._receive(await self._send(header, data))
+
+    async def request(self, header: dict[str, Any], data: bytes) -> None:
+        """Send, keeping at most WINDOW unanswered (the replies come back in order)."""
+        if len(self._pending) >= WINDOW:
+            await self._receive(self._pending.pop(0))
+        self._pending.append(await self._send(header, data))
+
+    async def drain(self) -> None:
+        while self._pending:
+            await self._receive(self._pending.pop(0))
+
+    async def pipeline(
+        self,
+        requests: list[tuple[dict[str, Any], bytes]],
+        each: Callable[[int, dict[str, Any], bytes], None],
+    ) -> None:
+        """Send ``requests`` WINDOW at a time; ``each(i, reply, data)`` in order."""
+        sent: list[str] = []
+        done = 0
+        for header, data in requests:
+            if len(sent) - done >= WINDOW:
+                reply, payload = await self._receive(sent[done])
+                each(done, reply, payload)
+                done += 1
+            sent.append(await self._send(header, data))
+        while done < len(sent):
+            reply, payload = await self._receive(sent[done])
+            each(done, reply, payload)
+            done += 1

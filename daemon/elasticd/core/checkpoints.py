@@ -1,0 +1,334 @@
+"""The checkpoint tier's rules, pure: which checkpoints of a job are complete, which node
+keeps the copy of a node's part, what a node must fetch before its workers read one, what
+it may delete, and what reaches disk.
+
+A job's workers save checkpoints into ``ELASTICD_CHECKPOINT_DIR``, a directory the daemon
+keeps in memory on each node; each checkpoint is one entry there: a directory written with
+``torch.distributed.checkpoint`` (DCP: ``step_40/``), or a file a rank wrote itself
+(``torch.save``: ``rank1.pt``).  Each node describes its share of each
+checkpoint in a *manifest* that travels in its signed part record (core/records.py
+``Part.checkpoints``): the files its ranks wrote, their sizes and SHA-256, whether it holds
+DCP's ``.metadata`` (rank 0's node: DCP writes it last, once every rank's files are written),
+which node keeps a copy, and whether the files reached the job's ``--checkpoint-dir``.
+
+A DCP checkpoint is complete (two-phase) once the nodes' manifests cover every rank of the
+world that saved it, one of them holds its ``.metadata``, and every node's files were copied
+to another node (a job on one node has none to copy to).  The newest complete one is the one
+restored; a newer one that is not complete (a save torn by a failure) never is, and it is
+deleted before the workers read.  A file a rank wrote itself is its own checkpoint, complete
+once closed and copied: there is no telling which files make one save, so the newest version
+of each is restored (a script that writes them whole, to a temporary name then renamed, is
+never read half-written).  The daemon never reads what the files hold.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+METADATA = ".metadata"  # DCP's: written last, by the coordinator (rank 0), once all wrote
+DCP, FILE = "dcp", "file"  # the two kinds of checkpoint
+MAX_FILES = 4096  # files one node's manifest of one checkpoint may list
+MAX_KEPT = 8  # manifests one node's part carries (the newest)
+# What a checkpoint's and a file's names may be: no path separators, nothing hidden but
+# DCP's .metadata, bounded.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def valid_name(name: str) -> bool:
+    """A checkpoint's or a file's name, as the tier accepts it (no path, no traversal)."""
+    return name == METADATA or (_NAME.fullmatch(name) is not None and ".." not in name)
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One node's share of one checkpoint."""
+
+    id: str  # the checkpoint's entry in the job's directory
+    node: str
+    round: int  # the round whose workers wrote it
+    world: int  # the world size that saved it
+    ranks: tuple[int, ...]  # the global ranks of this node's workers then
+    files: Mapping[str, FileFacts] = field(default_factory=dict)
+    saved: float = 0.0  # wall clock: when this node knew its files whole (in save order)
+    copied_to: str = ""  # the node that keeps a copy ("" none yet)
+    on_disk: bool = False  # this node's files are in --checkpoint-dir
+    kind: str = "dcp"  # "dcp": a directory; "file": one file a rank wrote itself
+
+    @property
+    def metadata(self) -> bool:
+        return METADATA in self.files
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "node": self.node,
+            "round": self.round,
+            "world": self.world,
+            "ranks": list(self.ranks),
+            "files": {name: [f.size, f.sha256] for name, f in sorted(self.files.items())},
+            "saved": self.saved,
+            "copied_to": self.copied_to,
+            "on_disk": self.on_disk,
+            "kind": self.kind,
+        }
+
+
+class BadManifest(ValueError):
+    """A part's manifest that is not one (an older or broken daemon's): it is left out."""
+
+
+def parse(doc: Any) -> Manifest:
+    """A manifest from a part record (bounded and checked: names, counts, numbers)."""
+    if not isinstance(doc, Mapping):
+        raise BadManifest("not an object")
+    try:
+        ident, node = doc["id"], doc["node"]
+        round, world, ranks = doc["round"], doc["world"], doc["ranks"]
+        files, saved = doc["files"], doc.get("saved", 0.0)
+        copied_to, on_disk = doc.get("copied_to", ""), doc.get("on_disk", False)
+        kind = doc.get("kind", DCP)
+    except KeyError as exc:
+        raise BadManifest(f"no {exc.args[0]}") from None
+    if not (isinstance(ident, str) and valid_name(ident) and ident != METADATA):
+        raise BadManifest(f"checkpoint name {ident!r}")
+    if not isinstance(node, str) or not isinstance(copied_to, str) or not isinstance(on_disk, bool):
+        raise BadManifest("node, copied_to or on_disk")
+    if kind not in (DCP, FILE):
+        raise BadManifest(f"kind {kind!r}")
+    if not (_count(round) and _count(world) and world > 0):
+        raise BadManifest("round or world")
+    if not (isinstance(ranks, list) and all(_count(r) and r < world for r in ranks)):
+        raise BadManifest("ranks")
+    if not (isinstance(files, Mapping) and len(files) <= MAX_FILES):
+        raise BadManifest("files")
+    facts: dict[str, FileFacts] = {}
+    for name, entry in files.items():
+        if not (isinstance(name, str) and valid_name(name)):
+            raise BadManifest(f"file name {name!r}")
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise BadManifest(f"file {name}")
+        size, digest = entry
+        if not (_count(size) and isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise BadManifest(f"file {name}")
+        facts[name] = FileFacts(size, digest)
+    if not (
+        isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    ):
+        raise BadManifest("saved")
+    if kind == FILE and set(facts) != {ident}:
+        raise BadManifest("a file checkpoint holds its one file")
+    return Manifest(
+        ident, node, round, world, tuple(ranks), facts, float(saved), copied_to, on_disk, kind
+    )
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53
+
+
+def manifests(parts: Iterable[tuple[str, Iterable[Any]]]) -> list[Manifest]:
+    """Every valid manifest of ``(node, its part's checkpoints)``; one claimed for another
+    node than the part's is not believed."""
+    found = []
+    for node, docs in parts:
+        for doc in docs:
+            try:
+                manifest = parse(doc)
+            except BadManifest:
+                continue
+            if manifest.node == node:
+                found.append(manifest)
+    return found
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint as the cluster knows it: every node's manifest of it."""
+
+    id: str
+    round: int
+    world: int
+    shares: Mapping[str, Manifest]  # node -> its manifest
+    kind: str = DCP
+
+    @property
+    def ranks(self) -> set[int]:
+        return {rank for m in self.shares.values() for rank in m.ranks}
+
+    @property
+    def saved(self) -> float:
+        """When the first node knew its share whole: checkpoints sort by it (in the order
+        they were saved, however long each took to describe and copy)."""
+        return min((m.saved for m in self.shares.values()), default=0.0)
+
+    @property
+    def size(self) -> int:
+        return sum(m.size for m in self.shares.values())
+
+    @property
+    def written(self) -> bool:
+        """DCP: every rank's files are there, and its metadata (written last); a file: it is."""
+        if self.kind == FILE:
+            return bool(self.shares)
+        return self.ranks == set(range(self.world)) and any(
+            m.metadata for m in self.shares.values()
+        )
+
+    @property
+    def complete(self) -> bool:
+        """Written, and every node's share copied to another node (one node: nowhere to)."""
+        return self.written and (
+            len(self.shares) == 1 or all(m.copied_to for m in self.shares.values())
+        )
+
+    @property
+    def on_disk(self) -> bool:
+        return self.written and all(m.on_disk for m in self.shares.values())
+
+    def holders(self, name: str) -> list[str]:
+        """The nodes that hold file ``name``: its writer, then the copy's keeper."""
+        out = []
+        for node, share in sorted(self.shares.items()):
+            if name in share.files:
+                out.append(node)
+                if share.copied_to:
+                    out.append(share.copied_to)
+        return out
+
+    def files(self) -> dict[str, FileFacts]:
+        return {name: f for m in self.shares.values() for name, f in m.files.items()}
+
+
+def checkpoints(found: Iterable[Manifest]) -> list[Checkpoint]:
+    """The job's checkpoints, oldest first (by the round that saved them, then the time).
+    Shares of one DCP id from different rounds are different checkpoints: the newest
+    round's is kept (a name reused after a re-form); a file's newest version is kept."""
+    by_id: dict[str, dict[str, Manifest]] = {}
+    rounds: dict[str, int] = {}
+    for manifest in found:
+        if manifest.kind == FILE:
+            held = by_id.get(manifest.id)
+            if held and max(m.saved for m in held.values()) > manifest.saved:
+                continue
+            by_id[manifest.id], rounds[manifest.id] = {manifest.node: manifest}, manifest.round
+            continue
+        newest = rounds.get(manifest.id, -1)
+        if manifest.round > newest:
+            by_id[manifest.id], rounds[manifest.id] = {}, manifest.round
+        if manifest.round >= newest:
+            by_id[manifest.id][manifest.node] = manifest
+    out = [
+        Checkpoint(
+            ident,
+            rounds[ident],
+            max(m.world for m in shares.values()),
+            shares,
+            next(iter(shares.values())).kind,
+        )
+        for ident, shares in by_id.items()
+    ]
+    return sorted(out, key=lambda c: (c.round, c.saved, c.id))
+
+
+def latest_complete(found: Iterable[Manifest]) -> Checkpoint | None:
+    """The newest complete DCP checkpoint (the one a restart reads)."""
+    done = [c for c in checkpoints(found) if c.complete and c.kind == DCP]
+    return done[-1] if done else None
+
+
+def restored(found: Iterable[Manifest]) -> list[Checkpoint]:
+    """What a restart puts in place: the newest complete DCP checkpoint and the newest
+    complete version of every file a rank wrote itself."""
+    found = list(found)
+    latest = latest_complete(found)
+    files = [c for c in checkpoints(found) if c.kind == FILE and c.complete]
+    return ([latest] if latest is not None else []) + files
+
+
+def buddy(node: str, members: Iterable[str], domains: Mapping[str, str]) -> str | None:
+    """The node that keeps a copy of ``node``'s share: the next member after it (in the
+    members' order) in another failure domain, else the next member at all; never itself.
+    ``domains``: each node's failure domain (a node without one is its own)."""
+    ring = list(dict.fromkeys(members))
+    if node not in ring or len(ring) < 2:
+        return None
+    start = ring.index(node)
+    after = ring[start + 1 :] + ring[:start]
+    mine = domains.get(node) or node
+    other = [n for n in after if (domains.get(n) or n) != mine]
+    return (other or after)[0]
+
+
+def to_delete(local: Iterable[str], found: Iterable[Manifest], writing: Iterable[str]) -> set[str]:
+    """The entries of this node's directory (and its copies) to delete: those older than the
+    newest complete checkpoint.  What is being written now (``writing``) is kept, as is any
+    entry newer than it."""
+    cps = [c for c in checkpoints(found) if c.kind == DCP]
+    done = [c for c in cps if c.complete]
+    if not done:
+        return set()
+    latest = done[-1]
+    order = {c.id: i for i, c in enumerate(cps)}
+    keep = {latest.id, *writing}
+    return {
+        name
+        for name in local
+        if name not in keep and name in order and order[name] < order[latest.id]
+    }
+
+
+def torn(local_dirs: Iterable[str], found: Iterable[Manifest]) -> set[str]:
+    """The DCP entries (directories) here that are not complete: what a restart deletes
+    before the workers read, so that none of them loads a save that was cut off.  (Files a
+    rank wrote itself are the script's to name; they are kept.)"""
+    known = {c.id: c for c in checkpoints(found) if c.kind == DCP}
+    return {name for name in local_dirs if name not in known or not known[name].complete}
+
+
+def missing(checkpoint: Checkpoint, have: Mapping[str, int]) -> dict[str, FileFacts]:
+    """The files of ``checkpoint`` this node lacks (``have``: file -> its size here)."""
+    return {
+        name: facts for name, facts in checkpoint.files().items() if have.get(name) != facts.size
+    }
+
+
+def kept(manifests_here: Iterable[Manifest]) -> tuple[Manifest, ...]:
+    """What a part carries: its newest manifests, at most MAX_KEPT."""
+    ordered = sorted(manifests_here, key=lambda m: (m.round, m.saved, m.id))
+    return tuple(ordered[-MAX_KEPT:])
+
+
+def with_copy(manifest: Manifest, node: str) -> Manifest:
+    return replace(manifest, copied_to=node)
+
+
+def summary(found: Iterable[Manifest]) -> dict[str, Any] | None:
+    """What ``elasticctl status`` shows of a job's newest complete checkpoint."""
+    checkpoint = latest_complete(found)
+    if checkpoint is None:
+        return None
+    return {
+        "id": checkpoint.id,
+        "round": checkpoint.round,
+        "world": checkpoint.world,
+        "size": checkpoint.size,
+        "saved": checkpoint.saved,
+        "held": sorted(checkpoint.shares),
+        "copies": {node: m.copied_to for node, m in sorted(checkpoint.shares.items())},
+        "on_disk": checkpoint.on_disk,
+    }

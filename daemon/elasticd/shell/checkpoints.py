@@ -1,0 +1,919 @@
+"""The checkpoint tier on this node: each job's checkpoint directory, kept in memory, its
+shares copied to another node, restored before a restarted round's workers read, written
+to the job's ``--checkpoint-dir`` in the background.  What to do is decided by
+core/checkpoints.py; this module carries it out (files, copies, the user's disk).
+
+Each job gets a directory (``ELASTICD_CHECKPOINT_DIR`` in its workers' environment): a tmpfs
+of its own, mounted with the job's cap as its size and its user as its owner (0700), when
+the daemon runs as root; else a directory on ``/dev/shm``.  Its pages are charged to the
+memory cgroup of the process that writes them: the workers' (their job's limit counts
+them), the daemon's for the copies it keeps of other nodes' shares.
+
+A checkpoint is noticed by inotify, never polled: DCP writes ``.metadata`` last (rank 0's
+node); the other nodes learn of it from rank 0's node's manifest on the board.  Then each
+node hashes its share while streaming it to the node that keeps its copy (the peer data
+plane, cluster/tierlink.py: CURVE, authenticated and encrypted), and publishes its
+manifest in its part record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from elasticd.core import checkpoints as cp
+from elasticd.core import events as ev
+from elasticd.core.model import JobSpec
+from elasticd.core.records import JobRecord
+from elasticd.journal import about
+from elasticd.shell import writeback
+from elasticd.shell.inotify import (
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_MOVED_TO,
+    IN_Q_OVERFLOW,
+    Change,
+    Watcher,
+)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_ENV = "ELASTICD_CHECKPOINT_DIR"
+COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
+RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
+_CHUNK = 8 * 1024 * 1024
+_WATCHED = IN_CREATE | IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+class TierPeers(Protocol):
+    """The data plane to other nodes' tiers (cluster/tierlink.py)."""
+
+    async def send(self, node: str, job: str, ckpt: str, name: str, path: str) -> cp.FileFacts:
+        """Stream this node's file to ``node``, which keeps it as a copy of this node's share
+        (it checks the size and SHA-256 sent last); returns them."""
+        ...
+
+    async def fetch(
+        self,
+        node: str,
+        job: str,
+        owner: str,
+        ckpt: str,
+        name: str,
+        into: str,
+        ranges: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """Write ``ranges`` (None: the whole file) of ``owner``'s file as ``node`` holds it
+        into ``into``, at their offsets."""
+        ...
+
+    def alive(self, node: str) -> bool: ...
+    def domain(self, node: str) -> str: ...
+
+
+class TierMetrics(Protocol):
+    def checkpoint_saved(self, seconds: float, copied: float | None) -> None: ...
+    def checkpoint_held(self, job: str, nbytes: int) -> None: ...
+    def checkpoint_restored(self, source: str) -> None: ...
+
+
+class NoMetrics:
+    def checkpoint_saved(self, seconds: float, copied: float | None) -> None:
+        pass
+
+    def checkpoint_held(self, job: str, nbytes: int) -> None:
+        pass
+
+    def checkpoint_restored(self, source: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    node: str
+    root: str  # where jobs' directories go
+    node_cap: int  # bytes every job's directory here may hold together (0: no cap)
+    job_cap: int  # a job's, unless it asks for less (0: what the node has left)
+
+
+@dataclass
+class JobDir:
+    """One job's checkpoint directory on this node, and what the tier knows of it."""
+
+    spec: JobSpec
+    path: str
+    cap: int
+    mounted: bool
+    round: int = -1  # the round this node's workers are in, their world size and ranks
+    world: int = 0
+    ranks: tuple[int, ...] = ()
+    manifests: dict[str, cp.Manifest] = field(default_factory=dict)  # this node's shares
+    busy: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # id -> landing it
+    writing: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # id -> to disk
+    data_on_disk: set[str] = field(default_factory=set)  # ids whose data files are on disk
+    on_disk: list[str] = field(default_factory=list)  # ids whole on disk, oldest first
+    record: JobRecord | None = None
+    first_seen: dict[str, float] = field(default_factory=dict)  # id -> when it appeared
+    deleting: set[str] = field(default_factory=set)  # paths being removed now
+    # id -> (copies that failed in a row, when the next may be tried: monotonic)
+    retry: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    @property
+    def job(self) -> str:
+        return self.spec.id
+
+    def found(self) -> list[cp.Manifest]:
+        """Every node's manifests of the job: the record's, and this node's own (newer)."""
+        parts = [] if self.record is None else list(self.record.parts.values())
+        theirs = cp.manifests((p.node, p.checkpoints) for p in parts if p.node != self.node_name)
+        return theirs + list(self.manifests.values())
+
+    node_name: str = ""
+
+
+class CheckpointTier:
+    """Every job's checkpoint directory on this node (one task group: ``run``)."""
+
+    def __init__(
+        self,
+        settings: TierSettings,
+        peers: TierPeers,
+        post: Callable[[ev.Event], None],
+        *,
+        metrics: TierMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self._peers = peers
+        self._post = post
+        self._metrics = metrics or NoMetrics()
+        self._clock = clock
+        self._jobs: dict[str, JobDir] = {}
+        self._watcher: Watcher | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        # work given before ``run`` began
+        self._waiting: list[tuple[str, str, Callable[[], Awaitable[None]]]] = []
+        self._receiving: dict[tuple[str, ...], Any] = {}  # a copy being received -> its hash
+
+    # -- the tier's life -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until cancelled: copies, restores and writes to disk run in this group."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                for what, job, work in self._waiting:
+                    self._spawn(what, job, work)
+                self._waiting.clear()
+                await asyncio.Future()  # until cancelled
+        finally:
+            self._tasks = None
+            if self._watcher is not None:
+                self._watcher.close()
+                self._watcher = None
+
+    def _spawn(
+        self, what: str, job: str, work: Callable[[], Awaitable[None]]
+    ) -> asyncio.Future[None]:
+        """Background work that must never end the group: its failure is logged.  Work
+        given before ``run`` began waits for it.  ``work`` makes the coroutine when the task
+        starts: a task cancelled before it starts leaves none behind un-awaited."""
+        if self._tasks is None:
+            waiting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append((what, job, lambda: _then(work, waiting)))
+            return waiting
+
+        async def guarded() -> None:
+            try:
+                await work()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("job %s: checkpoint tier: %s failed", job, what, extra=about(job))
+
+        return self._tasks.create_task(guarded())
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def open(self, spec: JobSpec) -> str:
+        """The job's directory here (made, mounted and watched now); its workers' env var."""
+        if spec.id in self._jobs:
+            return self._jobs[spec.id].path
+        path = os.path.join(self.settings.root, spec.id)
+        cap = self._cap(spec)
+        os.makedirs(self.settings.root, mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        mounted = _mount_tmpfs(path, cap, spec.uid, spec.gid) if os.getuid() == 0 else False
+        if os.getuid() == 0 and not mounted:
+            os.chown(path, spec.uid, spec.gid)
+        os.chmod(path, 0o700)
+        jd = JobDir(spec, path, cap, mounted, node_name=self.settings.node)
+        self._jobs[spec.id] = jd
+        self._rescan(jd)
+        return path
+
+    def _cap(self, spec: JobSpec) -> int:
+        """What the job's directory may hold here: what it asked, else the tier's default,
+        and never more than the node has left beside the other jobs' directories."""
+        asked = spec.checkpoint_memory or self.settings.job_cap
+        if not self.settings.node_cap:
+            return asked
+        left = self.settings.node_cap - sum(j.cap for j in self._jobs.values())
+        return max(0, min(asked, left) if asked else left)
+
+    async def close(self, job: str) -> None:
+        """The part ended here: everything the job had in this node's memory is gone."""
+        jd = self._jobs.pop(job, None)
+        if jd is None:
+            return
+        for task in [*jd.busy.values(), *jd.writing.values()]:
+            task.cancel()
+        if self._watcher is not None:
+            for directory in _dirs_under(jd.path):
+                self._watcher.unwatch(directory)
+        if jd.mounted:
+            _unmount(jd.path)
+        await asyncio.to_thread(shutil.rmtree, jd.path, True)
+        self._metrics.checkpoint_held(job, 0)
+
+    def round(self, job: str, round: int, world: int, ranks: tuple[int, ...]) -> None:
+        """This node's workers are ``ranks`` of ``world`` in ``round``: what it saves next
+        is theirs."""
+        jd = self._jobs.get(job)
+        if jd is not None:
+            jd.round, jd.world, jd.ranks = round, world, tuple(sorted(ranks))
+            self._consider(jd)
+
+    def record_changed(self, record: JobRecord) -> None:
+        """Another node's manifests, or the job's members, changed."""
+        jd = self._jobs.get(record.id)
+        if jd is None:
+            return
+        jd.record = record
+        self._consider(jd)
+
+    def directory(self, job: str) -> str | None:
+        jd = self._jobs.get(job)
+        return jd.path if jd is not None else None
+
+    # -- noticing saves -----------------------------------------------------------------------
+
+    def _changed(self, change: Change) -> None:
+        if change.mask & IN_Q_OVERFLOW:
+            for jd in list(self._jobs.values()):
+                self._rescan(jd)
+            return
+        jd = self._owner(change.directory)
+        if jd is None:
+            return
+        if change.directory == jd.path:  # an entry of the job's directory
+            if change.name.startswith("."):
+                return
+            entry = os.path.join(jd.path, change.name)
+            if change.is_dir and change.mask & (IN_CREATE | IN_MOVED_TO):
+                self._watch(entry)
+                jd.first_seen.setdefault(change.name, self._clock())
+                self._consider(jd)
+            elif change.mask & IN_DELETE:
+                self._forget(jd, change.name)
+            elif not change.is_dir and change.mask & (IN_CLOSE_WRITE | IN_MOVED_TO):
+                self._land_file(jd, change.name)
+            elif not change.is_dir and change.mask & IN_CREATE:
+                jd.first_seen[change.name] = self._clock()
+        elif change.name == cp.METADATA and change.mask & (IN_MOVED_TO | IN_CLOSE_WRITE):
+            self._consider(jd)
+        elif change.mask & IN_CREATE:
+            jd.first_seen.setdefault(os.path.basename(change.directory), self._clock())
+
+    def _owner(self, directory: str) -> JobDir | None:
+        for jd in self._jobs.values():
+            if directory == jd.path or os.path.dirname(directory) == jd.path:
+                return jd
+        return None
+
+    def _watch(self, directory: str) -> None:
+        if self._watcher is None:
+            self._watcher = Watcher(self._changed)
+        with contextlib.suppress(OSError):
+            self._watcher.watch(directory, _WATCHED)
+
+    def _rescan(self, jd: JobDir) -> None:
+        """Watch the directory and each checkpoint in it (at open, and after an overflow)."""
+        self._watch(jd.path)
+        for name in _entries(jd.path, dirs=True):
+            self._watch(os.path.join(jd.path, name))
+        self._consider(jd)
+
+    def _consider(self, jd: JobDir) -> None:
+        """Land each checkpoint this node knows complete and has not described yet; copy
+        again what could not be copied; then keep the newest complete one, write it to disk."""
+        found = jd.found()
+        with_metadata = {m.id for m in found if m.metadata and m.round >= jd.round}
+        for name in _entries(jd.path, dirs=True):
+            if name in jd.busy or jd.round < 0:
+                continue
+            own = jd.manifests.get(name)
+            local_metadata = os.path.exists(os.path.join(jd.path, name, cp.METADATA))
+            if own is None and (local_metadata or name in with_metadata):
+                jd.busy[name] = self._spawn(
+                    "landing", jd.job, functools.partial(self._land, jd, name)
+                )
+            elif own is not None and not own.copied_to and self._buddy(jd) is not None:
+                after = jd.retry.get(name, (0, 0.0))[1]
+                if time.monotonic() >= after:
+                    jd.busy[name] = self._spawn(
+                        "copying", jd.job, functools.partial(self._land, jd, name)
+                    )
+        self._prune(jd, found)
+        self._write_back(jd, found)
+
+    def _consider_again(self, job: str) -> None:
+        jd = self._jobs.get(job)
+        if jd is not None:
+            self._consider(jd)
+
+    def _forget(self, jd: JobDir, name: str) -> None:
+        """The script deleted a checkpoint: it is no longer this node's to describe."""
+        task = jd.busy.pop(name, None)
+        if task is not None:
+            task.cancel()
+        if jd.manifests.pop(name, None) is not None:
+            self._publish(jd)
+
+    # -- landing: describe, hash, copy ----------------------------------------------------------
+
+    def _buddy(self, jd: JobDir) -> str | None:
+        """The node that keeps this node's copies: the next member of the round in another
+        failure domain."""
+        if jd.record is None:
+            return None
+        members = [
+            p.node
+            for p in sorted(
+                jd.record.parts.values(), key=lambda p: (p.group_rank is None, p.group_rank or 0)
+            )
+            if p.round == jd.round and p.state.active and p.node != "" and p.group_rank is not None
+        ]
+        if self.settings.node not in members:
+            members.append(self.settings.node)
+        domains = {node: self._peers.domain(node) for node in members}
+        chosen = cp.buddy(self.settings.node, members, domains)
+        return chosen if chosen is not None and self._peers.alive(chosen) else None
+
+    async def _land(self, jd: JobDir, name: str) -> None:
+        try:
+            await self._describe(jd, name)
+        finally:
+            jd.busy.pop(name, None)
+        self._consider(jd)
+
+    async def _describe(self, jd: JobDir, name: str, kind: str = cp.DCP) -> None:
+        """This node's share of checkpoint ``name`` is whole: hash it while streaming it to
+        the buddy, then publish its manifest."""
+        round, world, ranks = jd.round, jd.world, jd.ranks
+        directory = os.path.join(jd.path, name) if kind == cp.DCP else jd.path
+        names = _entries(directory, files=True) if kind == cp.DCP else [name]
+        started = self._clock()
+        if cp.METADATA in names and name not in jd.manifests:  # rank 0's node: tell at once
+            facts = await asyncio.to_thread(_hash, os.path.join(directory, cp.METADATA))
+            jd.manifests[name] = cp.Manifest(
+                name, self.settings.node, round, world, ranks, {cp.METADATA: facts}, started
+            )
+            self._publish(jd)
+        buddy = self._buddy(jd)
+        files: dict[str, cp.FileFacts] = {}
+        copied = buddy or ""
+        for file in names:
+            path = os.path.join(directory, file)
+            if buddy is not None and copied:
+                try:
+                    files[file] = await self._peers.send(buddy, jd.job, name, file, path)
+                    continue
+                except Exception as exc:
+                    log.warning(
+                        "job %s: checkpoint %s: could not copy %s to %s: %s",
+                        jd.job,
+                        name,
+                        file,
+                        buddy,
+                        exc,
+                        extra=about(jd.job),
+                    )
+                    copied = ""
+            files[file] = await asyncio.to_thread(_hash, path)
+        done = self._clock()
+        if buddy is not None and not copied:  # try again later, backing off, from _consider
+            failed = jd.retry.get(name, (0, 0.0))[0] + 1
+            pause = min(60.0, 2.0**failed)
+            jd.retry[name] = (failed, time.monotonic() + pause)
+            asyncio.get_running_loop().call_later(pause, self._consider_again, jd.job)
+        else:
+            jd.retry.pop(name, None)
+        jd.manifests[name] = cp.Manifest(
+            name, self.settings.node, round, world, ranks, files, started, copied, kind=kind
+        )
+        self._metrics.checkpoint_saved(
+            done - jd.first_seen.get(name, started), done - started if copied else None
+        )
+        self._publish(jd)
+
+    def _land_file(self, jd: JobDir, name: str) -> None:
+        """A file a rank wrote itself, closed: its own checkpoint."""
+        if not cp.valid_name(name) or jd.round < 0:
+            return
+        task = jd.busy.pop(name, None)
+        if task is not None:
+            task.cancel()  # a newer version came: describe that one
+        jd.busy[name] = self._spawn("landing", jd.job, functools.partial(self._land_one, jd, name))
+
+    async def _land_one(self, jd: JobDir, name: str) -> None:
+        try:
+            await self._describe(jd, name, cp.FILE)
+        finally:
+            jd.busy.pop(name, None)
+
+    def _publish(self, jd: JobDir) -> None:
+        kept = cp.kept(jd.manifests.values())
+        self._post(ev.CheckpointsChanged(jd.job, tuple(m.to_json() for m in kept)))
+        self._metrics.checkpoint_held(jd.job, _size_of(jd.path))
+
+    # -- keeping the newest, dropping the rest --------------------------------------------------
+
+    def _prune(self, jd: JobDir, found: list[cp.Manifest]) -> None:
+        """Checkpoints older than the newest complete one go, here and in the copies kept."""
+        local = _entries(jd.path, dirs=True)
+        copies = {
+            (owner, name)
+            for owner in _entries(os.path.join(jd.path, COPIES), dirs=True)
+            for name in _entries(os.path.join(jd.path, COPIES, owner), dirs=True)
+        }
+        old = cp.to_delete(local + [n for _, n in copies], found, [*jd.busy, *jd.writing])
+        doomed = [
+            path
+            for path in (
+                *(os.path.join(jd.path, name) for name in local),
+                *(os.path.join(jd.path, COPIES, o, n) for o, n in copies),
+            )
+            if os.path.basename(path) in old and path not in jd.deleting
+        ]
+        if not doomed:
+            return
+        gone = {os.path.basename(path) for path in doomed}
+        doomed += [os.path.join(jd.path, RANGES, n) for n in gone]
+        jd.deleting.update(doomed)
+        self._spawn("pruning", jd.job, functools.partial(self._remove, jd, doomed))
+        dropped = [jd.manifests.pop(name) for name in sorted(gone) if name in jd.manifests]
+        if dropped:
+            self._publish(jd)  # only when this node's own shares changed: no echo loop
+
+    async def _remove(self, jd: JobDir, paths: list[str]) -> None:
+        try:
+            await _remove_all(paths)
+        finally:
+            jd.deleting.difference_update(paths)
+
+    # -- the job's disk -------------------------------------------------------------------------
+
+    def _write_back(self, jd: JobDir, found: list[cp.Manifest]) -> None:
+        """Complete checkpoints go to ``--checkpoint-dir`` as the job's user: each node its
+        data files; the node with DCP's metadata writes it last, once every node's files
+        are there, so that a metadata file on disk means a whole checkpoint."""
+        target = jd.spec.checkpoint_dir
+        if not target:
+            return
+        for checkpoint in cp.checkpoints(found):
+            own = jd.manifests.get(checkpoint.id)
+            if not checkpoint.complete or own is None or own.on_disk:
+                continue
+            if checkpoint.id in jd.writing:
+                continue
+            others_done = all(
+                m.on_disk for node, m in checkpoint.shares.items() if node != self.settings.node
+            )
+            if checkpoint.id in jd.data_on_disk and not (own.metadata and others_done):
+                continue
+            jd.writing[checkpoint.id] = self._spawn(
+                "writing to disk",
+                jd.job,
+                functools.partial(self._to_disk, jd, checkpoint, others_done),
+            )
+
+    async def _to_disk(self, jd: JobDir, checkpoint: cp.Checkpoint, others_done: bool) -> None:
+        ident, target = checkpoint.id, jd.spec.checkpoint_dir
+        own = jd.manifests.get(ident)
+        if own is None:  # pruned meanwhile: a newer one is complete
+            jd.writing.pop(ident, None)
+            return
+        try:
+            if checkpoint.kind == cp.FILE:
+                plan = [(os.path.join(jd.path, ident), os.path.join(target, ident))]
+            else:
+                source = os.path.join(jd.path, ident)
+                data = [f for f in own.files if f != cp.METADATA]
+                plan = []
+                if ident not in jd.data_on_disk:
+                    plan = [(os.path.join(source, f), os.path.join(target, ident, f)) for f in data]
+                if own.metadata and others_done:
+                    plan.append(
+                        (
+                            os.path.join(source, cp.METADATA),
+                            os.path.join(target, ident, cp.METADATA),
+                        )
+                    )
+            metadata_now = checkpoint.kind == cp.FILE or any(
+                dst.endswith(cp.METADATA) for _, dst in plan
+            )
+            remove = []
+            if metadata_now and checkpoint.kind == cp.DCP:
+                whole = [*jd.on_disk, ident]
+                keep = max(1, jd.spec.keep_checkpoints)
+                remove = [os.path.join(target, old) for old in whole[:-keep]]
+            failure = await _as_user(jd.spec, {"copy": plan, "remove": remove})
+            if failure:
+                log.warning(
+                    "job %s: checkpoint %s not written to %s: %s",
+                    jd.job,
+                    ident,
+                    target,
+                    failure,
+                    extra=about(jd.job),
+                )
+                return
+            jd.data_on_disk.add(ident)
+            if ident not in jd.manifests:
+                return
+            if metadata_now or not own.metadata:
+                if checkpoint.kind == cp.DCP and metadata_now:
+                    jd.on_disk = [*[i for i in jd.on_disk if i != ident], ident][
+                        -max(1, jd.spec.keep_checkpoints) :
+                    ]
+                jd.manifests[ident] = replace(jd.manifests[ident], on_disk=True)
+                self._publish(jd)
+        finally:
+            jd.writing.pop(ident, None)
+        self._consider(jd)
+
+    # -- before a restarted round's workers read ----------------------------------------------
+
+    async def prepare(self, job: str, record: JobRecord | None) -> str:
+        """Put the newest complete checkpoint (and every file a rank wrote itself) in place
+        here and delete the DCP saves that were cut off.  Returns "" or why the job cannot go
+        on from any checkpoint."""
+        jd = self._jobs.get(job)
+        if jd is None:
+            return ""
+        if record is not None:
+            jd.record = record
+        for task in list(jd.busy.values()):  # the workers are stopped: these saves are torn
+            task.cancel()
+        jd.busy.clear()
+        found = jd.found()
+        cut = cp.torn(_entries(jd.path, dirs=True), found)
+        for name in cut:
+            jd.manifests.pop(name, None)
+        await _remove_all([os.path.join(jd.path, name) for name in cut])
+        if cut:
+            log.info(
+                "job %s: deleted checkpoints cut off by the failure: %s",
+                job,
+                ", ".join(sorted(cut)),
+                extra=about(job),
+            )
+            self._publish(jd)
+        for checkpoint in cp.restored(found):
+            failure = await self._put_in_place(jd, checkpoint)
+            if failure:
+                return failure
+        return ""
+
+    async def _put_in_place(self, jd: JobDir, checkpoint: cp.Checkpoint) -> str:
+        directory = os.path.join(jd.path, checkpoint.id) if checkpoint.kind == cp.DCP else jd.path
+        have = _sizes(directory)
+        lacking = cp.missing(checkpoint, have)
+        for name, facts in sorted(lacking.items()):
+            failure = await self._obtain(jd, checkpoint, name, facts, os.path.join(directory, name))
+            if failure:
+                return failure
+        if lacking:
+            self._metrics.checkpoint_held(jd.job, _size_of(jd.path))
+        return ""
+
+    async def _obtain(
+        self, jd: JobDir, checkpoint: cp.Checkpoint, name: str, facts: cp.FileFacts, dest: str
+    ) -> str:
+        """One file of ``checkpoint``: from this node's copies, from a node that holds it, or
+        from the job's disk; checked against its manifest's size and SHA-256 each time."""
+        owner = next(node for node, m in checkpoint.shares.items() if name in m.files)
+        tried: list[str] = []
+        for holder in checkpoint.holders(name):
+            partial = _partial(dest)
+            try:
+                if holder == self.settings.node:
+                    source = _copy_path(jd.path, owner, checkpoint.id, name)
+                    if not os.path.exists(source):
+                        tried.append(f"{holder}: not here")
+                        continue
+                    await asyncio.to_thread(_copy, source, partial)
+                    where = "copy"
+                elif self._peers.alive(holder):
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    await self._peers.fetch(holder, jd.job, owner, checkpoint.id, name, partial)
+                    where = "memory" if holder == owner else "copy"
+                else:
+                    tried.append(f"{holder}: lost")
+                    continue
+                why = await self._check_into_place(jd, partial, dest, facts)
+                if why:
+                    tried.append(f"{holder}: {why}")
+                    continue
+                self._metrics.checkpoint_restored(where)
+                return ""
+            except Exception as exc:
+                tried.append(f"{holder}: {exc}")
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+        disk = jd.spec.checkpoint_dir
+        if disk and checkpoint.on_disk:
+            on_disk = (
+                os.path.join(disk, checkpoint.id, name)
+                if checkpoint.kind == cp.DCP
+                else os.path.join(disk, name)
+            )
+            partial = _partial(dest)
+            failure = await _as_user(jd.spec, {"copy": [[on_disk, partial]]})
+            why = failure or await self._check_into_place(jd, partial, dest, facts)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            if not why:
+                self._metrics.checkpoint_restored("disk")
+                return ""
+            tried.append(f"disk {on_disk}: {why}")
+        else:
+            tried.append("not on disk" + ("" if disk else " (no --checkpoint-dir)"))
+        return (
+            f"checkpoint {checkpoint.id} (saved in round {checkpoint.round} by "
+            f"{checkpoint.world} ranks) cannot be restored: its file {name}, written on "
+            f"{owner}, is nowhere whole: {'; '.join(tried)}"
+        )
+
+    async def _check_into_place(
+        self, jd: JobDir, partial: str, dest: str, facts: cp.FileFacts
+    ) -> str:
+        """Check a file against its manifest, then give it to the job's user in place."""
+        got = await asyncio.to_thread(_hash, partial)
+        if got.size != facts.size:
+            return f"refused: {got.size} bytes, its manifest says {facts.size} (truncated?)"
+        if got.sha256 != facts.sha256:
+            return "refused: its SHA-256 is not its manifest's (damaged or forged)"
+        if os.getuid() == 0:
+            os.chown(partial, jd.spec.uid, jd.spec.gid)
+        os.chmod(partial, 0o600)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.replace(partial, dest)
+        return ""
+
+    # -- what other nodes send and ask ------------------------------------------------------------
+
+    def receive(
+        self,
+        peer: str,
+        job: str,
+        ckpt: str,
+        name: str,
+        offset: int,
+        data: bytes,
+        seal: cp.FileFacts | None,
+    ) -> None:
+        """A chunk of ``peer``'s file ``ckpt/name``, kept as a copy of its share (in order);
+        with ``seal``, the last: the whole file's size and SHA-256, checked, then it is kept
+        under its name.  Raises ValueError on anything else."""
+        jd = self._jobs.get(job)
+        if jd is None:
+            raise ValueError(f"job {job} has no checkpoints here")
+        if not (cp.valid_name(ckpt) and cp.valid_name(name) and cp.valid_name(peer)):
+            raise ValueError("bad checkpoint, file or node name")
+        directory = os.path.dirname(_copy_path(jd.path, peer, ckpt, name))
+        partial = os.path.join(directory, f".{name}.partial")
+        key = (peer, job, ckpt, name)
+        if offset == 0:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            self._receiving[key] = (hashlib.sha256(), 0)
+            mode = "wb"
+        else:
+            mode = "ab"
+        digest, size = self._receiving.get(key, (None, -1))
+        if digest is None or size != offset:
+            self._receiving.pop(key, None)
+            raise ValueError(f"{ckpt}/{name}: a chunk at {offset} out of order")
+        with open(partial, mode) as f:
+            f.write(data)
+        digest.update(data)
+        self._receiving[key] = (digest, offset + len(data))
+        if seal is None:
+            return
+        del self._receiving[key]
+        if offset + len(data) != seal.size or digest.hexdigest() != seal.sha256:
+            os.unlink(partial)
+            raise ValueError(f"{ckpt}/{name}: its size or SHA-256 is not what was sent")
+        os.replace(partial, os.path.join(directory, name))
+
+    def read(self, job: str, owner: str, ckpt: str, name: str, offset: int, length: int) -> bytes:
+        """Bytes of ``owner``'s file ``ckpt/name`` as this node holds it (its own, or a copy)."""
+        with open(self._held(job, owner, ckpt, name), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def size(self, job: str, owner: str, ckpt: str, name: str) -> int:
+        return os.stat(self._held(job, owner, ckpt, name)).st_size
+
+    def _held(self, job: str, owner: str, ckpt: str, name: str) -> str:
+        jd = self._jobs.get(job)
+        if jd is None:
+            raise ValueError(f"job {job} has no checkpoints here")
+        if not all(cp.valid_name(n) for n in (ckpt, name, owner)):
+            raise ValueError("bad checkpoint, file or node name")
+        if owner != self.settings.node:
+            return _copy_path(jd.path, owner, ckpt, name)
+        return os.path.join(jd.path, name) if ckpt == name else os.path.join(jd.path, ckpt, name)
+
+    # -- what status shows ---------------------------------------------------------------------
+
+    def held(self, job: str) -> dict[str, Any] | None:
+        jd = self._jobs.get(job)
+        if jd is None:
+            return None
+        return {"bytes": _size_of(jd.path), "cap": jd.cap, "memory": jd.mounted}
+
+
+async def _then(work: Callable[[], Awaitable[None]], done: asyncio.Future[None]) -> None:
+    try:
+        await work()
+    finally:
+        if not done.done():
+            done.set_result(None)
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def _entries(directory: str, *, dirs: bool = False, files: bool = False) -> list[str]:
+    """The checkpoint-like entries of ``directory``: not hidden (but DCP's .metadata), of the
+    kind asked, valid names only."""
+    try:
+        with os.scandir(directory) as it:
+            out = []
+            for entry in it:
+                if not cp.valid_name(entry.name) or (
+                    entry.name.startswith(".") and entry.name != cp.METADATA
+                ):
+                    continue
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if (dirs and is_dir) or (files and entry.is_file(follow_symlinks=False)):
+                    out.append(entry.name)
+            return sorted(out)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _copy_path(root: str, owner: str, ckpt: str, name: str) -> str:
+    """Where a node keeps its copy of ``owner``'s file (a file checkpoint's id is its name)."""
+    return os.path.join(root, COPIES, owner, ckpt, name)
+
+
+def _dirs_under(path: str) -> list[str]:
+    return [path, *(os.path.join(path, name) for name in _entries(path, dirs=True))]
+
+
+def _sizes(directory: str) -> dict[str, int]:
+    out = {}
+    for name in _entries(directory, files=True):
+        with contextlib.suppress(OSError):
+            out[name] = os.stat(os.path.join(directory, name)).st_size
+    return out
+
+
+def _size_of(path: str) -> int:
+    total = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _hash(path: str) -> cp.FileFacts:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return cp.FileFacts(size, digest.hexdigest())
+
+
+def _copy(source: str, destination: str) -> None:
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    shutil.copyfile(source, destination)
+
+
+def _partial(dest: str) -> str:
+    return os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial")
+
+
+async def _remove_all(paths: Iterable[str]) -> None:
+    def remove() -> None:
+        for path in paths:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    await asyncio.to_thread(remove)
+
+
+async def _as_user(spec: JobSpec, plan: Mapping[str, Any]) -> str:
+    """Run the write-back helper as the job's user; "" or why it failed."""
+    import json
+
+    credentials: dict[str, Any] = {}
+    if os.getuid() == 0:
+        try:
+            groups = os.getgrouplist(spec.user, spec.gid)
+        except (KeyError, OSError):
+            groups = [spec.gid]
+        credentials = {"user": spec.uid, "group": spec.gid, "extra_groups": groups}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        writeback.__file__,  # a standard-library program: no package to find as the user
+        json.dumps(plan),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        cwd="/",
+        **credentials,
+    )
+    _, err = await process.communicate()
+    return "" if process.returncode == 0 else err.decode(errors="replace").strip()[-500:]
+
+
+# -- the job's memory ------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _mount_tmpfs(path: str, cap: int, uid: int, gid: int) -> bool:
+    """A tmpfs of its own at ``path`` (root only): the cap is its size, the job's user owns
+    it.  False (a warning) where mounting is not allowed: a plain directory then."""
+    if os.path.ismount(path):
+        return True
+    options = (
+        f"mode=0700,uid={uid},gid={gid},size={cap}" if cap else f"mode=0700,uid={uid},gid={gid}"
+    )
+    done = _libc.mount(
+        b"elasticd-checkpoints",
+        os.fsencode(path),
+        b"tmpfs",
+        _MS_NOSUID | _MS_NODEV,
+        options.encode(),
+    )
+    if done != 0:
+        errno = ctypes.get_errno()
+        log.warning(
+            "checkpoints: cannot mount a tmpfs at %s (%s): a plain directory instead",
+            path,
+            os.strerror(errno),
+        )
+        return False
+    return True
+
+
+def _unmount(path: str) -> None:
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0:
+        log.warning("checkpoints: cannot unmount %s: %s", path, os.strerror(ctypes.get_errno()))
+
+
+def is_private_dir(path: str, uid: int) -> bool:
+    """Whether ``path`` is a directory only ``uid`` (and root) may enter."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077

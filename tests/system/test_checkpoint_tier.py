@@ -1,0 +1,257 @@
+"""The checkpoint tier end to end: real daemons, real workers running examples/dcp_train.py
+(FSDP2 or DDP on gloo, DCP saves into ELASTICD_CHECKPOINT_DIR, unchanged from a torchrun
+script), real failures.  Each test asserts the step the job resumed from and the tensors.
+
+- a worker SIGKILLed: the group restarts and reads the newest complete checkpoint from the
+  node's memory (no --checkpoint-dir: nothing can come from disk), no committed step lost;
+- a node SIGKILLed at --nnodes 2:3: the survivors re-form at 2 and read the checkpoint,
+  resharded by DCP, its lost node's share coming from the copy; the parameters at the end
+  are bitwise those of a reference run that restarted at world 2 from the same step on disk;
+- a node and the node keeping its copy both lost: the disk copy is used, or, without one,
+  the job fails naming the checkpoint and why;
+- a save torn by a SIGKILL in the middle: the checkpoint before it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from harness import PY, ROOT
+from store_attack import Cluster, wait_for
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(ROOT / "examples" / "dcp_train.py")
+
+
+def events(report: Path) -> list[dict[str, Any]]:
+    path = report / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def saved(report: Path, world: int | None = None) -> list[int]:
+    return sorted(
+        {e["step"] for e in events(report) if e["event"] == "save" and world in (None, e["world"])}
+    )
+
+
+def starts(report: Path) -> list[dict[str, Any]]:
+    return [e for e in events(report) if e["event"] == "start"]
+
+
+@pytest.fixture
+def report(shared_tmp: Path) -> Path:
+    path = shared_tmp / "report"
+    path.mkdir(mode=0o777)
+    return path
+
+
+def train_args(report: Path, steps: int, *extra: str) -> tuple[str, ...]:
+    """The job's command line (one intra-op thread: the same float sums as a reference)."""
+    return (
+        "--env",
+        "OMP_NUM_THREADS=1",
+        SCRIPT,
+        "--",
+        "--steps",
+        str(steps),
+        "--save-every",
+        "5",
+        "--step-time",
+        "0.05",
+        "--report",
+        str(report),
+        *extra,
+    )
+
+
+def worker_pids(daemon: Any, job: str) -> list[int]:
+    doc = daemon.ctl("status", job)
+    return [w["pid"] for w in doc["workers"] if w["pid"] and w["state"] == "HEALTHY"]
+
+
+def test_a_killed_worker_restarts_its_group_from_the_nodes_memory(daemon, report):
+    job = daemon.submit("--nproc-per-node", "2", "--max-restarts", "1", *train_args(report, 60))[
+        "id"
+    ]
+    wait_for(lambda: len(saved(report)) >= 2, 120, "two checkpoints saved")
+    doc = wait_for(
+        lambda: (d := daemon.ctl("status", job)).get("checkpoint") and d, 60, "one complete"
+    )
+    complete = int(doc["checkpoint"]["id"].split("_")[1])
+    os.kill(worker_pids(daemon, job)[0], signal.SIGKILL)
+    ended = daemon.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 240)
+    assert ended["state"] == "SUCCEEDED", ended
+    resumed = [e["step"] for e in starts(report)][2:]  # after the first start of both ranks
+    assert resumed and min(resumed) >= complete, (resumed, complete)
+    done = [e for e in events(report) if e["event"] == "done"]
+    assert {e["step"] for e in done} == {60} and len({e["sha256"] for e in done}) == 1
+
+
+# -- several nodes -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def trio(daemon_factory: Any, shared_tmp: Path) -> Cluster:
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="ckpt", store_apart=True)
+    for role in ("a", "b", "c"):
+        cluster.add(role)
+    return cluster.start()
+
+
+def kill_node(daemon: Any) -> None:
+    """SIGKILL a node: its daemon and every process it started (its workers), at once."""
+    proc = psutil.Process(daemon.proc.pid)
+    victims = [proc, *proc.children(recursive=True)]
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+    daemon.wait_exit()
+
+
+def complete(daemon: Any, job: str, step: int, on_disk: bool = False) -> dict[str, Any]:
+    """Wait until ``step`` is the job's newest complete checkpoint (on disk too, if asked)."""
+
+    def ready() -> dict[str, Any] | None:
+        checkpoint = daemon.ctl("status", job).get("checkpoint") or {}
+        good = checkpoint.get("id") == f"step_{step}" and (checkpoint.get("on_disk") or not on_disk)
+        return checkpoint if good else None
+
+    return wait_for(ready, 120, f"step_{step} complete{' and on disk' if on_disk else ''}")
+
+
+def restores(daemon: Any) -> dict[str, float]:
+    """elasticd_checkpoint_restores_total by source, from the daemon's metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read()
+    found: dict[str, float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith("elasticd_checkpoint_restores_total{"):
+            source = line.split('source="')[1].split('"')[0]
+            found[source] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def reference(shared_tmp: Path, checkpoint: Path, step: int, steps: int) -> str:
+    """torchrun at world 2 from ``checkpoint`` (a DCP step on disk): the final SHA-256."""
+    ref, report = shared_tmp / "ref-ckpt", shared_tmp / "ref-report"
+    report.mkdir()
+    ref.mkdir()
+    subprocess.run(["cp", "-r", str(checkpoint), str(ref / f"step_{step}")], check=True)
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = ["--steps", str(steps), "--save-every", "1000", "--ckpt-dir", str(ref)]
+    done = subprocess.run(
+        [*torchrun, SCRIPT, *args, "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    finals = {json.loads((report / f"final-{r}.json").read_text())["sha256"] for r in (0, 1)}
+    assert len(finals) == 1
+    starts_at = {e["step"] for e in events(report) if e["event"] == "start"}
+    assert starts_at == {step}, starts_at
+    return finals.pop()
+
+
+def test_a_lost_node_re_forms_from_the_copy_resharded_bitwise_as_from_disk(
+    trio: Cluster, report: Path, shared_tmp: Path
+) -> None:
+    a, b, c = trio
+    disk = shared_tmp / "disk"
+    disk.mkdir(mode=0o777)
+    job = a.submit(
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--last-call-timeout",
+        "1",
+        "--checkpoint-dir",
+        str(disk),
+        "--keep-checkpoints",
+        "10",
+        *train_args(report, 40, "--pause-after-save", "20"),
+    )["id"]
+    held = complete(a, job, 20, on_disk=True)
+    assert held["world"] == 3 and sorted(held["held"]) == sorted(d.name for d in trio)
+    assert all(held["copies"].values()), held  # every share has its copy on another node
+    kill_node(c)
+    ended = a.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 300)
+    assert ended["state"] == "SUCCEEDED", ended
+    after = [e for e in starts(report) if e["world"] == 2]
+    assert after and {e["step"] for e in after} == {20}, starts(report)
+    done = {e["sha256"] for e in events(report) if e["event"] == "done"}
+    assert len(done) == 1
+    assert done == {reference(shared_tmp, disk / "step_20", 20, 40)}
+    # the lost node's share came from its copy, on a survivor
+    assert restores(a).get("copy", 0) + restores(b).get("copy", 0) >= 1
+
+
+@pytest.mark.parametrize("on_disk", [True, False], ids=["disk", "lost"])
+def test_a_node_and_the_keeper_of_its_copy_lost(
+    trio: Cluster, report: Path, shared_tmp: Path, on_disk: bool
+) -> None:
+    b = trio[1]
+    disk = shared_tmp / "disk"
+    disk.mkdir(mode=0o777)
+    extra = ("--checkpoint-dir", str(disk)) if on_disk else ()
+    job = b.submit(
+        "--nnodes",
+        "1:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--last-call-timeout",
+        "1",
+        *extra,
+        *train_args(report, 30, "--pause-after-save", "15"),
+    )["id"]
+    held = complete(b, job, 15, on_disk=on_disk)
+    copies = held["copies"]
+    # two nodes gone: one, and the node that keeps its copy (neither the survivor)
+    lost = next(n for n, keeper in copies.items() if b.name not in (n, keeper))
+    keeper = copies[lost]
+    for daemon in trio:
+        if daemon.name in (lost, keeper):
+            kill_node(daemon)
+    ended = b.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 300)
+    if on_disk:
+        assert ended["state"] == "SUCCEEDED", ended
+        assert {e["step"] for e in starts(report) if e["world"] == 1} == {15}
+        assert restores(b).get("disk", 0) >= 1
+    else:
+        assert ended["state"] == "FAILED", ended
+        message = ended["error"]["message"]
+        assert "checkpoint step_15" in message and "cannot be restored" in message, message
+        assert lost in message and "lost" in message, message
+
+
+def test_a_save_torn_by_a_sigkill_leaves_the_one_before_in_force(daemon, report):
+    job = daemon.submit(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        *train_args(report, 30, "--die-in-save", "15"),
+    )["id"]
+    ended = daemon.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 240)
+    assert ended["state"] == "SUCCEEDED", ended
+    resumed = [e["step"] for e in starts(report)][2:]
+    assert resumed and set(resumed) == {10}, starts(report)
