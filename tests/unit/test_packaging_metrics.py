@@ -84,6 +84,9 @@ def _exercised() -> Metrics:
         "j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20, "oom_kills": 0}
     }
     _exercise_sharing(m)
+    m.checkpoint_saved(0.4, 0.2)
+    m.checkpoint_held("j-1a2b3c", 1 << 20)
+    m.checkpoint_restored("copy")
     return m
 
 

@@ -154,6 +154,7 @@ def test_a_part_says_when_its_workers_first_ran_and_what_it_holds_through_restar
     d.start()
     d.mono = 200.0
     d.joined(info())
+    d(ev.RestorePrepared(JOB, d.op(do.PrepareRestore)))  # the job ran: its checkpoint first
     d.workers(WorkerState.HEALTHY, WorkerState.HEALTHY)
     d.mono = 300.0
     d.workers(WorkerState.HEALTHY, WorkerState.FAILED)  # a restart: the same part goes on
@@ -162,6 +163,7 @@ def test_a_part_says_when_its_workers_first_ran_and_what_it_holds_through_restar
     d(ev.RoundRequested(JOB, d.op(do.RequestRound), NextRound.OPENED))
     d.mono = 400.0
     d.joined(info(round=1, restarts=1))
+    d(ev.RestorePrepared(JOB, d.op(do.PrepareRestore)))
     parts = published(d)
     assert [p.state for p in parts][:2] == [PartState.RENDEZVOUS, PartState.RUNNING] and parts[
         -1
@@ -171,7 +173,9 @@ def test_a_part_says_when_its_workers_first_ran_and_what_it_holds_through_restar
     assert {(p.slots, p.gpus) for p in parts} == {(2, 2)}
 
 
-def test_in_place_a_part_is_charged_from_its_first_placed_round_not_its_warm_up():
+def test_in_place_a_first_round_part_is_charged_from_when_its_workers_start():
+    """A job's first round is formed before its workers start: they start placed.  (A part
+    that warms workers up is charged from its first warm-up: test_core_part.)"""
     d = Drive(in_place=True)
     in_place_running(d)
     parts = published(d)

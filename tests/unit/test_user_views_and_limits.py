@@ -129,10 +129,12 @@ def test_others_see_the_program_and_where_it_failed_not_the_arguments_or_the_err
     assert "hunter2" not in json.dumps(shown)
     assert shown["argv"] == ["train.py"] and shown["redacted"] is True
     assert shown["error"] == {**full["error"], "message": "", "traceback": ""}
-    assert {k: v for k, v in shown.items() if k not in ("argv", "error", "redacted")} == {
-        k: v for k, v in full.items() if k not in ("argv", "error", "redacted")
+    hidden = ("argv", "error", "redacted", "checkpoint_dir")
+    assert {k: v for k, v in shown.items() if k not in hidden} == {
+        k: v for k, v in full.items() if k not in hidden
     }
     assert others_view({**full, "env": {"DB_PASSWORD": "hunter2"}}).get("env") is None
+    assert others_view({**full, "checkpoint_dir": "/home/u/secret"}).get("checkpoint_dir") is None
 
 
 def test_a_list_row_carries_no_arguments_environment_or_error_and_stays_small():
