@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -53,6 +54,9 @@ from elasticd.shell.inotify import (
 log = logging.getLogger(__name__)
 
 CHECKPOINT_ENV = "ELASTICD_CHECKPOINT_DIR"
+TIER_SOCKET = ".tier.sock"  # in the job's directory: its workers ask the tier there
+_MAX_REQUEST = 1024 * 1024  # bytes of one worker's request line
+_MAX_RANGES = 65536  # byte ranges one fetch may ask for
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
@@ -130,6 +134,8 @@ class JobDir:
     record: JobRecord | None = None
     first_seen: dict[str, float] = field(default_factory=dict)  # id -> when it appeared
     deleting: set[str] = field(default_factory=set)  # paths being removed now
+    fetched: dict[tuple[str, str], list[tuple[int, int]]] = field(default_factory=dict)
+    server: asyncio.AbstractServer | None = None  # the workers' socket
     # id -> (copies that failed in a row, when the next may be tried: monotonic)
     retry: dict[str, tuple[int, float]] = field(default_factory=dict)
 
@@ -226,6 +232,7 @@ class CheckpointTier:
         jd = JobDir(spec, path, cap, mounted, node_name=self.settings.node)
         self._jobs[spec.id] = jd
         self._rescan(jd)
+        self._spawn("serving workers", spec.id, functools.partial(self._serve_workers, jd))
         return path
 
     def _cap(self, spec: JobSpec) -> int:
@@ -244,6 +251,8 @@ class CheckpointTier:
             return
         for task in [*jd.busy.values(), *jd.writing.values()]:
             task.cancel()
+        if jd.server is not None:
+            jd.server.close()
         if self._watcher is not None:
             for directory in _dirs_under(jd.path):
                 self._watcher.unwatch(directory)
@@ -753,6 +762,116 @@ class CheckpointTier:
             return _copy_path(jd.path, owner, ckpt, name)
         return os.path.join(jd.path, name) if ckpt == name else os.path.join(jd.path, ckpt, name)
 
+    # -- what the job's workers ask (elasticd.elastic's reader) --------------------------------
+
+    async def _serve_workers(self, jd: JobDir) -> None:
+        """The job's socket in its directory (its user's alone, as the directory is): JSON
+        lines, one answer each.  ``latest``: the newest complete checkpoint (its files and
+        sizes, those already here); ``fetch``: byte ranges of its files this node lacks,
+        put at their offsets into RANGES/<id>/<file> here (sparse), where the reader reads."""
+        path = os.path.join(jd.path, TIER_SOCKET)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        jd.server = await asyncio.start_unix_server(
+            functools.partial(self._worker, jd), path, limit=_MAX_REQUEST
+        )
+        os.chmod(path, 0o600)
+        if os.getuid() == 0:
+            os.chown(path, jd.spec.uid, jd.spec.gid)
+        async with jd.server:
+            await jd.server.serve_forever()
+
+    async def _worker(
+        self, jd: JobDir, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            while line := await reader.readline():
+                try:
+                    request = json.loads(line)
+                    answer = await self._answer_worker(jd, request)
+                except (ValueError, KeyError, TypeError, OSError) as exc:
+                    answer = {"ok": False, "error": str(exc)[:500]}
+                writer.write(json.dumps(answer).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer_worker(self, jd: JobDir, request: Mapping[str, Any]) -> dict[str, Any]:
+        latest = cp.latest_complete(jd.found())
+        if request.get("op") == "latest":
+            if latest is None:
+                return {"ok": True, "checkpoint": None}
+            here = _sizes(os.path.join(jd.path, latest.id))
+            files = {name: f.size for name, f in latest.files().items()}
+            return {
+                "ok": True,
+                "checkpoint": {
+                    "id": latest.id,
+                    "round": latest.round,
+                    "world": latest.world,
+                    "files": files,
+                    "here": sorted(n for n, size in files.items() if here.get(n) == size),
+                },
+            }
+        if request.get("op") != "fetch":
+            raise ValueError(f"unknown op {request.get('op')!r}")
+        ident, ranges = request["id"], request["ranges"]
+        if latest is None or latest.id != ident:
+            raise ValueError(f"{ident} is not the newest complete checkpoint")
+        if not isinstance(ranges, list) or len(ranges) > _MAX_RANGES:
+            raise ValueError("ranges must be a list of [file, offset, length]")
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        files = latest.files()
+        for item in ranges:
+            name, offset, length = item
+            facts = files.get(name)
+            if facts is None or not (0 <= offset and 0 < length and offset + length <= facts.size):
+                raise ValueError(f"no such range: {item}")
+            wanted.setdefault(name, []).append((int(offset), int(length)))
+        paths = {}
+        for name, spans in wanted.items():
+            paths[name] = await self._ranges(jd, latest, name, spans)
+        return {"ok": True, "paths": paths}
+
+    async def _ranges(
+        self, jd: JobDir, checkpoint: cp.Checkpoint, name: str, spans: list[tuple[int, int]]
+    ) -> str:
+        """Where the reader finds ``spans`` of ``name``: the whole file here, or a sparse
+        file they were fetched into from a node that holds it."""
+        whole = os.path.join(jd.path, checkpoint.id, name)
+        facts = checkpoint.files()[name]
+        if _sizes(os.path.dirname(whole)).get(name) == facts.size:
+            return whole
+        owner = next(node for node, m in checkpoint.shares.items() if name in m.files)
+        copy = _copy_path(jd.path, owner, checkpoint.id, name)
+        if os.path.exists(copy):
+            return copy
+        into = os.path.join(jd.path, RANGES, checkpoint.id, name)
+        have = jd.fetched.setdefault((checkpoint.id, name), [])
+        lacking = _subtract(sorted(spans), have)
+        if lacking:
+            os.makedirs(os.path.dirname(into), exist_ok=True)
+            errors = []
+            for holder in checkpoint.holders(name):
+                if holder == self.settings.node or not self._peers.alive(holder):
+                    continue
+                try:
+                    await self._peers.fetch(
+                        holder, jd.job, owner, checkpoint.id, name, into, lacking
+                    )
+                    break
+                except Exception as exc:
+                    errors.append(f"{holder}: {exc}")
+            else:
+                raise OSError(f"no node holding {checkpoint.id}/{name} answers: {errors}")
+            have.extend(lacking)
+            self._metrics.checkpoint_restored("memory" if holder == owner else "copy")
+            if os.getuid() == 0:
+                os.chown(into, jd.spec.uid, jd.spec.gid)
+        return into
+
     # -- what status shows ---------------------------------------------------------------------
 
     def held(self, job: str) -> dict[str, Any] | None:
@@ -790,6 +909,23 @@ def _entries(directory: str, *, dirs: bool = False, files: bool = False) -> list
             return sorted(out)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _subtract(spans: list[tuple[int, int]], have: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``spans`` (offset, length) that no span of ``have`` covers."""
+    out = []
+    for offset, length in spans:
+        pieces = [(offset, offset + length)]
+        for start, size in have:
+            end = start + size
+            pieces = [
+                piece
+                for a, b in pieces
+                for piece in ((a, min(b, start)), (max(a, end), b))
+                if piece[0] < piece[1]
+            ]
+        out += [(a, b - a) for a, b in pieces]
+    return out
 
 
 def _copy_path(root: str, owner: str, ckpt: str, name: str) -> str:
@@ -850,8 +986,6 @@ async def _remove_all(paths: Iterable[str]) -> None:
 
 async def _as_user(spec: JobSpec, plan: Mapping[str, Any]) -> str:
     """Run the write-back helper as the job's user; "" or why it failed."""
-    import json
-
     credentials: dict[str, Any] = {}
     if os.getuid() == 0:
         try:
