@@ -206,7 +206,7 @@ def submit_request(
         "argv": [args.script, *args.script_args],
         "kind": kind,
         "workdir": absolute(args.workdir or cwd, cwd),
-        **({"checkpoint_dir": absolute(args.checkpoint_dir, cwd)} if args.checkpoint_dir else {}),
+        **checkpoint_dir(args.checkpoint_dir, cwd),
         "env": {**environ, **dict(args.env)},
         "nnodes": args.nnodes,
         "nproc_per_node": args.nproc_per_node,
@@ -227,6 +227,17 @@ def submit_request(
     if args.wait:
         request["wait"] = True
     return request
+
+
+def checkpoint_dir(value: str | None, cwd: str) -> dict[str, str]:
+    """--checkpoint-dir, absolute; refused here when it exists and the submitter cannot
+    write it (a directory that is not there is made on each node, as the job's user)."""
+    if not value:
+        return {}
+    path = absolute(value, cwd)
+    if os.path.lexists(path) and not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+        raise UsageError(f"--checkpoint-dir {path}: not a directory you can write")
+    return {"checkpoint_dir": path}
 
 
 def output_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> torchrun.Output:

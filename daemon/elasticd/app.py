@@ -74,7 +74,12 @@ from elasticd.shell import worker_library
 from elasticd.shell.bounds import contain, memory_total
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
-from elasticd.shell.checkpoints import CheckpointTier, TierSettings
+from elasticd.shell.checkpoints import (
+    CheckpointTier,
+    TierSettings,
+    remove_leftovers,
+    tier_root,
+)
 from elasticd.shell.effectors import Effectors
 from elasticd.shell.fileaccess import FileAccess, restrict_earlier
 from elasticd.shell.logs import LogBus
@@ -549,12 +554,14 @@ class Daemon:
             job_cap = parse_memory(self.config.checkpoints.job_memory, total)
         except ValueError as exc:
             raise ConfigError("checkpoints", str(exc)) from None
-        settings = TierSettings(
-            self.node,
-            os.path.join(self.config.paths.runtime_dir, "checkpoints"),
-            node_cap,
-            job_cap,
-        )
+        settings = TierSettings(self.node, tier_root(self.config), node_cap, job_cap)
+        left = remove_leftovers(settings.root)
+        if left:
+            log.warning(
+                "removed the checkpoints a previous run left here (jobs %s): a node keeps "
+                "none across a restart; the other nodes hold their copies",
+                ", ".join(left),
+            )
         return CheckpointTier(settings, links, post, metrics=self.metrics)
 
     async def _open_store(self, closing: contextlib.AsyncExitStack) -> Store:

@@ -22,6 +22,7 @@ from elasticd.jobs.history import path_in as history_path
 from elasticd.jobs.registry import JobRegistry
 from elasticd.shell.cgroup_placement import instance_name
 from elasticd.shell.cgroups import JobCgroups
+from elasticd.shell.checkpoints import remove_leftovers, tier_root
 from elasticd.shell.workers import reap_leftovers
 from elasticd.store.firewall import remove_table, table_name
 
@@ -38,11 +39,14 @@ class CleanedUp:
     cgroup_processes: int = 0  # processes killed in job cgroups
     cgroups: list[str] = field(default_factory=list)  # the job cgroups removed
     table: str = ""  # the nftables table removed ("" none was there)
+    checkpoints: list[str] = field(default_factory=list)  # jobs whose checkpoints were removed
 
     def summary(self, node: str) -> str:
         done = [f"killed {self.workers + self.cgroup_processes} leftover processes"]
         if self.cgroups:
             done.append(f"removed job cgroups {' '.join(self.cgroups)}")
+        if self.checkpoints:
+            done.append(f"removed the checkpoints of jobs {' '.join(self.checkpoints)}")
         done.append(
             f"removed nftables table inet {self.table}" if self.table else "no firewall table left"
         )
@@ -67,6 +71,7 @@ def clean_up(config: DaemonConfig) -> CleanedUp:
         table = table_name(config.cluster.name, node)
         if remove_table(table):
             done.table = table
+    done.checkpoints = remove_leftovers(tier_root(config))
     return done
 
 

@@ -138,6 +138,7 @@ def node_doc(sighting: Sighting, state: NodeState, seen: float) -> dict[str, Any
         "listed": record.listed,
         "containment": record.containment.to_json() if record.containment else None,
         "gpus_out": {str(index): why for index, why in sorted(record.gpus_out.items())},
+        "tier_endpoint": record.tier_endpoint or None,
     }
 
 

@@ -107,6 +107,11 @@ class NoMetrics:
         pass
 
 
+def tier_root(config: Any) -> str:
+    """Where a daemon keeps its jobs' checkpoint directories (in its runtime directory)."""
+    return os.path.join(config.paths.runtime_dir, "checkpoints")
+
+
 @dataclass(frozen=True)
 class TierSettings:
     node: str
@@ -236,19 +241,22 @@ class CheckpointTier:
         return path
 
     def _cap(self, spec: JobSpec) -> int:
-        """What the job's directory may hold here: what it asked, else the tier's default,
-        and never more than the node has left beside the other jobs' directories."""
-        asked = spec.checkpoint_memory or self.settings.job_cap
-        if not self.settings.node_cap:
-            return asked
-        left = self.settings.node_cap - sum(j.cap for j in self._jobs.values())
-        return max(0, min(asked, left) if asked else left)
+        """What the job's directory may hold here (its tmpfs's size: the kernel refuses a
+        write past it): what it asked, else the tier's default for a job, never more than
+        the node's cap for all jobs (0: no cap).  Jobs' caps may add up to more than the
+        node's: a checkpoint that lands while the node holds more than its cap is deleted
+        (``_over_node_cap``), so the node never holds more than its cap for long."""
+        caps = [c for c in (spec.checkpoint_memory, self.settings.job_cap) if c]
+        asked = caps[0] if caps else self.settings.node_cap
+        return min(asked, self.settings.node_cap) if self.settings.node_cap else asked
 
     async def close(self, job: str) -> None:
         """The part ended here: everything the job had in this node's memory is gone."""
-        jd = self._jobs.pop(job, None)
+        jd = self._jobs.get(job)
         if jd is None:
             return
+        self._warn_if_full(jd)
+        del self._jobs[job]
         for task in [*jd.busy.values(), *jd.writing.values()]:
             task.cancel()
         if jd.server is not None:
@@ -260,6 +268,11 @@ class CheckpointTier:
             _unmount(jd.path)
         await asyncio.to_thread(shutil.rmtree, jd.path, True)
         self._metrics.checkpoint_held(job, 0)
+
+    def _warn_if_full(self, jd: JobDir) -> None:
+        why = self.full(jd.job)
+        if why:
+            log.warning("job %s: %s", jd.job, why, extra=about(jd.job))
 
     def round(self, job: str, round: int, world: int, ranks: tuple[int, ...]) -> None:
         """This node's workers are ``ranks`` of ``world`` in ``round``: what it saves next
@@ -387,10 +400,51 @@ class CheckpointTier:
 
     async def _land(self, jd: JobDir, name: str) -> None:
         try:
+            if self._over_node_cap(jd, name):
+                return
             await self._describe(jd, name)
         finally:
             jd.busy.pop(name, None)
         self._consider(jd)
+
+    def _over_node_cap(self, jd: JobDir, name: str) -> bool:
+        """Whether this node holds more checkpoints than its cap for all jobs; then the
+        checkpoint that just landed is deleted (the one before it stays in force)."""
+        cap = self.settings.node_cap
+        if not cap or name in jd.manifests:
+            return False
+        held = sum(_size_of(j.path) for j in self._jobs.values())
+        if held <= cap:
+            return False
+        log.warning(
+            "job %s: checkpoint %s refused: this node holds %d bytes of checkpoints, over "
+            "its cap of %d (checkpoints.max_memory); the one before it stays in force",
+            jd.job,
+            name,
+            held,
+            cap,
+            extra=about(jd.job),
+        )
+        shutil.rmtree(os.path.join(jd.path, name), ignore_errors=True)
+        return True
+
+    def full(self, job: str) -> str:
+        """Why the job's saves cannot fit here ("" they can): its directory is (nearly) full."""
+        jd = self._jobs.get(job)
+        if jd is None or not jd.cap:
+            return ""
+        try:
+            info = os.statvfs(jd.path)
+        except OSError:
+            return ""
+        free = info.f_bavail * info.f_frsize
+        if free > max(64 * 1024, jd.cap // 100):
+            return ""
+        return (
+            f"its checkpoint directory is full ({jd.cap} bytes: --checkpoint-memory, else "
+            "checkpoints.job_memory or checkpoints.max_memory): a save did not fit, and the "
+            "checkpoint before it stays in force"
+        )
 
     async def _describe(self, jd: JobDir, name: str, kind: str = cp.DCP) -> None:
         """This node's share of checkpoint ``name`` is whole: hash it while streaming it to
@@ -587,6 +641,7 @@ class CheckpointTier:
         jd = self._jobs.get(job)
         if jd is None:
             return ""
+        self._warn_if_full(jd)
         if record is not None:
             jd.record = record
         for task in list(jd.busy.values()):  # the workers are stopped: these saves are torn
@@ -993,22 +1048,47 @@ async def _as_user(spec: JobSpec, plan: Mapping[str, Any]) -> str:
         except (KeyError, OSError):
             groups = [spec.gid]
         credentials = {"user": spec.uid, "group": spec.gid, "extra_groups": groups}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-I",
-        writeback.__file__,  # a standard-library program: no package to find as the user
-        json.dumps(plan),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        cwd="/",
-        **credentials,
-    )
+    # the job's own interpreter: its user can run it (the daemon's may sit where only root
+    # may enter); writeback.py needs the standard library only
+    python = spec.python or shutil.which("python3") or sys.executable
+    try:
+        process = await asyncio.create_subprocess_exec(
+            python,
+            "-I",
+            writeback.__file__,
+            json.dumps(plan),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            cwd="/",
+            **credentials,
+        )
+    except OSError as exc:
+        return f"cannot run {python} as {spec.user}: {exc}"
     _, err = await process.communicate()
     return "" if process.returncode == 0 else err.decode(errors="replace").strip()[-500:]
 
 
 # -- the job's memory ------------------------------------------------------------------------
+
+
+def remove_leftovers(root: str) -> list[str]:
+    """What a daemon that died (SIGKILL) left in ``root``: each job's directory, unmounted
+    and removed.  A node keeps no checkpoint across its daemon's restart: its jobs re-formed
+    without it (their shares' copies are on other nodes), and a share it kept for another
+    node is a copy that node's next checkpoint replaces; believing an old one here could
+    restore a wrong step.  Returns the jobs whose directories were removed."""
+    removed = []
+    for name in _entries(root, dirs=True):
+        path = os.path.join(root, name)
+        if os.path.ismount(path):
+            _unmount(path)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+# -- the job's memory (mounts) -----------------------------------------------------------------
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -1018,9 +1098,7 @@ def _mount_tmpfs(path: str, cap: int, uid: int, gid: int) -> bool:
     it.  False (a warning) where mounting is not allowed: a plain directory then."""
     if os.path.ismount(path):
         return True
-    options = (
-        f"mode=0700,uid={uid},gid={gid},size={cap}" if cap else f"mode=0700,uid={uid},gid={gid}"
-    )
+    options = f"mode=0700,uid={uid},gid={gid}" + (f",size={cap}" if cap else "")
     done = _libc.mount(
         b"elasticd-checkpoints",
         os.fsencode(path),
