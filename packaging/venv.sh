@@ -9,7 +9,7 @@ want=$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
-echo "installing into $venv (torch 2.13.0 CPU, numpy, lightning, accelerate, pyzmq, psutil, prometheus-client, sdnotify, cryptography, aetcd, nvidia-ml-py, pytest, hypothesis, ruff, mkdocs-material)" >&2
+echo "installing into $venv (torch 2.13.0 CPU, numpy, lightning, accelerate, pyzmq, psutil, prometheus-client, sdnotify, cryptography, aetcd, nvidia-ml-py, pytest, hypothesis, ruff, mypy, mkdocs-material)" >&2
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 # NumPy beside torch: without it every `import torch` (each worker a job starts with this

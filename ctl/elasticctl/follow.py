@@ -59,13 +59,13 @@ class Console:
         if self._plan.log_dir and rank is not None and attempt is not None:
             self._copy(attempt, rank, stream).write(text)
         local_rank = self._places.local_rank(attempt, rank)
-        shown = "plain" if local_rank is None else self._plan.shown(stream, local_rank)
-        if shown is None:
-            return
-        console = self._streams["err" if stream == "err" else "out"]
-        if shown == "prefixed":
-            text = self._plan.prefix(rank, local_rank) + text
-        console.write(text)
+        if rank is not None and local_rank is not None:  # else a line of no rank: plain
+            shown = self._plan.shown(stream, local_rank)
+            if shown is None:
+                return
+            if shown == "prefixed":
+                text = self._plan.prefix(rank, local_rank) + text
+        self._streams["err" if stream == "err" else "out"].write(text)
 
     def flush(self) -> None:
         for handle in (*self._streams.values(), *self._copies.values()):

@@ -17,7 +17,7 @@ import re
 import signal
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 Doc = Mapping[str, Any]
 
@@ -173,9 +173,9 @@ def error_summary(error: Doc | None) -> str | None:
         return None
     rank, node, code = error.get("rank"), error.get("node"), error.get("exit_code")
     place = " ".join(
-        filter(None, (rank is not None and f"rank {rank}", node and f"on node {node}"))
+        filter(None, (f"rank {rank}" if rank is not None else None, node and f"on node {node}"))
     )
-    detail = ", ".join(filter(None, (place, code is not None and f"exit code {code}")))
+    detail = ", ".join(filter(None, (place, f"exit code {code}" if code is not None else None)))
     return clean(f"error: {text(error.get('message'))}" + (f" ({detail})" if detail else ""))
 
 
@@ -540,7 +540,7 @@ def hours(seconds: Any) -> str:
     return "<0.01" if 0 < seconds < 36 else f"{seconds / 3600:.2f}"
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

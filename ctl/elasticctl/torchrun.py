@@ -22,7 +22,7 @@ import argparse
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 # torchrun's -r/--redirects and -t/--tee streams, as its ``Std`` flags
 NONE, OUT, ERR, ALL = 0, 1, 2, 3
@@ -145,8 +145,14 @@ def env_switch(environ: Mapping[str, str]) -> type[argparse.Action]:
     return SwitchFromEnv
 
 
+class Options(Protocol):
+    """Where options are added: a parser, or one of its argument groups."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> object: ...
+
+
 def add_options(
-    parser: argparse.ArgumentParser,
+    parser: Options,
     environ: Mapping[str, str],
     types: Mapping[str, Callable[[str], Any]],
 ) -> None:

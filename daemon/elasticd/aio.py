@@ -32,7 +32,7 @@ async def race(**contenders: Awaitable[Any]) -> tuple[str, asyncio.Future[Any]]:
         for name, aw in contenders.items()
         if not asyncio.isfuture(aw)
     }
-    futures = {name: owned.get(name) or aw for name, aw in contenders.items()}
+    futures = {name: aw if asyncio.isfuture(aw) else owned[name] for name, aw in contenders.items()}
     try:
         done, _ = await asyncio.wait(futures.values(), return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -23,7 +23,7 @@ import stat
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 import sdnotify
@@ -498,7 +498,7 @@ class Daemon:
             )
             self._install_signals()
             async with asyncio.TaskGroup() as tasks:
-                loops = {
+                loops: dict[str, Callable[[], Awaitable[None]]] = {
                     "zap": zap.serve,
                     "control": control.serve,
                     "peers": peer_server.serve,

@@ -716,7 +716,7 @@ def problems(
         tables = _tables(path, overrides, standalone)
     except ConfigError as exc:
         return [exc]
-    found = []
+    found: list[ConfigError] = []
     while True:
         try:
             from_tables(tables, standalone=standalone)
@@ -893,6 +893,8 @@ def documented_keys() -> dict[str, tuple[Any, str]]:
     out = {}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
             out[f"{section}.{f.name}"] = (default, f.metadata["doc"])
     return out

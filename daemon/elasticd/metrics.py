@@ -278,8 +278,8 @@ class Metrics:
             self.jobs.labels(state.value)
             if state.terminal:
                 self.jobs_finished.labels(state.value)
-        for state in WorkerState:
-            self.workers.labels(state.value)
+        for worker_state in WorkerState:
+            self.workers.labels(worker_state.value)
 
     # -- AgentMetrics -----------------------------------------------------------------------
 
@@ -345,8 +345,8 @@ class Metrics:
         for state in JobState:
             self.jobs.labels(state.value).set(jobs[state.value])
         self.jobs_held.set(held)
-        for state in WorkerState:
-            self.workers.labels(state.value).set(workers[state.value])
+        for worker_state in WorkerState:
+            self.workers.labels(worker_state.value).set(workers[worker_state.value])
 
     def _first_starts(self, records: list[JobRecord], node: str) -> None:
         """Observe the wait of each job submitted on this node when it first starts: one

@@ -199,6 +199,20 @@ def test_torch_state_without_model_or_optimizer():
     assert state.epoch == 2 and state.model is None and state.optimizer is None
 
 
+def test_restore_leaves_a_model_and_optimizer_given_after_the_last_save():
+    state = TorchState(epoch=1)  # saved without a model or an optimizer
+    model, optimizer = make_trained()
+    state.model, state.optimizer, state.epoch = model, optimizer, 2
+    trained = copy_of(model, optimizer)
+    state.restore()  # (it handed None to load_state_dict, a TypeError)
+    assert_equal_state(copy_of(model, optimizer), trained)
+    assert state.epoch == 1
+    state.commit()
+    train_step(model, optimizer)
+    state.restore()
+    assert_equal_state(copy_of(model, optimizer), trained)
+
+
 def test_single_process_sync_checks_the_optimizer_state_too():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

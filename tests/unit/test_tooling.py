@@ -1,8 +1,10 @@
-"""The checks every change passes besides the tests: ruff's lint and format, and no
+"""The checks every change passes besides the tests: ruff's lint and format, mypy's type
+check (pyproject.toml's [tool.mypy]: strict on the core, basic elsewhere), and no
 unresolved merge-conflict marker (`<<<<<<< ` or `>>>>>>> `) in any tracked file."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -28,6 +30,21 @@ def ruff() -> list[str]:
 def test_ruff(check: list[str]) -> None:
     done = subprocess.run(
         [*ruff(), *check, "--no-cache", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_mypy() -> None:
+    """The packages pyproject.toml names, type-checked as configured there (its cache in
+    .mypy_cache: a check after a small change takes seconds, a first one about half a minute)."""
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (pip install -e '.[test]')")
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
 

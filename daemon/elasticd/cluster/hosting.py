@@ -42,7 +42,7 @@ def store_firewall(config: DaemonConfig, endpoint: str, *, hosted: bool) -> Stor
     address = None
     if not hosted:
         try:
-            address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            address = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
         except OSError as exc:
             raise ConfigError("store.endpoint", f"cannot resolve {host}: {exc}") from exc
     return StoreFirewall.setup(
@@ -72,7 +72,7 @@ def hosts_store(config: DaemonConfig) -> bool:
 def addresses(host: str) -> set[str]:
     """The addresses ``host`` (a name or an address) resolves to; none if it does not."""
     try:
-        return {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)}
+        return {str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(host, None)}
     except OSError:
         return set()
 

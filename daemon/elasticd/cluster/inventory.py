@@ -135,11 +135,16 @@ def slot_count(config: DaemonConfig, gpus: tuple[str, ...]) -> int:
 class JobsHere(Protocol):
     """What this node's jobs use and why it takes none (the node shell says)."""
 
-    resources: Resources
-    draining: bool
-    blacklisted_until: float
-    listed: bool
-    gpus_out: dict[int, str]
+    @property
+    def resources(self) -> Resources: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def blacklisted_until(self) -> float: ...
+    @property
+    def listed(self) -> bool: ...
+    @property
+    def gpus_out(self) -> dict[int, str]: ...
 
     def used(self) -> Resources: ...
 

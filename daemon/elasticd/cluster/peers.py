@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import zmq
 import zmq.asyncio
@@ -69,12 +69,17 @@ def _parse_keys(raw: bytes) -> PeerKeys | None:
         doc = safejson.loads(raw, max_bytes=_KEY_FILE_BYTES)
     except safejson.Undecodable:
         return None
-    public, secret = (
-        (doc.get("public"), doc.get("secret")) if isinstance(doc, dict) else (None, None)
-    )
-    if not all(isinstance(k, str) and len(k) == 40 and k.isascii() for k in (public, secret)):
+    if not isinstance(doc, dict):
+        return None
+    public, secret = doc.get("public"), doc.get("secret")
+    if not (_z85_key(public) and _z85_key(secret)):
         return None
     return PeerKeys(public.encode(), secret.encode())
+
+
+def _z85_key(value: object) -> TypeGuard[str]:
+    """A CURVE key as zmq.curve_keypair gives it: 40 characters of Z85."""
+    return isinstance(value, str) and len(value) == 40 and value.isascii()
 
 
 def _create_keys(path: str) -> PeerKeys:

@@ -512,14 +512,15 @@ class NodeRegistry:
     async def _follow(self, head: Head | None) -> None:
         """Read what changed up to ``head``; then the records whose version moved."""
         catch = catch_up(self._term, self._number, head, FEED_KEEP)
-        if catch.entries:
+        if catch.entries and head is not None:  # (entries come with a head only)
             keys = [self._key(f"feed/{n}") for n in catch.entries]
             entries = [
                 self._open_entry(n, raw)
                 for n, raw in zip(catch.entries, await self._store.get_many(keys))
             ]
-            if all(e is not None and e[0] == head.term for e in entries):
-                for _, changes in entries:
+            of_term = [e for e in entries if e is not None and e[0] == head.term]
+            if len(of_term) == len(entries):
+                for _, changes in of_term:
                     self._members.update(changes)
                 self._number = head.number
                 self._sightings = None

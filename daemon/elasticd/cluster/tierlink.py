@@ -94,7 +94,7 @@ class TierServer:
             if len(frames) not in (2, 3):
                 continue
             identity, header = frames[0].bytes, frames[1]
-            caller = header.get("User-Id") or ""
+            caller = str(header.get("User-Id") or "")
             data = frames[2].bytes if len(frames) == 3 else b""
             reply, payload = await self._answer(caller, header.bytes, data)
             try:

@@ -255,8 +255,9 @@ class RouterServer:
     async def _dispatch(self, identity: bytes, frame: zmq.Frame) -> None:
         raw = frame.bytes
         reply = RouterReply(self._router, identity, protocol.request_id(raw))
+        user_id = frame.get("User-Id")  # a string property (zmq types every property int | str)
         try:
-            caller = self._identify(frame.get("User-Id") or "")
+            caller = self._identify(user_id if isinstance(user_id, str) else "")
         except ElasticdError as exc:
             await _refuse(reply, "invalid", exc.code, exc.message, self._count)
             return

@@ -97,8 +97,9 @@ class Containment:
 
         def count(name: str) -> int:
             value = doc.get(name)
-            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
-            return value if ok else 0
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63:
+                return value
+            return 0
 
         def word(name: str) -> str:
             value = doc.get(name)

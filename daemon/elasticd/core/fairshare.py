@@ -63,4 +63,4 @@ def _factor(used: float, total_use: float, share: float, total_share: float) -> 
         return 1.0
     if share <= 0 or total_share <= 0:
         return 0.0
-    return 2.0 ** (-(used / total_use) / (share / total_share))
+    return math.pow(2.0, -(used / total_use) / (share / total_share))

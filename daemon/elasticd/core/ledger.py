@@ -21,6 +21,9 @@ from collections.abc import Iterable, Sequence
 from elasticd.core.allocation import JobDemand, Policy, Share, Tally
 
 BORROWED, LENT, PREEMPT = 1, 2, 3  # how a job yields a node (lower yields first)
+# What clearing a node costs, cheapest first: the worst way a victim yields, the victims that
+# held it before, how many victims, their negated ranks, the gpus and slots left over.
+Cost = tuple[int, int, int, tuple[int, ...], int, int]
 
 
 class Ledger:
@@ -122,7 +125,7 @@ class Ledger:
     def _cheapest(
         self, job: JobDemand, policy: Policy, reservations: bool, preempt: bool
     ) -> tuple[str, tuple[str, ...]] | None:
-        best: tuple[tuple, str, tuple[str, ...]] | None = None
+        best: tuple[Cost, str, tuple[str, ...]] | None = None
         for node in self.nodes_for(job):
             if node in self.held[job.id]:
                 continue
@@ -133,7 +136,7 @@ class Ledger:
 
     def clearing(
         self, job: JobDemand, node: str, policy: Policy, reservations: bool, preempt: bool
-    ) -> tuple[tuple, tuple[str, ...]] | None:
+    ) -> tuple[Cost, tuple[str, ...]] | None:
         """What giving ``node`` to ``job`` costs and who must yield it, or None if it cannot
         be cleared."""
         if node not in self.capacity or node not in job.shares:
@@ -141,9 +144,9 @@ class Ledger:
         share = job.shares[node]
         room = self.room(node, reservations)
         ways = sorted(
-            (way, -self.rank[v], v)
+            (how, -self.rank[v], v)
             for v in self.on[node]
-            if v != job.id and (way := self._yields(job, v, policy, preempt)) is not None
+            if v != job.id and (how := self._yields(job, v, policy, preempt)) is not None
         )
         victims: list[tuple[int, int, str]] = []
         for way in ways:

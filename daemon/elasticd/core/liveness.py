@@ -10,7 +10,6 @@ still for one read only (a stalled store kills nobody).  Pure: ``now`` is passed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,8 @@ class KeepAlive:
         return self.interval * self.attempts
 
 
-class Beat(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Beat:
     """A heartbeat counter as one observer sees it."""
 
     count: int | None  # as last read (None: no counter yet)
@@ -34,7 +34,7 @@ class Beat(NamedTuple):
 def observe(previous: Beat | None, count: int | None, now: float) -> Beat:
     """Fold a fresh read in: any change (a reset store restarts a counter) is a sign of life."""
     if previous is not None and previous.count == count:
-        return previous._replace(reads=previous.reads + 1)
+        return Beat(count, previous.since, previous.reads + 1)
     return Beat(count, now)
 
 

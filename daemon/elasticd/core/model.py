@@ -11,9 +11,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeGuard
 
-from elasticd.core.tables import IllegalTransition, StateTable  # noqa: F401  (the tables' home; re-exported)
+# The tables' home is tables.py; the model re-exports them beside the tables it builds.
+from elasticd.core.tables import IllegalTransition as IllegalTransition
+from elasticd.core.tables import StateTable as StateTable
 from elasticd.errors import InvalidSpec
 from elasticd.rendezvous.state import RendezvousSettings
 from elasticd.wire import protocol
@@ -406,11 +408,11 @@ def _validate_sharing(spec: JobSpec, need: Callable[[bool, str], None]) -> None:
         )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_text(value: Any) -> bool:
+def _is_text(value: Any) -> TypeGuard[str]:
     """A string that can reach an argv, an environment or a file name: valid Unicode
     (no lone surrogate) and no NUL byte."""
     if not isinstance(value, str) or "\0" in value:

@@ -16,7 +16,9 @@ offers itself to, oldest first.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
@@ -247,9 +249,9 @@ class NodeCore:
         lowest-priority, newest job's first) and the jobs start once they are reaped (what
         is being given back already counts)."""
         holders = [
-            spares.Holder(job, tuple(slots), spares.slot_gpus(self.parts[job], slots))
+            spares.Holder(job, tuple(idle), spares.slot_gpus(self.parts[job], idle))
             for job in self._shed_order()
-            if (slots := spares.sheddable(self.parts[job]))
+            if (idle := spares.sheddable(self.parts[job]))
         ]
         if not holders:
             return []
@@ -679,14 +681,17 @@ class NodeCore:
         return [
             do.Say(
                 "info", "node %s: its blacklisting cooldown is over", None, (self.settings.node,)
-            )
-        ] + self._readmit(now)
+            ),
+            *self._readmit(now),
+        ]
 
     def _readmit(self, now: ev.Now) -> Instructions:
         self.blacklisted_until = 0.0
-        return [do.ClearTimer("cooldown"), do.Count("blacklisted", value=0)] + self._hold(
-            Hold.BLACKLISTED, False, now
-        )
+        return [
+            do.ClearTimer("cooldown"),
+            do.Count("blacklisted", value=0),
+            *self._hold(Hold.BLACKLISTED, False, now),
+        ]
 
     # -- nodes lost, leaving, shutting down --------------------------------------------------------
 
@@ -764,7 +769,9 @@ class NodePhase(enum.StrEnum):
     STOPPING = "stopping"  # shutting down: no new part; the parts end
 
 
-_ALWAYS = {
+NodeHandler = Callable[[NodeCore, Any, ev.Now], Instructions]
+
+_ALWAYS: dict[type, NodeHandler] = {
     ev.PartClosed: NodeCore._part_closed,
     ev.PartStartFailed: NodeCore._part_start_failed,
     ev.Finished: NodeCore._finished,
@@ -778,7 +785,7 @@ _ALWAYS = {
     ev.GpuReadmitted: NodeCore._gpu_readmitted,
     ev.SparesShed: NodeCore._spares_shed,
 }
-NODE_EVENTS = EventTable(
+NODE_EVENTS: EventTable[NodePhase, NodeHandler] = EventTable(
     "a node",
     {
         NodePhase.SERVING: {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from elasticd.core.allocation import JobDemand, NodeCapacity, Policy, Reason, Share, Waiting
 from elasticd.core.allocator import allocate
@@ -131,7 +131,7 @@ class Schedule:
         )
 
 
-def _count(value: Any) -> bool:
+def _count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
 
 

@@ -38,7 +38,7 @@ class StateTable(Generic[S]):
 
     def check(self, old: S | None, new: S) -> S:
         """``new``, if ``old -> new`` is legal (``old`` None: the first state); else raise."""
-        if not self.allows(old, new):
+        if old is not None and not self.allows(old, new):
             raise IllegalTransition(f"{self.name} cannot go from {old.value} to {new.value}")
         return new
 

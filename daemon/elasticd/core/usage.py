@@ -117,10 +117,11 @@ def totals(
             key = getattr(span, by)
             seconds.setdefault(key, []).append((held, held * span.slots, held * span.gpus))
             jobs.setdefault(key, set()).add(span.job)
-    return {
-        key: Total(*(math.fsum(column) for column in zip(*rows)), len(jobs[key]))
-        for key, rows in sorted(seconds.items())
-    }
+    found: dict[str, Total] = {}
+    for key, rows in sorted(seconds.items()):
+        nodes, slots, gpus = zip(*rows)
+        found[key] = Total(math.fsum(nodes), math.fsum(slots), math.fsum(gpus), len(jobs[key]))
+    return found
 
 
 def decayed(spans: Iterable[Span], now: float, half_life: float) -> dict[str, float]:
@@ -222,8 +223,8 @@ def _silent_end(record: JobRecord, part: Part) -> float | None:
             for p in record.parts.values()
             if p.round is not None and p.round > part.round
         ]
-    ends = [end for end in ends if end is not None]
-    return min(ends) if ends else None
+    known = [end for end in ends if end is not None]
+    return min(known) if known else None
 
 
 def _time(value: Any) -> float | None:

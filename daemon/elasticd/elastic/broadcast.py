@@ -226,7 +226,7 @@ def _placeholders(node: Any) -> Iterator[dict[str, Any]]:
     elif isinstance(node, dict):
         if "tensor" in node:
             yield node
-        for child in node.get("dict", node.get("tuple", [])):
+        for child in node["dict"] if "dict" in node else node.get("tuple", []):
             yield from _placeholders(child)
 
 

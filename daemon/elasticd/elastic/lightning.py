@@ -36,30 +36,35 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
 
-try:
-    from lightning.fabric.plugins.environments import ClusterEnvironment
-except ImportError:
-    try:  # only pytorch_lightning installed: its base class lives there
-        from lightning_fabric.plugins.environments import ClusterEnvironment
-    except ImportError as exc:
-        raise ImportError(
-            "elasticd.elastic.lightning needs Lightning (pip install lightning)"
-        ) from exc
-
-try:  # elastic_fit's pieces; the environment above needs only the fabric
+if TYPE_CHECKING:  # the checker reads the package `lightning`; at run time either will do
     from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.pytorch import Callback
-except ImportError:
+else:
     try:
-        from lightning_fabric.plugins import CheckpointIO
-        from pytorch_lightning import Callback
-    except ImportError:  # a fabric without the Trainer: elastic_fit says so when called
-        Callback = CheckpointIO = object  # type: ignore[assignment,misc]
+        from lightning.fabric.plugins.environments import ClusterEnvironment
+    except ImportError:
+        try:  # only pytorch_lightning installed: its base class lives there
+            from lightning_fabric.plugins.environments import ClusterEnvironment
+        except ImportError as exc:
+            raise ImportError(
+                "elasticd.elastic.lightning needs Lightning (pip install lightning)"
+            ) from exc
+
+    try:  # elastic_fit's pieces; the environment above needs only the fabric
+        from lightning.fabric.plugins import CheckpointIO
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from lightning_fabric.plugins import CheckpointIO
+            from pytorch_lightning import Callback
+        except ImportError:  # a fabric without the Trainer: elastic_fit says so when called
+            Callback = CheckpointIO = object
 
 from . import driver
 from .broadcast import broadcast_into
@@ -189,6 +194,8 @@ class LightningState(ObjectState):
     weights are kept instead, so that a failure in the first steps goes back to them, and
     a newcomer then takes rank 0's weights."""
 
+    checkpoint: dict[str, Any] | None  # a state attribute (ObjectState): the last commit's
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._initial: dict[str, Any] | None = _snapshot(model.state_dict())
@@ -211,7 +218,7 @@ class LightningState(ObjectState):
                 broadcast_into(tensor, root=ROOT)
 
 
-class _Commit(Callback):  # type: ignore[misc,valid-type]
+class _Commit(Callback):
     """Every ``every`` optimizer steps, at the end of a batch (where ``ModelCheckpoint``
     saves its step checkpoints): Lightning's checkpoint dict into the state, then
     ``state.commit()``, whose membership check raises ``HostsUpdatedInterrupt`` inside
@@ -233,7 +240,7 @@ class _Commit(Callback):  # type: ignore[misc,valid-type]
         self.state.commit()
 
 
-class _FromMemory(CheckpointIO):  # type: ignore[misc,valid-type]
+class _FromMemory(CheckpointIO):
     """The strategy's CheckpointIO, except that ``MEMORY`` loads the state's checkpoint:
     ``fit(ckpt_path=MEMORY)`` then restores everything as from a file, with no file."""
 
@@ -243,8 +250,9 @@ class _FromMemory(CheckpointIO):  # type: ignore[misc,valid-type]
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: Any = None
     ) -> dict[str, Any]:
-        if path == MEMORY:
-            return self.state.checkpoint  # type: ignore[return-value]
+        checkpoint = self.state.checkpoint
+        if path == MEMORY and checkpoint is not None:  # (elastic_fit asks for it only then)
+            return checkpoint
         return self.inner.load_checkpoint(
             path, map_location=map_location, weights_only=weights_only
         )

@@ -144,10 +144,11 @@ class TorchState(ObjectState):
         )
 
     def restore(self) -> None:
+        """Load what the last save kept (a model or optimizer given since is left as it is)."""
         super().restore()
-        if self.model is not None:
+        if self.model is not None and self._saved_model is not None:
             self.model.load_state_dict(self._saved_model)  # copies into the model's tensors
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._saved_optimizer is not None:
             # load_state_dict keeps the given tensors (step, exp_avg...) and steps them in
             # place later: hand it a copy, or the next step would change the saved state.
             self.optimizer.load_state_dict(_snapshot(self._saved_optimizer))
@@ -157,16 +158,16 @@ class TorchState(ObjectState):
             for tensor in self.model.state_dict().values():  # views of parameters and buffers
                 broadcast_into(tensor, root=ROOT)
         if self.optimizer is not None:
-            self._broadcast_optimizer()
+            self._broadcast_optimizer(self.optimizer)
         super()._broadcast_from_root()
 
-    def _broadcast_optimizer(self) -> None:
+    def _broadcast_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         is_root = dist.get_rank() == ROOT
         state_dict = broadcast_structure(
-            self.optimizer.state_dict() if is_root else None, root=ROOT, name="optimizer"
+            optimizer.state_dict() if is_root else None, root=ROOT, name="optimizer"
         )
         if not is_root:
-            self.optimizer.load_state_dict(state_dict)  # its tensors are fresh: no aliasing
+            optimizer.load_state_dict(state_dict)  # its tensors are fresh: no aliasing
 
     def _check_broadcastable(self) -> None:
         super()._check_broadcastable()

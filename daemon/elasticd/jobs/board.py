@@ -33,11 +33,13 @@ follower knows of, whatever the indexes say.  Store I/O is awaited on the event 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from elasticd.core.model import IllegalTransition, JobSpec
 from elasticd.core.records import Outcome, Part
@@ -72,7 +74,7 @@ _NAME = re.compile(r"^[\w.-]+$")
 class Change:
     kind: str  # "spec", "part", "outcome" or "held"
     job_id: str
-    value: object  # (seq, JobSpec, Outcome | None) | Part | Outcome | str (why held)
+    value: Any  # by kind: (seq, JobSpec, Outcome | None) | Part | Outcome | str (why held)
 
 
 class BoardReset(ElasticdError):
@@ -116,8 +118,8 @@ class JobBoard:
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
 
-    def _seal(self, suffix: str, body: object, **how: object) -> bytes:
-        return self._signer.seal(self._key(suffix), body, **how)
+    def _seal(self, suffix: str, body: object, *, version: int = 0, secret: bool = False) -> bytes:
+        return self._signer.seal(self._key(suffix), body, version=version, secret=secret)
 
     def _line(self, suffix: str, name: str) -> bytes:
         return self._seal(suffix, {"name": name}) + b"\n"
@@ -277,7 +279,7 @@ class JobBoard:
                 raise BoardReset(f"change {position + 1} is missing and the log is at {head}")
             return position, []
         keys = [self._key(f"log/{n}") for n in range(position + 1, position + 1 + _BATCH)]
-        entries = []
+        entries: list[str] = []
         for key, raw in zip(keys, await self._store.get_many(keys)):
             if raw is None:
                 break
@@ -305,7 +307,7 @@ class JobBoard:
                 self._signer,
                 self._key(entry),
                 raw,
-                lambda body, entry=entry: self._parse(entry, body),
+                functools.partial(self._parse, entry),
                 refused,
                 self._fresh if not entry.startswith("outcome/") else None,
             )

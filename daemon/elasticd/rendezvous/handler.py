@@ -31,13 +31,16 @@ it sleeps until its next duty.  Nobody polls.  Everything runs on the caller's e
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from elasticd.aio import back_off
+from elasticd.core.liveness import Beat
 from elasticd.errors import (
     NotACounter,
     RendezvousClosedError,
@@ -54,7 +57,6 @@ from elasticd.rendezvous.keys import Keys
 from elasticd.rendezvous.ops import (
     Act,
     Action,
-    Beat,
     View,
     claim,
     decide_close,
@@ -337,7 +339,7 @@ class RendezvousHandler:
                 self._signer,
                 key,
                 raw,
-                lambda body, n=m.node: body["node"] == n or None,
+                functools.partial(_arrival_of, m.node),
                 self._refused,
             )
         }
@@ -552,6 +554,7 @@ class RendezvousHandler:
             if snap.missing:
                 restore = decide_restore(self._newest.state, self.node)
                 if restore.act is Act.RESTORE:
+                    assert restore.state is not None  # the state to write back
                     why = "vanished" if snap.raw is None else "was refused"
                     (snap, logged), won = await self._write(snap, restore.state)
                     if won:
@@ -740,6 +743,11 @@ _LONGEST_WAIT = 3600.0  # a wait with no deadline of its own still returns now a
 
 def _log_refused(key: str, why: str) -> None:
     log.error("refused store record %s: %s", key, why)
+
+
+def _arrival_of(node: str, body: Any) -> bool | None:
+    """An exit arrival record's body: True if it is ``node``'s."""
+    return body["node"] == node or None
 
 
 def _held(raw: bytes | None) -> bytes:

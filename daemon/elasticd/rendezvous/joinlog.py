@@ -52,21 +52,15 @@ class JoinLog:
         self._start(-1, 0.0)
 
     def _start(self, round: int, now: float) -> None:
-        self.round, self.records, self.count, self.since = (
-            round,
-            {},
-            0,
-            now,
-        )  # since: the counter moved
-        self.low, self.top, self.missing = (
-            1,
-            0,
-            [],
-        )  # lowest unread; highest record; read as missing
-        self.full, self.waited = (
-            False,
-            0,
-        )  # the last fetch read the entries; the hole waited on last
+        self.round = round
+        self.records: dict[int, Announcement | None] = {}
+        self.count: int | None = 0
+        self.since = now  # the counter moved
+        self.low = 1  # lowest unread
+        self.top = 0  # highest record
+        self.missing: list[int] = []  # read as missing
+        self.full = False  # the last fetch read the entries
+        self.waited = 0  # the hole waited on last
 
     async def fetch(
         self,

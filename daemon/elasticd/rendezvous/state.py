@@ -240,7 +240,7 @@ class Decoded:
         return self.built(state, members_of)
 
 
-def _bound(entries: dict, size: int) -> None:
+def _bound(entries: dict[Any, Any], size: int) -> None:
     while len(entries) > size:
         del entries[next(iter(entries))]
 
@@ -376,7 +376,7 @@ def _int(fields: Mapping[str, Any], name: str) -> int:
     return value
 
 
-def _typed(fields: Mapping[str, Any], name: str, kind: type) -> Any:
+def _typed(fields: Mapping[str, Any], name: str, kind: type[T]) -> T:
     value = fields.get(name)
     if not isinstance(value, kind):
         raise RendezvousStateError(f"rendezvous state field {name!r} is not a {kind.__name__}")

@@ -298,8 +298,8 @@ class CheckpointTier:
 
     def _changed(self, change: Change) -> None:
         if change.mask & IN_Q_OVERFLOW:
-            for jd in list(self._jobs.values()):
-                self._rescan(jd)
+            for each in list(self._jobs.values()):
+                self._rescan(each)
             return
         jd = self._owner(change.directory)
         if jd is None:
@@ -878,10 +878,10 @@ class CheckpointTier:
         if not isinstance(ranges, list) or len(ranges) > _MAX_RANGES:
             raise ValueError("ranges must be a list of [file, offset, length]")
         wanted: dict[str, list[tuple[int, int]]] = {}
-        files = latest.files()
+        facts_of = latest.files()
         for item in ranges:
             name, offset, length = item
-            facts = files.get(name)
+            facts = facts_of.get(name)
             if facts is None or not (0 <= offset and 0 < length and offset + length <= facts.size):
                 raise ValueError(f"no such range: {item}")
             wanted.setdefault(name, []).append((int(offset), int(length)))

@@ -265,11 +265,12 @@ class NodeShell:
         port = join.master_port or free_port(self._effectors.address)
 
         def fail(exc: Exception) -> ev.Event | None:
-            kind = {
+            kinds: dict[type[Exception], str] = {
                 RendezvousClosedError: ev.JoinFailure.CLOSED,
                 RendezvousGone: ev.JoinFailure.GONE,
                 RendezvousTimeoutError: ev.JoinFailure.TIMEOUT,
-            }.get(type(exc))
+            }
+            kind = kinds.get(type(exc))
             return ev.JoinFailed(join.job, join.op, kind, str(exc)) if kind else None
 
         self._op(

@@ -138,6 +138,7 @@ class GroupRun:
     def _reap(self) -> int:
         if not self._reaped:
             status = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED)
+            assert status is not None  # (None only with WNOHANG)
             self._reaped = True
             self._loop.remove_reader(self._pidfd)
             os.close(self._pidfd)

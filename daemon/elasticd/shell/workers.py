@@ -675,6 +675,11 @@ def _members(groups: set[int]) -> list[int]:
     return found
 
 
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
 async def _exited(pids: list[int], timeout: float) -> None:
     """Until each of ``pids`` has exited (its pidfd turns readable), or ``timeout`` s."""
     loop = asyncio.get_running_loop()
@@ -685,7 +690,7 @@ async def _exited(pids: list[int], timeout: float) -> None:
         except ProcessLookupError:
             continue
         exited = loop.create_future()
-        loop.add_reader(pidfd, lambda done=exited: done.done() or done.set_result(None))
+        loop.add_reader(pidfd, _settle, exited)
         watched.append((pidfd, exited))
     try:
         if watched:

@@ -374,13 +374,14 @@ class EtcdStore:
         )
 
         async def send(member: _Member, _: float) -> bool | None:
-            call = member.watch.Watch(metadata=member.metadata + _HAS_LEADER)
+            call = member.watch.Watch(metadata=(member.metadata or ()) + _HAS_LEADER)
             try:
                 await call.write(create)
                 async with asyncio.timeout_at(ends):
                     while (reply := await call.read()) is not grpc.aio.EOF:
                         if reply.canceled:
-                            return _watch_canceled(member, reply)
+                            _watch_canceled(member, reply)
+                            return None  # its start was compacted away
                         if any(event.type == rpc.Event.PUT for event in reply.events):
                             return True
             except TimeoutError:
@@ -513,9 +514,9 @@ def _cancelled() -> bool:
 
 
 def _watch_canceled(member: _Member, reply: Any) -> None:
-    """None for a watch that etcd canceled because its start was compacted; raises otherwise."""
+    """Raises for a watch that etcd canceled, unless because its start was compacted."""
     if reply.compact_revision:
-        return None
+        return
     raise StoreConnectionError(
         f"etcd at {member.endpoint} canceled a watch: {reply.cancel_reason or 'no reason given'}"
     )

@@ -117,7 +117,7 @@ class StoreFirewall:
             if nft is None
             else _untrusted(nft)
         )
-        if problem:
+        if problem or nft is None:  # (no nft is a problem)
             if setting is True:
                 raise ConfigError(KEY, f"cannot install the store's nftables rule: {problem}")
             log.warning(

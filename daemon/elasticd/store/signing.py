@@ -27,7 +27,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -96,14 +96,14 @@ class Signer:
         body is decoded (no re-encoding); any other shape takes the general path."""
         parts = _signed_parts(raw)
         if parts is not None:
-            version, canonical, mac = parts
+            signed_version, canonical, signed_mac = parts
             if not hmac.compare_digest(
-                mac, self._mac(canonical_json([key, version]), canonical).encode()
+                signed_mac, self._mac(canonical_json([key, signed_version]), canonical).encode()
             ):
                 raise TamperedRecord(
                     "record MAC does not match (forged, or copied from another key)"
                 )
-            return Opened(_decoded(canonical, "record"), version)
+            return Opened(_decoded(canonical, "record"), signed_version)
         envelope = _decoded(raw, "record")
         if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
             raise TamperedRecord(f"record is not a version {ENVELOPE_VERSION} envelope")
@@ -244,7 +244,7 @@ def open_version(
     return None
 
 
-class SignedLines:
+class SignedLines(Generic[T]):
     """An append-only log of sealed records, one per line, at one key (join logs, indexes),
     read incrementally: each read parses only the lines appended since the last one.  A
     line that does not open is refused (reported once) and read as None."""
@@ -253,12 +253,13 @@ class SignedLines:
         self, signer: Signer, key: str, parse: Callable[[Any], T], refused: Refused
     ) -> None:
         self._signer, self.key, self._parse, self._refused = signer, key, parse, refused
-        self._raw, self._records = b"", []
+        self._raw = b""
+        self._records: list[T | None] = []
 
     def line(self, body: Any) -> bytes:
         return self._signer.seal(self.key, body) + b"\n"
 
-    def fold(self, raw: bytes | None) -> list:
+    def fold(self, raw: bytes | None) -> list[T | None]:
         """Every record of the log, given its value just read."""
         raw = raw or b""
         if not raw.startswith(self._raw):  # rewritten (a reset store, or tampering): read it all

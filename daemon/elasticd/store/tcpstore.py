@@ -140,7 +140,7 @@ class TCPStoreClient:
         self._waits = asyncio.Semaphore(waits)
         self._idle: list[_Connection] = []
         self._open: set[_Connection] = set()
-        self._unreachable: Exception | None = None  # why the last connect failed
+        self._unreachable: BaseException | None = None  # why the last connect failed
         self._closed = False
 
     # -- the store operations -------------------------------------------------------------

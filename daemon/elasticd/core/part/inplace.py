@@ -275,7 +275,7 @@ def _fill(part: PartPort, now: ev.Now) -> Instructions:
     ):
         return []
     extra = pool.extra + 1
-    out = part.observe(WorkersReady(spares[:1]), now)  # a scale-up: it puts extra back to 0
+    out = part.observe(WorkersReady(tuple(spares[:1])), now)  # a scale-up: it puts extra back to 0
     pool.extra = extra
     return out
 

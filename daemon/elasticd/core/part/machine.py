@@ -22,7 +22,7 @@ nothing, as does a move PART_PHASES lacks.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elasticd.core import events as ev
@@ -228,37 +228,30 @@ class PartCore:
         self.report_state = PART_STATES.check(self.reported, state)
         self.reported = state
         self.ran = now.wall if self.ran is None and state is PartState.RUNNING else self.ran
-        in_round = (
-            dict(
+        part = Part(
+            node=self.settings.node,
+            state=state,
+            started=self.started,
+            barrier=barrier,
+            workers=tuple(w.to_json() for w in group.workers) if group else (),
+            updated=now.wall,
+            held=self.held,
+            ran=self.ran,
+            slots=self.nproc + self.spares,
+            gpus=len(self.gpus) - len(spares.given_gpus(self)),
+            spares=len(self.pool.parked()) if self.pool is not None else 0,
+            checkpoints=tuple(dict(m) for m in self.checkpoints),
+        )
+        if info:
+            part = replace(
+                part,
                 round=info.round,
                 group_rank=info.group_rank,
                 restarts=info.restart_count,
                 world_size=info.world_size,
                 group_world_size=info.group_world_size,
             )
-            if info
-            else {}
-        )
-        return [
-            do.Publish(
-                self.job,
-                Part(
-                    node=self.settings.node,
-                    state=state,
-                    **in_round,
-                    started=self.started,
-                    barrier=barrier,
-                    workers=tuple(w.to_json() for w in group.workers) if group else (),
-                    updated=now.wall,
-                    held=self.held,
-                    ran=self.ran,
-                    slots=self.nproc + self.spares,
-                    gpus=len(self.gpus) - len(spares.given_gpus(self)),
-                    spares=len(self.pool.parked()) if self.pool is not None else 0,
-                    checkpoints=tuple(dict(m) for m in self.checkpoints),
-                ),
-            )
-        ]
+        return [do.Publish(self.job, part)]
 
     def end(
         self,
