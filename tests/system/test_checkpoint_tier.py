@@ -255,3 +255,52 @@ def test_a_save_torn_by_a_sigkill_leaves_the_one_before_in_force(daemon, report)
     assert ended["state"] == "SUCCEEDED", ended
     resumed = [e["step"] for e in starts(report)][2:]
     assert resumed and set(resumed) == {10}, starts(report)
+
+
+def test_files_each_rank_wrote_itself_follow_their_ranks_to_other_nodes(
+    trio: Cluster, report: Path
+) -> None:
+    """torch.save per rank, unchanged: rank 0's node lost; the survivors become ranks 0 and
+    1, each finding its rank's file of step 20 (one from the lost node's copy, one fetched
+    from the node that wrote it)."""
+    b = trio[1]
+    script = str(ROOT / "tests" / "fixtures" / "rank_files.py")
+    job = b.submit(
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--last-call-timeout",
+        "1",
+        script,
+        "--",
+        "40",
+        str(report),
+    )["id"]
+
+    def copied_at_20() -> bool:
+        """Every rank saved step 20, and each node keeps its ring neighbour's file of it."""
+        saves = [e for e in events(report) if e["event"] == "save" and e["step"] == 20]
+        if len(saves) < 3:
+            return False
+        after = max(e["time"] for e in saves)
+        copies = [
+            path
+            for d in trio
+            for path in (Path(d.runtime_dir) / "checkpoints" / job / ".copies").glob("*/*/*.pt")
+        ]
+        return len(copies) == 3 and all(p.stat().st_mtime >= after for p in copies)
+
+    wait_for(copied_at_20, 120, "every rank's file of step 20 saved and copied")
+    rank0 = next(
+        d
+        for d in trio
+        if d.name == next(n["node"] for n in b.ctl("status", job)["nodes"] if n["ranks"] == [0])
+    )
+    kill_node(rank0)
+    ended = b.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 300)
+    assert ended["state"] == "SUCCEEDED", ended
+    again = [e for e in starts(report) if e["world"] == 2]
+    assert sorted((e["rank"], e["step"], e["from"]) for e in again) == [(0, 20, 0), (1, 20, 1)]

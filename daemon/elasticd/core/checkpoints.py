@@ -296,8 +296,14 @@ def torn(local_dirs: Iterable[str], found: Iterable[Manifest]) -> set[str]:
     """The DCP entries (directories) here that are not complete: what a restart deletes
     before the workers read, so that none of them loads a save that was cut off.  (Files a
     rank wrote itself are the script's to name; they are kept.)"""
-    known = {c.id: c for c in checkpoints(found) if c.kind == DCP}
-    return {name for name in local_dirs if name not in known or not known[name].complete}
+    everything = checkpoints(found)
+    files = {c.id for c in everything if c.kind == FILE}
+    known = {c.id: c for c in everything if c.kind == DCP}
+    return {
+        name
+        for name in local_dirs
+        if name not in files and (name not in known or not known[name].complete)
+    }
 
 
 def missing(checkpoint: Checkpoint, have: Mapping[str, int]) -> dict[str, FileFacts]:
