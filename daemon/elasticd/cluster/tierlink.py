@@ -41,6 +41,7 @@ CHUNK = 4 * 1024 * 1024  # bytes a put or a get carries
 WINDOW = 4  # requests a transfer keeps in flight
 MAX_HEADER = 4096
 TIMEOUT = 30.0  # seconds without an answer before a transfer fails
+HANDSHAKE = 5.0  # seconds a connection may take to authenticate
 
 
 class TierError(ElasticdError):
@@ -79,6 +80,8 @@ class TierServer:
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.SNDHWM, 2 * WINDOW)
         router.setsockopt(zmq.RCVHWM, 2 * WINDOW)
+        # a connection that does not authenticate within this is dropped (the peer channel's)
+        router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE * 1000))
         router.curve_server = True
         router.curve_secretkey = curve_secret
         self._router = router
