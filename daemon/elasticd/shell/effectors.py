@@ -43,6 +43,14 @@ class DeadNodeProbe(Protocol):
     async def unreachable(self, nodes: list[str], timeout: float) -> list[str]: ...
 
 
+class RoundGuard(Protocol):
+    """Who the failure detector watches: the members of each round this node is in
+    (cluster/detector.py's DetectorService)."""
+
+    def watch(self, group: str, members: tuple[str, ...]) -> None: ...
+    def unwatch(self, group: str) -> None: ...
+
+
 class OutputMetrics(Protocol):
     def output_dropped(self, nbytes: int, why: str) -> None: ...
 
@@ -78,6 +86,7 @@ class Effectors:
     output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated
     access: FileAccess = field(default_factory=FileAccess)  # who reads jobs' files on disk
     faults: Faults | None = None  # where the rendezvous keepers' unexpected errors are counted
+    guard: RoundGuard | None = None  # the failure detector (None: heartbeats only)
 
     def rendezvous(
         self,

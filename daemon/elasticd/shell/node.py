@@ -276,9 +276,16 @@ class NodeShell:
             join.job,
             join.op,
             part.rdzv.next_rendezvous(join.nproc, port, join.scheduled),
-            lambda info: ev.RoundJoined(join.job, join.op, info),
+            lambda info: self._round_joined(join.job, join.op, info),
             fail,
         )
+
+    def _round_joined(self, job: str, op: int, info: Any) -> ev.Event:
+        """A round formed with this node: the failure detector watches its members."""
+        guard = self._effectors.guard
+        if guard is not None:
+            guard.watch(job, tuple(m.node for m in info.members))
+        return ev.RoundJoined(job, op, info)
 
     def _watch(self, watch: do.Watch) -> None:
         part = self._parts[watch.job]
@@ -563,6 +570,10 @@ class NodeShell:
 
     def _close_part(self, closing: do.ClosePart) -> None:
         part = self._parts[closing.job]
+
+        guard = self._effectors.guard
+        if guard is not None:
+            guard.unwatch(closing.job)
 
         async def close() -> None:
             try:
