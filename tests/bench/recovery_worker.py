@@ -80,8 +80,22 @@ def nccl_device():
     return torch.device("cuda", local_rank)
 
 
+def record_term(directory: str) -> None:
+    """A ``term`` event when the daemon or agent stops this worker (SIGTERM), then the default
+    action: bench_recovery.py's ``known`` figure for a restart."""
+    import signal
+
+    def on_term(signum, frame):
+        record(directory, "term")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main() -> None:
     directory = sys.argv[1]
+    record_term(directory)
     nccl = "nccl" in sys.argv[2:]
     mode = [arg for arg in sys.argv[2:] if arg != "nccl"][:1]
     if mode == ["inplace"]:
