@@ -80,8 +80,8 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "system"))
-from conftest import Cluster
 import netns  # tests/system/netns.py
+from conftest import Cluster
 from harness import PY, free_port
 
 WORKER = str(HERE / "recovery_worker.py")
