@@ -82,15 +82,21 @@ def nccl_device():
 
 def record_term(directory: str) -> None:
     """A ``term`` event when the daemon or agent stops this worker (SIGTERM), then the default
-    action: bench_recovery.py's ``known`` figure for a restart."""
+    action (bench_recovery.py's ``known`` figure for a restart).  A thread waits for the
+    signal: a Python handler would run only once the main thread's blocked all_reduce
+    returned, and the worker would outlive its SIGTERM until the SIGKILL."""
     import signal
+    import threading
 
-    def on_term(signum, frame):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads made later inherit it
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGTERM})
         record(directory, "term")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         os.kill(os.getpid(), signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=wait, daemon=True).start()
 
 
 def main() -> None:
