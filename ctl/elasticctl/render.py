@@ -336,6 +336,7 @@ def status_block(job: Doc, now: float) -> str:
         fields.append(("exit barrier", barrier))
     if job.get("usage"):
         fields.append(("usage", usage_line(job["usage"])))
+    fields += [("hung", cause) for cause in job.get("hung") or ()]
     lines = [f"{label + ':':<14}{text(value)}" for label, value in fields]
     lines += _error_lines(job.get("error"), hidden=bool(job.get("redacted")))
     if job.get("nodes"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.model import Failure, JobSpec, WorkerGroup
@@ -155,6 +155,24 @@ class WorkerAsked(Stimulus):
     after: int
     why: str
     error: str = ""
+
+
+@dataclass(frozen=True)
+class Progressed(Stimulus):
+    """The worker in ``slot`` reported progress (a commit, a step: the worker library's)."""
+
+    job: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class RanksHung(Stimulus):
+    """The DumpStacks ``op`` is done: each hung local rank's stack is in the job's logs, and
+    ``ranks`` says where each one is (core/hang.py)."""
+
+    job: str
+    op: int
+    ranks: tuple[Any, ...]  # hang.HungRank
 
 
 @dataclass(frozen=True)
@@ -323,6 +341,8 @@ PART_ONLY = (
     Left,
     WorkerAsked,
     TimerFired,
+    Progressed,
+    RanksHung,
 )
 PartEvent = (
     RoundJoined
@@ -338,6 +358,8 @@ PartEvent = (
     | Left
     | WorkerAsked
     | TimerFired
+    | Progressed
+    | RanksHung
     | OpFailed
     | JobEnded
     | Leaving

@@ -4,13 +4,18 @@ group's life, and the membership checks. Torch and the standard library only.
 The agent listens on a per-job Unix socket (``$ELASTICD_AGENT_SOCKET``, owned by the job's
 user) and speaks JSON lines:
 
-- worker -> agent: ``{"op": "hello", "slot": S}`` once; ``{"op": "ready", "round": R,
-  "why": "start"|"interrupt"|"failure", "error": "..."}``: give me my place in a round
-  after R (R = -1: any round).
+- worker -> agent: ``{"op": "hello", "slot": S, "stacks": SIGNAL}`` once (the signal on
+  which this worker dumps every thread's stack to its stderr: faulthandler);
+  ``{"op": "ready", "round": R, "why": "start"|"interrupt"|"failure", "error": "..."}``:
+  give me my place in a round after R (R = -1: any round); ``{"op": "progress"}``: a step
+  or a commit (at most twice a second: a job with ``--hang-timeout`` is watched by them).
 - agent -> worker: ``{"op": "place", "round": R, "env": {...}}``: this worker's rank, world
   size, master address and port in round R; ``{"op": "update", "round": R, "added": bool}``:
   round R is formed, stop at the next ``commit``; ``{"op": "abort", "round": R}``: a member
   is gone, abort the process group now.
+
+A classic job (not ``--in-place``) with a hang timeout gets a channel for progress only
+(``$ELASTICD_PROGRESS_SOCKET``): ``progress()`` and ``check_host_updates()`` report there.
 
 An abort must end a collective that is blocked on a dead peer. NCCL's ``abort`` does that
 (``ncclCommAbort``; written for NCCL, verified only on gloo). Gloo's ``abort`` in torch 2.13
@@ -22,9 +27,11 @@ call raise "Connection closed by peer" at once.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 import sys
@@ -52,6 +59,9 @@ NCCL_DEFAULTS = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
+PROGRESS_ENV = "ELASTICD_PROGRESS_SOCKET"  # a classic job's channel, for progress only
+STACKS_SIGNAL = signal.SIGUSR2  # faulthandler dumps every thread's stack to stderr on it
+PROGRESS_EVERY = 0.5  # seconds: progress is reported at most this often
 SLOT_ENV = "ELASTICD_SLOT"
 ROUND_ENV = "ELASTICD_ROUND"
 _MAX_LINE = 64 * 1024
@@ -94,7 +104,7 @@ class Channel:
         self.added = False  # whether that round brings new workers (they need sync)
         self.aborted = -1  # newest round the agent said the old group cannot reach
         self.closed = False
-        self._send({"op": "hello", "slot": slot})
+        self._send({"op": "hello", "slot": slot, "stacks": register_stacks()})
         threading.Thread(target=self._read, name="elasticd-agent", daemon=True).start()
 
     def _send(self, doc: dict[str, Any]) -> None:
@@ -132,6 +142,9 @@ class Channel:
             self._on_abort(round)
         elif op == "place":
             self._on_place(round)
+
+    def progress(self) -> None:
+        self._send({"op": "progress"})
 
     def newest(self) -> list[int]:
         """[the newest announced round, whether it adds workers] (one all_reduce's payload)."""
@@ -207,7 +220,19 @@ class Runtime:
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
         self.channel = Channel(path, slot, self._abort, self._placed)
+        self._progressed = -PROGRESS_EVERY
         atexit.register(self.close)
+
+    def progress(self) -> None:
+        """This worker made progress (a step, a commit): told to the agent, at most twice a
+        second."""
+        now = time.monotonic()
+        if now - self._progressed >= PROGRESS_EVERY:
+            self._progressed = now
+            try:
+                self.channel.progress()
+            except OSError:
+                pass
 
     def close(self) -> None:
         """At exit: leave the group cleanly (a gloo group left to the interpreter's teardown
@@ -291,6 +316,7 @@ class Runtime:
 
     def check_host_updates(self) -> None:
         """One collective: every rank learns the newest announcement any rank has seen."""
+        self.progress()
         if self.aborted:
             raise GroupAborted("a member of the job is gone")
         agreed = torch.tensor(self.channel.newest(), dtype=torch.int64, device=default_device())
@@ -402,6 +428,36 @@ def init_default_group(backend: str) -> None:
     dist.init_process_group(backend, init_method="env://")
 
 
+def register_stacks() -> int:
+    """Dump every thread's stack to stderr on STACKS_SIGNAL (``kill -USR2 PID`` does it by
+    hand too); the signal's number, for the agent (0 where it cannot be registered)."""
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, ValueError, RuntimeError, OSError):
+        return 0
+    return int(STACKS_SIGNAL)
+
+
+class ProgressChannel:
+    """A classic job's channel to its agent (``$ELASTICD_PROGRESS_SOCKET``): its hello, then
+    progress only.  Nothing comes back."""
+
+    def __init__(self, path: str, slot: int) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._send({"op": "hello", "slot": slot, "stacks": register_stacks()})
+        self._progressed = -PROGRESS_EVERY
+
+    def _send(self, doc: dict[str, Any]) -> None:
+        self._sock.sendall(json.dumps(doc).encode() + b"\n")
+
+    def progress(self) -> None:
+        now = time.monotonic()
+        if now - self._progressed >= PROGRESS_EVERY:
+            self._progressed = now
+            self._send({"op": "progress"})
+
+
 def phase(name: str, round: int) -> None:
     """A point of a re-form on the worker's clock (debug level: tests/bench/bench_recovery.py
     collects them to print each figure's phases)."""
@@ -439,9 +495,38 @@ def init(backend: str | None = None) -> None:
         dist.init_process_group(backend or _default_backend())
 
 
+_progress_channel: ProgressChannel | None = None
+_progress_failed = False
+
+
+def progress() -> None:
+    """Tell the agent that this worker made progress (a step): a job with ``--hang-timeout``
+    counts its ranks hung when none does for that long.  ``commit()`` and
+    ``check_host_updates()`` do it already; a script that has neither calls this once per
+    step (it costs a time check; the agent hears at most twice a second).  A no-op outside
+    elasticd."""
+    global _progress_channel, _progress_failed
+    runtime = current()
+    if runtime is not None:
+        runtime.progress()
+        return
+    path = os.environ.get(PROGRESS_ENV)
+    if not path or _progress_failed:
+        return
+    try:
+        if _progress_channel is None:
+            slot = int(os.environ.get(SLOT_ENV, os.environ.get("LOCAL_RANK", "0")))
+            _progress_channel = ProgressChannel(path, slot)
+        _progress_channel.progress()
+    except (OSError, ValueError):
+        _progress_failed = True  # the agent is gone or refused: stop trying
+
+
 def check_host_updates() -> None:
     """Raise HostsUpdatedInterrupt on every rank at the same step when the daemon announced
-    a membership change; a no-op outside an in-place job."""
+    a membership change; a no-op outside an in-place job (where it reports progress only)."""
     runtime = current()
     if runtime is not None:
         runtime.check_host_updates()
+    else:
+        progress()

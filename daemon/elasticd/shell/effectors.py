@@ -27,7 +27,7 @@ from elasticd.shell.fileaccess import FileAccess
 from elasticd.shell.logs import LogBus, OutputLimit
 from elasticd.shell.worker_library import python_path
 from elasticd.shell.workerlink import Ready, WorkerLink
-from elasticd.shell.workers import SOCKET_ENV, LocalWorkers
+from elasticd.shell.workers import PROGRESS_ENV, SOCKET_ENV, LocalWorkers
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.signing import Refused, Signer
@@ -127,6 +127,7 @@ class Effectors:
         started: float | None,
         on_ready: Callable[[Ready], None],
         on_lost: Callable[[tuple[str, ...]], None],
+        on_progress: Callable[[int], None] = lambda slot: None,
     ) -> PartEffectors:
         """A part's effectors: its cgroup made and its channel listening now (a failure
         raises: the part cannot start here)."""
@@ -135,7 +136,7 @@ class Effectors:
             cgroup = self.cgroups.create(spec.id, self.containment.job_limits(nproc))
         link = None
         try:
-            if spec.in_place and self.runtime_dir:
+            if (spec.in_place or spec.hang_timeout) and self.runtime_dir:
                 directory = os.path.join(self.runtime_dir, "agents")
                 os.makedirs(directory, mode=0o755, exist_ok=True)
                 link = WorkerLink(
@@ -144,6 +145,7 @@ class Effectors:
                     gid=spec.gid,
                     slots=nproc,
                     on_ready=on_ready,
+                    on_progress=on_progress,
                 )
                 link.bind()
         except Exception:
@@ -160,7 +162,9 @@ class Effectors:
             if self.worker_library
             else {}
         )
-        return {**env, SOCKET_ENV: link.path} if link is not None else env
+        if link is None:
+            return env
+        return {**env, (SOCKET_ENV if spec.in_place else PROGRESS_ENV): link.path}
 
 
 @dataclass

@@ -25,6 +25,7 @@ from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.discovery import Listing
 from elasticd.core.events import stimulus_kind
+from elasticd.core.hang import HungRank, where
 from elasticd.core.model import JobSpec
 from elasticd.core.node import NodeCore
 from elasticd.core.placement import Resources
@@ -405,6 +406,25 @@ class NodeShell:
         assert workers is not None
         self._quiet(failing.job, workers.stop_slots(failing.slots, failure=failing.why))
 
+    def _dump_stacks(self, dump: do.DumpStacks) -> None:
+        part = self._parts[dump.job]
+        workers, link = part.workers, part.link
+
+        async def stacks() -> tuple[HungRank, ...]:
+            if workers is None:
+                return ()
+            texts = await workers.dump_stacks(
+                dump.slots, link.stack_signals if link is not None else {}
+            )
+            ranks = {w.local_rank: w.rank for w in workers.group.workers}
+            found = []
+            for slot in dump.slots:
+                inside, frame = where(texts.get(slot, ""))
+                found.append(HungRank(slot, ranks.get(slot, -1), inside, frame))
+            return tuple(found)
+
+        self._op(dump.job, dump.op, stacks(), lambda ranks: ev.RanksHung(dump.job, dump.op, ranks))
+
     def _stop_workers(self, stopping: do.StopWorkers) -> None:
         workers = self._parts[stopping.job].workers
 
@@ -550,6 +570,7 @@ class NodeShell:
                 starting.started,
                 asked,
                 lambda lost: self.post(ev.NodesLost(lost)),
+                lambda slot: self.post(ev.Progressed(starting.job, slot)),
             )
         except Exception as exc:
             log.exception(
@@ -754,6 +775,7 @@ _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.Notify: NodeShell._notify,
     do.ForgetSlots: NodeShell._forget,
     do.FailSlots: NodeShell._fail_slots,
+    do.DumpStacks: NodeShell._dump_stacks,
     do.StopWorkers: NodeShell._stop_workers,
     do.ShedSpares: NodeShell._shed,
     do.Publish: NodeShell._publish,
