@@ -8,7 +8,6 @@ job restarts."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
