@@ -18,7 +18,16 @@ A classic job (not ``--in-place``) with a hang timeout gets a channel for progre
 (``$ELASTICD_PROGRESS_SOCKET``): ``progress()`` and ``check_host_updates()`` report there.
 
 An abort must end a collective that is blocked on a dead peer. NCCL's ``abort`` does that
-(``ncclCommAbort``; written for NCCL, verified only on gloo). Gloo's ``abort`` in torch 2.13
+(``ncclCommAbort``; verified on an H200 with torch 2.11 and NCCL 2.28, tests/gpu).  On NCCL a
+thread also reads the communicator's asynchronous error (``Backend.get_error``, every 50 ms:
+torch offers no callback for it) and, when NCCL saw a peer go (a remote or communication
+error), tells the agent at once, as a failed collective does on gloo: the agent asks the
+members' daemons, and a dead one's node is re-formed without (written for NCCL against
+torch 2.13's API; run here only on gloo, where the thread does not start).
+``torch.distributed.shrink_group`` (NCCL 2.27's ncclCommShrink) was weighed against the abort:
+it needs every survivor to call it with the lost ranks while their main thread is blocked in
+the failed collective, and no GPU was at hand to show that it ends that call and does not
+hang; the abort and a new group, which did both on the H200, stay. Gloo's ``abort`` in torch 2.13
 does not wake a blocked ``all_reduce``, so the sockets that the group opened are also shut
 down (never its listening socket: gloo's listener dies on that), which makes the blocked
 call raise "Connection closed by peer" at once.
@@ -68,6 +77,7 @@ _MAX_LINE = 64 * 1024
 _POLL = 0.005  # seconds between a rank's looks at rank 0's store port
 _STORE_WAIT = 1800.0  # how long a rank waits for that port: gloo's default group timeout
 _GIVE_UP = 0.02  # seconds between shut-downs of a given-up forming's new sockets
+_ERROR_POLL = 0.05  # seconds between two reads of NCCL's asynchronous error
 _GIVE_UP_LIMIT = 5.0  # seconds a given-up forming may go on before the worker exits
 GIVEN_UP_EXIT = 75  # that worker's exit status (EX_TEMPFAIL)
 # Text of errors that a broken process group raises (gloo and NCCL put them in plain
@@ -146,6 +156,11 @@ class Channel:
     def progress(self) -> None:
         self._send({"op": "progress"})
 
+    def failed(self, round: int, error: str) -> None:
+        """A collective of ``round`` cannot complete (NCCL's asynchronous error): the same
+        word as a failed collective's ask, sent from a thread while the main thread waits."""
+        self._send({"op": "ready", "round": round, "why": "failure", "error": error[:2000]})
+
     def newest(self) -> list[int]:
         """[the newest announced round, whether it adds workers] (one all_reduce's payload)."""
         with self._lock:
@@ -221,6 +236,7 @@ class Runtime:
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
         self.channel = Channel(path, slot, self._abort, self._placed)
         self._progressed = -PROGRESS_EVERY
+        self._watching: threading.Event | None = None  # set to stop the NCCL error watch
         atexit.register(self.close)
 
     def progress(self) -> None:
@@ -246,7 +262,9 @@ class Runtime:
     # -- notices ------------------------------------------------------------------------
 
     def _abort(self, round: int) -> None:
-        """On the reader thread: the group of our round cannot complete; make it fail now."""
+        """On the reader thread: the group of our round cannot complete; make it fail now.
+        NCCL: ``_abort_process_group`` (ncclCommAbort), verified on an H200 (tests/gpu);
+        gloo: its sockets shut down."""
         with self._group_lock:
             if round <= self.round:
                 return
@@ -344,6 +362,9 @@ class Runtime:
         A broken group's sockets are shut down first: a collective still queued on it (DDP
         launches several) could otherwise hold the group's destructor, which waits for
         them, on a peer that is alive and waiting too, until gloo's timeout (30 minutes)."""
+        if self._watching is not None:
+            self._watching.set()
+            self._watching = None
         if dist.is_initialized():
             self.backend = self.backend or str(dist.get_backend())
             with self._group_lock:
@@ -372,6 +393,7 @@ class Runtime:
             self._wait_for_store()
             init_default_group(self.backend or _default_backend())
             phase("form-end", self.round)
+            self._watch_errors()
         except Exception as exc:
             if self.superseded and not isinstance(exc, GroupAborted):
                 raise GroupAborted(
@@ -408,12 +430,62 @@ class Runtime:
                     ) from None
                 time.sleep(_POLL)
 
+    def _watch_errors(self) -> None:
+        """On NCCL: a thread that reads the group's asynchronous error and tells the agent
+        at once when NCCL saw a peer go (see the module's docstring; written for NCCL,
+        run here on gloo only, where it does not start)."""
+        if str(dist.get_backend()) != "nccl":
+            return
+        backend = nccl_backend()
+        if backend is None:
+            return
+        stop = self._watching = threading.Event()
+        threading.Thread(
+            target=self._error_watch,
+            args=(backend, self.round, stop),
+            daemon=True,
+            name="elasticd-nccl-errors",
+        ).start()
+
+    def _error_watch(self, backend: Any, round: int, stop: threading.Event) -> None:
+        while not stop.wait(_ERROR_POLL):
+            error = group_error(backend)
+            if error is not None:
+                phase("nccl-error", round)
+                try:
+                    self.channel.failed(round, f"NCCL reported {error} (a peer is gone)")
+                except OSError:
+                    pass
+                return
+
     def note_group_sockets(self) -> None:
         """The group's sockets: those opened since just before it formed (``run`` calls this
         again after the first collectives: gloo may connect its pairs lazily)."""
         with self._group_lock:
             before = self._before_group
             self._group_sockets = _opened_since(before)
+
+
+def nccl_backend() -> Any:
+    """The default group's NCCL backend (None where torch has no such accessor).  Written
+    for NCCL against torch 2.13's API; verified only on gloo (where it is not called)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cuda"))
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def group_error(backend: Any) -> str | None:
+    """The name of the backend's asynchronous error (a remote peer gone, a communication
+    error, a timeout), or None while it has none.  ``Backend.get_error`` (torch 2.7+):
+    written for NCCL; verified only on gloo, where the unit tests call it with stand-ins."""
+    try:
+        error = backend.get_error()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    name = getattr(error, "name", str(error))
+    return None if name == "SUCCESS" else name
 
 
 def init_default_group(backend: str) -> None:
