@@ -17,14 +17,15 @@ the one cut off, and it declares nothing (the store's heartbeat, the slow path, 
 With no helper at all (a two-node cluster) the silence alone decides.
 
 Local health (Lifeguard): signs that this node itself is slow raise a score (a tick that
-came late: the process was paused or starved; helpers that all stayed silent; its socket
-had to stop reading a flood), and ``suspect_after``/``lost_after`` are multiplied by
+came a whole interval late: the process was paused or starved; helpers that all stayed
+silent; its socket had to stop reading a flood), and ``suspect_after``/``lost_after`` are multiplied by
 ``1 + score``; the score falls by one per ``health_decay`` seconds without such a sign.
 Time this node did not run (a late tick, a pause the shell reports) is not counted as
 anyone's silence: it is credited to every watched node.
 
-A node declared lost is not declared again until it is heard again (then, if it is still in
-a group, it is watched afresh).  Nonces are this detector's own counter: what makes a
+A node declared lost is still probed (so that two nodes that declared each other hear each
+other again) but not declared again until it is heard again (then, if it is still in a
+group, it is watched afresh).  Nonces are this detector's own counter: what makes a
 message unforgeable and fresh is the wire's MAC and replay window, not the nonce.
 """
 
@@ -51,7 +52,7 @@ class Kind(enum.StrEnum):
 @dataclass(frozen=True)
 class DetectorSettings:
     interval: float = 0.1  # seconds between two probes of a watched node
-    suspect_after: float = 0.15  # silence after which helpers are asked
+    suspect_after: float = 0.2  # silence after which helpers are asked
     lost_after: float = 0.4  # silence after which a confirmed node is lost
     helpers: int = 3  # nodes asked to probe a suspected one
     stall: float = 0.05  # a tick this much later than due: this node itself stalled
@@ -205,19 +206,20 @@ class Detector:
         s = self.settings
         if self._last_tick is not None:
             late = now - self._last_tick - s.tick
-            if late > s.stall:
-                self.pause(late, now)
+            if late > s.stall:  # credited; a stall of a whole interval also raises the score
+                self.pause(late, now, slow=late > s.interval)
         self._last_tick = now
         if self.health and now - self._health_at >= s.health_decay:
             self.health -= 1
             self._health_at = now
         out: list[Out] = []
         for name, target in self._targets.items():
-            if target.declared:
-                continue
-            if now - target.pinged >= s.interval:
+            # a declared one too: it may come back; half a tick early rather than a tick late
+            if now - target.pinged >= s.interval - s.tick / 2:
                 target.pinged = now
                 out.append(Send(name, Kind.PING, self._next_nonce()))
+            if target.declared:
+                continue
             out += self._suspect(name, target, now)
             out += self._judge(name, target, now)
         for nonce, relay in list(self._relays.items()):
@@ -226,9 +228,9 @@ class Detector:
                 out.append(Send(relay.asker, Kind.NACK, relay.nonce, relay.target))
         return out
 
-    def pause(self, seconds: float, now: float) -> None:
+    def pause(self, seconds: float, now: float, slow: bool = True) -> None:
         """This node did not run (or could not read) for ``seconds``: nobody's silence grew
-        meanwhile, and its health score goes up."""
+        meanwhile, and (``slow``) its health score goes up."""
         for target in self._targets.values():
             target.heard = min(target.heard + seconds, now)
             if target.asked_at is not None:
@@ -237,7 +239,8 @@ class Detector:
                 target.suspected_at = min(target.suspected_at + seconds, now)
         for relay in self._relays.values():
             relay.until += seconds
-        self._slow(now)
+        if slow:
+            self._slow(now)
 
     def _slow(self, now: float) -> None:
         self.health = min(self.settings.max_health, self.health + 1)
