@@ -698,6 +698,9 @@ def measure(kind, scenario, nodes: int, backend: str = "gloo") -> dict[str, floa
         system.backend_args = ("nccl",)
     try:
         result = scenario(system)
+    except AssertionError as exc:  # a run that never formed is a run that did not recover
+        print(f"{kind.name}: {exc}", file=sys.stderr)
+        result = None
     finally:
         try:
             if hosts is not None:
