@@ -969,8 +969,17 @@ def measure_detector(n: int, procs: int, window: float, progress) -> dict[str, A
         )
     docs = []
     for crowd in crowds:
-        out, _ = crowd.communicate(timeout=window + warmup + 120)
-        docs.append(json.loads(out.strip().splitlines()[-1]))
+        try:
+            out, _ = crowd.communicate(timeout=window + warmup + 300)
+            docs.append(json.loads(out.strip().splitlines()[-1]))
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            crowd.kill()
+            crowd.wait()
+    if len(docs) < len(crowds):
+        for crowd in crowds:
+            crowd.kill()
+        progress(f"detector N={n}: a crowd process did not finish (the machine is too slow)")
+        return {"nodes": n, "status": "did not finish"}
     nodes = sum(d["nodes"] for d in docs)
     seconds = max(d["seconds"] for d in docs)
     cpu = sum(d["cpu"] for d in docs)
@@ -999,6 +1008,9 @@ def detector_table(rows: list[dict[str, Any]]) -> str:
         f"{'crowd cores':>12} {'losses':>7} {'health max':>11}  status",
     ]
     for r in rows:
+        if r["status"] == "did not finish":
+            lines.append(f"{r['nodes']:>6}  did not finish")
+            continue
         lines.append(
             f"{r['nodes']:>6} {r['sent_per_node_s']:>21.1f} {r['accepted_per_node_s']:>10.1f} "
             f"{r['cpu_ms_per_node_s']:>14.2f} {r['crowd_cpu_cores']:>12.2f} "

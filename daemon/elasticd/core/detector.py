@@ -159,7 +159,7 @@ class Detector:
         """The nodes this one probes: its two neighbours on each group's ring."""
         found: set[str] = set()
         for ring in self._groups.values():
-            at = ring.index(self.me)
+            at = bisect.bisect_left(ring, self.me)  # sorted: O(log N), not ring.index's O(N)
             found.add(ring[(at - 1) % len(ring)])
             found.add(ring[(at + 1) % len(ring)])
         found.discard(self.me)
@@ -169,19 +169,21 @@ class Detector:
         """Who is asked to probe ``target``: up to ``settings.helpers`` members of the
         groups that hold both, after it on their ring, then other known nodes after it."""
         chosen: list[str] = []
+        want = self.settings.helpers
         for ring in self._groups.values():
-            if target not in ring:
+            at = bisect.bisect_left(ring, target)
+            if at == len(ring) or ring[at] != target:
                 continue
-            at = ring.index(target)
             for k in range(1, len(ring)):
+                if len(chosen) >= want:
+                    break
                 node = ring[(at + k) % len(ring)]
                 if node not in (self.me, target) and node not in chosen:
                     chosen.append(node)
-        chosen = chosen[: self.settings.helpers]
         known = self._known
         start = bisect.bisect_right(known, target)
         for k in range(len(known)):
-            if len(chosen) >= self.settings.helpers:
+            if len(chosen) >= want:
                 break
             node = known[(start + k) % len(known)]
             if node not in (self.me, target) and node not in chosen:
