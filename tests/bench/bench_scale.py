@@ -65,7 +65,10 @@ window) on a UDP socket of its own, spread over --procs processes
 (``detector_crowd.py``), all N the members of one job's round (each probes its two ring
 neighbours every 100 ms) and known to each other (helpers).  Per size: datagrams sent and
 accepted per node per second, and the crowd's CPU per node per second (ms), over the
-window; beside them, today's heartbeat per node (the steady rows' store requests and the
+window (``--active K``: only K consecutive nodes of the ring run, all N its members and
+known to each: what one node pays in a cluster of N, where two cores cannot run N of them;
+the two nodes at each end of the slice have a silent neighbour); beside them, today's
+heartbeat per node (the steady rows' store requests and the
 probe's duty CPU, from a run of this bench without --detector).  Where the crowd needs more
 CPU than the machine has, its ticks come late and the row says 'overloaded' (the per-node
 figures are then what each datagram costs, not what a node on its own machine pays less).
@@ -939,16 +942,22 @@ async def run(opts: argparse.Namespace, progress) -> list[Row]:
     return rows
 
 
-def measure_detector(n: int, procs: int, window: float, progress) -> dict[str, Any]:
-    """One row of the detector's cost: N nodes over ``procs`` crowd processes."""
+def measure_detector(
+    n: int, procs: int, window: float, progress, active: int = 0
+) -> dict[str, Any]:
+    """One row of the detector's cost: N nodes over ``procs`` crowd processes; with
+    ``active``, only that many consecutive nodes of the ring run (all N are its members and
+    known to each one): what a node pays in a cluster of N, where two cores cannot run N."""
     base = 20000 + (os.getpid() * 7919) % 20000
     if base + n > 65000:
         base = 65000 - n
-    per = -(-n // procs)
-    warmup = 3.0 + n / 1000
+    running = min(active, n) if active else n
+    offset = (n - running) // 2
+    per = -(-running // procs)
+    warmup = 3.0 + running / 1000
     crowds = []
     for k in range(procs):
-        first, last = k * per, min(n, (k + 1) * per) - 1
+        first, last = offset + k * per, offset + min(running, (k + 1) * per) - 1
         if first > last:
             break
         crowds.append(
@@ -986,6 +995,7 @@ def measure_detector(n: int, procs: int, window: float, progress) -> dict[str, A
     row = {
         "nodes": n,
         "bound": nodes,
+        "active": running,
         "sent_per_node_s": sum(d["sent"] for d in docs) / nodes / seconds,
         "accepted_per_node_s": sum(d["accepted"] for d in docs) / nodes / seconds,
         "cpu_ms_per_node_s": 1000 * cpu / nodes / seconds,
@@ -1004,7 +1014,7 @@ def detector_table(rows: list[dict[str, Any]]) -> str:
         "and ~1.2-1.8 ms of CPU a second, at every size (docs/benchmarks.md)"
     )
     lines = [
-        f"{'nodes':>6} {'datagrams out/node/s':>21} {'in/node/s':>10} {'CPU ms/node/s':>14} "
+        f"{'nodes':>6} {'running':>8} {'datagrams out/node/s':>21} {'in/node/s':>10} {'CPU ms/node/s':>14} "
         f"{'crowd cores':>12} {'losses':>7} {'health max':>11}  status",
     ]
     for r in rows:
@@ -1012,7 +1022,7 @@ def detector_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{r['nodes']:>6}  did not finish")
             continue
         lines.append(
-            f"{r['nodes']:>6} {r['sent_per_node_s']:>21.1f} {r['accepted_per_node_s']:>10.1f} "
+            f"{r['nodes']:>6} {r['active']:>8} {r['sent_per_node_s']:>21.1f} {r['accepted_per_node_s']:>10.1f} "
             f"{r['cpu_ms_per_node_s']:>14.2f} {r['crowd_cpu_cores']:>12.2f} "
             f"{r['false_losses']:>7} {r['health_max']:>11}  {r['status']}"
         )
@@ -1070,6 +1080,12 @@ def main() -> int:
     parser.add_argument(
         "--detector", action="store_true", help="the failure detector's cost instead (no store)"
     )
+    parser.add_argument(
+        "--active",
+        type=int,
+        default=0,
+        help="--detector: run only this many consecutive nodes of each ring (0: all)",
+    )
     opts = parser.parse_args()
     opts.window = min(opts.window, 60.0)
     opts.nodes = [int(n) for n in opts.nodes.split(",") if n]
@@ -1089,7 +1105,9 @@ def main() -> int:
         return print(line, file=sys.stderr, flush=True)
 
     if opts.detector:
-        found = [measure_detector(n, opts.procs, opts.window, progress) for n in opts.nodes]
+        found = [
+            measure_detector(n, opts.procs, opts.window, progress, opts.active) for n in opts.nodes
+        ]
         print(detector_table(found), flush=True)
         if opts.json:
             print(json.dumps(found))
