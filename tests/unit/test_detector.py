@@ -332,3 +332,10 @@ def test_a_frozen_member_is_always_found_and_nobody_else(victim, at, delay, size
     assert {node for _, _, node in w.lost} == {dead}
     first = min(t for t, _, node in w.lost)
     assert first - at <= S.lost_after + S.interval + S.relay_timeout
+
+
+def test_near_nodes_are_those_within_reach_on_each_ring():
+    d = Detector("n05")
+    d.watch({"job": [f"n{i:02d}" for i in range(12)]}, 0.0)
+    assert d.near(2) == {"n03", "n04", "n06", "n07"}
+    assert d.near(20) == {f"n{i:02d}" for i in range(12)} - {"n05"}

@@ -25,11 +25,17 @@ only when it answers one of this node's own asks (its nonce), from the helper as
 Replies go to the sender's address as its signed record says, never to a datagram's source
 (no reflection).
 
-**A flood** costs a bounded amount: at most ``max_rate`` datagrams a second are read (each
-a ``recvfrom`` and one HMAC before anything is parsed); past that the socket is not read
-until the bucket refills, the kernel drops the rest, and the time this node could not
-listen is credited to every watched node (core/detector.py's ``pause``), so a flood makes
-no false loss here.  Every refusal is counted (``elasticd_detector_refused_total{why}``) and
+**A flood** costs a bounded amount and blinds nobody.  The nodes near this one on its rings
+(its neighbours, their helpers, those it helps: a few per round) each have a socket of
+their own, bound to the same port (SO_REUSEPORT, same user only) and connected to that
+node, so the kernel hands each one exactly that node's datagrams; everyone else's land in
+the shared socket (the lobby).  Each socket reads at most its budget a second (the lobby
+``max_rate``, the others a tenth of it, each a ``recvfrom`` and one HMAC before anything is
+parsed); past that it is not read until its budget refills, and the kernel drops the rest.
+A flood from anywhere but a near node's address therefore never delays that node's probes
+and acks: it makes no false loss and keeps no dead node alive.  (An attacker that forges a
+near node's source address fills that node's socket only; nothing is credited then either,
+and the local health score rises.)  Every refusal is counted (``elasticd_detector_refused_total{why}``) and
 logged once per ``log.summary_interval``.
 """
 
@@ -210,6 +216,21 @@ class TokenBucket:
         return max(0.0, (1 - self._tokens) / self.rate)
 
 
+@dataclass
+class _Inlet:
+    """A socket the detector reads, with its own budget: the lobby (``peer`` None) or one
+    connected to a node near this one."""
+
+    sock: socket.socket
+    peer: tuple[str, int] | None
+    rate: float
+    since: float
+    reading: bool = False
+
+    def __post_init__(self) -> None:
+        self.bucket = TokenBucket(self.rate, max(1.0, self.rate / 10), self.since)
+
+
 class DetectorMetrics:
     """What the detector counts (metrics.Metrics has these; tests pass none)."""
 
@@ -256,8 +277,8 @@ class DetectorService:
         self._detector = Detector(node, settings)
         self._t_groups: dict[str, tuple[str, ...]] = {}
         self._t_endpoints: dict[str, tuple[str, int]] = {}
-        self._bucket: TokenBucket | None = None
-        self._throttled_at: float | None = None
+        self._lobby: _Inlet | None = None  # the bound socket: whoever is not near
+        self._inlets: dict[str, _Inlet] = {}  # node -> its own connected socket
         self._stopped: asyncio.Event | None = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -268,6 +289,7 @@ class DetectorService:
         sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # see _connect
             sock.bind((host, port))
             sock.setblocking(False)
         except OSError:
@@ -344,8 +366,8 @@ class DetectorService:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         now = self._clock()
-        self._bucket = TokenBucket(self._max_rate, max(1.0, self._max_rate / 10), now)
-        self._loop.add_reader(self._sock, self._readable)
+        self._lobby = _Inlet(self._sock, None, self._max_rate, now)
+        self._open(self._lobby)
         ticking = self._loop.call_soon(self._tick, now)
         started.set()
         try:
@@ -354,7 +376,12 @@ class DetectorService:
             ticking.cancel()
             if self._tick_handle is not None:
                 self._tick_handle.cancel()
-            self._loop.remove_reader(self._sock)
+            for inlet in [self._lobby, *self._inlets.values()]:
+                if inlet.reading:
+                    self._loop.remove_reader(inlet.sock)
+            for inlet in self._inlets.values():
+                inlet.sock.close()
+            self._inlets = {}
             self._loop = None
 
     _tick_handle: asyncio.TimerHandle | None = None
@@ -370,6 +397,47 @@ class DetectorService:
             self._clock(),
         )
         self._wire.replays.forget(known)
+        self._connect(self._detector.near(self.settings.helpers + 2))
+
+    def _connect(self, near: set[str]) -> None:
+        """A socket of its own for each node near this one on its rings (its neighbours,
+        their helpers, those it helps): bound to the same port (SO_REUSEPORT) and connected
+        to that node, so the kernel hands it exactly that node's datagrams, and a flood from
+        anywhere else fills only the shared socket (the lobby), never theirs."""
+        assert self._sock is not None and self._loop is not None
+        wanted = {n: self._t_endpoints[n] for n in near if n in self._t_endpoints}
+        for name, inlet in list(self._inlets.items()):
+            if wanted.get(name) != inlet.peer:
+                self._shut(inlet)
+                del self._inlets[name]
+        host, port = self.address or ("", 0)
+        for name, peer in wanted.items():
+            if name in self._inlets:
+                continue
+            sock = socket.socket(self._sock.family, socket.SOCK_DGRAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                sock.bind((host, port))
+                sock.connect(peer)
+                sock.setblocking(False)
+            except OSError as exc:
+                sock.close()
+                log.debug("detector: no socket of its own for %s: %s", name, exc)
+                continue
+            inlet = _Inlet(sock, peer, max(100.0, self._max_rate / 10), self._clock())
+            self._inlets[name] = inlet
+            self._open(inlet)
+
+    def _open(self, inlet: _Inlet) -> None:
+        assert self._loop is not None
+        self._loop.add_reader(inlet.sock, self._readable, inlet)
+        inlet.reading = True
+
+    def _shut(self, inlet: _Inlet) -> None:
+        if inlet.reading and self._loop is not None:
+            self._loop.remove_reader(inlet.sock)
+        inlet.reading = False
+        inlet.sock.close()
 
     def _tick(self, due: float) -> None:
         now = self._clock()
@@ -386,46 +454,46 @@ class DetectorService:
             max(0.0, following - self._clock()), self._tick, following
         )
 
-    def _readable(self) -> None:
-        assert self._sock is not None and self._bucket is not None and self._loop is not None
+    def _readable(self, inlet: _Inlet) -> None:
         for _ in range(_READ_BATCH):
             now = self._clock()
-            if not self._bucket.take(now):
-                self._throttle(now)
+            if not inlet.bucket.take(now):
+                self._throttle(inlet, now)
                 return
             try:
-                raw = self._sock.recv(MAX_DATAGRAM + 1)
+                raw = inlet.sock.recv(MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 continue  # an ICMP error of an earlier send
             self._received(raw, now)
 
-    def _throttle(self, now: float) -> None:
-        """Too many datagrams: stop reading until the bucket refills (the kernel drops the
-        rest); that time is credited to every watched node when reading starts again."""
-        assert self._loop is not None and self._sock is not None and self._bucket is not None
-        self._loop.remove_reader(self._sock)
-        self._throttled_at = now
+    def _throttle(self, inlet: _Inlet, now: float) -> None:
+        """Too many datagrams on one socket: it is not read until its budget refills (the
+        kernel drops the rest).  A flood comes from elsewhere than the nodes near this one
+        (their datagrams have sockets of their own), so nobody's silence is credited: that
+        would let a flood keep a dead node alive.  The local health score goes up."""
+        assert self._loop is not None
+        self._loop.remove_reader(inlet.sock)
+        inlet.reading = False
+        self._detector.pause(0.0, now)
         self._metrics.detector_refused("flood")
         held = self._told.check("flood", now)
         if held is not None:
             log.warning(
-                "detector: more than %g datagrams a second reach UDP %s: reading paused "
+                "detector: more than %g datagrams a second reach UDP %s%s: reading paused "
                 '(a flood? elasticd_detector_refused_total{why="flood"} counts the pauses)%s',
-                self._max_rate,
+                inlet.bucket.rate,
                 self.address,
+                f" from {inlet.peer}" if inlet.peer else "",
                 held_back(held),
             )
-        self._loop.call_later(max(self._bucket.wait(), 0.001), self._resume)
+        self._loop.call_later(max(inlet.bucket.wait(), 0.001), self._resume, inlet)
 
-    def _resume(self) -> None:
-        assert self._loop is not None and self._sock is not None
-        now = self._clock()
-        if self._throttled_at is not None:
-            self._detector.pause(now - self._throttled_at, now)
-            self._throttled_at = None
-        self._loop.add_reader(self._sock, self._readable)
+    def _resume(self, inlet: _Inlet) -> None:
+        if self._loop is None or inlet.sock.fileno() < 0 or inlet.reading:
+            return
+        self._open(inlet)
 
     def _received(self, raw: bytes, now: float) -> None:
         try:
@@ -452,10 +520,13 @@ class DetectorService:
             address = self._t_endpoints.get(item.to)
             if address is None or self._sock is None:
                 continue
+            sealed = self._wire.seal(item.to, item.kind, item.nonce, item.target)
+            inlet = self._inlets.get(item.to)
             try:
-                self._sock.sendto(
-                    self._wire.seal(item.to, item.kind, item.nonce, item.target), address
-                )
+                if inlet is not None:
+                    inlet.sock.send(sealed)  # from the same port: the peer's own socket for us
+                else:
+                    self._sock.sendto(sealed, address)
                 self._metrics.detector_message("out")
             except OSError as exc:  # unreachable for now: its silence is what counts
                 held = self._told.check("send", now)

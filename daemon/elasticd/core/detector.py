@@ -165,6 +165,18 @@ class Detector:
         found.discard(self.me)
         return found
 
+    def near(self, reach: int) -> set[str]:
+        """The nodes within ``reach`` places of this one on each group's ring, either way:
+        its neighbours, their helpers and those it helps (who may send to it)."""
+        found: set[str] = set()
+        for ring in self._groups.values():
+            at = bisect.bisect_left(ring, self.me)
+            for k in range(1, min(reach, len(ring) - 1) + 1):
+                found.add(ring[(at + k) % len(ring)])
+                found.add(ring[(at - k) % len(ring)])
+        found.discard(self.me)
+        return found
+
     def helpers(self, target: str) -> list[str]:
         """Who is asked to probe ``target``: up to ``settings.helpers`` members of the
         groups that hold both, after it on their ring, then other known nodes after it."""
