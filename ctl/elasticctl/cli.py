@@ -297,6 +297,15 @@ def add_submit_options(
         "change is stopped and the job restarts every worker (default 60)",
     )
     option(
+        "--hang-timeout",
+        type=positive_seconds,
+        metavar="S",
+        help="ranks that report no progress for S seconds (the worker library's commit or "
+        "elastic.progress()) are hung: their stacks go to the job's logs, the rank not inside "
+        "a collective is failed as the root cause and replaced (in place) or the job "
+        "restarts (default: never)",
+    )
+    option(
         "--spares",
         type=integer,
         metavar="K",

@@ -340,6 +340,7 @@ def status_block(job: Doc, now: float) -> str:
         fields.append(("on disk in", job["checkpoint_dir"]))
     if job.get("usage"):
         fields.append(("usage", usage_line(job["usage"])))
+    fields += [("hung", cause) for cause in job.get("hung") or ()]
     lines = [f"{label + ':':<14}{text(value)}" for label, value in fields]
     lines += _error_lines(job.get("error"), hidden=bool(job.get("redacted")))
     if job.get("nodes"):

@@ -179,6 +179,7 @@ OPTIONAL_SUBMIT_ARGS = (
     "last_call_timeout",
     "exit_barrier_timeout",
     "rejoin_timeout",
+    "hang_timeout",
     "priority",
     "account",
     "nnodes_step",

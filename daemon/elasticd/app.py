@@ -33,6 +33,7 @@ import zmq.asyncio
 from elasticd import __version__, cleanup, keygen
 from elasticd import config as config_mod
 from elasticd.aio import race
+from elasticd.cluster.detector import DetectorService, next_boot, udp_endpoint
 from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
 from elasticd.cluster.inventory import LocalNode, cpu_count, local_gpus, slot_count, watch_gpus
@@ -56,7 +57,7 @@ from elasticd.core.blacklist import Blacklist
 from elasticd.core.containment import parse_memory
 from elasticd.core.discovery import EVERYONE, Listing
 from elasticd.core.gpuhealth import GpuWatch
-from elasticd.core.model import JobState
+from elasticd.core.model import JobState, NodeState
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord, worker_groups
@@ -89,7 +90,7 @@ from elasticd.store.base import Store
 from elasticd.store.c10d import C10dServer
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
-from elasticd.store.signing import Signer, load_key, load_or_create_key
+from elasticd.store.signing import Signer, load_key, load_or_create_key, subkey
 from elasticd.store.tcpstore import TCPStoreClient
 from elasticd.wire.paths import how_to_reach, is_own_dir
 
@@ -303,7 +304,8 @@ class Daemon:
         self._restrict_earlier_logs()
         discovery = self._host_discovery()
         listing = await self._discover_first(discovery)
-        signer = Signer(self._cluster_key(), config.cluster.name)
+        cluster_key = self._cluster_key()
+        signer = Signer(cluster_key, config.cluster.name)
         async with contextlib.AsyncExitStack() as closing:
             store = await self._open_store(closing)
             self.metrics.store_up.set(1)
@@ -356,6 +358,9 @@ class Daemon:
                 lambda event: node_shell.post(event),
             )
             board = JobBoard(store, signer, config.cluster.name, on_refused=self._refused)
+            detector = self._detector(
+                cluster_key, lambda node: node_shell.post(events.NodesLost((node,)))
+            )
             core = NodeCore(
                 NodeSettings(
                     self.node,
@@ -402,6 +407,7 @@ class Daemon:
                     faults=self.faults,
                     worker_library=worker_library.install(config.paths.runtime_dir),
                     tier=tier,
+                    guard=detector,
                 ),
             )
             node_shell.post(events.Restored(tuple(unfinished)))
@@ -457,6 +463,9 @@ class Daemon:
                 self._local.peer = (peer_server.bind(), keys.public.decode())
             with _listening("node.tier_port", join_endpoint(self._address, config.node.tier_port)):
                 self._local.tier = tier_server.bind()
+            if detector is not None:
+                self._bind_detector(detector, self._local.peer[0])
+                closing.callback(detector.close)
             if config.metrics.port:
                 with _listening(
                     "metrics.port", join_endpoint(config.metrics.address, config.metrics.port)
@@ -487,7 +496,7 @@ class Daemon:
                 post=node_shell.post,
                 watcher=Watcher(
                     store=functools.partial(self._store_health, registry),
-                    tick=lambda: self.metrics.count_nodes(nodes.tally()),
+                    tick=functools.partial(self._ticked, nodes, detector),
                 ),
             )
             pruner = Pruner(
@@ -508,6 +517,8 @@ class Daemon:
                     "heartbeat": functools.partial(nodes.run, self.stop, duties),
                     "retention": pruner.run,
                 }
+                if detector is not None:
+                    loops["detector"] = functools.partial(detector.run, self.stop)
                 if scheduling is not None:
                     loops["allocator"] = functools.partial(scheduling[0].run, self.stop)
                     loops["schedule"] = functools.partial(scheduling[1].run, self.stop)
@@ -733,6 +744,60 @@ class Daemon:
                 restricted,
                 self.config.log_dir,
             )
+
+    def _detector(self, cluster_key: bytes, lost: Callable[[str], None]) -> DetectorService | None:
+        """The failure detector (cluster/detector.py), unless standalone or turned off."""
+        config = self.config
+        if config.standalone or not config.detector.enabled:
+            return None
+        return DetectorService(
+            self.node,
+            subkey(cluster_key, "detector", config.cluster.name),
+            settings=config.detector.settings,
+            boot=next_boot(os.path.join(config.paths.state_dir, "detector.boot")),
+            on_lost=lambda node, silent: lost(node),
+            max_rate=config.detector.max_rate,
+            metrics=self.metrics,
+            log_interval=config.log.summary_interval,
+        )
+
+    def _bind_detector(self, detector: DetectorService, peer_endpoint: str) -> None:
+        """UDP at the peer port's number; a daemon that cannot bind it runs on heartbeats."""
+        address = udp_endpoint(peer_endpoint)
+        try:
+            if address is None:
+                raise OSError(f"no address in {peer_endpoint!r}")
+            detector.bind(*address)
+        except OSError as exc:
+            log.warning(
+                "the failure detector cannot listen on UDP %s (%s): lost nodes are found by "
+                "heartbeats only",
+                peer_endpoint,
+                exc,
+            )
+        else:
+            log.info("failure detector on UDP %s:%d", *address)
+
+    def _ticked(self, nodes: NodeService, detector: DetectorService | None) -> None:
+        """After each heartbeat duty: the node tally, and the nodes the detector may reach
+        (when the duty changed what it knows)."""
+        self.metrics.count_nodes(nodes.tally())
+        sightings = nodes.sightings
+        if detector is None or sightings is self._detector_learned:
+            return
+        self._detector_learned = sightings
+        states = nodes.states()
+        detector.learn(
+            {
+                name: address
+                for name, s in sightings.items()
+                if name != self.node
+                and states.get(name) is not NodeState.LOST
+                and (address := udp_endpoint(s.record.peer_endpoint)) is not None
+            }
+        )
+
+    _detector_learned: object = None
 
     def _cluster_key(self) -> bytes:
         """Standalone daemons and the store host make a key if there is none; others need one."""

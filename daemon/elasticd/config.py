@@ -22,6 +22,7 @@ from elasticd.core import fairshare
 from elasticd.core.allocation import Policy, Quota
 from elasticd.core.blacklist import BlacklistPolicy
 from elasticd.core.containment import MIN_MEMORY, MIN_PIDS, parse_memory
+from elasticd.core.detector import DetectorSettings
 from elasticd.core.gpuhealth import DRAIN_XIDS, GpuPolicy
 from elasticd.core.liveness import KeepAlive
 from elasticd.core.model import MAX_PRIORITY, JobSpec
@@ -435,6 +436,55 @@ class RendezvousConfig:
 
 
 @dataclass(frozen=True)
+class DetectorConfig:
+    """[detector]: the failure detector (SWIM with Lifeguard's local health): the members of
+    a job's round probe each other over UDP at the peer port's number, so that a node that
+    freezes, loses power or is cut off is lost to the survivors in about lost_after seconds
+    instead of keep_alive_interval x keep_alive_max_attempt.  The store's heartbeat stays the
+    slow, authoritative path.  Shorter times find a loss sooner and take a slow node (a pause,
+    a starved process) for a lost one sooner: see docs/operations.md."""
+
+    enabled: bool = key(
+        True,
+        doc="probe the members of this node's rounds directly (UDP, node.peer_port's number; keep it open between nodes); false: heartbeats only",
+    )
+    interval: float = key(
+        DetectorSettings.interval, _positive, doc="seconds between two probes of a neighbour"
+    )
+    suspect_after: float = key(
+        DetectorSettings.suspect_after,
+        _positive,
+        doc="seconds of silence after which other nodes are asked to probe a neighbour too",
+    )
+    lost_after: float = key(
+        DetectorSettings.lost_after,
+        _positive,
+        doc="seconds of silence after which a neighbour is lost, once another node confirmed that it cannot reach it either (longer while this node itself is slow: local health)",
+    )
+    helpers: int = key(
+        DetectorSettings.helpers, _positive, doc="nodes asked to probe a silent neighbour"
+    )
+    max_rate: float = key(
+        2000.0,
+        _positive,
+        doc="datagrams a second the detector reads at most (a flood beyond it is left to the kernel to drop, and its time is not counted as anyone's silence)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.suspect_after >= self.lost_after:
+            raise ConfigError("detector.suspect_after", "must be less than detector.lost_after")
+
+    @property
+    def settings(self) -> DetectorSettings:
+        return DetectorSettings(
+            interval=self.interval,
+            suspect_after=self.suspect_after,
+            lost_after=self.lost_after,
+            helpers=self.helpers,
+        )
+
+
+@dataclass(frozen=True)
 class DiscoveryConfig:
     """[discovery]: host discovery (Horovod's --host-discovery-script).  Every daemon runs the
     script itself and applies the list to itself only; a node that is not listed is drained.
@@ -654,6 +704,7 @@ class DaemonConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     blacklist: BlacklistConfig = field(default_factory=BlacklistConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)

@@ -280,6 +280,48 @@ class Metrics:
                 self.jobs_finished.labels(state.value)
         for worker_state in WorkerState:
             self.workers.labels(worker_state.value)
+        self.detector_messages = Counter(
+            "elasticd_detector_messages_total",
+            "Failure-detector datagrams sent (out) and accepted (in)",
+            ["direction"],
+            registry=reg,
+        )
+        self.detector_refusals = Counter(
+            "elasticd_detector_refused_total",
+            "Failure-detector datagrams refused: format, mac (not sealed with the cluster key), "
+            "stranger (for or from no node known), replay; flood: times reading paused",
+            ["why"],
+            registry=reg,
+        )
+        self.detector_losses = Histogram(
+            "elasticd_detector_lost_silence_seconds",
+            "Nodes the failure detector found lost, by how long they had been silent",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2, 5, 10),
+            registry=reg,
+        )
+        self.detector_watched = Gauge(
+            "elasticd_detector_watched", "Nodes this node's failure detector probes", registry=reg
+        )
+        self.detector_health = Gauge(
+            "elasticd_detector_local_health",
+            "The failure detector's local health score (0: healthy; its timeouts are "
+            "multiplied by 1 + this)",
+            registry=reg,
+        )
+
+    # the failure detector (cluster/detector.py), from its own thread
+    def detector_message(self, direction: str) -> None:
+        self.detector_messages.labels(direction).inc()
+
+    def detector_refused(self, why: str) -> None:
+        self.detector_refusals.labels(why).inc()
+
+    def detector_lost(self, silent: float) -> None:
+        self.detector_losses.observe(silent)
+
+    def detector_state(self, watched: int, health: int) -> None:
+        self.detector_watched.set(watched)
+        self.detector_health.set(health)
 
     # -- AgentMetrics -----------------------------------------------------------------------
 

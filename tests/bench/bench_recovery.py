@@ -19,7 +19,15 @@ worker's exec (the control plane alone: the workers' own Python start-up exclude
    started with WORLD_SIZE=2, or nothing within 120 s; once with training workers (their
    collectives break), once with idle ones (only the control plane can notice);
 4. formation: 2 nodes up, the job accepted by the daemon (elasticd) / the agents started
-   (torchrun: its start-up is its formation) -> both workers exec'd.
+   (torchrun: its start-up is its formation) -> both workers exec'd;
+5. node frozen 3 -> 2: SIGSTOP of node 3's daemon (or agent) and its worker: no socket
+   closes, nothing answers; the frozen processes are SIGKILLed when the run ends;
+6. node cut off 3 -> 2: every node in a network namespace of its own (tests/system/netns.py,
+   root only), node 3's port on the bridge taken down: its packets are dropped both ways.
+
+For node loss, frozen and cut off, ``known`` is the time until the last survivor heard of the
+loss: its worker was told to abort (in place) or was sent SIGTERM by its daemon or agent (a
+restart); the target is 0.5 s.
 
 torchrun runs twice: as shipped, and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
 TorchrunUnshared).  The worker runs an all_reduce every 100 ms, so a dead peer breaks the
@@ -72,6 +80,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "system"))
+import netns  # tests/system/netns.py
 from conftest import Cluster
 from harness import PY, free_port
 
@@ -156,18 +165,30 @@ class Elasticd:
     name = "elasticd"
     slots = 1  # each node's
 
-    def __init__(self, base: Path, nodes: int) -> None:
+    def __init__(self, base: Path, nodes: int, hosts: netns.Hosts | None = None) -> None:
         self.events = Events(base)
         self.base = base
+        self.hosts = hosts
+        self.frozen: list[psutil.Process] = []
         self.worker_mode: tuple[str, ...] = ()
         self.backend_args: tuple[str, ...] = ()  # ("nccl",): the in-place worker on NCCL
-        self.cluster = Cluster(
-            base,
-            nodes,
-            slots=self.slots,
-            env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
-            resize_interval=None,
-        )  # the daemon's defaults
+        self.env_args: tuple[str, ...] = ()
+        if hosts is None:
+            self.cluster: Any = Cluster(
+                base,
+                nodes,
+                slots=self.slots,
+                env={"RES_OPTIONS": ENV["RES_OPTIONS"]},
+                resize_interval=None,
+            )  # the daemon's defaults
+        else:
+            from test_partition import NetnsCluster  # tests/system: a daemon per test host
+
+            self.cluster = NetnsCluster(hosts, base)
+            for daemon in self.cluster.daemons:
+                at = daemon.args.index("--slots")
+                daemon.args = (*daemon.args[: at + 1], str(self.slots), *daemon.args[at + 2 :])
+            self.env_args = ("--env", "GLOO_SOCKET_IFNAME=eth0")
         for daemon in self.cluster.daemons:
             daemon.program = (PY, LAUNCHER, str(base), "elasticd")
 
@@ -181,6 +202,7 @@ class Elasticd:
             nnodes,
             "--max-restarts",
             "3",
+            *self.env_args,
             "--python",
             PY,
             WORKER,
@@ -205,7 +227,20 @@ class Elasticd:
         daemon.wait_exit()
         return started
 
+    def node_pid(self, index: int) -> int:
+        return self.cluster[index].proc.pid
+
+    def freeze_node(self, index: int) -> float:
+        return freeze(self, self.node_pid(index))
+
+    def cut_node(self, index: int) -> float:
+        assert self.hosts is not None
+        started = time.time()
+        self.hosts.partition(index + 1)
+        return started
+
     def stop(self) -> None:
+        thaw(self)
         self.cluster.stop()
 
 
@@ -215,8 +250,8 @@ class ElasticdInPlace(Elasticd):
 
     name = "elasticd-inplace"
 
-    def __init__(self, base: Path, nodes: int) -> None:
-        super().__init__(base, nodes)
+    def __init__(self, base: Path, nodes: int, hosts: netns.Hosts | None = None) -> None:
+        super().__init__(base, nodes, hosts)
         self.worker_mode = ("inplace",)
 
     def launch(self, count: int, nnodes: str) -> float:
@@ -229,6 +264,7 @@ class ElasticdInPlace(Elasticd):
             "--max-restarts",
             "3",
             *self.options,
+            *self.env_args,
             "--python",
             PY,
             WORKER,
@@ -270,13 +306,19 @@ class Torchrun:
     name = "torchrun"
     env = ENV
 
-    def __init__(self, base: Path, nodes: int) -> None:
+    def __init__(self, base: Path, nodes: int, hosts: netns.Hosts | None = None) -> None:
         self.events = Events(base)
         self.base = base
+        self.hosts = hosts
+        self.frozen: list[psutil.Process] = []
         self.worker_mode: tuple[str, ...] = ()
-        self.port = free_port()
+        self.port = free_port() if hosts is None else 29400
         self.agents: list[subprocess.Popen[bytes]] = []
         self.nnodes = "2:2"
+
+    def addr(self, index: int) -> str:
+        """Node ``index``'s address (1-based)."""
+        return f"127.0.0.{index}" if self.hosts is None else self.hosts.addr(index)
 
     def launch(self, count: int, nnodes: str) -> float:
         """Start ``count`` agents (they are the job); returns when the first one started.
@@ -286,7 +328,18 @@ class Torchrun:
         only node 1 would, as with elasticd here."""
         self.nnodes = nnodes
         started, _ = self.add_node()
-        wait_listening(self.port, 60)
+        if self.hosts is None:
+            wait_listening(self.port, 60)
+        else:  # nothing in the root namespace connects to a test host: its log says it listens
+            log = self.base / "torchrun1.log"
+            deadline = time.monotonic() + 60
+            while (
+                time.monotonic() < deadline
+                and not self.events.read()
+                and (not log.exists() or b"rdzv" not in log.read_bytes())
+            ):
+                time.sleep(0.05)
+            time.sleep(1.0)
         for _ in range(count - 1):
             self.add_node()
         return started
@@ -306,7 +359,7 @@ class Torchrun:
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
-            f"127.0.0.1:{self.port}",
+            f"{self.addr(1)}:{self.port}",
             "--rdzv-id",
             "bench",
             "--rdzv-conf",
@@ -316,16 +369,20 @@ class Torchrun:
             "--monitor-interval",
             "0.1",
             "--local-addr",
-            f"127.0.0.{index}",
+            self.addr(index),
             WORKER,
             str(self.base),
             *self.worker_mode,
         ]
+        env = self.env
+        if self.hosts is not None:
+            argv = self.hosts.exec_argv(index, argv)
+            env = {**env, "GLOO_SOCKET_IFNAME": "eth0"}
         started = time.time()
         log = open(self.base / f"torchrun{index}.log", "wb")
         self.agents.append(
             subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         )
         return started, self.agents[-1].pid
@@ -335,7 +392,20 @@ class Torchrun:
         kill_tree(self.agents[index].pid)
         return started
 
+    def node_pid(self, index: int) -> int:
+        return self.agents[index].pid
+
+    def freeze_node(self, index: int) -> float:
+        return freeze(self, self.node_pid(index))
+
+    def cut_node(self, index: int) -> float:
+        assert self.hosts is not None
+        started = time.time()
+        self.hosts.partition(index + 1)
+        return started
+
     def stop(self) -> None:
+        thaw(self)
         for agent in self.agents:
             if agent.poll() is None:
                 agent.send_signal(signal.SIGTERM)
@@ -358,6 +428,32 @@ class TorchrunUnshared(Torchrun):
 
     name = "torchrun-unshared"
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def freeze(system: Any, pid: int) -> float:
+    """SIGSTOP a node's program and every process under it (its workers): nothing closes."""
+    root = psutil.Process(pid)
+    tree = [root, *root.children(recursive=True)]
+    started = time.time()
+    for proc in tree:
+        try:
+            proc.suspend()
+            system.frozen.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return started
+
+
+def thaw(system: Any) -> None:
+    """The frozen processes are killed (then woken, so that the kill lands)."""
+    for proc in system.frozen:
+        try:
+            proc.kill()
+            proc.resume()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(system.frozen, timeout=10)
+    system.frozen = []
 
 
 SYSTEMS = (Elasticd, ElasticdInPlace, ElasticdSpares, Torchrun, TorchrunUnshared)
@@ -502,12 +598,18 @@ def scale_up(system) -> dict[str, float] | None:
     return training(system, t0, figure(t0, starts, node_up(system.base, pid) if starts else None))
 
 
-def node_loss(system) -> dict[str, float] | None:
+def node_loss(system, event: str = "kill") -> dict[str, float] | None:
     system.launch(3, "2:3")
     assert system.events.wait(ready(3, 3), 120), "no formation"
     if system.worker_mode != ("idle",):
         system.events.wait(training_steps(15), 30)
-    t0 = system.kill_node(2)
+    lost = {p.pid for p in psutil.Process(system.node_pid(2)).children(recursive=True)}
+    if event == "freeze":
+        t0 = system.freeze_node(2)
+    elif event == "cut":
+        t0 = system.cut_node(2)
+    else:
+        t0 = system.kill_node(2)
     size = (
         3 if system.name == ElasticdSpares.name else 2
     )  # a survivor's spare fills in, in the same round
@@ -517,7 +619,35 @@ def node_loss(system) -> dict[str, float] | None:
         result = {**result, "kept": kept(system, t0)}
     if result is not None and size == 3:
         result = {**result, "full": result["total"]}
+    if result is not None and system.worker_mode != ("idle",):
+        told = known(system.events.read(), t0, lost)
+        if told is not None:
+            result = {**result, "known": told}
     return result
+
+
+def known(events: list[dict[str, Any]], t0: float, lost: set[int]) -> float | None:
+    """When the last survivor heard of the loss: its worker was told to abort or to re-form
+    (in place) or got SIGTERM from its daemon or agent (a restart), from t0."""
+    before = {e["pid"] for e in events if e["t"] <= t0} - lost
+    heard: dict[int, float] = {}
+    for e in events:
+        told = e["event"] == "term" or (
+            e["event"] == "phase" and e["name"] in ("notice-abort", "notice-update")
+        )
+        if told and e["t"] > t0 and e["pid"] in before:
+            heard[e["pid"]] = min(heard.get(e["pid"], e["t"]), e["t"])
+    return max(heard.values()) - t0 if heard and len(heard) >= len(before) else None
+
+
+def node_frozen(system) -> dict[str, float] | None:
+    """SIGSTOP of a node's daemon (or agent) and its worker: no socket closes."""
+    return node_loss(system, "freeze")
+
+
+def node_cut_off(system) -> dict[str, float] | None:
+    """A node's packets dropped (its switch port down, in a network namespace)."""
+    return node_loss(system, "cut")
 
 
 def kept(system, t0: float) -> float:
@@ -545,6 +675,8 @@ SCENARIOS = {
     "scale-up": ("scale-up 2->3", scale_up, 3),
     "node-loss": ("node loss 3->2", node_loss, 3),
     "node-loss-idle": ("node loss 3->2, idle workers", node_loss_idle, 3),
+    "node-frozen": ("node frozen 3->2", node_frozen, 3),
+    "node-cut-off": ("node cut off 3->2", node_cut_off, 3),
     "formation": ("formation", formation, 2),
 }
 
@@ -553,13 +685,31 @@ def measure(kind, scenario, nodes: int, backend: str = "gloo") -> dict[str, floa
     """One run in a fresh directory; kept (and named on stderr) when it did not recover."""
     base = Path(tempfile.mkdtemp(prefix="elasticd-recovery-"))
     base.chmod(0o755)
-    system = kind(base, nodes)
+    subnet = hosts = None
+    if scenario is node_cut_off:
+        why = netns.usable()
+        if why:
+            print(f"node cut off: {why}", file=sys.stderr)
+            return None
+        subnet = netns.Subnet.claim()
+        hosts = subnet.hosts(nodes).up()
+    system = kind(base, nodes, hosts) if hosts is not None else kind(base, nodes)
     if backend == "nccl":
         system.backend_args = ("nccl",)
     try:
         result = scenario(system)
+    except AssertionError as exc:  # a run that never formed is a run that did not recover
+        print(f"{kind.name}: {exc}", file=sys.stderr)
+        result = None
     finally:
-        system.stop()
+        try:
+            if hosts is not None:
+                hosts.heal_all()
+            system.stop()
+        finally:
+            if hosts is not None and subnet is not None:
+                hosts.down()
+                subnet.release()
     if result is None:
         print(f"{kind.name} did not recover; its logs: {base}", file=sys.stderr)
     else:
@@ -644,6 +794,7 @@ def print_table(report: dict[str, Any]) -> None:
             ("resumed", "  training resumed (first step)"),
             ("stall", "  stall (longest gap in steps)"),
             ("full", "  back at full size (a spare placed)"),
+            ("known", "  lost node known to every survivor"),
         ):
             row = [cell(by_system.get(name, []), key)[0] for name in (*ours, *BASELINES)]
             if all(text == "not run" or text.startswith("none") for text in row):

@@ -59,6 +59,20 @@ Each row also prints the store traffic per node by kind of key, and for the rend
 the requests, bytes and the nodes' CPU in all.  ``--quick``: 128 nodes only, a 3 s window,
 the rendezvous at 128 too (a smoke run of every phase, ~15 s a backend).
 
+``--detector``: the failure detector instead (no store): N simulated nodes, every one a real
+detector (core/detector.py's rules, cluster/detector.py's wire with its MAC and replay
+window) on a UDP socket of its own, spread over --procs processes
+(``detector_crowd.py``), all N the members of one job's round (each probes its two ring
+neighbours every 100 ms) and known to each other (helpers).  Per size: datagrams sent and
+accepted per node per second, and the crowd's CPU per node per second (ms), over the
+window (``--active K``: only K consecutive nodes of the ring run, all N its members and
+known to each: what one node pays in a cluster of N, where two cores cannot run N of them;
+the two nodes at each end of the slice have a silent neighbour); beside them, today's
+heartbeat per node (the steady rows' store requests and the
+probe's duty CPU, from a run of this bench without --detector).  Where the crowd needs more
+CPU than the machine has, its ticks come late and the row says 'overloaded' (the per-node
+figures are then what each datagram costs, not what a node on its own machine pays less).
+
 ``--json`` prints one list of rows {"backend", "nodes", "duty_ms", "store_ops_per_node_s",
 "lost_seen_s", "rdzv_s", ...} (null where not measured; more fields follow those) as its
 last line.
@@ -928,6 +942,93 @@ async def run(opts: argparse.Namespace, progress) -> list[Row]:
     return rows
 
 
+def measure_detector(
+    n: int, procs: int, window: float, progress, active: int = 0
+) -> dict[str, Any]:
+    """One row of the detector's cost: N nodes over ``procs`` crowd processes; with
+    ``active``, only that many consecutive nodes of the ring run (all N are its members and
+    known to each one): what a node pays in a cluster of N, where two cores cannot run N."""
+    base = 20000 + (os.getpid() * 7919) % 20000
+    if base + n > 65000:
+        base = 65000 - n
+    running = min(active, n) if active else n
+    offset = (n - running) // 2
+    per = -(-running // procs)
+    warmup = 3.0 + running / 1000
+    crowds = []
+    for k in range(procs):
+        first, last = offset + k * per, offset + min(running, (k + 1) * per) - 1
+        if first > last:
+            break
+        crowds.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    os.path.join(HERE, "detector_crowd.py"),
+                    str(n),
+                    str(first),
+                    str(last),
+                    str(base),
+                    str(window),
+                    str(warmup),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    docs = []
+    for crowd in crowds:
+        try:
+            out, _ = crowd.communicate(timeout=window + warmup + 300)
+            docs.append(json.loads(out.strip().splitlines()[-1]))
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            crowd.kill()
+            crowd.wait()
+    if len(docs) < len(crowds):
+        for crowd in crowds:
+            crowd.kill()
+        progress(f"detector N={n}: a crowd process did not finish (the machine is too slow)")
+        return {"nodes": n, "status": "did not finish"}
+    nodes = sum(d["nodes"] for d in docs)
+    seconds = max(d["seconds"] for d in docs)
+    cpu = sum(d["cpu"] for d in docs)
+    row = {
+        "nodes": n,
+        "bound": nodes,
+        "active": running,
+        "sent_per_node_s": sum(d["sent"] for d in docs) / nodes / seconds,
+        "accepted_per_node_s": sum(d["accepted"] for d in docs) / nodes / seconds,
+        "cpu_ms_per_node_s": 1000 * cpu / nodes / seconds,
+        "crowd_cpu_cores": cpu / seconds,
+        "false_losses": sum(d["lost"] for d in docs),
+        "health_max": max(d["health_max"] for d in docs),
+    }
+    row["status"] = "overloaded" if row["crowd_cpu_cores"] > 0.8 * (os.cpu_count() or 1) else "ok"
+    progress(f"detector N={n}: {row}")
+    return row
+
+
+def detector_table(rows: list[dict[str, Any]]) -> str:
+    heartbeat = (
+        "today's heartbeat per node (bench_scale.py steady rows, c10d): ~7 store requests "
+        "and ~1.2-1.8 ms of CPU a second, at every size (docs/benchmarks.md)"
+    )
+    lines = [
+        f"{'nodes':>6} {'running':>8} {'datagrams out/node/s':>21} {'in/node/s':>10} {'CPU ms/node/s':>14} "
+        f"{'crowd cores':>12} {'losses':>7} {'health max':>11}  status",
+    ]
+    for r in rows:
+        if r["status"] == "did not finish":
+            lines.append(f"{r['nodes']:>6}  did not finish")
+            continue
+        lines.append(
+            f"{r['nodes']:>6} {r['active']:>8} {r['sent_per_node_s']:>21.1f} {r['accepted_per_node_s']:>10.1f} "
+            f"{r['cpu_ms_per_node_s']:>14.2f} {r['crowd_cpu_cores']:>12.2f} "
+            f"{r['false_losses']:>7} {r['health_max']:>11}  {r['status']}"
+        )
+    return "\n".join([*lines, heartbeat])
+
+
 def main() -> int:
     if sys.argv[1:] == ["--serve-c10d"]:
         serve_c10d()
@@ -976,6 +1077,15 @@ def main() -> int:
     parser.add_argument(
         "--interval", type=float, default=KeepAlive.interval, help=argparse.SUPPRESS
     )
+    parser.add_argument(
+        "--detector", action="store_true", help="the failure detector's cost instead (no store)"
+    )
+    parser.add_argument(
+        "--active",
+        type=int,
+        default=0,
+        help="--detector: run only this many consecutive nodes of each ring (0: all)",
+    )
     opts = parser.parse_args()
     opts.window = min(opts.window, 60.0)
     opts.nodes = [int(n) for n in opts.nodes.split(",") if n]
@@ -993,6 +1103,15 @@ def main() -> int:
 
     def progress(line):
         return print(line, file=sys.stderr, flush=True)
+
+    if opts.detector:
+        found = [
+            measure_detector(n, opts.procs, opts.window, progress, opts.active) for n in opts.nodes
+        ]
+        print(detector_table(found), flush=True)
+        if opts.json:
+            print(json.dumps(found))
+        return 0
 
     rows = asyncio.run(run(opts, progress))
     print(table(rows, opts), flush=True)

@@ -80,8 +80,28 @@ def nccl_device():
     return torch.device("cuda", local_rank)
 
 
+def record_term(directory: str) -> None:
+    """A ``term`` event when the daemon or agent stops this worker (SIGTERM), then the default
+    action (bench_recovery.py's ``known`` figure for a restart).  A thread waits for the
+    signal: a Python handler would run only once the main thread's blocked all_reduce
+    returned, and the worker would outlive its SIGTERM until the SIGKILL."""
+    import signal
+    import threading
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads made later inherit it
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGTERM})
+        record(directory, "term")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, daemon=True).start()
+
+
 def main() -> None:
     directory = sys.argv[1]
+    record_term(directory)
     nccl = "nccl" in sys.argv[2:]
     mode = [arg for arg in sys.argv[2:] if arg != "nccl"][:1]
     if mode == ["inplace"]:

@@ -333,6 +333,10 @@ def test_in_place_survivor_on_nccl_is_freed_and_trains_on(
                 f"{exc}\nevents: {[e for e in events(report) if e['time'] > lost_at][:20]}"
                 f"\n{job_output([a, b], job)}"
             ) from None
+        freed = min(e["time"] for e in after) - lost_at
+        print(f"{loss}: the survivor stepped in a world of 1 {freed:.2f} s after the loss")
+        if loss == "freeze":  # nothing closes: the failure detector found it, not the heartbeat
+            assert f"detector: node {b.name} is lost" in a.log_text(), a.log_text()[-3000:]
         before = [
             e
             for e in events(report)

@@ -143,3 +143,30 @@ def test_a_given_up_forming_that_never_ends_ends_the_worker(tmp_path: Path):
     finally:
         worker.kill()
         peer.close()
+
+
+def test_nccl_asynchronous_errors_are_named_and_success_is_none():
+    """group_error reads Backend.get_error (NCCL's asynchronous error; stand-ins here: no GPU)."""
+    import enum
+
+    from elasticd.elastic.runtime import group_error
+
+    class ErrorType(enum.Enum):
+        SUCCESS = 0
+        REMOTE_ERROR = 3
+
+    class Backend:
+        def __init__(self, error):
+            self.error = error
+
+        def get_error(self):
+            return self.error
+
+    class Unsupported:
+        def get_error(self):
+            raise RuntimeError("not supported by this backend")
+
+    assert group_error(Backend(ErrorType.SUCCESS)) is None
+    assert group_error(Backend(ErrorType.REMOTE_ERROR)) == "REMOTE_ERROR"
+    assert group_error(Unsupported()) is None
+    assert group_error(object()) is None

@@ -73,6 +73,9 @@ def _exercised() -> Metrics:
     m.state_write_failed("history", "database or disk is full")
     m.history_quarantined.inc()
     m.history_skipped.inc()
+    m.detector_message("in")
+    m.detector_refused("mac")
+    m.detector_lost(0.4)
     for what, label, value in (
         ("gpus_out", "", 1),
         ("gpu_fault", "xid 79", 1),

@@ -107,6 +107,7 @@ def spec_from_request(
         exit_barrier_timeout=args.get("exit_barrier_timeout", defaults.exit_barrier_timeout),
         in_place=args.get("in_place", False),
         rejoin_timeout=args.get("rejoin_timeout", JobSpec.rejoin_timeout),
+        hang_timeout=float(args.get("hang_timeout", JobSpec.hang_timeout)),
         spares=args.get("spares", JobSpec.spares),
         nodes=tuple(args.get("nodes", ())),
         exclude=tuple(args.get("exclude", ())),

@@ -158,6 +158,24 @@ class WorkerAsked(Stimulus):
 
 
 @dataclass(frozen=True)
+class Progressed(Stimulus):
+    """The worker in ``slot`` reported progress (a commit, a step: the worker library's)."""
+
+    job: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class RanksHung(Stimulus):
+    """The DumpStacks ``op`` is done: each hung local rank's stack is in the job's logs, and
+    ``ranks`` says where each one is (core/hang.py)."""
+
+    job: str
+    op: int
+    ranks: tuple[Any, ...]  # hang.HungRank
+
+
+@dataclass(frozen=True)
 class TimerFired(Stimulus):
     job: str
     name: str
@@ -343,6 +361,8 @@ PART_ONLY = (
     Left,
     WorkerAsked,
     TimerFired,
+    Progressed,
+    RanksHung,
 )
 PartEvent = (
     RoundJoined
@@ -358,6 +378,8 @@ PartEvent = (
     | Left
     | WorkerAsked
     | TimerFired
+    | Progressed
+    | RanksHung
     | OpFailed
     | JobEnded
     | Leaving

@@ -163,6 +163,17 @@ class FailSlots:
 
 
 @dataclass(frozen=True)
+class DumpStacks:
+    """Write the stack of each worker in ``slots`` into its stderr log (the library's signal,
+    py-spy where installed) and say where each is: RanksHung."""
+
+    job: str
+    op: int
+    slots: tuple[int, ...]
+    why: str
+
+
+@dataclass(frozen=True)
 class ForgetSlots:
     """In place: new workers take ``slots``; what the old ones asked or were told is void."""
 
@@ -293,6 +304,7 @@ Instruction = (
     | Notify
     | ForgetSlots
     | FailSlots
+    | DumpStacks
     | ShedSpares
     | StopWorkers
     | Publish

@@ -37,6 +37,7 @@ DEFAULT_ROLE = "default"  # torchrun's --role
 # Fields a daemon of the previous version does not know: left out of a spec's JSON while
 # they hold their default, so that it can still read every ordinary job.
 _OMITTED_AT_DEFAULT = (
+    "hang_timeout",
     "role",
     "master_port",
     "priority",
@@ -230,6 +231,7 @@ class JobSpec:
     in_place: bool = False  # survivors keep their processes across rounds (elasticd.elastic)
     rejoin_timeout: float = 60.0  # in place: how long a survivor may take to ask for its new place
     spares: int = 0  # in place: warm workers per node kept beside the placed ones (free slots)
+    hang_timeout: float = 0.0  # seconds without progress after which ranks are hung (0: never)
     nodes: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     submitted_on: str = ""
@@ -345,6 +347,7 @@ def validate(spec: JobSpec) -> None:
         ("exit_barrier_timeout", True),
         ("rejoin_timeout", True),
         ("last_call_timeout", False),
+        ("hang_timeout", False),
     ):
         value = getattr(spec, name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -45,6 +45,7 @@ class Part:
     slots: int | None = None
     gpus: int | None = None
     spares: int = 0  # in place: warm workers parked beside the placed ones (asked, no place)
+    hung: str = ""  # the root cause of the last hang this node found (core/hang.py's cause)
     before: tuple[tuple[float, float, int, int], ...] = ()
     # this node's share of the job's newest checkpoints (core/checkpoints.py's manifests)
     checkpoints: tuple[dict[str, Any], ...] = ()
@@ -252,6 +253,7 @@ def job_doc(
         "checkpoint": checkpoints.summary(
             checkpoints.manifests((p.node, p.checkpoints) for p in record.parts.values())
         ),
+        "hung": [p.hung for p in parts if p.hung],
         "redacted": False,
     }
 
@@ -288,6 +290,10 @@ def others_view(doc: Mapping[str, Any]) -> dict[str, Any]:
     shown["argv"] = list(doc.get("argv") or [])[:1]
     if doc.get("error"):
         shown["error"] = {**doc["error"], "message": "", "traceback": ""}
+    if doc.get("hung"):  # which rank hung, not where in its code
+        shown["hung"] = ["a rank hung (its node failed it; the job's owner sees which)"] * len(
+            doc["hung"]
+        )
     shown["redacted"] = True
     return shown
 

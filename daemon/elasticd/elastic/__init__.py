@@ -16,7 +16,7 @@ package on every worker's PYTHONPATH. Usage (see examples/elastic_train.py)::
 
 from .driver import run
 from .errors import GroupAborted, HostsUpdatedInterrupt
-from .runtime import check_host_updates, init
+from .runtime import check_host_updates, init, progress
 from .state import ObjectState, State, TorchState
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "TorchState",
     "check_host_updates",
     "init",
+    "progress",
     "run",
 ]

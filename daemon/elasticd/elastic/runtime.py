@@ -4,16 +4,30 @@ group's life, and the membership checks. Torch and the standard library only.
 The agent listens on a per-job Unix socket (``$ELASTICD_AGENT_SOCKET``, owned by the job's
 user) and speaks JSON lines:
 
-- worker -> agent: ``{"op": "hello", "slot": S}`` once; ``{"op": "ready", "round": R,
-  "why": "start"|"interrupt"|"failure", "error": "..."}``: give me my place in a round
-  after R (R = -1: any round).
+- worker -> agent: ``{"op": "hello", "slot": S, "stacks": SIGNAL}`` once (the signal on
+  which this worker dumps every thread's stack to its stderr: faulthandler);
+  ``{"op": "ready", "round": R, "why": "start"|"interrupt"|"failure", "error": "..."}``:
+  give me my place in a round after R (R = -1: any round); ``{"op": "progress"}``: a step
+  or a commit (at most twice a second: a job with ``--hang-timeout`` is watched by them).
 - agent -> worker: ``{"op": "place", "round": R, "env": {...}}``: this worker's rank, world
   size, master address and port in round R; ``{"op": "update", "round": R, "added": bool}``:
   round R is formed, stop at the next ``commit``; ``{"op": "abort", "round": R}``: a member
   is gone, abort the process group now.
 
+A classic job (not ``--in-place``) with a hang timeout gets a channel for progress only
+(``$ELASTICD_PROGRESS_SOCKET``): ``progress()`` and ``check_host_updates()`` report there.
+
 An abort must end a collective that is blocked on a dead peer. NCCL's ``abort`` does that
-(``ncclCommAbort``; written for NCCL, verified only on gloo). Gloo's ``abort`` in torch 2.13
+(``ncclCommAbort``; verified on an H200 with torch 2.11 and NCCL 2.28, tests/gpu).  On NCCL a
+thread also reads the communicator's asynchronous error (``Backend.get_error``, every 50 ms:
+torch offers no callback for it) and, when NCCL saw a peer go (a remote or communication
+error), tells the agent at once, as a failed collective does on gloo: the agent asks the
+members' daemons, and a dead one's node is re-formed without (written for NCCL against
+torch 2.13's API; run here only on gloo, where the thread does not start).
+``torch.distributed.shrink_group`` (NCCL 2.27's ncclCommShrink) was weighed against the abort:
+it needs every survivor to call it with the lost ranks while their main thread is blocked in
+the failed collective, and no GPU was at hand to show that it ends that call and does not
+hang; the abort and a new group, which did both on the H200, stay. Gloo's ``abort`` in torch 2.13
 does not wake a blocked ``all_reduce``, so the sockets that the group opened are also shut
 down (never its listening socket: gloo's listener dies on that), which makes the blocked
 call raise "Connection closed by peer" at once.
@@ -22,9 +36,11 @@ call raise "Connection closed by peer" at once.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 import sys
@@ -52,12 +68,16 @@ NCCL_DEFAULTS = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
+PROGRESS_ENV = "ELASTICD_PROGRESS_SOCKET"  # a classic job's channel, for progress only
+STACKS_SIGNAL = signal.SIGUSR2  # faulthandler dumps every thread's stack to stderr on it
+PROGRESS_EVERY = 0.5  # seconds: progress is reported at most this often
 SLOT_ENV = "ELASTICD_SLOT"
 ROUND_ENV = "ELASTICD_ROUND"
 _MAX_LINE = 64 * 1024
 _POLL = 0.005  # seconds between a rank's looks at rank 0's store port
 _STORE_WAIT = 1800.0  # how long a rank waits for that port: gloo's default group timeout
 _GIVE_UP = 0.02  # seconds between shut-downs of a given-up forming's new sockets
+_ERROR_POLL = 0.05  # seconds between two reads of NCCL's asynchronous error
 _GIVE_UP_LIMIT = 5.0  # seconds a given-up forming may go on before the worker exits
 GIVEN_UP_EXIT = 75  # that worker's exit status (EX_TEMPFAIL)
 # Text of errors that a broken process group raises (gloo and NCCL put them in plain
@@ -94,7 +114,7 @@ class Channel:
         self.added = False  # whether that round brings new workers (they need sync)
         self.aborted = -1  # newest round the agent said the old group cannot reach
         self.closed = False
-        self._send({"op": "hello", "slot": slot})
+        self._send({"op": "hello", "slot": slot, "stacks": register_stacks()})
         threading.Thread(target=self._read, name="elasticd-agent", daemon=True).start()
 
     def _send(self, doc: dict[str, Any]) -> None:
@@ -132,6 +152,14 @@ class Channel:
             self._on_abort(round)
         elif op == "place":
             self._on_place(round)
+
+    def progress(self) -> None:
+        self._send({"op": "progress"})
+
+    def failed(self, round: int, error: str) -> None:
+        """A collective of ``round`` cannot complete (NCCL's asynchronous error): the same
+        word as a failed collective's ask, sent from a thread while the main thread waits."""
+        self._send({"op": "ready", "round": round, "why": "failure", "error": error[:2000]})
 
     def newest(self) -> list[int]:
         """[the newest announced round, whether it adds workers] (one all_reduce's payload)."""
@@ -207,7 +235,20 @@ class Runtime:
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
         self.channel = Channel(path, slot, self._abort, self._placed)
+        self._progressed = -PROGRESS_EVERY
+        self._watching: threading.Event | None = None  # set to stop the NCCL error watch
         atexit.register(self.close)
+
+    def progress(self) -> None:
+        """This worker made progress (a step, a commit): told to the agent, at most twice a
+        second."""
+        now = time.monotonic()
+        if now - self._progressed >= PROGRESS_EVERY:
+            self._progressed = now
+            try:
+                self.channel.progress()
+            except OSError:
+                pass
 
     def close(self) -> None:
         """At exit: leave the group cleanly (a gloo group left to the interpreter's teardown
@@ -221,7 +262,9 @@ class Runtime:
     # -- notices ------------------------------------------------------------------------
 
     def _abort(self, round: int) -> None:
-        """On the reader thread: the group of our round cannot complete; make it fail now."""
+        """On the reader thread: the group of our round cannot complete; make it fail now.
+        NCCL: ``_abort_process_group`` (ncclCommAbort), verified on an H200 (tests/gpu);
+        gloo: its sockets shut down."""
         with self._group_lock:
             if round <= self.round:
                 return
@@ -291,6 +334,7 @@ class Runtime:
 
     def check_host_updates(self) -> None:
         """One collective: every rank learns the newest announcement any rank has seen."""
+        self.progress()
         if self.aborted:
             raise GroupAborted("a member of the job is gone")
         agreed = torch.tensor(self.channel.newest(), dtype=torch.int64, device=default_device())
@@ -318,6 +362,9 @@ class Runtime:
         A broken group's sockets are shut down first: a collective still queued on it (DDP
         launches several) could otherwise hold the group's destructor, which waits for
         them, on a peer that is alive and waiting too, until gloo's timeout (30 minutes)."""
+        if self._watching is not None:
+            self._watching.set()
+            self._watching = None
         if dist.is_initialized():
             self.backend = self.backend or str(dist.get_backend())
             with self._group_lock:
@@ -346,6 +393,7 @@ class Runtime:
             self._wait_for_store()
             init_default_group(self.backend or _default_backend())
             phase("form-end", self.round)
+            self._watch_errors()
         except Exception as exc:
             if self.superseded and not isinstance(exc, GroupAborted):
                 raise GroupAborted(
@@ -382,12 +430,62 @@ class Runtime:
                     ) from None
                 time.sleep(_POLL)
 
+    def _watch_errors(self) -> None:
+        """On NCCL: a thread that reads the group's asynchronous error and tells the agent
+        at once when NCCL saw a peer go (see the module's docstring; written for NCCL,
+        run here on gloo only, where it does not start)."""
+        if str(dist.get_backend()) != "nccl":
+            return
+        backend = nccl_backend()
+        if backend is None:
+            return
+        stop = self._watching = threading.Event()
+        threading.Thread(
+            target=self._error_watch,
+            args=(backend, self.round, stop),
+            daemon=True,
+            name="elasticd-nccl-errors",
+        ).start()
+
+    def _error_watch(self, backend: Any, round: int, stop: threading.Event) -> None:
+        while not stop.wait(_ERROR_POLL):
+            error = group_error(backend)
+            if error is not None:
+                phase("nccl-error", round)
+                try:
+                    self.channel.failed(round, f"NCCL reported {error} (a peer is gone)")
+                except OSError:
+                    pass
+                return
+
     def note_group_sockets(self) -> None:
         """The group's sockets: those opened since just before it formed (``run`` calls this
         again after the first collectives: gloo may connect its pairs lazily)."""
         with self._group_lock:
             before = self._before_group
             self._group_sockets = _opened_since(before)
+
+
+def nccl_backend() -> Any:
+    """The default group's NCCL backend (None where torch has no such accessor).  Written
+    for NCCL against torch 2.13's API; verified only on gloo (where it is not called)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cuda"))
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def group_error(backend: Any) -> str | None:
+    """The name of the backend's asynchronous error (a remote peer gone, a communication
+    error, a timeout), or None while it has none.  ``Backend.get_error`` (torch 2.7+):
+    written for NCCL; verified only on gloo, where the unit tests call it with stand-ins."""
+    try:
+        error = backend.get_error()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    name = getattr(error, "name", str(error))
+    return None if name == "SUCCESS" else name
 
 
 def init_default_group(backend: str) -> None:
@@ -400,6 +498,36 @@ def init_default_group(backend: str) -> None:
     if world is not None and not dist.is_initialized():
         world.group_count = 0
     dist.init_process_group(backend, init_method="env://")
+
+
+def register_stacks() -> int:
+    """Dump every thread's stack to stderr on STACKS_SIGNAL (``kill -USR2 PID`` does it by
+    hand too); the signal's number, for the agent (0 where it cannot be registered)."""
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, ValueError, RuntimeError, OSError):
+        return 0
+    return int(STACKS_SIGNAL)
+
+
+class ProgressChannel:
+    """A classic job's channel to its agent (``$ELASTICD_PROGRESS_SOCKET``): its hello, then
+    progress only.  Nothing comes back."""
+
+    def __init__(self, path: str, slot: int) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._send({"op": "hello", "slot": slot, "stacks": register_stacks()})
+        self._progressed = -PROGRESS_EVERY
+
+    def _send(self, doc: dict[str, Any]) -> None:
+        self._sock.sendall(json.dumps(doc).encode() + b"\n")
+
+    def progress(self) -> None:
+        now = time.monotonic()
+        if now - self._progressed >= PROGRESS_EVERY:
+            self._progressed = now
+            self._send({"op": "progress"})
 
 
 def phase(name: str, round: int) -> None:
@@ -439,9 +567,38 @@ def init(backend: str | None = None) -> None:
         dist.init_process_group(backend or _default_backend())
 
 
+_progress_channel: ProgressChannel | None = None
+_progress_failed = False
+
+
+def progress() -> None:
+    """Tell the agent that this worker made progress (a step): a job with ``--hang-timeout``
+    counts its ranks hung when none does for that long.  ``commit()`` and
+    ``check_host_updates()`` do it already; a script that has neither calls this once per
+    step (it costs a time check; the agent hears at most twice a second).  A no-op outside
+    elasticd."""
+    global _progress_channel, _progress_failed
+    runtime = current()
+    if runtime is not None:
+        runtime.progress()
+        return
+    path = os.environ.get(PROGRESS_ENV)
+    if not path or _progress_failed:
+        return
+    try:
+        if _progress_channel is None:
+            slot = int(os.environ.get(SLOT_ENV, os.environ.get("LOCAL_RANK", "0")))
+            _progress_channel = ProgressChannel(path, slot)
+        _progress_channel.progress()
+    except (OSError, ValueError):
+        _progress_failed = True  # the agent is gone or refused: stop trying
+
+
 def check_host_updates() -> None:
     """Raise HostsUpdatedInterrupt on every rank at the same step when the daemon announced
-    a membership change; a no-op outside an in-place job."""
+    a membership change; a no-op outside an in-place job (where it reports progress only)."""
     runtime = current()
     if runtime is not None:
         runtime.check_host_updates()
+    else:
+        progress()

@@ -28,7 +28,7 @@ from elasticd.shell.fileaccess import FileAccess
 from elasticd.shell.logs import LogBus, OutputLimit
 from elasticd.shell.worker_library import python_path
 from elasticd.shell.workerlink import Ready, WorkerLink
-from elasticd.shell.workers import SOCKET_ENV, LocalWorkers
+from elasticd.shell.workers import PROGRESS_ENV, SOCKET_ENV, LocalWorkers
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.signing import Refused, Signer
@@ -42,6 +42,14 @@ class DeadNodeProbe(Protocol):
     """Which of some nodes' daemons are gone (peers.PeerLinks)."""
 
     async def unreachable(self, nodes: list[str], timeout: float) -> list[str]: ...
+
+
+class RoundGuard(Protocol):
+    """Who the failure detector watches: the members of each round this node is in
+    (cluster/detector.py's DetectorService)."""
+
+    def watch(self, group: str, members: tuple[str, ...]) -> None: ...
+    def unwatch(self, group: str) -> None: ...
 
 
 class OutputMetrics(Protocol):
@@ -80,6 +88,7 @@ class Effectors:
     access: FileAccess = field(default_factory=FileAccess)  # who reads jobs' files on disk
     faults: Faults | None = None  # where the rendezvous keepers' unexpected errors are counted
     tier: CheckpointTier | None = None  # each job's checkpoint directory in memory
+    guard: RoundGuard | None = None  # the failure detector (None: heartbeats only)
 
     def rendezvous(
         self,
@@ -120,6 +129,7 @@ class Effectors:
         started: float | None,
         on_ready: Callable[[Ready], None],
         on_lost: Callable[[tuple[str, ...]], None],
+        on_progress: Callable[[int], None] = lambda slot: None,
     ) -> PartEffectors:
         """A part's effectors: its cgroup made and its channel listening now (a failure
         raises: the part cannot start here)."""
@@ -128,7 +138,7 @@ class Effectors:
             cgroup = self.cgroups.create(spec.id, self.containment.job_limits(nproc))
         link = None
         try:
-            if spec.in_place and self.runtime_dir:
+            if (spec.in_place or spec.hang_timeout) and self.runtime_dir:
                 directory = os.path.join(self.runtime_dir, "agents")
                 os.makedirs(directory, mode=0o755, exist_ok=True)
                 link = WorkerLink(
@@ -137,6 +147,7 @@ class Effectors:
                     gid=spec.gid,
                     slots=nproc,
                     on_ready=on_ready,
+                    on_progress=on_progress,
                 )
                 link.bind()
         except Exception:
@@ -159,7 +170,9 @@ class Effectors:
         )
         if checkpoints:
             env[CHECKPOINT_ENV] = checkpoints
-        return {**env, SOCKET_ENV: link.path} if link is not None else env
+        if link is None:
+            return env
+        return {**env, (SOCKET_ENV if spec.in_place else PROGRESS_ENV): link.path}
 
 
 @dataclass

@@ -131,6 +131,9 @@ def oldest_kept(path: str, count: int) -> int:
     return k
 
 
+CAPTURE_BYTES = 256 * 1024  # of a stream kept while a stack dump is read back
+
+
 class OutputFile:
     """One worker stream's log file, rotated where ``limit`` says (the new file is made by
     ``create``).  A write that fails (a full disk, a quota, a rotation that cannot be done)
@@ -154,9 +157,12 @@ class OutputFile:
         self._dropped = 0
         self._why = ""
         self.tail = b""  # the last TAIL_BYTES written: a failed worker's root cause may be there
+        self.capture: bytearray | None = None  # set: what is written is also kept here (stacks)
 
     def write(self, data: bytes) -> None:
         self.tail = (self.tail + data[-TAIL_BYTES:])[-TAIL_BYTES:]
+        if self.capture is not None and len(self.capture) < CAPTURE_BYTES:
+            self.capture += data[: CAPTURE_BYTES - len(self.capture)]
         if self._dropped and self._write(self._gap_notice()):
             self._dropped = 0
         if self._dropped or not self._write(data):

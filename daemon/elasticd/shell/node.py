@@ -25,6 +25,7 @@ from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.discovery import Listing
 from elasticd.core.events import stimulus_kind
+from elasticd.core.hang import HungRank, where
 from elasticd.core.model import JobSpec, WorkerGroup
 from elasticd.core.node import NodeCore
 from elasticd.core.placement import Resources
@@ -277,9 +278,16 @@ class NodeShell:
             join.job,
             join.op,
             part.rdzv.next_rendezvous(join.nproc, port, join.scheduled),
-            lambda info: ev.RoundJoined(join.job, join.op, info),
+            lambda info: self._round_joined(join.job, join.op, info),
             fail,
         )
+
+    def _round_joined(self, job: str, op: int, info: Any) -> ev.Event:
+        """A round formed with this node: the failure detector watches its members."""
+        guard = self._effectors.guard
+        if guard is not None:
+            guard.watch(job, tuple(m.node for m in info.members))
+        return ev.RoundJoined(job, op, info)
 
     def _watch(self, watch: do.Watch) -> None:
         part = self._parts[watch.job]
@@ -421,6 +429,25 @@ class NodeShell:
         workers = self._parts[failing.job].workers
         assert workers is not None
         self._quiet(failing.job, workers.stop_slots(failing.slots, failure=failing.why))
+
+    def _dump_stacks(self, dump: do.DumpStacks) -> None:
+        part = self._parts[dump.job]
+        workers, link = part.workers, part.link
+
+        async def stacks() -> tuple[HungRank, ...]:
+            if workers is None:
+                return ()
+            texts = await workers.dump_stacks(
+                dump.slots, link.stack_signals if link is not None else {}
+            )
+            ranks = {w.local_rank: w.rank for w in workers.group.workers}
+            found = []
+            for slot in dump.slots:
+                inside, frame = where(texts.get(slot, ""))
+                found.append(HungRank(slot, ranks.get(slot, -1), inside, frame))
+            return tuple(found)
+
+        self._op(dump.job, dump.op, stacks(), lambda ranks: ev.RanksHung(dump.job, dump.op, ranks))
 
     def _stop_workers(self, stopping: do.StopWorkers) -> None:
         workers = self._parts[stopping.job].workers
@@ -567,6 +594,7 @@ class NodeShell:
                 starting.started,
                 asked,
                 lambda lost: self.post(ev.NodesLost(lost)),
+                lambda slot: self.post(ev.Progressed(starting.job, slot)),
             )
         except Exception as exc:
             log.exception(
@@ -587,6 +615,10 @@ class NodeShell:
 
     def _close_part(self, closing: do.ClosePart) -> None:
         part = self._parts[closing.job]
+
+        guard = self._effectors.guard
+        if guard is not None:
+            guard.unwatch(closing.job)
 
         async def close() -> None:
             try:
@@ -768,6 +800,7 @@ _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.Notify: NodeShell._notify,
     do.ForgetSlots: NodeShell._forget,
     do.FailSlots: NodeShell._fail_slots,
+    do.DumpStacks: NodeShell._dump_stacks,
     do.StopWorkers: NodeShell._stop_workers,
     do.ShedSpares: NodeShell._shed,
     do.Publish: NodeShell._publish,

@@ -3,7 +3,11 @@
 owned by the job's user and no one else (0600), JSON lines.
 
 Workers never reach the cluster store through it: all they learn is their own place in a
-round and notices. A line over 64 KiB, one that is not a message (:func:`decode`: bounded
+round and notices.  They tell it when they ask for a place, and their progress (a commit, a
+step: at most once a second per worker is passed on), which a job with ``--hang-timeout``
+watches; a worker's hello names the signal on which its library dumps its stacks
+(faulthandler), which the agent sends only to a worker that named one.  A classic job with a
+hang timeout has the channel too, for progress only. A line over 64 KiB, one that is not a message (:func:`decode`: bounded
 JSON of the right shape, or :class:`Malformed`) or a peer that does not read closes that
 connection, never the agent.
 """
@@ -17,6 +21,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +34,8 @@ _MAX_LINE = 64 * 1024
 _MAX_BUFFERED = 256 * 1024  # unread notices a worker may hold before it is cut off
 _MAX_DEPTH = 4  # {"op": ...} holds scalars only
 _WHY = ("start", "interrupt", "failure")
+PROGRESS_EVERY = 1.0  # seconds: a worker's progress is passed on at most this often
+_SIGNALS = range(1, 65)  # a signal a library may name for its stack dumps (not 9, not 19)
 
 
 class Malformed(ValueError):
@@ -37,9 +44,16 @@ class Malformed(ValueError):
 
 @dataclass(frozen=True)
 class Hello:
-    """A worker says which slot it is."""
+    """A worker says which slot it is, and on which signal its library dumps its stacks (0:
+    none)."""
 
     slot: int
+    stacks: int = 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A worker made progress (a commit, a step)."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +68,23 @@ class Ready:
 
 class WorkerLink:
     def __init__(
-        self, path: str, *, uid: int, gid: int, slots: int, on_ready: Callable[[Ready], None]
+        self,
+        path: str,
+        *,
+        uid: int,
+        gid: int,
+        slots: int,
+        on_ready: Callable[[Ready], None],
+        on_progress: Callable[[int], None] = lambda slot: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
         self._uid, self._gid, self._slots = uid, gid, slots
         self._on_ready = on_ready
+        self._on_progress = on_progress
+        self._clock = clock
+        self._progressed: dict[int, float] = {}  # slot -> when its progress was last passed on
+        self.stack_signals: dict[int, int] = {}  # slot -> the signal its library dumps stacks on
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._places: dict[int, tuple[int, dict[str, str]]] = {}
         self._asked: dict[int, int] = {}  # slot -> the round it last asked to leave behind
@@ -164,8 +190,14 @@ class WorkerLink:
                     slot = self._hello(message.slot, writer)
                     if slot is None:
                         return
+                    if message.stacks:
+                        self.stack_signals[slot] = message.stacks
+                    else:
+                        self.stack_signals.pop(slot, None)
                 elif isinstance(message, Ready) and slot is not None:
                     self._ready(slot, message)
+                elif isinstance(message, Progress) and slot is not None:
+                    self._progress(slot)
                 else:
                     return
         except (Malformed, ValueError, asyncio.LimitOverrunError, ConnectionError, OSError) as exc:
@@ -195,22 +227,34 @@ class WorkerLink:
             self._send(slot, {"op": "place", "round": round, "env": env})
         return slot
 
+    def _progress(self, slot: int) -> None:
+        now = self._clock()
+        if now - self._progressed.get(slot, -PROGRESS_EVERY) >= PROGRESS_EVERY:
+            self._progressed[slot] = now
+            self._on_progress(slot)
+
     def _ready(self, slot: int, asked: Ready) -> None:
         self._asked[slot] = max(self._asked.get(slot, -2), asked.after)
         self._on_ready(Ready(slot, asked.after, asked.why, asked.error))
 
 
-def decode(line: bytes) -> Hello | Ready:
-    """One line from a worker: ``{"op": "hello", "slot": N}`` or ``{"op": "ready", "round": N,
-    "why": ..., "error": ...}`` (a Ready whose slot, -1, is the connection's to say); anything
-    else, whatever its bytes, is Malformed."""
+def decode(line: bytes) -> Hello | Ready | Progress:
+    """One line from a worker: ``{"op": "hello", "slot": N, "stacks": SIGNAL}`` (``stacks``
+    optional), ``{"op": "ready", "round": N, "why": ..., "error": ...}`` (a Ready whose slot,
+    -1, is the connection's to say) or ``{"op": "progress"}``; anything else, whatever its
+    bytes, is Malformed."""
     try:
         doc = safejson.loads(line, max_bytes=_MAX_LINE, max_depth=_MAX_DEPTH)
     except safejson.Undecodable as exc:
         raise Malformed(f"not JSON: {exc}") from None
     op = doc.get("op") if isinstance(doc, dict) else None
     if op == "hello":
-        return Hello(_count(doc, "slot"))
+        stacks = doc.get("stacks", 0)
+        if type(stacks) is not int or (stacks and stacks not in _SIGNALS) or stacks in (9, 19):
+            raise Malformed("stacks is not a signal number")
+        return Hello(_count(doc, "slot"), stacks)
+    if op == "progress":
+        return Progress()
     if op == "ready":
         why, error = doc.get("why"), doc.get("error", "")
         if why not in _WHY or not isinstance(error, str):

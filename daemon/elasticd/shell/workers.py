@@ -26,10 +26,12 @@ started, even with ``setsid``, dies with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -65,11 +67,13 @@ _prctl = _libc.prctl
 _CHUNK = 64 * 1024
 _DRAIN_CHUNKS = 16  # chunks of stderr copied at a failed exit, before its root cause is read
 _EMPTY_TIMEOUT = 10.0  # seconds for a killed cgroup to empty (processes in D state may lag)
+_STACK_BYTES = 256 * 1024  # of a worker's stack dump kept (py-spy's, faulthandler's)
 _DRAIN_TIMEOUT = 2.0  # seconds for the pipes to reach EOF once every worker is gone
 EXEC_FAILED = 127  # a worker that could not be started counts as this exit code
 NO_WORKDIR = 126  # the working directory could not be entered (as the user)
 
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"  # an in-place worker's channel to its agent (elastic.runtime)
+PROGRESS_ENV = "ELASTICD_PROGRESS_SOCKET"  # a classic job's, for progress only (--hang-timeout)
 SLOT_ENV = "ELASTICD_SLOT"
 
 OutputSink = Callable[[], None]  # a worker wrote output (followers read the files)
@@ -422,10 +426,10 @@ class LocalWorkers:
             self.group if worker.rank >= 0 else replace(self.group, round=-1)
         )  # warming: no rank
         env = worker_env(self.spec, group, worker, error_file=self.error_file(worker))
-        for inherited in (SOCKET_ENV, SLOT_ENV):  # a job submitted from inside another job
+        for inherited in (SOCKET_ENV, PROGRESS_ENV, SLOT_ENV):  # a job run inside another job
             env.pop(inherited, None)
         env.update(self._extra_env)
-        if SOCKET_ENV in self._extra_env:
+        if SOCKET_ENV in self._extra_env or PROGRESS_ENV in self._extra_env:
             env[SLOT_ENV] = str(worker.local_rank)
         join_fds = self._cgroup.join_fds() if self._cgroup is not None else []
         try:
@@ -608,6 +612,45 @@ class LocalWorkers:
             )
         await self._drain_pipes()
 
+    async def dump_stacks(
+        self, slots: tuple[int, ...], signals: Mapping[int, int], settle: float = 1.0
+    ) -> dict[int, str]:
+        """Each live worker of ``slots``: its stack written into its stderr log, and read
+        back.  A worker whose library named a signal (``signals``) gets it (faulthandler
+        writes every thread's stack to its stderr); py-spy, where installed, adds the native
+        frames (``py-spy dump --native``, its output written into the same log under a line
+        that says so).  What each wrote is returned (an empty text: nothing could be had)."""
+        live = {
+            s: self._procs[s] for s in slots if s in self._procs and self._procs[s].poll() is None
+        }
+        sinks = {s: self._outputs.get(s, {}).get("err") for s in live}
+        for sink in sinks.values():
+            if sink is not None:
+                sink.capture = bytearray()
+        for slot, proc in live.items():
+            if slot in signals:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, signals[slot])
+        spy = shutil.which("py-spy")
+        native = await asyncio.gather(
+            *(_py_spy(spy, proc.pid) if spy else asyncio.sleep(0, "") for proc in live.values())
+        )
+        await asyncio.sleep(settle)  # the pipes are copied on the loop meanwhile
+        texts = {}
+        for (slot, proc), spied in zip(live.items(), native):
+            sink = sinks[slot]
+            caught = bytes(sink.capture or b"") if sink is not None else b""
+            if sink is not None:
+                sink.capture = None
+                if spied:
+                    sink.write(
+                        f"\nelasticd: py-spy dump --native --pid {proc.pid} (this worker):\n".encode()
+                        + spied.encode(errors="replace")
+                        + b"\n"
+                    )
+            texts[slot] = caught.decode(errors="replace") + ("\n" + spied if spied else "")
+        return texts
+
     async def stop_slots(self, slots: tuple[int, ...], failure: str = "") -> None:
         """Stop the workers in ``slots`` only: spares given back (they show STOPPED), or, with
         ``failure``, workers that failed by the daemon's judgement (a warm-up past its
@@ -661,6 +704,31 @@ class LocalWorkers:
             await asyncio.wait(open_pipes, timeout=_DRAIN_TIMEOUT)
         for pipe in self._pipes:
             self._close_pipe(pipe)
+
+
+async def _py_spy(program: str, pid: int, timeout: float = 20.0) -> str:
+    """``py-spy dump --native`` of ``pid`` ("" when it fails or takes too long)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            program,
+            "dump",
+            "--native",
+            "--pid",
+            str(pid),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    except OSError:
+        return ""
+    try:
+        async with asyncio.timeout(timeout):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return ""
+    return out.decode(errors="replace")[-_STACK_BYTES:] if proc.returncode == 0 else ""
 
 
 def _members(groups: set[int]) -> list[int]:

@@ -58,6 +58,14 @@ def _derive(key: bytes, purpose: str, cluster: str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(key)
 
 
+def subkey(key: bytes, purpose: str, cluster: str) -> bytes:
+    """A key of its own for ``purpose`` (the failure detector's MAC), derived from the
+    cluster key as the records' keys are: knowing it tells nothing of theirs."""
+    if not key:
+        raise ValueError("the cluster key is empty")
+    return _derive(bytes(key), purpose, cluster)
+
+
 @dataclass(frozen=True)
 class Opened:
     body: Any

@@ -52,6 +52,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "exit_barrier_timeout": (int, float),
         "in_place": (bool,),
         "rejoin_timeout": (int, float),
+        "hang_timeout": (int, float),
         "spares": (int,),
         "role": (str,),
         "master_port": (int,),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elasticd.core import events as ev
+from elasticd.core import hang
 from elasticd.core import instructions as do
 from elasticd.core.model import (
     PART_STATES,
@@ -116,6 +117,13 @@ class PartCore:
     going_to: Phase | None = None  # the phase the event being handled leads to, if one
     # this node's share of the job's newest checkpoints, as the checkpoint tier saw them
     checkpoints: tuple[Mapping[str, Any], ...] = ()
+    # hung ranks (core/hang.py): each slot's last progress (monotonic), the hang timer's
+    # name, how many checks found the round hung with no culprit here, and what they found
+    progress: dict[int, float] = field(default_factory=dict)
+    hang_timer: str | None = None
+    hang_checks: int = 0
+    hung: tuple[hang.HungRank, ...] = ()
+    hang_cause: str = ""  # the last root cause of a hang found here (shown by status)
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -241,6 +249,7 @@ class PartCore:
             gpus=len(self.gpus) - len(spares.given_gpus(self)),
             spares=len(self.pool.parked()) if self.pool is not None else 0,
             checkpoints=tuple(dict(m) for m in self.checkpoints),
+            hung=self.hang_cause,
         )
         if info:
             part = replace(
@@ -287,6 +296,7 @@ class PartCore:
         """This node's workers are ``group`` in the round ``info``: publish it running."""
         self.info, self.group = info, group
         self.started = self.started or now.wall
+        self.progress, self.hang_checks, self.hung = {}, 0, ()
         return self.report(PartState.RUNNING, now, info, group)
 
     def watch(self, now: ev.Now, notice_waiting: bool | None = None) -> Instructions:
@@ -514,6 +524,116 @@ class PartCore:
             (self.job, self.info.round, ", ".join(lost), Decision.NODE_LOST.value),
         )
         return [say, *self._act(Decision.NODE_LOST, seen, now)]
+
+    # -- hung ranks (core/hang.py) -----------------------------------------------------------
+
+    def _placed_slots(self) -> tuple[int, ...]:
+        group = self.group
+        if group is None:
+            return ()
+        return tuple(
+            w.local_rank
+            for w in group.workers
+            if w.rank >= 0 and w.state in (WorkerState.HEALTHY, WorkerState.INIT)
+        )
+
+    def _progressed(self, event: ev.Progressed, now: ev.Now) -> Instructions:
+        """A worker made progress: the round is not hung; watch it from here on."""
+        self.progress[event.slot] = now.mono
+        self.hang_checks, self.hung = 0, ()
+        if self.phase is not Phase.RUNNING or not self.spec.hang_timeout or self.hang_timer:
+            return []
+        return self._arm_hang(now.mono + self.spec.hang_timeout)
+
+    def _arm_hang(self, at: float) -> Instructions:
+        self.hang_timer = f"hang/{self.new_op('timer-hang')}"
+        return [do.SetTimer(self.hang_timer, at, job=self.job)]
+
+    def _timer(self, event: ev.TimerFired, now: ev.Now) -> Instructions:
+        if event.name == self.hang_timer:
+            self.hang_timer = None
+            self.forget_op("timer-hang")
+            return self._hang_check(now)
+        return inplace.timer(self, event, now) if self.pool is not None else []
+
+    def _timer_aside(self, event: ev.TimerFired, now: ev.Now) -> Instructions:
+        if event.name == self.hang_timer:  # out of a running round: checked once back in one
+            self.hang_timer = None
+            self.forget_op("timer-hang")
+            return []
+        return inplace.timer_aside(self, event, now)
+
+    def _hang_check(self, now: ev.Now) -> Instructions:
+        """No progress from any placed worker for the hang timeout: dump their stacks (once);
+        on a second such check, with no culprit found anywhere, fail them."""
+        timeout = self.spec.hang_timeout
+        slots = hang.hung_slots(self.progress, self._placed_slots(), timeout, now.mono)
+        if not slots:
+            at = hang.next_check(self.progress, self._placed_slots(), timeout)
+            return self._arm_hang(max(at, now.mono + 0.1)) if at is not None else []
+        if self.hang_checks and self.hung:
+            self.hang_checks = 0
+            return self._fail_hung(self.hung, hang.waited_cause, now)
+        if "dump" in self.ops:
+            return []
+        why = f"no progress for {timeout:g} s"
+        return [
+            do.Say(
+                "warning",
+                "job %s round %d: ranks %s on %s made %s: dumping their stacks into the job's logs",
+                self.job,
+                (
+                    self.job,
+                    self.info.round if self.info else -1,
+                    self._ranks(slots),
+                    self.settings.node,
+                    why,
+                ),
+            ),
+            do.DumpStacks(self.job, self.new_op("dump"), slots, why),
+        ]
+
+    def _ranks(self, slots: tuple[int, ...]) -> list[int]:
+        ranks = {w.local_rank: w.rank for w in self.group.workers} if self.group else {}
+        return [ranks.get(s, -1) for s in slots]
+
+    def _ranks_hung(self, event: ev.RanksHung, now: ev.Now) -> Instructions:
+        """The stacks are in the logs: fail the ranks that are not inside a collective (the
+        root cause); with none here, wait one more timeout for the culprit's node."""
+        self.done(event)
+        ranks = tuple(event.ranks)
+        guilty = hang.culprits(ranks)
+        if guilty:
+            self.hang_checks, self.hung = 0, ()
+            return self._fail_hung(guilty, hang.cause, now)
+        self.hang_checks, self.hung = self.hang_checks + 1, ranks
+        out = [
+            do.Say(
+                "warning",
+                "job %s: its ranks %s on %s wait in a collective: the rank they wait for is "
+                "elsewhere (its node fails it), else they fail in %g s",
+                self.job,
+                (self.job, [r.rank for r in ranks], self.settings.node, self.spec.hang_timeout),
+            )
+        ]
+        return out + self._arm_hang(now.mono + self.spec.hang_timeout)
+
+    def _ranks_hung_aside(self, event: ev.RanksHung, now: ev.Now) -> Instructions:
+        self.done(event)
+        return []
+
+    def _fail_hung(
+        self, ranks: tuple[hang.HungRank, ...], why: Callable[..., str], now: ev.Now
+    ) -> Instructions:
+        out: Instructions = []
+        for rank in ranks:
+            cause = why(rank, self.settings.node, self.spec.hang_timeout)
+            self.hang_cause = cause
+            out += [
+                do.Say("error", "job %s: %s", self.job, (self.job, cause)),
+                do.FailSlots(self.job, (rank.slot,), cause),
+            ]
+        return out + self.report(self.report_state, now, self.info, self.group)
 
     def _act(self, decision: Decision, seen: Observed, now: ev.Now) -> Instructions:
         """Carry out a decision: every one but WATCH stops the round's watch; those that
@@ -766,7 +886,9 @@ _AROUND = _rows(
     CheckpointsChanged=Go(PartCore._checkpoints_changed),
     WorkersChanged=Go(PartCore._workers_changed),
     WorkerAsked=Go(inplace.noted_asked),
-    TimerFired=Go(inplace.timer_aside),
+    TimerFired=Go(PartCore._timer_aside),
+    Progressed=Go(PartCore._progressed),
+    RanksHung=Go(PartCore._ranks_hung_aside),
     NodesLost=HEARD,
     JobEnded=NOTED,
     Leaving=NOTED,
@@ -802,7 +924,8 @@ PART_EVENTS: EventTable[Phase, Go] = EventTable(
             **_AROUND,
             ev.RoundChanged: Go(PartCore._round_changed),
             ev.WorkerAsked: Go(inplace.running_asked),
-            ev.TimerFired: Go(inplace.timer),
+            ev.TimerFired: Go(PartCore._timer),
+            ev.RanksHung: Go(PartCore._ranks_hung),
             ev.PeersProbed: Go(inplace.running_probed),
             ev.NodesLost: Go(PartCore._nodes_lost),
             ev.JobEnded: Go(PartCore._observe_it),
@@ -834,6 +957,8 @@ PART_EVENTS: EventTable[Phase, Go] = EventTable(
             WorkersChanged=HEARD,
             WorkerAsked=HEARD,
             TimerFired=HEARD,
+            Progressed=HEARD,
+            RanksHung=HEARD,
             NodesLost=HEARD,
             JobEnded=HEARD,
             Leaving=HEARD,
