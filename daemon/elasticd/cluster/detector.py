@@ -240,6 +240,20 @@ class DetectorMetrics(Protocol):
     def detector_state(self, watched: int, health: int) -> None: ...
 
 
+class _Uncounted:
+    def detector_message(self, direction: str) -> None:
+        pass
+
+    def detector_refused(self, why: str) -> None:
+        pass
+
+    def detector_lost(self, silent: float) -> None:
+        pass
+
+    def detector_state(self, watched: int, health: int) -> None:
+        pass
+
+
 class DetectorService:
     """The detector of this node, in a thread of its own (see the module's docstring).
     ``watch``, ``unwatch`` and ``learn`` are called on the daemon's loop; ``on_lost`` is
@@ -263,7 +277,7 @@ class DetectorService:
         self._wire = Wire(key, node, boot)
         self._on_lost = on_lost
         self._max_rate = max_rate
-        self._metrics = metrics or DetectorMetrics()
+        self._metrics: DetectorMetrics = metrics or _Uncounted()
         self._clock = clock
         self._told = Throttle(log_interval)
         self._sock: socket.socket | None = None
