@@ -201,7 +201,8 @@ class Zap:
 
 
 class RouterServer:
-    """A ROUTER that runs ``handler(caller, request, reply)`` for each request in its own task.
+    """A ROUTER that runs ``handler(caller, request, reply)`` for each request in a task of
+    its own, in the one task group of ``serve``: none outlives it.
 
     ``identify`` turns a message's ZAP User-Id into the caller the handler sees.
     """
@@ -221,7 +222,6 @@ class RouterServer:
         self._handler = handler
         self._identify = identify
         self._count = on_request or (lambda op, result: None)
-        self._tasks: set[asyncio.Task[None]] = set()
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ZAP_DOMAIN, domain)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -241,18 +241,19 @@ class RouterServer:
         return self.endpoint
 
     async def serve(self) -> None:
-        while True:
-            frames = await self._router.recv_multipart(copy=False)
-            if len(frames) != 2:
-                self._count("invalid", protocol.E_BAD_REQUEST)
-                log.warning("control: dropped a message of %d frames", len(frames))
-                continue
-            identity, frame = frames
-            task = asyncio.create_task(self._dispatch(identity.bytes, frame))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        """Serve until cancelled; the requests in flight are cancelled with it."""
+        async with asyncio.TaskGroup() as requests:
+            while True:
+                frames = await self._router.recv_multipart(copy=False)
+                if len(frames) != 2:
+                    self._count("invalid", protocol.E_BAD_REQUEST)
+                    log.warning("control: dropped a message of %d frames", len(frames))
+                    continue
+                identity, frame = frames
+                requests.create_task(self._dispatch(identity.bytes, frame))
 
     async def _dispatch(self, identity: bytes, frame: zmq.Frame) -> None:
+        """Never raises (but for cancellation): one request must not end the others."""
         raw = frame.bytes
         reply = RouterReply(self._router, identity, protocol.request_id(raw))
         try:
@@ -260,11 +261,12 @@ class RouterServer:
         except ElasticdError as exc:
             await _refuse(reply, "invalid", exc.code, exc.message, self._count)
             return
+        except Exception:
+            log.exception("control: cannot tell who sent a request")
+            return
         await answer(self._handler, caller, raw, reply, self._count)
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
         self._router.close(linger=0)
 
 
