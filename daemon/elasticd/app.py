@@ -83,6 +83,7 @@ from elasticd.store.keyspace import Keyspace
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer, load_key, load_or_create_key
 from elasticd.store.tcpstore import TCPStoreClient
+from elasticd.wire.numbers import is_whole
 from elasticd.wire.paths import how_to_reach, is_own_dir
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ class Notifier:
         """Half of WATCHDOG_USEC when the watchdog is meant for us."""
         usec = os.environ.get("WATCHDOG_USEC")
         pid = os.environ.get("WATCHDOG_PID")
-        if not usec or (pid and int(pid) != os.getpid()):
+        if not is_whole(usec or "") or (pid and (not is_whole(pid) or int(pid) != os.getpid())):
             return None
         return int(usec) / 2e6
 

@@ -35,6 +35,7 @@ from elasticd.store.signing import (
     open_or_refuse,
     open_version,
 )
+from elasticd.wire.numbers import json_int, json_number, whole
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +84,15 @@ class NodeRecord:
         return cls(
             NodeInfo.from_json(doc["info"]),
             bool(doc.get("draining")),
-            int(doc.get("slots_used", 0)),
-            int(doc.get("gpus_used", 0)),
+            json_int(doc.get("slots_used", 0), "slots_used"),
+            json_int(doc.get("gpus_used", 0), "gpus_used"),
             tuple(doc.get("jobs", ())),
             str(doc.get("peer_endpoint", "")),
             str(doc.get("peer_key", "")),
-            float(doc.get("blacklisted_until", 0.0)),
+            json_number(doc.get("blacklisted_until", 0.0), "blacklisted_until"),
             bool(doc.get("listed", True)),
             containment=Containment.from_json(doc.get("containment")),
-            gpus_out={int(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()},
+            gpus_out={whole(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()},
         )
 
 
@@ -630,11 +631,15 @@ class NodeRegistry:
 
 
 def _parse_entry(body: Any) -> tuple[int, dict[str, Membership]]:
-    return int(body["term"]), parse_members(body["changes"])
+    return json_int(body["term"], "term"), parse_members(body["changes"])
 
 
 def _parse_snapshot(body: Any) -> tuple[int, int, dict[str, Membership]]:
-    return int(body["term"]), int(body["number"]), parse_members(body["members"])
+    return (
+        json_int(body["term"], "term"),
+        json_int(body["number"], "number"),
+        parse_members(body["members"]),
+    )
 
 
 def _epoch_token(body: Any) -> str:

@@ -55,6 +55,7 @@ from elasticd.store.signing import (
     VersionClock,
     open_or_refuse,
 )
+from elasticd.wire.numbers import json_int
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +332,7 @@ class JobBoard:
             if spec.id != rest:
                 raise ValueError(f"the spec is job {spec.id}'s")
             ended = Outcome.from_json(body["outcome"]) if body.get("outcome") else None
-            return Change(kind, rest, (int(body["seq"]), spec, ended))
+            return Change(kind, rest, (json_int(body["seq"], "seq"), spec, ended))
         if kind == "outcome":
             return Change(kind, rest, Outcome.from_json(body))
         job_id, _, node = rest.partition("/")
