@@ -358,7 +358,9 @@ class Daemon:
                 blacklist=Blacklist(config.blacklist.policy)
                 if config.blacklist.policy.enabled
                 else None,
-                gpu_watch=GpuWatch(config.gpu.policy) if nvml is not None else None,
+                gpu_watch=GpuWatch(config.gpu.policy, told=Throttle(config.log.summary_interval))
+                if nvml is not None
+                else None,
             )
             service = NodeShell(
                 core,
