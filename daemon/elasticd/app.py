@@ -432,6 +432,7 @@ class Daemon:
                 domain=PEER_DOMAIN,
                 identify=PeerCaller,
                 curve_secret=keys.secret,
+                log_interval=config.log.summary_interval,
             )
             closing.callback(peer_server.close)
             # the TCP ports first: a port in use stops start-up before the control socket exists
@@ -453,6 +454,7 @@ class Daemon:
                 on_request=self._count_request,
                 on_connections=self.metrics.control_connections.set,
                 world_accessible=os.getuid() == 0,
+                log_interval=config.log.summary_interval,
             )
             control.bind()
             closing.callback(control.close)

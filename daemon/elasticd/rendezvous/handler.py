@@ -554,8 +554,9 @@ class RendezvousHandler:
                 if restore.act is Act.RESTORE:
                     why = "vanished" if snap.raw is None else "was refused"
                     (snap, logged), won = await self._write(snap, restore.state)
-                    if won:
-                        self._logger.warning(
+                    if won:  # anyone may delete it as often as they like: told once per interval
+                        self._tell(
+                            "restored",
                             "rendezvous %s: the state %s; %s restored round %d",
                             self._settings.run_id,
                             why,
