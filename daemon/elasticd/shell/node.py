@@ -516,7 +516,7 @@ class NodeShell:
         self._settled[i.job] = asyncio.Event()
         part.keeper = self._tasks.create_task(part.rdzv.keep(), name=f"keeper-{i.job}")
         if part.link is not None:
-            self._quiet(i.job, part.link.open())
+            self._quiet(i.job, part.link.serve())
 
     def _close_part(self, i: do.ClosePart) -> None:
         part = self._parts[i.job]
