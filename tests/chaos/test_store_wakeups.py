@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 from harness import Daemon, worker_args
-from store_attack import Attacker, Cluster, attacker, metric
+from store_attack import Attacker, Cluster, attacker, metric, wait_for
 from test_store_forgery import ENDED, assert_still_running, cancel_and_check, status, two_node_job
 
 WINDOW = 8.0  # seconds each window is measured
@@ -70,6 +70,7 @@ class Targets:
         self.store, self.jobs, self.barrier = store, jobs, barrier
 
     def next_keys(self, ahead: int = 1) -> list[str]:
+        """The feed's, the change log's and each job's next ``ahead`` keys."""
         feed = body(self.store.read("nodes/feed/head"))["body"]["number"]
         log = self.store.count("jobs/log") or 0
         keys = [f"nodes/feed/{feed + n}" for n in range(1, ahead + 1)]
@@ -95,6 +96,7 @@ class Flood:
         self._tcpstore = isinstance(self._client, Attacker)
         self._stop = threading.Event()
         self.sent = 0
+        self.extra: list[str] = []  # more keys to wake, as given
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -104,7 +106,7 @@ class Flood:
             try:
                 if time.monotonic() - looked > 0.5:
                     keys, looked = self._targets.next_keys(), time.monotonic()
-                for key in keys:
+                for key in keys + self.extra:
                     if self._tcpstore:
                         self._client.store.compare_set(self._client.key(key), "x", "y")
                     else:
@@ -209,4 +211,54 @@ def test_forged_wake_ups_make_no_daemon_work_and_the_jobs_run_on(cluster, shared
         final = daemon.wait_job(barrier, lambda d: d["state"] in ENDED, timeout=60)
         assert final["state"] == "SUCCEEDED", (daemon.name, final)
     cancel_and_check(cluster, n1, running, pids)
+    assert all(d.proc.poll() is None for d in cluster)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["written", "flooded"])
+def test_forged_join_log_and_revisions_make_no_joiner_work(cluster, shared_tmp, figures, how):
+    """Nodes that joined a round still forming (a 3-node job on two nodes, placement without
+    the scheduler) wait on the next revision, or on a number of the join log taken but not
+    written yet.  The attacker writes junk at the next revisions, takes 60 numbers of the
+    round's join counter, writes junk at half of them and, flooding, wakes the rest."""
+    config = "[scheduler]\nenabled = false\n"
+    n1, _n2 = cluster.add("n1", config=config), cluster.add("n2", config=config)
+    cluster.start()
+    store = attacker(cluster)
+    job = n1.submit("--nnodes", "3", *worker_args())["id"]
+    joins = f"rdzv/{job}/round/0/joins"
+    entries = f"rdzv/{job}/round/0/join"
+
+    wait_for(lambda: store.count(joins) == 2, 60, "both nodes joined the forming round")
+    backend = "etcd" if cluster.etcd else "c10d"
+    quiet_cpu, quiet_reads = measure(cluster, WINDOW)
+    state = store.read(f"rdzv/{job}/state")  # none while the first round forms
+    version = body(state)["ver"] if state is not None else 0
+    for n in range(1, AHEAD + 1):
+        store.write(f"rdzv/{job}/rev/{version + n}", b"junk")
+    store.write(joins, b"60")  # 3..60 taken, never written
+    for n in range(3, 31):
+        store.write(f"{entries}/{n}", b'{"v":2,"ver":0,"body":{},"mac":"00"}')
+    if how == "written":
+        cpu, reads = measure(cluster, WINDOW)
+    else:
+        holes = [f"{entries}/{n}" for n in range(31, 61)]
+        targets = Targets(store, [], (job, 0, "nobody"))
+        with Flood(cluster, targets) as flood:
+            flood.extra = holes
+            cpu, reads = measure(cluster, WINDOW)
+    figures.add(
+        f"joiners ({backend}, {how}): CPU per daemon, quiet -> attacked",
+        " / ".join(f"{q * 100:.0f}% -> {a * 100:.0f}%" for q, a in zip(quiet_cpu, cpu)),
+    )
+    figures.add(
+        f"joiners ({backend}, {how}): store reads per daemon in {WINDOW:g} s, quiet -> attacked",
+        " / ".join(f"{q:.0f} -> {a:.0f}" for q, a in zip(quiet_reads, reads)),
+    )
+    assert all(c < CPU_BOUND for c in cpu), (cpu, quiet_cpu)
+    assert all(a <= 3 * q + 20 * WINDOW for q, a in zip(quiet_reads, reads)), (reads, quiet_reads)
+    for daemon in cluster:  # still waiting for a third node, not failed, not started
+        doc = status(daemon, job)
+        assert doc["state"] in ("PENDING", "RENDEZVOUS") and doc["restarts"] == 0, doc
+    assert n1.ctl("cancel", job)["state"] == "CANCELLED"
     assert all(d.proc.poll() is None for d in cluster)
