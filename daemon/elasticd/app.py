@@ -23,8 +23,8 @@ import stat
 import sys
 import time
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import sdnotify
 import zmq
@@ -83,6 +83,7 @@ from elasticd.store.keyspace import Keyspace
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer, load_key, load_or_create_key
 from elasticd.store.tcpstore import TCPStoreClient
+from elasticd.wire import numbers
 from elasticd.wire.numbers import is_whole
 from elasticd.wire.paths import how_to_reach, is_own_dir
 
@@ -96,6 +97,21 @@ KEYGEN = keygen.COMMAND
 COMMANDS = f"""commands:
   elasticd {KEYGEN} FILE   write a new cluster key to FILE, to copy to every node
                          (elasticd {KEYGEN} --help)"""
+
+
+def _strictly(parse: Callable[..., Any]) -> Callable[[str], Any]:
+    """A flag's value read by wire.numbers (digits 0-9 only: no ``1_0``), for argparse."""
+
+    def read(text: str) -> Any:
+        try:
+            return parse(text, signed=True)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return read
+
+
+_STRICT = {int: _strictly(numbers.whole), float: _strictly(numbers.decimal)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -136,7 +152,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.add_argument(flag, dest=dotted, action=argparse.BooleanOptionalAction, help=doc)
         else:
             p.add_argument(
-                flag, dest=dotted, type=kind, metavar=flag.rsplit("-", 1)[-1].upper(), help=doc
+                flag,
+                dest=dotted,
+                type=_STRICT.get(kind, kind),
+                metavar=flag.rsplit("-", 1)[-1].upper(),
+                help=doc,
             )
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     args = p.parse_args(argv)

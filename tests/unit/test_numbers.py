@@ -249,3 +249,13 @@ def test_an_outcome_and_a_membership_hold_numbers():
         Outcome.from_json({"state": "SUCCEEDED", "ended": "1_0"})
     with pytest.raises(ValueError):
         Membership.from_json([1, False, "12"])
+
+
+@pytest.mark.parametrize("value", ["1_0", ARABIC_10, " 3", "+3", "3.0"])
+def test_the_daemons_number_flags_read_digits_only(value, capsys):
+    from elasticd.app import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--slots", value])
+    assert "argument --slots: expected a whole number (digits 0-9)" in capsys.readouterr().err
+    assert parse_args(["--slots", "3", "--metrics-port", "0"]).__dict__["node.slots"] == 3
