@@ -3,11 +3,12 @@ the store.
 
 Keys: :mod:`elasticd.rendezvous.keys`.  Every record is signed for its key
 (store/signing.py); the unsigned ``rev`` keys only wake waiters, who read the signed state
-and back off if it did not change (anyone can end a wait: write its key, or on TCPStore read
-it while it is missing; ``aio.BackOff``, doubling up to a keep-alive interval, reset by
-news), and the unsigned counter only says how far to read the log.  A state that does not open, or is older than the newest this node saw before
-it asked (a read that crossed a newer one of its own is not), is refused and counted, and
-the newest state this node saw is written back over it (as after a store reset).  A state
+and back off if it did not change (anyone can end a wait: write its key, or on TCPStore
+read it while it is missing; ``aio.BackOff``, doubling up to a keep-alive interval, reset
+by news), and the unsigned counter only says how far to read the log.  A state that does
+not open, or is older than the newest this node saw before it asked (a read that crossed a
+newer one of its own is not), is refused and counted, and the newest state this node saw
+is written back over it (as after a store reset).  A state
 is opened once per change (``state.Decoded``, which the handlers of a process may share).
 The join log: :mod:`elasticd.rendezvous.joinlog`.
 
