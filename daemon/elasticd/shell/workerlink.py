@@ -111,7 +111,7 @@ class WorkerLink:
 
     def bind(self) -> None:
         """Listen on the job's socket now (0600, the job's user's): a worker that connects
-        before ``open`` serves it waits in the backlog."""
+        before ``serve`` runs waits in the backlog."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -141,7 +141,13 @@ class WorkerLink:
                 try:
                     conn, _ = await loop.sock_accept(self._sock)
                 except OSError as exc:  # out of fds or memory: never stop listening
-                    log.warning("worker channel %s: cannot accept: %s", self.path, exc)
+                    if (held := self._told.check("accept", self._clock())) is not None:
+                        log.warning(
+                            "worker channel %s: cannot accept: %s%s",
+                            self.path,
+                            exc,
+                            held_back(held),
+                        )
                     await asyncio.sleep(1.0)  # a back-off
                     continue
                 self.accepted += 1
