@@ -311,7 +311,7 @@ async def answer(
         if (held := outcomes.tell("peer_gone")) is not None:
             log.info("control: client went away during %s%s", _shortened(op, 40), held_back(held))
     except Exception:
-        if (held := outcomes.tell(protocol.E_INTERNAL)) is not None:
+        if (held := outcomes.tell("traceback")) is not None:
             log.exception("control: %s failed%s", _shortened(op, 40), held_back(held))
         await _refuse(
             reply, op, protocol.E_INTERNAL, "internal error (see the daemon log)", outcomes
