@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ CLIENT_ENV = {
     "PATH": f"{os.path.dirname(PY)}:{os.environ.get('PATH', os.defpath)}",
 }
 START_TIMEOUT = 60.0
+_WARNED = re.compile(r"RuntimeWarning|was never awaited")  # in a daemon's log: a test fails
 
 
 def _needs_root():
@@ -81,6 +83,7 @@ class Daemon:
         self.messages: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self._notify: socket.socket | None = None
+        self._log_checked = 0  # bytes of the log looked at for warnings
 
     # -- process ---------------------------------------------------------------------------
 
@@ -91,6 +94,7 @@ class Daemon:
             os.unlink(self.notify_path)
         self._notify.bind(self.notify_path)
         self.messages = []
+        self._log_checked = self.log_path.stat().st_size if self.log_path.exists() else 0
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -216,17 +220,36 @@ class Daemon:
         return self.proc.wait(timeout)
 
     def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM, then its exit status.  AssertionError when its log shows a RuntimeWarning
+        (a coroutine never awaited: a bug that no other check sees), once per run."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            finally:
+                if self._notify is not None:
+                    self._notify.close()
+        self._check_warnings()
+        return self.proc.returncode
+
+    def _check_warnings(self) -> None:
         try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-        finally:
-            if self._notify is not None:
-                self._notify.close()
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_checked)
+                raw = log.read()
+        except OSError:
+            return
+        self._log_checked += len(raw)
+        warned = [
+            line for line in raw.decode(errors="replace").splitlines() if _WARNED.search(line)
+        ]
+        if warned:
+            raise AssertionError(f"{self.name} warned of a bug:\n" + "\n".join(warned[:20]))
 
     def log_text(self) -> str:
         try:

@@ -42,7 +42,7 @@ from elasticctl.submission import (
     submit_request,
 )
 from elasticd import __version__
-from elasticd.wire import paths
+from elasticd.wire import numbers, paths
 
 EXIT_BY_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 INTERRUPTED = 130
@@ -440,7 +440,7 @@ def reply_timeout(environ: Mapping[str, str]) -> float:
     if not value:
         return DEFAULT_TIMEOUT
     try:
-        timeout = float(value)
+        timeout = numbers.decimal(value)
     except ValueError:
         timeout = -1.0
     if not 0 < timeout < float("inf"):
@@ -657,9 +657,9 @@ def cmd_undrain(args: argparse.Namespace) -> int:
 
 
 def gpu_index(value: str) -> int:
-    if not value.isdigit():
+    if not numbers.is_whole(value):
         raise argparse.ArgumentTypeError(f"not a GPU index: {value!r} (0, 1, ...)")
-    return int(value)
+    return numbers.whole(value)
 
 
 def change_node(args: argparse.Namespace, op: str) -> int:

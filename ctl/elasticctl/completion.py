@@ -17,6 +17,9 @@ import argparse
 import re
 import shlex
 from dataclasses import dataclass
+from typing import Any
+
+from elasticctl.client import ClientError
 
 # What a value or an operand is: one of these, or the choices themselves ("bash zsh").
 FILES, DIRS, ANY = "@files", "@dirs", "@any"
@@ -54,16 +57,74 @@ class CommandLine:
     commands: tuple[Command, ...]
 
 
+# -- reading a parser back ------------------------------------------------------------------
+#
+# argparse has no public way to list a parser's actions or its commands' help lines: these two
+# private attributes are read here, and only here, each checked for the shape it has had from
+# Python 3.11 on (tests/unit/test_completion_parser.py).  Were a Python to change either, the
+# completion command says so and fails, rather than print a script that completes nothing.
+# The kinds of action (subcommands, append, extend, count) are learned from a parser made
+# with argparse's public calls, not from its private class names.
+
+
+class ArgparseChanged(ClientError):
+    """This Python's argparse keeps a parser's actions otherwise than this module reads them."""
+
+    code = "unsupported"
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"cannot read elasticctl's options back for completion: {what} "
+            "(argparse changed in this Python; please report it)"
+        )
+
+
+def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    actions = getattr(parser, "_actions", None)
+    if not isinstance(actions, list) or not all(isinstance(a, argparse.Action) for a in actions):
+        raise ArgparseChanged("ArgumentParser._actions is no list of actions")
+    return actions
+
+
+def _kinds() -> tuple[type[argparse.Action], tuple[type[argparse.Action], ...]]:
+    """The class of a subcommands action, and those of the repeatable options."""
+    probe = argparse.ArgumentParser(add_help=False)
+    subcommands = type(probe.add_subparsers())
+    repeatable = tuple(
+        type(probe.add_argument(f"--{kind}", action=kind)) for kind in ("append", "extend", "count")
+    )
+    return subcommands, repeatable
+
+
+_SUBCOMMANDS, _REPEATABLE = _kinds()
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each command's parser by name (aliases too), and each command's help line."""
+    found = [a for a in _actions(parser) if isinstance(a, _SUBCOMMANDS)]
+    if len(found) != 1:
+        raise ArgparseChanged(f"{len(found)} subcommand actions where there is one")
+    commands, helped = found[0].choices, getattr(found[0], "_choices_actions", None)
+    if not isinstance(commands, dict) or not all(
+        isinstance(p, argparse.ArgumentParser) for p in commands.values()
+    ):
+        raise ArgparseChanged("the subcommands' choices are no map of parsers")
+    if not isinstance(helped, list) or not all(
+        isinstance(getattr(a, "dest", None), str) and isinstance(a, argparse.Action) for a in helped
+    ):
+        raise ArgparseChanged("the subcommands keep their help lines elsewhere")
+    return commands, {action.dest: action.help or "" for action in helped}
+
+
 # -- the parser, described ------------------------------------------------------------------
 
 
 def describe(parser: argparse.ArgumentParser) -> CommandLine:
-    """argparse has no public way to read a parser back: this reads its actions."""
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    helps = {action.dest: action.help or "" for action in subparsers._choices_actions}
+    """The command line that ``parser`` takes: ArgparseChanged if it cannot be read back."""
+    choices, helps = _subcommands(parser)
     names: dict[int, list[str]] = {}  # a command's parser -> its name and aliases
     parsers: dict[int, argparse.ArgumentParser] = {}
-    for name, sub in subparsers.choices.items():
+    for name, sub in choices.items():
         names.setdefault(id(sub), []).append(name)
         parsers[id(sub)] = sub
     commands = tuple(
@@ -74,7 +135,7 @@ def describe(parser: argparse.ArgumentParser) -> CommandLine:
 
 
 def _command(names: tuple[str, ...], help: str, parser: argparse.ArgumentParser) -> Command:
-    positionals = [a for a in parser._actions if not a.option_strings]
+    positionals = [a for a in _actions(parser) if not a.option_strings]
     operand, operand_name = None, ""
     if positionals:
         first = positionals[0]
@@ -89,7 +150,7 @@ def _command(names: tuple[str, ...], help: str, parser: argparse.ArgumentParser)
 def options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
     """The parser's options; a hidden one that spells a visible one with underscores is
     folded into it as an alias."""
-    actions = [a for a in parser._actions if a.option_strings]
+    actions = [a for a in _actions(parser) if a.option_strings]
     visible = [a for a in actions if a.help != argparse.SUPPRESS]
     hidden = [a for a in actions if a.help == argparse.SUPPRESS]
     twins = {name.replace("_", "-"): action for action in visible for name in action.option_strings}
@@ -109,9 +170,7 @@ def _option(action: argparse.Action, shown: bool = True, extra: tuple[str, ...] 
     underscored = {s for s in strings if "_" in s and s.replace("_", "-") in strings}
     names = tuple(s for s in strings if s not in underscored) if shown else ()
     aliases = tuple(s for s in strings if s not in names) + extra
-    repeatable = isinstance(
-        action, (argparse._AppendAction, argparse._ExtendAction, argparse._CountAction)
-    )
+    repeatable = isinstance(action, _REPEATABLE)
     metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
     return Option(
         names, aliases, one_line(action.help if shown else ""), _value(action), metavar, repeatable

@@ -18,7 +18,7 @@ from elasticctl.when import when
 Command = Callable[..., argparse.ArgumentParser]
 Connect = Callable[[argparse.Namespace], Client]
 
-USAGE_HELP = """\\
+USAGE_HELP = """\
 What the cluster's jobs used, from every job the daemon knows (the history keeps ended jobs
 for history.retention, 30 days by default): node-, slot- and GPU-hours and jobs, per user
 and per account, from the time each node's workers first ran to its part's end."""

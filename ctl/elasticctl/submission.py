@@ -16,7 +16,7 @@ from typing import Any
 
 from elasticctl import torchrun
 from elasticctl.client import ClientError
-from elasticd.wire import protocol
+from elasticd.wire import numbers, protocol
 
 
 class UsageError(Exception):
@@ -51,9 +51,9 @@ def positive_int(value: str) -> int:
 
 def non_negative_int(value: str) -> int:
     try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+        number = numbers.whole(value, signed=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if number < 0:
         raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value!r}")
     return number
@@ -61,9 +61,9 @@ def non_negative_int(value: str) -> int:
 
 def integer(value: str) -> int:
     try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+        return numbers.whole(value, signed=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 _SIZE = re.compile(r"([0-9]+)([KMGT]?)(?:i?B)?", re.IGNORECASE | re.ASCII)
@@ -85,7 +85,7 @@ def account(value: str) -> str:
 
 def seconds(value: str) -> int | float:
     try:
-        number = float(value)
+        number = numbers.decimal(value, signed=True)
     except ValueError:
         number = -1.0
     if not 0 <= number < float("inf"):

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from elasticd.wire import numbers
+
 # torchrun's -r/--redirects and -t/--tee streams, as its ``Std`` flags
 NONE, OUT, ERR, ALL = 0, 1, 2, 3
 _STD_VALUE = re.compile(r"^[0-3]$")
@@ -130,7 +132,7 @@ def env_switch(environ: Mapping[str, str]) -> type[argparse.Action]:
         def __init__(self, dest: str, **kwargs: Any) -> None:
             value = environ.get(f"PET_{dest.upper()}", "0")
             try:
-                default = bool(int(value))
+                default = bool(numbers.whole(value, signed=True))
             except ValueError:
                 raise TorchrunError(
                     f"PET_{dest.upper()}={value!r}: expected 0 or 1 (as torchrun reads it)"
@@ -175,7 +177,7 @@ def add_options(
         option(f"--{name}", f"--{name.replace('-', '_')}", default=None, metavar="VALUE")
     option("--standalone", action=switch)
     option("--max-restarts", "--max_restarts", type=_whole, default=None, metavar="N")
-    option("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="S")
+    option("--monitor-interval", "--monitor_interval", type=_decimal, default=0.1, metavar="S")
     option(
         "--start-method", "--start_method", default="spawn", choices=["spawn", "fork", "forkserver"]
     )
@@ -214,9 +216,16 @@ def add_options(
 
 def _whole(text: str) -> int:
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        return numbers.whole(text, signed=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _decimal(text: str) -> float:
+    try:
+        return numbers.decimal(text, signed=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -276,10 +285,13 @@ def _std_of(setting: int | dict[int, int], local_rank: int) -> int:
 
 def parse_std(text: str, flag: str) -> int | dict[int, int]:
     """'3' -> 3; '0:1,1:2' -> {0: 1, 1: 2} (torchrun's Std.from_str)."""
-    if _STD_VALUE.match(text):
-        return int(text)
-    if _STD_MAP.match(text):
-        return {int(rank): int(std) for rank, std in (pair.split(":") for pair in text.split(","))}
+    if _STD_VALUE.fullmatch(text):
+        return numbers.whole(text)
+    if _STD_MAP.fullmatch(text):
+        return {
+            numbers.whole(rank): numbers.whole(std)
+            for rank, std in (pair.split(":") for pair in text.split(","))
+        }
     raise TorchrunError(
         f"{flag} {text!r}: expected 0-3 (none, stdout, stderr, both) or "
         "LOCAL_RANK:STD pairs like 0:1,1:2"
@@ -290,7 +302,7 @@ def ranks_filter(text: str) -> frozenset[int] | None:
     if not text:
         return None
     try:
-        ranks = frozenset(int(item) for item in text.split(","))
+        ranks = frozenset(numbers.whole(item) for item in text.split(","))
     except ValueError:
         raise TorchrunError(
             f"--local-ranks-filter {text!r}: expected local ranks like 0,1,2"
@@ -308,7 +320,7 @@ def rdzv_conf(text: str | None) -> dict[str, float]:
             raise TorchrunError(f"--rdzv-conf {pair!r}: expected KEY=VALUE pairs")
         if key in RDZV_CONF_MAPPED:
             try:
-                mapped[RDZV_CONF_MAPPED[key]] = _number(float(value))
+                mapped[RDZV_CONF_MAPPED[key]] = _number(numbers.decimal(value.strip()))
             except ValueError:
                 raise TorchrunError(f"--rdzv-conf {key}={value!r}: expected seconds") from None
         elif key not in RDZV_CONF_TORCHRUN_ONLY:

@@ -95,3 +95,29 @@ def on_own_thread(call: Callable[[], Any], name: str) -> asyncio.Future[Any]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+class BackOff:
+    """The pause of a wait that came back without news.  Anyone who reaches the store can
+    end a wait on a key: write it, or, on TCPStore, merely read it while it is missing (the
+    server wakes its waiters then); a waiter that read nothing new and waited again at once
+    would spin.  Each pause is ``first`` seconds, twice the one before, at most
+    ``longest``; :meth:`reset` when the wait brought real news."""
+
+    def __init__(self, first: float = 0.05, longest: float = 1.0) -> None:
+        self.first, self.longest = first, longest
+        self._next = first
+        self.pauses = 0  # all told
+
+    def reset(self) -> None:
+        self._next = self.first
+
+    def delay(self) -> float:
+        """The next pause's length (the one after it is twice as long, up to ``longest``)."""
+        delay, self._next = self._next, min(self._next * 2, self.longest)
+        return delay
+
+    async def pause(self, limit: float = float("inf")) -> None:
+        """Sleep the next pause, ``limit`` seconds at most."""
+        self.pauses += 1
+        await asyncio.sleep(max(0.0, min(self.delay(), limit)))

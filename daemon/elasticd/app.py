@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sdnotify
 import zmq
@@ -92,6 +92,8 @@ from elasticd.store.keyspace import Keyspace
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer, load_key, load_or_create_key, subkey
 from elasticd.store.tcpstore import TCPStoreClient
+from elasticd.wire import numbers
+from elasticd.wire.numbers import is_whole
 from elasticd.wire.paths import how_to_reach, is_own_dir
 
 if TYPE_CHECKING:
@@ -104,6 +106,21 @@ KEYGEN = keygen.COMMAND
 COMMANDS = f"""commands:
   elasticd {KEYGEN} FILE   write a new cluster key to FILE, to copy to every node
                          (elasticd {KEYGEN} --help)"""
+
+
+def _strictly(parse: Callable[..., Any]) -> Callable[[str], Any]:
+    """A flag's value read by wire.numbers (digits 0-9 only: no ``1_0``), for argparse."""
+
+    def read(text: str) -> Any:
+        try:
+            return parse(text, signed=True)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return read
+
+
+_STRICT = {int: _strictly(numbers.whole), float: _strictly(numbers.decimal)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -144,7 +161,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.add_argument(flag, dest=dotted, action=argparse.BooleanOptionalAction, help=doc)
         else:
             p.add_argument(
-                flag, dest=dotted, type=kind, metavar=flag.rsplit("-", 1)[-1].upper(), help=doc
+                flag,
+                dest=dotted,
+                type=_STRICT.get(kind, kind),
+                metavar=flag.rsplit("-", 1)[-1].upper(),
+                help=doc,
             )
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     args = p.parse_args(argv)
@@ -262,7 +283,9 @@ class Notifier:
         """Half of WATCHDOG_USEC when the watchdog is meant for us."""
         usec = os.environ.get("WATCHDOG_USEC")
         pid = os.environ.get("WATCHDOG_PID")
-        if not usec or (pid and int(pid) != os.getpid()):
+        if usec is None or not is_whole(usec):
+            return None
+        if pid and (not is_whole(pid) or int(pid) != os.getpid()):
             return None
         return int(usec) / 2e6
 
@@ -374,7 +397,9 @@ class Daemon:
                 blacklist=Blacklist(config.blacklist.policy)
                 if config.blacklist.policy.enabled
                 else None,
-                gpu_watch=GpuWatch(config.gpu.policy) if nvml is not None else None,
+                gpu_watch=GpuWatch(config.gpu.policy, told=Throttle(config.log.summary_interval))
+                if nvml is not None
+                else None,
             )
             node_shell = NodeShell(
                 core,
@@ -448,6 +473,7 @@ class Daemon:
                 domain=PEER_DOMAIN,
                 identify=PeerCaller,
                 curve_secret=keys.secret,
+                log_interval=config.log.summary_interval,
             )
             closing.callback(peer_server.close)
             zap.add(TIER_DOMAIN, curve_policy(nodes.peer_keys))
@@ -482,6 +508,7 @@ class Daemon:
                 on_request=self._count_request,
                 on_connections=self.metrics.control_connections.set,
                 world_accessible=os.getuid() == 0,
+                log_interval=config.log.summary_interval,
             )
             control.bind()
             closing.callback(control.close)

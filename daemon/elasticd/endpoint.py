@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from elasticd.wire.numbers import is_whole
+
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     """``host:port``, ``[v6addr]:port`` or ``tcp://…`` -> (host, port); ValueError otherwise."""
@@ -11,7 +13,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
         host = host[1:-1]
     elif ":" in host:  # an IPv6 address must be bracketed, or the port is ambiguous
         raise ValueError(f"{endpoint!r}: write an IPv6 address as [ADDR]:PORT")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not is_whole(port) or int(port) > 65535:
         raise ValueError(f"{endpoint!r} is not HOST:PORT")
     return host, int(port)
 

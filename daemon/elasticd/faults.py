@@ -33,18 +33,19 @@ class Throttle:
         # key -> (when last logged, held back since, the newest one's detail)
         self._seen: dict[str, tuple[float, int, str]] = {}
 
-    def check(self, key: str, now: float, detail: str = "") -> int | None:
+    def check(self, key: str, now: float, detail: str = "", count: int = 1) -> int | None:
         """None: do not log this one; else log it, saying that this many were held back
         since the last line of ``key``.  ``detail``: what the newest held back was (an
-        address), for :meth:`flush`."""
+        address), for :meth:`flush`; ``count``: how many events this one stands for (a
+        line that sums up several)."""
         seen = self._seen.get(key)
         if seen is not None and now - seen[0] < self.interval:
-            self._seen[key] = (seen[0], seen[1] + 1, detail)
+            self._seen[key] = (seen[0], seen[1] + count, detail)
             return None
         if seen is None and len(self._seen) >= self._max_keys:
             self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.interval}
             if len(self._seen) >= self._max_keys and key != _OTHERS:
-                return self.check(_OTHERS, now, detail)
+                return self.check(_OTHERS, now, detail, count)
         self._seen[key] = (now, 0, detail)
         return seen[1] if seen is not None else 0
 

@@ -34,6 +34,8 @@ import sys
 from collections.abc import Mapping
 from typing import TextIO
 
+from elasticd.wire.numbers import is_whole
+
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SOCKET_ENV = "ELASTICD_JOURNAL_SOCKET"
 IDENTIFIER = "elasticd"
@@ -155,7 +157,7 @@ def record_fields(record: logging.LogRecord, message: str, node: str) -> dict[st
 def journal_stream(value: str) -> tuple[int, int] | None:
     """JOURNAL_STREAM's ``<dev>:<inode>``; None when it is not that."""
     dev, colon, inode = value.partition(":")
-    if not (colon and dev.isdigit() and inode.isdigit()):
+    if not (colon and is_whole(dev) and is_whole(inode)):
         return None
     return int(dev), int(inode)
 

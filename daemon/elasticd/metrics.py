@@ -440,7 +440,7 @@ class Metrics:
         elif what == "gpu_fault":
             self.gpu_faults.labels(label).inc()
         elif what == "xid":
-            self.gpu_xids.labels(label).inc()
+            self.gpu_xids.labels(label).inc(value)
         elif what == "gpu_slowdown":
             self.gpu_slowdown.labels(label).set(value)
 

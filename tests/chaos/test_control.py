@@ -275,3 +275,21 @@ def test_requests_no_valid_client_sends_get_clear_errors_and_list_survives(daemo
         assert control.call("list", {"all": True}).ok
     assert daemon.ctl("list", "--all") == []
     assert daemon.proc.poll() is None
+
+
+def test_a_flood_of_bad_requests_is_logged_once_per_interval(daemon, figures):
+    """Each refused request was an INFO line in the daemon's log, so a local user could write
+    the journal at the rate it sent junk: refusals are counted, every one, and logged once
+    per kind and log.summary_interval with how many more there were."""
+    before = daemon.log_path.read_text().count(" refused: ")
+    with Control(daemon.socket) as control:
+        for n in range(3000):
+            control.send_raw(b'{"v":1,"id":"x%d","op":"launch_missiles","args":{}}' % n)
+            assert control.recv().code == "unknown_op"
+            control.send_raw(b"{not json")
+            assert control.recv().code == "bad_request"
+        assert control.call("version", {}).ok
+    lines = daemon.log_path.read_text().count(" refused: ") - before
+    figures.add("audit: log lines for 6,000 refused requests", f"{lines}")
+    assert lines <= 2  # one per kind: unknown_op, bad_request
+    assert daemon.proc.poll() is None

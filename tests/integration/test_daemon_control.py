@@ -389,3 +389,40 @@ def test_root_jobs_refused_unless_allowed(daemon_factory, shared_tmp):
     # --standalone allows root jobs unless the config says otherwise
     done = daemon.ctl_run("submit", *worker_args())
     assert done.returncode == 1 and "allow_root" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"nnodes": "1_0:2_0"},  # int() made it 10:20
+        {"nnodes": "\u0661:\u0662"},  # Arabic-Indic digits: int() made it 1:2
+        {"nnodes": "\uff11"},  # a fullwidth digit
+        {"nproc_per_node": "\u0662"},
+        {"nproc_per_node": "1_0"},
+    ],
+)
+def test_a_raw_submit_with_numbers_that_are_not_ascii_digits_is_refused(metered, args):
+    """Read as digits 0-9 only (wire/numbers.py): refused, no job made, the daemon goes on."""
+    reply = metered.request(
+        "submit", argv=[str(WORKER)], python=PY, workdir=str(metered.base), **args
+    )
+    assert (reply.ok, reply.code) == (False, "invalid_spec"), reply
+    assert "digits 0-9" in reply.message or "positive integer" in reply.message, reply.message
+    assert metered.ctl("list", "--all") == []
+    assert metered.request("version").ok
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"since": -6.048e19},  # `--since 99999999999999w`, sent by an elasticctl of before
+        {"since": -2.592e14},  # `--since 3000000000d`: "usage from -8211695-11-21"
+        {"until": 1e300},
+        {"since": 1.0, "until": 2.6e11},
+    ],
+)
+def test_a_usage_request_out_of_the_calendar_is_refused(metered, args):
+    reply = metered.request("usage", **args)
+    assert (reply.ok, reply.code) == (False, "bad_request"), reply
+    assert "between 1970-01-01 and 9999-12-31" in reply.message
+    assert metered.request("usage", since=0.0).ok

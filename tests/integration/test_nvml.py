@@ -223,3 +223,42 @@ def test_without_a_driver_nvml_is_unavailable_with_the_reason(gpus, start, tmp_p
     assert start(lib_dir=tmp_path / "nowhere").opened == {
         "unavailable": "nvmlInit failed: NVML Shared Library Not Found"
     }
+
+
+def test_a_flood_of_xids_is_read_in_one_check(gpus, start):
+    gpus.write()
+    host = start()
+    gpus.xid(0, 13, times=20000).xid(0, 43).write()
+    assert host.read()[0]["xids"] == [13] * 20000 + [43]
+    assert host.read()[0]["xids"] == []
+
+
+def test_a_daemon_says_a_flood_of_xids_in_a_line_per_code(shim, gpus, daemon_factory, tmp_path):
+    """A program that makes its GPU report Xid 13 20,000 times in one check: the daemon's log
+    has one line for it (it had 20,000, 2.2 MB in 6 s), and the metric counts all."""
+    from harness import free_port
+    from store_attack import metric, wait_for
+
+    gpus.write()
+    config = tmp_path / "health.toml"
+    config.write_text("[gpu]\nhealth_interval = 0.2\n[node]\npeer_port = 0\n")
+    daemon = daemon_factory(
+        "xids",
+        args=("--slots", "2", "--config", str(config)),
+        env={
+            **shim_env(shim.parent, gpus.path),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(DAEMON), os.environ.get("PYTHONPATH")])
+            ),
+        },
+        metrics_port=free_port(),
+    ).start()
+    gpus.xid(0, 13, times=20000).write()
+    wait_for(lambda: metric(daemon, 'elasticd_gpu_xids_total{xid="13"}') == 20000, 60, "counted")
+    gpus.xid(1, 13, times=5).xid(0, 13, times=300).write()  # the next checks: held back for gpu 0
+    wait_for(lambda: metric(daemon, 'elasticd_gpu_xids_total{xid="13"}') == 20305, 60, "counted")
+    lines = [line for line in daemon.log_path.read_text().splitlines() if "xid 13" in line]
+    assert len(lines) == 2, lines  # gpu 0's first check, gpu 1's: held back for the interval
+    assert any("gpu 0: xid 13" in line and "20000 in this check" in line for line in lines)
+    assert any("gpu 1: xid 13" in line and "5 in this check" in line for line in lines)
+    assert daemon.log_path.stat().st_size < 100_000

@@ -321,7 +321,10 @@ def test_optional_submit_args_only_when_given(line, expected, python_on_path):
 @pytest.mark.parametrize(
     "line, words",
     [
-        ("submit --priority high x.py", "argument --priority: expected a whole number, got 'high'"),
+        (
+            "submit --priority high x.py",
+            "argument --priority: expected a whole number (digits 0-9), got 'high'",
+        ),
         ("submit --priority 1.5 x.py", "argument --priority: expected a whole number"),
         (
             "submit --nnodes-step 0 x.py",

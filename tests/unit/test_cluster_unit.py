@@ -256,3 +256,60 @@ def test_a_record_says_what_bounds_a_job_there():
         NodeRecord.from_json({**older, "containment": {"cgroup": "yes", "missing": 3}}).containment
         == Containment()
     )
+
+
+def test_junk_at_the_feeds_next_entries_costs_a_back_off_not_a_spin():
+    """The feed's next entry is what a node's heartbeat loop waits on between duties.  Junk
+    written at the next numbers (or, on TCPStore, anyone's read of the missing key) ends that
+    wait at once; a duty that found nothing new used to wait again at once: a duty loop as
+    fast as the store answers.  Now such a wake backs off, and the feed is still followed."""
+    import asyncio
+    import time
+
+    from elasticd.cluster.registry import NodeRegistry
+    from elasticd.cluster.service import NodeDuties, NodeService, Watcher
+    from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+    from elasticd.store.signing import Signer
+
+    keep_alive = KeepAlive(0.5, 3)
+    backend = MemoryStore()
+    duties = {"n1": 0, "n2": 0, "n3": 0}
+
+    def node(name: str) -> tuple[NodeService, NodeDuties]:
+        registry = NodeRegistry(
+            AsyncMemoryStore(backend), Signer(b"k" * 32, "c"), "c", name, keep_alive=keep_alive
+        )
+        record = NodeRecord(NodeInfo(name, name, 1))
+
+        def ticked() -> None:
+            duties[name] += 1
+
+        return NodeService(registry, interval=keep_alive.interval), NodeDuties(
+            local_record=lambda: record, post=lambda event: None, watcher=Watcher(tick=ticked)
+        )
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        (s1, d1), (s2, d2), (s3, d3) = node("n1"), node("n2"), node("n3")
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(s1.run(stop, d1))
+            await asyncio.wait_for(s1.registered.wait(), 5)  # n1 observes
+            tasks.create_task(s2.run(stop, d2))
+            async with asyncio.timeout(10):
+                while set(s2.sightings) != {"n1", "n2"}:
+                    await asyncio.sleep(0.05)
+            for n in range(1, 400):
+                backend.set(f"elasticd/c/nodes/feed/{n}", b"junk")
+            before, started = duties["n2"], time.monotonic()
+            await asyncio.sleep(3.0)  # the window counted
+            spent = duties["n2"] - before
+            assert spent <= 3.0 / keep_alive.interval + 8, spent  # a spin: thousands
+            assert s2.registry.quiet.pauses >= 1
+            tasks.create_task(s3.run(stop, d3))  # news: a new node, seen through the feed
+            async with asyncio.timeout(10):
+                while "n3" not in s2.sightings:
+                    await asyncio.sleep(0.05)
+            assert time.monotonic() - started < 13
+            stop.set()
+
+    asyncio.run(scenario())

@@ -122,3 +122,75 @@ def test_elasticctl_completion_prints_the_script(shell, capsys):
     assert capsys.readouterr().out == completion.script(
         shell, completion.describe(cli.build_parser({}))
     )
+
+
+def test_the_kinds_of_action_are_argparse_own():
+    """Learned from a parser made with public calls: the same classes argparse uses."""
+    parser = argparse.ArgumentParser()
+    assert isinstance(parser.add_subparsers(), completion._SUBCOMMANDS)
+    for kind in ("append", "extend", "count"):
+        assert isinstance(parser.add_argument(f"--{kind}", action=kind), completion._REPEATABLE)
+    assert not isinstance(parser.add_argument("--one"), completion._REPEATABLE)
+
+
+def _without_actions(parser: argparse.ArgumentParser) -> None:
+    del parser._actions
+
+
+def _actions_as_tuple(parser: argparse.ArgumentParser) -> None:
+    parser._actions = tuple(parser._actions)
+
+
+def _without_help_lines(parser: argparse.ArgumentParser) -> None:
+    del subparsers(parser)._choices_actions
+
+
+def _help_lines_elsewhere(parser: argparse.ArgumentParser) -> None:
+    subparsers(parser)._choices_actions = {"submit": "a help line"}
+
+
+def _a_command_without_actions(parser: argparse.ArgumentParser) -> None:
+    del subparsers(parser).choices["submit"]._actions
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _without_actions,
+        _actions_as_tuple,
+        _without_help_lines,
+        _help_lines_elsewhere,
+        _a_command_without_actions,
+    ],
+)
+def test_an_argparse_that_keeps_its_parsers_otherwise_fails_loudly(change, monkeypatch, capsys):
+    """What a Python whose argparse changed shape would do: not a script that completes
+    nothing, and no traceback either: elasticctl says what it cannot read, and fails."""
+    parser = cli.build_parser({})
+    change(parser)
+    with pytest.raises(completion.ArgparseChanged, match="argparse changed"):
+        completion.describe(parser)
+
+    described = completion.describe
+
+    def describe_changed(parser: argparse.ArgumentParser) -> completion.CommandLine:
+        change(parser)  # the parser that `elasticctl completion` reads back
+        return described(parser)
+
+    monkeypatch.setattr(completion, "describe", describe_changed)
+    assert cli.main(["completion", "bash"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "cannot read elasticctl's options back" in out.err
+    assert "Traceback" not in out.err
+
+
+def test_no_command_help_shows_a_stray_backslash(monkeypatch):
+    """A help text written as \"\"\"\\\\ (an escaped backslash, not a line continuation)
+    started `elasticctl usage --help` with a backslash."""
+    monkeypatch.setenv("COLUMNS", "100")
+    for name in subparsers(cli.build_parser({})).choices:
+        out = io.StringIO()
+        with redirect_stdout(out), pytest.raises(SystemExit):
+            cli.build_parser({}).parse_args([name, "--help"])
+        stray = [line for line in out.getvalue().splitlines() if line.lstrip().startswith("\\")]
+        assert not stray, f"elasticctl {name} --help:\n{out.getvalue()}"

@@ -150,3 +150,37 @@ def test_a_node_without_nvml_says_it_cannot_readmit_and_ignores_readings():
     assert said(core.handle(ev.GpuReadmitted(0), at(2))) == [
         "gpu 0 not readmitted: this node does not watch its GPUs (no NVML)"
     ]
+
+
+def test_a_flood_of_xids_is_one_line_per_code_and_interval():
+    """20,000 Xid 13 in one check (a program can cause them at will) were 20,000 warnings
+    (2.2 MB in 6 s): now one line per GPU and code with how many came, that line once per
+    interval with how many more there were; every Xid is counted."""
+    from elasticd.faults import Throttle
+
+    watch = GpuWatch(told=Throttle(60.0))
+    out, changed = watch.read((ok(0, xids=(13,) * 20000 + (43,) * 3), ok(1)), 1.0, 1001.0)
+    assert not changed
+    assert said(out) == [
+        "gpu 0: xid 13 (an application or driver error: the GPU stays in), 20000 in this check",
+        "gpu 0: xid 43 (an application or driver error: the GPU stays in), 3 in this check",
+    ]
+    counts = {i.label: i.value for i in out if isinstance(i, do.Count) and i.what == "xid"}
+    assert counts == {"13": 20000, "43": 3}
+    for mono in (2.0, 30.0, 60.9):  # within the interval: counted, not said
+        out, _ = watch.read((ok(0, xids=(13,) * 500), ok(1)), mono, 1000.0 + mono)
+        assert said(out) == [] and [i.value for i in out if isinstance(i, do.Count)] == [500]
+    out, _ = watch.read((ok(0, xids=(13,) * 7), ok(1)), 61.0, 1061.0)
+    assert said(out) == [
+        "gpu 0: xid 13 (an application or driver error: the GPU stays in), 7 in this check"
+        " (1500 more since the last such line)"
+    ]
+
+
+def test_a_flood_of_a_hardware_xid_takes_the_gpu_out_with_one_reason():
+    watch = GpuWatch()
+    out, changed = watch.read((ok(0, xids=(79,) * 5000), ok(1)), 1.0, 1001.0)
+    assert changed and watch.why_out() == {0: "xid 79 (x5000)"}
+    assert said(out) == ["gpu 0 (GPU-aaaa) taken out of this node's offer: xid 79 (x5000)"]
+    out, changed = watch.read((ok(0, xids=(79,) * 5000), ok(1)), 2.0, 1002.0)
+    assert not changed and said(out) == []

@@ -108,3 +108,58 @@ def test_a_damaged_peer_key_file_is_moved_aside_and_a_new_pair_made(tmp_path, da
     assert load_or_create_keys(str(path)) == fresh and path.stat().st_mode & 0o777 == 0o600
     (aside,) = tmp_path.glob("peer.key.corrupt-*")
     assert aside.read_bytes() == damage  # kept for a look
+
+
+def test_a_probe_cancelled_before_it_started_leaves_no_coroutine_unawaited(tmp_path):
+    """Failure notices that come faster than a probe starts: the core cancels each probe at
+    the next notice, before its task took a step.  The probe's coroutine is closed with its
+    task, not left for the garbage collector to warn that it was never awaited."""
+    import gc
+    import types
+    import warnings
+
+    from elasticd.core import instructions as do
+    from elasticd.core.node import NodeCore, NodeSettings
+    from elasticd.core.placement import Resources
+    from elasticd.jobs.history import History
+    from elasticd.jobs.registry import JobRegistry
+    from elasticd.shell.node import NodeShell
+
+    class Nodes:
+        interval = 1.0
+
+        async def record(self, name):
+            return None
+
+        def alive(self, name):
+            return True
+
+        async def beats(self, names):
+            return {}
+
+    links = PeerLinks(client=None, nodes=Nodes())
+    core = NodeCore(NodeSettings("n1", Resources(2, ()), dead_after=3.0, judge_users=False))
+    shell = NodeShell(
+        core,
+        effectors=types.SimpleNamespace(probe=links),
+        board=None,
+        follower=None,
+        registry=JobRegistry(History(str(tmp_path / "history.db"))),
+        metrics=None,
+    )
+
+    async def scenario() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            shell._tasks = tasks
+            shell._parts["j-000001"] = types.SimpleNamespace(ops={})
+            for op in range(20):  # each notice: a new probe, the one before cancelled at once
+                shell._execute(do.Probe("j-000001", op, ("n2",), 1.0))
+                shell._execute(do.Cancel("j-000001", op))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(scenario())
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [
+        str(w.message) for w in caught
+    ]

@@ -406,3 +406,72 @@ def test_handlers_that_share_a_decoded_cache_open_each_state_once(store):
     assert sorted(i.group_rank for i in infos) == list(range(8))
     assert infos[0].members is infos[1].members  # built once for the state
     assert len(opened) <= 3  # a state per write, not one per node
+
+
+class Counted(AsyncMemoryStore):
+    """The in-memory store, counting the reads of its user."""
+
+    def __init__(self, backend: MemoryStore) -> None:
+        super().__init__(backend)
+        self.reads = 0
+
+    async def get_many(self, keys):
+        self.reads += 1
+        return await super().get_many(keys)
+
+    async def get(self, key):
+        self.reads += 1
+        return await super().get(key)
+
+
+@pytest.mark.parametrize("waiting_on", ["revision", "exit barrier"])
+def test_forged_wake_keys_cost_a_back_off_and_news_still_gets_through(store, waiting_on):
+    """Unsigned keys anyone can write end a wait at once: the next revision's key (a joiner,
+    a keeper that watches its round), a member's exit-barrier key.  A wake with nothing new
+    behind it backs off (doubling up to a keep-alive interval), so a handler reads a few
+    times a second, not as fast as the store answers; and real news still arrives."""
+    settings = RendezvousSettings(
+        "job", 2, 2, keep_alive_interval=0.5, last_call_timeout=30.0, join_timeout=60.0
+    )
+    keys = Keys(PREFIX)
+
+    async def scenario() -> None:
+        a_store, b_store = Counted(store), AsyncMemoryStore(store)
+        a = RendezvousHandler(a_store, SIGNER, settings, "a", "a.addr", prefix=PREFIX)
+        b = RendezvousHandler(b_store, SIGNER, settings, "b", "b.addr", prefix=PREFIX)
+        async with asyncio.TaskGroup() as tasks:
+            keepers = [tasks.create_task(a.keep()), tasks.create_task(b.keep())]
+            if waiting_on == "revision":
+                joining = tasks.create_task(a.next_rendezvous(1, 1))
+                async with asyncio.timeout(5):
+                    while not store.keys(keys.join(0, 1)):
+                        await asyncio.sleep(0.01)
+                for v in range(0, 300):
+                    store.set(keys.rev(v), b"1")
+            else:
+                info, _ = await asyncio.gather(a.next_rendezvous(1, 1), b.next_rendezvous(1, 1))
+                await a.exit_barrier_arrive(info)
+                store.set(keys.exit_arrived(info.round, "b"), b"forged")
+                waiting = tasks.create_task(a.exit_barrier_wait(info, 60.0))
+            before, started = a_store.reads, time.monotonic()
+            await asyncio.sleep(2.0)
+            reads = a_store.reads - before
+            assert reads <= 2.0 / settings.keep_alive_interval * 4 + 12, reads  # a spin: 1000s
+            if waiting_on == "revision":
+                assert not joining.done()
+                await b.next_rendezvous(1, 1)  # news: the round forms
+                async with asyncio.timeout(2 * settings.keep_alive_interval + 1):
+                    info = await joining
+                assert info.group_world_size == 2
+            else:
+                assert not waiting.done()
+                await b.exit_barrier_arrive(info)  # news: b arrives
+                async with asyncio.timeout(2 * settings.keep_alive_interval + 1):
+                    assert await waiting
+            assert time.monotonic() - started < 10
+            for keeper in keepers:
+                keeper.cancel()
+        a.shutdown()
+        b.shutdown()
+
+    asyncio.run(scenario())

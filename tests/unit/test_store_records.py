@@ -89,8 +89,9 @@ def test_a_broken_change_log_asks_for_a_resync_instead_of_skipping(attack):
     b = Board()
     run(b.board.publish_spec(spec("j-000001")))
     position = run(b.board.head())
-    if attack == "forged entry":
-        b.store.set(f"{JOBS}/log/{position + 1}", b"spec/j-000009")
+    if attack == "forged entry":  # over the change at ``position``: a number that was taken
+        b.store.set(f"{JOBS}/log/{position}", b"spec/j-000009")
+        position -= 1
     elif attack == "bumped counter":
         b.store.add(f"{JOBS}/log", 1_000_000)
     else:
@@ -101,6 +102,26 @@ def test_a_broken_change_log_asks_for_a_resync_instead_of_skipping(attack):
     # the resync reads the signed records whatever the counters say
     _head, changes = run(b.board.snapshot())
     assert [c.job_id for c in changes if c.kind == "spec"] == ["j-000001"]
+
+
+def test_junk_written_ahead_of_the_change_log_is_no_news_and_costs_a_back_off():
+    """Junk at the next number, which nobody took yet, ends the follower's wait at once (as
+    does, on TCPStore, anyone's read of the missing key): no reset, no resync of the whole
+    board, a pause that doubles; the change that takes the number overwrites the junk."""
+    b = Board()
+    run(b.board.publish_spec(spec("j-000001")))
+    position = run(b.board.head())
+    for n in range(position + 1, position + 50):
+        b.store.set(f"{JOBS}/log/{n}", b"spec/j-000009")
+    pauses = []
+    for _ in range(4):
+        started = time.monotonic()
+        assert run(b.board.follow(position, 5.0)) == (position, [])
+        pauses.append(time.monotonic() - started)
+    assert b.board.quiet.pauses == 4 and pauses[-1] > pauses[0], pauses
+    run(b.board.publish_spec(spec("j-000002")))
+    moved, changes = run(b.board.follow(position, 5.0))
+    assert moved == position + 1 and [c.job_id for c in changes] == ["j-000002"]
 
 
 def test_a_snapshot_does_not_walk_a_bumped_counter_and_skips_forged_index_lines():

@@ -172,7 +172,9 @@ def test_a_reply_too_large_for_the_client_becomes_an_error_reply(monkeypatch):
 
     monkeypatch.setattr(protocol, "MAX_REPLY", 1000)
     raw = protocol.encode_request(protocol.Request("r1", "list", {}))
-    asyncio.run(server.answer(handler, None, raw, Captured(""), lambda op, result: None))
+    asyncio.run(
+        server.answer(handler, None, raw, Captured(""), server.Outcomes(lambda op, result: None))
+    )
     (frame,) = sent
     reply = protocol.decode_reply(frame)
     assert (reply.id, reply.ok, reply.code) == ("r1", False, "too_large")

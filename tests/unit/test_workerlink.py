@@ -60,11 +60,11 @@ class Linked:
         self.aborts: list[int] = []
         self.raw: list[asyncio.StreamWriter] = []
 
-    async def channel(self, slot: int) -> Channel:
+    async def channel(self, slot: int, timeout: float = 3.0) -> Channel:
         """The real worker end, created off the loop (it connects and starts a reader thread)."""
         channel = await asyncio.to_thread(Channel, self.path, slot, self.aborts.append)
         self.channels.append(channel)
-        await until(lambda: slot in self.link._writers, f"slot {slot} to say hello")
+        await until(lambda: slot in self.link._writers, f"slot {slot} to say hello", timeout)
         return channel
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -91,12 +91,15 @@ async def linked(
     h = Linked(slots, os.getuid() if uid is None else uid, os.getgid() if gid is None else gid)
     asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: h.loop_errors.append(ctx))
     assert len(h.path.encode()) < 100
-    await h.link.open()
+    h.link.bind()
+    serving = asyncio.create_task(h.link.serve())
     try:
         yield h
     finally:
         for writer in h.raw:
             writer.close()
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
         await h.link.close()  # closes the workers' writers: a blocked place_after ends
         for channel in h.channels:
             with contextlib.suppress(OSError):
@@ -473,7 +476,8 @@ def test_close_removes_the_socket_and_open_replaces_a_stale_one():
             link = WorkerLink(
                 path, uid=os.getuid(), gid=os.getgid(), slots=1, on_ready=readies.append
             )
-            await link.open()
+            link.bind()
+            serving = asyncio.create_task(link.serve())
             info = os.stat(path)
             assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
             channel = await asyncio.to_thread(Channel, path, 0, lambda r: None)
@@ -485,6 +489,8 @@ def test_close_removes_the_socket_and_open_replaces_a_stale_one():
                 )
                 await until(lambda: readies == [Ready(0, -1, "start", "")], "the ask")
 
+                serving.cancel()
+                await asyncio.gather(serving, return_exceptions=True)
                 await link.close()
                 assert not os.path.exists(path)
                 await until(lambda: channel.closed, "the worker to see the agent go")
@@ -499,11 +505,114 @@ def test_close_removes_the_socket_and_open_replaces_a_stale_one():
             again = WorkerLink(
                 path, uid=os.getuid(), gid=os.getgid(), slots=1, on_ready=readies.append
             )
-            await again.open()
-            assert stat.S_ISSOCK(os.stat(path).st_mode)
+            serving = asyncio.create_task(again.serve())
+            await until(lambda: stat.S_ISSOCK(os.stat(path).st_mode), "the socket")
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
             await again.close()
             assert not os.path.exists(path)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
     run(main())
+
+
+# -- a worker that writes as fast as it can ------------------------------------------------------
+
+
+def test_the_bucket_allows_a_burst_then_the_rate():
+    from elasticd.shell.workerlink import Bucket
+
+    bucket = Bucket(rate=10.0, burst=3, now=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take(0.0) == pytest.approx(0.1)  # the 4th waits for a token
+    assert bucket.take(0.0) == pytest.approx(0.2)  # and the one taken ahead counts
+    assert bucket.take(0.3) == pytest.approx(0.0, abs=1e-9)  # paid back by waiting
+    assert bucket.take(10.0) == 0.0  # refilled, to the burst at most
+    assert [bucket.take(10.0) for _ in range(2)] == [0.0, 0.0] and bucket.take(10.0) > 0
+
+
+def flood(path: str, slot: int, stop: float) -> tuple[int, str]:
+    """A worker that says hello and then writes `ready` as fast as the socket takes it, until
+    the agent closes the connection or ``stop`` seconds passed; (lines sent, how it ended)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.settimeout(0.2)
+    sock.sendall(line({"op": "hello", "slot": slot}))
+    ready = line({"op": "ready", "round": -1, "why": "start", "error": ""})
+    sent, ends = 0, time.monotonic() + stop
+    try:
+        while time.monotonic() < ends:
+            try:
+                sock.sendall(ready * 64)
+                sent += 64
+            except TimeoutError:  # the agent stopped reading: slowed
+                continue
+        return sent, "never closed"
+    except (BrokenPipeError, ConnectionResetError):
+        return sent, "closed"
+    finally:
+        sock.close()
+
+
+def test_a_flooding_worker_is_slowed_then_cut_off_and_the_others_are_served(monkeypatch):
+    """Four workers wrote `ready` lines as fast as they could (431,000 in 40 s, the daemon at
+    72% CPU): the flooder's lines beyond the rate wait unread, then its connection is closed;
+    a well-behaved worker of the same job is served throughout."""
+    from elasticd.shell import workerlink
+
+    monkeypatch.setattr(workerlink, "LINES_PER_SECOND", 50.0)
+    monkeypatch.setattr(workerlink, "PATIENCE", 25)
+
+    async def main() -> None:
+        async with linked(slots=2) as h:
+            good = await h.channel(0)
+            started = time.monotonic()
+            flooding = asyncio.ensure_future(asyncio.to_thread(flood, h.path, 1, 5.0))
+            await h.served(good, 0, 1)  # while it floods
+            sent, ended = await asyncio.wait_for(flooding, 7.0)
+            took = time.monotonic() - started
+            heard = [r for r in h.readies if r.slot == 1]
+            assert ended == "closed" and h.link.cut_off == 1
+            assert sent > 10 * len(heard)  # most of what it wrote was never read
+            # at most the burst, the rate while it lasted, and the patience it used up
+            assert len(heard) <= workerlink.LINE_BURST + 50.0 * took + 25 + 1
+            await h.served(good, 0, 2)
+            assert not good.closed and h.loop_errors == []
+
+    run(main())
+
+
+def test_connecting_in_a_loop_is_paced():
+    """The job's user may connect and hang up in a loop: beyond a burst of 2 * slots + 4,
+    the agent accepts one connection per slot a second; the rest wait in the backlog (so a
+    user who churns delays its own job's workers, nobody else's)."""
+
+    async def main() -> None:
+        async with linked(slots=2) as h:  # a burst of 8, then 2 a second
+
+            def churn(seconds: float) -> int:
+                done, ends = 0, time.monotonic() + seconds
+                while time.monotonic() < ends:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(0.2)
+                    try:
+                        sock.connect(h.path)
+                        done += 1
+                    except OSError:  # the backlog is full: connect waits, or fails
+                        pass
+                    finally:
+                        sock.close()
+                return done
+
+            started = time.monotonic()
+            connects = await asyncio.to_thread(churn, 1.5)
+            took = time.monotonic() - started
+            assert h.link.accepted <= 8 + 2 * took + 1, (h.link.accepted, connects)
+            channel = await h.channel(0, timeout=20)  # once the backlog drained, it gets in
+            await h.served(channel, 0, 1)
+
+    async def bounded() -> None:
+        await asyncio.wait_for(main(), 30.0)
+
+    asyncio.run(bounded())

@@ -22,6 +22,7 @@ from elasticd.core.containment import Containment
 from elasticd.core.gpuhealth import GpuReading
 from elasticd.core.model import NodeInfo
 from elasticd.core.placement import Resources
+from elasticd.wire.numbers import is_whole
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ _NVIDIA_SMI_TIMEOUT = 10.0
 
 def parse_nvidia_smi(output: str) -> tuple[str, ...]:
     """GPU indices from ``nvidia-smi --query-gpu=index --format=csv,noheader``."""
-    return tuple(line.strip() for line in output.splitlines() if line.strip().isdigit())
+    return tuple(line.strip() for line in output.splitlines() if is_whole(line.strip()))
 
 
 def discover_gpus(setting: int | str, path: str | None = None) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticd.aio import BackOff
 from elasticd.core.containment import Containment
 from elasticd.core.liveness import Beat, KeepAlive, observe
 from elasticd.core.membership import (
@@ -35,6 +36,7 @@ from elasticd.store.signing import (
     open_or_refuse,
     open_version,
 )
+from elasticd.wire.numbers import json_int, json_number, whole
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +87,15 @@ class NodeRecord:
         return cls(
             NodeInfo.from_json(doc["info"]),
             bool(doc.get("draining")),
-            int(doc.get("slots_used", 0)),
-            int(doc.get("gpus_used", 0)),
+            json_int(doc.get("slots_used", 0), "slots_used"),
+            json_int(doc.get("gpus_used", 0), "gpus_used"),
             tuple(doc.get("jobs", ())),
             str(doc.get("peer_endpoint", "")),
             str(doc.get("peer_key", "")),
-            float(doc.get("blacklisted_until", 0.0)),
+            json_number(doc.get("blacklisted_until", 0.0), "blacklisted_until"),
             bool(doc.get("listed", True)),
             containment=Containment.from_json(doc.get("containment")),
-            gpus_out={int(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()},
+            gpus_out={whole(index): str(why) for index, why in (doc.get("gpus_out") or {}).items()},
             tier_endpoint=str(doc.get("tier_endpoint", "")),
         )
 
@@ -222,6 +224,8 @@ class NodeRegistry:
         self._index = SignedLines(signer, self._key("names"), _registered_name, self._on_refused)
         self._newcomers: dict[str, float] = {}  # census: name -> when first read (monotonic)
         self._sightings: dict[str, Sighting] | None = None  # as of the last change (None: changed)
+        self._woken: tuple[int, int] | None = None  # where in the feed the last wake found us
+        self.quiet = BackOff(longest=8 * keep_alive.interval)  # feed waits that woke for naught
 
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
@@ -598,8 +602,20 @@ class NodeRegistry:
         return None, 0, None, ""
 
     async def wait_for_change(self, timeout: float) -> bool:
-        """Block until the observer publishes the feed's next entry (True) or ``timeout``."""
-        return await self._store.wait_for(self._key(f"feed/{self._number + 1}"), timeout)
+        """Block until the observer publishes the feed's next entry (True) or ``timeout``.
+
+        Anyone can end the wait (write the key, or on TCPStore read it while it is missing).
+        When the duty after the last wake did not move this node along the feed, that wake
+        was no news: this one pauses first (``quiet``, doubling, reset once the feed moved;
+        the duty's timer, which cuts the pause, reads the feed meanwhile)."""
+        here = (self._term, self._number)
+        if self._woken == here:
+            await self.quiet.pause()
+        else:
+            self.quiet.reset()
+        woke = await self._store.wait_for(self._key(f"feed/{self._number + 1}"), timeout)
+        self._woken = here if woke else None
+        return woke
 
     async def read_record(self, name: str) -> NodeRecord | None:
         """One node's record straight from the store (for a node not seen by a tick yet)."""
@@ -635,11 +651,15 @@ class NodeRegistry:
 
 
 def _parse_entry(body: Any) -> tuple[int, dict[str, Membership]]:
-    return int(body["term"]), parse_members(body["changes"])
+    return json_int(body["term"], "term"), parse_members(body["changes"])
 
 
 def _parse_snapshot(body: Any) -> tuple[int, int, dict[str, Membership]]:
-    return int(body["term"]), int(body["number"]), parse_members(body["members"])
+    return (
+        json_int(body["term"], "term"),
+        json_int(body["number"], "number"),
+        parse_members(body["members"]),
+    )
 
 
 def _epoch_token(body: Any) -> str:

@@ -17,7 +17,7 @@ from elasticd.core import events
 from elasticd.core.model import NODE_STATES, IllegalTransition, NodeState
 from elasticd.core.node import Hold
 from elasticd.errors import StoreError
-from elasticd.faults import Faults
+from elasticd.faults import Faults, Throttle, held_back
 from elasticd.shell.publisher import StoreReset
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class NodeService:
             False  # the next duty also reads the nodes that registered since the feed said
         )
         self.registered = asyncio.Event()  # this node's record is in the store
+        self._told = Throttle()  # a store reset, told once per interval (its key can be deleted)
 
     async def run(self, stop: asyncio.Event, duties: NodeDuties) -> None:
         self._duties = duties
@@ -156,9 +157,11 @@ class NodeService:
                 else events.GpuReadmitted(tick.drain_gpu, tick.drain_by)
             )
         if store_was_reset(self._epoch, tick.epoch):
-            log.warning(
-                "the store was reset (its host restarted): publishing this node's jobs again"
-            )
+            if (held := self._told.check("reset", time.monotonic())) is not None:
+                log.warning(
+                    "the store was reset (its host restarted): publishing this node's jobs again%s",
+                    held_back(held),
+                )
             republished = asyncio.get_running_loop().create_future()
             self._duties.post(StoreReset(republished))
             await republished  # a StoreError leaves the old epoch: the next duty tries again

@@ -201,7 +201,8 @@ class Zap:
 
 
 class RouterServer:
-    """A ROUTER that runs ``handler(caller, request, reply)`` for each request in its own task.
+    """A ROUTER that runs ``handler(caller, request, reply)`` for each request in a task of
+    its own, in the one task group of ``serve``: none outlives it.
 
     ``identify`` turns a message's ZAP User-Id into the caller the handler sees.
     """
@@ -216,12 +217,12 @@ class RouterServer:
         identify: Callable[[str], Any],
         on_request: Callable[[str, str], None] | None = None,
         curve_secret: bytes | None = None,
+        log_interval: float = LOG_INTERVAL,
     ) -> None:
         self.endpoint = endpoint
         self._handler = handler
         self._identify = identify
-        self._count = on_request or (lambda op, result: None)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._outcomes = Outcomes(on_request or (lambda op, result: None), log_interval)
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ZAP_DOMAIN, domain)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -241,36 +242,58 @@ class RouterServer:
         return self.endpoint
 
     async def serve(self) -> None:
-        while True:
-            frames = await self._router.recv_multipart(copy=False)
-            if len(frames) != 2:
-                self._count("invalid", protocol.E_BAD_REQUEST)
-                log.warning("control: dropped a message of %d frames", len(frames))
-                continue
-            identity, frame = frames
-            task = asyncio.create_task(self._dispatch(identity.bytes, frame))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        """Serve until cancelled; the requests in flight are cancelled with it."""
+        async with asyncio.TaskGroup() as requests:
+            while True:
+                frames = await self._router.recv_multipart(copy=False)
+                if len(frames) != 2:
+                    self._outcomes.count("invalid", protocol.E_BAD_REQUEST)
+                    log.warning("control: dropped a message of %d frames", len(frames))
+                    continue
+                identity, frame = frames
+                requests.create_task(self._dispatch(identity.bytes, frame))
 
     async def _dispatch(self, identity: bytes, frame: zmq.Frame) -> None:
+        """Never raises (but for cancellation): one request must not end the others."""
         raw = frame.bytes
         reply = RouterReply(self._router, identity, protocol.request_id(raw))
         user_id = frame.get("User-Id")  # a string property (zmq types every property int | str)
         try:
             caller = self._identify(user_id if isinstance(user_id, str) else "")
         except ElasticdError as exc:
-            await _refuse(reply, "invalid", exc.code, exc.message, self._count)
+            await _refuse(reply, "invalid", exc.code, exc.message, self._outcomes)
             return
-        await answer(self._handler, caller, raw, reply, self._count)
+        except Exception:
+            log.exception("control: cannot tell who sent a request")
+            return
+        await answer(self._handler, caller, raw, reply, self._outcomes)
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
         self._router.close(linger=0)
 
 
+class Outcomes:
+    """What became of each request: counted (``count(op, result)``: every one), and, for a
+    refusal, a client gone or an internal error, a log line per kind once per ``interval``
+    with how many more there were: a local user can make thousands a second."""
+
+    def __init__(
+        self,
+        count: Callable[[str, str], None],
+        interval: float = LOG_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.count = count
+        self._told = Throttle(interval)
+        self._clock = clock
+
+    def tell(self, kind: str) -> int | None:
+        """None: not now; else log it, with this many held back (see Throttle.check)."""
+        return self._told.check(kind, self._clock())
+
+
 async def answer(
-    handler: Handler, caller: Any, raw: bytes, reply: Responder, count: Callable[[str, str], None]
+    handler: Handler, caller: Any, raw: bytes, reply: Responder, outcomes: Outcomes
 ) -> None:
     """Decode one request, run its handler, and turn every failure into an error reply.
     Never raises (but for cancellation): one bad request must not touch any other."""
@@ -279,17 +302,21 @@ async def answer(
         request = protocol.decode_request(raw)
         op, reply.id = request.op, request.id
         await handler(caller, request, reply)
-        count(op, "ok")
+        outcomes.count(op, "ok")
     except ProtocolError as exc:
-        await _refuse(reply, op, exc.code, str(exc), count)
+        await _refuse(reply, op, exc.code, str(exc), outcomes)
     except ElasticdError as exc:
-        await _refuse(reply, op, exc.code, exc.message, count)
+        await _refuse(reply, op, exc.code, exc.message, outcomes)
     except PeerGone:
-        count(op, "peer_gone")
-        log.info("control: client went away during %s", op)
+        outcomes.count(op, "peer_gone")
+        if (held := outcomes.tell("peer_gone")) is not None:
+            log.info("control: client went away during %s%s", _shortened(op, 40), held_back(held))
     except Exception:
-        log.exception("control: %s failed", op)
-        await _refuse(reply, op, protocol.E_INTERNAL, "internal error (see the daemon log)", count)
+        if (held := outcomes.tell("traceback")) is not None:
+            log.exception("control: %s failed%s", _shortened(op, 40), held_back(held))
+        await _refuse(
+            reply, op, protocol.E_INTERNAL, "internal error (see the daemon log)", outcomes
+        )
 
 
 _LOGGED_MESSAGE = 300  # characters of a refusal's message in the daemon's log
@@ -300,12 +327,17 @@ def _shortened(text: str, limit: int = _LOGGED_MESSAGE) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-async def _refuse(
-    reply: Responder, op: str, code: str, message: str, count: Callable[[str, str], None]
-) -> None:
-    count(op, code)
+async def _refuse(reply: Responder, op: str, code: str, message: str, outcomes: Outcomes) -> None:
+    outcomes.count(op, code)
     # the op and message may carry a client's text: a line, never a 4 MiB record per request
-    log.info("control: %s refused: %s: %s", _shortened(str(op), 40), code, _shortened(message))
+    if (held := outcomes.tell(code)) is not None:
+        log.info(
+            "control: %s refused: %s: %s%s",
+            _shortened(str(op), 40),
+            code,
+            _shortened(message),
+            held_back(held),
+        )
     try:
         await reply.error(code, message)
     except PeerGone:
@@ -464,11 +496,12 @@ class ControlServer:
         on_request: Callable[[str, str], None] | None = None,
         on_connections: Callable[[int], None] | None = None,
         world_accessible: bool = False,
+        log_interval: float = LOG_INTERVAL,
     ) -> None:
         self.path = path
         self._handler = handler
         self._limits = limits
-        self._count = on_request or (lambda op, result: None)
+        self._outcomes = Outcomes(on_request or (lambda op, result: None), log_interval)
         self._on_connections = on_connections or (lambda n: None)
         self._world = world_accessible
         self._admission = Admission(limits)
@@ -514,7 +547,7 @@ class ControlServer:
             return
         refusal = self._admission.refusal(caller.uid)
         if refusal is not None:
-            self._count("connect", protocol.E_TOO_MANY)
+            self._outcomes.count("connect", protocol.E_TOO_MANY)
             _say_and_close(conn, protocol.error("", protocol.E_TOO_MANY, refusal))
             return
         self._admission.opened(caller.uid)
@@ -574,11 +607,11 @@ class ControlServer:
                         "invalid",
                         protocol.E_TOO_LARGE,
                         f"frame of {frame.size} bytes exceeds {protocol.MAX_FRAME}",
-                        self._count,
+                        self._outcomes,
                     )
                 else:
                     reply = StreamReply(link, token, protocol.request_id(frame))
-                    await answer(self._handler, link.caller, frame, reply, self._count)
+                    await answer(self._handler, link.caller, frame, reply, self._outcomes)
             finally:
                 token.release()
         finally:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from elasticd.wire.numbers import is_whole
+
 MAX_OUTPUT = 1 << 20  # bytes of output a run may print (more: the run failed)
 MAX_SLOTS = 1_000_000
 
@@ -60,7 +62,7 @@ def _host_slots(line: str) -> tuple[str, int | None]:
         raise ValueError("not host[:slots]")
     if slots is None:
         return host, None
-    if not slots.isdigit() or not 1 <= int(slots) <= MAX_SLOTS:
+    if not is_whole(slots) or not 1 <= int(slots) <= MAX_SLOTS:
         raise ValueError(f"slots must be a whole number from 1 to {MAX_SLOTS}")
     return host, int(slots)
 

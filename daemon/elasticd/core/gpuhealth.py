@@ -8,13 +8,20 @@ against the GPU), its volatile uncorrectable ECC count rises, or it has rows or 
 waiting for a remap (they take effect only at the next reset).  A thermal or power
 slowdown is a warning, never a drain.  A GPU out comes back when an operator readmits it,
 or, with ``readmit_after`` > 0, once it has read healthy that long.
+
+A program can make a GPU report Xids at will (20,000 Xid 13 in one check, measured): a
+check's Xids are said once per GPU and code with how many came, and that line once per
+``log.summary_interval`` (``Throttle``) with how many more there were; they are counted
+by code, all of them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from elasticd.core import instructions as do
+from elasticd.faults import Throttle, held_back
 
 # Xids that mean the hardware needs attention (NVIDIA's Xid catalogue, as DCGM's health
 # watches read it); others are application or driver-side and leave the GPU in the offer.
@@ -54,7 +61,11 @@ class GpuOut:
 def faults(reading: GpuReading, before: GpuReading | None, policy: GpuPolicy) -> list[str]:
     """Why this reading takes the GPU out (empty: it does not)."""
     why = ["lost (NVML: GPU is lost)"] if reading.lost else []
-    why += [f"xid {code}" for code in reading.xids if code in policy.drain_xids]
+    why += [
+        f"xid {code}" + (f" (x{n})" if n > 1 else "")
+        for code, n in Counter(reading.xids).items()
+        if code in policy.drain_xids
+    ]
     ecc, was = reading.ecc_uncorrected, before.ecc_uncorrected if before is not None else None
     if ecc is not None and was is not None and ecc > was:
         why.append(f"ecc: {ecc - was} new uncorrectable errors ({ecc} in all)")
@@ -73,6 +84,7 @@ class GpuWatch:
     last: dict[str, GpuReading] = field(default_factory=dict)  # by UUID
     out: dict[str, GpuOut] = field(default_factory=dict)  # by UUID
     slowed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    told: Throttle = field(default_factory=Throttle)  # Xids said, per GPU and code
 
     def read(
         self, readings: tuple[GpuReading, ...], mono: float, wall: float
@@ -82,7 +94,7 @@ class GpuWatch:
         changed = False
         for reading in readings:
             why = faults(reading, self.last.get(reading.uuid), self.policy)
-            said += self._other_news(reading)
+            said += self._other_news(reading, mono)
             if why:
                 changed |= self._take_out(reading, "; ".join(why), mono, wall, said)
             elif reading.uuid in self.out and self._healed(self.out[reading.uuid], mono):
@@ -126,19 +138,30 @@ class GpuWatch:
         ]
         return True
 
-    def _other_news(self, reading: GpuReading) -> list[do.Instruction]:
-        """Xids that leave the GPU in, and slowdowns as they start and end: said, counted."""
-        said: list[do.Instruction] = [
-            do.Say(
-                "warning",
-                "gpu %d: xid %d (an application or driver error: the GPU stays in)",
-                None,
-                (reading.index, code),
-            )
-            for code in reading.xids
-            if code not in self.policy.drain_xids
-        ]
-        said += [do.Count("xid", label=str(code)) for code in reading.xids]
+    def _other_news(self, reading: GpuReading, mono: float) -> list[do.Instruction]:
+        """Xids that leave the GPU in (a line per code, and not every check), and slowdowns
+        as they start and end: said; every Xid counted."""
+        said: list[do.Instruction] = []
+        xids = Counter(reading.xids)
+        for code, n in xids.items():
+            if code in self.policy.drain_xids:
+                continue
+            held = self.told.check(f"{reading.uuid} xid {code}", mono, count=n)
+            if held is not None:
+                said.append(
+                    do.Say(
+                        "warning",
+                        "gpu %d: xid %d (an application or driver error: the GPU stays in)%s%s",
+                        None,
+                        (
+                            reading.index,
+                            code,
+                            f", {n} in this check" if n > 1 else "",
+                            held_back(held),
+                        ),
+                    )
+                )
+        said += [do.Count("xid", label=str(code), value=n) for code, n in xids.items()]
         if reading.slowdown != self.slowed.get(reading.uuid, ()):
             self.slowed[reading.uuid] = reading.slowdown
             said.append(

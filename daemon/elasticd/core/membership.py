@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticd.core.liveness import Beat, KeepAlive, silent
+from elasticd.wire.numbers import json_number
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Membership:
         record, lost, since = doc
         if not isinstance(record, int) or not isinstance(lost, bool):
             raise ValueError(f"not a member: {doc!r}")
-        return cls(record, lost, float(since))
+        return cls(record, lost, json_number(since, "since"))
 
 
 Members = Mapping[str, Membership]

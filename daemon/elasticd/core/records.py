@@ -13,6 +13,7 @@ from typing import Any
 
 from elasticd.core import checkpoints
 from elasticd.core.model import Failure, JobSpec, JobState, PartState, WorkerState
+from elasticd.wire.numbers import json_int, json_number
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class Outcome:
         error = Failure.from_json(doc["error"]) if doc.get("error") else None
         return cls(
             state,
-            float(doc["ended"]),
+            json_number(doc["ended"], "ended"),
             doc.get("exit_code"),
             str(doc.get("message", "")),
             error,
@@ -182,7 +183,7 @@ def worker_groups(records: Iterable[JobRecord], node: str) -> dict[int, WorkerGr
     """The process groups of the workers ``node`` ran for these jobs (a worker's pid, its
     group's id -> whose), for reaping what a daemon that died left behind."""
     return {
-        int(worker["pid"]): WorkerGroupLeft(record.id, record.spec.uid, part.started)
+        json_int(worker["pid"], "pid"): WorkerGroupLeft(record.id, record.spec.uid, part.started)
         for record in records
         if (part := record.parts.get(node)) is not None and part.started
         for worker in part.workers
@@ -403,4 +404,4 @@ def record_from_history(doc: Mapping[str, Any]) -> JobRecord:
         raise ValueError("the row is not a JSON object")
     outcome = Outcome.from_json(doc["outcome"]) if doc.get("outcome") else None
     parts = {n: Part.from_json(p) for n, p in (doc.get("parts") or {}).items()}
-    return JobRecord(JobSpec.from_json(doc["spec"]), int(doc["seq"]), parts, outcome)
+    return JobRecord(JobSpec.from_json(doc["spec"]), json_int(doc["seq"], "seq"), parts, outcome)

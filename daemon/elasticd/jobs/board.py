@@ -14,7 +14,11 @@ Keys under ``elasticd/<cluster>/jobs/``::
     log/<n>             the n-th change, signed: "spec/<id>", "part/<id>/<node>" or "outcome/<id>"
 
 A daemon follows the log by waiting for ``log/<n+1>`` (one store round trip of latency, no
-polling).  Every record is sealed for its key; one that does not open is refused and
+polling).  Anyone can end that wait (write the key, or on TCPStore read it while it is
+missing): a wake with no entry behind it, or with a refused one at a number nobody took yet
+(junk written ahead of the log: the writer who takes that number overwrites it), is no news
+and backs the follower off (``aio.BackOff``, doubling up to a follow period, reset by an
+entry).  Every record is sealed for its key; one that does not open is refused and
 counted.  The counters and the log are not trusted to be complete: an entry that is
 missing while later ones exist, refused, or a counter that went back, makes the follower
 read every job again from the signed records (at most once per ``_RESYNC_PAUSE``).  A
@@ -41,6 +45,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd.aio import BackOff
 from elasticd.core.model import IllegalTransition, JobSpec
 from elasticd.core.records import Outcome, Part
 from elasticd.errors import ElasticdError, NotACounter, StoreError, TamperedRecord
@@ -57,6 +62,7 @@ from elasticd.store.signing import (
     VersionClock,
     open_or_refuse,
 )
+from elasticd.wire.numbers import json_int
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +120,7 @@ class JobBoard:
         self._fresh = Freshness()  # parts: an older one written back is refused
         self._seq = StoreCounter(store, self._key("seq"), self._seq_end, self.refused)
         self._log = StoreCounter(store, self._key("log"), self._log_end, self.refused)
+        self.quiet = BackOff(longest=_FOLLOW_TIMEOUT)  # follows that woke for naught
 
     def _key(self, suffix: str) -> str:
         return f"{self._prefix}/{suffix}"
@@ -265,8 +272,9 @@ class JobBoard:
         """Wait up to ``timeout`` for changes after ``position``; returns the new position.
 
         Raises BoardReset when the log cannot be followed from ``position``: it went
-        backwards, or the next entry is refused, or missing while later ones exist (its
-        writer died between its two steps, or someone bumped the counter).
+        backwards, or the next entry is refused (its number taken), or missing while later
+        ones exist (its writer died between its two steps, or someone bumped the counter).
+        A wake with nothing to read pauses (``quiet``) before it returns.
         """
         if not await self._store.wait_for(self._key(f"log/{position + 1}"), timeout):
             head = await self.head()
@@ -285,10 +293,14 @@ class JobBoard:
                 break
             entry = open_or_refuse(self._signer, key, raw, _entry, self.refused)
             if entry is None:
-                if not entries:
+                if not entries and await self.head() > position:
                     raise BoardReset(f"change {position + 1} was refused")
                 break
             entries.append(entry)
+        if not entries:  # woken for naught: missing, or junk where no change was written yet
+            await self.quiet.pause(timeout)
+            return position, []
+        self.quiet.reset()
         self._log.saw(position + len(entries))
         return position + len(entries), await self._read(entries)
 
@@ -333,7 +345,7 @@ class JobBoard:
             if spec.id != rest:
                 raise ValueError(f"the spec is job {spec.id}'s")
             ended = Outcome.from_json(body["outcome"]) if body.get("outcome") else None
-            return Change(kind, rest, (int(body["seq"]), spec, ended))
+            return Change(kind, rest, (json_int(body["seq"], "seq"), spec, ended))
         if kind == "outcome":
             return Change(kind, rest, Outcome.from_json(body))
         job_id, _, node = rest.partition("/")

@@ -3,10 +3,12 @@ the store.
 
 Keys: :mod:`elasticd.rendezvous.keys`.  Every record is signed for its key
 (store/signing.py); the unsigned ``rev`` keys only wake waiters, who read the signed state
-and go back to sleep if it did not change, and the unsigned counter only says how far to
-read the log.  A state that does not open, or is older than the newest this node saw before
-it asked (a read that crossed a newer one of its own is not), is refused and counted, and
-the newest state this node saw is written back over it (as after a store reset).  A state
+and back off if it did not change (anyone can end a wait: write its key, or on TCPStore
+read it while it is missing; ``aio.BackOff``, doubling up to a keep-alive interval, reset
+by news), and the unsigned counter only says how far to read the log.  A state that does
+not open, or is older than the newest this node saw before it asked (a read that crossed a
+newer one of its own is not), is refused and counted, and the newest state this node saw
+is written back over it (as after a store reset).  A state
 is opened once per change (``state.Decoded``, which the handlers of a process may share).
 The join log: :mod:`elasticd.rendezvous.joinlog`.
 
@@ -39,7 +41,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from elasticd.aio import back_off
+from elasticd.aio import BackOff, back_off
 from elasticd.core.liveness import Beat
 from elasticd.errors import (
     NotACounter,
@@ -190,6 +192,7 @@ class RendezvousHandler:
             faults or Faults()
         )  # the keeper's unexpected errors: counted, logged once per interval
         self._told = Throttle()  # the keeper's expected troubles, once per interval each
+        self._quiet = BackOff(longest=settings.keep_alive_interval)  # waits that woke for naught
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -309,7 +312,8 @@ class RendezvousHandler:
         a member still missing, never on a timer; a forged key there costs a back-off)."""
         deadline = self._clock() + timeout
         total = info.group_world_size
-        awaited = None
+        quiet = BackOff(longest=self._settings.keep_alive_interval)
+        awaited, before = None, -1
         while True:
             arrived = await self._arrivals(info)
             missing = [m.node for m in info.members if m.nproc and m.node not in arrived]
@@ -319,9 +323,11 @@ class RendezvousHandler:
             left = deadline - self._clock()
             if left <= 0:
                 return False
-            if awaited in missing:  # its key is there but its record was refused
-                await asyncio.sleep(min(self._settings.keep_alive_interval, left))  # a back-off
-            awaited = missing[0]
+            if len(arrived) > before:
+                quiet.reset()
+            elif awaited in missing:  # its wait ended, yet no arrival of it opens: no news
+                await quiet.pause(left)
+            before, awaited = len(arrived), missing[0]
             if not await self._store.wait_for(self._keys.exit_arrived(info.round, awaited), left):
                 awaited = None
 
@@ -406,7 +412,8 @@ class RendezvousHandler:
         self._watched.clear()
         left = max(due - self._clock(), 0.0)
         if self._watches:
-            await self._next_revision(self._newest, left)
+            newest = self._newest
+            await self._awaited(self._keys.rev(newest.state.version + 1), newest, left)
             return
         try:
             async with asyncio.timeout(left):  # not wait_for: see elasticd.aio
@@ -557,8 +564,9 @@ class RendezvousHandler:
                     assert restore.state is not None  # the state to write back
                     why = "vanished" if snap.raw is None else "was refused"
                     (snap, logged), won = await self._write(snap, restore.state)
-                    if won:
-                        self._logger.warning(
+                    if won:  # anyone may delete it as often as they like: told once per interval
+                        self._tell(
+                            "restored",
                             "rendezvous %s: the state %s; %s restored round %d",
                             self._settings.run_id,
                             why,
@@ -585,16 +593,14 @@ class RendezvousHandler:
                 assert action.record is not None, "an announcement carries the joiner's record"
                 await self._announce(snap.state, action.record, logged)
                 snap, logged = await self._observe()
-            elif action.act is Act.WAIT and (hole := self._log.hole()) is not None:
-                await self._store.wait_for(
-                    self._keys.join(snap.state.round, hole), action.until - self._clock()
-                )
-                (
-                    snap,
-                    logged,
-                ) = await self._observe()  # its writer is on its way: no revision to wait for
             elif action.act is Act.WAIT:
-                snap, logged = await self._next_revision(snap, action.until - self._clock())
+                hole = self._log.hole()  # its writer is on its way: no revision to wait for
+                key = (
+                    self._keys.rev(snap.state.version + 1)
+                    if hole is None
+                    else self._keys.join(snap.state.round, hole)
+                )
+                snap, logged = await self._awaited(key, snap, action.until - self._clock(), logged)
             else:
                 return snap, action
 
@@ -685,24 +691,29 @@ class RendezvousHandler:
         after = self._remember(_Snapshot(new, sealed)) if won else self._snapshot(current, known)
         return (after, await self._logged(after.state)), won
 
-    async def _next_revision(self, snap: _Snapshot, timeout: float) -> tuple[_Snapshot, View]:
-        """The state (and its join log) once the one after ``snap`` is written, or after
-        ``timeout`` seconds.  A revision key with no new state behind it (anyone can set one),
-        or with a refused state, makes this node sleep until ``timeout`` instead of waking
-        again and again."""
+    async def _awaited(
+        self, key: str, snap: _Snapshot, timeout: float, logged: View | None = None
+    ) -> tuple[_Snapshot, View]:
+        """The state and its join log once ``key`` is written (the next revision's, or a
+        join-log entry's), or after ``timeout`` seconds.  News is a new state that opens,
+        or (given the join log as ``logged``) a new entry in the log.  A wake without news
+        (anyone can write the key, or on TCPStore read it while it is missing; a refused
+        state is restored by the next act) pauses this handler before it reads again:
+        ``_quiet``, doubling up to a keep-alive interval, reset by news."""
         if timeout <= 0:
             return await self._observe()
-        key = self._keys.rev(snap.state.version + 1)
+        ends = self._clock() + timeout
         woke = await self._store.wait_for(key, min(timeout, _LONGEST_WAIT))
         after = await self._observe()
-        if woke and (
-            after[0].raw == snap.raw or not after[0].valid
-        ):  # a refused one is restored at the duty
-            if after[0].raw == snap.raw:
-                self._refused(key, "a revision key with no new state behind it")
-            await asyncio.sleep(timeout)  # a back-off
-            after = await self._observe()
-        return after
+        news = (after[0].valid and after[0].raw != snap.raw) or (
+            logged is not None and after[1].announced != logged.announced
+        )
+        if not woke or news:
+            if news:
+                self._quiet.reset()
+            return after
+        await self._quiet.pause(ends - self._clock())
+        return await self._observe()
 
     def _open(self, raw: bytes, known: int) -> RendezvousState | None:
         """The state in ``raw``; None (refused and counted) if it does not open for this

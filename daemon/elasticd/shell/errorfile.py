@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticd.wire import safejson
+from elasticd.wire.numbers import decimal
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def _time(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return 0.0
     try:
-        seconds = float(value)
+        seconds = decimal(value) if isinstance(value, str) else float(value)
     except ValueError:
         return 0.0
     return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0

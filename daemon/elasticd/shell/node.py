@@ -11,13 +11,14 @@ effectors.py's.  Submits, cancels and look-ups of the control socket come in her
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import os
 import pwd
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -256,8 +257,7 @@ class NodeShell:
             finally:
                 part.ops.pop(op, None)
 
-        assert self._tasks is not None
-        part.ops[op] = self._tasks.create_task(run(), name=f"{job}-op{op}")
+        part.ops[op] = self._start(run(), work, name=f"{job}-op{op}")
 
     # rendezvous
 
@@ -487,8 +487,7 @@ class NodeShell:
                 log.exception("job %s: an effect failed", job, extra=about(job))
                 self.post(ev.OpFailed(job, None, False, repr(exc)))
 
-        assert self._tasks is not None
-        task = self._tasks.create_task(run())
+        task = self._start(run(), work)
         key = -id(task)
         part.ops[key] = task
         task.add_done_callback(lambda _: part.ops.pop(key, None))
@@ -559,8 +558,19 @@ class NodeShell:
             finally:
                 self._node_ops.pop(op, None)
 
+        self._node_ops[op] = self._start(run(), work)
+
+    def _start(
+        self, run: Coroutine[Any, Any, None], work: Awaitable[Any], name: str | None = None
+    ) -> asyncio.Task[None]:
+        """``run`` (which awaits ``work``) as a task of the shell's group.  A task cancelled
+        before its first step never awaits ``work``: a coroutine is closed then, as Python
+        would warn of one nobody awaited (a probe cancelled at once by the next failure)."""
         assert self._tasks is not None
-        self._node_ops[op] = self._tasks.create_task(run())
+        task = self._tasks.create_task(run, name=name)
+        if inspect.iscoroutine(work):
+            task.add_done_callback(lambda _: work.close())
+        return task
 
     async def _finish(self, job_id: str, outcome: Outcome, board: bool = True) -> Outcome:
         """Make ``outcome`` the job's outcome unless another was first; close its rendezvous
@@ -611,7 +621,7 @@ class NodeShell:
         self._settled[starting.job] = asyncio.Event()
         part.keeper = self._tasks.create_task(part.rdzv.keep(), name=f"keeper-{starting.job}")
         if part.link is not None:
-            self._quiet(starting.job, part.link.open())
+            self._quiet(starting.job, part.link.serve())
 
     def _close_part(self, closing: do.ClosePart) -> None:
         part = self._parts[closing.job]

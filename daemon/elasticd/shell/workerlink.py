@@ -10,6 +10,15 @@ watches; a worker's hello names the signal on which its library dumps its stacks
 hang timeout has the channel too, for progress only. A line over 64 KiB, one that is not a message (:func:`decode`: bounded
 JSON of the right shape, or :class:`Malformed`) or a peer that does not read closes that
 connection, never the agent.
+
+What a job writes here is rate-limited, as the control socket's users are: a worker needs a
+line or two a round, and four workers that wrote ``ready`` as fast as they could (431,000
+lines in 40 s) held the daemon at 72% CPU and another user's ``elasticctl list`` at 1.25 s.
+A slot's lines beyond :data:`LINES_PER_SECOND` (after a burst of :data:`LINE_BURST`) wait
+unread, so the worker's writes block in the kernel (slowed); :data:`PATIENCE` lines past
+the rate in a row close its connection (the worker's next ask then fails: its own problem,
+its job's other workers keep theirs).  Connections are accepted at a pace too (the job's
+user may connect in a loop): beyond a burst, at most one per slot a second.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd.faults import Throttle, held_back
 from elasticd.wire import safejson
 
 log = logging.getLogger(__name__)
@@ -36,6 +46,25 @@ _MAX_DEPTH = 4  # {"op": ...} holds scalars only
 _WHY = ("start", "interrupt", "failure")
 PROGRESS_EVERY = 1.0  # seconds: a worker's progress is passed on at most this often
 _SIGNALS = range(1, 65)  # a signal a library may name for its stack dumps (not 9, not 19)
+LINES_PER_SECOND = 10.0  # a slot's lines after the burst: a worker needs one or two a round
+LINE_BURST = 20
+PATIENCE = 50  # lines past the rate in a row, each slowed, before the connection is closed
+
+
+class Bucket:
+    """A token bucket (pure: the caller gives the time): ``rate`` a second, ``burst`` at most."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self._rate, self._burst = rate, burst
+        self._tokens, self._at = burst, now
+
+    def take(self, now: float) -> float:
+        """Take a token: 0.0 when one was there, else how long to wait for the one taken
+        (each taken ahead of time makes the next one later)."""
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        self._tokens -= 1
+        return 0.0 if self._tokens >= 0 else -self._tokens / self._rate
 
 
 class Malformed(ValueError):
@@ -89,12 +118,17 @@ class WorkerLink:
         self._places: dict[int, tuple[int, dict[str, str]]] = {}
         self._asked: dict[int, int] = {}  # slot -> the round it last asked to leave behind
         self._connections = 0
-        self._server: asyncio.AbstractServer | None = None
+        self.accepted = 0  # connections accepted, all told
+        self.cut_off = 0  # connections closed for sending too fast
+        self._accepts = Bucket(slots, 2 * slots + 4, clock())
+        self._lines: dict[int, Bucket] = {}  # by slot: a new connection of a slot finds its own
+        self._over: dict[int, int] = {}  # by slot: lines past the rate, in a row
+        self._told = Throttle()
         self._sock: socket.socket | None = None
 
     def bind(self) -> None:
         """Listen on the job's socket now (0600, the job's user's): a worker that connects
-        before ``open`` serves it waits in the backlog."""
+        before ``serve`` runs waits in the backlog."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -108,22 +142,40 @@ class WorkerLink:
             self._sock.close()
             raise
 
-    async def open(self) -> None:
-        """Serve the socket (bound first, if ``bind`` was not called)."""
+    async def serve(self) -> None:
+        """Serve the socket (bound first, if ``bind`` was not called) until cancelled; each
+        connection is a task of this one group, cancelled with it."""
         if self._sock is None:
             self.bind()
-        self._server = await asyncio.start_unix_server(
-            self._serve, sock=self._sock, limit=_MAX_LINE
-        )
+        assert self._sock is not None
+        self._sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as connections:
+            while True:
+                pause = self._accepts.take(self._clock())
+                if pause:  # connecting in a loop: the next connect waits in the backlog
+                    await asyncio.sleep(pause)
+                try:
+                    conn, _ = await loop.sock_accept(self._sock)
+                except OSError as exc:  # out of fds or memory: never stop listening
+                    if (held := self._told.check("accept", self._clock())) is not None:
+                        log.warning(
+                            "worker channel %s: cannot accept: %s%s",
+                            self.path,
+                            exc,
+                            held_back(held),
+                        )
+                    await asyncio.sleep(1.0)  # a back-off
+                    continue
+                self.accepted += 1
+                connections.create_task(self._serve(conn))
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for writer in self._writers.values():
-                writer.close()
-        elif self._sock is not None:
-            self._sock.close()
+        """Close the socket and every worker's connection (``serve`` was cancelled first)."""
+        for writer in self._writers.values():
+            writer.close()
         if self._sock is not None:
+            self._sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
@@ -154,9 +206,12 @@ class WorkerLink:
         return self._asked.get(slot, -2)
 
     def forget(self, slot: int) -> None:
-        """A new worker takes ``slot``: what the old one asked or was told is void."""
+        """A new worker takes ``slot``: what the old one asked or was told is void, and it
+        starts with a full allowance of lines."""
         self._asked.pop(slot, None)
         self._places.pop(slot, None)
+        self._lines.pop(slot, None)
+        self._over.pop(slot, None)
         writer = self._writers.pop(slot, None)
         if writer is not None:
             writer.close()
@@ -170,7 +225,12 @@ class WorkerLink:
         if writer is None:
             return
         if writer.transport.get_write_buffer_size() > _MAX_BUFFERED:
-            log.warning("worker in slot %d does not read its notices; closing its channel", slot)
+            if (held := self._told.check("unread", self._clock())) is not None:
+                log.warning(
+                    "worker in slot %d does not read its notices; closing its channel%s",
+                    slot,
+                    held_back(held),
+                )
             self._writers.pop(slot, None)
             writer.transport.abort()  # close() would wait for the worker to read what is queued
             return
@@ -178,12 +238,14 @@ class WorkerLink:
 
     # -- what workers tell the agent ---------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, conn: socket.socket) -> None:
         slot = None
+        writer = None
         self._connections += 1
         try:
-            if self._connections > 2 * self._slots + 4 or not self._trusted(writer):
+            if self._connections > 2 * self._slots + 4 or not self._trusted(conn):
                 return
+            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=_MAX_LINE)
             while line := await reader.readline():
                 message = decode(line)
                 if isinstance(message, Hello) and slot is None:
@@ -195,6 +257,8 @@ class WorkerLink:
                     else:
                         self.stack_signals.pop(slot, None)
                 elif isinstance(message, Ready) and slot is not None:
+                    if not await self._paced(slot):
+                        return
                     self._ready(slot, message)
                 elif isinstance(message, Progress) and slot is not None:
                     self._progress(slot)
@@ -206,11 +270,40 @@ class WorkerLink:
             self._connections -= 1
             if slot is not None and self._writers.get(slot) is writer:
                 del self._writers[slot]
-            writer.close()
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
 
-    def _trusted(self, writer: asyncio.StreamWriter) -> bool:
+    async def _paced(self, slot: int) -> bool:
+        """Wait for ``slot``'s next line to be due (its bucket); False when it has sent
+        :data:`PATIENCE` lines past the rate in a row: its connection is closed."""
+        now = self._clock()
+        bucket = self._lines.setdefault(slot, Bucket(LINES_PER_SECOND, LINE_BURST, now))
+        pause = bucket.take(now)
+        if not pause:
+            self._over[slot] = 0
+            return True
+        self._over[slot] = self._over.get(slot, 0) + 1
+        if self._over[slot] > PATIENCE:
+            self._over[slot] = 0
+            self.cut_off += 1
+            if (held := self._told.check("flood", now)) is not None:
+                log.warning(
+                    "the worker in slot %d of %s sent more than %g lines a second for %d "
+                    "lines: closing its channel%s",
+                    slot,
+                    self.path,
+                    LINES_PER_SECOND,
+                    PATIENCE,
+                    held_back(held),
+                )
+            return False
+        await asyncio.sleep(pause)  # its further lines wait in the kernel: it is slowed
+        return True
+
+    def _trusted(self, sock: socket.socket) -> bool:
         """The job's user (or root); the socket's mode says so too, this is belt and braces."""
-        sock = writer.get_extra_info("socket")
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
         return uid in (self._uid, 0, os.getuid())

@@ -21,11 +21,12 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from elasticd.wire import safejson
+from elasticd.wire.numbers import check_time, is_whole, whole
 
 VERSION = 1
 MAX_FRAME = 4 * 1024 * 1024  # a request
@@ -85,6 +86,11 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "drain": ("node",),
     "undrain": ("node",),
 }
+# Args whose values are checked beyond their type: (op, arg) -> check(value, arg's name).
+CHECKED: dict[tuple[str, str], Callable[[Any, str], object]] = {
+    ("usage", "since"): check_time,
+    ("usage", "until"): check_time,
+}
 STREAMING_OPS = frozenset(
     {"logs", "wait", "list"}
 )  # and "submit" with args.wait, "nodes" with args.watch
@@ -110,15 +116,17 @@ NPROC_WORDS = (GPU, CPU, AUTO)
 
 def parse_nnodes(value: str | int) -> tuple[int, int]:
     """``"2"`` or 2 -> (2, 2); ``"2:4"`` -> (2, 4), as torchrun's ``--nnodes``; ValueError
-    naming what is wrong otherwise."""
+    naming what is wrong otherwise (digits 0-9 only: no ``1_0``, no other script's digits)."""
     if isinstance(value, int) and not isinstance(value, bool):
         pair = (value, value)
     else:
         low, sep, high = str(value).partition(":")
         try:
-            pair = (int(low), int(high)) if sep else (int(low), int(low))
+            pair = (whole(low), whole(high)) if sep else (whole(low), whole(low))
         except ValueError:
-            raise ValueError(f"nnodes must be N or MIN:MAX, got {value!r}") from None
+            raise ValueError(
+                f"nnodes must be N or MIN:MAX (whole numbers, digits 0-9), got {value!r}"
+            ) from None
     if not 1 <= pair[0] <= pair[1]:
         raise ValueError(f"nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
     return pair
@@ -131,8 +139,8 @@ def parse_nproc(value: str | int) -> int | str:
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    if isinstance(value, str) and value.isascii() and value.isdigit() and int(value) >= 1:
-        return int(value)
+    if isinstance(value, str) and is_whole(value) and whole(value) >= 1:
+        return whole(value)
     raise ValueError(
         f"nproc_per_node must be one of N, {', '.join(NPROC_WORDS)} "
         f"(N a positive integer), got {value!r}"
@@ -232,6 +240,12 @@ def _check_args(op: str, args: dict[str, Any]) -> None:
             raise ProtocolError(E_BAD_REQUEST, f"{op}: {name!r} must be {_names(allowed)}")
         if not isinstance(value, allowed):
             raise ProtocolError(E_BAD_REQUEST, f"{op}: {name!r} must be {_names(allowed)}")
+        check = CHECKED.get((op, name))
+        if check is not None:
+            try:
+                check(value, name)
+            except ValueError as exc:
+                raise ProtocolError(E_BAD_REQUEST, f"{op}: {exc}") from None
     for name in REQUIRED.get(op, ()):
         if name not in args:
             raise ProtocolError(E_BAD_REQUEST, f"{op}: missing argument {name!r}")
