@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from elasticctl import follow, render, sharing, torchrun
+from elasticctl import follow, render, torchrun
 from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
 from elasticctl.output import ProgressLine, emit, error_doc, terminal_width
 from elasticctl.submission import (
@@ -41,6 +42,7 @@ from elasticctl.submission import (
     size,
     submit_request,
 )
+from elasticctl.when import when
 from elasticd import __version__
 from elasticd.wire import numbers, paths
 
@@ -159,7 +161,12 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
     )
     listing = command("list", cmd_list, "list jobs", aliases=["ps"])
     listing.add_argument("--all", "-a", action="store_true", help="include finished jobs")
-    sharing.add_queue(command, connect)
+    command(
+        "queue",
+        cmd_queue,
+        "list waiting jobs in start order, and why each waits",
+        epilog=render.QUEUE_REASONS,
+    )
     status = command("status", cmd_status, "show one job in detail")
     status.add_argument("job", metavar="JOB")
     status.add_argument(
@@ -185,7 +192,15 @@ def build_parser(environ: Mapping[str, str], torchrun_rule: bool = True) -> argp
         metavar="N",
         help="only put GPU N back in the node's offer (taken out as bad by its health checks)",
     )
-    sharing.add_usage(command, connect)
+    usage = command(
+        "usage", cmd_usage, "node-, slot- and GPU-hours per user and account", USAGE_HELP
+    )
+    usage.add_argument("--user", metavar="U", help="only U's jobs")
+    usage.add_argument("--account", metavar="A", help="only jobs charged to account A")
+    usage.add_argument(
+        "--since", type=when, metavar="T", help="from T: 2024-05-01[T13:30], or 7d, 12h ago"
+    )
+    usage.add_argument("--until", type=when, metavar="T", help="up to T (default: now)")
     command("version", cmd_version, "show the client's and the daemon's versions")
     completion = command(
         "completion",
@@ -604,6 +619,33 @@ def cmd_list(args: argparse.Namespace) -> int:
     with connect(args) as daemon:
         jobs = list_jobs(daemon, args.all)
     emit(args, jobs, lambda: render.jobs_table(jobs, time.time()))
+    return 0
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    with connect(args) as daemon:
+        result = daemon.call("queue")
+    emit(args, result, lambda: render.queue_table(result, time.time()))
+    return 0
+
+
+USAGE_HELP = """\
+What the cluster's jobs used, from every job the daemon knows (the history keeps ended jobs
+for history.retention, 30 days by default): node-, slot- and GPU-hours and jobs, per user
+and per account, from the time each node's workers first ran to its part's end."""
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    request: dict[str, Any] = {
+        name: value
+        for name in ("user", "account", "since", "until")
+        if (value := getattr(args, name)) is not None
+    }
+    if request.get("since", -math.inf) >= min(request.get("until", math.inf), time.time()):
+        raise UsageError("--since must be before --until and now")
+    with connect(args) as daemon:
+        result = daemon.call("usage", request)
+    emit(args, result, lambda: render.usage_tables(result))
     return 0
 
 
