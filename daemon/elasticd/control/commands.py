@@ -30,7 +30,7 @@ from elasticd.core.model import JobSpec, JobState, NodeState, parse_nnodes, pars
 from elasticd.core.placement import beyond_standalone, never_fits
 from elasticd.core.quotas import account_refusal, count_refusal, spec_refusal
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
-from elasticd.core.schedule import Schedule, waiting_jobs
+from elasticd.core.schedule import Schedule, waiting_jobs, waiting_since
 from elasticd.core.usage import Span, report, spans
 from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
 from elasticd.jobs.accounts import account_of, group_name, group_namer, group_names
@@ -316,7 +316,7 @@ class Commands:
         words); without a schedule (the scheduler is off, or not heard from), the open jobs
         no node runs, in submit order."""
         schedule = self._schedule()
-        waiting = waiting_jobs(self._registry.jobs(), schedule)
+        waiting = waiting_jobs(self._registry.jobs(), schedule, account_of)
         await reply.result(
             {
                 "scheduler": schedule is not None,
@@ -528,6 +528,7 @@ def queue_row(
         "nnodes_step": spec.nnodes_step,
         "preemptible": spec.preemptible,
         "submitted": spec.created,
+        "waiting_since": waiting_since(record),  # a job that ran before: since it stopped
         "state": record.state.value,
         "reason": reason,
         "preempted": schedule is not None and spec.id in schedule.preempted,
