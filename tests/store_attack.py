@@ -103,9 +103,14 @@ class Cluster:
             if self.etcd is None
             else f'backend = "etcd"\nendpoints = {json.dumps(self.etcd.endpoints)}\n'
         )
-        # a job grows again at once after a resize, unless the test says otherwise (the
-        # interval is the scheduler tests' subject)
-        fast = "" if "[scheduler]" in config else "[scheduler]\nresize_interval = 1.0\n"
+        # a job grows again at once after a resize, and may be shrunk again at once, unless
+        # the test says otherwise (the interval and the minimum run time are the scheduler
+        # tests' subject)
+        fast = (
+            ""
+            if "[scheduler]" in config
+            else "[scheduler]\nresize_interval = 1.0\nmin_run_time = 0.0\n"
+        )
         path.write_text(
             f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
             f"[node]\npeer_port = {free_port()}\n[store]\n{store}{fast}{config}"
