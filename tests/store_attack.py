@@ -90,8 +90,10 @@ class Cluster:
         allow_root: bool = True,
         firewall: bool | str | None = None,
         config: str = "",
+        args: tuple[str, ...] = (),
     ) -> Daemon:
-        """A node named ``<role>-<tag>``; ``config``: more TOML (other sections than these)."""
+        """A node named ``<role>-<tag>``; ``config``: more TOML (other sections than these);
+        ``args``: more flags (``--gpus 2``)."""
         index = len(self.daemons) + 1
         node = f"{role}-{self.tag}"
         path = self.base / f"{self.name}-{node}.toml"
@@ -125,7 +127,7 @@ class Cluster:
                 "--store-host" if hosts else "--no-store-host",
             )
         )
-        args = (
+        flags = (
             "--cluster",
             self.name,
             *where,
@@ -137,8 +139,9 @@ class Cluster:
             "2",
             "--config",
             str(path),
+            *args,
         )
-        daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
+        daemon = self.factory(node, args=flags, standalone=False, metrics_port=free_port())
         self.daemons.append(daemon)
         return daemon
 
