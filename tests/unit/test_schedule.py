@@ -5,16 +5,18 @@ and takes only what it gives this node)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.allocation import Policy, Waiting
 from elasticd.core.allocation import Reason as Why
-from elasticd.core.model import JobSpec, PartState
+from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources
-from elasticd.core.records import JobRecord, Part
+from elasticd.core.records import JobRecord, Outcome, Part
 from elasticd.core.schedule import (
     NodeSize,
     Planner,
@@ -261,23 +263,28 @@ def many(count: int, first_seq: int = 10, **kw: object) -> list[JobRecord]:
 
 
 def test_a_planner_plans_what_plan_plans_keeping_what_did_not_change() -> None:
-    """Schedule after schedule, a Planner's equal plan's, whatever it kept: jobs come,
-    run, end; a node is lost and comes back."""
+    """Schedule after schedule, a Planner handed only the records that changed plans what
+    plan() plans from all of them: jobs come, run, end; a node is lost and comes back."""
     planner = Planner()
-    jobs = [record("j-1", 1, nnodes=(1, 3)), *many(30, nproc=2)]
+    jobs = {r.id: r for r in [record("j-1", 1, nnodes=(1, 3)), *many(30, nproc=2)]}
+    changed = list(jobs.values())
     nodes = dict(NODES)
     previous: Schedule | None = None
     for step in range(6):
         now = float(step)
         if step == 2:
             nodes["a"] = NodeSize(2, usable=False)
-        if step == 3:
-            jobs = jobs[:5] + jobs[8:]
+        if step == 3:  # three jobs end
+            ended = Outcome(JobState.CANCELLED, now)
+            changed = [replace(jobs.pop(j), outcome=ended) for j in list(jobs)[5:8]]
         if step == 4:
             nodes["a"] = NodeSize(2)
-            jobs.append(record("j-9", 99, priority=3))
-        mine = planner.plan(jobs, nodes, previous, Policy(), {}, term=1, now=now, look_ahead=4)
-        theirs = plan(jobs, nodes, previous, Policy(), {}, term=1, now=now, look_ahead=4)
+            jobs["j-9"] = record("j-9", 99, priority=3)
+            changed = [jobs["j-9"]]
+        planner.take(changed)
+        changed = []
+        mine = planner.plan(nodes, previous, Policy(), {}, term=1, now=now, look_ahead=4)
+        theirs = plan(jobs.values(), nodes, previous, Policy(), {}, term=1, now=now, look_ahead=4)
         assert mine == theirs or (mine is previous and theirs is previous), step
         previous = mine
 

@@ -415,7 +415,7 @@ def histories(draw) -> list[tuple[float, JobRecord]]:
 
 
 def _used(found: dict[str, float]) -> dict[str, float]:
-    return {account: value for account, value in found.items() if value > 0}
+    return {account: value for account, value in found.items() if value >= 1e-9}
 
 
 @PROPERTY

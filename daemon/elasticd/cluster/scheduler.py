@@ -166,7 +166,6 @@ class Allocator:
         # touched only by the planning thread, one plan at a time:
         self._planner = Planner(account)
         self._usage = UsageSums(policy.half_life, group_name)
-        self._open: dict[str, JobRecord] = {}
         self._planning: asyncio.Future[Schedule] | None = None
 
     def jobs_changed(self, record: JobRecord | None = None) -> None:
@@ -262,14 +261,10 @@ class Allocator:
         look_ahead: int,
     ) -> Schedule:
         named = group_namer()  # one lookup per group per plan
-        for job, record in changed.items():
+        for record in changed.values():
             self._usage.update(record, now, named)
-            if record.outcome is None:
-                self._open[job] = record
-            else:
-                self._open.pop(job, None)
+        self._planner.take(changed.values())
         return self._planner.plan(
-            self._open.values(),
             nodes,
             previous,
             self.policy,
@@ -303,7 +298,8 @@ def describe(schedule: Schedule) -> str:
     and `list` name them)."""
     nodes = sum(len(n) for n in schedule.nodes.values())
     return (
-        f"{len(schedule.nodes)} jobs on {nodes} node shares, {len(schedule.waiting)} waiting"
+        f"{len(schedule.nodes)} jobs on {nodes} node shares, "
+        f"{len(schedule.waiting) + schedule.later} waiting"
         f"{f', {len(schedule.preempted)} preempted' if schedule.preempted else ''}"
     )
 

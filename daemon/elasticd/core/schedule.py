@@ -273,53 +273,76 @@ def capacities(nodes: Mapping[str, NodeSize]) -> dict[str, NodeCapacity]:
 
 
 class Planner:
-    """Plans schedule after schedule at the cost of what changed (a plan of ``plan``'s own:
-    the same input gives the same schedule).  It keeps each job's demand while its record
-    (records are replaced, never changed, when a job changes) and the nodes' sizes stand
-    still, and one map of shares for all jobs of one shape (sizing, --nodes, --exclude,
-    nodes closed to it): the allocator's per-shape work is done once, not per job."""
+    """Plans schedule after schedule at the cost of what changed (each plan is ``plan``'s:
+    the same input gives the same schedule).  It holds the open jobs' records, as ``take``
+    hands it those that changed (records are replaced, never changed, when a job changes),
+    and each one's demand as its record says it, rebuilt only when its record or the
+    nodes' sizes change; jobs of one shape (sizing, --nodes, --exclude, nodes closed to it)
+    share one map of shares.  A plan then adds what the last schedule says of the jobs it
+    runs (their nodes, their last moves), O(running), and allocates."""
 
     def __init__(self, account: Accounts = _named_account) -> None:
         self._account = account
         self._sizes: tuple[tuple[str, int, int, int], ...] = ()
         self._shares: dict[tuple[Any, ...], dict[str, Share]] = {}
-        self._bases: dict[str, tuple[JobRecord, frozenset[str], JobDemand]] = {}
+        self._records: dict[str, JobRecord] = {}  # the open jobs
+        self._bases: dict[str, JobDemand] = {}  # each one's demand as its record says it
+        self._closed: dict[str, frozenset[str]] = {}  # its nodes closed to it, where any
+        self._placed: set[str] = set()  # the jobs whose record shows them running somewhere
+        self._nodes: dict[str, NodeSize] = {}
+        self._last_seq = 0
 
-    def demands(
-        self, records: Iterable[JobRecord], nodes: Mapping[str, NodeSize], previous: Schedule | None
-    ) -> list[JobDemand]:
-        """Each record's demand (``demand``'s), from what is kept where nothing changed."""
-        sizes = tuple(sorted((n, s.slots, s.gpus, s.cpus) for n, s in nodes.items()))
-        if sizes != self._sizes:
-            self._sizes, self._shares, self._bases = sizes, {}, {}
-        bases, out = {}, []
-        running = previous.nodes if previous is not None else {}
+    def take(self, records: Iterable[JobRecord]) -> None:
+        """Records that changed: new jobs, jobs that moved, jobs that ended."""
         for record in records:
             job = record.spec.id
-            kept = self._bases.get(job)
-            if kept is None or kept[0] is not record:
-                closed = _closed(record)
-                spec = record.spec
-                shape = (spec.nproc_per_node, spec.nodes, spec.exclude, closed)
-                shares = self._shares.get(shape)
-                if shares is None:
-                    shares = self._shares[shape] = _shares_of(record, nodes, closed)
-                kept = (record, closed, _base(record, closed, shares, self._account))
-            bases[job] = kept
-            base = kept[2]
-            if job in running or base.current:
-                base = _current(base, kept[1], previous)
-            out.append(base)  # a job that waits and ran nowhere: as its record says
-        self._bases = bases  # the jobs that ended are forgotten
-        return out
+            if record.outcome is None:
+                self._records[job] = record
+                self._last_seq = max(self._last_seq, record.seq)
+                if self._sizes:
+                    self._build(record)
+            elif self._records.pop(job, None) is not None:
+                self._bases.pop(job, None)
+                self._closed.pop(job, None)
+                self._placed.discard(job)
 
     def knows(self, job: str) -> bool:
-        """Whether ``job`` was open at the last ``demands``."""
-        return job in self._bases
+        """Whether ``job`` is open (its record taken and not ended)."""
+        return job in self._records
+
+    def _build(self, record: JobRecord) -> None:
+        job, spec = record.spec.id, record.spec
+        closed = _closed(record)
+        shape = (spec.nproc_per_node, spec.nodes, spec.exclude, closed)
+        shares = self._shares.get(shape)
+        if shares is None:
+            shares = self._shares[shape] = _shares_of(record, self._nodes, closed)
+        base = self._bases[job] = _base(record, closed, shares, self._account)
+        if closed:
+            self._closed[job] = closed
+        else:
+            self._closed.pop(job, None)
+        if base.current:
+            self._placed.add(job)
+        else:
+            self._placed.discard(job)
+
+    def demands(self, nodes: Mapping[str, NodeSize], previous: Schedule | None) -> list[JobDemand]:
+        """Each open job's demand (``demand``'s)."""
+        sizes = tuple(sorted((n, s.slots, s.gpus, s.cpus) for n, s in nodes.items()))
+        if sizes != self._sizes:  # every share may differ: build every demand again
+            self._sizes, self._nodes, self._shares = sizes, dict(nodes), {}
+            for record in self._records.values():
+                self._build(record)
+        out = dict(self._bases)
+        running = previous.nodes.keys() if previous is not None else ()
+        for job in self._placed.union(running):
+            if job in out:
+                out[job] = _current(out[job], self._closed.get(job, frozenset()), previous)
+        return list(out.values())
 
     def plan(
         self,
-        records: Iterable[JobRecord],
         nodes: Mapping[str, NodeSize],
         previous: Schedule | None,
         policy: Policy,
@@ -329,12 +352,11 @@ class Planner:
         now: float,
         look_ahead: int = LOOK_AHEAD,
     ) -> Schedule:
-        """The next schedule: ``previous`` itself when nothing moved in this term (so that a
-        caller publishes only changes), else a new number.  ``usage``: what each account's
-        jobs used (decayed node-seconds); the nodes its jobs took from running jobs are
-        added (``Schedule.charged``)."""
-        open_jobs = [r for r in records if r.outcome is None]
-        jobs = self.demands(open_jobs, nodes, previous)
+        """The next schedule for the jobs taken so far: ``previous`` itself when nothing
+        moved in this term (so that a caller publishes only changes), else a new number.
+        ``usage``: what each account's jobs used (decayed node-seconds); the nodes its jobs
+        took from running jobs are added (``Schedule.charged``)."""
+        jobs = self.demands(nodes, previous)
         charged = _charges(previous, policy, now)
         used = dict(usage)
         for account, seconds in charged.items():
@@ -347,7 +369,7 @@ class Planner:
         moved = {j: t for j, t in (previous.moved.items() if kept else ()) if j in running}
         moved.update((j, now) for j in allocation.moved if j in running)
         for job, nodes_taken in allocation.forced.items():
-            account = self._bases[job][2].account
+            account = self._bases[job].account
             charged[account] = charged.get(account, 0.0) + nodes_taken * policy.min_run_time
         before = previous.preempted if kept else frozenset()
         preempted = {j for j in allocation.preempted | before if self.knows(j)} - set(running)
@@ -363,7 +385,7 @@ class Planner:
             moved,
             {a: s for a, s in sorted(charged.items()) if s >= _LEAST_CHARGE},
             len(allocation.later),
-            max((j.seq for j in jobs), default=0),
+            self._last_seq,
             factors(jobs, policy, used) if allocation.later else {},
         )
         if kept and previous.term == term and schedule.same_plan(previous):
@@ -394,9 +416,9 @@ def plan(
     look_ahead: int = LOOK_AHEAD,
 ) -> Schedule:
     """The next schedule (a Planner's, that keeps nothing for next time)."""
-    return Planner(account).plan(
-        records, nodes, previous, policy, usage, term=term, now=now, look_ahead=look_ahead
-    )
+    planner = Planner(account)
+    planner.take(records)
+    return planner.plan(nodes, previous, policy, usage, term=term, now=now, look_ahead=look_ahead)
 
 
 def next_growth(schedule: Schedule, policy: Policy, now: float) -> float | None:
@@ -456,17 +478,33 @@ def waiting_jobs(
     if schedule.later:
         fair = schedule.factors
         behind = sorted(
-            (
-                r
-                for r in open_jobs.values()
-                if r.seq <= schedule.last_seq
-                and r.id not in schedule.nodes
-                and schedule.reason(r.id) is None
-            ),
+            (r for r in open_jobs.values() if counted(schedule, r)),
             key=lambda r: (-r.spec.priority, -fair.get(account(r.spec), 1.0), r.seq, r.id),
         )
         listed += [(r, (Reason.HELD if r.held else Reason.PRIORITY).value) for r in behind]
     return listed
+
+
+def counted(schedule: Schedule, record: JobRecord) -> bool:
+    """Whether ``record``'s job is one the schedule only counts (``later``): open, planned
+    (not newer than the schedule), neither running nor listed."""
+    return (
+        bool(schedule.later)
+        and record.outcome is None
+        and record.seq <= schedule.last_seq
+        and record.id not in schedule.nodes
+        and schedule.reason(record.id) is None
+    )
+
+
+def reason_of(schedule: Schedule, record: JobRecord) -> Reason | None:
+    """Why ``record``'s job waits, as the schedule says (None: it runs, or the schedule
+    does not know it yet): its listed reason, or for a job it only counts, Held or
+    Priority (it waits behind the listed ones)."""
+    reason = schedule.reason(record.id)
+    if reason is None and counted(schedule, record):
+        return Reason.HELD if record.held else Reason.PRIORITY
+    return reason
 
 
 def waiting_since(record: JobRecord) -> float:

@@ -138,6 +138,9 @@ def decayed(spans: Iterable[Span], now: float, half_life: float) -> dict[str, fl
     return {account: math.fsum(weights) for account, weights in sorted(used.items())}
 
 
+_NOTHING = 1e-9  # node-seconds: a job's weight decayed below this is forgotten
+
+
 class UsageSums:
     """``decayed`` of every job's spans, kept as running sums: what the fair share reads at
     every plan without reading the history again.  ``update`` takes each record as it
@@ -156,6 +159,7 @@ class UsageSums:
         self._sums: dict[str, float] = {}  # account -> ended spans' weight at ``_ref``
         self._ended: dict[str, tuple[str, float]] = {}  # job -> its account and that weight
         self._running: dict[str, list[Span]] = {}  # job -> its spans not ended at its update
+        self._pruned = 0  # jobs kept after the last pruning
 
     def update(
         self, record: JobRecord, now: float, group_name: Callable[[int], str] | None = None
@@ -169,8 +173,11 @@ class UsageSums:
             (ended if span.end is not None and span.end <= now else running).append(span)
         if self._ref is None:
             self._ref = now
-        elif now - self._ref > self.REBASE * self.half_life:
-            self._rebase(now)
+        elif (
+            now - self._ref > self.REBASE * self.half_life
+            or len(self._ended) > 2 * self._pruned + 1024
+        ):
+            self._rebase(now)  # the jobs kept: at most twice those that still weigh
         weight = math.fsum(self._weight(s.start, s.end) for s in ended)  # type: ignore[arg-type]
         account = ended[0].account if ended else ""
         before = self._ended.pop(record.id, None)
@@ -207,14 +214,20 @@ class UsageSums:
         return math.exp(-rate * (self._ref - end)) * -math.expm1(-rate * length) / rate
 
     def _add(self, account: str, weight: float) -> None:
-        self._sums[account] = max(0.0, self._sums.get(account, 0.0) + weight)
+        total = self._sums.get(account, 0.0) + weight
+        self._sums[account] = total if total >= _NOTHING else 0.0  # not a rounding's residue
 
     def _rebase(self, now: float) -> None:
+        """Move the reference time to ``now``; forget the jobs whose weight decayed to
+        nothing (what each added stays in its account's sum; should its record change
+        again, its new weight is added)."""
         assert self._ref is not None
         keep = 2.0 ** (-(now - self._ref) / self.half_life)
         self._sums = {a: w * keep for a, w in self._sums.items()}
-        self._ended = {j: (a, w * keep) for j, (a, w) in self._ended.items()}
-        self._ref = now
+        self._ended = {
+            j: (a, w * keep) for j, (a, w) in self._ended.items() if w * keep >= _NOTHING
+        }
+        self._ref, self._pruned = now, len(self._ended)
 
 
 def _integral(age: float, length: float, half_life: float) -> float:
