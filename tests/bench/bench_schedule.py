@@ -20,16 +20,18 @@ the usage it recomputed each plan).
 *live*: one real elasticd (the allocator: it hosts the store and is the observer, started
 first) and ``--nodes - 1`` simulated daemons (tests/bench/scale_crowd.py: real
 NodeServices, heartbeats and records, no workers; a crowd process) on a TCPStore, keep-alive
-1 s x 3.  ``--jobs`` job specs of ``--users`` users are written to the cluster's board as a
-daemon writes a submit (signed with the cluster key; users u000.. that need not exist: no
-simulated node runs anything, and the real node, with one slot, fits none).  A prober
-sends ``version`` over a fresh control connection every 50 ms all along.  Phases:
+1 s x 3.  A prober sends ``version`` over a fresh control connection every 50 ms all along.
+Phases, each on a cluster of its own:
 
-- empty: a simulated node is killed (its heartbeat loop cancelled); until the real daemon's
-  ``nodes`` shows it lost;
-- ingest: the specs are written; until the daemon holds them all;
-- loaded: once its schedule is steady, a second node is killed; until it is shown lost,
-  then 10 s more.
+- empty: once the cluster is steady, a simulated node is killed (its heartbeat loop
+  cancelled); until the real daemon's ``nodes`` shows it lost, then 10 s more;
+- loaded: the real daemon starts with ``--jobs`` waiting jobs of ``--users`` users in its
+  job history (a daemon restarted with that queue: users u000.. that need not exist, as
+  no simulated node runs anything and the real node, with one slot, fits none); once its
+  schedule is steady (the allocator's schedule number stands still for 5 s), the same
+  node loss;
+- submits: ``--submits`` more jobs written to the cluster's board, one after the other,
+  as daemons write submits (signed with the cluster key); until the daemon holds them.
 
 Figures per phase: lost seen (s), the prober's control round trips (p50 / p99 / max, ms;
 every request answered or not within 10 s), the plans made (the daemon's
@@ -250,8 +252,13 @@ def latency(samples: list[float]) -> dict[str, Any]:
 
 
 def metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    """The daemon's scheduler and job metrics ({} when it does not answer in 30 s)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+    except OSError as exc:
+        print(f"  (the metrics endpoint did not answer: {exc})", flush=True)
+        return {}
     found: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
@@ -291,8 +298,8 @@ def node_state(daemon: Daemon, name: str) -> str | None:
     return next((n["state"] for n in nodes if n["name"] == name), None)
 
 
-def until(condition: Any, timeout: float) -> float | None:
-    """Seconds until ``condition()`` holds (polled every 50 ms), or None past ``timeout``."""
+def until(condition: Any, timeout: float, every: float = 0.05) -> float | None:
+    """Seconds until ``condition()`` holds (polled ``every`` s), or None past ``timeout``."""
     began = time.monotonic()
     while time.monotonic() - began < timeout:
         try:
@@ -300,7 +307,7 @@ def until(condition: Any, timeout: float) -> float | None:
                 return time.monotonic() - began
         except (AssertionError, OSError):
             pass
-        time.sleep(0.05)
+        time.sleep(every)
     return None
 
 
@@ -357,128 +364,170 @@ class Crowd:
 
 
 async def publish(endpoint: str, cluster: str, specs: list[JobSpec]) -> float:
+    """Write ``specs`` to the cluster's board one after the other, as submits do."""
     from elasticd.jobs.board import JobBoard
     from elasticd.store.signing import Signer
 
-    store = await open_store("c10d", endpoint, connections=8)
+    store = await open_store("c10d", endpoint, connections=2)
     board = JobBoard(store, Signer(SIGNER_KEY, cluster), cluster)
     began = time.monotonic()
     try:
-        pending = iter(specs)
-
-        async def writer() -> None:
-            for spec in pending:
-                await board.publish_spec(spec)
-
-        await asyncio.gather(*(writer() for _ in range(8)))
+        for spec in specs:
+            await board.publish_spec(spec)
     finally:
         await store.close()
     return time.monotonic() - began
 
 
-def live(args: argparse.Namespace) -> dict[str, Any]:
-    base = Path(tempfile.mkdtemp(prefix="bench-schedule-"))
-    cluster = f"bsched{uuid.uuid4().hex[:6]}"
-    port, metrics_port = free_port(), free_port()
-    endpoint = f"127.0.0.1:{port}"
-    key = base / "cluster.key"
-    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, SIGNER_KEY.hex().encode() + b"\n")
-    os.close(fd)
-    config = base / "elasticd.toml"
-    config.write_text(
-        f"[jobs]\nmax_per_user = 0\nallow_root = true\n[node]\npeer_port = {free_port()}\n"
-        "[store]\nfirewall = false\n"
-    )
-    daemon = Daemon(
-        base,
-        "real",
-        args=(
-            "--cluster",
-            cluster,
-            "--store",
-            endpoint,
-            "--store-host",
-            "--node-address",
-            "127.0.0.1",
-            "--cluster-key",
-            str(key),
-            "--slots",
-            "1",
-            "--gpus",
-            "0",
-            "--config",
-            str(config),
-        ),
-        standalone=False,
-        metrics_port=metrics_port,
-    )
-    out: dict[str, Any] = {}
-    crowd = None
-    prober = None
+def seed_history(state_dir: Path, specs: list[JobSpec]) -> None:
+    """The daemon's own job history, as a daemon that held ``specs`` leaves it."""
+    from elasticd.core.records import history_row
+    from elasticd.jobs.history import History, path_in
+
+    history = History(path_in(str(state_dir)))
     try:
-        daemon.start()
-        if until(lambda: metrics(metrics_port).get("elasticd_allocator_term", 0) > 0, 60) is None:
-            raise RuntimeError("the real daemon does not allocate")
-        crowd = Crowd(endpoint, cluster, 1, args.nodes - 1, args.nodes, base / "crowd.log")
-        crowd.ask(cmd="start", first=time.monotonic(), t0=time.monotonic(), stagger=1.0)
-        names = [node_name(i) for i in range(1, args.nodes)]
-        if until(lambda: all(node_state(daemon, n) == "up" for n in names[-3:]), 60) is None:
-            raise RuntimeError("the simulated nodes are not up")
-        until(lambda: False, 5)  # every node beats a few times
-        prober = Prober(daemon.socket)
-        prober.start()
-
-        # empty: a node lost
-        mark = metrics(metrics_port)
-        killed = crowd.ask(cmd="kill", index=1)["killed_at"]
-        seen = until(lambda: node_state(daemon, names[0]) == "lost", 60)
-        end = time.monotonic()
-        out["empty"] = {
-            "lost_seen_s": round(end - killed, 2) if seen is not None else None,
-            **latency(prober.between(killed, end)),
-            **plans(mark, metrics(metrics_port)),
-        }
-
-        # ingest
-        mark, began = metrics(metrics_port), time.monotonic()
-        specs = waiting_specs(args.jobs, args.users, time.time())
-        written = asyncio.run(publish(endpoint, cluster, specs))
-        held = until(lambda: jobs_held(metrics_port) >= args.jobs, args.timeout)
-        end = time.monotonic()
-        out["ingest"] = {
-            "written_s": round(written, 1),
-            "held_after_s": round(end - began, 1) if held is not None else None,
-            **latency(prober.between(began, end)),
-            **plans(mark, metrics(metrics_port)),
-        }
-        steady = until(
-            lambda: _steady(metrics_port), args.timeout
-        )  # the schedule stands still for 5 s
-        out["settled_after_s"] = round(steady, 1) if steady is not None else None
-
-        # loaded: another node lost
-        mark = metrics(metrics_port)
-        killed = crowd.ask(cmd="kill", index=2)["killed_at"]
-        seen = until(lambda: node_state(daemon, names[1]) == "lost", 120)
-        end = time.monotonic()
-        until(lambda: False, 10)
-        out["loaded"] = {
-            "lost_seen_s": round(end - killed, 2) if seen is not None else None,
-            **latency(prober.between(killed, time.monotonic())),
-            **plans(mark, metrics(metrics_port)),
-        }
+        for seq, spec in enumerate(specs, 1):
+            history.save(history_row(JobRecord(spec, seq)))
     finally:
-        if prober is not None:
-            prober.halt.set()
-        if crowd is not None:
-            crowd.close()
-        daemon.stop()
-        out["log_tail"] = [
-            line
-            for line in daemon.log_text().splitlines()
-            if "plan took" in line or "ERROR" in line
-        ][-5:]
+        history.close()
+
+
+class Cluster:
+    """One real daemon (it hosts the store and allocates) and ``nodes - 1`` simulated ones."""
+
+    def __init__(self, args: argparse.Namespace, specs: list[JobSpec]) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="bench-schedule-"))
+        self.name = f"bsched{uuid.uuid4().hex[:6]}"
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        self.metrics_port = free_port()
+        key = self.base / "cluster.key"
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, SIGNER_KEY.hex().encode() + b"\n")
+        os.close(fd)
+        config = self.base / "elasticd.toml"
+        config.write_text(
+            f"[jobs]\nmax_per_user = 0\nallow_root = true\n[node]\npeer_port = {free_port()}\n"
+            "[store]\nfirewall = false\n"
+        )
+        self.daemon = Daemon(
+            self.base,
+            "real",
+            args=(
+                *("--cluster", self.name, "--store", self.endpoint, "--store-host"),
+                *("--node-address", "127.0.0.1", "--cluster-key", str(key)),
+                *("--slots", "1", "--gpus", "0", "--config", str(config)),
+            ),
+            standalone=False,
+            metrics_port=self.metrics_port,
+        )
+        seed_history(self.daemon.state_dir, specs)
+        self.names = [node_name(i) for i in range(1, args.nodes)]
+        self.crowd: Crowd | None = None
+        self.prober: Prober | None = None
+        try:
+            self._start(args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, args: argparse.Namespace) -> None:
+        self.daemon.start()
+        if until(lambda: self.metrics().get("elasticd_allocator_term", 0) > 0, 120, 1.0) is None:
+            raise RuntimeError("the real daemon does not allocate")
+        self.crowd = Crowd(
+            self.endpoint, self.name, 1, args.nodes - 1, args.nodes, self.base / "crowd.log"
+        )
+        self.crowd.ask(cmd="start", first=time.monotonic(), t0=time.monotonic(), stagger=1.0)
+        if until(lambda: all(node_state(self.daemon, n) == "up" for n in self.names), 120) is None:
+            raise RuntimeError("the simulated nodes are not up")
+        self.prober = Prober(self.daemon.socket)
+        self.prober.start()
+
+    def metrics(self) -> dict[str, float]:
+        return metrics(self.metrics_port)
+
+    def lose_a_node(self, index: int, after: float = 10.0) -> dict[str, Any]:
+        """Kill simulated node ``index``; until the daemon shows it lost, then ``after``
+        seconds more: what it took, and the control round trips and plans meanwhile."""
+        mark = self.metrics()
+        killed = self.crowd.ask(cmd="kill", index=index)["killed_at"]
+        seen = until(lambda: node_state(self.daemon, node_name(index)) == "lost", 120)
+        lost = time.monotonic()
+        time.sleep(after)
+        return {
+            "lost_seen_s": round(lost - killed, 2) if seen is not None else None,
+            **latency(self.prober.between(killed, time.monotonic())),
+            **plans(mark, self.metrics()),
+        }
+
+    def close(self) -> None:
+        if self.prober is not None:
+            self.prober.halt.set()
+        if self.crowd is not None:
+            self.crowd.close()
+        self.daemon.stop()
+
+    def log_lines(self, *words: str) -> list[str]:
+        return [
+            line for line in self.daemon.log_text().splitlines() if any(w in line for w in words)
+        ]
+
+
+def live(args: argparse.Namespace) -> dict[str, Any]:
+    """The empty cluster's figures, then a cluster whose allocating daemon restarts with
+    ``--jobs`` waiting jobs in its history; then jobs submitted to the board (--submits)."""
+    out: dict[str, Any] = {}
+    empty = Cluster(args, [])
+    try:
+        until(lambda: _steady(empty.metrics_port), 60, 0.0)
+        out["empty"] = empty.lose_a_node(1)
+    finally:
+        empty.close()
+    print(f"live, empty: {json.dumps(out['empty'])}", flush=True)
+
+    specs = waiting_specs(args.jobs, args.users, time.time())
+    began = time.monotonic()
+    try:
+        loaded = Cluster(args, specs)
+    except RuntimeError as exc:  # the code before stalls at start: say so, and how long
+        out["loaded"] = {"error": str(exc), "after_s": round(time.monotonic() - began, 1)}
+        print(f"live, loaded: {json.dumps(out['loaded'])}", flush=True)
+        return out
+    try:
+        out["restarted_s"] = round(time.monotonic() - began, 1)
+        steady = until(lambda: _steady(loaded.metrics_port), args.timeout, 0.0)
+        out["settled_after_s"] = round(steady, 1) if steady is not None else None
+        mark = loaded.metrics()
+        out["steady"] = {
+            **latency(loaded.prober.between(time.monotonic() - 10, time.monotonic())),
+            "term": mark.get("elasticd_allocator_term"),
+        }
+        print(f"live, restarted with {args.jobs} waiting jobs: {json.dumps(out)}", flush=True)
+        out["loaded"] = loaded.lose_a_node(1)
+        print(f"live, loaded: {json.dumps(out['loaded'])}", flush=True)
+        if args.submits:
+            mark, began = loaded.metrics(), time.monotonic()
+            extra = [
+                job_spec(500000 + i, i % args.users, 2, (1, 1), time.time())
+                for i in range(args.submits)
+            ]
+            written = asyncio.run(publish(loaded.endpoint, loaded.name, extra))
+            held = until(
+                lambda: jobs_held(loaded.metrics_port) >= args.jobs + args.submits,
+                args.timeout,
+                2.0,
+            )
+            out["submits"] = {
+                "jobs": args.submits,
+                "written_s": round(written, 1),
+                "held_after_s": round(time.monotonic() - began, 1) if held is not None else None,
+                **latency(loaded.prober.between(began, time.monotonic())),
+                **plans(mark, loaded.metrics()),
+            }
+            print(f"live, submits: {json.dumps(out['submits'])}", flush=True)
+        out["log"] = loaded.log_lines("plan took", "ERROR")[-5:]
+    finally:
+        loaded.close()
     return out
 
 
@@ -501,7 +550,11 @@ def machine() -> str:
         )
     except (OSError, StopIteration):
         pass
-    return f"{platform.node()}: {model or platform.processor()}, {os.cpu_count()} cores, Linux {platform.release()}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{platform.node()}: {model or platform.processor()}, {os.cpu_count()} cores, "
+        f"Linux {platform.release()}, load average {load} (other work shares the machine)"
+    )
 
 
 def main() -> None:
@@ -512,6 +565,9 @@ def main() -> None:
     parser.add_argument("--ended", type=int, default=10000)
     parser.add_argument("--part", choices=("pure", "live", "both"), default="both")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of each wait (s)")
+    parser.add_argument(
+        "--submits", type=int, default=100, help="jobs written to the board once loaded"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     report: dict[str, Any] = {
@@ -536,10 +592,7 @@ def main() -> None:
         )
     if args.part in ("live", "both"):
         report["live"] = live(args)
-        for phase in ("empty", "ingest", "loaded"):
-            print(f"live, {phase}: {json.dumps(report['live'].get(phase))}")
-        print(f"live, settled after: {report['live'].get('settled_after_s')} s")
-        for line in report["live"].get("log_tail", []):
+        for line in report["live"].get("log", []):
             print(f"  log: {line}")
     if args.json:
         print(json.dumps(report))
