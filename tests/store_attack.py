@@ -90,8 +90,10 @@ class Cluster:
         allow_root: bool = True,
         firewall: bool | str | None = None,
         config: str = "",
+        args: tuple[str, ...] = (),
     ) -> Daemon:
-        """A node named ``<role>-<tag>``; ``config``: more TOML (other sections than these)."""
+        """A node named ``<role>-<tag>``; ``config``: more TOML (other sections than these);
+        ``args``: more flags (``--gpus 2``)."""
         index = len(self.daemons) + 1
         node = f"{role}-{self.tag}"
         path = self.base / f"{self.name}-{node}.toml"
@@ -103,9 +105,14 @@ class Cluster:
             if self.etcd is None
             else f'backend = "etcd"\nendpoints = {json.dumps(self.etcd.endpoints)}\n'
         )
-        # a job grows again at once after a resize, unless the test says otherwise (the
-        # interval is the scheduler tests' subject)
-        fast = "" if "[scheduler]" in config else "[scheduler]\nresize_interval = 1.0\n"
+        # a job grows again at once after a resize, and may be shrunk again at once, unless
+        # the test says otherwise (the interval and the minimum run time are the scheduler
+        # tests' subject)
+        fast = (
+            ""
+            if "[scheduler]" in config
+            else "[scheduler]\nresize_interval = 1.0\nmin_run_time = 0.0\n"
+        )
         path.write_text(
             f"[jobs]\nallow_root = {json.dumps(allow_root)}\n"
             f"[node]\npeer_port = {free_port()}\n[store]\n{store}{fast}{config}"
@@ -120,7 +127,7 @@ class Cluster:
                 "--store-host" if hosts else "--no-store-host",
             )
         )
-        args = (
+        flags = (
             "--cluster",
             self.name,
             *where,
@@ -132,8 +139,9 @@ class Cluster:
             "2",
             "--config",
             str(path),
+            *args,
         )
-        daemon = self.factory(node, args=args, standalone=False, metrics_port=free_port())
+        daemon = self.factory(node, args=flags, standalone=False, metrics_port=free_port())
         self.daemons.append(daemon)
         return daemon
 

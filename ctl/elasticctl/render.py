@@ -280,6 +280,13 @@ The order: priority, then the account's fair share (usage decayed with a half-li
 No start time is estimated: jobs have no time limit to estimate one from."""
 
 
+def waited_from(job: Doc) -> float | None:
+    """When a waiting job began to wait: its submit, or when it last stopped (preempted,
+    requeued); a daemon older than that field says only the submit."""
+    since = job.get("waiting_since", job.get("submitted"))
+    return since if isinstance(since, (int, float)) and not isinstance(since, bool) else None
+
+
 def queue_table(result: Doc, now: float) -> str:
     jobs = list(result.get("jobs") or []) if isinstance(result, Mapping) else []
     headers = ("#", "ID", "NAME", "USER", "ACCOUNT", "PRIO", "NODES", "REASON", "WAITED")
@@ -293,7 +300,7 @@ def queue_table(result: Doc, now: float) -> str:
             job.get("priority"),
             node_count(job.get("nnodes")),
             text(job.get("reason") or NONE) + (" (preempted)" if job.get("preempted") else ""),
-            NONE if job.get("submitted") is None else duration(now - job["submitted"]),
+            NONE if (since := waited_from(job)) is None else duration(now - since),
         ]
         for job in jobs
     )

@@ -613,6 +613,11 @@ class SchedulerConfig:
         _not_negative,
         doc="seconds between two growths of one job (reclaiming nodes for a waiting job, and failures, are not delayed)",
     )
+    min_run_time: float = key(
+        60.0,
+        _not_negative,
+        doc="seconds a job runs after its start, a resize or a preemption before the scheduler may take a node from it again (reclaim it for a waiting job, or preempt it); each node a job takes from a running one is charged to its account as this many node-seconds of use, for fair share; 0: no minimum, no charge",
+    )
     half_life: float = key(
         fairshare.HALF_LIFE,
         _not_negative,
@@ -681,6 +686,7 @@ class SchedulerConfig:
             account_shares=dict(self.shares),
             resize_interval=self.resize_interval,
             half_life=self.half_life,
+            min_run_time=self.min_run_time,
         )
 
     @property

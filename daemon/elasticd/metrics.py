@@ -32,7 +32,7 @@ from elasticd import __version__
 from elasticd.core.allocation import Reason
 from elasticd.core.model import JobState, NodeState, WorkerState
 from elasticd.core.records import JobRecord, hold_reason, started
-from elasticd.core.schedule import Schedule, waiting_jobs
+from elasticd.core.schedule import Schedule, waiting_jobs, waiting_since
 from elasticd.core.usage import spans
 from elasticd.jobs.accounts import group_name
 
@@ -620,14 +620,6 @@ def moves(previous: Schedule | None, schedule: Schedule) -> tuple[int, int]:
 def waiting(records: Iterable[JobRecord], schedule: Schedule | None) -> list[tuple[JobRecord, str]]:
     """The jobs that wait and why, as ``elasticctl queue`` shows them (NO_REASON: no schedule)."""
     return [(record, reason or NO_REASON) for record, reason in waiting_jobs(records, schedule)]
-
-
-def waiting_since(record: JobRecord) -> float:
-    """Its submit; for a job that ran before (preempted, requeued), its parts' last report
-    (when the last of them left)."""
-    if started(record) is None:
-        return record.spec.created
-    return max((p.updated for p in record.parts.values()), default=record.spec.created)
 
 
 class SharingCollector(Collector):

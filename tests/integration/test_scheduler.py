@@ -32,7 +32,7 @@ from test_in_place import EXAMPLE, committed, events, formed, report  # noqa: F4
 
 pytestmark = pytest.mark.slow
 
-FAST = "[scheduler]\nresize_interval = 1.0\n"
+FAST = "[scheduler]\nresize_interval = 1.0\nmin_run_time = 0.0\n"
 SLEEP = worker_args("--sleep", "0")  # a light worker that runs until it is stopped
 DEAD_AFTER = 3.0  # rendezvous.keep_alive_interval x keep_alive_max_attempt, by default
 

@@ -17,7 +17,7 @@ from store_attack import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
 
-FAST = "[scheduler]\nresize_interval = 1.0\n"
+FAST = "[scheduler]\nresize_interval = 1.0\nmin_run_time = 0.0\n"
 
 
 def scrape(daemon: Any) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

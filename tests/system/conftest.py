@@ -68,11 +68,12 @@ class Cluster:
         if not os.path.exists(self.key):  # before any daemon starts (with etcd, none makes it)
             create_key(self.key)
         self.config = base / "cluster.toml"
-        # the tests run as root; a job grows again soon after a resize (the interval is the
-        # scheduler tests' subject: tests/integration/test_scheduler.py; None: the default)
+        # the tests run as root; a job grows again soon after a resize, and may be shrunk
+        # again at once (the interval and the minimum run time are the scheduler tests'
+        # subject: tests/integration/test_scheduler*.py; None: the defaults)
         config = "[jobs]\nallow_root = true\n"
         if resize_interval is not None:
-            config += f"[scheduler]\nresize_interval = {resize_interval}\n"
+            config += f"[scheduler]\nresize_interval = {resize_interval}\nmin_run_time = 0.0\n"
         if etcd is not None:
             config += "[store]\n" + etcd_store_lines(etcd.endpoints)
         self.config.write_text(config)

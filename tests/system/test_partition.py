@@ -56,8 +56,12 @@ class NetnsCluster:
         path = base / "cluster.toml"
         if etcd is not None:
             config = with_store(config, etcd_store_lines(etcd.endpoints))
-        # the tests run as root; a job grows again at once after a resize
-        fast = "" if "[scheduler]" in config else "[scheduler]\nresize_interval = 1.0\n"
+        # the tests run as root; a job grows again at once after a resize, and may be shrunk
+        fast = (
+            ""
+            if "[scheduler]" in config
+            else "[scheduler]\nresize_interval = 1.0\nmin_run_time = 0.0\n"
+        )
         path.write_text("[jobs]\nallow_root = true\n" + fast + config)
         store = () if etcd is not None else ("--store", f"{hosts.addr(1)}:{STORE_PORT}")
         self.daemons = []

@@ -463,3 +463,117 @@ def test_an_account_that_used_nothing_has_factor_one_and_one_that_used_its_share
     assert fairshare.factor({"ann": 50.0, "bob": 50.0})["ann"] == 0.5
     assert fairshare.factor({}, accounts=["ann"]) == {"ann": 1.0}
     assert fairshare.factor({"ann": 5.0}, {"ann": 0.0, "bob": 1.0})["ann"] == 0.0
+
+
+# -- quotas count what a job holds where it lands ------------------------------------------------
+
+
+def gpu_sized(id: str, nodes: dict[str, NodeCapacity], **kw: Any) -> JobDemand:
+    """A job of ``--nproc-per-node gpu``: on each node, one worker per GPU of that node."""
+    low, high = kw.pop("size", "1:1").split(":")
+    kw.setdefault("seq", int(id[-1]))
+    return JobDemand(
+        id,
+        kw.pop("user", id.rstrip("0123456789")),
+        kw.pop("account", id.rstrip("0123456789")),
+        shares={n: Share(c.gpus, c.gpus) for n, c in nodes.items()},
+        min_nodes=int(low),
+        max_nodes=int(high),
+        **kw,
+    )
+
+
+MIXED = {"one": NodeCapacity(4, 1), "two": NodeCapacity(4, 2)}
+
+
+def test_a_job_sized_by_the_node_is_charged_the_gpus_of_the_node_it_lands_on() -> None:
+    """A 1-GPU quota: the job lands on the 1-GPU node, never on the 2-GPU one (where it
+    would hold 2), though its smallest share is 1 on either."""
+    policy = Policy(users={"ann": Quota(gpus=1)})
+    result = run(MIXED, gpu_sized("ann1", MIXED), policy=policy)
+    assert held(result) == {"ann1": "one"}
+
+
+def test_it_waits_with_quota_user_while_only_a_node_over_its_quota_is_free() -> None:
+    policy = Policy(users={"ann": Quota(gpus=1)})
+    busy = JobDemand("bob1", "bob", "bob", {"one": Share(4, 1)}, current=frozenset({"one"}), seq=1)
+    result = run(MIXED, busy, gpu_sized("ann2", MIXED), policy=policy)
+    assert held(result) == {"bob1": "one"} and reasons(result) == [("ann2", "QuotaUser")]
+    # the same with the limit on the account: QuotaAccount
+    policy = Policy(accounts={"lab": Quota(gpus=1)})
+    result = run(MIXED, busy, gpu_sized("ann2", MIXED, account="lab"), policy=policy)
+    assert reasons(result) == [("ann2", "QuotaAccount")]
+
+
+def test_a_job_placed_first_come_over_its_quota_is_requeued_and_placed_within_it() -> None:
+    """Nodes placed it themselves (no schedule), on the 2-GPU node: the allocator checks
+    its quota at what it holds there, requeues it and starts it on the 1-GPU node."""
+    policy = Policy(users={"ann": Quota(gpus=1)})
+    placed = gpu_sized("ann1", MIXED, current=frozenset({"two"}), scheduled=False)
+    result = run(MIXED, placed, policy=policy)
+    assert held(result) == {"ann1": "one"} and result.preempted == {"ann1"}
+    assert result.started == {"ann1"}
+    # a job the allocator placed is kept where it runs, charged as it was
+    kept = gpu_sized("ann1", MIXED, current=frozenset({"two"}))
+    assert held(run(MIXED, kept, policy=Policy(users={"ann": Quota(gpus=2)}))) == {"ann1": "two"}
+
+
+# -- a job is not disturbed again too soon -----------------------------------------------------------
+
+
+def test_a_job_that_just_started_lends_nothing_until_its_min_run_time_is_over() -> None:
+    policy = Policy(min_run_time=60.0)
+    fresh = job("ann1", "1:3", has="abc", last_moved=NOW - 10)
+    result = run(cluster(), fresh, job("bob2"), policy=policy)
+    assert held(result) == {"ann1": "abc"} and reasons(result) == [("bob2", "Resources")]
+    settled = job("ann1", "1:3", has="abc", last_moved=NOW - 60)
+    result = run(cluster(), settled, job("bob2"), policy=policy)
+    assert len(result.nodes["ann1"]) == 2 and result.reclaimed.keys() == {"ann1"}
+    assert result.moved == {"ann1", "bob2"} and result.forced == {"bob2": 1}
+
+
+def test_a_preemptible_job_that_just_started_is_not_preempted_again() -> None:
+    policy = Policy(min_run_time=60.0)
+    low = job("ann1", "2:2", has="ab", preemptible=True, last_moved=NOW - 5)
+    result = run(cluster("ab"), low, job("bob2", "2:2", priority=5), policy=policy)
+    assert held(result) == {"ann1": "ab"} and not result.preempted
+    low = job("ann1", "2:2", has="ab", preemptible=True, last_moved=NOW - 61)
+    result = run(cluster("ab"), low, job("bob2", "2:2", priority=5), policy=policy)
+    assert held(result) == {"bob2": "ab"} and result.preempted == {"ann1"}
+    assert result.forced == {"bob2": 2}  # the nodes the preempted job ran on
+
+
+def test_what_a_job_was_given_in_this_very_allocation_it_may_give_back() -> None:
+    """A node given now moves no worker: the min run time guards only nodes a job runs on."""
+    nodes = {"a": NodeCapacity(4), "b": NodeCapacity(2), "c": NodeCapacity(2)}
+    policy = Policy(min_run_time=60.0)
+    result = run(
+        nodes,
+        job("cid1", "1:2", slots=1, on="bc", last_moved=NOW),
+        job("dan2", "2:2", slots=2, on="ab"),
+        policy=policy,
+    )
+    assert held(result) == {"cid1": "c", "dan2": "ab"} and not result.forced
+
+
+# -- bounded: waiting jobs beyond the look-ahead are counted, not placed -----------------------------
+
+
+def test_waiting_jobs_beyond_the_look_ahead_wait_behind_it_in_order() -> None:
+    jobs = [job("ann1", has="a")] + [job(f"w{i:03d}", seq=i + 2) for i in range(20)]
+    result = allocate(cluster("a"), jobs, Policy(), {}, NOW, look_ahead=5)
+    assert [w.job for w in result.waiting] == [f"w{i:03d}" for i in range(5)]
+    assert result.later == tuple(f"w{i:03d}" for i in range(5, 20))
+    # jobs held, too large or over a quota cost nothing to judge: they are not counted
+    held_jobs = [job(f"h{i:03d}", seq=i + 2, held=True) for i in range(10)]
+    result = allocate(
+        cluster("ab"), [*held_jobs, job("z999", seq=99)], Policy(), {}, NOW, look_ahead=3
+    )
+    assert held(result) == {"z999": "a"} and len(result.waiting) == 10
+
+
+def test_a_running_job_below_its_min_is_topped_up_whatever_the_queue() -> None:
+    jobs = [job("ann1", "2:2", has="ab", seq=1)] + [job(f"w{i:03d}", seq=i + 2) for i in range(9)]
+    nodes = cluster("abc", down="b")
+    result = allocate(nodes, jobs, Policy(), {}, NOW, look_ahead=1)
+    assert held(result)["ann1"] == "ac"

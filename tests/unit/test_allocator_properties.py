@@ -6,7 +6,10 @@ runs again on what the first run gave.  Whatever the cluster:
 - a running job that is not preempted keeps its min (or all it had, when it had less),
   and only ``preemptible`` jobs are preempted;
 - no node gives more slots or GPUs than it has, no job holds more than its max, a node it
-  may not run on, or a lost node, and admitted mins stay within every quota;
+  may not run on, or a lost node, and admitted mins (each at its share on the nodes it
+  landed on) stay within every quota;
+- a job started, resized or preempted less than ``min_run_time`` ago keeps every node it
+  runs on;
 - the same input gives the same output, whatever order it comes in;
 - no room idles that a running job due to grow could use, nor that a waiting job's min
   would fit (unless a job ahead of it keeps it);
@@ -76,6 +79,7 @@ def demands(draw: Any, nodes: Mapping[str, NodeCapacity], seq: int) -> JobDemand
         draw(st.booleans()),
         draw(st.integers(0, 19)) == 0,
         last_grown=draw(st.sampled_from([None, NOW - 10, NOW - 100])),
+        last_moved=draw(st.sampled_from([None, NOW - 1000])),
     )
 
 
@@ -156,7 +160,7 @@ def test_mins_capacity_max_and_quotas_hold(world: Any) -> None:
 
 
 def _quotas_hold(out: Allocation, by_id: dict[str, JobDemand], policy: Policy) -> None:
-    """Every user's and account's admitted mins (each at its smallest share) are within its
+    """Every user's and account's admitted mins (at their shares where they run) are within its
     limits, wherever a job of theirs started now (before, the limits may have differed)."""
     for kind, limits_of, default in (
         ("user", policy.users, policy.user_default),
@@ -166,17 +170,31 @@ def _quotas_hold(out: Allocation, by_id: dict[str, JobDemand], policy: Policy) -
         for owner in owners:
             limits = limits_of.get(owner, default)
             mine = [by_id[j] for j in out.nodes if getattr(by_id[j], kind) == owner]
-            count = sum(min(len(out.nodes[j.id]), j.need) for j in mine)
-            slots = sum(
-                min(len(out.nodes[j.id]), j.need) * min(s.slots for s in j.shares.values())
-                for j in mine
-            )
-            gpus = sum(
-                min(len(out.nodes[j.id]), j.need) * min(s.gpus for s in j.shares.values())
-                for j in mine
-            )
+            charged = [_charge(j, out.nodes[j.id]) for j in mine]
+            count, slots, gpus = (sum(c[i] for c in charged) for i in range(3))
             for limit, used in ((limits.nodes, count), (limits.slots, slots), (limits.gpus, gpus)):
                 assert limit is None or used <= limit, (kind, owner, limit, used)
+
+
+def _charge(job: JobDemand, held: frozenset[str]) -> tuple[int, int, int]:
+    """Its min at its share on the nodes it holds (the smallest of those shares)."""
+    shares = sorted((job.shares[n].gpus, job.shares[n].slots) for n in held)[: job.need]
+    return len(shares), sum(s for _, s in shares), sum(g for g, _ in shares)
+
+
+@PROPERTY
+@given(worlds())
+def test_a_job_within_its_min_run_time_keeps_every_node_it_runs_on(world: Any) -> None:
+    nodes, jobs, policy, usage = world
+    fresh = {j.id for j in jobs if j.current and j.last_moved is not None}
+    policy = replace(policy, min_run_time=INTERVAL)
+    jobs = [replace(j, last_moved=NOW - 10) if j.id in fresh else j for j in jobs]
+    out = check(nodes, jobs, policy, usage)
+    for job in jobs:
+        if job.id in fresh:
+            kept = {n for n in job.current if nodes[n].usable}
+            assert job.id not in out.preempted, job.id
+            assert out.nodes.get(job.id, frozenset()) >= kept - out.dropped.get(job.id, set())
 
 
 @PROPERTY

@@ -789,3 +789,26 @@ def test_status_shows_usage_per_node_and_in_all():
         ["n1", "0", "0-1", "RUNNING", "3.00s", "2.0", "MiB"],
         ["n2", "1", "2-3", "RUNNING", "-", "-"],
     ]
+
+
+def test_queue_shows_how_long_each_job_has_waited_since_it_last_stopped():
+    """WAITED counts from the submit, or, for a job that ran and was stopped (preempted,
+    requeued), from when it stopped; a daemon that does not say when counts from the submit."""
+    row = {
+        "position": 1,
+        "id": "j-0c3a77",
+        "name": "big.py",
+        "user": "carol",
+        "account": "ml",
+        "priority": 0,
+        "nnodes": "4:4",
+        "reason": "Resources",
+        "preempted": True,
+        "submitted": NOW - 3600,
+    }
+    requeued = render.queue_table(
+        {"scheduler": True, "jobs": [{**row, "waiting_since": NOW - 42}]}, NOW
+    )
+    assert requeued.splitlines()[1].split()[-3:] == ["Resources", "(preempted)", "42s"]
+    older = render.queue_table({"scheduler": True, "jobs": [row]}, NOW)
+    assert older.splitlines()[1].split()[-1] == "1h"

@@ -5,17 +5,31 @@ and takes only what it gives this node)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.allocation import Policy, Waiting
 from elasticd.core.allocation import Reason as Why
-from elasticd.core.model import JobSpec, PartState
+from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources
-from elasticd.core.records import JobRecord, Part
-from elasticd.core.schedule import NodeSize, Schedule, demand, follows, leaves, next_growth, plan
+from elasticd.core.records import JobRecord, Outcome, Part
+from elasticd.core.schedule import (
+    NodeSize,
+    Planner,
+    Schedule,
+    demand,
+    follows,
+    leaves,
+    next_due,
+    next_growth,
+    plan,
+    waiting_jobs,
+    waiting_since,
+)
 from elasticd.rendezvous import Member, Reason, RendezvousInfo
 
 NODES = {"a": NodeSize(2), "b": NodeSize(2), "c": NodeSize(2)}
@@ -131,8 +145,17 @@ def test_the_record_round_trips_and_anything_else_is_refused() -> None:
         {"j-1": 5.0},
         frozenset({"j-3"}),
         9.0,
+        moved={"j-1": 4.0},
+        charged={"ml": 120.0},
+        later=40,
+        last_seq=77,
+        factors={"ml": 0.25, "physics": 1.0},
     )
     assert Schedule.from_json(schedule.to_json()) == schedule
+    older = {
+        k: v for k, v in schedule.to_json().items() if k in ("term", "number", "nodes", "waiting")
+    }
+    assert Schedule.from_json(older) == Schedule(3, 7, schedule.nodes, schedule.waiting)
     for bad in (
         None,
         [],
@@ -141,6 +164,9 @@ def test_the_record_round_trips_and_anything_else_is_refused() -> None:
         {"term": 1, "number": 1, "nodes": {"j": "ab"}, "waiting": []},
         {"term": 1, "number": 1, "nodes": {}, "waiting": [["j", "Nope"]]},
         {"term": True, "number": 1, "nodes": {}, "waiting": []},
+        {"term": 1, "number": 1, "nodes": {}, "waiting": [], "later": -1},
+        {"term": 1, "number": 1, "nodes": {}, "waiting": [], "moved": {"j": "soon"}},
+        {"term": 1, "number": 1, "nodes": {}, "waiting": [], "charged": {"ml": float("nan")}},
     ):
         with pytest.raises(ValueError):
             Schedule.from_json(bad)
@@ -151,6 +177,8 @@ def test_a_node_follows_and_leaves_by_the_schedule() -> None:
     assert follows(schedule, "j-1", "a") and not follows(schedule, "j-1", "c")
     assert leaves(schedule, "j-1", "c") and leaves(schedule, "j-2", "a")
     assert not leaves(schedule, "j-9", "a")  # newer than the schedule: left alone
+    preempted = Schedule(1, 2, preempted=frozenset({"j-1"}))
+    assert leaves(preempted, "j-1", "a"), "a preempted job's nodes leave, listed or not"
 
 
 # -- a node core following it -------------------------------------------------------------------
@@ -225,3 +253,103 @@ def test_an_allocator_past_its_term_does_not_write_over_its_successor() -> None:
         return newer, older, await board.head()
 
     assert asyncio.run(play()) == (True, False, Schedule(2, 1).version)
+
+
+# -- a plan at the cost of what changed -------------------------------------------------------
+
+
+def many(count: int, first_seq: int = 10, **kw: object) -> list[JobRecord]:
+    return [record(f"w-{i:04d}", first_seq + i, **kw) for i in range(count)]
+
+
+def test_a_planner_plans_what_plan_plans_keeping_what_did_not_change() -> None:
+    """Schedule after schedule, a Planner handed only the records that changed plans what
+    plan() plans from all of them: jobs come, run, end; a node is lost and comes back."""
+    planner = Planner()
+    jobs = {r.id: r for r in [record("j-1", 1, nnodes=(1, 3)), *many(30, nproc=2)]}
+    changed = list(jobs.values())
+    nodes = dict(NODES)
+    previous: Schedule | None = None
+    for step in range(6):
+        now = float(step)
+        if step == 2:
+            nodes["a"] = NodeSize(2, usable=False)
+        if step == 3:  # three jobs end
+            ended = Outcome(JobState.CANCELLED, now)
+            changed = [replace(jobs.pop(j), outcome=ended) for j in list(jobs)[5:8]]
+        if step == 4:
+            nodes["a"] = NodeSize(2)
+            jobs["j-9"] = record("j-9", 99, priority=3)
+            changed = [jobs["j-9"]]
+        planner.take(changed)
+        changed = []
+        mine = planner.plan(nodes, previous, Policy(), {}, term=1, now=now, look_ahead=4)
+        theirs = plan(jobs.values(), nodes, previous, Policy(), {}, term=1, now=now, look_ahead=4)
+        assert mine == theirs or (mine is previous and theirs is previous), step
+        previous = mine
+
+
+def test_a_long_queue_is_listed_as_far_as_the_look_ahead_and_counted_after() -> None:
+    """30 jobs wait for 3 nodes: the schedule lists the first 4 (the look-ahead) and counts
+    the others; every node lists them all from its records, in the allocator's order."""
+    full = record("j-1", 1, nnodes=(3, 3), nproc=2, parts=dict.fromkeys("abc", PartState.RUNNING))
+    waiting = many(30, nproc=2)
+    schedule = plan([full, *waiting], NODES, None, Policy(), {}, term=1, now=0.0, look_ahead=4)
+    assert [w.job for w in schedule.waiting] == [r.id for r in waiting[:4]]
+    assert schedule.later == 26 and schedule.last_seq == waiting[-1].seq
+    shown = waiting_jobs([full, *waiting], schedule)
+    assert [(r.id, why) for r, why in shown] == [
+        *((r.id, "Resources") for r in waiting[:4]),
+        *((r.id, "Priority") for r in waiting[4:]),  # they wait behind the four
+    ]
+    newer = record("w-new", 500, nproc=2)  # submitted after the schedule: not shown yet
+    assert newer.id not in {r.id for r, _ in waiting_jobs([full, *waiting, newer], schedule)}
+
+
+def test_the_jobs_counted_after_the_list_are_ordered_by_the_schedules_fair_share() -> None:
+    schedule = Schedule(1, 1, later=2, last_seq=9, factors={"ml": 0.2, "physics": 0.9})
+    first = JobRecord(spec("j-1", account="ml"), 1)
+    second = JobRecord(spec("j-2", account="physics"), 2)
+    assert [r.id for r, _ in waiting_jobs([first, second], schedule)] == ["j-2", "j-1"]
+
+
+def test_a_job_that_forced_nodes_from_running_jobs_is_charged_min_run_time_for_each() -> None:
+    """The cost of submitting and cancelling: each node taken from a running job is charged
+    to the taker's account as min_run_time node-seconds, decayed like any use, and it
+    orders its account's next jobs after others'."""
+    policy = Policy(min_run_time=30.0, half_life=100.0)
+    big = record("j-1", 1, nnodes=(1, 3), parts=dict.fromkeys("abc", PartState.RUNNING))
+    first = plan([big], NODES, None, policy, {}, term=1, now=0.0)
+    small = record("j-2", 2, nproc=2, account="ml")
+    second = plan([big, small], NODES, first, policy, {}, term=1, now=100.0)
+    assert len(second.nodes["j-2"]) == 1 and second.charged == {"ml": 30.0}
+    assert second.moved == {"j-1": 100.0, "j-2": 100.0}
+    later = plan([big], NODES, second, policy, {}, term=1, now=200.0)  # j-2 was cancelled
+    assert later.charged == {"ml": pytest.approx(15.0)}  # a half-life later
+    assert later.nodes == {"j-1": frozenset("abc")} and later.moved == {"j-1": 200.0}
+
+
+def test_a_plan_is_due_when_a_running_jobs_min_run_time_ends_while_jobs_wait() -> None:
+    policy = Policy(min_run_time=60.0, resize_interval=30.0)
+    schedule = Schedule(1, 1, {"j-1": frozenset("a")}, moved={"j-1": 100.0})
+    assert next_due(schedule, policy, 110.0) is None  # nothing waits
+    waiting = Schedule(
+        1, 1, {"j-1": frozenset("a")}, (Waiting("j-2", Why.RESOURCES),), moved={"j-1": 100.0}
+    )
+    assert next_due(waiting, policy, 110.0) == 160.0 and next_due(waiting, policy, 161.0) is None
+    grown = Schedule(1, 1, {"j-1": frozenset("a")}, grown={"j-1": 100.0})
+    assert next_due(grown, policy, 110.0) == 130.0
+
+
+def test_a_job_waits_since_it_was_submitted_or_since_it_last_stopped() -> None:
+    fresh = JobRecord(spec("j-1", created=50.0), 1)
+    assert waiting_since(fresh) == 50.0
+    stopped = JobRecord(
+        spec("j-1", created=50.0),
+        1,
+        {
+            "a": Part("a", PartState.LEFT, started=60.0, updated=400.0),
+            "b": Part("b", PartState.LEFT, started=60.0, updated=420.0),
+        },
+    )
+    assert waiting_since(stopped) == 420.0

@@ -16,6 +16,7 @@ GOOD = """
 [scheduler]
 enabled = false
 resize_interval = 5
+min_run_time = 20
 half_life = 3600
 max_priority = 2
 priority_users = {alice = 10}
@@ -47,7 +48,10 @@ def test_defaults_are_a_shared_clusters():
         scheduler.enabled and scheduler.resize_interval == 30.0 and scheduler.half_life == HALF_LIFE
     )
     assert scheduler.max_priority == 0
-    assert scheduler.policy() == Policy(resize_interval=30.0, half_life=7 * 86400.0)
+    assert scheduler.min_run_time == 60.0  # a job is disturbed at most once a minute
+    assert scheduler.policy() == Policy(
+        resize_interval=30.0, half_life=7 * 86400.0, min_run_time=60.0
+    )
 
 
 def test_the_keys_and_the_policy_they_make(tmp_path):
@@ -67,7 +71,7 @@ def test_the_keys_and_the_policy_they_make(tmp_path):
     assert policy.users == {"alice": Quota(nodes=4, gpus=8), "bob.smith": Quota(nodes=2, gpus=0)}
     assert policy.accounts == {"ml": Quota(nodes=6, gpus=16, slots=64)}
     assert policy.account_shares == {"ml": 2.0, "physics": 0.5}
-    assert (policy.resize_interval, policy.half_life) == (5.0, 3600.0)
+    assert (policy.resize_interval, policy.half_life, policy.min_run_time) == (5.0, 3600.0, 20.0)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +114,7 @@ def test_the_keys_and_the_policy_they_make(tmp_path):
         (
             {"bogus": 1},
             "scheduler.bogus",
-            "unknown key (known: enabled, resize_interval, half_life",
+            "unknown key (known: enabled, resize_interval, min_run_time, half_life",
         ),
     ],
 )

@@ -20,7 +20,17 @@ from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.model import GPU, JobSpec, JobState, PartState, WorkerState
 from elasticd.core.records import JobRecord, Outcome, Part
-from elasticd.core.usage import MAX_BEFORE, Span, Total, carried, decayed, report, spans, totals
+from elasticd.core.usage import (
+    MAX_BEFORE,
+    Span,
+    Total,
+    UsageSums,
+    carried,
+    decayed,
+    report,
+    spans,
+    totals,
+)
 from elasticd.rendezvous import NextRound
 from elasticd.store.memory import MemoryStore
 
@@ -384,3 +394,59 @@ def test_window_clipping_is_additive(found, cuts, by):
             split = sum(getattr(p.get(key, Total()), field) for p in parts)
             assert split == pytest.approx(getattr(total, field), rel=1e-9, abs=1e-6)
     assert set(whole) == set(parts[0]) | set(parts[1])
+
+
+# -- running sums: what the fair share reads at every plan ---------------------------------------
+
+
+@st.composite
+def histories(draw) -> list[tuple[float, JobRecord]]:
+    """Records of a few jobs as they change over time: (when it was read, the record)."""
+    now, out = 1000.0, []
+    for _ in range(draw(st.integers(1, 12))):
+        now += draw(st.floats(0.0, 5e4))
+        job = draw(st.integers(0, 3))
+        ran = now - draw(st.floats(0.0, 2e4))
+        ended = draw(st.booleans())
+        state = PartState.SUCCEEDED if ended else PartState.RUNNING
+        end = now - draw(st.floats(0.0, ran and now - ran)) if ended else now
+        parts = [part(f"n{job}", state, ran, end, slots=draw(st.integers(1, 4)))]
+        if draw(st.booleans()):
+            parts.append(part("m", PartState.RUNNING, ran + 1.0, now))
+        account = ("ml", "")[job % 2]
+        out.append((now, record(*parts, job_id=f"j-{job:06d}", account=account)))
+    return out
+
+
+def _used(found: dict[str, float]) -> dict[str, float]:
+    return {account: value for account, value in found.items() if value >= 1e-9}
+
+
+@PROPERTY
+@given(histories(), st.floats(0.0, 1e5), st.sampled_from([60.0, 3600.0, 7 * 86400.0]))
+def test_running_sums_are_the_decayed_usage_of_every_records_latest(history, after, half_life):
+    """Fed each record as it changes, the sums say what ``decayed`` says of every job's
+    latest record, at any later time (also past many half-lives: the reference moves on)."""
+    sums, latest = UsageSums(half_life, GROUPS), {}
+    for now, rec in history:
+        sums.update(rec, now)
+        latest[rec.id] = rec
+        want = decayed((sp for r in latest.values() for sp in spans(r, GROUPS)), now, half_life)
+        assert _used(sums.at(now)) == pytest.approx(_used(want), rel=1e-9, abs=1e-9)
+    later = history[-1][0] + after
+    want = decayed((sp for r in latest.values() for sp in spans(r, GROUPS)), later, half_life)
+    assert _used(sums.at(later)) == pytest.approx(_used(want), rel=1e-9, abs=1e-9)
+
+
+def test_running_sums_keep_no_history_with_no_half_life_and_survive_a_long_silence():
+    rec = record(part("a", PartState.SUCCEEDED, 0.0, 3600.0))
+    none = UsageSums(0.0, GROUPS)
+    none.update(rec, 3600.0)
+    assert none.at(7200.0) == {}
+    sums = UsageSums(1.0, GROUPS)  # a half-life of a second: 10**5 of them go by, no overflow
+    sums.update(rec, 3600.0)
+    assert sums.at(3600.0) == pytest.approx({"staff": 1 / math.log(2)})
+    assert sums.at(1e5) == {"staff": 0.0}
+    again = record(part("a", PartState.SUCCEEDED, 2e5 - 10, 2e5))
+    sums.update(again, 2e5)
+    assert sums.at(2e5) == pytest.approx(decayed(spans(again, GROUPS), 2e5, 1.0))

@@ -5,15 +5,24 @@ Keys under ``elasticd/<cluster>/schedule``::
 
     body            signed Schedule, versioned (term << 32 | number: newer whatever the clocks)
     head            signed {"version"}: what a follower reads every duty (small)
-    mark/<version>  a wake-up for followers waiting on the next version (not trusted: the
-                    head and the body are)
+    mark/<version>  a wake-up for followers waiting on the next version: its presence alone
+                    changes nothing (anyone may write it: the follower then reads the signed
+                    head, and a wake-up that brought no news makes it back off)
 
 The allocator runs on the node that observes the heartbeats (its election, its term): a
 new observer takes over within ``dead_after`` and starts from the last schedule.  It plans
-again only when its input changed (a job's record, the nodes, a growth falling due), and
-writes only a changed plan: its cost is O(changes).  A follower holds the newest valid
-schedule; one of an older term than the observer's is dropped after ``dead_after``, and
-the node places jobs itself meanwhile (so placing never stops).
+again only when its input changed (a job's record, the nodes, a growth or a job's
+``min_run_time`` falling due), and writes only a changed plan.  Nothing it computes runs on
+the event loop: each plan runs in a worker thread, at the cost of what changed (the pure
+``Planner`` keeps each job's demand; the fair share reads running sums that each changed
+record updates, never the whole history), bounded by its look-ahead, which shrinks when a
+plan overruns ``PLAN_DEADLINE`` (and grows back when plans are quick again).  The loop
+only hands it the records that changed and the nodes, so heartbeats, the observer's
+duties and the control socket never wait behind a plan.
+
+A follower holds the newest valid schedule; one of an older term than the observer's is
+dropped after ``dead_after``, and the node places jobs itself meanwhile (so placing never
+stops).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from elasticd.aio import race
@@ -30,12 +39,14 @@ from elasticd.cluster.service import NodeService
 from elasticd.config import DaemonConfig
 from elasticd.core import events
 from elasticd.core.allocation import Policy
+from elasticd.core.allocator import LOOK_AHEAD
 from elasticd.core.model import NodeState
 from elasticd.core.records import JobRecord
-from elasticd.core.schedule import NodeSize, Schedule, next_growth, plan
-from elasticd.core.usage import decayed, spans
+from elasticd.core.schedule import NodeSize, Planner, Schedule, next_due
+from elasticd.core.usage import UsageSums
 from elasticd.errors import StoreError
-from elasticd.jobs.accounts import account_of, group_namer
+from elasticd.faults import Throttle
+from elasticd.jobs.accounts import account_of, group_name, group_namer
 from elasticd.jobs.registry import JobRegistry
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
@@ -44,6 +55,9 @@ from elasticd.store.signing import Freshness, Refused, Signer, open_or_refuse
 log = logging.getLogger(__name__)
 
 MARKS_KEPT = 8
+PLAN_DEADLINE = 0.25  # seconds: a plan that takes longer halves the allocator's look-ahead
+LEAST_LOOK_AHEAD = 8
+QUIET_PAUSE = 0.01  # seconds: the first pause after a wake-up that brought no news (doubles)
 
 
 def _version(body: Any) -> int:
@@ -127,33 +141,42 @@ class Allocator:
         self,
         board: ScheduleBoard,
         nodes: NodeService,
-        jobs: Callable[[], list[JobRecord]],
+        records: Iterable[JobRecord],
         policy: Policy,
         *,
-        usage: Callable[[float], Mapping[str, float]] = lambda now: {},
+        account: Callable[[Any], str] = account_of,
         clock: Callable[[], float] = time.time,
         on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None,
+        deadline: float = PLAN_DEADLINE,
     ) -> None:
         self._board = board
         self._nodes = nodes
-        self._jobs = jobs
         self.policy = policy
-        self._usage = usage
         self._clock = clock
         self._on_plan = on_plan
+        self._deadline = deadline
         self._wake = asyncio.Event()
         self._changes = 0  # job records changed (JobRegistry.subscribe)
+        self._changed: dict[str, JobRecord] = {r.id: r for r in records}  # since the last plan
         self._planned: tuple[Any, ...] | None = None  # the input of the last plan
-        self._due: float | None = None  # when a job's growth falls due (a plan may then move it)
+        self._due: float | None = None  # when a plan may move something with no change
         self.schedule: Schedule | None = None  # the last one written (or read at takeover)
+        self.look_ahead = LOOK_AHEAD
+        self._slow = Throttle(60.0)
+        # touched only by the planning thread, one plan at a time:
+        self._planner = Planner(account)
+        self._usage = UsageSums(policy.half_life, group_name)
+        self._planning: asyncio.Future[Schedule] | None = None
 
     def jobs_changed(self, record: JobRecord | None = None) -> None:
+        if record is not None:
+            self._changed[record.id] = record
         self._changes += 1
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Plan after every change of the jobs, every heartbeat duty (the nodes), and when a
-        growth falls due."""
+        growth or a job's minimum run time falls due."""
         duties = 0
         while not stop.is_set():
             self._wake.clear()
@@ -177,7 +200,7 @@ class Allocator:
                 pass
 
     async def allocate(self) -> None:
-        """Plan once if this node observes and the input changed (or a growth is due);
+        """Plan once if this node observes and the input changed (or something falls due);
         publish a plan that moved something."""
         registry = self._nodes.registry
         if not registry.observing:
@@ -195,17 +218,9 @@ class Allocator:
         if planned == self._planned and (self._due is None or now < self._due):
             return
         began = time.perf_counter()
-        schedule = plan(
-            self._jobs(),
-            node_sizes(self._nodes),
-            self.schedule,
-            self.policy,
-            self._usage(now),
-            term=term,
-            now=now,
-            account=account_of,
-        )
+        schedule = await self._plan(node_sizes(self._nodes), term, now)
         took = time.perf_counter() - began
+        self._pace(took)
         if schedule is not self.schedule:
             if not await self._board.publish(schedule):  # a later term wrote: this node's is over
                 log.info(
@@ -217,7 +232,65 @@ class Allocator:
                 log.info("schedule %d.%d: %s", schedule.term, schedule.number, describe(schedule))
         self._on_plan(self.schedule, schedule, took)  # every plan (the previous one: nothing moved)
         self.schedule, self._planned = schedule, planned
-        self._due = next_growth(schedule, self.policy, now)
+        self._due = next_due(schedule, self.policy, now)
+
+    async def _plan(self, nodes: Mapping[str, NodeSize], term: int, now: float) -> Schedule:
+        """One plan in the worker thread, with the records changed since the last one.  A
+        plan is never cancelled half way (its thread could not be): a caller cancelled
+        meanwhile leaves it to finish, and the next plan waits for it."""
+        if self._planning is not None and not self._planning.done():
+            await asyncio.shield(self._planning)
+        changed, self._changed = self._changed, {}
+        previous, look_ahead = self.schedule, self.look_ahead
+        self._planning = asyncio.ensure_future(
+            asyncio.to_thread(self._plan_in_thread, changed, nodes, previous, term, now, look_ahead)
+        )
+        try:
+            return await asyncio.shield(self._planning)
+        except Exception:
+            self._changed = {**changed, **self._changed}  # taken again by the next plan
+            raise
+
+    def _plan_in_thread(
+        self,
+        changed: Mapping[str, JobRecord],
+        nodes: Mapping[str, NodeSize],
+        previous: Schedule | None,
+        term: int,
+        now: float,
+        look_ahead: int,
+    ) -> Schedule:
+        named = group_namer()  # one lookup per group per plan
+        for record in changed.values():
+            self._usage.update(record, now, named)
+        self._planner.take(changed.values())
+        return self._planner.plan(
+            nodes,
+            previous,
+            self.policy,
+            self._usage.at(now),
+            term=term,
+            now=now,
+            look_ahead=look_ahead,
+        )
+
+    def _pace(self, took: float) -> None:
+        """A plan over the deadline halves the look-ahead; one well within it doubles it
+        back, up to the allocator's own."""
+        if took > self._deadline and self.look_ahead > LEAST_LOOK_AHEAD:
+            self.look_ahead = max(LEAST_LOOK_AHEAD, self.look_ahead // 2)
+            held = self._slow.check("plan", time.monotonic())
+            if held is not None:
+                log.warning(
+                    "a plan took %.2f s, over %.2f s: the allocator places at most %d waiting "
+                    "jobs a plan now%s",
+                    took,
+                    self._deadline,
+                    self.look_ahead,
+                    f" ({held} more such plans since the last line)" if held else "",
+                )
+        elif took < self._deadline / 4 and self.look_ahead < LOOK_AHEAD:
+            self.look_ahead = min(LOOK_AHEAD, self.look_ahead * 2)
 
 
 def describe(schedule: Schedule) -> str:
@@ -225,7 +298,8 @@ def describe(schedule: Schedule) -> str:
     and `list` name them)."""
     nodes = sum(len(n) for n in schedule.nodes.values())
     return (
-        f"{len(schedule.nodes)} jobs on {nodes} node shares, {len(schedule.waiting)} waiting"
+        f"{len(schedule.nodes)} jobs on {nodes} node shares, "
+        f"{len(schedule.waiting) + schedule.later} waiting"
         f"{f', {len(schedule.preempted)} preempted' if schedule.preempted else ''}"
     )
 
@@ -251,20 +325,38 @@ class ScheduleFollower:
         self._sent: Schedule | None = None  # what the core follows (it starts with none)
         self._stale_since: float | None = None  # when the held schedule's term was found behind
         self._told = False  # the core heard at least once (it places nothing before)
+        self.quiet_wakes = 0  # wake-ups in a row that brought no newer schedule
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Follow at once when the allocator marks its next schedule, else every interval."""
+        """Follow at once when the allocator marks its next schedule, else every interval.
+        A mark anyone may write: one that woke this node for nothing (the head did not
+        move) makes it pause before it waits again, twice as long each time up to the
+        interval, so a key written ahead of the allocator costs a read per interval, not
+        a busy loop."""
+        woke = False
         while not stop.is_set():
             try:
+                before = self._version()
                 await self.follow()
-                version = self.held.version if self.held is not None else 0
+                if not woke or self._version() != before:
+                    self.quiet_wakes = 0
+                else:
+                    self.quiet_wakes += 1
+                    pause = min(self._nodes.interval, QUIET_PAUSE * 2 ** (self.quiet_wakes - 1))
+                    await race(stop=stop.wait(), pause=asyncio.sleep(pause))
+                    if stop.is_set():
+                        return
                 name, done = await race(
-                    stop=stop.wait(), mark=self._board.wait_next(version, self._nodes.interval)
+                    stop=stop.wait(),
+                    mark=self._board.wait_next(self._version(), self._nodes.interval),
                 )
-                if name == "mark":
-                    done.result()
+                woke = name == "mark" and bool(done.result())
             except StoreError:  # the store is away: keep what is held, look again later
+                woke = False
                 await race(stop=stop.wait(), pause=asyncio.sleep(self._nodes.interval))
+
+    def _version(self) -> int:
+        return self.held.version if self.held is not None else 0
 
     async def follow(self) -> None:
         version = await self._board.head()
@@ -317,23 +409,13 @@ def build_scheduler(
     *,
     on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None,
 ) -> tuple[Allocator, ScheduleFollower] | None:
-    """The allocator (it plans while this node observes; fair share from the jobs' usage;
-    ``on_plan(previous, schedule, seconds)`` after each plan) and this node's following of
-    its schedule; None where the config turns the scheduler off."""
+    """The allocator (it plans while this node observes, from the jobs' records as they
+    change; ``on_plan(previous, schedule, seconds)`` after each plan) and this node's
+    following of its schedule; None where the config turns the scheduler off."""
     if not config.scheduler.enabled:
         return None
     board = ScheduleBoard(store, signer, Keyspace(config.cluster.name), refused)
-    policy = config.scheduler.policy()
-
-    def usage(now: float) -> dict[str, float]:
-        named = group_namer()  # one lookup per group per plan, not one per span
-        return decayed(
-            (span for record in registry.jobs() for span in spans(record, named)),
-            now,
-            policy.half_life,
-        )
-
-    allocator = Allocator(board, nodes, registry.jobs, policy, usage=usage, on_plan=on_plan)
+    allocator = Allocator(board, nodes, registry.jobs(), config.scheduler.policy(), on_plan=on_plan)
     registry.subscribe(allocator.jobs_changed)
     return allocator, ScheduleFollower(
         board, nodes, post, dead_after=config.rendezvous.keep_alive.dead_after

@@ -30,7 +30,7 @@ from elasticd.core.model import JobSpec, JobState, NodeState, parse_nnodes, pars
 from elasticd.core.placement import beyond_standalone, never_fits
 from elasticd.core.quotas import account_refusal, count_refusal, spec_refusal
 from elasticd.core.records import JobRecord, job_doc, listed_doc, others_view
-from elasticd.core.schedule import Schedule, waiting_jobs
+from elasticd.core.schedule import Schedule, reason_of, waiting_jobs, waiting_since
 from elasticd.core.usage import Span, report, spans
 from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
 from elasticd.jobs.accounts import account_of, group_name, group_namer, group_names
@@ -311,7 +311,7 @@ class Commands:
             if args.get("all") or r.outcome is None or r.outcome.ended >= horizon
         ]
         schedule = self._schedule()
-        rows = (allocated(listed_doc(r), schedule) for r in records)
+        rows = (allocated(listed_doc(r), r, schedule) for r in records)
         for batch in batches(rows, LIST_BATCH):
             await reply.result({"jobs": batch})
         await reply.end()
@@ -321,7 +321,7 @@ class Commands:
         words); without a schedule (the scheduler is off, or not heard from), the open jobs
         no node runs, in submit order."""
         schedule = self._schedule()
-        waiting = waiting_jobs(self._registry.jobs(), schedule)
+        waiting = waiting_jobs(self._registry.jobs(), schedule, account_of)
         await reply.result(
             {
                 "scheduler": schedule is not None,
@@ -508,12 +508,12 @@ class Commands:
 TERMINAL_STATES = frozenset(s.value for s in JobState if s.terminal)
 
 
-def allocated(row: dict[str, Any], schedule: Schedule | None) -> dict[str, Any]:
+def allocated(row: dict[str, Any], record: JobRecord, schedule: Schedule | None) -> dict[str, Any]:
     """A `list` row with the nodes the schedule gives the job, or why it waits."""
     if schedule is not None and row.get("state") not in TERMINAL_STATES:
         nodes = schedule.nodes.get(row["id"])
         row["allocated"] = len(nodes) if nodes is not None else 0
-        reason = schedule.reason(row["id"])
+        reason = reason_of(schedule, record)
         if reason is not None:
             row["reason"] = reason.value
     return row
@@ -536,6 +536,7 @@ def queue_row(
         "nnodes_step": spec.nnodes_step,
         "preemptible": spec.preemptible,
         "submitted": spec.created,
+        "waiting_since": waiting_since(record),  # a job that ran before: since it stopped
         "state": record.state.value,
         "reason": reason,
         "preempted": schedule is not None and spec.id in schedule.preempted,

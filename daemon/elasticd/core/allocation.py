@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from elasticd.core import fairshare
 
@@ -69,6 +70,8 @@ class JobDemand:
     held: bool = False
     current: frozenset[str] = frozenset()
     last_grown: float | None = None
+    last_moved: float | None = None  # its last start, resize or preemption (None: none known)
+    scheduled: bool = True  # False: it runs where nodes placed it first come, not the allocator
 
     @property
     def need(self) -> int:
@@ -105,6 +108,7 @@ class Policy:
     account_shares: Mapping[str, float] = field(default_factory=dict)  # absent: 1.0
     resize_interval: float = 60.0
     half_life: float = fairshare.HALF_LIFE  # for the caller's fairshare.decay
+    min_run_time: float = 0.0  # a job started, resized or preempted is not disturbed again sooner
 
     def limits(self, job: JobDemand) -> tuple[tuple[Quota, Reason, str], ...]:
         """The user's and the account's limits on ``job``, and how to say each."""
@@ -114,8 +118,9 @@ class Policy:
         )
 
 
-@dataclass(frozen=True)
-class Waiting:
+class Waiting(NamedTuple):
+    """A waiting job and why (a tuple: a queue of thousands is compared and built often)."""
+
     job: str
     reason: Reason
 
@@ -128,7 +133,11 @@ class Allocation:
     ``grown`` / ``reclaimed``: nodes given to / taken from a running job (the caller
     records ``now`` as the last growth of each job in ``grown``).  ``dropped``: current
     nodes a job could not keep (lost, no longer eligible, overcommitted, over its max).
-    ``borrowing``: jobs holding nodes over a quota (reclaimed first)."""
+    ``borrowing``: jobs holding nodes over a quota (reclaimed first).  ``later``: waiting
+    jobs beyond the look-ahead, in order: not placed this time (they wait behind those in
+    ``waiting``: reason Priority).  ``moved``: jobs started, resized or preempted now (the
+    caller records ``now`` as their last move).  ``forced``: for each job, how many nodes
+    it took from running jobs (reclaimed or preempted), which its account is charged for."""
 
     nodes: Mapping[str, frozenset[str]]
     waiting: tuple[Waiting, ...]
@@ -139,3 +148,6 @@ class Allocation:
     reclaimed: Mapping[str, frozenset[str]] = field(default_factory=dict)
     dropped: Mapping[str, frozenset[str]] = field(default_factory=dict)
     borrowing: frozenset[str] = frozenset()
+    later: tuple[str, ...] = ()
+    moved: frozenset[str] = frozenset()
+    forced: Mapping[str, int] = field(default_factory=dict)

@@ -1,60 +1,108 @@
 """The allocator's ledger: the cluster as the allocator fills it, what each job
 holds and what each usable node has left, and how to clear room on a node for a job.
-Private to ``allocator.py``; mutable, but only ever inside one ``allocate`` call, and a
-trial placement works on a copy (``plan``) that is adopted whole or dropped.
+Private to ``allocator.py``; mutable, but only ever inside one ``allocate`` call.  A trial
+placement (``plan``) works on the ledger itself and is either kept or rolled back from its
+undo log: no copy of the cluster per waiting job.
 
 Who yields a node to a job, first to last (``Ledger.clearing``): a job borrowing over a quota
 (any job: borrowed room is reclaimed first), then a job of no higher priority with nodes
 lent above its min (the last in the order first: mins come before anyone's extra nodes,
 whoever was first), and, last, a ``preemptible`` job later in the order below its min (it
-is preempted).  Among nodes, the one cheapest to clear: free room
-first, then the fewest nodes taken that a job held before this allocation (one given to it
-in this very allocation moves no worker), the fewest and lowest-ordered jobs moved, then the
-tightest fit (whole nodes
-stay whole for larger shares), then the name.
+is preempted).  A job that started, was resized or was preempted less than the policy's
+``min_run_time`` ago yields none of the nodes it runs on (a node given to it in this very
+allocation moves no worker: that one it may give back).  Among nodes, the one cheapest to
+clear: free room first, then the fewest nodes taken that a job held before this allocation,
+the fewest and lowest-ordered jobs moved, then the tightest fit (whole nodes stay whole for
+larger shares), then the name.
+
+What the ledger keeps as it goes, so that no question costs a walk over every job: the
+nodes with a free slot, the jobs that could yield a node (above their min, or
+preemptible) and the nodes they hold, and each user's and account's tallies (what their
+admitted mins are charged, and what they hold).
+
+Quotas count what a job holds on the nodes it holds: its min (its guaranteed nodes, the
+smallest of its shares on the nodes it holds) at its share *there*, so that a job sized by
+the node (``--nproc-per-node gpu``) is charged the GPUs of the node it lands on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from elasticd.core.allocation import JobDemand, Policy, Share, Tally
+from elasticd.core.allocation import JobDemand, Policy, Reason, Share, Tally
 
 BORROWED, LENT, PREEMPT = 1, 2, 3  # how a job yields a node (lower yields first)
+UNLIMITED = 1 << 62
+_NONE: frozenset[str] = frozenset()
+_ZERO = (0, 0, 0)
 # What clearing a node costs, cheapest first: the worst way a victim yields, the victims that
 # held it before, how many victims, their negated ranks, the gpus and slots left over.
 Cost = tuple[int, int, int, tuple[int, ...], int, int]
 
 
 class Ledger:
-    def __init__(self, capacity: dict[str, tuple[int, int]], ranked: Sequence[JobDemand]) -> None:
+    def __init__(
+        self,
+        capacity: dict[str, tuple[int, int]],
+        ranked: Sequence[JobDemand],
+        policy: Policy,
+        now: float,
+    ) -> None:
         self.capacity = capacity  # usable node -> (slots, gpus)
+        self.policy = policy
+        self.now = now
         self.jobs = {j.id: j for j in ranked}
         self.rank = {j.id: i for i, j in enumerate(ranked)}
-        self.held: dict[str, set[str]] = {j.id: set() for j in ranked}
+        self.held: dict[str, set[str]] = {}  # only jobs that hold a node
         self.on: dict[str, set[str]] = {n: set() for n in capacity}  # node -> jobs on it
         self.used: dict[str, list[int]] = {n: [0, 0] for n in capacity}
         self.reserved: dict[str, list[int]] = {}  # node -> room kept for waiting jobs
         self.preempted: set[str] = set()
+        self.forced: dict[str, int] = {}  # job -> nodes it took from running jobs
+        self.open = {n for n, (slots, _) in capacity.items() if slots > 0}  # a slot free
+        self.yielders: set[str] = set()  # jobs above their min, or preemptible ones holding
+        self.yielding_on: dict[str, int] = {}  # node -> yielders on it
+        self.charged: dict[tuple[str, str], list[int]] = {}  # (kind, owner) -> its jobs' mins
+        self.in_use: dict[tuple[str, str], list[int]] = {}  # (kind, owner) -> all they hold
+        self.charges: dict[str, tuple[int, int, int]] = {}  # job -> its min's charge
+        self._undo: list[Callable[[], None]] | None = None
+        self._eligible: dict[int, list[str]] = {}  # id(shares) -> usable eligible nodes
+        self._smallest: dict[int, tuple[int, int]] = {}  # id(shares) -> least (slots, gpus)
 
-    def copy(self) -> Ledger:
-        other = Ledger.__new__(Ledger)
-        other.capacity, other.jobs, other.rank = self.capacity, self.jobs, self.rank
-        other.held = {j: set(h) for j, h in self.held.items()}
-        other.on = {n: set(s) for n, s in self.on.items()}
-        other.used = {n: list(u) for n, u in self.used.items()}
-        other.reserved = {n: list(r) for n, r in self.reserved.items()}
-        other.preempted = set(self.preempted)
-        return other
+    # -- what a job may use ----------------------------------------------------------------
 
-    def adopt(self, other: Ledger) -> None:
-        self.__dict__.update(other.__dict__)
-
-    # -- room ------------------------------------------------------------------------------
+    def holding(self, job_id: str) -> set[str] | frozenset[str]:
+        return self.held.get(job_id, _NONE)
 
     def nodes_for(self, job: JobDemand) -> list[str]:
         """The usable nodes ``job`` may run on, by name."""
-        return sorted(n for n in job.shares if n in self.capacity)
+        key = id(job.shares)
+        found = self._eligible.get(key)
+        if found is None:
+            found = self._eligible[key] = sorted(n for n in job.shares if n in self.capacity)
+        return found
+
+    def smallest(self, job: JobDemand) -> tuple[int, int]:
+        """The least slots and the least GPUs of ``job``'s shares on usable nodes."""
+        key = id(job.shares)
+        found = self._smallest.get(key)
+        if found is None:
+            shares = [job.shares[n] for n in self.nodes_for(job)]
+            found = self._smallest[key] = (
+                min((s.slots for s in shares), default=0),
+                min((s.gpus for s in shares), default=0),
+            )
+        return found
+
+    def candidates(self, job: JobDemand) -> list[str]:
+        """The usable nodes ``job`` may run on and does not hold, that have a free slot or
+        hold a job that might yield: no other node can be cleared for it."""
+        have, shares = self.holding(job.id), job.shares
+        found = [n for n in self.open if n in shares and n not in have]
+        found += [
+            n for n in self.yielding_on if n in shares and n not in have and n not in self.open
+        ]
+        return found
 
     def room(self, node: str, reservations: bool = False) -> tuple[int, int]:
         slots, gpus = self.capacity[node]
@@ -67,75 +115,211 @@ class Ledger:
             return False
         return _covers(self.room(node, reservations), job.shares[node])
 
+    # -- moves (each undone in a trial that fails) ------------------------------------------
+
     def take(self, job: JobDemand, node: str) -> None:
         share = job.shares[node]
-        self.held[job.id].add(node)
+        held = self.held.get(job.id)
+        if held is None:
+            held = self.held[job.id] = set()
+        held.add(node)
         self.on[node].add(job.id)
-        self.used[node][0] += share.slots
-        self.used[node][1] += share.gpus
+        used = self.used[node]
+        used[0] += share.slots
+        used[1] += share.gpus
+        if used[0] >= self.capacity[node][0]:
+            self.open.discard(node)
+        self._count(job, share, 1)
+        if job.id in self.yielders:
+            self.yielding_on[node] = self.yielding_on.get(node, 0) + 1
+        self._restate(job)
+        if self._undo is not None:
+            self._undo.append(lambda: self.give(job.id, node))
 
     def give(self, job_id: str, node: str) -> None:
-        share = self.jobs[job_id].shares[node]
-        self.held[job_id].discard(node)
-        self.on[node].discard(job_id)
-        self.used[node][0] -= share.slots
-        self.used[node][1] -= share.gpus
-
-    def reserve(self, job: JobDemand, policy: Policy) -> None:
-        """Keep for ``job`` (waiting, and it did not fit) every node it could use now."""
-        for node in self.nodes_for(job):
-            if self.clearing(job, node, policy, reservations=True, preempt=False) is not None:
-                kept = self.reserved.setdefault(node, [0, 0])
-                kept[0] += job.shares[node].slots
-                kept[1] += job.shares[node].gpus
-
-    def growth_rank(self, job: JobDemand, node: str) -> tuple[bool, int, int, str]:
-        """Growth takes nodes no waiting job keeps first, then the tightest fit."""
-        slots, gpus = self.room(node)
+        job = self.jobs[job_id]
         share = job.shares[node]
-        return (
-            bool(self.reserved.get(node, [0, 0]) != [0, 0]),
-            gpus - share.gpus,
-            slots - share.slots,
-            node,
-        )
+        held = self.held[job_id]
+        held.discard(node)
+        if not held:
+            del self.held[job_id]
+        self.on[node].discard(job_id)
+        used = self.used[node]
+        used[0] -= share.slots
+        used[1] -= share.gpus
+        if used[0] < self.capacity[node][0]:
+            self.open.add(node)
+        self._count(job, share, -1)
+        if job_id in self.yielders:
+            self._unyield(node)
+        self._restate(job)
+        if self._undo is not None:
+            self._undo.append(lambda: self.take(job, node))
 
-    # -- clearing room for a job -----------------------------------------------------------
+    def preempt(self, job_id: str) -> None:
+        self.preempted.add(job_id)
+        if self._undo is not None:
+            self._undo.append(lambda: self.preempted.discard(job_id))
+
+    def _force(self, job_id: str, nodes: int) -> None:
+        if not nodes:
+            return
+        self.forced[job_id] = self.forced.get(job_id, 0) + nodes
+        if self._undo is not None:
+            self._undo.append(lambda: self._force(job_id, -nodes))
+
+    def _count(self, job: JobDemand, share: Share, sign: int) -> None:
+        for key in (("user", job.user), ("account", job.account)):
+            tally = self.in_use.setdefault(key, [0, 0, 0])
+            tally[0] += sign
+            tally[1] += sign * share.slots
+            tally[2] += sign * share.gpus
+
+    def _restate(self, job: JobDemand) -> None:
+        """``job``'s charge and whether it may yield, after its nodes changed."""
+        held = self.held.get(job.id, _NONE)
+        charge = self.charge(job, held)
+        before = self.charges.get(job.id, _ZERO)
+        if charge != before:
+            self.charges[job.id] = charge
+            for key in (("user", job.user), ("account", job.account)):
+                tally = self.charged.setdefault(key, [0, 0, 0])
+                for i in range(3):
+                    tally[i] += charge[i] - before[i]
+        yields = len(held) > job.need or (job.preemptible and bool(held))
+        if yields and job.id not in self.yielders:
+            self.yielders.add(job.id)
+            for node in held:
+                self.yielding_on[node] = self.yielding_on.get(node, 0) + 1
+        elif not yields and job.id in self.yielders:
+            self.yielders.discard(job.id)
+            for node in held:
+                self._unyield(node)
+
+    def _unyield(self, node: str) -> None:
+        left = self.yielding_on[node] - 1
+        if left:
+            self.yielding_on[node] = left
+        else:
+            del self.yielding_on[node]
+
+    # -- quotas ------------------------------------------------------------------------------
+
+    def charge(self, job: JobDemand, held: Iterable[str]) -> tuple[int, int, int]:
+        """What ``job`` holding ``held`` counts against its quotas: its guaranteed nodes
+        (as many as it holds, up to its min), the smallest of its shares there, each at its
+        share on that node: (nodes, slots, GPUs)."""
+        shares = sorted((job.shares[n].gpus, job.shares[n].slots) for n in held)[: job.need]
+        return len(shares), sum(s for _, s in shares), sum(g for g, _ in shares)
+
+    def headroom(self, job: JobDemand, kinds: Iterable[str] = ("user", "account")) -> list[int]:
+        """What ``job``'s user and account (``kinds``) may still be charged: [nodes, slots,
+        GPUs]."""
+        left = [UNLIMITED] * 3
+        for limits, _, kind in self.policy.limits(job):
+            if kind not in kinds:
+                continue
+            used = self.charged.get((kind, getattr(job, kind)), _ZERO)
+            for i, limit in enumerate((limits.nodes, limits.slots, limits.gpus)):
+                if limit is not None:
+                    left[i] = min(left[i], limit - used[i])
+        return left
+
+    def over_quota(self, job: JobDemand, more: tuple[int, int, int]) -> Reason | None:
+        """The quota ``job``'s user or account would break if charged ``more`` (None: none)."""
+        for limits, reason, kind in self.policy.limits(job):
+            used = self.charged.get((kind, getattr(job, kind)), _ZERO)
+            if limits.exceeded_by(Tally(*(u + m for u, m in zip(used, more, strict=True)))):
+                return reason
+        return None
+
+    def borrowing(self, job: JobDemand) -> bool:
+        """Whether ``job`` holds nodes above its min while its user or account holds more
+        than a limit allows: those nodes are borrowed."""
+        if len(self.holding(job.id)) <= job.need:
+            return False
+        for limits, _, kind in self.policy.limits(job):
+            if limits.exceeded_by(Tally(*self.in_use.get((kind, getattr(job, kind)), _ZERO))):
+                return True
+        return False
+
+    # -- clearing room for a job -------------------------------------------------------------
 
     def plan(
-        self, job: JobDemand, count: int, policy: Policy, *, reservations: bool, preempt: bool
-    ) -> Ledger | None:
-        """A copy of the ledger with ``count`` more nodes given to ``job``, each the cheapest
-        to clear, or None if there are not that many."""
-        trial = self.copy()
+        self,
+        job: JobDemand,
+        count: int,
+        *,
+        reservations: bool,
+        preempt: bool,
+        budget: Sequence[int] | None = None,
+        keep: bool = True,
+    ) -> bool:
+        """Give ``job`` ``count`` more nodes, each the cheapest to clear, charging at most
+        ``budget`` ([nodes, slots, GPUs]); False (and nothing changed) if there are not that
+        many.  ``keep=False``: only say whether it could."""
+        self._undo = []
+        try:
+            done = self._fill(job, count, reservations, preempt, budget)
+        finally:
+            log, self._undo = self._undo, None
+        if not (done and keep):
+            for undo in reversed(log):
+                undo()
+        return done
+
+    def _fill(
+        self,
+        job: JobDemand,
+        count: int,
+        reservations: bool,
+        preempt: bool,
+        budget: Sequence[int] | None,
+    ) -> bool:
+        if len(self.candidates(job)) < count:
+            return False
+        left = list(budget) if budget is not None else None
+        least = self.smallest(job)
         touched: set[str] = set()
-        for _ in range(count):
-            best = trial._cheapest(job, policy, reservations, preempt)
+        forced = 0
+        for picked in range(count):
+            best = self._cheapest(job, reservations, preempt, left, count - picked, least)
             if best is None:
-                return None
+                return False
             node, victims = best
             for victim in victims:
-                trial.give(victim, node)
+                forced += node in self.jobs[victim].current
+                self.give(victim, node)
             touched.update(victims)
-            trial.take(job, node)
+            self.take(job, node)
+            if left is not None:
+                share = job.shares[node]
+                left[0], left[1], left[2] = left[0] - 1, left[1] - share.slots, left[2] - share.gpus
         for victim in sorted(touched):
-            trial._settle(victim)
-        return trial
+            forced += self._settle(victim)
+        self._force(job.id, forced)
+        return True
 
     def _cheapest(
-        self, job: JobDemand, policy: Policy, reservations: bool, preempt: bool
+        self,
+        job: JobDemand,
+        reservations: bool,
+        preempt: bool,
+        left: Sequence[int] | None,
+        picks: int,
+        least: tuple[int, int],
     ) -> tuple[str, tuple[str, ...]] | None:
         best: tuple[Cost, str, tuple[str, ...]] | None = None
-        for node in self.nodes_for(job):
-            if node in self.held[job.id]:
+        for node in self.candidates(job):
+            if left is not None and not _within(job.shares[node], left, picks, least):
                 continue
-            found = self.clearing(job, node, policy, reservations, preempt)
+            found = self.clearing(job, node, reservations, preempt)
             if found is not None and (best is None or (found[0], node) < (best[0], best[1])):
                 best = (found[0], node, found[1])
         return None if best is None else (best[1], best[2])
 
     def clearing(
-        self, job: JobDemand, node: str, policy: Policy, reservations: bool, preempt: bool
+        self, job: JobDemand, node: str, reservations: bool, preempt: bool
     ) -> tuple[Cost, tuple[str, ...]] | None:
         """What giving ``node`` to ``job`` costs and who must yield it, or None if it cannot
         be cleared."""
@@ -143,10 +327,13 @@ class Ledger:
             return None
         share = job.shares[node]
         room = self.room(node, reservations)
+        if _covers(room, share):
+            left = _plus(room, _minus(share))
+            return (0, 0, 0, (), left[1], left[0]), ()
         ways = sorted(
             (how, -self.rank[v], v)
             for v in self.on[node]
-            if v != job.id and (how := self._yields(job, v, policy, preempt)) is not None
+            if v != job.id and (how := self._yields(job, v, preempt, node)) is not None
         )
         victims: list[tuple[int, int, str]] = []
         for way in ways:
@@ -181,74 +368,78 @@ class Ledger:
                 room = without
         return kept
 
-    def _yields(self, job: JobDemand, victim_id: str, policy: Policy, preempt: bool) -> int | None:
-        """How ``victim`` may yield a node to ``job``, or None if it may not."""
+    def _yields(self, job: JobDemand, victim_id: str, preempt: bool, node: str) -> int | None:
+        """How ``victim`` may yield ``node`` to ``job``, or None if it may not."""
         victim = self.jobs[victim_id]
-        later = self.rank[victim_id] > self.rank[job.id]
-        if len(self.held[victim_id]) > victim.need:
-            if borrowing(self, victim, policy):
+        held = len(self.held[victim_id])
+        settled = self.settled(victim)
+        if held > victim.need and (settled or node not in victim.current):
+            if self.borrowing(victim):
                 return BORROWED
             if victim.priority <= job.priority:
                 return LENT
-        if preempt and later and victim.preemptible and len(self.held[victim_id]) <= victim.need:
+        if (
+            preempt
+            and victim.preemptible
+            and held <= victim.need
+            and self.rank[victim_id] > self.rank[job.id]
+            and (settled or not victim.current & self.held[victim_id])
+        ):
             return PREEMPT
         return None
 
-    def _settle(self, victim_id: str) -> None:
+    def settled(self, job: JobDemand) -> bool:
+        """Whether ``job`` has run ``min_run_time`` since its last start, resize or
+        preemption (it may be disturbed again)."""
+        return job.last_moved is None or self.now - job.last_moved >= self.policy.min_run_time
+
+    def _settle(self, victim_id: str) -> int:
         """A job that yielded nodes: below its min it is preempted (it gives up all); else
-        it gives up more, if it must, to hold a multiple of its step."""
+        it gives up more, if it must, to hold a multiple of its step.  Returns how many of
+        the nodes it gave up here it ran on before this allocation."""
         victim = self.jobs[victim_id]
-        held = sorted(self.held[victim_id], reverse=True)
+        held = sorted(self.holding(victim_id), reverse=True)
         if len(held) < victim.need:
-            for node in held:
-                self.give(victim_id, node)
-            self.preempted.add(victim_id)
-            return
-        extra = len(held) % victim.step
-        for node in held[:extra]:
+            gone = held
+            self.preempt(victim_id)
+        else:
+            gone = held[: len(held) % victim.step]
+        for node in gone:
             self.give(victim_id, node)
+        return sum(1 for node in gone if node in victim.current)
+
+    def reserve(self, job: JobDemand, budget: Sequence[int] | None = None) -> None:
+        """Keep for ``job`` (waiting, and it did not fit) every node it could use now (and,
+        with a ``budget``, within its quotas)."""
+        least = self.smallest(job)
+        for node in self.candidates(job):
+            if budget is not None and not _within(job.shares[node], budget, job.need, least):
+                continue
+            if self.clearing(job, node, reservations=True, preempt=False) is not None:
+                kept = self.reserved.setdefault(node, [0, 0])
+                kept[0] += job.shares[node].slots
+                kept[1] += job.shares[node].gpus
+
+    def growth_rank(self, job: JobDemand, node: str) -> tuple[bool, int, int, str]:
+        """Growth takes nodes no waiting job keeps first, then the tightest fit."""
+        slots, gpus = self.room(node)
+        share = job.shares[node]
+        return (
+            bool(self.reserved.get(node, [0, 0]) != [0, 0]),
+            gpus - share.gpus,
+            slots - share.slots,
+            node,
+        )
 
 
-# -- quotas ----------------------------------------------------------------------------------
-
-
-def charge(ledger: Ledger, job: JobDemand, count: int | None = None) -> Tally:
-    """What ``job`` counts against its quotas: its guaranteed nodes (``count``, by default
-    as many as it holds up to its min) at its smallest share."""
-    if count is None:
-        count = len(ledger.held[job.id])
-    count = min(count, job.need)
-    if not job.shares or count <= 0:
-        return Tally()
-    return Tally(
-        count,
-        count * min(s.slots for s in job.shares.values()),
-        count * min(s.gpus for s in job.shares.values()),
+def _within(share: Share, left: Sequence[int], picks: int, least: tuple[int, int]) -> bool:
+    """Whether ``share`` and ``picks - 1`` more of the smallest shares fit ``left``."""
+    rest = picks - 1
+    return (
+        picks <= left[0]
+        and share.slots + rest * least[0] <= left[1]
+        and share.gpus + rest * least[1] <= left[2]
     )
-
-
-def in_use(ledger: Ledger, jobs: Iterable[JobDemand]) -> Tally:
-    """What ``jobs`` hold, every node at its share."""
-    total = Tally()
-    for job in jobs:
-        for node in ledger.held[job.id]:
-            share = job.shares[node]
-            total += Tally(1, share.slots, share.gpus)
-    return total
-
-
-def borrowing(ledger: Ledger, job: JobDemand, policy: Policy) -> bool:
-    """Whether ``job`` holds nodes above its min while its user or account is over a
-    limit: those nodes are borrowed."""
-    if len(ledger.held[job.id]) <= job.need:
-        return False
-    for limits, _, kind in policy.limits(job):
-        owner = getattr(job, kind)
-        if limits.exceeded_by(
-            in_use(ledger, (j for j in ledger.jobs.values() if getattr(j, kind) == owner))
-        ):
-            return True
-    return False
 
 
 def _covers(room: tuple[int, int], share: Share) -> bool:

@@ -139,6 +139,99 @@ def decayed(spans: Iterable[Span], now: float, half_life: float) -> dict[str, fl
     return {account: math.fsum(weights) for account, weights in sorted(used.items())}
 
 
+_NOTHING = 1e-9  # node-seconds: a job's weight decayed below this is forgotten
+
+
+class UsageSums:
+    """``decayed`` of every job's spans, kept as running sums: what the fair share reads at
+    every plan without reading the history again.  ``update`` takes each record as it
+    changes; its ended spans go into one sum per account, held at a reference time and
+    decayed as a whole (a span's weight at ``now`` is its weight at the reference time
+    times ``2 ** (-(now - ref) / half_life)``); the spans still running are kept apart and
+    weighed at each ``at``.  A job forgotten (pruned) keeps what it used, as Slurm's usage
+    outlives its job records.  Equal to ``decayed`` up to rounding."""
+
+    REBASE = 64.0  # half-lives: the reference time moves on before its factors overflow
+
+    def __init__(self, half_life: float, group_name: Callable[[int], str] = str) -> None:
+        self.half_life = half_life
+        self._group_name = group_name
+        self._ref: float | None = None
+        self._sums: dict[str, float] = {}  # account -> ended spans' weight at ``_ref``
+        self._ended: dict[str, tuple[str, float]] = {}  # job -> its account and that weight
+        self._running: dict[str, list[Span]] = {}  # job -> its spans not ended at its update
+        self._pruned = 0  # jobs kept after the last pruning
+
+    def update(
+        self, record: JobRecord, now: float, group_name: Callable[[int], str] | None = None
+    ) -> None:
+        """Take ``record`` (a job's latest) into the sums; ``now``: when it was read;
+        ``group_name``: in place of the one given at the start (a pass's own cache)."""
+        if self.half_life <= 0:
+            return
+        ended: list[Span] = []
+        running: list[Span] = []
+        for span in spans(record, group_name or self._group_name):
+            (ended if span.end is not None and span.end <= now else running).append(span)
+        if self._ref is None:
+            self._ref = now
+        elif (
+            now - self._ref > self.REBASE * self.half_life
+            or len(self._ended) > 2 * self._pruned + 1024
+        ):
+            self._rebase(now)  # the jobs kept: at most twice those that still weigh
+        weight = math.fsum(self._weight(s.start, s.end) for s in ended if s.end is not None)
+        account = ended[0].account if ended else ""
+        before = self._ended.pop(record.id, None)
+        if before is not None:
+            self._add(before[0], -before[1])
+        if weight > 0:
+            self._ended[record.id] = (account, weight)
+            self._add(account, weight)
+        if running:
+            self._running[record.id] = running
+        else:
+            self._running.pop(record.id, None)
+
+    def at(self, now: float) -> dict[str, float]:
+        """Node-seconds per account as of ``now`` (``decayed``'s answer)."""
+        if self.half_life <= 0 or self._ref is None:
+            return {}
+        if now - self._ref > self.REBASE * self.half_life:
+            self._rebase(now)
+        keep = 2.0 ** (-(now - self._ref) / self.half_life)
+        used = {account: weight * keep for account, weight in self._sums.items()}
+        live = decayed((s for found in self._running.values() for s in found), now, self.half_life)
+        for account, weight in live.items():
+            used[account] = used.get(account, 0.0) + weight
+        return dict(sorted(used.items()))
+
+    def _weight(self, start: float, end: float) -> float:
+        """The weight at ``_ref`` of the seconds from ``start`` to ``end``."""
+        assert self._ref is not None
+        length = max(0.0, end - start)
+        if length <= 0:
+            return 0.0
+        rate = math.log(2) / self.half_life
+        return math.exp(-rate * (self._ref - end)) * -math.expm1(-rate * length) / rate
+
+    def _add(self, account: str, weight: float) -> None:
+        total = self._sums.get(account, 0.0) + weight
+        self._sums[account] = total if total >= _NOTHING else 0.0  # not a rounding's residue
+
+    def _rebase(self, now: float) -> None:
+        """Move the reference time to ``now``; forget the jobs whose weight decayed to
+        nothing (what each added stays in its account's sum; should its record change
+        again, its new weight is added)."""
+        assert self._ref is not None
+        keep = 2.0 ** (-(now - self._ref) / self.half_life)
+        self._sums = {a: w * keep for a, w in self._sums.items()}
+        self._ended = {
+            j: (a, w * keep) for j, (a, w) in self._ended.items() if w * keep >= _NOTHING
+        }
+        self._ref, self._pruned = now, len(self._ended)
+
+
 def _integral(age: float, length: float, half_life: float) -> float:
     """The decayed weight of ``length`` seconds that ended ``age`` seconds ago."""
     if length <= 0:
