@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Daemon, free_port
+from harness import START_TIMEOUT, Daemon, free_port
 from store_backends import BACKENDS, C10D, ETCD, SyncEtcd, etcd_store_lines, with_keys
 
 from elasticd.store.signing import create_key
@@ -153,8 +153,14 @@ class Cluster:
         return daemon
 
     def start(self) -> Cluster:
-        for daemon in self.daemons:
+        """The store's host first (with etcd there is none), then the others together."""
+        first = 0 if self.etcd is not None else 1
+        for daemon in self.daemons[:first]:
             daemon.start()
+        for daemon in self.daemons[first:]:
+            daemon.start(wait=False)
+        for daemon in self.daemons[first:]:
+            daemon.wait_notify("READY=1", START_TIMEOUT)
         return self
 
     def stop(self) -> None:
