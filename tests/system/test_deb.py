@@ -48,7 +48,9 @@ from harness import ROOT, WORKER
 from hostwide import made_once
 from store_attack import wait_for
 
-pytestmark = [pytest.mark.root, pytest.mark.slow]
+# one xdist worker runs both tests: the Debian 13 image is made in a thread beside the
+# three-host test (the module's fixtures), and both build the package
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.xdist_group("deb")]
 
 TORCH_VENV = Path("/var/tmp/elasticd-test-torch-2.13.0")  # 1 GB, 30 s to make: kept between runs
 # the job's scripts, mounted at the same place on every host (the checkout may be under
