@@ -11,6 +11,22 @@ from typing import Any
 import pytest
 from harness import Daemon
 
+# Where each folder's tests go in the run, heaviest first: pytest-xdist deals the tests
+# out in this order as workers free up, so the long ones start early and the many short
+# unit tests fill in at the end (the last test to start decides when the run ends).
+FOLDERS = ("system", "integration", "chaos", "contract", "gpu", "unit")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow-marked tests first, then folder by folder (FOLDERS); else as collected."""
+
+    def weight(item: pytest.Item) -> tuple[int, int]:
+        parts = item.path.relative_to(Path(__file__).parent).parts
+        folder = FOLDERS.index(parts[0]) if parts[0] in FOLDERS else len(FOLDERS)
+        return (0 if item.get_closest_marker("slow") else 1, folder)
+
+    items.sort(key=weight)
+
 
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:

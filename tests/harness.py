@@ -8,6 +8,7 @@ stream says so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -21,6 +22,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+
+from hostwide import free_port as free_port  # the tests' ports, unique on this host
+from hostwide import made_once
 
 from elasticd.wire import protocol
 
@@ -46,12 +50,6 @@ def _needs_root():
 
 
 needs_root = _needs_root()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Daemon:
@@ -400,23 +398,22 @@ class Control:
             yield reply.result
 
 
-_EVERYONE_VENV = "/tmp/elasticd-test-python"
-
-
 def python_for_everyone() -> str:
     """A venv on the system's python3 that any user can run, seeing this checkout's packages.
 
     The project's own venv may sit on an interpreter under /root, which other users cannot
     execute; the packages themselves (pyzmq, elasticd) are readable, so a .pth adds them.
+    One per checkout's venv (its name has a digest of the venv's path), made once and kept.
     """
-    if not os.path.exists(f"{_EVERYONE_VENV}/bin/python3"):
-        subprocess.run(
-            ["/usr/bin/python3", "-m", "venv", "--without-pip", _EVERYONE_VENV], check=True
-        )
-        site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
-        lib = next(Path(_EVERYONE_VENV, "lib").glob("python3*/site-packages"))
+    site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+    digest = hashlib.sha256(site.encode()).hexdigest()[:8]
+
+    def make(venv: Path) -> None:
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+        lib = next(Path(venv, "lib").glob("python3*/site-packages"))
         (lib / "elasticd-checkout.pth").write_text(f"import site; site.addsitedir({site!r})\n")
-    return _EVERYONE_VENV
+
+    return str(made_once(Path(f"/tmp/elasticd-test-python-{digest}"), make))
 
 
 def fake_nvidia_smi(directory: Path, gpus: int) -> dict[str, str]:

@@ -303,4 +303,8 @@ def metric(daemon: Daemon, name: str) -> float:
 
 
 def node_states(daemon: Daemon) -> dict[str, str]:
-    return {n["name"]: n["state"] for n in daemon.ctl("nodes")}
+    """Each node's state as ``daemon`` lists it now (asked over the control protocol: a
+    poll that started elasticctl each time took seconds a round on a loaded machine)."""
+    reply = daemon.request("nodes")
+    assert reply.ok, f"{daemon.name}: nodes: {reply.code}: {reply.message}"
+    return {n["name"]: n["state"] for n in reply.result}

@@ -17,7 +17,10 @@ worker's exec (the control plane alone: the workers' own Python start-up exclude
    (tests/bench/node_launcher.py runs both programs), which takes ~1.3 s here for both;
 3. node loss 3 -> 2: SIGKILL of node 3 (daemon or agent, with its worker) -> 2 workers
    started with WORLD_SIZE=2, or nothing within 120 s; once with training workers (their
-   collectives break), once with idle ones (only the control plane can notice);
+   collectives break), once with idle ones (only the control plane can notice; in place,
+   they go idle once the world of 3 formed, and an idle survivor never reaches a commit:
+   the daemon stops it after the job's rejoin timeout, 60 s by default, and starts every
+   worker anew);
 4. formation: 2 nodes up, the job accepted by the daemon (elasticd) / the agents started
    (torchrun: its start-up is its formation) -> both workers exec'd;
 5. node frozen 3 -> 2: SIGSTOP of node 3's daemon (or agent) and its worker: no socket
@@ -54,6 +57,9 @@ filled by its node's spare; a node loss by a survivor's spare, in the survivors'
 "back at full size" is the time until 3 ranks started in a world of 3 again (there is no
 world of 2 in between).  The other figures count as for elasticd-inplace.
 
+A figure that cannot be measured (no formation, a daemon that would not start) is shown
+as such in the table, with its reason under it; its run's directory is kept and named.
+
 The bench polls the event file every 10 ms (benchmarks may; tests may not).
 """
 
@@ -88,6 +94,16 @@ WORKER = str(HERE / "recovery_worker.py")
 LAUNCHER = str(HERE / "node_launcher.py")
 ENV = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 LOSS_CAP = 120.0
+
+
+class Unmeasured(Exception):
+    """A run that could not reach the event its figure starts at (e.g. no formation)."""
+
+
+def need(found: Any, what: str) -> Any:
+    if not found:
+        raise Unmeasured(what)
+    return found
 
 
 class Events:
@@ -127,6 +143,14 @@ def starts_after(t0: float, count: int, world: int | None = None):
 def ready(count: int, world: int):
     def found(events):
         ranks = {e["rank"] for e in events if e["event"] == "ready" and e["world"] == world}
+        return ranks if len(ranks) >= count else None
+
+    return found
+
+
+def idling(count: int):
+    def found(events):
+        ranks = {e["rank"] for e in events if e["event"] == "idle" and e["world"] == count}
         return ranks if len(ranks) >= count else None
 
     return found
@@ -296,7 +320,7 @@ class ElasticdSpares(ElasticdInPlace):
             ),
             120,
         )
-        assert spares, "the spares did not warm up"  # the job has them before the event
+        need(spares, "the spares did not warm up")  # the job has them before the event
         return created
 
 
@@ -582,7 +606,7 @@ def training_steps(count: int):
 
 def worker_failure(system) -> dict[str, float] | None:
     system.launch(2, "2:2")
-    assert system.events.wait(ready(2, 2), 120), "no formation"
+    need(system.events.wait(ready(2, 2), 120), "no formation")
     system.events.wait(training_steps(10), 30)  # a steady step rhythm before the event
     t0 = time.time()
     os.kill(worker_pid(system.events, 1), signal.SIGKILL)
@@ -591,7 +615,7 @@ def worker_failure(system) -> dict[str, float] | None:
 
 def scale_up(system) -> dict[str, float] | None:
     system.launch(2, "2:3")
-    assert system.events.wait(ready(2, 2), 120), "no formation"
+    need(system.events.wait(ready(2, 2), 120), "no formation")
     system.events.wait(training_steps(10), 30)
     t0, pid = system.add_node()
     starts = system.events.wait(starts_after(t0, 3, world=3), 120)
@@ -600,8 +624,12 @@ def scale_up(system) -> dict[str, float] | None:
 
 def node_loss(system, event: str = "kill") -> dict[str, float] | None:
     system.launch(3, "2:3")
-    assert system.events.wait(ready(3, 3), 120), "no formation"
-    if system.worker_mode != ("idle",):
+    need(system.events.wait(ready(3, 3), 120), "no formation")
+    idle = "idle" in system.worker_mode
+    if idle:  # in place, the workers commit until they see this file
+        (system.base / "idle").touch()
+        need(system.events.wait(idling(3), 30), "the workers did not go idle")
+    else:
         system.events.wait(training_steps(15), 30)
     lost = {p.pid for p in psutil.Process(system.node_pid(2)).children(recursive=True)}
     if event == "freeze":
@@ -610,16 +638,24 @@ def node_loss(system, event: str = "kill") -> dict[str, float] | None:
         t0 = system.cut_node(2)
     else:
         t0 = system.kill_node(2)
-    size = (
-        3 if system.name == ElasticdSpares.name else 2
-    )  # a survivor's spare fills in, in the same round
-    found = figure(t0, system.events.wait(starts_after(t0, size, world=size), LOSS_CAP))
-    result = found if system.worker_mode == ("idle",) else training(system, t0, found)
+    # With spares a survivor's spare fills in, in the survivors' own round (world 3); idle
+    # survivors never take their places, and every worker starts anew: a world of 2.
+    sizes = ((3, 2) if idle else (3,)) if system.name == ElasticdSpares.name else (2,)
+
+    def back(events: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        return next(
+            (found for size in sizes if (found := starts_after(t0, size, world=size)(events))),
+            None,
+        )
+
+    starts = system.events.wait(back, LOSS_CAP)
+    found = figure(t0, starts)
+    result = found if idle else training(system, t0, found)
     if result is not None and getattr(system, "backend_args", ()):
         result = {**result, "kept": kept(system, t0)}
-    if result is not None and size == 3:
+    if result is not None and starts[0]["world"] == 3:
         result = {**result, "full": result["total"]}
-    if result is not None and system.worker_mode != ("idle",):
+    if result is not None and not idle:
         told = known(system.events.read(), t0, lost)
         if told is not None:
             result = {**result, "known": told}
@@ -660,8 +696,9 @@ def kept(system, t0: float) -> float:
 
 
 def node_loss_idle(system) -> dict[str, float] | None:
-    """Node loss noticed by the control plane alone: the workers do no collectives."""
-    system.worker_mode = ("idle",)
+    """Node loss noticed by the control plane alone: the workers do no collectives (in place
+    too: the worker's loop stays under elasticd.elastic, it only sleeps)."""
+    system.worker_mode = (*system.worker_mode, "idle")
     return node_loss(system)
 
 
@@ -681,40 +718,58 @@ SCENARIOS = {
 }
 
 
-def measure(kind, scenario, nodes: int, backend: str = "gloo") -> dict[str, float] | None:
-    """One run in a fresh directory; kept (and named on stderr) when it did not recover."""
+def measure(kind, scenario, nodes: int, backend: str = "gloo") -> dict[str, Any] | None:
+    """One run in a fresh directory: its figures, None when it did not recover, or
+    ``{"unmeasured": why}`` when it could not be measured (the run failed before its
+    event: no formation, a daemon that did not start...).  The directory is kept (and named
+    on stderr) unless the run recovered."""
     base = Path(tempfile.mkdtemp(prefix="elasticd-recovery-"))
     base.chmod(0o755)
     subnet = hosts = None
-    if scenario is node_cut_off:
-        why = netns.usable()
-        if why:
-            print(f"node cut off: {why}", file=sys.stderr)
-            return None
-        subnet = netns.Subnet.claim()
-        hosts = subnet.hosts(nodes).up()
-    system = kind(base, nodes, hosts) if hosts is not None else kind(base, nodes)
-    if backend == "nccl":
-        system.backend_args = ("nccl",)
+    result: dict[str, Any] | None
     try:
-        result = scenario(system)
-    except AssertionError as exc:  # a run that never formed is a run that did not recover
-        print(f"{kind.name}: {exc}", file=sys.stderr)
-        result = None
-    finally:
         try:
-            if hosts is not None:
-                hosts.heal_all()
-            system.stop()
+            if scenario is node_cut_off:
+                why = netns.usable()
+                if why:
+                    raise Unmeasured(why)
+                subnet = netns.Subnet.claim()
+                hosts = subnet.hosts(nodes).up()
+            system = kind(base, nodes, hosts) if hosts is not None else kind(base, nodes)
+            if backend == "nccl":
+                system.backend_args = ("nccl",)
+            try:
+                result = scenario(system)
+            finally:
+                if hosts is not None:
+                    hosts.heal_all()
+                system.stop()
         finally:
-            if hosts is not None and subnet is not None:
+            if hosts is not None:
                 hosts.down()
+            if subnet is not None:
                 subnet.release()
-    if result is None:
-        print(f"{kind.name} did not recover; its logs: {base}", file=sys.stderr)
+    except Exception as exc:  # any failure of the run is its table cell, not the bench's end
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        result = {
+            "unmeasured": why if isinstance(exc, Unmeasured) else f"{type(exc).__name__}: {why}"
+        }
+    if result is None or "unmeasured" in result:
+        print(
+            f"{kind.name} {'did not recover' if result is None else result['unmeasured']}; "
+            f"its logs: {base}",
+            file=sys.stderr,
+        )
     else:
         shutil.rmtree(base, ignore_errors=True)
     return result
+
+
+def unmeasured(results: list[dict[str, Any] | None]) -> str | None:
+    """Why a figure's runs could not be measured (the first run's reason), if none was."""
+    if results and all(r is not None and "unmeasured" in r for r in results):
+        return results[0]["unmeasured"]
+    return None
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -755,8 +810,8 @@ def main() -> None:
             for _ in range(runs):
                 result = measure(kind, scenario, nodes, args.backend)
                 results.append(result)
-                if not any(results):
-                    break  # the first run did not recover: taken as what it does
+                if not any(r is not None and "unmeasured" not in r for r in results):
+                    break  # the first run did not recover (or could not be measured): taken as what it does
             report[title][kind.name] = results
             print(f"{title:34} {kind.name:17} {results}", file=sys.stderr, flush=True)
     if args.json:
@@ -765,12 +820,19 @@ def main() -> None:
         print_table(report)
 
 
-def cell(results: list[dict[str, float] | None], key: str) -> tuple[str, float | None]:
-    """``median (min..max)`` of the runs that recovered, and how many did not."""
+def cell(results: list[dict[str, Any] | None], key: str) -> tuple[str, float | None]:
+    """``median (min..max)`` of the runs that recovered, and how many did not; "not
+    measured" when no run could be (the reason is printed under the table)."""
     if not results:
         return "not run", None
+    if unmeasured(results) is not None:
+        return "not measured (see below)", None
     done = [r[key] for r in results if r is not None and key in r]
-    failed = f" {len(results) - len(done)}/{len(results)} none" if len(done) < len(results) else ""
+    lost = sum(r is None for r in results)
+    odd = sum(r is not None and "unmeasured" in r for r in results)
+    failed = (f" {lost}/{len(results)} none" if lost else "") + (
+        f" {odd}/{len(results)} not measured" if odd else ""
+    )
     if not done:
         return f"none in {LOSS_CAP:g} s", None
     s = summary(done)
@@ -779,8 +841,9 @@ def cell(results: list[dict[str, float] | None], key: str) -> tuple[str, float |
 
 def print_table(report: dict[str, Any]) -> None:
     """One row per figure: each system's median (min..max) in seconds, and elasticd's time
-    as a fraction of each torchrun's."""
+    as a fraction of each torchrun's; then why each figure not measured was not."""
     ours = [kind.name for kind in SYSTEMS if kind.name not in BASELINES]
+    notes = []
     print(
         f"{'figure (s)':36} "
         + " ".join(f"{name:30}" for name in (*ours, *BASELINES))
@@ -797,7 +860,9 @@ def print_table(report: dict[str, Any]) -> None:
             ("known", "  lost node known to every survivor"),
         ):
             row = [cell(by_system.get(name, []), key)[0] for name in (*ours, *BASELINES)]
-            if all(text == "not run" or text.startswith("none") for text in row):
+            if key != "total" and all(
+                text == "not run" or text.startswith(("none", "not measured")) for text in row
+            ):
                 continue
             _, inplace = cell(by_system.get("elasticd-inplace", []), key)
             ratios = []
@@ -811,6 +876,13 @@ def print_table(report: dict[str, Any]) -> None:
                 + " ".join(f"{r:18}" for r in ratios)
             )
         print_phases(by_system.get("elasticd-inplace", []))
+        notes += [
+            f"{title}, {name}: not measured: {why}"
+            for name, results in by_system.items()
+            if (why := unmeasured(results)) is not None
+        ]
+    for note in notes:
+        print(note)
 
 
 def print_phases(results: list[dict[str, float] | None]) -> None:

@@ -5,7 +5,14 @@ It appends one JSON line per event to ``<dir>/events.jsonl`` (O_APPEND: lines ne
 that the workers' own Python start-up can be told apart), then ``ready`` once a gloo
 process group formed and an all_reduce went through.  Then it goes on like a training loop,
 an all_reduce every 100 ms, so that a peer's death breaks its collectives (as it would in
-training) until the bench stops it; or, given ``idle``, it sleeps.
+training) until the bench stops it; or, given ``idle``, it records ``idle`` and sleeps.
+
+Given ``inplace`` the loop runs under elasticd.elastic (an --in-place job: its process
+stays through a re-form; it starts warm, with no RANK, until its place comes).  With
+``idle`` too, it commits every 100 ms (so that the job's rounds can form) until the bench
+makes the file ``<dir>/idle``: then every rank, agreeing on the same step, records ``idle``
+and sleeps, and never reaches a commit again (the daemon alone learns of a lost peer, and
+stops it after the job's rejoin timeout).
 
 Given ``nccl`` (bench_recovery.py --backend nccl; elasticd's in-place system only) the
 group is NCCL and the tensors live on cuda:LOCAL_RANK; every rank of this host may use the
@@ -102,10 +109,9 @@ def record_term(directory: str) -> None:
 def main() -> None:
     directory = sys.argv[1]
     record_term(directory)
-    nccl = "nccl" in sys.argv[2:]
-    mode = [arg for arg in sys.argv[2:] if arg != "nccl"][:1]
-    if mode == ["inplace"]:
-        return in_place(directory, nccl)
+    nccl, idle = "nccl" in sys.argv[2:], "idle" in sys.argv[2:]
+    if "inplace" in sys.argv[2:]:
+        return in_place(directory, nccl, idle)
     record(directory, "start", exec=exec_time())
     import warnings
 
@@ -120,17 +126,19 @@ def main() -> None:
     if nccl:
         t.item()  # NCCL is asynchronous: wait for it
     record(directory, "ready")
-    idle = mode == ["idle"]
+    if idle:
+        record(directory, "idle")
+        while True:
+            time.sleep(3600)
     while True:
-        time.sleep(3600 if idle else 0.1)  # a training step
-        if not idle:
-            dist.all_reduce(t)
-            if nccl:
-                t.item()
-            record(directory, "step")
+        time.sleep(0.1)  # a training step
+        dist.all_reduce(t)
+        if nccl:
+            t.item()
+        record(directory, "step")
 
 
-def in_place(directory: str, nccl: bool = False) -> None:
+def in_place(directory: str, nccl: bool = False, idle: bool = False) -> None:
     """The same loop as an in-place job (elasticd.elastic): survivors keep this process."""
     import warnings
 
@@ -156,6 +164,8 @@ def in_place(directory: str, nccl: bool = False) -> None:
         if nccl:
             t.item()  # NCCL is asynchronous: wait for it
         record(directory, "ready")
+        if idle:
+            go_idle(directory, state, device)
         while True:
             time.sleep(0.1)  # a training step
             dist.all_reduce(t)
@@ -166,6 +176,25 @@ def in_place(directory: str, nccl: bool = False) -> None:
             state.commit()
 
     train(state)
+
+
+def go_idle(directory: str, state, device) -> None:
+    """Commit every 100 ms until some rank sees ``<dir>/idle`` (an all_reduce: every rank
+    agrees at the same step), then sleep for good."""
+    import torch
+    import torch.distributed as dist
+
+    seen = torch.zeros(1, device=device)
+    while True:
+        time.sleep(0.1)
+        seen[0] = float(os.path.exists(os.path.join(directory, "idle")))
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if seen.item():
+            break
+        state.commit()
+    record(directory, "idle")
+    while True:
+        time.sleep(3600)
 
 
 if __name__ == "__main__":

@@ -8,27 +8,39 @@ of the run; they are reports, never pass/fail thresholds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-_FIGURES: list[tuple[str, str]] = []
+FIGURE = "chaos figure"
 
 
 class Figures:
+    """A test's figures, kept with its report (so that they reach the summary from a
+    pytest-xdist worker too)."""
+
+    def __init__(self, item: pytest.Item) -> None:
+        self._item = item
+
     def add(self, name: str, value: str) -> None:
-        _FIGURES.append((name, value))
+        self._item.user_properties.append((FIGURE, [name, value]))
 
 
 @pytest.fixture
-def figures() -> Iterator[Figures]:
-    yield Figures()
+def figures(request: pytest.FixtureRequest) -> Figures:
+    return Figures(request.node)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not _FIGURES:
+    found = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "teardown"
+        for key, value in getattr(report, "user_properties", ())
+        if key == FIGURE
+    ]
+    if not found:
         return
     terminalreporter.section("chaos figures")
-    width = max(len(name) for name, _ in _FIGURES)
-    for name, value in _FIGURES:
+    width = max(len(name) for name, _ in found)
+    for name, value in found:
         terminalreporter.write_line(f"{name:<{width}}  {value}")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from harness import Daemon, needs_root
+from local_users import account
 
 from elasticd.shell.errorfile import MAX_BYTES, MAX_MESSAGE
 from elasticd.shell.fileaccess import XATTR, Readers, acl_value
@@ -54,21 +55,21 @@ def people() -> Iterator[People]:
     made_groups: list[str] = []
     try:
         for group in (who.group, who.admins):
-            subprocess.run(["groupadd", group], check=True)
+            account("groupadd", group)
             made_groups.append(group)
         for user, groups in (
             (who.a, ["-g", who.group]),
             (who.b, ["-g", who.group]),
             (who.c, ["-N", "-G", who.admins]),
         ):
-            subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", *groups, user], check=True)
+            account("useradd", "-M", "-s", "/usr/sbin/nologin", *groups, user)
             made_users.append(user)
         yield who
     finally:
         for user in made_users:
-            subprocess.run(["userdel", "-f", user], check=False)
+            account("userdel", "-f", user, check=False)
         for group in made_groups:
-            subprocess.run(["groupdel", group], check=False)
+            account("groupdel", group, check=False)
 
 
 def as_user(user: str, *argv: str) -> subprocess.CompletedProcess[bytes]:

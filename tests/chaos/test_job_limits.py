@@ -14,7 +14,6 @@ import os
 import pwd
 import re
 import signal
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 from harness import needs_root, wait_gone, worker_args
+from local_users import account
 
 LIMIT = 32  # jobs.max_pids_per_worker in these tests: one worker, so the job's limit
 ATTEMPTS = 400  # the fork bomb gives up after this many forks (12 x the limit)
@@ -159,12 +159,8 @@ def test_a_fork_bomb_stops_at_the_jobs_pids_limit(daemon_factory, shared_tmp, fi
 def job_user():
     """A user of this test's own (RLIMIT_NPROC counts every process of a uid: `nobody` may
     be busy in other tests), removed with whatever it still runs."""
-    name = f"ect{os.getpid() % 100000}"
-    subprocess.run(
-        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        check=True,
-        capture_output=True,
-    )
+    name = f"ect{uuid.uuid4().hex[:8]}"
+    account("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
     uid = pwd.getpwnam(name).pw_uid
     try:
         yield name
@@ -180,7 +176,7 @@ def job_user():
             ],
             timeout=10,
         )
-        subprocess.run(["userdel", name], check=True, capture_output=True)
+        account("userdel", name)
 
 
 def _processes_of(user: str) -> list[int]:

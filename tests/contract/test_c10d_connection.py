@@ -6,19 +6,14 @@ import socket
 import time
 
 import pytest
+from hostwide import free_port
 
 from elasticd.errors import StoreConnectionError
 from elasticd.store.c10d import C10dServer, connect
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_connect_to_a_dead_endpoint_fails_within_connect_timeout_naming_it():
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(StoreConnectionError) as raised:
         connect(endpoint, connect_timeout=1.0)
@@ -29,7 +24,7 @@ def test_connect_to_a_dead_endpoint_fails_within_connect_timeout_naming_it():
 def test_connect_retries_until_the_server_comes_up():
     import threading
 
-    port = _free_port()
+    port = free_port()
     servers: list[C10dServer] = []
     timer = threading.Timer(0.5, lambda: servers.append(C10dServer("127.0.0.1", port)))
     timer.start()

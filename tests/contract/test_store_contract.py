@@ -109,7 +109,11 @@ def test_add_is_atomic_across_threads(store, key):
     assert store.add(key, 0) == 200
 
 
-@pytest.mark.parametrize("junk", [b"junk", b"9" * 5000, b"[" * 10000 + b"]" * 10000])
+@pytest.mark.parametrize(
+    "junk",
+    [b"junk", b"9" * 5000, b"[" * 10000 + b"]" * 10000],
+    ids=["word", "5000-digits", "20k-brackets"],  # the id names the test's key (conftest)
+)
 def test_an_add_over_a_value_that_is_no_count_raises_not_a_counter_and_writes_nothing(
     store, key, junk
 ):

@@ -1,5 +1,5 @@
 """The cluster's scheduler (docs/scheduler.md) with real daemons, real workers and real elasticctl
-on 127.0.0.x, on a TCPStore (the allocator's hand-over on an etcd too, no daemon hosting it):
+on 127.0.0.x, on both store backends (a TCPStore, an etcd no daemon hosts):
 
 - an elastic job lends the nodes above its min and gives one back, in place, when another
   user's job needs it, and grows again when that job ends;
@@ -37,25 +37,11 @@ SLEEP = worker_args("--sleep", "0")  # a light worker that runs until it is stop
 DEAD_AFTER = 3.0  # rendezvous.keep_alive_interval x keep_alive_max_attempt, by default
 
 
-def both_stores(test: Callable[..., None]) -> Callable[..., None]:
-    """Run ``test`` on etcd too: its store plays a part of its own (the allocator's lease).
-    The others write and read through the same store API on either store, which the
-    contract tests hold both stores to; on c10d only, they pay CI time for the in-place tests."""
-    test.both_stores = True  # type: ignore[attr-defined]
-    return test
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "store_name" in metafunc.fixturenames:
-        both = getattr(metafunc.function, "both_stores", False)
-        metafunc.parametrize("store_name", ["c10d", "etcd"] if both else ["c10d"])
-
-
-@pytest.fixture
-def backend(store_name: str, shared_tmp: Path) -> Iterator[Any]:
+@pytest.fixture(params=["c10d", "etcd"])
+def backend(request: pytest.FixtureRequest, shared_tmp: Path) -> Iterator[Any]:
     """None for a TCPStore that a daemon hosts; else a fresh one-member etcd without users,
     SIGKILLed after the test's daemons stopped."""
-    if store_name == "c10d":
+    if request.param == "c10d":
         yield None
         return
     from fixtures.etcd import EtcdCluster, require_etcd
@@ -415,7 +401,6 @@ def schedule_term(daemon: Daemon) -> int:
     return doc["schedule"][0] if doc["schedule"] else 0
 
 
-@both_stores
 def test_the_allocators_daemon_killed_another_takes_over_and_jobs_run_and_start(
     make_cluster: Callable[..., Cluster],
 ) -> None:

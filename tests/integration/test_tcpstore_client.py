@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import time
 
 import psutil
 import pytest
+from hostwide import free_port
 
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.c10d import C10dServer, connect
@@ -94,12 +94,6 @@ def connections_to(port: int) -> set[int]:
         for c in psutil.Process().net_connections("tcp")
         if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_torch_clients_see_the_same_keys(server):

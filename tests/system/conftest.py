@@ -1,5 +1,8 @@
 """Several real elasticd daemons on this host forming one cluster: distinct node names, state
-dirs, sockets and 127.0.0.x addresses.  Their store is a TCPStore that n1 hosts (backend
+dirs, sockets, 127.0.0.x addresses and ports.  What a cluster's daemons hold on the host is
+theirs alone, so that tests run at once (pytest-xdist, or another checkout's run): the
+cluster's name is unique (store keys, nftables tables), and so are its ports (store, peer,
+metrics: tests/hostwide.py) and its directories (job cgroups are named after the state dir).  Their store is a TCPStore that n1 hosts (backend
 ``c10d``) or a one-member etcd cluster on loopback that none of them hosts (``etcd``, a
 fresh one per test): every test that uses ``cluster_factory`` (or ``store_backend``) runs on
 both, unless marked ``@pytest.mark.c10d_only("why")`` (see store_backends.py)."""
@@ -8,13 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Daemon, free_port
-from store_backends import BACKENDS, C10D, ETCD, SyncEtcd, etcd_store_lines
+from harness import START_TIMEOUT, Daemon, free_port
+from store_backends import BACKENDS, C10D, ETCD, SyncEtcd, etcd_store_lines, with_keys
 
 from elasticd.store.signing import create_key
 
@@ -39,10 +45,29 @@ def store_backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+class Node(Daemon):
+    """A daemon of a Cluster.  Its config is the cluster's (``cluster.config``, which a test
+    may change before a start) with a peer port of its own (node.peer_port, unless the
+    test's config sets one), written to ``<name>.toml`` at each start."""
+
+    def __init__(self, cluster_config: Path, config: Path, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.cluster_config, self.config = cluster_config, config
+        self.peer_port = free_port()
+
+    def start(self, timeout: float = 60.0, *, wait: bool = True) -> Node:
+        config = self.cluster_config.read_text()
+        if not re.search(r"^peer_port\s*=", config, re.M):
+            config = with_keys(config, "node", f"peer_port = {self.peer_port}\n")
+        self.config.write_text(config)
+        return super().start(timeout, wait=wait)
+
+
 class Cluster:
     """``size`` daemons n1..n<size> on 127.0.0.1..; ``backend`` c10d: n1 hosts the store (at
     ``port``); etcd: every daemon is a client of ``etcd`` (a tests/fixtures/etcd.py
-    EtcdCluster, which the caller owns), no daemon hosts anything."""
+    EtcdCluster, which the caller owns), no daemon hosts anything.  The cluster's ``name``
+    is ``test-<tag>``, of this cluster alone."""
 
     def __init__(
         self,
@@ -62,7 +87,7 @@ class Cluster:
         self.base = base
         self.backend = backend
         self.etcd = etcd
-        self.name = "test"
+        self.name = f"test-{uuid.uuid4().hex[:6]}"
         self.port = free_port() if backend == C10D else None
         self.key = str(base / "cluster.key")
         if not os.path.exists(self.key):  # before any daemon starts (with etcd, none makes it)
@@ -91,6 +116,7 @@ class Cluster:
                 "--store-host" if index == 1 else "--no-store-host",
             )
         )
+        config = self.base / f"n{index}.toml"
         args = (
             "--cluster",
             self.name,
@@ -102,11 +128,18 @@ class Cluster:
             "--slots",
             str(slots),
             "--config",
-            str(self.config),
+            str(config),
             *extra,
         )
-        return Daemon(
-            self.base, f"n{index}", args=args, env=env, standalone=False, metrics_port=free_port()
+        return Node(
+            self.config,
+            config,
+            self.base,
+            f"n{index}",
+            args=args,
+            env=env,
+            standalone=False,
+            metrics_port=free_port(),
         )
 
     def __getitem__(self, index: int) -> Daemon:
@@ -121,8 +154,14 @@ class Cluster:
         return daemon
 
     def start(self) -> Cluster:
-        for daemon in self.daemons:
+        """The store's host first (with etcd there is none), then the others together."""
+        first = 0 if self.etcd is not None else 1
+        for daemon in self.daemons[:first]:
             daemon.start()
+        for daemon in self.daemons[first:]:
+            daemon.start(wait=False)
+        for daemon in self.daemons[first:]:
+            daemon.wait_notify("READY=1", START_TIMEOUT)
         return self
 
     def stop(self) -> None:
@@ -181,12 +220,31 @@ def _clusters(base: Path, **defaults: Any) -> Iterator[Callable[..., Cluster]]:
             cluster.stop()
 
 
+DEB_REPORT = "debian package report"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """test_deb.py's timeline goes with the report of each of its tests' tear-down (so that
+    it reaches the summary from a pytest-xdist worker too)."""
+    outcome = yield
+    deb = sys.modules.get("test_deb")
+    if call.when == "teardown" and deb is not None and deb.REPORT:
+        outcome.get_result().user_properties.extend((DEB_REPORT, line) for line in deb.REPORT)
+        deb.REPORT.clear()
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """test_deb.py's timeline (the three-host systemd cluster), when it ran."""
-    import sys
-
-    deb = sys.modules.get("test_deb")
-    if deb is not None and deb.REPORT:
+    lines = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "teardown"
+        for key, value in getattr(report, "user_properties", ())
+        if key == DEB_REPORT
+    ]
+    if lines:
         terminalreporter.section("debian package on three systemd hosts")
-        for line in deb.REPORT:
+        for line in sorted(lines, key=lambda line: float(line.split(" s ", 1)[0])):
             terminalreporter.write_line(line)

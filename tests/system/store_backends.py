@@ -17,12 +17,18 @@ C10D, ETCD = "c10d", "etcd"
 BACKENDS = (C10D, ETCD)
 
 
-def with_store(config: str, lines: str) -> str:
+def with_keys(config: str, table: str, lines: str) -> str:
     """The TOML ``config`` with ``lines`` (``key = value`` lines, newline-terminated) in its
-    [store] table, which is made if it has none (a table may not be defined twice)."""
-    if "[store]\n" in config:
-        return config.replace("[store]\n", "[store]\n" + lines, 1)
-    return config + "[store]\n" + lines
+    ``table``, which is made if it has none (a table may not be defined twice)."""
+    header = f"[{table}]\n"
+    if header in config:
+        return config.replace(header, header + lines, 1)
+    return config + header + lines
+
+
+def with_store(config: str, lines: str) -> str:
+    """The TOML ``config`` with ``lines`` in its [store] table."""
+    return with_keys(config, "store", lines)
 
 
 def etcd_store_lines(endpoints: list[str]) -> str:

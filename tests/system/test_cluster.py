@@ -24,10 +24,6 @@ def envs(out, ranks, attempt=None):
     return [json.loads((out / f"rank_{r}{suffix}.json").read_text()) for r in range(ranks)]
 
 
-@pytest.mark.c10d_only(
-    "a formation; on etcd the jobs of test_etcd_ha, test_partition and the store restart "
-    "below form (and the rendezvous on etcd: tests/integration/rendezvous); CI time"
-)
 def test_formation_across_two_nodes(cluster_factory, shared_tmp, store_backend):
     cluster = cluster_factory(2).start()
     out = shared_tmp / "env"
@@ -59,10 +55,6 @@ def loads_torch(pid: int) -> bool:
         return "libtorch" in maps.read()
 
 
-@pytest.mark.c10d_only(
-    "the restart budget lives in the rendezvous state, written the same way on either "
-    "store (the contract tests hold both stores to it); CI time paid for the in-place tests"
-)
 def test_a_failure_restarts_every_node_and_the_budget_is_job_wide(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
     out = shared_tmp / "env"
@@ -91,9 +83,6 @@ def test_a_failure_restarts_every_node_and_the_budget_is_job_wide(cluster_factor
     assert "boom from rank 1 on attempt 1" in failed["error"]["message"]
 
 
-@pytest.mark.c10d_only(
-    "a scale-up round: the rendezvous on etcd forms and re-forms in the tests above and in test_partition; CI time paid for the in-place tests"
-)
 def test_scale_up_when_a_node_joins(cluster_factory, shared_tmp):
     cluster = cluster_factory(2)
     cluster.start()
@@ -114,10 +103,6 @@ def test_scale_up_when_a_node_joins(cluster_factory, shared_tmp):
     cluster[2].ctl("cancel", job["id"])
 
 
-@pytest.mark.c10d_only(
-    "training's loss across a node kill; a node killed over etcd: test_etcd_ha "
-    "(with the leader) and the tests below; CI time paid for the in-place tests"
-)
 def test_training_survives_a_node_kill_with_the_same_loss(cluster_factory, shared_tmp):
     """A DDP job on 3 nodes loses one (SIGKILL) and ends with an undisturbed run's loss.
 
@@ -172,10 +157,6 @@ def _final_loss(daemon, job_id):
     return float(lines[-1].split(" loss ")[1].split()[0])
 
 
-@pytest.mark.c10d_only(
-    "on etcd: test_partition.py's below-min test (a node cut off rather than killed); "
-    "CI time paid for the in-place tests"
-)
 def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit("--nnodes", "2", "--join-timeout", "4", *worker_args("--sleep", "0"))
@@ -187,9 +168,6 @@ def test_node_loss_below_min_waits_then_fails_clearly(cluster_factory):
     assert "1" in message and "2" in message and ("node" in message or "min" in message), message
 
 
-@pytest.mark.c10d_only(
-    "what status shows of a lost node's ranks (node loss on etcd: the tests above)"
-)
 def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     """status once showed a dead node's rank HEALTHY, its last word, for as long as the
     job waited for it."""
@@ -208,9 +186,6 @@ def test_a_lost_nodes_ranks_are_shown_lost_not_healthy(cluster_factory):
     cluster[0].ctl("cancel", job)
 
 
-@pytest.mark.c10d_only(
-    "the restart budget's accounting (the core's); node loss over etcd is played by the tests above"
-)
 def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factory, shared_tmp):
     """The difference docs/concepts.md's "What a worker gets" states: the
     workers of the round that re-formed without a lost node see TORCHELASTIC_RESTART_COUNT 0
@@ -238,9 +213,6 @@ def test_a_node_loss_spends_no_restart_so_the_restart_count_stays(cluster_factor
     cluster[0].ctl("cancel", job)
 
 
-@pytest.mark.c10d_only(
-    "the barrier's waits; on etcd every job that succeeds passes one; CI time paid for the in-place tests"
-)
 def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     cluster = cluster_factory(2).start()
     gate = shared_tmp / "gate"  # group rank 1 ends once the test has seen the barrier
@@ -253,9 +225,6 @@ def test_exit_barrier_waits_for_the_slower_node(cluster_factory, shared_tmp):
     assert final["state"] == "SUCCEEDED"
 
 
-@pytest.mark.c10d_only(
-    "a cancel through the peer and the job's records; the records on etcd: the chaos and contract tests; CI time paid for the in-place tests"
-)
 def test_cancel_from_a_node_that_runs_none_of_the_job(cluster_factory, shared_tmp):
     cluster = cluster_factory(3).start()
     job = cluster[0].submit("--nnodes", "2", "--nodes", "n1,n2", *worker_args("--sleep", "0"))
@@ -268,7 +237,6 @@ def test_cancel_from_a_node_that_runs_none_of_the_job(cluster_factory, shared_tm
         assert daemon.ctl("status", job["id"])["state"] == "CANCELLED"
 
 
-@pytest.mark.c10d_only("each node's own GPUs; the store plays no part")
 def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
     cluster = cluster_factory(2, slots=8, env=fake_nvidia_smi(shared_tmp / "bin", 4)).start()
     outs = []
@@ -309,9 +277,6 @@ def test_two_jobs_share_the_gpus_of_the_nodes(cluster_factory, shared_tmp):
         cluster[1].ctl("cancel", job["id"])
 
 
-@pytest.mark.c10d_only(
-    "the drain request and the part's leaving, the same on either store; CI time paid for the in-place tests"
-)
 def test_drain_moves_a_job_off_a_node(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit("--nnodes", "1:2", *worker_args("--sleep", "0"))
@@ -352,7 +317,6 @@ def test_a_ready_node_is_listed_at_once_by_every_node(cluster_factory):
         assert _states(daemon.ctl("nodes")) == {"n1": "up", "n2": "up", "n3": "up"}
 
 
-@pytest.mark.c10d_only("a node lost over etcd: test_etcd_ha and test_partition; CI time")
 def test_lost_node_shows_as_lost(cluster_factory):
     cluster = cluster_factory(3).start()
     _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up", "n3": "up"})
@@ -363,7 +327,6 @@ def test_lost_node_shows_as_lost(cluster_factory):
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.c10d_only("the peer channel; the store plays no part")
 def test_logs_of_another_node_come_over_the_peer_channel(cluster_factory):
     cluster = cluster_factory(2).start()
     job = cluster[0].submit_wait("--nodes", "n2", *worker_args("--print", "2"))
@@ -373,7 +336,6 @@ def test_logs_of_another_node_come_over_the_peer_channel(cluster_factory):
     assert "out 0 1" in text and "err 0 1" in text
 
 
-@pytest.mark.c10d_only("the peer channel to a lost node; the store plays no part")
 def test_logs_of_a_job_whose_node_is_lost_answer_at_once(cluster_factory):
     """n2 dies with a job's rank on it: `logs` on n1 shows its own ranks and says n2's are
     unavailable, without waiting out the peer timeout (15 s) for a node known lost."""
@@ -388,7 +350,6 @@ def test_logs_of_a_job_whose_node_is_lost_answer_at_once(cluster_factory):
     cluster[0].ctl("cancel", job)
 
 
-@pytest.mark.c10d_only("the peer channel; the store plays no part")
 def test_logs_follow_takes_in_a_node_that_joins_later(cluster_factory):
     """`logs -f` asked before a node joined the job still shows that node's ranks."""
     cluster = cluster_factory(2)
@@ -487,7 +448,7 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     cluster = cluster_factory(2).start()
     _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
     store = cluster.store_client()  # a TCPStore client, or an etcd client, with no key
-    key = "elasticd/test/nodes/n2/record"
+    key = f"elasticd/{cluster.name}/nodes/n2/record"
     forged = json.loads(store.get(key))
     forged["body"]["info"]["slots"] = 999  # the MAC no longer matches
     store.set(key, json.dumps(forged).encode())
@@ -511,9 +472,7 @@ def test_a_tampered_node_record_is_refused_and_counted(cluster_factory):
     while refused() < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert refused() >= 1  # counted...
-    assert (
-        "refused store record elasticd/test/nodes/n2/record" in cluster[1].log_text()
-    )  # ...logged
+    assert f"refused store record {key}" in cluster[1].log_text()  # ...logged
     nodes = _nodes_when(cluster[0], lambda ns: _states(ns) == {"n1": "up", "n2": "up"})
     assert all(n["slots_total"] != 999 for n in nodes)  # ...and never used
     store = cluster.store_client()

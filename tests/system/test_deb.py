@@ -45,9 +45,12 @@ import netns
 import pytest
 import sdbox
 from harness import ROOT, WORKER
+from hostwide import made_once
 from store_attack import wait_for
 
-pytestmark = [pytest.mark.root, pytest.mark.slow]
+# one xdist worker runs both tests: the Debian 13 image is made in a thread beside the
+# three-host test (the module's fixtures), and both build the package
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.xdist_group("deb")]
 
 TORCH_VENV = Path("/var/tmp/elasticd-test-torch-2.13.0")  # 1 GB, 30 s to make: kept between runs
 # the job's scripts, mounted at the same place on every host (the checkout may be under
@@ -80,25 +83,17 @@ def until(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
 
 def torch_venv() -> Path:
     """A venv of /usr/bin/python3 with torch 2.13.0 (the local CPU wheel), made once."""
-    done = TORCH_VENV / ".complete"
-    if not done.exists():
-        shutil.rmtree(TORCH_VENV, ignore_errors=True)
-        subprocess.run(["/usr/bin/python3", "-m", "venv", str(TORCH_VENV)], check=True)
+
+    def make(venv: Path) -> None:
+        subprocess.run(["/usr/bin/python3", "-m", "venv", str(venv)], check=True)
         subprocess.run(
-            [
-                str(TORCH_VENV / "bin" / "python3"),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "torch==2.13.0",
-                "numpy==2.4.6",
-            ],
+            [str(venv / "bin" / "python3"), "-m", "pip", "install", "-q"]
+            + ["torch==2.13.0", "numpy==2.4.6"],
             check=True,
             capture_output=True,
         )
-        done.touch()
-    return TORCH_VENV
+
+    return made_once(TORCH_VENV, make)
 
 
 class Host:
@@ -514,15 +509,15 @@ FRESH = "test_a_fresh_debian_13_host_installs_runs_removes_and_purges"
 
 def debian13() -> Path:
     """A minimal Debian 13 with systemd and python3 (what a fresh server has), made once."""
-    if not (TRIXIE / ".complete").exists():
-        shutil.rmtree(TRIXIE, ignore_errors=True)
+
+    def make(root: Path) -> None:
         done = subprocess.run(
             [
                 "debootstrap",
                 "--variant=minbase",
                 "--include=systemd,systemd-sysv,dbus,python3",
                 "trixie",
-                str(TRIXIE),
+                str(root),
                 "http://deb.debian.org/debian",
             ],
             capture_output=True,
@@ -532,8 +527,8 @@ def debian13() -> Path:
         assert done.returncode == 0, (
             f"debootstrap failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         )
-        (TRIXIE / ".complete").touch()
-    return TRIXIE
+
+    return made_once(TRIXIE, make)
 
 
 def test_a_fresh_debian_13_host_installs_runs_removes_and_purges(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class NetnsCluster:
         )
         path.write_text("[jobs]\nallow_root = true\n" + fast + config)
         store = () if etcd is not None else ("--store", f"{hosts.addr(1)}:{STORE_PORT}")
+        name = f"test-{uuid.uuid4().hex[:6]}"  # of this cluster alone, as conftest's are
         self.daemons = []
         for i in range(1, hosts.count + 1):
             # No --node-address, no --store-host: each daemon finds, inside its own network
@@ -71,7 +73,7 @@ class NetnsCluster:
             # its own routes to the store (with etcd: to the first member, on host 1).
             args = (
                 "--cluster",
-                "test",
+                name,
                 *store,
                 "--cluster-key",
                 str(key),

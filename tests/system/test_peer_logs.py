@@ -17,7 +17,7 @@ import subprocess
 import threading
 
 import pytest
-from harness import CLIENT_ENV, PY, free_port, worker_args
+from harness import CLIENT_ENV, PY, worker_args
 
 LINES = 3
 
@@ -69,13 +69,9 @@ class Follower:
 def test_logs_follow_waits_out_a_peer_that_does_not_answer(cluster_factory, shared_tmp):
     cluster = cluster_factory(2)
     # n2's daemon is stopped for longer than the peer timeout (node.peer_timeout, 5 s here):
-    # it must not count as lost.  A peer port of its own: the default one may be another
-    # test run's.
+    # it must not count as lost
     with open(cluster.config, "a") as config:
-        config.write(
-            f"[rendezvous]\nkeep_alive_max_attempt = 120\n"
-            f"[node]\npeer_port = {free_port()}\npeer_timeout = 5.0\n"
-        )
+        config.write("[rendezvous]\nkeep_alive_max_attempt = 120\n[node]\npeer_timeout = 5.0\n")
     cluster.start()
     go = shared_tmp / "go"
     os.mkfifo(go)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostwide import free_port
 
 from elasticd.elastic import runtime
 from elasticd.elastic.errors import HostsUpdatedInterrupt
@@ -20,7 +20,9 @@ from elasticd.elastic.state import ObjectState, State, TorchState
 
 WORKER = Path(__file__).resolve().parents[1] / "fixtures" / "elastic_state_worker.py"
 WORLD_SIZE = 3
-WORKERS_TIMEOUT = 60.0  # the workers' own group timeout is 30 s
+WORKERS_TIMEOUT = 180.0  # a bound for a loaded machine (the workers' own group timeout: 30 s)
+# the ranks' run (three torch processes) is one module fixture: on one xdist worker, once
+pytestmark = pytest.mark.xdist_group("elastic_state")
 
 
 @pytest.fixture(autouse=True)
@@ -222,12 +224,6 @@ def test_single_process_sync_checks_the_optimizer_state_too():
 
 
 # --- TorchState.sync across real ranks --------------------------------------------------
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
