@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from elasticd import __version__
-from elasticd.core.allocation import Reason
+from elasticd.core.allocation import WaitReason
 from elasticd.core.model import JobState, NodeState, WorkerState
 from elasticd.core.records import JobRecord, hold_reason, started
 from elasticd.core.schedule import Schedule, waiting_jobs, waiting_since
@@ -695,7 +695,7 @@ class SharingCollector(Collector):
             "How long the job that has waited longest has waited, by its reason",
             labels=["reason"],
         )
-        found: dict[str, list[float]] = {reason.value: [] for reason in Reason}
+        found: dict[str, list[float]] = {reason.value: [] for reason in WaitReason}
         found[NO_REASON] = []
         for record, reason in waiting(records, self._followed()):
             found.setdefault(reason, []).append(max(0.0, now - waiting_since(record)))

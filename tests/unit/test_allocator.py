@@ -15,9 +15,9 @@ from elasticd.core.allocator import (
     NodeCapacity,
     Policy,
     Quota,
-    Reason,
     Share,
     Waiting,
+    WaitReason,
     allocate,
 )
 
@@ -437,7 +437,10 @@ def test_a_held_job_waits_with_held_in_its_place_in_the_order() -> None:
     result = run(
         cluster("a"), job("ann1", held=True, priority=1), job("bob2", has="a"), job("cid3")
     )
-    assert result.waiting == (Waiting("ann1", Reason.HELD), Waiting("cid3", Reason.RESOURCES))
+    assert result.waiting == (
+        Waiting("ann1", WaitReason.HELD),
+        Waiting("cid3", WaitReason.RESOURCES),
+    )
 
 
 # -- fair share helpers -------------------------------------------------------------------------

@@ -33,8 +33,8 @@ from elasticd.core.allocator import (
     NodeCapacity,
     Policy,
     Quota,
-    Reason,
     Share,
+    WaitReason,
     allocate,
 )
 
@@ -177,9 +177,11 @@ def _quotas_hold(out: Allocation, by_id: dict[str, JobDemand], policy: Policy) -
 
 
 def _charge(job: JobDemand, held: frozenset[str]) -> tuple[int, int, int]:
-    """Its min at its share on the nodes it holds (the smallest of those shares)."""
-    shares = sorted((job.shares[n].gpus, job.shares[n].slots) for n in held)[: job.need]
-    return len(shares), sum(s for _, s in shares), sum(g for g, _ in shares)
+    """Its min at its share on the nodes it holds (each kind at the smallest of its shares)."""
+    shares = [job.shares[n] for n in held]
+    slots = sorted(share.slots for share in shares)[: job.need]
+    gpus = sorted(share.gpus for share in shares)[: job.need]
+    return len(slots), sum(slots), sum(gpus)
 
 
 @PROPERTY
@@ -229,11 +231,11 @@ def test_no_room_idles_that_a_running_or_waiting_job_could_use(world: Any) -> No
     blocked = False
     for waiting in out.waiting:
         job = by_id[waiting.job]
-        if waiting.reason is Reason.RESOURCES and job.id not in out.preempted:
+        if waiting.reason is WaitReason.RESOURCES and job.id not in out.preempted:
             assert sum(1 for n in job.shares if _fits(free, n, job.shares[n])) < job.need, job.id
-        if waiting.reason is Reason.PRIORITY:
+        if waiting.reason is WaitReason.PRIORITY:
             assert blocked, f"{job.id} waits behind nobody"
-        blocked = blocked or waiting.reason in (Reason.RESOURCES, Reason.PRIORITY)
+        blocked = blocked or waiting.reason in (WaitReason.RESOURCES, WaitReason.PRIORITY)
 
 
 def _free(

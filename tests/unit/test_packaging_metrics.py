@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from elasticd.core.allocation import Reason, Waiting
+from elasticd.core.allocation import Waiting, WaitReason
 from elasticd.core.model import JobSpec, PartState
 from elasticd.core.records import JobRecord, Part
 from elasticd.core.schedule import Schedule
@@ -126,7 +126,9 @@ def _exercise_sharing(m: Metrics) -> None:
         2,
     )
     jobs: list[JobRecord] = []
-    schedule = Schedule(1, 2, {"j-1": frozenset({"n1", "n2"})}, (Waiting("j-2", Reason.RESOURCES),))
+    schedule = Schedule(
+        1, 2, {"j-1": frozenset({"n1", "n2"})}, (Waiting("j-2", WaitReason.RESOURCES),)
+    )
     m.sharing.watch("n1", lambda: jobs, lambda: schedule, lambda: schedule)
     jobs += [ran, waits]
     m.count_jobs(jobs, "n1")

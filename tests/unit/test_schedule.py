@@ -12,7 +12,7 @@ import pytest
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
 from elasticd.core.allocation import Policy, Waiting
-from elasticd.core.allocation import Reason as Why
+from elasticd.core.allocation import WaitReason as Why
 from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources

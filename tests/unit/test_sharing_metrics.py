@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
-from elasticd.core.allocation import Reason as Why
 from elasticd.core.allocation import Waiting
+from elasticd.core.allocation import WaitReason as Why
 from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources

@@ -455,8 +455,9 @@ class Commands:
                         wake.clear()
                         await _send_all(reply, reader.new_lines())
                         await race(output=wake.wait(), gone=gone)
-                finally:
+                finally:  # nothing outlives the request: the watch is awaited once cancelled
                     gone.cancel()
+                    await asyncio.wait([gone])
                 await _send_all(reply, reader.new_lines())
         await _send_lines(reply, reader.flush())
 

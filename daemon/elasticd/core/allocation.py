@@ -32,7 +32,7 @@ class Tally:
         return Tally(self.nodes + other.nodes, self.slots + other.slots, self.gpus + other.gpus)
 
 
-class Reason(str, enum.Enum):
+class WaitReason(str, enum.Enum):
     """Why a job waits (Slurm's words)."""
 
     PRIORITY = "Priority"  # a job ahead of it waits for the room it would take
@@ -110,11 +110,15 @@ class Policy:
     half_life: float = fairshare.HALF_LIFE  # for the caller's fairshare.decay
     min_run_time: float = 0.0  # a job started, resized or preempted is not disturbed again sooner
 
-    def limits(self, job: JobDemand) -> tuple[tuple[Quota, Reason, str], ...]:
+    def limits(self, job: JobDemand) -> tuple[tuple[Quota, WaitReason, str], ...]:
         """The user's and the account's limits on ``job``, and how to say each."""
         return (
-            (self.users.get(job.user, self.user_default), Reason.QUOTA_USER, "user"),
-            (self.accounts.get(job.account, self.account_default), Reason.QUOTA_ACCOUNT, "account"),
+            (self.users.get(job.user, self.user_default), WaitReason.QUOTA_USER, "user"),
+            (
+                self.accounts.get(job.account, self.account_default),
+                WaitReason.QUOTA_ACCOUNT,
+                "account",
+            ),
         )
 
 
@@ -122,7 +126,7 @@ class Waiting(NamedTuple):
     """A waiting job and why (a tuple: a queue of thousands is compared and built often)."""
 
     job: str
-    reason: Reason
+    reason: WaitReason
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,10 @@ from elasticd.core.allocation import (
     NodeCapacity,
     Policy,
     Quota,
-    Reason,
     Share,
     Tally,
     Waiting,
+    WaitReason,
 )
 from elasticd.core.ledger import Ledger
 
@@ -69,9 +69,9 @@ __all__ = [
     "NodeCapacity",
     "Policy",
     "Quota",
-    "Reason",
     "Share",
     "Tally",
+    "WaitReason",
     "Waiting",
     "allocate",
     "order",
@@ -213,8 +213,8 @@ def _walk(
                 moved = _admit_one(ledger, job, nodes, eligible) is True or moved
             break
         outcome = _admit_one(ledger, job, nodes, eligible)
-        if isinstance(outcome, Reason):
-            if outcome in (Reason.RESOURCES, Reason.PRIORITY):
+        if isinstance(outcome, WaitReason):
+            if outcome in (WaitReason.RESOURCES, WaitReason.PRIORITY):
                 tried += 1
             if len(waiting) < _LISTED * look_ahead:
                 waiting.append(Waiting(job.id, outcome))
@@ -226,7 +226,7 @@ def _walk(
 
 def _admit_one(
     ledger: Ledger, job: JobDemand, nodes: Mapping[str, NodeCapacity], eligible: dict[int, int]
-) -> Reason | bool | None:
+) -> WaitReason | bool | None:
     """A reason it waits; True if it took nodes; None if it runs on as it is."""
     have = ledger.holding(job.id)
     if len(have) >= job.need:
@@ -234,9 +234,9 @@ def _admit_one(
     if have:
         return None if job.held else _top_up(ledger, job)
     if job.held:
-        return Reason.HELD
+        return WaitReason.HELD
     if job.need > job.top or _eligible_anywhere(job, nodes, eligible) < job.need:
-        return Reason.SIZE
+        return WaitReason.SIZE
     return _start(ledger, job)
 
 
@@ -264,7 +264,7 @@ def _top_up(ledger: Ledger, job: JobDemand) -> bool:
     return ledger.plan(job, more, reservations=False, preempt=False, budget=ledger.headroom(job))
 
 
-def _start(ledger: Ledger, job: JobDemand) -> Reason | bool:
+def _start(ledger: Ledger, job: JobDemand) -> WaitReason | bool:
     reason = _least_charge_over(ledger, job, job.need)
     if reason is not None:
         return reason
@@ -273,27 +273,27 @@ def _start(ledger: Ledger, job: JobDemand) -> Reason | bool:
         return True
     if ledger.plan(job, job.need, reservations=False, preempt=True, budget=budget, keep=False):
         ledger.reserve(job, budget)
-        return Reason.PRIORITY
+        return WaitReason.PRIORITY
     if ledger.plan(job, job.need, reservations=False, preempt=True, keep=False):
         return _quota_it_breaks(ledger, job)  # it would fit, but only where quotas forbid
     ledger.reserve(job, budget)
-    return Reason.RESOURCES
+    return WaitReason.RESOURCES
 
 
-def _least_charge_over(ledger: Ledger, job: JobDemand, more: int) -> Reason | None:
+def _least_charge_over(ledger: Ledger, job: JobDemand, more: int) -> WaitReason | None:
     """The quota ``job`` would break with ``more`` nodes even at its smallest share (None:
     within every limit so; its real charge is its share where it lands)."""
     slots, gpus = ledger.smallest(job)
     return ledger.over_quota(job, (more, more * slots, more * gpus))
 
 
-def _quota_it_breaks(ledger: Ledger, job: JobDemand) -> Reason:
+def _quota_it_breaks(ledger: Ledger, job: JobDemand) -> WaitReason:
     """The quota a job breaks wherever it could start now: its user's, unless it could
     start within those (then its account's)."""
     within_user = ledger.headroom(job, kinds=("user",))
     if ledger.plan(job, job.need, reservations=False, preempt=True, budget=within_user, keep=False):
-        return Reason.QUOTA_ACCOUNT
-    return Reason.QUOTA_USER
+        return WaitReason.QUOTA_ACCOUNT
+    return WaitReason.QUOTA_USER
 
 
 # -- 3. grow ---------------------------------------------------------------------------------

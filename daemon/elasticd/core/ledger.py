@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from elasticd.core.allocation import JobDemand, Policy, Reason, Share, Tally
+from elasticd.core.allocation import JobDemand, Policy, Share, Tally, WaitReason
 
 BORROWED, LENT, PREEMPT = 1, 2, 3  # how a job yields a node (lower yields first)
 UNLIMITED = 1 << 62
@@ -206,11 +206,15 @@ class Ledger:
     # -- quotas ------------------------------------------------------------------------------
 
     def charge(self, job: JobDemand, held: Iterable[str]) -> tuple[int, int, int]:
-        """What ``job`` holding ``held`` counts against its quotas: its guaranteed nodes
-        (as many as it holds, up to its min), the smallest of its shares there, each at its
-        share on that node: (nodes, slots, GPUs)."""
-        shares = sorted((job.shares[n].gpus, job.shares[n].slots) for n in held)[: job.need]
-        return len(shares), sum(s for _, s in shares), sum(g for g, _ in shares)
+        """What ``job`` holding ``held`` counts against its quotas: its guaranteed nodes (as
+        many as it holds, up to its min), each kind at the smallest of its shares there:
+        (nodes, slots, GPUs).  Each kind on its own, so that a node more never raises the
+        charge (a job admitted within its quotas stays within them as it grows; the order of
+        two kinds would not: a node of fewer GPUs but more slots would)."""
+        shares = [job.shares[n] for n in held]
+        slots = sorted(share.slots for share in shares)[: job.need]
+        gpus = sorted(share.gpus for share in shares)[: job.need]
+        return len(slots), sum(slots), sum(gpus)
 
     def headroom(self, job: JobDemand, kinds: Iterable[str] = ("user", "account")) -> list[int]:
         """What ``job``'s user and account (``kinds``) may still be charged: [nodes, slots,
@@ -225,7 +229,7 @@ class Ledger:
                     left[i] = min(left[i], limit - used[i])
         return left
 
-    def over_quota(self, job: JobDemand, more: tuple[int, int, int]) -> Reason | None:
+    def over_quota(self, job: JobDemand, more: tuple[int, int, int]) -> WaitReason | None:
         """The quota ``job``'s user or account would break if charged ``more`` (None: none)."""
         for limits, reason, kind in self.policy.limits(job):
             used = self.charged.get((kind, getattr(job, kind)), _ZERO)

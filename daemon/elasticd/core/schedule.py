@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
 from elasticd.core import fairshare
-from elasticd.core.allocation import JobDemand, NodeCapacity, Policy, Reason, Share, Waiting
+from elasticd.core.allocation import JobDemand, NodeCapacity, Policy, Share, Waiting, WaitReason
 from elasticd.core.allocator import LOOK_AHEAD, allocate, factors
 from elasticd.core.model import JobSpec, PartState
 from elasticd.core.placement import Resources, eligible, fit
@@ -82,7 +82,7 @@ class Schedule:
         return (self.term << 32) | self.number
 
     @functools.cached_property
-    def _reasons(self) -> dict[str, Reason]:
+    def _reasons(self) -> dict[str, WaitReason]:
         return {w.job: w.reason for w in self.waiting}
 
     def knows(self, job: str) -> bool:
@@ -91,7 +91,7 @@ class Schedule:
         no node runs it, and none takes it."""
         return job in self.nodes or job in self._reasons or job in self.preempted
 
-    def reason(self, job: str) -> Reason | None:
+    def reason(self, job: str) -> WaitReason | None:
         """Why ``job`` waits (None: it does not, or it is not listed), in O(1): `list` asks
         it of every row."""
         return self._reasons.get(job)
@@ -158,7 +158,7 @@ class Schedule:
             term,
             number,
             {j: frozenset(n) for j, n in nodes.items()},
-            tuple(Waiting(j, Reason(r)) for j, r in waiting),
+            tuple(Waiting(j, WaitReason(r)) for j, r in waiting),
             _times(grown, "growths"),
             frozenset(preempted),
             float(made),
@@ -481,7 +481,7 @@ def waiting_jobs(
             (r for r in open_jobs.values() if counted(schedule, r)),
             key=lambda r: (-r.spec.priority, -fair.get(account(r.spec), 1.0), r.seq, r.id),
         )
-        listed += [(r, (Reason.HELD if r.held else Reason.PRIORITY).value) for r in behind]
+        listed += [(r, (WaitReason.HELD if r.held else WaitReason.PRIORITY).value) for r in behind]
     return listed
 
 
@@ -497,13 +497,13 @@ def counted(schedule: Schedule, record: JobRecord) -> bool:
     )
 
 
-def reason_of(schedule: Schedule, record: JobRecord) -> Reason | None:
+def reason_of(schedule: Schedule, record: JobRecord) -> WaitReason | None:
     """Why ``record``'s job waits, as the schedule says (None: it runs, or the schedule
     does not know it yet): its listed reason, or for a job it only counts, Held or
     Priority (it waits behind the listed ones)."""
     reason = schedule.reason(record.id)
     if reason is None and counted(schedule, record):
-        return Reason.HELD if record.held else Reason.PRIORITY
+        return WaitReason.HELD if record.held else WaitReason.PRIORITY
     return reason
 
 
