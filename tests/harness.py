@@ -8,6 +8,7 @@ stream says so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -377,7 +378,8 @@ class Control:
             yield reply.result
 
 
-_EVERYONE_VENV = "/tmp/elasticd-test-python"
+# one per venv: a checkout's tests must run its own code (the .pth names its venv)
+_EVERYONE_VENV = "/tmp/elasticd-test-python-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]
 
 
 def python_for_everyone() -> str:

@@ -181,11 +181,17 @@ def _clusters(base: Path, **defaults: Any) -> Iterator[Callable[..., Cluster]]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """test_deb.py's timeline (the three-host systemd cluster), when it ran."""
+    """test_deb.py's timeline (the three-host systemd cluster) and what torchrun did beside
+    elasticrun (test_elasticrun_nodes.py, test_slurm.py), when they ran."""
     import sys
 
-    deb = sys.modules.get("test_deb")
-    if deb is not None and deb.REPORT:
-        terminalreporter.section("debian package on three systemd hosts")
-        for line in deb.REPORT:
-            terminalreporter.write_line(line)
+    for module, title in (
+        ("test_deb", "debian package on three systemd hosts"),
+        ("test_elasticrun_nodes", "elasticrun's private daemons, torchrun beside"),
+        ("test_slurm", "elasticrun under Slurm"),
+    ):
+        found = sys.modules.get(module)
+        if found is not None and found.REPORT:
+            terminalreporter.section(title)
+            for line in found.REPORT:
+                terminalreporter.write_line(line)
