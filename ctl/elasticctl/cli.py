@@ -744,32 +744,38 @@ def elasticrun(argv: Sequence[str] | None = None) -> int:
     (``elasticctl run`` with torchrun's defaults: no restarts unless asked for), or, where
     no daemon runs, on private daemons that this line starts on each node."""
     try:
-        parser = argparse.ArgumentParser(
-            prog="elasticrun",
-            description=ELASTICRUN_HELP,
-            usage=JOB_USAGE,
-            allow_abbrev=False,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        add_common_options(parser, default=None)
-        add_submit_options(parser, os.environ, torchrun_rule=True, following=True)
-        parser.add_argument(
-            "--private",
-            action="store_true",
-            help="run the job on daemons of its own, one that this line starts on each node, "
-            "even where an elasticd runs (where none runs, it does anyway)",
-        )
-        parser.set_defaults(handler=cmd_elasticrun, command="run", command_parser=parser)
-        parser.set_defaults(**pet_defaults(parser, os.environ))
-        args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
+        args = parse_elasticrun(list(sys.argv[1:] if argv is None else argv), os.environ)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     except torchrun.TorchrunError as exc:
         return fail(argparse.Namespace(json=False), "usage", str(exc), 2, prefix="elasticrun: ")
+    return dispatch(args)
+
+
+def parse_elasticrun(argv: list[str], environ: Mapping[str, str]) -> argparse.Namespace:
+    """elasticrun's command line (torchrun's, and elasticctl run's options), PET_* read."""
+    parser = argparse.ArgumentParser(
+        prog="elasticrun",
+        description=ELASTICRUN_HELP,
+        usage=JOB_USAGE,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common_options(parser, default=None)
+    add_submit_options(parser, environ, torchrun_rule=True, following=True)
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="run the job on daemons of its own, one that this line starts on each node, "
+        "even where an elasticd runs (where none runs, it does anyway)",
+    )
+    parser.set_defaults(handler=cmd_elasticrun, command="run", command_parser=parser)
+    parser.set_defaults(**pet_defaults(parser, environ))
+    args = _parse(parser, argv)
     if args.max_restarts is None:
         args.max_restarts = 0
     args.prog = "elasticrun"
-    return dispatch(args)
+    return args
 
 
 ELASTICRUN_HELP = """\

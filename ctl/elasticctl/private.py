@@ -263,13 +263,19 @@ def daemon_config(
 
 
 def toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
-    """TOML for tables of strings, numbers, booleans and lists of strings (JSON's escapes of
-    a string are TOML's, non-ASCII kept as it is)."""
+    """TOML for tables of strings, numbers, booleans and lists of strings: JSON's escapes of
+    a string are TOML's, and DEL, which JSON leaves as it is, is escaped; other non-ASCII
+    text is kept as it is (TOML takes no surrogate pair)."""
     lines = []
     for name, table in tables.items():
         lines.append(f"[{name}]")
         for key, value in table.items():
-            lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
+            text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise Failed(f"{name}.{key} {value!r} is not UTF-8 text") from None
+            lines.append(f"{key} = {text}")
     return "\n".join(lines) + "\n"
 
 

@@ -190,9 +190,10 @@ def first_host(nodelist: str) -> str:
             break
         else:
             host.append(char)
-    if depth or not host:
+    first = "".join(host)
+    if depth or not first:
         raise TorchrunError(f"SLURM_JOB_NODELIST {nodelist!r}: not a Slurm host list")
-    return "".join(host)
+    return first
 
 
 def _flag(value: str, key: str) -> bool:

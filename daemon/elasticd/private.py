@@ -206,9 +206,9 @@ class Private:
         record = await node_shell.fetch(self.job_id)
         if record is None:
             raise PrivateError(f"job {self.job_id} is not on the store's board")
-        self._check(record)
+        self.check(record)
 
-    def _check(self, record: JobRecord) -> None:
+    def check(self, record: JobRecord) -> None:
         """The job's settings must be this node's line's."""
         assert self.own is not None
         if record.outcome is not None:

@@ -36,6 +36,31 @@ def host_name(index: int) -> str:
     return f"h{index}"
 
 
+def on_host(hosts: object, index: int, argv: list[str]) -> list[str]:
+    """``argv`` run on test host ``index``: in its network namespace, with its own host name
+    (a UTS namespace) and its own /etc/hosts (host_names; a mount namespace).  Unlike ``ip
+    netns exec`` it keeps this machine's /sys, cgroups included (slurmd needs them).  Every
+    step execs the next: the process's pid is argv's."""
+    ns = hosts.ns(index)  # type: ignore[attr-defined]
+    enter = 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"'
+    return [
+        "nsenter",
+        f"--net=/run/netns/{ns}",
+        "unshare",
+        "--mount",
+        "--uts",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        enter,
+        host_name(index),
+        f"/etc/netns/{ns}/hosts",
+        *argv,
+    ]
+
+
 def host_names(hosts: object) -> Callable[[], None]:
     """Each test host's own /etc/hosts (``ip netns exec`` mounts /etc/netns/NS/hosts), naming
     every test host by its address, as on a real cluster: torchrun finds the store's host by
@@ -101,6 +126,51 @@ def user_made(base: Path) -> Iterator[Account]:
         yield Account(users["erun"], account.pw_uid, account.pw_gid, home)
 
 
+class Lines:
+    """The lines of a byte stream (a pipe, a FIFO), read by a thread as they come."""
+
+    def __init__(self, stream: object) -> None:
+        self.lines: list[str | None] = []
+        self._changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.reader.start()
+
+    def _read(self, stream: object) -> None:
+        for raw in stream:  # type: ignore[attr-defined]
+            with self._changed:
+                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self.lines.append(None)  # the end of the stream
+            self._changed.notify_all()
+
+    def text(self) -> str:
+        with self._changed:
+            return "\n".join(line for line in self.lines if line is not None)
+
+    def mark(self) -> int:
+        with self._changed:
+            return len(self.lines)
+
+    def wait_line(self, pattern: str, timeout: float = 120.0, after: int = 0) -> re.Match[str]:
+        """The first line from line ``after`` on that matches ``pattern``, waiting for it."""
+        wanted = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = after
+        with self._changed:
+            while True:
+                for line in self.lines[seen:]:
+                    if line is None:
+                        raise AssertionError(f"the stream ended without {pattern!r}")
+                    if match := wanted.search(line):
+                        return match
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {pattern!r} in {timeout:g} s")
+                self._changed.wait(left)
+
+
 class Launch:
     """``python ARGV`` on one test host as ``user``; stdout and stderr read as they come."""
 
@@ -116,9 +186,8 @@ class Launch:
         self.index = index
         python = f"{python_for_everyone()}/bin/python3"
         command = user.as_user([python, *argv])
-        if hosts is not None:  # its own host name too (a UTS namespace): h<index>
-            rename = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"']
-            command = hosts.exec_argv(index, [*rename, host_name(index), *command])  # type: ignore[attr-defined]
+        if hosts is not None:
+            command = on_host(hosts, index, command)
         self.argv = command
         self.proc = subprocess.Popen(
             self.argv,
@@ -129,32 +198,14 @@ class Launch:
             cwd=str(cwd or user.home),
         )
         self.started = time.monotonic()
-        self.lines: dict[str, list[str]] = {"out": [], "err": []}
-        self._changed = threading.Condition()
-        self._readers = [
-            threading.Thread(target=self._read, args=(name, pipe), daemon=True)
-            for name, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr))
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    def _read(self, name: str, pipe: object) -> None:
-        for raw in pipe:  # type: ignore[attr-defined]
-            with self._changed:
-                self.lines[name].append(raw.decode(errors="replace").rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self.lines[name].append(None)  # type: ignore[arg-type]  # the end of the stream
-            self._changed.notify_all()
+        self.streams = {"out": Lines(self.proc.stdout), "err": Lines(self.proc.stderr)}
 
     def text(self, stream: str = "out") -> str:
-        with self._changed:
-            return "\n".join(line for line in self.lines[stream] if line is not None)
+        return self.streams[stream].text()
 
     def mark(self, stream: str = "out") -> int:
         """Where ``stream`` is now: wait_line(..., after=mark) looks at later lines only."""
-        with self._changed:
-            return len(self.lines[stream])
+        return self.streams[stream].mark()
 
     def wait_line(
         self, pattern: str, stream: str = "out", timeout: float = 120.0, after: int = 0
@@ -162,22 +213,10 @@ class Launch:
         """The first line of ``stream`` (from line ``after`` on) that matches ``pattern`` (a
         regex), waiting for it; AssertionError when the stream ended or ``timeout`` passed
         first."""
-        wanted = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        seen = after
-        with self._changed:
-            while True:
-                lines = self.lines[stream]
-                for line in lines[seen:]:
-                    if line is None:
-                        raise AssertionError(self.story(f"{stream} ended without {pattern!r}"))
-                    if match := wanted.search(line):
-                        return match
-                seen = len(lines)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(self.story(f"no {pattern!r} in {timeout:g} s"))
-                self._changed.wait(left)
+        try:
+            return self.streams[stream].wait_line(pattern, timeout, after)
+        except AssertionError as exc:
+            raise AssertionError(self.story(str(exc))) from None
 
     def wait(self, timeout: float = 120.0) -> int:
         """Its exit status, once it ended and its output is read (AssertionError after
@@ -187,8 +226,8 @@ class Launch:
         except subprocess.TimeoutExpired:
             self.kill_tree()
             raise AssertionError(self.story(f"still running after {timeout:g} s")) from None
-        for reader in self._readers:
-            reader.join(30)
+        for lines in self.streams.values():
+            lines.reader.join(30)
         return code
 
     def descendants(self) -> list[psutil.Process]:
