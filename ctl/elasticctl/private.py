@@ -38,6 +38,7 @@ from elasticd.wire import paths, safejson
 STOP_TIMEOUT = 120.0  # seconds a private daemon gets to stop (its workers' grace, a linger)
 SLURM_KEY_WAIT = 120.0  # seconds a task waits for the key its allocation's task 0 makes
 MAX_NEWS = 1 << 20  # bytes of one line from the daemon
+MAX_BASE = 60  # bytes of the base directory's path: <base>/<run id 24>-<8>/run/control.sock
 ORPHAN_AGE = 60.0  # seconds after which a job directory without its owner file is a leftover
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _DAEMON_ENV_DROPPED = (
@@ -57,8 +58,12 @@ class Failed(ClientError):
 
 
 def base_dir(uid: int | None = None) -> str:
-    """Where this user's elasticruns keep their daemons' directories (node-local)."""
-    return os.path.join(tempfile.gettempdir(), f"elasticrun-{os.getuid() if uid is None else uid}")
+    """Where this user's elasticruns keep their daemons' directories (node-local): in
+    $TMPDIR, as torchrun's own; in /tmp where $TMPDIR is too long a path for the daemon's
+    control socket (a Unix socket's path has 107 bytes at most)."""
+    name = f"elasticrun-{os.getuid() if uid is None else uid}"
+    base = os.path.join(tempfile.gettempdir(), name)
+    return base if len(base) <= MAX_BASE else os.path.join("/tmp", name)
 
 
 def node_name(pid: int | None = None) -> str:
@@ -448,7 +453,7 @@ def _remove(path: str) -> None:
 
 
 def _safe(text: str) -> bool:
-    return bool(text) and len(text) <= 40 and all(c.isalnum() or c in "_.-" for c in text)
+    return bool(text) and len(text) <= 24 and all(c.isalnum() or c in "_.-" for c in text)
 
 
 def daemon_reachable(socket_path: str) -> bool:

@@ -181,7 +181,7 @@ class Private:
                 await self.orphaned.wait()
                 record = registry.find(self.job_id)
                 if hosts_store and record is not None and record.outcome is not None:
-                    await self.linger(registry, nodes)
+                    await self.linger(node_shell, registry, nodes)
         except ElasticdError as exc:
             self.fail(str(exc))
         except Exception as exc:  # the daemon must stop, and say why, whatever it was
@@ -227,20 +227,29 @@ class Private:
                 f"{record.spec.submitted_on}): " + "; ".join(differ)
             )
 
-    async def linger(self, registry: JobRegistry, nodes: NodeService) -> None:
+    async def linger(
+        self, node_shell: NodeShell, registry: JobRegistry, nodes: NodeService
+    ) -> None:
         """Until every other node's part of the ended job has ended (or its node is lost):
-        they need the store this node hosts to learn the outcome.  LINGER at most."""
-
-        async def settled() -> None:
+        they need the store this node hosts to learn the outcome.  LINGER at most.  The job
+        is read from the board at each change here and each heartbeat's time: the follower
+        reads the board again after a gap in its log, but not the parts of a job that ended."""
+        deadline = asyncio.get_running_loop().time() + LINGER
+        while True:
+            await node_shell.fetch(self.job_id)
             record = registry.find(self.job_id)
-            while record is not None and not _all_ended(record, nodes.states()):
-                record = await registry.wait_change(self.job_id, record.version)
-
-        try:
-            async with asyncio.timeout(LINGER):
-                await settled()
-        except TimeoutError:
-            log.warning("job %s: some nodes' parts had not ended after %g s", self.job_id, LINGER)
+            if record is None or _all_ended(record, nodes.states()):
+                return
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                log.warning(
+                    "job %s: some nodes' parts had not ended after %g s", self.job_id, LINGER
+                )
+                return
+            await race(
+                changed=registry.wait_change(self.job_id, record.version),
+                beat=asyncio.sleep(min(left, nodes.interval)),
+            )
 
     # -- the channel to elasticrun ------------------------------------------------------------
 

@@ -23,7 +23,8 @@ import psutil
 import pytest
 import slurm
 from harness import python_for_everyone
-from user_nodes import TRAIN, Account, Lines, host_names, left_behind, on_host, user_made
+from launched import Lines
+from user_nodes import TRAIN, Account, host_names, left_behind, on_host, user_made
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

@@ -11,12 +11,8 @@ this machine: processes, private daemons' directories, cgroups, nftables tables.
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
 import subprocess
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +20,7 @@ from pathlib import Path
 
 import psutil
 from harness import FIXTURES, python_for_everyone, wait_gone
+from launched import Launched
 from local_users import local_users
 
 ELASTICRUN = ("-c", "import sys; from elasticctl.cli import elasticrun; sys.exit(elasticrun())")
@@ -126,52 +123,7 @@ def user_made(base: Path) -> Iterator[Account]:
         yield Account(users["erun"], account.pw_uid, account.pw_gid, home)
 
 
-class Lines:
-    """The lines of a byte stream (a pipe, a FIFO), read by a thread as they come."""
-
-    def __init__(self, stream: object) -> None:
-        self.lines: list[str | None] = []
-        self._changed = threading.Condition()
-        self.reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self.reader.start()
-
-    def _read(self, stream: object) -> None:
-        for raw in stream:  # type: ignore[attr-defined]
-            with self._changed:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self.lines.append(None)  # the end of the stream
-            self._changed.notify_all()
-
-    def text(self) -> str:
-        with self._changed:
-            return "\n".join(line for line in self.lines if line is not None)
-
-    def mark(self) -> int:
-        with self._changed:
-            return len(self.lines)
-
-    def wait_line(self, pattern: str, timeout: float = 120.0, after: int = 0) -> re.Match[str]:
-        """The first line from line ``after`` on that matches ``pattern``, waiting for it."""
-        wanted = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        seen = after
-        with self._changed:
-            while True:
-                for line in self.lines[seen:]:
-                    if line is None:
-                        raise AssertionError(f"the stream ended without {pattern!r}")
-                    if match := wanted.search(line):
-                        return match
-                seen = len(self.lines)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no {pattern!r} in {timeout:g} s")
-                self._changed.wait(left)
-
-
-class Launch:
+class Launch(Launched):
     """``python ARGV`` on one test host as ``user``; stdout and stderr read as they come."""
 
     def __init__(
@@ -184,81 +136,10 @@ class Launch:
         cwd: Path | None = None,
     ) -> None:
         self.index = index
-        python = f"{python_for_everyone()}/bin/python3"
-        command = user.as_user([python, *argv])
+        command = user.as_user([f"{python_for_everyone()}/bin/python3", *argv])
         if hosts is not None:
             command = on_host(hosts, index, command)
-        self.argv = command
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=str(cwd or user.home),
-        )
-        self.started = time.monotonic()
-        self.streams = {"out": Lines(self.proc.stdout), "err": Lines(self.proc.stderr)}
-
-    def text(self, stream: str = "out") -> str:
-        return self.streams[stream].text()
-
-    def mark(self, stream: str = "out") -> int:
-        """Where ``stream`` is now: wait_line(..., after=mark) looks at later lines only."""
-        return self.streams[stream].mark()
-
-    def wait_line(
-        self, pattern: str, stream: str = "out", timeout: float = 120.0, after: int = 0
-    ) -> re.Match[str]:
-        """The first line of ``stream`` (from line ``after`` on) that matches ``pattern`` (a
-        regex), waiting for it; AssertionError when the stream ended or ``timeout`` passed
-        first."""
-        try:
-            return self.streams[stream].wait_line(pattern, timeout, after)
-        except AssertionError as exc:
-            raise AssertionError(self.story(str(exc))) from None
-
-    def wait(self, timeout: float = 120.0) -> int:
-        """Its exit status, once it ended and its output is read (AssertionError after
-        ``timeout``: it is killed then)."""
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill_tree()
-            raise AssertionError(self.story(f"still running after {timeout:g} s")) from None
-        for lines in self.streams.values():
-            lines.reader.join(30)
-        return code
-
-    def descendants(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def kill_tree(self) -> list[int]:
-        """SIGKILL to it and everything it started (a host gone); their pids."""
-        procs = [*self.descendants()]
-        try:
-            procs.insert(0, psutil.Process(self.proc.pid))
-        except psutil.NoSuchProcess:
-            pass
-        for proc in procs:
-            try:
-                proc.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=30)
-        return [proc.pid for proc in procs]
-
-    def story(self, why: str) -> str:
-        return (
-            f"host {self.index}: {why}\n--- stdout ---\n{self.text('out')[-3000:]}\n"
-            f"--- stderr ---\n{self.text('err')[-6000:]}"
-        )
+        super().__init__(command, env, str(cwd or user.home), f"host {index}")
 
 
 def left_behind(user: Account, node_names: list[str] = (), timeout: float = 30.0) -> list[str]:  # type: ignore[assignment]
