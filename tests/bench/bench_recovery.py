@@ -299,24 +299,7 @@ class Torchrun:
             LAUNCHER,
             str(self.base),
             "torch.distributed.run",
-            "--nnodes",
-            self.nnodes,
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{self.port}",
-            "--rdzv-id",
-            "bench",
-            "--rdzv-conf",
-            "last_call_timeout=1,join_timeout=120",
-            "--max-restarts",
-            "3",
-            "--monitor-interval",
-            "0.1",
-            "--local-addr",
-            f"127.0.0.{index}",
+            *torchrun_line(self.nnodes, self.port, index),
             WORKER,
             str(self.base),
             *self.worker_mode,
@@ -351,6 +334,99 @@ class Torchrun:
                 pass
 
 
+def torchrun_line(nnodes: str, port: int, index: int) -> list[str]:
+    """The torchrun options of node ``index`` (127.0.0.<index>): given to torchrun and, as
+    they are, to elasticrun."""
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "bench",
+        "--rdzv-conf",
+        "last_call_timeout=1,join_timeout=120",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.1",
+        "--local-addr",
+        f"127.0.0.{index}",
+    ]
+
+
+class Elasticrun(Torchrun):
+    """torchrun's line, word for word, given to elasticrun on each node, with no daemon: each
+    elasticrun starts a private daemon (docs/elasticrun.md, "Where no elasticd runs"); node 1,
+    whose address is the endpoint, hosts the store.  A node killed is its elasticrun, daemon
+    and worker at once (a host gone), as torchrun's agent and worker are.  Its scale-up
+    figure's control plane includes the newcomer's daemon's start (its import of torch
+    among it): that is what a node arriving costs here."""
+
+    name = "elasticrun"
+    options: tuple[str, ...] = ()
+
+    def add_node(self) -> tuple[float, int]:
+        index = len(self.agents) + 1
+        argv = [
+            PY,
+            LAUNCHER,
+            str(self.base),
+            "elasticrun_node",
+            "--private",
+            *self.options,
+            *torchrun_line(self.nnodes, self.port, index),
+            WORKER,
+            str(self.base),
+            *self.worker_mode,
+            *getattr(self, "backend_args", ()),
+        ]
+        started = time.time()
+        log = open(self.base / f"elasticrun{index}.log", "wb")
+        env = {**self.env, "TMPDIR": str(self.base), "PYTHONPATH": str(HERE)}
+        self.agents.append(
+            subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        )
+        return started, self.agents[-1].pid
+
+    def launch(self, count: int, nnodes: str) -> float:
+        """Start ``count`` elasticruns at once (no daemon to wait for: each starts its own)."""
+        self.nnodes = nnodes
+        started = time.time()
+        for _ in range(count):
+            self.add_node()
+        return started
+
+    def stop(self) -> None:
+        """SIGTERM to each elasticrun cancels the job; each waits for its daemon to stop."""
+        for node in self.agents:
+            if node.poll() is None:
+                node.send_signal(signal.SIGTERM)
+        for node in self.agents:
+            try:
+                node.wait(60)
+            except subprocess.TimeoutExpired:
+                kill_tree(node.pid)
+
+
+class ElasticrunInPlace(Elasticrun):
+    """The same, with --in-place (the worker under elasticd.elastic): survivors keep their
+    processes."""
+
+    name = "elasticrun-inplace"
+    options = ("--in-place",)
+
+    def __init__(self, base: Path, nodes: int) -> None:
+        super().__init__(base, nodes)
+        self.worker_mode = ("inplace",)
+
+
 class TorchrunUnshared(Torchrun):
     """torchrun with its documented opt-out of the shared store: in torch 2.13 a node that
     joins after the first round waits forever for a MASTER_ADDR that rank 0 only publishes
@@ -360,7 +436,15 @@ class TorchrunUnshared(Torchrun):
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-SYSTEMS = (Elasticd, ElasticdInPlace, ElasticdSpares, Torchrun, TorchrunUnshared)
+SYSTEMS = (
+    Elasticd,
+    ElasticdInPlace,
+    ElasticdSpares,
+    Elasticrun,
+    ElasticrunInPlace,
+    Torchrun,
+    TorchrunUnshared,
+)
 BASELINES = ("torchrun", "torchrun-unshared")
 
 
@@ -407,7 +491,7 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     stall, stalled = max(
         ((b - a, a) for a, b in itertools.pairwise(window)), default=(resumed - last, last)
     )
-    if isinstance(system, ElasticdInPlace):  # survivors were exec'd long ago: no control figure
+    if isinstance(system, (ElasticdInPlace, ElasticrunInPlace)):  # survivors were exec'd long ago
         figures = {k: v for k, v in figures.items() if k != "control"}
         figures = {**figures, **phases(system.events.read(), t0, resumed, stalled)}
     return {**figures, "resumed": resumed - t0, "stall": stall}
