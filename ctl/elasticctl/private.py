@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,7 +158,7 @@ def start(
     request: Mapping[str, Any],
     where: topo.Topology,
     environ: Mapping[str, str],
-    warn: Any = None,
+    warn: Callable[[str], None] | None = None,
 ) -> PrivateDaemon:
     """Make the job's directory and start this node's private daemon for ``request`` (the
     submit request of the line as this node sees it); ``warn`` prints a warning."""
@@ -288,7 +288,7 @@ def toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def _key(
-    where: topo.Topology, directory: str, environ: Mapping[str, str], warn: Any
+    where: topo.Topology, directory: str, environ: Mapping[str, str], warn: Callable[[str], None]
 ) -> tuple[str, str, bool]:
     """The job's key file for the daemon, the Slurm key file this task made ("": none), and
     whether the key is anyone's: the file the line names, the allocation's (inside Slurm),
