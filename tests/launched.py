@@ -1,7 +1,7 @@
 """A process whose output a test reads as it comes (``Launched``), and the lines of any byte
 stream read so (``Lines``): a test waits for a line (``wait_line``) instead of sleeping.
 Used by the launcher tests (tests/system/user_nodes.py, tests/integration/
-test_elasticrun_private.py)."""
+test_elasticrun_without_daemon.py, tests/chaos/test_private_daemons_attacked.py)."""
 
 from __future__ import annotations
 
