@@ -240,7 +240,7 @@ def daemon_config(
         },
         "metrics": {"port": 0},
         "jobs": {"allow_root": True},
-        "scheduler": {"enabled": True, "resize_interval": 1.0},
+        "scheduler": {"enabled": False},
         "history": {"retention": 0.0},
         "log": {"level": level if level in LOG_LEVELS else "warning"},
     }
