@@ -10,6 +10,7 @@ elasticrun and its daemon left is reaped by the next."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -125,11 +126,12 @@ def test_a_node_waiting_at_a_full_job_takes_a_lost_nodes_place(tmpdir_env):
     spare = launch(tmpdir_env, *line(port, run_id, "2", 3), *script, name="n3")
     spare.wait_line(r"this node is ", "err", timeout=120)  # it is in the job's cluster
     assert spare.mark() == 0  # ... and runs nothing: the job is full
-    first[1].signal(signal.SIGKILL)
+    first[1].kill_tree()  # the node gone at once: its elasticrun, daemon and worker
     spare.wait_line(WORLD.format(world=2), timeout=120)  # in the lost node's place
     for node in (first[0], spare):
         assert node.wait(240) == 0, node.story("exit")
-    assert list(base(tmpdir_env).iterdir()) == []
+    (left,) = base(tmpdir_env).iterdir()  # the lost node's, for its next elasticrun to reap
+    assert json.loads((left / "owner").read_text())["pid"] == first[1].proc.pid
 
 
 def test_in_place_from_pet_keeps_the_survivors_process(tmpdir_env):
