@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from elasticctl import follow, render, torchrun
-from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, Unavailable
+from elasticctl import follow, render, topology, torchrun
+from elasticctl.client import DEFAULT_TIMEOUT, Client, ClientError, RemoteError, Unavailable
 from elasticctl.output import ProgressLine, emit, error_doc, terminal_width
 from elasticctl.submission import (
     UsageError,
@@ -517,15 +517,22 @@ def run_job(args: argparse.Namespace, request: dict[str, Any], plan: torchrun.Ou
     stops its workers when it is stopped."""
     with connect(args) as daemon:
         job = daemon.call("submit", {k: v for k, v in request.items() if k != "wait"})
-    job_id = str(job.get("id"))
     if args.json:
         print(json.dumps(job), flush=True)
     print(render.clean(f"{prog(args)}: {render.submitted_line(job)}"), file=sys.stderr, flush=True)
+    return follow_run(args, str(job.get("id")), plan)
+
+
+def follow_run(
+    args: argparse.Namespace, job_id: str, plan: torchrun.Output, local: bool = False
+) -> int:
+    """Show a submitted job's output as torchrun does until it ends; its exit status.
+    ``local``: the daemon's own node's workers only."""
     places = follow.RankPlaces(lambda: status_of(args, job_id))
     console = follow.Console(job_id, plan, places, sys.stdout, sys.stderr)
     try:
         with cancelling_signals(args.signals_to_handle):
-            follow.stream_output(lambda: connect(args), job_id, console)
+            follow.stream_output(lambda: connect(args), job_id, console, local)
             job = status_of(args, job_id)
     except KeyboardInterrupt:
         return cancel_followed(args, job_id)
@@ -569,6 +576,10 @@ def cancel_followed(args: argparse.Namespace, job_id: str) -> int:
         with connect(args) as daemon:
             job = daemon.call("cancel", {"job": job_id})
         print(render.clean(f"{prog(args)}: {render.cancelled_line(job, job_id)}"), file=sys.stderr)
+    except RemoteError as exc:  # cancelled meanwhile (by another node's elasticrun) or ended
+        if exc.code != "conflict":
+            raise
+        print(render.clean(f"{prog(args)}: job {job_id}: {exc.message}"), file=sys.stderr)
     except ClientError as exc:
         print(
             render.clean(f"{prog(args)}: could not cancel job {job_id}: {exc.message}"),
@@ -801,34 +812,151 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def elasticrun(argv: Sequence[str] | None = None) -> int:
     """``elasticrun``: a torchrun command line, verbatim, run as a job of the local daemon
-    (``elasticctl run`` with torchrun's defaults: no restarts unless asked for)."""
+    (``elasticctl run`` with torchrun's defaults: no restarts unless asked for), or, where
+    no daemon runs, on private daemons that this line starts on each node."""
     try:
-        parser = argparse.ArgumentParser(
-            prog="elasticrun",
-            description=ELASTICRUN_HELP,
-            usage=JOB_USAGE,
-            allow_abbrev=False,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        add_common_options(parser, default=None)
-        add_submit_options(parser, os.environ, torchrun_rule=True, following=True)
-        parser.set_defaults(handler=cmd_run, command="run", command_parser=parser)
-        args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
+        args = parse_elasticrun(list(sys.argv[1:] if argv is None else argv), os.environ)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     except torchrun.TorchrunError as exc:
         return fail(argparse.Namespace(json=False), "usage", str(exc), 2, prefix="elasticrun: ")
+    return dispatch(args)
+
+
+def parse_elasticrun(argv: list[str], environ: Mapping[str, str]) -> argparse.Namespace:
+    """elasticrun's command line (torchrun's, and elasticctl run's options), PET_* read."""
+    parser = argparse.ArgumentParser(
+        prog="elasticrun",
+        description=ELASTICRUN_HELP,
+        usage=JOB_USAGE,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common_options(parser, default=None)
+    add_submit_options(parser, environ, torchrun_rule=True, following=True)
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="run the job on daemons of its own, one that this line starts on each node, "
+        "even where an elasticd runs (where none runs, it does anyway)",
+    )
+    parser.set_defaults(handler=cmd_elasticrun, command="run", command_parser=parser)
+    parser.set_defaults(**pet_defaults(parser, environ))
+    args = _parse(parser, argv)
     if args.max_restarts is None:
         args.max_restarts = 0
     args.prog = "elasticrun"
-    return dispatch(args)
+    return args
 
 
 ELASTICRUN_HELP = """\
 Run a torchrun command line as a job of the local elasticd: submit it, show the workers'
 output as torchrun does, and exit with the job's result (0 succeeded, 1 failed, 130 after
 Ctrl-C, which cancels the job).  `alias torchrun=elasticrun` works for existing scripts.
-Every torchrun option is accepted; what each one does here is listed below."""
+Where no elasticd runs, the line runs as torchrun's does, once per node (srun, a pod, ssh):
+each elasticrun starts a private daemon for the job and they form the job's cluster.
+Every torchrun option is accepted; what each one does here is listed below.  elasticrun's
+own options are read from PET_<OPTION> too (PET_IN_PLACE=1, PET_SPARES=1, PET_PRIVATE=1)."""
+
+# elasticrun's own options that PET_<DEST> sets, as torchrun's: a script that runs torchrun or
+# elasticrun can keep one command line
+PET_OWN = (
+    "in_place",
+    "spares",
+    "rejoin_timeout",
+    "join_timeout",
+    "last_call_timeout",
+    "exit_barrier_timeout",
+    "private",
+)
+
+
+def pet_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The defaults PET_<DEST> gives elasticrun's own options (TorchrunError for a value the
+    option would refuse); the command line wins."""
+    found: dict[str, Any] = {}
+    for action in parser._actions:
+        value = environ.get(f"PET_{action.dest.upper()}")
+        if action.dest not in PET_OWN or value is None or action.dest in found:
+            continue
+        if action.nargs == 0:  # a switch
+            if value not in ("0", "1"):
+                raise torchrun.TorchrunError(
+                    f"PET_{action.dest.upper()}={value!r}: expected 0 or 1"
+                )
+            found[action.dest] = value == "1"
+            continue
+        try:
+            found[action.dest] = action.type(value) if callable(action.type) else value
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise torchrun.TorchrunError(f"PET_{action.dest.upper()}={value!r}: {exc}") from None
+    return found
+
+
+def cmd_elasticrun(args: argparse.Namespace) -> int:
+    """A daemon that answers takes the job (as ``elasticctl run``); where none does, or with
+    --private, the job runs on private daemons, one per node (private.py)."""
+    try:
+        where = topology.resolve(args, os.environ)
+    except torchrun.TorchrunError as exc:
+        raise UsageError(str(exc)) from None
+    if not args.private and daemon_answers(args):
+        return cmd_run(args)
+    from elasticctl import private  # only here: a daemon's job needs none of it
+
+    args.nnodes = where.nnodes
+    request = submit_request(args, os.environ, os.getcwd(), private=True)
+    if where.backend == topology.STATIC:
+        request.pop("master_port", None)  # the store's port, not the workers'
+    plan = output_plan(args, os.environ)
+    check_runnable(request)
+    for told in where.from_slurm:
+        print(f"elasticrun: {told} (from Slurm)", file=sys.stderr)
+    daemon = private.start(request, where, os.environ)
+    try:
+        with cancelling_signals(args.signals_to_handle):
+            job = daemon.wait_job()
+        args.socket = daemon.socket
+        print(
+            render.clean(f"elasticrun: {private_line(job, where, daemon.socket)}"),
+            file=sys.stderr,
+            flush=True,
+        )
+        return follow_run(args, str(job["job"]), plan, local=True)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except Unavailable:  # the daemon ended under the job: it said why on its channel
+        daemon.proc.wait()
+        raise private.Failed(
+            daemon.last_words() or "the job's private elasticd ended; its log is above"
+        ) from None
+    finally:
+        daemon.close()
+
+
+def private_line(job: Mapping[str, Any], where: topology.Topology, socket_path: str) -> str:
+    """'job j-1f2e3d on nodes of its own (store h1:29400, hosted here); this node is ...'."""
+    if where.one_node:
+        at = "on a daemon of its own"
+    elif where.backend == topology.ETCD:
+        at = f"on nodes of its own (etcd {job.get('store')})"
+    else:
+        hosted = ", hosted here" if job.get("hosts_store") else ""
+        at = f"on nodes of its own (store {job.get('store')}{hosted})"
+    return (
+        f"job {job.get('job')} {at}; this node is {job.get('node')} "
+        f"(elasticctl --socket {socket_path} status {job.get('job')})"
+    )
+
+
+def daemon_answers(args: argparse.Namespace) -> bool:
+    """Whether the line goes to a daemon: one named (--socket, $ELASTICD_SOCKET) always, else
+    the one elasticctl would talk to, if it answers."""
+    if args.socket or os.environ.get("ELASTICD_SOCKET"):
+        return True
+    from elasticctl.private import daemon_reachable
+
+    return daemon_reachable(paths.default_socket_path())
 
 
 def dispatch(args: argparse.Namespace) -> int:

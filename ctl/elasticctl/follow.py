@@ -92,10 +92,14 @@ class Console:
         return self._copies[key]
 
 
-def stream_output(connect: Callable[[], Client], job_id: str, console: Console) -> None:
-    """Show the job's output until it ends (the daemon ends the stream then)."""
+def stream_output(
+    connect: Callable[[], Client], job_id: str, console: Console, local: bool = False
+) -> None:
+    """Show the job's output until it ends (the daemon ends the stream then); ``local``:
+    only the workers' of the daemon's own node, as each node's torchrun shows its own."""
+    request = {"job": job_id, "follow": True, **({"local": True} if local else {})}
     with connect() as daemon:
-        for result in daemon.stream("logs", {"job": job_id, "follow": True}):
+        for result in daemon.stream("logs", request):
             for line in _lines(result):
                 console.write(line)
             console.flush()

@@ -190,9 +190,10 @@ OPTIONAL_SUBMIT_ARGS = (
 
 
 def submit_request(
-    args: argparse.Namespace, environ: Mapping[str, str], cwd: str
+    args: argparse.Namespace, environ: Mapping[str, str], cwd: str, private: bool = False
 ) -> dict[str, Any]:
-    """The ``submit`` request's args: the job as the submitter sees it from here."""
+    """The ``submit`` request's args: the job as the submitter sees it from here.
+    ``private``: for elasticrun's private daemons, whose launcher topology the line says."""
     if args.script is None:
         raise UsageError(f"{args.command}: SCRIPT is required")
     if args.module and args.no_python and not args.run_path:
@@ -200,7 +201,7 @@ def submit_request(
     kind = torchrun.kind(args)
     one_node = protocol.parse_nnodes(args.nnodes)[1] == 1
     try:
-        from_torchrun = torchrun.job_options(args, one_node)
+        from_torchrun = torchrun.job_options(args, one_node, private)
     except torchrun.TorchrunError as exc:
         raise UsageError(str(exc)) from None
     request: dict[str, Any] = {

@@ -7,10 +7,12 @@ What each flag becomes (``TREATMENT``, shown by ``elasticrun --help`` and in doc
 
 - honoured: it changes the job (the submit request) or how the output is shown;
 - launcher topology (``--rdzv-*``, ``--standalone``, ``--master-addr``, ``--node-rank``,
-  ``--local-addr``): it tells one torchrun per node how to find the others.  elasticd's
-  daemons already form the cluster and one submit starts the job on every node, so these
-  say nothing on a one-node job and are accepted; on a multi-node job they would mean
-  "run this command on every node", which would start one job per node: refused;
+  ``--local-addr``): it tells one torchrun per node how to find the others.  Where no
+  elasticd runs, elasticrun does what torchrun does with them: each node's elasticrun
+  starts a private daemon and they meet there (topology.py reads them).  Submitted to a
+  daemon, elasticd's daemons already form the cluster and one submit starts the job on every
+  node, so these say nothing on a one-node job and are accepted; on a multi-node job they
+  would mean "run this command on every node", which would start one job per node: refused;
 - accepted, no effect: what torchrun needs for its own machinery and elasticd does
   another way (the reason is in the table);
 - refused: a feature elasticd does not have; the message names what to use instead.
@@ -32,18 +34,22 @@ _STD_VALUE = re.compile(r"^[0-3]$")
 _STD_MAP = re.compile(r"^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
 
 HANDLED_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
+NNODES_DEFAULT = "1:1"
 RDZV_CONF_MAPPED = {"join_timeout": "join_timeout", "last_call_timeout": "last_call_timeout"}
+# keys that tell elasticrun's private daemons where and how to meet (topology.py): the job's
+# key file, whether this node hosts the store, and torchrun's etcd backend's TLS settings
+RDZV_CONF_PRIVATE = frozenset(
+    {"key_file", "is_host", "local_addr", "protocol", "cacert", "cert", "key"}
+)
 # keys of torchrun's c10d rendezvous that tune its own store connection and heartbeats
 RDZV_CONF_TORCHRUN_ONLY = frozenset(
     {
         "timeout",
         "read_timeout",
         "close_timeout",
-        "is_host",
         "use_libuv",
         "keep_alive_interval",
         "keep_alive_max_attempt",
-        "local_addr",
     }
 )
 TOPOLOGY = (
@@ -59,11 +65,16 @@ TOPOLOGY = (
 TREATMENT: dict[str, str] = {
     "nnodes": "honoured",
     "nproc_per_node": "honoured: N, gpu, cpu, auto (each node counts its own GPUs/CPUs); xpu refused",
-    "rdzv_backend": "launcher topology: accepted on a one-node job, refused on more",
-    "rdzv_endpoint": "launcher topology: accepted on a one-node job, refused on more",
-    "rdzv_id": "launcher topology: accepted on a one-node job, refused on more",
-    "rdzv_conf": "join_timeout and last_call_timeout honoured; keys for torchrun's own store "
-    "accepted without effect; others refused",
+    "rdzv_backend": "launcher topology: where no elasticd runs, how the job's private daemons "
+    "meet (c10d, etcd, etcd-v2 or static); submitted to a daemon: accepted on a one-node job, "
+    "refused on more",
+    "rdzv_endpoint": "launcher topology: where no elasticd runs, the store's host (c10d) or an "
+    "etcd member; submitted to a daemon: accepted on a one-node job, refused on more",
+    "rdzv_id": "launcher topology: where no elasticd runs, names the job's private cluster; "
+    "submitted to a daemon: accepted on a one-node job, refused on more",
+    "rdzv_conf": "join_timeout and last_call_timeout honoured; where no elasticd runs also "
+    "key_file (the job's key), is_host, local_addr and etcd's protocol, cacert, cert, key; keys "
+    "for torchrun's own store accepted without effect; others refused",
     "standalone": "launcher topology: accepted on a one-node job, refused on more",
     "max_restarts": "honoured (job-wide restarts)",
     "monitor_interval": "accepted, no effect: the daemon sees a worker's exit when it happens",
@@ -83,12 +94,17 @@ TREATMENT: dict[str, str] = {
     "local_ranks_filter": "honoured (console only)",
     "duplicate_stdout_filters": "refused when given: filter `elasticctl logs JOB` instead",
     "duplicate_stderr_filters": "refused when given: filter `elasticctl logs JOB` instead",
-    "node_rank": "launcher topology: 0 accepted on a one-node job, refused otherwise",
-    "master_addr": "launcher topology: accepted on a one-node job, refused on more "
-    "(MASTER_ADDR is group rank 0's node, every round)",
-    "master_port": "honoured: a fixed MASTER_PORT for every round (default: a free port)",
-    "local_addr": "launcher topology: accepted on a one-node job, refused on more "
-    "(a node's address is elasticd --node-address)",
+    "node_rank": "launcher topology: where no elasticd runs, node rank 0 hosts the store in "
+    "the static form (ranks come from the rendezvous); submitted to a daemon: 0 accepted on a "
+    "one-node job, refused otherwise",
+    "master_addr": "launcher topology: where no elasticd runs, the store's host in the static "
+    "form; submitted to a daemon: accepted on a one-node job, refused on more (MASTER_ADDR is "
+    "group rank 0's node, every round)",
+    "master_port": "honoured: a fixed MASTER_PORT for every round (default: a free port); in "
+    "the static form where no elasticd runs, the store's port",
+    "local_addr": "launcher topology: where no elasticd runs, this node's address for the "
+    "others; submitted to a daemon: accepted on a one-node job, refused on more (a node's "
+    "address is elasticd --node-address)",
     "logs_specs": "refused when given: a torchrun log plugin; the daemon keeps every "
     "rank's output (elasticctl logs) and --log-dir copies it",
     "numa_binding": "refused when given: wrap the command instead, e.g. --no-python numactl ...",
@@ -171,7 +187,7 @@ def add_options(
             *names, dest=dest, action=action, help=TREATMENT[dest].replace("%", "%%"), **kwargs
         )
 
-    option("--nnodes", default="1:1", metavar="N|MIN:MAX")
+    option("--nnodes", default=NNODES_DEFAULT, metavar="N|MIN:MAX")
     option("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|gpu|cpu|auto")
     for name in ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf"):
         option(f"--{name}", f"--{name.replace('-', '_')}", default=None, metavar="VALUE")
@@ -310,25 +326,34 @@ def ranks_filter(text: str) -> frozenset[int] | None:
     return ranks
 
 
-def rdzv_conf(text: str | None) -> dict[str, float]:
-    """The keys of ``--rdzv-conf k=v,...`` that mean something here, as submit arguments."""
-    mapped: dict[str, float] = {}
+def rdzv_pairs(text: str | None) -> dict[str, str]:
+    """``--rdzv-conf k=v,...`` as a dict; a pair that is not KEY=VALUE, or a key that means
+    nothing here, is refused."""
+    pairs: dict[str, str] = {}
     for pair in filter(None, (text or "").split(",")):
         key, equals, value = pair.partition("=")
         key = key.strip()
         if not equals:
             raise TorchrunError(f"--rdzv-conf {pair!r}: expected KEY=VALUE pairs")
+        if key not in RDZV_CONF_MAPPED.keys() | RDZV_CONF_TORCHRUN_ONLY | RDZV_CONF_PRIVATE:
+            raise TorchrunError(
+                f"--rdzv-conf key {key!r} means nothing under elasticd "
+                f"(it maps {', '.join(RDZV_CONF_MAPPED)}; without a daemon also "
+                f"{', '.join(sorted(RDZV_CONF_PRIVATE))}; daemon settings are in its config)"
+            )
+        pairs[key] = value.strip()
+    return pairs
+
+
+def rdzv_conf(text: str | None) -> dict[str, float]:
+    """The keys of ``--rdzv-conf k=v,...`` that are submit arguments, as those."""
+    mapped: dict[str, float] = {}
+    for key, value in rdzv_pairs(text).items():
         if key in RDZV_CONF_MAPPED:
             try:
                 mapped[RDZV_CONF_MAPPED[key]] = _number(numbers.decimal(value.strip()))
             except ValueError:
                 raise TorchrunError(f"--rdzv-conf {key}={value!r}: expected seconds") from None
-        elif key not in RDZV_CONF_TORCHRUN_ONLY:
-            raise TorchrunError(
-                f"--rdzv-conf key {key!r} means nothing under elasticd "
-                f"(it maps {', '.join(RDZV_CONF_MAPPED)}; daemon settings are in "
-                "its config)"
-            )
     return mapped
 
 
@@ -336,19 +361,23 @@ def _number(value: float) -> int | float:
     return int(value) if value.is_integer() else value
 
 
-def refusals(args: argparse.Namespace, one_node: bool) -> list[str]:
-    """Why each given option cannot be honoured here (empty: all can)."""
+def refusals(args: argparse.Namespace, one_node: bool, private: bool = False) -> list[str]:
+    """Why each given option cannot be honoured here (empty: all can).  ``private``: the
+    line runs on daemons of its own, one per node, which its launcher topology forms."""
     found = []
-    if not one_node:
+    if not one_node and private and args.standalone:
+        found.append("--standalone: a one-node job; leave it out to run on several nodes")
+    if not one_node and not private:
         given = [name for name in TOPOLOGY if _given_topology(args, name)]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             found.append(
                 f"{flags}: elasticd's daemons are the rendezvous and one submit starts "
                 "the job on every node; submit once, on any node, without them "
-                "(running this on every node would start one job per node)"
+                "(running this on every node would start one job per node), or run the line "
+                "on every node with `elasticrun --private`, on daemons of the job's own"
             )
-    if one_node and args.node_rank != 0:
+    if one_node and args.node_rank not in (0, None):
         found.append(
             f"--node-rank {args.node_rank}: a one-node job has node rank 0; elasticd "
             "gives every node its rank"
@@ -414,10 +443,10 @@ def _signals(text: str) -> list[str]:
     return [name.strip().upper() for name in (text or "").split(",") if name.strip()]
 
 
-def job_options(args: argparse.Namespace, one_node: bool) -> dict[str, Any]:
+def job_options(args: argparse.Namespace, one_node: bool, private: bool = False) -> dict[str, Any]:
     """The submit arguments the torchrun options give (raises TorchrunError with every
     refusal, one per line)."""
-    refused = refusals(args, one_node)
+    refused = refusals(args, one_node, private)
     if refused:
         raise TorchrunError("\n".join(refused))
     options: dict[str, Any] = dict(rdzv_conf(args.rdzv_conf))

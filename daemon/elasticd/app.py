@@ -38,6 +38,7 @@ from elasticd.cluster.detector import DetectorService, next_boot, udp_endpoint
 from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
 from elasticd.cluster.inventory import LocalNode, cpu_count, local_gpus, slot_count, watch_gpus
+from elasticd.cluster.nvml import Nvml
 from elasticd.cluster.peers import (
     PEER_DOMAIN,
     PeerCaller,
@@ -63,7 +64,7 @@ from elasticd.core.node import NodeCore, NodeSettings
 from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord, worker_groups
 from elasticd.endpoint import join_endpoint
-from elasticd.errors import ConfigError, ElasticdError
+from elasticd.errors import ConfigError, ElasticdError, StoreConnectionError
 from elasticd.faults import Faults, Throttle, held_back
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.history import History
@@ -72,6 +73,7 @@ from elasticd.jobs.registry import JobRegistry
 from elasticd.jobs.retention import Pruner
 from elasticd.journal import log_handler
 from elasticd.metrics import InstrumentedStore, Metrics
+from elasticd.private import Private
 from elasticd.shell import worker_library
 from elasticd.shell.bounds import contain, memory_total
 from elasticd.shell.cgroup_placement import instance_name
@@ -168,8 +170,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 metavar=flag.rsplit("-", 1)[-1].upper(),
                 help=doc,
             )
+    p.add_argument(
+        "--private",
+        metavar="DIR",
+        help="run the one job of elasticrun's directory DIR, on a cluster of this job's own "
+        "daemons (elasticrun starts it: docs/elasticrun.md)",
+    )
+    p.add_argument(
+        "--private-fd",
+        type=int,
+        metavar="FD",
+        help="with --private: elasticrun's end of the channel; its close stops the daemon",
+    )
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     args = p.parse_args(argv)
+    if (args.private is None) != (args.private_fd is None):
+        p.error("--private DIR and --private-fd FD go together")
     if args.check_config is not None and args.config is not None:
         p.error("--check-config FILE checks FILE: leave out --config")
     return args
@@ -247,11 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here
+    private = Private(args.private, args.private_fd) if args.private else None
+    daemon = Daemon(config, private)
     try:
-        code = asyncio.run(Daemon(config).run())
+        code = asyncio.run(
+            daemon.run() if private is None else private.supervise(daemon.run, daemon.serving)
+        )
     except ElasticdError as exc:
         log.error("%s", exc)
+        if private is not None:
+            private.say({"error": str(exc)})
         code = 1
+    if private is not None:
+        private.remove_directory()
     # Everything the daemon opened is closed: exit without the interpreter's teardown, whose
     # unloading of torch (a store host's) took ~0.5 s that every stop and restart waited for.
     logging.shutdown()
@@ -309,8 +333,9 @@ def status_line(records: list[JobRecord], node: str) -> str:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, private: Private | None = None) -> None:
         self.config = config
+        self.private = private  # a private daemon's job (elasticrun's), or None
         self.node = config.node_name
         self.notify = Notifier()
         self.metrics = Metrics(config.paths.state_dir)
@@ -323,6 +348,10 @@ class Daemon:
         self._started = time.time()
         self._recount: asyncio.TimerHandle | None = None  # the job gauges' next recount
         self._recounted = -math.inf  # when they were last recounted (the loop's clock)
+        self._serving = False  # past start-up: a stop is what ends it now
+
+    def serving(self) -> bool:
+        return self._serving
 
     async def run(self) -> int:
         """Build every part in dependency order, run them as one task group until SIGTERM,
@@ -341,6 +370,10 @@ class Daemon:
             await store.set(
                 Keyspace(config.cluster.name).ping, b"1"
             )  # not an add: junk there must not stop a start
+            if self.private is not None:  # its job's id, before this node takes part in anything
+                await self.private.claim(
+                    store, signer, Keyspace(config.cluster.name).root, config, self.node
+                )
             history = History(history_path(config.paths.state_dir))
             closing.callback(history.close)
             if history.quarantined:
@@ -352,7 +385,7 @@ class Daemon:
             )
             closing.callback(registry.close)
             unfinished = self._restore(registry, history)
-            gpus, nvml = local_gpus(config.node.gpus)
+            gpus, nvml = self._gpus()
             if nvml is not None:
                 closing.callback(nvml.close)
             slots = slot_count(config, gpus)
@@ -439,6 +472,7 @@ class Daemon:
                     worker_library=worker_library.install(config.paths.runtime_dir),
                     tier=tier,
                     guard=detector,
+                    lens=self.private,
                 ),
             )
             node_shell.post(events.Restored(tuple(unfinished)))
@@ -471,7 +505,10 @@ class Daemon:
                 peers=peers,
                 schedule=followed,
             )
-            zap.add(PEER_DOMAIN, curve_policy(nodes.peer_keys))
+            # a job without a key: anyone could publish a node's peer key, so none is admitted
+            # (its elasticrun shows this node's output only; no log is fetched from another)
+            keyless = self.private is not None and self.private.keyless
+            zap.add(PEER_DOMAIN, curve_policy((lambda: {}) if keyless else nodes.peer_keys))
             peer_server = RouterServer(
                 ctx,
                 f"tcp://{join_endpoint(self._address, config.node.peer_port)}",
@@ -539,6 +576,7 @@ class Daemon:
                 on_pruned=lambda job_ids: self._jobs_changed(registry),
             )
             self._install_signals()
+            self._serving = True
             async with asyncio.TaskGroup() as tasks:
                 loops: dict[str, Callable[[], Awaitable[None]]] = {
                     "zap": zap.serve,
@@ -582,6 +620,23 @@ class Daemon:
                         config.socket_path,
                         self._endpoint,
                     )
+                    if self.private is not None:
+                        background.append(
+                            tasks.create_task(
+                                self.private.serve(
+                                    store=store,
+                                    signer=signer,
+                                    root=Keyspace(config.cluster.name).root,
+                                    node_shell=node_shell,
+                                    registry=registry,
+                                    nodes=nodes,
+                                    stop=self.stop,
+                                    node=self.node,
+                                    endpoint=self._endpoint,
+                                    hosts_store=self._server is not None,
+                                )
+                            )
+                        )
                 await node_shell.run(self.stop)
                 for task in background:
                     task.cancel()
@@ -622,7 +677,15 @@ class Daemon:
         return store
 
     async def _tcpstore_client(self, closing: contextlib.AsyncExitStack) -> TCPStoreClient:
-        self._server, self._endpoint = await asyncio.to_thread(host_store, self.config)
+        try:
+            self._server, self._endpoint = await asyncio.to_thread(host_store, self.config)
+        except StoreConnectionError as exc:
+            # torchrun's rule: a node that only guessed it hosts the store (its address is the
+            # endpoint's) and cannot, joins the one that does (two nodes of a job on a host)
+            if self.private is None or self.config.store.host != config_mod.AUTO:
+                raise
+            log.info("%s: joining it as a client", exc)
+            self._server, self._endpoint = None, self.config.store.endpoint
         if self._server is not None:
             closing.callback(self._server.close)
         firewall = await asyncio.to_thread(
@@ -656,6 +719,14 @@ class Daemon:
         name, _ = await race(joined=nodes.registered.wait(), stopping=self.stop.wait())
         return name == "joined"
 
+    def _gpus(self) -> tuple[tuple[str, ...], Nvml | None]:
+        """This node's GPUs; a private daemon's are those its elasticrun was given, if it was
+        given some (CUDA_VISIBLE_DEVICES), their health not watched."""
+        given = self.private.gpus() if self.private is not None else None
+        if given is not None:
+            return given, None
+        return local_gpus(self.config.node.gpus)
+
     def _cgroups(self) -> JobCgroups:
         cgroups = JobCgroups.setup(
             instance_name(self.node, self.config.paths.state_dir), self.config.jobs.cgroup
@@ -682,6 +753,8 @@ class Daemon:
 
     def _store_health(self, registry: JobRegistry, ok: bool, problem: str) -> None:
         self.metrics.store_up.set(1 if ok else 0)
+        if self.private is not None:
+            self.private.store_health(ok, problem, self.stop, self._endpoint)
         if ok != self._store_ok:
             self._store_ok = ok
             (log.info if ok else log.warning)(

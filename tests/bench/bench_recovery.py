@@ -376,24 +376,7 @@ class Torchrun:
             LAUNCHER,
             str(self.base),
             "torch.distributed.run",
-            "--nnodes",
-            self.nnodes,
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{self.addr(1)}:{self.port}",
-            "--rdzv-id",
-            "bench",
-            "--rdzv-conf",
-            "last_call_timeout=1,join_timeout=120",
-            "--max-restarts",
-            "3",
-            "--monitor-interval",
-            "0.1",
-            "--local-addr",
-            self.addr(index),
+            *torchrun_line(self.nnodes, f"{self.addr(1)}:{self.port}", self.addr(index)),
             WORKER,
             str(self.base),
             *self.worker_mode,
@@ -445,6 +428,102 @@ class Torchrun:
                 pass
 
 
+def torchrun_line(nnodes: str, endpoint: str, local_addr: str) -> list[str]:
+    """The torchrun options of the node at ``local_addr``: given to torchrun and, as they
+    are, to elasticrun."""
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "bench",
+        "--rdzv-conf",
+        "last_call_timeout=1,join_timeout=120",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.1",
+        "--local-addr",
+        local_addr,
+    ]
+
+
+class Elasticrun(Torchrun):
+    """torchrun's line, word for word, given to elasticrun on each node, with no daemon: each
+    elasticrun starts a private daemon (docs/elasticrun.md, "Where no elasticd runs"); node 1,
+    whose address is the endpoint, hosts the store.  A node killed is its elasticrun, daemon
+    and worker at once (a host gone), as torchrun's agent and worker are.  Its scale-up
+    figure's control plane includes the newcomer's daemon's start (its import of torch
+    among it): that is what a node arriving costs here."""
+
+    name = "elasticrun"
+    options: tuple[str, ...] = ()
+
+    def add_node(self) -> tuple[float, int]:
+        index = len(self.agents) + 1
+        argv = [
+            PY,
+            LAUNCHER,
+            str(self.base),
+            "elasticrun_node",
+            "--private",
+            *self.options,
+            *torchrun_line(self.nnodes, f"{self.addr(1)}:{self.port}", self.addr(index)),
+            WORKER,
+            str(self.base),
+            *self.worker_mode,
+            *getattr(self, "backend_args", ()),
+        ]
+        env = {**self.env, "TMPDIR": str(self.base), "PYTHONPATH": str(HERE)}
+        if self.hosts is not None:
+            argv = self.hosts.exec_argv(index, argv)
+            env = {**env, "GLOO_SOCKET_IFNAME": "eth0"}
+        started = time.time()
+        log = open(self.base / f"elasticrun{index}.log", "wb")
+        self.agents.append(
+            subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        )
+        return started, self.agents[-1].pid
+
+    def launch(self, count: int, nnodes: str) -> float:
+        """Start ``count`` elasticruns at once (no daemon to wait for: each starts its own)."""
+        self.nnodes = nnodes
+        started = time.time()
+        for _ in range(count):
+            self.add_node()
+        return started
+
+    def stop(self) -> None:
+        """SIGTERM to each elasticrun cancels the job; each waits for its daemon to stop."""
+        for node in self.agents:
+            if node.poll() is None:
+                node.send_signal(signal.SIGTERM)
+        for node in self.agents:
+            try:
+                node.wait(60)
+            except subprocess.TimeoutExpired:
+                kill_tree(node.pid)
+
+
+class ElasticrunInPlace(Elasticrun):
+    """The same, with --in-place (the worker under elasticd.elastic): survivors keep their
+    processes."""
+
+    name = "elasticrun-inplace"
+    options = ("--in-place",)
+
+    def __init__(self, base: Path, nodes: int, hosts: netns.Hosts | None = None) -> None:
+        super().__init__(base, nodes, hosts)
+        self.worker_mode = ("inplace",)
+
+
 class TorchrunUnshared(Torchrun):
     """torchrun with its documented opt-out of the shared store: in torch 2.13 a node that
     joins after the first round waits forever for a MASTER_ADDR that rank 0 only publishes
@@ -480,7 +559,15 @@ def thaw(system: Any) -> None:
     system.frozen = []
 
 
-SYSTEMS = (Elasticd, ElasticdInPlace, ElasticdSpares, Torchrun, TorchrunUnshared)
+SYSTEMS = (
+    Elasticd,
+    ElasticdInPlace,
+    ElasticdSpares,
+    Elasticrun,
+    ElasticrunInPlace,
+    Torchrun,
+    TorchrunUnshared,
+)
 BASELINES = ("torchrun", "torchrun-unshared")
 
 
@@ -527,7 +614,7 @@ def training(system, t0: float, figures: dict[str, float] | None) -> dict[str, f
     stall, stalled = max(
         ((b - a, a) for a, b in itertools.pairwise(window)), default=(resumed - last, last)
     )
-    if isinstance(system, ElasticdInPlace):  # survivors were exec'd long ago: no control figure
+    if isinstance(system, (ElasticdInPlace, ElasticrunInPlace)):  # survivors were exec'd long ago
         figures = {k: v for k, v in figures.items() if k != "control"}
         figures = {**figures, **phases(system.events.read(), t0, resumed, stalled)}
     return {**figures, "resumed": resumed - t0, "stall": stall}

@@ -220,31 +220,41 @@ def _clusters(base: Path, **defaults: Any) -> Iterator[Callable[..., Cluster]]:
             cluster.stop()
 
 
-DEB_REPORT = "debian package report"
+# modules whose REPORT lines (a timeline, what torchrun did beside) go to the summary
+REPORTS = {
+    "test_deb": "debian package on three systemd hosts",
+    "test_elasticrun_nodes": "elasticrun's private daemons, torchrun beside",
+    "test_slurm": "elasticrun under Slurm",
+}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """test_deb.py's timeline goes with the report of each of its tests' tear-down (so that
-    it reaches the summary from a pytest-xdist worker too)."""
+    """The REPORTS modules' lines go with the report of each of their tests' tear-down (so
+    that they reach the summary from a pytest-xdist worker too)."""
     outcome = yield
-    deb = sys.modules.get("test_deb")
-    if call.when == "teardown" and deb is not None and deb.REPORT:
-        outcome.get_result().user_properties.extend((DEB_REPORT, line) for line in deb.REPORT)
-        deb.REPORT.clear()
+    if call.when != "teardown":
+        return
+    for module, title in REPORTS.items():
+        found = sys.modules.get(module)
+        if found is not None and found.REPORT:
+            outcome.get_result().user_properties.extend((title, line) for line in found.REPORT)
+            found.REPORT.clear()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """test_deb.py's timeline (the three-host systemd cluster), when it ran."""
-    lines = [
-        value
-        for reports in terminalreporter.stats.values()
-        for report in reports
-        if getattr(report, "when", None) == "teardown"
-        for key, value in getattr(report, "user_properties", ())
-        if key == DEB_REPORT
-    ]
-    if lines:
-        terminalreporter.section("debian package on three systemd hosts")
-        for line in sorted(lines, key=lambda line: float(line.split(" s ", 1)[0])):
-            terminalreporter.write_line(line)
+    """test_deb.py's timeline (the three-host systemd cluster) and what torchrun did beside
+    elasticrun (test_elasticrun_nodes.py, test_slurm.py), when they ran."""
+    for title in REPORTS.values():
+        lines = [
+            value
+            for reports in terminalreporter.stats.values()
+            for report in reports
+            if getattr(report, "when", None) == "teardown"
+            for key, value in getattr(report, "user_properties", ())
+            if key == title
+        ]
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)

@@ -52,7 +52,16 @@ ROOMS: dict[str, tuple[int, tuple[str, ...]]] = {
     "config": (6, ("elasticd.config", "elasticd.metrics")),
     "cluster": (7, ("elasticd.cluster",)),
     "control": (8, ("elasticd.control",)),
-    "app": (9, ("elasticd.app", "elasticd.__main__", "elasticd.cleanup", "elasticd.keygen")),
+    "app": (
+        9,
+        (
+            "elasticd.app",
+            "elasticd.__main__",
+            "elasticd.cleanup",
+            "elasticd.keygen",
+            "elasticd.private",
+        ),
+    ),
 }
 
 

@@ -247,3 +247,21 @@ def test_spares_take_what_is_free_beyond_the_workers(free, has_gpus, spares, gpu
     assert len(offers) == (
         2 if free.slots > 1 + spares and (not has_gpus or len(free.gpus) > len(gpus)) else 1
     )
+
+
+def test_the_part_of_a_node_judged_lost_leaves_room_in_a_full_job():
+    """A full job whose member was lost takes another node (a hot spare) in its place: the
+    lost node's last word is no member, until it says something newer."""
+    said = Part("n2", PartState.RUNNING)
+    full = record("j-1", 1, nnodes=(2, 2), parts=(Part("n1", PartState.RUNNING), said))
+    assert choose_offers([full], "n3", Resources(4), has_gpus=False, busy=set()) == []
+    lost = {("j-1", "n2"): said}
+    offers = choose_offers([full], "n3", Resources(4), has_gpus=False, busy=set(), lost=lost)
+    assert [offer.job_id for offer in offers] == ["j-1"]
+    back = record(
+        "j-1",
+        1,
+        nnodes=(2, 2),
+        parts=(Part("n1", PartState.RUNNING), Part("n2", PartState.RESTARTING)),
+    )
+    assert choose_offers([back], "n3", Resources(4), has_gpus=False, busy=set(), lost=lost) == []

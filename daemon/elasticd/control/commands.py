@@ -413,7 +413,8 @@ class Commands:
 
     async def logs(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         """Every node's logs of the job: this node's files and live output, and the other
-        nodes' fetched from their daemons, merged as they come."""
+        nodes' fetched from their daemons, merged as they come (``local``: this node's
+        only, as torchrun shows its own workers' output on each node)."""
         record = await self._find(args["job"])
         self._check_owner(caller, record, "read the logs of")
         if args.get("follow"):
@@ -422,7 +423,7 @@ class Commands:
             async with asyncio.TaskGroup() as sources:
                 sources.create_task(self.local_logs(record.id, args, reply))
                 followed = {self._node}
-                while True:  # with --follow, nodes that join the job later are followed too
+                while not args.get("local"):  # with --follow, nodes that join later too
                     for node in record.parts.keys() - followed:
                         followed.add(node)
                         sources.create_task(self._remote_logs(node, record.id, args, reply))

@@ -86,6 +86,9 @@ class NodeCore:
     awaiting_schedule: bool = False  # scheduled, and the store's schedule not read yet
     # op -> the part giving spares back, their slots, to whom
     shedding: dict[int, tuple[PartCore, tuple[int, ...], str]] = field(default_factory=dict)
+    # (job, node) -> what a node judged lost last said of a job: not a member for placement
+    # (a full job takes a spare in its place) until that node says something newer
+    lost_parts: dict[tuple[str, str], Part] = field(default_factory=dict)
     story: Story = field(default_factory=Story)  # the node's own: holds, placement, GPUs
     stimulus_id: str = ""  # the stimulus being handled: what the node does for it carries it
 
@@ -140,6 +143,13 @@ class NodeCore:
     def _jobs_changed(self, event: ev.JobsChanged, now: ev.Now) -> Instructions:
         self.jobs = {record.id: record for record in event.jobs}
         self.users.update(event.users)
+        self.lost_parts = {  # a node that spoke again is back; an ended job is nobody's
+            (job, node): part
+            for (job, node), part in self.lost_parts.items()
+            if (record := self.jobs.get(job)) is not None
+            and record.outcome is None
+            and record.parts.get(node) == part
+        }
         out: Instructions = []
         for job, part in list(self.parts.items()):
             record = self.jobs.get(job)
@@ -230,6 +240,7 @@ class NodeCore:
             has_gpus=bool(self.settings.resources.gpus),
             busy=busy,
             draining=self.draining,
+            lost=self.lost_parts,
         ):
             out += self._start_part(self.jobs[offer.job_id], offer, now)
             busy.add(offer.job_id)
@@ -266,7 +277,13 @@ class NodeCore:
         )
         whole = spares.room(coming, [(len(h.slots), h.gpus) for h in holders])
         offers = choose_offers(
-            records, self.settings.node, whole, has_gpus=has_gpus, busy=busy, draining=self.draining
+            records,
+            self.settings.node,
+            whole,
+            has_gpus=has_gpus,
+            busy=busy,
+            draining=self.draining,
+            lost=self.lost_parts,
         )
         out: Instructions = []
         for job, n in spares.plan(holders, spares.wanted(offers, coming, has_gpus)):
@@ -696,10 +713,17 @@ class NodeCore:
     # -- nodes lost, leaving, shutting down --------------------------------------------------------
 
     def _nodes_lost(self, event: ev.NodesLost, now: ev.Now) -> Instructions:
+        """Every part here re-forms without the lost nodes; and a job they made full has
+        room again for this node (a hot spare waiting beside it)."""
         out: Instructions = []
         for part in list(self.parts.values()):
             out += self._tell(part, event, now)
-        return out
+        for record in self.jobs.values():
+            for node in event.nodes:
+                said = record.parts.get(node)
+                if record.outcome is None and said is not None and said.state.active:
+                    self.lost_parts[(record.id, node)] = said
+        return out + self._offer_self(now)
 
     def _leave_asked(self, event: ev.LeaveAsked, now: ev.Now) -> Instructions:
         parts = (

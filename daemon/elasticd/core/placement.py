@@ -9,12 +9,12 @@ the nodes forever.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from elasticd.core.model import AUTO, CPU, GPU, JobSpec, PartState
-from elasticd.core.records import JobRecord
+from elasticd.core.records import JobRecord, Part
 
 _DONE_HERE = frozenset({PartState.SUCCEEDED, PartState.FAILED, PartState.STOPPED})
 
@@ -168,8 +168,12 @@ def choose_offers(
     has_gpus: bool,
     busy: set[str],
     draining: bool = False,
+    lost: Mapping[tuple[str, str], Part] | None = None,
 ) -> list[Offer]:
-    """Offers this node makes, oldest job first: open jobs it fits and is not already in."""
+    """Offers this node makes, oldest job first: open jobs it fits and is not already in.
+    ``lost``: (job, node) -> what a node judged lost last said of a job: that part does not
+    count as a member of the job (its node will never say it ended)."""
+    lost = lost or {}
     if draining:
         return []
     offers = []
@@ -183,7 +187,11 @@ def choose_offers(
             continue
         if node in record.parts and record.parts[node].state in _DONE_HERE:
             continue  # this node's share ended; the job's end is on its way
-        members = [p for p in record.parts.values() if p.state.active]
+        members = [
+            part
+            for name, part in record.parts.items()
+            if part.state.active and lost.get((record.id, name)) != part
+        ]
         if len(members) >= record.spec.max_nodes:
             continue
         offer = fit(record.spec, free, has_gpus)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,6 +56,17 @@ class OutputMetrics(Protocol):
     def output_dropped(self, nbytes: int, why: str) -> None: ...
 
 
+class JobLens(Protocol):
+    """What this node runs of a job it takes, where that is not the job's record as it is (a
+    private daemon runs its own elasticrun's command line: private.py)."""
+
+    def spec(self, spec: JobSpec) -> JobSpec:
+        """The job as this node runs it; raises when this node runs no such job."""
+
+    def worker_env(self, spec: JobSpec) -> Mapping[str, str]:
+        """Variables on top of a worker's environment."""
+
+
 def free_port(address: str) -> int:
     """A port that is free on ``address`` now (the master port this node offers if it is rank 0)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -89,6 +100,7 @@ class Effectors:
     faults: Faults | None = None  # where the rendezvous keepers' unexpected errors are counted
     tier: CheckpointTier | None = None  # each job's checkpoint directory in memory
     guard: RoundGuard | None = None  # the failure detector (None: heartbeats only)
+    lens: JobLens | None = None  # what this node runs of a job (None: its record, as it is)
 
     def rendezvous(
         self,
@@ -133,6 +145,8 @@ class Effectors:
     ) -> PartEffectors:
         """A part's effectors: its cgroup made and its channel listening now (a failure
         raises: the part cannot start here)."""
+        if self.lens is not None:
+            spec = self.lens.spec(spec)
         cgroup = None
         if self.cgroups is not None:
             cgroup = self.cgroups.create(spec.id, self.containment.job_limits(nproc))
@@ -161,13 +175,11 @@ class Effectors:
     def worker_env(
         self, spec: JobSpec, link: WorkerLink | None, checkpoints: str = ""
     ) -> dict[str, str]:
-        """On top of worker_env: the library on PYTHONPATH, an in-place job's channel, the
-        job's checkpoint directory."""
-        env = (
-            {"PYTHONPATH": python_path(self.worker_library, spec.env)}
-            if self.worker_library
-            else {}
-        )
+        """On top of worker_env: what this node runs of the job (elasticrun's lens), the
+        library on PYTHONPATH, an in-place job's channel, the job's checkpoint directory."""
+        env = dict(self.lens.worker_env(spec)) if self.lens is not None else {}
+        if self.worker_library:
+            env["PYTHONPATH"] = python_path(self.worker_library, spec.env)
         if checkpoints:
             env[CHECKPOINT_ENV] = checkpoints
         if link is None:

@@ -121,8 +121,11 @@ class NodeShell:
                 task.cancel()
             for timer in self._node_timers.values():
                 timer.cancel()
-            await self._publisher.flush()
+            # the publishing loop first (a part it was publishing stays pending), then the
+            # last parts, each once
             publishing.cancel()
+            await asyncio.wait([publishing])
+            await self._publisher.flush()
         self._tasks = None
 
     async def _stop_on(self, stop: asyncio.Event, following: asyncio.Task[None]) -> None:

@@ -43,11 +43,14 @@ class PartPublisher:
     async def flush(self) -> bool:
         """Publish every pending part once; False if some failed (they stay pending, unless
         a newer part of the same job came meanwhile): a store that was away and came back
-        with its data (etcd, or a TCPStore whose host did not restart) must still learn them."""
-        failed: dict[str, Part] = {}
-        while self._unpublished:
-            job_id = next(iter(self._unpublished))
-            part = self._unpublished.pop(job_id)
+        with its data (etcd, or a TCPStore whose host did not restart) must still learn them.
+        A part stays pending until it is published, so that one whose publishing was
+        cancelled half-way (its record written, its change not logged: the other nodes would
+        never read it) is published again by the next flush, the last one at shutdown."""
+        failed: set[str] = set()
+        while todo := [job for job in self._unpublished if job not in failed]:
+            job_id = todo[0]
+            part = self._unpublished[job_id]
             try:
                 async with asyncio.timeout(_PUBLISH_TIMEOUT):
                     await self._board.publish_part(job_id, part)
@@ -59,11 +62,12 @@ class PartPublisher:
                     exc or "timed out",
                     extra=about(job_id),
                 )
-                failed[job_id] = part
+                failed.add(job_id)
+                continue
             except Exception:  # this part is lost, the others and the loop go on
                 self._faults.report("parts", f"job {job_id}")
-        for job_id, part in failed.items():
-            self._unpublished.setdefault(job_id, part)
+            if self._unpublished.get(job_id) is part:  # not replaced by a newer one meanwhile
+                del self._unpublished[job_id]
         return not failed
 
 

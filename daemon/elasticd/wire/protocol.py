@@ -68,7 +68,13 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "list": {"all": (bool,)},
     "status": {"job": (str,), "debug": (bool,)},
-    "logs": {"job": (str,), "rank": (int,), "follow": (bool,), "attempt": (int,)},
+    "logs": {
+        "job": (str,),
+        "rank": (int,),
+        "follow": (bool,),
+        "attempt": (int,),
+        "local": (bool,),  # this node's workers' output only (elasticrun's private daemons)
+    },
     "cancel": {"job": (str,)},
     "wait": {"job": (str,)},
     "nodes": {"watch": (bool,)},

@@ -1,0 +1,139 @@
+"""elasticrun's private daemon, the client's side (ctl/elasticctl/private.py): the config it
+writes, the key it takes (a file of the user's alone; the Slurm allocation's, made by task 0
+and waited for by the others; else a public one, said), and what a killed one left, reaped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+
+import pytest
+
+from elasticctl import private, topology
+
+C10D = topology.Topology(nnodes="2:3", backend="c10d", host="h1", port=29400, run_id="r")
+REQUEST = {"argv": ["x.py"], "nproc_per_node": 2, "join_timeout": 30}
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["plain", 'quote " and \\ backslash', "tab\tnew\nline", "ünïcødé ✓", "\x01\x7f", "😀"],
+)
+def test_toml_holds_any_string(value):
+    assert tomllib.loads(private.toml({"t": {"k": value, "n": 3, "b": True}})) == {
+        "t": {"k": value, "n": 3, "b": True}
+    }
+
+
+def config(where: topology.Topology, **env: str) -> dict:
+    return tomllib.loads(private.daemon_config(REQUEST, where, "/d", "h1-7", "/k", env))
+
+
+def test_the_daemons_config_for_c10d_etcd_and_one_node():
+    found = config(C10D)
+    assert found["store"]["endpoint"] == "h1:29400" and found["store"]["host"] == "auto"
+    assert found["store"]["connect_timeout"] == 30.0 and found["store"]["firewall"] is False
+    assert found["cluster"] == {"name": "elasticrun-r", "key_file": "/k"}
+    assert found["paths"] == {"state_dir": "/d/state", "runtime_dir": "/d/run"}
+    assert found["node"] == {"name": "h1-7", "peer_port": 0, "slots": max(2, os.cpu_count())}
+    assert found["log"]["level"] == "warning" and found["metrics"]["port"] == 0
+    assert config(C10D, LOGLEVEL="INFO")["log"]["level"] == "info"  # torchrun's variable
+    hosted = topology.Topology(nnodes="2", backend="static", host="m", port=1, hosts_store=False)
+    assert config(hosted)["store"]["host"] is False
+    etcd = topology.Topology(
+        nnodes="2", backend="etcd", host="e", port=2379, etcd_tls={"ca_file": "/ca"}
+    )
+    assert config(etcd)["store"] == {
+        "backend": "etcd",
+        "endpoints": ["e:2379"],
+        "connect_timeout": 30.0,
+        "ca_file": "/ca",
+    }
+    alone = config(topology.Topology(nnodes="1:1"))
+    assert "store" not in alone and "cluster" not in alone  # --standalone's: no store port
+
+
+def test_a_key_file_must_be_the_users_alone(tmp_path):
+    key = tmp_path / "k"
+    key.write_text("ab" * 32)
+    key.chmod(0o640)
+    with pytest.raises(private.Failed, match=r"readable by you only .* chmod 600"):
+        private._check_key(str(key), "--rdzv-conf key_file")
+    key.chmod(0o600)
+    private._check_key(str(key), "--rdzv-conf key_file")
+    with pytest.raises(private.Failed, match="No such file"):
+        private._check_key(str(tmp_path / "none"), "--rdzv-conf key_file")
+
+
+def test_without_a_key_the_job_says_anyone_can_join_and_its_key_is_anyones(tmp_path):
+    warned = []
+    path, made, keyless = private._key(C10D, str(tmp_path), {}, warned.append)
+    assert keyless and made == ""
+    assert bytes.fromhex(open(path).read().strip()) == private.public_key("r")
+    assert "anyone who can reach h1:29400 can join it" in warned[0]
+    assert private._key(topology.Topology(nnodes="1"), str(tmp_path), {}, warned.append) == (
+        "",
+        "",
+        False,
+    )
+
+
+def slurm(first: bool) -> topology.Topology:
+    return topology.Topology(
+        nnodes="3", backend="c10d", host="n1", port=29400, slurm_job="99", slurm_first=first
+    )
+
+
+def test_the_slurm_allocations_key_is_made_by_task_0_and_waited_for_by_the_others(tmp_path):
+    environ = {"HOME": str(tmp_path)}
+    found = {}
+
+    def other_task():
+        found["other"] = private.slurm_key(slurm(False), environ)
+
+    waiting = threading.Thread(target=other_task)
+    waiting.start()  # before task 0 made it: it waits for it
+    time.sleep(0.3)
+    path, made = private.slurm_key(slurm(True), environ)
+    waiting.join(10)
+    assert found["other"] == (path, "") and made == path
+    assert path == str(tmp_path / ".elasticrun" / "slurm-99.key")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(tmp_path / ".elasticrun").st_mode & 0o777 == 0o700
+    assert private.slurm_key(slurm(True), environ) == (path, path)  # a requeued job: the same
+
+
+def test_a_task_that_never_sees_the_key_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setattr(private, "SLURM_KEY_WAIT", 0.3)
+    with pytest.raises(private.Failed, match="does not seem to share; give every node a key"):
+        private.slurm_key(slurm(False), {"HOME": str(tmp_path)})
+
+
+def test_what_a_killed_elasticrun_left_is_reaped_and_nothing_else(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    for name, owner in (
+        ("mine", {"pid": os.getpid(), "started": private._start_time(os.getpid())}),
+        ("dead", {"pid": int(dead.stdout), "started": 1}),
+        ("reused", {"pid": os.getpid(), "started": 1}),  # its pid now someone else's
+    ):
+        (base / name).mkdir()
+        (base / name / "owner").write_text(json.dumps(owner))
+    (base / "young").mkdir()  # being made: no owner yet
+    (base / "old").mkdir()
+    os.utime(base / "old", (time.time() - 3600, time.time() - 3600))
+    removed = private.reap_leftovers(str(base))
+    assert sorted(os.path.basename(path) for path in removed) == ["dead", "old", "reused"]
+    assert sorted(os.listdir(base)) == ["mine", "young"]
+
+
+def test_node_names_are_the_hosts_and_the_elasticruns():
+    assert private.node_name(1234).endswith("-1234") and "." not in private.node_name(1)
