@@ -377,7 +377,11 @@ class Ledger:
         victim = self.jobs[victim_id]
         held = len(self.held[victim_id])
         settled = self.settled(victim)
-        if held > victim.need and (settled or node not in victim.current):
+        if (
+            held > victim.need
+            and (settled or node not in victim.current)
+            and self._charge_holds(victim, node)
+        ):
             if self.borrowing(victim):
                 return BORROWED
             if victim.priority <= job.priority:
@@ -391,6 +395,15 @@ class Ledger:
         ):
             return PREEMPT
         return None
+
+    def _charge_holds(self, victim: JobDemand, node: str) -> bool:
+        """Whether ``victim`` stays within its quotas without ``node``: its charge is at its
+        smallest shares, so giving back a node of small shares may raise it (a job admitted
+        on a small node and grown onto a big one would be left on the big one, over them)."""
+        before = self.charges.get(victim.id, _ZERO)
+        after = self.charge(victim, self.held[victim.id] - {node})
+        more = tuple(a - b for a, b in zip(after, before, strict=True))
+        return all(m <= 0 for m in more) or self.over_quota(victim, more) is None
 
     def settled(self, job: JobDemand) -> bool:
         """Whether ``job`` has run ``min_run_time`` since its last start, resize or
