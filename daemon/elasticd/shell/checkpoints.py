@@ -57,6 +57,9 @@ CHECKPOINT_ENV = "ELASTICD_CHECKPOINT_DIR"
 TIER_SOCKET = ".tier.sock"  # in the job's directory: its workers ask the tier there
 _MAX_REQUEST = 1024 * 1024  # bytes of one worker's request line
 _MAX_RANGES = 65536  # byte ranges one fetch may ask for
+_MAX_CLAIMED = 64  # checkpoints a job's workers may be saving at once (``saving``, unlanded)
+_MAX_LOCAL = 4096  # workers a node's report may count
+_MAX_WAITS = 64  # a job's workers' ``wait``s at once
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
@@ -153,6 +156,7 @@ class JobDir:
     # shares are described from the reports, not from the round this node is in now
     claimed: dict[str, dict[int, Report]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set, then replaced
+    waits: int = 0  # its workers' waits now
 
     @property
     def job(self) -> str:
@@ -872,8 +876,14 @@ class CheckpointTier:
     def _saving(self, jd: JobDir, request: Mapping[str, Any]) -> None:
         """A worker writes checkpoint ``id`` now: its share waits for the workers' reports."""
         ident = _checkpoint_name(request)
-        if ident not in jd.manifests and ident not in jd.busy:
-            jd.claimed.setdefault(ident, {})
+        if not os.path.isdir(os.path.join(jd.path, ident)):
+            raise ValueError(f"{ident} is not a directory of the job's checkpoints")
+        if ident in jd.manifests or ident in jd.busy or ident in jd.claimed:
+            return
+        pending = [name for name in jd.claimed if name not in jd.manifests]
+        if len(pending) >= _MAX_CLAIMED:
+            raise ValueError(f"{len(pending)} checkpoints are being saved already")
+        jd.claimed[ident] = {}
 
     def _saved(self, jd: JobDir, request: Mapping[str, Any]) -> None:
         """A worker's files of checkpoint ``id`` are whole: once every worker of this node in
@@ -890,12 +900,16 @@ class CheckpointTier:
             _count(request, "rank"),
             _count(request, "local_world"),
         )
-        if not (0 < world and rank < world and 0 < local <= world):
+        if not (0 < world and rank < world and 0 < local <= min(world, _MAX_LOCAL)):
             raise ValueError("rank, world or local_world out of range")
         for name in files:
             if not os.path.isfile(os.path.join(jd.path, ident, name)):
                 raise ValueError(f"{ident}/{name} is not there")
-        reports = jd.claimed.setdefault(ident, {})
+        if ident not in jd.claimed:
+            self._saving(jd, request)
+        reports = jd.claimed[ident]
+        if rank not in reports and len(reports) >= local:
+            raise ValueError(f"{ident}: more reports than the {local} workers of the node")
         report = Report(round, world, rank, local, tuple(files))
         if any(
             (r.round, r.world, r.local_world) != (round, world, local) for r in reports.values()
@@ -914,7 +928,15 @@ class CheckpointTier:
         timeout = request.get("timeout", 0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
             raise ValueError("timeout must be a number of seconds")
-        deadline = time.monotonic() + min(float(timeout), 600.0)
+        if jd.waits >= _MAX_WAITS:
+            raise ValueError(f"{jd.waits} waits of this job's workers already")
+        jd.waits += 1
+        try:
+            return await self._wait_for(jd, ident, time.monotonic() + min(float(timeout), 600.0))
+        finally:
+            jd.waits -= 1
+
+    async def _wait_for(self, jd: JobDir, ident: str, deadline: float) -> bool:
         while True:
             if _complete_or_newer(jd.found(), ident) or self._jobs.get(jd.job) is not jd:
                 return _complete_or_newer(jd.found(), ident)
