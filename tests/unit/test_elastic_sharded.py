@@ -259,3 +259,31 @@ def test_fsdp2_and_adamw_saved_by_3_ranks_load_resharded_bit_for_bit(saved_by_th
     assert not any(
         json.loads((out / f"read-{world}-{r}.json").read_text())["fetched"] for r in range(world)
     )
+
+
+# -- frameworks whose sharded strategies are refused in place -------------------------------------
+
+
+def test_lightning_s_sharded_strategies_are_refused_in_place_and_ddp_is_not():
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from elasticd.elastic import lightning
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        with pytest.raises(lightning.ShardedStrategyError, match=r"ddp.*not .*Strategy"):
+            lightning.refuse_sharded(strategy)
+    lightning.refuse_sharded(DDPStrategy())
+
+
+def test_accelerate_s_sharded_kinds_are_refused_in_place_and_multi_cpu_is_not():
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DistributedType
+
+    from elasticd.elastic import accelerate
+
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        with pytest.raises(accelerate.ShardedAcceleratorError, match=kind.value):
+            accelerate.refuse_sharded(kind)
+    for kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.NO):
+        accelerate.refuse_sharded(kind)
