@@ -196,7 +196,13 @@ def main() -> None:
                 blocked = time.monotonic()
                 state.commit()
                 blocked = time.monotonic() - blocked
-                report("commit", step=state.step, blocked=blocked, name=state.last_commit)
+                report(
+                    "commit",
+                    step=state.step,
+                    blocked=blocked,
+                    name=state.last_commit,
+                    **state.commit_timings,  # waited (for the one before), written
+                )
             while state.step in args.hold_at and state.step not in held:
                 time.sleep(0.05)
                 try:

@@ -25,6 +25,11 @@ over the saves of the slowest rank's time:
 - *torch.save rank 0*: the full state gathered to rank 0's CPU (``full_state_dict``,
   ``cpu_offload``) and ``torch.save``d there, fsynced; every rank waits (a barrier).
 
+``--in-place``: instead, commits every step in an ``--in-place`` job on 3 real daemons (one
+worker each, examples/fsdp_elastic_train.py, FSDP2, ``--commit-every 1``): how long each
+``state.commit()`` blocked (the write into the tier, and the wait for the commit before it
+to be complete: hashed and copied to another node by the daemons), against the step.
+
 Each save is deleted before the next.  Memory: the state (parameters, gradients, two
 moments: 16 bytes a parameter over the ranks), one save's staging per rank, and the full
 state on rank 0 for the last method: about 5 GB at 250M parameters.
@@ -33,6 +38,7 @@ state on rank 0 for the last method: about 5 GB at 250M parameters.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -244,6 +250,93 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(disk, ignore_errors=True)
 
 
+def in_place(args: argparse.Namespace) -> dict[str, Any]:
+    """Commits every step in an --in-place job on 3 daemons: blocked per commit, per step."""
+    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE.parent / "system"))
+    from conftest import Cluster
+
+    base = Path(tempfile.mkdtemp(prefix="bench-ckpt-inplace-", dir="/tmp"))
+    base.chmod(0o755)
+    report = base / "report"
+    report.mkdir(mode=0o777)
+    cluster = Cluster(base, 3, slots=1, resize_interval=None)
+    try:
+        for daemon in cluster.daemons:
+            daemon.start()
+        steps = args.steps
+        cluster[0].submit(
+            "--in-place",
+            "--nnodes",
+            "3",
+            "--max-restarts",
+            "0",
+            "--env",
+            "OMP_NUM_THREADS=1",
+            str(ROOT / "examples" / "fsdp_elastic_train.py"),
+            "--",
+            "--steps",
+            str(steps),
+            "--commit-every",
+            "1",
+            "--hidden",
+            str(args.hidden),
+            "--ffn",
+            str(4 * args.hidden),
+            "--layers",
+            str(args.layers),
+            "--report",
+            str(report),
+        )
+        path = report / "events.jsonl"
+        deadline = time.monotonic() + 1200
+        events: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            if path.exists():
+                events = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+            if len([e for e in events if e["event"] == "done"]) == 3:
+                break
+            time.sleep(0.5)
+        else:
+            raise SystemExit("the in-place job did not finish in 1200 s")
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    commits = [e for e in events if e["event"] == "commit" and e["step"] > 1]
+    blocked = [e["blocked"] for e in commits]
+    by_rank: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "step":
+            by_rank.setdefault(e["rank"], []).append(e["time"])
+    intervals = [b - a for times in by_rank.values() for a, b in itertools.pairwise(times)]
+    hidden, layers = args.hidden, args.layers
+    params = layers * (2 * hidden * 4 * hidden + 5 * hidden) + hidden + 1
+    return {
+        "params": params,
+        "state_bytes_per_rank": params * 12 / 3,
+        "commits": len(blocked),
+        "blocked": blocked,
+        "waited": [e.get("waited", 0.0) for e in commits],
+        "written": [e.get("written", 0.0) for e in commits],
+        "step_intervals": intervals,
+    }
+
+
+def print_in_place(doc: dict[str, Any]) -> None:
+    blocked = sorted(doc["blocked"])
+    p90 = blocked[int(0.9 * (len(blocked) - 1))]
+    print(
+        f"in place, 3 daemons, FSDP2, {doc['params'] / 1e6:.1f}M parameters "
+        f"(~{doc['state_bytes_per_rank'] / 2**20:.0f} MiB of parameters and moments per rank), "
+        f"a commit every step: {doc['commits']} commits; blocked per commit median "
+        f"{statistics.median(blocked):.3f} s, p90 {p90:.3f} s, max {blocked[-1]:.3f} s "
+        f"(of which waiting for the commit before it: median "
+        f"{statistics.median(doc['waited']):.3f} s; writing into the tier: median "
+        f"{statistics.median(doc['written']):.3f} s); "
+        f"step to step (commit included) median {statistics.median(doc['step_intervals']):.3f} s"
+    )
+
+
 def print_table(doc: dict[str, Any]) -> None:
     results = doc["results"]
     median = {m: statistics.median(results[m]["blocked"]) for m in METHODS}
@@ -275,6 +368,10 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="a local disk's dir")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--in-place", action="store_true", help="commits every step, in place")
+    parser.add_argument("--steps", type=int, default=30, help="--in-place: steps")
+    parser.add_argument("--hidden", type=int, default=1024, help="--in-place: model width")
+    parser.add_argument("--layers", type=int, default=4, help="--in-place: blocks")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -285,9 +382,11 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    doc = run(args)
+    doc = in_place(args) if args.in_place else run(args)
     if args.json:
         print(json.dumps(doc))
+    elif args.in_place:
+        print_in_place(doc)
     else:
         print_table(doc)
 

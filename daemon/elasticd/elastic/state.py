@@ -161,6 +161,12 @@ class TorchState(ObjectState):
         return None if last is None else last.name
 
     @property
+    def commit_timings(self) -> dict[str, float]:
+        """The last commit to the checkpoint tier's seconds: ``waited`` for the commit before
+        it to be complete, ``written`` into the tier (empty for a replicated model)."""
+        return dict(self._commits.timings) if self._commits is not None else {}
+
+    @property
     def sharded(self) -> bool:
         """Whether commits go to the checkpoint tier (a sharded model in an elasticd job)."""
         return self._commits is not None
