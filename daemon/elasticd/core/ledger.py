@@ -402,7 +402,7 @@ class Ledger:
         on a small node and grown onto a big one would be left on the big one, over them)."""
         before = self.charges.get(victim.id, _ZERO)
         after = self.charge(victim, self.held[victim.id] - {node})
-        more = tuple(a - b for a, b in zip(after, before, strict=True))
+        more = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
         return all(m <= 0 for m in more) or self.over_quota(victim, more) is None
 
     def settled(self, job: JobDemand) -> bool:

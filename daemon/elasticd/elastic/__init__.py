@@ -12,21 +12,32 @@ package on every worker's PYTHONPATH. Usage (see examples/elastic_train.py)::
         ...  # build DDP here or in a reset callback; state.commit() every few batches
 
     train(state)
+
+A sharded model (FSDP2, tensor parallel) is built in the ``run`` function for each round's
+world and given to ``state.attach(model, optimizer)``, which loads the last commit into it
+from the job's checkpoint tier, resharded (examples/fsdp_elastic_train.py).
 """
 
 from .driver import run
 from .errors import GroupAborted, HostsUpdatedInterrupt
+from .parallel import BatchShare, MeshError, World, batch_share, device_mesh, world
 from .runtime import check_host_updates, init, progress
 from .state import ObjectState, State, TorchState
 
 __all__ = [
+    "BatchShare",
     "GroupAborted",
     "HostsUpdatedInterrupt",
+    "MeshError",
     "ObjectState",
     "State",
     "TorchState",
+    "World",
+    "batch_share",
     "check_host_updates",
+    "device_mesh",
     "init",
     "progress",
     "run",
+    "world",
 ]

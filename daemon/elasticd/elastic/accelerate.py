@@ -34,12 +34,22 @@ from typing import Any
 try:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedType
 except ImportError as exc:
     raise ImportError(
         "elasticd.elastic.accelerate needs accelerate (pip install accelerate)"
     ) from exc
 
-__all__ = ["elastic_accelerator"]
+from . import runtime
+
+__all__ = ["ShardedAcceleratorError", "elastic_accelerator", "refuse_sharded"]
+
+# accelerate's kinds of distribution whose state no rank holds whole
+SHARDED = frozenset({DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM})
+
+
+class ShardedAcceleratorError(ValueError):
+    """An ``--in-place`` job's Accelerator shards the model."""
 
 
 def elastic_accelerator(**kwargs: Any) -> Accelerator:
@@ -50,4 +60,21 @@ def elastic_accelerator(**kwargs: Any) -> Accelerator:
     function, and prepare the state's own model and optimizer (never a prepared wrapper)."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    if runtime.current() is not None:
+        refuse_sharded(accelerator.distributed_type)
+    return accelerator
+
+
+def refuse_sharded(kind: DistributedType) -> None:
+    """ShardedAcceleratorError for FSDP, DeepSpeed and Megatron-LM in an ``--in-place``
+    job: the in-place path syncs rank 0's whole state, which a sharded model has nowhere.
+    (A script may shard with ``fully_shard`` itself and keep its state in
+    ``elastic.TorchState``: docs/in-place.md.)"""
+    if kind in SHARDED:
+        raise ShardedAcceleratorError(
+            f"elasticd: elastic_accelerator in an --in-place job supports replicated "
+            f"training only, not {kind.value}: its state is sharded and no rank holds it "
+            f"whole. Submit without --in-place, or shard with fully_shard and keep the "
+            f"state in elasticd.elastic.TorchState (examples/fsdp_elastic_train.py)"
+        )

@@ -12,6 +12,7 @@ else is a TypeError naming its path.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import re
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 FORMAT_VERSION = 1
+PACKED = b"elasticd-pack 1\n"  # the first bytes of a packed value (``pack``)
 _KEY_TYPES = (type(None), bool, int, float, str)
 # JSON reads the escapes of two lone surrogates as one astral character: such strings
 # travel as code points instead.
@@ -45,6 +47,67 @@ def encode(obj: Any, name: str = "obj") -> tuple[bytes, list[torch.Tensor]]:
 def decode(data: bytes, tensors: Sequence[torch.Tensor]) -> Any:
     """The structure ``encode`` saw, with ``tensors`` put in place of its placeholders."""
     return _rebuild(_parse(data)["value"], tensors)
+
+
+def pack(obj: Any, name: str = "obj") -> bytes:
+    """``obj`` as bytes, for a file rather than a broadcast: a magic line, the skeleton's
+    length (8 bytes, little-endian), the skeleton, then each tensor's raw bytes in
+    placeholder order (moved to the CPU)."""
+    data, tensors = encode(obj, name)
+    parts = [PACKED, len(data).to_bytes(8, "little"), data]
+    for tensor in tensors:
+        parts.append(raw_bytes(_sendable(tensor, torch.device("cpu"))))
+    return b"".join(parts)
+
+
+def unpack(data: bytes | bytearray | memoryview) -> Any:
+    """What ``pack`` was given, its tensors on the CPU (fresh: they share nothing with
+    ``data``).  ValueError when ``data`` is not whole or not a pack."""
+    view = memoryview(data)
+    start = len(PACKED)
+    if bytes(view[:start]) != PACKED or len(view) < start + 8:
+        raise ValueError("not a packed value")
+    length = int.from_bytes(view[start : start + 8], "little")
+    cursor = start + 8 + length
+    if cursor > len(view):
+        raise ValueError("a packed value cut short")
+    skeleton = _parse(bytes(view[start + 8 : cursor]))
+    placeholders = sorted(_placeholders(skeleton["value"]), key=lambda node: node["tensor"])
+    if [node["tensor"] for node in placeholders] != list(range(len(placeholders))):
+        raise ValueError("the packed skeleton's tensor indices are not 0..n-1")
+    tensors = []
+    for node in placeholders:
+        dtype = _dtype(node["dtype"])
+        shape = [int(n) for n in node["shape"]]
+        count = math.prod(shape)
+        size = count * dtype.itemsize
+        if cursor + size > len(view):
+            raise ValueError("a packed value cut short")
+        raw = bytearray(view[cursor : cursor + size])
+        cursor += size
+        flat = (
+            torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        )
+        tensors.append(flat.view(dtype).reshape(shape))
+    if cursor != len(view):
+        raise ValueError("bytes after a packed value")
+    return _rebuild(skeleton["value"], tensors)
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A contiguous CPU tensor's bytes (a copy)."""
+    return bytes(raw_view(tensor))
+
+
+def raw_view(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory as bytes, without a copy (numpy is not a dependency:
+    ctypes gives the buffer).  The tensor must outlive the view."""
+    if not (tensor.device.type == "cpu" and tensor.is_contiguous()):
+        raise ValueError("raw_view needs a contiguous CPU tensor")
+    size = tensor.numel() * tensor.element_size()
+    if not size:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * size).from_address(tensor.data_ptr())).cast("B")
 
 
 def broadcast_structure(

@@ -20,7 +20,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     process group: leave the group, take this worker's place in the next round from the
     local daemon, form the new group, ``restore()`` the last commit after a failure,
     ``sync()`` from rank 0, call the reset callbacks, and call ``func`` again. The process,
-    its imports and its model stay. Outside an in-place job ``func`` is called once."""
+    its imports and its model stay (a sharded model is built anew by ``func``, and
+    ``state.attach`` loads the commit into it). Outside an in-place job ``func`` is called
+    once."""
 
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> T:
@@ -35,7 +37,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     worker.join(why, error)
                     if reset:
                         state.on_reset()
-                if not skip_sync:
+                if not skip_sync or state_reshards(state):
                     runtime.phase("sync-start", worker.round)
                     state.sync()
                     runtime.phase("sync-end", worker.round)
@@ -54,3 +56,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
             reset = True
 
     return wrapper
+
+
+def state_reshards(state: Any) -> bool:
+    """Whether ``state`` must hear of every re-form, even one that adds no worker: a sharded
+    model's sharding is the world's (TorchState.sharded)."""
+    return bool(getattr(state, "sharded", False))

@@ -66,13 +66,14 @@ else:
         except ImportError:  # a fabric without the Trainer: elastic_fit says so when called
             Callback = CheckpointIO = object
 
-from . import driver
+from . import driver, runtime
 from .broadcast import broadcast_into
 from .state import ROOT, ObjectState, _snapshot
 
 __all__ = [
     "ElasticdEnvironment",
     "LightningState",
+    "ShardedStrategyError",
     "elastic_fit",
     "elastic_trainer_kwargs",
     "round_nodes",
@@ -313,6 +314,8 @@ def elastic_fit(
     @driver.run
     def rounds(state: LightningState) -> Any:
         trainer = make_trainer(**elastic_trainer_kwargs(num_nodes))
+        if runtime.current() is not None:
+            refuse_sharded(trainer.strategy)
         trainer.callbacks.append(_Commit(state, every_n_steps))
         resume = ckpt_path
         if state.checkpoint is not None:
@@ -322,3 +325,29 @@ def elastic_fit(
         return trainer
 
     return rounds(state)
+
+
+# Lightning's strategies whose state no rank holds whole (by class name: DeepSpeed's module
+# is imported only where it is installed)
+SHARDED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
+
+
+class ShardedStrategyError(ValueError):
+    """An ``--in-place`` job's Trainer uses a strategy that shards the model."""
+
+
+def refuse_sharded(strategy: Any) -> None:
+    """ShardedStrategyError when ``strategy`` shards the model: ``elastic_fit`` keeps a
+    commit as Lightning's checkpoint dict in each rank's memory and syncs rank 0's to the
+    others, which holds for replicated models (DDP) only.  A sharded model in place:
+    ``elastic.TorchState`` with ``fully_shard`` in the script (docs/in-place.md)."""
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    found = sorted(names.intersection(SHARDED_STRATEGIES))
+    if found:
+        raise ShardedStrategyError(
+            f"elasticd: elastic_fit in an --in-place job supports replicated strategies "
+            f"(ddp) only, not {found[0]}: its state is sharded and no rank holds it whole. "
+            f"Submit without --in-place (the restart path, with the checkpoint tier), or "
+            f"write the loop with elasticd.elastic.TorchState and fully_shard "
+            f"(examples/fsdp_elastic_train.py)"
+        )

@@ -9,14 +9,16 @@ the step in progress is lost, everything up to the last commit is kept.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import runtime
-from .broadcast import broadcast_into, broadcast_structure, encode
+from . import checkpoint, runtime
+from .broadcast import broadcast_into, broadcast_structure, default_device, encode
+from .sharded import ShardedCommits, holds_dtensors, load_commit
 
 ROOT = 0  # the rank whose state the others take on sync
 
@@ -121,10 +123,19 @@ class ObjectState(State):
 class TorchState(ObjectState):
     """An ObjectState that also keeps a model's and an optimizer's state dicts.
 
-    ``save`` keeps detached clones on the same devices; ``restore`` loads them back;
-    ``sync`` broadcasts rank 0's parameters and buffers into each rank's own tensors, and
-    rank 0's optimizer state dict, which the others load (a newcomer's fresh optimizer has
-    no state: after the load it has rank 0's, step counts included)."""
+    A replicated model (plain, DDP): ``save`` keeps detached clones on the same devices;
+    ``restore`` loads them back; ``sync`` broadcasts rank 0's parameters and buffers into
+    each rank's own tensors, and rank 0's optimizer state dict, which the others load (a
+    newcomer's fresh optimizer has no state: after the load it has rank 0's, step counts
+    included).
+
+    A sharded model (FSDP2, tensor parallel: its parameters are DTensors) in an elasticd job:
+    ``save`` writes this rank's shards, the optimizer's and the attributes as a checkpoint in
+    the job's checkpoint tier (``sharded.py``). After a re-form the group is new and so must
+    be the sharding: ``restore`` and ``sync`` let the old model go, and the ``run`` function
+    builds one for the new world and calls ``attach(model, optimizer)``, which loads the
+    newest commit into it, resharded. Outside elasticd (no tier) a sharded model is kept as
+    clones, as a replicated one is."""
 
     def __init__(
         self,
@@ -134,10 +145,98 @@ class TorchState(ObjectState):
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self._commits: ShardedCommits | None = None  # set once the model is sharded
+        self._stale = False  # the model is an earlier round's: attach() a new one
+        self._saved_model: Any = None
+        self._saved_optimizer: Any = None
+        self._constructed = False
         super().__init__(**attrs)
+        self._constructed = True
+
+    @property
+    def last_commit(self) -> str | None:
+        """The name of the commit this state last wrote or loaded in the checkpoint tier
+        (a sharded model in an elasticd job), else None."""
+        last = self._commits.last if self._commits is not None else None
+        return None if last is None else last.name
+
+    @property
+    def commit_timings(self) -> dict[str, float]:
+        """The last commit to the checkpoint tier's seconds: ``waited`` for the commit before
+        it to be complete, ``written`` into the tier (empty for a replicated model)."""
+        return dict(self._commits.timings) if self._commits is not None else {}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether commits go to the checkpoint tier (a sharded model in an elasticd job)."""
+        return self._commits is not None
+
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> bool:
+        """Make ``model`` and ``optimizer`` (built for this round's world: its device mesh,
+        ``fully_shard``) the state's, and load the last commit into them: for a sharded
+        model, the newest commit every rank can get, resharded by DCP to this world, its
+        attributes with it; for a replicated one, this rank's copy of the last commit. Call
+        it in the ``run`` function, on every rank, after building them. Returns whether a
+        commit was loaded (False: none yet, the model is as built)."""
+        self.model, self.optimizer, self._stale = model, optimizer, False
+        tier = checkpoint.Tier.from_env()
+        if holds_dtensors(model, optimizer) and tier is not None and tier.served:
+            if self._commits is None:
+                self._commits = ShardedCommits(tier)
+            worker = runtime.current()
+            round = worker.round if worker is not None else -1
+            runtime.phase("load-start", round)
+            attrs = self._commits.load(model, optimizer) if _grouped() else None
+            runtime.phase("load-end", round)
+            if attrs is None:
+                if _grouped():
+                    ObjectState._broadcast_from_root(self)  # the first round: rank 0's values
+                ObjectState.save(self)
+                return False
+            self._set_values(attrs)
+            ObjectState.save(self)
+            return True
+        if self._saved_model is None:
+            return False
+        model.load_state_dict(self._saved_model)
+        if optimizer is not None and self._saved_optimizer is not None:
+            optimizer.load_state_dict(_snapshot(self._saved_optimizer))
+        return True
+
+    def load_from(self, checkpoint_id: str | os.PathLike[str]) -> None:
+        """Load a commit from a directory (the copy of one that the daemon wrote to the job's
+        ``--checkpoint-dir``) into the attached model and optimizer, resharded to them, and
+        its attributes: a new job can start where another one's commits left off. A
+        collective when distributed."""
+        if self.model is None:
+            raise RuntimeError("attach(model, optimizer) first: load_from loads into them")
+        self._set_values(load_commit(self.model, self.optimizer, checkpoint_id))
+        ObjectState.save(self)
 
     def save(self) -> None:
         super().save()
+        if not self._constructed:
+            if not holds_dtensors(self.model, self.optimizer):
+                self._keep_copies()
+            return
+        if self._stale:
+            raise RuntimeError(
+                "elasticd: this state's model belongs to an earlier round's process group; "
+                "build the sharded model anew in the elastic.run function and give it to "
+                "state.attach(model, optimizer) before the first commit"
+            )
+        if self._commits is None and holds_dtensors(self.model, self.optimizer):
+            tier = checkpoint.Tier.from_env()
+            if tier is not None and tier.served and _grouped():
+                self._commits = ShardedCommits(tier)
+        if self._commits is not None and self.model is not None:
+            self._commits.save(self.model, self.optimizer, self._values())
+            return
+        self._keep_copies()
+
+    def _keep_copies(self) -> None:
         self._saved_model = None if self.model is None else _snapshot(self.model.state_dict())
         self._saved_optimizer = (
             None if self.optimizer is None else _snapshot(self.optimizer.state_dict())
@@ -146,12 +245,30 @@ class TorchState(ObjectState):
     def restore(self) -> None:
         """Load what the last save kept (a model or optimizer given since is left as it is)."""
         super().restore()
+        if self._commits is not None:
+            self._commits.failed()
+            self._let_go()
+            return
         if self.model is not None and self._saved_model is not None:
             self.model.load_state_dict(self._saved_model)  # copies into the model's tensors
         if self.optimizer is not None and self._saved_optimizer is not None:
             # load_state_dict keeps the given tensors (step, exp_avg...) and steps them in
             # place later: hand it a copy, or the next step would change the saved state.
             self.optimizer.load_state_dict(_snapshot(self._saved_optimizer))
+
+    def sync(self) -> None:
+        """Replicated: rank 0's state to every rank. Sharded: the model is let go (its group
+        is gone); ``attach`` loads the commit, attributes included, into the next one. The
+        ranks agree first (one all_reduce): a newcomer, which has no model yet, does what
+        the others do."""
+        if _any_rank(self._commits is not None):
+            self._let_go()
+            return
+        super().sync()
+
+    def _let_go(self) -> None:
+        self.model = self.optimizer = None
+        self._stale = True
 
     def _broadcast_from_root(self) -> None:
         if self.model is not None:
@@ -173,6 +290,19 @@ class TorchState(ObjectState):
         super()._check_broadcastable()
         if self.optimizer is not None:  # a custom optimizer's state may not be broadcastable
             encode(self.optimizer.state_dict(), name="optimizer")
+
+
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (this one alone without a process group)."""
+    if not _grouped():
+        return flag
+    value = torch.tensor([int(flag)], device=default_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _snapshot(value: Any) -> Any:

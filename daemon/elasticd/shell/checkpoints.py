@@ -57,6 +57,9 @@ CHECKPOINT_ENV = "ELASTICD_CHECKPOINT_DIR"
 TIER_SOCKET = ".tier.sock"  # in the job's directory: its workers ask the tier there
 _MAX_REQUEST = 1024 * 1024  # bytes of one worker's request line
 _MAX_RANGES = 65536  # byte ranges one fetch may ask for
+_MAX_CLAIMED = 64  # checkpoints a job's workers may be saving at once (``saving``, unlanded)
+_MAX_LOCAL = 4096  # workers a node's report may count
+_MAX_WAITS = 64  # a job's workers' ``wait``s at once
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
@@ -120,6 +123,17 @@ class TierSettings:
     job_cap: int  # a job's, unless it asks for less (0: what the node has left)
 
 
+@dataclass(frozen=True)
+class Report:
+    """A worker's ``saved``: its rank in which round wrote which files of a checkpoint."""
+
+    round: int
+    world: int
+    rank: int
+    local_world: int  # the workers of this node in that round: the share is whole once all told
+    files: tuple[str, ...]
+
+
 @dataclass
 class JobDir:
     """One job's checkpoint directory on this node, and what the tier knows of it."""
@@ -143,6 +157,11 @@ class JobDir:
     server: asyncio.AbstractServer | None = None  # the workers' socket
     # id -> (copies that failed in a row, when the next may be tried: monotonic)
     retry: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # ids its workers said they save (``saving``), and each rank's ``saved`` report: their
+    # shares are described from the reports, not from the round this node is in now
+    claimed: dict[str, dict[int, Report]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set, then replaced
+    waits: int = 0  # its workers' waits now
 
     @property
     def job(self) -> str:
@@ -259,6 +278,7 @@ class CheckpointTier:
         del self._jobs[job]
         for task in [*jd.busy.values(), *jd.writing.values()]:
             task.cancel()
+        _changed(jd)
         if jd.server is not None:
             jd.server.close()
         if self._watcher is not None:
@@ -289,6 +309,7 @@ class CheckpointTier:
             return
         jd.record = record
         self._consider(jd)
+        _changed(jd)
 
     def directory(self, job: str) -> str | None:
         jd = self._jobs.get(job)
@@ -348,8 +369,10 @@ class CheckpointTier:
         found = jd.found()
         with_metadata = {m.id for m in found if m.metadata and m.round >= jd.round}
         for name in _entries(jd.path, dirs=True):
-            if name in jd.busy or jd.round < 0:
-                continue
+            if name in jd.busy or jd.round < 0 or os.path.join(jd.path, name) in jd.deleting:
+                continue  # being landed, no round yet, or pruned (its removal still runs)
+            if name in jd.claimed and name not in jd.manifests:
+                continue  # its workers tell when their files are whole (``saved``)
             own = jd.manifests.get(name)
             local_metadata = os.path.exists(os.path.join(jd.path, name, cp.METADATA))
             if own is None and (local_metadata or name in with_metadata):
@@ -372,6 +395,7 @@ class CheckpointTier:
 
     def _forget(self, jd: JobDir, name: str) -> None:
         """The script deleted a checkpoint: it is no longer this node's to describe."""
+        jd.claimed.pop(name, None)
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()
@@ -448,8 +472,9 @@ class CheckpointTier:
 
     async def _describe(self, jd: JobDir, name: str, kind: str = cp.DCP) -> None:
         """This node's share of checkpoint ``name`` is whole: hash it while streaming it to
-        the buddy, then publish its manifest."""
-        round, world, ranks = jd.round, jd.world, jd.ranks
+        the buddy, then publish its manifest.  Whose share it is: what its workers reported
+        (``saved``), else what an earlier description said, else this node's round now."""
+        round, world, ranks = _whose(jd, name)
         directory = os.path.join(jd.path, name) if kind == cp.DCP else jd.path
         names = _entries(directory, files=True) if kind == cp.DCP else [name]
         started = self._clock()
@@ -515,6 +540,7 @@ class CheckpointTier:
         kept = cp.kept(jd.manifests.values())
         self._post(ev.CheckpointsChanged(jd.job, tuple(m.to_json() for m in kept)))
         self._metrics.checkpoint_held(jd.job, _size_of(jd.path))
+        _changed(jd)
 
     # -- keeping the newest, dropping the rest --------------------------------------------------
 
@@ -541,6 +567,8 @@ class CheckpointTier:
         doomed += [os.path.join(jd.path, RANGES, n) for n in gone]
         jd.deleting.update(doomed)
         self._spawn("pruning", jd.job, functools.partial(self._remove, jd, doomed))
+        for name in gone:
+            jd.claimed.pop(name, None)
         dropped = [jd.manifests.pop(name) for name in sorted(gone) if name in jd.manifests]
         if dropped:
             self._publish(jd)  # only when this node's own shares changed: no echo loop
@@ -651,6 +679,7 @@ class CheckpointTier:
         cut = cp.torn(_entries(jd.path, dirs=True), found)
         for name in cut:
             jd.manifests.pop(name, None)
+            jd.claimed.pop(name, None)
         await _remove_all([os.path.join(jd.path, name) for name in cut])
         if cut:
             log.info(
@@ -854,6 +883,15 @@ class CheckpointTier:
             writer.close()
 
     async def _answer_worker(self, jd: JobDir, request: Mapping[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "saving":
+            self._saving(jd, request)
+            return {"ok": True}
+        if op == "saved":
+            self._saved(jd, request)
+            return {"ok": True}
+        if op == "wait":
+            return {"ok": True, "complete": await self._wait(jd, request)}
         latest = cp.latest_complete(jd.found())
         if request.get("op") == "latest":
             if latest is None:
@@ -889,6 +927,79 @@ class CheckpointTier:
         for name, spans in wanted.items():
             paths[name] = await self._ranges(jd, latest, name, spans)
         return {"ok": True, "paths": paths}
+
+    def _saving(self, jd: JobDir, request: Mapping[str, Any]) -> None:
+        """A worker writes checkpoint ``id`` now: its share waits for the workers' reports."""
+        ident = _checkpoint_name(request)
+        if not os.path.isdir(os.path.join(jd.path, ident)):
+            raise ValueError(f"{ident} is not a directory of the job's checkpoints")
+        if ident in jd.manifests or ident in jd.busy or ident in jd.claimed:
+            return
+        pending = [name for name in jd.claimed if name not in jd.manifests]
+        if len(pending) >= _MAX_CLAIMED:
+            raise ValueError(f"{len(pending)} checkpoints are being saved already")
+        jd.claimed[ident] = {}
+
+    def _saved(self, jd: JobDir, request: Mapping[str, Any]) -> None:
+        """A worker's files of checkpoint ``id`` are whole: once every worker of this node in
+        that round told, the share is described as theirs (round, world, ranks)."""
+        ident = _checkpoint_name(request)
+        files = request.get("files")
+        if not (isinstance(files, list) and 0 < len(files) <= cp.MAX_FILES):
+            raise ValueError("files must list the files this worker wrote")
+        if not all(isinstance(f, str) and cp.valid_name(f) for f in files):
+            raise ValueError("bad file name")
+        round, world, rank, local = (
+            _count(request, "round"),
+            _count(request, "world"),
+            _count(request, "rank"),
+            _count(request, "local_world"),
+        )
+        if not (0 < world and rank < world and 0 < local <= min(world, _MAX_LOCAL)):
+            raise ValueError("rank, world or local_world out of range")
+        for name in files:
+            if not os.path.isfile(os.path.join(jd.path, ident, name)):
+                raise ValueError(f"{ident}/{name} is not there")
+        if ident not in jd.claimed:
+            self._saving(jd, request)
+        reports = jd.claimed[ident]
+        if rank not in reports and len(reports) >= local:
+            raise ValueError(f"{ident}: more reports than the {local} workers of the node")
+        report = Report(round, world, rank, local, tuple(files))
+        if any(
+            (r.round, r.world, r.local_world) != (round, world, local) for r in reports.values()
+        ):
+            raise ValueError(f"{ident}: reports of different rounds or worlds")
+        reports[rank] = report
+        if len(reports) < local or ident in jd.manifests or ident in jd.busy:
+            return
+        jd.first_seen.setdefault(ident, self._clock())
+        jd.busy[ident] = self._spawn("landing", jd.job, functools.partial(self._land, jd, ident))
+
+    async def _wait(self, jd: JobDir, request: Mapping[str, Any]) -> bool:
+        """Whether checkpoint ``id`` is complete or a newer one is, once it is or after
+        ``timeout`` seconds (at most 600)."""
+        ident = _checkpoint_name(request)
+        timeout = request.get("timeout", 0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError("timeout must be a number of seconds")
+        if jd.waits >= _MAX_WAITS:
+            raise ValueError(f"{jd.waits} waits of this job's workers already")
+        jd.waits += 1
+        try:
+            return await self._wait_for(jd, ident, time.monotonic() + min(float(timeout), 600.0))
+        finally:
+            jd.waits -= 1
+
+    async def _wait_for(self, jd: JobDir, ident: str, deadline: float) -> bool:
+        while True:
+            if _complete_or_newer(jd.found(), ident) or self._jobs.get(jd.job) is not jd:
+                return _complete_or_newer(jd.found(), ident)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(jd.changed.wait(), left)
 
     async def _ranges(
         self, jd: JobDir, checkpoint: cp.Checkpoint, name: str, spans: list[tuple[int, int]]
@@ -934,6 +1045,45 @@ class CheckpointTier:
         if jd is None:
             return None
         return {"bytes": _size_of(jd.path), "cap": jd.cap, "memory": jd.mounted}
+
+
+def _changed(jd: JobDir) -> None:
+    """Wake the workers waiting for a checkpoint of ``jd`` to complete."""
+    jd.changed.set()
+    jd.changed = asyncio.Event()
+
+
+def _whose(jd: JobDir, name: str) -> tuple[int, int, tuple[int, ...]]:
+    """The round, world and ranks a share of checkpoint ``name`` belongs to."""
+    reports = jd.claimed.get(name)
+    if reports:
+        first = next(iter(reports.values()))
+        return first.round, first.world, tuple(sorted(reports))
+    if name in jd.manifests:
+        known = jd.manifests[name]
+        return known.round, known.world, known.ranks
+    return jd.round, jd.world, jd.ranks
+
+
+def _complete_or_newer(found: list[cp.Manifest], ident: str) -> bool:
+    ordered = cp.checkpoints(found)
+    position = {c.id: i for i, c in enumerate(ordered)}
+    done = [position[c.id] for c in ordered if c.complete and c.kind == cp.DCP]
+    return bool(done) and ident in position and max(done) >= position[ident]
+
+
+def _checkpoint_name(request: Mapping[str, Any]) -> str:
+    ident = request.get("id")
+    if not (isinstance(ident, str) and cp.valid_name(ident) and ident != cp.METADATA):
+        raise ValueError(f"bad checkpoint name {ident!r}")
+    return ident
+
+
+def _count(request: Mapping[str, Any], key: str) -> int:
+    value = request.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        raise ValueError(f"{key} must be a count")
+    return value
 
 
 async def _then(work: Callable[[], Awaitable[None]], done: asyncio.Future[None]) -> None:

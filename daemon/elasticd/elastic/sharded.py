@@ -1,0 +1,255 @@
+"""A ``TorchState``'s commits when its model or optimizer is sharded (FSDP2's ``fully_shard``,
+tensor parallel: DTensors).  Torch and the standard library only.
+
+No rank holds a whole copy of such a state, and the shards a lost node held are gone with it;
+a world of another size needs another sharding.  So each commit is a DCP checkpoint in the
+job's checkpoint tier (``checkpoint.py``): each rank writes its shards into its node's
+memory (that copy is all the training loop waits for), and the daemons copy each node's part
+to another node in the background.  After a re-form the script builds its model for the new
+world and hands it to ``TorchState.attach``, which loads the newest commit every rank can
+get, resharded by DCP: from this node's memory, or fetched from the node that holds it.
+
+A commit waits for the one before it to be complete (written by every rank and copied):
+at most one is in flight, so a node holds its parts of the newest complete commit, the
+copies it keeps of another node's, and one commit in flight.  A failure loses the steps
+since the newest complete commit: the step in flight, and the commit before it when its copy
+had not ended (a copy that takes longer than a step).
+
+Commits are named ``elastic-<round>-<n>``: in place, the round increases with every re-form,
+so names never repeat and their order is the order of the saves.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from . import checkpoint, runtime
+from .broadcast import default_device, pack
+from .errors import GroupAborted
+
+log = logging.getLogger(__name__)
+
+COMPLETE_WAIT = 600.0  # seconds a commit waits for the one before it to be complete
+_SLICE = 0.05  # seconds of one wait for completion: aborts are looked at in between
+_LOAD_TRIES = 3
+_NAME = re.compile(r"elastic-(\d+)-(\d+)")
+
+
+@dataclass(frozen=True, order=True)
+class CommitId:
+    """A commit: the round it was made in, and its number in that round (from 1)."""
+
+    round: int
+    seq: int
+
+    @property
+    def name(self) -> str:
+        return f"elastic-{self.round}-{self.seq}"
+
+    @classmethod
+    def parse(cls, name: str | None) -> CommitId | None:
+        found = _NAME.fullmatch(name or "")
+        return cls(int(found[1]), int(found[2])) if found else None
+
+    def encode(self) -> int:
+        """One int64 that orders as the commits do (all_reduce MAX agrees on the newest)."""
+        return self.round << 32 | self.seq
+
+    @classmethod
+    def decode(cls, value: int) -> CommitId | None:
+        return None if value < 0 else cls(value >> 32, value & 0xFFFFFFFF)
+
+
+def holds_dtensors(model: torch.nn.Module | None, optimizer: Any = None) -> bool:
+    """Whether a model's parameters or buffers, or an optimizer's state, are DTensors."""
+    if model is not None:
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            return True
+        if any(isinstance(b, DTensor) for b in model.buffers()):
+            return True
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            if any(isinstance(v, DTensor) for v in per_param.values()):
+                return True
+    return False
+
+
+class ShardedCommits:
+    """The commits of one TorchState in the job's tier (see the module's docstring)."""
+
+    def __init__(self, tier: checkpoint.Tier) -> None:
+        self.tier = tier
+        self.last: CommitId | None = None  # the newest commit this process wrote or loaded
+        self.trusted = True  # False after a failure: ``last`` may be torn
+        self.pending: CommitId | None = None  # written, not yet known complete
+        self.cleaned = -1  # the round whose older entries were deleted
+        self.timings: dict[str, float] = {}  # the last commit's: waited, written (seconds)
+
+    # -- commit ---------------------------------------------------------------------------
+
+    def save(self, model: torch.nn.Module, optimizer: Any, attrs: dict[str, Any]) -> CommitId:
+        """This rank's shards, the optimizer's and ``attrs`` as the next commit (a collective:
+        every rank commits at the same step).  Waits first for the commit before it."""
+        started = time.monotonic()
+        self._settle()
+        waited = time.monotonic()
+        ident = self._next()
+        checkpoint.save(_state_dict(model, optimizer, attrs), ident.name, tier=self.tier)
+        self.last, self.trusted, self.pending = ident, True, ident
+        self.timings = {"waited": waited - started, "written": time.monotonic() - waited}
+        return ident
+
+    def _next(self) -> CommitId:
+        round = _round()
+        if self.last is not None and self.last.round >= round:
+            return CommitId(self.last.round, self.last.seq + 1)
+        return CommitId(round, 1)
+
+    def _settle(self) -> None:
+        """Wait until the pending commit is complete (``COMPLETE_WAIT`` at most: then it is
+        given up, and the daemons keep trying to copy it)."""
+        if self.pending is None:
+            return
+        if not self._complete(self.pending, COMPLETE_WAIT):
+            log.warning(
+                "elasticd: commit %s was not complete after %.0f s; committing the next one",
+                self.pending.name,
+                COMPLETE_WAIT,
+            )
+        else:
+            self._clean(self.pending)
+        self.pending = None
+
+    def _complete(self, ident: CommitId, timeout: float) -> bool:
+        """Wait for ``ident`` to be complete in this node's tier; GroupAborted when the
+        daemon says a member is gone meanwhile (the wait would be for a lost node's copy)."""
+        deadline = time.monotonic() + timeout
+        worker = runtime.current()
+        while True:
+            if worker is not None and worker.aborted:
+                raise GroupAborted("a member of the job is gone")
+            left = deadline - time.monotonic()
+            if self.tier.wait(ident.name, max(0.0, min(_SLICE, left))):
+                return True
+            if left <= 0:
+                return False
+
+    def _clean(self, complete: CommitId) -> None:
+        """Once a commit of a round is complete: delete this node's entries of commits of
+        earlier rounds (the daemon prunes those it knows; a save cut off by a failure it
+        never described).  Each rank deletes; they may race, harmlessly."""
+        if complete.round <= self.cleaned:
+            return
+        self.cleaned = complete.round
+        for entry in os.scandir(self.tier.directory):
+            found = CommitId.parse(entry.name)
+            if found is not None and found.round < complete.round and entry.is_dir():
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    # -- after a re-form ---------------------------------------------------------------------
+
+    def failed(self) -> None:
+        """The group broke: the last commit may be torn (a rank died while saving it, or its
+        copy did not end), so it is no longer this rank's proposal."""
+        self.trusted = False
+        self.pending = None
+
+    def load(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        """Load the newest commit that every rank can get into ``model`` and ``optimizer``
+        (built for this round's world), resharded; its attributes, or None when there is no
+        commit at all.  A collective."""
+        for attempt in range(_LOAD_TRIES):
+            agreed = self._agree()
+            if agreed is None:
+                return None
+            loaded = None
+            try:
+                if not self._complete(agreed, COMPLETE_WAIT):
+                    raise checkpoint.TierError(f"{agreed.name} did not complete")
+                loaded = load_commit(model, optimizer, agreed.name, self.tier)
+            except (OSError, ValueError, checkpoint.TierError) as exc:
+                log.warning("elasticd: loading %s failed (%s)", agreed.name, exc)
+            if _everyone(loaded is not None):
+                assert loaded is not None
+                self.last, self.trusted, self.pending = agreed, True, None
+                return loaded
+            log.warning("elasticd: a rank could not load %s (try %d)", agreed.name, attempt + 1)
+        raise RuntimeError(f"the ranks could not load a commit in {_LOAD_TRIES} tries")
+
+    def _agree(self) -> CommitId | None:
+        """The newest commit any rank vouches for: its own last one (unless a failure may have
+        torn it), or the newest its node knows complete."""
+        found = self.tier.latest()
+        known = CommitId.parse(found["id"]) if found else None
+        own = self.last if self.trusted else None
+        mine = max((c for c in (own, known) if c is not None), default=None)
+        value = torch.tensor([mine.encode() if mine else -1], device=default_device())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return CommitId.decode(int(value.item()))
+
+
+def _round() -> int:
+    worker = runtime.current()
+    if worker is not None and worker.round >= 0:
+        return worker.round
+    value = os.environ.get(checkpoint.ROUND_ENV, "")
+    return int(value) if value.isdigit() else 0
+
+
+def _state_dict(model: torch.nn.Module, optimizer: Any, attrs: Any) -> dict[str, Any]:
+    """What a commit holds: the model's and the optimizer's state dicts (DCP's, keyed by
+    parameter names, so that they reshard) and the attributes, packed as one value."""
+    state: dict[str, Any]
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    state["attrs"] = attrs if isinstance(attrs, io.BytesIO) else io.BytesIO(pack(attrs, "state"))
+    return state
+
+
+def load_commit(
+    model: torch.nn.Module,
+    optimizer: Any,
+    checkpoint_id: str | os.PathLike[str],
+    tier: checkpoint.Tier | None = None,
+) -> dict[str, Any]:
+    """Load a commit (a name in the tier, or a directory: the copy the daemon wrote to the
+    job's --checkpoint-dir) into ``model`` and ``optimizer``, resharded to them; its
+    attributes.  A collective when distributed."""
+    state = _state_dict(model, optimizer, io.BytesIO())
+    checkpoint.load(state, checkpoint_id, tier=tier)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+    attrs = state["attrs"]
+    if not isinstance(attrs, dict):
+        raise ValueError(f"{checkpoint_id}: its attributes are not a dict")
+    return attrs
+
+
+def _everyone(ok: bool) -> bool:
+    flag = torch.tensor([1 if ok else 0], device=default_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

@@ -1,0 +1,395 @@
+"""How long the training loop is blocked per checkpoint of an FSDP2 model with AdamW, side by
+side in one run: elasticd's writer into the checkpoint tier against a bare copy of the rank's
+tensors, ``dcp.save`` and ``dcp.async_save`` to local disk, and ``torch.save`` of the full
+state from rank 0.
+
+    python tests/bench/bench_checkpoint.py [--ranks 3] [--params 250e6] [--saves 3] [--json]
+
+``--ranks`` gloo ranks on this host (one process each, one intra-op thread), a stack of
+bias-free ``Linear(H, H)`` layers of about ``--params`` parameters, each layer and the whole
+``fully_shard``-ed over the ranks, one AdamW step taken (its moments exist), then the state
+dict of DCP (``get_state_dict``) saved ``--saves`` times by each method.  Figures, medians
+over the saves of the slowest rank's time:
+
+- *bare copy*: a clone of each of the rank's tensors (model and optimizer shards): the floor
+  for any staging;
+- *elasticd tier*: ``elasticd.elastic.checkpoint.save`` into a directory on tmpfs
+  (``/dev/shm``), as a worker's ``ELASTICD_CHECKPOINT_DIR`` is: the call returns once the
+  rank's bytes are in the node's memory and rank 0's metadata is written.  No daemon runs
+  here: what the daemon does next (hash, copy to another node, to disk) runs in its own
+  process and is not part of these figures; in an ``--in-place`` job a ``TorchState``
+  commit also waits for the commit before it to be complete (not measured here);
+- *dcp.save disk*: DCP's ``FileSystemWriter`` into a directory on local disk (it fsyncs);
+- *dcp.async_save disk*: blocked until ``async_save`` returns (its staging), *on disk* once
+  its future is done;
+- *torch.save rank 0*: the full state gathered to rank 0's CPU (``full_state_dict``,
+  ``cpu_offload``) and ``torch.save``d there, fsynced; every rank waits (a barrier).
+
+``--in-place``: instead, commits every step in an ``--in-place`` job on 3 real daemons (one
+worker each, examples/fsdp_elastic_train.py, FSDP2, ``--commit-every 1``): how long each
+``state.commit()`` blocked (the write into the tier, and the wait for the commit before it
+to be complete: hashed and copied to another node by the daemons), against the step.
+
+Each save is deleted before the next.  Memory: the state (parameters, gradients, two
+moments: 16 bytes a parameter over the ranks), one save's staging per rank, and the full
+state on rank 0 for the last method: about 5 GB at 250M parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+METHODS = (
+    "bare copy",
+    "elasticd tier",
+    "dcp.save disk",
+    "dcp.async_save disk",
+    "torch.save rank 0",
+)
+HIDDEN = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- a rank ---------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.nn as nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from elasticd.elastic import checkpoint
+
+    torch.set_num_threads(1)
+    rank, world = args.rank, args.ranks
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=1800),
+    )
+    layers = max(1, round(args.params / HIDDEN**2))
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(layers)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().normal_(0.0, HIDDEN**-0.5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, HIDDEN)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+
+    def local_tensors() -> list[torch.Tensor]:
+        found = []
+        for value in [*model_sd.values(), *_leaves(optim_sd)]:
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+        return found
+
+    shard_bytes = sum(t.numel() * t.element_size() for t in local_tensors())
+    memory = Path(args.memory)
+    disk = Path(args.disk)
+
+    def slowest(seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
+    def clean(path: Path) -> None:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            if path.with_suffix(".pt").exists():
+                path.with_suffix(".pt").unlink()
+        dist.barrier()
+
+    results: dict[str, dict[str, list[float]]] = {m: {"blocked": []} for m in METHODS}
+    results["dcp.async_save disk"]["on disk"] = []
+    for save in range(args.saves):
+        # a bare copy of the rank's tensors
+        dist.barrier()
+        started = time.monotonic()
+        copies = [t.clone() for t in local_tensors()]
+        results["bare copy"]["blocked"].append(slowest(time.monotonic() - started))
+        del copies
+
+        path = memory / f"tier-{save}"
+        dist.barrier()
+        started = time.monotonic()
+        checkpoint.save(state, str(path))
+        results["elasticd tier"]["blocked"].append(slowest(time.monotonic() - started))
+        clean(path)
+
+        path = disk / f"dcp-{save}"
+        dist.barrier()
+        started = time.monotonic()
+        dcp.save(state, checkpoint_id=str(path))
+        results["dcp.save disk"]["blocked"].append(slowest(time.monotonic() - started))
+        clean(path)
+
+        path = disk / f"async-{save}"
+        dist.barrier()
+        started = time.monotonic()
+        pending = dcp.async_save(state, checkpoint_id=str(path))
+        blocked = time.monotonic() - started
+        future = getattr(pending, "upload_completion", pending)
+        future.result()
+        results["dcp.async_save disk"]["blocked"].append(slowest(blocked))
+        results["dcp.async_save disk"]["on disk"].append(slowest(time.monotonic() - started))
+        clean(path)
+
+        path = disk / f"full-{save}"
+        dist.barrier()
+        started = time.monotonic()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full_model, full_optim = get_state_dict(model, optimizer, options=options)
+        if rank == 0:
+            with open(path.with_suffix(".pt"), "wb") as f:
+                torch.save({"model": full_model, "optim": full_optim}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        del full_model, full_optim
+        dist.barrier()
+        results["torch.save rank 0"]["blocked"].append(time.monotonic() - started)
+        clean(path)
+
+    if rank == 0:
+        doc = {
+            "ranks": world,
+            "params": sum(p.numel() for p in model.parameters()),
+            "layers": layers,
+            "shard_bytes": shard_bytes,
+            "results": results,
+        }
+        Path(args.out).write_text(json.dumps(doc))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    memory = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.disk_dir))
+    out = disk / "result.json"
+    port = free_port()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT / 'daemon'}:{os.environ.get('PYTHONPATH', '')}",
+    }
+    env.pop("ELASTICD_CHECKPOINT_DIR", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--rank", str(rank), "--port", str(port)]
+            + ["--ranks", str(args.ranks), "--params", str(args.params)]
+            + ["--saves", str(args.saves), "--memory", str(memory), "--disk", str(disk)]
+            + ["--out", str(out)],
+            env=env,
+        )
+        for rank in range(args.ranks)
+    ]
+    try:
+        codes = [proc.wait() for proc in procs]
+        if any(codes):
+            raise SystemExit(f"a rank failed: exit codes {codes}")
+        return json.loads(out.read_text())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(memory, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def in_place(args: argparse.Namespace) -> dict[str, Any]:
+    """Commits every step in an --in-place job on 3 daemons: blocked per commit, per step."""
+    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE.parent / "system"))
+    from conftest import Cluster
+
+    base = Path(tempfile.mkdtemp(prefix="bench-ckpt-inplace-", dir="/tmp"))
+    base.chmod(0o755)
+    report = base / "report"
+    report.mkdir(mode=0o777)
+    cluster = Cluster(base, 3, slots=1, resize_interval=None)
+    try:
+        for daemon in cluster.daemons:
+            daemon.start()
+        steps = args.steps
+        cluster[0].submit(
+            "--in-place",
+            "--nnodes",
+            "3",
+            "--max-restarts",
+            "0",
+            "--env",
+            "OMP_NUM_THREADS=1",
+            str(ROOT / "examples" / "fsdp_elastic_train.py"),
+            "--",
+            "--steps",
+            str(steps),
+            "--commit-every",
+            "1",
+            "--hidden",
+            str(args.hidden),
+            "--ffn",
+            str(4 * args.hidden),
+            "--layers",
+            str(args.layers),
+            "--report",
+            str(report),
+        )
+        path = report / "events.jsonl"
+        deadline = time.monotonic() + 1200
+        events: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            if path.exists():
+                events = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+            if len([e for e in events if e["event"] == "done"]) == 3:
+                break
+            time.sleep(0.5)
+        else:
+            raise SystemExit("the in-place job did not finish in 1200 s")
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    commits = [e for e in events if e["event"] == "commit" and e["step"] > 1]
+    blocked = [e["blocked"] for e in commits]
+    by_rank: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "step":
+            by_rank.setdefault(e["rank"], []).append(e["time"])
+    intervals = [b - a for times in by_rank.values() for a, b in itertools.pairwise(times)]
+    hidden, layers = args.hidden, args.layers
+    params = layers * (2 * hidden * 4 * hidden + 5 * hidden) + hidden + 1
+    return {
+        "params": params,
+        "state_bytes_per_rank": params * 12 / 3,
+        "commits": len(blocked),
+        "blocked": blocked,
+        "waited": [e.get("waited", 0.0) for e in commits],
+        "written": [e.get("written", 0.0) for e in commits],
+        "step_intervals": intervals,
+    }
+
+
+def print_in_place(doc: dict[str, Any]) -> None:
+    blocked = sorted(doc["blocked"])
+    p90 = blocked[int(0.9 * (len(blocked) - 1))]
+    print(
+        f"in place, 3 daemons, FSDP2, {doc['params'] / 1e6:.1f}M parameters "
+        f"(~{doc['state_bytes_per_rank'] / 2**20:.0f} MiB of parameters and moments per rank), "
+        f"a commit every step: {doc['commits']} commits; blocked per commit median "
+        f"{statistics.median(blocked):.3f} s, p90 {p90:.3f} s, max {blocked[-1]:.3f} s "
+        f"(of which waiting for the commit before it: median "
+        f"{statistics.median(doc['waited']):.3f} s; writing into the tier: median "
+        f"{statistics.median(doc['written']):.3f} s); "
+        f"step to step (commit included) median {statistics.median(doc['step_intervals']):.3f} s"
+    )
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    results = doc["results"]
+    median = {m: statistics.median(results[m]["blocked"]) for m in METHODS}
+    print(
+        f"{doc['params'] / 1e6:.0f}M parameters ({doc['layers']} x Linear({HIDDEN}, {HIDDEN})), "
+        f"AdamW, FSDP2 over {doc['ranks']} gloo ranks; {doc['shard_bytes'] / 2**20:.0f} MiB "
+        f"of state per rank; medians of {len(results['bare copy']['blocked'])} saves"
+    )
+    print(f"{'method':<22} {'blocked (s)':>12} {'x bare copy':>12} {'on disk (s)':>12}")
+    for method in METHODS:
+        on_disk = results[method].get("on disk")
+        disk = f"{statistics.median(on_disk):12.2f}" if on_disk else f"{'':>12}"
+        if method in ("dcp.save disk", "torch.save rank 0"):
+            disk = f"{median[method]:12.2f}"
+        ratio = median[method] / median["bare copy"]
+        print(f"{method:<22} {median[method]:12.2f} {ratio:12.1f} {disk}")
+    tier = median["elasticd tier"]
+    print(
+        f"elasticd tier: {tier / median['bare copy']:.2f}x a bare copy (target <= 1.5), "
+        f"dcp.save to disk {median['dcp.save disk'] / tier:.1f}x longer (target >= 10), "
+        f"dcp.async_save's staging {median['dcp.async_save disk'] / tier:.1f}x longer"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--params", type=float, default=250e6)
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="a local disk's dir")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--in-place", action="store_true", help="commits every step, in place")
+    parser.add_argument("--steps", type=int, default=30, help="--in-place: steps")
+    parser.add_argument("--hidden", type=int, default=1024, help="--in-place: model width")
+    parser.add_argument("--layers", type=int, default=4, help="--in-place: blocks")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--memory", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--disk", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    doc = in_place(args) if args.in_place else run(args)
+    if args.json:
+        print(json.dumps(doc))
+    elif args.in_place:
+        print_in_place(doc)
+    else:
+        print_table(doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""elasticd.elastic's sharded state, its pure parts: the packed values of a checkpoint, the
+commits' names, a rank's share of the global batch, the mesh's refusal, the byte ranges a
+reader reads; and the writer and reader themselves, across real gloo ranks
+(tests/fixtures/tier_rw_worker.py): FSDP2 and AdamW saved by 3 ranks, loaded by 2 and by 1,
+equal to the last bit, each rank reading only its rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticd.elastic import batch_share, checkpoint, device_mesh
+from elasticd.elastic.broadcast import pack, unpack
+from elasticd.elastic.parallel import MeshError
+from elasticd.elastic.sharded import CommitId
+
+WORKER = Path(__file__).resolve().parents[1] / "fixtures" / "tier_rw_worker.py"
+
+
+# -- packed values ---------------------------------------------------------------------------
+
+
+def test_a_packed_value_comes_back_equal_with_its_types():
+    value = {
+        "lr": 0.1,
+        "betas": (0.9, 0.999),
+        "params": ["0.weight", "0.bias"],
+        3: {None: True},
+        "nan": float("nan"),
+        "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "scalar": torch.tensor(7),
+        "empty": torch.empty(0, 4),
+        "view": torch.arange(12.0).reshape(3, 4).t(),
+    }
+    back = unpack(pack(value))
+    assert back["betas"] == (0.9, 0.999) and type(back["betas"]) is tuple
+    assert back[3] == {None: True} and math.isnan(back["nan"])
+    for key in ("t", "scalar", "empty", "view"):
+        assert back[key].dtype == value[key].dtype and torch.equal(back[key], value[key]), key
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:-3],  # cut short
+        lambda data: data + b"x",  # bytes after it
+        lambda data: b"PK" + data[2:],  # not a pack (a torch.save archive starts so)
+        lambda data: data[:20],  # the skeleton cut
+    ],
+    ids=["short", "long", "magic", "skeleton"],
+)
+def test_a_damaged_pack_is_a_value_error(damage):
+    with pytest.raises(ValueError):
+        unpack(damage(pack({"t": torch.ones(4), "n": 1})))
+
+
+def test_what_cannot_be_packed_is_named():
+    with pytest.raises(TypeError, match="lr"):
+        pack({"lr": object()}, name="group")
+
+
+# -- commits ------------------------------------------------------------------------------------
+
+
+def test_commit_names_order_as_the_commits_do():
+    ids = [CommitId(0, 1), CommitId(0, 2), CommitId(0, 10), CommitId(3, 1), CommitId(12, 4)]
+    assert sorted(ids, key=lambda c: c.encode()) == ids
+    for ident in ids:
+        assert CommitId.parse(ident.name) == ident
+        assert CommitId.decode(ident.encode()) == ident
+    assert CommitId.decode(-1) is None
+    for name in ("step_40", "elastic-1", "elastic-a-1", None, "elastic-1-2/x"):
+        assert CommitId.parse(name) is None
+
+
+# -- the global batch ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("micro", [None, 1, 2, 3])
+def test_the_ranks_shares_cover_the_global_batch_once_and_weigh_it_whole(size, micro):
+    global_batch = 17
+    rows: list[int] = []
+    weight = 0.0
+    for rank in range(size):
+        share = batch_share(global_batch, rank=rank, size=size, micro_batch=micro)
+        mine = list(range(global_batch))[share.rows]
+        rows += mine
+        covered = []
+        for part, w in share.micro:
+            part_rows = mine[part]
+            assert micro is None or len(part_rows) <= micro
+            assert w == pytest.approx(len(part_rows) / global_batch * size)
+            covered += part_rows
+            weight += w
+        assert covered == mine
+    assert rows == list(range(global_batch))
+    # averaged over the ranks (FSDP), the weights sum to one global batch
+    assert weight / size == pytest.approx(1.0)
+
+
+def test_a_batch_too_small_for_the_world_is_refused():
+    with pytest.raises(ValueError, match="cannot feed"):
+        batch_share(2, rank=0, size=3)
+    with pytest.raises(ValueError):
+        batch_share(8, rank=3, size=3)
+
+
+def test_a_mesh_the_world_cannot_hold_is_refused_saying_what_would_fit(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(MeshError, match=r"3 workers.*tensor-parallel size of 2.*2, 4"):
+        device_mesh(tp=2)
+
+
+# -- what a reader reads ----------------------------------------------------------------------------
+
+
+class _Item:
+    def __init__(self, offsets, lengths):
+        self.storage_offsets = torch.Size(offsets)
+        self.lengths = torch.Size(lengths)
+
+
+def test_a_reader_reads_the_rows_it_needs_of_a_chunk():
+    stored = checkpoint.Stored("__1_0.distcp", 640, 6 * 4 * 4, "float32", (6, 4))
+    assert stored.rows(_Item([2, 0], [3, 4])) == (640 + 2 * 16, 3 * 16, (3, 4))
+    # columns (tensor parallel): the rows that hold them, narrowed after reading
+    assert stored.rows(_Item([1, 2], [2, 2])) == (640 + 16, 2 * 16, (2, 4))
+    scalar = checkpoint.Stored("__0_0.distcp", 64, 8, "int64", ())
+    assert scalar.rows(_Item([], [])) == (64, 8, ())
+
+
+def test_ranges_that_touch_or_overlap_are_fetched_as_one():
+    assert checkpoint._merged([(10, 5), (0, 10), (30, 1), (14, 6)]) == [(0, 20), (30, 1)]
+
+
+@pytest.mark.parametrize(
+    "doc, error",
+    [
+        ({"format": "other"}, "not an elasticd checkpoint"),
+        (
+            {
+                "format": checkpoint.FORMAT,
+                "tensors": {
+                    "w": {
+                        "dtype": "float32",
+                        "size": [2],
+                        "requires_grad": False,
+                        "chunks": [[[0], [2], "../x", 0, 8]],
+                    }
+                },
+                "values": {},
+            },
+            "a data file named",
+        ),
+        (
+            {
+                "format": checkpoint.FORMAT,
+                "tensors": {
+                    "w": {
+                        "dtype": "float32",
+                        "size": [2],
+                        "requires_grad": False,
+                        "chunks": [[[0], [2], "__0_0.distcp", 0, 7]],
+                    }
+                },
+                "values": {},
+            },
+            "holds 7 bytes",
+        ),
+        (
+            {
+                "format": checkpoint.FORMAT,
+                "tensors": {
+                    "w": {"dtype": "Storage", "size": [2], "requires_grad": False, "chunks": []}
+                },
+                "values": {},
+            },
+            "unknown dtype",
+        ),
+    ],
+    ids=["format", "file", "length", "dtype"],
+)
+def test_metadata_that_is_not_sound_is_refused(doc, error):
+    with pytest.raises(ValueError, match=error):
+        checkpoint._metadata_from(doc, "here")
+
+
+# -- across ranks -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, mode: str, path: Path, out: Path) -> None:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(rank),
+                str(world),
+                str(port),
+                mode,
+                str(path),
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + 120
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="module")
+def saved_by_three(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tier-rw")
+    run_ranks(3, "save", out / "ckpt", out)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_fsdp2_and_adamw_saved_by_3_ranks_load_resharded_bit_for_bit(saved_by_three, world):
+    out = saved_by_three
+    run_ranks(world, "load", out / "ckpt", out)
+    saved = json.loads((out / "saved.json").read_text())
+    loaded = json.loads((out / f"loaded-{world}.json").read_text())
+    for key in ("params", "moments", "steps"):
+        assert loaded[key] == saved[key], key
+        assert loaded["dcp_planner"][key] == saved[key], key
+    assert loaded["extra"] == {"step": 7, "name": "x", "t": [0.0, 1.0, 2.0], "pair": [1, None]}
+    assert loaded["pair_is_tuple"]
+    assert loaded["lr"] == loaded["dcp_planner_lr"] == 0.01
+    # each rank read its rows only: together, the tensors' bytes about once
+    total = sum((out / "ckpt" / f"__{r}_0.distcp").stat().st_size for r in range(3))
+    reads = [json.loads((out / f"read-{world}-{r}.json").read_text())["read"] for r in range(world)]
+    assert sum(reads) <= total and max(reads) <= total / world + 1024, (reads, total)
+    assert not any(
+        json.loads((out / f"read-{world}-{r}.json").read_text())["fetched"] for r in range(world)
+    )
+
+
+# -- frameworks whose sharded strategies are refused in place -------------------------------------
+
+
+def test_lightning_s_sharded_strategies_are_refused_in_place_and_ddp_is_not():
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from elasticd.elastic import lightning
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        with pytest.raises(lightning.ShardedStrategyError, match=r"ddp.*not .*Strategy"):
+            lightning.refuse_sharded(strategy)
+    lightning.refuse_sharded(DDPStrategy())
+
+
+def test_accelerate_s_sharded_kinds_are_refused_in_place_and_multi_cpu_is_not():
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DistributedType
+
+    from elasticd.elastic import accelerate
+
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        with pytest.raises(accelerate.ShardedAcceleratorError, match=kind.value):
+            accelerate.refuse_sharded(kind)
+    for kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.NO):
+        accelerate.refuse_sharded(kind)
