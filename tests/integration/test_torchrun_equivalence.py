@@ -49,7 +49,9 @@ so a change on either side fails the test) and listed here:
 - the failure summary of a worker without an error file (a shell script): torchrun's has
   the exit code only, elasticrun's also the tail of the rank's stderr;
 - PYTHONPATH: elasticd puts its worker library (``elasticd.elastic``, for in-place jobs)
-  first; the submitter's PYTHONPATH follows unchanged.
+  first; the submitter's PYTHONPATH follows unchanged;
+- ELASTICD_CHECKPOINT_DIR: elasticd gives every worker the job's checkpoint directory in
+  the node's memory (docs/checkpoints.md); torchrun has none.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ SCRUBBED = re.compile(
     r"^(PET_|TORCHELASTIC_|ELASTICD_|PYTEST_)|^(OMP_NUM_THREADS|LOGLEVEL|"
     r"PYTHONPATH|MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE)$"
 )
+# compared by presence and pinned in KNOWN: the job's checkpoint directory (elasticd only)
+CHECKPOINTS = "ELASTICD_CHECKPOINT_DIR"
 # what bash sets itself in probe.sh (whether "_" is new depends on who started the test)
 SHELL_OWN = {"_", "PWD", "OLDPWD", "SHLVL", "PS1"}
 WORKER_LINE = re.compile(r"probe (out|err) \d+$")
@@ -236,6 +240,8 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
         "torchrun": [str(LAUNCHERS_DIR)],
         "elasticrun": ["<added>", str(LAUNCHERS_DIR)],
     },
+    # elasticd gives every worker the job's checkpoint directory in memory
+    ("*", WORKER_ENV + "/" + CHECKPOINTS): {"torchrun": False, "elasticrun": True},
     # elasticd hides the node's GPUs from CPU workers (they belong to other jobs)
     ("nproc-cpu", WORKER_ENV + "/added"): {
         "torchrun": ["TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"],
@@ -357,7 +363,8 @@ def worker_env(env: dict[str, str], given: dict[str, str]) -> dict[str, Any]:
     seen["PYTHONPATH"] = [
         p if p in given_path else "<added>" for p in env.get("PYTHONPATH", "").split(os.pathsep)
     ]
-    compared = set(VALUES) | set(PRESENT) | {"PYTHONPATH"} | SHELL_OWN
+    seen[CHECKPOINTS] = bool(env.get(CHECKPOINTS))
+    compared = set(VALUES) | set(PRESENT) | {"PYTHONPATH", CHECKPOINTS} | SHELL_OWN
     seen["added"] = sorted(set(env) - set(given) - compared)
     seen["changed"] = sorted(k for k in set(given) - compared if k in env and env[k] != given[k])
     seen["removed"] = sorted(set(given) - set(env) - SHELL_OWN)
