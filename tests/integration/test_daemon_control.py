@@ -143,8 +143,7 @@ def test_sd_notify_ready_status_watchdog_stopping(daemon_factory):
 
 def test_metrics_endpoint(metered):
     metered.submit_wait(*worker_args())
-    text = _metrics(metered.metrics_url_port)
-    for needle in (
+    needles = (
         'elasticd_jobs{state="SUCCEEDED"} 1.0',
         'elasticd_workers{state="HEALTHY"} 0.0',
         'elasticd_worker_exits_total{exit_code="0"} 1.0',
@@ -153,8 +152,13 @@ def test_metrics_endpoint(metered):
         'elasticd_build_info{version="',
         "process_resident_memory_bytes",
         "elasticd_store_up 1.0",
-    ):
-        assert needle in text, needle
+    )
+    # the job gauges are recounted at most every 0.5 s after a change: a scrape just after
+    # the job ended may come before it
+    deadline = time.monotonic() + 10
+    while missing := [n for n in needles if n not in _metrics(metered.metrics_url_port)]:
+        assert time.monotonic() < deadline, missing
+        time.sleep(0.1)
 
 
 def test_bad_config_key_stops_start_up_naming_it(tmp_path):

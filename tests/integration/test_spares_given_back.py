@@ -78,7 +78,8 @@ def test_a_job_that_needs_the_room_of_a_spare_gets_it_and_the_job_trains_on(
         str(report),
     )["id"]
     rank0, spare = wait_for(lambda: parked(node, a), 120, "A trains and its spare parks")
-    assert metric(node, "elasticd_spare_workers") == 1
+    # the job gauges are recounted at most every 0.5 s after a change: wait for it
+    wait_for(lambda: metric(node, "elasticd_spare_workers") == 1, 10, "the spare counted")
 
     asked_at = time.time()
     b = node.submit("--nnodes", "1", "--nproc-per-node", "1", WORKER, "--", "--sleep", "0")["id"]
@@ -99,7 +100,7 @@ def test_a_job_that_needs_the_room_of_a_spare_gets_it_and_the_job_trains_on(
         60,
         "A trains on",
     )
-    assert metric(node, "elasticd_spare_workers") == 0
+    wait_for(lambda: metric(node, "elasticd_spare_workers") == 0, 10, "the spare uncounted")
     assert f"job {a}: gave back 1 spare slots to job {b}" in node.log_text()
     assert node.ctl("status", a)["restarts"] == 0
     node.ctl("cancel", a)
