@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -162,7 +163,19 @@ class Cluster:
             daemon.start(wait=False)
         for daemon in self.daemons[first:]:
             daemon.wait_notify("READY=1", START_TIMEOUT)
+        self.wait_acquainted()
         return self
+
+    def wait_acquainted(self, timeout: float = START_TIMEOUT) -> None:
+        """Until every daemon lists every other: started together, a daemon may have read
+        the node records before another wrote its own, and learns of it (and of its peer
+        key: a log request from it is refused until then) at its next heartbeat duty."""
+        names = {d.name for d in self.daemons}
+        deadline = time.monotonic() + timeout
+        for daemon in self.daemons:
+            while not names <= {n["name"] for n in daemon.request("nodes").result}:
+                assert time.monotonic() < deadline, f"{daemon.name} does not list all of {names}"
+                time.sleep(0.05)
 
     def stop(self) -> None:
         for daemon in reversed(self.daemons):
