@@ -304,3 +304,10 @@ def test_files_each_rank_wrote_itself_follow_their_ranks_to_other_nodes(
     assert ended["state"] == "SUCCEEDED", ended
     again = [e for e in starts(report) if e["world"] == 2]
     assert sorted((e["rank"], e["step"], e["from"]) for e in again) == [(0, 20, 0), (1, 20, 1)]
+    # the temporary names (rank<N>.pt.tmp, renamed at once) were never taken for
+    # checkpoints that went missing: a rename away is forgotten, a vanished file is no news
+    for d in trio:
+        if d is not rank0:
+            assert "landing failed" not in d.log_text() and ".tmp" not in str(
+                d.ctl("status", job).get("checkpoints", "")
+            )

@@ -235,3 +235,12 @@ def test_every_room_names_modules_that_exist():
         for prefix in prefixes:
             path = DAEMON.parent / Path(*prefix.split("."))
             assert path.is_dir() or path.with_suffix(".py").exists(), f"{room}: {prefix}"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by their basename (rootdir conftests, no packages): two
+    of one name in different folders fail the collection of whichever comes second."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a module name"
+        seen[path.name] = path

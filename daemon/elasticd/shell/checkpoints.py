@@ -45,6 +45,7 @@ from elasticd.shell.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
     IN_DELETE,
+    IN_MOVED_FROM,
     IN_MOVED_TO,
     IN_Q_OVERFLOW,
     Change,
@@ -63,7 +64,7 @@ _MAX_WAITS = 64  # a job's workers' ``wait``s at once
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
-_WATCHED = IN_CREATE | IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE
+_WATCHED = IN_CREATE | IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
 
@@ -333,7 +334,7 @@ class CheckpointTier:
                 self._watch(entry)
                 jd.first_seen.setdefault(change.name, self._clock())
                 self._consider(jd)
-            elif change.mask & IN_DELETE:
+            elif change.mask & (IN_DELETE | IN_MOVED_FROM):  # deleted, or renamed away
                 self._forget(jd, change.name)
             elif not change.is_dir and change.mask & (IN_CLOSE_WRITE | IN_MOVED_TO):
                 self._land_file(jd, change.name)
@@ -394,7 +395,9 @@ class CheckpointTier:
             self._consider(jd)
 
     def _forget(self, jd: JobDir, name: str) -> None:
-        """The script deleted a checkpoint: it is no longer this node's to describe."""
+        """The script deleted a checkpoint, or renamed it away (a file written to a
+        temporary name, then renamed: the temporary name is gone): it is no longer this
+        node's to describe."""
         jd.claimed.pop(name, None)
         task = jd.busy.pop(name, None)
         if task is not None:
@@ -427,6 +430,11 @@ class CheckpointTier:
             if self._over_node_cap(jd, name):
                 return
             await self._describe(jd, name)
+        except FileNotFoundError:  # deleted or renamed while it was described: no news
+            log.debug("job %s: %s went away while it landed", jd.job, name, extra=about(jd.job))
+            jd.busy.pop(name, None)
+            self._forget(jd, name)
+            return
         finally:
             jd.busy.pop(name, None)
         self._consider(jd)
@@ -493,6 +501,8 @@ class CheckpointTier:
                 try:
                     files[file] = await self._peers.send(buddy, jd.job, name, file, path)
                     continue
+                except FileNotFoundError:  # it went away: the caller forgets it
+                    raise
                 except Exception as exc:
                     log.warning(
                         "job %s: checkpoint %s: could not copy %s to %s: %s",
@@ -533,6 +543,10 @@ class CheckpointTier:
     async def _land_one(self, jd: JobDir, name: str) -> None:
         try:
             await self._describe(jd, name, cp.FILE)
+        except FileNotFoundError:  # renamed or deleted while it was described: no news
+            log.debug("job %s: %s went away while it landed", jd.job, name, extra=about(jd.job))
+            jd.busy.pop(name, None)
+            self._forget(jd, name)
         finally:
             jd.busy.pop(name, None)
 

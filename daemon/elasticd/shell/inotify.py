@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
 IN_CREATE = 0x00000100
 IN_DELETE = 0x00000200
