@@ -184,6 +184,9 @@ def main() -> None:
         path = os.path.join(args.report, f"final-{dist.get_rank()}.json")
         with open(path, "w") as f:
             json.dump({"step": step, "world": world, "sha256": sha}, f)
+    # every rank is done before any tears its group down: one that destroyed its gloo pairs
+    # while a peer still sent (FSDP2's last collectives) made that peer abort (SIGABRT)
+    dist.barrier()
     dist.destroy_process_group()
 
 
