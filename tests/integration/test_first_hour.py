@@ -110,9 +110,11 @@ def test_two_daemons_on_one_host_agree_by_address_who_hosts_the_store(shared_tmp
         }
         done = second.submit_wait("--nnodes", "2", *worker_args())
         assert done["state"] == "SUCCEEDED", done
-        assert (
-            sorted(w["node"] for w in done["workers"]) == ["fh1", "fh2"] and done["world_size"] == 2
+        # the outcome may reach fh2 before fh1's last part record does: wait for that too
+        done = second.wait_job(
+            done["id"], lambda j: sorted(w["node"] for w in j["workers"]) == ["fh1", "fh2"], 30
         )
+        assert done["world_size"] == 2
         assert first.proc.poll() is None and second.proc.poll() is None
         assert "Address already in use" not in first.log_text() + second.log_text()
     finally:
