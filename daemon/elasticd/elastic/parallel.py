@@ -31,6 +31,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from . import runtime
+
 
 class MeshError(ValueError):
     """This round's world cannot hold the mesh the script asked for."""
@@ -80,8 +82,16 @@ def device_mesh(tp: int = 1, device_type: str | None = None) -> Any:
         )
     kind = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     if tp == 1:
-        return init_device_mesh(kind, (size,), mesh_dim_names=("dp",))
-    return init_device_mesh(kind, (size // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(kind, (size,), mesh_dim_names=("dp",))
+    else:
+        mesh = init_device_mesh(kind, (size // tp, tp), mesh_dim_names=("dp", "tp"))
+    worker = runtime.current()
+    if worker is not None:
+        # the mesh's groups opened sockets of their own: an abort must shut them down too,
+        # else a rank blocked in a tensor-parallel collective with a partner on its own node
+        # (alive, gone to rejoin) waits for gloo's timeout, and the round stalls
+        worker.note_group_sockets()
+    return mesh
 
 
 @dataclass(frozen=True)
