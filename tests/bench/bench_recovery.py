@@ -368,25 +368,35 @@ class Torchrun:
             self.add_node()
         return started
 
+    log_name = "torchrun"  # node i's output goes to <log_name><i>.log
+
+    def program(self) -> list[str]:
+        """What node_launcher.py runs, before the torchrun options."""
+        return ["torch.distributed.run"]
+
+    def worker_args(self) -> list[str]:
+        return [WORKER, str(self.base), *self.worker_mode]
+
+    def node_env(self) -> dict[str, str]:
+        return dict(self.env)
+
     def add_node(self) -> tuple[float, int]:
-        """Start the next agent; returns when, and its pid."""
+        """Start the next node's program; returns when, and its pid."""
         index = len(self.agents) + 1
         argv = [
             PY,
             LAUNCHER,
             str(self.base),
-            "torch.distributed.run",
+            *self.program(),
             *torchrun_line(self.nnodes, f"{self.addr(1)}:{self.port}", self.addr(index)),
-            WORKER,
-            str(self.base),
-            *self.worker_mode,
+            *self.worker_args(),
         ]
-        env = self.env
+        env = self.node_env()
         if self.hosts is not None:
             argv = self.hosts.exec_argv(index, argv)
             env = {**env, "GLOO_SOCKET_IFNAME": "eth0"}
         started = time.time()
-        log = open(self.base / f"torchrun{index}.log", "wb")
+        log = open(self.base / f"{self.log_name}{index}.log", "wb")
         self.agents.append(
             subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -464,33 +474,16 @@ class Elasticrun(Torchrun):
     name = "elasticrun"
     options: tuple[str, ...] = ()
 
-    def add_node(self) -> tuple[float, int]:
-        index = len(self.agents) + 1
-        argv = [
-            PY,
-            LAUNCHER,
-            str(self.base),
-            "elasticrun_node",
-            "--private",
-            *self.options,
-            *torchrun_line(self.nnodes, f"{self.addr(1)}:{self.port}", self.addr(index)),
-            WORKER,
-            str(self.base),
-            *self.worker_mode,
-            *getattr(self, "backend_args", ()),
-        ]
-        env = {**self.env, "TMPDIR": str(self.base), "PYTHONPATH": str(HERE)}
-        if self.hosts is not None:
-            argv = self.hosts.exec_argv(index, argv)
-            env = {**env, "GLOO_SOCKET_IFNAME": "eth0"}
-        started = time.time()
-        log = open(self.base / f"elasticrun{index}.log", "wb")
-        self.agents.append(
-            subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        )
-        return started, self.agents[-1].pid
+    log_name = "elasticrun"
+
+    def program(self) -> list[str]:
+        return ["elasticrun_node", "--private", *self.options]
+
+    def worker_args(self) -> list[str]:
+        return [*super().worker_args(), *getattr(self, "backend_args", ())]
+
+    def node_env(self) -> dict[str, str]:
+        return {**self.env, "TMPDIR": str(self.base), "PYTHONPATH": str(HERE)}
 
     def launch(self, count: int, nnodes: str) -> float:
         """Start ``count`` elasticruns at once (no daemon to wait for: each starts its own)."""
