@@ -56,8 +56,8 @@ def make_cluster(
     daemon_factory: Any, shared_tmp: Path, backend: Any
 ) -> Iterator[Callable[..., Cluster]]:
     """``make(prefix, config, nodes=3, store_apart=False)``: a started cluster of ``nodes``
-    daemons (2 slots each) with ``config`` (TOML) on the test's backend; its daemons stop
-    before the etcd does."""
+    daemons (2 slots each) with ``config`` (TOML) on the test's backend, each following the
+    allocator's schedule; its daemons stop before the etcd does."""
     made: list[Cluster] = []
 
     def make(prefix: str, config: str = FAST, nodes: int = 3, store_apart: bool = False) -> Cluster:
@@ -67,7 +67,10 @@ def make_cluster(
         made.append(cluster)
         for role in "abcdefgh"[:nodes]:
             cluster.add(role, config=config)
-        return cluster.start()
+        cluster.start()
+        for daemon in cluster.daemons:  # a node without a schedule yet places jobs first come
+            follows_a_schedule(daemon)
+        return cluster
 
     yield make
     for cluster in made:
@@ -91,6 +94,10 @@ def equals(get: Callable[[], Any], wanted: Any, timeout: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not {wanted!r} within {timeout} s, last {got!r}")
         time.sleep(0.2)
+
+
+def follows_a_schedule(daemon: Daemon, timeout: float = 30) -> None:
+    equals(lambda: daemon.ctl("queue")["scheduler"], True, timeout, f"{daemon.name}'s schedule")
 
 
 def queue_is(daemon: Daemon, wanted: list[tuple[str, str]], timeout: float = 30) -> None:

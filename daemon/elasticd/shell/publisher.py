@@ -17,7 +17,7 @@ from elasticd.journal import about
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT = 5.0  # seconds one part gets to reach the board (the last ones, at shutdown)
-_REPUBLISH_PAUSE = 2.0  # seconds between tries while the store is away
+_REPUBLISH_PAUSE = 2.0  # seconds from one try to the next while the store is away
 
 
 class PartPublisher:
@@ -33,11 +33,15 @@ class PartPublisher:
         self._wanted.set()
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._wanted.wait()
             self._wanted.clear()
-            if not await self.flush():  # the store is away: try again after a pause
-                await asyncio.sleep(_REPUBLISH_PAUSE)
+            began = loop.time()
+            if not await self.flush():  # the store is away: try again, at most every pause
+                # (a try that timed out waited its pause already: an etcd write in flight
+                # when its leader died hangs until it times out, the next one goes through)
+                await asyncio.sleep(max(0.0, began + _REPUBLISH_PAUSE - loop.time()))
                 self._wanted.set()
 
     async def flush(self) -> bool:
@@ -59,7 +63,7 @@ class PartPublisher:
                     "could not publish %s's part of %s: %s",
                     part.node,
                     job_id,
-                    exc or "timed out",
+                    str(exc) or "timed out",
                     extra=about(job_id),
                 )
                 failed.add(job_id)
