@@ -21,7 +21,15 @@ from elasticd.core.model import (
 )
 from elasticd.core.part import PartCore, PartSettings, Phase, Pool
 from elasticd.core.records import Outcome
-from elasticd.rendezvous import EventKind, Member, NextRound, Reason, RendezvousInfo, RoundEvent
+from elasticd.rendezvous import (
+    CHARGED,
+    EventKind,
+    Member,
+    NextRound,
+    Reason,
+    RendezvousInfo,
+    RoundEvent,
+)
 
 ME, OTHER = "n1", "n2"
 JOB = "j-000001"
@@ -593,6 +601,34 @@ def test_in_place_a_survivor_that_asks_while_the_next_round_is_joined_is_not_lat
     d.mono += 10.0
     assert d(ev.TimerFired(JOB, timer.name)) == []
     assert d.part.phase is Phase.RUNNING
+
+
+def late_exit_after_a_failure_round(asked_first: bool) -> list[do.Instruction]:
+    """Another node's failure opens round 1 (spending the job's one restart) while this
+    node's worker in slot 1 is dying (it raised; its exit takes seconds): both workers are
+    carried in, slot 1's then fails (after asking for its place in round 1 first, if
+    ``asked_first``).  What the part does then."""
+    d = Drive(in_place=True)
+    in_place_running(d)
+    failure = RoundEvent(EventKind.NEXT_ROUND, Reason.FAILURE)
+    d(ev.RoundChanged(JOB, d.op(do.Watch), failure))
+    d.joined(info(round=1, restarts=1, reason=Reason.FAILURE))
+    ask(d, 0, after=0, why="interrupt")
+    if asked_first:
+        ask(d, 1, after=0, why="interrupt")
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED, round=1)
+    return acts(d(ev.PeersProbed(JOB, d.op(do.Probe), ())))
+
+
+def test_in_place_a_worker_that_dies_before_taking_its_place_is_the_failure_already_charged():
+    """A fresh CI run: rank 1 raised; its peers' collective broke and the suspect timer
+    opened a failure round (a restart spent) before rank 1's process had exited; its exit in
+    that round spent a second restart for the same failure."""
+    out = late_exit_after_a_failure_round(asked_first=False)
+    assert kinds(out) == ["ClearTimer", "Publish", "Notify", "RequestRound"] and out[2].abort
+    assert out[-1].reason is Reason.LATE_EXIT and Reason.LATE_EXIT not in CHARGED
+    # one that took its place in round 1 first failed anew: with no restart left, the job fails
+    assert kinds(late_exit_after_a_failure_round(asked_first=True)) == ["StopWorkers"]
 
 
 def test_in_place_a_collective_failure_with_no_dead_peer_fails_after_dead_after():

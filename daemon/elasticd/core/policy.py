@@ -26,6 +26,7 @@ class Decision(enum.Enum):
     STOP = "stop"  # the job ended: stop
     LEAVE = "leave"  # this node leaves the job (drain, shutdown)
     STALL = "stall"  # in place: a survivor did not rejoin in time; restart every worker
+    LATE_EXIT = "late_exit"  # in place: the failure that opened this round, seen late: re-form
 
 
 # -- what a round's watch can learn (the inputs of ``decide``) ------------------------------------
@@ -35,6 +36,9 @@ class Decision(enum.Enum):
 class WorkersExited:
     result: RunResult
     lost: tuple[str, ...] = ()  # members whose daemon was found dead when the workers failed
+    # in place: every worker that failed was carried into this round and died before it took
+    # its place there (it was dying when its peers' broken collective opened the round)
+    carried: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ def decide(seen: Observed, info: RendezvousInfo, spec: JobSpec) -> Decision:
             return Decision.BARRIER
         if seen.lost:
             return Decision.NODE_LOST  # a membership change: no restart is charged
+        if seen.carried and info.reason is Reason.FAILURE:
+            return Decision.LATE_EXIT  # the failure this round was opened for: charged once
         return (
             Decision.RESTART
             if may_restart(info.restart_count, spec.max_restarts)
@@ -88,6 +94,7 @@ ROUND_FOR = {
     Decision.NODE_LOST: Reason.NODE_LOST,
     Decision.SCALE_UP: Reason.SCALE_UP,
     Decision.STALL: Reason.STALLED,
+    Decision.LATE_EXIT: Reason.LATE_EXIT,
 }
 
 

@@ -30,6 +30,9 @@ class Reason(enum.StrEnum):
     )
     STALLED = "stalled"  # in place: a survivor did not rejoin in time; every worker
     #                          restarts (spends a restart, like a failure)
+    LATE_EXIT = "late_exit"  # in place: a worker carried into a round opened for a failure
+    #                          died before it took its place: that failure, seen late (spends
+    #                          nothing: the round it opened spent the restart)
 
 
 CHARGED = frozenset({Reason.FAILURE, Reason.STALLED})  # rounds that spend the restart budget

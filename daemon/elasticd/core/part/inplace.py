@@ -82,6 +82,17 @@ def round_result(part: PartPort) -> RunResult | None:
     return None
 
 
+def died_before_its_place(part: PartPort, result: RunResult) -> bool:
+    """Whether every worker that failed was carried into this round from an older one and
+    never asked for its place here: it was dying when the round was opened (a rank that
+    raises takes seconds to exit, while its peers' broken collective re-forms the job)."""
+    pool = pool_of(part)
+    slots = {f.local_rank for f in result.failures}
+    return bool(slots) and all(
+        slot in pool.survivors and pool.asked.get(slot, -2) < pool.survivors[slot] for slot in slots
+    )
+
+
 def pool_size(part: PartPort) -> int:
     """Slots of the part's pool: its workers' and its spares' (``--spares``)."""
     return part.nproc + part.spares

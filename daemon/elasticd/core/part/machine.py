@@ -493,11 +493,14 @@ class PartCore:
         if result.state is WorkerState.SUCCEEDED:
             return self.drop("probe") + self.observe(WorkersExited(result), now)
         assert self.info is not None
+        seen = WorkersExited(
+            result, carried=self.pool is not None and inplace.died_before_its_place(self, result)
+        )
         others = tuple(m.node for m in self.info.members if m.node != self.settings.node)
         if not others:
-            return self.drop("probe") + self.observe(WorkersExited(result), now)
+            return self.drop("probe") + self.observe(seen, now)
         self.move_to(Phase.PROBING)
-        self.then = Then(seen=WorkersExited(result))
+        self.then = Then(seen=seen)
         return self.drop("watch", "probe") + [
             do.Probe(self.job, self.new_op("main"), others, self.settings.dead_after)
         ]
@@ -507,7 +510,7 @@ class PartCore:
         seen = self.then.seen
         assert isinstance(seen, WorkersExited)
         self.move_to(Phase.RUNNING)
-        return self.observe(WorkersExited(seen.result, event.lost), now)
+        return self.observe(replace(seen, lost=event.lost), now)
 
     def _nodes_lost(self, event: ev.NodesLost, now: ev.Now) -> Instructions:
         """Members of this part's round are gone: the survivors re-form at once."""

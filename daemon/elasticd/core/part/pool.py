@@ -19,11 +19,12 @@ from elasticd.core.model import Failure, StateTable, Worker, WorkerGroup, Worker
 from elasticd.rendezvous import Reason, RendezvousInfo
 
 # Rounds after which spares fill the world size back to what it was before.
-LOSSES = frozenset({Reason.FAILURE, Reason.NODE_LOST})
+LOSSES = frozenset({Reason.FAILURE, Reason.NODE_LOST, Reason.LATE_EXIT})
 # Rounds whose previous group lost a member: its survivors must abort their collectives.
 ABORTING = frozenset(
     {
         Reason.FAILURE,
+        Reason.LATE_EXIT,
         Reason.NODE_LOST,
         Reason.DRAIN,
         Reason.SHUTDOWN,
