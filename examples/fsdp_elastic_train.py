@@ -220,6 +220,10 @@ def main() -> None:
                 json.dump({"step": state.step, "world": dist.get_world_size(), "sha256": sha}, f)
 
     train(state)
+    # every rank is done before any tears its group down (one that left early breaks a
+    # peer's last collective), and the group is left before the interpreter's teardown
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

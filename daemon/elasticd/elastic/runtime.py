@@ -565,6 +565,18 @@ def init(backend: str | None = None) -> None:
         return
     if not dist.is_initialized():
         dist.init_process_group(backend or _default_backend())
+        atexit.register(_leave_group)
+
+
+def _leave_group() -> None:
+    """At exit, the group ``init`` formed is destroyed unless the script did it: a gloo group
+    left to the interpreter's teardown can abort the process (SIGABRT, "terminate called
+    without an active exception"), a successful worker failing its job at its very end."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 _progress_channel: ProgressChannel | None = None
