@@ -237,7 +237,7 @@ class Runtime:
         self.channel = Channel(path, slot, self._abort, self._placed)
         self._progressed = -PROGRESS_EVERY
         self._watching: threading.Event | None = None  # set to stop the NCCL error watch
-        atexit.register(self.close)
+        atexit.register(_leave_group)
 
     def progress(self) -> None:
         """This worker made progress (a step, a commit): told to the agent, at most twice a
@@ -248,15 +248,6 @@ class Runtime:
             try:
                 self.channel.progress()
             except OSError:
-                pass
-
-    def close(self) -> None:
-        """At exit: leave the group cleanly (a gloo group left to the interpreter's teardown
-        aborts the process: "terminate called without an active exception")."""
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
                 pass
 
     # -- notices ------------------------------------------------------------------------
@@ -569,9 +560,9 @@ def init(backend: str | None = None) -> None:
 
 
 def _leave_group() -> None:
-    """At exit, the group ``init`` formed is destroyed unless the script did it: a gloo group
-    left to the interpreter's teardown can abort the process (SIGABRT, "terminate called
-    without an active exception"), a successful worker failing its job at its very end."""
+    """At exit, the group this library formed is destroyed unless the script did it: a gloo
+    group left to the interpreter's teardown can abort the process (SIGABRT, "terminate
+    called without an active exception"), a successful worker failing its job at its end."""
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -405,6 +405,13 @@ class CheckpointTier:
         if jd.manifests.pop(name, None) is not None:
             self._publish(jd)
 
+    def _went_away(self, jd: JobDir, name: str) -> None:
+        """``name`` was deleted or renamed while it landed: no news.  Forgotten by the task
+        that found it gone (taken out of ``busy`` first: forgetting cancels a busy task)."""
+        log.debug("job %s: %s went away while it landed", jd.job, name, extra=about(jd.job))
+        jd.busy.pop(name, None)
+        self._forget(jd, name)
+
     # -- landing: describe, hash, copy ----------------------------------------------------------
 
     def _buddy(self, jd: JobDir) -> str | None:
@@ -430,10 +437,8 @@ class CheckpointTier:
             if self._over_node_cap(jd, name):
                 return
             await self._describe(jd, name)
-        except FileNotFoundError:  # deleted or renamed while it was described: no news
-            log.debug("job %s: %s went away while it landed", jd.job, name, extra=about(jd.job))
-            jd.busy.pop(name, None)
-            self._forget(jd, name)
+        except FileNotFoundError:
+            self._went_away(jd, name)
             return
         finally:
             jd.busy.pop(name, None)
@@ -543,10 +548,8 @@ class CheckpointTier:
     async def _land_one(self, jd: JobDir, name: str) -> None:
         try:
             await self._describe(jd, name, cp.FILE)
-        except FileNotFoundError:  # renamed or deleted while it was described: no news
-            log.debug("job %s: %s went away while it landed", jd.job, name, extra=about(jd.job))
-            jd.busy.pop(name, None)
-            self._forget(jd, name)
+        except FileNotFoundError:
+            self._went_away(jd, name)
         finally:
             jd.busy.pop(name, None)
 
