@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-from harness import ROOT
+from harness import ROOT, alive
 from store_attack import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -261,10 +260,7 @@ def spares_of(daemon: Any, job: str, nodes: int) -> dict[str, int]:
 
 
 def gone(pids: set[int]) -> bool:
-    return not any(
-        psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        for pid in pids
-    )
+    return not any(alive(pid) for pid in pids)
 
 
 def test_spares_take_the_places_of_a_lost_worker_and_of_a_lost_node(

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
-from harness import ROOT
+from harness import ROOT, alive
 from store_attack import Cluster, metric, wait_for
 
 from elasticd.core.model import JobSpec, WorkerState
@@ -88,9 +88,7 @@ def test_a_job_that_needs_the_room_of_a_spare_gets_it_and_the_job_trains_on(
         60,
         "B runs in the spare's slot",
     )
-    assert not psutil.pid_exists(spare) or psutil.Process(spare).status() == psutil.STATUS_ZOMBIE, (
-        "the spare was reaped before B started"
-    )
+    assert not alive(spare), "the spare was reaped before B started"
     assert running[0]["pid"] != spare
     doc = node.ctl("status", a)
     assert [n["spares"] for n in doc["nodes"]] == [0] and doc["state"] == "RUNNING"
@@ -143,17 +141,13 @@ def test_a_spare_given_back_is_stopped_alone_even_if_it_ignores_sigterm(
             await asyncio.sleep(0.05)
         family = [spare, *_child_of(spare)]
         await workers.stop_slots((1,))
-        alive = [
-            p
-            for p in family
-            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
+        left = [p for p in family if alive(p)]
         group = workers.group
         await workers.stop()
-        return group, family, alive
+        return group, family, left
 
-    group, family, alive = asyncio.run(run())
-    assert len(family) == 2 and alive == [], "the spare and its child are gone"
+    group, family, left = asyncio.run(run())
+    assert len(family) == 2 and left == [], "the spare and its child are gone"
     assert [w.state for w in group.workers] == [WorkerState.HEALTHY, WorkerState.STOPPED]
 
 

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from harness import alive
 
 from elasticd.core.records import WorkerGroupLeft
 from elasticd.shell.workers import reap_leftovers
@@ -54,10 +55,7 @@ def group():
 def gone(*pids: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(
-            psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-            for p in pids
-        ):
+        if not any(alive(p) for p in pids):
             return True
         time.sleep(0.05)
     return False
