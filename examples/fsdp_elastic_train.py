@@ -191,7 +191,10 @@ def main() -> None:
             optimizer.step()
             dist.all_reduce(total)  # the global batch's mean loss, for the report
             state.step += 1
-            report("step", step=state.step, loss=float(total) / mesh["dp"].size() / args.tp)
+            stepped = {"loss": float(total) / mesh["dp"].size() / args.tp}
+            if args.digest:  # what the commit of this step holds
+                stepped["checksum"] = digest(model)[0]
+            report("step", step=state.step, **stepped)
             if state.step % args.commit_every == 0:
                 blocked = time.monotonic()
                 state.commit()
@@ -201,7 +204,7 @@ def main() -> None:
                     step=state.step,
                     blocked=blocked,
                     name=state.last_commit,
-                    **state.commit_timings,  # waited (for the one before), written
+                    **state.commit_timings,  # waited (for the one before), staged
                 )
             while state.step in args.hold_at and state.step not in held:
                 time.sleep(0.05)

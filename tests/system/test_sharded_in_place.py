@@ -60,6 +60,15 @@ def formed(report: Path, world: int, since: float = 0.0) -> dict[int, dict] | No
     return full[-1] if full else None
 
 
+def stepped_checksums(report: Path, step: int, before: float) -> set[float]:
+    """The parameters' sums the ranks reported at ``step`` (``--digest``) before ``before``."""
+    return {
+        e["checksum"]
+        for e in events(report)
+        if e["event"] == "step" and e["step"] == step and e["time"] < before
+    }
+
+
 def stepped(report: Path, pids: set[int], past: int, since: float = 0.0) -> bool:
     """Every one of ``pids`` finished a step past ``past`` since ``since``."""
     done = {
@@ -208,7 +217,7 @@ def test_a_lost_node_re_forms_in_place_resharded_bitwise_as_from_disk(
     assert set(two) == survivors, "the survivors kept their processes"
     assert {e["step"] for e in two.values()} == {hold}, two
     assert {e["loaded"] for e in two.values()} == {held["id"]}, (two, held)
-    assert len({e["checksum"] for e in two.values()}) == 1
+    assert {e["checksum"] for e in two.values()} == stepped_checksums(report, hold, killed_at)
     ended = a.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 300)
     assert ended["state"] == "SUCCEEDED", ended
     assert a.ctl("status", job)["restarts"] == 0, "a lost node spends no restart"
@@ -303,8 +312,11 @@ def test_a_2d_mesh_re_forms_at_half_the_size_after_a_node_loss(
     two = wait_for(lambda: formed(report, 2, killed_at), 120, "re-formed at 2 (dp 1 x tp 2)")
     assert set(two) == {pid for pid in four if where[pid] == a.name}
     assert {e["dp"] for e in two.values()} == {1}
-    assert len({e["checksum"] for e in two.values()}) == 1
     at = next(iter(two.values()))["step"]
+    assert {e["checksum"] for e in two.values()} == stepped_checksums(report, at, killed_at), (
+        "the commit holds the model as it was at its step (staged, then written while the "
+        "ranks trained on)"
+    )
     wait_for(lambda: stepped(report, set(two), at + 3, killed_at), 120, "training at 2")
     a.ctl("cancel", job)
 
@@ -352,3 +364,25 @@ def curve(report: Path) -> dict[int, tuple[float, int]]:
         if e["event"] == "step" and e["rank"] == 0:
             found[e["step"]] = (e["loss"], e["world"])
     return found
+
+
+# -- a commit over the job's cap ----------------------------------------------------------------
+
+
+def test_a_commit_over_the_jobs_cap_fails_the_job_at_the_commit_after_it(
+    daemon_factory: Any, shared_tmp: Path, report: Path
+) -> None:
+    """A commit returns once staged; its write, refused for the job's checkpoint memory, is
+    the error the next commit raises: the job fails with the reason, and no later commit is
+    reported."""
+    (a,) = cluster_of(daemon_factory, shared_tmp, "a", "cap").start()
+    # about 4.2M parameters: each rank's part of a commit is about 25 MB, over 4 MiB
+    big = ("--hidden", "512", "--ffn", "2048", "--commit-every", "1")
+    cap = ("--checkpoint-memory", "4M", "--max-restarts", "0")
+    job = submit(a, report, *cap, nnodes="1", nproc=2, steps=5, args=big)
+    a.wait_output(job, ["No space left on device"], 240)
+    ended = a.wait_job(job, lambda j: j["state"] in ("FAILED", "SUCCEEDED"), 120)
+    assert ended["state"] == "FAILED", ended
+    commits = {e["step"] for e in events(report) if e["event"] == "commit"}
+    assert commits == {1}, f"only the first commit returned (staged): {commits}"
+    wait_for(lambda: "its checkpoint directory is full" in a.log_text(), 30, "the daemon's reason")

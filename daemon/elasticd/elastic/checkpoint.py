@@ -324,13 +324,20 @@ def _set_element(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> Non
 class TierWriter(StorageWriter):
     """DCP's storage writer into the tier (``FileSystemWriter``-like): one data file per rank,
     each tensor's raw bytes, then JSON metadata from rank 0.  ``checkpoint_id``: a name in
-    the job's tier directory (``"step_40"``), or a path anywhere."""
+    the job's tier directory (``"step_40"``), or a path anywhere; ``place``: the worker's
+    place as the save began (a writer run on another thread while the worker moves to a new
+    round must not read the new round's environment), else read as the save sets up."""
 
     def __init__(
-        self, checkpoint_id: str | os.PathLike[str] | None = None, *, tier: Tier | None = None
+        self,
+        checkpoint_id: str | os.PathLike[str] | None = None,
+        *,
+        tier: Tier | None = None,
+        place: Place | None = None,
     ) -> None:
         super().__init__()
         self.tier = tier if tier is not None else Tier.from_env()
+        self.place = place
         self.path = ""
         self.rank = 0
         self.coordinator = True
@@ -358,7 +365,7 @@ class TierWriter(StorageWriter):
         """This worker's place when the daemon is to be told what it saves (in place only)."""
         if self.tier is None or os.path.dirname(self.path) != self.tier.directory:
             return None
-        place = Place.here()
+        place = self.place if self.place is not None else Place.here()
         return place if place is not None and self.tier.served else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:

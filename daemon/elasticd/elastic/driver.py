@@ -34,6 +34,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
         while True:
             try:
                 if why:
+                    if why == "interrupt":
+                        state.flush()  # the last commit's write uses the group being left
                     worker.join(why, error)
                     if reset:
                         state.on_reset()
@@ -42,7 +44,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     state.sync()
                     runtime.phase("sync-end", worker.round)
                 worker.note_group_sockets()
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                state.flush()
+                return result
             except HostsUpdatedInterrupt as exc:
                 skip_sync, why, error = exc.skip_sync, "interrupt", ""
             except Exception as exc:

@@ -9,11 +9,16 @@ to another node in the background.  After a re-form the script builds its model 
 world and hands it to ``TorchState.attach``, which loads the newest commit every rank can
 get, resharded by DCP: from this node's memory, or fetched from the node that holds it.
 
-A commit waits for the one before it to be complete (written by every rank and copied):
-at most one is in flight, so a node holds its parts of the newest complete commit, the
-copies it keeps of another node's, and one commit in flight.  A failure loses the steps
-since the newest complete commit: the step in flight, and the commit before it when its copy
-had not ended (a copy that takes longer than a step).
+The training loop waits only for the staging: DCP's stager copies the rank's tensors into
+CPU buffers it keeps from one commit to the next (pinned where there is a GPU), and a thread
+writes the staged copy into the tier (``dcp.save`` on a gloo group of its own, so that its
+collectives never interleave with the training's).  A commit waits for the one before it to
+be written and complete (copied to another node): at most one is in flight, so a node holds
+its parts of the newest complete commit, the copies it keeps of another node's, one commit
+in flight, and each rank's staging buffers.  A failure loses the steps since the newest
+complete commit: the step in flight, and the commit before it when its write or copy had not
+ended (one that takes longer than a step).  An error of a write (the tier refused it: over
+the job's cap) is raised by the next commit, or by ``flush``.
 
 Commits are named ``elastic-<round>-<n>``: in place, the round increases with every re-form,
 so names never repeat and their order is the order of the saves.
@@ -21,17 +26,24 @@ so names never repeat and their order is the order of the saves.
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
 import re
 import shutil
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -99,22 +111,63 @@ class ShardedCommits:
         self.last: CommitId | None = None  # the newest commit this process wrote or loaded
         self.trusted = True  # False after a failure: ``last`` may be torn
         self.pending: CommitId | None = None  # written, not yet known complete
+        self.writing: Future[Any] | None = None  # ``pending`` being written by a thread
         self.cleaned = -1  # the round whose older entries were deleted
-        self.timings: dict[str, float] = {}  # the last commit's: waited, written (seconds)
+        self.timings: dict[str, float] = {}  # the last commit's: waited, staged (seconds)
+        self._stager: DefaultStager | None = None
+        self._group: Any = None  # the gloo group the writes' collectives use
+        self._group_round = -1  # the round it belongs to
+        atexit.register(self._flush_at_exit)
 
     # -- commit ---------------------------------------------------------------------------
 
     def save(self, model: torch.nn.Module, optimizer: Any, attrs: dict[str, Any]) -> CommitId:
         """This rank's shards, the optimizer's and ``attrs`` as the next commit (a collective:
-        every rank commits at the same step).  Waits first for the commit before it."""
+        every rank commits at the same step).  Waits first for the commit before it, then
+        stages this one and writes it in the background."""
         started = time.monotonic()
         self._settle()
         waited = time.monotonic()
         ident = self._next()
-        checkpoint.save(_state_dict(model, optimizer, attrs), ident.name, tier=self.tier)
+        state = _state_dict(model, optimizer, attrs)
+        group = self._writers_group()
+        staged = self._stage(state)
+        writer = checkpoint.TierWriter(ident.name, tier=self.tier, place=checkpoint.Place.here())
+        planner = checkpoint.TierSavePlanner()
+        self.writing = _in_background(
+            lambda: dcp.save(staged, storage_writer=writer, planner=planner, process_group=group)
+        )
         self.last, self.trusted, self.pending = ident, True, ident
-        self.timings = {"waited": waited - started, "written": time.monotonic() - waited}
+        self.timings = {"waited": waited - started, "staged": time.monotonic() - waited}
         return ident
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state`` in the stager's kept CPU buffers (DCP's ``DefaultStager``:
+        a buffer per source storage, reused while that storage lives)."""
+        if self._stager is None:
+            options = StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+            self._stager = DefaultStager(options)
+        staged = self._stager.stage(state)
+        assert isinstance(staged, dict)
+        return staged
+
+    def _writers_group(self) -> Any:
+        """The gloo group of this round's writes (made on every rank at the round's first
+        commit, a collective like the commit; its sockets join those an abort shuts
+        down)."""
+        round = _round()
+        if self._group is None or self._group_round != round:
+            self._group, self._group_round = dist.new_group(backend="gloo"), round
+            self._stager = None  # the round's model is new: so are the buffers it needs
+            worker = runtime.current()
+            if worker is not None:
+                worker.note_group_sockets()
+        return self._group
 
     def _next(self) -> CommitId:
         round = _round()
@@ -123,8 +176,10 @@ class ShardedCommits:
         return CommitId(round, 1)
 
     def _settle(self) -> None:
-        """Wait until the pending commit is complete (``COMPLETE_WAIT`` at most: then it is
-        given up, and the daemons keep trying to copy it)."""
+        """Wait until the pending commit is written and complete (``COMPLETE_WAIT`` at
+        most: then it is given up, and the daemons keep trying to copy it); its write's
+        error, if any, is raised here."""
+        self.flush()
         if self.pending is None:
             return
         if not self._complete(self.pending, COMPLETE_WAIT):
@@ -136,6 +191,36 @@ class ShardedCommits:
         else:
             self._clean(self.pending)
         self.pending = None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the commit being written is in the tier (not its copy: ``_settle``);
+        GroupAborted when the daemon says a member is gone meanwhile.  A write that failed
+        makes ``last`` untrusted and raises its error; TimeoutError after ``timeout``."""
+        writing, worker = self.writing, runtime.current()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while writing is not None:
+            if worker is not None and worker.aborted:
+                raise GroupAborted("a member of the job is gone")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the last commit's write took over {timeout:.0f} s")
+            try:
+                writing.result(timeout=_SLICE)
+            except FutureTimeout:
+                continue
+            except BaseException:
+                self.writing, self.pending, self.trusted = None, None, False
+                raise
+            self.writing = None
+            return
+
+    def _flush_at_exit(self) -> None:
+        """At exit, the last commit is written before the interpreter goes (its write is a
+        daemon thread), or ``COMPLETE_WAIT`` s have passed (a peer that froze mid-write);
+        an error is logged: there is no caller left to raise it to."""
+        try:
+            self.flush(COMPLETE_WAIT)
+        except BaseException as exc:
+            log.warning("elasticd: the last commit was not written (%s)", exc)
 
     def _complete(self, ident: CommitId, timeout: float) -> bool:
         """Wait for ``ident`` to be complete in this node's tier; GroupAborted when the
@@ -167,14 +252,17 @@ class ShardedCommits:
 
     def failed(self) -> None:
         """The group broke: the last commit may be torn (a rank died while saving it, or its
-        copy did not end), so it is no longer this rank's proposal."""
+        copy did not end), so it is no longer this rank's proposal.  Its write is left to
+        fail on the broken group; the next round stages into buffers of its own."""
         self.trusted = False
-        self.pending = None
+        self.pending = self.writing = None
+        self._stager = None
 
     def load(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
         """Load the newest commit that every rank can get into ``model`` and ``optimizer``
         (built for this round's world), resharded; its attributes, or None when there is no
         commit at all.  A collective."""
+        self.flush()
         for attempt in range(_LOAD_TRIES):
             agreed = self._agree()
             if agreed is None:
@@ -247,6 +335,20 @@ def load_commit(
     if not isinstance(attrs, dict):
         raise ValueError(f"{checkpoint_id}: its attributes are not a dict")
     return attrs
+
+
+def _in_background(work: Callable[[], Any]) -> Future[Any]:
+    """``work()`` on a daemon thread: a write blocked on a dead peer never holds the exit."""
+    future: Future[Any] = Future()
+
+    def body() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=body, daemon=True, name="elasticd-commit").start()
+    return future
 
 
 def _everyone(ok: bool) -> bool:

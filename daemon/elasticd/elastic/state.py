@@ -47,6 +47,10 @@ class State:
     def check_host_updates(self) -> None:
         runtime.check_host_updates()  # looked up at call time: the runtime may be replaced
 
+    def flush(self) -> None:
+        """Wait until the last commit is saved (``run`` calls it before the group is left
+        for a new round and when the function returns)."""
+
     def save(self) -> None:
         raise NotImplementedError
 
@@ -163,7 +167,8 @@ class TorchState(ObjectState):
     @property
     def commit_timings(self) -> dict[str, float]:
         """The last commit to the checkpoint tier's seconds: ``waited`` for the commit before
-        it to be complete, ``written`` into the tier (empty for a replicated model)."""
+        it to be written and complete, ``staged`` into kept buffers (the rest is written in
+        the background; empty for a replicated model)."""
         return dict(self._commits.timings) if self._commits is not None else {}
 
     @property
@@ -235,6 +240,12 @@ class TorchState(ObjectState):
             self._commits.save(self.model, self.optimizer, self._values())
             return
         self._keep_copies()
+
+    def flush(self) -> None:
+        """Wait until the last commit is written into the tier (a sharded model's commits
+        are written in the background; its error, if it failed, is raised here)."""
+        if self._commits is not None:
+            self._commits.flush()
 
     def _keep_copies(self) -> None:
         self._saved_model = None if self.model is None else _snapshot(self.model.state_dict())
