@@ -7,6 +7,7 @@ they wrote them, as torchrun's inherited console does: the job is the caller's o
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
@@ -15,31 +16,48 @@ from elasticctl.torchrun import Output
 
 Doc = Mapping[str, Any]
 TAIL_LINES = 20
+ENDED = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 
 
 class RankPlaces:
-    """A rank's local rank in a round, learnt from the job's documents: asked once for each
-    rank of a round not known yet (ranks and local ranks change from round to round, and
-    a node's part of a round can reach the answering daemon after another's)."""
+    """A rank's local rank in a round, learnt from the job's documents: asked for each rank
+    of a round not known yet (ranks and local ranks change from round to round).  A node's
+    part of a round can reach the answering daemon after that node's workers' output does
+    (output comes straight from the node, parts through the store): a rank not in the
+    answer is asked for again, every ``pause`` s for up to ``patience`` s, before its
+    global rank stands in."""
 
-    def __init__(self, status: Callable[[], Doc]) -> None:
+    def __init__(
+        self,
+        status: Callable[[], Doc],
+        patience: float = 3.0,
+        pause: float = 0.1,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._status = status
         self._places: dict[tuple[int, int], int] = {}
         self._asked: set[tuple[int, int]] = set()
+        self._patience, self._pause, self._sleep = patience, pause, sleep
 
     def local_rank(self, attempt: int | None, rank: int | None) -> int | None:
         if rank is None or attempt is None:
             return None
-        if (attempt, rank) not in self._places and (attempt, rank) not in self._asked:
-            self._asked.add((attempt, rank))
-            self.learn(self._status())
-        return self._places.get((attempt, rank), rank)
+        key = (attempt, rank)
+        if key not in self._places and key not in self._asked:
+            self._asked.add(key)
+            for _ in range(max(1, round(self._patience / self._pause))):
+                if self.learn(self._status()) or key in self._places or rank < 0:
+                    break
+                self._sleep(self._pause)
+        return self._places.get(key, rank)
 
-    def learn(self, job: Doc) -> None:
+    def learn(self, job: Doc) -> bool:
+        """Take the places in ``job``; whether it has ended (nothing more will come)."""
         round_ = job.get("round")
         for worker in job.get("workers") or []:
             if round_ is not None and worker.get("rank") is not None:
                 self._places[(round_, worker["rank"])] = worker.get("local_rank", worker["rank"])
+        return job.get("state") in ENDED
 
 
 class Console:
