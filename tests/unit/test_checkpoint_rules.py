@@ -118,6 +118,14 @@ def test_what_a_node_must_fetch_and_from_whom():
     assert set(lacking) == {"__1_0.distcp", "__2_0.distcp", cp.METADATA}
 
 
+def test_a_file_is_fetched_from_here_then_the_rounds_members_and_the_lost_writer_last():
+    holders = cp.latest_complete(three("step_5")).holders("__2_0.distcp")  # n3, its copy on n1
+    assert cp.fetch_order(holders, "n2", ("n1", "n2")) == ["n1", "n3"]  # n3 left the round
+    assert cp.fetch_order(holders, "n1", ("n1", "n2")) == ["n1", "n3"]  # the copy is here
+    assert cp.fetch_order(holders, "n2", ("n1", "n2", "n3")) == ["n3", "n1"]  # as written
+    assert cp.fetch_order(["n3", "n1", "n3"], "n2", ()) == ["n3", "n1"]  # each once
+
+
 def test_files_a_rank_wrote_itself_are_restored_as_their_newest_version():
     old = cp.Manifest(
         "rank1.pt", "n2", 0, 2, (1,), {"rank1.pt": cp.FileFacts(5, SHA)}, 1.0, "n1", kind=cp.FILE

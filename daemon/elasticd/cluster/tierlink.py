@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -290,11 +291,19 @@ class _Session:
         return ident
 
     async def _receive(self, ident: str) -> tuple[dict[str, Any], bytes]:
+        """The reply to ``ident``; TierError after the timeout without one, or as soon as
+        the node is known lost (looked at every second)."""
         assert self._sock is not None
+        quiet_since = time.monotonic()
         while True:
-            if not await self._sock.poll(int(self._links._timeout * 1000)):
-                raise TierError(f"no answer from {self._node}'s checkpoint tier")
+            if not await self._sock.poll(int(min(self._links._timeout, 1.0) * 1000)):
+                if not self._links.alive(self._node):
+                    raise TierError(f"no answer from {self._node}'s checkpoint tier (lost)")
+                if time.monotonic() - quiet_since >= self._links._timeout:
+                    raise TierError(f"no answer from {self._node}'s checkpoint tier")
+                continue
             frames = await self._sock.recv_multipart()
+            quiet_since = time.monotonic()
             reply = json.loads(frames[0])
             if reply.get("id") != ident:
                 continue  # an answer to a request given up on

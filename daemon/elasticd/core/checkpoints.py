@@ -313,6 +313,14 @@ def missing(checkpoint: Checkpoint, have: Mapping[str, int]) -> dict[str, FileFa
     }
 
 
+def fetch_order(holders: Iterable[str], here: str, members: Iterable[str]) -> list[str]:
+    """Where to get a file from: this node, then the holders in the round's ``members``,
+    then the others (each once, in the given order within each kind)."""
+    inside = set(members)
+    unique = list(dict.fromkeys(holders))
+    return sorted(unique, key=lambda node: 0 if node == here else 1 if node in inside else 2)
+
+
 def kept(manifests_here: Iterable[Manifest]) -> tuple[Manifest, ...]:
     """What a part carries: its newest manifests, at most MAX_KEPT."""
     ordered = sorted(manifests_here, key=lambda m: (m.round, m.saved, m.id))

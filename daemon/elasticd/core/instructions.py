@@ -34,11 +34,14 @@ class Join:
 @dataclass(frozen=True)
 class PrepareRestore:
     """Before the workers of ``round`` start: put the job's newest complete checkpoint in
-    place on this node (fetching what it lacks) and delete the saves that were cut off."""
+    place on this node (fetching what it lacks, from the round's ``members`` first: a node
+    left out of the round may be the one that was lost) and delete the saves that were cut
+    off."""
 
     job: str
     op: int
     round: int
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -679,10 +679,14 @@ class CheckpointTier:
 
     # -- before a restarted round's workers read ----------------------------------------------
 
-    async def prepare(self, job: str, record: JobRecord | None) -> str:
+    async def prepare(
+        self, job: str, record: JobRecord | None, members: tuple[str, ...] = ()
+    ) -> str:
         """Put the newest complete checkpoint (and every file a rank wrote itself) in place
-        here and delete the DCP saves that were cut off.  Returns "" or why the job cannot go
-        on from any checkpoint."""
+        here and delete the DCP saves that were cut off.  What this node lacks is fetched
+        from the round's ``members`` first: a holder left out of the round may be the node
+        just lost, which the cluster may not know yet (a fetch from it would wait for the
+        transfer's timeout).  Returns "" or why the job cannot go on from any checkpoint."""
         jd = self._jobs.get(job)
         if jd is None:
             return ""
@@ -707,17 +711,20 @@ class CheckpointTier:
             )
             self._publish(jd)
         for checkpoint in cp.restored(found):
-            failure = await self._put_in_place(jd, checkpoint)
+            failure = await self._put_in_place(jd, checkpoint, members)
             if failure:
                 return failure
         return ""
 
-    async def _put_in_place(self, jd: JobDir, checkpoint: cp.Checkpoint) -> str:
+    async def _put_in_place(
+        self, jd: JobDir, checkpoint: cp.Checkpoint, members: tuple[str, ...]
+    ) -> str:
         directory = os.path.join(jd.path, checkpoint.id) if checkpoint.kind == cp.DCP else jd.path
         have = _sizes(directory)
         lacking = cp.missing(checkpoint, have)
         for name, facts in sorted(lacking.items()):
-            failure = await self._obtain(jd, checkpoint, name, facts, os.path.join(directory, name))
+            dest = os.path.join(directory, name)
+            failure = await self._obtain(jd, checkpoint, name, facts, dest, members)
             if failure:
                 return failure
         if lacking:
@@ -725,13 +732,20 @@ class CheckpointTier:
         return ""
 
     async def _obtain(
-        self, jd: JobDir, checkpoint: cp.Checkpoint, name: str, facts: cp.FileFacts, dest: str
+        self,
+        jd: JobDir,
+        checkpoint: cp.Checkpoint,
+        name: str,
+        facts: cp.FileFacts,
+        dest: str,
+        members: tuple[str, ...],
     ) -> str:
-        """One file of ``checkpoint``: from this node's copies, from a node that holds it, or
-        from the job's disk; checked against its manifest's size and SHA-256 each time."""
+        """One file of ``checkpoint``: from this node's copies, from a node that holds it
+        (the round's members first), or from the job's disk; checked against its manifest's
+        size and SHA-256 each time."""
         owner = next(node for node, m in checkpoint.shares.items() if name in m.files)
         tried: list[str] = []
-        for holder in checkpoint.holders(name):
+        for holder in cp.fetch_order(checkpoint.holders(name), self.settings.node, members):
             partial = _partial(dest)
             try:
                 if holder == self.settings.node:

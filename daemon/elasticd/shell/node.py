@@ -385,7 +385,7 @@ class NodeShell:
     def _prepare_restore(self, preparing: do.PrepareRestore) -> None:
         tier = self._effectors.tier
         work = (
-            tier.prepare(preparing.job, self._registry.find(preparing.job))
+            tier.prepare(preparing.job, self._registry.find(preparing.job), preparing.members)
             if tier is not None
             else asyncio.sleep(0, "")
         )

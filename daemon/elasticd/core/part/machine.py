@@ -416,7 +416,8 @@ class PartCore:
             return out + self._start(info, group, now)
         self.info, self.group = info, group
         self.move_to(Phase.PREPARING)
-        return out + [do.PrepareRestore(self.job, self.new_op("main"), info.round)]
+        members = tuple(m.node for m in info.members)
+        return out + [do.PrepareRestore(self.job, self.new_op("main"), info.round, members)]
 
     def _start(self, info: RendezvousInfo, group: WorkerGroup, now: ev.Now) -> Instructions:
         out = self.enter_round(info, group, now)
