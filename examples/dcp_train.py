@@ -10,7 +10,7 @@ in place before a restarted round's workers start, resharded by DCP to the new w
 ``ddp`` replicates it.  The global batch is the same at every world size (each rank takes its
 slice), so a run that resumes at another size trains on the same data.  With ``--report DIR``
 each rank appends JSON lines to DIR/events.jsonl (``start``, ``save``, ``done``: step, world,
-a checksum of the whole model) and the final parameters' SHA-256 to DIR/final-<rank>.json.
+a checksum of the whole model; ``step`` too with ``--report-steps``) and the final parameters' SHA-256 to DIR/final-<rank>.json.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--ckpt-dir", default="", help="without elasticd: where to save")
     parser.add_argument("--report", default="", help="append events to DIR/events.jsonl")
+    parser.add_argument("--report-steps", action="store_true", help="a `step` event per step")
     parser.add_argument(
         "--pause-after-save",
         type=int,
@@ -165,6 +166,8 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         step += 1
+        if args.report_steps:
+            report("step", step=step, world=world)
         if root and step % args.save_every == 0:
             if step == args.die_in_save and dist.get_rank() == 1 and once(args.report, "died"):
                 os.kill(os.getpid(), 9)

@@ -1,0 +1,295 @@
+"""Training resumed after a lost node on the restart path, from checkpoints: elasticd's
+checkpoint tier against torchrun with the same script saving to local disk.
+
+    python tests/bench/bench_resume.py [--runs 2] [--hidden 2048] [--layers 8] [--json]
+
+Three "nodes" on this host (127.0.0.x, as in bench_recovery.py: a daemon or a torchrun agent
+each, one worker each), ``--nnodes 2:3``, running the same unchanged script,
+examples/dcp_train.py (FSDP2 over the world, AdamW, gloo, one intra-op thread, a DCP
+checkpoint every ``--save-every`` steps):
+
+- *elasticd, tier*: the script saves to ``ELASTICD_CHECKPOINT_DIR``: each node's share in its
+  daemon's memory, a copy on another node; before the restarted workers start, their
+  daemons put the newest complete checkpoint in place (node 3's share from its copy);
+- *elasticrun, tier*: torchrun's line with ``s/torchrun/elasticrun/``, no daemon installed
+  (a private one per node): the same tier;
+- *torchrun, disk*: the script saves to ``--ckpt-dir`` on this host's disk, which stands for
+  a shared file system every node reads; *torchrun-unshared* the same with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (bench_recovery.py says why).
+
+Once every rank has saved twice and taken ``--kill-after`` more steps, node 3 (its daemon or
+agent, and its worker) is SIGKILLed (``--kill-after 0``: at once after the save, before the
+tier's copy of it to another node can have landed: it is then lost with the node, and the
+one before it is restored).
+The survivors' collectives break, their workers are restarted at world 2 and load the
+newest checkpoint, resharded by DCP.  With ``--cold`` (root) the page cache is dropped at
+the kill, so that torchrun's load reads the disk, as a restarted node on a shared file
+system would (tmpfs pages are not dropped: they are the tier).  Figures, per run:
+
+- *resumed*: the kill -> the last survivor's first step at world 2 (everything: the loss
+  noticed, the workers stopped, the rendezvous, Python and torch imported, the load);
+- *loaded at*: the step the world of 2 resumed from; *lost*: the newest step any rank had
+  taken before the kill minus it (steps to redo).
+
+The bench polls the event file every 20 ms.  A run that fails keeps its directory (named on
+stderr) and its cell says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_recovery as recovery  # tests/bench: the nodes as processes
+from harness import PY
+
+SCRIPT = str(HERE.parent.parent / "examples" / "dcp_train.py")
+LOSS_CAP = 180.0
+
+
+class Run:
+    """What both systems are told: the script's arguments and where it reports."""
+
+    def __init__(self, base: Path, args: argparse.Namespace) -> None:
+        self.report = base / "report"
+        self.report.mkdir(mode=0o777)
+        self.script = [
+            "--steps",
+            "1000000",
+            "--save-every",
+            str(args.save_every),
+            "--hidden",
+            str(args.hidden),
+            "--layers",
+            str(args.layers),
+            "--global-batch",
+            "24",
+            "--report",
+            str(self.report),
+            "--report-steps",
+        ]
+
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            text = (self.report / "events.jsonl").read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
+class ElasticdTier(recovery.Elasticd):
+    name = "elasticd, tier"
+    run: Run
+
+    def launch(self, count: int, nnodes: str) -> float:
+        for daemon in self.cluster.daemons[:count]:
+            daemon.start()
+        job = self.cluster[0].submit(
+            "--nnodes",
+            nnodes,
+            "--max-restarts",
+            "3",
+            "--env",
+            "OMP_NUM_THREADS=1",
+            "--python",
+            PY,
+            SCRIPT,
+            "--",
+            *self.run.script,
+        )
+        return float(job["created"])
+
+
+def torchrun_script(base: Path, run: Run) -> list[str]:
+    """The script and its arguments on a torchrun line (``--ckpt-dir`` on disk: elasticrun's
+    workers save to ``ELASTICD_CHECKPOINT_DIR`` instead, which the script prefers)."""
+    disk = base / "ckpt"
+    disk.mkdir(exist_ok=True)
+    return [SCRIPT, "--ckpt-dir", str(disk), *run.script]
+
+
+class TorchrunDisk(recovery.Torchrun):
+    name = "torchrun, disk"
+    run: Run
+
+    def worker_args(self) -> list[str]:
+        return torchrun_script(self.base, self.run)
+
+    def node_env(self) -> dict[str, str]:
+        return {**super().node_env(), "OMP_NUM_THREADS": "1"}
+
+
+class TorchrunUnsharedDisk(TorchrunDisk):
+    """torchrun with its documented opt-out of sharing the rendezvous store with the workers
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)."""
+
+    name = "torchrun-unshared, disk"
+    env = recovery.TorchrunUnshared.env
+
+
+class ElasticrunTier(recovery.Elasticrun):
+    """torchrun's line with ``s/torchrun/elasticrun/``: a private daemon per node, and so the
+    checkpoint tier, with no elasticd installed."""
+
+    name = "elasticrun, tier"
+    run: Run
+
+    def worker_args(self) -> list[str]:
+        return torchrun_script(self.base, self.run)
+
+    def node_env(self) -> dict[str, str]:
+        return {**super().node_env(), "OMP_NUM_THREADS": "1"}
+
+
+def wait(run: Run, found: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = found(run.events())
+        if result is not None:
+            return result
+        time.sleep(0.02)
+    raise recovery.Unmeasured(f"{what} (not in {timeout:.0f} s)")
+
+
+def past_the_second_save(steps: int):
+    """Once every rank of the world of 3 saved twice and took ``steps`` more steps."""
+
+    def found(events: list[dict[str, Any]]) -> bool | None:
+        saves: dict[int, list[int]] = {}
+        for e in events:
+            if e["event"] == "save" and e["world"] == 3:
+                saves.setdefault(e["rank"], []).append(e["step"])
+        if len(saves) < 3 or min(len(s) for s in saves.values()) < 2:
+            return None
+        second = max(s[1] for s in saves.values())
+        ranks = {
+            e["rank"]
+            for e in events
+            if e["event"] == "step" and e["world"] == 3 and e["step"] >= second + steps
+        }
+        return True if len(ranks) == 3 else None
+
+    return found
+
+
+def back_at_two(t0: float):
+    """Once both ranks of the world of 2 took a step after t0: their starts and first steps."""
+
+    def found(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+        starts = {
+            e["rank"]: e
+            for e in events
+            if e["event"] == "start" and e["world"] == 2 and e["time"] > t0
+        }
+        firsts: dict[int, dict[str, Any]] = {}
+        for e in events:
+            if e["event"] == "step" and e["world"] == 2 and e["time"] > t0:
+                firsts.setdefault(e["rank"], e)
+        if len(starts) < 2 or len(firsts) < 2:
+            return None
+        return {"starts": starts, "firsts": firsts}
+
+    return found
+
+
+def drop_page_cache() -> None:
+    subprocess.run(["sync"], check=False)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def node_loss(system: Any, run: Run, args: argparse.Namespace) -> dict[str, float]:
+    system.run = run
+    system.launch(3, "2:3")
+    wait(run, past_the_second_save(args.kill_after), 600, "three ranks past their second save")
+    t0 = system.kill_node(2)
+    if args.cold:
+        drop_page_cache()
+    before = [e["step"] for e in run.events() if e["event"] == "step" and e["time"] <= t0]
+    found = wait(run, back_at_two(t0), LOSS_CAP, "training at 2 after the kill")
+    loaded = {e["step"] for e in found["starts"].values()}
+    if len(loaded) != 1:
+        raise recovery.Unmeasured(f"the ranks resumed from different steps: {loaded}")
+    at = loaded.pop()
+    resumed = max(e["time"] for e in found["firsts"].values()) - t0
+    return {"resumed": resumed, "loaded at": float(at), "lost": float(max(before) - at)}
+
+
+def measure(kind: Any, args: argparse.Namespace) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="elasticd-resume-", dir=args.disk_dir))
+    base.chmod(0o755)
+    result: dict[str, Any]
+    try:
+        system = kind(base, 3)
+        try:
+            result = node_loss(system, Run(base, args), args)
+        finally:
+            system.stop()
+    except Exception as exc:  # a failed run is its table cell, not the bench's end
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        result = {"unmeasured": f"{type(exc).__name__}: {why}"}
+    if "unmeasured" in result or args.keep:
+        print(f"{kind.name}: {result.get('unmeasured', 'kept')}; its logs: {base}", file=sys.stderr)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--kill-after", type=int, default=3, help="steps past the second save")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache at the kill")
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="a local disk's dir")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep every run's directory")
+    parser.add_argument("--only", default="", help="the systems whose name starts so")
+    args = parser.parse_args()
+    if args.cold and os.geteuid() != 0:
+        raise SystemExit("--cold drops the page cache: run as root")
+    systems = [
+        kind
+        for kind in (ElasticdTier, ElasticrunTier, TorchrunDisk, TorchrunUnsharedDisk)
+        if kind.name.startswith(args.only)
+    ]
+    results = {kind.name: [measure(kind, args) for _ in range(args.runs)] for kind in systems}
+    params = args.layers * (args.hidden**2 + args.hidden) + args.hidden + 1
+    doc = {"params": params, "args": vars(args), "results": results}
+    if args.json:
+        print(json.dumps(doc))
+        return
+    print(
+        f"node 3 of 3 SIGKILLed, restart at 2; examples/dcp_train.py, FSDP2 + AdamW, "
+        f"{params / 1e6:.1f}M parameters (~{params * 12 / 3 / 2**20:.0f} MiB of parameters "
+        f"and moments per rank at 3), a checkpoint every {args.save_every} steps, the kill "
+        f"{args.kill_after} steps after the second; "
+        f"{'page cache dropped at the kill' if args.cold else 'page cache kept'}; "
+        f"medians of {args.runs} runs"
+    )
+    print(f"{'system':<24} {'resumed (s)':>12} {'steps lost':>11} {'runs':>5}")
+    for name, runs in results.items():
+        good = [r for r in runs if "unmeasured" not in r]
+        if not good:
+            print(f"{name:<24} {'-':>12} {'-':>11} {0:>5}  ({runs[0]['unmeasured']})")
+            continue
+        resumed = statistics.median(r["resumed"] for r in good)
+        lost = statistics.median(r["lost"] for r in good)
+        print(f"{name:<24} {resumed:12.2f} {lost:11.0f} {len(good):>5}")
+
+
+if __name__ == "__main__":
+    main()
