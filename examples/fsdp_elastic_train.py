@@ -19,6 +19,7 @@ DIR/final-<rank>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -231,3 +232,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # the model's reference cycles hold its process group: collect them while the
+    # interpreter is whole (torch 2.13: a gloo group destroyed during its teardown aborts
+    # the process, SIGABRT, "terminate called without an active exception")
+    gc.collect()
