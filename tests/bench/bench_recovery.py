@@ -222,19 +222,13 @@ class Elasticd:
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
         job = self.cluster[0].submit(
-            "--nnodes",
-            nnodes,
-            "--max-restarts",
-            "3",
-            *self.env_args,
-            "--python",
-            PY,
-            WORKER,
-            "--",
-            str(self.base),
-            *self.worker_mode,
+            "--nnodes", nnodes, "--max-restarts", "3", *self.env_args, *self.job_line()
         )
         return float(job["created"])
+
+    def job_line(self) -> tuple[str, ...]:
+        """The submitted program and its arguments (after the topology options)."""
+        return ("--python", PY, WORKER, "--", str(self.base), *self.worker_mode)
 
     def add_node(self) -> tuple[float, int]:
         """Start the next daemon; returns when, and its pid."""

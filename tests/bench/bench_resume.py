@@ -92,42 +92,29 @@ class ElasticdTier(recovery.Elasticd):
     name = "elasticd, tier"
     run: Run
 
-    def launch(self, count: int, nnodes: str) -> float:
-        for daemon in self.cluster.daemons[:count]:
-            daemon.start()
-        job = self.cluster[0].submit(
-            "--nnodes",
-            nnodes,
-            "--max-restarts",
-            "3",
-            "--env",
-            "OMP_NUM_THREADS=1",
-            "--python",
-            PY,
-            SCRIPT,
-            "--",
-            *self.run.script,
-        )
-        return float(job["created"])
+    def job_line(self) -> tuple[str, ...]:
+        return ("--env", "OMP_NUM_THREADS=1", "--python", PY, SCRIPT, "--", *self.run.script)
 
 
-def torchrun_script(base: Path, run: Run) -> list[str]:
-    """The script and its arguments on a torchrun line (``--ckpt-dir`` on disk: elasticrun's
-    workers save to ``ELASTICD_CHECKPOINT_DIR`` instead, which the script prefers)."""
-    disk = base / "ckpt"
-    disk.mkdir(exist_ok=True)
-    return [SCRIPT, "--ckpt-dir", str(disk), *run.script]
+class TorchrunLine:
+    """The script on a torchrun line, one intra-op thread (``--ckpt-dir`` on disk:
+    elasticrun's workers save to ``ELASTICD_CHECKPOINT_DIR`` instead, which the script
+    prefers).  Mixed into a bench_recovery system whose nodes run that line."""
 
-
-class TorchrunDisk(recovery.Torchrun):
-    name = "torchrun, disk"
+    base: Path
     run: Run
 
     def worker_args(self) -> list[str]:
-        return torchrun_script(self.base, self.run)
+        disk = self.base / "ckpt"
+        disk.mkdir(exist_ok=True)
+        return [SCRIPT, "--ckpt-dir", str(disk), *self.run.script]
 
     def node_env(self) -> dict[str, str]:
-        return {**super().node_env(), "OMP_NUM_THREADS": "1"}
+        return {**super().node_env(), "OMP_NUM_THREADS": "1"}  # type: ignore[misc]  # a mixin
+
+
+class TorchrunDisk(TorchrunLine, recovery.Torchrun):
+    name = "torchrun, disk"
 
 
 class TorchrunUnsharedDisk(TorchrunDisk):
@@ -138,18 +125,11 @@ class TorchrunUnsharedDisk(TorchrunDisk):
     env = recovery.TorchrunUnshared.env
 
 
-class ElasticrunTier(recovery.Elasticrun):
+class ElasticrunTier(TorchrunLine, recovery.Elasticrun):
     """torchrun's line with ``s/torchrun/elasticrun/``: a private daemon per node, and so the
     checkpoint tier, with no elasticd installed."""
 
     name = "elasticrun, tier"
-    run: Run
-
-    def worker_args(self) -> list[str]:
-        return torchrun_script(self.base, self.run)
-
-    def node_env(self) -> dict[str, str]:
-        return {**super().node_env(), "OMP_NUM_THREADS": "1"}
 
 
 def wait(run: Run, found: Any, timeout: float, what: str) -> Any:
