@@ -4,6 +4,8 @@ shown as they are."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from elasticctl import render
 from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.records import JobRecord, Outcome, Part, job_doc
@@ -65,3 +67,13 @@ def test_an_ended_job_and_a_part_that_ended_are_shown_as_they_ended():
     )
     states = [n["state"] for n in job_doc(left, lost={"b", "c"})["nodes"]]
     assert states == ["RUNNING", "LOST", "SUCCEEDED"]
+
+
+def test_a_hang_found_in_an_earlier_round_is_still_named():
+    """A classic job restarts after a hang: the node that failed the rank may still be in
+    the old round while the others formed the next one; status says why it restarted."""
+    hung = replace(part("b", 1), hung="hung: rank 1 on b made no progress for 5 s")
+    newer = {"a": replace(part("a", 0), round=1), "b": hung}
+    doc = job_doc(JobRecord(spec(), 1, newer))
+    assert [w["node"] for w in doc["workers"]] == ["a"]
+    assert doc["hung"] == ["hung: rank 1 on b made no progress for 5 s"]

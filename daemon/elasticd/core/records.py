@@ -254,7 +254,9 @@ def job_doc(
         "checkpoint": checkpoints.summary(
             checkpoints.manifests((p.node, p.checkpoints) for p in record.parts.values())
         ),
-        "hung": [p.hung for p in parts if p.hung],
+        # every node's last hang, not only the newest round's: the hang that restarted the
+        # job is why it restarted, and the node that failed the rank may not have rejoined
+        "hung": [p.hung for p in sorted(record.parts.values(), key=lambda p: p.node) if p.hung],
         "redacted": False,
     }
 
