@@ -168,6 +168,12 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=reg,
         )
+        self.checkpoint_disk = Histogram(
+            "elasticd_checkpoint_disk_seconds",
+            "From a checkpoint's first file to this node's share written in its --checkpoint-dir",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800),
+            registry=reg,
+        )
         self.checkpoint_bytes = Gauge(
             "elasticd_checkpoint_bytes",
             "Bytes of checkpoints held in this node's memory, by job (its own shares and copies)",
@@ -407,6 +413,9 @@ class Metrics:
         self.checkpoint_save.observe(max(0.0, seconds))
         if copied is not None:
             self.checkpoint_copy.observe(max(0.0, copied))
+
+    def checkpoint_on_disk(self, seconds: float) -> None:
+        self.checkpoint_disk.observe(max(0.0, seconds))
 
     def checkpoint_held(self, job: str, nbytes: int) -> None:
         if nbytes:

@@ -131,17 +131,23 @@ def complete(daemon: Any, job: str, step: int, on_disk: bool = False) -> dict[st
     return wait_for(ready, 120, f"step_{step} complete{' and on disk' if on_disk else ''}")
 
 
-def restores(daemon: Any) -> dict[str, float]:
-    """elasticd_checkpoint_restores_total by source, from the daemon's metrics."""
+def samples(daemon: Any, name: str) -> dict[str, float]:
+    """The daemon's metric samples called ``name``, by their labels' text."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read()
     found: dict[str, float] = {}
     for line in text.decode().splitlines():
-        if line.startswith("elasticd_checkpoint_restores_total{"):
-            source = line.split('source="')[1].split('"')[0]
-            found[source] = float(line.rsplit(" ", 1)[1])
+        sample, _, value = line.rpartition(" ")
+        if sample == name or sample.startswith(name + "{"):
+            found[sample[len(name) :]] = float(value)
     return found
+
+
+def restores(daemon: Any) -> dict[str, float]:
+    """elasticd_checkpoint_restores_total by source, from the daemon's metrics."""
+    found = samples(daemon, "elasticd_checkpoint_restores_total")
+    return {labels.split('source="')[1].split('"')[0]: n for labels, n in found.items()}
 
 
 def reference(shared_tmp: Path, checkpoint: Path, step: int, steps: int) -> str:
@@ -191,6 +197,8 @@ def test_a_lost_node_re_forms_from_the_copy_resharded_bitwise_as_from_disk(
     held = complete(a, job, 20, on_disk=True)
     assert held["world"] == 3 and sorted(held["held"]) == sorted(d.name for d in trio)
     assert all(held["copies"].values()), held  # every share has its copy on another node
+    for daemon in trio:  # each node timed its share's way to disk (the disk lag metric)
+        assert samples(daemon, "elasticd_checkpoint_disk_seconds_count")[""] >= 1
     kill_node(c)
     ended = a.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 300)
     assert ended["state"] == "SUCCEEDED", ended

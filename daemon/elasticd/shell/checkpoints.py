@@ -399,6 +399,7 @@ class CheckpointTier:
         temporary name, then renamed: the temporary name is gone): it is no longer this
         node's to describe."""
         jd.claimed.pop(name, None)
+        jd.first_seen.pop(name, None)
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()
@@ -672,6 +673,8 @@ class CheckpointTier:
                         -max(1, jd.spec.keep_checkpoints) :
                     ]
                 jd.manifests[ident] = replace(jd.manifests[ident], on_disk=True)
+                since = jd.first_seen.get(ident, jd.manifests[ident].saved)
+                self._metrics.checkpoint_on_disk(self._clock() - since)
                 self._publish(jd)
         finally:
             jd.writing.pop(ident, None)
