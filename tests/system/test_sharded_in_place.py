@@ -186,10 +186,15 @@ def final_sha(report: Path, world: int) -> str:
 # -- a node lost -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lost", ["last-rank", "rank-0"])
 def test_a_lost_node_re_forms_in_place_resharded_bitwise_as_from_disk(
-    daemon_factory: Any, shared_tmp: Path, report: Path
+    daemon_factory: Any, shared_tmp: Path, report: Path, lost: str
 ) -> None:
-    a, _b, c = cluster_of(daemon_factory, shared_tmp, "abc", "shard").start()
+    """The node of the last rank (the survivors keep their ranks) or of rank 0 (they all
+    move down: a rank whose shard of the head, one row over three ranks, was empty now
+    needs the row, which only the lost node held)."""
+    cluster = cluster_of(daemon_factory, shared_tmp, "abc", "shard").start()
+    a = cluster[0]
     disk = shared_tmp / "disk"
     disk.mkdir(mode=0o777)
     hold, steps = 20, 40
@@ -205,11 +210,16 @@ def test_a_lost_node_re_forms_in_place_resharded_bitwise_as_from_disk(
         args=("--commit-every", "5", "--hold-at", str(hold), "--digest"),
     )
     three = wait_for(lambda: formed(report, 3), 180, "3 ranks training")
-    where = {w["pid"]: w["node"] for w in a.ctl("status", job)["workers"]}
+    workers = a.ctl("status", job)["workers"]
+    where = {w["pid"]: w["node"] for w in workers}
+    rank = 0 if lost == "rank-0" else len(workers) - 1
+    c = next(d for d in cluster if d.name == next(w["node"] for w in workers if w["rank"] == rank))
     name = wait_for(lambda: commit_at(report, hold, set(three)), 180, f"a commit at {hold}")
     held = complete(a, job, name, on_disk=True)
     assert held["world"] == 3 and all(held["copies"].values()), held
     survivors = {pid for pid in three if where[pid] != c.name}
+    if c is a:
+        a = next(d for d in cluster if d is not c)
 
     killed_at = time.time()
     kill_node(c)

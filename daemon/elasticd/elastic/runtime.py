@@ -489,7 +489,26 @@ def init_default_group(backend: str) -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     if world is not None and not dist.is_initialized():
         world.group_count = 0
+    forget_meshes()
     dist.init_process_group(backend, init_method="env://")
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions before a new group forms.  They are
+    keyed by ``DeviceMesh``, which compares equal for any mesh of the same layout whatever
+    the group and this rank's place in it (torch 2.13): after a re-form to a world size this
+    process had before at another rank, FSDP2's new parameters came out of the cache on the
+    old round's mesh, with its coordinate, so DCP planned this rank's load for the shard it
+    held then (an empty shard read as one row, or the wrong rows)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor was made: nothing cached
+    try:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # another torch: its caches are not known here
+        return
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
 
 
 def register_stacks() -> int:

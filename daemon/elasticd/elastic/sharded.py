@@ -272,7 +272,9 @@ class ShardedCommits:
                 if not self._complete(agreed, COMPLETE_WAIT):
                     raise checkpoint.TierError(f"{agreed.name} did not complete")
                 loaded = load_commit(model, optimizer, agreed.name, self.tier)
-            except (OSError, ValueError, checkpoint.TierError) as exc:
+            except (OSError, ValueError, checkpoint.TierError, dcp.CheckpointException) as exc:
+                # DCP gathers every rank's error of a distributed load into one
+                # CheckpointException (a BaseException), raised on every rank
                 log.warning("elasticd: loading %s failed (%s)", agreed.name, exc)
             if _everyone(loaded is not None):
                 assert loaded is not None
