@@ -34,7 +34,9 @@ over the saves of the slowest rank's time:
 ``--in-place``: instead, commits every step in an ``--in-place`` job on 3 real daemons (one
 worker each, examples/fsdp_elastic_train.py, FSDP2, ``--commit-every 1``): how long each
 ``state.commit()`` blocked (the write into the tier, and the wait for the commit before it
-to be complete: hashed and copied to another node by the daemons), against the step.
+to be complete: hashed and copied to another node by the daemons), against the step; from
+the daemons' metrics (the job has a ``--checkpoint-dir`` on local disk), the lags from a
+save to its copy on another node and to disk, and the most bytes each node held, in shares.
 
 Each save is deleted before the next.  Memory: the state (parameters, gradients, two
 moments: 16 bytes a parameter over the ranks), one save's staging per rank, and the full
@@ -54,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -274,8 +277,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(disk, ignore_errors=True)
 
 
+def scrape(daemon: Any) -> dict[str, float]:
+    """The daemon's metric samples, ``name{labels}`` -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read()
+    found = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            sample, _, value = line.rpartition(" ")
+            found[sample] = float(value)
+    return found
+
+
+def held_bytes(samples: dict[str, float]) -> float:
+    return sum(v for k, v in samples.items() if k.startswith("elasticd_checkpoint_bytes{"))
+
+
+def lag(samples: list[dict[str, float]], name: str) -> dict[str, float]:
+    """A histogram over every node: the count, the mean and the bucket bounds of its median
+    and p90 (the smallest ``le`` holding that share of the observations)."""
+    count = sum(s.get(f"{name}_count", 0.0) for s in samples)
+    total = sum(s.get(f"{name}_sum", 0.0) for s in samples)
+    buckets: dict[float, float] = {}
+    for s in samples:
+        for key, value in s.items():
+            if key.startswith(f"{name}_bucket{{"):
+                le = float(key.split('le="')[1].split('"')[0])
+                buckets[le] = buckets.get(le, 0.0) + value
+    bound = {
+        q: next((le for le, n in sorted(buckets.items()) if n >= q * count), float("inf"))
+        for q in (0.5, 0.9)
+    }
+    return {"count": count, "mean": total / count if count else float("nan"), **bound}
+
+
 def in_place(args: argparse.Namespace) -> dict[str, Any]:
-    """Commits every step in an --in-place job on 3 daemons: blocked per commit, per step."""
+    """Commits every step in an --in-place job on 3 daemons: blocked per commit, per step;
+    from the daemons' metrics: the lags to the copy on another node and to disk, and the
+    bytes each node holds (sampled every 0.2 s)."""
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(0, str(HERE.parent / "system"))
     from conftest import Cluster
@@ -284,17 +322,24 @@ def in_place(args: argparse.Namespace) -> dict[str, Any]:
     base.chmod(0o755)
     report = base / "report"
     report.mkdir(mode=0o777)
+    disk = Path(tempfile.mkdtemp(prefix="bench-ckpt-inplace-disk-", dir=args.disk_dir))
+    disk.chmod(0o777)
     cluster = Cluster(base, 3, slots=1, resize_interval=None)
+    peak = [0.0, 0.0, 0.0]
     try:
         for daemon in cluster.daemons:
             daemon.start()
         steps = args.steps
-        cluster[0].submit(
+        job = cluster[0].submit(
             "--in-place",
             "--nnodes",
             "3",
             "--max-restarts",
             "0",
+            "--checkpoint-dir",
+            str(disk),
+            "--keep-checkpoints",
+            "2",
             "--env",
             "OMP_NUM_THREADS=1",
             str(ROOT / "examples" / "fsdp_elastic_train.py"),
@@ -311,21 +356,26 @@ def in_place(args: argparse.Namespace) -> dict[str, Any]:
             str(args.layers),
             "--report",
             str(report),
-        )
+        )["id"]
         path = report / "events.jsonl"
         deadline = time.monotonic() + 1200
         events: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
+            for i, daemon in enumerate(cluster.daemons):
+                peak[i] = max(peak[i], held_bytes(scrape(daemon)))
             if path.exists():
                 events = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
             if len([e for e in events if e["event"] == "done"]) == 3:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         else:
             raise SystemExit("the in-place job did not finish in 1200 s")
+        checkpoint = cluster[0].ctl("status", job).get("checkpoint") or {}
+        metrics = [scrape(daemon) for daemon in cluster.daemons]
     finally:
         cluster.stop()
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
     commits = [e for e in events if e["event"] == "commit" and e["step"] > 1]
     blocked = [e["blocked"] for e in commits]
     by_rank: dict[int, list[float]] = {}
@@ -343,6 +393,11 @@ def in_place(args: argparse.Namespace) -> dict[str, Any]:
         "waited": [e.get("waited", 0.0) for e in commits],
         "staged": [e.get("staged", 0.0) for e in commits],
         "step_intervals": intervals,
+        "share_bytes": (checkpoint.get("size") or 0) / 3,
+        "held_peak": peak,
+        "save_lag": lag(metrics, "elasticd_checkpoint_save_seconds"),
+        "copy_lag": lag(metrics, "elasticd_checkpoint_copy_seconds"),
+        "disk_lag": lag(metrics, "elasticd_checkpoint_disk_seconds"),
     }
 
 
@@ -359,6 +414,24 @@ def print_in_place(doc: dict[str, Any]) -> None:
         f"{statistics.median(doc['staged']):.3f} s); "
         f"step to step (commit included) median {statistics.median(doc['step_intervals']):.3f} s"
     )
+    for name, what in (
+        ("save_lag", "first file -> share described, hashed and copied"),
+        ("copy_lag", "share whole -> its copy landed on another node"),
+        ("disk_lag", "first file -> share in --checkpoint-dir"),
+    ):
+        m = doc[name]
+        print(
+            f"  {what}: {m['count']:.0f} shares, mean {m['mean']:.2f} s, "
+            f"median <= {m[0.5]:g} s, p90 <= {m[0.9]:g} s"
+        )
+    share = doc["share_bytes"]
+    if share:
+        peaks = ", ".join(f"{p / share:.1f}" for p in doc["held_peak"])
+        print(
+            f"  held in each node's memory at most (in shares of {share / 2**20:.0f} MiB): "
+            f"{peaks} (bound: its own share and the copy it keeps, of the newest complete "
+            "checkpoint and of the save in flight: 4)"
+        )
 
 
 def print_table(doc: dict[str, Any]) -> None:

@@ -222,13 +222,22 @@ class Elasticd:
         for daemon in self.cluster.daemons[:count]:
             daemon.start()
         job = self.cluster[0].submit(
-            "--nnodes", nnodes, "--max-restarts", "3", *self.env_args, *self.job_line()
+            "--nnodes",
+            nnodes,
+            "--max-restarts",
+            "3",
+            *self.options,
+            *self.env_args,
+            *self.job_line(),
         )
         return float(job["created"])
 
+    options: tuple[str, ...] = ()  # submit's, after the topology
+
     def job_line(self) -> tuple[str, ...]:
-        """The submitted program and its arguments (after the topology options)."""
-        return ("--python", PY, WORKER, "--", str(self.base), *self.worker_mode)
+        """The submitted program and its arguments (after the options)."""
+        line = (WORKER, "--", str(self.base), *self.worker_mode, *self.backend_args)
+        return ("--python", PY, *line)
 
     def add_node(self) -> tuple[float, int]:
         """Start the next daemon; returns when, and its pid."""
@@ -267,33 +276,11 @@ class ElasticdInPlace(Elasticd):
     elasticd.elastic: survivors keep their processes."""
 
     name = "elasticd-inplace"
+    options: tuple[str, ...] = ("--in-place",)
 
     def __init__(self, base: Path, nodes: int, hosts: netns.Hosts | None = None) -> None:
         super().__init__(base, nodes, hosts)
         self.worker_mode = ("inplace",)
-
-    def launch(self, count: int, nnodes: str) -> float:
-        for daemon in self.cluster.daemons[:count]:
-            daemon.start()
-        job = self.cluster[0].submit(
-            "--in-place",
-            "--nnodes",
-            nnodes,
-            "--max-restarts",
-            "3",
-            *self.options,
-            *self.env_args,
-            "--python",
-            PY,
-            WORKER,
-            "--",
-            str(self.base),
-            *self.worker_mode,
-            *self.backend_args,
-        )
-        return float(job["created"])
-
-    options: tuple[str, ...] = ()
 
 
 class ElasticdSpares(ElasticdInPlace):
@@ -302,7 +289,7 @@ class ElasticdSpares(ElasticdInPlace):
 
     name = "elasticd-spares"
     slots = 2
-    options = ("--spares", "1")
+    options = ("--in-place", "--spares", "1")
 
     def launch(self, count: int, nnodes: str) -> float:
         created = super().launch(count, nnodes)

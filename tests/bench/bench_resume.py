@@ -1,5 +1,6 @@
-"""Training resumed after a lost node on the restart path, from checkpoints: elasticd's
-checkpoint tier against torchrun with the same script saving to local disk.
+"""Training resumed after a lost node, from checkpoints: an FSDP2 job in place and on the
+restart path from elasticd's checkpoint tier, against torchrun with the same script saving
+to local disk.
 
     python tests/bench/bench_resume.py [--runs 2] [--hidden 2048] [--layers 8] [--json]
 
@@ -8,6 +9,10 @@ each, one worker each), ``--nnodes 2:3``, running the same unchanged script,
 examples/dcp_train.py (FSDP2 over the world, AdamW, gloo, one intra-op thread, a DCP
 checkpoint every ``--save-every`` steps):
 
+- *elasticd, in place*: ``--in-place``, examples/fsdp_elastic_train.py (``TorchState``, a
+  commit every ``--commit-every`` steps; each block two ``Linear(H, H/2)``: the same
+  parameters and FLOPs as dcp_train's ``Linear(H, H)``): the survivors keep their processes
+  and load their new shards from the tier, resharded to 2;
 - *elasticd, tier*: the script saves to ``ELASTICD_CHECKPOINT_DIR``: each node's share in its
   daemon's memory, a copy on another node; before the restarted workers start, their
   daemons put the newest complete checkpoint in place (node 3's share from its copy);
@@ -28,8 +33,9 @@ system would (tmpfs pages are not dropped: they are the tier).  Figures, per run
 
 - *resumed*: the kill -> the last survivor's first step at world 2 (everything: the loss
   noticed, the workers stopped, the rendezvous, Python and torch imported, the load);
+- *stall*: the last step any rank took before the kill -> the same;
 - *loaded at*: the step the world of 2 resumed from; *lost*: the newest step any rank had
-  taken before the kill minus it (steps to redo).
+  taken before the kill minus it (steps to redo); *kept*: survivors in their own process.
 
 The bench polls the event file every 20 ms.  A run that fails keeps its directory (named on
 stderr) and its cell says why.
@@ -55,6 +61,7 @@ import bench_recovery as recovery  # tests/bench: the nodes as processes
 from harness import PY
 
 SCRIPT = str(HERE.parent.parent / "examples" / "dcp_train.py")
+IN_PLACE = str(HERE.parent.parent / "examples" / "fsdp_elastic_train.py")
 LOSS_CAP = 180.0
 
 
@@ -79,6 +86,23 @@ class Run:
             str(self.report),
             "--report-steps",
         ]
+        # a block of two Linear(H, H/2): the parameters and FLOPs of dcp_train's Linear(H, H)
+        self.in_place = [
+            "--steps",
+            "1000000",
+            "--commit-every",
+            str(args.commit_every),
+            "--hidden",
+            str(args.hidden),
+            "--ffn",
+            str(args.hidden // 2),
+            "--layers",
+            str(args.layers),
+            "--global-batch",
+            "24",
+            "--report",
+            str(self.report),
+        ]
 
     def events(self) -> list[dict[str, Any]]:
         try:
@@ -90,10 +114,26 @@ class Run:
 
 class ElasticdTier(recovery.Elasticd):
     name = "elasticd, tier"
+    saved = "save"  # the script's event for a checkpoint taken
     run: Run
 
     def job_line(self) -> tuple[str, ...]:
         return ("--env", "OMP_NUM_THREADS=1", "--python", PY, SCRIPT, "--", *self.run.script)
+
+
+class ElasticdInPlace(recovery.Elasticd):
+    """``--in-place``: examples/fsdp_elastic_train.py (``elastic.TorchState``), the same
+    width, depth and batch; the survivors keep their processes and load their new shards
+    from the tier's last commit, resharded to 2."""
+
+    name = "elasticd, in place"
+    options = ("--in-place",)
+    saved = "commit"
+    run: Run
+
+    def job_line(self) -> tuple[str, ...]:
+        line = (IN_PLACE, "--", *self.run.in_place)
+        return ("--env", "OMP_NUM_THREADS=1", "--python", PY, *line)
 
 
 class TorchrunLine:
@@ -103,6 +143,7 @@ class TorchrunLine:
 
     base: Path
     run: Run
+    saved = "save"
 
     def worker_args(self) -> list[str]:
         disk = self.base / "ckpt"
@@ -142,13 +183,14 @@ def wait(run: Run, found: Any, timeout: float, what: str) -> Any:
     raise recovery.Unmeasured(f"{what} (not in {timeout:.0f} s)")
 
 
-def past_the_second_save(steps: int):
-    """Once every rank of the world of 3 saved twice and took ``steps`` more steps."""
+def past_the_second_save(steps: int, saved: str):
+    """Once every rank of the world of 3 saved twice (events ``saved``) and took ``steps``
+    more steps."""
 
     def found(events: list[dict[str, Any]]) -> bool | None:
         saves: dict[int, list[int]] = {}
         for e in events:
-            if e["event"] == "save" and e["world"] == 3:
+            if e["event"] == saved and e["world"] == 3:
                 saves.setdefault(e["rank"], []).append(e["step"])
         if len(saves) < 3 or min(len(s) for s in saves.values()) < 2:
             return None
@@ -192,18 +234,26 @@ def drop_page_cache() -> None:
 def node_loss(system: Any, run: Run, args: argparse.Namespace) -> dict[str, float]:
     system.run = run
     system.launch(3, "2:3")
-    wait(run, past_the_second_save(args.kill_after), 600, "three ranks past their second save")
+    past = past_the_second_save(args.kill_after, system.saved)
+    wait(run, past, 600, "three ranks past their second save")
     t0 = system.kill_node(2)
     if args.cold:
         drop_page_cache()
-    before = [e["step"] for e in run.events() if e["event"] == "step" and e["time"] <= t0]
+    before = [e for e in run.events() if e["event"] == "step" and e["time"] <= t0]
     found = wait(run, back_at_two(t0), LOSS_CAP, "training at 2 after the kill")
     loaded = {e["step"] for e in found["starts"].values()}
     if len(loaded) != 1:
         raise recovery.Unmeasured(f"the ranks resumed from different steps: {loaded}")
     at = loaded.pop()
-    resumed = max(e["time"] for e in found["firsts"].values()) - t0
-    return {"resumed": resumed, "loaded at": float(at), "lost": float(max(before) - at)}
+    back = max(e["time"] for e in found["firsts"].values())
+    survivors = {e["pid"] for e in found["starts"].values()} & {e["pid"] for e in before}
+    return {
+        "resumed": back - t0,
+        "stall": back - max(e["time"] for e in before),
+        "loaded at": float(at),
+        "lost": float(max(e["step"] for e in before) - at),
+        "kept": float(len(survivors)),
+    }
 
 
 def measure(kind: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -232,6 +282,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--commit-every", type=int, default=1, help="in place: its commits")
     parser.add_argument("--kill-after", type=int, default=3, help="steps past the second save")
     parser.add_argument("--cold", action="store_true", help="drop the page cache at the kill")
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="a local disk's dir")
@@ -243,7 +294,13 @@ def main() -> None:
         raise SystemExit("--cold drops the page cache: run as root")
     systems = [
         kind
-        for kind in (ElasticdTier, ElasticrunTier, TorchrunDisk, TorchrunUnsharedDisk)
+        for kind in (
+            ElasticdInPlace,
+            ElasticdTier,
+            ElasticrunTier,
+            TorchrunDisk,
+            TorchrunUnsharedDisk,
+        )
         if kind.name.startswith(args.only)
     ]
     results = {kind.name: [measure(kind, args) for _ in range(args.runs)] for kind in systems}
@@ -260,15 +317,27 @@ def main() -> None:
         f"{'page cache dropped at the kill' if args.cold else 'page cache kept'}; "
         f"medians of {args.runs} runs"
     )
-    print(f"{'system':<24} {'resumed (s)':>12} {'steps lost':>11} {'runs':>5}")
+    print(
+        f"{'system':<24} {'resumed (s)':>12} {'stall (s)':>10} {'steps lost':>11} "
+        f"{'kept':>5} {'runs':>5}"
+    )
     for name, runs in results.items():
         good = [r for r in runs if "unmeasured" not in r]
         if not good:
-            print(f"{name:<24} {'-':>12} {'-':>11} {0:>5}  ({runs[0]['unmeasured']})")
+            print(f"{name:<24} {'-':>12} {'-':>10} {'-':>11} {'-':>5} {0:>5}  ", end="")
+            print(f"({runs[0]['unmeasured']})")
             continue
-        resumed = statistics.median(r["resumed"] for r in good)
-        lost = statistics.median(r["lost"] for r in good)
-        print(f"{name:<24} {resumed:12.2f} {lost:11.0f} {len(good):>5}")
+        figure = {key: statistics.median(r[key] for r in good) for key in good[0]}
+        print(
+            f"{name:<24} {figure['resumed']:12.2f} {figure['stall']:10.2f} "
+            f"{figure['lost']:11.0f} {figure['kept']:5.0f} {len(good):>5}"
+        )
+    print(
+        "resumed: the kill -> both survivors' first step at 2; stall: the last step any rank "
+        "took before the kill -> the same; kept: survivors that kept their process; "
+        f"in place commits every {args.commit_every} step(s), the others save every "
+        f"{args.save_every}"
+    )
 
 
 if __name__ == "__main__":
