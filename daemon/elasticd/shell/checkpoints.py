@@ -96,12 +96,16 @@ class TierPeers(Protocol):
 
 class TierMetrics(Protocol):
     def checkpoint_saved(self, seconds: float, copied: float | None) -> None: ...
+    def checkpoint_on_disk(self, seconds: float) -> None: ...
     def checkpoint_held(self, job: str, nbytes: int) -> None: ...
     def checkpoint_restored(self, source: str) -> None: ...
 
 
 class NoMetrics:
     def checkpoint_saved(self, seconds: float, copied: float | None) -> None:
+        pass
+
+    def checkpoint_on_disk(self, seconds: float) -> None:
         pass
 
     def checkpoint_held(self, job: str, nbytes: int) -> None:
