@@ -419,11 +419,11 @@ class CheckpointTier:
 
     # -- landing: describe, hash, copy ----------------------------------------------------------
 
-    def _buddy(self, jd: JobDir) -> str | None:
-        """The node that keeps this node's copies: the next member of the round in another
-        failure domain."""
+    def _members(self, jd: JobDir) -> list[str]:
+        """The nodes of the round this node's workers are in, by group rank (this node with
+        them), as the job's record last said."""
         if jd.record is None:
-            return None
+            return [self.settings.node]
         members = [
             p.node
             for p in sorted(
@@ -433,6 +433,14 @@ class CheckpointTier:
         ]
         if self.settings.node not in members:
             members.append(self.settings.node)
+        return members
+
+    def _buddy(self, jd: JobDir) -> str | None:
+        """The node that keeps this node's copies: the next member of the round in another
+        failure domain."""
+        if jd.record is None:
+            return None
+        members = self._members(jd)
         domains = {node: self._peers.domain(node) for node in members}
         chosen = cp.buddy(self.settings.node, members, domains)
         return chosen if chosen is not None and self._peers.alive(chosen) else None
@@ -1058,7 +1066,10 @@ class CheckpointTier:
         if lacking:
             os.makedirs(os.path.dirname(into), exist_ok=True)
             errors = []
-            for holder in checkpoint.holders(name):
+            # the round's members first: a holder left out of it may be the node just lost,
+            # which the cluster may not know yet (a fetch from it waits until it does)
+            members = self._members(jd)
+            for holder in cp.fetch_order(checkpoint.holders(name), self.settings.node, members):
                 if holder == self.settings.node or not self._peers.alive(holder):
                     continue
                 try:
