@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import pytest
 from harness import Daemon
+from hostwide import remove_tree
 
 # Where each folder's tests go in the run, heaviest first: pytest-xdist deals the tests
 # out in this order as workers free up, so the long ones start early and the many short
@@ -34,7 +34,7 @@ def shared_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="elasticd-test-", dir="/tmp"))
     path.chmod(0o755)
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
 
 
 @pytest.fixture

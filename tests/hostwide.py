@@ -13,11 +13,15 @@ takes its ports here too).
   what must not be done twice at once (``useradd``, a cache made once and kept).
 - ``made_once(path, make)``: a directory kept between runs, made by one process only.
 - ``run_tag()``: a short random tag of this test process, for names.
+- ``remove_tree(path)``: a test's directory removed, with what is mounted below it (a
+  SIGKILLed daemon leaves its jobs' checkpoint tmpfs mounted: only its next start on the
+  same directory unmounts them, and a test never starts it again).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import shutil
@@ -105,3 +109,23 @@ def made_once(path: Path, make: Callable[[Path], None]) -> Path:
             make(path)
             done.touch()
     return path
+
+
+_MNT_DETACH = 2
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    """``path`` and everything below it gone: the mounts below it detached first (deepest
+    first), then the files removed.  Errors are ignored, as ``shutil.rmtree``'s are."""
+    top = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4].replace("\\040", " ") for line in f]
+    except OSError:
+        points = []
+    below = sorted((p for p in points if p.startswith(top + "/")), key=len, reverse=True)
+    if below:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for point in below:
+            libc.umount2(os.fsencode(point), _MNT_DETACH)
+    shutil.rmtree(top, ignore_errors=True)

@@ -317,6 +317,7 @@ def in_place(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(0, str(HERE.parent / "system"))
     from conftest import Cluster
+    from hostwide import remove_tree
 
     base = Path(tempfile.mkdtemp(prefix="bench-ckpt-inplace-", dir="/tmp"))
     base.chmod(0o755)
@@ -374,7 +375,7 @@ def in_place(args: argparse.Namespace) -> dict[str, Any]:
         metrics = [scrape(daemon) for daemon in cluster.daemons]
     finally:
         cluster.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        remove_tree(base)
         shutil.rmtree(disk, ignore_errors=True)
     commits = [e for e in events if e["event"] == "commit" and e["step"] > 1]
     blocked = [e["blocked"] for e in commits]

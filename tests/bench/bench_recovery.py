@@ -69,7 +69,6 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -89,6 +88,7 @@ sys.path.insert(0, str(HERE.parent / "system"))
 import netns  # tests/system/netns.py
 from conftest import Cluster
 from harness import PY, free_port
+from hostwide import remove_tree
 
 WORKER = str(HERE / "recovery_worker.py")
 LAUNCHER = str(HERE / "node_launcher.py")
@@ -822,7 +822,7 @@ def measure(kind, scenario, nodes: int, backend: str = "gloo") -> dict[str, Any]
             file=sys.stderr,
         )
     else:
-        shutil.rmtree(base, ignore_errors=True)
+        remove_tree(base)
     return result
 
 

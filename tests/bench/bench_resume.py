@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_recovery as recovery  # tests/bench: the nodes as processes
 from harness import PY
+from hostwide import remove_tree
 
 SCRIPT = str(HERE.parent.parent / "examples" / "dcp_train.py")
 IN_PLACE = str(HERE.parent.parent / "examples" / "fsdp_elastic_train.py")
@@ -272,7 +272,7 @@ def measure(kind: Any, args: argparse.Namespace) -> dict[str, Any]:
     if "unmeasured" in result or args.keep:
         print(f"{kind.name}: {result.get('unmeasured', 'kept')}; its logs: {base}", file=sys.stderr)
     else:
-        shutil.rmtree(base, ignore_errors=True)
+        remove_tree(base)
     return result
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from harness import FIXTURES, PY, free_port, needs_root, python_for_everyone
+from hostwide import remove_tree
 from launched import Launched
 from local_users import local_users
 
@@ -46,7 +46,7 @@ def tmpdir() -> Iterator[str]:
     path = tempfile.mkdtemp(prefix="erun-", dir="/tmp")
     os.chmod(path, 0o1777)  # as /tmp is: anyone may make a directory there
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
 
 
 def line(port: int, run_id: str, index: int) -> list[str]:
@@ -170,7 +170,7 @@ def test_a_local_user_cannot_reach_a_private_daemon_or_plant_its_directory(tmpdi
             node.kill_tree()
         # a directory planted where the victim's elasticrun keeps its daemons' is refused
         base = Path(tmpdir) / f"elasticrun-{victim.pw_uid}"
-        shutil.rmtree(base, ignore_errors=True)
+        remove_tree(base)
         subprocess.run([*as_nobody, "mkdir", "-m", "0777", str(base)], check=True)
         refused = Launched(
             [*as_victim, python, "-c", code, "--private", TRAIN], env, tmpdir, "victim"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from harness import FIXTURES, PY, free_port, wait_gone
+from hostwide import remove_tree
 from launched import Launched
 
 from elasticd.wire import paths
@@ -42,7 +42,7 @@ def tmpdir_env() -> Iterator[dict[str, str]]:
     tmp = tempfile.mkdtemp(prefix="erun-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("ELASTICD_SOCKET", "PET_PRIVATE")}
     yield {**env, "TMPDIR": tmp, "VIRTUAL_ENV": sys.prefix}
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
 
 
 def base(env: dict[str, str]) -> Path:
