@@ -111,10 +111,12 @@ class Events:
         self.path = directory / "events.jsonl"
 
     def read(self) -> list[dict[str, Any]]:
+        """The events written so far (a line still being appended is left for later)."""
         try:
-            return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+            text = self.path.read_text()
         except FileNotFoundError:
             return []
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
     def wait(self, found: Callable[[list[dict[str, Any]]], Any], timeout: float) -> Any:
         deadline = time.monotonic() + timeout

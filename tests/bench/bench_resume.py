@@ -50,7 +50,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,50 +65,21 @@ LOSS_CAP = 180.0
 
 
 class Run:
-    """What both systems are told: the script's arguments and where it reports."""
+    """What every system is told: the script's arguments and where it reports."""
 
     def __init__(self, base: Path, args: argparse.Namespace) -> None:
         self.report = base / "report"
         self.report.mkdir(mode=0o777)
-        self.script = [
-            "--steps",
-            "1000000",
-            "--save-every",
-            str(args.save_every),
-            "--hidden",
-            str(args.hidden),
-            "--layers",
-            str(args.layers),
-            "--global-batch",
-            "24",
-            "--report",
-            str(self.report),
-            "--report-steps",
-        ]
+        self.log = recovery.Events(self.report)
+        common = ["--steps", "1000000", "--hidden", str(args.hidden), "--layers", str(args.layers)]
+        common += ["--global-batch", "24", "--report", str(self.report)]
+        self.script = [*common, "--save-every", str(args.save_every), "--report-steps"]
         # a block of two Linear(H, H/2): the parameters and FLOPs of dcp_train's Linear(H, H)
-        self.in_place = [
-            "--steps",
-            "1000000",
-            "--commit-every",
-            str(args.commit_every),
-            "--hidden",
-            str(args.hidden),
-            "--ffn",
-            str(args.hidden // 2),
-            "--layers",
-            str(args.layers),
-            "--global-batch",
-            "24",
-            "--report",
-            str(self.report),
-        ]
+        self.in_place = [*common, "--commit-every", str(args.commit_every)]
+        self.in_place += ["--ffn", str(args.hidden // 2)]
 
     def events(self) -> list[dict[str, Any]]:
-        try:
-            text = (self.report / "events.jsonl").read_text()
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+        return self.log.read()
 
 
 class ElasticdTier(recovery.Elasticd):
@@ -174,13 +144,10 @@ class ElasticrunTier(TorchrunLine, recovery.Elasticrun):
 
 
 def wait(run: Run, found: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = found(run.events())
-        if result is not None:
-            return result
-        time.sleep(0.02)
-    raise recovery.Unmeasured(f"{what} (not in {timeout:.0f} s)")
+    result = run.log.wait(found, timeout)
+    if result is None:
+        raise recovery.Unmeasured(f"{what} (not in {timeout:.0f} s)")
+    return result
 
 
 def past_the_second_save(steps: int, saved: str):
