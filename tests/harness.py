@@ -80,6 +80,7 @@ class Daemon:
         self.program: tuple[str, ...] = (PY, "-m", "elasticd")
         self.messages: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
+        self._stopped: subprocess.Popen[bytes] | None = None  # the process stop() ended last
         self._notify: socket.socket | None = None
         self._log_checked = 0  # bytes of the log looked at for warnings
 
@@ -218,11 +219,16 @@ class Daemon:
         return self.proc.wait(timeout)
 
     def stop(self) -> int | None:
-        """SIGTERM, then its exit status.  AssertionError when its log shows a RuntimeWarning
-        (a coroutine never awaited: a bug that no other check sees), once per run."""
+        """SIGTERM, then its exit status.  A daemon that ended before (the test killed it) or
+        did not end well is cleaned up after as systemd's ``ExecStopPost=`` does, so that its
+        firewall table, cgroups and checkpoint mounts do not outlive the test.  AssertionError when
+        its log shows a RuntimeWarning (a coroutine never awaited: a bug that no other check
+        sees), once per run."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
+        # ended before (its code may read 0: a test that reaped it with psutil took the code)
+        ended_before = self.proc.poll() is not None
+        if not ended_before:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
@@ -232,8 +238,23 @@ class Daemon:
             finally:
                 if self._notify is not None:
                     self._notify.close()
+        if (ended_before or self.proc.returncode != 0) and self._stopped is not self.proc:
+            self.clean_up()
+        self._stopped = self.proc
         self._check_warnings()
         return self.proc.returncode
+
+    def clean_up(self) -> None:
+        """``elasticd --clean-up`` with this daemon's options (it refuses while one runs)."""
+        options = self.argv()[len(self.program) :]
+        subprocess.run(
+            [PY, "-m", "elasticd", "--clean-up", *options],
+            env={**os.environ, **self.env},
+            cwd=str(self.base),
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
 
     def _check_warnings(self) -> None:
         try:
