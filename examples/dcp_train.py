@@ -33,6 +33,12 @@ from torch.distributed.tensor import DTensor
 STEP = re.compile(r"step_(\d+)")
 
 
+def make_optimizer(kind: str, parameters, lr: float) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(parameters, lr=lr)
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="train until this step")
@@ -41,6 +47,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64, help="the model's width")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=12)
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="sgd: with momentum (one tensor of state per parameter, AdamW's two)",
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--ckpt-dir", default="", help="without elasticd: where to save")
     parser.add_argument("--report", default="", help="append events to DIR/events.jsonl")
@@ -145,7 +157,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     model = shard(build(args), args.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), 1e-3)
     step = 0
     found = latest(root) if root else -1
     if found >= 0:

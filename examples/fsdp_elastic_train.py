@@ -40,6 +40,12 @@ from torch.distributed.tensor.parallel import (
 from elasticd import elastic
 
 
+def make_optimizer(kind: str, parameters, lr: float) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(parameters, lr=lr)
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="train until this step")
@@ -50,6 +56,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=24)
     parser.add_argument("--micro-batch", type=int, default=0, help="rows per forward (0: all)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="sgd: with momentum (one tensor of state per parameter, AdamW's two)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2D mesh)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--resume-from", default="", help="a commit's directory on disk")
@@ -166,7 +178,7 @@ def main() -> None:
     def train(state: elastic.TorchState) -> None:
         mesh = elastic.device_mesh(tp=args.tp)  # this round's world: ("dp",) or ("dp", "tp")
         model = build(args, mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
         loaded = state.attach(model, optimizer)  # the last commit, resharded to this world
         if not loaded and args.resume_from:
             state.load_from(args.resume_from)

@@ -3,11 +3,12 @@ restart path from elasticd's checkpoint tier, against torchrun with the same scr
 to local disk.
 
     python tests/bench/bench_resume.py [--runs 2] [--hidden 2048] [--layers 8] [--json]
+        [--optimizer adamw|sgd]
 
 Three "nodes" on this host (127.0.0.x, as in bench_recovery.py: a daemon or a torchrun agent
 each, one worker each), ``--nnodes 2:3``, running the same unchanged script,
-examples/dcp_train.py (FSDP2 over the world, AdamW, gloo, one intra-op thread, a DCP
-checkpoint every ``--save-every`` steps):
+examples/dcp_train.py (FSDP2 over the world, AdamW or ``--optimizer sgd`` with momentum,
+gloo, one intra-op thread, a DCP checkpoint every ``--save-every`` steps):
 
 - *elasticd, in place*: ``--in-place``, examples/fsdp_elastic_train.py (``TorchState``, a
   commit every ``--commit-every`` steps; each block two ``Linear(H, H/2)``: the same
@@ -72,7 +73,8 @@ class Run:
         self.report.mkdir(mode=0o777)
         self.log = recovery.Events(self.report)
         common = ["--steps", "1000000", "--hidden", str(args.hidden), "--layers", str(args.layers)]
-        common += ["--global-batch", "24", "--report", str(self.report)]
+        common += ["--global-batch", "24", "--optimizer", args.optimizer]
+        common += ["--report", str(self.report)]
         self.script = [*common, "--save-every", str(args.save_every), "--report-steps"]
         # a block of two Linear(H, H/2): the parameters and FLOPs of dcp_train's Linear(H, H)
         self.in_place = [*common, "--commit-every", str(args.commit_every)]
@@ -248,6 +250,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="sgd (momentum): half AdamW's state, for a model too large for AdamW here",
+    )
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--commit-every", type=int, default=1, help="in place: its commits")
     parser.add_argument("--kill-after", type=int, default=3, help="steps past the second save")
@@ -255,7 +263,9 @@ def main() -> None:
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="a local disk's dir")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep every run's directory")
-    parser.add_argument("--only", default="", help="the systems whose name starts so")
+    parser.add_argument(
+        "--only", action="append", default=[], help="the systems whose name starts so (again: or)"
+    )
     args = parser.parse_args()
     if args.cold and os.geteuid() != 0:
         raise SystemExit("--cold drops the page cache: run as root")
@@ -268,7 +278,7 @@ def main() -> None:
             TorchrunDisk,
             TorchrunUnsharedDisk,
         )
-        if kind.name.startswith(args.only)
+        if not args.only or any(kind.name.startswith(prefix) for prefix in args.only)
     ]
     results = {kind.name: [measure(kind, args) for _ in range(args.runs)] for kind in systems}
     params = args.layers * (args.hidden**2 + args.hidden) + args.hidden + 1
@@ -276,9 +286,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(doc))
         return
+    optimizer, moments = ("AdamW", 2) if args.optimizer == "adamw" else ("SGD (momentum)", 1)
+    share = params * 4 * (1 + moments) / 3 / 2**20
     print(
-        f"node 3 of 3 SIGKILLed, restart at 2; examples/dcp_train.py, FSDP2 + AdamW, "
-        f"{params / 1e6:.1f}M parameters (~{params * 12 / 3 / 2**20:.0f} MiB of parameters "
+        f"node 3 of 3 SIGKILLed, restart at 2; examples/dcp_train.py, FSDP2 + {optimizer}, "
+        f"{params / 1e6:.1f}M parameters (~{share:.0f} MiB of parameters "
         f"and moments per rank at 3), a checkpoint every {args.save_every} steps, the kill "
         f"{args.kill_after} steps after the second; "
         f"{'page cache dropped at the kill' if args.cold else 'page cache kept'}; "
