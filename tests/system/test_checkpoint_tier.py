@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 import pytest
-from harness import PY, ROOT
+from harness import PY, ROOT, worker_args
 from store_attack import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -270,6 +270,31 @@ def same_bytes(one: Path, other: Path) -> bool:
         return one.read_bytes() == other.read_bytes()
     except FileNotFoundError:
         return False
+
+
+def test_a_copy_whose_owner_renamed_it_away_is_dropped_where_it_was_kept(trio: Cluster) -> None:
+    """A file written to a temporary name, copied to another node, then renamed: the copy of
+    the temporary name goes from the node that kept it (a node holds its own shares and the
+    copies of what their owners still hold, not every name a file ever had), and the file
+    under its new name is copied."""
+    a = trio[0]
+    job = a.submit("--nnodes", "3", "--nproc-per-node", "1", *worker_args("--sleep", "0"))["id"]
+    a.wait_job(job, lambda d: d["state"] == "RUNNING" and d["world_size"] == 3)
+    tiers = [Path(d.runtime_dir) / "checkpoints" / job for d in trio]
+    data = os.urandom(1 << 20)
+
+    def copies(name: str) -> list[Path]:
+        return [p for tier in tiers for p in tier.glob(f".copies/{a.name}/{name}/{name}")]
+
+    def whole(name: str) -> list[Path]:
+        return [p for p in copies(name) if p.read_bytes() == data]
+
+    (tiers[0] / "state.pt.tmp").write_bytes(data)
+    kept = wait_for(lambda: whole("state.pt.tmp"), 60, "the temporary name's copy landed")
+    os.replace(tiers[0] / "state.pt.tmp", tiers[0] / "state.pt")
+    wait_for(lambda: whole("state.pt"), 60, "the file under its new name copied")
+    wait_for(lambda: not copies("state.pt.tmp"), 30, f"{kept[0]} dropped")
+    assert not [p for tier in tiers for p in tier.glob(".copies/*/state.pt.tmp")]
 
 
 def test_files_each_rank_wrote_itself_follow_their_ranks_to_other_nodes(

@@ -129,6 +129,9 @@ class TierServer:
                     self._tier.receive, caller, job, ckpt, name, offset, data, facts
                 )
                 return _ok(ident), b""
+            if op == "drop":
+                await asyncio.to_thread(self._tier.drop, caller, job, ckpt)
+                return _ok(ident), b""
             owner = _text(doc, "owner")
             if op == "get":
                 length = min(_number(doc, "length"), CHUNK)
@@ -213,6 +216,12 @@ class TierLinks:
                         break
             await session.drain()
         return cp.FileFacts(sent, digest.hexdigest())
+
+    async def drop(self, node: str, job: str, ckpt: str) -> None:
+        """Tell ``node`` that this node's checkpoint ``ckpt`` is gone (deleted, or renamed
+        away after its copy landed): its copy there goes too."""
+        async with self._session(node) as session:
+            await session.call({"op": "drop", "job": job, "ckpt": ckpt, "name": ckpt, "offset": 0})
 
     async def fetch(
         self,

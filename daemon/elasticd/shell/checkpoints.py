@@ -76,6 +76,10 @@ class TierPeers(Protocol):
         (it checks the size and SHA-256 sent last); returns them."""
         ...
 
+    async def drop(self, node: str, job: str, ckpt: str) -> None:
+        """Tell ``node`` that this node's checkpoint ``ckpt`` is gone: its copy goes too."""
+        ...
+
     async def fetch(
         self,
         node: str,
@@ -390,6 +394,13 @@ class CheckpointTier:
                     jd.busy[name] = self._spawn(
                         "copying", jd.job, functools.partial(self._land, jd, name)
                     )
+        for name, own in list(jd.manifests.items()):  # a file a rank wrote, not copied yet
+            if own.kind != cp.FILE or own.copied_to or name in jd.busy:
+                continue  # (landed before this node knew the round's members, or retried)
+            if self._buddy(jd) is not None and time.monotonic() >= jd.retry.get(name, (0, 0))[1]:
+                jd.busy[name] = self._spawn(
+                    "copying", jd.job, functools.partial(self._land_one, jd, name)
+                )
         self._prune(jd, found)
         self._write_back(jd, found)
 
@@ -398,7 +409,7 @@ class CheckpointTier:
         if jd is not None:
             self._consider(jd)
 
-    def _forget(self, jd: JobDir, name: str) -> None:
+    def _forget(self, jd: JobDir, name: str, *, was_landing: bool = False) -> None:
         """The script deleted a checkpoint, or renamed it away (a file written to a
         temporary name, then renamed: the temporary name is gone): it is no longer this
         node's to describe."""
@@ -407,15 +418,27 @@ class CheckpointTier:
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()
-        if jd.manifests.pop(name, None) is not None:
+        manifest = jd.manifests.pop(name, None)
+        if manifest is not None:
             self._publish(jd)
+        # its copy may have landed on the buddy before the rename (or been landing): it goes
+        keeper = manifest.copied_to if manifest is not None else None
+        keeper = keeper or (self._buddy(jd) if task is not None or was_landing else None)
+        if keeper:
+            self._spawn("dropping", jd.job, functools.partial(self._drop_copy, keeper, jd, name))
+
+    async def _drop_copy(self, keeper: str, jd: JobDir, name: str) -> None:
+        try:
+            await self._peers.drop(keeper, jd.job, name)
+        except Exception as exc:  # the keeper is gone or busy: it drops the copy at the job's end
+            log.debug("job %s: %s could not drop its copy of %s: %s", jd.job, keeper, name, exc)
 
     def _went_away(self, jd: JobDir, name: str) -> None:
         """``name`` was deleted or renamed while it landed: no news.  Forgotten by the task
         that found it gone (taken out of ``busy`` first: forgetting cancels a busy task)."""
         log.debug("job %s: %s went away while it landed", jd.job, name, extra=about(jd.job))
         jd.busy.pop(name, None)
-        self._forget(jd, name)
+        self._forget(jd, name, was_landing=True)
 
     # -- landing: describe, hash, copy ----------------------------------------------------------
 
@@ -872,6 +895,18 @@ class CheckpointTier:
             os.unlink(partial)
             raise ValueError(f"{ckpt}/{name}: its size or SHA-256 is not what was sent")
         os.replace(partial, os.path.join(directory, name))
+
+    def drop(self, peer: str, job: str, ckpt: str) -> None:
+        """``peer`` deleted its checkpoint ``ckpt`` (or renamed it away): the copy kept here,
+        whole or still landing, goes.  Raises ValueError on a bad name or an unknown job."""
+        jd = self._jobs.get(job)
+        if jd is None:
+            raise ValueError(f"job {job} has no checkpoints here")
+        if not (cp.valid_name(ckpt) and cp.valid_name(peer)):
+            raise ValueError("bad checkpoint or node name")
+        for key in [k for k in self._receiving if k[:3] == (peer, job, ckpt)]:
+            del self._receiving[key]
+        shutil.rmtree(os.path.dirname(_copy_path(jd.path, peer, ckpt, ckpt)), ignore_errors=True)
 
     def read(self, job: str, owner: str, ckpt: str, name: str, offset: int, length: int) -> bytes:
         """Bytes of ``owner``'s file ``ckpt/name`` as this node holds it (its own, or a copy)."""
