@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -161,7 +162,25 @@ class Host:
         return self.root / inside.lstrip("/")
 
     def ctl(self, *args: str, user: str = "nobody", expect: int = 0) -> Any:
-        done = self.run("elasticctl", "--json", *args, user=user, check=False)
+        try:
+            done = self.run("elasticctl", "--json", *args, user=user, check=False)
+        except subprocess.TimeoutExpired as exc:  # what the daemon was doing meanwhile
+            said = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode()
+            job = re.search(r'"id": "(j-[0-9a-f]+)"', said)
+            stories = self.run(
+                "timeout",
+                "20",
+                "elasticctl",
+                "status",
+                "--debug",
+                job[1] if job else "?",
+                check=False,
+            )
+            raise AssertionError(
+                f"{self.name}: elasticctl {' '.join(args)} did not end in {exc.timeout:.0f} s\n"
+                f"it said: {said}\nelasticctl status --debug: {stories.stdout}{stories.stderr}\n"
+                f"{self.journal()}"
+            ) from None
         assert done.returncode == expect, (
             f"{self.name}: elasticctl {' '.join(args)} exited "
             f"{done.returncode}\n{done.stdout}\n{done.stderr}\n"
