@@ -105,6 +105,34 @@ def curve_policy(
     return policy
 
 
+def router_socket(
+    ctx: zmq.asyncio.Context,
+    *,
+    domain: bytes,
+    max_message: int,
+    hwm: int,
+    handshake: float,
+    curve_secret: bytes | None,
+) -> zmq.asyncio.Socket:
+    """A ROUTER as the daemon's servers on TCP have it: authenticated in ``domain`` (its ZAP
+    policy admits the callers), CURVE when given a secret, a reply to a peer that went away
+    an error rather than a silent drop, messages up to ``max_message`` bytes and ``hwm`` of
+    them queued each way, nothing kept at close, a connection that does not authenticate
+    within ``handshake`` seconds dropped."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ZAP_DOMAIN, domain)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.MAXMSGSIZE, max_message)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, hwm)
+    router.setsockopt(zmq.RCVHWM, hwm)
+    router.setsockopt(zmq.HANDSHAKE_IVL, int(handshake * 1000))
+    if curve_secret is not None:
+        router.curve_server = True
+        router.curve_secretkey = curve_secret
+    return router
+
+
 @dataclass(frozen=True)
 class PeerCaller:
     node: str

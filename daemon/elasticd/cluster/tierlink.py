@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
+from elasticd.cluster.peers import router_socket
 from elasticd.core import checkpoints as cp
 from elasticd.errors import ElasticdError
 from elasticd.shell.checkpoints import CheckpointTier
@@ -74,18 +75,14 @@ class TierServer:
     ) -> None:
         self.endpoint = endpoint
         self._tier = tier
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ZAP_DOMAIN, TIER_DOMAIN)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.MAXMSGSIZE, CHUNK + MAX_HEADER + 1024)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.SNDHWM, 2 * WINDOW)
-        router.setsockopt(zmq.RCVHWM, 2 * WINDOW)
-        # a connection that does not authenticate within this is dropped (the peer channel's)
-        router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE * 1000))
-        router.curve_server = True
-        router.curve_secretkey = curve_secret
-        self._router = router
+        self._router = router_socket(
+            ctx,
+            domain=TIER_DOMAIN,
+            max_message=CHUNK + MAX_HEADER + 1024,
+            hwm=2 * WINDOW,
+            handshake=HANDSHAKE,  # the peer channel's
+            curve_secret=curve_secret,
+        )
 
     def bind(self) -> str:
         self._router.bind(self.endpoint)

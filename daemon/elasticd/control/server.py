@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from elasticd.cluster.peers import router_socket
 from elasticd.errors import ElasticdError, TooLarge
 from elasticd.faults import LOG_INTERVAL, Throttle, held_back
 from elasticd.wire import protocol
@@ -223,18 +224,14 @@ class RouterServer:
         self._handler = handler
         self._identify = identify
         self._outcomes = Outcomes(on_request or (lambda op, result: None), log_interval)
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ZAP_DOMAIN, domain)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.SNDHWM, PEER_HWM)
-        router.setsockopt(zmq.RCVHWM, PEER_HWM)
-        router.setsockopt(zmq.HANDSHAKE_IVL, int(PEER_HANDSHAKE * 1000))
-        if curve_secret is not None:
-            router.curve_server = True
-            router.curve_secretkey = curve_secret
-        self._router = router
+        self._router = router_socket(
+            ctx,
+            domain=domain,
+            max_message=HARD_FRAME_LIMIT,
+            hwm=PEER_HWM,
+            handshake=PEER_HANDSHAKE,
+            curve_secret=curve_secret,
+        )
 
     def bind(self) -> str:
         self._router.bind(self.endpoint)
