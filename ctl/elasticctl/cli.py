@@ -514,13 +514,21 @@ def follow_job(args: argparse.Namespace, docs: Iterable[dict[str, Any]]) -> int:
 def run_job(args: argparse.Namespace, request: dict[str, Any], plan: torchrun.Output) -> int:
     """Submit, show the workers' output as torchrun does until the job ends, and exit with
     its result.  Ctrl-C (and the other signals torchrun handles) cancels the job: torchrun
-    stops its workers when it is stopped."""
-    with connect(args) as daemon:
-        job = daemon.call("submit", {k: v for k, v in request.items() if k != "wait"})
-    if args.json:
-        print(json.dumps(job), flush=True)
-    print(render.clean(f"{prog(args)}: {render.submitted_line(job)}"), file=sys.stderr, flush=True)
-    return follow_run(args, str(job.get("id")), plan)
+    stops its workers when it is stopped.  They are handled from the submit on, so that one
+    that comes before the output is followed cancels the job too."""
+    job_id = None
+    try:
+        with cancelling_signals(args.signals_to_handle):
+            with connect(args) as daemon:
+                job = daemon.call("submit", {k: v for k, v in request.items() if k != "wait"})
+            job_id = str(job.get("id"))
+            if args.json:
+                print(json.dumps(job), flush=True)
+            line = f"{prog(args)}: {render.submitted_line(job)}"
+            print(render.clean(line), file=sys.stderr, flush=True)
+            return follow_run(args, job_id, plan)
+    except KeyboardInterrupt:
+        return INTERRUPTED if job_id is None else cancel_followed(args, job_id)
 
 
 def follow_run(
@@ -914,15 +922,16 @@ def cmd_elasticrun(args: argparse.Namespace) -> int:
         print(f"elasticrun: {told} (from Slurm)", file=sys.stderr)
     daemon = private.start(request, where, os.environ)
     try:
+        # one span from the wait to the end of the follow: no signal falls between the two
         with cancelling_signals(args.signals_to_handle):
             job = daemon.wait_job()
-        args.socket = daemon.socket
-        print(
-            render.clean(f"elasticrun: {private_line(job, where, daemon.socket)}"),
-            file=sys.stderr,
-            flush=True,
-        )
-        return follow_run(args, str(job["job"]), plan, local=True)
+            args.socket = daemon.socket
+            print(
+                render.clean(f"elasticrun: {private_line(job, where, daemon.socket)}"),
+                file=sys.stderr,
+                flush=True,
+            )
+            return follow_run(args, str(job["job"]), plan, local=True)
     except KeyboardInterrupt:
         return INTERRUPTED
     except Unavailable:  # the daemon ended under the job: it said why on its channel
