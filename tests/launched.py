@@ -66,6 +66,7 @@ class Launched:
     def __init__(self, argv: list[str], env: dict[str, str], cwd: str, name: str = "") -> None:
         self.name = name
         self.argv = argv
+        self.env = env
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -101,6 +102,7 @@ class Launched:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill_tree()
             raise AssertionError(self.story(f"still running after {timeout:g} s")) from None
         for lines in self.streams.values():
@@ -115,6 +117,27 @@ class Launched:
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
+
+    def dump_stacks(self) -> None:
+        """Where it and what it started are stuck, for the story of a hang: with
+        PYTHONFAULTHANDLER in its environment, each Python process prints its threads'
+        stacks to its stderr on SIGABRT, then ends (the private daemons it started write to
+        its stderr too)."""
+        if not self.env.get("PYTHONFAULTHANDLER"):
+            return
+        procs = [*self.descendants()]
+        try:
+            procs.insert(0, psutil.Process(self.proc.pid))
+        except psutil.NoSuchProcess:
+            pass
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGABRT)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        for lines in self.streams.values():
+            lines.reader.join(5)
 
     def kill_tree(self) -> list[int]:
         """SIGKILL to it and everything it started (a host gone); their pids."""
@@ -134,5 +157,5 @@ class Launched:
     def story(self, why: str) -> str:
         return (
             f"{self.name}: {why}\n--- stdout ---\n{self.text('out')[-3000:]}\n"
-            f"--- stderr ---\n{self.text('err')[-6000:]}"
+            f"--- stderr ---\n{self.text('err')[-12000:]}"
         )

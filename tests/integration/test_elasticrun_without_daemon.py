@@ -38,10 +38,11 @@ WORLD = r"^start rank (\d+) world {world} "
 @pytest.fixture
 def tmpdir_env() -> Iterator[dict[str, str]]:
     """The environment of the launches: this test's own TMPDIR (its private daemons'
-    directories go there: a short path, as a socket's must be) and no daemon to talk to."""
+    directories go there: a short path, as a socket's must be) and no daemon to talk to;
+    faulthandler on, so that a launch that hangs shows where (Launched.dump_stacks)."""
     tmp = tempfile.mkdtemp(prefix="erun-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("ELASTICD_SOCKET", "PET_PRIVATE")}
-    yield {**env, "TMPDIR": tmp, "VIRTUAL_ENV": sys.prefix}
+    yield {**env, "TMPDIR": tmp, "VIRTUAL_ENV": sys.prefix, "PYTHONFAULTHANDLER": "1"}
     remove_tree(tmp)
 
 
