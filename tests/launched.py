@@ -125,22 +125,16 @@ class Launched:
         its stderr too)."""
         if not self.env.get("PYTHONFAULTHANDLER"):
             return
-        procs = [*self.descendants()]
-        try:
-            procs.insert(0, psutil.Process(self.proc.pid))
-        except psutil.NoSuchProcess:
-            pass
-        for proc in procs:
-            try:
-                proc.send_signal(signal.SIGABRT)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=10)
+        self._signal_tree(signal.SIGABRT, wait=10)
         for lines in self.streams.values():
             lines.reader.join(5)
 
     def kill_tree(self) -> list[int]:
         """SIGKILL to it and everything it started (a host gone); their pids."""
+        return self._signal_tree(signal.SIGKILL, wait=30)
+
+    def _signal_tree(self, sig: int, wait: float) -> list[int]:
+        """``sig`` to it and everything it started, then up to ``wait`` s for them to end."""
         procs = [*self.descendants()]
         try:
             procs.insert(0, psutil.Process(self.proc.pid))
@@ -148,10 +142,10 @@ class Launched:
             pass
         for proc in procs:
             try:
-                proc.send_signal(signal.SIGKILL)
+                proc.send_signal(sig)
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(procs, timeout=30)
+        psutil.wait_procs(procs, timeout=wait)
         return [proc.pid for proc in procs]
 
     def story(self, why: str) -> str:
