@@ -394,10 +394,17 @@ class CheckpointTier:
                     jd.busy[name] = self._spawn(
                         "copying", jd.job, functools.partial(self._land, jd, name)
                     )
-        for name, own in list(jd.manifests.items()):  # a file a rank wrote, not copied yet
-            if own.kind != cp.FILE or own.copied_to or name in jd.busy:
-                continue  # (landed before this node knew the round's members, or retried)
-            if self._buddy(jd) is not None and time.monotonic() >= jd.retry.get(name, (0, 0))[1]:
+        # files a rank wrote that are not copied yet: landed before this node knew the
+        # round's members, or their copy failed and its back-off has passed
+        now = time.monotonic()
+        uncopied = [
+            name
+            for name, own in jd.manifests.items()
+            if own.kind == cp.FILE and not own.copied_to and name not in jd.busy
+            if now >= jd.retry.get(name, (0, 0.0))[1]
+        ]
+        if uncopied and self._buddy(jd) is not None:
+            for name in uncopied:
                 jd.busy[name] = self._spawn(
                     "copying", jd.job, functools.partial(self._land_one, jd, name)
                 )
