@@ -23,7 +23,6 @@ import signal
 import stat
 import sys
 import time
-import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -90,10 +89,10 @@ from elasticd.shell.logs import LogBus
 from elasticd.shell.node import NodeShell
 from elasticd.shell.workers import reap_leftovers
 from elasticd.store.base import Store
-from elasticd.store.c10d import C10dServer
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer, load_key, load_or_create_key, subkey
+from elasticd.store.tcpserver import TCPStoreServer
 from elasticd.store.tcpstore import TCPStoreClient
 from elasticd.wire import numbers
 from elasticd.wire.numbers import is_whole
@@ -262,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     # gRPC (etcd's client) would run fork handlers at every worker spawn: ours fork to exec
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch needs none here
     private = Private(args.private, args.private_fd) if args.private else None
     daemon = Daemon(config, private)
     try:
@@ -276,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     if private is not None:
         private.remove_directory()
-    # Everything the daemon opened is closed: exit without the interpreter's teardown, whose
-    # unloading of torch (a store host's) took ~0.5 s that every stop and restart waited for.
+    # Everything the daemon opened is closed: exit without the interpreter's teardown, which
+    # every stop and restart would wait for (0.5 s when a store host loaded torch).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -343,7 +341,7 @@ class Daemon:
         # a refused key is logged once per log.summary_interval, counted every time
         self._refusals = Throttle(config.log.summary_interval)
         self.stop = asyncio.Event()
-        self._server: C10dServer | None = None
+        self._server: TCPStoreServer | None = None
         self._store_ok = True
         self._started = time.time()
         self._recount: asyncio.TimerHandle | None = None  # the job gauges' next recount

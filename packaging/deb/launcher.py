@@ -3,7 +3,7 @@
 
 The package's code and the libraries it carries (built for Python @PYVER@) live in
 /usr/lib/elasticd.  @NAME@ runs under Debian's /usr/bin/python3, or under $ELASTICD_PYTHON
-when that names another Python @PYVER@ (a venv with torch: the c10d store host needs one).
+when that names another Python @PYVER@ (a venv that only root can change).
 """
 
 import os

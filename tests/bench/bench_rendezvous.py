@@ -2,7 +2,8 @@
 
 Usage: python tests/bench/bench_rendezvous.py [--json] [--quick] [--sizes N,N,...]
 
-Harness (identical for both handlers): one TCPStore server (libuv) in this process and a
+Harness (identical for both handlers): one TCPStore server (ours, as a daemon hosts it, in a
+child process: torch's blocking clients hold the GIL while they wait) and a
 pool of N participant threads, each with its own pre-connected TCPStore client, so that no
 connection is made while a clock runs. For each repetition every participant builds its
 handler (fresh run id), waits on a barrier, records its arrival time and calls
@@ -71,10 +72,11 @@ logging.getLogger("elasticd").setLevel(
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from blocking_rendezvous import BlockingRendezvous
+from store_servers import ServerProcess
 
 from elasticd.rendezvous import RendezvousSettings
 from elasticd.rendezvous.keys import Keys
-from elasticd.store.c10d import C10dServer, connect
+from elasticd.store.c10d import connect
 from elasticd.store.signing import Signer
 
 FULL = {
@@ -99,7 +101,7 @@ class Harness:
     """A store server, an elasticd store and a pool of threads with a torch client each."""
 
     def __init__(self, max_n: int) -> None:
-        self.server = C10dServer("127.0.0.1", 0, timeout=120.0)
+        self.server = ServerProcess()
         self.store = connect(self.server.endpoint, timeout=120.0)
         self.pool = ThreadPoolExecutor(max_workers=max_n)
         self._local = threading.local()

@@ -7,7 +7,7 @@ Usage: python tests/bench/bench_scale.py [--backend c10d|etcd|both] [--nodes 128
 Harness.  Per row (a backend and a cluster size N), fresh:
 
 - the store server in a process of its own, so that its CPU can be measured: TCPStore is
-  ``C10dServer`` (libuv) in a child of this script (``--serve-c10d``), etcd is
+  ``TCPStoreServer`` (the daemon's, torch-free) in a child of this script (``--serve-c10d``), etcd is
   ``/usr/bin/etcd`` with a data dir of its own;
 - N simulated daemons: each node is a real ``NodeService(NodeRegistry(...))`` running its
   heartbeat duties exactly as app.py builds them (default keep-alive 1 s x 3, a signed
@@ -138,12 +138,13 @@ REQUIRED = ("backend", "nodes", "duty_ms", "store_ops_per_node_s", "lost_seen_s"
 
 
 def serve_c10d() -> None:
-    """The ``--serve-c10d`` role: host a TCPStore, print its port, serve until stdin closes."""
+    """The ``--serve-c10d`` role: host a TCPStore (the server a daemon hosts), print its port,
+    serve until stdin closes."""
     die_with_parent()
     raise_nofile()
-    from elasticd.store.c10d import C10dServer
+    from elasticd.store.tcpserver import TCPStoreServer
 
-    server = C10dServer("127.0.0.1", 0, timeout=300.0)
+    server = TCPStoreServer("127.0.0.1", 0)
     print(server.port, flush=True)
     sys.stdin.read()
     server.close()

@@ -7,6 +7,7 @@ import os
 import threading
 
 import pytest
+from store_servers import ServerProcess
 
 # A wait that times out makes TCPStore log a C++ warning; and a flaky resolver can stall
 # TCPStore's reverse lookup of each new peer for 5 s (see elasticd.store.c10d).
@@ -16,9 +17,16 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 @pytest.fixture(scope="module")
 def c10d_server():
-    from elasticd.store.c10d import C10dServer
+    """Our TCPStore server (what a daemon hosts), in a child process (store_servers.py)."""
+    server = ServerProcess(kind="elasticd")
+    yield server
+    server.close()
 
-    server = C10dServer("127.0.0.1", 0, timeout=10.0)
+
+@pytest.fixture(scope="module")
+def torch_server():
+    """torch's own (libuv) TCPStore server: the reference our client is checked against."""
+    server = ServerProcess(kind="torch")
     yield server
     server.close()
 
@@ -81,6 +89,12 @@ def _tcpstore_client(request):
     return OnALoop(TCPStoreClient(request.getfixturevalue("c10d_server").endpoint, timeout=10.0))
 
 
+def _tcpstore_client_on_torch(request):
+    from elasticd.store.tcpstore import TCPStoreClient
+
+    return OnALoop(TCPStoreClient(request.getfixturevalue("torch_server").endpoint, timeout=10.0))
+
+
 def _on_etcd(cluster) -> OnALoop:
     """An EtcdStore for the cluster (its TLS files and user), connected."""
     from elasticd.store.etcd import EtcdStore
@@ -102,6 +116,7 @@ BACKENDS = {
     "memory": _memory_store,
     "c10d": _c10d_store,
     "tcpstore": _tcpstore_client,
+    "tcpstore-on-torch": _tcpstore_client_on_torch,
     "etcd": _etcd_store,
     "etcd-tls": _etcd_tls_store,
 }

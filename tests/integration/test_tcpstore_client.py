@@ -1,4 +1,5 @@
-"""TCPStoreClient against torch's TCPStore server: what the contract suite does not show.
+"""TCPStoreClient against a TCPStore server, ours (what a daemon hosts) and torch's (the
+reference), each in a child process: what the contract suite does not show.
 
 The contract suite (tests/contract) runs every store operation against it; here: torch's own
 clients see the same keys, a timed-out wait is cancelled on the wire and its connection kept,
@@ -13,51 +14,36 @@ import asyncio
 import os
 import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
 
 import psutil
 import pytest
 from hostwide import free_port
+from store_servers import SERVERS, ServerProcess
 
 from elasticd.errors import StoreConnectionError, StoreTimeout
-from elasticd.store.c10d import C10dServer, connect
+from elasticd.store.c10d import connect
 from elasticd.store.tcpstore import StoreProtocolError, TCPStoreClient
 
-STORE_HOST = """
-import time
-from elasticd.store.c10d import C10dServer
-server = C10dServer("127.0.0.1", 0)
-print(server.endpoint, flush=True)
-time.sleep(3600)
-"""
 
-
-@pytest.fixture
-def server():
-    server = C10dServer("127.0.0.1", 0, timeout=30.0)
+@pytest.fixture(params=SERVERS)
+def server(request):
+    server = ServerProcess(kind=request.param)
     yield server
     server.close()
 
 
-@pytest.fixture
-def store_host():
+@pytest.fixture(params=SERVERS)
+def store_host(request):
     """A TCPStore hosted by another process, to be SIGSTOPped: a partition as a client sees
     it (the connection is up, nothing answers)."""
-    host = subprocess.Popen(
-        [sys.executable, "-c", STORE_HOST],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
-    )
+    host = ServerProcess(kind=request.param)
     try:
-        yield host, host.stdout.readline().strip()
+        yield host, host.endpoint
     finally:
         os.kill(host.pid, signal.SIGCONT)
-        host.kill()
-        host.wait()
+        host.close()
 
 
 def freeze(pid: int, timeout: float = 10.0) -> None:
@@ -210,8 +196,8 @@ def test_a_dead_endpoint_is_named_after_the_connect_timeout():
 
 def test_the_client_waits_for_a_store_that_comes_up_late():
     port = free_port()
-    servers: list[C10dServer] = []
-    timer = threading.Timer(0.5, lambda: servers.append(C10dServer("127.0.0.1", port)))
+    servers: list[ServerProcess] = []
+    timer = threading.Timer(0.5, lambda: servers.append(ServerProcess("127.0.0.1", port)))
     timer.start()
 
     async def scenario():
@@ -232,7 +218,7 @@ def test_the_client_waits_for_a_store_that_comes_up_late():
 
 
 def test_a_restarted_store_fails_one_call_then_the_client_reconnects():
-    server = C10dServer("127.0.0.1", 0)
+    server = ServerProcess("127.0.0.1", 0)
     port = server.port
 
     async def scenario():
@@ -244,7 +230,7 @@ def test_a_restarted_store_fails_one_call_then_the_client_reconnects():
             with pytest.raises(StoreConnectionError) as raised:
                 await client.get("k")
             assert server.endpoint in str(raised.value)
-            server = C10dServer("127.0.0.1", port)
+            server = ServerProcess("127.0.0.1", port)
             assert await client.get("k") is None  # the data went with the old server
             await client.set("k", b"again")
             return await client.get("k")
@@ -379,7 +365,7 @@ def test_connect_retries_a_peer_that_breaks_off_the_handshake():
                     await asyncio.sleep(0.05)
             fake.close()
             await fake.wait_closed()
-            return await asyncio.to_thread(C10dServer, "127.0.0.1", port)
+            return await asyncio.to_thread(ServerProcess, "127.0.0.1", port)
 
         swap = asyncio.create_task(then_a_real_store())
         try:

@@ -11,11 +11,13 @@ What is checked, in order (the timeline is printed at the end of the run):
 1. ``dpkg -i`` offline on every host: the unit is enabled and started (``--standalone``,
    from /etc/default/elasticd), the ``elasticd-admin`` group exists, /usr/bin/python3 has no
    torch and the daemon runs anyway.
-2. The cluster: every host's /etc/elasticd/elasticd.toml names the store on n1, whose
-   /etc/default/elasticd points ELASTICD_PYTHON at a venv with torch (this machine's
-   torch 2.13.0 CPU wheel in a venv of /usr/bin/python3, mounted at /opt/torch: "the node's
-   torch install"); n2 and n3 run without torch.  n1 makes the cluster key (0600) at its
-   first start as store host and keeps it across restarts; it is copied to n2 and n3.
+2. The cluster: every host's /etc/elasticd/elasticd.toml names the store on n1, which hosts
+   it under Debian's /usr/bin/python3 (no torch: the daemon serves TCPStore's protocol
+   itself).  n2's /etc/default/elasticd points ELASTICD_PYTHON at a venv with torch (this
+   machine's torch 2.13.0 CPU wheel in a venv of /usr/bin/python3, mounted at /opt/torch:
+   "the node's torch install", which the jobs use too), and its daemon runs that Python.
+   n1 makes the cluster key (0600) at its first start as store host and keeps it across
+   restarts; it is copied to n2 and n3.
 3. A job (examples/ddp_train.py, gloo, one worker per node, submitted by ``nobody``) runs on
    3 nodes; n3 loses power (SIGKILL to every process of the container); the job re-forms on
    two; n3 boots again, its elasticd starts with the machine and the job grows back to 3.
@@ -294,6 +296,12 @@ def cluster(deb: Path) -> Iterator[list[Host]]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def daemon_python(m: Host) -> str:
+    """The Python that runs m's daemon (the first word of its command line)."""
+    pid = m.unit("MainPID")["MainPID"]
+    return m.run("cat", f"/proc/{pid}/cmdline").stdout.split("\0")[0]
+
+
 def cluster_config(m: Host, store: Host) -> str:
     return (
         f'[node]\nname = "{m.name}"\naddress = "{m.addr}"\nslots = 2\n\n'
@@ -336,10 +344,11 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(
         "installed on n1..n3: unit enabled and active (--standalone), no torch in /usr/bin/python3"
     )
 
-    # 2. the cluster: n1 hosts the store (with torch), n2 and n3 join it (without)
+    # 2. the cluster: n1 hosts the store (without torch), n2 and n3 join it; n2's daemon runs
+    # the venv's Python (ELASTICD_PYTHON)
     for m in cluster:
         m.file("/etc/elasticd/elasticd.toml").write_text(cluster_config(m, n1))
-        extra = "ELASTICD_PYTHON=/opt/torch/bin/python3\n" if m is n1 else ""
+        extra = "ELASTICD_PYTHON=/opt/torch/bin/python3\n" if m is n2 else ""
         m.file("/etc/default/elasticd").write_text(f'ELASTICD_OPTS=""\n{extra}')
     n1.systemctl("restart", "elasticd")
     key = n1.file("/var/lib/elasticd/cluster.key")
@@ -358,7 +367,9 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(
             sorted(n["name"] for n in n2.ctl("nodes") if n["state"] == "up") == ["n1", "n2", "n3"]
         ),
     )
-    note("cluster formed: n1 store host (ELASTICD_PYTHON with torch), key 0600 kept across restart")
+    pythons = [daemon_python(m) for m in (n1, n2)]
+    assert pythons[0].startswith("/usr/bin/python3") and "/opt/torch/" in pythons[1], pythons
+    note("cluster formed: n1 store host without torch, n2 on ELASTICD_PYTHON, key 0600 kept")
     # ... continued in the steps below
     node_loss_and_return(cluster)
     store_host_stop(cluster)

@@ -12,17 +12,17 @@ from elasticd import config as config_mod
 from elasticd.config import DaemonConfig
 from elasticd.endpoint import join_endpoint, split_endpoint
 from elasticd.errors import ConfigError
-from elasticd.store.c10d import C10dServer
 from elasticd.store.firewall import StoreFirewall
+from elasticd.store.tcpserver import TCPStoreServer
 
 log = logging.getLogger(__name__)
 
 
-def host_store(config: DaemonConfig) -> tuple[C10dServer | None, str]:
+def host_store(config: DaemonConfig) -> tuple[TCPStoreServer | None, str]:
     """Host the cluster's store here when this node is its host: (the server, or None; the
     store's endpoint)."""
     if hosts_store(config):
-        server = C10dServer(config.store_host, config.store_port, timeout=config.store.timeout)
+        server = TCPStoreServer(config.store_host, config.store_port)
         return server, join_endpoint(config.store_host, server.port)
     endpoint = config.store.endpoint
     if config.store.host == config_mod.AUTO:

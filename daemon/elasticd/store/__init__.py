@@ -1,8 +1,9 @@
-"""Store backends (docs/store.md): the protocols, the daemon's TCPStore client, the c10d
-TCPStore server, the etcd client, an in-memory store, signing.
+"""Store backends (docs/store.md): the protocols, the daemon's TCPStore client and server, the
+etcd client, an in-memory store, signing.
 
-Only ``elasticd.store.c10d`` uses torch (the server a store host runs, and torch's blocking
-client), and imports it lazily: a daemon that does not host the store never loads torch.
+The daemon never loads torch: it hosts and reaches a c10d TCPStore with its own server
+(``tcpserver``) and client (``tcpstore``).  Only ``elasticd.store.c10d``, torch's blocking
+client for tests and tools, imports torch (lazily).
 Only ``elasticd.store.etcd`` uses gRPC; it is not imported here, so that only the daemons of
 an etcd cluster load it.
 """

@@ -1,7 +1,7 @@
-"""The c10d backend: the ``torch.distributed.TCPStore`` (libuv) server that one daemon hosts,
-and torch's blocking client (tests and tools; the daemon uses :mod:`elasticd.store.tcpstore`).
+"""torch's blocking TCPStore client, as a StoreBackend: for tests and tools (the daemon uses
+:mod:`elasticd.store.tcpstore`, and hosts the store with :mod:`elasticd.store.tcpserver`).
 
-Facts about TCPStore that shape this module:
+Facts about torch's client that shape this module:
 
 - ``get`` of a missing key blocks for the whole store timeout, so :meth:`C10dStore.get` is a
   ``compare_set(key, SENTINEL, SENTINEL)``: on a missing key TCPStore answers with the
@@ -9,22 +9,23 @@ Facts about TCPStore that shape this module:
 - A client shared by several threads collapses under load: each thread gets its own client.
 - After a failed request a client's connection may be out of step with the server, so the
   thread's client is dropped and the next call reconnects.
-- Every new connection makes client *and server* do a reverse DNS lookup of the peer (for
-  their logs). With a resolver that drops packets a connect can stall for the resolver
-  timeout; ``RES_OPTIONS="timeout:1 attempts:1"`` bounds that.
+- It holds the GIL while it waits for an answer: a server on a thread of the same process
+  (ours is Python) would never answer.  Tests host the store in a child process.
+- Every new connection makes it do a reverse DNS lookup of the peer (for its logs). With a
+  resolver that drops packets a connect can stall for the resolver timeout;
+  ``RES_OPTIONS="timeout:1 attempts:1"`` bounds that.
 """
 
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-from elasticd.endpoint import join_endpoint, split_endpoint
+from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.base import check_compare_value, junk_counter
 from elasticd.store.tcpstore import MISSING as _MISSING  # the same sentinel on both clients
@@ -33,65 +34,12 @@ _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 
 
-def _tcp_store(host: str, port: int, *, master: bool, timeout: float, listen_fd: int | None = None):
-    try:  # torch is heavy: import it only when a store is used
-        from torch.distributed import TCPStore
-    except ImportError as err:
-        raise RuntimeError(
-            f"hosting the c10d store needs torch, which {sys.executable} cannot import ({err}); "
-            "run elasticd with a Python that has torch (the Debian package: ELASTICD_PYTHON in "
-            "/etc/default/elasticd), or use store.backend = etcd"
-        ) from err
+def _tcp_client(host: str, port: int, *, timeout: float):
+    from torch.distributed import TCPStore  # torch is heavy: imported when a client is made
 
     return TCPStore(
-        host,
-        port,
-        None,
-        master,
-        timedelta(seconds=timeout),
-        wait_for_workers=False,
-        master_listen_fd=listen_fd,
-        use_libuv=True,
+        host, port, None, False, timedelta(seconds=timeout), wait_for_workers=False, use_libuv=True
     )
-
-
-def _listen(host: str, port: int) -> tuple[int, int]:
-    """A socket listening on ``host`` only (TCPStore alone would listen on every address);
-    its fd, which the TCPStore takes over and closes, and its port."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(1024)
-        bound = sock.getsockname()[1]
-        return sock.detach(), bound
-
-
-class C10dServer:
-    """Hosts the cluster's TCPStore in this process (the daemon whose config says so),
-    listening on ``host`` only: a standalone daemon's store is not reachable from the network."""
-
-    def __init__(self, host: str, port: int = 0, timeout: float = 30.0) -> None:
-        self.host = host
-        try:
-            fd, port = _listen(host, port)
-        except OSError as err:
-            raise StoreConnectionError(f"cannot host the store on {host}:{port}: {err}") from err
-        try:
-            self._store = _tcp_store(host, port, master=True, timeout=timeout, listen_fd=fd)
-        except RuntimeError as err:
-            raise StoreConnectionError(f"cannot host the store on {host}:{port}: {err}") from err
-        self.port: int = self._store.port
-
-    @property
-    def endpoint(self) -> str:
-        return join_endpoint(self.host, self.port)
-
-    def close(self) -> None:
-        """Stop serving: dropping the master TCPStore object stops its server."""
-        self._store = None
 
 
 def connect(endpoint: str, *, timeout: float = 30.0, connect_timeout: float = 60.0) -> C10dStore:
@@ -231,9 +179,7 @@ class C10dStore:
             remaining = deadline - time.monotonic()
             try:
                 self._probe(min(remaining, 1.0))
-                client = _tcp_store(
-                    self._host, self._port, master=False, timeout=max(remaining, 0.1)
-                )
+                client = _tcp_client(self._host, self._port, timeout=max(remaining, 0.1))
                 client.set_timeout(timedelta(seconds=self.timeout))
                 return client
             except (OSError, RuntimeError) as err:

@@ -15,21 +15,22 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 from blocking_rendezvous import BlockingRendezvous
 from rendezvous_support import INTERVAL, Participant
+from store_servers import ServerProcess
 
 from elasticd.rendezvous import RendezvousSettings
-from elasticd.store.c10d import C10dServer, C10dStore, connect
+from elasticd.store.c10d import C10dStore, connect
 from elasticd.store.signing import Signer, create_key, load_key
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[C10dServer]:
-    server = C10dServer("127.0.0.1", 0, timeout=30.0)
+def server() -> Iterator[ServerProcess]:
+    server = ServerProcess()
     yield server
     server.close()
 
 
 @pytest.fixture
-def store(server: C10dServer) -> Iterator[C10dStore]:
+def store(server: ServerProcess) -> Iterator[C10dStore]:
     store = connect(server.endpoint, timeout=30.0, connect_timeout=10.0)
     yield store
     store.close()

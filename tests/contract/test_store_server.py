@@ -1,0 +1,359 @@
+"""Our TCPStore server (what a daemon hosts) against torch's own: the same answers to the same
+requests, byte for byte, and what it does that torch's does not (bounds, a closed door to
+clients that are not TCPStore's, no wake on a read).
+
+The requests are sent by a raw client of the protocol (``Raw``), so that every answer is
+compared as the server wrote it.  Both servers run in child processes (store_servers.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from store_servers import ServerProcess
+
+from elasticd.store.tcpserver import MAGIC, MAX_KEY, Query, TCPStoreServer
+
+
+def _blob(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+class Raw:
+    """One connection speaking TCPStore's protocol; each method sends one request and returns
+    the server's answer as bytes (b"" for the requests it does not answer)."""
+
+    def __init__(self, port: int, *, validate: bool = True) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if validate:
+            self.send(Query.VALIDATE, struct.pack("<I", MAGIC))
+
+    def send(self, query: int, *args: bytes) -> None:
+        self.sock.sendall(bytes([query]) + b"".join(args))
+
+    def read(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionResetError("closed by the server")
+            data += chunk
+        return data
+
+    def blob(self) -> bytes:
+        (size,) = struct.unpack("<Q", self.read(8))
+        return _blob(self.read(size))
+
+    def closed(self, timeout: float = 10.0) -> bool:
+        """Whether the server closed this connection (within ``timeout`` seconds)."""
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+
+    def silent(self, timeout: float) -> bool:
+        """Whether nothing came (no answer, no close) for ``timeout`` seconds; reads nothing."""
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except TimeoutError:
+            return True
+        finally:
+            self.sock.settimeout(10)
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # -- the requests ---------------------------------------------------------------------
+
+    def set(self, key: bytes, value: bytes) -> bytes:
+        self.send(Query.SET, _blob(key), _blob(value))
+        return self.ping()
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        self.send(Query.COMPARE_SET, _blob(key), _blob(expected), _blob(desired))
+        return self.blob()
+
+    def get(self, key: bytes) -> bytes:
+        self.send(Query.GET, _blob(key))
+        return self.blob()
+
+    def add(self, key: bytes, amount: int) -> bytes:
+        self.send(Query.ADD, _blob(key), struct.pack("<q", amount))
+        return self.read(8)
+
+    def check(self, keys: list[bytes]) -> bytes:
+        self.send(Query.CHECK, struct.pack("<Q", len(keys)), *map(_blob, keys))
+        return self.read(1)
+
+    def delete(self, key: bytes) -> bytes:
+        self.send(Query.DELETE_KEY, _blob(key))
+        return self.read(8)
+
+    def append(self, key: bytes, value: bytes) -> bytes:
+        self.send(Query.APPEND, _blob(key), _blob(value))
+        return self.ping()
+
+    def multi_get(self, keys: list[bytes]) -> bytes:
+        self.send(Query.MULTI_GET, struct.pack("<Q", len(keys)), *map(_blob, keys))
+        return b"".join(self.blob() for _ in keys)
+
+    def multi_set(self, pairs: list[tuple[bytes, bytes]]) -> bytes:
+        items = [_blob(key) + _blob(value) for key, value in pairs]
+        self.send(Query.MULTI_SET, struct.pack("<Q", len(pairs)), *items)
+        return self.ping()
+
+    def push(self, key: bytes, value: bytes) -> bytes:
+        self.send(Query.QUEUE_PUSH, _blob(key), _blob(value))
+        return self.ping()
+
+    def pop(self, key: bytes) -> bytes:
+        self.send(Query.QUEUE_POP, _blob(key))
+        size = self.read(8)
+        return size + (self.blob() if struct.unpack("<q", size)[0] else b"")
+
+    def queue_len(self, key: bytes) -> bytes:
+        self.send(Query.QUEUE_LEN, _blob(key))
+        return self.read(8)
+
+    def wait(self, keys: list[bytes], *, blocks: bool = False) -> None:
+        """Send a WAIT; one that ``blocks`` returns once the server has taken it (a PING behind
+        it was answered), so that a write on another connection comes after it."""
+        self.send(Query.WAIT, struct.pack("<Q", len(keys)), *map(_blob, keys))
+        if blocks:
+            assert self.ping() == struct.pack("<I", 0xE1A5)
+
+    def ping(self) -> bytes:
+        self.send(Query.PING, struct.pack("<I", 0xE1A5))
+        return self.read(4)
+
+
+@pytest.fixture(scope="module")
+def both():
+    """Ours and torch's, for the whole module (each test uses keys of its own)."""
+    ours, theirs = ServerProcess(kind="elasticd"), ServerProcess(kind="torch")
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+# One operation: a name and its arguments, over three keys and small values (counts among
+# them, and junk that std::stoll refuses, so that add meets both).
+_KEYS = st.sampled_from([b"a", b"b", b"c"])
+_VALUES = st.sampled_from([b"", b"0", b"7", b" -3x", b"junk", b"x" * 100, b"99999999999999999999"])
+_OPS = st.one_of(
+    st.tuples(st.just("set"), _KEYS, _VALUES),
+    st.tuples(st.just("compare_set"), _KEYS, _VALUES, _VALUES),
+    st.tuples(st.just("get"), _KEYS),
+    st.tuples(st.just("add"), _KEYS, st.integers(-5, 5)),
+    st.tuples(st.just("check"), st.lists(_KEYS, min_size=1, max_size=3)),
+    st.tuples(st.just("delete"), _KEYS),
+    st.tuples(st.just("append"), _KEYS, _VALUES),
+    st.tuples(st.just("multi_get"), st.lists(_KEYS, min_size=1, max_size=3)),
+    st.tuples(st.just("multi_set"), st.lists(st.tuples(_KEYS, _VALUES), min_size=1, max_size=3)),
+    st.tuples(st.just("push"), _KEYS, _VALUES),
+    st.tuples(st.just("pop"), _KEYS),
+    st.tuples(st.just("queue_len"), _KEYS),
+)
+
+
+def _play(port: int, prefix: bytes, ops: list[tuple]) -> list[bytes]:
+    """The answers to ``ops``, each key under ``prefix``; "closed" where the server closed
+    the connection (an add over junk), after which a new connection goes on."""
+
+    def scoped(arg):
+        if isinstance(arg, bytes) and arg in (b"a", b"b", b"c"):
+            return prefix + arg
+        if isinstance(arg, list):
+            return [scoped(item) for item in arg]
+        if isinstance(arg, tuple):
+            return tuple(scoped(item) for item in arg)
+        return arg
+
+    raw, answers = Raw(port), []
+    try:
+        for name, *args in ops:
+            scoped_args = [scoped(arg) for arg in args]
+            if name == "multi_set":  # keys only, not the values
+                scoped_args = [[(prefix + key, value) for key, value in args[0]]]
+            try:
+                answers.append(getattr(raw, name)(*scoped_args))
+            except ConnectionResetError:
+                answers.append(b"closed")
+                raw.close()
+                raw = Raw(port)
+    finally:
+        raw.close()
+    return answers
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=st.lists(_OPS, min_size=1, max_size=25))
+def test_every_answer_is_torchs(both, ops):
+    """Any sequence of requests gets the same answers, byte for byte, from both servers."""
+    prefix = f"diff/{uuid.uuid4().hex}/".encode()
+    ours, theirs = both
+    assert _play(ours.port, prefix, ops) == _play(theirs.port, prefix, ops)
+
+
+def test_the_counts_and_the_key_list_are_torchs():
+    """GETNUMKEYS and LIST_KEYS see the whole store: each server fresh, the same writes."""
+    answers = []
+    for kind in ("elasticd", "torch"):
+        server = ServerProcess(kind=kind)
+        try:
+            raw = Raw(server.port)
+            raw.set(b"/k1", b"1")
+            raw.add(b"/k2", 4)
+            raw.push(b"/q", b"x")  # a queue is not a key
+            raw.send(Query.GETNUMKEYS)
+            count = raw.read(8)
+            raw.send(Query.LIST_KEYS)
+            (listed,) = struct.unpack("<q", raw.read(8))
+            keys = sorted(raw.blob() for _ in range(listed))
+            answers.append((count, keys))
+            raw.close()
+        finally:
+            server.close()
+    assert (
+        answers[0] == answers[1] == (struct.pack("<q", 2), sorted([_blob(b"/k1"), _blob(b"/k2")]))
+    )
+
+
+@pytest.mark.parametrize("kind", ["elasticd", "torch"])
+def test_waits_end_as_torchs_do(both, kind):
+    """A wait on present keys ends at once; on missing ones, when the last is written; a
+    cancelled wait answers WAIT_CANCELED and the connection serves on; a barrier lets
+    everyone through when the last arrives."""
+    server = both[0] if kind == "elasticd" else both[1]
+    prefix = f"wait/{uuid.uuid4().hex}/".encode()
+    waiter, writer = Raw(server.port), Raw(server.port)
+    try:
+        writer.set(prefix + b"here", b"1")
+        waiter.wait([prefix + b"here"])
+        assert waiter.read(1) == b"\x00"  # STOP_WAITING
+        waiter.wait([prefix + b"x", prefix + b"y", prefix + b"here"], blocks=True)
+        writer.set(prefix + b"x", b"1")
+        assert waiter.silent(0.3)  # y is still missing
+        writer.add(prefix + b"y", 1)
+        assert waiter.read(1) == b"\x00"
+        waiter.wait([prefix + b"never"], blocks=True)
+        waiter.send(Query.CANCEL_WAIT)
+        assert waiter.read(1) == b"\x01"  # WAIT_CANCELED
+        writer.set(prefix + b"never", b"now")  # the cancelled wait is not told
+        assert waiter.get(prefix + b"never") == _blob(b"now")
+        waiter.send(Query.BARRIER, _blob(prefix + b"bar"), struct.pack("<q", 2))
+        assert waiter.silent(0.3)
+        writer.send(Query.BARRIER, _blob(prefix + b"bar"), struct.pack("<q", 2))
+        assert writer.read(1) == b"\x00" and waiter.read(1) == b"\x00"
+    finally:
+        waiter.close()
+        writer.close()
+
+
+def test_a_read_of_a_missing_key_wakes_nobody(both):
+    """torch's server wakes a key's waiters on a compare-and-set of the missing key (a client's
+    read), telling them a key is there that is not; ours does not."""
+    ours, theirs = both
+    woken = {}
+    for name, server in (("ours", ours), ("torch", theirs)):
+        key = f"read-wake/{uuid.uuid4().hex}".encode()
+        waiter, reader = Raw(server.port), Raw(server.port)
+        waiter.wait([key], blocks=True)
+        reader.compare_set(key, b"\x00missing", b"\x00missing")
+        woken[name] = not waiter.silent(1.0)
+        waiter.close()
+        reader.close()
+    assert woken == {"ours": False, "torch": True}
+
+
+# -- what ours does and torch's does not ---------------------------------------------------
+
+
+@pytest.fixture
+def server():
+    """Ours on a thread of this process: these tests use raw sockets, never torch's client."""
+    server = TCPStoreServer("127.0.0.1", 0, max_bytes=1 << 20)
+    yield server
+    server.close()
+
+
+def test_a_client_that_does_not_validate_is_closed_and_others_go_on(server):
+    stranger = Raw(server.port, validate=False)
+    stranger.send(Query.SET, _blob(b"k"), _blob(b"v"))
+    assert stranger.closed()
+    client = Raw(server.port)
+    assert client.get(b"k") == _blob(b"")  # the stranger's set was not applied
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        bytes([Query.SET]) + _blob(b"k" * (MAX_KEY + 1)) + _blob(b"v"),
+        bytes([99]),
+        bytes([Query.MULTI_GET]) + struct.pack("<Q", 1 << 40),
+    ],
+    ids=["a key over 8 KiB", "an unknown query", "a trillion keys"],
+)
+def test_a_request_it_does_not_serve_closes_that_connection_only(server, request_bytes):
+    other = Raw(server.port)
+    other.set(b"/kept", b"1")
+    bad = Raw(server.port)
+    bad.sock.sendall(request_bytes)
+    assert bad.closed()
+    assert other.get(b"/kept") == _blob(b"1")
+    other.close()
+
+
+def test_the_store_holds_at_most_its_bytes_and_a_delete_makes_room(server):
+    filler = Raw(server.port)
+    filled = 0
+    with pytest.raises(ConnectionError):
+        for n in range(40):  # 40 x 64 KiB > 1 MiB
+            filler.set(f"/fill/{n}".encode(), b"x" * (64 << 10))
+            filled = n + 1
+    assert 10 <= filled < 16
+    client = Raw(server.port)
+    assert client.get(b"/fill/0") == _blob(b"x" * (64 << 10))  # what was held is kept
+    assert server.keys.held <= 1 << 20
+    assert client.delete(b"/fill/0") == struct.pack("<q", 1)
+    assert client.set(b"/after", b"y" * (32 << 10)) == struct.pack("<I", 0xE1A5)
+    client.close()
+
+
+def test_a_request_trickled_byte_by_byte_is_served(server):
+    raw = Raw(server.port)
+    request = bytes([Query.COMPARE_SET]) + _blob(b"/slow") + _blob(b"") + _blob(b"v")
+    for byte in request:
+        raw.sock.sendall(bytes([byte]))
+    assert raw.blob() == _blob(b"v")
+    raw.close()
+
+
+def test_close_ends_every_connection_and_a_pending_wait_and_frees_the_port():
+    server = TCPStoreServer("127.0.0.1", 0)
+    waiter = Raw(server.port)
+    waiter.wait([b"/never"], blocks=True)
+    threads = threading.active_count()
+    started = time.monotonic()
+    server.close()
+    assert time.monotonic() - started < 5.0
+    assert waiter.closed()
+    assert threading.active_count() == threads - 1  # its thread is gone
+    again = TCPStoreServer("127.0.0.1", server.port)  # the port is free again
+    again.close()
+    waiter.close()
