@@ -235,6 +235,11 @@ class StoreConfig:
     )
     connect_timeout: float = key(60.0, _positive, doc="seconds to keep retrying the store at start")
     timeout: float = key(30.0, _positive, doc="seconds a single store operation may take")
+    max_memory: str = key(
+        "25%",
+        _max_memory,
+        doc="the keys and values the store this daemon hosts (c10d) may hold: bytes, a size such as 4G or 512M, or a share of this node's memory such as 25% (at least 16 MiB); a write past it closes the writer's connection, logged once a minute; 0: no limit",
+    )
     endpoints: list[str] = key(
         [],
         _members,

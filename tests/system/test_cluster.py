@@ -497,3 +497,31 @@ def test_run_shows_every_nodes_output_with_torchruns_local_rank_prefix(cluster_f
         "[default1]:out 3 0",
     ]
     assert {"[default0]:err 0 0", "[default1]:err 3 0"} <= set(done.stderr.splitlines())
+
+
+@pytest.mark.c10d_only("the memory bound of the TCPStore that a daemon hosts")
+def test_a_store_filled_to_its_bound_refuses_the_filler_and_the_cluster_goes_on(cluster_factory):
+    """store.max_memory: a keyless client that writes 1 MiB values into a store bounded at
+    16 MiB is cut off once it is full, the store host says so and keeps what it held; with
+    the filler's keys deleted, a job runs on both nodes."""
+    from elasticd.errors import StoreConnectionError
+
+    cluster = cluster_factory(2)
+    cluster.config.write_text(cluster.config.read_text() + '[store]\nmax_memory = "16M"\n')
+    cluster.start()
+    filler = cluster.store_client()
+    written = 0
+    with pytest.raises(StoreConnectionError):
+        for n in range(32):
+            filler.set(f"fill/{n}", b"x" * (1 << 20))
+            written = n + 1
+    assert 8 <= written <= 16, written  # torch's set is not answered: the refusal shows next
+    wait_for(lambda: "the store holds" in cluster[0].log_text(), 30, "the host's warning")
+    cleaner = cluster.store_client()
+    assert cleaner.get("fill/0") == b"x" * (1 << 20)  # what the store held is kept
+    for n in range(written):
+        cleaner.delete(f"fill/{n}")
+    cleaner.close()
+    job = cluster[0].submit_wait("--nnodes", "2", *worker_args())
+    assert job["state"] == "SUCCEEDED", job
+    assert all(d.proc is not None and d.proc.poll() is None for d in cluster)

@@ -4,12 +4,16 @@ node's address on the route to it."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
 
+import psutil
+
 from elasticd import config as config_mod
 from elasticd.config import DaemonConfig
+from elasticd.core.containment import parse_memory
 from elasticd.endpoint import join_endpoint, split_endpoint
 from elasticd.errors import ConfigError
 from elasticd.store.firewall import StoreFirewall
@@ -22,7 +26,8 @@ def host_store(config: DaemonConfig) -> tuple[TCPStoreServer | None, str]:
     """Host the cluster's store here when this node is its host: (the server, or None; the
     store's endpoint)."""
     if hosts_store(config):
-        server = TCPStoreServer(config.store_host, config.store_port)
+        limit = parse_memory(config.store.max_memory, psutil.virtual_memory().total)
+        server = TCPStoreServer(config.store_host, config.store_port, max_bytes=limit)
         return server, join_endpoint(config.store_host, server.port)
     endpoint = config.store.endpoint
     if config.store.host == config_mod.AUTO:
@@ -79,10 +84,6 @@ def addresses(host: str) -> set[str]:
 
 def is_local(host: str) -> bool:
     """Whether ``host`` (a name or an address) is this host: loopback, or an interface's."""
-    import ipaddress
-
-    import psutil
-
     mine = {e.address.split("%")[0] for entries in psutil.net_if_addrs().values() for e in entries}
     return any(ipaddress.ip_address(a).is_loopback or a in mine for a in addresses(host))
 

@@ -11,9 +11,10 @@ to a random sequence of operations.
 Where it differs from torch's server, on purpose:
 
 - **Bounded.** torch's server keeps whatever anyone sends.  Here the keys and values held
-  are capped (``max_bytes``), as are a connection's unread requests and unsent answers; a
-  request past a cap closes that connection (logged once a minute), the store and every
-  other connection go on.  A key is at most 8 KiB and a value 8 MiB, as in torch.
+  are capped (``max_bytes``: ``store.max_memory``), as are a connection's unread requests
+  and unsent answers; a request past a cap closes that connection (logged once a minute),
+  the store and every other connection go on.  A key is at most 8 KiB and a request's value
+  8 MiB, as in torch; a value grown by appends, 16 MiB (what a client of ours reads).
 - **A read wakes nobody.** torch's server wakes a key's waiters on a compare-and-set of a
   missing key (which is how a client reads a key without blocking), so a waiter could be
   told a key exists that does not; here a waiter is woken only by a write of its key.
@@ -46,9 +47,9 @@ log = logging.getLogger(__name__)
 
 MAGIC = 0x3C85F7CE
 MAX_KEY = 8 << 10  # bytes, as torch's server
-MAX_VALUE = 8 << 20
+MAX_VALUE = 8 << 20  # in one request
+MAX_HELD_VALUE = 16 << 20  # grown by appends: what TCPStoreClient reads at most
 MAX_KEYS_PER_QUERY = 128 << 10
-MAX_BYTES = 1 << 30  # keys and values held, all together
 MAX_PENDING = 64 << 20  # a connection's unread requests, and its unsent answers
 _WARN_EVERY = 60.0  # seconds between two warnings about refused connections
 
@@ -160,10 +161,10 @@ class Keys:
     ``send`` is how an answer reaches a waiting client (a connection's ``answer``).
     """
 
-    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = 0) -> None:
         self.values: dict[bytes, bytes] = {}
         self.queues: dict[bytes, collections.deque[bytes]] = {}
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes or float("inf")  # 0: no limit
         self.held = 0  # bytes of keys and values, queued values included
         self.waiters: dict[bytes, list[Waiter]] = {}
 
@@ -196,8 +197,8 @@ class Keys:
 
     def append(self, key: bytes, value: bytes) -> None:
         current = self.values.get(key, b"")
-        if len(current) + len(value) > MAX_VALUE:
-            raise Refused(f"an append past {MAX_VALUE} bytes at {key[:64]!r}")
+        if len(current) + len(value) > MAX_HELD_VALUE:
+            raise Refused(f"an append past {MAX_HELD_VALUE} bytes at {key[:64]!r}")
         self.set(key, current + value)
 
     def delete(self, key: bytes) -> int:
@@ -436,9 +437,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 class TCPStoreServer:
     """Serves the store at ``host:port`` (0: any free port) from a thread of its own, until
-    :meth:`close`."""
+    :meth:`close`; ``max_bytes`` of keys and values at most (0: no limit)."""
 
-    def __init__(self, host: str, port: int = 0, *, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, host: str, port: int = 0, *, max_bytes: int = 0) -> None:
         self.host = host
         self.keys = Keys(max_bytes)
         self.connections: set[_Connection] = set()
