@@ -1,14 +1,16 @@
 """Scale benchmark: simulated clusters of 128, 1024 and 4096 nodes on TCPStore and on etcd.
 
-Usage: python tests/bench/bench_scale.py [--backend c10d|etcd|both] [--nodes 128,1024,4096]
+Usage: python tests/bench/bench_scale.py [--backend c10d|c10d-torch|etcd|both|servers]
+                                         [--nodes 128,1024,4096]
                                          [--window S] [--quick] [--json]
                                          [--rdzv-only] [--profile DIR] [--keep-logs]
 
 Harness.  Per row (a backend and a cluster size N), fresh:
 
 - the store server in a process of its own, so that its CPU can be measured: TCPStore is
-  ``TCPStoreServer`` (the daemon's, torch-free) in a child of this script (``--serve-c10d``), etcd is
-  ``/usr/bin/etcd`` with a data dir of its own;
+  ``TCPStoreServer`` (what a daemon hosts) in a child of this script (``--serve-c10d``),
+  or, for ``c10d-torch``, torch's own libuv server there (the reference it replaced); etcd
+  is ``/usr/bin/etcd`` with a data dir of its own;
 - N simulated daemons: each node is a real ``NodeService(NodeRegistry(...))`` running its
   heartbeat duties exactly as app.py builds them (default keep-alive 1 s x 3, a signed
   record of ~520 bytes: 8 slots, 8 GPUs, labels, peer endpoint and key), with no workers,
@@ -137,17 +139,42 @@ REQUIRED = ("backend", "nodes", "duty_ms", "store_ops_per_node_s", "lost_seen_s"
 # -- the store server ----------------------------------------------------------------------
 
 
-def serve_c10d() -> None:
-    """The ``--serve-c10d`` role: host a TCPStore (the server a daemon hosts), print its port,
-    serve until stdin closes."""
+def serve_c10d(kind: str) -> None:
+    """The ``--serve-c10d [torch]`` role: host a TCPStore (the server a daemon hosts; torch:
+    torch's libuv server, the reference), print its port, serve until stdin closes."""
     die_with_parent()
     raise_nofile()
+    if kind == "torch":
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
+        port = sock.getsockname()[1]
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            None,
+            True,
+            timedelta(seconds=300),
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),
+            use_libuv=True,
+        )
+        print(store.port, flush=True)
+        sys.stdin.read()
+        return
     from elasticd.store.tcpserver import TCPStoreServer
 
     server = TCPStoreServer("127.0.0.1", 0)
     print(server.port, flush=True)
     sys.stdin.read()
     server.close()
+
+
+def client_kind(backend: str) -> str:
+    """The store client a backend's nodes use: c10d-torch (torch's server) is a c10d store."""
+    return "c10d" if backend.startswith("c10d") else backend
 
 
 def free_port() -> int:
@@ -182,11 +209,12 @@ class Server:
 
 
 async def start_server(backend: str, scratch: str) -> Server:
-    if backend == "c10d":
+    if backend.startswith("c10d"):
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             os.path.abspath(__file__),
             "--serve-c10d",
+            *(["torch"] if backend == "c10d-torch" else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=open(os.path.join(scratch, "server.log"), "ab"),
@@ -336,7 +364,7 @@ async def start_crowds(
             sys.executable,
             os.path.join(HERE, "scale_crowd.py"),
             "--backend",
-            backend,
+            client_kind(backend),
             "--endpoint",
             endpoint,
             "--cluster",
@@ -467,7 +495,7 @@ async def measure_row(opts: argparse.Namespace, backend: str, n: int, progress) 
         await start_crowds(
             opts, backend, server.endpoint, cluster, n, scratch, crowds
         )  # fills crowds
-        probe_store = await open_store(backend, server.endpoint, connections=4)
+        probe_store = await open_store(client_kind(backend), server.endpoint, connections=4)
         row.phases["start"] = time.monotonic() - began
         pids = [c.proc.pid for c in crowds]
         guard = asyncio.create_task(memory_guard(CpuMeter(pids + [server.pid]), opts.memory_limit))
@@ -773,7 +801,7 @@ async def rendezvous(
         run_id, n, n, join_timeout=opts.join_timeout, keep_alive_interval=opts.interval
     )
     prefix = Keyspace(cluster).rendezvous(job)
-    client = await open_store(row.backend, server.endpoint, connections=2, waits=2)
+    client = await open_store(client_kind(row.backend), server.endpoint, connections=2, waits=2)
     counts = Counts()
     handler = RendezvousHandler(
         CountingStore(client, counts),
@@ -875,14 +903,14 @@ def table(rows: list[Row], opts: argparse.Namespace) -> str:
         f"simulated clusters of N nodes: nodes 0 (first observer) and 1 (killed) + N-3 crowd nodes in {opts.procs} processes "
         f"+ the probe; keep-alive {opts.interval:g} s x 3; steady window {opts.window:g} s; "
         f"this machine: {os.cpu_count()} cores",
-        f"{'backend':<7} {'nodes':>5} {'duty ms p50/p99/cpu':>20} {'observer ms p50/p99/cpu':>24} {'ops/node/s':>11} "
+        f"{'backend':<10} {'nodes':>5} {'duty ms p50/p99/cpu':>20} {'observer ms p50/p99/cpu':>24} {'ops/node/s':>11} "
         f"{'bytes/node/s':>13} {'store CPU%':>10} {'lost seen s':>11} {'rdzv s':>8}  status",
     ]
     for row in rows:
         duty = f"{_f(row.duty_ms, '.2f')}/{_f(row.duty_p99_ms, '.1f')}/{_f(row.duty_cpu_ms, '.2f')}"
         observer = f"{_f(row.observer_duty_ms, '.1f')}/{_f(row.observer_duty_p99_ms, '.0f')}/{_f(row.observer_cpu_ms, '.1f')}"
         lines.append(
-            f"{row.backend:<7} {row.nodes:>5} {duty:>20} {observer:>24} {_f(row.store_ops_per_node_s, '.1f'):>11} "
+            f"{row.backend:<10} {row.nodes:>5} {duty:>20} {observer:>24} {_f(row.store_ops_per_node_s, '.1f'):>11} "
             f"{_f(row.store_bytes_per_node_s, ',.0f'):>13} {_f(row.store_cpu_pct, '.1f'):>10} "
             f"{_f(row.lost_seen_s, '.2f'):>11} {_f(row.rdzv_s, '.3f'):>8}  {row.status}"
         )
@@ -917,7 +945,7 @@ def table(rows: list[Row], opts: argparse.Namespace) -> str:
 
 
 def backends(choice: str, note) -> list[str]:
-    chosen = ["c10d", "etcd"] if choice == "both" else [choice]
+    chosen = {"both": ["c10d", "etcd"], "servers": ["c10d", "c10d-torch"]}.get(choice, [choice])
     if "etcd" in chosen:
         missing = []
         if not os.access(ETCD, os.X_OK):
@@ -1031,11 +1059,17 @@ def detector_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
-    if sys.argv[1:] == ["--serve-c10d"]:
-        serve_c10d()
+    if sys.argv[1:2] == ["--serve-c10d"]:
+        serve_c10d(sys.argv[2] if len(sys.argv) > 2 else "elasticd")
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("c10d", "etcd", "both"), default="both")
+    parser.add_argument(
+        "--backend",
+        choices=("c10d", "c10d-torch", "etcd", "both", "servers"),
+        default="both",
+        help="c10d-torch: a c10d store served by torch's own (libuv) server, the reference; "
+        "servers: c10d and c10d-torch side by side",
+    )
     parser.add_argument("--nodes", default="128,1024,4096", help="cluster sizes, comma-separated")
     parser.add_argument(
         "--window", type=float, default=10.0, help="steady window, seconds (at most 60)"
