@@ -11,11 +11,11 @@ What is checked, in order (the timeline is printed at the end of the run):
 1. ``dpkg -i`` offline on every host: the unit is enabled and started (``--standalone``,
    from /etc/default/elasticd), the ``elasticd-admin`` group exists, /usr/bin/python3 has no
    torch and the daemon runs anyway.
-2. The cluster: every host's /etc/elasticd/elasticd.toml names the store on n1, which hosts
-   it under Debian's /usr/bin/python3 (no torch: the daemon serves TCPStore's protocol
-   itself).  n2's /etc/default/elasticd points ELASTICD_PYTHON at a venv with torch (this
-   machine's torch 2.13.0 CPU wheel in a venv of /usr/bin/python3, mounted at /opt/torch:
-   "the node's torch install", which the jobs use too), and its daemon runs that Python.
+2. The cluster: every host's /etc/elasticd/elasticd.toml names the store on n1, whose
+   /etc/default/elasticd points ELASTICD_PYTHON at a venv with torch (this machine's
+   torch 2.13.0 CPU wheel in a venv of /usr/bin/python3, mounted at /opt/torch: "the node's
+   torch install", which the jobs use too): its daemon runs that Python and still never
+   loads torch (it serves TCPStore's protocol itself); n2 and n3 run Debian's python3.
    n1 makes the cluster key (0600) at its first start as store host and keeps it across
    restarts; it is copied to n2 and n3.
 3. A job (examples/ddp_train.py, gloo, one worker per node, submitted by ``nobody``) runs on
@@ -302,6 +302,12 @@ def daemon_python(m: Host) -> str:
     return m.run("cat", f"/proc/{pid}/cmdline").stdout.split("\0")[0]
 
 
+def loads_torch(m: Host) -> bool:
+    """Whether m's daemon has torch's library mapped."""
+    pid = m.unit("MainPID")["MainPID"]
+    return "libtorch" in m.run("cat", f"/proc/{pid}/maps").stdout
+
+
 def cluster_config(m: Host, store: Host) -> str:
     return (
         f'[node]\nname = "{m.name}"\naddress = "{m.addr}"\nslots = 2\n\n'
@@ -344,11 +350,11 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(
         "installed on n1..n3: unit enabled and active (--standalone), no torch in /usr/bin/python3"
     )
 
-    # 2. the cluster: n1 hosts the store (without torch), n2 and n3 join it; n2's daemon runs
-    # the venv's Python (ELASTICD_PYTHON)
+    # 2. the cluster: n1 hosts the store on the venv's Python (ELASTICD_PYTHON), which has
+    # torch, and loads none; n2 and n3 join it
     for m in cluster:
         m.file("/etc/elasticd/elasticd.toml").write_text(cluster_config(m, n1))
-        extra = "ELASTICD_PYTHON=/opt/torch/bin/python3\n" if m is n2 else ""
+        extra = "ELASTICD_PYTHON=/opt/torch/bin/python3\n" if m is n1 else ""
         m.file("/etc/default/elasticd").write_text(f'ELASTICD_OPTS=""\n{extra}')
     n1.systemctl("restart", "elasticd")
     key = n1.file("/var/lib/elasticd/cluster.key")
@@ -368,8 +374,9 @@ def test_three_hosts_install_the_package_and_run_elastic_jobs(
         ),
     )
     pythons = [daemon_python(m) for m in (n1, n2)]
-    assert pythons[0].startswith("/usr/bin/python3") and "/opt/torch/" in pythons[1], pythons
-    note("cluster formed: n1 store host without torch, n2 on ELASTICD_PYTHON, key 0600 kept")
+    assert "/opt/torch/" in pythons[0] and pythons[1].startswith("/usr/bin/python3"), pythons
+    assert not loads_torch(n1), "the store host's daemon loaded torch"
+    note("cluster formed: n1 store host on ELASTICD_PYTHON (torch not loaded), key 0600 kept")
     # ... continued in the steps below
     node_loss_and_return(cluster)
     store_host_stop(cluster)
@@ -497,7 +504,13 @@ def store_host_stop(cluster: list[Host]) -> None:
     # the same workers: nothing was restarted.  Waited for, not read once: each node
     # republishes its parts into the new store on its own duty, so for a moment a node can
     # show the job before it has read the workers' states again.
-    until(f"{job}: the same workers {pids} healthy", lambda: healthy_pids(n2, job) == pids, 60)
+    try:
+        until(f"{job}: the same workers {pids} healthy", lambda: healthy_pids(n2, job) == pids, 60)
+    except AssertionError as exc:  # what n2 shows instead, and why
+        raise AssertionError(
+            f"{exc}\nn2: elasticctl status: {json.dumps(n2.ctl('status', job), indent=1)}\n"
+            f"{n2.journal()}\n{n1.journal()}"
+        ) from None
     note(f"{job}: store reachable again from n2, n3; the same workers (no restart)")
     n2.ctl("cancel", job)
 
