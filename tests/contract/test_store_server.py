@@ -19,11 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from store_servers import ServerProcess
 
-from elasticd.store.tcpserver import MAGIC, MAX_KEY, Query, TCPStoreServer
-
-
-def _blob(data: bytes) -> bytes:
-    return struct.pack("<Q", len(data)) + data
+from elasticd.store.tcpserver import MAX_KEY, TCPStoreServer
+from elasticd.store.tcpwire import MAGIC, Query, blob
 
 
 class Raw:
@@ -49,7 +46,7 @@ class Raw:
 
     def blob(self) -> bytes:
         (size,) = struct.unpack("<Q", self.read(8))
-        return _blob(self.read(size))
+        return blob(self.read(size))
 
     def closed(self, timeout: float = 10.0) -> bool:
         """Whether the server closed this connection (within ``timeout`` seconds)."""
@@ -78,59 +75,59 @@ class Raw:
     # -- the requests ---------------------------------------------------------------------
 
     def set(self, key: bytes, value: bytes) -> bytes:
-        self.send(Query.SET, _blob(key), _blob(value))
+        self.send(Query.SET, blob(key), blob(value))
         return self.ping()
 
     def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
-        self.send(Query.COMPARE_SET, _blob(key), _blob(expected), _blob(desired))
+        self.send(Query.COMPARE_SET, blob(key), blob(expected), blob(desired))
         return self.blob()
 
     def get(self, key: bytes) -> bytes:
-        self.send(Query.GET, _blob(key))
+        self.send(Query.GET, blob(key))
         return self.blob()
 
     def add(self, key: bytes, amount: int) -> bytes:
-        self.send(Query.ADD, _blob(key), struct.pack("<q", amount))
+        self.send(Query.ADD, blob(key), struct.pack("<q", amount))
         return self.read(8)
 
     def check(self, keys: list[bytes]) -> bytes:
-        self.send(Query.CHECK, struct.pack("<Q", len(keys)), *map(_blob, keys))
+        self.send(Query.CHECK, struct.pack("<Q", len(keys)), *map(blob, keys))
         return self.read(1)
 
     def delete(self, key: bytes) -> bytes:
-        self.send(Query.DELETE_KEY, _blob(key))
+        self.send(Query.DELETE_KEY, blob(key))
         return self.read(8)
 
     def append(self, key: bytes, value: bytes) -> bytes:
-        self.send(Query.APPEND, _blob(key), _blob(value))
+        self.send(Query.APPEND, blob(key), blob(value))
         return self.ping()
 
     def multi_get(self, keys: list[bytes]) -> bytes:
-        self.send(Query.MULTI_GET, struct.pack("<Q", len(keys)), *map(_blob, keys))
+        self.send(Query.MULTI_GET, struct.pack("<Q", len(keys)), *map(blob, keys))
         return b"".join(self.blob() for _ in keys)
 
     def multi_set(self, pairs: list[tuple[bytes, bytes]]) -> bytes:
-        items = [_blob(key) + _blob(value) for key, value in pairs]
+        items = [blob(key) + blob(value) for key, value in pairs]
         self.send(Query.MULTI_SET, struct.pack("<Q", len(pairs)), *items)
         return self.ping()
 
     def push(self, key: bytes, value: bytes) -> bytes:
-        self.send(Query.QUEUE_PUSH, _blob(key), _blob(value))
+        self.send(Query.QUEUE_PUSH, blob(key), blob(value))
         return self.ping()
 
     def pop(self, key: bytes) -> bytes:
-        self.send(Query.QUEUE_POP, _blob(key))
+        self.send(Query.QUEUE_POP, blob(key))
         size = self.read(8)
         return size + (self.blob() if struct.unpack("<q", size)[0] else b"")
 
     def queue_len(self, key: bytes) -> bytes:
-        self.send(Query.QUEUE_LEN, _blob(key))
+        self.send(Query.QUEUE_LEN, blob(key))
         return self.read(8)
 
     def wait(self, keys: list[bytes], *, blocks: bool = False) -> None:
         """Send a WAIT; one that ``blocks`` returns once the server has taken it (a PING behind
         it was answered), so that a write on another connection comes after it."""
-        self.send(Query.WAIT, struct.pack("<Q", len(keys)), *map(_blob, keys))
+        self.send(Query.WAIT, struct.pack("<Q", len(keys)), *map(blob, keys))
         if blocks:
             assert self.ping() == struct.pack("<I", 0xE1A5)
 
@@ -228,9 +225,7 @@ def test_the_counts_and_the_key_list_are_torchs():
             raw.close()
         finally:
             server.close()
-    assert (
-        answers[0] == answers[1] == (struct.pack("<q", 2), sorted([_blob(b"/k1"), _blob(b"/k2")]))
-    )
+    assert answers[0] == answers[1] == (struct.pack("<q", 2), sorted([blob(b"/k1"), blob(b"/k2")]))
 
 
 @pytest.mark.parametrize("kind", ["elasticd", "torch"])
@@ -254,10 +249,10 @@ def test_waits_end_as_torchs_do(both, kind):
         waiter.send(Query.CANCEL_WAIT)
         assert waiter.read(1) == b"\x01"  # WAIT_CANCELED
         writer.set(prefix + b"never", b"now")  # the cancelled wait is not told
-        assert waiter.get(prefix + b"never") == _blob(b"now")
-        waiter.send(Query.BARRIER, _blob(prefix + b"bar"), struct.pack("<q", 2))
+        assert waiter.get(prefix + b"never") == blob(b"now")
+        waiter.send(Query.BARRIER, blob(prefix + b"bar"), struct.pack("<q", 2))
         assert waiter.silent(0.3)
-        writer.send(Query.BARRIER, _blob(prefix + b"bar"), struct.pack("<q", 2))
+        writer.send(Query.BARRIER, blob(prefix + b"bar"), struct.pack("<q", 2))
         assert writer.read(1) == b"\x00" and waiter.read(1) == b"\x00"
     finally:
         waiter.close()
@@ -293,17 +288,17 @@ def server():
 
 def test_a_client_that_does_not_validate_is_closed_and_others_go_on(server):
     stranger = Raw(server.port, validate=False)
-    stranger.send(Query.SET, _blob(b"k"), _blob(b"v"))
+    stranger.send(Query.SET, blob(b"k"), blob(b"v"))
     assert stranger.closed()
     client = Raw(server.port)
-    assert client.get(b"k") == _blob(b"")  # the stranger's set was not applied
+    assert client.get(b"k") == blob(b"")  # the stranger's set was not applied
     client.close()
 
 
 @pytest.mark.parametrize(
     "request_bytes",
     [
-        bytes([Query.SET]) + _blob(b"k" * (MAX_KEY + 1)) + _blob(b"v"),
+        bytes([Query.SET]) + blob(b"k" * (MAX_KEY + 1)) + blob(b"v"),
         bytes([99]),
         bytes([Query.MULTI_GET]) + struct.pack("<Q", 1 << 40),
     ],
@@ -315,7 +310,7 @@ def test_a_request_it_does_not_serve_closes_that_connection_only(server, request
     bad = Raw(server.port)
     bad.sock.sendall(request_bytes)
     assert bad.closed()
-    assert other.get(b"/kept") == _blob(b"1")
+    assert other.get(b"/kept") == blob(b"1")
     other.close()
 
 
@@ -328,7 +323,7 @@ def test_the_store_holds_at_most_its_bytes_and_a_delete_makes_room(server):
             filled = n + 1
     assert 10 <= filled < 16
     client = Raw(server.port)
-    assert client.get(b"/fill/0") == _blob(b"x" * (64 << 10))  # what was held is kept
+    assert client.get(b"/fill/0") == blob(b"x" * (64 << 10))  # what was held is kept
     assert server.keys.held <= 1 << 20
     assert client.delete(b"/fill/0") == struct.pack("<q", 1)
     assert client.set(b"/after", b"y" * (32 << 10)) == struct.pack("<I", 0xE1A5)
@@ -337,10 +332,10 @@ def test_the_store_holds_at_most_its_bytes_and_a_delete_makes_room(server):
 
 def test_a_request_trickled_byte_by_byte_is_served(server):
     raw = Raw(server.port)
-    request = bytes([Query.COMPARE_SET]) + _blob(b"/slow") + _blob(b"") + _blob(b"v")
+    request = bytes([Query.COMPARE_SET]) + blob(b"/slow") + blob(b"") + blob(b"v")
     for byte in request:
         raw.sock.sendall(bytes([byte]))
-    assert raw.blob() == _blob(b"v")
+    assert raw.blob() == blob(b"v")
     raw.close()
 
 

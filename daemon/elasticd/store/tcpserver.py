@@ -3,8 +3,8 @@
 torch's own server (libuv, in ``torch.distributed.TCPStore``) made the hosting daemon import
 torch: 1.9 s of CPU and 200 MB of memory before it could serve a key, on the one node every
 other node waits for, and a Python with torch wherever a daemon might host.  This server
-speaks the same protocol (``TCPStoreBackend.hpp``'s query types as torch 2.13 sends them; see
-:mod:`elasticd.store.tcpstore` for the framing), so torch's clients and ours see the same
+speaks the same protocol (``TCPStoreBackend.hpp``'s query types as torch 2.13 sends them;
+:mod:`elasticd.store.tcpwire`), so torch's clients and ours see the same
 store: the contract suite runs both clients against both servers, and compares their answers
 to a random sequence of operations.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import re
 import socket
@@ -42,10 +41,11 @@ from collections.abc import Callable, Iterable
 
 from elasticd.endpoint import join_endpoint
 from elasticd.errors import StoreConnectionError
+from elasticd.store import tcpwire as wire
+from elasticd.store.tcpwire import MAGIC, Query, blob
 
 log = logging.getLogger(__name__)
 
-MAGIC = 0x3C85F7CE
 MAX_KEY = 8 << 10  # bytes, as torch's server
 MAX_VALUE = 8 << 20  # in one request
 MAX_HELD_VALUE = 16 << 20  # grown by appends: what TCPStoreClient reads at most
@@ -54,30 +54,8 @@ MAX_PENDING = 64 << 20  # a connection's unread requests, and its unsent answers
 _WARN_EVERY = 60.0  # seconds between two warnings about refused connections
 
 
-class Query(enum.IntEnum):  # TCPStoreBackend.hpp's QueryType, in its order
-    VALIDATE = 0
-    SET = 1
-    COMPARE_SET = 2
-    GET = 3
-    ADD = 4
-    CHECK = 5
-    WAIT = 6
-    GETNUMKEYS = 7
-    DELETE_KEY = 8
-    APPEND = 9
-    MULTI_GET = 10
-    MULTI_SET = 11
-    CANCEL_WAIT = 12
-    PING = 13
-    QUEUE_PUSH = 14
-    QUEUE_POP = 15
-    QUEUE_LEN = 16
-    LIST_KEYS = 17
-    BARRIER = 18
-
-
-READY, NOT_READY = b"\x00", b"\x01"  # CheckResponseType
-STOP_WAITING, WAIT_CANCELED = b"\x00", b"\x01"  # WaitResponseType
+READY, NOT_READY = bytes([wire.READY]), bytes([wire.NOT_READY])
+STOP_WAITING, WAIT_CANCELED = bytes([wire.STOP_WAITING]), bytes([wire.WAIT_CANCELED])
 
 # what std::stoll takes: leading white space, a sign, decimal digits; the rest is ignored
 _COUNT = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
@@ -136,10 +114,6 @@ class _Request:
         if count > MAX_KEYS_PER_QUERY:
             raise Refused(f"{count} keys in one query (at most {MAX_KEYS_PER_QUERY})")
         return count
-
-
-def _blob(value: bytes) -> bytes:
-    return struct.pack("<Q", len(value)) + value
 
 
 def _int64(value: int) -> bytes:
@@ -224,7 +198,7 @@ class Keys:
         if queue:
             value = queue.popleft()
             self.held -= len(value)
-            answer += _blob(value)
+            answer += blob(value)
             if not queue:
                 del self.queues[key]
         return answer
@@ -369,9 +343,9 @@ class _Connection(asyncio.Protocol):
             keys.set(key, value)
         elif query == Query.COMPARE_SET:
             key, expected, desired = request.key(), request.value(), request.value()
-            self.answer(_blob(keys.compare_set(key, expected, desired)))
+            self.answer(blob(keys.compare_set(key, expected, desired)))
         elif query == Query.GET:
-            self.answer(_blob(keys.values.get(request.key(), b"")))
+            self.answer(blob(keys.values.get(request.key(), b"")))
         elif query == Query.ADD:
             key, amount = request.key(), request.i64()
             self.answer(_int64(keys.add(key, amount)))
@@ -391,7 +365,7 @@ class _Connection(asyncio.Protocol):
             keys.append(key, value)
         elif query == Query.MULTI_GET:
             wanted = [request.key() for _ in range(request.count())]
-            self.answer(b"".join(_blob(keys.values.get(key, b"")) for key in wanted))
+            self.answer(b"".join(blob(keys.values.get(key, b"")) for key in wanted))
         elif query == Query.MULTI_SET:
             pairs = [(request.key(), request.value()) for _ in range(request.count())]
             for key, value in pairs:
@@ -407,7 +381,7 @@ class _Connection(asyncio.Protocol):
         elif query == Query.QUEUE_LEN:
             self.answer(_int64(len(keys.queues.get(request.key(), ()))))
         elif query == Query.LIST_KEYS:
-            self.answer(_int64(len(keys.values)) + b"".join(map(_blob, keys.values)))
+            self.answer(_int64(len(keys.values)) + b"".join(map(blob, keys.values)))
         elif query == Query.BARRIER:
             key, world_size = request.key(), request.i64()
             if keys.barrier(key, world_size, self.waiter):

@@ -21,7 +21,6 @@ returns once the store applied it.
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
 import struct
 from collections.abc import Awaitable, Callable
@@ -30,45 +29,27 @@ from typing import Any
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
 from elasticd.store.base import check_compare_value, junk_counter
+from elasticd.store.tcpwire import (
+    MAGIC,
+    NOT_READY,
+    READY,
+    STOP_WAITING,
+    WAIT_CANCELED,
+    Query,
+    blob,
+)
 
 MISSING = b"\x00elasticd:missing\x00"  # compare_set(k, MISSING, MISSING) reads k without blocking
-_MAGIC = 0x3C85F7CE
 _MAX_VALUE = 16 << 20  # bytes: more than any record of ours; torch's server resets bigger values
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 
 
-class _Query(enum.IntEnum):  # TCPStoreBackend.hpp's QueryType, in its order
-    VALIDATE = 0
-    SET = 1
-    COMPARE_SET = 2
-    GET = 3
-    ADD = 4
-    CHECK = 5
-    WAIT = 6
-    GETNUMKEYS = 7
-    DELETE_KEY = 8
-    APPEND = 9
-    MULTI_GET = 10
-    MULTI_SET = 11
-    CANCEL_WAIT = 12
-    PING = 13
-
-
-_READY, _NOT_READY = 0, 1  # CheckResponseType
-_STOP_WAITING = 0  # WaitResponseType
-_WAIT_CANCELED = 1
-
-
-def _blob(data: bytes) -> bytes:
-    return struct.pack("<Q", len(data)) + data
-
-
 def _key(key: str) -> bytes:
-    return _blob(("/" + key).encode())
+    return blob(("/" + key).encode())
 
 
-def _query(query: _Query, *args: bytes) -> bytes:
+def _query(query: Query, *args: bytes) -> bytes:
     return bytes([query]) + b"".join(args)
 
 
@@ -86,7 +67,7 @@ class _Connection:
         self._writer.write(b"".join(frames))
 
     def ping(self) -> bytes:
-        return _query(_Query.PING, struct.pack("<I", self._nonce))
+        return _query(Query.PING, struct.pack("<I", self._nonce))
 
     async def pong(self) -> None:
         (nonce,) = struct.unpack("<I", await self._reader.readexactly(4))
@@ -150,7 +131,7 @@ class TCPStoreClient:
         return None if value == MISSING else value
 
     async def set(self, key: str, value: bytes) -> None:
-        await self._call(_query(_Query.SET, _key(key), _blob(value)), _Connection.pong, ping=True)
+        await self._call(_query(Query.SET, _key(key), blob(value)), _Connection.pong, ping=True)
 
     async def compare_set(
         self, key: str, expected: bytes | None, desired: bytes
@@ -175,7 +156,7 @@ class TCPStoreClient:
         apart (a count there: the connection was lost, and the add may have been applied)."""
         try:
             return await self._call(
-                _query(_Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64
+                _query(Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64
             )
         except StoreConnectionError as lost:
             # a store that is gone fails this read too
@@ -185,9 +166,7 @@ class TCPStoreClient:
             raise
 
     async def append(self, key: str, value: bytes) -> None:
-        await self._call(
-            _query(_Query.APPEND, _key(key), _blob(value)), _Connection.pong, ping=True
-        )
+        await self._call(_query(Query.APPEND, _key(key), blob(value)), _Connection.pong, ping=True)
 
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         """Every key's value in one round trip (the reads are pipelined)."""
@@ -201,12 +180,12 @@ class TCPStoreClient:
         return await self._call(b"".join(_cas(key, MISSING, MISSING) for key in keys), answers)
 
     async def delete(self, key: str) -> bool:
-        return await self._call(_query(_Query.DELETE_KEY, _key(key)), _Connection.int64) > 0
+        return await self._call(_query(Query.DELETE_KEY, _key(key)), _Connection.int64) > 0
 
     async def wait_for(self, key: str, timeout: float) -> bool:
         """True once ``key`` exists, False after ``timeout`` seconds."""
         if timeout <= 0:
-            check = _query(_Query.CHECK, struct.pack("<Q", 1), _key(key))
+            check = _query(Query.CHECK, struct.pack("<Q", 1), _key(key))
             return await self._call(check, _check_answer)
         ends = asyncio.get_running_loop().time() + timeout  # a wait for a free slot counts
 
@@ -215,20 +194,20 @@ class TCPStoreClient:
                 async with asyncio.timeout_at(ends):
                     response = await conn.byte()
             except TimeoutError:
-                conn.send(_query(_Query.CANCEL_WAIT))
+                conn.send(_query(Query.CANCEL_WAIT))
                 response = await conn.byte()
-                if response == _STOP_WAITING:  # the key came as we cancelled
+                if response == STOP_WAITING:  # the key came as we cancelled
                     response = await conn.byte()
-                if response != _WAIT_CANCELED:
+                if response != WAIT_CANCELED:
                     raise StoreProtocolError(
                         f"unexpected answer {response} to CANCEL_WAIT"
                     ) from None
                 return False
-            if response != _STOP_WAITING:
+            if response != STOP_WAITING:
                 raise StoreProtocolError(f"unexpected answer {response} to WAIT")
             return True
 
-        wait = _query(_Query.WAIT, struct.pack("<Q", 1), _key(key))
+        wait = _query(Query.WAIT, struct.pack("<Q", 1), _key(key))
         return await self._call(wait, answer, limit=self._waits, deadline=timeout + self.timeout)
 
     async def connect(self, timeout: float) -> None:
@@ -323,7 +302,7 @@ class TCPStoreClient:
         conn = _Connection(reader, writer)
         self._open.add(conn)
         try:
-            conn.send(_query(_Query.VALIDATE, struct.pack("<I", _MAGIC)), conn.ping())
+            conn.send(_query(Query.VALIDATE, struct.pack("<I", MAGIC)), conn.ping())
             await conn.pong()
         except (OSError, asyncio.IncompleteReadError) as exc:
             self._discard(conn)
@@ -347,10 +326,10 @@ class TCPStoreClient:
 
 async def _check_answer(conn: _Connection) -> bool:
     response = await conn.byte()
-    if response not in (_READY, _NOT_READY):
+    if response not in (READY, NOT_READY):
         raise StoreProtocolError(f"unexpected answer {response} to CHECK")
-    return response == _READY
+    return response == READY
 
 
 def _cas(key: str, expected: bytes, desired: bytes) -> bytes:
-    return _query(_Query.COMPARE_SET, _key(key), _blob(expected), _blob(desired))
+    return _query(Query.COMPARE_SET, _key(key), blob(expected), blob(desired))
