@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import subprocess
 import sys
 import time
@@ -213,6 +214,27 @@ def test_restore_leaves_a_model_and_optimizer_given_after_the_last_save():
     train_step(model, optimizer)
     state.restore()
     assert_equal_state(copy_of(model, optimizer), trained)
+
+
+def test_a_replicated_state_never_imports_dcp():
+    """DCP costs a worker 0.3 s of CPU at its start: a script whose model is replicated
+    commits, restores and syncs without it (an optimizer imports DTensor: torch's own)."""
+    script = (
+        "import sys, torch\n"
+        "from elasticd import elastic\n"
+        "model = torch.nn.Linear(3, 2)\n"
+        "state = elastic.TorchState(model=model, optimizer=torch.optim.SGD(model.parameters()))\n"
+        "state.commit = state.save  # no agent here: commit's membership check is not wanted\n"
+        "state.commit(); state.restore(); state.sync()\n"
+        "state.attach(model, state.optimizer)\n"
+        "print('torch.distributed.checkpoint' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
 
 
 def test_single_process_sync_checks_the_optimizer_state_too():

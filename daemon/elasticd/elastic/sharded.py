@@ -50,7 +50,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from . import checkpoint, runtime
 from .broadcast import default_device, pack
@@ -87,20 +86,6 @@ class CommitId:
     @classmethod
     def decode(cls, value: int) -> CommitId | None:
         return None if value < 0 else cls(value >> 32, value & 0xFFFFFFFF)
-
-
-def holds_dtensors(model: torch.nn.Module | None, optimizer: Any = None) -> bool:
-    """Whether a model's parameters or buffers, or an optimizer's state, are DTensors."""
-    if model is not None:
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            return True
-        if any(isinstance(b, DTensor) for b in model.buffers()):
-            return True
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            if any(isinstance(v, DTensor) for v in per_param.values()):
-                return True
-    return False
 
 
 class ShardedCommits:
