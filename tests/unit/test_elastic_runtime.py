@@ -170,3 +170,55 @@ def test_nccl_asynchronous_errors_are_named_and_success_is_none():
     assert group_error(Backend(ErrorType.REMOTE_ERROR)) == "REMOTE_ERROR"
     assert group_error(Unsupported()) is None
     assert group_error(object()) is None
+
+
+RECORDER = textwrap.dedent("""
+    import os, socket, sys
+    import torch.distributed as dist
+    from elasticd.elastic import runtime
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(sys.argv[1])
+    agent.listen()
+    runtime.Runtime(sys.argv[1], 0, "gloo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    dist.destroy_process_group()
+    print({k: os.environ.get(k) for k in runtime.RECORDER_SIZES})
+""")
+
+
+def _recorder(base: Path, **env: str) -> tuple[dict[str, str | None], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", RECORDER, str(base / "agent.sock"), str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin", **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return eval(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_no_flight_recorder_by_the_name_this_torch_reads_and_no_warning(tmp_path: Path):
+    """torch 2.8 renamed the flight recorder's size: the old name warned in every in-place
+    worker's output that it is deprecated."""
+    sizes, stderr = _recorder(tmp_path)
+    assert sizes == {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+    assert "deprecated" not in stderr
+
+
+def test_a_flight_recorder_size_the_job_sets_wins_under_either_name(tmp_path: Path):
+    sizes, _ = _recorder(tmp_path, TORCH_NCCL_TRACE_BUFFER_SIZE="100")
+    assert sizes == {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}
+
+
+def test_the_flight_recorders_name_follows_torchs_version():
+    from elasticd.elastic.runtime import recorder_size_name
+
+    assert recorder_size_name("2.13.0+cpu") == "TORCH_FR_BUFFER_SIZE"
+    assert recorder_size_name("2.8.0a0+git1234") == "TORCH_FR_BUFFER_SIZE"
+    assert recorder_size_name("2.7.1+cu126") == "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    assert recorder_size_name("3.0.0") == "TORCH_FR_BUFFER_SIZE"

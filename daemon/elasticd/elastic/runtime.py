@@ -41,6 +41,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import stat
@@ -65,9 +66,11 @@ log = logging.getLogger(__name__)
 # worker re-forms rather than dumps. A value the job sets wins.
 NCCL_DEFAULTS = {
     "TORCH_NCCL_BLOCKING_WAIT": "1",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
+# The flight recorder's size: torch 2.8 renamed it; the old name still works there but every
+# process that sees it warns that it is deprecated.
+RECORDER_SIZES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"
 PROGRESS_ENV = "ELASTICD_PROGRESS_SOCKET"  # a classic job's channel, for progress only
 STACKS_SIGNAL = signal.SIGUSR2  # faulthandler dumps every thread's stack to stderr on it
@@ -228,6 +231,8 @@ class Runtime:
     def __init__(self, path: str, slot: int, backend: str | None) -> None:
         for name, value in NCCL_DEFAULTS.items():
             os.environ.setdefault(name, value)  # before any NCCL group is made
+        if not any(name in os.environ for name in RECORDER_SIZES):
+            os.environ[recorder_size_name(torch.__version__)] = "0"
         self.slot = slot
         self.round = -1
         self.backend = backend
@@ -456,6 +461,12 @@ class Runtime:
         with self._group_lock:
             before = self._before_group
             self._group_sockets = _opened_since(before)
+
+
+def recorder_size_name(version: str) -> str:
+    """The name this torch reads the flight recorder's size from (2.8 renamed it)."""
+    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    return RECORDER_SIZES[0] if (major, minor) >= (2, 8) else RECORDER_SIZES[1]
 
 
 def nccl_backend() -> Any:
