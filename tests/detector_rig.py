@@ -110,6 +110,20 @@ def kill(procs: list[psutil.Process]) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
+def worker_stacks(daemon: Daemon, job: str) -> str:
+    """Every thread's stack of ``daemon``'s workers (faulthandler, on SIGUSR2), as the tail of
+    the job's output shows them: what a test that waited for a worker in vain prints."""
+    for proc in tree(daemon)[1:]:
+        try:
+            if EXAMPLE in proc.cmdline():
+                proc.send_signal(signal.SIGUSR2)
+        except psutil.Error:
+            pass
+    time.sleep(1.0)  # the dump is written by the worker's own faulthandler thread
+    lines = daemon.ctl_run("logs", job, timeout=30).stdout.splitlines()
+    return "\n".join(lines[-200:])
+
+
 def lost_by_detector(daemon: Daemon, node: str) -> bool:
     return f"detector: node {node} is lost" in daemon.log_text()
 

@@ -24,6 +24,7 @@ from detector_rig import (
     submit_in_place,
     thaw,
     tree,
+    worker_stacks,
 )
 from store_attack import Cluster, wait_for
 
@@ -90,7 +91,12 @@ def test_a_paused_node_comes_back_as_a_newcomer_and_the_job_never_splits(
         thaw(frozen)
     resumed_at = time.time()
     assert lost_by_detector(a, c.name) or lost_by_detector(b, c.name)
-    back = wait_for(lambda: formed(report, 3, resumed_at), 120, "c back in a round of three")
+    try:
+        back = wait_for(lambda: formed(report, 3, resumed_at), 120, "c back in a round of three")
+    except AssertionError as exc:  # where c's worker is, and what c's daemon told it
+        raise AssertionError(
+            f"{exc}\nc's worker:\n{worker_stacks(c, job)}\n{c.stories()}\n{c.log_text()}"
+        ) from None
     assert len(back) == 3
     assert detector_lines(c) == [], "c, after its pause, declared nobody lost"
     doc = a.ctl("status", job)
