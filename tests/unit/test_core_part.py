@@ -20,6 +20,7 @@ from elasticd.core.model import (
     WorkerState,
 )
 from elasticd.core.part import PartCore, PartSettings, Phase, Pool
+from elasticd.core.policy import GIVEN_UP_EXIT
 from elasticd.core.records import Outcome
 from elasticd.rendezvous import (
     CHARGED,
@@ -629,6 +630,31 @@ def test_in_place_a_worker_that_dies_before_taking_its_place_is_the_failure_alre
     assert out[-1].reason is Reason.LATE_EXIT and Reason.LATE_EXIT not in CHARGED
     # one that took its place in round 1 first failed anew: with no restart left, the job fails
     assert kinds(late_exit_after_a_failure_round(asked_first=True)) == ["StopWorkers"]
+
+
+def carried_exit_after_a_node_loss(code: int) -> list[do.Instruction]:
+    """A member's loss opens round 1 (no restart spent); this node's worker in slot 1 is
+    carried in and, before it takes its place there, exits with ``code``.  What the part
+    does then."""
+    d = Drive(in_place=True)
+    in_place_running(d)
+    lost = RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST)
+    d(ev.RoundChanged(JOB, d.op(do.Watch), lost))
+    d.joined(info(round=1, reason=Reason.NODE_LOST))
+    ask(d, 0, after=0, why="interrupt")
+    d.workers(WorkerState.HEALTHY, WorkerState.FAILED, round=1, failed_code=code)
+    return acts(d(ev.PeersProbed(JOB, d.op(do.Probe), ())))
+
+
+def test_in_place_a_worker_its_old_rounds_abort_left_stuck_costs_no_restart():
+    """A paused node came back (test_detector): its worker, stuck in a collective that the
+    abort of its round did not end, gave that round up (status 75) before it took its place
+    in the next one; the job spent a restart on it."""
+    out = carried_exit_after_a_node_loss(GIVEN_UP_EXIT)
+    assert kinds(out)[-1] == "RequestRound" and out[-1].reason is Reason.LATE_EXIT
+    # any other exit there is a failure of its own, and is charged
+    out = carried_exit_after_a_node_loss(1)
+    assert kinds(out)[-1] == "RequestRound" and out[-1].reason is Reason.FAILURE
 
 
 def test_in_place_a_collective_failure_with_no_dead_peer_fails_after_dead_after():

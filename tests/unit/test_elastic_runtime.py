@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from harness import ROOT
 
 AFTER_A_FAILED_INIT = textwrap.dedent("""
@@ -222,3 +223,83 @@ def test_the_flight_recorders_name_follows_torchs_version():
     assert recorder_size_name("2.8.0a0+git1234") == "TORCH_FR_BUFFER_SIZE"
     assert recorder_size_name("2.7.1+cu126") == "TORCH_NCCL_TRACE_BUFFER_SIZE"
     assert recorder_size_name("3.0.0") == "TORCH_FR_BUFFER_SIZE"
+
+
+# A worker in round 0's group (gloo, a world of one) whose main thread then waits for good, as
+# one stuck in a collective that an abort does not end; ``asks``: it asks for a newer place
+# once the abort came (as GroupAborted makes a healthy worker do), and waits for it.
+STUCK_IN_ROUND = textwrap.dedent("""
+    import sys, threading, time
+    from elasticd.elastic import runtime
+    runtime._ABORT_LIMIT = 1.0
+    worker = runtime.Runtime(sys.argv[1], 0, "gloo")
+    worker.join("start")
+    print("formed", flush=True)
+    if sys.argv[2] == "asks":
+        while not worker.aborted:
+            time.sleep(0.01)
+        worker.join("abort")
+    threading.Event().wait()
+""")
+
+
+def _stuck_in_round(mode: str, base: Path) -> tuple[subprocess.Popen[str], socket.socket]:
+    """The worker (STUCK_IN_ROUND) placed in round 0, formed, then told round 0 is aborted;
+    returns it and the agent's connection."""
+    path = str(base / "agent.sock")
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(path)
+    agent.listen()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", STUCK_IN_ROUND, path, mode],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
+    )
+    conn, _ = agent.accept()
+    agent.close()
+    conn.settimeout(60)
+    lines = conn.makefile("r")
+    for doc in map(json.loads, lines):
+        if doc["op"] == "ready":
+            break
+    conn.sendall(json.dumps({"op": "place", "round": 0, "env": env}).encode() + b"\n")
+    assert worker.stdout is not None and worker.stdout.readline().strip() == "formed"
+    conn.sendall(json.dumps({"op": "abort", "round": 1}).encode() + b"\n")
+    return worker, conn
+
+
+def test_a_worker_that_an_abort_leaves_stuck_in_its_round_ends_itself(tmp_path: Path):
+    """gloo, torch 2.13: a survivor of a node frozen mid-allreduce waited in gloo's waitSend
+    for 30 minutes after the abort closed its sockets (test_detector's paused node)."""
+    worker, conn = _stuck_in_round("stuck", tmp_path)
+    try:
+        assert worker.wait(60) == 75
+        assert "aborted and this worker is still in it after 1 s" in worker.stderr.read()
+    finally:
+        worker.kill()
+        conn.close()
+
+
+def test_a_worker_that_asks_for_a_newer_place_after_an_abort_is_not_ended(tmp_path: Path):
+    worker, conn = _stuck_in_round("asks", tmp_path)
+    try:
+        asked = json.loads(conn.makefile("r").readline())
+        assert (asked["op"], asked["round"], asked["why"]) == ("ready", 0, "abort")
+        with pytest.raises(subprocess.TimeoutExpired):
+            worker.wait(3)  # three times the limit: it waits for its place, as it should
+    finally:
+        worker.kill()
+        conn.close()
+
+
+def test_the_daemon_knows_the_status_of_a_worker_that_gave_its_round_up():
+    from elasticd.core import policy
+    from elasticd.elastic import runtime
+
+    assert policy.GIVEN_UP_EXIT == runtime.GIVEN_UP_EXIT

@@ -26,10 +26,17 @@ class Decision(enum.Enum):
     STOP = "stop"  # the job ended: stop
     LEAVE = "leave"  # this node leaves the job (drain, shutdown)
     STALL = "stall"  # in place: a survivor did not rejoin in time; restart every worker
-    LATE_EXIT = "late_exit"  # in place: the failure that opened this round, seen late: re-form
+    # in place: a carried worker died before its place: the failure that opened this round,
+    # seen late, or one its old round's end left stuck (GIVEN_UP_EXIT): re-form, uncharged
+    LATE_EXIT = "late_exit"
 
 
 # -- what a round's watch can learn (the inputs of ``decide``) ------------------------------------
+
+
+# A worker's exit status when elastic's runtime gave its round up: an abort its collective did
+# not end, or a forming superseded (elastic.runtime.GIVEN_UP_EXIT; EX_TEMPFAIL)
+GIVEN_UP_EXIT = 75
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,12 @@ class WorkersExited:
     # in place: every worker that failed was carried into this round and died before it took
     # its place there (it was dying when its peers' broken collective opened the round)
     carried: bool = False
+
+    @property
+    def gave_up(self) -> bool:
+        """Every worker that failed ended itself because its round was given up."""
+        failures = self.result.failures
+        return bool(failures) and all(f.exit_code == GIVEN_UP_EXIT for f in failures)
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,8 @@ def decide(seen: Observed, info: RendezvousInfo, spec: JobSpec) -> Decision:
             return Decision.NODE_LOST  # a membership change: no restart is charged
         if seen.carried and info.reason is Reason.FAILURE:
             return Decision.LATE_EXIT  # the failure this round was opened for: charged once
+        if seen.carried and seen.gave_up:
+            return Decision.LATE_EXIT  # its old round's end, a membership change: not charged
         return (
             Decision.RESTART
             if may_restart(info.restart_count, spec.max_restarts)

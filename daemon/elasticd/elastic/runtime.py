@@ -84,6 +84,10 @@ _GIVE_UP = 0.02  # seconds between shut-downs of a given-up forming's new socket
 _ERROR_POLL = 0.05  # seconds between two reads of NCCL's asynchronous error
 _GIVE_UP_LIMIT = 5.0  # seconds a given-up forming may go on before the worker exits
 GIVEN_UP_EXIT = 75  # that worker's exit status (EX_TEMPFAIL)
+# seconds an aborted round's worker may stay in that round before it exits: a healthy one
+# meets its next collective, which fails, well within it (FSDP: every layer; DDP: every
+# backward); one stuck in a collective that the abort did not end never leaves
+_ABORT_LIMIT = 30.0
 # Text of errors that a broken process group raises (gloo and NCCL put them in plain
 # RuntimeErrors): such a failure re-forms the group; anything else is the script's own.
 _GROUP_ERRORS = (
@@ -238,6 +242,8 @@ class Runtime:
         self.backend = backend
         self._group_lock = threading.Lock()
         self._group_sockets: dict[int, int] = {}
+        self._asked_after = -2  # the round after which this worker last asked for a place
+        self._stuck_watch = -1  # the newest round whose abort is watched (_end_if_stuck)
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
         self.channel = Channel(path, slot, self._abort, self._placed)
@@ -272,6 +278,33 @@ class Runtime:
                     pass
             self._shut_down_forming()
             _shut_down(self._group_sockets)
+            if self._forming_since is None and self.round > self._stuck_watch:
+                self._stuck_watch = self.round
+                threading.Thread(
+                    target=self._end_if_stuck,
+                    args=(self.round,),
+                    daemon=True,
+                    name="elasticd-aborted",
+                ).start()
+
+    def _end_if_stuck(self, round: int) -> None:
+        """A worker still in ``round`` ``_ABORT_LIMIT`` s after its abort, never having asked
+        for a newer place, ends: its agent replaces it.  Seen on gloo (torch 2.13): a survivor
+        of a node frozen mid-allreduce, the frozen peer thawed after the others re-formed,
+        waited in gloo's ``UnboundBuffer::waitSend`` with its pairs' sockets closed, until
+        the group's timeout (30 minutes): its round-mates waited for it in the next round."""
+        time.sleep(_ABORT_LIMIT)
+        with self._group_lock:
+            if self._asked_after >= round:
+                return
+        print(
+            f"elasticd: round {round}'s group was aborted and this worker is still in it "
+            f"after {_ABORT_LIMIT:g} s (a collective the abort did not end); it exits (the "
+            "agent replaces it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(GIVEN_UP_EXIT)
 
     def _placed(self, round: int) -> None:
         """On the reader thread: a place in a round newer than the one whose group this
@@ -375,6 +408,8 @@ class Runtime:
                 pass
             phase("leave-end", self.round)
         phase(f"ask-{why}", self.round)
+        with self._group_lock:
+            self._asked_after = self.round
         round, env = self.channel.place_after(self.round, why, error)
         phase("placed", round)
         os.environ.update(env)

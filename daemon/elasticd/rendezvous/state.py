@@ -32,7 +32,8 @@ class Reason(enum.StrEnum):
     #                          restarts (spends a restart, like a failure)
     LATE_EXIT = "late_exit"  # in place: a worker carried into a round opened for a failure
     #                          died before it took its place: that failure, seen late (spends
-    #                          nothing: the round it opened spent the restart)
+    #                          nothing: the round it opened spent the restart); or one that
+    #                          ended itself because its old round was given up (status 75)
 
 
 CHARGED = frozenset({Reason.FAILURE, Reason.STALLED})  # rounds that spend the restart budget
