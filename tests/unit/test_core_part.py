@@ -587,6 +587,23 @@ def test_in_place_a_survivor_that_does_not_rejoin_restarts_every_worker():
     )  # no round of none
 
 
+def test_in_place_a_node_told_to_abort_that_joins_a_later_round_watches_its_survivor():
+    """A paused node came back (test_detector): told to abort for round 1, it joined round 2;
+    no rejoin timer was set, and its worker, which never asked, held the round of three."""
+    d = Drive(in_place=True)
+    in_place_running(d)
+    lost = RoundEvent(EventKind.NEXT_ROUND, Reason.NODE_LOST)
+    out = d(ev.RoundChanged(JOB, d.op(do.Watch), lost))
+    assert any(isinstance(i, do.Notify) and i.abort and i.round == 1 for i in out)
+    out = d.joined(info(round=2, reason=Reason.SCALE_UP))
+    timer = next(i for i in out if isinstance(i, do.SetTimer))
+    assert timer.name.startswith("rejoin/")
+    ask(d, 0, after=0, why="interrupt")
+    d.mono += 10.0
+    out = d(ev.TimerFired(JOB, timer.name))
+    assert kinds(out) == ["Cancel", "Publish", "StopWorkers"]  # slot 1 never asked: stalled
+
+
 def test_in_place_a_survivor_that_asks_while_the_next_round_is_joined_is_not_late():
     """A fresh CI run: the survivor asked while its node joined the next round; the ask was
     dropped, and the rejoin timer stalled a job that trained on."""

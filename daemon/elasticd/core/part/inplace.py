@@ -312,15 +312,14 @@ def _place_workers(
         pool.aborted = info.round
     out.append(do.Notify(part.job, info.round, added=change.added))
     out += _clear(part, "suspect", "rejoin")
-    pool.survivors = (
-        {
-            w.local_rank: pool.placed[w.local_rank]
-            for w in group.workers
-            if w.local_rank in pool.placed
-        }
-        if pool.aborted >= info.round
-        else {}
-    )
+    # a survivor: placed in a round older than the newest one its workers were told to abort
+    # for (that abort may have been told for a round before this one: a node declared lost,
+    # back as a newcomer, told to abort for round 1 and joining round 2)
+    pool.survivors = {
+        w.local_rank: pool.placed[w.local_rank]
+        for w in group.workers
+        if pool.placed.get(w.local_rank, pool.aborted) < pool.aborted
+    }
     if pool.survivors:
         out.append(_timer(part, "rejoin", now.mono + part.spec.rejoin_timeout))
     for worker in group.workers:
