@@ -347,11 +347,16 @@ def test_a_survivor_blocked_on_a_frozen_peer_is_freed_by_the_daemon(
             os.kill(pid, signal.SIGCONT)
 
 
+# Rank 1 stops calling into its group once told to (a "freeze" file): a worker stuck where
+# an abort does not reach it.  ``stubborn``: its runtime never gives that round up either
+# (as one whose runtime is wedged), so that its daemon's rejoin timer is what ends it.
 STUBBORN = """
 import json, os, signal, sys, time
 import torch, torch.distributed as dist
 from elasticd import elastic
-report = sys.argv[1]
+report, mode = sys.argv[1], sys.argv[2]
+if mode == "stubborn":
+    os.environ["ELASTICD_REJOIN_TIMEOUT"] = "1e9"
 elastic.init("gloo")
 state = elastic.ObjectState(batch=0)
 
@@ -400,6 +405,7 @@ def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_w
         str(script),
         "--",
         str(report),
+        "stubborn",
     )["id"]
     first = wait_for(lambda: formed(report, 3), 120, "3 ranks")
     (report / "freeze").touch()
@@ -413,4 +419,46 @@ def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_w
     status = a.ctl("status", job)
     assert status["restarts"] == 1, "the fallback spends one restart"
     assert "did not rejoin" in b.log_text() or "stalled" in b.log_text()
+    a.ctl("cancel", job)
+
+
+def test_a_survivor_stuck_in_its_aborted_round_is_replaced_and_the_others_keep_theirs(
+    cluster: Cluster, report: Path, shared_tmp: Path
+) -> None:
+    """As a node frozen mid-allreduce leaves its worker when it comes back (gloo's waitSend
+    ends only at the group's timeout: test_detector): b's worker never leaves its aborted
+    round.  At half the rejoin timeout it ends itself; its node replaces it, a keeps its
+    worker, and no restart is spent."""
+    a, b, c = cluster
+    script = shared_tmp / "stuck.py"
+    script.write_text(STUBBORN)
+    job = a.submit(
+        "--in-place",
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--rejoin-timeout",
+        "6",
+        "--last-call-timeout",
+        "1",
+        str(script),
+        "--",
+        str(report),
+        "stuck",
+    )["id"]
+    first = wait_for(lambda: formed(report, 3), 120, "3 ranks")
+    on_a = {pid for pid, e in first.items() if e["rank"] == 0}
+    (report / "freeze").touch()
+    wait_for(lambda: [e for e in events(report) if e["event"] == "frozen"], 30, "rank 1 froze")
+    (report / "freeze").unlink()
+    changed_at = time.time()
+    c.signal(signal.SIGKILL)  # a change: a and b are told to abort and take their new places
+    two = wait_for(lambda: formed(report, 2, changed_at), 120, "a and b's new worker at 2")
+    assert on_a <= set(two), "a's worker went on in its own process"
+    assert not set(two) & {pid for pid, e in first.items() if e["rank"] == 1}, "b's was replaced"
+    assert a.ctl("status", job)["restarts"] == 0
+    assert "still in it after 3 s" in b.log_text()
     a.ctl("cancel", job)

@@ -231,7 +231,6 @@ def test_the_flight_recorders_name_follows_torchs_version():
 STUCK_IN_ROUND = textwrap.dedent("""
     import sys, threading, time
     from elasticd.elastic import runtime
-    runtime._ABORT_LIMIT = 1.0
     worker = runtime.Runtime(sys.argv[1], 0, "gloo")
     worker.join("start")
     print("formed", flush=True)
@@ -259,7 +258,11 @@ def _stuck_in_round(mode: str, base: Path) -> tuple[subprocess.Popen[str], socke
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
+        env={
+            "PYTHONPATH": f"{ROOT}/daemon",
+            "PATH": "/usr/bin:/bin",
+            "ELASTICD_REJOIN_TIMEOUT": "2",
+        },
     )
     conn, _ = agent.accept()
     agent.close()
@@ -292,7 +295,7 @@ def test_a_worker_that_asks_for_a_newer_place_after_an_abort_is_not_ended(tmp_pa
         asked = json.loads(conn.makefile("r").readline())
         assert (asked["op"], asked["round"], asked["why"]) == ("ready", 0, "abort")
         with pytest.raises(subprocess.TimeoutExpired):
-            worker.wait(3)  # three times the limit: it waits for its place, as it should
+            worker.wait(3)  # three times the limit (half of 2 s): it waits for its place
     finally:
         worker.kill()
         conn.close()
@@ -303,3 +306,13 @@ def test_the_daemon_knows_the_status_of_a_worker_that_gave_its_round_up():
     from elasticd.elastic import runtime
 
     assert policy.GIVEN_UP_EXIT == runtime.GIVEN_UP_EXIT
+
+
+def test_an_aborted_round_is_given_up_at_half_the_jobs_rejoin_timeout():
+    """Before the daemon's rejoin timer stalls the round (a restart of every worker), the
+    stuck worker is gone and replaced."""
+    from elasticd.elastic.runtime import abort_limit
+
+    assert abort_limit("60") == 30.0 and abort_limit("8") == 4.0
+    assert abort_limit("") == abort_limit("junk") == abort_limit("nan") == 30.0
+    assert abort_limit("-1") == abort_limit("inf") == 30.0

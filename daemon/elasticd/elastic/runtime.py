@@ -40,6 +40,7 @@ import faulthandler
 import gc
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -84,10 +85,12 @@ _GIVE_UP = 0.02  # seconds between shut-downs of a given-up forming's new socket
 _ERROR_POLL = 0.05  # seconds between two reads of NCCL's asynchronous error
 _GIVE_UP_LIMIT = 5.0  # seconds a given-up forming may go on before the worker exits
 GIVEN_UP_EXIT = 75  # that worker's exit status (EX_TEMPFAIL)
-# seconds an aborted round's worker may stay in that round before it exits: a healthy one
-# meets its next collective, which fails, well within it (FSDP: every layer; DDP: every
-# backward); one stuck in a collective that the abort did not end never leaves
-_ABORT_LIMIT = 30.0
+# An aborted round's worker may stay in that round half its job's --rejoin-timeout before it
+# exits (so that it is replaced before its daemon stalls the round): a healthy one meets its
+# next collective, which fails, well within it (FSDP: every layer; DDP: every backward); one
+# stuck in a collective that the abort did not end never leaves
+REJOIN_ENV = "ELASTICD_REJOIN_TIMEOUT"
+_REJOIN_TIMEOUT = 60.0  # the daemon's default, where the variable is missing
 # Text of errors that a broken process group raises (gloo and NCCL put them in plain
 # RuntimeErrors): such a failure re-forms the group; anything else is the script's own.
 _GROUP_ERRORS = (
@@ -288,19 +291,20 @@ class Runtime:
                 ).start()
 
     def _end_if_stuck(self, round: int) -> None:
-        """A worker still in ``round`` ``_ABORT_LIMIT`` s after its abort, never having asked
+        """A worker still in ``round`` ``abort_limit`` s after its abort, never having asked
         for a newer place, ends: its agent replaces it.  Seen on gloo (torch 2.13): a survivor
         of a node frozen mid-allreduce, the frozen peer thawed after the others re-formed,
         waited in gloo's ``UnboundBuffer::waitSend`` with its pairs' sockets closed, until
         the group's timeout (30 minutes): its round-mates waited for it in the next round."""
-        time.sleep(_ABORT_LIMIT)
+        limit = abort_limit(os.environ.get(REJOIN_ENV, ""))
+        time.sleep(limit)
         with self._group_lock:
             if self._asked_after >= round:
                 return
         print(
             f"elasticd: round {round}'s group was aborted and this worker is still in it "
-            f"after {_ABORT_LIMIT:g} s (a collective the abort did not end); it exits (the "
-            "agent replaces it)",
+            f"after {limit:g} s (a collective the abort did not end); it exits (the agent "
+            "replaces it)",
             file=sys.stderr,
             flush=True,
         )
@@ -496,6 +500,17 @@ class Runtime:
         with self._group_lock:
             before = self._before_group
             self._group_sockets = _opened_since(before)
+
+
+def abort_limit(rejoin_timeout: str) -> float:
+    """Seconds an aborted round's worker may stay in it: half the job's rejoin timeout."""
+    try:
+        timeout = float(rejoin_timeout)
+    except ValueError:
+        timeout = _REJOIN_TIMEOUT
+    if not math.isfinite(timeout) or timeout < 0:
+        timeout = _REJOIN_TIMEOUT
+    return timeout / 2
 
 
 def recorder_size_name(version: str) -> str:

@@ -28,7 +28,7 @@ from elasticd.shell.fileaccess import FileAccess
 from elasticd.shell.logs import LogBus, OutputLimit
 from elasticd.shell.worker_library import python_path
 from elasticd.shell.workerlink import Ready, WorkerLink
-from elasticd.shell.workers import PROGRESS_ENV, SOCKET_ENV, LocalWorkers
+from elasticd.shell.workers import PROGRESS_ENV, REJOIN_ENV, SOCKET_ENV, LocalWorkers
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.signing import Refused, Signer
@@ -184,7 +184,9 @@ class Effectors:
             env[CHECKPOINT_ENV] = checkpoints
         if link is None:
             return env
-        return {**env, (SOCKET_ENV if spec.in_place else PROGRESS_ENV): link.path}
+        if not spec.in_place:
+            return {**env, PROGRESS_ENV: link.path}
+        return {**env, SOCKET_ENV: link.path, REJOIN_ENV: f"{spec.rejoin_timeout:g}"}
 
 
 @dataclass

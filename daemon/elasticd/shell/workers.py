@@ -75,6 +75,7 @@ NO_WORKDIR = 126  # the working directory could not be entered (as the user)
 SOCKET_ENV = "ELASTICD_AGENT_SOCKET"  # an in-place worker's channel to its agent (elastic.runtime)
 PROGRESS_ENV = "ELASTICD_PROGRESS_SOCKET"  # a classic job's, for progress only (--hang-timeout)
 SLOT_ENV = "ELASTICD_SLOT"
+REJOIN_ENV = "ELASTICD_REJOIN_TIMEOUT"  # an in-place job's --rejoin-timeout (elastic.runtime)
 
 OutputSink = Callable[[], None]  # a worker wrote output (followers read the files)
 
@@ -426,7 +427,12 @@ class LocalWorkers:
             self.group if worker.rank >= 0 else replace(self.group, round=-1)
         )  # warming: no rank
         env = worker_env(self.spec, group, worker, error_file=self.error_file(worker))
-        for inherited in (SOCKET_ENV, PROGRESS_ENV, SLOT_ENV):  # a job run inside another job
+        for inherited in (
+            SOCKET_ENV,
+            PROGRESS_ENV,
+            SLOT_ENV,
+            REJOIN_ENV,
+        ):  # a job run inside another job
             env.pop(inherited, None)
         env.update(self._extra_env)
         if SOCKET_ENV in self._extra_env or PROGRESS_ENV in self._extra_env:
