@@ -255,6 +255,40 @@ def test_an_allocator_past_its_term_does_not_write_over_its_successor() -> None:
     assert asyncio.run(play()) == (True, False, Schedule(2, 1).version)
 
 
+def test_an_allocator_does_not_plan_until_the_nodes_republished_into_a_reset_store() -> None:
+    """A fresh CI run (test_deb): the store host restarted; the observer planned from the
+    nodes that had republished so far, took the missing one's share from a running job
+    ("reclaim"), and its workers were restarted."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from elasticd.cluster.scheduler import Allocator, ScheduleBoard
+    from elasticd.store.keyspace import Keyspace
+    from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+    from elasticd.store.signing import Signer
+
+    registry = SimpleNamespace(observing=True, observer_term=2, name="n2")
+    nodes = SimpleNamespace(registry=registry, sightings={}, reset_at=time.monotonic())
+
+    async def play() -> tuple[int | None, int | None]:
+        board = ScheduleBoard(
+            AsyncMemoryStore(MemoryStore()),
+            Signer(b"k" * 32, "c"),
+            Keyspace("c"),
+            lambda key, why: None,
+        )
+        allocator = Allocator(board, nodes, [], Policy(), settle=60.0)  # type: ignore[arg-type]
+        await allocator.allocate()
+        settling = await board.head()
+        nodes.reset_at -= 61.0  # a heartbeat's dead_after later
+        await allocator.allocate()
+        return settling, await board.head()
+
+    settling, settled = asyncio.run(play())
+    assert settling is None and settled is not None
+
+
 # -- a plan at the cost of what changed -------------------------------------------------------
 
 

@@ -148,8 +148,10 @@ class Allocator:
         clock: Callable[[], float] = time.time,
         on_plan: Callable[[Schedule | None, Schedule, float], None] = lambda *plan: None,
         deadline: float = PLAN_DEADLINE,
+        settle: float = 0.0,
     ) -> None:
         self._board = board
+        self._settle = settle  # seconds after a store reset before the next plan
         self._nodes = nodes
         self.policy = policy
         self._clock = clock
@@ -205,6 +207,12 @@ class Allocator:
         registry = self._nodes.registry
         if not registry.observing:
             self.schedule, self._planned = None, None
+            return
+        reset = self._nodes.reset_at
+        if reset is not None and time.monotonic() - reset < self._settle:
+            # a reset store holds only the nodes that republished since: a plan now would
+            # take the others' shares from their running jobs (they republish within a
+            # heartbeat's dead_after, while the nodes follow the schedule written back)
             return
         term = registry.observer_term
         if self.schedule is None or self.schedule.term != term:
@@ -415,7 +423,14 @@ def build_scheduler(
     if not config.scheduler.enabled:
         return None
     board = ScheduleBoard(store, signer, Keyspace(config.cluster.name), refused)
-    allocator = Allocator(board, nodes, registry.jobs(), config.scheduler.policy(), on_plan=on_plan)
+    allocator = Allocator(
+        board,
+        nodes,
+        registry.jobs(),
+        config.scheduler.policy(),
+        on_plan=on_plan,
+        settle=config.rendezvous.keep_alive.dead_after,
+    )
     registry.subscribe(allocator.jobs_changed)
     return allocator, ScheduleFollower(
         board, nodes, post, dead_after=config.rendezvous.keep_alive.dead_after

@@ -70,6 +70,7 @@ class NodeService:
         self._states: dict[str, NodeState] = {}
         self._tally: Counter[NodeState] = Counter()
         self._epoch: str | None = None
+        self.reset_at: float | None = None  # time.monotonic() when a store reset was last seen
         self._drain: tuple[bool, int] | None = None  # the last drain request: (drain, version)
         self._store_up = True
         self._ticked = asyncio.Condition()  # notified when a duty ends
@@ -133,6 +134,9 @@ class NodeService:
 
     async def _apply(self, tick: Tick) -> None:
         assert self._duties is not None
+        reset = store_was_reset(self._epoch, tick.epoch)
+        if reset:  # before the sightings it brings: the nodes not yet republished are missing
+            self.reset_at = time.monotonic()
         if tick.sightings is not self._sightings:
             self._sightings = tick.sightings
             before = self._states
@@ -156,7 +160,7 @@ class NodeService:
                 if tick.drain_gpu is None
                 else events.GpuReadmitted(tick.drain_gpu, tick.drain_by)
             )
-        if store_was_reset(self._epoch, tick.epoch):
+        if reset:
             if (held := self._told.check("reset", time.monotonic())) is not None:
                 log.warning(
                     "the store was reset (its host restarted): publishing this node's jobs again%s",
