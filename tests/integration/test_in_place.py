@@ -384,11 +384,14 @@ train(state)
 """
 
 
-def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_worker(
-    cluster: Cluster, report: Path, shared_tmp: Path
-) -> None:
-    a, b, c = cluster
-    script = shared_tmp / "stubborn.py"
+def freeze_rank_1_then_lose_c(
+    cluster: Cluster, report: Path, shared_tmp: Path, mode: str, rejoin_timeout: int
+) -> tuple[str, dict[int, dict[str, Any]], float]:
+    """STUBBORN (``mode``) on a, b and c; once rank 1 (b) stopped calling into its group, c
+    is SIGKILLed: a change whose abort b's worker never acts on.  The job, the three ranks
+    of the first round, and when c was killed."""
+    a, _b, c = cluster
+    script = shared_tmp / f"{mode}.py"
     script.write_text(STUBBORN)
     job = a.submit(
         "--in-place",
@@ -399,13 +402,13 @@ def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_w
         "--max-restarts",
         "2",
         "--rejoin-timeout",
-        "3",
+        str(rejoin_timeout),
         "--last-call-timeout",
         "1",
         str(script),
         "--",
         str(report),
-        "stubborn",
+        mode,
     )["id"]
     first = wait_for(lambda: formed(report, 3), 120, "3 ranks")
     (report / "freeze").touch()
@@ -413,6 +416,14 @@ def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_w
     (report / "freeze").unlink()
     changed_at = time.time()
     c.signal(signal.SIGKILL)  # a change: a and b are told to abort and take their new places
+    return job, first, changed_at
+
+
+def test_a_survivor_that_does_not_rejoin_is_stopped_and_the_job_restarts_every_worker(
+    cluster: Cluster, report: Path, shared_tmp: Path
+) -> None:
+    a, b, _c = cluster
+    job, first, changed_at = freeze_rank_1_then_lose_c(cluster, report, shared_tmp, "stubborn", 3)
     # b's worker never asks for its place: after 3 s b stops it, and every worker restarts
     fresh = wait_for(lambda: formed(report, 2, changed_at), 90, "2 fresh ranks")
     assert not set(fresh) & set(first), "every worker was restarted, none kept"
@@ -429,33 +440,9 @@ def test_a_survivor_stuck_in_its_aborted_round_is_replaced_and_the_others_keep_t
     ends only at the group's timeout: test_detector): b's worker never leaves its aborted
     round.  At half the rejoin timeout it ends itself; its node replaces it, a keeps its
     worker, and no restart is spent."""
-    a, b, c = cluster
-    script = shared_tmp / "stuck.py"
-    script.write_text(STUBBORN)
-    job = a.submit(
-        "--in-place",
-        "--nnodes",
-        "2:3",
-        "--nproc-per-node",
-        "1",
-        "--max-restarts",
-        "2",
-        "--rejoin-timeout",
-        "6",
-        "--last-call-timeout",
-        "1",
-        str(script),
-        "--",
-        str(report),
-        "stuck",
-    )["id"]
-    first = wait_for(lambda: formed(report, 3), 120, "3 ranks")
+    a, b, _c = cluster
+    job, first, changed_at = freeze_rank_1_then_lose_c(cluster, report, shared_tmp, "stuck", 6)
     on_a = {pid for pid, e in first.items() if e["rank"] == 0}
-    (report / "freeze").touch()
-    wait_for(lambda: [e for e in events(report) if e["event"] == "frozen"], 30, "rank 1 froze")
-    (report / "freeze").unlink()
-    changed_at = time.time()
-    c.signal(signal.SIGKILL)  # a change: a and b are told to abort and take their new places
     two = wait_for(lambda: formed(report, 2, changed_at), 120, "a and b's new worker at 2")
     assert on_a <= set(two), "a's worker went on in its own process"
     assert not set(two) & {pid for pid, e in first.items() if e["rank"] == 1}, "b's was replaced"

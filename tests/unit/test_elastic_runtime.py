@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from harness import ROOT
+from hostwide import free_port
 
 AFTER_A_FAILED_INIT = textwrap.dedent("""
     import datetime, os, socket
@@ -174,7 +175,7 @@ def test_nccl_asynchronous_errors_are_named_and_success_is_none():
 
 
 RECORDER = textwrap.dedent("""
-    import os, socket, sys
+    import json, os, socket, sys
     import torch.distributed as dist
     from elasticd.elastic import runtime
     agent = socket.socket(socket.AF_UNIX)
@@ -184,23 +185,20 @@ RECORDER = textwrap.dedent("""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     dist.destroy_process_group()
-    print({k: os.environ.get(k) for k in runtime.RECORDER_SIZES})
+    print(json.dumps({k: os.environ.get(k) for k in runtime.RECORDER_SIZES}))
 """)
 
 
 def _recorder(base: Path, **env: str) -> tuple[dict[str, str | None], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     done = subprocess.run(
-        [sys.executable, "-c", RECORDER, str(base / "agent.sock"), str(port)],
+        [sys.executable, "-c", RECORDER, str(base / "agent.sock"), str(free_port())],
         capture_output=True,
         text=True,
         timeout=120,
         env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin", **env},
     )
     assert done.returncode == 0, done.stderr
-    return eval(done.stdout.strip().splitlines()[-1]), done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 def test_no_flight_recorder_by_the_name_this_torch_reads_and_no_warning(tmp_path: Path):
@@ -249,10 +247,8 @@ def _stuck_in_round(mode: str, base: Path) -> tuple[subprocess.Popen[str], socke
     agent = socket.socket(socket.AF_UNIX)
     agent.bind(path)
     agent.listen()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    port = str(free_port())
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     worker = subprocess.Popen(
         [sys.executable, "-c", STUCK_IN_ROUND, path, mode],
         text=True,
