@@ -33,6 +33,7 @@ import zmq.asyncio
 from elasticd import __version__, cleanup, keygen
 from elasticd import config as config_mod
 from elasticd.aio import race
+from elasticd.cluster.compaction import Compactor, StoreHistory
 from elasticd.cluster.detector import DetectorService, next_boot, udp_endpoint
 from elasticd.cluster.hosting import host_store, hosts_store, route_address, store_firewall
 from elasticd.cluster.hosts import DiscoveryFailed, HostDiscovery, UntrustedScript
@@ -342,6 +343,7 @@ class Daemon:
         self._refusals = Throttle(config.log.summary_interval)
         self.stop = asyncio.Event()
         self._server: TCPStoreServer | None = None
+        self._history: StoreHistory | None = None  # an etcd store's, compacted by the observer
         self._store_ok = True
         self._started = time.time()
         self._recount: asyncio.TimerHandle | None = None  # the job gauges' next recount
@@ -588,6 +590,14 @@ class Daemon:
                 }
                 if detector is not None:
                     loops["detector"] = functools.partial(detector.run, self.stop)
+                if self._history is not None and config.store.compact_interval:
+                    compactor = Compactor(
+                        self._history,
+                        lambda: nodes.registry.observing,
+                        config.store.compact_interval,
+                        told=Throttle(config.log.summary_interval),
+                    )
+                    loops["compaction"] = functools.partial(compactor.run, self.stop)
                 if scheduling is not None:
                     loops["allocator"] = functools.partial(scheduling[0].run, self.stop)
                     loops["schedule"] = functools.partial(scheduling[1].run, self.stop)
@@ -668,7 +678,11 @@ class Daemon:
         if self.config.standalone:
             self._endpoint = "memory (standalone)"
             return InstrumentedStore(AsyncMemoryStore(MemoryStore()), self.metrics)
-        client = self._etcd_client() if self.config.etcd else await self._tcpstore_client(closing)
+        client: EtcdStore | TCPStoreClient
+        if self.config.etcd:
+            client = self._history = self._etcd_client()
+        else:
+            client = await self._tcpstore_client(closing)
         store = InstrumentedStore(client, self.metrics)
         closing.push_async_callback(store.close)
         await client.connect(self.config.store.connect_timeout)

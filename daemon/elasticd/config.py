@@ -49,6 +49,10 @@ def _not_negative(value: float) -> str | None:
     return None if value >= 0 else "must be 0 or more"
 
 
+def _off_or_at_least_a_second(value: float) -> str | None:
+    return None if value == 0 or value >= 1 else "must be 0 (off) or at least 1 (seconds)"
+
+
 def _endpoint(value: str) -> str | None:
     try:
         split_endpoint(value)
@@ -254,6 +258,11 @@ class StoreConfig:
         "", doc="etcd: the user to authenticate as; empty: none (or the client certificate's)"
     )
     password_file: str = key("", doc="etcd: a 0600 file holding the user's password")
+    compact_interval: float = key(
+        300.0,
+        _off_or_at_least_a_second,
+        doc="etcd: seconds between two compactions of etcd's history by the daemon that observes the cluster, each up to the revision of one interval before (etcd keeps every revision until compacted, and refuses writes past its space quota); 0: never, for an etcd compacted by its operator (--auto-compaction-retention) or whose history another program needs",
+    )
 
     def __post_init__(self) -> None:
         if self.backend != ETCD:

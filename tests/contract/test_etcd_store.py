@@ -1,5 +1,5 @@
 """etcd specifics of the store (elasticd.store.etcd), against real etcd processes: TLS and
-users refused, connecting, fail-over between members, large reads, leases."""
+users refused, connecting, fail-over between members, large reads, leases, compaction."""
 
 from __future__ import annotations
 
@@ -211,6 +211,28 @@ def test_revision_follows_the_writes(etcd_cluster):
         before = store.revision
         await store.set("rev", b"2")
         assert store.revision == before + 1
+        await store.close()
+
+    run(scenario())
+
+
+def test_compacting_forgets_the_history_not_the_keys_and_waits_still_end(etcd_cluster):
+    async def scenario():
+        store = await connected(etcd_cluster)
+        for value in (b"1", b"2", b"3"):
+            await store.set("kept", value)
+        revision = store.revision
+        with pytest.raises(StoreError, match="future revision"):
+            await store.compact(revision + 100)
+        assert await store.compact(revision) is True
+        assert await store.compact(revision) is False  # compacted already: no error
+        assert await store.compact(revision - 1) is False
+        assert await store.get("kept") == b"3"
+        waiting = asyncio.create_task(store.wait_for("written-after", 10.0))
+        await asyncio.sleep(0.2)
+        await store.set("written-after", b"x")
+        assert await waiting is True
+        assert store.revision > revision
         await store.close()
 
     run(scenario())

@@ -7,7 +7,8 @@ daemon is a single point of failure.
     still show every job and its outcome, and a job submitted afterwards runs.
 (b) The daemon that submitted the job and runs its rank 0 (n1, the one that would host the
     TCPStore in a c10d cluster) is SIGKILLed: there is no store host to lose, the others
-    carry on and run the next job.
+    carry on and run the next job.  n1 observed the cluster and compacted etcd's history;
+    the observer that takes its place compacts it too.
 
 Everything waits on the daemons' own streams (job documents, node lists) with deadlines.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 from fixtures.etcd import EtcdCluster, require_etcd
 from harness import Daemon, node_states, worker_args
+from store_attack import wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -160,7 +162,7 @@ def test_a_job_survives_the_etcd_leader_and_a_node_killed_together(ha, shared_tm
 def test_losing_the_first_daemon_loses_no_store(ha, shared_tmp):
     """n1 submits a 1:3-node job and starts it alone (group rank 0; ranks stay oldest
     first), the others join it; then n1 is SIGKILLed."""
-    cluster, _ = ha
+    cluster, etcd = ha
     n1, n2, n3 = cluster
     n1.start()
     gate = shared_tmp / GATE
@@ -178,8 +180,11 @@ def test_losing_the_first_daemon_loses_no_store(ha, shared_tmp):
     # nobody hosts a store: no daemon runs torch's TCPStore server (nor loads torch at all)
     assert not any(loads_torch(d.proc.pid) for d in cluster)
 
+    # the observer (n1, the first daemon) compacts etcd's history (every second here)
+    wait_for(lambda: etcd.history()[1] > 0, 30, "a compaction of etcd's history")
     kill(n1)
     killed = time.monotonic()
+    revision_at_kill = etcd.history()[0]
     reformed = n2.wait_job(
         job,
         lambda d: (
@@ -210,3 +215,5 @@ def test_losing_the_first_daemon_loses_no_store(ha, shared_tmp):
     after = n3.submit_wait("--nnodes", "2", *worker_args("--ddp"))
     assert after["state"] == "SUCCEEDED", after
     assert_nothing_lost([n2, n3], {job: "SUCCEEDED", after["id"]: "SUCCEEDED"}, ["n2", "n3"])
+    # the observer that took n1's place compacts too: up to revisions written after n1 died
+    wait_for(lambda: etcd.history()[1] > revision_at_kill, 30, "a compaction by n1's successor")

@@ -305,6 +305,30 @@ class EtcdStore:
         """``set``, the key deleted when the lease ends (StoreConnectionError if it has)."""
         await self._kv("Put", rpc.PutRequest(key=_key(key), value=value, lease=lease))
 
+    # -- extras: the history ---------------------------------------------------------------
+
+    async def compact(self, revision: int) -> bool:
+        """Forget every key's values older than ``revision`` (etcd's Compact: what it keeps
+        only for watches that start in the past); False when the history was already
+        compacted past it (by another daemon, or by etcd's own auto-compaction).
+        ``revision``: this client's newest (``self.revision``, which every reply updates), or
+        one before it; a revision etcd has not reached is a StoreError."""
+        request = rpc.CompactionRequest(revision=revision)
+
+        async def send(member: _Member, timeout: float) -> bool:
+            try:
+                await member.kv.Compact(request, timeout=timeout, metadata=member.metadata)
+            except grpc.aio.AioRpcError as exc:
+                details = exc.details() or ""
+                if exc.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
+                    return False  # "required revision has been compacted"
+                if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # "... is a future revision"
+                    raise StoreError(f"etcd at {member.endpoint}: {details}") from None
+                raise
+            return True
+
+        return bool(await self._call(send))
+
     # -- connecting -----------------------------------------------------------------------
 
     async def connect(self, timeout: float) -> None:
