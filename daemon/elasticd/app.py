@@ -70,7 +70,7 @@ from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.history import History
 from elasticd.jobs.history import path_in as history_path
 from elasticd.jobs.registry import JobRegistry
-from elasticd.jobs.retention import Pruner
+from elasticd.jobs.retention import BoardSweeper, Pruner
 from elasticd.journal import log_handler
 from elasticd.metrics import InstrumentedStore, Metrics
 from elasticd.private import Private
@@ -590,6 +590,14 @@ class Daemon:
                 }
                 if detector is not None:
                     loops["detector"] = functools.partial(detector.run, self.stop)
+                if config.history.retention:
+                    sweeper = BoardSweeper(
+                        board,
+                        lambda: nodes.registry.observing,
+                        config.history.retention,
+                        told=Throttle(config.log.summary_interval),
+                    )
+                    loops["store-retention"] = functools.partial(sweeper.run, self.stop)
                 if self._history is not None and config.store.compact_interval:
                     compactor = Compactor(
                         self._history,

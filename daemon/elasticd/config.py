@@ -596,7 +596,7 @@ class HistoryConfig:
     retention: float = key(
         30 * 24 * 3600.0,
         _not_negative,
-        doc="seconds after its end that a job's history row and output are deleted (2592000: 30 days); 0: kept forever",
+        doc="seconds after its end that a job's history row and output are deleted (2592000: 30 days), and its records in the store (by the daemon that observes the cluster); 0: kept forever",
     )
 
 

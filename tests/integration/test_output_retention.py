@@ -1,6 +1,6 @@
-"""Issue 15 with real daemons and workers: `elasticctl logs -f` across rotations of the file
-it follows, history read after them, and retention forgetting an ended job (its history row
-and output) while a running one stays."""
+"""Output and retention with real daemons and workers: `elasticctl logs -f` across rotations
+of the file it follows, history read after them, and retention forgetting an ended job (its
+history row and output, and its records in the store) while a running one stays."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 from harness import CLIENT_ENV, PY, Daemon, worker_args
+from hostwide import free_port
+
+from elasticd.store.c10d import connect
+from elasticd.store.signing import SignedLines, Signer, create_key, load_key
 
 LINES = 200_000  # 64 bytes each: 12.2 MiB through 64 KiB files, about 190 rotations
 WRITER = f"""
@@ -127,3 +131,43 @@ def test_retention_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, 
     wait_forgotten(daemon, running)
     assert not (logs / running).exists() and history_ids(daemon.state_dir) == set()
     assert daemon.ctl("list", "--all") == []
+
+
+@pytest.mark.slow
+def test_the_store_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, shared_tmp):
+    """A daemon that hosts its cluster's TCPStore (and so observes the cluster): the records
+    of a job that ended a retention ago leave the store, read with a raw client."""
+    tag = uuid.uuid4().hex[:6]
+    port, key = free_port(), shared_tmp / f"store-{tag}.key"
+    create_key(str(key))
+    config = shared_tmp / f"store-{tag}.toml"
+    config.write_text("[jobs]\nallow_root = true\n[history]\nretention = 2\n")
+    args = ("--cluster", f"sr{tag}", "--store", f"127.0.0.1:{port}", "--store-host")
+    args += ("--cluster-key", str(key), "--slots", "4", "--config", str(config))
+    daemon = daemon_factory(f"sr-{tag}", args=args, standalone=False).start()
+    running = daemon.submit(*worker_args("--print", "2", "--sleep", "0"))["id"]
+    daemon.wait_output(running, ["out 0 1"])
+    ended = daemon.submit_wait(*worker_args("--print", "2"))["id"]
+    jobs = f"elasticd/sr{tag}/jobs"
+    signer = Signer(load_key(str(key)), f"sr{tag}")
+    records = [f"{jobs}/spec/{ended}", f"{jobs}/parts/{ended}"]
+    records.append(f"{jobs}/part/{ended}/{daemon.name}")
+
+    def indexed(raw: bytes | None) -> list[str | None]:
+        return SignedLines(signer, f"{jobs}/index", lambda b: b["name"], print).fold(raw)
+
+    store = connect(f"127.0.0.1:{port}", connect_timeout=10)
+    try:
+        assert all(store.get(name) is not None for name in records)
+        assert indexed(store.get(f"{jobs}/index")) == [running, ended]
+        deadline = time.monotonic() + 30
+        while store.get(f"{jobs}/spec/{ended}") is not None:
+            assert time.monotonic() < deadline, f"never left the store:\n{daemon.log_text()}"
+            time.sleep(0.2)
+        assert [name for name in records if store.get(name) is not None] == []
+        assert store.get(f"{jobs}/outcome/{ended}") is not None  # kept: a replay reads it
+        assert indexed(store.get(f"{jobs}/index")) == [running]
+        assert store.get(f"{jobs}/spec/{running}") is not None
+        assert daemon.ctl("status", running)["state"] == "RUNNING"
+    finally:
+        store.close()

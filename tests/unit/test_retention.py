@@ -7,16 +7,27 @@ import os
 import pytest
 
 from elasticd import config
-from elasticd.core.model import JobSpec, JobState
-from elasticd.core.records import JobRecord, Outcome, expired
+from elasticd.core.model import JobSpec, JobState, PartState
+from elasticd.core.records import JobRecord, Outcome, Part, expired
 from elasticd.errors import ConfigError
+from elasticd.faults import Throttle
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.history import History
 from elasticd.jobs.registry import JobRegistry
-from elasticd.jobs.retention import LEAST, MOST, Pruner, next_pass, prunable, stale_dirs
+from elasticd.jobs.retention import (
+    BATCH,
+    LEAST,
+    MOST,
+    BoardSweeper,
+    Pruner,
+    next_pass,
+    prunable,
+    stale_dirs,
+    sweepable,
+)
 from elasticd.shell.logs import OutputLimit
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
-from elasticd.store.signing import Signer
+from elasticd.store.signing import SignedLines, Signer
 
 DAY = 86400.0
 
@@ -211,3 +222,113 @@ def test_a_forgotten_job_is_not_taken_back_from_the_board(tmp_path):
         assert registry.find("j-old") is None
 
     asyncio.run(scenario())
+
+
+# -- the store's side: the observer deletes ended jobs' records ---------------------------------
+
+
+class InterleavedStore(AsyncMemoryStore):
+    """A memory store where a job is submitted elsewhere right before the index's first
+    compare-and-set: the rewrite must keep its line."""
+
+    def __init__(self, board: list[JobBoard]) -> None:
+        super().__init__(MemoryStore())
+        self._board = board
+        self.interleaved = False
+
+    async def compare_set(self, key, expected, desired):
+        if key.endswith("/jobs/index") and not self.interleaved:
+            self.interleaved = True
+            await self._board[0].publish_spec(spec("j-meanwhile"))
+        return await super().compare_set(key, expected, desired)
+
+
+def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_no_others(
+    tmp_path,
+):
+    boards: list[JobBoard] = []
+    store = InterleavedStore(boards)
+    board_signer = Signer(b"k" * 32, "c")
+    board = JobBoard(store, board_signer, "c")
+    boards.append(board)
+    observing = [False]
+    sweeper = BoardSweeper(
+        board, lambda: observing[0], 100.0, told=Throttle(), clock=lambda: 1000.0
+    )
+
+    async def keys() -> set[str]:
+        names = ("spec", "outcome", "parts", "part")
+        wanted = [
+            f"elasticd/c/jobs/{n}/{j}" + ("/n1" if n == "part" else "")
+            for j in ("j-old", "j-new", "j-running", "j-forged")
+            for n in names
+        ]
+        found = await store.get_many(wanted)
+        return {k.split("/jobs/")[1] for k, v in zip(wanted, found) if v is not None}
+
+    async def scenario() -> None:
+        written: dict[str, bytes | None] = {}
+        for job_id, ended in (("j-old", 800.0), ("j-new", 950.0), ("j-running", None)):
+            seq = await board.publish_spec(spec(job_id))
+            written[job_id] = await store.get(f"elasticd/c/jobs/spec/{job_id}")
+            await board.publish_part(job_id, Part("n1", PartState.SUCCEEDED))
+            if ended is not None:
+                outcome = Outcome(JobState.SUCCEEDED, ended)
+                await board.publish_outcome(job_id, outcome)
+                await board.publish_ended(spec(job_id), seq, outcome)
+        # an old outcome that does not open (forged): its job is held, never deleted
+        await board.publish_spec(spec("j-forged"))
+        await store.set("elasticd/c/jobs/outcome/j-forged", b"junk")
+        before = await keys()
+        board_index_line = (await store.get("elasticd/c/jobs/index") or b"").splitlines(True)[0]
+        assert await sweeper.sweep() == [] and await keys() == before  # not the observer
+        observing[0] = True
+        assert await sweeper.sweep() == ["j-old"]
+        # its outcome stays: a spec written back reads as a job that ended
+        assert await keys() == before - {"spec/j-old", "parts/j-old", "part/j-old/n1"}
+        index = SignedLines(board_signer, "elasticd/c/jobs/index", lambda b: b["name"], print)
+        names = index.fold(await store.get("elasticd/c/jobs/index"))
+        assert names == ["j-new", "j-running", "j-forged", "j-meanwhile"]
+        _, changes = await board.snapshot()
+        assert {c.job_id for c in changes} == {"j-new", "j-running", "j-forged", "j-meanwhile"}
+        assert await sweeper.sweep() == []  # nothing else is due
+        # anyone who reaches the store kept j-old's first spec record and index line and
+        # writes them back: a node that never knew the job reads it with its outcome
+        replayed = written["j-old"]
+        assert replayed is not None
+        await store.set("elasticd/c/jobs/spec/j-old", replayed)
+        await store.append("elasticd/c/jobs/index", board_index_line)
+        newcomer = JobRegistry(
+            History(str(tmp_path / "newcomer.sqlite")), retention=100.0, clock=Clock(1000.0)
+        )
+        await BoardFollower(board, newcomer, "n9").resync()
+        old = newcomer.find("j-old")  # never an open job that runs again
+        assert old is None or (old.outcome is not None and old.outcome.ended == 800.0)
+        # published again (a node that held it open, after a store reset): a follower of
+        # the log reads the spec with its outcome
+        position = await board.head()
+        await board.publish_spec(spec("j-old"), 1)
+        _, changes = await board.follow(position, 1.0)
+        assert [(c.kind, c.job_id) for c in changes] == [("spec", "j-old"), ("outcome", "j-old")]
+        # a new job that drew an ended job's id is open: its records stay
+        seq = await board.publish_spec(spec("j-reused"))
+        outcome = Outcome(JobState.SUCCEEDED, 700.0)
+        await board.publish_outcome("j-reused", outcome)
+        await board.publish_ended(spec("j-reused"), seq, outcome)
+        await board.publish_spec(spec("j-reused"))  # the new job, with no outcome of its own
+        assert await sweeper.sweep() == []
+        assert await store.get("elasticd/c/jobs/spec/j-reused") is not None
+        assert newcomer.find("j-running") is not None
+
+    asyncio.run(scenario())
+    assert store.interleaved
+
+
+def test_sweepable_takes_the_oldest_expired_jobs_a_batch_at_a_time():
+    ended = {f"j-{i:04d}": Outcome(JobState.SUCCEEDED, 1000.0 - i) for i in range(BATCH + 50)}
+    ended["j-recent"] = Outcome(JobState.FAILED, 999.0)  # within the retention
+    due = sweepable(ended, now=1000.0, retention=5.0)
+    assert len(due) == BATCH and "j-recent" not in due
+    assert due[0] == f"j-{BATCH + 49:04d}"  # the oldest first
+    assert sweepable(ended, now=1000.0, retention=0.0) == []  # retention 0: kept forever
+    assert sweepable({"j-recent": ended["j-recent"]}, now=1000.0, retention=5.0) == []

@@ -100,6 +100,11 @@ def _unheard(key: str, why: str) -> None:
     """A refusal not reported here: the follower reports it when it reads the entry."""
 
 
+def _seals_outcome(body: object) -> bool:
+    """Whether a spec record is the one written at its job's end (it carries the outcome)."""
+    return isinstance(body, dict) and bool(body.get("outcome"))
+
+
 def _name(body: object) -> str:
     name = body.get("name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not _NAME.match(name):
@@ -206,6 +211,73 @@ class JobBoard:
         if n > _KEEP_LOG:
             await self._store.delete(self._key(f"log/{n - _KEEP_LOG}"))
 
+    # -- retention --------------------------------------------------------------------------
+
+    async def ended_jobs(self) -> dict[str, Outcome]:
+        """The indexed jobs whose outcome is written (and opens): id -> outcome."""
+        index = SignedLines(self._signer, self._key("index"), _name, _unheard)
+        ids = list(
+            dict.fromkeys(i for i in index.fold(await self._store.get(self._key("index"))) if i)
+        )
+        ended: dict[str, Outcome] = {}
+        for start in range(0, len(ids), _BATCH * 4):
+            batch = ids[start : start + _BATCH * 4]
+            keys = [self._key(f"outcome/{job_id}") for job_id in batch]
+            for job_id, key, raw in zip(batch, keys, await self._store.get_many(keys)):
+                outcome = open_or_refuse(self._signer, key, raw, Outcome.from_json, _unheard)
+                if outcome is not None:
+                    ended[job_id] = outcome
+        return ended
+
+    async def forget(self, job_ids: list[str]) -> list[str]:
+        """Delete these ended jobs' records (parts, spec), then their index lines; the jobs
+        forgotten.  A job is forgotten only while its spec record is gone or is the one
+        that seals its outcome (version 1): a spec without one is an open job (a new one
+        that drew an ended job's id, or a spec written back), whose records stay.  The
+        outcomes stay, a few hundred bytes each: a spec record written back (anyone who
+        reaches the store may have kept its bytes) is read with its outcome, and so never
+        runs again.  Followers that hold a job keep it (their history); a snapshot no
+        longer reads it.  The index is rewritten by compare-and-set, so that a job
+        published meanwhile keeps its line."""
+        specs = await self._store.get_many([self._key(f"spec/{job_id}") for job_id in job_ids])
+        forgotten = [
+            job_id
+            for job_id, raw in zip(job_ids, specs)
+            if raw is None
+            or open_or_refuse(
+                self._signer, self._key(f"spec/{job_id}"), raw, _seals_outcome, _unheard
+            )
+        ]
+        if not forgotten:
+            return []
+        parts_keys = [self._key(f"parts/{job_id}") for job_id in forgotten]
+        for job_id, raw in zip(forgotten, await self._store.get_many(parts_keys)):
+            lines = SignedLines(self._signer, self._key(f"parts/{job_id}"), _name, _unheard)
+            for node in dict.fromkeys(n for n in lines.fold(raw) if n):
+                await self._store.delete(self._key(f"part/{job_id}/{node}"))
+            for suffix in (f"parts/{job_id}", f"spec/{job_id}"):
+                await self._store.delete(self._key(suffix))
+        gone, key = set(forgotten), self._key("index")
+        for _ in range(_OUTCOME_TRIES):
+            raw = await self._store.get(key)
+            if raw is None:
+                return forgotten
+            kept = b"".join(
+                line
+                for line in raw.splitlines(keepends=True)
+                if open_or_refuse(self._signer, key, line.rstrip(b"\n"), _name, _unheard)
+                not in gone
+            )
+            if kept == raw:
+                return forgotten
+            swapped, _ = await self._store.compare_set(key, raw, kept)
+            if swapped:
+                return forgotten
+        raise StoreError(
+            f"the job index changed {_OUTCOME_TRIES} times while this node rewrote it "
+            f"(the jobs' records are gone; their lines go at the next pass)"
+        )
+
     # -- reads ----------------------------------------------------------------------------
 
     async def head(self) -> int:
@@ -306,6 +378,11 @@ class JobBoard:
 
     async def _read(self, entries: list[str]) -> list[Change]:
         wanted = list(dict.fromkeys(e for e in entries if _ENTRY.match(e)))
+        # a spec is read with its outcome: a spec record written back over a job that ended
+        # (its spec deleted by retention, its bytes kept by whoever reaches the store) reads
+        # as ended
+        outcomes = [f"outcome/{e[len('spec/') :]}" for e in wanted if e.startswith("spec/")]
+        wanted += [e for e in outcomes if e not in wanted]
         values = await self._store.get_many([self._key(e) for e in wanted])
         changes = []
         for entry, raw in zip(wanted, values):
@@ -443,7 +520,7 @@ class BoardFollower:
                 and self._registry.find(spec.id) is None
                 and self._registry.expired(ended)
             ):
-                return  # forgotten here by retention: the store keeps every job, this node does not
+                return  # forgotten here by retention (the observer deletes it from the store too)
             self._registry.add(spec, seq)
             if ended is not None:
                 self._registry.set_outcome(change.job_id, ended)

@@ -18,10 +18,13 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-from elasticd.aio import back_off
-from elasticd.core.records import JobRecord, expired
+from elasticd.aio import back_off, wait_or_timeout
+from elasticd.core.records import JobRecord, Outcome, expired
+from elasticd.errors import StoreError
+from elasticd.faults import Throttle, held_back
+from elasticd.jobs.board import JobBoard
 from elasticd.jobs.history import HistoryError
 from elasticd.jobs.registry import JobRegistry
 
@@ -69,6 +72,57 @@ def stale_dirs(
         for name, changed in entries
         if name not in known and retention > 0 and changed <= now - retention
     ]
+
+
+def sweepable(ended: Mapping[str, Outcome], now: float, retention: float) -> list[str]:
+    """Of the store's ended jobs (id -> outcome), those to delete from it now, oldest first,
+    at most BATCH."""
+    due = [job_id for job_id, outcome in ended.items() if expired(outcome, now, retention)]
+    return sorted(due, key=lambda job_id: ended[job_id].ended)[:BATCH]
+
+
+class BoardSweeper:
+    """The store's side of retention: while this daemon observes the cluster, it deletes the
+    records of jobs that ended ``retention`` seconds ago from the store (every node forgets
+    them from its history on its own).  Without it the store kept every job ever submitted
+    (about 7 kB and 30 keys a job), and every snapshot (a daemon's start, a reset store) read
+    them all.  A pass every ``min(retention, MOST)`` seconds, or at once after a full batch."""
+
+    def __init__(
+        self,
+        board: JobBoard,
+        observing: Callable[[], bool],
+        retention: float,
+        told: Throttle,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._board = board
+        self._observing = observing
+        self._retention = retention
+        self._told = told
+        self._clock = clock
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            swept: list[str] = []
+            try:
+                swept = await self.sweep()
+            except StoreError as exc:
+                if (held := self._told.check("failed", time.monotonic())) is not None:
+                    log.warning("retention: could not prune the store: %s%s", exc, held_back(held))
+            # a full batch: more may be due (a store that kept jobs from before retention)
+            pause = LEAST if len(swept) == BATCH else max(LEAST, min(self._retention, MOST))
+            await wait_or_timeout(stop, pause)
+
+    async def sweep(self) -> list[str]:
+        """One pass (when observing); the jobs deleted from the store."""
+        if not self._observing():
+            return []
+        due = sweepable(await self._board.ended_jobs(), self._clock(), self._retention)
+        forgotten = await self._board.forget(due)
+        if forgotten:
+            log.info("retention: deleted %d ended jobs from the store", len(forgotten))
+        return forgotten
 
 
 class Pruner:
