@@ -528,6 +528,10 @@ def test_c8_deleted_outcome_does_not_run_a_finished_job_again(
     )
     assert done["state"] == "SUCCEEDED", done
     assert len(runs.read_text().splitlines()) == 1
+    # the outcome comes first, n1's part's last state and its rendezvous keeper's last
+    # write just after: the attack starts once n1 closed its part (a deleted key that n1
+    # writes again would be n1's doing, not the attacker's failure)
+    wait_for(lambda: "heard PartClosed" in n1.stories(), 30, f"n1 closed its part of {job_id}")
 
     doomed = [f"jobs/outcome/{job_id}", f"rdzv/{job_id}/state"]
     if attack.startswith("erase"):
