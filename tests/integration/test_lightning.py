@@ -383,7 +383,9 @@ def test_in_place_a_node_loss_keeps_the_survivors_and_resumes_from_memory(
     assert {e["pid"] for e in two.values()} == {three[0]["pid"], three[1]["pid"]}, (
         "the survivors kept their processes"
     )
-    before = max(e["step"] for e in events(report) if e["event"] == "step" and e["t"] <= killed_at)
+    # the last step of the world of 3: c's worker dies with its daemon, a moment after the
+    # signal, so the three may finish (and commit) one more step after killed_at
+    before = max(e["step"] for e in events(report) if e["event"] == "step" and e["world"] == 3)
     resumed = two[0]["step"]
     assert {e["step"] for e in two.values()} == {resumed}
     assert resumed % 5 == 0 and 10 <= resumed <= before and before - resumed <= 5, (resumed, before)
