@@ -215,18 +215,13 @@ class JobBoard:
 
     async def ended_jobs(self) -> dict[str, Outcome]:
         """The indexed jobs whose outcome is written (and opens): id -> outcome."""
-        index = SignedLines(self._signer, self._key("index"), _name, _unheard)
-        ids = list(
-            dict.fromkeys(i for i in index.fold(await self._store.get(self._key("index"))) if i)
-        )
+        ids = await self._index_ids(_unheard)
+        keys = [self._key(f"outcome/{job_id}") for job_id in ids]
         ended: dict[str, Outcome] = {}
-        for start in range(0, len(ids), _BATCH * 4):
-            batch = ids[start : start + _BATCH * 4]
-            keys = [self._key(f"outcome/{job_id}") for job_id in batch]
-            for job_id, key, raw in zip(batch, keys, await self._store.get_many(keys)):
-                outcome = open_or_refuse(self._signer, key, raw, Outcome.from_json, _unheard)
-                if outcome is not None:
-                    ended[job_id] = outcome
+        for job_id, key, raw in zip(ids, keys, await self._store.get_many(keys)):
+            outcome = open_or_refuse(self._signer, key, raw, Outcome.from_json, _unheard)
+            if outcome is not None:
+                ended[job_id] = outcome
         return ended
 
     async def forget(self, job_ids: list[str]) -> list[str]:
@@ -250,13 +245,9 @@ class JobBoard:
         ]
         if not forgotten:
             return []
-        parts_keys = [self._key(f"parts/{job_id}") for job_id in forgotten]
-        for job_id, raw in zip(forgotten, await self._store.get_many(parts_keys)):
-            lines = SignedLines(self._signer, self._key(f"parts/{job_id}"), _name, _unheard)
-            for node in dict.fromkeys(n for n in lines.fold(raw) if n):
-                await self._store.delete(self._key(f"part/{job_id}/{node}"))
-            for suffix in (f"parts/{job_id}", f"spec/{job_id}"):
-                await self._store.delete(self._key(suffix))
+        records = [e for e in await self._entries(forgotten) if not e.startswith("outcome/")]
+        for suffix in [*records, *(f"parts/{job_id}" for job_id in forgotten)]:
+            await self._store.delete(self._key(suffix))
         gone, key = set(forgotten), self._key("index")
         for _ in range(_OUTCOME_TRIES):
             raw = await self._store.get(key)
@@ -312,11 +303,14 @@ class JobBoard:
         known = known or {}
         position = await self.head()
         self._log.saw(position)
-        index = SignedLines(self._signer, self._key("index"), _name, self.refused)
-        ids = dict.fromkeys(
-            [*(i for i in index.fold(await self._store.get(self._key("index"))) if i), *known]
-        )
+        ids = dict.fromkeys([*await self._index_ids(self.refused), *known])
         return position, await self._read(await self._entries(list(ids), known))
+
+    async def _index_ids(self, refused: Refused) -> list[str]:
+        """The job ids the index lists, each once, in submit order (a line that does not
+        open is told to ``refused`` and skipped)."""
+        index = SignedLines(self._signer, self._key("index"), _name, refused)
+        return list(dict.fromkeys(i for i in index.fold(await self._store.get(index.key)) if i))
 
     async def read_job(self, job_id: str) -> list[Change]:
         """One job's spec, outcome and parts, read now."""
