@@ -63,6 +63,7 @@ def test_a_manifest_travels_as_json_and_comes_back_whole():
         ({"round": True}, "round or world"),
         ({"saved": float("nan")}, "saved"),
         ({"kind": "zip"}, "kind"),
+        ({"described": "yes"}, "described"),
         ({"kind": "file"}, "one file"),  # a file checkpoint names only itself
         ({"files": {f"f{i}": [1, SHA] for i in range(cp.MAX_FILES + 1)}}, "files"),
     ],
@@ -87,6 +88,10 @@ def test_complete_takes_every_rank_the_metadata_and_every_copy():
     assert cp.latest_complete(three("step_5", copied=False)) is None  # not copied yet
     alone = [manifest("step_5", "n1", (0, 1), world=2, metadata=True, copied_to="")]
     assert cp.latest_complete(alone).id == "step_5"  # one node: nowhere to copy
+    # rank 0's node tells its metadata before it lists its data files: not yet written
+    telling = [cp.Manifest(**{**alone[0].__dict__, "described": False})]
+    assert cp.latest_complete(telling) is None and not cp.checkpoints(telling)[0].on_disk
+    assert cp.parse(telling[0].to_json()) == telling[0]
 
 
 def test_the_newest_complete_is_in_save_order_however_long_each_took_to_copy():

@@ -64,6 +64,9 @@ class Manifest:
     copied_to: str = ""  # the node that keeps a copy ("" none yet)
     on_disk: bool = False  # this node's files are in --checkpoint-dir
     kind: str = "dcp"  # "dcp": a directory; "file": one file a rank wrote itself
+    # False while the node still hashes its files: rank 0's node tells its metadata at once
+    # (the other nodes' cue that their shares are whole), before its data files are listed
+    described: bool = True
 
     @property
     def metadata(self) -> bool:
@@ -85,6 +88,7 @@ class Manifest:
             "copied_to": self.copied_to,
             "on_disk": self.on_disk,
             "kind": self.kind,
+            "described": self.described,
         }
 
 
@@ -101,13 +105,15 @@ def parse(doc: Any) -> Manifest:
         round, world, ranks = doc["round"], doc["world"], doc["ranks"]
         files, saved = doc["files"], doc.get("saved", 0.0)
         copied_to, on_disk = doc.get("copied_to", ""), doc.get("on_disk", False)
-        kind = doc.get("kind", DCP)
+        kind, described = doc.get("kind", DCP), doc.get("described", True)
     except KeyError as exc:
         raise BadManifest(f"no {exc.args[0]}") from None
     if not (isinstance(ident, str) and valid_name(ident) and ident != METADATA):
         raise BadManifest(f"checkpoint name {ident!r}")
     if not isinstance(node, str) or not isinstance(copied_to, str) or not isinstance(on_disk, bool):
         raise BadManifest("node, copied_to or on_disk")
+    if not isinstance(described, bool):
+        raise BadManifest("described")
     if kind not in (DCP, FILE):
         raise BadManifest(f"kind {kind!r}")
     if not (_count(round) and _count(world) and world > 0):
@@ -133,7 +139,17 @@ def parse(doc: Any) -> Manifest:
     if kind == FILE and set(facts) != {ident}:
         raise BadManifest("a file checkpoint holds its one file")
     return Manifest(
-        ident, node, round, world, tuple(ranks), facts, float(saved), copied_to, on_disk, kind
+        ident,
+        node,
+        round,
+        world,
+        tuple(ranks),
+        facts,
+        float(saved),
+        copied_to,
+        on_disk,
+        kind,
+        described,
     )
 
 
@@ -182,11 +198,14 @@ class Checkpoint:
 
     @property
     def written(self) -> bool:
-        """DCP: every rank's files are there, and its metadata (written last); a file: it is."""
+        """DCP: every rank's files are there, each node's listed, and its metadata (written
+        last); a file: it is."""
         if self.kind == FILE:
             return bool(self.shares)
-        return self.ranks == set(range(self.world)) and any(
-            m.metadata for m in self.shares.values()
+        return (
+            self.ranks == set(range(self.world))
+            and any(m.metadata for m in self.shares.values())
+            and all(m.described for m in self.shares.values())
         )
 
     @property

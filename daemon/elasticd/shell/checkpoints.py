@@ -537,7 +537,14 @@ class CheckpointTier:
         if cp.METADATA in names and name not in jd.manifests:  # rank 0's node: tell at once
             facts = await asyncio.to_thread(_hash, os.path.join(directory, cp.METADATA))
             jd.manifests[name] = cp.Manifest(
-                name, self.settings.node, round, world, ranks, {cp.METADATA: facts}, started
+                name,
+                self.settings.node,
+                round,
+                world,
+                ranks,
+                {cp.METADATA: facts},
+                started,
+                described=False,
             )
             self._publish(jd)
         buddy = self._buddy(jd)
