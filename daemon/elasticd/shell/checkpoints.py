@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import hashlib
 import json
@@ -1338,7 +1337,7 @@ def remove_leftovers(root: str) -> list[str]:
 
 # -- the job's memory (mounts) -----------------------------------------------------------------
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the libc this process runs with
 
 
 def _mount_tmpfs(path: str, cap: int, uid: int, gid: int) -> bool:

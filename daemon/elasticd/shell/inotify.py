@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import os
 import struct
 from collections.abc import Callable
@@ -24,7 +23,7 @@ IN_NONBLOCK = 0o4000
 IN_CLOEXEC = 0o2000000
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the libc this process runs with
 _libc.inotify_init1.argtypes = [ctypes.c_int]
 _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
 _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
