@@ -8,7 +8,10 @@ and a daemon SIGKILLed while it holds checkpoints (docs/checkpoints.md, docs/sec
   tier (its data plane): the handshake is refused and counted;
 - a job whose save is over its cap fails its save (no space left on device) and another
   job's checkpoints on the same node are not disturbed;
-- a daemon SIGKILLed while it holds checkpoints leaves nothing that its next start believes.
+- a daemon SIGKILLed while it holds checkpoints leaves nothing that its next start believes;
+- a job whose directory's paths lead elsewhere (symlinks where the daemon writes a copy,
+  fetches a range, or reads a file for another node) makes no daemon write or read
+  anything its user could not.
 """
 
 from __future__ import annotations
@@ -255,3 +258,50 @@ def test_a_daemon_killed_while_it_holds_checkpoints_starts_without_them(daemon_f
     assert "removed the checkpoints a previous run left here" in daemon.log_text()
     ended = daemon.wait_job(job, lambda j: j["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"), 60)
     assert ended["state"] == "FAILED" and "daemon died" in ended["error"]["message"], ended
+
+
+@needs_root
+def test_symlinks_in_a_jobs_directory_make_no_daemon_write_or_read_as_root(
+    daemon_factory, shared_tmp, report
+):
+    """tests/fixtures/tier_path_attack.py, as a user who is not root, on two nodes: links
+    to a directory only root may write where the daemons write copies and ranges, and one
+    to a file only root may read in place of a file another node fetches."""
+    from store_attack import Cluster
+
+    root_only = shared_tmp / "root-only"
+    root_only.mkdir(mode=0o755)
+    secret = shared_tmp / "secret"
+    secret.write_text("ROOT-SECRET-" + uuid.uuid4().hex + "x" * 64)
+    secret.chmod(0o600)
+    shared_tmp.chmod(0o755)  # the job's user reaches the links' targets (and is refused)
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="tierpath")
+    a, b = cluster.add("a"), cluster.add("b")
+    cluster.start()
+    script = str(ROOT / "tests" / "fixtures" / "tier_path_attack.py")
+    with local_users("attacker") as users:
+        job = a.ctl(
+            "submit",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            script,
+            "--",
+            str(root_only),
+            str(secret),
+            str(report),
+            user=users["attacker"],
+        )["id"]
+        ended = a.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 180)
+        assert ended["state"] == "SUCCEEDED", (ended, a.log_text(), b.log_text())
+        seen = {r: json.loads((report / f"attack-{r}.json").read_text()) for r in (0, 1)}
+        # nothing written where only root may write, by either daemon
+        assert list(root_only.rglob("*")) == [], list(root_only.rglob("*"))
+        # the checkpoint was complete (the attack was made), and the fetch got no secret
+        assert seen[1]["complete"] == {"ok": True, "complete": True}, seen
+        assert "ROOT-SECRET" not in json.dumps(seen), seen
+        assert seen[1]["fetch"]["ok"] is False, seen  # rank 0's daemon could not read it
+        for daemon in (a, b):
+            assert daemon.ctl("version")  # both answer on
+    cluster.stop()

@@ -14,8 +14,10 @@ script), real failures.  Each test asserts the step the job resumed from and the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
 import signal
 import subprocess
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 from harness import PY, ROOT, worker_args
+from local_users import local_users
 from store_attack import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -297,12 +300,24 @@ def test_a_copy_whose_owner_renamed_it_away_is_dropped_where_it_was_kept(trio: C
     assert not [p for tier in tiers for p in tier.glob(".copies/*/state.pt.tmp")]
 
 
+@pytest.mark.parametrize("owner", ["root", "a user"])
 def test_files_each_rank_wrote_itself_follow_their_ranks_to_other_nodes(
-    trio: Cluster, report: Path
+    trio: Cluster, report: Path, shared_tmp: Path, owner: str
 ) -> None:
     """torch.save per rank, unchanged: rank 0's node lost; the survivors become ranks 0 and
     1, each finding its rank's file of step 20 (one from the lost node's copy, one fetched
-    from the node that wrote it)."""
+    from the node that wrote it).  A user's job: what the daemons put in its directories
+    (copies, fetched files) is made with the user's rights, so it is theirs."""
+    with contextlib.ExitStack() as stack:
+        by: dict[str, str] = {}
+        if owner != "root":
+            by["user"] = stack.enter_context(local_users("trainer"))["trainer"]
+            shared_tmp.chmod(0o755)
+            report.chmod(0o777)
+        _files_follow_their_ranks(trio, report, by)
+
+
+def _files_follow_their_ranks(trio: Cluster, report: Path, by: dict[str, str]) -> None:
     b = trio[1]
     script = str(ROOT / "tests" / "fixtures" / "rank_files.py")
     job = b.submit(
@@ -318,6 +333,7 @@ def test_files_each_rank_wrote_itself_follow_their_ranks_to_other_nodes(
         "--",
         "40",
         str(report),
+        **by,
     )["id"]
 
     tiers = {d.name: Path(d.runtime_dir) / "checkpoints" / job for d in trio}
@@ -345,6 +361,9 @@ def test_files_each_rank_wrote_itself_follow_their_ranks_to_other_nodes(
     assert ended["state"] == "SUCCEEDED", ended
     again = [e for e in starts(report) if e["world"] == 2]
     assert sorted((e["rank"], e["step"], e["from"]) for e in again) == [(0, 20, 0), (1, 20, 1)]
+    # each file as its rank found it, restored from a copy or fetched: its user's
+    uid = pwd.getpwnam(by["user"]).pw_uid if by else 0
+    assert [e["uid"] for e in again] == [uid, uid], again
     # the temporary names (rank<N>.pt.tmp, renamed at once) were never taken for
     # checkpoints that went missing: a rename away is forgotten, a vanished file is no news
     for d in trio:

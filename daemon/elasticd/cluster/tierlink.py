@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import zmq
 import zmq.asyncio
@@ -195,22 +195,23 @@ class TierLinks:
             return node
         return str(record.info.labels.get("domain") or record.info.address or node)
 
-    async def send(self, node: str, job: str, ckpt: str, name: str, path: str) -> cp.FileFacts:
-        digest, size = hashlib.sha256(), os.stat(path).st_size
+    async def send(
+        self, node: str, job: str, ckpt: str, name: str, source: BinaryIO
+    ) -> cp.FileFacts:
+        digest, size = hashlib.sha256(), os.fstat(source.fileno()).st_size
         async with self._session(node) as session:
             sent = 0
-            with open(path, "rb") as f:
-                while True:
-                    chunk = await asyncio.to_thread(f.read, CHUNK)
-                    digest.update(chunk)
-                    last = sent + len(chunk) >= size or not chunk
-                    header = {"op": "put", "job": job, "ckpt": ckpt, "name": name, "offset": sent}
-                    if last:
-                        header["seal"] = [sent + len(chunk), digest.hexdigest()]
-                    await session.request(header, chunk)
-                    sent += len(chunk)
-                    if last:
-                        break
+            while True:
+                chunk = await asyncio.to_thread(source.read, CHUNK)
+                digest.update(chunk)
+                last = sent + len(chunk) >= size or not chunk
+                header = {"op": "put", "job": job, "ckpt": ckpt, "name": name, "offset": sent}
+                if last:
+                    header["seal"] = [sent + len(chunk), digest.hexdigest()]
+                await session.request(header, chunk)
+                sent += len(chunk)
+                if last:
+                    break
             await session.drain()
         return cp.FileFacts(sent, digest.hexdigest())
 
@@ -227,10 +228,12 @@ class TierLinks:
         owner: str,
         ckpt: str,
         name: str,
-        into: str,
+        into: int,
         ranges: list[tuple[int, int]] | None = None,
-    ) -> None:
+    ) -> cp.FileFacts | None:
         base = {"job": job, "owner": owner, "ckpt": ckpt, "name": name}
+        whole = ranges is None
+        digest = hashlib.sha256()
         async with self._session(node) as session:
             if ranges is None:
                 reply, _ = await session.call({"op": "size", **base, "offset": 0})
@@ -241,22 +244,22 @@ class TierLinks:
                 for at in range(0, max(length, 1), CHUNK)
                 if length > 0
             ]
-            fd = os.open(into, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                if not pieces:
-                    return
 
-                def write(offset: int, data: bytes, expected: int) -> None:
-                    if len(data) != expected:
-                        raise TierError(f"{node} sent {len(data)} bytes of {expected}")
-                    os.pwrite(fd, data, offset)
+            def write(offset: int, data: bytes, expected: int) -> None:
+                if len(data) != expected:
+                    raise TierError(f"{node} sent {len(data)} bytes of {expected}")
+                os.pwrite(into, data, offset)
+                if whole:  # the pieces come in order: the file's digest as it is written
+                    digest.update(data)
 
+            if pieces:
                 await session.pipeline(
                     [({"op": "get", **base, "offset": o, "length": n}, b"") for o, n in pieces],
                     lambda i, reply, data: write(pieces[i][0], data, pieces[i][1]),
                 )
-            finally:
-                os.close(fd)
+        if not whole:
+            return None
+        return cp.FileFacts(sum(n for _, n in pieces), digest.hexdigest())
 
     def _session(self, node: str) -> _Session:
         return _Session(self, node)

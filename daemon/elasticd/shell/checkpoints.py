@@ -27,12 +27,13 @@ import json
 import logging
 import os
 import shutil
+import socket
 import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from elasticd.core import checkpoints as cp
 from elasticd.core import events as ev
@@ -44,14 +45,17 @@ from elasticd.shell.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
     IN_DELETE,
+    IN_DONT_FOLLOW,
     IN_MOVED_FROM,
     IN_MOVED_TO,
     IN_Q_OVERFLOW,
     Change,
     Watcher,
 )
+from elasticd.shell.userfs import rights_of, with_rights_of
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 CHECKPOINT_ENV = "ELASTICD_CHECKPOINT_DIR"
 TIER_SOCKET = ".tier.sock"  # in the job's directory: its workers ask the tier there
@@ -63,16 +67,19 @@ _MAX_WAITS = 64  # a job's workers' ``wait``s at once
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
-_WATCHED = IN_CREATE | IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM
+# a checkpoint's directory the job swapped for a link to elsewhere is not watched there
+_WATCHED = IN_CREATE | IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM | IN_DONT_FOLLOW
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
 
 class TierPeers(Protocol):
     """The data plane to other nodes' tiers (cluster/tierlink.py)."""
 
-    async def send(self, node: str, job: str, ckpt: str, name: str, path: str) -> cp.FileFacts:
-        """Stream this node's file to ``node``, which keeps it as a copy of this node's share
-        (it checks the size and SHA-256 sent last); returns them."""
+    async def send(
+        self, node: str, job: str, ckpt: str, name: str, source: BinaryIO
+    ) -> cp.FileFacts:
+        """Stream this node's file (open for reading) to ``node``, which keeps it as a copy
+        of this node's share (it checks the size and SHA-256 sent last); returns them."""
         ...
 
     async def drop(self, node: str, job: str, ckpt: str) -> None:
@@ -86,11 +93,12 @@ class TierPeers(Protocol):
         owner: str,
         ckpt: str,
         name: str,
-        into: str,
+        into: int,
         ranges: list[tuple[int, int]] | None = None,
-    ) -> None:
-        """Write ``ranges`` (None: the whole file) of ``owner``'s file as ``node`` holds it
-        into ``into``, at their offsets."""
+    ) -> cp.FileFacts | None:
+        """Write ``ranges`` of ``owner``'s file as ``node`` holds it into the file open for
+        writing as ``into``, at their offsets; None: the whole file, whose size and SHA-256
+        (of the bytes written) it returns."""
         ...
 
     def alive(self, node: str) -> bool: ...
@@ -174,6 +182,15 @@ class JobDir:
     @property
     def job(self) -> str:
         return self.spec.id
+
+    def rights(self) -> contextlib.AbstractContextManager[None]:
+        """The rights the daemon's calls on paths in this directory are made with: its
+        user's, whose it is (shell/userfs.py; synchronous code only)."""
+        return rights_of(self.spec.uid, self.spec.gid)
+
+    def as_user(self, call: Callable[..., R]) -> Callable[..., R]:
+        """``call`` with the directory's user's rights, in whatever thread runs it."""
+        return with_rights_of(self.spec.uid, self.spec.gid, call)
 
     def found(self) -> list[cp.Manifest]:
         """Every node's manifests of the job: the record's, and this node's own (newer)."""
@@ -374,41 +391,42 @@ class CheckpointTier:
     def _consider(self, jd: JobDir) -> None:
         """Land each checkpoint this node knows complete and has not described yet; copy
         again what could not be copied; then keep the newest complete one, write it to disk."""
-        found = jd.found()
-        with_metadata = {m.id for m in found if m.metadata and m.round >= jd.round}
-        for name in _entries(jd.path, dirs=True):
-            if name in jd.busy or jd.round < 0 or os.path.join(jd.path, name) in jd.deleting:
-                continue  # being landed, no round yet, or pruned (its removal still runs)
-            if name in jd.claimed and name not in jd.manifests:
-                continue  # its workers tell when their files are whole (``saved``)
-            own = jd.manifests.get(name)
-            local_metadata = os.path.exists(os.path.join(jd.path, name, cp.METADATA))
-            if own is None and (local_metadata or name in with_metadata):
-                jd.busy[name] = self._spawn(
-                    "landing", jd.job, functools.partial(self._land, jd, name)
-                )
-            elif own is not None and not own.copied_to and self._buddy(jd) is not None:
-                after = jd.retry.get(name, (0, 0.0))[1]
-                if time.monotonic() >= after:
+        with jd.rights():  # its user may have put links anywhere in it
+            found = jd.found()
+            with_metadata = {m.id for m in found if m.metadata and m.round >= jd.round}
+            for name in _entries(jd.path, dirs=True):
+                if name in jd.busy or jd.round < 0 or os.path.join(jd.path, name) in jd.deleting:
+                    continue  # being landed, no round yet, or pruned (its removal still runs)
+                if name in jd.claimed and name not in jd.manifests:
+                    continue  # its workers tell when their files are whole (``saved``)
+                own = jd.manifests.get(name)
+                local_metadata = os.path.exists(os.path.join(jd.path, name, cp.METADATA))
+                if own is None and (local_metadata or name in with_metadata):
                     jd.busy[name] = self._spawn(
-                        "copying", jd.job, functools.partial(self._land, jd, name)
+                        "landing", jd.job, functools.partial(self._land, jd, name)
                     )
-        # files a rank wrote that are not copied yet: landed before this node knew the
-        # round's members, or their copy failed and its back-off has passed
-        now = time.monotonic()
-        uncopied = [
-            name
-            for name, own in jd.manifests.items()
-            if own.kind == cp.FILE and not own.copied_to and name not in jd.busy
-            if now >= jd.retry.get(name, (0, 0.0))[1]
-        ]
-        if uncopied and self._buddy(jd) is not None:
-            for name in uncopied:
-                jd.busy[name] = self._spawn(
-                    "copying", jd.job, functools.partial(self._land_one, jd, name)
-                )
-        self._prune(jd, found)
-        self._write_back(jd, found)
+                elif own is not None and not own.copied_to and self._buddy(jd) is not None:
+                    after = jd.retry.get(name, (0, 0.0))[1]
+                    if time.monotonic() >= after:
+                        jd.busy[name] = self._spawn(
+                            "copying", jd.job, functools.partial(self._land, jd, name)
+                        )
+            # files a rank wrote that are not copied yet: landed before this node knew the
+            # round's members, or their copy failed and its back-off has passed
+            now = time.monotonic()
+            uncopied = [
+                name
+                for name, own in jd.manifests.items()
+                if own.kind == cp.FILE and not own.copied_to and name not in jd.busy
+                if now >= jd.retry.get(name, (0, 0.0))[1]
+            ]
+            if uncopied and self._buddy(jd) is not None:
+                for name in uncopied:
+                    jd.busy[name] = self._spawn(
+                        "copying", jd.job, functools.partial(self._land_one, jd, name)
+                    )
+            self._prune(jd, found)
+            self._write_back(jd, found)
 
     def _consider_again(self, job: str) -> None:
         jd = self._jobs.get(job)
@@ -504,7 +522,8 @@ class CheckpointTier:
             cap,
             extra=about(jd.job),
         )
-        shutil.rmtree(os.path.join(jd.path, name), ignore_errors=True)
+        with jd.rights():
+            shutil.rmtree(os.path.join(jd.path, name), ignore_errors=True)
         return True
 
     def full(self, job: str) -> str:
@@ -531,10 +550,12 @@ class CheckpointTier:
         (``saved``), else what an earlier description said, else this node's round now."""
         round, world, ranks = _whose(jd, name)
         directory = os.path.join(jd.path, name) if kind == cp.DCP else jd.path
-        names = _entries(directory, files=True) if kind == cp.DCP else [name]
+        with jd.rights():
+            names = _entries(directory, files=True) if kind == cp.DCP else [name]
         started = self._clock()
+        hash_ = jd.as_user(_hash)
         if cp.METADATA in names and name not in jd.manifests:  # rank 0's node: tell at once
-            facts = await asyncio.to_thread(_hash, os.path.join(directory, cp.METADATA))
+            facts = await asyncio.to_thread(hash_, os.path.join(directory, cp.METADATA))
             jd.manifests[name] = cp.Manifest(
                 name,
                 self.settings.node,
@@ -553,7 +574,10 @@ class CheckpointTier:
             path = os.path.join(directory, file)
             if buddy is not None and copied:
                 try:
-                    files[file] = await self._peers.send(buddy, jd.job, name, file, path)
+                    with jd.rights():
+                        source = _open_regular(path)
+                    with source:
+                        files[file] = await self._peers.send(buddy, jd.job, name, file, source)
                     continue
                 except FileNotFoundError:  # it went away: the caller forgets it
                     raise
@@ -568,7 +592,7 @@ class CheckpointTier:
                         extra=about(jd.job),
                     )
                     copied = ""
-            files[file] = await asyncio.to_thread(_hash, path)
+            files[file] = await asyncio.to_thread(hash_, path)
         done = self._clock()
         if buddy is not None and not copied:  # try again later, backing off, from _consider
             failed = jd.retry.get(name, (0, 0.0))[0] + 1
@@ -641,7 +665,7 @@ class CheckpointTier:
 
     async def _remove(self, jd: JobDir, paths: list[str]) -> None:
         try:
-            await _remove_all(paths)
+            await _remove_all(jd, paths)
         finally:
             jd.deleting.difference_update(paths)
 
@@ -748,11 +772,12 @@ class CheckpointTier:
             task.cancel()
         jd.busy.clear()
         found = jd.found()
-        cut = cp.torn(_entries(jd.path, dirs=True), found)
+        with jd.rights():
+            cut = cp.torn(_entries(jd.path, dirs=True), found)
         for name in cut:
             jd.manifests.pop(name, None)
             jd.claimed.pop(name, None)
-        await _remove_all([os.path.join(jd.path, name) for name in cut])
+        await _remove_all(jd, [os.path.join(jd.path, name) for name in cut])
         if cut:
             log.info(
                 "job %s: deleted checkpoints cut off by the failure: %s",
@@ -771,7 +796,8 @@ class CheckpointTier:
         self, jd: JobDir, checkpoint: cp.Checkpoint, members: tuple[str, ...]
     ) -> str:
         directory = os.path.join(jd.path, checkpoint.id) if checkpoint.kind == cp.DCP else jd.path
-        have = _sizes(directory)
+        with jd.rights():
+            have = _sizes(directory)
         lacking = cp.missing(checkpoint, have)
         for name, facts in sorted(lacking.items()):
             dest = os.path.join(directory, name)
@@ -801,19 +827,29 @@ class CheckpointTier:
             try:
                 if holder == self.settings.node:
                     source = _copy_path(jd.path, owner, checkpoint.id, name)
-                    if not os.path.exists(source):
+                    with jd.rights():
+                        here = os.path.lexists(source)
+                    if not here:
                         tried.append(f"{holder}: not here")
                         continue
-                    await asyncio.to_thread(_copy, source, partial)
+                    got = await asyncio.to_thread(jd.as_user(_copy), source, partial)
                     where = "copy"
                 elif self._peers.alive(holder):
-                    os.makedirs(os.path.dirname(dest), exist_ok=True)
-                    await self._peers.fetch(holder, jd.job, owner, checkpoint.id, name, partial)
-                    where = "memory" if holder == owner else "copy"
+                    with jd.rights():
+                        os.makedirs(os.path.dirname(dest), exist_ok=True)
+                        fd = _create(partial)
+                    try:
+                        fetched = await self._peers.fetch(
+                            holder, jd.job, owner, checkpoint.id, name, fd
+                        )
+                    finally:
+                        os.close(fd)
+                    assert fetched is not None  # the whole file: what was written, hashed
+                    got, where = fetched, "memory" if holder == owner else "copy"
                 else:
                     tried.append(f"{holder}: lost")
                     continue
-                why = await self._check_into_place(jd, partial, dest, facts)
+                why = self._check_into_place(jd, partial, dest, facts, got)
                 if why:
                     tried.append(f"{holder}: {why}")
                     continue
@@ -822,7 +858,7 @@ class CheckpointTier:
             except Exception as exc:
                 tried.append(f"{holder}: {exc}")
             finally:
-                with contextlib.suppress(FileNotFoundError):
+                with jd.rights(), contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
         disk = jd.spec.checkpoint_dir
         if disk and checkpoint.on_disk:
@@ -833,8 +869,13 @@ class CheckpointTier:
             )
             partial = _partial(dest)
             failure = await _as_user(jd.spec, {"copy": [[on_disk, partial]]})
-            why = failure or await self._check_into_place(jd, partial, dest, facts)
-            with contextlib.suppress(FileNotFoundError):
+            if not failure:
+                try:
+                    got = await asyncio.to_thread(jd.as_user(_hash), partial)
+                except OSError as exc:
+                    failure = str(exc)
+            why = failure or self._check_into_place(jd, partial, dest, facts, got)
+            with jd.rights(), contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
             if not why:
                 self._metrics.checkpoint_restored("disk")
@@ -848,20 +889,19 @@ class CheckpointTier:
             f"{owner}, is nowhere whole: {'; '.join(tried)}"
         )
 
-    async def _check_into_place(
-        self, jd: JobDir, partial: str, dest: str, facts: cp.FileFacts
+    def _check_into_place(
+        self, jd: JobDir, partial: str, dest: str, facts: cp.FileFacts, got: cp.FileFacts
     ) -> str:
-        """Check a file against its manifest, then give it to the job's user in place."""
-        got = await asyncio.to_thread(_hash, partial)
+        """Check a file (``got``: the size and SHA-256 of the bytes written to ``partial``)
+        against its manifest, then put it in place (made with its user's rights: theirs)."""
         if got.size != facts.size:
             return f"refused: {got.size} bytes, its manifest says {facts.size} (truncated?)"
         if got.sha256 != facts.sha256:
             return "refused: its SHA-256 is not its manifest's (damaged or forged)"
-        if os.getuid() == 0:
-            os.chown(partial, jd.spec.uid, jd.spec.gid)
-        os.chmod(partial, 0o600)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        os.replace(partial, dest)
+        with jd.rights():
+            os.chmod(partial, 0o600)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.replace(partial, dest)
         return ""
 
     # -- what other nodes send and ask ------------------------------------------------------------
@@ -884,9 +924,22 @@ class CheckpointTier:
             raise ValueError(f"job {job} has no checkpoints here")
         if not (cp.valid_name(ckpt) and cp.valid_name(name) and cp.valid_name(peer)):
             raise ValueError("bad checkpoint, file or node name")
+        with jd.rights():
+            self._receive(jd, peer, ckpt, name, offset, data, seal)
+
+    def _receive(
+        self,
+        jd: JobDir,
+        peer: str,
+        ckpt: str,
+        name: str,
+        offset: int,
+        data: bytes,
+        seal: cp.FileFacts | None,
+    ) -> None:
         directory = os.path.dirname(_copy_path(jd.path, peer, ckpt, name))
         partial = os.path.join(directory, f".{name}.partial")
-        key = (peer, job, ckpt, name)
+        key = (peer, jd.job, ckpt, name)
         if offset == 0:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             self._receiving[key] = (hashlib.sha256(), 0)
@@ -897,7 +950,7 @@ class CheckpointTier:
         if digest is None or size != offset:
             self._receiving.pop(key, None)
             raise ValueError(f"{ckpt}/{name}: a chunk at {offset} out of order")
-        with open(partial, mode) as f:
+        with open(partial, mode, opener=_no_follow) as f:
             f.write(data)
         digest.update(data)
         self._receiving[key] = (digest, offset + len(data))
@@ -919,26 +972,32 @@ class CheckpointTier:
             raise ValueError("bad checkpoint or node name")
         for key in [k for k in self._receiving if k[:3] == (peer, job, ckpt)]:
             del self._receiving[key]
-        shutil.rmtree(os.path.dirname(_copy_path(jd.path, peer, ckpt, ckpt)), ignore_errors=True)
+        with jd.rights():
+            shutil.rmtree(os.path.dirname(_copy_path(jd.path, peer, ckpt, ckpt)), True)
 
     def read(self, job: str, owner: str, ckpt: str, name: str, offset: int, length: int) -> bytes:
         """Bytes of ``owner``'s file ``ckpt/name`` as this node holds it (its own, or a copy)."""
-        with open(self._held(job, owner, ckpt, name), "rb") as f:
+        path, jd = self._held(job, owner, ckpt, name)
+        with jd.rights(), _open_regular(path) as f:
             f.seek(offset)
             return f.read(length)
 
     def size(self, job: str, owner: str, ckpt: str, name: str) -> int:
-        return os.stat(self._held(job, owner, ckpt, name)).st_size
+        path, jd = self._held(job, owner, ckpt, name)
+        with jd.rights(), _open_regular(path) as f:
+            return os.fstat(f.fileno()).st_size
 
-    def _held(self, job: str, owner: str, ckpt: str, name: str) -> str:
+    def _held(self, job: str, owner: str, ckpt: str, name: str) -> tuple[str, JobDir]:
         jd = self._jobs.get(job)
         if jd is None:
             raise ValueError(f"job {job} has no checkpoints here")
         if not all(cp.valid_name(n) for n in (ckpt, name, owner)):
             raise ValueError("bad checkpoint, file or node name")
         if owner != self.settings.node:
-            return _copy_path(jd.path, owner, ckpt, name)
-        return os.path.join(jd.path, name) if ckpt == name else os.path.join(jd.path, ckpt, name)
+            return _copy_path(jd.path, owner, ckpt, name), jd
+        if ckpt == name:
+            return os.path.join(jd.path, name), jd
+        return os.path.join(jd.path, ckpt, name), jd
 
     # -- what the job's workers ask (elasticd.elastic's reader) --------------------------------
 
@@ -948,14 +1007,19 @@ class CheckpointTier:
         sizes, those already here); ``fetch``: byte ranges of its files this node lacks,
         put at their offsets into RANGES/<id>/<file> here (sparse), where the reader reads."""
         path = os.path.join(jd.path, TIER_SOCKET)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with jd.rights():  # made by its user: theirs
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                listener.bind(path)
+                os.chmod(path, 0o600)
+        except BaseException:
+            listener.close()
+            raise
         jd.server = await asyncio.start_unix_server(
-            functools.partial(self._worker, jd), path, limit=_MAX_REQUEST
+            functools.partial(self._worker, jd), sock=listener, limit=_MAX_REQUEST
         )
-        os.chmod(path, 0o600)
-        if os.getuid() == 0:
-            os.chown(path, jd.spec.uid, jd.spec.gid)
         async with jd.server:
             await jd.server.serve_forever()
 
@@ -990,7 +1054,8 @@ class CheckpointTier:
         if request.get("op") == "latest":
             if latest is None:
                 return {"ok": True, "checkpoint": None}
-            here = _sizes(os.path.join(jd.path, latest.id))
+            with jd.rights():
+                here = _sizes(os.path.join(jd.path, latest.id))
             files = {name: f.size for name, f in latest.files().items()}
             return {
                 "ok": True,
@@ -1102,38 +1167,51 @@ class CheckpointTier:
         file they were fetched into from a node that holds it."""
         whole = os.path.join(jd.path, checkpoint.id, name)
         facts = checkpoint.files()[name]
-        if _sizes(os.path.dirname(whole)).get(name) == facts.size:
-            return whole
         owner = next(node for node, m in checkpoint.shares.items() if name in m.files)
         copy = _copy_path(jd.path, owner, checkpoint.id, name)
-        if os.path.exists(copy):
-            return copy
+        with jd.rights():
+            if _sizes(os.path.dirname(whole)).get(name) == facts.size:
+                return whole
+            if os.path.exists(copy):
+                return copy
         into = os.path.join(jd.path, RANGES, checkpoint.id, name)
         have = jd.fetched.setdefault((checkpoint.id, name), [])
         lacking = _subtract(sorted(spans), have)
         if lacking:
-            os.makedirs(os.path.dirname(into), exist_ok=True)
-            errors = []
-            # the round's members first: a holder left out of it may be the node just lost,
-            # which the cluster may not know yet (a fetch from it waits until it does)
-            members = self._members(jd)
-            for holder in cp.fetch_order(checkpoint.holders(name), self.settings.node, members):
-                if holder == self.settings.node or not self._peers.alive(holder):
-                    continue
-                try:
-                    await self._peers.fetch(
-                        holder, jd.job, owner, checkpoint.id, name, into, lacking
-                    )
-                    break
-                except Exception as exc:
-                    errors.append(f"{holder}: {exc}")
-            else:
-                raise OSError(f"no node holding {checkpoint.id}/{name} answers: {errors}")
+            with jd.rights():  # made by its user: theirs
+                os.makedirs(os.path.dirname(into), exist_ok=True)
+                fd = os.open(into, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                holder = await self._fetch_ranges(jd, checkpoint, owner, name, fd, lacking)
+            finally:
+                os.close(fd)
             have.extend(lacking)
             self._metrics.checkpoint_restored("memory" if holder == owner else "copy")
-            if os.getuid() == 0:
-                os.chown(into, jd.spec.uid, jd.spec.gid)
         return into
+
+    async def _fetch_ranges(
+        self,
+        jd: JobDir,
+        checkpoint: cp.Checkpoint,
+        owner: str,
+        name: str,
+        fd: int,
+        lacking: list[tuple[int, int]],
+    ) -> str:
+        """Fetch ``lacking`` of ``name`` into ``fd`` from a node that holds it; which."""
+        errors = []
+        # the round's members first: a holder left out of it may be the node just lost,
+        # which the cluster may not know yet (a fetch from it waits until it does)
+        members = self._members(jd)
+        for holder in cp.fetch_order(checkpoint.holders(name), self.settings.node, members):
+            if holder == self.settings.node or not self._peers.alive(holder):
+                continue
+            try:
+                await self._peers.fetch(holder, jd.job, owner, checkpoint.id, name, fd, lacking)
+                return holder
+            except Exception as exc:
+                errors.append(f"{holder}: {exc}")
+        raise OSError(f"no node holding {checkpoint.id}/{name} answers: {errors}")
 
     # -- what status shows ---------------------------------------------------------------------
 
@@ -1243,7 +1321,7 @@ def _sizes(directory: str) -> dict[str, int]:
     out = {}
     for name in _entries(directory, files=True):
         with contextlib.suppress(OSError):
-            out[name] = os.stat(os.path.join(directory, name)).st_size
+            out[name] = os.stat(os.path.join(directory, name), follow_symlinks=False).st_size
     return out
 
 
@@ -1256,25 +1334,59 @@ def _size_of(path: str) -> int:
     return total
 
 
+def _open_regular(path: str) -> BinaryIO:
+    """A file of a job's directory, open for reading: a regular file, not a link to one (nor
+    a FIFO, whose opening would wait for a writer: the job's user may swap either in)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _hash(path: str) -> cp.FileFacts:
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
     return cp.FileFacts(size, digest.hexdigest())
 
 
-def _copy(source: str, destination: str) -> None:
+def _copy(source: str, destination: str) -> cp.FileFacts:
+    """Copy a file; the size and SHA-256 of the bytes written."""
     os.makedirs(os.path.dirname(destination), exist_ok=True)
-    shutil.copyfile(source, destination)
+    digest, size = hashlib.sha256(), 0
+    with _open_regular(source) as src, open(destination, "wb", opener=_no_follow) as dst:
+        while chunk := src.read(_CHUNK):
+            digest.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+    return cp.FileFacts(size, digest.hexdigest())
+
+
+def _create(path: str) -> int:
+    """A new file's descriptor, open for writing (emptied if it was there; never a link's
+    target)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(path, flags, 0o600)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    """``open``'s opener for a job's files: never through a link, and 0600."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def _partial(dest: str) -> str:
     return os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial")
 
 
-async def _remove_all(paths: Iterable[str]) -> None:
+async def _remove_all(jd: JobDir, paths: Iterable[str]) -> None:
+    """Remove ``paths`` in ``jd``'s directory, with its user's rights."""
+
     def remove() -> None:
         for path in paths:
             if os.path.isdir(path) and not os.path.islink(path):
@@ -1283,7 +1395,7 @@ async def _remove_all(paths: Iterable[str]) -> None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
-    await asyncio.to_thread(remove)
+    await asyncio.to_thread(jd.as_user(remove))
 
 
 async def _as_user(spec: JobSpec, plan: Mapping[str, Any]) -> str:
