@@ -1090,7 +1090,9 @@ class CheckpointTier:
     def _saving(self, jd: JobDir, request: Mapping[str, Any]) -> None:
         """A worker writes checkpoint ``id`` now: its share waits for the workers' reports."""
         ident = _checkpoint_name(request)
-        if not os.path.isdir(os.path.join(jd.path, ident)):
+        with jd.rights():  # not a link's target: the job's user may put one there
+            is_dir = os.path.isdir(os.path.join(jd.path, ident))
+        if not is_dir:
             raise ValueError(f"{ident} is not a directory of the job's checkpoints")
         if ident in jd.manifests or ident in jd.busy or ident in jd.claimed:
             return
@@ -1116,9 +1118,10 @@ class CheckpointTier:
         )
         if not (0 < world and rank < world and 0 < local <= min(world, _MAX_LOCAL)):
             raise ValueError("rank, world or local_world out of range")
-        for name in files:
-            if not os.path.isfile(os.path.join(jd.path, ident, name)):
-                raise ValueError(f"{ident}/{name} is not there")
+        with jd.rights():
+            missing = [f for f in files if not os.path.isfile(os.path.join(jd.path, ident, f))]
+        if missing:
+            raise ValueError(f"{ident}/{missing[0]} is not there")
         if ident not in jd.claimed:
             self._saving(jd, request)
         reports = jd.claimed[ident]
