@@ -5,6 +5,7 @@ counters, and datagrams caught on the loopback interface (root)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -128,8 +129,17 @@ def lost_by_detector(daemon: Daemon, node: str) -> bool:
     return f"detector: node {node} is lost" in daemon.log_text()
 
 
-def detector_lines(daemon: Daemon) -> list[str]:
-    return [line for line in daemon.log_text().splitlines() if "detector: node" in line]
+def detector_lines(daemon: Daemon, since: float = 0.0) -> list[str]:
+    """What the daemon's detector declared (lost, back) at ``since`` (time.time()) or after:
+    an attack is answerable for what follows it, not for a node a loaded host starved
+    before it began."""
+    lines = [line for line in daemon.log_text().splitlines() if "detector: node" in line]
+    return [line for line in lines if _logged_at(line) >= since - 0.01]
+
+
+def _logged_at(line: str) -> float:
+    """The wall-clock time of a daemon log line ("2026-11-29 23:17:52,838 ...", local)."""
+    return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def metric(daemon: Daemon, name: str, labels: str = "") -> float:

@@ -302,6 +302,9 @@ def test_symlinks_in_a_jobs_directory_make_no_daemon_write_or_read_as_root(
         assert seen[1]["complete"] == {"ok": True, "complete": True}, seen
         assert "ROOT-SECRET" not in json.dumps(seen), seen
         assert seen[1]["fetch"]["ok"] is False, seen  # rank 0's daemon could not read it
+        # a FIFO where fetched bytes go is refused at once, and the daemon answers on
+        fifo = seen[1]["fetch_into_fifo"]
+        assert fifo["ok"] is False and "not a regular file" in fifo["error"], seen
         for daemon in (a, b):
             assert daemon.ctl("version")  # both answer on
     cluster.stop()

@@ -97,7 +97,7 @@ def test_forged_datagrams_are_refused_and_kill_nobody(cluster: Cluster, report: 
         time.sleep(0.05)
     time.sleep(1.0)
     assert all(refused(d, "mac") > 0 for d in cluster)
-    assert [line for d in cluster for line in detector_lines(d)] == []
+    assert [line for d in cluster for line in detector_lines(d, since)] == []
     assert no_new_round(report, since)
 
 
@@ -118,7 +118,7 @@ def test_replayed_datagrams_are_refused_and_kill_nobody(cluster: Cluster, report
     send_all([(dst, payload) for _src, dst, payload in caught], times=5)
     time.sleep(1.5)
     assert sum(refused(d, "replay") for d in cluster) - before >= len(caught)
-    assert [line for d in cluster for line in detector_lines(d)] == []
+    assert [line for d in cluster for line in detector_lines(d, since)] == []
     assert no_new_round(report, since)
 
 
@@ -185,7 +185,7 @@ def test_a_flood_costs_bounded_cpu_and_kills_nobody(cluster: Cluster, report: Pa
     assert refused(b, "flood") > 0, "b's reading paused"
     print(f"b's daemon used {cpu:.2f} s of CPU in {took:.1f} s of flood")
     assert cpu < 0.5 * took, "a flood costs the daemon at most a bounded share of a core"
-    assert [line for d in cluster for line in detector_lines(d)] == []
+    assert [line for d in cluster for line in detector_lines(d, since)] == []
     assert no_new_round(report, since)
     assert {p.pid for p in tree(b)} and b.ctl("status", b.ctl("list")[0]["id"])[
         "state"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import functools
 import hashlib
 import json
@@ -48,6 +49,7 @@ from elasticd.shell.inotify import (
     IN_DONT_FOLLOW,
     IN_MOVED_FROM,
     IN_MOVED_TO,
+    IN_ONLYDIR,
     IN_Q_OVERFLOW,
     Change,
     Watcher,
@@ -68,7 +70,18 @@ COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
 # a checkpoint's directory the job swapped for a link to elsewhere is not watched there
-_WATCHED = IN_CREATE | IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM | IN_DONT_FOLLOW
+_WATCHED = (
+    IN_CREATE
+    | IN_CLOSE_WRITE
+    | IN_MOVED_TO
+    | IN_DELETE
+    | IN_MOVED_FROM
+    | IN_DONT_FOLLOW
+    | IN_ONLYDIR
+)
+# directories of one job watched at once (its own and one per checkpoint): inotify watches
+# are counted against root's, for every root service of the host
+_MAX_WATCHED = 256
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
 
@@ -178,6 +191,7 @@ class JobDir:
     claimed: dict[str, dict[int, Report]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set, then replaced
     waits: int = 0  # its workers' waits now
+    watches_spent: bool = False  # it has as many directories watched as a job may
 
     @property
     def job(self) -> str:
@@ -355,7 +369,7 @@ class CheckpointTier:
                 return
             entry = os.path.join(jd.path, change.name)
             if change.is_dir and change.mask & (IN_CREATE | IN_MOVED_TO):
-                self._watch(entry)
+                self._watch(jd, entry)
                 jd.first_seen.setdefault(change.name, self._clock())
                 self._consider(jd)
             elif change.mask & (IN_DELETE | IN_MOVED_FROM):  # deleted, or renamed away
@@ -375,17 +389,30 @@ class CheckpointTier:
                 return jd
         return None
 
-    def _watch(self, directory: str) -> None:
+    def _watch(self, jd: JobDir, directory: str) -> None:
         if self._watcher is None:
             self._watcher = Watcher(self._changed)
+        if self._watcher.watching(jd.path) >= _MAX_WATCHED:
+            if not jd.watches_spent:
+                jd.watches_spent = True
+                log.warning(
+                    "job %s: %d directories of checkpoints watched, no more: a checkpoint "
+                    "saved into another is noticed only when another change is",
+                    jd.job,
+                    _MAX_WATCHED,
+                    extra=about(jd.job),
+                )
+            return
         with contextlib.suppress(OSError):
             self._watcher.watch(directory, _WATCHED)
 
     def _rescan(self, jd: JobDir) -> None:
         """Watch the directory and each checkpoint in it (at open, and after an overflow)."""
-        self._watch(jd.path)
-        for name in _entries(jd.path, dirs=True):
-            self._watch(os.path.join(jd.path, name))
+        self._watch(jd, jd.path)
+        with jd.rights():
+            names = _entries(jd.path, dirs=True)
+        for name in names:
+            self._watch(jd, os.path.join(jd.path, name))
         self._consider(jd)
 
     def _consider(self, jd: JobDir) -> None:
@@ -510,7 +537,7 @@ class CheckpointTier:
         cap = self.settings.node_cap
         if not cap or name in jd.manifests:
             return False
-        held = sum(_size_of(j.path) for j in self._jobs.values())
+        held = sum(_held_bytes(j) for j in self._jobs.values())
         if held <= cap:
             return False
         log.warning(
@@ -629,7 +656,7 @@ class CheckpointTier:
     def _publish(self, jd: JobDir) -> None:
         kept = cp.kept(jd.manifests.values())
         self._post(ev.CheckpointsChanged(jd.job, tuple(m.to_json() for m in kept)))
-        self._metrics.checkpoint_held(jd.job, _size_of(jd.path))
+        self._metrics.checkpoint_held(jd.job, _held_bytes(jd))
         _changed(jd)
 
     # -- keeping the newest, dropping the rest --------------------------------------------------
@@ -805,7 +832,7 @@ class CheckpointTier:
             if failure:
                 return failure
         if lacking:
-            self._metrics.checkpoint_held(jd.job, _size_of(jd.path))
+            self._metrics.checkpoint_held(jd.job, _held_bytes(jd))
         return ""
 
     async def _obtain(
@@ -1183,7 +1210,7 @@ class CheckpointTier:
         if lacking:
             with jd.rights():  # made by its user: theirs
                 os.makedirs(os.path.dirname(into), exist_ok=True)
-                fd = os.open(into, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = _open_for_write(into, os.O_WRONLY | os.O_CREAT)
             try:
                 holder = await self._fetch_ranges(jd, checkpoint, owner, name, fd, lacking)
             finally:
@@ -1222,7 +1249,7 @@ class CheckpointTier:
         jd = self._jobs.get(job)
         if jd is None:
             return None
-        return {"bytes": _size_of(jd.path), "cap": jd.cap, "memory": jd.mounted}
+        return {"bytes": _held_bytes(jd), "cap": jd.cap, "memory": jd.mounted}
 
 
 def _changed(jd: JobDir) -> None:
@@ -1328,6 +1355,17 @@ def _sizes(directory: str) -> dict[str, int]:
     return out
 
 
+def _held_bytes(jd: JobDir) -> int:
+    """What the job's directory holds: its tmpfs's use (no walk through whatever the job put
+    there), else the sizes of its files, looked at with its user's rights."""
+    if jd.mounted:
+        with contextlib.suppress(OSError):
+            info = os.statvfs(jd.path)
+            return (info.f_blocks - info.f_bfree) * info.f_frsize
+    with jd.rights():
+        return _size_of(jd.path)
+
+
 def _size_of(path: str) -> int:
     total = 0
     for root, _dirs, names in os.walk(path):
@@ -1372,15 +1410,32 @@ def _copy(source: str, destination: str) -> cp.FileFacts:
 
 
 def _create(path: str) -> int:
-    """A new file's descriptor, open for writing (emptied if it was there; never a link's
-    target)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.open(path, flags, 0o600)
+    """A file's descriptor, open for writing, emptied if it was there."""
+    return _open_for_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
 
 def _no_follow(path: str, flags: int) -> int:
-    """``open``'s opener for a job's files: never through a link, and 0600."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """``open``'s opener for the files the daemon writes in a job's directory."""
+    return _open_for_write(path, flags)
+
+
+def _open_for_write(path: str, flags: int) -> int:
+    """A regular file of a job's directory open for writing (made 0600): not through a link,
+    and not a FIFO, whose opening would wait for a reader (non-blocking, it fails at once)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise OSError(f"{path} is not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _partial(dest: str) -> str:
@@ -1423,6 +1478,7 @@ async def _as_user(spec: JobSpec, plan: Mapping[str, Any]) -> str:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             cwd="/",
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
             **credentials,
         )
     except OSError as exc:

@@ -17,6 +17,7 @@ IN_CREATE = 0x00000100
 IN_DELETE = 0x00000200
 IN_DELETE_SELF = 0x00000400
 IN_DONT_FOLLOW = 0x02000000  # a watched path that is a symlink is not followed
+IN_ONLYDIR = 0x01000000  # a watched path must be a directory
 IN_ISDIR = 0x40000000
 IN_IGNORED = 0x00008000
 IN_Q_OVERFLOW = 0x00004000
@@ -60,6 +61,11 @@ class Watcher:
         if wd < 0:
             raise OSError(ctypes.get_errno(), f"inotify_add_watch {directory}")
         self._dirs[wd] = directory
+
+    def watching(self, under: str) -> int:
+        """How many directories under ``under`` (itself included) are watched now."""
+        prefix = under.rstrip("/") + "/"
+        return sum(1 for path in self._dirs.values() if path == under or path.startswith(prefix))
 
     def unwatch(self, directory: str) -> None:
         for wd, path in list(self._dirs.items()):

@@ -26,12 +26,19 @@ from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the libc this process runs with
-_libc.setfsuid.restype = ctypes.c_int
-_libc.setfsgid.restype = ctypes.c_int
+for _call in (_libc.setfsuid, _libc.setfsgid):
+    _call.argtypes, _call.restype = [ctypes.c_uint32], ctypes.c_uint32
 _libc.syscall.restype = ctypes.c_long
-# setgroups(2)'s number, for the architectures this daemon is built for
-_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
-_QUERY = ctypes.c_uint(0xFFFFFFFF).value  # an id no call accepts: answers the current one
+_libc.prctl.restype = ctypes.c_int
+# setgroups(2)'s number, for the 64-bit processes of the architectures this daemon is built for
+_SETGROUPS = (
+    {"x86_64": 116, "aarch64": 159}.get(platform.machine())
+    if ctypes.sizeof(ctypes.c_void_p) == 8
+    else None
+)
+_QUERY = 0xFFFFFFFF  # an id no call accepts: the calls answer the current one
+_PR_GET_SECUREBITS = 27
+_SECBIT_NO_SETUID_FIXUP = 1 << 2  # set: changing the fsuid keeps root's file capabilities
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -45,20 +52,23 @@ def rights_of(uid: int, gid: int) -> Iterator[None]:
     if os.geteuid() != 0 or uid == 0:
         yield
         return
+    if _libc.prctl(_PR_GET_SECUREBITS, 0, 0, 0, 0) & _SECBIT_NO_SETUID_FIXUP:
+        raise PermissionError("SECBIT_NO_SETUID_FIXUP is set: a user's fsuid keeps root's rights")
     groups = os.getgroups()
-    _set_groups([])
+    before_uid, before_gid = _libc.setfsuid(_QUERY), _libc.setfsgid(_QUERY)
     try:
-        before_gid = _libc.setfsgid(gid)
-        before_uid = _libc.setfsuid(uid)
-        try:
-            if _libc.setfsuid(_QUERY) != uid or _libc.setfsgid(_QUERY) != gid:
-                raise PermissionError(f"could not take the file system rights of uid {uid}")
-            yield
-        finally:
-            _libc.setfsuid(before_uid)
-            _libc.setfsgid(before_gid)
+        _set_groups([])
+        _libc.setfsgid(gid)
+        _libc.setfsuid(uid)
+        if _libc.setfsuid(_QUERY) != uid or _libc.setfsgid(_QUERY) != gid:
+            raise PermissionError(f"could not take the file system rights of uid {uid}")
+        yield
     finally:
+        _libc.setfsuid(before_uid)
+        _libc.setfsgid(before_gid)
         _set_groups(groups)
+        if _libc.setfsuid(_QUERY) != before_uid or os.getgroups() != groups:
+            os.abort()  # a thread left with a user's rights would make root's files theirs
 
 
 def with_rights_of(uid: int, gid: int, call: Callable[P, R]) -> Callable[P, R]:
