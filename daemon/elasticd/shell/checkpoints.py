@@ -951,43 +951,31 @@ class CheckpointTier:
             raise ValueError(f"job {job} has no checkpoints here")
         if not (cp.valid_name(ckpt) and cp.valid_name(name) and cp.valid_name(peer)):
             raise ValueError("bad checkpoint, file or node name")
-        with jd.rights():
-            self._receive(jd, peer, ckpt, name, offset, data, seal)
-
-    def _receive(
-        self,
-        jd: JobDir,
-        peer: str,
-        ckpt: str,
-        name: str,
-        offset: int,
-        data: bytes,
-        seal: cp.FileFacts | None,
-    ) -> None:
-        directory = os.path.dirname(_copy_path(jd.path, peer, ckpt, name))
-        partial = os.path.join(directory, f".{name}.partial")
-        key = (peer, jd.job, ckpt, name)
-        if offset == 0:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self._receiving[key] = (hashlib.sha256(), 0)
-            mode = "wb"
-        else:
-            mode = "ab"
-        digest, size = self._receiving.get(key, (None, -1))
-        if digest is None or size != offset:
-            self._receiving.pop(key, None)
-            raise ValueError(f"{ckpt}/{name}: a chunk at {offset} out of order")
-        with open(partial, mode, opener=_no_follow) as f:
-            f.write(data)
-        digest.update(data)
-        self._receiving[key] = (digest, offset + len(data))
-        if seal is None:
-            return
-        del self._receiving[key]
-        if offset + len(data) != seal.size or digest.hexdigest() != seal.sha256:
-            os.unlink(partial)
-            raise ValueError(f"{ckpt}/{name}: its size or SHA-256 is not what was sent")
-        os.replace(partial, os.path.join(directory, name))
+        with jd.rights():  # the copies are kept in the job's directory, its user's
+            directory = os.path.dirname(_copy_path(jd.path, peer, ckpt, name))
+            partial = os.path.join(directory, f".{name}.partial")
+            key = (peer, job, ckpt, name)
+            if offset == 0:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+                self._receiving[key] = (hashlib.sha256(), 0)
+                mode = "wb"
+            else:
+                mode = "ab"
+            digest, size = self._receiving.get(key, (None, -1))
+            if digest is None or size != offset:
+                self._receiving.pop(key, None)
+                raise ValueError(f"{ckpt}/{name}: a chunk at {offset} out of order")
+            with open(partial, mode, opener=_regular) as f:
+                f.write(data)
+            digest.update(data)
+            self._receiving[key] = (digest, offset + len(data))
+            if seal is None:
+                return
+            del self._receiving[key]
+            if offset + len(data) != seal.size or digest.hexdigest() != seal.sha256:
+                os.unlink(partial)
+                raise ValueError(f"{ckpt}/{name}: its size or SHA-256 is not what was sent")
+            os.replace(partial, os.path.join(directory, name))
 
     def drop(self, peer: str, job: str, ckpt: str) -> None:
         """``peer`` deleted its checkpoint ``ckpt`` (or renamed it away): the copy kept here,
@@ -1210,7 +1198,7 @@ class CheckpointTier:
         if lacking:
             with jd.rights():  # made by its user: theirs
                 os.makedirs(os.path.dirname(into), exist_ok=True)
-                fd = _open_for_write(into, os.O_WRONLY | os.O_CREAT)
+                fd = _regular(into, os.O_WRONLY | os.O_CREAT)
             try:
                 holder = await self._fetch_ranges(jd, checkpoint, owner, name, fd, lacking)
             finally:
@@ -1376,16 +1364,8 @@ def _size_of(path: str) -> int:
 
 
 def _open_regular(path: str) -> BinaryIO:
-    """A file of a job's directory, open for reading: a regular file, not a link to one (nor
-    a FIFO, whose opening would wait for a writer: the job's user may swap either in)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    """A file of a job's directory, open for reading (``_regular``)."""
+    return os.fdopen(_regular(path, os.O_RDONLY), "rb")
 
 
 def _hash(path: str) -> cp.FileFacts:
@@ -1401,7 +1381,7 @@ def _copy(source: str, destination: str) -> cp.FileFacts:
     """Copy a file; the size and SHA-256 of the bytes written."""
     os.makedirs(os.path.dirname(destination), exist_ok=True)
     digest, size = hashlib.sha256(), 0
-    with _open_regular(source) as src, open(destination, "wb", opener=_no_follow) as dst:
+    with _open_regular(source) as src, open(destination, "wb", opener=_regular) as dst:
         while chunk := src.read(_CHUNK):
             digest.update(chunk)
             dst.write(chunk)
@@ -1411,17 +1391,13 @@ def _copy(source: str, destination: str) -> cp.FileFacts:
 
 def _create(path: str) -> int:
     """A file's descriptor, open for writing, emptied if it was there."""
-    return _open_for_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    return _regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
 
-def _no_follow(path: str, flags: int) -> int:
-    """``open``'s opener for the files the daemon writes in a job's directory."""
-    return _open_for_write(path, flags)
-
-
-def _open_for_write(path: str, flags: int) -> int:
-    """A regular file of a job's directory open for writing (made 0600): not through a link,
-    and not a FIFO, whose opening would wait for a reader (non-blocking, it fails at once)."""
+def _regular(path: str, flags: int) -> int:
+    """A regular file of a job's directory, opened with ``flags`` (made 0600): not through a
+    link, and not a FIFO, whose opening would wait for the other end (the job's user may
+    swap either in; opened non-blocking, a FIFO fails at once)."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as exc:
