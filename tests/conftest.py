@@ -73,6 +73,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append(
                 (f"daemon log {log.name}", log.read_text(errors="replace")[-5000:])
             )
+        shown = 0
+        for err in sorted(Path(base).rglob("*.err")):  # workers that said why they failed
+            try:
+                tail = err.read_text(errors="replace")[-4000:]
+            except OSError:
+                continue
+            if shown < 8 and ("Traceback" in tail or "elasticd:" in tail):
+                report.sections.append((f"worker {err.relative_to(base)}", tail))
+                shown += 1
     if report.failed and call.when == "call":
         for daemon in list(Daemon.running):
             if daemon.proc is not None and daemon.proc.poll() is None:

@@ -232,6 +232,28 @@ def _shut_down(fds: dict[int, int]) -> None:
                 pass
 
 
+def _tcp_sockets() -> str:
+    """This process's TCP sockets, each as ``fd local->peer`` (for a stuck worker's last
+    words: which of them the abort left open)."""
+    described = []
+    for fd in sorted(_socket_fds()):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                host, port = sock.getpeername()[:2]
+                peer = f"{host}:{port}"
+            except OSError:
+                peer = "-"
+            host, port = sock.getsockname()[:2]
+            described.append(f"{fd} {host}:{port}->{peer}")
+    return ", ".join(described) or "none"
+
+
 class Runtime:
     """This worker's membership: its round, its process group, the agent's notices."""
 
@@ -304,10 +326,12 @@ class Runtime:
         print(
             f"elasticd: round {round}'s group was aborted and this worker is still in it "
             f"after {limit:g} s (a collective the abort did not end); it exits (the agent "
-            "replaces it)",
+            f"replaces it). Its TCP sockets: {_tcp_sockets()} (those the abort shut down: "
+            f"{sorted(self._group_sockets)}); its threads:",
             file=sys.stderr,
             flush=True,
         )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(GIVEN_UP_EXIT)
 
     def _placed(self, round: int) -> None:
