@@ -305,6 +305,14 @@ def add_submit_options(
         "elasticd.elastic: State, commit, @run); only missing workers are started",
     )
     option(
+        "--warm-restart",
+        action="store_true",
+        help="keep a Python interpreter per worker waiting on every node, torch already "
+        "imported, to run the script when the job restarts its workers (a failure, a lost "
+        "or a new node): the restart skips Python's and torch's start (seconds), at the "
+        "cost of one idle interpreter per worker (hundreds of MB each)",
+    )
+    option(
         "--rejoin-timeout",
         type=positive_seconds,
         metavar="S",
@@ -871,6 +879,7 @@ own options are read from PET_<OPTION> too (PET_IN_PLACE=1, PET_SPARES=1, PET_PR
 PET_OWN = (
     "in_place",
     "spares",
+    "warm_restart",
     "rejoin_timeout",
     "join_timeout",
     "last_call_timeout",

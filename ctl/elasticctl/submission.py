@@ -226,6 +226,8 @@ def submit_request(
         request["in_place"] = True
     if args.preemptible:
         request["preemptible"] = True
+    if getattr(args, "warm_restart", False):
+        request["warm_restart"] = True
     if args.wait:
         request["wait"] = True
     return request

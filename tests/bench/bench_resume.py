@@ -17,6 +17,8 @@ gloo, one intra-op thread, a DCP checkpoint every ``--save-every`` steps):
 - *elasticd, tier*: the script saves to ``ELASTICD_CHECKPOINT_DIR``: each node's share in its
   daemon's memory, a copy on another node; before the restarted workers start, their
   daemons put the newest complete checkpoint in place (node 3's share from its copy);
+- *elasticd, tier, warm restart*: the same with ``--warm-restart``: the restarted workers
+  are standbys that imported torch (and the script's torch modules) while the job trained;
 - *elasticrun, tier*: torchrun's line with ``s/torchrun/elasticrun/``, no daemon installed
   (a private one per node): the same tier;
 - *torchrun, disk*: the script saves to ``--ckpt-dir`` on this host's disk, which stands for
@@ -91,6 +93,14 @@ class ElasticdTier(recovery.Elasticd):
 
     def job_line(self) -> tuple[str, ...]:
         return ("--env", "OMP_NUM_THREADS=1", "--python", PY, SCRIPT, "--", *self.run.script)
+
+
+class ElasticdWarmTier(ElasticdTier):
+    """The tier, and ``--warm-restart``: the restarted workers are standbys that imported
+    torch (and the script's torch modules) while the job trained."""
+
+    name = "elasticd, tier, warm restart"
+    options = ("--warm-restart",)
 
 
 class ElasticdInPlace(recovery.Elasticd):
@@ -274,6 +284,7 @@ def main() -> None:
         for kind in (
             ElasticdInPlace,
             ElasticdTier,
+            ElasticdWarmTier,
             ElasticrunTier,
             TorchrunDisk,
             TorchrunUnsharedDisk,

@@ -201,6 +201,7 @@ def test_launcher_topology_goes_to_the_private_daemons_not_refused():
         ({"PET_IN_PLACE": "1", "PET_SPARES": "2"}, dict(in_place=True, spares=2)),
         ({"PET_PRIVATE": "1", "PET_REJOIN_TIMEOUT": "30"}, dict(private=True, rejoin_timeout=30)),
         ({"PET_IN_PLACE": "0"}, dict(in_place=False)),
+        ({"PET_WARM_RESTART": "1"}, dict(warm_restart=True)),
     ],
 )
 def test_elasticruns_own_options_are_read_from_pet_too(environ, expected):

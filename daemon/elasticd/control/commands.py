@@ -120,6 +120,7 @@ def spec_from_request(
         checkpoint_dir=args.get("checkpoint_dir", ""),
         keep_checkpoints=args.get("keep_checkpoints", JobSpec.keep_checkpoints),
         checkpoint_memory=args.get("checkpoint_memory", 0),
+        warm_restart=args.get("warm_restart", False),
         submitted_on=node,
         created=now,
     )

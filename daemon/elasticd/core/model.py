@@ -45,6 +45,7 @@ _OMITTED_AT_DEFAULT = (
     "preemptible",
     "nnodes_step",
     "spares",
+    "warm_restart",
 )
 
 
@@ -249,6 +250,7 @@ class JobSpec:
     checkpoint_dir: str = ""  # where complete checkpoints are also written ("": memory only)
     keep_checkpoints: int = 3  # how many of them stay there
     checkpoint_memory: int = 0  # bytes its checkpoints may hold on a node (0: the node's default)
+    warm_restart: bool = False  # an interpreter per slot waits, torch imported, for a restart
 
     def __post_init__(self) -> None:
         validate(self)
@@ -341,6 +343,17 @@ def validate(spec: JobSpec) -> None:
     need(
         not spec.spares or spec.in_place,
         "spares are warm workers of an --in-place job: add --in-place",
+    )
+    need(isinstance(spec.warm_restart, bool), "warm_restart must be true or false")
+    need(
+        not (spec.warm_restart and spec.in_place),
+        "--warm-restart is for jobs whose restarts start every worker anew; an --in-place "
+        "job keeps its survivors' processes (and --spares keeps warm workers for it)",
+    )
+    need(
+        not spec.warm_restart or spec.kind != "exec",
+        "--warm-restart keeps Python interpreters waiting: it needs a script or a module "
+        "(not --no-python)",
     )
     for name, positive in (
         ("join_timeout", True),

@@ -329,6 +329,16 @@ class JobCgroup:
             raise
         return fds
 
+    def adopt(self, pid: int) -> None:
+        """Move the running process ``pid`` into the job (and its twins)."""
+        fds = self.join_fds()
+        try:
+            for fd in fds:
+                os.write(fd, str(pid).encode())
+        finally:
+            for fd in fds:
+                os.close(fd)
+
     def pids(self) -> list[int]:
         return [pid for procs in _procs_files(self.path) for pid in _read_pids(procs)]
 

@@ -28,7 +28,7 @@ from elasticd.shell.fileaccess import FileAccess
 from elasticd.shell.logs import LogBus, OutputLimit
 from elasticd.shell.worker_library import python_path
 from elasticd.shell.workerlink import Ready, WorkerLink
-from elasticd.shell.workers import PROGRESS_ENV, REJOIN_ENV, SOCKET_ENV, LocalWorkers
+from elasticd.shell.workers import PROGRESS_ENV, REJOIN_ENV, SOCKET_ENV, LocalWorkers, Standbys
 from elasticd.store.base import Store
 from elasticd.store.keyspace import Keyspace
 from elasticd.store.signing import Refused, Signer
@@ -170,7 +170,32 @@ class Effectors:
             raise
         rdzv = self.rendezvous(spec, may_create=started is None, on_lost=on_lost)
         checkpoints = self.tier.open(spec) if self.tier is not None else ""
-        return PartEffectors(self, spec, nproc, rdzv, cgroup, link, checkpoints)
+        part = PartEffectors(self, spec, nproc, rdzv, cgroup, link, checkpoints)
+        part.standbys = self.standbys(spec, nproc)
+        return part
+
+    def standbys(self, spec: JobSpec, nproc: int) -> Standbys | None:
+        """A --warm-restart job's standbys here, in a cgroup of their own with the job's
+        limits (None: no standbys; one that cannot have its cgroup has none, with a
+        warning)."""
+        if not spec.warm_restart or not self.worker_library:
+            return None
+        script = os.path.join(self.worker_library, "elasticd", "elastic", "standby.py")
+        cgroup = None
+        if self.cgroups is not None:
+            try:
+                cgroup = self.cgroups.create(
+                    f"{spec.id}-standby", self.containment.job_limits(nproc)
+                )
+            except (OSError, ValueError) as exc:
+                log.warning(
+                    "job %s: no standbys (--warm-restart): no cgroup for them: %s",
+                    spec.id,
+                    exc,
+                    extra=about(spec.id),
+                )
+                return None
+        return Standbys(script, cgroup)
 
     def worker_env(
         self, spec: JobSpec, link: WorkerLink | None, checkpoints: str = ""
@@ -202,6 +227,7 @@ class PartEffectors:
     link: WorkerLink | None
     checkpoints: str = ""  # the job's checkpoint directory here ("": no tier)
     workers: LocalWorkers | None = None
+    standbys: Standbys | None = None  # --warm-restart: the next round's workers, waiting
     keeper: asyncio.Task[None] | None = None
     ops: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
     watches: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
@@ -228,6 +254,7 @@ class PartEffectors:
             output_limit=shared.output_limit,
             nproc_limit=shared.containment.rlimit_nproc(self.nproc),
             access=shared.access,
+            standbys=self.standbys,
         )
         return self.workers
 
@@ -247,6 +274,8 @@ class PartEffectors:
         self.ops.clear()
         if self.workers is not None:
             await self.workers.stop()
+        if self.standbys is not None:
+            await self.standbys.close()
         if self.link is not None:
             await self.link.close()
         self.rdzv.shutdown()

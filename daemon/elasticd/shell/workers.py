@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
+import json
 import logging
 import os
 import resource
@@ -48,6 +50,7 @@ from elasticd.core.model import (
     Worker,
     WorkerGroup,
     WorkerState,
+    placement_env,
     worker_env,
 )
 from elasticd.core.records import WorkerGroupLeft
@@ -105,6 +108,7 @@ def _child_setup(
     workdir: str,
     parent_pid: int,
     nproc_limit: int = 0,
+    nice: int = 0,
 ) -> Callable[[], None]:
     """preexec_fn: in the child, before exec.  Only thin system calls (the daemon has
     threads): join the cgroup while root, drop to the user, then enter the workdir as the
@@ -120,6 +124,8 @@ def _child_setup(
     def setup() -> None:
         for fd in join_fds:
             os.write(fd, b"0")
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
         if credentials is not None:
             os.setgroups(list(credentials.groups))
             os.setresgid(credentials.gid, credentials.gid, credentials.gid)
@@ -207,6 +213,96 @@ class _Pipe:
         self.closed = asyncio.get_running_loop().create_future()
 
 
+@dataclass(frozen=True)
+class Standby:
+    """An interpreter waiting for a slot's next worker (elastic/standby.py), and the
+    environment it was started with."""
+
+    proc: subprocess.Popen[bytes]
+    env: Mapping[str, str]
+
+
+class Standbys:
+    """A --warm-restart job's standbys on this node, one per slot at most: started beside a
+    round's workers, they import torch at the lowest CPU priority while the round trains,
+    and the next round's workers are made of them (``LocalWorkers.start``), skipping
+    Python's and torch's start.  They wait in a cgroup of their own: a round's stop kills
+    everything in the job's cgroup, and a standby joins that one only when it becomes a
+    worker.  Outlives each round's LocalWorkers; ``close`` when the part ends."""
+
+    def __init__(self, script: str, cgroup: JobCgroup | None = None) -> None:
+        self.script = script  # elastic/standby.py, as the workers' library has it
+        self.cgroup = cgroup
+        self._by_slot: dict[int, Standby] = {}
+
+    def missing(self, slots: list[int]) -> list[int]:
+        """Slots without a standby that still runs."""
+        return [s for s in slots if s not in self._by_slot or self._exited(s)]
+
+    def put(self, slot: int, standby: Standby) -> None:
+        self._by_slot[slot] = standby
+
+    def take(self, slot: int) -> Standby | None:
+        """The slot's standby, if one still waits (it is the caller's from now on)."""
+        standby = self._by_slot.pop(slot, None)
+        if standby is None or standby.proc.poll() is not None:
+            return None
+        return standby
+
+    def _exited(self, slot: int) -> bool:
+        if self._by_slot[slot].proc.poll() is None:
+            return False
+        del self._by_slot[slot]
+        return True
+
+    async def close(self) -> None:
+        """Kill every standby and remove their cgroup."""
+        standbys, self._by_slot = list(self._by_slot.values()), {}
+        for standby in standbys:
+            dismiss(standby.proc)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+            await self.cgroup.wait_empty(_EMPTY_TIMEOUT)
+            self.cgroup.remove()
+        for standby in standbys:
+            await asyncio.to_thread(standby.proc.wait)
+
+
+def dismiss(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a standby's process group (it never ran the job's code: nothing to drain)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+def compatible(started: Mapping[str, str], wanted: Mapping[str, str], place: set[str]) -> bool:
+    """Whether a standby started with ``started`` may run a worker whose environment is
+    ``wanted``: they differ only in the variables that name its place, which the
+    interpreter and torch read only once the script runs."""
+
+    def rest(env: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k not in place}
+
+    return rest(started) == rest(wanted)
+
+
+def _renice_all(pid: int, nice: int) -> None:
+    """Every thread of ``pid`` to ``nice`` (setpriority changes one thread at a time)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+_STANDBY_NICE = 19  # a standby imports on the CPU its round's workers leave idle
+_ORDER_MAX = 1 << 20  # bytes of a standby's order (its pipe is made this large)
+
+
 class LocalWorkers:
     """Start, watch and stop one WorkerGroup.  ``group`` always reflects the latest states."""
 
@@ -225,6 +321,7 @@ class LocalWorkers:
         output_limit: OutputLimit = OutputLimit(),
         nproc_limit: int = 0,
         access: FileAccess | None = None,
+        standbys: Standbys | None = None,
     ) -> None:
         self.spec = spec
         self.group = group
@@ -255,6 +352,7 @@ class LocalWorkers:
         # slots whose workers are being stopped as failed, and why (a warm-up past its deadline)
         self._failing: dict[int, str] = {}
         self._oom_before = self._oom_kills()
+        self._standbys = standbys
 
     def error_file(self, worker: Worker) -> str:
         return self._files.get(worker.local_rank, {}).get("error") or os.path.join(
@@ -360,6 +458,71 @@ class LocalWorkers:
                 self._start(worker, credentials)
             except (OSError, subprocess.SubprocessError) as exc:
                 self._record_failure(worker, EXEC_FAILED, f"cannot start worker: {exc}")
+        self._start_standbys(credentials)
+
+    def _start_standbys(self, credentials: RunAs | None) -> None:
+        """A standby for each slot of the group that has none (--warm-restart)."""
+        standbys = self._standbys
+        if standbys is None:
+            return
+        kind = "module" if self.spec.kind == "module" else "script"
+        command = [self.spec.python, standbys.script, kind, self.spec.argv[0]]
+        nice = _STANDBY_NICE if os.geteuid() == 0 else 0  # only root could undo it
+        for slot in standbys.missing([w.local_rank for w in self.group.workers]):
+            env = self._env(replace(self.group.workers[slot], rank=-1))
+            try:
+                proc = self._popen(
+                    command, env, credentials, standbys.cgroup, nice=nice, stdin=subprocess.PIPE
+                )
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning(
+                    "job %s: no standby for slot %d: %s",
+                    self.spec.id,
+                    slot,
+                    exc,
+                    extra=about(self.spec.id),
+                )
+                continue
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _ORDER_MAX)
+            standbys.put(slot, Standby(proc, env))
+
+    def _from_standby(
+        self, worker: Worker, env: Mapping[str, str]
+    ) -> subprocess.Popen[bytes] | None:
+        """The slot's standby made ``worker``: moved into the job's cgroup, given the daemon's
+        own CPU priority, then its environment and argv; None when there is none to use."""
+        standby = self._standbys.take(worker.local_rank) if self._standbys is not None else None
+        if standby is None:
+            return None
+        proc = standby.proc
+        assert proc.stdin is not None
+        order = (json.dumps({"env": dict(env), "argv": list(self.spec.argv)}) + "\n").encode()
+        place = {*placement_env(self.group, worker), "TORCHELASTIC_ERROR_FILE"}
+        try:
+            fd = proc.stdin.fileno()
+            if not compatible(standby.env, env, place):
+                raise ValueError("the environment changed since it started")
+            if len(order) > fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ):
+                raise ValueError(f"its environment ({len(order)} bytes) exceeds its pipe")
+            if self._cgroup is not None:
+                self._cgroup.adopt(proc.pid)
+            _renice_all(proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            os.set_blocking(fd, False)
+            os.write(fd, order)  # fits the pipe: all of it or an error
+            proc.stdin.close()
+        except (OSError, ValueError) as exc:
+            log.info(
+                "job %s: slot %d starts anew, not from its standby: %s",
+                self.spec.id,
+                worker.local_rank,
+                exc,
+                extra=about(self.spec.id),
+            )
+            dismiss(proc)
+            return None
+        return proc
 
     def _start(self, worker: Worker, credentials: RunAs | None) -> None:
         os.close(self._create(self.error_file(worker), credentials))
@@ -422,33 +585,50 @@ class LocalWorkers:
             self._access.grant_file(fd, self._readers)
         return fd
 
-    def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
-        group = (
-            self.group if worker.rank >= 0 else replace(self.group, round=-1)
-        )  # warming: no rank
+    def _env(self, worker: Worker) -> dict[str, str]:
+        """``worker``'s environment (one warming, or a standby: no rank, no place)."""
+        group = self.group if worker.rank >= 0 else replace(self.group, round=-1)
         env = worker_env(self.spec, group, worker, error_file=self.error_file(worker))
-        for inherited in (
-            SOCKET_ENV,
-            PROGRESS_ENV,
-            SLOT_ENV,
-            REJOIN_ENV,
-        ):  # a job run inside another job
+        for inherited in (SOCKET_ENV, PROGRESS_ENV, SLOT_ENV, REJOIN_ENV):  # a job in a job
             env.pop(inherited, None)
         env.update(self._extra_env)
         if SOCKET_ENV in self._extra_env or PROGRESS_ENV in self._extra_env:
             env[SLOT_ENV] = str(worker.local_rank)
-        join_fds = self._cgroup.join_fds() if self._cgroup is not None else []
+        return env
+
+    def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
+        env = self._env(worker)
+        made = self._from_standby(worker, env) if worker.rank >= 0 else None
+        return made or self._popen(self.spec.command(), env, credentials, self._cgroup)
+
+    def _popen(
+        self,
+        command: list[str],
+        env: Mapping[str, str],
+        credentials: RunAs | None,
+        cgroup: JobCgroup | None,
+        *,
+        nice: int = 0,
+        stdin: int = subprocess.DEVNULL,
+    ) -> subprocess.Popen[bytes]:
+        """A child of the job: a worker, or a standby (``nice``, ``stdin`` a pipe)."""
+        join_fds = cgroup.join_fds() if cgroup is not None else []
         try:
             return subprocess.Popen(
-                self.spec.command(),
+                command,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=stdin,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
                 preexec_fn=_child_setup(
-                    join_fds, credentials, self.spec.workdir, os.getpid(), self._nproc_limit
+                    join_fds,
+                    credentials,
+                    self.spec.workdir,
+                    os.getpid(),
+                    self._nproc_limit,
+                    nice,
                 ),
             )
         finally:

@@ -64,6 +64,7 @@ OPS: dict[str, dict[str, tuple[type, ...]]] = {
         "checkpoint_dir": (str,),
         "keep_checkpoints": (int,),
         "checkpoint_memory": (int,),
+        "warm_restart": (bool,),
         "wait": (bool,),
     },
     "list": {"all": (bool,)},

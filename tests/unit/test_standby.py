@@ -1,0 +1,45 @@
+"""A standby's choices, as pure functions: which torch modules it imports ahead of the
+script, and whether a restarted worker's environment lets it be used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elasticd.elastic.standby import torch_imports
+from elasticd.shell.workers import compatible
+
+
+def test_it_imports_the_torch_modules_the_script_imports_and_no_other(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, torch.distributed as dist\n"
+        "from torch.distributed.checkpoint import state_dict\n"
+        "import numpy\n"
+        "from . import sibling\n"
+        "import mymodel\n"
+        "def main():\n"
+        "    import torch.distributed.fsdp\n"
+    )
+    assert torch_imports(str(script)) == [
+        "torch",
+        "torch.distributed",
+        "torch.distributed.checkpoint",
+        "torch.distributed.fsdp",
+    ]
+
+
+def test_an_unreadable_or_broken_script_imports_nothing(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("def (:\n")
+    assert torch_imports(str(broken)) == []
+    assert torch_imports(str(tmp_path / "missing.py")) == []
+
+
+def test_a_standby_runs_a_worker_whose_environment_differs_in_its_place_alone() -> None:
+    started = {"PYTHONPATH": "/lib", "OMP_NUM_THREADS": "1", "LOCAL_RANK": "0"}
+    place = {"RANK", "WORLD_SIZE", "MASTER_PORT"}
+    placed = {**started, "RANK": "3", "WORLD_SIZE": "4", "MASTER_PORT": "29500"}
+    assert compatible(started, placed, place)
+    assert not compatible(started, {**placed, "OMP_NUM_THREADS": "2"}, place)
+    assert not compatible(started, {**placed, "LD_PRELOAD": "/x.so"}, place)
+    assert not compatible(started, {k: v for k, v in placed.items() if k != "PYTHONPATH"}, place)
