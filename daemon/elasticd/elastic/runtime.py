@@ -323,15 +323,22 @@ class Runtime:
         with self._group_lock:
             if self._asked_after >= round:
                 return
+        # where it is stuck first: the root cause the agent reads is the stderr's last line
         print(
-            f"elasticd: round {round}'s group was aborted and this worker is still in it "
-            f"after {limit:g} s (a collective the abort did not end); it exits (the agent "
-            f"replaces it). Its TCP sockets: {_tcp_sockets()} (those the abort shut down: "
-            f"{sorted(self._group_sockets)}); its threads:",
+            f"elasticd: this worker's threads, still in aborted round {round}; its TCP "
+            f"sockets: {_tcp_sockets()} (those the abort shut down: "
+            f"{sorted(self._group_sockets)})",
             file=sys.stderr,
             flush=True,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        print(
+            f"elasticd: round {round}'s group was aborted and this worker is still in it "
+            f"after {limit:g} s (a collective the abort did not end); it exits (the agent "
+            "replaces it)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(GIVEN_UP_EXIT)
 
     def _placed(self, round: int) -> None:
