@@ -419,6 +419,21 @@ class Control:
             yield reply.result
 
 
+def with_sigint(disposition: Any, argv: list[str]) -> list[str]:
+    """``argv`` (a path first) run with SIGINT at ``disposition`` (SIG_DFL, as a terminal
+    leaves it, or SIG_IGN, as a script's background job inherits it), set by a Python that
+    then execs it.  Not a ``preexec_fn``: Python code between fork and exec, in a test
+    process whose other threads (gRPC's, once an etcd test ran in it) may hold a lock, can
+    kill the child before its exec, and Popen takes that for a started program that wrote
+    nothing."""
+    name = "SIG_IGN" if disposition == signal.SIG_IGN else "SIG_DFL"
+    code = (
+        f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{name}); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", code, *argv]
+
+
 def python_for_everyone() -> str:
     """A venv on the system's python3 that any user can run, seeing this checkout's packages.
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from harness import with_sigint
 
 from elasticctl import cli
 from elasticd import __version__
@@ -428,14 +429,17 @@ def test_ctrl_c_while_following_exits_130_cleanly(daemon, sock_path):
     # be) would pass it on ignored, and Python then leaves it ignored, as it should for
     # a script's background job
     follower = subprocess.Popen(
-        [sys.executable, "-m", "elasticctl", "--socket", sock_path, "logs", "-f", "j-1"],
+        with_sigint(
+            signal.SIG_DFL,
+            [sys.executable, "-m", "elasticctl", "--socket", sock_path, "logs", "-f", "j-1"],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        assert follower.stdout.readline() == "[rank 0] first\n"
+        first = follower.stdout.readline()
+        assert first == "[rank 0] first\n", (first, follower.poll(), follower.stderr.read())
         follower.send_signal(signal.SIGINT)
         assert follower.wait(timeout=EXIT_BOUND) == 130
         assert "Traceback" not in follower.stderr.read()

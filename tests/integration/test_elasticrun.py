@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import PY, Daemon, wait_gone
+from harness import PY, Daemon, wait_gone, with_sigint
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +43,12 @@ def elasticrun(
     background job inherits it; whatever ran this test does not decide)."""
     environ = {**NOT_ACTIVATED, "ELASTICD_SOCKET": daemon.socket, **(env or {})}
     return subprocess.Popen(
-        [os.path.join(VENV_BIN, program), *argv],
+        with_sigint(sigint, [os.path.join(VENV_BIN, program), *argv]),
         cwd=cwd,
         env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
     )
 
 
