@@ -224,16 +224,32 @@ class Standby:
 
 class Standbys:
     """A --warm-restart job's standbys on this node, one per slot at most: started beside a
-    round's workers, they import torch at the lowest CPU priority while the round trains,
-    and the next round's workers are made of them (``LocalWorkers.start``), skipping
-    Python's and torch's start.  They wait in a cgroup of their own: a round's stop kills
-    everything in the job's cgroup, and a standby joins that one only when it becomes a
-    worker.  Outlives each round's LocalWorkers; ``close`` when the part ends."""
+    round's workers, they import torch while the round trains, and the next round's workers
+    are made of them (``LocalWorkers.start``), skipping Python's and torch's start.  They
+    start at the lowest CPU priority, so as not to slow the round's own start, and get the
+    daemon's ``hurry_later``: where the training keeps every CPU busy, nice 19 alone would
+    leave them importing when the restart comes.  They wait in a cgroup of their own: a
+    round's stop kills everything in the job's cgroup, and a standby joins that one only
+    when it becomes a worker.  Outlives each round's LocalWorkers; ``close`` when the part
+    ends."""
 
     def __init__(self, script: str, cgroup: JobCgroup | None = None) -> None:
         self.script = script  # elastic/standby.py, as the workers' library has it
         self.cgroup = cgroup
         self._by_slot: dict[int, Standby] = {}
+        self._hurry: asyncio.TimerHandle | None = None
+
+    def hurry_later(self, delay: float) -> None:
+        """In ``delay`` seconds, every standby gets the daemon's own CPU priority."""
+        if self._hurry is not None:
+            self._hurry.cancel()
+        self._hurry = asyncio.get_running_loop().call_later(delay, self._hurry_now)
+
+    def _hurry_now(self) -> None:
+        self._hurry = None
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        for standby in self._by_slot.values():
+            _renice_all(standby.proc.pid, own)
 
     def missing(self, slots: list[int]) -> list[int]:
         """Slots without a standby that still runs."""
@@ -257,6 +273,8 @@ class Standbys:
 
     async def close(self) -> None:
         """Kill every standby and remove their cgroup."""
+        if self._hurry is not None:
+            self._hurry.cancel()
         standbys, self._by_slot = list(self._by_slot.values()), {}
         for standby in standbys:
             dismiss(standby.proc)
@@ -299,7 +317,8 @@ def _renice_all(pid: int, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
-_STANDBY_NICE = 19  # a standby imports on the CPU its round's workers leave idle
+_STANDBY_NICE = 19  # a standby's priority while its round's workers start
+_STANDBY_GRACE = 10.0  # seconds at nice 19 (Standbys.hurry_later)
 _ORDER_MAX = 1 << 20  # bytes of a standby's order (its pipe is made this large)
 
 
@@ -487,6 +506,8 @@ class LocalWorkers:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _ORDER_MAX)
             standbys.put(slot, Standby(proc, env))
+        if nice:
+            standbys.hurry_later(_STANDBY_GRACE)
 
     def _from_standby(
         self, worker: Worker, env: Mapping[str, str]
