@@ -217,6 +217,10 @@ def main() -> None:
     trainer.fit(model, loader, ckpt_path="last" if args.ckpt_dir else None)
     if trainer.is_global_zero:
         print(f"final step {trainer.global_step} checksum {checksum(model)}", flush=True)
+    # Lightning leaves the process group up; gloo's threads then die with the interpreter,
+    # and a rank may abort at exit ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
