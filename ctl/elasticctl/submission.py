@@ -226,7 +226,7 @@ def submit_request(
         request["in_place"] = True
     if args.preemptible:
         request["preemptible"] = True
-    if getattr(args, "warm_restart", False):
+    if args.warm_restart:
         request["warm_restart"] = True
     if args.wait:
         request["wait"] = True

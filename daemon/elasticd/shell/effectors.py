@@ -170,9 +170,8 @@ class Effectors:
             raise
         rdzv = self.rendezvous(spec, may_create=started is None, on_lost=on_lost)
         checkpoints = self.tier.open(spec) if self.tier is not None else ""
-        part = PartEffectors(self, spec, nproc, rdzv, cgroup, link, checkpoints)
-        part.standbys = self.standbys(spec, nproc)
-        return part
+        standbys = self.standbys(spec, nproc)
+        return PartEffectors(self, spec, nproc, rdzv, cgroup, link, checkpoints, standbys=standbys)
 
     def standbys(self, spec: JobSpec, nproc: int) -> Standbys | None:
         """A --warm-restart job's standbys here, in a cgroup of their own with the job's

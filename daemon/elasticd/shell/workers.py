@@ -487,8 +487,9 @@ class LocalWorkers:
         kind = "module" if self.spec.kind == "module" else "script"
         command = [self.spec.python, standbys.script, kind, self.spec.argv[0]]
         nice = _STANDBY_NICE if os.geteuid() == 0 else 0  # only root could undo it
-        for slot in standbys.missing([w.local_rank for w in self.group.workers]):
-            env = self._env(replace(self.group.workers[slot], rank=-1))
+        by_slot = {w.local_rank: w for w in self.group.workers}
+        for slot in standbys.missing(list(by_slot)):
+            env = self._env(replace(by_slot[slot], rank=-1))
             try:
                 proc = self._popen(
                     command, env, credentials, standbys.cgroup, nice=nice, stdin=subprocess.PIPE
