@@ -520,11 +520,13 @@ class Daemon:
             )
             closing.callback(peer_server.close)
             zap.add(TIER_DOMAIN, curve_policy(nodes.peer_keys))
+            bulk = join_endpoint(self._address, config.node.tier_bulk_port)
             tier_server = TierServer(
                 ctx,
                 f"tcp://{join_endpoint(self._address, config.node.tier_port)}",
                 tier,
                 curve_secret=keys.secret,
+                bulk_endpoint=f"tcp://{bulk}",
             )
             closing.callback(tier_server.close)
             # the TCP ports first: a port in use stops start-up before the control socket exists
@@ -532,6 +534,8 @@ class Daemon:
                 self._local.peer = (peer_server.bind(), keys.public.decode())
             with _listening("node.tier_port", join_endpoint(self._address, config.node.tier_port)):
                 self._local.tier = tier_server.bind()
+            with _listening("node.tier_bulk_port", bulk):
+                tier_server.bind_bulk()
             if detector is not None:
                 self._bind_detector(detector, self._local.peer[0])
                 closing.callback(detector.close)

@@ -180,6 +180,11 @@ class NodeConfig:
         _port,
         doc="port of the checkpoint tier's data plane (CURVE, as the peer port): each node streams its share of a checkpoint to another node, and fetches what a restarted round needs; it travels in the node's record; 0: any free port (set one where a firewall sits between nodes)",
     )
+    tier_bulk_port: int = key(
+        0,
+        _port,
+        doc="port of the checkpoint tier's bulk bytes: a node that opened a session on the tier port (CURVE) gets a fresh AES-256-GCM key there and sends and fetches the chunks here, sealed with it (several GB/s, where CURVE moves about 600 MiB/s on a core); nothing that does not open under a live session's key is read; 0: any free port (set one where a firewall sits between nodes)",
+    )
     peer_timeout: float = key(
         15.0,
         _positive,

@@ -108,7 +108,7 @@ def curve_policy(
 def router_socket(
     ctx: zmq.asyncio.Context,
     *,
-    domain: bytes,
+    domain: bytes | None,
     max_message: int,
     hwm: int,
     handshake: float,
@@ -118,9 +118,10 @@ def router_socket(
     policy admits the callers), CURVE when given a secret, a reply to a peer that went away
     an error rather than a silent drop, messages up to ``max_message`` bytes and ``hwm`` of
     them queued each way, nothing kept at close, a connection that does not authenticate
-    within ``handshake`` seconds dropped."""
+    within ``handshake`` seconds dropped.  No domain: no ZAP, and no CURVE either."""
     router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.ZAP_DOMAIN, domain)
+    if domain is not None:
+        router.setsockopt(zmq.ZAP_DOMAIN, domain)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     router.setsockopt(zmq.MAXMSGSIZE, max_message)
     router.setsockopt(zmq.LINGER, 0)

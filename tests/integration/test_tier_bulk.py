@@ -1,0 +1,288 @@
+"""The checkpoint tier's bulk port (docs/security.md, "Between daemons"): the real TierServer
+and TierLinks on loopback, with the daemon's own ZAP handler admitting one known node.
+
+- a transfer goes over the bulk port, sealed: the bytes arrive whole, and what crosses the
+  wire is not them;
+- what does not open under a live session's key is refused unread and the server keeps
+  serving: no session, a forged or flipped byte, a replayed or reordered message, a session
+  that its node opened too many after;
+- a node without the bulk port (an older daemon) is still reached, over CURVE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from elasticd.cluster import tierlink
+from elasticd.cluster.peers import curve_policy
+from elasticd.control.server import Zap
+
+DATA = os.urandom(3 * tierlink.CHUNK + 12345)  # four chunks, the last one short
+
+
+class FileTier:
+    """The server's side of the tier for one owner's file: what it read and was given."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[str, str, int, bytes]] = []
+
+    def read(self, job: str, owner: str, ckpt: str, name: str, offset: int, length: int) -> bytes:
+        return DATA[offset : offset + length]
+
+    def size(self, job: str, owner: str, ckpt: str, name: str) -> int:
+        return len(DATA)
+
+    def receive(self, peer: str, job: str, ckpt: str, name: str, offset: int, data: bytes,
+                facts: Any) -> None:  # fmt: skip
+        self.received.append((peer, name, offset, bytes(data)))
+
+    def drop(self, peer: str, job: str, ckpt: str) -> None:
+        self.received.append((peer, "drop", 0, b""))
+
+
+@dataclass
+class Record:
+    tier_endpoint: str
+    peer_key: str
+
+
+class Nodes:
+    def __init__(self, record: Record) -> None:
+        self._record = record
+
+    async def record(self, name: str) -> Record:
+        return self._record
+
+    def alive(self, name: str) -> bool:
+        return True
+
+    def sighted(self, name: str) -> None:
+        return None
+
+
+@dataclass
+class Rig:
+    ctx: zmq.asyncio.Context
+    server: tierlink.TierServer
+    tier: FileTier
+    links: tierlink.TierLinks
+    public: bytes  # the known node's CURVE key pair
+    secret: bytes
+    server_key: bytes
+
+
+@asynccontextmanager
+async def rig(*, bulk: bool = True) -> AsyncIterator[Rig]:
+    ctx = zmq.asyncio.Context()
+    server_public, server_secret = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
+    zap = Zap(ctx)
+    zap.add(tierlink.TIER_DOMAIN, curve_policy(lambda: {public: "node-a"}))
+    tier = FileTier()
+    server = tierlink.TierServer(
+        ctx,
+        "tcp://127.0.0.1:*",
+        tier,  # type: ignore[arg-type]
+        curve_secret=server_secret,
+        bulk_endpoint="tcp://127.0.0.1:*" if bulk else None,  # None: as before the bulk port
+    )
+    server.bind()
+    if bulk:
+        server.bind_bulk()
+    links = tierlink.TierLinks(
+        ctx, public, secret, Nodes(Record(server.endpoint, server_public.decode())), timeout=5.0
+    )
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            serving = [tasks.create_task(zap.serve()), tasks.create_task(server.serve())]
+            try:
+                yield Rig(ctx, server, tier, links, public, secret, server_public)
+            finally:
+                for task in serving:
+                    task.cancel()
+    finally:
+        server.close()
+        zap.close()
+        ctx.destroy(linger=0)
+
+
+async def _open_session(r: Rig) -> tuple[bytes, AESGCM, str]:
+    """A session opened as the known node would, over CURVE: its id, key and bulk port."""
+    sock = r.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = (
+        r.secret,
+        r.public,
+        r.server_key,
+    )
+    sock.connect(r.server.endpoint)
+    try:
+        await sock.send_multipart([json.dumps({"op": "open", "id": "o"}).encode()])
+        assert await sock.poll(10_000)
+        reply = json.loads((await sock.recv_multipart())[0])
+    finally:
+        sock.close(linger=0)
+    assert reply["ok"], reply
+    return (
+        bytes.fromhex(reply["session"]),
+        AESGCM(base64.b64decode(reply["key"])),
+        reply["bulk"],
+    )
+
+
+def _sealed(session: bytes, aead: AESGCM, counter: int, header: dict[str, Any], data: bytes) -> list[bytes]:  # fmt: skip
+    head = session + counter.to_bytes(8, "big")
+    frames = [json.dumps({**header, "id": str(counter)}).encode(), *([data] if data else [])]
+    return [head, *(aead.encrypt(_nonce(0, i, counter), f, head) for i, f in enumerate(frames))]
+
+
+def _nonce(direction: int, frame: int, counter: int) -> bytes:
+    return bytes((direction, frame, 0, 0)) + counter.to_bytes(8, "big")
+
+
+async def _ask(sock: zmq.asyncio.Socket, frames: list[bytes]) -> list[bytes]:
+    await sock.send_multipart(frames)
+    assert await sock.poll(10_000), "no answer: the server stopped serving"
+    return await sock.recv_multipart()
+
+
+def _bulk_socket(r: Rig, endpoint: str) -> zmq.asyncio.Socket:
+    sock = r.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+PUT = {"op": "put", "job": "j-000001", "ckpt": "step-1", "name": "f", "offset": 0}
+
+
+def test_a_fetch_and_a_send_go_over_the_bulk_port_whole(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with rig() as r:
+            into = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                facts = await r.links.fetch("node-s", "j-000001", "node-s", "step-1", "f", into)
+                ranged = await r.links.fetch(
+                    "node-s", "j-000001", "node-s", "step-1", "g", into, [(5, 100), (9000, 7)]
+                )
+            finally:
+                os.close(into)
+            assert facts is not None and ranged is None
+            assert facts.size == len(DATA)
+            assert facts.sha256 == hashlib.sha256(DATA).hexdigest()
+            assert (tmp_path / "fetched").read_bytes() == DATA
+            source = tmp_path / "share"
+            source.write_bytes(DATA[:5_000_000])
+            with open(source, "rb") as f:
+                sent = await r.links.send("node-s", "j-000001", "step-1", "f", f)
+            assert sent.sha256 == hashlib.sha256(DATA[:5_000_000]).hexdigest()
+            assert b"".join(d for _, _, _, d in r.tier.received) == DATA[:5_000_000]
+            assert {peer for peer, *_ in r.tier.received} == {"node-a"}  # named by its key
+            assert r.server.sessions == 3  # one a transfer: it went over the bulk port
+
+    asyncio.run(main())
+
+
+def test_what_crosses_the_bulk_port_is_sealed() -> None:
+    async def main() -> None:
+        async with rig() as r:
+            session, aead, bulk = await _open_session(r)
+            sock = _bulk_socket(r, bulk)
+            get = {**PUT, "op": "get", "owner": "node-s", "length": 4096}
+            reply = await _ask(sock, _sealed(session, aead, 1, get, b""))
+            assert DATA[:4096] not in b"".join(reply)  # not in clear
+            head = reply[0]
+            opened = [aead.decrypt(_nonce(1, i, 1), f, head) for i, f in enumerate(reply[1:])]
+            assert json.loads(opened[0])["ok"] and opened[1] == DATA[:4096]
+            sock.close(linger=0)
+
+    asyncio.run(main())
+
+
+def test_what_does_not_open_under_a_live_session_is_refused_unread() -> None:
+    async def main() -> None:
+        async with rig() as r:
+            session, aead, bulk = await _open_session(r)
+            sock = _bulk_socket(r, bulk)
+            chunk = b"c" * 1000
+
+            async def refused(frames: list[bytes]) -> str:
+                reply = await _ask(sock, frames)
+                assert reply[1] == b"", reply  # said in clear: nothing was opened
+                return reply[2].decode()
+
+            # no such session (a stranger who never opened one)
+            stranger = _sealed(os.urandom(16), AESGCM(AESGCM.generate_key(256)), 1, PUT, chunk)
+            assert "no such session" in await refused(stranger)
+            # a session's id with another key (the id crosses the wire in clear)
+            forged = _sealed(session, AESGCM(AESGCM.generate_key(256)), 1, PUT, chunk)
+            assert "not sealed" in await refused(forged)
+            # one bit of the sealed data flipped, and a data frame from another message
+            good = _sealed(session, aead, 1, PUT, chunk)
+            flipped = [*good[:2], bytes([good[2][0] ^ 1]) + good[2][1:]]
+            assert "not sealed" in await refused(flipped)
+            swapped = [*good[:2], _sealed(session, aead, 2, PUT, chunk)[2]]
+            assert "not sealed" in await refused(swapped)
+            assert r.tier.received == []
+            # the good one is taken once; replayed, and one with a lower counter, refused
+            reply = await _ask(sock, good)
+            assert reply[1] != b"" and r.tier.received == [("node-a", "f", 0, chunk)]
+            assert "replayed" in await refused(good)
+            higher = _sealed(session, aead, 7, PUT, chunk)
+            assert (await _ask(sock, higher))[1] != b""
+            assert "replayed" in await refused(_sealed(session, aead, 5, PUT, chunk))
+            assert len(r.tier.received) == 2
+            # garbage of every shape: refused or ignored, and the server goes on
+            for frames in ([b"x"], [b"", b"", b"", b"", b""]):  # not a message: no answer
+                await sock.send_multipart(frames)
+            assert "no such session" in await refused([b"short", b"x"])
+            assert "no such session" in await refused([session, b"x"])  # with no counter
+            assert (await _ask(sock, _sealed(session, aead, 8, PUT, chunk)))[1] != b""
+            sock.close(linger=0)
+
+    asyncio.run(main())
+
+
+def test_a_node_that_opens_too_many_sessions_loses_its_oldest() -> None:
+    async def main() -> None:
+        async with rig() as r:
+            first, first_aead, bulk = await _open_session(r)
+            for _ in range(tierlink.SESSIONS_PER_NODE):
+                latest, latest_aead, _ = await _open_session(r)
+            assert r.server.sessions == tierlink.SESSIONS_PER_NODE
+            sock = _bulk_socket(r, bulk)
+            reply = await _ask(sock, _sealed(first, first_aead, 1, PUT, b"x"))
+            assert reply[1] == b"" and b"no such session" in reply[2]
+            assert (await _ask(sock, _sealed(latest, latest_aead, 1, PUT, b"x")))[1] != b""
+            sock.close(linger=0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "ranges"])
+def test_a_node_without_the_bulk_port_is_reached_over_curve(tmp_path: Any, whole: bool) -> None:
+    async def main() -> None:
+        async with rig(bulk=False) as r:
+            into = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                ranges = None if whole else [(0, len(DATA))]
+                await r.links.fetch("node-s", "j-000001", "node-s", "step-1", "f", into, ranges)
+            finally:
+                os.close(into)
+            assert (tmp_path / "fetched").read_bytes() == DATA
+            assert r.server.sessions == 0
+
+    asyncio.run(main())
