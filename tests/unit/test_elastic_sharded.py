@@ -2,7 +2,8 @@
 commits' names, a rank's share of the global batch, the mesh's refusal, the byte ranges a
 reader reads; and the writer and reader themselves, across real gloo ranks
 (tests/fixtures/tier_rw_worker.py): FSDP2 and AdamW saved by 3 ranks, loaded by 2 and by 1,
-equal to the last bit, each rank reading only its rows."""
+equal to the last bit, each rank reading only its rows, the optimizer's state made by DCP's
+step or given uninitialized from the checkpoint's metadata."""
 
 from __future__ import annotations
 
@@ -246,12 +247,16 @@ def test_fsdp2_and_adamw_saved_by_3_ranks_load_resharded_bit_for_bit(saved_by_th
     run_ranks(world, "load", out / "ckpt", out)
     saved = json.loads((out / "saved.json").read_text())
     loaded = json.loads((out / f"loaded-{world}.json").read_text())
-    for key in ("params", "moments", "steps"):
+    for key in ("params", "moments", "second", "steps"):
         assert loaded[key] == saved[key], key
         assert loaded["dcp_planner"][key] == saved[key], key
     assert loaded["extra"] == {"step": 7, "name": "x", "t": [0.0, 1.0, 2.0], "pair": [1, None]}
     assert loaded["pair_is_tuple"]
     assert loaded["lr"] == loaded["dcp_planner_lr"] == 0.01
+    # an optimizer given its state from the metadata loads as one DCP's step made it for
+    assert loaded["given"]
+    assert loaded["given_state"] == saved
+    assert loaded["given_kinds"] == loaded["made_kinds"]
     # each rank read its rows only: together, the tensors' bytes about once
     total = sum((out / "ckpt" / f"__{r}_0.distcp").stat().st_size for r in range(3))
     reads = [json.loads((out / f"read-{world}-{r}.json").read_text())["read"] for r in range(world)]

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -310,6 +311,9 @@ def load_commit(
     """Load a commit (a name in the tier, or a directory: the copy the daemon wrote to the
     job's --checkpoint-dir) into ``model`` and ``optimizer``, resharded to them; its
     attributes.  A collective when distributed."""
+    if optimizer is not None:
+        metadata = checkpoint.TierReader(checkpoint_id, tier=tier).read_metadata()
+        give_state_to_load(model, optimizer, metadata)
     state = _state_dict(model, optimizer, io.BytesIO())
     checkpoint.load(state, checkpoint_id, tier=tier)
     if optimizer is None:
@@ -322,6 +326,42 @@ def load_commit(
     if not isinstance(attrs, dict):
         raise ValueError(f"{checkpoint_id}: its attributes are not a dict")
     return attrs
+
+
+def give_state_to_load(model: torch.nn.Module, optimizer: Any, metadata: Metadata) -> bool:
+    """Give a fresh optimizer (no state, no gradients) the state entries a checkpoint holds,
+    uninitialized, for DCP to load into; False, and nothing done, where any entry is neither
+    shaped like its parameter nor a scalar (DCP's ``get_state_dict`` then makes the state
+    itself).  That is a step on zero gradients: a pass to zero the gradients, one to make
+    each state, one to update the parameters, 0.5-0.7 s a rank at 251.7M parameters on two
+    cores, all of it overwritten by the load."""
+    if optimizer.state or any(
+        p.grad is not None for group in optimizer.param_groups for p in group["params"]
+    ):
+        return False
+    stored: dict[str, dict[str, Any]] = {}  # parameter name -> state field -> its entry
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith("optim.state."):
+            name, _, field = key.removeprefix("optim.state.").rpartition(".")
+            stored.setdefault(name, {})[field] = entry
+    in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
+    made: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        if param not in in_optimizer:
+            continue
+        for field, entry in stored.get(name, {}).items():
+            if not isinstance(entry, TensorStorageMetadata):
+                return False
+            dtype = entry.properties.dtype
+            if tuple(entry.size) == tuple(param.shape):
+                made.setdefault(param, {})[field] = torch.empty_like(param, dtype=dtype)
+            elif len(entry.size) == 0:
+                made.setdefault(param, {})[field] = torch.zeros((), dtype=dtype)
+            else:
+                return False
+    for owner, fields in made.items():
+        optimizer.state[owner] = fields
+    return bool(made)
 
 
 def _in_background(work: Callable[[], Any]) -> Future[Any]:
