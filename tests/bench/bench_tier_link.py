@@ -25,7 +25,9 @@ import zmq
 import zmq.asyncio
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "daemon")]
+sys.path[:0] = [str(ROOT / "daemon"), str(ROOT / "tests")]
+
+from tier_nodes import OneNode, Record
 
 from elasticd.cluster import tierlink
 from elasticd.cluster.peers import curve_policy
@@ -68,25 +70,6 @@ def serve(source: str, bulk: bool, secret: bytes, client: bytes, ready: multipro
     asyncio.run(main())
 
 
-class Record:
-    def __init__(self, endpoint: str, key: str) -> None:
-        self.tier_endpoint, self.peer_key = endpoint, key
-
-
-class Nodes:
-    def __init__(self, record: Record) -> None:
-        self._record = record
-
-    async def record(self, name: str) -> Record:
-        return self._record
-
-    def alive(self, name: str) -> bool:
-        return True
-
-    def sighted(self, name: str) -> None:
-        return None
-
-
 def measure(source: str, into: str, bulk: bool, runs: int) -> dict[str, float]:
     server_public, server_secret = zmq.curve_keypair()
     public, secret = zmq.curve_keypair()
@@ -101,7 +84,7 @@ def measure(source: str, into: str, bulk: bool, runs: int) -> dict[str, float]:
         async def fetch_all() -> dict[str, float]:
             ctx = zmq.asyncio.Context()
             links = tierlink.TierLinks(
-                ctx, public, secret, Nodes(Record(endpoint, server_public.decode()))
+                ctx, public, secret, OneNode(Record(endpoint, server_public.decode()))
             )
             size = os.path.getsize(source)
             times: dict[str, list[float]] = {"ranges": [], "whole": []}

@@ -25,6 +25,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from tier_nodes import OneNode, Record
 
 from elasticd.cluster import tierlink
 from elasticd.cluster.peers import curve_policy
@@ -51,26 +52,6 @@ class FileTier:
 
     def drop(self, peer: str, job: str, ckpt: str) -> None:
         self.received.append((peer, "drop", 0, b""))
-
-
-@dataclass
-class Record:
-    tier_endpoint: str
-    peer_key: str
-
-
-class Nodes:
-    def __init__(self, record: Record) -> None:
-        self._record = record
-
-    async def record(self, name: str) -> Record:
-        return self._record
-
-    def alive(self, name: str) -> bool:
-        return True
-
-    def sighted(self, name: str) -> None:
-        return None
 
 
 @dataclass
@@ -103,7 +84,7 @@ async def rig(*, bulk: bool = True) -> AsyncIterator[Rig]:
     if bulk:
         server.bind_bulk()
     links = tierlink.TierLinks(
-        ctx, public, secret, Nodes(Record(server.endpoint, server_public.decode())), timeout=5.0
+        ctx, public, secret, OneNode(Record(server.endpoint, server_public.decode())), timeout=5.0
     )
     try:
         async with asyncio.TaskGroup() as tasks:
