@@ -65,8 +65,13 @@ def test_a_job_sized_by_the_node_is_charged_the_gpus_of_the_node_it_lands_on(
 
     # the user's job fits only g2, where it would hold 2 GPUs: it waits, g2 idles
     sized = g2.submit("--nproc-per-node", "gpu", *SLEEP, user=user)["id"]
-    wait_for(lambda: reason(g2, sized) == "QuotaUser", 30, "the job waits on its quota")
-    assert reason(g1, sized) == "QuotaUser" and workers_on(g2, sized) == {}
+    # each daemon reads the queue from the store in its own time: both are waited for
+    wait_for(
+        lambda: reason(g2, sized) == reason(g1, sized) == "QuotaUser",
+        30,
+        "the job waits on its quota, as both daemons see it",
+    )
+    assert workers_on(g2, sized) == {}
     assert {row["id"]: row.get("allocated") for row in g1.ctl("list")} == {blocker: 1, sized: 0}
 
     # g1 frees: it starts there, one worker on the one GPU

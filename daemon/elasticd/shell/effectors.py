@@ -8,9 +8,11 @@ beats for it), its cgroup, its workers, and an in-place job's channel to them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -67,12 +69,42 @@ class JobLens(Protocol):
         """Variables on top of a worker's environment."""
 
 
-def free_port(address: str) -> int:
-    """A port that is free on ``address`` now (the master port this node offers if it is rank 0)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
+class MasterPorts:
+    """The master ports this node offers (its rank 0's TCPStore listens there), each kept
+    bound for ``hold`` seconds after it is picked: with SO_REUSEADDR, never listening.
+
+    A port picked by binding port 0 and let go at once is the kernel's to hand out again
+    before the store listens on it, to another bind to port 0 (a gloo pair's) or to an
+    outgoing connection: in a fresh CI run an in-place round failed so (EADDRINUSE) and
+    spent a restart.  Held, the kernel gives it to neither, and the TCPStore, which binds
+    with SO_REUSEADDR too, still binds and listens there."""
+
+    def __init__(self, hold: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._hold, self._clock = hold, clock
+        self._held: collections.deque[tuple[float, socket.socket]] = collections.deque()
+
+    def pick(self, address: str) -> int:
+        now = self._clock()
+        while self._held and self._held[0][0] <= now:
+            self._held.popleft()[1].close()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((address, 0))
+        except OSError:
+            sock.close()
+            raise
+        self._held.append((now + self._hold, sock))
+        return int(sock.getsockname()[1])
+
+    @property
+    def held(self) -> list[int]:
+        return [int(sock.getsockname()[1]) for _, sock in self._held]
+
+    def close(self) -> None:
+        while self._held:
+            self._held.popleft()[1].close()
 
 
 @dataclass(frozen=True)
@@ -93,6 +125,7 @@ class Effectors:
     stop_grace: float = 10.0
     cgroups: JobCgroups | None = None
     containment: Containment = Containment()  # what bounds a job here (its limits)
+    master_ports: MasterPorts = field(default_factory=MasterPorts)
     runtime_dir: str = ""  # where in-place jobs' worker channels live
     worker_library: str = ""  # the directory holding elasticd.elastic for workers
     output_limit: OutputLimit = OutputLimit()  # when workers' output files are rotated

@@ -42,7 +42,7 @@ from elasticd.faults import Faults
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.registry import JobRegistry
 from elasticd.journal import about
-from elasticd.shell.effectors import Effectors, PartEffectors, free_port
+from elasticd.shell.effectors import Effectors, PartEffectors
 from elasticd.shell.publisher import PartPublisher, StoreReset, republish
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class NodeShell:
 
     def _join(self, join: do.Join) -> None:
         part = self._parts[join.job]
-        port = join.master_port or free_port(self._effectors.address)
+        port = join.master_port or self._effectors.master_ports.pick(self._effectors.address)
 
         def fail(exc: Exception) -> ev.Event | None:
             kinds: dict[type[Exception], str] = {
