@@ -257,6 +257,8 @@ def test_fsdp2_and_adamw_saved_by_3_ranks_load_resharded_bit_for_bit(saved_by_th
     assert loaded["given"]
     assert loaded["given_state"] == saved
     assert loaded["given_kinds"] == loaded["made_kinds"]
+    # a commit one rank cannot read fails every rank's load at once, none left waiting
+    assert set(loaded["one_rank_lost_it"]) == {"CheckpointException"}, loaded["one_rank_lost_it"]
     # each rank read its rows only: together, the tensors' bytes about once
     total = sum((out / "ckpt" / f"__{r}_0.distcp").stat().st_size for r in range(3))
     reads = [json.loads((out / f"read-{world}-{r}.json").read_text())["read"] for r in range(world)]

@@ -312,8 +312,14 @@ def load_commit(
     job's --checkpoint-dir) into ``model`` and ``optimizer``, resharded to them; its
     attributes.  A collective when distributed."""
     if optimizer is not None:
-        metadata = checkpoint.TierReader(checkpoint_id, tier=tier).read_metadata()
-        give_state_to_load(model, optimizer, metadata)
+        try:
+            metadata = checkpoint.TierReader(checkpoint_id, tier=tier).read_metadata()
+        except (OSError, ValueError, checkpoint.TierError):
+            # left to DCP's load, which reads it again inside its collectives: a rank that
+            # raised here alone would leave the others waiting in them
+            pass
+        else:
+            give_state_to_load(model, optimizer, metadata)
     state = _state_dict(model, optimizer, io.BytesIO())
     checkpoint.load(state, checkpoint_id, tier=tier)
     if optimizer is None:
