@@ -14,18 +14,19 @@ import torch.distributed as dist
 from elasticd.shell.effectors import MasterPorts
 
 
-def plain_bind(port: int) -> None:
+def plain_bind(port: int, address: str = "127.0.0.1") -> None:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
+        sock.bind((address, port))
 
 
 def test_a_picked_port_is_kept_from_other_binds_and_the_store_listens_there() -> None:
     ports = MasterPorts()
     try:
         port = ports.pick("127.0.0.1")
-        with pytest.raises(OSError) as taken:
-            plain_bind(port)  # as a bind that is not the store's would
-        assert taken.value.errno == errno.EADDRINUSE
+        for address in ("127.0.0.1", "127.0.0.2"):  # the node's, and any other (a peer port)
+            with pytest.raises(OSError) as taken:
+                plain_bind(port, address)  # as a bind that is not the store's would
+            assert taken.value.errno == errno.EADDRINUSE
         store = dist.TCPStore(
             "127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30)
         )  # rank 0's, which binds with SO_REUSEADDR

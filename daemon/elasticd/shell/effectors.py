@@ -77,7 +77,12 @@ class MasterPorts:
     before the store listens on it, to another bind to port 0 (a gloo pair's) or to an
     outgoing connection: in a fresh CI run an in-place round failed so (EADDRINUSE) and
     spent a restart.  Held, the kernel gives it to neither, and the TCPStore, which binds
-    with SO_REUSEADDR too, still binds and listens there."""
+    with SO_REUSEADDR too, still binds and listens there.
+
+    The port is picked and held on the wildcard address, as the TCPStore binds it: one
+    free on the node's address alone may be another address's (a daemon's peer port on
+    127.0.0.2, in a CI run).  SO_REUSEADDR is set after the bind: set before, the kernel
+    picks from half its range only."""
 
     def __init__(self, hold: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._hold, self._clock = hold, clock
@@ -87,11 +92,11 @@ class MasterPorts:
         now = self._clock()
         while self._held and self._held[0][0] <= now:
             self._held.popleft()[1].close()
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        family, anywhere = (socket.AF_INET6, "::") if ":" in address else (socket.AF_INET, "")
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
+            sock.bind((anywhere, 0))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((address, 0))
         except OSError:
             sock.close()
             raise
