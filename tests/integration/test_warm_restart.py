@@ -49,6 +49,14 @@ def standbys(job: str) -> dict[int, psutil.Process]:
     return found
 
 
+def autogroup_nice(pid: int) -> int | None:
+    """The nice value of ``pid``'s autogroup (None: the kernel has no autogroups)."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except OSError:
+        return None
+
+
 def record(out: Path, rank: int, attempt: int) -> dict[str, Any] | None:
     path = out / f"rank_{rank}_{attempt}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -82,7 +90,14 @@ def test_a_restart_runs_the_script_in_its_standbys_as_in_fresh_workers(
     for proc in waiting.values():  # nice 19 first, then the daemon's (Standbys.hurry_later)
         assert proc.uids().real == uid and proc.nice() in (19, 0)
         assert proc.pid not in {first[r]["pid"] for r in range(3)}
+        # each standby leads a session: where the kernel shares the CPU between sessions
+        # first, its session's autogroup is lowered too, or its nice value would weigh nothing.
+        # The hurry raises the threads first, then the autogroup: read in the other order, a
+        # thread still at 19 means an autogroup still at 19
+        group = autogroup_nice(proc.pid)
+        assert group is None or proc.nice() != 19 or group == 19, (group, proc.nice())
     wait_for(lambda: all(p.nice() == 0 for p in waiting.values()), 60, "standbys hurried")
+    assert {autogroup_nice(p.pid) for p in waiting.values()} <= {0, None}
     killed = min(waiting)  # its user may kill a standby: that slot starts anew
     os.kill(killed, signal.SIGKILL)
     gate.touch()
@@ -100,6 +115,7 @@ def test_a_restart_runs_the_script_in_its_standbys_as_in_fresh_workers(
         ]
         assert now["path0"] == was["path0"] == str(FIXTURES)
         assert now["cgroup"] == was["cgroup"] and now["nice"] == was["nice"] == 0
+        assert now["autogroup_nice"] == was["autogroup_nice"] and was["autogroup_nice"] in (0, None)
         assert now["stdin_empty"] and was["stdin_empty"]
         assert {k: v for k, v in now["env"].items() if k not in PLACE} == {
             k: v for k, v in was["env"].items() if k not in PLACE

@@ -778,3 +778,14 @@ class _Directory:
 
     def join_fds(self) -> list[int]:
         return [os.open(f"{self.path}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)]
+
+
+def test_cpu_weight_is_set_only_where_the_cpu_controller_is(tmp_path):
+    with_cpu, without = tmp_path / "with", tmp_path / "without"
+    with_cpu.mkdir()
+    without.mkdir()
+    (with_cpu / "cpu.weight").write_text("")  # cgroupfs: one write(2) replaces the value
+    JobCgroup(str(with_cpu)).set_cpu_weight(1)
+    JobCgroup(str(without)).set_cpu_weight(1)
+    assert (with_cpu / "cpu.weight").read_text() == "1"
+    assert not (without / "cpu.weight").exists()

@@ -315,6 +315,13 @@ class JobCgroup:
     def __repr__(self) -> str:
         return f"JobCgroup({self.path!r})"
 
+    def set_cpu_weight(self, weight: int) -> None:
+        """The cgroup's share of the CPU against its siblings (cpu.weight, 1-10000; 100 is
+        the default); nothing where the cpu controller is not enabled for it."""
+        path = os.path.join(self.path, "cpu.weight")
+        if os.path.exists(path):
+            _write(path, str(weight))
+
     def join_fds(self) -> list[int]:
         """Fresh fds on ``cgroup.procs`` (the job's and its twins'): a forked child writes
         b"0" to each before exec to join.  The caller closes them once the child is spawned.

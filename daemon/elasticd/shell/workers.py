@@ -126,6 +126,7 @@ def _child_setup(
             os.write(fd, b"0")
         if nice:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
+            _set_autogroup_nice("self", nice)  # setsid made the child an autogroup of its own
         if credentials is not None:
             os.setgroups(list(credentials.groups))
             os.setresgid(credentials.gid, credentials.gid, credentials.gid)
@@ -245,11 +246,20 @@ class Standbys:
             self._hurry.cancel()
         self._hurry = asyncio.get_running_loop().call_later(delay, self._hurry_now)
 
+    def lower(self) -> None:
+        """The standbys' cgroup to the least share of the CPU against the job's own (where
+        the cpu controller is there; nice values do not weigh across cgroups)."""
+        if self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                self.cgroup.set_cpu_weight(_STANDBY_CPU_WEIGHT)
+
     def _hurry_now(self) -> None:
         self._hurry = None
-        own = os.getpriority(os.PRIO_PROCESS, 0)
         for standby in self._by_slot.values():
-            _renice_all(standby.proc.pid, own)
+            _give_own_priority(standby.proc.pid)
+        if self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                self.cgroup.set_cpu_weight(_DEFAULT_CPU_WEIGHT)
 
     def missing(self, slots: list[int]) -> list[int]:
         """Slots without a standby that still runs."""
@@ -306,19 +316,42 @@ def compatible(started: Mapping[str, str], wanted: Mapping[str, str], place: set
     return rest(started) == rest(wanted)
 
 
-def _renice_all(pid: int, nice: int) -> None:
-    """Every thread of ``pid`` to ``nice`` (setpriority changes one thread at a time)."""
+def _give_own_priority(pid: int) -> None:
+    """Every thread of ``pid`` to the daemon's own nice value, as a worker started now would
+    have (setpriority changes one thread at a time), and its autogroup back to a new
+    session's 0 where ``pid`` leads a session of its own (as a standby does)."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         tids = [pid]
     for tid in tids:
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            os.setpriority(os.PRIO_PROCESS, tid, own)
+    with contextlib.suppress(OSError):
+        if os.getsid(pid) == pid:
+            _set_autogroup_nice(str(pid), 0)
+
+
+def _set_autogroup_nice(pid: str, nice: int) -> None:
+    """The nice value of the autogroup of ``pid`` ("self" or a number).  Where the kernel
+    groups tasks by session (sched_autogroup_enabled, the default of most distributions),
+    the scheduler shares the CPU between sessions first, and a thread's nice value weighs
+    only against the threads of its own session: a worker or a standby, each in a session
+    of its own, would have its nice value ignored.  Nothing where autogroups are off or
+    absent (the file is missing or refuses the write)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(nice).encode())
+        finally:
+            os.close(fd)
 
 
 _STANDBY_NICE = 19  # a standby's priority while its round's workers start
 _STANDBY_GRACE = 10.0  # seconds at nice 19 (Standbys.hurry_later)
+_STANDBY_CPU_WEIGHT = 1  # the standbys' cgroup's cpu.weight meanwhile
+_DEFAULT_CPU_WEIGHT = 100
 _ORDER_MAX = 1 << 20  # bytes of a standby's order (its pipe is made this large)
 
 
@@ -488,6 +521,8 @@ class LocalWorkers:
         command = [self.spec.python, standbys.script, kind, self.spec.argv[0]]
         nice = _STANDBY_NICE if os.geteuid() == 0 else 0  # only root could undo it
         by_slot = {w.local_rank: w for w in self.group.workers}
+        if nice:
+            standbys.lower()
         for slot in standbys.missing(list(by_slot)):
             env = self._env(replace(by_slot[slot], rank=-1))
             try:
@@ -530,7 +565,7 @@ class LocalWorkers:
                 raise ValueError(f"its environment ({len(order)} bytes) exceeds its pipe")
             if self._cgroup is not None:
                 self._cgroup.adopt(proc.pid)
-            _renice_all(proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            _give_own_priority(proc.pid)
             os.set_blocking(fd, False)
             os.write(fd, order)  # fits the pipe: all of it or an error
             proc.stdin.close()
