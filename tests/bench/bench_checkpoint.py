@@ -310,6 +310,14 @@ def lag(samples: list[dict[str, float]], name: str) -> dict[str, float]:
     return {"count": count, "mean": total / count if count else float("nan"), **bound}
 
 
+def ended(status: dict[str, Any]) -> None:
+    """Stop the bench (its ``finally`` cleans up) where the job ended before its workers
+    finished: a commit over the tier's cap fails the job, as documented."""
+    if status.get("state") in ("SUCCEEDED", "FAILED", "CANCELLED"):
+        why = (status.get("error") or {}).get("message") or "no reason given"
+        raise SystemExit(f"the in-place job ended {status['state']} before its steps: {why}")
+
+
 def in_place(args: argparse.Namespace) -> dict[str, Any]:
     """Commits every step in an --in-place job on 3 daemons: blocked per commit, per step;
     from the daemons' metrics: the lags to the copy on another node and to disk, and the
@@ -361,6 +369,7 @@ def in_place(args: argparse.Namespace) -> dict[str, Any]:
         path = report / "events.jsonl"
         deadline = time.monotonic() + 1200
         events: list[dict[str, Any]] = []
+        asked = 0.0
         while time.monotonic() < deadline:
             for i, daemon in enumerate(cluster.daemons):
                 peak[i] = max(peak[i], held_bytes(scrape(daemon)))
@@ -368,6 +377,9 @@ def in_place(args: argparse.Namespace) -> dict[str, Any]:
                 events = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
             if len([e for e in events if e["event"] == "done"]) == 3:
                 break
+            if time.monotonic() - asked > 2.0:  # a job that ended short of its steps
+                asked = time.monotonic()
+                ended(cluster[0].ctl("status", job))
             time.sleep(0.2)
         else:
             raise SystemExit("the in-place job did not finish in 1200 s")
