@@ -129,3 +129,10 @@ class RendezvousGone(RendezvousError):
     it does not start the job again (that is for a node that holds the state to restore)."""
 
     code = "rendezvous_gone"
+
+
+class CheckpointsFull(ElasticdError):
+    """A node refused to keep a checkpoint's file: the job's checkpoint memory there is full
+    (its cap)."""
+
+    code = "checkpoints_full"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from tier_nodes import OneNode, Record
 from elasticd.cluster import tierlink
 from elasticd.cluster.peers import curve_policy
 from elasticd.control.server import Zap
+from elasticd.errors import CheckpointsFull
 
 DATA = os.urandom(3 * tierlink.CHUNK + 12345)  # four chunks, the last one short
 
@@ -265,5 +267,35 @@ def test_a_node_without_the_bulk_port_is_reached_over_curve(tmp_path: Any, whole
                 os.close(into)
             assert (tmp_path / "fetched").read_bytes() == DATA
             assert r.server.sessions == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "curve"])
+def test_a_send_refused_for_space_says_so_apart_from_other_refusals(
+    tmp_path: Any, bulk: bool
+) -> None:
+    """A node whose tier for the job is full refuses a copy with TierFull (a CheckpointsFull:
+    sending it again as it is does not help); any other refusal stays a plain TierError."""
+
+    async def main() -> None:
+        async with rig(bulk=bulk) as r:
+            source = tmp_path / "share"
+            source.write_bytes(DATA[:1000])
+            for error, refused in (
+                (OSError(errno.ENOSPC, "No space left on device"), tierlink.TierFull),
+                (OSError(errno.EDQUOT, "Disk quota exceeded"), tierlink.TierFull),
+                (OSError(errno.EACCES, "Permission denied"), tierlink.TierError),
+            ):
+
+                def receive(*args: Any, error: OSError = error) -> None:
+                    raise error
+
+                r.tier.receive = receive  # type: ignore[method-assign]
+                with open(source, "rb") as f, pytest.raises(tierlink.TierError) as caught:
+                    await r.links.send("node-s", "j-000001", "step-1", "f", f)
+                assert type(caught.value) is refused, caught.value
+                assert isinstance(caught.value, CheckpointsFull) == (refused is tierlink.TierFull)
+                assert error.strerror in str(caught.value)
 
     asyncio.run(main())

@@ -396,3 +396,28 @@ def test_a_commit_over_the_jobs_cap_fails_the_job_at_the_commit_after_it(
     commits = {e["step"] for e in events(report) if e["event"] == "commit"}
     assert commits == {1}, f"only the first commit returned (staged): {commits}"
     wait_for(lambda: "its checkpoint directory is full" in a.log_text(), 30, "the daemon's reason")
+
+
+def test_a_commit_whose_copy_is_refused_for_the_cap_fails_the_job_with_the_reason(
+    daemon_factory: Any, shared_tmp: Path, report: Path
+) -> None:
+    """Each node's own share of a commit fits its cap, but not with the copy of the other
+    node's: the copy is refused there, and the commit after it fails the job with that
+    reason instead of waiting for a completion that cannot come (COMPLETE_WAIT, 600 s)."""
+    a, b = cluster_of(daemon_factory, shared_tmp, "ab", "refused").start()
+    # about 4.2M parameters: each node's share of a commit is about 25 MB, under 40 MiB;
+    # with the other node's copy, about 50 MB, over it
+    big = ("--hidden", "512", "--ffn", "2048", "--commit-every", "1")
+    cap = ("--checkpoint-memory", "40M", "--max-restarts", "0")
+    job = submit(a, report, *cap, nnodes="2", steps=50, args=big)
+    ended = a.wait_job(job, lambda j: j["state"] in ("FAILED", "SUCCEEDED"), 240)
+    assert ended["state"] == "FAILED", ended
+    # most often the copy is refused; where a copy took the space before a node's own
+    # write landed, that write is refused instead (the other test's case)
+    error = (ended.get("error") or {}).get("message", "")
+    assert "[Errno 28]" in error, ended
+    if "cannot be complete" in error:
+        assert "was refused there" in error and "checkpoint memory" in error, error
+        assert any("refused its copy" in d.log_text() for d in (a, b)), "no daemon said why"
+    commits = {e["step"] for e in events(report) if e["event"] == "commit"}
+    assert commits == {1}, f"only the first commit returned (staged): {commits}"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from elasticd.cluster.peers import router_socket
 from elasticd.core import checkpoints as cp
-from elasticd.errors import ElasticdError
+from elasticd.errors import CheckpointsFull, ElasticdError
 from elasticd.shell.checkpoints import CheckpointTier
 from elasticd.wire import safejson
 
@@ -72,6 +73,16 @@ _TO_SERVER, _TO_CLIENT = 0, 1
 
 class TierError(ElasticdError):
     code = "tier_unreachable"
+
+
+class TierFull(TierError, CheckpointsFull):
+    """The node refused to keep what was sent: the job's checkpoint memory there is full
+    (its cap).  Not a fault of the link: sending it again as it is does not help."""
+
+    code = CheckpointsFull.code
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class NodeRecords(Protocol):
@@ -257,7 +268,9 @@ class TierServer:
                 return _ok(ident, size=size), b""
             raise ValueError(f"unknown op {op!r}")
         except (ValueError, OSError, safejson.Undecodable) as exc:
-            return json.dumps({"id": ident, "ok": False, "error": str(exc)[:300]}).encode(), b""
+            full = isinstance(exc, OSError) and exc.errno in _FULL
+            error = {"id": ident, "ok": False, "error": str(exc)[:300], "full": full}
+            return json.dumps(error).encode(), b""
 
     def close(self) -> None:
         self._router.close(linger=0)
@@ -511,7 +524,8 @@ class _Session:
             if reply.get("id") != ident:
                 continue  # an answer to a request given up on
             if not reply.get("ok"):
-                raise TierError(f"{self._node}: {reply.get('error')}")
+                refused = TierFull if reply.get("full") is True else TierError
+                raise refused(f"{self._node}: {reply.get('error')}")
             return reply, frames[1] if len(frames) > 1 else b""
 
     async def call(self, header: dict[str, Any], data: bytes = b"") -> tuple[dict[str, Any], bytes]:

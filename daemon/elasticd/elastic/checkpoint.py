@@ -32,6 +32,7 @@ for its old round after its node was placed in a new one.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import itertools
 import json
@@ -160,8 +161,13 @@ class Tier:
 
     def wait(self, ident: str, timeout: float) -> bool:
         """Whether checkpoint ``ident`` is complete (written by every rank and copied to
-        another node), or a newer one is; waits up to ``timeout`` seconds for it."""
+        another node), or a newer one is; waits up to ``timeout`` seconds for it.  OSError
+        (ENOSPC) where it cannot be: the node that keeps its copy refused it, full."""
         answer = self.ask({"op": "wait", "id": ident, "timeout": timeout}, timeout + 30.0)
+        if answer.get("refused"):
+            raise OSError(
+                errno.ENOSPC, f"checkpoint {ident} cannot be complete: {answer['refused']}"
+            )
         return bool(answer["complete"])
 
     def fetch(self, ident: str, ranges: list[tuple[str, int, int]]) -> dict[str, str]:

@@ -40,6 +40,7 @@ from elasticd.core import checkpoints as cp
 from elasticd.core import events as ev
 from elasticd.core.model import JobSpec
 from elasticd.core.records import JobRecord
+from elasticd.errors import CheckpointsFull
 from elasticd.journal import about
 from elasticd.shell import writeback
 from elasticd.shell.inotify import (
@@ -186,6 +187,9 @@ class JobDir:
     server: asyncio.AbstractServer | None = None  # the workers' socket
     # id -> (copies that failed in a row, when the next may be tried: monotonic)
     retry: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # id -> why its copy cannot land now (the other node's tier for the job is full): the
+    # workers waiting for it to be complete are told, rather than left to wait it out
+    refused: dict[str, str] = field(default_factory=dict)
     # ids its workers said they save (``saving``), and each rank's ``saved`` report: their
     # shares are described from the reports, not from the round this node is in now
     claimed: dict[str, dict[int, Report]] = field(default_factory=dict)
@@ -608,6 +612,23 @@ class CheckpointTier:
                     continue
                 except FileNotFoundError:  # it went away: the caller forgets it
                     raise
+                except CheckpointsFull as exc:
+                    log.warning(
+                        "job %s: checkpoint %s: %s refused its copy of %s: %s",
+                        jd.job,
+                        name,
+                        buddy,
+                        file,
+                        exc,
+                        extra=about(jd.job),
+                    )
+                    copied = ""
+                    jd.refused[name] = (
+                        f"its copy to node {buddy} was refused there: the job's checkpoint "
+                        f"memory on {buddy} is full (--checkpoint-memory, else "
+                        "checkpoints.job_memory or checkpoints.max_memory): a node holds its "
+                        "own share, the copy of another's and the one in flight"
+                    )
                 except Exception as exc:
                     log.warning(
                         "job %s: checkpoint %s: could not copy %s to %s: %s",
@@ -628,6 +649,7 @@ class CheckpointTier:
             asyncio.get_running_loop().call_later(pause, self._consider_again, jd.job)
         else:
             jd.retry.pop(name, None)
+            jd.refused.pop(name, None)
         jd.manifests[name] = cp.Manifest(
             name, self.settings.node, round, world, ranks, files, started, copied, kind=kind
         )
@@ -1064,7 +1086,9 @@ class CheckpointTier:
             self._saved(jd, request)
             return {"ok": True}
         if op == "wait":
-            return {"ok": True, "complete": await self._wait(jd, request)}
+            complete = await self._wait(jd, request)
+            refused = "" if complete else jd.refused.get(_checkpoint_name(request), "")
+            return {"ok": True, "complete": complete} | ({"refused": refused} if refused else {})
         latest = cp.latest_complete(jd.found())
         if request.get("op") == "latest":
             if latest is None:
@@ -1170,7 +1194,11 @@ class CheckpointTier:
 
     async def _wait_for(self, jd: JobDir, ident: str, deadline: float) -> bool:
         while True:
-            if _complete_or_newer(jd.found(), ident) or self._jobs.get(jd.job) is not jd:
+            if (
+                _complete_or_newer(jd.found(), ident)
+                or self._jobs.get(jd.job) is not jd
+                or ident in jd.refused
+            ):
                 return _complete_or_newer(jd.found(), ident)
             left = deadline - time.monotonic()
             if left <= 0:
