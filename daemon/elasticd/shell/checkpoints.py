@@ -706,8 +706,10 @@ class CheckpointTier:
         doomed += [os.path.join(jd.path, RANGES, n) for n in gone]
         jd.deleting.update(doomed)
         self._spawn("pruning", jd.job, functools.partial(self._remove, jd, doomed))
-        for name in gone:
+        for name in gone:  # nothing kept of a pruned checkpoint, its copy's back-off too
             jd.claimed.pop(name, None)
+            jd.retry.pop(name, None)
+            jd.refused.pop(name, None)
         dropped = [jd.manifests.pop(name) for name in sorted(gone) if name in jd.manifests]
         if dropped:
             self._publish(jd)  # only when this node's own shares changed: no echo loop
