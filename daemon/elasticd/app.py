@@ -401,7 +401,9 @@ class Daemon:
             )
             logs = LogBus()
             ctx = zmq.asyncio.Context()
-            closing.callback(ctx.term)
+            # every task has ended by then: destroy closes any socket one left open, which
+            # term would wait for without end (the stop then hangs until systemd's SIGKILL)
+            closing.callback(ctx.destroy, 0)
             zap = Zap(
                 ctx,
                 on_refused=lambda domain: self.metrics.peer_refused.inc(),

@@ -17,6 +17,7 @@ import errno
 import hashlib
 import json
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -299,3 +300,44 @@ def test_a_send_refused_for_space_says_so_apart_from_other_refusals(
                 assert error.strerror in str(caught.value)
 
     asyncio.run(main())
+
+
+def test_a_transfer_cancelled_while_it_opens_its_session_leaves_no_socket_open(
+    tmp_path: Any,
+) -> None:
+    """A node that never answers (lost, frozen): the transfer, cancelled while it waits for
+    its session, closes its socket, or the context's term (the daemon's stop) would wait
+    for it without end."""
+
+    async def main() -> tuple[zmq.asyncio.Context, Any]:
+        ctx = zmq.asyncio.Context()
+        silent = ctx.socket(zmq.ROUTER)  # takes the connection, never answers
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        public, secret = zmq.curve_keypair()
+        server_public, _ = zmq.curve_keypair()
+        record = Record(f"tcp://127.0.0.1:{port}", server_public.decode())
+        links = tierlink.TierLinks(ctx, public, secret, OneNode(record), timeout=30.0)
+        into = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fetch = asyncio.create_task(
+                links.fetch("node-s", "j-000001", "node-s", "step-1", "f", into)
+            )
+            await asyncio.sleep(0.5)
+            fetch.cancel()
+            with pytest.raises(asyncio.CancelledError) as cancelled:
+                await fetch
+        finally:
+            os.close(into)
+            silent.close(linger=0)
+        # kept, as a daemon may keep an error: its traceback holds the transfer's frames
+        return ctx, cancelled.value
+
+    ctx, kept = asyncio.run(main())
+    ended = threading.Thread(target=ctx.term, daemon=True)
+    ended.start()
+    ended.join(10)
+    if ended.is_alive():
+        ctx.destroy(linger=0)  # closes the leaked socket: the thread's term returns
+        ended.join(10)
+        pytest.fail("a socket of the cancelled transfer was left open")
+    del kept

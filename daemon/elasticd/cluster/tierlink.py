@@ -437,14 +437,22 @@ class _Session:
         sock.connect(record.tier_endpoint)
         self._curve = sock
         try:
+            await self._open_bulk()
+        except BaseException:  # cancelled too: a socket left open holds the context's end
+            self._close()
+            raise
+        return self
+
+    async def _open_bulk(self) -> None:
+        """A session on the node's bulk port, where it has one (else all goes over CURVE)."""
+        try:
             # the fields an older node reads before it finds the op unknown
             hollow = {"job": "", "owner": "", "ckpt": "", "name": "", "offset": 0}
             opened, _ = await self.call({"op": "open", **hollow})
         except TierError as exc:
             if "unknown op" not in str(exc):
-                self._curve.close(linger=0)
                 raise
-            return self  # an older node: everything over CURVE
+            return  # an older node: everything over CURVE
         try:
             session = bytes.fromhex(str(opened["session"]))
             key = base64.b64decode(str(opened["key"]), validate=True)
@@ -452,18 +460,20 @@ class _Session:
             if len(session) != SESSION_ID or len(key) != 32 or not bulk.startswith("tcp://"):
                 raise ValueError(opened)
         except (KeyError, ValueError) as exc:
-            self._curve.close(linger=0)
             raise TierError(f"{self._node} opened no usable session: {exc}") from exc
         self._session, self._aead = session, AESGCM(key)
         self._bulk = self._links._ctx.socket(zmq.DEALER)
         self._bulk.setsockopt(zmq.LINGER, 0)
         self._bulk.connect(bulk)
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
         for sock in (self._curve, self._bulk):
             if sock is not None:
                 sock.close(linger=0)
+        self._curve = self._bulk = None
 
     async def _send(self, header: dict[str, Any], data: bytes) -> str:
         ident = uuid.uuid4().hex
