@@ -84,7 +84,7 @@ from elasticd.shell.checkpoints import (
     remove_leftovers,
     tier_root,
 )
-from elasticd.shell.effectors import Effectors
+from elasticd.shell.effectors import Effectors, MasterPorts
 from elasticd.shell.fileaccess import FileAccess, restrict_earlier
 from elasticd.shell.logs import LogBus
 from elasticd.shell.node import NodeShell
@@ -400,6 +400,8 @@ class Daemon:
                 slots=slots,
             )
             logs = LogBus()
+            master_ports = MasterPorts()  # held a while after each pick: let go at the end
+            closing.callback(master_ports.close)
             ctx = zmq.asyncio.Context()
             # every task has ended by then: destroy closes any socket one left open, which
             # term would wait for without end (the stop then hangs until systemd's SIGKILL)
@@ -467,6 +469,7 @@ class Daemon:
                     stop_grace=config.jobs.stop_grace,
                     cgroups=cgroups if cgroups.available else None,
                     containment=containment,
+                    master_ports=master_ports,
                     runtime_dir=config.paths.runtime_dir,
                     output_limit=config.output.limit,
                     access=FileAccess(config.control.admin_group),
