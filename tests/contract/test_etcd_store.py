@@ -318,3 +318,33 @@ def test_joiners_adding_one_at_once_each_take_a_number_of_their_own_in_one_txn(e
         await store.close()
 
     run(scenario())
+
+
+def test_a_write_sent_as_the_leader_dies_is_answered_by_the_next_leader(tmp_path):
+    """A member forwards a write to its leader; a leader that dies loses it, and etcd answers
+    only after its request timeout (5 s plus two elections).  The client sends it again: it
+    lands once another member leads, and reads and writes go on meanwhile."""
+    require_etcd()
+    with EtcdCluster(tmp_path, members=3) as cluster:
+        leader = cluster.leader()
+        assert leader is not None
+        follower = next(e for i, e in enumerate(cluster.endpoints) if i != leader)
+
+        async def scenario():
+            store = await connected(cluster, endpoints=[follower], timeout=30.0)
+            await store.set("beat", b"0")
+            cluster.kill(leader)
+            took = []
+            for beat in range(1, 6):
+                started = time.monotonic()
+                await store.set("beat", b"%d" % beat)
+                assert await store.get("beat") == b"%d" % beat
+                assert await store.compare_set("beat", b"%d" % beat, b"%d" % beat) == (
+                    True,
+                    b"%d" % beat,
+                )
+                took.append(time.monotonic() - started)
+            assert max(took) < 5.0, took  # etcd's own answer comes after 6 s
+            await store.close()
+
+        run(scenario())

@@ -21,6 +21,15 @@ cannot be reached (or that lost its cluster's leader) is left for the next one, 
 once per call; so is a member whose connection broke during a call, and the call is then
 sent again, except an ``add`` or ``append``: it may have been applied, so it fails with
 StoreConnectionError (as a TCPStore call whose connection broke does).
+
+Calls ask for a member with a leader (etcd's ``hasleader``): during an election a member
+answers "no leader" at once, and the call goes on to the next member after a short pause,
+until its deadline.  A write that a member forwarded to a leader that has just died is lost
+with it, and etcd answers only after its request timeout (5 s plus two elections): a read,
+a ``set`` or a ``compare_set`` with no answer after ``_FIRST_ANSWER`` seconds is sent again
+(each wait half as long again as the last), and reaches the leader elected meanwhile.  Else
+every daemon's heartbeat stood still for those seconds whenever etcd lost its leader, and
+the nodes were judged lost.
 """
 
 from __future__ import annotations
@@ -47,7 +56,11 @@ _MAX_BACKOFF = 2.0
 _REACH = 2.0  # seconds one member may take to accept a connection before the next is tried
 _QUIET_RACES = 3  # lost compare-and-set races retried at once; then with a random pause
 _RACE_PAUSE = 0.02
-_HAS_LEADER = (("hasleader", "true"),)  # etcd ends a watch on a member that lost its leader
+_HAS_LEADER = (("hasleader", "true"),)  # a member without a leader refuses the call at once
+_NO_LEADER = "etcdserver: no leader"
+_LEADERLESS_PAUSE = 0.1  # seconds between members that had no leader (an election runs)
+_FIRST_ANSWER = 0.5  # seconds a call that may be sent again waits for its first answer
+_ANSWER_GROWTH = 1.5  # each wait that long again: a slow answer still comes in the end
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 10_000),  # a member gone silent is noticed by calls in flight
@@ -168,10 +181,10 @@ class EtcdStore:
     # -- the store operations -------------------------------------------------------------
 
     async def get(self, key: str) -> bytes | None:
-        return _value(await self._kv("Range", _range(key)))
+        return _value(await self._kv("Range", _range(key), resend=True))
 
     async def set(self, key: str, value: bytes) -> None:
-        await self._kv("Put", rpc.PutRequest(key=_key(key), value=value))
+        await self._kv("Put", rpc.PutRequest(key=_key(key), value=value), resend=True)
 
     async def compare_set(
         self, key: str, expected: bytes | None, desired: bytes
@@ -182,7 +195,7 @@ class EtcdStore:
             if expected is None
             else _compare(key, rpc.Compare.VALUE, value=expected)
         )
-        reply = await self._txn([compare], [_put(key, desired)], [_op(_range(key))])
+        reply = await self._txn([compare], [_put(key, desired)], [_op(_range(key))], resend=True)
         if reply.succeeded:
             return True, desired
         current = _value(reply.responses[0].response_range)
@@ -191,7 +204,9 @@ class EtcdStore:
     async def add(self, key: str, amount: int) -> int:
         async with self._deadline(self.timeout):
             current = (
-                await self._add_one(key) if amount == 1 else await self._kv("Range", _range(key))
+                await self._add_one(key)
+                if amount == 1
+                else await self._kv("Range", _range(key), resend=True)
             )
             if isinstance(current, int):
                 return current
@@ -231,7 +246,7 @@ class EtcdStore:
 
     async def append(self, key: str, value: bytes) -> None:
         async with self._deadline(self.timeout):
-            current = await self._kv("Range", _range(key))
+            current = await self._kv("Range", _range(key), resend=True)
             await self._update(
                 key, current, lambda kv: (kv.value if kv is not None else b"") + value
             )
@@ -240,7 +255,7 @@ class EtcdStore:
         """The values in one Txn per 128 keys, sent together."""
         chunks = [keys[i : i + MAX_TXN_OPS] for i in range(0, len(keys), MAX_TXN_OPS)]
         replies = await gather(
-            *(self._txn([], [_op(_range(k)) for k in chunk], []) for chunk in chunks)
+            *(self._txn([], [_op(_range(k)) for k in chunk], [], resend=True) for chunk in chunks)
         )
         return [_value(op.response_range) for reply in replies for op in reply.responses]
 
@@ -252,7 +267,7 @@ class EtcdStore:
         from the revision after it (started again there on another member if one fails)."""
         ends = asyncio.get_running_loop().time() + max(timeout, 0.0)
         while True:
-            current = await self._kv("Range", _range(key))
+            current = await self._kv("Range", _range(key), resend=True)
             if current.kvs:
                 return True
             if timeout <= 0:
@@ -340,7 +355,9 @@ class EtcdStore:
             async with asyncio.timeout(timeout):
                 while True:
                     try:
-                        await self._kv("Range", rpc.RangeRequest(key=b"elasticd", count_only=True))
+                        await self._kv(
+                            "Range", rpc.RangeRequest(key=b"elasticd", count_only=True), resend=True
+                        )
                         return
                     except _Refused:
                         raise
@@ -356,19 +373,35 @@ class EtcdStore:
 
     # -- calls ----------------------------------------------------------------------------
 
-    async def _kv(self, method: str, request: Any, *, retry: bool = True) -> Any:
+    async def _kv(
+        self, method: str, request: Any, *, retry: bool = True, resend: bool = False
+    ) -> Any:
+        """``resend``: the call may be sent again while its first sending may still apply (a
+        read, a put of a value, a compare-and-set that reads its own value as a win)."""
+
         async def send(member: _Member, timeout: float) -> Any:
             return await getattr(member.kv, method)(
-                request, timeout=timeout, metadata=member.metadata
+                request, timeout=timeout, metadata=(member.metadata or ()) + _HAS_LEADER
             )
 
-        reply = await self._call(send, retry=retry)
+        reply = await self._call(send, retry=retry, resend=resend)
         self.revision = max(self.revision, reply.header.revision)
         return reply
 
-    async def _txn(self, compare: list, success: list, failure: list, *, retry: bool = True) -> Any:
+    async def _txn(
+        self,
+        compare: list,
+        success: list,
+        failure: list,
+        *,
+        retry: bool = True,
+        resend: bool = False,
+    ) -> Any:
         return await self._kv(
-            "Txn", rpc.TxnRequest(compare=compare, success=success, failure=failure), retry=retry
+            "Txn",
+            rpc.TxnRequest(compare=compare, success=success, failure=failure),
+            retry=retry,
+            resend=resend,
         )
 
     async def _update(self, key: str, current: Any, change: Callable[[Any], bytes]) -> bytes:
@@ -417,17 +450,37 @@ class EtcdStore:
         left = ends - asyncio.get_running_loop().time()
         return await self._call(send, deadline=max(left, 0.0) + self.timeout)
 
-    async def _call(self, send: Send, *, retry: bool = True, deadline: float | None = None) -> Any:
+    async def _call(
+        self,
+        send: Send,
+        *,
+        retry: bool = True,
+        resend: bool = False,
+        deadline: float | None = None,
+    ) -> Any:
         """``send(member, seconds left)`` to a member that answers, within ``deadline``
-        seconds; again to the next member when the one it went to failed, if ``retry``."""
+        seconds; again to the next member when the one it went to failed, if ``retry``, or
+        had no leader; again to the same one when it gave no answer in time, if ``resend``."""
         deadline = self.timeout if deadline is None else deadline
+        clock = asyncio.get_running_loop().time
         async with self._deadline(deadline):
-            ends = asyncio.get_running_loop().time() + deadline
-            for _ in range(len(self.endpoints) + 1):  # every member, and a renewed auth token
+            ends, wait = clock() + deadline, _FIRST_ANSWER
+            failures = 0
+            while failures <= len(self.endpoints):  # every member, and a renewed auth token
                 member = await self._chosen()
                 try:
-                    return await send(member, ends - asyncio.get_running_loop().time())
+                    async with asyncio.timeout(wait if resend else None):
+                        return await send(member, ends - clock())
+                except TimeoutError:  # no answer yet: sent again, to whichever leader is now
+                    if not resend:
+                        raise
+                    wait *= _ANSWER_GROWTH
+                    continue
                 except grpc.aio.AioRpcError as exc:
+                    if (exc.details() or "") == _NO_LEADER:  # not applied: safe to send again
+                        await self._leave(member)
+                        await asyncio.sleep(_LEADERLESS_PAUSE)
+                        continue
                     await self._failed(member, exc.code(), exc.details() or exc.code().name, retry)
                 except asyncio.CancelledError:
                     if _cancelled():
@@ -435,6 +488,7 @@ class EtcdStore:
                     await self._failed(
                         member, grpc.StatusCode.CANCELLED, "connection closed", retry
                     )
+                failures += 1
         raise StoreConnectionError(
             f"no etcd member of {', '.join(self.endpoints)} could serve "
             f"the call: {self._unreachable}"
