@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -117,3 +119,84 @@ def test_any_nesting_is_bounded(depth: int, opener: str) -> None:
     else:
         with pytest.raises(Undecodable, match="nested"):
             loads(raw, max_bytes=LIMIT)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        pytest.param('"' + "[" * 100000, "not JSON", id="an unterminated string nests nothing"),
+        pytest.param('"\\"' + "[" * 100000, "not JSON", id="an escaped quote does not end it"),
+        pytest.param(
+            '["\\\\"' + ",[" * 100, "nested", id="an escaped backslash leaves the quote closing"
+        ),
+        pytest.param('"\\' * 100000, "not JSON", id="backslashes and quotes that never close"),
+        pytest.param('"' * 100001 + "[" * 100, "not JSON", id="an odd quote left open"),
+        pytest.param("[1]" + "[" * 100, "not JSON", id="after the value ended"),
+        pytest.param("]" * 100 + "[" * 100, "not JSON", id="before any value began"),
+    ],
+)
+def test_the_nesting_is_judged_before_parsing_as_a_parser_would_read_it(
+    text: str, why: str
+) -> None:
+    """The text is scanned before the parser runs, so that it never recurses deeper than the
+    bound (near Python's recursion limit, a finalizer that runs meanwhile fails)."""
+    with pytest.raises(Undecodable, match=why):
+        loads(text, max_bytes=LIMIT)
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@settings(max_examples=1000)
+@given(st.text(alphabet='[]{}"\\:,1 a', max_size=40))
+def test_the_scan_before_parsing_refuses_no_value_within_the_bound(text: str) -> None:
+    """Whatever JSON decodes within the depth comes back; all else is refused."""
+    try:
+        expected = json.loads(text)
+    except ValueError:
+        with pytest.raises(Undecodable):
+            loads(text, max_bytes=LIMIT, max_depth=3)
+        return
+    if _depth(expected) <= 3:
+        assert loads(text, max_bytes=LIMIT, max_depth=3) == expected
+    else:
+        with pytest.raises(Undecodable, match="nested"):
+            loads(text, max_bytes=LIMIT, max_depth=3)
+
+
+def test_a_finalizer_that_runs_while_a_deep_text_is_refused_does_not_fail(monkeypatch) -> None:
+    """The garbage collector may run a finalizer anywhere; were the parser handed a text
+    nested thousands deep, one that ran near Python's recursion limit would fail (CI: three
+    at once failed a test here).  Collections are made to fall at every depth to ~1,000."""
+    failed: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: failed.append(repr(u.exc_value)))
+
+    def nest(levels: int) -> int:
+        return 0 if levels == 0 else nest(levels - 1)
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            nest(30)
+
+    text = "[" * 5000 + "]" * 5000
+    before = gc.get_threshold()
+    try:
+        for threshold in range(850, 1000, 5):
+            gc.collect()
+            for _ in range(5):
+                Cycle()
+            gc.set_threshold(threshold)
+            with pytest.raises(Undecodable, match="nested"):
+                loads(text, max_bytes=LIMIT)
+    finally:
+        gc.set_threshold(*before)
+        gc.collect()
+    assert failed == []

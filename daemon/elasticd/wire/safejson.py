@@ -26,47 +26,56 @@ class Undecodable(ValueError):
 
 def loads(raw: bytes | bytearray | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
     """The JSON value in ``raw``, or :class:`Undecodable`.  ``max_bytes`` bounds the input
-    (checked before any parsing), ``max_depth`` the nesting of lists and objects."""
+    (checked before any parsing), ``max_depth`` the nesting of lists and objects (checked
+    before parsing too: the parser recurses once a level, and near Python's recursion limit
+    any finalizer that the garbage collector runs meanwhile fails)."""
     if len(raw) > max_bytes:
         raise Undecodable(f"{len(raw)} bytes, more than {max_bytes}")
     try:
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise Undecodable("not UTF-8") from None
+    if _deeper_than(text, max_depth):
+        raise Undecodable(f"nested more than {max_depth} deep")
+    try:
         value = json.loads(
             text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int
         )
-    except RecursionError:
+    except RecursionError:  # a max_depth near Python's recursion limit
         raise Undecodable(f"nested more than {max_depth} deep") from None
-    except UnicodeDecodeError:
-        raise Undecodable("not UTF-8") from None
     except Undecodable:  # the hooks' refusals
         raise
     except ValueError as exc:  # JSONDecodeError; int()'s digit limit
         raise Undecodable(f"not JSON: {_short(exc)}") from None
-    if not _plainly_within(text, max_depth):
+    if (not text.isascii() or "\\u" in text) and _SURROGATE.search(text):  # ~20 ms a MB
         _check(value, max_depth)
     return value
 
 
 _SURROGATE = re.compile("\\\\u[dD][89abcdefABCDEF]|[\ud800-\udfff]")  # escaped, or in a str given
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A string, to its closing quote or else to the end (JSON fails there, so nothing after it
+# nests): wherever its loop stops, the rest matches, so nothing backtracks: linear time.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*\\?(?:"|\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
-def _plainly_within(text: str, max_depth: int) -> bool:
-    """Whether the text of a JSON value just decoded plainly holds no surrogate escape and
-    no nesting deeper than ``max_depth`` (its brackets counted outside its strings): a
-    scan of the text instead of a walk of every value; False sends the value to _check."""
-    if (not text.isascii() or "\\u" in text) and _SURROGATE.search(
-        text
-    ):  # the search is slow: ~20 ms a MB
-        return False
+def _deeper_than(text: str, max_depth: int) -> bool:
+    """Whether the text nests deeper than ``max_depth``, its brackets counted outside its
+    strings as a JSON parser reads them, up to where it would fail (or further: then it
+    fails either way)."""
     if text.count("[") + text.count("{") <= max_depth:
-        return True
-    depth = deepest = 0
+        return False
+    depth = 0
     for bracket in _NOT_BRACKET.sub("", _STRING.sub("", text)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest <= max_depth
+        if bracket in "[{":
+            depth += 1
+            if depth > max_depth:
+                return True
+        else:
+            depth -= 1
+            if depth <= 0:  # the value ended (or never began): JSON fails at what follows
+                return False
+    return False
 
 
 def _no_constant(name: str) -> Any:
