@@ -67,6 +67,7 @@ _MAX_RANGES = 65536  # byte ranges one fetch may ask for
 _MAX_CLAIMED = 64  # checkpoints a job's workers may be saving at once (``saving``, unlanded)
 _MAX_LOCAL = 4096  # workers a node's report may count
 _MAX_WAITS = 64  # a job's workers' ``wait``s at once
+_DROP_TRIES = 4  # a copy's drop, sent again after 1, 2 and 4 s: else it stays to the job's end
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
@@ -476,17 +477,31 @@ class CheckpointTier:
         manifest = jd.manifests.pop(name, None)
         if manifest is not None:
             self._publish(jd)
-        # its copy may have landed on the buddy before the rename (or been landing): it goes
+        # its copy may have landed on the buddy before the rename (or been landing, or landed
+        # while its sender failed): it goes
         keeper = manifest.copied_to if manifest is not None else None
-        keeper = keeper or (self._buddy(jd) if task is not None or was_landing else None)
+        known = manifest is not None or task is not None or was_landing
+        keeper = keeper or (self._buddy(jd) if known else None)
         if keeper:
             self._spawn("dropping", jd.job, functools.partial(self._drop_copy, keeper, jd, name))
 
     async def _drop_copy(self, keeper: str, jd: JobDir, name: str) -> None:
-        try:
-            await self._peers.drop(keeper, jd.job, name)
-        except Exception as exc:  # the keeper is gone or busy: it drops the copy at the job's end
-            log.debug("job %s: %s could not drop its copy of %s: %s", jd.job, keeper, name, exc)
+        for attempt in range(_DROP_TRIES):
+            try:
+                await self._peers.drop(keeper, jd.job, name)
+                return
+            except Exception as exc:  # the keeper is busy, or gone: it drops it at the job's end
+                if attempt + 1 == _DROP_TRIES:
+                    log.warning(
+                        "job %s: %s could not drop its copy of %s: %s",
+                        jd.job,
+                        keeper,
+                        name,
+                        exc,
+                        extra=about(jd.job),
+                    )
+                    return
+                await asyncio.sleep(2.0**attempt)
 
     def _went_away(self, jd: JobDir, name: str) -> None:
         """``name`` was deleted or renamed while it landed: no news.  Forgotten by the task
