@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Protocol, TypeVar
 
+from elasticd.aio import back_off
 from elasticd.core import checkpoints as cp
 from elasticd.core import events as ev
 from elasticd.core.model import JobSpec
@@ -501,7 +502,7 @@ class CheckpointTier:
                         extra=about(jd.job),
                     )
                     return
-                await asyncio.sleep(2.0**attempt)
+                await back_off(2.0**attempt)
 
     def _went_away(self, jd: JobDir, name: str) -> None:
         """``name`` was deleted or renamed while it landed: no news.  Forgotten by the task

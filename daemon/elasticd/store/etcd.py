@@ -45,7 +45,7 @@ import grpc
 import grpc.aio
 from aetcd import rpc
 
-from elasticd.aio import gather
+from elasticd.aio import back_off, gather
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreError, StoreTimeout
 from elasticd.store.base import check_compare_value, junk_counter
@@ -479,7 +479,7 @@ class EtcdStore:
                 except grpc.aio.AioRpcError as exc:
                     if (exc.details() or "") == _NO_LEADER:  # not applied: safe to send again
                         await self._leave(member)
-                        await asyncio.sleep(_LEADERLESS_PAUSE)
+                        await back_off(_LEADERLESS_PAUSE)
                         continue
                     await self._failed(member, exc.code(), exc.details() or exc.code().name, retry)
                 except asyncio.CancelledError:
