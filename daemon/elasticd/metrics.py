@@ -182,7 +182,14 @@ class Metrics:
         )
         self.checkpoint_restores = Counter(
             "elasticd_checkpoint_restores_total",
-            "Checkpoint files put in place for a restarted round, by where they came from",
+            "Checkpoint files put in place for a restarted round or fetched for a reader, by "
+            "where they came from",
+            ["source"],
+            registry=reg,
+        )
+        self.checkpoint_restored_bytes = Counter(
+            "elasticd_checkpoint_restored_bytes",
+            "Bytes of those files (a reader's: only the byte ranges it fetched), by source",
             ["source"],
             registry=reg,
         )
@@ -424,8 +431,9 @@ class Metrics:
             with contextlib.suppress(KeyError):
                 self.checkpoint_bytes.remove(job)
 
-    def checkpoint_restored(self, source: str) -> None:
+    def checkpoint_restored(self, source: str, nbytes: int) -> None:
         self.checkpoint_restores.labels(source).inc()
+        self.checkpoint_restored_bytes.labels(source).inc(nbytes)
 
     def output_dropped(self, nbytes: int, why: str) -> None:
         self.output_dropped_bytes.labels(why).inc(nbytes)

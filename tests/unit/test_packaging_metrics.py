@@ -90,7 +90,7 @@ def _exercised() -> Metrics:
     m.checkpoint_saved(0.4, 0.2)
     m.checkpoint_on_disk(1.5)
     m.checkpoint_held("j-1a2b3c", 1 << 20)
-    m.checkpoint_restored("copy")
+    m.checkpoint_restored("copy", 1 << 20)
     return m
 
 

@@ -125,7 +125,7 @@ class TierMetrics(Protocol):
     def checkpoint_saved(self, seconds: float, copied: float | None) -> None: ...
     def checkpoint_on_disk(self, seconds: float) -> None: ...
     def checkpoint_held(self, job: str, nbytes: int) -> None: ...
-    def checkpoint_restored(self, source: str) -> None: ...
+    def checkpoint_restored(self, source: str, nbytes: int) -> None: ...
 
 
 class NoMetrics:
@@ -138,7 +138,7 @@ class NoMetrics:
     def checkpoint_held(self, job: str, nbytes: int) -> None:
         pass
 
-    def checkpoint_restored(self, source: str) -> None:
+    def checkpoint_restored(self, source: str, nbytes: int) -> None:
         pass
 
 
@@ -920,7 +920,7 @@ class CheckpointTier:
                 if why:
                     tried.append(f"{holder}: {why}")
                     continue
-                self._metrics.checkpoint_restored(where)
+                self._metrics.checkpoint_restored(where, facts.size)
                 return ""
             except Exception as exc:
                 tried.append(f"{holder}: {exc}")
@@ -945,7 +945,7 @@ class CheckpointTier:
             with jd.rights(), contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
             if not why:
-                self._metrics.checkpoint_restored("disk")
+                self._metrics.checkpoint_restored("disk", facts.size)
                 return ""
             tried.append(f"disk {on_disk}: {why}")
         else:
@@ -1250,7 +1250,9 @@ class CheckpointTier:
             finally:
                 os.close(fd)
             have.extend(lacking)
-            self._metrics.checkpoint_restored("memory" if holder == owner else "copy")
+            self._metrics.checkpoint_restored(
+                "memory" if holder == owner else "copy", sum(length for _, length in lacking)
+            )
         return into
 
     async def _fetch_ranges(
