@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 from harness import PY, ROOT
-from store_attack import Cluster, wait_for
+from store_attack import Cluster, metric, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +84,9 @@ def report(shared_tmp: Path) -> Path:
     path = shared_tmp / "report"
     path.mkdir(mode=0o777)
     return path
+
+
+RESTORED = "elasticd_checkpoint_restored_bytes_total"  # fetched for a reader, by source
 
 
 def cluster_of(daemon_factory: Any, shared_tmp: Path, roles: str, prefix: str) -> Cluster:
@@ -190,9 +193,11 @@ def final_sha(report: Path, world: int) -> str:
 def test_a_lost_node_re_forms_in_place_resharded_bitwise_as_from_disk(
     daemon_factory: Any, shared_tmp: Path, report: Path, lost: str
 ) -> None:
-    """The node of the last rank (the survivors keep their ranks) or of rank 0 (they all
-    move down: a rank whose shard of the head, one row over three ranks, was empty now
-    needs the row, which only the lost node held)."""
+    """The node of the last rank or of rank 0 (a rank whose shard of the head, one row over
+    three ranks, was empty now needs the row, which only the lost node held).  Either way
+    the keeper of the lost node's copy takes the new rank that reads the lost share: the
+    last one (the survivors swap: kept in order, they would fetch half the state) or rank
+    0 (they keep their order)."""
     cluster = cluster_of(daemon_factory, shared_tmp, "abc", "shard").start()
     a = cluster[0]
     disk = shared_tmp / "disk"
@@ -228,6 +233,17 @@ def test_a_lost_node_re_forms_in_place_resharded_bitwise_as_from_disk(
     assert {e["step"] for e in two.values()} == {hold}, two
     assert {e["loaded"] for e in two.values()} == {held["id"]}, (two, held)
     assert {e["checksum"] for e in two.values()} == stepped_checksums(report, hold, killed_at)
+    keeper = held["copies"][c.name]
+    ranks = {where[pid]: e["rank"] for pid, e in two.items()}
+    assert ranks[keeper] == (0 if lost == "rank-0" else 1), (ranks, held["copies"])
+    # the lost share was read where its copy is: kept in their old order, the survivors
+    # would fetch all of it from the copy (the last rank lost); what does travel from a
+    # copy is what every rank reads, DCP's metadata where the lost node wrote it (rank 0)
+    fetched = {
+        source: sum(metric(d, f'{RESTORED}{{source="{source}"}}') for d in cluster if d is not c)
+        for source in ("copy", "memory")
+    }
+    assert fetched["copy"] < held["size"] / 3 / 2 and fetched["memory"] > 0, (fetched, held)
     ended = a.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 300)
     assert ended["state"] == "SUCCEEDED", ended
     assert a.ctl("status", job)["restarts"] == 0, "a lost node spends no restart"

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from elasticd.core.checkpoints import Holding
 from elasticd.errors import RendezvousStateError, TamperedRecord
 from elasticd.rendezvous.state import (
     Announcement,
@@ -26,7 +27,10 @@ STATE = RendezvousState(
     closed=False,
     reason="node_lost",
     restarts_used=2,
-    participants={"b": Participant("10.0.0.2", 8, 29500), "a": Participant("10.0.0.1", 4, 0)},
+    participants={
+        "b": Participant("10.0.0.2", 8, 29500),
+        "a": Participant("10.0.0.1", 4, 0, Holding("step_40", 12, (0, 1, 2, 3, 8, 9))),
+    },
     wait_list={"c": Participant("10.0.0.3", 1, 0)},
     order=("b", "a"),
     expected=(),
@@ -45,6 +49,11 @@ def test_encoding_is_plain_json_with_a_schema_version():
     body = encode(STATE)
     assert body["schema"] == 1
     assert body["participants"]["b"] == {"addr": "10.0.0.2", "nproc": 8, "master_port": 29500}
+    assert body["participants"]["a"]["holds"] == {
+        "checkpoint": "step_40",
+        "world": 12,
+        "ranks": [0, 1, 2, 3, 8, 9],
+    }
     assert json.loads(json.dumps(body)) == body
 
 
@@ -67,6 +76,15 @@ def test_unknown_schema_version_is_refused():
         lambda b: b["participants"].update(b={"addr": "x", "nproc": "8", "master_port": 1}),
         lambda b: b["participants"].update(b={"addr": "x", "nproc": 8}),
         lambda b: b.update(version=True),
+        lambda b: b["participants"]["a"].update(holds=[]),
+        lambda b: b["participants"]["a"]["holds"].update(ranks=[12]),
+        lambda b: b["participants"]["a"]["holds"].update(ranks=[1, 0]),
+        lambda b: b["participants"]["a"]["holds"].update(ranks=[0, 0]),
+        lambda b: b["participants"]["a"]["holds"].update(ranks=[True]),
+        lambda b: b["participants"]["a"]["holds"].update(world=0, ranks=[]),
+        lambda b: b["participants"]["a"]["holds"].update(checkpoint="../x"),
+        lambda b: b["participants"]["a"]["holds"].update(checkpoint=""),
+        lambda b: b["participants"]["a"]["holds"].pop("world"),
     ],
 )
 def test_malformed_state_is_refused(damage):

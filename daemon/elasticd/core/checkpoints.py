@@ -293,6 +293,27 @@ def buddy(node: str, members: Iterable[str], domains: Mapping[str, str]) -> str 
     return (other or after)[0]
 
 
+@dataclass(frozen=True)
+class Holding:
+    """The part of a job's state a node holds in memory: the parts that ranks ``ranks`` of
+    ``world`` saved of checkpoint ``checkpoint``, its own workers' and the copies it keeps.
+    A joining node declares it: the round's ranks go where it moves the least
+    (rendezvous/locality.py)."""
+
+    checkpoint: str
+    world: int
+    ranks: tuple[int, ...]
+
+
+def holding(found: Iterable[Manifest], node: str) -> Holding | None:
+    """What ``node`` holds of the newest complete DCP checkpoint; None where nothing."""
+    latest = latest_complete(found)
+    if latest is None:
+        return None
+    ranks = {r for m in latest.shares.values() if node in (m.node, m.copied_to) for r in m.ranks}
+    return Holding(latest.id, latest.world, tuple(sorted(ranks))) if ranks else None
+
+
 def to_delete(local: Iterable[str], found: Iterable[Manifest], writing: Iterable[str]) -> set[str]:
     """The entries of this node's directory (and its copies) to delete: those older than the
     newest complete checkpoint.  What is being written now (``writing``) is kept, as is any

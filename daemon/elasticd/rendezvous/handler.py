@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elasticd.aio import BackOff, back_off
+from elasticd.core.checkpoints import Holding
 from elasticd.core.liveness import Beat
 from elasticd.errors import (
     NotACounter,
@@ -201,16 +202,21 @@ class RendezvousHandler:
     # -- joining ---------------------------------------------------------------------------
 
     async def next_rendezvous(
-        self, nproc: int, master_port: int, scheduled: Iterable[str] = ()
+        self,
+        nproc: int,
+        master_port: int,
+        scheduled: Iterable[str] = (),
+        holds: Holding | None = None,
     ) -> RendezvousInfo:
         """Join the current round (or the next one) and return once a round that includes this
         node is complete.  To leave a complete round for the next one, first call
         :meth:`request_next_round`; calling this again in a complete round that includes this
         node returns that round again.  ``scheduled``: the nodes the cluster's schedule gives
-        the job; a round that holds them all closes at once, with no last call."""
+        the job; a round that holds them all closes at once, with no last call.  ``holds``:
+        what this node holds of the job's state (its ranks go where it moves the least)."""
         self._check_running()
         view = View(
-            record=Participant(self.addr, nproc, master_port),
+            record=Participant(self.addr, nproc, master_port, holds),
             deadline=self._clock() + self._settings.join_timeout,
             scheduled=frozenset(scheduled),
         )

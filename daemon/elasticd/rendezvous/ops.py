@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from elasticd.core.liveness import Beat, observe, silent
+from elasticd.rendezvous.locality import by_locality
 from elasticd.rendezvous.state import (
     CHARGED,
     Announcement,
@@ -180,10 +181,12 @@ def complete(
     settings: RendezvousSettings,
     view: View,
 ) -> RendezvousState:
-    """Fix the ranks: survivors first in their old order, then new nodes by name; nodes
-    beyond max_nodes go to the wait list."""
+    """Fix the ranks: survivors first in their old order (or in the order that leaves the
+    least of the job's state to fetch: ``locality``), then new nodes by name; nodes beyond
+    max_nodes go to the wait list."""
     ranked = rank_order(state.order, nodes)
     members, spares = ranked[: settings.max_nodes], ranked[settings.max_nodes :]
+    members = by_locality(members, len(set(members) & set(state.order)), nodes)
     return state.next(
         complete=True,
         participants={n: nodes[n] for n in members},

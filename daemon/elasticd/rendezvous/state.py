@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from elasticd.core.checkpoints import Holding, valid_name
 from elasticd.core.liveness import KeepAlive
 from elasticd.core.tables import IllegalTransition, StateTable
 from elasticd.errors import RendezvousStateError
@@ -92,6 +93,7 @@ class Participant:
     addr: str
     nproc: int
     master_port: int
+    holds: Holding | None = None
 
 
 @dataclass(frozen=True)
@@ -323,15 +325,24 @@ def decode_announcement(body: Any) -> Announcement:
 
 
 def _encode_participant(participant: Participant) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "addr": participant.addr,
         "nproc": participant.nproc,
         "master_port": participant.master_port,
     }
+    held = participant.holds
+    if held is not None:
+        out["holds"] = {
+            "checkpoint": held.checkpoint,
+            "world": held.world,
+            "ranks": list(held.ranks),
+        }
+    return out
 
 
 def _decode_participant(body: Any) -> Participant:
-    if type(body) is dict:  # the common case first: a state names every node of a round
+    if type(body) is dict and "holds" not in body:  # the common case first: a state names
+        # every node of a round
         addr, nproc, port = body.get("addr"), body.get("nproc"), body.get("master_port")
         if (
             type(addr) is str
@@ -343,8 +354,28 @@ def _decode_participant(body: Any) -> Participant:
             return Participant(addr, nproc, port)
     fields = _object(body, "participant")  # raises, naming what is wrong
     return Participant(
-        _typed(fields, "addr", str), _int(fields, "nproc"), _int(fields, "master_port")
+        _typed(fields, "addr", str),
+        _int(fields, "nproc"),
+        _int(fields, "master_port"),
+        None if fields.get("holds") is None else _decode_holding(fields["holds"]),
     )
+
+
+def _decode_holding(body: Any) -> Holding:
+    fields = _object(body, "holding")
+    name, world = _typed(fields, "checkpoint", str), _int(fields, "world")
+    ranks = fields.get("ranks")
+    if (
+        world < 1
+        or not valid_name(name)
+        or not isinstance(ranks, list)
+        or not all(type(r) is int and 0 <= r < world for r in ranks)
+        or ranks != sorted(set(ranks))
+    ):
+        raise RendezvousStateError(
+            "rendezvous holding is not a checkpoint's name and its sorted ranks below its world"
+        )
+    return Holding(name, world, tuple(ranks))
 
 
 def _participants(fields: Mapping[str, Any], name: str) -> dict[str, Participant]:

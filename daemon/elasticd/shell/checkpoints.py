@@ -1279,6 +1279,11 @@ class CheckpointTier:
                 errors.append(f"{holder}: {exc}")
         raise OSError(f"no node holding {checkpoint.id}/{name} answers: {errors}")
 
+    def holding(self, job: str) -> cp.Holding | None:
+        """What this node holds of ``job``'s newest complete checkpoint (None: nothing)."""
+        jd = self._jobs.get(job)
+        return None if jd is None else cp.holding(jd.found(), self.settings.node)
+
     # -- what status shows ---------------------------------------------------------------------
 
     def held(self, job: str) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from elasticd.core import events as ev
 from elasticd.core import instructions as do
+from elasticd.core.checkpoints import Holding
 from elasticd.core.discovery import Listing
 from elasticd.core.events import stimulus_kind
 from elasticd.core.hang import HungRank, where
@@ -280,10 +281,16 @@ class NodeShell:
         self._op(
             join.job,
             join.op,
-            part.rdzv.next_rendezvous(join.nproc, port, join.scheduled),
+            part.rdzv.next_rendezvous(join.nproc, port, join.scheduled, self._holding(join.job)),
             lambda info: self._round_joined(join.job, join.op, info),
             fail,
         )
+
+    def _holding(self, job: str) -> Holding | None:
+        """What this node holds of the job's newest complete checkpoint, for its rendezvous
+        record (the round's ranks go where the state is)."""
+        tier = self._effectors.tier
+        return None if tier is None else tier.holding(job)
 
     def _round_joined(self, job: str, op: int, info: Any) -> ev.Event:
         """A round formed with this node: the failure detector watches its members."""
