@@ -4,6 +4,7 @@
 
 - ``saving`` then ``saved``: the share is described as its workers said (round, world,
   rank), not as the node's round is, and completes; ``wait`` answers when it is complete;
+  ``fetch`` with ``here_only`` names the files held here, with no transfer;
 - what a worker may not say (a checkpoint that is no directory, a file that is not there, a
   rank out of its world, more reports than the node's workers, a negative timeout, an
   unknown op) gets a clear error, and the daemon answers on;
@@ -41,6 +42,9 @@ def test_workers_say_what_they_save_and_bad_requests_get_clear_errors(
     assert (latest["id"], latest["round"], latest["world"]) == ("commit_a", 7, 1), latest
     assert sorted(latest["files"]) == [".metadata", "__0_0.distcp"]
     assert answers["wait_unknown"] == {"ok": True, "complete": False}
+    # the files held here, without a transfer: a one-node job's are all here
+    here = answers["here_only"]["paths"]
+    assert list(here) == ["__0_0.distcp"] and here["__0_0.distcp"].endswith("commit_a/__0_0.distcp")
 
     def refused(name: str, needle: str) -> None:
         answer = answers[name]
@@ -53,6 +57,7 @@ def test_workers_say_what_they_save_and_bad_requests_get_clear_errors(
     refused("saved_too_many_reports", "more reports")
     refused("wait_negative", "timeout must be")
     refused("unknown_op", "unknown op")
+    refused("here_only_past_the_end", "no such range")
     waits = answers["waits"]
     assert waits["refused"] >= 1 and waits["answered"] >= 60, waits
     assert all("waits of this job" in error for error in waits["errors"]), waits

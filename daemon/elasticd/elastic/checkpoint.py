@@ -31,6 +31,7 @@ for its old round after its node was placed in a new one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import io
@@ -42,9 +43,9 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .broadcast import pack, raw_view, unpack
+
+T = TypeVar("T")
 
 TIER_ENV = "ELASTICD_CHECKPOINT_DIR"
 ROUND_ENV = "ELASTICD_ROUND"
@@ -170,13 +173,18 @@ class Tier:
             )
         return bool(answer["complete"])
 
-    def fetch(self, ident: str, ranges: list[tuple[str, int, int]]) -> dict[str, str]:
+    def fetch(
+        self, ident: str, ranges: list[tuple[str, int, int]], *, here_only: bool = False
+    ) -> dict[str, str]:
         """Where to read ``ranges`` (file, offset, length) of the newest complete checkpoint
-        ``ident`` from, at the same offsets: file -> a path (fetched now when not here)."""
+        ``ident`` from, at the same offsets: file -> a path (fetched now when not here).
+        ``here_only``: only the files this node holds (its own, the copies it keeps): no
+        transfer, and the others left out."""
         paths: dict[str, str] = {}
         for start in range(0, len(ranges), _MAX_RANGES):
             batch = [list(r) for r in ranges[start : start + _MAX_RANGES]]
-            answer = self.ask({"op": "fetch", "id": ident, "ranges": batch}, 600.0)
+            request = {"op": "fetch", "id": ident, "ranges": batch}
+            answer = self.ask(request | ({"here_only": True} if here_only else {}), 600.0)
             paths.update({str(k): str(v) for k, v in answer["paths"].items()})
         return paths
 
@@ -503,6 +511,20 @@ def _metadata_doc(metadata: Metadata, stored: Mapping[MetadataIndex, Stored]) ->
     return {"format": FORMAT, "tensors": tensors, "values": values, "paths": paths}
 
 
+def in_background(work: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
+    """``work()`` on a daemon thread: one blocked on a dead peer never holds the exit."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def body() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=body, daemon=True, name=name).start()
+    return future
+
+
 # -- the reader ----------------------------------------------------------------------------------
 
 
@@ -592,29 +614,14 @@ class TierReader(StorageReader):
             self.read += length
             if length:
                 wanted.setdefault(stored.file, []).append((offset, length))
-        paths = self._paths(wanted)
-        maps = {file: _map(path) for file, path in paths.items()}
+        paths, fetching = self._here_then_fetched(wanted)
+        maps: dict[str, mmap.mmap] = {}
         try:
-            for item, stored, offset, length, shape in reads:
-                if item.type == LoadItemType.BYTE_IO:
-                    data = maps[stored.file][offset : offset + length] if length else b""
-                    planner.load_bytes(item, io.BytesIO(data))
-                    continue
-                target = planner.resolve_tensor(item).detach()
-                if length:
-                    source = _view(maps[stored.file], offset, length, stored.dtype, shape)
-                    for dim in range(1, len(shape)):
-                        source = source.narrow(
-                            dim, int(item.storage_offsets[dim]), int(item.lengths[dim])
-                        )
-                    if target.shape != source.shape:
-                        raise ValueError(
-                            f"{item.storage_index.fqn}: read {tuple(source.shape)}, "
-                            f"the plan wants {tuple(target.shape)}"
-                        )
-                    target.copy_(source)
-                    del source
-                planner.commit_tensor(item, target)
+            # what is here first, while the rest comes over the network
+            self._read_into(planner, [r for r in reads if r[1].file in paths], paths, maps)
+            if fetching is not None:
+                paths.update(fetching.result())
+            self._read_into(planner, [r for r in reads if r[1].file not in maps], paths, maps)
         finally:
             for mapped in maps.values():
                 try:
@@ -624,6 +631,61 @@ class TierReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_into(
+        self,
+        planner: LoadPlanner,
+        reads: list[tuple[ReadItem, Stored, int, int, tuple[int, ...]]],
+        paths: Mapping[str, str],
+        maps: dict[str, mmap.mmap],
+    ) -> None:
+        for item, stored, offset, length, shape in reads:
+            if length and stored.file not in maps:
+                maps[stored.file] = _map(paths[stored.file])
+            if item.type == LoadItemType.BYTE_IO:
+                data = maps[stored.file][offset : offset + length] if length else b""
+                planner.load_bytes(item, io.BytesIO(data))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            if length:
+                source = _view(maps[stored.file], offset, length, stored.dtype, shape)
+                for dim in range(1, len(shape)):
+                    source = source.narrow(
+                        dim, int(item.storage_offsets[dim]), int(item.lengths[dim])
+                    )
+                if target.shape != source.shape:
+                    raise ValueError(
+                        f"{item.storage_index.fqn}: read {tuple(source.shape)}, "
+                        f"the plan wants {tuple(target.shape)}"
+                    )
+                target.copy_(source)
+                del source
+            planner.commit_tensor(item, target)
+
+    def _here_then_fetched(
+        self, wanted: Mapping[str, list[tuple[int, int]]]
+    ) -> tuple[dict[str, str], concurrent.futures.Future[dict[str, str]] | None]:
+        """The wanted files this node holds (in this directory, or the copies its daemon
+        keeps of other nodes'), and the fetch of the others' ranges from the nodes that hold
+        them, begun on a thread of its own: the reader copies what is here meanwhile."""
+        paths = {f: os.path.join(self.path, f) for f in wanted}
+        paths = {f: path for f, path in paths.items() if os.path.exists(path)}
+        ranges = [
+            (file, offset, length)
+            for file, spans in wanted.items()
+            if file not in paths
+            for offset, length in _merged(spans)
+        ]
+        if not ranges:
+            return paths, None
+        tier = self._tier()
+        paths.update(tier.fetch(self.name, ranges, here_only=True))
+        lacking = [r for r in ranges if r[0] not in paths]
+        for file, _, length in lacking:
+            self.fetched[file] = self.fetched.get(file, 0) + length
+        if not lacking:
+            return paths, None
+        return paths, in_background(lambda: tier.fetch(self.name, lacking), "elasticd-fetch")
 
     def _paths(self, wanted: Mapping[str, list[tuple[int, int]]]) -> dict[str, str]:
         """Each wanted file's path: here, else fetched (its ranges) through the tier."""

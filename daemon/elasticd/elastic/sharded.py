@@ -32,9 +32,7 @@ import logging
 import os
 import re
 import shutil
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -120,8 +118,9 @@ class ShardedCommits:
         staged = self._stage(state)
         writer = checkpoint.TierWriter(ident.name, tier=self.tier, place=checkpoint.Place.here())
         planner = checkpoint.TierSavePlanner()
-        self.writing = _in_background(
-            lambda: dcp.save(staged, storage_writer=writer, planner=planner, process_group=group)
+        self.writing = checkpoint.in_background(
+            lambda: dcp.save(staged, storage_writer=writer, planner=planner, process_group=group),
+            "elasticd-commit",
         )
         self.last, self.trusted, self.pending = ident, True, ident
         self.timings = {"waited": waited - started, "staged": time.monotonic() - waited}
@@ -368,20 +367,6 @@ def give_state_to_load(model: torch.nn.Module, optimizer: Any, metadata: Metadat
     for owner, fields in made.items():
         optimizer.state[owner] = fields
     return bool(made)
-
-
-def _in_background(work: Callable[[], Any]) -> Future[Any]:
-    """``work()`` on a daemon thread: a write blocked on a dead peer never holds the exit."""
-    future: Future[Any] = Future()
-
-    def body() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=body, daemon=True, name="elasticd-commit").start()
-    return future
 
 
 def _everyone(ok: bool) -> bool:

@@ -1141,7 +1141,12 @@ class CheckpointTier:
             wanted.setdefault(name, []).append((int(offset), int(length)))
         paths = {}
         for name, spans in wanted.items():
-            paths[name] = await self._ranges(jd, latest, name, spans)
+            if request.get("here_only") is True:  # no transfer: the reader reads these first
+                held = self._held_here(jd, latest, name)
+                if held is not None:
+                    paths[name] = held
+            else:
+                paths[name] = await self._ranges(jd, latest, name, spans)
         return {"ok": True, "paths": paths}
 
     def _saving(self, jd: JobDir, request: Mapping[str, Any]) -> None:
@@ -1229,15 +1234,10 @@ class CheckpointTier:
     ) -> str:
         """Where the reader finds ``spans`` of ``name``: the whole file here, or a sparse
         file they were fetched into from a node that holds it."""
-        whole = os.path.join(jd.path, checkpoint.id, name)
-        facts = checkpoint.files()[name]
+        here = self._held_here(jd, checkpoint, name)
+        if here is not None:
+            return here
         owner = next(node for node, m in checkpoint.shares.items() if name in m.files)
-        copy = _copy_path(jd.path, owner, checkpoint.id, name)
-        with jd.rights():
-            if _sizes(os.path.dirname(whole)).get(name) == facts.size:
-                return whole
-            if os.path.exists(copy):
-                return copy
         into = os.path.join(jd.path, RANGES, checkpoint.id, name)
         have = jd.fetched.setdefault((checkpoint.id, name), [])
         lacking = _subtract(sorted(spans), have)
@@ -1254,6 +1254,18 @@ class CheckpointTier:
                 "memory" if holder == owner else "copy", sum(length for _, length in lacking)
             )
         return into
+
+    def _held_here(self, jd: JobDir, checkpoint: cp.Checkpoint, name: str) -> str | None:
+        """``name`` whole in this node's directory, or the copy kept here; None."""
+        whole = os.path.join(jd.path, checkpoint.id, name)
+        owner = next(node for node, m in checkpoint.shares.items() if name in m.files)
+        copy = _copy_path(jd.path, owner, checkpoint.id, name)
+        with jd.rights():
+            if _sizes(os.path.dirname(whole)).get(name) == checkpoint.files()[name].size:
+                return whole
+            if os.path.exists(copy):
+                return copy
+        return None
 
     async def _fetch_ranges(
         self,
