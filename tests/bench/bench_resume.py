@@ -37,6 +37,8 @@ system would (tmpfs pages are not dropped: they are the tier).  Figures, per run
 - *resumed*: the kill -> the last survivor's first step at world 2 (everything: the loss
   noticed, the workers stopped, the rendezvous, Python and torch imported, the load);
 - *stall*: the last step any rank took before the kill -> the same;
+- *loaded*: that last step -> both ranks at 2 have built their model and loaded the state
+  (the stall less the first step at 2, which is the script's and the machine's);
 - *loaded at*: the step the world of 2 resumed from; *lost*: the newest step any rank had
   taken before the kill minus it (steps to redo); *kept*: survivors in their own process.
 
@@ -225,10 +227,13 @@ def node_loss(system: Any, run: Run, args: argparse.Namespace) -> dict[str, floa
         raise recovery.Unmeasured(f"the ranks resumed from different steps: {loaded}")
     at = loaded.pop()
     back = max(e["time"] for e in found["firsts"].values())
+    ready = max(e["time"] for e in found["starts"].values())
     survivors = {e["pid"] for e in found["starts"].values()} & {e["pid"] for e in before}
+    last = max(e["time"] for e in before)
     return {
         "resumed": back - t0,
-        "stall": back - max(e["time"] for e in before),
+        "stall": back - last,
+        "loaded": ready - last,
         "loaded at": float(at),
         "lost": float(max(e["step"] for e in before) - at),
         "kept": float(len(survivors)),
@@ -308,23 +313,26 @@ def main() -> None:
         f"medians of {args.runs} runs"
     )
     print(
-        f"{'system':<24} {'resumed (s)':>12} {'stall (s)':>10} {'steps lost':>11} "
-        f"{'kept':>5} {'runs':>5}"
+        f"{'system':<24} {'resumed (s)':>12} {'stall (s)':>10} {'loaded (s)':>11} "
+        f"{'steps lost':>11} {'kept':>5} {'runs':>5}"
     )
     for name, runs in results.items():
         good = [r for r in runs if "unmeasured" not in r]
         if not good:
-            print(f"{name:<24} {'-':>12} {'-':>10} {'-':>11} {'-':>5} {0:>5}  ", end="")
+            print(f"{name:<24} {'-':>12} {'-':>10} {'-':>11} {'-':>11} {'-':>5} {0:>5}  ", end="")
             print(f"({runs[0]['unmeasured']})")
             continue
         figure = {key: statistics.median(r[key] for r in good) for key in good[0]}
         print(
             f"{name:<24} {figure['resumed']:12.2f} {figure['stall']:10.2f} "
-            f"{figure['lost']:11.0f} {figure['kept']:5.0f} {len(good):>5}"
+            f"{figure['loaded']:11.2f} {figure['lost']:11.0f} {figure['kept']:5.0f} "
+            f"{len(good):>5}"
         )
     print(
         "resumed: the kill -> both survivors' first step at 2; stall: the last step any rank "
-        "took before the kill -> the same; kept: survivors that kept their process; "
+        "took before the kill -> the same; loaded: that last step -> both ranks at 2 built "
+        "their model and loaded the state (the stall less the first step at 2); kept: "
+        "survivors that kept their process; "
         f"in place commits every {args.commit_every} step(s), the others save every "
         f"{args.save_every}"
     )
