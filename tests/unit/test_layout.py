@@ -37,6 +37,7 @@ ROOMS: dict[str, tuple[int, tuple[str, ...]]] = {
             "elasticd.rendezvous",
             "elasticd.rendezvous.state",
             "elasticd.rendezvous.ops",
+            "elasticd.rendezvous.locality",
         ),
     ),
     "jobs": (4, ("elasticd.jobs",)),
