@@ -222,6 +222,8 @@ def test_a_lost_node_re_forms_in_place_resharded_bitwise_as_from_disk(
     name = wait_for(lambda: commit_at(report, hold, set(three)), 180, f"a commit at {hold}")
     held = complete(a, job, name, on_disk=True)
     assert held["world"] == 3 and all(held["copies"].values()), held
+    for daemon in cluster:  # every node's view, which its rendezvous record declares
+        complete(daemon, job, name)
     survivors = {pid for pid in three if where[pid] != c.name}
     if c is a:
         a = next(d for d in cluster if d is not c)

@@ -16,7 +16,9 @@ from elasticd.rendezvous.state import Participant, RendezvousSettings, Rendezvou
 CKPT = "elastic-3-40"
 
 
-def ring_holdings(nodes: list[str], nproc: int = 1, ckpt: str = CKPT) -> dict[str, Holding]:
+def ring_holdings(
+    nodes: list[str], nproc: int = 1, ckpt: str = CKPT, saved: float = 2.0
+) -> dict[str, Holding]:
     """What each node holds with the tier's copy placement: its own ranks and the copy of
     the node before it (each node's copy goes to the next one)."""
     world = nproc * len(nodes)
@@ -26,7 +28,7 @@ def ring_holdings(nodes: list[str], nproc: int = 1, ckpt: str = CKPT) -> dict[st
         keeper = buddy(n, nodes, {})
         assert keeper is not None
         held[keeper] |= own[n]
-    return {n: Holding(ckpt, world, tuple(sorted(held[n]))) for n in nodes}
+    return {n: Holding(ckpt, world, tuple(sorted(held[n])), 3, saved) for n in nodes}
 
 
 def records(holds: dict[str, Holding | None], nproc: int = 1) -> dict[str, Participant]:
@@ -91,17 +93,22 @@ def test_newcomers_stay_after_the_survivors_and_rank_0_is_a_survivor():
     assert order[-1] == "new" and set(order[:3]) == {"n1", "n2", "n3"}
 
 
-def test_the_checkpoint_most_survivors_hold_counts_and_another_one_is_nothing():
+def test_the_newest_checkpoint_held_counts_and_an_older_one_is_nothing():
     nodes = ["n1", "n2", "n3", "n4"]
-    fresh, stale = ring_holdings(nodes), ring_holdings(nodes, ckpt="elastic-3-39")
+    # the older one's name sorts after the newer one's: names do not order checkpoints
+    fresh, stale = (
+        ring_holdings(nodes, ckpt="elastic-3-10"),
+        ring_holdings(nodes, ckpt="elastic-3-9", saved=1.0),
+    )
     survivors = ["n1", "n2", "n3"]  # n4 lost: its copy is on n1
     assert by_locality(survivors, 3, records(fresh)) == ["n2", "n3", "n1"]
-    mixed = records({"n1": fresh["n1"], "n2": fresh["n2"], "n3": stale["n3"]})
+    lagging = records({"n1": fresh["n1"], "n2": fresh["n2"], "n3": stale["n3"]})
     alone = records({"n1": fresh["n1"], "n2": fresh["n2"], "n3": None})
-    assert by_locality(survivors, 3, mixed) == by_locality(survivors, 3, alone)
-    outvoted = records({"n1": fresh["n1"], "n2": stale["n2"], "n3": stale["n3"]})
-    assert by_locality(survivors, 3, outvoted) == by_locality(
-        survivors, 3, records({"n1": None, "n2": stale["n2"], "n3": stale["n3"]})
+    assert by_locality(survivors, 3, lagging) == by_locality(survivors, 3, alone)
+    # one member knows the newest: that is the one the ranks load, however few hold it
+    ahead = records({"n1": fresh["n1"], "n2": stale["n2"], "n3": stale["n3"]})
+    assert by_locality(survivors, 3, ahead) == by_locality(
+        survivors, 3, records({"n1": fresh["n1"], "n2": None, "n3": None})
     )
 
 
@@ -144,7 +151,7 @@ def test_a_node_holds_its_own_share_and_the_copies_kept_for_others():
         return Manifest(CKPT, node, 3, 3, ranks, files=files, copied_to=copied_to)
 
     found = [share("n1", (0,), "n2"), share("n2", (1,), "n3"), share("n3", (2,), "n1")]
-    assert holding(found, "n1") == Holding(CKPT, 3, (0, 2))
+    assert holding(found, "n1") == Holding(CKPT, 3, (0, 2), 3, 0.0)
     assert holding(found, "n4") is None
     assert holding([], "n1") is None
 

@@ -29,7 +29,9 @@ STATE = RendezvousState(
     restarts_used=2,
     participants={
         "b": Participant("10.0.0.2", 8, 29500),
-        "a": Participant("10.0.0.1", 4, 0, Holding("step_40", 12, (0, 1, 2, 3, 8, 9))),
+        "a": Participant(
+            "10.0.0.1", 4, 0, Holding("step_40", 12, (0, 1, 2, 3, 8, 9), 2, 1796049238.5)
+        ),
     },
     wait_list={"c": Participant("10.0.0.3", 1, 0)},
     order=("b", "a"),
@@ -53,6 +55,8 @@ def test_encoding_is_plain_json_with_a_schema_version():
         "checkpoint": "step_40",
         "world": 12,
         "ranks": [0, 1, 2, 3, 8, 9],
+        "round": 2,
+        "saved": 1796049238.5,
     }
     assert json.loads(json.dumps(body)) == body
 
@@ -85,6 +89,9 @@ def test_unknown_schema_version_is_refused():
         lambda b: b["participants"]["a"]["holds"].update(checkpoint="../x"),
         lambda b: b["participants"]["a"]["holds"].update(checkpoint=""),
         lambda b: b["participants"]["a"]["holds"].pop("world"),
+        lambda b: b["participants"]["a"]["holds"].pop("round"),
+        lambda b: b["participants"]["a"]["holds"].update(saved=True),
+        lambda b: b["participants"]["a"]["holds"].update(saved="now"),
     ],
 )
 def test_malformed_state_is_refused(damage):

@@ -303,6 +303,13 @@ class Holding:
     checkpoint: str
     world: int
     ranks: tuple[int, ...]
+    round: int = 0  # the round that saved it, and
+    saved: float = 0.0  # when (wall clock): which of two holdings is newer, as ``checkpoints``
+
+    @property
+    def age(self) -> tuple[int, float, str]:
+        """The order of checkpoints: the newer one's is greater."""
+        return self.round, self.saved, self.checkpoint
 
 
 def holding(found: Iterable[Manifest], node: str) -> Holding | None:
@@ -311,7 +318,9 @@ def holding(found: Iterable[Manifest], node: str) -> Holding | None:
     if latest is None:
         return None
     ranks = {r for m in latest.shares.values() if node in (m.node, m.copied_to) for r in m.ranks}
-    return Holding(latest.id, latest.world, tuple(sorted(ranks))) if ranks else None
+    if not ranks:
+        return None
+    return Holding(latest.id, latest.world, tuple(sorted(ranks)), latest.round, latest.saved)
 
 
 def to_delete(local: Iterable[str], found: Iterable[Manifest], writing: Iterable[str]) -> set[str]:

@@ -16,7 +16,6 @@ records."""
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from elasticd.core.checkpoints import Holding
@@ -29,7 +28,7 @@ def by_locality(
     members: Sequence[str], survivors: int, participants: Mapping[str, Participant]
 ) -> list[str]:
     """``members`` (the first ``survivors`` of them from the round before) with those
-    survivors reordered so that the members fetch the least of the checkpoint most of them
+    survivors reordered so that the members fetch the least of the newest checkpoint they
     hold.  Unchanged where nobody holds one, where the members run different numbers of
     workers (the places would move with the order), or where no order is strictly better."""
     members = list(members)
@@ -55,13 +54,10 @@ def by_locality(
 
 
 def _common(holdings: Iterable[Holding | None]) -> Holding | None:
-    """The checkpoint most members hold a part of (the greatest name on a tie), as a
-    holding with no ranks; None when none does."""
-    seen = Counter((h.checkpoint, h.world) for h in holdings if h is not None)
-    if not seen:
-        return None
-    (name, world), _ = max(seen.items(), key=lambda item: (item[1], item[0]))
-    return Holding(name, world, ())
+    """The newest checkpoint a member holds a part of (the one the ranks will load: they
+    agree on the newest any of them knows); None when none does.  A member whose view
+    lags, holding an older one, counts as holding nothing of it."""
+    return max((h for h in holdings if h is not None), key=lambda h: h.age, default=None)
 
 
 def _overlaps(
@@ -70,7 +66,7 @@ def _overlaps(
     """For each of the first ``slots`` places (``nproc`` ranks of ``world`` each), how much
     of what it reads ``held`` holds, in units of 1 / (saved world x world); places it holds
     nothing of are left out."""
-    if held is None or (held.checkpoint, held.world) != (common.checkpoint, common.world):
+    if held is None or held.age != common.age or held.world != common.world:
         return {}
     saved, out = common.world, dict[int, int]()
     width = nproc * saved  # a place's span in those units; a saved rank's is ``world``

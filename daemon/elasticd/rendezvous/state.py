@@ -4,6 +4,7 @@ values the handler hands out. Pure data; nothing here touches a store or a clock
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -336,6 +337,8 @@ def _encode_participant(participant: Participant) -> dict[str, Any]:
             "checkpoint": held.checkpoint,
             "world": held.world,
             "ranks": list(held.ranks),
+            "round": held.round,
+            "saved": held.saved,
         }
     return out
 
@@ -364,9 +367,12 @@ def _decode_participant(body: Any) -> Participant:
 def _decode_holding(body: Any) -> Holding:
     fields = _object(body, "holding")
     name, world = _typed(fields, "checkpoint", str), _int(fields, "world")
-    ranks = fields.get("ranks")
+    ranks, saved = fields.get("ranks"), fields.get("saved")
     if (
         world < 1
+        or not isinstance(saved, (int, float))
+        or isinstance(saved, bool)
+        or not math.isfinite(saved)
         or not valid_name(name)
         or not isinstance(ranks, list)
         or not all(type(r) is int and 0 <= r < world for r in ranks)
@@ -375,7 +381,7 @@ def _decode_holding(body: Any) -> Holding:
         raise RendezvousStateError(
             "rendezvous holding is not a checkpoint's name and its sorted ranks below its world"
         )
-    return Holding(name, world, tuple(ranks))
+    return Holding(name, world, tuple(ranks), _int(fields, "round"), float(saved))
 
 
 def _participants(fields: Mapping[str, Any], name: str) -> dict[str, Participant]:
