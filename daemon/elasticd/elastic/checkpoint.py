@@ -527,6 +527,9 @@ def in_background(work: Callable[[], T], name: str) -> concurrent.futures.Future
 
 # -- the reader ----------------------------------------------------------------------------------
 
+# one item of a load plan: the item, where it is stored, the byte range read, the rows' shape
+_Read = tuple[ReadItem, Stored, int, int, tuple[int, ...]]
+
 
 class TierReader(StorageReader):
     """DCP's storage reader of what ``TierWriter`` wrote: this node's files read in place
@@ -601,7 +604,7 @@ class TierReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        reads = []
+        reads: list[_Read] = []
         wanted: dict[str, list[tuple[int, int]]] = {}
         for item in plan.items:
             stored = self.storage_data[item.storage_index]
@@ -615,13 +618,17 @@ class TierReader(StorageReader):
             if length:
                 wanted.setdefault(stored.file, []).append((offset, length))
         paths, fetching = self._here_then_fetched(wanted)
+        # what is here is read first, while the rest comes over the network
+        here: list[_Read] = []
+        rest: list[_Read] = []
+        for read in reads:
+            (here if not read[3] or read[1].file in paths else rest).append(read)
         maps: dict[str, mmap.mmap] = {}
         try:
-            # what is here first, while the rest comes over the network
-            self._read_into(planner, [r for r in reads if r[1].file in paths], paths, maps)
+            self._read_into(planner, here, paths, maps)
             if fetching is not None:
                 paths.update(fetching.result())
-            self._read_into(planner, [r for r in reads if r[1].file not in maps], paths, maps)
+            self._read_into(planner, rest, paths, maps)
         finally:
             for mapped in maps.values():
                 try:
@@ -635,7 +642,7 @@ class TierReader(StorageReader):
     def _read_into(
         self,
         planner: LoadPlanner,
-        reads: list[tuple[ReadItem, Stored, int, int, tuple[int, ...]]],
+        reads: list[_Read],
         paths: Mapping[str, str],
         maps: dict[str, mmap.mmap],
     ) -> None:
@@ -689,18 +696,8 @@ class TierReader(StorageReader):
 
     def _paths(self, wanted: Mapping[str, list[tuple[int, int]]]) -> dict[str, str]:
         """Each wanted file's path: here, else fetched (its ranges) through the tier."""
-        paths, ranges = {}, []
-        for file, spans in wanted.items():
-            local = os.path.join(self.path, file)
-            if os.path.exists(local):
-                paths[file] = local
-                continue
-            for offset, length in _merged(spans):
-                ranges.append((file, offset, length))
-                self.fetched[file] = self.fetched.get(file, 0) + length
-        if ranges:
-            paths.update(self._tier().fetch(self.name, ranges))
-        return paths
+        paths, fetching = self._here_then_fetched(wanted)
+        return paths if fetching is None else paths | fetching.result()
 
     @property
     def checkpoint_id(self) -> str:

@@ -344,8 +344,8 @@ def _encode_participant(participant: Participant) -> dict[str, Any]:
 
 
 def _decode_participant(body: Any) -> Participant:
-    if type(body) is dict and "holds" not in body:  # the common case first: a state names
-        # every node of a round
+    # the common case first (a state names every node of a round): no holding
+    if type(body) is dict and "holds" not in body:
         addr, nproc, port = body.get("addr"), body.get("nproc"), body.get("master_port")
         if (
             type(addr) is str
@@ -379,7 +379,8 @@ def _decode_holding(body: Any) -> Holding:
         or ranks != sorted(set(ranks))
     ):
         raise RendezvousStateError(
-            "rendezvous holding is not a checkpoint's name and its sorted ranks below its world"
+            "rendezvous holding is not a checkpoint's name, round, time and world, and its "
+            "sorted ranks below that world"
         )
     return Holding(name, world, tuple(ranks), _int(fields, "round"), float(saved))
 
