@@ -195,6 +195,30 @@ def test_metadata_that_is_not_sound_is_refused(doc, error):
         checkpoint._metadata_from(doc, "here")
 
 
+def test_a_reader_reads_a_checkpoint_s_metadata_once(tmp_path, monkeypatch):
+    """Loading a commit looks at its metadata before DCP's load does (to give the optimizer
+    its state): one read serves both, a fetch from another node where it is not here."""
+    monkeypatch.delenv(checkpoint.TIER_ENV, raising=False)
+    chunk = [[0], [2], "__0_0.distcp", 0, 8]
+    for name, size in (("a", 2), ("b", 2)):
+        (tmp_path / name).mkdir()
+        tensor = {"dtype": "float32", "size": [size], "requires_grad": False, "chunks": [chunk]}
+        doc = {"format": checkpoint.FORMAT, "tensors": {f"w{name}": tensor}, "values": {}}
+        (tmp_path / name / checkpoint.METADATA).write_text(json.dumps(doc))
+    reader = checkpoint.TierReader(tmp_path / "a")
+    first = reader.read_metadata().storage_meta.load_id
+    (tmp_path / "a" / checkpoint.METADATA).unlink()  # read again, it would be missing
+    reader.reset(tmp_path / "a")  # as DCP's load does: a new load of the same checkpoint
+    again = reader.read_metadata()
+    assert set(again.state_dict_metadata) == {"wa"}
+    assert again.storage_meta.load_id not in ("", first)
+    reader.reset(tmp_path / "b")  # another checkpoint: its own metadata
+    assert set(reader.read_metadata().state_dict_metadata) == {"wb"}
+    reader.reset(tmp_path / "a")
+    with pytest.raises(FileNotFoundError):
+        reader.read_metadata()
+
+
 # -- across ranks -------------------------------------------------------------------------------------
 
 

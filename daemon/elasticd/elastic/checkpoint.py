@@ -547,6 +547,7 @@ class TierReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Stored] = {}
         self.read = 0  # bytes this rank's plan read (its ranges only)
         self.fetched: dict[str, int] = {}  # file -> bytes fetched from other nodes
+        self._metadata: tuple[str, Metadata] | None = None  # the path's, once read
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
 
@@ -561,8 +562,18 @@ class TierReader(StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, read once per reader: a caller that looked at it
+        before the load (``sharded.load_commit``) and DCP's load share one read, which may
+        be a fetch from another node."""
         if kwargs.get("rank") is not None:
             raise FileNotFoundError("a tier checkpoint has no rank-local metadata")
+        if self._metadata is None or self._metadata[0] != self.path:
+            self._metadata = (self.path, self._read_metadata())
+        metadata = self._metadata[1]
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
+        return metadata
+
+    def _read_metadata(self) -> Metadata:
         path = os.path.join(self.path, METADATA)
         if not os.path.exists(path):
             size = self._size_in_tier(METADATA)
@@ -571,9 +582,7 @@ class TierReader(StorageReader):
             raw = f.read(_MAX_METADATA + 1)
         if len(raw) > _MAX_METADATA:
             raise ValueError(f"{self.path}: its metadata is over {_MAX_METADATA} bytes")
-        metadata = _metadata_from(json.loads(raw), self.path)
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
-        return metadata
+        return _metadata_from(json.loads(raw), self.path)
 
     def _size_in_tier(self, name: str) -> int:
         found = self._tier().latest()
@@ -630,11 +639,8 @@ class TierReader(StorageReader):
                 paths.update(fetching.result())
             self._read_into(planner, rest, paths, maps)
         finally:
-            for mapped in maps.values():
-                try:
-                    mapped.close()
-                except BufferError:  # a view still refers to it: the collector closes it
-                    pass
+            # unmapping a gigabyte takes tens of milliseconds: a thread does it, the load goes on
+            in_background(lambda: _unmap(maps.values()), "elasticd-unmap")
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -719,6 +725,14 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+def _unmap(maps: Iterable[mmap.mmap]) -> None:
+    for mapped in maps:
+        try:
+            mapped.close()
+        except BufferError:  # a view still refers to it: the collector closes it
+            pass
+
+
 def _map(path: str) -> mmap.mmap:
     """A private, writable mapping of a file (copy on write: reading copies nothing), so
     that tensors can view it without a warning about read-only memory."""
@@ -793,10 +807,13 @@ def load(
     *,
     process_group: dist.ProcessGroup | None = None,
     tier: Tier | None = None,
+    reader: TierReader | None = None,
 ) -> TierReader:
     """``dcp.load`` from the tier (or a path), resharded to ``state_dict``'s tensors; the
-    reader, which counts what it fetched from other nodes (``fetched``)."""
-    reader = TierReader(checkpoint_id, tier=tier)
+    reader (``reader``: one made for ``checkpoint_id`` that may have read its metadata
+    already), which counts what it fetched from other nodes (``fetched``)."""
+    if reader is None:
+        reader = TierReader(checkpoint_id, tier=tier)
     dcp.load(
         state_dict, storage_reader=reader, planner=TierLoadPlanner(), process_group=process_group
     )

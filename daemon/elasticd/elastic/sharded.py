@@ -310,9 +310,10 @@ def load_commit(
     """Load a commit (a name in the tier, or a directory: the copy the daemon wrote to the
     job's --checkpoint-dir) into ``model`` and ``optimizer``, resharded to them; its
     attributes.  A collective when distributed."""
+    reader = checkpoint.TierReader(checkpoint_id, tier=tier)
     if optimizer is not None:
         try:
-            metadata = checkpoint.TierReader(checkpoint_id, tier=tier).read_metadata()
+            metadata = reader.read_metadata()
         except (OSError, ValueError, checkpoint.TierError):
             # left to DCP's load, which reads it again inside its collectives: a rank that
             # raised here alone would leave the others waiting in them
@@ -320,7 +321,7 @@ def load_commit(
         else:
             give_state_to_load(model, optimizer, metadata)
     state = _state_dict(model, optimizer, io.BytesIO())
-    checkpoint.load(state, checkpoint_id, tier=tier)
+    checkpoint.load(state, checkpoint_id, tier=tier, reader=reader)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
