@@ -250,9 +250,11 @@ class Elasticd:
         return started, daemon.proc.pid
 
     def kill_node(self, index: int) -> float:
+        """SIGKILL the node whole, its daemon and its workers at once, as torchrun's agent
+        and its workers are: a worker left to its PDEATHSIG outlives its daemon's exit."""
         daemon = self.cluster[index]
         started = time.time()
-        daemon.signal(signal.SIGKILL)
+        kill_tree(daemon.proc.pid)
         daemon.wait_exit()
         return started
 

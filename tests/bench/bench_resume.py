@@ -328,6 +328,10 @@ def main() -> None:
             f"{figure['loaded']:11.2f} {figure['lost']:11.0f} {figure['kept']:5.0f} "
             f"{len(good):>5}"
         )
+    for name, runs in results.items():
+        each = [f"{r['loaded']:.2f}" for r in runs if "unmeasured" not in r]
+        if len(each) > 1:
+            print(f"{name}: loaded, each run: {', '.join(each)}")
     print(
         "resumed: the kill -> both survivors' first step at 2; stall: the last step any rank "
         "took before the kill -> the same; loaded: that last step -> both ranks at 2 built "
