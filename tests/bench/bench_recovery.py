@@ -32,6 +32,10 @@ For node loss, frozen and cut off, ``known`` is the time until the last survivor
 loss: its worker was told to abort (in place) or was sent SIGTERM by its daemon or agent (a
 restart); the target is 0.5 s.
 
+The worker here is replicated.  A sharded one (FSDP2, 251.7M parameters with
+``--hidden 4096 --layers 15``) losing node 3 of 3, in place and on the restart path, against
+torchrun with DCP from disk, is tests/bench/bench_resume.py, which runs these nodes.
+
 torchrun runs twice: as shipped, and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
 TorchrunUnshared).  The worker runs an all_reduce every 100 ms, so a dead peer breaks the
 survivors' collectives as it would in training.
