@@ -31,7 +31,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import time
@@ -41,11 +40,12 @@ from typing import Any
 from elasticd.aio import race
 from elasticd.cluster.service import NodeService
 from elasticd.config import DaemonConfig
-from elasticd.control.commands import new_job_id, spec_from_request
+from elasticd.control.commands import spec_from_request
 from elasticd.control.server import Caller
 from elasticd.core.model import JobSpec, NodeState
 from elasticd.core.records import JobRecord
 from elasticd.errors import ElasticdError
+from elasticd.jobs.board import JOB_ID, new_job_id
 from elasticd.jobs.registry import JobRegistry
 from elasticd.shell.node import NodeShell
 from elasticd.store.base import Store
@@ -56,7 +56,6 @@ log = logging.getLogger("elasticd")
 STORE_LOST_AFTER = 20.0  # seconds the store may not answer before the job is given up here
 LINGER = 30.0  # seconds the store's host waits for the other nodes' parts to end
 JOB_WIDE = ("min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "in_place", "spares")
-_JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
 
 
 class PrivateError(ElasticdError):
@@ -327,7 +326,7 @@ class Private:
 
 def _job_id(body: Any) -> str:
     job = body["job"]
-    if not isinstance(job, str) or not _JOB_ID.match(job):
+    if not isinstance(job, str) or not JOB_ID.match(job):
         raise ValueError(f"not a job id: {job!r}")
     return job
 

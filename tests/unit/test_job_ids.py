@@ -1,21 +1,105 @@
-"""A submit's job id is one that no job this node knows has (ids are 24 bits)."""
+"""A submit's job id is one that no job ever had, in this node's registry or in the store:
+ids are 24 bits, and the store keeps the outcome of every job that retention forgot."""
 
-from types import SimpleNamespace
+import asyncio
 
-from elasticd.control import commands
-from elasticd.control.commands import Commands
+import pytest
+
+from elasticd.core.model import JobSpec, JobState
+from elasticd.core.node import NodeCore, NodeSettings
+from elasticd.core.placement import Resources
+from elasticd.core.records import Outcome
+from elasticd.errors import LimitExceeded
+from elasticd.faults import Throttle
+from elasticd.jobs import board as board_module
+from elasticd.jobs.board import JOB_ID, BoardFollower, JobBoard, new_job_id
+from elasticd.jobs.history import History
+from elasticd.jobs.registry import JobRegistry
+from elasticd.jobs.retention import BoardSweeper
+from elasticd.shell import node as node_module
+from elasticd.shell.node import NodeShell
+from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+from elasticd.store.signing import Signer
+
+SIGNER = Signer(b"k" * 32, "c")
+NOW = 100_000.0
+RETENTION = 100.0
 
 
-def test_a_new_id_skips_the_ids_of_known_jobs(monkeypatch):
-    drawn = iter(["j-aaaaaa", "j-bbbbbb", "j-cccccc"])
-    monkeypatch.setattr(commands, "new_job_id", lambda: next(drawn))
-    known = {"j-aaaaaa": object(), "j-bbbbbb": object()}
-    fake = SimpleNamespace(_registry=SimpleNamespace(find=known.get))
-    assert Commands._unused_job_id(fake) == "j-cccccc"
+def spec(job_id: str, created: float) -> JobSpec:
+    return JobSpec(
+        id=job_id, argv=("t.py",), python="/p", workdir="/w", uid=1, gid=1, user="u",
+        created=created,
+    )  # fmt: skip
+
+
+class Node:
+    def __init__(self, name: str, store: MemoryStore, tmp_path) -> None:
+        self.registry = JobRegistry(
+            History(str(tmp_path / f"{name}.sqlite")), retention=RETENTION, clock=lambda: NOW
+        )
+        self.board = JobBoard(AsyncMemoryStore(store), SIGNER, "c")
+        self.follower = BoardFollower(self.board, self.registry, name)
+        core = NodeCore(NodeSettings(name, Resources(2, ()), dead_after=3.0, judge_users=False))
+        self.service = NodeShell(
+            core,
+            effectors=None,
+            board=self.board,
+            follower=self.follower,
+            registry=self.registry,
+            metrics=None,
+        )
+
+
+async def forgotten_job(board: JobBoard, job_id: str) -> None:
+    """A job that ran and ended long ago, swept from the store by retention."""
+    seq = await board.publish_spec(spec(job_id, 1.0))
+    outcome = Outcome(JobState.FAILED, NOW - 10 * RETENTION, message="it failed then")
+    await board.publish_outcome(job_id, outcome)
+    await board.publish_ended(spec(job_id, 1.0), seq, outcome)
+    sweeper = BoardSweeper(board, lambda: True, RETENTION, told=Throttle(), clock=lambda: NOW)
+    assert await sweeper.sweep() == [job_id]
+
+
+def test_a_job_under_a_forgotten_job_s_id_would_end_before_it_ran(tmp_path):
+    """Why ids are checked against the store: the forgotten job's outcome stays (a spec
+    record written back must read as ended), so a new spec under its id reads as ended."""
+    store = MemoryStore()
+    n1 = Node("n1", store, tmp_path)
+
+    async def scenario() -> None:
+        await forgotten_job(n1.board, "j-01d01d")
+        position = await n1.board.head()
+        await n1.board.publish_spec(spec("j-01d01d", NOW))  # a new job that drew the id
+        _, changes = await n1.board.follow(position, 1.0)
+        n1.follower.apply(changes)
+        record = n1.registry.get("j-01d01d")
+        assert record.spec.created == NOW
+        assert record.outcome is not None and record.outcome.state is JobState.FAILED
+
+    asyncio.run(scenario())
+
+
+def test_a_new_id_is_none_a_job_in_the_registry_or_the_store_ever_had(tmp_path, monkeypatch):
+    store = MemoryStore()
+    n1, n2 = Node("n1", store, tmp_path), Node("n2", store, tmp_path)
+
+    async def scenario() -> None:
+        await forgotten_job(n1.board, "j-01d01d")  # only its outcome is left
+        await n2.service.submit(spec("j-5ab017", NOW))  # submitted at n2; n1 has not read it
+        n1.registry.add(spec("j-10ca11", NOW), 1)  # known here only (not yet on the board)
+        assert n1.registry.find("j-01d01d") is None and n1.registry.find("j-5ab017") is None
+        drawn = iter(["j-01d01d", "j-5ab017", "j-10ca11", "j-f4e5a1"])
+        monkeypatch.setattr(node_module, "new_job_id", lambda: next(drawn))
+        assert await n1.service.unused_job_id() == "j-f4e5a1"
+        # a store full of jobs: a submit is refused with a reason, after a bounded search
+        monkeypatch.setattr(node_module, "new_job_id", lambda: "j-01d01d")
+        with pytest.raises(LimitExceeded, match="no unused job id"):
+            await n1.service.unused_job_id()
+
+    asyncio.run(scenario())
 
 
 def test_ids_look_like_the_ones_the_docs_and_the_journal_parse():
-    assert all(
-        len(commands.new_job_id()) == 8 and commands.new_job_id().startswith("j-")
-        for _ in range(100)
-    )
+    assert all(JOB_ID.match(new_job_id()) for _ in range(100))
+    assert board_module.new_job_id is new_job_id is node_module.new_job_id

@@ -15,7 +15,6 @@ import grp
 import logging
 import os
 import pwd
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -45,6 +44,7 @@ RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this man
 class JobService(Protocol):
     """What the commands ask of this node's job service (shell.node.NodeShell)."""
 
+    async def unused_job_id(self) -> str: ...
     async def submit(self, spec: JobSpec) -> JobRecord: ...
     async def cancel(self, job_id: str, by: str) -> JobRecord: ...
     async def fetch(self, job_id: str) -> JobRecord | None: ...
@@ -52,10 +52,6 @@ class JobService(Protocol):
     def usage_of(self, job_id: str) -> dict | None: ...
     def job_story(self, job_id: str) -> list[str]: ...
     def node_story(self) -> list[str]: ...
-
-
-def new_job_id() -> str:
-    return f"j-{secrets.token_hex(3)}"
 
 
 def user_name(uid: int) -> str:
@@ -226,20 +222,12 @@ class Commands:
             }
         )
 
-    def _unused_job_id(self) -> str:
-        """A new id that no job this node knows has: ids are 24 bits, and a few thousand
-        kept jobs make a collision likely (the new job would have been the old one)."""
-        while True:
-            job_id = new_job_id()
-            if self._registry.find(job_id) is None:
-                return job_id
-
     async def submit(self, caller: Caller, args: dict[str, Any], reply: Responder) -> None:
         spec = spec_from_request(
             args,
             caller,
             self._config,
-            job_id=self._unused_job_id(),
+            job_id=await self._jobs.unused_job_id(),
             node=self._node,
             now=time.time(),
         )

@@ -40,6 +40,7 @@ import asyncio
 import functools
 import logging
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -74,6 +75,13 @@ _BATCH = 64
 _SEQ_ROOM = 1024  # seqs written back past the highest seen: submits elsewhere not read here yet
 _ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
 _NAME = re.compile(r"^[\w.-]+$")
+JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
+
+
+def new_job_id() -> str:
+    """A random id in JOB_ID's form: short, for people to type.  Not unique by itself (24
+    bits): a submit takes one that no job in the store ever had (JobBoard.ever_had)."""
+    return f"j-{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,15 @@ class JobBoard:
         await self._store.set(self._key(f"log/{n}"), self._seal(f"log/{n}", entry))
         if n > _KEEP_LOG:
             await self._store.delete(self._key(f"log/{n - _KEEP_LOG}"))
+
+    async def ever_had(self, job_id: str) -> bool:
+        """Whether the store holds a record of a job with this id: its spec, or the outcome
+        that stays after retention forgot the job.  A new job under such an id would be
+        read with that outcome, ended before it ran."""
+        held = await self._store.get_many(
+            [self._key(f"spec/{job_id}"), self._key(f"outcome/{job_id}")]
+        )
+        return any(raw is not None for raw in held)
 
     # -- retention --------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import pwd
-import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
@@ -34,13 +33,14 @@ from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord, Outcome
 from elasticd.errors import (
     Conflict,
+    LimitExceeded,
     RendezvousClosedError,
     RendezvousGone,
     RendezvousTimeoutError,
     StoreError,
 )
 from elasticd.faults import Faults
-from elasticd.jobs.board import BoardFollower, JobBoard
+from elasticd.jobs.board import JOB_ID, BoardFollower, JobBoard, new_job_id
 from elasticd.jobs.registry import JobRegistry
 from elasticd.journal import about
 from elasticd.shell.effectors import Effectors, PartEffectors
@@ -49,7 +49,7 @@ from elasticd.shell.publisher import PartPublisher, StoreReset, republish
 log = logging.getLogger(__name__)
 said = logging.getLogger("elasticd.core")  # what the node core says (instructions.Say)
 
-_JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
+_ID_DRAWS = 64  # random job ids tried before a submit is refused (each one a store read)
 _LEAVE_TIMEOUT = 5.0  # telling the rendezvous we leave is a courtesy: heartbeats tell it anyway
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -700,6 +700,16 @@ class NodeShell:
 
     # -- for the control socket and the node's record ---------------------------------------------
 
+    async def unused_job_id(self) -> str:
+        """An id for a new job that no job in this node's registry or in the store ever had
+        (ids are 24 bits, and the outcomes of forgotten jobs stay in the store: a job that
+        drew one would end, as that one did, before it ran)."""
+        for _ in range(_ID_DRAWS):
+            job_id = new_job_id()
+            if self._registry.find(job_id) is None and not await self._board.ever_had(job_id):
+                return job_id
+        raise LimitExceeded(f"no unused job id in {_ID_DRAWS} draws: the store holds too many jobs")
+
     async def submit(self, spec: JobSpec) -> JobRecord:
         """Publish a new job.  It is in this node's history first: a job that could not be
         recorded (a full disk) is refused before any node could take it."""
@@ -726,7 +736,7 @@ class NodeShell:
     async def fetch(self, job_id: str) -> JobRecord | None:
         """One job read from the board now (ahead of the change log); None if it has none
         (or ``job_id`` is no job id: a prefix typed by a user is looked up locally only)."""
-        if not _JOB_ID.match(job_id):
+        if not JOB_ID.match(job_id):
             return None
         await self._follower.fetch(job_id)
         return self._registry.find(job_id)
