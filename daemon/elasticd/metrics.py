@@ -808,5 +808,8 @@ class InstrumentedStore:
     async def delete(self, key: str) -> bool:
         return await self._metrics.store_call("delete", self._store.delete(key))
 
+    async def delete_under(self, prefixes: list[str]) -> int:
+        return await self._metrics.store_call("delete_under", self._store.delete_under(prefixes))
+
     async def close(self) -> None:
         await self._store.close()

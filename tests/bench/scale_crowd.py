@@ -218,6 +218,11 @@ class CountingStore:
         self._one(key, _key_size(key), 0)
         return existed
 
+    async def delete_under(self, prefixes: list[str]) -> int:
+        deleted = await self._store.delete_under(prefixes)
+        self.counts.add(1, len(prefixes), sum(map(_key_size, prefixes)), 0)
+        return deleted
+
     async def close(self) -> None:  # the client is shared: its owner closes it
         pass
 

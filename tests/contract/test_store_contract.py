@@ -194,6 +194,18 @@ def test_delete(store, key):
     assert store.delete(key) is False
 
 
+def test_delete_under_deletes_the_keys_under_the_prefixes_and_no_others(store, key):
+    under = [f"{key}/a/1", f"{key}/a/2/x", f"{key}/\xe9/1"]  # a key past ASCII too
+    others = [f"{key}/a", f"{key}/ab/1", f"{key}/a0", f"{key}/\xe9", f"{key}/c/1"]
+    for k in under + others:
+        store.set(k, b"v")
+    assert store.delete_under([f"{key}/a/", f"{key}/\xe9/", f"{key}/none/"]) == len(under)
+    assert store.get_many(under) == [None] * len(under)
+    assert store.get_many(others) == [b"v"] * len(others)
+    assert store.delete_under([f"{key}/a/"]) == 0
+    assert store.delete_under([]) == 0
+
+
 def test_closed_store_raises_connection_error(store, key):
     store.close()
     with pytest.raises(StoreConnectionError):

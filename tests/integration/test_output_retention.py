@@ -136,7 +136,8 @@ def test_retention_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, 
 @pytest.mark.slow
 def test_the_store_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, shared_tmp):
     """A daemon that hosts its cluster's TCPStore (and so observes the cluster): the records
-    of a job that ended a retention ago leave the store, read with a raw client."""
+    and the rendezvous of a job that ended a retention ago leave the store, read with a raw
+    client."""
     tag = uuid.uuid4().hex[:6]
     port, key = free_port(), shared_tmp / f"store-{tag}.key"
     create_key(str(key))
@@ -152,6 +153,8 @@ def test_the_store_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, 
     signer = Signer(load_key(str(key)), f"sr{tag}")
     records = [f"{jobs}/spec/{ended}", f"{jobs}/parts/{ended}"]
     records.append(f"{jobs}/part/{ended}/{daemon.name}")
+    rdzv = f"elasticd/sr{tag}/rdzv"
+    records += [f"{rdzv}/{ended}/state", f"{rdzv}/{ended}/head", f"{rdzv}/{ended}/hb/{daemon.name}"]
 
     def indexed(raw: bytes | None) -> list[str | None]:
         return SignedLines(signer, f"{jobs}/index", lambda b: b["name"], print).fold(raw)
@@ -173,6 +176,7 @@ def test_the_store_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, 
             time.sleep(0.2)
         assert store.get(f"{jobs}/outcome/{ended}") is not None  # kept: a replay reads it
         assert store.get(f"{jobs}/spec/{running}") is not None
+        assert store.get(f"{rdzv}/{running}/state") is not None
         assert daemon.ctl("status", running)["state"] == "RUNNING"
     finally:
         store.close()

@@ -276,6 +276,13 @@ def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_n
                 outcome = Outcome(JobState.SUCCEEDED, ended)
                 await board.publish_outcome(job_id, outcome)
                 await board.publish_ended(spec(job_id), seq, outcome)
+        rendezvous = [
+            f"elasticd/c/rdzv/{job_id}/{k}"
+            for job_id in ("j-old", "j-new", "j-running")
+            for k in ("state", "head", "rev/7", "hb/n1", "round/3/joins", "round/3/join/0")
+        ]
+        for k in rendezvous:
+            await store.set(k, b"x")
         # an old outcome that does not open (forged): its job is held, never deleted
         await board.publish_spec(spec("j-forged"))
         await store.set("elasticd/c/jobs/outcome/j-forged", b"junk")
@@ -286,6 +293,8 @@ def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_n
         assert await sweeper.sweep() == ["j-old"]
         # its outcome stays: a spec written back reads as a job that ended
         assert await keys() == before - {"spec/j-old", "parts/j-old", "part/j-old/n1"}
+        # and its rendezvous keys, no other job's
+        assert [await store.get(k) is None for k in rendezvous] == [True] * 6 + [False] * 12
         index = SignedLines(board_signer, "elasticd/c/jobs/index", lambda b: b["name"], print)
         names = index.fold(await store.get("elasticd/c/jobs/index"))
         assert names == ["j-new", "j-running", "j-forged", "j-meanwhile"]

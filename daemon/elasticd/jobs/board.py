@@ -126,7 +126,8 @@ class JobBoard:
     ) -> None:
         self._store = store
         self._signer = signer
-        self._prefix = Keyspace(cluster).jobs
+        self._keyspace = Keyspace(cluster)
+        self._prefix = self._keyspace.jobs
         self.refused: Refused = on_refused or (lambda key, why: None)
         self._indexed: set[tuple[str, str]] = set()
         self._versions = VersionClock()
@@ -242,8 +243,8 @@ class JobBoard:
         return ended
 
     async def forget(self, job_ids: list[str]) -> list[str]:
-        """Delete these ended jobs' records (parts, spec), then their index lines; the jobs
-        forgotten.  A job is forgotten only while its spec record is gone or is the one
+        """Delete these ended jobs' records (parts, spec) and rendezvous keys, then their
+        index lines; the jobs forgotten.  A job is forgotten only while its spec record is gone or is the one
         that seals its outcome (version 1): a spec without one is an open job (a new one
         that drew an ended job's id, or a spec written back), whose records stay.  The
         outcomes stay, a few hundred bytes each: a spec record written back (anyone who
@@ -265,6 +266,7 @@ class JobBoard:
         records = [e for e in await self._entries(forgotten) if not e.startswith("outcome/")]
         for suffix in [*records, *(f"parts/{job_id}" for job_id in forgotten)]:
             await self._store.delete(self._key(suffix))
+        await self._store.delete_under([f"{self._keyspace.rendezvous(j)}/" for j in forgotten])
         gone, key = set(forgotten), self._key("index")
         for _ in range(_OUTCOME_TRIES):
             raw = await self._store.get(key)

@@ -45,6 +45,9 @@ class StoreBackend(Protocol):
     def delete(self, key: str) -> bool:
         """Delete the key; True if it existed."""
 
+    def delete_under(self, prefixes: list[str]) -> int:
+        """Delete every key that starts with one of ``prefixes``; returns how many."""
+
     def close(self) -> None:
         """Release the connection; later calls raise StoreConnectionError."""
 
@@ -92,5 +95,7 @@ class Store(Protocol):
     async def wait_for(self, key: str, timeout: float) -> bool: ...
 
     async def delete(self, key: str) -> bool: ...
+
+    async def delete_under(self, prefixes: list[str]) -> int: ...
 
     async def close(self) -> None: ...

@@ -133,6 +133,14 @@ class C10dStore:
         with self._client() as client:
             return client.delete_key(key)
 
+    def delete_under(self, prefixes: list[str]) -> int:
+        """TCPStore has no range: its whole key list, then a delete each."""
+        if not prefixes:
+            return 0
+        with self._client() as client:
+            doomed = [key for key in client.list_keys() if key.startswith(tuple(prefixes))]
+            return sum(client.delete_key(key) for key in doomed)
+
     def close(self) -> None:
         self._closed = True
         self._local = threading.local()  # the clients go with the old thread-local map

@@ -262,6 +262,14 @@ class EtcdStore:
     async def delete(self, key: str) -> bool:
         return (await self._kv("DeleteRange", rpc.DeleteRangeRequest(key=_key(key)))).deleted > 0
 
+    async def delete_under(self, prefixes: list[str]) -> int:
+        deleted = 0
+        for prefix in prefixes:
+            start = _key(prefix)
+            request = rpc.DeleteRangeRequest(key=start, range_end=_prefix_end(start))
+            deleted += (await self._kv("DeleteRange", request)).deleted
+        return deleted
+
     async def wait_for(self, key: str, timeout: float) -> bool:
         """True once ``key`` exists, False after ``timeout`` seconds: a read, then a watch
         from the revision after it (started again there on another member if one fails)."""
@@ -624,6 +632,13 @@ def _read(path: str) -> bytes | None:
 
 def _key(key: str) -> bytes:
     return key.encode()
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of the range of keys that start with ``prefix`` (etcd's rule: the prefix with
+    its last byte below 0xff raised by one; b"\\0", every key, for a prefix of 0xff only)."""
+    stripped = prefix.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else b"\0"
 
 
 def _range(key: str) -> Any:

@@ -76,6 +76,14 @@ class MemoryStore:
             self._check_open()
             return self._data.pop(key, None) is not None
 
+    def delete_under(self, prefixes: list[str]) -> int:
+        with self._changed:
+            self._check_open()
+            doomed = [key for key in self._data if key.startswith(tuple(prefixes))]
+            for key in doomed:
+                del self._data[key]
+            return len(doomed)
+
     def keys(self, prefix: str = "") -> list[str]:
         """The keys under ``prefix`` (tests use it to play a store that lost its data)."""
         with self._changed:
@@ -147,6 +155,10 @@ class AsyncMemoryStore:
     async def delete(self, key: str) -> bool:
         await asyncio.sleep(0)
         return self.backend.delete(key)
+
+    async def delete_under(self, prefixes: list[str]) -> int:
+        await asyncio.sleep(0)
+        return self.backend.delete_under(prefixes)
 
     async def wait_for(self, key: str, timeout: float) -> bool:
         loop = asyncio.get_running_loop()

@@ -41,6 +41,7 @@ from elasticd.store.tcpwire import (
 
 MISSING = b"\x00elasticd:missing\x00"  # compare_set(k, MISSING, MISSING) reads k without blocking
 _MAX_VALUE = 16 << 20  # bytes: more than any record of ours; torch's server resets bigger values
+_MAX_LISTED = 1 << 24  # keys a LIST_KEYS may announce
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 
@@ -181,6 +182,32 @@ class TCPStoreClient:
 
     async def delete(self, key: str) -> bool:
         return await self._call(_query(Query.DELETE_KEY, _key(key)), _Connection.int64) > 0
+
+    async def delete_under(self, prefixes: list[str]) -> int:
+        """TCPStore has no range: one LIST_KEYS (every key the store holds), then the
+        deletes of those under ``prefixes`` in one round trip."""
+        wanted = tuple(("/" + prefix).encode() for prefix in prefixes)
+
+        async def listed(conn: _Connection) -> list[bytes]:
+            count = await conn.int64()
+            if not 0 <= count <= _MAX_LISTED:
+                raise StoreProtocolError(f"the store announced {count} keys")
+            keys = []
+            for _ in range(count):  # only those wanted are kept: the store may hold millions
+                key = await conn.blob()
+                if key.startswith(wanted):
+                    keys.append(key)
+            return keys
+
+        doomed = await self._call(_query(Query.LIST_KEYS), listed) if wanted else []
+        if not doomed:
+            return 0
+
+        async def deleted(conn: _Connection) -> int:
+            return sum([await conn.int64() > 0 for _ in doomed])
+
+        deletes = b"".join(_query(Query.DELETE_KEY, blob(key)) for key in doomed)
+        return await self._call(deletes, deleted)
 
     async def wait_for(self, key: str, timeout: float) -> bool:
         """True once ``key`` exists, False after ``timeout`` seconds."""
