@@ -138,6 +138,7 @@ def job_keys(attacker: Attacker, job_id: str, nodes: list[str]) -> dict[str, byt
     """Every store key of the job (and of the cluster's indexes) that exists now."""
     suffixes = [
         "jobs/index",
+        "jobs/index/0",
         "jobs/seq",
         "jobs/log",
         "nodes/names",

@@ -157,19 +157,19 @@ def test_the_store_forgets_an_ended_job_and_keeps_a_running_one(daemon_factory, 
     records += [f"{rdzv}/{ended}/state", f"{rdzv}/{ended}/head", f"{rdzv}/{ended}/hb/{daemon.name}"]
 
     def indexed(raw: bytes | None) -> list[str | None]:
-        return SignedLines(signer, f"{jobs}/index", lambda b: b["name"], print).fold(raw)
+        return SignedLines(signer, f"{jobs}/index/0", lambda b: b["name"], print).fold(raw)
 
     store = connect(f"127.0.0.1:{port}", connect_timeout=10)
     try:
         assert all(store.get(name) is not None for name in records)
-        assert indexed(store.get(f"{jobs}/index")) == [running, ended]
+        assert indexed(store.get(f"{jobs}/index/0")) == [running, ended]  # one piece: seqs 1, 2
         deadline = time.monotonic() + 30
 
         def kept() -> list[str]:
             """What is left of the ended job: the sweep deletes its records one by one,
             then rewrites the index."""
             left = [name for name in records if store.get(name) is not None]
-            return left + ([] if indexed(store.get(f"{jobs}/index")) == [running] else ["index"])
+            return left + ([] if indexed(store.get(f"{jobs}/index/0")) == [running] else ["index"])
 
         while kept():
             assert time.monotonic() < deadline, f"{kept()} kept:\n{daemon.log_text()}"

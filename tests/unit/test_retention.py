@@ -11,6 +11,7 @@ from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.records import JobRecord, Outcome, Part, expired
 from elasticd.errors import ConfigError
 from elasticd.faults import Throttle
+from elasticd.jobs import board as board_module
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.history import History
 from elasticd.jobs.registry import JobRegistry
@@ -237,7 +238,7 @@ class InterleavedStore(AsyncMemoryStore):
         self.interleaved = False
 
     async def compare_set(self, key, expected, desired):
-        if key.endswith("/jobs/index") and not self.interleaved:
+        if key.endswith("/jobs/index/0") and not self.interleaved:
             self.interleaved = True
             await self._board[0].publish_spec(spec("j-meanwhile"))
         return await super().compare_set(key, expected, desired)
@@ -287,7 +288,7 @@ def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_n
         await board.publish_spec(spec("j-forged"))
         await store.set("elasticd/c/jobs/outcome/j-forged", b"junk")
         before = await keys()
-        board_index_line = (await store.get("elasticd/c/jobs/index") or b"").splitlines(True)[0]
+        board_index_line = (await store.get("elasticd/c/jobs/index/0") or b"").splitlines(True)[0]
         assert await sweeper.sweep() == [] and await keys() == before  # not the observer
         observing[0] = True
         assert await sweeper.sweep() == ["j-old"]
@@ -295,8 +296,8 @@ def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_n
         assert await keys() == before - {"spec/j-old", "parts/j-old", "part/j-old/n1"}
         # and its rendezvous keys, no other job's
         assert [await store.get(k) is None for k in rendezvous] == [True] * 6 + [False] * 12
-        index = SignedLines(board_signer, "elasticd/c/jobs/index", lambda b: b["name"], print)
-        names = index.fold(await store.get("elasticd/c/jobs/index"))
+        index = SignedLines(board_signer, "elasticd/c/jobs/index/0", lambda b: b["name"], print)
+        names = index.fold(await store.get("elasticd/c/jobs/index/0"))
         assert names == ["j-new", "j-running", "j-forged", "j-meanwhile"]
         _, changes = await board.snapshot()
         assert {c.job_id for c in changes} == {"j-new", "j-running", "j-forged", "j-meanwhile"}
@@ -306,7 +307,7 @@ def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_n
         replayed = written["j-old"]
         assert replayed is not None
         await store.set("elasticd/c/jobs/spec/j-old", replayed)
-        await store.append("elasticd/c/jobs/index", board_index_line)
+        await store.append("elasticd/c/jobs/index/0", board_index_line)
         newcomer = JobRegistry(
             History(str(tmp_path / "newcomer.sqlite")), retention=100.0, clock=Clock(1000.0)
         )
@@ -331,6 +332,86 @@ def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_n
 
     asyncio.run(scenario())
     assert store.interleaved
+
+
+def test_the_index_is_kept_in_pieces_and_an_emptied_old_piece_goes(monkeypatch):
+    """One key for the whole index passed etcd's request limit (1.5 MiB) at about 12,500
+    jobs, and was written again whole at each submit.  Pieces of INDEX_SPAN jobs (2 here);
+    a store written before the pieces (its jobs listed in the index's own key) still reads,
+    and forgets, as before."""
+    monkeypatch.setattr(board_module, "INDEX_SPAN", 2)
+    store = AsyncMemoryStore(MemoryStore())
+    signer = Signer(b"k" * 32, "c")
+    board = JobBoard(store, signer, "c")
+    sweeper = BoardSweeper(board, lambda: True, 100.0, told=Throttle(), clock=lambda: 1000.0)
+    root = "elasticd/c/jobs"
+
+    def lines(key: str, raw: bytes | None) -> list:
+        return SignedLines(signer, f"{root}/{key}", lambda b: b, print).fold(raw)
+
+    async def listed() -> dict[str, list]:
+        index = await store.get(f"{root}/index")
+        pieces = [line["piece"] for line in lines("index", index) if "piece" in line]
+        held = {"index": [line["name"] for line in lines("index", index) if "name" in line]}
+        for piece in pieces:
+            held[piece] = [
+                line["name"] for line in lines(piece, await store.get(f"{root}/{piece}"))
+            ]
+        return held
+
+    async def end(job_id: str, seq: int, ended: float) -> None:
+        outcome = Outcome(JobState.SUCCEEDED, ended)
+        await board.publish_outcome(job_id, outcome)
+        await board.publish_ended(spec(job_id), seq, outcome)
+
+    async def scenario() -> None:
+        legacy = SignedLines(signer, f"{root}/index", lambda b: b, print).line({"name": "j-legacy"})
+        await store.append(f"{root}/index", legacy)  # a store from before the pieces
+        await board.publish_outcome("j-legacy", Outcome(JobState.FAILED, 10.0))  # spec gone
+        seqs = {
+            job_id: await board.publish_spec(spec(job_id))
+            for job_id in "j-1 j-2 j-3 j-4 j-5".split()
+        }
+        assert seqs == {"j-1": 1, "j-2": 2, "j-3": 3, "j-4": 4, "j-5": 5}
+        assert await listed() == {
+            "index": ["j-legacy"],
+            "index/0": ["j-1"],
+            "index/1": ["j-2", "j-3"],
+            "index/2": ["j-4", "j-5"],
+        }
+        _, changes = await board.snapshot()
+        assert [c.job_id for c in changes if c.kind == "spec"] == [
+            "j-1",
+            "j-2",
+            "j-3",
+            "j-4",
+            "j-5",
+        ]
+        assert {c.job_id for c in changes if c.kind == "outcome"} == {"j-legacy"}
+        for job_id in ("j-1", "j-2", "j-5"):
+            await end(job_id, seqs[job_id], 500.0)
+        assert sorted(await sweeper.sweep()) == ["j-1", "j-2", "j-5", "j-legacy"]
+        # index/0, emptied and below the counter's piece (2), is gone and unlisted; index/2
+        # is the counter's own: it stays listed for the jobs to come
+        assert await listed() == {"index": [], "index/1": ["j-3"], "index/2": ["j-4"]}
+        assert await store.get(f"{root}/index/0") is None
+        await end("j-4", seqs["j-4"], 500.0)
+        assert await sweeper.sweep() == ["j-4"]
+        assert await listed() == {"index": [], "index/1": ["j-3"], "index/2": []}
+        assert await board.publish_spec(spec("j-6")) == 6  # piece 3: the counter's now
+        assert await listed() == {
+            "index": [],
+            "index/1": ["j-3"],
+            "index/2": [],
+            "index/3": ["j-6"],
+        }
+        await end("j-3", seqs["j-3"], 500.0)
+        assert await sweeper.sweep() == ["j-3"]  # index/1 emptied, and the empty index/2, go
+        assert await listed() == {"index": [], "index/3": ["j-6"]}
+        _, changes = await board.snapshot()
+        assert [c.job_id for c in changes if c.kind == "spec"] == ["j-6"]
+
+    asyncio.run(scenario())
 
 
 def test_sweepable_takes_the_oldest_expired_jobs_a_batch_at_a_time():

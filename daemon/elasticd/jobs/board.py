@@ -3,7 +3,11 @@
 Keys under ``elasticd/<cluster>/jobs/``::
 
     seq                 counter: submit order
-    index               every job id ever submitted: sealed lines, appended
+    index               the pieces of the job index: sealed lines, appended ("piece": one
+                        per INDEX_SPAN seqs; a store written before the pieces also lists
+                        its jobs here, "name")
+    index/<n>           the ids of the jobs whose seq // INDEX_SPAN is n: sealed lines,
+                        appended (a key of one piece stays far below etcd's request limit)
     spec/<id>           {"seq", "spec"}, encrypted: a job's environment is nobody else's;
                         once the job ended, version 1 adds its "outcome" (so that deleting
                         the outcome alone does not make the job look new)
@@ -75,6 +79,10 @@ _BATCH = 64
 _SEQ_ROOM = 1024  # seqs written back past the highest seen: submits elsewhere not read here yet
 _ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
 _NAME = re.compile(r"^[\w.-]+$")
+_PIECE = re.compile(r"^index/[0-9]{1,12}$")
+INDEX_SPAN = (
+    256  # jobs a piece of the index lists (about 32 kB: each submit writes its piece again)
+)
 JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
 
 
@@ -113,6 +121,21 @@ def _seals_outcome(body: object) -> bool:
     return isinstance(body, dict) and bool(body.get("outcome"))
 
 
+def _index_line(body: object) -> tuple[str, str]:
+    """A line of the index's key: ("piece", "index/<n>"), or ("name", a job id) as written
+    before the index had pieces."""
+    piece = body.get("piece") if isinstance(body, dict) else None
+    if piece is None:
+        return "name", _name(body)
+    if not isinstance(piece, str) or not _PIECE.match(piece):
+        raise ValueError(f"not a piece of the index: {piece!r}")
+    return "piece", piece
+
+
+def _piece_order(piece: str) -> int:
+    return int(piece.partition("/")[2])
+
+
 def _name(body: object) -> str:
     name = body.get("name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not _NAME.match(name):
@@ -130,6 +153,7 @@ class JobBoard:
         self._prefix = self._keyspace.jobs
         self.refused: Refused = on_refused or (lambda key, why: None)
         self._indexed: set[tuple[str, str]] = set()
+        self._pieces: set[str] = set()  # pieces of the index this node saw listed
         self._versions = VersionClock()
         self._fresh = Freshness()  # parts: an older one written back is refused
         self._seq = StoreCounter(store, self._key("seq"), self._seq_end, self.refused)
@@ -162,9 +186,21 @@ class JobBoard:
             self._key(f"spec/{spec.id}"),
             self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True),
         )
-        await self._store.append(self._key("index"), self._line("index", spec.id))
+        piece = f"index/{seq // INDEX_SPAN}"
+        await self._list_piece(piece)  # before the line: a listed piece may be empty, not unlisted
+        await self._store.append(self._key(piece), self._line(piece, spec.id))
         await self._append(f"spec/{spec.id}")
         return seq
+
+    async def _list_piece(self, piece: str) -> None:
+        """Name ``piece`` in the index, unless it is there (read once per piece and node)."""
+        if piece in self._pieces:
+            return
+        pieces, _ = await self._index_lines(_unheard)
+        if piece not in pieces:
+            line = self._seal("index", {"piece": piece}) + b"\n"
+            await self._store.append(self._key("index"), line)
+        self._pieces.add(piece)
 
     async def publish_ended(self, spec: JobSpec, seq: int, outcome: Outcome) -> None:
         """Seal the job's outcome into its spec record too (version 1, after the first)."""
@@ -192,8 +228,10 @@ class JobBoard:
         await self._append(suffix)
 
     def forget_index(self) -> None:
-        """After a store reset this node's parts must be indexed again."""
+        """After a store reset this node's parts, and the index's pieces, must be indexed
+        again."""
         self._indexed = set()
+        self._pieces = set()
 
     async def publish_outcome(self, job_id: str, outcome: Outcome) -> Outcome:
         """Write the outcome unless a valid one exists; returns the one that is now final.
@@ -244,14 +282,15 @@ class JobBoard:
 
     async def forget(self, job_ids: list[str]) -> list[str]:
         """Delete these ended jobs' records (parts, spec) and rendezvous keys, then their
-        index lines; the jobs forgotten.  A job is forgotten only while its spec record is gone or is the one
-        that seals its outcome (version 1): a spec without one is an open job (a new one
-        that drew an ended job's id, or a spec written back), whose records stay.  The
+        index lines; the jobs forgotten.  A job is forgotten only while its spec record is
+        gone or is the one that seals its outcome (version 1): a spec without one is an open
+        job (a spec written back), whose records stay.  The
         outcomes stay, a few hundred bytes each: a spec record written back (anyone who
         reaches the store may have kept its bytes) is read with its outcome, and so never
         runs again.  Followers that hold a job keep it (their history); a snapshot no
         longer reads it.  The index is rewritten by compare-and-set, so that a job
-        published meanwhile keeps its line."""
+        published meanwhile keeps its line; a piece of it left empty below the seq counter's
+        piece is deleted and unlisted."""
         specs = await self._store.get_many([self._key(f"spec/{job_id}") for job_id in job_ids])
         forgotten = [
             job_id
@@ -267,24 +306,47 @@ class JobBoard:
         for suffix in [*records, *(f"parts/{job_id}" for job_id in forgotten)]:
             await self._store.delete(self._key(suffix))
         await self._store.delete_under([f"{self._keyspace.rendezvous(j)}/" for j in forgotten])
-        gone, key = set(forgotten), self._key("index")
+        gone = set(forgotten)
+        pieces, _ = await self._index_lines(_unheard)
+        emptied = [
+            piece
+            for piece in pieces
+            if not await self._drop_lines(piece, _name, lambda name: name in gone)
+        ]
+        # a piece below the counter's gets no new job (but one republished with its old seq
+        # after a store reset, listed as it lies emptied: a snapshot would miss it)
+        below = (await self._seq.read()) // INDEX_SPAN
+        unlisted = {p for p in emptied if _piece_order(p) < below}
+        await self._drop_lines("index", _index_line, lambda line: line[1] in gone | unlisted)
+        for piece in unlisted:
+            await self._store.delete(self._key(piece))
+        self._pieces -= unlisted
+        return forgotten
+
+    async def _drop_lines(
+        self, suffix: str, parse: Callable[[Any], Any], dropped: Callable[[Any], bool]
+    ) -> bytes:
+        """Rewrite the lines at ``suffix`` without those ``dropped`` says of what ``parse``
+        made of them (a line that does not open stays), by compare-and-set, so that a line
+        appended meanwhile stays; what is left."""
+        key = self._key(suffix)
+
+        def gone(line: bytes) -> bool:
+            opened = open_or_refuse(self._signer, key, line.rstrip(b"\n"), parse, _unheard)
+            return opened is not None and dropped(opened)
+
         for _ in range(_OUTCOME_TRIES):
             raw = await self._store.get(key)
             if raw is None:
-                return forgotten
-            kept = b"".join(
-                line
-                for line in raw.splitlines(keepends=True)
-                if open_or_refuse(self._signer, key, line.rstrip(b"\n"), _name, _unheard)
-                not in gone
-            )
+                return b""
+            kept = b"".join(line for line in raw.splitlines(keepends=True) if not gone(line))
             if kept == raw:
-                return forgotten
+                return kept
             swapped, _ = await self._store.compare_set(key, raw, kept)
             if swapped:
-                return forgotten
+                return kept
         raise StoreError(
-            f"the job index changed {_OUTCOME_TRIES} times while this node rewrote it "
+            f"{key} changed {_OUTCOME_TRIES} times while this node rewrote it "
             f"(the jobs' records are gone; their lines go at the next pass)"
         )
 
@@ -325,11 +387,24 @@ class JobBoard:
         ids = dict.fromkeys([*await self._index_ids(self.refused), *known])
         return position, await self._read(await self._entries(list(ids), known))
 
+    async def _index_lines(self, refused: Refused) -> tuple[list[str], list[str]]:
+        """The pieces the index lists, in seq order, and the job ids it lists itself (a store
+        written before the pieces).  A line that does not open is told to ``refused``."""
+        index = SignedLines(self._signer, self._key("index"), _index_line, refused)
+        lines = [line for line in index.fold(await self._store.get(index.key)) if line]
+        pieces = sorted({n for kind, n in lines if kind == "piece"}, key=_piece_order)
+        self._pieces.update(pieces)
+        return pieces, [n for kind, n in lines if kind == "name"]
+
     async def _index_ids(self, refused: Refused) -> list[str]:
         """The job ids the index lists, each once, in submit order (a line that does not
         open is told to ``refused`` and skipped)."""
-        index = SignedLines(self._signer, self._key("index"), _name, refused)
-        return list(dict.fromkeys(i for i in index.fold(await self._store.get(index.key)) if i))
+        pieces, ids = await self._index_lines(refused)
+        raws = await self._store.get_many([self._key(piece) for piece in pieces])
+        for piece, raw in zip(pieces, raws):
+            lines = SignedLines(self._signer, self._key(piece), _name, refused)
+            ids += [i for i in lines.fold(raw) if i]
+        return list(dict.fromkeys(ids))
 
     async def read_job(self, job_id: str) -> list[Change]:
         """One job's spec, outcome and parts, read now."""
