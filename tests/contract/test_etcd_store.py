@@ -281,6 +281,36 @@ def test_calls_and_waits_move_to_another_member_when_theirs_dies(tmp_path):
         run(scenario())
 
 
+def test_calls_move_to_another_member_when_theirs_freezes(tmp_path):
+    """A member stopped (SIGSTOP: a hung process, a host cut off without a reset) answers
+    nothing and keeps its connections open: gRPC's keepalive notices it after up to 15 s,
+    and daemons writing their heartbeats there would have been judged lost meanwhile."""
+    require_etcd()
+    with EtcdCluster(tmp_path, members=3) as cluster:
+
+        async def scenario():
+            leader = cluster.leader()
+            frozen = 1 if leader == 0 else 0  # a follower: a frozen leader costs an election
+            first = [cluster.endpoints[frozen]]
+            store = await connected(
+                cluster, endpoints=first + [e for e in cluster.endpoints if e not in first]
+            )
+            await store.set("before", b"1")
+            cluster.freeze(frozen)
+            try:
+                started = time.monotonic()
+                assert await store.get("before") == b"1"
+                await store.set("after", b"2")
+                assert await store.compare_set("after", b"2", b"3") == (True, b"3")
+                took = time.monotonic() - started
+            finally:
+                cluster.thaw(frozen)
+            assert took < 5.0, f"{took:.1f}s on a frozen member"  # bound; typically 0.5-1 s
+            await store.close()
+
+        run(scenario())
+
+
 def test_a_cluster_without_quorum_times_out(tmp_path):
     require_etcd()
     with EtcdCluster(tmp_path, members=3) as cluster:

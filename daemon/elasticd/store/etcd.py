@@ -61,6 +61,7 @@ _NO_LEADER = "etcdserver: no leader"
 _LEADERLESS_PAUSE = 0.1  # seconds between members that had no leader (an election runs)
 _FIRST_ANSWER = 0.5  # seconds a call that may be sent again waits for its first answer
 _ANSWER_GROWTH = 1.5  # each wait that long again: a slow answer still comes in the end
+_SILENT_MEMBER = 1.0  # seconds without an answer after which such a call goes to another member
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 10_000),  # a member gone silent is noticed by calls in flight
@@ -468,11 +469,12 @@ class EtcdStore:
     ) -> Any:
         """``send(member, seconds left)`` to a member that answers, within ``deadline``
         seconds; again to the next member when the one it went to failed, if ``retry``, or
-        had no leader; again to the same one when it gave no answer in time, if ``resend``."""
+        had no leader; again, to the next member where there is one, when it gave no answer
+        in time, if ``resend``."""
         deadline = self.timeout if deadline is None else deadline
         clock = asyncio.get_running_loop().time
         async with self._deadline(deadline):
-            ends, wait = clock() + deadline, _FIRST_ANSWER
+            ends, wait, silent = clock() + deadline, _FIRST_ANSWER, 0.0
             failures = 0
             while failures <= len(self.endpoints):  # every member, and a renewed auth token
                 member = await self._chosen()
@@ -482,7 +484,10 @@ class EtcdStore:
                 except TimeoutError:  # no answer yet: sent again, to whichever leader is now
                     if not resend:
                         raise
-                    wait *= _ANSWER_GROWTH
+                    silent, wait = silent + wait, wait * _ANSWER_GROWTH
+                    if silent >= _SILENT_MEMBER and len(self.endpoints) > 1:
+                        silent = 0.0  # and to another member: this one may be frozen
+                        await self._leave(member)  # (which gRPC's keepalive sees in 15 s)
                     continue
                 except grpc.aio.AioRpcError as exc:
                     if (exc.details() or "") == _NO_LEADER:  # not applied: safe to send again
