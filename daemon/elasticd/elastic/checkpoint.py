@@ -639,8 +639,8 @@ class TierReader(StorageReader):
                 paths.update(fetching.result())
             self._read_into(planner, rest, paths, maps)
         finally:
-            # unmapping a gigabyte takes tens of milliseconds: a thread does it, the load goes on
-            in_background(lambda: _unmap(maps.values()), "elasticd-unmap")
+            if maps:  # unmapping a gigabyte takes tens of ms: a thread does it, the load goes on
+                in_background(lambda: _unmap(maps.values()), "elasticd-unmap")
         future: Future[None] = Future()
         future.set_result(None)
         return future
