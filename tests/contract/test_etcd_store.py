@@ -311,6 +311,34 @@ def test_calls_move_to_another_member_when_theirs_freezes(tmp_path):
         run(scenario())
 
 
+def test_a_stalled_member_left_by_a_read_still_answers_the_writes_it_holds(tmp_path):
+    """A member that stalls for 1.6 s (a slow disk) and then answers: the read moves to the
+    next member after a second, and an add and an append that cannot be sent twice, in
+    flight on the stalled member, still get its answer instead of failing."""
+    require_etcd()
+    with EtcdCluster(tmp_path, members=3) as cluster:
+
+        async def scenario():
+            leader = cluster.leader()
+            stalled = 1 if leader == 0 else 0
+            first = [cluster.endpoints[stalled]]
+            store = await connected(
+                cluster,
+                endpoints=first + [e for e in cluster.endpoints if e not in first],
+                timeout=10.0,
+            )
+            await store.set("k", b"1")
+            assert await store.add("n", 1) == 1
+            cluster.freeze(stalled)
+            asyncio.get_running_loop().call_later(1.6, cluster.thaw, stalled)
+            got = await asyncio.gather(store.get("k"), store.add("n", 1), store.append("a", b"x"))
+            assert got == [b"1", 2, None]
+            assert await store.get("a") == b"x" and await store.add("n", 0) == 2
+            await store.close()
+
+        run(scenario())
+
+
 def test_a_cluster_without_quorum_times_out(tmp_path):
     require_etcd()
     with EtcdCluster(tmp_path, members=3) as cluster:

@@ -1,5 +1,5 @@
 """A submit's job id is one that no job ever had, in this node's registry or in the store:
-ids are 24 bits, and the store keeps the outcome of every job that retention forgot."""
+ids are short, and the store keeps the outcome of every job that retention forgot."""
 
 import asyncio
 
@@ -90,16 +90,28 @@ def test_a_new_id_is_none_a_job_in_the_registry_or_the_store_ever_had(tmp_path, 
         n1.registry.add(spec("j-10ca11", NOW), 1)  # known here only (not yet on the board)
         assert n1.registry.find("j-01d01d") is None and n1.registry.find("j-5ab017") is None
         drawn = iter(["j-01d01d", "j-5ab017", "j-10ca11", "j-f4e5a1"])
-        monkeypatch.setattr(node_module, "new_job_id", lambda: next(drawn))
+        monkeypatch.setattr(node_module, "new_job_id", lambda length: next(drawn))
         assert await n1.service.unused_job_id() == "j-f4e5a1"
-        # a store full of jobs: a submit is refused with a reason, after a bounded search
-        monkeypatch.setattr(node_module, "new_job_id", lambda: "j-01d01d")
-        with pytest.raises(LimitExceeded, match="no unused job id"):
+        # where the short ids are mostly taken, longer ones are drawn
+        lengths: list[int] = []
+
+        def taken_unless_long(length: int) -> str:
+            lengths.append(length)
+            return "j-01d01d" if length < 10 else new_job_id(length)
+
+        monkeypatch.setattr(node_module, "new_job_id", taken_unless_long)
+        assert len(await n1.service.unused_job_id()) == 2 + 10
+        assert lengths == [6] * 8 + [8] * 8 + [10]
+        # a store that holds every id it is asked about: a bounded search, then a refusal
+        monkeypatch.setattr(node_module, "new_job_id", lambda length: "j-01d01d")
+        with pytest.raises(LimitExceeded, match="no unused job id in 64 draws"):
             await n1.service.unused_job_id()
 
     asyncio.run(scenario())
 
 
 def test_ids_look_like_the_ones_the_docs_and_the_journal_parse():
-    assert all(JOB_ID.match(new_job_id()) for _ in range(100))
+    assert all(JOB_ID.match(new_job_id()) and len(new_job_id()) == 8 for _ in range(100))
+    assert all(JOB_ID.match(new_job_id(n)) for n in (6, 8, 10, 12))
+    assert not JOB_ID.match("j-0123456789abc") and not JOB_ID.match("j-01234")
     assert board_module.new_job_id is new_job_id is node_module.new_job_id

@@ -9,7 +9,7 @@ import pytest
 from elasticd import config
 from elasticd.core.model import JobSpec, JobState, PartState
 from elasticd.core.records import JobRecord, Outcome, Part, expired
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, StoreConnectionError
 from elasticd.faults import Throttle
 from elasticd.jobs import board as board_module
 from elasticd.jobs.board import BoardFollower, JobBoard
@@ -391,27 +391,95 @@ def test_the_index_is_kept_in_pieces_and_an_emptied_old_piece_goes(monkeypatch):
         for job_id in ("j-1", "j-2", "j-5"):
             await end(job_id, seqs[job_id], 500.0)
         assert sorted(await sweeper.sweep()) == ["j-1", "j-2", "j-5", "j-legacy"]
-        # index/0, emptied and below the counter's piece (2), is gone and unlisted; index/2
-        # is the counter's own: it stays listed for the jobs to come
+        # index/0, emptied, is unlisted; its key stays, empty (a store deletes no key only
+        # while it is empty)
         assert await listed() == {"index": [], "index/1": ["j-3"], "index/2": ["j-4"]}
-        assert await store.get(f"{root}/index/0") is None
+        assert await store.get(f"{root}/index/0") == b""
         await end("j-4", seqs["j-4"], 500.0)
         assert await sweeper.sweep() == ["j-4"]
-        assert await listed() == {"index": [], "index/1": ["j-3"], "index/2": []}
-        assert await board.publish_spec(spec("j-6")) == 6  # piece 3: the counter's now
-        assert await listed() == {
-            "index": [],
-            "index/1": ["j-3"],
-            "index/2": [],
-            "index/3": ["j-6"],
-        }
+        assert await listed() == {"index": [], "index/1": ["j-3"]}
+        assert await board.publish_spec(spec("j-6")) == 6  # piece 3
+        assert await listed() == {"index": [], "index/1": ["j-3"], "index/3": ["j-6"]}
         await end("j-3", seqs["j-3"], 500.0)
-        assert await sweeper.sweep() == ["j-3"]  # index/1 emptied, and the empty index/2, go
+        assert await sweeper.sweep() == ["j-3"]
         assert await listed() == {"index": [], "index/3": ["j-6"]}
         _, changes = await board.snapshot()
         assert [c.job_id for c in changes if c.kind == "spec"] == ["j-6"]
+        # a seq as high as a counter can be still makes a piece the index lists
+        await store.add(f"{root}/seq", 10**15)
+        assert await board.publish_spec(spec("j-7")) == 10**15 + 7
+        _, changes = await board.snapshot()
+        assert [c.job_id for c in changes if c.kind == "spec"] == ["j-6", "j-7"]
 
     asyncio.run(scenario())
+
+
+class RacingStore(AsyncMemoryStore):
+    """A memory store where, right before the sweep unlists an emptied piece of the index,
+    a node publishes a job into that piece (it republishes an open job with its old seq
+    after a store reset): it finds the piece still listed and lists it no more."""
+
+    def __init__(self, board: list[JobBoard]) -> None:
+        super().__init__(MemoryStore())
+        self._board = board
+        self.raced = False
+
+    async def compare_set(self, key, expected, desired):
+        if key.endswith("/jobs/index") and not self.raced:
+            self.raced = True
+            await self._board[0].publish_spec(spec("j-again"), 1)
+        return await super().compare_set(key, expected, desired)
+
+
+def test_a_job_published_into_a_piece_as_the_sweep_unlists_it_stays_listed(monkeypatch):
+    monkeypatch.setattr(board_module, "INDEX_SPAN", 2)
+    boards: list[JobBoard] = []
+    store = RacingStore(boards)
+    board = JobBoard(store, Signer(b"k" * 32, "c"), "c")
+    boards.append(board)
+    sweeper = BoardSweeper(board, lambda: True, 100.0, told=Throttle(), clock=lambda: 1000.0)
+
+    async def scenario() -> None:
+        seq = await board.publish_spec(spec("j-old"))
+        assert seq == 1  # piece 0, which j-again goes to as well
+        for job_id in ("j-2", "j-3", "j-4"):
+            await board.publish_spec(spec(job_id))
+        outcome = Outcome(JobState.SUCCEEDED, 500.0)
+        await board.publish_outcome("j-old", outcome)
+        await board.publish_ended(spec("j-old"), seq, outcome)
+        assert await sweeper.sweep() == ["j-old"]
+        assert store.raced
+        _, changes = await board.snapshot()
+        assert [c.job_id for c in changes if c.kind == "spec"] == ["j-again", "j-2", "j-3", "j-4"]
+
+    asyncio.run(scenario())
+
+
+class NoListing(AsyncMemoryStore):
+    """A TCPStore whose key list the store cannot send (a store full of junk keys)."""
+
+    async def delete_under(self, prefixes):
+        raise StoreConnectionError("lost the store: the key list was too long")
+
+
+def test_retention_goes_on_when_the_rendezvous_keys_cannot_be_deleted(caplog):
+    store = NoListing(MemoryStore())
+    board = JobBoard(store, Signer(b"k" * 32, "c"), "c")
+    sweeper = BoardSweeper(board, lambda: True, 100.0, told=Throttle(), clock=lambda: 1000.0)
+
+    async def scenario() -> None:
+        seq = await board.publish_spec(spec("j-old"))
+        await board.publish_spec(spec("j-new"))
+        outcome = Outcome(JobState.SUCCEEDED, 500.0)
+        await board.publish_outcome("j-old", outcome)
+        await board.publish_ended(spec("j-old"), seq, outcome)
+        assert await sweeper.sweep() == ["j-old"]
+        assert await sweeper.sweep() == []  # forgotten: not read again at the next pass
+        _, changes = await board.snapshot()
+        assert [c.job_id for c in changes if c.kind == "spec"] == ["j-new"]
+
+    asyncio.run(scenario())
+    assert "the rendezvous keys of 1 jobs stay: lost the store" in caplog.text
 
 
 def test_sweepable_takes_the_oldest_expired_jobs_a_batch_at_a_time():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import grp
 import logging
 import os
@@ -33,6 +34,7 @@ from elasticd.core.schedule import Schedule, reason_of, waiting_jobs, waiting_si
 from elasticd.core.usage import Span, report, spans
 from elasticd.errors import ElasticdError, InvalidSpec, LimitExceeded, NotFound, PermissionDenied
 from elasticd.jobs.accounts import account_of, group_name, group_namer, group_names
+from elasticd.jobs.board import new_job_id
 from elasticd.jobs.registry import JobRegistry
 from elasticd.shell.logs import LogBus, LogReader, SeenLines
 from elasticd.wire.protocol import LIST_BATCH, Request, batches
@@ -227,7 +229,7 @@ class Commands:
             args,
             caller,
             self._config,
-            job_id=await self._jobs.unused_job_id(),
+            job_id=new_job_id(),  # provisional: the one it keeps is drawn once it may run
             node=self._node,
             now=time.time(),
         )
@@ -250,6 +252,7 @@ class Commands:
             problem = await self._never_starts(spec)
             if problem:
                 raise InvalidSpec(problem)
+            spec = dataclasses.replace(spec, id=await self._jobs.unused_job_id())
             record = await self._jobs.submit(spec)
         finally:
             self._submitting[spec.uid] -= 1

@@ -79,17 +79,18 @@ _BATCH = 64
 _SEQ_ROOM = 1024  # seqs written back past the highest seen: submits elsewhere not read here yet
 _ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
 _NAME = re.compile(r"^[\w.-]+$")
-_PIECE = re.compile(r"^index/[0-9]{1,12}$")
+_PIECE = re.compile(r"^index/[0-9]{1,19}$")  # any int64 seq // INDEX_SPAN
 INDEX_SPAN = (
     256  # jobs a piece of the index lists (about 32 kB: each submit writes its piece again)
 )
-JOB_ID = re.compile(r"^j-[0-9a-f]{6}$")
+JOB_ID = re.compile(r"^j-[0-9a-f]{6,12}$")
 
 
-def new_job_id() -> str:
-    """A random id in JOB_ID's form: short, for people to type.  Not unique by itself (24
-    bits): a submit takes one that no job in the store ever had (JobBoard.ever_had)."""
-    return f"j-{secrets.token_hex(3)}"
+def new_job_id(length: int = 6) -> str:
+    """A random id in JOB_ID's form, of ``length`` hex digits (even): short, for people to
+    type.  Not unique by itself: a submit takes one that no job in the store ever had
+    (JobBoard.ever_had), longer ones once the short ones are mostly taken."""
+    return f"j-{secrets.token_hex(length // 2)}"
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,6 @@ class JobBoard:
         self._prefix = self._keyspace.jobs
         self.refused: Refused = on_refused or (lambda key, why: None)
         self._indexed: set[tuple[str, str]] = set()
-        self._pieces: set[str] = set()  # pieces of the index this node saw listed
         self._versions = VersionClock()
         self._fresh = Freshness()  # parts: an older one written back is refused
         self._seq = StoreCounter(store, self._key("seq"), self._seq_end, self.refused)
@@ -166,8 +166,8 @@ class JobBoard:
     def _seal(self, suffix: str, body: object, *, version: int = 0, secret: bool = False) -> bytes:
         return self._signer.seal(self._key(suffix), body, version=version, secret=secret)
 
-    def _line(self, suffix: str, name: str) -> bytes:
-        return self._seal(suffix, {"name": name}) + b"\n"
+    def _line(self, suffix: str, name: str, kind: str = "name") -> bytes:
+        return self._seal(suffix, {kind: name}) + b"\n"
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -187,20 +187,15 @@ class JobBoard:
             self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True),
         )
         piece = f"index/{seq // INDEX_SPAN}"
-        await self._list_piece(piece)  # before the line: a listed piece may be empty, not unlisted
         await self._store.append(self._key(piece), self._line(piece, spec.id))
+        await self._list(piece)  # after its line: see forget()
         await self._append(f"spec/{spec.id}")
         return seq
 
-    async def _list_piece(self, piece: str) -> None:
-        """Name ``piece`` in the index, unless it is there (read once per piece and node)."""
-        if piece in self._pieces:
-            return
-        pieces, _ = await self._index_lines(_unheard)
-        if piece not in pieces:
-            line = self._seal("index", {"piece": piece}) + b"\n"
-            await self._store.append(self._key("index"), line)
-        self._pieces.add(piece)
+    async def _list(self, piece: str) -> None:
+        """Name ``piece`` in the index, unless it is there."""
+        if piece not in (await self._index_lines(_unheard))[0]:
+            await self._store.append(self._key("index"), self._line("index", piece, "piece"))
 
     async def publish_ended(self, spec: JobSpec, seq: int, outcome: Outcome) -> None:
         """Seal the job's outcome into its spec record too (version 1, after the first)."""
@@ -228,10 +223,8 @@ class JobBoard:
         await self._append(suffix)
 
     def forget_index(self) -> None:
-        """After a store reset this node's parts, and the index's pieces, must be indexed
-        again."""
+        """After a store reset this node's parts must be indexed again."""
         self._indexed = set()
-        self._pieces = set()
 
     async def publish_outcome(self, job_id: str, outcome: Outcome) -> Outcome:
         """Write the outcome unless a valid one exists; returns the one that is now final.
@@ -281,16 +274,19 @@ class JobBoard:
         return ended
 
     async def forget(self, job_ids: list[str]) -> list[str]:
-        """Delete these ended jobs' records (parts, spec) and rendezvous keys, then their
-        index lines; the jobs forgotten.  A job is forgotten only while its spec record is
-        gone or is the one that seals its outcome (version 1): a spec without one is an open
-        job (a spec written back), whose records stay.  The
-        outcomes stay, a few hundred bytes each: a spec record written back (anyone who
-        reaches the store may have kept its bytes) is read with its outcome, and so never
-        runs again.  Followers that hold a job keep it (their history); a snapshot no
-        longer reads it.  The index is rewritten by compare-and-set, so that a job
-        published meanwhile keeps its line; a piece of it left empty below the seq counter's
-        piece is deleted and unlisted."""
+        """Delete these ended jobs' records (parts, spec), then their index lines and their
+        rendezvous keys; the jobs forgotten.  A job is forgotten only while its spec record
+        is gone or is the one that seals its outcome (version 1): a spec without one is an
+        open job (a spec written back), whose records stay.  The outcomes stay, a few
+        hundred bytes each: a spec record written back (anyone who reaches the store may
+        have kept its bytes) is read with its outcome, and so never runs again.  Followers
+        that hold a job keep it (their history); a snapshot no longer reads it.
+
+        The index is rewritten by compare-and-set, so that a job published meanwhile keeps
+        its line.  A piece left empty is unlisted (its key stays: nothing deletes a key only
+        while it is empty on every store), then read again and listed again if a line came
+        meanwhile; a publisher appends its line first and lists the piece after: whichever
+        of the two reads last sees the other's write, and the piece stays listed."""
         specs = await self._store.get_many([self._key(f"spec/{job_id}") for job_id in job_ids])
         forgotten = [
             job_id
@@ -305,23 +301,28 @@ class JobBoard:
         records = [e for e in await self._entries(forgotten) if not e.startswith("outcome/")]
         for suffix in [*records, *(f"parts/{job_id}" for job_id in forgotten)]:
             await self._store.delete(self._key(suffix))
-        await self._store.delete_under([f"{self._keyspace.rendezvous(j)}/" for j in forgotten])
         gone = set(forgotten)
         pieces, _ = await self._index_lines(_unheard)
-        emptied = [
+        emptied = {
             piece
             for piece in pieces
             if not await self._drop_lines(piece, _name, lambda name: name in gone)
-        ]
-        # a piece below the counter's gets no new job (but one republished with its old seq
-        # after a store reset, listed as it lies emptied: a snapshot would miss it)
-        below = (await self._seq.read()) // INDEX_SPAN
-        unlisted = {p for p in emptied if _piece_order(p) < below}
-        await self._drop_lines("index", _index_line, lambda line: line[1] in gone | unlisted)
-        for piece in unlisted:
-            await self._store.delete(self._key(piece))
-        self._pieces -= unlisted
+        }
+        dropped = gone | emptied  # job ids listed in the index itself (an older store), pieces
+        await self._drop_lines("index", _index_line, lambda line: line[1] in dropped)
+        for piece in sorted(emptied, key=_piece_order):
+            if await self._store.get(self._key(piece)):
+                await self._list(piece)
+        await self._forget_rendezvous(forgotten)
         return forgotten
+
+    async def _forget_rendezvous(self, job_ids: list[str]) -> None:
+        """Delete the jobs' rendezvous keys, or say why they stay (on TCPStore this lists
+        every key of the store, which a store full of junk can make fail)."""
+        try:
+            await self._store.delete_under([f"{self._keyspace.rendezvous(j)}/" for j in job_ids])
+        except StoreError as exc:
+            log.warning("retention: the rendezvous keys of %d jobs stay: %s", len(job_ids), exc)
 
     async def _drop_lines(
         self, suffix: str, parse: Callable[[Any], Any], dropped: Callable[[Any], bool]
@@ -393,7 +394,6 @@ class JobBoard:
         index = SignedLines(self._signer, self._key("index"), _index_line, refused)
         lines = [line for line in index.fold(await self._store.get(index.key)) if line]
         pieces = sorted({n for kind, n in lines if kind == "piece"}, key=_piece_order)
-        self._pieces.update(pieces)
         return pieces, [n for kind, n in lines if kind == "name"]
 
     async def _index_ids(self, refused: Refused) -> list[str]:

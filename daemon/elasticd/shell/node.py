@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 said = logging.getLogger("elasticd.core")  # what the node core says (instructions.Say)
 
 _ID_DRAWS = 64  # random job ids tried before a submit is refused (each one a store read)
+_ID_DRAWS_A_LENGTH = 8  # ids of one length tried before longer ones
 _LEAVE_TIMEOUT = 5.0  # telling the rendezvous we leave is a courtesy: heartbeats tell it anyway
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -701,14 +702,15 @@ class NodeShell:
     # -- for the control socket and the node's record ---------------------------------------------
 
     async def unused_job_id(self) -> str:
-        """An id for a new job that no job in this node's registry or in the store ever had
-        (ids are 24 bits, and the outcomes of forgotten jobs stay in the store: a job that
-        drew one would end, as that one did, before it ran)."""
-        for _ in range(_ID_DRAWS):
-            job_id = new_job_id()
+        """An id for a new job that no job in this node's registry or in the store ever had:
+        the outcomes of forgotten jobs stay in the store, and a job that drew one of their
+        ids would end, as that one did, before it ran.  Six hex digits while most are free;
+        two more after every ``_ID_DRAWS_A_LENGTH`` taken ones (12 at most)."""
+        for draw in range(_ID_DRAWS):
+            job_id = new_job_id(min(6 + 2 * (draw // _ID_DRAWS_A_LENGTH), 12))
             if self._registry.find(job_id) is None and not await self._board.ever_had(job_id):
                 return job_id
-        raise LimitExceeded(f"no unused job id in {_ID_DRAWS} draws: the store holds too many jobs")
+        raise LimitExceeded(f"no unused job id in {_ID_DRAWS} draws: is the store sound?")
 
     async def submit(self, spec: JobSpec) -> JobRecord:
         """Publish a new job.  It is in this node's history first: a job that could not be

@@ -46,7 +46,8 @@ class StoreBackend(Protocol):
         """Delete the key; True if it existed."""
 
     def delete_under(self, prefixes: list[str]) -> int:
-        """Delete every key that starts with one of ``prefixes``; returns how many."""
+        """Delete every key that starts with one of ``prefixes`` (none a prefix of another);
+        returns how many."""
 
     def close(self) -> None:
         """Release the connection; later calls raise StoreConnectionError."""

@@ -136,8 +136,10 @@ class _Member:
             return exc.details() or exc.code().name
         return "connection failed"
 
-    async def close(self) -> None:
-        await self.channel.close()
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel: its calls in flight fail at once, or after ``grace`` seconds
+        if they have not ended by then."""
+        await self.channel.close(grace)
 
 
 class EtcdStore:
@@ -178,6 +180,7 @@ class EtcdStore:
         self._choosing = asyncio.Lock()
         self._unreachable = ""  # why the last member tried could not be used
         self._closed = False
+        self._retiring: dict[_Member, asyncio.Task[None]] = {}  # silent, with calls in flight
 
     # -- the store operations -------------------------------------------------------------
 
@@ -264,11 +267,19 @@ class EtcdStore:
         return (await self._kv("DeleteRange", rpc.DeleteRangeRequest(key=_key(key)))).deleted > 0
 
     async def delete_under(self, prefixes: list[str]) -> int:
+        """One range delete a prefix, in one Txn per 128 prefixes."""
+        ranges = [
+            rpc.RequestOp(
+                request_delete_range=rpc.DeleteRangeRequest(
+                    key=_key(prefix), range_end=_prefix_end(_key(prefix))
+                )
+            )
+            for prefix in dict.fromkeys(prefixes)
+        ]
         deleted = 0
-        for prefix in prefixes:
-            start = _key(prefix)
-            request = rpc.DeleteRangeRequest(key=start, range_end=_prefix_end(start))
-            deleted += (await self._kv("DeleteRange", request)).deleted
+        for i in range(0, len(ranges), MAX_TXN_OPS):
+            reply = await self._txn([], ranges[i : i + MAX_TXN_OPS], [])
+            deleted += sum(op.response_delete_range.deleted for op in reply.responses)
         return deleted
 
     async def wait_for(self, key: str, timeout: float) -> bool:
@@ -292,6 +303,9 @@ class EtcdStore:
         if self._member is not None:
             member, self._member = self._member, None
             await member.close()
+        for member, closing in list(self._retiring.items()):
+            await member.close()
+            await asyncio.gather(closing, return_exceptions=True)
 
     # -- extras: leases -------------------------------------------------------------------
 
@@ -487,7 +501,7 @@ class EtcdStore:
                     silent, wait = silent + wait, wait * _ANSWER_GROWTH
                     if silent >= _SILENT_MEMBER and len(self.endpoints) > 1:
                         silent = 0.0  # and to another member: this one may be frozen
-                        await self._leave(member)  # (which gRPC's keepalive sees in 15 s)
+                        self._move_on(member)  # (which gRPC's keepalive sees in 15 s)
                     continue
                 except grpc.aio.AioRpcError as exc:
                     if (exc.details() or "") == _NO_LEADER:  # not applied: safe to send again
@@ -577,6 +591,17 @@ class EtcdStore:
             ) from None
         member.metadata = (("token", reply.token),)
         return None
+
+    def _move_on(self, member: _Member) -> None:
+        """Calls go to the next member from now on; those in flight on this one (a write
+        that cannot be sent twice) keep it until they end, for the store's timeout at most."""
+        if self._member is not member or member in self._retiring:
+            return
+        self._member = None
+        self._index = (self._index + 1) % len(self.endpoints)
+        closing = asyncio.get_running_loop().create_task(member.close(self.timeout))
+        self._retiring[member] = closing
+        closing.add_done_callback(lambda _: self._retiring.pop(member, None))
 
     async def _leave(self, member: _Member) -> None:
         """Calls go to the next member from now on (unless another failed call moved them
