@@ -331,6 +331,7 @@ def status_block(job: Doc, now: float) -> str:
         *sharing_fields(job),
         ("world size", job.get("world_size")),
         *([("spares", spares_line(job))] if job.get("spares") else []),
+        *([("warm restart", standbys_line(job))] if job.get("warm_restart") else []),
         ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),
         ("round", job.get("round")),
         ("created", local_time(job.get("created"))),
@@ -387,6 +388,23 @@ def spares_line(job: Doc) -> str:
     """'2 warm (up to 1 a node)': the job's parked workers now, and what it asked for."""
     warm = sum(node.get("spares") or 0 for node in job.get("nodes") or ())
     return f"{warm} warm (up to {job['spares']} a node)"
+
+
+def standbys_line(job: Doc) -> str:
+    """'5 standbys waiting (on 2 of 2 nodes)': --warm-restart's interpreters ready for the
+    next restart's workers, as each node last said (this node's read now)."""
+    said = [
+        node["usage"]["standbys"]
+        for node in job.get("nodes") or ()
+        if isinstance(node.get("usage"), dict) and isinstance(node["usage"].get("standbys"), int)
+    ]
+    if not said:
+        return "no standby reported yet"
+    waiting = sum(said)
+    return (
+        f"{waiting} standby{'s' if waiting != 1 else ''} waiting "
+        f"(on {sum(1 for n in said if n)} of {len(job.get('nodes') or ())} nodes)"
+    )
 
 
 def sharing_fields(job: Doc) -> list[tuple[str, Any]]:

@@ -590,7 +590,8 @@ class DiskCollector(Collector):
 
 
 class JobUsageCollector(Collector):
-    """CPU time, memory peak and OOM kills of each job running here, from its cgroup."""
+    """CPU time, memory peak and OOM kills of each job running here, from its cgroup, and
+    its waiting standbys (--warm-restart)."""
 
     def __init__(self) -> None:
         self.source: Callable[[], dict[str, dict[str, Any]]] = dict
@@ -611,11 +612,18 @@ class JobUsageCollector(Collector):
             "Processes of a job killed by the OOM killer on this node",
             labels=["job"],
         )
+        standbys = GaugeMetricFamily(
+            "elasticd_job_warm_standbys",
+            "Standby interpreters of a --warm-restart job waiting on this node "
+            "(torch imported; a restart's workers are made of them)",
+            labels=["job"],
+        )
+        families = ((cpu, "cpu_seconds"), (peak, "memory_peak"), (ooms, "oom_kills"))
         for job, usage in sorted(self.source().items()):
-            for family, key in ((cpu, "cpu_seconds"), (peak, "memory_peak"), (ooms, "oom_kills")):
+            for family, key in (*families, (standbys, "standbys")):
                 if usage.get(key) is not None:
                     family.add_metric([job], usage[key])
-        yield from (cpu, peak, ooms)
+        yield from (cpu, peak, ooms, standbys)
 
 
 NO_REASON = "None"  # a waiting job without a schedule's reason (Slurm's word for none)

@@ -49,6 +49,12 @@ def standbys(job: str) -> dict[int, psutil.Process]:
     return found
 
 
+def said_standbys(daemon: Any, job: str) -> int | None:
+    """The standbys ``elasticctl status`` counts on the daemon's node."""
+    (node,) = daemon.ctl("status", job)["nodes"]
+    return (node["usage"] or {}).get("standbys")
+
+
 def autogroup_nice(pid: int) -> int | None:
     """The nice value of ``pid``'s autogroup (None: the kernel has no autogroups)."""
     try:
@@ -98,8 +104,12 @@ def test_a_restart_runs_the_script_in_its_standbys_as_in_fresh_workers(
         assert group is None or proc.nice() != 19 or group == 19, (group, proc.nice())
     wait_for(lambda: all(p.nice() == 0 for p in waiting.values()), 60, "standbys hurried")
     assert {autogroup_nice(p.pid) for p in waiting.values()} <= {0, None}
+    assert said_standbys(daemon, job["id"]) == 3  # status reads this node's now
     killed = min(waiting)  # its user may kill a standby: that slot starts anew
     os.kill(killed, signal.SIGKILL)
+    wait_for(lambda: said_standbys(daemon, job["id"]) == 2, 30, "status counting 2 standbys")
+    shown = daemon.ctl_run("status", job["id"]).stdout
+    assert "warm restart: 2 standbys waiting (on 1 of 1 nodes)" in shown, shown
     gate.touch()
     done = daemon.wait_job(job["id"], lambda d: d["state"] in ("SUCCEEDED", "FAILED"), 180)
     assert done["state"] == "SUCCEEDED" and done["restarts"] == 1, done

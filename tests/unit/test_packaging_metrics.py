@@ -84,7 +84,7 @@ def _exercised() -> Metrics:
     ):
         m.gpu_news(what, label, value)
     m.job_usage.source = lambda: {
-        "j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20, "oom_kills": 0}
+        "j-1a2b3c": {"cpu_seconds": 1.5, "memory_peak": 1 << 20, "oom_kills": 0, "standbys": 2}
     }
     _exercise_sharing(m)
     m.checkpoint_saved(0.4, 0.2)

@@ -791,6 +791,24 @@ def test_status_shows_usage_per_node_and_in_all():
     ]
 
 
+def test_status_shows_a_warm_restart_job_s_standbys_as_its_nodes_said():
+    def node(name: str, usage: dict | None) -> dict:
+        return {"node": name, "group_rank": 0, "ranks": [0], "state": "RUNNING", "usage": usage}
+
+    def line(*nodes: dict) -> str:
+        block = render.status_block(job(warm_restart=True, nodes=list(nodes)), NOW)
+        return next(x for x in block.splitlines() if x.startswith("warm restart:"))
+
+    waiting = node("n1", {"cpu_seconds": 1.0, "standbys": 3})
+    assert line(waiting, node("n2", {"standbys": 0})) == (
+        "warm restart: 3 standbys waiting (on 1 of 2 nodes)"
+    )
+    assert line(node("n1", {"standbys": 1})) == "warm restart: 1 standby waiting (on 1 of 1 nodes)"
+    # a node without a cgroup (or an older daemon) reports none
+    assert line(node("n1", None)) == "warm restart: no standby reported yet"
+    assert "warm restart" not in render.status_block(job(nodes=[waiting]), NOW)
+
+
 def test_queue_shows_how_long_each_job_has_waited_since_it_last_stopped():
     """WAITED counts from the submit, or, for a job that ran and was stopped (preempted,
     requeued), from when it stopped; a daemon that does not say when counts from the submit."""

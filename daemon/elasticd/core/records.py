@@ -244,6 +244,7 @@ def job_doc(
         "preemptible": spec.preemptible,
         "nnodes_step": spec.nnodes_step,
         "spares": spec.spares,
+        "warm_restart": spec.warm_restart,
         "workers": sorted((w for p in parts for w in p.workers), key=lambda w: w["rank"]),
         "nodes": [_node_doc(p, usage.get(p.node), p.node in gone) for p in parts],
         "usage": total_usage(usage.values()),

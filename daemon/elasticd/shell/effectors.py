@@ -296,8 +296,14 @@ class PartEffectors:
         return self.workers
 
     def usage(self) -> dict[str, Any] | None:
-        """CPU time, memory peak and OOM kills of the job's processes here, from its cgroup."""
-        return self.cgroup.usage().to_json() if self.cgroup is not None else None
+        """CPU time, memory peak and OOM kills of the job's processes here, from its cgroup;
+        with --warm-restart, how many standbys wait (they have a cgroup of their own)."""
+        if self.cgroup is None:
+            return None
+        usage = self.cgroup.usage().to_json()
+        if self.standbys is not None:
+            usage["standbys"] = self.standbys.waiting()
+        return usage
 
     async def close(self) -> None:
         """Stop everything the part has here: its operations and timers, its workers, its

@@ -261,6 +261,10 @@ class Standbys:
             with contextlib.suppress(OSError):
                 self.cgroup.set_cpu_weight(_DEFAULT_CPU_WEIGHT)
 
+    def waiting(self) -> int:
+        """How many standbys wait now (their process runs)."""
+        return sum(standby.proc.poll() is None for standby in self._by_slot.values())
+
     def missing(self, slots: list[int]) -> list[int]:
         """Slots without a standby that still runs."""
         return [s for s in slots if s not in self._by_slot or self._exited(s)]
