@@ -9,18 +9,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from shell_node import ShellNode
+
 from elasticctl import render
 from elasticd.core import instructions as do
 from elasticd.core.model import JobSpec, JobState, PartState
-from elasticd.core.node import NodeCore, NodeSettings
-from elasticd.core.placement import Resources
 from elasticd.core.records import JobRecord, Outcome, Part, hold_reason, job_doc
-from elasticd.jobs.board import BoardFollower, JobBoard
-from elasticd.jobs.history import History
-from elasticd.jobs.registry import JobRegistry
 from elasticd.metrics import Metrics
-from elasticd.shell.node import NodeShell
-from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+from elasticd.store.memory import MemoryStore
 from elasticd.store.signing import Signer
 
 SIGNER = Signer(b"k" * 32, "c")
@@ -104,22 +100,11 @@ def test_held_jobs_are_counted():
     assert metrics.jobs_held._value.get() == 2
 
 
-class Node:
+class Node(ShellNode):
     """One node's registry, board and job service over a shared in-memory store."""
 
     def __init__(self, name: str, store: MemoryStore, tmp_path) -> None:
-        self.registry = JobRegistry(History(str(tmp_path / f"{name}.sqlite")))
-        self.board = JobBoard(AsyncMemoryStore(store), SIGNER, "c")
-        self.follower = BoardFollower(self.board, self.registry, name)
-        core = NodeCore(NodeSettings(name, Resources(2, ()), dead_after=3.0, judge_users=False))
-        self.service = NodeShell(
-            core,
-            effectors=None,
-            board=self.board,
-            follower=self.follower,
-            registry=self.registry,
-            metrics=None,
-        )
+        super().__init__(name, store, tmp_path, SIGNER)
 
     def settle(self) -> None:
         """What the shell's loop does: every queued event to the core, its instructions done."""

@@ -4,21 +4,17 @@ ids are short, and the store keeps the outcome of every job that retention forgo
 import asyncio
 
 import pytest
+from shell_node import ShellNode
 
 from elasticd.core.model import JobSpec, JobState
-from elasticd.core.node import NodeCore, NodeSettings
-from elasticd.core.placement import Resources
 from elasticd.core.records import Outcome
 from elasticd.errors import LimitExceeded
 from elasticd.faults import Throttle
 from elasticd.jobs import board as board_module
-from elasticd.jobs.board import JOB_ID, BoardFollower, JobBoard, new_job_id
-from elasticd.jobs.history import History
-from elasticd.jobs.registry import JobRegistry
+from elasticd.jobs.board import JOB_ID, JobBoard, new_job_id
 from elasticd.jobs.retention import BoardSweeper
 from elasticd.shell import node as node_module
-from elasticd.shell.node import NodeShell
-from elasticd.store.memory import AsyncMemoryStore, MemoryStore
+from elasticd.store.memory import MemoryStore
 from elasticd.store.signing import Signer
 
 SIGNER = Signer(b"k" * 32, "c")
@@ -33,22 +29,8 @@ def spec(job_id: str, created: float) -> JobSpec:
     )  # fmt: skip
 
 
-class Node:
-    def __init__(self, name: str, store: MemoryStore, tmp_path) -> None:
-        self.registry = JobRegistry(
-            History(str(tmp_path / f"{name}.sqlite")), retention=RETENTION, clock=lambda: NOW
-        )
-        self.board = JobBoard(AsyncMemoryStore(store), SIGNER, "c")
-        self.follower = BoardFollower(self.board, self.registry, name)
-        core = NodeCore(NodeSettings(name, Resources(2, ()), dead_after=3.0, judge_users=False))
-        self.service = NodeShell(
-            core,
-            effectors=None,
-            board=self.board,
-            follower=self.follower,
-            registry=self.registry,
-            metrics=None,
-        )
+def node(name: str, store: MemoryStore, tmp_path) -> ShellNode:
+    return ShellNode(name, store, tmp_path, SIGNER, retention=RETENTION, clock=lambda: NOW)
 
 
 async def forgotten_job(board: JobBoard, job_id: str) -> None:
@@ -65,7 +47,7 @@ def test_a_job_under_a_forgotten_job_s_id_would_end_before_it_ran(tmp_path):
     """Why ids are checked against the store: the forgotten job's outcome stays (a spec
     record written back must read as ended), so a new spec under its id reads as ended."""
     store = MemoryStore()
-    n1 = Node("n1", store, tmp_path)
+    n1 = node("n1", store, tmp_path)
 
     async def scenario() -> None:
         await forgotten_job(n1.board, "j-01d01d")
@@ -82,7 +64,7 @@ def test_a_job_under_a_forgotten_job_s_id_would_end_before_it_ran(tmp_path):
 
 def test_a_new_id_is_none_a_job_in_the_registry_or_the_store_ever_had(tmp_path, monkeypatch):
     store = MemoryStore()
-    n1, n2 = Node("n1", store, tmp_path), Node("n2", store, tmp_path)
+    n1, n2 = node("n1", store, tmp_path), node("n2", store, tmp_path)
 
     async def scenario() -> None:
         await forgotten_job(n1.board, "j-01d01d")  # only its outcome is left

@@ -228,30 +228,31 @@ def test_a_forgotten_job_is_not_taken_back_from_the_board(tmp_path):
 # -- the store's side: the observer deletes ended jobs' records ---------------------------------
 
 
-class InterleavedStore(AsyncMemoryStore):
-    """A memory store where a job is submitted elsewhere right before the index's first
-    compare-and-set: the rewrite must keep its line."""
+class RaceOnce(AsyncMemoryStore):
+    """A memory store that publishes ``job`` (with ``seq``, if given) through the first
+    board given, right before the first compare-and-set of a key that ends with ``key``."""
 
-    def __init__(self, board: list[JobBoard]) -> None:
+    def __init__(self, key: str, job: str, seq: int | None = None) -> None:
         super().__init__(MemoryStore())
-        self._board = board
-        self.interleaved = False
+        self.boards: list[JobBoard] = []
+        self._key, self._job, self._seq = key, job, seq
+        self.raced = False
 
     async def compare_set(self, key, expected, desired):
-        if key.endswith("/jobs/index/0") and not self.interleaved:
-            self.interleaved = True
-            await self._board[0].publish_spec(spec("j-meanwhile"))
+        if key.endswith(self._key) and not self.raced:
+            self.raced = True
+            await self.boards[0].publish_spec(spec(self._job), self._seq)
         return await super().compare_set(key, expected, desired)
 
 
 def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_no_others(
     tmp_path,
 ):
-    boards: list[JobBoard] = []
-    store = InterleavedStore(boards)
+    # a job is submitted elsewhere right before the index's first rewrite: it keeps its line
+    store = RaceOnce("/jobs/index/0", "j-meanwhile")
     board_signer = Signer(b"k" * 32, "c")
     board = JobBoard(store, board_signer, "c")
-    boards.append(board)
+    store.boards.append(board)
     observing = [False]
     sweeper = BoardSweeper(
         board, lambda: observing[0], 100.0, told=Throttle(), clock=lambda: 1000.0
@@ -331,7 +332,7 @@ def test_the_observer_deletes_the_records_of_jobs_ended_past_the_retention_and_n
         assert newcomer.find("j-running") is not None
 
     asyncio.run(scenario())
-    assert store.interleaved
+    assert store.raced
 
 
 def test_the_index_is_kept_in_pieces_and_an_emptied_old_piece_goes(monkeypatch):
@@ -414,29 +415,14 @@ def test_the_index_is_kept_in_pieces_and_an_emptied_old_piece_goes(monkeypatch):
     asyncio.run(scenario())
 
 
-class RacingStore(AsyncMemoryStore):
-    """A memory store where, right before the sweep unlists an emptied piece of the index,
-    a node publishes a job into that piece (it republishes an open job with its old seq
-    after a store reset): it finds the piece still listed and lists it no more."""
-
-    def __init__(self, board: list[JobBoard]) -> None:
-        super().__init__(MemoryStore())
-        self._board = board
-        self.raced = False
-
-    async def compare_set(self, key, expected, desired):
-        if key.endswith("/jobs/index") and not self.raced:
-            self.raced = True
-            await self._board[0].publish_spec(spec("j-again"), 1)
-        return await super().compare_set(key, expected, desired)
-
-
 def test_a_job_published_into_a_piece_as_the_sweep_unlists_it_stays_listed(monkeypatch):
     monkeypatch.setattr(board_module, "INDEX_SPAN", 2)
-    boards: list[JobBoard] = []
-    store = RacingStore(boards)
+    # right before the sweep unlists the emptied piece 0, a node publishes a job into it (it
+    # republishes an open job with its old seq after a store reset): it finds the piece
+    # still listed and lists it no more
+    store = RaceOnce("/jobs/index", "j-again", 1)
     board = JobBoard(store, Signer(b"k" * 32, "c"), "c")
-    boards.append(board)
+    store.boards.append(board)
     sweeper = BoardSweeper(board, lambda: True, 100.0, told=Throttle(), clock=lambda: 1000.0)
 
     async def scenario() -> None:
