@@ -7,7 +7,7 @@ import os
 import pytest
 
 from elasticd import config
-from elasticd.core.model import JobSpec, JobState, PartState
+from elasticd.core.model import Failure, JobSpec, JobState, PartState
 from elasticd.core.records import JobRecord, Outcome, Part, expired
 from elasticd.errors import ConfigError, StoreConnectionError
 from elasticd.faults import Throttle
@@ -437,6 +437,35 @@ def test_a_job_published_into_a_piece_as_the_sweep_unlists_it_stays_listed(monke
         assert store.raced
         _, changes = await board.snapshot()
         assert [c.job_id for c in changes if c.kind == "spec"] == ["j-again", "j-2", "j-3", "j-4"]
+
+    asyncio.run(scenario())
+
+
+def test_a_forgotten_job_s_outcome_keeps_how_it_ended_not_its_traceback():
+    """The outcome stays (a spec written back must read as ended); its error's text, up to
+    64 KiB of traceback a failed job, does not."""
+    store = AsyncMemoryStore(MemoryStore())
+    board = JobBoard(store, Signer(b"k" * 32, "c"), "c")
+    sweeper = BoardSweeper(board, lambda: True, 100.0, told=Throttle(), clock=lambda: 1000.0)
+    error = Failure(0, 0, "n1", 1, "RuntimeError: boom", traceback="  File ...\n" * 6000)
+    failed = Outcome(JobState.FAILED, 500.0, 1, "rank 0 failed", error, "")
+    key = "elasticd/c/jobs/outcome/j-failed"
+
+    async def scenario() -> None:
+        seq = await board.publish_spec(spec("j-failed"))
+        spec_record = await store.get("elasticd/c/jobs/spec/j-failed")
+        await board.publish_outcome("j-failed", failed)
+        await board.publish_ended(spec("j-failed"), seq, failed)
+        whole = await store.get(key) or b""
+        assert len(whole) > 60_000 and b"boom" not in whole  # encrypted: the owner's to read
+        assert await sweeper.sweep() == ["j-failed"]
+        kept = await store.get(key) or b""
+        assert len(kept) < 400, len(kept)
+        # a spec record written back reads as the job that ended, when it ended
+        await store.set("elasticd/c/jobs/spec/j-failed", spec_record)
+        changes = await board.read_job("j-failed")
+        (outcome,) = [c.value for c in changes if c.kind == "outcome"]
+        assert outcome == Outcome(JobState.FAILED, 500.0, 1)
 
     asyncio.run(scenario())
 

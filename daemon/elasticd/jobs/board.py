@@ -13,7 +13,8 @@ Keys under ``elasticd/<cluster>/jobs/``::
                         the outcome alone does not make the job look new)
     part/<id>/<node>    signed Part: that node's share of the job (versioned)
     parts/<id>          the nodes that wrote a part of the job: sealed lines, appended
-    outcome/<id>        signed Outcome, written once (compare-and-set: first writer wins)
+    outcome/<id>        Outcome, encrypted (its error's text is the owner's), written once
+                        (compare-and-set: first writer wins)
     log                 counter of changes
     log/<n>             the n-th change, signed: "spec/<id>", "part/<id>/<node>" or "outcome/<id>"
 
@@ -47,7 +48,7 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from elasticd.aio import BackOff
@@ -230,7 +231,9 @@ class JobBoard:
         """Write the outcome unless a valid one exists; returns the one that is now final.
         One that does not open (tampered with) is replaced."""
         suffix = f"outcome/{job_id}"
-        key, sealed = self._key(suffix), self._seal(suffix, outcome.to_json(), version=1)
+        # encrypted: an error's message and traceback are shown to the job's owner only
+        key = self._key(suffix)
+        sealed = self._seal(suffix, outcome.to_json(), version=1, secret=True)
         expected = None
         for _ in range(_OUTCOME_TRIES):
             swapped, current = await self._store.compare_set(key, expected, sealed)
@@ -301,6 +304,7 @@ class JobBoard:
         records = [e for e in await self._entries(forgotten) if not e.startswith("outcome/")]
         for suffix in [*records, *(f"parts/{job_id}" for job_id in forgotten)]:
             await self._store.delete(self._key(suffix))
+        await self._shrink_outcomes(forgotten)
         gone = set(forgotten)
         pieces, _ = await self._index_lines(_unheard)
         emptied = {
@@ -315,6 +319,18 @@ class JobBoard:
                 await self._list(piece)
         await self._forget_rendezvous(forgotten)
         return forgotten
+
+    async def _shrink_outcomes(self, job_ids: list[str]) -> None:
+        """What stays of a forgotten job's outcome: how and when it ended, not its error's
+        text (a failed job's traceback, up to 64 KiB, would stay in the store forever)."""
+        keys = [self._key(f"outcome/{job_id}") for job_id in job_ids]
+        for job_id, key, raw in zip(job_ids, keys, await self._store.get_many(keys)):
+            outcome = open_or_refuse(self._signer, key, raw, Outcome.from_json, _unheard)
+            if raw is None or outcome is None or (outcome.error is None and not outcome.message):
+                continue
+            kept = replace(outcome, message="", error=None)
+            sealed = self._seal(f"outcome/{job_id}", kept.to_json(), version=1, secret=True)
+            await self._store.compare_set(key, raw, sealed)  # lost to a change: kept whole
 
     async def _forget_rendezvous(self, job_ids: list[str]) -> None:
         """Delete the jobs' rendezvous keys, or say why they stay (on TCPStore this lists
