@@ -331,7 +331,11 @@ def status_block(job: Doc, now: float) -> str:
         *sharing_fields(job),
         ("world size", job.get("world_size")),
         *([("spares", spares_line(job))] if job.get("spares") else []),
-        *([("warm restart", standbys_line(job))] if job.get("warm_restart") else []),
+        *(
+            [("warm restart", standbys_line(job))]
+            if job.get("warm_restart") and job.get("state") not in TERMINAL
+            else []
+        ),
         ("restarts", fraction(job.get("restarts"), job.get("max_restarts"))),
         ("round", job.get("round")),
         ("created", local_time(job.get("created"))),
@@ -392,9 +396,10 @@ def spares_line(job: Doc) -> str:
 
 def standbys_line(job: Doc) -> str:
     """'5 standbys waiting (on 2 of 2 nodes)': --warm-restart's interpreters ready for the
-    next restart's workers, as each node last said (this node's read now)."""
+    next restart's workers, as each node last said (this node's read now; a lost node's
+    are gone)."""
     said = [
-        node["usage"]["standbys"]
+        node["usage"]["standbys"] if node.get("state") != "LOST" else 0
         for node in job.get("nodes") or ()
         if isinstance(node.get("usage"), dict) and isinstance(node["usage"].get("standbys"), int)
     ]

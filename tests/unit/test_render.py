@@ -799,14 +799,23 @@ def test_status_shows_a_warm_restart_job_s_standbys_as_its_nodes_said():
         block = render.status_block(job(warm_restart=True, nodes=list(nodes)), NOW)
         return next(x for x in block.splitlines() if x.startswith("warm restart:"))
 
+    def shown(**fields) -> bool:
+        block = render.status_block(job(warm_restart=True, nodes=[waiting], **fields), NOW)
+        return "warm restart" in block
+
     waiting = node("n1", {"cpu_seconds": 1.0, "standbys": 3})
     assert line(waiting, node("n2", {"standbys": 0})) == (
         "warm restart: 3 standbys waiting (on 1 of 2 nodes)"
     )
     assert line(node("n1", {"standbys": 1})) == "warm restart: 1 standby waiting (on 1 of 1 nodes)"
-    # a node without a cgroup (or an older daemon) reports none
+    # an older daemon's part reports none
     assert line(node("n1", None)) == "warm restart: no standby reported yet"
     assert "warm restart" not in render.status_block(job(nodes=[waiting]), NOW)
+    # a lost node's standbys are gone; an ended job's last parts still count theirs
+    lost = {**node("n2", {"standbys": 2}), "state": "LOST"}
+    assert line(waiting, lost) == "warm restart: 3 standbys waiting (on 1 of 2 nodes)"
+    assert shown(state="RUNNING") and shown(state="RESTARTING")
+    assert not any(shown(state=s) for s in ("SUCCEEDED", "FAILED", "CANCELLED"))
 
 
 def test_queue_shows_how_long_each_job_has_waited_since_it_last_stopped():

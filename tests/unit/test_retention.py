@@ -465,9 +465,33 @@ def test_a_forgotten_job_s_outcome_keeps_how_it_ended_not_its_traceback():
         await store.set("elasticd/c/jobs/spec/j-failed", spec_record)
         changes = await board.read_job("j-failed")
         (outcome,) = [c.value for c in changes if c.kind == "outcome"]
-        assert outcome == Outcome(JobState.FAILED, 500.0, 1)
+        assert outcome == Outcome(JobState.FAILED, 500.0, 1, "rank 0 failed")
 
     asyncio.run(scenario())
+
+
+def test_an_outcome_is_cut_to_fit_the_store_keeping_the_end_of_its_traceback():
+    """Error text comes from users' code: 16K characters of message twice and 64K of
+    traceback, each emoji 12 bytes of JSON, sealed a third larger, passed etcd's 1.5 MiB."""
+    wide = "\U0001f525" * 16384
+    error = Failure(0, 0, "n1", 1, wide, traceback=wide * 4 + "RuntimeError: the end")
+    huge = Outcome(JobState.FAILED, 500.0, 1, wide, error, "")
+    store = AsyncMemoryStore(MemoryStore())
+    board = JobBoard(store, Signer(b"k" * 32, "c"), "c")
+
+    async def scenario() -> None:
+        final = await board.publish_outcome("j-huge", huge)
+        assert final == board_module.fitted(huge) and final.error is not None
+        assert final.error.traceback.endswith("RuntimeError: the end")
+        assert final.error.traceback.startswith("[elasticd: ")
+        raw = await store.get("elasticd/c/jobs/outcome/j-huge") or b""
+        assert len(raw) < 400 * 1024, len(raw)
+        (change,) = [c for c in await board.read_job("j-huge") if c.kind == "outcome"]
+        assert change.value == final
+
+    asyncio.run(scenario())
+    small = Outcome(JobState.FAILED, 1.0, 1, "m", Failure(0, 0, "n1", 1, "x", "tb"))
+    assert board_module.fitted(small) is small
 
 
 class NoListing(AsyncMemoryStore):

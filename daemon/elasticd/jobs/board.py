@@ -66,6 +66,7 @@ from elasticd.store.signing import (
     SignedLines,
     Signer,
     VersionClock,
+    canonical_json,
     open_or_refuse,
 )
 from elasticd.wire.numbers import json_int
@@ -81,6 +82,11 @@ _SEQ_ROOM = 1024  # seqs written back past the highest seen: submits elsewhere n
 _ENTRY = re.compile(r"^(spec|outcome)/([\w.-]+)$|^part/([\w.-]+)/([\w.-]+)$")
 _NAME = re.compile(r"^[\w.-]+$")
 _PIECE = re.compile(r"^index/[0-9]{1,19}$")  # any int64 seq // INDEX_SPAN
+# An outcome's JSON at most: sealed (a third more), and again in the spec record at the
+# job's end, it stays far below etcd's 1.5 MiB a request.
+OUTCOME_BYTES = 256 * 1024
+_CUT = "[elasticd: earlier characters cut to fit the store]\n"
+_KEPT_TEXT = 256  # characters of a message or traceback never cut (nor, forgotten, dropped)
 INDEX_SPAN = (
     256  # jobs a piece of the index lists (about 32 kB: each submit writes its piece again)
 )
@@ -121,6 +127,29 @@ def _unheard(key: str, why: str) -> None:
 def _seals_outcome(body: object) -> bool:
     """Whether a spec record is the one written at its job's end (it carries the outcome)."""
     return isinstance(body, dict) and bool(body.get("outcome"))
+
+
+def fitted(outcome: Outcome, most: int = OUTCOME_BYTES) -> Outcome:
+    """``outcome`` with its error's traceback, then its messages, cut to their ends (where
+    the error is) until its JSON takes at most ``most`` bytes."""
+    for _ in range(64):
+        if len(canonical_json(outcome.to_json())) <= most:
+            break
+        error = outcome.error
+        if error is not None and len(error.traceback) > _KEPT_TEXT:
+            outcome = replace(outcome, error=replace(error, traceback=_halved(error.traceback)))
+        elif error is not None and len(error.message) > _KEPT_TEXT:
+            outcome = replace(outcome, error=replace(error, message=_halved(error.message)))
+        elif len(outcome.message) > _KEPT_TEXT:
+            outcome = replace(outcome, message=_halved(outcome.message))
+        else:
+            break
+    return outcome
+
+
+def _halved(text: str) -> str:
+    """The end of ``text``, half of it (a mark of an earlier cut goes with its start)."""
+    return _CUT + text[-(len(text) // 2) :]
 
 
 def _index_line(body: object) -> tuple[str, str]:
@@ -228,9 +257,10 @@ class JobBoard:
         self._indexed = set()
 
     async def publish_outcome(self, job_id: str, outcome: Outcome) -> Outcome:
-        """Write the outcome unless a valid one exists; returns the one that is now final.
-        One that does not open (tampered with) is replaced."""
+        """Write the outcome (fitted) unless a valid one exists; returns the one that is
+        now final.  One that does not open (tampered with) is replaced."""
         suffix = f"outcome/{job_id}"
+        outcome = fitted(outcome)  # error text from users' code: far past what etcd takes
         # encrypted: an error's message and traceback are shown to the job's owner only
         key = self._key(suffix)
         sealed = self._seal(suffix, outcome.to_json(), version=1, secret=True)
@@ -321,14 +351,17 @@ class JobBoard:
         return forgotten
 
     async def _shrink_outcomes(self, job_ids: list[str]) -> None:
-        """What stays of a forgotten job's outcome: how and when it ended, not its error's
-        text (a failed job's traceback, up to 64 KiB, would stay in the store forever)."""
+        """What stays of a forgotten job's outcome: how and when it ended, the start of its
+        message ("cancelled by alice"), not its error (a failed job's traceback, up to
+        64 KiB, would stay in the store forever)."""
         keys = [self._key(f"outcome/{job_id}") for job_id in job_ids]
         for job_id, key, raw in zip(job_ids, keys, await self._store.get_many(keys)):
             outcome = open_or_refuse(self._signer, key, raw, Outcome.from_json, _unheard)
-            if raw is None or outcome is None or (outcome.error is None and not outcome.message):
+            if raw is None or outcome is None:
                 continue
-            kept = replace(outcome, message="", error=None)
+            kept = replace(outcome, message=outcome.message[:_KEPT_TEXT], error=None)
+            if kept == outcome:
+                continue
             sealed = self._seal(f"outcome/{job_id}", kept.to_json(), version=1, secret=True)
             await self._store.compare_set(key, raw, sealed)  # lost to a change: kept whole
 

@@ -297,12 +297,10 @@ class PartEffectors:
 
     def usage(self) -> dict[str, Any] | None:
         """CPU time, memory peak and OOM kills of the job's processes here, from its cgroup;
-        with --warm-restart, how many standbys wait (they have a cgroup of their own)."""
-        if self.cgroup is None:
-            return None
-        usage = self.cgroup.usage().to_json()
+        with --warm-restart, how many standbys wait (None: neither)."""
+        usage = self.cgroup.usage().to_json() if self.cgroup is not None else None
         if self.standbys is not None:
-            usage["standbys"] = self.standbys.waiting()
+            usage = {**(usage or {}), "standbys": self.standbys.waiting()}
         return usage
 
     async def close(self) -> None:
