@@ -87,9 +87,8 @@ _PIECE = re.compile(r"^index/[0-9]{1,19}$")  # any int64 seq // INDEX_SPAN
 OUTCOME_BYTES = 256 * 1024
 _CUT = "[elasticd: earlier characters cut to fit the store]\n"
 _KEPT_TEXT = 256  # characters of a message or traceback never cut (nor, forgotten, dropped)
-INDEX_SPAN = (
-    256  # jobs a piece of the index lists (about 32 kB: each submit writes its piece again)
-)
+# Jobs a piece of the index lists: about 32 kB, which each submit writes again (on etcd).
+INDEX_SPAN = 256
 JOB_ID = re.compile(r"^j-[0-9a-f]{6,12}$")
 
 

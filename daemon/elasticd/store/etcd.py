@@ -592,13 +592,20 @@ class EtcdStore:
         member.metadata = (("token", reply.token),)
         return None
 
+    def _next_after(self, member: _Member) -> bool:
+        """Calls go to the next member from now on, unless another call moved them from
+        ``member`` already (False)."""
+        if self._member is not member:
+            return False
+        self._member = None
+        self._index = (self._index + 1) % len(self.endpoints)
+        return True
+
     def _move_on(self, member: _Member) -> None:
         """Calls go to the next member from now on; those in flight on this one (a write
         that cannot be sent twice) keep it until they end, for the store's timeout at most."""
-        if self._member is not member or member in self._retiring:
+        if not self._next_after(member):
             return
-        self._member = None
-        self._index = (self._index + 1) % len(self.endpoints)
         closing = asyncio.get_running_loop().create_task(member.close(self.timeout))
         self._retiring[member] = closing
         closing.add_done_callback(lambda _: self._retiring.pop(member, None))
@@ -606,9 +613,7 @@ class EtcdStore:
     async def _leave(self, member: _Member) -> None:
         """Calls go to the next member from now on (unless another failed call moved them
         already); the channel closes, failing its other calls, which move on too."""
-        if self._member is member:
-            self._member = None
-            self._index = (self._index + 1) % len(self.endpoints)
+        self._next_after(member)
         await member.close()
 
     @contextlib.asynccontextmanager

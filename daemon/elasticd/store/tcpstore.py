@@ -46,8 +46,13 @@ _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 
 
+def _stored(key: str) -> bytes:
+    """A key as TCPStore holds it: torch's clients put "/" before every key."""
+    return ("/" + key).encode()
+
+
 def _key(key: str) -> bytes:
-    return blob(("/" + key).encode())
+    return blob(_stored(key))
 
 
 def _query(query: Query, *args: bytes) -> bytes:
@@ -186,7 +191,7 @@ class TCPStoreClient:
     async def delete_under(self, prefixes: list[str]) -> int:
         """TCPStore has no range: one LIST_KEYS (every key the store holds), then the
         deletes of those under ``prefixes`` in one round trip."""
-        wanted = tuple(("/" + prefix).encode() for prefix in prefixes)
+        wanted = tuple(_stored(prefix) for prefix in prefixes)
 
         async def listed(conn: _Connection) -> list[bytes]:
             count = await conn.int64()
