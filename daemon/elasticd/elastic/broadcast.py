@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 FORMAT_VERSION = 1
 PACKED = b"elasticd-pack 1\n"  # the first bytes of a packed value (``pack``)
 _KEY_TYPES = (type(None), bool, int, float, str)
@@ -336,16 +338,18 @@ def _receive_tensor(
 def _send_bytes(
     data: bytes, source: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> None:
-    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=device), source, group=group)
+    collectives.broadcast(
+        torch.tensor([len(data)], dtype=torch.int64, device=device), source, group=group
+    )
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    dist.broadcast(payload, source, group=group)
+    collectives.broadcast(payload, source, group=group)
 
 
 def _receive_bytes(source: int, group: dist.ProcessGroup | None, device: torch.device) -> bytes:
     length = torch.empty(1, dtype=torch.int64, device=device)
-    dist.broadcast(length, source, group=group)
+    collectives.broadcast(length, source, group=group)
     payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, source, group=group)
+    collectives.broadcast(payload, source, group=group)
     return bytes(payload.cpu().tolist())  # no .numpy(): numpy is not a dependency
 
 
@@ -368,4 +372,4 @@ def _broadcast_bytes_of(tensor: torch.Tensor, source: int, group: dist.ProcessGr
     complex all travel as uint8), and an empty tensor costs no collective at all (every
     rank knows its shape)."""
     if tensor.numel():
-        dist.broadcast(tensor.reshape(-1).view(torch.uint8), source, group=group)
+        collectives.broadcast(tensor.reshape(-1).view(torch.uint8), source, group=group)

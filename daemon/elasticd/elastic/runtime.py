@@ -30,7 +30,9 @@ the failed collective, and no GPU was at hand to show that it ends that call and
 hang; the abort and a new group, which did both on the H200, stay. Gloo's ``abort`` in torch 2.13
 does not wake a blocked ``all_reduce``, so the sockets that the group opened are also shut
 down (never its listening socket: gloo's listener dies on that), which makes the blocked
-call raise "Connection closed by peer" at once.
+call raise "Connection closed by peer" at once, except where gloo lost a send it had queued:
+this library's own collectives then leave the group (``collectives``), and a worker still in
+one of the script's after half the rejoin timeout exits (``_end_if_stuck``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .broadcast import default_device
 from .errors import GroupAborted, HostsUpdatedInterrupt
 
@@ -272,6 +275,7 @@ class Runtime:
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
         self.channel = Channel(path, slot, self._abort, self._placed)
+        collectives.abandon_when(lambda: self.aborted)
         self._progressed = -PROGRESS_EVERY
         self._watching: threading.Event | None = None  # set to stop the NCCL error watch
         atexit.register(_leave_group)
@@ -403,7 +407,7 @@ class Runtime:
         if self.aborted:
             raise GroupAborted("a member of the job is gone")
         agreed = torch.tensor(self.channel.newest(), dtype=torch.int64, device=default_device())
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(agreed, op=dist.ReduceOp.MAX)
         newest, added = int(agreed[0]), bool(agreed[1])
         if newest > self.round:
             phase("interrupt", newest)

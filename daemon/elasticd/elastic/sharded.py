@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from . import checkpoint, runtime
+from . import checkpoint, collectives, runtime
 from .broadcast import default_device, pack
 from .errors import GroupAborted
 
@@ -276,7 +276,7 @@ class ShardedCommits:
         own = self.last if self.trusted else None
         mine = max((c for c in (own, known) if c is not None), default=None)
         value = torch.tensor([mine.encode() if mine else -1], device=default_device())
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(value, op=dist.ReduceOp.MAX)
         return CommitId.decode(int(value.item()))
 
 
@@ -372,5 +372,5 @@ def give_state_to_load(model: torch.nn.Module, optimizer: Any, metadata: Metadat
 
 def _everyone(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], device=default_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    collectives.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())

@@ -1,0 +1,163 @@
+"""An abort against this library's own collectives on gloo (elasticd.elastic.collectives): real
+gloo groups in real processes, whose sockets are shut down as the runtime's abort does.
+
+Gloo (torch 2.13) loses a send that it queued after EPIPE: the collective waits for it until
+the group's timeout. Without the slices and the kept group, ranks of the first test waited
+there (300 s here) or in ``destroy_process_group``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from harness import ROOT
+from hostwide import free_port
+
+# One rank of a world whose group is formed anew ``trials`` times on one TCPStore; in each
+# round the rank loops all_reduce until its own abort (at a random moment) shuts the group's
+# sockets down and says so; prints how many of its collectives the abort had to leave.
+ABORTED_LOOPS = textwrap.dedent("""
+    import datetime, os, random, socket, stat, sys, threading, time
+    import torch, torch.distributed as dist
+    from elasticd.elastic import collectives
+    from elasticd.elastic.errors import GroupAborted
+
+    rank, world, port, trials = map(int, sys.argv[1:5])
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    aborted = threading.Event()
+    collectives.abandon_when(aborted.is_set)
+
+    def sockets():
+        found = {}
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                info = os.stat(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if stat.S_ISSOCK(info.st_mode):
+                found[int(name)] = info.st_ino
+        return found
+
+    def abort(group):
+        time.sleep(random.uniform(0.01, 0.2))
+        for fd, inode in group.items():
+            try:
+                if os.fstat(fd).st_ino != inode:
+                    continue
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            with sock:
+                try:
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        aborted.set()
+
+    left = 0
+    for trial in range(trials):
+        aborted.clear()
+        before = sockets()
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"trial{trial}", store),
+                                rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        value = torch.ones(2, dtype=torch.int64)
+        collectives.all_reduce(value)  # every pair connected
+        group = {fd: inode for fd, inode in sockets().items() if before.get(fd) != inode}
+        aborter = threading.Thread(target=abort, args=(group,))
+        aborter.start()
+        try:
+            while True:
+                collectives.all_reduce(value)
+        except GroupAborted:
+            left += 1
+        except RuntimeError as exc:
+            assert "connection closed" in str(exc).lower() or "gloo" in str(exc).lower(), exc
+        aborter.join()
+        dist.destroy_process_group()
+    print("left", left, flush=True)
+""")
+
+
+def test_collectives_leave_a_group_their_abort_broke_even_where_gloo_lost_a_send(figures):
+    port, world, trials = free_port(), 3, 30
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", ABORTED_LOOPS, str(rank), str(world), str(port), str(trials)],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
+        )
+        for rank in range(world)
+    ]
+    try:
+        done = [rank.communicate(timeout=240) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (_, err) in zip(ranks, done):
+        assert rank.returncode == 0, err[-3000:]
+    left = sum(int(out.split()[-1]) for out, _ in done)
+    figures.add("gloo collectives the abort left (lost sends)", f"{left} of {world * trials}")
+
+
+# Rank 0 of a world of two whose rank 1 never enters the collective: the abort comes while it
+# waits; then its group is destroyed, a new one formed and used, and the process exits.
+LEFT_WAITING = textwrap.dedent("""
+    import datetime, sys, threading, time
+    import torch, torch.distributed as dist
+    from elasticd.elastic import collectives
+    from elasticd.elastic.errors import GroupAborted
+
+    rank, port, fresh = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    if rank == 1:
+        print("formed", flush=True)
+        threading.Event().wait()
+    aborted = threading.Event()
+    collectives.abandon_when(aborted.is_set)
+    threading.Timer(0.5, aborted.set).start()
+    started = time.monotonic()
+    try:
+        collectives.all_reduce(torch.ones(1))
+    except GroupAborted:
+        print(f"left after {time.monotonic() - started:.2f}", flush=True)
+    dist.destroy_process_group()
+    print("destroyed", flush=True)
+    alone = dist.TCPStore("127.0.0.1", fresh, 1, True)
+    dist.init_process_group("gloo", store=alone, rank=0, world_size=1)
+    value = torch.full((1,), 7.0)
+    collectives.all_reduce(value)
+    print(f"formed again {value.item():g}", flush=True)
+""")
+
+
+def test_a_collective_left_by_an_abort_lets_the_worker_form_a_new_group_and_exit():
+    port, fresh = free_port(), free_port()
+    env = {"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", LEFT_WAITING, str(rank), str(port), str(fresh)],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        out, err = ranks[0].communicate(timeout=120)  # 300 s: the collective's own timeout
+        assert ranks[0].returncode == 0, err[-3000:]
+        lines = out.splitlines()
+        assert lines[0].startswith("left after ")
+        assert lines[1:] == ["destroyed", "formed again 7"]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
