@@ -211,8 +211,9 @@ def test_c1_job_environment_is_not_in_the_store(cluster, shared_tmp, figures):
     ):
         assert suffix in after, f"{suffix} not in the store: {sorted(after)}"
     assert any(k.startswith(f"rdzv/{job_id}/") for k in everything), sorted(everything)
-    spec = json.loads(after[f"jobs/spec/{job_id}"])
-    assert "enc" in spec and "body" not in spec, spec  # encrypted, not only signed
+    for suffix in (f"jobs/spec/{job_id}", *(f"jobs/part/{job_id}/{n}" for n in names)):
+        record = json.loads(after[suffix])
+        assert "enc" in record and "body" not in record, record  # encrypted, not only signed
     cluster_key = cluster.key.read_text().strip().encode()
     for key, raw in everything.items():
         for needle in (*SECRETS, cluster_key):

@@ -92,6 +92,39 @@ def test_a_new_id_is_none_a_job_in_the_registry_or_the_store_ever_had(tmp_path, 
     asyncio.run(scenario())
 
 
+def test_a_submit_that_lost_its_id_to_another_node_s_draws_again(tmp_path, monkeypatch):
+    """The check before the draw is a read: two nodes may draw one id and both find it
+    unused.  The first to publish keeps it; the other draws again, overwriting nothing."""
+    store = MemoryStore()
+    n1, n2 = node("n1", store, tmp_path), node("n2", store, tmp_path)
+
+    async def scenario() -> None:
+        checked = n1.board.ever_had
+
+        async def raced(job_id: str) -> bool:
+            had = await checked(job_id)
+            if job_id == "j-5a3e1d" and n2.registry.find(job_id) is None:
+                await n2.service.submit(spec(job_id, NOW - 1))  # n2 publishes it now
+            return had
+
+        monkeypatch.setattr(n1.board, "ever_had", raced)
+        drawn = iter(["j-5a3e1d", "j-0f1e2d"])
+        monkeypatch.setattr(node_module, "new_job_id", lambda length: next(drawn))
+        record = await n1.service.submit_new(spec("j-000000", NOW))
+        assert record.id == "j-0f1e2d" and n1.registry.find("j-5a3e1d") is None
+        await n2.follower.resync()
+        assert n2.registry.get("j-5a3e1d").spec.created == NOW - 1  # n2's job, untouched
+        assert n2.registry.get("j-0f1e2d").spec.created == NOW
+        # a store where every drawn id is published by another node first: a refusal
+        monkeypatch.setattr(node_module, "new_job_id", lambda length: "j-5a3e1d")
+        monkeypatch.setattr(n1.board, "ever_had", lambda job_id: asyncio.sleep(0, False))
+        with pytest.raises(LimitExceeded, match="8 draws in a row lost their job id"):
+            await n1.service.submit_new(spec("j-000000", NOW))
+        assert n1.registry.find("j-5a3e1d") is None
+
+    asyncio.run(scenario())
+
+
 def test_ids_look_like_the_ones_the_docs_and_the_journal_parse():
     assert all(JOB_ID.match(new_job_id()) and len(new_job_id()) == 8 for _ in range(100))
     assert all(JOB_ID.match(new_job_id(n)) for n in (6, 8, 10, 12))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import grp
 import logging
 import os
@@ -46,8 +45,7 @@ RECENT = 24 * 3600  # `list` without --all shows jobs that ended within this man
 class JobService(Protocol):
     """What the commands ask of this node's job service (shell.node.NodeShell)."""
 
-    async def unused_job_id(self) -> str: ...
-    async def submit(self, spec: JobSpec) -> JobRecord: ...
+    async def submit_new(self, spec: JobSpec) -> JobRecord: ...
     async def cancel(self, job_id: str, by: str) -> JobRecord: ...
     async def fetch(self, job_id: str) -> JobRecord | None: ...
     async def settled(self, job_id: str) -> None: ...
@@ -252,8 +250,7 @@ class Commands:
             problem = await self._never_starts(spec)
             if problem:
                 raise InvalidSpec(problem)
-            spec = dataclasses.replace(spec, id=await self._jobs.unused_job_id())
-            record = await self._jobs.submit(spec)
+            record = await self._jobs.submit_new(spec)
         finally:
             self._submitting[spec.uid] -= 1
             if not self._submitting[spec.uid]:

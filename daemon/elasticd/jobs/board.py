@@ -11,7 +11,8 @@ Keys under ``elasticd/<cluster>/jobs/``::
     spec/<id>           {"seq", "spec"}, encrypted: a job's environment is nobody else's;
                         once the job ended, version 1 adds its "outcome" (so that deleting
                         the outcome alone does not make the job look new)
-    part/<id>/<node>    signed Part: that node's share of the job (versioned)
+    part/<id>/<node>    Part, encrypted: that node's share of the job (versioned; its
+                        workers, its hang's cause, its checkpoints are the owner's)
     parts/<id>          the nodes that wrote a part of the job: sealed lines, appended
     outcome/<id>        Outcome, encrypted (its error's text is the owner's), written once
                         (compare-and-set: first writer wins)
@@ -54,7 +55,7 @@ from typing import Any
 from elasticd.aio import BackOff
 from elasticd.core.model import IllegalTransition, JobSpec
 from elasticd.core.records import Outcome, Part
-from elasticd.errors import ElasticdError, NotACounter, StoreError, TamperedRecord
+from elasticd.errors import Conflict, ElasticdError, NotACounter, StoreError, TamperedRecord
 from elasticd.faults import Faults, Throttle, held_back
 from elasticd.jobs.registry import JobRegistry
 from elasticd.store.base import Store
@@ -111,6 +112,10 @@ class BoardReset(ElasticdError):
     restarted; an entry is missing or refused): read the whole board again."""
 
     code = "store_reset"
+
+
+class IdTaken(Conflict):
+    """Another node published a job under this id since it was drawn."""
 
 
 def _entry(body: object) -> str:
@@ -204,17 +209,25 @@ class JobBoard:
         """The submit order of a new job (publish it with this seq)."""
         return await self._seq.take()
 
-    async def publish_spec(self, spec: JobSpec, seq: int | None = None) -> int:
+    async def publish_spec(
+        self, spec: JobSpec, seq: int | None = None, *, new: bool = False
+    ) -> int:
         """Publish a job; returns its submit order.  Republishing (into a store that was reset)
-        keeps the given ``seq`` and moves the counter past it, so later jobs come after."""
+        keeps the given ``seq`` and moves the counter past it, so later jobs come after.
+        ``new``: only where no record is at the job's id yet (IdTaken otherwise: two submits
+        on two nodes drew the same id; the check before the draw was a read)."""
         if seq is None:
             seq = await self._seq.take()
         else:
             await self._seq.at_least(seq)
-        await self._store.set(
-            self._key(f"spec/{spec.id}"),
-            self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True),
-        )
+        key = self._key(f"spec/{spec.id}")
+        sealed = self._seal(f"spec/{spec.id}", {"seq": seq, "spec": spec.to_json()}, secret=True)
+        if new:
+            swapped, _ = await self._store.compare_set(key, None, sealed)
+            if not swapped:
+                raise IdTaken(f"job id {spec.id} was taken by another submit meanwhile")
+        else:
+            await self._store.set(key, sealed)
         piece = f"index/{seq // INDEX_SPAN}"
         await self._store.append(self._key(piece), self._line(piece, spec.id))
         await self._list(piece)  # after its line: see forget()
@@ -247,7 +260,8 @@ class JobBoard:
             self._indexed.add((job_id, part.node))
         suffix = f"part/{job_id}/{part.node}"
         await self._store.set(
-            self._key(suffix), self._seal(suffix, part.to_json(), version=self._versions.next())
+            self._key(suffix),
+            self._seal(suffix, part.to_json(), version=self._versions.next(), secret=True),
         )
         await self._append(suffix)
 

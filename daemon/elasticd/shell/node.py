@@ -40,7 +40,7 @@ from elasticd.errors import (
     StoreError,
 )
 from elasticd.faults import Faults
-from elasticd.jobs.board import JOB_ID, BoardFollower, JobBoard, new_job_id
+from elasticd.jobs.board import JOB_ID, BoardFollower, IdTaken, JobBoard, new_job_id
 from elasticd.jobs.registry import JobRegistry
 from elasticd.journal import about
 from elasticd.shell.effectors import Effectors, PartEffectors
@@ -51,6 +51,7 @@ said = logging.getLogger("elasticd.core")  # what the node core says (instructio
 
 _ID_DRAWS = 64  # random job ids tried before a submit is refused (each one a store read)
 _ID_DRAWS_A_LENGTH = 8  # ids of one length tried before longer ones
+_ID_RACES = 8  # submits that lost their drawn id to another node's before one is refused
 _LEAVE_TIMEOUT = 5.0  # telling the rendezvous we leave is a courtesy: heartbeats tell it anyway
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -712,13 +713,25 @@ class NodeShell:
                 return job_id
         raise LimitExceeded(f"no unused job id in {_ID_DRAWS} draws: is the store sound?")
 
+    async def submit_new(self, spec: JobSpec) -> JobRecord:
+        """Publish ``spec`` as a new job under an id that no job ever had (unused_job_id);
+        drawn again where a submit on another node took it between the check and the
+        publish."""
+        for _ in range(_ID_RACES):
+            try:
+                return await self.submit(replace(spec, id=await self.unused_job_id()))
+            except IdTaken:
+                continue
+        raise LimitExceeded(f"{_ID_RACES} draws in a row lost their job id to other submits")
+
     async def submit(self, spec: JobSpec) -> JobRecord:
         """Publish a new job.  It is in this node's history first: a job that could not be
-        recorded (a full disk) is refused before any node could take it."""
+        recorded (a full disk) is refused before any node could take it.  IdTaken where
+        another node published a job under its id first."""
         seq = await self._board.next_seq()
         self._registry.reserve(spec, seq)
         try:
-            await self._board.publish_spec(spec, seq)
+            await self._board.publish_spec(spec, seq, new=True)
         except BaseException:
             self._registry.unreserve(spec.id)
             raise
