@@ -18,9 +18,9 @@ from hostwide import free_port
 # round the rank loops all_reduce until its own abort (at a random moment) shuts the group's
 # sockets down and says so; prints how many of its collectives the abort had to leave.
 ABORTED_LOOPS = textwrap.dedent("""
-    import datetime, os, random, socket, stat, sys, threading, time
+    import datetime, random, sys, threading, time
     import torch, torch.distributed as dist
-    from elasticd.elastic import collectives
+    from elasticd.elastic import collectives, runtime
     from elasticd.elastic.errors import GroupAborted
 
     rank, world, port, trials = map(int, sys.argv[1:5])
@@ -29,44 +29,21 @@ ABORTED_LOOPS = textwrap.dedent("""
     aborted = threading.Event()
     collectives.abandon_when(aborted.is_set)
 
-    def sockets():
-        found = {}
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                info = os.stat(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
-            if stat.S_ISSOCK(info.st_mode):
-                found[int(name)] = info.st_ino
-        return found
-
     def abort(group):
         time.sleep(random.uniform(0.01, 0.2))
-        for fd, inode in group.items():
-            try:
-                if os.fstat(fd).st_ino != inode:
-                    continue
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            with sock:
-                try:
-                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        runtime.shut_down(group)  # as the runtime's abort does
         aborted.set()
 
     left = 0
     for trial in range(trials):
         aborted.clear()
-        before = sockets()
+        before = runtime.socket_fds()
         dist.init_process_group("gloo", store=dist.PrefixStore(f"trial{trial}", store),
                                 rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
         value = torch.ones(2, dtype=torch.int64)
         collectives.all_reduce(value)  # every pair connected
-        group = {fd: inode for fd, inode in sockets().items() if before.get(fd) != inode}
+        group = runtime.opened_since(before)
         aborter = threading.Thread(target=abort, args=(group,))
         aborter.start()
         try:

@@ -199,7 +199,7 @@ class Channel:
                 self._lock.wait()
 
 
-def _socket_fds() -> dict[int, int]:
+def socket_fds() -> dict[int, int]:
     """This process's sockets: fd -> inode (the inode tells a reused fd number apart)."""
     found = {}
     for name in os.listdir("/proc/self/fd"):
@@ -212,12 +212,12 @@ def _socket_fds() -> dict[int, int]:
     return found
 
 
-def _opened_since(before: dict[int, int]) -> dict[int, int]:
+def opened_since(before: dict[int, int]) -> dict[int, int]:
     """This process's sockets that are not in ``before`` (fd -> inode)."""
-    return {fd: ino for fd, ino in _socket_fds().items() if before.get(fd) != ino}
+    return {fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino}
 
 
-def _shut_down(fds: dict[int, int]) -> None:
+def shut_down(fds: dict[int, int]) -> None:
     """Shut down the connected TCP sockets among ``fds`` (still the same sockets)."""
     for fd, inode in fds.items():
         try:
@@ -239,7 +239,7 @@ def _tcp_sockets() -> str:
     """This process's TCP sockets, each as ``fd local->peer`` (for a stuck worker's last
     words: which of them the abort left open)."""
     described = []
-    for fd in sorted(_socket_fds()):
+    for fd in sorted(socket_fds()):
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -306,7 +306,7 @@ class Runtime:
                 except Exception:
                     pass
             self._shut_down_forming()
-            _shut_down(self._group_sockets)
+            shut_down(self._group_sockets)
             if self._forming_since is None and self.round > self._stuck_watch:
                 self._stuck_watch = self.round
                 threading.Thread(
@@ -366,7 +366,7 @@ class Runtime:
         forming = self._forming_since
         if forming is None:
             return
-        _shut_down(_opened_since(forming))
+        shut_down(opened_since(forming))
         threading.Thread(
             target=self._keep_failing,
             args=(forming, self.round),
@@ -383,7 +383,7 @@ class Runtime:
                     return
                 if time.monotonic() >= deadline:
                     break
-                _shut_down(_opened_since(forming))
+                shut_down(opened_since(forming))
         print(
             f"elasticd: round {round}'s group was given up but still forms after "
             f"{_GIVE_UP_LIMIT:g} s; this worker exits (the agent restarts it)",
@@ -438,7 +438,7 @@ class Runtime:
             self.backend = self.backend or str(dist.get_backend())
             with self._group_lock:
                 if why == "failure":
-                    _shut_down(self._group_sockets)
+                    shut_down(self._group_sockets)
                 self._group_sockets = {}
             phase("leave-start", self.round)
             try:
@@ -458,7 +458,7 @@ class Runtime:
 
     def _init_group(self) -> None:
         with self._group_lock:
-            self._forming_since = _socket_fds()
+            self._forming_since = socket_fds()
         try:
             phase("form-start", self.round)
             self._wait_for_store()
@@ -534,7 +534,7 @@ class Runtime:
         again after the first collectives: gloo may connect its pairs lazily)."""
         with self._group_lock:
             before = self._before_group
-            self._group_sockets = _opened_since(before)
+            self._group_sockets = opened_since(before)
 
 
 def abort_limit(rejoin_timeout: str) -> float:
