@@ -7,9 +7,12 @@ there (300 s here) or in ``destroy_process_group``."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 from harness import ROOT
 from hostwide import free_port
@@ -138,3 +141,106 @@ def test_a_collective_left_by_an_abort_lets_the_worker_form_a_new_group_and_exit
         for rank in ranks:
             rank.kill()
             rank.communicate()
+
+
+# An in-place worker (the runtime, a stand-in agent) placed as rank 0 of a world of two whose
+# rank 1 never enters a collective, in a group whose sockets the abort does not shut down (a
+# subgroup formed after the round's: as stuck as a lost send): the abort comes, the collective
+# leaves the group (kept, with the round's store server), and the worker asks for a new place.
+LEFT_AS_RANK_0 = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist
+    from elasticd.elastic import collectives, runtime
+    from elasticd.elastic.errors import GroupAborted
+    worker = runtime.Runtime(sys.argv[1], 0, "gloo")
+    worker.join("start")
+    both = dist.new_group([0, 1])
+    print("entering", flush=True)
+    try:
+        collectives.all_reduce(torch.ones(1), group=both)
+    except GroupAborted as exc:
+        print("left", flush=True)
+        worker.join("failure", str(exc))
+    print("formed again", flush=True)
+""")
+PEER = textwrap.dedent("""
+    import threading
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    dist.new_group([0, 1])
+    print("formed", flush=True)
+    threading.Event().wait()
+""")
+
+
+def _left_as_rank_0(base, same_port: bool) -> tuple[int | None, str, str]:
+    """Run LEFT_AS_RANK_0 to its new place (round 1: at the same store address or another)
+    and to its end; its exit status (None: still running 60 s later), stdout and stderr."""
+    path = str(base / "agent.sock")
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(path)
+    agent.listen()
+    port, other = str(free_port()), str(free_port())
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
+    clean = {"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", LEFT_AS_RANK_0, path],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean,
+    )
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER],
+        text=True,
+        stdout=subprocess.PIPE,
+        env={**clean, **env, "RANK": "1"},
+    )
+    try:
+        conn, _ = agent.accept()
+        conn.settimeout(120)
+        lines = conn.makefile("r")
+
+        def asked() -> dict:
+            return next(doc for doc in map(json.loads, lines) if doc["op"] == "ready")
+
+        asked()
+        place = {"op": "place", "round": 0, "env": {**env, "RANK": "0"}}
+        conn.sendall(json.dumps(place).encode() + b"\n")
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "entering"
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "formed"
+        time.sleep(1)  # the collective has begun (it waits for rank 1 for good)
+        conn.sendall(json.dumps({"op": "abort", "round": 1}).encode() + b"\n")
+        assert worker.stdout.readline().strip() == "left"
+        assert asked()["why"] == "failure"
+        again = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port if same_port else other}
+        place = {"op": "place", "round": 1, "env": {**again, "RANK": "0", "WORLD_SIZE": "1"}}
+        conn.sendall(json.dumps(place).encode() + b"\n")
+        try:
+            status = worker.wait(60)
+        except subprocess.TimeoutExpired:
+            status = None
+        worker.kill()
+        out, err = worker.communicate()
+        conn.close()
+        return status, out, err
+    finally:
+        for process in (worker, peer):
+            process.kill()
+            process.communicate()
+        agent.close()
+
+
+def test_a_worker_whose_left_group_holds_its_next_rounds_store_port_exits_to_be_replaced(
+    tmp_path,
+):
+    """A fixed --master-port: rank 0's kept group still hosts the old round's store there
+    (with its keys), so the next round could not form on it."""
+    status, _, err = _left_as_rank_0(tmp_path, same_port=True)
+    assert status == 75, err[-3000:]
+    assert "still hosts the store of its round; this worker exits" in err
+
+
+def test_a_worker_that_left_a_group_forms_its_next_round_elsewhere(tmp_path):
+    status, out, err = _left_as_rank_0(tmp_path, same_port=False)
+    assert status == 0 and out.strip().endswith("formed again"), err[-3000:]  # and exits

@@ -275,7 +275,8 @@ class Runtime:
         self._before_group: dict[int, int] = {}  # the sockets this process had before the group
         self._forming_since: dict[int, int] | None = None  # sockets before an init in progress
         self.channel = Channel(path, slot, self._abort, self._placed)
-        collectives.abandon_when(lambda: self.aborted)
+        self._kept_stores: set[tuple[str, str]] = set()  # stores that left groups still host
+        collectives.abandon_when(lambda: self.aborted, self._kept_group)
         self._progressed = -PROGRESS_EVERY
         self._watching: threading.Event | None = None  # set to stop the NCCL error watch
         atexit.register(_leave_group)
@@ -315,6 +316,14 @@ class Runtime:
                     daemon=True,
                     name="elasticd-aborted",
                 ).start()
+
+    def _kept_group(self) -> None:
+        """A collective left its group, which is kept (collectives): on the round's rank 0 it
+        keeps the round's store server listening, with that round's keys."""
+        if os.environ.get("RANK") == "0":
+            self._kept_stores.add(
+                (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
+            )
 
     def _end_if_stuck(self, round: int) -> None:
         """A worker still in ``round`` ``abort_limit`` s after its abort, never having asked
@@ -451,6 +460,16 @@ class Runtime:
             self._asked_after = self.round
         round, env = self.channel.place_after(self.round, why, error)
         phase("placed", round)
+        store = (env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""))
+        if store in self._kept_stores:  # a fixed --master-port: that server is in the way
+            print(
+                f"elasticd: round {round}'s store is at {store[0]}:{store[1]}, where a group "
+                "this worker had to leave (a collective gloo never ended) still hosts the "
+                "store of its round; this worker exits (the agent replaces it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(GIVEN_UP_EXIT)
         os.environ.update(env)
         with self._group_lock:  # the reader thread compares notices with it under the lock
             self.round = round

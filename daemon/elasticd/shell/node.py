@@ -729,6 +729,8 @@ class NodeShell:
         recorded (a full disk) is refused before any node could take it.  IdTaken where
         another node published a job under its id first."""
         seq = await self._board.next_seq()
+        if self._registry.find(spec.id) is not None:  # the follower read it meanwhile
+            raise IdTaken(f"job id {spec.id} was taken by another submit meanwhile")
         self._registry.reserve(spec, seq)
         try:
             await self._board.publish_spec(spec, seq, new=True)
