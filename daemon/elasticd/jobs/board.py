@@ -117,6 +117,9 @@ class BoardReset(ElasticdError):
 class IdTaken(Conflict):
     """Another node published a job under this id since it was drawn."""
 
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job id {job_id} was taken by another submit meanwhile")
+
 
 def _entry(body: object) -> str:
     if not isinstance(body, str) or not _ENTRY.match(body):
@@ -225,7 +228,7 @@ class JobBoard:
         if new:
             swapped, _ = await self._store.compare_set(key, None, sealed)
             if not swapped:
-                raise IdTaken(f"job id {spec.id} was taken by another submit meanwhile")
+                raise IdTaken(spec.id)
         else:
             await self._store.set(key, sealed)
         piece = f"index/{seq // INDEX_SPAN}"

@@ -730,7 +730,7 @@ class NodeShell:
         another node published a job under its id first."""
         seq = await self._board.next_seq()
         if self._registry.find(spec.id) is not None:  # the follower read it meanwhile
-            raise IdTaken(f"job id {spec.id} was taken by another submit meanwhile")
+            raise IdTaken(spec.id)
         self._registry.reserve(spec, seq)
         try:
             await self._board.publish_spec(spec, seq, new=True)
