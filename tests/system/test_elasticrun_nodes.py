@@ -163,7 +163,7 @@ def test_the_same_line_ends_with_the_same_parameters_under_torchrun_and_elasticr
         if name == "elasticrun":
             warned = launches[0].wait_line(r"warning: no key for this job", "err", timeout=1)
             assert warned, "a job without a key says so"
-            assert left_behind(user, [node_name(launch) for launch in launches]) == []
+            assert left_behind(user, [node_name(launch) for launch in launches], hosts) == []
     REPORT.append(f"same line, 3 nodes x 1 worker, 12 steps: checksums {runs}")
     assert runs["torchrun"] == runs["elasticrun"]
 
@@ -197,7 +197,7 @@ def test_a_killed_node_leaves_the_others_going_and_a_new_one_joins(hosts, user):
         node.wait_line(WORLD.format(world=3), timeout=120, after=mark)
     codes = [node.wait(240) for node in (*nodes[:2], newcomer)]
     assert codes == [0, 0, 0], [node.story("exit") for node in (*nodes[:2], newcomer)]
-    assert left_behind(user, [*names, node_name(newcomer)]) == []
+    assert left_behind(user, [*names, node_name(newcomer)], hosts) == []
 
     # torchrun, the same line (max restarts 0: torchrun's default, and elasticrun's)
     torch_argv = line(hosts, "2:3", f"kill-torchrun-{tag}", *script)
@@ -243,7 +243,7 @@ def test_ctrl_c_on_one_node_cancels_the_job_everywhere_and_leaves_nothing(hosts,
     codes = [node.wait(120) for node in nodes]
     assert codes == [130, 130, 130], [node.story("exit") for node in nodes]
     nodes[1].wait_line(r"^elasticrun: job j-[0-9a-f]+ cancelled$", "err", timeout=1)
-    assert left_behind(user, names) == []
+    assert left_behind(user, names, hosts) == []
     # the logs the user asked for stay: each node's copy of its rank's output
     copies = sorted(path.name for path in logs.rglob("stdout.log"))
     assert copies == ["stdout.log"] * 3, sorted(map(str, logs.rglob("*")))
@@ -267,7 +267,7 @@ def test_losing_the_store_host_ends_the_job_everywhere_saying_why(hosts, user):
         f"the store's host SIGKILLed (c10d): the others ended (exit 1, saying why) "
         f"{time.monotonic() - cut:.1f} s later"
     )
-    assert left_behind(user, names) == []
+    assert left_behind(user, names, hosts) == []
 
 
 def test_on_etcd_the_endpoints_host_is_a_node_like_the_others(hosts, user, shared_tmp):
@@ -311,6 +311,6 @@ def test_on_etcd_the_endpoints_host_is_a_node_like_the_others(hosts, user, share
             node.wait_line(WORLD.format(world=2), timeout=120)
         codes = [node.wait(240) for node in nodes[1:]]
         assert codes == [0, 0], [node.story("exit") for node in nodes[1:]]
-        assert left_behind(user, names) == []
+        assert left_behind(user, names, hosts) == []
     finally:
         etcd.stop()

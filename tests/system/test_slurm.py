@@ -147,7 +147,7 @@ def test_a_node_of_an_sbatch_job_killed_the_job_goes_on_and_ends_0(cluster, user
         batch.kill()
         raise AssertionError(f"{exc}\n--- output ---\n{output.text()}\n{cluster.logs()}") from None
     assert not key.exists(), "task 0 removes the allocation's key at its end"
-    assert left_behind(user, ["h1", "h2", "h3"]) == []
+    assert left_behind(user, ["h1", "h2", "h3"], cluster.hosts) == []
     REPORT.append(
         f"sbatch -N3, srun elasticrun --nnodes 2:3: node h3's task SIGKILLed, the other two "
         f"re-formed at 2 in {reformed:.1f} s and ended 0; srun said: "

@@ -11,6 +11,7 @@ this machine: processes, private daemons' directories, cgroups, nftables tables.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -142,10 +143,15 @@ class Launch(Launched):
         super().__init__(command, env, str(cwd or user.home), f"host {index}")
 
 
-def left_behind(user: Account, node_names: list[str] = (), timeout: float = 30.0) -> list[str]:  # type: ignore[assignment]
+def left_behind(
+    user: Account,
+    node_names: list[str] = (),  # type: ignore[assignment]
+    hosts: object = None,
+    timeout: float = 30.0,
+) -> list[str]:
     """What is left of ``user`` here: its processes (waited for up to ``timeout``), its
-    private daemons' directories, job cgroups of ``node_names``, nftables tables that name
-    them.  [] when nothing is."""
+    private daemons' directories, job cgroups of ``node_names``, and the nftables tables of
+    those nodes (in each of ``hosts``' namespaces, or here).  [] when nothing is."""
     found = []
     procs = [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"].real == user.uid]
     found += [f"process {pid}: {_cmdline(pid)}" for pid in wait_gone(procs, timeout)]
@@ -154,10 +160,25 @@ def left_behind(user: Account, node_names: list[str] = (), timeout: float = 30.0
         found += [f"directory {entry}" for entry in base.iterdir()]
     found += [f"cgroup {path}" for path in _cgroups(node_names)]
     if node_names and shutil.which("nft"):
-        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
-        found += [
-            f"nftables {line}" for line in tables.splitlines() if any(n in line for n in node_names)
-        ]
+        found += [f"nftables {table}" for table in _tables_of(node_names, hosts)]
+    return found
+
+
+def _tables_of(node_names: list[str], hosts: object) -> list[str]:
+    """The nftables tables of these nodes: the daemon names each ``elasticd_<cluster>_<node>``,
+    so a node's name must end the table's (a substring would match other tests' tables)."""
+    prefixes: list[list[str]] = [[]]
+    if hosts is not None:
+        count = hosts.count  # type: ignore[attr-defined]
+        prefixes = [["ip", "netns", "exec", hosts.ns(i)] for i in range(1, count + 1)]  # type: ignore[attr-defined]
+    ends = tuple("_" + re.sub(r"[^A-Za-z0-9_]", "_", name) for name in node_names)
+    found = []
+    for prefix in prefixes:
+        listed = subprocess.run([*prefix, "nft", "list", "tables"], capture_output=True, text=True)
+        for line in listed.stdout.splitlines():
+            name = line.split()[-1] if line.startswith("table ") else ""
+            if name.startswith("elasticd_") and name.endswith(ends):
+                found.append(" ".join([*prefix[3:], line]))
     return found
 
 
