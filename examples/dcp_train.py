@@ -9,8 +9,9 @@ in place before a restarted round's workers start, resharded by DCP to the new w
 ``--model fsdp`` shards the model with FSDP2 (``fully_shard`` on a mesh of the world),
 ``ddp`` replicates it.  The global batch is the same at every world size (each rank takes its
 slice), so a run that resumes at another size trains on the same data.  With ``--report DIR``
-each rank appends JSON lines to DIR/events.jsonl (``start``, ``save``, ``done``: step, world,
-a checksum of the whole model; ``step`` too with ``--report-steps``) and the final parameters' SHA-256 to DIR/final-<rank>.json.
+each rank appends JSON lines to DIR/events.jsonl (``start``, ``save``, ``done``: step, world;
+``start`` the times its phases ended, ``done`` a checksum of the whole model; ``step`` too with
+``--report-steps``) and the final parameters' SHA-256 to DIR/final-<rank>.json.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def parse() -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> nn.Module:
+    """The model, as a fresh run starts it (a checkpoint loaded overwrites every value)."""
     torch.manual_seed(0)  # every rank, every run: the same initial parameters
     layers: list[nn.Module] = []
     for _ in range(args.layers):
@@ -151,15 +153,23 @@ class Reporter:
 
 
 def main() -> None:
+    began = time.time()
     args = parse()
     root = os.environ.get("ELASTICD_CHECKPOINT_DIR") or args.ckpt_dir
     report = Reporter(args.report)
     dist.init_process_group("gloo")
+    formed = time.time()
     world = dist.get_world_size()
-    model = shard(build(args), args.model)
+    found = latest(root) if root else -1
+    if found >= 0 and args.model == "fsdp":  # FSDP2's way: no values made only to be loaded over
+        with torch.device("meta"):
+            model = shard(build(args), args.model)
+        model.to_empty(device="cpu")
+    else:
+        model = shard(build(args), args.model)
+    built = time.time()
     optimizer = make_optimizer(args.optimizer, model.parameters(), 1e-3)
     step = 0
-    found = latest(root) if root else -1
     if found >= 0:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "step": 0}
@@ -169,8 +179,8 @@ def main() -> None:
         )
         step = int(state["step"])
     started_at = step
-    checksum, _ = digest(model)
-    report("start", step=step, world=world, checksum=checksum)
+    phases = {"began": began, "formed": formed, "built": built, "loaded": time.time()}
+    report("start", step=step, world=world, phases=phases)
 
     while step < args.steps:
         x, y = batch(step, args)

@@ -230,7 +230,13 @@ def node_loss(system: Any, run: Run, args: argparse.Namespace) -> dict[str, floa
     ready = max(e["time"] for e in found["starts"].values())
     survivors = {e["pid"] for e in found["starts"].values()} & {e["pid"] for e in before}
     last = max(e["time"] for e in before)
+    phases = {  # the script's own phase points, the later rank's, since the kill
+        phase: max(e["phases"][phase] for e in found["starts"].values()) - t0
+        for phase in next(iter(found["starts"].values())).get("phases", {})
+    }
     return {
+        **{f"@{phase}": at for phase, at in phases.items()},
+        "@reported": ready - t0,
         "resumed": back - t0,
         "stall": back - last,
         "loaded": ready - last,
@@ -332,6 +338,10 @@ def main() -> None:
         each = [f"{r['loaded']:.2f}" for r in runs if "unmeasured" not in r]
         if len(each) > 1:
             print(f"{name}: loaded, each run: {', '.join(each)}")
+        for r in runs:
+            points = [f"{key[1:]} {at:.2f}" for key, at in r.items() if key.startswith("@")]
+            if points:
+                print(f"{name}: since the kill (s): {', '.join(points)}, step {r['resumed']:.2f}")
     print(
         "resumed: the kill -> both survivors' first step at 2; stall: the last step any rank "
         "took before the kill -> the same; loaded: that last step -> both ranks at 2 built "

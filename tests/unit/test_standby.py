@@ -9,7 +9,9 @@ from elasticd.elastic.standby import torch_imports
 from elasticd.shell.workers import compatible
 
 
-def test_it_imports_the_torch_modules_the_script_imports_and_no_other(tmp_path: Path) -> None:
+def test_it_imports_the_torch_modules_the_script_imports_and_dynamo_and_no_other(
+    tmp_path: Path,
+) -> None:
     script = tmp_path / "train.py"
     script.write_text(
         "import os, torch.distributed as dist\n"
@@ -25,6 +27,7 @@ def test_it_imports_the_torch_modules_the_script_imports_and_no_other(tmp_path: 
         "torch.distributed",
         "torch.distributed.checkpoint",
         "torch.distributed.fsdp",
+        "torch._dynamo",  # imported by torch at the first fully_shard, DCP call, optimizer
     ]
 
 
