@@ -176,6 +176,9 @@ def test_a_fetch_and_a_send_go_over_the_bulk_port_whole(tmp_path: Any) -> None:
             assert b"".join(d for _, _, _, d in r.tier.received) == DATA[:5_000_000]
             assert {peer for peer, *_ in r.tier.received} == {"node-a"}  # named by its key
             assert r.server.sessions == 3  # one a transfer: it went over the bulk port
+            await r.links.drop("node-s", "j-000001", "step-1")
+            assert r.tier.received[-1] == ("node-a", "drop", 0, b"")
+            assert r.server.sessions == 3  # no bytes: over CURVE, no session opened for it
 
     asyncio.run(main())
 
@@ -240,16 +243,21 @@ def test_what_does_not_open_under_a_live_session_is_refused_unread() -> None:
     asyncio.run(main())
 
 
-def test_a_node_that_opens_too_many_sessions_loses_its_oldest() -> None:
+def test_a_node_that_opens_too_many_sessions_loses_the_one_it_used_longest_ago() -> None:
+    """Not the oldest: a long transfer keeps the session it opened first in use."""
+
     async def main() -> None:
         async with rig() as r:
             first, first_aead, bulk = await _open_session(r)
-            for _ in range(tierlink.SESSIONS_PER_NODE):
+            second, second_aead, _ = await _open_session(r)
+            sock = _bulk_socket(r, bulk)
+            assert (await _ask(sock, _sealed(first, first_aead, 1, PUT, b"x")))[1] != b""
+            for _ in range(tierlink.SESSIONS_PER_NODE - 1):
                 latest, latest_aead, _ = await _open_session(r)
             assert r.server.sessions == tierlink.SESSIONS_PER_NODE
-            sock = _bulk_socket(r, bulk)
-            reply = await _ask(sock, _sealed(first, first_aead, 1, PUT, b"x"))
+            reply = await _ask(sock, _sealed(second, second_aead, 1, PUT, b"x"))
             assert reply[1] == b"" and b"no such session" in reply[2]
+            assert (await _ask(sock, _sealed(first, first_aead, 2, PUT, b"x")))[1] != b""
             assert (await _ask(sock, _sealed(latest, latest_aead, 1, PUT, b"x")))[1] != b""
             sock.close(linger=0)
 

@@ -17,7 +17,8 @@ the data, each sealed with the session's key (AES-GCM, several GB/s with AES-NI;
 is the direction, the frame and the counter, the clear part its associated data).  The
 server takes only counters above the session's last, so a replayed or reordered message is
 refused, and anything that does not open under a live session's key is refused unread.  A
-session ends when idle for ``SESSION_IDLE`` seconds or when its node opens too many.  A
+session ends when idle for ``SESSION_IDLE`` seconds or when its node opens too many (the one
+it used longest ago goes).  A ``drop`` carries no bytes: it goes over CURVE alone.  A
 server without the bulk port (an older daemon) answers ``open`` with an unknown op: the
 client then sends everything over CURVE, as before.
 
@@ -66,7 +67,7 @@ TIMEOUT = 30.0  # seconds without an answer before a transfer fails
 HANDSHAKE = 5.0  # seconds a connection may take to authenticate
 SESSION_ID = 16  # bytes of a bulk session's id
 SESSION_IDLE = 2 * TIMEOUT  # seconds a bulk session lives unused
-SESSIONS_PER_NODE = 32  # bulk sessions a node may hold open here; its oldest goes first
+SESSIONS_PER_NODE = 32  # bulk sessions a node may hold open here; its least used goes first
 _HEAD = SESSION_ID + 8  # a bulk message's clear part: the session id and the counter
 _TO_SERVER, _TO_CLIENT = 0, 1
 
@@ -204,6 +205,7 @@ class TierServer:
         except InvalidTag:
             raise _Refused("not sealed with this session's key") from None
         session.last, session.used = counter, time.monotonic()
+        self._sessions.move_to_end(head[:SESSION_ID])  # the last a node loses to a new one
         reply, payload = await self._answer(
             session.node, opened[0], opened[1] if len(opened) > 1 else b""
         )
@@ -219,7 +221,7 @@ class TierServer:
             del self._sessions[ident]
         theirs = [i for i, s in self._sessions.items() if s.node == caller]
         for ident in theirs[: max(0, len(theirs) - SESSIONS_PER_NODE + 1)]:
-            del self._sessions[ident]  # its oldest
+            del self._sessions[ident]  # the one it used longest ago
         ident, key = secrets.token_bytes(SESSION_ID), AESGCM.generate_key(bit_length=256)
         self._sessions[ident] = _BulkSession(caller, AESGCM(key), used=now)
         return {
@@ -365,7 +367,7 @@ class TierLinks:
     async def drop(self, node: str, job: str, ckpt: str) -> None:
         """Tell ``node`` that this node's checkpoint ``ckpt`` is gone (deleted, or renamed
         away after its copy landed): its copy there goes too."""
-        async with self._session(node) as session:
+        async with self._session(node, bulk=False) as session:
             await session.call({"op": "drop", "job": job, "ckpt": ckpt, "name": ckpt, "offset": 0})
 
     async def fetch(
@@ -408,16 +410,17 @@ class TierLinks:
             return None
         return cp.FileFacts(sum(n for _, n in pieces), digest.hexdigest())
 
-    def _session(self, node: str) -> _Session:
-        return _Session(self, node)
+    def _session(self, node: str, *, bulk: bool = True) -> _Session:
+        return _Session(self, node, bulk)
 
 
 class _Session:
     """One DEALER to one node's tier, with up to WINDOW requests in flight: over its bulk
-    port, sealed with a session's key, where the node has one; else over CURVE."""
+    port, sealed with a session's key, where the node has one and ``bulk`` asks for it (a
+    transfer of bytes); else over CURVE."""
 
-    def __init__(self, links: TierLinks, node: str) -> None:
-        self._links, self._node = links, node
+    def __init__(self, links: TierLinks, node: str, bulk: bool) -> None:
+        self._links, self._node, self._wants_bulk = links, node, bulk
         self._curve: zmq.asyncio.Socket | None = None
         self._bulk: zmq.asyncio.Socket | None = None
         self._session = b""
@@ -436,6 +439,8 @@ class _Session:
         sock.curve_serverkey = record.peer_key.encode()
         sock.connect(record.tier_endpoint)
         self._curve = sock
+        if not self._wants_bulk:
+            return self
         try:
             await self._open_bulk()
         except BaseException:  # cancelled too: a socket left open holds the context's end
