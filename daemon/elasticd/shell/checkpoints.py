@@ -31,6 +31,7 @@ import shutil
 import socket
 import stat
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -244,6 +245,8 @@ class CheckpointTier:
         # work given before ``run`` began
         self._waiting: list[tuple[str, str, Callable[[], Awaitable[None]]]] = []
         self._receiving: dict[tuple[str, ...], Any] = {}  # a copy being received -> its hash
+        # receive and drop run in threads, from the bulk port's loop and CURVE's at once
+        self._landing = threading.Lock()
 
     # -- the tier's life -------------------------------------------------------------------
 
@@ -991,7 +994,7 @@ class CheckpointTier:
             raise ValueError(f"job {job} has no checkpoints here")
         if not (cp.valid_name(ckpt) and cp.valid_name(name) and cp.valid_name(peer)):
             raise ValueError("bad checkpoint, file or node name")
-        with jd.rights():  # the copies are kept in the job's directory, its user's
+        with self._landing, jd.rights():  # the copies are kept in the job's directory, its user's
             directory = os.path.dirname(_copy_path(jd.path, peer, ckpt, name))
             partial = os.path.join(directory, f".{name}.partial")
             key = (peer, job, ckpt, name)
@@ -1025,10 +1028,11 @@ class CheckpointTier:
             raise ValueError(f"job {job} has no checkpoints here")
         if not (cp.valid_name(ckpt) and cp.valid_name(peer)):
             raise ValueError("bad checkpoint or node name")
-        for key in [k for k in self._receiving if k[:3] == (peer, job, ckpt)]:
-            del self._receiving[key]
-        with jd.rights():
-            shutil.rmtree(os.path.dirname(_copy_path(jd.path, peer, ckpt, ckpt)), True)
+        with self._landing:
+            for key in [k for k in self._receiving if k[:3] == (peer, job, ckpt)]:
+                del self._receiving[key]
+            with jd.rights():
+                shutil.rmtree(os.path.dirname(_copy_path(jd.path, peer, ckpt, ckpt)), True)
 
     def read(self, job: str, owner: str, ckpt: str, name: str, offset: int, length: int) -> bytes:
         """Bytes of ``owner``'s file ``ckpt/name`` as this node holds it (its own, or a copy)."""

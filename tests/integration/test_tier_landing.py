@@ -1,0 +1,118 @@
+"""Copies landing on a node's real checkpoint tier while their owners drop them: the tier
+server answers puts from the bulk port's loop and drops from the CURVE port's, so the two
+run in threads at once.  A drop must never break a landing (or the other way round) with
+anything but the refusal its caller is answered (ValueError, OSError)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from elasticd.core import checkpoints as cp
+from elasticd.core.model import JobSpec
+from elasticd.shell.checkpoints import CheckpointTier, TierSettings
+
+JOB = "j-1a2b3c"
+CHUNK = b"x" * 4096
+WHOLE = cp.FileFacts(2 * len(CHUNK), hashlib.sha256(CHUNK + CHUNK).hexdigest())
+
+
+class NoPeers:
+    async def send(self, *args: object) -> cp.FileFacts:
+        raise AssertionError("nothing is sent")
+
+    async def drop(self, *args: object) -> None:
+        raise AssertionError("nothing is dropped at others")
+
+    async def fetch(self, *args: object) -> None:
+        raise AssertionError("nothing is fetched")
+
+    def alive(self, node: str) -> bool:
+        return False
+
+
+def spec(workdir: Path) -> JobSpec:
+    return JobSpec(
+        id=JOB,
+        argv=("train.py",),
+        python=sys.executable,
+        workdir=str(workdir),
+        uid=os.getuid(),
+        gid=os.getgid(),
+        user="tester",
+        env={},
+        join_timeout=60.0,
+        created=1.0,
+    )
+
+
+def test_copies_land_and_are_dropped_at_once_and_only_refusals_come_out(tmp_path: Path) -> None:
+    async def main() -> None:
+        tier = CheckpointTier(
+            TierSettings("n1", str(tmp_path / "tier"), 0, 0), NoPeers(), lambda event: None
+        )
+        running = asyncio.create_task(tier.run())
+        path = tier.open(spec(tmp_path))
+        stop = threading.Event()
+        unexpected: list[str] = []
+        landed = dropped = 0
+
+        def landing() -> None:
+            nonlocal landed
+            i = 0
+            while not stop.is_set():
+                i += 1
+                ckpt, name = f"step_{i % 20}", f"__{i % 3}_0.distcp"
+                try:
+                    tier.receive("n2", JOB, ckpt, name, 0, CHUNK, None)
+                    tier.receive("n2", JOB, ckpt, name, len(CHUNK), CHUNK, WHOLE)
+                    landed += 1
+                except (ValueError, OSError):
+                    pass  # dropped under it: what the sender is answered
+                except Exception as exc:
+                    unexpected.append(f"receive: {exc!r}")
+
+        def dropping() -> None:
+            nonlocal dropped
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    tier.drop("n2", JOB, f"step_{i % 20}")
+                    dropped += 1
+                except (ValueError, OSError):
+                    pass
+                except Exception as exc:
+                    unexpected.append(f"drop: {exc!r}")
+
+        switching = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch as often as they can
+        try:
+            both = asyncio.gather(asyncio.to_thread(landing), asyncio.to_thread(dropping))
+            await asyncio.sleep(3.0)
+            stop.set()
+            await both
+        finally:
+            sys.setswitchinterval(switching)
+            stop.set()
+        try:
+            assert unexpected == [], unexpected[:5]
+            assert landed > 0 and dropped > 0
+            # and the tier goes on: a copy sent now lands whole
+            tier.receive("n2", JOB, "step_99", "__0_0.distcp", 0, CHUNK, None)
+            tier.receive("n2", JOB, "step_99", "__0_0.distcp", len(CHUNK), CHUNK, WHOLE)
+            kept = [p for p in Path(path).rglob("__0_0.distcp") if "step_99" in str(p)]
+            assert len(kept) == 1 and kept[0].read_bytes() == CHUNK + CHUNK
+        finally:
+            await tier.close(JOB)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < 60
