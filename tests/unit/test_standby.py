@@ -3,9 +3,12 @@ script, and whether a restarted worker's environment lets it be used."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
-from elasticd.elastic.standby import torch_imports
+import pytest
+
+from elasticd.elastic.standby import sets_torch_variables, torch_imports
 from elasticd.shell.workers import compatible
 
 
@@ -29,6 +32,39 @@ def test_it_imports_the_torch_modules_the_script_imports_and_dynamo_and_no_other
         "torch.distributed.fsdp",
         "torch._dynamo",  # imported by torch at the first fully_shard, DCP call, optimizer
     ]
+
+
+def test_a_script_that_sets_torch_variables_gets_no_dynamo_imported_ahead(tmp_path: Path) -> None:
+    """Dynamo and Inductor read theirs when imported, which a fresh worker does after the
+    script's own code ran: imported ahead, they would not see what the script set."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, torch\n"
+        "os.environ['TORCHINDUCTOR_CACHE_DIR'] = f'/tmp/cache-{os.environ[\"RANK\"]}'\n"
+    )
+    assert torch_imports(str(script)) == ["torch"]
+
+
+@pytest.mark.parametrize(
+    "line, sets",
+    [
+        ("os.environ['TORCHINDUCTOR_CACHE_DIR'] = d", True),
+        ("environ['PYTORCH_X'] = '1'", True),
+        ("os.environ[name] = value", True),  # computed: it may be one
+        ("os.environ.setdefault('TORCH_LOGS', '+dynamo')", True),
+        ("os.environ.update(TORCH_COMPILE_DISABLE='1')", True),
+        ("os.environ.update({'OMP_NUM_THREADS': '1', 'TORCH_X': '2'})", True),
+        ("os.environ.update(settings)", True),
+        ("os.putenv('TORCH_X', '1')", True),
+        ("os.environ['NCCL_DEBUG'] = 'INFO'", False),
+        ("os.environ.setdefault('OMP_NUM_THREADS', '1')", False),
+        ("os.environ.update({'OMP_NUM_THREADS': '1'}, HF_HOME='/h')", False),
+        ("x = os.environ['TORCH_LOGS']", False),  # read, not set
+        ("d['TORCH_X'] = 1", False),
+    ],
+)
+def test_what_counts_as_setting_a_torch_variable(line: str, sets: bool) -> None:
+    assert sets_torch_variables(ast.parse(line)) is sets
 
 
 def test_an_unreadable_or_broken_script_imports_nothing(tmp_path: Path) -> None:
