@@ -56,6 +56,7 @@ def test_a_script_that_sets_torch_variables_gets_no_dynamo_imported_ahead(tmp_pa
         ("os.environ.update({'OMP_NUM_THREADS': '1', 'TORCH_X': '2'})", True),
         ("os.environ.update(settings)", True),
         ("os.putenv('TORCH_X', '1')", True),
+        ("os.environ |= {'TORCH_X': '1'}", True),
         ("os.environ['NCCL_DEBUG'] = 'INFO'", False),
         ("os.environ.setdefault('OMP_NUM_THREADS', '1')", False),
         ("os.environ.update({'OMP_NUM_THREADS': '1'}, HF_HOME='/h')", False),

@@ -53,8 +53,8 @@ def torch_imports(path: str) -> list[str]:
 
 def sets_torch_variables(tree: ast.AST) -> bool:
     """Whether the script may set one of torch's environment variables: a ``TORCH*`` key,
-    or one it computes, given to ``os.environ[...] =``, ``.setdefault``, ``.update`` or
-    ``os.putenv``."""
+    or one it computes, given to ``os.environ[...] =``, ``.setdefault``, ``.update``,
+    ``|=`` or ``os.putenv``."""
 
     def environ(node: ast.expr) -> bool:
         return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
@@ -67,6 +67,8 @@ def sets_torch_variables(tree: ast.AST) -> bool:
         return key.value.startswith(TORCH_VARIABLES)
 
     for node in ast.walk(tree):
+        if isinstance(node, ast.AugAssign) and environ(node.target):  # os.environ |= {...}
+            return True
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
             if environ(node.value) and torch_key(node.slice):
                 return True
