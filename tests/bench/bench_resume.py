@@ -236,7 +236,6 @@ def node_loss(system: Any, run: Run, args: argparse.Namespace) -> dict[str, floa
     }
     return {
         **{f"@{phase}": at for phase, at in phases.items()},
-        "@reported": ready - t0,
         "resumed": back - t0,
         "stall": back - last,
         "loaded": ready - last,
