@@ -93,6 +93,15 @@ class NotACounter(StoreError):
         super().__init__(f"store key {key} holds {self.shown}, not a counter")
 
 
+class AddInDoubt(StoreConnectionError):
+    """An add whose connection was lost while the store still answers, the key holding a
+    count: the add may have been applied (a lost connection), or refused over junk that
+    someone replaced with a count meanwhile (TCPStore's server drops the connection of an
+    add over junk).  Adding again is safe only where a number skipped is."""
+
+    code = "store_add_in_doubt"
+
+
 class TamperedRecord(StoreError):
     """A store record does not open: no or a wrong MAC, sealed for another key, or older
     than one seen before."""

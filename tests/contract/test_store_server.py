@@ -148,7 +148,10 @@ def both():
 # One operation: a name and its arguments, over three keys and small values (counts among
 # them, and junk that std::stoll refuses, so that add meets both).
 _KEYS = st.sampled_from([b"a", b"b", b"c"])
-_VALUES = st.sampled_from([b"", b"0", b"7", b" -3x", b"junk", b"x" * 100, b"99999999999999999999"])
+_VALUES = st.sampled_from(
+    [b"", b"0", b"7", b" -3x", b"junk", b"x" * 100, b"99999999999999999999"]
+    + [b"-" + b"0" * 5000 + b"3", b"9" * 5000]  # more digits than Python's int() takes
+)
 _OPS = st.one_of(
     st.tuples(st.just("set"), _KEYS, _VALUES),
     st.tuples(st.just("compare_set"), _KEYS, _VALUES, _VALUES),
@@ -328,6 +331,23 @@ def test_the_store_holds_at_most_its_bytes_and_a_delete_makes_room(server):
     assert client.delete(b"/fill/0") == struct.pack("<q", 1)
     assert client.set(b"/after", b"y" * (32 << 10)) == struct.pack("<I", 0xE1A5)
     client.close()
+
+
+def test_an_add_over_a_count_longer_than_int_takes_is_torchs_answer_not_a_crash(server, caplog):
+    """std::stoll takes any run of zeros before a count, and refuses a number past int64;
+    Python's int() refuses more than 4300 digits with a ValueError, which used to end the
+    connection from inside asyncio (a traceback, no refusal told).  Now: the count, or
+    refused as any junk is."""
+    raw = Raw(server.port)
+    raw.set(b"/zeros", b" -" + b"0" * 5000 + b"7")
+    assert raw.add(b"/zeros", 10) == struct.pack("<q", 3)
+    raw.set(b"/nines", b"9" * 5000)
+    with caplog.at_level("WARNING", logger="elasticd.store.tcpserver"):
+        raw.send(Query.ADD, blob(b"/nines"), struct.pack("<q", 1))
+        assert raw.closed()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    assert any("holds no count" in r.getMessage() for r in caplog.records)
+    raw.close()
 
 
 def test_a_request_trickled_byte_by_byte_is_served(server):

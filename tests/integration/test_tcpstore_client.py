@@ -22,8 +22,10 @@ import pytest
 from hostwide import free_port
 from store_servers import SERVERS, ServerProcess
 
-from elasticd.errors import StoreConnectionError, StoreTimeout
+from elasticd.errors import AddInDoubt, StoreConnectionError, StoreTimeout
 from elasticd.store.c10d import connect
+from elasticd.store.counter import StoreCounter
+from elasticd.store.tcpserver import Refused, TCPStoreServer
 from elasticd.store.tcpstore import StoreProtocolError, TCPStoreClient
 
 
@@ -97,6 +99,67 @@ def test_torch_clients_see_the_same_keys(server):
 
     assert run(scenario()) == (b"2", 6, b"1")
     torch_side.close()
+
+
+@pytest.fixture
+def repaired_at_once():
+    """Our server on a thread of this process, where the junk an add meets is replaced by a
+    count (41) right after the add is refused, before its client can read the key again:
+    another node's repair landing in between, without a timing to hope for."""
+    server = TCPStoreServer("127.0.0.1", 0)
+    refuse = server.keys.add
+
+    def add(key: bytes, amount: int) -> int:
+        try:
+            return refuse(key, amount)
+        except Refused:
+            server.keys.set(key, b"41")
+            raise
+
+    server.keys.add = add  # type: ignore[method-assign]
+    yield server
+    server.close()
+
+
+def test_an_add_over_junk_repaired_meanwhile_is_a_read_or_in_doubt(repaired_at_once):
+    """An add over junk loses its connection (torch's server and ours drop it), and the key
+    holds a count when the client reads it again: a lost connection, or junk that another node
+    repaired meanwhile.  An add of 0 answers that count (a read); any other add is in doubt,
+    never "the store is unreachable", and a StoreCounter takes the next number.  Before, each
+    was a StoreConnectionError: a daemon's board follower said the store was unreachable."""
+    endpoint = f"127.0.0.1:{repaired_at_once.port}"
+    keys = repaired_at_once.keys
+    refused: list[str] = []
+
+    async def justify(seen: int) -> int:
+        return seen + 1
+
+    async def scenario():
+        client = TCPStoreClient(endpoint)
+        counter = StoreCounter(client, "n", justify, lambda key, why: refused.append(why))
+        try:
+            keys.set(b"/r", b"junk")
+            read = await client.add("r", 0)
+            keys.set(b"/d", b"junk")
+            with pytest.raises(AddInDoubt):
+                await client.add("d", 2)
+            keys.set(b"/n", b"junk")
+            return read, await counter.take()
+        finally:
+            await client.close()
+
+    assert run(scenario()) == (41, 42)
+    assert keys.values[b"/d"] == b"41"  # the add in doubt was not applied
+    assert refused == []  # the junk was repaired by the other node, not this one
+    torch_side = connect(endpoint)
+    try:
+        keys.set(b"/r", b"junk")
+        assert torch_side.add("r", 0) == 41
+        keys.set(b"/d", b"junk")
+        with pytest.raises(AddInDoubt):
+            torch_side.add("d", 1)
+    finally:
+        torch_side.close()
 
 
 def test_a_timed_out_wait_is_cancelled_on_the_wire_and_its_connection_kept(server):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from elasticd.errors import NotACounter
+from elasticd.errors import AddInDoubt, NotACounter, StoreError
 
 
 @runtime_checkable
@@ -64,6 +64,20 @@ def junk_counter(key: str, held: bytes | None) -> NotACounter | None:
     """The error for a counter key that holds ``held`` (None: nothing): NotACounter when that
     is no count, else None."""
     return None if held is None or counter_value(held) is not None else NotACounter(key, held)
+
+
+def lost_add(key: str, amount: int, held: bytes | None) -> int | StoreError:
+    """What an add of ``amount`` to ``key`` whose connection was lost tells, from what the
+    key holds on a new connection: TCPStore's server drops the connection of an add over a
+    value that is no count, as a lost connection does.  NotACounter where it holds no count;
+    where it holds one, that count for an add of 0 (a read: applied or not, it is an answer
+    of the call's time), else AddInDoubt."""
+    junk = junk_counter(key, held)
+    if junk is not None:
+        return junk
+    if amount == 0:
+        return 0 if held is None else int(held)
+    return AddInDoubt(f"lost the connection of an add to {key}; it holds a count now")
 
 
 def check_compare_value(expected: bytes | None) -> None:

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
-from elasticd.store.base import check_compare_value, junk_counter
+from elasticd.store.base import check_compare_value, lost_add
 from elasticd.store.tcpstore import MISSING as _MISSING  # the same sentinel on both clients
 
 _FIRST_BACKOFF = 0.05
@@ -98,10 +98,10 @@ class C10dStore:
             with self._client() as client:
                 return client.add(key, amount)
         except StoreConnectionError as lost:
-            junk = junk_counter(key, self.get(key))  # a store that is gone fails this read too
-            if junk is not None:
-                raise junk from lost
-            raise
+            told = lost_add(key, amount, self.get(key))  # a store that is gone fails this too
+            if isinstance(told, int):
+                return told
+            raise told from lost
 
     def append(self, key: str, value: bytes) -> None:
         with self._client() as client:

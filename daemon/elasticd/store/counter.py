@@ -11,14 +11,16 @@ reported (counted, and logged once per interval).  An empty value is compared as
 one (TCPStore cannot tell them apart; etcd reads it as 0 and never gets here).  A count
 below a number this node has seen taken (the store was reset, or anyone wrote a smaller
 number) is moved past it before a new number is taken: one number taken twice would be two
-things with one number.
+things with one number.  An add in doubt (its connection lost and a count there after: junk
+that another node repaired meanwhile, or the add applied) is made again: a number skipped
+is a gap, which the change log's followers read past (a resync).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from elasticd.errors import NotACounter
+from elasticd.errors import AddInDoubt, NotACounter
 from elasticd.store.base import Store
 from elasticd.store.signing import Refused
 
@@ -66,6 +68,8 @@ class StoreCounter:
                 return await self._store.add(self.key, amount)
             except NotACounter as junk:
                 await self._repair(junk)
+            except AddInDoubt:
+                pass
         return await self._store.add(self.key, amount)
 
     async def _repair(self, junk: NotACounter) -> None:

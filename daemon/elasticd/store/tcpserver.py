@@ -58,7 +58,7 @@ READY, NOT_READY = bytes([wire.READY]), bytes([wire.NOT_READY])
 STOP_WAITING, WAIT_CANCELED = bytes([wire.STOP_WAITING]), bytes([wire.WAIT_CANCELED])
 
 # what std::stoll takes: leading white space, a sign, decimal digits; the rest is ignored
-_COUNT = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+_COUNT = re.compile(rb"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
 _INT64 = range(-(1 << 63), 1 << 63)
 
 
@@ -124,9 +124,12 @@ def parse_count(value: bytes) -> int:
     """A stored count as torch's server reads one (``std::stoll``); Refused where it would
     throw (no digits, out of int64's range)."""
     match = _COUNT.match(value)
-    if match is None or int(match.group(1)) not in _INT64:
-        raise Refused(f"an add over {value[:32]!r}, which holds no count")
-    return int(match.group(1))
+    if match is not None:
+        sign, digits = match.group(1), match.group(2).lstrip(b"0") or b"0"
+        # counted before int(), which refuses more than 4300 digits with a ValueError
+        if len(digits) <= 19 and (count := int(sign + digits)) in _INT64:
+            return count
+    raise Refused(f"an add over {value[:32]!r}, which holds no count")
 
 
 class Keys:

@@ -28,7 +28,7 @@ from typing import Any
 
 from elasticd.endpoint import split_endpoint
 from elasticd.errors import StoreConnectionError, StoreTimeout
-from elasticd.store.base import check_compare_value, junk_counter
+from elasticd.store.base import check_compare_value, lost_add
 from elasticd.store.tcpwire import (
     MAGIC,
     NOT_READY,
@@ -159,17 +159,18 @@ class TCPStoreClient:
         """NotACounter when the key holds no count: torch's server answers an ADD over a value
         that ``std::stoll`` does not take (junk, a number past int64, nothing) by dropping
         the connection, which a lost connection does too; a read on a new one tells them
-        apart (a count there: the connection was lost, and the add may have been applied)."""
+        apart where it can (``lost_add``: a count there makes an add of 0 a read, any other
+        an AddInDoubt)."""
         try:
             return await self._call(
                 _query(Query.ADD, _key(key), struct.pack("<q", amount)), _Connection.int64
             )
         except StoreConnectionError as lost:
             # a store that is gone fails this read too
-            junk = junk_counter(key, await self.get(key))
-            if junk is not None:
-                raise junk from lost
-            raise
+            told = lost_add(key, amount, await self.get(key))
+            if isinstance(told, int):
+                return told
+            raise told from lost
 
     async def append(self, key: str, value: bytes) -> None:
         await self._call(_query(Query.APPEND, _key(key), blob(value)), _Connection.pong, ping=True)
