@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from blocking_rendezvous import BlockingRendezvous
 
-from elasticd.errors import RendezvousClosedError, RendezvousTimeoutError
+from elasticd.errors import AddInDoubt, RendezvousClosedError, RendezvousTimeoutError
 from elasticd.faults import Faults
 from elasticd.rendezvous import NextRound, RendezvousSettings
 from elasticd.rendezvous.handler import RendezvousHandler
@@ -278,6 +278,28 @@ def test_a_join_counter_that_turns_to_junk_before_the_add_costs_a_claimed_number
 
     infos = asyncio.run(run())
     assert added and [m.node for m in infos[0].members] == ["a", "b"]
+
+
+def test_a_join_add_in_doubt_costs_a_claimed_number(store):
+    """An add whose connection was lost, a count there after (AddInDoubt: applied, or junk
+    that someone repaired meanwhile): the entry goes under a claimed number, and the round
+    forms, as after junk; no "store unreachable" step."""
+    keys, settings = Keys(PREFIX), RendezvousSettings("job", 2, 2, keep_alive_interval=0.2)
+    doubted: list[int] = []
+
+    class Doubted(AsyncMemoryStore):
+        async def add(self, key: str, amount: int) -> int:
+            number = await super().add(key, amount)
+            if key == keys.joins(0) and amount and not doubted:
+                doubted.append(number)  # applied, and its answer lost
+                raise AddInDoubt(f"lost the connection of an add to {key}")
+            return number
+
+    async def run() -> list:
+        return await formed([handler(Doubted(store), node, settings) for node in ("a", "b")])
+
+    infos = asyncio.run(run())
+    assert doubted and [m.node for m in infos[0].members] == ["a", "b"]
 
 
 def keeper_runs(store, settings: RendezvousSettings, seconds: float, **kwargs) -> None:

@@ -45,6 +45,7 @@ from elasticd.aio import BackOff, back_off
 from elasticd.core.checkpoints import Holding
 from elasticd.core.liveness import Beat
 from elasticd.errors import (
+    AddInDoubt,
     NotACounter,
     RendezvousClosedError,
     RendezvousGone,
@@ -623,7 +624,7 @@ class RendezvousHandler:
         if joins.count is not None and not stranded:
             try:
                 number = await self._store.add(self._keys.joins(round), 1)
-            except NotACounter:  # since it was read: the claimed number stands
+            except (NotACounter, AddInDoubt):  # junk since it was read: the claim stands
                 pass
         key, sealed = joins.entry(round, number, mine)
         if not (await self._store.compare_set(key, None, sealed))[0]:
