@@ -14,6 +14,8 @@ import asyncio
 import os
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -151,15 +153,31 @@ def test_an_add_over_junk_repaired_meanwhile_is_a_read_or_in_doubt(repaired_at_o
     assert run(scenario()) == (41, 42)
     assert keys.values[b"/d"] == b"41"  # the add in doubt was not applied
     assert refused == []  # the junk was repaired by the other node, not this one
-    torch_side = connect(endpoint)
-    try:
-        keys.set(b"/r", b"junk")
-        assert torch_side.add("r", 0) == 41
-        keys.set(b"/d", b"junk")
-        with pytest.raises(AddInDoubt):
-            torch_side.add("d", 1)
-    finally:
-        torch_side.close()
+    # torch's client, in a child process (it may hold the GIL while it waits: elasticd.store.c10d)
+    keys.set(b"/r", b"junk")
+    keys.set(b"/d", b"junk")
+    torch_side = subprocess.run(
+        [sys.executable, "-c", _TORCH_SIDE, endpoint],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert torch_side.stdout.split() == ["41", "AddInDoubt"], torch_side.stderr
+
+
+_TORCH_SIDE = """
+import sys
+from elasticd.errors import AddInDoubt
+from elasticd.store.c10d import connect
+store = connect(sys.argv[1])
+print(store.add("r", 0))
+try:
+    store.add("d", 1)
+except AddInDoubt as doubt:
+    print(type(doubt).__name__)
+store.close()
+"""
 
 
 def test_a_timed_out_wait_is_cancelled_on_the_wire_and_its_connection_kept(server):

@@ -280,26 +280,31 @@ def test_a_join_counter_that_turns_to_junk_before_the_add_costs_a_claimed_number
     assert added and [m.node for m in infos[0].members] == ["a", "b"]
 
 
-def test_a_join_add_in_doubt_costs_a_claimed_number(store):
+@pytest.mark.parametrize("doubted", [1, 2, 3])
+def test_a_join_add_in_doubt_is_made_again(store, doubted):
     """An add whose connection was lost, a count there after (AddInDoubt: applied, or junk
-    that someone repaired meanwhile): the entry goes under a claimed number, and the round
-    forms, as after junk; no "store unreachable" step."""
-    keys, settings = Keys(PREFIX), RendezvousSettings("job", 2, 2, keep_alive_interval=0.2)
-    doubted: list[int] = []
+    that someone repaired meanwhile): the joiner adds again and writes its entry under the
+    second number, the first left a hole; the round forms with no step failed and nothing
+    announced twice (each joiner's add, and the one made again)."""
+    keys, settings = Keys(PREFIX), RendezvousSettings("job", 3, 3, keep_alive_interval=0.2)
+    taken: list[int] = []
 
     class Doubted(AsyncMemoryStore):
         async def add(self, key: str, amount: int) -> int:
             number = await super().add(key, amount)
-            if key == keys.joins(0) and amount and not doubted:
-                doubted.append(number)  # applied, and its answer lost
-                raise AddInDoubt(f"lost the connection of an add to {key}")
+            if key == keys.joins(0) and amount:
+                taken.append(number)
+                if len(taken) == doubted:  # applied, and its answer lost
+                    raise AddInDoubt(f"lost the connection of an add to {key}")
             return number
 
     async def run() -> list:
-        return await formed([handler(Doubted(store), node, settings) for node in ("a", "b")])
+        nodes = ("a", "b", "c")
+        return await formed([handler(Doubted(store), node, settings) for node in nodes])
 
     infos = asyncio.run(run())
-    assert doubted and [m.node for m in infos[0].members] == ["a", "b"]
+    assert [m.node for m in infos[0].members] == ["a", "b", "c"]
+    assert taken == [1, 2, 3, 4]
 
 
 def keeper_runs(store, settings: RendezvousSettings, seconds: float, **kwargs) -> None:

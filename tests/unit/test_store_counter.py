@@ -12,8 +12,9 @@ import asyncio
 import pytest
 
 from elasticd.core.model import JobSpec
-from elasticd.errors import NotACounter
+from elasticd.errors import AddInDoubt, NotACounter
 from elasticd.jobs.board import JobBoard
+from elasticd.store.base import lost_add
 from elasticd.store.counter import REPAIRS, StoreCounter
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
@@ -185,3 +186,51 @@ def test_a_log_written_back_below_what_a_daemon_saw_gives_it_no_number_taken_bef
 
     assert run(scenario()) == 4
     assert store.get(f"{JOBS}/log/4") is not None
+
+
+@pytest.mark.parametrize(
+    ("amount", "held", "told"),
+    [
+        (0, b"41", 41),  # a read: applied or not, the count of the call's time
+        (0, None, 0),  # missing counts 0 (not written: an add of 0 only reads)
+        (1, b"41", AddInDoubt),  # applied, or refused over junk repaired meanwhile
+        (1, None, AddInDoubt),
+        (0, b"junk", NotACounter),
+        (5, b"", NotACounter),  # empty is no count to TCPStore
+    ],
+)
+def test_an_add_whose_connection_was_lost_is_told_by_what_the_key_holds(amount, held, told):
+    got = lost_add(KEY, amount, held)
+    if isinstance(told, int):
+        assert got == told
+    else:
+        assert isinstance(got, told) and KEY in str(got)
+
+
+def test_an_add_in_doubt_is_made_again_and_a_flapping_one_fails():
+    """A counter adds again where an add is in doubt (a number skipped: a gap); an add in
+    doubt every time (a connection that keeps dropping) fails after REPAIRS + 1 adds."""
+
+    class Doubting(AsyncMemoryStore):
+        def __init__(self, doubts: int) -> None:
+            super().__init__(MemoryStore())
+            self.doubts, self.adds = doubts, 0
+
+        async def add(self, key: str, amount: int) -> int:
+            number = await super().add(key, amount)
+            self.adds += 1
+            if self.adds <= self.doubts:
+                raise AddInDoubt(f"lost the connection of an add to {key}")
+            return number
+
+    async def plus_five(seen: int) -> int:
+        return seen + 5
+
+    store = Doubting(doubts=2)
+    counter = StoreCounter(store, KEY, plus_five, lambda key, why: None)
+    assert run(counter.take()) == 3 and store.adds == 3  # 1 and 2 are gaps
+    store = Doubting(doubts=REPAIRS + 1)
+    counter = StoreCounter(store, KEY, plus_five, lambda key, why: None)
+    with pytest.raises(AddInDoubt):
+        run(counter.take())
+    assert store.adds == REPAIRS + 1

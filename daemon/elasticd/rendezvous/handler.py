@@ -617,14 +617,19 @@ class RendezvousHandler:
         entry written last stayed out of reach, under one read as missing (and the stranded
         one is deleted).  Written once
         (compare-and-set): a number that is taken already is given up (the next step
-        announces again)."""
+        announces again).  An add in doubt is made again (a number taken twice leaves a hole,
+        which readers read past)."""
         joins, round, mine = self._log, state.round, Announcement(self.node, record)
         stranded = joins.mine if logged.pending is not None else None
         number = claim(joins.missing, joins.top, self.node)
         if joins.count is not None and not stranded:
+            counter = self._keys.joins(round)
             try:
-                number = await self._store.add(self._keys.joins(round), 1)
-            except (NotACounter, AddInDoubt):  # junk since it was read: the claim stands
+                try:
+                    number = await self._store.add(counter, 1)
+                except AddInDoubt:  # applied or not: a number taken again leaves a hole
+                    number = await self._store.add(counter, 1)
+            except NotACounter:  # junk since it was read: the claimed number stands
                 pass
         key, sealed = joins.entry(round, number, mine)
         if not (await self._store.compare_set(key, None, sealed))[0]:

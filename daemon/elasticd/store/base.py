@@ -77,7 +77,8 @@ def lost_add(key: str, amount: int, held: bytes | None) -> int | StoreError:
         return junk
     if amount == 0:
         return 0 if held is None else int(held)
-    return AddInDoubt(f"lost the connection of an add to {key}; it holds a count now")
+    now = "holds a count" if held is not None else "is missing"
+    return AddInDoubt(f"lost the connection of an add to {key}, which {now} now")
 
 
 def check_compare_value(expected: bytes | None) -> None:
