@@ -70,8 +70,10 @@ with open(sys.argv[1], "a") as f:
 # Group rank 1 works for argv[2] seconds, then writes argv[1] (its pid); group rank 0 ends at once.
 SLOW_MEMBER = """
 import os, sys, time
-if os.environ["GROUP_RANK"] == "1":
+if os.environ["GROUP_RANK"] == "1":  # argv: marker, seconds of work, gate
     print(f"working {os.getpid()}", flush=True)
+    while not os.path.exists(sys.argv[3]):  # the test's attack is on before the work
+        time.sleep(0.05)
     time.sleep(float(sys.argv[2]))
     with open(sys.argv[1] + ".tmp", "w") as f:
         f.write(str(os.getpid()))
@@ -437,9 +439,9 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
     attacker = Attacker(cluster)
     script = shared_tmp / "slow_member.py"
     script.write_text(SLOW_MEMBER)
-    marker = shared_tmp / "slow-member-done"
-    work = 8.0
-    job_id = n1.submit("--nnodes", "2", str(script), str(marker), str(work))["id"]
+    marker, gate = shared_tmp / "slow-member-done", shared_tmp / "slow-member-go"
+    work = 5.0
+    job_id = n1.submit("--nnodes", "2", str(script), str(marker), str(work), str(gate))["id"]
     # group rank 0 ended and waits at the exit barrier; group rank 1 works
     doc = n1.wait_job(
         job_id,
@@ -474,9 +476,10 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
     copied_before = refused_counts(cluster)
     attacker.write(f"{exit_prefix}/{slow}", fast_arrival)
     wait_refused(cluster, copied_before, key)
+    gate.touch()  # the slow member's work begins only now: its own arrival cannot race ours
 
-    # until the slow worker wrote its marker (it works 8 s from its start) the job is not
-    # over on any node and the slow worker lives: observed for the rest of its work
+    # until the slow worker wrote its marker (it works 5 s from the gate) the job is not
+    # over on any node and the slow worker lives: observed for all of its work
     def not_over() -> None:
         for daemon in cluster:
             state = status(daemon, job_id)["state"]

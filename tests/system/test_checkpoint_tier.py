@@ -83,9 +83,13 @@ def worker_pids(daemon: Any, job: str) -> list[int]:
 
 
 def test_a_killed_worker_restarts_its_group_from_the_nodes_memory(daemon, report):
-    job = daemon.submit("--nproc-per-node", "2", "--max-restarts", "1", *train_args(report, 60))[
-        "id"
-    ]
+    job = daemon.submit(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        *train_args(report, 60, "--pause-after-save", "10"),  # held there until the kill
+    )["id"]
     wait_for(lambda: len(saved(report)) >= 2, 120, "two checkpoints saved")
     doc = wait_for(
         lambda: (d := daemon.ctl("status", job)).get("checkpoint") and d, 60, "one complete"

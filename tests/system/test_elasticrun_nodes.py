@@ -174,7 +174,17 @@ def test_a_killed_node_leaves_the_others_going_and_a_new_one_joins(hosts, user):
     env = env_of(user)
     tag = uuid.uuid4().hex[:8]
     script = ("--steps", "40", "--step-seconds", "0.25")
-    argv = line(hosts, "2:3", f"kill-{tag}", *script, extra=("--rdzv-conf", f"key_file={key}"))
+    hold = user.home / f"hold-{tag}"  # no step until the newcomer is in: the job cannot end first
+    hold.touch()
+    argv = line(
+        hosts,
+        "2:3",
+        f"kill-{tag}",
+        *script,
+        "--hold",
+        str(hold),
+        extra=("--rdzv-conf", f"key_file={key}"),
+    )
     nodes = launch_all(hosts, user, ELASTICRUN, argv, env, 3)
     for node in nodes:
         node.wait_line(WORLD.format(world=3), timeout=240)
@@ -195,6 +205,7 @@ def test_a_killed_node_leaves_the_others_going_and_a_new_one_joins(hosts, user):
     newcomer = Launch(hosts, 3, user, [*ELASTICRUN, *argv], env)
     for node, mark in zip((*nodes[:2], newcomer), (*marks, 0), strict=True):
         node.wait_line(WORLD.format(world=3), timeout=120, after=mark)
+    hold.unlink()
     codes = [node.wait(240) for node in (*nodes[:2], newcomer)]
     assert codes == [0, 0, 0], [node.story("exit") for node in (*nodes[:2], newcomer)]
     assert left_behind(user, [*names, node_name(newcomer)], hosts) == []
