@@ -307,6 +307,62 @@ def test_a_join_add_in_doubt_is_made_again(store, doubted):
     assert taken == [1, 2, 3, 4]
 
 
+def test_a_joiner_that_reads_its_own_entry_swept_wakes_on_the_revision(store):
+    """CI once saw the first of two joiners return 5 s (its keep-alive) after the second.
+    Played here in that order: "a" announces (number 1) and reads the counter at 1; before
+    it reads its entry, "b" announces (2), folds the round (2 of 2) and sweeps the round's
+    entries.  "a" then reads its own entry as missing: a hole, "its writer on its way", so
+    it waited for that entry, which nobody writes again, until its next duty (60 s here,
+    past the test's 30 s bound).  It now wakes on the revision "b" wrote as well."""
+    keys = Keys(PREFIX)
+    settings = RendezvousSettings("job", 2, 2, keep_alive_interval=60.0, last_call_timeout=60.0)
+    counter, own = keys.joins(0), keys.join(0, 1)
+
+    async def run() -> list:
+        a_read_one, b_swept = asyncio.Event(), asyncio.Event()
+        waited: list[str] = []
+
+        class ForA(AsyncMemoryStore):
+            announced = False
+
+            async def compare_set(self, key, expected, desired):
+                swapped = await super().compare_set(key, expected, desired)
+                self.announced |= key == own
+                return swapped
+
+            async def get_many(self, wanted: list[str]) -> list:
+                values = await super().get_many(wanted)
+                if wanted == [keys.state, counter] and self.announced and values[1] == b"1":
+                    a_read_one.set()
+                    await b_swept.wait()  # this node's loop held up between its two reads
+                return values
+
+            async def wait_for(self, key: str, timeout: float) -> bool:
+                waited.append(key)
+                return await super().wait_for(key, timeout)
+
+        class ForB(AsyncMemoryStore):
+            async def add(self, key: str, amount: int) -> int:
+                if key == counter and amount:
+                    await a_read_one.wait()
+                return await super().add(key, amount)
+
+            async def delete(self, key: str) -> bool:
+                deleted = await super().delete(key)
+                if key == own:
+                    b_swept.set()
+                return deleted
+
+        infos = await formed(
+            [handler(ForA(store), "a", settings), handler(ForB(store), "b", settings)]
+        )
+        assert own in waited, f"a never took its swept entry for a hole: {waited}"
+        return infos
+
+    infos = asyncio.run(run())
+    assert [m.node for m in infos[0].members] == ["a", "b"]
+
+
 def keeper_runs(store, settings: RendezvousSettings, seconds: float, **kwargs) -> None:
     """Run a handler's keeper for ``seconds``; it must still run, and end when cancelled."""
 

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from elasticd.aio import BackOff, back_off
+from elasticd.aio import BackOff, back_off, race
 from elasticd.core.checkpoints import Holding
 from elasticd.core.liveness import Beat
 from elasticd.errors import (
@@ -420,7 +420,7 @@ class RendezvousHandler:
         left = max(due - self._clock(), 0.0)
         if self._watches:
             newest = self._newest
-            await self._awaited(self._keys.rev(newest.state.version + 1), newest, left)
+            await self._awaited([self._keys.rev(newest.state.version + 1)], newest, left)
             return
         try:
             async with asyncio.timeout(left):  # not wait_for: see elasticd.aio
@@ -601,13 +601,14 @@ class RendezvousHandler:
                 await self._announce(snap.state, action.record, logged)
                 snap, logged = await self._observe()
             elif action.act is Act.WAIT:
-                hole = self._log.hole()  # its writer is on its way: no revision to wait for
-                key = (
-                    self._keys.rev(snap.state.version + 1)
-                    if hole is None
-                    else self._keys.join(snap.state.round, hole)
-                )
-                snap, logged = await self._awaited(key, snap, action.until - self._clock(), logged)
+                # a hole's writer is on its way; the revision too: the round may have been
+                # folded and its entries swept before this wait begins (the hole may be this
+                # node's own entry, read after the sweep), and nobody writes them again
+                keys = [self._keys.rev(snap.state.version + 1)]
+                hole = self._log.hole()
+                if hole is not None:
+                    keys.insert(0, self._keys.join(snap.state.round, hole))
+                snap, logged = await self._awaited(keys, snap, action.until - self._clock(), logged)
             else:
                 return snap, action
 
@@ -704,10 +705,10 @@ class RendezvousHandler:
         return (after, await self._logged(after.state)), won
 
     async def _awaited(
-        self, key: str, snap: _Snapshot, timeout: float, logged: View | None = None
+        self, keys: list[str], snap: _Snapshot, timeout: float, logged: View | None = None
     ) -> tuple[_Snapshot, View]:
-        """The state and its join log once ``key`` is written (the next revision's, or a
-        join-log entry's), or after ``timeout`` seconds.  News is a new state that opens,
+        """The state and its join log once one of ``keys`` is written (the next revision's,
+        a join-log entry's), or after ``timeout`` seconds.  News is a new state that opens,
         or (given the join log as ``logged``) a new entry in the log.  A wake without news
         (anyone can write the key, or on TCPStore read it while it is missing; a refused
         state is restored by the next act) pauses this handler before it reads again:
@@ -715,7 +716,9 @@ class RendezvousHandler:
         if timeout <= 0:
             return await self._observe()
         ends = self._clock() + timeout
-        woke = await self._store.wait_for(key, min(timeout, _LONGEST_WAIT))
+        waits = {key: self._store.wait_for(key, min(timeout, _LONGEST_WAIT)) for key in keys}
+        _, first = await race(**waits)
+        woke = first.result()
         after = await self._observe()
         news = (after[0].valid and after[0].raw != snap.raw) or (
             logged is not None and after[1].announced != logged.announced
