@@ -77,19 +77,19 @@ def train_args(report: Path, steps: int, *extra: str) -> tuple[str, ...]:
     )
 
 
+def two_workers(daemon: Any, *args: str) -> str:
+    """A job of two workers on ``daemon`` that may restart once; its id."""
+    return daemon.submit("--nproc-per-node", "2", "--max-restarts", "1", *args)["id"]
+
+
 def worker_pids(daemon: Any, job: str) -> list[int]:
     doc = daemon.ctl("status", job)
     return [w["pid"] for w in doc["workers"] if w["pid"] and w["state"] == "HEALTHY"]
 
 
 def test_a_killed_worker_restarts_its_group_from_the_nodes_memory(daemon, report):
-    job = daemon.submit(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        *train_args(report, 60, "--pause-after-save", "10"),  # held there until the kill
-    )["id"]
+    # held after step 10's save until the kill
+    job = two_workers(daemon, *train_args(report, 60, "--pause-after-save", "10"))
     wait_for(lambda: len(saved(report)) >= 2, 120, "two checkpoints saved")
     doc = wait_for(
         lambda: (d := daemon.ctl("status", job)).get("checkpoint") and d, 60, "one complete"
@@ -259,13 +259,7 @@ def test_a_node_and_the_keeper_of_its_copy_lost(
 
 
 def test_a_save_torn_by_a_sigkill_leaves_the_one_before_in_force(daemon, report):
-    job = daemon.submit(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        *train_args(report, 30, "--die-in-save", "15"),
-    )["id"]
+    job = two_workers(daemon, *train_args(report, 30, "--die-in-save", "15"))
     ended = daemon.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 240)
     assert ended["state"] == "SUCCEEDED", ended
     resumed = [e["step"] for e in starts(report)][2:]
