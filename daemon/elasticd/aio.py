@@ -41,6 +41,9 @@ async def race(**contenders: Awaitable[Any]) -> tuple[str, asyncio.Future[Any]]:
             task.cancel()
         if losers:
             await asyncio.wait(losers)
+        for task in owned.values():  # two that failed in one turn: the other's error is seen
+            if task.done() and not task.cancelled():
+                task.exception()
     name = next(name for name, future in futures.items() if future in done)
     return name, futures[name]
 

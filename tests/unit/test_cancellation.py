@@ -13,6 +13,7 @@ its answer, the second for the connection), so the interleaving is the same ever
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 import pytest
@@ -180,6 +181,28 @@ def test_aio_gather_raises_the_first_error_once_every_child_ended():
         assert await aio.gather(slow(), asyncio.sleep(0, "x")) == ["slow", "x"]
 
     asyncio.run(run())
+
+
+def test_aio_race_leaves_no_error_unseen_when_two_fail_in_one_turn():
+    """Two contenders that fail in the same turn (a store lost under both of a joiner's
+    waits): the first is the answer, and the other's error is not logged as "never
+    retrieved" when its task is collected."""
+    errors: list[dict] = []
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: errors.append(context)
+        )
+
+        async def fails(why: str) -> None:
+            raise StoreConnectionError(why)
+
+        name, first = await aio.race(one=fails("one"), two=fails("two"))
+        assert name == "one" and str(first.exception()) == "one"
+
+    asyncio.run(run())
+    gc.collect()  # a task's unseen error is told when the task is collected
+    assert errors == []
 
 
 def test_back_off_stops_a_loop_whose_cancellation_came_as_an_error():

@@ -363,6 +363,54 @@ def test_a_joiner_that_reads_its_own_entry_swept_wakes_on_the_revision(store):
     assert [m.node for m in infos[0].members] == ["a", "b"]
 
 
+def test_a_joiner_whose_entry_was_deleted_announces_again_and_keeps_it(store):
+    """Anyone who reaches the store deletes "a"'s join entry as it lands: "a" reads it as
+    missing and, a keep-alive later, announces again under a number read as missing: the
+    same one here.  It then deleted the entry it had just written, as its stranded one,
+    again at every interval, and the join timed out (15 s) with all three nodes there."""
+    keys = Keys(PREFIX)
+    settings = RendezvousSettings("job", 3, 3, keep_alive_interval=0.2, join_timeout=15.0)
+    deleted: list[str] = []
+
+    class Slow(AsyncMemoryStore):  # reads take 2 ms, as over a network
+        async def get_many(self, wanted: list[str]) -> list:
+            await asyncio.sleep(0.002)
+            return await super().get_many(wanted)
+
+    class Deleting(Slow):
+        async def compare_set(self, key, expected, desired):
+            swapped = await super().compare_set(key, expected, desired)
+            if key == keys.join(0, 1) and swapped[0] and not deleted:
+                self.backend.delete(key)  # before anyone could read it
+                deleted.append(key)
+            return swapped
+
+    async def run() -> list:
+        a, b, c = (
+            handler(Deleting(store), "a", settings),
+            *(handler(Slow(store), n, settings) for n in "bc"),
+        )
+        keepers = [asyncio.create_task(h.keep()) for h in (a, b, c)]
+        try:
+            joins = [asyncio.create_task(a.next_rendezvous(1, 1))]
+            while not deleted:
+                await asyncio.sleep(0.01)
+            joins.append(asyncio.create_task(b.next_rendezvous(1, 1)))
+            while store.get(keys.join(0, 2)) is None:
+                await asyncio.sleep(0.01)
+            joins.append(asyncio.create_task(c.next_rendezvous(1, 1)))
+            return await asyncio.wait_for(asyncio.gather(*joins), 30)
+        finally:
+            for h in (a, b, c):
+                h.shutdown()
+            for k in keepers:
+                k.cancel()
+            await asyncio.gather(*keepers, return_exceptions=True)
+
+    infos = asyncio.run(run())
+    assert all([m.node for m in i.members] == ["a", "b", "c"] for i in infos)
+
+
 def keeper_runs(store, settings: RendezvousSettings, seconds: float, **kwargs) -> None:
     """Run a handler's keeper for ``seconds``; it must still run, and end when cancelled."""
 

@@ -607,7 +607,7 @@ class RendezvousHandler:
                 keys = [self._keys.rev(snap.state.version + 1)]
                 hole = self._log.hole()
                 if hole is not None:
-                    keys.insert(0, self._keys.join(snap.state.round, hole))
+                    keys.append(self._keys.join(snap.state.round, hole))
                 snap, logged = await self._awaited(keys, snap, action.until - self._clock(), logged)
             else:
                 return snap, action
@@ -635,7 +635,7 @@ class RendezvousHandler:
         key, sealed = joins.entry(round, number, mine)
         if not (await self._store.compare_set(key, None, sealed))[0]:
             return
-        if stranded:
+        if stranded and (stranded.round, stranded.number) != (round, number):
             self._sweep([self._keys.join(stranded.round, stranded.number)])
         joins.mine = OwnEntry(round, number, self._clock(), mine)
 
