@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from elasticd.core.model import JobSpec
-from elasticd.errors import AddInDoubt, NotACounter
+from elasticd.errors import AddInDoubt, NotACounter, StoreConnectionError
 from elasticd.jobs.board import JobBoard
 from elasticd.store.base import lost_add
 from elasticd.store.counter import REPAIRS, StoreCounter
@@ -200,11 +200,13 @@ def test_a_log_written_back_below_what_a_daemon_saw_gives_it_no_number_taken_bef
     ],
 )
 def test_an_add_whose_connection_was_lost_is_told_by_what_the_key_holds(amount, held, told):
-    got = lost_add(KEY, amount, held)
+    lost = StoreConnectionError("lost the store")
     if isinstance(told, int):
-        assert got == told
+        assert lost_add(KEY, amount, held, lost) == told
     else:
-        assert isinstance(got, told) and KEY in str(got)
+        with pytest.raises(told) as raised:
+            lost_add(KEY, amount, held, lost)
+        assert KEY in str(raised.value) and raised.value.__cause__ is lost
 
 
 def test_an_add_in_doubt_is_made_again_and_a_flapping_one_fails():

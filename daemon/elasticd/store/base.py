@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from elasticd.errors import AddInDoubt, NotACounter, StoreError
+from elasticd.errors import AddInDoubt, NotACounter, StoreConnectionError
 
 
 @runtime_checkable
@@ -66,19 +66,19 @@ def junk_counter(key: str, held: bytes | None) -> NotACounter | None:
     return None if held is None or counter_value(held) is not None else NotACounter(key, held)
 
 
-def lost_add(key: str, amount: int, held: bytes | None) -> int | StoreError:
-    """What an add of ``amount`` to ``key`` whose connection was lost tells, from what the
-    key holds on a new connection: TCPStore's server drops the connection of an add over a
-    value that is no count, as a lost connection does.  NotACounter where it holds no count;
-    where it holds one, that count for an add of 0 (a read: applied or not, it is an answer
-    of the call's time), else AddInDoubt."""
+def lost_add(key: str, amount: int, held: bytes | None, lost: StoreConnectionError) -> int:
+    """The answer to an add of ``amount`` to ``key`` whose connection was ``lost``, from what
+    the key holds on a new connection: TCPStore's server drops the connection of an add over
+    a value that is no count, as a lost connection does.  NotACounter where it holds no
+    count; where it holds one, that count for an add of 0 (a read: applied or not, it is an
+    answer of the call's time), else AddInDoubt; both raised from ``lost``."""
     junk = junk_counter(key, held)
     if junk is not None:
-        return junk
+        raise junk from lost
     if amount == 0:
         return 0 if held is None else int(held)
     now = "holds a count" if held is not None else "is missing"
-    return AddInDoubt(f"lost the connection of an add to {key}, which {now} now")
+    raise AddInDoubt(f"lost the connection of an add to {key}, which {now} now") from lost
 
 
 def check_compare_value(expected: bytes | None) -> None:

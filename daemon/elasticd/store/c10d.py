@@ -98,10 +98,8 @@ class C10dStore:
             with self._client() as client:
                 return client.add(key, amount)
         except StoreConnectionError as lost:
-            told = lost_add(key, amount, self.get(key))  # a store that is gone fails this too
-            if isinstance(told, int):
-                return told
-            raise told from lost
+            # a store that is gone fails this read too
+            return lost_add(key, amount, self.get(key), lost)
 
     def append(self, key: str, value: bytes) -> None:
         with self._client() as client:

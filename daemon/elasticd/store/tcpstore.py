@@ -167,10 +167,7 @@ class TCPStoreClient:
             )
         except StoreConnectionError as lost:
             # a store that is gone fails this read too
-            told = lost_add(key, amount, await self.get(key))
-            if isinstance(told, int):
-                return told
-            raise told from lost
+            return lost_add(key, amount, await self.get(key), lost)
 
     async def append(self, key: str, value: bytes) -> None:
         await self._call(_query(Query.APPEND, _key(key), blob(value)), _Connection.pong, ping=True)
