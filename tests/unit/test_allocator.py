@@ -323,6 +323,32 @@ def test_a_held_job_waits_and_a_held_running_job_does_not_grow() -> None:
     assert held(result) == {"ann1": "a"} and reasons(result) == [("bob2", "Held")]
 
 
+def test_a_job_needing_two_lenders_to_yield_a_node_each_starts_whichever_it_clears_first() -> None:
+    """cid5 needs "a" and "b".  "a" is cleared by either lender; "b" only by bob2 (its 2
+    slots there).  bob2, last in the order, yields first: had it yielded "a" (first by name,
+    as cheap as "b"), nothing would be left to clear "b", though yielding "b" and ann1 "a"
+    starts cid5.  Such a job is not left to wait for the next plan."""
+    nodes = cluster("ab", slots=8)
+    lenders = (
+        job("ann1", "1:2", slots=1, has="ab"),
+        JobDemand(
+            "bob2",
+            "bob",
+            "bob",
+            {"a": Share(1, 0), "b": Share(2, 0)},
+            min_nodes=1,
+            max_nodes=2,
+            current=frozenset("ab"),
+            last_grown=LONG_AGO,
+            seq=2,
+        ),
+    )
+    fillers = (job("dan3", slots=3, on="a", has="a"), job("eve4", slots=3, on="b", has="b"))
+    result = run(nodes, *lenders, *fillers, job("cid5", "2:2", on="ab"))
+    assert held(result) == {"ann1": "b", "bob2": "a", "cid5": "ab", "dan3": "a", "eve4": "b"}
+    assert result.started == {"cid5"}
+
+
 # -- quotas --------------------------------------------------------------------------------------
 
 
@@ -519,6 +545,31 @@ def test_a_job_placed_first_come_over_its_quota_is_requeued_and_placed_within_it
     # a job the allocator placed is kept where it runs, charged as it was
     kept = gpu_sized("ann1", MIXED, current=frozenset({"two"}))
     assert held(run(MIXED, kept, policy=Policy(users={"ann": Quota(gpus=2)}))) == {"ann1": "two"}
+
+
+def test_a_node_yielded_to_a_job_of_the_same_user_counts_what_the_yielder_is_charged_then() -> None:
+    """ann1 (min 1) is charged for its cheapest node, "zero" (0 GPUs), and grew onto
+    "one".  ann2 needs "zero" whole with 2 GPUs, ann's quota: ann1 could yield it and stay
+    within the quota alone (now charged 1 GPU, on "one"), ann2 could take it within the
+    quota alone, but not both: ann2 waits and ann1 keeps both nodes."""
+    nodes = {"zero": NodeCapacity(4, 2), "one": NodeCapacity(4, 2)}
+    grown = JobDemand(
+        "ann1",
+        "ann",
+        "ann",
+        {"zero": Share(1, 0), "one": Share(1, 1)},
+        min_nodes=1,
+        max_nodes=2,
+        current=frozenset({"zero", "one"}),
+        last_grown=LONG_AGO,
+        seq=1,
+    )
+    whole = JobDemand("ann2", "ann", "ann", {"zero": Share(4, 2)}, seq=2)
+    result = run(nodes, grown, whole, policy=Policy(users={"ann": Quota(gpus=2)}))
+    assert held(result) == {"ann1": "onezero"} and reasons(result) == [("ann2", "QuotaUser")]
+    # with room in the quota for both, ann1 yields "zero"
+    result = run(nodes, grown, whole, policy=Policy(users={"ann": Quota(gpus=3)}))
+    assert held(result) == {"ann1": "one", "ann2": "zero"}
 
 
 # -- a job is not disturbed again too soon -----------------------------------------------------------

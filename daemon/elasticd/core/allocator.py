@@ -14,7 +14,9 @@ then submit order.  Then, in three phases on a ledger of the cluster:
    up to its step) is within its quotas takes free nodes, then nodes reclaimed from others:
    nodes borrowed over a quota (from any job), then nodes lent above min by jobs of no
    higher priority (the last in the order first; a min comes before anyone's extra nodes,
-   whoever came first), never below their min and leaving a multiple of their step;
+   whoever came first), never below their min and leaving a multiple of their step (a
+   job's nodes cleared the cheapest first, or, where that leaves one no lender can clear,
+   the costliest first);
    a waiting job may, last, preempt ``preemptible`` jobs later in the order (they wait
    again).  A job that started, was resized or preempted less than ``min_run_time`` ago
    yields nothing it runs on.  A running job that lost nodes below its min is topped up the
@@ -60,7 +62,7 @@ from elasticd.core.allocation import (
     Waiting,
     WaitReason,
 )
-from elasticd.core.ledger import Ledger
+from elasticd.core.ledger import QUOTAS, Ledger
 
 __all__ = [
     "LOOK_AHEAD",
@@ -261,7 +263,7 @@ def _top_up(ledger: Ledger, job: JobDemand) -> bool:
     more = job.need - len(ledger.holding(job.id))
     if _least_charge_over(ledger, job, more) is not None:
         return False
-    return ledger.plan(job, more, reservations=False, preempt=False, budget=ledger.headroom(job))
+    return ledger.plan(job, more, reservations=False, preempt=False, quotas=QUOTAS)
 
 
 def _start(ledger: Ledger, job: JobDemand) -> WaitReason | bool:
@@ -269,9 +271,9 @@ def _start(ledger: Ledger, job: JobDemand) -> WaitReason | bool:
     if reason is not None:
         return reason
     budget = ledger.headroom(job)
-    if ledger.plan(job, job.need, reservations=True, preempt=True, budget=budget):
+    if ledger.plan(job, job.need, reservations=True, preempt=True, quotas=QUOTAS):
         return True
-    if ledger.plan(job, job.need, reservations=False, preempt=True, budget=budget, keep=False):
+    if ledger.plan(job, job.need, reservations=False, preempt=True, quotas=QUOTAS, keep=False):
         ledger.reserve(job, budget)
         return WaitReason.PRIORITY
     if ledger.plan(job, job.need, reservations=False, preempt=True, keep=False):
@@ -290,8 +292,7 @@ def _least_charge_over(ledger: Ledger, job: JobDemand, more: int) -> WaitReason 
 def _quota_it_breaks(ledger: Ledger, job: JobDemand) -> WaitReason:
     """The quota a job breaks wherever it could start now: its user's, unless it could
     start within those (then its account's)."""
-    within_user = ledger.headroom(job, kinds=("user",))
-    if ledger.plan(job, job.need, reservations=False, preempt=True, budget=within_user, keep=False):
+    if ledger.plan(job, job.need, reservations=False, preempt=True, quotas=("user",), keep=False):
         return WaitReason.QUOTA_ACCOUNT
     return WaitReason.QUOTA_USER
 

@@ -22,15 +22,18 @@ admitted mins are charged, and what they hold).
 
 Quotas count what a job holds on the nodes it holds: its min (its guaranteed nodes, the
 smallest of its shares on the nodes it holds) at its share *there*, so that a job sized by
-the node (``--nproc-per-node gpu``) is charged the GPUs of the node it lands on.
+the node (``--nproc-per-node gpu``) is charged the GPUs of the node it lands on.  So a job
+that yields its cheapest node is charged more after: a placement counts its victims' rises
+against their owners' limits, together, and against the placed job's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from elasticd.core.allocation import JobDemand, Policy, Share, Tally, WaitReason
 
+QUOTAS = ("user", "account")  # the kinds of owner whose limits a placement keeps
 BORROWED, LENT, PREEMPT = 1, 2, 3  # how a job yields a node (lower yields first)
 UNLIMITED = 1 << 62
 _NONE: frozenset[str] = frozenset()
@@ -216,17 +219,24 @@ class Ledger:
         gpus = sorted(share.gpus for share in shares)[: job.need]
         return len(slots), sum(slots), sum(gpus)
 
-    def headroom(self, job: JobDemand, kinds: Iterable[str] = ("user", "account")) -> list[int]:
+    def headroom(
+        self,
+        job: JobDemand,
+        kinds: Iterable[str] = QUOTAS,
+        rises: dict[tuple[str, str], list[int]] | None = None,
+    ) -> list[int]:
         """What ``job``'s user and account (``kinds``) may still be charged: [nodes, slots,
-        GPUs]."""
+        GPUs]; after their charges rise by ``rises``, if given."""
         left = [UNLIMITED] * 3
         for limits, _, kind in self.policy.limits(job):
             if kind not in kinds:
                 continue
-            used = self.charged.get((kind, getattr(job, kind)), _ZERO)
+            key = (kind, getattr(job, kind))
+            used = self.charged.get(key, _ZERO)
+            more = rises.get(key, _ZERO) if rises else _ZERO
             for i, limit in enumerate((limits.nodes, limits.slots, limits.gpus)):
                 if limit is not None:
-                    left[i] = min(left[i], limit - used[i])
+                    left[i] = min(left[i], limit - used[i] - more[i])
         return left
 
     def over_quota(self, job: JobDemand, more: tuple[int, int, int]) -> WaitReason | None:
@@ -256,21 +266,42 @@ class Ledger:
         *,
         reservations: bool,
         preempt: bool,
-        budget: Sequence[int] | None = None,
+        quotas: tuple[str, ...] = (),
         keep: bool = True,
     ) -> bool:
-        """Give ``job`` ``count`` more nodes, each the cheapest to clear, charging at most
-        ``budget`` ([nodes, slots, GPUs]); False (and nothing changed) if there are not that
-        many.  ``keep=False``: only say whether it could."""
+        """Give ``job`` ``count`` more nodes, each the cheapest to clear, within the limits
+        of the ``quotas`` kinds ("user", "account") of its owners; False (and nothing
+        changed) if there are not that many.  ``keep=False``: only say whether it could.
+        Whatever ``quotas`` says, no job that yields a node is left over its own.
+
+        Cheapest first may fail where the nodes could be cleared in another order: a victim
+        that yielded a cheap node is at its min, and a later node only it could clear cannot
+        be.  Then the ``count`` nodes cheapest to clear at the start are tried again, the
+        costliest first (so the allocation is a fixed point: given its own output, whose
+        extra nodes are then the victims' current ones, it would start the job)."""
         self._undo = []
         try:
-            done = self._fill(job, count, reservations, preempt, budget)
+            done, yielded = self._fill(job, count, reservations, preempt, quotas)
+            if not done and yielded:
+                self._roll_back()
+                ranked = sorted(self._ways(job, reservations, preempt, quotas, count))
+                if len(ranked) >= count:
+                    hardest = {node for _, node, _ in ranked[:count]}
+                    done, _ = self._fill(job, count, reservations, preempt, quotas, hardest)
         finally:
             log, self._undo = self._undo, None
         if not (done and keep):
-            for undo in reversed(log):
-                undo()
+            self._roll_back(log)
         return done
+
+    def _roll_back(self, log: list[Callable[[], None]] | None = None) -> None:
+        """Undo the moves of ``log`` (default: the trial's so far, which goes on)."""
+        if log is None:
+            log, self._undo = self._undo or [], []
+        for undo in reversed(log):
+            undo()
+        if self._undo is not None:
+            self._undo = []
 
     def _fill(
         self,
@@ -278,49 +309,62 @@ class Ledger:
         count: int,
         reservations: bool,
         preempt: bool,
-        budget: Sequence[int] | None,
-    ) -> bool:
+        quotas: tuple[str, ...],
+        hardest: set[str] | None = None,
+    ) -> tuple[bool, bool]:
+        """Take ``count`` nodes, each the cheapest to clear at its turn (of ``hardest``, if
+        given: each the costliest); whether it did, and whether any job yielded a node."""
         if len(self.candidates(job)) < count:
-            return False
-        left = list(budget) if budget is not None else None
-        least = self.smallest(job)
+            return False, False
         touched: set[str] = set()
         forced = 0
         for picked in range(count):
-            best = self._cheapest(job, reservations, preempt, left, count - picked, least)
+            ways = self._ways(job, reservations, preempt, quotas, count - picked, hardest)
+            best = max(ways, default=None) if hardest else min(ways, default=None)
             if best is None:
-                return False
-            node, victims = best
+                return False, bool(touched)
+            _, node, victims = best
             for victim in victims:
                 forced += node in self.jobs[victim].current
                 self.give(victim, node)
             touched.update(victims)
             self.take(job, node)
-            if left is not None:
-                share = job.shares[node]
-                left[0], left[1], left[2] = left[0] - 1, left[1] - share.slots, left[2] - share.gpus
         for victim in sorted(touched):
             forced += self._settle(victim)
         self._force(job.id, forced)
-        return True
+        return True, bool(touched)
 
-    def _cheapest(
+    def _ways(
         self,
         job: JobDemand,
         reservations: bool,
         preempt: bool,
-        left: Sequence[int] | None,
+        quotas: tuple[str, ...],
         picks: int,
-        least: tuple[int, int],
-    ) -> tuple[str, tuple[str, ...]] | None:
-        best: tuple[Cost, str, tuple[str, ...]] | None = None
+        among: set[str] | None = None,
+    ) -> Iterator[tuple[Cost, str, tuple[str, ...]]]:
+        """Each node ``job`` could be given now (of ``among``, if given) whose share, and
+        ``picks - 1`` more of its smallest, fit its ``quotas`` (after what its victims'
+        charges rise by): what clearing it costs, and who yields it."""
+        least = self.smallest(job)
+        left = self.headroom(job, quotas) if quotas else None
         for node in self.candidates(job):
+            if among is not None and node not in among:
+                continue
             if left is not None and not _within(job.shares[node], left, picks, least):
                 continue
             found = self.clearing(job, node, reservations, preempt)
-            if found is not None and (best is None or (found[0], node) < (best[0], best[1])):
-                best = (found[0], node, found[1])
-        return None if best is None else (best[1], best[2])
+            if found is None:
+                continue
+            cost, victims = found
+            if victims:
+                rises = self._rises(victims, node)
+                if not self._victims_within(victims, rises):
+                    continue
+                after = self.headroom(job, quotas, rises) if quotas else None
+                if after is not None and not _within(job.shares[node], after, picks, least):
+                    continue
+            yield cost, node, victims
 
     def clearing(
         self, job: JobDemand, node: str, reservations: bool, preempt: bool
@@ -395,6 +439,39 @@ class Ledger:
         ):
             return PREEMPT
         return None
+
+    def _rises(self, victims: Iterable[str], node: str) -> dict[tuple[str, str], list[int]]:
+        """How much the charges of the victims' users and accounts rise (or fall) when they
+        give up ``node``."""
+        rises: dict[tuple[str, str], list[int]] = {}
+        for victim_id in victims:
+            victim = self.jobs[victim_id]
+            before = self.charges.get(victim_id, _ZERO)
+            after = self.charge(victim, self.held[victim_id] - {node})
+            for key in (("user", victim.user), ("account", victim.account)):
+                tally = rises.setdefault(key, [0, 0, 0])
+                for i in range(3):
+                    tally[i] += after[i] - before[i]
+        return rises
+
+    def _victims_within(
+        self, victims: Sequence[str], rises: dict[tuple[str, str], list[int]]
+    ) -> bool:
+        """Whether the victims stay within their own quotas after their charges rise by
+        ``rises`` (each alone was checked as it was chosen; two of one user may not be)."""
+        if len(victims) < 2:
+            return True
+        for victim_id in victims:
+            victim = self.jobs[victim_id]
+            for limits, _, kind in self.policy.limits(victim):
+                key = (kind, getattr(victim, kind))
+                more = rises[key]
+                used = self.charged.get(key, _ZERO)
+                if any(m > 0 for m in more) and limits.exceeded_by(
+                    Tally(*(u + m for u, m in zip(used, more, strict=True)))
+                ):
+                    return False
+        return True
 
     def _charge_holds(self, victim: JobDemand, node: str) -> bool:
         """Whether ``victim`` stays within its quotas without ``node``: its charge is at its
