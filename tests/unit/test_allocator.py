@@ -572,6 +572,28 @@ def test_a_node_yielded_to_a_job_of_the_same_user_counts_what_the_yielder_is_cha
     assert held(result) == {"ann1": "one", "ann2": "zero"}
 
 
+def test_a_lender_left_a_multiple_of_its_step_gives_up_its_largest_shares() -> None:
+    """ann1 (min 2, step 2) holds z (0 GPUs) and a, b, c (1 GPU each): charged 1 GPU, ann's
+    quota.  It yields "a" to ann2 (0 GPUs there) and must give up one more node for its
+    step: b or c, never z, which would charge it 2."""
+    nodes = {n: NodeCapacity(1, 1) for n in "abcz"}
+    lender = JobDemand(
+        "ann1",
+        "ann",
+        "ann",
+        {"z": Share(1, 0), "a": Share(1, 1), "b": Share(1, 1), "c": Share(1, 1)},
+        min_nodes=2,
+        max_nodes=4,
+        step=2,
+        current=frozenset("abcz"),
+        last_grown=LONG_AGO,
+        seq=1,
+    )
+    taker = JobDemand("ann2", "ann", "ann", {"a": Share(1, 0)}, seq=2)
+    result = run(nodes, lender, taker, policy=Policy(users={"ann": Quota(gpus=1)}))
+    assert held(result) == {"ann1": "bz", "ann2": "a"}
+
+
 # -- a job is not disturbed again too soon -----------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from elasticd.core.allocator import (
@@ -135,6 +135,69 @@ def check(
 
 
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def demand(id: str, user: str, account: str, shares: str, size: str, **kw: Any) -> JobDemand:
+    """A job of a world the search once found: ``shares`` "n0:3 n1:1" (slots, no GPUs),
+    ``size`` "min:max:step"."""
+    low, high, step = (int(x) for x in size.split(":"))
+    return JobDemand(
+        id,
+        user,
+        account,
+        {n: Share(int(k), 0) for n, k in (part.split(":") for part in shares.split())},
+        min_nodes=low,
+        max_nodes=high,
+        step=step,
+        seq=int(id[1:]),
+        submitted=float(id[1:]),
+        **kw,
+    )
+
+
+# A job preempted in one walk and started again in a later one, which a trial placement
+# (rolled back) then preempted again: the roll-back forgot the first preemption.
+PREEMPTED_TWICE = (
+    {f"n{i}": NodeCapacity(slots, 0) for i, slots in enumerate((4, 8, 4, 4, 6))},
+    [
+        demand(
+            "j0",
+            "bob",
+            "lab",
+            "n1:1 n0:3",
+            "1:3:2",
+            preemptible=True,
+            current=frozenset({"n0", "n1"}),
+        ),
+        demand(
+            "j1",
+            "bob",
+            "lab",
+            "n1:3 n0:1 n3:1",
+            "2:5:2",
+            priority=1,
+            current=frozenset({"n0", "n3"}),
+        ),
+        demand("j2", "ann", "ann", "n3:1", "1:1:2", priority=1),
+        demand(
+            "j3",
+            "ann",
+            "ann",
+            "n2:3 n0:2 n3:2 n4:1",
+            "2:5:2",
+            preemptible=True,
+            current=frozenset({"n2", "n3"}),
+            last_moved=9000.0,
+        ),
+        demand("j4", "cid", "cid", "n0:3 n3:1 n2:2", "2:5:2", priority=1),
+        demand("j5", "cid", "lab", "n3:1", "2:6:1", priority=1, preemptible=True),
+        demand("w10", "bob", "lab", "n3:4 n0:4", "2:2:1", priority=2),
+        demand("w11", "bob", "lab", "n0:3 n3:3 n2:3 n4:2 n1:3", "3:3:1", priority=2),
+        demand("w12", "cid", "lab", "n4:2 n2:2", "2:2:1"),
+    ],
+    Policy(users={"cid": Quota(nodes=2, gpus=8, slots=2)}, account_shares={"lab": 1.0}),
+    {"ann": 0.0, "bob": 0.0, "cid": 0.0, "lab": 0.0},
+)
 
 
 @PROPERTY
@@ -255,6 +318,7 @@ def _fits(free: dict[str, list[int]], node: str, share: Share) -> bool:
 
 @PROPERTY
 @given(worlds())
+@example(PREEMPTED_TWICE)
 def test_a_reclaim_leaves_a_multiple_of_the_step_and_few_moves(world: Any) -> None:
     nodes, jobs, policy, usage = world
     out = check(nodes, jobs, policy, usage)

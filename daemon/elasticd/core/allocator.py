@@ -14,10 +14,10 @@ then submit order.  Then, in three phases on a ledger of the cluster:
    up to its step) is within its quotas takes free nodes, then nodes reclaimed from others:
    nodes borrowed over a quota (from any job), then nodes lent above min by jobs of no
    higher priority (the last in the order first; a min comes before anyone's extra nodes,
-   whoever came first), never below their min and leaving a multiple of their step (a
-   job's nodes cleared the cheapest first, or, where that leaves one no lender can clear,
-   the costliest first);
-   a waiting job may, last, preempt ``preemptible`` jobs later in the order (they wait
+   whoever came first), never below their min and leaving a multiple of their step (given
+   up from their largest shares, so that their charge does not rise).  A job's nodes are
+   cleared the cheapest first or, where that leaves one no lender can clear, the costliest
+   first.  A waiting job may, last, preempt ``preemptible`` jobs later in the order (they wait
    again).  A job that started, was resized or preempted less than ``min_run_time`` ago
    yields nothing it runs on.  A running job that lost nodes below its min is topped up the
    same way (a failure is not delayed), or keeps what it has.  A waiting job that cannot

@@ -160,6 +160,8 @@ class Ledger:
             self._undo.append(lambda: self.take(job, node))
 
     def preempt(self, job_id: str) -> None:
+        if job_id in self.preempted:  # preempted before (and since started again): stays so
+            return
         self.preempted.add(job_id)
         if self._undo is not None:
             self._undo.append(lambda: self.preempted.discard(job_id))
@@ -330,7 +332,10 @@ class Ledger:
             touched.update(victims)
             self.take(job, node)
         for victim in sorted(touched):
-            forced += self._settle(victim)
+            settled = self._settle(victim)
+            if settled is None:
+                return False, True
+            forced += settled
         self._force(job.id, forced)
         return True, bool(touched)
 
@@ -473,12 +478,12 @@ class Ledger:
                     return False
         return True
 
-    def _charge_holds(self, victim: JobDemand, node: str) -> bool:
-        """Whether ``victim`` stays within its quotas without ``node``: its charge is at its
+    def _charge_holds(self, victim: JobDemand, *nodes: str) -> bool:
+        """Whether ``victim`` stays within its quotas without ``nodes``: its charge is at its
         smallest shares, so giving back a node of small shares may raise it (a job admitted
         on a small node and grown onto a big one would be left on the big one, over them)."""
         before = self.charges.get(victim.id, _ZERO)
-        after = self.charge(victim, self.held[victim.id] - {node})
+        after = self.charge(victim, self.held[victim.id].difference(nodes))
         more = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
         return all(m <= 0 for m in more) or self.over_quota(victim, more) is None
 
@@ -487,17 +492,26 @@ class Ledger:
         preemption (it may be disturbed again)."""
         return job.last_moved is None or self.now - job.last_moved >= self.policy.min_run_time
 
-    def _settle(self, victim_id: str) -> int:
+    def _settle(self, victim_id: str) -> int | None:
         """A job that yielded nodes: below its min it is preempted (it gives up all); else
-        it gives up more, if it must, to hold a multiple of its step.  Returns how many of
-        the nodes it gave up here it ran on before this allocation."""
+        it gives up more, if it must, to hold a multiple of its step: those of its largest
+        shares, so that its charge (its smallest) rises the least.  Returns how many of the
+        nodes it gave up here it ran on before this allocation; None if its charge would
+        rise over a quota so (nothing given up then)."""
         victim = self.jobs[victim_id]
-        held = sorted(self.holding(victim_id), reverse=True)
+        shares = victim.shares
+        held = sorted(
+            self.holding(victim_id),
+            key=lambda n: (shares[n].gpus, shares[n].slots, n),
+            reverse=True,
+        )
         if len(held) < victim.need:
             gone = held
             self.preempt(victim_id)
         else:
             gone = held[: len(held) % victim.step]
+            if gone and not self._charge_holds(victim, *gone):
+                return None
         for node in gone:
             self.give(victim_id, node)
         return sum(1 for node in gone if node in victim.current)
