@@ -69,6 +69,25 @@ def run(
     return allocate(nodes, jobs, policy, usage or {}, NOW)
 
 
+def uneven(id: str, size: str, shares: dict[str, tuple[int, int]], **kw: Any) -> JobDemand:
+    """A running job ``id`` with a share of its own on each node: ``{node: (slots, gpus)}``,
+    on all of them now; its user and account from its letters."""
+    low, high = (int(x) for x in size.split(":"))
+    user = id.rstrip("0123456789")
+    return JobDemand(
+        id,
+        user,
+        user,
+        {n: Share(*share) for n, share in shares.items()},
+        min_nodes=low,
+        max_nodes=high,
+        current=frozenset(shares),
+        last_grown=LONG_AGO,
+        seq=int(id[-1]),
+        **kw,
+    )
+
+
 def held(result: Allocation) -> dict[str, str]:
     return {j: "".join(sorted(n)) for j, n in result.nodes.items()}
 
@@ -331,17 +350,7 @@ def test_a_job_needing_two_lenders_to_yield_a_node_each_starts_whichever_it_clea
     nodes = cluster("ab", slots=8)
     lenders = (
         job("ann1", "1:2", slots=1, has="ab"),
-        JobDemand(
-            "bob2",
-            "bob",
-            "bob",
-            {"a": Share(1, 0), "b": Share(2, 0)},
-            min_nodes=1,
-            max_nodes=2,
-            current=frozenset("ab"),
-            last_grown=LONG_AGO,
-            seq=2,
-        ),
+        uneven("bob2", "1:2", {"a": (1, 0), "b": (2, 0)}),
     )
     fillers = (job("dan3", slots=3, on="a", has="a"), job("eve4", slots=3, on="b", has="b"))
     result = run(nodes, *lenders, *fillers, job("cid5", "2:2", on="ab"))
@@ -553,17 +562,7 @@ def test_a_node_yielded_to_a_job_of_the_same_user_counts_what_the_yielder_is_cha
     within the quota alone (now charged 1 GPU, on "one"), ann2 could take it within the
     quota alone, but not both: ann2 waits and ann1 keeps both nodes."""
     nodes = {"zero": NodeCapacity(4, 2), "one": NodeCapacity(4, 2)}
-    grown = JobDemand(
-        "ann1",
-        "ann",
-        "ann",
-        {"zero": Share(1, 0), "one": Share(1, 1)},
-        min_nodes=1,
-        max_nodes=2,
-        current=frozenset({"zero", "one"}),
-        last_grown=LONG_AGO,
-        seq=1,
-    )
+    grown = uneven("ann1", "1:2", {"zero": (1, 0), "one": (1, 1)})
     whole = JobDemand("ann2", "ann", "ann", {"zero": Share(4, 2)}, seq=2)
     result = run(nodes, grown, whole, policy=Policy(users={"ann": Quota(gpus=2)}))
     assert held(result) == {"ann1": "onezero"} and reasons(result) == [("ann2", "QuotaUser")]
@@ -577,18 +576,7 @@ def test_a_lender_left_a_multiple_of_its_step_gives_up_its_largest_shares() -> N
     quota.  It yields "a" to ann2 (0 GPUs there) and must give up one more node for its
     step: b or c, never z, which would charge it 2."""
     nodes = {n: NodeCapacity(1, 1) for n in "abcz"}
-    lender = JobDemand(
-        "ann1",
-        "ann",
-        "ann",
-        {"z": Share(1, 0), "a": Share(1, 1), "b": Share(1, 1), "c": Share(1, 1)},
-        min_nodes=2,
-        max_nodes=4,
-        step=2,
-        current=frozenset("abcz"),
-        last_grown=LONG_AGO,
-        seq=1,
-    )
+    lender = uneven("ann1", "2:4", {"z": (1, 0), "a": (1, 1), "b": (1, 1), "c": (1, 1)}, step=2)
     taker = JobDemand("ann2", "ann", "ann", {"a": Share(1, 0)}, seq=2)
     result = run(nodes, lender, taker, policy=Policy(users={"ann": Quota(gpus=1)}))
     assert held(result) == {"ann1": "bz", "ann2": "a"}
