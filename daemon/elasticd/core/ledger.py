@@ -293,17 +293,16 @@ class Ledger:
         finally:
             log, self._undo = self._undo, None
         if not (done and keep):
-            self._roll_back(log)
+            for undo in reversed(log):
+                undo()
         return done
 
-    def _roll_back(self, log: list[Callable[[], None]] | None = None) -> None:
-        """Undo the moves of ``log`` (default: the trial's so far, which goes on)."""
-        if log is None:
-            log, self._undo = self._undo or [], []
+    def _roll_back(self) -> None:
+        """Undo the trial's moves so far; it goes on, from an empty log."""
+        log, self._undo = self._undo or [], None
         for undo in reversed(log):
             undo()
-        if self._undo is not None:
-            self._undo = []
+        self._undo = []
 
     def _fill(
         self,
