@@ -532,6 +532,7 @@ class Daemon:
                 tier,
                 curve_secret=keys.secret,
                 bulk_endpoint=f"tcp://{bulk}",
+                on_fault=self.faults.report,
             )
             closing.callback(tier_server.close)
             # the TCP ports first: a port in use stops start-up before the control socket exists

@@ -109,8 +109,11 @@ class TierServer:
         *,
         curve_secret: bytes,
         bulk_endpoint: str | None,
+        on_fault: Callable[[str, str], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        # (loop, detail) while an unexpected exception is handled: the daemon counts and logs it
+        self._on_fault = on_fault or _log_fault
         self.bulk_endpoint = bulk_endpoint
         self._tier = tier
         self._router = router_socket(
@@ -231,7 +234,7 @@ class TierServer:
         }
 
     async def _answer(self, caller: str, raw: bytes, data: bytes) -> tuple[bytes, bytes]:
-        ident = ""
+        ident, op = "", None
         try:
             doc = safejson.loads(raw, max_bytes=MAX_HEADER)
             if not isinstance(doc, dict):
@@ -248,9 +251,14 @@ class TierServer:
                 seal = doc.get("seal")
                 facts = None
                 if seal is not None:
-                    if not (isinstance(seal, list) and len(seal) == 2):
+                    if not (
+                        isinstance(seal, list)
+                        and len(seal) == 2
+                        and type(seal[0]) is int
+                        and isinstance(seal[1], str)
+                    ):
                         raise ValueError("seal")
-                    facts = cp.FileFacts(int(seal[0]), str(seal[1]))
+                    facts = cp.FileFacts(seal[0], seal[1])
                 await asyncio.to_thread(
                     self._tier.receive, caller, job, ckpt, name, offset, data, facts
                 )
@@ -273,11 +281,19 @@ class TierServer:
             full = isinstance(exc, OSError) and exc.errno in _FULL
             error = {"id": ident, "ok": False, "error": str(exc)[:300], "full": full}
             return json.dumps(error).encode(), b""
+        except Exception:  # a bug, or input nothing above foresaw: answered, and the port serves on
+            self._on_fault("tier", f"{op!r} from {caller or 'a bulk session'}")
+            error = {"id": ident, "ok": False, "error": "this node failed (its log says why)"}
+            return json.dumps({**error, "full": False}).encode(), b""
 
     def close(self) -> None:
         self._router.close(linger=0)
         if self._bulk is not None:
             self._bulk.close(linger=0)
+
+
+def _log_fault(loop: str, detail: str) -> None:
+    log.exception("the %s server: unexpected error (%s); it goes on", loop, detail)
 
 
 @dataclass
