@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from . import pages
 from .broadcast import pack, raw_view, unpack
 
 T = TypeVar("T")
@@ -661,6 +662,8 @@ class TierReader(StorageReader):
                 continue
             target = planner.resolve_tensor(item).detach()
             if length:
+                pages.huge_pages_for(target)
+                pages.populate(maps[stored.file], offset, length)
                 source = _view(maps[stored.file], offset, length, stored.dtype, shape)
                 for dim in range(1, len(shape)):
                     source = source.narrow(
