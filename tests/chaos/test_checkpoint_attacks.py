@@ -243,6 +243,17 @@ def test_a_save_over_the_jobs_cap_fails_and_another_job_is_not_disturbed(
     assert daemon.ctl("version")  # the daemon answers
 
 
+def tmpfs_options(path: Path) -> set[str]:
+    """The options of the tmpfs mounted at ``path`` (/proc/self/mountinfo)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields, _, rest = line.partition(" - ")
+        if fields.split()[4] == str(path):
+            fstype, _source, options = rest.split()
+            assert fstype == "tmpfs", line
+            return set(options.split(","))
+    raise AssertionError(f"nothing is mounted at {path}")
+
+
 @needs_root
 def test_a_daemon_killed_while_it_holds_checkpoints_starts_without_them(daemon_factory, report):
     daemon = daemon_factory(unique("ckptkill"), args=("--slots", "2")).start()
@@ -250,6 +261,11 @@ def test_a_daemon_killed_while_it_holds_checkpoints_starts_without_them(daemon_f
     wait_for(lambda: saved(report) >= 2, 120, "checkpoints saved")
     tier = Path(daemon.runtime_dir) / "checkpoints" / job
     assert os.path.ismount(tier)
+    options = tmpfs_options(tier)
+    assert "mode=700" in options, options
+    shmem = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    if shmem.exists() and "[deny]" not in shmem.read_text():  # tmpfs may have huge pages
+        assert "huge=within_size" in options, options  # its shards in them
     daemon.signal(signal.SIGKILL)
     daemon.wait_exit()
     assert os.path.ismount(tier)  # the kernel keeps it: the next start must deal with it

@@ -1558,26 +1558,32 @@ _libc = ctypes.CDLL(None, use_errno=True)  # the libc this process runs with
 
 def _mount_tmpfs(path: str, cap: int, uid: int, gid: int) -> bool:
     """A tmpfs of its own at ``path`` (root only): the cap is its size, the job's user owns
-    it.  False (a warning) where mounting is not allowed: a plain directory then."""
+    it, and its large files are in huge pages where the kernel has them (``huge=within_size``:
+    writing and mapping 640 MiB took a third less here).  False (a warning) where mounting is
+    not allowed: a plain directory then."""
     if os.path.ismount(path):
         return True
     options = f"mode=0700,uid={uid},gid={gid}" + (f",size={cap}" if cap else "")
-    done = _libc.mount(
-        b"elasticd-checkpoints",
-        os.fsencode(path),
-        b"tmpfs",
-        _MS_NOSUID | _MS_NODEV,
-        options.encode(),
-    )
-    if done != 0:
-        errno = ctypes.get_errno()
+    failed = _mount(path, f"{options},huge=within_size")
+    if failed == errno.EINVAL:  # a kernel without huge pages in tmpfs: small pages
+        failed = _mount(path, options)
+    if failed:
         log.warning(
             "checkpoints: cannot mount a tmpfs at %s (%s): a plain directory instead",
             path,
-            os.strerror(errno),
+            os.strerror(failed),
         )
         return False
     return True
+
+
+def _mount(path: str, options: str) -> int:
+    """Mount a tmpfs at ``path`` with ``options``: 0, or the errno."""
+    flags = _MS_NOSUID | _MS_NODEV
+    done = _libc.mount(
+        b"elasticd-checkpoints", os.fsencode(path), b"tmpfs", flags, options.encode()
+    )
+    return 0 if done == 0 else ctypes.get_errno()
 
 
 def _unmount(path: str) -> None:
