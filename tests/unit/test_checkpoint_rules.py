@@ -131,6 +131,33 @@ def test_a_file_is_fetched_from_here_then_the_rounds_members_and_the_lost_writer
     assert cp.fetch_order(["n3", "n1", "n3"], "n2", ()) == ["n3", "n1"]  # each once
 
 
+def test_a_part_carries_its_newest_save_however_many_files_its_ranks_wrote_after_it():
+    save = manifest("step_40", "n1", (0,), world=1, metadata=True, saved=40.0)
+    files = [
+        cp.Manifest(
+            f"loader_{i}.pt",
+            "n1",
+            0,
+            1,
+            (0,),
+            {f"loader_{i}.pt": cp.FileFacts(1, SHA)},
+            41.0 + i,
+            "x",
+            kind=cp.FILE,
+        )
+        for i in range(cp.MAX_KEPT_FILES + 5)
+    ]
+    older = [manifest(f"step_{i}", "n1", (0,), world=1, saved=float(i)) for i in range(12)]
+    kept = cp.kept([*files, save, *older])
+    assert save in kept  # else the other nodes find step_40 incomplete, and delete it
+    assert [m for m in kept if m.kind == cp.FILE] == files[-cp.MAX_KEPT_FILES :]
+    assert [m.id for m in kept if m.kind == cp.DCP] == [
+        *(f"step_{i}" for i in range(12 - cp.MAX_KEPT + 1, 12)),
+        "step_40",
+    ]
+    assert cp.latest_complete(kept).id == "step_40"
+
+
 def test_files_a_rank_wrote_itself_are_restored_as_their_newest_version():
     old = cp.Manifest(
         "rank1.pt", "n2", 0, 2, (1,), {"rank1.pt": cp.FileFacts(5, SHA)}, 1.0, "n1", kind=cp.FILE

@@ -32,7 +32,8 @@ from typing import Any
 METADATA = ".metadata"  # DCP's: written last, by the coordinator (rank 0), once all wrote
 DCP, FILE = "dcp", "file"  # the two kinds of checkpoint
 MAX_FILES = 4096  # files one node's manifest of one checkpoint may list
-MAX_KEPT = 8  # manifests one node's part carries (the newest)
+MAX_KEPT = 8  # DCP manifests one node's part carries (the newest)
+MAX_KEPT_FILES = 64  # and manifests of files its ranks wrote themselves (the newest)
 # What a checkpoint's and a file's names may be: no path separators, nothing hidden but
 # DCP's .metadata, bounded.
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
@@ -371,9 +372,14 @@ def fetch_order(holders: Iterable[str], here: str, members: Iterable[str]) -> li
 
 
 def kept(manifests_here: Iterable[Manifest]) -> tuple[Manifest, ...]:
-    """What a part carries: its newest manifests, at most MAX_KEPT."""
+    """What a part carries: its newest DCP manifests, at most MAX_KEPT, and its newest
+    files, at most MAX_KEPT_FILES.  Bounded apart: files a script writes beside each save
+    (a data loader's state per rank) must not push its DCP checkpoint out of the record,
+    where the other nodes would find it incomplete and delete it as torn."""
     ordered = sorted(manifests_here, key=lambda m: (m.round, m.saved, m.id))
-    return tuple(ordered[-MAX_KEPT:])
+    saves = [m for m in ordered if m.kind == DCP][-MAX_KEPT:]
+    files = [m for m in ordered if m.kind == FILE][-MAX_KEPT_FILES:]
+    return tuple(sorted(saves + files, key=lambda m: (m.round, m.saved, m.id)))
 
 
 def with_copy(manifest: Manifest, node: str) -> Manifest:

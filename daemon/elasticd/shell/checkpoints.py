@@ -196,6 +196,14 @@ class JobDir:
     # ids its workers said they save (``saving``), and each rank's ``saved`` report: their
     # shares are described from the reports, not from the round this node is in now
     claimed: dict[str, dict[int, Report]] = field(default_factory=dict)
+    # DCP checkpoints this node put in place for a restart: other nodes' saves (all of their
+    # files), never described as this node's own share of a later round
+    placed: set[str] = field(default_factory=set)
+    # files a rank wrote itself that this node described or put in place: name -> (inode,
+    # mtime, ctime, size) then, and its SHA-256.  A later write changes the first: a file whose
+    # stat still matches is that version (not described again when the daemon put it in
+    # place; trusted at a restore only where the version wanted is that one)
+    known_files: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set, then replaced
     waits: int = 0  # its workers' waits now
     watches_spent: bool = False  # it has as many directories watched as a job may
@@ -437,7 +445,10 @@ class CheckpointTier:
                     continue  # its workers tell when their files are whole (``saved``)
                 own = jd.manifests.get(name)
                 local_metadata = os.path.exists(os.path.join(jd.path, name, cp.METADATA))
-                if own is None and (local_metadata or name in with_metadata):
+                # one put in place here is an older round's save (unless the job saved
+                # again under its name, and another node described that save)
+                ours = name not in jd.placed or name in with_metadata
+                if own is None and ours and (local_metadata or name in with_metadata):
                     jd.busy[name] = self._spawn(
                         "landing", jd.job, functools.partial(self._land, jd, name)
                     )
@@ -475,6 +486,8 @@ class CheckpointTier:
         node's to describe."""
         jd.claimed.pop(name, None)
         jd.first_seen.pop(name, None)
+        jd.placed.discard(name)
+        jd.known_files.pop(name, None)
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()
@@ -603,6 +616,7 @@ class CheckpointTier:
         with jd.rights():
             names = _entries(directory, files=True) if kind == cp.DCP else [name]
         started = self._clock()
+        version = _stat_key(jd, name) if kind == cp.FILE else None
         hash_ = jd.as_user(_hash)
         if cp.METADATA in names and name not in jd.manifests:  # rank 0's node: tell at once
             facts = await asyncio.to_thread(hash_, os.path.join(directory, cp.METADATA))
@@ -672,6 +686,8 @@ class CheckpointTier:
         jd.manifests[name] = cp.Manifest(
             name, self.settings.node, round, world, ranks, files, started, copied, kind=kind
         )
+        if version is not None and version == _stat_key(jd, name) and name in files:
+            jd.known_files[name] = (version, files[name].sha256)  # unchanged while hashed
         self._metrics.checkpoint_saved(
             done - jd.first_seen.get(name, started), done - started if copied else None
         )
@@ -681,6 +697,9 @@ class CheckpointTier:
         """A file a rank wrote itself, closed: its own checkpoint."""
         if not cp.valid_name(name) or jd.round < 0:
             return
+        known = jd.known_files.get(name)
+        if known is not None and _stat_key(jd, name) == known[0]:
+            return  # the version this node put in place (or described) itself: no news
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()  # a newer version came: describe that one
@@ -727,6 +746,7 @@ class CheckpointTier:
         self._spawn("pruning", jd.job, functools.partial(self._remove, jd, doomed))
         for name in gone:  # nothing kept of a pruned checkpoint, its copy's back-off too
             jd.claimed.pop(name, None)
+            jd.placed.discard(name)
             jd.retry.pop(name, None)
             jd.refused.pop(name, None)
         dropped = [jd.manifests.pop(name) for name in sorted(gone) if name in jd.manifests]
@@ -869,6 +889,13 @@ class CheckpointTier:
         with jd.rights():
             have = _sizes(directory)
         lacking = cp.missing(checkpoint, have)
+        if checkpoint.kind == cp.FILE:  # its name is every version's: the size tells none
+            for name, facts in checkpoint.files().items():
+                known = jd.known_files.get(name)
+                if known != (_stat_key(jd, name), facts.sha256):
+                    lacking[name] = facts
+        elif lacking:
+            jd.placed.add(checkpoint.id)  # other nodes' save: never described as this one's
         for name, facts in sorted(lacking.items()):
             dest = os.path.join(directory, name)
             failure = await self._obtain(jd, checkpoint, name, facts, dest, members)
@@ -923,6 +950,8 @@ class CheckpointTier:
                 if why:
                     tried.append(f"{holder}: {why}")
                     continue
+                if checkpoint.kind == cp.FILE:
+                    _note_version(jd, name, facts.sha256)
                 self._metrics.checkpoint_restored(where, facts.size)
                 return ""
             except Exception as exc:
@@ -947,6 +976,8 @@ class CheckpointTier:
             why = failure or self._check_into_place(jd, partial, dest, facts, got)
             with jd.rights(), contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
+            if not why and checkpoint.kind == cp.FILE:
+                _note_version(jd, name, facts.sha256)
             if not why:
                 self._metrics.checkpoint_restored("disk", facts.size)
                 return ""
@@ -1402,6 +1433,23 @@ def _copy_path(root: str, owner: str, ckpt: str, name: str) -> str:
 
 def _dirs_under(path: str) -> list[str]:
     return [path, *(os.path.join(path, name) for name in _entries(path, dirs=True))]
+
+
+def _stat_key(jd: JobDir, name: str) -> tuple[int, ...] | None:
+    """What tells one version of the job's file ``name`` from another (a write changes its
+    times, a rename over it its inode), or None where it is not a regular file."""
+    with jd.rights(), contextlib.suppress(OSError):
+        info = os.stat(os.path.join(jd.path, name), follow_symlinks=False)
+        if stat.S_ISREG(info.st_mode):
+            return info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size
+    return None
+
+
+def _note_version(jd: JobDir, name: str, sha256: str) -> None:
+    """The job's file ``name``, as it is now, has this digest (this node put it in place)."""
+    key = _stat_key(jd, name)
+    if key is not None:
+        jd.known_files[name] = (key, sha256)
 
 
 def _sizes(directory: str) -> dict[str, int]:

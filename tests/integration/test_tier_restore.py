@@ -1,0 +1,219 @@
+"""What a restart puts in place on a node's real checkpoint tier, and what the node makes of
+it afterwards: the files are other nodes' saves, not a share of this node's to describe (a
+newcomer that described them as its own in its round hid the older round's shares, and the
+next restart deleted the newest complete checkpoint everywhere as torn), and a file a rank
+wrote itself is restored as the version its manifests name, whatever its size says.  The
+data plane is a fake (the other nodes' bytes in a dict); the tier, its inotify and its
+directory are real."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from elasticd.core import checkpoints as cp
+from elasticd.core import events as ev
+from elasticd.core.model import JobSpec, PartState
+from elasticd.core.records import JobRecord, Part
+from elasticd.shell.checkpoints import CheckpointTier, TierSettings
+
+JOB = "j-5e7a01"
+SAVE = {  # step_40, saved in round 0 by two ranks: a (rank 0, with DCP's metadata) and b
+    "a": {".metadata": b"M" * 100, "__0_0.distcp": b"A" * 1000},
+    "b": {"__1_0.distcp": b"B" * 1000},
+}
+
+
+def facts(data: bytes) -> cp.FileFacts:
+    return cp.FileFacts(len(data), hashlib.sha256(data).hexdigest())
+
+
+class Peers:
+    """The other nodes: what they hold, and what this node sent and dropped."""
+
+    def __init__(self, held: dict[tuple[str, str, str], bytes]) -> None:
+        self.held = held
+        self.sent: list[tuple[str, str]] = []
+
+    async def send(self, node: str, job: str, ckpt: str, name: str, source: BinaryIO) -> Any:
+        self.sent.append((ckpt, name))
+        return facts(source.read())
+
+    async def drop(self, node: str, job: str, ckpt: str) -> None:
+        pass
+
+    async def fetch(
+        self, node: str, job: str, owner: str, ckpt: str, name: str, into: int, **_: Any
+    ) -> Any:
+        data = self.held[(owner, ckpt, name)]
+        os.pwrite(into, data, 0)
+        return facts(data)
+
+    def alive(self, node: str) -> bool:
+        return True
+
+    def domain(self, node: str) -> str:
+        return node
+
+
+def spec(workdir: Path) -> JobSpec:
+    return JobSpec(
+        id=JOB,
+        argv=("train.py",),
+        python=sys.executable,
+        workdir=str(workdir),
+        uid=os.getuid(),
+        gid=os.getgid(),
+        user="tester",
+        env={},
+        join_timeout=60.0,
+        created=1.0,
+    )
+
+
+def manifest(
+    node: str, ident: str, files: dict[str, bytes], *, ranks: tuple[int, ...], kind: str = cp.DCP
+) -> cp.Manifest:
+    described = {name: facts(data) for name, data in files.items()}
+    keeper = {"a": "b", "b": "a"}.get(node, "a")
+    return cp.Manifest(ident, node, 0, 2, ranks, described, 100.0, keeper, kind=kind)
+
+
+def record(job: JobSpec, theirs: dict[str, tuple[cp.Manifest, ...]]) -> JobRecord:
+    """Round 1: a and b, and this node, c, which joined it."""
+    parts = [
+        Part(
+            node,
+            PartState.RUNNING,
+            round=1,
+            group_rank=rank,
+            checkpoints=tuple(m.to_json() for m in theirs.get(node, ())),
+        )
+        for rank, node in enumerate(("a", "b", "c"))
+    ]
+    return JobRecord(spec=job, seq=1, parts={p.node: p for p in parts})
+
+
+def published(posted: list[ev.Event]) -> list[cp.Manifest]:
+    """This node's manifests as its part carries them now (its last news)."""
+    news = [e for e in posted if isinstance(e, ev.CheckpointsChanged)]
+    return [cp.parse(m) for m in news[-1].manifests] if news else []
+
+
+async def until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    ends = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < ends, f"not in {timeout} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def on_a_tier(
+    tmp_path: Path,
+    held: dict[tuple[str, str, str], bytes],
+    test: Callable[[CheckpointTier, str, Peers, list[ev.Event], JobSpec], Awaitable[None]],
+) -> None:
+    async def main() -> None:
+        posted: list[ev.Event] = []
+        peers = Peers(held)
+        tier = CheckpointTier(TierSettings("c", str(tmp_path / "tier"), 0, 0), peers, posted.append)
+        running = asyncio.create_task(tier.run())
+        job = spec(tmp_path)
+        path = tier.open(job)
+        try:
+            await test(tier, path, peers, posted, job)
+        finally:
+            await tier.close(JOB)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_newcomer_does_not_describe_the_checkpoint_put_in_place_for_it_as_its_own(
+    tmp_path: Path,
+) -> None:
+    held = {
+        (node, "step_40", name): data
+        for node, files in SAVE.items()
+        for name, data in files.items()
+    }
+    theirs = {
+        "a": (manifest("a", "step_40", SAVE["a"], ranks=(0,)),),
+        "b": (manifest("b", "step_40", SAVE["b"], ranks=(1,)),),
+    }
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        now = record(job, theirs)
+        tier.record_changed(now)
+        assert await tier.prepare(JOB, now, ("a", "b", "c")) == ""
+        assert sorted(os.listdir(os.path.join(path, "step_40"))) == sorted([*SAVE["a"], *SAVE["b"]])
+        tier.round(JOB, 1, 3, (2,))  # its workers start, rank 2 of 3
+        landing = sorted(tier._jobs[JOB].busy)
+        assert landing == [], "it lands step_40 as its own"
+        # a save of its own in round 1 is still described (and copied), the restored one not
+        os.mkdir(os.path.join(path, "step_45"))
+        Path(path, "step_45", "__2_0.distcp").write_bytes(b"C" * 1000)
+        Path(path, "step_45", ".metadata").write_bytes(b"N" * 100)
+        await until(
+            lambda: any(m.id == "step_45" and m.described for m in published(posted)),
+            "c describes its own save step_45",
+        )
+        await until(lambda: not tier._jobs[JOB].busy, "every landing done")
+        mine = published(posted)
+        assert [m.id for m in mine] == ["step_45"], mine
+        assert {ckpt for ckpt, _ in peers.sent} == {"step_45"}
+        view = [m for ms in theirs.values() for m in ms] + mine
+        newest = cp.latest_complete(view)
+        assert newest is not None and newest.id == "step_40"
+        assert cp.torn(["step_40"], view) == set()  # the next restart keeps it
+
+    on_a_tier(tmp_path, held, test)
+
+
+def test_a_file_put_in_place_is_not_described_again_and_its_next_version_is(
+    tmp_path: Path,
+) -> None:
+    version = b"1" * 1000
+    held = {("b", "rank1.pt", "rank1.pt"): version}
+    theirs = {"b": (manifest("b", "rank1.pt", {"rank1.pt": version}, ranks=(1,), kind=cp.FILE),)}
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        now = record(job, theirs)
+        tier.record_changed(now)
+        tier.round(JOB, 1, 3, (1,))  # rank 1 is this node's now
+        assert await tier.prepare(JOB, now, ("a", "c")) == ""
+        assert Path(path, "rank1.pt").read_bytes() == version
+        # a file of the script's: its landing starts after any the rename above started
+        Path(path, "next.pt").write_bytes(b"n")
+        await until(lambda: any(m.id == "next.pt" for m in published(posted)), "next.pt")
+        await until(lambda: not tier._jobs[JOB].busy, "every landing done")
+        assert [m.id for m in published(posted)] == ["next.pt"], "rank1.pt described again"
+        assert peers.sent == [("next.pt", "next.pt")]
+        # the script writes rank1.pt's next version: that one is this node's, and copied
+        Path(path, "rank1.pt").write_bytes(b"2" * 1000)
+        await until(lambda: any(m.id == "rank1.pt" for m in published(posted)), "rank1.pt")
+        (mine,) = [m for m in published(posted) if m.id == "rank1.pt"]
+        assert mine.files["rank1.pt"] == facts(b"2" * 1000)
+
+    on_a_tier(tmp_path, held, test)
+
+
+def test_a_restart_replaces_an_older_version_of_a_file_of_the_same_size(tmp_path: Path) -> None:
+    old, new = b"0" * 1000, b"1" * 1000
+    held = {("b", "rank1.pt", "rank1.pt"): new}
+    theirs = {"b": (manifest("b", "rank1.pt", {"rank1.pt": new}, ranks=(1,), kind=cp.FILE),)}
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        Path(path, "rank1.pt").write_bytes(old)  # put in place by an earlier restart
+        now = record(job, theirs)
+        tier.record_changed(now)
+        assert await tier.prepare(JOB, now, ("a", "c")) == ""
+        assert Path(path, "rank1.pt").read_bytes() == new
+
+    on_a_tier(tmp_path, held, test)
