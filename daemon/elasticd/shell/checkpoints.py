@@ -70,6 +70,10 @@ _MAX_CLAIMED = 64  # checkpoints a job's workers may be saving at once (``saving
 _MAX_LOCAL = 4096  # workers a node's report may count
 _MAX_WAITS = 64  # a job's workers' ``wait``s at once
 _DROP_TRIES = 4  # a copy's drop, sent again after 1, 2 and 4 s: else it stays to the job's end
+# seconds a share's keeper may be out of the round (left, or lost) before the share is
+# copied to its new keeper: not at once, where the recovery needs the network and the
+# CPU, and a save of the new round usually makes the old one moot by then
+REKEEP_AFTER = 30.0
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
@@ -199,6 +203,8 @@ class JobDir:
     # DCP checkpoints this node put in place for a restart: other nodes' saves (all of their
     # files), never described as this node's own share of a later round
     placed: set[str] = field(default_factory=set)
+    # id -> since when (monotonic) the keeper of this node's share has been out of the round
+    keeper_gone: dict[str, float] = field(default_factory=dict)
     # files a rank wrote itself that this node described or put in place: name -> (inode,
     # mtime, ctime, size) then, and its SHA-256.  A later write changes the first: a file whose
     # stat still matches is that version (not described again when the daemon put it in
@@ -452,7 +458,7 @@ class CheckpointTier:
                     jd.busy[name] = self._spawn(
                         "landing", jd.job, functools.partial(self._land, jd, name)
                     )
-                elif own is not None and not own.copied_to and self._buddy(jd) is not None:
+                elif own is not None and self._to_copy(jd, own) and self._buddy(jd) is not None:
                     after = jd.retry.get(name, (0, 0.0))[1]
                     if time.monotonic() >= after:
                         jd.busy[name] = self._spawn(
@@ -464,7 +470,7 @@ class CheckpointTier:
             uncopied = [
                 name
                 for name, own in jd.manifests.items()
-                if own.kind == cp.FILE and not own.copied_to and name not in jd.busy
+                if own.kind == cp.FILE and name not in jd.busy and self._to_copy(jd, own)
                 if now >= jd.retry.get(name, (0, 0.0))[1]
             ]
             if uncopied and self._buddy(jd) is not None:
@@ -474,6 +480,23 @@ class CheckpointTier:
                     )
             self._prune(jd, found)
             self._write_back(jd, found)
+
+    def _to_copy(self, jd: JobDir, own: cp.Manifest) -> bool:
+        """Whether this node's share ``own`` is to be copied (again): it never was, or its
+        keeper has been out of the round (it left the job, or was lost) for REKEEP_AFTER.
+        Otherwise the share would stay complete on paper with its only copy gone, and
+        losing this node next would lose it."""
+        keeper = own.copied_to
+        if not keeper:
+            return True
+        if keeper in self._members(jd) and self._peers.alive(keeper):
+            jd.keeper_gone.pop(own.id, None)
+            return False
+        now = time.monotonic()
+        since = jd.keeper_gone.setdefault(own.id, now)
+        if since == now:
+            asyncio.get_running_loop().call_later(REKEEP_AFTER, self._consider_again, jd.job)
+        return now - since >= REKEEP_AFTER
 
     def _consider_again(self, job: str) -> None:
         jd = self._jobs.get(job)
@@ -488,6 +511,7 @@ class CheckpointTier:
         jd.first_seen.pop(name, None)
         jd.placed.discard(name)
         jd.known_files.pop(name, None)
+        jd.keeper_gone.pop(name, None)
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()
@@ -747,6 +771,7 @@ class CheckpointTier:
         for name in gone:  # nothing kept of a pruned checkpoint, its copy's back-off too
             jd.claimed.pop(name, None)
             jd.placed.discard(name)
+            jd.keeper_gone.pop(name, None)
             jd.retry.pop(name, None)
             jd.refused.pop(name, None)
         dropped = [jd.manifests.pop(name) for name in sorted(gone) if name in jd.manifests]

@@ -1,10 +1,10 @@
-"""What a restart puts in place on a node's real checkpoint tier, and what the node makes of
-it afterwards: the files are other nodes' saves, not a share of this node's to describe (a
-newcomer that described them as its own in its round hid the older round's shares, and the
-next restart deleted the newest complete checkpoint everywhere as torn), and a file a rank
-wrote itself is restored as the version its manifests name, whatever its size says.  The
-data plane is a fake (the other nodes' bytes in a dict); the tier, its inotify and its
-directory are real."""
+"""What a node's real checkpoint tier makes of a new round.  What a restart puts in place
+is other nodes' saves, not a share of this node's to describe (a newcomer that described
+them as its own in its round hid the older round's shares, and the next restart deleted the
+newest complete checkpoint everywhere as torn); a file a rank wrote itself is restored as the
+version its manifests name, whatever its size says; and a share whose keeper left the round
+is copied to its new keeper.  The data plane is a fake (the other nodes' bytes in a dict);
+the tier, its inotify and its directory are real."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import pytest
+
 from elasticd.core import checkpoints as cp
 from elasticd.core import events as ev
 from elasticd.core.model import JobSpec, PartState
 from elasticd.core.records import JobRecord, Part
+from elasticd.shell import checkpoints as tier_module
 from elasticd.shell.checkpoints import CheckpointTier, TierSettings
 
 JOB = "j-5e7a01"
@@ -40,9 +43,12 @@ class Peers:
     def __init__(self, held: dict[tuple[str, str, str], bytes]) -> None:
         self.held = held
         self.sent: list[tuple[str, str]] = []
+        self.sent_to: list[str] = []
+        self.lost: set[str] = set()
 
     async def send(self, node: str, job: str, ckpt: str, name: str, source: BinaryIO) -> Any:
         self.sent.append((ckpt, name))
+        self.sent_to.append(node)
         return facts(source.read())
 
     async def drop(self, node: str, job: str, ckpt: str) -> None:
@@ -56,7 +62,7 @@ class Peers:
         return facts(data)
 
     def alive(self, node: str) -> bool:
-        return True
+        return node not in self.lost
 
     def domain(self, node: str) -> str:
         return node
@@ -85,17 +91,22 @@ def manifest(
     return cp.Manifest(ident, node, 0, 2, ranks, described, 100.0, keeper, kind=kind)
 
 
-def record(job: JobSpec, theirs: dict[str, tuple[cp.Manifest, ...]]) -> JobRecord:
-    """Round 1: a and b, and this node, c, which joined it."""
+def record(
+    job: JobSpec,
+    theirs: dict[str, tuple[cp.Manifest, ...]],
+    members: tuple[str, ...] = ("a", "b", "c"),
+    round: int = 1,
+) -> JobRecord:
+    """A round of ``members`` (by default round 1: a and b, and c, which joined it)."""
     parts = [
         Part(
             node,
             PartState.RUNNING,
-            round=1,
+            round=round,
             group_rank=rank,
             checkpoints=tuple(m.to_json() for m in theirs.get(node, ())),
         )
-        for rank, node in enumerate(("a", "b", "c"))
+        for rank, node in enumerate(members)
     ]
     return JobRecord(spec=job, seq=1, parts={p.node: p for p in parts})
 
@@ -117,11 +128,14 @@ def on_a_tier(
     tmp_path: Path,
     held: dict[tuple[str, str, str], bytes],
     test: Callable[[CheckpointTier, str, Peers, list[ev.Event], JobSpec], Awaitable[None]],
+    node: str = "c",
 ) -> None:
     async def main() -> None:
         posted: list[ev.Event] = []
         peers = Peers(held)
-        tier = CheckpointTier(TierSettings("c", str(tmp_path / "tier"), 0, 0), peers, posted.append)
+        tier = CheckpointTier(
+            TierSettings(node, str(tmp_path / "tier"), 0, 0), peers, posted.append
+        )
         running = asyncio.create_task(tier.run())
         job = spec(tmp_path)
         path = tier.open(job)
@@ -217,3 +231,34 @@ def test_a_restart_replaces_an_older_version_of_a_file_of_the_same_size(tmp_path
         assert Path(path, "rank1.pt").read_bytes() == new
 
     on_a_tier(tmp_path, held, test)
+
+
+def test_a_share_whose_keeper_left_the_round_is_copied_to_its_new_keeper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tier_module, "REKEEP_AFTER", 0.3)
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        tier.record_changed(record(job, {}, ("a", "b"), round=0))
+        tier.round(JOB, 0, 1, (0,))  # a job of one rank on a; b keeps its copies
+        os.mkdir(os.path.join(path, "step_40"))
+        Path(path, "step_40", "__0_0.distcp").write_bytes(b"A" * 1000)
+        Path(path, "step_40", ".metadata").write_bytes(b"M" * 100)
+
+        def keeper() -> str | None:
+            shares = [m for m in published(posted) if m.id == "step_40" and m.described]
+            return shares[0].copied_to if shares else None
+
+        await until(lambda: keeper() == "b", "step_40 copied to b")
+        # b is lost; the round after it is a and c
+        peers.lost.add("b")
+        left = time.monotonic()
+        tier.record_changed(record(job, {}, ("a", "c"), round=1))
+        tier.round(JOB, 1, 2, (0,))
+        await until(lambda: keeper() == "c", "step_40 copied to its new keeper, c")
+        assert time.monotonic() - left >= 0.3  # not while the recovery runs
+        assert peers.sent_to.count("c") == 2  # its two files
+        newest = cp.latest_complete(published(posted))
+        assert newest is not None and newest.id == "step_40"
+
+    on_a_tier(tmp_path, {}, test, node="a")
