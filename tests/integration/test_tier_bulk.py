@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import threading
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -162,7 +163,9 @@ def test_a_fetch_and_a_send_go_over_the_bulk_port_whole(tmp_path: Any) -> None:
         async with rig() as r:
             into = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                facts = await r.links.fetch("node-s", "j-000001", "node-s", "step-1", "f", into)
+                facts = await r.links.fetch(
+                    "node-s", "j-000001", "node-s", "step-1", "f", into, size=len(DATA)
+                )
                 ranged = await r.links.fetch(
                     "node-s", "j-000001", "node-s", "step-1", "g", into, [(5, 100), (9000, 7)]
                 )
@@ -183,6 +186,45 @@ def test_a_fetch_and_a_send_go_over_the_bulk_port_whole(tmp_path: Any) -> None:
             await r.links.drop("node-s", "j-000001", "step-1")
             assert r.tier.received[-1] == ("node-a", "drop", 0, b"")
             assert r.server.sessions == 3  # no bytes: over CURVE, no session opened for it
+
+    asyncio.run(main())
+
+
+def test_a_whole_file_its_holder_holds_at_another_size_is_refused_before_a_byte(
+    tmp_path: Any,
+) -> None:
+    """The job's own processes on the holder may truncate a file described already to any
+    size, sparse (it costs them nothing): the fetching node compares the size the holder
+    answers with the manifest's before it asks for a byte, and builds nothing as large as
+    that size meanwhile."""
+    held = tmp_path / "held"
+    held.write_bytes(DATA)
+    os.truncate(held, 1 << 40)  # a terabyte, in no block
+
+    async def main() -> None:
+        async with rig() as r:
+            asked: list[tuple[Any, ...]] = []
+            r.tier.size = lambda *args: os.stat(held).st_size  # type: ignore[method-assign]
+            r.tier.read = lambda *args: asked.append(args) or b""  # type: ignore[method-assign]
+            into = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT, 0o600)
+            tracemalloc.start()
+            try:
+                with pytest.raises(tierlink.TierError) as refused:
+                    await asyncio.wait_for(
+                        r.links.fetch(
+                            "node-s", "j-000001", "node-s", "step-1", "f", into, size=len(DATA)
+                        ),
+                        10.0,
+                    )
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+                os.close(into)
+            assert f"holds {1 << 40} bytes of step-1/f, its manifest says {len(DATA)}" in str(
+                refused.value
+            )
+            assert asked == [] and os.path.getsize(tmp_path / "fetched") == 0
+            assert peak < 1 << 20  # one (offset, length) per 4 MiB of a terabyte: 20 MB
 
     asyncio.run(main())
 
@@ -275,7 +317,9 @@ def test_a_node_without_the_bulk_port_is_reached_over_curve(tmp_path: Any, whole
             into = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 ranges = None if whole else [(0, len(DATA))]
-                await r.links.fetch("node-s", "j-000001", "node-s", "step-1", "f", into, ranges)
+                await r.links.fetch(
+                    "node-s", "j-000001", "node-s", "step-1", "f", into, ranges, size=len(DATA)
+                )
             finally:
                 os.close(into)
             assert (tmp_path / "fetched").read_bytes() == DATA
@@ -368,7 +412,7 @@ def test_a_transfer_cancelled_while_it_opens_its_session_leaves_no_socket_open(
         into = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fetch = asyncio.create_task(
-                links.fetch("node-s", "j-000001", "node-s", "step-1", "f", into)
+                links.fetch("node-s", "j-000001", "node-s", "step-1", "f", into, size=1)
             )
             await asyncio.sleep(0.5)
             fetch.cancel()

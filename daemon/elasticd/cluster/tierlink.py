@@ -26,7 +26,8 @@ client then sends everything over CURVE, as before.
   receiver as a copy of the caller's share; chunks come in order, the last one carries the
   whole file's size and SHA-256 (``seal``), which the receiver checks.
 - ``get`` (job, owner, ckpt, name, offset, length): bytes of ``owner``'s file as the receiver
-  holds it (its own, or its copy).  ``size``: its length.
+  holds it (its own, or its copy).  ``size``: its length, which the fetching node compares
+  with the file's manifest before it asks for a byte (the job may have truncated the file).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ import os
 import secrets
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -58,6 +59,7 @@ from elasticd.shell.checkpoints import CheckpointTier
 from elasticd.wire import safejson
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TIER_DOMAIN = b"elasticd-tier"
 CHUNK = 4 * 1024 * 1024  # bytes a put or a get carries
@@ -395,36 +397,49 @@ class TierLinks:
         name: str,
         into: int,
         ranges: list[tuple[int, int]] | None = None,
+        *,
+        size: int | None = None,
     ) -> cp.FileFacts | None:
+        """``ranges`` of the file, or the whole of it, which must be ``size`` bytes (its
+        manifest's): a holder whose file is another size is refused before a byte is asked
+        for, since the job's own processes there may have truncated it to any size."""
         base = {"job": job, "owner": owner, "ckpt": ckpt, "name": name}
         whole = ranges is None
         digest = hashlib.sha256()
+        written = 0
         async with self._session(node) as session:
             if ranges is None:
+                if size is None:
+                    raise ValueError("a whole file is fetched only with its manifest's size")
                 reply, _ = await session.call({"op": "size", **base, "offset": 0})
-                ranges = [(0, int(reply["size"]))]
-            pieces = [
-                (start + at, min(CHUNK, length - at))
-                for start, length in ranges
-                for at in range(0, max(length, 1), CHUNK)
-                if length > 0
-            ]
+                held = reply.get("size")
+                if type(held) is not int or held != size:
+                    raise TierError(
+                        f"{node} holds {str(held)[:40]} bytes of {ckpt}/{name}, "
+                        f"its manifest says {size}"
+                    )
+                ranges = [(0, size)]
 
-            def write(offset: int, data: bytes, expected: int) -> None:
+            def write(piece: tuple[int, int], reply: dict[str, Any], data: bytes) -> None:
+                nonlocal written
+                offset, expected = piece
                 if len(data) != expected:
                     raise TierError(f"{node} sent {len(data)} bytes of {expected}")
                 os.pwrite(into, data, offset)
+                written += expected
                 if whole:  # the pieces come in order: the file's digest as it is written
                     digest.update(data)
 
-            if pieces:
-                await session.pipeline(
-                    [({"op": "get", **base, "offset": o, "length": n}, b"") for o, n in pieces],
-                    lambda i, reply, data: write(pieces[i][0], data, pieces[i][1]),
-                )
+            await session.pipeline(
+                (
+                    (piece, {"op": "get", **base, "offset": piece[0], "length": piece[1]}, b"")
+                    for piece in _pieces(ranges)
+                ),
+                write,
+            )
         if not whole:
             return None
-        return cp.FileFacts(sum(n for _, n in pieces), digest.hexdigest())
+        return cp.FileFacts(written, digest.hexdigest())
 
     def _session(self, node: str, *, bulk: bool = True) -> _Session:
         return _Session(self, node, bulk)
@@ -574,19 +589,30 @@ class _Session:
 
     async def pipeline(
         self,
-        requests: list[tuple[dict[str, Any], bytes]],
-        each: Callable[[int, dict[str, Any], bytes], None],
+        requests: Iterable[tuple[T, dict[str, Any], bytes]],
+        each: Callable[[T, dict[str, Any], bytes], None],
     ) -> None:
-        """Send ``requests`` WINDOW at a time; ``each(i, reply, data)`` in order."""
-        sent: list[str] = []
-        done = 0
-        for header, data in requests:
-            if len(sent) - done >= WINDOW:
-                reply, payload = await self._receive(sent[done])
-                each(done, reply, payload)
-                done += 1
-            sent.append(await self._send(header, data))
-        while done < len(sent):
-            reply, payload = await self._receive(sent[done])
-            each(done, reply, payload)
-            done += 1
+        """Send ``requests`` (each with a tag) WINDOW at a time, taken from the iterable only
+        as they are sent; ``each(tag, reply, data)`` in order."""
+        sent: deque[tuple[T, str]] = deque()
+        for tag, header, data in requests:
+            if len(sent) >= WINDOW:
+                await self._answered(sent.popleft(), each)
+            sent.append((tag, await self._send(header, data)))
+        while sent:
+            await self._answered(sent.popleft(), each)
+
+    async def _answered(
+        self, sent: tuple[T, str], each: Callable[[T, dict[str, Any], bytes], None]
+    ) -> None:
+        tag, ident = sent
+        reply, payload = await self._receive(ident)
+        each(tag, reply, payload)
+
+
+def _pieces(ranges: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """``ranges`` (offset, length) cut into pieces of CHUNK bytes at most, one at a time: a
+    list of them all would be as long as the ranges are large."""
+    for start, length in ranges:
+        for at in range(0, length, CHUNK):
+            yield start + at, min(CHUNK, length - at)

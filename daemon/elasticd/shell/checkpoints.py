@@ -116,10 +116,13 @@ class TierPeers(Protocol):
         name: str,
         into: int,
         ranges: list[tuple[int, int]] | None = None,
+        *,
+        size: int | None = None,
     ) -> cp.FileFacts | None:
         """Write ``ranges`` of ``owner``'s file as ``node`` holds it into the file open for
         writing as ``into``, at their offsets; None: the whole file, whose size and SHA-256
-        (of the bytes written) it returns."""
+        (of the bytes written) it returns.  ``size``, for the whole file: its manifest's, the
+        size ``node``'s file must have (else refused before a byte is fetched)."""
         ...
 
     def alive(self, node: str) -> bool: ...
@@ -962,7 +965,7 @@ class CheckpointTier:
                         fd = _create(partial)
                     try:
                         fetched = await self._peers.fetch(
-                            holder, jd.job, owner, checkpoint.id, name, fd
+                            holder, jd.job, owner, checkpoint.id, name, fd, size=facts.size
                         )
                     finally:
                         os.close(fd)
