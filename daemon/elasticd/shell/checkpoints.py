@@ -66,6 +66,9 @@ CHECKPOINT_ENV = "ELASTICD_CHECKPOINT_DIR"
 TIER_SOCKET = ".tier.sock"  # in the job's directory: its workers ask the tier there
 _MAX_REQUEST = 1024 * 1024  # bytes of one worker's request line
 _MAX_RANGES = 65536  # byte ranges one fetch may ask for
+# spans of fetched bytes a job's files may keep apart (jd.fetched): past it, a file's every
+# gap is fetched with what was asked, and the file is one span again
+_MAX_FETCHED = 1 << 18
 _MAX_CLAIMED = 64  # checkpoints a job's workers may be saving at once (``saving``, unlanded)
 _MAX_LOCAL = 4096  # workers a node's report may count
 _MAX_WAITS = 64  # a job's workers' ``wait``s at once
@@ -193,7 +196,9 @@ class JobDir:
     record: JobRecord | None = None
     first_seen: dict[str, float] = field(default_factory=dict)  # id -> when it appeared
     deleting: set[str] = field(default_factory=set)  # paths being removed now
-    fetched: dict[tuple[str, str], list[tuple[int, int]]] = field(default_factory=dict)
+    # (id, file, its SHA-256) -> the spans of it fetched into RANGES, merged and sorted
+    fetched: dict[tuple[str, str, str], list[tuple[int, int]]] = field(default_factory=dict)
+    fetched_spans: int = 0  # how many, all files together
     server: asyncio.AbstractServer | None = None  # the workers' socket
     # id -> (copies that failed in a row, when the next may be tried: monotonic)
     retry: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -749,26 +754,29 @@ class CheckpointTier:
     # -- keeping the newest, dropping the rest --------------------------------------------------
 
     def _prune(self, jd: JobDir, found: list[cp.Manifest]) -> None:
-        """Checkpoints older than the newest complete one go, here and in the copies kept."""
+        """Checkpoints older than the newest complete one go, here, in the copies kept and in
+        the byte ranges fetched for a reader."""
+        _forget_fetched(jd, cp.latest_complete(found))
         local = _entries(jd.path, dirs=True)
         copies = {
             (owner, name)
             for owner in _entries(os.path.join(jd.path, COPIES), dirs=True)
             for name in _entries(os.path.join(jd.path, COPIES, owner), dirs=True)
         }
-        old = cp.to_delete(local + [n for _, n in copies], found, [*jd.busy, *jd.writing])
+        fetched = _entries(os.path.join(jd.path, RANGES), dirs=True)
+        old = cp.to_delete(local + [n for _, n in copies] + fetched, found, [*jd.busy, *jd.writing])
         doomed = [
             path
             for path in (
                 *(os.path.join(jd.path, name) for name in local),
                 *(os.path.join(jd.path, COPIES, o, n) for o, n in copies),
+                *(os.path.join(jd.path, RANGES, name) for name in fetched),
             )
             if os.path.basename(path) in old and path not in jd.deleting
         ]
         if not doomed:
             return
         gone = {os.path.basename(path) for path in doomed}
-        doomed += [os.path.join(jd.path, RANGES, n) for n in gone]
         jd.deleting.update(doomed)
         self._spawn("pruning", jd.job, functools.partial(self._remove, jd, doomed))
         for name in gone:  # nothing kept of a pruned checkpoint, its copy's back-off too
@@ -1197,11 +1205,17 @@ class CheckpointTier:
         wanted: dict[str, list[tuple[int, int]]] = {}
         facts_of = latest.files()
         for item in ranges:
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)):
+                raise ValueError(f"no such range: {str(item)[:100]}")
             name, offset, length = item
             facts = facts_of.get(name)
-            if facts is None or not (0 <= offset and 0 < length and offset + length <= facts.size):
-                raise ValueError(f"no such range: {item}")
-            wanted.setdefault(name, []).append((int(offset), int(length)))
+            if (
+                facts is None
+                or not all(type(n) is int for n in (offset, length))
+                or not (0 <= offset and 0 < length and offset + length <= facts.size)
+            ):
+                raise ValueError(f"no such range: {str(item)[:100]}")
+            wanted.setdefault(name, []).append((offset, length))
         paths = {}
         for name, spans in wanted.items():
             if request.get("here_only") is True:  # no transfer: the reader reads these first
@@ -1302,8 +1316,13 @@ class CheckpointTier:
             return here
         owner = next(node for node, m in checkpoint.shares.items() if name in m.files)
         into = os.path.join(jd.path, RANGES, checkpoint.id, name)
-        have = jd.fetched.setdefault((checkpoint.id, name), [])
-        lacking = _subtract(sorted(spans), have)
+        facts = checkpoint.files()[name]
+        key = (checkpoint.id, name, facts.sha256)  # a name the job reused is another file
+        have = jd.fetched.get(key, [])
+        lacking = _subtract(spans, have)
+        if lacking and jd.fetched_spans + len(lacking) > _MAX_FETCHED:
+            # so many spans apart: the whole file's gaps now, and it is one span again
+            lacking = _subtract([(0, facts.size)], have)
         if lacking:
             with jd.rights():  # made by its user: theirs
                 os.makedirs(os.path.dirname(into), exist_ok=True)
@@ -1312,7 +1331,9 @@ class CheckpointTier:
                 holder = await self._fetch_ranges(jd, checkpoint, owner, name, fd, lacking)
             finally:
                 os.close(fd)
-            have.extend(lacking)
+            before = jd.fetched.get(key, [])
+            jd.fetched[key] = _merge([*before, *lacking])
+            jd.fetched_spans += len(jd.fetched[key]) - len(before)
             self._metrics.checkpoint_restored(
                 "memory" if holder == owner else "copy", sum(length for _, length in lacking)
             )
@@ -1393,6 +1414,23 @@ def _complete_or_newer(found: list[cp.Manifest], ident: str) -> bool:
     return bool(done) and ident in position and max(done) >= position[ident]
 
 
+def _forget_fetched(jd: JobDir, latest: cp.Checkpoint | None) -> None:
+    """Forget what was fetched of any file but the newest complete checkpoint's: a reader is
+    given only those, and the others' ranges are pruned (or are a file the name was before)."""
+    if not jd.fetched:
+        return
+    files = {} if latest is None else latest.files()
+    jd.fetched = {
+        key: spans
+        for key, spans in jd.fetched.items()
+        if latest is not None
+        and key[0] == latest.id
+        and key[1] in files
+        and files[key[1]].sha256 == key[2]
+    }
+    jd.fetched_spans = sum(map(len, jd.fetched.values()))
+
+
 def _checkpoint_name(request: Mapping[str, Any]) -> str:
     ident = request.get("id")
     if not (isinstance(ident, str) and cp.valid_name(ident) and ident != cp.METADATA):
@@ -1437,20 +1475,39 @@ def _entries(directory: str, *, dirs: bool = False, files: bool = False) -> list
         return []
 
 
+def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` (offset, length) sorted, those that overlap or touch made one: as many
+    spans as there are gaps between them, however many came."""
+    merged: list[list[int]] = []  # [start, end]
+    for offset, length in sorted(spans):
+        if length <= 0:
+            continue
+        if merged and offset <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], offset + length)
+        else:
+            merged.append([offset, offset + length])
+    return [(start, end - start) for start, end in merged]
+
+
 def _subtract(spans: list[tuple[int, int]], have: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``spans`` (offset, length) that no span of ``have`` covers."""
+    """The parts of ``spans`` (offset, length) that no span of ``have`` covers, merged and
+    sorted.  ``have`` is sorted, as _merge leaves it: one pass over both, so that a worker's
+    many small ranges cost the event loop no more than their number."""
     out = []
-    for offset, length in spans:
-        pieces = [(offset, offset + length)]
-        for start, size in have:
-            end = start + size
-            pieces = [
-                piece
-                for a, b in pieces
-                for piece in ((a, min(b, start)), (max(a, end), b))
-                if piece[0] < piece[1]
-            ]
-        out += [(a, b - a) for a, b in pieces]
+    first = 0  # the first span of ``have`` that may reach into the span looked at
+    for offset, length in _merge(spans):
+        start, end = offset, offset + length
+        while first < len(have) and sum(have[first]) <= start:
+            first += 1
+        at = first
+        while start < end and at < len(have) and have[at][0] < end:
+            covered, size = have[at]
+            if covered > start:
+                out.append((start, covered - start))
+            start = max(start, covered + size)
+            at += 1
+        if start < end:
+            out.append((start, end - start))
     return out
 
 
