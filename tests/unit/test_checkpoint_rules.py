@@ -116,6 +116,31 @@ def test_torn_saves_are_deleted_before_the_workers_read():
     assert cp.torn(["step_5", "step_10", "unknown"], done + torn) == {"step_10", "unknown"}
 
 
+def test_a_copy_no_manifest_names_goes_once_older_than_the_newest_complete():
+    done = three("step_10", saved=100.0)
+    landed = {
+        ("n1", "step_10"): 90.0,  # the newest complete's: named
+        ("n1", "step_5"): 50.0,  # a torn save's, whose owner never dropped it
+        ("n3", "file.pt"): 60.0,  # a file its writer deleted
+        ("n1", "step_15"): 110.0,  # a save in flight: its manifest is not published yet
+        ("n3", "step_7"): 70.0,  # still landing
+    }
+    assert cp.orphaned(landed, done, [("n3", "step_7")]) == {("n1", "step_5"), ("n3", "file.pt")}
+    # no complete checkpoint: nothing to be older than
+    assert cp.orphaned(landed, three("step_10", copied=False), []) == set()
+    # named by any node's manifest, even a torn save's: to_delete's, by its place in the order
+    torn = [manifest("step_5", "n2", (1,), saved=50.0)]
+    assert ("n1", "step_5") not in cp.orphaned(landed, done + torn, [])
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.floats(0.0, 20.0)), max_size=12))
+def test_no_copy_named_or_landed_after_the_newest_complete_was_saved_is_orphaned(copies):
+    known = three("step_3", saved=10.0) + [manifest("step_5", "n1", (0,), saved=12.0)]
+    landed = {("n2", f"step_{step}"): at for step, at in copies}
+    for _, name in cp.orphaned(landed, known, []):
+        assert name not in {"step_3", "step_5"} and landed["n2", name] < 10.0
+
+
 def test_what_a_node_must_fetch_and_from_whom():
     latest = cp.latest_complete(three("step_5"))
     assert latest.holders("__2_0.distcp") == ["n3", "n1"]  # its writer, then its copy's keeper

@@ -342,6 +342,33 @@ def to_delete(local: Iterable[str], found: Iterable[Manifest], writing: Iterable
     }
 
 
+def orphaned(
+    copies: Mapping[tuple[str, str], float],
+    found: Iterable[Manifest],
+    landing: Iterable[tuple[str, str]],
+) -> set[tuple[str, str]]:
+    """The copies kept here (``(owner, checkpoint)`` -> when the last of it landed, this
+    node's wall clock) that no manifest of any node names, to delete: their owner deleted
+    its share (a save cut off by a failure) and its drop never came (the owner was lost
+    first), or it never described them.  No restore reads them, and each holds a share's
+    memory until the job ends, so they go once older than the newest complete checkpoint:
+    landed before it was saved (a newer save's copy is sent after the newer save, so it lands
+    after: the nodes' clocks are taken to agree to within the time between two saves, as
+    the order of saves already takes them).  One landed since may be a save in flight whose
+    owner has not published its manifest yet: kept, as is one still ``landing``."""
+    found = list(found)
+    latest = latest_complete(found)
+    if latest is None:
+        return set()
+    named = {m.id for m in found}
+    keep = set(landing)
+    return {
+        key
+        for key, landed in copies.items()
+        if key[1] not in named and key not in keep and landed < latest.saved
+    }
+
+
 def torn(local_dirs: Iterable[str], found: Iterable[Manifest]) -> set[str]:
     """The DCP entries (directories) here that are not complete: what a restart deletes
     before the workers read, so that none of them loads a save that was cut off.  (Files a

@@ -77,6 +77,10 @@ _DROP_TRIES = 4  # a copy's drop, sent again after 1, 2 and 4 s: else it stays t
 # copied to its new keeper: not at once, where the recovery needs the network and the
 # CPU, and a save of the new round usually makes the old one moot by then
 REKEEP_AFTER = 30.0
+# seconds a file of a copy may land with no chunk before it is dropped: its sender gives up
+# after 30 s without an answer (cluster/tierlink.py TIMEOUT), so one silent four times as
+# long was lost or gave up, and its partial file would hold memory until the job ends
+_LANDING_IDLE = 120.0
 COPIES = ".copies"  # other nodes' shares kept here: COPIES/<owner>/<checkpoint>/<file>
 RANGES = ".ranges"  # byte ranges fetched for a reader: RANGES/<checkpoint>/<file> (sparse)
 _CHUNK = 8 * 1024 * 1024
@@ -266,7 +270,8 @@ class CheckpointTier:
         self._tasks: asyncio.TaskGroup | None = None
         # work given before ``run`` began
         self._waiting: list[tuple[str, str, Callable[[], Awaitable[None]]]] = []
-        self._receiving: dict[tuple[str, ...], Any] = {}  # a copy being received -> its hash
+        # a file of a copy being received -> its hash, its size so far, when its last chunk came
+        self._receiving: dict[tuple[str, str, str, str], tuple[Any, int, float]] = {}
         # receive and drop run in threads, from the bulk port's loop and CURVE's at once
         self._landing = threading.Lock()
 
@@ -348,6 +353,9 @@ class CheckpointTier:
         del self._jobs[job]
         for task in [*jd.busy.values(), *jd.writing.values()]:
             task.cancel()
+        with self._landing:
+            for key in [k for k in self._receiving if k[1] == job]:
+                del self._receiving[key]
         _changed(jd)
         if jd.server is not None:
             jd.server.close()
@@ -765,6 +773,7 @@ class CheckpointTier:
         }
         fetched = _entries(os.path.join(jd.path, RANGES), dirs=True)
         old = cp.to_delete(local + [n for _, n in copies] + fetched, found, [*jd.busy, *jd.writing])
+        self._prune_orphans(jd, found, copies)
         doomed = [
             path
             for path in (
@@ -788,6 +797,61 @@ class CheckpointTier:
         dropped = [jd.manifests.pop(name) for name in sorted(gone) if name in jd.manifests]
         if dropped:
             self._publish(jd)  # only when this node's own shares changed: no echo loop
+
+    def _prune_orphans(
+        self, jd: JobDir, found: list[cp.Manifest], copies: set[tuple[str, str]]
+    ) -> None:
+        """Copies no manifest names any more (their owner deleted them, and its drop never
+        came) go once older than the newest complete checkpoint; files no sender sends any
+        more first."""
+        landing = self._still_landing(jd)
+        landed = {}
+        for owner, name in copies:
+            with contextlib.suppress(OSError):  # its time: when its last file began or sealed
+                landed[owner, name] = os.lstat(os.path.join(jd.path, COPIES, owner, name)).st_mtime
+        doomed = [
+            path
+            for owner, name in cp.orphaned(landed, found, landing)
+            if (path := os.path.join(jd.path, COPIES, owner, name)) not in jd.deleting
+        ]
+        if not doomed:
+            return
+        log.info(
+            "job %s: deleting copies no manifest names, older than the newest complete "
+            "checkpoint: %s",
+            jd.job,
+            ", ".join(sorted(os.path.relpath(p, os.path.join(jd.path, COPIES)) for p in doomed)),
+            extra=about(jd.job),
+        )
+        jd.deleting.update(doomed)
+        self._spawn("pruning", jd.job, functools.partial(self._remove, jd, doomed))
+
+    def _still_landing(self, jd: JobDir) -> set[tuple[str, str]]:
+        """The copies (owner, checkpoint) with a file landing here now; a file that got no
+        chunk for ``_LANDING_IDLE`` is dropped, its partial file too."""
+        now = time.monotonic()
+        with self._landing:
+            mine = [key for key in self._receiving if key[1] == jd.job]
+            for key in mine:
+                if now - self._receiving[key][2] < _LANDING_IDLE:
+                    continue
+                del self._receiving[key]
+                owner, _, ckpt, name = key
+                copy = _copy_path(jd.path, owner, ckpt, name)
+                log.info(
+                    "job %s: %s sent no more of %s/%s for %.0f s: its partial copy is dropped",
+                    jd.job,
+                    owner,
+                    ckpt,
+                    name,
+                    _LANDING_IDLE,
+                    extra=about(jd.job),
+                )
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_partial(copy))
+                with contextlib.suppress(OSError):  # gone with it, unless other files landed
+                    os.rmdir(os.path.dirname(copy))
+            return {(key[0], key[2]) for key in self._receiving if key[1] == jd.job}
 
     async def _remove(self, jd: JobDir, paths: list[str]) -> None:
         try:
@@ -892,8 +956,10 @@ class CheckpointTier:
         if jd is None:
             return ""
         self._warn_if_full(jd)
+        buddy = self._buddy(jd)  # where the saves cancelled below were being copied to
         if record is not None:
             jd.record = record
+        copying = set(jd.busy)
         for task in list(jd.busy.values()):  # the workers are stopped: these saves are torn
             task.cancel()
         jd.busy.clear()
@@ -901,8 +967,16 @@ class CheckpointTier:
         with jd.rights():
             cut = cp.torn(_entries(jd.path, dirs=True), found)
         for name in cut:
-            jd.manifests.pop(name, None)
+            manifest = jd.manifests.pop(name, None)
             jd.claimed.pop(name, None)
+            # its copy goes too: deleting it here tells no one (its manifest is gone first)
+            keeper = manifest.copied_to if manifest is not None else ""
+            if not keeper and (manifest is not None or name in copying):
+                keeper = buddy or ""  # some of its files may have landed there
+            if keeper and self._peers.alive(keeper):  # a lost keeper's copies went with it
+                self._spawn(
+                    "dropping", jd.job, functools.partial(self._drop_copy, keeper, jd, name)
+                )
         await _remove_all(jd, [os.path.join(jd.path, name) for name in cut])
         if cut:
             log.info(
@@ -1067,18 +1141,18 @@ class CheckpointTier:
             key = (peer, job, ckpt, name)
             if offset == 0:
                 os.makedirs(directory, mode=0o700, exist_ok=True)
-                self._receiving[key] = (hashlib.sha256(), 0)
+                self._receiving[key] = (hashlib.sha256(), 0, time.monotonic())
                 mode = "wb"
             else:
                 mode = "ab"
-            digest, size = self._receiving.get(key, (None, -1))
+            digest, size, _ = self._receiving.get(key, (None, -1, 0.0))
             if digest is None or size != offset:
                 self._receiving.pop(key, None)
                 raise ValueError(f"{ckpt}/{name}: a chunk at {offset} out of order")
             with open(partial, mode, opener=_regular) as f:
                 f.write(data)
             digest.update(data)
-            self._receiving[key] = (digest, offset + len(data))
+            self._receiving[key] = (digest, offset + len(data), time.monotonic())
             if seal is None:
                 return
             del self._receiving[key]
