@@ -3,7 +3,8 @@ is other nodes' saves, not a share of this node's to describe (a newcomer that d
 them as its own in its round hid the older round's shares, and the next restart deleted the
 newest complete checkpoint everywhere as torn); a file a rank wrote itself is restored as the
 version its manifests name, whatever its size says; and a share whose keeper left the round
-is copied to its new keeper.  The data plane is a fake (the other nodes' bytes in a dict);
+is copied to its new keeper.  And a checkpoint saved into again, in any round, is no
+longer one: DCP overwrites its files in place, so a restore would mix two saves.  The data plane is a fake (the other nodes' bytes in a dict);
 the tier, its inotify and its directory are real."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -45,6 +47,7 @@ class Peers:
         self.sent: list[tuple[str, str]] = []
         self.sent_to: list[str] = []
         self.lost: set[str] = set()
+        self.dropped: list[tuple[str, str]] = []
 
     async def send(self, node: str, job: str, ckpt: str, name: str, source: BinaryIO) -> Any:
         self.sent.append((ckpt, name))
@@ -52,7 +55,7 @@ class Peers:
         return facts(source.read())
 
     async def drop(self, node: str, job: str, ckpt: str) -> None:
-        pass
+        self.dropped.append((node, ckpt))
 
     async def fetch(
         self, node: str, job: str, owner: str, ckpt: str, name: str, into: int, **_: Any
@@ -260,5 +263,42 @@ def test_a_share_whose_keeper_left_the_round_is_copied_to_its_new_keeper(
         assert peers.sent_to.count("c") == 2  # its two files
         newest = cp.latest_complete(published(posted))
         assert newest is not None and newest.id == "step_40"
+
+    on_a_tier(tmp_path, {}, test, node="a")
+
+
+def test_a_checkpoint_saved_into_again_is_no_longer_one_and_its_copy_goes(
+    tmp_path: Path,
+) -> None:
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        tier.record_changed(record(job, {}, ("a", "b"), round=0))
+        tier.round(JOB, 0, 1, (0,))
+        os.mkdir(os.path.join(path, "latest"))
+        Path(path, "latest", "__0_0.distcp").write_bytes(b"A" * 1000)
+        Path(path, "latest", ".metadata").write_bytes(b"M" * 100)
+        await until(
+            lambda: any(m.id == "latest" and m.copied_to == "b" for m in published(posted)),
+            "latest described and copied to b",
+        )
+        # the script saves its next step into the same directory: the data first
+        Path(path, "latest", "__0_0.distcp").write_bytes(b"Z" * 1000)
+        await until(lambda: ("b", "latest") in peers.dropped, "its copy dropped at b")
+        assert [m.id for m in published(posted)] == []
+        Path(path, "latest", ".metadata").write_bytes(b"N" * 100)
+        Path(path, "marker.pt").write_bytes(b"m")  # noticed after the metadata above
+        await until(lambda: any(m.id == "marker.pt" for m in published(posted)), "marker.pt")
+        await until(lambda: not tier._jobs[JOB].busy, "every landing done")
+        assert [m.id for m in published(posted)] == ["marker.pt"]  # never a mix of saves
+        # deleted and saved again under its name: a new checkpoint
+        shutil.rmtree(os.path.join(path, "latest"))
+        os.mkdir(os.path.join(path, "latest"))
+        Path(path, "latest", "__0_0.distcp").write_bytes(b"Y" * 1000)
+        Path(path, "latest", ".metadata").write_bytes(b"O" * 100)
+        await until(
+            lambda: any(m.id == "latest" and m.described for m in published(posted)),
+            "the new latest described",
+        )
+        (new,) = [m for m in published(posted) if m.id == "latest"]
+        assert new.files["__0_0.distcp"] == facts(b"Y" * 1000)
 
     on_a_tier(tmp_path, {}, test, node="a")

@@ -215,6 +215,9 @@ class JobDir:
     # DCP checkpoints this node put in place for a restart: other nodes' saves (all of their
     # files), never described as this node's own share of a later round
     placed: set[str] = field(default_factory=set)
+    # DCP checkpoints saved into again after this node described (or put in place) them:
+    # never described here again (until the directory is deleted), so never a mix of saves
+    spoiled: set[str] = field(default_factory=set)
     # id -> since when (monotonic) the keeper of this node's share has been out of the round
     keeper_gone: dict[str, float] = field(default_factory=dict)
     # files a rank wrote itself that this node described or put in place: name -> (inode,
@@ -412,6 +415,7 @@ class CheckpointTier:
                 jd.first_seen.setdefault(change.name, self._clock())
                 self._consider(jd)
             elif change.mask & (IN_DELETE | IN_MOVED_FROM):  # deleted, or renamed away
+                jd.spoiled.discard(change.name)  # a directory made again is a new checkpoint
                 self._forget(jd, change.name)
             elif not change.is_dir and change.mask & (IN_CLOSE_WRITE | IN_MOVED_TO):
                 self._land_file(jd, change.name)
@@ -419,8 +423,30 @@ class CheckpointTier:
                 jd.first_seen[change.name] = self._clock()
         elif change.name == cp.METADATA and change.mask & (IN_MOVED_TO | IN_CLOSE_WRITE):
             self._consider(jd)
+        elif change.mask & IN_CLOSE_WRITE and not change.name.startswith("."):
+            self._written_into(jd, os.path.basename(change.directory))
         elif change.mask & IN_CREATE:
             jd.first_seen.setdefault(os.path.basename(change.directory), self._clock())
+
+    def _written_into(self, jd: JobDir, name: str) -> None:
+        """A file of checkpoint ``name`` was written.  Before its share is described that is
+        the save itself; after (or once the daemon put it in place), the job is saving into
+        it again: its manifest no longer says what is there, and a restore would mix this
+        node's new files with the other nodes' old ones (or their copies).  So it is not a
+        checkpoint here any more, and its name is not taken up again: DCP overwrites each
+        file in place, so no moment tells the new save whole from a mix."""
+        if name in jd.spoiled or not (name in jd.manifests or name in jd.placed):
+            return
+        jd.spoiled.add(name)
+        log.warning(
+            "job %s: checkpoint %s was saved into again: it is no longer restored (a "
+            "checkpoint's name is not reused: save each under a new one, as step_N, or delete "
+            "the old one first)",
+            jd.job,
+            name,
+            extra=about(jd.job),
+        )
+        self._forget(jd, name)
 
     def _owner(self, directory: str) -> JobDir | None:
         for jd in self._jobs.values():
@@ -463,6 +489,8 @@ class CheckpointTier:
             for name in _entries(jd.path, dirs=True):
                 if name in jd.busy or jd.round < 0 or os.path.join(jd.path, name) in jd.deleting:
                     continue  # being landed, no round yet, or pruned (its removal still runs)
+                if name in jd.spoiled:
+                    continue  # saved into again: never a mix of two saves
                 if name in jd.claimed and name not in jd.manifests:
                     continue  # its workers tell when their files are whole (``saved``)
                 own = jd.manifests.get(name)
