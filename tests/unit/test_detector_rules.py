@@ -16,10 +16,16 @@ from elasticd.core.detector import Detector, DetectorSettings, Kind, Lost, Send
 S = DetectorSettings()
 
 
-def ring(me: str, *members: str, now: float = 0.0) -> Detector:
+def ring(me: str, *members: str, now: float = 0.0, answered: bool = True) -> Detector:
+    """``me``'s detector in a group of ``members``, each of which (``answered``) it has
+    heard once, at ``now``: it knows them, and they know it."""
     d = Detector(me)
     d.watch({"job": members}, now)
     d.know(members)
+    if answered:
+        for member in members:
+            if member != me:
+                d.receive(member, Kind.ACK, 0, "", now)
     return d
 
 
@@ -152,6 +158,21 @@ def test_with_no_helper_at_all_the_silence_alone_decides():
     assert lost[0].node == "b" and S.lost_after <= t <= S.lost_after + S.tick
 
 
+def test_a_node_not_heard_since_it_was_watched_is_not_judged_until_it_is():
+    d = ring("a", "a", "b", answered=False)  # b does not know a yet: it refuses a's pings
+    t, out = 0.0, []
+    while t < 3 * S.lost_after:
+        t += S.tick
+        out += d.tick(t)
+    assert not [o for o in out if isinstance(o, Lost)] and not sends(out, Kind.ASK)
+    d.receive("b", Kind.ACK, 0, "", t)  # it knows a now
+    heard, lost = t, []
+    while not lost:
+        t += S.tick
+        lost = [o for o in d.tick(t) if isinstance(o, Lost)]
+    assert S.lost_after <= t - heard <= S.lost_after + S.tick + 1e-9
+
+
 def test_a_late_tick_is_this_nodes_own_stall_not_the_others_silence():
     d = ring("a", "a", "b")
     d.tick(0.0)
@@ -229,6 +250,9 @@ class World:
         self.queue: list[tuple[float, int, str, Send, str]] = []
         self.order = itertools.count()
         self.lost: list[tuple[float, str, str]] = []  # (when, by, node)
+        # pairs of nodes that do not know each other yet (their registries lag) until a time:
+        # neither takes the other's datagrams
+        self.strangers: dict[frozenset[str], float] = {}
         self.settings = settings
 
     def asleep(self, node, t):
@@ -267,6 +291,8 @@ class World:
         for o in out:
             if isinstance(o, Lost):
                 self.lost.append((t, node, o.node))
+            elif t < self.strangers.get(frozenset((node, o.to)), 0.0):
+                continue
             elif node not in self.cut and o.to not in self.cut:
                 heapq.heappush(self.queue, (t + self.delay, next(self.order), node, o, ""))
 
@@ -287,6 +313,15 @@ def test_a_cut_off_node_is_lost_and_it_declares_nobody():
     w.cut.add("n2")
     w.run(3.0)
     assert {(by, node) for _, by, node in w.lost} == {("n1", "n2"), ("n3", "n2")}
+
+
+def test_two_nodes_that_meet_a_second_late_do_not_take_each_other_for_lost():
+    w = World(["n1", "n2"])
+    w.strangers[frozenset(("n1", "n2"))] = 1.0  # n1 refuses n2 until it knows it
+    w.frozen["n1"] = (2.0, math.inf)  # and then a real loss is still found
+    w.run(3.0)
+    assert [(by, node) for _, by, node in w.lost] == [("n2", "n1")]
+    assert 2.0 < w.lost[0][0] <= 2.0 + S.lost_after + S.interval + S.tick
 
 
 def test_a_pause_of_150_ms_kills_nobody():

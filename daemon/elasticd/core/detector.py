@@ -23,6 +23,12 @@ silent; its socket had to stop reading a flood), and ``suspect_after``/``lost_af
 Time this node did not run (a late tick, a pause the shell reports) is not counted as
 anyone's silence: it is credited to every watched node.
 
+A node is judged only once it has been heard since it was first watched: one that has not
+answered yet may not know this one yet (a node that joins a round probes the others at once,
+and they refuse the datagrams of a node their registry has not shown them yet: two nodes
+started a second apart took each other for lost, and the job's workers started twice), and
+on a node that never answers the store's heartbeat decides.
+
 A node declared lost is still probed (so that two nodes that declared each other hear each
 other again) but not declared again until it is heard again (then, if it is still in a
 group, it is watched afresh).  Nonces are this detector's own counter: what makes a
@@ -100,6 +106,7 @@ Out = Send | Lost
 @dataclass
 class _Target:
     heard: float  # the last sign of its life (credited for this node's own stalls)
+    answered: bool = False  # heard at all since it was first watched: it knows this node
     pinged: float = -math.inf
     asked_at: float | None = None  # when helpers were last asked (None: not suspected)
     suspected_at: float | None = None  # when they were first asked, this suspicion
@@ -232,7 +239,7 @@ class Detector:
             if now - target.pinged >= s.interval - s.tick / 2:
                 target.pinged = now
                 out.append(Send(name, Kind.PING, self._next_nonce()))
-            if target.declared:
+            if target.declared or not target.answered:
                 continue
             out += self._suspect(name, target, now)
             out += self._judge(name, target, now)
@@ -301,6 +308,7 @@ class Detector:
         if target is None:
             return
         target.heard = max(target.heard, now)
+        target.answered = True
         target.asked_at = target.suspected_at = None
         target.doubted = target.declared = False
         target.asked.clear()
@@ -328,7 +336,11 @@ class Detector:
 
     def _judge(self, name: str, target: _Target, now: float) -> list[Out]:
         silent = now - target.heard
-        if target.declared or silent < self.settings.lost_after * self.multiplier:
+        if (
+            target.declared
+            or not target.answered
+            or silent < self.settings.lost_after * self.multiplier
+        ):
             return []
         if target.asked and not target.nacks:
             # helpers were asked and none answered: this node may be the one cut off
