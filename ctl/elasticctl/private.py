@@ -9,6 +9,10 @@ command line, environment and working directory: what this node runs, 0600), ``o
 (this elasticrun's pid and start time), ``state/`` and ``run/`` (the daemon's).  The daemon
 removes it when it ends; one that was SIGKILLed with its elasticrun is reaped by the next
 elasticrun of the same user on the node (``elasticd --clean-up``, then the directory).
+The base directory must lie in directories that only the user and root may change, as ssh's
+StrictModes asks of a home directory: anyone else who could rename what lies there could
+swap it for a directory of theirs once checked, and have this user's elasticrun (root's,
+maybe) clean up with their config.
 
 The daemon holds one end of a socket pair that this process opened: it writes its news
 there (the job's id once it is known, or why it gave up, one JSON object a line) and stops
@@ -23,6 +27,7 @@ import os
 import select
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -38,6 +43,7 @@ from elasticd.wire import paths, safejson
 STOP_TIMEOUT = 120.0  # seconds a private daemon gets to stop (its workers' grace, a linger)
 SLURM_KEY_WAIT = 120.0  # seconds a task waits for the key its allocation's task 0 makes
 MAX_NEWS = 1 << 20  # bytes of one line from the daemon
+MAX_OWNER = 4096  # bytes of a job directory's owner file
 MAX_BASE = 60  # bytes of the base directory's path: <base>/<run id 24>-<8>/run/control.sock
 ORPHAN_AGE = 60.0  # seconds after which a job directory without its owner file is a leftover
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -60,10 +66,55 @@ class Failed(ClientError):
 def base_dir(uid: int | None = None) -> str:
     """Where this user's elasticruns keep their daemons' directories (node-local): in
     $TMPDIR, as torchrun's own; in /tmp where $TMPDIR is too long a path for the daemon's
-    control socket (a Unix socket's path has 107 bytes at most)."""
+    control socket (a Unix socket's path has 107 bytes at most).  Links resolved: the path
+    checked is the path used."""
     name = f"elasticrun-{os.getuid() if uid is None else uid}"
-    base = os.path.join(tempfile.gettempdir(), name)
-    return base if len(base) <= MAX_BASE else os.path.join("/tmp", name)
+    base = os.path.join(os.path.realpath(tempfile.gettempdir()), name)
+    return base if len(base) <= MAX_BASE else os.path.join(os.path.realpath("/tmp"), name)
+
+
+def make_base(base: str) -> None:
+    """Make ``base`` (0700) unless it is there, and refuse it (Failed, saying why) unless it is
+    a directory of this user's that nobody else can write, in directories that nobody but
+    this user and root can change: another user who could rename entries above it could swap
+    it for a directory of theirs after it was checked."""
+    above = os.path.dirname(base)
+    unsafe = _changeable_by_others(above)
+    if unsafe:
+        raise Failed(
+            f"refusing {base}: {unsafe[0]} is {unsafe[1]}, so another user could replace "
+            "what lies in it; set TMPDIR to another place"
+        )
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    if not paths.is_own_dir(base):
+        raise Failed(
+            f"refusing {base}: it must be a directory of yours that nobody else can write "
+            "(someone else made it?); set TMPDIR to another place"
+        )
+
+
+def _changeable_by_others(directory: str) -> tuple[str, str] | None:
+    """The first of ``directory`` and those above it that a user other than this one and
+    root may change, and how (another's, or writable by others without the sticky bit, that
+    keeps /tmp's entries their owners'); None: none."""
+    path = os.path.abspath(directory)
+    while True:
+        try:
+            info = os.lstat(path)
+        except OSError as exc:
+            return path, f"unreadable ({exc.strerror})"
+        if not stat.S_ISDIR(info.st_mode):
+            return path, "not a directory"
+        if info.st_uid not in (0, os.geteuid()):
+            return path, f"uid {info.st_uid}'s"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return (
+                path,
+                f"mode {info.st_mode & 0o7777:o}: writable by others, without the sticky bit",
+            )
+        if path == os.path.dirname(path):
+            return None
+        path = os.path.dirname(path)
 
 
 def node_name(pid: int | None = None) -> str:
@@ -164,12 +215,7 @@ def start(
     submit request of the line as this node sees it); ``warn`` prints a warning."""
     warn = warn or (lambda text: print(f"elasticrun: warning: {text}", file=sys.stderr))
     base = base_dir()
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    if not paths.is_own_dir(base):
-        raise Failed(
-            f"refusing {base}: it must be a directory of yours that nobody else can write "
-            "(someone else made it?); set TMPDIR to another place"
-        )
+    make_base(base)
     reap_leftovers(base)
     run_id = where.run_id if _safe(where.run_id) else "job"
     directory = tempfile.mkdtemp(prefix=f"{run_id}-", dir=base)
@@ -369,16 +415,20 @@ def _check_key(path: str, what: str) -> None:
 def reap_leftovers(base: str) -> list[str]:
     """The directories of daemons whose elasticrun is gone and who did not remove them
     (both killed): their workers and cgroups are cleaned up, then the directories removed.
-    Returns those removed."""
+    Only this user's directories are believed, and only their regular files read (an owner
+    file that is a FIFO would block the read).  Returns those removed."""
     removed = []
     for name in sorted(os.listdir(base)):
         directory = os.path.join(base, name)
+        if not paths.is_own_dir(directory):
+            continue  # not one of this user's daemons'
         try:
-            with open(os.path.join(directory, "owner")) as file:
-                owner = json.load(file)
+            owner = json.loads(_read_own_file(os.path.join(directory, "owner"), MAX_OWNER))
         except (OSError, ValueError):
             if _age(directory) < ORPHAN_AGE:
                 continue  # being made right now
+            owner = {}
+        if not isinstance(owner, dict):
             owner = {}
         if _running(owner) or _answers(os.path.join(directory, "run", paths.SOCKET_NAME)):
             continue
@@ -389,9 +439,12 @@ def reap_leftovers(base: str) -> list[str]:
 
 def clean_up(directory: str) -> None:
     """``elasticd --clean-up`` with the daemon's config (its leftover workers and job
-    cgroups), then the directory."""
+    cgroups), then the directory: only a directory and a config of this user's that nobody
+    else can write, as this elasticrun wrote them (the config says what to remove)."""
+    if not paths.is_own_dir(directory):
+        return
     config = os.path.join(directory, "daemon.toml")
-    if os.path.exists(config):
+    if _is_own_file(config):
         subprocess.run(
             [sys.executable, "-m", "elasticd", "--clean-up", "--config", config],
             stdin=subprocess.DEVNULL,
@@ -408,6 +461,26 @@ def _age(path: str) -> float:
         return time.time() - os.lstat(path).st_mtime
     except OSError:
         return 0.0
+
+
+def _read_own_file(path: str, limit: int) -> bytes:
+    """The first ``limit`` bytes of ``path``, a regular file of this user's: OSError if it
+    is anything else (a link, a FIFO that would block the read, a device)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise OSError(f"{path} is not a regular file of yours")
+        return file.read(limit)
+
+
+def _is_own_file(path: str) -> bool:
+    """A regular file (not a link to one) of this user's that nobody else can write."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _owner() -> dict[str, Any]:

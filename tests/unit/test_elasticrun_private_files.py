@@ -1,11 +1,14 @@
 """elasticrun's private daemon, the client's side (ctl/elasticctl/private.py): the config it
 writes, the key it takes (a file of the user's alone; the Slurm allocation's, made by task 0
-and waited for by the others; else a public one, said), and what a killed one left, reaped."""
+and waited for by the others; else a public one, said), where it keeps its directories (a
+directory of the user's alone, in directories that only the user and root may change), and what a killed one left, reaped (only the user's own
+directories and files, and nothing followed out of them)."""
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
 import sys
 import threading
@@ -13,8 +16,10 @@ import time
 import tomllib
 
 import pytest
+from harness import needs_root
 
 from elasticctl import private, topology
+from elasticd.shell.checkpoints import remove_leftovers
 
 C10D = topology.Topology(nnodes="2:3", backend="c10d", host="h1", port=29400, run_id="r")
 REQUEST = {"argv": ["x.py"], "nproc_per_node": 2, "join_timeout": 30}
@@ -137,3 +142,95 @@ def test_what_a_killed_elasticrun_left_is_reaped_and_nothing_else(tmp_path):
 
 def test_node_names_are_the_hosts_and_the_elasticruns():
     assert private.node_name(1234).endswith("-1234") and "." not in private.node_name(1)
+
+
+def test_a_base_in_a_directory_others_may_change_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"  # TMPDIR's parent: anyone may rename what is in it
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    tmpdir = shared / "mine"
+    tmpdir.mkdir(mode=0o700)
+    monkeypatch.setattr(private.tempfile, "tempdir", str(tmpdir))
+    base = tmpdir / "elasticrun-7"
+    with pytest.raises(private.Failed) as refused:
+        private.make_base(str(base))
+    assert str(refused.value) == (
+        f"refusing {base}: {shared} is mode 777: writable by others, without the sticky bit, "
+        "so another user could replace what lies in it; set TMPDIR to another place"
+    )
+    assert not base.exists()
+    shared.chmod(0o1777)  # as /tmp is: only an entry's owner may rename it
+    private.make_base(str(base))
+    assert base.is_dir() and base.stat().st_mode & 0o777 == 0o700
+
+
+@needs_root
+def test_a_base_in_another_users_directory_is_refused(tmp_path, monkeypatch):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+    monkeypatch.setattr(private.tempfile, "tempdir", str(theirs))
+    with pytest.raises(private.Failed, match=rf"{theirs} is uid \d+'s, so another user could"):
+        private.make_base(str(theirs / "elasticrun-0"))
+
+
+def test_reaping_reads_no_fifo_and_cleans_up_with_its_own_config_only(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(private.subprocess, "run", lambda argv, **_: ran.append(argv[-1]))
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere.toml"
+    elsewhere.write_text("")
+    for name in ("fifo", "linked", "plain"):
+        (base / name).mkdir(mode=0o700)
+    os.mkfifo(base / "fifo" / "owner")  # nobody ever writes it: reading it would wait forever
+    (base / "linked" / "daemon.toml").symlink_to(elsewhere)
+    (base / "plain" / "daemon.toml").write_text("")
+    for name in ("fifo", "linked", "plain"):
+        os.utime(base / name, (time.time() - 3600, time.time() - 3600))
+    found: dict[str, list[str]] = {}
+    reaping = threading.Thread(
+        target=lambda: found.update(removed=private.reap_leftovers(str(base))), daemon=True
+    )
+    reaping.start()
+    reaping.join(10)
+    assert not reaping.is_alive(), "reaping waits on the owner file that is a FIFO"
+    assert sorted(os.path.basename(path) for path in found["removed"]) == [
+        "fifo",
+        "linked",
+        "plain",
+    ]
+    assert ran == [str(base / "plain" / "daemon.toml")]  # not the linked one's
+    assert os.listdir(base) == [] and elsewhere.exists()
+
+
+@needs_root
+def test_another_users_directory_in_the_base_is_neither_cleaned_up_with_nor_removed(
+    tmp_path, monkeypatch
+):
+    ran = []
+    monkeypatch.setattr(private.subprocess, "run", lambda argv, **_: ran.append(argv[-1]))
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
+    theirs = base / "theirs"
+    theirs.mkdir(mode=0o700)
+    (theirs / "daemon.toml").write_text("")
+    (theirs / "owner").write_text("{}")
+    os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+    os.utime(theirs, (time.time() - 3600, time.time() - 3600))
+    assert private.reap_leftovers(str(base)) == []
+    private.clean_up(str(theirs))
+    assert ran == [] and (theirs / "daemon.toml").exists()
+
+
+def test_a_daemons_clean_up_follows_no_link_at_its_checkpoints_root(tmp_path):
+    precious = tmp_path / "victim" / "precious"
+    precious.mkdir(parents=True)
+    (precious / "data").write_text("secret")
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    (runtime / "checkpoints").symlink_to(tmp_path / "victim")
+    assert remove_leftovers(str(runtime / "checkpoints")) == []
+    assert (precious / "data").read_text() == "secret"
+    (tmp_path / "real" / "checkpoints" / "j-1").mkdir(parents=True)
+    assert remove_leftovers(str(tmp_path / "real" / "checkpoints")) == ["j-1"]

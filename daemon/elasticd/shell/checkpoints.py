@@ -1775,7 +1775,12 @@ def remove_leftovers(root: str) -> list[str]:
     and removed.  A node keeps no checkpoint across its daemon's restart: its jobs re-formed
     without it (their shares' copies are on other nodes), and a share it kept for another
     node is a copy that node's next checkpoint replaces; believing an old one here could
-    restore a wrong step.  Returns the jobs whose directories were removed."""
+    restore a wrong step.  A ``root`` that is a link is not followed: a daemon made a
+    directory there, so a link is somebody's, to a directory whose contents they want gone.
+    Returns the jobs whose directories were removed."""
+    if os.path.islink(root):
+        log.warning("checkpoints: %s is a link, not a directory: nothing removed there", root)
+        return []
     removed = []
     for name in _entries(root, dirs=True):
         path = os.path.join(root, name)
