@@ -44,7 +44,18 @@ STOP_TIMEOUT = 120.0  # seconds a private daemon gets to stop (its workers' grac
 SLURM_KEY_WAIT = 120.0  # seconds a task waits for the key its allocation's task 0 makes
 MAX_NEWS = 1 << 20  # bytes of one line from the daemon
 MAX_OWNER = 4096  # bytes of a job directory's owner file
-MAX_BASE = 60  # bytes of the base directory's path: <base>/<run id 24>-<8>/run/control.sock
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
+MAX_RUN_ID_IN_NAME = 12  # characters of the run id that name a job directory (cut there)
+RANDOM_CHARS = 8  # characters that tempfile.mkdtemp adds to a job directory's name
+RUN_DIR = "run"  # the private daemon's runtime directory, in its job directory
+# The daemon's longest socket path in its runtime directory: a job's checkpoint tier's
+# (elasticd.shell.checkpoints), with the longest job id (elasticd.jobs.board.JOB_ID); its
+# control.sock and agents/<job id>.sock are shorter.
+DEEPEST_SOCKET = os.path.join("checkpoints", "j-" + "f" * 12, ".tier.sock")
+# bytes of the base directory's path, for <base>/<run id>-<random>/run/<socket> to fit
+MAX_BASE = MAX_SOCKET_PATH - len(
+    f"/{'x' * MAX_RUN_ID_IN_NAME}-{'x' * RANDOM_CHARS}/{RUN_DIR}/{DEEPEST_SOCKET}"
+)
 ORPHAN_AGE = 60.0  # seconds after which a job directory without its owner file is a leftover
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _DAEMON_ENV_DROPPED = (
@@ -66,7 +77,7 @@ class Failed(ClientError):
 def base_dir(uid: int | None = None) -> str:
     """Where this user's elasticruns keep their daemons' directories (node-local): in
     $TMPDIR, as torchrun's own; in /tmp where $TMPDIR is too long a path for the daemon's
-    control socket (a Unix socket's path has 107 bytes at most).  Links resolved: the path
+    sockets (a Unix socket's path has 107 bytes at most).  Links resolved: the path
     checked is the path used."""
     name = f"elasticrun-{os.getuid() if uid is None else uid}"
     base = os.path.join(os.path.realpath(tempfile.gettempdir()), name)
@@ -83,14 +94,24 @@ def make_base(base: str) -> None:
     if unsafe:
         raise Failed(
             f"refusing {base}: {unsafe[0]} is {unsafe[1]}, so another user could replace "
-            "what lies in it; set TMPDIR to another place"
+            f"what lies in it; {_elsewhere(base)}"
         )
-    os.makedirs(base, mode=0o700, exist_ok=True)
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass  # an earlier elasticrun's, or somebody's: checked below
     if not paths.is_own_dir(base):
         raise Failed(
-            f"refusing {base}: it must be a directory of yours that nobody else can write "
-            "(someone else made it?); set TMPDIR to another place"
+            f"refusing {base}: it must be a directory of yours that nobody else can write, "
+            f"and is {_kind(base)} (someone else made it?); {_elsewhere(base)}"
         )
+
+
+def make_job_dir(base: str, run_id: str) -> str:
+    """A new job directory in ``base`` (0700), named after the run id (its first characters;
+    "job" for one that is not a plain name): a name short enough for the daemon's sockets."""
+    name = run_id[:MAX_RUN_ID_IN_NAME] if _plain(run_id) else "job"
+    return tempfile.mkdtemp(prefix=f"{name}-", dir=base)
 
 
 def _changeable_by_others(directory: str) -> tuple[str, str] | None:
@@ -117,6 +138,33 @@ def _changeable_by_others(directory: str) -> tuple[str, str] | None:
         path = os.path.dirname(path)
 
 
+def _kind(path: str) -> str:
+    """What is at ``path``, in a few words."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    if stat.S_ISLNK(info.st_mode):
+        return "a link"
+    if stat.S_ISREG(info.st_mode):
+        return "a file"
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory"
+    return f"a directory of uid {info.st_uid}, mode {info.st_mode & 0o7777:o}"
+
+
+def _elsewhere(base: str) -> str:
+    """What to do about a base directory refused: use another $TMPDIR, short enough to be
+    used (a longer one is not: the base is then in /tmp)."""
+    if os.path.dirname(base) == os.path.realpath(tempfile.gettempdir()):
+        return "set TMPDIR to a directory of yours"
+    room = MAX_BASE - len(os.path.basename(base)) - 1
+    return (
+        f"set TMPDIR to a directory of yours whose path has at most {room} bytes (TMPDIR "
+        f"{tempfile.gettempdir()} is too long a path for the daemon's sockets, so /tmp is used)"
+    )
+
+
 def node_name(pid: int | None = None) -> str:
     """This node's name in the job: the host's short name and this elasticrun's pid (two
     elasticruns of one job on one host are two nodes, as two torchruns are)."""
@@ -136,7 +184,7 @@ class PrivateDaemon:
 
     @property
     def socket(self) -> str:
-        return os.path.join(self.directory, "run", paths.SOCKET_NAME)
+        return os.path.join(self.directory, RUN_DIR, paths.SOCKET_NAME)
 
     def wait_job(self) -> dict[str, Any]:
         """The job document the daemon sends once this node knows its job (Failed with the
@@ -217,8 +265,7 @@ def start(
     base = base_dir()
     make_base(base)
     reap_leftovers(base)
-    run_id = where.run_id if _safe(where.run_id) else "job"
-    directory = tempfile.mkdtemp(prefix=f"{run_id}-", dir=base)
+    directory = make_job_dir(base, where.run_id)
     node = node_name()
     try:
         key_file, made, keyless = _key(where, directory, environ, warn)
@@ -282,7 +329,7 @@ def daemon_config(
         "node": {"name": node, "peer_port": 0, "slots": slots},
         "paths": {
             "state_dir": os.path.join(directory, "state"),
-            "runtime_dir": os.path.join(directory, "run"),
+            "runtime_dir": os.path.join(directory, RUN_DIR),
         },
         "metrics": {"port": 0},
         "jobs": {"allow_root": True},
@@ -430,7 +477,7 @@ def reap_leftovers(base: str) -> list[str]:
             owner = {}
         if not isinstance(owner, dict):
             owner = {}
-        if _running(owner) or _answers(os.path.join(directory, "run", paths.SOCKET_NAME)):
+        if _running(owner) or _answers(os.path.join(directory, RUN_DIR, paths.SOCKET_NAME)):
             continue
         clean_up(directory)
         removed.append(directory)
@@ -525,8 +572,8 @@ def _remove(path: str) -> None:
         pass
 
 
-def _safe(text: str) -> bool:
-    return bool(text) and len(text) <= 24 and all(c.isalnum() or c in "_.-" for c in text)
+def _plain(text: str) -> bool:
+    return bool(text) and all(c.isalnum() or c in "_.-" for c in text)
 
 
 def daemon_reachable(socket_path: str) -> bool:

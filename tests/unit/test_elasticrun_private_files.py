@@ -1,7 +1,8 @@
 """elasticrun's private daemon, the client's side (ctl/elasticctl/private.py): the config it
 writes, the key it takes (a file of the user's alone; the Slurm allocation's, made by task 0
 and waited for by the others; else a public one, said), where it keeps its directories (a
-directory of the user's alone, in directories that only the user and root may change), and what a killed one left, reaped (only the user's own
+directory of the user's alone, in directories that only the user and root may change, with
+room for the daemon's socket path), and what a killed one left, reaped (only the user's own
 directories and files, and nothing followed out of them)."""
 
 from __future__ import annotations
@@ -9,17 +10,23 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
+from types import SimpleNamespace
 
 import pytest
 from harness import needs_root
 
 from elasticctl import private, topology
-from elasticd.shell.checkpoints import remove_leftovers
+from elasticd.jobs import board
+from elasticd.shell.checkpoints import TIER_SOCKET, remove_leftovers, tier_root
+from elasticd.wire import paths
 
 C10D = topology.Topology(nnodes="2:3", backend="c10d", host="h1", port=29400, run_id="r")
 REQUEST = {"argv": ["x.py"], "nproc_per_node": 2, "join_timeout": 30}
@@ -156,7 +163,7 @@ def test_a_base_in_a_directory_others_may_change_is_refused(tmp_path, monkeypatc
         private.make_base(str(base))
     assert str(refused.value) == (
         f"refusing {base}: {shared} is mode 777: writable by others, without the sticky bit, "
-        "so another user could replace what lies in it; set TMPDIR to another place"
+        "so another user could replace what lies in it; set TMPDIR to a directory of yours"
     )
     assert not base.exists()
     shared.chmod(0o1777)  # as /tmp is: only an entry's owner may rename it
@@ -172,6 +179,61 @@ def test_a_base_in_another_users_directory_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(private.tempfile, "tempdir", str(theirs))
     with pytest.raises(private.Failed, match=rf"{theirs} is uid \d+'s, so another user could"):
         private.make_base(str(theirs / "elasticrun-0"))
+
+
+@pytest.mark.parametrize("planted", ["dangling link", "link to a directory", "file"])
+def test_a_link_or_a_file_planted_as_the_base_is_refused_saying_so(tmp_path, monkeypatch, planted):
+    monkeypatch.setattr(private.tempfile, "tempdir", str(tmp_path))
+    base = tmp_path / "elasticrun-7"
+    if planted == "file":
+        base.write_text("")
+    else:
+        target = tmp_path / "elsewhere"
+        if planted == "link to a directory":
+            target.mkdir(mode=0o700)
+        base.symlink_to(target)
+    kind = "a file" if planted == "file" else "a link"
+    with pytest.raises(private.Failed) as refused:
+        private.make_base(str(base))
+    assert str(refused.value) == (
+        f"refusing {base}: it must be a directory of yours that nobody else can write, and is "
+        f"{kind} (someone else made it?); set TMPDIR to a directory of yours"
+    )
+
+
+def test_the_deepest_socket_is_a_checkpoint_tiers_with_the_longest_job_id():
+    job = private.DEEPEST_SOCKET.split(os.sep)[1]
+    assert board.JOB_ID.match(job) and not board.JOB_ID.match(job + "f")
+    assert private.DEEPEST_SOCKET == os.path.join("checkpoints", job, TIER_SOCKET)
+    config = SimpleNamespace(paths=SimpleNamespace(runtime_dir="/r"))
+    assert tier_root(config) == os.path.join("/r", private.DEEPEST_SOCKET.split(os.sep)[0])
+
+
+def test_the_longest_base_leaves_room_for_the_daemons_sockets(monkeypatch):
+    short = tempfile.mkdtemp(dir="/tmp")
+    try:
+        name = f"elasticrun-{os.getuid()}"
+        longest = os.path.join(short, "d" * (private.MAX_BASE - len(short) - len(name) - 2))
+        os.mkdir(longest, 0o700)
+        monkeypatch.setattr(private.tempfile, "tempdir", longest)
+        base = private.base_dir()
+        assert base == os.path.join(longest, name) and len(base) == private.MAX_BASE
+        private.make_base(base)
+        directory = private.make_job_dir(base, "r" * 40)  # the longest name: the id cut
+        runtime = os.path.join(directory, private.RUN_DIR)
+        for sock_name in (paths.SOCKET_NAME, private.DEEPEST_SOCKET):
+            os.makedirs(os.path.dirname(os.path.join(runtime, sock_name)), exist_ok=True)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.bind(os.path.join(runtime, sock_name))
+        monkeypatch.setattr(private.tempfile, "tempdir", longest + "x")  # one byte too long
+        fallen_back = private.base_dir()
+        assert fallen_back == os.path.join(os.path.realpath("/tmp"), name)
+        assert private._elsewhere(fallen_back) == (
+            f"set TMPDIR to a directory of yours whose path has at most {len(longest)} bytes "
+            f"(TMPDIR {longest}x is too long a path for the daemon's sockets, so /tmp is used)"
+        )
+    finally:
+        shutil.rmtree(short)
 
 
 def test_reaping_reads_no_fifo_and_cleans_up_with_its_own_config_only(tmp_path, monkeypatch):
