@@ -104,6 +104,7 @@ SCRUBBED = re.compile(
 )
 # compared by presence and pinned in KNOWN: the job's checkpoint directory (elasticd only)
 CHECKPOINTS = "ELASTICD_CHECKPOINT_DIR"
+JOB_MARK = "ELASTICD_JOB"
 # what bash sets itself in probe.sh (whether "_" is new depends on who started the test)
 SHELL_OWN = {"_", "PWD", "OLDPWD", "SHLVL", "PS1"}
 WORKER_LINE = re.compile(r"probe (out|err) \d+$")
@@ -242,6 +243,8 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
     },
     # elasticd gives every worker the job's checkpoint directory in memory
     ("*", WORKER_ENV + "/" + CHECKPOINTS): {"torchrun": False, "elasticrun": True},
+    # and its job's id, by which a killed daemon's leftover processes are found
+    ("*", WORKER_ENV + "/" + JOB_MARK): {"torchrun": False, "elasticrun": True},
     # elasticd hides the node's GPUs from CPU workers (they belong to other jobs)
     ("nproc-cpu", WORKER_ENV + "/added"): {
         "torchrun": ["TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"],
@@ -364,7 +367,8 @@ def worker_env(env: dict[str, str], given: dict[str, str]) -> dict[str, Any]:
         p if p in given_path else "<added>" for p in env.get("PYTHONPATH", "").split(os.pathsep)
     ]
     seen[CHECKPOINTS] = bool(env.get(CHECKPOINTS))
-    compared = set(VALUES) | set(PRESENT) | {"PYTHONPATH", CHECKPOINTS} | SHELL_OWN
+    seen[JOB_MARK] = bool(env.get(JOB_MARK))
+    compared = set(VALUES) | set(PRESENT) | {"PYTHONPATH", CHECKPOINTS, JOB_MARK} | SHELL_OWN
     seen["added"] = sorted(set(env) - set(given) - compared)
     seen["changed"] = sorted(k for k in set(given) - compared if k in env and env[k] != given[k])
     seen["removed"] = sorted(set(given) - set(env) - SHELL_OWN)

@@ -14,7 +14,7 @@ import pytest
 from harness import alive
 
 from elasticd.core.records import WorkerGroupLeft
-from elasticd.shell.workers import reap_leftovers
+from elasticd.shell.workers import JOB_ENV, reap_leftovers
 
 JOB = "j-abc123"
 # a group leader that starts a child in its own group, prints both pids, then sleeps
@@ -71,8 +71,16 @@ def left(leader: int, *, job: str = JOB, uid: int | None = None, started: float 
     }
 
 
-def test_the_jobs_processes_are_killed(group):
-    leader, child = group({"TORCHELASTIC_RUN_ID": JOB})
+@pytest.mark.parametrize(
+    "env",
+    [
+        {JOB_ENV: JOB, "TORCHELASTIC_RUN_ID": JOB},
+        # elasticrun's private daemon: TORCHELASTIC_RUN_ID is the rendezvous id, as torchrun's
+        {JOB_ENV: JOB, "TORCHELASTIC_RUN_ID": "run7"},
+    ],
+)
+def test_the_jobs_processes_are_killed(group, env):
+    leader, child = group(env)
     assert reap_leftovers(left(leader)) == 2
     assert gone(leader, child)
 
@@ -81,13 +89,10 @@ def test_the_jobs_processes_are_killed(group):
     "env, whose, why",
     [
         ({}, {}, "no job id in its environment (a user's shell that got a dead worker's pid)"),
-        ({"TORCHELASTIC_RUN_ID": "j-999999"}, {}, "another job's id"),
-        ({"TORCHELASTIC_RUN_ID": JOB}, {"uid": 65534}, "another user's process"),
-        (
-            {"TORCHELASTIC_RUN_ID": JOB},
-            {"started": time.time() + 3600},
-            "it started before the job",
-        ),
+        ({JOB_ENV: "j-999999"}, {}, "another job's id"),
+        ({"TORCHELASTIC_RUN_ID": JOB}, {}, "torch's run id only (elasticrun's is the rdzv id)"),
+        ({JOB_ENV: JOB}, {"uid": 65534}, "another user's process"),
+        ({JOB_ENV: JOB}, {"started": time.time() + 3600}, "it started before the job"),
     ],
 )
 def test_a_process_that_is_not_the_jobs_is_left_alone(group, env, whose, why):
@@ -99,7 +104,7 @@ def test_a_process_that_is_not_the_jobs_is_left_alone(group, env, whose, why):
 def test_nothing_is_killed_after_a_reboot(group):
     """Every pid is new after a reboot: the groups of a job that started before it are not
     that job's."""
-    leader, child = group({"TORCHELASTIC_RUN_ID": JOB})
+    leader, child = group({JOB_ENV: JOB})
     started = time.time() - 30
     assert reap_leftovers(left(leader, started=started), boot_time=started + 1) == 0
     assert psutil.pid_exists(leader) and psutil.pid_exists(child)

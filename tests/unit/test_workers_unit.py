@@ -84,3 +84,36 @@ def test_a_worker_a_round_does_not_hold_loses_its_rank_in_the_shells_view_too():
             return [(w.rank, w.world_size) for w in workers.group.workers]
 
     assert asyncio.run(placed_twice()) == [(-1, 0), (0, 1)]
+
+
+def test_every_worker_carries_its_jobs_id_whatever_torchs_run_id_is():
+    """JOB_ENV is what the reaping of a dead daemon's leftovers knows the job's processes by:
+    it is the job's id under elasticrun too (whose TORCHELASTIC_RUN_ID is the rendezvous id),
+    and in a job started from another job's worker (which inherited that job's)."""
+    import asyncio
+    import tempfile
+
+    from elasticd.core.model import JobSpec
+    from elasticd.core.part.pool import standby
+    from elasticd.shell.workers import JOB_ENV, LocalWorkers
+
+    spec = JobSpec(
+        id="j-1",
+        argv=("t.py",),
+        python="/p",
+        workdir="/w",
+        uid=0,
+        gid=0,
+        user="root",
+        env={JOB_ENV: "j-outer"},
+    )
+
+    async def env() -> dict[str, str]:
+        with tempfile.TemporaryDirectory() as logs:
+            workers = LocalWorkers(
+                spec, standby("j-1", "n1", 1), logs, extra_env={"TORCHELASTIC_RUN_ID": "run7"}
+            )
+            return workers._env(workers.group.workers[0])
+
+    got = asyncio.run(env())
+    assert (got[JOB_ENV], got["TORCHELASTIC_RUN_ID"]) == ("j-1", "run7")

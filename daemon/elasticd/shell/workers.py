@@ -79,6 +79,7 @@ SOCKET_ENV = "ELASTICD_AGENT_SOCKET"  # an in-place worker's channel to its agen
 PROGRESS_ENV = "ELASTICD_PROGRESS_SOCKET"  # a classic job's, for progress only (--hang-timeout)
 SLOT_ENV = "ELASTICD_SLOT"
 REJOIN_ENV = "ELASTICD_REJOIN_TIMEOUT"  # an in-place job's --rejoin-timeout (elastic.runtime)
+JOB_ENV = "ELASTICD_JOB"  # the job's id, the daemon's own: how its leftovers are known
 
 OutputSink = Callable[[], None]  # a worker wrote output (followers read the files)
 
@@ -183,8 +184,12 @@ def reap_leftovers(groups: Mapping[int, WorkerGroupLeft], boot_time: float | Non
     worker's process group when the job had no cgroup.  Pids are reused, so a process is
     taken for the job's only if all of this holds: the host has not rebooted since the job
     started here, the process started after it, runs as the job's user, and carries the
-    job's id in its environment (TORCHELASTIC_RUN_ID, which workers pass on).  Anything
-    else (a user's shell that got a dead worker's pid as its group) is left alone.
+    job's id in its environment (JOB_ENV, which every worker is given and passes on; not
+    TORCHELASTIC_RUN_ID, which elasticrun's private daemons set to the rendezvous id, as
+    torchrun does).  Anything else (a user's shell that got a dead worker's pid as its
+    group) is left alone.  The environment is the job's user's to change, as is everything
+    that runs as them: a process that drops JOB_ENV escapes this (only a cgroup holds all),
+    and one that takes another job's id can only get the user's own processes killed.
     """
     booted = psutil.boot_time() if boot_time is None else boot_time
     killed = 0
@@ -193,10 +198,7 @@ def reap_leftovers(groups: Mapping[int, WorkerGroupLeft], boot_time: float | Non
             left = groups.get(os.getpgid(proc.info["pid"]))
             if left is None or booted > left.started or proc.info["create_time"] < left.started - 1:
                 continue
-            if (
-                proc.uids().real != left.uid
-                or proc.environ().get("TORCHELASTIC_RUN_ID") != left.job_id
-            ):
+            if proc.uids().real != left.uid or proc.environ().get(JOB_ENV) != left.job_id:
                 continue
             os.kill(proc.info["pid"], signal.SIGKILL)
             killed += 1
@@ -655,6 +657,7 @@ class LocalWorkers:
         env.update(self._extra_env)
         if SOCKET_ENV in self._extra_env or PROGRESS_ENV in self._extra_env:
             env[SLOT_ENV] = str(worker.local_rank)
+        env[JOB_ENV] = self.spec.id  # last: what a job in a job inherited is not its own
         return env
 
     def _spawn(self, worker: Worker, credentials: RunAs | None) -> subprocess.Popen[bytes]:
