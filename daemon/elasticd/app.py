@@ -371,6 +371,9 @@ class Daemon:
                 Keyspace(config.cluster.name).ping, b"1"
             )  # not an add: junk there must not stop a start
             if self.private is not None:  # its job's id, before this node takes part in anything
+                closing.push_async_callback(  # withdrawn if this node stops before its submit
+                    self.private.withdraw, store, signer, Keyspace(config.cluster.name).root
+                )
                 await self.private.claim(
                     store, signer, Keyspace(config.cluster.name).root, config, self.node
                 )

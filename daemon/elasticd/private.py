@@ -8,7 +8,10 @@ What makes it private:
 
 - **One job.**  Before this node takes part in anything, the job's nodes agree on the job's
   id in the store (a compare-and-set of a signed claim: the first node's id wins); that node
-  submits the job once it is up, the others wait for it.  The store holds the job's settings
+  submits the job once it is up, the others wait for it.  A claim whose node gave up before
+  its submit (Ctrl-C, a failed start) is withdrawn, and one that stood CLAIM_STALE seconds
+  without it (its node SIGKILLed) is taken over: another node submits the job under the same
+  id, so a run id is never dead for the store's life.  The store holds the job's settings
   (nodes, workers, restarts) and its program's name, never its arguments or environment.
 - **Its own command line.**  Every node runs what its own elasticrun was given (argv,
   interpreter, working directory, environment: each node's workers inherit that node's, as
@@ -35,6 +38,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from elasticd.aio import race
@@ -55,11 +59,39 @@ log = logging.getLogger("elasticd")
 
 STORE_LOST_AFTER = 20.0  # seconds the store may not answer before the job is given up here
 LINGER = 30.0  # seconds the store's host waits for the other nodes' parts to end
+CLAIM_STALE = 30.0  # seconds a claim may stand without its node's submit before it is taken over
+CLAIM_POLL = 1.0  # seconds between a waiting node's looks at the claim
+WITHDRAW_TIMEOUT = 5.0  # seconds a node that gives up waits for the store to withdraw its claim
+OPEN, SUBMITTING, WITHDRAWN = "open", "submitting", "withdrawn"  # a claim's states
 JOB_WIDE = ("min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "in_place", "spares")
 
 
 class PrivateError(ElasticdError):
     code = "private"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The job's id and the node that is to submit it, as the store holds them: OPEN until
+    that node, up, is about to submit (SUBMITTING, for good), or WITHDRAWN when it gave up.
+    The id stays whichever node takes the claim over: the nodes that wait for the job know
+    it before it is on the board (their lens runs that id only)."""
+
+    job: str
+    node: str
+    state: str
+
+
+def free(claim: Claim, standing: float, stale_after: float) -> bool:
+    """Whether a node may take over ``claim``, which it has seen unchanged for ``standing``
+    seconds: one withdrawn, or one still open after ``stale_after`` (its node died before its
+    submit: SIGKILL leaves no time to withdraw).  A bound, not the claimer's liveness: it
+    claimed before it joined the cluster, so there is no heartbeat of it to miss.  Taking
+    over is a compare-and-set from the very record seen, as the claim's node moving it to
+    SUBMITTING is: of two nodes that judge at once, and of a slow node and the one that
+    judged it dead, one wins and the others wait for it.  A live node slower than
+    ``stale_after`` to start loses its turn to submit, no more."""
+    return claim.state == WITHDRAWN or (claim.state == OPEN and standing >= stale_after)
 
 
 class Private:
@@ -75,8 +107,12 @@ class Private:
         self.run_id: str = doc["run_id"]
         self.keyless: bool = doc["keyless"]
         self.job_id = ""
-        self.submits = False  # this node won the claim: it submits the job
+        self.submits = False  # this node's claim is the one held: it submits the job
+        self.submitted = False  # its claim went SUBMITTING: it is the job's, never withdrawn
         self.own: JobSpec | None = None  # the job as this node's line has it
+        self._held: bytes | None = None  # the claim as this node last saw it in the store
+        self._held_since = 0.0  # when it first saw it so (time.monotonic())
+        self._node = ""
         self.code = 0
         self.orphaned = asyncio.Event()
         self._lost: asyncio.TimerHandle | None = None
@@ -119,11 +155,8 @@ class Private:
     ) -> None:
         """Agree on the job's id before this node takes part in anything: the first node's
         claim wins."""
-        key = f"{root}/elasticrun/claim"
-        mine = new_job_id()
-        swapped, held = await store.compare_set(key, None, signer.seal(key, {"job": mine}))
-        self.job_id = mine if swapped else self._open_id(signer, key, held)
-        self.submits = swapped
+        self._node = node
+        await self._take(store, signer, f"{root}/elasticrun/claim", None)
         self.own = spec_from_request(
             self.request,
             Caller(os.getuid(), os.getgid(), os.getpid()),
@@ -133,17 +166,54 @@ class Private:
             now=time.time(),
         )
 
+    async def _take(self, store: Store, signer: Signer, key: str, expected: bytes | None) -> None:
+        """Claim the job for this node in place of ``expected`` (None: no claim yet), or hold
+        the claim that is there instead; one withdrawn is taken in turn.  The job's id is the
+        first claim's, kept by every claim that takes its place."""
+        job = self.job_id or new_job_id()
+        while True:
+            mine = Claim(job, self._node, OPEN)
+            sealed = signer.seal(key, dataclasses.asdict(mine))
+            swapped, held = await store.compare_set(key, expected, sealed)
+            claim = mine if swapped else self._open_claim(signer, key, held)
+            if swapped or claim.state != WITHDRAWN:
+                self._hold(claim, held, submits=swapped)
+                return
+            expected, job = held, claim.job
+
+    def _hold(self, claim: Claim, raw: bytes | None, *, submits: bool) -> None:
+        if self.job_id and claim.job != self.job_id:  # its id went to this node's lens
+            raise PrivateError(f"the claim of job {self.job_id} became job {claim.job}'s")
+        self._held, self._held_since = raw, time.monotonic()
+        self.job_id, self.submits = claim.job, submits
+
     @staticmethod
-    def _open_id(signer: Signer, key: str, raw: bytes | None) -> str:
+    def _open_claim(signer: Signer, key: str, raw: bytes | None) -> Claim:
         why: list[str] = []
-        job = open_or_refuse(signer, key, raw, _job_id, lambda key, reason: why.append(reason))
-        if job is None:
+        claim = open_or_refuse(signer, key, raw, _claim, lambda key, reason: why.append(reason))
+        if claim is None:
             raise PrivateError(
                 f"the job's record in the store ({key}) does not open with this node's key "
                 f"({'; '.join(why) or 'none'}): every node of a job needs the same key "
                 "(--rdzv-conf key_file=FILE), and a rendezvous id that no other job uses"
             )
-        return job
+        return claim
+
+    async def withdraw(self, store: Store, signer: Signer, root: str) -> None:
+        """This node's claim, if it holds one it never took to its submit: the daemon is
+        stopping before the job started (elasticrun gone, a failed start), and a claim left
+        there would hold every node of this run id, this one run again included, until the
+        claim is judged dead.  Only this node's own record is replaced (a compare-and-set),
+        never a claim that took its place."""
+        if not self.submits or self.submitted or self._held is None:
+            return
+        key = f"{root}/elasticrun/claim"
+        withdrawn = signer.seal(key, dataclasses.asdict(Claim(self.job_id, self._node, WITHDRAWN)))
+        try:
+            async with asyncio.timeout(WITHDRAW_TIMEOUT):
+                await store.compare_set(key, self._held, withdrawn)
+        except (ElasticdError, TimeoutError) as exc:
+            log.warning("could not withdraw the claim of job %s: %s", self.job_id, exc)
 
     async def serve(
         self,
@@ -190,22 +260,61 @@ class Private:
             stop.set()
 
     async def _join(self, store: Store, signer: Signer, root: str, node_shell: NodeShell) -> None:
+        await self.agree(store, signer, root)
         assert self.own is not None
-        key = f"{root}/elasticrun/job"
-        if self.submits:
+        if self.submitted:
+            key = f"{root}/elasticrun/job"
             published = dataclasses.replace(self.own, argv=self.own.argv[:1], env={})
             await node_shell.submit(published)
             await store.set(key, signer.seal(key, {"job": self.job_id}))
             return
-        if not await store.wait_for(key, self.own.join_timeout):
-            raise PrivateError(
-                f"job {self.job_id} was claimed but not submitted within "
-                f"{self.own.join_timeout:g} s (the node that claimed it is gone?)"
-            )
         record = await node_shell.fetch(self.job_id)
         if record is None:
             raise PrivateError(f"job {self.job_id} is not on the store's board")
         self.check(record)
+
+    async def agree(self, store: Store, signer: Signer, root: str) -> None:
+        """Until this node is the one to submit the job (its claim went SUBMITTING) or the
+        job was submitted: a node that waits looks at the claim every CLAIM_POLL seconds and
+        takes it over when it is ``free``."""
+        assert self.own is not None
+        claim_key, job_key = f"{root}/elasticrun/claim", f"{root}/elasticrun/job"
+        stale_after = min(CLAIM_STALE, self.own.join_timeout / 2)
+        deadline = time.monotonic() + self.own.join_timeout
+        while True:
+            if self.submits:
+                mine = Claim(self.job_id, self._node, SUBMITTING)
+                submitting = signer.seal(claim_key, dataclasses.asdict(mine))
+                swapped, held = await store.compare_set(claim_key, self._held, submitting)
+                if swapped:
+                    self._held, self.submitted = submitting, True
+                    return
+                await self._follow(store, signer, claim_key, held, stale_after)
+                continue
+            left = deadline - time.monotonic()
+            if await store.wait_for(job_key, max(0.0, min(CLAIM_POLL, left))):
+                return
+            if left <= 0:
+                raise PrivateError(
+                    f"job {self.job_id} was claimed but not submitted within "
+                    f"{self.own.join_timeout:g} s (the node that claimed it is gone?)"
+                )
+            held = await store.get(claim_key)
+            await self._follow(store, signer, claim_key, held, stale_after)
+
+    async def _follow(
+        self, store: Store, signer: Signer, key: str, held: bytes | None, stale_after: float
+    ) -> None:
+        """The claim now in the store (``held``): followed if it changed, taken over if it is
+        ``free``."""
+        if held is None:  # deleted under it: claimed anew
+            await self._take(store, signer, key, None)
+            return
+        claim = self._open_claim(signer, key, held)
+        if held != self._held:
+            self._hold(claim, held, submits=False)
+        if free(claim, time.monotonic() - self._held_since, stale_after):
+            await self._take(store, signer, key, held)
 
     def check(self, record: JobRecord) -> None:
         """The job's settings must be this node's line's."""
@@ -322,6 +431,13 @@ class Private:
         """The job's directory, last of all (nothing of the daemon is left)."""
         self.channel.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _claim(body: Any) -> Claim:
+    state, node = body.get("state", OPEN), body.get("node", "")
+    if state not in (OPEN, SUBMITTING, WITHDRAWN) or not isinstance(node, str):
+        raise ValueError(f"not a claim: {body!r}")
+    return Claim(_job_id(body), node, state)
 
 
 def _job_id(body: Any) -> str:

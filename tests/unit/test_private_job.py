@@ -89,6 +89,81 @@ def test_a_claim_under_another_key_is_refused_saying_why(tmp_path):
         asyncio.run(main())
 
 
+CLAIM, JOB = f"{ROOT}/elasticrun/claim", f"{ROOT}/elasticrun/job"
+
+
+async def join(node: Private, store: AsyncMemoryStore, signer: Signer) -> None:
+    """What a node's daemon does once up, up to the job's submit (the job key)."""
+    await node.agree(store, signer, ROOT)
+    if node.submitted:
+        await store.set(JOB, signer.seal(JOB, {"job": node.job_id}))
+
+
+def test_a_node_that_stops_before_its_submit_withdraws_its_claim_only(tmp_path):
+    """Ctrl-C, or a failed start, after this node won the claim: the next node (this one run
+    again) claims anew instead of adopting a job that will never be submitted."""
+
+    async def main():
+        store = AsyncMemoryStore(MemoryStore())
+        signer = Signer(b"k" * 32, "elasticrun-t")
+        first, _ = private(tmp_path, "a")
+        await first.claim(store, signer, ROOT, DaemonConfig(), "a-1")
+        await first.withdraw(store, signer, ROOT)
+        again, _ = private(tmp_path, "b")
+        await again.claim(store, signer, ROOT, DaemonConfig(), "a-2")
+        assert again.submits and again.job_id == first.job_id  # never submitted: the same id
+        theirs = await store.get(CLAIM)
+        await first.withdraw(store, signer, ROOT)  # not its claim any more: left alone
+        assert await store.get(CLAIM) == theirs
+        await join(again, store, signer)
+        await again.withdraw(store, signer, ROOT)  # submitted: the job's for good
+        held = signer.open(CLAIM, await store.get(CLAIM)).body
+        assert held == {"job": again.job_id, "node": "a-2", "state": "submitting"}
+
+    asyncio.run(main())
+
+
+def test_a_withdrawn_claim_is_taken_at_once_by_a_node_that_waits(tmp_path):
+    async def main():
+        store = AsyncMemoryStore(MemoryStore())
+        signer = Signer(b"k" * 32, "elasticrun-t")
+        first, _ = private(tmp_path, "a")
+        second, _ = private(tmp_path, "b")
+        await first.claim(store, signer, ROOT, DaemonConfig(), "a-1")
+        await second.claim(store, signer, ROOT, DaemonConfig(), "b-2")
+        await first.withdraw(store, signer, ROOT)
+        await asyncio.wait_for(join(second, store, signer), 5)  # CLAIM_STALE is 30 s
+        assert second.submitted and second.job_id == first.job_id
+
+    asyncio.run(main())
+
+
+def test_a_claim_whose_node_died_before_its_submit_is_taken_over_by_one_node(tmp_path, monkeypatch):
+    """SIGKILL leaves no time to withdraw: the claim stands, never followed by a submit.  The
+    nodes that wait take it over after CLAIM_STALE, one of them to submit the job under the
+    same id; the claim's node, if it was only slow, waits for that one."""
+    import elasticd.private as module
+
+    monkeypatch.setattr(module, "CLAIM_STALE", 0.2)
+    monkeypatch.setattr(module, "CLAIM_POLL", 0.02)
+
+    async def main():
+        store = AsyncMemoryStore(MemoryStore())
+        signer = Signer(b"k" * 32, "elasticrun-t")
+        dead, second, third = (private(tmp_path, name)[0] for name in "abc")
+        for node in (dead, second, third):
+            await node.claim(store, signer, ROOT, DaemonConfig(), node.directory)
+        await asyncio.wait_for(
+            asyncio.gather(join(second, store, signer), join(third, store, signer)), 10
+        )
+        assert [second.submitted, third.submitted].count(True) == 1
+        assert second.job_id == third.job_id == dead.job_id
+        await dead.agree(store, signer, ROOT)  # it was only slow
+        assert not dead.submitted
+
+    asyncio.run(main())
+
+
 def claimed(tmp_path: Path, name: str = "a", request: dict | None = None) -> Private:
     async def main():
         node, _ = private(tmp_path, name, request)
