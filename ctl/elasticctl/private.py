@@ -92,9 +92,10 @@ def make_base(base: str) -> None:
     above = os.path.dirname(base)
     unsafe = _changeable_by_others(above)
     if unsafe:
+        sticky = f"make {unsafe[0]} sticky (chmod +t, as /tmp is; a Kubernetes emptyDir is not) or "
         raise Failed(
             f"refusing {base}: {unsafe[0]} is {unsafe[1]}, so another user could replace "
-            f"what lies in it; {_elsewhere(base)}"
+            f"what lies in it; {sticky if 'sticky' in unsafe[1] else ''}{_elsewhere(base)}"
         )
     try:
         os.mkdir(base, 0o700)
@@ -157,7 +158,7 @@ def _elsewhere(base: str) -> str:
     """What to do about a base directory refused: use another $TMPDIR, short enough to be
     used (a longer one is not: the base is then in /tmp)."""
     if os.path.dirname(base) == os.path.realpath(tempfile.gettempdir()):
-        return "set TMPDIR to a directory of yours"
+        return "set TMPDIR to a directory of yours, on a path only you and root may change"
     room = MAX_BASE - len(os.path.basename(base)) - 1
     return (
         f"set TMPDIR to a directory of yours whose path has at most {room} bytes (TMPDIR "

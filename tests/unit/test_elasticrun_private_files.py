@@ -163,7 +163,9 @@ def test_a_base_in_a_directory_others_may_change_is_refused(tmp_path, monkeypatc
         private.make_base(str(base))
     assert str(refused.value) == (
         f"refusing {base}: {shared} is mode 777: writable by others, without the sticky bit, "
-        "so another user could replace what lies in it; set TMPDIR to a directory of yours"
+        f"so another user could replace what lies in it; make {shared} sticky (chmod +t, as "
+        "/tmp is; a Kubernetes emptyDir is not) or set TMPDIR to a directory of yours, on a "
+        "path only you and root may change"
     )
     assert not base.exists()
     shared.chmod(0o1777)  # as /tmp is: only an entry's owner may rename it
@@ -197,7 +199,8 @@ def test_a_link_or_a_file_planted_as_the_base_is_refused_saying_so(tmp_path, mon
         private.make_base(str(base))
     assert str(refused.value) == (
         f"refusing {base}: it must be a directory of yours that nobody else can write, and is "
-        f"{kind} (someone else made it?); set TMPDIR to a directory of yours"
+        f"{kind} (someone else made it?); set TMPDIR to a directory of yours, on a path only "
+        "you and root may change"
     )
 
 
