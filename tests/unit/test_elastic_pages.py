@@ -114,6 +114,7 @@ def test_populating_a_range_of_a_mapped_file_maps_its_pages_without_copying(tmp_
 
 
 @pytest.mark.skipif(not thp_offered(), reason="no transparent huge pages on this kernel")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: as meant
 def test_a_load_into_fresh_memory_asks_for_huge_pages_and_is_exact(
     tmp_path, monkeypatch, fresh_budget
 ):
