@@ -56,6 +56,7 @@ DEEPEST_SOCKET = os.path.join("checkpoints", "j-" + "f" * 12, ".tier.sock")
 MAX_BASE = MAX_SOCKET_PATH - len(
     f"/{'x' * MAX_RUN_ID_IN_NAME}-{'x' * RANDOM_CHARS}/{RUN_DIR}/{DEEPEST_SOCKET}"
 )
+CLEAN_UP_TIMEOUT = 60.0  # seconds a leftover daemon's clean-up may take
 ORPHAN_AGE = 60.0  # seconds after which a job directory without its owner file is a leftover
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _DAEMON_ENV_DROPPED = (
@@ -480,28 +481,39 @@ def reap_leftovers(base: str) -> list[str]:
             owner = {}
         if _running(owner) or _answers(os.path.join(directory, RUN_DIR, paths.SOCKET_NAME)):
             continue
-        clean_up(directory)
-        removed.append(directory)
+        if clean_up(directory):
+            removed.append(directory)
     return removed
 
 
-def clean_up(directory: str) -> None:
+def clean_up(directory: str) -> bool:
     """``elasticd --clean-up`` with the daemon's config (its leftover workers and job
     cgroups), then the directory: only a directory and a config of this user's that nobody
-    else can write, as this elasticrun wrote them (the config says what to remove)."""
+    else can write, as this elasticrun wrote them (the config says what to remove).  A
+    clean-up that does not end within CLEAN_UP_TIMEOUT (a process stuck in the kernel) is
+    given up and the directory kept, for the next elasticrun to try again.  True: removed."""
     if not paths.is_own_dir(directory):
-        return
+        return False
     config = os.path.join(directory, "daemon.toml")
     if _is_own_file(config):
-        subprocess.run(
-            [sys.executable, "-m", "elasticd", "--clean-up", "--config", config],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=60,
-            check=False,
-        )
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "elasticd", "--clean-up", "--config", config],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=CLEAN_UP_TIMEOUT,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            print(
+                f"elasticrun: warning: the clean-up of {directory} did not end within "
+                f"{CLEAN_UP_TIMEOUT:g} s: left for the next elasticrun",
+                file=sys.stderr,
+            )
+            return False
     shutil.rmtree(directory, ignore_errors=True)
+    return True
 
 
 def _age(path: str) -> float:

@@ -269,6 +269,29 @@ def test_reaping_reads_no_fifo_and_cleans_up_with_its_own_config_only(tmp_path, 
     assert os.listdir(base) == [] and elsewhere.exists()
 
 
+def test_a_clean_up_that_hangs_is_given_up_and_its_directory_kept_for_the_next(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(private, "CLEAN_UP_TIMEOUT", 0.5)
+    monkeypatch.setattr(private.subprocess, "run", _a_clean_up_that_hangs)
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
+    stuck = base / "stuck"
+    stuck.mkdir(mode=0o700)
+    (stuck / "daemon.toml").write_text("")
+    os.utime(stuck, (time.time() - 3600, time.time() - 3600))
+    assert private.reap_leftovers(str(base)) == []
+    assert stuck.is_dir()
+    assert "did not end within 0.5 s: left for the next elasticrun" in capsys.readouterr().err
+
+
+_real_run = subprocess.run
+
+
+def _a_clean_up_that_hangs(argv, **kwargs):
+    return _real_run(["sleep", "30"], **kwargs)
+
+
 @needs_root
 def test_another_users_directory_in_the_base_is_neither_cleaned_up_with_nor_removed(
     tmp_path, monkeypatch
