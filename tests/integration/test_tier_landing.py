@@ -15,6 +15,7 @@ from pathlib import Path
 
 from elasticd.core import checkpoints as cp
 from elasticd.core.model import JobSpec
+from elasticd.core.records import JobRecord
 from elasticd.shell.checkpoints import CheckpointTier, TierSettings
 
 JOB = "j-1a2b3c"
@@ -116,3 +117,40 @@ def test_copies_land_and_are_dropped_at_once_and_only_refusals_come_out(tmp_path
     started = time.monotonic()
     asyncio.run(main())
     assert time.monotonic() - started < 60
+
+
+def test_record_changes_that_queue_up_are_considered_together(tmp_path: Path) -> None:
+    """Each save a node describes comes back as a change of its record; a job's thousand
+    small files made a thousand scans of its directory on the event loop (minutes)."""
+
+    async def main() -> None:
+        tier = CheckpointTier(
+            TierSettings("n1", str(tmp_path / "tier"), 0, 0), NoPeers(), lambda event: None
+        )
+        running = asyncio.create_task(tier.run())
+        job = spec(tmp_path)
+        tier.open(job)
+        considered: list[int] = []
+        scan = tier._consider
+
+        def counted(jd: object) -> None:
+            considered.append(len(considered))
+            scan(jd)  # type: ignore[arg-type]
+
+        tier._consider = counted  # type: ignore[method-assign]
+        try:
+            record = JobRecord(spec=job, seq=1, parts={})
+            for _ in range(1000):  # as they queue up behind a busy loop
+                tier.record_changed(record)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert considered == [0]
+            tier.record_changed(record)  # a change that comes alone is considered at once
+            await asyncio.sleep(0)
+            assert considered == [0, 1]
+        finally:
+            await tier.close(JOB)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(main())

@@ -153,6 +153,7 @@ def test_a_workers_one_byte_ranges_are_fetched_once_kept_as_one_span_and_forgott
                 assert f.read(12_000) == DATA[:12_000]
 
             tier.record_changed(held_by_n2(job, "step_1", "step_2"))  # step_1 is pruned
+            await asyncio.sleep(0)  # the change is considered on the loop's next turn
             assert jd.fetched == {} and jd.fetched_spans == 0
             assert os.path.join(path, tier_module.RANGES, "step_1") in jd.deleting
         finally:

@@ -227,6 +227,7 @@ class JobDir:
     known_files: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set, then replaced
     waits: int = 0  # its workers' waits now
+    consider_soon: bool = False  # a ``_consider`` for the record's last changes is due
     watches_spent: bool = False  # it has as many directories watched as a job may
 
     @property
@@ -389,8 +390,20 @@ class CheckpointTier:
         if jd is None:
             return
         jd.record = record
-        self._consider(jd)
+        if not jd.consider_soon:  # once for every change that came meanwhile
+            jd.consider_soon = True
+            asyncio.get_running_loop().call_soon(self._consider_now, jd)
         _changed(jd)
+
+    def _consider_now(self, jd: JobDir) -> None:
+        """``_consider``, for the record changes that came since it was asked for.  Each
+        save a node describes comes back as a change of its record: considered one by one,
+        a job's thousand small files made a thousand scans of its directory on the event
+        loop, each of them longer (minutes of stall); those that queue up while the loop
+        is busy are now considered together."""
+        jd.consider_soon = False
+        if self._jobs.get(jd.job) is jd:  # not closed meanwhile
+            self._consider(jd)
 
     def directory(self, job: str) -> str | None:
         jd = self._jobs.get(job)
@@ -486,6 +499,7 @@ class CheckpointTier:
         with jd.rights():  # its user may have put links anywhere in it
             found = jd.found()
             with_metadata = {m.id for m in found if m.metadata and m.round >= jd.round}
+            members = set(self._members(jd))
             for name in _entries(jd.path, dirs=True):
                 if name in jd.busy or jd.round < 0 or os.path.join(jd.path, name) in jd.deleting:
                     continue  # being landed, no round yet, or pruned (its removal still runs)
@@ -502,7 +516,11 @@ class CheckpointTier:
                     jd.busy[name] = self._spawn(
                         "landing", jd.job, functools.partial(self._land, jd, name)
                     )
-                elif own is not None and self._to_copy(jd, own) and self._buddy(jd) is not None:
+                elif (
+                    own is not None
+                    and self._to_copy(jd, own, members)
+                    and self._buddy(jd) is not None
+                ):
                     after = jd.retry.get(name, (0, 0.0))[1]
                     if time.monotonic() >= after:
                         jd.busy[name] = self._spawn(
@@ -514,7 +532,8 @@ class CheckpointTier:
             uncopied = [
                 name
                 for name, own in jd.manifests.items()
-                if own.kind == cp.FILE and name not in jd.busy and self._to_copy(jd, own)
+                if own.kind == cp.FILE and name not in jd.busy
+                if self._to_copy(jd, own, members)
                 if now >= jd.retry.get(name, (0, 0.0))[1]
             ]
             if uncopied and self._buddy(jd) is not None:
@@ -525,7 +544,7 @@ class CheckpointTier:
             self._prune(jd, found)
             self._write_back(jd, found)
 
-    def _to_copy(self, jd: JobDir, own: cp.Manifest) -> bool:
+    def _to_copy(self, jd: JobDir, own: cp.Manifest, members: set[str]) -> bool:
         """Whether this node's share ``own`` is to be copied (again): it never was, or its
         keeper has been out of the round (it left the job, or was lost) for REKEEP_AFTER.
         Otherwise the share would stay complete on paper with its only copy gone, and
@@ -533,7 +552,7 @@ class CheckpointTier:
         keeper = own.copied_to
         if not keeper:
             return True
-        if keeper in self._members(jd) and self._peers.alive(keeper):
+        if keeper in members and self._peers.alive(keeper):
             jd.keeper_gone.pop(own.id, None)
             return False
         now = time.monotonic()
