@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import sys
 import threading
 import time
 from pathlib import Path
 
+from tier_rig import job_spec
+
 from elasticd.core import checkpoints as cp
-from elasticd.core.model import JobSpec
 from elasticd.core.records import JobRecord
 from elasticd.shell.checkpoints import CheckpointTier, TierSettings
 
@@ -37,28 +37,13 @@ class NoPeers:
         return False
 
 
-def spec(workdir: Path) -> JobSpec:
-    return JobSpec(
-        id=JOB,
-        argv=("train.py",),
-        python=sys.executable,
-        workdir=str(workdir),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        user="tester",
-        env={},
-        join_timeout=60.0,
-        created=1.0,
-    )
-
-
 def test_copies_land_and_are_dropped_at_once_and_only_refusals_come_out(tmp_path: Path) -> None:
     async def main() -> None:
         tier = CheckpointTier(
             TierSettings("n1", str(tmp_path / "tier"), 0, 0), NoPeers(), lambda event: None
         )
         running = asyncio.create_task(tier.run())
-        path = tier.open(spec(tmp_path))
+        path = tier.open(job_spec(tmp_path, JOB))
         stop = threading.Event()
         unexpected: list[str] = []
         landed = dropped = 0
@@ -128,7 +113,7 @@ def test_record_changes_that_queue_up_are_considered_together(tmp_path: Path) ->
             TierSettings("n1", str(tmp_path / "tier"), 0, 0), NoPeers(), lambda event: None
         )
         running = asyncio.create_task(tier.run())
-        job = spec(tmp_path)
+        job = job_spec(tmp_path, JOB)
         tier.open(job)
         considered: list[int] = []
         scan = tier._consider

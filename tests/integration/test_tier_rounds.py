@@ -3,23 +3,21 @@ is other nodes' saves, not a share of this node's to describe (a newcomer that d
 them as its own in its round hid the older round's shares, and the next restart deleted the
 newest complete checkpoint everywhere as torn); a file a rank wrote itself is restored as the
 version its manifests name, whatever its size says; and a share whose keeper left the round
-is copied to its new keeper.  And a checkpoint saved into again, in any round, is no
-longer one: DCP overwrites its files in place, so a restore would mix two saves.  The data plane is a fake (the other nodes' bytes in a dict);
-the tier, its inotify and its directory are real."""
+is copied to its new keeper.  And a checkpoint saved into again, in any round, is no longer
+one: DCP overwrites its files in place, so a restore would mix two saves.  The data plane is
+a fake (tier_rig.Peers); the tier, its inotify and its directory are real."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, BinaryIO
 
 import pytest
+from tier_rig import Peers, facts, job_spec, until
 
 from elasticd.core import checkpoints as cp
 from elasticd.core import events as ev
@@ -33,57 +31,6 @@ SAVE = {  # step_40, saved in round 0 by two ranks: a (rank 0, with DCP's metada
     "a": {".metadata": b"M" * 100, "__0_0.distcp": b"A" * 1000},
     "b": {"__1_0.distcp": b"B" * 1000},
 }
-
-
-def facts(data: bytes) -> cp.FileFacts:
-    return cp.FileFacts(len(data), hashlib.sha256(data).hexdigest())
-
-
-class Peers:
-    """The other nodes: what they hold, and what this node sent and dropped."""
-
-    def __init__(self, held: dict[tuple[str, str, str], bytes]) -> None:
-        self.held = held
-        self.sent: list[tuple[str, str]] = []
-        self.sent_to: list[str] = []
-        self.lost: set[str] = set()
-        self.dropped: list[tuple[str, str]] = []
-
-    async def send(self, node: str, job: str, ckpt: str, name: str, source: BinaryIO) -> Any:
-        self.sent.append((ckpt, name))
-        self.sent_to.append(node)
-        return facts(source.read())
-
-    async def drop(self, node: str, job: str, ckpt: str) -> None:
-        self.dropped.append((node, ckpt))
-
-    async def fetch(
-        self, node: str, job: str, owner: str, ckpt: str, name: str, into: int, **_: Any
-    ) -> Any:
-        data = self.held[(owner, ckpt, name)]
-        os.pwrite(into, data, 0)
-        return facts(data)
-
-    def alive(self, node: str) -> bool:
-        return node not in self.lost
-
-    def domain(self, node: str) -> str:
-        return node
-
-
-def spec(workdir: Path) -> JobSpec:
-    return JobSpec(
-        id=JOB,
-        argv=("train.py",),
-        python=sys.executable,
-        workdir=str(workdir),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        user="tester",
-        env={},
-        join_timeout=60.0,
-        created=1.0,
-    )
 
 
 def manifest(
@@ -120,13 +67,6 @@ def published(posted: list[ev.Event]) -> list[cp.Manifest]:
     return [cp.parse(m) for m in news[-1].manifests] if news else []
 
 
-async def until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    ends = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < ends, f"not in {timeout} s: {what}"
-        await asyncio.sleep(0.02)
-
-
 def on_a_tier(
     tmp_path: Path,
     held: dict[tuple[str, str, str], bytes],
@@ -140,7 +80,7 @@ def on_a_tier(
             TierSettings(node, str(tmp_path / "tier"), 0, 0), peers, posted.append
         )
         running = asyncio.create_task(tier.run())
-        job = spec(tmp_path)
+        job = job_spec(tmp_path, JOB)
         path = tier.open(job)
         try:
             await test(tier, path, peers, posted, job)
@@ -184,7 +124,7 @@ def test_a_newcomer_does_not_describe_the_checkpoint_put_in_place_for_it_as_its_
         await until(lambda: not tier._jobs[JOB].busy, "every landing done")
         mine = published(posted)
         assert [m.id for m in mine] == ["step_45"], mine
-        assert {ckpt for ckpt, _ in peers.sent} == {"step_45"}
+        assert {ckpt for _, ckpt, _ in peers.sent} == {"step_45"}
         view = [m for ms in theirs.values() for m in ms] + mine
         newest = cp.latest_complete(view)
         assert newest is not None and newest.id == "step_40"
@@ -211,7 +151,7 @@ def test_a_file_put_in_place_is_not_described_again_and_its_next_version_is(
         await until(lambda: any(m.id == "next.pt" for m in published(posted)), "next.pt")
         await until(lambda: not tier._jobs[JOB].busy, "every landing done")
         assert [m.id for m in published(posted)] == ["next.pt"], "rank1.pt described again"
-        assert peers.sent == [("next.pt", "next.pt")]
+        assert [(ckpt, name) for _, ckpt, name in peers.sent] == [("next.pt", "next.pt")]
         # the script writes rank1.pt's next version: that one is this node's, and copied
         Path(path, "rank1.pt").write_bytes(b"2" * 1000)
         await until(lambda: any(m.id == "rank1.pt" for m in published(posted)), "rank1.pt")
@@ -260,7 +200,7 @@ def test_a_share_whose_keeper_left_the_round_is_copied_to_its_new_keeper(
         tier.round(JOB, 1, 2, (0,))
         await until(lambda: keeper() == "c", "step_40 copied to its new keeper, c")
         assert time.monotonic() - left >= 0.3  # not while the recovery runs
-        assert peers.sent_to.count("c") == 2  # its two files
+        assert [to for to, _, _ in peers.sent].count("c") == 2  # its two files
         newest = cp.latest_complete(published(posted))
         assert newest is not None and newest.id == "step_40"
 

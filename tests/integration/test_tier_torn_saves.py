@@ -6,15 +6,12 @@ taken until the job ended, until copies were refused (ENOSPC) and no save could 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
+from tier_rig import Peers, facts, job_spec, until
 
 from elasticd.core import checkpoints as cp
 from elasticd.core.model import JobSpec, PartState
@@ -25,51 +22,6 @@ from elasticd.shell.checkpoints import CheckpointTier, TierSettings
 JOB = "j-70a2e1"
 A_SHARE = {cp.METADATA: b"M" * 100, "__0_0.distcp": b"A" * 1000}  # rank 0, on node a
 B_SHARE = {"__1_0.distcp": b"B" * 1000}  # rank 1, on node b
-
-
-def facts(data: bytes) -> cp.FileFacts:
-    return cp.FileFacts(len(data), hashlib.sha256(data).hexdigest())
-
-
-class Peers:
-    """Every send lands whole; drops are counted."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, str, str]] = []
-        self.dropped: list[tuple[str, str]] = []
-
-    async def send(
-        self, node: str, job: str, ckpt: str, name: str, source: BinaryIO
-    ) -> cp.FileFacts:
-        self.sent.append((node, ckpt, name))
-        return facts(source.read())
-
-    async def drop(self, node: str, job: str, ckpt: str) -> None:
-        self.dropped.append((node, ckpt))
-
-    async def fetch(self, *args: object) -> None:
-        raise AssertionError("nothing is fetched")
-
-    def alive(self, node: str) -> bool:
-        return True
-
-    def domain(self, node: str) -> str:
-        return node
-
-
-def spec(workdir: Path) -> JobSpec:
-    return JobSpec(
-        id=JOB,
-        argv=("train.py",),
-        python=sys.executable,
-        workdir=str(workdir),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        user="tester",
-        env={},
-        join_timeout=60.0,
-        created=1.0,
-    )
 
 
 def record(job: JobSpec, round: int, a_manifests: tuple[cp.Manifest, ...] = ()) -> JobRecord:
@@ -102,29 +54,22 @@ def land(tier: CheckpointTier, ckpt: str, files: dict[str, bytes]) -> None:
         tier.receive("a", JOB, ckpt, name, 0, data, facts(data))
 
 
-async def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "not in time"
-        await asyncio.sleep(0.05)
-
-
 def test_the_owner_of_a_torn_save_drops_its_copy_on_the_keeper(tmp_path: Path) -> None:
     async def main() -> None:
         peers = Peers()
         tier = CheckpointTier(TierSettings("a", str(tmp_path / "a"), 0, 0), peers, lambda e: None)
         running = asyncio.create_task(tier.run())
-        job = spec(tmp_path)
+        job = job_spec(tmp_path, JOB)
         path = tier.open(job)
         try:
             tier.record_changed(record(job, 0))
             tier.round(JOB, 0, 2, (0,))
             write(os.path.join(path, "step_50"), A_SHARE)  # rank 1, on b, never finishes
-            await until(lambda: len(peers.sent) == len(A_SHARE))
-            await until(lambda: "step_50" in tier._jobs[JOB].manifests)
+            await until(lambda: len(peers.sent) == len(A_SHARE), "a's share sent to b")
+            await until(lambda: "step_50" in tier._jobs[JOB].manifests, "step_50 described")
             assert await tier.prepare(JOB, record(job, 1), ("a", "b")) == ""
             assert not os.path.exists(os.path.join(path, "step_50"))
-            await until(lambda: peers.dropped == [("b", "step_50")])
+            await until(lambda: peers.dropped == [("b", "step_50")], "step_50 dropped at b")
         finally:
             await tier.close(JOB)
             running.cancel()
@@ -142,7 +87,7 @@ def test_a_keeper_deletes_the_copies_of_a_torn_save_its_owner_never_dropped(
         peers = Peers()
         tier = CheckpointTier(TierSettings("b", str(tmp_path / "b"), 0, 0), peers, lambda e: None)
         running = asyncio.create_task(tier.run())
-        job = spec(tmp_path)
+        job = job_spec(tmp_path, JOB)
         path = tier.open(job)
         copies = os.path.join(path, tier_module.COPIES, "a")
 
@@ -166,7 +111,7 @@ def test_a_keeper_deletes_the_copies_of_a_torn_save_its_owner_never_dropped(
             await asyncio.sleep(0.05)
             land(tier, "step_70", A_SHARE)
             tier.record_changed(record(job, 1, (step_60,)))
-            await until(lambda: "step_50" not in kept())
+            await until(lambda: "step_50" not in kept(), "the torn step_50's copy gone")
             latest = cp.latest_complete(tier._jobs[JOB].found())
             assert latest is not None and latest.id == "step_60"
             assert kept() == ["step_60", "step_70"]

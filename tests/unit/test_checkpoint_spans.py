@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tier_rig import job_spec
 
 from elasticd.core import checkpoints as cp
 from elasticd.core.model import JobSpec, PartState
@@ -88,21 +88,6 @@ class RangePeers:
         return node
 
 
-def spec(workdir: Path) -> JobSpec:
-    return JobSpec(
-        id=JOB,
-        argv=("train.py",),
-        python=sys.executable,
-        workdir=str(workdir),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        user="tester",
-        env={},
-        join_timeout=60.0,
-        created=1.0,
-    )
-
-
 def tier_of(tmp_path: Path, peers: RangePeers) -> CheckpointTier:
     settings = TierSettings("n1", str(tmp_path / "tier"), 0, 0)
     return CheckpointTier(settings, peers, lambda event: None)  # type: ignore[arg-type]
@@ -133,7 +118,7 @@ def test_a_workers_one_byte_ranges_are_fetched_once_kept_as_one_span_and_forgott
         tier = tier_of(tmp_path, peers)
         running = asyncio.create_task(tier.run())
         try:
-            job = spec(tmp_path)
+            job = job_spec(tmp_path, JOB)
             path = tier.open(job)
             tier.record_changed(held_by_n2(job, "step_1"))
             jd = tier._jobs[JOB]
@@ -183,7 +168,7 @@ def test_a_fetch_of_ranges_that_are_not_counts_within_the_file_is_refused(
         tier = tier_of(tmp_path, peers)
         running = asyncio.create_task(tier.run())
         try:
-            job = spec(tmp_path)
+            job = job_spec(tmp_path, JOB)
             tier.open(job)
             tier.record_changed(held_by_n2(job, "step_1"))
             jd = tier._jobs[JOB]
