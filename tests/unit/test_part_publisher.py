@@ -1,15 +1,20 @@
 """A node's parts onto the board (daemon/elasticd/shell/publisher.py): a part whose publishing
 is cancelled half-way (its record written, its change not yet in the board's log, as at a
 daemon's shutdown) stays pending, and the next flush publishes it, so the other nodes read
-it.  Real board, real follower, an in-memory store whose log writes wait at a gate."""
+it.  Real board, real follower, an in-memory store whose log writes wait at a gate.  And a
+store that stays away is told once per 10 s, by the publisher and by the follower:
+a private daemon's warnings go to its elasticrun's stderr, two lines a second for 20 s."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from elasticd.core.model import JobSpec, PartState
 from elasticd.core.records import Part
+from elasticd.errors import StoreConnectionError
 from elasticd.faults import Faults
+from elasticd.jobs import board as board_module
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.history import History
 from elasticd.jobs.registry import JobRegistry
@@ -68,3 +73,59 @@ def test_a_part_whose_publishing_was_cancelled_half_way_is_published_by_the_next
             await asyncio.wait([following])
 
     assert asyncio.run(main()) == Part(node="n2", state=PartState.LEFT)
+
+
+class AwayStore(AsyncMemoryStore):
+    """A store that does not answer."""
+
+    async def set(self, key: str, value: bytes) -> None:
+        raise StoreConnectionError("cannot reach the store at 127.0.0.1:1: refused")
+
+
+def test_a_store_that_stays_away_is_told_once_not_at_every_try(caplog):
+    async def main() -> None:
+        board = JobBoard(AwayStore(MemoryStore()), Signer(b"k" * 32, "c"), "c")
+        publisher = PartPublisher(board, Faults())
+        for _ in range(20):  # a try every 2 s for 40 s, as while the store's node is down
+            publisher.publish(SPEC.id, Part(node="n2", state=PartState.RUNNING))
+            assert not await publisher.flush()
+
+    with caplog.at_level(logging.WARNING, logger="elasticd"):
+        asyncio.run(main())
+    told = [r.getMessage() for r in caplog.records if "could not publish" in r.getMessage()]
+    assert told == [
+        "could not publish n2's part of j-00000a: cannot reach the store at 127.0.0.1:1: refused"
+    ]
+
+
+class AwayBoard:
+    """A board whose store does not answer."""
+
+    async def follow(self, position: int, timeout: float) -> tuple[int, list]:
+        raise StoreConnectionError("cannot reach the store at 127.0.0.1:1: refused")
+
+
+def test_a_follower_whose_store_stays_away_says_so_once_not_at_every_try(
+    tmp_path, caplog, monkeypatch
+):
+    monkeypatch.setattr(board_module, "_FOLLOW_TIMEOUT", 0.0)  # its back-off: a second
+    ups: list[bool] = []
+    follower = BoardFollower(
+        AwayBoard(),  # type: ignore[arg-type]
+        JobRegistry(History(str(tmp_path / "history"))),
+        "n1",
+        on_store=ups.append,
+    )
+
+    async def main() -> None:
+        for _ in range(20):
+            await follower._step()
+
+    with caplog.at_level(logging.WARNING, logger="elasticd"):
+        asyncio.run(main())
+    told = [r.getMessage() for r in caplog.records if "following the board" in r.getMessage()]
+    assert told == [
+        "store unreachable while following the board: cannot reach the store at "
+        "127.0.0.1:1: refused"
+    ]
+    assert ups == [False] * 20  # each try still says the store is away

@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 _KEEP_LOG = 4096
 _FOLLOW_TIMEOUT = 1.0  # seconds a follow waits for the next change before it looks again
 _RESYNC_PAUSE = 5.0  # seconds between two reads of the whole board that a broken log asks for
+_UNREACHABLE_LOG = 10.0  # seconds between two lines that say the store is still unreachable
 _OUTCOME_TRIES = 3  # an outcome that does not open is replaced; a store that keeps garbling it wins
 _BATCH = 64
 _SEQ_ROOM = 1024  # seqs written back past the highest seen: submits elsewhere not read here yet
@@ -604,6 +605,7 @@ class BoardFollower:
         self._on_store = on_store
         self._faults = faults or Faults()
         self._resets = Throttle()  # a log kept broken (a forged next entry) is read again every 5 s
+        self._unreachable = Throttle(_UNREACHABLE_LOG)  # tried again every second while it lasts
         self._position = 0
         self._resynced = -_RESYNC_PAUSE  # when the board was last read whole (monotonic)
 
@@ -635,7 +637,10 @@ class BoardFollower:
             await asyncio.sleep(_FOLLOW_TIMEOUT)  # a back-off
             return
         except StoreError as exc:
-            log.warning("store unreachable while following the board: %s", exc)
+            if (held := self._unreachable.check("store", time.monotonic())) is not None:
+                log.warning(
+                    "store unreachable while following the board: %s%s", exc, held_back(held)
+                )
             self._on_store(False)
             await asyncio.sleep(_FOLLOW_TIMEOUT)  # a back-off
             return

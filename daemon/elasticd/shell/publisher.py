@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from elasticd.core.records import Part
 from elasticd.errors import StoreError
-from elasticd.faults import Faults
+from elasticd.faults import Faults, Throttle, held_back
 from elasticd.jobs.board import BoardFollower, JobBoard
 from elasticd.jobs.registry import JobRegistry
 from elasticd.journal import about
@@ -17,6 +18,7 @@ from elasticd.journal import about
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT = 5.0  # seconds one part gets to reach the board (the last ones, at shutdown)
+_FAILED_LOG = 10.0  # seconds between two lines that say a job's part is still not published
 _REPUBLISH_PAUSE = 2.0  # seconds from one try to the next while the store is away
 
 
@@ -26,6 +28,7 @@ class PartPublisher:
         self._faults = faults
         self._unpublished: dict[str, Part] = {}  # job id -> this node's newest part
         self._wanted = asyncio.Event()
+        self._failed = Throttle(_FAILED_LOG)  # job id -> its part's failures, told now and then
 
     def publish(self, job_id: str, part: Part) -> None:
         """Queue ``part`` (it replaces one of the same job not published yet)."""
@@ -59,13 +62,15 @@ class PartPublisher:
                 async with asyncio.timeout(_PUBLISH_TIMEOUT):
                     await self._board.publish_part(job_id, part)
             except (StoreError, TimeoutError) as exc:
-                log.warning(
-                    "could not publish %s's part of %s: %s",
-                    part.node,
-                    job_id,
-                    str(exc) or "timed out",
-                    extra=about(job_id),
-                )
+                if (held := self._failed.check(job_id, time.monotonic())) is not None:
+                    log.warning(
+                        "could not publish %s's part of %s: %s%s",
+                        part.node,
+                        job_id,
+                        str(exc) or "timed out",
+                        held_back(held),
+                        extra=about(job_id),
+                    )
                 failed.add(job_id)
                 continue
             except Exception:  # this part is lost, the others and the loop go on
