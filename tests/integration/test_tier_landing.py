@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import sys
 import threading
 import time
@@ -135,6 +136,61 @@ def test_record_changes_that_queue_up_are_considered_together(tmp_path: Path) ->
             assert considered == [0, 1]
         finally:
             await tier.close(JOB)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+class HeldAtTheDoor:
+    """The tier's landing lock, but the landing thread's first ``with`` waits at the door
+    (after ``receive`` found its job) until ``go``: what a chunk that came as its job closed
+    does, every time instead of once in a while."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reached, self.go = threading.Event(), threading.Event()
+        self._main = threading.get_ident()
+
+    def __enter__(self) -> None:
+        if threading.get_ident() != self._main and not self.reached.is_set():
+            self.reached.set()
+            self.go.wait(30)
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_copy_landing_as_its_job_closes_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The job's directory goes with it (its tmpfs unmounted): a chunk that came meanwhile
+    landed in what was under the mount, outside any cap, until the daemon restarted."""
+
+    async def main() -> None:
+        tier = CheckpointTier(
+            TierSettings("n1", str(tmp_path / "tier"), 0, 0), NoPeers(), lambda event: None
+        )
+        running = asyncio.create_task(tier.run())
+        path = tier.open(job_spec(tmp_path, JOB))
+        door = HeldAtTheDoor()
+        tier._landing = door  # type: ignore[assignment]
+
+        def landing() -> str:
+            try:
+                tier.receive("n2", JOB, "step_1", "__0_0.distcp", 0, CHUNK, None)
+            except ValueError as exc:
+                return str(exc)
+            return "landed"
+
+        try:
+            lands = asyncio.ensure_future(asyncio.to_thread(landing))
+            await asyncio.to_thread(door.reached.wait, 30)  # it found the job, and waits
+            await tier.close(JOB)
+            door.go.set()
+            assert await lands == f"job {JOB} has no checkpoints here"
+            assert not os.path.exists(path), os.listdir(path)
+        finally:
+            door.go.set()
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
 

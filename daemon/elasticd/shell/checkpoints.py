@@ -354,12 +354,12 @@ class CheckpointTier:
         if jd is None:
             return
         self._warn_if_full(jd)
-        del self._jobs[job]
-        for task in [*jd.busy.values(), *jd.writing.values()]:
-            task.cancel()
-        with self._landing:
+        with self._landing:  # no copy lands in it from now on (``receive`` looks again)
+            del self._jobs[job]
             for key in [k for k in self._receiving if k[1] == job]:
                 del self._receiving[key]
+        for task in [*jd.busy.values(), *jd.writing.values()]:
+            task.cancel()
         _changed(jd)
         if jd.server is not None:
             jd.server.close()
@@ -1183,6 +1183,8 @@ class CheckpointTier:
         if not (cp.valid_name(ckpt) and cp.valid_name(name) and cp.valid_name(peer)):
             raise ValueError("bad checkpoint, file or node name")
         with self._landing, jd.rights():  # the copies are kept in the job's directory, its user's
+            if self._jobs.get(job) is not jd:  # closed meanwhile: its tmpfs is going
+                raise ValueError(f"job {job} has no checkpoints here")
             directory = os.path.dirname(_copy_path(jd.path, peer, ckpt, name))
             partial = os.path.join(directory, f".{name}.partial")
             key = (peer, job, ckpt, name)
@@ -1217,6 +1219,8 @@ class CheckpointTier:
         if not (cp.valid_name(ckpt) and cp.valid_name(peer)):
             raise ValueError("bad checkpoint or node name")
         with self._landing:
+            if self._jobs.get(job) is not jd:  # closed meanwhile
+                raise ValueError(f"job {job} has no checkpoints here")
             for key in [k for k in self._receiving if k[:3] == (peer, job, ckpt)]:
                 del self._receiving[key]
             with jd.rights():
