@@ -312,3 +312,66 @@ def test_an_aborted_round_is_given_up_at_half_the_jobs_rejoin_timeout():
     assert abort_limit("60") == 30.0 and abort_limit("8") == 4.0
     assert abort_limit("") == abort_limit("junk") == abort_limit("nan") == 30.0
     assert abort_limit("-1") == abort_limit("inf") == 30.0
+
+
+REFORMS = textwrap.dedent("""
+    import gc, json, os, socket, tempfile
+    import torch, torch.nn as nn, torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard, _random
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.device_mesh import init_device_mesh
+    from elasticd.elastic import checkpoint, runtime, sharded
+
+    gc.disable()  # what is freed without a full collection, as between two re-forms
+    here = tempfile.mkdtemp()
+    open(os.path.join(here, checkpoint.TIER_SOCKET), "w").close()
+
+    class Tier(checkpoint.Tier):  # a tier that takes every commit at once
+        def latest(self): return None
+        def wait(self, ident, timeout): return True
+        def saving(self, ident): pass
+        def saved(self, ident, files, place): pass
+
+    commits = sharded.ShardedCommits(Tier(here))
+    model = nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    stagers, out = [], {}
+    for round in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                          WORLD_SIZE="1", ELASTICD_ROUND=str(round))
+        runtime.init_default_group("gloo")
+        commits.save(model, opt, {"step": round})
+        commits.flush()
+        stagers.append(commits._stager)
+        mesh = init_device_mesh("cpu", (1,))
+        DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        _random._rng_tracker = object()  # as DTensor's first random op leaves it
+        dist.destroy_process_group()
+    out["cached"] = [len(s._state_dict_stager._cached_storage_mapping) for s in stagers]
+    runtime.forget_meshes()
+    out["transforms"] = _gen_transform_infos.cache_info().currsize
+    out["rng"] = _random._rng_tracker is None
+    print(json.dumps(out))
+""")
+
+
+def test_a_re_form_lets_the_staging_buffers_and_dtensors_caches_go(tmp_path: Path):
+    """The staging buffers of the rounds before (a copy of the rank's state each, kept by a
+    reference cycle until a full collection), the transforms DTensor cached with the rank's
+    old coordinate, and its random-number tracker (made by a collective of the old world)."""
+    done = subprocess.run(
+        [sys.executable, "-c", REFORMS],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["cached"][:2] == [0, 0] and found["cached"][2] > 0  # the round's own is kept
+    assert found["transforms"] == 0 and found["rng"]
