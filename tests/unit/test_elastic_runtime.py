@@ -375,3 +375,35 @@ def test_a_re_form_lets_the_staging_buffers_and_dtensors_caches_go(tmp_path: Pat
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["cached"][:2] == [0, 0] and found["cached"][2] > 0  # the round's own is kept
     assert found["transforms"] == 0 and found["rng"]
+
+
+FAILURES = textwrap.dedent("""
+    import json, socket, sys
+    from elasticd.elastic import ElasticUsageError, GroupAborted, runtime
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(sys.argv[1])
+    agent.listen()
+    worker = runtime.Runtime(sys.argv[1], 0, "gloo")
+    print(json.dumps({
+        "gloo": worker.is_group_failure(RuntimeError("[gloo] Connection closed by peer")),
+        "aborted": worker.is_group_failure(GroupAborted("gone")),
+        "script": worker.is_group_failure(RuntimeError("shapes do not match")),
+        "usage": worker.is_group_failure(ElasticUsageError(
+            "elasticd: this state's model belongs to an earlier round's process group")),
+    }))
+""")
+
+
+def test_a_misuse_of_the_library_is_the_scripts_error_not_a_broken_group(tmp_path: Path):
+    """Its message names the process group: taken for a group failure, the job re-formed,
+    ran the function again, failed the same way, and re-formed again, for good."""
+    done = subprocess.run(
+        [sys.executable, "-c", FAILURES, str(tmp_path / "agent.sock")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"gloo": True, "aborted": True, "script": False, "usage": False}

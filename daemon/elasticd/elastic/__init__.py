@@ -19,13 +19,14 @@ from the job's checkpoint tier, resharded (examples/fsdp_elastic_train.py).
 """
 
 from .driver import run
-from .errors import GroupAborted, HostsUpdatedInterrupt
+from .errors import ElasticUsageError, GroupAborted, HostsUpdatedInterrupt
 from .parallel import BatchShare, MeshError, World, batch_share, device_mesh, world
 from .runtime import check_host_updates, init, progress
 from .state import ObjectState, State, TorchState
 
 __all__ = [
     "BatchShare",
+    "ElasticUsageError",
     "GroupAborted",
     "HostsUpdatedInterrupt",
     "MeshError",

@@ -15,3 +15,10 @@ class HostsUpdatedInterrupt(RuntimeError):
 class GroupAborted(RuntimeError):
     """The daemon said a member is gone: this worker's process group was aborted, and the
     step in progress is lost (``run`` restores the last commit)."""
+
+
+class ElasticUsageError(Exception):
+    """The script used this library in a way that cannot work (a commit of a model built
+    for an earlier round, a load before ``attach``).  Not a RuntimeError, whose text decides
+    whether a group broke: a message that names the process group made such a mistake a
+    group failure, and the job re-formed and failed the same way for good."""

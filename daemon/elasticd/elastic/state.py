@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import collectives, runtime
 from .broadcast import broadcast_into, broadcast_structure, default_device, encode
+from .errors import ElasticUsageError
 
 # ``sharded`` and ``checkpoint`` bring DCP: 0.3 s of CPU at a worker's start (0.9 s before
 # the script's first optimizer imports DTensor) that a replicated model never uses. They are
@@ -223,7 +224,7 @@ class TorchState(ObjectState):
         its attributes: a new job can start where another one's commits left off. A
         collective when distributed."""
         if self.model is None:
-            raise RuntimeError("attach(model, optimizer) first: load_from loads into them")
+            raise ElasticUsageError("attach(model, optimizer) first: load_from loads into them")
         from .sharded import load_commit
 
         self._set_values(load_commit(self.model, self.optimizer, checkpoint_id))
@@ -236,7 +237,7 @@ class TorchState(ObjectState):
                 self._keep_copies()
             return
         if self._stale:
-            raise RuntimeError(
+            raise ElasticUsageError(
                 "elasticd: this state's model belongs to an earlier round's process group; "
                 "build the sharded model anew in the elastic.run function and give it to "
                 "state.attach(model, optimizer) before the first commit"
