@@ -318,3 +318,60 @@ def test_accelerate_s_sharded_kinds_are_refused_in_place_and_multi_cpu_is_not():
             accelerate.refuse_sharded(kind)
     for kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.NO):
         accelerate.refuse_sharded(kind)
+
+
+FALLBACK = """
+import json, os, socket, sys, tempfile
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from elasticd.elastic import checkpoint, runtime, sharded
+
+sharded.COMPLETE_WAIT = 0.3  # seconds a commit that never completes is waited for
+here = tempfile.mkdtemp()
+open(os.path.join(here, checkpoint.TIER_SOCKET), "w").close()
+
+class Tier(checkpoint.Tier):  # elastic-0-1 is complete; the rank's own elastic-0-2 never is
+    def latest(self): return {"id": "elastic-0-1"}
+    def wait(self, ident, timeout): return ident == "elastic-0-1"
+    def saving(self, ident): pass
+    def saved(self, ident, files, place): pass
+
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                  ELASTICD_ROUND="0")
+runtime.init_default_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+model = nn.Linear(8, 8)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters())
+commits = sharded.ShardedCommits(Tier(here))
+saved = commits.save(model, opt, {"step": 1})
+commits.flush()
+commits.last = sharded.CommitId(0, 2)  # its own newest: its copy was refused, say
+attrs = commits.load(model, opt)
+print(json.dumps({"saved": saved.name, "loaded": attrs, "last": commits.last.name}))
+"""
+
+
+def test_a_load_that_fails_on_a_ranks_own_commit_falls_back_to_the_newest_complete(
+    tmp_path: Path,
+) -> None:
+    """A rank's own last commit that never completes (its copy refused: the keeper is full)
+    was proposed again at each try, each waiting for it: the ranks gave up after three, and
+    the job re-formed, where the newest complete commit was there to load."""
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "daemon"),
+            "PATH": "/usr/bin:/bin",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"saved": "elastic-0-1", "loaded": {"step": 1}, "last": "elastic-0-1"}

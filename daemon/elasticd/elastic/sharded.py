@@ -276,6 +276,10 @@ class ShardedCommits:
                 self.last, self.trusted, self.pending = agreed, True, None
                 return loaded
             log.warning("elasticd: a rank could not load %s (try %d)", agreed.name, attempt + 1)
+            # every rank is here: none proposes its own last commit again (its copy refused,
+            # say, it never completes), so the next try takes the newest its node knows
+            # complete instead of waiting for the same one again
+            self.trusted = False
         raise RuntimeError(f"the ranks could not load a commit in {_LOAD_TRIES} tries")
 
     def _agree(self) -> CommitId | None:
