@@ -9,7 +9,9 @@ script), real failures.  Each test asserts the step the job resumed from and the
   are bitwise those of a reference run that restarted at world 2 from the same step on disk;
 - a node and the node keeping its copy both lost: the disk copy is used, or, without one,
   the job fails naming the checkpoint and why;
-- a save torn by a SIGKILL in the middle: the checkpoint before it is read.
+- a save torn by a SIGKILL in the middle: the checkpoint before it is read;
+- a node that joined (a scale-up on the restart path), then a node lost: the checkpoint the
+  newcomer was given is still the one the job resumes from.
 """
 
 from __future__ import annotations
@@ -256,6 +258,57 @@ def test_a_node_and_the_keeper_of_its_copy_lost(
         message = ended["error"]["message"]
         assert "checkpoint step_15" in message and "cannot be restored" in message, message
         assert lost in message and "lost" in message, message
+
+
+def test_a_node_that_joined_keeps_the_checkpoint_it_was_given_for_the_next_loss(
+    daemon_factory: Any, shared_tmp: Path, report: Path
+) -> None:
+    """Scaled up on the restart path, a newcomer is given the newest complete checkpoint
+    before its workers start.  It once described it as its own share of its round, which hid
+    the older round's shares: the checkpoint looked torn, and the next restart deleted it on
+    every node and started the job from nothing."""
+    cluster = Cluster(daemon_factory, shared_tmp, prefix="ckjoin", store_apart=True)
+    a, b = cluster.add("a"), cluster.add("b")
+    cluster.start()
+    job = a.submit(
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--last-call-timeout",
+        "1",
+        "--env",
+        "OMP_NUM_THREADS=1",
+        SCRIPT,
+        "--",
+        "--steps",
+        "20",
+        "--save-every",
+        "5",
+        "--step-time",
+        "1.0",  # step_15, at 3, is 5 s away when the kill comes
+        "--report",
+        str(report),
+        "--pause-after-save",
+        "10",
+    )["id"]
+    held = complete(a, job, 10)
+    assert held["world"] == 2, held
+    c = cluster.add("c")
+    c.start()  # the job grows to 3, every worker started again from step_10
+    wait_for(
+        lambda: [e for e in starts(report) if e["world"] == 3],
+        120,
+        "the job restarted at world 3",
+    )
+    assert {e["step"] for e in starts(report) if e["world"] == 3} == {10}
+    kill_node(b)
+    ended = a.wait_job(job, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), 300)
+    assert ended["state"] == "SUCCEEDED", ended
+    last = [e for e in starts(report) if e["world"] == 2][-2:]  # the two ranks after the loss
+    assert {e["step"] for e in last} == {10}, starts(report)
 
 
 def test_a_save_torn_by_a_sigkill_leaves_the_one_before_in_force(daemon, report):
