@@ -17,10 +17,13 @@ from elasticd.core.records import WorkerGroupLeft
 from elasticd.shell.workers import JOB_ENV, reap_leftovers
 
 JOB = "j-abc123"
-# a group leader that starts a child in its own group, prints both pids, then sleeps
+# a group leader that starts a child in its own group, prints both pids once the child runs
+# (a process in the middle of its exec shows no environment yet), then sleeps
 LEADER = (
     "import os, subprocess, sys, time\n"
-    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "child = subprocess.Popen([sys.executable, '-c', "
+    "'import time; print(flush=True); time.sleep(60)'], stdout=subprocess.PIPE)\n"
+    "child.stdout.readline()\n"
     "print(os.getpid(), child.pid, flush=True)\n"
     "time.sleep(60)\n"
 )

@@ -79,6 +79,8 @@ SOCKET_ENV = "ELASTICD_AGENT_SOCKET"  # an in-place worker's channel to its agen
 PROGRESS_ENV = "ELASTICD_PROGRESS_SOCKET"  # a classic job's, for progress only (--hang-timeout)
 SLOT_ENV = "ELASTICD_SLOT"
 REJOIN_ENV = "ELASTICD_REJOIN_TIMEOUT"  # an in-place job's --rejoin-timeout (elastic.runtime)
+_REAP_PASSES = 20  # looks for a dead daemon's leftovers, while the last one was not final
+_REAP_PAUSE = 0.01  # seconds between two
 JOB_ENV = "ELASTICD_JOB"  # the job's id, the daemon's own: how its leftovers are known
 
 OutputSink = Callable[[], None]  # a worker wrote output (followers read the files)
@@ -192,19 +194,35 @@ def reap_leftovers(groups: Mapping[int, WorkerGroupLeft], boot_time: float | Non
     and one that takes another job's id can only get the user's own processes killed.
     """
     booted = psutil.boot_time() if boot_time is None else boot_time
-    killed = 0
-    for proc in psutil.process_iter(["pid", "create_time"]):
-        try:
-            left = groups.get(os.getpgid(proc.info["pid"]))
-            if left is None or booted > left.started or proc.info["create_time"] < left.started - 1:
+    killed: set[int] = set()
+    for _ in range(_REAP_PASSES):  # again while one forks, or is in the middle of its exec
+        again = False
+        for proc in psutil.process_iter(["pid", "create_time"]):
+            pid = proc.info["pid"]
+            try:
+                left = groups.get(os.getpgid(pid))
+                if (
+                    pid in killed
+                    or left is None
+                    or booted > left.started
+                    or proc.info["create_time"] < left.started - 1
+                    or proc.uids().real != left.uid
+                ):
+                    continue
+                environ = proc.environ()
+                if not environ:  # none yet: it is in its exec (or was given none)
+                    again = True
+                if environ.get(JOB_ENV) != left.job_id:
+                    continue
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+                again = True  # what it forked meanwhile is looked for
+            except (OSError, psutil.Error):
                 continue
-            if proc.uids().real != left.uid or proc.environ().get(JOB_ENV) != left.job_id:
-                continue
-            os.kill(proc.info["pid"], signal.SIGKILL)
-            killed += 1
-        except (OSError, psutil.Error):
-            continue
-    return killed
+        if not again:
+            break
+        time.sleep(_REAP_PAUSE)
+    return len(killed)
 
 
 class _Pipe:
