@@ -234,6 +234,20 @@ class JobDir:
     def job(self) -> str:
         return self.spec.id
 
+    def let_go(self, name: str) -> None:
+        """Forget what is noted of checkpoint ``name`` (deleted, renamed away, pruned);
+        ``spoiled`` stays until its directory goes (the caller's)."""
+        for notes in (
+            self.claimed,
+            self.first_seen,
+            self.known_files,
+            self.keeper_gone,
+            self.retry,
+            self.refused,
+        ):
+            notes.pop(name, None)
+        self.placed.discard(name)
+
     def rights(self) -> contextlib.AbstractContextManager[None]:
         """The rights the daemon's calls on paths in this directory are made with: its
         user's, whose it is (shell/userfs.py; synchronous code only)."""
@@ -570,11 +584,7 @@ class CheckpointTier:
         """The script deleted a checkpoint, or renamed it away (a file written to a
         temporary name, then renamed: the temporary name is gone): it is no longer this
         node's to describe."""
-        jd.claimed.pop(name, None)
-        jd.first_seen.pop(name, None)
-        jd.placed.discard(name)
-        jd.known_files.pop(name, None)
-        jd.keeper_gone.pop(name, None)
+        jd.let_go(name)
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()
@@ -836,11 +846,7 @@ class CheckpointTier:
         jd.deleting.update(doomed)
         self._spawn("pruning", jd.job, functools.partial(self._remove, jd, doomed))
         for name in gone:  # nothing kept of a pruned checkpoint, its copy's back-off too
-            jd.claimed.pop(name, None)
-            jd.placed.discard(name)
-            jd.keeper_gone.pop(name, None)
-            jd.retry.pop(name, None)
-            jd.refused.pop(name, None)
+            jd.let_go(name)
         dropped = [jd.manifests.pop(name) for name in sorted(gone) if name in jd.manifests]
         if dropped:
             self._publish(jd)  # only when this node's own shares changed: no echo loop
@@ -1058,6 +1064,8 @@ class CheckpointTier:
             failure = await self._obtain(jd, checkpoint, name, facts, dest, members)
             if failure:
                 return failure
+            if checkpoint.kind == cp.FILE:  # before its rename's event is read: no await since
+                _note_version(jd, name, facts.sha256)
         if lacking:
             self._metrics.checkpoint_held(jd.job, _held_bytes(jd))
         return ""
@@ -1107,8 +1115,6 @@ class CheckpointTier:
                 if why:
                     tried.append(f"{holder}: {why}")
                     continue
-                if checkpoint.kind == cp.FILE:
-                    _note_version(jd, name, facts.sha256)
                 self._metrics.checkpoint_restored(where, facts.size)
                 return ""
             except Exception as exc:
@@ -1133,8 +1139,6 @@ class CheckpointTier:
             why = failure or self._check_into_place(jd, partial, dest, facts, got)
             with jd.rights(), contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
-            if not why and checkpoint.kind == cp.FILE:
-                _note_version(jd, name, facts.sha256)
             if not why:
                 self._metrics.checkpoint_restored("disk", facts.size)
                 return ""
