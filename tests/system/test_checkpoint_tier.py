@@ -60,7 +60,7 @@ def report(shared_tmp: Path) -> Path:
     return path
 
 
-def train_args(report: Path, steps: int, *extra: str) -> tuple[str, ...]:
+def train_args(report: Path, steps: int, *extra: str, step_time: float = 0.05) -> tuple[str, ...]:
     """The job's command line (one intra-op thread: the same float sums as a reference)."""
     return (
         "--env",
@@ -72,7 +72,7 @@ def train_args(report: Path, steps: int, *extra: str) -> tuple[str, ...]:
         "--save-every",
         "5",
         "--step-time",
-        "0.05",
+        str(step_time),
         "--report",
         str(report),
         *extra,
@@ -279,20 +279,8 @@ def test_a_node_that_joined_keeps_the_checkpoint_it_was_given_for_the_next_loss(
         "3",
         "--last-call-timeout",
         "1",
-        "--env",
-        "OMP_NUM_THREADS=1",
-        SCRIPT,
-        "--",
-        "--steps",
-        "20",
-        "--save-every",
-        "5",
-        "--step-time",
-        "1.0",  # step_15, at 3, is 5 s away when the kill comes
-        "--report",
-        str(report),
-        "--pause-after-save",
-        "10",
+        # step_15, at 3, is 5 s away when the kill comes
+        *train_args(report, 20, "--pause-after-save", "10", step_time=1.0),
     )["id"]
     held = complete(a, job, 10)
     assert held["world"] == 2, held

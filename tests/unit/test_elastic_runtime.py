@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import ROOT
@@ -189,16 +190,22 @@ RECORDER = textwrap.dedent("""
 """)
 
 
-def _recorder(base: Path, **env: str) -> tuple[dict[str, str | None], str]:
+def _script(code: str, *args: str, timeout: float = 120, **env: str) -> tuple[Any, str]:
+    """Run ``code`` in a fresh interpreter (its own torch.distributed state) with the worker
+    library on its path: what its last line of output says (JSON), and its stderr."""
     done = subprocess.run(
-        [sys.executable, "-c", RECORDER, str(base / "agent.sock"), str(free_port())],
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin", **env},
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def _recorder(base: Path, **env: str) -> tuple[dict[str, str | None], str]:
+    return _script(RECORDER, str(base / "agent.sock"), str(free_port()), **env)
 
 
 def test_no_flight_recorder_by_the_name_this_torch_reads_and_no_warning(tmp_path: Path):
@@ -364,15 +371,7 @@ def test_a_re_form_lets_the_staging_buffers_and_dtensors_caches_go(tmp_path: Pat
     """The staging buffers of the rounds before (a copy of the rank's state each, kept by a
     reference cycle until a full collection), the transforms DTensor cached with the rank's
     old coordinate, and its random-number tracker (made by a collective of the old world)."""
-    done = subprocess.run(
-        [sys.executable, "-c", REFORMS],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found, _ = _script(REFORMS, timeout=240)
     assert found["cached"][:2] == [0, 0] and found["cached"][2] > 0  # the round's own is kept
     assert found["transforms"] == 0 and found["rng"]
 
@@ -397,13 +396,5 @@ FAILURES = textwrap.dedent("""
 def test_a_misuse_of_the_library_is_the_scripts_error_not_a_broken_group(tmp_path: Path):
     """Its message names the process group: taken for a group failure, the job re-formed,
     ran the function again, failed the same way, and re-formed again, for good."""
-    done = subprocess.run(
-        [sys.executable, "-c", FAILURES, str(tmp_path / "agent.sock")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found, _ = _script(FAILURES, str(tmp_path / "agent.sock"))
     assert found == {"gloo": True, "aborted": True, "script": False, "usage": False}
