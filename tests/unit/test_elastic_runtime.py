@@ -379,6 +379,7 @@ def test_a_re_form_lets_the_staging_buffers_and_dtensors_caches_go(tmp_path: Pat
 FAILURES = textwrap.dedent("""
     import json, socket, sys
     from elasticd.elastic import ElasticUsageError, GroupAborted, runtime
+    from elasticd.elastic.checkpoint import TierError
     agent = socket.socket(socket.AF_UNIX)
     agent.bind(sys.argv[1])
     agent.listen()
@@ -389,12 +390,22 @@ FAILURES = textwrap.dedent("""
         "script": worker.is_group_failure(RuntimeError("shapes do not match")),
         "usage": worker.is_group_failure(ElasticUsageError(
             "elasticd: this state's model belongs to an earlier round's process group")),
+        "tier": worker.is_group_failure(TierError(
+            "the checkpoint tier at /run/x/.tier.sock: timed out")),
     }))
 """)
 
 
 def test_a_misuse_of_the_library_is_the_scripts_error_not_a_broken_group(tmp_path: Path):
     """Its message names the process group: taken for a group failure, the job re-formed,
-    ran the function again, failed the same way, and re-formed again, for good."""
+    ran the function again, failed the same way, and re-formed again, for good.  So did the
+    tier's errors, whose text is its socket's ("timed out"): a tier that refuses a commit
+    (the job over its cap) refuses it again in every round."""
     found, _ = _script(FAILURES, str(tmp_path / "agent.sock"))
-    assert found == {"gloo": True, "aborted": True, "script": False, "usage": False}
+    assert found == {
+        "gloo": True,
+        "aborted": True,
+        "script": False,
+        "usage": False,
+        "tier": False,
+    }

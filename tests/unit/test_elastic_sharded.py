@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import math
 import socket
+import socketserver
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -219,6 +222,83 @@ def test_a_reader_reads_a_checkpoint_s_metadata_once(tmp_path, monkeypatch):
         reader.read_metadata()
 
 
+class _HangingTier(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """A tier daemon that answers ``latest`` and holds no file, and never answers a fetch."""
+
+    daemon_threads = True
+
+    def __init__(self, path: str) -> None:
+        self.fetches: list[float] = []  # how long each fetch's connection stood
+        self.release = threading.Event()
+        super().__init__(path, self._Handler)
+
+    class _Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            server = self.server
+            assert isinstance(server, _HangingTier)
+            for line in self.rfile:
+                request = json.loads(line)
+                if request["op"] == "fetch" and not request.get("here_only"):
+                    self.connection.settimeout(60)
+                    started = time.monotonic()
+                    while not server.release.is_set() and self.rfile.read(1):
+                        pass  # waits until the asker goes (EOF) or the test ends
+                    server.fetches.append(time.monotonic() - started)
+                    return
+                answer = (
+                    {"ok": True, "paths": {}}
+                    if request["op"] == "fetch"
+                    else {
+                        "ok": True,
+                        "checkpoint": {"id": "elastic-0-1", "files": {}, "here": []},
+                    }
+                )
+                self.wfile.write(json.dumps(answer).encode() + b"\n")
+
+
+def test_a_load_that_fails_here_gives_up_its_fetch_and_leaves_the_tier_free(
+    tmp_path: Path, monkeypatch
+):
+    """A rank's read of its own node's file failed (cut short) while the rest was fetched on
+    a thread: the fetch held the tier's one connection, so the load's fallback (the tier's
+    newest complete commit) waited out the fetch, up to 600 s.  The fetch is given up now,
+    over a connection of its own."""
+    monkeypatch.delenv(checkpoint.TIER_ENV, raising=False)
+    path = tmp_path / "elastic-0-1"
+    path.mkdir()
+    tensors = {
+        name: {
+            "dtype": "float32",
+            "size": [2],
+            "requires_grad": False,
+            "chunks": [[[0], [2], f"__{rank}_0.distcp", 0, 8]],
+        }
+        for rank, name in enumerate(("here", "fetched"))
+    }
+    doc = {"format": checkpoint.FORMAT, "tensors": tensors, "values": {}}
+    (path / checkpoint.METADATA).write_text(json.dumps(doc))
+    (path / "__0_0.distcp").write_bytes(b"\0" * 4)  # cut short: 8 bytes wanted
+    server = _HangingTier(str(tmp_path / checkpoint.TIER_SOCKET))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    tier = checkpoint.Tier(tmp_path)
+    try:
+        state = {"here": torch.zeros(2), "fetched": torch.zeros(2)}
+        with pytest.raises(BaseException, match="cut before 8"):
+            checkpoint.load(state, "elastic-0-1", tier=tier)
+        began = time.monotonic()
+        assert tier.latest()["id"] == "elastic-0-1"  # free at once, not after 600 s
+        assert time.monotonic() - began < 30
+        deadline = time.monotonic() + 30
+        while not server.fetches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(server.fetches) == 1  # the fetch's connection was ended, not left
+    finally:
+        server.release.set()
+        tier.close()
+        server.shutdown()
+        server.server_close()
+
+
 # -- across ranks -------------------------------------------------------------------------------------
 
 
@@ -320,23 +400,38 @@ def test_accelerate_s_sharded_kinds_are_refused_in_place_and_multi_cpu_is_not():
         accelerate.refuse_sharded(kind)
 
 
-FALLBACK = """
+def _one_rank(tier: str, body: str) -> dict:
+    """``body`` run by one gloo rank with a 1-rank FSDP2 model, AdamW and ``commits``: the
+    ShardedCommits of ``tier``'s class ``Tier`` (a fake of the daemon's socket); what it
+    prints last, as JSON."""
+    script = "\n".join([_ONE_RANK_HEAD, textwrap.dedent(tier), _ONE_RANK_MODEL, body])
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "daemon"),
+            "PATH": "/usr/bin:/bin",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_ONE_RANK_HEAD = """
 import json, os, socket, sys, tempfile
 import torch, torch.nn as nn, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from elasticd.elastic import checkpoint, runtime, sharded
+from elasticd.elastic import ElasticUsageError, checkpoint, runtime, sharded
 
 sharded.COMPLETE_WAIT = 0.3  # seconds a commit that never completes is waited for
 here = tempfile.mkdtemp()
 open(os.path.join(here, checkpoint.TIER_SOCKET), "w").close()
+"""
 
-class Tier(checkpoint.Tier):  # elastic-0-1 is complete; the rank's own elastic-0-2 never is
-    def latest(self): return {"id": "elastic-0-1"}
-    def wait(self, ident, timeout): return ident == "elastic-0-1"
-    def saving(self, ident): pass
-    def saved(self, ident, files, place): pass
-
+_ONE_RANK_MODEL = """
 with socket.socket() as probe:
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
@@ -348,30 +443,58 @@ model = nn.Linear(8, 8)
 fully_shard(model, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters())
 commits = sharded.ShardedCommits(Tier(here))
+"""
+
+
+def test_a_load_that_fails_on_a_ranks_own_commit_falls_back_to_the_newest_complete() -> None:
+    """A rank's own last commit that never completes (its copy refused: the keeper is full)
+    was proposed again at each try, each waiting for it: the ranks gave up after three, and
+    the job re-formed, where the newest complete commit was there to load."""
+    tier = """
+        class Tier(checkpoint.Tier):  # elastic-0-1 is complete; its own elastic-0-2 never is
+            def latest(self): return {"id": "elastic-0-1"}
+            def wait(self, ident, timeout): return ident == "elastic-0-1"
+            def saving(self, ident): pass
+            def saved(self, ident, files, place): pass
+    """
+    found = _one_rank(
+        tier,
+        """
 saved = commits.save(model, opt, {"step": 1})
 commits.flush()
 commits.last = sharded.CommitId(0, 2)  # its own newest: its copy was refused, say
 attrs = commits.load(model, opt)
 print(json.dumps({"saved": saved.name, "loaded": attrs, "last": commits.last.name}))
-"""
-
-
-def test_a_load_that_fails_on_a_ranks_own_commit_falls_back_to_the_newest_complete(
-    tmp_path: Path,
-) -> None:
-    """A rank's own last commit that never completes (its copy refused: the keeper is full)
-    was proposed again at each try, each waiting for it: the ranks gave up after three, and
-    the job re-formed, where the newest complete commit was there to load."""
-    done = subprocess.run(
-        [sys.executable, "-c", FALLBACK],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={
-            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "daemon"),
-            "PATH": "/usr/bin:/bin",
-        },
+""",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found == {"saved": "elastic-0-1", "loaded": {"step": 1}, "last": "elastic-0-1"}
+
+
+def test_a_scripts_own_save_beside_the_commits_is_refused_not_taken_for_none() -> None:
+    """A script that commits its state and also saves DCP checkpoints of its own into the
+    tier: the tier keeps the newest complete one only, so each deleted the other, and after
+    a failure the ranks found no commit (the newest was ``step_40``) and started over.  The
+    commit after such a save, and the load, now say what is wrong."""
+    tier = """
+        class Tier(checkpoint.Tier):  # the script's own step_40 is the newest complete
+            def latest(self): return {"id": "step_40"}
+            def wait(self, ident, timeout): return True
+            def saving(self, ident): pass
+            def saved(self, ident, files, place): pass
+    """
+    found = _one_rank(
+        tier,
+        """
+out = {}
+commits.save(model, opt, {"step": 1})
+for what, call in (("commit", lambda: commits.save(model, opt, {"step": 2})),
+                   ("load", lambda: commits.load(model, opt))):
+    try:
+        call()
+    except ElasticUsageError as exc:
+        out[what] = str(exc)
+print(json.dumps(out))
+""",
+    )
+    assert set(found) == {"commit", "load"}
+    assert all("holds step_40" in why and "another directory" in why for why in found.values())

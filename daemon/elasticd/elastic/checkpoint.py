@@ -32,6 +32,7 @@ for its old round after its node was placed in a new one.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import io
@@ -75,6 +76,7 @@ from torch.futures import Future
 
 from . import pages
 from .broadcast import pack, raw_view, unpack
+from .errors import TierError
 
 T = TypeVar("T")
 
@@ -96,10 +98,6 @@ _DTYPES = {
 }
 
 
-class TierError(RuntimeError):
-    """The tier refused a request, or its daemon did not answer."""
-
-
 # -- the socket -------------------------------------------------------------------------------
 
 
@@ -113,6 +111,7 @@ class Tier:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._reader: io.BufferedReader | None = None
+        self._interrupted = False
 
     @classmethod
     def from_env(cls) -> Tier | None:
@@ -134,6 +133,8 @@ class Tier:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                     self._sock.connect(self.socket_path)
                     self._reader = self._sock.makefile("rb")
+                if self._interrupted:  # after the connect: ``interrupt`` shuts down what it finds
+                    raise OSError(errno.ECANCELED, "interrupted")
                 assert self._reader is not None
                 self._sock.settimeout(timeout)
                 self._sock.sendall(line)
@@ -157,6 +158,15 @@ class Tier:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+    def interrupt(self) -> None:
+        """End the request another thread waits on (it raises TierError), and any after it:
+        its socket is shut down, without the lock that thread holds."""
+        self._interrupted = True
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def latest(self) -> dict[str, Any] | None:
         """The newest complete checkpoint (``id``, ``round``, ``world``, ``files``: name ->
@@ -638,8 +648,11 @@ class TierReader(StorageReader):
             self._read_into(planner, here, paths, maps)
             if fetching is not None:
                 paths.update(fetching.result())
+                fetching = None
             self._read_into(planner, rest, paths, maps)
         finally:
+            if fetching is not None:  # a read here failed: the fetch is of no use now
+                fetching.give_up()
             if maps:  # unmapping a gigabyte takes tens of ms: a thread does it, the load goes on
                 in_background(lambda: _unmap(maps.values()), "elasticd-unmap")
         future: Future[None] = Future()
@@ -680,7 +693,7 @@ class TierReader(StorageReader):
 
     def _here_then_fetched(
         self, wanted: Mapping[str, list[tuple[int, int]]]
-    ) -> tuple[dict[str, str], concurrent.futures.Future[dict[str, str]] | None]:
+    ) -> tuple[dict[str, str], _Fetching | None]:
         """The wanted files this node holds (in this directory, or the copies its daemon
         keeps of other nodes'), and the fetch of the others' ranges from the nodes that hold
         them, begun on a thread of its own: the reader copies what is here meanwhile."""
@@ -701,7 +714,7 @@ class TierReader(StorageReader):
             self.fetched[file] = self.fetched.get(file, 0) + length
         if not lacking:
             return paths, None
-        return paths, in_background(lambda: tier.fetch(self.name, lacking), "elasticd-fetch")
+        return paths, _Fetching.begin(tier, self.name, lacking)
 
     def _paths(self, wanted: Mapping[str, list[tuple[int, int]]]) -> dict[str, str]:
         """Each wanted file's path: here, else fetched (its ranges) through the tier."""
@@ -715,6 +728,32 @@ class TierReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+@dataclass(frozen=True)
+class _Fetching:
+    """Byte ranges being fetched on a thread, over a connection to the daemon of their own:
+    the script's own ``Tier`` stays free meanwhile (a reader that failed here falls back to
+    another commit through it), and shutting that connection down ends a fetch given up,
+    which would otherwise hold its thread up to the fetch's 600 s."""
+
+    tier: Tier
+    future: concurrent.futures.Future[dict[str, str]]
+
+    @classmethod
+    def begin(cls, tier: Tier, ident: str, ranges: list[tuple[str, int, int]]) -> _Fetching:
+        own = Tier(tier.directory)
+        return cls(own, in_background(lambda: own.fetch(ident, ranges), "elasticd-fetch"))
+
+    def result(self) -> dict[str, str]:
+        try:
+            return self.future.result()
+        finally:
+            self.tier.close()
+
+    def give_up(self) -> None:
+        self.tier.interrupt()
+        self.future.add_done_callback(lambda _: self.tier.close())
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -22,3 +22,9 @@ class ElasticUsageError(Exception):
     for an earlier round, a load before ``attach``).  Not a RuntimeError, whose text decides
     whether a group broke: a message that names the process group made such a mistake a
     group failure, and the job re-formed and failed the same way for good."""
+
+
+class TierError(RuntimeError):
+    """The job's checkpoint tier refused a request, or its daemon did not answer.  Never a
+    broken group by itself: its text ("timed out", "connection reset") is the daemon
+    socket's, not a collective's."""

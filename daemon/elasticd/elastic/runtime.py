@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .broadcast import default_device
-from .errors import GroupAborted, HostsUpdatedInterrupt
+from .errors import GroupAborted, HostsUpdatedInterrupt, TierError
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ class Runtime:
             return True
         if self.aborted:  # the daemon said the group is gone: what broke is a consequence
             return True
-        if not isinstance(exc, RuntimeError):
+        if isinstance(exc, TierError) or not isinstance(exc, RuntimeError):
             return False
         text = str(exc).lower()
         return any(word in text for word in _GROUP_ERRORS)

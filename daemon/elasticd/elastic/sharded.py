@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import checkpoint, collectives, runtime
 from .broadcast import default_device, pack
-from .errors import GroupAborted
+from .errors import ElasticUsageError, GroupAborted
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,8 @@ class ShardedCommits:
                 self.pending.name,
                 COMPLETE_WAIT,
             )
-        else:
+        else:  # it is complete, or a newer one is: a commit, or the script's own save?
+            _commit_or_refuse(self.tier.latest())
             self._clean(self.pending)
         self.pending = None
 
@@ -286,12 +287,41 @@ class ShardedCommits:
         """The newest commit any rank vouches for: its own last one (unless a failure may have
         torn it), or the newest its node knows complete."""
         found = self.tier.latest()
-        known = CommitId.parse(found["id"]) if found else None
+        try:
+            known, foreign = _commit_or_refuse(found), 0
+        except ElasticUsageError:  # raised by every rank at once, none left in a collective
+            known, foreign = None, 1
         own = self.last if self.trusted else None
         mine = max((c for c in (own, known) if c is not None), default=None)
-        value = torch.tensor([mine.encode() if mine else -1], device=default_device())
+        value = torch.tensor([mine.encode() if mine else -1, foreign], device=default_device())
         collectives.all_reduce(value, op=dist.ReduceOp.MAX)
-        return CommitId.decode(int(value.item()))
+        if int(value[1].item()):
+            raise _saved_beside(str(found["id"]) if foreign and found else "")
+        return CommitId.decode(int(value[0].item()))
+
+
+def _commit_or_refuse(found: dict[str, Any] | None) -> CommitId | None:
+    """The tier's newest complete checkpoint (``Tier.latest``) as a commit, or None; refused
+    when it is a DCP checkpoint the script saved into the tier itself."""
+    if found is None:
+        return None
+    ident = CommitId.parse(str(found["id"]))
+    if ident is None:
+        raise _saved_beside(str(found["id"]))
+    return ident
+
+
+def _saved_beside(name: str) -> ElasticUsageError:
+    """The tier keeps only the newest complete checkpoint: a script's own DCP saves beside its
+    commits delete them (and they it), and after a failure the ranks would find no commit to
+    load and start the state over."""
+    what = f"{name}, a DCP checkpoint" if name else "a DCP checkpoint"
+    return ElasticUsageError(
+        f"elasticd: the job's checkpoint tier holds {what} the script saved there itself, "
+        "beside this state's commits; the tier keeps only the newest complete checkpoint, "
+        "so one deletes the other.  Save the script's own checkpoints to another directory "
+        "(the daemon copies every commit to --checkpoint-dir, which state.load_from reads)"
+    )
 
 
 def _round() -> int:
