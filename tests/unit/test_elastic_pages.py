@@ -4,7 +4,9 @@ a load through the tier's reader into fresh memory, equal to the last bit."""
 
 from __future__ import annotations
 
+import json
 import mmap
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,6 +86,48 @@ def test_a_tensor_small_strided_or_not_on_the_cpu_is_left_alone(make, fresh_budg
     assert pages._state["advised"] == 0  # not counted against the bound either
     if tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() >= FRESH:
         assert not advised(tensor)
+
+
+HEAP = """
+import ctypes, json
+import torch
+from elasticd.elastic import pages
+libc = ctypes.CDLL(None)
+assert libc.mallopt(-3, 64 << 20) == 1  # M_MMAP_THRESHOLD: what is under it, from the heap
+tensor = torch.empty(16 << 20, dtype=torch.uint8)
+where = tensor.data_ptr()
+with open("/proc/self/maps") as maps:
+    lines = [line.split() for line in maps]
+held = [l[-1] for l in lines if int(l[0].split("-")[0], 16) <= where < int(l[0].split("-")[1], 16)]
+print(json.dumps({
+    "heap": held == ["[heap]"],
+    "advised": pages.huge_pages_for(tensor),
+    "counted": pages._state["advised"],
+}))
+"""
+
+
+def test_a_tensor_in_the_heap_is_not_advised():
+    """Under glibc's mmap threshold (it grows to 32 MiB as large blocks are freed) a tensor
+    is heap memory: advised, the hint outlived it, and what the heap held there next was
+    backed by 2 MiB pages.  Such a tensor is left alone."""
+    done = subprocess.run(
+        [sys.executable, "-c", HEAP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "daemon"),
+            "PATH": "/usr/bin:/bin",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "heap": True,
+        "advised": False,
+        "counted": 0,
+    }
+    assert not pages.in_heap(fresh().data_ptr())  # a mapping of its own
 
 
 def test_no_more_tensors_are_advised_than_the_bound(monkeypatch):

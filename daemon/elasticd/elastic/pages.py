@@ -11,7 +11,10 @@ tier's reader: 0.50 s without, 0.34 s with (docs/benchmarks.md).  Both are hints
 
 Advising a range inside an allocation splits its mapping in up to three, and a process may
 hold at most ``vm.max_map_count`` mappings (65530 by default): only tensors of at least
-``AT_LEAST`` bytes are advised, and at most ``MOST`` of them in a process's life.
+``AT_LEAST`` bytes are advised, and at most ``MOST`` of them in a process's life.  Only
+memory of a mapping of its own: glibc serves a tensor under its mmap threshold (which grows
+to 32 MiB) from the heap, where the advice would outlive the tensor and bloat whatever the
+heap holds there next with 2 MiB pages; such a tensor lies below the program break.
 """
 
 from __future__ import annotations
@@ -38,8 +41,18 @@ if sys.platform == "linux":
         _madvise = _libc.madvise
         _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _madvise.restype = ctypes.c_int
+        _sbrk = _libc.sbrk
+        _sbrk.argtypes = [ctypes.c_ssize_t]
+        _sbrk.restype = ctypes.c_void_p
     except (OSError, AttributeError):
         _madvise = None
+
+
+def in_heap(address: int) -> bool:
+    """Whether ``address`` is below the program break: the heap's (or the program's own)
+    memory, not a mapping of its own."""
+    brk = _sbrk(0) if _madvise is not None else None
+    return brk is not None and address < brk
 
 
 def huge_pages_for(target: torch.Tensor) -> bool:
@@ -51,6 +64,8 @@ def huge_pages_for(target: torch.Tensor) -> bool:
     if nbytes < AT_LEAST:
         return False
     start = target.data_ptr()
+    if in_heap(start):
+        return False
     low, high = -(-start // HUGE) * HUGE, (start + nbytes) // HUGE * HUGE
     with _lock:
         if _state["advised"] >= MOST:
