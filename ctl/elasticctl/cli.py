@@ -587,7 +587,22 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+class ignoring_signals(cancelling_signals):
+    """While the job is being cancelled: a second Ctrl-C (or handled signal) does not cut the
+    cancel short, which left the job running here (a daemon) or its line unsaid (elasticrun).
+    The cancel is bounded by the reply timeout (``ELASTICCTL_TIMEOUT``)."""
+
+    def __enter__(self) -> None:
+        for number in self._signals:
+            self._previous[number] = signal.signal(number, signal.SIG_IGN)
+
+
 def cancel_followed(args: argparse.Namespace, job_id: str) -> int:
+    with ignoring_signals(args.signals_to_handle):
+        return _cancel(args, job_id)
+
+
+def _cancel(args: argparse.Namespace, job_id: str) -> int:
     try:
         with connect(args) as daemon:
             job = daemon.call("cancel", {"job": job_id})

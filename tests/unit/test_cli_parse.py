@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
+import time
 
 import pytest
 
@@ -510,3 +513,33 @@ def test_check_runnable_takes_a_runnable_job(tmp_path):
     submission.check_runnable(_request(tmp_path))
     submission.check_runnable(_request(tmp_path, kind="module", argv=["pkg.mod"]))
     submission.check_runnable(_request(tmp_path, kind="exec", argv=["true"], python=""))
+
+
+class _CancelInterrupted:
+    """A daemon whose cancel takes a second Ctrl-C on the way (SIGINT to this process, as
+    the terminal sends it)."""
+
+    def __enter__(self) -> _CancelInterrupted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def call(self, op: str, args: dict) -> dict:
+        assert op == "cancel"
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # a handler that raises runs here, at the next bytecode
+        return {"id": args["job"], "state": "CANCELLED"}
+
+
+def test_a_second_ctrl_c_does_not_cut_the_cancel_short(monkeypatch, capsys):
+    """Ctrl-C cancels the followed job; a second one while the cancel was on its way raised
+    out of it: the job's line went unsaid (elasticrun) or the job was left running (a
+    daemon).  The cancel is bounded by the reply timeout; signals are handled as before
+    after it."""
+    monkeypatch.setattr(cli, "connect", lambda args: _CancelInterrupted())
+    args = argparse.Namespace(signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT", prog="elasticrun")
+    before = signal.getsignal(signal.SIGINT)
+    assert cli.cancel_followed(args, "j-1f2e3d") == cli.INTERRUPTED
+    assert "elasticrun: job j-1f2e3d cancelled" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before
