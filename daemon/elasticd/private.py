@@ -10,8 +10,8 @@ What makes it private:
   id in the store (a compare-and-set of a signed claim: the first node's id wins); that node
   submits the job once it is up, the others wait for it.  A claim whose node gave up before
   its submit (Ctrl-C, a failed start) is withdrawn, and one that stood CLAIM_STALE seconds
-  without it (its node SIGKILLed) is taken over: another node submits the job under the same
-  id, so a run id is never dead for the store's life.  The store holds the job's settings
+  without it (its node SIGKILLed, before or during its submit) is taken over: another node
+  submits the job under the same id, so a run id is never dead for the store's life.  The store holds the job's settings
   (nodes, workers, restarts) and its program's name, never its arguments or environment.
 - **Its own command line.**  Every node runs what its own elasticrun was given (argv,
   interpreter, working directory, environment: each node's workers inherit that node's, as
@@ -49,7 +49,7 @@ from elasticd.control.server import Caller
 from elasticd.core.model import JobSpec, NodeState
 from elasticd.core.records import JobRecord
 from elasticd.errors import ElasticdError
-from elasticd.jobs.board import JOB_ID, new_job_id
+from elasticd.jobs.board import JOB_ID, IdTaken, new_job_id
 from elasticd.jobs.registry import JobRegistry
 from elasticd.shell.node import NodeShell
 from elasticd.store.base import Store
@@ -73,7 +73,7 @@ class PrivateError(ElasticdError):
 @dataclass(frozen=True)
 class Claim:
     """The job's id and the node that is to submit it, as the store holds them: OPEN until
-    that node, up, is about to submit (SUBMITTING, for good), or WITHDRAWN when it gave up.
+    that node, up, is about to submit (SUBMITTING), or WITHDRAWN when it gave up.
     The id stays whichever node takes the claim over: the nodes that wait for the job know
     it before it is on the board (their lens runs that id only)."""
 
@@ -84,14 +84,16 @@ class Claim:
 
 def free(claim: Claim, standing: float, stale_after: float) -> bool:
     """Whether a node may take over ``claim``, which it has seen unchanged for ``standing``
-    seconds: one withdrawn, or one still open after ``stale_after`` (its node died before its
-    submit: SIGKILL leaves no time to withdraw).  A bound, not the claimer's liveness: it
-    claimed before it joined the cluster, so there is no heartbeat of it to miss.  Taking
-    over is a compare-and-set from the very record seen, as the claim's node moving it to
-    SUBMITTING is: of two nodes that judge at once, and of a slow node and the one that
-    judged it dead, one wins and the others wait for it.  A live node slower than
-    ``stale_after`` to start loses its turn to submit, no more."""
-    return claim.state == WITHDRAWN or (claim.state == OPEN and standing >= stale_after)
+    seconds (and the job not submitted meanwhile): one withdrawn, or one that stood
+    ``stale_after``, open or submitting (its node died before its submit, or in it: SIGKILL
+    leaves no time to withdraw).  A bound, not the claimer's liveness: it claimed before it
+    joined the cluster, so there is no heartbeat of it to miss.  Taking over is a
+    compare-and-set from the very record seen, as the claim's node moving it to SUBMITTING
+    is: of two nodes that judge at once, and of a slow node and the one that judged it dead,
+    one wins and the others wait for it.  A live node slower than ``stale_after`` to start
+    loses its turn to submit; one slower than that in its submit finds the job submitted by
+    the node that took over (or that node finds its), and runs it: no more."""
+    return claim.state == WITHDRAWN or standing >= stale_after
 
 
 class Private:
@@ -265,9 +267,14 @@ class Private:
         if self.submitted:
             key = f"{root}/elasticrun/job"
             published = dataclasses.replace(self.own, argv=self.own.argv[:1], env={})
-            await node_shell.submit(published)
+            try:
+                await node_shell.submit(published)
+            except IdTaken:  # the claim this node took over, or that took over its, was slow
+                self.submits = False
+            # the job's key, set again where the other node submitted it and died before
             await store.set(key, signer.seal(key, {"job": self.job_id}))
-            return
+            if self.submits:
+                return
         record = await node_shell.fetch(self.job_id)
         if record is None:
             raise PrivateError(f"job {self.job_id} is not on the store's board")

@@ -17,6 +17,7 @@ import pytest
 from elasticd.config import DaemonConfig
 from elasticd.core.model import JobState
 from elasticd.core.records import JobRecord, Outcome
+from elasticd.jobs.board import IdTaken
 from elasticd.private import Private, PrivateError
 from elasticd.store.memory import AsyncMemoryStore, MemoryStore
 from elasticd.store.signing import Signer
@@ -160,6 +161,62 @@ def test_a_claim_whose_node_died_before_its_submit_is_taken_over_by_one_node(tmp
         assert second.job_id == third.job_id == dead.job_id
         await dead.agree(store, signer, ROOT)  # it was only slow
         assert not dead.submitted
+
+    asyncio.run(main())
+
+
+def test_a_claim_whose_node_died_in_its_submit_is_taken_over_too(tmp_path, monkeypatch):
+    """Killed after its claim went SUBMITTING, before the job was on the board: the nodes
+    that waited for it waited out their join timeout (600 s by default) and failed."""
+    import elasticd.private as module
+
+    monkeypatch.setattr(module, "CLAIM_STALE", 0.2)
+    monkeypatch.setattr(module, "CLAIM_POLL", 0.02)
+
+    async def main():
+        store = AsyncMemoryStore(MemoryStore())
+        signer = Signer(b"k" * 32, "elasticrun-t")
+        dead, second = (private(tmp_path, name)[0] for name in "ab")
+        for node in (dead, second):
+            await node.claim(store, signer, ROOT, DaemonConfig(), node.directory)
+        await dead.agree(store, signer, ROOT)
+        assert dead.submitted  # and killed here, its job never submitted
+        await asyncio.wait_for(join(second, store, signer), 10)
+        assert second.submitted and second.job_id == dead.job_id
+
+    asyncio.run(main())
+
+
+class _Board:
+    """A node's submit and fetch, where another node submitted the job first."""
+
+    def __init__(self) -> None:
+        self.record: JobRecord | None = None
+
+    async def submit(self, spec):
+        self.record = JobRecord(spec, seq=1)
+        raise IdTaken(spec.id)
+
+    async def fetch(self, job_id):
+        return self.record
+
+
+def test_a_node_that_took_over_a_slow_claim_runs_the_job_its_node_submitted(tmp_path, monkeypatch):
+    """Two nodes submit the job when one took over the other's claim while it was slow, not
+    dead: the second finds the job on the board (IdTaken) and runs it as a node that waited
+    would; it sets the job's key too (the first may have died between its submit and that)."""
+    import elasticd.private as module
+
+    monkeypatch.setattr(module, "CLAIM_STALE", 0.2)
+
+    async def main():
+        store = AsyncMemoryStore(MemoryStore())
+        signer = Signer(b"k" * 32, "elasticrun-t")
+        node, _ = private(tmp_path, "a")
+        await node.claim(store, signer, ROOT, DaemonConfig(), "a")
+        await node._join(store, signer, ROOT, _Board())
+        assert node.submitted and not node.submits
+        assert signer.open(JOB, await store.get(JOB)).body == {"job": node.job_id}
 
     asyncio.run(main())
 
