@@ -222,6 +222,61 @@ def test_a_helper_relays_the_targets_ack_or_answers_a_nack_in_time():
     assert sends(h.tick(2.0 + S.relay_timeout), Kind.NACK) == [Send("a", Kind.NACK, 42, "b")]
 
 
+def losses(out) -> list[Lost]:
+    return [o for o in out if isinstance(o, Lost)]
+
+
+def test_a_refused_node_is_asked_about_at_once_and_lost_sooner_once_confirmed():
+    """Its host said nothing listens at its port (its daemon died, the host lives): helpers
+    are asked at once, and a helper's nack ends it at ``suspect_after`` of silence."""
+    d = ring("a", "a", "b", "c", "d")
+    asks = sends(d.refused("b", 0.05), Kind.ASK)
+    assert {(a.to, a.target) for a in asks} == {("c", "b"), ("d", "b")}
+    nack = next(a for a in asks if a.to == "c")
+    t, lost = 0.06, []
+    lost += losses(d.receive("c", Kind.NACK, nack.nonce, "b", t))
+    while not lost:
+        t += S.tick
+        d.receive("d", Kind.ACK, 0, "", t)
+        lost += losses(d.tick(t))
+    assert S.suspect_after <= t <= S.suspect_after + S.tick + 1e-9 < S.lost_after
+    assert lost == [Lost("b", pytest.approx(t), ("c",), refused=True)]
+
+
+def test_a_refused_node_that_answers_is_not_lost_sooner():
+    """The refusal may be forged: anything the node says clears it, and its silence is then
+    judged as anyone's."""
+    d = ring("a", "a", "b", "c", "d")
+    asks = sends(d.refused("b", 0.05), Kind.ASK)
+    d.receive("b", Kind.ACK, 0, "", 0.06)
+    t, lost = 0.06, []
+    for ask in asks:
+        lost += losses(d.receive(ask.to, Kind.NACK, ask.nonce, "b", 0.07))
+    while t < 0.06 + S.lost_after - S.tick:
+        t += S.tick
+        d.receive("d", Kind.ACK, 0, "", t)
+        lost += losses(d.tick(t))
+    assert lost == []
+
+
+def test_a_refused_node_is_not_lost_on_its_silence_alone_where_helpers_exist():
+    d = ring("a", "a", "b", "c", "d")
+    d.refused("b", 0.05)
+    t, lost = 0.05, []
+    while t < S.lost_after:
+        t += S.tick
+        d.receive("d", Kind.ACK, 0, "", t)
+        lost += losses(d.tick(t))
+    assert lost == []  # no helper confirmed it yet: as before
+
+
+def test_a_helper_asked_about_a_refused_node_nacks_at_once():
+    h = ring("c", "a", "b", "c")
+    h.receive("a", Kind.ASK, 41, "b", 1.0)
+    assert sends(h.refused("b", 1.01), Kind.NACK) == [Send("a", Kind.NACK, 41, "b")]
+    assert sends(h.tick(1.0 + S.relay_timeout), Kind.NACK) == []  # answered once
+
+
 def test_a_helper_probes_only_known_nodes_and_keeps_a_bounded_table():
     h = ring("c", "a", "b", "c")
     assert h.receive("a", Kind.ASK, 1, "nobody", 0.0) == []

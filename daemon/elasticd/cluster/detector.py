@@ -226,6 +226,7 @@ class _Inlet:
     rate: float
     since: float
     reading: bool = False
+    node: str = ""  # the node it is connected to (the lobby: none)
 
     def __post_init__(self) -> None:
         self.bucket = TokenBucket(self.rate, max(1.0, self.rate / 10), self.since)
@@ -315,6 +316,12 @@ class DetectorService:
     @property
     def bound(self) -> bool:
         return self._sock is not None
+
+    @property
+    def answered(self) -> set[str]:
+        """The watched nodes heard since they were first watched: those whose silence is
+        judged (the detector thread's view, read from another thread)."""
+        return self._detector.answered
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` (or cancellation); the thread ends before this returns."""
@@ -438,7 +445,7 @@ class DetectorService:
                 sock.close()
                 log.debug("detector: no socket of its own for %s: %s", name, exc)
                 continue
-            inlet = _Inlet(sock, peer, max(100.0, self._max_rate / 10), self._clock())
+            inlet = _Inlet(sock, peer, max(100.0, self._max_rate / 10), self._clock(), node=name)
             self._inlets[name] = inlet
             self._open(inlet)
 
@@ -478,8 +485,11 @@ class DetectorService:
                 raw = inlet.sock.recv(MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionRefusedError:  # an earlier send's ICMP port unreachable
+                self._refused(inlet.node, now)
+                continue
             except OSError:
-                continue  # an ICMP error of an earlier send
+                continue  # another ICMP error of an earlier send
             self._received(raw, now)
 
     def _throttle(self, inlet: _Inlet, now: float) -> None:
@@ -526,6 +536,12 @@ class DetectorService:
             now,
         )
 
+    def _refused(self, node: str, now: float) -> None:
+        """The host of ``node`` said nothing listens at its port (ICMP, on the socket
+        connected to it: the kernel matched it to that socket's own address and port)."""
+        if node:
+            self._carry_out(self._detector.refused(node, now), now)
+
     def _carry_out(self, out: list[Send | Lost], now: float) -> None:
         for item in out:
             if isinstance(item, Lost):
@@ -542,6 +558,9 @@ class DetectorService:
                 else:
                     self._sock.sendto(sealed, address)
                 self._metrics.detector_message("out")
+            except ConnectionRefusedError:  # an earlier send's ICMP, reported on this one
+                if inlet is not None:
+                    self._refused(inlet.node, now)
             except OSError as exc:  # unreachable for now: its silence is what counts
                 held = self._told.check("send", now)
                 if held is not None:
@@ -553,7 +572,8 @@ class DetectorService:
             "detector: node %s is lost (silent %.2f s%s)",
             lost.node,
             lost.silent,
-            f"; confirmed by {', '.join(lost.confirmed_by)}" if lost.confirmed_by else "",
+            (f"; confirmed by {', '.join(lost.confirmed_by)}" if lost.confirmed_by else "")
+            + ("; nothing listens at its port" if lost.refused else ""),
         )
         if self._main is not None:
             with contextlib.suppress(RuntimeError):  # the daemon's loop is closing

@@ -29,6 +29,13 @@ and they refuse the datagrams of a node their registry has not shown them yet: t
 started a second apart took each other for lost, and the job's workers started twice), and
 on a node that never answers the store's heartbeat decides.
 
+A node whose host says nothing listens at its port (an ICMP port unreachable, which the
+shell sees on its socket connected to that node: its daemon's process is gone, the host is
+up) is *refused*: its helpers are asked at once, a helper asked about it nacks at once, and
+it is judged at ``suspect_after`` of silence instead of ``lost_after``, still only once a
+helper confirmed it.  Such a message can be forged (by root on the network): what it
+cannot do is silence a live node, whose every message clears the refusal.
+
 A node declared lost is still probed (so that two nodes that declared each other hear each
 other again) but not declared again until it is heard again (then, if it is still in a
 group, it is watched afresh).  Nonces are this detector's own counter: what makes a
@@ -98,6 +105,7 @@ class Lost:
     node: str
     silent: float
     confirmed_by: tuple[str, ...] = ()
+    refused: bool = False  # its host said nothing listens at its port
 
 
 Out = Send | Lost
@@ -114,6 +122,7 @@ class _Target:
     nacks: set[str] = field(default_factory=set)
     doubted: bool = False  # the silent helpers of this suspicion raised the health score
     declared: bool = False
+    refused: bool = False  # its host said nothing listens at its port since it was heard
 
 
 @dataclass
@@ -215,6 +224,11 @@ class Detector:
         return {name: t.heard for name, t in self._targets.items()}
 
     @property
+    def answered(self) -> set[str]:
+        """The watched nodes heard since they were first watched (only those are judged)."""
+        return {name for name, t in self._targets.items() if t.answered}
+
+    @property
     def multiplier(self) -> int:
         return 1 + self.health
 
@@ -303,6 +317,20 @@ class Detector:
                     out += self._judge(target, watched, now)
         return out
 
+    def refused(self, name: str, now: float) -> list[Out]:
+        """``name``'s host said nothing listens at its port (see the module's docstring):
+        the relays about it nack now, and its suspicion and verdict come sooner."""
+        out: list[Out] = []
+        for nonce, relay in list(self._relays.items()):
+            if relay.target == name:
+                del self._relays[nonce]
+                out.append(Send(relay.asker, Kind.NACK, relay.nonce, name))
+        target = self._targets.get(name)
+        if target is None or target.declared or not target.answered:
+            return out
+        target.refused = True
+        return out + self._suspect(name, target, now) + self._judge(name, target, now)
+
     def _heard(self, name: str, now: float) -> None:
         target = self._targets.get(name)
         if target is None:
@@ -310,7 +338,7 @@ class Detector:
         target.heard = max(target.heard, now)
         target.answered = True
         target.asked_at = target.suspected_at = None
-        target.doubted = target.declared = False
+        target.doubted = target.declared = target.refused = False
         target.asked.clear()
         target.nacks.clear()
 
@@ -318,7 +346,7 @@ class Detector:
 
     def _suspect(self, name: str, target: _Target, now: float) -> list[Out]:
         s = self.settings
-        if now - target.heard < s.suspect_after * self.multiplier:
+        if not target.refused and now - target.heard < s.suspect_after * self.multiplier:
             return []
         if target.asked_at is not None and now - target.asked_at < s.relay_timeout + s.interval:
             return []
@@ -336,11 +364,9 @@ class Detector:
 
     def _judge(self, name: str, target: _Target, now: float) -> list[Out]:
         silent = now - target.heard
-        if (
-            target.declared
-            or not target.answered
-            or silent < self.settings.lost_after * self.multiplier
-        ):
+        s = self.settings
+        verdict = s.suspect_after if target.refused else s.lost_after
+        if target.declared or not target.answered or silent < verdict * self.multiplier:
             return []
         if target.asked and not target.nacks:
             # helpers were asked and none answered: this node may be the one cut off
@@ -355,7 +381,7 @@ class Detector:
         if not target.asked and self.helpers(name):
             return []  # helpers exist and were not asked yet (its suspicion came late)
         target.declared = True
-        return [Lost(name, silent, tuple(sorted(target.nacks)))]
+        return [Lost(name, silent, tuple(sorted(target.nacks)), target.refused)]
 
     def _next_nonce(self) -> int:
         self._nonce += 1
