@@ -6,7 +6,8 @@ import json
 import os
 import signal
 
-from harness import CLIENT_ENV, ROOT, sleeping_job, wait_gone, worker_args
+import pytest
+from harness import CLIENT_ENV, ROOT, free_port, sleeping_job, wait_gone, worker_args
 
 EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
 
@@ -44,13 +45,43 @@ def test_workers_get_the_torchrun_environment(daemon, shared_tmp):
         assert env["ROLE_NAME"] == "default"
         assert env["TORCHELASTIC_RUN_ID"] == job_id
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "2"
-        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/rank_{rank}.error.json")
         assert env["OMP_NUM_THREADS"] == "1" and env["EXTRA"] == "1"
         assert env["MASTER_ADDR"] == "127.0.0.1" and 0 < int(env["MASTER_PORT"]) < 65536
         assert env["PATH"] == CLIENT_ENV["PATH"]  # the submitter's environment
         assert "CUDA_VISIBLE_DEVICES" not in env
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+STORE_CLIENTS = """
+import os
+from datetime import timedelta
+from torch.distributed import TCPStore
+
+# no rank hosts a store: the round's is served by the daemon, from before any worker starts
+store = TCPStore(
+    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+    timeout=timedelta(seconds=30),
+)
+rank = int(os.environ["RANK"])
+store.set(f"rank{rank}", str(os.getpid()))
+store.wait([f"rank{1 - rank}"])
+print("met", store.get(f"rank{1 - rank}").decode())
+"""
+
+
+@pytest.mark.parametrize("port", ["fresh", "fixed"])
+def test_the_rounds_store_is_served_before_its_workers_start(daemon, shared_tmp, port):
+    """torchrun's agent store: every rank a client (``TORCHELASTIC_USE_AGENT_STORE=True``),
+    none refused for being first (torch's client then backs off half a second)."""
+    script = shared_tmp / "store_clients.py"
+    script.write_text(STORE_CLIENTS)
+    fixed = ["--master-port", str(free_port())] if port == "fixed" else []
+    done = daemon.ctl_run("submit", "--nproc-per-node", "2", *fixed, "--wait", str(script))
+    assert done.returncode == 0, done.stdout + done.stderr + daemon.log_text()
+    logs = daemon.ctl_run("logs", daemon.ctl("list")[0]["id"]).stdout
+    assert logs.count("met ") == 2, logs
 
 
 def test_failed_rank_restarts_the_group_once(daemon):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import uuid
@@ -197,6 +198,19 @@ def test_role_and_a_fixed_master_port_reach_the_workers_every_round(daemon_facto
             env = json.loads((out / f"rank_{rank}_attempt_{attempt}.json").read_text())
             assert env["ROLE_NAME"] == "trainer"
             assert env["MASTER_PORT"] == str(port)
+
+
+def test_a_master_port_another_program_holds_fails_the_job_saying_so(daemon_factory):
+    """Served anyway, the round's workers might meet in the other program's store."""
+    daemon = daemon_factory("fh8", args=("--slots", "2")).start()
+    port = free_port()
+    with socket.create_server(("", port)):
+        job = daemon.submit_wait(
+            "--nproc-per-node", "2", "--master-port", str(port), *worker_args(), expect=1
+        )
+    assert job["state"] == "FAILED" and job["restarts"] == 0 and job["started"] is None, job
+    said = job["error"]["message"]
+    assert f"cannot host the store on 127.0.0.1:{port}" in said and "--master-port" in said
 
 
 def test_a_bad_role_or_master_port_is_refused_at_submit(daemon_factory):

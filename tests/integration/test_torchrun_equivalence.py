@@ -40,10 +40,6 @@ directory (for -m probe) and ELASTICD_SOCKET the daemon's socket, for both.
 
 Known differences, pinned per launcher in ``KNOWN`` (each side must show exactly its value,
 so a change on either side fails the test) and listed here:
-- TORCHELASTIC_USE_AGENT_STORE: torchrun ``True`` (its agent hosts the TCPStore at
-  MASTER_ADDR:MASTER_PORT and workers connect to it as clients), elasticd ``False`` (no agent
-  store; rank 0's init_process_group hosts it).  Both work for env:// (the all_reduce
-  scenarios show it);
 - CUDA_VISIBLE_DEVICES: empty for ``--nproc-per-node cpu`` workers under elasticd, unset
   under torchrun;
 - the failure summary of a worker without an error file (a shell script): torchrun's has
@@ -232,10 +228,6 @@ SCENARIOS = [
 # value each launcher must show
 WORKER_ENV = r"files/rank_\d+\.attempt_\d+\.(json/env|env)"
 KNOWN: dict[tuple[str, str], dict[str, Any]] = {
-    ("*", WORKER_ENV + "/TORCHELASTIC_USE_AGENT_STORE"): {
-        "torchrun": "True",
-        "elasticrun": "False",
-    },
     # elasticd puts its worker library (elasticd.elastic) first on PYTHONPATH
     ("*", WORKER_ENV + "/PYTHONPATH"): {
         "torchrun": [str(LAUNCHERS_DIR)],

@@ -322,7 +322,7 @@ def test_an_aborted_round_is_given_up_at_half_the_jobs_rejoin_timeout():
 
 
 REFORMS = textwrap.dedent("""
-    import gc, json, os, socket, tempfile
+    import gc, json, os, sys, tempfile
     import torch, torch.nn as nn, torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, Shard, _random
     from torch.distributed.tensor._redistribute import _gen_transform_infos
@@ -345,10 +345,7 @@ REFORMS = textwrap.dedent("""
     model(torch.randn(2, 256)).sum().backward()
     opt.step()
     stagers, out = [], {}
-    for round in range(3):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+    for round, port in enumerate(sys.argv[1:]):  # the tests' own ports (hostwide)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
                           WORLD_SIZE="1", ELASTICD_ROUND=str(round))
         runtime.init_default_group("gloo")
@@ -371,7 +368,7 @@ def test_a_re_form_lets_the_staging_buffers_and_dtensors_caches_go(tmp_path: Pat
     """The staging buffers of the rounds before (a copy of the rank's state each, kept by a
     reference cycle until a full collection), the transforms DTensor cached with the rank's
     old coordinate, and its random-number tracker (made by a collective of the old world)."""
-    found, _ = _script(REFORMS, timeout=240)
+    found, _ = _script(REFORMS, *(str(free_port()) for _ in range(3)), timeout=240)
     assert found["cached"][:2] == [0, 0] and found["cached"][2] > 0  # the round's own is kept
     assert found["transforms"] == 0 and found["rng"]
 

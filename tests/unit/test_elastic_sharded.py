@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import socketserver
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostwide import free_port
 
 from elasticd.elastic import batch_share, checkpoint, device_mesh
 from elasticd.elastic.broadcast import pack, unpack
@@ -302,12 +302,6 @@ def test_a_load_that_fails_here_gives_up_its_fetch_and_leaves_the_tier_free(
 # -- across ranks -------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, mode: str, path: Path, out: Path) -> None:
     port = free_port()
     procs = [
@@ -406,7 +400,7 @@ def _one_rank(tier: str, body: str) -> dict:
     prints last, as JSON."""
     script = "\n".join([_ONE_RANK_HEAD, textwrap.dedent(tier), _ONE_RANK_MODEL, body])
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, str(free_port())],  # the tests' own port (hostwide)
         capture_output=True,
         text=True,
         timeout=240,
@@ -432,10 +426,7 @@ open(os.path.join(here, checkpoint.TIER_SOCKET), "w").close()
 """
 
 _ONE_RANK_MODEL = """
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1",
                   ELASTICD_ROUND="0")
 runtime.init_default_group("gloo")
 mesh = init_device_mesh("cpu", (1,))

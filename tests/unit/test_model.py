@@ -299,7 +299,7 @@ def test_worker_env_is_torchruns():
         "TORCHELASTIC_RESTART_COUNT": "1",
         "TORCHELASTIC_MAX_RESTARTS": "3",
         "TORCHELASTIC_RUN_ID": "j-1",
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_ERROR_FILE": "/e.json",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "OMP_NUM_THREADS": "1",

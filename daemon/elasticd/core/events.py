@@ -59,6 +59,7 @@ class JoinFailure:
     CLOSED = "closed"  # the job ended: its rendezvous is closed
     GONE = "gone"  # its state is gone or refused and this node may not start it afresh
     TIMEOUT = "timeout"  # the join timeout passed
+    STORE = "store"  # this node cannot serve the round's store at its master port
 
 
 @dataclass(frozen=True)

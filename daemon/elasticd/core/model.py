@@ -577,7 +577,9 @@ def worker_env(
             "LOCAL_WORLD_SIZE": str(group.local_world_size),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            # as torchrun's: the daemon of the round's first node serves its store (the
+            # shell's roundstore.py), listening before any worker of the round starts
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_ERROR_FILE": error_file,
             # torchrun's 1 (TearDown) is documented to end the process when NCCL reports a dead
             # peer; an in-place survivor must live on: 2 (CleanUpOnly) aborts the communicator

@@ -504,11 +504,13 @@ class Runtime:
             self.note_group_sockets()
 
     def _wait_for_store(self) -> None:
-        """Return once this round may form: rank 0 hosts the round's store, and any other rank
-        waits until its port listens, looking every 5 ms.  TCPStore's own retry backs off to
-        ~0.5 s, and a newcomer is placed while the survivors still train: rank 0 opens the
-        store only at its next commit, and every rank would then wait for the newcomer's
-        retry in the group's rendezvous.  Raises GroupAborted on an abort or a newer place."""
+        """Return once this round may form: its store's port listens, looked at every 5 ms.
+        The daemon of the round's first node serves it from before the round formed, so it
+        listens at once; from a daemon before that, rank 0's worker hosts it (and does not
+        wait), opening it only at its next commit when a newcomer is placed while the
+        survivors train, and TCPStore's own retry backs off to ~0.5 s, which every rank
+        would then wait for in the group's rendezvous.  Raises GroupAborted on an abort or
+        a newer place."""
         deadline = time.monotonic() + _STORE_WAIT
         addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
         while True:
@@ -516,7 +518,7 @@ class Runtime:
                 raise GroupAborted("a member of the job left before its group formed")
             if self.superseded:
                 raise GroupAborted("a newer round replaced this one before its group formed")
-            if os.environ.get("RANK") == "0" or not port:
+            if not port or (os.environ.get("RANK") == "0" and not _agent_store()):
                 return
             try:
                 socket.create_connection((addr, port), timeout=1).close()
@@ -601,6 +603,11 @@ def group_error(backend: Any) -> str | None:
         return None
     name = getattr(error, "name", str(error))
     return None if name == "SUCCESS" else name
+
+
+def _agent_store() -> bool:
+    """Whether the round's store is served for the workers (torch's test of it)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def init_default_group(backend: str) -> None:

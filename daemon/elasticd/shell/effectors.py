@@ -28,6 +28,7 @@ from elasticd.shell.cgroups import JobCgroup, JobCgroups
 from elasticd.shell.checkpoints import CHECKPOINT_ENV, CheckpointTier
 from elasticd.shell.fileaccess import FileAccess
 from elasticd.shell.logs import LogBus, OutputLimit
+from elasticd.shell.roundstore import RoundStores
 from elasticd.shell.worker_library import python_path
 from elasticd.shell.workerlink import Ready, WorkerLink
 from elasticd.shell.workers import PROGRESS_ENV, REJOIN_ENV, SOCKET_ENV, LocalWorkers, Standbys
@@ -209,7 +210,10 @@ class Effectors:
         rdzv = self.rendezvous(spec, may_create=started is None, on_lost=on_lost)
         checkpoints = self.tier.open(spec) if self.tier is not None else ""
         standbys = self.standbys(spec, nproc)
-        return PartEffectors(self, spec, nproc, rdzv, cgroup, link, checkpoints, standbys=standbys)
+        stores = RoundStores(spec.id, self.address)
+        return PartEffectors(
+            self, spec, nproc, rdzv, cgroup, link, checkpoints, standbys=standbys, stores=stores
+        )
 
     def standbys(self, spec: JobSpec, nproc: int) -> Standbys | None:
         """A --warm-restart job's standbys here, in a cgroup of their own with the job's
@@ -265,6 +269,7 @@ class PartEffectors:
     checkpoints: str = ""  # the job's checkpoint directory here ("": no tier)
     workers: LocalWorkers | None = None
     standbys: Standbys | None = None  # --warm-restart: the next round's workers, waiting
+    stores: RoundStores | None = None  # the stores its rounds form their groups in, served here
     keeper: asyncio.Task[None] | None = None
     ops: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
     watches: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
@@ -319,6 +324,8 @@ class PartEffectors:
             await self.standbys.close()
         if self.link is not None:
             await self.link.close()
+        if self.stores is not None:
+            self.stores.close()
         self.rdzv.shutdown()
         if self.keeper is not None:
             self.keeper.cancel()

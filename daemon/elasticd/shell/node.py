@@ -37,6 +37,7 @@ from elasticd.errors import (
     RendezvousClosedError,
     RendezvousGone,
     RendezvousTimeoutError,
+    StoreConnectionError,
     StoreError,
 )
 from elasticd.faults import Faults
@@ -270,6 +271,13 @@ class NodeShell:
     def _join(self, join: do.Join) -> None:
         part = self._parts[join.job]
         port = join.master_port or self._effectors.master_ports.pick(self._effectors.address)
+        try:
+            if part.stores is not None:  # listening before the round forms, whoever is first
+                part.stores.offer(port)
+        except StoreConnectionError as exc:
+            why = f"{exc} (another program, or another job's --master-port, holds it)"
+            self.post(ev.JoinFailed(join.job, join.op, ev.JoinFailure.STORE, why))
+            return
 
         def fail(exc: Exception) -> ev.Event | None:
             kinds: dict[type[Exception], str] = {
@@ -295,7 +303,13 @@ class NodeShell:
         return None if tier is None else tier.holding(job)
 
     def _round_joined(self, job: str, op: int, info: Any) -> ev.Event:
-        """A round formed with this node: the failure detector watches its members."""
+        """A round formed with this node: the failure detector watches its members; its
+        store is served here if this node is its first."""
+        part = self._parts.get(job)
+        if part is not None and part.stores is not None:
+            part.stores.formed(
+                info.round, info.master_port, info.members[0].node == self._effectors.node
+            )
         guard = self._effectors.guard
         if guard is not None:
             guard.watch(job, tuple(m.node for m in info.members))

@@ -1,0 +1,124 @@
+"""The stores a job's rounds form their groups in, served by the daemon: real servers on
+loopback, real connections."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+from hostwide import free_port
+
+from elasticd.errors import StoreConnectionError
+from elasticd.shell.roundstore import RoundStores
+
+
+def listens(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
+@pytest.fixture
+def stores():
+    made: list[RoundStores] = []
+
+    def make(address: str = "127.0.0.1") -> RoundStores:
+        made.append(RoundStores("j-store", address, max_bytes=1 << 20))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def test_an_offer_listens_before_the_round_forms_and_torchs_client_uses_it(stores):
+    from torch.distributed import TCPStore
+
+    here = stores()
+    port = free_port()
+    here.offer(port)
+    assert here.ports == [port] and listens("127.0.0.1", port)
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert client.get("k") == b"v"
+
+
+def test_the_first_node_keeps_its_store_and_the_others_close_theirs(stores):
+    first, other = stores("127.0.0.1"), stores("127.0.0.2")
+    port = free_port()
+    first.offer(port)
+    other.offer(port)  # each on its own address: nodes sharing a host, one --master-port
+    first.formed(0, port, first=True)
+    other.formed(0, port, first=False)
+    assert first.ports == [port] and other.ports == []
+    assert listens("127.0.0.1", port) and not listens("127.0.0.2", port)
+
+
+def test_the_round_before_stays_until_the_round_after_forms(stores):
+    here = stores()
+    ports = [free_port() for _ in range(3)]
+    for round, port in enumerate(ports):
+        here.offer(port)
+        here.formed(round, port, first=True)
+    assert here.ports == ports[1:]  # round 1 still, for survivors not re-formed yet
+    assert not listens("127.0.0.1", ports[0])
+    here.offer(free_port())
+    here.formed(3, 1, first=False)  # another node is round 3's first: round 2's stays
+    assert here.ports == ports[2:]
+
+
+def test_an_offer_that_formed_no_round_closes_at_the_next(stores):
+    here = stores()
+    dropped, taken = free_port(), free_port()
+    here.offer(dropped)  # the join timed out
+    here.offer(taken)
+    assert here.ports == [taken] and not listens("127.0.0.1", dropped)
+
+
+def test_a_fixed_port_is_fresh_each_round(stores):
+    from torch.distributed import TCPStore
+
+    here = stores()
+    port = free_port()
+    here.offer(port)
+    here.formed(0, port, first=True)
+    TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)).set("old", "1")
+    here.offer(port)  # the next round, the same port: the old round's keys are gone
+    here.formed(1, port, first=True)
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    assert not client.check(["old"])
+    assert here.ports == [port]
+
+
+def test_an_address_not_on_this_host_serves_on_every_address(stores):
+    here = stores("192.0.2.7")  # TEST-NET-1: a NAT's address, say
+    port = free_port()
+    here.offer(port)
+    assert listens("127.0.0.1", port)
+
+
+def test_a_port_another_program_holds_is_refused(stores):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    here = stores()
+    with pytest.raises(StoreConnectionError, match="cannot host the store"):
+        here.offer(port)  # joining anyway, its workers might meet in the other's store
+    taken.close()
+    assert here.ports == []
+    here.formed(0, port, first=True)  # nothing to keep
+    assert here.ports == []
+
+
+def test_close_closes_every_store(stores):
+    here = stores()
+    ports = [free_port(), free_port()]
+    here.offer(ports[0])
+    here.formed(0, ports[0], first=True)
+    here.offer(ports[1])
+    here.close()
+    assert here.ports == [] and not any(listens("127.0.0.1", p) for p in ports)
