@@ -30,6 +30,7 @@ while not go.exists():
 total = torch.ones(1)
 dist.all_reduce(total)
 print("sum", total.item())
+dist.destroy_process_group()  # torch 2.13: without it, 1 exit in 30 aborts under load
 """
 
 FLOOD = """
@@ -87,8 +88,8 @@ def test_a_flood_of_the_rounds_store_is_cut_off_and_the_job_trains_on(
 
     go.touch()
     done = daemon.wait_job(job["id"], lambda doc: doc["state"] in ("SUCCEEDED", "FAILED"))
-    assert done["state"] == "SUCCEEDED", done
     logs = daemon.ctl_run("logs", job["id"]).stdout
+    assert done["state"] == "SUCCEEDED", (done, logs[-4000:])
     assert logs.count("sum 2.0") == 2, logs
     deadline = time.monotonic() + 30
     while True:  # the round's store closes with the job
