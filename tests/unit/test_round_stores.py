@@ -26,7 +26,7 @@ def stores():
     made: list[RoundStores] = []
 
     def make(address: str = "127.0.0.1") -> RoundStores:
-        made.append(RoundStores("j-store", address, max_bytes=1 << 20))
+        made.append(RoundStores(address, max_bytes=1 << 20))
         return made[-1]
 
     yield make

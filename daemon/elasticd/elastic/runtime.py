@@ -504,13 +504,11 @@ class Runtime:
             self.note_group_sockets()
 
     def _wait_for_store(self) -> None:
-        """Return once this round may form: its store's port listens, looked at every 5 ms.
-        The daemon of the round's first node serves it from before the round formed, so it
-        listens at once; from a daemon before that, rank 0's worker hosts it (and does not
-        wait), opening it only at its next commit when a newcomer is placed while the
-        survivors train, and TCPStore's own retry backs off to ~0.5 s, which every rank
-        would then wait for in the group's rendezvous.  Raises GroupAborted on an abort or
-        a newer place."""
+        """Return once this round may form: its store's port listens, looked at every 5 ms
+        (TCPStore's own retry backs off to ~0.5 s).  Under a daemon (or torchrun) the agent
+        serves it from before the round formed, so it listens at once; launched without one,
+        rank 0's ``init_process_group`` hosts it, and rank 0 does not wait for itself.
+        Raises GroupAborted on an abort or a newer place."""
         deadline = time.monotonic() + _STORE_WAIT
         addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
         while True:

@@ -210,9 +210,9 @@ class Effectors:
         rdzv = self.rendezvous(spec, may_create=started is None, on_lost=on_lost)
         checkpoints = self.tier.open(spec) if self.tier is not None else ""
         standbys = self.standbys(spec, nproc)
-        stores = RoundStores(spec.id, self.address)
+        stores = RoundStores(self.address)
         return PartEffectors(
-            self, spec, nproc, rdzv, cgroup, link, checkpoints, standbys=standbys, stores=stores
+            self, spec, nproc, rdzv, cgroup, link, stores, checkpoints, standbys=standbys
         )
 
     def standbys(self, spec: JobSpec, nproc: int) -> Standbys | None:
@@ -266,10 +266,10 @@ class PartEffectors:
     rdzv: RendezvousHandler
     cgroup: JobCgroup | None
     link: WorkerLink | None
+    stores: RoundStores  # the stores its rounds form their groups in, served here
     checkpoints: str = ""  # the job's checkpoint directory here ("": no tier)
     workers: LocalWorkers | None = None
     standbys: Standbys | None = None  # --warm-restart: the next round's workers, waiting
-    stores: RoundStores | None = None  # the stores its rounds form their groups in, served here
     keeper: asyncio.Task[None] | None = None
     ops: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
     watches: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
@@ -324,8 +324,7 @@ class PartEffectors:
             await self.standbys.close()
         if self.link is not None:
             await self.link.close()
-        if self.stores is not None:
-            self.stores.close()
+        self.stores.close()
         self.rdzv.shutdown()
         if self.keeper is not None:
             self.keeper.cancel()

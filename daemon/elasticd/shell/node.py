@@ -272,8 +272,7 @@ class NodeShell:
         part = self._parts[join.job]
         port = join.master_port or self._effectors.master_ports.pick(self._effectors.address)
         try:
-            if part.stores is not None:  # listening before the round forms, whoever is first
-                part.stores.offer(port)
+            part.stores.offer(port)  # listening before the round forms, whoever is first
         except StoreConnectionError as exc:
             why = f"{exc} (another program, or another job's --master-port, holds it)"
             self.post(ev.JoinFailed(join.job, join.op, ev.JoinFailure.STORE, why))
@@ -306,7 +305,7 @@ class NodeShell:
         """A round formed with this node: the failure detector watches its members; its
         store is served here if this node is its first."""
         part = self._parts.get(job)
-        if part is not None and part.stores is not None:
+        if part is not None:
             part.stores.formed(
                 info.round, info.master_port, info.members[0].node == self._effectors.node
             )

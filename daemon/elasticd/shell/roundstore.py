@@ -29,8 +29,7 @@ MAX_BYTES = 64 * 1024 * 1024  # keys and values a round's store holds
 class RoundStores:
     """One job's round stores on this node (see the module's docstring)."""
 
-    def __init__(self, job: str, address: str, *, max_bytes: int = MAX_BYTES) -> None:
-        self._job = job
+    def __init__(self, address: str, *, max_bytes: int = MAX_BYTES) -> None:
         self._address = address
         self._max_bytes = max_bytes
         self._offered: TCPStoreServer | None = None  # the join in flight's
