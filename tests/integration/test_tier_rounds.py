@@ -15,6 +15,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tier_rig import Peers, facts, job_spec, until
@@ -240,5 +241,35 @@ def test_a_checkpoint_saved_into_again_is_no_longer_one_and_its_copy_goes(
         )
         (new,) = [m for m in published(posted) if m.id == "latest"]
         assert new.files["__0_0.distcp"] == facts(b"Y" * 1000)
+
+    on_a_tier(tmp_path, {}, test, node="a")
+
+
+def test_a_landing_cut_short_drops_what_it_sent_where_it_sent_it(tmp_path: Path) -> None:
+    """A file renamed away while its copy is still being sent: the copy goes from the node
+    it was sent to, even when the round's members changed meanwhile and the node's buddy is
+    another one now (else that copy stays on the first node until the job ends)."""
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        tier.record_changed(record(job, {}, ("a", "c"), round=0))  # b's part not seen yet
+        tier.round(JOB, 0, 3, (0,))
+        gate = asyncio.Event()
+        plain = peers.send
+
+        async def held_back(node: str, job: str, ckpt: str, name: str, source: Any) -> Any:
+            if ckpt == "state.pt.tmp":
+                await gate.wait()  # sent to c, not yet acknowledged
+            return await plain(node, job, ckpt, name, source)
+
+        peers.send = held_back  # type: ignore[method-assign]
+        Path(path, "state.pt.tmp").write_bytes(b"s" * 1000)
+        await until(lambda: "state.pt.tmp" in tier._jobs[JOB].busy, "state.pt.tmp landing")
+        tier.record_changed(record(job, {}, ("a", "b", "c"), round=0))  # a's buddy is b now
+        await asyncio.sleep(0.05)
+        os.replace(os.path.join(path, "state.pt.tmp"), os.path.join(path, "state.pt"))
+        await until(lambda: ("c", "state.pt.tmp") in peers.dropped, "the copy dropped at c")
+        gate.set()
+        await until(lambda: any(m.id == "state.pt" for m in published(posted)), "state.pt")
+        assert [m.id for m in published(posted)] == ["state.pt"]
 
     on_a_tier(tmp_path, {}, test, node="a")

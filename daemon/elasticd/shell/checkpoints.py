@@ -220,6 +220,9 @@ class JobDir:
     spoiled: set[str] = field(default_factory=set)
     # id -> since when (monotonic) the keeper of this node's share has been out of the round
     keeper_gone: dict[str, float] = field(default_factory=dict)
+    # id -> the node a landing of it is copying to now: where its files may have landed
+    # when the landing is cut short (the buddy may have changed since it began)
+    sending: dict[str, str] = field(default_factory=dict)
     # files a rank wrote itself that this node described or put in place: name -> (inode,
     # mtime, ctime, size) then, and its SHA-256.  A later write changes the first: a file whose
     # stat still matches is that version (not described again when the daemon put it in
@@ -244,6 +247,7 @@ class JobDir:
             self.keeper_gone,
             self.retry,
             self.refused,
+            self.sending,
         ):
             notes.pop(name, None)
         self.placed.discard(name)
@@ -584,6 +588,7 @@ class CheckpointTier:
         """The script deleted a checkpoint, or renamed it away (a file written to a
         temporary name, then renamed: the temporary name is gone): it is no longer this
         node's to describe."""
+        sending = jd.sending.get(name, "")
         jd.let_go(name)
         task = jd.busy.pop(name, None)
         if task is not None:
@@ -591,12 +596,14 @@ class CheckpointTier:
         manifest = jd.manifests.pop(name, None)
         if manifest is not None:
             self._publish(jd)
-        # its copy may have landed on the buddy before the rename (or been landing, or landed
-        # while its sender failed): it goes
-        keeper = manifest.copied_to if manifest is not None else None
-        known = manifest is not None or task is not None or was_landing
-        keeper = keeper or (self._buddy(jd) if known else None)
-        if keeper:
+        # its copy may have landed before the rename, on the node its manifest names or the
+        # one a landing cut short was copying to (not always the buddy now: the round's
+        # members may have changed meanwhile), or landed while its sender failed: it goes
+        keepers = {k for k in (manifest.copied_to if manifest is not None else "", sending) if k}
+        if not keepers and (manifest is not None or task is not None or was_landing):
+            buddy = self._buddy(jd)
+            keepers = {buddy} if buddy else set()
+        for keeper in sorted(keepers):
             self._spawn("dropping", jd.job, functools.partial(self._drop_copy, keeper, jd, name))
 
     async def _drop_copy(self, keeper: str, jd: JobDir, name: str) -> None:
@@ -731,6 +738,8 @@ class CheckpointTier:
         buddy = self._buddy(jd)
         files: dict[str, cp.FileFacts] = {}
         copied = buddy or ""
+        if buddy is not None:
+            jd.sending[name] = buddy
         for file in names:
             path = os.path.join(directory, file)
             if buddy is not None and copied:
@@ -780,6 +789,7 @@ class CheckpointTier:
         else:
             jd.retry.pop(name, None)
             jd.refused.pop(name, None)
+        jd.sending.pop(name, None)
         jd.manifests[name] = cp.Manifest(
             name, self.settings.node, round, world, ranks, files, started, copied, kind=kind
         )
@@ -1024,6 +1034,7 @@ class CheckpointTier:
             jd.claimed.pop(name, None)
             # its copy goes too: deleting it here tells no one (its manifest is gone first)
             keeper = manifest.copied_to if manifest is not None else ""
+            keeper = keeper or jd.sending.pop(name, "")  # some of its files may be there
             if not keeper and (manifest is not None or name in copying):
                 keeper = buddy or ""  # some of its files may have landed there
             if keeper and self._peers.alive(keeper):  # a lost keeper's copies went with it
