@@ -17,6 +17,8 @@ import time
 from harness import ROOT
 from hostwide import free_port
 
+from elasticd.store.tcpserver import TCPStoreServer
+
 # One rank of a world whose group is formed anew ``trials`` times on one TCPStore; in each
 # round the rank loops all_reduce until its own abort (at a random moment) shuts the group's
 # sockets down and says so; prints how many of its collectives the abort had to leave.
@@ -173,15 +175,23 @@ PEER = textwrap.dedent("""
 """)
 
 
-def _left_as_rank_0(base, same_port: bool) -> tuple[int | None, str, str]:
+def _left_as_rank_0(
+    base, same_port: bool, agent_store: bool = False
+) -> tuple[int | None, str, str]:
     """Run LEFT_AS_RANK_0 to its new place (round 1: at the same store address or another)
-    and to its end; its exit status (None: still running 60 s later), stdout and stderr."""
+    and to its end; its exit status (None: still running 60 s later), stdout and stderr.
+    ``agent_store``: the stand-in agent serves each round's store, as the daemon does (a
+    fresh one for round 1, where round 0's was), and tells the workers so."""
     path = str(base / "agent.sock")
     agent = socket.socket(socket.AF_UNIX)
     agent.bind(path)
     agent.listen()
     port, other = str(free_port()), str(free_port())
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
+    served = []
+    if agent_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        served.append(TCPStoreServer("127.0.0.1", int(port)))
     clean = {"PYTHONPATH": f"{ROOT}/daemon", "PATH": "/usr/bin:/bin"}
     worker = subprocess.Popen(
         [sys.executable, "-c", LEFT_AS_RANK_0, path],
@@ -214,6 +224,10 @@ def _left_as_rank_0(base, same_port: bool) -> tuple[int | None, str, str]:
         assert worker.stdout.readline().strip() == "left"
         assert asked()["why"] == "failure"
         again = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port if same_port else other}
+        if agent_store:  # the round before's store closes: its port is the next round's
+            served.pop().close()
+            served.append(TCPStoreServer("127.0.0.1", int(again["MASTER_PORT"])))
+            again["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         place = {"op": "place", "round": 1, "env": {**again, "RANK": "0", "WORLD_SIZE": "1"}}
         conn.sendall(json.dumps(place).encode() + b"\n")
         try:
@@ -229,6 +243,8 @@ def _left_as_rank_0(base, same_port: bool) -> tuple[int | None, str, str]:
             process.kill()
             process.communicate()
         agent.close()
+        for server in served:
+            server.close()
 
 
 def test_a_worker_whose_left_group_holds_its_next_rounds_store_port_exits_to_be_replaced(
@@ -239,6 +255,15 @@ def test_a_worker_whose_left_group_holds_its_next_rounds_store_port_exits_to_be_
     status, _, err = _left_as_rank_0(tmp_path, same_port=True)
     assert status == 75, err[-3000:]
     assert "still hosts the store of its round; this worker exits" in err
+
+
+def test_a_worker_whose_agent_serves_the_store_forms_its_next_round_at_the_same_port(
+    tmp_path,
+):
+    """A fixed --master-port where the agent serves each round's store (the daemon does):
+    the kept group holds no server, so the worker forms its next round there."""
+    status, out, err = _left_as_rank_0(tmp_path, same_port=True, agent_store=True)
+    assert status == 0 and out.strip().endswith("formed again"), err[-3000:]
 
 
 def test_a_worker_that_left_a_group_forms_its_next_round_elsewhere(tmp_path):

@@ -318,9 +318,10 @@ class Runtime:
                 ).start()
 
     def _kept_group(self) -> None:
-        """A collective left its group, which is kept (collectives): on the round's rank 0 it
-        keeps the round's store server listening, with that round's keys."""
-        if os.environ.get("RANK") == "0":
+        """A collective left its group, which is kept (collectives): on the round's rank 0,
+        where no agent serves the store, it keeps the round's store server listening, with
+        that round's keys.  (Served by the agent, the store is the agent's to close.)"""
+        if os.environ.get("RANK") == "0" and not _agent_store():
             self._kept_stores.add(
                 (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
             )
