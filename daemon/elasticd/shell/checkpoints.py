@@ -33,7 +33,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Protocol, TypeVar
 
@@ -222,7 +222,7 @@ class JobDir:
     keeper_gone: dict[str, float] = field(default_factory=dict)
     # id -> the node a landing of it is copying to now: where its files may have landed
     # when the landing is cut short (the buddy may have changed since it began)
-    sending: dict[str, str] = field(default_factory=dict)
+    sending: dict[str, set[str]] = field(default_factory=dict)
     # files a rank wrote itself that this node described or put in place: name -> (inode,
     # mtime, ctime, size) then, and its SHA-256.  A later write changes the first: a file whose
     # stat still matches is that version (not described again when the daemon put it in
@@ -240,6 +240,7 @@ class JobDir:
     def let_go(self, name: str) -> None:
         """Forget what is noted of checkpoint ``name`` (deleted, renamed away, pruned);
         ``spoiled`` stays until its directory goes (the caller's)."""
+        self.data_on_disk.discard(name)  # a save under its name again is a new one
         for notes in (
             self.claimed,
             self.first_seen,
@@ -542,7 +543,7 @@ class CheckpointTier:
                     after = jd.retry.get(name, (0, 0.0))[1]
                     if time.monotonic() >= after:
                         jd.busy[name] = self._spawn(
-                            "copying", jd.job, functools.partial(self._land, jd, name)
+                            "copying", jd.job, functools.partial(self._land, jd, name, again=True)
                         )
             # files a rank wrote that are not copied yet: landed before this node knew the
             # round's members, or their copy failed and its back-off has passed
@@ -557,7 +558,7 @@ class CheckpointTier:
             if uncopied and self._buddy(jd) is not None:
                 for name in uncopied:
                     jd.busy[name] = self._spawn(
-                        "copying", jd.job, functools.partial(self._land_one, jd, name)
+                        "copying", jd.job, functools.partial(self._land_one, jd, name, again=True)
                     )
             self._prune(jd, found)
             self._write_back(jd, found)
@@ -588,23 +589,36 @@ class CheckpointTier:
         """The script deleted a checkpoint, or renamed it away (a file written to a
         temporary name, then renamed: the temporary name is gone): it is no longer this
         node's to describe."""
-        sending = jd.sending.get(name, "")
+        sending = jd.sending.get(name, set())
         jd.let_go(name)
         task = jd.busy.pop(name, None)
         if task is not None:
             task.cancel()
+        writing = jd.writing.pop(name, None)
+        if writing is not None:  # its files on disk would be of another save than its metadata
+            writing.cancel()
         manifest = jd.manifests.pop(name, None)
         if manifest is not None:
             self._publish(jd)
         # its copy may have landed before the rename, on the node its manifest names or the
         # one a landing cut short was copying to (not always the buddy now: the round's
         # members may have changed meanwhile), or landed while its sender failed: it goes
-        keepers = {k for k in (manifest.copied_to if manifest is not None else "", sending) if k}
-        if not keepers and (manifest is not None or task is not None or was_landing):
-            buddy = self._buddy(jd)
-            keepers = {buddy} if buddy else set()
-        for keeper in sorted(keepers):
+        landing = task is not None or was_landing
+        for keeper in sorted(self._keepers(jd, manifest, sending, landing)):
             self._spawn("dropping", jd.job, functools.partial(self._drop_copy, keeper, jd, name))
+
+    def _keepers(
+        self, jd: JobDir, manifest: cp.Manifest | None, sending: set[str], landing: bool
+    ) -> set[str]:
+        """Where copies of this node's share may be: the node its manifest names, each node
+        a landing of it was sending to (``sending``), else the buddy, where it was landing."""
+        keepers = set(sending)
+        if manifest is not None and manifest.copied_to:
+            keepers.add(manifest.copied_to)
+        if not keepers and (manifest is not None or landing):
+            buddy = self._buddy(jd)
+            keepers.update([buddy] if buddy else [])
+        return keepers
 
     async def _drop_copy(self, keeper: str, jd: JobDir, name: str) -> None:
         for attempt in range(_DROP_TRIES):
@@ -659,16 +673,15 @@ class CheckpointTier:
         chosen = cp.buddy(self.settings.node, members, domains)
         return chosen if chosen is not None and self._peers.alive(chosen) else None
 
-    async def _land(self, jd: JobDir, name: str) -> None:
-        try:
-            if self._over_node_cap(jd, name):
+    async def _land(self, jd: JobDir, name: str, *, again: bool = False) -> None:
+        with _running(jd.busy, name):
+            try:
+                if self._over_node_cap(jd, name):
+                    return
+                await self._describe(jd, name, again=again)
+            except FileNotFoundError:
+                self._went_away(jd, name)
                 return
-            await self._describe(jd, name)
-        except FileNotFoundError:
-            self._went_away(jd, name)
-            return
-        finally:
-            jd.busy.pop(name, None)
         self._consider(jd)
 
     def _over_node_cap(self, jd: JobDir, name: str) -> bool:
@@ -711,10 +724,15 @@ class CheckpointTier:
             "checkpoint before it stays in force"
         )
 
-    async def _describe(self, jd: JobDir, name: str, kind: str = cp.DCP) -> None:
+    async def _describe(
+        self, jd: JobDir, name: str, kind: str = cp.DCP, *, again: bool = False
+    ) -> None:
         """This node's share of checkpoint ``name`` is whole: hash it while streaming it to
         the buddy, then publish its manifest.  Whose share it is: what its workers reported
-        (``saved``), else what an earlier description said, else this node's round now."""
+        (``saved``), else what an earlier description said, else this node's round now.
+        ``again``: the share described before, copied again (its copy failed, or its keeper
+        left): it keeps the time it was saved, which orders it among the job's checkpoints
+        and a file's versions (else an old version re-copied would pass a newer one)."""
         round, world, ranks = _whose(jd, name)
         directory = os.path.join(jd.path, name) if kind == cp.DCP else jd.path
         with jd.rights():
@@ -739,7 +757,7 @@ class CheckpointTier:
         files: dict[str, cp.FileFacts] = {}
         copied = buddy or ""
         if buddy is not None:
-            jd.sending[name] = buddy
+            jd.sending.setdefault(name, set()).add(buddy)
         for file in names:
             path = os.path.join(directory, file)
             if buddy is not None and copied:
@@ -789,9 +807,12 @@ class CheckpointTier:
         else:
             jd.retry.pop(name, None)
             jd.refused.pop(name, None)
-        jd.sending.pop(name, None)
+        for elsewhere in sorted(jd.sending.pop(name, set()) - {copied}):  # earlier landings'
+            self._spawn("dropping", jd.job, functools.partial(self._drop_copy, elsewhere, jd, name))
+        earlier = jd.manifests.get(name)
+        saved = earlier.saved if again and earlier is not None else started
         jd.manifests[name] = cp.Manifest(
-            name, self.settings.node, round, world, ranks, files, started, copied, kind=kind
+            name, self.settings.node, round, world, ranks, files, saved, copied, kind=kind
         )
         if version is not None and version == _stat_key(jd, name) and name in files:
             jd.known_files[name] = (version, files[name].sha256)  # unchanged while hashed
@@ -812,13 +833,12 @@ class CheckpointTier:
             task.cancel()  # a newer version came: describe that one
         jd.busy[name] = self._spawn("landing", jd.job, functools.partial(self._land_one, jd, name))
 
-    async def _land_one(self, jd: JobDir, name: str) -> None:
-        try:
-            await self._describe(jd, name, cp.FILE)
-        except FileNotFoundError:
-            self._went_away(jd, name)
-        finally:
-            jd.busy.pop(name, None)
+    async def _land_one(self, jd: JobDir, name: str, *, again: bool = False) -> None:
+        with _running(jd.busy, name):
+            try:
+                await self._describe(jd, name, cp.FILE, again=again)
+            except FileNotFoundError:
+                self._went_away(jd, name)
 
     def _publish(self, jd: JobDir) -> None:
         kept = cp.kept(jd.manifests.values())
@@ -954,7 +974,8 @@ class CheckpointTier:
         if own is None:  # pruned meanwhile: a newer one is complete
             jd.writing.pop(ident, None)
             return
-        try:
+        with _running(jd.writing, ident):
+            before: list[str] = []
             if checkpoint.kind == cp.FILE:
                 plan = [(os.path.join(jd.path, ident), os.path.join(target, ident))]
             else:
@@ -963,6 +984,9 @@ class CheckpointTier:
                 plan = []
                 if ident not in jd.data_on_disk:
                     plan = [(os.path.join(source, f), os.path.join(target, ident, f)) for f in data]
+                    # a save under a name already on disk: its old metadata goes first, so
+                    # that the directory is never read as a mix of the two saves
+                    before = [os.path.join(target, ident, cp.METADATA)]
                 if own.metadata and others_done:
                     plan.append(
                         (
@@ -975,10 +999,10 @@ class CheckpointTier:
             )
             remove = []
             if metadata_now and checkpoint.kind == cp.DCP:
-                whole = [*jd.on_disk, ident]
+                whole = [*(i for i in jd.on_disk if i != ident), ident]
                 keep = max(1, jd.spec.keep_checkpoints)
                 remove = [os.path.join(target, old) for old in whole[:-keep]]
-            failure = await _as_user(jd.spec, {"copy": plan, "remove": remove})
+            failure = await _as_user(jd.spec, {"before": before, "copy": plan, "remove": remove})
             if failure:
                 log.warning(
                     "job %s: checkpoint %s not written to %s: %s",
@@ -1001,8 +1025,6 @@ class CheckpointTier:
                 since = jd.first_seen.get(ident, jd.manifests[ident].saved)
                 self._metrics.checkpoint_on_disk(self._clock() - since)
                 self._publish(jd)
-        finally:
-            jd.writing.pop(ident, None)
         self._consider(jd)
 
     # -- before a restarted round's workers read ----------------------------------------------
@@ -1032,16 +1054,19 @@ class CheckpointTier:
         for name in cut:
             manifest = jd.manifests.pop(name, None)
             jd.claimed.pop(name, None)
-            # its copy goes too: deleting it here tells no one (its manifest is gone first)
-            keeper = manifest.copied_to if manifest is not None else ""
-            keeper = keeper or jd.sending.pop(name, "")  # some of its files may be there
-            if not keeper and (manifest is not None or name in copying):
-                keeper = buddy or ""  # some of its files may have landed there
-            if keeper and self._peers.alive(keeper):  # a lost keeper's copies went with it
-                self._spawn(
-                    "dropping", jd.job, functools.partial(self._drop_copy, keeper, jd, name)
-                )
-        await _remove_all(jd, [os.path.join(jd.path, name) for name in cut])
+            # its copy goes too: deleting it here tells no one (its manifest is gone first);
+            # the buddy as it was before the record above (some of its files may be there)
+            sending = jd.sending.pop(name, set())
+            if name in copying and not sending and buddy:
+                sending = {buddy}
+            for keeper in sorted(self._keepers(jd, manifest, sending, name in copying)):
+                if self._peers.alive(keeper):  # a lost keeper's copies went with it
+                    self._spawn(
+                        "dropping", jd.job, functools.partial(self._drop_copy, keeper, jd, name)
+                    )
+        doomed = [os.path.join(jd.path, name) for name in cut]
+        jd.deleting.update(doomed)  # not landed again while they go (a record may come)
+        await self._remove(jd, doomed)
         if cut:
             log.info(
                 "job %s: deleted checkpoints cut off by the failure: %s",
@@ -1529,6 +1554,24 @@ class CheckpointTier:
         return {"bytes": _held_bytes(jd), "cap": jd.cap, "memory": jd.mounted}
 
 
+@contextlib.contextmanager
+def _running(tasks: dict[str, asyncio.Future[None]], name: str) -> Iterator[None]:
+    """A task of ``name`` in ``tasks`` (``jd.busy``: landing it; ``jd.writing``: writing it
+    to disk): once it ends it leaves ``tasks``, unless it was cancelled.  Whoever cancels one
+    takes it out first, and may have put a newer one there (a newer version of the file):
+    popped by the cancelled one, the newer one would run untracked, and a rename could no
+    longer stop it."""
+    cancelled = False
+    try:
+        yield
+    except asyncio.CancelledError:
+        cancelled = True
+        raise
+    finally:
+        if not cancelled:
+            tasks.pop(name, None)
+
+
 def _changed(jd: JobDir) -> None:
     """Wake the workers waiting for a checkpoint of ``jd`` to complete."""
     jd.changed.set()
@@ -1801,7 +1844,12 @@ async def _as_user(spec: JobSpec, plan: Mapping[str, Any]) -> str:
         )
     except OSError as exc:
         return f"cannot run {python} as {spec.user}: {exc}"
-    _, err = await process.communicate()
+    try:
+        _, err = await process.communicate()
+    except asyncio.CancelledError:  # the checkpoint went (saved into again): its copy stops
+        process.kill()
+        await process.wait()
+        raise
     return "" if process.returncode == 0 else err.decode(errors="replace").strip()[-500:]
 
 

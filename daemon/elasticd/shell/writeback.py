@@ -3,9 +3,9 @@ job's user (``python -I -m elasticd.shell.writeback JSON``), so that a path the 
 is written and read with exactly the user's rights, never the daemon's.  Standard library
 only.
 
-The JSON names ``copy``: ``[[source, destination], ...]`` (each written to a temporary name
-beside its destination, then renamed: a reader never sees half a file), then ``remove``:
-directories or files to delete.  Exit 0, or 1 with the reason on stderr.
+The JSON names ``before``: files to delete first; ``copy``: ``[[source, destination], ...]``
+(each written to a temporary name beside its destination, then renamed: a reader never sees
+half a file); then ``remove``: directories or files to delete.  Exit 0, or 1 with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def remove(path: str) -> None:
 def main(argv: list[str]) -> int:
     try:
         plan = json.loads(argv[1])
+        for path in plan.get("before", ()):
+            remove(path)
         for source, destination in plan.get("copy", ()):
             copy(source, destination)
         for path in plan.get("remove", ()):
