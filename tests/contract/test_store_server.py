@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import subprocess
 import threading
 import time
 import uuid
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from store_servers import ServerProcess
 
 from elasticd.store.tcpserver import MAX_KEY, TCPStoreServer
-from elasticd.store.tcpwire import MAGIC, Query, blob
+from elasticd.store.tcpwire import MAGIC, WAIT_CANCELED, Query, blob
 
 
 class Raw:
@@ -333,6 +334,45 @@ def test_the_store_holds_at_most_its_bytes_and_a_delete_makes_room(server):
     client.close()
 
 
+def test_a_multi_get_of_one_key_many_times_is_refused_before_its_answer_is_made(server):
+    """300 names of one 1 MiB key in a request of 3 KiB: the answer, 300 MiB, was built in
+    memory before the cap on unsent answers was looked at (an attacker's gigabytes)."""
+    owner = Raw(server.port)
+    owner.set(b"/big", b"x" * (900 << 10))
+    asker = Raw(server.port)
+    asker.send(Query.MULTI_GET, struct.pack("<Q", 300), *[blob(b"/big")] * 300)
+    assert asker.closed()
+    assert owner.multi_get([b"/big"] * 3) == blob(b"x" * (900 << 10)) * 3  # a fair one
+    owner.close()
+
+
+def test_queued_keys_and_keys_waited_for_count_in_what_the_store_holds(server):
+    """Keys of queued values, and the keys each connection waits for, were held outside the
+    cap: empty values under 8 KiB keys, or waits on thousands of missing keys, grew the
+    daemon's memory without bound."""
+    pusher = Raw(server.port)
+    with pytest.raises(ConnectionError):
+        for n in range(200):  # 200 x 8 KiB > 1 MiB
+            pusher.push(f"/q/{n}".rjust(MAX_KEY, "k").encode(), b"")
+    assert server.keys.held <= 1 << 20
+    client = Raw(server.port)
+    assert client.pop(f"/q/{0}".rjust(MAX_KEY, "k").encode())[:8] == struct.pack("<q", 1)
+    held = server.keys.held
+    waiter = Raw(server.port)
+    waiter.wait([b"/w/%d" % n for n in range(1000)], blocks=True)
+    assert server.keys.held > held  # the keys it waits for
+    client.set(b"/w/0", b"")  # still waited for: the others are missing
+    waiter.send(Query.CANCEL_WAIT)
+    assert waiter.read(1) == bytes([WAIT_CANCELED])
+    assert server.keys.held <= held + 100
+    greedy = Raw(server.port)
+    awaited = [(b"/%d" % n).rjust(MAX_KEY, b"w") for n in range(130)]  # 130 x 8 KiB > 1 MiB
+    greedy.send(Query.WAIT, struct.pack("<Q", len(awaited)), *map(blob, awaited))
+    assert greedy.closed()
+    for each in (pusher, client, waiter):
+        each.close()
+
+
 def test_an_add_over_a_count_longer_than_int_takes_is_torchs_answer_not_a_crash(server, caplog):
     """std::stoll takes any run of zeros before a count, and refuses a number past int64;
     Python's int() refuses more than 4300 digits with a ValueError, which used to end the
@@ -348,6 +388,15 @@ def test_an_add_over_a_count_longer_than_int_takes_is_torchs_answer_not_a_crash(
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
     assert any("holds no count" in r.getMessage() for r in caplog.records)
     raw.close()
+
+
+def test_it_keeps_as_many_connections_waiting_to_be_accepted_as_torchs(server):
+    """asyncio listened again with its default backlog, 100: in a large world whose ranks
+    connect at once, the rest waited for a SYN sent again, a second later."""
+    shown = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{server.port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert shown[2] == "4096", shown  # Send-Q of a listening socket: its backlog
 
 
 def test_a_request_trickled_byte_by_byte_is_served(server):

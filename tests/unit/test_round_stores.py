@@ -100,6 +100,26 @@ def test_an_address_not_on_this_host_serves_on_every_address(stores):
     assert listens("127.0.0.1", port)
 
 
+def test_a_name_for_the_nodes_address_serves_on_every_address(stores):
+    """A name may resolve here to a loopback address (Debian's ``127.0.1.1 hostname``), where
+    the other nodes cannot reach it."""
+    here = stores("localhost")
+    port = free_port()
+    here.offer(port)
+    assert listens("127.0.0.2", port)
+
+
+def test_a_first_node_offering_another_port_serves_the_rounds(stores):
+    """The rendezvous kept this node's record as it was, with the port of an earlier join:
+    the round's store is there, and its offer is not."""
+    here = stores()
+    earlier, now = free_port(), free_port()
+    here.offer(now)
+    here.formed(3, earlier, first=True)
+    assert here.ports == [earlier]
+    assert listens("127.0.0.1", earlier) and not listens("127.0.0.1", now)
+
+
 def test_a_port_another_program_holds_is_refused(stores):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -108,9 +128,10 @@ def test_a_port_another_program_holds_is_refused(stores):
     here = stores()
     with pytest.raises(StoreConnectionError, match="cannot host the store"):
         here.offer(port)  # joining anyway, its workers might meet in the other's store
-    taken.close()
     assert here.ports == []
-    here.formed(0, port, first=True)  # nothing to keep
+    with pytest.raises(StoreConnectionError, match="cannot host the store"):
+        here.formed(0, port, first=True)  # a round at that port, this node first
+    taken.close()
     assert here.ports == []
 
 
@@ -122,3 +143,32 @@ def test_close_closes_every_store(stores):
     here.offer(ports[1])
     here.close()
     assert here.ports == [] and not any(listens("127.0.0.1", p) for p in ports)
+
+
+def test_a_part_that_fails_to_close_something_still_closes_its_stores(stores):
+    """A step of the part's close that raised (its workers' channel, say) left its round's
+    store listening as long as the daemon ran: a fixed --master-port stayed taken."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from elasticd.shell.effectors import PartEffectors
+
+    class Link:
+        async def close(self) -> None:
+            raise OSError("unlink failed")
+
+    here = stores()
+    port = free_port()
+    here.offer(port)
+    part = PartEffectors(
+        shared=SimpleNamespace(tier=None),  # type: ignore[arg-type]
+        spec=None,  # type: ignore[arg-type]
+        nproc=1,
+        rdzv=SimpleNamespace(shutdown=lambda: None),  # type: ignore[arg-type]
+        cgroup=None,
+        link=Link(),  # type: ignore[arg-type]
+        stores=here,
+    )
+    with pytest.raises(OSError, match="unlink failed"):
+        asyncio.run(part.close())
+    assert here.ports == [] and not listens("127.0.0.1", port)

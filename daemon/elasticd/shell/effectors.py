@@ -315,16 +315,18 @@ class PartEffectors:
             task.cancel()
         for timer in self.timers.values():
             timer.cancel()
-        if self.ops:
-            await asyncio.wait(list(self.ops.values()))
-        self.ops.clear()
-        if self.workers is not None:
-            await self.workers.stop()
-        if self.standbys is not None:
-            await self.standbys.close()
-        if self.link is not None:
-            await self.link.close()
-        self.stores.close()
+        try:
+            if self.ops:
+                await asyncio.wait(list(self.ops.values()))
+            self.ops.clear()
+            if self.workers is not None:
+                await self.workers.stop()
+            if self.standbys is not None:
+                await self.standbys.close()
+            if self.link is not None:
+                await self.link.close()
+        finally:  # a port kept listening would outlive the job (a fixed --master-port too)
+            self.stores.close()
         self.rdzv.shutdown()
         if self.keeper is not None:
             self.keeper.cancel()

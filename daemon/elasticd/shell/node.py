@@ -306,9 +306,13 @@ class NodeShell:
         store is served here if this node is its first."""
         part = self._parts.get(job)
         if part is not None:
-            part.stores.formed(
-                info.round, info.master_port, info.members[0].node == self._effectors.node
-            )
+            try:
+                part.stores.formed(
+                    info.round, info.master_port, info.members[0].node == self._effectors.node
+                )
+            except StoreConnectionError as exc:  # its workers would wait for it in vain
+                why = f"{exc} (another program, or another job's --master-port, holds it)"
+                return ev.JoinFailed(job, op, ev.JoinFailure.STORE, why)
         guard = self._effectors.guard
         if guard is not None:
             guard.watch(job, tuple(m.node for m in info.members))

@@ -19,6 +19,7 @@ cannot make the daemon hold more than that.
 from __future__ import annotations
 
 import errno
+import ipaddress
 
 from elasticd.errors import StoreConnectionError
 from elasticd.store.tcpserver import TCPStoreServer
@@ -57,9 +58,18 @@ class RoundStores:
     def formed(self, round: int, port: int, first: bool) -> None:
         """Round ``round`` formed with this node, its store at ``port`` on its first node:
         this node keeps its offer if it is that node, else closes it; of the stores of
-        earlier rounds, it keeps the one of the round just before."""
+        earlier rounds, it keeps the one of the round just before.  The first node whose
+        offer is not at ``port`` (a node the rendezvous kept as it was, with the port of an
+        earlier join) serves a fresh store there.  Raises StoreConnectionError where that
+        port is taken."""
         offered, self._offered = self._offered, None
-        if offered is not None and first and offered.port == port:
+        if first and (offered is None or offered.port != port):
+            self._shut(offered)
+            for stale in [h for h in self._hosting if h[1].port == port]:  # an earlier round's
+                self._hosting.remove(stale)
+                self._shut(stale[1])
+            offered = self._serve(port)
+        if offered is not None and first:
             self._hosting.append((round, offered))
         else:
             self._shut(offered)
@@ -70,12 +80,20 @@ class RoundStores:
     def _serve(self, port: int) -> TCPStoreServer:
         """A store at ``port`` on the node's address (so that nodes sharing a host may each
         serve the same ``--master-port``), else on every address, as TCPStore binds, where
-        the node's address is not this host's (a NAT's, a container's)."""
+        the node's address is not this host's (a NAT's, a container's) or is a name (which
+        may resolve here to a loopback address: Debian's ``127.0.1.1 hostname``)."""
+        try:
+            ipaddress.ip_address(self._address)
+        except ValueError:
+            return self._anywhere(port)
         try:
             return TCPStoreServer(self._address, port, max_bytes=self._max_bytes)
         except StoreConnectionError as exc:
             if getattr(exc.__cause__, "errno", None) != errno.EADDRNOTAVAIL:
                 raise
+        return self._anywhere(port)
+
+    def _anywhere(self, port: int) -> TCPStoreServer:
         anywhere = "::" if ":" in self._address else "0.0.0.0"
         return TCPStoreServer(anywhere, port, max_bytes=self._max_bytes)
 

@@ -51,6 +51,7 @@ MAX_VALUE = 8 << 20  # in one request
 MAX_HELD_VALUE = 16 << 20  # grown by appends: what TCPStoreClient reads at most
 MAX_KEYS_PER_QUERY = 128 << 10
 MAX_PENDING = 64 << 20  # a connection's unread requests, and its unsent answers
+BACKLOG = 4096  # connections not yet accepted, as torch's server (a large world at once)
 _WARN_EVERY = 60.0  # seconds between two warnings about refused connections
 
 
@@ -142,7 +143,7 @@ class Keys:
         self.values: dict[bytes, bytes] = {}
         self.queues: dict[bytes, collections.deque[bytes]] = {}
         self.max_bytes = max_bytes or float("inf")  # 0: no limit
-        self.held = 0  # bytes of keys and values, queued values included
+        self.held = 0  # bytes of keys and values, queued ones and the keys waited for too
         self.waiters: dict[bytes, list[Waiter]] = {}
 
     # -- writes ---------------------------------------------------------------------------
@@ -186,9 +187,7 @@ class Keys:
         return 1
 
     def push(self, key: bytes, value: bytes) -> None:
-        if self.held + len(value) > self.max_bytes:
-            raise Refused(f"the store holds {self.held} bytes (at most {self.max_bytes})")
-        self.held += len(value)
+        self._take(len(key) + len(value))
         self.queues.setdefault(key, collections.deque()).append(value)
         for waiter in self.waiters.get(key, ()):  # one popper is told, as torch's server does
             if waiter.awaited == {key}:
@@ -200,7 +199,7 @@ class Keys:
         answer = _int64(len(queue) if queue else 0)
         if queue:
             value = queue.popleft()
-            self.held -= len(value)
+            self.held -= len(key) + len(value)
             answer += blob(value)
             if not queue:
                 del self.queues[key]
@@ -239,21 +238,36 @@ class Keys:
             if not waiting:
                 self.waiters.pop(key, None)
         waiter.awaited = set()
+        self._done_waiting(waiter)
+
+    def answer_size(self, keys: list[bytes]) -> int:
+        """Bytes of a MULTI_GET's answer (checked before it is made: one key named many
+        times in one small request would have the daemon build gigabytes)."""
+        return sum(8 + len(self.values.get(key, b"")) for key in keys)
 
     # -- bookkeeping ----------------------------------------------------------------------
 
     def _hold(self, key: bytes, value: bytes) -> None:
         current = self.values.get(key)
-        grows = len(value) - (len(current) if current is not None else -len(key))
-        if self.held + grows > self.max_bytes:
+        self._take(len(value) - (len(current) if current is not None else -len(key)))
+
+    def _take(self, grows: int) -> None:
+        if grows > 0 and self.held + grows > self.max_bytes:
             raise Refused(f"the store holds {self.held} bytes (at most {self.max_bytes})")
         self.held += grows
 
     def _await(self, waiter: Waiter, keys: Iterable[bytes]) -> None:
         self.cancel(waiter)  # one wait per connection, as torch's clients send them
-        waiter.awaited = set(keys)
-        for key in keys:
+        awaited = set(keys)
+        size = sum(map(len, awaited))  # counted while waited for: each connection may wait
+        self._take(size)
+        waiter.awaited, waiter.held = awaited, size
+        for key in awaited:
             self.waiters.setdefault(key, []).append(waiter)
+
+    def _done_waiting(self, waiter: Waiter) -> None:
+        self.held -= waiter.held
+        waiter.held = 0
 
     def _wake(self, key: bytes) -> None:
         for waiter in self.waiters.pop(key, ()):
@@ -267,6 +281,7 @@ class Keys:
                 del self.waiters[key]
         waiter.awaited.discard(key)
         if not waiter.awaited:
+            self._done_waiting(waiter)
             waiter.send(STOP_WAITING)
 
 
@@ -276,6 +291,7 @@ class Waiter:
     def __init__(self, send: Callable[[bytes], None]) -> None:
         self.send = send
         self.awaited: set[bytes] = set()
+        self.held = 0  # bytes of its keys, counted in the store's
 
 
 class _Connection(asyncio.Protocol):
@@ -368,6 +384,8 @@ class _Connection(asyncio.Protocol):
             keys.append(key, value)
         elif query == Query.MULTI_GET:
             wanted = [request.key() for _ in range(request.count())]
+            if keys.answer_size(wanted) > MAX_PENDING:
+                raise Refused(f"a MULTI_GET whose answer is over {MAX_PENDING} bytes")
             self.answer(b"".join(blob(keys.values.get(key, b"")) for key in wanted))
         elif query == Query.MULTI_SET:
             pairs = [(request.key(), request.value()) for _ in range(request.count())]
@@ -405,7 +423,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(1024)
+        sock.listen(BACKLOG)
     except OSError as err:
         sock.close()
         raise StoreConnectionError(f"cannot host the store on {host}:{port}: {err}") from err
@@ -463,7 +481,7 @@ class TCPStoreServer:
         asyncio.set_event_loop(loop)
         try:
             server = loop.run_until_complete(
-                loop.create_server(lambda: _Connection(self), sock=sock)
+                loop.create_server(lambda: _Connection(self), sock=sock, backlog=BACKLOG)
             )
         except BaseException as exc:
             self._failed = exc
