@@ -227,3 +227,29 @@ def test_a_torn_save_a_restart_deletes_is_not_landed_again_meanwhile(
         assert not os.path.exists(os.path.join(path, "step_50"))
 
     on_node_a(tmp_path, test)
+
+
+def test_a_copy_that_failed_is_not_dropped_where_it_is_tried_again(tmp_path: Path) -> None:
+    """A copy that failed is tried again at the same keeper: a drop sent there meanwhile
+    (tried again itself while the keeper is unreachable) could delete the new copy."""
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        tier.record_changed(record(job, ("a", "b"), 0))
+        tier.round(JOB, 0, 2, (0,))
+        plain, failed = peers.send, []
+
+        async def fails_once(node: str, job: str, name: str, file: str, source: Any) -> Any:
+            if not failed:
+                failed.append(node)
+                raise ConnectionError("b is busy")
+            return await plain(node, job, name, file, source)
+
+        peers.send = fails_once  # type: ignore[method-assign]
+        Path(path, "rank0.pt").write_bytes(b"0" * 1000)
+        await until(
+            lambda: any(m.id == "rank0.pt" and m.copied_to == "b" for m in published(posted)),
+            "rank0.pt copied to b at the second try",
+        )
+        assert failed == ["b"] and peers.dropped == []
+
+    on_node_a(tmp_path, test)

@@ -807,7 +807,10 @@ class CheckpointTier:
         else:
             jd.retry.pop(name, None)
             jd.refused.pop(name, None)
-        for elsewhere in sorted(jd.sending.pop(name, set()) - {copied}):  # earlier landings'
+        sent = jd.sending.pop(name, set())
+        # an earlier landing's copy that went elsewhere goes; not where this copy failed: its
+        # drop, tried again while the keeper is unreachable, could come after the retry's copy
+        for elsewhere in sorted(sent - {copied} if copied else ()):
             self._spawn("dropping", jd.job, functools.partial(self._drop_copy, elsewhere, jd, name))
         earlier = jd.manifests.get(name)
         saved = earlier.saved if again and earlier is not None else started
