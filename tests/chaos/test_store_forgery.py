@@ -449,6 +449,8 @@ def test_c6_forged_exit_barrier_arrival_does_not_end_the_job(cluster, shared_tmp
             d["state"] == "RUNNING"
             and d.get("barrier") is not None
             and any(p["state"] == "RUNNING" for p in d["nodes"])
+            # a node's record may still list its workers as they were before they started
+            and all(w["pid"] for w in d["workers"] if w["state"] != "SUCCEEDED")
         ),
         timeout=60,
     )
