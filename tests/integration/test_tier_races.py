@@ -253,3 +253,85 @@ def test_a_copy_that_failed_is_not_dropped_where_it_is_tried_again(tmp_path: Pat
         assert failed == ["b"] and peers.dropped == []
 
     on_node_a(tmp_path, test)
+
+
+A_SHARE = {cp.METADATA: b"M" * 100, "__0_0.distcp": b"A" * 1000}  # rank 0's, on a
+B_SHARE = {"__1_0.distcp": b"B" * 1000}  # rank 1's, on b, its copy kept on a
+
+
+def b_share(ident: str, saved: float) -> cp.Manifest:
+    files = {name: facts(data) for name, data in B_SHARE.items()}
+    return cp.Manifest(ident, "b", 0, 2, (1,), files, saved, "a")
+
+
+def save_on_a(tier: CheckpointTier, path: str, ident: str) -> None:
+    """Rank 0's share of ``ident`` written on a, and b's share's copy received there."""
+    for name, data in B_SHARE.items():
+        tier.receive("b", JOB, ident, name, 0, data, facts(data))
+    os.mkdir(os.path.join(path, ident))
+    for name in sorted(A_SHARE, key=lambda n: n == cp.METADATA):  # DCP's metadata last
+        Path(path, ident, name).write_bytes(A_SHARE[name])
+
+
+def test_a_copy_finishing_after_the_stop_does_not_make_the_nodes_restore_different_steps(
+    tmp_path: Path,
+) -> None:
+    """The workers stop while a still copies its share of step_50, and b, deciding from a
+    record where a's share is not described, restores step_40.  a's copy used to finish
+    then: step_50 complete on a alone, which put it in place and pruned step_40, and the
+    ranks loaded different steps.  A stop now cuts a's landing short: both restore 40."""
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        jd = tier._jobs[JOB]
+        tier.round(JOB, 0, 2, (0,))
+        theirs = {"b": (b_share("step_40", time.time()),)}
+        tier.record_changed(record(job, ("a", "b"), 0, theirs))
+        save_on_a(tier, path, "step_40")
+        await until(lambda: tier.holding(JOB) is not None, "step_40 complete")
+        gate, started, _ = hold_sends(peers, "step_50")
+        theirs = {"b": (*theirs["b"], b_share("step_50", time.time()))}
+        tier.record_changed(record(job, ("a", "b"), 0, theirs))
+        save_on_a(tier, path, "step_50")
+        await until(lambda: bool(started), "a's share of step_50 being copied to b")
+        tier.stopped(JOB)  # a rank fails: the workers are stopped
+        gate.set()
+        b_decides_from = list(theirs["b"]) + published(posted)
+        held = tier.holding(JOB)  # what a declares, joining the next round
+        assert held is not None and held.checkpoint == "step_40"
+        assert os.path.isdir(os.path.join(path, "step_40")), "step_40 pruned after the stop"
+        now = record(job, ("a", "b"), 1, theirs)
+        assert await tier.prepare(JOB, now, ("a", "b"), held) == ""
+        here = sorted(n for n in os.listdir(path) if not n.startswith("."))
+        assert here == [c.id for c in cp.restored(b_decides_from)] == ["step_40"]
+        assert cp.latest_complete(jd.found()) is not None
+
+    on_node_a(tmp_path, test)
+
+
+def test_a_restart_waits_for_the_checkpoint_its_round_agreed_on(tmp_path: Path) -> None:
+    """A member declared step_50, complete in its view; this node's records do not show b's
+    share of it yet: it waits for them, restores step_50, and not its own newest (40)."""
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        tier.round(JOB, 0, 2, (0,))
+        older = b_share("step_40", time.time())
+        tier.record_changed(record(job, ("a", "b"), 0, {"b": (older,)}))
+        save_on_a(tier, path, "step_40")
+        save_on_a(tier, path, "step_50")
+        await until(
+            lambda: any(m.id == "step_50" and m.described for m in published(posted)),
+            "a's share of step_50 described",
+        )
+        tier.stopped(JOB)
+        newer = b_share("step_50", time.time())
+        declared = cp.Holding("step_50", 2, (0, 1), 0, newer.saved)
+        preparing = asyncio.create_task(
+            tier.prepare(JOB, record(job, ("a", "b"), 1, {"b": (older,)}), ("a", "b"), declared)
+        )
+        await asyncio.sleep(0.2)
+        assert not preparing.done(), "it restored before the agreed checkpoint was complete"
+        tier.record_changed(record(job, ("a", "b"), 1, {"b": (older, newer)}))
+        assert await preparing == ""
+        assert sorted(os.listdir(os.path.join(path, "step_50"))) == sorted([*A_SHARE, *B_SHARE])
+
+    on_node_a(tmp_path, test)

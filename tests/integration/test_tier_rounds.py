@@ -144,8 +144,8 @@ def test_a_file_put_in_place_is_not_described_again_and_its_next_version_is(
     async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
         now = record(job, theirs)
         tier.record_changed(now)
-        tier.round(JOB, 1, 3, (1,))  # rank 1 is this node's now
         assert await tier.prepare(JOB, now, ("a", "c")) == ""
+        tier.round(JOB, 1, 3, (1,))  # its workers start: rank 1 is this node's now
         assert Path(path, "rank1.pt").read_bytes() == version
         # a file of the script's: its landing starts after any the rename above started
         Path(path, "next.pt").write_bytes(b"n")

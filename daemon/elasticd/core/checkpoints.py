@@ -271,11 +271,12 @@ def latest_complete(found: Iterable[Manifest]) -> Checkpoint | None:
     return done[-1] if done else None
 
 
-def restored(found: Iterable[Manifest]) -> list[Checkpoint]:
-    """What a restart puts in place: the newest complete DCP checkpoint and the newest
-    complete version of every file a rank wrote itself."""
+def restored(found: Iterable[Manifest], chosen: Checkpoint | None = None) -> list[Checkpoint]:
+    """What a restart puts in place: the newest complete DCP checkpoint (``chosen``, where
+    the round agreed on one) and the newest complete version of every file a rank wrote
+    itself."""
     found = list(found)
-    latest = latest_complete(found)
+    latest = chosen or latest_complete(found)
     files = [c for c in checkpoints(found) if c.kind == FILE and c.complete]
     return ([latest] if latest is not None else []) + files
 
@@ -369,18 +370,32 @@ def orphaned(
     }
 
 
-def torn(local_dirs: Iterable[str], found: Iterable[Manifest]) -> set[str]:
+def torn(
+    local_dirs: Iterable[str], found: Iterable[Manifest], chosen: Checkpoint | None = None
+) -> set[str]:
     """The DCP entries (directories) here that are not complete: what a restart deletes
-    before the workers read, so that none of them loads a save that was cut off.  (Files a
-    rank wrote itself are the script's to name; they are kept.)"""
+    before the workers read, so that none of them loads a save that was cut off.  With
+    ``chosen`` (the checkpoint the round agreed to restore), any newer one too: a member
+    may have found it torn, and a script loads the newest it finds.  (Files a rank wrote
+    itself are the script's to name; they are kept.)"""
     everything = checkpoints(found)
     files = {c.id for c in everything if c.kind == FILE}
     known = {c.id: c for c in everything if c.kind == DCP}
+    order = [c.id for c in everything if c.kind == DCP]
+    newer = set(order[order.index(chosen.id) + 1 :]) if chosen and chosen.id in order else set()
     return {
         name
         for name in local_dirs
-        if name not in files and (name not in known or not known[name].complete)
+        if name not in files and (name not in known or not known[name].complete or name in newer)
     }
+
+
+def agreed(found: Iterable[Manifest], holding: Holding) -> Checkpoint | None:
+    """The checkpoint ``holding`` names, where it is complete in ``found``."""
+    for checkpoint in checkpoints(found):
+        if (checkpoint.id, checkpoint.round) == (holding.checkpoint, holding.round):
+            return checkpoint if checkpoint.complete and checkpoint.kind == DCP else None
+    return None
 
 
 def missing(checkpoint: Checkpoint, have: Mapping[str, int]) -> dict[str, FileFacts]:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticd.core.checkpoints import Holding
 from elasticd.core.model import JobSpec, WorkerGroup
 from elasticd.core.records import Outcome, Part
 from elasticd.rendezvous import Reason, RendezvousInfo
@@ -36,12 +37,14 @@ class PrepareRestore:
     """Before the workers of ``round`` start: put the job's newest complete checkpoint in
     place on this node (fetching what it lacks, from the round's ``members`` first: a node
     left out of the round may be the one that was lost) and delete the saves that were cut
-    off."""
+    off.  ``checkpoint``: the newest one a member declared it holds, joining the round (the
+    same on every member, whatever each has seen of the others' records since)."""
 
     job: str
     op: int
     round: int
     members: tuple[str, ...] = ()
+    checkpoint: Holding | None = None
 
 
 @dataclass(frozen=True)

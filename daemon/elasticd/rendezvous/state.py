@@ -180,6 +180,7 @@ class Member:
     nproc: int
     group_rank: int
     rank_base: int
+    holds: Holding | None = None  # what it declared it holds of the job's state, joining
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,9 @@ def members_of(state: RendezvousState) -> tuple[Member, ...]:
     members, base = [], 0
     for rank, name in enumerate(training):
         participant = state.participants[name]
-        members.append(Member(name, participant.addr, participant.nproc, rank, base))
+        members.append(
+            Member(name, participant.addr, participant.nproc, rank, base, participant.holds)
+        )
         base += participant.nproc
     return tuple(members)
 

@@ -77,6 +77,9 @@ _DROP_TRIES = 4  # a copy's drop, sent again after 1, 2 and 4 s: else it stays t
 # copied to its new keeper: not at once, where the recovery needs the network and the
 # CPU, and a save of the new round usually makes the old one moot by then
 REKEEP_AFTER = 30.0
+# seconds a restart waits for the records that show the checkpoint its round agreed on
+# complete on this node (they are on their way: a member saw it complete)
+AGREE_WAIT = 30.0
 # seconds a file of a copy may land with no chunk before it is dropped: its sender gives up
 # after 30 s without an answer (cluster/tierlink.py TIMEOUT), so one silent four times as
 # long was lost or gave up, and its partial file would hold memory until the job ends
@@ -232,6 +235,10 @@ class JobDir:
     waits: int = 0  # its workers' waits now
     consider_soon: bool = False  # a ``_consider`` for the record's last changes is due
     watches_spent: bool = False  # it has as many directories watched as a job may
+    # its workers were stopped (a restart): nothing lands, nor is pruned, until the next
+    # round's start, so that what it declares joining that round is what it holds then
+    frozen: bool = False
+    cut_short: set[str] = field(default_factory=set)  # landings the stop cancelled
 
     @property
     def job(self) -> str:
@@ -401,7 +408,23 @@ class CheckpointTier:
         jd = self._jobs.get(job)
         if jd is not None:
             jd.round, jd.world, jd.ranks = round, world, tuple(sorted(ranks))
+            jd.frozen = False
             self._consider(jd)
+
+    def stopped(self, job: str) -> None:
+        """The job's workers are being stopped for a restart: the saves landing now are cut
+        short, and nothing more lands or is pruned here until the next round starts.  Else
+        a copy finishing after the stop made a save complete on this node alone: it put that
+        one in place and pruned the one before, while a node that had decided earlier put
+        the one before in place: their ranks loaded different steps."""
+        jd = self._jobs.get(job)
+        if jd is None:
+            return
+        jd.frozen = True
+        jd.cut_short.update(jd.busy)
+        for task in jd.busy.values():
+            task.cancel()
+        jd.busy.clear()
 
     def record_changed(self, record: JobRecord) -> None:
         """Another node's manifests, or the job's members, changed."""
@@ -515,6 +538,8 @@ class CheckpointTier:
     def _consider(self, jd: JobDir) -> None:
         """Land each checkpoint this node knows complete and has not described yet; copy
         again what could not be copied; then keep the newest complete one, write it to disk."""
+        if jd.frozen:
+            return
         with jd.rights():  # its user may have put links anywhere in it
             found = jd.found()
             with_metadata = {m.id for m in found if m.metadata and m.round >= jd.round}
@@ -826,7 +851,7 @@ class CheckpointTier:
 
     def _land_file(self, jd: JobDir, name: str) -> None:
         """A file a rank wrote itself, closed: its own checkpoint."""
-        if not cp.valid_name(name) or jd.round < 0:
+        if not cp.valid_name(name) or jd.round < 0 or jd.frozen:
             return
         known = jd.known_files.get(name)
         if known is not None and _stat_key(jd, name) == known[0]:
@@ -1033,13 +1058,20 @@ class CheckpointTier:
     # -- before a restarted round's workers read ----------------------------------------------
 
     async def prepare(
-        self, job: str, record: JobRecord | None, members: tuple[str, ...] = ()
+        self,
+        job: str,
+        record: JobRecord | None,
+        members: tuple[str, ...] = (),
+        checkpoint: cp.Holding | None = None,
     ) -> str:
         """Put the newest complete checkpoint (and every file a rank wrote itself) in place
         here and delete the DCP saves that were cut off.  What this node lacks is fetched
         from the round's ``members`` first: a holder left out of the round may be the node
         just lost, which the cluster may not know yet (a fetch from it would wait for the
-        transfer's timeout).  Returns "" or why the job cannot go on from any checkpoint."""
+        transfer's timeout).  ``checkpoint``: the newest one the round's members declared
+        they hold, joining it, which every member restores (waiting, at most AGREE_WAIT,
+        for the records that show it complete here).  Returns "" or why the job cannot go
+        on from any checkpoint."""
         jd = self._jobs.get(job)
         if jd is None:
             return ""
@@ -1047,13 +1079,16 @@ class CheckpointTier:
         buddy = self._buddy(jd)  # where the saves cancelled below were being copied to
         if record is not None:
             jd.record = record
-        copying = set(jd.busy)
+        jd.frozen = True
+        copying = set(jd.busy) | jd.cut_short
+        jd.cut_short = set()
         for task in list(jd.busy.values()):  # the workers are stopped: these saves are torn
             task.cancel()
         jd.busy.clear()
+        chosen = None if checkpoint is None else await self._agreed(jd, checkpoint)
         found = jd.found()
         with jd.rights():
-            cut = cp.torn(_entries(jd.path, dirs=True), found)
+            cut = cp.torn(_entries(jd.path, dirs=True), found, chosen)
         for name in cut:
             manifest = jd.manifests.pop(name, None)
             jd.claimed.pop(name, None)
@@ -1078,11 +1113,32 @@ class CheckpointTier:
                 extra=about(job),
             )
             self._publish(jd)
-        for checkpoint in cp.restored(found):
-            failure = await self._put_in_place(jd, checkpoint, members)
+        for each in cp.restored(found, chosen):
+            failure = await self._put_in_place(jd, each, members)
             if failure:
                 return failure
         return ""
+
+    async def _agreed(self, jd: JobDir, holding: cp.Holding) -> cp.Checkpoint | None:
+        """The checkpoint the round agreed on, once this node's records show it complete (a
+        member that declared it saw it complete: the others' records come); None, said in
+        the log, where they do not within AGREE_WAIT (this node's newest is restored)."""
+        deadline = time.monotonic() + AGREE_WAIT
+        while (chosen := cp.agreed(jd.found(), holding)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "job %s: checkpoint %s, which a member of the round holds, is not "
+                    "complete in this node's records after %.0f s: its newest is restored",
+                    jd.job,
+                    holding.checkpoint,
+                    AGREE_WAIT,
+                    extra=about(jd.job),
+                )
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(jd.changed.wait(), left)
+        return chosen
 
     async def _put_in_place(
         self, jd: JobDir, checkpoint: cp.Checkpoint, members: tuple[str, ...]

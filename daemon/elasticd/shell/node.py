@@ -411,7 +411,12 @@ class NodeShell:
     def _prepare_restore(self, preparing: do.PrepareRestore) -> None:
         tier = self._effectors.tier
         work = (
-            tier.prepare(preparing.job, self._registry.find(preparing.job), preparing.members)
+            tier.prepare(
+                preparing.job,
+                self._registry.find(preparing.job),
+                preparing.members,
+                preparing.checkpoint,
+            )
             if tier is not None
             else asyncio.sleep(0, "")
         )
@@ -480,6 +485,10 @@ class NodeShell:
 
     def _stop_workers(self, stopping: do.StopWorkers) -> None:
         workers = self._parts[stopping.job].workers
+        tier = self._effectors.tier
+
+        if tier is not None:  # what it holds now is what it declares, joining the next round
+            tier.stopped(stopping.job)
 
         async def stop() -> None:
             if workers is not None:

@@ -417,7 +417,9 @@ class PartCore:
         self.info, self.group = info, group
         self.move_to(Phase.PREPARING)
         members = tuple(m.node for m in info.members)
-        return out + [do.PrepareRestore(self.job, self.new_op("main"), info.round, members)]
+        declared = [m.holds for m in info.members if m.holds is not None]
+        newest = max(declared, key=lambda h: h.age, default=None)
+        return out + [do.PrepareRestore(self.job, self.new_op("main"), info.round, members, newest)]
 
     def _start(self, info: RendezvousInfo, group: WorkerGroup, now: ev.Now) -> Instructions:
         out = self.enter_round(info, group, now)
