@@ -9,12 +9,17 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from elasticd.core import checkpoints as cp
-from elasticd.core.model import JobSpec
+from elasticd.core import events as ev
+from elasticd.core.model import JobSpec, PartState
+from elasticd.core.records import JobRecord, Part
+from elasticd.shell.checkpoints import CheckpointTier, TierSettings
+
+TierTest = Callable[[CheckpointTier, str, "Peers", list[ev.Event], JobSpec], Awaitable[None]]
 
 
 def job_spec(workdir: Path, job: str) -> JobSpec:
@@ -76,3 +81,61 @@ class Peers:
 
     def domain(self, node: str) -> str:
         return node
+
+
+def published(posted: list[ev.Event]) -> list[cp.Manifest]:
+    """This node's manifests as its part carries them now (its last news)."""
+    news = [e for e in posted if isinstance(e, ev.CheckpointsChanged)]
+    return [cp.parse(m) for m in news[-1].manifests] if news else []
+
+
+def on_a_tier(
+    tmp_path: Path,
+    job_id: str,
+    test: TierTest,
+    *,
+    node: str = "c",
+    held: dict[tuple[str, str, str], bytes] | None = None,
+    spec: JobSpec | None = None,
+) -> None:
+    """Run ``test`` on node ``node``'s real tier, with job ``job_id`` open (``spec``, else
+    the test user's), the other nodes holding ``held``; the tier closed after it."""
+
+    async def main() -> None:
+        posted: list[ev.Event] = []
+        peers = Peers(held)
+        tier = CheckpointTier(
+            TierSettings(node, str(tmp_path / "tier"), 0, 0), peers, posted.append
+        )
+        running = asyncio.create_task(tier.run())
+        job = spec or job_spec(tmp_path, job_id)
+        path = tier.open(job)
+        try:
+            await test(tier, path, peers, posted, job)
+        finally:
+            await tier.close(job_id)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def round_record(
+    job: JobSpec,
+    members: tuple[str, ...],
+    round: int,
+    theirs: dict[str, tuple[cp.Manifest, ...]] | None = None,
+) -> JobRecord:
+    """The job's record with ``members`` running ``round`` (group ranks in that order), each
+    carrying its manifests in ``theirs``."""
+    parts = [
+        Part(
+            node,
+            PartState.RUNNING,
+            round=round,
+            group_rank=rank,
+            checkpoints=tuple(m.to_json() for m in (theirs or {}).get(node, ())),
+        )
+        for rank, node in enumerate(members)
+    ]
+    return JobRecord(spec=job, seq=1, parts={p.node: p for p in parts})

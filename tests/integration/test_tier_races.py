@@ -16,56 +16,32 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tier_rig import Peers, facts, job_spec, until
+from tier_rig import (
+    Peers,
+    TierTest,
+    facts,
+    job_spec,
+    on_a_tier,
+    published,
+    round_record,
+    until,
+)
 
 from elasticd.core import checkpoints as cp
 from elasticd.core import events as ev
-from elasticd.core.model import JobSpec, PartState
-from elasticd.core.records import JobRecord, Part
+from elasticd.core.model import JobSpec
 from elasticd.shell import checkpoints as tier_module
-from elasticd.shell.checkpoints import CheckpointTier, TierSettings
+from elasticd.shell.checkpoints import CheckpointTier
 
 JOB = "j-7ace01"
 Test = Callable[[CheckpointTier, str, Peers, list[ev.Event], JobSpec], Awaitable[None]]
 
 
-def record(
-    job: JobSpec, members: tuple[str, ...], round: int, theirs: dict | None = None
-) -> JobRecord:
-    parts = [
-        Part(
-            node,
-            PartState.RUNNING,
-            round=round,
-            group_rank=rank,
-            checkpoints=tuple(m.to_json() for m in (theirs or {}).get(node, ())),
-        )
-        for rank, node in enumerate(members)
-    ]
-    return JobRecord(spec=job, seq=1, parts={p.node: p for p in parts})
+record = round_record
 
 
-def published(posted: list[ev.Event]) -> list[cp.Manifest]:
-    news = [e for e in posted if isinstance(e, ev.CheckpointsChanged)]
-    return [cp.parse(m) for m in news[-1].manifests] if news else []
-
-
-def on_node_a(tmp_path: Path, test: Test, spec: JobSpec | None = None) -> None:
-    async def main() -> None:
-        posted: list[ev.Event] = []
-        peers = Peers()
-        tier = CheckpointTier(TierSettings("a", str(tmp_path / "tier"), 0, 0), peers, posted.append)
-        running = asyncio.create_task(tier.run())
-        job = spec or job_spec(tmp_path, JOB)
-        path = tier.open(job)
-        try:
-            await test(tier, path, peers, posted, job)
-        finally:
-            await tier.close(JOB)
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-
-    asyncio.run(main())
+def on_node_a(tmp_path: Path, test: TierTest, spec: JobSpec | None = None) -> None:
+    on_a_tier(tmp_path, JOB, test, node="a", spec=spec)
 
 
 def hold_sends(peers: Peers, ckpt: str) -> tuple[asyncio.Event, list[str], list[str]]:

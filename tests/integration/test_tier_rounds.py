@@ -13,19 +13,17 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tier_rig import Peers, facts, job_spec, until
+from tier_rig import Peers, TierTest, facts, on_a_tier, published, round_record, until
 
 from elasticd.core import checkpoints as cp
-from elasticd.core import events as ev
-from elasticd.core.model import JobSpec, PartState
-from elasticd.core.records import JobRecord, Part
+from elasticd.core.model import JobSpec
+from elasticd.core.records import JobRecord
 from elasticd.shell import checkpoints as tier_module
-from elasticd.shell.checkpoints import CheckpointTier, TierSettings
+from elasticd.shell.checkpoints import CheckpointTier
 
 JOB = "j-5e7a01"
 SAVE = {  # step_40, saved in round 0 by two ranks: a (rank 0, with DCP's metadata) and b
@@ -49,48 +47,16 @@ def record(
     round: int = 1,
 ) -> JobRecord:
     """A round of ``members`` (by default round 1: a and b, and c, which joined it)."""
-    parts = [
-        Part(
-            node,
-            PartState.RUNNING,
-            round=round,
-            group_rank=rank,
-            checkpoints=tuple(m.to_json() for m in theirs.get(node, ())),
-        )
-        for rank, node in enumerate(members)
-    ]
-    return JobRecord(spec=job, seq=1, parts={p.node: p for p in parts})
+    return round_record(job, members, round, theirs)
 
 
-def published(posted: list[ev.Event]) -> list[cp.Manifest]:
-    """This node's manifests as its part carries them now (its last news)."""
-    news = [e for e in posted if isinstance(e, ev.CheckpointsChanged)]
-    return [cp.parse(m) for m in news[-1].manifests] if news else []
-
-
-def on_a_tier(
+def on_tier(
     tmp_path: Path,
     held: dict[tuple[str, str, str], bytes],
-    test: Callable[[CheckpointTier, str, Peers, list[ev.Event], JobSpec], Awaitable[None]],
+    test: TierTest,
     node: str = "c",
 ) -> None:
-    async def main() -> None:
-        posted: list[ev.Event] = []
-        peers = Peers(held)
-        tier = CheckpointTier(
-            TierSettings(node, str(tmp_path / "tier"), 0, 0), peers, posted.append
-        )
-        running = asyncio.create_task(tier.run())
-        job = job_spec(tmp_path, JOB)
-        path = tier.open(job)
-        try:
-            await test(tier, path, peers, posted, job)
-        finally:
-            await tier.close(JOB)
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-
-    asyncio.run(main())
+    on_a_tier(tmp_path, JOB, test, node=node, held=held)
 
 
 def test_a_newcomer_does_not_describe_the_checkpoint_put_in_place_for_it_as_its_own(
@@ -131,7 +97,7 @@ def test_a_newcomer_does_not_describe_the_checkpoint_put_in_place_for_it_as_its_
         assert newest is not None and newest.id == "step_40"
         assert cp.torn(["step_40"], view) == set()  # the next restart keeps it
 
-    on_a_tier(tmp_path, held, test)
+    on_tier(tmp_path, held, test)
 
 
 def test_a_file_put_in_place_is_not_described_again_and_its_next_version_is(
@@ -159,7 +125,7 @@ def test_a_file_put_in_place_is_not_described_again_and_its_next_version_is(
         (mine,) = [m for m in published(posted) if m.id == "rank1.pt"]
         assert mine.files["rank1.pt"] == facts(b"2" * 1000)
 
-    on_a_tier(tmp_path, held, test)
+    on_tier(tmp_path, held, test)
 
 
 def test_a_restart_replaces_an_older_version_of_a_file_of_the_same_size(tmp_path: Path) -> None:
@@ -174,7 +140,7 @@ def test_a_restart_replaces_an_older_version_of_a_file_of_the_same_size(tmp_path
         assert await tier.prepare(JOB, now, ("a", "c")) == ""
         assert Path(path, "rank1.pt").read_bytes() == new
 
-    on_a_tier(tmp_path, held, test)
+    on_tier(tmp_path, held, test)
 
 
 def test_a_share_whose_keeper_left_the_round_is_copied_to_its_new_keeper(
@@ -205,7 +171,7 @@ def test_a_share_whose_keeper_left_the_round_is_copied_to_its_new_keeper(
         newest = cp.latest_complete(published(posted))
         assert newest is not None and newest.id == "step_40"
 
-    on_a_tier(tmp_path, {}, test, node="a")
+    on_tier(tmp_path, {}, test, node="a")
 
 
 def test_a_checkpoint_saved_into_again_is_no_longer_one_and_its_copy_goes(
@@ -242,7 +208,7 @@ def test_a_checkpoint_saved_into_again_is_no_longer_one_and_its_copy_goes(
         (new,) = [m for m in published(posted) if m.id == "latest"]
         assert new.files["__0_0.distcp"] == facts(b"Y" * 1000)
 
-    on_a_tier(tmp_path, {}, test, node="a")
+    on_tier(tmp_path, {}, test, node="a")
 
 
 def test_a_landing_cut_short_drops_what_it_sent_where_it_sent_it(tmp_path: Path) -> None:
@@ -272,4 +238,4 @@ def test_a_landing_cut_short_drops_what_it_sent_where_it_sent_it(tmp_path: Path)
         await until(lambda: any(m.id == "state.pt" for m in published(posted)), "state.pt")
         assert [m.id for m in published(posted)] == ["state.pt"]
 
-    on_a_tier(tmp_path, {}, test, node="a")
+    on_tier(tmp_path, {}, test, node="a")

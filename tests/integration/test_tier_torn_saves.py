@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from tier_rig import Peers, facts, job_spec, until
+from tier_rig import Peers, facts, on_a_tier, until
 
 from elasticd.core import checkpoints as cp
 from elasticd.core.model import JobSpec, PartState
 from elasticd.core.records import JobRecord, Part
 from elasticd.shell import checkpoints as tier_module
-from elasticd.shell.checkpoints import CheckpointTier, TierSettings
+from elasticd.shell.checkpoints import CheckpointTier
 
 JOB = "j-70a2e1"
 A_SHARE = {cp.METADATA: b"M" * 100, "__0_0.distcp": b"A" * 1000}  # rank 0, on node a
@@ -55,27 +55,17 @@ def land(tier: CheckpointTier, ckpt: str, files: dict[str, bytes]) -> None:
 
 
 def test_the_owner_of_a_torn_save_drops_its_copy_on_the_keeper(tmp_path: Path) -> None:
-    async def main() -> None:
-        peers = Peers()
-        tier = CheckpointTier(TierSettings("a", str(tmp_path / "a"), 0, 0), peers, lambda e: None)
-        running = asyncio.create_task(tier.run())
-        job = job_spec(tmp_path, JOB)
-        path = tier.open(job)
-        try:
-            tier.record_changed(record(job, 0))
-            tier.round(JOB, 0, 2, (0,))
-            write(os.path.join(path, "step_50"), A_SHARE)  # rank 1, on b, never finishes
-            await until(lambda: len(peers.sent) == len(A_SHARE), "a's share sent to b")
-            await until(lambda: "step_50" in tier._jobs[JOB].manifests, "step_50 described")
-            assert await tier.prepare(JOB, record(job, 1), ("a", "b")) == ""
-            assert not os.path.exists(os.path.join(path, "step_50"))
-            await until(lambda: peers.dropped == [("b", "step_50")], "step_50 dropped at b")
-        finally:
-            await tier.close(JOB)
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        tier.record_changed(record(job, 0))
+        tier.round(JOB, 0, 2, (0,))
+        write(os.path.join(path, "step_50"), A_SHARE)  # rank 1, on b, never finishes
+        await until(lambda: len(peers.sent) == len(A_SHARE), "a's share sent to b")
+        await until(lambda: "step_50" in tier._jobs[JOB].manifests, "step_50 described")
+        assert await tier.prepare(JOB, record(job, 1), ("a", "b")) == ""
+        assert not os.path.exists(os.path.join(path, "step_50"))
+        await until(lambda: peers.dropped == [("b", "step_50")], "step_50 dropped at b")
 
-    asyncio.run(main())
+    on_a_tier(tmp_path, JOB, test, node="a")
 
 
 def test_a_keeper_deletes_the_copies_of_a_torn_save_its_owner_never_dropped(
@@ -83,43 +73,33 @@ def test_a_keeper_deletes_the_copies_of_a_torn_save_its_owner_never_dropped(
 ) -> None:
     monkeypatch.setattr(tier_module, "_LANDING_IDLE", 0.5, raising=False)
 
-    async def main() -> None:
-        peers = Peers()
-        tier = CheckpointTier(TierSettings("b", str(tmp_path / "b"), 0, 0), peers, lambda e: None)
-        running = asyncio.create_task(tier.run())
-        job = job_spec(tmp_path, JOB)
-        path = tier.open(job)
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
         copies = os.path.join(path, tier_module.COPIES, "a")
 
         def kept() -> list[str]:
             return sorted(os.listdir(copies))
 
-        try:
-            tier.round(JOB, 0, 2, (1,))
-            # round 0: a's share of step_50 is copied here, then a's of step_55 starts to
-            # land; the failure cuts both off, and a, deleting them, never says so (lost)
-            land(tier, "step_50", A_SHARE)
-            tier.receive("a", JOB, "step_55", "__0_0.distcp", 0, b"A" * 500, None)
-            tier.record_changed(record(job, 0, (a_manifest("step_50", 0, time.time()),)))
-            await asyncio.sleep(0.6)  # a sent no more of step_55 for longer than the bound
-            # round 1: step_60 is saved by both and copied; a's copy of step_70 has landed,
-            # its manifest not published yet
-            tier.round(JOB, 1, 2, (1,))
-            write(os.path.join(path, "step_60"), B_SHARE)
-            land(tier, "step_60", A_SHARE)
-            step_60 = a_manifest("step_60", 1, time.time())
-            await asyncio.sleep(0.05)
-            land(tier, "step_70", A_SHARE)
-            tier.record_changed(record(job, 1, (step_60,)))
-            await until(lambda: "step_50" not in kept(), "the torn step_50's copy gone")
-            latest = cp.latest_complete(tier._jobs[JOB].found())
-            assert latest is not None and latest.id == "step_60"
-            assert kept() == ["step_60", "step_70"]
-            assert sorted(os.listdir(os.path.join(copies, "step_60"))) == sorted(A_SHARE)
-            assert not tier._receiving
-        finally:
-            await tier.close(JOB)
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
+        tier.round(JOB, 0, 2, (1,))
+        # round 0: a's share of step_50 is copied here, then a's of step_55 starts to
+        # land; the failure cuts both off, and a, deleting them, never says so (lost)
+        land(tier, "step_50", A_SHARE)
+        tier.receive("a", JOB, "step_55", "__0_0.distcp", 0, b"A" * 500, None)
+        tier.record_changed(record(job, 0, (a_manifest("step_50", 0, time.time()),)))
+        await asyncio.sleep(0.6)  # a sent no more of step_55 for longer than the bound
+        # round 1: step_60 is saved by both and copied; a's copy of step_70 has landed,
+        # its manifest not published yet
+        tier.round(JOB, 1, 2, (1,))
+        write(os.path.join(path, "step_60"), B_SHARE)
+        land(tier, "step_60", A_SHARE)
+        step_60 = a_manifest("step_60", 1, time.time())
+        await asyncio.sleep(0.05)
+        land(tier, "step_70", A_SHARE)
+        tier.record_changed(record(job, 1, (step_60,)))
+        await until(lambda: "step_50" not in kept(), "the torn step_50's copy gone")
+        latest = cp.latest_complete(tier._jobs[JOB].found())
+        assert latest is not None and latest.id == "step_60"
+        assert kept() == ["step_60", "step_70"]
+        assert sorted(os.listdir(os.path.join(copies, "step_60"))) == sorted(A_SHARE)
+        assert not tier._receiving
 
-    asyncio.run(main())
+    on_a_tier(tmp_path, JOB, test, node="b")
