@@ -314,6 +314,12 @@ class Holding:
         return self.round, self.saved, self.checkpoint
 
 
+def newest(holdings: Iterable[Holding | None]) -> Holding | None:
+    """The newest checkpoint of ``holdings`` (None where there is none): the one a round's
+    members agree to load, and to place their ranks for."""
+    return max((h for h in holdings if h is not None), key=lambda h: h.age, default=None)
+
+
 def holding(found: Iterable[Manifest], node: str) -> Holding | None:
     """What ``node`` holds of the newest complete DCP checkpoint; None where nothing."""
     latest = latest_complete(found)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
-from elasticd.core.checkpoints import Holding
+from elasticd.core.checkpoints import Holding, newest
 from elasticd.rendezvous.state import Participant
 
 EXACT_UP_TO = 7  # survivors whose every order is tried (7! = 5040); beyond, a greedy one
@@ -57,7 +57,7 @@ def _common(holdings: Iterable[Holding | None]) -> Holding | None:
     """The newest checkpoint a member holds a part of (the one the ranks will load: they
     agree on the newest any of them knows); None when none does.  A member whose view
     lags, holding an older one, counts as holding nothing of it."""
-    return max((h for h in holdings if h is not None), key=lambda h: h.age, default=None)
+    return newest(holdings)
 
 
 def _overlaps(

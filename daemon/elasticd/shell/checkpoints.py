@@ -223,8 +223,8 @@ class JobDir:
     spoiled: set[str] = field(default_factory=set)
     # id -> since when (monotonic) the keeper of this node's share has been out of the round
     keeper_gone: dict[str, float] = field(default_factory=dict)
-    # id -> the node a landing of it is copying to now: where its files may have landed
-    # when the landing is cut short (the buddy may have changed since it began)
+    # id -> the nodes landings of it copied to and have not finished: where its files may
+    # have landed when a landing is cut short (the buddy may have changed since it began)
     sending: dict[str, set[str]] = field(default_factory=dict)
     # files a rank wrote itself that this node described or put in place: name -> (inode,
     # mtime, ctime, size) then, and its SHA-256.  A later write changes the first: a file whose
@@ -418,13 +418,8 @@ class CheckpointTier:
         one in place and pruned the one before, while a node that had decided earlier put
         the one before in place: their ranks loaded different steps."""
         jd = self._jobs.get(job)
-        if jd is None:
-            return
-        jd.frozen = True
-        jd.cut_short.update(jd.busy)
-        for task in jd.busy.values():
-            task.cancel()
-        jd.busy.clear()
+        if jd is not None:
+            _freeze(jd)
 
     def record_changed(self, record: JobRecord) -> None:
         """Another node's manifests, or the job's members, changed."""
@@ -1079,12 +1074,8 @@ class CheckpointTier:
         buddy = self._buddy(jd)  # where the saves cancelled below were being copied to
         if record is not None:
             jd.record = record
-        jd.frozen = True
-        copying = set(jd.busy) | jd.cut_short
-        jd.cut_short = set()
-        for task in list(jd.busy.values()):  # the workers are stopped: these saves are torn
-            task.cancel()
-        jd.busy.clear()
+        _freeze(jd)  # the workers are stopped: the saves landing are torn
+        copying, jd.cut_short = jd.cut_short, set()
         chosen = None if checkpoint is None else await self._agreed(jd, checkpoint)
         found = jd.found()
         with jd.rights():
@@ -1123,22 +1114,18 @@ class CheckpointTier:
         """The checkpoint the round agreed on, once this node's records show it complete (a
         member that declared it saw it complete: the others' records come); None, said in
         the log, where they do not within AGREE_WAIT (this node's newest is restored)."""
-        deadline = time.monotonic() + AGREE_WAIT
-        while (chosen := cp.agreed(jd.found(), holding)) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning(
-                    "job %s: checkpoint %s, which a member of the round holds, is not "
-                    "complete in this node's records after %.0f s: its newest is restored",
-                    jd.job,
-                    holding.checkpoint,
-                    AGREE_WAIT,
-                    extra=about(jd.job),
-                )
-                return None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(jd.changed.wait(), left)
-        return chosen
+        agreed = functools.partial(cp.agreed, holding=holding)
+        if await _until(jd, lambda: agreed(jd.found()) is not None, AGREE_WAIT):
+            return agreed(jd.found())
+        log.warning(
+            "job %s: checkpoint %s, which a member of the round holds, is not complete in "
+            "this node's records after %.0f s: its newest is restored",
+            jd.job,
+            holding.checkpoint,
+            AGREE_WAIT,
+            extra=about(jd.job),
+        )
+        return None
 
     async def _put_in_place(
         self, jd: JobDir, checkpoint: cp.Checkpoint, members: tuple[str, ...]
@@ -1512,23 +1499,21 @@ class CheckpointTier:
             raise ValueError(f"{jd.waits} waits of this job's workers already")
         jd.waits += 1
         try:
-            return await self._wait_for(jd, ident, time.monotonic() + min(float(timeout), 600.0))
+            return await self._wait_for(jd, ident, min(float(timeout), 600.0))
         finally:
             jd.waits -= 1
 
-    async def _wait_for(self, jd: JobDir, ident: str, deadline: float) -> bool:
-        while True:
-            if (
+    async def _wait_for(self, jd: JobDir, ident: str, timeout: float) -> bool:
+        await _until(
+            jd,
+            lambda: (
                 _complete_or_newer(jd.found(), ident)
                 or self._jobs.get(jd.job) is not jd
                 or ident in jd.refused
-            ):
-                return _complete_or_newer(jd.found(), ident)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(jd.changed.wait(), left)
+            ),
+            timeout,
+        )
+        return _complete_or_newer(jd.found(), ident)
 
     async def _ranges(
         self, jd: JobDir, checkpoint: cp.Checkpoint, name: str, spans: list[tuple[int, int]]
@@ -1611,6 +1596,29 @@ class CheckpointTier:
         if jd is None:
             return None
         return {"bytes": _held_bytes(jd), "cap": jd.cap, "memory": jd.mounted}
+
+
+def _freeze(jd: JobDir) -> None:
+    """Nothing lands or is pruned in ``jd`` until its next round; the landings running now
+    are cut short (noted in ``cut_short``: their copies may have begun to land)."""
+    jd.frozen = True
+    jd.cut_short.update(jd.busy)
+    for task in jd.busy.values():
+        task.cancel()
+    jd.busy.clear()
+
+
+async def _until(jd: JobDir, done: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``done()`` holds, looked at again at each change of ``jd`` (``_changed``)
+    for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(jd.changed.wait(), left)
+    return True
 
 
 @contextlib.contextmanager

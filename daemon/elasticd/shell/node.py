@@ -274,8 +274,7 @@ class NodeShell:
         try:
             part.stores.offer(port)  # listening before the round forms, whoever is first
         except StoreConnectionError as exc:
-            why = f"{exc} (another program, or another job's --master-port, holds it)"
-            self.post(ev.JoinFailed(join.job, join.op, ev.JoinFailure.STORE, why))
+            self.post(_store_taken(join.job, join.op, exc))
             return
 
         def fail(exc: Exception) -> ev.Event | None:
@@ -311,8 +310,7 @@ class NodeShell:
                     info.round, info.master_port, info.members[0].node == self._effectors.node
                 )
             except StoreConnectionError as exc:  # its workers would wait for it in vain
-                why = f"{exc} (another program, or another job's --master-port, holds it)"
-                return ev.JoinFailed(job, op, ev.JoinFailure.STORE, why)
+                return _store_taken(job, op, exc)
         guard = self._effectors.guard
         if guard is not None:
             guard.watch(job, tuple(m.node for m in info.members))
@@ -886,3 +884,9 @@ _EXECUTE: dict[type, Callable[[NodeShell, Any], None]] = {
     do.Count: NodeShell._count,
     do.Say: NodeShell._say,
 }
+
+
+def _store_taken(job: str, op: int, exc: StoreConnectionError) -> ev.JoinFailed:
+    """A join that cannot serve its round's store: the job fails, saying why."""
+    why = f"{exc} (another program, or another job's --master-port, holds it)"
+    return ev.JoinFailed(job, op, ev.JoinFailure.STORE, why)

@@ -28,6 +28,7 @@ from typing import Any
 from elasticd.core import events as ev
 from elasticd.core import hang
 from elasticd.core import instructions as do
+from elasticd.core.checkpoints import newest
 from elasticd.core.model import (
     PART_STATES,
     Failure,
@@ -417,9 +418,8 @@ class PartCore:
         self.info, self.group = info, group
         self.move_to(Phase.PREPARING)
         members = tuple(m.node for m in info.members)
-        declared = [m.holds for m in info.members if m.holds is not None]
-        newest = max(declared, key=lambda h: h.age, default=None)
-        return out + [do.PrepareRestore(self.job, self.new_op("main"), info.round, members, newest)]
+        agreed = newest(m.holds for m in info.members)
+        return out + [do.PrepareRestore(self.job, self.new_op("main"), info.round, members, agreed)]
 
     def _start(self, info: RendezvousInfo, group: WorkerGroup, now: ev.Now) -> Instructions:
         out = self.enter_round(info, group, now)
