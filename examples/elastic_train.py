@@ -65,6 +65,7 @@ class Reporter:
             "rank": dist.get_rank(),
             "world": dist.get_world_size(),
             "round": int(os.environ.get("ELASTICD_ROUND", -1)),
+            "master_port": int(os.environ.get("MASTER_PORT", 0)),
             "batch": state.batch,
             "checksum": checksum(state.model),
             "time": time.time(),

@@ -70,23 +70,26 @@ def _locked_file(path: str) -> Iterator[int]:
         os.close(fd)  # and with it the lock
 
 
-def free_port() -> int:
-    """A TCP port, free now, that no other test on this host was handed out lately."""
+def free_port(count: int = 1) -> int:
+    """A TCP port, free now, that no other test on this host was handed out lately; with
+    ``count``, the first of that many consecutive ones (``--master-port P`` in place uses P
+    and P + 1)."""
     top = _ephemeral_start()
     low = max(1024, top - _SPAN)
-    span = top - low
+    span = top - low - count + 1
     with _locked_file(f"/tmp/elasticd-test-ports-{os.getuid()}") as fd:
         cursor = 0
         with contextlib.suppress(ValueError):
             cursor = int(os.pread(fd, 32, 0) or b"0")
         for step in range(1, span + 1):
             port = low + (cursor + step) % span
-            if port not in DEFAULTS and _binds(port):
+            run = range(port, port + count)
+            if not set(run) & DEFAULTS and all(_binds(each) for each in run):
                 break
         else:
-            raise RuntimeError(f"no free port in {low}..{top - 1}")
+            raise RuntimeError(f"no {count} free ports in {low}..{top - 1}")
         os.ftruncate(fd, 0)
-        os.pwrite(fd, str(port - low).encode(), 0)
+        os.pwrite(fd, str(port + count - 1 - low).encode(), 0)
         return port
 
 

@@ -100,8 +100,9 @@ TREATMENT: dict[str, str] = {
     "master_addr": "launcher topology: where no elasticd runs, the store's host in the static "
     "form; submitted to a daemon: accepted on a one-node job, refused on more (MASTER_ADDR is "
     "group rank 0's node, every round)",
-    "master_port": "honoured: a fixed MASTER_PORT for every round (default: a free port); in "
-    "the static form where no elasticd runs, the store's port",
+    "master_port": "honoured: a fixed MASTER_PORT for every round (default: a free port; with "
+    "`--in-place`, P or P + 1 from one round to the next); in the static form where no "
+    "elasticd runs, the store's port",
     "local_addr": "launcher topology: where no elasticd runs, this node's address for the "
     "others; submitted to a daemon: accepted on a one-node job, refused on more (a node's "
     "address is elasticd --node-address)",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import ROOT, alive
+from harness import ROOT, alive, free_port
 from store_attack import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -448,4 +448,39 @@ def test_a_survivor_stuck_in_its_aborted_round_is_replaced_and_the_others_keep_t
     assert not set(two) & {pid for pid, e in first.items() if e["rank"] == 1}, "b's was replaced"
     assert a.ctl("status", job)["restarts"] == 0
     assert "still in it after 3 s" in b.log_path.read_text()  # the whole log: not its tail
+    a.ctl("cancel", job)
+
+
+def test_a_fixed_master_port_serves_rounds_that_follow_each_other_in_place(
+    pair: Cluster, report: Path
+) -> None:
+    """``--master-port P``: the survivors of a round stay in its group (and its store) while
+    the next round forms, so the daemon of a node first in both cannot serve them one port.
+    The job grows 2 -> 3 and shrinks back to 2, in place: every change keeps the survivors'
+    processes, and each round's store is at P or P + 1 on its first node."""
+    a, _b = pair
+    port = free_port()
+    job = submit(a, report, "--master-port", str(port))
+    two = wait_for(lambda: formed(report, 2), 120, "2 ranks training")
+    since = time.time()
+    wait_for(lambda: committed(report, set(two), since, 0), 60, "both ranks committed")
+    c = pair.add("c")
+    c.start()
+    three = wait_for(lambda: formed(report, 3, since), 120, "c taken in: 3 ranks")
+    assert set(two) < set(three), "a's and b's workers kept their processes"
+    assert_equal_state(three)
+    grown = time.time()
+    wait_for(lambda: committed(report, set(three), grown, 0), 60, "3 ranks committed")
+    lost = next(pid for pid in three if pid not in two)
+    killed_at = time.time()
+    c.signal(signal.SIGKILL)
+    c.wait_exit(30)
+    again = wait_for(lambda: formed(report, 2, killed_at), 60, "the survivors re-formed as 2")
+    assert set(again) == set(two) and lost not in again
+    assert_equal_state(again)
+    wait_for(lambda: committed(report, set(two), killed_at, 0), 60, "training went on")
+    ports = {e["master_port"] for e in events(report) if e["event"] == "start"}
+    assert ports <= {port, port + 1}, ports
+    commits_agree(report)
+    assert a.ctl("status", job)["restarts"] == 0
     a.ctl("cancel", job)

@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 import pytest
-from harness import PY, ROOT
+from harness import PY, ROOT, free_port
 from store_attack import Cluster, metric, wait_for
 
 pytestmark = pytest.mark.slow
@@ -291,6 +291,32 @@ def test_a_joining_node_loads_the_commit_the_others_just_made(
     wait_for(lambda: stepped(report, set(three), step + 3, joined_at), 120, "3 ranks train on")
     first = min(e["step"] for e in events(report) if e["event"] == "step" and e["pid"] == newcomer)
     assert first == step + 1, "the newcomer trains from the committed step"
+    assert a.ctl("status", job)["restarts"] == 0
+    a.ctl("cancel", job)
+
+
+def test_a_node_joining_before_the_rounds_first_commit_under_a_fixed_master_port(
+    daemon_factory: Any, shared_tmp: Path, report: Path
+) -> None:
+    """``--master-port P``: c joins while a's and b's round has made no commit yet, so
+    their first commit makes the writers' group in that round's store after a's daemon
+    joined the next round.  That round's store is at P + 1: the first commit finds its own
+    store, and the job grows to 3 with no restart."""
+    cluster = cluster_of(daemon_factory, shared_tmp, "ab", "joinport")
+    c = cluster.add("c")
+    cluster.daemons.remove(c)  # started later
+    a, _b = cluster.start()
+    port = free_port(2)
+    slow = ("--commit-every", "20", "--step-time", "0.3")  # the first commit 6 s in
+    job = submit(a, report, "--master-port", str(port), nnodes="2:3", args=slow)
+    two = wait_for(lambda: formed(report, 2), 180, "2 ranks training")
+    assert not [e for e in events(report) if e["event"] == "commit"]
+    c.start()
+    three = wait_for(lambda: formed(report, 3), 180, "the job grew to 3")
+    assert set(two) < set(three), "the members kept their processes"
+    assert {e["loaded"] for e in three.values()} != {None}, "the newcomer loaded a commit"
+    at = next(iter(three.values()))["step"]
+    wait_for(lambda: stepped(report, set(three), at + 1), 120, "3 ranks train on")
     assert a.ctl("status", job)["restarts"] == 0
     a.ctl("cancel", job)
 

@@ -18,6 +18,7 @@ from elasticd.core.model import (
     WorkerState,
     assign_workers,
     local_nproc,
+    master_ports,
     parse_nnodes,
     parse_nproc,
     worker_env,
@@ -200,6 +201,7 @@ def test_local_nproc_resolves_per_node(nproc, gpus, cpus, workers):
         ({"master_port": 65536}, "master_port"),
         ({"master_port": "29500"}, "master_port"),
         ({"master_port": True}, "master_port"),
+        ({"master_port": 65535, "in_place": True}, "the port and the one after it"),
     ],
 )
 def test_spec_validation(change, words):
@@ -247,6 +249,13 @@ def test_role_and_master_port_round_trip_and_are_left_out_at_their_default():
     )  # a daemon of the last version reads it
     assert JobSpec.from_json(plain) == spec()
     assert spec(role="r" * 64, master_port=65535).master_port == 65535
+
+
+def test_in_place_a_fixed_master_port_offers_the_port_after_it_too():
+    """The survivors of a round stay in its store while the next round forms."""
+    assert master_ports(spec()) == () and master_ports(spec(in_place=True)) == ()
+    assert master_ports(spec(master_port=29555)) == (29555,)
+    assert master_ports(spec(master_port=29555, in_place=True)) == (29555, 29556)
 
 
 def test_rank_assignment_heterogeneous():

@@ -39,7 +39,7 @@ def test_an_offer_listens_before_the_round_forms_and_torchs_client_uses_it(store
 
     here = stores()
     port = free_port()
-    here.offer(port)
+    here.offer([port])
     assert here.ports == [port] and listens("127.0.0.1", port)
     client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     client.set("k", "v")
@@ -49,8 +49,8 @@ def test_an_offer_listens_before_the_round_forms_and_torchs_client_uses_it(store
 def test_the_first_node_keeps_its_store_and_the_others_close_theirs(stores):
     first, other = stores("127.0.0.1"), stores("127.0.0.2")
     port = free_port()
-    first.offer(port)
-    other.offer(port)  # each on its own address: nodes sharing a host, one --master-port
+    first.offer([port])
+    other.offer([port])  # each on its own address: nodes sharing a host, one --master-port
     first.formed(0, port, first=True)
     other.formed(0, port, first=False)
     assert first.ports == [port] and other.ports == []
@@ -61,20 +61,43 @@ def test_the_round_before_stays_until_the_round_after_forms(stores):
     here = stores()
     ports = [free_port() for _ in range(3)]
     for round, port in enumerate(ports):
-        here.offer(port)
+        here.offer([port])
         here.formed(round, port, first=True)
     assert here.ports == ports[1:]  # round 1 still, for survivors not re-formed yet
     assert not listens("127.0.0.1", ports[0])
-    here.offer(free_port())
+    here.offer([free_port()])
     here.formed(3, 1, first=False)  # another node is round 3's first: round 2's stays
     assert here.ports == ports[2:]
+
+
+def test_in_place_a_fixed_port_alternates_so_the_survivors_keep_their_store(stores):
+    """``--master-port P --in-place``: round 1's survivors stay in its group while round 2
+    forms, so round 2's store goes to P + 1; round 3's back to P (round 1 is over)."""
+    from torch.distributed import TCPStore
+
+    here = stores()
+    port = free_port(2)
+    both = (port, port + 1)
+    assert here.offer(both) == port
+    here.formed(1, port, first=True)
+    survivor = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    survivor.set("round", "1")
+    assert here.offer(both) == port + 1  # round 2 joins: round 1's store stays
+    assert survivor.get("round") == b"1" and survivor.add("commits", 1) == 1
+    here.formed(2, port + 1, first=True)
+    assert here.ports == [port, port + 1]
+    assert here.offer(both) == port  # round 3: round 1's store goes, round 2's stays
+    assert here.ports == [port + 1, port]
+    here.formed(3, port, first=True)
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    assert not client.check(["round"]), "round 3's store is fresh"
 
 
 def test_an_offer_that_formed_no_round_closes_at_the_next(stores):
     here = stores()
     dropped, taken = free_port(), free_port()
-    here.offer(dropped)  # the join timed out
-    here.offer(taken)
+    here.offer([dropped])  # the join timed out
+    here.offer([taken])
     assert here.ports == [taken] and not listens("127.0.0.1", dropped)
 
 
@@ -83,10 +106,10 @@ def test_a_fixed_port_is_fresh_each_round(stores):
 
     here = stores()
     port = free_port()
-    here.offer(port)
+    here.offer([port])
     here.formed(0, port, first=True)
     TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)).set("old", "1")
-    here.offer(port)  # the next round, the same port: the old round's keys are gone
+    here.offer([port])  # the next round, the same port: the old round's keys are gone
     here.formed(1, port, first=True)
     client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     assert not client.check(["old"])
@@ -96,7 +119,7 @@ def test_a_fixed_port_is_fresh_each_round(stores):
 def test_an_address_not_on_this_host_serves_on_every_address(stores):
     here = stores("192.0.2.7")  # TEST-NET-1: a NAT's address, say
     port = free_port()
-    here.offer(port)
+    here.offer([port])
     assert listens("127.0.0.1", port)
 
 
@@ -105,7 +128,7 @@ def test_a_name_for_the_nodes_address_serves_on_every_address(stores):
     the other nodes cannot reach it."""
     here = stores("localhost")
     port = free_port()
-    here.offer(port)
+    here.offer([port])
     assert listens("127.0.0.2", port)
 
 
@@ -114,7 +137,7 @@ def test_a_first_node_offering_another_port_serves_the_rounds(stores):
     the round's store is there, and its offer is not."""
     here = stores()
     earlier, now = free_port(), free_port()
-    here.offer(now)
+    here.offer([now])
     here.formed(3, earlier, first=True)
     assert here.ports == [earlier]
     assert listens("127.0.0.1", earlier) and not listens("127.0.0.1", now)
@@ -127,7 +150,7 @@ def test_a_port_another_program_holds_is_refused(stores):
     port = taken.getsockname()[1]
     here = stores()
     with pytest.raises(StoreConnectionError, match="cannot host the store"):
-        here.offer(port)  # joining anyway, its workers might meet in the other's store
+        here.offer([port])  # joining anyway, its workers might meet in the other's store
     assert here.ports == []
     with pytest.raises(StoreConnectionError, match="cannot host the store"):
         here.formed(0, port, first=True)  # a round at that port, this node first
@@ -138,9 +161,9 @@ def test_a_port_another_program_holds_is_refused(stores):
 def test_close_closes_every_store(stores):
     here = stores()
     ports = [free_port(), free_port()]
-    here.offer(ports[0])
+    here.offer([ports[0]])
     here.formed(0, ports[0], first=True)
-    here.offer(ports[1])
+    here.offer([ports[1]])
     here.close()
     assert here.ports == [] and not any(listens("127.0.0.1", p) for p in ports)
 
@@ -159,7 +182,7 @@ def test_a_part_that_fails_to_close_something_still_closes_its_stores(stores):
 
     here = stores()
     port = free_port()
-    here.offer(port)
+    here.offer([port])
     part = PartEffectors(
         shared=SimpleNamespace(tier=None),  # type: ignore[arg-type]
         spec=None,  # type: ignore[arg-type]

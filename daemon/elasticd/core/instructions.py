@@ -21,14 +21,15 @@ from elasticd.rendezvous import Reason, RendezvousInfo
 
 @dataclass(frozen=True)
 class Join:
-    """Join the job's current (or next) round with ``nproc`` workers; ``master_port`` 0: a
-    port free here now; ``scheduled``: the nodes the cluster's schedule gives the job (the
-    round need not wait for more once they are all in)."""
+    """Join the job's current (or next) round with ``nproc`` workers; ``master_ports``: the
+    ports to offer for its store, in order (model.master_ports; none: a port free here now);
+    ``scheduled``: the nodes the cluster's schedule gives the job (the round need not wait
+    for more once they are all in)."""
 
     job: str
     op: int
     nproc: int
-    master_port: int
+    master_ports: tuple[int, ...]
     scheduled: tuple[str, ...] = ()
 
 

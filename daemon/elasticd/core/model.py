@@ -381,6 +381,10 @@ def validate(spec: JobSpec) -> None:
         _is_int(spec.master_port) and 0 <= spec.master_port <= 65535,
         f"master_port must be from 0 (a free port every round) to 65535, got {spec.master_port!r}",
     )
+    need(
+        not (spec.in_place and spec.master_port == 65535),
+        "master_port in place uses the port and the one after it: at most 65534",
+    )
     _validate_sharing(spec, need)
     need(
         _is_text(spec.checkpoint_dir)
@@ -543,6 +547,16 @@ def assign_workers(
         workers,
         gpus,
     )
+
+
+def master_ports(spec: JobSpec) -> tuple[int, ...]:
+    """The ports a join may offer for its round's store, in order: none (any free port), or
+    ``--master-port P``.  In place also P + 1: the survivors of a round stay in its group,
+    and so need its store, until they leave it at a commit, while the next round forms; a
+    node first in both serves the next one at the other port."""
+    if not spec.master_port:
+        return ()
+    return (spec.master_port, spec.master_port + 1) if spec.in_place else (spec.master_port,)
 
 
 def placement_env(group: WorkerGroup, worker: Worker) -> dict[str, str]:

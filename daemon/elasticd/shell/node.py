@@ -270,9 +270,9 @@ class NodeShell:
 
     def _join(self, join: do.Join) -> None:
         part = self._parts[join.job]
-        port = join.master_port or self._effectors.master_ports.pick(self._effectors.address)
+        ports = join.master_ports or (self._effectors.master_ports.pick(self._effectors.address),)
         try:
-            part.stores.offer(port)  # listening before the round forms, whoever is first
+            port = part.stores.offer(ports)  # listening before the round forms, whoever is first
         except StoreConnectionError as exc:
             self.post(_store_taken(join.job, join.op, exc))
             return

@@ -11,7 +11,8 @@ the round forms: whichever node the round puts first, its store listens before a
 the round starts.  Once the round formed the other nodes close theirs.  The store of the
 round before stays until the round after it forms (survivors in place stay in the old group
 until their next commit, and NCCL makes communicators through the store when they are first
-used).  A store is fresh each round (torch's clients add no prefix per attempt) and
+used).  So under a fixed ``--master-port P`` an in-place node first in two rounds running
+serves the second at P + 1 (``model.master_ports``), and the third at P again.  A store is fresh each round (torch's clients add no prefix per attempt) and
 bounded (``MAX_BYTES``): as with torch's, anyone who reaches the port can talk to it, but
 cannot make the daemon hold more than that.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+from collections.abc import Sequence
 
 from elasticd.errors import StoreConnectionError
 from elasticd.store.tcpserver import TCPStoreServer
@@ -42,18 +44,24 @@ class RoundStores:
         servers = [server for _, server in self._hosting]
         return [server.port for server in [*servers, *([self._offered] if self._offered else [])]]
 
-    def offer(self, port: int) -> None:
-        """A join offers ``port``: a fresh store listens there.  An earlier offer that formed
-        no round closes, and so does a hosted store on the same port (``--master-port``: the
-        same port every round; its round is over once this node joins another).  Raises
-        StoreConnectionError where the port is taken (another program, or another job's
-        ``--master-port``): joining anyway, this node's workers might meet in that one."""
+    def offer(self, ports: Sequence[int]) -> int:
+        """A join offers the first of ``ports`` that the newest round hosted here does not
+        serve (its survivors may still be in its group), else the first: a fresh store
+        listens there, and that port is returned.  An earlier offer that formed no round
+        closes, and so does a hosted store on the same port (``--master-port``: the same
+        port every round, or two in place; its round is over once this node joins the one
+        after the next).  Raises StoreConnectionError where the port is taken (another
+        program, or another job's ``--master-port``): joining anyway, this node's workers
+        might meet in that one."""
         self._shut(self._offered)
         self._offered = None
+        newest = self._hosting[-1][1].port if self._hosting else None
+        port = next((each for each in ports if each != newest), ports[0])
         for hosted in [h for h in self._hosting if h[1].port == port]:
             self._hosting.remove(hosted)
             self._shut(hosted[1])
         self._offered = self._serve(port)
+        return port
 
     def formed(self, round: int, port: int, first: bool) -> None:
         """Round ``round`` formed with this node, its store at ``port`` on its first node:

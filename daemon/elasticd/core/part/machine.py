@@ -39,6 +39,7 @@ from elasticd.core.model import (
     WorkerGroup,
     WorkerState,
     assign_workers,
+    master_ports,
 )
 from elasticd.core.part import inplace, spares
 from elasticd.core.part.phases import PART_PHASES, Phase
@@ -288,7 +289,7 @@ class PartCore:
                 self.job,
                 self.new_op("main"),
                 self.nproc if nproc is None else nproc,
-                self.spec.master_port,
+                master_ports(self.spec),
                 tuple(sorted(self.scheduled)),
             )
         ]
