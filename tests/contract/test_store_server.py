@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from store_servers import ServerProcess
 
+from elasticd.store import tcpserver
 from elasticd.store.tcpserver import MAX_KEY, TCPStoreServer
 from elasticd.store.tcpwire import MAGIC, WAIT_CANCELED, Query, blob
 
@@ -406,6 +407,91 @@ def test_a_request_trickled_byte_by_byte_is_served(server):
         raw.sock.sendall(bytes([byte]))
     assert raw.blob() == blob(b"v")
     raw.close()
+
+
+def test_a_request_that_comes_in_pieces_is_read_once(server, monkeypatch):
+    """Each piece of a request used to have the server read it again from its start: a
+    MULTI_SET of 32,000 keys sent 1 KiB at a time took 4 s of the thread every connection
+    shares (128K keys: minutes).  Each key is read once now, however it is cut."""
+    reads = []
+    key = tcpserver._Cursor.key
+
+    def counted(self):
+        reads.append(1)
+        return (yield from key(self))
+
+    monkeypatch.setattr(tcpserver._Cursor, "key", counted)
+    raw = Raw(server.port)
+    pairs = b"".join(blob(b"/p/%d" % n) + blob(b"v") for n in range(2000))
+    request = bytes([Query.MULTI_SET]) + struct.pack("<Q", 2000) + pairs
+    raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for at in range(0, len(request), 512):
+        raw.sock.sendall(request[at : at + 512])
+        time.sleep(0.001)  # pieces, as a slow or hostile client sends them
+    assert raw.get(b"/p/1999") == blob(b"v")
+    assert len(reads) == 2000 + 1  # every key once, and the GET's
+    raw.close()
+
+
+def test_what_all_connections_buffer_is_bounded_and_the_biggest_is_cut_off():
+    """Each connection may buffer 64 MiB (a request not all sent, answers not read): a
+    thousand of them took 64 GiB.  Past the server's budget in all, the connection that
+    holds the most is closed, and the others are served."""
+    server = TCPStoreServer("127.0.0.1", 0, max_buffered=4 << 20)
+
+    def started(key: bytes, size: int, sent: int, counted: bool = True) -> Raw:
+        """A connection that sent ``sent`` bytes of a SET of ``size`` (once counted)."""
+        raw = Raw(server.port)
+        before = server.buffered
+        raw.sock.sendall(bytes([Query.SET]) + blob(key) + struct.pack("<Q", size))
+        raw.sock.sendall(b"v" * sent)
+        deadline = time.monotonic() + 10
+        while counted and server.buffered < before + sent:
+            assert time.monotonic() < deadline, (server.buffered, before, sent)
+            time.sleep(0.01)
+        return raw
+
+    try:
+        small = started(b"/small", 2 << 20, 1 << 20)
+        big = started(b"/big", 3 << 20, 2 << 20)
+        assert server.buffered >= 3 << 20
+        third = started(b"/third", 2 << 20, 1536 << 10, counted=False)  # 4.5 MiB in all
+        assert big.closed(), "the connection that held the most"
+        assert server.buffered <= 4 << 20
+        small.sock.sendall(b"v" * (1 << 20))
+        third.sock.sendall(b"v" * (512 << 10))
+        assert small.ping() == third.ping() == struct.pack("<I", 0xE1A5)
+        reader = Raw(server.port)
+        assert reader.get(b"/small") == reader.get(b"/third") == blob(b"v" * (2 << 20))
+        assert reader.get(b"/big") == blob(b"")
+        for each in (small, big, third, reader):
+            each.close()
+    finally:
+        server.close()
+
+
+def test_the_processs_store_connections_are_bounded_and_a_closed_one_makes_room():
+    """A flood of connections took a file descriptor each, the daemon's whole budget for
+    its workers' pipes, its peers and its files: past the process's budget a new one is
+    closed at once, and one that ends makes room."""
+    server = TCPStoreServer("127.0.0.1", 0, max_connections=TCPStoreServer.open_connections() + 3)
+    try:
+        admitted = [Raw(server.port) for _ in range(3)]
+        assert all(each.ping() == struct.pack("<I", 0xE1A5) for each in admitted)
+        turned_away = Raw(server.port, validate=False)
+        assert turned_away.closed()
+        admitted.pop().close()
+        deadline = time.monotonic() + 10
+        while TCPStoreServer.open_connections() > server.max_connections - 1:
+            assert time.monotonic() < deadline, "the closed connection was counted out"
+            time.sleep(0.01)
+        again = Raw(server.port)
+        assert again.set(b"/k", b"v") == struct.pack("<I", 0xE1A5)
+        for each in [*admitted, again, turned_away]:
+            each.close()
+    finally:
+        server.close()
+    assert tcpserver.connection_budget() >= 16
 
 
 def test_close_ends_every_connection_and_a_pending_wait_and_frees_the_port():

@@ -12,8 +12,10 @@ Where it differs from torch's server, on purpose:
 
 - **Bounded.** torch's server keeps whatever anyone sends.  Here the keys and values held
   are capped (``max_bytes``: ``store.max_memory``), as are a connection's unread requests
-  and unsent answers; a request past a cap closes that connection (logged once a minute),
-  the store and every other connection go on.  A key is at most 8 KiB and a request's value
+  and unsent answers, those of all its connections together, and the connections open to
+  every store of the process; a request past a cap closes that connection (logged once a
+  minute), the store and every other connection go on.  A request is read once however
+  it is cut into pieces.  A key is at most 8 KiB and a request's value
   8 MiB, as in torch; a value grown by appends, 16 MiB (what a client of ours reads).
 - **A read wakes nobody.** torch's server wakes a key's waiters on a compare-and-set of a
   missing key (which is how a client reads a key without blocking), so a waiter could be
@@ -33,11 +35,13 @@ import asyncio
 import collections
 import logging
 import re
+import resource
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
 
 from elasticd.endpoint import join_endpoint
 from elasticd.errors import StoreConnectionError
@@ -51,6 +55,8 @@ MAX_VALUE = 8 << 20  # in one request
 MAX_HELD_VALUE = 16 << 20  # grown by appends: what TCPStoreClient reads at most
 MAX_KEYS_PER_QUERY = 128 << 10
 MAX_PENDING = 64 << 20  # a connection's unread requests, and its unsent answers
+MAX_BUFFERED = 4 * MAX_PENDING  # the same of all of a server's connections together
+MAX_CONNECTIONS = 1 << 16  # of every store this process serves (see connection_budget)
 BACKLOG = 4096  # connections not yet accepted, as torch's server (a large world at once)
 _WARN_EVERY = 60.0  # seconds between two warnings about refused connections
 
@@ -67,54 +73,112 @@ class Refused(Exception):
     """A request this server does not serve: its connection is closed."""
 
 
-class _Incomplete(Exception):
-    """The request is not all here yet."""
+Reading = Generator[None, None, Any]  # a read that yields until enough bytes are there
 
 
-class _Request:
-    """A cursor over a connection's unread bytes; a read past their end raises _Incomplete."""
+class _Cursor:
+    """A connection's unread bytes, read by resumable reads: a read past their end yields
+    until more arrive, so a request that comes in many pieces is read once, not again from
+    its start at each piece (a MULTI_SET of 128K keys sent 1 KiB at a time had the server
+    walk its keys thousands of times: minutes of the thread every connection shares)."""
 
-    def __init__(self, data: bytearray) -> None:
-        self.data = data
-        self.at = 0
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.at = 0  # read up to here
+        self.start = 0  # where the request being read began
 
-    def take(self, size: int) -> bytes:
-        end = self.at + size
-        if end > len(self.data):
-            raise _Incomplete
-        chunk = bytes(self.data[self.at : end])
-        self.at = end
+    def take(self, size: int) -> Reading:
+        while self.at + size > len(self.data):  # (compact() moves at)
+            yield
+        chunk = bytes(self.data[self.at : self.at + size])
+        self.at += size
         return chunk
 
-    def u8(self) -> int:
-        return self.take(1)[0]
+    def u32(self) -> Reading:
+        return struct.unpack("<I", (yield from self.take(4)))[0]
 
-    def u32(self) -> int:
-        return int(struct.unpack("<I", self.take(4))[0])
+    def i64(self) -> Reading:
+        return struct.unpack("<q", (yield from self.take(8)))[0]
 
-    def i64(self) -> int:
-        return int(struct.unpack("<q", self.take(8))[0])
+    def u64(self) -> Reading:
+        return struct.unpack("<Q", (yield from self.take(8)))[0]
 
-    def u64(self) -> int:
-        return int(struct.unpack("<Q", self.take(8))[0])
-
-    def key(self) -> bytes:
-        size = self.u64()
+    def key(self) -> Reading:
+        size = yield from self.u64()
         if size > MAX_KEY:
             raise Refused(f"a key of {size} bytes (at most {MAX_KEY})")
-        return self.take(size)
+        return (yield from self.take(size))
 
-    def value(self) -> bytes:
-        size = self.u64()
+    def value(self) -> Reading:
+        size = yield from self.u64()
         if size > MAX_VALUE:
             raise Refused(f"a value of {size} bytes (at most {MAX_VALUE})")
-        return self.take(size)
+        return (yield from self.take(size))
 
-    def count(self) -> int:
-        count = self.u64()
+    def count(self) -> Reading:
+        count = yield from self.u64()
         if count > MAX_KEYS_PER_QUERY:
             raise Refused(f"{count} keys in one query (at most {MAX_KEYS_PER_QUERY})")
         return count
+
+    def keys(self) -> Reading:
+        keys = []
+        for _ in range((yield from self.count())):
+            keys.append((yield from self.key()))
+        return keys
+
+    def pairs(self) -> Reading:
+        pairs = []
+        for _ in range((yield from self.count())):
+            key = yield from self.key()
+            pairs.append((key, (yield from self.value())))
+        return pairs
+
+    def fields(self, layout: str) -> Reading:
+        """The fields of a query laid out as ``layout`` (see ``_LAYOUTS``)."""
+        fields = []
+        for field in layout:
+            fields.append((yield from _READERS[field](self)))
+        return fields
+
+    def compact(self) -> None:
+        """Drop the bytes of the requests read (once per arrival: not per request)."""
+        if self.start:
+            del self.data[: self.start]
+            self.at -= self.start
+            self.start = 0
+
+
+_READERS: dict[str, Callable[[_Cursor], Reading]] = {
+    "4": lambda cursor: cursor.take(4),
+    "k": lambda cursor: cursor.key(),
+    "v": lambda cursor: cursor.value(),
+    "q": lambda cursor: cursor.i64(),
+    "K": lambda cursor: cursor.keys(),
+    "P": lambda cursor: cursor.pairs(),
+}
+
+# each query's fields: k a key, v a value, q an int64, 4 four bytes, K keys, P key-value pairs
+_LAYOUTS = {
+    Query.PING: "4",
+    Query.SET: "kv",
+    Query.COMPARE_SET: "kvv",
+    Query.GET: "k",
+    Query.ADD: "kq",
+    Query.CHECK: "K",
+    Query.WAIT: "K",
+    Query.GETNUMKEYS: "",
+    Query.DELETE_KEY: "k",
+    Query.APPEND: "kv",
+    Query.MULTI_GET: "K",
+    Query.MULTI_SET: "P",
+    Query.CANCEL_WAIT: "",
+    Query.QUEUE_PUSH: "kv",
+    Query.QUEUE_POP: "k",
+    Query.QUEUE_LEN: "k",
+    Query.LIST_KEYS: "",
+    Query.BARRIER: "kq",
+}
 
 
 def _int64(value: int) -> bytes:
@@ -144,7 +208,8 @@ class Keys:
         self.queues: dict[bytes, collections.deque[bytes]] = {}
         self.max_bytes = max_bytes or float("inf")  # 0: no limit
         self.held = 0  # bytes of keys and values, queued ones and the keys waited for too
-        self.waiters: dict[bytes, list[Waiter]] = {}
+        # in the order they came (a dict: one of thousands leaves at once)
+        self.waiters: dict[bytes, dict[Waiter, None]] = {}
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -232,9 +297,8 @@ class Keys:
 
     def cancel(self, waiter: Waiter) -> None:
         for key in waiter.awaited:
-            waiting = self.waiters.get(key, [])
-            if waiter in waiting:
-                waiting.remove(waiter)
+            waiting = self.waiters.get(key, {})
+            waiting.pop(waiter, None)
             if not waiting:
                 self.waiters.pop(key, None)
         waiter.awaited = set()
@@ -263,7 +327,7 @@ class Keys:
         self._take(size)
         waiter.awaited, waiter.held = awaited, size
         for key in awaited:
-            self.waiters.setdefault(key, []).append(waiter)
+            self.waiters.setdefault(key, {})[waiter] = None
 
     def _done_waiting(self, waiter: Waiter) -> None:
         self.held -= waiter.held
@@ -276,7 +340,7 @@ class Keys:
     def _arrived(self, key: bytes, waiter: Waiter, *, listed: bool = True) -> None:
         if listed:
             waiting = self.waiters[key]
-            waiting.remove(waiter)
+            del waiting[waiter]
             if not waiting:
                 del self.waiters[key]
         waiter.awaited.discard(key)
@@ -298,38 +362,55 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: TCPStoreServer) -> None:
         self.server = server
         self.keys = server.keys
-        self.unread = bytearray()
+        self.cursor = _Cursor()
+        self.reading: Reading | None = None  # the request being read
         self.validated = False
         self.transport: asyncio.Transport | None = None
         self.waiter = Waiter(self.answer)
+        self.buffered = 0  # its unread bytes and unsent answers, as last counted
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.server.connections.add(self)
+        if not self.server.admit(self):
+            self.refuse(f"more than {self.server.max_connections} store connections open")
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.keys.cancel(self.waiter)
-        self.server.connections.discard(self)
-        self.unread = bytearray()
+        self.server.let_go(self)
+        self.cursor, self.reading = _Cursor(), None
 
     def data_received(self, data: bytes) -> None:
-        self.unread += data
-        request = _Request(self.unread)
-        done = 0  # bytes of the requests served
+        cursor = self.cursor
+        cursor.data += data
         try:
-            while done < len(self.unread) and self.transport is not None:
-                self.serve(request)
-                done = request.at
-        except _Incomplete:
-            if len(self.unread) - done > MAX_PENDING:
-                self.refuse(f"a request of more than {MAX_PENDING} bytes")
+            while self.transport is not None:
+                if self.reading is None:
+                    if cursor.at == len(cursor.data):
+                        break
+                    cursor.start = cursor.at
+                    self.reading = self._read()
+                try:
+                    next(self.reading)
+                    break  # the request is not all here yet
+                except StopIteration as read:
+                    self.reading = None
+                    self.serve(*read.value)
+            else:
+                return
+            if len(cursor.data) - cursor.start > MAX_PENDING:
+                raise Refused(f"a request of more than {MAX_PENDING} bytes")
         except Refused as why:
             self.refuse(str(why))
-        del self.unread[:done]
+            return
+        if self.reading is None:
+            cursor.start = cursor.at
+        cursor.compact()
+        self.count_buffered()
 
     def answer(self, data: bytes) -> None:
         transport = self.transport
@@ -338,6 +419,20 @@ class _Connection(asyncio.Protocol):
         transport.write(data)
         if transport.get_write_buffer_size() > MAX_PENDING:
             self.refuse(f"more than {MAX_PENDING} bytes of answers it does not read")
+        else:
+            self.count_buffered()
+
+    def count_buffered(self) -> None:
+        """Its share of the server's buffered bytes, counted again (see ``TCPStoreServer``)."""
+        self.count_buffered_quietly()
+        if self.server.buffered > self.server.max_buffered:
+            self.server.over_budget()
+
+    def count_buffered_quietly(self) -> None:
+        transport = self.transport
+        now = len(self.cursor.data) + (transport.get_write_buffer_size() if transport else 0)
+        self.server.buffered += now - self.buffered
+        self.buffered = now
 
     def refuse(self, why: str) -> None:
         self.server.refused(self.transport, why)
@@ -345,70 +440,73 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
             self.transport = None
 
-    def serve(self, request: _Request) -> None:
-        """Read one whole request, then act on it (a request cut short changes nothing:
-        _Incomplete is raised before any change)."""
-        query = request.u8()
+    def _read(self) -> Reading:
+        """One whole request: its query and fields (nothing changes until it is all here)."""
+        cursor = self.cursor
+        query = (yield from cursor.take(1))[0]
         if not self.validated:
-            if query != Query.VALIDATE or request.u32() != MAGIC:
+            if query != Query.VALIDATE or (yield from cursor.u32()) != MAGIC:
                 raise Refused("not a TCPStore client: it did not open with VALIDATE")
-            self.validated = True
-            return
+            return Query.VALIDATE, []
+        layout = _LAYOUTS.get(query)
+        if layout is None:
+            raise Refused(f"query {query}, which TCPStore does not have")
+        return query, (yield from cursor.fields(layout))
+
+    def serve(self, query: int, fields: list[Any]) -> None:
         keys = self.keys
-        if query == Query.PING:
-            self.answer(request.take(4))
-        elif query == Query.SET:
-            key, value = request.key(), request.value()
-            keys.set(key, value)
+        if query == Query.VALIDATE:
+            self.validated = True
+        elif query == Query.PING:
+            self.answer(fields[0])
+        elif query == Query.SET or query == Query.MULTI_SET:
+            for key, value in [fields] if query == Query.SET else fields[0]:
+                keys.set(key, value)
         elif query == Query.COMPARE_SET:
-            key, expected, desired = request.key(), request.value(), request.value()
-            self.answer(blob(keys.compare_set(key, expected, desired)))
+            self.answer(blob(keys.compare_set(*fields)))
         elif query == Query.GET:
-            self.answer(blob(keys.values.get(request.key(), b"")))
+            self.answer(blob(keys.values.get(fields[0], b"")))
         elif query == Query.ADD:
-            key, amount = request.key(), request.i64()
-            self.answer(_int64(keys.add(key, amount)))
+            self.answer(_int64(keys.add(*fields)))
         elif query == Query.CHECK:
-            wanted = [request.key() for _ in range(request.count())]
-            self.answer(READY if all(map(keys.present, wanted)) else NOT_READY)
+            self.answer(READY if all(map(keys.present, fields[0])) else NOT_READY)
         elif query == Query.WAIT:
-            wanted = [request.key() for _ in range(request.count())]
-            if keys.wait(wanted, self.waiter):
+            if keys.wait(fields[0], self.waiter):
                 self.answer(STOP_WAITING)
         elif query == Query.GETNUMKEYS:
             self.answer(_int64(len(keys.values)))
         elif query == Query.DELETE_KEY:
-            self.answer(_int64(keys.delete(request.key())))
+            self.answer(_int64(keys.delete(fields[0])))
         elif query == Query.APPEND:
-            key, value = request.key(), request.value()
-            keys.append(key, value)
+            keys.append(*fields)
         elif query == Query.MULTI_GET:
-            wanted = [request.key() for _ in range(request.count())]
-            if keys.answer_size(wanted) > MAX_PENDING:
+            if keys.answer_size(fields[0]) > MAX_PENDING:
                 raise Refused(f"a MULTI_GET whose answer is over {MAX_PENDING} bytes")
-            self.answer(b"".join(blob(keys.values.get(key, b"")) for key in wanted))
-        elif query == Query.MULTI_SET:
-            pairs = [(request.key(), request.value()) for _ in range(request.count())]
-            for key, value in pairs:
-                keys.set(key, value)
+            self.answer(b"".join(blob(keys.values.get(key, b"")) for key in fields[0]))
         elif query == Query.CANCEL_WAIT:
             keys.cancel(self.waiter)
             self.answer(WAIT_CANCELED)
         elif query == Query.QUEUE_PUSH:
-            key, value = request.key(), request.value()
-            keys.push(key, value)
+            keys.push(*fields)
         elif query == Query.QUEUE_POP:
-            self.answer(keys.pop(request.key()))
+            self.answer(keys.pop(fields[0]))
         elif query == Query.QUEUE_LEN:
-            self.answer(_int64(len(keys.queues.get(request.key(), ()))))
+            self.answer(_int64(len(keys.queues.get(fields[0], ()))))
         elif query == Query.LIST_KEYS:
             self.answer(_int64(len(keys.values)) + b"".join(map(blob, keys.values)))
         elif query == Query.BARRIER:
-            key, world_size = request.key(), request.i64()
+            key, world_size = fields
             if keys.barrier(key, world_size, self.waiter):
                 self.answer(STOP_WAITING)
-        else:
-            raise Refused(f"query {query}, which TCPStore does not have")
+
+
+def connection_budget() -> int:
+    """Store connections this process may hold open: a quarter of its open-file limit (the
+    rest is for workers' pipes and logs, peers and control clients), ``MAX_CONNECTIONS``
+    at most."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = MAX_CONNECTIONS * 4 if soft == resource.RLIM_INFINITY else soft
+    return max(16, min(MAX_CONNECTIONS, limit // 4))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -432,12 +530,34 @@ def listen(host: str, port: int) -> socket.socket:
 
 class TCPStoreServer:
     """Serves the store at ``host:port`` (0: any free port) from a thread of its own, until
-    :meth:`close`; ``max_bytes`` of keys and values at most (0: no limit)."""
+    :meth:`close`; ``max_bytes`` of keys and values at most (0: no limit).
 
-    def __init__(self, host: str, port: int = 0, *, max_bytes: int = 0) -> None:
+    What its connections buffer (requests not all here, answers not read) is bounded in
+    all, not only per connection: past ``max_buffered`` the connection that holds the most
+    is closed.  And the connections of every store this process serves are
+    ``max_connections`` at most (a quarter of the open-file limit, at most 65536): past it
+    a new one is closed at once, so that a flood of connections takes neither the memory
+    nor the file descriptors the daemon's other work needs.
+    """
+
+    _open = 0  # connections of every server of this process
+    _open_lock = threading.Lock()
+
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        *,
+        max_bytes: int = 0,
+        max_buffered: int = MAX_BUFFERED,
+        max_connections: int = 0,
+    ) -> None:
         self.host = host
         self.keys = Keys(max_bytes)
         self.connections: set[_Connection] = set()
+        self.max_buffered = max_buffered
+        self.max_connections = max_connections or connection_budget()
+        self.buffered = 0  # bytes its connections buffer, counted when each changes
         self._last_warning = -_WARN_EVERY
         self._quiet = 0  # refusals not logged since the last warning
         sock = listen(host, port)
@@ -455,6 +575,47 @@ class TCPStoreServer:
             raise StoreConnectionError(
                 f"cannot host the store on {host}:{port}: {self._failed}"
             ) from self._failed
+
+    @staticmethod
+    def open_connections() -> int:
+        """Connections open to every store this process serves."""
+        return TCPStoreServer._open
+
+    def admit(self, connection: _Connection) -> bool:
+        """Count a new connection in, unless this process has ``max_connections`` open."""
+        with TCPStoreServer._open_lock:
+            if TCPStoreServer._open >= self.max_connections:
+                return False
+            TCPStoreServer._open += 1
+        self.connections.add(connection)
+        return True
+
+    def let_go(self, connection: _Connection) -> None:
+        if connection in self.connections:
+            self.connections.discard(connection)
+            with TCPStoreServer._open_lock:
+                TCPStoreServer._open -= 1
+        self.buffered -= connection.buffered
+        connection.buffered = 0
+
+    def over_budget(self) -> None:
+        """The buffered bytes counted are over ``max_buffered``: count them again (answers
+        sent since lower them), and while still over, close the connection holding most."""
+        self.buffered = 0
+        for connection in self.connections:
+            connection.buffered = 0
+            connection.count_buffered_quietly()
+        while self.buffered > self.max_buffered and self.connections:
+            biggest = max(self.connections, key=lambda c: c.buffered)
+            self.buffered -= biggest.buffered
+            biggest.buffered = 0
+            self.connections.discard(biggest)
+            with TCPStoreServer._open_lock:
+                TCPStoreServer._open -= 1
+            biggest.refuse(
+                f"the store's connections buffer more than {self.max_buffered} bytes, "
+                "and it the most"
+            )
 
     @property
     def endpoint(self) -> str:
@@ -499,4 +660,6 @@ class TCPStoreServer:
                     connection.transport.abort()
             loop.run_until_complete(server.wait_closed())
             loop.run_until_complete(asyncio.sleep(0))  # the aborted transports' callbacks
+            for connection in list(self.connections):  # counted out, whatever ran
+                self.let_go(connection)
             loop.close()
