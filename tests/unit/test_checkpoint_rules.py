@@ -133,6 +133,25 @@ def test_a_copy_no_manifest_names_goes_once_older_than_the_newest_complete():
     assert ("n1", "step_5") not in cp.orphaned(landed, done + torn, [])
 
 
+def test_in_a_job_that_saves_only_files_a_copy_of_a_deleted_one_goes_too():
+    """A script that rotates its own files (``torch.save``), no DCP: the copy of one its
+    writer deleted, whose drop never came, went only when the job ended."""
+    kept = cp.Manifest(
+        "step-20.pt",
+        "n1",
+        0,
+        2,
+        (0,),
+        {"step-20.pt": cp.FileFacts(5, SHA)},
+        100.0,
+        "n2",
+        kind=cp.FILE,
+    )
+    landed = {("n1", "step-10.pt"): 50.0, ("n1", "step-20.pt"): 99.0, ("n1", "step-30.pt"): 101.0}
+    assert cp.orphaned(landed, [kept], []) == {("n1", "step-10.pt")}
+    assert cp.orphaned(landed, [], []) == set()  # nothing saved yet: nothing to be older than
+
+
 @given(st.lists(st.tuples(st.integers(0, 9), st.floats(0.0, 20.0)), max_size=12))
 def test_no_copy_named_or_landed_after_the_newest_complete_was_saved_is_orphaned(copies):
     known = three("step_3", saved=10.0) + [manifest("step_5", "n1", (0,), saved=12.0)]

@@ -358,21 +358,21 @@ def orphaned(
     node's wall clock) that no manifest of any node names, to delete: their owner deleted
     its share (a save cut off by a failure) and its drop never came (the owner was lost
     first), or it never described them.  No restore reads them, and each holds a share's
-    memory until the job ends, so they go once older than the newest complete checkpoint:
-    landed before it was saved (a newer save's copy is sent after the newer save, so it lands
-    after: the nodes' clocks are taken to agree to within the time between two saves, as
-    the order of saves already takes them).  One landed since may be a save in flight whose
-    owner has not published its manifest yet: kept, as is one still ``landing``."""
+    memory until the job ends, so they go once older than the newest complete checkpoint,
+    a DCP one or a file a rank wrote itself (a job may save only files): landed before it
+    was saved (a newer save's copy is sent after the newer save, so it lands after: the
+    nodes' clocks are taken to agree to within the time between two saves, as the order of
+    saves already takes them).  One landed since may be a save in flight whose owner has
+    not published its manifest yet: kept, as is one still ``landing``."""
     found = list(found)
-    latest = latest_complete(found)
-    if latest is None:
+    done = [c.saved for c in checkpoints(found) if c.complete]
+    if not done:
         return set()
-    named = {m.id for m in found}
-    keep = set(landing)
+    newest, named, keep = max(done), {m.id for m in found}, set(landing)
     return {
         key
         for key, landed in copies.items()
-        if key[1] not in named and key not in keep and landed < latest.saved
+        if key[1] not in named and key not in keep and landed < newest
     }
 
 
