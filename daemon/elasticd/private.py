@@ -235,7 +235,7 @@ class Private:
         elasticrun, and stop when elasticrun has gone (the store's host lingers first)."""
         try:
             name, joined = await race(
-                job=self._join(store, signer, root, node_shell),
+                job=self.join_job(store, signer, root, node_shell),
                 orphaned=self.orphaned.wait(),
             )
             if name == "job":
@@ -261,7 +261,11 @@ class Private:
         finally:
             stop.set()
 
-    async def _join(self, store: Store, signer: Signer, root: str, node_shell: NodeShell) -> None:
+    async def join_job(
+        self, store: Store, signer: Signer, root: str, node_shell: NodeShell
+    ) -> None:
+        """Submit the job where this node's claim won, else find it on the board and check
+        that its settings are this line's."""
         await self.agree(store, signer, root)
         assert self.own is not None
         if self.submitted:

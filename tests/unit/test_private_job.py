@@ -214,7 +214,7 @@ def test_a_node_that_took_over_a_slow_claim_runs_the_job_its_node_submitted(tmp_
         signer = Signer(b"k" * 32, "elasticrun-t")
         node, _ = private(tmp_path, "a")
         await node.claim(store, signer, ROOT, DaemonConfig(), "a")
-        await node._join(store, signer, ROOT, _Board())
+        await node.join_job(store, signer, ROOT, _Board())
         assert node.submitted and not node.submits
         assert signer.open(JOB, await store.get(JOB)).body == {"job": node.job_id}
 
