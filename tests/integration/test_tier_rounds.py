@@ -10,6 +10,7 @@ a fake (tier_rig.Peers); the tier, its inotify and its directory are real."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import time
@@ -139,6 +140,43 @@ def test_a_restart_replaces_an_older_version_of_a_file_of_the_same_size(tmp_path
         tier.record_changed(now)
         assert await tier.prepare(JOB, now, ("a", "c")) == ""
         assert Path(path, "rank1.pt").read_bytes() == new
+
+    on_tier(tmp_path, held, test)
+
+
+def test_a_dcp_copy_kept_here_is_linked_into_place_and_a_files_is_copied(tmp_path: Path) -> None:
+    """c keeps b's share of step_40 and b's rank1.pt: the restart puts the DCP file in place
+    as another name of the kept copy (no bytes copied, none held twice, nothing fetched),
+    and rank1.pt as a copy of its own (the script writes it again in place)."""
+    b_file = {"rank1.pt": b"R" * 1000}
+    held = {("a", "step_40", name): data for name, data in SAVE["a"].items()}
+    theirs = {
+        "a": (manifest("a", "step_40", SAVE["a"], ranks=(0,)),),
+        "b": (
+            dataclasses.replace(manifest("b", "step_40", SAVE["b"], ranks=(1,)), copied_to="c"),
+            dataclasses.replace(
+                manifest("b", "rank1.pt", b_file, ranks=(1,), kind=cp.FILE), copied_to="c"
+            ),
+        ),
+    }
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        kept = {}
+        for ckpt, files in (("step_40", SAVE["b"]), ("rank1.pt", b_file)):
+            for name, data in files.items():
+                kept[name] = Path(path, tier_module.COPIES, "b", ckpt, name)
+                kept[name].parent.mkdir(parents=True, exist_ok=True)
+                kept[name].write_bytes(data)
+        now = record(job, theirs)  # b's records stay, b was lost
+        peers.lost.add("b")
+        tier.record_changed(now)
+        assert await tier.prepare(JOB, now, ("a", "c")) == ""
+        placed = Path(path, "step_40", "__1_0.distcp")
+        assert placed.read_bytes() == SAVE["b"]["__1_0.distcp"]
+        assert placed.stat().st_ino == kept["__1_0.distcp"].stat().st_ino
+        assert Path(path, "rank1.pt").read_bytes() == b_file["rank1.pt"]
+        assert Path(path, "rank1.pt").stat().st_ino != kept["rank1.pt"].stat().st_ino
+        assert sorted(os.listdir(Path(path, "step_40"))) == sorted([*SAVE["a"], *SAVE["b"]])
 
     on_tier(tmp_path, held, test)
 
