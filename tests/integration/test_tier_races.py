@@ -311,3 +311,28 @@ def test_a_restart_waits_for_the_checkpoint_its_round_agreed_on(tmp_path: Path) 
         assert sorted(os.listdir(os.path.join(path, "step_50"))) == sorted([*A_SHARE, *B_SHARE])
 
     on_node_a(tmp_path, test)
+
+
+def test_a_restart_whose_agreed_checkpoint_never_shows_complete_here_fails_saying_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member declared step_50, and this node's records never show b's share of it: it
+    used to restore its own newest (40) after the wait, while the member restored 50, and
+    the ranks loaded different steps.  Now the job fails, saying which and why."""
+    monkeypatch.setattr(tier_module, "AGREE_WAIT", 0.3)
+
+    async def test(tier: CheckpointTier, path: str, peers: Peers, posted: list, job: JobSpec):
+        tier.round(JOB, 0, 2, (0,))
+        older = b_share("step_40", time.time())
+        tier.record_changed(record(job, ("a", "b"), 0, {"b": (older,)}))
+        save_on_a(tier, path, "step_40")
+        await until(lambda: tier.holding(JOB) is not None, "step_40 complete")
+        tier.stopped(JOB)
+        declared = cp.Holding("step_50", 2, (0, 1), 0, time.time())
+        why = await tier.prepare(
+            JOB, record(job, ("a", "b"), 1, {"b": (older,)}), ("a", "b"), declared
+        )
+        assert "checkpoint step_50" in why and "different steps" in why, why
+        assert os.path.isdir(os.path.join(path, "step_40")), "nothing deleted"
+
+    on_node_a(tmp_path, test)

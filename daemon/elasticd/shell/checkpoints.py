@@ -1065,8 +1065,9 @@ class CheckpointTier:
         just lost, which the cluster may not know yet (a fetch from it would wait for the
         transfer's timeout).  ``checkpoint``: the newest one the round's members declared
         they hold, joining it, which every member restores (waiting, at most AGREE_WAIT,
-        for the records that show it complete here).  Returns "" or why the job cannot go
-        on from any checkpoint."""
+        for the records that show it complete here; after that the job cannot go on: a
+        member restoring another would have the ranks load different steps).  Returns ""
+        or why the job cannot go on from any checkpoint."""
         jd = self._jobs.get(job)
         if jd is None:
             return ""
@@ -1076,7 +1077,16 @@ class CheckpointTier:
             jd.record = record
         _freeze(jd)  # the workers are stopped: the saves landing are torn
         copying, jd.cut_short = jd.cut_short, set()
-        chosen = None if checkpoint is None else await self._agreed(jd, checkpoint)
+        chosen = None
+        if checkpoint is not None:
+            chosen = await self._agreed(jd, checkpoint)
+            if chosen is None:
+                return (
+                    f"the round agreed to restore checkpoint {checkpoint.checkpoint} (saved in "
+                    f"round {checkpoint.round}, the newest a member holds), and this node's "
+                    f"records did not show it complete within {AGREE_WAIT:.0f} s: restoring "
+                    "another here would have the ranks load different steps"
+                )
         found = jd.found()
         with jd.rights():
             cut = cp.torn(_entries(jd.path, dirs=True), found, chosen)
@@ -1112,19 +1122,11 @@ class CheckpointTier:
 
     async def _agreed(self, jd: JobDir, holding: cp.Holding) -> cp.Checkpoint | None:
         """The checkpoint the round agreed on, once this node's records show it complete (a
-        member that declared it saw it complete: the others' records come); None, said in
-        the log, where they do not within AGREE_WAIT (this node's newest is restored)."""
+        member that declared it saw it complete: the others' records come); None where they
+        do not within AGREE_WAIT."""
         agreed = functools.partial(cp.agreed, holding=holding)
         if await _until(jd, lambda: agreed(jd.found()) is not None, AGREE_WAIT):
             return agreed(jd.found())
-        log.warning(
-            "job %s: checkpoint %s, which a member of the round holds, is not complete in "
-            "this node's records after %.0f s: its newest is restored",
-            jd.job,
-            holding.checkpoint,
-            AGREE_WAIT,
-            extra=about(jd.job),
-        )
         return None
 
     async def _put_in_place(
