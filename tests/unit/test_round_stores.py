@@ -93,6 +93,23 @@ def test_in_place_a_fixed_port_alternates_so_the_survivors_keep_their_store(stor
     assert not client.check(["round"]), "round 3's store is fresh"
 
 
+def test_in_place_where_the_port_after_is_taken_the_rounds_port_serves_as_before(stores):
+    """Another job's ``--master-port P + 1`` on this node: the next round's store takes P
+    (the round before's gives way, as it did before there were two), not a failed job."""
+    here = stores()
+    port = free_port(2)
+    here.offer([port, port + 1])
+    here.formed(1, port, first=True)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", port + 1))
+    taken.listen()
+    try:
+        assert here.offer([port, port + 1]) == port
+        assert here.ports == [port] and listens("127.0.0.1", port)
+    finally:
+        taken.close()
+
+
 def test_an_offer_that_formed_no_round_closes_at_the_next(stores):
     here = stores()
     dropped, taken = free_port(), free_port()

@@ -12,7 +12,8 @@ the round starts.  Once the round formed the other nodes close theirs.  The stor
 round before stays until the round after it forms (survivors in place stay in the old group
 until their next commit, and NCCL makes communicators through the store when they are first
 used).  So under a fixed ``--master-port P`` an in-place node first in two rounds running
-serves the second at P + 1 (``model.master_ports``), and the third at P again.  A store is fresh each round (torch's clients add no prefix per attempt) and
+serves the second at P + 1 (``model.master_ports``), and the third at P again (P + 1 taken:
+P, the round before giving way).  A store is fresh each round (torch's clients add no prefix per attempt) and
 bounded (``MAX_BYTES``): as with torch's, anyone who reaches the port can talk to it, but
 cannot make the daemon hold more than that.
 """
@@ -21,10 +22,13 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import logging
 from collections.abc import Sequence
 
 from elasticd.errors import StoreConnectionError
 from elasticd.store.tcpserver import TCPStoreServer
+
+log = logging.getLogger(__name__)
 
 MAX_BYTES = 64 * 1024 * 1024  # keys and values a round's store holds
 
@@ -46,22 +50,32 @@ class RoundStores:
 
     def offer(self, ports: Sequence[int]) -> int:
         """A join offers the first of ``ports`` that the newest round hosted here does not
-        serve (its survivors may still be in its group), else the first: a fresh store
-        listens there, and that port is returned.  An earlier offer that formed no round
-        closes, and so does a hosted store on the same port (``--master-port``: the same
-        port every round, or two in place; its round is over once this node joins the one
-        after the next).  Raises StoreConnectionError where the port is taken (another
-        program, or another job's ``--master-port``): joining anyway, this node's workers
-        might meet in that one."""
+        serve (its survivors may still be in its group), else, where those are taken, the
+        newest round's port (its store gives way, as it did before there were two): a fresh
+        store listens there, and that port is returned.  An earlier offer that formed no
+        round closes, and so does a hosted store on the port offered (``--master-port``: the
+        same port every round, or two in place; survivors still in the round two back lose
+        its store, as they do when the round after the next forms under free ports).
+        Raises StoreConnectionError where every port is taken (another program, or another
+        job's ``--master-port``): joining anyway, this node's workers might meet in that
+        one."""
         self._shut(self._offered)
         self._offered = None
         newest = self._hosting[-1][1].port if self._hosting else None
-        port = next((each for each in ports if each != newest), ports[0])
-        for hosted in [h for h in self._hosting if h[1].port == port]:
-            self._hosting.remove(hosted)
-            self._shut(hosted[1])
-        self._offered = self._serve(port)
-        return port
+        order = [p for p in ports if p != newest] + [p for p in ports if p == newest]
+        for port in order:
+            for hosted in [h for h in self._hosting if h[1].port == port]:
+                self._hosting.remove(hosted)
+                self._shut(hosted[1])
+            try:
+                self._offered = self._serve(port)
+            except StoreConnectionError as exc:
+                if port == order[-1]:
+                    raise
+                log.warning("%s; the round's store takes %d instead", exc, order[-1])
+                continue
+            return port
+        raise AssertionError("no port offered")  # ports is never empty
 
     def formed(self, round: int, port: int, first: bool) -> None:
         """Round ``round`` formed with this node, its store at ``port`` on its first node:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import re
 import resource
@@ -56,7 +57,11 @@ MAX_HELD_VALUE = 16 << 20  # grown by appends: what TCPStoreClient reads at most
 MAX_KEYS_PER_QUERY = 128 << 10
 MAX_PENDING = 64 << 20  # a connection's unread requests, and its unsent answers
 MAX_BUFFERED = 4 * MAX_PENDING  # the same of all of a server's connections together
+# what a key or a value costs beyond its bytes (a bytes object, a dict's or a list's slot):
+# counted, or a million 8-byte keys counted as 8 MiB took 101 MiB
+ENTRY = 100
 MAX_CONNECTIONS = 1 << 16  # of every store this process serves (see connection_budget)
+CLOSE_WAIT = 5.0  # seconds close() waits for the connections' ends (they were aborted)
 BACKLOG = 4096  # connections not yet accepted, as torch's server (a large world at once)
 _WARN_EVERY = 60.0  # seconds between two warnings about refused connections
 
@@ -86,6 +91,7 @@ class _Cursor:
         self.data = bytearray()
         self.at = 0  # read up to here
         self.start = 0  # where the request being read began
+        self.parsed = 0  # what the fields read so far of that request hold (ENTRY each)
 
     def take(self, size: int) -> Reading:
         while self.at + size > len(self.data):  # (compact() moves at)
@@ -107,13 +113,24 @@ class _Cursor:
         size = yield from self.u64()
         if size > MAX_KEY:
             raise Refused(f"a key of {size} bytes (at most {MAX_KEY})")
-        return (yield from self.take(size))
+        return (yield from self.field(size))
 
     def value(self) -> Reading:
         size = yield from self.u64()
         if size > MAX_VALUE:
             raise Refused(f"a value of {size} bytes (at most {MAX_VALUE})")
-        return (yield from self.take(size))
+        return (yield from self.field(size))
+
+    def field(self, size: int) -> Reading:
+        """A key or a value, held until its request is all here: counted (``parsed``)."""
+        chunk = yield from self.take(size)
+        self.parsed += size + ENTRY
+        return chunk
+
+    @property
+    def holding(self) -> int:
+        """The bytes this cursor holds: those unread and those of the fields read."""
+        return len(self.data) + self.parsed
 
     def count(self) -> Reading:
         count = yield from self.u64()
@@ -248,11 +265,11 @@ class Keys:
         value = self.values.pop(key, None)
         if value is None:
             return 0
-        self.held -= len(key) + len(value)
+        self.held -= len(key) + len(value) + ENTRY
         return 1
 
     def push(self, key: bytes, value: bytes) -> None:
-        self._take(len(key) + len(value))
+        self._take(len(key) + len(value) + ENTRY)
         self.queues.setdefault(key, collections.deque()).append(value)
         for waiter in self.waiters.get(key, ()):  # one popper is told, as torch's server does
             if waiter.awaited == {key}:
@@ -264,7 +281,7 @@ class Keys:
         answer = _int64(len(queue) if queue else 0)
         if queue:
             value = queue.popleft()
-            self.held -= len(key) + len(value)
+            self.held -= len(key) + len(value) + ENTRY
             answer += blob(value)
             if not queue:
                 del self.queues[key]
@@ -313,7 +330,7 @@ class Keys:
 
     def _hold(self, key: bytes, value: bytes) -> None:
         current = self.values.get(key)
-        self._take(len(value) - (len(current) if current is not None else -len(key)))
+        self._take(len(value) - (len(current) if current is not None else -len(key) - ENTRY))
 
     def _take(self, grows: int) -> None:
         if grows > 0 and self.held + grows > self.max_bytes:
@@ -323,7 +340,8 @@ class Keys:
     def _await(self, waiter: Waiter, keys: Iterable[bytes]) -> None:
         self.cancel(waiter)  # one wait per connection, as torch's clients send them
         awaited = set(keys)
-        size = sum(map(len, awaited))  # counted while waited for: each connection may wait
+        # counted while waited for: each connection may wait
+        size = sum(len(key) + ENTRY for key in awaited)
         self._take(size)
         waiter.awaited, waiter.held = awaited, size
         for key in awaited:
@@ -372,6 +390,10 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self.server.closing:  # accepted in the loop's last turn: after the aborts
+            transport.abort()
+            self.transport = None
+            return
         if not self.server.admit(self):
             self.refuse(f"more than {self.server.max_connections} store connections open")
             return
@@ -392,7 +414,7 @@ class _Connection(asyncio.Protocol):
                 if self.reading is None:
                     if cursor.at == len(cursor.data):
                         break
-                    cursor.start = cursor.at
+                    cursor.start, cursor.parsed = cursor.at, 0
                     self.reading = self._read()
                 try:
                     next(self.reading)
@@ -402,13 +424,13 @@ class _Connection(asyncio.Protocol):
                     self.serve(*read.value)
             else:
                 return
-            if len(cursor.data) - cursor.start > MAX_PENDING:
+            if cursor.holding - cursor.start > MAX_PENDING:
                 raise Refused(f"a request of more than {MAX_PENDING} bytes")
         except Refused as why:
             self.refuse(str(why))
             return
         if self.reading is None:
-            cursor.start = cursor.at
+            cursor.start, cursor.parsed = cursor.at, 0
         cursor.compact()
         self.count_buffered()
 
@@ -430,7 +452,7 @@ class _Connection(asyncio.Protocol):
 
     def count_buffered_quietly(self) -> None:
         transport = self.transport
-        now = len(self.cursor.data) + (transport.get_write_buffer_size() if transport else 0)
+        now = self.cursor.holding + (transport.get_write_buffer_size() if transport else 0)
         self.server.buffered += now - self.buffered
         self.buffered = now
 
@@ -558,6 +580,7 @@ class TCPStoreServer:
         self.max_buffered = max_buffered
         self.max_connections = max_connections or connection_budget()
         self.buffered = 0  # bytes its connections buffer, counted when each changes
+        self.closing = False  # set on its thread: a connection made from then on is aborted
         self._last_warning = -_WARN_EVERY
         self._quiet = 0  # refusals not logged since the last warning
         sock = listen(host, port)
@@ -654,12 +677,28 @@ class TCPStoreServer:
         try:
             loop.run_forever()
         finally:
-            server.close()
-            for connection in list(self.connections):
-                if connection.transport is not None:
-                    connection.transport.abort()
-            loop.run_until_complete(server.wait_closed())
-            loop.run_until_complete(asyncio.sleep(0))  # the aborted transports' callbacks
-            for connection in list(self.connections):  # counted out, whatever ran
-                self.let_go(connection)
-            loop.close()
+            try:
+                self._close_on_loop(server, sock)
+            finally:
+                loop.close()
+
+    def _close_on_loop(self, server: asyncio.Server, sock: socket.socket) -> None:
+        """Accept no more, end every connection, the ones accepted in the last turns too
+        (their transports not made yet: made once the server is closed, asyncio's failed,
+        and left their sockets open until a garbage collection), then close the server."""
+        loop = self._loop
+        self.closing = True  # a connection made from now on ends at once (connection_made)
+        loop.remove_reader(sock.fileno())
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.abort()
+        ends = time.monotonic() + CLOSE_WAIT
+        while (accepting := asyncio.all_tasks(loop)) and time.monotonic() < ends:
+            loop.run_until_complete(asyncio.wait(accepting, timeout=ends - time.monotonic()))
+        server.close()
+        with contextlib.suppress(TimeoutError):  # (3.12+ waits for every connection)
+            loop.run_until_complete(asyncio.wait_for(server.wait_closed(), CLOSE_WAIT))
+        for _ in range(2):  # the aborted transports' callbacks (connection_lost)
+            loop.run_until_complete(asyncio.sleep(0))
+        for connection in list(self.connections):  # counted out, whatever ran
+            self.let_go(connection)
