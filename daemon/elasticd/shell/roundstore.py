@@ -62,20 +62,15 @@ class RoundStores:
         self._shut(self._offered)
         self._offered = None
         newest = self._hosting[-1][1].port if self._hosting else None
-        order = [p for p in ports if p != newest] + [p for p in ports if p == newest]
-        for port in order:
-            for hosted in [h for h in self._hosting if h[1].port == port]:
-                self._hosting.remove(hosted)
-                self._shut(hosted[1])
+        *others, last = [p for p in ports if p != newest] + [p for p in ports if p == newest]
+        for port in others:
             try:
-                self._offered = self._serve(port)
+                self._offered = self._fresh(port)
+                return port
             except StoreConnectionError as exc:
-                if port == order[-1]:
-                    raise
-                log.warning("%s; the round's store takes %d instead", exc, order[-1])
-                continue
-            return port
-        raise AssertionError("no port offered")  # ports is never empty
+                log.warning("%s; the round's store takes %d instead", exc, last)
+        self._offered = self._fresh(last)
+        return last
 
     def formed(self, round: int, port: int, first: bool) -> None:
         """Round ``round`` formed with this node, its store at ``port`` on its first node:
@@ -87,10 +82,7 @@ class RoundStores:
         offered, self._offered = self._offered, None
         if first and (offered is None or offered.port != port):
             self._shut(offered)
-            for stale in [h for h in self._hosting if h[1].port == port]:  # an earlier round's
-                self._hosting.remove(stale)
-                self._shut(stale[1])
-            offered = self._serve(port)
+            offered = self._fresh(port)
         if offered is not None and first:
             self._hosting.append((round, offered))
         else:
@@ -98,6 +90,13 @@ class RoundStores:
         for kept in [h for h in self._hosting if h[0] < round - 1]:
             self._hosting.remove(kept)
             self._shut(kept[1])
+
+    def _fresh(self, port: int) -> TCPStoreServer:
+        """A fresh store at ``port``, where an earlier round's hosted here closes first."""
+        for stale in [h for h in self._hosting if h[1].port == port]:
+            self._hosting.remove(stale)
+            self._shut(stale[1])
+        return self._serve(port)
 
     def _serve(self, port: int) -> TCPStoreServer:
         """A store at ``port`` on the node's address (so that nodes sharing a host may each

@@ -630,11 +630,7 @@ class TCPStoreServer:
             connection.count_buffered_quietly()
         while self.buffered > self.max_buffered and self.connections:
             biggest = max(self.connections, key=lambda c: c.buffered)
-            self.buffered -= biggest.buffered
-            biggest.buffered = 0
-            self.connections.discard(biggest)
-            with TCPStoreServer._open_lock:
-                TCPStoreServer._open -= 1
+            self.let_go(biggest)
             biggest.refuse(
                 f"the store's connections buffer more than {self.max_buffered} bytes, "
                 "and it the most"
